@@ -1,0 +1,68 @@
+# kvbeam's entry points. `make demo` and `make test` set up whatever is missing first.
+# Every target is documented in the README ("Make targets").
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# Debian packages: RDMA user space + the soft-RoCE guest (qemu, busybox, kernel tools).
+APT_PACKAGES := qemu-system-x86 busybox-static cpio kmod iproute2 rdma-core ibverbs-utils \
+	ibverbs-providers libibverbs1 perftest python3-pyverbs
+SETUP_STAMP := $(VENV)/.kvbeam-setup
+
+.PHONY: help system-deps setup demo test test-host test-rdma lint proto proto-check bench bench-plan clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
+
+system-deps: ## install the Debian packages (root; skipped when all are present)
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null \
+		| grep -q 'install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages: $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends $$missing >/dev/null; \
+	fi
+
+$(SETUP_STAMP): pyproject.toml
+	$(MAKE) system-deps
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: 2.13.0 is the CPU wheel on disk; an unpinned torch pulls CUDA.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
+	bash tests/softroce/setup.sh
+	touch $@
+
+setup: $(SETUP_STAMP) ## venv, Python packages, pyverbs link, soft-RoCE guest kernel and initramfs
+
+demo: setup ## plan a request on the example configs and check them (the README's first command)
+	$(VENV)/bin/kvbeam plan --config docker/config/prefill.yaml --request-slot 7 --seq-len 129 \
+		--decode docker/config/decode.yaml --decode-slot 3
+	$(VENV)/bin/kvbeam check docker/config/prefill.yaml docker/config/decode.yaml
+
+lint: setup ## ruff and mypy
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+proto: setup ## regenerate the committed protobuf/gRPC stubs
+	bash proto/generate.sh
+
+proto-check: setup ## fail when the committed stubs differ from a fresh generation
+	bash proto/generate.sh --check
+
+test-host: setup ## the host test suite (everything that needs no RDMA device)
+	$(PY) -m pytest -q
+
+test-rdma: setup ## the RDMA suite inside the soft-RoCE harness (device, rdma_rxe, or qemu guest)
+	bash tests/softroce/run_rdma_suite.sh
+
+test: lint proto-check test-host test-rdma ## everything CI runs
+
+bench-plan: setup ## planning time for a 128k-token request
+	$(PY) tests/bench/bench_plan.py
+
+bench: bench-plan ## all benchmarks
+	bash tests/softroce/run_rdma_suite.sh --cmd '$(PY) tests/bench/bench_transport.py'
+
+clean: ## remove the venv and caches (keeps the downloaded guest kernel)
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,17 @@
+"""kvbeam: KV-state transport for prefill/decode disaggregated LLM serving.
+
+Subpackages (each a top-level folder of the repository):
+
+- ``kvbeam.pools``: DeepSeek-V4 pool specs, layouts, torch allocation, index maps,
+  transfer plans and the target/draft compatibility checks. The only package that
+  imports torch, and only in :mod:`kvbeam.pools.allocate`.
+- ``kvbeam.proto``: the ``kvbeam.v1`` protobuf/gRPC protocol.
+- ``kvbeam.transport``: moves (address, length, key) regions; RDMA through pyverbs,
+  TCP where no RDMA device exists. Never imports torch.
+- ``kvbeam.server``: the prefill and decode daemons.
+"""
+
+from kvbeam.errors import KvbeamError
+
+__all__ = ["KvbeamError", "__version__"]
+__version__ = "0.1.0"

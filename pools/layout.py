@@ -1,0 +1,254 @@
+"""Pool layouts: the allocations, buffers and positional components of one side.
+
+A layout is pure data (no torch): the daemon allocates it (``kvbeam.pools.allocate``),
+the handshake sends it to the peer, and the checks compare two of them.
+
+Buffer order follows sglang's wire layout:
+
+- main KV (``get_contiguous_buf_infos``): C4 KV layers, C4 indexer layers, C128 KV
+  layers. In unified mode a layer's KV region starts after its SWA ring rows.
+- state components, positional: target ``SWA`` (paged SWA pages, then C4
+  compression states), then ``SWA_RING`` if unified, then ``C128_STATE`` if any
+  C128 layer, then the draft component LAST (``SWA_RING`` unified, ``SWA`` paged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbeam.pools.indices import swa_index_mapping_fingerprint
+from kvbeam.pools.spec import STATE_ELEMENT_SIZE, PoolSpec, SideConfig
+from kvbeam.pools.types import IndexKind, StateType
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """One allocation (a flat byte tensor)."""
+
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """A transferable buffer: ``nbytes`` at ``offset`` in a tensor, cut in ``item_len`` items."""
+
+    name: str
+    tensor: int
+    offset: int
+    nbytes: int
+    item_len: int
+    index_kind: IndexKind
+
+    @property
+    def items(self) -> int:
+        """Number of whole items the buffer holds (valid indices are ``0..items-1``)."""
+        return self.nbytes // self.item_len
+
+
+@dataclass(frozen=True)
+class ComponentLayout:
+    """A positional component: the main KV buffers (``state_type`` None) or one state component."""
+
+    name: str
+    pool: str
+    state_type: StateType | None
+    buffers: tuple[BufferLayout, ...]
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """The fields of a pool spec that decide what its bytes mean; what checks compare."""
+
+    compression_ratios: tuple[int, ...]
+    unified_kv: bool
+    sliding_window: int
+    swa_ring_size: int
+    swa_pages: int
+    page_size: int
+    head_dim: int
+    indexer_head_dim: int
+    dtype: str
+    num_draft_tokens: int
+    online_c128: bool
+    c4_ring_size: int
+    c128_ring_size: int
+    swa_pages_per_req: int
+    num_req_slots: int
+    max_context_len: int
+    swa_index_mapping: str
+
+    @classmethod
+    def of(cls, spec: PoolSpec) -> PoolGeometry:
+        """Summarise a spec."""
+        return cls(
+            compression_ratios=spec.compression_ratios,
+            unified_kv=spec.unified_kv,
+            sliding_window=spec.sliding_window,
+            swa_ring_size=spec.ring_size,
+            swa_pages=spec.swa_pages,
+            page_size=spec.page_size,
+            head_dim=spec.head_dim,
+            indexer_head_dim=spec.indexer_head_dim,
+            dtype=spec.dtype,
+            num_draft_tokens=spec.num_draft_tokens,
+            online_c128=spec.online_c128,
+            c4_ring_size=spec.c4_ring_size,
+            c128_ring_size=spec.c128_ring_size,
+            swa_pages_per_req=spec.swa_pages_per_request,
+            num_req_slots=spec.num_req_slots,
+            max_context_len=spec.max_context_len,
+            swa_index_mapping=swa_index_mapping_fingerprint(spec),
+        )
+
+
+@dataclass(frozen=True)
+class SideLayout:
+    """Everything one side allocates and exposes, in positional order."""
+
+    model: str
+    target: PoolGeometry
+    draft: PoolGeometry | None
+    tensors: tuple[TensorLayout, ...]
+    kv: ComponentLayout
+    states: tuple[ComponentLayout, ...]
+
+    @property
+    def components(self) -> tuple[ComponentLayout, ...]:
+        """Main KV first, then the state components in order (the draft's last)."""
+        return (self.kv, *self.states)
+
+    @property
+    def state_types(self) -> list[StateType]:
+        """The positional state component types, e.g. ``[SWA, SWA_RING, SWA_RING]``."""
+        return [c.state_type for c in self.states if c.state_type is not None]
+
+    @property
+    def flat_buffers(self) -> tuple[BufferLayout, ...]:
+        """Every buffer in positional order; the handshake's region list follows it."""
+        return tuple(b for c in self.components for b in c.buffers)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes allocated for all tensors."""
+        return sum(t.nbytes for t in self.tensors)
+
+
+class _Builder:
+    """Accumulates tensors and buffers for one pool (target or draft)."""
+
+    def __init__(self, tensors: list[TensorLayout]) -> None:
+        self.tensors = tensors
+
+    def tensor(self, name: str, nbytes: int) -> int:
+        self.tensors.append(TensorLayout(name, nbytes))
+        return len(self.tensors) - 1
+
+
+@dataclass
+class _PoolBuffers:
+    """The buffers of one pool, grouped the way the components need them."""
+
+    c4_kv: list[BufferLayout]
+    c4_indexer: list[BufferLayout]
+    c128_kv: list[BufferLayout]
+    swa_pages: list[BufferLayout]
+    swa_ring: list[BufferLayout]
+    c4_states: list[BufferLayout]
+    c4_indexer_states: list[BufferLayout]
+    c128_states: list[BufferLayout]
+
+
+def _build_pool(pool: str, spec: PoolSpec, b: _Builder) -> _PoolBuffers:
+    out = _PoolBuffers([], [], [], [], [], [], [], [])
+    row = spec.kv_row_bytes
+    for layer, ratio in enumerate(spec.compression_ratios):
+        lname = f"{pool}.layer{layer}"
+        compressed_rows = spec.full_pages * (spec.page_size // ratio) if ratio else 0
+        kv_item = (spec.page_size // ratio) * row if ratio else 0
+        if spec.unified_kv:
+            t = b.tensor(f"{lname}.unified", (spec.swa_pages + compressed_rows) * row)
+            out.swa_ring.append(BufferLayout(f"{lname}.swa_ring", t, 0, spec.swa_pages * row,
+                                             row, IndexKind.SWA_RING_ROWS))
+            kv_buf = BufferLayout(f"{lname}.c{ratio}_kv", t, spec.swa_pages * row,
+                                  compressed_rows * row, kv_item, IndexKind.KV_PAGES)
+        else:
+            swa_item = spec.page_size * row
+            swa_bytes = spec.num_req_slots * spec.swa_pages_per_request * swa_item
+            t = b.tensor(f"{lname}.swa", swa_bytes)
+            out.swa_pages.append(BufferLayout(f"{lname}.swa", t, 0, swa_bytes, swa_item,
+                                              IndexKind.SWA_PAGES))
+            kv_buf = BufferLayout(f"{lname}.c{ratio}_kv", -1, 0, compressed_rows * row,
+                                  kv_item, IndexKind.KV_PAGES)
+            if ratio:
+                t = b.tensor(f"{lname}.c{ratio}_kv", compressed_rows * row)
+                kv_buf = BufferLayout(kv_buf.name, t, 0, kv_buf.nbytes, kv_item,
+                                      IndexKind.KV_PAGES)
+        if ratio == 4:
+            out.c4_kv.append(kv_buf)
+            irows = spec.full_pages * (spec.page_size // 4)
+            irow = spec.indexer_row_bytes
+            t = b.tensor(f"{lname}.c4_indexer", irows * irow)
+            out.c4_indexer.append(BufferLayout(f"{lname}.c4_indexer", t, 0, irows * irow,
+                                               (spec.page_size // 4) * irow, IndexKind.KV_PAGES))
+            ring = spec.c4_ring_size
+            for kind, width, dest in (("c4_state", spec.head_dim, out.c4_states),
+                                      ("c4_indexer_state", spec.indexer_head_dim,
+                                       out.c4_indexer_states)):
+                srow = 2 * width * STATE_ELEMENT_SIZE  # value and score halves
+                nbytes = spec.num_req_slots * ring * srow
+                t = b.tensor(f"{lname}.{kind}", nbytes)
+                dest.append(BufferLayout(f"{lname}.{kind}", t, 0, nbytes, ring * srow,
+                                         IndexKind.REQ_SLOT))
+        elif ratio == 128:
+            out.c128_kv.append(kv_buf)
+            # Online C128 keeps (max, sum, kv) per request; offline a ring of (kv, score).
+            srow = (3 if spec.online_c128 else 2) * spec.head_dim * STATE_ELEMENT_SIZE
+            rows = spec.num_req_slots * spec.c128_ring_size
+            item = srow if spec.online_c128 else 128 * srow
+            t = b.tensor(f"{lname}.c128_state", rows * srow)
+            out.c128_states.append(BufferLayout(f"{lname}.c128_state", t, 0, rows * srow, item,
+                                                IndexKind.C128_STATE))
+    return out
+
+
+def build_side_layout(config: SideConfig) -> SideLayout:
+    """Lay out a side's target and draft pools and its positional components.
+
+    The layout is built even when target and draft disagree; the checks in
+    :mod:`kvbeam.pools.checks` decide whether it may be used.
+    """
+    tensors: list[TensorLayout] = []
+    builder = _Builder(tensors)
+    tgt = _build_pool("target", config.target, builder)
+    kv = ComponentLayout("kv", "target", None, (*tgt.c4_kv, *tgt.c4_indexer, *tgt.c128_kv))
+    states: list[ComponentLayout] = [
+        ComponentLayout("target.swa", "target", StateType.SWA,
+                        (*tgt.swa_pages, *tgt.c4_states, *tgt.c4_indexer_states)),
+    ]
+    if config.target.unified_kv:
+        states.append(ComponentLayout("target.swa_ring", "target", StateType.SWA_RING,
+                                      tuple(tgt.swa_ring)))
+    if tgt.c128_states:
+        states.append(ComponentLayout("target.c128_state", "target", StateType.C128_STATE,
+                                      tuple(tgt.c128_states)))
+    draft_geometry = None
+    if config.draft is not None:
+        drf = _build_pool("draft", config.draft, builder)
+        draft_geometry = PoolGeometry.of(config.draft)
+        # The draft ships as its own component, last, so the target's heterogeneous
+        # SWA component keeps its layout whether or not speculation is on.
+        if config.draft.unified_kv:
+            states.append(ComponentLayout("draft.swa_ring", "draft", StateType.SWA_RING,
+                                          tuple(drf.swa_ring)))
+        else:
+            states.append(ComponentLayout("draft.swa", "draft", StateType.SWA,
+                                          tuple(drf.swa_pages)))
+    return SideLayout(
+        model=config.model,
+        target=PoolGeometry.of(config.target),
+        draft=draft_geometry,
+        tensors=tuple(tensors),
+        kv=kv,
+        states=tuple(states),
+    )

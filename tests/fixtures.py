@@ -1,0 +1,37 @@
+"""Shared pool specs for the tests (sglang's DSV4 fixtures among them)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from kvbeam.pools.layout import SideLayout, build_side_layout
+from kvbeam.pools.spec import PoolSpec, SideConfig
+
+#: sglang's unified-KV fixture: window 128, ring 131 (4 draft tokens), pages 524, page size 256.
+UNIFIED_TARGET = PoolSpec(
+    compression_ratios=(0, 4, 0, 4),
+    unified_kv=True,
+    sliding_window=128,
+    num_draft_tokens=4,
+    page_size=256,
+    num_req_slots=4,
+    max_context_len=2048,
+    head_dim=16,
+    indexer_head_dim=8,
+)
+UNIFIED_DRAFT = replace(UNIFIED_TARGET, compression_ratios=(0,))
+PAGED_TARGET = replace(UNIFIED_TARGET, unified_kv=False)
+PAGED_DRAFT = replace(PAGED_TARGET, compression_ratios=(0,))
+
+
+def side(target: PoolSpec = UNIFIED_TARGET, draft: PoolSpec | None = UNIFIED_DRAFT,
+         model: str = "dsv4-test", **target_changes: Any) -> SideConfig:
+    """A side config, optionally with target fields changed."""
+    return SideConfig(model=model, target=replace(target, **target_changes), draft=draft)
+
+
+def layout(target: PoolSpec = UNIFIED_TARGET, draft: PoolSpec | None = UNIFIED_DRAFT,
+           **target_changes: Any) -> SideLayout:
+    """A side layout, optionally with target fields changed."""
+    return build_side_layout(side(target, draft, **target_changes))
