@@ -1,0 +1,1 @@
+"""The prefill and decode daemons: control plane, lifecycle and the transfer paths."""

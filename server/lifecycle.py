@@ -1,0 +1,277 @@
+"""The transfer lifecycle every layer speaks: one state enum, legal transitions, deadlines.
+
+States follow sglang's poll states::
+
+    BOOTSTRAPPING -> WAITING_FOR_INPUT -> TRANSFERRING -> SUCCESS
+          \\________________\\__________________\\______-> FAILED(reason, detail)
+
+Every non-terminal state has a deadline; a transfer past it fails with
+``TIMEOUT``. Nothing waits forever. Terminal states never change.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from kvbeam.errors import KvbeamError
+
+
+class TransferState(enum.Enum):
+    """Where a transfer is, on either side."""
+
+    BOOTSTRAPPING = "Bootstrapping"
+    WAITING_FOR_INPUT = "WaitingForInput"
+    TRANSFERRING = "Transferring"
+    SUCCESS = "Success"
+    FAILED = "Failed"
+
+    @property
+    def terminal(self) -> bool:
+        """True for SUCCESS and FAILED."""
+        return self in (TransferState.SUCCESS, TransferState.FAILED)
+
+
+class FailureReason(enum.Enum):
+    """Why a transfer failed (the ``reason`` of ``Failed(reason, detail)``)."""
+
+    ABORTED = "aborted"
+    TIMEOUT = "timeout"
+    PEER_FAILED = "peer_failed"
+    PEER_UNREACHABLE = "peer_unreachable"
+    TRANSPORT_ERROR = "transport_error"
+    INCOMPATIBLE = "incompatible"
+    INTEGRITY = "integrity"
+    INVALID_REQUEST = "invalid_request"
+    SHUTDOWN = "shutdown"
+
+
+_NEXT: dict[TransferState, frozenset[TransferState]] = {
+    TransferState.BOOTSTRAPPING: frozenset({TransferState.WAITING_FOR_INPUT,
+                                            TransferState.FAILED}),
+    TransferState.WAITING_FOR_INPUT: frozenset({TransferState.TRANSFERRING,
+                                                TransferState.FAILED}),
+    TransferState.TRANSFERRING: frozenset({TransferState.SUCCESS, TransferState.FAILED}),
+    TransferState.SUCCESS: frozenset(),
+    TransferState.FAILED: frozenset(),
+}
+
+
+def legal(src: TransferState, dst: TransferState) -> bool:
+    """True when ``src -> dst`` is a legal transition."""
+    return dst in _NEXT[src]
+
+
+class IllegalTransition(KvbeamError):
+    """A state change the lifecycle does not allow (e.g. SUCCESS -> TRANSFERRING)."""
+
+
+class DuplicateRequest(KvbeamError):
+    """A request id already known on this side (per peer pair ids must be unique)."""
+
+
+class TooManyTransfers(KvbeamError):
+    """The bounded transfer table is full: back-pressure, try later."""
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds allowed in each non-terminal state (defaults far below sglang's 300 s)."""
+
+    bootstrapping: float = 10.0
+    waiting_for_input: float = 30.0
+    transferring: float = 30.0
+
+    def for_state(self, state: TransferState) -> float | None:
+        """The budget of ``state``; None for terminal states."""
+        return {
+            TransferState.BOOTSTRAPPING: self.bootstrapping,
+            TransferState.WAITING_FOR_INPUT: self.waiting_for_input,
+            TransferState.TRANSFERRING: self.transferring,
+        }.get(state)
+
+
+@dataclass
+class Transfer:
+    """One request's transfer on one side. Mutate only through :class:`TransferTable`."""
+
+    request_id: str
+    peer: str
+    state: TransferState = TransferState.BOOTSTRAPPING
+    reason: FailureReason | None = None
+    detail: str = ""
+    created: float = field(default_factory=time.monotonic)
+    entered: float = field(default_factory=time.monotonic)
+    deadline: float | None = None
+    history: list[TransferState] = field(default_factory=list)
+    version: int = 0
+
+    def snapshot(self) -> TransferStatus:
+        """An immutable copy for status replies."""
+        return TransferStatus(self.request_id, self.peer, self.state, self.reason, self.detail,
+                              self.version, time.monotonic() - self.created)
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    """What Status/WatchStatus report."""
+
+    request_id: str
+    peer: str
+    state: TransferState
+    reason: FailureReason | None
+    detail: str
+    version: int
+    age_s: float
+
+
+class TransferTable:
+    """The bounded, thread-safe table of one side's transfers.
+
+    Every state change goes through :meth:`advance` or :meth:`fail`, which enforce
+    the legal transitions, set the next deadline and wake watchers. Terminal
+    transfers are kept (up to ``keep_terminal``) so a late Status still answers.
+    ``on_change`` runs (outside the lock) after every change, for metrics and logs.
+    """
+
+    def __init__(self, deadlines: Deadlines, capacity: int = 1024, keep_terminal: int = 4096,
+                 on_change: Callable[[TransferStatus], None] | None = None) -> None:
+        self.deadlines = deadlines
+        self.capacity = capacity
+        self.keep_terminal = keep_terminal
+        self._live: dict[str, Transfer] = {}
+        self._done: OrderedDict[str, Transfer] = OrderedDict()
+        self._cond = threading.Condition()
+        self._on_change = on_change
+
+    def create(self, request_id: str, peer: str) -> TransferStatus:
+        """Start a transfer in BOOTSTRAPPING; refuse duplicates and a full table."""
+        with self._cond:
+            if request_id in self._live or request_id in self._done:
+                raise DuplicateRequest(f"request id {request_id!r} is already known on this side")
+            if len(self._live) >= self.capacity:
+                raise TooManyTransfers(
+                    f"{len(self._live)} transfers in flight (capacity {self.capacity})")
+            t = Transfer(request_id, peer)
+            t.history.append(t.state)
+            self._set_deadline(t)
+            self._live[request_id] = t
+            snap = t.snapshot()
+            self._cond.notify_all()
+        self._changed(snap)
+        return snap
+
+    def _set_deadline(self, t: Transfer) -> None:
+        budget = self.deadlines.for_state(t.state)
+        t.entered = time.monotonic()
+        t.deadline = None if budget is None else t.entered + budget
+
+    def _move(self, t: Transfer, state: TransferState) -> None:
+        if not legal(t.state, state):
+            raise IllegalTransition(
+                f"request {t.request_id!r}: illegal transition {t.state.value} -> {state.value}")
+        t.state = state
+        t.history.append(state)
+        t.version += 1
+        self._set_deadline(t)
+        if state.terminal:
+            del self._live[t.request_id]
+            self._done[t.request_id] = t
+            while len(self._done) > self.keep_terminal:
+                self._done.popitem(last=False)
+
+    def get(self, request_id: str) -> TransferStatus | None:
+        """The current status, or None for an unknown request."""
+        with self._cond:
+            t = self._live.get(request_id) or self._done.get(request_id)
+            return t.snapshot() if t else None
+
+    def advance(self, request_id: str, state: TransferState) -> TransferStatus:
+        """Move a live transfer to a non-failed state (legal transitions only)."""
+        if state is TransferState.FAILED:
+            raise IllegalTransition("use fail() to fail a transfer: it needs a reason")
+        with self._cond:
+            t = self._require(request_id)
+            self._move(t, state)
+            snap = t.snapshot()
+            self._cond.notify_all()
+        self._changed(snap)
+        return snap
+
+    def fail(self, request_id: str, reason: FailureReason, detail: str) -> TransferStatus | None:
+        """Fail a live transfer; None (and no change) when it is terminal or unknown."""
+        with self._cond:
+            t = self._live.get(request_id)
+            if t is None:
+                return None
+            t.reason, t.detail = reason, detail
+            self._move(t, TransferState.FAILED)
+            snap = t.snapshot()
+            self._cond.notify_all()
+        self._changed(snap)
+        return snap
+
+    def _require(self, request_id: str) -> Transfer:
+        t = self._live.get(request_id)
+        if t is None:
+            done = self._done.get(request_id)
+            if done is not None:
+                raise IllegalTransition(
+                    f"request {request_id!r} already ended in {done.state.value}")
+            raise KeyError(request_id)
+        return t
+
+    def expire(self, now: float | None = None) -> list[TransferStatus]:
+        """Fail every live transfer past its deadline with TIMEOUT; returns what expired."""
+        now = time.monotonic() if now is None else now
+        with self._cond:
+            late = [t for t in self._live.values()
+                    if t.deadline is not None and now > t.deadline]
+            out = []
+            for t in late:
+                t.reason = FailureReason.TIMEOUT
+                t.detail = (f"no progress in {t.state.value} for "
+                            f"{self.deadlines.for_state(t.state)} s")
+                self._move(t, TransferState.FAILED)
+                out.append(t.snapshot())
+            if out:
+                self._cond.notify_all()
+        for snap in out:
+            self._changed(snap)
+        return out
+
+    def live(self) -> list[TransferStatus]:
+        """Snapshots of every non-terminal transfer."""
+        with self._cond:
+            return [t.snapshot() for t in self._live.values()]
+
+    def watch(self, request_id: str, timeout: float) -> Iterator[TransferStatus]:
+        """Yield each new status of a transfer until it is terminal or ``timeout`` passes."""
+        end = time.monotonic() + timeout
+        seen = -1
+        while True:
+            with self._cond:
+                t = self._live.get(request_id) or self._done.get(request_id)
+                if t is None:
+                    raise KeyError(request_id)
+                while t.version == seen and not t.state.terminal:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        return
+                    self._cond.wait(min(left, 1.0))
+                snap = t.snapshot() if t.version != seen else None
+            if snap is not None:
+                seen = snap.version
+                yield snap
+                if snap.state.terminal:
+                    return
+            elif t.state.terminal:
+                return
+
+    def _changed(self, snap: TransferStatus) -> None:
+        if self._on_change is not None:
+            self._on_change(snap)
