@@ -134,6 +134,21 @@ def _pair(
     return src[len(src) - len(dst):], dst
 
 
+def pair_index_lists(src: IndexLists, dst: IndexLists) -> tuple[
+        dict[IndexKind, npt.NDArray[np.int64]], dict[IndexKind, npt.NDArray[np.int64]]]:
+    """Pair each kind's source and destination lists the way :func:`build_plan` does.
+
+    Returns the lists actually moved (the source's tail where decode holds a prefix);
+    raises PlanError on a length mismatch.
+    """
+    s_out: dict[IndexKind, npt.NDArray[np.int64]] = {}
+    d_out: dict[IndexKind, npt.NDArray[np.int64]] = {}
+    for kind in src:
+        s_out[kind], d_out[kind] = _pair(kind, np.asarray(src[kind], np.int64),
+                                         np.asarray(dst[kind], np.int64), kind.value)
+    return s_out, d_out
+
+
 def build_plan(
     src: SideLayout,
     src_addrs: Sequence[int],
