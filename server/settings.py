@@ -1,0 +1,176 @@
+"""Daemon settings: every option is a flag and a ``KVBEAM_*`` environment variable.
+
+The flag wins over the variable, the variable over the default. Containers set
+variables; operators at a shell use flags. ``kvbeam prefill --help`` prints both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvbeam.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: attribute name, flag, environment variable, type, default and help."""
+
+    name: str
+    env: str
+    kind: Callable[[str], Any]
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag."""
+        return "--" + self.name.replace("_", "-")
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use true/false)")
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("config", "KVBEAM_CONFIG", str, None, "side config YAML (pools); required"),
+    Option("listen", "KVBEAM_LISTEN", str, None,
+           "HOST:PORT of the gRPC control server (default 127.0.0.1:50051 prefill, "
+           "127.0.0.1:50052 decode)"),
+    Option("advertise", "KVBEAM_ADVERTISE", str, "",
+           "HOST:PORT peers use to reach this daemon (default: --listen)"),
+    Option("transport", "KVBEAM_TRANSPORT", str, "auto",
+           "data plane: auto (RDMA device given or found, else TCP), rdma, or tcp",
+           ("auto", "rdma", "tcp")),
+    Option("rdma_device", "KVBEAM_RDMA_DEVICE", str, "",
+           "RDMA device name, e.g. rxe0 or mlx5_0 (default: the first device found)"),
+    Option("rdma_gid_index", "KVBEAM_RDMA_GID_INDEX", int, 0, "GID index on the RDMA port"),
+    Option("data_host", "KVBEAM_DATA_HOST", str, "",
+           "TCP transport: address the data listener binds and advertises "
+           "(default: the control host)"),
+    Option("pool_device", "KVBEAM_POOL_DEVICE", str, "cpu",
+           "torch device for the pools: cpu or cuda[:N]"),
+    Option("deadline_bootstrap_s", "KVBEAM_DEADLINE_BOOTSTRAP_S", float, 10.0,
+           "seconds allowed in Bootstrapping (handshake, reservation lease)"),
+    Option("deadline_waiting_s", "KVBEAM_DEADLINE_WAITING_S", float, 30.0,
+           "seconds allowed in WaitingForInput (between chunks)"),
+    Option("deadline_transfer_s", "KVBEAM_DEADLINE_TRANSFER_S", float, 30.0,
+           "seconds allowed in Transferring without progress"),
+    Option("handoff_lease_s", "KVBEAM_HANDOFF_LEASE_S", float, 30.0,
+           "decode: seconds a slot stays held after Success until Release"),
+    Option("rpc_timeout_s", "KVBEAM_RPC_TIMEOUT_S", float, 5.0,
+           "deadline of every RPC to a peer"),
+    Option("heartbeat_s", "KVBEAM_HEARTBEAT_S", float, 1.0,
+           "seconds between heartbeats to each peer with transfers in flight"),
+    Option("max_inflight", "KVBEAM_MAX_INFLIGHT", int, 256,
+           "transfers in flight on this side before new ones get RESOURCE_EXHAUSTED"),
+    Option("integrity", "KVBEAM_INTEGRITY", _bool, True,
+           "verify CRC32C digests of every transfer on decode (true/false)"),
+    Option("log_level", "KVBEAM_LOG_LEVEL", str, "INFO", "DEBUG, INFO, WARNING or ERROR",
+           ("DEBUG", "INFO", "WARNING", "ERROR")),
+)
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    """Resolved settings of one daemon (see :data:`OPTIONS` for meanings)."""
+
+    role: str
+    config: str
+    listen: str
+    advertise: str
+    transport: str
+    rdma_device: str
+    rdma_gid_index: int
+    data_host: str
+    pool_device: str
+    deadline_bootstrap_s: float
+    deadline_waiting_s: float
+    deadline_transfer_s: float
+    handoff_lease_s: float
+    rpc_timeout_s: float
+    heartbeat_s: float
+    max_inflight: int
+    integrity: bool
+    log_level: str
+
+    @property
+    def advertised(self) -> str:
+        """The control address peers should use."""
+        return self.advertise or self.listen
+
+
+DEFAULT_PORTS = {"prefill": 50051, "decode": 50052}
+
+
+def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every option as a flag; defaults stay None so the environment can fill them."""
+    for opt in OPTIONS:
+        kw: dict[str, Any] = {"default": None, "dest": opt.name,
+                              "help": f"{opt.help} [env {opt.env}]"}
+        if opt.choices:
+            kw["choices"] = opt.choices
+        parser.add_argument(opt.flag, **kw)
+
+
+def env_help() -> str:
+    """The environment-variable table for ``--help`` epilogs."""
+    width = max(len(o.env) for o in OPTIONS)
+    lines = ["environment (a flag overrides its variable):"]
+    for o in OPTIONS:
+        default = "-" if o.default in (None, "") else o.default
+        lines.append(f"  {o.env:<{width}}  {o.flag} (default: {default})")
+    return "\n".join(lines)
+
+
+def resolve(role: str, args: argparse.Namespace | None = None,
+            environ: Mapping[str, str] | None = None) -> DaemonSettings:
+    """Merge flags, environment and defaults; refuse bad values naming the flag and variable."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {"role": role}
+    for opt in OPTIONS:
+        raw = getattr(args, opt.name, None) if args is not None else None
+        source = opt.flag
+        if raw is None and opt.env in env:
+            raw, source = env[opt.env], opt.env
+        if raw is None:
+            values[opt.name] = opt.default
+            continue
+        try:
+            value = opt.kind(raw) if isinstance(raw, str) else raw
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from exc
+        if opt.choices and value not in opt.choices:
+            raise ConfigError(f"{source}: {value!r} is not one of {', '.join(opt.choices)}")
+        values[opt.name] = value
+    if not values["config"]:
+        raise ConfigError("--config (or KVBEAM_CONFIG) is required: the side config YAML")
+    if not values["listen"]:
+        values["listen"] = f"127.0.0.1:{DEFAULT_PORTS[role]}"
+    for name in ("deadline_bootstrap_s", "deadline_waiting_s", "deadline_transfer_s",
+                 "handoff_lease_s", "rpc_timeout_s", "heartbeat_s"):
+        if values[name] <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be positive "
+                              f"(got {values[name]})")
+    if values["max_inflight"] <= 0:
+        raise ConfigError(f"--max-inflight: must be positive (got {values['max_inflight']})")
+    _check_hostport(values["listen"], "--listen")
+    if values["advertise"]:
+        _check_hostport(values["advertise"], "--advertise")
+    names = {f.name for f in fields(DaemonSettings)}
+    return DaemonSettings(**{k: v for k, v in values.items() if k in names})
+
+
+def _check_hostport(text: str, source: str) -> None:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{source}: expected HOST:PORT with a port 1..65535 (got {text!r})")
