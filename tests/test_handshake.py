@@ -1,0 +1,478 @@
+"""The handshake over real gRPC on loopback: success, refusals, deadlines, non-kvbeam peers."""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import replace
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvbeam.errors import KvbeamError, PoolCompatibilityError
+from kvbeam.pools.spec import PoolSpec, SideConfig
+from kvbeam.proto.errors import ProtocolError, ProtocolVersionError
+from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.proto.service import control_stub
+from kvbeam.proto.side import Role, SideInfo, side_to_proto
+from kvbeam.proto.version import PROTOCOL_VERSION, SERVICE_NAME
+from kvbeam.server.client import ControlClient, handshake
+from kvbeam.server.control import ControlServer
+from kvbeam.server.errors import (
+    HandshakeRejectedError,
+    ListenError,
+    NotHandshakenError,
+    NotKvbeamPeerError,
+    PeerError,
+    PeerTimeoutError,
+    PeerUnavailableError,
+    RoleConflictError,
+)
+from kvbeam.server.handshake import VerifiedPeer
+from kvbeam.server.options import ControlOptions
+from kvbeam.server.rejection import DEFAULT_REJECTION_BYTES, Reason, find_rejection
+from kvbeam.server.servicer import ControlServicer
+from kvbeam.server.startup import check_local_side
+from kvbeam.transport.endpoint import Endpoint
+from tests.control_helpers import (
+    DECODE_SLOTS,
+    config,
+    draft_changed,
+    free_port,
+    raw_handshake,
+    rdma_endpoint,
+    running,
+    side,
+    tcp_endpoint,
+    with_slots,
+)
+
+FAST = ControlOptions(rpc_timeout_s=0.5)
+
+
+@pytest.fixture
+def prefill() -> SideInfo:
+    return side(Role.PREFILL, config(), tcp_endpoint(9001))
+
+
+@pytest.fixture
+def decode() -> SideInfo:
+    return side(Role.DECODE, with_slots(config(), DECODE_SLOTS), rdma_endpoint())
+
+
+# ---- success -------------------------------------------------------------------
+def test_compatible_pair_succeeds_on_both_sides(prefill: SideInfo, decode: SideInfo) -> None:
+    with running(decode, startup_check=True) as server:
+        peer = handshake(prefill, server.address)
+        assert isinstance(peer, VerifiedPeer)
+        assert peer.role is Role.DECODE
+        assert peer.instance_id == decode.instance_id
+        assert peer.layout == decode.layout
+        assert peer.endpoint == decode.endpoint
+        assert peer.local_endpoint == prefill.endpoint
+        assert peer.control_address == server.address  # advertised after binding
+        assert peer.prefill_layout == prefill.layout
+        assert peer.decode_layout == decode.layout
+        # The server registered the client as verified, with the same layouts.
+        theirs = server.peers.require(prefill.instance_id)
+        assert theirs.role is Role.PREFILL
+        assert theirs.layout == prefill.layout
+        assert theirs.local_endpoint == decode.endpoint
+
+
+def test_prefill_may_be_the_server(prefill: SideInfo, decode: SideInfo) -> None:
+    with running(prefill, startup_check=True) as server:
+        peer = handshake(decode, server.address)
+        assert peer.role is Role.PREFILL
+        assert prefill.instance_id == peer.instance_id
+        assert decode.instance_id in server.peers
+
+
+def test_per_peer_endpoints(prefill: SideInfo, decode: SideInfo) -> None:
+    made: list[VerifiedPeer] = []
+
+    class Daemon(ControlServicer):
+        def endpoint_for(self, peer: VerifiedPeer) -> Endpoint:
+            return tcp_endpoint(9100 + len(made))
+
+        def on_verified(self, peer: VerifiedPeer) -> None:
+            made.append(peer)
+
+    with running(decode, servicer=Daemon(decode)) as server:
+        link = tcp_endpoint(9500)
+        peer = handshake(prefill, server.address, endpoint=link)
+        assert peer.endpoint == tcp_endpoint(9100)
+        assert peer.local_endpoint == link
+        assert made[0].endpoint == link
+        assert made[0].local_endpoint == tcp_endpoint(9100)
+
+
+def test_verified_peer_cannot_be_forged(prefill: SideInfo, decode: SideInfo) -> None:
+    with pytest.raises(TypeError, match="only by a successful handshake"):
+        VerifiedPeer(object(), decode, prefill, "x", 0.0)
+
+
+def test_transfers_need_a_handshake(prefill: SideInfo, decode: SideInfo) -> None:
+    with running(decode) as server:
+        with pytest.raises(NotHandshakenError, match="handshake first"):
+            server.peers.require(prefill.instance_id)
+        handshake(prefill, server.address)
+        assert server.peers.require(prefill.instance_id).instance_id == prefill.instance_id
+
+
+def test_peer_restart_replaces_the_old_instance(prefill: SideInfo, decode: SideInfo) -> None:
+    restarted: list[tuple[str, str]] = []
+
+    class Daemon(ControlServicer):
+        def on_peer_restarted(self, old: VerifiedPeer, new: VerifiedPeer) -> None:
+            restarted.append((old.instance_id, new.instance_id))
+
+    first = replace(prefill, control_address="127.0.0.1:7001")
+    second = replace(first, instance_id="restarted-1")
+    with running(decode, servicer=Daemon(decode)) as server:
+        handshake(first, server.address)
+        handshake(second, server.address)
+        assert restarted == [(first.instance_id, "restarted-1")]
+        assert first.instance_id not in server.peers
+        assert len(server.peers) == 1
+
+
+# ---- pool refusals --------------------------------------------------------------
+def test_incompatible_pair_is_refused_on_both_sides(
+        prefill: SideInfo, caplog: pytest.LogCaptureFixture) -> None:
+    paged = side(Role.DECODE, with_slots(config(paged=True), DECODE_SLOTS))
+    caplog.set_level(logging.WARNING)
+    with running(paged) as server:
+        code, _, rejection, details = raw_handshake(server.address,
+                                                    pb.HandshakeRequest(side=side_to_proto(prefill)))
+        assert code is grpc.StatusCode.FAILED_PRECONDITION
+        assert rejection is not None
+        assert rejection.reason == Reason.REJECT_REASON_INCOMPATIBLE_POOLS
+        assert rejection.layout == paged.layout  # the server's metadata, to verify with
+        assert rejection.role is Role.DECODE
+        assert "pool difference(s)" in details
+        with pytest.raises(PoolCompatibilityError) as info:
+            handshake(prefill, server.address)
+    err = info.value
+    assert isinstance(err, KvbeamError)
+    assert [d.field for d in err.differences] == [d.field for d in rejection.differences]
+    assert err.differences == rejection.differences
+    assert "unified_kv" in [d.field for d in err.differences]
+    assert prefill.instance_id not in server.peers
+    server_logs = [r for r in caplog.records if r.name == "kvbeam.server.handshake"]
+    client_logs = [r for r in caplog.records if r.name == "kvbeam.server.client"]
+    for logs in (server_logs, client_logs):
+        assert any(r.levelno == logging.ERROR and "refused" in r.getMessage() for r in logs)
+        assert any("field=unified_kv" in r.getMessage() for r in logs)
+
+
+def test_within_side_problem_of_the_server_is_reported(prefill: SideInfo) -> None:
+    bad = side(Role.DECODE, draft_changed(with_slots(config(), DECODE_SLOTS), num_req_slots=2))
+    with pytest.raises(PoolCompatibilityError) as info:
+        check_local_side(bad)  # it would refuse to start...
+    assert str(info.value).startswith("DSV4 target and draft pools must share SWA ring geometry")
+    # ...so we bypass its start-up check.
+    with running(bad, startup_check=False) as server, \
+            pytest.raises(PoolCompatibilityError) as info:
+        handshake(prefill, server.address)
+    d = info.value.differences[0]
+    assert (d.field, d.side) == ("swa_ring_geometry", "decode")
+    assert d.message.startswith("DSV4 target and draft pools must share SWA ring geometry")
+
+
+def test_server_refuses_to_start_with_broken_pools() -> None:
+    bad = side(Role.PREFILL, draft_changed(config(), unified_kv=False))
+    server = ControlServer(bad)
+    with pytest.raises(PoolCompatibilityError) as info:
+        server.start()
+    assert str(info.value).startswith(
+        "DSV4 target and draft pools must use the same unified-KV mode")
+    assert server.address == ""
+
+
+def test_large_rejection_fits_default_clients_and_is_complete_for_ours() -> None:
+    big = PoolSpec(compression_ratios=(0, 4, 128) * 20 + (0,), unified_kv=True,
+                   num_draft_tokens=4, head_dim=64, indexer_head_dim=32, num_req_slots=2,
+                   max_context_len=1024)
+    p = side(Role.PREFILL, SideConfig("m", big, replace(big, compression_ratios=(0,))))
+    other = replace(big, head_dim=128, dtype="float32")
+    d = side(Role.DECODE, SideConfig("m2", other, replace(other, compression_ratios=(0,))))
+    with running(d) as server:
+        # A client that announces nothing (grpcurl, another language) still gets the
+        # status code and a bounded trailer within gRPC's default 8 KiB limits.
+        with grpc.insecure_channel(server.address) as channel, \
+                pytest.raises(grpc.RpcError) as raw:
+            control_stub(channel).Handshake(pb.HandshakeRequest(side=side_to_proto(p)),
+                                            timeout=5)
+        assert raw.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        trailer = find_rejection(raw.value.trailing_metadata())
+        assert trailer is not None
+        assert len(trailer) <= DEFAULT_REJECTION_BYTES
+        with pytest.raises(PoolCompatibilityError) as info:
+            handshake(p, server.address)
+    assert len(info.value.differences) > 100
+    assert {"model", "head_dim", "dtype"} <= {x.field for x in info.value.differences}
+
+
+# ---- version, role, malformed -----------------------------------------------------
+def test_protocol_version_mismatch_client_newer(prefill: SideInfo, decode: SideInfo) -> None:
+    request = pb.HandshakeRequest(side=side_to_proto(prefill))
+    request.side.protocol_version = PROTOCOL_VERSION + 1
+    with running(decode) as server:
+        code, _, rejection, details = raw_handshake(server.address, request)
+    assert code is grpc.StatusCode.FAILED_PRECONDITION
+    assert rejection is not None
+    assert rejection.reason == Reason.REJECT_REASON_PROTOCOL_VERSION
+    assert rejection.protocol_version == PROTOCOL_VERSION
+    assert "protocol version mismatch" in details
+
+
+def test_protocol_version_mismatch_server_newer(prefill: SideInfo, decode: SideInfo) -> None:
+    future = replace(decode, protocol_version=PROTOCOL_VERSION + 1)
+    with running(future) as server, pytest.raises(ProtocolVersionError) as info:
+        handshake(prefill, server.address)
+    assert (info.value.local, info.value.remote) == (PROTOCOL_VERSION, PROTOCOL_VERSION + 1)
+
+
+def test_reply_of_another_version_is_refused_by_the_client(prefill: SideInfo,
+                                                           decode: SideInfo) -> None:
+    class Liar(ControlServicer):
+        def Handshake(self, request: pb.HandshakeRequest,
+                      context: grpc.ServicerContext) -> pb.HandshakeResponse:
+            reply = pb.HandshakeResponse(side=side_to_proto(self.local))
+            reply.side.protocol_version = 7
+            return reply
+
+    with running(decode, servicer=Liar(decode)) as server:
+        with pytest.raises(ProtocolVersionError) as info:
+            handshake(prefill, server.address)
+        assert info.value.remote == 7
+
+        class Garbage(ControlServicer):
+            def Handshake(self, request: pb.HandshakeRequest,
+                          context: grpc.ServicerContext) -> pb.HandshakeResponse:
+                reply = pb.HandshakeResponse(side=side_to_proto(self.local))
+                reply.side.metadata.components[0].buffers[0].item_len = 0
+                return reply
+
+    with running(decode, servicer=Garbage(decode)) as server, \
+            pytest.raises(ProtocolError) as perr:
+        handshake(prefill, server.address)
+    assert perr.value.field == "side.metadata.components[0].buffers[0].item_len"
+    assert server.address in str(perr.value)
+
+
+def test_client_verifies_even_when_the_server_accepts(prefill: SideInfo,
+                                                      decode: SideInfo) -> None:
+    paged = side(Role.DECODE, with_slots(config(paged=True), DECODE_SLOTS))
+
+    class Lax(ControlServicer):  # accepts anything, answers with incompatible pools
+        def Handshake(self, request: pb.HandshakeRequest,
+                      context: grpc.ServicerContext) -> pb.HandshakeResponse:
+            return pb.HandshakeResponse(side=side_to_proto(paged))
+
+    with running(decode, servicer=Lax(decode)) as server, \
+            pytest.raises(PoolCompatibilityError) as info:
+        handshake(prefill, server.address)
+    assert "unified_kv" in {d.field for d in info.value.differences}
+
+
+def test_server_bug_in_endpoint_for_is_internal(prefill: SideInfo, decode: SideInfo) -> None:
+    class Buggy(ControlServicer):
+        def endpoint_for(self, peer: VerifiedPeer) -> Endpoint:
+            return Endpoint("rdma", gid="fe80::1", qpns=(5,), mtu=1500)
+
+    with running(decode, servicer=Buggy(decode)) as server, \
+            pytest.raises(PeerError) as info:
+        handshake(prefill, server.address)
+    assert info.value.code == "INTERNAL"
+    assert "endpoint.mtu" in str(info.value)
+    assert prefill.instance_id not in server.peers
+
+
+def test_role_conflict(prefill: SideInfo) -> None:
+    other = side(Role.PREFILL, config())
+    with running(other) as server, pytest.raises(RoleConflictError, match="both sides are"):
+        handshake(prefill, server.address)
+
+
+def test_malformed_request_is_invalid_argument(prefill: SideInfo, decode: SideInfo) -> None:
+    request = pb.HandshakeRequest(side=side_to_proto(prefill))
+    request.side.metadata.components[1].buffers[0].item_len = 0
+    with running(decode) as server:
+        code, _, rejection, details = raw_handshake(server.address, request)
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+        assert rejection is not None
+        assert rejection.reason == Reason.REJECT_REASON_INVALID_METADATA
+        assert rejection.field == "side.metadata.components[1].buffers[0].item_len"
+        assert "item_len" in details
+        # An empty request is refused the same way, and the server keeps serving.
+        code, *_ = raw_handshake(server.address, pb.HandshakeRequest())
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+        assert handshake(prefill, server.address).role is Role.DECODE
+
+
+def test_client_reports_the_peers_objection(prefill: SideInfo, decode: SideInfo) -> None:
+    class Strict(ControlServicer):
+        def Handshake(self, request: pb.HandshakeRequest,
+                      context: grpc.ServicerContext) -> pb.HandshakeResponse:
+            request.side.metadata.model = ""
+            return super().Handshake(request, context)
+
+    with running(decode, servicer=Strict(decode)) as server, \
+            pytest.raises(HandshakeRejectedError) as info:
+        handshake(prefill, server.address)
+    assert info.value.field == "side.metadata.model"
+    assert info.value.code == "INVALID_ARGUMENT"
+
+
+# ---- unreachable, silent and foreign peers --------------------------------------
+@pytest.fixture
+def silent_peer() -> Iterator[str]:
+    """A TCP listener that accepts connections and never says a word."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join(2)
+    for conn in accepted:
+        conn.close()
+    listener.close()
+
+
+def test_silent_peer_hits_the_deadline(prefill: SideInfo, silent_peer: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(PeerTimeoutError) as info:
+        handshake(prefill, silent_peer, options=FAST)
+    elapsed = time.monotonic() - start
+    assert 0.4 < elapsed < 3.0
+    assert "deadline exceeded" in str(info.value)
+    assert info.value.code == "DEADLINE_EXCEEDED"
+
+
+def test_nobody_listening(prefill: SideInfo) -> None:
+    with pytest.raises(PeerUnavailableError) as info:
+        handshake(prefill, f"127.0.0.1:{free_port()}", options=FAST)
+    assert info.value.code == "UNAVAILABLE"
+
+
+def test_non_kvbeam_grpc_server(prefill: SideInfo) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with pytest.raises(NotKvbeamPeerError, match="not a kvbeam daemon"):
+            handshake(prefill, f"127.0.0.1:{port}", options=FAST)
+    finally:
+        server.stop(0)
+
+
+def test_grpc_server_answering_garbage(prefill: SideInfo) -> None:
+    def garbage(request: bytes, context: grpc.ServicerContext) -> bytes:
+        return b"\x0a\xff\x01"  # a length prefix that runs past the end
+
+    handler = grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        "Handshake": grpc.unary_unary_rpc_method_handler(garbage)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with pytest.raises(NotKvbeamPeerError, match="not a kvbeam"):
+            handshake(prefill, f"127.0.0.1:{port}", options=FAST)
+    finally:
+        server.stop(0)
+
+
+def test_http1_server(prefill: SideInfo) -> None:
+    class Quiet(http.server.BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    web = http.server.HTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=web.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises((NotKvbeamPeerError, PeerTimeoutError)):
+            handshake(prefill, f"127.0.0.1:{web.server_address[1]}", options=FAST)
+    finally:
+        web.shutdown()
+        web.server_close()
+
+
+# ---- the server itself ------------------------------------------------------------
+def test_health_and_unimplemented_rpcs(decode: SideInfo) -> None:
+    server = ControlServer(decode)
+    check = health_pb2.HealthCheckRequest
+    server.start()
+    with grpc.insecure_channel(server.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for name in ("", SERVICE_NAME):
+            status = stub.Check(check(service=name), timeout=2).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        control = control_stub(channel)
+        calls: list[Callable[[], object]] = [
+            lambda: control.Reserve(pb.ReserveRequest(request_id="r"), timeout=2),
+            lambda: control.Send(pb.SendRequest(request_id="r"), timeout=2),
+            lambda: control.Status(pb.StatusRequest(request_id="r"), timeout=2),
+            lambda: list(control.WatchStatus(pb.StatusRequest(request_id="r"), timeout=2)),
+            lambda: control.Abort(pb.AbortRequest(request_id="r"), timeout=2),
+            lambda: control.Heartbeat(pb.HeartbeatRequest(), timeout=2),
+        ]
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    server.stop(grace=0)
+    response = server.health.Check(check(service=SERVICE_NAME), None)  # type: ignore[arg-type]
+    assert response.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    server.stop()  # idempotent
+
+
+def test_port_in_use_is_a_listen_error(decode: SideInfo) -> None:
+    with running(decode) as first:
+        second = ControlServer(decode)
+        with pytest.raises(ListenError, match="cannot listen"):
+            second.start(first.address)
+
+
+def test_start_twice_is_a_bug(decode: SideInfo) -> None:
+    with running(decode) as server, pytest.raises(RuntimeError):
+        server.start()
+
+
+def test_client_reuses_its_channel(prefill: SideInfo, decode: SideInfo) -> None:
+    with running(decode) as server, ControlClient(server.address) as client:
+        first = client.handshake(prefill)
+        second = client.handshake(prefill)
+        assert first.instance_id == second.instance_id == decode.instance_id
+        assert client.timeout == ControlOptions().rpc_timeout_s
+
+
+def test_options_are_validated() -> None:
+    with pytest.raises(ValueError):
+        ControlOptions(rpc_timeout_s=0)
+    with pytest.raises(ValueError):
+        ControlOptions(max_workers=0)
