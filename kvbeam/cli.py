@@ -17,7 +17,7 @@ from types import ModuleType
 from kvbeam import __version__
 from kvbeam.errors import KvbeamError
 
-COMMAND_MODULES = ("plan", "check")
+COMMAND_MODULES = ("plan", "check", "prefill", "decode", "drive", "demo")
 
 def _load_commands() -> list[ModuleType]:
     return [importlib.import_module(f"kvbeam.commands.{name}") for name in COMMAND_MODULES]

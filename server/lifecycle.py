@@ -202,6 +202,13 @@ class TransferTable:
         self._changed(snap)
         return snap
 
+    def touch(self, request_id: str) -> None:
+        """Record progress: restart the current state's deadline (e.g. a chunk arrived)."""
+        with self._cond:
+            t = self._live.get(request_id)
+            if t is not None:
+                self._set_deadline(t)
+
     def fail(self, request_id: str, reason: FailureReason, detail: str) -> TransferStatus | None:
         """Fail a live transfer; None (and no change) when it is terminal or unknown."""
         with self._cond:

@@ -75,6 +75,9 @@ OPTIONS: tuple[Option, ...] = (
            "transfers in flight on this side before new ones get RESOURCE_EXHAUSTED"),
     Option("integrity", "KVBEAM_INTEGRITY", _bool, True,
            "verify CRC32C digests of every transfer on decode (true/false)"),
+    Option("fill_seed", "KVBEAM_FILL_SEED", int, -1,
+           "fill the pools with a deterministic pattern from this seed at start (demo and "
+           "tests; -1: leave them zeroed)"),
     Option("log_level", "KVBEAM_LOG_LEVEL", str, "INFO", "DEBUG, INFO, WARNING or ERROR",
            ("DEBUG", "INFO", "WARNING", "ERROR")),
 )
@@ -101,6 +104,7 @@ class DaemonSettings:
     heartbeat_s: float
     max_inflight: int
     integrity: bool
+    fill_seed: int
     log_level: str
 
     @property
@@ -163,14 +167,17 @@ def resolve(role: str, args: argparse.Namespace | None = None,
                               f"(got {values[name]})")
     if values["max_inflight"] <= 0:
         raise ConfigError(f"--max-inflight: must be positive (got {values['max_inflight']})")
-    _check_hostport(values["listen"], "--listen")
+    _check_hostport(values["listen"], "--listen", allow_zero=True)
     if values["advertise"]:
         _check_hostport(values["advertise"], "--advertise")
     names = {f.name for f in fields(DaemonSettings)}
     return DaemonSettings(**{k: v for k, v in values.items() if k in names})
 
 
-def _check_hostport(text: str, source: str) -> None:
+def _check_hostport(text: str, source: str, allow_zero: bool = False) -> None:
+    """HOST:PORT; port 0 (any free port) only where ``allow_zero``."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{source}: expected HOST:PORT with a port 1..65535 (got {text!r})")
+    lowest = 0 if allow_zero else 1
+    if not sep or not host or not port.isdigit() or not lowest <= int(port) < 65536:
+        raise ConfigError(f"{source}: expected HOST:PORT with a port {lowest}..65535 "
+                          f"(got {text!r})")

@@ -344,14 +344,6 @@ class IndexList(_message.Message):
     indices: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, kind: _Optional[_Union[IndexKind, str]] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class ComponentIndices(_message.Message):
-    __slots__ = ("component", "lists")
-    COMPONENT_FIELD_NUMBER: _ClassVar[int]
-    LISTS_FIELD_NUMBER: _ClassVar[int]
-    component: int
-    lists: _containers.RepeatedCompositeFieldContainer[IndexList]
-    def __init__(self, component: _Optional[int] = ..., lists: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ...) -> None: ...
-
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "seq_len", "prefill_address", "peer_instance_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -365,18 +357,54 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., prefill_address: _Optional[str] = ..., peer_instance_id: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("request_id", "slot", "components", "lease_ms", "instance_id")
+    __slots__ = ("request_id", "slot", "indices", "lease_ms", "instance_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
-    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     slot: int
-    components: _containers.RepeatedCompositeFieldContainer[ComponentIndices]
+    indices: _containers.RepeatedCompositeFieldContainer[IndexList]
     lease_ms: int
     instance_id: str
-    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., components: _Optional[_Iterable[_Union[ComponentIndices, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class BeginWriteRequest(_message.Message):
+    __slots__ = ("request_id", "instance_id", "seq_len", "final_chunk", "has_digests", "digests")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    FINAL_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    HAS_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    instance_id: str
+    seq_len: int
+    final_chunk: bool
+    has_digests: bool
+    digests: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., final_chunk: _Optional[bool] = ..., has_digests: _Optional[bool] = ..., digests: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BeginWriteResponse(_message.Message):
+    __slots__ = ("request_id", "transfer_id", "slot", "indices", "instance_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_id: int
+    slot: int
+    indices: _containers.RepeatedCompositeFieldContainer[IndexList]
+    instance_id: str
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., slot: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class SendRequest(_message.Message):
     __slots__ = ("request_id", "source_slot", "seq_len", "decode_address", "final_chunk", "chunks")
@@ -401,28 +429,38 @@ class StatusRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
-    __slots__ = ("request_id", "state", "failure_reason", "detail", "bytes_done", "bytes_total")
+    __slots__ = ("request_id", "state", "failure_reason", "detail", "bytes_done", "bytes_total", "slot", "peer", "age_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     state: TransferState
     failure_reason: FailureReason
     detail: str
     bytes_done: int
     bytes_total: int
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., failure_reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ...) -> None: ...
+    slot: int
+    peer: str
+    age_s: float
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., failure_reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., slot: _Optional[int] = ..., peer: _Optional[str] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "detail")
+    __slots__ = ("request_id", "detail", "from_peer", "instance_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    FROM_PEER_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     detail: str
-    def __init__(self, request_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    from_peer: bool
+    instance_id: str
+    def __init__(self, request_id: _Optional[str] = ..., detail: _Optional[str] = ..., from_peer: _Optional[bool] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("instance_id",)

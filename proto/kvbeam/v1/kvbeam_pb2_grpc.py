@@ -70,6 +70,16 @@ class KvbeamControlStub:
                 request_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.BeginWrite = channel.unary_unary(
+                '/kvbeam.v1.KvbeamControl/BeginWrite',
+                request_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.BeginWriteRequest.SerializeToString,
+                response_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.BeginWriteResponse.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/kvbeam.v1.KvbeamControl/Release',
+                request_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.TransferStatus.FromString,
+                _registered_method=True)
 
 
 class KvbeamControlServicer:
@@ -121,6 +131,18 @@ class KvbeamControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginWrite(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvbeamControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +180,16 @@ def add_KvbeamControlServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.HeartbeatRequest.FromString,
                     response_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'BeginWrite': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginWrite,
+                    request_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.BeginWriteRequest.FromString,
+                    response_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.BeginWriteResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.ReleaseRequest.FromString,
+                    response_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.TransferStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +382,60 @@ class KvbeamControl:
             '/kvbeam.v1.KvbeamControl/Heartbeat',
             kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.HeartbeatRequest.SerializeToString,
             kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginWrite(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbeam.v1.KvbeamControl/BeginWrite',
+            kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.BeginWriteRequest.SerializeToString,
+            kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.BeginWriteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbeam.v1.KvbeamControl/Release',
+            kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.ReleaseRequest.SerializeToString,
+            kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.TransferStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,199 @@
+"""The scheduler's client: drive transfers through the daemons' gRPC API.
+
+One :class:`KvbeamClient` per daemon address::
+
+    decode = KvbeamClient("127.0.0.1:50052")
+    prefill = KvbeamClient("127.0.0.1:50051")
+    r = decode.reserve("req-1", seq_len=4096, prefill_address="127.0.0.1:50051")
+    prefill.send("req-1", source_slot=3, seq_len=4096, decode_address="127.0.0.1:50052")
+    status = decode.wait("req-1", timeout=30)      # Success or Failed(reason, detail)
+    decode.release("req-1")                        # the engine took the KV over
+
+Every call has a deadline; errors are typed (:class:`Busy` for RESOURCE_EXHAUSTED,
+:class:`~kvbeam.server.rpc_status.UnknownRequest`, ...).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvbeam.errors import KvbeamError
+from kvbeam.pools.types import IndexKind
+from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.proto.service import control_stub
+from kvbeam.proto.transfer_codec import indices_from_proto, reason_from_proto, state_from_proto
+from kvbeam.server.lifecycle import DuplicateRequest, FailureReason, TransferState
+from kvbeam.server.rpc_errors import peer_error
+from kvbeam.server.rpc_status import BadRequest, UnknownRequest
+
+
+class Busy(KvbeamError):
+    """RESOURCE_EXHAUSTED: no free slot or too many transfers in flight; retry later."""
+
+
+@dataclass(frozen=True)
+class Status:
+    """A transfer's status as a daemon reports it."""
+
+    request_id: str
+    state: TransferState
+    reason: FailureReason | None
+    detail: str
+    slot: int
+    bytes_done: int
+    bytes_total: int
+    peer: str
+
+    @property
+    def terminal(self) -> bool:
+        """Success or Failed."""
+        return self.state.terminal
+
+    def __str__(self) -> str:
+        if self.state is TransferState.FAILED:
+            reason = self.reason.value if self.reason else "?"
+            return f"Failed({reason}, {self.detail})"
+        return str(self.state.value)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Decode's answer to Reserve."""
+
+    request_id: str
+    slot: int
+    indices: dict[IndexKind, npt.NDArray[np.int64]]
+    lease_s: float
+    decode_instance: str
+
+
+def _status(m: pb.TransferStatus) -> Status:
+    return Status(m.request_id, state_from_proto(m.state), reason_from_proto(m.failure_reason),
+                  m.detail, m.slot, m.bytes_done, m.bytes_total, m.peer)
+
+
+class KvbeamClient:
+    """A channel to one kvbeam daemon (prefill or decode)."""
+
+    def __init__(self, address: str, *, timeout: float = 5.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(address)
+        self.stub = control_stub(self.channel)
+
+    def close(self) -> None:
+        """Close the channel."""
+        self.channel.close()
+
+    def __enter__(self) -> KvbeamClient:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _error(self, exc: grpc.RpcError, method: str) -> KvbeamError:
+        code, details = exc.code(), exc.details() or ""
+        where = f"{method} on {self.address}"
+        if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return Busy(f"{where}: {details}")
+        if code is grpc.StatusCode.NOT_FOUND:
+            return UnknownRequest(f"{where}: {details}")
+        if code is grpc.StatusCode.ALREADY_EXISTS:
+            return DuplicateRequest(f"{where}: {details}")
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+            return BadRequest(f"{where}: {details}")
+        return peer_error(exc, address=self.address, method=method, timeout=self.timeout)
+
+    def reserve(self, request_id: str, seq_len: int, prefill_address: str) -> Reservation:
+        """Decode: hold a slot for the request and learn its destination indices."""
+        try:
+            r = self.stub.Reserve(pb.ReserveRequest(request_id=request_id, seq_len=seq_len,
+                                                    prefill_address=prefill_address),
+                                  timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise self._error(exc, "Reserve") from None
+        return Reservation(r.request_id, r.slot, indices_from_proto(r.indices, "indices"),
+                           r.lease_ms / 1000, r.instance_id)
+
+    def send(self, request_id: str, source_slot: int, seq_len: int, decode_address: str, *,
+             final: bool = True, chunks: Sequence[tuple[int, int]] = ()) -> Status:
+        """Prefill: queue (a chunk of) the request for decode; returns at once."""
+        req = pb.SendRequest(request_id=request_id, source_slot=source_slot, seq_len=seq_len,
+                             decode_address=decode_address, final_chunk=final,
+                             chunks=[pb.TokenRange(start=a, end=b) for a, b in chunks])
+        try:
+            return _status(self.stub.Send(req, timeout=self.timeout))
+        except grpc.RpcError as exc:
+            raise self._error(exc, "Send") from None
+
+    def status(self, request_id: str) -> Status:
+        """The transfer's current status on this daemon."""
+        try:
+            return _status(self.stub.Status(pb.StatusRequest(request_id=request_id),
+                                            timeout=self.timeout))
+        except grpc.RpcError as exc:
+            raise self._error(exc, "Status") from None
+
+    def watch(self, request_id: str, timeout: float) -> Iterator[Status]:
+        """Each state change until the transfer ends or ``timeout`` seconds pass."""
+        try:
+            for m in self.stub.WatchStatus(pb.StatusRequest(request_id=request_id),
+                                           timeout=timeout):
+                yield _status(m)
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                return
+            raise self._error(exc, "WatchStatus") from None
+
+    def wait(self, request_id: str, timeout: float) -> Status:
+        """The terminal status, or the last one seen when ``timeout`` passes."""
+        end = time.monotonic() + timeout
+        last = self.status(request_id)
+        while not last.terminal and time.monotonic() < end:
+            for s in self.watch(request_id, max(0.1, end - time.monotonic())):
+                last = s
+        return last
+
+    def abort(self, request_id: str, detail: str = "") -> Status:
+        """Abort on this daemon; it propagates to the peer."""
+        try:
+            return _status(self.stub.Abort(pb.AbortRequest(request_id=request_id, detail=detail),
+                                           timeout=self.timeout))
+        except grpc.RpcError as exc:
+            raise self._error(exc, "Abort") from None
+
+    def release(self, request_id: str) -> Status:
+        """Decode: the engine took the request over; free its slot."""
+        try:
+            return _status(self.stub.Release(pb.ReleaseRequest(request_id=request_id),
+                                             timeout=self.timeout))
+        except grpc.RpcError as exc:
+            raise self._error(exc, "Release") from None
+
+    def healthy(self, timeout: float | None = None) -> bool:
+        """True when the daemon's gRPC health service answers SERVING."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=""),
+                               timeout=timeout or self.timeout)
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.ServingStatus.SERVING)
+
+    def wait_healthy(self, timeout: float) -> bool:
+        """Poll :meth:`healthy` until it is or ``timeout`` passes."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.healthy(timeout=1.0):
+                return True
+            time.sleep(0.1)
+        return False

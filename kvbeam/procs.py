@@ -1,0 +1,121 @@
+"""Start kvbeam daemons as separate, fresh processes (never forked after torch work).
+
+Used by ``kvbeam demo``, the tests and the benchmarks. Each daemon binds port 0
+unless told otherwise and prints its address; :func:`start_daemon` waits for that
+line and for the health service.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from kvbeam.client import KvbeamClient
+from kvbeam.errors import KvbeamError
+
+_READY = re.compile(r"kvbeam (\w+) listening on (\S+) instance (\S+) transport (\w+)")
+
+
+class DaemonStartError(KvbeamError):
+    """A daemon process exited or did not report ready in time; ``output`` has its log."""
+
+    def __init__(self, message: str, output: str) -> None:
+        super().__init__(f"{message}\n--- daemon output ---\n{output}")
+        self.output = output
+
+
+@dataclass
+class DaemonProcess:
+    """A running daemon process and what it reported."""
+
+    role: str
+    proc: subprocess.Popen[str]
+    address: str
+    instance_id: str
+    transport: str
+    lines: list[str] = field(default_factory=list)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM, wait; SIGKILL if it does not exit. Returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL (a crash, for fault tests)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    @property
+    def output(self) -> str:
+        """Everything the daemon printed so far (stdout and stderr)."""
+        return "".join(self.lines)
+
+    def __enter__(self) -> DaemonProcess:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def start_daemon(role: str, config: str, *, listen: str = "127.0.0.1:0",
+                 extra: Sequence[str] = (), env: dict[str, str] | None = None,
+                 timeout: float = 180.0) -> DaemonProcess:
+    """Start ``kvbeam ROLE`` as a subprocess; return once it serves (health SERVING)."""
+    cmd = [sys.executable, "-m", "kvbeam.cli", role, "--config", config, "--listen", listen,
+           *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})}, bufsize=1)
+    lines: list[str] = []
+    ready = threading.Event()
+    found: list[re.Match[str]] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            m = _READY.search(line)
+            if m and not found:
+                found.append(m)
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True, name=f"kvbeam-{role}-output").start()
+    if not ready.wait(timeout) or not found:
+        proc.kill()
+        proc.wait(5)
+        raise DaemonStartError(f"kvbeam {role} did not start (exit code {proc.returncode})",
+                               "".join(lines))
+    m = found[0]
+    daemon = DaemonProcess(role, proc, m.group(2), m.group(3), m.group(4), lines)
+    with KvbeamClient(daemon.address) as client:
+        if not client.wait_healthy(30.0):
+            daemon.stop()
+            raise DaemonStartError(f"kvbeam {role} never reported SERVING", daemon.output)
+    return daemon
+
+
+def wait_until(predicate: object, timeout: float, interval: float = 0.05) -> bool:
+    """Poll a zero-argument callable until it returns truthy or ``timeout`` passes."""
+    assert callable(predicate)
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

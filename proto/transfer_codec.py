@@ -1,0 +1,82 @@
+"""Transfer messages <-> Python values: states, failure reasons, statuses, index lists."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import cast
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbeam.pools.types import IndexKind
+from kvbeam.proto.errors import ProtocolError
+from kvbeam.proto.fields import MAX_ITEMS, enum_value
+from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.server.lifecycle import FailureReason, TransferState, TransferStatus
+
+STATE_TO_PROTO: dict[TransferState, pb.TransferState] = {
+    s: cast(pb.TransferState, pb.TransferState.Value(f"TRANSFER_STATE_{s.name}"))
+    for s in TransferState}
+STATE_FROM_PROTO = {int(v): k for k, v in STATE_TO_PROTO.items()}
+REASON_TO_PROTO: dict[FailureReason, pb.FailureReason] = {
+    r: cast(pb.FailureReason, pb.FailureReason.Value(f"FAILURE_REASON_{r.name}"))
+    for r in FailureReason}
+REASON_FROM_PROTO = {int(v): k for k, v in REASON_TO_PROTO.items()}
+KIND_TO_PROTO: dict[IndexKind, pb.IndexKind] = {
+    k: cast(pb.IndexKind, pb.IndexKind.Value(f"INDEX_KIND_{k.name}"))
+    for k in IndexKind}
+KIND_FROM_PROTO = {int(v): k for k, v in KIND_TO_PROTO.items()}
+#: Most indices accepted per list: a 1M-token request's ring rows or pages fit easily.
+MAX_INDICES = 1 << 22
+
+
+def status_to_proto(s: TransferStatus, *, slot: int = -1, bytes_total: int = 0,
+                    bytes_done: int = 0) -> pb.TransferStatus:
+    """A lifecycle snapshot as a ``TransferStatus`` reply."""
+    return pb.TransferStatus(
+        request_id=s.request_id, state=STATE_TO_PROTO[s.state],
+        failure_reason=REASON_TO_PROTO[s.reason] if s.reason else None,
+        detail=s.detail, slot=slot, peer=s.peer, age_s=s.age_s,
+        bytes_total=bytes_total, bytes_done=bytes_done)
+
+
+def state_from_proto(value: int, field: str = "state") -> TransferState:
+    """Decode a TransferState (unset or unknown refused)."""
+    return enum_value(value, STATE_FROM_PROTO, field, "TransferState")
+
+
+def reason_from_proto(value: int, field: str = "failure_reason") -> FailureReason | None:
+    """Decode a FailureReason; 0 (unset) is None."""
+    return None if value == 0 else enum_value(value, REASON_FROM_PROTO, field, "FailureReason")
+
+
+def indices_to_proto(indices: Mapping[IndexKind, npt.NDArray[np.int64]]) -> list[pb.IndexList]:
+    """Every kind's index list, in IndexKind order."""
+    return [pb.IndexList(kind=KIND_TO_PROTO[k], indices=indices[k].tolist()) for k in IndexKind
+            if k in indices]
+
+
+def indices_from_proto(lists: Iterable[pb.IndexList], field: str
+                       ) -> dict[IndexKind, npt.NDArray[np.int64]]:
+    """Decode index lists: each kind exactly once, no negative index, bounded length.
+
+    Range checks against a buffer happen in the planner, which knows the buffers.
+    """
+    out: dict[IndexKind, npt.NDArray[np.int64]] = {}
+    for i, item in enumerate(lists):
+        if i >= MAX_ITEMS:
+            raise ProtocolError(field, f"too many index lists (at most {MAX_ITEMS})")
+        kind = enum_value(item.kind, KIND_FROM_PROTO, f"{field}[{i}].kind", "IndexKind")
+        if kind in out:
+            raise ProtocolError(f"{field}[{i}].kind", f"{kind.value} appears twice")
+        if len(item.indices) > MAX_INDICES:
+            raise ProtocolError(f"{field}[{i}].indices",
+                                f"too many indices: {len(item.indices)} (at most {MAX_INDICES})")
+        arr = np.asarray(item.indices, dtype=np.int64)
+        if len(arr) and int(arr.min()) < 0:
+            raise ProtocolError(f"{field}[{i}].indices", f"negative index {int(arr.min())}")
+        out[kind] = arr
+    missing = [k.value for k in IndexKind if k not in out]
+    if missing:
+        raise ProtocolError(field, f"index kinds missing: {', '.join(missing)}")
+    return out

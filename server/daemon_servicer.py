@@ -1,0 +1,180 @@
+"""What both daemons serve alike: Status, WatchStatus, Heartbeat, and the background loops.
+
+:class:`DaemonServicer` extends the handshake servicer with the lifecycle table,
+the per-peer connections and three loops the runtime runs in threads: transport
+events, deadline sweeps and heartbeats. Role subclasses implement the hooks
+(:meth:`on_event`, :meth:`on_expired`, :meth:`peer_lost`, :meth:`shutdown`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.proto.side import ROLE_TO_PROTO
+from kvbeam.proto.transfer_codec import status_to_proto
+from kvbeam.proto.version import PROTOCOL_VERSION
+from kvbeam.server.handshake import VerifiedPeer
+from kvbeam.server.lifecycle import TransferStatus
+from kvbeam.server.peers import PeerConn
+from kvbeam.server.rpc_errors import peer_error
+from kvbeam.server.rpc_status import UnknownRequest, handled
+from kvbeam.server.servicer import ControlServicer
+from kvbeam.transport.base import Event
+
+if TYPE_CHECKING:
+    from kvbeam.server.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+#: Heartbeats a peer may miss in a row before it is declared lost.
+MAX_MISSED_HEARTBEATS = 2
+#: Longest a WatchStatus stream stays open, seconds (a client re-opens it).
+WATCH_LIMIT_S = 600.0
+
+
+class DaemonServicer(ControlServicer):
+    """Shared RPCs and loops of the prefill and decode daemons."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        super().__init__(runtime.local)
+        self.rt = runtime
+        self.table = runtime.table
+
+    # ---- hooks ----------------------------------------------------------------
+    def on_event(self, event: Event) -> None:
+        """A transport event (COMPLETED on prefill, NOTIFIED on decode, LINK_FAILED)."""
+        raise NotImplementedError
+
+    def on_expired(self, status: TransferStatus) -> None:
+        """A transfer failed its state's deadline (already FAILED in the table)."""
+        raise NotImplementedError
+
+    def peer_lost(self, conn: PeerConn, detail: str) -> None:
+        """A peer stopped answering or its link broke: fail its transfers, free everything."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Fail every live transfer with reason shutdown."""
+        raise NotImplementedError
+
+    def slot_of(self, request_id: str) -> int:
+        """The request slot a transfer uses, -1 if none (for status replies)."""
+        return -1
+
+    def bytes_of(self, request_id: str) -> tuple[int, int]:
+        """(bytes done, bytes total) of a transfer, for status replies."""
+        return (0, 0)
+
+    def periodic(self) -> None:
+        """Role-specific work each sweep (e.g. decode's hand-off leases)."""
+
+    # ---- shared RPCs ----------------------------------------------------------
+    def _status(self, snap: TransferStatus) -> pb.TransferStatus:
+        done, total = self.bytes_of(snap.request_id)
+        return status_to_proto(snap, slot=self.slot_of(snap.request_id), bytes_done=done,
+                               bytes_total=total)
+
+    def _require_status(self, request_id: str) -> TransferStatus:
+        snap = self.table.get(request_id)
+        if snap is None:
+            raise UnknownRequest(f"unknown request id {request_id!r} on this "
+                                 f"{self.rt.role.value} daemon")
+        return snap
+
+    @handled
+    def Status(self, request: pb.StatusRequest,
+               context: grpc.ServicerContext) -> pb.TransferStatus:
+        """The current state of a transfer."""
+        return self._status(self._require_status(request.request_id))
+
+    def WatchStatus(self, request: pb.StatusRequest,
+                    context: grpc.ServicerContext) -> Iterator[pb.TransferStatus]:
+        """Stream every state change until the transfer ends (or the stream's limit)."""
+        if self.table.get(request.request_id) is None:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"UnknownRequest: unknown request id {request.request_id!r}")
+        limit = WATCH_LIMIT_S
+        remaining = context.time_remaining()
+        if remaining is not None:
+            limit = min(limit, remaining)
+        for snap in self.table.watch(request.request_id, limit):
+            if not context.is_active():
+                return
+            yield self._status(snap)
+
+    @handled
+    def Heartbeat(self, request: pb.HeartbeatRequest,
+                  context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        """Liveness and identity: a peer notices our restart by the instance id."""
+        return pb.HeartbeatResponse(instance_id=self.local.instance_id,
+                                    role=ROLE_TO_PROTO[self.rt.role],
+                                    protocol_version=PROTOCOL_VERSION)
+
+    def on_peer_restarted(self, old: VerifiedPeer, new: VerifiedPeer) -> None:
+        """A peer came back with a new instance id: its old connection is dead."""
+        conn = self.rt.peers.get(old.instance_id)
+        if conn is not None:
+            self.peer_lost(conn, f"peer restarted (instance {old.instance_id} -> "
+                                 f"{new.instance_id})")
+
+    # ---- loops (run by the runtime in threads) -----------------------------------
+    def event_loop(self, stop: threading.Event) -> None:
+        """Dispatch transport events until stopped."""
+        while not stop.is_set():
+            try:
+                events = self.rt.transport.events(timeout=0.2)
+            except Exception:
+                log.exception("reading transport events failed")
+                stop.wait(0.2)
+                continue
+            for event in events:
+                try:
+                    self.on_event(event)
+                except Exception:  # one bad event must not stop the loop
+                    log.exception("handling transport event %s failed", event)
+
+    def sweep(self) -> None:
+        """Enforce deadlines (called every SWEEP_S by the runtime)."""
+        for snap in self.table.expire():
+            log.warning("request %s (peer %s) failed: timeout: %s", snap.request_id,
+                        snap.peer, snap.detail)
+            self.on_expired(snap)
+        self.periodic()
+
+    def heartbeat_loop(self, stop: threading.Event) -> None:
+        """Ping every peer we have live transfers with; declare it lost after missed beats."""
+        interval = self.rt.settings.heartbeat_s
+        while not stop.wait(interval):
+            busy = {s.peer for s in self.table.live()}
+            for conn in self.rt.peers.all():
+                if conn.closed or not self._has_work_with(conn, busy):
+                    continue
+                self._beat(conn, interval)
+
+    def _has_work_with(self, conn: PeerConn, busy: set[str]) -> bool:
+        return conn.control_address in busy
+
+    def _beat(self, conn: PeerConn, interval: float) -> None:
+        timeout = max(0.2, min(self.rt.settings.rpc_timeout_s, 2 * interval))
+        try:
+            reply = conn.client().stub.Heartbeat(
+                pb.HeartbeatRequest(instance_id=self.local.instance_id), timeout=timeout)
+        except grpc.RpcError as exc:
+            conn.missed_heartbeats += 1
+            err = peer_error(exc, address=conn.control_address, method="Heartbeat",
+                             timeout=timeout)
+            log.warning("heartbeat %d/%d to %s missed: %s", conn.missed_heartbeats,
+                        MAX_MISSED_HEARTBEATS, conn.control_address, err)
+            if conn.missed_heartbeats >= MAX_MISSED_HEARTBEATS:
+                self.peer_lost(conn, f"peer stopped answering heartbeats: {err}")
+            return
+        conn.missed_heartbeats = 0
+        if reply.instance_id != conn.instance_id:
+            self.peer_lost(conn, f"peer restarted (instance {conn.instance_id} -> "
+                                 f"{reply.instance_id})")
