@@ -1,0 +1,48 @@
+"""Start prefill/decode daemon pairs as separate processes for the lifecycle tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from kvbeam.client import KvbeamClient
+from kvbeam.procs import DaemonProcess, start_daemon
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "docker" / "config"
+#: Short deadlines keep fault tests fast; far below sglang's 300 s either way.
+FAST = ["--deadline-bootstrap-s", "4", "--deadline-waiting-s", "4",
+        "--deadline-transfer-s", "6", "--heartbeat-s", "0.5", "--rpc-timeout-s", "2",
+        "--handoff-lease-s", "30", "--log-level", "INFO"]
+
+
+def config(role: str, paged: bool = False) -> str:
+    """Path of a shipped config."""
+    return str(CONFIGS / f"{role}{'-paged' if paged else ''}.yaml")
+
+
+def start(role: str, *, paged: bool = False, transport: str = "tcp",
+          extra: Sequence[str] = (), cfg: str | None = None, listen: str = "127.0.0.1:0"
+          ) -> DaemonProcess:
+    """A daemon with fast deadlines and a fill pattern (prefill seed 1, decode seed 2)."""
+    seed = "1" if role == "prefill" else "2"
+    return start_daemon(role, cfg or config(role, paged), listen=listen,
+                        extra=["--transport", transport, "--fill-seed", seed, *FAST, *extra])
+
+
+@contextmanager
+def pair(*, paged: bool = False, transport: str = "tcp", decode_extra: Sequence[str] = (),
+         prefill_extra: Sequence[str] = ()
+         ) -> Iterator[tuple[DaemonProcess, DaemonProcess, KvbeamClient, KvbeamClient]]:
+    """A running prefill/decode pair and a client to each; everything stopped afterwards."""
+    decode = start("decode", paged=paged, transport=transport, extra=decode_extra)
+    try:
+        prefill = start("prefill", paged=paged, transport=transport, extra=prefill_extra)
+        try:
+            with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+                yield prefill, decode, p, d
+        finally:
+            prefill.stop()
+    finally:
+        decode.stop()

@@ -1,0 +1,210 @@
+"""Prefill and decode daemons as separate processes over TCP on loopback: the lifecycle rules.
+
+The same scenarios run over RDMA in the soft-RoCE harness (tests/rdma/test_daemons_rdma.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvbeam.client import Busy, KvbeamClient
+from kvbeam.procs import wait_until
+from kvbeam.scheduler import drive, run_request
+from kvbeam.server.lifecycle import DuplicateRequest, FailureReason, TransferState
+from kvbeam.server.rpc_status import BadRequest, UnknownRequest
+from tests.daemon_helpers import config, pair, start
+
+S, F = TransferState.SUCCESS, TransferState.FAILED
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["unified", "paged"])
+def test_concurrent_requests_all_succeed_and_slots_return(paged: bool) -> None:
+    with pair(paged=paged) as (prefill, decode, p, d):
+        lens = [1 + (i * 2654435761) % 20000 for i in range(20)]
+        results = drive(prefill.address, decode.address, lens, source_slots=8, concurrency=6)
+        bad = [r for r in results if not r.ok]
+        assert not bad, bad
+        assert all(r.bytes > 0 for r in results)
+        assert "CRC32C mismatch" not in decode.output
+
+
+def test_reserve_when_full_is_resource_exhausted() -> None:
+    with pair() as (prefill, decode, p, d):
+        for i in range(16):  # decode.yaml has 16 slots
+            d.reserve(f"hold-{i}", 100, prefill.address)
+        with pytest.raises(Busy, match="no free request slot"):
+            d.reserve("one-too-many", 100, prefill.address)
+        d.abort("hold-0")
+        d.reserve("now-fits", 100, prefill.address)
+
+
+def test_duplicate_and_bad_requests_are_refused_and_daemons_stay_up() -> None:
+    with pair() as (prefill, decode, p, d):
+        r = run_request(p, d, "dup", 500, 0)
+        assert r.ok
+        with pytest.raises(DuplicateRequest):
+            d.reserve("dup", 500, prefill.address)
+        with pytest.raises(DuplicateRequest):
+            p.send("dup", 0, 500, decode.address)
+        with pytest.raises(BadRequest, match="seq_len must be in 1..32768"):
+            d.reserve("neg", -5, prefill.address)
+        with pytest.raises(BadRequest, match="seq_len must be in"):
+            p.send("huge", 0, 10**9, decode.address)
+        with pytest.raises(BadRequest, match="request slot 99 out of range"):
+            p.send("slot", 99, 10, decode.address)
+        with pytest.raises(BadRequest, match="request_id must be"):
+            d.reserve("", 10, prefill.address)
+        with pytest.raises(BadRequest, match="chunk"):
+            p.send("chunky", 0, 100, decode.address, final=False, chunks=[(50, 10)])
+        with pytest.raises(UnknownRequest):
+            d.status("never-seen")
+        with pytest.raises(BadRequest, match="not Success"):
+            d.reserve("live", 10, prefill.address)
+            d.release("live")
+        # both still serve
+        assert run_request(p, d, "after", 300, 1).ok
+
+
+def test_send_without_reservation_fails_on_both_sides() -> None:
+    with pair() as (prefill, decode, p, d):
+        p.send("orphan", 0, 100, decode.address)
+        st = p.wait("orphan", 10)
+        assert st.state is F and st.reason is FailureReason.INVALID_REQUEST
+        assert "no reservation" in st.detail
+
+
+def test_abort_on_decode_propagates_to_prefill_and_frees_the_slot() -> None:
+    with pair() as (prefill, decode, p, d):
+        d.reserve("ab", 2000, prefill.address)
+        st = d.abort("ab", "scheduler changed its mind")
+        assert st.state is F and st.reason is FailureReason.ABORTED
+        # the slot returns: all 16 can be reserved again
+        for i in range(16):
+            d.reserve(f"x{i}", 10, prefill.address)
+
+
+def test_abort_on_prefill_mid_request_reaches_decode() -> None:
+    with pair() as (prefill, decode, p, d):
+        d.reserve("pab", 100, prefill.address)
+        # a non-final chunk: prefill handshakes, begins, writes KV, then waits for more
+        p.send("pab", 0, 100, decode.address, final=False, chunks=[(0, 50)])
+        assert wait_until(lambda: d.status("pab").state is TransferState.TRANSFERRING, 10)
+        p.abort("pab", "engine cancelled")
+        st = d.wait("pab", 10)
+        assert st.state is F and st.reason is FailureReason.PEER_FAILED
+        assert "engine cancelled" in st.detail
+        assert p.status("pab").reason is FailureReason.ABORTED
+
+
+def test_chunked_send_moves_everything_once_final() -> None:
+    with pair() as (prefill, decode, p, d):
+        d.reserve("chunked", 3000, prefill.address)
+        p.send("chunked", 2, 3000, decode.address, final=False, chunks=[(0, 1024)])
+        p.send("chunked", 2, 3000, decode.address, final=False, chunks=[(1024, 2048)])
+        assert d.status("chunked").state is not S
+        p.send("chunked", 2, 3000, decode.address, final=True)
+        st = d.wait("chunked", 20)
+        assert st.state is S, st
+        with pytest.raises(DuplicateRequest):
+            p.send("chunked", 2, 3000, decode.address, final=True)
+
+
+def test_reservation_lease_expires_and_frees_the_slot() -> None:
+    with pair() as (prefill, decode, p, d):
+        d.reserve("lease", 100, prefill.address)
+        t0 = time.monotonic()
+        st = d.wait("lease", 15)
+        assert st.state is F and st.reason is FailureReason.TIMEOUT
+        assert time.monotonic() - t0 < 8  # bootstrap deadline is 4 s in these tests
+        for i in range(16):
+            d.reserve(f"y{i}", 10, prefill.address)
+
+
+def test_incompatible_pair_fails_on_both_sides_with_the_field_named() -> None:
+    decode = start("decode", paged=True)
+    try:
+        prefill = start("prefill")  # unified
+        try:
+            with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+                d.reserve("mismatch", 100, prefill.address)
+                p.send("mismatch", 0, 100, decode.address)
+                st = p.wait("mismatch", 10)
+                assert st.state is F and st.reason is FailureReason.INCOMPATIBLE
+                assert "unified-KV mode: prefill=True, decode=False" in st.detail
+                dst = d.wait("mismatch", 10)
+                assert dst.state is F and "unified-KV mode" in dst.detail
+            assert "differ in unified-KV mode" in decode.output
+        finally:
+            prefill.stop()
+    finally:
+        decode.stop()
+
+
+def test_prefill_killed_mid_request_fails_decode_within_the_deadline() -> None:
+    decode = start("decode")
+    try:
+        prefill = start("prefill")
+        with KvbeamClient(decode.address) as d, KvbeamClient(prefill.address) as p:
+            d.reserve("victim", 4000, prefill.address)
+            p.send("victim", 0, 4000, decode.address, final=False, chunks=[(0, 256)])
+            assert wait_until(lambda: d.status("victim").state is TransferState.TRANSFERRING, 10)
+            t0 = time.monotonic()
+            prefill.kill()
+            st = d.wait("victim", 20)
+            assert st.state is F and st.reason in (FailureReason.PEER_FAILED,
+                                                   FailureReason.TIMEOUT)
+            assert time.monotonic() - t0 < 10
+            for i in range(16):  # every slot is free again
+                d.reserve(f"z{i}", 10, prefill.address)
+    finally:
+        decode.stop()
+
+
+def test_decode_restart_is_detected_and_a_new_handshake_serves() -> None:
+    decode = start("decode")
+    prefill = start("prefill")
+    try:
+        with KvbeamClient(prefill.address) as p:
+            with KvbeamClient(decode.address) as d:
+                assert run_request(p, d, "before", 1000, 0).ok
+                d.reserve("inflight", 4000, prefill.address)
+                p.send("inflight", 1, 4000, decode.address, final=False, chunks=[(0, 256)])
+                assert wait_until(
+                    lambda: d.status("inflight").state is TransferState.TRANSFERRING, 10)
+            address = decode.address
+            decode.kill()
+            st = p.wait("inflight", 20)
+            assert st.state is F and st.reason in (FailureReason.PEER_FAILED,
+                                                   FailureReason.TRANSPORT_ERROR)
+            decode = start("decode", listen=address)
+            with KvbeamClient(decode.address) as d:
+                assert run_request(p, d, "after-restart", 1000, 0).ok
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_sigterm_shuts_down_cleanly() -> None:
+    decode = start("decode")
+    with KvbeamClient(decode.address) as d:
+        d.reserve("pending", 10, "127.0.0.1:1")
+    assert decode.stop() == 0
+    out = decode.output
+    assert "decode daemon stopped: nothing registered, transport closed" in out
+
+
+def test_local_check_refuses_to_start(tmp_path: object) -> None:
+    import pathlib
+
+    assert isinstance(tmp_path, pathlib.Path)
+    bad = tmp_path / "bad.yaml"
+    text = pathlib.Path(config("prefill")).read_text()
+    head, _, draft = text.partition("draft:")
+    bad.write_text(head + "draft:" + draft.replace("unified_kv: true", "unified_kv: false"))
+    from kvbeam.procs import DaemonStartError
+
+    with pytest.raises(DaemonStartError) as info:
+        start("prefill", cfg=str(bad))
+    assert "DSV4 target and draft pools must use the same unified-KV mode" in info.value.output
