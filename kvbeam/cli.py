@@ -17,7 +17,8 @@ from types import ModuleType
 from kvbeam import __version__
 from kvbeam.errors import KvbeamError
 
-COMMAND_MODULES = ("plan", "check", "prefill", "decode", "drive", "demo")
+COMMAND_MODULES = ("plan", "check", "prefill", "decode", "demo", "drive", "reserve", "send",
+                   "status", "abort", "release")
 
 def _load_commands() -> list[ModuleType]:
     return [importlib.import_module(f"kvbeam.commands.{name}") for name in COMMAND_MODULES]

@@ -208,3 +208,34 @@ def test_local_check_refuses_to_start(tmp_path: object) -> None:
     with pytest.raises(DaemonStartError) as info:
         start("prefill", cfg=str(bad))
     assert "DSV4 target and draft pools must use the same unified-KV mode" in info.value.output
+
+
+def test_scheduler_cli_verbs() -> None:
+    import json
+    import subprocess
+    import sys
+
+    def kv(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kvbeam.cli", *argv], capture_output=True,
+                              text=True, timeout=60)
+
+    with pair() as (prefill, decode, p, d):
+        r = kv("reserve", "--address", decode.address, "--request-id", "cli-1", "--seq-len",
+               "700", "--prefill", prefill.address, "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["slot"] >= 0
+        r = kv("send", "--address", prefill.address, "--request-id", "cli-1", "--source-slot",
+               "3", "--seq-len", "700", "--decode", decode.address, "--wait", "20")
+        assert r.returncode == 0 and "Success" in r.stdout, r.stdout + r.stderr
+        r = kv("status", "--address", decode.address, "--request-id", "cli-1", "--json")
+        assert json.loads(r.stdout)["state"] == "Success"
+        assert kv("release", "--address", decode.address, "--request-id", "cli-1").returncode == 0
+        r = kv("status", "--address", decode.address, "--request-id", "nope")
+        assert r.returncode == 2 and "unknown request id" in r.stderr
+        r = kv("reserve", "--address", decode.address, "--request-id", "cli-2", "--seq-len",
+               "10", "--prefill", prefill.address)
+        r = kv("abort", "--address", decode.address, "--request-id", "cli-2")
+        assert r.returncode == 0 and "Failed(aborted" in r.stdout
+        r = kv("drive", "--prefill", prefill.address, "--decode", decode.address,
+               "--requests", "3", "--prefix", "cli-drive")
+        assert r.returncode == 0 and "3/3 Success" in r.stdout, r.stdout + r.stderr

@@ -1,0 +1,32 @@
+"""Shared pieces of the scheduler subcommands (reserve, send, status, abort, release)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from kvbeam.client import Status
+
+
+def add_common(parser: argparse.ArgumentParser, address_help: str) -> None:
+    """--address, --request-id, --timeout, --json."""
+    parser.add_argument("--address", required=True, help=address_help)
+    parser.add_argument("--request-id", required=True, help="the request id (unique per pair)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="RPC deadline, s (default 5)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def print_status(status: Status, as_json: bool) -> int:
+    """Print a status; exit code 0 unless it is Failed."""
+    if as_json:
+        d = asdict(status)
+        d["state"] = status.state.value
+        d["reason"] = status.reason.value if status.reason else None
+        json.dump(d, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(f"{status.request_id}: {status} slot={status.slot} "
+              f"bytes={status.bytes_done}/{status.bytes_total} peer={status.peer}")
+    return 1 if status.terminal and status.reason is not None else 0

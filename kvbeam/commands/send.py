@@ -1,0 +1,46 @@
+"""``kvbeam send``: Send (a chunk of) a request from a prefill daemon."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvbeam.client import KvbeamClient
+from kvbeam.commands._request import add_common, print_status
+
+NAME = "send"
+HELP = "scheduler: send (a chunk of) a request from a prefill daemon to decode"
+DESCRIPTION = """\
+Send on prefill: prefill handshakes with the decode daemon if needed, asks it where
+to write, plans and writes. Without --chunk the whole request goes at once (final);
+with --chunk START:END (repeatable) and --not-final only those tokens' KV pages go
+now; the final send moves the rest plus the state components and the completion.
+
+exit codes: 0 queued (or, with --wait, Success), 1 Failed, 2 refused.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvbeam send``."""
+    add_common(parser, "prefill control address HOST:PORT")
+    parser.add_argument("--source-slot", type=int, required=True, help="prefill request slot")
+    parser.add_argument("--seq-len", type=int, required=True, help="tokens in the request")
+    parser.add_argument("--decode", required=True, help="decode control address HOST:PORT")
+    parser.add_argument("--chunk", action="append", default=[], metavar="START:END",
+                        help="token range of this chunk (repeatable)")
+    parser.add_argument("--not-final", action="store_true", help="more chunks follow")
+    parser.add_argument("--wait", type=float, default=0.0,
+                        help="wait up to this many seconds for the terminal state")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Send and print the status."""
+    chunks = []
+    for text in args.chunk:
+        start, _, end = text.partition(":")
+        chunks.append((int(start), int(end)))
+    with KvbeamClient(args.address, timeout=args.timeout) as client:
+        status = client.send(args.request_id, args.source_slot, args.seq_len, args.decode,
+                             final=not args.not_final, chunks=chunks)
+        if args.wait > 0:
+            status = client.wait(args.request_id, args.wait)
+    return print_status(status, args.json)

@@ -1,0 +1,36 @@
+"""``kvbeam status``: a request's state on either daemon."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvbeam.client import KvbeamClient
+from kvbeam.commands._request import add_common, print_status
+
+NAME = "status"
+HELP = "scheduler: show (or --watch) a request's state on a prefill or decode daemon"
+DESCRIPTION = """\
+States: Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed(reason, detail).
+--watch streams every change (WatchStatus) until the request ends or --watch seconds pass.
+
+exit codes: 0 (not Failed), 1 Failed, 2 unknown request or refused.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvbeam status``."""
+    add_common(parser, "control address of either daemon HOST:PORT")
+    parser.add_argument("--watch", type=float, default=0.0, metavar="SECONDS",
+                        help="stream state changes for up to SECONDS")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the status (or each change)."""
+    with KvbeamClient(args.address, timeout=args.timeout) as client:
+        status = client.status(args.request_id)
+        if args.watch > 0:
+            code = 0
+            for status in client.watch(args.request_id, args.watch):
+                code = print_status(status, args.json)
+            return code
+    return print_status(status, args.json)
