@@ -73,41 +73,65 @@ class DaemonProcess:
         self.stop()
 
 
-def start_daemon(role: str, config: str, *, listen: str = "127.0.0.1:0",
-                 extra: Sequence[str] = (), env: dict[str, str] | None = None,
-                 timeout: float = 180.0) -> DaemonProcess:
-    """Start ``kvbeam ROLE`` as a subprocess; return once it serves (health SERVING)."""
+def spawn_daemon(role: str, config: str, *, listen: str = "127.0.0.1:0",
+                 extra: Sequence[str] = (), env: dict[str, str] | None = None) -> PendingDaemon:
+    """Start ``kvbeam ROLE`` as a subprocess without waiting (see :meth:`PendingDaemon.ready`).
+
+    Starting several daemons first and waiting afterwards overlaps their start-up
+    (``import torch`` alone takes about a minute under TCG).
+    """
     cmd = [sys.executable, "-m", "kvbeam.cli", role, "--config", config, "--listen", listen,
            *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})}, bufsize=1)
-    lines: list[str] = []
-    ready = threading.Event()
-    found: list[re.Match[str]] = []
+    return PendingDaemon(role, proc)
 
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
+
+class PendingDaemon:
+    """A daemon process that has not reported ready yet; collects its output."""
+
+    def __init__(self, role: str, proc: subprocess.Popen[str]) -> None:
+        self.role = role
+        self.proc = proc
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self._found: list[re.Match[str]] = []
+        threading.Thread(target=self._pump, daemon=True, name=f"kvbeam-{role}-output").start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
             m = _READY.search(line)
-            if m and not found:
-                found.append(m)
-                ready.set()
-        ready.set()
+            if m and not self._found:
+                self._found.append(m)
+                self._ready.set()
+        self._ready.set()
 
-    threading.Thread(target=pump, daemon=True, name=f"kvbeam-{role}-output").start()
-    if not ready.wait(timeout) or not found:
-        proc.kill()
-        proc.wait(5)
-        raise DaemonStartError(f"kvbeam {role} did not start (exit code {proc.returncode})",
-                               "".join(lines))
-    m = found[0]
-    daemon = DaemonProcess(role, proc, m.group(2), m.group(3), m.group(4), lines)
-    with KvbeamClient(daemon.address) as client:
-        if not client.wait_healthy(30.0):
-            daemon.stop()
-            raise DaemonStartError(f"kvbeam {role} never reported SERVING", daemon.output)
-    return daemon
+    def ready(self, timeout: float = 180.0) -> DaemonProcess:
+        """Wait for the ready line and SERVING health; kill and raise on failure."""
+        if not self._ready.wait(timeout) or not self._found:
+            self.proc.kill()
+            self.proc.wait(5)
+            raise DaemonStartError(
+                f"kvbeam {self.role} did not start (exit code {self.proc.returncode})",
+                "".join(self.lines))
+        m = self._found[0]
+        daemon = DaemonProcess(self.role, self.proc, m.group(2), m.group(3), m.group(4),
+                               self.lines)
+        with KvbeamClient(daemon.address) as client:
+            if not client.wait_healthy(30.0):
+                daemon.stop()
+                raise DaemonStartError(f"kvbeam {self.role} never reported SERVING",
+                                       daemon.output)
+        return daemon
+
+
+def start_daemon(role: str, config: str, *, listen: str = "127.0.0.1:0",
+                 extra: Sequence[str] = (), env: dict[str, str] | None = None,
+                 timeout: float = 180.0) -> DaemonProcess:
+    """Start ``kvbeam ROLE`` as a subprocess; return once it serves (health SERVING)."""
+    return spawn_daemon(role, config, listen=listen, extra=extra, env=env).ready(timeout)
 
 
 def wait_until(predicate: object, timeout: float, interval: float = 0.05) -> bool:

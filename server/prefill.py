@@ -20,7 +20,13 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from kvbeam.errors import KvbeamError, PlanError, PoolCompatibilityError, TransportError
+from kvbeam.errors import (
+    KvbeamError,
+    PlanError,
+    PoolCompatibilityError,
+    RegionError,
+    TransportError,
+)
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.plan import build_plan
@@ -195,9 +201,11 @@ class PrefillServicer(DaemonServicer):
         out.bytes_total += plan.total_bytes
         try:
             conn.link.write(reply.transfer_id, plan.blocks, notify=final)
-        except Exception:
+        except Exception as exc:
             out.outstanding -= 1
             out.pending_bytes.pop()
+            if isinstance(exc, TransportError) and not isinstance(exc, RegionError):
+                self.peer_lost(conn, f"link unusable: {exc}")
             raise
         out.final_posted = final
         log.info("request %s: posted %s%d bytes in %d blocks to %s", rid,
@@ -293,6 +301,13 @@ class PrefillServicer(DaemonServicer):
             log.warning("completion of unknown transfer %s on link %d ignored",
                         event.transfer_id, event.link)
             return
+        if not event.ok:
+            # A failed write leaves the link unusable (an RC QP in error, a TCP stream
+            # broken): drop the connection so the next request handshakes afresh.
+            conn = self.rt.peers.by_link(event.link)
+            if conn is not None:
+                threading.Thread(target=self.peer_lost, daemon=True,
+                                 args=(conn, f"write failed: {event.status}")).start()
         with out.cond:
             out.outstanding -= 1
             done = out.pending_bytes.pop(0) if out.pending_bytes else 0

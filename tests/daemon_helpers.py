@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvbeam.client import KvbeamClient
-from kvbeam.procs import DaemonProcess, start_daemon
+from kvbeam.procs import DaemonProcess, spawn_daemon, start_daemon
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "docker" / "config"
@@ -17,18 +17,45 @@ FAST = ["--deadline-bootstrap-s", "4", "--deadline-waiting-s", "4",
         "--handoff-lease-s", "30", "--log-level", "INFO"]
 
 
+#: Start-up budget: ``import torch`` alone takes about a minute in the TCG guest.
+STARTUP_S = 300.0
+
+
 def config(role: str, paged: bool = False) -> str:
     """Path of a shipped config."""
     return str(CONFIGS / f"{role}{'-paged' if paged else ''}.yaml")
+
+
+def _args(role: str, transport: str, extra: Sequence[str]) -> list[str]:
+    seed = "1" if role == "prefill" else "2"
+    return ["--transport", transport, "--fill-seed", seed, *FAST, *extra]
 
 
 def start(role: str, *, paged: bool = False, transport: str = "tcp",
           extra: Sequence[str] = (), cfg: str | None = None, listen: str = "127.0.0.1:0"
           ) -> DaemonProcess:
     """A daemon with fast deadlines and a fill pattern (prefill seed 1, decode seed 2)."""
-    seed = "1" if role == "prefill" else "2"
     return start_daemon(role, cfg or config(role, paged), listen=listen,
-                        extra=["--transport", transport, "--fill-seed", seed, *FAST, *extra])
+                        extra=_args(role, transport, extra), timeout=STARTUP_S)
+
+
+def start_both(*, paged: bool = False, transport: str = "tcp", decode_extra: Sequence[str] = (),
+               prefill_extra: Sequence[str] = ()) -> tuple[DaemonProcess, DaemonProcess]:
+    """Start decode and prefill at the same time (their start-ups overlap); (prefill, decode)."""
+    d = spawn_daemon("decode", config("decode", paged),
+                     extra=_args("decode", transport, decode_extra))
+    p = spawn_daemon("prefill", config("prefill", paged),
+                     extra=_args("prefill", transport, prefill_extra))
+    try:
+        decode = d.ready(STARTUP_S)
+    except BaseException:
+        p.proc.kill()
+        raise
+    try:
+        return p.ready(STARTUP_S), decode
+    except BaseException:
+        decode.stop()
+        raise
 
 
 @contextmanager
@@ -36,13 +63,11 @@ def pair(*, paged: bool = False, transport: str = "tcp", decode_extra: Sequence[
          prefill_extra: Sequence[str] = ()
          ) -> Iterator[tuple[DaemonProcess, DaemonProcess, KvbeamClient, KvbeamClient]]:
     """A running prefill/decode pair and a client to each; everything stopped afterwards."""
-    decode = start("decode", paged=paged, transport=transport, extra=decode_extra)
+    prefill, decode = start_both(paged=paged, transport=transport, decode_extra=decode_extra,
+                                 prefill_extra=prefill_extra)
     try:
-        prefill = start("prefill", paged=paged, transport=transport, extra=prefill_extra)
-        try:
-            with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
-                yield prefill, decode, p, d
-        finally:
-            prefill.stop()
+        with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+            yield prefill, decode, p, d
     finally:
+        prefill.stop()
         decode.stop()
