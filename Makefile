@@ -9,7 +9,8 @@ APT_PACKAGES := qemu-system-x86 busybox-static cpio kmod iproute2 rdma-core ibve
 	ibverbs-providers libibverbs1 perftest python3-pyverbs
 SETUP_STAMP := $(VENV)/.kvbeam-setup
 
-.PHONY: help system-deps setup demo test test-host test-rdma lint proto proto-check bench bench-plan clean
+.PHONY: help system-deps setup demo test test-host test-rdma lint proto proto-check bench \
+	bench-plan bench-handshake clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
@@ -35,10 +36,8 @@ $(SETUP_STAMP): pyproject.toml
 
 setup: $(SETUP_STAMP) ## venv, Python packages, pyverbs link, soft-RoCE guest kernel and initramfs
 
-demo: setup ## plan a request on the example configs and check them (the README's first command)
-	$(VENV)/bin/kvbeam plan --config docker/config/prefill.yaml --request-slot 7 --seq-len 129 \
-		--decode docker/config/decode.yaml --decode-slot 3
-	$(VENV)/bin/kvbeam check docker/config/prefill.yaml docker/config/decode.yaml
+demo: setup ## prefill + decode daemons, requests through the scheduler API (RDMA; soft-RoCE guest here)
+	$(VENV)/bin/kvbeam demo
 
 lint: setup ## ruff and mypy
 	$(VENV)/bin/ruff check .
@@ -61,7 +60,10 @@ test: lint proto-check test-host test-rdma ## everything CI runs
 bench-plan: setup ## planning time for a 128k-token request
 	$(PY) tests/bench/bench_plan.py
 
-bench: bench-plan ## all benchmarks
+bench-handshake: setup ## handshake latency between two control servers on loopback
+	$(PY) tests/bench/bench_handshake.py
+
+bench: bench-plan bench-handshake ## all benchmarks
 	bash tests/softroce/run_rdma_suite.sh --cmd '$(PY) tests/bench/bench_transport.py'
 
 clean: ## remove the venv and caches (keeps the downloaded guest kernel)

@@ -9,7 +9,9 @@ The role-specific behaviour lives in the servicer (:mod:`kvbeam.server.decode`,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import socket
 import threading
 from typing import TYPE_CHECKING, cast
 
@@ -89,7 +91,13 @@ class Runtime:
         """Serve the control plane and start the background loops; returns the bound address."""
         self.server = ControlServer(self.local, servicer=servicer, options=self.options)
         address = self.server.start(self.settings.listen)
-        self.local = self.server.local  # carries the bound address when none was advertised
+        if not self.server.local.control_address:
+            # Bound to a wildcard with no --advertise: peers reach us by host name.
+            advertised = f"{socket.gethostname()}:{self.server.port}"
+            servicer.local = dataclasses.replace(self.server.local, control_address=advertised)
+            log.warning("listening on %s without --advertise: advertising %s to peers",
+                        address, advertised)
+        self.local = self.server.local  # carries the bound or advertised address
         for name, target in (("events", servicer.event_loop), ("sweeper", self._sweep),
                              ("heartbeat", servicer.heartbeat_loop)):
             t = threading.Thread(target=target, args=(self._stop,), name=f"kvbeam-{name}",
