@@ -21,7 +21,7 @@ S, F = TransferState.SUCCESS, TransferState.FAILED
 
 @pytest.mark.parametrize("paged", [False, True], ids=["unified", "paged"])
 def test_concurrent_requests_all_succeed_and_slots_return(paged: bool) -> None:
-    with pair(paged=paged) as (prefill, decode, p, d):
+    with pair(paged=paged) as (prefill, decode, _p, _d):
         lens = [1 + (i * 2654435761) % 20000 for i in range(20)]
         results = drive(prefill.address, decode.address, lens, source_slots=8, concurrency=6)
         bad = [r for r in results if not r.ok]
@@ -31,7 +31,7 @@ def test_concurrent_requests_all_succeed_and_slots_return(paged: bool) -> None:
 
 
 def test_reserve_when_full_is_resource_exhausted() -> None:
-    with pair() as (prefill, decode, p, d):
+    with pair() as (prefill, _decode, _p, d):
         for i in range(16):  # decode.yaml has 16 slots
             d.reserve(f"hold-{i}", 100, prefill.address)
         with pytest.raises(Busy, match="no free request slot"):
@@ -48,7 +48,7 @@ def test_duplicate_and_bad_requests_are_refused_and_daemons_stay_up() -> None:
             d.reserve("dup", 500, prefill.address)
         with pytest.raises(DuplicateRequest):
             p.send("dup", 0, 500, decode.address)
-        with pytest.raises(BadRequest, match="seq_len must be in 1..32768"):
+        with pytest.raises(BadRequest, match=r"seq_len must be in 1\.\.32768"):
             d.reserve("neg", -5, prefill.address)
         with pytest.raises(BadRequest, match="seq_len must be in"):
             p.send("huge", 0, 10**9, decode.address)
@@ -68,7 +68,7 @@ def test_duplicate_and_bad_requests_are_refused_and_daemons_stay_up() -> None:
 
 
 def test_send_without_reservation_fails_on_both_sides() -> None:
-    with pair() as (prefill, decode, p, d):
+    with pair() as (_prefill, decode, p, _d):
         p.send("orphan", 0, 100, decode.address)
         st = p.wait("orphan", 10)
         assert st.state is F and st.reason is FailureReason.INVALID_REQUEST
@@ -76,7 +76,7 @@ def test_send_without_reservation_fails_on_both_sides() -> None:
 
 
 def test_abort_on_decode_propagates_to_prefill_and_frees_the_slot() -> None:
-    with pair() as (prefill, decode, p, d):
+    with pair() as (prefill, _decode, _p, d):
         d.reserve("ab", 2000, prefill.address)
         st = d.abort("ab", "scheduler changed its mind")
         assert st.state is F and st.reason is FailureReason.ABORTED
@@ -112,7 +112,7 @@ def test_chunked_send_moves_everything_once_final() -> None:
 
 
 def test_reservation_lease_expires_and_frees_the_slot() -> None:
-    with pair() as (prefill, decode, p, d):
+    with pair() as (prefill, _decode, _p, d):
         d.reserve("lease", 100, prefill.address)
         t0 = time.monotonic()
         st = d.wait("lease", 15)
@@ -219,7 +219,7 @@ def test_scheduler_cli_verbs() -> None:
         return subprocess.run([sys.executable, "-m", "kvbeam.cli", *argv], capture_output=True,
                               text=True, timeout=60)
 
-    with pair() as (prefill, decode, p, d):
+    with pair() as (prefill, decode, _p, _d):
         r = kv("reserve", "--address", decode.address, "--request-id", "cli-1", "--seq-len",
                "700", "--prefill", prefill.address, "--json")
         assert r.returncode == 0, r.stderr

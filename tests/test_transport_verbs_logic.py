@@ -1,0 +1,250 @@
+"""The verbs transport's WR building and send-queue accounting, on the host (no device).
+
+A fake QP completes signalled WRs in order, as an RC QP does, so the link's
+posting and retiring logic runs exactly as on a NIC.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections import deque
+from types import SimpleNamespace
+from typing import Any, cast
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbeam.errors import TransportError
+from kvbeam.transport import status
+from kvbeam.transport.base import Event, EventKind
+from kvbeam.transport.blocks import Blocks
+from kvbeam.transport.core import Prepared
+from kvbeam.transport.endpoint import Endpoint, RemoteRegion
+from kvbeam.transport.options import TransportOptions
+from kvbeam.transport.regions import RegionTable
+from kvbeam.transport.verbs_chain import SGE_DTYPE, WR_DTYPE, WrBatch, build
+from kvbeam.transport.verbs_link import VerbsLink
+from kvbeam.transport.verbs_qp import RECV_TAG
+
+U64 = np.uint64
+
+
+def prepared(n: int, notify: bool, transfer_id: int = 7) -> Prepared:
+    i = np.arange(n, dtype=np.uint64)
+    return Prepared(transfer_id, notify, U64(0x1000) + i * U64(64), U64(0x9000) + i * U64(64),
+                    np.full(n, 64, np.uint64), np.full(n, 5, np.uint32),
+                    np.full(n, 6, np.uint32))
+
+
+@pytest.mark.parametrize(("n", "notify", "every"), [(10, True, 4), (8, False, 4), (0, True, 4),
+                                                    (1, False, 64), (64, True, 64)])
+def test_build_links_the_chain_and_picks_signals(n: int, notify: bool, every: int) -> None:
+    b = build(prepared(n, notify), 3, every, (0xAAAA, 0xBB))
+    total = n + notify
+    assert b.n == total and WR_DTYPE.itemsize == 128 and SGE_DTYPE.itemsize == 16
+    if total == 0:
+        return
+    w, s = b.wrs, b.sges
+    assert w["next"][:-1].tolist() == [b.wr_addr + 128 * (i + 1) for i in range(total - 1)]
+    assert int(w["next"][-1]) == 0
+    assert w["sg_list"].tolist() == [b.sge_addr + 16 * i for i in range(total)]
+    assert s["addr"][:n].tolist() == [0x1000 + 64 * i for i in range(n)]
+    assert w["remote_addr"][:n].tolist() == [0x9000 + 64 * i for i in range(n)]
+    assert set(w["opcode"][:n].tolist()) <= {0} and set(w["num_sge"][:n].tolist()) <= {1}
+    if notify:
+        assert int(w["opcode"][-1]) == 1 and int(w["num_sge"][-1]) == 0  # WRITE WITH IMM
+        assert int(w["imm_data"][-1]) == int.from_bytes((7).to_bytes(4, "big"), "little")
+        assert (int(w["remote_addr"][-1]), int(w["rkey"][-1])) == (0xAAAA, 0xBB)
+    signalled = np.flatnonzero(w["send_flags"] == 2).tolist()
+    assert signalled == b.signal_pos
+    assert signalled[-1] == total - 1  # the last WR always
+    assert all(b - a <= every for a, b in zip([-1, *signalled], signalled, strict=False))
+    assert [c for _, c, _ in b.signals] == np.diff([-1, *signalled]).tolist()
+    assert sum(c for _, c, _ in b.signals) == total
+    assert [t for _, _, t in b.signals] == [None] * (len(signalled) - 1) + [7]
+    assert all(wr_id >> 32 == 3 and not wr_id & RECV_TAG for wr_id, _, _ in b.signals)
+
+
+class FakeQP:
+    """Completes signalled WRs in order; counts what is outstanding like a NIC's SQ."""
+
+    def __init__(self, sq_depth: int) -> None:
+        self.sq_depth = sq_depth
+        self.qpn, self.psn, self.event_fd = 99, 1, None
+        self.qp = self
+        self.posted: deque[tuple[int, int]] = deque()  # (wr_id, signalled) per WR
+        self.outstanding = 0
+        self.max_outstanding = 0
+        self.fail_next: int | None = None
+        self.closed = False
+
+    def to_rts(self, *args: Any) -> None:
+        pass
+
+    def take(self, batch: WrBatch, a: int, b: int) -> None:
+        rows = batch.wrs[a:b]
+        for wr_id, flags in zip(rows["wr_id"].tolist(), rows["send_flags"].tolist(), strict=True):
+            self.posted.append((wr_id, flags & 2))
+        self.outstanding += b - a
+        self.max_outstanding = max(self.max_outstanding, self.outstanding)
+        assert self.outstanding <= self.sq_depth, "send queue overflow"
+
+    def poll(self, n: int) -> list[Any]:
+        out: list[Any] = []
+        while self.posted and len(out) < n:
+            wr_id, signalled = self.posted.popleft()
+            self.outstanding -= 1
+            if signalled:
+                st_ = self.fail_next if self.fail_next is not None else 0
+                out.append(SimpleNamespace(wr_id=wr_id, status=st_, opcode=1, vendor_err=0,
+                                           imm_data=0))
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakePoster:
+    def post(self, qp: FakeQP, batch: WrBatch, a: int, b: int) -> None:
+        qp.take(batch, a, b)
+
+
+class FakeTransport:
+    def __init__(self, options: TransportOptions) -> None:
+        self.options = options
+        self.events: list[Event] = []
+        self._lock = threading.RLock()
+        self._book = SimpleNamespace(local=RegionTable([(0x1000, 1 << 30, 5)], "local"),
+                                     remote_regions=lambda: ())
+        self.device = SimpleNamespace(gid="fe80::1", mtu=5, name="fake0")
+
+    def _emit(self, event: Event) -> None:
+        self.events.append(event)
+
+    def _wake(self) -> None:
+        pass
+
+    def _forget(self, link: Any) -> None:
+        pass
+
+
+def make_link(options: TransportOptions) -> tuple[VerbsLink, FakeQP, FakeTransport]:
+    t = FakeTransport(options)
+    qp = FakeQP(options.sq_depth)
+    link = VerbsLink(cast(Any, t), 1, cast(Any, qp))
+    link.connect(Endpoint("rdma", (RemoteRegion(0x4000_0000, 1 << 30, 9),), gid="fe80::2",
+                          qpns=(5,), psn=3, mtu=4096))
+    return link, qp, t
+
+
+def run(link: VerbsLink, qp: FakeQP, steps: int = 10_000) -> None:
+    poster = cast(Any, FakePoster())
+    for _ in range(steps):
+        if not link.service(poster, 0.0) and not qp.posted:
+            return
+    raise AssertionError("did not settle")
+
+
+def blocks(n: int, size: int) -> Blocks:
+    i = np.arange(n, dtype=np.uint64) * U64(size)
+    return Blocks(U64(0x1000) + i, U64(0x4000_0000) + i, np.full(n, size, np.uint64))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.booleans()), min_size=1, max_size=12),
+       st.sampled_from([(16, 4, 8), (32, 8, 32), (512, 64, 256), (8, 8, 3)]))
+def test_posting_never_overflows_and_completes_every_transfer(
+        transfers: list[tuple[int, bool]], shape: tuple[int, int, int]) -> None:
+    sq, every, chain = shape
+    options = TransportOptions(sq_depth=sq, signal_every=every, max_chain=chain, slice_bytes=64)
+    link, qp, t = make_link(options)
+    for i, (n, notify) in enumerate(transfers):
+        link.write(i, blocks(n, 64), notify)
+    run(link, qp)
+    assert qp.max_outstanding <= sq
+    done = [e.transfer_id for e in t.events]
+    assert sorted(d or 0 for d in done) == list(range(len(transfers)))
+    assert all(e.ok and e.kind is EventKind.COMPLETED for e in t.events)
+    with_wrs = [i for i, (n, notify) in enumerate(transfers) if n or notify]
+    assert [d for d in done if d in with_wrs] == with_wrs  # in posting order
+    assert link._outstanding == 0 and not link._inflight
+    assert link.stats.wrs == sum(n + notify for n, notify in transfers)
+
+
+def test_error_completion_fails_everything_and_tears_down() -> None:
+    link, qp, t = make_link(TransportOptions(sq_depth=16, signal_every=4, max_chain=8))
+    for i in range(5):
+        link.write(i, blocks(20, 64))
+    qp.fail_next = 12  # IBV_WC_RETRY_EXC_ERR
+    run(link, qp)
+    assert [(e.transfer_id, e.ok, e.status) for e in t.events] == [
+        (i, False, "IBV_WC_RETRY_EXC_ERR") for i in range(5)]
+    assert qp.closed
+    with pytest.raises(TransportError, match="create a new link") as exc:
+        link.write(9, blocks(1, 64))
+    assert exc.value.status == "IBV_WC_RETRY_EXC_ERR"
+
+
+def test_receive_completion_becomes_a_notification() -> None:
+    link, qp, t = make_link(TransportOptions())
+    reposted: list[int] = []
+    qp_any = cast(Any, qp)
+    qp_any.repost_recv = reposted.append
+    wc = SimpleNamespace(wr_id=RECV_TAG | 3, status=0, opcode=129, vendor_err=0,
+                         imm_data=int.from_bytes((0xC0FFEE).to_bytes(4, "big"), "little"))
+    qp_any.poll = lambda n: [wc] if not reposted else []
+    link.service(cast(Any, FakePoster()), 0.0)
+    assert t.events == [Event(EventKind.NOTIFIED, 1, 0xC0FFEE)]
+    assert reposted == [RECV_TAG | 3]
+
+
+def test_deadline_fails_a_silent_link() -> None:
+    link, qp, t = make_link(TransportOptions(op_timeout_s=2.0))
+    qp_any = cast(Any, qp)
+    qp_any.poll = lambda n: []  # the NIC never answers
+    qp_any.state = lambda: 3  # IBV_QPS_RTS
+    link.write(1, blocks(4, 64))
+    poster = cast(Any, FakePoster())
+    link.service(poster, 100.0)
+    assert link.deadline() == pytest.approx(102.0)
+    link.service(poster, 101.0)
+    assert t.events == []
+    link.service(poster, 102.5)
+    assert [(e.transfer_id, e.ok, e.status) for e in t.events] == [(1, False, status.TIMEOUT)]
+    assert "state IBV_QPS_RTS" in t.events[0].detail
+
+
+def test_release_cancels_queued_transfers() -> None:
+    link, qp, t = make_link(TransportOptions())
+    link.write(1, blocks(4, 64))
+    link.release()
+    assert [(e.transfer_id, e.status) for e in t.events] == [(1, status.CANCELLED)]
+    assert qp.closed
+    with pytest.raises(TransportError, match="released"):
+        link.write(2, blocks(1, 64))
+
+
+def test_import_needs_neither_pyverbs_nor_torch() -> None:
+    code = ("import sys, kvbeam.transport, kvbeam.transport.verbs, kvbeam.transport.tcp; "
+            "bad = [m for m in ('pyverbs', 'torch') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sendwr_layout_probe_where_pyverbs_exists() -> None:
+    pytest.importorskip("pyverbs.wr")
+    from kvbeam.transport.verbs_chain import send_wr_struct_offset
+
+    assert send_wr_struct_offset() is not None
+
+
+def test_opening_a_missing_device_is_a_transport_error() -> None:
+    pytest.importorskip("pyverbs.device")
+    from kvbeam.transport.verbs import VerbsTransport
+
+    with pytest.raises(TransportError, match="no_such_dev0"):
+        VerbsTransport("no_such_dev0")

@@ -1,0 +1,138 @@
+"""The transport interface: one object, a handful of verbs, handles with explicit release.
+
+In the spirit of NIXL's agent API. A side opens a :class:`Transport` on a device,
+registers its memory (:meth:`Transport.register`), and per peer creates a
+:class:`Link` whose local :attr:`Link.endpoint` goes into the handshake; after
+:meth:`Link.connect` with the peer's endpoint it may :meth:`Link.write` blocks.
+Outcomes arrive as :class:`Event` values from :meth:`Transport.events`: the writer
+gets one ``COMPLETED`` event per transfer (ok or failed, with the verbs status),
+the peer gets one ``NOTIFIED`` event per transfer written with ``notify=True``,
+after every byte of it has landed.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+from kvbeam.errors import TransportError
+from kvbeam.transport.blocks import Blocks
+from kvbeam.transport.endpoint import Endpoint, Region, RemoteRegion
+
+
+class Access(enum.Enum):
+    """Who may touch a registered region besides the local process."""
+
+    LOCAL = "local"  # source of our writes only (prefill): no remote access at all
+    REMOTE_WRITE = "remote_write"  # peers may write into it (decode); never remote read
+
+
+class EventKind(enum.Enum):
+    """What an :class:`Event` reports."""
+
+    COMPLETED = "completed"  # writer side: a transfer finished, ``ok`` says how
+    NOTIFIED = "notified"  # receiver side: a peer's transfer landed completely
+    LINK_FAILED = "link_failed"  # a link broke while none of our transfers was on it
+
+
+@dataclass(frozen=True)
+class Event:
+    """One data-plane outcome. ``link`` is the local :attr:`Link.id`."""
+
+    kind: EventKind
+    link: int
+    transfer_id: int | None
+    ok: bool = True
+    status: str = "OK"  # verbs work-completion status name, e.g. IBV_WC_RETRY_EXC_ERR
+    detail: str = ""
+
+    def error(self) -> TransportError | None:
+        """The failure as an exception (``None`` when ``ok``)."""
+        if self.ok:
+            return None
+        what = f"transfer {self.transfer_id}" if self.transfer_id is not None else "link"
+        return TransportError(f"{what} on link {self.link} failed: {self.status}: {self.detail}",
+                              self.status)
+
+
+class Registration:
+    """Handle for registered regions; :meth:`release` deregisters them.
+
+    ``remote`` lists the regions as a peer sees them (with rkeys): these go into
+    every link endpoint created afterwards when ``access`` is REMOTE_WRITE.
+    """
+
+    def __init__(self, regions: Sequence[Region], access: Access,
+                 remote: Sequence[RemoteRegion], release: Callable[[Registration], None]) -> None:
+        self.regions = tuple(regions)
+        self.access = access
+        self.remote = tuple(remote)
+        self._release: Callable[[Registration], None] | None = release
+
+    def release(self) -> None:
+        """Deregister; wait for transfers that use these regions to complete first."""
+        release, self._release = self._release, None
+        if release is not None:
+            release(self)
+
+
+class Link(ABC):
+    """One connection to one peer. Created by :meth:`Transport.create_link`."""
+
+    id: int
+
+    @property
+    @abstractmethod
+    def endpoint(self) -> Endpoint:
+        """What the peer needs to connect and to write into our regions (for the handshake)."""
+
+    @abstractmethod
+    def connect(self, peer: Endpoint) -> None:
+        """Connect to the peer described by its endpoint; raises TransportError on failure."""
+
+    @abstractmethod
+    def write(self, transfer_id: int, blocks: Blocks, notify: bool = True) -> None:
+        """Queue ``blocks`` (src local, dst in the peer) as transfer ``transfer_id`` (32 bits).
+
+        Every block is checked first: one outside the registered local regions or
+        the peer's regions raises RegionError and nothing is posted. Returns once
+        queued; the outcome arrives as a COMPLETED event, and with ``notify`` the
+        peer gets a NOTIFIED event after all the data landed. Raises TransportError
+        when the link is not connected or has failed (create a new link then).
+        """
+
+    @abstractmethod
+    def release(self) -> None:
+        """Tear the link down; transfers still queued fail."""
+
+
+class Transport(ABC):
+    """A data plane on one device (or TCP). Close it to release everything."""
+
+    kind: str
+
+    @abstractmethod
+    def register(self, regions: Sequence[Region], access: Access) -> Registration:
+        """Register memory regions (non-overlapping) for transfers."""
+
+    @abstractmethod
+    def create_link(self) -> Link:
+        """A new link; put its ``endpoint`` into the handshake, then ``connect``."""
+
+    @abstractmethod
+    def events(self, timeout: float | None = 0.0) -> list[Event]:
+        """Events so far, waiting up to ``timeout`` seconds (None: forever) for one."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release links and registrations and stop background work. Idempotent."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

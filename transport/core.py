@@ -1,0 +1,160 @@
+"""Pieces every transport shares: the event queue, the registration book and write preparation."""
+
+from __future__ import annotations
+
+import select
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbeam.errors import RegionError, TransportError
+from kvbeam.transport.base import Access, Event, Registration
+from kvbeam.transport.blocks import AddressArray, Blocks
+from kvbeam.transport.endpoint import Region, RemoteRegion
+from kvbeam.transport.regions import KeyArray, RegionTable
+
+MAX_TRANSFER_ID = 0xFFFF_FFFF  # it travels as the 32-bit immediate of RDMA WRITE WITH IMM
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked, sliced write: parallel arrays plus the local and remote key of each block."""
+
+    transfer_id: int
+    notify: bool
+    src: AddressArray
+    dst: AddressArray
+    lengths: AddressArray
+    lkeys: KeyArray
+    rkeys: KeyArray
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+def prepare(transfer_id: int, blocks: Blocks, notify: bool, slice_bytes: int,
+            local: RegionTable, remote: RegionTable, check_remote: bool = True) -> Prepared:
+    """Slice, bounds-check and key every block; raises RegionError before anything is posted.
+
+    ``check_remote=False`` exists only so tests can make the peer's NIC (or TCP
+    receiver) catch a bad write: unchecked blocks get the rkey of the peer's first
+    region, so an address outside it is caught by the bounds check of that MR.
+    """
+    if not 0 <= transfer_id <= MAX_TRANSFER_ID:
+        raise TransportError(f"transfer id {transfer_id} does not fit in 32 bits")
+    b = blocks.split(slice_bytes)
+    lkeys = local.lookup(b.src, b.lengths)
+    if check_remote:
+        rkeys = remote.lookup(b.dst, b.lengths)
+    else:
+        rkeys = np.full(len(b), remote.first_key(), dtype=np.uint32)
+    keep = b.lengths > 0  # zero-length blocks move nothing; they were still checked above
+    if not bool(keep.all()):
+        return Prepared(transfer_id, notify, b.src[keep], b.dst[keep], b.lengths[keep],
+                        lkeys[keep], rkeys[keep])
+    return Prepared(transfer_id, notify, b.src, b.dst, b.lengths, lkeys, rkeys)
+
+
+class EventQueue:
+    """Thread-safe FIFO of events with a blocking drain."""
+
+    def __init__(self) -> None:
+        self._items: deque[Event] = deque()
+        self._cond = threading.Condition()
+
+    def put(self, event: Event) -> None:
+        """Append one event and wake a waiter."""
+        with self._cond:
+            self._items.append(event)
+            self._cond.notify_all()
+
+    def drain(self, timeout: float | None) -> list[Event]:
+        """Everything queued, waiting up to ``timeout`` (None: forever) while empty."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._items:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return []
+                self._cond.wait(left)
+            out = list(self._items)
+            self._items.clear()
+            return out
+
+
+class RegistrationBook:
+    """The registrations of one transport, and the region tables derived from them.
+
+    Tables are rebuilt on every change (registration is rare) and swapped in whole,
+    so writers read a consistent snapshot without locking.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: list[tuple[Registration, tuple[int, ...]]] = []
+        self.local = RegionTable((), "local")
+        self.writable = RegionTable((), "local remote-writable")
+
+    def add(self, regions: Sequence[Region], access: Access, lkeys: Sequence[int],
+            rkeys: Sequence[int], release: Callable[[Registration], None]) -> Registration:
+        """Record a registration; raises RegionError if it overlaps an existing one."""
+        for r in regions:
+            if r.addr <= 0 or r.length <= 0:
+                raise RegionError(f"cannot register {r}: address and length must be positive")
+        remote = [RemoteRegion(r.addr, r.length, k) for r, k in zip(regions, rkeys, strict=True)]
+        reg = Registration(regions, access, remote, release)
+        with self._lock:
+            entries = [*self._entries, (reg, tuple(lkeys))]
+            self._rebuild(entries)
+            self._entries = entries
+        return reg
+
+    def remove(self, reg: Registration) -> None:
+        """Forget a registration."""
+        with self._lock:
+            entries = [e for e in self._entries if e[0] is not reg]
+            self._rebuild(entries)
+            self._entries = entries
+
+    def remote_regions(self) -> tuple[RemoteRegion, ...]:
+        """Remote-writable regions in registration order: what a link endpoint advertises."""
+        with self._lock:
+            return tuple(r for reg, _ in self._entries if reg.access is Access.REMOTE_WRITE
+                         for r in reg.remote)
+
+    def all(self) -> list[Registration]:
+        """Every live registration."""
+        with self._lock:
+            return [reg for reg, _ in self._entries]
+
+    def _rebuild(self, entries: list[tuple[Registration, tuple[int, ...]]]) -> None:
+        local = RegionTable(((r.addr, r.length, k) for reg, keys in entries
+                             for r, k in zip(reg.regions, keys, strict=True)), "local")
+        writable = RegionTable(((r.addr, r.length, r.rkey) for reg, _ in entries
+                                if reg.access is Access.REMOTE_WRITE for r in reg.remote),
+                               "local remote-writable")
+        self.local, self.writable = local, writable
+
+
+def remote_table(regions: Sequence[RemoteRegion]) -> RegionTable:
+    """The table of a peer's advertised regions."""
+    try:
+        return RegionTable(((r.addr, r.length, r.rkey) for r in regions), "remote")
+    except RegionError as exc:
+        raise TransportError(f"peer endpoint is invalid: {exc}") from exc
+
+
+def wait_readable(fds: Sequence[int], timeout: float | None) -> list[int]:
+    """The fds among ``fds`` that are readable (or hung up) within ``timeout`` seconds.
+
+    ``poll`` rather than ``select``: a daemon may hold more than FD_SETSIZE (1024) fds.
+    """
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    ms = None if timeout is None else max(0, int(timeout * 1000 + 0.999))
+    return [fd for fd, _ in poller.poll(ms)]

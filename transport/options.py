@@ -1,0 +1,48 @@
+"""Tuning knobs of the transports, with defaults that suit both a real NIC and soft-RoCE."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """Settings for :func:`kvbeam.transport.open_transport`. TCP uses the first two only."""
+
+    # Blocks longer than this are written as several WRs (frames for TCP).
+    slice_bytes: int = 1 << 20
+    # Our own deadline: a link with work outstanding that completes nothing for
+    # this long fails its transfers with status TIMEOUT. The NIC's retry timer
+    # should fire first (qp_timeout/retry_cnt below), but RECIPE.md measured no
+    # completion at all for 118 s after a link went down, so we never rely on it.
+    op_timeout_s: float = 10.0
+    # Send-queue depth per QP; posting never exceeds it.
+    sq_depth: int = 512
+    # Signal one WR in this many (and always a transfer's last WR).
+    signal_every: int = 64
+    # Most WRs handed to one post_send call.
+    max_chain: int = 256
+    # Receive WRs kept posted per QP: one is consumed per notification.
+    recv_depth: int = 256
+    # Local ACK timeout exponent: 4.096 us * 2**14 = 67 ms per try.
+    qp_timeout: int = 14
+    retry_cnt: int = 3
+    # 7 = retry forever on RNR NAK: a receiver briefly short of receive WRs must
+    # not fail a transfer; op_timeout_s bounds the wait instead.
+    rnr_retry: int = 7
+    min_rnr_timer: int = 12
+
+    def __post_init__(self) -> None:
+        if not 0 < self.slice_bytes < 1 << 31:
+            raise ValueError(f"slice_bytes must be in (0, 2**31), got {self.slice_bytes}")
+        if self.op_timeout_s <= 0:
+            raise ValueError(f"op_timeout_s must be positive, got {self.op_timeout_s}")
+        if not 0 < self.signal_every <= self.sq_depth:
+            # With a longer unsignalled run the SQ could fill with WRs that never
+            # produce a completion, and posting would wait forever.
+            raise ValueError(f"signal_every must be in (0, sq_depth={self.sq_depth}], "
+                             f"got {self.signal_every}")
+        if self.max_chain <= 0:
+            raise ValueError(f"max_chain must be positive, got {self.max_chain}")
+        if self.recv_depth < 1:
+            raise ValueError(f"recv_depth must be positive, got {self.recv_depth}")

@@ -1,0 +1,211 @@
+"""RDMA transport over pyverbs: RC QPs, RDMA WRITE chains, WRITE WITH IMM notifications.
+
+pyverbs is imported when a :class:`VerbsTransport` is constructed, not before:
+``import kvbeam.transport`` works where rdma-core is absent.
+
+One progress thread per transport owns every post and poll. It sleeps in
+``poll`` on the links' completion-channel fds (and a wake-up pipe that
+writers poke), so an idle transport costs no CPU; while work is outstanding it
+also wakes for the nearest link deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvbeam.errors import RegionError, TransportError
+from kvbeam.transport.base import Access, Event, Registration, Transport
+from kvbeam.transport.core import EventQueue, RegistrationBook, wait_readable
+from kvbeam.transport.endpoint import Region
+from kvbeam.transport.options import TransportOptions
+from kvbeam.transport.verbs_chain import Poster
+from kvbeam.transport.verbs_device import VerbsDevice
+from kvbeam.transport.verbs_import import import_pyverbs
+from kvbeam.transport.verbs_link import VerbsLink
+from kvbeam.transport.verbs_qp import QueuePair
+
+log = logging.getLogger(__name__)
+
+_MAX_SLEEP_S = 1.0  # upper bound on one sleep, so a lost wake-up costs at most this
+_BACKOFF_S = (1e-4, 5e-3)  # first and longest sleep when a link has no event fd
+
+
+class VerbsTransport(Transport):
+    """The verbs data plane on one device and GID index.
+
+    ``raw_chains`` forces (True) or forbids (False) posting WR chains straight from
+    numpy arrays (see :mod:`kvbeam.transport.verbs_chain`); None picks it when the
+    pyverbs layout is recognised.
+    """
+
+    kind = "rdma"
+
+    def __init__(self, device: str, gid_index: int = 0, options: TransportOptions | None = None,
+                 *, raw_chains: bool | None = None) -> None:
+        try:
+            import_pyverbs()
+        except ImportError as exc:
+            raise TransportError(f"the RDMA transport needs pyverbs (rdma-core's python3-pyverbs)"
+                                 f": {exc}") from exc
+        self.options = options or TransportOptions()
+        self.device = VerbsDevice(device, gid_index)
+        self._book = RegistrationBook()
+        self._mrs: dict[int, list[Any]] = {}
+        self._events = EventQueue()
+        self._lock = threading.RLock()
+        self._links: dict[int, VerbsLink] = {}
+        self._next_id = 1
+        self._poster = Poster(raw_chains)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._stopping = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"kvbeam-verbs-{device}",
+                                        daemon=True)
+        self._thread.start()
+        log.info("RDMA transport on %s (GID index %d), %s WR posting", device, gid_index,
+                 "raw-chain" if self._poster.raw else "object")
+
+    @property
+    def raw_chains(self) -> bool:
+        """Whether WR chains are posted straight from numpy arrays."""
+        return self._poster.raw
+
+    def register(self, regions: Sequence[Region], access: Access) -> Registration:
+        """One MR per region: local only, or remote write for peers (never remote read)."""
+        for r in regions:
+            if r.addr <= 0 or r.length <= 0:
+                raise RegionError(f"cannot register {r}: address and length must be positive")
+        mrs: list[Any] = []
+        with self._lock:
+            try:
+                for r in regions:
+                    mrs.append(self.device.register(r.addr, r.length, access))
+                reg = self._book.add(regions, access, [mr.lkey for mr in mrs],
+                                     [mr.rkey for mr in mrs], self._deregister)
+            except BaseException:
+                for mr in mrs:
+                    mr.close()
+                raise
+            self._mrs[id(reg)] = mrs
+        return reg
+
+    def create_link(self) -> VerbsLink:
+        """A new RC QP; its endpoint goes into the handshake."""
+        with self._lock:
+            if self._closed:
+                raise TransportError("transport is closed")
+            link = VerbsLink(self, self._next_id, QueuePair(self.device, self.options))
+            self._links[link.id] = link
+            self._next_id += 1
+        return link
+
+    def events(self, timeout: float | None = 0.0) -> list[Event]:
+        """Queued events, waiting up to ``timeout`` for the first."""
+        return self._events.drain(timeout)
+
+    def close(self) -> None:
+        """Stop the progress thread, destroy links, deregister memory, close the device."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stopping = True
+        self._wake()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        with self._lock:
+            for link in list(self._links.values()):
+                link.release()
+            for reg in self._book.all():
+                reg.release()
+            self.device.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # -- used by links -----------------------------------------------------------------
+    def _emit(self, event: Event) -> None:
+        self._events.put(event)
+
+    def _forget(self, link: VerbsLink) -> None:
+        with self._lock:
+            self._links.pop(link.id, None)
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"\0")  # a full pipe already means "wake up"
+
+    def _deregister(self, reg: Registration) -> None:
+        with self._lock:
+            self._book.remove(reg)
+            for mr in self._mrs.pop(id(reg), []):
+                mr.close()
+
+    # -- progress thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = _BACKOFF_S[0]
+        while not self._stopping:
+            try:
+                if self._cycle():
+                    backoff = _BACKOFF_S[0]
+                    continue
+                backoff = self._sleep(backoff)
+            except Exception:  # a bug here must not silently stop every transfer
+                log.exception("RDMA progress thread error; continuing")
+                time.sleep(_BACKOFF_S[1])
+
+    def _cycle(self) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            return any([self._service(link, now) for link in list(self._links.values())])
+
+    def _service(self, link: VerbsLink, now: float) -> bool:
+        try:
+            return link.service(self._poster, now)
+        except Exception as exc:  # e.g. a pyverbs error from poll: this link is unusable
+            log.exception("RDMA link %d: progress failed", link.id)
+            link.abort(f"progress thread error: {exc!r}")
+            return True
+
+    def _sleep(self, backoff: float) -> float:
+        """Arm the CQs, look once more, then sleep until an event, a deadline or a wake-up."""
+        with self._lock:
+            links = [link for link in self._links.values() if link.active]
+            for link in links:
+                link.arm()
+            now = time.monotonic()
+            # A completion that arrived before arming raises no event: poll once more.
+            if any([self._service(link, now) for link in links]):
+                return _BACKOFF_S[0]
+            fds = {fd: link for link in links if (fd := link.event_fd) is not None}
+            timeout = _MAX_SLEEP_S
+            for link in links:
+                deadline = link.deadline()
+                if deadline is not None:
+                    timeout = min(timeout, max(0.0, deadline - now) + 1e-3)
+            if len(fds) < len(links):
+                timeout = min(timeout, backoff)
+                backoff = min(backoff * 2, _BACKOFF_S[1])
+        ready = wait_readable([self._wake_r, *fds], timeout)
+        with self._lock:
+            for fd in ready:
+                if fd == self._wake_r:
+                    with contextlib.suppress(BlockingIOError, OSError):
+                        os.read(self._wake_r, 4096)
+                elif (link := fds[fd]).active:  # else closed meanwhile (fd maybe reused)
+                    self._take_event(link)
+        return backoff
+
+    def _take_event(self, link: VerbsLink) -> None:
+        try:
+            link.take_event()
+        except Exception:  # non-blocking fd with no event after all: harmless
+            log.debug("link %d: no completion event to take", link.id, exc_info=True)
