@@ -239,3 +239,38 @@ def test_scheduler_cli_verbs() -> None:
         r = kv("drive", "--prefill", prefill.address, "--decode", decode.address,
                "--requests", "3", "--prefix", "cli-drive")
         assert r.returncode == 0 and "3/3 Success" in r.stdout, r.stdout + r.stderr
+
+
+def test_one_prefill_two_decodes_and_two_prefills_one_decode() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvbeam.procs import PendingDaemon, spawn_daemon
+    from tests.daemon_helpers import FAST
+
+    def spawn(role: str, seed: str) -> PendingDaemon:
+        return spawn_daemon(role, config(role), extra=["--transport", "tcp", "--fill-seed",
+                                                       seed, *FAST])
+
+    pending = [spawn("prefill", "1"), spawn("prefill", "3"), spawn("decode", "2"),
+               spawn("decode", "4")]
+    daemons = []
+    try:
+        for p in pending:
+            daemons.append(p.ready(120))
+        p1, p2, d1, d2 = daemons
+        pairs = [(p1, d1), (p1, d2), (p2, d1), (p2, d2)]
+
+        def run_pair(i: int) -> list[bool]:
+            pf, dc = pairs[i]
+            results = drive(pf.address, dc.address, [500 + 700 * k for k in range(6)],
+                            source_slots=8, concurrency=3, prefix=f"mesh{i}")
+            return [r.ok for r in results]
+
+        with ThreadPoolExecutor(4) as pool:
+            oks = [ok for batch in pool.map(run_pair, range(4)) for ok in batch]
+        assert len(oks) == 24 and all(oks)
+    finally:
+        for d in daemons:
+            d.stop()
+        for p in pending[len(daemons):]:
+            p.proc.kill()
