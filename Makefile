@@ -64,7 +64,7 @@ bench-handshake: setup ## handshake latency between two control servers on loopb
 	$(PY) tests/bench/bench_handshake.py
 
 bench: bench-plan bench-handshake ## all benchmarks
-	bash tests/softroce/run_rdma_suite.sh --cmd '$(PY) tests/bench/bench_transport.py'
+	bash tests/softroce/run_rdma_suite.sh --cmd '$(PY) tests/bench/bench_transport.py && $(PY) -m tests.bench.bench_request'
 
 clean: ## remove the venv and caches (keeps the downloaded guest kernel)
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

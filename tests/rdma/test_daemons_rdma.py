@@ -141,3 +141,21 @@ def test_kill_prefill_then_decode_restart(rdma_device: RdmaDevice) -> None:
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_mismatched_pair_is_refused_before_any_qp_connects(unified: Pair) -> None:
+    prefill, _, p, _ = unified
+    decode = start("decode", paged=True, transport="rdma")
+    try:
+        with KvbeamClient(decode.address) as d:
+            d.reserve("mismatch", 100, prefill.address)
+            p.send("mismatch", 0, 100, decode.address)
+            st = p.wait("mismatch", 60)
+            assert st.state is F and st.reason is FailureReason.INCOMPATIBLE
+            assert "prefill and decode pools differ in unified-KV mode" in st.detail
+            assert d.wait("mismatch", 30).state is F
+        # decode creates a link (a QP) only for a verified peer: none here
+        assert "verified and connected" not in decode.output
+        assert "differ in unified-KV mode" in decode.output
+    finally:
+        decode.stop()
