@@ -74,6 +74,8 @@ case $MODE in
     DEVICE=rxe0   # created by guest/guest-init.sh
     GID_INDEX=0   # rxe on a dummy netdev: GID 0 is the RoCE v2 link-local GID
     say "mode vm: no RDMA device and no rdma_rxe on this kernel; booting the qemu soft-RoCE guest"
+    # Idempotent (0.1 s when done): rebuilds the initramfs when its init script changed.
+    bash "$HERE/setup.sh" >/dev/null || die "tests/softroce/setup.sh failed"
     ;;
   *) die "KVBEAM_RDMA_MODE must be auto, device, rxe or vm (got $MODE)";;
 esac

@@ -49,6 +49,7 @@ printf '%s\n' "$1" > "$RUN/cmd"
 KARGS="console=ttyS0 panic=-1"
 if [ "${KVBEAM_SOFTROCE_DEBUG:-0}" = 1 ]; then KARGS+=" softroce.debug=1"; else KARGS+=" quiet loglevel=4"; fi
 KARGS+=" softroce.work=$DIR softroce.run=$RUN softroce.init=$HERE/guest/guest-init.sh"
+KARGS+=" softroce.repo=$REPO"
 
 echo "vmrun: booting guest (qemu TCG, -smp $SMP -m $MEM, kernel $KVER; run dir $RUN)"
 start=$SECONDS
@@ -60,6 +61,7 @@ timeout -k 10 "$TIMEOUT" qemu-system-x86_64 \
   -kernel "$DIR/kroot/boot/vmlinux-$KVER" -initrd "$DIR/initramfs.cpio.gz" -append "$KARGS" \
   -virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap" \
   -virtfs "local,path=$DIR,mount_tag=work,security_model=none,multidevs=remap" \
+  -virtfs "local,path=$REPO,mount_tag=repo,security_model=none,readonly=on,multidevs=remap" \
   > "$RUN/qemu.log" 2>&1 &
 qpid=$!
 trap 'kill "$qpid" 2>/dev/null || true' EXIT   # also on Ctrl-C: background jobs ignore SIGINT
