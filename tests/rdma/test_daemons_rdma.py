@@ -19,7 +19,7 @@ from kvbeam.client import Busy, KvbeamClient
 from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.scheduler import drive, run_request
 from kvbeam.server.lifecycle import FailureReason, TransferState
-from tests.daemon_helpers import start, start_both
+from tests.daemon_helpers import pair, start, start_both
 from tests.rdma.conftest import RdmaDevice
 
 pytestmark = pytest.mark.rdma
@@ -28,14 +28,9 @@ Pair = tuple[DaemonProcess, DaemonProcess, KvbeamClient, KvbeamClient]
 
 
 def _pair(paged: bool) -> Iterator[Pair]:
-    prefill, decode = start_both(paged=paged, transport="rdma")
-    assert prefill.transport == decode.transport == "rdma"
-    try:
-        with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
-            yield prefill, decode, p, d
-    finally:
-        prefill.stop()
-        decode.stop()
+    with pair(paged=paged, transport="rdma") as running:
+        assert running[0].transport == running[1].transport == "rdma"
+        yield running
 
 
 @pytest.fixture(scope="module")
