@@ -170,20 +170,19 @@ def _build_pool(pool: str, spec: PoolSpec, b: _Builder) -> _PoolBuffers:
             t = b.tensor(f"{lname}.unified", (spec.swa_pages + compressed_rows) * row)
             out.swa_ring.append(BufferLayout(f"{lname}.swa_ring", t, 0, spec.swa_pages * row,
                                              row, IndexKind.SWA_RING_ROWS))
-            kv_buf = BufferLayout(f"{lname}.c{ratio}_kv", t, spec.swa_pages * row,
-                                  compressed_rows * row, kv_item, IndexKind.KV_PAGES)
+            kv_offset = spec.swa_pages * row  # the compressed rows follow the ring
         else:
             swa_item = spec.page_size * row
             swa_bytes = spec.num_req_slots * spec.swa_pages_per_request * swa_item
             t = b.tensor(f"{lname}.swa", swa_bytes)
             out.swa_pages.append(BufferLayout(f"{lname}.swa", t, 0, swa_bytes, swa_item,
                                               IndexKind.SWA_PAGES))
-            kv_buf = BufferLayout(f"{lname}.c{ratio}_kv", -1, 0, compressed_rows * row,
-                                  kv_item, IndexKind.KV_PAGES)
             if ratio:
                 t = b.tensor(f"{lname}.c{ratio}_kv", compressed_rows * row)
-                kv_buf = BufferLayout(kv_buf.name, t, 0, kv_buf.nbytes, kv_item,
-                                      IndexKind.KV_PAGES)
+            kv_offset = 0
+        if ratio:
+            kv_buf = BufferLayout(f"{lname}.c{ratio}_kv", t, kv_offset, compressed_rows * row,
+                                  kv_item, IndexKind.KV_PAGES)
         if ratio == 4:
             out.c4_kv.append(kv_buf)
             irows = spec.full_pages * (spec.page_size // 4)
