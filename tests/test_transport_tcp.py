@@ -19,9 +19,8 @@ from kvbeam.transport import status as st
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.tcp import TcpLink, TcpTransport
 from kvbeam.transport.testpeer import PeerConfig, PeerProcess, buffer_address
+from tests.transport_helpers import FILL, N, expected_after, plan
 
-N = 4 << 20
-FILL = 0xEE
 OPTIONS = TransportOptions(slice_bytes=100_000, op_timeout_s=2.0)
 
 
@@ -53,19 +52,6 @@ def wait_events(transport: TcpTransport, count: int, timeout: float) -> list[Eve
     while len(events) < count and time.monotonic() < deadline:
         events += transport.events(deadline - time.monotonic())
     return events
-
-
-def plan(src: int, dst: int, rows: list[tuple[int, int, int]]) -> Blocks:
-    a = np.array(rows, dtype=np.uint64)
-    return Blocks(a[:, 0] + np.uint64(src), a[:, 1] + np.uint64(dst), a[:, 2].copy())
-
-
-def expected_after(source: mmap.mmap, rows: list[tuple[int, int, int]]) -> np.ndarray:
-    out = np.full(N, FILL, dtype=np.uint8)
-    s = np.frombuffer(source, dtype=np.uint8)
-    for so, do, n in rows:
-        out[do:do + n] = s[so:so + n]
-    return out
 
 
 def test_multi_block_write_lands_exactly(pair: tuple[TcpTransport, TcpLink, PeerProcess],

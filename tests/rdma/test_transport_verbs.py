@@ -23,13 +23,12 @@ from kvbeam.transport import status as st
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.testpeer import PeerConfig, PeerProcess, buffer_address
 from tests.rdma.conftest import RdmaDevice
+from tests.transport_helpers import FILL, N, expected_after, plan
 
 pytestmark = pytest.mark.rdma
 
 verbs = pytest.importorskip("kvbeam.transport.verbs")  # a skip here fails (conftest)
 
-N = 4 << 20
-FILL = 0xEE
 # Small slices, a small SQ and frequent signals, so a few MiB exercise slicing,
 # chains, selective signalling and waiting for SQ room many times over.
 OPTIONS = TransportOptions(slice_bytes=40_000, sq_depth=32, signal_every=8, max_chain=16,
@@ -84,19 +83,6 @@ def side(rdma_device: RdmaDevice, source: tuple[mmap.mmap, int],
     s = Side(rdma_device, source[1], peer)
     yield s
     s.close()
-
-
-def plan(src: int, dst: int, rows: list[tuple[int, int, int]]) -> Blocks:
-    a = np.array(rows, dtype=np.uint64).reshape(-1, 3)
-    return Blocks(a[:, 0] + np.uint64(src), a[:, 1] + np.uint64(dst), a[:, 2].copy())
-
-
-def expected_after(source: mmap.mmap, rows: list[tuple[int, int, int]]) -> np.ndarray:
-    out = np.full(N, FILL, dtype=np.uint8)
-    s = np.frombuffer(source, dtype=np.uint8)
-    for so, do, n in rows:
-        out[do:do + n] = s[so:so + n]
-    return out
 
 
 def scattered_rows(seed: int, count: int) -> list[tuple[int, int, int]]:
