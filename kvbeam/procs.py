@@ -21,7 +21,8 @@ from types import TracebackType
 from kvbeam.client import KvbeamClient
 from kvbeam.errors import KvbeamError
 
-_READY = re.compile(r"kvbeam (\w+) listening on (\S+) instance (\S+) transport (\w+)")
+_READY = re.compile(r"kvbeam (\w+) listening on (\S+) instance (\S+) transport (\w+)"
+                    r"(?: metrics (\S+))?")
 
 
 class DaemonStartError(KvbeamError):
@@ -42,6 +43,8 @@ class DaemonProcess:
     instance_id: str
     transport: str
     lines: list[str] = field(default_factory=list)
+    #: HOST:PORT of its Prometheus /metrics endpoint ("" when it serves none).
+    metrics: str = ""
 
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM, wait; SIGKILL if it does not exit. Returns the exit code."""
@@ -118,7 +121,7 @@ class PendingDaemon:
                 "".join(self.lines))
         m = self._found[0]
         daemon = DaemonProcess(self.role, self.proc, m.group(2), m.group(3), m.group(4),
-                               self.lines)
+                               self.lines, m.group(5) or "")
         with KvbeamClient(daemon.address) as client:
             if not client.wait_healthy(30.0):
                 daemon.stop()

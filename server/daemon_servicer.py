@@ -21,6 +21,7 @@ from kvbeam.proto.transfer_codec import status_to_proto
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.lifecycle import TransferStatus
+from kvbeam.server.logs import fields
 from kvbeam.server.peers import PeerConn
 from kvbeam.server.rpc_errors import peer_error
 from kvbeam.server.rpc_status import UnknownRequest, handled
@@ -75,6 +76,12 @@ class DaemonServicer(ControlServicer):
         """Role-specific work each sweep (e.g. decode's hand-off leases)."""
 
     # ---- shared RPCs ----------------------------------------------------------
+    def Handshake(self, request: pb.HandshakeRequest,
+                  context: grpc.ServicerContext) -> pb.HandshakeResponse:
+        """The handshake (see ControlServicer), timed and counted as the server side."""
+        with self.rt.metrics.handshake("server"):
+            return super().Handshake(request, context)
+
     def _status(self, snap: TransferStatus) -> pb.TransferStatus:
         done, total = self.bytes_of(snap.request_id)
         return status_to_proto(snap, slot=self.slot_of(snap.request_id), bytes_done=done,
@@ -143,7 +150,7 @@ class DaemonServicer(ControlServicer):
         """Enforce deadlines (called every SWEEP_S by the runtime)."""
         for snap in self.table.expire():
             log.warning("request %s (peer %s) failed: timeout: %s", snap.request_id,
-                        snap.peer, snap.detail)
+                        snap.peer, snap.detail, extra=fields(snap.request_id, snap.peer))
             self.on_expired(snap)
         self.periodic()
 
@@ -170,7 +177,8 @@ class DaemonServicer(ControlServicer):
             err = peer_error(exc, address=conn.control_address, method="Heartbeat",
                              timeout=timeout)
             log.warning("heartbeat %d/%d to %s missed: %s", conn.missed_heartbeats,
-                        MAX_MISSED_HEARTBEATS, conn.control_address, err)
+                        MAX_MISSED_HEARTBEATS, conn.control_address, err,
+                        extra=fields(peer=conn.control_address))
             if conn.missed_heartbeats >= MAX_MISSED_HEARTBEATS:
                 self.peer_lost(conn, f"peer stopped answering heartbeats: {err}")
             return

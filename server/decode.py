@@ -35,6 +35,7 @@ from kvbeam.server.daemon_servicer import DaemonServicer
 from kvbeam.server.errors import NotHandshakenError
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.lifecycle import FailureReason, TransferState, TransferStatus
+from kvbeam.server.logs import fields
 from kvbeam.server.peers import PeerConn
 from kvbeam.server.rpc_status import BadRequest, UnknownRequest, handled
 from kvbeam.server.runtime import Runtime
@@ -103,7 +104,8 @@ class DecodeServicer(DaemonServicer):
             self.peer_lost(previous, "peer handshook again; the old link is replaced")
         self.rt.peers.add(conn)
         log.info("prefill %s at %s verified and connected (%s)", peer.instance_id,
-                 peer.control_address, self.rt.transport.kind)
+                 peer.control_address, self.rt.transport.kind,
+                 extra=fields(peer=peer.control_address))
 
     # ---- RPCs ----------------------------------------------------------------------
     @handled
@@ -129,7 +131,7 @@ class DecodeServicer(DaemonServicer):
             self._res[rid] = Reservation(rid, slot, seq_len, prefill, tid, indices, nbytes)
             self._by_transfer[tid] = rid
         log.info("request %s: reserved slot %d for %d tokens from prefill %s", rid, slot,
-                 seq_len, prefill)
+                 seq_len, prefill, extra=fields(rid, prefill))
         return pb.ReserveResponse(
             request_id=rid, slot=slot, indices=indices_to_proto(indices),
             lease_ms=int(self.rt.settings.deadline_bootstrap_s * 1000),
@@ -200,12 +202,13 @@ class DecodeServicer(DaemonServicer):
             detail = request.detail or "aborted by prefill"
             failed = self.table.fail(rid, FailureReason.PEER_FAILED, detail)
             if failed is not None:
-                log.warning("request %s failed: prefill reported: %s", rid, detail)
+                log.warning("request %s failed: prefill reported: %s", rid, detail,
+                            extra=fields(rid, snap.peer))
             self._free(rid, "prefill aborted")
             return self._status(self._require_status(rid))
         failed = self.table.fail(rid, FailureReason.ABORTED, request.detail or "aborted")
         if failed is not None:
-            log.info("request %s aborted by the scheduler", rid)
+            log.info("request %s aborted by the scheduler", rid, extra=fields(rid, snap.peer))
             self._stop_prefill_then_free(rid, request.detail or "aborted on decode")
         return self._status(self._require_status(rid))
 
@@ -224,7 +227,8 @@ class DecodeServicer(DaemonServicer):
             res = self._res.get(rid) if rid else None
         if res is None or conn is None or res.peer_instance != conn.instance_id:
             log.warning("completion for unknown transfer id %s on link %d ignored",
-                        event.transfer_id, event.link)
+                        event.transfer_id, event.link,
+                        extra=fields(rid, conn.control_address if conn else None))
             return
         self._landed(res)
 
@@ -240,22 +244,24 @@ class DecodeServicer(DaemonServicer):
                     detail = (f"CRC32C mismatch in {len(bad)} buffer(s): "
                               f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
                     if self.table.fail(res.request_id, FailureReason.INTEGRITY, detail):
-                        log.error("request %s failed: integrity: %s", res.request_id, detail)
+                        log.error("request %s failed: integrity: %s", res.request_id, detail,
+                                  extra=fields(res.request_id, res.prefill_address))
                         self._free(res.request_id, "integrity failure")
                         self._tell_prefill(res, f"decode integrity check failed: {detail}")
                     return
             elif res.digests is None and self.rt.settings.integrity:
                 log.warning("request %s: prefill sent no digests (its integrity check is off): "
                             "arrival proven by the completion, bytes not verified",
-                            res.request_id)
+                            res.request_id, extra=fields(res.request_id, res.prefill_address))
             try:
                 self.table.advance(res.request_id, TransferState.SUCCESS)
             except Exception as exc:  # already failed (aborted, timed out): nothing to do
-                log.info("request %s landed after it ended: %s", res.request_id, exc)
+                log.info("request %s landed after it ended: %s", res.request_id, exc,
+                         extra=fields(res.request_id, res.prefill_address))
                 return
             res.success_at = time.monotonic()
         log.info("request %s: Success (%d bytes landed in slot %d)", res.request_id,
-                 res.nbytes, res.slot)
+                 res.nbytes, res.slot, extra=fields(res.request_id, res.prefill_address))
 
     def on_expired(self, status: TransferStatus) -> None:
         """A deadline passed: make sure prefill stops, then free the slot."""
@@ -266,11 +272,11 @@ class DecodeServicer(DaemonServicer):
         lease = self.rt.settings.handoff_lease_s
         now = time.monotonic()
         with self._lock:
-            stale = [r.request_id for r in self._res.values()
+            stale = [(r.request_id, r.prefill_address) for r in self._res.values()
                      if r.success_at is not None and now - r.success_at > lease]
-        for rid in stale:
+        for rid, peer in stale:
             log.warning("request %s: no Release within the %.0f s hand-off lease; slot freed",
-                        rid, lease)
+                        rid, lease, extra=fields(rid, peer))
             self._free(rid, "hand-off lease expired")
 
     def peer_lost(self, conn: PeerConn, detail: str) -> None:
@@ -284,7 +290,8 @@ class DecodeServicer(DaemonServicer):
                     or (not r.peer_instance and r.prefill_address == conn.control_address)]
         for res in mine:
             if self.table.fail(res.request_id, FailureReason.PEER_FAILED, detail):
-                log.warning("request %s failed: %s", res.request_id, detail)
+                log.warning("request %s failed: %s", res.request_id, detail,
+                            extra=fields(res.request_id, res.prefill_address))
             snap = self.table.get(res.request_id)
             if snap is not None and snap.state is TransferState.FAILED:
                 self._free(res.request_id, "peer lost")
@@ -331,7 +338,8 @@ class DecodeServicer(DaemonServicer):
             if res is not None:
                 self._by_transfer.pop(res.transfer_id, None)
         if res is not None and self.slots.release(rid) is not None:
-            log.info("request %s: slot %d freed (%s)", rid, res.slot, why)
+            log.info("request %s: slot %d freed (%s)", rid, res.slot, why,
+                     extra=fields(rid, res.prefill_address))
 
     def _stop_prefill_then_free(self, rid: str, detail: str) -> None:
         with self._lock:
@@ -366,6 +374,7 @@ class DecodeServicer(DaemonServicer):
             if exc.code() is grpc.StatusCode.NOT_FOUND:
                 return True  # prefill never heard of it: nothing of it is in flight
             log.warning("telling prefill %s to abort %s failed: %s", conn.control_address,
-                        res.request_id, exc.details())
+                        res.request_id, exc.details(),
+                        extra=fields(res.request_id, conn.control_address))
             return False
         return True

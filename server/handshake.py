@@ -26,6 +26,7 @@ from kvbeam.pools.layout import SideLayout
 from kvbeam.proto.errors import ProtocolVersionError
 from kvbeam.proto.side import Role, SideInfo
 from kvbeam.server.errors import RoleConflictError
+from kvbeam.server.logs import fields
 from kvbeam.transport.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
@@ -156,12 +157,14 @@ def incompatibility_error(diffs: Sequence[Difference], peer_desc: str) -> PoolCo
     )
 
 
-def log_differences(logger: logging.Logger, headline: str, diffs: Sequence[Difference]) -> None:
+def log_differences(logger: logging.Logger, headline: str, diffs: Sequence[Difference],
+                    peer: str | None = None) -> None:
     """One ERROR line for the refusal, then one WARNING per difference (field named)."""
-    logger.error("%s: %d pool difference(s)", headline, len(diffs))
+    extra = fields(peer=peer)
+    logger.error("%s: %d pool difference(s)", headline, len(diffs), extra=extra)
     for i, d in enumerate(diffs, start=1):
         logger.warning("difference %d/%d: field=%s side=%s: %s", i, len(diffs), d.field, d.side,
-                       d.message)
+                       d.message, extra=extra)
 
 
 def describe(side: SideInfo, address: str) -> str:
@@ -183,19 +186,22 @@ def verify_peer(local: SideInfo, peer: SideInfo, *, address: str) -> VerifiedPee
         PoolCompatibilityError: the layouts differ; ``differences`` lists all of them.
     """
     who = describe(peer, address)
+    extra = fields(peer=peer.control_address or address)
     if peer.protocol_version != local.protocol_version:
         log.error("handshake with %s refused: protocol version %d, ours %d", who,
-                  peer.protocol_version, local.protocol_version)
+                  peer.protocol_version, local.protocol_version, extra=extra)
         raise ProtocolVersionError(local.protocol_version, peer.protocol_version, origin=who)
     if peer.role is local.role:
-        log.error("handshake with %s refused: both sides are %s", who, local.role.value)
+        log.error("handshake with %s refused: both sides are %s", who, local.role.value,
+                  extra=extra)
         raise RoleConflictError(
             f"handshake with {who} refused: both sides are {local.role.value}; a handshake "
             f"pairs a prefill daemon with a decode daemon", address=address)
     diffs = pair_differences(local, peer)
     if diffs:
-        log_differences(log, f"handshake with {who} refused", diffs)
+        log_differences(log, f"handshake with {who} refused", diffs,
+                        peer=peer.control_address or address)
         raise incompatibility_error(diffs, who)
     log.info("handshake with %s verified (model %s, %s transport)", who, peer.layout.model,
-             peer.endpoint.kind)
+             peer.endpoint.kind, extra=extra)
     return VerifiedPeer(_PROOF, peer, local, address, time.monotonic())

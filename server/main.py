@@ -18,8 +18,9 @@ def run_daemon(settings: DaemonSettings, ready: threading.Event | None = None,
                stop: threading.Event | None = None) -> int:
     """Build the runtime for ``settings.role``, serve until a signal (or ``stop``), tear down.
 
-    Prints one line ``kvbeam ROLE listening on HOST:PORT instance ID transport KIND`` on
-    stdout once serving, for scripts and tests that start daemons as processes.
+    Prints one line ``kvbeam ROLE listening on HOST:PORT instance ID transport KIND`` (then
+    `` metrics HOST:PORT`` when /metrics is served) on stdout once serving, for scripts and
+    tests that start daemons as processes.
     """
     from kvbeam.server.decode import DecodeServicer
     from kvbeam.server.prefill import PrefillServicer
@@ -38,8 +39,10 @@ def run_daemon(settings: DaemonSettings, ready: threading.Event | None = None,
         servicer = (DecodeServicer(runtime) if settings.role == "decode"
                     else PrefillServicer(runtime))
         address = runtime.start(servicer)
+        metrics = f" metrics {runtime.metrics_address}" if runtime.metrics_address else ""
         print(f"kvbeam {settings.role} listening on {address} instance "
-              f"{runtime.local.instance_id} transport {runtime.transport.kind}", flush=True)
+              f"{runtime.local.instance_id} transport {runtime.transport.kind}{metrics}",
+              flush=True)
         if ready is not None:
             ready.set()
         stop.wait()

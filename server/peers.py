@@ -15,6 +15,7 @@ from kvbeam.pools.layout import SideLayout
 from kvbeam.proto.errors import ProtocolError
 from kvbeam.server.client import ControlClient
 from kvbeam.server.handshake import VerifiedPeer
+from kvbeam.server.logs import fields
 from kvbeam.server.options import ControlOptions
 from kvbeam.transport.base import Link
 
@@ -83,7 +84,8 @@ class PeerConn:
         finally:
             if client is not None:
                 client.close()
-        log.info("connection to peer %s (%s) closed", self.instance_id, self.control_address)
+        log.info("connection to peer %s (%s) closed", self.instance_id, self.control_address,
+                 extra=fields(peer=self.control_address))
 
 
 class PeerSet:

@@ -39,6 +39,7 @@ from kvbeam.server.client import ControlClient
 from kvbeam.server.daemon_servicer import DaemonServicer
 from kvbeam.server.errors import HandshakeRejectedError, PeerError, RoleConflictError
 from kvbeam.server.lifecycle import DuplicateRequest, FailureReason, TransferState, TransferStatus
+from kvbeam.server.logs import fields
 from kvbeam.server.peers import PeerConn, peer_buffer_addrs
 from kvbeam.server.rpc_errors import peer_error
 from kvbeam.server.rpc_status import BadRequest, handled
@@ -152,7 +153,8 @@ class PrefillServicer(DaemonServicer):
         reason = FailureReason.PEER_FAILED if request.from_peer else FailureReason.ABORTED
         detail = request.detail or ("aborted by decode" if request.from_peer else "aborted")
         if self.table.fail(rid, reason, detail):
-            log.warning("request %s failed: %s: %s", rid, reason.value, detail)
+            log.warning("request %s failed: %s: %s", rid, reason.value, detail,
+                        extra=fields(rid, out.decode_address))
         self._drain(out)
         if request.from_peer:
             out.told_decode = True  # decode asked: it knows
@@ -172,7 +174,8 @@ class PrefillServicer(DaemonServicer):
                 reason = _reason_for(exc)
                 if reason is FailureReason.TRANSPORT_ERROR and not isinstance(
                         exc, TransportError | SendFailed):
-                    log.exception("request %s: unexpected error", out.request_id)
+                    log.exception("request %s: unexpected error", out.request_id,
+                                  extra=fields(out.request_id, out.decode_address))
                 self._fail(out, reason, str(exc))
 
     def _write_chunk(self, out: Outgoing, ranges: list[tuple[int, int]], final: bool) -> None:
@@ -210,7 +213,7 @@ class PrefillServicer(DaemonServicer):
         out.final_posted = final
         log.info("request %s: posted %s%d bytes in %d blocks to %s", rid,
                  "final chunk, " if final else "chunk, ", plan.total_bytes, plan.num_blocks,
-                 conn.control_address)
+                 conn.control_address, extra=fields(rid, out.decode_address))
 
     def _select_pages(self, out: Outgoing, dst: IndexLists, ranges: list[tuple[int, int]],
                       final: bool) -> tuple[IndexLists, IndexLists]:
@@ -270,7 +273,8 @@ class PrefillServicer(DaemonServicer):
             link = self.rt.transport.create_link()
             client = ControlClient(address, options=self.rt.options)
             try:
-                verified = client.handshake(self.local, endpoint=link.endpoint)
+                with self.rt.metrics.handshake("client"):
+                    verified = client.handshake(self.local, endpoint=link.endpoint)
                 addrs = peer_buffer_addrs(verified.layout, verified)
                 link.connect(verified.endpoint)
                 conn = PeerConn(verified, link, self.rt.options, addrs)
@@ -281,7 +285,7 @@ class PrefillServicer(DaemonServicer):
             client.close()
             self.rt.peers.add(conn)
             log.info("decode %s at %s verified and connected (%s)", verified.instance_id,
-                     address, self.rt.transport.kind)
+                     address, self.rt.transport.kind, extra=fields(peer=address))
             return conn
 
     # ---- completion, failure, drain --------------------------------------------------------
@@ -299,7 +303,7 @@ class PrefillServicer(DaemonServicer):
             out = self._out.get(rid) if rid else None
         if out is None:
             log.warning("completion of unknown transfer %s on link %d ignored",
-                        event.transfer_id, event.link)
+                        event.transfer_id, event.link, extra=fields(rid))
             return
         if not event.ok:
             # A failed write leaves the link unusable (an RC QP in error, a TCP stream
@@ -322,14 +326,15 @@ class PrefillServicer(DaemonServicer):
                     and snap.state is TransferState.TRANSFERRING):
                 self.table.advance(out.request_id, TransferState.SUCCESS)
                 log.info("request %s: Success (%d bytes written)", out.request_id,
-                         out.bytes_done)
+                         out.bytes_done, extra=fields(out.request_id, out.decode_address))
             elif snap is not None and snap.state is TransferState.FAILED and out.outstanding == 0:
                 self._tell_decode_async(out, f"prefill failed: {snap.detail}")
 
     def _fail(self, out: Outgoing, reason: FailureReason, detail: str) -> None:
         """Fail a request; decode is told once none of its writes is in flight."""
         if self.table.fail(out.request_id, reason, detail):
-            log.warning("request %s failed: %s: %s", out.request_id, reason.value, detail)
+            log.warning("request %s failed: %s: %s", out.request_id, reason.value, detail,
+                        extra=fields(out.request_id, out.decode_address))
         if out.outstanding == 0:
             self._tell_decode_async(out, f"prefill failed: {reason.value}: {detail}")
 
@@ -341,7 +346,8 @@ class PrefillServicer(DaemonServicer):
                 conn = out.conn
                 log.warning("request %s: %d write(s) still in flight after %.1f s: releasing "
                             "the link so none can read the source any longer", out.request_id,
-                            out.outstanding, limit)
+                            out.outstanding, limit,
+                            extra=fields(out.request_id, out.decode_address))
                 if conn is not None:
                     self.peer_lost(conn, f"writes of {out.request_id} did not drain")
                 out.outstanding = 0
@@ -366,7 +372,8 @@ class PrefillServicer(DaemonServicer):
                     client.stub.Abort(request, timeout=timeout)
         except grpc.RpcError as exc:
             log.info("could not tell decode %s that %s failed: %s", out.decode_address,
-                     out.request_id, exc.details())
+                     out.request_id, exc.details(),
+                     extra=fields(out.request_id, out.decode_address))
 
     def on_expired(self, status: TransferStatus) -> None:
         """A deadline passed: drain the request's writes, then tell decode."""
@@ -387,7 +394,8 @@ class PrefillServicer(DaemonServicer):
             mine = [o for o in self._out.values() if o.conn is conn]
         for out in mine:
             if self.table.fail(out.request_id, FailureReason.PEER_FAILED, detail):
-                log.warning("request %s failed: %s", out.request_id, detail)
+                log.warning("request %s failed: %s", out.request_id, detail,
+                            extra=fields(out.request_id, out.decode_address))
             out.told_decode = True  # the peer is gone; there is no one to tell
 
     def shutdown(self) -> None:

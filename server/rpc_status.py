@@ -19,6 +19,7 @@ from kvbeam.errors import ConfigError, KvbeamError, PlanError
 from kvbeam.proto.errors import ProtocolError
 from kvbeam.server.errors import NotHandshakenError, PeerError
 from kvbeam.server.lifecycle import DuplicateRequest, IllegalTransition, TooManyTransfers
+from kvbeam.server.logs import fields
 from kvbeam.server.slots import NoFreeSlot
 
 log = logging.getLogger(__name__)
@@ -57,14 +58,29 @@ def code_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> NoReturn:
-    """Abort the RPC with the status for ``exc``."""
+def abort(context: grpc.ServicerContext, exc: BaseException, method: str,
+          request: Any = None) -> NoReturn:
+    """Abort the RPC with the status for ``exc``; the log line names the request and peer."""
     code = code_for(exc)
+    extra = _log_fields(request, context)
     if code is grpc.StatusCode.INTERNAL:
-        log.exception("%s failed unexpectedly", method)
+        log.exception("%s failed unexpectedly", method, extra=extra)
     else:
-        log.info("%s refused: %s: %s", method, code.name, exc)
+        log.info("%s refused: %s: %s", method, code.name, exc, extra=extra)
     context.abort(code, f"{type(exc).__name__}: {exc}")
+
+
+def _log_fields(request: Any, context: grpc.ServicerContext) -> dict[str, str]:
+    """Request id and peer of a refused RPC: the peer daemon the request names, else the caller."""
+    rid = getattr(request, "request_id", None)
+    peer = getattr(request, "prefill_address", "") or getattr(request, "decode_address", "")
+    if not peer:
+        try:
+            peer = context.peer()
+        except Exception:  # a test double without peer(): the line still gets logged
+            peer = ""
+    return fields(rid if isinstance(rid, str) and rid else None,
+                  peer if isinstance(peer, str) and peer else None)
 
 
 def handled(method: F) -> F:
@@ -77,6 +93,6 @@ def handled(method: F) -> F:
         except Exception as exc:  # every failure becomes a status; nothing kills the server
             # Handlers never call context.abort themselves (they raise kvbeam errors),
             # so every exception here is one to translate exactly once.
-            abort(context, exc, method.__name__)
+            abort(context, exc, method.__name__, request)
 
     return wrapper  # type: ignore[return-value]

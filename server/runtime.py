@@ -15,6 +15,7 @@ import socket
 import threading
 from typing import TYPE_CHECKING, cast
 
+from kvbeam import __version__
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.checks import check_target_draft
 from kvbeam.pools.layout import build_side_layout
@@ -22,9 +23,12 @@ from kvbeam.pools.spec import load_side_config
 from kvbeam.proto.side import Role, SideInfo
 from kvbeam.server.control import ControlServer
 from kvbeam.server.lifecycle import Deadlines, TransferTable
+from kvbeam.server.metrics import DaemonMetrics
+from kvbeam.server.metrics_collector import DaemonCollector, Sources
 from kvbeam.server.options import ControlOptions
 from kvbeam.server.peers import PeerSet
 from kvbeam.server.settings import DaemonSettings
+from kvbeam.server.slots import SlotPool
 from kvbeam.transport import Access, TransportOptions, open_transport
 from kvbeam.transport.factory import Kind as TransportKind
 
@@ -61,10 +65,11 @@ class Runtime:
                  " (NO RDMA DEVICE: data moves over TCP, far slower than RDMA)")
         access = Access.REMOTE_WRITE if self.role is Role.DECODE else Access.LOCAL
         self.registration = self.transport.register(self.pools.tensor_regions(), access)
+        self.metrics = DaemonMetrics(self.role.value)
         self.table = TransferTable(
             Deadlines(settings.deadline_bootstrap_s, settings.deadline_waiting_s,
                       settings.deadline_transfer_s),
-            capacity=settings.max_inflight)
+            capacity=settings.max_inflight, on_change=self.metrics.on_change)
         self.peers = PeerSet()
         self.options = ControlOptions(rpc_timeout_s=settings.rpc_timeout_s)
         # The handshake carries a per-peer endpoint; this template only gives the
@@ -74,6 +79,8 @@ class Runtime:
                               control_address=settings.advertise)
         template.release()
         self.server: ControlServer | None = None
+        #: Where /metrics is served ("" when --metrics is off); set by :meth:`start`.
+        self.metrics_address = ""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -88,7 +95,13 @@ class Runtime:
         return self._stop.is_set()
 
     def start(self, servicer: DaemonServicer) -> str:
-        """Serve the control plane and start the background loops; returns the bound address."""
+        """Serve the control plane and start the background loops; returns the bound address.
+
+        With ``--metrics`` the /metrics endpoint starts first, so a port clash stops
+        the daemon before it serves anything.
+        """
+        if self.settings.metrics:
+            self.metrics_address = self.metrics.serve(self.settings.metrics)
         self.server = ControlServer(self.local, servicer=servicer, options=self.options)
         address = self.server.start(self.settings.listen)
         if not self.server.local.control_address:
@@ -98,6 +111,7 @@ class Runtime:
             log.warning("listening on %s without --advertise: advertising %s to peers",
                         address, advertised)
         self.local = self.server.local  # carries the bound or advertised address
+        self._publish(servicer)
         for name, target in (("events", servicer.event_loop), ("sweeper", self._sweep),
                              ("heartbeat", servicer.heartbeat_loop)):
             t = threading.Thread(target=target, args=(self._stop,), name=f"kvbeam-{name}",
@@ -106,6 +120,19 @@ class Runtime:
             self._threads.append(t)
         self._servicer = servicer
         return address
+
+    def _publish(self, servicer: DaemonServicer) -> None:
+        """Register the scrape-time collector now that the servicer's books exist."""
+        slots = getattr(servicer, "slots", None)
+        pool = slots if isinstance(slots, SlotPool) else None
+        self.metrics.count_bytes_with(servicer.bytes_of)
+        self.metrics.registry.register(DaemonCollector(Sources(
+            info={"role": self.role.value, "instance": self.local.instance_id,
+                  "transport": self.transport.kind, "version": __version__},
+            transport=self.transport.stats,
+            live=self.table.live,
+            peers=lambda: len(self.peers.all()),
+            slots=None if pool is None else (lambda: (pool.held, pool.size)))))
 
     def _sweep(self, stop: threading.Event) -> None:
         while not stop.wait(SWEEP_S):
@@ -129,6 +156,7 @@ class Runtime:
             t.join(timeout=5)
         for conn in self.peers.all():
             conn.close()
+        self.metrics.stop()
         self.registration.release()
         self.transport.close()
         log.info("%s daemon stopped: nothing registered, transport closed", self.role.value)

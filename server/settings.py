@@ -80,6 +80,12 @@ OPTIONS: tuple[Option, ...] = (
            "tests; -1: leave them zeroed)"),
     Option("log_level", "KVBEAM_LOG_LEVEL", str, "INFO", "DEBUG, INFO, WARNING or ERROR",
            ("DEBUG", "INFO", "WARNING", "ERROR")),
+    Option("log_format", "KVBEAM_LOG_FORMAT", str, "text",
+           "log lines as text, or json: one object per line with timestamp, level, logger, "
+           "message, role, request_id and peer", ("text", "json")),
+    Option("metrics", "KVBEAM_METRICS", str, "",
+           "HOST:PORT of the Prometheus /metrics endpoint (port 0: any free port); "
+           "empty: no endpoint"),
 )
 
 
@@ -106,6 +112,8 @@ class DaemonSettings:
     integrity: bool
     fill_seed: int
     log_level: str
+    log_format: str
+    metrics: str
 
     @property
     def advertised(self) -> str:
@@ -170,6 +178,8 @@ def resolve(role: str, args: argparse.Namespace | None = None,
     _check_hostport(values["listen"], "--listen", allow_zero=True)
     if values["advertise"]:
         _check_hostport(values["advertise"], "--advertise")
+    if values["metrics"]:
+        _check_hostport(values["metrics"], "--metrics", allow_zero=True)
     names = {f.name for f in fields(DaemonSettings)}
     return DaemonSettings(**{k: v for k, v in values.items() if k in names})
 

@@ -26,6 +26,7 @@ from kvbeam.transport.core import Prepared
 from kvbeam.transport.endpoint import Endpoint, RemoteRegion
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.regions import RegionTable
+from kvbeam.transport.stats import TransferMeter
 from kvbeam.transport.verbs_chain import SGE_DTYPE, WR_DTYPE, WrBatch, build
 from kvbeam.transport.verbs_link import VerbsLink
 from kvbeam.transport.verbs_qp import RECV_TAG
@@ -121,8 +122,10 @@ class FakeTransport:
         self._book = SimpleNamespace(local=RegionTable([(0x1000, 1 << 30, 5)], "local"),
                                      remote_regions=lambda: ())
         self.device = SimpleNamespace(gid="fe80::1", mtu=5, name="fake0")
+        self._meter = TransferMeter()
 
     def _emit(self, event: Event) -> None:
+        self._meter.on_event(event)
         self.events.append(event)
 
     def _wake(self) -> None:
@@ -248,3 +251,26 @@ def test_opening_a_missing_device_is_a_transport_error() -> None:
 
     with pytest.raises(TransportError, match="no_such_dev0"):
         VerbsTransport("no_such_dev0")
+
+
+def test_meter_counts_bytes_wrs_and_qp_errors() -> None:
+    options = TransportOptions(sq_depth=16, signal_every=4, max_chain=8, slice_bytes=64)
+    link, qp, t = make_link(options)
+    link.write(1, blocks(10, 64))
+    link.write(1, blocks(3, 128), notify=False)  # a second chunk of the same transfer id
+    in_flight = t._meter.snapshot(links=1, wrs=True, inflight_wrs=link.outstanding)
+    assert in_flight.inflight_writes == 2 and in_flight.sent_bytes == 0
+    run(link, qp)
+    s = t._meter.snapshot(links=1, wrs=True, inflight_wrs=link.outstanding)
+    # blocks as the caller gave them; 128-byte blocks were sliced into two WRs each
+    assert (s.sent_bytes, s.sent_blocks, s.inflight_writes) == (10 * 64 + 3 * 128, 13, 0)
+    assert s.posted_wrs == 10 + 1 + 6 and s.inflight_wrs == 0
+    assert dict(s.completions) == {"OK": 2} and s.received_bytes is None
+    link.write(2, blocks(20, 64))
+    qp.fail_next = 10  # IBV_WC_REM_ACCESS_ERR
+    run(link, qp)
+    s = t._meter.snapshot(links=0)
+    assert s.sent_bytes == 10 * 64 + 3 * 128  # the failed transfer adds nothing
+    assert dict(s.completions) == {"OK": 2, "IBV_WC_REM_ACCESS_ERR": 1}
+    assert dict(s.link_failures) == {"IBV_WC_REM_ACCESS_ERR": 1}
+    assert s.inflight_writes == 0

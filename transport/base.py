@@ -17,10 +17,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from kvbeam.errors import TransportError
 from kvbeam.transport.blocks import Blocks
 from kvbeam.transport.endpoint import Endpoint, Region, RemoteRegion
+
+if TYPE_CHECKING:
+    from kvbeam.transport.stats import TransportStats
 
 
 class Access(enum.Enum):
@@ -129,6 +133,16 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release links and registrations and stop background work. Idempotent."""
+
+    def stats(self) -> TransportStats:
+        """A snapshot of this transport's counters (bytes, completions, failures, in flight).
+
+        Cheap and thread-safe; meant to be read at metrics scrape time. The default
+        reports nothing (all zero).
+        """
+        from kvbeam.transport.stats import TransportStats  # stats imports this module
+
+        return TransportStats()
 
     def __enter__(self) -> Transport:
         return self

@@ -38,6 +38,7 @@ from kvbeam.transport.core import (
 from kvbeam.transport.endpoint import Endpoint, Region
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.regions import RegionTable
+from kvbeam.transport.stats import TransferMeter, TransportStats
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class TcpTransport(Transport):
         self._listener = socket.create_server((self.host, port))
         self.port = int(self._listener.getsockname()[1])
         self._events = EventQueue()
+        self._meter = TransferMeter()
         self._book = RegistrationBook()
         self._lock = threading.Lock()
         self._links: dict[int, TcpLink] = {}
@@ -89,6 +91,12 @@ class TcpTransport(Transport):
         """Queued events, waiting up to ``timeout`` for the first."""
         return self._events.drain(timeout)
 
+    def stats(self) -> TransportStats:
+        """Counters: bytes sent (ACKed) and received (landed here), completions, failures."""
+        with self._lock:
+            links = len(self._links)
+        return self._meter.snapshot(links=links, received=True)
+
     def close(self) -> None:
         """Stop listening, release every link and registration."""
         if self._closed.is_set():
@@ -105,6 +113,7 @@ class TcpTransport(Transport):
 
     # -- internals used by links -------------------------------------------------
     def _emit(self, event: Event) -> None:
+        self._meter.on_event(event)
         self._events.put(event)
 
     def _forget(self, link: TcpLink) -> None:
@@ -161,6 +170,7 @@ class _Receiver:
     def run(self) -> None:
         refused: str | None = None  # why the transfer being received was refused
         in_transfer = False
+        landed = 0  # bytes of the transfer being received (counted once, at END)
         while True:
             try:
                 header = wire.recv_header(self.conn)
@@ -179,6 +189,7 @@ class _Receiver:
                 # The table is read per block: registrations may change between transfers.
                 if refused is None and self.t._book.writable.contains(addr, length):
                     wire.recv_into(self.conn, wire.view(addr, length))
+                    landed += length
                     continue
                 if refused is None:
                     refused = (f"block at {addr:#x} length {length} is outside every "
@@ -186,6 +197,8 @@ class _Receiver:
                 wire.discard(self.conn, length)
             elif kind == wire.END:
                 in_transfer = False
+                self.t._meter.received(landed)
+                landed = 0
                 if refused is not None:
                     detail = refused.encode()
                     wire.send_all(self.conn, wire.frame(wire.NAK, transfer_id, 0, len(detail))
@@ -201,6 +214,7 @@ class _Receiver:
 
     def _link_failed(self, transfer_id: int | None, status: str, detail: str) -> None:
         log.warning("TCP transport: link %d: %s: %s", self.link.id, status, detail)
+        self.t._meter.link_failed(status)
         self.t._emit(Event(EventKind.LINK_FAILED, self.link.id, transfer_id, False, status, detail))
 
 
@@ -266,6 +280,8 @@ class TcpLink(Link):
                            self._t._book.local, peer, self._check_remote)
         with self._lock:  # checked again under the lock that _fail drains the queue under
             self._usable_peer()
+            # Counted before queueing: the ACK (and its event) may follow at once.
+            self._t._meter.submitted(self.id, transfer_id, blocks.total_bytes, len(blocks))
             self._queue.put(prepared)
 
     def release(self) -> None:
@@ -317,6 +333,7 @@ class TcpLink(Link):
                 return
             self._failure = (status, detail)
             dropped = self._drain_locked()
+        self._t._meter.link_failed(status)
         # A peer that goes away between transfers is routine (it closed or restarted).
         log.log(logging.WARNING if dropped else logging.INFO, "TCP link %d failed: %s: %s",
                 self.id, status, detail)

@@ -24,6 +24,7 @@ from kvbeam.transport.base import Access, Event, Registration, Transport
 from kvbeam.transport.core import EventQueue, RegistrationBook, wait_readable
 from kvbeam.transport.endpoint import Region
 from kvbeam.transport.options import TransportOptions
+from kvbeam.transport.stats import TransferMeter, TransportStats
 from kvbeam.transport.verbs_chain import Poster
 from kvbeam.transport.verbs_device import VerbsDevice
 from kvbeam.transport.verbs_import import import_pyverbs
@@ -58,6 +59,7 @@ class VerbsTransport(Transport):
         self._book = RegistrationBook()
         self._mrs: dict[int, list[Any]] = {}
         self._events = EventQueue()
+        self._meter = TransferMeter()
         self._lock = threading.RLock()
         self._links: dict[int, VerbsLink] = {}
         self._next_id = 1
@@ -111,6 +113,16 @@ class VerbsTransport(Transport):
         """Queued events, waiting up to ``timeout`` for the first."""
         return self._events.drain(timeout)
 
+    def stats(self) -> TransportStats:
+        """Counters: bytes and WRs sent, completions, QP errors, WRs in flight.
+
+        No received bytes: RDMA WRITEs land without this side's CPU seeing them.
+        """
+        with self._lock:
+            links = list(self._links.values())
+        return self._meter.snapshot(links=len(links), wrs=True,
+                                    inflight_wrs=sum(link.outstanding for link in links))
+
     def close(self) -> None:
         """Stop the progress thread, destroy links, deregister memory, close the device."""
         with self._lock:
@@ -132,6 +144,7 @@ class VerbsTransport(Transport):
 
     # -- used by links -----------------------------------------------------------------
     def _emit(self, event: Event) -> None:
+        self._meter.on_event(event)
         self._events.put(event)
 
     def _forget(self, link: VerbsLink) -> None:

@@ -133,6 +133,7 @@ class VerbsLink(Link):
         self.stats.prepare_s += time.thread_time() - start
         with self._submit_lock:  # the state may have changed while we prepared
             self._usable_peer()
+            self._t._meter.submitted(self.id, transfer_id, blocks.total_bytes, len(blocks))
             self._submitted.append(job)
         self._t._wake()
 
@@ -143,6 +144,11 @@ class VerbsLink(Link):
             self._t._forget(self)
 
     # -- progress thread -----------------------------------------------------------------
+    @property
+    def outstanding(self) -> int:
+        """WRs posted on this link and not yet completed."""
+        return self._outstanding
+
     @property
     def active(self) -> bool:
         """Whether the progress thread should service this link."""
@@ -238,6 +244,7 @@ class VerbsLink(Link):
             stats.wrs, stats.posts = stats.wrs + b - a, stats.posts + 1
             stats.post_s += posted - before
             stats.book_s += cpu - start
+            self._t._meter.posted(b - a)
         if b == batch.n:
             self._pending.popleft()
             if batch.n == 0:  # no blocks and no notify: nothing to wait for
@@ -283,6 +290,8 @@ class VerbsLink(Link):
 
     def _fail(self, status: str, detail: str) -> None:
         log.warning("RDMA link %d failed: %s: %s; tearing it down", self.id, status, detail)
+        if self._state not in ("failed", "released"):
+            self._t._meter.link_failed(status)
         self._stop("failed", status, detail)
 
     def _stop(self, state: str, status: str, detail: str) -> None:

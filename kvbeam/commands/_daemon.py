@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 from kvbeam.server.settings import add_daemon_arguments, env_help, resolve
 
@@ -17,7 +16,8 @@ the transport (the RDMA device given or found; TCP only when none exists, logged
 as a warning), and serve the kvbeam.v1 control API and the gRPC health service on
 --listen. SIGTERM or SIGINT shut it down: in-flight transfers fail with reason
 shutdown and nothing stays registered. Prints one line "kvbeam {role} listening on
-HOST:PORT instance ID transport KIND" on stdout once serving.
+HOST:PORT instance ID transport KIND" on stdout once serving, followed by
+" metrics HOST:PORT" when --metrics serves Prometheus metrics.
 
 {env_help()}
 """
@@ -30,8 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_role(role: str, args: argparse.Namespace) -> int:
     """Resolve settings and serve until signalled."""
+    from kvbeam.server.logs import configure
     from kvbeam.server.main import run_daemon
 
     settings = resolve(role, args)
-    logging.getLogger().setLevel(settings.log_level)
+    configure(settings.log_level, settings.log_format, role)
     return run_daemon(settings)
