@@ -1,0 +1,221 @@
+"""Metrics without daemons: the lifecycle observer, the scrape-time collector over a fake
+transport, the /metrics endpoint, and the TCP transport's own counters."""
+
+from __future__ import annotations
+
+import mmap
+import socket
+import time
+from collections.abc import Iterable
+from types import MappingProxyType
+
+import numpy as np
+import pytest
+
+from kvbeam.server.errors import ListenError
+from kvbeam.server.lifecycle import (
+    Deadlines,
+    FailureReason,
+    TransferState,
+    TransferStatus,
+    TransferTable,
+)
+from kvbeam.server.metrics import DaemonMetrics
+from kvbeam.server.metrics_collector import DaemonCollector, Sources
+from kvbeam.transport import Access, Region
+from kvbeam.transport.options import TransportOptions
+from kvbeam.transport.stats import TransportStats
+from kvbeam.transport.tcp import TcpTransport
+from kvbeam.transport.testpeer import buffer_address
+from tests.metrics_helpers import collect, scrape, value
+from tests.transport_helpers import plan
+
+
+def table_with(metrics: DaemonMetrics) -> TransferTable:
+    return TransferTable(Deadlines(1.0, 1.0, 1.0), on_change=metrics.on_change)
+
+
+def test_observer_counts_creations_outcomes_latency_and_bytes() -> None:
+    m = DaemonMetrics("decode")
+    m.count_bytes_with(lambda rid: (1000 if rid == "ok" else 7, 1000))
+    t = table_with(m)
+    t.create("ok", "10.0.0.1:1")
+    t.create("bad", "10.0.0.1:1")
+    s = collect(m.registry)
+    assert value(s, "kvbeam_transfers_started_total") == 2
+    assert value(s, "kvbeam_transfers_total", state="Success", reason="none") == 0
+    for state in (TransferState.WAITING_FOR_INPUT, TransferState.TRANSFERRING,
+                  TransferState.SUCCESS):
+        t.advance("ok", state)
+    t.fail("bad", FailureReason.ABORTED, "test")
+    t.fail("bad", FailureReason.TIMEOUT, "already failed: no change, no count")
+    s = collect(m.registry)
+    assert value(s, "kvbeam_transfers_total", state="Success", reason="none") == 1
+    assert value(s, "kvbeam_transfers_total", state="Failed", reason="aborted") == 1
+    assert value(s, "kvbeam_transfers_total", state="Failed", reason="timeout") == 0
+    assert value(s, "kvbeam_transfer_seconds_count", state="Success") == 1
+    assert value(s, "kvbeam_transfer_seconds_count", state="Failed") == 1
+    # only Success counts bytes: a failed request's partial bytes are not "transferred"
+    assert value(s, "kvbeam_request_bytes_total") == 1000
+
+
+def test_observer_survives_a_failing_bytes_source() -> None:
+    m = DaemonMetrics("prefill")
+
+    def broken(rid: str) -> tuple[int, int]:
+        raise RuntimeError("books gone")
+
+    m.count_bytes_with(broken)
+    t = table_with(m)
+    t.create("r", "p:1")
+    for state in (TransferState.WAITING_FOR_INPUT, TransferState.TRANSFERRING,
+                  TransferState.SUCCESS):
+        t.advance("r", state)
+    assert value(collect(m.registry), "kvbeam_transfers_total", state="Success",
+                 reason="none") == 1
+
+
+def test_handshake_timer_counts_ok_and_failed() -> None:
+    m = DaemonMetrics("prefill")
+    with m.handshake("client"):
+        time.sleep(0.002)
+    with pytest.raises(ValueError), m.handshake("client"):
+        raise ValueError("refused")
+    s = collect(m.registry)
+    assert value(s, "kvbeam_handshakes_total", side="client", result="ok") == 1
+    assert value(s, "kvbeam_handshakes_total", side="client", result="failed") == 1
+    assert value(s, "kvbeam_handshake_seconds_count", side="client") == 2
+    assert value(s, "kvbeam_handshake_seconds_sum", side="client") >= 0.002
+
+
+class FakeTransport:
+    """Stands in for a transport: only stats() matters to the collector."""
+
+    def __init__(self) -> None:
+        self.now = TransportStats()
+
+    def stats(self) -> TransportStats:
+        return self.now
+
+
+def status(rid: str, state: TransferState) -> TransferStatus:
+    return TransferStatus(rid, "peer:1", state, None, "", 0, 0.0)
+
+
+def test_collector_publishes_a_fake_transport_and_the_daemon_levels() -> None:
+    m = DaemonMetrics("decode")
+    fake = FakeTransport()
+    live: list[TransferStatus] = []
+    held = [0]
+
+    def live_now() -> Iterable[TransferStatus]:
+        return list(live)
+
+    m.registry.register(DaemonCollector(Sources(
+        info={"role": "decode", "instance": "abc", "transport": "rdma", "version": "0"},
+        transport=fake.stats, live=live_now, peers=lambda: 2,
+        slots=lambda: (held[0], 16))))
+    s = collect(m.registry)
+    assert value(s, "kvbeam_info", role="decode", instance="abc", transport="rdma",
+                 version="0") == 1
+    assert value(s, "kvbeam_slots") == 16 and value(s, "kvbeam_slots_reserved") == 0
+    assert value(s, "kvbeam_transfers_live", state="Transferring") == 0
+    assert ("kvbeam_transport_received_bytes_total", ()) not in s  # None: not exported
+    assert ("kvbeam_transport_posted_wrs_total", ()) not in s
+
+    fake.now = TransportStats(
+        sent_bytes=4096, sent_blocks=3,
+        completions=MappingProxyType({"OK": 5, "IBV_WC_REM_ACCESS_ERR": 1}),
+        inflight_writes=2, notifications=4,
+        link_failures=MappingProxyType({"IBV_WC_REM_ACCESS_ERR": 1}), links=3,
+        posted_wrs=77, inflight_wrs=9)
+    live += [status("a", TransferState.TRANSFERRING), status("b", TransferState.BOOTSTRAPPING),
+             status("c", TransferState.TRANSFERRING)]
+    held[0] = 3
+    s = collect(m.registry)
+    assert value(s, "kvbeam_transport_sent_bytes_total") == 4096
+    assert value(s, "kvbeam_transport_sent_blocks_total") == 3
+    assert value(s, "kvbeam_transport_write_completions_total", status="OK") == 5
+    assert value(s, "kvbeam_transport_write_completions_total",
+                 status="IBV_WC_REM_ACCESS_ERR") == 1
+    assert value(s, "kvbeam_transport_link_failures_total", status="IBV_WC_REM_ACCESS_ERR") == 1
+    assert value(s, "kvbeam_transport_inflight_writes") == 2
+    assert value(s, "kvbeam_transport_notifications_total") == 4
+    assert value(s, "kvbeam_transport_links") == 3
+    assert value(s, "kvbeam_transport_posted_wrs_total") == 77
+    assert value(s, "kvbeam_transport_inflight_wrs") == 9
+    assert value(s, "kvbeam_transfers_live", state="Transferring") == 2
+    assert value(s, "kvbeam_transfers_live", state="Bootstrapping") == 1
+    assert value(s, "kvbeam_slots_reserved") == 3
+    assert value(s, "kvbeam_peers") == 2
+
+
+def test_prefill_collector_has_no_slots() -> None:
+    m = DaemonMetrics("prefill")
+    m.registry.register(DaemonCollector(Sources(
+        info={"role": "prefill"}, transport=TransportStats, live=list, peers=lambda: 0)))
+    s = collect(m.registry)
+    assert not [k for k in s if k[0].startswith("kvbeam_slots")]
+
+
+def test_registries_are_per_daemon() -> None:
+    a, b = DaemonMetrics("prefill"), DaemonMetrics("decode")
+    a.started.inc(3)
+    assert value(collect(a.registry), "kvbeam_transfers_started_total") == 3
+    assert value(collect(b.registry), "kvbeam_transfers_started_total") == 0
+
+
+def test_endpoint_binds_port_zero_and_refuses_a_port_in_use() -> None:
+    m = DaemonMetrics("decode")
+    m.started.inc()
+    bound = m.serve("127.0.0.1:0")
+    try:
+        host, _, port = bound.rpartition(":")
+        assert host == "127.0.0.1" and int(port) > 0
+        assert value(scrape(bound), "kvbeam_transfers_started_total") == 1
+        other = DaemonMetrics("prefill")
+        with pytest.raises(ListenError, match=f"cannot serve metrics on {bound}: .*in use"):
+            other.serve(bound)
+    finally:
+        m.stop()
+        m.stop()  # idempotent
+    with socket.socket() as s:  # nothing listens there any more (TIME_WAIT aside)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", int(port)))
+
+
+def test_tcp_transport_counts_sent_received_and_in_flight() -> None:
+    n = 1 << 20
+    src_buf, dst_buf = mmap.mmap(-1, n), mmap.mmap(-1, n)
+    src_buf.write(np.arange(n, dtype=np.uint8).tobytes())
+    options = TransportOptions(slice_bytes=64 << 10, op_timeout_s=5.0)
+    sender, receiver = TcpTransport(options=options), TcpTransport(options=options)
+    try:
+        sender.register([Region(buffer_address(src_buf), n)], Access.LOCAL)
+        receiver.register([Region(buffer_address(dst_buf), n)], Access.REMOTE_WRITE)
+        out, inbound = sender.create_link(), receiver.create_link()
+        inbound.connect(out.endpoint)
+        out.connect(inbound.endpoint)
+        rows = [(0, 0, 300_000), (400_000, 500_000, 4096), (700_000, 900_000, 0)]
+        blocks = plan(buffer_address(src_buf), buffer_address(dst_buf), rows)
+        out.write(5, blocks, notify=True)
+        out.write(6, blocks, notify=False)
+        events = []
+        deadline = time.monotonic() + 10
+        while len(events) < 2 and time.monotonic() < deadline:
+            events += sender.events(0.5)
+        assert [e.ok for e in events] == [True, True]
+        notes = receiver.events(5.0)
+        assert len(notes) == 1
+        s = sender.stats()
+        assert (s.sent_bytes, s.sent_blocks) == (2 * 304_096, 6)
+        assert dict(s.completions) == {"OK": 2} and s.inflight_writes == 0
+        assert s.links == 1 and s.posted_wrs is None and s.inflight_wrs is None
+        r = receiver.stats()
+        assert r.received_bytes == 2 * 304_096 and r.notifications == 1
+        assert r.sent_bytes == 0 and not r.link_failures
+    finally:
+        sender.close()
+        receiver.close()
+        src_buf.close()
+        dst_buf.close()
