@@ -22,7 +22,7 @@ from kvbeam.server.lifecycle import (
 )
 from kvbeam.server.metrics import DaemonMetrics
 from kvbeam.server.metrics_collector import DaemonCollector, Sources
-from kvbeam.transport import Access, Region
+from kvbeam.transport import Access, Event, Region
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.stats import TransportStats
 from kvbeam.transport.tcp import TcpTransport
@@ -200,7 +200,7 @@ def test_tcp_transport_counts_sent_received_and_in_flight() -> None:
         blocks = plan(buffer_address(src_buf), buffer_address(dst_buf), rows)
         out.write(5, blocks, notify=True)
         out.write(6, blocks, notify=False)
-        events = []
+        events: list[Event] = []
         deadline = time.monotonic() + 10
         while len(events) < 2 and time.monotonic() < deadline:
             events += sender.events(0.5)
