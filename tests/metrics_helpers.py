@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import urllib.request
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvbeam.procs import wait_until
 
 #: (sample name, sorted label pairs) -> value
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -39,3 +42,22 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 def delta(after: Samples, before: Samples, name: str, **labels: str) -> float:
     """How much a sample moved between two scrapes."""
     return value(after, name, **labels) - value(before, name, **labels)
+
+
+def settle(address: str, done: Callable[[Samples], bool], timeout: float = 10.0) -> Samples:
+    """Scrape until ``done`` holds (outcome counters move just after the state a client
+    sees); returns that scrape."""
+    last: list[Samples] = [scrape(address)]
+
+    def check() -> bool:
+        last[0] = scrape(address)
+        return done(last[0])
+
+    assert wait_until(check, timeout, interval=0.1), "metrics did not settle"
+    return last[0]
+
+
+def succeeded_once_more(before: Samples) -> Callable[[Samples], bool]:
+    """A ``settle`` condition: one more Success than in ``before``."""
+    return lambda s: delta(s, before, "kvbeam_transfers_total", state="Success",
+                           reason="none") >= 1

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,22 +18,16 @@ from kvbeam.procs import DaemonProcess, DaemonStartError, wait_until
 from kvbeam.scheduler import run_request
 from kvbeam.server.lifecycle import FailureReason, TransferState
 from tests.daemon_helpers import pair, start
-from tests.metrics_helpers import Samples, delta, scrape, value
+from tests.metrics_helpers import (
+    delta,
+    scrape,
+    settle,
+    succeeded_once_more,
+    value,
+)
 
 S, F = TransferState.SUCCESS, TransferState.FAILED
 METRICS = ["--metrics", "127.0.0.1:0"]
-
-
-def settle(address: str, done: Callable[[Samples], bool], timeout: float = 10.0) -> Samples:
-    """Scrape until ``done`` holds: outcome counters move just after the state a client sees."""
-    last: list[Samples] = [scrape(address)]
-
-    def check() -> bool:
-        last[0] = scrape(address)
-        return done(last[0])
-
-    assert wait_until(check, timeout, interval=0.1), "metrics did not settle"
-    return last[0]
 
 
 def posted_blocks(prefill: DaemonProcess, rid: str) -> int:
@@ -80,11 +73,8 @@ def test_metrics_move_by_exactly_one_request() -> None:
         total = d.status("m-1").bytes_total
         assert total == p.status("m-1").bytes_total > chunk  # the plan's byte total
 
-        def succeeded(before: Samples) -> Callable[[Samples], bool]:
-            return lambda s: delta(s, before, "kvbeam_transfers_total", state="Success",
-                                   reason="none") >= 1
-
-        p2, d2 = settle(prefill.metrics, succeeded(p0)), settle(decode.metrics, succeeded(d0))
+        p2 = settle(prefill.metrics, succeeded_once_more(p0))
+        d2 = settle(decode.metrics, succeeded_once_more(d0))
         for after, before, role in ((p2, p0, "prefill"), (d2, d0, "decode")):
             assert delta(after, before, "kvbeam_transfers_total", state="Success",
                          reason="none") == 1, role

@@ -20,6 +20,7 @@ from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.scheduler import drive, run_request
 from kvbeam.server.lifecycle import FailureReason, TransferState
 from tests.daemon_helpers import pair, start, start_both
+from tests.metrics_helpers import delta, scrape, settle, succeeded_once_more, value
 from tests.rdma.conftest import RdmaDevice
 
 pytestmark = pytest.mark.rdma
@@ -27,8 +28,13 @@ F = TransferState.FAILED
 Pair = tuple[DaemonProcess, DaemonProcess, KvbeamClient, KvbeamClient]
 
 
+#: The shared pairs serve /metrics, so any test can check what the data plane counted.
+METRICS = ["--metrics", "127.0.0.1:0"]
+
+
 def _pair(paged: bool) -> Iterator[Pair]:
-    with pair(paged=paged, transport="rdma") as running:
+    with pair(paged=paged, transport="rdma", decode_extra=METRICS,
+              prefill_extra=METRICS) as running:
         assert running[0].transport == running[1].transport == "rdma"
         yield running
 
@@ -41,6 +47,31 @@ def unified(rdma_device: RdmaDevice) -> Iterator[Pair]:
 @pytest.fixture(scope="module")
 def paged(rdma_device: RdmaDevice) -> Iterator[Pair]:
     yield from _pair(paged=True)
+
+
+def test_metrics_count_rdma_bytes_wrs_and_arrivals(unified: Pair) -> None:
+    prefill, decode, p, d = unified
+    p0, d0 = scrape(prefill.metrics), scrape(decode.metrics)
+    assert run_request(p, d, "metered", 4096, 1, timeout=60, release=False).ok
+    total = d.status("metered").bytes_total
+    assert total == p.status("metered").bytes_total > 0
+
+    p1 = settle(prefill.metrics, succeeded_once_more(p0), 30)
+    d1 = settle(decode.metrics, succeeded_once_more(d0), 30)
+    assert delta(p1, p0, "kvbeam_transport_sent_bytes_total") == total
+    assert delta(p1, p0, "kvbeam_transport_sent_blocks_total") > 0
+    assert delta(p1, p0, "kvbeam_transport_posted_wrs_total") > 0  # slices + the IMM marker
+    assert value(p1, "kvbeam_transport_inflight_wrs") == 0
+    assert value(p1, "kvbeam_transport_inflight_writes") == 0
+    assert delta(p1, p0, "kvbeam_request_bytes_total") == total
+    assert not [k for k in p1 if k[0] == "kvbeam_transport_link_failures_total"]
+    assert delta(d1, d0, "kvbeam_transport_notifications_total") == 1
+    assert delta(d1, d0, "kvbeam_request_bytes_total") == total
+    assert ("kvbeam_transport_received_bytes_total", ()) not in d1  # RDMA: invisible here
+    assert delta(d1, d0, "kvbeam_slots_reserved") == 1
+    d.release("metered")
+    held = value(scrape(decode.metrics), "kvbeam_slots_reserved")
+    assert held == value(d0, "kvbeam_slots_reserved")
 
 
 def _fifty(pair: Pair, prefix: str) -> None:
