@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from kvbeam.client import Busy, KvbeamClient, Status
 from kvbeam.errors import KvbeamError
 from kvbeam.server.lifecycle import TransferState
+from kvbeam.server.logs import fields
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def run_request(prefill: KvbeamClient, decode: KvbeamClient, request_id: str, se
         return RequestResult(request_id, seq_len, slot, str(final), final.bytes_total,
                              t_done - t0, t_done - t_send, str(pstat))
     except KvbeamError as exc:
-        log.warning("request %s: %s", request_id, exc)
+        log.warning("request %s: %s", request_id, exc, extra=fields(request_id))
         return RequestResult(request_id, seq_len, slot, f"error: {exc}", 0,
                              time.monotonic() - t0, 0.0, "?")
 
