@@ -153,6 +153,11 @@ class PrefillServicer(DaemonServicer):
         detail = request.detail or ("aborted by decode" if request.from_peer else "aborted")
         if self.table.fail(rid, reason, detail):
             log.warning("request %s failed: %s: %s", rid, reason.value, detail)
+        elif request.from_peer:
+            # Our Success means every write completed here; decode's verdict (e.g. an
+            # integrity failure found after landing) is the one the scheduler acts on.
+            log.error("request %s: decode reports a failure after this side ended: %s",
+                      rid, detail)
         self._drain(out)
         if request.from_peer:
             out.told_decode = True  # decode asked: it knows
