@@ -235,6 +235,7 @@ class DecodeServicer(DaemonServicer):
     def _landed(self, res: Reservation) -> None:
         with res.lock:
             res.landed = True
+            self.rt.faults.after_landing(res.request_id, self.rt.pools, res.indices)
             if res.digests is not None and self.rt.settings.integrity:
                 landed = request_digests(self.rt.pools, res.indices)
                 bad = [b.name for b, want, got in

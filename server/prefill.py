@@ -155,6 +155,11 @@ class PrefillServicer(DaemonServicer):
         if self.table.fail(rid, reason, detail):
             log.warning("request %s failed: %s: %s", rid, reason.value, detail,
                         extra=fields(rid, out.decode_address))
+        elif request.from_peer:
+            # Our Success means every write completed here; decode's verdict (e.g. an
+            # integrity failure found after landing) is the one the scheduler acts on.
+            log.error("request %s: decode reports a failure after this side ended: %s",
+                      rid, detail, extra=fields(rid, out.decode_address))
         self._drain(out)
         if request.from_peer:
             out.told_decode = True  # decode asked: it knows

@@ -22,6 +22,7 @@ from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.spec import load_side_config
 from kvbeam.proto.side import Role, SideInfo
 from kvbeam.server.control import ControlServer
+from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.metrics import DaemonMetrics
 from kvbeam.server.metrics_collector import DaemonCollector, Sources
@@ -51,6 +52,7 @@ class Runtime:
         self.layout = build_side_layout(self.config)
         # Refuse broken pools before allocating hundreds of MB or opening a device.
         check_target_draft(self.layout, self.role.value)
+        self.faults = FaultHooks.from_env()  # test-only; all off unless KVBEAM_FAULT_* set
         self.pools = AllocatedSide(self.layout, settings.pool_device)
         if settings.fill_seed >= 0:
             self.pools.fill_pattern(settings.fill_seed)

@@ -38,18 +38,19 @@ def _args(role: str, transport: str, extra: Sequence[str]) -> list[str]:
 
 
 def start(role: str, *, paged: bool = False, transport: str = "tcp",
-          extra: Sequence[str] = (), cfg: str | None = None, listen: str = "127.0.0.1:0"
-          ) -> DaemonProcess:
+          extra: Sequence[str] = (), cfg: str | None = None, listen: str = "127.0.0.1:0",
+          env: dict[str, str] | None = None) -> DaemonProcess:
     """A daemon with fast deadlines and a fill pattern (prefill seed 1, decode seed 2)."""
     return start_daemon(role, cfg or config(role, paged), listen=listen,
-                        extra=_args(role, transport, extra), timeout=STARTUP_S)
+                        extra=_args(role, transport, extra), env=env, timeout=STARTUP_S)
 
 
 def start_both(*, paged: bool = False, transport: str = "tcp", decode_extra: Sequence[str] = (),
-               prefill_extra: Sequence[str] = ()) -> tuple[DaemonProcess, DaemonProcess]:
+               prefill_extra: Sequence[str] = (), decode_env: dict[str, str] | None = None
+               ) -> tuple[DaemonProcess, DaemonProcess]:
     """Start decode and prefill at the same time (their start-ups overlap); (prefill, decode)."""
     d = spawn_daemon("decode", config("decode", paged),
-                     extra=_args("decode", transport, decode_extra))
+                     extra=_args("decode", transport, decode_extra), env=decode_env)
     p = spawn_daemon("prefill", config("prefill", paged),
                      extra=_args("prefill", transport, prefill_extra))
     try:
@@ -66,11 +67,11 @@ def start_both(*, paged: bool = False, transport: str = "tcp", decode_extra: Seq
 
 @contextmanager
 def pair(*, paged: bool = False, transport: str = "tcp", decode_extra: Sequence[str] = (),
-         prefill_extra: Sequence[str] = ()
+         prefill_extra: Sequence[str] = (), decode_env: dict[str, str] | None = None
          ) -> Iterator[tuple[DaemonProcess, DaemonProcess, KvbeamClient, KvbeamClient]]:
     """A running prefill/decode pair and a client to each; everything stopped afterwards."""
     prefill, decode = start_both(paged=paged, transport=transport, decode_extra=decode_extra,
-                                 prefill_extra=prefill_extra)
+                                 prefill_extra=prefill_extra, decode_env=decode_env)
     try:
         with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
             yield prefill, decode, p, d

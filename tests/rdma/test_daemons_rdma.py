@@ -18,6 +18,7 @@ import pytest
 from kvbeam.client import Busy, KvbeamClient
 from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.scheduler import drive, run_request
+from kvbeam.server.faults import CORRUPT_LANDED_ENV, SEED_ENV
 from kvbeam.server.lifecycle import FailureReason, TransferState
 from tests.daemon_helpers import pair, start, start_both
 from tests.metrics_helpers import delta, scrape, settle, succeeded_once_more, value
@@ -185,3 +186,16 @@ def test_mismatched_pair_is_refused_before_any_qp_connects(unified: Pair) -> Non
         assert "differ in unified-KV mode" in decode.output
     finally:
         decode.stop()
+
+
+def test_corruption_after_landing_is_caught_every_time(rdma_device: RdmaDevice) -> None:
+    """The integrity check over RDMA: decode flips a landed byte in every request (test-only
+    fault hook) and every one ends Failed(integrity); none passes as Success."""
+    env = {CORRUPT_LANDED_ENV: "1", SEED_ENV: "3"}
+    with pair(transport="rdma", decode_env=env) as (prefill, decode, _p, d):
+        results = drive(prefill.address, decode.address, [64, 5000, 32768], source_slots=8,
+                        concurrency=3, timeout=120, prefix="rot")
+        assert all(r.state.startswith("Failed(integrity") for r in results), results
+        assert decode.output.count("FAULT INJECTED: corrupted") == 3
+        for r in results:
+            assert d.status(r.request_id).reason is FailureReason.INTEGRITY

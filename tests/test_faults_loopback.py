@@ -1,0 +1,211 @@
+"""Faults where RDMA is irrelevant, on loopback with separate daemon processes.
+
+A peer killed (SIGKILL) or frozen (SIGSTOP) at each point of a request's life, a
+stalled scheduler, and floods of Reserve and Send: every case ends in a bounded
+Failed (or, after Success, changes nothing), leaks no slot or in-flight entry, and
+leaves the surviving daemon serving. The RDMA variants (partition, QP error) run in
+the soft-RoCE harness (tests/rdma/).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from kvbeam.client import Busy, KvbeamClient
+from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.scheduler import run_request
+from kvbeam.server.lifecycle import FailureReason, TransferState
+from tests.daemon_helpers import pair, start
+
+S, F = TransferState.SUCCESS, TransferState.FAILED
+DECODE_SLOTS = 16  # docker/config/decode.yaml
+
+
+def _slots_all_free(d: KvbeamClient, prefill: str) -> bool:
+    """Reserve every slot (then abort them): True when none leaked."""
+    held: list[str] = []
+    try:
+        for i in range(DECODE_SLOTS):
+            rid = f"probe-{time.monotonic_ns()}-{i}"
+            d.reserve(rid, 1, prefill)
+            held.append(rid)
+        return True
+    except Busy:
+        return False
+    finally:
+        for rid in held:
+            d.abort(rid)
+
+
+def _rss_kib(daemon: DaemonProcess) -> int:
+    with open(f"/proc/{daemon.proc.pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_prefill_killed_with_a_reservation_pending() -> None:
+    """Decode reserved; prefill dies before it sends: the lease ends it, the slot returns."""
+    decode = start("decode")
+    try:
+        prefill = start("prefill")
+        with KvbeamClient(decode.address) as d:
+            d.reserve("pending", 2000, prefill.address)
+            t0 = time.monotonic()
+            prefill.kill()
+            st = d.wait("pending", 20)
+            assert st.state is F and st.reason is FailureReason.TIMEOUT
+            assert time.monotonic() - t0 < 8  # bootstrap deadline 4 s in these tests
+            assert _slots_all_free(d, prefill.address)
+    finally:
+        decode.stop()
+
+
+def test_decode_frozen_during_the_handshake_then_killed() -> None:
+    """Prefill's handshake meets a frozen decode: Failed within the RPC deadline, no hang."""
+    with pair() as (_prefill, decode, p, d):
+        assert run_request(p, d, "warm", 100, 0).ok  # the pair is known and verified
+        os.kill(decode.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            p.send("frozen", 1, 3000, decode.address)
+            st = p.wait("frozen", 30)
+            took = time.monotonic() - t0
+            assert st.state is F and st.reason in (FailureReason.PEER_UNREACHABLE,
+                                                   FailureReason.TIMEOUT,
+                                                   FailureReason.PEER_FAILED), st
+            assert took < 10, took  # RPC deadline 2 s, bootstrap deadline 4 s
+        finally:
+            os.kill(decode.proc.pid, signal.SIGKILL)
+        assert p.healthy()
+        decode2 = start("decode")
+        try:
+            with KvbeamClient(decode2.address) as d2:
+                assert run_request(p, d2, "elsewhere", 3000, 1).ok
+        finally:
+            decode2.stop()
+
+
+def test_after_success_a_dying_peer_changes_nothing() -> None:
+    """Bytes that landed stay landed: decode keeps Success (and its slot until Release)
+    when prefill dies, and prefill keeps Success when decode dies."""
+    with pair() as (prefill, decode, p, d):
+        r = run_request(p, d, "landed", 5000, 2, release=False)
+        assert r.ok, r
+        prefill.kill()
+        time.sleep(2.0)  # four heartbeat periods: a lost peer would have been noticed
+        assert d.status("landed").state is S
+        assert d.release("landed").state is S
+        assert _slots_all_free(d, prefill.address)
+    with pair() as (prefill, decode, p, d):
+        assert run_request(p, d, "landed2", 5000, 2).ok
+        decode.kill()
+        time.sleep(2.0)
+        assert p.status("landed2").state is S
+        assert p.healthy()
+
+
+def test_stalled_scheduler_between_chunks_times_out_on_both_sides() -> None:
+    """The scheduler sends one chunk and never the rest: WaitingForInput's deadline ends it."""
+    with pair() as (prefill, decode, p, d):
+        d.reserve("stalled", 4000, prefill.address)
+        p.send("stalled", 3, 4000, decode.address, final=False, chunks=[(0, 512)])
+        t0 = time.monotonic()
+        dst, pst = d.wait("stalled", 30), p.wait("stalled", 30)
+        assert dst.state is F and pst.state is F
+        assert FailureReason.TIMEOUT in (dst.reason, pst.reason), (dst, pst)
+        assert time.monotonic() - t0 < 15
+        assert _slots_all_free(d, prefill.address)
+        assert run_request(p, d, "next", 4000, 3).ok
+
+
+def test_reserve_flood_is_resource_exhausted_without_memory_growth() -> None:
+    with pair() as (prefill, decode, _p, d):
+        for i in range(DECODE_SLOTS):
+            d.reserve(f"hold-{i}", 100, prefill.address)
+
+        def flood(n: int, tag: str) -> int:
+            busy = 0
+            with KvbeamClient(decode.address) as c:
+                for i in range(n):
+                    try:
+                        c.reserve(f"{tag}-{i}", 100, prefill.address)
+                    except Busy:
+                        busy += 1
+            return busy
+
+        with ThreadPoolExecutor(4) as pool:  # warm up gRPC's and Python's allocators
+            assert sum(pool.map(flood, [250] * 4, [f"w{i}" for i in range(4)])) == 1000
+        before = _rss_kib(decode)
+        with ThreadPoolExecutor(8) as pool:
+            busy = sum(pool.map(flood, [500] * 8, [f"f{i}" for i in range(8)]))
+        after = _rss_kib(decode)
+        assert busy == 4000  # every one refused, none queued
+        assert after - before < 16 * 1024, (before, after)  # KiB: no per-call growth
+        assert decode.proc.poll() is None
+        for i in range(DECODE_SLOTS):
+            d.abort(f"hold-{i}")
+        assert _slots_all_free(d, prefill.address)
+
+
+def test_send_flood_past_max_inflight_is_resource_exhausted() -> None:
+    """Prefill takes at most --max-inflight requests; the rest are refused at once."""
+    with pair(prefill_extra=["--max-inflight", "4"]) as (_prefill, decode, p, d):
+        os.kill(decode.proc.pid, signal.SIGSTOP)  # every accepted Send hangs in its handshake
+        try:
+            def send(i: int) -> bool:
+                try:
+                    p.send(f"flood-{i}", i % 8, 100, decode.address)
+                    return True
+                except Busy:
+                    return False
+
+            with ThreadPoolExecutor(8) as pool:
+                accepted = sum(pool.map(send, range(40)))
+            assert 1 <= accepted <= 4, accepted
+        finally:
+            os.kill(decode.proc.pid, signal.SIGCONT)
+        # the accepted ones end (Failed or, with decode back, whatever decode decides)
+        assert wait_until(lambda: _live_count(p) == 0, 30)
+        assert run_request(p, d, "after-flood", 200, 0).ok
+
+
+def _live_count(p: KvbeamClient) -> int:
+    live = 0
+    for i in range(40):
+        try:
+            if not p.status(f"flood-{i}").terminal:
+                live += 1
+        except Exception:  # never created (refused): not live
+            continue
+    return live
+
+
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_sigkill_mid_chunks_frees_everything_on_the_survivor(victim: str) -> None:
+    """Killed between chunks: one chunk written, the final one not sent yet."""
+    prefill, decode = start("prefill"), start("decode")
+    try:
+        with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+            d.reserve("mid", 6000, prefill.address)
+            p.send("mid", 4, 6000, decode.address, final=False, chunks=[(0, 1024)])
+            assert wait_until(lambda: d.status("mid").state is TransferState.TRANSFERRING, 10)
+            assert not p.status("mid").terminal
+            t0 = time.monotonic()
+            (prefill if victim == "prefill" else decode).kill()
+            survivor = d if victim == "prefill" else p
+            st = survivor.wait("mid", 20)
+            assert st.state is F, st
+            assert time.monotonic() - t0 < 10
+            assert survivor.healthy()
+            if victim == "prefill":
+                assert _slots_all_free(d, prefill.address)
+    finally:
+        prefill.stop()
+        decode.stop()

@@ -1,0 +1,79 @@
+"""Integrity: bytes corrupted after they land are caught every time (test-only fault hook).
+
+Decode runs with ``KVBEAM_FAULT_CORRUPT_LANDED`` set (see :mod:`kvbeam.server.faults`):
+it flips one byte of a request's landed items before recomputing the digests. Every
+injected corruption must turn into Failed(integrity) on decode, and prefill must hear
+of it; with integrity off the same corruption goes unnoticed, which is the point of
+having the check.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvbeam.errors import ConfigError
+from kvbeam.procs import wait_until
+from kvbeam.scheduler import drive, run_request
+from kvbeam.server.faults import CORRUPT_LANDED_ENV, SEED_ENV, FaultHooks
+from kvbeam.server.lifecycle import FailureReason, TransferState
+from tests.daemon_helpers import pair
+
+F = TransferState.FAILED
+
+
+def test_every_corruption_is_caught() -> None:
+    env = {CORRUPT_LANDED_ENV: "1", SEED_ENV: "7"}
+    with pair(decode_env=env) as (prefill, decode, _p, d):
+        results = drive(prefill.address, decode.address, [1, 127, 4096, 20000, 32768],
+                        source_slots=8, concurrency=2, prefix="corrupt")
+        assert [r.state.startswith("Failed(integrity") for r in results] == [True] * 5, results
+        for r in results:
+            # prefill's Success means its writes completed; decode's verdict comes after
+            # (asynchronously) and prefill logs it
+            notice = (f"request {r.request_id}: decode reports a failure after this side "
+                      "ended: decode integrity check failed")
+            assert wait_until(lambda n=notice: n in prefill.output, 10), notice
+            dst = d.status(r.request_id)
+            assert dst.reason is FailureReason.INTEGRITY and "CRC32C mismatch" in dst.detail
+        assert decode.output.count("FAULT INJECTED: corrupted") == 5
+        assert "FAULT INJECTION ARMED" in decode.output
+        # every slot came back after the failures
+        for i in range(16):
+            d.reserve(f"after-{i}", 10, prefill.address)
+
+
+def test_a_random_half_corrupted_matches_the_failures_one_for_one() -> None:
+    env = {CORRUPT_LANDED_ENV: "0.5", SEED_ENV: "11"}
+    with pair(decode_env=env) as (prefill, decode, _p, _d):
+        lens = [1 + (i * 7919) % 30000 for i in range(24)]
+        results = drive(prefill.address, decode.address, lens, source_slots=8, concurrency=4,
+                        prefix="half")
+        injected = set(re.findall(r"FAULT INJECTED: corrupted request (\S+) ", decode.output))
+        failed = {r.request_id for r in results if not r.ok}
+        assert injected == failed
+        assert 0 < len(injected) < len(lens)  # both outcomes really happened
+        assert all(r.state.startswith("Failed(integrity") for r in results if not r.ok)
+
+
+def test_without_integrity_the_same_corruption_goes_unnoticed() -> None:
+    env = {CORRUPT_LANDED_ENV: "1"}
+    with pair(decode_env=env, decode_extra=["--integrity", "false"],
+              prefill_extra=["--integrity", "false"]) as (_prefill, decode, p, d):
+        assert run_request(p, d, "silent", 5000, 0).ok
+        assert "FAULT INJECTED: corrupted request silent" in decode.output
+
+
+@pytest.mark.parametrize("env, message", [
+    ({CORRUPT_LANDED_ENV: "often"}, "not a number"),
+    ({CORRUPT_LANDED_ENV: "1.5"}, "must be in 0..1"),
+    ({SEED_ENV: "x"}, "not an integer"),
+])
+def test_fault_variables_are_validated(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        FaultHooks.from_env(env)
+
+
+def test_no_variables_no_faults() -> None:
+    assert not FaultHooks.from_env({}).armed
