@@ -24,6 +24,7 @@ import numpy as np
 from kvbeam.errors import ConfigError
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.plan import IndexLists
+from kvbeam.server.logs import fields
 
 log = logging.getLogger(__name__)
 
@@ -89,4 +90,4 @@ class FaultHooks:
         items = side.buffer_view(buf).numpy().reshape(buf.items, buf.item_len)
         items[item, offset] = np.uint8(items[item, offset] ^ 0xFF)
         log.warning("FAULT INJECTED: corrupted request %s buffer %s item %d byte %d",
-                    request_id, buf.name, item, offset)
+                    request_id, buf.name, item, offset, extra=fields(request_id))
