@@ -75,6 +75,10 @@ class DaemonServicer(ControlServicer):
     def periodic(self) -> None:
         """Role-specific work each sweep (e.g. decode's hand-off leases)."""
 
+    def on_refused(self, method: str, code: grpc.StatusCode) -> None:
+        """An RPC was answered with an error status (called by ``handled``): count it."""
+        self.rt.metrics.rpc_refusals.labels(method, code.name).inc()
+
     # ---- shared RPCs ----------------------------------------------------------
     def Handshake(self, request: pb.HandshakeRequest,
                   context: grpc.ServicerContext) -> pb.HandshakeResponse:

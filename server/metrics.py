@@ -71,6 +71,10 @@ class DaemonMetrics:
         self.handshakes = Counter(
             "kvbeam_handshakes", "Handshakes by side (client: this side asked; server: a "
             "peer asked) and result (ok, failed)", ["side", "result"], registry=r)
+        self.rpc_refusals = Counter(
+            "kvbeam_rpc_refusals", "Transfer RPCs answered with an error status, by method "
+            "and gRPC code (RESOURCE_EXHAUSTED: back-pressure; INTERNAL: a bug)",
+            ["method", "code"], registry=r)
         self.handshake_seconds = Histogram(
             "kvbeam_handshake_seconds", "Handshake latency (client: the whole round trip; "
             "server: decoding, verification and link set-up)", ["side"],

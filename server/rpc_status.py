@@ -93,6 +93,9 @@ def handled(method: F) -> F:
         except Exception as exc:  # every failure becomes a status; nothing kills the server
             # Handlers never call context.abort themselves (they raise kvbeam errors),
             # so every exception here is one to translate exactly once.
+            refused = getattr(self, "on_refused", None)
+            if refused is not None:
+                refused(method.__name__, code_for(exc))
             abort(context, exc, method.__name__, request)
 
     return wrapper  # type: ignore[return-value]

@@ -16,7 +16,8 @@ import pytest
 
 from kvbeam.procs import DaemonProcess, DaemonStartError, wait_until
 from kvbeam.scheduler import run_request
-from kvbeam.server.lifecycle import FailureReason, TransferState
+from kvbeam.server.lifecycle import DuplicateRequest, FailureReason, TransferState
+from kvbeam.server.rpc_status import UnknownRequest
 from tests.daemon_helpers import pair, start
 from tests.metrics_helpers import (
     delta,
@@ -113,6 +114,16 @@ def test_metrics_move_by_exactly_one_request() -> None:
         assert delta(d3, d2, "kvbeam_transfer_seconds_count", state="Failed") == 1
         assert delta(d3, d2, "kvbeam_transfers_total", state="Success", reason="none") == 0
         assert delta(d3, d2, "kvbeam_request_bytes_total") == 0
+
+        # Refused RPCs, by method and code.
+        with pytest.raises(DuplicateRequest):
+            d.reserve("m-1", 100, prefill.address)
+        with pytest.raises(UnknownRequest):
+            d.status("never-seen")
+        d4 = scrape(decode.metrics)
+        assert delta(d4, d3, "kvbeam_rpc_refusals_total", method="Reserve",
+                     code="ALREADY_EXISTS") == 1
+        assert delta(d4, d3, "kvbeam_rpc_refusals_total", method="Status", code="NOT_FOUND") == 1
 
 
 def json_lines(output: str) -> list[dict[str, Any]]:
