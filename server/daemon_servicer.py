@@ -69,12 +69,7 @@ class DaemonServicer(ControlServicer):
         return -1
 
     def bytes_of(self, request_id: str) -> tuple[int, int]:
-        """(bytes done, bytes total) of a transfer, for status replies.
-
-        The metrics also read it when a transfer reaches Success (from the table's
-        change hook, in the thread that made the change): never move a transfer to
-        Success while holding a lock this method takes.
-        """
+        """(bytes done, bytes total) of a transfer, for status replies."""
         return (0, 0)
 
     def periodic(self) -> None:

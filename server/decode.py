@@ -255,7 +255,7 @@ class DecodeServicer(DaemonServicer):
                             "arrival proven by the completion, bytes not verified",
                             res.request_id, extra=fields(res.request_id, res.prefill_address))
             try:
-                self.table.advance(res.request_id, TransferState.SUCCESS)
+                self.table.advance(res.request_id, TransferState.SUCCESS, res.nbytes)
             except Exception as exc:  # already failed (aborted, timed out): nothing to do
                 log.info("request %s landed after it ended: %s", res.request_id, exc,
                          extra=fields(res.request_id, res.prefill_address))

@@ -109,11 +109,12 @@ class Transfer:
     deadline: float | None = None
     history: list[TransferState] = field(default_factory=list)
     version: int = 0
+    nbytes: int = 0  # bytes moved, recorded with the move to SUCCESS
 
     def snapshot(self) -> TransferStatus:
         """An immutable copy for status replies."""
         return TransferStatus(self.request_id, self.peer, self.state, self.reason, self.detail,
-                              self.version, time.monotonic() - self.created)
+                              self.version, time.monotonic() - self.created, self.nbytes)
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class TransferStatus:
     detail: str
     version: int
     age_s: float
+    nbytes: int = 0  # bytes the transfer moved, once it is SUCCESS (for metrics)
 
 
 class TransferTable:
@@ -190,13 +192,18 @@ class TransferTable:
             t = self._live.get(request_id) or self._done.get(request_id)
             return t.snapshot() if t else None
 
-    def advance(self, request_id: str, state: TransferState) -> TransferStatus:
-        """Move a live transfer to a non-failed state (legal transitions only)."""
+    def advance(self, request_id: str, state: TransferState, nbytes: int = 0) -> TransferStatus:
+        """Move a live transfer to a non-failed state (legal transitions only).
+
+        ``nbytes``: with SUCCESS, the bytes the transfer moved (observers count them).
+        """
         if state is TransferState.FAILED:
             raise IllegalTransition("use fail() to fail a transfer: it needs a reason")
         with self._cond:
             t = self._require(request_id)
             self._move(t, state)
+            if state is TransferState.SUCCESS:
+                t.nbytes = nbytes
             snap = t.snapshot()
             self._cond.notify_all()
         self._changed(snap)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from wsgiref.simple_server import WSGIServer
 
@@ -39,8 +39,6 @@ TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
                     120.0)
 #: The ``reason`` label of transfers that did not fail.
 NO_REASON = "none"
-
-BytesOf = Callable[[str], tuple[int, int]]
 
 
 class DaemonMetrics:
@@ -89,18 +87,9 @@ class DaemonMetrics:
         for result in ("ok", "failed"):
             self.handshakes.labels(side, result)
         self.handshake_seconds.labels(side)
-        self._bytes_of: BytesOf | None = None
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
     # ---- sources -------------------------------------------------------------
-    def count_bytes_with(self, bytes_of: BytesOf) -> None:
-        """Where :meth:`on_change` learns a finished request's bytes: ``(done, total)``.
-
-        Called outside the transfer table's lock when a transfer reaches Success, so
-        ``bytes_of`` must not take a lock held around a move to Success.
-        """
-        self._bytes_of = bytes_of
-
     def on_change(self, status: TransferStatus) -> None:
         """The TransferTable observer: count creations and final states, time transfers."""
         log.debug("request %s: %s (version %d)", status.request_id, status.state.value,
@@ -113,14 +102,8 @@ class DaemonMetrics:
         reason = status.reason.value if status.reason is not None else NO_REASON
         self.finished.labels(status.state.value, reason).inc()
         self.seconds.labels(status.state.value).observe(status.age_s)
-        if status.state is TransferState.SUCCESS and self._bytes_of is not None:
-            try:
-                done, _total = self._bytes_of(status.request_id)
-            except Exception:  # metrics must never break a transfer
-                log.exception("counting the bytes of %s failed", status.request_id,
-                              extra=fields(status.request_id, status.peer))
-                return
-            self.request_bytes.inc(done)
+        if status.state is TransferState.SUCCESS:
+            self.request_bytes.inc(status.nbytes)
 
     @contextmanager
     def handshake(self, side: str) -> Iterator[None]:

@@ -329,7 +329,7 @@ class PrefillServicer(DaemonServicer):
             snap = self.table.get(out.request_id)
             if (event.ok and out.final_posted and out.outstanding == 0 and snap is not None
                     and snap.state is TransferState.TRANSFERRING):
-                self.table.advance(out.request_id, TransferState.SUCCESS)
+                self.table.advance(out.request_id, TransferState.SUCCESS, out.bytes_done)
                 log.info("request %s: Success (%d bytes written)", out.request_id,
                          out.bytes_done, extra=fields(out.request_id, out.decode_address))
             elif snap is not None and snap.state is TransferState.FAILED and out.outstanding == 0:

@@ -127,7 +127,6 @@ class Runtime:
         """Register the scrape-time collector now that the servicer's books exist."""
         slots = getattr(servicer, "slots", None)
         pool = slots if isinstance(slots, SlotPool) else None
-        self.metrics.count_bytes_with(servicer.bytes_of)
         self.metrics.registry.register(DaemonCollector(Sources(
             info={"role": self.role.value, "instance": self.local.instance_id,
                   "transport": self.transport.kind, "version": __version__},

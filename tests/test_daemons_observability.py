@@ -77,8 +77,10 @@ def test_metrics_move_by_exactly_one_request() -> None:
         p.send("m-1", 2, 3000, decode.address, final=True)
         assert d.wait("m-1", 20).state is S
         assert p.wait("m-1", 10).state is S
+        # Decode keeps the books until Release (prefill forgets them soon after Success),
+        # so its figure is the plan's byte total; prefill's counters must match it below.
         total = d.status("m-1").bytes_total
-        assert total == p.status("m-1").bytes_total > chunk  # the plan's byte total
+        assert total > chunk
 
         p2 = settle(prefill.metrics, succeeded_once_more(p0))
         d2 = settle(decode.metrics, succeeded_once_more(d0))
