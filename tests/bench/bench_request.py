@@ -1,11 +1,12 @@
 """Benchmark: whole DSV4 requests through the daemons over RDMA, beside ib_write_bw.
 
-Run in the soft-RoCE guest (``make bench``) or on any host with an RDMA device.
-Starts a prefill and a decode daemon (RDMA, integrity on: decode checks the
-CRC32C of every moved buffer before Success), sends requests of several lengths
-one at a time and reports the median Send-to-Success time and bytes/s, next to
-``ib_write_bw`` at 64 KiB measured in the same run. Also prints the raw
-transport time for the same bytes from the same boot's ``ib_write_bw`` figure.
+Run in the soft-RoCE guest (``make bench`` runs it through ``bench_suite``) or on
+any host with an RDMA device. Starts a prefill and a decode daemon (RDMA; with
+integrity on, decode checks the CRC32C of every moved buffer before Success),
+sends requests of several lengths one at a time through the scheduler API
+(Reserve on decode, Send on prefill, wait on decode) and reports the median
+Send-to-Success time and bytes/s, next to ``ib_write_bw`` at 64 KiB measured in
+the same run, and the raw transport time for the same bytes.
 
 The last line is machine-readable: ``ratio_vs_ib_write_bw=0.NN`` (32k-token
 request bytes/s over ib_write_bw's).
@@ -17,31 +18,51 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from kvbeam.client import KvbeamClient
 from tests.bench.bench_transport import ib_write_bw
 from tests.daemon_helpers import start_both
 
 
-def main() -> None:
-    """Run and print the table."""
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lens", default="128,1024,8192,32768")
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--paged", action="store_true")
-    args = parser.parse_args()
-    device = os.environ.get("KVBEAM_RDMA_DEVICE", "rxe0")
-    gid = int(os.environ.get("KVBEAM_RDMA_GID_INDEX", "0"))
-    ref_gbps = ib_write_bw(device, gid, 65536, 5, 18515)
-    prefill, decode = start_both(paged=args.paged, transport="rdma")
+@dataclass
+class RequestRow:
+    """One request length in one mode: median and best Send-to-Success time."""
+
+    mode: str
+    integrity: bool
+    tokens: int
+    bytes: int
+    median_ms: float
+    best_ms: float
+    runs_ms: list[float]
+
+    @property
+    def gbps(self) -> float:
+        """Request bytes over the median Send-to-Success time."""
+        return self.bytes * 8 / self.median_ms / 1e6
+
+    def as_dict(self) -> dict[str, Any]:
+        """For the JSON file."""
+        return {**asdict(self), "gbps": self.gbps}
+
+
+def run_requests(paged: bool, integrity: bool, lens: list[int], repeat: int,
+                 extra: list[str] | None = None) -> list[RequestRow]:
+    """Start a daemon pair, time ``repeat`` requests of each length (after one warm-up)."""
+    flags = ["--integrity", "true" if integrity else "false", "--log-level", "WARNING",
+             *(extra or [])]
+    prefill, decode = start_both(paged=paged, transport="rdma", prefill_extra=flags,
+                                 decode_extra=flags)
+    mode = "paged" if paged else "unified"
     rows = []
     try:
         with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
             n = 0
-            for seq_len in [int(x) for x in args.lens.split(",")]:
+            for seq_len in lens:
                 times, nbytes = [], 0
-                for _ in range(args.repeat + 1):  # the first is a warm-up
+                for _ in range(repeat + 1):  # the first is a warm-up
                     rid = f"bench-{n}"
                     n += 1
                     d.reserve(rid, seq_len, prefill.address)
@@ -53,25 +74,40 @@ def main() -> None:
                         raise SystemExit(f"request {rid} ended {st}")
                     d.release(rid)
                     nbytes = st.bytes_total
-                    times.append(dt)
-                med = statistics.median(times[1:])
-                rows.append((seq_len, nbytes, med, min(times[1:])))
+                    times.append(dt * 1e3)
+                rows.append(RequestRow(mode, integrity, seq_len, nbytes,
+                                       statistics.median(times[1:]), min(times[1:]), times[1:]))
     finally:
         prefill.stop()
         decode.stop()
+    return rows
+
+
+def main() -> None:
+    """Run and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lens", default="128,1024,8192,32768")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--paged", action="store_true")
+    parser.add_argument("--no-integrity", action="store_true")
+    args = parser.parse_args()
+    device = os.environ.get("KVBEAM_RDMA_DEVICE", "rxe0")
+    gid = int(os.environ.get("KVBEAM_RDMA_GID_INDEX", "0"))
+    ref_gbps = ib_write_bw(device, gid, 65536, 5, 18515)
+    rows = run_requests(args.paged, not args.no_integrity,
+                        [int(x) for x in args.lens.split(",")], args.repeat)
     ref_bps = ref_gbps * 1e9 / 8
-    mode = "paged" if args.paged else "unified"
-    print(f"\nwhole DSV4 requests ({mode}, integrity on) over {device}; ib_write_bw 64 KiB "
-          f"in the same run: {ref_gbps:.3f} Gb/s")
+    print(f"\nwhole DSV4 requests ({rows[0].mode}, integrity "
+          f"{'off' if args.no_integrity else 'on'}) over {device}; ib_write_bw 64 KiB in the "
+          f"same run: {ref_gbps:.3f} Gb/s")
     print(f"{'tokens':>7} {'bytes':>10} {'send->ok ms':>12} {'best ms':>8} {'Gb/s':>7} "
           f"{'ratio':>6} {'raw ms (ib_write_bw)':>21}")
-    for seq_len, nbytes, med, best in rows:
-        gbps = nbytes * 8 / med / 1e9
-        raw_ms = nbytes / ref_bps * 1e3
-        print(f"{seq_len:>7} {nbytes:>10} {med * 1e3:>12.1f} {best * 1e3:>8.1f} {gbps:>7.3f} "
-              f"{gbps / ref_gbps:>6.2f} {raw_ms:>21.1f}")
-    last = rows[-1]
-    print(f"ratio_vs_ib_write_bw={last[1] * 8 / last[2] / 1e9 / ref_gbps:.2f}")
+    for r in rows:
+        raw_ms = r.bytes / ref_bps * 1e3
+        print(f"{r.tokens:>7} {r.bytes:>10} {r.median_ms:>12.1f} {r.best_ms:>8.1f} "
+              f"{r.gbps:>7.3f} {r.gbps / ref_gbps:>6.2f} {raw_ms:>21.1f}")
+    print(f"ratio_vs_ib_write_bw={rows[-1].gbps / ref_gbps:.2f}")
 
 
 if __name__ == "__main__":
