@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -46,6 +48,56 @@ class RequestRow:
     def as_dict(self) -> dict[str, Any]:
         """For the JSON file."""
         return {**asdict(self), "gbps": self.gbps}
+
+
+def _spy(pid: int, seconds: float, out: str) -> subprocess.Popen[bytes]:
+    """py-spy sampling one daemon: only threads holding the GIL (Python CPU, not waits)."""
+    return subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "py-spy"), "record",
+                             "-p", str(pid), "-r", "250", "-d", str(int(seconds)), "-f", "raw",
+                             "--threads", "--gil", "-o", out],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def profile_requests(paged: bool, seq_len: int, seconds: float, out_dir: str,
+                     transport: str = "rdma") -> None:
+    """Loop requests of ``seq_len`` tokens for ``seconds`` under py-spy (both daemons).
+
+    Writes ``prefill.txt`` and ``decode.txt`` (py-spy raw, collapsed stacks) and
+    ``requests.txt`` (count and median ms) to ``out_dir``.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    prefill, decode = start_both(paged=paged, transport=transport,
+                                 prefill_extra=["--log-level", "WARNING"],
+                                 decode_extra=["--log-level", "WARNING"])
+    try:
+        with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+            def one(rid: str) -> float:
+                d.reserve(rid, seq_len, prefill.address)
+                t0 = time.perf_counter()
+                p.send(rid, 1, seq_len, decode.address)
+                st = d.wait(rid, 120)
+                dt = time.perf_counter() - t0
+                d.release(rid)
+                if str(st) != "Success":
+                    raise SystemExit(f"request {rid} ended {st}")
+                return dt
+            for i in range(3):
+                one(f"warm-{i}")
+            spies = [_spy(proc.proc.pid, seconds, os.path.join(out_dir, f"{name}.txt"))
+                     for proc, name in ((prefill, "prefill"), (decode, "decode"))]
+            time.sleep(2.0)  # py-spy attaches
+            times = []
+            end = time.monotonic() + seconds - 3.0
+            while time.monotonic() < end:
+                times.append(one(f"prof-{len(times)}"))
+            for spy in spies:
+                spy.wait(60)
+            with open(os.path.join(out_dir, "requests.txt"), "w") as f:
+                f.write(f"{len(times)} requests of {seq_len} tokens, median "
+                        f"{statistics.median(times) * 1e3:.1f} ms, window {seconds - 3.0:.0f} s\n")
+    finally:
+        prefill.stop()
+        decode.stop()
 
 
 def run_requests(paged: bool, integrity: bool, lens: list[int], repeat: int,
@@ -91,7 +143,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--paged", action="store_true")
     parser.add_argument("--no-integrity", action="store_true")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="profile the first length's requests with py-spy instead")
+    parser.add_argument("--profile-seconds", type=float, default=25.0)
     args = parser.parse_args()
+    if args.profile:
+        profile_requests(args.paged, int(args.lens.split(",")[0]), args.profile_seconds,
+                         args.profile)
+        return
     device = os.environ.get("KVBEAM_RDMA_DEVICE", "rxe0")
     gid = int(os.environ.get("KVBEAM_RDMA_GID_INDEX", "0"))
     ref_gbps = ib_write_bw(device, gid, 65536, 5, 18515)
