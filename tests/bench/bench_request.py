@@ -4,7 +4,8 @@ Run in the soft-RoCE guest (``make bench`` runs it through ``bench_suite``) or o
 any host with an RDMA device. Starts a prefill and a decode daemon (RDMA; with
 integrity on, decode checks the CRC32C of every moved buffer before Success),
 sends requests of several lengths one at a time through the scheduler API
-(Reserve on decode, Send on prefill, wait on decode) and reports the median
+(:func:`kvbeam.scheduler.run_request`: Reserve on decode, Send on prefill, wait
+on decode, Release) and reports the median
 Send-to-Success time and bytes/s, next to ``ib_write_bw`` at 64 KiB measured in
 the same run, and the raw transport time for the same bytes.
 
@@ -24,6 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvbeam.client import KvbeamClient
+from kvbeam.scheduler import run_request
 from tests.bench.bench_transport import ib_write_bw
 from tests.daemon_helpers import start_both
 
@@ -72,15 +74,10 @@ def profile_requests(paged: bool, seq_len: int, seconds: float, out_dir: str,
     try:
         with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
             def one(rid: str) -> float:
-                d.reserve(rid, seq_len, prefill.address)
-                t0 = time.perf_counter()
-                p.send(rid, 1, seq_len, decode.address)
-                st = d.wait(rid, 120)
-                dt = time.perf_counter() - t0
-                d.release(rid)
-                if str(st) != "Success":
-                    raise SystemExit(f"request {rid} ended {st}")
-                return dt
+                r = run_request(p, d, rid, seq_len, 1, timeout=120.0)
+                if not r.ok:
+                    raise SystemExit(f"request {rid} ended {r.state}")
+                return r.send_to_success_s
             for i in range(3):
                 one(f"warm-{i}")
             spies = [_spy(proc.proc.pid, seconds, os.path.join(out_dir, f"{name}.txt"))
@@ -115,18 +112,12 @@ def run_requests(paged: bool, integrity: bool, lens: list[int], repeat: int,
             for seq_len in lens:
                 times, nbytes = [], 0
                 for _ in range(repeat + 1):  # the first is a warm-up
-                    rid = f"bench-{n}"
                     n += 1
-                    d.reserve(rid, seq_len, prefill.address)
-                    t0 = time.perf_counter()
-                    p.send(rid, n % 8, seq_len, decode.address)
-                    st = d.wait(rid, 120)
-                    dt = time.perf_counter() - t0
-                    if str(st) != "Success":
-                        raise SystemExit(f"request {rid} ended {st}")
-                    d.release(rid)
-                    nbytes = st.bytes_total
-                    times.append(dt * 1e3)
+                    r = run_request(p, d, f"bench-{n}", seq_len, n % 8, timeout=120.0)
+                    if not r.ok:
+                        raise SystemExit(f"request {r.request_id} ended {r.state}")
+                    nbytes = r.bytes
+                    times.append(r.send_to_success_s * 1e3)
                 rows.append(RequestRow(mode, integrity, seq_len, nbytes,
                                        statistics.median(times[1:]), min(times[1:]), times[1:]))
     finally:
