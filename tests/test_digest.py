@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -65,9 +67,11 @@ def test_in_place_runs_digest_like_a_gather() -> None:
     side = AllocatedSide(layout())
     side.fill_pattern(5)
     base = request_indices(UNIFIED_TARGET, 1, 700)
-    for name, change in (("as is", lambda a: a), ("reversed", lambda a: a[::-1].copy()),
-                         ("one item", lambda a: a[:1]), ("empty", lambda a: a[:0]),
-                         ("gap", lambda a: np.concatenate((a[:2], a[3:])) if len(a) > 3 else a)):
+    changes: list[tuple[str, Callable[[np.ndarray], np.ndarray]]] = [
+        ("as is", lambda a: a), ("reversed", lambda a: a[::-1].copy()),
+        ("one item", lambda a: a[:1]), ("empty", lambda a: a[:0]),
+        ("gap", lambda a: np.concatenate((a[:2], a[3:])) if len(a) > 3 else a)]
+    for name, change in changes:
         idx = {k: change(v) for k, v in base.items()}
         expected = []
         for comp in side.layout.components:

@@ -83,7 +83,7 @@ def profile_requests(paged: bool, seq_len: int, seconds: float, out_dir: str,
             spies = [_spy(proc.proc.pid, seconds, os.path.join(out_dir, f"{name}.txt"))
                      for proc, name in ((prefill, "prefill"), (decode, "decode"))]
             time.sleep(2.0)  # py-spy attaches
-            times = []
+            times: list[float] = []
             end = time.monotonic() + seconds - 3.0
             while time.monotonic() < end:
                 times.append(one(f"prof-{len(times)}"))
@@ -110,7 +110,8 @@ def run_requests(paged: bool, integrity: bool, lens: list[int], repeat: int,
         with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
             n = 0
             for seq_len in lens:
-                times, nbytes = [], 0
+                times: list[float] = []
+                nbytes = 0
                 for _ in range(repeat + 1):  # the first is a warm-up
                     n += 1
                     r = run_request(p, d, f"bench-{n}", seq_len, n % 8, timeout=120.0)

@@ -29,6 +29,8 @@ import platform
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -196,6 +198,15 @@ def requests(args: argparse.Namespace) -> list[dict[str, Any]]:
     return [r.as_dict() for r in rows]
 
 
+def guarded(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, or ``{"error": ...}`` when it raises (logged with its traceback)."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        log(f"section {name} failed: {exc!r}\n{traceback.format_exc()}")
+        return {"error": repr(exc)}
+
+
 def ratio(a: float, b: float) -> float:
     """a / b, NaN when b is 0."""
     return a / b if b else float("nan")
@@ -209,15 +220,22 @@ def report(res: dict[str, Any]) -> None:
           "ratios to ib_write_bw of the same size, same boot)")
     print(f"{'block':>8} {'ib_write_bw':>11} {'lat us':>7} {'mooncake':>9} {'mc/ib':>6} "
           f"{'kvbeam':>8} {'kv/ib':>6} {'kv/mc':>6} {'py us/blk':>9} {'crc':>7}")
+    nan = float("nan")
     for size in SIZES:
         k = str(size)
         ref = bw[k]["gbps"]
-        m = mc.get(k, {}).get("gbps", float("nan"))
-        r = raw[k]["gbps"]
-        crc = ("ok" if raw[k]["crc_ok"] and mc.get(k, {}).get("crc_ok", True) else "BAD")
+        m = mc.get(k, {}).get("gbps", nan)
+        rk = raw.get(k, {})
+        r = rk.get("gbps", nan)
+        crc = ("ok" if rk.get("crc_ok", False) and mc.get(k, {}).get("crc_ok", True) else "BAD")
         print(f"{size >> 10:>6}Ki {ref:>11.3f} {lat[k]['t_typical_us']:>7.1f} {m:>9.3f} "
               f"{ratio(m, ref):>6.2f} {r:>8.3f} {ratio(r, ref):>6.2f} {ratio(r, m):>6.2f} "
-              f"{raw[k]['py_us_per_block']:>9.2f} {crc:>7}")
+              f"{rk.get('py_us_per_block', nan):>9.2f} {crc:>7}")
+    for sec in ("mooncake", "kvbeam_raw", "scaling"):
+        if isinstance(res.get(sec), dict) and "error" in res[sec]:
+            print(f"{sec}: FAILED: {res[sec]['error']}")
+    if res.get("requests_error"):
+        print(f"requests: FAILED: {res['requests_error']}")
     print("(Gb/s; lat us = ib_write_lat typical one-way latency)")
     ref64 = bw[str(64 << 10)]["gbps"]
     floor_lat_ms = lat[str(4 << 10)]["t_typical_us"] / 1e3
@@ -233,13 +251,13 @@ def report(res: dict[str, Any]) -> None:
     print("(floor = ib_write_lat 4 KiB one-way latency + bytes at ib_write_bw 64 KiB)")
     s = res.get("scaling", {})
     for name in ("block_size", "concurrency", "qps_per_peer"):
-        if name in s:
+        if isinstance(s.get(name), list):
             print(f"\n== scaling: {name}")
             for p in s[name]:
                 print(f"{p['label']:>14} {p['gbps']:>7.3f} Gb/s {p['blocks_per_s']:>9.0f} blk/s "
                       f"py {p['py_us_per_block']:>7.2f} us/blk post {p['post_us_per_block']:>8.1f}"
                       " us/blk")
-    for mode, pts in s.get("blocks_per_request", {}).items():
+    for mode, pts in (s.get("blocks_per_request") or {}).items():
         print(f"\n== scaling: blocks per request ({mode}; 16 KiB pages; per page)")
         for p in pts:
             print(f"{int(p['x']):>8} pages {p['gbps']:>7.3f} Gb/s {p['requests_per_s']:>7.1f} "
@@ -277,13 +295,18 @@ def main() -> None:
                            "host": platform.node(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     src = source_buffer()
     res["limits"] = limits(args)
-    res["mooncake"] = {} if "mooncake" in skip else mooncake(args, src)
-    res["kvbeam_raw"] = kvbeam_raw(args, src)
+    # One guest boot is expensive and shared: a section that fails is recorded and the
+    # others still run.
+    res["mooncake"] = {} if "mooncake" in skip else guarded("mooncake", mooncake, args, src)
+    res["kvbeam_raw"] = guarded("kvbeam_raw", kvbeam_raw, args, src)
     if "scaling" not in skip:
-        res["scaling"] = scaling(args)
-    res["requests"] = [] if "requests" in skip else requests(args)
+        res["scaling"] = guarded("scaling", scaling, args)
+    res["requests"] = [] if "requests" in skip else guarded("requests", requests, args)
+    if isinstance(res["requests"], dict):  # failed: keep the error, report no rows
+        res["requests_error"] = res["requests"].get("error")
+        res["requests"] = []
     k64 = str(64 << 10)
-    res["ratio_vs_mooncake"] = ratio(res["kvbeam_raw"][k64]["gbps"],
+    res["ratio_vs_mooncake"] = ratio(res["kvbeam_raw"].get(k64, {}).get("gbps", 0.0),
                                      res["mooncake"].get(k64, {}).get("gbps", 0.0))
     big = [r for r in res["requests"] if r["mode"] == "unified" and r["integrity"]]
     res["ratio_vs_ib_write_bw"] = ratio(big[-1]["gbps"] if big else 0.0,
