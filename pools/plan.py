@@ -221,9 +221,18 @@ def build_plan(
         _runs, s_lo, s_hi, d_lo, d_hi, _items = per_kind[kind]
         _check_range(s_lo, s_hi, sb, "source")
         _check_range(d_lo, d_hi, db, "destination")
+    # Byte offsets depend only on (index kind, item length): scale once, then each buffer
+    # costs two additions (dozens of buffers share a handful of shapes).
+    scaled: dict[tuple[IndexKind, int], tuple[npt.NDArray[np.uint64], ...]] = {}
     plans = []
     for ci, bi, flat, sb, _db in jobs:
         runs, *_, items = per_kind[sb.index_kind]
-        plans.append(BufferPlan(ci, bi, sb.name, items,
-                                runs.blocks(src_addrs[flat], dst_addrs[flat], sb.item_len)))
+        key = (sb.index_kind, sb.item_len)
+        if key not in scaled:
+            item = np.uint64(sb.item_len)
+            scaled[key] = (runs.src_start * item, runs.dst_start * item, runs.count * item)
+        s_off, d_off, lengths = scaled[key]
+        blocks = Blocks(np.uint64(src_addrs[flat]) + s_off, np.uint64(dst_addrs[flat]) + d_off,
+                        lengths)
+        plans.append(BufferPlan(ci, bi, sb.name, items, blocks))
     return TransferPlan(tuple(plans))
