@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import mmap
 import subprocess
 import sys
@@ -131,15 +132,46 @@ class MooncakePeer:
         self.te.unregister_memory(self.src_addr)
 
 
+def measure(device: str, sizes: list[int], seconds: float, repeat: int) -> dict[str, Any]:
+    """Per size: Gb/s of each run, median, blocks/s, CRC check (source: the suite's bytes)."""
+    from statistics import median
+
+    import numpy as np
+
+    src = mmap.mmap(-1, 64 << 20)
+    # The same 64 MiB of random bytes as the kvbeam runs (same generator and seed).
+    src.write(np.random.default_rng(7).integers(0, 256, len(src), dtype=np.uint8).tobytes())
+    peer = MooncakePeer(device, src)
+    out: dict[str, Any] = {}
+    try:
+        for size in sizes:
+            runs = [peer.run(size, seconds) for _ in range(repeat)]
+            out[str(size)] = {"runs_gbps": [r.gbps for r in runs],
+                              "gbps": median(r.gbps for r in runs),
+                              "blocks_per_s": median(r.blocks_per_s for r in runs),
+                              "crc_ok": all(r.crc_ok for r in runs)}
+            print(f"mooncake {size} B: {out[str(size)]}", file=sys.stderr, flush=True)
+    finally:
+        peer.close()
+    return out
+
+
 def main() -> None:
-    """``--serve``: the target (used by :class:`MooncakePeer`)."""
+    """``--serve``: the target (used by :class:`MooncakePeer`); ``--measure``: JSON results."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--serve", action="store_true")
+    p.add_argument("--measure", metavar="SIZES", help="comma-separated block sizes in bytes")
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--device", default="rxe0")
     p.add_argument("--nbytes", type=int, default=64 << 20)
     args = p.parse_args()
     if args.serve:
         serve(args.device, args.nbytes)
+    elif args.measure:
+        res = measure(args.device, [int(x) for x in args.measure.split(",")], args.seconds,
+                      args.repeat)
+        print("RESULT " + json.dumps(res), flush=True)
 
 
 if __name__ == "__main__":

@@ -60,46 +60,59 @@ def _spy(pid: int, seconds: float, out: str) -> subprocess.Popen[bytes]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def profile_requests(paged: bool, seq_len: int, seconds: float, out_dir: str,
-                     transport: str = "rdma") -> None:
-    """Loop requests of ``seq_len`` tokens for ``seconds`` under py-spy (both daemons).
+def _profile_loop(p: KvbeamClient, d: KvbeamClient, pids: tuple[int, int], seq_len: int,
+                  seconds: float, out_dir: str) -> None:
+    """Requests of ``seq_len`` tokens back to back for ``seconds`` under py-spy (both daemons).
 
     Writes ``prefill.txt`` and ``decode.txt`` (py-spy raw, collapsed stacks) and
-    ``requests.txt`` (count and median ms) to ``out_dir``.
+    ``requests.txt`` (count and median ms) to ``out_dir``; summarise them with
+    :mod:`tests.bench.profile_summary`.
     """
     os.makedirs(out_dir, exist_ok=True)
+
+    def one(rid: str) -> float:
+        r = run_request(p, d, rid, seq_len, 1, timeout=120.0)
+        if not r.ok:
+            raise SystemExit(f"request {rid} ended {r.state}")
+        return r.send_to_success_s
+
+    for i in range(3):
+        one(f"warm-{i}")
+    spies = [_spy(pid, seconds, os.path.join(out_dir, f"{name}.txt"))
+             for pid, name in zip(pids, ("prefill", "decode"), strict=True)]
+    time.sleep(2.0)  # py-spy attaches
+    times: list[float] = []
+    end = time.monotonic() + seconds - 3.0
+    while time.monotonic() < end:
+        times.append(one(f"prof-{len(times)}"))
+    for spy in spies:
+        spy.wait(60)
+    with open(os.path.join(out_dir, "requests.txt"), "w") as f:
+        f.write(f"{len(times)} requests of {seq_len} tokens, median "
+                f"{statistics.median(times) * 1e3:.1f} ms, window {seconds - 3.0:.0f} s\n")
+
+
+def profile_requests(paged: bool, seq_len: int, seconds: float, out_dir: str,
+                     transport: str = "rdma") -> None:
+    """Start a daemon pair and run :func:`_profile_loop` on it."""
     prefill, decode = start_both(paged=paged, transport=transport,
                                  prefill_extra=["--log-level", "WARNING"],
                                  decode_extra=["--log-level", "WARNING"])
     try:
         with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
-            def one(rid: str) -> float:
-                r = run_request(p, d, rid, seq_len, 1, timeout=120.0)
-                if not r.ok:
-                    raise SystemExit(f"request {rid} ended {r.state}")
-                return r.send_to_success_s
-            for i in range(3):
-                one(f"warm-{i}")
-            spies = [_spy(proc.proc.pid, seconds, os.path.join(out_dir, f"{name}.txt"))
-                     for proc, name in ((prefill, "prefill"), (decode, "decode"))]
-            time.sleep(2.0)  # py-spy attaches
-            times: list[float] = []
-            end = time.monotonic() + seconds - 3.0
-            while time.monotonic() < end:
-                times.append(one(f"prof-{len(times)}"))
-            for spy in spies:
-                spy.wait(60)
-            with open(os.path.join(out_dir, "requests.txt"), "w") as f:
-                f.write(f"{len(times)} requests of {seq_len} tokens, median "
-                        f"{statistics.median(times) * 1e3:.1f} ms, window {seconds - 3.0:.0f} s\n")
+            _profile_loop(p, d, (prefill.proc.pid, decode.proc.pid), seq_len, seconds, out_dir)
     finally:
         prefill.stop()
         decode.stop()
 
 
 def run_requests(paged: bool, integrity: bool, lens: list[int], repeat: int,
-                 extra: list[str] | None = None) -> list[RequestRow]:
-    """Start a daemon pair, time ``repeat`` requests of each length (after one warm-up)."""
+                 extra: list[str] | None = None, profile_dir: str | None = None,
+                 profile_seconds: float = 20.0) -> list[RequestRow]:
+    """Start a daemon pair, time ``repeat`` requests of each length (after one warm-up).
+
+    With ``profile_dir``, then profile 128-token requests on the same pair (py-spy).
+    """
     flags = ["--integrity", "true" if integrity else "false", "--log-level", "WARNING",
              *(extra or [])]
     prefill, decode = start_both(paged=paged, transport="rdma", prefill_extra=flags,
@@ -121,6 +134,12 @@ def run_requests(paged: bool, integrity: bool, lens: list[int], repeat: int,
                     times.append(r.send_to_success_s * 1e3)
                 rows.append(RequestRow(mode, integrity, seq_len, nbytes,
                                        statistics.median(times[1:]), min(times[1:]), times[1:]))
+            if profile_dir:
+                try:
+                    _profile_loop(p, d, (prefill.proc.pid, decode.proc.pid), 128,
+                                  profile_seconds, profile_dir)
+                except (OSError, subprocess.SubprocessError) as exc:  # no py-spy: no profile
+                    print(f"profile skipped: {exc!r}", file=sys.stderr)
     finally:
         prefill.stop()
         decode.stop()

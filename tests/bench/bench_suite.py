@@ -88,12 +88,18 @@ def ib_write_lat(device: str, gid: int, size: int, iters: int, port: int,
 
 
 def limits(args: argparse.Namespace) -> dict[str, Any]:
-    """ib_write_bw (median of --repeat) and ib_write_lat per size."""
+    """ib_write_bw (median of --repeat) and ib_write_lat per size; a failed run is NaN."""
     out: dict[str, Any] = {"ib_write_bw": {}, "ib_write_lat": {}}
     for size in SIZES:
-        runs = [ib_write_bw(args.device, args.gid_index, size, ref_seconds(size, args.seconds),
-                            args.port) for _ in range(args.repeat)]
-        out["ib_write_bw"][str(size)] = {"runs_gbps": runs, "gbps": median(runs)}
+        runs = []
+        for _ in range(args.repeat):
+            try:
+                runs.append(ib_write_bw(args.device, args.gid_index, size,
+                                        ref_seconds(size, args.seconds), args.port))
+            except (RuntimeError, subprocess.SubprocessError) as exc:
+                log(f"ib_write_bw {size} B failed: {exc!r}")
+        out["ib_write_bw"][str(size)] = {"runs_gbps": runs,
+                                         "gbps": median(runs) if runs else float("nan")}
         log(f"ib_write_bw {size} B: {runs}")
         lat = ib_write_lat(args.device, args.gid_index, size, LAT_ITERS[size], args.port + 1)
         out["ib_write_lat"][str(size)] = lat
@@ -108,28 +114,23 @@ def source_buffer() -> mmap.mmap:
     return src
 
 
-def mooncake(args: argparse.Namespace, src: mmap.mmap) -> dict[str, Any]:
-    """Mooncake TE per size, or the reason it did not run."""
+def mooncake(args: argparse.Namespace) -> dict[str, Any]:
+    """Mooncake TE per size, in a child process with a time limit (a hang costs the limit,
+    not the guest boot), or the reason it did not run."""
+    cmd = [sys.executable, "-m", "tests.bench.bench_mooncake", "--measure",
+           ",".join(map(str, SIZES)), "--seconds", str(args.seconds), "--repeat",
+           str(args.repeat), "--device", args.device]
+    limit = 60 + len(SIZES) * args.repeat * (args.seconds + 20)
     try:
-        from tests.bench.bench_mooncake import MooncakePeer
-
-        peer = MooncakePeer(args.device, src)
-    except Exception as exc:  # not installed, or no RDMA for it: say so in the results
-        log(f"Mooncake TE unavailable: {exc!r}")
-        return {"error": repr(exc)}
-    out: dict[str, Any] = {}
-    try:
-        for size in SIZES:
-            runs = [peer.run(size, args.seconds) for _ in range(args.repeat)]
-            out[str(size)] = {"runs_gbps": [r.gbps for r in runs],
-                              "gbps": median(r.gbps for r in runs),
-                              "blocks_per_s": median(r.blocks_per_s for r in runs),
-                              "crc_ok": all(r.crc_ok for r in runs)}
-            log(f"mooncake {size} B: {out[str(size)]['runs_gbps']} crc "
-                f"{out[str(size)]['crc_ok']}")
-    finally:
-        peer.close()
-    return out
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+        return {"error": f"Mooncake run did not finish within {limit:.0f} s"}
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            out: dict[str, Any] = json.loads(line[len("RESULT "):])
+            return out
+    return {"error": f"Mooncake run exited {done.returncode} without results "
+                     f"(not installed? the bench extra: pip install '.[bench]')"}
 
 
 def kvbeam_raw(args: argparse.Namespace, src: mmap.mmap) -> dict[str, Any]:
@@ -192,10 +193,26 @@ def requests(args: argparse.Namespace) -> list[dict[str, Any]]:
     lens = [int(x) for x in args.lens.split(",")]
     for paged in (False, True):
         for integrity in (True, False):
-            rows += run_requests(paged, integrity, lens, args.req_repeat)
+            # The first pair (unified, integrity on) is also profiled: 128-token requests
+            # under py-spy, summarised by phase into the JSON.
+            prof = os.path.join(args.results, "profile") if integrity and not paged else None
+            rows += run_requests(paged, integrity, lens, args.req_repeat, profile_dir=prof)
             log(f"requests {'paged' if paged else 'unified'} integrity {integrity}: "
                 f"{[round(r.median_ms, 1) for r in rows[-len(lens):]]} ms")
     return [r.as_dict() for r in rows]
+
+
+def profile_table(prof: Path) -> dict[str, Any]:
+    """Per daemon: Python CPU ms per 128-token request by phase (py-spy, GIL held)."""
+    from tests.bench.profile_summary import summarise
+
+    info = (prof / "requests.txt").read_text().strip()
+    nreq = int(info.split()[0])
+    out: dict[str, Any] = {"info": info}
+    for daemon in ("prefill", "decode"):
+        counts = summarise(prof / f"{daemon}.txt")
+        out[daemon] = {k: v / 250.0 / nreq * 1e3 for k, v in counts.most_common()}
+    return out
 
 
 def guarded(name: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -263,6 +280,12 @@ def report(res: dict[str, Any]) -> None:
             print(f"{int(p['x']):>8} pages {p['gbps']:>7.3f} Gb/s {p['requests_per_s']:>7.1f} "
                   f"req/s py {p['py_us_per_block']:>7.2f} us/page (plan "
                   f"{p['plan_us_per_block']:.2f})")
+    prof = res.get("profile_128")
+    if isinstance(prof, dict) and "info" in prof:
+        print(f"\n== profile: {prof['info']}; Python CPU ms per request (GIL held) by phase")
+        for daemon in ("prefill", "decode"):
+            phases = ", ".join(f"{k} {v:.1f}" for k, v in prof[daemon].items())
+            print(f"{daemon} ({sum(prof[daemon].values()):.1f} ms): {phases}")
     print(f"ratio_vs_mooncake={res['ratio_vs_mooncake']:.2f}")
     print(f"ratio_vs_ib_write_bw={res['ratio_vs_ib_write_bw']:.2f}")
 
@@ -282,13 +305,15 @@ def main() -> None:
     p.add_argument("--skip", default="", help="comma list of sections to skip: "
                    "mooncake,scaling,requests (for quick iteration)")
     p.add_argument("--report", metavar="JSON", help="print the table of an earlier run and exit")
-    p.add_argument("--json", default=os.path.join(os.environ.get("KVBEAM_RESULTS_DIR", "."),
-                                                  "bench.json"))
+    p.add_argument("--results", default=os.environ.get("KVBEAM_RESULTS_DIR", "."),
+                   help="where bench.json and profile/ go")
+    p.add_argument("--json", help="default: RESULTS/bench.json")
     args = p.parse_args()
     if args.report:
         report(json.loads(Path(args.report).read_text()))
         return
     skip = set(filter(None, args.skip.split(",")))
+    args.json = args.json or os.path.join(args.results, "bench.json")
     started = time.monotonic()
     res: dict[str, Any] = {"device": args.device, "repeat": args.repeat,
                            "req_repeat": args.req_repeat, "seconds": args.seconds,
@@ -297,7 +322,7 @@ def main() -> None:
     res["limits"] = limits(args)
     # One guest boot is expensive and shared: a section that fails is recorded and the
     # others still run.
-    res["mooncake"] = {} if "mooncake" in skip else guarded("mooncake", mooncake, args, src)
+    res["mooncake"] = {} if "mooncake" in skip else guarded("mooncake", mooncake, args)
     res["kvbeam_raw"] = guarded("kvbeam_raw", kvbeam_raw, args, src)
     if "scaling" not in skip:
         res["scaling"] = guarded("scaling", scaling, args)
@@ -311,6 +336,9 @@ def main() -> None:
     big = [r for r in res["requests"] if r["mode"] == "unified" and r["integrity"]]
     res["ratio_vs_ib_write_bw"] = ratio(big[-1]["gbps"] if big else 0.0,
                                         res["limits"]["ib_write_bw"][k64]["gbps"])
+    prof = Path(args.results) / "profile"
+    if (prof / "requests.txt").exists():
+        res["profile_128"] = guarded("profile", profile_table, prof)
     res["elapsed_s"] = time.monotonic() - started
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=1, default=float))
