@@ -157,11 +157,17 @@ class KvbeamClient:
     def wait(self, request_id: str, timeout: float) -> Status:
         """The terminal status, or the last one seen when ``timeout`` passes."""
         end = time.monotonic() + timeout
-        last = self.status(request_id)
-        while not last.terminal and time.monotonic() < end:
+        # WatchStatus sends the current status first, so no Status RPC is needed before
+        # it: one round trip less per request (about 10 ms under TCG).
+        last: Status | None = None
+        while True:
             for s in self.watch(request_id, max(0.1, end - time.monotonic())):
                 last = s
-        return last
+                if s.terminal:
+                    return s
+            if time.monotonic() >= end:
+                break
+        return last if last is not None else self.status(request_id)
 
     def abort(self, request_id: str, detail: str = "") -> Status:
         """Abort on this daemon; it propagates to the peer."""

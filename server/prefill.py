@@ -229,6 +229,8 @@ class PrefillServicer(DaemonServicer):
             want[start // page: -(-end // page)] = True
         want &= ~out.sent_pages
         out.sent_pages |= want
+        if len(dst[IndexKind.KV_PAGES]) == len(want) and bool(want.all()):
+            return out.src_indices, dst  # the usual single-chunk request: no mask copies
         src, dst_sel = dict(out.src_indices), dict(dst)
         src[IndexKind.KV_PAGES] = out.src_indices[IndexKind.KV_PAGES][want]
         if len(dst[IndexKind.KV_PAGES]) != len(want):
