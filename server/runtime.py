@@ -66,7 +66,8 @@ class Runtime:
                       settings.deadline_transfer_s),
             capacity=settings.max_inflight)
         self.peers = PeerSet()
-        self.options = ControlOptions(rpc_timeout_s=settings.rpc_timeout_s)
+        self.options = ControlOptions(rpc_timeout_s=settings.rpc_timeout_s,
+                                      security=settings.security)
         # The handshake carries a per-peer endpoint; this template only gives the
         # SideInfo (and the start-up check) a real one of this transport's kind.
         template = self.transport.create_link()
