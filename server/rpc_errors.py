@@ -44,7 +44,7 @@ def peer_error(exc: grpc.RpcError, *, address: str, method: str, timeout: float)
             "this side the token the peer requires (--auth-token, --auth-token-file or "
             "KVBEAM_AUTH_TOKEN)", address=address, code=name)
     if code is grpc.StatusCode.UNAVAILABLE and any(
-            w in lowered for w in ("tls handshake", "ssl", "certificate")):
+            w in lowered for w in ("tls handshake", "ssl", "certificate", "verification check")):
         return AuthenticationError(
             f"{where}: TLS handshake failed ({details}); both sides need --tls-cert/--tls-key "
             "signed by the CA the other side trusts (--tls-ca), with the dialled host (or "

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvbeam.client import KvbeamClient
 from kvbeam.procs import DaemonProcess, spawn_daemon, start_daemon
+from kvbeam.server.auth import Security
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "docker" / "config"
@@ -46,12 +47,17 @@ def start(role: str, *, paged: bool = False, transport: str = "tcp",
 
 
 def start_both(*, paged: bool = False, transport: str = "tcp", decode_extra: Sequence[str] = (),
-               prefill_extra: Sequence[str] = ()) -> tuple[DaemonProcess, DaemonProcess]:
-    """Start decode and prefill at the same time (their start-ups overlap); (prefill, decode)."""
+               prefill_extra: Sequence[str] = (), security: Security | None = None
+               ) -> tuple[DaemonProcess, DaemonProcess]:
+    """Start decode and prefill at the same time (their start-ups overlap); (prefill, decode).
+
+    ``security``: what the readiness check presents (the daemons' own credentials go
+    in the ``*_extra`` flags).
+    """
     d = spawn_daemon("decode", config("decode", paged),
-                     extra=_args("decode", transport, decode_extra))
+                     extra=_args("decode", transport, decode_extra), security=security)
     p = spawn_daemon("prefill", config("prefill", paged),
-                     extra=_args("prefill", transport, prefill_extra))
+                     extra=_args("prefill", transport, prefill_extra), security=security)
     try:
         decode = d.ready(STARTUP_S)
     except BaseException:
@@ -66,13 +72,15 @@ def start_both(*, paged: bool = False, transport: str = "tcp", decode_extra: Seq
 
 @contextmanager
 def pair(*, paged: bool = False, transport: str = "tcp", decode_extra: Sequence[str] = (),
-         prefill_extra: Sequence[str] = ()
+         prefill_extra: Sequence[str] = (), security: Security | None = None
          ) -> Iterator[tuple[DaemonProcess, DaemonProcess, KvbeamClient, KvbeamClient]]:
-    """A running prefill/decode pair and a client to each; everything stopped afterwards."""
+    """A running prefill/decode pair and a client to each (presenting ``security``);
+    everything stopped afterwards."""
     prefill, decode = start_both(paged=paged, transport=transport, decode_extra=decode_extra,
-                                 prefill_extra=prefill_extra)
+                                 prefill_extra=prefill_extra, security=security)
     try:
-        with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+        with KvbeamClient(prefill.address, security=security) as p, \
+                KvbeamClient(decode.address, security=security) as d:
             yield prefill, decode, p, d
     finally:
         prefill.stop()
