@@ -116,7 +116,7 @@ def test_missing_or_wrong_token_is_unauthenticated_and_leaks_nothing(
         exc = raw_call(server.address, metadata, method)
         assert exc.code() is grpc.StatusCode.UNAUTHENTICATED, exc
         assert "auth token" in (exc.details() or "")
-        trailers = {m[0]: m[1] for m in exc.trailing_metadata() or ()}
+        trailers = {m.key: m.value for m in exc.trailing_metadata() or ()}
         assert REJECTION_KEY not in trailers  # not even our layout in a rejection
         assert decode.instance_id not in str(trailers) + (exc.details() or "")
         assert len(server.peers) == 0
