@@ -54,7 +54,8 @@ class Runtime:
         self.transport = open_transport(
             cast(TransportKind, settings.transport), settings.rdma_device or None,
             settings.rdma_gid_index,
-            options=TransportOptions(op_timeout_s=self.transport_timeout()),
+            options=TransportOptions(op_timeout_s=self.transport_timeout(),
+                                     per_link_keys=settings.per_peer_rkeys),
             tcp_host=host if host not in ("0.0.0.0", "::", "[::]") else None)
         log.info("%s daemon: %s transport%s", self.role.value, self.transport.kind,
                  "" if self.transport.kind == "rdma" else

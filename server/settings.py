@@ -100,6 +100,9 @@ OPTIONS: tuple[Option, ...] = (
     *AUTH_OPTIONS,
     Option("insecure", "KVBEAM_INSECURE", _bool, False,
            "allow a non-loopback --listen without authentication (true/false)"),
+    Option("per_peer_rkeys", "KVBEAM_PER_PEER_RKEYS", _bool, True,
+           "RDMA decode: register the pools once more per peer so each peer gets its own "
+           "rkeys, revoked when it goes (false: one shared set, faster handshakes)"),
 )
 
 
@@ -127,6 +130,7 @@ class DaemonSettings:
     fill_seed: int
     log_level: str
     security: Security = field(default_factory=Security)
+    per_peer_rkeys: bool = True
 
     @property
     def advertised(self) -> str:
@@ -153,6 +157,8 @@ def _add_arguments(parser: argparse.ArgumentParser, options: tuple[Option, ...])
                               "help": f"{opt.help} [env {opt.env}]"}
         if opt.choices:
             kw["choices"] = opt.choices
+        if opt.kind is _bool:  # a bare --insecure means true
+            kw.update(nargs="?", const="true")
         parser.add_argument(opt.flag, **kw)
 
 

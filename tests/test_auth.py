@@ -7,6 +7,7 @@ rkeys), no rejection trailer (our layout), no registration as a peer.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import subprocess
@@ -193,13 +194,12 @@ def test_mtls_refuses_a_certificate_from_another_ca(pki: Pki, rogue_pki: Pki) ->
 
 def test_mtls_and_token_together_need_both(pki: Pki) -> None:
     prefill, decode = sides()
-    both = Security(**{**pki.security("decode").__dict__, "token": TOKEN})
+    both = dataclasses.replace(pki.security("decode"), token=TOKEN)
     with serving(decode, both) as server:
         with client(server.address, pki.security("p1")) as c, \
                 pytest.raises(AuthenticationError, match="UNAUTHENTICATED"):
             c.handshake(prefill)
-        with client(server.address, Security(**{**pki.security("p2").__dict__,
-                                                "token": TOKEN})) as c:
+        with client(server.address, dataclasses.replace(pki.security("p2"), token=TOKEN)) as c:
             c.handshake(prefill)
 
 
@@ -302,6 +302,7 @@ def test_settings_refusals_name_the_flag(argv: tuple[str, ...], needle: str) -> 
 
 def test_settings_insecure_and_non_pem(tmp_path: Path) -> None:
     assert _daemon("--listen", "0.0.0.0:7000", "--insecure", "true").insecure
+    assert _daemon("--listen", "0.0.0.0:7000", "--insecure").insecure  # a bare flag
     assert _daemon("--listen", "0.0.0.0:7000", env={"KVBEAM_INSECURE": "1"}).insecure
     assert not _daemon("--listen", "0.0.0.0:7000", "--auth-token", "t").insecure
     junk = tmp_path / "junk.pem"

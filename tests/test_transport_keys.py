@@ -156,3 +156,18 @@ def test_tcp_link_token_is_per_link_and_revoked() -> None:
     finally:
         t.close()
         buf.close()
+
+
+def test_shared_keys_mode_when_per_link_keys_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbeam.transport.options import TransportOptions
+
+    monkeypatch.setattr(verbs, "VerbsDevice", FakeDevice)
+    monkeypatch.setattr(verbs, "QueuePair", FakeQueuePair)
+    t = verbs.VerbsTransport("fake0", 0, TransportOptions(per_link_keys=False), raw_chains=False)
+    try:
+        reg = t.register([Region(0x10000, 4096)], Access.REMOTE_WRITE)
+        a, b = t.create_link(), t.create_link()
+        assert a.endpoint.regions == b.endpoint.regions == reg.remote
+        assert [m.access for m in t.device.mrs] == [Access.REMOTE_WRITE]  # no per-link MRs
+    finally:
+        t.close()

@@ -92,6 +92,8 @@ class VerbsTransport(Transport):
 
         The shared MR grants no remote access at all, whatever ``access`` says: peers
         write only through the keys of the link created for them (:meth:`create_link`).
+        With ``options.per_link_keys`` off, the shared MR has ``access`` and every
+        link advertises its key.
         """
         for r in regions:
             if r.addr <= 0 or r.length <= 0:
@@ -99,8 +101,9 @@ class VerbsTransport(Transport):
         mrs: list[Any] = []
         with self._lock:
             try:
+                shared = access if not self.options.per_link_keys else Access.LOCAL
                 for r in regions:
-                    mrs.append(self.device.register(r.addr, r.length, Access.LOCAL))
+                    mrs.append(self.device.register(r.addr, r.length, shared))
                 reg = self._book.add(regions, access, [mr.lkey for mr in mrs],
                                      [mr.rkey for mr in mrs], self._deregister)
             except BaseException:
@@ -115,12 +118,18 @@ class VerbsTransport(Transport):
         with self._lock:
             if self._closed:
                 raise TransportError("transport is closed")
+            start = time.monotonic()
             grants = self._grant()
             try:
                 link = VerbsLink(self, self._next_id, QueuePair(self.device, self.options))
             except BaseException:
                 _close_grants(grants)
                 raise
+            if grants:
+                log.info("link %d: own memory keys for %d regions (%d MiB) registered in "
+                         "%.3f s", link.id, sum(len(m) for _, m in grants),
+                         sum(r.length for reg, _ in grants for r in reg.regions) >> 20,
+                         time.monotonic() - start)
             self._grants[link.id] = grants
             self._links[link.id] = link
             self._next_id += 1
@@ -129,6 +138,8 @@ class VerbsTransport(Transport):
     def link_regions(self, link_id: int) -> tuple[RemoteRegion, ...]:
         """The remote-writable regions with the rkeys of link ``link_id`` only (empty once
         it is released: its keys are revoked)."""
+        if not self.options.per_link_keys:
+            return self._book.remote_regions()
         with self._lock:
             return tuple(RemoteRegion(r.addr, r.length, int(mr.rkey))
                          for reg, mrs in self._grants.get(link_id, ())
@@ -137,6 +148,8 @@ class VerbsTransport(Transport):
     def _grant(self) -> list[tuple[Registration, list[Any]]]:
         """Remote-write MRs over every REMOTE_WRITE registration, for one new link."""
         grants: list[tuple[Registration, list[Any]]] = []
+        if not self.options.per_link_keys:
+            return grants
         try:
             for reg in self._book.all():
                 if reg.access is not Access.REMOTE_WRITE:
