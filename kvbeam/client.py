@@ -30,6 +30,7 @@ from kvbeam.pools.types import IndexKind
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.service import control_stub
 from kvbeam.proto.transfer_codec import indices_from_proto, reason_from_proto, state_from_proto
+from kvbeam.server.auth import Security
 from kvbeam.server.lifecycle import DuplicateRequest, FailureReason, TransferState
 from kvbeam.server.rpc_errors import peer_error
 from kvbeam.server.rpc_status import BadRequest, UnknownRequest
@@ -81,12 +82,20 @@ def _status(m: pb.TransferStatus) -> Status:
 
 
 class KvbeamClient:
-    """A channel to one kvbeam daemon (prefill or decode)."""
+    """A channel to one kvbeam daemon (prefill or decode).
 
-    def __init__(self, address: str, *, timeout: float = 5.0) -> None:
+    Args:
+        address: the daemon's control address, ``host:port``.
+        timeout: deadline of each call, seconds.
+        security: credentials (mTLS and/or token) the daemon requires; default none.
+    """
+
+    def __init__(self, address: str, *, timeout: float = 5.0,
+                 security: Security | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address)
+        self.security = security or Security()
+        self.channel = self.security.channel(address)
         self.stub = control_stub(self.channel)
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvbeam.client import Busy, KvbeamClient, Status
 from kvbeam.errors import KvbeamError
+from kvbeam.server.auth import Security
 from kvbeam.server.lifecycle import TransferState
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,10 @@ def run_request(prefill: KvbeamClient, decode: KvbeamClient, request_id: str, se
 
 def drive(prefill_address: str, decode_address: str, seq_lens: Sequence[int], *,
           source_slots: int, concurrency: int = 4, timeout: float = 60.0,
-          prefix: str = "req") -> list[RequestResult]:
-    """Run requests of the given lengths, ``concurrency`` at a time."""
-    with KvbeamClient(prefill_address) as prefill, KvbeamClient(decode_address) as decode:
+          prefix: str = "req", security: Security | None = None) -> list[RequestResult]:
+    """Run requests of the given lengths, ``concurrency`` at a time, with ``security``."""
+    with KvbeamClient(prefill_address, security=security) as prefill, \
+            KvbeamClient(decode_address, security=security) as decode:
         def one(i: int) -> RequestResult:
             return run_request(prefill, decode, f"{prefix}-{i}", seq_lens[i],
                                i % source_slots, timeout=timeout)

@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict
 
 from kvbeam.scheduler import drive, format_table
+from kvbeam.server.settings import add_auth_arguments, resolve_security
 
 NAME = "drive"
 HELP = "run N requests through running daemons; exit 0 only if all reach Success"
@@ -41,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed for lengths")
     parser.add_argument("--prefix", default="req", help="request id prefix (ids must be unique)")
     parser.add_argument("--json", action="store_true", help="print JSON results")
+    add_auth_arguments(parser)
 
 
 def seq_lens_from(args: argparse.Namespace) -> list[int]:
@@ -56,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     """Drive and report."""
     results = drive(args.prefill, args.decode, seq_lens_from(args),
                     source_slots=args.source_slots, concurrency=args.concurrency,
-                    timeout=args.timeout, prefix=args.prefix)
+                    timeout=args.timeout, prefix=args.prefix,
+                    security=resolve_security(args))
     if args.json:
         json.dump([asdict(r) | {"ok": r.ok} for r in results], sys.stdout, indent=1)
         sys.stdout.write("\n")
