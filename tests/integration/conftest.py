@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.docker_env import CACHE, IMAGE, Timings, build_image, docker_engine
+from tests.integration.docker_env import CACHE, IMAGE, Timings, build_image, docker_engine, run
 
 
 @pytest.fixture(scope="session")
@@ -29,9 +29,15 @@ def kvbeam_image(timings: Timings) -> Iterator[str]:
     """The kvbeam image; the engine is started here if none runs (and stopped after).
 
     KVBEAM_TEST_SKIP_BUILD=1 uses an existing image as is (the soft-RoCE guest run loads
-    the image the host built)."""
+    the image the host built); KVBEAM_TEST_SAVE_IMAGE=FILE saves the image there (docker
+    save) before the engine stops, for that guest run."""
     with docker_engine(timings):
         if os.environ.get("KVBEAM_TEST_SKIP_BUILD", "") not in ("", "0"):
-            yield IMAGE
+            image = IMAGE
         else:
-            yield build_image(timings)
+            image = build_image(timings)
+        yield image
+        save = os.environ.get("KVBEAM_TEST_SAVE_IMAGE", "")
+        if save:
+            with timings.step("image save"):
+                run(["docker", "save", "-o", save, image], timeout=600)
