@@ -53,15 +53,21 @@ softroce() {
 
 # Explain what stops RDMA, without failing: the daemon decides (auto -> TCP, rdma -> refuse).
 rdma_diagnostics() {
+    transport=${KVBEAM_TRANSPORT:-auto}
+    [ "$transport" = tcp ] && return 0
+    if [ "$transport" = rdma ]; then
+        outcome="the daemon will refuse to start (KVBEAM_TRANSPORT=rdma)"
+    else
+        outcome="the data plane will be TCP"
+    fi
     devices=$(ls /sys/class/infiniband 2>/dev/null | tr '\n' ' ')
     if [ -z "$devices" ]; then
-        [ "${KVBEAM_TRANSPORT:-auto}" = tcp ] || say "no RDMA device visible" \
-            "(/sys/class/infiniband is empty): the data plane will be TCP"
+        say "no RDMA device visible (/sys/class/infiniband is empty): $outcome"
         return 0
     fi
     if ! ls /dev/infiniband/uverbs* >/dev/null 2>&1; then
         say "RDMA devices $devices exist but /dev/infiniband/uverbs* is missing: pass" \
-            "--device /dev/infiniband/uverbsN (compose: devices:) or the data plane will be TCP"
+            "--device /dev/infiniband/uverbsN (compose: devices:); otherwise $outcome"
         return 0
     fi
     limit=$(ulimit -l)
