@@ -17,7 +17,9 @@ from tests.integration.docker_env import Timings
 
 pytestmark = pytest.mark.compose
 
-TRANSPORT = "rdma" if RDMA else "tcp"
+#: The data plane the daemons must report (KVBEAM_TRANSPORT forces one, e.g. to try the
+#: RDMA override's container settings over TCP on a host without RDMA).
+TRANSPORT = os.environ.get("KVBEAM_TRANSPORT", "") or ("rdma" if RDMA else "tcp")
 REQUESTS = 8
 #: Decode's and prefill's Transferring deadline (the daemons' default).
 DEADLINE_S = 30.0
