@@ -6,11 +6,12 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # Debian packages: RDMA user space + the soft-RoCE guest (qemu, busybox, kernel tools).
 APT_PACKAGES := qemu-system-x86 busybox-static cpio kmod iproute2 rdma-core ibverbs-utils \
-	ibverbs-providers libibverbs1 perftest python3-pyverbs
+	ibverbs-providers libibverbs1 perftest python3-pyverbs \
+	docker.io containerd runc iptables docker-compose debootstrap
 SETUP_STAMP := $(VENV)/.kvbeam-setup
 
-.PHONY: help system-deps setup demo test test-host test-rdma lint proto proto-check bench \
-	bench-plan bench-handshake bench-deps clean
+.PHONY: help system-deps setup demo test test-host test-rdma test-compose lint proto proto-check \
+	bench bench-plan bench-handshake bench-deps clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
@@ -55,7 +56,10 @@ test-host: setup ## the host test suite (everything that needs no RDMA device)
 test-rdma: setup ## the RDMA suite inside the soft-RoCE harness (device, rdma_rxe, or qemu guest)
 	bash tests/softroce/run_rdma_suite.sh
 
-test: lint proto-check test-host test-rdma ## everything CI runs
+test-compose: setup ## docker images + docker-compose: host (TCP), then RDMA in the soft-RoCE guest
+	bash tests/integration/run_compose_suite.sh
+
+test: lint proto-check test-host test-rdma test-compose ## everything CI runs
 
 bench-plan: setup ## planning time for a 128k-token request
 	$(PY) tests/bench/bench_plan.py

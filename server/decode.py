@@ -34,7 +34,14 @@ from kvbeam.proto.transfer_codec import indices_to_proto
 from kvbeam.server.daemon_servicer import DaemonServicer
 from kvbeam.server.errors import NotHandshakenError
 from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.lifecycle import FailureReason, TransferState, TransferStatus
+from kvbeam.server.lifecycle import (
+    NOT_VERIFIED_NO_DIGESTS,
+    NOT_VERIFIED_OFF,
+    VERIFIED_PREFIX,
+    FailureReason,
+    TransferState,
+    TransferStatus,
+)
 from kvbeam.server.peers import PeerConn
 from kvbeam.server.rpc_status import BadRequest, UnknownRequest, handled
 from kvbeam.server.runtime import Runtime
@@ -232,6 +239,7 @@ class DecodeServicer(DaemonServicer):
         with res.lock:
             res.landed = True
             self.rt.faults.after_landing(res.request_id, self.rt.pools, res.indices)
+            verified = NOT_VERIFIED_OFF
             if res.digests is not None and self.rt.settings.integrity:
                 landed = request_digests(self.rt.pools, res.indices)
                 bad = [b.name for b, want, got in
@@ -245,18 +253,20 @@ class DecodeServicer(DaemonServicer):
                         self._free(res.request_id, "integrity failure")
                         self._tell_prefill(res, f"decode integrity check failed: {detail}")
                     return
+                verified = f"{VERIFIED_PREFIX} {len(landed)} buffers match prefill's digests"
             elif res.digests is None and self.rt.settings.integrity:
+                verified = NOT_VERIFIED_NO_DIGESTS
                 log.warning("request %s: prefill sent no digests (its integrity check is off): "
                             "arrival proven by the completion, bytes not verified",
                             res.request_id)
             try:
-                self.table.advance(res.request_id, TransferState.SUCCESS)
+                self.table.advance(res.request_id, TransferState.SUCCESS, detail=verified)
             except Exception as exc:  # already failed (aborted, timed out): nothing to do
                 log.info("request %s landed after it ended: %s", res.request_id, exc)
                 return
             res.success_at = time.monotonic()
-        log.info("request %s: Success (%d bytes landed in slot %d)", res.request_id,
-                 res.nbytes, res.slot)
+        log.info("request %s: Success (%d bytes landed in slot %d; %s)", res.request_id,
+                 res.nbytes, res.slot, verified)
 
     def on_expired(self, status: TransferStatus) -> None:
         """A deadline passed: make sure prefill stops, then free the slot."""
