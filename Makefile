@@ -6,11 +6,12 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # Debian packages: RDMA user space + the soft-RoCE guest (qemu, busybox, kernel tools).
 APT_PACKAGES := qemu-system-x86 busybox-static cpio kmod iproute2 rdma-core ibverbs-utils \
-	ibverbs-providers libibverbs1 perftest python3-pyverbs
+	ibverbs-providers libibverbs1 perftest python3-pyverbs \
+	docker.io containerd runc iptables docker-compose debootstrap
 SETUP_STAMP := $(VENV)/.kvbeam-setup
 
-.PHONY: help system-deps setup demo test test-host test-rdma lint proto proto-check bench \
-	bench-plan bench-handshake clean
+.PHONY: help system-deps setup demo test test-host test-rdma test-compose lint proto proto-check \
+	bench bench-plan bench-handshake bench-deps clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
@@ -55,7 +56,10 @@ test-host: setup ## the host test suite (everything that needs no RDMA device)
 test-rdma: setup ## the RDMA suite inside the soft-RoCE harness (device, rdma_rxe, or qemu guest)
 	bash tests/softroce/run_rdma_suite.sh
 
-test: lint proto-check test-host test-rdma ## everything CI runs
+test-compose: setup ## docker images + docker-compose: host (TCP), then RDMA in the soft-RoCE guest
+	bash tests/integration/run_compose_suite.sh
+
+test: lint proto-check test-host test-rdma test-compose ## everything CI runs
 
 bench-plan: setup ## planning time for a 128k-token request
 	$(PY) tests/bench/bench_plan.py
@@ -63,8 +67,22 @@ bench-plan: setup ## planning time for a 128k-token request
 bench-handshake: setup ## handshake latency between two control servers on loopback
 	$(PY) tests/bench/bench_handshake.py
 
-bench: bench-plan bench-handshake ## all benchmarks
-	bash tests/softroce/run_rdma_suite.sh --cmd '$(PY) tests/bench/bench_transport.py && $(PY) -m tests.bench.bench_request'
+# Where the soft-RoCE harness keeps its results (results/latest is the newest run).
+SOFTROCE_DIR ?= $(or $(KVBEAM_SOFTROCE_DIR),.softroce)
+BENCH_DIR    ?= .bench
+
+bench-deps: setup ## the benchmark-only packages (pyproject extra "bench": Mooncake TE, matplotlib)
+	@mkdir -p $(BENCH_DIR)
+	@$(PY) -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['bench']))" > $(BENCH_DIR)/requirements.txt
+	$(PY) -m pip install -q -r $(BENCH_DIR)/requirements.txt
+
+bench: bench-deps bench-plan bench-handshake ## all benchmarks: host ones, then one guest boot (table + JSON + plots)
+	bash tests/softroce/run_rdma_suite.sh --cmd '$(PY) -m tests.bench.bench_suite'
+	@mkdir -p $(BENCH_DIR)
+	@cp $(SOFTROCE_DIR)/results/latest/bench.json $(BENCH_DIR)/bench.json
+	@$(PY) -m tests.bench.plot_bench $(BENCH_DIR)/bench.json docs > /dev/null
+	@echo "results: $(BENCH_DIR)/bench.json, plots: docs/bench-*.png"
+	@$(PY) -m tests.bench.bench_suite --report $(BENCH_DIR)/bench.json
 
 clean: ## remove the venv and caches (keeps the downloaded guest kernel)
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -18,7 +18,7 @@ from kvbeam import __version__
 from kvbeam.errors import KvbeamError
 
 COMMAND_MODULES = ("plan", "check", "prefill", "decode", "demo", "drive", "reserve", "send",
-                   "status", "abort", "release")
+                   "status", "abort", "release", "health")
 
 def _load_commands() -> list[ModuleType]:
     return [importlib.import_module(f"kvbeam.commands.{name}") for name in COMMAND_MODULES]

@@ -30,6 +30,7 @@ from kvbeam.pools.types import IndexKind
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.service import control_stub
 from kvbeam.proto.transfer_codec import indices_from_proto, reason_from_proto, state_from_proto
+from kvbeam.server.auth import Security
 from kvbeam.server.lifecycle import DuplicateRequest, FailureReason, TransferState
 from kvbeam.server.rpc_errors import peer_error
 from kvbeam.server.rpc_status import BadRequest, UnknownRequest
@@ -81,12 +82,20 @@ def _status(m: pb.TransferStatus) -> Status:
 
 
 class KvbeamClient:
-    """A channel to one kvbeam daemon (prefill or decode)."""
+    """A channel to one kvbeam daemon (prefill or decode).
 
-    def __init__(self, address: str, *, timeout: float = 5.0) -> None:
+    Args:
+        address: the daemon's control address, ``host:port``.
+        timeout: deadline of each call, seconds.
+        security: credentials (mTLS and/or token) the daemon requires; default none.
+    """
+
+    def __init__(self, address: str, *, timeout: float = 5.0,
+                 security: Security | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address)
+        self.security = security or Security()
+        self.channel = self.security.channel(address)
         self.stub = control_stub(self.channel)
 
     def close(self) -> None:
@@ -157,11 +166,17 @@ class KvbeamClient:
     def wait(self, request_id: str, timeout: float) -> Status:
         """The terminal status, or the last one seen when ``timeout`` passes."""
         end = time.monotonic() + timeout
-        last = self.status(request_id)
-        while not last.terminal and time.monotonic() < end:
+        # WatchStatus sends the current status first, so no Status RPC is needed before
+        # it: one round trip less per request (about 10 ms under TCG).
+        last: Status | None = None
+        while True:
             for s in self.watch(request_id, max(0.1, end - time.monotonic())):
                 last = s
-        return last
+                if s.terminal:
+                    return s
+            if time.monotonic() >= end:
+                break
+        return last if last is not None else self.status(request_id)
 
     def abort(self, request_id: str, detail: str = "") -> Status:
         """Abort on this daemon; it propagates to the peer."""

@@ -20,6 +20,7 @@ from types import TracebackType
 
 from kvbeam.client import KvbeamClient
 from kvbeam.errors import KvbeamError
+from kvbeam.server.auth import Security
 
 _READY = re.compile(r"kvbeam (\w+) listening on (\S+) instance (\S+) transport (\w+)"
                     r"(?: metrics (\S+))?")
@@ -77,8 +78,12 @@ class DaemonProcess:
 
 
 def spawn_daemon(role: str, config: str, *, listen: str = "127.0.0.1:0",
-                 extra: Sequence[str] = (), env: dict[str, str] | None = None) -> PendingDaemon:
+                 extra: Sequence[str] = (), env: dict[str, str] | None = None,
+                 security: Security | None = None) -> PendingDaemon:
     """Start ``kvbeam ROLE`` as a subprocess without waiting (see :meth:`PendingDaemon.ready`).
+
+    ``security`` is what the readiness check presents; the daemon's own credentials
+    come from ``extra`` flags or ``env`` (KVBEAM_AUTH_TOKEN, KVBEAM_TLS_*).
 
     Starting several daemons first and waiting afterwards overlaps their start-up
     (``import torch`` alone takes about a minute under TCG).
@@ -87,15 +92,17 @@ def spawn_daemon(role: str, config: str, *, listen: str = "127.0.0.1:0",
            *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})}, bufsize=1)
-    return PendingDaemon(role, proc)
+    return PendingDaemon(role, proc, security)
 
 
 class PendingDaemon:
     """A daemon process that has not reported ready yet; collects its output."""
 
-    def __init__(self, role: str, proc: subprocess.Popen[str]) -> None:
+    def __init__(self, role: str, proc: subprocess.Popen[str],
+                 security: Security | None = None) -> None:
         self.role = role
         self.proc = proc
+        self.security = security
         self.lines: list[str] = []
         self._ready = threading.Event()
         self._found: list[re.Match[str]] = []
@@ -122,7 +129,7 @@ class PendingDaemon:
         m = self._found[0]
         daemon = DaemonProcess(self.role, self.proc, m.group(2), m.group(3), m.group(4),
                                self.lines, m.group(5) or "")
-        with KvbeamClient(daemon.address) as client:
+        with KvbeamClient(daemon.address, security=self.security) as client:
             if not client.wait_healthy(30.0):
                 daemon.stop()
                 raise DaemonStartError(f"kvbeam {self.role} never reported SERVING",
@@ -132,9 +139,10 @@ class PendingDaemon:
 
 def start_daemon(role: str, config: str, *, listen: str = "127.0.0.1:0",
                  extra: Sequence[str] = (), env: dict[str, str] | None = None,
-                 timeout: float = 180.0) -> DaemonProcess:
+                 timeout: float = 180.0, security: Security | None = None) -> DaemonProcess:
     """Start ``kvbeam ROLE`` as a subprocess; return once it serves (health SERVING)."""
-    return spawn_daemon(role, config, listen=listen, extra=extra, env=env).ready(timeout)
+    return spawn_daemon(role, config, listen=listen, extra=extra, env=env,
+                        security=security).ready(timeout)
 
 
 def wait_until(predicate: object, timeout: float, interval: float = 0.05) -> bool:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from kvbeam.client import Busy, KvbeamClient, Status
 from kvbeam.errors import KvbeamError
-from kvbeam.server.lifecycle import TransferState
+from kvbeam.server.auth import Security
+from kvbeam.server.lifecycle import VERIFIED_PREFIX, TransferState
 from kvbeam.server.logs import fields
 
 log = logging.getLogger(__name__)
@@ -34,11 +35,17 @@ class RequestResult:
     seconds: float
     send_to_success_s: float
     prefill_state: str
+    detail: str = ""
 
     @property
     def ok(self) -> bool:
         """True when decode reported Success."""
         return self.state == TransferState.SUCCESS.value
+
+    @property
+    def verified(self) -> bool:
+        """True when decode's Success says every moved buffer's CRC32C matched prefill's."""
+        return self.ok and self.detail.startswith(VERIFIED_PREFIX)
 
 
 def run_request(prefill: KvbeamClient, decode: KvbeamClient, request_id: str, seq_len: int,
@@ -65,18 +72,30 @@ def run_request(prefill: KvbeamClient, decode: KvbeamClient, request_id: str, se
         if final.state is TransferState.SUCCESS and release:
             decode.release(request_id)
         return RequestResult(request_id, seq_len, slot, str(final), final.bytes_total,
-                             t_done - t0, t_done - t_send, str(pstat))
+                             t_done - t0, t_done - t_send, str(pstat),
+                             final.detail if final.state is TransferState.SUCCESS else "")
     except KvbeamError as exc:
         log.warning("request %s: %s", request_id, exc, extra=fields(request_id))
         return RequestResult(request_id, seq_len, slot, f"error: {exc}", 0,
-                             time.monotonic() - t0, 0.0, "?")
+                             time.monotonic() - t0, 0.0,
+                             _prefill_outcome(prefill, request_id, min(timeout, 10.0)))
+
+
+def _prefill_outcome(prefill: KvbeamClient, request_id: str, timeout: float) -> str:
+    """Prefill's final word on a request the scheduler lost track of (e.g. decode died):
+    its terminal state, or "?" when prefill never saw the request or cannot be asked."""
+    try:
+        return str(prefill.wait(request_id, timeout))
+    except KvbeamError:
+        return "?"
 
 
 def drive(prefill_address: str, decode_address: str, seq_lens: Sequence[int], *,
           source_slots: int, concurrency: int = 4, timeout: float = 60.0,
-          prefix: str = "req") -> list[RequestResult]:
-    """Run requests of the given lengths, ``concurrency`` at a time."""
-    with KvbeamClient(prefill_address) as prefill, KvbeamClient(decode_address) as decode:
+          prefix: str = "req", security: Security | None = None) -> list[RequestResult]:
+    """Run requests of the given lengths, ``concurrency`` at a time, with ``security``."""
+    with KvbeamClient(prefill_address, security=security) as prefill, \
+            KvbeamClient(decode_address, security=security) as decode:
         def one(i: int) -> RequestResult:
             return run_request(prefill, decode, f"{prefix}-{i}", seq_lens[i],
                                i % source_slots, timeout=timeout)
@@ -94,7 +113,8 @@ def format_table(results: Sequence[RequestResult], transport: str = "") -> str:
                      f"{r.seconds * 1e3:>8.1f} {r.send_to_success_s * 1e3:>11.1f}  "
                      f"{r.state} / {r.prefill_state}")
     ok = sum(r.ok for r in results)
+    verified = sum(r.verified for r in results)
     total = sum(r.bytes for r in results if r.ok)
-    lines.append(f"{ok}/{len(results)} Success, {total} bytes"
+    lines.append(f"{ok}/{len(results)} Success ({verified} CRC32C-verified), {total} bytes"
                  + (f", transport {transport}" if transport else ""))
     return "\n".join(lines)

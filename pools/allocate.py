@@ -38,6 +38,7 @@ class AllocatedSide:
         self.tensors: list[torch.Tensor] = [
             torch.zeros(t.nbytes, dtype=torch.uint8, device=self.device) for t in layout.tensors
         ]
+        self._addrs: list[int] | None = None
         log.info("allocated %d tensors, %.1f MiB on %s", len(self.tensors),
                  layout.total_bytes / 2**20, self.device)
 
@@ -46,8 +47,12 @@ class AllocatedSide:
         return int(self.tensors[buf.tensor].data_ptr()) + buf.offset
 
     def buffer_addrs(self) -> list[int]:
-        """Base addresses aligned with :attr:`SideLayout.flat_buffers`."""
-        return [self.buffer_addr(b) for b in self.layout.flat_buffers]
+        """Base addresses aligned with :attr:`SideLayout.flat_buffers` (a fresh list)."""
+        # The tensors never move while the side lives: compute once (each call used to
+        # cost one torch data_ptr() per buffer on every request's send path).
+        if self._addrs is None:
+            self._addrs = [self.buffer_addr(b) for b in self.layout.flat_buffers]
+        return list(self._addrs)
 
     def buffer_view(self, buf: BufferLayout) -> torch.Tensor:
         """The buffer's bytes as a ``uint8`` view (no copy)."""

@@ -49,13 +49,13 @@ class ControlClient:
 
     Args:
         address: the peer's control address, ``host:port``.
-        options: deadlines and size limits.
+        options: deadlines, size limits and credentials (``options.security``).
     """
 
     def __init__(self, address: str, *, options: ControlOptions | None = None) -> None:
         self.address = address
         self.options = options or ControlOptions()
-        self.channel = grpc.insecure_channel(address, options=self.options.grpc_options())
+        self.channel = self.options.security.channel(address, self.options.grpc_options())
         self.stub = control_stub(self.channel)
         # Base64 inflates a "-bin" trailer by 4/3; leave room for the other headers.
         self._budget = min(MAX_REJECTION_BYTES, self.options.max_metadata_bytes // 2)

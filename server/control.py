@@ -41,7 +41,7 @@ class ControlServer:
         local: our side. Checked at :meth:`start` (:func:`check_local_side`).
         servicer: the servicer to run (default: a plain :class:`ControlServicer`,
             which answers UNIMPLEMENTED for everything but Handshake).
-        options: thread pool and size limits.
+        options: thread pool, size limits and authentication (``options.security``).
         startup_check: run :func:`check_local_side` at start. Only tests that need
             a deliberately broken peer turn it off.
     """
@@ -96,10 +96,14 @@ class ControlServer:
         Raises:
             PoolCompatibilityError, ProtocolError: our own side is unusable.
             ListenError: the address cannot be bound (in use, bad host).
+            ConfigError: a non-loopback address without authentication or
+                ``insecure`` (:meth:`Security.check_bind`), or unreadable credentials.
         """
         with self._lock:
             if self._server is not None:
                 raise RuntimeError("ControlServer.start() called twice")
+            security = self.options.security
+            security.check_bind(address)
             if self.startup_check:
                 check_local_side(self.local)
             server = grpc.server(
@@ -108,6 +112,7 @@ class ControlServer:
                 # SO_REUSEPORT would let a second daemon bind the same port and
                 # silently receive half of the handshakes.
                 options=[*self.options.grpc_options(), ("grpc.so_reuseport", 0)],
+                interceptors=security.server_interceptors(),
             )
             try:
                 self.register_services(server)
@@ -119,6 +124,7 @@ class ControlServer:
                 self._address = ""
                 raise
             server.start()
+            security.warn_if_open(self._address)
             self._server = server
             for name in HEALTH_SERVICES:
                 self.health.set(name, _SERVING)
@@ -128,8 +134,10 @@ class ControlServer:
 
     def _bind(self, server: grpc.Server, address: str) -> str:
         """Bind ``address``; adopt the bound address as our control address if we have none."""
+        creds = self.options.security.server_credentials()
         try:
-            port = server.add_insecure_port(address)
+            port = (server.add_insecure_port(address) if creds is None
+                    else server.add_secure_port(address, creds))
         except RuntimeError as exc:
             raise ListenError(f"cannot listen on {address}: {exc}") from None
         if port == 0:

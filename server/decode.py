@@ -34,7 +34,14 @@ from kvbeam.proto.transfer_codec import indices_to_proto
 from kvbeam.server.daemon_servicer import DaemonServicer
 from kvbeam.server.errors import NotHandshakenError
 from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.lifecycle import FailureReason, TransferState, TransferStatus
+from kvbeam.server.lifecycle import (
+    NOT_VERIFIED_NO_DIGESTS,
+    NOT_VERIFIED_OFF,
+    VERIFIED_PREFIX,
+    FailureReason,
+    TransferState,
+    TransferStatus,
+)
 from kvbeam.server.logs import fields
 from kvbeam.server.peers import PeerConn
 from kvbeam.server.rpc_status import BadRequest, UnknownRequest, handled
@@ -236,6 +243,7 @@ class DecodeServicer(DaemonServicer):
         with res.lock:
             res.landed = True
             self.rt.faults.after_landing(res.request_id, self.rt.pools, res.indices)
+            verified = NOT_VERIFIED_OFF
             if res.digests is not None and self.rt.settings.integrity:
                 landed = request_digests(self.rt.pools, res.indices)
                 bad = [b.name for b, want, got in
@@ -250,19 +258,22 @@ class DecodeServicer(DaemonServicer):
                         self._free(res.request_id, "integrity failure")
                         self._tell_prefill(res, f"decode integrity check failed: {detail}")
                     return
+                verified = f"{VERIFIED_PREFIX} {len(landed)} buffers match prefill's digests"
             elif res.digests is None and self.rt.settings.integrity:
+                verified = NOT_VERIFIED_NO_DIGESTS
                 log.warning("request %s: prefill sent no digests (its integrity check is off): "
                             "arrival proven by the completion, bytes not verified",
                             res.request_id, extra=fields(res.request_id, res.prefill_address))
             try:
-                self.table.advance(res.request_id, TransferState.SUCCESS, res.nbytes)
+                self.table.advance(res.request_id, TransferState.SUCCESS, detail=verified,
+                                   nbytes=res.nbytes)
             except Exception as exc:  # already failed (aborted, timed out): nothing to do
                 log.info("request %s landed after it ended: %s", res.request_id, exc,
                          extra=fields(res.request_id, res.prefill_address))
                 return
             res.success_at = time.monotonic()
-        log.info("request %s: Success (%d bytes landed in slot %d)", res.request_id,
-                 res.nbytes, res.slot, extra=fields(res.request_id, res.prefill_address))
+        log.info("request %s: Success (%d bytes landed in slot %d; %s)", res.request_id,
+                 res.nbytes, res.slot, verified, extra=fields(res.request_id, res.prefill_address))
 
     def on_expired(self, status: TransferStatus) -> None:
         """A deadline passed: make sure prefill stops, then free the slot."""

@@ -36,6 +36,14 @@ class NotKvbeamPeerError(PeerError):
     """Something answers at the address, but it is not a kvbeam v1 control server."""
 
 
+class AuthenticationError(PeerError):
+    """The peer refused our credentials (UNAUTHENTICATED), or the TLS handshake failed.
+
+    Neither side learned anything from the other: the refusal comes before any
+    servicer code runs (token) or before any RPC exists (mTLS).
+    """
+
+
 class HandshakeRejectedError(PeerError):
     """The peer refused the handshake for a reason other than pool differences or version,
     e.g. it found our metadata malformed. ``field`` names the field it objected to."""

@@ -20,6 +20,12 @@ from dataclasses import dataclass, field
 
 from kvbeam.errors import KvbeamError
 
+#: How decode's Success detail starts when every moved buffer's CRC32C matched prefill's.
+VERIFIED_PREFIX = "CRC32C verified:"
+#: Decode's Success details when the bytes were not verified (the completion proved arrival).
+NOT_VERIFIED_OFF = "bytes not verified: integrity is off on decode (KVBEAM_INTEGRITY=false)"
+NOT_VERIFIED_NO_DIGESTS = "bytes not verified: prefill sent no digests (its integrity is off)"
+
 
 class TransferState(enum.Enum):
     """Where a transfer is, on either side."""
@@ -192,16 +198,21 @@ class TransferTable:
             t = self._live.get(request_id) or self._done.get(request_id)
             return t.snapshot() if t else None
 
-    def advance(self, request_id: str, state: TransferState, nbytes: int = 0) -> TransferStatus:
+    def advance(self, request_id: str, state: TransferState, detail: str = "",
+                nbytes: int = 0) -> TransferStatus:
         """Move a live transfer to a non-failed state (legal transitions only).
 
-        ``nbytes``: with SUCCESS, the bytes the transfer moved (observers count them).
+        ``detail``, when given, replaces the status detail (decode says there how a
+        Success was verified). ``nbytes``: with SUCCESS, the bytes the transfer moved
+        (observers count them).
         """
         if state is TransferState.FAILED:
             raise IllegalTransition("use fail() to fail a transfer: it needs a reason")
         with self._cond:
             t = self._require(request_id)
             self._move(t, state)
+            if detail:
+                t.detail = detail
             if state is TransferState.SUCCESS:
                 t.nbytes = nbytes
             snap = t.snapshot()

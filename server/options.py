@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvbeam.server.auth import Security
 
 #: Default deadline of every control RPC, seconds (the daemons' KVBEAM_RPC_TIMEOUT_S
 #: default too). A handshake takes milliseconds; the margin covers a loaded host.
@@ -23,12 +25,15 @@ class ControlOptions:
         max_workers: server handler threads (streaming WatchStatus holds one each).
         max_message_bytes: largest request/reply accepted and sent.
         max_metadata_bytes: largest header/trailer block accepted.
+        security: how the server authenticates callers and channels authenticate
+            themselves (default: none, loopback only).
     """
 
     rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S
     max_workers: int = 16
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_metadata_bytes: int = MAX_METADATA_BYTES
+    security: Security = field(default_factory=Security)
 
     def __post_init__(self) -> None:
         if not self.rpc_timeout_s > 0:

@@ -232,6 +232,8 @@ class PrefillServicer(DaemonServicer):
             want[start // page: -(-end // page)] = True
         want &= ~out.sent_pages
         out.sent_pages |= want
+        if len(dst[IndexKind.KV_PAGES]) == len(want) and bool(want.all()):
+            return out.src_indices, dst  # the usual single-chunk request: no mask copies
         src, dst_sel = dict(out.src_indices), dict(dst)
         src[IndexKind.KV_PAGES] = out.src_indices[IndexKind.KV_PAGES][want]
         if len(dst[IndexKind.KV_PAGES]) != len(want):
@@ -329,7 +331,7 @@ class PrefillServicer(DaemonServicer):
             snap = self.table.get(out.request_id)
             if (event.ok and out.final_posted and out.outstanding == 0 and snap is not None
                     and snap.state is TransferState.TRANSFERRING):
-                self.table.advance(out.request_id, TransferState.SUCCESS, out.bytes_done)
+                self.table.advance(out.request_id, TransferState.SUCCESS, nbytes=out.bytes_done)
                 log.info("request %s: Success (%d bytes written)", out.request_id,
                          out.bytes_done, extra=fields(out.request_id, out.decode_address))
             elif snap is not None and snap.state is TransferState.FAILED and out.outstanding == 0:

@@ -6,6 +6,7 @@ import grpc
 
 from kvbeam.errors import KvbeamError
 from kvbeam.server.errors import (
+    AuthenticationError,
     NotKvbeamPeerError,
     PeerError,
     PeerTimeoutError,
@@ -37,15 +38,29 @@ def peer_error(exc: grpc.RpcError, *, address: str, method: str, timeout: float)
             "is not a kvbeam daemon, or a kvbeam of another major protocol version",
             address=address, code=name)
     lowered = details.lower()
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return AuthenticationError(
+            f"{where}: the peer refused our credentials (UNAUTHENTICATED: {details}); give "
+            "this side the token the peer requires (--auth-token, --auth-token-file or "
+            "KVBEAM_AUTH_TOKEN)", address=address, code=name)
+    if code is grpc.StatusCode.UNAVAILABLE and any(
+            w in lowered for w in ("tls handshake", "ssl", "certificate", "verification check")):
+        return AuthenticationError(
+            f"{where}: TLS handshake failed ({details}); both sides need --tls-cert/--tls-key "
+            "signed by the CA the other side trusts (--tls-ca), with the dialled host (or "
+            "--tls-server-name) in the server certificate", address=address, code=name)
     if code is grpc.StatusCode.UNAVAILABLE and ("http1" in lowered.replace(".", "")
                                                 or "failed parsing http/2" in lowered):
         return NotKvbeamPeerError(
             f"{where}: the peer does not speak gRPC (HTTP/2): {details}; it is not a kvbeam "
             "control server (wrong port?)", address=address, code=name)
     if code is grpc.StatusCode.UNAVAILABLE:
+        # A server requiring mTLS closes the connection of a client without a valid certificate.
+        hint = ("; if it requires mTLS, give this side --tls-cert/--tls-key/--tls-ca from its CA"
+                if "socket closed" in lowered else "")
         return PeerUnavailableError(
             f"{where}: peer unavailable ({details}); check that its daemon runs and listens "
-            "on that address", address=address, code=name)
+            f"on that address{hint}", address=address, code=name)
     if code is grpc.StatusCode.INTERNAL and "deserializ" in lowered:
         return NotKvbeamPeerError(
             f"{where}: the peer's reply is not a kvbeam.v1 message ({details}): it is not a "

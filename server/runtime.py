@@ -60,7 +60,8 @@ class Runtime:
         self.transport = open_transport(
             cast(TransportKind, settings.transport), settings.rdma_device or None,
             settings.rdma_gid_index,
-            options=TransportOptions(op_timeout_s=self.transport_timeout()),
+            options=TransportOptions(op_timeout_s=self.transport_timeout(),
+                                     per_link_keys=settings.per_peer_rkeys),
             tcp_host=host if host not in ("0.0.0.0", "::", "[::]") else None)
         log.info("%s daemon: %s transport%s", self.role.value, self.transport.kind,
                  "" if self.transport.kind == "rdma" else
@@ -73,7 +74,8 @@ class Runtime:
                       settings.deadline_transfer_s),
             capacity=settings.max_inflight, on_change=self.metrics.on_change)
         self.peers = PeerSet()
-        self.options = ControlOptions(rpc_timeout_s=settings.rpc_timeout_s)
+        self.options = ControlOptions(rpc_timeout_s=settings.rpc_timeout_s,
+                                      security=settings.security)
         # The handshake carries a per-peer endpoint; this template only gives the
         # SideInfo (and the start-up check) a real one of this transport's kind.
         template = self.transport.create_link()

@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvbeam.errors import ConfigError
+from kvbeam.server.auth import Security, load_token
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,22 @@ def _bool(text: str) -> bool:
         return False
     raise ValueError(f"not a boolean: {text!r} (use true/false)")
 
+
+#: Credentials: daemons use them for their server and their channels to peers; the
+#: scheduler commands (reserve, send, drive, ...) take the same flags and variables.
+AUTH_OPTIONS: tuple[Option, ...] = (
+    Option("tls_cert", "KVBEAM_TLS_CERT", str, "",
+           "mTLS: PEM certificate (chain) of this side, presented as server and as client"),
+    Option("tls_key", "KVBEAM_TLS_KEY", str, "", "mTLS: PEM private key of --tls-cert"),
+    Option("tls_ca", "KVBEAM_TLS_CA", str, "",
+           "mTLS: PEM CA bundle that must have signed every peer's certificate"),
+    Option("tls_server_name", "KVBEAM_TLS_SERVER_NAME", str, "",
+           "mTLS: name to verify in peers' server certificates (default: the host dialled)"),
+    Option("auth_token", "KVBEAM_AUTH_TOKEN", str, "",
+           "shared-token auth (development): every RPC must carry this token"),
+    Option("auth_token_file", "KVBEAM_AUTH_TOKEN_FILE", str, "",
+           "read the shared token from this file's first line (keeps it out of ps)"),
+)
 
 OPTIONS: tuple[Option, ...] = (
     Option("config", "KVBEAM_CONFIG", str, None, "side config YAML (pools); required"),
@@ -86,6 +103,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("metrics", "KVBEAM_METRICS", str, "",
            "HOST:PORT of the Prometheus /metrics endpoint (port 0: any free port); "
            "empty: no endpoint"),
+    *AUTH_OPTIONS,
+    Option("insecure", "KVBEAM_INSECURE", _bool, False,
+           "allow a non-loopback --listen without authentication (true/false)"),
+    Option("per_peer_rkeys", "KVBEAM_PER_PEER_RKEYS", _bool, True,
+           "RDMA decode: register the pools once more per peer so each peer gets its own "
+           "rkeys, revoked when it goes (false: one shared set, faster handshakes)"),
 )
 
 
@@ -114,6 +137,8 @@ class DaemonSettings:
     log_level: str
     log_format: str
     metrics: str
+    security: Security = field(default_factory=Security)
+    per_peer_rkeys: bool = True
 
     @property
     def advertised(self) -> str:
@@ -126,11 +151,22 @@ DEFAULT_PORTS = {"prefill": 50051, "decode": 50052}
 
 def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every option as a flag; defaults stay None so the environment can fill them."""
-    for opt in OPTIONS:
+    _add_arguments(parser, OPTIONS)
+
+
+def add_auth_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the credential flags (:data:`AUTH_OPTIONS`) to a client command."""
+    _add_arguments(parser, AUTH_OPTIONS)
+
+
+def _add_arguments(parser: argparse.ArgumentParser, options: tuple[Option, ...]) -> None:
+    for opt in options:
         kw: dict[str, Any] = {"default": None, "dest": opt.name,
                               "help": f"{opt.help} [env {opt.env}]"}
         if opt.choices:
             kw["choices"] = opt.choices
+        if opt.kind is _bool:  # a bare --insecure means true
+            kw.update(nargs="?", const="true")
         parser.add_argument(opt.flag, **kw)
 
 
@@ -147,23 +183,7 @@ def env_help() -> str:
 def resolve(role: str, args: argparse.Namespace | None = None,
             environ: Mapping[str, str] | None = None) -> DaemonSettings:
     """Merge flags, environment and defaults; refuse bad values naming the flag and variable."""
-    env = os.environ if environ is None else environ
-    values: dict[str, Any] = {"role": role}
-    for opt in OPTIONS:
-        raw = getattr(args, opt.name, None) if args is not None else None
-        source = opt.flag
-        if raw is None and opt.env in env:
-            raw, source = env[opt.env], opt.env
-        if raw is None:
-            values[opt.name] = opt.default
-            continue
-        try:
-            value = opt.kind(raw) if isinstance(raw, str) else raw
-        except ValueError as exc:
-            raise ConfigError(f"{source}: {exc}") from exc
-        if opt.choices and value not in opt.choices:
-            raise ConfigError(f"{source}: {value!r} is not one of {', '.join(opt.choices)}")
-        values[opt.name] = value
+    values: dict[str, Any] = {"role": role, **_values(OPTIONS, args, environ)}
     if not values["config"]:
         raise ConfigError("--config (or KVBEAM_CONFIG) is required: the side config YAML")
     if not values["listen"]:
@@ -180,8 +200,49 @@ def resolve(role: str, args: argparse.Namespace | None = None,
         _check_hostport(values["advertise"], "--advertise")
     if values["metrics"]:
         _check_hostport(values["metrics"], "--metrics", allow_zero=True)
+    values["security"] = _security(values)
+    # Refuse an open non-loopback control plane before allocating pools (the server checks too).
+    values["security"].check_bind(values["listen"])
     names = {f.name for f in fields(DaemonSettings)}
     return DaemonSettings(**{k: v for k, v in values.items() if k in names})
+
+
+def resolve_security(args: argparse.Namespace | None = None,
+                     environ: Mapping[str, str] | None = None) -> Security:
+    """A client command's credentials from :data:`AUTH_OPTIONS` flags and variables."""
+    return _security(_values(AUTH_OPTIONS, args, environ))
+
+
+def _security(values: Mapping[str, Any]) -> Security:
+    """Build and load the credentials (files read now: errors name the flag)."""
+    return Security(
+        tls_cert=values["tls_cert"], tls_key=values["tls_key"], tls_ca=values["tls_ca"],
+        tls_server_name=values["tls_server_name"],
+        token=load_token(values["auth_token"], values["auth_token_file"]),
+        insecure=bool(values.get("insecure", False))).load()
+
+
+def _values(options: tuple[Option, ...], args: argparse.Namespace | None,
+            environ: Mapping[str, str] | None) -> dict[str, Any]:
+    """Flag, else variable, else default, for each option; bad values name their source."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for opt in options:
+        raw = getattr(args, opt.name, None) if args is not None else None
+        source = opt.flag
+        if raw is None and opt.env in env:
+            raw, source = env[opt.env], opt.env
+        if raw is None:
+            values[opt.name] = opt.default
+            continue
+        try:
+            value = opt.kind(raw) if isinstance(raw, str) else raw
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from exc
+        if opt.choices and value not in opt.choices:
+            raise ConfigError(f"{source}: {value!r} is not one of {', '.join(opt.choices)}")
+        values[opt.name] = value
+    return values
 
 
 def _check_hostport(text: str, source: str, allow_zero: bool = False) -> None:

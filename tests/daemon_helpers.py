@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvbeam.client import KvbeamClient
 from kvbeam.procs import DaemonProcess, spawn_daemon, start_daemon
+from kvbeam.server.auth import Security
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "docker" / "config"
@@ -16,9 +17,11 @@ FAST = ["--deadline-bootstrap-s", "4", "--deadline-waiting-s", "4",
         "--deadline-transfer-s", "6", "--heartbeat-s", "0.5", "--rpc-timeout-s", "2",
         "--handoff-lease-s", "30", "--log-level", "INFO"]
 #: The same under TCG (the RDMA suite's guest runs 16-40x slower): a first handshake there,
-#: with QP creation and eight requests arriving at once, has taken more than 4 s.
+#: with QP creation and eight requests arriving at once, has taken more than 4 s, and a
+#: busy prefill has missed two 0.5 s heartbeats. A killed peer is still noticed at once
+#: (its heartbeat is refused, not timed out).
 SLOW_GUEST = ["--deadline-bootstrap-s", "20", "--deadline-waiting-s", "20",
-              "--deadline-transfer-s", "10", "--heartbeat-s", "0.5", "--rpc-timeout-s", "4",
+              "--deadline-transfer-s", "10", "--heartbeat-s", "1", "--rpc-timeout-s", "8",
               "--handoff-lease-s", "60", "--log-level", "INFO"]
 
 
@@ -46,13 +49,18 @@ def start(role: str, *, paged: bool = False, transport: str = "tcp",
 
 
 def start_both(*, paged: bool = False, transport: str = "tcp", decode_extra: Sequence[str] = (),
-               prefill_extra: Sequence[str] = (), decode_env: dict[str, str] | None = None
-               ) -> tuple[DaemonProcess, DaemonProcess]:
-    """Start decode and prefill at the same time (their start-ups overlap); (prefill, decode)."""
+               prefill_extra: Sequence[str] = (), security: Security | None = None,
+               decode_env: dict[str, str] | None = None) -> tuple[DaemonProcess, DaemonProcess]:
+    """Start decode and prefill at the same time (their start-ups overlap); (prefill, decode).
+
+    ``security``: what the readiness check presents (the daemons' own credentials go
+    in the ``*_extra`` flags). ``decode_env``: extra environment for decode (fault hooks).
+    """
     d = spawn_daemon("decode", config("decode", paged),
-                     extra=_args("decode", transport, decode_extra), env=decode_env)
+                     extra=_args("decode", transport, decode_extra), env=decode_env,
+                     security=security)
     p = spawn_daemon("prefill", config("prefill", paged),
-                     extra=_args("prefill", transport, prefill_extra))
+                     extra=_args("prefill", transport, prefill_extra), security=security)
     try:
         decode = d.ready(STARTUP_S)
     except BaseException:
@@ -67,13 +75,17 @@ def start_both(*, paged: bool = False, transport: str = "tcp", decode_extra: Seq
 
 @contextmanager
 def pair(*, paged: bool = False, transport: str = "tcp", decode_extra: Sequence[str] = (),
-         prefill_extra: Sequence[str] = (), decode_env: dict[str, str] | None = None
+         prefill_extra: Sequence[str] = (), security: Security | None = None,
+         decode_env: dict[str, str] | None = None
          ) -> Iterator[tuple[DaemonProcess, DaemonProcess, KvbeamClient, KvbeamClient]]:
-    """A running prefill/decode pair and a client to each; everything stopped afterwards."""
+    """A running prefill/decode pair and a client to each (presenting ``security``);
+    everything stopped afterwards."""
     prefill, decode = start_both(paged=paged, transport=transport, decode_extra=decode_extra,
-                                 prefill_extra=prefill_extra, decode_env=decode_env)
+                                 prefill_extra=prefill_extra, security=security,
+                                 decode_env=decode_env)
     try:
-        with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+        with KvbeamClient(prefill.address, security=security) as p, \
+                KvbeamClient(decode.address, security=security) as d:
             yield prefill, decode, p, d
     finally:
         prefill.stop()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -56,3 +58,25 @@ def test_prefix_pairing_digests_the_tail() -> None:
     assert len(s_pair[IndexKind.KV_PAGES]) == len(d_idx[IndexKind.KV_PAGES])
     _copy_plan(src, dst, s_idx, d_idx)
     assert request_digests(src, s_pair) == request_digests(dst, d_pair)
+
+
+def test_in_place_runs_digest_like_a_gather() -> None:
+    """Contiguous lists are digested in place; the result equals gathering every item."""
+    import crc32c
+
+    side = AllocatedSide(layout())
+    side.fill_pattern(5)
+    base = request_indices(UNIFIED_TARGET, 1, 700)
+    changes: list[tuple[str, Callable[[np.ndarray], np.ndarray]]] = [
+        ("as is", lambda a: a), ("reversed", lambda a: a[::-1].copy()),
+        ("one item", lambda a: a[:1]), ("empty", lambda a: a[:0]),
+        ("gap", lambda a: np.concatenate((a[:2], a[3:])) if len(a) > 3 else a)]
+    for name, change in changes:
+        idx = {k: change(v) for k, v in base.items()}
+        expected = []
+        for comp in side.layout.components:
+            for buf in comp.buffers:
+                items = side.buffer_view(buf).numpy().reshape(buf.items, buf.item_len)
+                gathered = np.take(items, idx[buf.index_kind], axis=0)
+                expected.append(crc32c.crc32c(np.ascontiguousarray(gathered).data))
+        assert request_digests(side, idx) == expected, name

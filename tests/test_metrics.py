@@ -45,7 +45,7 @@ def test_observer_counts_creations_outcomes_latency_and_bytes() -> None:
     assert value(s, "kvbeam_transfers_total", state="Success", reason="none") == 0
     t.advance("ok", TransferState.WAITING_FOR_INPUT)
     t.advance("ok", TransferState.TRANSFERRING)
-    assert t.advance("ok", TransferState.SUCCESS, 1000).nbytes == 1000
+    assert t.advance("ok", TransferState.SUCCESS, nbytes=1000).nbytes == 1000
     t.fail("bad", FailureReason.ABORTED, "test")
     t.fail("bad", FailureReason.TIMEOUT, "already failed: no change, no count")
     s = collect(m.registry)

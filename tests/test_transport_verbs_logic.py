@@ -134,6 +134,12 @@ class FakeTransport:
     def _forget(self, link: Any) -> None:
         pass
 
+    def _revoke(self, link_id: int) -> None:
+        pass
+
+    def link_regions(self, link_id: int) -> tuple[RemoteRegion, ...]:
+        return ()
+
 
 def make_link(options: TransportOptions) -> tuple[VerbsLink, FakeQP, FakeTransport]:
     t = FakeTransport(options)

@@ -65,8 +65,10 @@ class Event:
 class Registration:
     """Handle for registered regions; :meth:`release` deregisters them.
 
-    ``remote`` lists the regions as a peer sees them (with rkeys): these go into
-    every link endpoint created afterwards when ``access`` is REMOTE_WRITE.
+    ``remote`` lists the regions with the registration's shared key. TCP needs no
+    keys (0; a link's endpoint token names it instead). RDMA gives each link its
+    own rkeys for REMOTE_WRITE regions (in :attr:`Link.endpoint`, revoked when the
+    link goes); the shared key here grants no remote access at all.
     """
 
     def __init__(self, regions: Sequence[Region], access: Access,

@@ -31,6 +31,10 @@ class TransportOptions:
     # not fail a transfer; op_timeout_s bounds the wait instead.
     rnr_retry: int = 7
     min_rnr_timer: int = 12
+    # RDMA: each link registers its own remote-write MRs over the REMOTE_WRITE regions
+    # (per-peer rkeys, revoked with the link). False: one shared remote-write MR per
+    # region for every link (handshakes skip a registration of the whole pool).
+    per_link_keys: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.slice_bytes < 1 << 31:

@@ -7,6 +7,13 @@ One progress thread per transport owns every post and poll. It sleeps in
 ``poll`` on the links' completion-channel fds (and a wake-up pipe that
 writers poke), so an idle transport costs no CPU; while work is outstanding it
 also wakes for the nearest link deadline.
+
+Memory keys are per link (least access): :meth:`VerbsTransport.register` gives
+every region an MR with local access only, and each link registers its own
+remote-write MRs over the REMOTE_WRITE regions that exist when it is created.
+Its endpoint carries only those rkeys; releasing the link (or its failure)
+deregisters them, so a peer that went away holds no key that still works, and
+one peer's rkeys are not another's. No MR ever allows remote read.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import Any
 from kvbeam.errors import RegionError, TransportError
 from kvbeam.transport.base import Access, Event, Registration, Transport
 from kvbeam.transport.core import EventQueue, RegistrationBook, wait_readable
-from kvbeam.transport.endpoint import Region
+from kvbeam.transport.endpoint import Region, RemoteRegion
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.stats import TransferMeter, TransportStats
 from kvbeam.transport.verbs_chain import Poster
@@ -58,6 +65,8 @@ class VerbsTransport(Transport):
         self.device = VerbsDevice(device, gid_index)
         self._book = RegistrationBook()
         self._mrs: dict[int, list[Any]] = {}
+        #: Per link id: (registration, its remote-write MRs for that link), registration order.
+        self._grants: dict[int, list[tuple[Registration, list[Any]]]] = {}
         self._events = EventQueue()
         self._meter = TransferMeter()
         self._lock = threading.RLock()
@@ -81,15 +90,22 @@ class VerbsTransport(Transport):
         return self._poster.raw
 
     def register(self, regions: Sequence[Region], access: Access) -> Registration:
-        """One MR per region: local only, or remote write for peers (never remote read)."""
+        """One local-access MR per region; REMOTE_WRITE regions get per-link MRs on top.
+
+        The shared MR grants no remote access at all, whatever ``access`` says: peers
+        write only through the keys of the link created for them (:meth:`create_link`).
+        With ``options.per_link_keys`` off, the shared MR has ``access`` and every
+        link advertises its key.
+        """
         for r in regions:
             if r.addr <= 0 or r.length <= 0:
                 raise RegionError(f"cannot register {r}: address and length must be positive")
         mrs: list[Any] = []
         with self._lock:
             try:
+                shared = access if not self.options.per_link_keys else Access.LOCAL
                 for r in regions:
-                    mrs.append(self.device.register(r.addr, r.length, access))
+                    mrs.append(self.device.register(r.addr, r.length, shared))
                 reg = self._book.add(regions, access, [mr.lkey for mr in mrs],
                                      [mr.rkey for mr in mrs], self._deregister)
             except BaseException:
@@ -100,14 +116,63 @@ class VerbsTransport(Transport):
         return reg
 
     def create_link(self) -> VerbsLink:
-        """A new RC QP; its endpoint goes into the handshake."""
+        """A new RC QP and its own remote-write keys; its endpoint goes into the handshake."""
         with self._lock:
             if self._closed:
                 raise TransportError("transport is closed")
-            link = VerbsLink(self, self._next_id, QueuePair(self.device, self.options))
+            start = time.monotonic()
+            grants = self._grant()
+            try:
+                link = VerbsLink(self, self._next_id, QueuePair(self.device, self.options))
+            except BaseException:
+                _close_grants(grants)
+                raise
+            if grants:
+                log.info("link %d: own memory keys for %d regions (%d MiB) registered in "
+                         "%.3f s", link.id, sum(len(m) for _, m in grants),
+                         sum(r.length for reg, _ in grants for r in reg.regions) >> 20,
+                         time.monotonic() - start)
+            self._grants[link.id] = grants
             self._links[link.id] = link
             self._next_id += 1
         return link
+
+    def link_regions(self, link_id: int) -> tuple[RemoteRegion, ...]:
+        """The remote-writable regions with the rkeys of link ``link_id`` only (empty once
+        it is released: its keys are revoked)."""
+        if not self.options.per_link_keys:
+            return self._book.remote_regions()
+        with self._lock:
+            return tuple(RemoteRegion(r.addr, r.length, int(mr.rkey))
+                         for reg, mrs in self._grants.get(link_id, ())
+                         for r, mr in zip(reg.regions, mrs, strict=True))
+
+    def _grant(self) -> list[tuple[Registration, list[Any]]]:
+        """Remote-write MRs over every REMOTE_WRITE registration, for one new link."""
+        grants: list[tuple[Registration, list[Any]]] = []
+        if not self.options.per_link_keys:
+            return grants
+        try:
+            for reg in self._book.all():
+                if reg.access is not Access.REMOTE_WRITE:
+                    continue
+                mrs: list[Any] = []
+                grants.append((reg, mrs))
+                for r in reg.regions:
+                    mrs.append(self.device.register(r.addr, r.length, Access.REMOTE_WRITE))
+        except BaseException:
+            _close_grants(grants)
+            raise
+        return grants
+
+    def _revoke(self, link_id: int) -> None:
+        """Deregister a link's keys (its QP is gone): a write with them now fails remotely."""
+        with self._lock:
+            grants = self._grants.pop(link_id, [])
+        _close_grants(grants)
+        if grants:
+            log.debug("link %d: %d per-link memory keys revoked", link_id,
+                      sum(len(m) for _, m in grants))
 
     def events(self, timeout: float | None = 0.0) -> list[Event]:
         """Queued events, waiting up to ``timeout`` for the first."""
@@ -159,6 +224,10 @@ class VerbsTransport(Transport):
     def _deregister(self, reg: Registration) -> None:
         with self._lock:
             self._book.remove(reg)
+            for grants in self._grants.values():  # links' keys over it go first
+                mine = [g for g in grants if g[0] is reg]
+                grants[:] = [g for g in grants if g[0] is not reg]
+                _close_grants(mine)
             for mr in self._mrs.pop(id(reg), []):
                 mr.close()
 
@@ -222,3 +291,9 @@ class VerbsTransport(Transport):
             link.take_event()
         except Exception:  # non-blocking fd with no event after all: harmless
             log.debug("link %d: no completion event to take", link.id, exc_info=True)
+
+
+def _close_grants(grants: Sequence[tuple[Registration, list[Any]]]) -> None:
+    for _, mrs in grants:
+        for mr in mrs:
+            mr.close()

@@ -98,10 +98,10 @@ class VerbsLink(Link):
     # -- Link API ----------------------------------------------------------------------
     @property
     def endpoint(self) -> Endpoint:
-        """GID, QPN, PSN, MTU of our QP and our remote-writable regions with rkeys."""
+        """GID, QPN, PSN, MTU of our QP and our remote-writable regions with this link's rkeys."""
         qp = self._live_qp()
         dev = self._t.device
-        return Endpoint(kind="rdma", regions=self._t._book.remote_regions(), gid=dev.gid,
+        return Endpoint(kind="rdma", regions=self._t.link_regions(self.id), gid=dev.gid,
                         qpns=(qp.qpn,), psn=qp.psn, mtu=mtu_bytes(dev.mtu), address=dev.name)
 
     def connect(self, peer: Endpoint) -> None:
@@ -315,3 +315,4 @@ class VerbsLink(Link):
         if self._qp is not None:
             self._qp.close()
             self._qp = None
+        self._t._revoke(self.id)  # after the QP: no write of ours can still be using them

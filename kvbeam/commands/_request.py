@@ -7,15 +7,22 @@ import json
 import sys
 from dataclasses import asdict
 
-from kvbeam.client import Status
+from kvbeam.client import KvbeamClient, Status
+from kvbeam.server.settings import add_auth_arguments, resolve_security
 
 
 def add_common(parser: argparse.ArgumentParser, address_help: str) -> None:
-    """--address, --request-id, --timeout, --json."""
+    """--address, --request-id, --timeout, --json and the credential flags."""
     parser.add_argument("--address", required=True, help=address_help)
     parser.add_argument("--request-id", required=True, help="the request id (unique per pair)")
     parser.add_argument("--timeout", type=float, default=5.0, help="RPC deadline, s (default 5)")
     parser.add_argument("--json", action="store_true", help="print JSON")
+    add_auth_arguments(parser)
+
+
+def open_client(args: argparse.Namespace) -> KvbeamClient:
+    """A client to ``--address`` with the command's deadline and credentials."""
+    return KvbeamClient(args.address, timeout=args.timeout, security=resolve_security(args))
 
 
 def print_status(status: Status, as_json: bool) -> int:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvbeam.client import KvbeamClient
-from kvbeam.commands._request import add_common, print_status
+from kvbeam.commands._request import add_common, open_client, print_status
 
 NAME = "abort"
 HELP = "scheduler: abort a request on either daemon; the peer is told"
@@ -27,6 +26,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Abort and print the resulting status."""
-    with KvbeamClient(args.address, timeout=args.timeout) as client:
+    with open_client(args) as client:
         print_status(client.abort(args.request_id, args.detail), args.json)
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import shlex
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from kvbeam.procs import start_daemon
 from kvbeam.scheduler import drive, format_table
+from kvbeam.server.auth import Security
 from kvbeam.transport.factory import pick_rdma_device
 
 NAME = "demo"
@@ -26,6 +28,9 @@ buffer with CRC32C against prefill's digests before it reports Success.
 --transport auto (default): RDMA when a device exists; otherwise the demo re-runs
 itself inside the soft-RoCE harness (a qemu guest with rdma_rxe; a minute or two
 to boot here) with --transport rdma. --transport tcp: the quick run without RDMA.
+
+The daemons listen on loopback and require a fresh random shared token (passed to
+them in KVBEAM_AUTH_TOKEN), so the demo exercises the authenticated control plane.
 
 exit codes: 0 all requests Success, 1 otherwise.
 """
@@ -70,20 +75,24 @@ def run(args: argparse.Namespace) -> int:
         print("kvbeam demo: TCP transport (no RDMA): the quick run; RDMA is the real path",
               flush=True)
     common = ["--transport", args.transport, "--log-level", "WARNING"]
-    env = {"PYTHONUNBUFFERED": "1", **({} if "KVBEAM_RDMA_DEVICE" not in os.environ else
-                                        {"KVBEAM_RDMA_DEVICE": os.environ["KVBEAM_RDMA_DEVICE"]})}
+    # A fresh token per run: the daemons require it, only this process knows it.
+    security = Security(token=secrets.token_urlsafe(32))
+    env = {"PYTHONUNBUFFERED": "1", "KVBEAM_AUTH_TOKEN": security.token,
+           **({} if "KVBEAM_RDMA_DEVICE" not in os.environ else
+              {"KVBEAM_RDMA_DEVICE": os.environ["KVBEAM_RDMA_DEVICE"]})}
     print("starting decode and prefill daemons...", flush=True)
     decode = start_daemon("decode", args.decode_config, extra=[*common, "--fill-seed", "2"],
-                          env=env)
+                          env=env, security=security)
     try:
         prefill = start_daemon("prefill", args.prefill_config,
-                               extra=[*common, "--fill-seed", "1"], env=env)
+                               extra=[*common, "--fill-seed", "1"], env=env,
+                               security=security)
         try:
             print(f"prefill {prefill.address}, decode {decode.address}, "
                   f"transport {prefill.transport}", flush=True)
             lens = [int(x) for x in args.seq_lens.split(",") if x.strip()]
             results = drive(prefill.address, decode.address, lens, source_slots=8,
-                            concurrency=args.concurrency, prefix="demo")
+                            concurrency=args.concurrency, prefix="demo", security=security)
             print(format_table(results, prefill.transport))
             return 0 if all(r.ok for r in results) else 1
         finally:

@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict
 
 from kvbeam.scheduler import drive, format_table
+from kvbeam.server.settings import add_auth_arguments, resolve_security
 
 NAME = "drive"
 HELP = "run N requests through running daemons; exit 0 only if all reach Success"
@@ -18,7 +19,12 @@ decode's terminal state, Release. Decode reports Success only after the completi
 proved every byte landed and (integrity on) the CRC32C digests of every moved
 buffer matched prefill's. Prints a per-request table (or --json).
 
-exit codes: 0 all Success, 1 some request failed, 2 bad arguments.
+--require-verified also demands that decode's Success detail says the CRC32C
+digests were checked (integrity on at both daemons): a Success with integrity off
+counts as a failure then.
+
+exit codes: 0 all Success (and verified, with --require-verified), 1 some request
+failed (or was not verified), 2 bad arguments.
 
 example:
   kvbeam drive --prefill 127.0.0.1:50051 --decode 127.0.0.1:50052 --requests 8
@@ -41,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed for lengths")
     parser.add_argument("--prefix", default="req", help="request id prefix (ids must be unique)")
     parser.add_argument("--json", action="store_true", help="print JSON results")
+    parser.add_argument("--require-verified", action="store_true",
+                        help="fail unless decode verified every request's CRC32C digests")
+    add_auth_arguments(parser)
 
 
 def seq_lens_from(args: argparse.Namespace) -> list[int]:
@@ -56,10 +65,18 @@ def run(args: argparse.Namespace) -> int:
     """Drive and report."""
     results = drive(args.prefill, args.decode, seq_lens_from(args),
                     source_slots=args.source_slots, concurrency=args.concurrency,
-                    timeout=args.timeout, prefix=args.prefix)
+                    timeout=args.timeout, prefix=args.prefix,
+                    security=resolve_security(args))
     if args.json:
-        json.dump([asdict(r) | {"ok": r.ok} for r in results], sys.stdout, indent=1)
+        json.dump([asdict(r) | {"ok": r.ok, "verified": r.verified} for r in results],
+                  sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         print(format_table(results))
+    unverified = [r.request_id for r in results if r.ok and not r.verified]
+    if args.require_verified and unverified:
+        print(f"kvbeam drive: {len(unverified)} request(s) reached Success without CRC32C "
+              f"verification ({', '.join(unverified[:5])}): turn integrity on at both daemons "
+              "(KVBEAM_INTEGRITY=true, the default)", file=sys.stderr)
+        return 1
     return 0 if all(r.ok for r in results) else 1

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvbeam.client import KvbeamClient
-from kvbeam.commands._request import add_common, print_status
+from kvbeam.commands._request import add_common, open_client, print_status
 
 NAME = "release"
 HELP = "scheduler: release a Success request's slot on decode (the engine took over)"
@@ -24,6 +23,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Release and print."""
-    with KvbeamClient(args.address, timeout=args.timeout) as client:
+    with open_client(args) as client:
         print_status(client.release(args.request_id), args.json)
     return 0

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvbeam.client import KvbeamClient
-from kvbeam.commands._request import add_common
+from kvbeam.commands._request import add_common, open_client
 
 NAME = "reserve"
 HELP = "scheduler: reserve a slot for a request on a decode daemon"
@@ -31,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     """Reserve and print the slot."""
     from kvbeam.client import Busy
 
-    with KvbeamClient(args.address, timeout=args.timeout) as client:
+    with open_client(args) as client:
         try:
             r = client.reserve(args.request_id, args.seq_len, args.prefill)
         except Busy as exc:

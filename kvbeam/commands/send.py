@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvbeam.client import KvbeamClient
-from kvbeam.commands._request import add_common, print_status
+from kvbeam.commands._request import add_common, open_client, print_status
 
 NAME = "send"
 HELP = "scheduler: send (a chunk of) a request from a prefill daemon to decode"
@@ -38,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     for text in args.chunk:
         start, _, end = text.partition(":")
         chunks.append((int(start), int(end)))
-    with KvbeamClient(args.address, timeout=args.timeout) as client:
+    with open_client(args) as client:
         status = client.send(args.request_id, args.source_slot, args.seq_len, args.decode,
                              final=not args.not_final, chunks=chunks)
         if args.wait > 0:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvbeam.client import KvbeamClient
-from kvbeam.commands._request import add_common, print_status
+from kvbeam.commands._request import add_common, open_client, print_status
 
 NAME = "status"
 HELP = "scheduler: show (or --watch) a request's state on a prefill or decode daemon"
@@ -26,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the status (or each change)."""
-    with KvbeamClient(args.address, timeout=args.timeout) as client:
+    with open_client(args) as client:
         status = client.status(args.request_id)
         if args.watch > 0:
             code = 0

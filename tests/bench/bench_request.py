@@ -1,11 +1,13 @@
 """Benchmark: whole DSV4 requests through the daemons over RDMA, beside ib_write_bw.
 
-Run in the soft-RoCE guest (``make bench``) or on any host with an RDMA device.
-Starts a prefill and a decode daemon (RDMA, integrity on: decode checks the
-CRC32C of every moved buffer before Success), sends requests of several lengths
-one at a time and reports the median Send-to-Success time and bytes/s, next to
-``ib_write_bw`` at 64 KiB measured in the same run. Also prints the raw
-transport time for the same bytes from the same boot's ``ib_write_bw`` figure.
+Run in the soft-RoCE guest (``make bench`` runs it through ``bench_suite``) or on
+any host with an RDMA device. Starts a prefill and a decode daemon (RDMA; with
+integrity on, decode checks the CRC32C of every moved buffer before Success),
+sends requests of several lengths one at a time through the scheduler API
+(:func:`kvbeam.scheduler.run_request`: Reserve on decode, Send on prefill, wait
+on decode, Release) and reports the median
+Send-to-Success time and bytes/s, next to ``ib_write_bw`` at 64 KiB measured in
+the same run, and the raw transport time for the same bytes.
 
 The last line is machine-readable: ``ratio_vs_ib_write_bw=0.NN`` (32k-token
 request bytes/s over ib_write_bw's).
@@ -16,11 +18,132 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import time
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from kvbeam.client import KvbeamClient
+from kvbeam.scheduler import run_request
 from tests.bench.bench_transport import ib_write_bw
 from tests.daemon_helpers import start_both
+
+
+@dataclass
+class RequestRow:
+    """One request length in one mode: median and best Send-to-Success time."""
+
+    mode: str
+    integrity: bool
+    tokens: int
+    bytes: int
+    median_ms: float
+    best_ms: float
+    runs_ms: list[float]
+
+    @property
+    def gbps(self) -> float:
+        """Request bytes over the median Send-to-Success time."""
+        return self.bytes * 8 / self.median_ms / 1e6
+
+    def as_dict(self) -> dict[str, Any]:
+        """For the JSON file."""
+        return {**asdict(self), "gbps": self.gbps}
+
+
+def _spy(pid: int, seconds: float, out: str) -> subprocess.Popen[bytes]:
+    """py-spy sampling one daemon: only threads holding the GIL (Python CPU, not waits)."""
+    return subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "py-spy"), "record",
+                             "-p", str(pid), "-r", "250", "-d", str(int(seconds)), "-f", "raw",
+                             "--threads", "--gil", "-o", out],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _profile_loop(p: KvbeamClient, d: KvbeamClient, pids: tuple[int, int], seq_len: int,
+                  seconds: float, out_dir: str) -> None:
+    """Requests of ``seq_len`` tokens back to back for ``seconds`` under py-spy (both daemons).
+
+    Writes ``prefill.txt`` and ``decode.txt`` (py-spy raw, collapsed stacks) and
+    ``requests.txt`` (count and median ms) to ``out_dir``; summarise them with
+    :mod:`tests.bench.profile_summary`.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+
+    def one(rid: str) -> float:
+        r = run_request(p, d, rid, seq_len, 1, timeout=120.0)
+        if not r.ok:
+            raise SystemExit(f"request {rid} ended {r.state}")
+        return r.send_to_success_s
+
+    for i in range(3):
+        one(f"warm-{i}")
+    spies = [_spy(pid, seconds, os.path.join(out_dir, f"{name}.txt"))
+             for pid, name in zip(pids, ("prefill", "decode"), strict=True)]
+    time.sleep(2.0)  # py-spy attaches
+    times: list[float] = []
+    end = time.monotonic() + seconds - 3.0
+    while time.monotonic() < end:
+        times.append(one(f"prof-{len(times)}"))
+    for spy in spies:
+        spy.wait(60)
+    with open(os.path.join(out_dir, "requests.txt"), "w") as f:
+        f.write(f"{len(times)} requests of {seq_len} tokens, median "
+                f"{statistics.median(times) * 1e3:.1f} ms, window {seconds - 3.0:.0f} s\n")
+
+
+def profile_requests(paged: bool, seq_len: int, seconds: float, out_dir: str,
+                     transport: str = "rdma") -> None:
+    """Start a daemon pair and run :func:`_profile_loop` on it."""
+    prefill, decode = start_both(paged=paged, transport=transport,
+                                 prefill_extra=["--log-level", "WARNING"],
+                                 decode_extra=["--log-level", "WARNING"])
+    try:
+        with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+            _profile_loop(p, d, (prefill.proc.pid, decode.proc.pid), seq_len, seconds, out_dir)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def run_requests(paged: bool, integrity: bool, lens: list[int], repeat: int,
+                 extra: list[str] | None = None, profile_dir: str | None = None,
+                 profile_seconds: float = 20.0) -> list[RequestRow]:
+    """Start a daemon pair, time ``repeat`` requests of each length (after one warm-up).
+
+    With ``profile_dir``, then profile 128-token requests on the same pair (py-spy).
+    """
+    flags = ["--integrity", "true" if integrity else "false", "--log-level", "WARNING",
+             *(extra or [])]
+    prefill, decode = start_both(paged=paged, transport="rdma", prefill_extra=flags,
+                                 decode_extra=flags)
+    mode = "paged" if paged else "unified"
+    rows = []
+    try:
+        with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+            n = 0
+            for seq_len in lens:
+                times: list[float] = []
+                nbytes = 0
+                for _ in range(repeat + 1):  # the first is a warm-up
+                    n += 1
+                    r = run_request(p, d, f"bench-{n}", seq_len, n % 8, timeout=120.0)
+                    if not r.ok:
+                        raise SystemExit(f"request {r.request_id} ended {r.state}")
+                    nbytes = r.bytes
+                    times.append(r.send_to_success_s * 1e3)
+                rows.append(RequestRow(mode, integrity, seq_len, nbytes,
+                                       statistics.median(times[1:]), min(times[1:]), times[1:]))
+            if profile_dir:
+                try:
+                    _profile_loop(p, d, (prefill.proc.pid, decode.proc.pid), 128,
+                                  profile_seconds, profile_dir)
+                except (OSError, subprocess.SubprocessError) as exc:  # no py-spy: no profile
+                    print(f"profile skipped: {exc!r}", file=sys.stderr)
+    finally:
+        prefill.stop()
+        decode.stop()
+    return rows
 
 
 def main() -> None:
@@ -30,48 +153,31 @@ def main() -> None:
     parser.add_argument("--lens", default="128,1024,8192,32768")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--paged", action="store_true")
+    parser.add_argument("--no-integrity", action="store_true")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="profile the first length's requests with py-spy instead")
+    parser.add_argument("--profile-seconds", type=float, default=25.0)
     args = parser.parse_args()
+    if args.profile:
+        profile_requests(args.paged, int(args.lens.split(",")[0]), args.profile_seconds,
+                         args.profile)
+        return
     device = os.environ.get("KVBEAM_RDMA_DEVICE", "rxe0")
     gid = int(os.environ.get("KVBEAM_RDMA_GID_INDEX", "0"))
     ref_gbps = ib_write_bw(device, gid, 65536, 5, 18515)
-    prefill, decode = start_both(paged=args.paged, transport="rdma")
-    rows = []
-    try:
-        with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
-            n = 0
-            for seq_len in [int(x) for x in args.lens.split(",")]:
-                times, nbytes = [], 0
-                for _ in range(args.repeat + 1):  # the first is a warm-up
-                    rid = f"bench-{n}"
-                    n += 1
-                    d.reserve(rid, seq_len, prefill.address)
-                    t0 = time.perf_counter()
-                    p.send(rid, n % 8, seq_len, decode.address)
-                    st = d.wait(rid, 120)
-                    dt = time.perf_counter() - t0
-                    if str(st) != "Success":
-                        raise SystemExit(f"request {rid} ended {st}")
-                    d.release(rid)
-                    nbytes = st.bytes_total
-                    times.append(dt)
-                med = statistics.median(times[1:])
-                rows.append((seq_len, nbytes, med, min(times[1:])))
-    finally:
-        prefill.stop()
-        decode.stop()
+    rows = run_requests(args.paged, not args.no_integrity,
+                        [int(x) for x in args.lens.split(",")], args.repeat)
     ref_bps = ref_gbps * 1e9 / 8
-    mode = "paged" if args.paged else "unified"
-    print(f"\nwhole DSV4 requests ({mode}, integrity on) over {device}; ib_write_bw 64 KiB "
-          f"in the same run: {ref_gbps:.3f} Gb/s")
+    print(f"\nwhole DSV4 requests ({rows[0].mode}, integrity "
+          f"{'off' if args.no_integrity else 'on'}) over {device}; ib_write_bw 64 KiB in the "
+          f"same run: {ref_gbps:.3f} Gb/s")
     print(f"{'tokens':>7} {'bytes':>10} {'send->ok ms':>12} {'best ms':>8} {'Gb/s':>7} "
           f"{'ratio':>6} {'raw ms (ib_write_bw)':>21}")
-    for seq_len, nbytes, med, best in rows:
-        gbps = nbytes * 8 / med / 1e9
-        raw_ms = nbytes / ref_bps * 1e3
-        print(f"{seq_len:>7} {nbytes:>10} {med * 1e3:>12.1f} {best * 1e3:>8.1f} {gbps:>7.3f} "
-              f"{gbps / ref_gbps:>6.2f} {raw_ms:>21.1f}")
-    last = rows[-1]
-    print(f"ratio_vs_ib_write_bw={last[1] * 8 / last[2] / 1e9 / ref_gbps:.2f}")
+    for r in rows:
+        raw_ms = r.bytes / ref_bps * 1e3
+        print(f"{r.tokens:>7} {r.bytes:>10} {r.median_ms:>12.1f} {r.best_ms:>8.1f} "
+              f"{r.gbps:>7.3f} {r.gbps / ref_gbps:>6.2f} {raw_ms:>21.1f}")
+    print(f"ratio_vs_ib_write_bw={rows[-1].gbps / ref_gbps:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,65 @@
+"""``kvbeam health``: ask a daemon's gRPC health service (container HEALTHCHECKs use it)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+NAME = "health"
+HELP = "exit 0 when a daemon's gRPC health service answers SERVING (for HEALTHCHECKs)"
+DESCRIPTION = """\
+Call grpc.health.v1.Health/Check (service "") on the daemon's control address.
+A daemon answers SERVING once its pools are allocated, its transport is open and
+its control server is up; it turns NOT_SERVING while it shuts down.
+
+exit codes: 0 SERVING, 1 anything else (not listening, NOT_SERVING, deadline).
+
+example (the image's HEALTHCHECK):
+  kvbeam health 127.0.0.1:50051
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvbeam health``."""
+    parser.add_argument("address", help="control address HOST:PORT of a prefill or decode daemon")
+    parser.add_argument("--timeout", type=float, default=3.0, help="RPC deadline, s (default 3)")
+    parser.add_argument("--quiet", action="store_true", help="print nothing, only the exit code")
+
+
+def check(address: str, timeout: float) -> bool:
+    """True when ``address`` answers SERVING within ``timeout`` seconds.
+
+    Only grpc and grpc_health are imported (no numpy, no torch), so a HEALTHCHECK
+    stays cheap even on a slow (emulated) CPU.
+    """
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.ServingStatus.SERVING)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check once and print the verdict."""
+    ok = check(args.address, args.timeout)
+    if not args.quiet:
+        print(f"{args.address}: {'SERVING' if ok else 'not serving (or not reachable)'}",
+              file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
+
+
+def main() -> int:
+    """``python -m kvbeam.commands.health ADDRESS``: the check without loading the full CLI."""
+    parser = argparse.ArgumentParser(prog="kvbeam health", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""Control-plane authentication: the one place that builds credentials, for servers and channels.
+
+Two mechanisms, usable alone or together (:class:`Security`):
+
+- **mTLS** (``--tls-cert``, ``--tls-key``, ``--tls-ca``): grpcio's own TLS. The
+  server demands a client certificate signed by the CA
+  (``require_client_auth=True``); channels present this side's certificate and
+  verify the server's against the same CA. A peer without a valid certificate
+  fails in the TLS handshake, before any RPC runs.
+- **Shared token** (``--auth-token`` or ``--auth-token-file``): for development.
+  Every call carries ``authorization: Bearer TOKEN``; a server interceptor
+  compares it in constant time and answers UNAUTHENTICATED before any servicer
+  code runs, so a refused peer learns no address, QPN or rkey. The token is not
+  encrypted unless TLS is on as well.
+
+The gRPC health service is exempt from the token (not from TLS, which acts
+before any method is known): orchestrator probes cannot send metadata, and the
+service reveals nothing but SERVING or NOT_SERVING.
+
+Without either, a server may only bind loopback addresses (a warning is logged at
+start-up) unless ``--insecure`` is given; see :meth:`Security.check_bind`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import ipaddress
+import logging
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from kvbeam.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: Metadata key and scheme of the shared token.
+TOKEN_KEY = "authorization"
+TOKEN_SCHEME = "Bearer "
+#: Method prefix exempt from the token: the standard health service (probes).
+EXEMPT_PREFIX = "/grpc.health.v1.Health/"
+#: Flags that make the control plane authenticated (named in errors).
+AUTH_FLAGS = "--tls-cert/--tls-key/--tls-ca or --auth-token/--auth-token-file"
+
+if TYPE_CHECKING:  # grpc's runtime classes are not generic; grpc-stubs' are
+    Handler = grpc.RpcMethodHandler[Any, Any]
+    _ServerInterceptor = grpc.ServerInterceptor[Any, Any]
+    _UU = grpc.UnaryUnaryClientInterceptor[Any, Any]
+    _US = grpc.UnaryStreamClientInterceptor[Any, Any]
+    _SU = grpc.StreamUnaryClientInterceptor[Any, Any]
+    _SS = grpc.StreamStreamClientInterceptor[Any, Any]
+else:
+    Handler = grpc.RpcMethodHandler
+    _ServerInterceptor = grpc.ServerInterceptor
+    _UU = grpc.UnaryUnaryClientInterceptor
+    _US = grpc.UnaryStreamClientInterceptor
+    _SU = grpc.StreamUnaryClientInterceptor
+    _SS = grpc.StreamStreamClientInterceptor
+
+
+@dataclass(frozen=True)
+class Security:
+    """How a control server authenticates callers and a channel authenticates itself.
+
+    Attributes:
+        tls_cert: PEM certificate chain of this side (server certificate, and the
+            client certificate it presents to peers).
+        tls_key: PEM private key of ``tls_cert``.
+        tls_ca: PEM CA bundle that must have signed every peer's certificate.
+        tls_server_name: name to verify in servers' certificates instead of the
+            host of the address dialled ("" : the host).
+        token: the shared token ("" : none). Never printed.
+        insecure: allow a server without authentication on a non-loopback address.
+    """
+
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_server_name: str = ""
+    token: str = field(default="", repr=False)
+    insecure: bool = False
+
+    def __post_init__(self) -> None:
+        given = {"--tls-cert": self.tls_cert, "--tls-key": self.tls_key,
+                 "--tls-ca": self.tls_ca}
+        if any(given.values()) and not all(given.values()):
+            missing = ", ".join(k for k, v in given.items() if not v)
+            raise ConfigError(f"mTLS needs --tls-cert, --tls-key and --tls-ca together; "
+                              f"missing {missing}")
+        if self.tls_server_name and not self.tls:
+            raise ConfigError("--tls-server-name is set but TLS is not: give --tls-cert, "
+                              "--tls-key and --tls-ca as well")
+        if self.token != self.token.strip() or any(c in self.token for c in "\r\n\0"):
+            raise ConfigError("the auth token must not contain whitespace at its ends, "
+                              "newlines or NUL")
+
+    @property
+    def tls(self) -> bool:
+        """Whether mTLS is configured."""
+        return bool(self.tls_cert)
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether callers must prove who they are (mTLS, a token, or both)."""
+        return self.tls or bool(self.token)
+
+    @property
+    def mode(self) -> str:
+        """``mtls+token``, ``mtls``, ``token`` or ``none`` (for logs)."""
+        parts = [p for p, on in (("mtls", self.tls), ("token", bool(self.token))) if on]
+        return "+".join(parts) or "none"
+
+    # ---- files -------------------------------------------------------------------
+    @functools.cached_property
+    def _pem(self) -> tuple[bytes, bytes, bytes]:
+        return (_read_pem(self.tls_cert, "--tls-cert", "CERTIFICATE"),
+                _read_pem(self.tls_key, "--tls-key", "PRIVATE KEY"),
+                _read_pem(self.tls_ca, "--tls-ca", "CERTIFICATE"))
+
+    def load(self) -> Security:
+        """Read and sanity-check the PEM files now (ConfigError naming the flag); returns self."""
+        if self.tls:
+            self._pem  # noqa: B018 - cached for the server and every channel
+        return self
+
+    # ---- server --------------------------------------------------------------------
+    def check_bind(self, address: str) -> None:
+        """Refuse an unauthenticated server on a non-loopback address without ``insecure``.
+
+        Raises:
+            ConfigError: naming the address and the flags that fix it.
+        """
+        host = address.rpartition(":")[0]
+        if self.authenticated or self.insecure or is_loopback(host):
+            return
+        raise ConfigError(
+            f"refusing to listen on {address} without authentication: a non-loopback "
+            f"control plane hands out RDMA addresses and rkeys; set {AUTH_FLAGS}, or "
+            "--insecure (KVBEAM_INSECURE=true) to accept unauthenticated peers")
+
+    def warn_if_open(self, address: str) -> None:
+        """Log at start-up that the control plane accepts anyone (loopback or ``insecure``)."""
+        if self.authenticated:
+            log.info("control plane on %s: authentication %s%s", address, self.mode,
+                     "" if self.tls else " (token in clear text: development only)")
+        elif is_loopback(address.rpartition(":")[0]):
+            log.warning("control plane on %s has NO authentication: any local process may "
+                        "handshake and learn our memory keys (loopback development only; set "
+                        "%s)", address, AUTH_FLAGS)
+        else:
+            log.warning("control plane on %s has NO authentication (--insecure): anyone who "
+                        "reaches this port may handshake and write into our memory", address)
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """mTLS server credentials that require a client certificate, or None."""
+        if not self.tls:
+            return None
+        cert, key, ca = self._pem
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                           require_client_auth=True)
+
+    def server_interceptors(self) -> list[_ServerInterceptor]:
+        """The token check, when a token is set."""
+        return [TokenInterceptor(self.token)] if self.token else []
+
+    # ---- client --------------------------------------------------------------------
+    def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+        """A channel to ``address`` presenting these credentials (the only way kvbeam dials)."""
+        opts = list(options)
+        if self.tls_server_name:
+            opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        if self.tls:
+            cert, key, ca = self._pem
+            creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                                 certificate_chain=cert)
+            channel = grpc.secure_channel(address, creds, options=opts)
+        else:
+            channel = grpc.insecure_channel(address, options=opts)
+        if self.token:
+            channel = grpc.intercept_channel(channel, _TokenClientInterceptor(self.token))
+        return channel
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a literal, ``[v6]`` or a name) names only loopback addresses."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    if not host:  # "" binds every interface
+        return False
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def _read_pem(path: str, flag: str, kind: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot read {path}: {exc.strerror or exc}") from None
+    if f"-----BEGIN {kind}".encode() not in data and not (
+            kind == "PRIVATE KEY" and b"PRIVATE KEY-----" in data):
+        raise ConfigError(f"{flag}: {path} holds no PEM {kind.lower()}")
+    return data
+
+
+def load_token(token: str, token_file: str) -> str:
+    """The shared token from ``--auth-token`` or the first line of ``--auth-token-file``."""
+    if token and token_file:
+        raise ConfigError("give --auth-token or --auth-token-file, not both")
+    if not token_file:
+        return token
+    try:
+        text = Path(token_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--auth-token-file: cannot read {token_file}: {exc}") from None
+    lines = text.strip().splitlines()
+    if not lines or not lines[0].strip():
+        raise ConfigError(f"--auth-token-file: {token_file} is empty")
+    return lines[0].strip()
+
+
+def _digest(value: str) -> bytes:
+    # Hashing first makes the comparison's time independent of the lengths too.
+    return hashlib.sha256(value.encode("utf-8", "surrogateescape")).digest()
+
+
+class TokenInterceptor(_ServerInterceptor):
+    """Answers UNAUTHENTICATED, before any servicer code runs, to calls without the token."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = _digest(TOKEN_SCHEME + token)
+
+    def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Handler | None],
+            handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
+        """Pass authenticated calls (and health checks) on; refuse the rest."""
+        method = handler_call_details.method
+        if method.startswith(EXEMPT_PREFIX):
+            return continuation(handler_call_details)
+        metadata = handler_call_details.invocation_metadata or ()
+        presented = [v for k, v in metadata if k == TOKEN_KEY]
+        if len(presented) == 1 and isinstance(presented[0], str) and hmac.compare_digest(
+                _digest(presented[0]), self._expected):
+            return continuation(handler_call_details)
+        why = "no auth token" if not presented else "a wrong auth token"
+        return _deny(continuation(handler_call_details), method, why)
+
+
+def _deny(real: Handler | None, method: str, why: str) -> Handler:
+    """A handler of the same streaming shape as ``real`` that aborts UNAUTHENTICATED."""
+    message = (f"kvbeam: {method} refused: {why}; this daemon requires the shared token "
+               "(--auth-token / KVBEAM_AUTH_TOKEN)")
+
+    def abort(request: Any, context: grpc.ServicerContext) -> Any:
+        log.warning("control RPC %s from %s refused: %s (UNAUTHENTICATED)", method,
+                    context.peer(), why)
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    streaming = (bool(real and real.request_streaming), bool(real and real.response_streaming))
+    if streaming == (False, True):
+        return grpc.unary_stream_rpc_method_handler(abort)
+    if streaming == (True, False):
+        return grpc.stream_unary_rpc_method_handler(abort)
+    if streaming == (True, True):
+        return grpc.stream_stream_rpc_method_handler(abort)
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, base: grpc.ClientCallDetails, metadata: grpc.Metadata) -> None:
+        self.method = base.method
+        self.timeout = base.timeout
+        self.metadata = metadata
+        self.credentials = base.credentials
+        self.wait_for_ready = getattr(base, "wait_for_ready", None)
+        self.compression = getattr(base, "compression", None)
+
+
+class _TokenClientInterceptor(_UU, _US, _SU, _SS):
+    """Adds ``authorization: Bearer TOKEN`` to every call."""
+
+    def __init__(self, token: str) -> None:
+        self._header = (TOKEN_KEY, TOKEN_SCHEME + token)
+
+    def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        return _CallDetails(details, (*(details.metadata or ()), self._header))
+
+    def intercept_unary_unary(self, continuation: Any, client_call_details: Any,
+                              request: Any) -> Any:
+        """Add the token."""
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation: Any, client_call_details: Any,
+                               request: Any) -> Any:
+        """Add the token."""
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation: Any, client_call_details: Any,
+                               request_iterator: Any) -> Any:
+        """Add the token."""
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation: Any, client_call_details: Any,
+                                request_iterator: Any) -> Any:
+        """Add the token."""
+        return continuation(self._details(client_call_details), request_iterator)

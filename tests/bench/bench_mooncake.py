@@ -1,0 +1,178 @@
+"""Benchmark peer: Mooncake Transfer Engine's RDMA transport on the same device and buffers.
+
+Mooncake TE is the C++ engine sglang and vLLM use; it is installed only for the
+benchmark (``pip install '.[bench]'``: ``mooncake-transfer-engine-non-cuda``).
+The target is a child process (``--serve``) that registers a buffer and answers
+``crc``/``zero``/``exit`` on stdin; the initiator in this process writes its
+source buffer into it as blocks of one size, all blocks of the buffer in one
+``batch_transfer_sync_write`` call, for a fixed time. The target's buffer is
+CRC-checked against the source after each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import mmap
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvbeam.transport.testpeer import buffer_address
+
+
+@dataclass
+class MooncakeRun:
+    """One timed run: Gb/s, block writes per second, and whether the bytes arrived intact."""
+
+    gbps: float
+    blocks_per_s: float
+    crc_ok: bool
+
+
+def _engine(device: str) -> Any:
+    from mooncake.engine import TransferEngine  # optional: the bench extra
+
+    te = TransferEngine()
+    # P2PHANDSHAKE: no metadata server; the segment name is host:rpc_port.
+    rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", device)
+    if rc != 0:
+        raise RuntimeError(f"Mooncake TransferEngine.initialize failed ({rc})")
+    return te
+
+
+def serve(device: str, nbytes: int) -> None:
+    """Target side: register a zeroed buffer, print 'READY port addr', answer commands."""
+    te = _engine(device)
+    buf = mmap.mmap(-1, nbytes)
+    addr = buffer_address(buf)
+    if te.register_memory(addr, nbytes) != 0:
+        raise RuntimeError("Mooncake register_memory failed on the target")
+    print(f"READY {te.get_rpc_port()} {addr}", flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "crc":
+            print(zlib.crc32(buf), flush=True)
+        elif cmd == "zero":
+            buf.seek(0)
+            buf.write(bytes(nbytes))
+            print("ok", flush=True)
+        elif cmd == "exit":
+            break
+    te.unregister_memory(addr)
+
+
+class MooncakePeer:
+    """Initiator in this process, target in a child; the same buffer size as kvbeam's runs."""
+
+    def __init__(self, device: str, src: mmap.mmap) -> None:
+        self.src = src
+        self.nbytes = len(src)
+        self.child = subprocess.Popen(
+            [sys.executable, "-m", "tests.bench.bench_mooncake", "--serve", "--device", device,
+             "--nbytes", str(self.nbytes)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self._line(lambda w: w[:1] == ["READY"]).split()
+        self.segment = f"127.0.0.1:{ready[1]}"
+        self.dst = int(ready[2])
+        self.te = _engine(device)
+        self.src_addr = buffer_address(src)
+        if self.te.register_memory(self.src_addr, self.nbytes) != 0:
+            raise RuntimeError("Mooncake register_memory failed on the initiator")
+
+    def _line(self, wanted: Callable[[list[str]], bool]) -> str:
+        """The child's next answer; anything else it prints (its own logs) is skipped."""
+        assert self.child.stdout is not None
+        while True:
+            line = self.child.stdout.readline()
+            if not line:
+                raise RuntimeError("Mooncake target exited")
+            if wanted(line.split()):
+                return line
+
+    def _ask(self, cmd: str) -> str:
+        assert self.child.stdin is not None
+        self.child.stdin.write(cmd + "\n")
+        self.child.stdin.flush()
+        return self._line(lambda w: len(w) == 1 and (w[0] == "ok" or w[0].isdigit())).strip()
+
+    def run(self, size: int, seconds: float) -> MooncakeRun:
+        """Write the whole buffer as ``size`` blocks per call, repeatedly, for ``seconds``."""
+        self._ask("zero")
+        n = self.nbytes // size
+        srcs = [self.src_addr + i * size for i in range(n)]
+        dsts = [self.dst + i * size for i in range(n)]
+        lens = [size] * n
+        calls = 0
+        start = time.perf_counter()
+        while True:
+            rc = self.te.batch_transfer_sync_write(self.segment, srcs, dsts, lens)
+            if rc != 0:
+                raise RuntimeError(f"Mooncake batch_transfer_sync_write returned {rc}")
+            calls += 1
+            if time.perf_counter() - start >= seconds:
+                break
+        elapsed = time.perf_counter() - start
+        crc_ok = int(self._ask("crc")) == zlib.crc32(self.src)
+        return MooncakeRun(calls * self.nbytes * 8 / elapsed / 1e9, calls * n / elapsed, crc_ok)
+
+    def close(self) -> None:
+        """Stop the target."""
+        with contextlib.suppress(OSError, RuntimeError):
+            self._ask("exit")
+        try:
+            self.child.wait(10)
+        except subprocess.TimeoutExpired:
+            self.child.kill()
+        self.te.unregister_memory(self.src_addr)
+
+
+def measure(device: str, sizes: list[int], seconds: float, repeat: int) -> dict[str, Any]:
+    """Per size: Gb/s of each run, median, blocks/s, CRC check (source: the suite's bytes)."""
+    from statistics import median
+
+    import numpy as np
+
+    src = mmap.mmap(-1, 64 << 20)
+    # The same 64 MiB of random bytes as the kvbeam runs (same generator and seed).
+    src.write(np.random.default_rng(7).integers(0, 256, len(src), dtype=np.uint8).tobytes())
+    peer = MooncakePeer(device, src)
+    out: dict[str, Any] = {}
+    try:
+        for size in sizes:
+            runs = [peer.run(size, seconds) for _ in range(repeat)]
+            out[str(size)] = {"runs_gbps": [r.gbps for r in runs],
+                              "gbps": median(r.gbps for r in runs),
+                              "blocks_per_s": median(r.blocks_per_s for r in runs),
+                              "crc_ok": all(r.crc_ok for r in runs)}
+            print(f"mooncake {size} B: {out[str(size)]}", file=sys.stderr, flush=True)
+    finally:
+        peer.close()
+    return out
+
+
+def main() -> None:
+    """``--serve``: the target (used by :class:`MooncakePeer`); ``--measure``: JSON results."""
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--serve", action="store_true")
+    p.add_argument("--measure", metavar="SIZES", help="comma-separated block sizes in bytes")
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--device", default="rxe0")
+    p.add_argument("--nbytes", type=int, default=64 << 20)
+    args = p.parse_args()
+    if args.serve:
+        serve(args.device, args.nbytes)
+    elif args.measure:
+        res = measure(args.device, [int(x) for x in args.measure.split(",")], args.seconds,
+                      args.repeat)
+        print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()

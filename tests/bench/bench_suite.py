@@ -1,0 +1,354 @@
+"""``make bench``: every RDMA figure of issue 8 in one soft-RoCE guest boot.
+
+Sections, in this order, each figure the median of ``--repeat`` runs beside its
+reference measured in the same boot:
+
+1. limits: ``ib_write_bw`` and ``ib_write_lat`` at 4 KiB, 64 KiB, 1 MiB on the device;
+2. peer: Mooncake Transfer Engine (RDMA, same device, same 64 MiB buffers and block
+   sizes, CRC-checked after each run) when it is installed (the ``bench`` extra);
+3. kvbeam raw blocks of the same sizes (:mod:`tests.bench.bench_transport`), CRC-checked;
+4. scaling (:mod:`tests.bench.bench_scaling`): block size, blocks per request,
+   concurrency, QPs per peer;
+5. whole DSV4 requests through the daemons and the scheduler API, unified and
+   paged, integrity on and off (:mod:`tests.bench.bench_request`).
+
+Prints a table, writes everything to ``--json`` (default
+``$KVBEAM_RESULTS_DIR/bench.json``), and ends with exactly two lines:
+``ratio_vs_mooncake=0.NN`` (kvbeam raw 64 KiB / Mooncake 64 KiB) and
+``ratio_vs_ib_write_bw=0.NN`` (whole 32k-token unified request, integrity on,
+bytes/s over ib_write_bw at 64 KiB). Plots: ``tests/bench/plot_bench.py`` on the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import numpy as np
+
+from kvbeam.transport.base import Access
+from kvbeam.transport.endpoint import Region
+from kvbeam.transport.options import TransportOptions
+from kvbeam.transport.testpeer import PeerConfig, PeerProcess, buffer_address
+from kvbeam.transport.verbs import VerbsTransport
+from tests.bench import bench_scaling as sc
+from tests.bench.bench_request import RequestRow, run_requests
+from tests.bench.bench_transport import BUFFER, ib_write_bw, ref_seconds, run_kvbeam
+
+SIZES = [4 << 10, 64 << 10, 1 << 20]
+LAT_ITERS = {4 << 10: 300, 64 << 10: 100, 1 << 20: 20}
+
+
+def log(msg: str) -> None:
+    """Progress on stderr (the table goes to stdout)."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def ib_write_lat(device: str, gid: int, size: int, iters: int, port: int,
+                 timeout: float = 45.0) -> dict[str, float]:
+    """One ``ib_write_lat`` run (server and client on ``device``): typical and average us.
+
+    A run that does not finish within ``timeout`` is killed and reported as NaN
+    (the rest of the suite still runs).
+    """
+    args = ["ib_write_lat", "-d", device, "-x", str(gid), "-F", "-s", str(size), "-n", str(iters),
+            "-p", str(port)]
+    nan = float("nan")
+    server = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(1.0)  # no readiness signal
+        client = subprocess.run([*args, "127.0.0.1"], capture_output=True, text=True,
+                                timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log(f"ib_write_lat -s {size} did not finish in {timeout:.0f} s")
+        return {"t_min_us": nan, "t_typical_us": nan, "t_avg_us": nan}
+    finally:
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    for line in client.stdout.splitlines():
+        f = line.split()
+        if len(f) >= 6 and f[0] == str(size) and f[1].isdigit():
+            return {"t_min_us": float(f[2]), "t_typical_us": float(f[4]), "t_avg_us": float(f[5])}
+    log(f"ib_write_lat -s {size} printed no result: {client.stdout[-500:]} {client.stderr[-500:]}")
+    return {"t_min_us": nan, "t_typical_us": nan, "t_avg_us": nan}
+
+
+def limits(args: argparse.Namespace) -> dict[str, Any]:
+    """ib_write_bw (median of --repeat) and ib_write_lat per size; a failed run is NaN."""
+    out: dict[str, Any] = {"ib_write_bw": {}, "ib_write_lat": {}}
+    for size in SIZES:
+        runs = []
+        for _ in range(args.repeat):
+            try:
+                runs.append(ib_write_bw(args.device, args.gid_index, size,
+                                        ref_seconds(size, args.seconds), args.port))
+            except (RuntimeError, subprocess.SubprocessError) as exc:
+                log(f"ib_write_bw {size} B failed: {exc!r}")
+        out["ib_write_bw"][str(size)] = {"runs_gbps": runs,
+                                         "gbps": median(runs) if runs else float("nan")}
+        log(f"ib_write_bw {size} B: {runs}")
+        lat = ib_write_lat(args.device, args.gid_index, size, LAT_ITERS[size], args.port + 1)
+        out["ib_write_lat"][str(size)] = lat
+        log(f"ib_write_lat {size} B: {lat}")
+    return out
+
+
+def source_buffer() -> mmap.mmap:
+    """The 64 MiB source both Mooncake and kvbeam write from (same random bytes)."""
+    src = mmap.mmap(-1, BUFFER)
+    src.write(np.random.default_rng(7).integers(0, 256, BUFFER, dtype=np.uint8).tobytes())
+    return src
+
+
+def mooncake(args: argparse.Namespace) -> dict[str, Any]:
+    """Mooncake TE per size, in a child process with a time limit (a hang costs the limit,
+    not the guest boot), or the reason it did not run."""
+    cmd = [sys.executable, "-m", "tests.bench.bench_mooncake", "--measure",
+           ",".join(map(str, SIZES)), "--seconds", str(args.seconds), "--repeat",
+           str(args.repeat), "--device", args.device]
+    limit = 60 + len(SIZES) * args.repeat * (args.seconds + 20)
+    try:
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+        return {"error": f"Mooncake run did not finish within {limit:.0f} s"}
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            out: dict[str, Any] = json.loads(line[len("RESULT "):])
+            return out
+    return {"error": f"Mooncake run exited {done.returncode} without results "
+                     f"(not installed? the bench extra: pip install '.[bench]')"}
+
+
+def kvbeam_raw(args: argparse.Namespace, src: mmap.mmap) -> dict[str, Any]:
+    """kvbeam's verbs transport, whole-buffer transfers of each size, two in flight."""
+    options = TransportOptions(op_timeout_s=60.0)
+    peer = PeerProcess(PeerConfig("rdma", BUFFER, Access.REMOTE_WRITE, device=args.device,
+                                  gid_index=args.gid_index, options=options))
+    transport = VerbsTransport(args.device, args.gid_index, options)
+    out: dict[str, Any] = {}
+    try:
+        transport.register([Region(buffer_address(src), BUFFER)], Access.LOCAL)
+        link = transport.create_link()
+        peer.connect(link.endpoint)
+        link.connect(peer.endpoint)
+        for size in SIZES:
+            runs = []
+            for _ in range(args.repeat):
+                peer.call("fill", 0, b"\0" * BUFFER)
+                runs.append(run_kvbeam(transport, link, peer, src, size, args.seconds))
+            out[str(size)] = {"runs_gbps": [r[0] for r in runs],
+                              "gbps": median(r[0] for r in runs),
+                              "wrs_per_s": median(r[1] for r in runs),
+                              "py_us_per_block": median(r[2] for r in runs),
+                              "post_us_per_block": median(r[3] for r in runs),
+                              "crc_ok": all(r[4] for r in runs)}
+            log(f"kvbeam raw {size} B: {out[str(size)]['runs_gbps']}")
+    finally:
+        transport.close()
+        peer.close()
+    return out
+
+
+def scaling(args: argparse.Namespace) -> dict[str, Any]:
+    """The four scaling curves (shorter runs: one each, args.scale_seconds)."""
+    t = args.scale_seconds
+    rig = sc.Rig(args.device, args.gid_index, BUFFER, TransportOptions(op_timeout_s=60.0))
+    out: dict[str, Any] = {}
+    try:
+        sizes = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
+        out["block_size"] = [p.as_dict() for p in sc.block_sizes(rig, sizes, t)]
+        log("scaling: block sizes done")
+        bpr = sc.blocks_per_request(rig, [1, 8, 64, 512], 16 << 10, t)
+        out["blocks_per_request"] = {k: [p.as_dict() for p in v] for k, v in bpr.items()}
+        log("scaling: blocks per request done")
+        out["concurrency"] = [p.as_dict() for p in
+                              sc.concurrency(rig, [1, 2, 4, 8, 16, 32, 64], 64 << 10, 16, t)]
+        log("scaling: concurrency done")
+        out["qps_per_peer"] = [p.as_dict() for p in sc.qps_per_peer(rig, [1, 2, 4], 64 << 10, t)]
+        out["qps_per_peer_note"] = ("one RC QP per link: 2 and 4 QPs are that many links, "
+                                    "each to its own receiver process")
+        log("scaling: QPs per peer done")
+    finally:
+        rig.close()
+    return out
+
+
+def requests(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Whole requests: unified and paged, integrity on and off (one daemon pair each)."""
+    rows: list[RequestRow] = []
+    lens = [int(x) for x in args.lens.split(",")]
+    for paged in (False, True):
+        for integrity in (True, False):
+            # The first pair (unified, integrity on) is also profiled: 128-token requests
+            # under py-spy, summarised by phase into the JSON.
+            prof = os.path.join(args.results, "profile") if integrity and not paged else None
+            rows += run_requests(paged, integrity, lens, args.req_repeat, profile_dir=prof)
+            log(f"requests {'paged' if paged else 'unified'} integrity {integrity}: "
+                f"{[round(r.median_ms, 1) for r in rows[-len(lens):]]} ms")
+    return [r.as_dict() for r in rows]
+
+
+def profile_table(prof: Path) -> dict[str, Any]:
+    """Per daemon: Python CPU ms per 128-token request by phase (py-spy, GIL held)."""
+    from tests.bench.profile_summary import summarise
+
+    info = (prof / "requests.txt").read_text().strip()
+    nreq = int(info.split()[0])
+    out: dict[str, Any] = {"info": info}
+    for daemon in ("prefill", "decode"):
+        counts = summarise(prof / f"{daemon}.txt")
+        out[daemon] = {k: v / 250.0 / nreq * 1e3 for k, v in counts.most_common()}
+    return out
+
+
+def guarded(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, or ``{"error": ...}`` when it raises (logged with its traceback)."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        log(f"section {name} failed: {exc!r}\n{traceback.format_exc()}")
+        return {"error": repr(exc)}
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b, NaN when b is 0."""
+    return a / b if b else float("nan")
+
+
+def report(res: dict[str, Any]) -> None:
+    """The table on stdout; the last two lines are the machine-readable ratios."""
+    bw, lat = res["limits"]["ib_write_bw"], res["limits"]["ib_write_lat"]
+    mc, raw = res.get("mooncake", {}), res["kvbeam_raw"]
+    print(f"\n== limits and raw blocks on {res['device']} (median of {res['repeat']}; "
+          "ratios to ib_write_bw of the same size, same boot)")
+    print(f"{'block':>8} {'ib_write_bw':>11} {'lat us':>7} {'mooncake':>9} {'mc/ib':>6} "
+          f"{'kvbeam':>8} {'kv/ib':>6} {'kv/mc':>6} {'py us/blk':>9} {'crc':>7}")
+    nan = float("nan")
+    for size in SIZES:
+        k = str(size)
+        ref = bw[k]["gbps"]
+        m = mc.get(k, {}).get("gbps", nan)
+        rk = raw.get(k, {})
+        r = rk.get("gbps", nan)
+        crc = ("ok" if rk.get("crc_ok", False) and mc.get(k, {}).get("crc_ok", True) else "BAD")
+        print(f"{size >> 10:>6}Ki {ref:>11.3f} {lat[k]['t_typical_us']:>7.1f} {m:>9.3f} "
+              f"{ratio(m, ref):>6.2f} {r:>8.3f} {ratio(r, ref):>6.2f} {ratio(r, m):>6.2f} "
+              f"{rk.get('py_us_per_block', nan):>9.2f} {crc:>7}")
+    for sec in ("mooncake", "kvbeam_raw", "scaling"):
+        if isinstance(res.get(sec), dict) and "error" in res[sec]:
+            print(f"{sec}: FAILED: {res[sec]['error']}")
+    if res.get("requests_error"):
+        print(f"requests: FAILED: {res['requests_error']}")
+    print("(Gb/s; lat us = ib_write_lat typical one-way latency)")
+    ref64 = bw[str(64 << 10)]["gbps"]
+    floor_lat_ms = lat[str(4 << 10)]["t_typical_us"] / 1e3
+    print(f"\n== whole DSV4 requests, Send -> Success (median of {res['req_repeat']}); "
+          f"reference ib_write_bw 64 KiB {ref64:.3f} Gb/s")
+    print(f"{'mode':>8} {'integ':>5} {'tokens':>7} {'bytes':>9} {'ms':>8} {'Gb/s':>7} "
+          f"{'/ib_bw':>6} {'floor ms':>8} {'x floor':>7}")
+    for r in res["requests"]:
+        floor = floor_lat_ms + r["bytes"] * 8 / (ref64 * 1e9) * 1e3
+        print(f"{r['mode']:>8} {'on' if r['integrity'] else 'off':>5} {r['tokens']:>7} "
+              f"{r['bytes']:>9} {r['median_ms']:>8.1f} {r['gbps']:>7.3f} "
+              f"{ratio(r['gbps'], ref64):>6.2f} {floor:>8.1f} {r['median_ms'] / floor:>7.1f}")
+    print("(floor = ib_write_lat 4 KiB one-way latency + bytes at ib_write_bw 64 KiB)")
+    s = res.get("scaling", {})
+    for name in ("block_size", "concurrency", "qps_per_peer"):
+        if isinstance(s.get(name), list):
+            print(f"\n== scaling: {name}")
+            for p in s[name]:
+                print(f"{p['label']:>14} {p['gbps']:>7.3f} Gb/s {p['blocks_per_s']:>9.0f} blk/s "
+                      f"py {p['py_us_per_block']:>7.2f} us/blk post {p['post_us_per_block']:>8.1f}"
+                      " us/blk")
+    for mode, pts in (s.get("blocks_per_request") or {}).items():
+        print(f"\n== scaling: blocks per request ({mode}; 16 KiB pages; per page)")
+        for p in pts:
+            print(f"{int(p['x']):>8} pages {p['gbps']:>7.3f} Gb/s {p['requests_per_s']:>7.1f} "
+                  f"req/s py {p['py_us_per_block']:>7.2f} us/page (plan "
+                  f"{p['plan_us_per_block']:.2f})")
+    prof = res.get("profile_128")
+    if isinstance(prof, dict) and "info" in prof:
+        print(f"\n== profile: {prof['info']}; Python CPU ms per request (GIL held) by phase")
+        for daemon in ("prefill", "decode"):
+            phases = ", ".join(f"{k} {v:.1f}" for k, v in prof[daemon].items())
+            print(f"{daemon} ({sum(prof[daemon].values()):.1f} ms): {phases}")
+    print(f"ratio_vs_mooncake={res['ratio_vs_mooncake']:.2f}")
+    print(f"ratio_vs_ib_write_bw={res['ratio_vs_ib_write_bw']:.2f}")
+
+
+def main() -> None:
+    """Run the sections, write the JSON, print the table."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default=os.environ.get("KVBEAM_RDMA_DEVICE", "rxe0"))
+    p.add_argument("--gid-index", type=int,
+                   default=int(os.environ.get("KVBEAM_RDMA_GID_INDEX", "0")))
+    p.add_argument("--port", type=int, default=18515)
+    p.add_argument("--seconds", type=int, default=3, help="per raw run (ib_write_bw at 1 MiB: 10)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--scale-seconds", type=float, default=1.5)
+    p.add_argument("--lens", default="128,1024,8192,32768")
+    p.add_argument("--req-repeat", type=int, default=5)
+    p.add_argument("--skip", default="", help="comma list of sections to skip: "
+                   "mooncake,scaling,requests (for quick iteration)")
+    p.add_argument("--report", metavar="JSON", help="print the table of an earlier run and exit")
+    p.add_argument("--results", default=os.environ.get("KVBEAM_RESULTS_DIR", "."),
+                   help="where bench.json and profile/ go")
+    p.add_argument("--json", help="default: RESULTS/bench.json")
+    args = p.parse_args()
+    if args.report:
+        report(json.loads(Path(args.report).read_text()))
+        return
+    skip = set(filter(None, args.skip.split(",")))
+    args.json = args.json or os.path.join(args.results, "bench.json")
+    started = time.monotonic()
+    res: dict[str, Any] = {"device": args.device, "repeat": args.repeat,
+                           "req_repeat": args.req_repeat, "seconds": args.seconds,
+                           "host": platform.node(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    src = source_buffer()
+    res["limits"] = limits(args)
+    # One guest boot is expensive and shared: a section that fails is recorded and the
+    # others still run.
+    res["mooncake"] = {} if "mooncake" in skip else guarded("mooncake", mooncake, args)
+    res["kvbeam_raw"] = guarded("kvbeam_raw", kvbeam_raw, args, src)
+    if "scaling" not in skip:
+        res["scaling"] = guarded("scaling", scaling, args)
+    res["requests"] = [] if "requests" in skip else guarded("requests", requests, args)
+    if isinstance(res["requests"], dict):  # failed: keep the error, report no rows
+        res["requests_error"] = res["requests"].get("error")
+        res["requests"] = []
+    k64 = str(64 << 10)
+    res["ratio_vs_mooncake"] = ratio(res["kvbeam_raw"].get(k64, {}).get("gbps", 0.0),
+                                     res["mooncake"].get(k64, {}).get("gbps", 0.0))
+    big = [r for r in res["requests"] if r["mode"] == "unified" and r["integrity"]]
+    res["ratio_vs_ib_write_bw"] = ratio(big[-1]["gbps"] if big else 0.0,
+                                        res["limits"]["ib_write_bw"][k64]["gbps"])
+    prof = Path(args.results) / "profile"
+    if (prof / "requests.txt").exists():
+        res["profile_128"] = guarded("profile", profile_table, prof)
+    res["elapsed_s"] = time.monotonic() - started
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(res, indent=1, default=float))
+    log(f"wrote {args.json} after {res['elapsed_s']:.0f} s")
+    report(res)
+    crc = [v.get("crc_ok", True) for sec in ("mooncake", "kvbeam_raw")
+           for v in res[sec].values() if isinstance(v, dict)]
+    if not all(crc):
+        sys.exit("CRC mismatch: a receiver's buffer differs from the source")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""docker-compose integration tests (marker ``compose``; ``make test-compose``)."""

@@ -1,0 +1,95 @@
+"""docker-compose: the scheduler drives requests through containerised daemons.
+
+On this host (no RDMA) the data plane is TCP; with KVBEAM_COMPOSE_RDMA=1 (inside the
+soft-RoCE guest, ``make test-compose``) the RDMA override runs the same tests over rxe.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.integration.compose_env import RDMA, Compose, scheduler_json
+from tests.integration.docker_env import Timings
+
+pytestmark = pytest.mark.compose
+
+#: The data plane the daemons must report (KVBEAM_TRANSPORT forces one, e.g. to try the
+#: RDMA override's container settings over TCP on a host without RDMA).
+TRANSPORT = os.environ.get("KVBEAM_TRANSPORT", "") or ("rdma" if RDMA else "tcp")
+REQUESTS = 8
+#: Decode's and prefill's Transferring deadline (the daemons' default).
+DEADLINE_S = 30.0
+
+
+@pytest.fixture
+def compose(kvbeam_image: str, request: pytest.FixtureRequest) -> Iterator[Compose]:
+    """A fresh compose project, torn down (containers, network) even when the test fails."""
+    project = f"kvbeamit{os.getpid()}{request.node.name.split('_')[-1]}"
+    c = Compose(project, kvbeam_image)
+    c.down()
+    try:
+        yield c
+    finally:
+        c.down()
+
+
+def test_compose_up_moves_and_verifies_every_request(compose: Compose, timings: Timings) -> None:
+    """up --exit-code-from scheduler: exit 0, every request Success and CRC32C-verified."""
+    compose.env["KVBEAM_DRIVE_ARGS"] = f"--requests {REQUESTS} --max-len 8192 --concurrency 4"
+    with timings.step("compose up (8 requests)"):
+        proc = compose("up", "--no-build", "--abort-on-container-exit",
+                       "--exit-code-from", "scheduler", timeout=900, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    table = compose.stdout("scheduler")
+    assert f"{REQUESTS}/{REQUESTS} Success ({REQUESTS} CRC32C-verified)" in table, table
+    decode, prefill = compose.logs("decode"), compose.logs("prefill")
+    for role, log in (("decode", decode), ("prefill", prefill)):
+        assert f"kvbeam {role} listening on" in log, log
+        assert f"{role} daemon: {TRANSPORT} transport" in log, log
+        assert "Traceback" not in log and " ERROR " not in log, log
+        assert f"{role} daemon stopped: nothing registered" in log, log  # SIGTERM reached it
+    assert decode.count("CRC32C verified: ") == REQUESTS, decode
+    assert prefill.count(": Success (") == REQUESTS, prefill
+
+
+def test_decode_stopped_mid_run(compose: Compose, timings: Timings) -> None:
+    """Stop decode while requests move: the scheduler sees them fail within the deadline,
+    exits 1, and prefill stays healthy."""
+    compose.env["KVBEAM_DRIVE_ARGS"] = "--requests 1000 --max-len 32768 --concurrency 4 --json"
+    compose("up", "-d", "--no-build", timeout=600)
+    compose.wait_log("decode", "CRC32C verified: ", 3, timeout=300)
+    with timings.step("stop decode -> scheduler exit"):
+        t0 = time.monotonic()
+        compose("stop", "-t", "10", "decode", timeout=60)
+        code = compose.wait_exit("scheduler", timeout=DEADLINE_S + 60)
+        elapsed = time.monotonic() - t0
+    results = scheduler_json(compose.stdout("scheduler"))
+    logs = compose.logs("scheduler")
+    assert code == 1, logs[-4000:]
+    assert elapsed < DEADLINE_S + 15, f"scheduler needed {elapsed:.1f} s after the stop"
+    assert len(results) == 1000
+    ok = [r for r in results if r["ok"]]
+    assert ok and all(r["verified"] for r in ok)
+    failed = [r for r in results if not r["ok"]]
+    assert failed, "every request succeeded: decode stopped too late"
+    # Nothing hangs: each failed request ended Failed on decode or prefill, or was refused.
+    for r in failed:
+        assert r["state"].startswith(("Failed(", "error: ")), r
+    affected = [r for r in failed if r["state"].startswith("Failed(")
+                or r["prefill_state"].startswith("Failed(")]
+    assert affected, f"no request in flight was reported Failed: {failed[:4]}"
+    prefill_log = compose.logs("prefill")
+    for r in affected:
+        if r["prefill_state"].startswith("Failed("):
+            assert f"request {r['request_id']} failed" in prefill_log, r
+    # prefill is still serving: docker's health check and a direct gRPC health call.
+    assert compose.health("prefill") == "healthy"
+    addr = "127.0.0.1:50051"
+    probe = compose("exec", "-T", "prefill", "python", "-m", "kvbeam.commands.health", addr,
+                    check=False)
+    assert probe.returncode == 0, probe.stdout + probe.stderr

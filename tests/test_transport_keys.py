@@ -1,0 +1,173 @@
+"""Least access for registered memory, on the host: MR flags and per-link keys (fake device).
+
+The real device runs the same paths in tests/rdma/test_memory_keys_rdma.py; here a
+fake device records what would be registered, so the bookkeeping (which MR grants
+what, which keys a link advertises, when they are deregistered) is checked fast.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvbeam.transport import Access, Region
+from kvbeam.transport.tcp import TcpTransport
+from kvbeam.transport.testpeer import buffer_address
+
+verbs = pytest.importorskip("kvbeam.transport.verbs")
+verbs_device = pytest.importorskip("kvbeam.transport.verbs_device")
+
+
+class FakeMR:
+    """What ibv_reg_mr would return: keys and the access it grants."""
+
+    _keys = itertools.count(0x100)
+
+    def __init__(self, addr: int, length: int, access: Access) -> None:
+        self.addr, self.length, self.access = addr, length, access
+        self.lkey = self.rkey = next(self._keys)
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeDevice:
+    """Records every MR; enough of VerbsDevice for the transport and links."""
+
+    def __init__(self, name: str, gid_index: int) -> None:
+        self.name, self.gid_index = name, gid_index
+        self.gid, self.mtu = "fe80:0000:0000:0000:0000:0000:0000:0001", 3
+        self.mrs: list[FakeMR] = []
+
+    def register(self, addr: int, length: int, access: Access) -> FakeMR:
+        mr = FakeMR(addr, length, access)
+        self.mrs.append(mr)
+        return mr
+
+    def live(self) -> list[FakeMR]:
+        return [m for m in self.mrs if not m.closed]
+
+    def close(self) -> None:
+        pass
+
+
+class FakeQueuePair:
+    _qpns = itertools.count(10)
+
+    def __init__(self, dev: FakeDevice, opts: Any) -> None:
+        self.qpn, self.psn, self.event_fd, self.sq_depth = next(self._qpns), 1, None, 16
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def transport(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    monkeypatch.setattr(verbs, "VerbsDevice", FakeDevice)
+    monkeypatch.setattr(verbs, "QueuePair", FakeQueuePair)
+    t = verbs.VerbsTransport("fake0", 0, raw_chains=False)
+    yield t
+    t.close()
+
+
+def test_shared_mrs_grant_no_remote_access(transport: Any) -> None:
+    transport.register([Region(0x10000, 4096), Region(0x20000, 4096)], Access.REMOTE_WRITE)
+    transport.register([Region(0x30000, 4096)], Access.LOCAL)
+    assert [m.access for m in transport.device.mrs] == [Access.LOCAL] * 3
+
+
+def test_each_link_gets_its_own_keys_and_loses_them_on_release(transport: Any) -> None:
+    dev: FakeDevice = transport.device
+    reg = transport.register([Region(0x10000, 4096), Region(0x20000, 8192)], Access.REMOTE_WRITE)
+    transport.register([Region(0x30000, 4096)], Access.LOCAL)  # never advertised
+    a, b = transport.create_link(), transport.create_link()
+    ea, eb = a.endpoint, b.endpoint
+    assert [(r.addr, r.length) for r in ea.regions] == [(0x10000, 4096), (0x20000, 8192)]
+    assert [(r.addr, r.length) for r in eb.regions] == [(0x10000, 4096), (0x20000, 8192)]
+    keys_a, keys_b = {r.rkey for r in ea.regions}, {r.rkey for r in eb.regions}
+    assert len(keys_a) == 2 and not keys_a & keys_b
+    assert not keys_a & {r.rkey for r in reg.remote}  # not the shared MR's key either
+    granted = {m.rkey: m for m in dev.mrs}
+    assert all(granted[k].access is Access.REMOTE_WRITE for k in keys_a | keys_b)
+    a.release()
+    assert all(granted[k].closed for k in keys_a)  # revoked with the link
+    assert not any(granted[k].closed for k in keys_b)
+    assert transport.link_regions(a.id) == ()
+    reg.release()  # deregistering the memory revokes the remaining links' keys too
+    assert all(granted[k].closed for k in keys_b)
+    assert b.endpoint.regions == ()
+
+
+def test_prefill_links_advertise_nothing(transport: Any) -> None:
+    transport.register([Region(0x10000, 4096)], Access.LOCAL)
+    link = transport.create_link()
+    assert link.endpoint.regions == ()
+    assert len(transport.device.mrs) == 1
+
+
+def test_close_deregisters_every_key(transport: Any) -> None:
+    transport.register([Region(0x10000, 4096)], Access.REMOTE_WRITE)
+    transport.create_link()
+    transport.create_link()
+    assert len(transport.device.live()) == 3
+    transport.close()
+    assert transport.device.live() == []
+
+
+@pytest.mark.parametrize(("access", "remote_write"), [(Access.LOCAL, False),
+                                                      (Access.REMOTE_WRITE, True)])
+def test_mr_flags_never_allow_remote_read(monkeypatch: pytest.MonkeyPatch, access: Access,
+                                          remote_write: bool) -> None:
+    e = pytest.importorskip("pyverbs.enums")
+    seen: list[int] = []
+
+    class MR:
+        def __init__(self, pd: object, length: int, flags: int, address: int) -> None:
+            seen.append(flags)
+
+    monkeypatch.setitem(sys.modules, "pyverbs.mr", type(sys)("pyverbs.mr"))
+    monkeypatch.setattr(sys.modules["pyverbs.mr"], "MR", MR, raising=False)
+    dev = object.__new__(verbs_device.VerbsDevice)
+    dev.pd, dev.name = object(), "fake0"
+    dev.register(0x1000, 4096, access)
+    (flags,) = seen
+    assert flags & e.IBV_ACCESS_LOCAL_WRITE
+    assert not flags & e.IBV_ACCESS_REMOTE_READ and not flags & e.IBV_ACCESS_REMOTE_ATOMIC
+    assert bool(flags & e.IBV_ACCESS_REMOTE_WRITE) is remote_write
+
+
+def test_tcp_link_token_is_per_link_and_revoked() -> None:
+    """TCP's counterpart of an rkey: the random token naming a link, forgotten on release."""
+    buf = mmap.mmap(-1, 4096)
+    t = TcpTransport()
+    try:
+        t.register([Region(buffer_address(buf), 4096)], Access.REMOTE_WRITE)
+        a, b = t.create_link(), t.create_link()
+        ta, tb = a.endpoint.extra["token"], b.endpoint.extra["token"]
+        assert ta != tb and len(ta) == 32
+        a.release()
+        assert ta not in t._by_token and tb in t._by_token
+    finally:
+        t.close()
+        buf.close()
+
+
+def test_shared_keys_mode_when_per_link_keys_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbeam.transport.options import TransportOptions
+
+    monkeypatch.setattr(verbs, "VerbsDevice", FakeDevice)
+    monkeypatch.setattr(verbs, "QueuePair", FakeQueuePair)
+    t = verbs.VerbsTransport("fake0", 0, TransportOptions(per_link_keys=False), raw_chains=False)
+    try:
+        reg = t.register([Region(0x10000, 4096)], Access.REMOTE_WRITE)
+        a, b = t.create_link(), t.create_link()
+        assert a.endpoint.regions == b.endpoint.regions == reg.remote
+        assert [m.access for m in t.device.mrs] == [Access.REMOTE_WRITE]  # no per-link MRs
+    finally:
+        t.close()
