@@ -304,8 +304,10 @@ class PrefillServicer(DaemonServicer):
         if not event.ok:
             # A failed write leaves the link unusable (an RC QP in error, a TCP stream
             # broken): drop the connection so the next request handshakes afresh.
+            # Forget it at once (not in the thread): a request connecting meanwhile must
+            # handshake a new link, not pick this dead one and fail too.
             conn = self.rt.peers.by_link(event.link)
-            if conn is not None:
+            if conn is not None and self.rt.peers.remove(conn):
                 threading.Thread(target=self.peer_lost, daemon=True,
                                  args=(conn, f"write failed: {event.status}")).start()
         with out.cond:
