@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 #: Heartbeats a peer may miss in a row before it is declared lost.
 MAX_MISSED_HEARTBEATS = 2
+#: Idle peers (no live transfer with them) are pinged once in this many heartbeat intervals.
+IDLE_BEAT_EVERY = 4
 #: Longest a WatchStatus stream stays open, seconds (a client re-opens it).
 WATCH_LIMIT_S = 600.0
 
@@ -148,12 +150,20 @@ class DaemonServicer(ControlServicer):
         self.periodic()
 
     def heartbeat_loop(self, stop: threading.Event) -> None:
-        """Ping every peer we have live transfers with; declare it lost after missed beats."""
+        """Ping every connected peer; declare it lost after missed beats.
+
+        Peers we have live transfers with every interval, idle ones every
+        IDLE_BEAT_EVERY intervals: a peer that died between requests would otherwise
+        keep its connection here (a QP, a channel) for ever.
+        """
         interval = self.rt.settings.heartbeat_s
+        rounds = 0
         while not stop.wait(interval):
+            rounds += 1
             busy = {s.peer for s in self.table.live()}
             for conn in self.rt.peers.all():
-                if conn.closed or not self._has_work_with(conn, busy):
+                if conn.closed or (not self._has_work_with(conn, busy)
+                                   and rounds % IDLE_BEAT_EVERY):
                     continue
                 self._beat(conn, interval)
 
