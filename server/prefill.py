@@ -38,6 +38,7 @@ from kvbeam.proto.transfer_codec import indices_from_proto
 from kvbeam.server.client import ControlClient
 from kvbeam.server.daemon_servicer import DaemonServicer
 from kvbeam.server.errors import HandshakeRejectedError, PeerError, RoleConflictError
+from kvbeam.server.faults import outside_mr_prefix, outside_peer_mr
 from kvbeam.server.lifecycle import DuplicateRequest, FailureReason, TransferState, TransferStatus
 from kvbeam.server.peers import PeerConn, peer_buffer_addrs
 from kvbeam.server.rpc_errors import peer_error
@@ -103,6 +104,7 @@ class PrefillServicer(DaemonServicer):
         self._lock = threading.Lock()
         self._connect_locks: dict[str, threading.Lock] = {}
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvbeam-send")
+        self._fault_outside_mr = outside_mr_prefix()  # test-only, "" unless armed
 
     # ---- RPCs ----------------------------------------------------------------------
     @handled
@@ -199,8 +201,11 @@ class PrefillServicer(DaemonServicer):
         out.outstanding += 1
         out.pending_bytes.append(plan.total_bytes)
         out.bytes_total += plan.total_bytes
+        blocks = plan.blocks
+        if self._fault_outside_mr and rid.startswith(self._fault_outside_mr):
+            blocks = outside_peer_mr(conn.link, conn.peer.endpoint, blocks)
         try:
-            conn.link.write(reply.transfer_id, plan.blocks, notify=final)
+            conn.link.write(reply.transfer_id, blocks, notify=final)
         except Exception as exc:
             out.outstanding -= 1
             out.pending_bytes.pop()
