@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvbeam.client import KvbeamClient
-from kvbeam.procs import DaemonProcess, spawn_daemon, start_daemon
+from kvbeam.procs import DaemonProcess, PendingDaemon, spawn_daemon, start_daemon
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "docker" / "config"
@@ -45,13 +45,20 @@ def start(role: str, *, paged: bool = False, transport: str = "tcp",
                         extra=_args(role, transport, extra), timeout=STARTUP_S)
 
 
+def spawn(role: str, *, transport: str = "tcp", extra: Sequence[str] = (),
+          env: dict[str, str] | None = None) -> PendingDaemon:
+    """Start a daemon like :func:`start` without waiting (call ``.ready(STARTUP_S)``)."""
+    return spawn_daemon(role, config(role), extra=_args(role, transport, extra), env=env)
+
+
 def start_both(*, paged: bool = False, transport: str = "tcp", decode_extra: Sequence[str] = (),
-               prefill_extra: Sequence[str] = ()) -> tuple[DaemonProcess, DaemonProcess]:
+               prefill_extra: Sequence[str] = (), prefill_env: dict[str, str] | None = None,
+               decode_env: dict[str, str] | None = None) -> tuple[DaemonProcess, DaemonProcess]:
     """Start decode and prefill at the same time (their start-ups overlap); (prefill, decode)."""
     d = spawn_daemon("decode", config("decode", paged),
-                     extra=_args("decode", transport, decode_extra))
+                     extra=_args("decode", transport, decode_extra), env=decode_env)
     p = spawn_daemon("prefill", config("prefill", paged),
-                     extra=_args("prefill", transport, prefill_extra))
+                     extra=_args("prefill", transport, prefill_extra), env=prefill_env)
     try:
         decode = d.ready(STARTUP_S)
     except BaseException:
@@ -66,11 +73,11 @@ def start_both(*, paged: bool = False, transport: str = "tcp", decode_extra: Seq
 
 @contextmanager
 def pair(*, paged: bool = False, transport: str = "tcp", decode_extra: Sequence[str] = (),
-         prefill_extra: Sequence[str] = ()
+         prefill_extra: Sequence[str] = (), prefill_env: dict[str, str] | None = None
          ) -> Iterator[tuple[DaemonProcess, DaemonProcess, KvbeamClient, KvbeamClient]]:
     """A running prefill/decode pair and a client to each; everything stopped afterwards."""
     prefill, decode = start_both(paged=paged, transport=transport, decode_extra=decode_extra,
-                                 prefill_extra=prefill_extra)
+                                 prefill_extra=prefill_extra, prefill_env=prefill_env)
     try:
         with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
             yield prefill, decode, p, d
