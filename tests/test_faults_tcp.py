@@ -12,7 +12,7 @@ tests/rdma/test_faults_rdma.py; these are the fast host versions:
 
 from __future__ import annotations
 
-from kvbeam.scheduler import run_request
+from kvbeam.scheduler import drive, run_request
 from kvbeam.server.lifecycle import TransferState
 from tests.daemon_helpers import pair
 
@@ -38,3 +38,13 @@ def test_refused_write_fails_both_sides_and_the_link_is_rebuilt() -> None:
         d.release("bystander")
         assert run_request(p, d, "after", 3000, 3).ok
         assert prefill.output.count("verified and connected") == 2
+
+
+def test_many_status_streams_do_not_starve_peer_rpcs() -> None:
+    # Every request's scheduler waits on decode with a WatchStatus stream, which holds one
+    # of decode's 16 server threads: 16 at once must leave room for prefill's BeginWrite and
+    # heartbeats, or prefill declares decode lost and every request fails.
+    with pair() as (prefill, decode, _p, _d):
+        results = drive(prefill.address, decode.address, [2000] * 16, source_slots=8,
+                        concurrency=16, timeout=60, prefix="many")
+        assert all(r.ok for r in results), [r for r in results if not r.ok]
