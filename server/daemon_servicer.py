@@ -35,8 +35,12 @@ log = logging.getLogger(__name__)
 
 #: Heartbeats a peer may miss in a row before it is declared lost.
 MAX_MISSED_HEARTBEATS = 2
+#: Idle peers (no live transfer with them) are pinged once in this many heartbeat intervals.
+IDLE_BEAT_EVERY = 4
 #: Longest a WatchStatus stream stays open, seconds (a client re-opens it).
 WATCH_LIMIT_S = 600.0
+#: The same while more than half of the server's handler threads hold streams.
+SHORT_WATCH_S = 0.5
 
 
 class DaemonServicer(ControlServicer):
@@ -46,6 +50,8 @@ class DaemonServicer(ControlServicer):
         super().__init__(runtime.local)
         self.rt = runtime
         self.table = runtime.table
+        self._watch_lock = threading.Lock()
+        self._watchers = 0  # open WatchStatus streams
 
     # ---- hooks ----------------------------------------------------------------
     def on_event(self, event: Event) -> None:
@@ -110,14 +116,25 @@ class DaemonServicer(ControlServicer):
         if self.table.get(request.request_id) is None:
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"UnknownRequest: unknown request id {request.request_id!r}")
-        limit = WATCH_LIMIT_S
-        remaining = context.time_remaining()
-        if remaining is not None:
-            limit = min(limit, remaining)
-        for snap in self.table.watch(request.request_id, limit):
-            if not context.is_active():
-                return
-            yield self._status(snap)
+        # Each open stream holds one of the server's handler threads. Past half of them,
+        # streams end after SHORT_WATCH_S (clients re-open them) so the peer's BeginWrite,
+        # Abort and Heartbeat always find a thread: otherwise a scheduler waiting on many
+        # requests starves them, and the peer is declared lost.
+        with self._watch_lock:
+            self._watchers += 1
+            crowded = self._watchers > self.rt.options.max_workers // 2
+        try:
+            limit = SHORT_WATCH_S if crowded else WATCH_LIMIT_S
+            remaining = context.time_remaining()
+            if remaining is not None:
+                limit = min(limit, remaining)
+            for snap in self.table.watch(request.request_id, limit):
+                if not context.is_active():
+                    return
+                yield self._status(snap)
+        finally:
+            with self._watch_lock:
+                self._watchers -= 1
 
     @handled
     def Heartbeat(self, request: pb.HeartbeatRequest,
@@ -159,12 +176,20 @@ class DaemonServicer(ControlServicer):
         self.periodic()
 
     def heartbeat_loop(self, stop: threading.Event) -> None:
-        """Ping every peer we have live transfers with; declare it lost after missed beats."""
+        """Ping every connected peer; declare it lost after missed beats.
+
+        Peers we have live transfers with every interval, idle ones every
+        IDLE_BEAT_EVERY intervals: a peer that died between requests would otherwise
+        keep its connection here (a QP, a channel) for ever.
+        """
         interval = self.rt.settings.heartbeat_s
+        rounds = 0
         while not stop.wait(interval):
+            rounds += 1
             busy = {s.peer for s in self.table.live()}
             for conn in self.rt.peers.all():
-                if conn.closed or not self._has_work_with(conn, busy):
+                if conn.closed or (not self._has_work_with(conn, busy)
+                                   and rounds % IDLE_BEAT_EVERY):
                     continue
                 self._beat(conn, interval)
 

@@ -108,7 +108,8 @@ class DecodeServicer(DaemonServicer):
             self.peers.remove(peer.instance_id)
             raise
         if previous is not None:  # the same instance handshook again (e.g. after a link error)
-            self.peer_lost(previous, "peer handshook again; the old link is replaced")
+            self.peer_lost(previous, "peer handshook again; the old link is replaced",
+                           gone=False)
         self.rt.peers.add(conn)
         log.info("prefill %s at %s verified and connected (%s)", peer.instance_id,
                  peer.control_address, self.rt.transport.kind,
@@ -225,7 +226,7 @@ class DecodeServicer(DaemonServicer):
         conn = self.rt.peers.by_link(event.link)
         if event.kind is EventKind.LINK_FAILED:
             if conn is not None:
-                self.peer_lost(conn, f"link failed: {event.status}: {event.detail}")
+                self.peer_lost(conn, f"link failed: {event.status}: {event.detail}", gone=False)
             return
         if event.kind is not EventKind.NOTIFIED or event.transfer_id is None:
             return
@@ -291,15 +292,23 @@ class DecodeServicer(DaemonServicer):
                         rid, lease, extra=fields(rid, peer))
             self._free(rid, "hand-off lease expired")
 
-    def peer_lost(self, conn: PeerConn, detail: str) -> None:
-        """Close the link first (no more writes can land), then fail and free its requests."""
+    def peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
+        """Close the link first (no more writes can land), then fail and free its requests.
+
+        ``gone`` False means only the link died (its QP failed, or the same prefill
+        instance handshook again): requests it began writing fail, but reservations it
+        has not touched yet stay, since the next handshake serves them. Failing those
+        too would fail the very request whose Send triggered the new handshake.
+        """
         self.rt.peers.remove(conn)
-        self.peers.remove(conn.instance_id)
+        if gone:
+            self.peers.remove(conn.instance_id)
         conn.close()
         with self._lock:
             mine = [r for r in self._res.values()
                     if r.peer_instance == conn.instance_id
-                    or (not r.peer_instance and r.prefill_address == conn.control_address)]
+                    or (gone and not r.peer_instance
+                        and r.prefill_address == conn.control_address)]
         for res in mine:
             if self.table.fail(res.request_id, FailureReason.PEER_FAILED, detail):
                 log.warning("request %s failed: %s", res.request_id, detail,

@@ -1,13 +1,24 @@
 """Test-only fault injection, switched on by environment variables, never by a flag.
 
-Integrity checking is only worth its cost if it catches corruption every time, and
-that needs corruption to happen on demand. ``KVBEAM_FAULT_CORRUPT_LANDED=P`` (a
-fraction 0..1) makes decode flip one byte of a request's landed items, after the
-completion arrived and before the digests are recomputed, in about that fraction of
-requests. Each injection logs ``FAULT INJECTED: corrupted ...`` so tests can count
-them against the integrity failures. ``KVBEAM_FAULT_SEED`` makes the choice
-reproducible. Nothing here runs unless a variable is set, and a daemon with a fault
-armed says so loudly at start-up.
+Every hook here is inert unless its variable is set, and a daemon with a fault armed
+says so loudly at start-up. Two hooks:
+
+Corrupt landed bytes (decode). Integrity checking is only worth its cost if it
+catches corruption every time, and that needs corruption on demand.
+``KVBEAM_FAULT_CORRUPT_LANDED=P`` (a fraction 0..1) makes decode flip one byte of a
+request's landed items, after the completion arrived and before the digests are
+recomputed, in about that fraction of requests. Each injection logs ``FAULT
+INJECTED: corrupted ...`` so tests can count them against the integrity failures.
+``KVBEAM_FAULT_SEED`` makes the choice reproducible.
+
+Write outside the peer's memory (prefill). ``KVBEAM_FAULT_OUTSIDE_MR=PREFIX``: for
+every request whose id starts with ``PREFIX``, the first block is aimed just past the
+end of decode's lowest registered region and prefill's own bounds check is skipped
+for that link, so decode's RDMA device itself refuses the write
+(``IBV_WC_REM_ACCESS_ERR``) and both queue pairs go to the error state, as a corrupt
+address or rkey would make them. tests/rdma/test_faults_rdma.py uses it to prove
+that such a request fails with the verbs status and that the next request handshakes
+a fresh queue pair.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import random
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -25,11 +37,15 @@ from kvbeam.errors import ConfigError
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.plan import IndexLists
 from kvbeam.server.logs import fields
+from kvbeam.transport.base import Link
+from kvbeam.transport.blocks import Blocks
+from kvbeam.transport.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
 
 CORRUPT_LANDED_ENV = "KVBEAM_FAULT_CORRUPT_LANDED"
 SEED_ENV = "KVBEAM_FAULT_SEED"
+OUTSIDE_MR_ENV = "KVBEAM_FAULT_OUTSIDE_MR"
 
 
 @dataclass
@@ -38,6 +54,7 @@ class FaultHooks:
 
     corrupt_landed: float = 0.0
     seed: int = 0
+    outside_mr_prefix: str = ""
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -62,16 +79,25 @@ class FaultHooks:
                 seed = int(env[SEED_ENV])
             except ValueError as exc:
                 raise ConfigError(f"{SEED_ENV}: not an integer: {env[SEED_ENV]!r}") from exc
-        hooks = cls(corrupt_landed=corrupt, seed=seed)
-        if hooks.armed:
+        hooks = cls(corrupt_landed=corrupt, seed=seed,
+                    outside_mr_prefix=env.get(OUTSIDE_MR_ENV, ""))
+        if hooks.corrupt_landed:
             log.warning("FAULT INJECTION ARMED (%s=%s): this daemon corrupts landed bytes on "
                         "purpose; never run it in production", CORRUPT_LANDED_ENV, corrupt)
+        if hooks.outside_mr_prefix:
+            log.warning("FAULT INJECTION ARMED (%s=%s): requests %s* will write outside the "
+                        "peer's memory regions; never run it in production", OUTSIDE_MR_ENV,
+                        hooks.outside_mr_prefix, hooks.outside_mr_prefix)
         return hooks
 
     @property
     def armed(self) -> bool:
         """True when any fault is switched on."""
-        return self.corrupt_landed > 0.0
+        return self.corrupt_landed > 0.0 or bool(self.outside_mr_prefix)
+
+    def writes_outside(self, request_id: str) -> bool:
+        """True when this request's first block must miss the peer's memory (prefill)."""
+        return bool(self.outside_mr_prefix) and request_id.startswith(self.outside_mr_prefix)
 
     def after_landing(self, request_id: str, side: AllocatedSide, indices: IndexLists) -> None:
         """Maybe flip one byte of one item this request moved (decode, before verifying)."""
@@ -91,3 +117,22 @@ class FaultHooks:
         items[item, offset] = np.uint8(items[item, offset] ^ 0xFF)
         log.warning("FAULT INJECTED: corrupted request %s buffer %s item %d byte %d",
                     request_id, buf.name, item, offset, extra=fields(request_id))
+
+
+def outside_peer_mr(link: Link, peer: Endpoint, blocks: Blocks) -> Blocks:
+    """``blocks`` with the first one moved just past the peer's lowest region, unchecked.
+
+    The link is doomed once the write is posted (its QP goes to the error state), so
+    switching its remote bounds check off (a test-only attribute of both transports'
+    links) affects no healthy traffic.
+    """
+    if not len(blocks) or not peer.regions:
+        return blocks
+    lowest = min(peer.regions, key=lambda r: r.addr)
+    dst = blocks.dst.copy()
+    dst[0] = np.uint64(lowest.addr + lowest.length)
+    unchecked: Any = link  # _check_remote exists on VerbsLink and TcpLink only, for tests
+    unchecked._check_remote = False
+    log.warning("TEST FAULT: writing %d bytes at %#x, just past decode's region %#x+%d",
+                int(blocks.lengths[0]), int(dst[0]), lowest.addr, lowest.length)
+    return Blocks(blocks.src, dst, blocks.lengths)

@@ -38,6 +38,7 @@ from kvbeam.proto.transfer_codec import indices_from_proto
 from kvbeam.server.client import ControlClient
 from kvbeam.server.daemon_servicer import DaemonServicer
 from kvbeam.server.errors import HandshakeRejectedError, PeerError, RoleConflictError
+from kvbeam.server.faults import outside_peer_mr
 from kvbeam.server.lifecycle import DuplicateRequest, FailureReason, TransferState, TransferStatus
 from kvbeam.server.logs import fields
 from kvbeam.server.peers import PeerConn, peer_buffer_addrs
@@ -207,13 +208,16 @@ class PrefillServicer(DaemonServicer):
         out.outstanding += 1
         out.pending_bytes.append(plan.total_bytes)
         out.bytes_total += plan.total_bytes
+        blocks = plan.blocks
+        if self.rt.faults.writes_outside(rid):  # test-only hook, off unless armed
+            blocks = outside_peer_mr(conn.link, conn.peer.endpoint, blocks)
         try:
-            conn.link.write(reply.transfer_id, plan.blocks, notify=final)
+            conn.link.write(reply.transfer_id, blocks, notify=final)
         except Exception as exc:
             out.outstanding -= 1
             out.pending_bytes.pop()
             if isinstance(exc, TransportError) and not isinstance(exc, RegionError):
-                self.peer_lost(conn, f"link unusable: {exc}")
+                self.peer_lost(conn, f"link unusable: {exc}", gone=False)
             raise
         out.final_posted = final
         log.info("request %s: posted %s%d bytes in %d blocks to %s", rid,
@@ -301,7 +305,8 @@ class PrefillServicer(DaemonServicer):
         if event.kind is EventKind.LINK_FAILED:
             conn = self.rt.peers.by_link(event.link)
             if conn is not None:
-                self.peer_lost(conn, f"link failed: {event.status}: {event.detail}")
+                self.peer_lost(conn, f"link failed: {event.status}: {event.detail}",
+                               gone=False)
             return
         if event.kind is not EventKind.COMPLETED or event.transfer_id is None:
             return
@@ -315,10 +320,13 @@ class PrefillServicer(DaemonServicer):
         if not event.ok:
             # A failed write leaves the link unusable (an RC QP in error, a TCP stream
             # broken): drop the connection so the next request handshakes afresh.
+            # Forget it at once (not in the thread): a request connecting meanwhile must
+            # handshake a new link, not pick this dead one and fail too.
             conn = self.rt.peers.by_link(event.link)
-            if conn is not None:
+            if conn is not None and self.rt.peers.remove(conn):
                 threading.Thread(target=self.peer_lost, daemon=True,
-                                 args=(conn, f"write failed: {event.status}")).start()
+                                 args=(conn, f"write failed: {event.status}"),
+                                 kwargs={"gone": False}).start()
         with out.cond:
             out.outstanding -= 1
             done = out.pending_bytes.pop(0) if out.pending_bytes else 0
@@ -393,8 +401,13 @@ class PrefillServicer(DaemonServicer):
         self._drain(out)
         self._tell_decode_async(out, f"prefill timed out: {detail}")
 
-    def peer_lost(self, conn: PeerConn, detail: str) -> None:
-        """Release the link (its writes complete as failed), fail the peer's requests."""
+    def peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
+        """Release the link (its writes complete as failed), fail the peer's requests.
+
+        ``gone`` False means only the link died (a QP error, a partitioned data path):
+        decode is still there and learns of each failed request by Abort once its writes
+        are drained, instead of waiting for its own deadline.
+        """
         self.rt.peers.remove(conn)
         conn.close()
         with self._lock:
@@ -403,7 +416,13 @@ class PrefillServicer(DaemonServicer):
             if self.table.fail(out.request_id, FailureReason.PEER_FAILED, detail):
                 log.warning("request %s failed: %s", out.request_id, detail,
                             extra=fields(out.request_id, out.decode_address))
-            out.told_decode = True  # the peer is gone; there is no one to tell
+            if gone:
+                out.told_decode = True  # the peer is gone; there is no one to tell
+            elif out.outstanding == 0:
+                # No lock: another sender may hold out.cond while it calls us. The failed
+                # state is set above, so a completion that brings outstanding to 0 after
+                # this read tells decode itself (on_event).
+                self._tell_decode_async(out, f"prefill failed: {detail}")
 
     def shutdown(self) -> None:
         """Fail every live request (reason shutdown), tell decode briefly, release links."""

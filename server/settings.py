@@ -87,7 +87,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("rpc_timeout_s", "KVBEAM_RPC_TIMEOUT_S", float, 5.0,
            "deadline of every RPC to a peer"),
     Option("heartbeat_s", "KVBEAM_HEARTBEAT_S", float, 1.0,
-           "seconds between heartbeats to each peer with transfers in flight"),
+           "seconds between heartbeats to each peer with transfers in flight (idle peers: "
+           "every 4th)"),
     Option("max_inflight", "KVBEAM_MAX_INFLIGHT", int, 256,
            "transfers in flight on this side before new ones get RESOURCE_EXHAUSTED"),
     Option("integrity", "KVBEAM_INTEGRITY", _bool, True,

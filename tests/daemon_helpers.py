@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvbeam.client import KvbeamClient
-from kvbeam.procs import DaemonProcess, spawn_daemon, start_daemon
+from kvbeam.procs import DaemonProcess, PendingDaemon, spawn_daemon, start_daemon
 from kvbeam.server.auth import Security
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,19 +48,27 @@ def start(role: str, *, paged: bool = False, transport: str = "tcp",
                         extra=_args(role, transport, extra), env=env, timeout=STARTUP_S)
 
 
+def spawn(role: str, *, transport: str = "tcp", extra: Sequence[str] = (),
+          env: dict[str, str] | None = None) -> PendingDaemon:
+    """Start a daemon like :func:`start` without waiting (call ``.ready(STARTUP_S)``)."""
+    return spawn_daemon(role, config(role), extra=_args(role, transport, extra), env=env)
+
+
 def start_both(*, paged: bool = False, transport: str = "tcp", decode_extra: Sequence[str] = (),
                prefill_extra: Sequence[str] = (), security: Security | None = None,
+               prefill_env: dict[str, str] | None = None,
                decode_env: dict[str, str] | None = None) -> tuple[DaemonProcess, DaemonProcess]:
     """Start decode and prefill at the same time (their start-ups overlap); (prefill, decode).
 
     ``security``: what the readiness check presents (the daemons' own credentials go
-    in the ``*_extra`` flags). ``decode_env``: extra environment for decode (fault hooks).
+    in the ``*_extra`` flags). ``*_env``: extra environment (fault hooks).
     """
     d = spawn_daemon("decode", config("decode", paged),
                      extra=_args("decode", transport, decode_extra), env=decode_env,
                      security=security)
     p = spawn_daemon("prefill", config("prefill", paged),
-                     extra=_args("prefill", transport, prefill_extra), security=security)
+                     extra=_args("prefill", transport, prefill_extra), env=prefill_env,
+                     security=security)
     try:
         decode = d.ready(STARTUP_S)
     except BaseException:
@@ -76,13 +84,13 @@ def start_both(*, paged: bool = False, transport: str = "tcp", decode_extra: Seq
 @contextmanager
 def pair(*, paged: bool = False, transport: str = "tcp", decode_extra: Sequence[str] = (),
          prefill_extra: Sequence[str] = (), security: Security | None = None,
-         decode_env: dict[str, str] | None = None
+         prefill_env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None
          ) -> Iterator[tuple[DaemonProcess, DaemonProcess, KvbeamClient, KvbeamClient]]:
     """A running prefill/decode pair and a client to each (presenting ``security``);
     everything stopped afterwards."""
     prefill, decode = start_both(paged=paged, transport=transport, decode_extra=decode_extra,
                                  prefill_extra=prefill_extra, security=security,
-                                 decode_env=decode_env)
+                                 prefill_env=prefill_env, decode_env=decode_env)
     try:
         with KvbeamClient(prefill.address, security=security) as p, \
                 KvbeamClient(decode.address, security=security) as d:

@@ -11,14 +11,26 @@ from __future__ import annotations
 import os
 from collections.abc import Generator
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import pytest
+
+if TYPE_CHECKING:
+    from kvbeam.procs import DaemonProcess
+    from tests.rdma.netfaults import Wire
 
 
 class RdmaDevice(NamedTuple):
     name: str
     gid_index: int
+
+
+class WirePair(NamedTuple):
+    """A prefill/decode daemon pair on two rxe devices joined by a veth wire."""
+
+    prefill: DaemonProcess
+    decode: DaemonProcess
+    wire: Wire
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +58,34 @@ def pytest_runtest_makereport(
         report.outcome = "failed"
         report.longrepr = f"RDMA tests must not skip, but this one did: {report.longrepr}"
     return report
+
+
+@pytest.fixture(scope="session")
+def wire_pair(rdma_device: RdmaDevice) -> Generator[WirePair, None, None]:
+    """Prefill on rxeA and decode on rxeB, joined by a veth wire that tests may cut.
+
+    Shared by the fault tests and the soak (a daemon start costs a minute under TCG);
+    the fault tests leave it healthy. Prefill has the test-only fault hook armed for
+    request ids starting with ``qperr-`` (see kvbeam/server/faults.py).
+    """
+    from tests.daemon_helpers import start_both
+    from tests.rdma import netfaults
+
+    why = netfaults.allowed()
+    if why:
+        pytest.fail(why, pytrace=False)
+    wire = netfaults.setup()
+    prefill, decode = start_both(
+        transport="rdma",
+        prefill_extra=["--rdma-device", wire.prefill_device,
+                       "--rdma-gid-index", str(wire.gid_index)],
+        decode_extra=["--rdma-device", wire.decode_device,
+                      "--rdma-gid-index", str(wire.gid_index)],
+        prefill_env={"KVBEAM_FAULT_OUTSIDE_MR": "qperr-"})
+    try:
+        yield WirePair(prefill, decode, wire)
+    finally:
+        prefill.stop()
+        decode.stop()
+        netfaults.heal()
+        netfaults.teardown()

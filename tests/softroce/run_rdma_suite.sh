@@ -97,9 +97,14 @@ if [ -z "$CMD" ]; then
   CMD="python -m pytest -m rdma -p no:cacheprovider ${KVBEAM_RDMA_PYTEST_OPTS--p no:hypothesispytest}"
   CMD+=" --junitxml=\"\$KVBEAM_RESULTS_DIR/junit.xml\"$(printf ' %q' "$@")"
 fi
+# Test knobs set here reach the command (the guest starts with a clean environment).
+FORWARD=
+while IFS='=' read -r name value; do
+  FORWARD+="export $name=$(printf %q "$value")"$'\n'
+done < <(env | grep -E '^KVBEAM_SOAK_[A-Z_]+=' || true)
 SCRIPT="set -euo pipefail
-export KVBEAM_RDMA_DEVICE=$(printf %q "$DEVICE") KVBEAM_RDMA_GID_INDEX=$(printf %q "$GID_INDEX")
-export KVBEAM_RESULTS_DIR=$(printf %q "$RESULTS") VIRTUAL_ENV=$(printf %q "$VENV")
+${FORWARD}export KVBEAM_RDMA_DEVICE=$(printf %q "$DEVICE") KVBEAM_RDMA_GID_INDEX=$(printf %q "$GID_INDEX")
+export KVBEAM_RESULTS_DIR=$(printf %q "$RESULTS") VIRTUAL_ENV=$(printf %q "$VENV") KVBEAM_RDMA_MODE=$(printf %q "$MODE")
 export PATH=\"\$VIRTUAL_ENV/bin:\$PATH\" PYTHONUNBUFFERED=1
 ulimit -l unlimited 2>/dev/null || echo 'rdma-suite: warning: cannot raise the memlock limit' >&2
 cd $(printf %q "$REPO")

@@ -1,0 +1,248 @@
+"""Faults over RDMA: partitions, a QP in the error state, SIGKILL during the handshake.
+
+The daemons run on two rxe devices joined by a veth wire (tests/rdma/netfaults.py), so
+a fault can cut the data path while the control plane (gRPC on 127.0.0.1) stays up.
+Every test checks the same three things: both sides reach Failed within a bound (and
+the bound is printed), nothing leaks (decode's slots all reservable again, no request
+left live, no QP left behind: ``rdma resource`` lists exactly one QP per daemon and
+peer), and service continues (the next request succeeds over a freshly built QP).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvbeam.client import Busy, KvbeamClient, Status
+from kvbeam.procs import wait_until
+from kvbeam.scheduler import drive, run_request
+from kvbeam.server.lifecycle import FailureReason, TransferState
+from tests.daemon_helpers import STARTUP_S, spawn
+from tests.rdma import netfaults
+from tests.rdma.conftest import WirePair
+
+pytestmark = pytest.mark.rdma
+F, S = TransferState.FAILED, TransferState.SUCCESS
+#: Decode's slots (docker/config/decode.yaml num_req_slots).
+SLOTS = 16
+#: A reservation nobody will ever write (the probe address is never dialled for data).
+NOWHERE = "127.0.0.1:1"
+#: Failure must be seen within this many seconds of the fault: the transport's own write
+#: deadline (0.8 x the 10 s Transferring deadline of SLOW_GUEST) or the heartbeats, plus
+#: slack for the TCG guest, where one RPC can take a second.
+DETECT_S = 25.0
+#: Verbs statuses, kvbeam's own deadline (TIMEOUT) or a QP state: what a data-path
+#: failure must name in its detail.
+VERBS_STATUS = re.compile(r"IBV_WC_[A-Z_]+|IBV_QPS_[A-Z]+|TIMEOUT")
+
+
+@pytest.fixture
+def clients(wire_pair: WirePair) -> Iterator[tuple[KvbeamClient, KvbeamClient]]:
+    with KvbeamClient(wire_pair.prefill.address) as p, \
+            KvbeamClient(wire_pair.decode.address) as d:
+        yield p, d
+
+
+def free_slots(d: KvbeamClient) -> int:
+    """How many reservations decode grants right now (all are aborted again)."""
+    got: list[str] = []
+    try:
+        for i in range(SLOTS + 1):
+            rid = f"probe-{time.monotonic_ns()}-{i}"
+            d.reserve(rid, 16, NOWHERE)
+            got.append(rid)
+    except Busy:
+        pass
+    finally:
+        for rid in got:
+            d.abort(rid, "probe")
+    return len(got)
+
+
+def one_qp_each(pair: WirePair) -> tuple[int, int]:
+    """Wait until each daemon's device holds exactly one QP, in RTS; (prefill's, decode's).
+
+    A QP more is a leak: every failed link must have been destroyed, and the QP of a
+    replaced link too.
+    """
+    def check() -> bool:
+        return all(len(q) == 1 and q[0][1] == "RTS" for q in (
+            netfaults.qps(pair.wire.prefill_device), netfaults.qps(pair.wire.decode_device)))
+
+    ok = wait_until(check, 20, interval=0.5)
+    p, d = netfaults.qps(pair.wire.prefill_device), netfaults.qps(pair.wire.decode_device)
+    assert ok, f"QPs: prefill {p}, decode {d}:\n{netfaults.qp_table()}"
+    return p[0][0], d[0][0]
+
+
+def _wait(client: KvbeamClient, rid: str, t0: float) -> tuple[Status, float]:
+    st = client.wait(rid, 90)
+    return st, time.monotonic() - t0
+
+
+def report(what: str, side: str, st: Status, seconds: float) -> None:
+    """One line per detection, for the issue's table (pytest -s or the junit output)."""
+    print(f"FAULT {what}: {side} {st.state.value} reason={st.reason.value if st.reason else '-'}"
+          f" after {seconds:.2f}s: {st.detail}")
+
+
+CUTS: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {
+    "netem-loss": (netfaults.cut, netfaults.heal),
+    "firewall-drop": (netfaults.firewall, netfaults.unfirewall),
+    "port-down": (netfaults.port_down, netfaults.port_up),
+}
+
+
+@pytest.mark.parametrize("cut", list(CUTS))
+def test_partition_mid_request_fails_bounded_then_heals(
+        wire_pair: WirePair, clients: tuple[KvbeamClient, KvbeamClient], cut: str) -> None:
+    pair = wire_pair
+    p, d = clients
+    paddr, daddr = pair.prefill.address, pair.decode.address
+    assert run_request(p, d, f"{cut}-warm", 2048, 0, timeout=120).ok
+    qp_before = one_qp_each(pair)
+    # The first chunk lands; the data path is cut; the final chunk is posted into it.
+    rid = f"{cut}-victim"
+    d.reserve(rid, 32768, paddr)
+    p.send(rid, 1, 32768, daddr, final=False, chunks=[(0, 8192)])
+    assert wait_until(lambda: p.status(rid).bytes_done > 0, 60)
+    do, undo = CUTS[cut]
+    do()
+    try:
+        t0 = time.monotonic()
+        p.send(rid, 1, 32768, daddr)
+        pst, tp = _wait(p, rid, t0)
+        dst, td = _wait(d, rid, t0)
+        report(cut, "prefill", pst, tp)
+        report(cut, "decode", dst, td)
+        assert pst.state is F and pst.reason in (FailureReason.TRANSPORT_ERROR,
+                                                 FailureReason.PEER_FAILED), pst
+        assert VERBS_STATUS.search(pst.detail), pst
+        assert dst.state is F and dst.reason in (FailureReason.PEER_FAILED,
+                                                 FailureReason.TIMEOUT), dst
+        assert tp < DETECT_S and td < DETECT_S, (tp, td)
+        # Reserved during the partition, sent after it: the new handshake that the send
+        # triggers must not fail it along with the old link.
+        d.reserve(f"{cut}-bystander", 4096, paddr)
+    finally:
+        undo()
+    # Healed: the bystander's send handshakes a new QP pair and succeeds, and so do others.
+    assert finish(p, d, f"{cut}-bystander", 4096, 2).state is S
+    assert run_request(p, d, f"{cut}-after", 8192, 3, timeout=120).ok
+    qp_after = one_qp_each(pair)
+    assert qp_after[0] != qp_before[0] and qp_after[1] != qp_before[1], (qp_before, qp_after)
+    assert wait_until(lambda: free_slots(d) == SLOTS, 30)
+
+
+def finish(p: KvbeamClient, d: KvbeamClient, rid: str, seq_len: int, slot: int) -> Status:
+    """Send a request decode already reserved; its decode status (released on Success)."""
+    p.send(rid, slot, seq_len, d.address)
+    st = d.wait(rid, 120)
+    if st.state is S:
+        d.release(rid)
+    return st
+
+
+def test_qp_error_names_the_verbs_status_and_the_qp_is_rebuilt(
+        wire_pair: WirePair, clients: tuple[KvbeamClient, KvbeamClient]) -> None:
+    pair = wire_pair
+    p, d = clients
+    assert run_request(p, d, "qp-warm", 2048, 0, timeout=120).ok
+    qp_before = one_qp_each(pair)
+    # Prefill's test-only fault hook aims this request's first block just past decode's
+    # lowest memory region: decode's device refuses it and both QPs go to the error state.
+    rid = "qperr-1"
+    d.reserve(rid, 4096, pair.prefill.address)
+    t0 = time.monotonic()
+    p.send(rid, 1, 4096, pair.decode.address)
+    pst, tp = _wait(p, rid, t0)
+    dst, td = _wait(d, rid, t0)
+    report("remote write outside the MR", "prefill", pst, tp)
+    report("remote write outside the MR", "decode", dst, td)
+    assert pst.state is F and "IBV_WC_REM_ACCESS_ERR" in pst.detail, pst
+    # Decode learns it from prefill (which names REM_ACCESS_ERR) or from its own QP, whose
+    # receive WRs were flushed (IBV_WC_WR_FLUSH_ERR): a verbs status either way.
+    assert dst.state is F and "IBV_WC_" in dst.detail, dst
+    assert tp < DETECT_S and td < DETECT_S, (tp, td)
+    assert "TEST FAULT: writing" in pair.prefill.output
+    # The next request handshakes again: new QPs on both sides, the failed ones destroyed.
+    assert run_request(p, d, "qp-after", 8192, 2, timeout=120).ok
+    qp_after = one_qp_each(pair)
+    assert qp_after[0] != qp_before[0] and qp_after[1] != qp_before[1], (qp_before, qp_after)
+    assert wait_until(lambda: free_slots(d) == SLOTS, 30)
+
+
+def _wire_args(pair: WirePair, role: str) -> list[str]:
+    device = pair.wire.prefill_device if role == "prefill" else pair.wire.decode_device
+    return ["--rdma-device", device, "--rdma-gid-index", str(pair.wire.gid_index)]
+
+
+def test_sigkill_during_the_handshake_and_while_idle(
+        wire_pair: WirePair, clients: tuple[KvbeamClient, KvbeamClient]) -> None:
+    """A second prefill killed in Bootstrapping (handshaking), a second decode killed idle.
+
+    The pair's own daemons survive: each must fail what it had with the dead peer within
+    a bound, free everything, drop its connection and QP to it (an idle RDMA peer that
+    dies makes no completion at all: only heartbeats find it), and keep serving.
+    """
+    pair = wire_pair
+    p, d = clients
+    extra_prefill = spawn("prefill", transport="rdma", extra=_wire_args(pair, "prefill"))
+    extra_decode = spawn("decode", transport="rdma", extra=_wire_args(pair, "decode"))
+    p2 = extra_prefill.ready(STARTUP_S)
+    try:
+        d2 = extra_decode.ready(STARTUP_S)
+    except BaseException:
+        p2.stop()
+        raise
+    try:
+        # 1. The second prefill dies the moment our decode has verified it and connected a
+        #    QP to it: decode holds the reservation and a QP to a dead peer.
+        with KvbeamClient(p2.address) as c2:
+            d.reserve("kill-boot", 8000, p2.address)
+            c2.send("kill-boot", 0, 8000, pair.decode.address)
+            assert wait_until(lambda: f"prefill {p2.instance_id}" in pair.decode.output, 60,
+                              interval=0.01)
+            p2.kill()
+            t0 = time.monotonic()
+            state = TransferState.BOOTSTRAPPING if "kill-boot: posted" not in p2.output \
+                else TransferState.TRANSFERRING
+        dst, td = _wait(d, "kill-boot", t0)
+        report(f"prefill SIGKILL in {state.value}", "decode", dst, td)
+        assert dst.state is F and dst.reason in (FailureReason.PEER_FAILED,
+                                                 FailureReason.TIMEOUT), dst
+        # The Bootstrapping deadline (20 s in SLOW_GUEST) bounds it when the handshake
+        # never reached decode; heartbeats find a dead peer that did handshake sooner.
+        assert td < 20 + 10, td
+        # 2. Our prefill serves the second decode, which then dies while idle.
+        with KvbeamClient(d2.address) as c2:
+            assert run_request(p, c2, "to-second", 4096, 1, timeout=120).ok
+        assert len(netfaults.qps(pair.wire.prefill_device)) == 2, netfaults.qp_table()
+        t0 = time.monotonic()
+        d2.kill()
+        # Nothing of the dead peers stays: one QP each (to each other), every slot free.
+        one_qp_each(pair)
+        print(f"FAULT decode SIGKILL while idle: prefill dropped its QP to it after "
+              f"{time.monotonic() - t0:.2f}s")
+        assert time.monotonic() - t0 < DETECT_S
+        assert wait_until(lambda: free_slots(d) == SLOTS, 30)
+        assert run_request(p, d, "kill-after", 4096, 4, timeout=120).ok
+    finally:
+        p2.stop()
+        d2.stop()
+
+
+def test_nothing_leaked_after_the_faults(wire_pair: WirePair,
+                                         clients: tuple[KvbeamClient, KvbeamClient]) -> None:
+    """Every slot and transfer came back: a full house of concurrent requests succeeds."""
+    pair = wire_pair
+    _, d = clients
+    assert wait_until(lambda: free_slots(d) == SLOTS, 30)
+    results = drive(pair.prefill.address, pair.decode.address, [4096] * SLOTS,
+                    source_slots=8, concurrency=SLOTS, timeout=180, prefix="full")
+    assert all(r.ok for r in results), [r for r in results if not r.ok]
+    one_qp_each(pair)
+    assert "CRC32C mismatch" not in pair.decode.output
