@@ -133,6 +133,6 @@ def outside_peer_mr(link: Link, peer: Endpoint, blocks: Blocks) -> Blocks:
     dst[0] = np.uint64(lowest.addr + lowest.length)
     unchecked: Any = link  # _check_remote exists on VerbsLink and TcpLink only, for tests
     unchecked._check_remote = False
-    log.warning("TEST FAULT: writing %d bytes at %#x, just past decode's region %#x+%d",
+    log.warning("FAULT INJECTED: writing %d bytes at %#x, just past decode's region %#x+%d",
                 int(blocks.lengths[0]), int(dst[0]), lowest.addr, lowest.length)
     return Blocks(blocks.src, dst, blocks.lengths)

@@ -29,7 +29,7 @@ def test_refused_write_fails_both_sides_and_the_link_is_rebuilt() -> None:
         dst = d.wait("bad-1", 20)
         assert pst.state is F and "TCP_REMOTE_ACCESS_ERR" in pst.detail, pst
         assert dst.state is F, dst
-        assert "TEST FAULT ARMED" in prefill.output
+        assert "FAULT INJECTION ARMED" in prefill.output
         # The bystander's send handshakes a new link; decode must not fail the bystander
         # when it replaces the old link.
         p.send("bystander", 2, 2000, decode.address)

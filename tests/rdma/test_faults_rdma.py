@@ -167,7 +167,7 @@ def test_qp_error_names_the_verbs_status_and_the_qp_is_rebuilt(
     # receive WRs were flushed (IBV_WC_WR_FLUSH_ERR): a verbs status either way.
     assert dst.state is F and "IBV_WC_" in dst.detail, dst
     assert tp < DETECT_S and td < DETECT_S, (tp, td)
-    assert "TEST FAULT: writing" in pair.prefill.output
+    assert "FAULT INJECTED: writing" in pair.prefill.output
     # The next request handshakes again: new QPs on both sides, the failed ones destroyed.
     assert run_request(p, d, "qp-after", 8192, 2, timeout=120).ok
     qp_after = one_qp_each(pair)
