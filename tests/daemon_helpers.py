@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvbeam.client import KvbeamClient
+from kvbeam.client import Busy, KvbeamClient
 from kvbeam.procs import DaemonProcess, PendingDaemon, spawn_daemon, start_daemon
 from kvbeam.server.auth import Security
 
 REPO = Path(__file__).resolve().parent.parent
+#: Request slots of the shipped decode configs (docker/config/decode*.yaml).
+DECODE_SLOTS = 16
 CONFIGS = REPO / "docker" / "config"
 #: Short deadlines keep fault tests fast; far below sglang's 300 s either way.
 FAST = ["--deadline-bootstrap-s", "4", "--deadline-waiting-s", "4",
@@ -98,3 +101,30 @@ def pair(*, paged: bool = False, transport: str = "tcp", decode_extra: Sequence[
     finally:
         prefill.stop()
         decode.stop()
+
+
+def free_slots(d: KvbeamClient, prefill: str = "127.0.0.1:1", most: int = DECODE_SLOTS) -> int:
+    """How many reservations decode grants right now, up to ``most + 1`` (all aborted again).
+
+    ``most`` free means no slot leaked; the extra probe catches a pool larger than expected.
+    """
+    got: list[str] = []
+    try:
+        for i in range(most + 1):
+            rid = f"probe-{time.monotonic_ns()}-{i}"
+            d.reserve(rid, 16, prefill)
+            got.append(rid)
+    except Busy:
+        pass
+    finally:
+        for rid in got:
+            d.abort(rid, "probe")
+    return len(got)
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set size of a process (VmRSS), KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")

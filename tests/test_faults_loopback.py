@@ -17,37 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvbeam.client import Busy, KvbeamClient
-from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.procs import wait_until
 from kvbeam.scheduler import run_request
 from kvbeam.server.lifecycle import FailureReason, TransferState
-from tests.daemon_helpers import pair, start
+from tests.daemon_helpers import DECODE_SLOTS, free_slots, pair, rss_kib, start
 
 S, F = TransferState.SUCCESS, TransferState.FAILED
-DECODE_SLOTS = 16  # docker/config/decode.yaml
-
-
-def _slots_all_free(d: KvbeamClient, prefill: str) -> bool:
-    """Reserve every slot (then abort them): True when none leaked."""
-    held: list[str] = []
-    try:
-        for i in range(DECODE_SLOTS):
-            rid = f"probe-{time.monotonic_ns()}-{i}"
-            d.reserve(rid, 1, prefill)
-            held.append(rid)
-        return True
-    except Busy:
-        return False
-    finally:
-        for rid in held:
-            d.abort(rid)
-
-
-def _rss_kib(daemon: DaemonProcess) -> int:
-    with open(f"/proc/{daemon.proc.pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 def test_prefill_killed_with_a_reservation_pending() -> None:
@@ -62,7 +37,7 @@ def test_prefill_killed_with_a_reservation_pending() -> None:
             st = d.wait("pending", 20)
             assert st.state is F and st.reason is FailureReason.TIMEOUT
             assert time.monotonic() - t0 < 8  # bootstrap deadline 4 s in these tests
-            assert _slots_all_free(d, prefill.address)
+            assert free_slots(d, prefill.address) == DECODE_SLOTS
     finally:
         decode.stop()
 
@@ -102,7 +77,7 @@ def test_after_success_a_dying_peer_changes_nothing() -> None:
         time.sleep(2.0)  # four heartbeat periods: a lost peer would have been noticed
         assert d.status("landed").state is S
         assert d.release("landed").state is S
-        assert _slots_all_free(d, prefill.address)
+        assert free_slots(d, prefill.address) == DECODE_SLOTS
     with pair() as (prefill, decode, p, d):
         assert run_request(p, d, "landed2", 5000, 2).ok
         decode.kill()
@@ -121,7 +96,7 @@ def test_stalled_scheduler_between_chunks_times_out_on_both_sides() -> None:
         assert dst.state is F and pst.state is F
         assert FailureReason.TIMEOUT in (dst.reason, pst.reason), (dst, pst)
         assert time.monotonic() - t0 < 15
-        assert _slots_all_free(d, prefill.address)
+        assert free_slots(d, prefill.address) == DECODE_SLOTS
         assert run_request(p, d, "next", 4000, 3).ok
 
 
@@ -142,16 +117,16 @@ def test_reserve_flood_is_resource_exhausted_without_memory_growth() -> None:
 
         with ThreadPoolExecutor(4) as pool:  # warm up gRPC's and Python's allocators
             assert sum(pool.map(flood, [250] * 4, [f"w{i}" for i in range(4)])) == 1000
-        before = _rss_kib(decode)
+        before = rss_kib(decode.proc.pid)
         with ThreadPoolExecutor(8) as pool:
             busy = sum(pool.map(flood, [500] * 8, [f"f{i}" for i in range(8)]))
-        after = _rss_kib(decode)
+        after = rss_kib(decode.proc.pid)
         assert busy == 4000  # every one refused, none queued
         assert after - before < 16 * 1024, (before, after)  # KiB: no per-call growth
         assert decode.proc.poll() is None
         for i in range(DECODE_SLOTS):
             d.abort(f"hold-{i}")
-        assert _slots_all_free(d, prefill.address)
+        assert free_slots(d, prefill.address) == DECODE_SLOTS
 
 
 def test_send_flood_past_max_inflight_is_resource_exhausted() -> None:
@@ -205,7 +180,7 @@ def test_sigkill_mid_chunks_frees_everything_on_the_survivor(victim: str) -> Non
             assert time.monotonic() - t0 < 10
             assert survivor.healthy()
             if victim == "prefill":
-                assert _slots_all_free(d, prefill.address)
+                assert free_slots(d, prefill.address) == DECODE_SLOTS
     finally:
         prefill.stop()
         decode.stop()

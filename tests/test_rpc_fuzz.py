@@ -23,7 +23,7 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbeam.client import Busy, KvbeamClient
+from kvbeam.client import KvbeamClient
 from kvbeam.procs import wait_until
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.scheduler import run_request
@@ -31,7 +31,7 @@ from kvbeam.server.decode import DecodeServicer
 from kvbeam.server.prefill import PrefillServicer
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.settings import resolve
-from tests.daemon_helpers import config
+from tests.daemon_helpers import DECODE_SLOTS, config, free_slots
 
 EXAMPLES = int(os.environ.get("KVBEAM_FUZZ_EXAMPLES", "150"))
 SERVICE = "/kvbeam.v1.KvbeamControl/"
@@ -98,26 +98,12 @@ def daemons() -> Iterator[tuple[Daemon, Daemon]]:
         with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
             assert p.healthy() and d.healthy()
             # every slot comes back once the fuzz's reservations lapse
-            assert wait_until(lambda: _all_slots_free(d, prefill.address), 20)
+            assert wait_until(lambda: free_slots(d, prefill.address) == DECODE_SLOTS, 20)
             assert run_request(p, d, "after-fuzz", 3000, 1, timeout=30).ok
     finally:
         for daemon in (prefill, decode):
             daemon.channel.close()
             daemon.runtime.stop(grace=0.5)
-
-
-def _all_slots_free(d: KvbeamClient, prefill: str) -> bool:
-    held = []
-    try:
-        for i in range(16):  # decode.yaml has 16 request slots
-            d.reserve(f"probe-{i}", 1, prefill)
-            held.append(f"probe-{i}")
-        return True
-    except Busy:
-        return False
-    finally:
-        for rid in held:
-            d.abort(rid)
 
 
 FUZZ = settings(max_examples=EXAMPLES, deadline=None,

@@ -164,11 +164,3 @@ def qps(device: str) -> list[tuple[int, str]]:
         if fields.get("type") == "RC" and fields.get("link", "").split("/")[0] == device:
             found.append((int(fields["lqpn"]), fields.get("state", "?")))
     return found
-
-
-def rss_kib(pid: int) -> int:
-    """Resident set size of a process (VmRSS), KiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for pid {pid}")

@@ -16,11 +16,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvbeam.client import Busy, KvbeamClient, Status
+from kvbeam.client import KvbeamClient, Status
 from kvbeam.procs import wait_until
 from kvbeam.scheduler import drive, run_request
 from kvbeam.server.lifecycle import FailureReason, TransferState
-from tests.daemon_helpers import STARTUP_S, spawn
+from tests.daemon_helpers import STARTUP_S, free_slots, spawn
 from tests.rdma import netfaults
 from tests.rdma.conftest import WirePair
 
@@ -44,22 +44,6 @@ def clients(wire_pair: WirePair) -> Iterator[tuple[KvbeamClient, KvbeamClient]]:
     with KvbeamClient(wire_pair.prefill.address) as p, \
             KvbeamClient(wire_pair.decode.address) as d:
         yield p, d
-
-
-def free_slots(d: KvbeamClient) -> int:
-    """How many reservations decode grants right now (all are aborted again)."""
-    got: list[str] = []
-    try:
-        for i in range(SLOTS + 1):
-            rid = f"probe-{time.monotonic_ns()}-{i}"
-            d.reserve(rid, 16, NOWHERE)
-            got.append(rid)
-    except Busy:
-        pass
-    finally:
-        for rid in got:
-            d.abort(rid, "probe")
-    return len(got)
 
 
 def one_qp_each(pair: WirePair) -> tuple[int, int]:
@@ -134,7 +118,7 @@ def test_partition_mid_request_fails_bounded_then_heals(
     assert run_request(p, d, f"{cut}-after", 8192, 3, timeout=120).ok
     qp_after = one_qp_each(pair)
     assert qp_after[0] != qp_before[0] and qp_after[1] != qp_before[1], (qp_before, qp_after)
-    assert wait_until(lambda: free_slots(d) == SLOTS, 30)
+    assert wait_until(lambda: free_slots(d, NOWHERE) == SLOTS, 30)
 
 
 def finish(p: KvbeamClient, d: KvbeamClient, rid: str, seq_len: int, slot: int) -> Status:
@@ -172,7 +156,7 @@ def test_qp_error_names_the_verbs_status_and_the_qp_is_rebuilt(
     assert run_request(p, d, "qp-after", 8192, 2, timeout=120).ok
     qp_after = one_qp_each(pair)
     assert qp_after[0] != qp_before[0] and qp_after[1] != qp_before[1], (qp_before, qp_after)
-    assert wait_until(lambda: free_slots(d) == SLOTS, 30)
+    assert wait_until(lambda: free_slots(d, NOWHERE) == SLOTS, 30)
 
 
 def _wire_args(pair: WirePair, role: str) -> list[str]:
@@ -228,7 +212,7 @@ def test_sigkill_during_the_handshake_and_while_idle(
         print(f"FAULT decode SIGKILL while idle: prefill dropped its QP to it after "
               f"{time.monotonic() - t0:.2f}s")
         assert time.monotonic() - t0 < DETECT_S
-        assert wait_until(lambda: free_slots(d) == SLOTS, 30)
+        assert wait_until(lambda: free_slots(d, NOWHERE) == SLOTS, 30)
         assert run_request(p, d, "kill-after", 4096, 4, timeout=120).ok
     finally:
         p2.stop()
@@ -240,7 +224,7 @@ def test_nothing_leaked_after_the_faults(wire_pair: WirePair,
     """Every slot and transfer came back: a full house of concurrent requests succeeds."""
     pair = wire_pair
     _, d = clients
-    assert wait_until(lambda: free_slots(d) == SLOTS, 30)
+    assert wait_until(lambda: free_slots(d, NOWHERE) == SLOTS, 30)
     results = drive(pair.prefill.address, pair.decode.address, [4096] * SLOTS,
                     source_slots=8, concurrency=SLOTS, timeout=180, prefix="full")
     assert all(r.ok for r in results), [r for r in results if not r.ok]

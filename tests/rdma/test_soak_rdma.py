@@ -32,9 +32,9 @@ import pytest
 from kvbeam.client import KvbeamClient
 from kvbeam.procs import wait_until
 from kvbeam.scheduler import RequestResult, run_request
-from tests.rdma import netfaults
+from tests.daemon_helpers import free_slots, rss_kib
 from tests.rdma.conftest import WirePair
-from tests.rdma.test_faults_rdma import SLOTS, free_slots
+from tests.rdma.test_faults_rdma import NOWHERE, SLOTS
 
 pytestmark = pytest.mark.rdma
 
@@ -58,7 +58,7 @@ def test_soak(wire_pair: WirePair) -> None:
         warm = [run_request(p, d, f"soak-warm-{i}", 1 + i * 500, i % SOURCE_SLOTS,
                             timeout=120) for i in range(WARMUP)]
         assert all(r.ok for r in warm), [r for r in warm if not r.ok]
-        before = {role: netfaults.rss_kib(pid) for role, pid in pids.items()}
+        before = {role: rss_kib(pid) for role, pid in pids.items()}
 
         results: list[RequestResult] = []
         lock = threading.Lock()
@@ -83,8 +83,8 @@ def test_soak(wire_pair: WirePair) -> None:
             t.join(SOAK_S + 300)
         elapsed = time.monotonic() - t0
         # Everything released: the slots are free again before memory is measured.
-        assert wait_until(lambda: free_slots(d) == SLOTS, 60)
-    after = {role: netfaults.rss_kib(pid) for role, pid in pids.items()}
+        assert wait_until(lambda: free_slots(d, NOWHERE) == SLOTS, 60)
+    after = {role: rss_kib(pid) for role, pid in pids.items()}
 
     bad = [r for r in results if not r.ok]
     lat = np.array([r.send_to_success_s for r in results if r.ok]) * 1e3
