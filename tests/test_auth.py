@@ -158,6 +158,14 @@ def test_mtls_handshake_with_certificates_from_the_ca(pki: Pki) -> None:
         assert len(server.peers) == 1  # one prefill instance, handshook twice
 
 
+def _assert_tls_refuses(address: str, creds: grpc.ChannelCredentials, side: SideInfo) -> None:
+    """A raw gRPC Handshake over TLS with ``creds`` dies in the TLS handshake (UNAVAILABLE)."""
+    with grpc.secure_channel(address, creds) as channel, pytest.raises(grpc.RpcError) as info:
+        control_stub(channel).Handshake(pb.HandshakeRequest(side=side_to_proto(side)),
+                                        timeout=3)
+    assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
 def test_mtls_refuses_a_peer_without_a_certificate(pki: Pki) -> None:
     prefill, decode = sides()
     with serving(decode, pki.security("decode")) as server:
@@ -166,11 +174,7 @@ def test_mtls_refuses_a_peer_without_a_certificate(pki: Pki) -> None:
             c.handshake(prefill)
         # TLS that trusts our CA, but presents no client certificate.
         creds = grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes())
-        with grpc.secure_channel(server.address, creds) as channel, \
-                pytest.raises(grpc.RpcError) as info:
-            control_stub(channel).Handshake(
-                pb.HandshakeRequest(side=side_to_proto(prefill)), timeout=3)
-        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        _assert_tls_refuses(server.address, creds, prefill)
         assert len(server.peers) == 0
 
 
@@ -184,11 +188,7 @@ def test_mtls_refuses_a_certificate_from_another_ca(pki: Pki, rogue_pki: Pki) ->
         cert, key = rogue_pki.issue("intruder")
         creds = grpc.ssl_channel_credentials(pki.ca.read_bytes(), key.read_bytes(),
                                              cert.read_bytes())
-        with grpc.secure_channel(server.address, creds) as channel, \
-                pytest.raises(grpc.RpcError) as info:
-            control_stub(channel).Handshake(
-                pb.HandshakeRequest(side=side_to_proto(prefill)), timeout=3)
-        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        _assert_tls_refuses(server.address, creds, prefill)
         assert len(server.peers) == 0
 
 
