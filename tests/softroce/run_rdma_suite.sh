@@ -118,6 +118,10 @@ else
   bash -c "$SCRIPT" || rc=$?
 fi
 
+# Figures tests leave behind (e.g. the soak's soak.json) go into the log: CI keeps only that.
+for f in "$RESULTS"/*.json; do
+  [ -f "$f" ] && say "$(basename "$f"): $(tr -s ' \n' ' ' < "$f")"
+done
 if [ "$rc" -eq 0 ]; then
   say "PASSED (mode $MODE; results in $RESULTS)"
 elif [ "$PYTEST" = 1 ] && [ "$rc" -eq 5 ]; then
