@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import time
+import tomllib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,9 +28,17 @@ BASE_IMAGE = os.environ.get("KVBEAM_TEST_BASE_IMAGE", "kvbeam-base:bookworm")
 IMAGE = os.environ.get("KVBEAM_TEST_IMAGE", "kvbeam:compose-test")
 DEBIAN_MIRROR = os.environ.get("KVBEAM_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 #: The packages the image needs, pinned like pyproject.toml's dependencies.
-WHEEL_REQUIREMENTS = ("torch==2.13.0", "numpy>=1.26", "pyyaml>=6.0", "grpcio>=1.85,<2",
-                      "grpcio-health-checking>=1.85,<2", "protobuf>=7.35,<8", "crc32c>=2.4",
-                      "setuptools>=68", "wheel")
+#: The image pins torch to the CPU wheel this machine has (an unpinned torch pulls CUDA).
+TORCH_PIN = "torch==2.13.0"
+
+
+def wheel_requirements() -> list[str]:
+    """Everything the image installs: kvbeam's own dependencies and build requirements,
+    read from pyproject.toml (one list to keep), with torch pinned."""
+    with (REPO / "pyproject.toml").open("rb") as f:
+        meta = tomllib.load(f)
+    deps = [d for d in meta["project"]["dependencies"] if not d.startswith("torch")]
+    return [TORCH_PIN, *deps, *meta["build-system"]["requires"]]
 
 
 class DockerSetupError(RuntimeError):
@@ -157,13 +166,16 @@ def ensure_wheelhouse(timings: Timings) -> Path:
     """``.docker-cache/wheels``: every wheel the image installs, fetched once through the
     machine's pip configuration (here: torch's CPU wheel from the local find-links)."""
     wheels = CACHE / "wheels"
-    if any(wheels.glob("torch-*.whl")):
+    wanted = wheel_requirements()
+    stamp = wheels / "requirements.txt"  # what the cached wheels were fetched for
+    if stamp.is_file() and stamp.read_text().split() == wanted:
         return wheels
     wheels.mkdir(parents=True, exist_ok=True)
     pip = REPO / ".venv/bin/pip"
     with timings.step("wheelhouse"):
-        run([str(pip), "download", "-q", "--only-binary=:all:", "-d", str(wheels),
-             *WHEEL_REQUIREMENTS], timeout=900)
+        run([str(pip), "download", "-q", "--only-binary=:all:", "-d", str(wheels), *wanted],
+            timeout=900)
+    stamp.write_text("\n".join(wanted) + "\n")
     return wheels
 
 
