@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from tests.integration.docker_env import REPO, run
 #: The RDMA variant (inside the soft-RoCE guest): the override file and the rxe netdev.
 RDMA = os.environ.get("KVBEAM_COMPOSE_RDMA", "") not in ("", "0")
 SOFTROCE_IFACE = os.environ.get("KVBEAM_COMPOSE_SOFTROCE", "rxenet0")
+#: The shared control-plane token of this test session (compose.yaml requires one).
+AUTH_TOKEN = secrets.token_hex(16)
 
 
 @dataclass
@@ -33,7 +36,7 @@ class Compose:
     @property
     def environment(self) -> dict[str, str]:
         """The variables the compose file reads."""
-        base = {"KVBEAM_IMAGE": self.image}
+        base = {"KVBEAM_IMAGE": self.image, "KVBEAM_AUTH_TOKEN": AUTH_TOKEN}
         if RDMA:
             base |= {"KVBEAM_SOFTROCE": SOFTROCE_IFACE}
         return base | self.env
