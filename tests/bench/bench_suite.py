@@ -37,14 +37,16 @@ from typing import Any
 
 import numpy as np
 
-from kvbeam.transport.base import Access
-from kvbeam.transport.endpoint import Region
 from kvbeam.transport.options import TransportOptions
-from kvbeam.transport.testpeer import PeerConfig, PeerProcess, buffer_address
-from kvbeam.transport.verbs import VerbsTransport
 from tests.bench import bench_scaling as sc
 from tests.bench.bench_request import RequestRow, run_requests
-from tests.bench.bench_transport import BUFFER, ib_write_bw, ref_seconds, run_kvbeam
+from tests.bench.bench_transport import (
+    BUFFER,
+    ib_write_bw,
+    ref_seconds,
+    run_kvbeam,
+    sender_and_receiver,
+)
 
 SIZES = [4 << 10, 64 << 10, 1 << 20]
 LAT_ITERS = {4 << 10: 300, 64 << 10: 100, 1 << 20: 20}
@@ -136,15 +138,9 @@ def mooncake(args: argparse.Namespace) -> dict[str, Any]:
 def kvbeam_raw(args: argparse.Namespace, src: mmap.mmap) -> dict[str, Any]:
     """kvbeam's verbs transport, whole-buffer transfers of each size, two in flight."""
     options = TransportOptions(op_timeout_s=60.0)
-    peer = PeerProcess(PeerConfig("rdma", BUFFER, Access.REMOTE_WRITE, device=args.device,
-                                  gid_index=args.gid_index, options=options))
-    transport = VerbsTransport(args.device, args.gid_index, options)
     out: dict[str, Any] = {}
-    try:
-        transport.register([Region(buffer_address(src), BUFFER)], Access.LOCAL)
-        link = transport.create_link()
-        peer.connect(link.endpoint)
-        link.connect(peer.endpoint)
+    with sender_and_receiver(args.device, args.gid_index, options, src) as (transport, link,
+                                                                           peer):
         for size in SIZES:
             runs = []
             for _ in range(args.repeat):
@@ -157,9 +153,6 @@ def kvbeam_raw(args: argparse.Namespace, src: mmap.mmap) -> dict[str, Any]:
                               "post_us_per_block": median(r[3] for r in runs),
                               "crc_ok": all(r[4] for r in runs)}
             log(f"kvbeam raw {size} B: {out[str(size)]['runs_gbps']}")
-    finally:
-        transport.close()
-        peer.close()
     return out
 
 

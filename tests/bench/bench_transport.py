@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from statistics import median
 
@@ -97,6 +99,26 @@ def _ib_write_bw(device: str, gid_index: int, size: int, seconds: int, port: int
     raise RuntimeError(f"ib_write_bw printed no result:\n{client.stdout}\n{client.stderr}")
 
 
+@contextmanager
+def sender_and_receiver(device: str, gid_index: int, options: TransportOptions, src: mmap.mmap,
+                        *, raw_chains: bool | None = None
+                        ) -> Iterator[tuple[VerbsTransport, VerbsLink, PeerProcess]]:
+    """A sender transport with ``src`` registered, linked to a receiver process holding a
+    BUFFER-byte remote-write region; both closed afterwards."""
+    peer = PeerProcess(PeerConfig("rdma", BUFFER, Access.REMOTE_WRITE, device=device,
+                                  gid_index=gid_index, options=options))
+    transport = VerbsTransport(device, gid_index, options, raw_chains=raw_chains)
+    try:
+        transport.register([Region(buffer_address(src), BUFFER)], Access.LOCAL)
+        link = transport.create_link()
+        peer.connect(link.endpoint)
+        link.connect(peer.endpoint)
+        yield transport, link, peer
+    finally:
+        transport.close()
+        peer.close()
+
+
 def run_kvbeam(transport: VerbsTransport, link: VerbsLink, peer: PeerProcess, src: mmap.mmap,
                size: int, seconds: float) -> tuple[float, float, float, float, bool]:
     """Write BUFFER bytes as SIZE blocks repeatedly for ``seconds``; two transfers in flight."""
@@ -154,17 +176,9 @@ def main() -> None:
 
     src = mmap.mmap(-1, BUFFER)
     src.write(np.random.default_rng(7).integers(0, 256, BUFFER, dtype=np.uint8).tobytes())
-    src_addr = buffer_address(src)
-    peer = PeerProcess(PeerConfig("rdma", BUFFER, Access.REMOTE_WRITE, device=args.device,
-                                  gid_index=args.gid_index, options=options))
-    transport = VerbsTransport(args.device, args.gid_index, options,
-                               raw_chains=args.posting == "raw")
     rows = []
-    try:
-        transport.register([Region(src_addr, BUFFER)], Access.LOCAL)
-        link = transport.create_link()
-        peer.connect(link.endpoint)
-        link.connect(peer.endpoint)
+    with sender_and_receiver(args.device, args.gid_index, options, src,
+                             raw_chains=args.posting == "raw") as (transport, link, peer):
         for size in sizes:
             runs = []
             for _ in range(args.repeat):
@@ -181,9 +195,6 @@ def main() -> None:
                             median([r.py_us_per_block for r in runs]),
                             median([r.post_us_per_block for r in runs]),
                             all(r.crc_ok for r in runs)))
-    finally:
-        transport.close()
-        peer.close()
 
     print(f"\nkvbeam verbs transport vs ib_write_bw on {args.device} (gid {args.gid_index}), "
           f"{args.seconds} s each, median of {args.repeat}, {args.posting} posting, signal every "
