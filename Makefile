@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # Debian packages: RDMA user space + the soft-RoCE guest (qemu, busybox, kernel tools).
 APT_PACKAGES := qemu-system-x86 busybox-static cpio kmod iproute2 rdma-core ibverbs-utils \
-	ibverbs-providers libibverbs1 perftest python3-pyverbs \
+	ibverbs-providers libibverbs1 perftest python3-pyverbs openssl \
 	docker.io containerd runc iptables docker-compose debootstrap
 SETUP_STAMP := $(VENV)/.kvbeam-setup
 
