@@ -25,16 +25,23 @@ F = TransferState.FAILED
 
 def test_every_corruption_is_caught() -> None:
     env = {CORRUPT_LANDED_ENV: "1", SEED_ENV: "7"}
-    with pair(decode_env=env) as (prefill, decode, _p, d):
+    with pair(decode_env=env) as (prefill, decode, p, d):
         results = drive(prefill.address, decode.address, [1, 127, 4096, 20000, 32768],
                         source_slots=8, concurrency=2, prefix="corrupt")
         assert [r.state.startswith("Failed(integrity") for r in results] == [True] * 5, results
         for r in results:
-            # prefill's Success means its writes completed; decode's verdict comes after
-            # (asynchronously) and prefill logs it
+            # Prefill learns of decode's verdict either way the race goes: decode's abort
+            # arrives after prefill's own Success (prefill logs it) or before the last write
+            # completion reached prefill (prefill's request fails with decode's detail).
             notice = (f"request {r.request_id}: decode reports a failure after this side "
                       "ended: decode integrity check failed")
-            assert wait_until(lambda n=notice: n in prefill.output, 10), notice
+
+            def told(rid: str = r.request_id, n: str = notice) -> bool:
+                st = p.status(rid)
+                return n in prefill.output or (
+                    st.state is F and "decode integrity check failed" in st.detail)
+
+            assert wait_until(told, 10), notice
             dst = d.status(r.request_id)
             assert dst.reason is FailureReason.INTEGRITY and "CRC32C mismatch" in dst.detail
         assert decode.output.count("FAULT INJECTED: corrupted") == 5
