@@ -25,13 +25,15 @@ system-deps: ## install the Debian packages (root; skipped when all are present)
 			--no-install-recommends $$missing >/dev/null; \
 	fi
 
-$(SETUP_STAMP): pyproject.toml
+$(SETUP_STAMP): pyproject.toml setup.py
 	$(MAKE) system-deps
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: 2.13.0 is the CPU wheel on disk; an unpinned torch pulls CUDA.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
+	# setuptools' default editable mode: an import hook that follows pyproject's package-dir
+	# (kvbeam.pools -> pools/, ...); compat mode only puts the repository on sys.path.
+	$(PY) -m pip install -q -e '.[dev]'
 	bash tests/softroce/setup.sh
 	touch $@
 
@@ -42,7 +44,7 @@ demo: setup ## prefill + decode daemons, requests through the scheduler API (RDM
 
 lint: setup ## ruff and mypy
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy
+	$(PY) -m tests.typecheck
 
 proto: setup ## regenerate the committed protobuf/gRPC stubs
 	bash proto/generate.sh
@@ -57,7 +59,7 @@ test-rdma: setup ## the RDMA suite inside the soft-RoCE harness (device, rdma_rx
 	bash tests/softroce/run_rdma_suite.sh
 
 test-compose: setup ## docker images + docker-compose: host (TCP), then RDMA in the soft-RoCE guest
-	bash tests/integration/run_compose_suite.sh
+	bash tests/compose/run_compose_suite.sh
 
 test: lint proto-check test-host test-rdma test-compose ## everything CI runs
 

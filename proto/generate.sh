@@ -6,10 +6,11 @@
 #                              if the result differs from the committed files (CI)
 #
 # Import path: protoc names generated imports after the path of the .proto file
-# relative to its include root. We compile kvbeam/proto/kvbeam/v1/kvbeam.proto
-# with the repository root as the include root (kvbeam/proto is a symlink to
-# proto/), so the generated code imports `kvbeam.proto.kvbeam.v1.kvbeam_pb2`,
-# which is where the package lives. No post-processing is needed.
+# relative to its include root. proto/ is installed as the package kvbeam.proto
+# (pyproject's package-dir), so the .proto is copied to kvbeam/proto/kvbeam/v1/
+# in a temporary include root and compiled from there: the generated code imports
+# `kvbeam.proto.kvbeam.v1.kvbeam_pb2`, which is where the module is installed.
+# No post-processing is needed.
 #
 # The output depends on the grpcio-tools version (it embeds GRPC_GENERATED_VERSION
 # and a protobuf runtime check). Regenerate with the version in .venv; --check
@@ -26,7 +27,7 @@ mode=write
 case "${1:-}" in
     "") ;;
     --check) mode=check ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "usage: $0 [--check]" >&2; exit 2 ;;
 esac
 
@@ -37,11 +38,13 @@ files=(kvbeam_pb2.py kvbeam_pb2.pyi kvbeam_pb2_grpc.py)
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 
-cd "$root"
+mkdir -p "$tmp/include/$(dirname "$proto_rel")" "$tmp/out"
+cp "$dest/kvbeam.proto" "$tmp/include/$proto_rel"
+cd "$tmp/include"
 "$python" -m grpc_tools.protoc -I . \
-    --python_out="$tmp" --pyi_out="$tmp" --grpc_python_out="$tmp" \
+    --python_out="$tmp/out" --pyi_out="$tmp/out" --grpc_python_out="$tmp/out" \
     "$proto_rel"
-gen="$tmp/kvbeam/proto/kvbeam/v1"
+gen="$tmp/out/kvbeam/proto/kvbeam/v1"
 
 if [[ "$mode" == write ]]; then
     for f in "${files[@]}"; do cp "$gen/$f" "$dest/$f"; done

@@ -76,12 +76,21 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"compatible": None, "prefill": args.prefill, "decode": args.decode,
                           "error": str(exc)}, indent=2))
         return EXIT_CONFIG_ERROR
-    if args.json:
-        print(json.dumps({"compatible": not diffs, "prefill": args.prefill,
-                          "decode": args.decode,
+    return print_verdict(args.prefill, args.decode, diffs, as_json=args.json)
+
+
+def print_verdict(prefill_path: str, decode_path: str, diffs: list[Difference], *,
+                  as_json: bool) -> int:
+    """Print :func:`verify`'s verdict (a table, or one JSON object); return the exit code.
+
+    ``kvbeam plan`` prints its refusal with this too, so both commands word it alike.
+    """
+    if as_json:
+        print(json.dumps({"compatible": not diffs, "prefill": prefill_path,
+                          "decode": decode_path,
                           "differences": [_difference_json(d) for d in diffs]}, indent=2))
     elif diffs:
-        print(f"INCOMPATIBLE: {args.prefill} (prefill) and {args.decode} (decode): "
+        print(f"INCOMPATIBLE: {prefill_path} (prefill) and {decode_path} (decode): "
               f"{len(diffs)} difference(s)")
         for d in diffs:
             values = ", ".join(f"{party}={value}" for party, value in d.values)
@@ -89,6 +98,6 @@ def run(args: argparse.Namespace) -> int:
             if values and values not in d.message:
                 print(f"      ({values})")
     else:
-        print(f"compatible: {args.prefill} (prefill) and {args.decode} (decode)")
+        print(f"compatible: {prefill_path} (prefill) and {decode_path} (decode)")
     sys.stdout.flush()
     return EXIT_INCOMPATIBLE if diffs else EXIT_COMPATIBLE

@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any
 
+from kvbeam.commands.check import print_verdict, verify
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.plan import TransferPlan, build_plan
@@ -20,6 +21,15 @@ Plan one request's transfer and print it: every component, every buffer, and the
 coalesced (source offset, destination offset, length) blocks. Offsets are relative
 to the start of each buffer. Without --decode, the destination uses the same
 layout as the source (same config on both sides).
+
+The configs first go through `kvbeam check` (the checks a daemon runs at start-up
+and at the handshake): a plan between pools that cannot exchange state is refused
+with check's report and its exit code.
+
+exit codes:
+  0  planned
+  1  incompatible pools (a side's target/draft, or prefill against decode)
+  2  a config or the request cannot be used
 
 examples:
   kvbeam plan --config docker/config/prefill.yaml --request-slot 7 --seq-len 129
@@ -64,7 +74,11 @@ def plan_to_dict(plan: TransferPlan, components: list[dict[str, Any]]) -> dict[s
 
 
 def run(args: argparse.Namespace) -> int:
-    """Plan and print."""
+    """Check the configs as `kvbeam check` does, then plan and print."""
+    decode_path = args.decode or args.config
+    diffs = verify(args.config, decode_path)
+    if diffs:
+        return print_verdict(args.config, decode_path, diffs, as_json=args.json)
     src_cfg = load_side_config(args.config)
     dst_cfg = load_side_config(args.decode) if args.decode else src_cfg
     dst_slot = args.request_slot if args.decode_slot is None else args.decode_slot

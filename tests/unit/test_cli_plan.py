@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 
 from kvbeam.cli import main
+from kvbeam.pools.checks import SAME_UNIFIED, SWA_ONLY
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PREFILL = str(REPO / "docker/config/prefill.yaml")
 DECODE = str(REPO / "docker/config/decode.yaml")
+DECODE_PAGED = str(REPO / "docker/config/decode-paged.yaml")
 
 
 def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,3 +47,57 @@ def test_console_script_help() -> None:
     out = subprocess.run([sys.executable, "-m", "kvbeam.cli", "plan", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "--request-slot" in out and "--decode-slot" in out
+
+
+# ---- the local checks: `kvbeam plan` refuses what `kvbeam check` and the daemons refuse ----
+def _draft_with(tmp_path: Path, old: str, new: str) -> str:
+    """The shipped prefill config with one line of its draft pool changed."""
+    text = Path(PREFILL).read_text()
+    head, draft = text.split("\ndraft:\n")
+    assert old in draft
+    path = tmp_path / "bad-draft.yaml"
+    path.write_text(head + "\ndraft:\n" + draft.replace(old, new, 1))
+    return str(path)
+
+
+def _plan_and_check(config: str, capsys: pytest.CaptureFixture[str],
+                    *extra: str) -> tuple[int, str, int, str]:
+    """(exit, stdout) of `kvbeam plan --config CONFIG`, then of `kvbeam check CONFIG CONFIG`."""
+    plan_code = main(["plan", "--config", config, "--request-slot", "1", "--seq-len", "64",
+                      *extra])
+    plan_out = capsys.readouterr().out
+    check_code = main(["check", *extra, config, config])
+    return plan_code, plan_out, check_code, capsys.readouterr().out
+
+
+def test_plan_refuses_a_draft_that_is_not_swa_only(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = _draft_with(tmp_path, "compression_ratios: [0]", "compression_ratios: [4]")
+    plan_code, plan_out, check_code, check_out = _plan_and_check(config, capsys)
+    assert plan_code == check_code == 1
+    assert plan_out == check_out
+    assert plan_out.startswith("INCOMPATIBLE: ")
+    assert f"{SWA_ONLY}: draft compression_ratios=[4]" in plan_out
+    assert "blocks" not in plan_out  # no plan printed
+
+
+def test_plan_refuses_target_and_draft_in_different_unified_modes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = _draft_with(tmp_path, "unified_kv: true", "unified_kv: false")
+    plan_code, plan_out, check_code, check_out = _plan_and_check(config, capsys, "--json")
+    assert plan_code == check_code == 1
+    assert json.loads(plan_out) == json.loads(check_out)
+    data = json.loads(plan_out)
+    assert data["compatible"] is False
+    assert {d["field"] for d in data["differences"]} == {"unified_kv"}
+    assert all(d["message"].startswith(f"{SAME_UNIFIED}: target=True, draft=False")
+               for d in data["differences"])
+
+
+def test_plan_refuses_an_incompatible_decode_side(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "--config", PREFILL, "--request-slot", "1", "--seq-len", "64",
+                 "--decode", DECODE_PAGED])
+    assert code == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"INCOMPATIBLE: {PREFILL} (prefill) and {DECODE_PAGED} (decode): ")
+    assert "prefill and decode pools differ in unified-KV mode" in out
