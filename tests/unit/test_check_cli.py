@@ -11,7 +11,7 @@ import pytest
 
 from kvbeam.cli import main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "docker/config"
 PREFILL = str(CONFIGS / "prefill.yaml")
 DECODE = str(CONFIGS / "decode.yaml")

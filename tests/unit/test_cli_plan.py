@@ -11,7 +11,7 @@ import pytest
 
 from kvbeam.cli import main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PREFILL = str(REPO / "docker/config/prefill.yaml")
 DECODE = str(REPO / "docker/config/decode.yaml")
 

@@ -24,7 +24,7 @@ from kvbeam.proto.version import PROTOCOL_VERSION, SERVICE_NAME
 from kvbeam.transport.endpoint import Endpoint, RemoteRegion
 from tests.control_helpers import config, draft_changed, rdma_endpoint, side, tcp_endpoint
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _msg(paged: bool = False, endpoint: Endpoint | None = None) -> pb.SideInfo:
