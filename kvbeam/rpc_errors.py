@@ -51,8 +51,6 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-
-
 # --- server side: a kvbeam error -> a status ---
 
 #: First match wins: subclasses before their bases.
