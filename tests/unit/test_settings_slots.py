@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
-from kvbeam.errors import ConfigError, KvbeamError
+from kvbeam.errors import ConfigError, KvbeamError, NoFreeSlot
 from kvbeam.server.settings import add_daemon_arguments, env_help, resolve
-from kvbeam.server.slots import NoFreeSlot, SlotPool
+from kvbeam.server.slots import SlotPool
 
 
 def _args(*argv: str) -> argparse.Namespace:

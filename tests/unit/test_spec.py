@@ -11,7 +11,7 @@ from kvbeam.errors import ConfigError
 from kvbeam.pools.spec import PoolSpec, SideConfig, load_side_config
 from tests.fixtures import UNIFIED_TARGET
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_sglang_fixture_geometry() -> None:
