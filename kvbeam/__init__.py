@@ -1,6 +1,7 @@
 """kvbeam: KV-state transport for prefill/decode disaggregated LLM serving.
 
-Subpackages (each a top-level folder of the repository):
+Subpackages (each a top-level folder of the repository, mapped into the package by
+pyproject.toml's package-dir: one name per module, no symlinks):
 
 - ``kvbeam.pools``: DeepSeek-V4 pool specs, layouts, torch allocation, index maps,
   transfer plans and the target/draft compatibility checks. The only package that
