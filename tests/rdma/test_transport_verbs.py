@@ -21,9 +21,9 @@ from kvbeam.errors import RegionError, TransportError
 from kvbeam.transport import Access, Blocks, Event, EventKind, Region, RemoteRegion
 from kvbeam.transport import status as st
 from kvbeam.transport.options import TransportOptions
-from kvbeam.transport.testpeer import PeerConfig, PeerProcess, buffer_address
 from tests.rdma.conftest import RdmaDevice
 from tests.transport_helpers import FILL, N, expected_after, plan
+from tests.transport_peer import PeerConfig, PeerProcess, buffer_address
 
 pytestmark = pytest.mark.rdma
 

@@ -10,15 +10,18 @@ from __future__ import annotations
 import itertools
 import mmap
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 # pyverbs is part of `make setup`: a missing one fails here rather than skipping.
-from kvbeam.transport import Access, Region, verbs, verbs_device
+from kvbeam.transport import Access, Event, EventKind, Region
 from kvbeam.transport.tcp import TcpTransport
-from kvbeam.transport.testpeer import buffer_address
+from kvbeam.transport.verbs import device as verbs_device
+from kvbeam.transport.verbs import transport as verbs
+from tests.transport_peer import buffer_address
 
 
 class FakeMR:
@@ -170,3 +173,78 @@ def test_shared_keys_mode_when_per_link_keys_is_off(monkeypatch: pytest.MonkeyPa
         assert [m.access for m in device.mrs] == [Access.REMOTE_WRITE]  # no per-link MRs
     finally:
         t.close()
+
+
+class SlowDevice(FakeDevice):
+    """A device whose registrations with one access stall until the test lets them go."""
+
+    slow_access = Access.REMOTE_WRITE
+    entered = threading.Event()
+    gate = threading.Event()
+
+    def register(self, addr: int, length: int, access: Access) -> FakeMR:
+        if access is self.slow_access:
+            self.entered.set()
+            assert self.gate.wait(10), "the test never let the registration finish"
+        return super().register(addr, length, access)
+
+
+@pytest.fixture
+def slow(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    monkeypatch.setattr(SlowDevice, "entered", threading.Event())
+    monkeypatch.setattr(SlowDevice, "gate", threading.Event())
+    monkeypatch.setattr(verbs, "VerbsDevice", SlowDevice)
+    monkeypatch.setattr(verbs, "QueuePair", FakeQueuePair)
+    t = verbs.VerbsTransport("fake0", 0, raw_chains=False)
+    yield t
+    SlowDevice.gate.set()
+    t.close()
+
+
+def _in_background(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    assert SlowDevice.entered.wait(5), "the registration never started"
+    return thread, out
+
+
+@pytest.mark.parametrize("what", ["create_link", "register"])
+def test_memory_registration_never_holds_the_transport_lock(slow: Any, what: str) -> None:
+    """While one link's keys (or a new pool) are being registered, which takes long on
+    a large pool, the progress thread can still take the transport lock and every other
+    link's events still flow."""
+    if what == "create_link":
+        slow.register([Region(0x10000, 4096)], Access.REMOTE_WRITE)  # shared MR: LOCAL
+        thread, out = _in_background(slow.create_link)
+    else:
+        SlowDevice.slow_access = Access.LOCAL
+        try:
+            thread, out = _in_background(
+                lambda: slow.register([Region(0x20000, 4096)], Access.LOCAL))
+        finally:
+            SlowDevice.slow_access = Access.REMOTE_WRITE
+    assert slow.lock.acquire(timeout=2), "a registration holds the transport lock"
+    slow.lock.release()
+    event = Event(EventKind.NOTIFIED, 7, 1)
+    done = threading.Thread(target=slow.emit, args=(event,), daemon=True)
+    done.start()
+    assert slow.events(timeout=2) == [event]
+    assert thread.is_alive()  # all of the above happened during the registration
+    SlowDevice.gate.set()
+    thread.join(5)
+    assert len(out) == 1
+    if what == "create_link":
+        assert [r.addr for r in out[0].endpoint.regions] == [0x10000]
+
+
+def test_a_registration_released_while_a_link_registers_over_it_is_not_granted(
+        slow: Any) -> None:
+    reg = slow.register([Region(0x10000, 4096)], Access.REMOTE_WRITE)
+    thread, out = _in_background(slow.create_link)
+    reg.release()  # meanwhile: create_link must not record (or leak) keys over it
+    SlowDevice.gate.set()
+    thread.join(5)
+    (link,) = out
+    assert link.endpoint.regions == ()
+    assert slow.device.live() == []

@@ -1,0 +1,45 @@
+"""The interface between a link and the transport that owns it.
+
+A link never reaches into its transport: everything it needs (the local key table,
+the regions its endpoint advertises, counting, emitting events, leaving the
+transport) goes through :class:`LinkHost`, which each transport implements and
+hands to every link it creates. The verbs transport adds what an RDMA link needs
+on top (:class:`kvbeam.transport.verbs.link.VerbsHost`), and so does TCP
+(:class:`kvbeam.transport.tcp.link.TcpHost`). Unit tests drive links against a
+fake host implementing the same protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvbeam.transport.base import Event
+from kvbeam.transport.endpoint import RemoteRegion
+from kvbeam.transport.options import TransportOptions
+from kvbeam.transport.regions import RegionTable
+
+
+class LinkHost(Protocol):
+    """What every link may ask of its transport; each method is thread-safe."""
+
+    @property
+    def options(self) -> TransportOptions:
+        """The transport's settings (slice size, deadlines, queue depths)."""
+
+    def local_keys(self) -> RegionTable:
+        """The registered local regions with their local keys (a consistent snapshot)."""
+
+    def link_regions(self, link_id: int) -> tuple[RemoteRegion, ...]:
+        """The regions (with keys) that link ``link_id``'s endpoint lets its peer write."""
+
+    def submitted(self, link_id: int, transfer_id: int, nbytes: int, nblocks: int) -> None:
+        """Count a write the link accepted; call before its completion can be emitted."""
+
+    def link_failed(self, status: str) -> None:
+        """Count a link failure with its status (a verbs status, TIMEOUT, a TCP status)."""
+
+    def emit(self, event: Event) -> None:
+        """Count and queue an event for :meth:`kvbeam.transport.base.Transport.events`."""
+
+    def forget(self, link_id: int) -> None:
+        """The link is released: drop it from the transport's books."""
