@@ -24,9 +24,15 @@ class TransportOptions:
     max_chain: int = 256
     # Receive WRs kept posted per QP: one is consumed per notification.
     recv_depth: int = 256
-    # Local ACK timeout exponent: 4.096 us * 2**14 = 67 ms per try.
-    qp_timeout: int = 14
-    retry_cnt: int = 3
+    # RC transport retries: an unacknowledged packet is resent after the local ACK
+    # timeout, 4.096 us * 2**qp_timeout (17: 0.54 s; the spec lets a NIC wait up to 4x),
+    # at most retry_cnt times (0-7), then the QP fails with IBV_WC_RETRY_EXC_ERR. Was
+    # 14/3 (67 ms, 0.27 s in all), which a loaded soft-RoCE guest exceeded; NCCL uses
+    # 18-20/7. 17/7 waits ~4.3 s in all: long enough for a busy host or a congested
+    # fabric, still inside op_timeout_s (and the daemons' 0.8 x Transferring deadline),
+    # so a silent partition ends with the NIC's verbs status, not our TIMEOUT.
+    qp_timeout: int = 17
+    retry_cnt: int = 7
     # 7 = retry forever on RNR NAK: a receiver briefly short of receive WRs must
     # not fail a transfer; op_timeout_s bounds the wait instead.
     rnr_retry: int = 7
@@ -50,3 +56,7 @@ class TransportOptions:
             raise ValueError(f"max_chain must be positive, got {self.max_chain}")
         if self.recv_depth < 1:
             raise ValueError(f"recv_depth must be positive, got {self.recv_depth}")
+        if not 0 <= self.qp_timeout <= 31:  # a 5-bit field of the QP attributes
+            raise ValueError(f"qp_timeout must be in [0, 31], got {self.qp_timeout}")
+        if not 0 <= self.retry_cnt <= 7:  # a 3-bit field
+            raise ValueError(f"retry_cnt must be in [0, 7], got {self.retry_cnt}")

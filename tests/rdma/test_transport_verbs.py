@@ -1,7 +1,7 @@
 """The verbs transport on a real (or soft-RoCE) device, between two processes.
 
 This process writes from an mmap buffer; a spawned peer process (kvbeam's
-testpeer, no torch) owns the remote-writable buffer. Peer start-up costs ~15 s
+tests/transport_peer.py, no torch) owns the remote-writable buffer. Peer start-up costs ~15 s
 under qemu TCG, so one peer serves most tests (re-handshaking with a new link
 where a test breaks one) and only the kill test spawns its own.
 """
