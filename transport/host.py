@@ -14,9 +14,11 @@ from __future__ import annotations
 from typing import Protocol
 
 from kvbeam.transport.base import Event
+from kvbeam.transport.core import EventQueue, RegistrationBook
 from kvbeam.transport.endpoint import RemoteRegion
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.regions import RegionTable
+from kvbeam.transport.stats import TransferMeter
 
 
 class LinkHost(Protocol):
@@ -43,3 +45,34 @@ class LinkHost(Protocol):
 
     def forget(self, link_id: int) -> None:
         """The link is released: drop it from the transport's books."""
+
+
+class LinkHostBase:
+    """The :class:`LinkHost` methods both transports implement alike, over their
+    registration book, transfer meter and event queue (which it creates)."""
+
+    def __init__(self) -> None:
+        self._book = RegistrationBook()
+        self._meter = TransferMeter()
+        self._events = EventQueue()
+
+    def events(self, timeout: float | None = 0.0) -> list[Event]:
+        """Queued events, waiting up to ``timeout`` for the first."""
+        return self._events.drain(timeout)
+
+    def local_keys(self) -> RegionTable:
+        """Registered local regions with their local keys."""
+        return self._book.local
+
+    def submitted(self, link_id: int, transfer_id: int, nbytes: int, nblocks: int) -> None:
+        """Count an accepted write."""
+        self._meter.submitted(link_id, transfer_id, nbytes, nblocks)
+
+    def link_failed(self, status: str) -> None:
+        """Count a link failure."""
+        self._meter.link_failed(status)
+
+    def emit(self, event: Event) -> None:
+        """Count and queue an event."""
+        self._meter.on_event(event)
+        self._events.put(event)

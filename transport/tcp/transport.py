@@ -25,18 +25,19 @@ from collections.abc import Sequence
 from kvbeam.errors import TransportError
 from kvbeam.transport import status as st
 from kvbeam.transport.base import Access, Event, EventKind, Registration, Transport
-from kvbeam.transport.core import EventQueue, RegistrationBook, wait_readable
+from kvbeam.transport.core import wait_readable
 from kvbeam.transport.endpoint import Region, RemoteRegion
+from kvbeam.transport.host import LinkHostBase
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.regions import RegionTable
-from kvbeam.transport.stats import TransferMeter, TransportStats
+from kvbeam.transport.stats import TransportStats
 from kvbeam.transport.tcp import wire
 from kvbeam.transport.tcp.link import TICK_S, TcpLink
 
 log = logging.getLogger(__name__)
 
 
-class TcpTransport(Transport):
+class TcpTransport(LinkHostBase, Transport):
     """Listens on ``host:port`` (port 0: any free port) and serves links over TCP."""
 
     kind = "tcp"
@@ -47,9 +48,7 @@ class TcpTransport(Transport):
         self.host = host or os.environ.get("KVBEAM_TCP_HOST", "127.0.0.1")
         self._listener = socket.create_server((self.host, port))
         self.port = int(self._listener.getsockname()[1])
-        self._events = EventQueue()
-        self._meter = TransferMeter()
-        self._book = RegistrationBook()
+        super().__init__()
         self._lock = threading.Lock()
         self._links: dict[int, TcpLink] = {}
         self._by_token: dict[str, TcpLink] = {}
@@ -78,10 +77,6 @@ class TcpTransport(Transport):
             self._by_token[link.token] = link
         return link
 
-    def events(self, timeout: float | None = 0.0) -> list[Event]:
-        """Queued events, waiting up to ``timeout`` for the first."""
-        return self._events.drain(timeout)
-
     def stats(self) -> TransportStats:
         """Counters: bytes sent (ACKed) and received (landed here), completions, failures."""
         with self._lock:
@@ -108,26 +103,9 @@ class TcpTransport(Transport):
         """``host:port`` of our listener."""
         return f"{self.host}:{self.port}"
 
-    def local_keys(self) -> RegionTable:
-        """Registered local regions (keys are 0 over TCP)."""
-        return self._book.local
-
     def link_regions(self, link_id: int) -> tuple[RemoteRegion, ...]:
         """Every remote-writable region: TCP links share them (the token names the link)."""
         return self._book.remote_regions()
-
-    def submitted(self, link_id: int, transfer_id: int, nbytes: int, nblocks: int) -> None:
-        """Count an accepted write."""
-        self._meter.submitted(link_id, transfer_id, nbytes, nblocks)
-
-    def link_failed(self, status: str) -> None:
-        """Count a link failure."""
-        self._meter.link_failed(status)
-
-    def emit(self, event: Event) -> None:
-        """Count and queue an event."""
-        self._meter.on_event(event)
-        self._events.put(event)
 
     def forget(self, link_id: int) -> None:
         """Drop a released link and its token: the token now names nothing."""

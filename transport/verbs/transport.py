@@ -52,12 +52,12 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from kvbeam.errors import RegionError, TransportError
-from kvbeam.transport.base import Access, Event, Registration, Transport
-from kvbeam.transport.core import EventQueue, RegistrationBook, wait_readable
+from kvbeam.transport.base import Access, Registration, Transport
+from kvbeam.transport.core import wait_readable
 from kvbeam.transport.endpoint import Region, RemoteRegion
+from kvbeam.transport.host import LinkHostBase
 from kvbeam.transport.options import TransportOptions
-from kvbeam.transport.regions import RegionTable
-from kvbeam.transport.stats import TransferMeter, TransportStats
+from kvbeam.transport.stats import TransportStats
 from kvbeam.transport.verbs.chain import Poster
 from kvbeam.transport.verbs.device import VerbsDevice
 from kvbeam.transport.verbs.link import VerbsLink
@@ -70,7 +70,7 @@ _MAX_SLEEP_S = 1.0  # upper bound on one sleep, so a lost wake-up costs at most 
 _BACKOFF_S = (1e-4, 5e-3)  # first and longest sleep when a link has no event fd
 
 
-class VerbsTransport(Transport):
+class VerbsTransport(LinkHostBase, Transport):
     """The verbs data plane on one device and GID index.
 
     ``raw_chains`` forces (True) or forbids (False) posting WR chains straight from
@@ -89,12 +89,10 @@ class VerbsTransport(Transport):
                                  f": {exc}") from exc
         self.options = options or TransportOptions()
         self.device = VerbsDevice(device, gid_index)
-        self._book = RegistrationBook()
+        super().__init__()
         self._mrs: dict[int, list[Any]] = {}
         #: Per link id: (registration, its remote-write MRs for that link), registration order.
         self._grants: dict[int, list[tuple[Registration, list[Any]]]] = {}
-        self._events = EventQueue()
-        self._meter = TransferMeter()
         self._lock = threading.RLock()
         self._links: dict[int, VerbsLink] = {}
         self._next_id = 1
@@ -214,10 +212,6 @@ class VerbsTransport(Transport):
             raise
         return grants
 
-    def events(self, timeout: float | None = 0.0) -> list[Event]:
-        """Queued events, waiting up to ``timeout`` for the first."""
-        return self._events.drain(timeout)
-
     def stats(self) -> TransportStats:
         """Counters: bytes and WRs sent, completions, QP errors, WRs in flight.
 
@@ -254,26 +248,9 @@ class VerbsTransport(Transport):
         """The transport lock (see the module docstring for the lock order)."""
         return self._lock
 
-    def local_keys(self) -> RegionTable:
-        """Registered local regions with their lkeys."""
-        return self._book.local
-
-    def submitted(self, link_id: int, transfer_id: int, nbytes: int, nblocks: int) -> None:
-        """Count an accepted write."""
-        self._meter.submitted(link_id, transfer_id, nbytes, nblocks)
-
     def posted(self, wrs: int) -> None:
         """Count posted WRs."""
         self._meter.posted(wrs)
-
-    def link_failed(self, status: str) -> None:
-        """Count a link failure."""
-        self._meter.link_failed(status)
-
-    def emit(self, event: Event) -> None:
-        """Count and queue an event."""
-        self._meter.on_event(event)
-        self._events.put(event)
 
     def forget(self, link_id: int) -> None:
         """Drop a released link; the progress thread stops servicing it."""
