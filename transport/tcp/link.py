@@ -56,6 +56,7 @@ class TcpLink(Link):
         self._progress = time.monotonic()
         self._failure: tuple[str, str] | None = None
         self._released = False
+        self._connecting = False  # connect() is dialling, without the lock
         self._threads: list[threading.Thread] = []
         self._inbound: set[socket.socket] = set()
         self._check_remote = True  # tests turn this off to make the receiver refuse a block
@@ -74,18 +75,26 @@ class TcpLink(Link):
         host, _, port = peer.address.rpartition(":")
         if not token or not host or not port.isdigit():
             raise TransportError(f"TCP endpoint lacks address or token: {peer.address!r}")
+        table = remote_table(peer.regions)
         with self._lock:
-            if self._sock is not None or self._released:
+            if self._sock is not None or self._released or self._connecting:
                 raise TransportError(f"link {self.id} is already connected or released")
-            self._peer = remote_table(peer.regions)
-            try:
-                sock = socket.create_connection((host, int(port)), self._t.options.op_timeout_s)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                wire.send_all(sock, wire.frame(wire.HELLO, length=len(token)) + token.encode())
-            except OSError as exc:
-                raise TransportError(f"cannot connect to TCP peer {peer.address}: {exc}",
-                                     st.TCP_CONNECTION_LOST) from exc
-            self._sock = sock
+            self._connecting = True
+        try:  # the connection and HELLO go out without the lock: they may take op_timeout_s
+            sock = socket.create_connection((host, int(port)), self._t.options.op_timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wire.send_all(sock, wire.frame(wire.HELLO, length=len(token)) + token.encode())
+        except OSError as exc:
+            with self._lock:
+                self._connecting = False
+            raise TransportError(f"cannot connect to TCP peer {peer.address}: {exc}",
+                                 st.TCP_CONNECTION_LOST) from exc
+        with self._lock:
+            self._connecting = False
+            if self._released:
+                _shutdown(sock)
+                raise TransportError(f"link {self.id} was released while connecting")
+            self._peer, self._sock = table, sock
             self._threads = [
                 threading.Thread(target=self._send_loop, name=f"kvbeam-tcp-send-{self.id}",
                                  daemon=True),
