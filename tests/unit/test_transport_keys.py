@@ -12,15 +12,18 @@ import mmap
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, ClassVar
 
 import pytest
 
 # pyverbs is part of `make setup`: a missing one fails here rather than skipping.
-from kvbeam.transport import Access, Event, EventKind, Region
+from kvbeam.procs import wait_until
+from kvbeam.transport import Access, Endpoint, Event, EventKind, Region, RemoteRegion
 from kvbeam.transport.tcp import TcpTransport
 from kvbeam.transport.verbs import device as verbs_device
 from kvbeam.transport.verbs import transport as verbs
+from kvbeam.transport.verbs.qp import RECV_TAG
 from tests.transport_peer import buffer_address
 
 
@@ -248,3 +251,65 @@ def test_a_registration_released_while_a_link_registers_over_it_is_not_granted(
     (link,) = out
     assert link.endpoint.regions == ()
     assert slow.device.live() == []
+
+
+class BrokenQueuePair(FakeQueuePair):
+    """Connects, then reports one flushed receive: the link fails on the progress thread."""
+
+    made: ClassVar[list[BrokenQueuePair]] = []
+
+    def __init__(self, dev: FakeDevice, opts: Any) -> None:
+        super().__init__(dev, opts)
+        self.broken = threading.Event()
+        self.made.append(self)
+
+    def to_rts(self, *args: Any) -> None:
+        pass
+
+    def arm(self) -> None:
+        pass
+
+    def poll(self, n: int) -> list[Any]:
+        if not self.broken.is_set():
+            return []
+        self.broken.clear()
+        return [SimpleNamespace(wr_id=RECV_TAG, status=5, vendor_err=0)]  # IBV_WC_WR_FLUSH_ERR
+
+
+def test_keys_of_a_link_that_fails_on_the_progress_thread_go_outside_the_lock(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(verbs, "VerbsDevice", FakeDevice)
+    monkeypatch.setattr(verbs, "QueuePair", BrokenQueuePair)
+    t = verbs.VerbsTransport("fake0", 0, raw_chains=False)
+    lock_free: list[bool] = []
+
+    def probe() -> None:
+        got = t.lock.acquire(timeout=2)
+        lock_free.append(got)
+        if got:
+            t.lock.release()
+
+    class WatchedMR(FakeMR):
+        def close(self) -> None:  # could another thread take the transport lock now?
+            thread = threading.Thread(target=probe)
+            thread.start()
+            thread.join()
+            super().close()
+
+    try:
+        t.register([Region(0x10000, 4096)], Access.REMOTE_WRITE)
+        monkeypatch.setattr(t.device, "register", lambda a, n, acc: t.device.mrs.append(
+            WatchedMR(a, n, acc)) or t.device.mrs[-1])
+        link = t.create_link()
+        (key,) = [r.rkey for r in link.endpoint.regions]
+        link.connect(Endpoint("rdma", (RemoteRegion(0x4000_0000, 4096, 9),), gid="fe80::2",
+                              qpns=(5,), psn=3, mtu=4096))
+        BrokenQueuePair.made[-1].broken.set()
+        event = t.events(timeout=5)
+        assert [e.status for e in event] == ["IBV_WC_WR_FLUSH_ERR"]  # LINK_FAILED
+        mr = next(m for m in t.device.mrs if m.rkey == key)
+        assert wait_until(lambda: mr.closed, 5)
+        assert lock_free == [True]  # deregistered after the progress thread let go
+        assert t.link_regions(link.id) == ()
+    finally:
+        t.close()

@@ -316,7 +316,7 @@ class VerbsLink(Link):
         if self._state not in ("failed", "released"):
             self._t.link_failed(status)
         self._stop("failed", status, detail)
-        # On the progress thread, so under the transport lock: a dead link's keys go now.
+        # A dead link's keys go now (on the progress thread: once it lets go of the lock).
         self._t.revoke(self.id)
 
     def _stop(self, state: str, status: str, detail: str) -> None:

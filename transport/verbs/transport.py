@@ -23,12 +23,12 @@ further down the list, never one above it):
 
 1. ``VerbsTransport._lock`` (re-entrant), the *transport lock*: the links table, the
    per-link grants, QP state changes, and every post and poll (the progress thread
-   holds it while it services links). Never held across a memory registration:
-   :meth:`VerbsTransport.register` and :meth:`VerbsTransport.create_link` register
-   their MRs first and take it only to record them; deregistration of a released
-   registration, a released link's keys and :meth:`VerbsTransport.close` run outside
-   it too. One exception: a link that *fails* on the progress thread revokes its keys
-   there, under it (the link is dead; its keys must go before anyone reuses them).
+   holds it while it services links). Never held across a memory registration or
+   deregistration: :meth:`VerbsTransport.register` and :meth:`VerbsTransport.create_link`
+   register their MRs first and take it only to record them; a released registration,
+   a released link's keys and :meth:`VerbsTransport.close` deregister after letting go
+   of it; a link that fails on the progress thread hands its keys back under it, and
+   that thread deregisters them as soon as it lets go, before it services links again.
    ``TcpTransport._lock`` (links and tokens) sits at this level on the TCP side and
    is never held while a link lock is taken.
 2. ``VerbsLink._submit_lock`` (the queue between writers and the progress thread) and
@@ -93,6 +93,9 @@ class VerbsTransport(LinkHostBase, Transport):
         self._mrs: dict[int, list[Any]] = {}
         #: Per link id: (registration, its remote-write MRs for that link), registration order.
         self._grants: dict[int, list[tuple[Registration, list[Any]]]] = {}
+        #: Grants of links that failed on the progress thread, deregistered by it after
+        #: it lets go of the transport lock.
+        self._retired: list[tuple[Registration, list[Any]]] = []
         self._lock = threading.RLock()
         self._links: dict[int, VerbsLink] = {}
         self._next_id = 1
@@ -232,6 +235,7 @@ class VerbsTransport(LinkHostBase, Transport):
         self.wake()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
+        self._close_retired()
         with self._lock:
             links = list(self._links.values())
         for link in links:
@@ -264,13 +268,27 @@ class VerbsTransport(LinkHostBase, Transport):
             os.write(self._wake_w, b"\0")  # a full pipe already means "wake up"
 
     def revoke(self, link_id: int) -> None:
-        """Deregister a link's keys (its QP is gone): a write with them now fails remotely."""
+        """Deregister a link's keys (its QP is gone): a write with them now fails remotely.
+
+        A link that fails on the progress thread revokes under the transport lock; its
+        keys are then deregistered when that thread lets go of the lock, before it looks
+        at any link again.
+        """
         with self._lock:
             grants = self._grants.pop(link_id, [])
+            if threading.current_thread() is self._thread:
+                self._retired += grants
+                return
         _close_grants(grants)
         if grants:
             log.debug("link %d: %d per-link memory keys revoked", link_id,
                       sum(len(m) for _, m in grants))
+
+    def _close_retired(self) -> None:
+        """Deregister the keys failed links left behind (outside the transport lock)."""
+        with self._lock:
+            retired, self._retired = self._retired, []
+        _close_grants(retired)
 
     def _deregister(self, reg: Registration) -> None:
         doomed: list[tuple[Registration, list[Any]]] = []
@@ -289,6 +307,7 @@ class VerbsTransport(LinkHostBase, Transport):
         backoff = _BACKOFF_S[0]
         while not self._stopping:
             try:
+                self._close_retired()
                 if self._cycle():
                     backoff = _BACKOFF_S[0]
                     continue
