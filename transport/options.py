@@ -25,13 +25,15 @@ class TransportOptions:
     # Receive WRs kept posted per QP: one is consumed per notification.
     recv_depth: int = 256
     # RC transport retries: an unacknowledged packet is resent after the local ACK
-    # timeout, 4.096 us * 2**qp_timeout (17: 0.54 s; the spec lets a NIC wait up to 4x),
-    # at most retry_cnt times (0-7), then the QP fails with IBV_WC_RETRY_EXC_ERR. Was
-    # 14/3 (67 ms, 0.27 s in all), which a loaded soft-RoCE guest exceeded; NCCL uses
-    # 18-20/7. 17/7 waits ~4.3 s in all: long enough for a busy host or a congested
-    # fabric, still inside op_timeout_s (and the daemons' 0.8 x Transferring deadline),
-    # so a silent partition ends with the NIC's verbs status, not our TIMEOUT.
-    qp_timeout: int = 17
+    # timeout, 4.096 us * 2**qp_timeout (14: 67 ms; the spec lets a NIC wait up to 4x),
+    # at most retry_cnt times (0-7), then the QP fails with IBV_WC_RETRY_EXC_ERR. 14/7
+    # is perftest's default. retry_cnt was 3: a loaded soft-RoCE guest dropped one
+    # packet four times in a row and failed a QP. A longer timeout (17/7, NCCL uses
+    # 18-20/7) measured worse there: every lost packet then costs 0.5 s before it is
+    # resent, and a soak's transfers overran their deadlines. 14/7 gives up after
+    # ~0.5 s of silence, far inside op_timeout_s, so a dead peer or silent partition
+    # still ends with the NIC's verbs status rather than our TIMEOUT.
+    qp_timeout: int = 14
     retry_cnt: int = 7
     # 7 = retry forever on RNR NAK: a receiver briefly short of receive WRs must
     # not fail a transfer; op_timeout_s bounds the wait instead.
