@@ -280,7 +280,7 @@ def test_keys_of_a_link_that_fails_on_the_progress_thread_go_outside_the_lock(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(verbs, "VerbsDevice", FakeDevice)
     monkeypatch.setattr(verbs, "QueuePair", BrokenQueuePair)
-    t = verbs.VerbsTransport("fake0", 0, raw_chains=False)
+    t: Any = verbs.VerbsTransport("fake0", 0, raw_chains=False)
     lock_free: list[bool] = []
 
     def probe() -> None:
