@@ -9,7 +9,7 @@ from typing import Literal
 from kvbeam.errors import TransportError
 from kvbeam.transport.base import Transport
 from kvbeam.transport.options import TransportOptions
-from kvbeam.transport.verbs_import import import_pyverbs
+from kvbeam.transport.verbs.pyverbs_import import import_pyverbs
 
 log = logging.getLogger(__name__)
 

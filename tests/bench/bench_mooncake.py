@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvbeam.transport.testpeer import buffer_address
+from tests.transport_peer import buffer_address
 
 
 @dataclass

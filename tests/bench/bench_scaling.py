@@ -27,9 +27,9 @@ from kvbeam.pools.plan import coalesce
 from kvbeam.transport.base import Access, EventKind
 from kvbeam.transport.blocks import Blocks
 from kvbeam.transport.options import TransportOptions
-from kvbeam.transport.testpeer import PeerConfig, PeerProcess, buffer_address
 from kvbeam.transport.verbs import VerbsTransport
-from kvbeam.transport.verbs_link import VerbsLink
+from kvbeam.transport.verbs.link import VerbsLink
+from tests.transport_peer import PeerConfig, PeerProcess, buffer_address
 
 #: A request source: returns the blocks of the next request (planning included).
 Planner = Callable[[], Blocks]

@@ -38,9 +38,9 @@ from kvbeam.transport.base import Access, EventKind
 from kvbeam.transport.blocks import Blocks
 from kvbeam.transport.endpoint import Region
 from kvbeam.transport.options import TransportOptions
-from kvbeam.transport.testpeer import PeerConfig, PeerProcess, buffer_address
 from kvbeam.transport.verbs import VerbsTransport
-from kvbeam.transport.verbs_link import VerbsLink
+from kvbeam.transport.verbs.link import VerbsLink
+from tests.transport_peer import PeerConfig, PeerProcess, buffer_address
 
 BUFFER = 64 << 20
 

@@ -18,8 +18,8 @@ from kvbeam.transport import Access, Blocks, Event, EventKind, Region, open_tran
 from kvbeam.transport import status as st
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.tcp import TcpLink, TcpTransport
-from kvbeam.transport.testpeer import PeerConfig, PeerProcess, buffer_address
 from tests.transport_helpers import FILL, N, expected_after, plan
+from tests.transport_peer import PeerConfig, PeerProcess, buffer_address
 
 OPTIONS = TransportOptions(slice_bytes=100_000, op_timeout_s=2.0)
 

@@ -19,8 +19,8 @@ import pytest
 
 from kvbeam.transport import Access, Blocks, Event, EventKind, Region, RemoteRegion
 from kvbeam.transport.options import TransportOptions
-from kvbeam.transport.testpeer import buffer_address
 from tests.rdma.conftest import RdmaDevice
+from tests.transport_peer import buffer_address
 
 pytestmark = pytest.mark.rdma
 

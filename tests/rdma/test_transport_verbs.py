@@ -1,7 +1,7 @@
 """The verbs transport on a real (or soft-RoCE) device, between two processes.
 
 This process writes from an mmap buffer; a spawned peer process (kvbeam's
-testpeer, no torch) owns the remote-writable buffer. Peer start-up costs ~15 s
+tests/transport_peer.py, no torch) owns the remote-writable buffer. Peer start-up costs ~15 s
 under qemu TCG, so one peer serves most tests (re-handshaking with a new link
 where a test breaks one) and only the kill test spawns its own.
 """
@@ -21,9 +21,9 @@ from kvbeam.errors import RegionError, TransportError
 from kvbeam.transport import Access, Blocks, Event, EventKind, Region, RemoteRegion
 from kvbeam.transport import status as st
 from kvbeam.transport.options import TransportOptions
-from kvbeam.transport.testpeer import PeerConfig, PeerProcess, buffer_address
 from tests.rdma.conftest import RdmaDevice
 from tests.transport_helpers import FILL, N, expected_after, plan
+from tests.transport_peer import PeerConfig, PeerProcess, buffer_address
 
 pytestmark = pytest.mark.rdma
 

@@ -21,9 +21,9 @@ from kvbeam.transport import Access, Event, Region
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.stats import TransportStats
 from kvbeam.transport.tcp import TcpTransport
-from kvbeam.transport.testpeer import buffer_address
 from tests.metrics_helpers import collect, scrape, value
 from tests.transport_helpers import plan
+from tests.transport_peer import buffer_address
 
 
 def table_with(metrics: DaemonMetrics) -> TransferTable:

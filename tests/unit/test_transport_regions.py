@@ -216,3 +216,7 @@ def test_options_validation() -> None:
         TransportOptions(slice_bytes=1 << 31)
     with pytest.raises(ValueError, match="op_timeout_s"):
         TransportOptions(op_timeout_s=0)
+    with pytest.raises(ValueError, match="qp_timeout"):
+        TransportOptions(qp_timeout=32)
+    with pytest.raises(ValueError, match="retry_cnt"):
+        TransportOptions(retry_cnt=8)

@@ -27,9 +27,9 @@ from kvbeam.transport.endpoint import Endpoint, RemoteRegion
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.regions import RegionTable
 from kvbeam.transport.stats import TransferMeter
-from kvbeam.transport.verbs_chain import SGE_DTYPE, WR_DTYPE, WrBatch, build
-from kvbeam.transport.verbs_link import VerbsLink
-from kvbeam.transport.verbs_qp import RECV_TAG
+from kvbeam.transport.verbs.chain import SGE_DTYPE, WR_DTYPE, WrBatch, build
+from kvbeam.transport.verbs.link import VerbsLink
+from kvbeam.transport.verbs.qp import RECV_TAG
 
 U64 = np.uint64
 
@@ -114,37 +114,50 @@ class FakePoster:
         qp.take(batch, a, b)
 
 
-class FakeTransport:
+class FakeHost:
+    """A :class:`VerbsHost` that keeps events in a list and counts with a real meter."""
+
     def __init__(self, options: TransportOptions) -> None:
         self.options = options
         self.events: list[Event] = []
-        self._lock = threading.RLock()
-        self._book = SimpleNamespace(local=RegionTable([(0x1000, 1 << 30, 5)], "local"),
-                                     remote_regions=lambda: ())
-        self.device = SimpleNamespace(gid="fe80::1", mtu=5, name="fake0")
-        self._meter = TransferMeter()
+        self.lock = threading.RLock()
+        self.device = cast(Any, SimpleNamespace(gid="fe80::1", mtu=5, name="fake0"))
+        self.meter = TransferMeter()
+        self.revoked: list[int] = []
 
-    def _emit(self, event: Event) -> None:
-        self._meter.on_event(event)
-        self.events.append(event)
-
-    def _wake(self) -> None:
-        pass
-
-    def _forget(self, link: Any) -> None:
-        pass
-
-    def _revoke(self, link_id: int) -> None:
-        pass
+    def local_keys(self) -> RegionTable:
+        return RegionTable([(0x1000, 1 << 30, 5)], "local")
 
     def link_regions(self, link_id: int) -> tuple[RemoteRegion, ...]:
         return ()
 
+    def submitted(self, link_id: int, transfer_id: int, nbytes: int, nblocks: int) -> None:
+        self.meter.submitted(link_id, transfer_id, nbytes, nblocks)
 
-def make_link(options: TransportOptions) -> tuple[VerbsLink, FakeQP, FakeTransport]:
-    t = FakeTransport(options)
+    def posted(self, wrs: int) -> None:
+        self.meter.posted(wrs)
+
+    def link_failed(self, status: str) -> None:
+        self.meter.link_failed(status)
+
+    def emit(self, event: Event) -> None:
+        self.meter.on_event(event)
+        self.events.append(event)
+
+    def wake(self) -> None:
+        pass
+
+    def forget(self, link_id: int) -> None:
+        pass
+
+    def revoke(self, link_id: int) -> None:
+        self.revoked.append(link_id)
+
+
+def make_link(options: TransportOptions) -> tuple[VerbsLink, FakeQP, FakeHost]:
+    t = FakeHost(options)
     qp = FakeQP(options.sq_depth)
-    link = VerbsLink(cast(Any, t), 1, cast(Any, qp))
+    link = VerbsLink(t, 1, cast(Any, qp))
     link.connect(Endpoint("rdma", (RemoteRegion(0x4000_0000, 1 << 30, 9),), gid="fe80::2",
                           qpns=(5,), psn=3, mtu=4096))
     return link, qp, t
@@ -192,7 +205,7 @@ def test_error_completion_fails_everything_and_tears_down() -> None:
     run(link, qp)
     assert [(e.transfer_id, e.ok, e.status) for e in t.events] == [
         (i, False, "IBV_WC_RETRY_EXC_ERR") for i in range(5)]
-    assert qp.closed
+    assert qp.closed and t.revoked == [1]
     with pytest.raises(TransportError, match="create a new link") as exc:
         link.write(9, blocks(1, 64))
     assert exc.value.status == "IBV_WC_RETRY_EXC_ERR"
@@ -232,7 +245,7 @@ def test_release_cancels_queued_transfers() -> None:
     link.write(1, blocks(4, 64))
     link.release()
     assert [(e.transfer_id, e.status) for e in t.events] == [(1, status.CANCELLED)]
-    assert qp.closed
+    assert qp.closed and t.revoked == [1]  # keys revoked once, with the QP gone
     with pytest.raises(TransportError, match="released"):
         link.write(2, blocks(1, 64))
 
@@ -246,7 +259,7 @@ def test_import_needs_neither_pyverbs_nor_torch() -> None:
 
 def test_sendwr_layout_probe_where_pyverbs_exists() -> None:
     pytest.importorskip("pyverbs.wr")
-    from kvbeam.transport.verbs_chain import send_wr_struct_offset
+    from kvbeam.transport.verbs.chain import send_wr_struct_offset
 
     assert send_wr_struct_offset() is not None
 
@@ -264,10 +277,10 @@ def test_meter_counts_bytes_wrs_and_qp_errors() -> None:
     link, qp, t = make_link(options)
     link.write(1, blocks(10, 64))
     link.write(1, blocks(3, 128), notify=False)  # a second chunk of the same transfer id
-    in_flight = t._meter.snapshot(links=1, wrs=True, inflight_wrs=link.outstanding)
+    in_flight = t.meter.snapshot(links=1, wrs=True, inflight_wrs=link.outstanding)
     assert in_flight.inflight_writes == 2 and in_flight.sent_bytes == 0
     run(link, qp)
-    s = t._meter.snapshot(links=1, wrs=True, inflight_wrs=link.outstanding)
+    s = t.meter.snapshot(links=1, wrs=True, inflight_wrs=link.outstanding)
     # blocks as the caller gave them; 128-byte blocks were sliced into two WRs each
     assert (s.sent_bytes, s.sent_blocks, s.inflight_writes) == (10 * 64 + 3 * 128, 13, 0)
     assert s.posted_wrs == 10 + 1 + 6 and s.inflight_wrs == 0
@@ -275,7 +288,7 @@ def test_meter_counts_bytes_wrs_and_qp_errors() -> None:
     link.write(2, blocks(20, 64))
     qp.fail_next = 10  # IBV_WC_REM_ACCESS_ERR
     run(link, qp)
-    s = t._meter.snapshot(links=0)
+    s = t.meter.snapshot(links=0)
     assert s.sent_bytes == 10 * 64 + 3 * 128  # the failed transfer adds nothing
     assert dict(s.completions) == {"OK": 2, "IBV_WC_REM_ACCESS_ERR": 1}
     assert dict(s.link_failures) == {"IBV_WC_REM_ACCESS_ERR": 1}

@@ -14,6 +14,30 @@ remote-write MRs over the REMOTE_WRITE regions that exist when it is created.
 Its endpoint carries only those rkeys; releasing the link (or its failure)
 deregisters them, so a peer that went away holds no key that still works, and
 one peer's rkeys are not another's. No MR ever allows remote read.
+
+Links reach the transport only through :class:`~kvbeam.transport.verbs.link.VerbsHost`
+(see :mod:`kvbeam.transport.host`).
+
+Lock order (every lock in kvbeam.transport; a thread holding one lock takes only locks
+further down the list, never one above it):
+
+1. ``VerbsTransport._lock`` (re-entrant), the *transport lock*: the links table, the
+   per-link grants, QP state changes, and every post and poll (the progress thread
+   holds it while it services links). Never held across a memory registration or
+   deregistration: :meth:`VerbsTransport.register` and :meth:`VerbsTransport.create_link`
+   register their MRs first and take it only to record them; a released registration,
+   a released link's keys and :meth:`VerbsTransport.close` deregister after letting go
+   of it; a link that fails on the progress thread hands its keys back under it, and
+   that thread deregisters them as soon as it lets go, before it services links again.
+   ``TcpTransport._lock`` (links and tokens) sits at this level on the TCP side and
+   is never held while a link lock is taken.
+2. ``VerbsLink._submit_lock`` (the queue between writers and the progress thread) and
+   ``TcpLink._lock`` (a TCP link's state and queues). A TCP link never holds it across
+   a socket send or receive of data; it emits events after releasing it where it can.
+3. Leaves, which take no other lock: ``TransferMeter._lock`` (counters),
+   ``EventQueue._cond`` (the event queue), ``RegistrationBook._lock`` (the registration
+   tables), ``verbs.qp._fd_lock`` (finding a completion channel's fd) and
+   ``verbs.pyverbs_import._lock`` (the first pyverbs import).
 """
 
 from __future__ import annotations
@@ -24,19 +48,21 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from kvbeam.errors import RegionError, TransportError
-from kvbeam.transport.base import Access, Event, Registration, Transport
-from kvbeam.transport.core import EventQueue, RegistrationBook, wait_readable
+from kvbeam.transport.base import Access, Registration, Transport
+from kvbeam.transport.core import wait_readable
 from kvbeam.transport.endpoint import Region, RemoteRegion
+from kvbeam.transport.host import LinkHostBase
 from kvbeam.transport.options import TransportOptions
-from kvbeam.transport.stats import TransferMeter, TransportStats
-from kvbeam.transport.verbs_chain import Poster
-from kvbeam.transport.verbs_device import VerbsDevice
-from kvbeam.transport.verbs_import import import_pyverbs
-from kvbeam.transport.verbs_link import VerbsLink
-from kvbeam.transport.verbs_qp import QueuePair
+from kvbeam.transport.stats import TransportStats
+from kvbeam.transport.verbs.chain import Poster
+from kvbeam.transport.verbs.device import VerbsDevice
+from kvbeam.transport.verbs.link import VerbsLink
+from kvbeam.transport.verbs.pyverbs_import import import_pyverbs
+from kvbeam.transport.verbs.qp import QueuePair
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +70,11 @@ _MAX_SLEEP_S = 1.0  # upper bound on one sleep, so a lost wake-up costs at most 
 _BACKOFF_S = (1e-4, 5e-3)  # first and longest sleep when a link has no event fd
 
 
-class VerbsTransport(Transport):
+class VerbsTransport(LinkHostBase, Transport):
     """The verbs data plane on one device and GID index.
 
     ``raw_chains`` forces (True) or forbids (False) posting WR chains straight from
-    numpy arrays (see :mod:`kvbeam.transport.verbs_chain`); None picks it when the
+    numpy arrays (see :mod:`kvbeam.transport.verbs.chain`); None picks it when the
     pyverbs layout is recognised.
     """
 
@@ -63,12 +89,13 @@ class VerbsTransport(Transport):
                                  f": {exc}") from exc
         self.options = options or TransportOptions()
         self.device = VerbsDevice(device, gid_index)
-        self._book = RegistrationBook()
+        super().__init__()
         self._mrs: dict[int, list[Any]] = {}
         #: Per link id: (registration, its remote-write MRs for that link), registration order.
         self._grants: dict[int, list[tuple[Registration, list[Any]]]] = {}
-        self._events = EventQueue()
-        self._meter = TransferMeter()
+        #: Grants of links that failed on the progress thread, deregistered by it after
+        #: it lets go of the transport lock.
+        self._retired: list[tuple[Registration, list[Any]]] = []
         self._lock = threading.RLock()
         self._links: dict[int, VerbsLink] = {}
         self._next_id = 1
@@ -95,46 +122,66 @@ class VerbsTransport(Transport):
         The shared MR grants no remote access at all, whatever ``access`` says: peers
         write only through the keys of the link created for them (:meth:`create_link`).
         With ``options.per_link_keys`` off, the shared MR has ``access`` and every
-        link advertises its key.
+        link advertises its key. The MRs are registered before the transport lock is
+        taken (pinning a large pool is slow), then recorded under it.
         """
         for r in regions:
             if r.addr <= 0 or r.length <= 0:
                 raise RegionError(f"cannot register {r}: address and length must be positive")
+        shared = access if not self.options.per_link_keys else Access.LOCAL
         mrs: list[Any] = []
-        with self._lock:
-            try:
-                shared = access if not self.options.per_link_keys else Access.LOCAL
-                for r in regions:
-                    mrs.append(self.device.register(r.addr, r.length, shared))
+        try:
+            for r in regions:
+                mrs.append(self.device.register(r.addr, r.length, shared))
+            with self._lock:
+                if self._closed:
+                    raise TransportError("transport is closed")
                 reg = self._book.add(regions, access, [mr.lkey for mr in mrs],
                                      [mr.rkey for mr in mrs], self._deregister)
-            except BaseException:
-                for mr in mrs:
-                    mr.close()
-                raise
-            self._mrs[id(reg)] = mrs
+                self._mrs[id(reg)] = mrs
+        except BaseException:
+            for mr in mrs:
+                mr.close()
+            raise
         return reg
 
     def create_link(self) -> VerbsLink:
-        """A new RC QP and its own remote-write keys; its endpoint goes into the handshake."""
+        """A new RC QP and its own remote-write keys; its endpoint goes into the handshake.
+
+        The keys are registered (and the QP created) before the transport lock is
+        taken: with a large pool that takes long, and the progress thread needs the
+        lock for every other link's completions.
+        """
+        if self._closed:
+            raise TransportError("transport is closed")
+        start = time.monotonic()
+        grants = self._grant()
+        try:
+            qp = QueuePair(self.device, self.options)
+        except BaseException:
+            _close_grants(grants)
+            raise
         with self._lock:
-            if self._closed:
-                raise TransportError("transport is closed")
-            start = time.monotonic()
-            grants = self._grant()
-            try:
-                link = VerbsLink(self, self._next_id, QueuePair(self.device, self.options))
-            except BaseException:
-                _close_grants(grants)
-                raise
-            if grants:
-                log.info("link %d: own memory keys for %d regions (%d MiB) registered in "
-                         "%.3f s", link.id, sum(len(m) for _, m in grants),
-                         sum(r.length for reg, _ in grants for r in reg.regions) >> 20,
-                         time.monotonic() - start)
-            self._grants[link.id] = grants
-            self._links[link.id] = link
-            self._next_id += 1
+            closed = self._closed
+            if not closed:
+                # A registration released while we registered over it: its keys go now.
+                live = {id(reg) for reg in self._book.all()}
+                stale = [g for g in grants if id(g[0]) not in live]
+                grants = [g for g in grants if id(g[0]) in live]
+                link = VerbsLink(self, self._next_id, qp)
+                self._next_id += 1
+                self._grants[link.id] = grants
+                self._links[link.id] = link
+        if closed:
+            qp.close()
+            _close_grants(grants)
+            raise TransportError("transport is closed")
+        _close_grants(stale)
+        if grants:
+            log.info("link %d: own memory keys for %d regions (%d MiB) registered in "
+                     "%.3f s", link.id, sum(len(m) for _, m in grants),
+                     sum(r.length for reg, _ in grants for r in reg.regions) >> 20,
+                     time.monotonic() - start)
         return link
 
     def link_regions(self, link_id: int) -> tuple[RemoteRegion, ...]:
@@ -148,7 +195,10 @@ class VerbsTransport(Transport):
                          for r, mr in zip(reg.regions, mrs, strict=True))
 
     def _grant(self) -> list[tuple[Registration, list[Any]]]:
-        """Remote-write MRs over every REMOTE_WRITE registration, for one new link."""
+        """Remote-write MRs over every REMOTE_WRITE registration, for one new link.
+
+        Runs without the transport lock, over a snapshot of the registrations.
+        """
         grants: list[tuple[Registration, list[Any]]] = []
         if not self.options.per_link_keys:
             return grants
@@ -164,19 +214,6 @@ class VerbsTransport(Transport):
             _close_grants(grants)
             raise
         return grants
-
-    def _revoke(self, link_id: int) -> None:
-        """Deregister a link's keys (its QP is gone): a write with them now fails remotely."""
-        with self._lock:
-            grants = self._grants.pop(link_id, [])
-        _close_grants(grants)
-        if grants:
-            log.debug("link %d: %d per-link memory keys revoked", link_id,
-                      sum(len(m) for _, m in grants))
-
-    def events(self, timeout: float | None = 0.0) -> list[Event]:
-        """Queued events, waiting up to ``timeout`` for the first."""
-        return self._events.drain(timeout)
 
     def stats(self) -> TransportStats:
         """Counters: bytes and WRs sent, completions, QP errors, WRs in flight.
@@ -195,47 +232,82 @@ class VerbsTransport(Transport):
                 return
             self._closed = True
             self._stopping = True
-        self._wake()
+        self.wake()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
+        self._close_retired()
         with self._lock:
-            for link in list(self._links.values()):
-                link.release()
-            for reg in self._book.all():
-                reg.release()
-            self.device.close()
+            links = list(self._links.values())
+        for link in links:
+            link.release()
+        for reg in self._book.all():
+            reg.release()
+        self.device.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
-    # -- used by links -----------------------------------------------------------------
-    def _emit(self, event: Event) -> None:
-        self._meter.on_event(event)
-        self._events.put(event)
+    # -- VerbsHost: what links use -------------------------------------------------------
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        """The transport lock (see the module docstring for the lock order)."""
+        return self._lock
 
-    def _forget(self, link: VerbsLink) -> None:
+    def posted(self, wrs: int) -> None:
+        """Count posted WRs."""
+        self._meter.posted(wrs)
+
+    def forget(self, link_id: int) -> None:
+        """Drop a released link; the progress thread stops servicing it."""
         with self._lock:
-            self._links.pop(link.id, None)
-        self._wake()
+            self._links.pop(link_id, None)
+        self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Poke the progress thread's wake-up pipe."""
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"\0")  # a full pipe already means "wake up"
 
+    def revoke(self, link_id: int) -> None:
+        """Deregister a link's keys (its QP is gone): a write with them now fails remotely.
+
+        A link that fails on the progress thread revokes under the transport lock; its
+        keys are then deregistered when that thread lets go of the lock, before it looks
+        at any link again.
+        """
+        with self._lock:
+            grants = self._grants.pop(link_id, [])
+            if threading.current_thread() is self._thread:
+                self._retired += grants
+                return
+        _close_grants(grants)
+        if grants:
+            log.debug("link %d: %d per-link memory keys revoked", link_id,
+                      sum(len(m) for _, m in grants))
+
+    def _close_retired(self) -> None:
+        """Deregister the keys failed links left behind (outside the transport lock)."""
+        with self._lock:
+            retired, self._retired = self._retired, []
+        _close_grants(retired)
+
     def _deregister(self, reg: Registration) -> None:
+        doomed: list[tuple[Registration, list[Any]]] = []
         with self._lock:
             self._book.remove(reg)
             for grants in self._grants.values():  # links' keys over it go first
-                mine = [g for g in grants if g[0] is reg]
+                doomed += [g for g in grants if g[0] is reg]
                 grants[:] = [g for g in grants if g[0] is not reg]
-                _close_grants(mine)
-            for mr in self._mrs.pop(id(reg), []):
-                mr.close()
+            mrs = self._mrs.pop(id(reg), [])
+        _close_grants(doomed)
+        for mr in mrs:
+            mr.close()
 
     # -- progress thread ---------------------------------------------------------------
     def _run(self) -> None:
         backoff = _BACKOFF_S[0]
         while not self._stopping:
             try:
+                self._close_retired()
                 if self._cycle():
                     backoff = _BACKOFF_S[0]
                     continue

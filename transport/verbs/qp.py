@@ -11,7 +11,7 @@ from typing import Any
 
 from kvbeam.errors import TransportError
 from kvbeam.transport.options import TransportOptions
-from kvbeam.transport.verbs_device import PORT, VerbsDevice
+from kvbeam.transport.verbs.device import PORT, VerbsDevice
 
 log = logging.getLogger(__name__)
 

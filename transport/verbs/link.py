@@ -2,10 +2,11 @@
 
 Writers (any thread) only check and queue work; everything that touches the QP
 runs on the transport's progress thread, under the transport lock, through
-:meth:`VerbsLink.service`.
+:meth:`VerbsLink.service`. A link reaches its transport only through
+:class:`VerbsHost` (lock order: :mod:`kvbeam.transport.verbs.transport`).
 
 ``write`` builds the transfer's whole WR chain up front (see
-:func:`kvbeam.transport.verbs_chain.build`); the progress thread posts slices of
+:func:`kvbeam.transport.verbs.chain.build`); the progress thread posts slices of
 it as the send queue has room, so posting costs O(1) Python work per chain.
 
 Send-queue accounting: a signalled WR's completion retires it and every
@@ -25,8 +26,9 @@ import logging
 import threading
 import time
 from collections import deque
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvbeam.errors import TransportError
 from kvbeam.transport import status as st
@@ -34,13 +36,11 @@ from kvbeam.transport.base import Event, EventKind, Link
 from kvbeam.transport.blocks import Blocks
 from kvbeam.transport.core import prepare, remote_table
 from kvbeam.transport.endpoint import Endpoint
+from kvbeam.transport.host import LinkHost
 from kvbeam.transport.regions import RegionTable
-from kvbeam.transport.verbs_chain import Poster, WrBatch, build
-from kvbeam.transport.verbs_device import mtu_bytes, mtu_enum
-from kvbeam.transport.verbs_qp import RECV_TAG, QueuePair, imm_to_id
-
-if TYPE_CHECKING:
-    from kvbeam.transport.verbs import VerbsTransport
+from kvbeam.transport.verbs.chain import Poster, WrBatch, build
+from kvbeam.transport.verbs.device import VerbsDevice, mtu_bytes, mtu_enum
+from kvbeam.transport.verbs.qp import RECV_TAG, QueuePair, imm_to_id
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,28 @@ log = logging.getLogger(__name__)
 _WC_RECV_RDMA_WITH_IMM = 129
 _QPS_ERR = 6
 _POLL_BATCH = 64
+
+
+class VerbsHost(LinkHost, Protocol):
+    """What an RDMA link needs from its transport beyond :class:`LinkHost`."""
+
+    @property
+    def device(self) -> VerbsDevice:
+        """The opened device: GID, MTU and name go into the link's endpoint."""
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        """The transport lock (re-entrant). The progress thread holds it while it
+        services links; a link takes it to change its QP's state (connect, release)."""
+
+    def posted(self, wrs: int) -> None:
+        """Count work requests posted."""
+
+    def wake(self) -> None:
+        """Wake the progress thread: there is work to post (never blocks)."""
+
+    def revoke(self, link_id: int) -> None:
+        """Deregister link ``link_id``'s own memory keys (its QP is destroyed)."""
 
 
 @dataclass
@@ -76,10 +98,10 @@ class _Job:
 class VerbsLink(Link):
     """An RC QP to one peer. See the module docstring for the posting scheme."""
 
-    def __init__(self, transport: VerbsTransport, link_id: int, qp: QueuePair) -> None:
+    def __init__(self, host: VerbsHost, link_id: int, qp: QueuePair) -> None:
         self.id = link_id
-        self._t = transport
-        self._opts = transport.options
+        self._t = host
+        self._opts = host.options
         self._qp: QueuePair | None = qp
         self._peer: RegionTable | None = None
         self._marker = (0, 0)  # remote (addr, rkey) of the zero-length WRITE WITH IMM
@@ -111,7 +133,7 @@ class VerbsLink(Link):
                                  f"gid={peer.gid!r} qpns={peer.qpns}")
         table = remote_table(peer.regions)
         mtu = min(self._t.device.mtu, mtu_enum(peer.mtu)) if peer.mtu else self._t.device.mtu
-        with self._t._lock:
+        with self._t.lock:
             if self._state != "new":
                 raise TransportError(f"link {self.id} is {self._state}; create a new link")
             self._live_qp().to_rts(peer.gid, peer.qpns[0], peer.psn, mtu)
@@ -126,22 +148,23 @@ class VerbsLink(Link):
         """Check, slice and queue; the progress thread posts it."""
         peer = self._usable_peer()
         start = time.thread_time()  # CPU time: waits for the GIL are not our cost
-        p = prepare(transfer_id, blocks, notify, self._opts.slice_bytes, self._t._book.local,
+        p = prepare(transfer_id, blocks, notify, self._opts.slice_bytes, self._t.local_keys(),
                     peer, self._check_remote)
         serial = next(self._serials) & 0x7FFF_FFFF  # keeps RECV_TAG clear in wr_ids
         job = _Job(transfer_id, build(p, serial, self._opts.signal_every, self._marker))
         self.stats.prepare_s += time.thread_time() - start
         with self._submit_lock:  # the state may have changed while we prepared
             self._usable_peer()
-            self._t._meter.submitted(self.id, transfer_id, blocks.total_bytes, len(blocks))
+            self._t.submitted(self.id, transfer_id, blocks.total_bytes, len(blocks))
             self._submitted.append(job)
-        self._t._wake()
+        self._t.wake()
 
     def release(self) -> None:
         """Destroy the QP; queued and in-flight transfers fail with CANCELLED."""
-        with self._t._lock:
+        with self._t.lock:
             self._stop("released", st.CANCELLED, "link released")
-            self._t._forget(self)
+            self._t.forget(self.id)
+        self._t.revoke(self.id)  # deregistration: outside the transport lock
 
     # -- progress thread -----------------------------------------------------------------
     @property
@@ -244,11 +267,11 @@ class VerbsLink(Link):
             stats.wrs, stats.posts = stats.wrs + b - a, stats.posts + 1
             stats.post_s += posted - before
             stats.book_s += cpu - start
-            self._t._meter.posted(b - a)
+            self._t.posted(b - a)
         if b == batch.n:
             self._pending.popleft()
             if batch.n == 0:  # no blocks and no notify: nothing to wait for
-                self._t._emit(Event(EventKind.COMPLETED, self.id, job.transfer_id))
+                self._t.emit(Event(EventKind.COMPLETED, self.id, job.transfer_id))
         return True
 
     def _complete(self, qp: QueuePair, wc: Any, now: float) -> None:
@@ -261,7 +284,7 @@ class VerbsLink(Link):
         if wr_id & RECV_TAG:
             qp.repost_recv(wr_id)
             if wc.opcode == _WC_RECV_RDMA_WITH_IMM:
-                self._t._emit(Event(EventKind.NOTIFIED, self.id, imm_to_id(int(wc.imm_data))))
+                self._t.emit(Event(EventKind.NOTIFIED, self.id, imm_to_id(int(wc.imm_data))))
             return
         self._progress = now
         inflight = self._inflight
@@ -269,7 +292,7 @@ class VerbsLink(Link):
             done, count, transfer_id = inflight.popleft()
             self._outstanding -= count
             if transfer_id is not None:
-                self._t._emit(Event(EventKind.COMPLETED, self.id, transfer_id))
+                self._t.emit(Event(EventKind.COMPLETED, self.id, transfer_id))
             if done == wr_id:
                 return
         log.error("link %d: completion for unknown wr_id %#x", self.id, wr_id)
@@ -291,8 +314,10 @@ class VerbsLink(Link):
     def _fail(self, status: str, detail: str) -> None:
         log.warning("RDMA link %d failed: %s: %s; tearing it down", self.id, status, detail)
         if self._state not in ("failed", "released"):
-            self._t._meter.link_failed(status)
+            self._t.link_failed(status)
         self._stop("failed", status, detail)
+        # A dead link's keys go now (on the progress thread: once it lets go of the lock).
+        self._t.revoke(self.id)
 
     def _stop(self, state: str, status: str, detail: str) -> None:
         """Enter a final state: fail every transfer still ours, destroy the QP."""
@@ -309,10 +334,10 @@ class VerbsLink(Link):
             self._submitted.clear()
             self._outstanding = 0
         for transfer_id in failed:
-            self._t._emit(Event(EventKind.COMPLETED, self.id, transfer_id, False, status, detail))
+            self._t.emit(Event(EventKind.COMPLETED, self.id, transfer_id, False, status, detail))
         if state == "failed" and not failed:
-            self._t._emit(Event(EventKind.LINK_FAILED, self.id, None, False, status, detail))
+            self._t.emit(Event(EventKind.LINK_FAILED, self.id, None, False, status, detail))
         if self._qp is not None:
             self._qp.close()
             self._qp = None
-        self._t._revoke(self.id)  # after the QP: no write of ours can still be using them
+        # The caller revokes the keys next, after the QP: no write of ours still uses them.

@@ -1,0 +1,221 @@
+"""TCP transport: the same interface for hosts without RDMA.
+
+Each side listens on one port. A link's outbound connection carries its writes:
+the sender streams each block's bytes straight from local memory in WRITE frames
+(header with destination address and length), then an END frame per transfer.
+The receiver checks every block against its remote-writable regions before it
+lands the bytes, straight from the socket into the destination, and answers END
+with ACK (after emitting the notification) or NAK (a block was refused). The
+writer's COMPLETED event follows ACK/NAK, so it means what an RDMA completion means.
+
+Links (:mod:`kvbeam.transport.tcp.link`) reach this transport only through its
+:class:`~kvbeam.transport.tcp.link.TcpHost` methods. Lock order: see
+:mod:`kvbeam.transport.verbs.transport`, which lists every lock of kvbeam.transport.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Sequence
+
+from kvbeam.errors import TransportError
+from kvbeam.transport import status as st
+from kvbeam.transport.base import Access, Event, EventKind, Registration, Transport
+from kvbeam.transport.core import wait_readable
+from kvbeam.transport.endpoint import Region, RemoteRegion
+from kvbeam.transport.host import LinkHostBase
+from kvbeam.transport.options import TransportOptions
+from kvbeam.transport.regions import RegionTable
+from kvbeam.transport.stats import TransportStats
+from kvbeam.transport.tcp import wire
+from kvbeam.transport.tcp.link import TICK_S, TcpLink
+
+log = logging.getLogger(__name__)
+
+
+class TcpTransport(LinkHostBase, Transport):
+    """Listens on ``host:port`` (port 0: any free port) and serves links over TCP."""
+
+    kind = "tcp"
+
+    def __init__(self, host: str | None = None, port: int = 0,
+                 options: TransportOptions | None = None) -> None:
+        self.options = options or TransportOptions()
+        self.host = host or os.environ.get("KVBEAM_TCP_HOST", "127.0.0.1")
+        self._listener = socket.create_server((self.host, port))
+        self.port = int(self._listener.getsockname()[1])
+        super().__init__()
+        self._lock = threading.Lock()
+        self._links: dict[int, TcpLink] = {}
+        self._by_token: dict[str, TcpLink] = {}
+        self._next_id = 1
+        self._closed = threading.Event()
+        self._accepter = threading.Thread(target=self._accept_loop, name="kvbeam-tcp-accept",
+                                          daemon=True)
+        self._accepter.start()
+        log.warning("kvbeam data plane is TCP on %s:%d, not RDMA: no RDMA device is in use, "
+                    "so KV bytes go through the kernel socket stack at a fraction of RDMA "
+                    "bandwidth", self.host, self.port)
+
+    def register(self, regions: Sequence[Region], access: Access) -> Registration:
+        """Record regions (TCP needs no keys: they are 0)."""
+        zeros = [0] * len(regions)
+        return self._book.add(regions, access, zeros, zeros, self._book.remove)
+
+    def create_link(self) -> TcpLink:
+        """A new link; its endpoint carries our address and a token naming the link."""
+        with self._lock:
+            if self._closed.is_set():
+                raise TransportError("transport is closed")
+            link = TcpLink(self, self._next_id, secrets.token_hex(16))
+            self._next_id += 1
+            self._links[link.id] = link
+            self._by_token[link.token] = link
+        return link
+
+    def stats(self) -> TransportStats:
+        """Counters: bytes sent (ACKed) and received (landed here), completions, failures."""
+        with self._lock:
+            links = len(self._links)
+        return self._meter.snapshot(links=links, received=True)
+
+    def close(self) -> None:
+        """Stop listening, release every link and registration."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with self._lock:
+            links = list(self._links.values())
+        for link in links:
+            link.release()
+        self._listener.close()
+        self._accepter.join(timeout=2 * TICK_S + 1)
+        for reg in self._book.all():
+            reg.release()
+
+    # -- LinkHost: what links (and the receivers below) use -------------------------
+    @property
+    def address(self) -> str:
+        """``host:port`` of our listener."""
+        return f"{self.host}:{self.port}"
+
+    def link_regions(self, link_id: int) -> tuple[RemoteRegion, ...]:
+        """Every remote-writable region: TCP links share them (the token names the link)."""
+        return self._book.remote_regions()
+
+    def forget(self, link_id: int) -> None:
+        """Drop a released link and its token: the token now names nothing."""
+        with self._lock:
+            link = self._links.pop(link_id, None)
+            if link is not None:
+                self._by_token.pop(link.token, None)
+
+    def received(self, nbytes: int) -> None:
+        """Count bytes that landed in our regions."""
+        self._meter.received(nbytes)
+
+    def writable(self) -> RegionTable:
+        """Our remote-writable regions: where inbound WRITE frames may land."""
+        return self._book.writable
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                if not wait_readable([self._listener.fileno()], TICK_S):
+                    continue
+                conn, peer = self._listener.accept()
+            except (OSError, ValueError):
+                if self._closed.is_set():
+                    return
+                log.exception("TCP transport: accept failed")
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
+                             name=f"kvbeam-tcp-recv-{peer}").start()
+
+    def _serve(self, conn: socket.socket, peer: object) -> None:
+        """Receive side of one inbound connection: HELLO, then WRITE*/END frames."""
+        conn.settimeout(self.options.op_timeout_s)
+        try:
+            hello = wire.recv_header(conn)
+            if hello is None or hello[0] != wire.HELLO or hello[4] > 256:
+                log.warning("TCP transport: %s sent no HELLO; dropping the connection", peer)
+                return
+            token = wire.recv_bytes(conn, hello[4]).decode("ascii", "replace")
+            with self._lock:
+                link = self._by_token.get(token)
+            if link is None:
+                log.warning("TCP transport: %s named no link of ours; dropping it", peer)
+                return
+            link.add_inbound(conn)
+            try:
+                _Receiver(self, link, conn).run()
+            finally:
+                link.discard_inbound(conn)
+        except (OSError, ConnectionError) as exc:
+            if not self._closed.is_set():
+                log.info("TCP transport: inbound connection from %s ended: %s", peer, exc)
+        finally:
+            conn.close()
+
+
+class _Receiver:
+    """Lands WRITE frames of one inbound connection and answers each END."""
+
+    def __init__(self, transport: TcpTransport, link: TcpLink, conn: socket.socket) -> None:
+        self.t, self.link, self.conn = transport, link, conn
+
+    def run(self) -> None:
+        refused: str | None = None  # why the transfer being received was refused
+        in_transfer = False
+        landed = 0  # bytes of the transfer being received (counted once, at END)
+        while True:
+            try:
+                header = wire.recv_header(self.conn)
+            except (OSError, ConnectionError) as exc:
+                header, eof_reason = None, str(exc)
+            else:
+                eof_reason = "peer closed the connection"
+            if header is None:
+                if in_transfer and self.link.live:
+                    self._link_failed(None, st.TCP_CONNECTION_LOST,
+                                      f"{eof_reason} in the middle of a transfer")
+                return
+            kind, flags, transfer_id, addr, length = header
+            if kind == wire.WRITE:
+                in_transfer = True
+                # The table is read per block: registrations may change between transfers.
+                if refused is None and self.t.writable().contains(addr, length):
+                    wire.recv_into(self.conn, wire.view(addr, length))
+                    landed += length
+                    continue
+                if refused is None:
+                    refused = (f"block at {addr:#x} length {length} is outside every "
+                               f"remote-writable region of the receiver")
+                wire.discard(self.conn, length)
+            elif kind == wire.END:
+                in_transfer = False
+                self.t.received(landed)
+                landed = 0
+                if refused is not None:
+                    detail = refused.encode()
+                    wire.send_all(self.conn, wire.frame(wire.NAK, transfer_id, 0, len(detail))
+                                  + detail)
+                    self._link_failed(transfer_id, st.TCP_REMOTE_ACCESS_ERR, refused)
+                    return
+                if flags & wire.FLAG_NOTIFY:
+                    self.t.emit(Event(EventKind.NOTIFIED, self.link.id, transfer_id))
+                wire.send_all(self.conn, wire.frame(wire.ACK, transfer_id))
+            else:
+                log.warning("TCP transport: unknown frame kind %d; dropping the connection", kind)
+                return
+
+    def _link_failed(self, transfer_id: int | None, status: str, detail: str) -> None:
+        log.warning("TCP transport: link %d: %s: %s", self.link.id, status, detail)
+        self.t.link_failed(status)
+        self.t.emit(Event(EventKind.LINK_FAILED, self.link.id, transfer_id, False, status, detail))
+
+
