@@ -80,10 +80,12 @@ def test_each_package_is_imported_from_its_folder_in_this_tree() -> None:
 def test_every_module_is_loaded_once_under_one_name() -> None:
     imported = _import_all()
     assert "kvbeam.pools.plan" in imported and "kvbeam.proto.kvbeam.v1.kvbeam_pb2" in imported
+    # Only the package's own folders: the venv may live inside the checkout (.venv).
+    folders = [REPO / folder for folder in _package_dir().values()]
     by_file: dict[Path, list[str]] = {}
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
-        if file and Path(file).resolve().is_relative_to(REPO):
+        if file and any(Path(file).resolve().is_relative_to(f) for f in folders):
             by_file.setdefault(Path(file).resolve(), []).append(name)
     twice = {str(f): names for f, names in by_file.items() if len(names) > 1}
     assert not twice, f"modules loaded under two names: {twice}"
