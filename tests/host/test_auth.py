@@ -29,9 +29,8 @@ from kvbeam.server.auth import TOKEN_KEY, Security, is_loopback
 from kvbeam.server.client import ControlClient
 from kvbeam.server.control import ControlServer
 from kvbeam.server.errors import AuthenticationError, PeerUnavailableError
-from kvbeam.server.options import ControlOptions
 from kvbeam.server.rejection import REJECTION_KEY
-from kvbeam.server.settings import add_daemon_arguments, resolve
+from kvbeam.server.settings import ControlOptions, add_daemon_arguments, resolve
 from kvbeam.server.settings import resolve_security as client_security
 from tests.control_helpers import config, side
 from tests.tls_helpers import Pki, make_pki

@@ -34,11 +34,10 @@ from kvbeam.server.errors import (
     PeerUnavailableError,
     RoleConflictError,
 )
-from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.options import ControlOptions
+from kvbeam.server.handshake import VerifiedPeer, check_local_side
 from kvbeam.server.rejection import DEFAULT_REJECTION_BYTES, Reason, find_rejection
 from kvbeam.server.servicer import ControlServicer
-from kvbeam.server.startup import check_local_side
+from kvbeam.server.settings import ControlOptions
 from kvbeam.transport.endpoint import Endpoint
 from tests.control_helpers import (
     DECODE_SLOTS,
