@@ -65,6 +65,26 @@ def test_record_is_pruned_after_a_drain_timeout_even_when_writes_complete_late()
     assert fake.aborts.count("r") <= 1
 
 
+def test_decode_that_aborted_is_not_told_again_when_a_write_completes_during_the_drain(
+        ) -> None:
+    core, fake = prefill_core()
+    core.send("r", 0, 300, ADDR, [], True)
+    assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
+    conn = core.peers.by_address(ADDR)
+    assert conn is not None
+    link = cast(FakeLink, conn.link)
+    assert wait_for(lambda: len(link.writes) == 1)
+    with ThreadPoolExecutor(1) as pool:
+        # Decode fails the request and asks prefill to drain (Abort from_peer) ...
+        answer = pool.submit(core.abort, "r", from_peer=True, detail="decode timed out")
+        assert wait_for(lambda: core.status("r").state is TransferState.FAILED)
+        assert not answer.done()  # ... which waits for the write in flight
+        core.on_event(link.completion(link.writes[0][0], ok=False))
+        assert answer.result(5).state is TransferState.FAILED
+    core.io.submit(lambda: None).result()
+    assert fake.aborts.count("r") == 0, "decode asked, yet was told again"
+
+
 def test_two_failure_paths_racing_tell_decode_once() -> None:
     sys_interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as possible: widen any race
