@@ -39,7 +39,8 @@ class DecodeServicer(DaemonServicer):
             prefill=GrpcPrefillPeers(lambda: self.local, runtime.options), io=self.io,
             spec=runtime.config.target, layout=runtime.layout, pools=runtime.pools,
             integrity=runtime.settings.integrity, faults=runtime.faults,
-            handoff_lease_s=runtime.settings.handoff_lease_s)
+            handoff_lease_s=runtime.settings.handoff_lease_s,
+            transfer_budget=runtime.settings.transfer_budget_s)
         self.slots = self.decode.slots
         self._links_lock = threading.Lock()  # leaf: guards _pending_links only
         self._pending_links: dict[str, Link] = {}

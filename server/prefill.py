@@ -29,7 +29,8 @@ class PrefillServicer(DaemonServicer):
             table=runtime.table, peers=runtime.peers, decode=decode, io=self.io,
             spec=runtime.config.target, layout=runtime.layout, pools=runtime.pools,
             integrity=runtime.settings.integrity, faults=runtime.faults,
-            drain_s=runtime.transport_timeout())
+            drain_s=runtime.transport_timeout(),
+            transfer_budget=runtime.settings.transfer_budget_s)
 
     @served
     def Send(self, request: pb.SendRequest, context: grpc.ServicerContext) -> pb.TransferStatus:

@@ -130,6 +130,10 @@ OPTIONS: tuple[Option, ...] = (
            "seconds allowed in WaitingForInput (between chunks)"),
     Option("deadline_transfer_s", "KVBEAM_DEADLINE_TRANSFER_S", float, 30.0,
            "seconds allowed in Transferring without progress"),
+    Option("transfer_floor_mbps", "KVBEAM_TRANSFER_FLOOR_MBPS", float, 100.0,
+           "slowest wire rate assumed, MB/s: Transferring allows a request of N bytes at "
+           "least N / rate seconds (beyond --deadline-transfer-s), so a large request on a "
+           "congested wire is not failed while it still moves"),
     Option("handoff_lease_s", "KVBEAM_HANDOFF_LEASE_S", float, 30.0,
            "decode: seconds a slot stays held after Success until Release"),
     Option("rpc_timeout_s", "KVBEAM_RPC_TIMEOUT_S", float, 5.0,
@@ -188,6 +192,12 @@ class DaemonSettings:
     metrics: str
     security: Security = field(default_factory=Security)
     per_peer_rkeys: bool = True
+    transfer_floor_mbps: float = 100.0
+
+    def transfer_budget_s(self, nbytes: int) -> float:
+        """Seconds Transferring allows a request of ``nbytes``: the deadline, or the bytes
+        at the floor rate when that is longer."""
+        return max(self.deadline_transfer_s, nbytes / (self.transfer_floor_mbps * 1e6))
 
     @property
     def advertised(self) -> str:
@@ -238,7 +248,7 @@ def resolve(role: str, args: argparse.Namespace | None = None,
     if not values["listen"]:
         values["listen"] = f"127.0.0.1:{DEFAULT_PORTS[role]}"
     for name in ("deadline_bootstrap_s", "deadline_waiting_s", "deadline_transfer_s",
-                 "handoff_lease_s", "rpc_timeout_s", "heartbeat_s"):
+                 "handoff_lease_s", "rpc_timeout_s", "heartbeat_s", "transfer_floor_mbps"):
         if values[name] <= 0:
             raise ConfigError(f"--{name.replace('_', '-')}: must be positive "
                               f"(got {values[name]})")

@@ -19,6 +19,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -69,7 +70,8 @@ class DecodeCore:
 
     def __init__(self, *, table: TransferTable, peers: Peers, prefill: PrefillPeers,
                  io: Executor, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide,
-                 integrity: bool, faults: FaultHooks, handoff_lease_s: float) -> None:
+                 integrity: bool, faults: FaultHooks, handoff_lease_s: float,
+                 transfer_budget: Callable[[int], float] = lambda _n: 0.0) -> None:
         self.table = table
         self.peers = peers
         self.prefill = prefill
@@ -80,6 +82,9 @@ class DecodeCore:
         self.integrity = integrity
         self.faults = faults
         self.handoff_lease_s = handoff_lease_s
+        #: Seconds Transferring allows for a number of bytes: a large request on a slow
+        #: wire is not failed here while prefill is still writing it.
+        self.transfer_budget = transfer_budget
         self.slots = SlotPool(spec.num_req_slots)
         self._lock = threading.Lock()
         self._res: dict[str, Reservation] = {}
@@ -135,6 +140,7 @@ class DecodeCore:
                 self.table.touch(request_id)  # a further chunk is progress
             else:
                 self.table.advance(request_id, TransferState.TRANSFERRING)  # raises
+            self.table.extend(request_id, self.transfer_budget(res.nbytes))
             res.peer_instance = conn.instance_id
             if final and digests is not None:
                 res.digests = list(digests)

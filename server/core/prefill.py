@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -113,11 +114,14 @@ class PrefillCore(PrefillEvents):
         io: the bounded executor every blocking step runs on (owned by the driver).
         drain_s: how long a failed request's writes may stay in flight before its
             link is released.
+        transfer_budget: seconds Transferring allows for a number of bytes (the
+            deadline grows with the request, see ``DaemonSettings.transfer_budget_s``).
     """
 
     def __init__(self, *, table: TransferTable, peers: Peers, decode: DecodePeers, io: Executor,
                  spec: PoolSpec, layout: SideLayout, pools: AllocatedSide, integrity: bool,
-                 faults: FaultHooks, drain_s: float) -> None:
+                 faults: FaultHooks, drain_s: float,
+                 transfer_budget: Callable[[int], float] = lambda _n: 0.0) -> None:
         self.table = table
         self.peers = peers
         self.decode = decode
@@ -128,6 +132,7 @@ class PrefillCore(PrefillEvents):
         self.integrity = integrity
         self.faults = faults
         self.drain_s = drain_s
+        self.transfer_budget = transfer_budget
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
         self._out: dict[str, Outgoing] = {}
@@ -293,7 +298,9 @@ class PrefillCore(PrefillEvents):
             src_sel, dst_sel = self._select_pages(rec, grant.indices, ranges, final)
         plan = build_plan(self.layout, self.pools.buffer_addrs(), src_sel,
                           conn.peer.layout, conn.addrs, dst_sel, include_states=final)
+        self.table.extend(rid, self.transfer_budget(plan.total_bytes))
         blocks = plan.blocks
+        self.faults.slow_wire()  # test-only hook, off unless armed
         if self.faults.writes_outside(rid):  # test-only hook, off unless armed
             blocks = outside_peer_mr(conn.link, conn.peer.endpoint, blocks)
         key = (conn.link.id, grant.transfer_id)
