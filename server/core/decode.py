@@ -28,7 +28,13 @@ from kvbeam.pools.digest import request_digests
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.spec import PoolSpec
-from kvbeam.server.core.ports import IndexLists, InvalidRequest, NoSuchRequest, PrefillPeers
+from kvbeam.server.core.ports import (
+    IndexLists,
+    InvalidRequest,
+    NoSuchRequest,
+    PrefillPeers,
+    require_status,
+)
 from kvbeam.server.errors import NotHandshakenError
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import (
@@ -177,10 +183,7 @@ class DecodeCore:
 
     def status(self, request_id: str) -> TransferStatus:
         """The request's status."""
-        snap = self.table.get(request_id)
-        if snap is None:
-            raise NoSuchRequest(f"unknown request id {request_id!r} on this decode daemon")
-        return snap
+        return require_status(self.table, request_id, "decode")
 
     def slot_of(self, request_id: str) -> int:
         """The slot a request holds, -1 once freed."""

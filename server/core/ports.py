@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from kvbeam.errors import KvbeamError
 from kvbeam.pools.types import IndexKind
-from kvbeam.server.lifecycle import FailureReason
+from kvbeam.server.lifecycle import FailureReason, TransferStatus, TransferTable
 from kvbeam.server.peers import PeerConn
 
 IndexLists = dict[IndexKind, npt.NDArray[np.int64]]
@@ -29,6 +29,14 @@ class InvalidRequest(KvbeamError):
 
 class NoSuchRequest(KvbeamError):
     """A request id this side does not know (the adapter answers NOT_FOUND)."""
+
+
+def require_status(table: TransferTable, request_id: str, side: str) -> TransferStatus:
+    """The request's status; :class:`NoSuchRequest` when ``side`` does not know it."""
+    snap = table.get(request_id)
+    if snap is None:
+        raise NoSuchRequest(f"unknown request id {request_id!r} on this {side} daemon")
+    return snap
 
 
 class SendFailed(KvbeamError):

@@ -39,8 +39,8 @@ from kvbeam.server.core.ports import (
     DecodePeers,
     IndexLists,
     InvalidRequest,
-    NoSuchRequest,
     SendFailed,
+    require_status,
 )
 from kvbeam.server.core.prefill_events import PrefillEvents
 from kvbeam.server.errors import HandshakeRejectedError, PeerError, RoleConflictError
@@ -203,10 +203,7 @@ class PrefillCore(PrefillEvents):
 
     def status(self, request_id: str) -> TransferStatus:
         """The request's status."""
-        snap = self.table.get(request_id)
-        if snap is None:
-            raise NoSuchRequest(f"unknown request id {request_id!r} on this prefill daemon")
-        return snap
+        return require_status(self.table, request_id, "prefill")
 
     def slot_of(self, request_id: str) -> int:
         """The source slot of a live request, -1 once forgotten."""

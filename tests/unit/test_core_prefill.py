@@ -8,14 +8,19 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
+from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.lifecycle import TransferState
 from tests.core_fakes import FakeLink, prefill_core, wait_for
 
 ADDR = "127.0.0.1:9"
 
 
-def _posted(core_link: list[FakeLink], n: int = 1) -> bool:
-    return bool(core_link) and len(core_link[0].writes) >= n
+def _link(core: PrefillCore, address: str = ADDR) -> FakeLink:
+    """The fake link of the core's connection to ``address``, once it is connected."""
+    assert wait_for(lambda: core.peers.by_address(address) is not None)
+    conn = core.peers.by_address(address)
+    assert conn is not None
+    return cast(FakeLink, conn.link)
 
 
 def test_core_modules_do_not_import_grpc() -> None:
@@ -30,10 +35,7 @@ def test_core_modules_do_not_import_grpc() -> None:
 def test_single_chunk_request_succeeds_once_its_write_completes() -> None:
     core, _fake = prefill_core()
     core.send("r", 0, 300, ADDR, [], True)
-    assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
-    conn = core.peers.by_address(ADDR)
-    assert conn is not None
-    link = cast(FakeLink, conn.link)
+    link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
     assert core.status("r").state is TransferState.TRANSFERRING
     tid, notify = link.writes[0]
@@ -49,10 +51,7 @@ def test_single_chunk_request_succeeds_once_its_write_completes() -> None:
 def test_record_is_pruned_after_a_drain_timeout_even_when_writes_complete_late() -> None:
     core, fake = prefill_core(drain_s=0.1)
     core.send("r", 0, 300, ADDR, [], True)
-    assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
-    conn = core.peers.by_address(ADDR)
-    assert conn is not None
-    link = cast(FakeLink, conn.link)
+    link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
     # Abort: the write never completes, so the drain times out and the link is released.
     st = core.abort("r", from_peer=False, detail="test")
@@ -69,10 +68,7 @@ def test_decode_that_aborted_is_not_told_again_when_a_write_completes_during_the
         ) -> None:
     core, fake = prefill_core()
     core.send("r", 0, 300, ADDR, [], True)
-    assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
-    conn = core.peers.by_address(ADDR)
-    assert conn is not None
-    link = cast(FakeLink, conn.link)
+    link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
     with ThreadPoolExecutor(1) as pool:
         # Decode fails the request and asks prefill to drain (Abort from_peer) ...
@@ -93,10 +89,9 @@ def test_two_failure_paths_racing_tell_decode_once() -> None:
         n = 40
         for i in range(n):
             core.send(f"r{i}", i % 4, 300, ADDR, [], True)
-        conn = core.peers.by_address(ADDR) if wait_for(
-            lambda: core.peers.by_address(ADDR) is not None) else None
+        link = _link(core)
+        conn = core.peers.by_address(ADDR)
         assert conn is not None
-        link = cast(FakeLink, conn.link)
         assert wait_for(lambda: len(link.writes) == n)
         barrier = threading.Barrier(2)
 
@@ -133,20 +128,14 @@ def test_a_hanging_handshake_holds_one_worker_not_the_others() -> None:
             core.send(f"b{i}", i % 4, 300, "10.0.0.2:1", [], True)
         for i in range(4):
             core.send(f"a{i}", i, 300, ADDR, [], True)
-        assert wait_for(lambda: core.peers.by_address(ADDR) is not None, 3)
-        conn = core.peers.by_address(ADDR)
-        assert conn is not None
-        link = cast(FakeLink, conn.link)
+        link = _link(core)
         assert wait_for(lambda: len(link.writes) == 4, 3), "requests to A queued behind B"
         assert fake.connects.count("10.0.0.2:1") == 1  # one handshake for all six
         assert all(core.status(f"b{i}").state is TransferState.BOOTSTRAPPING for i in range(6))
     finally:
         stuck.set()
-    b = core.peers.by_address("10.0.0.2:1")
-    assert wait_for(lambda: core.peers.by_address("10.0.0.2:1") is not None)
-    b = core.peers.by_address("10.0.0.2:1")
-    assert b is not None
-    assert wait_for(lambda: len(cast(FakeLink, b.link).writes) == 6)
+    b_link = _link(core, "10.0.0.2:1")
+    assert wait_for(lambda: len(b_link.writes) == 6)
 
 
 def test_chunks_of_one_request_post_in_order_and_succeed_after_the_final() -> None:
@@ -154,10 +143,7 @@ def test_chunks_of_one_request_post_in_order_and_succeed_after_the_final() -> No
     core.send("c", 0, 1000, ADDR, [(0, 256)], False)
     core.send("c", 0, 1000, ADDR, [(256, 700)], False)
     core.send("c", 0, 1000, ADDR, [], True)
-    assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
-    conn = core.peers.by_address(ADDR)
-    assert conn is not None
-    link = cast(FakeLink, conn.link)
+    link = _link(core)
     assert wait_for(lambda: len(link.writes) == 3)
     assert [notify for _tid, notify in link.writes] == [False, False, True]
     for tid, _ in link.writes:
