@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import threading
 from concurrent import futures
 from types import TracebackType
@@ -20,10 +21,10 @@ from kvbeam.errors import ListenError
 from kvbeam.proto.service import add_control_servicer
 from kvbeam.proto.side import SideInfo
 from kvbeam.proto.version import SERVICE_NAME
-from kvbeam.server.options import ControlOptions
-from kvbeam.server.registry import PeerRegistry
+from kvbeam.server.handshake import check_local_side
+from kvbeam.server.peers import Peers
 from kvbeam.server.servicer import ControlServicer
-from kvbeam.server.startup import check_local_side
+from kvbeam.server.settings import ControlOptions
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class ControlServer:
         return self.servicer.local
 
     @property
-    def peers(self) -> PeerRegistry:
+    def peers(self) -> Peers:
         """The verified peers."""
         return self.servicer.peers
 
@@ -87,8 +88,9 @@ class ControlServer:
     def start(self, address: str = "127.0.0.1:0") -> str:
         """Check our side, listen on ``address`` (port 0: any free port) and serve.
 
-        When ``local.control_address`` is empty and ``address`` names a concrete
-        host, the bound address becomes our advertised control address.
+        When ``local.control_address`` is empty, the bound address becomes our
+        advertised control address (``hostname:port`` for a wildcard host), before
+        the server answers its first call.
 
         Returns:
             The bound ``host:port``.
@@ -145,8 +147,15 @@ class ControlServer:
                               "host is not a local address")
         host = address.rpartition(":")[0]
         bound = f"{host}:{port}"
-        if not self.local.control_address and host not in _WILDCARD_HOSTS:
-            self.servicer.local = dataclasses.replace(self.local, control_address=bound)
+        if not self.local.control_address:
+            # Fixed here, before server.start(): a handshake answered meanwhile must
+            # carry the address too. Bound to a wildcard, peers reach us by host name.
+            advertised = bound
+            if host in _WILDCARD_HOSTS:
+                advertised = f"{socket.gethostname()}:{port}"
+                log.warning("listening on %s without an advertised address: advertising %s "
+                            "to peers", bound, advertised)
+            self.servicer.local = dataclasses.replace(self.local, control_address=advertised)
         return bound
 
     def stop(self, grace: float | None = 1.0) -> None:

@@ -1,27 +1,32 @@
 """What both daemons serve alike: Status, WatchStatus, Heartbeat, and the background loops.
 
-:class:`DaemonServicer` extends the handshake servicer with the lifecycle table,
-the per-peer connections and three loops the runtime runs in threads: transport
-events, deadline sweeps and heartbeats. Role subclasses implement the hooks
-(:meth:`on_event`, :meth:`on_expired`, :meth:`peer_lost`, :meth:`shutdown`).
+:class:`DaemonServicer` is the gRPC adapter around a role's core
+(:mod:`kvbeam.server.core`): it decodes requests, calls the core, encodes the
+status and maps the core's errors to gRPC codes (:func:`served`). It owns the
+driver's one bounded executor (:attr:`DaemonServicer.io`), on which the core runs
+every blocking step, and the loops the runtime runs in threads: transport events,
+deadline sweeps and heartbeats, each of which hands its events to the core.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 
-from kvbeam.errors import UnknownRequest
+from kvbeam.errors import BadRequest, UnknownRequest
 from kvbeam.logs import fields
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.side import ROLE_TO_PROTO
 from kvbeam.proto.transfer_codec import status_to_proto
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import handled, peer_error
+from kvbeam.server.core.ports import InvalidRequest, NoSuchRequest
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.peers import PeerConn
 from kvbeam.server.servicer import ControlServicer
@@ -41,45 +46,97 @@ IDLE_BEAT_EVERY = 4
 WATCH_LIMIT_S = 600.0
 #: The same while more than half of the server's handler threads hold streams.
 SHORT_WATCH_S = 0.5
+#: Threads of the driver's executor: handshakes, CRCs, peer RPCs, link releases.
+IO_WORKERS = 8
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def served(method: F) -> F:
+    """Decorator for RPC adapters: the core's errors -> gRPC codes (via ``handled``)."""
+
+    @functools.wraps(method)
+    def translate(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except InvalidRequest as exc:
+            raise BadRequest(str(exc)) from exc
+        except NoSuchRequest as exc:
+            raise UnknownRequest(str(exc)) from exc
+
+    return handled(translate)  # type: ignore[return-value]
+
+
+class RoleCore(Protocol):
+    """What the adapter and the loops call on a role's core."""
+
+    def on_event(self, event: Event) -> None:
+        """A transport event."""
+
+    def on_deadline(self, status: TransferStatus) -> None:
+        """A transfer failed its state's deadline (already FAILED in the table)."""
+
+    def on_peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
+        """A peer stopped answering or its link broke."""
+
+    def periodic(self) -> None:
+        """Work each sweep (pruning, leases)."""
+
+    def shutdown(self) -> None:
+        """Fail every live transfer with reason shutdown."""
+
+    def slot_of(self, request_id: str) -> int:
+        """The request slot a transfer uses, -1 if none."""
+
+    def bytes_of(self, request_id: str) -> tuple[int, int]:
+        """(bytes done, bytes total) of a transfer."""
 
 
 class DaemonServicer(ControlServicer):
     """Shared RPCs and loops of the prefill and decode daemons."""
 
-    def __init__(self, runtime: Runtime) -> None:
-        super().__init__(runtime.local)
+    core: RoleCore
+
+    def __init__(self, runtime: Runtime, workers: int = IO_WORKERS) -> None:
+        super().__init__(runtime.local, peers=runtime.peers)
         self.rt = runtime
         self.table = runtime.table
+        #: The driver's one bounded executor: every blocking step of the core runs here.
+        self.io = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvbeam-io")
         self._watch_lock = threading.Lock()
         self._watchers = 0  # open WatchStatus streams
 
-    # ---- hooks ----------------------------------------------------------------
+    # ---- hooks: the core decides ------------------------------------------------------
     def on_event(self, event: Event) -> None:
         """A transport event (COMPLETED on prefill, NOTIFIED on decode, LINK_FAILED)."""
-        raise NotImplementedError
+        self.core.on_event(event)
 
     def on_expired(self, status: TransferStatus) -> None:
         """A transfer failed its state's deadline (already FAILED in the table)."""
-        raise NotImplementedError
+        self.core.on_deadline(status)
 
-    def peer_lost(self, conn: PeerConn, detail: str) -> None:
+    def peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
         """A peer stopped answering or its link broke: fail its transfers, free everything."""
-        raise NotImplementedError
+        self.core.on_peer_lost(conn, detail, gone=gone)
 
     def shutdown(self) -> None:
-        """Fail every live transfer with reason shutdown."""
-        raise NotImplementedError
+        """Fail every live transfer with reason shutdown; stop the executor."""
+        try:
+            self.core.shutdown()
+        finally:
+            self.io.shutdown(wait=False, cancel_futures=True)
 
     def slot_of(self, request_id: str) -> int:
         """The request slot a transfer uses, -1 if none (for status replies)."""
-        return -1
+        return self.core.slot_of(request_id)
 
     def bytes_of(self, request_id: str) -> tuple[int, int]:
         """(bytes done, bytes total) of a transfer, for status replies."""
-        return (0, 0)
+        return self.core.bytes_of(request_id)
 
     def periodic(self) -> None:
-        """Role-specific work each sweep (e.g. decode's hand-off leases)."""
+        """Role-specific work each sweep (pruning, decode's hand-off leases)."""
+        self.core.periodic()
 
     def on_refused(self, method: str, code: grpc.StatusCode) -> None:
         """An RPC was answered with an error status (called by ``handled``): count it."""
@@ -104,7 +161,7 @@ class DaemonServicer(ControlServicer):
                                  f"{self.rt.role.value} daemon")
         return snap
 
-    @handled
+    @served
     def Status(self, request: pb.StatusRequest,
                context: grpc.ServicerContext) -> pb.TransferStatus:
         """The current state of a transfer."""
@@ -136,7 +193,7 @@ class DaemonServicer(ControlServicer):
             with self._watch_lock:
                 self._watchers -= 1
 
-    @handled
+    @served
     def Heartbeat(self, request: pb.HeartbeatRequest,
                   context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         """Liveness and identity: a peer notices our restart by the instance id."""

@@ -1,7 +1,7 @@
 """Test-only fault injection, switched on by environment variables, never by a flag.
 
 Every hook here is inert unless its variable is set, and a daemon with a fault armed
-says so loudly at start-up. Two hooks:
+says so loudly at start-up. Three hooks:
 
 Corrupt landed bytes (decode). Integrity checking is only worth its cost if it
 catches corruption every time, and that needs corruption on demand.
@@ -19,6 +19,11 @@ for that link, so decode's RDMA device itself refuses the write
 address or rkey would make them. tests/rdma/test_faults_rdma.py uses it to prove
 that such a request fails with the verbs status and that the next request handshakes
 a fresh queue pair.
+
+A slow wire (prefill). ``KVBEAM_FAULT_WRITE_DELAY_S=S`` makes prefill wait S seconds
+after BeginWrite before posting each write, as if the bytes took that long to move:
+tests/host/test_slow_wire.py uses it to prove that decode's Transferring deadline,
+sized by the request's bytes, does not fail a request that is still being written.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import logging
 import os
 import random
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +52,7 @@ log = logging.getLogger(__name__)
 CORRUPT_LANDED_ENV = "KVBEAM_FAULT_CORRUPT_LANDED"
 SEED_ENV = "KVBEAM_FAULT_SEED"
 OUTSIDE_MR_ENV = "KVBEAM_FAULT_OUTSIDE_MR"
+WRITE_DELAY_ENV = "KVBEAM_FAULT_WRITE_DELAY_S"
 
 
 @dataclass
@@ -55,6 +62,7 @@ class FaultHooks:
     corrupt_landed: float = 0.0
     seed: int = 0
     outside_mr_prefix: str = ""
+    write_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -79,8 +87,18 @@ class FaultHooks:
                 seed = int(env[SEED_ENV])
             except ValueError as exc:
                 raise ConfigError(f"{SEED_ENV}: not an integer: {env[SEED_ENV]!r}") from exc
+        delay = 0.0
+        if WRITE_DELAY_ENV in env:
+            try:
+                delay = float(env[WRITE_DELAY_ENV])
+            except ValueError as exc:
+                raise ConfigError(f"{WRITE_DELAY_ENV}: not a number: "
+                                  f"{env[WRITE_DELAY_ENV]!r}") from exc
         hooks = cls(corrupt_landed=corrupt, seed=seed,
-                    outside_mr_prefix=env.get(OUTSIDE_MR_ENV, ""))
+                    outside_mr_prefix=env.get(OUTSIDE_MR_ENV, ""), write_delay_s=delay)
+        if hooks.write_delay_s:
+            log.warning("FAULT INJECTION ARMED (%s=%s): every write waits that long before it "
+                        "is posted; never run it in production", WRITE_DELAY_ENV, delay)
         if hooks.corrupt_landed:
             log.warning("FAULT INJECTION ARMED (%s=%s): this daemon corrupts landed bytes on "
                         "purpose; never run it in production", CORRUPT_LANDED_ENV, corrupt)
@@ -93,11 +111,17 @@ class FaultHooks:
     @property
     def armed(self) -> bool:
         """True when any fault is switched on."""
-        return self.corrupt_landed > 0.0 or bool(self.outside_mr_prefix)
+        return (self.corrupt_landed > 0.0 or bool(self.outside_mr_prefix)
+                or self.write_delay_s > 0.0)
 
     def writes_outside(self, request_id: str) -> bool:
         """True when this request's first block must miss the peer's memory (prefill)."""
         return bool(self.outside_mr_prefix) and request_id.startswith(self.outside_mr_prefix)
+
+    def slow_wire(self) -> None:
+        """Wait ``write_delay_s`` before a write is posted (prefill; never under a lock)."""
+        if self.write_delay_s > 0.0:
+            time.sleep(self.write_delay_s)
 
     def after_landing(self, request_id: str, side: AllocatedSide, indices: IndexLists) -> None:
         """Maybe flip one byte of one item this request moved (decode, before verifying)."""

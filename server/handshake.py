@@ -27,9 +27,9 @@ from kvbeam.errors import (
     RoleConflictError,
 )
 from kvbeam.logs import fields
-from kvbeam.pools.checks import compare_sides
+from kvbeam.pools.checks import check_target_draft, compare_sides
 from kvbeam.pools.layout import SideLayout
-from kvbeam.proto.side import Role, SideInfo
+from kvbeam.proto.side import Role, SideInfo, side_to_proto
 from kvbeam.transport.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
@@ -208,3 +208,23 @@ def verify_peer(local: SideInfo, peer: SideInfo, *, address: str) -> VerifiedPee
     log.info("handshake with %s verified (model %s, %s transport)", who, peer.layout.model,
              peer.endpoint.kind, extra=extra)
     return VerifiedPeer(_PROOF, peer, local, address, time.monotonic())
+
+def check_local_side(side: SideInfo) -> None:
+    """Refuse to start with pools a peer would refuse anyway.
+
+    Runs sglang's target/draft checks (:func:`check_target_draft`) on our own
+    layout; the error message starts with sglang's text, e.g. "DSV4 target and
+    draft pools must use the same unified-KV mode: ...", and lists every problem.
+    Then encodes our SideInfo through the strict decoder, so a value the wire
+    cannot carry fails here and not at the first handshake.
+
+    Raises:
+        PoolCompatibilityError: target and draft pools disagree.
+        ProtocolError: our own metadata or endpoint cannot be sent.
+    """
+    try:
+        check_target_draft(side.layout, side.role.value)
+    except PoolCompatibilityError as exc:
+        log.error("refusing to start: %s", exc)
+        raise
+    side_to_proto(side, validate=True)

@@ -162,6 +162,14 @@ class TransferTable:
             if t is not None:
                 self._set_deadline(t)
 
+    def extend(self, request_id: str, seconds: float) -> None:
+        """Allow the current state at least ``seconds`` from now (e.g. Transferring sized
+        by the request's bytes); never shortens a deadline."""
+        with self._cond:
+            t = self._live.get(request_id)
+            if t is not None and t.deadline is not None:
+                t.deadline = max(t.deadline, time.monotonic() + seconds)
+
     def fail(self, request_id: str, reason: FailureReason, detail: str) -> TransferStatus | None:
         """Fail a live transfer; None (and no change) when it is terminal or unknown."""
         with self._cond:

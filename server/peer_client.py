@@ -44,7 +44,7 @@ from kvbeam.server.handshake import (
     log_differences,
     verify_peer,
 )
-from kvbeam.server.options import ControlOptions
+from kvbeam.server.settings import ControlOptions
 from kvbeam.transport.endpoint import Endpoint
 
 log = logging.getLogger(__name__)

@@ -1,25 +1,34 @@
-"""A daemon's connections to its verified peers: link, control channel, peer buffer addresses.
+"""The one registry of a daemon's peers: who passed the handshake, and the connection to each.
 
-One :class:`PeerConn` per verified peer instance. It exists only for a
-:class:`~kvbeam.server.handshake.VerifiedPeer` (so no data path without a
-handshake) and owns the per-peer transport link and control channel; closing it
-releases both, which also guarantees the peer can no longer write into us.
+A peer enters by a successful handshake (either direction): :meth:`Peers.add_verified`
+records the :class:`~kvbeam.server.handshake.VerifiedPeer` (and detects a restart: the
+same control address with a new instance id), :meth:`Peers.add` its
+:class:`PeerConn` (the data link and a control channel to it). Both roles update it
+the same way; transfer RPCs require a verified peer (:meth:`Peers.require`), the
+data path a connection (:meth:`Peers.get`, :meth:`Peers.by_link`).
+
+No module here imports gRPC: the control channel is opened by a ``dial`` callable
+the daemon passes in, so the gRPC-free cores (:mod:`kvbeam.server.core`) use this
+registry directly.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
-from kvbeam.errors import ProtocolError
+from kvbeam.errors import NotHandshakenError, ProtocolError
 from kvbeam.logs import fields
 from kvbeam.pools.layout import SideLayout
 from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.options import ControlOptions
-from kvbeam.server.peer_client import ControlClient
-from kvbeam.transport.base import Link
+from kvbeam.transport import Link
 
 log = logging.getLogger(__name__)
+
+#: Opens a control channel (a ``ControlClient``) to a control address.
+Dial = Callable[[str], Any]
 
 
 def peer_buffer_addrs(layout: SideLayout, peer: VerifiedPeer) -> list[int]:
@@ -43,15 +52,15 @@ def peer_buffer_addrs(layout: SideLayout, peer: VerifiedPeer) -> list[int]:
 class PeerConn:
     """One verified peer: its data link, a control channel to it, its buffer addresses."""
 
-    def __init__(self, peer: VerifiedPeer, link: Link, options: ControlOptions,
+    def __init__(self, peer: VerifiedPeer, link: Link, dial: Dial,
                  addrs: list[int] | None = None) -> None:
         self.peer = peer
         self.link = link
-        self.options = options
+        self._dial = dial
         #: The peer's buffer addresses (prefill needs decode's; decode needs none).
         self.addrs = addrs or []
-        self._client: ControlClient | None = None
-        self._lock = threading.Lock()
+        self._client: Any = None
+        self._lock = threading.Lock()  # leaf: guards the channel and ``closed`` only
         self.closed = False
         self.missed_heartbeats = 0
 
@@ -65,11 +74,15 @@ class PeerConn:
         """Where the peer's control server listens."""
         return self.peer.control_address
 
-    def client(self) -> ControlClient:
-        """The control channel to the peer (opened on first use)."""
+    def client(self) -> Any:
+        """The control channel to the peer (a ``ControlClient``, opened on first use).
+
+        Opening a gRPC channel does not connect (it connects lazily), so holding the
+        leaf lock here is not holding it across network I/O.
+        """
         with self._lock:
             if self._client is None:
-                self._client = ControlClient(self.control_address, options=self.options)
+                self._client = self._dial(self.control_address)
             return self._client
 
     def close(self) -> None:
@@ -88,24 +101,83 @@ class PeerConn:
                  extra=fields(peer=self.control_address))
 
 
-class PeerSet:
-    """The live :class:`PeerConn` objects, by instance id and by link id (thread-safe)."""
+class Peers:
+    """Verified peers by instance id, and the live connection to each (thread-safe).
+
+    A peer that handshakes again from the same ``control_address`` with a new
+    instance id has restarted: its old entry is dropped, so transfers that name
+    the old instance fail with :class:`NotHandshakenError` instead of writing into
+    memory the new process never registered. ``len()`` and ``in`` count verified
+    peers. The lock is a leaf: nothing is called while it is held.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_instance: dict[str, PeerConn] = {}
+        self._verified: dict[str, VerifiedPeer] = {}
+        self._conns: dict[str, PeerConn] = {}
         self._by_link: dict[int, PeerConn] = {}
 
-    def add(self, conn: PeerConn) -> None:
-        """Record a connection (replacing none: a new instance id is a new peer)."""
+    # ---- verified peers -------------------------------------------------------------
+    def add_verified(self, peer: VerifiedPeer) -> list[VerifiedPeer]:
+        """Record a verified peer; returns the entries it replaced because the peer restarted."""
         with self._lock:
-            self._by_instance[conn.instance_id] = conn
+            stale = [p for iid, p in self._verified.items()
+                     if peer.control_address and p.control_address == peer.control_address
+                     and iid != peer.instance_id]
+            for p in stale:
+                del self._verified[p.instance_id]
+            self._verified[peer.instance_id] = peer
+        for p in stale:
+            log.warning("peer at %s restarted: instance %s replaces %s; the old instance's "
+                        "transfers must fail", peer.control_address, peer.instance_id,
+                        p.instance_id)
+        return stale
+
+    def verified(self, instance_id: str) -> VerifiedPeer | None:
+        """The verified peer with this instance id, or None."""
+        with self._lock:
+            return self._verified.get(instance_id)
+
+    def require(self, instance_id: str) -> VerifiedPeer:
+        """The verified peer with this instance id.
+
+        Raises:
+            NotHandshakenError: no successful handshake with that instance (never
+                handshaken, removed, or restarted since).
+        """
+        peer = self.verified(instance_id)
+        if peer is None:
+            raise NotHandshakenError(
+                f"no successful handshake with peer instance {instance_id!r}: the peer must "
+                "handshake first (or again, if it restarted) before any transfer")
+        return peer
+
+    def forget(self, instance_id: str) -> VerifiedPeer | None:
+        """Forget a verified peer (it must handshake again); returns the entry, if any."""
+        with self._lock:
+            return self._verified.pop(instance_id, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._verified)
+
+    def __contains__(self, instance_id: object) -> bool:
+        with self._lock:
+            return instance_id in self._verified
+
+    # ---- connections ------------------------------------------------------------------
+    def add(self, conn: PeerConn) -> list[VerifiedPeer]:
+        """Record a connection and its verified peer; returns restarted peers it replaced."""
+        stale = self.add_verified(conn.peer)
+        with self._lock:
+            self._conns[conn.instance_id] = conn
             self._by_link[conn.link.id] = conn
+        return stale
 
     def get(self, instance_id: str) -> PeerConn | None:
         """The connection to a peer instance, if live."""
         with self._lock:
-            return self._by_instance.get(instance_id)
+            return self._conns.get(instance_id)
 
     def by_link(self, link_id: int) -> PeerConn | None:
         """The connection owning a transport link."""
@@ -115,21 +187,23 @@ class PeerSet:
     def by_address(self, control_address: str) -> PeerConn | None:
         """The live connection to whichever instance listens at ``control_address``."""
         with self._lock:
-            for conn in self._by_instance.values():
-                if conn.control_address == control_address:
+            for conn in self._conns.values():
+                if conn.control_address == control_address and not conn.closed:
                     return conn
             return None
 
-    def remove(self, conn: PeerConn) -> bool:
-        """Forget a connection; True if it was recorded."""
+    def remove(self, conn: PeerConn, *, forget: bool = False) -> bool:
+        """Drop a connection (``forget``: the verified entry too); True if it was recorded."""
         with self._lock:
-            known = self._by_instance.get(conn.instance_id) is conn
+            known = self._conns.get(conn.instance_id) is conn
             if known:
-                del self._by_instance[conn.instance_id]
+                del self._conns[conn.instance_id]
                 self._by_link.pop(conn.link.id, None)
+            if forget:
+                self._verified.pop(conn.instance_id, None)
             return known
 
     def all(self) -> list[PeerConn]:
         """A snapshot of the live connections."""
         with self._lock:
-            return list(self._by_instance.values())
+            return list(self._conns.values())

@@ -3,15 +3,14 @@
 :class:`Runtime` builds everything in order (config, layout and the start-up
 check before any memory is allocated), runs the background loops (transport
 events, deadlines, heartbeats) and tears everything down in reverse order.
-The role-specific behaviour lives in the servicer (:mod:`kvbeam.server.decode`,
-:mod:`kvbeam.server.prefill`), which the loops call back.
+The role-specific behaviour lives in the role's core (:mod:`kvbeam.server.core`),
+reached through its servicer (:mod:`kvbeam.server.decode`, :mod:`kvbeam.server.prefill`),
+which the loops call back.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import socket
 import threading
 from typing import TYPE_CHECKING, cast
 
@@ -26,9 +25,8 @@ from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.metrics import DaemonMetrics
 from kvbeam.server.metrics_collector import DaemonCollector, Sources
-from kvbeam.server.options import ControlOptions
-from kvbeam.server.peers import PeerSet
-from kvbeam.server.settings import DaemonSettings
+from kvbeam.server.peers import Peers
+from kvbeam.server.settings import ControlOptions, DaemonSettings
 from kvbeam.server.slots import SlotPool
 from kvbeam.transport import Access, TransportOptions, open_transport
 from kvbeam.transport.factory import Kind as TransportKind
@@ -73,7 +71,8 @@ class Runtime:
             Deadlines(settings.deadline_bootstrap_s, settings.deadline_waiting_s,
                       settings.deadline_transfer_s),
             capacity=settings.max_inflight, on_change=self.metrics.on_change)
-        self.peers = PeerSet()
+        #: The one registry of verified peers and their connections (both roles).
+        self.peers = Peers()
         self.options = ControlOptions(rpc_timeout_s=settings.rpc_timeout_s,
                                       security=settings.security)
         # The handshake carries a per-peer endpoint; this template only gives the
@@ -107,13 +106,9 @@ class Runtime:
         if self.settings.metrics:
             self.metrics_address = self.metrics.serve(self.settings.metrics)
         self.server = ControlServer(self.local, servicer=servicer, options=self.options)
+        # The server fixes our advertised address (hostname:port for a wildcard listen
+        # without --advertise) before it answers the first call.
         address = self.server.start(self.settings.listen)
-        if not self.server.local.control_address:
-            # Bound to a wildcard with no --advertise: peers reach us by host name.
-            advertised = f"{socket.gethostname()}:{self.server.port}"
-            servicer.local = dataclasses.replace(self.server.local, control_address=advertised)
-            log.warning("listening on %s without --advertise: advertising %s to peers",
-                        address, advertised)
         self.local = self.server.local  # carries the bound or advertised address
         self._publish(servicer)
         for name, target in (("events", servicer.event_loop), ("sweeper", self._sweep),

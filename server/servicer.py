@@ -35,7 +35,7 @@ from kvbeam.proto.rejection_codec import (
 )
 from kvbeam.proto.side import SideEncoder, SideInfo, side_from_proto
 from kvbeam.server.handshake import VerifiedPeer, verify_peer
-from kvbeam.server.registry import PeerRegistry
+from kvbeam.server.peers import Peers
 from kvbeam.transport.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
@@ -49,10 +49,10 @@ class ControlServicer(pb_grpc.KvbeamControlServicer):
         peers: the registry to fill (a fresh one by default).
     """
 
-    def __init__(self, local: SideInfo, *, peers: PeerRegistry | None = None) -> None:
+    def __init__(self, local: SideInfo, *, peers: Peers | None = None) -> None:
         self._local = local
         self._encoder: SideEncoder | None = None
-        self.peers = peers if peers is not None else PeerRegistry()
+        self.peers = peers if peers is not None else Peers()
 
     @property
     def local(self) -> SideInfo:
@@ -134,7 +134,7 @@ class ControlServicer(pb_grpc.KvbeamControlServicer):
             # Our own bug (e.g. endpoint_for built a bad endpoint), not the peer's.
             log.error("handshake from %s failed: our own side cannot be sent: %s", address, exc)
             context.abort(grpc.StatusCode.INTERNAL, f"server side cannot be encoded: {exc}")
-        for old in self.peers.add(verified):
+        for old in self.peers.add_verified(verified):
             self.on_peer_restarted(old, verified)
         self.on_verified(verified)
         return reply

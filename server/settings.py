@@ -1,7 +1,9 @@
-"""Daemon settings: every option is a flag and a ``KVBEAM_*`` environment variable.
+"""Settings: the daemons' options (flags and ``KVBEAM_*`` variables) and the control plane's.
 
 The flag wins over the variable, the variable over the default. Containers set
 variables; operators at a shell use flags. ``kvbeam prefill --help`` prints both.
+:class:`ControlOptions` are the settings of a control server or client (thread
+pool, size limits, deadline, authentication), derived from the daemon settings.
 """
 
 from __future__ import annotations
@@ -14,6 +16,52 @@ from typing import Any
 
 from kvbeam.auth import Security, load_token
 from kvbeam.errors import ConfigError
+
+#: Default deadline of every control RPC, seconds (the daemons' KVBEAM_RPC_TIMEOUT_S
+#: default too). A handshake takes milliseconds; the margin covers a loaded host.
+DEFAULT_RPC_TIMEOUT_S = 5.0
+#: Largest message either side accepts (a 61-layer DSV4 SideInfo is ~20 KB).
+MAX_MESSAGE_BYTES = 16 << 20
+#: Largest header/trailer block accepted. The rejection trailer carries the
+#: server's metadata and every difference; gRPC's 8 KiB default is too small.
+MAX_METADATA_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class ControlOptions:
+    """Settings of a control server or client.
+
+    Attributes:
+        rpc_timeout_s: deadline of each client RPC (handshake included).
+        max_workers: server handler threads (streaming WatchStatus holds one each).
+        max_message_bytes: largest request/reply accepted and sent.
+        max_metadata_bytes: largest header/trailer block accepted.
+        security: how the server authenticates callers and channels authenticate
+            themselves (default: none, loopback only).
+    """
+
+    rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S
+    max_workers: int = 16
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_metadata_bytes: int = MAX_METADATA_BYTES
+    security: Security = field(default_factory=Security)
+
+    def __post_init__(self) -> None:
+        if not self.rpc_timeout_s > 0:
+            raise ValueError(f"rpc_timeout_s must be positive, got {self.rpc_timeout_s}")
+        if self.max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {self.max_workers}")
+        if self.max_message_bytes < 1 << 16 or self.max_metadata_bytes < 1 << 16:
+            raise ValueError("max_message_bytes and max_metadata_bytes must be >= 64 KiB")
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """Channel/server arguments implementing these settings."""
+        return [
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_metadata_size", self.max_metadata_bytes),
+            ("grpc.absolute_max_metadata_size", self.max_metadata_bytes),
+        ]
 
 
 @dataclass(frozen=True)
@@ -82,6 +130,10 @@ OPTIONS: tuple[Option, ...] = (
            "seconds allowed in WaitingForInput (between chunks)"),
     Option("deadline_transfer_s", "KVBEAM_DEADLINE_TRANSFER_S", float, 30.0,
            "seconds allowed in Transferring without progress"),
+    Option("transfer_floor_mbps", "KVBEAM_TRANSFER_FLOOR_MBPS", float, 100.0,
+           "slowest wire rate assumed, MB/s: Transferring allows a request of N bytes at "
+           "least N / rate seconds (beyond --deadline-transfer-s), so a large request on a "
+           "congested wire is not failed while it still moves"),
     Option("handoff_lease_s", "KVBEAM_HANDOFF_LEASE_S", float, 30.0,
            "decode: seconds a slot stays held after Success until Release"),
     Option("rpc_timeout_s", "KVBEAM_RPC_TIMEOUT_S", float, 5.0,
@@ -140,6 +192,12 @@ class DaemonSettings:
     metrics: str
     security: Security = field(default_factory=Security)
     per_peer_rkeys: bool = True
+    transfer_floor_mbps: float = 100.0
+
+    def transfer_budget_s(self, nbytes: int) -> float:
+        """Seconds Transferring allows a request of ``nbytes``: the deadline, or the bytes
+        at the floor rate when that is longer."""
+        return max(self.deadline_transfer_s, nbytes / (self.transfer_floor_mbps * 1e6))
 
     @property
     def advertised(self) -> str:
@@ -190,7 +248,7 @@ def resolve(role: str, args: argparse.Namespace | None = None,
     if not values["listen"]:
         values["listen"] = f"127.0.0.1:{DEFAULT_PORTS[role]}"
     for name in ("deadline_bootstrap_s", "deadline_waiting_s", "deadline_transfer_s",
-                 "handoff_lease_s", "rpc_timeout_s", "heartbeat_s"):
+                 "handoff_lease_s", "rpc_timeout_s", "heartbeat_s", "transfer_floor_mbps"):
         if values[name] <= 0:
             raise ConfigError(f"--{name.replace('_', '-')}: must be positive "
                               f"(got {values[name]})")

@@ -28,9 +28,8 @@ from kvbeam.proto.service import control_stub
 from kvbeam.proto.side import Role, SideInfo, side_to_proto
 from kvbeam.scheduler import run_request
 from kvbeam.server.control import ControlServer
-from kvbeam.server.options import ControlOptions
 from kvbeam.server.peer_client import ControlClient
-from kvbeam.server.settings import add_daemon_arguments, resolve
+from kvbeam.server.settings import ControlOptions, add_daemon_arguments, resolve
 from kvbeam.server.settings import resolve_security as client_security
 from tests.control_helpers import config, side
 from tests.tls_helpers import Pki, make_pki

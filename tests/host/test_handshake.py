@@ -36,11 +36,10 @@ from kvbeam.proto.service import control_stub
 from kvbeam.proto.side import Role, SideInfo, side_to_proto
 from kvbeam.proto.version import PROTOCOL_VERSION, SERVICE_NAME
 from kvbeam.server.control import ControlServer
-from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.options import ControlOptions
+from kvbeam.server.handshake import VerifiedPeer, check_local_side
 from kvbeam.server.peer_client import ControlClient, handshake
 from kvbeam.server.servicer import ControlServicer
-from kvbeam.server.startup import check_local_side
+from kvbeam.server.settings import ControlOptions
 from kvbeam.transport.endpoint import Endpoint
 from tests.control_helpers import (
     DECODE_SLOTS,

@@ -1,0 +1,51 @@
+"""The daemons' gRPC-free cores: one object per role owns every request's state.
+
+:class:`~kvbeam.server.core.prefill.PrefillCore` and
+:class:`~kvbeam.server.core.decode.DecodeCore` keep ONE record per request (its
+lifecycle state in the shared :class:`~kvbeam.server.lifecycle.TransferTable`, the
+single state vocabulary) and are driven by events: API calls (reserve, send,
+begin_write, abort, release, status), transport events (:meth:`on_event`),
+deadlines (:meth:`on_deadline`), peer loss (:meth:`on_peer_lost`) and a periodic
+sweep. Nothing here imports gRPC (a unit test checks): the servicers are thin
+adapters, and peer calls reach a core through the protocols in
+:mod:`kvbeam.server.core.ports`, implemented over gRPC by
+:mod:`kvbeam.server.peer_rpc`. An engine can drive a core directly.
+
+Threads. The driver (``DaemonServicer``) owns ONE bounded executor
+(``ThreadPoolExecutor``, ``IO_WORKERS`` threads); every blocking step runs there:
+handshakes, CRC32C digests, peer RPCs (BeginWrite, Abort), link releases. The
+transport event thread (``on_event``) only does bookkeeping and submits work.
+Long-lived loops (events, deadline sweep, heartbeats) are the runtime's only
+other threads; nothing starts a thread per event.
+
+Locks in kvbeam.server, and their order (a lock may be taken while holding one
+listed ABOVE it, never the reverse). No lock is held across I/O: a handshake, an
+RPC, a digest, a write post, a link's release or a memory registration.
+
+1. ``PrefillCore._lock`` / ``DecodeCore._lock`` (one per core; prefill's
+   ``_drained`` condition shares it): every request record, the write and
+   transfer-id maps, the pending-handshake waiters. Held only for bookkeeping;
+   waiting on ``_drained`` (prefill's Abort) releases it.
+2. ``TransferTable._cond`` (:mod:`kvbeam.server.lifecycle`): the lifecycle states.
+   Its ``on_change`` callback (metrics) runs after the lock is released.
+3. Leaves, which call nothing while held: ``Peers._lock``
+   (:mod:`kvbeam.server.peers`), ``PeerConn._lock`` (the channel; ``close`` releases
+   the link after dropping it), ``SlotPool`` (:mod:`kvbeam.server.slots`),
+   ``DecodeServicer._links_lock`` (handshake links), ``DaemonServicer._watch_lock``,
+   ``FaultHooks._lock``, ``ControlServer._lock`` (start/stop only), and the metrics'
+   own locks.
+"""
+
+from kvbeam.server.core.decode import DecodeCore, Reservation
+from kvbeam.server.core.ports import (
+    DecodePeers,
+    InvalidRequest,
+    NoSuchRequest,
+    PrefillPeers,
+    SendFailed,
+    WriteGrant,
+)
+from kvbeam.server.core.prefill import Outgoing, PrefillCore
+
+__all__ = ["DecodeCore", "DecodePeers", "InvalidRequest", "NoSuchRequest", "Outgoing",
+           "PrefillCore", "PrefillPeers", "Reservation", "SendFailed", "WriteGrant"]

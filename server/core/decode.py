@@ -1,0 +1,358 @@
+"""Decode's core: reservations, BeginWrite, arrival and its proof, without gRPC.
+
+Per request: :meth:`DecodeCore.reserve` holds a slot and computes the destination
+indices (Bootstrapping, its deadline is the reservation lease); prefill's BeginWrite
+moves it to Transferring and learns the indices and the transfer id; the
+notification carrying that id arrives after every byte (RC ordering), the digests
+are checked on the executor, and the request is Success. The slot stays held until
+the scheduler's Release (the engine took over) or the hand-off lease expires.
+
+No slot is freed while the prefill side might still write into it: a failure decode
+originates after prefill began writing is propagated to prefill first (prefill
+drains its writes before answering); if prefill cannot confirm, the link to it is
+torn down, after which no write from it can land.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from kvbeam.errors import NotHandshakenError
+from kvbeam.logs import fields
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.digest import request_digests
+from kvbeam.pools.indices import request_indices
+from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.spec import PoolSpec
+from kvbeam.server.core.ports import (
+    IndexLists,
+    InvalidRequest,
+    NoSuchRequest,
+    PrefillPeers,
+    require_status,
+)
+from kvbeam.server.faults import FaultHooks
+from kvbeam.server.lifecycle import TransferTable
+from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.server.slots import SlotPool
+from kvbeam.states import (
+    NOT_VERIFIED_NO_DIGESTS,
+    NOT_VERIFIED_OFF,
+    VERIFIED_PREFIX,
+    FailureReason,
+    TransferState,
+    TransferStatus,
+)
+from kvbeam.transport import Event, EventKind
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Reservation:
+    """Decode's one record of a request (its lifecycle state lives in the table)."""
+
+    request_id: str
+    slot: int
+    seq_len: int
+    prefill_address: str
+    transfer_id: int
+    indices: IndexLists
+    nbytes: int
+    peer_instance: str = ""          # set by BeginWrite: prefill may write from now on
+    digests: list[int] | None = None
+    success_at: float | None = None
+    landed: bool = False
+
+
+class DecodeCore:
+    """All of decode's request state; the servicer and the runtime's loops call in."""
+
+    def __init__(self, *, table: TransferTable, peers: Peers, prefill: PrefillPeers,
+                 io: Executor, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide,
+                 integrity: bool, faults: FaultHooks, handoff_lease_s: float,
+                 transfer_budget: Callable[[int], float] = lambda _n: 0.0) -> None:
+        self.table = table
+        self.peers = peers
+        self.prefill = prefill
+        self.io = io
+        self.spec = spec
+        self.layout = layout
+        self.pools = pools
+        self.integrity = integrity
+        self.faults = faults
+        self.handoff_lease_s = handoff_lease_s
+        #: Seconds Transferring allows for a number of bytes: a large request on a slow
+        #: wire is not failed here while prefill is still writing it.
+        self.transfer_budget = transfer_budget
+        self.slots = SlotPool(spec.num_req_slots)
+        self._lock = threading.Lock()
+        self._res: dict[str, Reservation] = {}
+        self._by_transfer: dict[int, str] = {}
+        self._ids = itertools.count(1)
+
+    # ---- API ---------------------------------------------------------------------------
+    def reserve(self, request_id: str, seq_len: int, prefill_address: str) -> Reservation:
+        """Hold a slot for a request and compute its destination indices."""
+        slot = self.slots.acquire(request_id)
+        try:
+            self.table.create(request_id, prefill_address)
+        except Exception:
+            self.slots.release(request_id)
+            raise
+        indices = request_indices(self.spec, slot, seq_len)
+        nbytes = sum(len(indices[b.index_kind]) * b.item_len for b in self.layout.flat_buffers)
+        with self._lock:
+            tid = next(self._ids) & 0xFFFFFFFF
+            res = Reservation(request_id, slot, seq_len, prefill_address, tid, indices, nbytes)
+            self._res[request_id] = res
+            self._by_transfer[tid] = request_id
+        log.info("request %s: reserved slot %d for %d tokens from prefill %s", request_id,
+                 slot, seq_len, prefill_address, extra=fields(request_id, prefill_address))
+        return res
+
+    def begin_write(self, request_id: str, instance_id: str, seq_len: int, final: bool,
+                    digests: list[int] | None) -> Reservation:
+        """Prefill is about to write (a chunk of) a request: check it may, say where."""
+        conn = self.peers.get(instance_id)
+        if conn is None:
+            raise NotHandshakenError(
+                f"no successful handshake with prefill instance {instance_id!r}")
+        res = self._reservation(request_id)
+        if conn.control_address != res.prefill_address:
+            raise InvalidRequest(f"request {request_id} is reserved for prefill "
+                                 f"{res.prefill_address}, not {conn.control_address}")
+        if seq_len != res.seq_len:
+            raise InvalidRequest(f"request {request_id}: seq_len {seq_len} differs from the "
+                                 f"reserved {res.seq_len}")
+        if digests is not None and len(digests) != len(self.layout.flat_buffers):
+            raise InvalidRequest(f"request {request_id}: {len(digests)} digests for "
+                                 f"{len(self.layout.flat_buffers)} buffers")
+        with self._lock:
+            snap = self.status(request_id)
+            if res.peer_instance and res.peer_instance != conn.instance_id:
+                raise InvalidRequest(f"request {request_id} is being written by prefill "
+                                     f"instance {res.peer_instance}")
+            if snap.state is TransferState.BOOTSTRAPPING:
+                self.table.advance(request_id, TransferState.WAITING_FOR_INPUT)
+                self.table.advance(request_id, TransferState.TRANSFERRING)
+            elif snap.state is TransferState.TRANSFERRING:
+                self.table.touch(request_id)  # a further chunk is progress
+            else:
+                self.table.advance(request_id, TransferState.TRANSFERRING)  # raises
+            self.table.extend(request_id, self.transfer_budget(res.nbytes))
+            res.peer_instance = conn.instance_id
+            if final and digests is not None:
+                res.digests = list(digests)
+        return res
+
+    def release(self, request_id: str) -> TransferStatus:
+        """The engine took over a request that reached Success: free its slot."""
+        snap = self.status(request_id)
+        if snap.state is not TransferState.SUCCESS:
+            raise InvalidRequest(f"request {request_id} is {snap.state.value}, not Success: "
+                                 "only a finished request is released (use Abort to cancel)")
+        self._free(request_id, "released by the scheduler")
+        return snap
+
+    def abort(self, request_id: str, *, from_peer: bool, detail: str) -> TransferStatus:
+        """Abort a request: fail it, make sure prefill stops writing, free the slot."""
+        snap = self.status(request_id)
+        if snap.state is TransferState.SUCCESS:
+            self._free(request_id, "aborted after Success")
+            return snap
+        if from_peer:
+            # Prefill failed or was aborted and has drained its writes: free at once.
+            detail = detail or "aborted by prefill"
+            if self.table.fail(request_id, FailureReason.PEER_FAILED, detail) is not None:
+                log.warning("request %s failed: prefill reported: %s", request_id, detail,
+                            extra=fields(request_id, snap.peer))
+            self._free(request_id, "prefill aborted")
+            return self.status(request_id)
+        if self.table.fail(request_id, FailureReason.ABORTED, detail or "aborted") is not None:
+            log.info("request %s aborted by the scheduler", request_id,
+                     extra=fields(request_id, snap.peer))
+            self._stop_prefill_then_free(request_id, detail or "aborted on decode")
+        return self.status(request_id)
+
+    def status(self, request_id: str) -> TransferStatus:
+        """The request's status."""
+        return require_status(self.table, request_id, "decode")
+
+    def slot_of(self, request_id: str) -> int:
+        """The slot a request holds, -1 once freed."""
+        with self._lock:
+            res = self._res.get(request_id)
+        return res.slot if res else -1
+
+    def bytes_of(self, request_id: str) -> tuple[int, int]:
+        """(bytes landed, bytes reserved) of a held request."""
+        with self._lock:
+            res = self._res.get(request_id)
+        if res is None:
+            return (0, 0)
+        return (res.nbytes if res.landed else 0, res.nbytes)
+
+    # ---- events ----------------------------------------------------------------------
+    def on_event(self, event: Event) -> None:
+        """NOTIFIED: a transfer landed (verified on the executor); LINK_FAILED: peer gone."""
+        conn = self.peers.by_link(event.link)
+        if event.kind is EventKind.LINK_FAILED:
+            if conn is not None:
+                self.io.submit(self.on_peer_lost, conn,
+                               f"link failed: {event.status}: {event.detail}", gone=False)
+            return
+        if event.kind is not EventKind.NOTIFIED or event.transfer_id is None:
+            return
+        with self._lock:
+            rid = self._by_transfer.get(event.transfer_id)
+            res = self._res.get(rid) if rid else None
+            ok = res is not None and conn is not None and res.peer_instance == conn.instance_id
+            if res is not None and ok:
+                res.landed = True
+        if res is None or not ok:
+            log.warning("completion for unknown transfer id %s on link %d ignored",
+                        event.transfer_id, event.link,
+                        extra=fields(rid, conn.control_address if conn else None))
+            return
+        self.io.submit(self._verify, res)
+
+    def _verify(self, res: Reservation) -> None:
+        """Check the landed bytes against prefill's digests (executor), then Success."""
+        rid = res.request_id
+        self.faults.after_landing(rid, self.pools, res.indices)
+        verified = NOT_VERIFIED_OFF
+        if res.digests is not None and self.integrity:
+            landed = request_digests(self.pools, res.indices)
+            bad = [b.name for b, want, got in
+                   zip(self.layout.flat_buffers, res.digests, landed, strict=True)
+                   if want != got]
+            if bad:
+                detail = (f"CRC32C mismatch in {len(bad)} buffer(s): "
+                          f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
+                if self.table.fail(rid, FailureReason.INTEGRITY, detail):
+                    log.error("request %s failed: integrity: %s", rid, detail,
+                              extra=fields(rid, res.prefill_address))
+                    self._free(rid, "integrity failure")
+                    self._tell_prefill(res, f"decode integrity check failed: {detail}")
+                return
+            verified = f"{VERIFIED_PREFIX} {len(landed)} buffers match prefill's digests"
+        elif res.digests is None and self.integrity:
+            verified = NOT_VERIFIED_NO_DIGESTS
+            log.warning("request %s: prefill sent no digests (its integrity check is off): "
+                        "arrival proven by the completion, bytes not verified",
+                        rid, extra=fields(rid, res.prefill_address))
+        with self._lock:
+            try:
+                self.table.advance(rid, TransferState.SUCCESS, detail=verified,
+                                   nbytes=res.nbytes)
+            except Exception as exc:  # already failed (aborted, timed out): nothing to do
+                log.info("request %s landed after it ended: %s", rid, exc,
+                         extra=fields(rid, res.prefill_address))
+                return
+            res.success_at = time.monotonic()
+        log.info("request %s: Success (%d bytes landed in slot %d; %s)", rid, res.nbytes,
+                 res.slot, verified, extra=fields(rid, res.prefill_address))
+
+    def on_deadline(self, status: TransferStatus) -> None:
+        """A deadline passed: make sure prefill stops, then free the slot."""
+        self._stop_prefill_then_free(status.request_id, f"decode timed out: {status.detail}")
+
+    def periodic(self) -> None:
+        """Free Success slots whose hand-off lease expired without a Release."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [(r.request_id, r.prefill_address) for r in self._res.values()
+                     if r.success_at is not None and now - r.success_at > self.handoff_lease_s]
+        for rid, peer in stale:
+            log.warning("request %s: no Release within the %.0f s hand-off lease; slot freed",
+                        rid, self.handoff_lease_s, extra=fields(rid, peer))
+            self._free(rid, "hand-off lease expired")
+
+    def on_peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
+        """Close the link first (no more writes can land), then fail and free its requests.
+
+        ``gone`` False means only the link died (its QP failed): requests it began
+        writing fail, but reservations it has not touched yet stay, since the next
+        handshake serves them. Blocking (the link's release): never under a lock.
+        """
+        self.peers.remove(conn, forget=gone)
+        conn.close()
+        with self._lock:
+            mine = [r for r in self._res.values()
+                    if r.peer_instance == conn.instance_id
+                    or (gone and not r.peer_instance
+                        and r.prefill_address == conn.control_address)]
+        for res in mine:
+            if self.table.fail(res.request_id, FailureReason.PEER_FAILED, detail):
+                log.warning("request %s failed: %s", res.request_id, detail,
+                            extra=fields(res.request_id, res.prefill_address))
+            snap = self.table.get(res.request_id)
+            if snap is not None and snap.state is TransferState.FAILED:
+                self._free(res.request_id, "peer lost")
+
+    def shutdown(self) -> None:
+        """Fail every live request (reason shutdown) and tell prefill, briefly."""
+        for snap in self.table.live():
+            if self.table.fail(snap.request_id, FailureReason.SHUTDOWN, "decode shutting down"):
+                with self._lock:
+                    res = self._res.get(snap.request_id)
+                if res is not None:
+                    self._tell_prefill(res, "decode shutting down", timeout=1.0)
+        for conn in self.peers.all():
+            self.peers.remove(conn)
+            conn.close()
+        with self._lock:
+            rids = list(self._res)
+        for rid in rids:
+            self._free(rid, "shutdown")
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _reservation(self, rid: str) -> Reservation:
+        with self._lock:
+            res = self._res.get(rid)
+        if res is None:
+            raise NoSuchRequest(f"no reservation for request {rid!r} on this decode daemon")
+        return res
+
+    def _free(self, rid: str, why: str) -> None:
+        with self._lock:
+            res = self._res.pop(rid, None)
+            if res is not None:
+                self._by_transfer.pop(res.transfer_id, None)
+        if res is not None and self.slots.release(rid) is not None:
+            log.info("request %s: slot %d freed (%s)", rid, res.slot, why,
+                     extra=fields(rid, res.prefill_address))
+
+    def _stop_prefill_then_free(self, rid: str, detail: str) -> None:
+        with self._lock:
+            res = self._res.get(rid)
+        if res is None:
+            return
+        if not res.peer_instance:  # prefill never got the indices: it cannot write
+            self._free(rid, detail)
+            self.io.submit(self._tell_prefill, res, detail)
+            return
+        self.io.submit(self._drain_then_free, res, detail)
+
+    def _drain_then_free(self, res: Reservation, detail: str) -> None:
+        if not self._tell_prefill(res, detail):
+            conn = self.peers.get(res.peer_instance)
+            if conn is not None:
+                self.on_peer_lost(conn, f"prefill did not confirm the abort of "
+                                        f"{res.request_id}")
+        self._free(res.request_id, detail)
+
+    def _tell_prefill(self, res: Reservation, detail: str, timeout: float | None = None) -> bool:
+        """Abort the request on prefill (it drains first); True when prefill confirmed."""
+        conn = (self.peers.get(res.peer_instance) if res.peer_instance
+                else self.peers.by_address(res.prefill_address))
+        if conn is None or conn.closed:
+            return False
+        return self.prefill.abort(conn, res.request_id, detail, timeout)

@@ -1,0 +1,89 @@
+"""What the cores need from the outside, as plain Python: peer calls, errors, grants.
+
+The cores (:mod:`kvbeam.server.core.prefill`, :mod:`kvbeam.server.core.decode`)
+decide; the daemon's driver does the I/O. Peer RPCs reach the cores through the
+two small protocols here, implemented over gRPC by :mod:`kvbeam.server.peer_rpc`
+and by fakes in the unit tests. Their methods block (a handshake, an RPC) and are
+only ever called on the driver's bounded executor, never under a core lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbeam.errors import KvbeamError
+from kvbeam.pools.types import IndexKind
+from kvbeam.server.lifecycle import TransferTable
+from kvbeam.server.peers import PeerConn
+from kvbeam.states import FailureReason, TransferStatus
+
+IndexLists = dict[IndexKind, npt.NDArray[np.int64]]
+
+
+class InvalidRequest(KvbeamError):
+    """A request that asks for something invalid (the adapter answers INVALID_ARGUMENT)."""
+
+
+class NoSuchRequest(KvbeamError):
+    """A request id this side does not know (the adapter answers NOT_FOUND)."""
+
+
+def require_status(table: TransferTable, request_id: str, side: str) -> TransferStatus:
+    """The request's status; :class:`NoSuchRequest` when ``side`` does not know it."""
+    snap = table.get(request_id)
+    if snap is None:
+        raise NoSuchRequest(f"unknown request id {request_id!r} on this {side} daemon")
+    return snap
+
+
+class SendFailed(KvbeamError):
+    """A send step failed; ``reason`` is the lifecycle failure reason to report.
+
+    ``peer_lost``: the peer no longer knows us (it restarted or dropped our link): every
+    request on that connection fails, not only this one.
+    """
+
+    def __init__(self, reason: FailureReason, message: str, *, peer_lost: bool = False) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.peer_lost = peer_lost
+
+
+@dataclass(frozen=True)
+class WriteGrant:
+    """Decode's answer to BeginWrite: the transfer id and where to write."""
+
+    transfer_id: int
+    indices: IndexLists
+
+
+class DecodePeers(Protocol):
+    """Prefill's calls to decode daemons (blocking; run on the executor only)."""
+
+    def connect(self, address: str) -> PeerConn:
+        """Handshake with the decode daemon at ``address`` and connect a link to it."""
+
+    def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
+                    digests: list[int] | None) -> WriteGrant:
+        """Ask decode where (a chunk of) a request goes.
+
+        Raises:
+            SendFailed: decode refused (with the reason to report).
+            PeerError: decode could not be reached.
+        """
+
+    def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
+              timeout: float | None = None) -> bool:
+        """Tell decode a request failed here (best effort); True when decode confirmed."""
+
+
+class PrefillPeers(Protocol):
+    """Decode's calls to prefill daemons (blocking; run on the executor only)."""
+
+    def abort(self, conn: PeerConn, request_id: str, detail: str,
+              timeout: float | None = None) -> bool:
+        """Abort a request on prefill, which drains its writes first; True when confirmed."""

@@ -1,0 +1,367 @@
+"""Prefill's core: every request's books in one record, driven by events, no gRPC.
+
+Send queues a chunk of a request; a step on the executor handshakes with the decode
+daemon if needed (Bootstrapping; one handshake per address, later requests wait for
+it without holding a worker), asks decode where to write with BeginWrite
+(WaitingForInput -> Transferring), plans against decode's indices and posts the
+writes; the final chunk carries the states and the completion notification. A
+request is Success once every write completed. A request never ends (Success or
+Failed) while a write that reads its source may still be in flight: decode is told
+of a failure only once the request's writes drained, or once its link is released
+(:meth:`PrefillCore.periodic` abandons writes that do not drain in time).
+
+Every method takes the core lock only for bookkeeping; handshakes, CRCs, peer RPCs
+and posting writes happen outside it, on the executor (see :mod:`kvbeam.server.core`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbeam.errors import (
+    DuplicateRequest,
+    HandshakeRejectedError,
+    PeerError,
+    PlanError,
+    PoolCompatibilityError,
+    ProtocolError,
+    ProtocolVersionError,
+    RegionError,
+    RoleConflictError,
+    TransportError,
+)
+from kvbeam.logs import fields
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.digest import request_digests
+from kvbeam.pools.indices import request_indices
+from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.plan import build_plan
+from kvbeam.pools.spec import PoolSpec
+from kvbeam.pools.types import IndexKind
+from kvbeam.server.core.ports import (
+    DecodePeers,
+    IndexLists,
+    InvalidRequest,
+    SendFailed,
+    require_status,
+)
+from kvbeam.server.core.prefill_events import PrefillEvents
+from kvbeam.server.faults import FaultHooks, outside_peer_mr
+from kvbeam.server.lifecycle import TransferTable
+from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.states import FailureReason, TransferState, TransferStatus
+
+log = logging.getLogger(__name__)
+Ranges = list[tuple[int, int]]
+
+
+@dataclass(eq=False)
+class Outgoing:
+    """Prefill's one record of a request (its lifecycle state lives in the table)."""
+
+    request_id: str
+    src_slot: int
+    seq_len: int
+    decode_address: str
+    src_indices: IndexLists
+    sent_pages: npt.NDArray[np.bool_]
+    conn: PeerConn | None = None
+    transfer_id: int | None = None
+    chunks: deque[tuple[Ranges, bool]] = field(default_factory=deque)
+    running: bool = False        # a step of this request is queued or on the executor
+    final_submitted: bool = False
+    final_posted: bool = False
+    outstanding: int = 0         # writes posted and not completed
+    abandoned: bool = False      # its link was released: no write of it is in flight
+    failed_at: float | None = None
+    bytes_total: int = 0
+    bytes_done: int = 0
+    pending_bytes: deque[int] = field(default_factory=deque)
+    write_keys: set[tuple[int, int]] = field(default_factory=set)
+    told_decode: bool = False    # decode knows of the failure (or must not be told)
+
+    @property
+    def drained(self) -> bool:
+        """No write of this request can still read its source."""
+        return self.outstanding <= 0 or self.abandoned
+
+
+def reason_for(exc: BaseException) -> FailureReason:
+    """The lifecycle failure reason for an exception of a send step."""
+    if isinstance(exc, SendFailed):
+        return exc.reason
+    if isinstance(exc, PoolCompatibilityError | ProtocolVersionError | RoleConflictError
+                  | HandshakeRejectedError):
+        return FailureReason.INCOMPATIBLE
+    if isinstance(exc, PeerError):
+        return FailureReason.PEER_UNREACHABLE
+    if isinstance(exc, PlanError | ProtocolError | InvalidRequest):
+        return FailureReason.INVALID_REQUEST
+    return FailureReason.TRANSPORT_ERROR
+
+
+class PrefillCore(PrefillEvents):
+    """All of prefill's request state; the servicer and the runtime's loops call in.
+
+    Args:
+        table: the lifecycle table (the single state vocabulary).
+        peers: the peer registry (connections to decode daemons).
+        decode: the calls to decode daemons (gRPC in the daemon, fakes in tests).
+        io: the bounded executor every blocking step runs on (owned by the driver).
+        drain_s: how long a failed request's writes may stay in flight before its
+            link is released.
+        transfer_budget: seconds Transferring allows for a number of bytes (the
+            deadline grows with the request, see ``DaemonSettings.transfer_budget_s``).
+    """
+
+    def __init__(self, *, table: TransferTable, peers: Peers, decode: DecodePeers, io: Executor,
+                 spec: PoolSpec, layout: SideLayout, pools: AllocatedSide, integrity: bool,
+                 faults: FaultHooks, drain_s: float,
+                 transfer_budget: Callable[[int], float] = lambda _n: 0.0) -> None:
+        self.table = table
+        self.peers = peers
+        self.decode = decode
+        self.io = io
+        self.spec = spec
+        self.layout = layout
+        self.pools = pools
+        self.integrity = integrity
+        self.faults = faults
+        self.drain_s = drain_s
+        self.transfer_budget = transfer_budget
+        self._lock = threading.Lock()
+        self._drained = threading.Condition(self._lock)
+        self._out: dict[str, Outgoing] = {}
+        self._writes: dict[tuple[int, int], str] = {}
+        self._connecting: dict[str, list[Outgoing]] = {}
+
+    # ---- API ---------------------------------------------------------------------------
+    def send(self, request_id: str, src_slot: int, seq_len: int, decode_address: str,
+             ranges: Ranges, final: bool) -> TransferStatus:
+        """Queue (a chunk of) a request for decode; returns at once (poll :meth:`status`)."""
+        for start, end in ranges:
+            if not 0 <= start < end <= seq_len:
+                raise InvalidRequest(f"chunk [{start}, {end}) is not inside [0, {seq_len})")
+        if not final and not ranges:
+            raise InvalidRequest("a non-final chunk must name its token ranges (chunks)")
+        with self._lock:
+            rec = self._out.get(request_id)
+            if rec is None:
+                indices = request_indices(self.spec, src_slot, seq_len)
+                self.table.create(request_id, decode_address)
+                rec = Outgoing(request_id, src_slot, seq_len, decode_address, indices,
+                               np.zeros(len(indices[IndexKind.KV_PAGES]), dtype=np.bool_))
+                self._out[request_id] = rec
+            else:
+                snap = self.table.get(request_id)
+                if rec.final_submitted or snap is None or snap.state.terminal:
+                    raise DuplicateRequest(f"request id {request_id!r}: its final chunk was "
+                                           "already sent or it ended; request ids are unique")
+                if (rec.src_slot, rec.seq_len, rec.decode_address) != (
+                        src_slot, seq_len, decode_address):
+                    raise InvalidRequest(f"request {request_id}: a further chunk must keep "
+                                         "the source slot, seq_len and decode address of the "
+                                         "first")
+            rec.final_submitted = final
+            rec.chunks.append((ranges, final))
+            start_step = not rec.running
+            rec.running = True
+        if start_step:
+            self.io.submit(self._step, rec)
+        return self.status(request_id)
+
+    def abort(self, request_id: str, *, from_peer: bool, detail: str) -> TransferStatus:
+        """Fail the request, wait until none of its writes is in flight, tell decode."""
+        with self._lock:
+            rec = self._out.get(request_id)
+            if rec is not None and from_peer:
+                rec.told_decode = True  # decode asked: it knows
+        if rec is None:  # ended and pruned, or never seen
+            return self.status(request_id)
+        reason = FailureReason.PEER_FAILED if from_peer else FailureReason.ABORTED
+        detail = detail or ("aborted by decode" if from_peer else "aborted")
+        if self.table.fail(request_id, reason, detail):
+            log.warning("request %s failed: %s: %s", request_id, reason.value, detail,
+                        extra=fields(request_id, rec.decode_address))
+        elif from_peer:
+            # Our Success means every write completed here; decode's verdict (e.g. an
+            # integrity failure found after landing) is the one the scheduler acts on.
+            log.error("request %s: decode reports a failure after this side ended: %s",
+                      request_id, detail, extra=fields(request_id, rec.decode_address))
+        # The protocol: the answer to Abort means none of the request's writes is in
+        # flight. Waiting on the condition releases the lock.
+        with self._drained:
+            drained = self._drained.wait_for(lambda: rec.drained, timeout=self.drain_s)
+        if not drained:
+            self._abandon(rec)
+        self._tell_decode_once(rec, f"aborted on prefill: {detail}")
+        return self.status(request_id)
+
+    def status(self, request_id: str) -> TransferStatus:
+        """The request's status."""
+        return require_status(self.table, request_id, "prefill")
+
+    def slot_of(self, request_id: str) -> int:
+        """The source slot of a live request, -1 once forgotten."""
+        with self._lock:
+            rec = self._out.get(request_id)
+        return rec.src_slot if rec else -1
+
+    def bytes_of(self, request_id: str) -> tuple[int, int]:
+        """(bytes written, bytes posted) of a live request."""
+        with self._lock:
+            rec = self._out.get(request_id)
+        return (rec.bytes_done, rec.bytes_total) if rec else (0, 0)
+
+    def known(self, request_id: str) -> bool:
+        """True while the core keeps a record of the request (tests, diagnostics)."""
+        with self._lock:
+            return request_id in self._out
+
+    # ---- the send path (executor) --------------------------------------------------------
+    def _step(self, rec: Outgoing) -> None:
+        """Run the request's next chunk; one step per request at a time keeps chunk order."""
+        with self._lock:
+            if self._ended(rec) or not rec.chunks:
+                rec.running = False
+                return
+            conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
+            if conn is None:
+                conn = self.peers.by_address(rec.decode_address)
+            if conn is None:
+                waiting = self._connecting.get(rec.decode_address)
+                if waiting is not None:  # a handshake with that address is under way
+                    waiting.append(rec)
+                    return
+                self._connecting[rec.decode_address] = [rec]
+            else:
+                rec.conn = conn
+                ranges, final = rec.chunks.popleft()
+        if conn is None:
+            self._connect(rec.decode_address)
+            return
+        try:
+            self._write_chunk(rec, conn, ranges, final)
+        except Exception as exc:
+            if isinstance(exc, SendFailed) and exc.peer_lost:
+                self.on_peer_lost(conn, str(exc))
+            self._step_failed(rec, exc)
+        with self._lock:
+            again = bool(rec.chunks) and not self._ended(rec)
+            rec.running = again
+        if again:
+            self.io.submit(self._step, rec)
+
+    def _connect(self, address: str) -> None:
+        """Handshake with decode at ``address``; then every request waiting for it goes on."""
+        conn: PeerConn | None = None
+        error: Exception | None = None
+        try:
+            conn = self.decode.connect(address)
+        except Exception as exc:
+            error = exc
+        if conn is not None:
+            self.peers.add(conn)
+        with self._lock:
+            waiters = self._connecting.pop(address, [])
+            for rec in waiters:
+                rec.conn = conn
+                rec.running = error is None
+        for rec in waiters:
+            if error is not None:
+                self._step_failed(rec, error)
+            else:
+                self.io.submit(self._step, rec)
+
+    def _write_chunk(self, rec: Outgoing, conn: PeerConn, ranges: Ranges, final: bool) -> None:
+        rid = rec.request_id
+        digests = (request_digests(self.pools, rec.src_indices)
+                   if final and self.integrity else None)
+        grant = self.decode.begin_write(conn, rid, rec.seq_len, final, digests)
+        with self._lock:
+            snap = self.table.get(rid)
+            if snap is None or snap.state.terminal:
+                return  # aborted or timed out meanwhile: nothing posted, decode is told
+            if snap.state is TransferState.BOOTSTRAPPING:
+                self.table.advance(rid, TransferState.WAITING_FOR_INPUT)
+                self.table.advance(rid, TransferState.TRANSFERRING)
+            else:
+                self.table.touch(rid)
+            rec.transfer_id = grant.transfer_id
+            src_sel, dst_sel = self._select_pages(rec, grant.indices, ranges, final)
+        plan = build_plan(self.layout, self.pools.buffer_addrs(), src_sel,
+                          conn.peer.layout, conn.addrs, dst_sel, include_states=final)
+        self.table.extend(rid, self.transfer_budget(plan.total_bytes))
+        blocks = plan.blocks
+        self.faults.slow_wire()  # test-only hook, off unless armed
+        if self.faults.writes_outside(rid):  # test-only hook, off unless armed
+            blocks = outside_peer_mr(conn.link, conn.peer.endpoint, blocks)
+        key = (conn.link.id, grant.transfer_id)
+        with self._lock:
+            if self._ended(rec):
+                return
+            self._writes[key] = rid
+            rec.write_keys.add(key)
+            rec.outstanding += 1
+            rec.pending_bytes.append(plan.total_bytes)
+            rec.bytes_total += plan.total_bytes
+            # Before posting: the completion may arrive before write() returns.
+            rec.final_posted = rec.final_posted or final
+        try:
+            conn.link.write(grant.transfer_id, blocks, notify=final)
+        except Exception as exc:
+            with self._drained:
+                rec.outstanding -= 1
+                rec.pending_bytes.pop()
+                rec.bytes_total -= plan.total_bytes
+                rec.final_posted = rec.final_posted and not final
+                self._drained.notify_all()
+            if isinstance(exc, TransportError) and not isinstance(exc, RegionError):
+                self.on_peer_lost(conn, f"link unusable: {exc}", gone=False)
+            raise
+        log.info("request %s: posted %s%d bytes in %d blocks to %s", rid,
+                 "final chunk, " if final else "chunk, ", plan.total_bytes, plan.num_blocks,
+                 conn.control_address, extra=fields(rid, rec.decode_address))
+
+    def _select_pages(self, rec: Outgoing, dst: IndexLists, ranges: Ranges,
+                      final: bool) -> tuple[IndexLists, IndexLists]:
+        """This chunk's KV pages (not sent before); the states go with the final chunk."""
+        page = self.spec.page_size
+        want = np.zeros_like(rec.sent_pages)
+        if final:
+            want[:] = True
+        for start, end in ranges:
+            want[start // page: -(-end // page)] = True
+        want &= ~rec.sent_pages
+        if len(dst[IndexKind.KV_PAGES]) == len(want) and bool(want.all()):
+            rec.sent_pages |= want
+            return rec.src_indices, dst  # the usual single-chunk request: no mask copies
+        if len(dst[IndexKind.KV_PAGES]) != len(want):
+            raise SendFailed(FailureReason.INVALID_REQUEST,
+                             f"decode reserved {len(dst[IndexKind.KV_PAGES])} KV pages, "
+                             f"prefill has {len(want)}")
+        rec.sent_pages |= want
+        src, dst_sel = dict(rec.src_indices), dict(dst)
+        src[IndexKind.KV_PAGES] = rec.src_indices[IndexKind.KV_PAGES][want]
+        dst_sel[IndexKind.KV_PAGES] = dst[IndexKind.KV_PAGES][want]
+        return src, dst_sel
+
+    def _step_failed(self, rec: Outgoing, exc: BaseException) -> None:
+        reason = reason_for(exc)
+        if reason is FailureReason.TRANSPORT_ERROR and not isinstance(
+                exc, TransportError | SendFailed):
+            log.error("request %s: unexpected error", rec.request_id, exc_info=exc,
+                      extra=fields(rec.request_id, rec.decode_address))
+        self._fail(rec, reason, str(exc))
+
+    def _ended(self, rec: Outgoing) -> bool:
+        snap = self.table.get(rec.request_id)
+        return snap is None or snap.state.terminal

@@ -1,0 +1,192 @@
+"""Prefill's core, second half: completions, failures, deadlines, peer loss, pruning.
+
+:class:`PrefillEvents` is the base of :class:`~kvbeam.server.core.prefill.PrefillCore`
+(split only to keep modules small). :meth:`on_event` runs on the transport's event
+thread and only does bookkeeping; everything that blocks (telling decode, releasing
+a link) is submitted to the executor.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING
+
+from kvbeam.logs import fields
+from kvbeam.server.lifecycle import TransferTable
+from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.states import FailureReason, TransferState, TransferStatus
+from kvbeam.transport import Event, EventKind
+
+if TYPE_CHECKING:
+    from kvbeam.server.core.ports import DecodePeers
+    from kvbeam.server.core.prefill import Outgoing
+
+log = logging.getLogger(__name__)
+
+
+class PrefillEvents:
+    """Event handlers of the prefill core (state is defined by the subclass)."""
+
+    table: TransferTable
+    peers: Peers
+    decode: DecodePeers
+    io: Executor
+    drain_s: float
+    _lock: threading.Lock
+    _drained: threading.Condition
+    _out: dict[str, Outgoing]
+    _writes: dict[tuple[int, int], str]
+
+    def on_event(self, event: Event) -> None:
+        """COMPLETED: one write finished; LINK_FAILED: the decode peer's link is gone."""
+        if event.kind is EventKind.LINK_FAILED:
+            conn = self.peers.by_link(event.link)
+            if conn is not None:
+                self.io.submit(self.on_peer_lost, conn,
+                               f"link failed: {event.status}: {event.detail}", gone=False)
+            return
+        if event.kind is not EventKind.COMPLETED or event.transfer_id is None:
+            return
+        lost: PeerConn | None = None
+        with self._drained:
+            rid = self._writes.get((event.link, event.transfer_id))
+            rec = self._out.get(rid) if rid else None
+            if rec is None:
+                log.warning("completion of unknown transfer %s on link %d ignored",
+                            event.transfer_id, event.link, extra=fields(rid))
+                return
+            if not event.ok:
+                # A failed write leaves the link unusable (an RC QP in error, a TCP stream
+                # broken): forget it now so a request connecting meanwhile handshakes a
+                # new link instead of picking this dead one.
+                conn = self.peers.by_link(event.link)
+                if conn is not None and self.peers.remove(conn):
+                    lost = conn
+            rec.outstanding -= 1
+            nbytes = rec.pending_bytes.popleft() if rec.pending_bytes else 0
+            if event.ok:
+                rec.bytes_done += nbytes
+            self._drained.notify_all()
+            snap = self.table.get(rec.request_id)
+            success = (event.ok and rec.final_posted and rec.outstanding == 0
+                       and snap is not None and snap.state is TransferState.TRANSFERRING)
+            if success:
+                self.table.advance(rec.request_id, TransferState.SUCCESS,
+                                   nbytes=rec.bytes_done)
+        if success:
+            log.info("request %s: Success (%d bytes written)", rec.request_id, rec.bytes_done,
+                     extra=fields(rec.request_id, rec.decode_address))
+        elif not event.ok:
+            self._fail(rec, FailureReason.TRANSPORT_ERROR,
+                       f"write failed: {event.status}: {event.detail}")
+        elif snap is not None and snap.state is TransferState.FAILED:
+            self._tell_decode_once(rec, f"prefill failed: {snap.detail}")
+        if lost is not None:
+            self.io.submit(self.on_peer_lost, lost, f"write failed: {event.status}",
+                           gone=False)
+
+    def on_deadline(self, status: TransferStatus) -> None:
+        """A deadline passed (the table failed it): tell decode once its writes drained."""
+        with self._lock:
+            rec = self._out.get(status.request_id)
+        if rec is not None:
+            self._tell_decode_once(rec, f"prefill timed out: {status.detail}")
+
+    def on_peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
+        """Release the link (its writes complete as failed), fail the peer's requests.
+
+        ``gone`` False means only the link died (a QP error, a partitioned data path):
+        decode is still there and learns of each failed request by Abort once its writes
+        are drained, instead of waiting for its own deadline. Blocking (the link's
+        release): called on the executor or a driver loop, never under a lock.
+        """
+        self.peers.remove(conn)
+        conn.close()
+        with self._lock:
+            mine = [r for r in self._out.values() if r.conn is conn]
+            if gone:
+                for rec in mine:
+                    rec.told_decode = True  # the peer is gone; there is no one to tell
+        for rec in mine:
+            self._fail(rec, FailureReason.PEER_FAILED, detail)
+
+    def _fail(self, rec: Outgoing, reason: FailureReason, detail: str) -> None:
+        """Fail a request; decode is told once none of its writes is in flight."""
+        if self.table.fail(rec.request_id, reason, detail):
+            log.warning("request %s failed: %s: %s", rec.request_id, reason.value, detail,
+                        extra=fields(rec.request_id, rec.decode_address))
+        self._tell_decode_once(rec, f"prefill failed: {reason.value}: {detail}")
+
+    def _tell_decode_once(self, rec: Outgoing, detail: str) -> None:
+        """Tell decode of a failed request exactly once, when its writes have drained.
+
+        Check and set happen under the lock: two failure paths racing (a failed
+        completion and a lost peer, say) send one Abort, not two.
+        """
+        with self._lock:
+            snap = self.table.get(rec.request_id)
+            if (rec.told_decode or not rec.drained or snap is None
+                    or snap.state is not TransferState.FAILED):
+                return
+            rec.told_decode = True
+            conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
+        self.io.submit(self.decode.abort, conn, rec.decode_address, rec.request_id, detail)
+
+    def _abandon(self, rec: Outgoing) -> None:
+        """The request's writes did not drain in time: release its link, so none can."""
+        with self._drained:
+            if rec.drained:
+                return
+            rec.abandoned = True
+            conn = rec.conn
+            self._drained.notify_all()
+        log.warning("request %s: %d write(s) still in flight after %.1f s: releasing the link "
+                    "so none can read the source any longer", rec.request_id,
+                    rec.outstanding, self.drain_s,
+                    extra=fields(rec.request_id, rec.decode_address))
+        if conn is not None:
+            self.on_peer_lost(conn, f"writes of {rec.request_id} did not drain")
+
+    def periodic(self) -> None:
+        """Abandon failed requests whose writes hang; forget requests that ended."""
+        now = time.monotonic()
+        hung: list[Outgoing] = []
+        with self._lock:
+            for rid, rec in list(self._out.items()):
+                snap = self.table.get(rid)
+                ended = snap is None or snap.state.terminal
+                if not ended:
+                    continue
+                if not rec.drained:
+                    if snap is not None and snap.state is TransferState.FAILED:
+                        rec.failed_at = rec.failed_at or now
+                        if now - rec.failed_at > self.drain_s:
+                            hung.append(rec)
+                    continue
+                if rec.told_decode or snap is None or snap.state is TransferState.SUCCESS:
+                    del self._out[rid]
+                    for key in rec.write_keys:
+                        self._writes.pop(key, None)
+        for rec in hung:
+            self.io.submit(self._abandon, rec)
+
+    def shutdown(self) -> None:
+        """Fail every live request (reason shutdown), tell decode briefly, release links."""
+        for snap in self.table.live():
+            if self.table.fail(snap.request_id, FailureReason.SHUTDOWN,
+                               "prefill shutting down"):
+                with self._lock:
+                    rec = self._out.get(snap.request_id)
+                    tell = rec is not None and not rec.told_decode
+                    if rec is not None:
+                        rec.told_decode = True
+                if rec is not None and tell:
+                    conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
+                    self.decode.abort(conn, rec.decode_address, rec.request_id,
+                                      "prefill shutting down", timeout=1.0)
+        for conn in self.peers.all():
+            self.peers.remove(conn)
+            conn.close()

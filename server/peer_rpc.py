@@ -1,0 +1,150 @@
+"""The cores' peer calls over gRPC: handshake, BeginWrite and Abort to the other daemon.
+
+:class:`GrpcDecodePeers` (prefill's view of decode daemons) and
+:class:`GrpcPrefillPeers` (decode's view of prefill daemons) implement the protocols
+of :mod:`kvbeam.server.core.ports`, mapping gRPC statuses to the cores' errors. Every
+call blocks; the cores make them on the driver's executor only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from kvbeam.logs import fields
+from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.proto.side import SideInfo
+from kvbeam.proto.transfer_codec import indices_from_proto
+from kvbeam.rpc_errors import peer_error
+from kvbeam.server.core.ports import SendFailed, WriteGrant
+from kvbeam.server.metrics import DaemonMetrics
+from kvbeam.server.peer_client import ControlClient
+from kvbeam.server.peers import PeerConn, peer_buffer_addrs
+from kvbeam.server.settings import ControlOptions
+from kvbeam.states import FailureReason
+from kvbeam.transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+class Dialer:
+    """Opens control channels with the daemon's options (a :data:`~kvbeam.server.peers.Dial`)."""
+
+    def __init__(self, options: ControlOptions) -> None:
+        self.options = options
+
+    def __call__(self, address: str) -> ControlClient:
+        return ControlClient(address, options=self.options)
+
+
+def _abort(client: ControlClient, request: pb.AbortRequest, timeout: float,
+           address: str) -> bool:
+    try:
+        client.stub.Abort(request, timeout=timeout)
+    except grpc.RpcError as exc:
+        if exc.code() is grpc.StatusCode.NOT_FOUND:
+            return True  # the peer never heard of it: nothing of it is in flight
+        log.info("could not tell %s that %s failed: %s", address, request.request_id,
+                 exc.details(), extra=fields(request.request_id, address))
+        return False
+    return True
+
+
+class GrpcDecodePeers:
+    """Prefill's calls to decode daemons."""
+
+    def __init__(self, local: Callable[[], SideInfo], transport: Transport, dial: Dialer,
+                 metrics: DaemonMetrics) -> None:
+        self._local = local
+        self.transport = transport
+        self.dial = dial
+        self.metrics = metrics
+
+    @property
+    def local(self) -> SideInfo:
+        """Our side as the servicer sends it."""
+        return self._local()
+
+    @property
+    def rpc_timeout_s(self) -> float:
+        """The deadline of every call."""
+        return self.dial.options.rpc_timeout_s
+
+    def connect(self, address: str) -> PeerConn:
+        """Handshake with the decode daemon at ``address``; connect a new link to it."""
+        link = self.transport.create_link()
+        client = self.dial(address)
+        try:
+            with self.metrics.handshake("client"):
+                verified = client.handshake(self.local, endpoint=link.endpoint)
+            addrs = peer_buffer_addrs(verified.layout, verified)
+            link.connect(verified.endpoint)
+        except Exception:
+            link.release()
+            client.close()
+            raise
+        client.close()
+        log.info("decode %s at %s verified and connected (%s)", verified.instance_id,
+                 address, self.transport.kind, extra=fields(peer=address))
+        return PeerConn(verified, link, self.dial, addrs)
+
+    def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
+                    digests: list[int] | None) -> WriteGrant:
+        """BeginWrite on decode; refusals become :class:`SendFailed` with their reason."""
+        request = pb.BeginWriteRequest(
+            request_id=request_id, instance_id=self.local.instance_id, seq_len=seq_len,
+            final_chunk=final, has_digests=digests is not None, digests=digests or [])
+        timeout = self.rpc_timeout_s
+        try:
+            reply = conn.client().stub.BeginWrite(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            details = exc.details() or ""
+            if code is grpc.StatusCode.FAILED_PRECONDITION and "NotHandshaken" in details:
+                # Decode restarted or dropped our link: that instance's reservation is gone.
+                raise SendFailed(FailureReason.PEER_FAILED,
+                                 f"decode at {conn.control_address} restarted or dropped the "
+                                 f"connection: {details}", peer_lost=True) from None
+            if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                raise SendFailed(FailureReason.INVALID_REQUEST,
+                                 f"decode refused BeginWrite: {details}") from None
+            if code is grpc.StatusCode.FAILED_PRECONDITION:
+                raise SendFailed(FailureReason.PEER_FAILED,
+                                 f"decode refused BeginWrite: {details}") from None
+            raise peer_error(exc, address=conn.control_address, method="BeginWrite",
+                             timeout=timeout) from None
+        return WriteGrant(reply.transfer_id, indices_from_proto(reply.indices, "indices"))
+
+    def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
+              timeout: float | None = None) -> bool:
+        """Abort the request on decode so it fails now, not at its lease (best effort)."""
+        request = pb.AbortRequest(request_id=request_id, detail=detail, from_peer=True,
+                                  instance_id=self.local.instance_id)
+        timeout = timeout or self.rpc_timeout_s
+        if conn is not None and not conn.closed:
+            return _abort(conn.client(), request, timeout, address)
+        with self.dial(address) as client:  # never connected: a one-off channel
+            return _abort(client, request, timeout, address)
+
+
+class GrpcPrefillPeers:
+    """Decode's calls to prefill daemons."""
+
+    def __init__(self, local: Callable[[], SideInfo], options: ControlOptions) -> None:
+        self._local = local
+        self.options = options
+
+    @property
+    def local(self) -> SideInfo:
+        """Our side as the servicer sends it."""
+        return self._local()
+
+    def abort(self, conn: PeerConn, request_id: str, detail: str,
+              timeout: float | None = None) -> bool:
+        """Abort the request on prefill (it drains first); True when prefill confirmed."""
+        request = pb.AbortRequest(request_id=request_id, detail=detail, from_peer=True,
+                                  instance_id=self.local.instance_id)
+        return _abort(conn.client(), request, timeout or self.options.rpc_timeout_s,
+                      conn.control_address)

@@ -1,0 +1,111 @@
+"""Fakes for driving the gRPC-free cores (kvbeam.server.core) in unit tests."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Any, cast
+
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.indices import request_indices
+from kvbeam.server.core.ports import WriteGrant
+from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.faults import FaultHooks
+from kvbeam.server.handshake import VerifiedPeer
+from kvbeam.server.lifecycle import Deadlines, TransferTable
+from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.transport import Blocks, Event, EventKind, Link
+from tests.fixtures import UNIFIED_TARGET, layout
+
+_link_ids = itertools.count(1000)
+
+
+class FakeLink:
+    """A link that records its writes; completions come only when a test sends them."""
+
+    def __init__(self) -> None:
+        self.id = next(_link_ids)
+        self.writes: list[tuple[int, bool]] = []
+        self.released = False
+
+    def write(self, transfer_id: int, blocks: Blocks, notify: bool = True) -> None:
+        self.writes.append((transfer_id, notify))
+
+    def release(self) -> None:
+        self.released = True
+
+    def completion(self, transfer_id: int, ok: bool = True) -> Event:
+        """The COMPLETED event of one of this link's writes."""
+        return Event(EventKind.COMPLETED, self.id, transfer_id, ok=ok,
+                     status="OK" if ok else "IBV_WC_WR_FLUSH_ERR")
+
+
+class FakeClient:
+    """A control channel that is never used (the fakes below answer instead)."""
+
+    def close(self) -> None:
+        pass
+
+
+def fake_conn(address: str, side: AllocatedSide) -> PeerConn:
+    """A connection to a decode daemon at ``address`` whose pools are ``side``."""
+    peer = SimpleNamespace(instance_id=f"decode@{address}", control_address=address,
+                           layout=side.layout, endpoint=SimpleNamespace(regions=[]))
+    return PeerConn(cast(VerifiedPeer, peer), cast(Link, FakeLink()),
+                    lambda _a: FakeClient(), side.buffer_addrs())
+
+
+class FakeDecode:
+    """Decode daemons as prefill's core sees them: connect, BeginWrite, Abort, counted.
+
+    ``hold``: addresses whose handshake blocks until ``release_hold`` (a stopped peer).
+    """
+
+    def __init__(self, side: AllocatedSide) -> None:
+        self.side = side
+        self.aborts: list[str] = []
+        self.connects: list[str] = []
+        self.hold: dict[str, threading.Event] = {}
+        self._tids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def connect(self, address: str) -> PeerConn:
+        self.connects.append(address)
+        gate = self.hold.get(address)
+        if gate is not None:
+            gate.wait(10)
+        return fake_conn(address, self.side)
+
+    def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
+                    digests: list[int] | None) -> WriteGrant:
+        return WriteGrant(next(self._tids), request_indices(UNIFIED_TARGET, 1, seq_len))
+
+    def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
+              timeout: float | None = None) -> bool:
+        with self._lock:
+            self.aborts.append(request_id)
+        return True
+
+
+def prefill_core(drain_s: float = 5.0, workers: int = 4) -> tuple[PrefillCore, FakeDecode]:
+    """A prefill core over the unit-test pools, with a fake decode side."""
+    lay = layout()
+    fake = FakeDecode(AllocatedSide(lay))
+    core = PrefillCore(table=TransferTable(Deadlines()), peers=Peers(), decode=fake,
+                       io=ThreadPoolExecutor(workers, thread_name_prefix="test-io"),
+                       spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
+                       integrity=True, faults=FaultHooks(), drain_s=drain_s)
+    return core, fake
+
+
+def wait_for(predicate: Any, timeout: float = 5.0) -> bool:
+    """Poll ``predicate`` until true or ``timeout``."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return bool(predicate())

@@ -1,0 +1,108 @@
+"""Decode's gRPC-free core with a fake prefill side: verification off the event thread."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any, cast
+
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.digest import request_digests
+from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.faults import FaultHooks
+from kvbeam.server.lifecycle import Deadlines, TransferTable
+from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.states import FailureReason, TransferState
+from kvbeam.transport import Event, EventKind
+from tests.core_fakes import FakeLink, fake_conn
+from tests.fixtures import UNIFIED_TARGET, layout
+
+PREFILL = "127.0.0.1:7"
+
+
+class QueueExecutor(Executor):
+    """Runs nothing until the test says so: shows what a call left for the executor."""
+
+    def __init__(self) -> None:
+        self.queue: list[Callable[[], Any]] = []
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        self.queue.append(lambda: fn(*args, **kwargs))
+        return Future()
+
+    def run_all(self) -> None:
+        while self.queue:
+            self.queue.pop(0)()
+
+
+class FakePrefill:
+    def __init__(self) -> None:
+        self.aborts: list[str] = []
+
+    def abort(self, conn: PeerConn, request_id: str, detail: str,
+              timeout: float | None = None) -> bool:
+        self.aborts.append(request_id)
+        return True
+
+
+def _core() -> tuple[DecodeCore, QueueExecutor, FakePrefill, PeerConn]:
+    lay = layout()
+    io, prefill = QueueExecutor(), FakePrefill()
+    core = DecodeCore(table=TransferTable(Deadlines()), peers=Peers(), prefill=prefill, io=io,
+                      spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
+                      integrity=True, faults=FaultHooks(), handoff_lease_s=30.0)
+    conn = fake_conn(PREFILL, AllocatedSide(lay))
+    core.peers.add(conn)
+    return core, io, prefill, conn
+
+
+def test_landing_is_verified_on_the_executor_not_the_event_thread() -> None:
+    core, io, _prefill, conn = _core()
+    res = core.reserve("r", 300, PREFILL)
+    digests = request_digests(core.pools, res.indices)  # what prefill would send
+    core.begin_write("r", conn.instance_id, 300, True, digests)
+    core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
+    # The event thread only noted the arrival; the CRC check waits on the executor.
+    assert core.status("r").state is TransferState.TRANSFERRING
+    assert len(io.queue) == 1
+    io.run_all()
+    st = core.status("r")
+    assert st.state is TransferState.SUCCESS and st.detail.startswith("CRC32C verified")
+    core.release("r")
+    assert core.slot_of("r") == -1
+
+
+def test_integrity_failure_frees_the_slot_and_tells_prefill_from_the_executor() -> None:
+    core, io, prefill, conn = _core()
+    res = core.reserve("r", 300, PREFILL)
+    wrong = [d ^ 1 for d in request_digests(core.pools, res.indices)]
+    core.begin_write("r", conn.instance_id, 300, True, wrong)
+    core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
+    assert prefill.aborts == []
+    io.run_all()
+    st = core.status("r")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.INTEGRITY
+    assert prefill.aborts == ["r"] and core.slot_of("r") == -1
+
+
+def test_abort_after_begin_write_asks_prefill_before_freeing_the_slot() -> None:
+    core, io, prefill, conn = _core()
+    core.reserve("r", 300, PREFILL)
+    core.begin_write("r", conn.instance_id, 300, True, None)
+    st = core.abort("r", from_peer=False, detail="scheduler")
+    assert st.state is TransferState.FAILED
+    assert core.slot_of("r") != -1  # prefill may still write: the slot stays held
+    io.run_all()
+    assert prefill.aborts == ["r"] and core.slot_of("r") == -1
+
+
+def test_link_failure_is_handled_on_the_executor() -> None:
+    core, io, _prefill, conn = _core()
+    core.reserve("r", 300, PREFILL)
+    core.begin_write("r", conn.instance_id, 300, True, None)
+    core.on_event(Event(EventKind.LINK_FAILED, conn.link.id, None, ok=False,
+                        status="IBV_EVENT_QP_FATAL"))
+    assert core.status("r").state is TransferState.TRANSFERRING
+    io.run_all()
+    assert core.status("r").state is TransferState.FAILED
+    assert cast(FakeLink, conn.link).released
