@@ -59,7 +59,9 @@ class Runtime:
             cast(TransportKind, settings.transport), settings.rdma_device or None,
             settings.rdma_gid_index,
             options=TransportOptions(op_timeout_s=self.transport_timeout(),
-                                     per_link_keys=settings.per_peer_rkeys),
+                                     per_link_keys=settings.per_peer_rkeys,
+                                     qp_timeout=settings.rdma_qp_timeout,
+                                     retry_cnt=settings.rdma_retry_cnt),
             tcp_host=host if host not in ("0.0.0.0", "::", "[::]") else None)
         log.info("%s daemon: %s transport%s", self.role.value, self.transport.kind,
                  "" if self.transport.kind == "rdma" else
