@@ -159,11 +159,6 @@ def test_qp_error_names_the_verbs_status_and_the_qp_is_rebuilt(
     assert wait_until(lambda: free_slots(d, NOWHERE) == SLOTS, 30)
 
 
-def _wire_args(pair: WirePair, role: str) -> list[str]:
-    device = pair.wire.prefill_device if role == "prefill" else pair.wire.decode_device
-    return ["--rdma-device", device, "--rdma-gid-index", str(pair.wire.gid_index)]
-
-
 def test_sigkill_during_the_handshake_and_while_idle(
         wire_pair: WirePair, clients: tuple[KvbeamClient, KvbeamClient]) -> None:
     """A second prefill killed in Bootstrapping (handshaking), a second decode killed idle.
@@ -174,8 +169,8 @@ def test_sigkill_during_the_handshake_and_while_idle(
     """
     pair = wire_pair
     p, d = clients
-    extra_prefill = spawn("prefill", transport="rdma", extra=_wire_args(pair, "prefill"))
-    extra_decode = spawn("decode", transport="rdma", extra=_wire_args(pair, "decode"))
+    extra_prefill = spawn("prefill", transport="rdma", extra=pair.wire.rdma_args("prefill"))
+    extra_decode = spawn("decode", transport="rdma", extra=pair.wire.rdma_args("decode"))
     p2 = extra_prefill.ready(STARTUP_S)
     try:
         d2 = extra_decode.ready(STARTUP_S)
