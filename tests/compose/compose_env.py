@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.integration.docker_env import REPO, run
+from tests.compose.docker_env import REPO, run
 
 #: The RDMA variant (inside the soft-RoCE guest): the override file and the rxe netdev.
 RDMA = os.environ.get("KVBEAM_COMPOSE_RDMA", "") not in ("", "0")

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.docker_env import CACHE, IMAGE, Timings, build_image, docker_engine, run
+from tests.compose.docker_env import CACHE, IMAGE, Timings, build_image, docker_engine, run
 
 
 @pytest.fixture(scope="session")

@@ -33,5 +33,5 @@ fi
 export KVBEAM_COMPOSE_RDMA=1 KVBEAM_COMPOSE_SOFTROCE=${KVBEAM_COMPOSE_SOFTROCE:-rxenet0}
 export KVBEAM_DOCKER_CACHE=${KVBEAM_RESULTS_DIR:-/tmp}/docker-cache
 say "pytest"
-python -m pytest -m compose tests/integration -p no:hypothesispytest "$@"
+python -m pytest -m compose tests/compose -p no:hypothesispytest "$@"
 say "done"

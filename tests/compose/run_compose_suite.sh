@@ -11,7 +11,7 @@ mkdir -p .docker-cache
 t0=$(date +%s)
 save=$TAR
 [ "${KVBEAM_COMPOSE_GUEST:-1}" = 0 ] && save=
-KVBEAM_TEST_SAVE_IMAGE=$save "$VENV/bin/python" -m pytest -m compose tests/integration "$@"
+KVBEAM_TEST_SAVE_IMAGE=$save "$VENV/bin/python" -m pytest -m compose tests/compose "$@"
 t1=$(date +%s)
 echo "test-compose: host run $((t1 - t0)) s"
 if [ "${KVBEAM_COMPOSE_GUEST:-1}" = 0 ]; then
@@ -21,6 +21,6 @@ fi
 # The guest keeps dockerd's data (the loaded image) in RAM.
 export KVBEAM_SOFTROCE_MEM=${KVBEAM_SOFTROCE_MEM:-6G}
 bash tests/softroce/run_rdma_suite.sh --cmd \
-  "bash tests/integration/guest_compose.sh $TAR -k moves_and_verifies"
+  "bash tests/compose/guest_compose.sh $TAR -k moves_and_verifies"
 t2=$(date +%s)
 echo "test-compose: RDMA run (soft-RoCE harness) $((t2 - t1)) s; total $((t2 - t0)) s"

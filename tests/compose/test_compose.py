@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.compose_env import RDMA, Compose, scheduler_json
-from tests.integration.docker_env import Timings
+from tests.compose.compose_env import RDMA, Compose, scheduler_json
+from tests.compose.docker_env import Timings
 
 pytestmark = pytest.mark.compose
 
