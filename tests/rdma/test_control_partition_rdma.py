@@ -23,7 +23,7 @@ from kvbeam.client import KvbeamClient, Status
 from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.server.lifecycle import TransferState
 from tests.control_helpers import free_port
-from tests.daemon_helpers import DECODE_SLOTS, STARTUP_S, free_slots, spawn
+from tests.daemon_helpers import DECODE_SLOTS, free_slots, start_both
 from tests.rdma.netfaults import Wire, block_tcp, unblock_tcp
 
 pytestmark = pytest.mark.rdma
@@ -66,7 +66,7 @@ class AdvertisedPair(NamedTuple):
 
 def _flags(wire: Wire, role: str, port: int) -> list[str]:
     ip = wire.prefill_ip if role == "prefill" else wire.decode_ip
-    # A later --listen overrides the loopback default spawn() passes; a wildcard bind needs
+    # A later --listen overrides the loopback default start_both() passes; a wildcard bind needs
     # --insecure (this guest is throw-away; nothing else reaches it).
     return [*wire.rdma_args(role), "--listen", f"0.0.0.0:{port}", "--advertise", f"{ip}:{port}",
             "--insecure"]
@@ -75,18 +75,9 @@ def _flags(wire: Wire, role: str, port: int) -> list[str]:
 @pytest.fixture(scope="module")
 def pair(wire: Wire) -> Iterator[AdvertisedPair]:
     pport, dport = free_port(), free_port()
-    d = spawn("decode", transport="rdma", extra=_flags(wire, "decode", dport))
-    p = spawn("prefill", transport="rdma", extra=_flags(wire, "prefill", pport))
-    try:
-        decode = d.ready(STARTUP_S)
-    except BaseException:
-        p.proc.kill()
-        raise
-    try:
-        prefill = p.ready(STARTUP_S)
-    except BaseException:
-        decode.stop()
-        raise
+    prefill, decode = start_both(transport="rdma",
+                                 prefill_extra=_flags(wire, "prefill", pport),
+                                 decode_extra=_flags(wire, "decode", dport))
     ap = AdvertisedPair(prefill, decode, wire, pport, dport)
     try:
         yield ap
