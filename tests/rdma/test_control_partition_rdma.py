@@ -66,10 +66,11 @@ class AdvertisedPair(NamedTuple):
 
 def _flags(wire: Wire, role: str, port: int) -> list[str]:
     ip = wire.prefill_ip if role == "prefill" else wire.decode_ip
-    # A later --listen overrides the loopback default start_both() passes; a wildcard bind needs
-    # --insecure (this guest is throw-away; nothing else reaches it).
+    # Later flags override what start_both() passes: a wildcard --listen instead of loopback
+    # (which needs --insecure: this guest is throw-away, nothing else reaches it), and no fill
+    # pattern (filling the pools takes minutes under TCG; no byte is compared here).
     return [*wire.rdma_args(role), "--listen", f"0.0.0.0:{port}", "--advertise", f"{ip}:{port}",
-            "--insecure"]
+            "--insecure", "--fill-seed", "-1"]
 
 
 @pytest.fixture(scope="module")
