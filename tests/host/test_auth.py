@@ -310,13 +310,9 @@ def test_client_commands_resolve_the_same_variables(tmp_path: Path) -> None:
 def test_daemons_over_mtls_and_every_client(pki: Pki, tmp_path: Path) -> None:
     from tests.daemon_helpers import pair
 
-    def flags(name: str) -> list[str]:
-        cert, key = pki.issue(name)
-        return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(pki.ca)]
-
-    scheduler = flags("scheduler")
+    scheduler = pki.flags("scheduler")
     sec = Security(tls_cert=scheduler[1], tls_key=scheduler[3], tls_ca=scheduler[5])
-    with pair(prefill_extra=flags("prefill"), decode_extra=flags("decode"),
+    with pair(prefill_extra=pki.flags("prefill"), decode_extra=pki.flags("decode"),
               security=sec) as (prefill, decode, p, d):
         # Prefill's channel to decode and decode's to prefill (Abort, heartbeats) use mTLS.
         result = run_request(p, d, "mtls-1", 3000, 1)
