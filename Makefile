@@ -57,7 +57,7 @@ test-rdma: setup ## the RDMA suite inside the soft-RoCE harness (device, rdma_rx
 	bash tests/softroce/run_rdma_suite.sh
 
 test-compose: setup ## docker images + docker-compose: host (TCP), then RDMA in the soft-RoCE guest
-	bash tests/integration/run_compose_suite.sh
+	bash tests/compose/run_compose_suite.sh
 
 test: lint proto-check test-host test-rdma test-compose ## everything CI runs
 

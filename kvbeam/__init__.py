@@ -9,6 +9,12 @@ Subpackages (each a top-level folder of the repository):
 - ``kvbeam.transport``: moves (address, length, key) regions; RDMA through pyverbs,
   TCP where no RDMA device exists. Never imports torch.
 - ``kvbeam.server``: the prefill and decode daemons.
+
+Shared by the daemons and their clients (none imports ``kvbeam.server``):
+:mod:`kvbeam.errors` (every error class; docs/errors.md), :mod:`kvbeam.rpc_errors`
+(errors <-> gRPC status codes), :mod:`kvbeam.states` (transfer states and statuses),
+:mod:`kvbeam.auth` (mTLS and token credentials), :mod:`kvbeam.logs` (log fields and
+formats); the public client :mod:`kvbeam.client` and :mod:`kvbeam.scheduler`.
 """
 
 from kvbeam.errors import KvbeamError

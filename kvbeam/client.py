@@ -10,7 +10,7 @@ One :class:`KvbeamClient` per daemon address::
     decode.release("req-1")                        # the engine took the KV over
 
 Every call has a deadline; errors are typed (:class:`Busy` for RESOURCE_EXHAUSTED,
-:class:`~kvbeam.server.rpc_status.UnknownRequest`, ...).
+:class:`~kvbeam.errors.UnknownRequest`, ...).
 """
 
 from __future__ import annotations
@@ -25,19 +25,14 @@ import numpy as np
 import numpy.typing as npt
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvbeam.auth import Security
 from kvbeam.errors import KvbeamError
 from kvbeam.pools.types import IndexKind
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.service import control_stub
 from kvbeam.proto.transfer_codec import indices_from_proto, reason_from_proto, state_from_proto
-from kvbeam.server.auth import Security
-from kvbeam.server.lifecycle import DuplicateRequest, FailureReason, TransferState
-from kvbeam.server.rpc_errors import peer_error
-from kvbeam.server.rpc_status import BadRequest, UnknownRequest
-
-
-class Busy(KvbeamError):
-    """RESOURCE_EXHAUSTED: no free slot or too many transfers in flight; retry later."""
+from kvbeam.rpc_errors import request_error
+from kvbeam.states import FailureReason, TransferState
 
 
 @dataclass(frozen=True)
@@ -110,17 +105,7 @@ class KvbeamClient:
         self.close()
 
     def _error(self, exc: grpc.RpcError, method: str) -> KvbeamError:
-        code, details = exc.code(), exc.details() or ""
-        where = f"{method} on {self.address}"
-        if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return Busy(f"{where}: {details}")
-        if code is grpc.StatusCode.NOT_FOUND:
-            return UnknownRequest(f"{where}: {details}")
-        if code is grpc.StatusCode.ALREADY_EXISTS:
-            return DuplicateRequest(f"{where}: {details}")
-        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-            return BadRequest(f"{where}: {details}")
-        return peer_error(exc, address=self.address, method=method, timeout=self.timeout)
+        return request_error(exc, address=self.address, method=method, timeout=self.timeout)
 
     def reserve(self, request_id: str, seq_len: int, prefill_address: str) -> Reservation:
         """Decode: hold a slot for the request and learn its destination indices."""

@@ -1,6 +1,11 @@
 """The kvbeam error hierarchy: every error kvbeam raises on purpose derives from
-:class:`KvbeamError`, so callers can catch one type and users can search the
-message text in the README's troubleshooting section."""
+:class:`KvbeamError` and is defined here, so callers can catch one type and users
+can search the message text in the README's troubleshooting section.
+
+This module imports no gRPC: the mapping between these classes and gRPC status
+codes (both directions) is :mod:`kvbeam.rpc_errors`. docs/errors.md lists every
+class, where it is raised and its status code.
+"""
 
 from __future__ import annotations
 
@@ -57,3 +62,141 @@ class TransportError(KvbeamError):
 
 class RegionError(TransportError):
     """A block falls outside every registered local or remote region; nothing was posted."""
+
+
+# --- the wire protocol (kvbeam.proto) ---
+
+class ProtocolError(KvbeamError):
+    """A protobuf message that kvbeam refuses to decode (or a value it cannot encode).
+
+    ``field`` is the dotted path of the offending field, e.g.
+    ``side.metadata.components[2].buffers[0].item_len``; ``problem`` says what is
+    wrong with it. ``origin`` (optional) says where the message came from.
+    """
+
+    def __init__(self, field: str, problem: str, *, origin: str = "") -> None:
+        self.field = field
+        self.problem = problem
+        self.origin = origin
+        prefix = f"{origin}: " if origin else ""
+        super().__init__(f"{prefix}{field}: {problem}")
+
+    def from_origin(self, origin: str) -> ProtocolError:
+        """The same error, saying where the message came from (e.g. the peer's address)."""
+        return ProtocolError(self.field, self.problem, origin=origin)
+
+
+class ProtocolVersionError(ProtocolError):
+    """The peer speaks another kvbeam protocol version than this side."""
+
+    def __init__(self, local: int, remote: int, *, field: str = "protocol_version",
+                 origin: str = "") -> None:
+        self.local = local
+        self.remote = remote
+        super().__init__(
+            field,
+            f"protocol version mismatch: this side speaks kvbeam protocol version {local}, "
+            f"the peer speaks {remote}; run the same kvbeam protocol version on both sides",
+            origin=origin,
+        )
+
+    def from_origin(self, origin: str) -> ProtocolVersionError:
+        """The same error, saying where the message came from."""
+        return ProtocolVersionError(self.local, self.remote, field=self.field, origin=origin)
+
+
+# --- the control plane: reaching and talking to a peer ---
+
+class PeerError(KvbeamError):
+    """Talking to a peer's control server failed.
+
+    ``address`` is the peer's control address; ``code`` the gRPC status name
+    (e.g. ``DEADLINE_EXCEEDED``) when the failure came from gRPC.
+    """
+
+    def __init__(self, message: str, *, address: str = "", code: str | None = None) -> None:
+        super().__init__(message)
+        self.address = address
+        self.code = code
+
+
+class PeerTimeoutError(PeerError):
+    """The peer did not answer within the deadline (silent, overloaded or not a gRPC server)."""
+
+
+class PeerUnavailableError(PeerError):
+    """The peer cannot be reached (connection refused, reset, DNS failure)."""
+
+
+class NotKvbeamPeerError(PeerError):
+    """Something answers at the address, but it is not a kvbeam v1 control server."""
+
+
+class AuthenticationError(PeerError):
+    """The peer refused our credentials (UNAUTHENTICATED), or the TLS handshake failed.
+
+    Neither side learned anything from the other: the refusal comes before any
+    servicer code runs (token) or before any RPC exists (mTLS).
+    """
+
+
+class HandshakeRejectedError(PeerError):
+    """The peer refused the handshake for a reason other than pool differences or version,
+    e.g. it found our metadata malformed. ``field`` names the field it objected to."""
+
+    def __init__(self, message: str, *, address: str = "", code: str | None = None,
+                 field: str = "") -> None:
+        super().__init__(message, address=address, code=code)
+        self.field = field
+
+
+class RoleConflictError(PeerError):
+    """Both sides of a handshake have the same role (two prefills or two decodes)."""
+
+
+class NotHandshakenError(KvbeamError):
+    """A transfer names a peer instance that has no successful handshake with this side."""
+
+
+class ListenError(KvbeamError):
+    """The control server cannot listen on the requested address."""
+
+
+# --- transfer requests (the daemons' RPC handlers and their lifecycle) ---
+
+class UnknownRequest(KvbeamError):
+    """A request id this side does not know (never created, or forgotten long ago)."""
+
+
+class BadRequest(KvbeamError):
+    """A request message that is well-formed protobuf but asks for something invalid."""
+
+
+class IllegalTransition(KvbeamError):
+    """A state change the lifecycle does not allow (e.g. SUCCESS -> TRANSFERRING)."""
+
+
+class DuplicateRequest(KvbeamError):
+    """A request id already known on this side (per peer pair ids must be unique)."""
+
+
+class TooManyTransfers(KvbeamError):
+    """The bounded transfer table is full: back-pressure, try later."""
+
+
+class NoFreeSlot(KvbeamError):
+    """Every request slot is held: the scheduler must wait (RESOURCE_EXHAUSTED)."""
+
+
+class Busy(KvbeamError):
+    """RESOURCE_EXHAUSTED: no free slot or too many transfers in flight; retry later."""
+
+
+# --- processes ---
+
+class DaemonStartError(KvbeamError):
+    """A daemon process exited or did not report ready in time; ``output`` has its log."""
+
+    def __init__(self, message: str, output: str) -> None:
+        super().__init__(f"{message}\n--- daemon output ---\n{output}")
+        self.output = output

@@ -18,20 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from kvbeam.auth import Security
 from kvbeam.client import KvbeamClient
-from kvbeam.errors import KvbeamError
-from kvbeam.server.auth import Security
+from kvbeam.errors import DaemonStartError
 
 _READY = re.compile(r"kvbeam (\w+) listening on (\S+) instance (\S+) transport (\w+)"
                     r"(?: metrics (\S+))?")
-
-
-class DaemonStartError(KvbeamError):
-    """A daemon process exited or did not report ready in time; ``output`` has its log."""
-
-    def __init__(self, message: str, output: str) -> None:
-        super().__init__(f"{message}\n--- daemon output ---\n{output}")
-        self.output = output
 
 
 @dataclass

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvbeam.client import Busy, KvbeamClient, Status
-from kvbeam.errors import KvbeamError
-from kvbeam.server.auth import Security
-from kvbeam.server.lifecycle import VERIFIED_PREFIX, TransferState
-from kvbeam.server.logs import fields
+from kvbeam.auth import Security
+from kvbeam.client import KvbeamClient, Status
+from kvbeam.errors import Busy, KvbeamError
+from kvbeam.logs import fields
+from kvbeam.states import VERIFIED_PREFIX, TransferState
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
-from kvbeam.proto.errors import ProtocolError
+from kvbeam.errors import ProtocolError
 from kvbeam.proto.fields import MAX_ITEMS, MAX_NAME_LEN, count, enum_value, host_port, int_in, text
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.transport.endpoint import Endpoint, RemoteRegion

@@ -2,7 +2,7 @@
 
 Protobuf happily parses a message with a negative size, an unknown enum number or
 a missing sub-message; these helpers turn each such value into a
-:class:`~kvbeam.proto.errors.ProtocolError` naming the dotted field path, so a
+:class:`~kvbeam.errors.ProtocolError` naming the dotted field path, so a
 decoder never lets a bad value through or fails with an unhandled exception.
 """
 
@@ -12,7 +12,7 @@ import ipaddress
 from collections.abc import Mapping, Sized
 from typing import TypeVar
 
-from kvbeam.proto.errors import ProtocolError
+from kvbeam.errors import ProtocolError
 
 T = TypeVar("T")
 

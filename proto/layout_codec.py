@@ -10,6 +10,7 @@ wording.
 
 from __future__ import annotations
 
+from kvbeam.errors import ProtocolError
 from kvbeam.pools.layout import (
     BufferLayout,
     ComponentLayout,
@@ -19,7 +20,6 @@ from kvbeam.pools.layout import (
 )
 from kvbeam.pools.spec import VALID_RATIOS
 from kvbeam.pools.types import IndexKind, StateType
-from kvbeam.proto.errors import ProtocolError
 from kvbeam.proto.fields import MAX_BYTES, count, enum_value, int_in, text
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 

@@ -15,10 +15,9 @@ from google.protobuf.message import DecodeError, Message
 
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2_grpc as pb_grpc
+from kvbeam.proto.version import SERVICE_NAME
 
 log = logging.getLogger(__name__)
-
-SERVICE_NAME = "kvbeam.v1.KvbeamControl"
 
 
 class ControlStub(Protocol):

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
 
+from kvbeam.errors import ProtocolError, ProtocolVersionError
 from kvbeam.pools.layout import SideLayout
 from kvbeam.proto.endpoint_codec import endpoint_from_proto, endpoint_to_proto
-from kvbeam.proto.errors import ProtocolError, ProtocolVersionError
 from kvbeam.proto.fields import enum_value, host_port, text
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.layout_codec import layout_from_proto, layout_to_proto

@@ -8,11 +8,11 @@ from typing import cast
 import numpy as np
 import numpy.typing as npt
 
+from kvbeam.errors import ProtocolError
 from kvbeam.pools.types import IndexKind
-from kvbeam.proto.errors import ProtocolError
 from kvbeam.proto.fields import MAX_ITEMS, enum_value
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
-from kvbeam.server.lifecycle import FailureReason, TransferState, TransferStatus
+from kvbeam.states import FailureReason, TransferState, TransferStatus
 
 STATE_TO_PROTO: dict[TransferState, pb.TransferState] = {
     s: cast(pb.TransferState, pb.TransferState.Value(f"TRANSFER_STATE_{s.name}"))

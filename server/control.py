@@ -16,10 +16,10 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvbeam.errors import ListenError
 from kvbeam.proto.service import add_control_servicer
 from kvbeam.proto.side import SideInfo
 from kvbeam.proto.version import SERVICE_NAME
-from kvbeam.server.errors import ListenError
 from kvbeam.server.options import ControlOptions
 from kvbeam.server.registry import PeerRegistry
 from kvbeam.server.servicer import ControlServicer

@@ -15,17 +15,17 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from kvbeam.errors import UnknownRequest
+from kvbeam.logs import fields
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.side import ROLE_TO_PROTO
 from kvbeam.proto.transfer_codec import status_to_proto
 from kvbeam.proto.version import PROTOCOL_VERSION
+from kvbeam.rpc_errors import handled, peer_error
 from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.lifecycle import TransferStatus
-from kvbeam.server.logs import fields
 from kvbeam.server.peers import PeerConn
-from kvbeam.server.rpc_errors import peer_error
-from kvbeam.server.rpc_status import UnknownRequest, handled
 from kvbeam.server.servicer import ControlServicer
+from kvbeam.states import TransferStatus
 from kvbeam.transport.base import Event
 
 if TYPE_CHECKING:

@@ -25,16 +25,22 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
+from kvbeam.errors import BadRequest, NotHandshakenError, UnknownRequest
+from kvbeam.logs import fields
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.types import IndexKind
 from kvbeam.proto.fields import host_port
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.transfer_codec import indices_to_proto
+from kvbeam.rpc_errors import handled
 from kvbeam.server.daemon_servicer import DaemonServicer
-from kvbeam.server.errors import NotHandshakenError
 from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.lifecycle import (
+from kvbeam.server.peers import PeerConn
+from kvbeam.server.runtime import Runtime
+from kvbeam.server.slots import SlotPool
+from kvbeam.server.validation import request_id_of, seq_len_of
+from kvbeam.states import (
     NOT_VERIFIED_NO_DIGESTS,
     NOT_VERIFIED_OFF,
     VERIFIED_PREFIX,
@@ -42,12 +48,6 @@ from kvbeam.server.lifecycle import (
     TransferState,
     TransferStatus,
 )
-from kvbeam.server.logs import fields
-from kvbeam.server.peers import PeerConn
-from kvbeam.server.rpc_status import BadRequest, UnknownRequest, handled
-from kvbeam.server.runtime import Runtime
-from kvbeam.server.slots import SlotPool
-from kvbeam.server.validation import request_id_of, seq_len_of
 from kvbeam.transport.base import Event, EventKind, Link
 from kvbeam.transport.endpoint import Endpoint
 

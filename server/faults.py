@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 
 from kvbeam.errors import ConfigError
+from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.plan import IndexLists
-from kvbeam.server.logs import fields
 from kvbeam.transport.base import Link
 from kvbeam.transport.blocks import Blocks
 from kvbeam.transport.endpoint import Endpoint

@@ -2,7 +2,7 @@
 
 Both ends of a handshake run :func:`verify_peer` on what they received: the
 server on the request (:mod:`kvbeam.server.servicer`), the client on the reply or
-on the server's rejection (:mod:`kvbeam.server.client`). It runs
+on the server's rejection (:mod:`kvbeam.server.peer_client`). It runs
 :func:`kvbeam.pools.checks.compare_sides` (which includes each side's own
 target/draft checks), logs every difference and raises, or returns a
 :class:`VerifiedPeer`.
@@ -20,13 +20,16 @@ import logging
 import time
 from collections.abc import Sequence
 
-from kvbeam.errors import Difference, PoolCompatibilityError
+from kvbeam.errors import (
+    Difference,
+    PoolCompatibilityError,
+    ProtocolVersionError,
+    RoleConflictError,
+)
+from kvbeam.logs import fields
 from kvbeam.pools.checks import compare_sides
 from kvbeam.pools.layout import SideLayout
-from kvbeam.proto.errors import ProtocolVersionError
 from kvbeam.proto.side import Role, SideInfo
-from kvbeam.server.errors import RoleConflictError
-from kvbeam.server.logs import fields
 from kvbeam.transport.endpoint import Endpoint
 
 log = logging.getLogger(__name__)

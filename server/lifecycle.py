@@ -1,60 +1,21 @@
-"""The transfer lifecycle every layer speaks: one state enum, legal transitions, deadlines.
+"""The transfer lifecycle on a daemon: legal transitions, deadlines, the transfer table.
 
-States follow sglang's poll states::
-
-    BOOTSTRAPPING -> WAITING_FOR_INPUT -> TRANSFERRING -> SUCCESS
-          \\________________\\__________________\\______-> FAILED(reason, detail)
-
-Every non-terminal state has a deadline; a transfer past it fails with
-``TIMEOUT``. Nothing waits forever. Terminal states never change.
+The states, failure reasons and status records are :mod:`kvbeam.states` (the wire
+codec and the public client need them without the daemons). Every non-terminal state
+has a deadline; a transfer past it fails with ``TIMEOUT``. Nothing waits forever.
+Terminal states never change.
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from kvbeam.errors import KvbeamError
-
-#: How decode's Success detail starts when every moved buffer's CRC32C matched prefill's.
-VERIFIED_PREFIX = "CRC32C verified:"
-#: Decode's Success details when the bytes were not verified (the completion proved arrival).
-NOT_VERIFIED_OFF = "bytes not verified: integrity is off on decode (KVBEAM_INTEGRITY=false)"
-NOT_VERIFIED_NO_DIGESTS = "bytes not verified: prefill sent no digests (its integrity is off)"
-
-
-class TransferState(enum.Enum):
-    """Where a transfer is, on either side."""
-
-    BOOTSTRAPPING = "Bootstrapping"
-    WAITING_FOR_INPUT = "WaitingForInput"
-    TRANSFERRING = "Transferring"
-    SUCCESS = "Success"
-    FAILED = "Failed"
-
-    @property
-    def terminal(self) -> bool:
-        """True for SUCCESS and FAILED."""
-        return self in (TransferState.SUCCESS, TransferState.FAILED)
-
-
-class FailureReason(enum.Enum):
-    """Why a transfer failed (the ``reason`` of ``Failed(reason, detail)``)."""
-
-    ABORTED = "aborted"
-    TIMEOUT = "timeout"
-    PEER_FAILED = "peer_failed"
-    PEER_UNREACHABLE = "peer_unreachable"
-    TRANSPORT_ERROR = "transport_error"
-    INCOMPATIBLE = "incompatible"
-    INTEGRITY = "integrity"
-    INVALID_REQUEST = "invalid_request"
-    SHUTDOWN = "shutdown"
-
+from kvbeam.errors import DuplicateRequest, IllegalTransition, TooManyTransfers
+from kvbeam.states import FailureReason, TransferState, TransferStatus
 
 _NEXT: dict[TransferState, frozenset[TransferState]] = {
     TransferState.BOOTSTRAPPING: frozenset({TransferState.WAITING_FOR_INPUT,
@@ -70,18 +31,6 @@ _NEXT: dict[TransferState, frozenset[TransferState]] = {
 def legal(src: TransferState, dst: TransferState) -> bool:
     """True when ``src -> dst`` is a legal transition."""
     return dst in _NEXT[src]
-
-
-class IllegalTransition(KvbeamError):
-    """A state change the lifecycle does not allow (e.g. SUCCESS -> TRANSFERRING)."""
-
-
-class DuplicateRequest(KvbeamError):
-    """A request id already known on this side (per peer pair ids must be unique)."""
-
-
-class TooManyTransfers(KvbeamError):
-    """The bounded transfer table is full: back-pressure, try later."""
 
 
 @dataclass(frozen=True)
@@ -121,20 +70,6 @@ class Transfer:
         """An immutable copy for status replies."""
         return TransferStatus(self.request_id, self.peer, self.state, self.reason, self.detail,
                               self.version, time.monotonic() - self.created, self.nbytes)
-
-
-@dataclass(frozen=True)
-class TransferStatus:
-    """What Status/WatchStatus report."""
-
-    request_id: str
-    peer: str
-    state: TransferState
-    reason: FailureReason | None
-    detail: str
-    version: int
-    age_s: float
-    nbytes: int = 0  # bytes the transfer moved, once it is SUCCESS (for metrics)
 
 
 class TransferTable:

@@ -26,9 +26,9 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from kvbeam.server.errors import ListenError
-from kvbeam.server.lifecycle import FailureReason, TransferState, TransferStatus
-from kvbeam.server.logs import fields
+from kvbeam.errors import ListenError
+from kvbeam.logs import fields
+from kvbeam.states import FailureReason, TransferState, TransferStatus
 
 log = logging.getLogger(__name__)
 

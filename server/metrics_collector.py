@@ -19,7 +19,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from kvbeam.server.lifecycle import TransferState, TransferStatus
+from kvbeam.states import TransferState, TransferStatus
 from kvbeam.transport.stats import TransportStats
 
 _LIVE_STATES = [s for s in TransferState if not s.terminal]

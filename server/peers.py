@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 
+from kvbeam.errors import ProtocolError
+from kvbeam.logs import fields
 from kvbeam.pools.layout import SideLayout
-from kvbeam.proto.errors import ProtocolError
-from kvbeam.server.client import ControlClient
 from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.logs import fields
 from kvbeam.server.options import ControlOptions
+from kvbeam.server.peer_client import ControlClient
 from kvbeam.transport.base import Link
 
 log = logging.getLogger(__name__)

@@ -21,31 +21,35 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbeam.errors import (
+    BadRequest,
+    DuplicateRequest,
+    HandshakeRejectedError,
     KvbeamError,
+    PeerError,
     PlanError,
     PoolCompatibilityError,
+    ProtocolError,
+    ProtocolVersionError,
     RegionError,
+    RoleConflictError,
     TransportError,
 )
+from kvbeam.logs import fields
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.plan import build_plan
 from kvbeam.pools.types import IndexKind
-from kvbeam.proto.errors import ProtocolError, ProtocolVersionError
 from kvbeam.proto.fields import host_port
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.transfer_codec import indices_from_proto
-from kvbeam.server.client import ControlClient
+from kvbeam.rpc_errors import handled, peer_error
 from kvbeam.server.daemon_servicer import DaemonServicer
-from kvbeam.server.errors import HandshakeRejectedError, PeerError, RoleConflictError
 from kvbeam.server.faults import outside_peer_mr
-from kvbeam.server.lifecycle import DuplicateRequest, FailureReason, TransferState, TransferStatus
-from kvbeam.server.logs import fields
+from kvbeam.server.peer_client import ControlClient
 from kvbeam.server.peers import PeerConn, peer_buffer_addrs
-from kvbeam.server.rpc_errors import peer_error
-from kvbeam.server.rpc_status import BadRequest, handled
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.validation import request_id_of, seq_len_of
+from kvbeam.states import FailureReason, TransferState, TransferStatus
 from kvbeam.transport.base import Event, EventKind
 
 log = logging.getLogger(__name__)

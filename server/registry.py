@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from kvbeam.server.errors import NotHandshakenError
+from kvbeam.errors import NotHandshakenError
 from kvbeam.server.handshake import VerifiedPeer
 
 log = logging.getLogger(__name__)

@@ -16,21 +16,26 @@ from typing import NoReturn
 
 import grpc
 
-from kvbeam.errors import Difference, PoolCompatibilityError
-from kvbeam.proto.errors import ProtocolError, ProtocolVersionError
+from kvbeam.errors import (
+    Difference,
+    NotHandshakenError,
+    PoolCompatibilityError,
+    ProtocolError,
+    ProtocolVersionError,
+    RoleConflictError,
+)
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2_grpc as pb_grpc
-from kvbeam.proto.side import SideEncoder, SideInfo, side_from_proto
-from kvbeam.server.errors import NotHandshakenError, RoleConflictError
-from kvbeam.server.handshake import VerifiedPeer, verify_peer
-from kvbeam.server.registry import PeerRegistry
-from kvbeam.server.rejection import (
+from kvbeam.proto.rejection_codec import (
     REJECTION_KEY,
     Reason,
     encode_rejection,
     requested_budget,
     status_details,
 )
+from kvbeam.proto.side import SideEncoder, SideInfo, side_from_proto
+from kvbeam.server.handshake import VerifiedPeer, verify_peer
+from kvbeam.server.registry import PeerRegistry
 from kvbeam.transport.endpoint import Endpoint
 
 log = logging.getLogger(__name__)

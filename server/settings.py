@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvbeam.auth import Security, load_token
 from kvbeam.errors import ConfigError
-from kvbeam.server.auth import Security, load_token
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from kvbeam.errors import KvbeamError
-
-
-class NoFreeSlot(KvbeamError):
-    """Every request slot is held: the scheduler must wait (RESOURCE_EXHAUSTED)."""
+from kvbeam.errors import KvbeamError, NoFreeSlot
 
 
 class SlotPool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from kvbeam.server.rpc_status import BadRequest
+from kvbeam.errors import BadRequest
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/@+=-]{1,128}")
 

@@ -17,11 +17,16 @@ import grpc
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.spec import PoolSpec, SideConfig
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.proto.rejection_codec import (
+    BUDGET_KEY,
+    MAX_REJECTION_BYTES,
+    Rejection,
+    decode_rejection,
+)
+from kvbeam.proto.rejection_codec import find_rejection as _find
 from kvbeam.proto.service import control_stub
 from kvbeam.proto.side import Role, SideInfo
 from kvbeam.server.control import ControlServer
-from kvbeam.server.rejection import BUDGET_KEY, MAX_REJECTION_BYTES, Rejection, decode_rejection
-from kvbeam.server.rejection import find_rejection as _find
 from kvbeam.server.servicer import ControlServicer
 from kvbeam.server.settings import add_daemon_arguments
 from kvbeam.transport.endpoint import Endpoint, RemoteRegion

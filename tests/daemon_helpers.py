@@ -7,9 +7,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvbeam.client import Busy, KvbeamClient
+from kvbeam.auth import Security
+from kvbeam.client import KvbeamClient
+from kvbeam.errors import Busy
 from kvbeam.procs import DaemonProcess, PendingDaemon, spawn_daemon, start_daemon
-from kvbeam.server.auth import Security
 from tests.fixtures import shipped_config
 
 #: Request slots of the shipped decode configs (docker/config/decode*.yaml).

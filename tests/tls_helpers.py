@@ -12,7 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbeam.server.auth import Security
+from kvbeam.auth import Security
 
 _EXT = ("subjectAltName=DNS:localhost,IP:127.0.0.1\n"
         "extendedKeyUsage=serverAuth,clientAuth\n"

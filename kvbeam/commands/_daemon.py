@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_role(role: str, args: argparse.Namespace) -> int:
     """Resolve settings and serve until signalled."""
-    from kvbeam.server.logs import configure
+    from kvbeam.logs import configure
     from kvbeam.server.main import run_daemon
 
     settings = resolve(role, args)

@@ -11,9 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvbeam.auth import Security
 from kvbeam.procs import start_daemon
 from kvbeam.scheduler import drive, format_table
-from kvbeam.server.auth import Security
 from kvbeam.transport.factory import pick_rdma_device
 
 NAME = "demo"

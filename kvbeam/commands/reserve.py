@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Reserve and print the slot."""
-    from kvbeam.client import Busy
+    from kvbeam.errors import Busy
 
     with open_client(args) as client:
         try:

@@ -16,18 +16,17 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvbeam.auth import TOKEN_KEY, Security, is_loopback
 from kvbeam.client import KvbeamClient
-from kvbeam.errors import ConfigError
+from kvbeam.errors import AuthenticationError, ConfigError, PeerUnavailableError
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.proto.rejection_codec import REJECTION_KEY
 from kvbeam.proto.service import control_stub
 from kvbeam.proto.side import Role, SideInfo, side_to_proto
 from kvbeam.scheduler import run_request
-from kvbeam.server.auth import TOKEN_KEY, Security, is_loopback
-from kvbeam.server.client import ControlClient
 from kvbeam.server.control import ControlServer
-from kvbeam.server.errors import AuthenticationError, PeerUnavailableError
 from kvbeam.server.options import ControlOptions
-from kvbeam.server.rejection import REJECTION_KEY
+from kvbeam.server.peer_client import ControlClient
 from kvbeam.server.settings import resolve
 from kvbeam.server.settings import resolve_security as client_security
 from tests.control_helpers import config, daemon_args, run_cli, side

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from kvbeam.client import Busy, KvbeamClient
+from kvbeam.client import KvbeamClient
+from kvbeam.errors import BadRequest, Busy, DuplicateRequest, UnknownRequest
 from kvbeam.procs import wait_until
 from kvbeam.scheduler import drive, run_request
-from kvbeam.server.lifecycle import DuplicateRequest, FailureReason, TransferState
-from kvbeam.server.rpc_status import BadRequest, UnknownRequest
+from kvbeam.states import FailureReason, TransferState
 from tests.control_helpers import run_cli
 from tests.daemon_helpers import pair, start
 from tests.fixtures import shipped_config
@@ -205,7 +205,7 @@ def test_local_check_refuses_to_start(tmp_path: object) -> None:
     text = pathlib.Path(shipped_config("prefill")).read_text()
     head, _, draft = text.partition("draft:")
     bad.write_text(head + "draft:" + draft.replace("unified_kv: true", "unified_kv: false"))
-    from kvbeam.procs import DaemonStartError
+    from kvbeam.errors import DaemonStartError
 
     with pytest.raises(DaemonStartError) as info:
         start("prefill", cfg=str(bad))

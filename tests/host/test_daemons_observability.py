@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from kvbeam.procs import DaemonProcess, DaemonStartError, wait_until
+from kvbeam.errors import DaemonStartError, DuplicateRequest, UnknownRequest
+from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.scheduler import run_request
-from kvbeam.server.lifecycle import DuplicateRequest, FailureReason, TransferState
-from kvbeam.server.rpc_status import UnknownRequest
+from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import pair, start
 from tests.metrics_helpers import (
     delta,

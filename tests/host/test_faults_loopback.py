@@ -16,10 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvbeam.client import Busy, KvbeamClient
+from kvbeam.client import KvbeamClient
+from kvbeam.errors import Busy
 from kvbeam.procs import wait_until
 from kvbeam.scheduler import run_request
-from kvbeam.server.lifecycle import FailureReason, TransferState
+from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import DECODE_SLOTS, free_slots, pair, rss_kib, start
 
 S, F = TransferState.SUCCESS, TransferState.FAILED

@@ -13,7 +13,7 @@ tests/rdma/test_faults_rdma.py; these are the fast host versions:
 from __future__ import annotations
 
 from kvbeam.scheduler import drive, run_request
-from kvbeam.server.lifecycle import TransferState
+from kvbeam.states import TransferState
 from tests.daemon_helpers import pair
 
 S, F = TransferState.SUCCESS, TransferState.FAILED

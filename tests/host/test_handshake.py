@@ -17,28 +17,30 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvbeam.errors import KvbeamError, PoolCompatibilityError
-from kvbeam.pools.spec import PoolSpec, SideConfig
-from kvbeam.proto.errors import ProtocolError, ProtocolVersionError
-from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
-from kvbeam.proto.service import control_stub
-from kvbeam.proto.side import Role, SideInfo, side_to_proto
-from kvbeam.proto.version import PROTOCOL_VERSION, SERVICE_NAME
-from kvbeam.server.client import ControlClient, handshake
-from kvbeam.server.control import ControlServer
-from kvbeam.server.errors import (
+from kvbeam.errors import (
     HandshakeRejectedError,
+    KvbeamError,
     ListenError,
     NotHandshakenError,
     NotKvbeamPeerError,
     PeerError,
     PeerTimeoutError,
     PeerUnavailableError,
+    PoolCompatibilityError,
+    ProtocolError,
+    ProtocolVersionError,
     RoleConflictError,
 )
+from kvbeam.pools.spec import PoolSpec, SideConfig
+from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.proto.rejection_codec import DEFAULT_REJECTION_BYTES, Reason, find_rejection
+from kvbeam.proto.service import control_stub
+from kvbeam.proto.side import Role, SideInfo, side_to_proto
+from kvbeam.proto.version import PROTOCOL_VERSION, SERVICE_NAME
+from kvbeam.server.control import ControlServer
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.options import ControlOptions
-from kvbeam.server.rejection import DEFAULT_REJECTION_BYTES, Reason, find_rejection
+from kvbeam.server.peer_client import ControlClient, handshake
 from kvbeam.server.servicer import ControlServicer
 from kvbeam.server.startup import check_local_side
 from kvbeam.transport.endpoint import Endpoint
@@ -168,7 +170,7 @@ def test_incompatible_pair_is_refused_on_both_sides(
     assert "unified_kv" in [d.field for d in err.differences]
     assert prefill.instance_id not in server.peers
     server_logs = [r for r in caplog.records if r.name == "kvbeam.server.handshake"]
-    client_logs = [r for r in caplog.records if r.name == "kvbeam.server.client"]
+    client_logs = [r for r in caplog.records if r.name == "kvbeam.server.peer_client"]
     for logs in (server_logs, client_logs):
         assert any(r.levelno == logging.ERROR and "refused" in r.getMessage() for r in logs)
         assert any("field=unified_kv" in r.getMessage() for r in logs)

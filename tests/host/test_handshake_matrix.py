@@ -18,9 +18,9 @@ import pytest
 from kvbeam.errors import PoolCompatibilityError
 from kvbeam.pools.spec import SideConfig
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.proto.rejection_codec import Reason
 from kvbeam.proto.side import Role, side_to_proto
-from kvbeam.server.client import handshake
-from kvbeam.server.rejection import Reason
+from kvbeam.server.peer_client import handshake
 from tests.control_helpers import DECODE_SLOTS, config, raw_handshake, running, side, with_slots
 
 

@@ -17,7 +17,7 @@ from kvbeam.errors import ConfigError
 from kvbeam.procs import wait_until
 from kvbeam.scheduler import drive, run_request
 from kvbeam.server.faults import CORRUPT_LANDED_ENV, SEED_ENV, FaultHooks
-from kvbeam.server.lifecycle import FailureReason, TransferState
+from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import pair
 
 F = TransferState.FAILED

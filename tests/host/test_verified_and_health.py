@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from kvbeam.scheduler import drive
-from kvbeam.server.lifecycle import NOT_VERIFIED_NO_DIGESTS, VERIFIED_PREFIX
+from kvbeam.states import NOT_VERIFIED_NO_DIGESTS, VERIFIED_PREFIX
 from tests.control_helpers import run_cli as _kvbeam
 from tests.daemon_helpers import pair
 

@@ -21,7 +21,7 @@ import pytest
 
 from kvbeam.client import KvbeamClient, Status
 from kvbeam.procs import DaemonProcess, wait_until
-from kvbeam.server.lifecycle import TransferState
+from kvbeam.states import TransferState
 from tests.control_helpers import free_port
 from tests.daemon_helpers import DECODE_SLOTS, free_slots, start_both
 from tests.rdma.netfaults import Wire, block_tcp, unblock_tcp

@@ -15,11 +15,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvbeam.client import Busy, KvbeamClient
+from kvbeam.client import KvbeamClient
+from kvbeam.errors import Busy
 from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.scheduler import drive, run_request
 from kvbeam.server.faults import CORRUPT_LANDED_ENV, SEED_ENV
-from kvbeam.server.lifecycle import FailureReason, TransferState
+from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import pair, start, start_both
 from tests.metrics_helpers import delta, scrape, settle, succeeded_once_more, value
 from tests.rdma.conftest import RdmaDevice

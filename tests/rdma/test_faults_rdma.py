@@ -19,7 +19,7 @@ import pytest
 from kvbeam.client import KvbeamClient, Status
 from kvbeam.procs import wait_until
 from kvbeam.scheduler import drive, run_request
-from kvbeam.server.lifecycle import FailureReason, TransferState
+from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import DECODE_SLOTS, STARTUP_S, free_slots, spawn
 from tests.rdma import netfaults
 from tests.rdma.conftest import WirePair

@@ -8,16 +8,9 @@ import time
 
 import pytest
 
-from kvbeam.server.lifecycle import (
-    Deadlines,
-    DuplicateRequest,
-    FailureReason,
-    IllegalTransition,
-    TooManyTransfers,
-    TransferState,
-    TransferTable,
-    legal,
-)
+from kvbeam.errors import DuplicateRequest, IllegalTransition, TooManyTransfers
+from kvbeam.server.lifecycle import Deadlines, TransferTable, legal
+from kvbeam.states import FailureReason, TransferState
 
 B, W, T, S, F = (TransferState.BOOTSTRAPPING, TransferState.WAITING_FOR_INPUT,
                  TransferState.TRANSFERRING, TransferState.SUCCESS, TransferState.FAILED)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvbeam.errors import ConfigError
-from kvbeam.server.logs import JsonFormatter, RoleFilter, TextFormatter, configure, fields
+from kvbeam.logs import JsonFormatter, RoleFilter, TextFormatter, configure, fields
 from kvbeam.server.settings import resolve
 
 

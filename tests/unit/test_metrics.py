@@ -12,16 +12,11 @@ from types import MappingProxyType
 import numpy as np
 import pytest
 
-from kvbeam.server.errors import ListenError
-from kvbeam.server.lifecycle import (
-    Deadlines,
-    FailureReason,
-    TransferState,
-    TransferStatus,
-    TransferTable,
-)
+from kvbeam.errors import ListenError
+from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.metrics import DaemonMetrics
 from kvbeam.server.metrics_collector import DaemonCollector, Sources
+from kvbeam.states import FailureReason, TransferState, TransferStatus
 from kvbeam.transport import Access, Event, Region
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.stats import TransportStats

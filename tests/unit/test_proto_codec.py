@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from kvbeam.errors import KvbeamError
+from kvbeam.errors import KvbeamError, ProtocolError, ProtocolVersionError
 from kvbeam.pools.checks import compare_sides
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.spec import DTYPE_SIZES, load_side_config
 from kvbeam.proto.differences import differences_from_proto, differences_to_proto
 from kvbeam.proto.endpoint_codec import endpoint_from_proto, endpoint_to_proto
-from kvbeam.proto.errors import ProtocolError, ProtocolVersionError
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2_grpc as pb_grpc
 from kvbeam.proto.layout_codec import DTYPE_TO_PROTO, layout_from_proto, layout_to_proto
@@ -53,14 +52,14 @@ def test_transfer_state_enum_is_the_single_state_machine() -> None:
 
 
 def test_wire_enums_mirror_the_lifecycle() -> None:
-    from kvbeam.server import lifecycle
+    from kvbeam import states
 
     def names(enum_type: str, prefix: str) -> set[str]:
         values = pb.DESCRIPTOR.enum_types_by_name[enum_type].values
         return {v.name.removeprefix(prefix) for v in values} - {"UNSPECIFIED"}
 
-    assert names("TransferState", "TRANSFER_STATE_") == {s.name for s in lifecycle.TransferState}
-    assert names("FailureReason", "FAILURE_REASON_") == {r.name for r in lifecycle.FailureReason}
+    assert names("TransferState", "TRANSFER_STATE_") == {s.name for s in states.TransferState}
+    assert names("FailureReason", "FAILURE_REASON_") == {r.name for r in states.FailureReason}
 
 
 def test_every_dtype_has_a_wire_value() -> None:

@@ -14,11 +14,11 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from kvbeam.errors import ProtocolError
 from kvbeam.pools.checks import compare_sides
-from kvbeam.proto.errors import ProtocolError
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.proto.rejection_codec import decode_rejection
 from kvbeam.proto.side import Role, SideInfo, side_from_bytes, side_from_proto, side_to_proto
-from kvbeam.server.rejection import decode_rejection
 from tests.control_helpers import config, rdma_endpoint, side
 
 FUZZ = settings(max_examples=200, deadline=None,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvbeam.errors import ConfigError, KvbeamError
+from kvbeam.errors import ConfigError, KvbeamError, NoFreeSlot
 from kvbeam.server.settings import env_help, resolve
-from kvbeam.server.slots import NoFreeSlot, SlotPool
+from kvbeam.server.slots import SlotPool
 from tests.control_helpers import daemon_args as _args
 
 

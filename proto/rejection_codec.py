@@ -15,10 +15,9 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from kvbeam.errors import Difference
+from kvbeam.errors import Difference, ProtocolError
 from kvbeam.pools.layout import SideLayout
 from kvbeam.proto.differences import differences_from_proto, differences_to_proto
-from kvbeam.proto.errors import ProtocolError
 from kvbeam.proto.fields import text
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.layout_codec import layout_from_proto, layout_to_proto

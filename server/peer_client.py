@@ -15,22 +15,18 @@ from types import TracebackType
 
 import grpc
 
-from kvbeam.errors import Difference, KvbeamError
-from kvbeam.pools.checks import compare_sides
-from kvbeam.proto.errors import ProtocolError, ProtocolVersionError
-from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
-from kvbeam.proto.service import control_stub
-from kvbeam.proto.side import Role, SideEncoder, SideInfo, side_from_proto
-from kvbeam.proto.version import PROTOCOL_VERSION
-from kvbeam.server.errors import HandshakeRejectedError, PeerError, RoleConflictError
-from kvbeam.server.handshake import (
-    VerifiedPeer,
-    incompatibility_error,
-    log_differences,
-    verify_peer,
+from kvbeam.errors import (
+    Difference,
+    HandshakeRejectedError,
+    KvbeamError,
+    PeerError,
+    ProtocolError,
+    ProtocolVersionError,
+    RoleConflictError,
 )
-from kvbeam.server.options import ControlOptions
-from kvbeam.server.rejection import (
+from kvbeam.pools.checks import compare_sides
+from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.proto.rejection_codec import (
     BUDGET_KEY,
     MAX_REJECTION_BYTES,
     Reason,
@@ -38,7 +34,17 @@ from kvbeam.server.rejection import (
     decode_rejection,
     find_rejection,
 )
-from kvbeam.server.rpc_errors import peer_error
+from kvbeam.proto.service import control_stub
+from kvbeam.proto.side import Role, SideEncoder, SideInfo, side_from_proto
+from kvbeam.proto.version import PROTOCOL_VERSION
+from kvbeam.rpc_errors import peer_error
+from kvbeam.server.handshake import (
+    VerifiedPeer,
+    incompatibility_error,
+    log_differences,
+    verify_peer,
+)
+from kvbeam.server.options import ControlOptions
 from kvbeam.transport.endpoint import Endpoint
 
 log = logging.getLogger(__name__)

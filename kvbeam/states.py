@@ -1,0 +1,65 @@
+"""The transfer state vocabulary every layer speaks: states, failure reasons, statuses.
+
+States follow sglang's poll states::
+
+    BOOTSTRAPPING -> WAITING_FOR_INPUT -> TRANSFERRING -> SUCCESS
+          \\________________\\__________________\\______-> FAILED(reason, detail)
+
+The daemons keep the books (:mod:`kvbeam.server.lifecycle`: legal transitions,
+deadlines, the transfer table); the wire codec (:mod:`kvbeam.proto.transfer_codec`)
+and the public client speak these values without importing the daemons.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+#: How decode's Success detail starts when every moved buffer's CRC32C matched prefill's.
+VERIFIED_PREFIX = "CRC32C verified:"
+#: Decode's Success details when the bytes were not verified (the completion proved arrival).
+NOT_VERIFIED_OFF = "bytes not verified: integrity is off on decode (KVBEAM_INTEGRITY=false)"
+NOT_VERIFIED_NO_DIGESTS = "bytes not verified: prefill sent no digests (its integrity is off)"
+
+
+class TransferState(enum.Enum):
+    """Where a transfer is, on either side."""
+
+    BOOTSTRAPPING = "Bootstrapping"
+    WAITING_FOR_INPUT = "WaitingForInput"
+    TRANSFERRING = "Transferring"
+    SUCCESS = "Success"
+    FAILED = "Failed"
+
+    @property
+    def terminal(self) -> bool:
+        """True for SUCCESS and FAILED."""
+        return self in (TransferState.SUCCESS, TransferState.FAILED)
+
+
+class FailureReason(enum.Enum):
+    """Why a transfer failed (the ``reason`` of ``Failed(reason, detail)``)."""
+
+    ABORTED = "aborted"
+    TIMEOUT = "timeout"
+    PEER_FAILED = "peer_failed"
+    PEER_UNREACHABLE = "peer_unreachable"
+    TRANSPORT_ERROR = "transport_error"
+    INCOMPATIBLE = "incompatible"
+    INTEGRITY = "integrity"
+    INVALID_REQUEST = "invalid_request"
+    SHUTDOWN = "shutdown"
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    """What Status/WatchStatus report."""
+
+    request_id: str
+    peer: str
+    state: TransferState
+    reason: FailureReason | None
+    detail: str
+    version: int
+    age_s: float
+    nbytes: int = 0  # bytes the transfer moved, once it is SUCCESS (for metrics)
