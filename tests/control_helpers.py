@@ -1,8 +1,12 @@
-"""Shared helpers for the control-plane tests: sides, endpoints, servers, raw calls."""
+"""Shared helpers for the control-plane tests: sides, endpoints, servers, raw calls, free
+ports and the ``kvbeam`` CLI as a process."""
 
 from __future__ import annotations
 
+import argparse
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -24,8 +28,10 @@ from kvbeam.proto.service import control_stub
 from kvbeam.proto.side import Role, SideInfo
 from kvbeam.server.control import ControlServer
 from kvbeam.server.servicer import ControlServicer
+from kvbeam.server.settings import add_daemon_arguments
 from kvbeam.transport.endpoint import Endpoint, RemoteRegion
-from tests.fixtures import PAGED_DRAFT, PAGED_TARGET, UNIFIED_DRAFT, UNIFIED_TARGET
+from tests import fixtures
+from tests.fixtures import PAGED_DRAFT, PAGED_TARGET, REPO, UNIFIED_DRAFT, UNIFIED_TARGET
 
 # C128 layers too, so the C128_STATE component exists; decode has more request
 # slots than prefill (capacity is per side and must not matter).
@@ -52,9 +58,8 @@ def rdma_endpoint() -> Endpoint:
 
 def config(paged: bool = False, *, draft: bool = True, **target_changes: Any) -> SideConfig:
     """A side config (unified by default), target fields optionally changed."""
-    target = replace(P_TARGET if paged else U_TARGET, **target_changes)
     d: PoolSpec | None = (P_DRAFT if paged else U_DRAFT) if draft else None
-    return SideConfig(model="dsv4-test", target=target, draft=d)
+    return fixtures.side(P_TARGET if paged else U_TARGET, d, **target_changes)
 
 
 def draft_changed(cfg: SideConfig, **changes: Any) -> SideConfig:
@@ -109,3 +114,17 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def run_cli(*argv: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """``python -m kvbeam.cli ARGV`` in a fresh process from the repository root; never raises
+    for its exit code (check ``returncode``)."""
+    return subprocess.run([sys.executable, "-m", "kvbeam.cli", *argv], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO, check=False)
+
+
+def daemon_args(*argv: str) -> argparse.Namespace:
+    """A daemon command line parsed as ``kvbeam prefill|decode`` parses it (for ``resolve``)."""
+    parser = argparse.ArgumentParser()
+    add_daemon_arguments(parser)
+    return parser.parse_args(argv)

@@ -11,11 +11,10 @@ from kvbeam.auth import Security
 from kvbeam.client import KvbeamClient
 from kvbeam.errors import Busy
 from kvbeam.procs import DaemonProcess, PendingDaemon, spawn_daemon, start_daemon
+from tests.fixtures import shipped_config
 
-REPO = Path(__file__).resolve().parent.parent
 #: Request slots of the shipped decode configs (docker/config/decode*.yaml).
 DECODE_SLOTS = 16
-CONFIGS = REPO / "docker" / "config"
 #: Short deadlines keep fault tests fast; far below sglang's 300 s either way.
 FAST = ["--deadline-bootstrap-s", "4", "--deadline-waiting-s", "4",
         "--deadline-transfer-s", "6", "--heartbeat-s", "0.5", "--rpc-timeout-s", "2",
@@ -33,11 +32,6 @@ SLOW_GUEST = ["--deadline-bootstrap-s", "20", "--deadline-waiting-s", "20",
 STARTUP_S = 300.0
 
 
-def config(role: str, paged: bool = False) -> str:
-    """Path of a shipped config."""
-    return str(CONFIGS / f"{role}{'-paged' if paged else ''}.yaml")
-
-
 def _args(role: str, transport: str, extra: Sequence[str]) -> list[str]:
     seed = "1" if role == "prefill" else "2"
     deadlines = SLOW_GUEST if transport == "rdma" else FAST
@@ -48,14 +42,14 @@ def start(role: str, *, paged: bool = False, transport: str = "tcp",
           extra: Sequence[str] = (), cfg: str | None = None, listen: str = "127.0.0.1:0",
           env: dict[str, str] | None = None) -> DaemonProcess:
     """A daemon with fast deadlines and a fill pattern (prefill seed 1, decode seed 2)."""
-    return start_daemon(role, cfg or config(role, paged), listen=listen,
+    return start_daemon(role, cfg or shipped_config(role, paged), listen=listen,
                         extra=_args(role, transport, extra), env=env, timeout=STARTUP_S)
 
 
 def spawn(role: str, *, transport: str = "tcp", extra: Sequence[str] = (),
           env: dict[str, str] | None = None) -> PendingDaemon:
     """Start a daemon like :func:`start` without waiting (call ``.ready(STARTUP_S)``)."""
-    return spawn_daemon(role, config(role), extra=_args(role, transport, extra), env=env)
+    return spawn_daemon(role, shipped_config(role), extra=_args(role, transport, extra), env=env)
 
 
 def start_both(*, paged: bool = False, transport: str = "tcp", decode_extra: Sequence[str] = (),
@@ -67,10 +61,10 @@ def start_both(*, paged: bool = False, transport: str = "tcp", decode_extra: Seq
     ``security``: what the readiness check presents (the daemons' own credentials go
     in the ``*_extra`` flags). ``*_env``: extra environment (fault hooks).
     """
-    d = spawn_daemon("decode", config("decode", paged),
+    d = spawn_daemon("decode", shipped_config("decode", paged),
                      extra=_args("decode", transport, decode_extra), env=decode_env,
                      security=security)
-    p = spawn_daemon("prefill", config("prefill", paged),
+    p = spawn_daemon("prefill", shipped_config("prefill", paged),
                      extra=_args("prefill", transport, prefill_extra), env=prefill_env,
                      security=security)
     try:

@@ -1,12 +1,24 @@
-"""Shared pool specs for the tests (sglang's DSV4 fixtures among them)."""
+"""Shared test data: pool specs (sglang's DSV4 fixtures among them), the shipped configs."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from kvbeam.pools.layout import SideLayout, build_side_layout
 from kvbeam.pools.spec import PoolSpec, SideConfig
+
+#: The repository root.
+REPO = Path(__file__).resolve().parent.parent
+#: The shipped side configs (what the containers and daemon tests run).
+CONFIGS = REPO / "docker" / "config"
+
+
+def shipped_config(role: str, paged: bool = False) -> str:
+    """Path of a shipped config: docker/config/ROLE[-paged].yaml."""
+    return str(CONFIGS / f"{role}{'-paged' if paged else ''}.yaml")
+
 
 #: sglang's unified-KV fixture: window 128, ring 131 (4 draft tokens), pages 524, page size 256.
 UNIFIED_TARGET = PoolSpec(

@@ -43,6 +43,12 @@ class Pki:
                  "-extfile", str(ext), cwd=self.dir)
         return cert, key
 
+    def flags(self, name: str) -> list[str]:
+        """The ``--tls-cert/--tls-key/--tls-ca`` flags presenting a fresh certificate for
+        ``name`` (daemons and client commands take the same)."""
+        cert, key = self.issue(name)
+        return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(self.ca)]
+
     def security(self, name: str, **kw: object) -> Security:
         """A :class:`Security` presenting a fresh certificate for ``name`` and trusting this CA."""
         cert, key = self.issue(name)

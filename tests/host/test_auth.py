@@ -6,12 +6,9 @@ rkeys), no rejection trailer (our layout), no registration as a peer.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,22 +26,12 @@ from kvbeam.proto.side import Role, SideInfo, side_to_proto
 from kvbeam.scheduler import run_request
 from kvbeam.server.control import ControlServer
 from kvbeam.server.peer_client import ControlClient
-from kvbeam.server.settings import ControlOptions, add_daemon_arguments, resolve
+from kvbeam.server.settings import ControlOptions, resolve
 from kvbeam.server.settings import resolve_security as client_security
-from tests.control_helpers import config, side
-from tests.tls_helpers import Pki, make_pki
+from tests.control_helpers import config, daemon_args, run_cli, side
+from tests.tls_helpers import Pki
 
 TOKEN = "s3cret-token-for-tests"
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture(scope="module")
-def rogue_pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("rogue"), "rogue-ca")
 
 
 def sides() -> tuple[SideInfo, SideInfo]:
@@ -261,9 +248,7 @@ def test_loopback_without_auth_warns_at_start(caplog: pytest.LogCaptureFixture) 
 
 
 def _daemon(*argv: str, env: dict[str, str] | None = None) -> Security:
-    p = argparse.ArgumentParser()
-    add_daemon_arguments(p)
-    return resolve("decode", p.parse_args(["--config", "c.yaml", *argv]), env or {}).security
+    return resolve("decode", daemon_args("--config", "c.yaml", *argv), env or {}).security
 
 
 def test_settings_token_from_flag_env_and_file(tmp_path: Path) -> None:
@@ -320,32 +305,23 @@ def test_client_commands_resolve_the_same_variables(tmp_path: Path) -> None:
 # ---- daemons and the CLI, end to end --------------------------------------------------------
 
 
-def _kv(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvbeam.cli", *argv], capture_output=True,
-                          text=True, timeout=60)
-
-
 def test_daemons_over_mtls_and_every_client(pki: Pki, tmp_path: Path) -> None:
     from tests.daemon_helpers import pair
 
-    def flags(name: str) -> list[str]:
-        cert, key = pki.issue(name)
-        return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(pki.ca)]
-
-    scheduler = flags("scheduler")
+    scheduler = pki.flags("scheduler")
     sec = Security(tls_cert=scheduler[1], tls_key=scheduler[3], tls_ca=scheduler[5])
-    with pair(prefill_extra=flags("prefill"), decode_extra=flags("decode"),
+    with pair(prefill_extra=pki.flags("prefill"), decode_extra=pki.flags("decode"),
               security=sec) as (prefill, decode, p, d):
         # Prefill's channel to decode and decode's to prefill (Abort, heartbeats) use mTLS.
         result = run_request(p, d, "mtls-1", 3000, 1)
         assert result.ok, result
-        r = _kv("status", "--address", decode.address, "--request-id", "mtls-1", "--json",
-                *scheduler)
+        r = run_cli("status", "--address", decode.address, "--request-id", "mtls-1", "--json",
+                    *scheduler)
         assert r.returncode == 0 and json.loads(r.stdout)["request_id"] == "mtls-1", r.stderr
-        r = _kv("status", "--address", decode.address, "--request-id", "mtls-1")
+        r = run_cli("status", "--address", decode.address, "--request-id", "mtls-1")
         assert r.returncode == 2 and "requires mTLS" in r.stderr, r.stderr
-        r = _kv("drive", "--prefill", prefill.address, "--decode", decode.address,
-                "--requests", "2", "--prefix", "mtls-drive", *scheduler)
+        r = run_cli("drive", "--prefill", prefill.address, "--decode", decode.address,
+                    "--requests", "2", "--prefix", "mtls-drive", *scheduler)
         assert r.returncode == 0 and "2/2 Success" in r.stdout, r.stdout + r.stderr
         with KvbeamClient(decode.address, security=Security(token="x")) as anonymous:
             assert not anonymous.healthy(timeout=2)  # mTLS guards health too
@@ -360,14 +336,14 @@ def test_daemons_with_a_token_file(tmp_path: Path) -> None:
     with pair(prefill_extra=flags, decode_extra=flags,
               security=Security(token="daemon-token")) as (prefill, decode, p, d):
         assert run_request(p, d, "tok-1", 2000, 2).ok
-        r = _kv("reserve", "--address", decode.address, "--request-id", "tok-2", "--seq-len",
-                "10", "--prefill", prefill.address, "--auth-token", "wrong")
+        r = run_cli("reserve", "--address", decode.address, "--request-id", "tok-2", "--seq-len",
+                    "10", "--prefill", prefill.address, "--auth-token", "wrong")
         assert r.returncode == 2 and "refused our credentials" in r.stderr, r.stderr
         assert "UNAUTHENTICATED" in r.stderr
-        r = _kv("reserve", "--address", decode.address, "--request-id", "tok-2", "--seq-len",
-                "10", "--prefill", prefill.address, "--auth-token-file", str(token))
+        r = run_cli("reserve", "--address", decode.address, "--request-id", "tok-2", "--seq-len",
+                    "10", "--prefill", prefill.address, "--auth-token-file", str(token))
         assert r.returncode == 0, r.stderr
         for verb in ("abort", "release"):
-            r = _kv(verb, "--address", decode.address, "--request-id", "tok-2")
+            r = run_cli(verb, "--address", decode.address, "--request-id", "tok-2")
             assert r.returncode == 2 and "UNAUTHENTICATED" in r.stderr, (verb, r.stderr)
         assert "refused: a wrong auth token" in decode.output

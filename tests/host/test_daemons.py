@@ -14,7 +14,9 @@ from kvbeam.errors import BadRequest, Busy, DuplicateRequest, UnknownRequest
 from kvbeam.procs import wait_until
 from kvbeam.scheduler import drive, run_request
 from kvbeam.states import FailureReason, TransferState
-from tests.daemon_helpers import config, pair, start
+from tests.control_helpers import run_cli
+from tests.daemon_helpers import pair, start
+from tests.fixtures import shipped_config
 
 S, F = TransferState.SUCCESS, TransferState.FAILED
 
@@ -200,7 +202,7 @@ def test_local_check_refuses_to_start(tmp_path: object) -> None:
 
     assert isinstance(tmp_path, pathlib.Path)
     bad = tmp_path / "bad.yaml"
-    text = pathlib.Path(config("prefill")).read_text()
+    text = pathlib.Path(shipped_config("prefill")).read_text()
     head, _, draft = text.partition("draft:")
     bad.write_text(head + "draft:" + draft.replace("unified_kv: true", "unified_kv: false"))
     from kvbeam.errors import DaemonStartError
@@ -212,12 +214,8 @@ def test_local_check_refuses_to_start(tmp_path: object) -> None:
 
 def test_scheduler_cli_verbs() -> None:
     import json
-    import subprocess
-    import sys
 
-    def kv(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "kvbeam.cli", *argv], capture_output=True,
-                              text=True, timeout=60)
+    kv = run_cli
 
     with pair() as (prefill, decode, _p, _d):
         r = kv("reserve", "--address", decode.address, "--request-id", "cli-1", "--seq-len",
@@ -248,7 +246,7 @@ def test_one_prefill_two_decodes_and_two_prefills_one_decode() -> None:
     from tests.daemon_helpers import FAST
 
     def spawn(role: str, seed: str) -> PendingDaemon:
-        return spawn_daemon(role, config(role), extra=["--transport", "tcp", "--fill-seed",
+        return spawn_daemon(role, shipped_config(role), extra=["--transport", "tcp", "--fill-seed",
                                                        seed, *FAST])
 
     pending = [spawn("prefill", "1"), spawn("prefill", "3"), spawn("decode", "2"),

@@ -9,7 +9,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 import grpc
 import pytest
@@ -379,16 +381,25 @@ def test_nobody_listening(prefill: SideInfo) -> None:
     assert info.value.code == "UNAVAILABLE"
 
 
-def test_non_kvbeam_grpc_server(prefill: SideInfo) -> None:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+@contextmanager
+def foreign_grpc(*handlers: grpc.GenericRpcHandler[Any, Any],
+                 with_health: bool = False) -> Iterator[str]:
+    """A plain gRPC server (not kvbeam's) on loopback; its address."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=list(handlers))
+    if with_health:
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        with pytest.raises(NotKvbeamPeerError, match="not a kvbeam daemon"):
-            handshake(prefill, f"127.0.0.1:{port}", options=FAST)
+        yield f"127.0.0.1:{port}"
     finally:
         server.stop(0)
+
+
+def test_non_kvbeam_grpc_server(prefill: SideInfo) -> None:
+    with foreign_grpc(with_health=True) as address, \
+            pytest.raises(NotKvbeamPeerError, match="not a kvbeam daemon"):
+        handshake(prefill, address, options=FAST)
 
 
 def test_grpc_server_answering_garbage(prefill: SideInfo) -> None:
@@ -397,14 +408,8 @@ def test_grpc_server_answering_garbage(prefill: SideInfo) -> None:
 
     handler = grpc.method_handlers_generic_handler(SERVICE_NAME, {
         "Handshake": grpc.unary_unary_rpc_method_handler(garbage)})
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[handler])
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        with pytest.raises(NotKvbeamPeerError, match="not a kvbeam"):
-            handshake(prefill, f"127.0.0.1:{port}", options=FAST)
-    finally:
-        server.stop(0)
+    with foreign_grpc(handler) as address, pytest.raises(NotKvbeamPeerError, match="not a kvbeam"):
+        handshake(prefill, address, options=FAST)
 
 
 def test_http1_server(prefill: SideInfo) -> None:

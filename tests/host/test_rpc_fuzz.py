@@ -31,7 +31,8 @@ from kvbeam.server.decode import DecodeServicer
 from kvbeam.server.prefill import PrefillServicer
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.settings import resolve
-from tests.daemon_helpers import DECODE_SLOTS, config, free_slots
+from tests.daemon_helpers import DECODE_SLOTS, free_slots
+from tests.fixtures import shipped_config
 
 EXAMPLES = int(os.environ.get("KVBEAM_FUZZ_EXAMPLES", "150"))
 SERVICE = "/kvbeam.v1.KvbeamControl/"
@@ -75,7 +76,7 @@ class Daemon:
 
 
 def _start(role: str) -> Daemon:
-    env = {"KVBEAM_CONFIG": config(role), "KVBEAM_LISTEN": "127.0.0.1:0",
+    env = {"KVBEAM_CONFIG": shipped_config(role), "KVBEAM_LISTEN": "127.0.0.1:0",
            "KVBEAM_TRANSPORT": "tcp", "KVBEAM_FILL_SEED": "1" if role == "prefill" else "2",
            "KVBEAM_DEADLINE_BOOTSTRAP_S": "1", "KVBEAM_DEADLINE_WAITING_S": "1",
            "KVBEAM_DEADLINE_TRANSFER_S": "2", "KVBEAM_RPC_TIMEOUT_S": "1",

@@ -14,7 +14,7 @@ from kvbeam.proto.side import SideInfo
 from kvbeam.server.decode import DecodeServicer
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.settings import resolve
-from tests.daemon_helpers import config
+from tests.fixtures import shipped_config
 
 
 class RecordingServicer(DecodeServicer):
@@ -38,7 +38,7 @@ class RecordingServicer(DecodeServicer):
 
 
 def test_wildcard_listen_fixes_the_advertised_address_before_serving() -> None:
-    env = {"KVBEAM_CONFIG": config("decode"), "KVBEAM_LISTEN": "0.0.0.0:0",
+    env = {"KVBEAM_CONFIG": shipped_config("decode"), "KVBEAM_LISTEN": "0.0.0.0:0",
            "KVBEAM_INSECURE": "true", "KVBEAM_TRANSPORT": "tcp"}
     runtime = Runtime(resolve("decode", None, env))
     servicer = RecordingServicer(runtime)

@@ -8,12 +8,8 @@ import sys
 
 from kvbeam.scheduler import drive
 from kvbeam.states import NOT_VERIFIED_NO_DIGESTS, VERIFIED_PREFIX
+from tests.control_helpers import run_cli as _kvbeam
 from tests.daemon_helpers import pair
-
-
-def _kvbeam(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvbeam.cli", *args], capture_output=True,
-                          text=True, timeout=120, check=False)
 
 
 def test_success_detail_says_crc32c_verified_and_health_answers() -> None:

@@ -61,7 +61,22 @@ def pytest_runtest_makereport(
 
 
 @pytest.fixture(scope="session")
-def wire_pair(rdma_device: RdmaDevice) -> Generator[WirePair, None, None]:
+def wire(rdma_device: RdmaDevice) -> Generator[Wire, None, None]:
+    """The veth wire between two rxe devices (tests/rdma/netfaults.py), removed at the end."""
+    from tests.rdma import netfaults
+
+    why = netfaults.allowed()
+    if why:
+        pytest.fail(why, pytrace=False)
+    try:
+        yield netfaults.setup()
+    finally:
+        netfaults.heal()
+        netfaults.teardown()
+
+
+@pytest.fixture(scope="session")
+def wire_pair(wire: Wire) -> Generator[WirePair, None, None]:
     """Prefill on rxeA and decode on rxeB, joined by a veth wire that tests may cut.
 
     Shared by the fault tests and the soak (a daemon start costs a minute under TCG);
@@ -69,23 +84,12 @@ def wire_pair(rdma_device: RdmaDevice) -> Generator[WirePair, None, None]:
     request ids starting with ``qperr-`` (see kvbeam/server/faults.py).
     """
     from tests.daemon_helpers import start_both
-    from tests.rdma import netfaults
 
-    why = netfaults.allowed()
-    if why:
-        pytest.fail(why, pytrace=False)
-    wire = netfaults.setup()
     prefill, decode = start_both(
-        transport="rdma",
-        prefill_extra=["--rdma-device", wire.prefill_device,
-                       "--rdma-gid-index", str(wire.gid_index)],
-        decode_extra=["--rdma-device", wire.decode_device,
-                      "--rdma-gid-index", str(wire.gid_index)],
-        prefill_env={"KVBEAM_FAULT_OUTSIDE_MR": "qperr-"})
+        transport="rdma", prefill_extra=wire.rdma_args("prefill"),
+        decode_extra=wire.rdma_args("decode"), prefill_env={"KVBEAM_FAULT_OUTSIDE_MR": "qperr-"})
     try:
         yield WirePair(prefill, decode, wire)
     finally:
         prefill.stop()
         decode.stop()
-        netfaults.heal()
-        netfaults.teardown()

@@ -13,7 +13,9 @@ Faults, each with its healing twin: :func:`cut` drops every packet on both veth 
 IBV_WC_RETRY_EXC_ERR); :func:`firewall` drops UDP 4791 in the firewall (measured: rxe
 never retries out, the QP stays RTS, only kvbeam's own deadline finds it);
 :func:`port_down` takes prefill's netdev down (its rxe port goes DOWN and refuses to
-send at once, IBV_WC_LOC_QP_OP_ERR).
+send at once, IBV_WC_LOC_QP_OP_ERR); :func:`block_tcp` drops one TCP address:port (both
+directions) in the firewall, e.g. the daemons' control ports on the wire's addresses (a
+control-path partition that leaves 127.0.0.1 and RoCE alone).
 
 This rewrites the routing rules of the machine it runs on, so it runs only in the
 soft-RoCE guest (``KVBEAM_RDMA_MODE=vm``) unless ``KVBEAM_RDMA_NETFAULTS=1`` says the
@@ -36,11 +38,18 @@ _TABLE_A, _TABLE_B = "101", "102"
 
 @dataclass(frozen=True)
 class Wire:
-    """The two rxe devices a fault test gives its daemons."""
+    """The two rxe devices a fault test gives its daemons, and their netdevs' addresses."""
 
     prefill_device: str = RXE_A
     decode_device: str = RXE_B
     gid_index: int = GID_INDEX
+    prefill_ip: str = IP_A
+    decode_ip: str = IP_B
+
+    def rdma_args(self, role: str) -> list[str]:
+        """The daemon flags that put ``role`` on its end of the wire."""
+        device = self.prefill_device if role == "prefill" else self.decode_device
+        return ["--rdma-device", device, "--rdma-gid-index", str(self.gid_index)]
 
 
 def sh(cmd: str, check: bool = True) -> str:
@@ -131,6 +140,24 @@ def firewall() -> None:
 def unfirewall() -> None:
     """Undo :func:`firewall`."""
     sh("iptables -D OUTPUT -p udp --dport 4791 -j DROP", check=False)
+
+
+def _tcp_rules(ip: str, port: int) -> tuple[str, str]:
+    # Both directions: packets to the port and replies from it (established connections).
+    return (f"OUTPUT -p tcp -d {ip} --dport {port} -j DROP",
+            f"OUTPUT -p tcp -s {ip} --sport {port} -j DROP")
+
+
+def block_tcp(ip: str, port: int) -> None:
+    """Drop TCP to and from ``ip:port`` in the firewall (no RST: connections just go silent)."""
+    for rule in _tcp_rules(ip, port):
+        sh(f"iptables -I {rule}")
+
+
+def unblock_tcp(ip: str, port: int) -> None:
+    """Undo :func:`block_tcp`."""
+    for rule in _tcp_rules(ip, port):
+        sh(f"iptables -D {rule}", check=False)
 
 
 def port_down() -> None:

@@ -20,16 +20,12 @@ from kvbeam.client import KvbeamClient, Status
 from kvbeam.procs import wait_until
 from kvbeam.scheduler import drive, run_request
 from kvbeam.states import FailureReason, TransferState
-from tests.daemon_helpers import STARTUP_S, free_slots, spawn
+from tests.daemon_helpers import DECODE_SLOTS, STARTUP_S, free_slots, spawn
 from tests.rdma import netfaults
 from tests.rdma.conftest import WirePair
 
 pytestmark = pytest.mark.rdma
 F, S = TransferState.FAILED, TransferState.SUCCESS
-#: Decode's slots (docker/config/decode.yaml num_req_slots).
-SLOTS = 16
-#: A reservation nobody will ever write (the probe address is never dialled for data).
-NOWHERE = "127.0.0.1:1"
 #: Failure must be seen within this many seconds of the fault: the transport's own write
 #: deadline (0.8 x the 10 s Transferring deadline of SLOW_GUEST) or the heartbeats, plus
 #: slack for the TCG guest, where one RPC can take a second.
@@ -118,7 +114,7 @@ def test_partition_mid_request_fails_bounded_then_heals(
     assert run_request(p, d, f"{cut}-after", 8192, 3, timeout=120).ok
     qp_after = one_qp_each(pair)
     assert qp_after[0] != qp_before[0] and qp_after[1] != qp_before[1], (qp_before, qp_after)
-    assert wait_until(lambda: free_slots(d, NOWHERE) == SLOTS, 30)
+    assert wait_until(lambda: free_slots(d) == DECODE_SLOTS, 30)
 
 
 def finish(p: KvbeamClient, d: KvbeamClient, rid: str, seq_len: int, slot: int) -> Status:
@@ -156,12 +152,7 @@ def test_qp_error_names_the_verbs_status_and_the_qp_is_rebuilt(
     assert run_request(p, d, "qp-after", 8192, 2, timeout=120).ok
     qp_after = one_qp_each(pair)
     assert qp_after[0] != qp_before[0] and qp_after[1] != qp_before[1], (qp_before, qp_after)
-    assert wait_until(lambda: free_slots(d, NOWHERE) == SLOTS, 30)
-
-
-def _wire_args(pair: WirePair, role: str) -> list[str]:
-    device = pair.wire.prefill_device if role == "prefill" else pair.wire.decode_device
-    return ["--rdma-device", device, "--rdma-gid-index", str(pair.wire.gid_index)]
+    assert wait_until(lambda: free_slots(d) == DECODE_SLOTS, 30)
 
 
 def test_sigkill_during_the_handshake_and_while_idle(
@@ -174,8 +165,8 @@ def test_sigkill_during_the_handshake_and_while_idle(
     """
     pair = wire_pair
     p, d = clients
-    extra_prefill = spawn("prefill", transport="rdma", extra=_wire_args(pair, "prefill"))
-    extra_decode = spawn("decode", transport="rdma", extra=_wire_args(pair, "decode"))
+    extra_prefill = spawn("prefill", transport="rdma", extra=pair.wire.rdma_args("prefill"))
+    extra_decode = spawn("decode", transport="rdma", extra=pair.wire.rdma_args("decode"))
     p2 = extra_prefill.ready(STARTUP_S)
     try:
         d2 = extra_decode.ready(STARTUP_S)
@@ -212,7 +203,7 @@ def test_sigkill_during_the_handshake_and_while_idle(
         print(f"FAULT decode SIGKILL while idle: prefill dropped its QP to it after "
               f"{time.monotonic() - t0:.2f}s")
         assert time.monotonic() - t0 < DETECT_S
-        assert wait_until(lambda: free_slots(d, NOWHERE) == SLOTS, 30)
+        assert wait_until(lambda: free_slots(d) == DECODE_SLOTS, 30)
         assert run_request(p, d, "kill-after", 4096, 4, timeout=120).ok
     finally:
         p2.stop()
@@ -224,9 +215,9 @@ def test_nothing_leaked_after_the_faults(wire_pair: WirePair,
     """Every slot and transfer came back: a full house of concurrent requests succeeds."""
     pair = wire_pair
     _, d = clients
-    assert wait_until(lambda: free_slots(d, NOWHERE) == SLOTS, 30)
-    results = drive(pair.prefill.address, pair.decode.address, [4096] * SLOTS,
-                    source_slots=8, concurrency=SLOTS, timeout=180, prefix="full")
+    assert wait_until(lambda: free_slots(d) == DECODE_SLOTS, 30)
+    results = drive(pair.prefill.address, pair.decode.address, [4096] * DECODE_SLOTS,
+                    source_slots=8, concurrency=DECODE_SLOTS, timeout=180, prefix="full")
     assert all(r.ok for r in results), [r for r in results if not r.ok]
     one_qp_each(pair)
     assert "CRC32C mismatch" not in pair.decode.output

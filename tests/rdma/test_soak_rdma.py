@@ -32,9 +32,8 @@ import pytest
 from kvbeam.client import KvbeamClient
 from kvbeam.procs import wait_until
 from kvbeam.scheduler import RequestResult, run_request
-from tests.daemon_helpers import free_slots, rss_kib
+from tests.daemon_helpers import DECODE_SLOTS, free_slots, rss_kib
 from tests.rdma.conftest import WirePair
-from tests.rdma.test_faults_rdma import NOWHERE, SLOTS
 
 pytestmark = pytest.mark.rdma
 
@@ -83,7 +82,7 @@ def test_soak(wire_pair: WirePair) -> None:
             t.join(SOAK_S + 300)
         elapsed = time.monotonic() - t0
         # Everything released: the slots are free again before memory is measured.
-        assert wait_until(lambda: free_slots(d, NOWHERE) == SLOTS, 60)
+        assert wait_until(lambda: free_slots(d) == DECODE_SLOTS, 60)
     after = {role: rss_kib(pid) for role, pid in pids.items()}
 
     bad = [r for r in results if not r.ok]

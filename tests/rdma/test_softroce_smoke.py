@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
+
+from tests.control_helpers import free_port
 
 pytestmark = pytest.mark.rdma
 
@@ -81,18 +82,11 @@ def test_write_with_imm_between_two_processes(rdma_device: tuple[str, int]) -> N
                 proc.wait()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def test_ib_write_bw_loopback(rdma_device: tuple[str, int]) -> None:
     device, gid_index = rdma_device
     # 200 x 64 KiB = 13 MB: well under a second even at soft-RoCE-under-TCG speed (~57 MB/s).
     args = ["ib_write_bw", "-d", device, "-x", str(gid_index), "-s", "65536", "-n", "200", "-F"]
-    args += ["-p", str(_free_port())]
+    args += ["-p", str(free_port())]
     server = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 30

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kvbeam.cli import main
+from tests.control_helpers import run_cli
+from tests.fixtures import CONFIGS
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIGS = REPO / "docker/config"
 PREFILL = str(CONFIGS / "prefill.yaml")
 DECODE = str(CONFIGS / "decode.yaml")
 DECODE_PAGED = str(CONFIGS / "decode-paged.yaml")
@@ -121,7 +119,6 @@ def test_help_documents_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_console_script() -> None:
-    result = subprocess.run([sys.executable, "-m", "kvbeam.cli", "check", PREFILL, DECODE_PAGED],
-                            capture_output=True, text=True, cwd=REPO)
+    result = run_cli("check", PREFILL, DECODE_PAGED)
     assert result.returncode == 1
     assert "INCOMPATIBLE" in result.stdout

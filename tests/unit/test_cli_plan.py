@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kvbeam.cli import main
 from kvbeam.pools.checks import SAME_UNIFIED, SWA_ONLY
+from tests.control_helpers import run_cli
+from tests.fixtures import shipped_config
 
-REPO = Path(__file__).resolve().parents[2]
-PREFILL = str(REPO / "docker/config/prefill.yaml")
-DECODE = str(REPO / "docker/config/decode.yaml")
-DECODE_PAGED = str(REPO / "docker/config/decode-paged.yaml")
+PREFILL = shipped_config("prefill")
+DECODE = shipped_config("decode")
+DECODE_PAGED = shipped_config("decode", paged=True)
 
 
 def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
@@ -44,8 +43,9 @@ def test_bad_slot_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_console_script_help() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvbeam.cli", "plan", "--help"],
-                         capture_output=True, text=True, check=True).stdout
+    r = run_cli("plan", "--help")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
     assert "--request-slot" in out and "--decode-slot" in out
 
 

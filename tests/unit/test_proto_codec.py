@@ -22,8 +22,7 @@ from kvbeam.proto.side import Role, SideInfo, side_from_bytes, side_from_proto, 
 from kvbeam.proto.version import PROTOCOL_VERSION, SERVICE_NAME
 from kvbeam.transport.endpoint import Endpoint, RemoteRegion
 from tests.control_helpers import config, draft_changed, rdma_endpoint, side, tcp_endpoint
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.fixtures import CONFIGS, REPO
 
 
 def _msg(paged: bool = False, endpoint: Endpoint | None = None) -> pb.SideInfo:
@@ -75,7 +74,7 @@ def test_generated_code_is_up_to_date() -> None:
 
 
 # ---- round trips -------------------------------------------------------------
-@pytest.mark.parametrize("path", sorted((REPO / "docker/config").glob("*.yaml")),
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_layout_round_trip_on_shipped_configs(path: Path) -> None:
     layout = build_side_layout(load_side_config(path))

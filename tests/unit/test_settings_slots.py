@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from kvbeam.errors import ConfigError, KvbeamError, NoFreeSlot
-from kvbeam.server.settings import add_daemon_arguments, env_help, resolve
+from kvbeam.server.settings import env_help, resolve
 from kvbeam.server.slots import SlotPool
-
-
-def _args(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_daemon_arguments(p)
-    return p.parse_args(argv)
+from tests.control_helpers import daemon_args as _args
 
 
 def test_flag_beats_env_beats_default() -> None:

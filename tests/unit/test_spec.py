@@ -9,9 +9,7 @@ import pytest
 
 from kvbeam.errors import ConfigError
 from kvbeam.pools.spec import PoolSpec, SideConfig, load_side_config
-from tests.fixtures import UNIFIED_TARGET
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.fixtures import CONFIGS, UNIFIED_TARGET
 
 
 def test_sglang_fixture_geometry() -> None:
@@ -41,7 +39,7 @@ def test_explicit_ring_overrides_default() -> None:
 
 @pytest.mark.parametrize("name", ["prefill", "decode", "prefill-paged", "decode-paged"])
 def test_shipped_configs_load(name: str) -> None:
-    cfg = load_side_config(REPO / "docker" / "config" / f"{name}.yaml")
+    cfg = load_side_config(CONFIGS / f"{name}.yaml")
     assert cfg.model == "dsv4-tiny"
     assert cfg.draft is not None
     assert cfg.target.unified_kv == ("paged" not in name)
