@@ -10,6 +10,10 @@ class, where it is raised and its status code.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: this module imports no other kvbeam module
+    from kvbeam.states import FailureReason
 
 
 class KvbeamError(Exception):
@@ -170,6 +174,20 @@ class UnknownRequest(KvbeamError):
 
 class BadRequest(KvbeamError):
     """A request message that is well-formed protobuf but asks for something invalid."""
+
+
+class SendFailed(KvbeamError):
+    """A prefill send step failed; ``reason`` is the lifecycle failure reason to report.
+
+    ``peer_lost``: the peer no longer knows us (it restarted or dropped our link): every
+    request on that connection fails, not only this one. Internal to prefill: it ends
+    the request as ``Failed(reason)`` and never reaches a caller.
+    """
+
+    def __init__(self, reason: FailureReason, message: str, *, peer_lost: bool = False) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.peer_lost = peer_lost
 
 
 class IllegalTransition(KvbeamError):

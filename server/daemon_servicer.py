@@ -2,7 +2,7 @@
 
 :class:`DaemonServicer` is the gRPC adapter around a role's core
 (:mod:`kvbeam.server.core`): it decodes requests, calls the core, encodes the
-status and maps the core's errors to gRPC codes (:func:`served`). It owns the
+status and maps the core's errors to gRPC codes (:func:`~kvbeam.rpc_errors.handled`). It owns the
 driver's one bounded executor (:attr:`DaemonServicer.io`), on which the core runs
 every blocking step, and the loops the runtime runs in threads: transport events,
 deadline sweeps and heartbeats, each of which hands its events to the core.
@@ -10,23 +10,21 @@ deadline sweeps and heartbeats, each of which hands its events to the core.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from kvbeam.errors import BadRequest, UnknownRequest
+from kvbeam.errors import UnknownRequest
 from kvbeam.logs import fields
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.side import ROLE_TO_PROTO
 from kvbeam.proto.transfer_codec import status_to_proto
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import handled, peer_error
-from kvbeam.server.core.ports import InvalidRequest, NoSuchRequest
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.peers import PeerConn
 from kvbeam.server.servicer import ControlServicer
@@ -49,22 +47,6 @@ SHORT_WATCH_S = 0.5
 #: Threads of the driver's executor: handshakes, CRCs, peer RPCs, link releases.
 IO_WORKERS = 8
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def served(method: F) -> F:
-    """Decorator for RPC adapters: the core's errors -> gRPC codes (via ``handled``)."""
-
-    @functools.wraps(method)
-    def translate(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return method(self, request, context)
-        except InvalidRequest as exc:
-            raise BadRequest(str(exc)) from exc
-        except NoSuchRequest as exc:
-            raise UnknownRequest(str(exc)) from exc
-
-    return handled(translate)  # type: ignore[return-value]
 
 
 class RoleCore(Protocol):
@@ -161,7 +143,7 @@ class DaemonServicer(ControlServicer):
                                  f"{self.rt.role.value} daemon")
         return snap
 
-    @served
+    @handled
     def Status(self, request: pb.StatusRequest,
                context: grpc.ServicerContext) -> pb.TransferStatus:
         """The current state of a transfer."""
@@ -193,7 +175,7 @@ class DaemonServicer(ControlServicer):
             with self._watch_lock:
                 self._watchers -= 1
 
-    @served
+    @handled
     def Heartbeat(self, request: pb.HeartbeatRequest,
                   context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         """Liveness and identity: a peer notices our restart by the instance id."""

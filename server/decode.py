@@ -16,8 +16,9 @@ from kvbeam.logs import fields
 from kvbeam.proto.fields import host_port
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.transfer_codec import indices_to_proto
+from kvbeam.rpc_errors import handled
 from kvbeam.server.core.decode import DecodeCore
-from kvbeam.server.daemon_servicer import IO_WORKERS, DaemonServicer, served
+from kvbeam.server.daemon_servicer import IO_WORKERS, DaemonServicer
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.peer_rpc import Dialer, GrpcPrefillPeers
 from kvbeam.server.peers import PeerConn
@@ -77,7 +78,7 @@ class DecodeServicer(DaemonServicer):
                  extra=fields(peer=peer.control_address))
 
     # ---- RPCs ----------------------------------------------------------------------
-    @served
+    @handled
     def Reserve(self, request: pb.ReserveRequest,
                 context: grpc.ServicerContext) -> pb.ReserveResponse:
         """Hold a slot for a request and compute its destination indices."""
@@ -90,7 +91,7 @@ class DecodeServicer(DaemonServicer):
             lease_ms=int(self.rt.settings.deadline_bootstrap_s * 1000),
             instance_id=self.local.instance_id)
 
-    @served
+    @handled
     def BeginWrite(self, request: pb.BeginWriteRequest,
                    context: grpc.ServicerContext) -> pb.BeginWriteResponse:
         """Prefill is about to write (a chunk of) a request: check it may, say where."""
@@ -102,13 +103,13 @@ class DecodeServicer(DaemonServicer):
                                      indices=indices_to_proto(res.indices),
                                      instance_id=self.local.instance_id)
 
-    @served
+    @handled
     def Release(self, request: pb.ReleaseRequest,
                 context: grpc.ServicerContext) -> pb.TransferStatus:
         """The engine took over a request that reached Success: free its slot."""
         return self._status(self.decode.release(request_id_of(request.request_id)))
 
-    @served
+    @handled
     def Abort(self, request: pb.AbortRequest,
               context: grpc.ServicerContext) -> pb.TransferStatus:
         """Abort a request: fail it, make sure prefill stops writing, free the slot."""

@@ -13,12 +13,13 @@ from collections.abc import Callable
 
 import grpc
 
+from kvbeam.errors import SendFailed
 from kvbeam.logs import fields
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.side import SideInfo
 from kvbeam.proto.transfer_codec import indices_from_proto
 from kvbeam.rpc_errors import peer_error
-from kvbeam.server.core.ports import SendFailed, WriteGrant
+from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.metrics import DaemonMetrics
 from kvbeam.server.peer_client import ControlClient
 from kvbeam.server.peers import PeerConn, peer_buffer_addrs

@@ -11,8 +11,9 @@ import grpc
 
 from kvbeam.proto.fields import host_port
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.rpc_errors import handled
 from kvbeam.server.core.prefill import PrefillCore
-from kvbeam.server.daemon_servicer import IO_WORKERS, DaemonServicer, served
+from kvbeam.server.daemon_servicer import IO_WORKERS, DaemonServicer
 from kvbeam.server.peer_rpc import Dialer, GrpcDecodePeers
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.validation import request_id_of, seq_len_of
@@ -32,7 +33,7 @@ class PrefillServicer(DaemonServicer):
             drain_s=runtime.transport_timeout(),
             transfer_budget=runtime.settings.transfer_budget_s)
 
-    @served
+    @handled
     def Send(self, request: pb.SendRequest, context: grpc.ServicerContext) -> pb.TransferStatus:
         """Queue (a chunk of) a request for decode; returns at once (poll Status)."""
         rid = request_id_of(request.request_id)
@@ -43,7 +44,7 @@ class PrefillServicer(DaemonServicer):
                                  request.final_chunk)
         return self._status(snap)
 
-    @served
+    @handled
     def Abort(self, request: pb.AbortRequest,
               context: grpc.ServicerContext) -> pb.TransferStatus:
         """Fail the request, wait until none of its writes is in flight, tell decode."""

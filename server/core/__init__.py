@@ -39,13 +39,10 @@ RPC, a digest, a write post, a link's release or a memory registration.
 from kvbeam.server.core.decode import DecodeCore, Reservation
 from kvbeam.server.core.ports import (
     DecodePeers,
-    InvalidRequest,
-    NoSuchRequest,
     PrefillPeers,
-    SendFailed,
     WriteGrant,
 )
 from kvbeam.server.core.prefill import Outgoing, PrefillCore
 
-__all__ = ["DecodeCore", "DecodePeers", "InvalidRequest", "NoSuchRequest", "Outgoing",
-           "PrefillCore", "PrefillPeers", "Reservation", "SendFailed", "WriteGrant"]
+__all__ = ["DecodeCore", "DecodePeers", "Outgoing",
+           "PrefillCore", "PrefillPeers", "Reservation", "WriteGrant"]

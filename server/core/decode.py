@@ -23,7 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from kvbeam.errors import NotHandshakenError
+from kvbeam.errors import BadRequest, NotHandshakenError, UnknownRequest
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
@@ -32,8 +32,6 @@ from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.server.core.ports import (
     IndexLists,
-    InvalidRequest,
-    NoSuchRequest,
     PrefillPeers,
     require_status,
 )
@@ -126,18 +124,18 @@ class DecodeCore:
                 f"no successful handshake with prefill instance {instance_id!r}")
         res = self._reservation(request_id)
         if conn.control_address != res.prefill_address:
-            raise InvalidRequest(f"request {request_id} is reserved for prefill "
+            raise BadRequest(f"request {request_id} is reserved for prefill "
                                  f"{res.prefill_address}, not {conn.control_address}")
         if seq_len != res.seq_len:
-            raise InvalidRequest(f"request {request_id}: seq_len {seq_len} differs from the "
+            raise BadRequest(f"request {request_id}: seq_len {seq_len} differs from the "
                                  f"reserved {res.seq_len}")
         if digests is not None and len(digests) != len(self.layout.flat_buffers):
-            raise InvalidRequest(f"request {request_id}: {len(digests)} digests for "
+            raise BadRequest(f"request {request_id}: {len(digests)} digests for "
                                  f"{len(self.layout.flat_buffers)} buffers")
         with self._lock:
             snap = self.status(request_id)
             if res.peer_instance and res.peer_instance != conn.instance_id:
-                raise InvalidRequest(f"request {request_id} is being written by prefill "
+                raise BadRequest(f"request {request_id} is being written by prefill "
                                      f"instance {res.peer_instance}")
             if snap.state is TransferState.BOOTSTRAPPING:
                 self.table.advance(request_id, TransferState.WAITING_FOR_INPUT)
@@ -156,7 +154,7 @@ class DecodeCore:
         """The engine took over a request that reached Success: free its slot."""
         snap = self.status(request_id)
         if snap.state is not TransferState.SUCCESS:
-            raise InvalidRequest(f"request {request_id} is {snap.state.value}, not Success: "
+            raise BadRequest(f"request {request_id} is {snap.state.value}, not Success: "
                                  "only a finished request is released (use Abort to cancel)")
         self._free(request_id, "released by the scheduler")
         return snap
@@ -318,7 +316,7 @@ class DecodeCore:
         with self._lock:
             res = self._res.get(rid)
         if res is None:
-            raise NoSuchRequest(f"no reservation for request {rid!r} on this decode daemon")
+            raise UnknownRequest(f"no reservation for request {rid!r} on this decode daemon")
         return res
 
     def _free(self, rid: str, why: str) -> None:

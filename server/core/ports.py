@@ -15,42 +15,24 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kvbeam.errors import KvbeamError
+from kvbeam.errors import UnknownRequest
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn
-from kvbeam.states import FailureReason, TransferStatus
+from kvbeam.states import TransferStatus
 
 IndexLists = dict[IndexKind, npt.NDArray[np.int64]]
 
 
-class InvalidRequest(KvbeamError):
-    """A request that asks for something invalid (the adapter answers INVALID_ARGUMENT)."""
-
-
-class NoSuchRequest(KvbeamError):
-    """A request id this side does not know (the adapter answers NOT_FOUND)."""
 
 
 def require_status(table: TransferTable, request_id: str, side: str) -> TransferStatus:
-    """The request's status; :class:`NoSuchRequest` when ``side`` does not know it."""
+    """The request's status; UnknownRequest when ``side`` does not know it."""
     snap = table.get(request_id)
     if snap is None:
-        raise NoSuchRequest(f"unknown request id {request_id!r} on this {side} daemon")
+        raise UnknownRequest(f"unknown request id {request_id!r} on this {side} daemon")
     return snap
 
-
-class SendFailed(KvbeamError):
-    """A send step failed; ``reason`` is the lifecycle failure reason to report.
-
-    ``peer_lost``: the peer no longer knows us (it restarted or dropped our link): every
-    request on that connection fails, not only this one.
-    """
-
-    def __init__(self, reason: FailureReason, message: str, *, peer_lost: bool = False) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.peer_lost = peer_lost
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbeam.errors import (
+    BadRequest,
     DuplicateRequest,
     HandshakeRejectedError,
     PeerError,
@@ -36,6 +37,7 @@ from kvbeam.errors import (
     ProtocolVersionError,
     RegionError,
     RoleConflictError,
+    SendFailed,
     TransportError,
 )
 from kvbeam.logs import fields
@@ -49,8 +51,6 @@ from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.ports import (
     DecodePeers,
     IndexLists,
-    InvalidRequest,
-    SendFailed,
     require_status,
 )
 from kvbeam.server.core.prefill_events import PrefillEvents
@@ -103,7 +103,7 @@ def reason_for(exc: BaseException) -> FailureReason:
         return FailureReason.INCOMPATIBLE
     if isinstance(exc, PeerError):
         return FailureReason.PEER_UNREACHABLE
-    if isinstance(exc, PlanError | ProtocolError | InvalidRequest):
+    if isinstance(exc, PlanError | ProtocolError | BadRequest):
         return FailureReason.INVALID_REQUEST
     return FailureReason.TRANSPORT_ERROR
 
@@ -149,9 +149,9 @@ class PrefillCore(PrefillEvents):
         """Queue (a chunk of) a request for decode; returns at once (poll :meth:`status`)."""
         for start, end in ranges:
             if not 0 <= start < end <= seq_len:
-                raise InvalidRequest(f"chunk [{start}, {end}) is not inside [0, {seq_len})")
+                raise BadRequest(f"chunk [{start}, {end}) is not inside [0, {seq_len})")
         if not final and not ranges:
-            raise InvalidRequest("a non-final chunk must name its token ranges (chunks)")
+            raise BadRequest("a non-final chunk must name its token ranges (chunks)")
         with self._lock:
             rec = self._out.get(request_id)
             if rec is None:
@@ -167,7 +167,7 @@ class PrefillCore(PrefillEvents):
                                            "already sent or it ended; request ids are unique")
                 if (rec.src_slot, rec.seq_len, rec.decode_address) != (
                         src_slot, seq_len, decode_address):
-                    raise InvalidRequest(f"request {request_id}: a further chunk must keep "
+                    raise BadRequest(f"request {request_id}: a further chunk must keep "
                                          "the source slot, seq_len and decode address of the "
                                          "first")
             rec.final_submitted = final
