@@ -10,7 +10,28 @@ from __future__ import annotations
 
 import pytest
 
+from kvbeam.proto.side import Role, SideInfo
+from tests.control_helpers import (
+    DECODE_SLOTS,
+    config,
+    rdma_endpoint,
+    side,
+    tcp_endpoint,
+    with_slots,
+)
 from tests.tls_helpers import Pki, make_pki
+
+
+@pytest.fixture
+def prefill() -> SideInfo:
+    """A prefill side (shipped-style config, TCP endpoint) for control-plane tests."""
+    return side(Role.PREFILL, config(), tcp_endpoint(9001))
+
+
+@pytest.fixture
+def decode() -> SideInfo:
+    """The matching decode side (RDMA endpoint, DECODE_SLOTS request slots)."""
+    return side(Role.DECODE, with_slots(config(), DECODE_SLOTS), rdma_endpoint())
 
 
 @pytest.fixture(scope="session")
