@@ -33,6 +33,7 @@ from kvbeam.pools.spec import PoolSpec
 from kvbeam.server.core.ports import (
     IndexLists,
     PrefillPeers,
+    report_link_failure,
     require_status,
 )
 from kvbeam.server.faults import FaultHooks
@@ -200,12 +201,10 @@ class DecodeCore:
     # ---- events ----------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
         """NOTIFIED: a transfer landed (verified on the executor); LINK_FAILED: peer gone."""
-        conn = self.peers.by_link(event.link)
         if event.kind is EventKind.LINK_FAILED:
-            if conn is not None:
-                self.io.submit(self.on_peer_lost, conn,
-                               f"link failed: {event.status}: {event.detail}", gone=False)
+            report_link_failure(self.peers, self.io, self.on_peer_lost, event)
             return
+        conn = self.peers.by_link(event.link)
         if event.kind is not EventKind.NOTIFIED or event.transfer_id is None:
             return
         with self._lock:

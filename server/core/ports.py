@@ -9,6 +9,8 @@ only ever called on the driver's bounded executor, never under a core lock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,8 +20,9 @@ import numpy.typing as npt
 from kvbeam.errors import UnknownRequest
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.lifecycle import TransferTable
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.states import TransferStatus
+from kvbeam.transport.base import Event
 
 IndexLists = dict[IndexKind, npt.NDArray[np.int64]]
 
@@ -34,6 +37,15 @@ def require_status(table: TransferTable, request_id: str, side: str) -> Transfer
     return snap
 
 
+
+
+def report_link_failure(peers: Peers, io: Executor,
+                        on_peer_lost: Callable[..., None], event: Event) -> None:
+    """A LINK_FAILED event: the link's peer is lost (handled on the executor, not here)."""
+    conn = peers.by_link(event.link)
+    if conn is not None:
+        io.submit(on_peer_lost, conn, f"link failed: {event.status}: {event.detail}",
+                  gone=False)
 
 @dataclass(frozen=True)
 class WriteGrant:

@@ -15,6 +15,7 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
 from kvbeam.logs import fields
+from kvbeam.server.core.ports import report_link_failure
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState, TransferStatus
@@ -43,10 +44,7 @@ class PrefillEvents:
     def on_event(self, event: Event) -> None:
         """COMPLETED: one write finished; LINK_FAILED: the decode peer's link is gone."""
         if event.kind is EventKind.LINK_FAILED:
-            conn = self.peers.by_link(event.link)
-            if conn is not None:
-                self.io.submit(self.on_peer_lost, conn,
-                               f"link failed: {event.status}: {event.detail}", gone=False)
+            report_link_failure(self.peers, self.io, self.on_peer_lost, event)
             return
         if event.kind is not EventKind.COMPLETED or event.transfer_id is None:
             return
