@@ -184,18 +184,19 @@ class PrefillCore(PrefillEvents):
             rec = self._out.get(request_id)
             if rec is not None and from_peer:
                 rec.told_decode = True  # decode asked: it knows
-        if rec is None:  # ended and pruned, or never seen
-            return self.status(request_id)
+        if rec is None:  # ended and pruned, or never seen (UnknownRequest)
+            snap = self.status(request_id)
+            if from_peer and snap.state is TransferState.SUCCESS:
+                # Decode's verdict came after the sweep pruned our Success record.
+                self._late_verdict(request_id, detail, snap.peer)
+            return snap
         reason = FailureReason.PEER_FAILED if from_peer else FailureReason.ABORTED
         detail = detail or ("aborted by decode" if from_peer else "aborted")
         if self.table.fail(request_id, reason, detail):
             log.warning("request %s failed: %s: %s", request_id, reason.value, detail,
                         extra=fields(request_id, rec.decode_address))
         elif from_peer:
-            # Our Success means every write completed here; decode's verdict (e.g. an
-            # integrity failure found after landing) is the one the scheduler acts on.
-            log.error("request %s: decode reports a failure after this side ended: %s",
-                      request_id, detail, extra=fields(request_id, rec.decode_address))
+            self._late_verdict(request_id, detail, rec.decode_address)
         # The protocol: the answer to Abort means none of the request's writes is in
         # flight. Waiting on the condition releases the lock.
         with self._drained:
@@ -204,6 +205,13 @@ class PrefillCore(PrefillEvents):
             self._abandon(rec)
         self._tell_decode_once(rec, f"aborted on prefill: {detail}")
         return self.status(request_id)
+
+    @staticmethod
+    def _late_verdict(request_id: str, detail: str, decode_address: str) -> None:
+        # Our Success means every write completed here; decode's verdict (e.g. an
+        # integrity failure found after landing) is the one the scheduler acts on.
+        log.error("request %s: decode reports a failure after this side ended: %s",
+                  request_id, detail, extra=fields(request_id, decode_address))
 
     def status(self, request_id: str) -> TransferStatus:
         """The request's status."""

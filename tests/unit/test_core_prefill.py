@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
+
+import pytest
 
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.states import TransferState
@@ -46,6 +49,22 @@ def test_single_chunk_request_succeeds_once_its_write_completes() -> None:
     assert done == total > 0
     core.periodic()
     assert not core.known("r")
+
+
+def test_decodes_late_verdict_is_logged_after_the_success_record_was_pruned(
+        caplog: pytest.LogCaptureFixture) -> None:
+    core, _fake = prefill_core()
+    core.send("r", 0, 300, ADDR, [], True)
+    link = _link(core)
+    assert wait_for(lambda: len(link.writes) == 1)
+    core.on_event(link.completion(link.writes[0][0]))
+    core.periodic()
+    assert not core.known("r")  # pruned: decode's integrity verdict comes after that
+    with caplog.at_level(logging.ERROR, logger="kvbeam.server.core.prefill"):
+        st = core.abort("r", from_peer=True, detail="decode integrity check failed: x")
+    assert st.state is TransferState.SUCCESS
+    assert ("request r: decode reports a failure after this side ended: decode integrity "
+            "check failed: x") in caplog.text
 
 
 def test_record_is_pruned_after_a_drain_timeout_even_when_writes_complete_late() -> None:
