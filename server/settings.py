@@ -162,8 +162,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("per_peer_rkeys", "KVBEAM_PER_PEER_RKEYS", _bool, True,
            "RDMA decode: register the pools once more per peer so each peer gets its own "
            "rkeys, revoked when it goes (false: one shared set, faster handshakes)"),
-    Option("rdma_qp_timeout", "KVBEAM_RDMA_QP_TIMEOUT", int, 14,
-           "RDMA: the RC QP's ack timeout exponent, 4.096 us * 2**N per try (0-31; 14: 67 ms)"),
+    Option("rdma_qp_timeout", "KVBEAM_RDMA_QP_TIMEOUT", int, 17,
+           "RDMA: the RC QP's ack timeout exponent, 4.096 us * 2**N per try (0-31; 17: 0.54 s)"),
     Option("rdma_retry_cnt", "KVBEAM_RDMA_RETRY_CNT", int, 7,
            "RDMA: RC QP retries before IBV_WC_RETRY_EXC_ERR (0-7)"),
 )
@@ -196,7 +196,7 @@ class DaemonSettings:
     metrics: str
     security: Security = field(default_factory=Security)
     per_peer_rkeys: bool = True
-    rdma_qp_timeout: int = 14
+    rdma_qp_timeout: int = 17
     rdma_retry_cnt: int = 7
     transfer_floor_mbps: float = 100.0
 

@@ -25,17 +25,15 @@ class TransportOptions:
     # Receive WRs kept posted per QP: one is consumed per notification.
     recv_depth: int = 256
     # RC transport retries: an unacknowledged packet is resent after the local ACK
-    # timeout, 4.096 us * 2**qp_timeout (14: 67 ms; the spec lets a NIC wait up to 4x),
-    # at most retry_cnt times (0-7), then the QP fails with IBV_WC_RETRY_EXC_ERR. 14/7
-    # is perftest's default. retry_cnt was 3: a loaded soft-RoCE guest dropped one
-    # packet four times in a row and failed a QP. A longer timeout (17/7, NCCL uses
-    # 18-20/7) measured worse there (soak: 18 of 91 requests failed, against 1 of 145
-    # with 14/3), likely because soft-RoCE drops packets under load and each loss then
-    # waits 0.5 s to be resent; it also let a silent partition reach our 8 s TIMEOUT
-    # before the NIC's RETRY_EXC_ERR. 14/7 keeps 14's fast resend and gives up after
-    # ~0.5 s of silence, far inside op_timeout_s, so a dead peer or silent partition
-    # still ends with the NIC's verbs status rather than our TIMEOUT.
-    qp_timeout: int = 14
+    # timeout, 4.096 us * 2**qp_timeout (17: 0.54 s; the spec lets a NIC wait up to 4x),
+    # at most retry_cnt times (0-7), then the QP fails with IBV_WC_RETRY_EXC_ERR.
+    # Measured in the soft-RoCE guest with the whole-request soak (120 s, 8 in flight,
+    # an idle host): 14/7 (67 ms) failed 4 of 314 requests with IBV_WC_REM_INV_REQ_ERR,
+    # rxe's responder tripping over a spurious resend when an ACK is late under TCG;
+    # 17/7 failed 0 of 328 and every fault test kept its bound (a silent partition then
+    # ends with our own TIMEOUT at op_timeout_s rather than the NIC's RETRY_EXC_ERR).
+    # 14/3, the old default, failed a QP with RETRY_EXC_ERR in a fresh-clone soak.
+    qp_timeout: int = 17
     retry_cnt: int = 7
     # 7 = retry forever on RNR NAK: a receiver briefly short of receive WRs must
     # not fail a transfer; op_timeout_s bounds the wait instead.
