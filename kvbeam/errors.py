@@ -1,6 +1,7 @@
 """The kvbeam error hierarchy: every error kvbeam raises on purpose derives from
 :class:`KvbeamError` and is defined here, so callers can catch one type and users
-can search the message text in the README's troubleshooting section.
+can search the message text in docs/troubleshooting.md; docs/errors.md tabulates every
+class, where it is raised and its gRPC status.
 
 This module imports no gRPC: the mapping between these classes and gRPC status
 codes (both directions) is :mod:`kvbeam.rpc_errors`. docs/errors.md lists every

@@ -12,7 +12,7 @@ they do in tests. Three kinds of source feed it:
   peers, transport counters) is read at scrape time by
   :class:`~kvbeam.server.metrics_collector.DaemonCollector`.
 
-The metric names and their meaning are listed in the README ("Metrics and logs").
+The metric names and their meaning are listed in docs/metrics.md.
 """
 
 from __future__ import annotations
