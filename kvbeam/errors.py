@@ -219,3 +219,19 @@ class DaemonStartError(KvbeamError):
     def __init__(self, message: str, output: str) -> None:
         super().__init__(f"{message}\n--- daemon output ---\n{output}")
         self.output = output
+
+
+# --- engine attach (kvbeam.engine, kvbeam.server.attach) ---
+
+class NoEngineAttached(KvbeamError):
+    """A ``--pools engine`` daemon has no engine memory attached: it refuses transfers
+    (FAILED_PRECONDITION) and answers NOT_SERVING on health until an engine attaches."""
+
+
+class AttachError(KvbeamError):
+    """An engine's attach was refused (by the daemon, or before sending); ``field`` names
+    the part of the attach description at fault ("" when none)."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field

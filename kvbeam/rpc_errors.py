@@ -33,6 +33,7 @@ from kvbeam.errors import (
     DuplicateRequest,
     IllegalTransition,
     KvbeamError,
+    NoEngineAttached,
     NoFreeSlot,
     NotHandshakenError,
     NotKvbeamPeerError,
@@ -60,6 +61,8 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (NoFreeSlot, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (UnknownRequest, grpc.StatusCode.NOT_FOUND),
     (NotHandshakenError, grpc.StatusCode.FAILED_PRECONDITION),
+    # --pools engine: no engine memory attached (kvbeam.server.attach)
+    (NoEngineAttached, grpc.StatusCode.FAILED_PRECONDITION),
     (IllegalTransition, grpc.StatusCode.FAILED_PRECONDITION),
     (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (PlanError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -137,6 +140,8 @@ def request_error(exc: grpc.RpcError, *, address: str, method: str,
         return UnknownRequest(f"{where}: {details}")
     if code is grpc.StatusCode.ALREADY_EXISTS:
         return DuplicateRequest(f"{where}: {details}")
+    if code is grpc.StatusCode.FAILED_PRECONDITION and "NoEngineAttached" in details:
+        return NoEngineAttached(f"{where}: {details}")
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
         return BadRequest(f"{where}: {details}")
     return peer_error(exc, address=address, method=method, timeout=timeout)

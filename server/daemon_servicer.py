@@ -20,6 +20,9 @@ import grpc
 
 from kvbeam.errors import UnknownRequest
 from kvbeam.logs import fields
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.spec import PoolSpec
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.side import ROLE_TO_PROTO
 from kvbeam.proto.transfer_codec import status_to_proto
@@ -72,6 +75,12 @@ class RoleCore(Protocol):
 
     def bytes_of(self, request_id: str) -> tuple[int, int]:
         """(bytes done, bytes total) of a transfer."""
+
+    def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
+        """An engine attached its memory (``--pools engine``)."""
+
+    def drop_pools(self, detail: str) -> None:
+        """The engine's memory goes: fail every live request, release every link."""
 
 
 class DaemonServicer(ControlServicer):
@@ -127,7 +136,15 @@ class DaemonServicer(ControlServicer):
     # ---- shared RPCs ----------------------------------------------------------
     def Handshake(self, request: pb.HandshakeRequest,
                   context: grpc.ServicerContext) -> pb.HandshakeResponse:
-        """The handshake (see ControlServicer), timed and counted as the server side."""
+        """The handshake (see ControlServicer), timed and counted as the server side.
+
+        Refused FAILED_PRECONDITION while an engine daemon has no memory attached: our
+        side has no layout or regions to offer yet.
+        """
+        if not self.rt.attached:
+            self.on_refused("Handshake", grpc.StatusCode.FAILED_PRECONDITION)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"NoEngineAttached: {self.rt.no_engine}")
         with self.rt.metrics.handshake("server"):
             return super().Handshake(request, context)
 

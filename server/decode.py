@@ -34,11 +34,12 @@ class DecodeServicer(DaemonServicer):
 
     def __init__(self, runtime: Runtime, workers: int = IO_WORKERS) -> None:
         super().__init__(runtime, workers)
+        spec, layout, pools = runtime.initial_pools()  # none yet with --pools engine
         self._dial = Dialer(runtime.options)
         self.core = self.decode = DecodeCore(
             table=runtime.table, peers=runtime.peers,
             prefill=GrpcPrefillPeers(lambda: self.local, runtime.options), io=self.io,
-            spec=runtime.config.target, layout=runtime.layout, pools=runtime.pools,
+            spec=spec, layout=layout, pools=pools,
             integrity=runtime.settings.integrity, faults=runtime.faults,
             handoff_lease_s=runtime.settings.handoff_lease_s,
             transfer_budget=runtime.settings.transfer_budget_s)

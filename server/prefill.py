@@ -24,11 +24,12 @@ class PrefillServicer(DaemonServicer):
 
     def __init__(self, runtime: Runtime, workers: int = IO_WORKERS) -> None:
         super().__init__(runtime, workers)
+        spec, layout, pools = runtime.initial_pools()  # none yet with --pools engine
         decode = GrpcDecodePeers(lambda: self.local, runtime.transport,
                                  Dialer(runtime.options), runtime.metrics)
         self.core = self.prefill = PrefillCore(
             table=runtime.table, peers=runtime.peers, decode=decode, io=self.io,
-            spec=runtime.config.target, layout=runtime.layout, pools=runtime.pools,
+            spec=spec, layout=layout, pools=pools,
             integrity=runtime.settings.integrity, faults=runtime.faults,
             drain_s=runtime.transport_timeout(),
             transfer_budget=runtime.settings.transfer_budget_s)

@@ -15,20 +15,27 @@ import threading
 from typing import TYPE_CHECKING, cast
 
 from kvbeam import __version__
+from kvbeam.errors import NoEngineAttached
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.checks import check_target_draft
-from kvbeam.pools.layout import build_side_layout
-from kvbeam.pools.spec import load_side_config
+from kvbeam.pools.layout import SideLayout, build_side_layout
+from kvbeam.pools.shared import unmap
+from kvbeam.pools.spec import PoolSpec, SideConfig, load_side_config
+from kvbeam.proto.attach_codec import AttachRequest
 from kvbeam.proto.side import Role, SideInfo
-from kvbeam.server.control import ControlServer
+from kvbeam.server.attach import AttachServer, PeerCred, default_socket_path
+from kvbeam.server.attach_memory import map_engine_memory
+from kvbeam.server.attach_runtime import UNATTACHED_LAYOUT, AttachGauges, Pools, release
+from kvbeam.server.control import HEALTH_SERVICES, ControlServer
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.metrics import DaemonMetrics
 from kvbeam.server.metrics_collector import DaemonCollector, Sources
 from kvbeam.server.peers import Peers
+from kvbeam.server.servicer import GatedHealth
 from kvbeam.server.settings import ControlOptions, DaemonSettings
 from kvbeam.server.slots import SlotPool
-from kvbeam.transport import Access, TransportOptions, open_transport
+from kvbeam.transport import Access, Endpoint, TransportOptions, open_transport
 from kvbeam.transport.factory import Kind as TransportKind
 
 if TYPE_CHECKING:
@@ -40,20 +47,33 @@ log = logging.getLogger(__name__)
 SWEEP_S = 0.2
 
 
+def _slot_pool(core: object) -> SlotPool | None:
+    pool = getattr(core, "slots", None)
+    return pool if isinstance(pool, SlotPool) else None
+
+
 class Runtime:
     """A daemon's resources. Construct, :meth:`start` with a servicer, :meth:`stop`."""
 
     def __init__(self, settings: DaemonSettings) -> None:
         self.settings = settings
         self.role = Role(settings.role)
-        self.config = load_side_config(settings.config)
-        self.layout = build_side_layout(self.config)
-        # Refuse broken pools before allocating hundreds of MB or opening a device.
-        check_target_draft(self.layout, self.role.value)
+        #: --pools engine: the memory is an engine's, attached at run time (kvbeam.server.attach).
+        self.engine_mode = settings.pools == "engine"
+        #: --config: what an attaching engine's config must equal (None: any valid one).
+        self.expected = load_side_config(settings.config) if settings.config else None
+        layout = build_side_layout(self.expected) if self.expected is not None else None
+        if layout is not None:
+            # Refuse broken pools before allocating hundreds of MB or opening a device.
+            check_target_draft(layout, self.role.value)
         self.faults = FaultHooks.from_env()  # test-only; all off unless KVBEAM_FAULT_* set
-        self.pools = AllocatedSide(self.layout, settings.pool_device)
-        if settings.fill_seed >= 0:
-            self.pools.fill_pattern(settings.fill_seed)
+        self._pools: Pools | None = None
+        self.attach_server: AttachServer | None = None
+        own: AllocatedSide | None = None
+        if not self.engine_mode and self.expected is not None and layout is not None:
+            own = AllocatedSide(layout, settings.pool_device)
+            if settings.fill_seed >= 0:
+                own.fill_pattern(settings.fill_seed)
         host = settings.data_host or settings.advertised.rpartition(":")[0]
         self.transport = open_transport(
             cast(TransportKind, settings.transport), settings.rdma_device or None,
@@ -66,8 +86,9 @@ class Runtime:
         log.info("%s daemon: %s transport%s", self.role.value, self.transport.kind,
                  "" if self.transport.kind == "rdma" else
                  " (NO RDMA DEVICE: data moves over TCP, far slower than RDMA)")
-        access = Access.REMOTE_WRITE if self.role is Role.DECODE else Access.LOCAL
-        self.registration = self.transport.register(self.pools.tensor_regions(), access)
+        if own is not None and self.expected is not None:
+            self._pools = Pools(self.expected, own.layout, own,
+                                self.transport.register(own.tensor_regions(), self.access))
         self.metrics = DaemonMetrics(self.role.value)
         self.table = TransferTable(
             Deadlines(settings.deadline_bootstrap_s, settings.deadline_waiting_s,
@@ -77,17 +98,64 @@ class Runtime:
         self.peers = Peers()
         self.options = ControlOptions(rpc_timeout_s=settings.rpc_timeout_s,
                                       security=settings.security)
-        # The handshake carries a per-peer endpoint; this template only gives the
-        # SideInfo (and the start-up check) a real one of this transport's kind.
-        template = self.transport.create_link()
-        self.local = SideInfo(self.role, self.layout, template.endpoint,
+        self.attach_path = settings.attach_socket or default_socket_path(
+            self.role.value, settings.listen)
+        #: Why transfers are refused while no engine is attached (updated on detach).
+        self.no_engine = (f"no engine attached: this daemon runs with --pools engine and "
+                          f"waits for an engine on {self.attach_path}")
+        self.local = SideInfo(self.role, layout or UNATTACHED_LAYOUT, self._template_endpoint(),
                               control_address=settings.advertise)
-        template.release()
         self.server: ControlServer | None = None
+        self.health: GatedHealth | None = None
         #: Where /metrics is served ("" when --metrics is off); set by :meth:`start`.
         self.metrics_address = ""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+
+    @property
+    def access(self) -> Access:
+        """How the pools are registered: decode's are written remotely."""
+        return Access.REMOTE_WRITE if self.role is Role.DECODE else Access.LOCAL
+
+    def _template_endpoint(self) -> Endpoint:
+        # The handshake carries a per-peer endpoint; this template only gives the
+        # SideInfo (and the start-up check) a real one of this transport's kind.
+        template = self.transport.create_link()
+        endpoint = template.endpoint
+        template.release()
+        return endpoint
+
+    # ---- the pools (own, or the attached engine's) ------------------------------------
+    def _require(self) -> Pools:
+        pools = self._pools
+        if pools is None:
+            raise NoEngineAttached(self.no_engine)
+        return pools
+
+    @property
+    def attached(self) -> bool:
+        """True while the daemon has pools (always with --pools own)."""
+        return self._pools is not None
+
+    @property
+    def config(self) -> SideConfig:
+        """The pools' config; raises NoEngineAttached while an engine daemon has none."""
+        return self._require().config
+
+    @property
+    def layout(self) -> SideLayout:
+        """The pools' layout (see :attr:`config`)."""
+        return self._require().layout
+
+    @property
+    def pools(self) -> AllocatedSide:
+        """The pools (see :attr:`config`)."""
+        return self._require().side
+
+    def initial_pools(self) -> tuple[PoolSpec | None, SideLayout | None, AllocatedSide | None]:
+        """What the cores start with: the own pools, or nothing (an engine attaches later)."""
+        p = self._pools
+        return (None, None, None) if p is None else (p.config.target, p.layout, p.side)
 
     def transport_timeout(self) -> float:
         """The transport's own deadline for a write: below Transferring's, so a stuck
@@ -103,11 +171,20 @@ class Runtime:
         """Serve the control plane and start the background loops; returns the bound address.
 
         With ``--metrics`` the /metrics endpoint starts first, so a port clash stops
-        the daemon before it serves anything.
+        the daemon before it serves anything. With ``--pools engine`` the attach socket
+        is bound before the control server, and health stays NOT_SERVING until an
+        engine attaches.
         """
         if self.settings.metrics:
             self.metrics_address = self.metrics.serve(self.settings.metrics)
+        self._servicer = servicer
+        self.gauges = AttachGauges(self.metrics.registry)
+        if self.engine_mode:
+            self.attach_server = AttachServer(self.attach_path, self.settings.attach_allow_uid,
+                                              self.attach_engine, self.detach_engine)
         self.server = ControlServer(self.local, servicer=servicer, options=self.options)
+        # SERVING only while pools exist (always with --pools own).
+        self.health = self.server.health = GatedHealth(lambda: self.attached, HEALTH_SERVICES)
         # The server fixes our advertised address (hostname:port for a wildcard listen
         # without --advertise) before it answers the first call.
         address = self.server.start(self.settings.listen)
@@ -119,20 +196,70 @@ class Runtime:
                                  daemon=True)
             t.start()
             self._threads.append(t)
-        self._servicer = servicer
+        if self.attach_server is not None:
+            self.attach_server.start()
         return address
+
+    # ---- engine attach (called on the attach thread) ---------------------------------
+    def attach_engine(self, req: AttachRequest, fds: list[int], cred: PeerCred) -> str:
+        """Check and map an engine's memory, register it, hand it to the core, serve.
+
+        Returns the daemon's new instance id: peers that handshook before see a
+        restart and handshake again, against the new memory.
+        """
+        memory = map_engine_memory(req, fds, self.role.value, self.expected)  # closes fds
+        try:
+            registration = self.transport.register(memory.side.tensor_regions(), self.access)
+        except BaseException:
+            unmap(memory.side.take_maps())
+            raise
+        pools = Pools(memory.config, memory.layout, memory.side, registration)
+        local = SideInfo(self.role, memory.layout, self._template_endpoint(),
+                         control_address=self.local.control_address)
+        self._servicer.core.use_pools(memory.config.target, memory.layout, memory.side)
+        self.local = self._servicer.local = local
+        self._pools = pools
+        self.gauges.on_attach(pools)
+        if self.health is not None:
+            self.health.refresh()
+        log.info("engine pid %d attached: %s, %d region(s) registered (%s), instance %s",
+                 cred.pid, memory.config.model, len(registration.regions),
+                 self.transport.kind, local.instance_id)
+        return local.instance_id
+
+    def detach_engine(self, reason: str) -> None:
+        """Stop serving the engine's memory: fail its requests, deregister, unmap."""
+        pools, self._pools = self._pools, None
+        if pools is None:
+            return
+        self.no_engine = (f"no engine attached: this daemon runs with --pools engine and "
+                          f"waits for an engine on {self.attach_path} (last: {reason})")
+        if self.health is not None:
+            self.health.refresh()
+        # Fails every live request (peers are told, bounded), closes every peer
+        # connection (their handshakes carried the old regions).
+        self._servicer.core.drop_pools(f"engine memory detached: {reason}")
+        left = release(pools)
+        self.gauges.on_detach()
+        log.info("engine memory released (%s): deregistered, %s", reason,
+                 "unmapped" if not left else f"{left} mapping(s) still referenced")
 
     def _publish(self, servicer: DaemonServicer) -> None:
         """Register the scrape-time collector now that the servicer's books exist."""
-        slots = getattr(servicer, "slots", None)
-        pool = slots if isinstance(slots, SlotPool) else None
+        core = servicer.core
+
+        def slots() -> tuple[int, int]:
+            # Read through the core each scrape: an engine attach gives decode new slots.
+            pool = _slot_pool(core)
+            return (pool.held, pool.size) if pool is not None else (0, 0)
+
         self.metrics.registry.register(DaemonCollector(Sources(
             info={"role": self.role.value, "instance": self.local.instance_id,
                   "transport": self.transport.kind, "version": __version__},
             transport=self.transport.stats,
             live=self.table.live,
             peers=lambda: len(self.peers.all()),
-            slots=None if pool is None else (lambda: (pool.held, pool.size)))))
+            slots=slots if _slot_pool(core) is not None else None)))
 
     def _sweep(self, stop: threading.Event) -> None:
         while not stop.wait(SWEEP_S):
@@ -146,6 +273,8 @@ class Runtime:
         if self._stop.is_set():
             return
         log.info("%s daemon shutting down", self.role.value)
+        if self.attach_server is not None:
+            self.attach_server.stop()
         servicer = getattr(self, "_servicer", None)
         if servicer is not None:
             servicer.shutdown()
@@ -157,6 +286,8 @@ class Runtime:
         for conn in self.peers.all():
             conn.close()
         self.metrics.stop()
-        self.registration.release()
+        pools, self._pools = self._pools, None
+        if pools is not None:
+            release(pools)
         self.transport.close()
         log.info("%s daemon stopped: nothing registered, transport closed", self.role.value)

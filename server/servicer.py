@@ -11,10 +11,12 @@ and :meth:`ControlServicer.require_peer` to guard transfer RPCs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import NoReturn
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 
 from kvbeam.errors import (
     Difference,
@@ -148,3 +150,41 @@ class ControlServicer(pb_grpc.KvbeamControlServicer):
                                    budget=requested_budget(context.invocation_metadata()))
         context.set_trailing_metadata(((REJECTION_KEY, trailer),))
         context.abort(code, status_details(message))
+
+
+_SERVING = health_pb2.HealthCheckResponse.ServingStatus.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.ServingStatus.NOT_SERVING
+
+
+class GatedHealth(health.HealthServicer):
+    """The health service of a daemon that may have no pools (``--pools engine``).
+
+    Reports SERVING only while ``ready()`` (pools attached) and the server asked for
+    SERVING; :meth:`refresh` re-evaluates after an attach or a detach.
+
+    Args:
+        ready: whether the daemon has pools now.
+        services: the service names to start NOT_SERVING.
+    """
+
+    def __init__(self, ready: Callable[[], bool], services: Sequence[str]) -> None:
+        super().__init__()
+        self._ready = ready
+        self._wanted: dict[str, Any] = {}
+        self._gate = threading.Lock()  # leaf: orders set() and refresh()
+        for name in services:
+            self.set(name, _NOT_SERVING)
+
+    def set(self, service: str, status: Any) -> None:
+        """Record the server's wish; publish it, gated by ``ready()``."""
+        with self._gate:
+            self._wanted[service] = status
+            gated = status if status != _SERVING or self._ready() else _NOT_SERVING
+            super().set(service, gated)
+
+    def refresh(self) -> None:
+        """Publish every service's status again (the pools came or went)."""
+        with self._gate:
+            wanted = dict(self._wanted)
+        for service, status in wanted.items():
+            self.set(service, status)

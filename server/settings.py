@@ -81,6 +81,16 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
 
+def _uids(text: str) -> tuple[int, ...]:
+    """Comma-separated uids (a repeated flag arrives joined)."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if not part.isdigit():
+            raise ValueError(f"not a uid: {part!r}")
+        out.append(int(part))
+    return tuple(out)
+
+
 def _bool(text: str) -> bool:
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):
@@ -107,7 +117,9 @@ AUTH_OPTIONS: tuple[Option, ...] = (
 )
 
 OPTIONS: tuple[Option, ...] = (
-    Option("config", "KVBEAM_CONFIG", str, None, "side config YAML (pools); required"),
+    Option("config", "KVBEAM_CONFIG", str, None,
+           "side config YAML (pools); required with --pools own; with --pools engine the "
+           "attaching engine's config must equal it (optional)"),
     Option("listen", "KVBEAM_LISTEN", str, None,
            "HOST:PORT of the gRPC control server (default 127.0.0.1:50051 prefill, "
            "127.0.0.1:50052 decode)"),
@@ -124,6 +136,17 @@ OPTIONS: tuple[Option, ...] = (
            "(default: the control host)"),
     Option("pool_device", "KVBEAM_POOL_DEVICE", str, "cpu",
            "torch device for the pools: cpu or cuda[:N]"),
+    # --- engine attach (docs/engine.md) ---
+    Option("pools", "KVBEAM_POOLS", str, "own",
+           "own: allocate the pools from --config at start; engine: serve an engine's own "
+           "memory, attached over --attach-socket (NOT_SERVING until it attaches)",
+           ("own", "engine")),
+    Option("attach_socket", "KVBEAM_ATTACH_SOCKET", str, "",
+           "--pools engine: Unix socket engines attach on (default "
+           "$XDG_RUNTIME_DIR/kvbeam/ROLE-PORT.sock, else /tmp/kvbeam-UID/ROLE-PORT.sock)"),
+    Option("attach_allow_uid", "KVBEAM_ATTACH_ALLOW_UID", _uids, (),
+           "--pools engine: a uid besides the daemon's own that may attach (repeatable; "
+           "variable: comma-separated); the socket is then mode 0666, the uid check guards it"),
     Option("deadline_bootstrap_s", "KVBEAM_DEADLINE_BOOTSTRAP_S", float, 10.0,
            "seconds allowed in Bootstrapping (handshake, reservation lease)"),
     Option("deadline_waiting_s", "KVBEAM_DEADLINE_WAITING_S", float, 30.0,
@@ -199,6 +222,9 @@ class DaemonSettings:
     rdma_qp_timeout: int = 17
     rdma_retry_cnt: int = 7
     transfer_floor_mbps: float = 100.0
+    pools: str = "own"
+    attach_socket: str = ""
+    attach_allow_uid: tuple[int, ...] = ()
 
     def transfer_budget_s(self, nbytes: int) -> float:
         """Seconds Transferring allows a request of ``nbytes``: the deadline, or the bytes
@@ -232,6 +258,8 @@ def _add_arguments(parser: argparse.ArgumentParser, options: tuple[Option, ...])
             kw["choices"] = opt.choices
         if opt.kind is _bool:  # a bare --insecure means true
             kw.update(nargs="?", const="true")
+        if opt.kind is _uids:  # repeatable
+            kw["action"] = "append"
         parser.add_argument(opt.flag, **kw)
 
 
@@ -249,8 +277,10 @@ def resolve(role: str, args: argparse.Namespace | None = None,
             environ: Mapping[str, str] | None = None) -> DaemonSettings:
     """Merge flags, environment and defaults; refuse bad values naming the flag and variable."""
     values: dict[str, Any] = {"role": role, **_values(OPTIONS, args, environ)}
-    if not values["config"]:
-        raise ConfigError("--config (or KVBEAM_CONFIG) is required: the side config YAML")
+    if not values["config"] and values["pools"] != "engine":
+        raise ConfigError("--config (or KVBEAM_CONFIG) is required: the side config YAML "
+                          "(or --pools engine: an engine attaches its own pools)")
+    values["config"] = values["config"] or ""
     if not values["listen"]:
         values["listen"] = f"127.0.0.1:{DEFAULT_PORTS[role]}"
     for name in ("deadline_bootstrap_s", "deadline_waiting_s", "deadline_transfer_s",
@@ -294,6 +324,8 @@ def _values(options: tuple[Option, ...], args: argparse.Namespace | None,
     values: dict[str, Any] = {}
     for opt in options:
         raw = getattr(args, opt.name, None) if args is not None else None
+        if isinstance(raw, list):  # a repeated flag
+            raw = ",".join(raw)
         source = opt.flag
         if raw is None and opt.env in env:
             raw, source = env[opt.env], opt.env

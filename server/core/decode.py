@@ -30,6 +30,7 @@ from kvbeam.pools.digest import request_digests
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.spec import PoolSpec
+from kvbeam.server.core.attached import PoolsHolder
 from kvbeam.server.core.ports import (
     IndexLists,
     PrefillPeers,
@@ -70,27 +71,26 @@ class Reservation:
     landed: bool = False
 
 
-class DecodeCore:
+class DecodeCore(PoolsHolder):
     """All of decode's request state; the servicer and the runtime's loops call in."""
 
     def __init__(self, *, table: TransferTable, peers: Peers, prefill: PrefillPeers,
-                 io: Executor, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide,
-                 integrity: bool, faults: FaultHooks, handoff_lease_s: float,
+                 io: Executor, spec: PoolSpec | None, layout: SideLayout | None,
+                 pools: AllocatedSide | None, integrity: bool, faults: FaultHooks,
+                 handoff_lease_s: float,
                  transfer_budget: Callable[[int], float] = lambda _n: 0.0) -> None:
         self.table = table
         self.peers = peers
         self.prefill = prefill
         self.io = io
-        self.spec = spec
-        self.layout = layout
-        self.pools = pools
+        self._hold(spec, layout, pools)  # none yet on an engine daemon (use_pools)
         self.integrity = integrity
         self.faults = faults
         self.handoff_lease_s = handoff_lease_s
         #: Seconds Transferring allows for a number of bytes: a large request on a slow
         #: wire is not failed here while prefill is still writing it.
         self.transfer_budget = transfer_budget
-        self.slots = SlotPool(spec.num_req_slots)
+        self.slots = SlotPool(spec.num_req_slots if spec is not None else 0)
         self._lock = threading.Lock()
         self._res: dict[str, Reservation] = {}
         self._by_transfer: dict[int, str] = {}
@@ -294,14 +294,14 @@ class DecodeCore:
             if snap is not None and snap.state is TransferState.FAILED:
                 self._free(res.request_id, "peer lost")
 
-    def shutdown(self) -> None:
+    def shutdown(self, detail: str = "decode shutting down") -> None:
         """Fail every live request (reason shutdown) and tell prefill, briefly."""
         for snap in self.table.live():
-            if self.table.fail(snap.request_id, FailureReason.SHUTDOWN, "decode shutting down"):
+            if self.table.fail(snap.request_id, FailureReason.SHUTDOWN, detail):
                 with self._lock:
                     res = self._res.get(snap.request_id)
                 if res is not None:
-                    self._tell_prefill(res, "decode shutting down", timeout=1.0)
+                    self._tell_prefill(res, detail, timeout=1.0)
         for conn in self.peers.all():
             self.peers.remove(conn)
             conn.close()
@@ -309,6 +309,18 @@ class DecodeCore:
             rids = list(self._res)
         for rid in rids:
             self._free(rid, "shutdown")
+
+    # ---- engine pools (--pools engine) ------------------------------------------------
+    def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
+        """An engine attached: reserve slots of its config in its memory from now on."""
+        self.slots = SlotPool(spec.num_req_slots)
+        self._hold(spec, layout, pools)
+
+    def drop_pools(self, detail: str) -> None:
+        """The engine's memory goes: refuse new reservations, fail every live request
+        (prefill is told and drains, bounded), release every link, free every slot."""
+        self._hold(None, None, None, f"no engine attached ({detail})")
+        self.shutdown(detail)
 
     # ---- helpers -----------------------------------------------------------------------
     def _reservation(self, rid: str) -> Reservation:

@@ -48,6 +48,7 @@ from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.plan import build_plan
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
+from kvbeam.server.core.attached import PoolsHolder
 from kvbeam.server.core.ports import (
     DecodePeers,
     IndexLists,
@@ -108,7 +109,7 @@ def reason_for(exc: BaseException) -> FailureReason:
     return FailureReason.TRANSPORT_ERROR
 
 
-class PrefillCore(PrefillEvents):
+class PrefillCore(PrefillEvents, PoolsHolder):
     """All of prefill's request state; the servicer and the runtime's loops call in.
 
     Args:
@@ -123,16 +124,14 @@ class PrefillCore(PrefillEvents):
     """
 
     def __init__(self, *, table: TransferTable, peers: Peers, decode: DecodePeers, io: Executor,
-                 spec: PoolSpec, layout: SideLayout, pools: AllocatedSide, integrity: bool,
-                 faults: FaultHooks, drain_s: float,
+                 spec: PoolSpec | None, layout: SideLayout | None, pools: AllocatedSide | None,
+                 integrity: bool, faults: FaultHooks, drain_s: float,
                  transfer_budget: Callable[[int], float] = lambda _n: 0.0) -> None:
         self.table = table
         self.peers = peers
         self.decode = decode
         self.io = io
-        self.spec = spec
-        self.layout = layout
-        self.pools = pools
+        self._hold(spec, layout, pools)  # none yet on an engine daemon (use_pools)
         self.integrity = integrity
         self.faults = faults
         self.drain_s = drain_s
@@ -233,6 +232,17 @@ class PrefillCore(PrefillEvents):
         """True while the core keeps a record of the request (tests, diagnostics)."""
         with self._lock:
             return request_id in self._out
+
+    # ---- engine pools (--pools engine) ------------------------------------------------
+    def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
+        """An engine attached: send from its memory from now on."""
+        self._hold(spec, layout, pools)
+
+    def drop_pools(self, detail: str) -> None:
+        """The engine's memory goes: refuse new sends, fail every live request (decode
+        is told, bounded) and release every link (their writes stop)."""
+        self._hold(None, None, None, f"no engine attached ({detail})")
+        self.shutdown(detail)
 
     # ---- the send path (executor) --------------------------------------------------------
     def _step(self, rec: Outgoing) -> None:

@@ -171,11 +171,10 @@ class PrefillEvents:
         for rec in hung:
             self.io.submit(self._abandon, rec)
 
-    def shutdown(self) -> None:
+    def shutdown(self, detail: str = "prefill shutting down") -> None:
         """Fail every live request (reason shutdown), tell decode briefly, release links."""
         for snap in self.table.live():
-            if self.table.fail(snap.request_id, FailureReason.SHUTDOWN,
-                               "prefill shutting down"):
+            if self.table.fail(snap.request_id, FailureReason.SHUTDOWN, detail):
                 with self._lock:
                     rec = self._out.get(snap.request_id)
                     tell = rec is not None and not rec.told_decode
@@ -184,7 +183,7 @@ class PrefillEvents:
                 if rec is not None and tell:
                     conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
                     self.decode.abort(conn, rec.decode_address, rec.request_id,
-                                      "prefill shutting down", timeout=1.0)
+                                      detail, timeout=1.0)
         for conn in self.peers.all():
             self.peers.remove(conn)
             conn.close()

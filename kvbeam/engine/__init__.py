@@ -1,0 +1,20 @@
+"""kvbeam for inference engines: put your pools in shareable memory and attach them.
+
+An engine process allocates its KV pools in memfds (:class:`EnginePools`, in kvbeam's
+layout; or moves tensors it allocated itself into shared memory with
+:class:`SharedMemory`), then hands them to its local daemon (``--pools engine``) with
+:func:`attach`; the daemon maps the same pages and serves transfers from and into
+them until the engine detaches or exits. Importing this package imports neither
+gRPC nor torch (torch only when a tensor view is asked for). docs/engine.md.
+"""
+
+from kvbeam.engine.attach import Attachment, attach
+from kvbeam.engine.memory import EngineBuffers, EnginePools, SharedMemory
+from kvbeam.errors import AttachError
+from kvbeam.proto.attach_codec import BufferRef
+
+# At merge: the per-request calls (issue 12 item 4), from kvbeam.engine.requests:
+# from kvbeam.engine.requests import KVPoll, Receiver, Sender
+
+__all__ = ["AttachError", "Attachment", "BufferRef", "EngineBuffers", "EnginePools",
+           "SharedMemory", "attach"]

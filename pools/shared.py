@@ -1,0 +1,91 @@
+"""A side whose pools live in an engine's shared memory, mapped by the daemon.
+
+:class:`MappedSide` has :class:`~kvbeam.pools.allocate.AllocatedSide`'s interface
+(buffer addresses and views, regions to register, buffer infos), so the cores,
+the digests and the plans use it unchanged. Its layout's "tensors" are the
+mappings (one per fd the engine sent) and its buffers sit at the engine's own
+offsets, which need not be the ones :func:`~kvbeam.pools.layout.build_side_layout`
+would choose: only lengths and item lengths must match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import mmap
+from collections.abc import Sequence
+
+import torch
+
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.layout import BufferLayout, ComponentLayout, SideLayout, TensorLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one buffer of the expected layout lives: mapping ``mapping`` at ``offset``."""
+
+    mapping: int
+    offset: int
+
+
+def placed_layout(expected: SideLayout, placements: Sequence[Sequence[Placement]],
+                  sizes: Sequence[int]) -> SideLayout:
+    """``expected`` with each buffer moved to its placement; one tensor per mapping."""
+    tensors = tuple(TensorLayout(f"engine.fd{i}", n) for i, n in enumerate(sizes))
+
+    def place(comp: ComponentLayout, where: Sequence[Placement]) -> ComponentLayout:
+        bufs: list[BufferLayout] = [dataclasses.replace(b, tensor=p.mapping, offset=p.offset)
+                                    for b, p in zip(comp.buffers, where, strict=True)]
+        return dataclasses.replace(comp, buffers=tuple(bufs))
+
+    comps = [place(c, p) for c, p in zip(expected.components, placements, strict=True)]
+    return dataclasses.replace(expected, tensors=tensors, kv=comps[0], states=tuple(comps[1:]))
+
+
+class MappedSide(AllocatedSide):
+    """An engine's pools, mapped here; :meth:`close` unmaps them (after deregistration)."""
+
+    def __init__(self, layout: SideLayout, maps: Sequence[mmap.mmap]) -> None:
+        # Not AllocatedSide.__init__: nothing is allocated, the memory is the engine's.
+        self.layout = layout
+        self.device = torch.device("cpu")
+        self._maps = list(maps)
+        # frombuffer shares the mapping (no copy); the mmap refuses to close while a
+        # tensor or numpy view of it lives, so a late reader can never touch unmapped memory.
+        self.tensors = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
+        self._addrs = None
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes mapped (0 once the mappings were taken)."""
+        return sum(len(m) for m in self._maps)
+
+    def take_maps(self) -> list[mmap.mmap]:
+        """Give up the mappings (the side is unusable afterwards); unmap them with
+        :func:`unmap` once every other reference to this side is dropped."""
+        maps, self._maps = self._maps, []
+        self.tensors = []
+        self._addrs = None
+        return maps
+
+
+def unmap(maps: Sequence[mmap.mmap]) -> int:
+    """Unmap ``maps``; returns how many are still referenced (unmapped when released).
+
+    Cached digest views of a side die with the side (a weak-keyed cache): drop every
+    reference to the side before calling this.
+    """
+    gc.collect()
+    left = 0
+    for m in maps:
+        try:
+            m.close()
+        except BufferError:
+            left += 1
+    if left:
+        log.warning("%d engine mapping(s) still referenced; unmapped when released", left)
+    return left

@@ -1,0 +1,253 @@
+"""The engine attach wire: length-prefixed JSON over a local Unix socket, fds by SCM_RIGHTS.
+
+An engine hands its pools to its local daemon (:mod:`kvbeam.engine.attach` sends,
+:mod:`kvbeam.server.attach` receives). Each message is a 4-byte big-endian length
+followed by that many bytes of UTF-8 JSON; the attach request's file descriptors
+travel as SCM_RIGHTS ancillary data with its first bytes. docs/engine.md documents
+the protocol. Request::
+
+    {"version": 1, "op": "attach", "memory_kind": "host_shm",
+     "config": {"model": ..., "target": {...}, "draft": {...} | null},
+     "components": [[{"fd_index": 0, "offset": 0, "length": n, "item_len": k}, ...], ...]}
+
+``components`` is positional, as :attr:`kvbeam.pools.layout.SideLayout.components`
+(main KV first, the target states, the draft last); ``fd_index`` indexes the fds
+sent with the message. ``{"version": 1, "op": "detach"}`` ends an attachment (so
+does closing the socket). Reply: ``{"ok": bool, "error": str, "field": str,
+"instance_id": str}``. Pure data: no torch, no gRPC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvbeam.errors import AttachError
+from kvbeam.pools.spec import PoolSpec, SideConfig
+
+#: The attach protocol's version; a daemon refuses any other.
+ATTACH_VERSION = 1
+OPS = ("attach", "detach")
+#: ``host_shm``: memfd/tmpfs host memory; ``dmabuf``: GPU memory (refused until tested).
+MEMORY_KINDS = ("host_shm", "dmabuf")
+#: Largest message either side reads (a 61-layer DSV4 description is ~30 KB).
+MAX_MESSAGE_BYTES = 4 << 20
+#: Most fds one attach may carry.
+MAX_FDS = 253  # SCM_MAX_FD
+_LEN = struct.Struct(">I")
+
+
+@dataclass(frozen=True)
+class BufferRef:
+    """Where one buffer lives: ``length`` bytes at ``offset`` in fd ``fd_index``."""
+
+    fd_index: int
+    offset: int
+    length: int
+    item_len: int
+
+
+@dataclass(frozen=True)
+class AttachRequest:
+    """A decoded request (``config`` and ``components`` empty for detach)."""
+
+    op: str
+    memory_kind: str = "host_shm"
+    config: SideConfig | None = None
+    components: tuple[tuple[BufferRef, ...], ...] = ()
+    version: int = ATTACH_VERSION
+
+
+@dataclass(frozen=True)
+class AttachReply:
+    """The daemon's answer; ``field`` names the part of the request at fault."""
+
+    ok: bool
+    error: str = ""
+    field: str = ""
+    instance_id: str = ""
+
+
+# ---- config <-> mapping ----------------------------------------------------------
+def spec_to_mapping(spec: PoolSpec) -> dict[str, Any]:
+    """A pool spec as its side-YAML mapping (every field, lists for tuples)."""
+    out = dataclasses.asdict(spec)
+    out["compression_ratios"] = list(spec.compression_ratios)
+    return out
+
+
+def config_to_mapping(config: SideConfig) -> dict[str, Any]:
+    """A side config as the mapping a side YAML parses to."""
+    return {"model": config.model, "target": spec_to_mapping(config.target),
+            "draft": None if config.draft is None else spec_to_mapping(config.draft)}
+
+
+def first_config_difference(mine: SideConfig, theirs: SideConfig) -> str | None:
+    """``field: daemon=X, engine=Y`` for the first field that differs, or None."""
+    a, b = config_to_mapping(mine), config_to_mapping(theirs)
+    if a["model"] != b["model"]:
+        return f"model: daemon={a['model']!r}, engine={b['model']!r}"
+    for pool in ("target", "draft"):
+        pa, pb = a[pool], b[pool]
+        if (pa is None) != (pb is None):
+            return (f"{pool}: daemon={'absent' if pa is None else 'present'}, "
+                    f"engine={'absent' if pb is None else 'present'}")
+        if pa is None or pb is None:
+            continue
+        for key in pa:
+            if pa[key] != pb[key]:
+                return f"{pool}.{key}: daemon={pa[key]!r}, engine={pb[key]!r}"
+    return None
+
+
+# ---- encoding --------------------------------------------------------------------
+def frame(payload: Mapping[str, Any]) -> bytes:
+    """One message: the length prefix and the JSON body."""
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise AttachError(f"attach message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return _LEN.pack(len(body)) + body
+
+
+def request_to_json(req: AttachRequest) -> dict[str, Any]:
+    """The JSON object of a request."""
+    out: dict[str, Any] = {"version": req.version, "op": req.op}
+    if req.op == "attach":
+        if req.config is None:
+            raise AttachError("an attach request needs the side config", "config")
+        out["memory_kind"] = req.memory_kind
+        out["config"] = config_to_mapping(req.config)
+        out["components"] = [[dataclasses.asdict(b) for b in comp] for comp in req.components]
+    return out
+
+
+def reply_to_json(reply: AttachReply) -> dict[str, Any]:
+    """The JSON object of a reply."""
+    return dataclasses.asdict(reply)
+
+
+# ---- decoding (strict: every refusal names its field) ----------------------------
+def _int(value: object, field: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise AttachError(f"{field}: must be an integer >= {minimum} (got {value!r})", field)
+    return value
+
+
+def request_from_json(data: object, nfds: int) -> AttachRequest:
+    """Decode and check a request's structure; ``nfds`` fds came with it.
+
+    Raises:
+        AttachError: an unknown version, op or memory kind, a malformed config or
+            buffer; the message names the field.
+    """
+    if not isinstance(data, dict):
+        raise AttachError(f"attach message must be a JSON object (got {type(data).__name__})")
+    version = data.get("version")
+    if version != ATTACH_VERSION:
+        raise AttachError(f"version: attach protocol version {version!r} is not supported "
+                          f"(this daemon speaks {ATTACH_VERSION})", "version")
+    op = data.get("op")
+    if op not in OPS:
+        raise AttachError(f"op: unknown op {op!r} (known: {', '.join(OPS)})", "op")
+    if op == "detach":
+        return AttachRequest(op="detach")
+    kind = data.get("memory_kind")
+    if kind not in MEMORY_KINDS:
+        raise AttachError(f"memory_kind: unknown memory kind {kind!r} (known: "
+                          f"{', '.join(MEMORY_KINDS)})", "memory_kind")
+    raw = data.get("config")
+    if not isinstance(raw, dict):
+        raise AttachError(f"config: must be an object (the side YAML's mapping), got {raw!r}",
+                          "config")
+    try:
+        config = SideConfig.from_mapping(raw, source="engine config")
+    except Exception as exc:  # ConfigError names the field; anything else is malformed
+        raise AttachError(f"config: {exc}", "config") from None
+    comps = data.get("components")
+    if not isinstance(comps, list):
+        raise AttachError("components: must be a list of buffer lists", "components")
+    out: list[tuple[BufferRef, ...]] = []
+    for i, comp in enumerate(comps):
+        if not isinstance(comp, list):
+            raise AttachError(f"components[{i}]: must be a list of buffers", f"components[{i}]")
+        bufs = []
+        for j, b in enumerate(comp):
+            where = f"components[{i}][{j}]"
+            if not isinstance(b, dict):
+                raise AttachError(f"{where}: must be an object", where)
+            ref = BufferRef(_int(b.get("fd_index"), f"{where}.fd_index"),
+                            _int(b.get("offset"), f"{where}.offset"),
+                            _int(b.get("length"), f"{where}.length", 1),
+                            _int(b.get("item_len"), f"{where}.item_len", 1))
+            if ref.fd_index >= nfds:
+                raise AttachError(f"{where}.fd_index: {ref.fd_index} but only {nfds} fd(s) "
+                                  "came with the message", f"{where}.fd_index")
+            bufs.append(ref)
+        out.append(tuple(bufs))
+    return AttachRequest(op="attach", memory_kind=kind, config=config, components=tuple(out))
+
+
+def reply_from_json(data: object) -> AttachReply:
+    """Decode a reply."""
+    if not isinstance(data, dict) or not isinstance(data.get("ok"), bool):
+        raise AttachError(f"malformed attach reply: {data!r}")
+    return AttachReply(ok=data["ok"], error=str(data.get("error", "")),
+                       field=str(data.get("field", "")),
+                       instance_id=str(data.get("instance_id", "")))
+
+
+# ---- socket I/O ----------------------------------------------------------------------
+def _recv_exact(sock: socket.socket, n: int, head: bytes = b"") -> bytes:
+    buf = bytearray(head)
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def read_message(sock: socket.socket, *, with_fds: bool = False) -> tuple[object, list[int]]:
+    """Read one message (and the fds sent with its first bytes); raises EOFError at EOF.
+
+    Fds received are returned even when the body is refused later: the caller closes them.
+    """
+    fds: list[int] = []
+    if with_fds:
+        head, fds, flags, _ = socket.recv_fds(sock, _LEN.size, MAX_FDS)
+        if not head:
+            raise EOFError("connection closed")
+        if flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                _close_quietly(fd)
+            raise AttachError(f"fds: more than {MAX_FDS} file descriptors sent (truncated)",
+                              "fds")
+    else:
+        head = sock.recv(_LEN.size)
+        if not head:
+            raise EOFError("connection closed")
+    try:
+        (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, head))
+        if n > MAX_MESSAGE_BYTES:
+            raise AttachError(f"attach message of {n} bytes exceeds {MAX_MESSAGE_BYTES}")
+        body = _recv_exact(sock, n)
+        try:
+            return json.loads(body), fds
+        except ValueError as exc:
+            raise AttachError(f"attach message is not JSON: {exc}") from None
+    except BaseException:
+        for fd in fds:
+            _close_quietly(fd)
+        raise
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)

@@ -1,0 +1,256 @@
+"""The daemon's attach socket: a local engine hands over its pools (``--pools engine``).
+
+One long-lived thread serves a Unix stream socket (mode 0600, set before listen; its
+directory must not be writable by others). A connecting engine is checked by its
+peer credentials (SO_PEERCRED: the daemon's uid or one of ``--attach-allow-uid``),
+sends one attach message with its memfds (:mod:`kvbeam.proto.attach_codec`) and
+keeps the connection open: its lifetime is the attachment. A detach message, the
+socket closing or the engine dying ends it; the runtime then fails the requests on
+that memory and unmaps it, and the next engine may attach. One engine at a time: a
+second one is refused with the first one's pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import socket
+import stat
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvbeam.errors import AttachError, KvbeamError
+from kvbeam.proto.attach_codec import (
+    AttachReply,
+    AttachRequest,
+    frame,
+    read_message,
+    reply_to_json,
+    request_from_json,
+)
+
+log = logging.getLogger(__name__)
+
+#: Seconds a connecting engine has to send its message (the loop serves nothing else meanwhile).
+READ_TIMEOUT_S = 5.0
+#: How often the loop checks for stop, seconds.
+TICK_S = 0.2
+_CRED = struct.Struct("3i")
+
+
+@dataclass(frozen=True)
+class PeerCred:
+    """The connecting process, as the kernel reports it (SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_cred(conn: socket.socket) -> PeerCred:
+    """The peer process's pid, uid and gid."""
+    pid, uid, gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                 _CRED.size))
+    return PeerCred(pid, uid, gid)
+
+
+def default_socket_path(role: str, listen: str) -> str:
+    """``$XDG_RUNTIME_DIR/kvbeam/ROLE-PORT.sock`` (else ``/tmp/kvbeam-UID/...``)."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    root = os.path.join(base, "kvbeam") if base else f"/tmp/kvbeam-{os.getuid()}"
+    port = listen.rpartition(":")[2]
+    return os.path.join(root, f"{role}-{port}.sock" if port not in ("", "0") else f"{role}.sock")
+
+
+def _prepare_path(path: str) -> None:
+    """Create the directory (0700) if missing, refuse an unsafe one, clear a stale socket."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, mode=0o700, exist_ok=True)
+    st = os.stat(parent)
+    if st.st_uid not in (os.getuid(), 0):
+        raise AttachError(f"--attach-socket {path}: directory {parent} belongs to uid "
+                          f"{st.st_uid}, not this daemon's ({os.getuid()})")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise AttachError(f"--attach-socket {path}: directory {parent} is writable by others "
+                          f"(mode {stat.S_IMODE(st.st_mode):o}); use a private directory")
+    try:
+        old = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(old.st_mode) or old.st_uid != os.getuid():
+        raise AttachError(f"--attach-socket {path}: exists and is not this user's socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # stale: its daemon is gone
+        return
+    finally:
+        probe.close()
+    raise AttachError(f"--attach-socket {path}: another daemon listens there")
+
+
+class AttachServer:
+    """Serve the attach socket on one thread; the callbacks do the attach and the detach.
+
+    Args:
+        path: the socket path.
+        allow_uids: uids allowed besides the daemon's own.
+        on_attach: checks, maps and registers the memory, returns the new instance id;
+            raises (AttachError, ...) to refuse. Owns the fds it is given.
+        on_detach: fails the requests on the memory and releases it; gets the reason.
+    """
+
+    def __init__(self, path: str, allow_uids: Sequence[int],
+                 on_attach: Callable[[AttachRequest, list[int], PeerCred], str],
+                 on_detach: Callable[[str], None]) -> None:
+        self.path = path
+        self.allowed = {os.getuid(), *allow_uids}
+        self._on_attach = on_attach
+        self._on_detach = on_detach
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._engine: tuple[socket.socket, PeerCred] | None = None
+        _prepare_path(path)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._listener.bind(path)
+            # Before listen: nobody can connect between bind and chmod.
+            os.chmod(path, 0o666 if allow_uids else 0o600)
+            self._listener.listen(4)
+        except BaseException:
+            self._listener.close()
+            raise
+
+    @property
+    def attached_pid(self) -> int | None:
+        """The attached engine's pid, None when none is attached."""
+        engine = self._engine
+        return engine[1].pid if engine else None
+
+    def start(self) -> None:
+        """Start the serving thread."""
+        self._thread = threading.Thread(target=self._loop, name="kvbeam-attach", daemon=True)
+        self._thread.start()
+        log.info("waiting for an engine to attach on %s", self.path)
+
+    def stop(self) -> None:
+        """Stop serving and close the socket (the runtime releases the memory)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine[0].close()
+        self._listener.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+    # ---- the thread ---------------------------------------------------------------
+    def _loop(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._listener, selectors.EVENT_READ, "listener")
+            while not self._stop.is_set():
+                for key, _ in sel.select(TICK_S):
+                    try:
+                        if key.data == "listener":
+                            self._accept(sel)
+                        else:
+                            self._engine_message(sel)
+                    except Exception:  # the attach thread must survive any one engine
+                        log.exception("attach socket: handling %s failed", key.data)
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        conn, _ = self._listener.accept()
+        conn.settimeout(READ_TIMEOUT_S)
+        cred = peer_cred(conn)
+        try:
+            data, fds = read_message(conn, with_fds=True)
+        except (EOFError, OSError, KvbeamError) as exc:
+            log.warning("attach from pid %d (uid %d): unreadable message: %s", cred.pid,
+                        cred.uid, exc)
+            self._answer(conn, AttachReply(False, f"unreadable attach message: {exc}"))
+            conn.close()
+            return
+        try:
+            req = self._admit(cred, data, fds)
+        except AttachError as exc:
+            for fd in fds:
+                os.close(fd)
+            self._answer(conn, AttachReply(False, str(exc), exc.field))
+            conn.close()
+            return
+        try:
+            instance = self._on_attach(req, fds, cred)  # owns (closes) the fds
+        except Exception as exc:
+            field = exc.field if isinstance(exc, AttachError) else ""
+            if not isinstance(exc, KvbeamError):
+                log.exception("attach from pid %d failed unexpectedly", cred.pid)
+            log.warning("attach from pid %d (uid %d) refused: %s", cred.pid, cred.uid, exc)
+            self._answer(conn, AttachReply(False, str(exc), field))
+            conn.close()
+            return
+        if not self._answer(conn, AttachReply(True, instance_id=instance)):
+            self._on_detach(f"engine (pid {cred.pid}) left before the attach reply")
+            conn.close()
+            return
+        self._engine = (conn, cred)
+        sel.register(conn, selectors.EVENT_READ, "engine")
+        log.info("engine pid %d (uid %d) attached on %s", cred.pid, cred.uid, self.path)
+
+    def _admit(self, cred: PeerCred, data: object, fds: list[int]) -> AttachRequest:
+        if cred.uid not in self.allowed:
+            log.warning("attach refused: peer uid %d (pid %d) is not allowed", cred.uid,
+                        cred.pid)
+            raise AttachError(
+                f"attach refused: peer uid {cred.uid} (pid {cred.pid}) is neither this "
+                f"daemon's uid {os.getuid()} nor in --attach-allow-uid", "peer_uid")
+        req = request_from_json(data, len(fds))
+        engine = self._engine
+        if engine is not None:
+            raise AttachError(f"another engine (pid {engine[1].pid}, uid {engine[1].uid}) is "
+                              "attached: one engine per daemon; detach it first", "op")
+        if req.op != "attach":
+            raise AttachError("op: detach without an attachment on this connection", "op")
+        return req
+
+    def _engine_message(self, sel: selectors.BaseSelector) -> None:
+        engine = self._engine
+        if engine is None:
+            return
+        conn, cred = engine
+        reason = ""
+        try:
+            data, fds = read_message(conn)
+            req = request_from_json(data, len(fds))
+            if req.op == "detach":
+                reason = f"engine (pid {cred.pid}) detached"
+            else:
+                self._answer(conn, AttachReply(False, "op: already attached on this "
+                                                      "connection; detach first", "op"))
+                return
+        except (EOFError, OSError) as exc:
+            reason = f"engine (pid {cred.pid}) closed the attach socket (exited?): {exc}"
+        except AttachError as exc:
+            self._answer(conn, AttachReply(False, str(exc), exc.field))
+            return
+        sel.unregister(conn)
+        self._engine = None
+        log.warning("%s: releasing its memory", reason)
+        try:
+            self._on_detach(reason)
+        finally:
+            self._answer(conn, AttachReply(True))
+            conn.close()
+
+    @staticmethod
+    def _answer(conn: socket.socket, reply: AttachReply) -> bool:
+        try:
+            conn.sendall(frame(reply_to_json(reply)))
+            return True
+        except OSError:
+            return False

@@ -1,0 +1,59 @@
+"""The pools a core works on, which an engine daemon gets only when an engine attaches.
+
+:class:`PoolsHolder` gives a core ``spec``, ``layout`` and ``pools`` attributes that
+raise :class:`~kvbeam.errors.NoEngineAttached` while there are none (``--pools
+engine`` before an attach, or after a detach), so every path that would touch
+memory refuses cleanly instead of reading a stale mapping. The servicers refuse
+Reserve and Send before they reach a core; this is the second line.
+"""
+
+from __future__ import annotations
+
+from kvbeam.errors import NoEngineAttached
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.spec import PoolSpec
+
+NO_POOLS = "no engine attached: this daemon has no pools yet"
+
+
+class PoolsHolder:
+    """``spec``/``layout``/``pools`` of a core; see the module docstring."""
+
+    _held: tuple[PoolSpec, SideLayout, AllocatedSide] | None = None
+    _missing: str = NO_POOLS
+
+    def _hold(self, spec: PoolSpec | None, layout: SideLayout | None,
+              pools: AllocatedSide | None, missing: str = NO_POOLS) -> None:
+        """Hold these pools (all three given), or none (``missing`` says why)."""
+        if spec is not None and layout is not None and pools is not None:
+            self._held = (spec, layout, pools)
+        else:
+            self._held = None
+        self._missing = missing
+
+    def _require_pools(self) -> tuple[PoolSpec, SideLayout, AllocatedSide]:
+        held = self._held
+        if held is None:
+            raise NoEngineAttached(self._missing)
+        return held
+
+    @property
+    def has_pools(self) -> bool:
+        """True while the core has pools."""
+        return self._held is not None
+
+    @property
+    def spec(self) -> PoolSpec:
+        """The target pool's spec."""
+        return self._require_pools()[0]
+
+    @property
+    def layout(self) -> SideLayout:
+        """The side's layout (buffers at the memory's own offsets)."""
+        return self._require_pools()[1]
+
+    @property
+    def pools(self) -> AllocatedSide:
+        """The memory."""
+        return self._require_pools()[2]
