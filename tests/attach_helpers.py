@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import re
 import subprocess
 import sys
@@ -58,9 +59,11 @@ def start_engine_daemon(role: str, socket_path: str, *, config: str | None = Non
            "--metrics", "127.0.0.1:0", *deadlines, *extra]
     if config:
         cmd += ["--config", config]
-    kw: dict[str, Any] = {"user": user} if user else {}
+    if user:  # setpriv: Popen(user=...) cannot exec the interpreter here, setpriv can
+        gid = pwd.getpwnam(user).pw_gid
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={gid}", "--clear-groups", *cmd]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})}, bufsize=1, cwd="/", **kw)
+                            env={**os.environ, **(env or {})}, bufsize=1, cwd="/")
     lines: list[str] = []
     found: list[re.Match[str]] = []
     ready = threading.Event()
@@ -77,14 +80,13 @@ class Engine:
     """A tests/engine_peer.py process: its memfd pools, attached to a daemon."""
 
     def __init__(self, socket_path: str, config: str, *, seed: int, layout: str = "kvbeam",
-                 memory_kind: str = "host_shm", user: str | None = None) -> None:
+                 memory_kind: str = "host_shm") -> None:
         cmd = [sys.executable, "-m", "tests.engine_peer", "--socket", socket_path,
                "--config", config, "--seed", str(seed), "--layout", layout,
                "--memory-kind", memory_kind]
-        kw: dict[str, Any] = {"user": user} if user else {}
         root = str(Path(__file__).resolve().parent.parent)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, bufsize=1, cwd=root, **kw)
+                                     stderr=subprocess.PIPE, text=True, bufsize=1, cwd=root)
         #: ``attached INSTANCE`` or ``refused FIELD: MESSAGE``
         self.first = self._line(120.0)
 

@@ -106,9 +106,12 @@ def attach(socket_path: str, pools: EnginePools | EngineBuffers,
     sock.settimeout(timeout)
     try:
         sock.connect(socket_path)
-        # The fds ride with the first bytes; the rest of the message follows.
-        sent = socket.send_fds(sock, [message], buffers.fds)
-        sock.sendall(message[sent:])
+        try:
+            # The fds ride with the first bytes; the rest of the message follows.
+            sent = socket.send_fds(sock, [message], buffers.fds)
+            sock.sendall(message[sent:])
+        except OSError:
+            pass  # the daemon answered early and closed (a refusal): read its answer
         data, _ = read_message(sock)
         reply = reply_from_json(data)
     except (OSError, EOFError) as exc:

@@ -1,0 +1,165 @@
+"""Engine attach faults (real processes, TCP): an engine SIGKILLed mid-transfer, a stranger's
+attach, bad descriptions. What each produced, and what the daemon holds afterwards
+(fds, memfd mappings, RSS, registered regions), measured."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pwd
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvbeam.client import KvbeamClient
+from kvbeam.states import FailureReason, TransferState
+from tests.attach_helpers import Engine, proc_counts, start_engine_daemon, wait_for, write_config
+from tests.fixtures import UNIFIED_DRAFT, side
+from tests.metrics_helpers import scrape, value
+
+SEQ = 700
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    tmp_path.chmod(0o700)
+    return tmp_path
+
+
+def _daemon_holds(pid: int, metrics: str) -> dict[str, int]:
+    counts = proc_counts(pid)
+    counts["regions"] = int(value(scrape(metrics), "kvbeam_engine_registered_regions"))
+    return counts
+
+
+def test_engine_sigkill_mid_transfer_fails_both_sides_and_leaks_nothing(workdir: Path) -> None:
+    # ~100 MB of pools, so that what the daemon maps shows in its RSS.
+    big = {"num_req_slots": 16, "max_context_len": 16384}
+    cfg = write_config(workdir / "side.yaml", side(
+        head_dim=256, draft=dataclasses.replace(UNIFIED_DRAFT, **big), **big))
+    psock, dsock = str(workdir / "p.sock"), str(workdir / "d.sock")
+    decode = start_engine_daemon("decode", dsock)
+    # A slow wire: prefill waits 3 s after BeginWrite, so the request is mid-transfer.
+    prefill = start_engine_daemon("prefill", psock,
+                                  env={"KVBEAM_FAULT_WRITE_DELAY_S": "3"})
+    engines: list[Engine] = []
+    try:
+        with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+            assert not d.healthy(2.0)
+            before = _daemon_holds(decode.proc.pid, decode.metrics)
+            engines += [Engine(psock, cfg, seed=1), Engine(dsock, cfg, seed=2)]
+            pe, de = engines
+            assert pe.attached and de.attached, (pe.first, de.first)
+            attached = _daemon_holds(decode.proc.pid, decode.metrics)
+            d.reserve("k1", SEQ, prefill.address)
+            p.send("k1", 0, SEQ, decode.address)
+            assert wait_for(lambda: d.status("k1").state is TransferState.TRANSFERRING, 10)
+            de.kill()
+            for c in (p, d):  # bounded: well inside the 6 s transfer deadline
+                st = c.wait("k1", 15)
+                assert st.state is TransferState.FAILED, str(st)
+            assert "engine memory detached" in d.status("k1").detail
+            assert p.status("k1").reason in (FailureReason.PEER_FAILED,
+                                             FailureReason.SHUTDOWN)
+            assert wait_for(lambda: value(scrape(decode.metrics), "kvbeam_engine_attached") == 0,
+                            15)
+            assert not d.healthy(2.0)
+            wait_for(lambda: proc_counts(decode.proc.pid)["fds"] <= before["fds"], 5)
+            after = _daemon_holds(decode.proc.pid, decode.metrics)
+            print(f"\ndecode daemon holds: before attach {before}, attached {attached}, "
+                  f"after engine SIGKILL {after}")
+            assert attached["memfd_maps"] > 0 and attached["regions"] > 0
+            assert after["memfd_maps"] == 0 and after["regions"] == 0
+            assert after["fds"] == before["fds"], (before, after)
+            # The daemon maps ~100 MB of the engine's pages (TCP faults in only what it
+            # touches; an RDMA registration pins all): none may stay resident.
+            assert after["rss_kib"] - before["rss_kib"] < 16 << 10, (before, after)
+            # A new engine attaches to the same daemon and the pair serves again.
+            engines.append(Engine(dsock, cfg, seed=4))
+            assert engines[-1].attached and d.wait_healthy(10)
+            assert wait_for(lambda: value(scrape(prefill.metrics), "kvbeam_peers") == 0, 15)
+            res = d.reserve("k2", SEQ, prefill.address)
+            p.send("k2", 0, SEQ, decode.address)
+            assert d.wait("k2", 60).state is TransferState.SUCCESS
+            assert engines[-1].digests(res.slot, SEQ) == pe.digests(0, SEQ)
+    finally:
+        for e in engines:
+            e.stop()
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.fixture
+def nobody_dir() -> Iterator[str]:
+    """A private directory owned by ``nobody`` (the daemon's socket lives there)."""
+    path = tempfile.mkdtemp(prefix="kvbeam-nobody-")
+    nobody = pwd.getpwnam("nobody")
+    os.chown(path, nobody.pw_uid, nobody.pw_gid)
+    os.chmod(path, 0o700)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the daemon as nobody")
+def test_a_strangers_attach_is_refused_naming_its_uid(nobody_dir: str, workdir: Path) -> None:
+    # Root bypasses the socket's 0600 mode: the peer-credential check must refuse it.
+    cfg = write_config(workdir / "side.yaml", side())
+    os.chmod(workdir, 0o755)
+    os.chmod(cfg, 0o644)
+    sock = os.path.join(nobody_dir, "d.sock")
+    decode = start_engine_daemon("decode", sock, user="nobody")
+    assert os.stat(sock).st_uid == pwd.getpwnam("nobody").pw_uid
+    try:
+        e = Engine(sock, cfg, seed=1)
+        e.stop()
+        assert e.first.startswith("refused peer_uid:"), e.first
+        assert "peer uid 0" in e.first and "--attach-allow-uid" in e.first
+        assert wait_for(lambda: "attach refused: peer uid 0" in decode.output, 5)
+        with KvbeamClient(decode.address) as d:
+            assert not d.healthy(2.0)
+    finally:
+        decode.stop()
+
+
+def test_bad_descriptions_are_refused_naming_the_field_and_leak_nothing(workdir: Path) -> None:
+    good = write_config(workdir / "side.yaml", side())
+    other = write_config(workdir / "other.yaml", side(head_dim=32))
+    bad_draft = write_config(workdir / "bad.yaml", side(
+        draft=dataclasses.replace(UNIFIED_DRAFT, unified_kv=False)))
+    strict = start_engine_daemon("decode", str(workdir / "s.sock"), config=good)
+    loose = start_engine_daemon("prefill", str(workdir / "l.sock"))
+    try:
+        before = proc_counts(strict.proc.pid)
+        refused = {
+            "config": Engine(str(workdir / "s.sock"), other, seed=1).first,
+            "dmabuf": Engine(str(workdir / "s.sock"), good, seed=1, memory_kind="dmabuf").first,
+            "draft": Engine(str(workdir / "l.sock"), bad_draft, seed=1).first,
+        }
+        assert refused["config"].startswith("refused config:"), refused
+        assert "target.head_dim: daemon=16, engine=32" in refused["config"]
+        assert refused["dmabuf"].startswith("refused memory_kind:")
+        assert "GPU memory (dma-buf) is not supported yet" in refused["dmabuf"]
+        assert refused["draft"].startswith("refused config.draft:")
+        assert "DSV4 target and draft pools must use the same unified-KV mode" in refused["draft"]
+        assert "(prefill side)" in refused["draft"]
+        # One engine at a time: a second attach is refused naming the first one's pid.
+        first = Engine(str(workdir / "s.sock"), good, seed=1)
+        second = Engine(str(workdir / "s.sock"), good, seed=2)
+        assert first.attached
+        assert second.first.startswith("refused op:"), (second.first, strict.output[-3000:])
+        assert f"another engine (pid {first.proc.pid}, uid 0) is attached" in second.first
+        for e in (first, second):
+            e.stop()
+        assert wait_for(lambda: value(scrape(strict.metrics), "kvbeam_engine_attached") == 0,
+                        10)
+        # The engine's socket closes just after the release the gauge reports.
+        wait_for(lambda: proc_counts(strict.proc.pid)["fds"] <= before["fds"], 5)
+        after = proc_counts(strict.proc.pid)
+        print(f"\nstrict daemon after 4 refusals and one attach/detach: {before} -> {after}")
+        assert after["fds"] == before["fds"] and after["memfd_maps"] == 0
+    finally:
+        strict.stop()
+        loose.stop()
