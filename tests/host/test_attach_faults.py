@@ -37,9 +37,9 @@ def _daemon_holds(pid: int, metrics: str) -> dict[str, int]:
 
 def test_engine_sigkill_mid_transfer_fails_both_sides_and_leaks_nothing(workdir: Path) -> None:
     # ~100 MB of pools, so that what the daemon maps shows in its RSS.
-    big = {"num_req_slots": 16, "max_context_len": 16384}
+    draft = dataclasses.replace(UNIFIED_DRAFT, num_req_slots=16, max_context_len=16384)
     cfg = write_config(workdir / "side.yaml", side(
-        head_dim=256, draft=dataclasses.replace(UNIFIED_DRAFT, **big), **big))
+        draft=draft, head_dim=256, num_req_slots=16, max_context_len=16384))
     psock, dsock = str(workdir / "p.sock"), str(workdir / "d.sock")
     decode = start_engine_daemon("decode", dsock)
     # A slow wire: prefill waits 3 s after BeginWrite, so the request is mid-transfer.
