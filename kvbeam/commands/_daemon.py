@@ -10,7 +10,9 @@ from kvbeam.server.settings import add_daemon_arguments, env_help, resolve
 def description(role: str) -> str:
     """The --help text of a daemon command."""
     return f"""\
-Run the {role} daemon: allocate the target and draft pools from --config, check
+Run the {role} daemon: allocate the target and draft pools from --config (or, with
+--pools engine, wait for an inference engine to attach its own memory on
+--attach-socket: NOT_SERVING and transfers refused until then; docs/engine.md), check
 them (refusing to start with sglang's error when target and draft disagree), open
 the transport (the RDMA device given or found; TCP only when none exists, logged
 as a warning), and serve the kvbeam.v1 control API and the gRPC health service on
