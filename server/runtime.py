@@ -69,6 +69,7 @@ class Runtime:
         self.faults = FaultHooks.from_env()  # test-only; all off unless KVBEAM_FAULT_* set
         self._pools: Pools | None = None
         self.attach_server: AttachServer | None = None
+        self.gauges: AttachGauges | None = None  # engine mode only
         own: AllocatedSide | None = None
         if not self.engine_mode and self.expected is not None and layout is not None:
             own = AllocatedSide(layout, settings.pool_device)
@@ -178,8 +179,8 @@ class Runtime:
         if self.settings.metrics:
             self.metrics_address = self.metrics.serve(self.settings.metrics)
         self._servicer = servicer
-        self.gauges = AttachGauges(self.metrics.registry)
         if self.engine_mode:
+            self.gauges = AttachGauges(self.metrics.registry)
             self.attach_server = AttachServer(self.attach_path, self.settings.attach_allow_uid,
                                               self.attach_engine, self.detach_engine)
         self.server = ControlServer(self.local, servicer=servicer, options=self.options)
@@ -219,7 +220,8 @@ class Runtime:
         self._servicer.core.use_pools(memory.config.target, memory.layout, memory.side)
         self.local = self._servicer.local = local
         self._pools = pools
-        self.gauges.on_attach(pools)
+        if self.gauges is not None:
+            self.gauges.on_attach(pools)
         if self.health is not None:
             self.health.refresh()
         log.info("engine pid %d attached: %s, %d region(s) registered (%s), instance %s",
@@ -240,7 +242,8 @@ class Runtime:
         # connection (their handshakes carried the old regions).
         self._servicer.core.drop_pools(f"engine memory detached: {reason}")
         left = release(pools)
-        self.gauges.on_detach()
+        if self.gauges is not None:
+            self.gauges.on_detach()
         log.info("engine memory released (%s): deregistered, %s", reason,
                  "unmapped" if not left else f"{left} mapping(s) still referenced")
 

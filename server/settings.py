@@ -268,7 +268,7 @@ def env_help() -> str:
     width = max(len(o.env) for o in OPTIONS)
     lines = ["environment (a flag overrides its variable):"]
     for o in OPTIONS:
-        default = "-" if o.default in (None, "") else o.default
+        default = "-" if o.default in (None, "", ()) else o.default
         lines.append(f"  {o.env:<{width}}  {o.flag} (default: {default})")
     return "\n".join(lines)
 

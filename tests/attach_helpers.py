@@ -14,10 +14,8 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -146,13 +144,3 @@ def proc_counts(pid: int) -> dict[str, int]:
     return {"fds": len(os.listdir(f"/proc/{pid}/fd")),
             "memfd_maps": sum(1 for line in maps if "memfd:kvbeam" in line),
             "rss_kib": rss}
-
-
-def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
-    """Poll ``predicate`` until true or ``timeout`` seconds pass."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())

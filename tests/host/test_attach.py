@@ -17,9 +17,9 @@ import pytest
 
 from kvbeam.client import KvbeamClient
 from kvbeam.errors import NoEngineAttached
-from kvbeam.procs import DaemonProcess
+from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.states import TransferState
-from tests.attach_helpers import Engine, start_engine_daemon, wait_for, write_config
+from tests.attach_helpers import Engine, start_engine_daemon, write_config
 from tests.fixtures import side
 from tests.metrics_helpers import scrape, value
 
@@ -86,20 +86,20 @@ def test_engine_pair_moves_requests_into_the_decode_engines_memory(pair: tuple[
 
             # Decode's engine detaches: NOT_SERVING, refused; re-attaches: serves again.
             assert de.cmd("detach") == "detached"
-            assert wait_for(lambda: not d.healthy(1.0), 10)
+            assert wait_until(lambda: not d.healthy(1.0), 10)
             with pytest.raises(NoEngineAttached, match=r"last: engine .* detached"):
                 d.reserve("between", SEQ, prefill.address)
             answer = de.cmd("attach")
             assert answer.startswith("attached ") and answer.split()[1] != de.first.split()[1]
             assert d.wait_healthy(10)
             # Prefill drops its connection to the old instance at its next heartbeat.
-            assert wait_for(lambda: value(scrape(prefill.metrics), "kvbeam_peers") == 0, 15)
+            assert wait_until(lambda: value(scrape(prefill.metrics), "kvbeam_peers") == 0, 15)
             slot = _move(p, d, "r2", 1, prefill.address, decode.address)
             assert de.digests(slot, SEQ) == pe.digests(1, SEQ) != pe.digests(0, SEQ)
 
             # The prefill engine restarts (a new process): the pair serves again.
             pe.stop()
-            assert wait_for(lambda: not p.healthy(1.0), 10)
+            assert wait_until(lambda: not p.healthy(1.0), 10)
             pe = Engine(psock, cfg, seed=3, layout="packed")
             assert pe.attached and p.wait_healthy(10)
             slot = _move(p, d, "r3", 2, prefill.address, decode.address)

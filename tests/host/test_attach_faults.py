@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from kvbeam.client import KvbeamClient
+from kvbeam.procs import wait_until
 from kvbeam.states import FailureReason, TransferState
-from tests.attach_helpers import Engine, proc_counts, start_engine_daemon, wait_for, write_config
+from tests.attach_helpers import Engine, proc_counts, start_engine_daemon, write_config
 from tests.fixtures import UNIFIED_DRAFT, side
 from tests.metrics_helpers import scrape, value
 
@@ -56,7 +57,7 @@ def test_engine_sigkill_mid_transfer_fails_both_sides_and_leaks_nothing(workdir:
             attached = _daemon_holds(decode.proc.pid, decode.metrics)
             d.reserve("k1", SEQ, prefill.address)
             p.send("k1", 0, SEQ, decode.address)
-            assert wait_for(lambda: d.status("k1").state is TransferState.TRANSFERRING, 10)
+            assert wait_until(lambda: d.status("k1").state is TransferState.TRANSFERRING, 10)
             de.kill()
             for c in (p, d):  # bounded: well inside the 6 s transfer deadline
                 st = c.wait("k1", 15)
@@ -64,10 +65,10 @@ def test_engine_sigkill_mid_transfer_fails_both_sides_and_leaks_nothing(workdir:
             assert "engine memory detached" in d.status("k1").detail
             assert p.status("k1").reason in (FailureReason.PEER_FAILED,
                                              FailureReason.SHUTDOWN)
-            assert wait_for(lambda: value(scrape(decode.metrics), "kvbeam_engine_attached") == 0,
+            assert wait_until(lambda: value(scrape(decode.metrics), "kvbeam_engine_attached") == 0,
                             15)
             assert not d.healthy(2.0)
-            wait_for(lambda: proc_counts(decode.proc.pid)["fds"] <= before["fds"], 5)
+            wait_until(lambda: proc_counts(decode.proc.pid)["fds"] <= before["fds"], 5)
             after = _daemon_holds(decode.proc.pid, decode.metrics)
             print(f"\ndecode daemon holds: before attach {before}, attached {attached}, "
                   f"after engine SIGKILL {after}")
@@ -80,7 +81,7 @@ def test_engine_sigkill_mid_transfer_fails_both_sides_and_leaks_nothing(workdir:
             # A new engine attaches to the same daemon and the pair serves again.
             engines.append(Engine(dsock, cfg, seed=4))
             assert engines[-1].attached and d.wait_healthy(10)
-            assert wait_for(lambda: value(scrape(prefill.metrics), "kvbeam_peers") == 0, 15)
+            assert wait_until(lambda: value(scrape(prefill.metrics), "kvbeam_peers") == 0, 15)
             res = d.reserve("k2", SEQ, prefill.address)
             p.send("k2", 0, SEQ, decode.address)
             assert d.wait("k2", 60).state is TransferState.SUCCESS
@@ -117,7 +118,7 @@ def test_a_strangers_attach_is_refused_naming_its_uid(nobody_dir: str, workdir: 
         e.stop()
         assert e.first.startswith("refused peer_uid:"), e.first
         assert "peer uid 0" in e.first and "--attach-allow-uid" in e.first
-        assert wait_for(lambda: "attach refused: peer uid 0" in decode.output, 5)
+        assert wait_until(lambda: "attach refused: peer uid 0" in decode.output, 5)
         with KvbeamClient(decode.address) as d:
             assert not d.healthy(2.0)
     finally:
@@ -153,10 +154,10 @@ def test_bad_descriptions_are_refused_naming_the_field_and_leak_nothing(workdir:
         assert f"another engine (pid {first.proc.pid}, uid 0) is attached" in second.first
         for e in (first, second):
             e.stop()
-        assert wait_for(lambda: value(scrape(strict.metrics), "kvbeam_engine_attached") == 0,
+        assert wait_until(lambda: value(scrape(strict.metrics), "kvbeam_engine_attached") == 0,
                         10)
         # The engine's socket closes just after the release the gauge reports.
-        wait_for(lambda: proc_counts(strict.proc.pid)["fds"] <= before["fds"], 5)
+        wait_until(lambda: proc_counts(strict.proc.pid)["fds"] <= before["fds"], 5)
         after = proc_counts(strict.proc.pid)
         print(f"\nstrict daemon after 4 refusals and one attach/detach: {before} -> {after}")
         assert after["fds"] == before["fds"] and after["memfd_maps"] == 0

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvbeam.client import KvbeamClient
+from kvbeam.procs import wait_until
 from kvbeam.states import TransferState
-from tests.attach_helpers import Engine, proc_counts, start_engine_daemon, wait_for, write_config
+from tests.attach_helpers import Engine, proc_counts, start_engine_daemon, write_config
 from tests.daemon_helpers import SLOW_GUEST
 from tests.fixtures import side
 from tests.metrics_helpers import scrape, value
@@ -48,9 +49,9 @@ def test_attached_memfd_pools_move_a_request_over_rdma(rdma_device: RdmaDevice,
             d.release("rdma-1")
             attached = proc_counts(decode.proc.pid)
             de.kill()
-            assert wait_for(lambda: value(scrape(decode.metrics), "kvbeam_engine_attached") == 0,
+            assert wait_until(lambda: value(scrape(decode.metrics), "kvbeam_engine_attached") == 0,
                             60)
-            wait_for(lambda: proc_counts(decode.proc.pid)["fds"] <= before["fds"], 10)
+            wait_until(lambda: proc_counts(decode.proc.pid)["fds"] <= before["fds"], 10)
             after = proc_counts(decode.proc.pid)
             print(f"\nrdma decode daemon: before {before}, attached {attached} "
                   f"({int(regions)} regions), after SIGKILL {after}, regions "
