@@ -313,6 +313,8 @@ class DecodeCore(PoolsHolder):
     # ---- engine pools (--pools engine) ------------------------------------------------
     def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
         """An engine attached: reserve slots of its config in its memory from now on."""
+        if self.table.live():  # a reservation that raced the detach: its indices are stale
+            self.shutdown("engine memory replaced while the request was being accepted")
         self.slots = SlotPool(spec.num_req_slots)
         self._hold(spec, layout, pools)
 

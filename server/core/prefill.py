@@ -236,6 +236,8 @@ class PrefillCore(PrefillEvents, PoolsHolder):
     # ---- engine pools (--pools engine) ------------------------------------------------
     def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
         """An engine attached: send from its memory from now on."""
+        if self.table.live():  # a request that raced the detach: its indices are stale
+            self.shutdown("engine memory replaced while the request was being accepted")
         self._hold(spec, layout, pools)
 
     def drop_pools(self, detail: str) -> None:
