@@ -11,7 +11,6 @@ would choose: only lengths and item lengths must match.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import mmap
 from collections.abc import Sequence
@@ -47,7 +46,8 @@ def placed_layout(expected: SideLayout, placements: Sequence[Sequence[Placement]
 
 
 class MappedSide(AllocatedSide):
-    """An engine's pools, mapped here; :meth:`close` unmaps them (after deregistration)."""
+    """An engine's pools, mapped here; after deregistration, :meth:`take_maps` and
+    :func:`kvbeam.pools.shm.unmap` release them."""
 
     def __init__(self, layout: SideLayout, maps: Sequence[mmap.mmap]) -> None:
         # Not AllocatedSide.__init__: nothing is allocated, the memory is the engine's.
@@ -66,26 +66,9 @@ class MappedSide(AllocatedSide):
 
     def take_maps(self) -> list[mmap.mmap]:
         """Give up the mappings (the side is unusable afterwards); unmap them with
-        :func:`unmap` once every other reference to this side is dropped."""
+        :func:`~kvbeam.pools.shm.unmap` once every other reference to this side is dropped."""
         maps, self._maps = self._maps, []
         self.tensors = []
         self._addrs = None
         return maps
 
-
-def unmap(maps: Sequence[mmap.mmap]) -> int:
-    """Unmap ``maps``; returns how many are still referenced (unmapped when released).
-
-    Cached digest views of a side die with the side (a weak-keyed cache): drop every
-    reference to the side before calling this.
-    """
-    gc.collect()
-    left = 0
-    for m in maps:
-        try:
-            m.close()
-        except BufferError:
-            left += 1
-    if left:
-        log.warning("%d engine mapping(s) still referenced; unmapped when released", left)
-    return left

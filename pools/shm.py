@@ -7,11 +7,16 @@ are shmem: RDMA registration pins them (unlike ext4/xfs file mappings).
 
 from __future__ import annotations
 
+import gc
+import logging
 import mmap
 import os
 import stat
+from collections.abc import Sequence
 
 from kvbeam.errors import AttachError
+
+log = logging.getLogger(__name__)
 
 
 def create_memfd(name: str, nbytes: int) -> int:
@@ -42,3 +47,21 @@ def map_shared(fd: int, nbytes: int) -> mmap.mmap:
     local-access MR asks for local write too. The fd may be closed afterwards.
     """
     return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def unmap(maps: Sequence[mmap.mmap]) -> int:
+    """Unmap ``maps``; returns how many are still referenced (unmapped when released).
+
+    Cached digest views of a side die with the side (a weak-keyed cache): drop every
+    reference to the side before calling this.
+    """
+    gc.collect()
+    left = 0
+    for m in maps:
+        try:
+            m.close()
+        except BufferError:
+            left += 1
+    if left:
+        log.warning("%d shared mapping(s) still referenced; unmapped when released", left)
+    return left

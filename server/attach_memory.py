@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from kvbeam.errors import AttachError, PoolCompatibilityError
 from kvbeam.pools.checks import check_target_draft
 from kvbeam.pools.layout import SideLayout, build_side_layout
-from kvbeam.pools.shared import MappedSide, Placement, placed_layout, unmap
-from kvbeam.pools.shm import map_shared, shared_file_size
+from kvbeam.pools.shared import MappedSide, Placement, placed_layout
+from kvbeam.pools.shm import map_shared, shared_file_size, unmap
 from kvbeam.pools.spec import SideConfig
 from kvbeam.proto.attach_codec import AttachRequest, BufferRef, first_config_difference
 

@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.layout import SideLayout, build_side_layout
-from kvbeam.pools.shared import MappedSide, unmap
+from kvbeam.pools.shared import MappedSide
+from kvbeam.pools.shm import unmap
 from kvbeam.pools.spec import PoolSpec, SideConfig
 from kvbeam.transport.base import Registration
 

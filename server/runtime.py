@@ -19,7 +19,7 @@ from kvbeam.errors import NoEngineAttached
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.checks import check_target_draft
 from kvbeam.pools.layout import SideLayout, build_side_layout
-from kvbeam.pools.shared import unmap
+from kvbeam.pools.shm import unmap
 from kvbeam.pools.spec import PoolSpec, SideConfig, load_side_config
 from kvbeam.proto.attach_codec import AttachRequest
 from kvbeam.proto.side import Role, SideInfo

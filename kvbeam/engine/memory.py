@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvbeam.pools.layout import BufferLayout, SideLayout, build_side_layout
-from kvbeam.pools.shm import create_memfd, map_shared
+from kvbeam.pools.shm import create_memfd, map_shared, unmap
 from kvbeam.pools.spec import SideConfig
 from kvbeam.proto.attach_codec import BufferRef
 
@@ -77,9 +77,9 @@ class EnginePools:
             for comp in self.layout.components])
 
     def close(self) -> None:
-        """Unmap and close the fds (the memory lives on while the daemon maps it)."""
-        for m in self._maps:
-            m.close()
+        """Unmap and close the fds (the memory lives on while the daemon maps it; a
+        mapping a view still uses goes with its last view)."""
+        unmap(self._maps)
         for fd in self.fds:
             os.close(fd)
         self._maps, self.fds = [], []

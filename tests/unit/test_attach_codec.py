@@ -14,7 +14,7 @@ import pytest
 from kvbeam.engine import EngineBuffers, EnginePools
 from kvbeam.errors import AttachError
 from kvbeam.pools.layout import build_side_layout
-from kvbeam.pools.shared import unmap
+from kvbeam.pools.shm import unmap
 from kvbeam.proto.attach_codec import (
     ATTACH_VERSION,
     AttachRequest,
