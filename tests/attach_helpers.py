@@ -144,3 +144,12 @@ def proc_counts(pid: int) -> dict[str, int]:
     return {"fds": len(os.listdir(f"/proc/{pid}/fd")),
             "memfd_maps": sum(1 for line in maps if "memfd:kvbeam" in line),
             "rss_kib": rss}
+
+
+def fd_targets(pid: int) -> list[str]:
+    """What each open fd of a process points at (sorted), to name the ones that differ."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return sorted(out)

@@ -1,17 +1,25 @@
 """Engine-attached memfd pools moved over RDMA (soft-RoCE): the daemons register the
 engines' memory (MRs over MAP_SHARED memfd mappings), a request lands in the decode
-engine's own memory, and the engine's SIGKILL deregisters and unmaps everything."""
+engine's own memory, and the engine's SIGKILL deregisters and unmaps everything; a
+new engine attaches to the same daemon and a request moves again."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from kvbeam.client import KvbeamClient
-from kvbeam.procs import wait_until
+from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.states import TransferState
-from tests.attach_helpers import Engine, proc_counts, start_engine_daemon, write_config
+from tests.attach_helpers import (
+    Engine,
+    fd_targets,
+    proc_counts,
+    start_engine_daemon,
+    write_config,
+)
 from tests.daemon_helpers import SLOW_GUEST
 from tests.fixtures import side
 from tests.metrics_helpers import scrape, value
@@ -21,8 +29,35 @@ pytestmark = pytest.mark.rdma
 SEQ = 700
 
 
-def test_attached_memfd_pools_move_a_request_over_rdma(rdma_device: RdmaDevice,
-                                                       tmp_path: Path) -> None:
+def _regions(daemon: DaemonProcess) -> float:
+    return value(scrape(daemon.metrics), "kvbeam_engine_registered_regions")
+
+
+def _cycle(p: KvbeamClient, d: KvbeamClient, prefill: DaemonProcess, decode: DaemonProcess,
+           pe: Engine, de: Engine, rid: str) -> dict[str, int]:
+    """Move one request into the decode engine, then SIGKILL it; what decode held attached."""
+    assert de.attached, de.first
+    assert d.wait_healthy(30)
+    # Prefill drops its link to decode's previous instance at its next heartbeat.
+    assert wait_until(lambda: value(scrape(prefill.metrics), "kvbeam_peers") == 0, 30)
+    assert _regions(decode) > 0
+    res = d.reserve(rid, SEQ, prefill.address)
+    p.send(rid, 0, SEQ, decode.address)
+    for c in (p, d):
+        st = c.wait(rid, 120)
+        assert st.state is TransferState.SUCCESS, str(st)
+    assert de.digests(res.slot, SEQ) == pe.digests(0, SEQ)
+    d.release(rid)
+    attached = proc_counts(decode.proc.pid)
+    attached["regions"] = int(_regions(decode))
+    de.kill()
+    assert wait_until(lambda: value(scrape(decode.metrics), "kvbeam_engine_attached") == 0, 60)
+    assert not d.healthy(5.0)
+    return attached
+
+
+def test_attached_memfd_pools_move_requests_over_rdma(rdma_device: RdmaDevice,
+                                                      tmp_path: Path) -> None:
     tmp_path.chmod(0o700)
     cfg = write_config(tmp_path / "side.yaml", side())
     psock, dsock = str(tmp_path / "p.sock"), str(tmp_path / "d.sock")
@@ -33,32 +68,27 @@ def test_attached_memfd_pools_move_a_request_over_rdma(rdma_device: RdmaDevice,
         assert prefill.transport == decode.transport == "rdma"
         with KvbeamClient(prefill.address, timeout=30) as p, \
                 KvbeamClient(decode.address, timeout=30) as d:
-            before = proc_counts(decode.proc.pid)
-            engines += [Engine(psock, cfg, seed=1, layout="packed"), Engine(dsock, cfg, seed=2)]
-            pe, de = engines
-            assert pe.attached and de.attached, (pe.first, de.first)
-            assert p.wait_healthy(30) and d.wait_healthy(30)
-            regions = value(scrape(decode.metrics), "kvbeam_engine_registered_regions")
-            assert regions > 0
-            res = d.reserve("rdma-1", SEQ, prefill.address)
-            p.send("rdma-1", 0, SEQ, decode.address)
-            for c in (p, d):
-                st = c.wait("rdma-1", 120)
-                assert st.state is TransferState.SUCCESS, str(st)
-            assert de.digests(res.slot, SEQ) == pe.digests(0, SEQ)
-            d.release("rdma-1")
-            attached = proc_counts(decode.proc.pid)
-            de.kill()
-            assert wait_until(lambda: value(scrape(decode.metrics), "kvbeam_engine_attached") == 0,
-                            60)
-            wait_until(lambda: proc_counts(decode.proc.pid)["fds"] <= before["fds"], 10)
-            after = proc_counts(decode.proc.pid)
-            print(f"\nrdma decode daemon: before {before}, attached {attached} "
-                  f"({int(regions)} regions), after SIGKILL {after}, regions "
-                  f"{value(scrape(decode.metrics), 'kvbeam_engine_registered_regions')}")
-            assert after["memfd_maps"] == 0 and after["fds"] <= before["fds"]
-            assert value(scrape(decode.metrics), "kvbeam_engine_registered_regions") == 0
-            assert not d.healthy(5.0)
+            pid = decode.proc.pid
+            before, fds0 = proc_counts(pid), fd_targets(pid)
+            engines.append(Engine(psock, cfg, seed=1, layout="packed"))
+            pe = engines[0]
+            assert pe.attached and p.wait_healthy(30), pe.first
+            figures = []
+            for n in (1, 2):  # the second cycle: a new engine on the same daemon
+                engines.append(Engine(dsock, cfg, seed=1 + n))
+                attached = _cycle(p, d, prefill, decode, pe, engines[-1], f"rdma-{n}")
+                wait_until(lambda: proc_counts(pid)["fds"] <= before["fds"], 10)
+                after = proc_counts(pid)
+                after["regions"] = int(_regions(decode))
+                figures.append((attached, after))
+                assert after["memfd_maps"] == 0 and after["regions"] == 0
+            extra = Counter(fd_targets(pid)) - Counter(fds0)
+            print(f"\nrdma decode daemon: before {before}; "
+                  + "; ".join(f"cycle {i + 1}: attached {a}, after SIGKILL {b}"
+                              for i, (a, b) in enumerate(figures))
+                  + f"; fds open after that were not before: {dict(extra)}")
+            # Nothing accumulates per attach: the second cycle ends where the first did.
+            assert figures[1][1]["fds"] <= figures[0][1]["fds"], figures
     finally:
         for e in engines:
             e.stop()
