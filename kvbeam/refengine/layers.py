@@ -84,10 +84,12 @@ def _compress_c128(lw: LayerWeights, v: LayerViews, w: Where, a: torch.Tensor, p
     """Record position ``p`` in the C128 state; compress the group ending at ``p``."""
     assert v.c128_state is not None and v.ckv is not None
     assert lw.wcv is not None and lw.wcs is not None and lw.ape is not None
-    val, score = a @ lw.wcv, a @ lw.wcs + lw.ape[p % C128]
+    val, score = a @ lw.wcv, a @ lw.wcs
     st = v.c128_state[w.alloc.c128_item]
     if w.spec.online_c128:
-        # (running max, running sum, weighted value sum), per dimension.
+        # (running max, running sum, weighted value sum), per dimension; the slot's
+        # positional bias enters as the row arrives (offline: when the group is gated).
+        score = score + lw.ape[p % C128]
         if p % C128 == 0:
             st[0], st[1], st[2] = score, torch.ones_like(score), val
         else:
@@ -98,7 +100,7 @@ def _compress_c128(lw: LayerWeights, v: LayerViews, w: Where, a: torch.Tensor, p
         st[p % C128, 0], st[p % C128, 1] = val, score
     if (p + 1) % C128:
         return
-    comp = st[2] / st[1] if w.spec.online_c128 else _gate(st[:, 0], st[:, 1])
+    comp = st[2] / st[1] if w.spec.online_c128 else _gate(st[:, 0], st[:, 1] + lw.ape)
     v.ckv[w.group_rows(C128, np.array([p // C128]))] = comp.to(v.ckv.dtype)
 
 

@@ -35,10 +35,13 @@ class ModelShape:
     vocab: int = 512
     mlp: int = 128
     #: Compressed entries a C4 layer attends to (chosen by its indexer).
-    c4_topk: int = 8
+    c4_topk: int = 16
     #: Scale of the random weights; > 1 makes the residual stream follow attention closely.
     gain: float = 1.6
     rope_base: float = 500.0
+    #: Scale of the compression's per-slot score bias: large, so the gate favours
+    #: particular slots and a row one slot off changes the compressed entry.
+    ape_scale: float = 4.0
 
 
 @dataclass
@@ -109,11 +112,11 @@ class ReferenceModel:
         if ratio:
             span = C4_SPAN if ratio == 4 else C128
             lw.wcv, lw.wcs = self._rand(s.hidden, hd), self._rand(s.hidden, hd)
-            lw.ape = self._rand(span, hd, scale=1.0)
+            lw.ape = self._rand(span, hd, scale=s.ape_scale)
         if ratio == 4:
             ihd = spec.indexer_head_dim
             lw.wiq, lw.wiv = self._rand(s.hidden, ihd), self._rand(s.hidden, ihd)
-            lw.wis, lw.iape = self._rand(s.hidden, ihd), self._rand(C4_SPAN, ihd, scale=1.0)
+            lw.wis, lw.iape = self._rand(s.hidden, ihd), self._rand(C4_SPAN, ihd, scale=s.ape_scale)
         return lw
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
