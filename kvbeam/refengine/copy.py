@@ -11,10 +11,12 @@ one ring position off.
 from __future__ import annotations
 
 from collections.abc import Collection
+from fnmatch import fnmatchcase
 
 import numpy as np
 import torch
 
+from kvbeam.errors import PlanError
 from kvbeam.pools.layout import BufferLayout, ComponentLayout, SideLayout
 from kvbeam.pools.plan import IndexLists, pair_index_lists
 from kvbeam.pools.spec import PoolSpec, SideConfig
@@ -23,8 +25,10 @@ from kvbeam.refengine.memory import SideMemory
 
 
 def _matches(entries: Collection[str], comp: ComponentLayout, buf: BufferLayout) -> bool:
-    """An entry names a component (``target.swa_ring``), a buffer, or a buffer kind (``c4_state``)."""
-    return any(e in (comp.name, buf.name) or buf.name.endswith("." + e) for e in entries)
+    """An entry names a component (``target.swa_ring``), a buffer kind (``c4_state``) or
+    buffers by pattern (``target.layer*.swa``)."""
+    return any(e == comp.name or fnmatchcase(buf.name, e) or buf.name.endswith("." + e)
+               for e in entries)
 
 
 def row_bytes(buf: BufferLayout, config: SideConfig) -> int:
@@ -56,6 +60,10 @@ def copy_state(src: SideMemory, src_lists: IndexLists, dst: SideMemory, dst_list
     """
     s_lists, d_lists = pair_index_lists(src_lists, dst_lists)
     layout: SideLayout = src.layout
+    for entry in (*skip, *shift):
+        # A fault that names nothing would make a sensitivity test pass vacuously.
+        if not any(_matches((entry,), c, b) for c in layout.components for b in c.buffers):
+            raise PlanError(f"copy_state: {entry!r} names no component or buffer")
     moved = 0
     for comp, dcomp in zip(layout.components, dst.layout.components, strict=True):
         for sb, db in zip(comp.buffers, dcomp.buffers, strict=True):

@@ -147,7 +147,7 @@ class Engine:
     def _target(self, req: Request, token: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.allocator.cover(req.alloc, p + 1)
         m = self.model
-        w = Where(m.config.target, req.alloc, m.shape)
+        w = Where(m.config.target, req.alloc, m.shape, m.rope[m.config.target.head_dim])
         x = m.embed[token]
         for lw, v in zip(m.layers, self.views, strict=True):
             x = block_step(lw, v, w, x, p)
@@ -161,7 +161,7 @@ class Engine:
         """
         m, dv = self.model, self.draft_views
         assert m.draft is not None and dv is not None and m.config.draft is not None
-        w = Where(m.config.draft, req.alloc, m.shape)
+        w = Where(m.config.draft, req.alloc, m.shape, m.rope[m.config.draft.head_dim])
         scratch: list[list[torch.Tensor]] = [[] for _ in m.draft.layers]
         out: list[int] = []
         x = rms(h) @ m.draft.proj_h + rms(m.embed[nxt]) @ m.draft.proj_e

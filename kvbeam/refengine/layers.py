@@ -18,7 +18,7 @@ import torch
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.refengine.allocator import Allocation
 from kvbeam.refengine.memory import LayerViews
-from kvbeam.refengine.model import C4_SPAN, C128, LayerWeights, ModelShape, rms, rope
+from kvbeam.refengine.model import C4_SPAN, C128, LayerWeights, ModelShape, Rope, rms
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Where:
     spec: PoolSpec
     alloc: Allocation
     shape: ModelShape
+    rope: Rope
 
     def swa_rows(self, pos: np.ndarray) -> torch.Tensor:
         """Row of each position in a layer's SWA view (ring row, or SWA page row)."""
@@ -46,9 +47,9 @@ class Where:
         return torch.from_numpy(pages * (ps // ratio) + (first % ps) // ratio)
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, kpos: torch.Tensor, base: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, keys: torch.Tensor, kpos: torch.Tensor, rope: Rope) -> torch.Tensor:
     """Single-KV-head attention: ``q`` ``[H, hd]`` (rotated) over ``keys`` ``[S, hd]``."""
-    k = rope(keys, kpos, base)
+    k = rope(keys, kpos)
     w = torch.softmax(q @ k.T / math.sqrt(keys.shape[-1]), dim=-1)
     return w @ keys
 
@@ -121,7 +122,7 @@ def _compressed(lw: LayerWeights, v: LayerViews, w: Where, a: torch.Tensor, p: i
         scores = v.idx[rows].float() @ (a @ lw.wiq)
         sel = torch.topk(scores, min(w.shape.c4_topk, n)).indices
         keys, kpos = keys[sel], kpos[sel]
-    return _attend(q, keys, kpos, w.shape.rope_base)
+    return _attend(q, keys, kpos, w.rope)
 
 
 def block_step(lw: LayerWeights, v: LayerViews, w: Where, x: torch.Tensor, p: int, *,
@@ -134,7 +135,7 @@ def block_step(lw: LayerWeights, v: LayerViews, w: Where, x: torch.Tensor, p: in
     """
     s, hd = w.shape, lw.head_dim
     a = rms(x)
-    q = rope((a @ lw.wq).view(s.heads, hd), torch.tensor([p]), s.rope_base)
+    q = w.rope((a @ lw.wq).view(s.heads, hd), torch.tensor([p]))
     kv = a @ lw.wkv
     start = max(0, p - w.spec.sliding_window + 1)
     if scratch is None:
@@ -146,7 +147,7 @@ def block_step(lw: LayerWeights, v: LayerViews, w: Where, x: torch.Tensor, p: in
     keys = v.swa[w.swa_rows(pos)].float()
     if scratch:
         keys = torch.cat([keys, torch.stack(scratch)])
-    out = _attend(q, keys, torch.arange(start, start + len(keys)), s.rope_base)
+    out = _attend(q, keys, torch.arange(start, start + len(keys)), w.rope)
     if lw.ratio and scratch is None:
         (_compress_c4 if lw.ratio == 4 else _compress_c128)(lw, v, w, a, p)
     if lw.ratio:

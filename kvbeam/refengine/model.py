@@ -87,6 +87,10 @@ class ReferenceModel:
         self.head = self._rand(s.hidden, s.vocab)
         spec = config.target
         self.layers = [self._layer(spec, r) for r in spec.compression_ratios]
+        # Positions reach max_context_len plus the draft's speculative chain.
+        reach = spec.max_context_len + spec.num_draft_tokens + 2
+        dims = {spec.head_dim} | ({config.draft.head_dim} if config.draft else set())
+        self.rope = {hd: Rope(hd, self.shape.rope_base, reach) for hd in dims}
         self.draft: DraftWeights | None = None
         if config.draft is not None:
             _check_draft(spec, config.draft)
@@ -142,15 +146,18 @@ def rms(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotate ``x`` (``[..., n, hd]`` or ``[n, hd]``) by positions ``pos`` (``[n]``)."""
-    hd = x.shape[-1]
-    half = hd // 2
-    inv = base ** (-torch.arange(half, dtype=torch.float32) / half)
-    ang = pos.to(torch.float32)[:, None] * inv[None, :]
-    cos, sin = torch.cos(ang), torch.sin(ang)
-    x1, x2 = x[..., :half], x[..., half:2 * half]
-    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-    if hd % 2:
-        out = torch.cat([out, x[..., 2 * half:]], dim=-1)
-    return out
+class Rope:
+    """Rotary position tables for one head size, precomputed for every reachable position."""
+
+    def __init__(self, head_dim: int, base: float, positions: int) -> None:
+        self.half = head_dim // 2
+        inv = base ** (-torch.arange(self.half, dtype=torch.float32) / max(self.half, 1))
+        ang = torch.arange(positions, dtype=torch.float32)[:, None] * inv[None, :]
+        self.cos, self.sin = torch.cos(ang), torch.sin(ang)
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` (``[n, hd]``, or ``[heads, hd]`` with one position) by ``pos``."""
+        h = self.half
+        cos, sin = self.cos[pos], self.sin[pos]
+        x1, x2 = x[..., :h], x[..., h:2 * h]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., 2 * h:]], dim=-1)

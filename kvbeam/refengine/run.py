@@ -10,7 +10,7 @@ indices, and the continuation decoded there. ``transfer`` is in-process
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,11 +22,15 @@ from kvbeam.pools.plan import IndexLists
 from kvbeam.pools.spec import SideConfig
 from kvbeam.refengine.copy import copy_state
 from kvbeam.refengine.engine import Continuation, Engine
-from kvbeam.refengine.memory import SideMemory, fill_garbage
+from kvbeam.refengine.memory import SideMemory, fill_garbage, fill_zeros
 from kvbeam.refengine.model import ModelShape, ReferenceModel
 
 #: ``transfer(src_lists, dst_lists, seq_len)``: move one request's state.
 Transfer = Callable[[IndexLists, IndexLists, int], None]
+#: ``corrupt(decode_side, dst_lists)``: tamper with the moved state before decoding.
+Corrupt = Callable[[SideMemory, IndexLists], None]
+
+PREFILL_ALLOCATOR_SEED, DECODE_ALLOCATOR_SEED, COLOCATED_ALLOCATOR_SEED = 11, 23, 7
 
 
 def make_prompt(length: int, vocab: int, seed: int = 1) -> list[int]:
@@ -35,12 +39,51 @@ def make_prompt(length: int, vocab: int, seed: int = 1) -> list[int]:
 
 
 def colocated(config: SideConfig, prompt: list[int], k: int, seed: int = 0,
-              shape: ModelShape | None = None, allocator_seed: int = 7) -> Continuation:
+              shape: ModelShape | None = None) -> Continuation:
     """Prompt and continuation in one engine, no transfer: the reference result."""
     model = ReferenceModel(config, seed, shape)
-    eng = Engine(model, AllocatedSide(build_side_layout(config)), allocator_seed)
+    eng = Engine(model, AllocatedSide(build_side_layout(config)), COLOCATED_ALLOCATOR_SEED)
     eng.prefill("r", prompt)
     return eng.decode("r", k)
+
+
+class SplitRun:
+    """One prefill; then any number of transfers into fresh decode engines, faults optional."""
+
+    def __init__(self, config: SideConfig, prompt: list[int], *, seed: int = 0,
+                 shape: ModelShape | None = None, prefill_side: SideMemory | None = None) -> None:
+        self.config = config
+        self.model = ReferenceModel(config, seed, shape)
+        self.side = prefill_side or AllocatedSide(build_side_layout(config))
+        self.engine = Engine(self.model, self.side, PREFILL_ALLOCATOR_SEED)
+        self.result = self.engine.prefill("r", prompt)
+
+    def decode(self, k: int, *, transfer: Transfer | None = None,
+               decode_side: SideMemory | None = None, garbage: bool = True,
+               skip: Collection[str] = (), shift: Collection[str] = (),
+               corrupt: Corrupt | None = None) -> Continuation:
+        """Move the state into a fresh decode engine and continue ``k`` tokens there.
+
+        The decode pools start as random bytes (``garbage``) or zeros (finite, so a
+        fault shows as different tokens rather than NaN). ``skip``/``shift`` go to
+        :func:`copy_state` (ignored with a custom ``transfer``).
+        """
+        dst = decode_side or AllocatedSide(build_side_layout(self.config))
+        if garbage:
+            fill_garbage(dst, seed=99)
+        else:
+            fill_zeros(dst)
+        dec = Engine(self.model, dst, DECODE_ALLOCATOR_SEED)
+        r = self.result
+        dst_lists = dec.adopt("r", r.seq_len, r.first_token)
+        if transfer is None:
+            copy_state(self.side, r.index_lists, dst, dst_lists, self.config,
+                       skip=skip, shift=shift)
+        else:
+            transfer(r.index_lists, dst_lists, r.seq_len)
+        if corrupt is not None:
+            corrupt(dst, dst_lists)
+        return dec.decode("r", k)
 
 
 @dataclass
@@ -89,20 +132,10 @@ def compare(config: SideConfig, prompt: list[int], k: int, *,
             seed: int = 0, shape: ModelShape | None = None) -> Comparison:
     """Run ``prompt`` colocated and split (prefill -> ``transfer`` -> decode); compare.
 
-    ``prefill_side`` / ``decode_side`` default to freshly allocated pools; the decode
-    side is filled with random bytes first, so a byte the transfer misses is garbage.
+    ``prefill_side`` / ``decode_side`` default to freshly allocated pools (an engine's
+    attached pools otherwise); the decode side is filled with random bytes first, so
+    a byte the transfer misses is garbage.
     """
-    layout = build_side_layout(config)
-    src = prefill_side or AllocatedSide(layout)
-    dst = decode_side or AllocatedSide(layout)
-    fill_garbage(dst, seed=99)
-    model = ReferenceModel(config, seed, shape)
-    pre, dec = Engine(model, src, allocator_seed=11), Engine(model, dst, allocator_seed=23)
-    result = pre.prefill("r", prompt)
-    dst_lists = dec.adopt("r", result.seq_len, result.first_token)
-    if transfer is None:
-        copy_state(src, result.index_lists, dst, dst_lists, config)
-    else:
-        transfer(result.index_lists, dst_lists, result.seq_len)
-    moved = dec.decode("r", k)
+    split = SplitRun(config, prompt, seed=seed, shape=shape, prefill_side=prefill_side)
+    moved = split.decode(k, transfer=transfer, decode_side=decode_side)
     return Comparison(len(prompt), colocated(config, prompt, k, seed, shape), moved)
