@@ -123,6 +123,10 @@ class Comparison:
             lines.append(f"{i:4d} | {a:9d} | {b:5d} | {'yes' if a == b else 'NO'}")
         lines.append(f"tokens equal: {self.tokens_equal}; draft proposals equal: "
                      f"{self.proposals_equal}; max logit diff {self.max_logit_diff:.3g}")
+        if self.moved.proposals:
+            lines.append(f"draft tokens accepted: colocated {sum(self.reference.accepted)}, "
+                         f"moved {sum(self.moved.accepted)} "
+                         f"(of {sum(map(len, self.moved.proposals))} proposed)")
         return "\n".join(lines)
 
 

@@ -8,6 +8,8 @@ proposals must equal those of one engine that ran prompt and continuation itself
 
 from __future__ import annotations
 
+import mmap
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.layout import build_side_layout
+from kvbeam.pools.layout import BufferLayout, SideLayout, build_side_layout
 from kvbeam.pools.plan import IndexLists
 from kvbeam.pools.spec import SideConfig
 from kvbeam.pools.types import IndexKind
@@ -155,3 +157,50 @@ def test_a_decode_engine_serves_requests_side_by_side() -> None:
     assert [a, b] == alone
     eng.release("a")
     eng.release("b")
+
+
+class _MemfdSide:
+    """Another SideMemory: one memfd per side, mapped; buffers are views into the mapping.
+
+    Stands in for an engine's shared-memory pools (what an engine attaches to its
+    daemon): the reference engine needs only ``layout`` and ``buffer_view``.
+    """
+
+    def __init__(self, layout: SideLayout) -> None:
+        self.layout = layout
+        offsets, total = [], 0
+        for t in layout.tensors:
+            offsets.append(total)
+            total += -(-t.nbytes // 4096) * 4096
+        self._offsets = offsets
+        self._fd = os.memfd_create("refengine-test")
+        os.ftruncate(self._fd, total)
+        self._map = mmap.mmap(self._fd, total)
+        self._all = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def buffer_view(self, buf: BufferLayout) -> torch.Tensor:
+        return self._all.narrow(0, self._offsets[buf.tensor] + buf.offset, buf.nbytes)
+
+    def close(self) -> None:
+        del self._all
+        self._map.close()
+        os.close(self._fd)
+
+
+def test_any_side_memory_and_transfer_function_fit() -> None:
+    cfg = tiny_config(unified=False)
+    src, dst = (_MemfdSide(build_side_layout(cfg)) for _ in range(2))
+    calls: list[int] = []
+
+    def transfer(src_lists: IndexLists, dst_lists: IndexLists, seq_len: int) -> None:
+        calls.append(seq_len)
+        copy_state(src, src_lists, dst, dst_lists, cfg)
+
+    try:
+        result = compare(cfg, make_prompt(140, VOCAB), 6, transfer=transfer,
+                         prefill_side=src, decode_side=dst)
+        assert calls == [140]
+        assert result.equal, result.table()
+    finally:
+        src.close()
+        dst.close()

@@ -1,11 +1,12 @@
 """The proof can fail: every component of the moved state changes the continuation.
 
-Each case moves the prefill state into a fresh decode engine with one fault: a
-component (or one kind of buffer) left out of the copy, or its rows landing one ring
-position off (window position ``j``'s row stored where ``j + 1`` belongs). The decode
-pools start zeroed, not random, so a fault shows as different tokens or draft
-proposals, not as NaN. The prompt (250 tokens) leaves a C4 group and a C128 group
-unfinished: both complete inside the continuation, from the moved state.
+Each case moves the prefill state into a fresh decode engine with one fault
+(:func:`~kvbeam.refengine.faults.component_faults`): a component (or one kind of
+buffer) left out of the copy, or its rows landing one ring position off (window
+position ``j``'s row stored where ``j + 1`` belongs). The decode pools start zeroed,
+not random, so a fault shows as different tokens or draft proposals, not as NaN.
+The prompt (250 tokens) leaves a C4 group and a C128 group unfinished: both
+complete inside the continuation, from the moved state.
 """
 
 from __future__ import annotations
@@ -16,46 +17,20 @@ import pytest
 import torch
 
 from kvbeam.errors import PlanError
+from kvbeam.pools.layout import build_side_layout
 from kvbeam.refengine.configs import tiny_config
 from kvbeam.refengine.engine import Continuation
+from kvbeam.refengine.faults import Fault, component_faults, sensitivity
 from kvbeam.refengine.run import SplitRun, make_prompt
 
 K = 24
 LENGTH = 250
-
-# (fault, name): component names, buffer kinds (``c4_state``) or buffer patterns.
-# ``draft`` marks faults that may only change the draft's proposals.
-UNIFIED = [
-    ("skip", "kv", False),                      # main KV: C4 KV, C4 indexer, C128 KV pages
-    ("skip", "c4_kv", False),
-    ("skip", "c4_indexer", False),
-    ("skip", "c128_kv", False),
-    ("skip", "target.swa", False),              # unified: the C4 compression states
-    ("skip", "c4_state", False),
-    ("shift", "c4_state", False),
-    ("skip", "c4_indexer_state", False),
-    ("shift", "c4_indexer_state", False),
-    ("skip", "target.swa_ring", False),         # SWA_RING
-    ("shift", "target.swa_ring", False),
-    ("skip", "target.c128_state", False),       # C128_STATE
-    ("shift", "c128_state", False),
-    ("skip", "draft.swa_ring", True),           # the draft component
-    ("shift", "draft.swa_ring", True),
-]
-PAGED = [
-    ("skip", "kv", False),
-    ("skip", "target.swa", False),              # paged: SWA pages and C4 states
-    ("skip", "target.layer*.swa", False),       # the SWA pages alone
-    ("shift", "target.layer*.swa", False),
-    ("skip", "c4_state", False),
-    ("shift", "c4_state", False),
-    ("skip", "c4_indexer_state", False),
-    ("shift", "c4_indexer_state", False),
-    ("skip", "target.c128_state", False),
-    ("shift", "c128_state", False),
-    ("skip", "draft.swa", True),
-    ("shift", "draft.swa", True),
-]
+CONFIGS = {
+    "unified": tiny_config(unified=True),
+    "paged": tiny_config(unified=False),
+    "unified-online": tiny_config(unified=True, online_c128=True),
+}
+CASES = [(mode, f) for mode, cfg in CONFIGS.items() for f in component_faults(cfg)]
 
 
 @pytest.fixture(autouse=True)
@@ -66,58 +41,45 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-_SPLITS: dict[tuple[bool, bool], tuple[SplitRun, Continuation]] = {}
+_SPLITS: dict[str, tuple[SplitRun, Continuation]] = {}
 
 
-def _split(unified: bool, online: bool = False) -> tuple[SplitRun, Continuation]:
+def _split(mode: str) -> tuple[SplitRun, Continuation]:
     """One prefill per config for the whole module, and its fault-free continuation."""
-    key = (unified, online)
-    if key not in _SPLITS:
-        split = SplitRun(tiny_config(unified=unified, online_c128=online),
-                         make_prompt(LENGTH, 512))
-        _SPLITS[key] = (split, split.decode(K, garbage=False))
-    return _SPLITS[key]
+    if mode not in _SPLITS:
+        split = SplitRun(CONFIGS[mode], make_prompt(LENGTH, 512))
+        _SPLITS[mode] = (split, split.decode(K, garbage=False))
+    return _SPLITS[mode]
 
 
-def _check(unified: bool, fault: str, name: str, draft_only: bool,
-           online: bool = False) -> None:
-    split, clean = _split(unified, online)
-    faults: tuple[str, ...] = (name,)
-    faulty = (split.decode(K, garbage=False, skip=faults) if fault == "skip"
-              else split.decode(K, garbage=False, shift=faults))
-    assert faulty.tokens != clean.tokens or faulty.proposals != clean.proposals, (
-        f"{fault} {name} made no difference")
-    if draft_only:
-        # The draft never changes the target's tokens (greedy verification)...
-        assert faulty.tokens == clean.tokens
-        torch.testing.assert_close(faulty.logits, clean.logits)
-        # ...but its state shows in what it proposes.
-        assert faulty.proposals != clean.proposals
+def test_every_component_has_a_fault() -> None:
+    for mode, cfg in CONFIGS.items():
+        names = {f.name for f in component_faults(cfg)}
+        assert {c.name for c in build_side_layout(cfg).components} <= names, mode
+    assert {"c4_state", "c4_indexer_state", "c128_state"} <= {f.name for _, f in CASES}
 
 
-@pytest.mark.parametrize(("fault", "name", "draft_only"), UNIFIED,
-                         ids=[f"{f}-{n}" for f, n, _ in UNIFIED])
-def test_unified_component_counts(fault: str, name: str, draft_only: bool) -> None:
-    _check(True, fault, name, draft_only)
-
-
-@pytest.mark.parametrize(("fault", "name", "draft_only"), PAGED,
-                         ids=[f"{f}-{n}" for f, n, _ in PAGED])
-def test_paged_component_counts(fault: str, name: str, draft_only: bool) -> None:
-    _check(False, fault, name, draft_only)
-
-
-def test_online_c128_state_counts() -> None:
-    _check(True, "skip", "target.c128_state", False, online=True)
+@pytest.mark.parametrize(("mode", "fault"), CASES, ids=[f"{m}-{f.action}-{f.name}"
+                                                        for m, f in CASES])
+def test_component_counts(mode: str, fault: Fault) -> None:
+    split, clean = _split(mode)
+    (effect,) = sensitivity(split, K, [fault], clean)
+    assert effect.changed, f"{fault} made no difference ({effect})"
+    assert effect.max_logit_diff > 0 or fault.draft_only
+    if fault.draft_only:
+        # The draft never changes the target's tokens (greedy verification), but its
+        # state shows in what it proposes.
+        assert effect.tokens_changed == 0 and effect.max_logit_diff == 0
+        assert effect.proposals_changed > 0
 
 
 def test_a_fault_that_names_nothing_is_refused() -> None:
-    split, _ = _split(True)
+    split, _ = _split("unified")
     with pytest.raises(PlanError, match="names no component"):
-        split.decode(1, skip=("target.swa",), shift=("no_such_buffer",))
+        split.decode(1, shift=("no_such_buffer",))
 
 
 def test_the_clean_copy_into_zeroed_pools_matches_the_garbage_one() -> None:
-    # The faults above start from zeroed pools; without a fault, the start does not matter.
-    split, clean = _split(True)
+    # The faults start from zeroed pools; without a fault, the start does not matter.
+    split, clean = _split("unified")
     assert split.decode(K).tokens == clean.tokens
