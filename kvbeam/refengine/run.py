@@ -10,7 +10,8 @@ indices, and the continuation decoded there. ``transfer`` is in-process
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,17 @@ Transfer = Callable[[IndexLists, IndexLists, int], None]
 Corrupt = Callable[[SideMemory, IndexLists], None]
 
 PREFILL_ALLOCATOR_SEED, DECODE_ALLOCATOR_SEED, COLOCATED_ALLOCATOR_SEED = 11, 23, 7
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` torch threads (the model is tiny: threads only add overhead)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def make_prompt(length: int, vocab: int, seed: int = 1) -> list[int]:

@@ -26,7 +26,7 @@ from kvbeam.refengine.copy import copy_state, flip_byte
 from kvbeam.refengine.engine import Engine
 from kvbeam.refengine.memory import SideMemory, fill_garbage
 from kvbeam.refengine.model import ReferenceModel
-from kvbeam.refengine.run import SplitRun, compare, make_prompt
+from kvbeam.refengine.run import SplitRun, compare, make_prompt, torch_threads
 
 K = 12
 VOCAB = 512
@@ -34,11 +34,9 @@ VOCAB = 512
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
-    """Keep the shared cores usable: the model is tiny, threads only add overhead."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    """Keep the shared cores usable."""
+    with torch_threads(1):
+        yield
 
 
 # 256: page, window (32) and C128 boundary at once; 250: none (its C128 group finishes

@@ -14,14 +14,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from kvbeam.errors import PlanError
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.refengine.configs import tiny_config
 from kvbeam.refengine.engine import Continuation
 from kvbeam.refengine.faults import Fault, component_faults, sensitivity
-from kvbeam.refengine.run import SplitRun, make_prompt
+from kvbeam.refengine.run import SplitRun, make_prompt, torch_threads
 
 K = 24
 LENGTH = 250
@@ -35,10 +34,9 @@ CASES = [(mode, f) for mode, cfg in CONFIGS.items() for f in component_faults(cf
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    """Keep the shared cores usable."""
+    with torch_threads(1):
+        yield
 
 
 _SPLITS: dict[str, tuple[SplitRun, Continuation]] = {}
