@@ -92,6 +92,7 @@ class Engine:
         """Run ``prompt``; its state stays in the pools at this engine's own indices."""
         if not prompt:
             raise PlanError("reference engine: empty prompt")
+        self._check_new(request_id, len(prompt))
         req = Request(self.allocator.new(), 0, prompt[0])
         self.requests[request_id] = req
         logits = torch.zeros(0)
@@ -112,6 +113,7 @@ class Engine:
         The returned lists are the destination of the transfer (this engine's own
         indices). ``next_token`` is prefill's first output token (sent as metadata).
         """
+        self._check_new(request_id, seq_len)
         a = self.allocator.new()
         self.allocator.cover(a, seq_len)
         self.requests[request_id] = Request(a, seq_len, next_token)
@@ -142,6 +144,13 @@ class Engine:
     def release(self, request_id: str) -> None:
         """Free a request's indices."""
         self.allocator.release(self.requests.pop(request_id).alloc)
+
+    def _check_new(self, request_id: str, seq_len: int) -> None:
+        if request_id in self.requests:
+            raise PlanError(f"reference engine: request {request_id!r} already exists")
+        limit = self.model.config.target.max_context_len
+        if not 0 < seq_len <= limit:
+            raise PlanError(f"reference engine: length {seq_len} outside 1..{limit}")
 
     # ---- model ------------------------------------------------------------------------
     def _target(self, req: Request, token: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:

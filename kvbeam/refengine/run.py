@@ -145,13 +145,13 @@ class Comparison:
 def compare(config: SideConfig, prompt: list[int], k: int, *,
             transfer: Transfer | None = None,
             prefill_side: SideMemory | None = None, decode_side: SideMemory | None = None,
-            seed: int = 0, shape: ModelShape | None = None) -> Comparison:
+            seed: int = 0, shape: ModelShape | None = None, garbage: bool = True) -> Comparison:
     """Run ``prompt`` colocated and split (prefill -> ``transfer`` -> decode); compare.
 
     ``prefill_side`` / ``decode_side`` default to freshly allocated pools (an engine's
-    attached pools otherwise); the decode side is filled with random bytes first, so
-    a byte the transfer misses is garbage.
+    attached pools otherwise); the decode side is filled with random bytes first
+    (``garbage``; zeros without), so a byte the transfer misses is garbage.
     """
     split = SplitRun(config, prompt, seed=seed, shape=shape, prefill_side=prefill_side)
-    moved = split.decode(k, transfer=transfer, decode_side=decode_side)
+    moved = split.decode(k, transfer=transfer, decode_side=decode_side, garbage=garbage)
     return Comparison(len(prompt), colocated(config, prompt, k, seed, shape), moved)

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import torch
 
+from kvbeam.errors import PlanError
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.layout import BufferLayout, SideLayout, build_side_layout
-from kvbeam.pools.plan import IndexLists
+from kvbeam.pools.plan import IndexLists, build_plan
 from kvbeam.pools.spec import SideConfig
 from kvbeam.pools.types import IndexKind
 from kvbeam.refengine.configs import tiny_config
@@ -96,6 +97,34 @@ def test_c128_state_list_is_empty_on_a_c128_boundary() -> None:
     assert len(lists[IndexKind.KV_PAGES]) == 2
     # Paged: the window's SWA pages only (the window 224..255 lies in logical page 1).
     assert len(lists[IndexKind.SWA_PAGES]) == 1
+
+
+def test_kvbeams_planner_accepts_the_engines_lists() -> None:
+    # The daemons validate and plan with build_plan: the engine's lists must pass it and
+    # plan exactly the bytes copy_state moves.
+    for unified in (True, False):
+        cfg = tiny_config(unified=unified)
+        split = _split(cfg, 250)
+        dst_side = AllocatedSide(build_side_layout(cfg))
+        dec = Engine(split.model, dst_side, allocator_seed=23)
+        dst = dec.adopt("r", split.result.seq_len, split.result.first_token)
+        src_side = split.side
+        assert isinstance(src_side, AllocatedSide)
+        plan = build_plan(src_side.layout, src_side.buffer_addrs(), split.result.index_lists,
+                          dst_side.layout, dst_side.buffer_addrs(), dst)
+        assert plan.total_bytes == copy_state(src_side, split.result.index_lists, dst_side,
+                                              dst, cfg)
+        assert plan.num_blocks > len(plan.buffers)  # fragmented: several runs per buffer
+
+
+def test_requests_are_refused_twice_or_out_of_range() -> None:
+    cfg = tiny_config(unified=True)
+    eng = Engine(ReferenceModel(cfg, 0), AllocatedSide(build_side_layout(cfg)), 3)
+    eng.adopt("r", 10, 1)
+    with pytest.raises(PlanError, match="already exists"):
+        eng.prefill("r", [1, 2])
+    with pytest.raises(PlanError, match="outside"):
+        eng.adopt("s", cfg.target.max_context_len + 1, 1)
 
 
 def _items(side: SideMemory, name: str) -> torch.Tensor:
