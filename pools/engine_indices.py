@@ -90,7 +90,7 @@ def _kinds(layout: SideLayout, pool: str | None) -> dict[IndexKind, list[int]]:
         if pool is None or comp.pool == pool:
             for buf in comp.buffers:
                 out.setdefault(buf.index_kind, []).append(buf.items)
-    return out
+    return {k: out[k] for k in IndexKind if k in out}  # IndexKind order, for messages
 
 
 def _addressed(layout: SideLayout, pool: str, kind: IndexKind,
@@ -133,7 +133,7 @@ def validate(side: str, spec: PoolSpec, layout: SideLayout, target: Mapping[Inde
             raise BadIndexList(f"{side}: the draft pool has no {kind.value} buffers (it uses "
                                f"{', '.join(k.value for k in draft_used)})", side=side,
                                kind=kind.value, pool="draft")
-    missing = [k.value for k in used if k not in target]
+    missing = [k.value for k in IndexKind if k in used and k not in target]
     if missing:
         raise BadIndexList(f"{side}: index lists missing for {', '.join(missing)}: give every "
                            "kind the layout uses, or none for slot-based lists",
