@@ -239,3 +239,15 @@ class BadIndexList(BadRequest):
         self.pool = pool
         self.position = position
         self.index = index
+
+
+class TransferFailed(KvbeamError):
+    """A transfer ended Failed(reason, detail): what ``failure_exception`` of kvbeam.engine raises.
+
+    ``reason`` is the FailureReason value (e.g. ``"integrity"``), ``detail`` the daemon's text.
+    """
+
+    def __init__(self, message: str, *, reason: str, detail: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.detail = detail

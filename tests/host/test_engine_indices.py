@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvbeam.client import KvbeamClient
+from kvbeam.engine.requests import KVPoll, Receiver, Sender
 from kvbeam.errors import BadRequest, UnknownRequest
 from kvbeam.pools.layout import SideLayout, build_side_layout
 from kvbeam.pools.spec import SideConfig, load_side_config
@@ -123,3 +124,23 @@ def test_bad_lists_are_refused_before_any_byte_moves(tmp_path: Path) -> None:
                       "1000", "--decode", d.address, "--indices", str(path), "--wait", "30")
         assert out.returncode == 0, out.stdout + out.stderr
         assert d.wait("bad-s", 30).detail.startswith(VERIFIED_PREFIX)
+
+
+def test_engine_sender_and_receiver_move_a_chunked_request() -> None:
+    with pair() as (_prefill, _decode, p, d):
+        s, _ = _lists("prefill", False, 2000, 5)
+        dst, d_draft = _lists("decode", False, 2000, 6, own_draft=True)
+        recv = Receiver(d.address, "eng-chunked", p.address, client=d)
+        dst_states = {k: v for k, v in as_mapping(dst, d_draft).items() if k != "KV_PAGES"}
+        recv.send_metadata(dst[IndexKind.KV_PAGES], dst_states, seq_len=2000)
+        assert recv.poll() is KVPoll.Bootstrapping
+        sender = Sender(p.address, "eng-chunked", d.address, client=p)
+        src_states = {k: v for k, v in as_mapping(s).items() if k != "KV_PAGES"}
+        sender.send(s[IndexKind.KV_PAGES], src_states, seq_len=2000, final=False,
+                    chunk=(0, 1024))
+        sender.send(s[IndexKind.KV_PAGES], src_states, seq_len=2000)
+        assert recv.wait(60) is KVPoll.Success
+        assert recv.last is not None and recv.last.detail.startswith(VERIFIED_PREFIX)
+        assert sender.wait(10) is KVPoll.Success
+        sender.failure_exception()
+        recv.release()

@@ -28,7 +28,8 @@ def _ok(seed: int = 0, seq_len: int = SEQ) -> dict[IndexKind, np.ndarray]:
     return random_lists(UNIFIED_TARGET, layout(), seq_len, np.random.default_rng(seed))
 
 
-def _refused(target: dict[IndexKind, np.ndarray], draft: dict[IndexKind, np.ndarray] | None = None, *,
+def _refused(target: dict[IndexKind, np.ndarray],
+             draft: dict[IndexKind, np.ndarray] | None = None, *,
              lay: object = None, spec: object = UNIFIED_TARGET, seq_len: int = SEQ,
              side_name: str = "decode", **kw: object) -> BadIndexList:
     with pytest.raises(BadIndexList) as info:
