@@ -31,7 +31,7 @@ import numpy.typing as npt
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbeam.auth import Security
-from kvbeam.errors import KvbeamError
+from kvbeam.errors import BadRequest, KvbeamError
 from kvbeam.pools.engine_indices import ListLike, split_mapping
 from kvbeam.pools.types import IndexKind
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
@@ -144,6 +144,10 @@ class KvbeamClient:
                                   timeout=self.timeout)
         except grpc.RpcError as exc:
             raise self._error(exc, "Reserve") from None
+        if lists and r.slot != -1:  # a daemon without engine lists ignores the field
+            raise BadRequest(f"Reserve on {self.address}: the decode daemon ignored the index "
+                             "lists (it predates engine-chosen indices) and reserved slot "
+                             f"{r.slot}; abort {request_id} and upgrade it")
         return Reservation(r.request_id, r.slot, indices_from_proto(r.indices, "indices"),
                            r.lease_ms / 1000, r.instance_id,
                            draft_indices_from_proto(r.indices, "indices"))
@@ -156,10 +160,12 @@ class KvbeamClient:
         ``indices``: the engine's source lists of the whole request, keyed like
         :meth:`reserve`'s (``source_slot`` is then ignored); a further chunk may omit them.
         """
-        req = pb.SendRequest(request_id=request_id, source_slot=source_slot, seq_len=seq_len,
-                             decode_address=decode_address, final_chunk=final,
+        lists = _lists(indices)
+        # With lists the slot is -1 on the wire: a daemon that predates them refuses it.
+        req = pb.SendRequest(request_id=request_id, source_slot=-1 if lists else source_slot,
+                             seq_len=seq_len, decode_address=decode_address, final_chunk=final,
                              chunks=[pb.TokenRange(start=a, end=b) for a, b in chunks],
-                             indices=_lists(indices))
+                             indices=lists)
         try:
             return _status(self.stub.Send(req, timeout=self.timeout))
         except grpc.RpcError as exc:

@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"request_id": r.request_id, "slot": r.slot, "lease_s": r.lease_s,
                           "decode_instance": r.decode_instance,
-                          "indices": {k.value: len(v) for k, v in r.indices.items()}}))
+                          "indices": {k.value: len(v) for k, v in r.indices.items()},
+                          "draft_indices": {k.value: len(v) for k, v in r.draft.items()}}))
     else:
         print(f"{r.request_id}: slot {r.slot}, lease {r.lease_s:g} s, "
               + ", ".join(f"{k.value}={len(v)}" for k, v in r.indices.items()))
