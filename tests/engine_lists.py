@@ -6,9 +6,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbeam.pools.indices import expected_lengths
-from kvbeam.pools.layout import SideLayout
-from kvbeam.pools.spec import PoolSpec
+from kvbeam.pools.layout import SideLayout, build_side_layout
+from kvbeam.pools.spec import PoolSpec, load_side_config
 from kvbeam.pools.types import IndexKind
+from tests.fixtures import shipped_config
 
 Lists = dict[IndexKind, npt.NDArray[np.int64]]
 
@@ -40,3 +41,13 @@ def as_mapping(target: Lists, draft: Lists | None = None) -> dict[str, list[int]
     out = {k.value: v.tolist() for k, v in target.items()}
     out.update({f"draft.{k.value}": v.tolist() for k, v in (draft or {}).items()})
     return out
+
+
+def shipped_lists(role: str, paged: bool, seq_len: int, seed: int,
+                  own_draft: bool = False) -> tuple[Lists, Lists]:
+    """Random (target, draft) lists for the shipped config of ``role``; draft empty unless asked."""
+    cfg = load_side_config(shipped_config(role, paged))
+    lay = build_side_layout(cfg)
+    rng = np.random.default_rng(seed)
+    draft = random_lists(cfg.target, lay, seq_len, rng, pool="draft") if own_draft else {}
+    return random_lists(cfg.target, lay, seq_len, rng), draft

@@ -18,35 +18,19 @@ import pytest
 from kvbeam.client import KvbeamClient
 from kvbeam.engine.requests import KVPoll, Receiver, Sender
 from kvbeam.errors import BadRequest, UnknownRequest
-from kvbeam.pools.layout import SideLayout, build_side_layout
-from kvbeam.pools.spec import SideConfig, load_side_config
 from kvbeam.pools.types import IndexKind
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.transfer_codec import indices_to_proto
 from kvbeam.states import VERIFIED_PREFIX, TransferState
 from tests.control_helpers import run_cli
 from tests.daemon_helpers import DECODE_SLOTS, free_slots, pair
-from tests.engine_lists import Lists, as_mapping, random_lists
-from tests.fixtures import shipped_config
-
-
-def _side(role: str, paged: bool) -> tuple[SideConfig, SideLayout]:
-    cfg = load_side_config(shipped_config(role, paged))
-    return cfg, build_side_layout(cfg)
-
-
-def _lists(role: str, paged: bool, seq_len: int, seed: int,
-           own_draft: bool = False) -> tuple[Lists, Lists]:
-    cfg, lay = _side(role, paged)
-    rng = np.random.default_rng(seed)
-    draft = random_lists(cfg.target, lay, seq_len, rng, pool="draft") if own_draft else {}
-    return random_lists(cfg.target, lay, seq_len, rng), draft
+from tests.engine_lists import as_mapping, shipped_lists
 
 
 def _move(p: KvbeamClient, d: KvbeamClient, rid: str, seq_len: int, seed: int, *,
           paged: bool, decode_draft: bool, prefill_draft: bool) -> None:
-    s, s_draft = _lists("prefill", paged, seq_len, seed, prefill_draft)
-    dst, d_draft = _lists("decode", paged, seq_len, seed + 1000, decode_draft)
+    s, s_draft = shipped_lists("prefill", paged, seq_len, seed, prefill_draft)
+    dst, d_draft = shipped_lists("decode", paged, seq_len, seed + 1000, decode_draft)
     r = d.reserve(rid, seq_len, p.address, indices=as_mapping(dst, d_draft))
     assert r.slot == -1
     assert all(np.array_equal(r.indices[k], v) for k, v in dst.items())
@@ -68,7 +52,7 @@ def test_engine_lists_move_verified(paged: bool) -> None:
             _move(p, d, f"eng-{i}", seq_len, 40 + i, paged=paged, decode_draft=dd,
                   prefill_draft=pd)
         # Slot-based and engine lists meet: a slot-based prefill, an engine decode.
-        dst, _ = _lists("decode", paged, 3000, 7)
+        dst, _ = shipped_lists("decode", paged, 3000, 7)
         d.reserve("mixed", 3000, p.address, indices=as_mapping(dst))
         p.send("mixed", 2, 3000, d.address)
         assert d.wait("mixed", 60).detail.startswith(VERIFIED_PREFIX)
@@ -78,7 +62,7 @@ def test_engine_lists_move_verified(paged: bool) -> None:
 
 def test_bad_lists_are_refused_before_any_byte_moves(tmp_path: Path) -> None:
     with pair() as (_prefill, _decode, p, d):
-        dst, _ = _lists("decode", False, 1000, 1)
+        dst, _ = shipped_lists("decode", False, 1000, 1)
         bad = dict(dst)
         bad[IndexKind.KV_PAGES] = bad[IndexKind.KV_PAGES].copy()
         bad[IndexKind.KV_PAGES][2] = 10**7
@@ -96,7 +80,7 @@ def test_bad_lists_are_refused_before_any_byte_moves(tmp_path: Path) -> None:
         assert free_slots(d) == DECODE_SLOTS
         # Send: decode holds good lists; prefill refuses a duplicate before queueing.
         d.reserve("bad-s", 1000, p.address, indices=as_mapping(dst))
-        src, _ = _lists("prefill", False, 1000, 2)
+        src, _ = shipped_lists("prefill", False, 1000, 2)
         dup = dict(src)
         dup[IndexKind.SWA_RING_ROWS] = dup[IndexKind.SWA_RING_ROWS].copy()
         dup[IndexKind.SWA_RING_ROWS][5] = dup[IndexKind.SWA_RING_ROWS][1]
@@ -128,8 +112,8 @@ def test_bad_lists_are_refused_before_any_byte_moves(tmp_path: Path) -> None:
 
 def test_engine_sender_and_receiver_move_a_chunked_request() -> None:
     with pair() as (_prefill, _decode, p, d):
-        s, _ = _lists("prefill", False, 2000, 5)
-        dst, d_draft = _lists("decode", False, 2000, 6, own_draft=True)
+        s, _ = shipped_lists("prefill", False, 2000, 5)
+        dst, d_draft = shipped_lists("decode", False, 2000, 6, own_draft=True)
         recv = Receiver(d.address, "eng-chunked", p.address, client=d)
         dst_states = {k: v for k, v in as_mapping(dst, d_draft).items() if k != "KV_PAGES"}
         recv.send_metadata(dst[IndexKind.KV_PAGES], dst_states, seq_len=2000)

@@ -18,8 +18,7 @@ import pytest
 from kvbeam.states import VERIFIED_PREFIX, TransferState
 from tests.bench.bench_engine_indices import transfer_rows
 from tests.daemon_helpers import pair
-from tests.engine_lists import as_mapping
-from tests.host.test_engine_indices import _lists
+from tests.engine_lists import as_mapping, shipped_lists
 from tests.rdma.conftest import RdmaDevice
 
 pytestmark = pytest.mark.rdma
@@ -28,8 +27,8 @@ pytestmark = pytest.mark.rdma
 def test_engine_lists_over_rdma_and_their_cost(rdma_device: RdmaDevice) -> None:
     with pair(transport="rdma") as (prefill, decode, p, d):
         assert prefill.transport == decode.transport == "rdma"
-        src, _ = _lists("prefill", False, 4097, 3)
-        dst, d_draft = _lists("decode", False, 4097, 4, own_draft=True)
+        src, _ = shipped_lists("prefill", False, 4097, 3)
+        dst, d_draft = shipped_lists("decode", False, 4097, 4, own_draft=True)
         d.reserve("eng-rdma", 4097, p.address, indices=as_mapping(dst, d_draft))
         p.send("eng-rdma", -1, 4097, d.address, indices=as_mapping(src))
         final = d.wait("eng-rdma", 120)
