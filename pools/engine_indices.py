@@ -180,3 +180,9 @@ def _check(side: str, pool: str, kind: IndexKind, label: str, arr: npt.NDArray[n
         raise BadIndexList(f"{side}: {label} index {int(arr[pos])} at position {pos} repeats "
                            f"position {earlier}", side=side, kind=kind.value, pool=pool,
                            position=pos, index=int(arr[pos]))
+
+
+def same_lists(a: Mapping[IndexKind, npt.NDArray[np.int64]],
+               b: Mapping[IndexKind, npt.NDArray[np.int64]]) -> bool:
+    """True when two sets of lists name the same kinds with equal lists."""
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

@@ -43,7 +43,7 @@ from kvbeam.errors import (
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
-from kvbeam.pools.engine_indices import ListLike, validate
+from kvbeam.pools.engine_indices import ListLike, same_lists, validate
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.plan import build_plan
@@ -94,13 +94,6 @@ class Outgoing:
     def drained(self) -> bool:
         """No write of this request can still read its source."""
         return self.outstanding <= 0 or self.abandoned
-
-
-def _same(lists: tuple[IndexLists, IndexLists], rec: Outgoing) -> bool:
-    """True when a further chunk's lists equal the request's first ones."""
-    def equal(a: IndexLists, b: IndexLists) -> bool:
-        return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
-    return equal(lists[0], rec.src_indices) and equal(lists[1], rec.src_draft)
 
 
 def reason_for(exc: BaseException) -> FailureReason:
@@ -185,10 +178,11 @@ class PrefillCore(PrefillEvents):
                 if rec.final_submitted or snap is None or snap.state.terminal:
                     raise DuplicateRequest(f"request id {request_id!r}: its final chunk was "
                                            "already sent or it ended; request ids are unique")
-                engine = rec.src_slot < 0
-                if (rec.seq_len, rec.decode_address) != (seq_len, decode_address) or (
-                        not engine and rec.src_slot != src_slot) or (
-                        lists is not None and not (engine and _same(lists, rec))):
+                engine = rec.src_slot < 0  # the first chunk gave lists: its slot is ignored
+                same = lists is None or (engine and same_lists(lists[0], rec.src_indices)
+                                         and same_lists(lists[1], rec.src_draft))
+                if (rec.seq_len, rec.decode_address) != (seq_len, decode_address) or not same \
+                        or (not engine and rec.src_slot != src_slot):
                     raise BadRequest(f"request {request_id}: a further chunk must keep "
                                          "the source slot (or index lists), seq_len and decode "
                                          "address of the first")
