@@ -79,7 +79,12 @@ def test_bad_lists_are_refused_before_any_byte_moves(tmp_path: Path) -> None:
             d.status("bad-r")  # nothing was reserved
         assert free_slots(d) == DECODE_SLOTS
         # Send: decode holds good lists; prefill refuses a duplicate before queueing.
-        d.reserve("bad-s", 1000, p.address, indices=as_mapping(dst))
+        dst_path = tmp_path / "dst.json"
+        dst_path.write_text(json.dumps(as_mapping(dst)))
+        out = run_cli("reserve", "--address", d.address, "--request-id", "bad-s", "--seq-len",
+                      "1000", "--prefill", p.address, "--indices", str(dst_path), "--json")
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert json.loads(out.stdout)["slot"] == -1
         src, _ = shipped_lists("prefill", False, 1000, 2)
         dup = dict(src)
         dup[IndexKind.SWA_RING_ROWS] = dup[IndexKind.SWA_RING_ROWS].copy()
