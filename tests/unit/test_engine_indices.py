@@ -184,3 +184,29 @@ def test_a_long_request_validates_without_a_python_loop_per_index() -> None:
     for _ in range(10):
         validate("decode", big, lay, lists, {}, 1 << 17)
     assert (time.perf_counter() - t0) / 10 < 0.05
+
+
+def test_wire_lists_round_trip_with_the_draft_pool() -> None:
+    from kvbeam.errors import ProtocolError
+    from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+    from kvbeam.proto.transfer_codec import (
+        draft_indices_from_proto,
+        index_lists_from_proto,
+        indices_from_proto,
+        indices_to_proto,
+    )
+
+    target = request_indices(UNIFIED_TARGET, 1, SEQ)
+    draft = {K.SWA_RING_ROWS: np.array([5, 3, 9], dtype=np.int64)}
+    wire = indices_to_proto(target, draft)
+    kv = pb.INDEX_KIND_KV_PAGES
+    assert [m.pool for m in wire][-1] == "draft"
+    got = indices_from_proto(wire, "indices")
+    assert all(np.array_equal(got[k], target[k]) for k in IndexKind)
+    assert draft_indices_from_proto(wire, "indices")[K.SWA_RING_ROWS].tolist() == [5, 3, 9]
+    with pytest.raises(ProtocolError, match="unknown pool 'drafty'"):
+        index_lists_from_proto([pb.IndexList(kind=kv, indices=[1], pool="drafty")], "indices")
+    with pytest.raises(ProtocolError, match=r"SWA_RING_ROWS appears twice \(draft\)"):
+        index_lists_from_proto([*wire, wire[-1]], "indices")
+    t, d = index_lists_from_proto([pb.IndexList(kind=kv, indices=[7], pool="target")], "x")
+    assert t[K.KV_PAGES].tolist() == [7] and d == {}
