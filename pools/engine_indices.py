@@ -73,13 +73,13 @@ def split_mapping(lists: Mapping[str, ListLike]) -> tuple[Lists, Lists]:
     return target, draft
 
 
-def _array(values: ListLike, label: str) -> npt.NDArray[np.int64]:
+def _array(values: ListLike, label: str, side: str = "request") -> npt.NDArray[np.int64]:
     arr = np.asarray(values)
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise BadIndexList(f"index list {label}: a flat list of integers is needed "
-                           f"(got {arr.dtype} of shape {arr.shape})", side="request", kind=label)
+        raise BadIndexList(f"{side}: index list {label}: a flat list of integers is needed "
+                           f"(got {arr.dtype} of shape {arr.shape})", side=side, kind=label)
     return arr.astype(np.int64, copy=False)
 
 
@@ -145,7 +145,7 @@ def validate(side: str, spec: PoolSpec, layout: SideLayout, target: Mapping[Inde
         for kind, values in given.items():
             items = min(_addressed(layout, pool, kind, draft), default=np.iinfo(np.int64).max)
             label = kind.value if pool == "target" else f"draft {kind.value}"
-            arr = _array(values, label)
+            arr = _array(values, label, side)
             _check(side, pool, kind, label, arr, want[kind], items, seq_len,
                    shorter_pages and kind not in EXACT_MATCH_KINDS, shorter_why)
             out[kind] = arr
