@@ -1,0 +1,1 @@
+"""kvbeam.engine: the engine-side library (placeholder docstring; replaced at merge)."""
