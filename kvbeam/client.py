@@ -9,6 +9,11 @@ One :class:`KvbeamClient` per daemon address::
     status = decode.wait("req-1", timeout=30)      # Success or Failed(reason, detail)
     decode.release("req-1")                        # the engine took the KV over
 
+An engine that chooses its own indices passes them per kind (docs/indices.md),
+``{"KV_PAGES": [...], "SWA_RING_ROWS": [...], ..., "draft.SWA_RING_ROWS": [...]}``,
+as ``indices=`` to :meth:`KvbeamClient.reserve` (decode's destination lists) and
+:meth:`KvbeamClient.send` (prefill's source lists; ``source_slot`` is then ignored).
+
 Every call has a deadline; errors are typed (:class:`Busy` for RESOURCE_EXHAUSTED,
 :class:`~kvbeam.errors.UnknownRequest`, ...).
 """
@@ -16,8 +21,8 @@ Every call has a deadline; errors are typed (:class:`Busy` for RESOURCE_EXHAUSTE
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
 
 import grpc
@@ -26,11 +31,18 @@ import numpy.typing as npt
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbeam.auth import Security
-from kvbeam.errors import KvbeamError
+from kvbeam.errors import BadRequest, KvbeamError
+from kvbeam.pools.engine_indices import ListLike, split_mapping
 from kvbeam.pools.types import IndexKind
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.service import control_stub
-from kvbeam.proto.transfer_codec import indices_from_proto, reason_from_proto, state_from_proto
+from kvbeam.proto.transfer_codec import (
+    draft_indices_from_proto,
+    indices_from_proto,
+    indices_to_proto,
+    reason_from_proto,
+    state_from_proto,
+)
 from kvbeam.rpc_errors import request_error
 from kvbeam.states import FailureReason, TransferState
 
@@ -69,6 +81,15 @@ class Reservation:
     indices: dict[IndexKind, npt.NDArray[np.int64]]
     lease_s: float
     decode_instance: str
+    draft: dict[IndexKind, npt.NDArray[np.int64]] = field(default_factory=dict)
+
+
+def _lists(indices: Mapping[str, ListLike] | None) -> list[pb.IndexList]:
+    """An engine's ``{"KIND" | "draft.KIND": indices}`` as wire lists (none: slot-based)."""
+    if not indices:
+        return []
+    target, draft = split_mapping(indices)
+    return indices_to_proto(target, draft)
 
 
 def _status(m: pb.TransferStatus) -> Status:
@@ -107,23 +128,44 @@ class KvbeamClient:
     def _error(self, exc: grpc.RpcError, method: str) -> KvbeamError:
         return request_error(exc, address=self.address, method=method, timeout=self.timeout)
 
-    def reserve(self, request_id: str, seq_len: int, prefill_address: str) -> Reservation:
-        """Decode: hold a slot for the request and learn its destination indices."""
+    def reserve(self, request_id: str, seq_len: int, prefill_address: str, *,
+                indices: Mapping[str, ListLike] | None = None) -> Reservation:
+        """Decode: hold a slot for the request and learn (or give) its destination indices.
+
+        ``indices``: the engine's destination lists keyed by kind name, ``"draft.KIND"``
+        for the draft's own lists (docs/indices.md); the reservation's slot is then -1.
+        A bad list raises :class:`~kvbeam.errors.BadRequest` naming the kind and index.
+        """
+        lists = _lists(indices)
         try:
             r = self.stub.Reserve(pb.ReserveRequest(request_id=request_id, seq_len=seq_len,
-                                                    prefill_address=prefill_address),
+                                                    prefill_address=prefill_address,
+                                                    indices=lists),
                                   timeout=self.timeout)
         except grpc.RpcError as exc:
             raise self._error(exc, "Reserve") from None
+        if lists and r.slot != -1:  # a daemon without engine lists ignores the field
+            raise BadRequest(f"Reserve on {self.address}: the decode daemon ignored the index "
+                             "lists (it predates engine-chosen indices) and reserved slot "
+                             f"{r.slot}; abort {request_id} and upgrade it")
         return Reservation(r.request_id, r.slot, indices_from_proto(r.indices, "indices"),
-                           r.lease_ms / 1000, r.instance_id)
+                           r.lease_ms / 1000, r.instance_id,
+                           draft_indices_from_proto(r.indices, "indices"))
 
     def send(self, request_id: str, source_slot: int, seq_len: int, decode_address: str, *,
-             final: bool = True, chunks: Sequence[tuple[int, int]] = ()) -> Status:
-        """Prefill: queue (a chunk of) the request for decode; returns at once."""
-        req = pb.SendRequest(request_id=request_id, source_slot=source_slot, seq_len=seq_len,
-                             decode_address=decode_address, final_chunk=final,
-                             chunks=[pb.TokenRange(start=a, end=b) for a, b in chunks])
+             final: bool = True, chunks: Sequence[tuple[int, int]] = (),
+             indices: Mapping[str, ListLike] | None = None) -> Status:
+        """Prefill: queue (a chunk of) the request for decode; returns at once.
+
+        ``indices``: the engine's source lists of the whole request, keyed like
+        :meth:`reserve`'s (``source_slot`` is then ignored); a further chunk may omit them.
+        """
+        lists = _lists(indices)
+        # With lists the slot is -1 on the wire: a daemon that predates them refuses it.
+        req = pb.SendRequest(request_id=request_id, source_slot=-1 if lists else source_slot,
+                             seq_len=seq_len, decode_address=decode_address, final_chunk=final,
+                             chunks=[pb.TokenRange(start=a, end=b) for a, b in chunks],
+                             indices=lists)
         try:
             return _status(self.stub.Send(req, timeout=self.timeout))
         except grpc.RpcError as exc:

@@ -235,3 +235,35 @@ class AttachError(KvbeamError):
     def __init__(self, message: str, field: str = "") -> None:
         super().__init__(message)
         self.field = field
+
+
+# --- engine-chosen index lists ---
+
+class BadIndexList(BadRequest):
+    """An engine's index list refused before any byte moved (INVALID_ARGUMENT, as BadRequest).
+
+    ``side`` ("prefill" or "decode"), ``kind`` (an IndexKind value or "" when the
+    kind itself is unknown), ``pool`` ("target" or "draft") and, for a bad index,
+    its ``position`` in the list and its ``index`` (-1 when the list as a whole is wrong).
+    """
+
+    def __init__(self, message: str, *, side: str, kind: str, pool: str = "target",
+                 position: int = -1, index: int = -1) -> None:
+        super().__init__(message)
+        self.side = side
+        self.kind = kind
+        self.pool = pool
+        self.position = position
+        self.index = index
+
+
+class TransferFailed(KvbeamError):
+    """A transfer ended Failed(reason, detail): what ``failure_exception`` of kvbeam.engine raises.
+
+    ``reason`` is the FailureReason value (e.g. ``"integrity"``), ``detail`` the daemon's text.
+    """
+
+    def __init__(self, message: str, *, reason: str, detail: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.detail = detail

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -18,6 +18,7 @@ from kvbeam.auth import Security
 from kvbeam.client import KvbeamClient, Status
 from kvbeam.errors import Busy, KvbeamError
 from kvbeam.logs import fields
+from kvbeam.pools.engine_indices import ListLike
 from kvbeam.states import VERIFIED_PREFIX, TransferState
 
 log = logging.getLogger(__name__)
@@ -50,22 +51,28 @@ class RequestResult:
 
 def run_request(prefill: KvbeamClient, decode: KvbeamClient, request_id: str, seq_len: int,
                 source_slot: int, *, timeout: float = 60.0, release: bool = True,
-                busy_retry_s: float = 30.0) -> RequestResult:
-    """Move one request end to end and report what happened (never raises for a failure)."""
+                busy_retry_s: float = 30.0, src_indices: Mapping[str, ListLike] | None = None,
+                dst_indices: Mapping[str, ListLike] | None = None) -> RequestResult:
+    """Move one request end to end and report what happened (never raises for a failure).
+
+    ``src_indices``/``dst_indices``: the engines' own lists on prefill and decode
+    (docs/indices.md), by kind name; without them the lists are the slots'.
+    """
     t0 = time.monotonic()
     deadline = t0 + busy_retry_s
     slot = -1
     try:
         while True:
             try:
-                slot = decode.reserve(request_id, seq_len, prefill.address).slot
+                slot = decode.reserve(request_id, seq_len, prefill.address,
+                                      indices=dst_indices).slot
                 break
             except Busy:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)  # back-pressure: decode has no free slot right now
         t_send = time.monotonic()
-        prefill.send(request_id, source_slot, seq_len, decode.address)
+        prefill.send(request_id, source_slot, seq_len, decode.address, indices=src_indices)
         final: Status = decode.wait(request_id, timeout)
         t_done = time.monotonic()
         pstat = prefill.wait(request_id, min(timeout, 10.0))

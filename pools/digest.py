@@ -20,7 +20,7 @@ import numpy as np
 
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.layout import BufferLayout
-from kvbeam.pools.plan import IndexLists
+from kvbeam.pools.plan import IndexLists, list_for, own_draft_list
 from kvbeam.pools.types import IndexKind
 
 _views: weakref.WeakKeyDictionary[AllocatedSide, dict[int, np.ndarray[Any, Any]]] = (
@@ -50,24 +50,26 @@ def _run(idx: np.ndarray[Any, Any]) -> tuple[int, int] | None:
 
 
 def request_digests(side: AllocatedSide, indices: IndexLists, *, include_kv: bool = True,
-                    include_states: bool = True) -> list[int]:
+                    include_states: bool = True, draft: IndexLists | None = None) -> list[int]:
     """CRC32C of each selected buffer's items, in the order of ``indices``.
 
     ``indices`` must be the lists actually moved (after pairing, see
     :func:`kvbeam.pools.plan.pair_index_lists`), so both sides digest the same items.
-    Buffers follow :attr:`SideLayout.flat_buffers`, filtered like the plan.
+    Buffers follow :attr:`SideLayout.flat_buffers`, filtered like the plan; the
+    draft's buffers use ``draft``'s list of their kind where it has one.
     """
     out: list[int] = []
-    kinds: dict[IndexKind, tuple[np.ndarray[Any, Any], tuple[int, int] | None]] = {}
+    kinds: dict[tuple[IndexKind, bool], tuple[np.ndarray[Any, Any], tuple[int, int] | None]] = {}
     for comp in side.layout.components:
         wanted = include_kv if comp.state_type is None else include_states
         if not wanted:
             continue
         for buf in comp.buffers:
-            if buf.index_kind not in kinds:
-                idx = np.asarray(indices[buf.index_kind], dtype=np.int64)
-                kinds[buf.index_kind] = (idx, _run(idx))
-            idx, run = kinds[buf.index_kind]
+            key = (buf.index_kind, own_draft_list(draft, comp.pool, buf.index_kind))
+            if key not in kinds:
+                idx = list_for(indices, draft, comp.pool, buf.index_kind)
+                kinds[key] = (idx, _run(idx))
+            idx, run = kinds[key]
             items = _items(side, buf)
             if run is not None and run[0] >= 0 and run[0] + run[1] <= len(items):
                 # A slice of a C-contiguous array is contiguous: CRC it in place.

@@ -112,6 +112,15 @@ def request_indices(spec: PoolSpec, slot: int, seq_len: int) -> dict[IndexKind, 
     return {kind: fn(spec, slot, seq_len) for kind, fn in _INDEX_FUNCTIONS.items()}
 
 
+def expected_lengths(spec: PoolSpec, seq_len: int) -> dict[IndexKind, int]:
+    """How many indices each kind's list holds for a request of ``seq_len`` tokens.
+
+    The lengths of the slot-based lists, which do not depend on the slot: what an
+    engine's own lists must match (:mod:`kvbeam.pools.engine_indices`).
+    """
+    return {kind: len(idx) for kind, idx in request_indices(spec, 0, seq_len).items()}
+
+
 def swa_index_mapping_fingerprint(spec: PoolSpec) -> str:
     """A stable fingerprint of the full-to-SWA index mapping, comparable across processes.
 

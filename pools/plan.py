@@ -26,6 +26,22 @@ from kvbeam.transport.blocks import Blocks
 IndexLists = Mapping[IndexKind, npt.NDArray[np.int64]]
 
 
+def own_draft_list(draft: IndexLists | None, pool: str, kind: IndexKind) -> bool:
+    """True when a ``pool`` buffer of ``kind`` is addressed by the draft's own list.
+
+    The draft component uses the target's list of its kind unless the engine gave
+    the draft a list of that kind (docs/indices.md).
+    """
+    return pool == "draft" and draft is not None and kind in draft
+
+
+def list_for(indices: IndexLists, draft: IndexLists | None, pool: str,
+             kind: IndexKind) -> npt.NDArray[np.int64]:
+    """The list addressing a ``pool`` buffer of ``kind``: the draft's own, else the target's."""
+    src = draft if draft is not None and own_draft_list(draft, pool, kind) else indices
+    return np.asarray(src[kind], np.int64)
+
+
 @dataclass(frozen=True)
 class BufferPlan:
     """The blocks of one buffer: component position, buffer position within it, and name."""
@@ -162,6 +178,8 @@ def build_plan(
     *,
     include_kv: bool = True,
     include_states: bool = True,
+    src_draft: IndexLists | None = None,
+    dst_draft: IndexLists | None = None,
 ) -> TransferPlan:
     """Plan a request's transfer from ``src`` to ``dst``.
 
@@ -170,6 +188,10 @@ def build_plan(
     kind (:func:`kvbeam.pools.indices.request_indices`). ``include_kv`` and
     ``include_states`` select the main KV component and the state components (a
     chunked send moves KV chunks first and the states with the last chunk).
+    ``*_draft`` are the draft pool's own lists by kind, where an engine gave them
+    (:func:`list_for`). Index lists may come in any order and be fragmented: each
+    run contiguous on both sides becomes one block, so a shuffled list gives more,
+    smaller blocks, each item still landing at its paired position.
 
     Everything is validated before any block is produced: component and buffer
     counts, item lengths, index ranges and index-list lengths.
@@ -185,7 +207,7 @@ def build_plan(
             f"component count differs: source {len(src.components)}, "
             f"destination {len(dst.components)}"
         )
-    jobs: list[tuple[int, int, int, BufferLayout, BufferLayout]] = []
+    jobs: list[tuple[int, int, int, BufferLayout, BufferLayout, str]] = []
     flat = 0
     for ci, (sc, dc) in enumerate(zip(src.components, dst.components, strict=True)):
         if len(sc.buffers) != len(dc.buffers):
@@ -196,12 +218,14 @@ def build_plan(
         wanted = include_kv if sc.state_type is None else include_states
         for bi, (sb, db) in enumerate(zip(sc.buffers, dc.buffers, strict=True)):
             if wanted:
-                jobs.append((ci, bi, flat, sb, db))
+                jobs.append((ci, bi, flat, sb, db, sc.pool))
             flat += 1
     # Validate everything first: a bad request must not produce half a plan.
     # Pairing, range bounds and runs depend only on the index kind: compute them once.
-    per_kind: dict[IndexKind, tuple[Runs, int, int, int, int, int]] = {}
-    for ci, _bi, _flat, sb, db in jobs:
+    # The key also says whether each side uses the draft's own list of the kind.
+    per_kind: dict[tuple[IndexKind, bool, bool], tuple[Runs, int, int, int, int, int]] = {}
+    keys: list[tuple[IndexKind, bool, bool]] = []
+    for ci, _bi, _flat, sb, db, pool in jobs:
         if sb.item_len != db.item_len:
             raise PlanError(
                 f"item length differs for {sb.name} (component {ci}): source {sb.item_len}, "
@@ -213,25 +237,27 @@ def build_plan(
                 f"destination {db.index_kind.value}"
             )
         kind = sb.index_kind
-        if kind not in per_kind:
-            s_idx, d_idx = _pair(kind, np.asarray(src_indices[kind], np.int64),
-                                 np.asarray(dst_indices[kind], np.int64), sb.name)
+        key = (kind, own_draft_list(src_draft, pool, kind), own_draft_list(dst_draft, pool, kind))
+        keys.append(key)
+        if key not in per_kind:
+            s_idx, d_idx = _pair(kind, list_for(src_indices, src_draft, pool, kind),
+                                 list_for(dst_indices, dst_draft, pool, kind), sb.name)
             runs = Runs.of(s_idx, d_idx)
-            per_kind[kind] = (runs, *_bounds(s_idx), *_bounds(d_idx), int(runs.count.sum()))
-        _runs, s_lo, s_hi, d_lo, d_hi, _items = per_kind[kind]
+            per_kind[key] = (runs, *_bounds(s_idx), *_bounds(d_idx), int(runs.count.sum()))
+        _runs, s_lo, s_hi, d_lo, d_hi, _items = per_kind[key]
         _check_range(s_lo, s_hi, sb, "source")
         _check_range(d_lo, d_hi, db, "destination")
     # Byte offsets depend only on (index kind, item length): scale once, then each buffer
     # costs two additions (dozens of buffers share a handful of shapes).
-    scaled: dict[tuple[IndexKind, int], tuple[npt.NDArray[np.uint64], ...]] = {}
+    scaled: dict[tuple[tuple[IndexKind, bool, bool], int], tuple[npt.NDArray[np.uint64], ...]] = {}
     plans = []
-    for ci, bi, flat, sb, _db in jobs:
-        runs, *_, items = per_kind[sb.index_kind]
-        key = (sb.index_kind, sb.item_len)
-        if key not in scaled:
+    for (ci, bi, flat, sb, _db, _pool), key in zip(jobs, keys, strict=True):
+        runs, *_, items = per_kind[key]
+        skey = (key, sb.item_len)
+        if skey not in scaled:
             item = np.uint64(sb.item_len)
-            scaled[key] = (runs.src_start * item, runs.dst_start * item, runs.count * item)
-        s_off, d_off, lengths = scaled[key]
+            scaled[skey] = (runs.src_start * item, runs.dst_start * item, runs.count * item)
+        s_off, d_off, lengths = scaled[skey]
         blocks = Blocks(np.uint64(src_addrs[flat]) + s_off, np.uint64(dst_addrs[flat]) + d_off,
                         lengths)
         plans.append(BufferPlan(ci, bi, sb.name, items, blocks))

@@ -37,6 +37,11 @@ DTYPE_SIZES: dict[str, int] = {
     "uint8": 1,
 }
 VALID_RATIOS = (0, 4, 128)
+#: The longest sliding window a spec may ask for, in tokens. DSV4's is 128; the bound keeps
+#: every per-window table (the SWA mapping's fingerprint evaluates two ring periods) small.
+MAX_SLIDING_WINDOW = 1 << 20
+#: The most speculative draft tokens per verify step (sglang runs 1-8).
+MAX_DRAFT_TOKENS = 1024
 #: Compression-state rows are float32 (value and score halves).
 STATE_ELEMENT_SIZE = 4
 
@@ -190,8 +195,16 @@ class PoolSpec:
                      "head_dim", "indexer_head_dim"):
             if getattr(self, name) <= 0:
                 raise bad(name, "must be a positive integer")
+        if self.sliding_window > MAX_SLIDING_WINDOW:
+            raise bad("sliding_window", f"must be at most {MAX_SLIDING_WINDOW} tokens")
         if self.num_draft_tokens < 0:
             raise bad("num_draft_tokens", "must be >= 0 (0 turns speculation off)")
+        if self.num_draft_tokens > MAX_DRAFT_TOKENS:
+            raise bad("num_draft_tokens", f"must be at most {MAX_DRAFT_TOKENS}")
+        for name in ("swa_ring_size", "swa_pages_per_req"):
+            value = getattr(self, name)
+            if value is not None and value > 2 * MAX_SLIDING_WINDOW:
+                raise bad(name, f"must be at most {2 * MAX_SLIDING_WINDOW}")
         if self.dtype not in DTYPE_SIZES:
             raise bad("dtype", f"unknown dtype; use one of {', '.join(DTYPE_SIZES)}")
         if self.swa_ring_size is not None and self.swa_ring_size < self.sliding_window:

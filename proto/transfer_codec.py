@@ -50,33 +50,72 @@ def reason_from_proto(value: int, field: str = "failure_reason") -> FailureReaso
     return None if value == 0 else enum_value(value, REASON_FROM_PROTO, field, "FailureReason")
 
 
-def indices_to_proto(indices: Mapping[IndexKind, npt.NDArray[np.int64]]) -> list[pb.IndexList]:
-    """Every kind's index list, in IndexKind order."""
-    return [pb.IndexList(kind=KIND_TO_PROTO[k], indices=indices[k].tolist()) for k in IndexKind
-            if k in indices]
+#: The pool names an IndexList may carry; "" is the target.
+POOL_NAMES = ("", "target", "draft")
 
 
-def indices_from_proto(lists: Iterable[pb.IndexList], field: str
-                       ) -> dict[IndexKind, npt.NDArray[np.int64]]:
-    """Decode index lists: each kind exactly once, no negative index, bounded length.
+def indices_to_proto(indices: Mapping[IndexKind, npt.NDArray[np.int64]],
+                     draft: Mapping[IndexKind, npt.NDArray[np.int64]] | None = None
+                     ) -> list[pb.IndexList]:
+    """Every kind's index list, in IndexKind order; then the draft's own lists (pool "draft")."""
+    out = [pb.IndexList(kind=KIND_TO_PROTO[k], indices=indices[k].tolist()) for k in IndexKind
+           if k in indices]
+    return out + [pb.IndexList(kind=KIND_TO_PROTO[k], indices=draft[k].tolist(), pool="draft")
+                  for k in IndexKind if draft and k in draft]
 
-    Range checks against a buffer happen in the planner, which knows the buffers.
+
+def index_lists_from_proto(lists: Iterable[pb.IndexList], field: str) -> tuple[
+        dict[IndexKind, npt.NDArray[np.int64]], dict[IndexKind, npt.NDArray[np.int64]]]:
+    """Decode index lists into (target, draft) by kind: each (pool, kind) at most once.
+
+    Only the wire's own limits are checked here (known kind and pool, bounded
+    length); ranges, lengths and duplicates are checked against a layout by
+    :mod:`kvbeam.pools.engine_indices` or the planner.
     """
-    out: dict[IndexKind, npt.NDArray[np.int64]] = {}
+    target: dict[IndexKind, npt.NDArray[np.int64]] = {}
+    draft: dict[IndexKind, npt.NDArray[np.int64]] = {}
     for i, item in enumerate(lists):
         if i >= MAX_ITEMS:
             raise ProtocolError(field, f"too many index lists (at most {MAX_ITEMS})")
         kind = enum_value(item.kind, KIND_FROM_PROTO, f"{field}[{i}].kind", "IndexKind")
+        if item.pool not in POOL_NAMES:
+            raise ProtocolError(f"{field}[{i}].pool",
+                                f"unknown pool {item.pool[:32]!r} (\"target\" or \"draft\")")
+        out = draft if item.pool == "draft" else target
         if kind in out:
-            raise ProtocolError(f"{field}[{i}].kind", f"{kind.value} appears twice")
+            raise ProtocolError(f"{field}[{i}].kind",
+                                f"{kind.value} appears twice{' (draft)' if out is draft else ''}")
         if len(item.indices) > MAX_INDICES:
             raise ProtocolError(f"{field}[{i}].indices",
                                 f"too many indices: {len(item.indices)} (at most {MAX_INDICES})")
-        arr = np.asarray(item.indices, dtype=np.int64)
+        out[kind] = np.asarray(item.indices, dtype=np.int64)
+    return target, draft
+
+
+def indices_from_proto(lists: Iterable[pb.IndexList], field: str
+                       ) -> dict[IndexKind, npt.NDArray[np.int64]]:
+    """Decode a daemon's target index lists: each kind exactly once, no negative index.
+
+    The draft's own lists (pool "draft") are :func:`draft_indices_from_proto`'s.
+    Range checks against a buffer happen in the planner, which knows the buffers.
+    """
+    out, _draft = index_lists_from_proto(lists, field)
+    for kind, arr in out.items():
         if len(arr) and int(arr.min()) < 0:
-            raise ProtocolError(f"{field}[{i}].indices", f"negative index {int(arr.min())}")
-        out[kind] = arr
+            raise ProtocolError(f"{field}[{kind.value}].indices",
+                                f"negative index {int(arr.min())}")
     missing = [k.value for k in IndexKind if k not in out]
     if missing:
         raise ProtocolError(field, f"index kinds missing: {', '.join(missing)}")
     return out
+
+
+def draft_indices_from_proto(lists: Iterable[pb.IndexList], field: str
+                             ) -> dict[IndexKind, npt.NDArray[np.int64]]:
+    """The draft pool's own lists of a daemon's answer (empty: the draft uses the target's)."""
+    _target, draft = index_lists_from_proto(lists, field)
+    for kind, arr in draft.items():
+        if len(arr) and int(arr.min()) < 0:
+            raise ProtocolError(f"{field}[draft.{kind.value}].indices",
+                                f"negative index {int(arr.min())}")
+    return draft

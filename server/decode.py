@@ -15,7 +15,7 @@ import grpc
 from kvbeam.logs import fields
 from kvbeam.proto.fields import host_port
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
-from kvbeam.proto.transfer_codec import indices_to_proto
+from kvbeam.proto.transfer_codec import index_lists_from_proto, indices_to_proto
 from kvbeam.rpc_errors import handled
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.daemon_servicer import IO_WORKERS, DaemonServicer
@@ -82,13 +82,15 @@ class DecodeServicer(DaemonServicer):
     @handled
     def Reserve(self, request: pb.ReserveRequest,
                 context: grpc.ServicerContext) -> pb.ReserveResponse:
-        """Hold a slot for a request and compute its destination indices."""
+        """Hold a slot for a request; compute its destination indices or check the engine's."""
         rid = request_id_of(request.request_id)
         seq_len = seq_len_of(request.seq_len, self.rt.config.target.max_context_len)
         host_port(request.prefill_address, "prefill_address")
-        res = self.decode.reserve(rid, seq_len, request.prefill_address)
+        target, draft = index_lists_from_proto(request.indices, "indices")
+        res = self.decode.reserve(rid, seq_len, request.prefill_address, indices=target,
+                                  draft=draft)
         return pb.ReserveResponse(
-            request_id=rid, slot=res.slot, indices=indices_to_proto(res.indices),
+            request_id=rid, slot=res.slot, indices=indices_to_proto(res.indices, res.draft),
             lease_ms=int(self.rt.settings.deadline_bootstrap_s * 1000),
             instance_id=self.local.instance_id)
 
@@ -101,7 +103,7 @@ class DecodeServicer(DaemonServicer):
             rid, request.instance_id, request.seq_len, request.final_chunk,
             list(request.digests) if request.has_digests else None)
         return pb.BeginWriteResponse(request_id=rid, transfer_id=res.transfer_id, slot=res.slot,
-                                     indices=indices_to_proto(res.indices),
+                                     indices=indices_to_proto(res.indices, res.draft),
                                      instance_id=self.local.instance_id)
 
     @handled

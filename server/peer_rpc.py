@@ -17,7 +17,7 @@ from kvbeam.errors import SendFailed
 from kvbeam.logs import fields
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.side import SideInfo
-from kvbeam.proto.transfer_codec import indices_from_proto
+from kvbeam.proto.transfer_codec import draft_indices_from_proto, indices_from_proto
 from kvbeam.rpc_errors import peer_error
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.metrics import DaemonMetrics
@@ -116,7 +116,8 @@ class GrpcDecodePeers:
                                  f"decode refused BeginWrite: {details}") from None
             raise peer_error(exc, address=conn.control_address, method="BeginWrite",
                              timeout=timeout) from None
-        return WriteGrant(reply.transfer_id, indices_from_proto(reply.indices, "indices"))
+        return WriteGrant(reply.transfer_id, indices_from_proto(reply.indices, "indices"),
+                          draft_indices_from_proto(reply.indices, "indices"))
 
     def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
               timeout: float | None = None) -> bool:

@@ -11,6 +11,7 @@ import grpc
 
 from kvbeam.proto.fields import host_port
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.proto.transfer_codec import index_lists_from_proto
 from kvbeam.rpc_errors import handled
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.daemon_servicer import IO_WORKERS, DaemonServicer
@@ -40,9 +41,10 @@ class PrefillServicer(DaemonServicer):
         rid = request_id_of(request.request_id)
         seq_len = seq_len_of(request.seq_len, self.rt.config.target.max_context_len)
         host_port(request.decode_address, "decode_address")
+        target, draft = index_lists_from_proto(request.indices, "indices")
         snap = self.prefill.send(rid, request.source_slot, seq_len, request.decode_address,
                                  [(r.start, r.end) for r in request.chunks],
-                                 request.final_chunk)
+                                 request.final_chunk, indices=target, draft=draft)
         return self._status(snap)
 
     @handled

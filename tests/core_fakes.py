@@ -29,10 +29,12 @@ class FakeLink:
     def __init__(self) -> None:
         self.id = next(_link_ids)
         self.writes: list[tuple[int, bool]] = []
+        self.blocks: list[Blocks] = []  # each write's blocks, for tests that apply them
         self.released = False
 
     def write(self, transfer_id: int, blocks: Blocks, notify: bool = True) -> None:
         self.writes.append((transfer_id, notify))
+        self.blocks.append(blocks)
 
     def release(self) -> None:
         self.released = True

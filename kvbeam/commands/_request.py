@@ -20,6 +20,32 @@ def add_common(parser: argparse.ArgumentParser, address_help: str) -> None:
     add_auth_arguments(parser)
 
 
+def add_indices(parser: argparse.ArgumentParser, whose: str) -> None:
+    """--indices FILE.json: the engine's own index lists (docs/indices.md)."""
+    parser.add_argument(
+        "--indices", metavar="FILE.json",
+        help=f"{whose} index lists the engine chose, a JSON object of kind -> list of ints, "
+             '"draft.KIND" for the draft\'s own lists, e.g. {"KV_PAGES": [7, 2, 9], '
+             '"SWA_RING_ROWS": [...], "REQ_SLOT": [3], "C128_STATE": [3]}; every kind the '
+             "layout uses (docs/indices.md). Without it: slot-based lists")
+
+
+def load_indices(path: str | None) -> dict[str, list[int]] | None:
+    """The JSON object of ``--indices`` (None without the flag); SystemExit when malformed."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--indices {path}: {exc}") from None
+    if not isinstance(data, dict) or not all(
+            isinstance(v, list) and all(isinstance(i, int) for i in v) for v in data.values()):
+        raise SystemExit(f"--indices {path}: a JSON object of kind name -> list of integers "
+                         "is needed")
+    return data
+
+
 def open_client(args: argparse.Namespace) -> KvbeamClient:
     """A client to ``--address`` with the command's deadline and credentials."""
     return KvbeamClient(args.address, timeout=args.timeout, security=resolve_security(args))

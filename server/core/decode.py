@@ -19,17 +19,20 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvbeam.errors import BadRequest, NotHandshakenError, UnknownRequest
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
+from kvbeam.pools.engine_indices import ListLike, validate
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.plan import list_for
 from kvbeam.pools.spec import PoolSpec
+from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.attached import PoolsHolder
 from kvbeam.server.core.ports import (
     IndexLists,
@@ -69,6 +72,7 @@ class Reservation:
     digests: list[int] | None = None
     success_at: float | None = None
     landed: bool = False
+    draft: IndexLists = field(default_factory=dict)  # the draft's own lists (engine's)
 
 
 class DecodeCore(PoolsHolder):
@@ -97,19 +101,36 @@ class DecodeCore(PoolsHolder):
         self._ids = itertools.count(1)
 
     # ---- API ---------------------------------------------------------------------------
-    def reserve(self, request_id: str, seq_len: int, prefill_address: str) -> Reservation:
-        """Hold a slot for a request and compute its destination indices."""
+    def reserve(self, request_id: str, seq_len: int, prefill_address: str, *,
+                indices: Mapping[IndexKind, ListLike] | None = None,
+                draft: Mapping[IndexKind, ListLike] | None = None) -> Reservation:
+        """Hold a slot for a request and compute (or check) its destination indices.
+
+        ``indices`` (and ``draft``, the draft's own lists) are the engine's
+        destination lists (docs/indices.md), validated before anything is held. The
+        reservation still holds a request slot (the capacity: at most
+        ``num_req_slots`` in flight), but the lists are the address: its slot is -1.
+        """
+        lists = None
+        if indices or draft:
+            lists = validate("decode", self.spec, self.layout, indices or {}, draft or {},
+                             seq_len, shorter_pages=not self.integrity,
+                             shorter_why="decode's integrity check off, since prefill digests "
+                                         "its whole lists")
         slot = self.slots.acquire(request_id)
         try:
             self.table.create(request_id, prefill_address)
         except Exception:
             self.slots.release(request_id)
             raise
-        indices = request_indices(self.spec, slot, seq_len)
-        nbytes = sum(len(indices[b.index_kind]) * b.item_len for b in self.layout.flat_buffers)
+        dst, dst_draft = lists or (request_indices(self.spec, slot, seq_len), {})
+        nbytes = sum(len(list_for(dst, dst_draft, c.pool, b.index_kind)) * b.item_len
+                     for c in self.layout.components for b in c.buffers)
+        slot = slot if lists is None else -1
         with self._lock:
             tid = next(self._ids) & 0xFFFFFFFF
-            res = Reservation(request_id, slot, seq_len, prefill_address, tid, indices, nbytes)
+            res = Reservation(request_id, slot, seq_len, prefill_address, tid, dst, nbytes,
+                              draft=dst_draft)
             self._res[request_id] = res
             self._by_transfer[tid] = request_id
         log.info("request %s: reserved slot %d for %d tokens from prefill %s", request_id,
@@ -226,7 +247,7 @@ class DecodeCore(PoolsHolder):
         self.faults.after_landing(rid, self.pools, res.indices)
         verified = NOT_VERIFIED_OFF
         if res.digests is not None and self.integrity:
-            landed = request_digests(self.pools, res.indices)
+            landed = request_digests(self.pools, res.indices, draft=res.draft)
             bad = [b.name for b, want, got in
                    zip(self.layout.flat_buffers, res.digests, landed, strict=True)
                    if want != got]

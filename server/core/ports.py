@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -53,6 +53,7 @@ class WriteGrant:
 
     transfer_id: int
     indices: IndexLists
+    draft: IndexLists = field(default_factory=dict)  # the draft's own lists, where given
 
 
 class DecodePeers(Protocol):

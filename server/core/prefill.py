@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -43,6 +43,7 @@ from kvbeam.errors import (
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
+from kvbeam.pools.engine_indices import ListLike, same_lists, validate
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.plan import build_plan
@@ -88,6 +89,7 @@ class Outgoing:
     pending_bytes: deque[int] = field(default_factory=deque)
     write_keys: set[tuple[int, int]] = field(default_factory=set)
     told_decode: bool = False    # decode knows of the failure (or must not be told)
+    src_draft: IndexLists = field(default_factory=dict)  # the draft's own lists (engine's)
 
     @property
     def drained(self) -> bool:
@@ -144,31 +146,45 @@ class PrefillCore(PrefillEvents, PoolsHolder):
 
     # ---- API ---------------------------------------------------------------------------
     def send(self, request_id: str, src_slot: int, seq_len: int, decode_address: str,
-             ranges: Ranges, final: bool) -> TransferStatus:
-        """Queue (a chunk of) a request for decode; returns at once (poll :meth:`status`)."""
+             ranges: Ranges, final: bool, *, indices: Mapping[IndexKind, ListLike] | None = None,
+             draft: Mapping[IndexKind, ListLike] | None = None) -> TransferStatus:
+        """Queue (a chunk of) a request for decode; returns at once (poll :meth:`status`).
+
+        ``indices`` (and ``draft``, the draft's own lists) are the engine's source
+        lists of the whole request (docs/indices.md), validated here before anything
+        is queued; without them the lists are ``src_slot``'s. A further chunk omits
+        them or repeats them unchanged.
+        """
         for start, end in ranges:
             if not 0 <= start < end <= seq_len:
                 raise BadRequest(f"chunk [{start}, {end}) is not inside [0, {seq_len})")
         if not final and not ranges:
             raise BadRequest("a non-final chunk must name its token ranges (chunks)")
+        lists = (validate("prefill", self.spec, self.layout, indices or {}, draft or {}, seq_len)
+                 if indices or draft else None)
         with self._lock:
             rec = self._out.get(request_id)
             if rec is None:
-                indices = request_indices(self.spec, src_slot, seq_len)
+                src, src_draft = lists or (request_indices(self.spec, src_slot, seq_len), {})
                 self.table.create(request_id, decode_address)
-                rec = Outgoing(request_id, src_slot, seq_len, decode_address, indices,
-                               np.zeros(len(indices[IndexKind.KV_PAGES]), dtype=np.bool_))
+                rec = Outgoing(request_id, src_slot if lists is None else -1, seq_len,
+                               decode_address, src,
+                               np.zeros(len(src[IndexKind.KV_PAGES]), dtype=np.bool_),
+                               src_draft=src_draft)
                 self._out[request_id] = rec
             else:
                 snap = self.table.get(request_id)
                 if rec.final_submitted or snap is None or snap.state.terminal:
                     raise DuplicateRequest(f"request id {request_id!r}: its final chunk was "
                                            "already sent or it ended; request ids are unique")
-                if (rec.src_slot, rec.seq_len, rec.decode_address) != (
-                        src_slot, seq_len, decode_address):
+                engine = rec.src_slot < 0  # the first chunk gave lists: its slot is ignored
+                same = lists is None or (engine and same_lists(lists[0], rec.src_indices)
+                                         and same_lists(lists[1], rec.src_draft))
+                if (rec.seq_len, rec.decode_address) != (seq_len, decode_address) or not same \
+                        or (not engine and rec.src_slot != src_slot):
                     raise BadRequest(f"request {request_id}: a further chunk must keep "
-                                         "the source slot, seq_len and decode address of the "
-                                         "first")
+                                         "the source slot (or index lists), seq_len and decode "
+                                         "address of the first")
             rec.final_submitted = final
             rec.chunks.append((ranges, final))
             start_step = not rec.running
@@ -303,7 +319,7 @@ class PrefillCore(PrefillEvents, PoolsHolder):
 
     def _write_chunk(self, rec: Outgoing, conn: PeerConn, ranges: Ranges, final: bool) -> None:
         rid = rec.request_id
-        digests = (request_digests(self.pools, rec.src_indices)
+        digests = (request_digests(self.pools, rec.src_indices, draft=rec.src_draft)
                    if final and self.integrity else None)
         grant = self.decode.begin_write(conn, rid, rec.seq_len, final, digests)
         with self._lock:
@@ -318,7 +334,8 @@ class PrefillCore(PrefillEvents, PoolsHolder):
             rec.transfer_id = grant.transfer_id
             src_sel, dst_sel = self._select_pages(rec, grant.indices, ranges, final)
         plan = build_plan(self.layout, self.pools.buffer_addrs(), src_sel,
-                          conn.peer.layout, conn.addrs, dst_sel, include_states=final)
+                          conn.peer.layout, conn.addrs, dst_sel, include_states=final,
+                          src_draft=rec.src_draft, dst_draft=grant.draft)
         self.table.extend(rid, self.transfer_budget(plan.total_bytes))
         blocks = plan.blocks
         self.faults.slow_wire()  # test-only hook, off unless armed

@@ -10,23 +10,10 @@ import torch
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.indices import request_indices
-from kvbeam.pools.plan import build_plan, pair_index_lists
+from kvbeam.pools.plan import pair_index_lists
 from kvbeam.pools.types import IndexKind
+from tests.copy_helpers import copy_plan
 from tests.fixtures import UNIFIED_TARGET, layout
-
-
-def _copy_plan(src: AllocatedSide, dst: AllocatedSide, s_idx: dict[IndexKind, np.ndarray],
-               d_idx: dict[IndexKind, np.ndarray]) -> None:
-    """Apply a plan with plain memory copies (what a transport does, minus the wire)."""
-    plan = build_plan(src.layout, src.buffer_addrs(), s_idx, dst.layout, dst.buffer_addrs(), d_idx)
-    s_base = {t.data_ptr(): t for t in src.tensors}
-    d_base = {t.data_ptr(): t for t in dst.tensors}
-    for s, d, n in zip(plan.blocks.src.tolist(), plan.blocks.dst.tolist(),
-                       plan.blocks.lengths.tolist(), strict=True):
-        st = next(t for a, t in s_base.items() if a <= s < a + t.numel())
-        dt = next(t for a, t in d_base.items() if a <= d < a + t.numel())
-        so, do = s - st.data_ptr(), d - dt.data_ptr()
-        dt[do:do + n] = st[so:so + n]
 
 
 def test_digests_match_after_a_copy_and_catch_one_flipped_byte() -> None:
@@ -36,7 +23,7 @@ def test_digests_match_after_a_copy_and_catch_one_flipped_byte() -> None:
     s_idx = request_indices(UNIFIED_TARGET, 1, 700)
     d_idx = request_indices(UNIFIED_TARGET, 3, 700)
     before = request_digests(dst, d_idx)
-    _copy_plan(src, dst, s_idx, d_idx)
+    copy_plan(src, dst, s_idx, d_idx)
     sent = request_digests(src, s_idx)
     landed = request_digests(dst, d_idx)
     assert sent == landed != before
@@ -56,7 +43,7 @@ def test_prefix_pairing_digests_the_tail() -> None:
     d_idx[IndexKind.KV_PAGES] = d_idx[IndexKind.KV_PAGES][1:]
     s_pair, d_pair = pair_index_lists(s_idx, d_idx)
     assert len(s_pair[IndexKind.KV_PAGES]) == len(d_idx[IndexKind.KV_PAGES])
-    _copy_plan(src, dst, s_idx, d_idx)
+    copy_plan(src, dst, s_idx, d_idx)
     assert request_digests(src, s_pair) == request_digests(dst, d_pair)
 
 

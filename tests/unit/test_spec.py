@@ -66,6 +66,11 @@ BASE = {"compression_ratios": [0, 4], "sliding_window": 128, "page_size": 256}
         ({"num_draft_tokens": -2}, "target.num_draft_tokens: must be >= 0"),
         ({"swa_pages_per_req": 1}, "target.swa_pages_per_req: must be >= ceil"),
         ({"windw": 3}, "unknown field(s) windw"),
+        # Found by the config fuzz: a 2**39 window made the mapping fingerprint allocate 32 GiB.
+        ({"sliding_window": 1 << 39}, "target.sliding_window: must be at most 1048576"),
+        ({"num_draft_tokens": 1 << 30}, "target.num_draft_tokens: must be at most 1024"),
+        ({"swa_ring_size": 1 << 40}, "target.swa_ring_size: must be at most 2097152"),
+        ({"swa_pages_per_req": 1 << 40}, "target.swa_pages_per_req: must be at most"),
     ],
 )
 def test_bad_spec_names_the_field(change: dict[str, object], needle: str) -> None:

@@ -337,24 +337,28 @@ class TokenRange(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class IndexList(_message.Message):
-    __slots__ = ("kind", "indices")
+    __slots__ = ("kind", "indices", "pool")
     KIND_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     kind: IndexKind
     indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kind: _Optional[_Union[IndexKind, str]] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    pool: str
+    def __init__(self, kind: _Optional[_Union[IndexKind, str]] = ..., indices: _Optional[_Iterable[int]] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "seq_len", "prefill_address", "peer_instance_id")
+    __slots__ = ("request_id", "seq_len", "prefill_address", "peer_instance_id", "indices")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PEER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq_len: int
     prefill_address: str
     peer_instance_id: str
-    def __init__(self, request_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., prefill_address: _Optional[str] = ..., peer_instance_id: _Optional[str] = ...) -> None: ...
+    indices: _containers.RepeatedCompositeFieldContainer[IndexList]
+    def __init__(self, request_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., prefill_address: _Optional[str] = ..., peer_instance_id: _Optional[str] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("request_id", "slot", "indices", "lease_ms", "instance_id")
@@ -407,20 +411,22 @@ class ReleaseRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class SendRequest(_message.Message):
-    __slots__ = ("request_id", "source_slot", "seq_len", "decode_address", "final_chunk", "chunks")
+    __slots__ = ("request_id", "source_slot", "seq_len", "decode_address", "final_chunk", "chunks", "indices")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_SLOT_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FINAL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     source_slot: int
     seq_len: int
     decode_address: str
     final_chunk: bool
     chunks: _containers.RepeatedCompositeFieldContainer[TokenRange]
-    def __init__(self, request_id: _Optional[str] = ..., source_slot: _Optional[int] = ..., seq_len: _Optional[int] = ..., decode_address: _Optional[str] = ..., final_chunk: _Optional[bool] = ..., chunks: _Optional[_Iterable[_Union[TokenRange, _Mapping]]] = ...) -> None: ...
+    indices: _containers.RepeatedCompositeFieldContainer[IndexList]
+    def __init__(self, request_id: _Optional[str] = ..., source_slot: _Optional[int] = ..., seq_len: _Optional[int] = ..., decode_address: _Optional[str] = ..., final_chunk: _Optional[bool] = ..., chunks: _Optional[_Iterable[_Union[TokenRange, _Mapping]]] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("request_id",)

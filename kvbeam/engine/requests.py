@@ -1,0 +1,176 @@
+"""Per-request calls an engine scheduler makes, shaped like sglang's KV sender/receiver.
+
+Prefill, once a request's KV is in its pools::
+
+    s = Sender("127.0.0.1:50051", "req-1", decode_address="127.0.0.1:50052")
+    s.send(kv_pages, {"SWA_RING_ROWS": rows, "REQ_SLOT": [item]}, seq_len=4096)
+    while s.poll() not in (KVPoll.Success, KVPoll.Failed): ...
+    s.failure_exception()          # raises TransferFailed when it failed
+
+Decode, before prefill sends::
+
+    r = Receiver("127.0.0.1:50052", "req-1", prefill_address="127.0.0.1:50051")
+    r.send_metadata(kv_pages, {"SWA_RING_ROWS": rows, "REQ_SLOT": [item]}, seq_len=4096)
+    ... r.poll() == KVPoll.Success ...; r.release()   # the engine took the KV over
+
+``kv_indices`` are the engine's KV page ids of the request's logical pages in order;
+``state_indices`` maps every other index kind the layout uses to its list, and
+``"draft.KIND"`` to the draft's own lists (docs/indices.md has the semantics). The
+lists cover the whole request even when prefill sends it in chunks.
+
+gRPC is imported on the first call, not at import; torch never. One channel per
+daemon address is shared by every request of the process (:func:`client_for`).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvbeam.errors import TransferFailed
+from kvbeam.states import TransferState
+
+if TYPE_CHECKING:  # annotations only: kvbeam.client imports gRPC
+    from kvbeam.auth import Security
+    from kvbeam.client import KvbeamClient, Reservation, Status
+
+
+class KVPoll(enum.IntEnum):
+    """sglang's poll states, with sglang's integers."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+_POLL = {
+    TransferState.FAILED: KVPoll.Failed,
+    TransferState.BOOTSTRAPPING: KVPoll.Bootstrapping,
+    TransferState.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
+    TransferState.TRANSFERRING: KVPoll.Transferring,
+    TransferState.SUCCESS: KVPoll.Success,
+}
+
+
+def poll_of(state: TransferState) -> KVPoll:
+    """The KVPoll value of a kvbeam transfer state."""
+    return _POLL[state]
+
+
+_clients: dict[str, KvbeamClient] = {}
+_clients_lock = threading.Lock()
+
+
+def client_for(address: str, security: Security | None = None) -> KvbeamClient:
+    """The process's shared client to a daemon (created on first use; gRPC imported then)."""
+    from kvbeam.client import KvbeamClient
+
+    with _clients_lock:
+        client = _clients.get(address)
+        if client is None:
+            client = _clients[address] = KvbeamClient(address, security=security)
+        return client
+
+
+def index_lists(kv_indices: Sequence[int] | Any,
+                state_indices: Mapping[str, Sequence[int] | Any] | None) -> dict[str, Any]:
+    """``kv_indices`` and ``state_indices`` as the client's mapping by kind name."""
+    return {"KV_PAGES": kv_indices, **(state_indices or {})}
+
+
+class _Request:
+    """What both sides share: the daemon, the request id, the last status seen."""
+
+    def __init__(self, daemon_address: str, request_id: str, *,
+                 client: KvbeamClient | None = None, security: Security | None = None) -> None:
+        self.daemon_address = daemon_address
+        self.request_id = request_id
+        self._client = client
+        self._security = security
+        self._started = False
+        self.last: Status | None = None
+
+    @property
+    def client(self) -> KvbeamClient:
+        """The client to this side's daemon (the shared one unless one was given)."""
+        if self._client is None:
+            self._client = client_for(self.daemon_address, self._security)
+        return self._client
+
+    def poll(self) -> KVPoll:
+        """The request's state; Bootstrapping until it was sent or reserved here."""
+        if not self._started:
+            return KVPoll.Bootstrapping
+        self.last = self.client.status(self.request_id)
+        return poll_of(self.last.state)
+
+    def wait(self, timeout: float) -> KVPoll:
+        """Block until the request ends or ``timeout`` seconds pass; the state then."""
+        self.last = self.client.wait(self.request_id, timeout)
+        return poll_of(self.last.state)
+
+    def failure_exception(self) -> None:
+        """Raise :class:`~kvbeam.errors.TransferFailed` when the last poll saw Failed."""
+        s = self.last
+        if s is not None and s.state is TransferState.FAILED:
+            reason = s.reason.value if s.reason else "unknown"
+            raise TransferFailed(f"request {self.request_id} failed: {reason}: {s.detail}",
+                                 reason=reason, detail=s.detail)
+
+    def abort(self, detail: str = "aborted by the engine") -> None:
+        """Abort the request on this side's daemon (it tells the peer)."""
+        if self._started:
+            self.last = self.client.abort(self.request_id, detail)
+
+
+class Sender(_Request):
+    """Prefill's side of one request: send its KV (possibly in chunks) to a decode daemon."""
+
+    def __init__(self, daemon_address: str, request_id: str, decode_address: str, *,
+                 client: KvbeamClient | None = None, security: Security | None = None) -> None:
+        super().__init__(daemon_address, request_id, client=client, security=security)
+        self.decode_address = decode_address
+
+    def send(self, kv_indices: Sequence[int] | Any,
+             state_indices: Mapping[str, Sequence[int] | Any] | None = None, *, seq_len: int,
+             final: bool = True, chunk: tuple[int, int] | None = None) -> KVPoll:
+        """Send the request (or the pages of token range ``chunk``; states go with ``final``).
+
+        The lists describe the whole request; they travel with the first call only.
+        """
+        if not final and chunk is None:
+            raise ValueError("a non-final send needs its token range (chunk)")
+        lists = None if self._started else index_lists(kv_indices, state_indices)
+        self.last = self.client.send(self.request_id, -1, seq_len, self.decode_address,
+                                     final=final, chunks=[chunk] if chunk else (),
+                                     indices=lists)
+        self._started = True
+        return poll_of(self.last.state)
+
+
+class Receiver(_Request):
+    """Decode's side of one request: reserve where it lands, poll, release."""
+
+    def __init__(self, daemon_address: str, request_id: str, prefill_address: str, *,
+                 client: KvbeamClient | None = None, security: Security | None = None) -> None:
+        super().__init__(daemon_address, request_id, client=client, security=security)
+        self.prefill_address = prefill_address
+
+    def reserve(self, kv_indices: Sequence[int] | Any,
+                state_indices: Mapping[str, Sequence[int] | Any] | None = None, *,
+                seq_len: int) -> Reservation:
+        """Reserve the request at the engine's destination lists (checked by decode)."""
+        r = self.client.reserve(self.request_id, seq_len, self.prefill_address,
+                                indices=index_lists(kv_indices, state_indices))
+        self._started = True
+        return r
+
+    send_metadata = reserve  # sglang's name for the same call
+
+    def release(self) -> None:
+        """The engine took the KV over: decode frees the reservation."""
+        self.last = self.client.release(self.request_id)

@@ -1,0 +1,188 @@
+"""Index lists an engine chooses itself: parse them, validate them against a side's layout.
+
+An engine (sglang, vLLM) allocates pages from its own free list and keeps its own
+full-to-SWA mapping, so it names every item a request occupies: one list per index
+kind (docs/indices.md). Before any byte moves, each side checks its lists against
+its own layout and refuses a bad one with :class:`~kvbeam.errors.BadIndexList`
+(INVALID_ARGUMENT) naming the side, the kind (and pool) and the first bad index:
+
+- the kind is known and this layout has buffers of it (a draft list: the draft has);
+- every kind the layout uses is given (no per-kind fall-back to slot-based lists,
+  which would address items the engine may have handed to another request);
+- each list has the length the request's ``seq_len`` needs
+  (:func:`kvbeam.pools.indices.expected_lengths`); decode's page lists may be
+  shorter (a cached prefix) where :data:`~kvbeam.pools.types.EXACT_MATCH_KINDS`
+  allows it and the caller says so;
+- every index is in ``[0, items)`` of every buffer the list addresses;
+- no index appears twice in a list.
+
+Every check is a handful of numpy operations: a 128k-token request's thousands of
+pages cost no Python loop per index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Union
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbeam.errors import BadIndexList
+from kvbeam.pools.indices import expected_lengths
+from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.spec import PoolSpec
+from kvbeam.pools.types import EXACT_MATCH_KINDS, IndexKind
+
+Lists = dict[IndexKind, npt.NDArray[np.int64]]
+#: What a caller may hand in for one list: a sequence of ints or an integer array.
+ListLike = Union[Sequence[int], npt.NDArray[np.integer]]  # noqa: UP007 (a runtime alias)
+
+#: What one item of a kind is, for messages.
+NOUNS = {
+    IndexKind.KV_PAGES: "pages",
+    IndexKind.SWA_PAGES: "SWA pages",
+    IndexKind.SWA_RING_ROWS: "ring rows",
+    IndexKind.REQ_SLOT: "C4 state items",
+    IndexKind.C128_STATE: "C128 state items",
+}
+
+
+def parse_key(key: str) -> tuple[str, IndexKind]:
+    """``"KIND"`` or ``"target.KIND"`` -> ("target", kind); ``"draft.KIND"`` -> ("draft", kind)."""
+    pool, _, name = key.rpartition(".")
+    pool = pool or "target"
+    if pool not in ("target", "draft"):
+        raise BadIndexList(f"index list {key!r}: unknown pool {pool!r} (target or draft)",
+                           side="request", kind="", pool=pool)
+    try:
+        return pool, IndexKind(name)
+    except ValueError:
+        known = ", ".join(k.value for k in IndexKind)
+        raise BadIndexList(f"index list {key!r}: unknown index kind {name!r} (known: {known})",
+                           side="request", kind="", pool=pool) from None
+
+
+def split_mapping(lists: Mapping[str, ListLike]) -> tuple[Lists, Lists]:
+    """A ``{"KIND" | "draft.KIND": indices}`` mapping as (target, draft) arrays by kind."""
+    target: Lists = {}
+    draft: Lists = {}
+    for key, values in lists.items():
+        pool, kind = parse_key(key)
+        (draft if pool == "draft" else target)[kind] = _array(values, key)
+    return target, draft
+
+
+def _array(values: ListLike, label: str, side: str = "request") -> npt.NDArray[np.int64]:
+    arr = np.asarray(values)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise BadIndexList(f"{side}: index list {label}: a flat list of integers is needed "
+                           f"(got {arr.dtype} of shape {arr.shape})", side=side, kind=label)
+    return arr.astype(np.int64, copy=False)
+
+
+def _kinds(layout: SideLayout, pool: str | None) -> dict[IndexKind, list[int]]:
+    """The kinds a pool's buffers use (every pool's when None), with each buffer's items."""
+    out: dict[IndexKind, list[int]] = {}
+    for comp in layout.components:
+        if pool is None or comp.pool == pool:
+            for buf in comp.buffers:
+                out.setdefault(buf.index_kind, []).append(buf.items)
+    return {k: out[k] for k in IndexKind if k in out}  # IndexKind order, for messages
+
+
+def _addressed(layout: SideLayout, pool: str, kind: IndexKind,
+               draft: Mapping[IndexKind, ListLike]) -> list[int]:
+    """Items of every buffer a ``pool`` list of ``kind`` addresses.
+
+    A target list also addresses the draft's buffers of its kind unless the draft
+    has its own list: it must fit every buffer it addresses.
+    """
+    out: list[int] = []
+    for comp in layout.components:
+        own = comp.pool == "draft" and kind in draft
+        if (pool == "draft") == own:
+            out += [b.items for b in comp.buffers if b.index_kind is kind]
+    return out
+
+
+def validate(side: str, spec: PoolSpec, layout: SideLayout, target: Mapping[IndexKind, ListLike],
+             draft: Mapping[IndexKind, ListLike], seq_len: int, *,
+             shorter_pages: bool = False, shorter_why: str = "") -> tuple[Lists, Lists]:
+    """Check an engine's lists for ``side``; return (target, draft) ready to plan with.
+
+    The target lists come back with every :class:`IndexKind`, the kinds this layout
+    does not use as empty lists (the wire carries all kinds). ``shorter_pages``
+    lets page kinds be shorter than ``seq_len`` needs (decode holding a prefix);
+    ``shorter_why`` says why it is not allowed when it is not.
+    """
+    used = _kinds(layout, None)
+    draft_used = _kinds(layout, "draft")
+    for kind in target:
+        if kind not in used:
+            raise BadIndexList(f"{side}: this layout has no {kind.value} buffers (it uses "
+                               f"{', '.join(k.value for k in used)})", side=side, kind=kind.value)
+    if draft and layout.draft is None:
+        raise BadIndexList(f"{side}: draft {next(iter(draft)).value} list given, but this side "
+                           "has no draft pool", side=side, kind=next(iter(draft)).value,
+                           pool="draft")
+    for kind in draft:
+        if kind not in draft_used:
+            raise BadIndexList(f"{side}: the draft pool has no {kind.value} buffers (it uses "
+                               f"{', '.join(k.value for k in draft_used)})", side=side,
+                               kind=kind.value, pool="draft")
+    missing = [k.value for k in IndexKind if k in used and k not in target]
+    if missing:
+        raise BadIndexList(f"{side}: index lists missing for {', '.join(missing)}: give every "
+                           "kind the layout uses, or none for slot-based lists",
+                           side=side, kind=missing[0])
+    want = expected_lengths(spec, seq_len)
+    out_t: Lists = {k: np.zeros(0, dtype=np.int64) for k in IndexKind}
+    out_d: Lists = {}
+    for pool, given, out in (("target", target, out_t), ("draft", draft, out_d)):
+        for kind, values in given.items():
+            items = min(_addressed(layout, pool, kind, draft), default=np.iinfo(np.int64).max)
+            label = kind.value if pool == "target" else f"draft {kind.value}"
+            arr = _array(values, label, side)
+            _check(side, pool, kind, label, arr, want[kind], items, seq_len,
+                   shorter_pages and kind not in EXACT_MATCH_KINDS, shorter_why)
+            out[kind] = arr
+    return out_t, out_d
+
+
+def _check(side: str, pool: str, kind: IndexKind, label: str, arr: npt.NDArray[np.int64],
+           want: int, items: int, seq_len: int, shorter: bool, shorter_why: str) -> None:
+    n = len(arr)
+    if n != want and not (shorter and n < want):
+        why = (f" (a shorter {kind.value} list needs {shorter_why})"
+               if n < want and shorter_why and kind not in EXACT_MATCH_KINDS else "")
+        raise BadIndexList(f"{side}: {label} has {n} indices; {seq_len} tokens need "
+                           f"{'at most ' if shorter else ''}{want}{why}",
+                           side=side, kind=kind.value, pool=pool)
+    if n == 0:
+        return
+    bad = np.flatnonzero((arr < 0) | (arr >= items))
+    if len(bad):
+        pos = int(bad[0])
+        raise BadIndexList(f"{side}: {label} index {int(arr[pos])} at position {pos} is out of "
+                           f"range: the pool has {items} {NOUNS[kind]} (valid 0..{items - 1})",
+                           side=side, kind=kind.value, pool=pool, position=pos,
+                           index=int(arr[pos]))
+    order = np.argsort(arr, kind="stable")
+    ordered = arr[order]
+    dup = np.flatnonzero(ordered[1:] == ordered[:-1])
+    if len(dup):
+        # The stable sort keeps equal values in list order: (earlier, later) pairs.
+        first = int(np.argmin(order[dup + 1]))
+        pos, earlier = int(order[dup[first] + 1]), int(order[dup[first]])
+        raise BadIndexList(f"{side}: {label} index {int(arr[pos])} at position {pos} repeats "
+                           f"position {earlier}", side=side, kind=kind.value, pool=pool,
+                           position=pos, index=int(arr[pos]))
+
+
+def same_lists(a: Mapping[IndexKind, npt.NDArray[np.int64]],
+               b: Mapping[IndexKind, npt.NDArray[np.int64]]) -> bool:
+    """True when two sets of lists name the same kinds with equal lists."""
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

@@ -1,0 +1,169 @@
+"""Engine-chosen lists move each source item to its paired destination item (plans, cores)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvbeam.errors import BadIndexList, BadRequest, NoFreeSlot
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.indices import request_indices
+from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.plan import build_plan, list_for
+from kvbeam.pools.spec import PoolSpec
+from kvbeam.pools.types import IndexKind
+from kvbeam.server.core.ports import WriteGrant
+from kvbeam.server.peers import PeerConn
+from kvbeam.states import TransferState
+from tests.copy_helpers import copy_blocks, copy_plan
+from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
+from tests.engine_lists import Lists, random_lists
+from tests.fixtures import PAGED_DRAFT, PAGED_TARGET, UNIFIED_DRAFT, UNIFIED_TARGET, layout
+from tests.unit.test_core_decode import _core as decode_core
+
+K = IndexKind
+ADDR = "127.0.0.1:9"
+
+
+def _sides(lay: SideLayout) -> tuple[AllocatedSide, AllocatedSide]:
+    src, dst = AllocatedSide(lay), AllocatedSide(lay)
+    src.fill_pattern(11)
+    dst.fill_pattern(12)
+    return src, dst
+
+
+def _assert_moved(src: AllocatedSide, dst: AllocatedSide, before: AllocatedSide,
+                  s: Lists, d: Lists, s_draft: Lists | None = None,
+                  d_draft: Lists | None = None) -> None:
+    """Each buffer: dst item d[i] holds src item s[i]; every other dst item is untouched."""
+    for comp in src.layout.components:
+        for buf in comp.buffers:
+            si = list_for(s, s_draft, comp.pool, buf.index_kind)
+            di = list_for(d, d_draft, comp.pool, buf.index_kind)
+            sv = src.buffer_view(buf).numpy().reshape(buf.items, buf.item_len)
+            dv = dst.buffer_view(buf).numpy().reshape(buf.items, buf.item_len)
+            bv = before.buffer_view(buf).numpy().reshape(buf.items, buf.item_len)
+            assert np.array_equal(dv[di], sv[si]), buf.name
+            rest = np.ones(buf.items, dtype=bool)
+            rest[di] = False
+            assert np.array_equal(dv[rest], bv[rest]), buf.name
+
+
+@pytest.mark.parametrize(("target", "draft", "own_draft"), [
+    (UNIFIED_TARGET, UNIFIED_DRAFT, False), (UNIFIED_TARGET, UNIFIED_DRAFT, True),
+    (PAGED_TARGET, PAGED_DRAFT, False), (PAGED_TARGET, PAGED_DRAFT, True)])
+def test_shuffled_fragmented_lists_land_item_for_item(target: PoolSpec, draft: PoolSpec,
+                                                      own_draft: bool) -> None:
+    lay = layout(target, draft)
+    src, dst = _sides(lay)
+    before = AllocatedSide(lay)
+    before.fill_pattern(12)
+    rng = np.random.default_rng(7)
+    s, d = random_lists(target, lay, 1500, rng), random_lists(target, lay, 1500, rng)
+    s_draft = random_lists(target, lay, 1500, rng, pool="draft") if own_draft else None
+    d_draft = random_lists(target, lay, 1500, rng, pool="draft") if own_draft else None
+    copy_plan(src, dst, s, d, src_draft=s_draft, dst_draft=d_draft)
+    _assert_moved(src, dst, before, s, d, s_draft, d_draft)
+
+
+def test_fragmented_lists_give_more_smaller_blocks_same_bytes() -> None:
+    lay = layout()
+    addrs = AllocatedSide(lay).buffer_addrs()
+    slot = build_plan(lay, addrs, request_indices(UNIFIED_TARGET, 0, 2000), lay, addrs,
+                      request_indices(UNIFIED_TARGET, 1, 2000))
+    rng = np.random.default_rng(8)
+    eng = build_plan(lay, addrs, random_lists(UNIFIED_TARGET, lay, 2000, rng), lay, addrs,
+                     random_lists(UNIFIED_TARGET, lay, 2000, rng))
+    assert eng.total_bytes == slot.total_bytes
+    assert eng.num_blocks > slot.num_blocks
+
+
+class EngineDecode(FakeDecode):
+    """A fake decode whose BeginWrite grants the engine's own destination lists."""
+
+    def __init__(self, side: AllocatedSide, lists: Lists, draft: Lists) -> None:
+        super().__init__(side)
+        self.lists, self.draft = lists, draft
+
+    def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
+                    digests: list[int] | None) -> WriteGrant:
+        full = {k: self.lists.get(k, np.zeros(0, dtype=np.int64)) for k in IndexKind}
+        return WriteGrant(next(self._tids), full, self.draft)
+
+
+def _engine_prefill(dst_lists: Lists, dst_draft: Lists) -> tuple[Any, EngineDecode]:
+    core, _fake = prefill_core()
+    dst = AllocatedSide(core.layout)
+    dst.fill_pattern(12)
+    engine = EngineDecode(dst, dst_lists, dst_draft)
+    core.decode = engine
+    core.pools.fill_pattern(11)
+    return core, engine
+
+
+def test_chunked_send_selects_pages_by_position_not_page_id() -> None:
+    lay = layout()
+    rng = np.random.default_rng(9)
+    s = random_lists(UNIFIED_TARGET, lay, 1000, rng)
+    d = random_lists(UNIFIED_TARGET, lay, 1000, rng)
+    s_draft = random_lists(UNIFIED_TARGET, lay, 1000, rng, pool="draft")
+    d_draft = random_lists(UNIFIED_TARGET, lay, 1000, rng, pool="draft")
+    core, engine = _engine_prefill(d, d_draft)
+    before = AllocatedSide(lay)
+    before.fill_pattern(12)
+    core.send("e", -1, 1000, ADDR, [(0, 300)], False, indices=s, draft=s_draft)
+    core.send("e", 5, 1000, ADDR, [(300, 700)], False)  # the slot is ignored: lists kept
+    core.send("e", -1, 1000, ADDR, [], True, indices=s, draft=s_draft)  # repeated unchanged
+    conn = core.peers.by_address(ADDR)
+    assert conn is not None
+    link = conn.link
+    assert isinstance(link, FakeLink)
+    assert wait_for(lambda: len(link.writes) == 3)
+    for blocks in link.blocks:
+        copy_blocks(core.pools, engine.side, blocks)
+    _assert_moved(core.pools, engine.side, before, s, d, s_draft, d_draft)
+    for tid, _ in link.writes:
+        core.on_event(link.completion(tid))
+    assert core.status("e").state is TransferState.SUCCESS
+    assert core.slot_of("e") == -1
+
+
+def test_prefill_refuses_a_bad_list_before_queueing_and_a_changed_list_later() -> None:
+    lay = layout()
+    rng = np.random.default_rng(10)
+    s = random_lists(UNIFIED_TARGET, lay, 1000, rng)
+    core, _engine = _engine_prefill(s, {})
+    bad = dict(s)
+    bad[K.KV_PAGES] = bad[K.KV_PAGES].copy()
+    bad[K.KV_PAGES][2] = 10**6
+    with pytest.raises(BadIndexList, match="prefill: KV_PAGES index 1000000 at position 2"):
+        core.send("b", -1, 1000, ADDR, [], True, indices=bad)
+    assert not core.known("b")
+    core.send("c", -1, 1000, ADDR, [(0, 256)], False, indices=s)
+    other = dict(s)
+    other[K.KV_PAGES] = s[K.KV_PAGES][::-1].copy()
+    with pytest.raises(BadRequest, match=r"must keep the source slot \(or index lists\)"):
+        core.send("c", -1, 1000, ADDR, [], True, indices=other)
+
+
+def test_decode_reserve_with_engine_lists_counts_capacity_and_reports_slot_minus_one() -> None:
+    core, _io, _prefill, _conn = decode_core()
+    rng = np.random.default_rng(11)
+    lay = core.layout
+    bad = random_lists(UNIFIED_TARGET, lay, 900, rng)
+    bad[K.REQ_SLOT] = np.array([UNIFIED_TARGET.num_req_slots], dtype=np.int64)
+    with pytest.raises(BadIndexList, match="decode: REQ_SLOT index 4 at position 0"):
+        core.reserve("bad", 900, "127.0.0.1:7", indices=bad)
+    assert core.slots.free == UNIFIED_TARGET.num_req_slots and core.table.get("bad") is None
+    for i in range(UNIFIED_TARGET.num_req_slots):
+        lists = random_lists(UNIFIED_TARGET, lay, 900, rng)
+        res = core.reserve(f"r{i}", 900, "127.0.0.1:7", indices=lists)
+        assert res.slot == -1 and np.array_equal(res.indices[K.KV_PAGES], lists[K.KV_PAGES])
+        slot_res = request_indices(UNIFIED_TARGET, 0, 900)
+        assert res.nbytes == sum(len(slot_res[b.index_kind]) * b.item_len
+                                 for b in lay.flat_buffers)
+    with pytest.raises(NoFreeSlot):
+        core.reserve("one-too-many", 900, "127.0.0.1:7",
+                     indices=random_lists(UNIFIED_TARGET, lay, 900, rng))
