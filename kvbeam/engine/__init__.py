@@ -12,10 +12,9 @@ makes are :class:`Sender` (prefill), :class:`Receiver` (decode) and :class:`KVPo
 
 from kvbeam.engine.attach import Attachment, attach
 from kvbeam.engine.memory import EngineBuffers, EnginePools, SharedMemory
+from kvbeam.engine.requests import KVPoll, Receiver, Sender
 from kvbeam.errors import AttachError
 from kvbeam.proto.attach_codec import BufferRef
-
-from kvbeam.engine.requests import KVPoll, Receiver, Sender
 
 __all__ = ["AttachError", "Attachment", "BufferRef", "EngineBuffers", "EnginePools",
            "KVPoll", "Receiver", "Sender", "SharedMemory", "attach"]

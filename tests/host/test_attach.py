@@ -13,13 +13,16 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvbeam.client import KvbeamClient
 from kvbeam.errors import NoEngineAttached
+from kvbeam.pools.layout import build_side_layout
 from kvbeam.procs import DaemonProcess, wait_until
-from kvbeam.states import TransferState
+from kvbeam.states import VERIFIED_PREFIX, TransferState
 from tests.attach_helpers import Engine, start_engine_daemon, write_config
+from tests.engine_lists import as_mapping, random_lists
 from tests.fixtures import side
 from tests.metrics_helpers import scrape, value
 
@@ -104,6 +107,17 @@ def test_engine_pair_moves_requests_into_the_decode_engines_memory(pair: tuple[
             assert pe.attached and p.wait_healthy(10)
             slot = _move(p, d, "r3", 2, prefill.address, decode.address)
             assert de.digests(slot, SEQ) == pe.digests(2, SEQ)
+            # Engine-chosen (shuffled, fragmented) lists over attached memory, verified
+            # by decode's digests of ITS lists against prefill's of ITS lists.
+            cfg_obj, lay = side(), build_side_layout(side())
+            rng = np.random.default_rng(5)
+            src, dst = (as_mapping(random_lists(cfg_obj.target, lay, SEQ, rng))
+                        for _ in range(2))
+            d.reserve("r4", SEQ, prefill.address, indices=dst)
+            p.send("r4", -1, SEQ, decode.address, indices=src)
+            done = d.wait("r4", 60)
+            assert done.state is TransferState.SUCCESS, str(done)
+            assert done.detail.startswith(VERIFIED_PREFIX), done.detail
         finally:
             pe.stop()
             de.stop()
