@@ -93,6 +93,39 @@ def test_engine_sigkill_mid_transfer_fails_both_sides_and_leaks_nothing(workdir:
         decode.stop()
 
 
+def test_prefill_engine_sigkill_mid_transfer_fails_both_sides(workdir: Path) -> None:
+    cfg = write_config(workdir / "side.yaml", side())
+    psock, dsock = str(workdir / "p.sock"), str(workdir / "d.sock")
+    decode = start_engine_daemon("decode", dsock)
+    prefill = start_engine_daemon("prefill", psock, env={"KVBEAM_FAULT_WRITE_DELAY_S": "3"})
+    engines: list[Engine] = []
+    try:
+        with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+            before = _daemon_holds(prefill.proc.pid, prefill.metrics)
+            engines += [Engine(psock, cfg, seed=1), Engine(dsock, cfg, seed=2)]
+            assert all(e.attached for e in engines), [e.first for e in engines]
+            d.reserve("q1", SEQ, prefill.address)
+            p.send("q1", 0, SEQ, decode.address)
+            assert wait_until(lambda: p.status("q1").state is TransferState.TRANSFERRING, 10)
+            engines[0].kill()
+            for c in (p, d):
+                st = c.wait("q1", 15)
+                assert st.state is TransferState.FAILED, str(st)
+            assert "engine memory detached" in p.status("q1").detail
+            assert wait_until(
+                lambda: value(scrape(prefill.metrics), "kvbeam_engine_attached") == 0, 15)
+            wait_until(lambda: proc_counts(prefill.proc.pid)["fds"] <= before["fds"], 5)
+            after = _daemon_holds(prefill.proc.pid, prefill.metrics)
+            print(f"\nprefill daemon holds: before attach {before}, after engine SIGKILL {after}")
+            assert after["memfd_maps"] == 0 and after["regions"] == 0
+            assert d.healthy(2.0)  # decode's engine is still attached
+    finally:
+        for e in engines:
+            e.stop()
+        prefill.stop()
+        decode.stop()
+
+
 @pytest.fixture
 def nobody_dir() -> Iterator[str]:
     """A private directory owned by ``nobody`` (the daemon's socket lives there)."""
