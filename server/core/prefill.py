@@ -27,16 +27,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbeam.errors import (
+    AlreadyLanded,
     BadRequest,
     DuplicateRequest,
-    HandshakeRejectedError,
-    PeerError,
-    PlanError,
-    PoolCompatibilityError,
-    ProtocolError,
-    ProtocolVersionError,
     RegionError,
-    RoleConflictError,
     SendFailed,
     TransportError,
 )
@@ -53,7 +47,7 @@ from kvbeam.server.core.ports import (
     IndexLists,
     require_status,
 )
-from kvbeam.server.core.prefill_events import PrefillEvents
+from kvbeam.server.core.resend import PrefillResend
 from kvbeam.server.faults import FaultHooks, outside_peer_mr
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
@@ -87,6 +81,12 @@ class Outgoing:
     pending_bytes: deque[int] = field(default_factory=deque)
     write_keys: set[tuple[int, int]] = field(default_factory=set)
     told_decode: bool = False    # decode knows of the failure (or must not be told)
+    # The resend after a transient transport error (server/core/resend.py):
+    posted: list[tuple[Ranges, bool]] = field(default_factory=list)  # chunks taken so far
+    attempt_link: int | None = None  # the link this attempt posts on
+    resend_pending: bool = False  # that link failed: resend once no write is outstanding
+    resend_status: str = ""
+    resends: int = 0
 
     @property
     def drained(self) -> bool:
@@ -94,21 +94,7 @@ class Outgoing:
         return self.outstanding <= 0 or self.abandoned
 
 
-def reason_for(exc: BaseException) -> FailureReason:
-    """The lifecycle failure reason for an exception of a send step."""
-    if isinstance(exc, SendFailed):
-        return exc.reason
-    if isinstance(exc, PoolCompatibilityError | ProtocolVersionError | RoleConflictError
-                  | HandshakeRejectedError):
-        return FailureReason.INCOMPATIBLE
-    if isinstance(exc, PeerError):
-        return FailureReason.PEER_UNREACHABLE
-    if isinstance(exc, PlanError | ProtocolError | BadRequest):
-        return FailureReason.INVALID_REQUEST
-    return FailureReason.TRANSPORT_ERROR
-
-
-class PrefillCore(PrefillEvents):
+class PrefillCore(PrefillResend):
     """All of prefill's request state; the servicer and the runtime's loops call in.
 
     Args:
@@ -120,12 +106,16 @@ class PrefillCore(PrefillEvents):
             link is released.
         transfer_budget: seconds Transferring allows for a number of bytes (the
             deadline grows with the request, see ``DaemonSettings.transfer_budget_s``).
+        resend_retries: resends of a request after a transient transport error
+            (:mod:`kvbeam.server.core.resend`; 0: fail at once).
+        on_resend: called once per resend (metrics).
     """
 
     def __init__(self, *, table: TransferTable, peers: Peers, decode: DecodePeers, io: Executor,
                  spec: PoolSpec, layout: SideLayout, pools: AllocatedSide, integrity: bool,
                  faults: FaultHooks, drain_s: float,
-                 transfer_budget: Callable[[int], float] = lambda _n: 0.0) -> None:
+                 transfer_budget: Callable[[int], float] = lambda _n: 0.0,
+                 resend_retries: int = 0, on_resend: Callable[[], None] = lambda: None) -> None:
         self.table = table
         self.peers = peers
         self.decode = decode
@@ -137,6 +127,8 @@ class PrefillCore(PrefillEvents):
         self.faults = faults
         self.drain_s = drain_s
         self.transfer_budget = transfer_budget
+        self.resend_retries = resend_retries
+        self.on_resend = on_resend
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
         self._out: dict[str, Outgoing] = {}
@@ -238,9 +230,13 @@ class PrefillCore(PrefillEvents):
     def _step(self, rec: Outgoing) -> None:
         """Run the request's next chunk; one step per request at a time keeps chunk order."""
         with self._lock:
-            if self._ended(rec) or not rec.chunks:
+            idle = self._ended(rec) or not rec.chunks or rec.resend_pending
+            if idle:
                 rec.running = False
-                return
+        if idle:
+            self._maybe_resend(rec)
+            return
+        with self._lock:
             conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
             if conn is None:
                 conn = self.peers.by_address(rec.decode_address)
@@ -252,7 +248,9 @@ class PrefillCore(PrefillEvents):
                 self._connecting[rec.decode_address] = [rec]
             else:
                 rec.conn = conn
-                ranges, final = rec.chunks.popleft()
+                chunk = rec.chunks.popleft()
+                rec.posted.append(chunk)  # replayed by a resend
+                ranges, final = chunk
         if conn is None:
             self._connect(rec.decode_address)
             return
@@ -263,10 +261,12 @@ class PrefillCore(PrefillEvents):
                 self.on_peer_lost(conn, str(exc))
             self._step_failed(rec, exc)
         with self._lock:
-            again = bool(rec.chunks) and not self._ended(rec)
+            again = bool(rec.chunks) and not self._ended(rec) and not rec.resend_pending
             rec.running = again
         if again:
             self.io.submit(self._step, rec)
+        else:
+            self._maybe_resend(rec)
 
     def _connect(self, address: str) -> None:
         """Handshake with decode at ``address``; then every request waiting for it goes on."""
@@ -293,7 +293,13 @@ class PrefillCore(PrefillEvents):
         rid = rec.request_id
         digests = (request_digests(self.pools, rec.src_indices)
                    if final and self.integrity else None)
-        grant = self.decode.begin_write(conn, rid, rec.seq_len, final, digests)
+        try:
+            grant = self.decode.begin_write(conn, rid, rec.seq_len, final, digests)
+        except AlreadyLanded:
+            if not rec.resends:
+                raise
+            self._landed_already(rec)
+            return
         with self._lock:
             snap = self.table.get(rid)
             if snap is None or snap.state.terminal:
@@ -318,6 +324,7 @@ class PrefillCore(PrefillEvents):
                 return
             self._writes[key] = rid
             rec.write_keys.add(key)
+            rec.attempt_link = conn.link.id
             rec.outstanding += 1
             rec.pending_bytes.append(plan.total_bytes)
             rec.bytes_total += plan.total_bytes
@@ -334,6 +341,9 @@ class PrefillCore(PrefillEvents):
                 self._drained.notify_all()
             if isinstance(exc, TransportError) and not isinstance(exc, RegionError):
                 self.on_peer_lost(conn, f"link unusable: {exc}", gone=False)
+                with self._lock:
+                    if rec.resend_pending:
+                        return  # resent on a new link once this step ends
             raise
         log.info("request %s: posted %s%d bytes in %d blocks to %s", rid,
                  "final chunk, " if final else "chunk, ", plan.total_bytes, plan.num_blocks,
@@ -361,15 +371,3 @@ class PrefillCore(PrefillEvents):
         src[IndexKind.KV_PAGES] = rec.src_indices[IndexKind.KV_PAGES][want]
         dst_sel[IndexKind.KV_PAGES] = dst[IndexKind.KV_PAGES][want]
         return src, dst_sel
-
-    def _step_failed(self, rec: Outgoing, exc: BaseException) -> None:
-        reason = reason_for(exc)
-        if reason is FailureReason.TRANSPORT_ERROR and not isinstance(
-                exc, TransportError | SendFailed):
-            log.error("request %s: unexpected error", rec.request_id, exc_info=exc,
-                      extra=fields(rec.request_id, rec.decode_address))
-        self._fail(rec, reason, str(exc))
-
-    def _ended(self, rec: Outgoing) -> bool:
-        snap = self.table.get(rec.request_id)
-        return snap is None or snap.state.terminal
