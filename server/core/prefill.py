@@ -330,6 +330,7 @@ class PrefillCore(PrefillResend):
             rec.bytes_total += plan.total_bytes
             # Before posting: the completion may arrive before write() returns.
             rec.final_posted = rec.final_posted or final
+        self.faults.break_link(rid, conn.link)  # test-only hook, off unless armed
         try:
             conn.link.write(grant.transfer_id, blocks, notify=final)
         except Exception as exc:
