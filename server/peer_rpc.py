@@ -131,7 +131,11 @@ class GrpcDecodePeers:
                                   instance_id=self.local.instance_id)
         timeout = timeout or self.rpc_timeout_s
         if conn is not None and not conn.closed:
-            return _abort(conn.client(), request, timeout, address)
+            confirmed = _abort(conn.client(), request, timeout, address)
+            if confirmed or not conn.closed:
+                return confirmed
+            # The connection closed under the call (its link failed meanwhile, which
+            # now keeps decode's reservation): say it again on a one-off channel.
         with self.dial(address) as client:  # never connected: a one-off channel
             return _abort(client, request, timeout, address)
 
