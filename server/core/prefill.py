@@ -85,7 +85,8 @@ class Outgoing:
     posted: list[tuple[Ranges, bool]] = field(default_factory=list)  # chunks taken so far
     attempt_link: int | None = None  # the link this attempt posts on
     resend_pending: bool = False  # that link failed: resend once no write is outstanding
-    resend_status: str = ""
+    resend_status: str = ""  # what broke the link, for the resend's log line
+    first_failure: str = ""  # what broke the first link, for the final detail
     resends: int = 0
 
     @property

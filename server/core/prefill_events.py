@@ -54,11 +54,12 @@ def reason_for(exc: BaseException) -> FailureReason:
     return FailureReason.TRANSPORT_ERROR
 
 
-def after_resends(detail: str, resends: int) -> str:
-    """A failure's detail, saying how many resends were tried before it."""
+def after_resends(detail: str, resends: int, first: str) -> str:
+    """A failure's detail, saying how many resends were tried and what broke the first link."""
     if not resends:
         return detail
-    return f"{detail} after {resends} resend{'s' if resends != 1 else ''}"
+    text = f"{detail} after {resends} resend{'s' if resends != 1 else ''}"
+    return text if first in detail else f"{text} (the first after {first})"
 
 
 class PrefillEvents:
@@ -78,7 +79,8 @@ class PrefillEvents:
         snap = self.table.get(rec.request_id)
         return snap is None or snap.state.terminal
 
-    def _note_link_failure(self, rec: Outgoing, link_id: int, status: str | None) -> bool:
+    def _note_link_failure(self, rec: Outgoing, link_id: int, status: str | None,
+                           cause: str) -> bool:
         """Whether a failure of link ``link_id`` spares the request (see resend.py)."""
         raise NotImplementedError
 
@@ -125,7 +127,8 @@ class PrefillEvents:
                 rec.resend_pending = False
                 self.table.advance(rec.request_id, TransferState.SUCCESS,
                                    nbytes=rec.bytes_done)
-            spared = not event.ok and self._note_link_failure(rec, event.link, event.status)
+            spared = not event.ok and self._note_link_failure(
+                rec, event.link, event.status, f"{event.status}: {event.detail}")
         if success:
             log.info("request %s: Success (%d bytes written)", rec.request_id, rec.bytes_done,
                      extra=fields(rec.request_id, rec.decode_address))
@@ -166,7 +169,8 @@ class PrefillEvents:
                 for rec in mine:
                     rec.told_decode = True  # the peer is gone; there is no one to tell
             spared = [] if gone else [r for r in mine
-                                      if self._note_link_failure(r, conn.link.id, None)]
+                                      if self._note_link_failure(r, conn.link.id, None,
+                                                                 detail)]
         for rec in mine:
             if rec in spared:
                 self._maybe_resend(rec)
@@ -175,7 +179,7 @@ class PrefillEvents:
 
     def _fail(self, rec: Outgoing, reason: FailureReason, detail: str) -> None:
         """Fail a request; decode is told once none of its writes is in flight."""
-        detail = after_resends(detail, rec.resends)
+        detail = after_resends(detail, rec.resends, rec.first_failure)
         if self.table.fail(rec.request_id, reason, detail):
             log.warning("request %s failed: %s: %s", rec.request_id, reason.value, detail,
                         extra=fields(rec.request_id, rec.decode_address))

@@ -68,13 +68,15 @@ class PrefillResend(PrefillEvents):
         """Run the request's next chunk (defined by the core)."""
         raise NotImplementedError
 
-    def _note_link_failure(self, rec: Outgoing, link_id: int, status: str | None) -> bool:
+    def _note_link_failure(self, rec: Outgoing, link_id: int, status: str | None,
+                           cause: str) -> bool:
         """A link ``rec`` may use failed; True when that does not fail the request.
 
         Called with the core lock held. True: a resend is (or already was) pending, or
         the link is not the one this attempt posts on (an older one, or the request
         has posted nothing on it: its next step picks a new link). False: the request
         must fail now (it ended, the status is not transient, or no resend is left).
+        ``cause``: what broke the link (a verbs or TCP status and detail), for the logs.
         """
         if self._ended(rec) or not transient(status):
             return False
@@ -83,7 +85,8 @@ class PrefillResend(PrefillEvents):
         if rec.resends >= self.resend_retries:
             return False
         rec.resend_pending = True
-        rec.resend_status = status or "link failed"
+        rec.resend_status = cause
+        rec.first_failure = rec.first_failure or cause
         return True
 
     def _maybe_resend(self, rec: Outgoing) -> None:

@@ -90,8 +90,7 @@ def test_a_link_broken_on_every_attempt_fails_after_the_retries_bounded() -> Non
               prefill_env={BREAK_LINK_ENV: "3:rs-always"}) as (prefill, decode, p, d):
         pst, dst, took = _one(p, d, "rs-always")
         assert pst.state is TransferState.FAILED, pst
-        assert "TCP_CONNECTION_LOST" in pst.detail and pst.detail.endswith(
-            "after 2 resends"), pst
+        assert "TCP_CONNECTION_LOST" in pst.detail and "after 2 resends" in pst.detail, pst
         assert dst.state is TransferState.FAILED, dst
         assert took < DEADLINE_S, took  # three attempts, each ended by its transport error
         assert prefill.metrics
