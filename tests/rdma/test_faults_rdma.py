@@ -4,9 +4,10 @@ The daemons run on two rxe devices joined by a veth wire (tests/rdma/netfaults.p
 a fault can cut the data path while the control plane (gRPC on 127.0.0.1) stays up.
 Every test checks the same three things: both sides reach Failed within a bound (and
 the bound is printed: a cut wire fails each of prefill's attempts, the first and its
-resends on new QPs, within :data:`DETECT_S`), nothing leaks (decode's slots all reservable again, no request
-left live, no QP left behind: ``rdma resource`` lists exactly one QP per daemon and
-peer), and service continues (the next request succeeds over a freshly built QP).
+resends on new QPs, within :data:`DETECT_S`), nothing leaks (decode's slots all
+reservable again, no request left live, no QP left behind: ``rdma resource`` lists
+exactly one QP per daemon and peer), and service continues (the next request succeeds
+over a freshly built QP).
 """
 
 from __future__ import annotations
