@@ -5,7 +5,12 @@ from __future__ import annotations
 import threading
 from typing import cast
 
+import pytest
+
+from kvbeam.errors import ConfigError
 from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.faults import BREAK_LINK_ENV, FaultHooks
+from kvbeam.server.settings import resolve
 from kvbeam.states import FailureReason, TransferState
 from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
 
@@ -220,3 +225,19 @@ def test_a_resend_that_finds_the_request_landed_ends_in_success() -> None:
     new = _link(core, not_=old)
     assert wait_for(lambda: core.status("r").state is TransferState.SUCCESS)
     assert new.writes == [] and counted == [1] and fake.aborts == []
+
+
+def test_resend_retries_setting_defaults_to_two_and_refuses_negatives() -> None:
+    env = {"KVBEAM_CONFIG": "side.yaml"}
+    assert resolve("prefill", environ=env).resend_retries == 2
+    assert resolve("prefill", environ={**env, "KVBEAM_RESEND_RETRIES": "0"}).resend_retries == 0
+    with pytest.raises(ConfigError, match="--resend-retries"):
+        resolve("prefill", environ={**env, "KVBEAM_RESEND_RETRIES": "-1"})
+
+
+def test_break_link_fault_hook_is_off_unless_armed() -> None:
+    assert not FaultHooks.from_env({}).armed
+    hooks = FaultHooks.from_env({BREAK_LINK_ENV: "2:qpbreak-"})
+    assert hooks.armed and (hooks.break_links, hooks.break_prefix) == (2, "qpbreak-")
+    with pytest.raises(ConfigError, match=BREAK_LINK_ENV):
+        FaultHooks.from_env({BREAK_LINK_ENV: "x"})
