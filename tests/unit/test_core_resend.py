@@ -175,15 +175,22 @@ def test_other_requests_on_the_failed_link_are_resent_too() -> None:
     assert counted == [1, 1, 1] and fake.aborts == []
 
 
-def test_abort_during_a_resend_tells_decode_once_and_posts_nothing() -> None:
-    core, fake, _counted = _resending()
+def _resend_hanging_in_its_handshake(core: PrefillCore,
+                                     fake: FakeDecode) -> tuple[FakeLink, threading.Event]:
+    """Request "r" posted, its write failed, its resend's handshake hangs until the gate."""
     core.send("r", 0, 300, ADDR, [], True)
     link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
     gate = threading.Event()
-    fake.hold[ADDR] = gate  # the resend's handshake hangs
+    fake.hold[ADDR] = gate
     core.on_event(link.completion(link.writes[0][0], ok=False, status=RETRY_EXC))
     assert wait_for(lambda: len(fake.connects) == 2)
+    return link, gate
+
+
+def test_abort_during_a_resend_tells_decode_once_and_posts_nothing() -> None:
+    core, fake, _counted = _resending()
+    link, gate = _resend_hanging_in_its_handshake(core, fake)
     st = core.abort("r", from_peer=False, detail="scheduler")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.ABORTED
     gate.set()
@@ -198,13 +205,7 @@ def test_abort_during_a_resend_tells_decode_once_and_posts_nothing() -> None:
 
 def test_a_deadline_passing_during_a_resend_ends_it_with_one_abort() -> None:
     core, fake, _counted = _resending()
-    core.send("r", 0, 300, ADDR, [], True)
-    link = _link(core)
-    assert wait_for(lambda: len(link.writes) == 1)
-    gate = threading.Event()
-    fake.hold[ADDR] = gate
-    core.on_event(link.completion(link.writes[0][0], ok=False, status=RETRY_EXC))
-    assert wait_for(lambda: len(fake.connects) == 2)
+    link, gate = _resend_hanging_in_its_handshake(core, fake)
     # The sweep finds the deadline passed while the resend's handshake hangs.
     snap = core.table.fail("r", FailureReason.TIMEOUT, "Transferring took longer than 30 s")
     assert snap is not None
