@@ -47,6 +47,7 @@ from kvbeam.server.core.ports import (
     IndexLists,
     require_status,
 )
+from kvbeam.server.core.prefill_events import after_resends
 from kvbeam.server.core.resend import PrefillResend
 from kvbeam.server.faults import FaultHooks, outside_peer_mr
 from kvbeam.server.lifecycle import TransferTable
@@ -184,7 +185,8 @@ class PrefillCore(PrefillResend):
                 self._late_verdict(request_id, detail, snap.peer)
             return snap
         reason = FailureReason.PEER_FAILED if from_peer else FailureReason.ABORTED
-        detail = detail or ("aborted by decode" if from_peer else "aborted")
+        detail = after_resends(detail or ("aborted by decode" if from_peer else "aborted"),
+                               rec.resends, rec.first_failure)
         if self.table.fail(request_id, reason, detail):
             log.warning("request %s failed: %s: %s", request_id, reason.value, detail,
                         extra=fields(request_id, rec.decode_address))

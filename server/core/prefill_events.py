@@ -55,11 +55,14 @@ def reason_for(exc: BaseException) -> FailureReason:
 
 
 def after_resends(detail: str, resends: int, first: str) -> str:
-    """A failure's detail, saying how many resends were tried and what broke the first link."""
-    if not resends:
+    """A failure's detail, saying how many resends were tried and what broke the first link.
+
+    ``first`` is empty when no link failure ever marked the request for a resend.
+    """
+    if not first:
         return detail
     text = f"{detail} after {resends} resend{'s' if resends != 1 else ''}"
-    return text if first in detail else f"{text} (the first after {first})"
+    return text if first in detail else f"{text}; the link failed first with {first}"
 
 
 class PrefillEvents:

@@ -193,6 +193,7 @@ def test_abort_during_a_resend_tells_decode_once_and_posts_nothing() -> None:
     link, gate = _resend_hanging_in_its_handshake(core, fake)
     st = core.abort("r", from_peer=False, detail="scheduler")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.ABORTED
+    assert RETRY_EXC in st.detail  # what made it resend is not lost
     gate.set()
     new = _link(core, not_=link)
     core.io.submit(lambda: None).result()
