@@ -75,6 +75,7 @@ class FakeDecode:
         self.hold: dict[str, threading.Event] = {}
         self.begins: list[tuple[str, int]] = []
         self.landed: set[str] = set()
+        self._grants: dict[str, tuple[int | None, int]] = {}
         self._tids = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -90,9 +91,14 @@ class FakeDecode:
         with self._lock:
             relink = any(r == request_id and link != conn.link.id for r, link in self.begins)
             self.begins.append((request_id, conn.link.id))
+            # As decode does: one transfer id per request, a new one on a new link.
+            link, tid = self._grants.get(request_id, (None, 0))
+            if link != conn.link.id:
+                tid = next(self._tids)
+                self._grants[request_id] = (conn.link.id, tid)
         if relink and request_id in self.landed:
             raise AlreadyLanded(f"request {request_id} landed before the resend")
-        return WriteGrant(next(self._tids), request_indices(UNIFIED_TARGET, 1, seq_len))
+        return WriteGrant(tid, request_indices(UNIFIED_TARGET, 1, seq_len))
 
     def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
               timeout: float | None = None) -> bool:

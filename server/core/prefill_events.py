@@ -100,10 +100,14 @@ class PrefillEvents:
             return
         lost: PeerConn | None = None
         with self._drained:
-            # Popped: each write completes once, so a stray or repeated completion (of
-            # a link a resend left behind, say) finds nothing and changes nothing.
-            rid = self._writes.pop((event.link, event.transfer_id), None)
+            # The chunks of a request on one link share its transfer id (decode's), so
+            # the key stays until the record is pruned.
+            rid = self._writes.get((event.link, event.transfer_id))
             rec = self._out.get(rid) if rid else None
+            if rec is not None and event.link != rec.attempt_link:
+                # A resend starts only once every write on the old link completed: a
+                # completion from a link this attempt does not use is stray.
+                rec = None
             if rec is None:
                 log.warning("completion of unknown transfer %s on link %d ignored",
                             event.transfer_id, event.link, extra=fields(rid))

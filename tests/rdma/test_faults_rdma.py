@@ -104,6 +104,9 @@ def test_partition_mid_request_fails_bounded_then_heals(
         dst, td = _wait(d, rid, t0)
         report(cut, "prefill", pst, tp)
         report(cut, "decode", dst, td)
+        for side in (pair.prefill, pair.decode):  # how it went, for the logs
+            print("\n".join(ln for ln in side.output.splitlines()[-60:]
+                            if "heartbeat" not in ln))
         assert pst.state is F and pst.reason in (FailureReason.TRANSPORT_ERROR,
                                                  FailureReason.PEER_FAILED), pst
         assert VERBS_STATUS.search(pst.detail), pst
