@@ -194,6 +194,10 @@ class PrefillEvents:
 
     def _step_failed(self, rec: Outgoing, exc: BaseException) -> None:
         reason = reason_for(exc)
+        if rec.resends and reason is FailureReason.PEER_UNREACHABLE:
+            # Decode served this request until its link failed; now it does not answer
+            # the resend's handshake: the peer failed (as a lost peer is reported).
+            reason = FailureReason.PEER_FAILED
         if reason is FailureReason.TRANSPORT_ERROR and not isinstance(
                 exc, TransportError | SendFailed):
             log.error("request %s: unexpected error", rec.request_id, exc_info=exc,
