@@ -195,6 +195,15 @@ class IllegalTransition(KvbeamError):
     """A state change the lifecycle does not allow (e.g. SUCCESS -> TRANSFERRING)."""
 
 
+class AlreadyLanded(IllegalTransition):
+    """BeginWrite on a new link for a request that already landed and was verified.
+
+    Decode's answer to prefill's resend when the failed attempt's bytes had in fact
+    arrived (only the acknowledgements were lost): prefill ends the request as a
+    Success instead of writing it again.
+    """
+
+
 class DuplicateRequest(KvbeamError):
     """A request id already known on this side (per peer pair ids must be unique)."""
 

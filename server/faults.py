@@ -1,7 +1,7 @@
 """Test-only fault injection, switched on by environment variables, never by a flag.
 
 Every hook here is inert unless its variable is set, and a daemon with a fault armed
-says so loudly at start-up. Three hooks:
+says so loudly at start-up. Four hooks:
 
 Corrupt landed bytes (decode). Integrity checking is only worth its cost if it
 catches corruption every time, and that needs corruption on demand.
@@ -24,6 +24,15 @@ A slow wire (prefill). ``KVBEAM_FAULT_WRITE_DELAY_S=S`` makes prefill wait S sec
 after BeginWrite before posting each write, as if the bytes took that long to move:
 tests/host/test_slow_wire.py uses it to prove that decode's Transferring deadline,
 sized by the request's bytes, does not fail a request that is still being written.
+
+A broken link (prefill). ``KVBEAM_FAULT_BREAK_LINK=N`` (or ``N:PREFIX``, for requests
+whose id starts with ``PREFIX`` only) breaks the data link just before each of the
+first N writes is posted: the TCP data socket is shut, or the RDMA QP is moved to the
+error state, so that write fails with a transport error as a dropped link or an RC
+QP whose retries ran out would make it. Each break logs ``FAULT INJECTED: broke
+link``. tests/host/test_resend.py and tests/rdma/test_resend_rdma.py use it to prove
+that the request is resent on a new link (``--resend-retries``) and succeeds, and
+that a fault on every attempt fails it after the retries, bounded.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -53,6 +63,7 @@ CORRUPT_LANDED_ENV = "KVBEAM_FAULT_CORRUPT_LANDED"
 SEED_ENV = "KVBEAM_FAULT_SEED"
 OUTSIDE_MR_ENV = "KVBEAM_FAULT_OUTSIDE_MR"
 WRITE_DELAY_ENV = "KVBEAM_FAULT_WRITE_DELAY_S"
+BREAK_LINK_ENV = "KVBEAM_FAULT_BREAK_LINK"
 
 
 @dataclass
@@ -63,10 +74,13 @@ class FaultHooks:
     seed: int = 0
     outside_mr_prefix: str = ""
     write_delay_s: float = 0.0
+    break_links: int = 0
+    break_prefix: str = ""
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
         self._lock = threading.Lock()
+        self._broken = 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FaultHooks:
@@ -94,8 +108,19 @@ class FaultHooks:
             except ValueError as exc:
                 raise ConfigError(f"{WRITE_DELAY_ENV}: not a number: "
                                   f"{env[WRITE_DELAY_ENV]!r}") from exc
+        breaks, _, prefix = env.get(BREAK_LINK_ENV, "0").partition(":")
+        try:
+            nbreaks = int(breaks)
+        except ValueError as exc:
+            raise ConfigError(f"{BREAK_LINK_ENV}: expected N or N:PREFIX, got "
+                              f"{env[BREAK_LINK_ENV]!r}") from exc
         hooks = cls(corrupt_landed=corrupt, seed=seed,
-                    outside_mr_prefix=env.get(OUTSIDE_MR_ENV, ""), write_delay_s=delay)
+                    outside_mr_prefix=env.get(OUTSIDE_MR_ENV, ""), write_delay_s=delay,
+                    break_links=max(0, nbreaks), break_prefix=prefix)
+        if hooks.break_links:
+            log.warning("FAULT INJECTION ARMED (%s=%s): the data link breaks before each of "
+                        "the first %d writes; never run it in production", BREAK_LINK_ENV,
+                        env[BREAK_LINK_ENV], hooks.break_links)
         if hooks.write_delay_s:
             log.warning("FAULT INJECTION ARMED (%s=%s): every write waits that long before it "
                         "is posted; never run it in production", WRITE_DELAY_ENV, delay)
@@ -112,7 +137,7 @@ class FaultHooks:
     def armed(self) -> bool:
         """True when any fault is switched on."""
         return (self.corrupt_landed > 0.0 or bool(self.outside_mr_prefix)
-                or self.write_delay_s > 0.0)
+                or self.write_delay_s > 0.0 or self.break_links > 0)
 
     def writes_outside(self, request_id: str) -> bool:
         """True when this request's first block must miss the peer's memory (prefill)."""
@@ -122,6 +147,23 @@ class FaultHooks:
         """Wait ``write_delay_s`` before a write is posted (prefill; never under a lock)."""
         if self.write_delay_s > 0.0:
             time.sleep(self.write_delay_s)
+
+    def break_link(self, request_id: str, link: Link) -> None:
+        """Maybe break ``link`` just before a write of ``request_id`` is posted (prefill).
+
+        Never under a lock: the QP's state change is a verbs call.
+        """
+        if self.break_links <= 0 or not request_id.startswith(self.break_prefix):
+            return
+        with self._lock:
+            if self._broken >= self.break_links:
+                return
+            self._broken += 1
+            n = self._broken
+        how = _break(link)
+        log.warning("FAULT INJECTED: broke link %d (%s) before a write of request %s "
+                    "(%d/%d)", link.id, how, request_id, n, self.break_links,
+                    extra=fields(request_id))
 
     def after_landing(self, request_id: str, side: AllocatedSide, indices: IndexLists) -> None:
         """Maybe flip one byte of one item this request moved (decode, before verifying)."""
@@ -141,6 +183,23 @@ class FaultHooks:
         items[item, offset] = np.uint8(items[item, offset] ^ 0xFF)
         log.warning("FAULT INJECTED: corrupted request %s buffer %s item %d byte %d",
                     request_id, buf.name, item, offset, extra=fields(request_id))
+
+
+def _break(link: Link) -> str:
+    """Break a live link the way the wire would: shut its TCP socket, or error its QP."""
+    unchecked: Any = link  # test-only reach into TcpLink._sock / VerbsLink._qp
+    sock = getattr(unchecked, "_sock", None)
+    if sock is not None:
+        sock.shutdown(socket.SHUT_RDWR)
+        return "TCP data socket shut"
+    qp = getattr(unchecked, "_qp", None)
+    if qp is not None:
+        import pyverbs.enums as e
+        from pyverbs.qp import QPAttr
+
+        qp.qp.modify(QPAttr(qp_state=e.IBV_QPS_ERR), e.IBV_QP_STATE)
+        return f"QP {qp.qpn} moved to the error state"
+    return "not a TCP or RDMA link: left alone"
 
 
 def outside_peer_mr(link: Link, peer: Endpoint, blocks: Blocks) -> Blocks:

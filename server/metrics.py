@@ -73,6 +73,9 @@ class DaemonMetrics:
             "kvbeam_rpc_refusals", "Transfer RPCs answered with an error status, by method "
             "and gRPC code (RESOURCE_EXHAUSTED: back-pressure; INTERNAL: a bug)",
             ["method", "code"], registry=r)
+        self.resends = Counter(
+            "kvbeam_resends", "Requests prefill resent on a new link after a transient "
+            "transport error (see --resend-retries)", registry=r)
         self.handshake_seconds = Histogram(
             "kvbeam_handshake_seconds", "Handshake latency (client: the whole round trip; "
             "server: decoding, verification and link set-up)", ["side"],

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import grpc
 
-from kvbeam.errors import SendFailed
+from kvbeam.errors import AlreadyLanded, SendFailed
 from kvbeam.logs import fields
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.side import SideInfo
@@ -93,7 +93,10 @@ class GrpcDecodePeers:
 
     def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
                     digests: list[int] | None) -> WriteGrant:
-        """BeginWrite on decode; refusals become :class:`SendFailed` with their reason."""
+        """BeginWrite on decode; refusals become :class:`SendFailed` with their reason.
+
+        Raises :class:`AlreadyLanded` when a resend finds the request landed on decode.
+        """
         request = pb.BeginWriteRequest(
             request_id=request_id, instance_id=self.local.instance_id, seq_len=seq_len,
             final_chunk=final, has_digests=digests is not None, digests=digests or [])
@@ -108,6 +111,9 @@ class GrpcDecodePeers:
                 raise SendFailed(FailureReason.PEER_FAILED,
                                  f"decode at {conn.control_address} restarted or dropped the "
                                  f"connection: {details}", peer_lost=True) from None
+            if code is grpc.StatusCode.FAILED_PRECONDITION and details.startswith(
+                    AlreadyLanded.__name__):
+                raise AlreadyLanded(details) from None  # a resend found it landed
             if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 raise SendFailed(FailureReason.INVALID_REQUEST,
                                  f"decode refused BeginWrite: {details}") from None
@@ -126,7 +132,11 @@ class GrpcDecodePeers:
                                   instance_id=self.local.instance_id)
         timeout = timeout or self.rpc_timeout_s
         if conn is not None and not conn.closed:
-            return _abort(conn.client(), request, timeout, address)
+            confirmed = _abort(conn.client(), request, timeout, address)
+            if confirmed or not conn.closed:
+                return confirmed
+            # The connection closed under the call (its link failed meanwhile, which
+            # now keeps decode's reservation): say it again on a one-off channel.
         with self.dial(address) as client:  # never connected: a one-off channel
             return _abort(client, request, timeout, address)
 

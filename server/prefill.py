@@ -33,7 +33,8 @@ class PrefillServicer(DaemonServicer):
             spec=spec, layout=layout, pools=pools,
             integrity=runtime.settings.integrity, faults=runtime.faults,
             drain_s=runtime.transport_timeout(),
-            transfer_budget=runtime.settings.transfer_budget_s)
+            transfer_budget=runtime.settings.transfer_budget_s,
+            resend_retries=runtime.settings.resend_retries, on_resend=runtime.metrics.resends.inc)
 
     @handled
     def Send(self, request: pb.SendRequest, context: grpc.ServicerContext) -> pb.TransferStatus:

@@ -189,6 +189,10 @@ OPTIONS: tuple[Option, ...] = (
            "RDMA: the RC QP's ack timeout exponent, 4.096 us * 2**N per try (0-31; 17: 0.54 s)"),
     Option("rdma_retry_cnt", "KVBEAM_RDMA_RETRY_CNT", int, 7,
            "RDMA: RC QP retries before IBV_WC_RETRY_EXC_ERR (0-7)"),
+    Option("resend_retries", "KVBEAM_RESEND_RETRIES", int, 2,
+           "prefill: resends of a request on a new link after a transient transport error "
+           "(retries exhausted, a broken link), each within the request's deadline; 0: such "
+           "an error fails the request at once"),
 )
 
 
@@ -225,6 +229,7 @@ class DaemonSettings:
     pools: str = "own"
     attach_socket: str = ""
     attach_allow_uid: tuple[int, ...] = ()
+    resend_retries: int = 2
 
     def transfer_budget_s(self, nbytes: int) -> float:
         """Seconds Transferring allows a request of ``nbytes``: the deadline, or the bytes
@@ -288,6 +293,8 @@ def resolve(role: str, args: argparse.Namespace | None = None,
         if values[name] <= 0:
             raise ConfigError(f"--{name.replace('_', '-')}: must be positive "
                               f"(got {values[name]})")
+    if values["resend_retries"] < 0:
+        raise ConfigError(f"--resend-retries: must be 0 or more (got {values['resend_retries']})")
     if values["max_inflight"] <= 0:
         raise ConfigError(f"--max-inflight: must be positive (got {values['max_inflight']})")
     _check_hostport(values["listen"], "--listen", allow_zero=True)

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any, cast
 
+from kvbeam.errors import AlreadyLanded
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.indices import request_indices
 from kvbeam.server.core.ports import WriteGrant
@@ -39,10 +40,11 @@ class FakeLink:
     def release(self) -> None:
         self.released = True
 
-    def completion(self, transfer_id: int, ok: bool = True) -> Event:
-        """The COMPLETED event of one of this link's writes."""
+    def completion(self, transfer_id: int, ok: bool = True,
+                   status: str = "IBV_WC_WR_FLUSH_ERR") -> Event:
+        """The COMPLETED event of one of this link's writes (``status`` when it failed)."""
         return Event(EventKind.COMPLETED, self.id, transfer_id, ok=ok,
-                     status="OK" if ok else "IBV_WC_WR_FLUSH_ERR")
+                     status="OK" if ok else status)
 
 
 class FakeClient:
@@ -63,7 +65,9 @@ def fake_conn(address: str, side: AllocatedSide) -> PeerConn:
 class FakeDecode:
     """Decode daemons as prefill's core sees them: connect, BeginWrite, Abort, counted.
 
-    ``hold``: addresses whose handshake blocks until ``release_hold`` (a stopped peer).
+    ``hold``: addresses whose handshake blocks until the event is set (a stopped peer).
+    ``begins``: (request id, link id) of every BeginWrite. ``landed``: request ids whose
+    BeginWrite on a new link answers AlreadyLanded (decode had them before a resend).
     """
 
     def __init__(self, side: AllocatedSide) -> None:
@@ -71,6 +75,9 @@ class FakeDecode:
         self.aborts: list[str] = []
         self.connects: list[str] = []
         self.hold: dict[str, threading.Event] = {}
+        self.begins: list[tuple[str, int]] = []
+        self.landed: set[str] = set()
+        self._grants: dict[str, tuple[int | None, int]] = {}
         self._tids = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -83,7 +90,17 @@ class FakeDecode:
 
     def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
                     digests: list[int] | None) -> WriteGrant:
-        return WriteGrant(next(self._tids), request_indices(UNIFIED_TARGET, 1, seq_len))
+        with self._lock:
+            relink = any(r == request_id and link != conn.link.id for r, link in self.begins)
+            self.begins.append((request_id, conn.link.id))
+            # As decode does: one transfer id per request, a new one on a new link.
+            link, tid = self._grants.get(request_id, (None, 0))
+            if link != conn.link.id:
+                tid = next(self._tids)
+                self._grants[request_id] = (conn.link.id, tid)
+        if relink and request_id in self.landed:
+            raise AlreadyLanded(f"request {request_id} landed before the resend")
+        return WriteGrant(tid, request_indices(UNIFIED_TARGET, 1, seq_len))
 
     def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
               timeout: float | None = None) -> bool:
@@ -92,14 +109,16 @@ class FakeDecode:
         return True
 
 
-def prefill_core(drain_s: float = 5.0, workers: int = 4) -> tuple[PrefillCore, FakeDecode]:
+def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0,
+                 on_resend: Any = lambda: None) -> tuple[PrefillCore, FakeDecode]:
     """A prefill core over the unit-test pools, with a fake decode side."""
     lay = layout()
     fake = FakeDecode(AllocatedSide(lay))
     core = PrefillCore(table=TransferTable(Deadlines()), peers=Peers(), decode=fake,
                        io=ThreadPoolExecutor(workers, thread_name_prefix="test-io"),
                        spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
-                       integrity=True, faults=FaultHooks(), drain_s=drain_s)
+                       integrity=True, faults=FaultHooks(), drain_s=drain_s,
+                       resend_retries=resend_retries, on_resend=on_resend)
     return core, fake
 
 

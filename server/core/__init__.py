@@ -6,10 +6,12 @@ lifecycle state in the shared :class:`~kvbeam.server.lifecycle.TransferTable`, t
 single state vocabulary) and are driven by events: API calls (reserve, send,
 begin_write, abort, release, status), transport events (:meth:`on_event`),
 deadlines (:meth:`on_deadline`), peer loss (:meth:`on_peer_lost`) and a periodic
-sweep. Nothing here imports gRPC (a unit test checks): the servicers are thin
-adapters, and peer calls reach a core through the protocols in
-:mod:`kvbeam.server.core.ports`, implemented over gRPC by
-:mod:`kvbeam.server.peer_rpc`. An engine can drive a core directly.
+sweep. A link that fails under a request is not the end of it: prefill resends it
+on a new link (:mod:`kvbeam.server.core.resend`; the handshake and BeginWrite run on
+the executor like a first send's) and decode keeps it meanwhile. Nothing here
+imports gRPC (a unit test checks): the servicers are thin adapters, and peer calls
+reach a core through the protocols in :mod:`kvbeam.server.core.ports`, implemented
+over gRPC by :mod:`kvbeam.server.peer_rpc`. An engine can drive a core directly.
 
 Threads. The driver (``DaemonServicer``) owns ONE bounded executor
 (``ThreadPoolExecutor``, ``IO_WORKERS`` threads); every blocking step runs there:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-from kvbeam.errors import BadRequest, NotHandshakenError, UnknownRequest
+from kvbeam.errors import AlreadyLanded, BadRequest, NotHandshakenError, UnknownRequest
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
@@ -73,6 +73,7 @@ class Reservation:
     success_at: float | None = None
     landed: bool = False
     draft: IndexLists = field(default_factory=dict)  # the draft's own lists (engine's)
+    link_id: int | None = None       # the link prefill was granted: only its notification counts
 
 
 class DecodeCore(PoolsHolder):
@@ -159,6 +160,11 @@ class DecodeCore(PoolsHolder):
             if res.peer_instance and res.peer_instance != conn.instance_id:
                 raise BadRequest(f"request {request_id} is being written by prefill "
                                      f"instance {res.peer_instance}")
+            # The same prefill instance on a new link: a resend after a transport error.
+            relink = res.link_id is not None and res.link_id != conn.link.id
+            if relink and snap.state is TransferState.SUCCESS:
+                raise AlreadyLanded(f"request {request_id} landed and was verified before "
+                                    "the resend: nothing to write again")
             if snap.state is TransferState.BOOTSTRAPPING:
                 self.table.advance(request_id, TransferState.WAITING_FOR_INPUT)
                 self.table.advance(request_id, TransferState.TRANSFERRING)
@@ -168,8 +174,20 @@ class DecodeCore(PoolsHolder):
                 self.table.advance(request_id, TransferState.TRANSFERRING)  # raises
             self.table.extend(request_id, self.transfer_budget(res.nbytes))
             res.peer_instance = conn.instance_id
+            if relink:
+                # A new transfer id on the new link: the old link's notification (if it
+                # still comes) finds no request, and nothing has landed on this one yet.
+                self._by_transfer.pop(res.transfer_id, None)
+                res.transfer_id = next(self._ids) & 0xFFFFFFFF
+                self._by_transfer[res.transfer_id] = request_id
+                res.landed = False
+            res.link_id = conn.link.id
             if final and digests is not None:
                 res.digests = list(digests)
+        if relink:
+            log.warning("request %s: prefill resends it on a new link (transfer id %d)",
+                        request_id, res.transfer_id,
+                        extra=fields(request_id, res.prefill_address))
         return res
 
     def release(self, request_id: str) -> TransferStatus:
@@ -231,7 +249,10 @@ class DecodeCore(PoolsHolder):
         with self._lock:
             rid = self._by_transfer.get(event.transfer_id)
             res = self._res.get(rid) if rid else None
-            ok = res is not None and conn is not None and res.peer_instance == conn.instance_id
+            # Only the link of the latest grant counts: its notification follows every
+            # byte written on it. A link-only failure removed its connection already,
+            # yet a notification it delivered before failing is still proof of arrival.
+            ok = res is not None and bool(res.peer_instance) and res.link_id == event.link
             if res is not None and ok:
                 res.landed = True
         if res is None or not ok:
@@ -296,17 +317,21 @@ class DecodeCore(PoolsHolder):
     def on_peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
         """Close the link first (no more writes can land), then fail and free its requests.
 
-        ``gone`` False means only the link died (its QP failed): requests it began
-        writing fail, but reservations it has not touched yet stay, since the next
-        handshake serves them. Blocking (the link's release): never under a lock.
+        ``gone`` False means only the link died (its QP failed, or the same instance
+        handshook again): every reservation stays, those it began writing included,
+        since prefill resends them on its next link (a new BeginWrite) or, failing,
+        tells us by Abort; their deadlines still bound them. ``gone`` True (heartbeats
+        lost, the peer restarted): its requests fail and their slots are freed at
+        once. Blocking (the link's release): never under a lock.
         """
         self.peers.remove(conn, forget=gone)
         conn.close()
+        if not gone:
+            return
         with self._lock:
             mine = [r for r in self._res.values()
                     if r.peer_instance == conn.instance_id
-                    or (gone and not r.peer_instance
-                        and r.prefill_address == conn.control_address)]
+                    or (not r.peer_instance and r.prefill_address == conn.control_address)]
         for res in mine:
             if self.table.fail(res.request_id, FailureReason.PEER_FAILED, detail):
                 log.warning("request %s failed: %s", res.request_id, detail,

@@ -27,16 +27,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbeam.errors import (
+    AlreadyLanded,
     BadRequest,
     DuplicateRequest,
-    HandshakeRejectedError,
-    PeerError,
-    PlanError,
-    PoolCompatibilityError,
-    ProtocolError,
-    ProtocolVersionError,
     RegionError,
-    RoleConflictError,
     SendFailed,
     TransportError,
 )
@@ -55,7 +49,8 @@ from kvbeam.server.core.ports import (
     IndexLists,
     require_status,
 )
-from kvbeam.server.core.prefill_events import PrefillEvents
+from kvbeam.server.core.prefill_events import after_resends
+from kvbeam.server.core.resend import PrefillResend
 from kvbeam.server.faults import FaultHooks, outside_peer_mr
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
@@ -90,6 +85,13 @@ class Outgoing:
     write_keys: set[tuple[int, int]] = field(default_factory=set)
     told_decode: bool = False    # decode knows of the failure (or must not be told)
     src_draft: IndexLists = field(default_factory=dict)  # the draft's own lists (engine's)
+    # The resend after a transient transport error (server/core/resend.py):
+    posted: list[tuple[Ranges, bool]] = field(default_factory=list)  # chunks taken so far
+    attempt_link: int | None = None  # the link this attempt posts on
+    resend_pending: bool = False  # that link failed: resend once no write is outstanding
+    resend_status: str = ""  # what broke the link, for the resend's log line
+    first_failure: str = ""  # what broke the first link, for the final detail
+    resends: int = 0
 
     @property
     def drained(self) -> bool:
@@ -97,21 +99,7 @@ class Outgoing:
         return self.outstanding <= 0 or self.abandoned
 
 
-def reason_for(exc: BaseException) -> FailureReason:
-    """The lifecycle failure reason for an exception of a send step."""
-    if isinstance(exc, SendFailed):
-        return exc.reason
-    if isinstance(exc, PoolCompatibilityError | ProtocolVersionError | RoleConflictError
-                  | HandshakeRejectedError):
-        return FailureReason.INCOMPATIBLE
-    if isinstance(exc, PeerError):
-        return FailureReason.PEER_UNREACHABLE
-    if isinstance(exc, PlanError | ProtocolError | BadRequest):
-        return FailureReason.INVALID_REQUEST
-    return FailureReason.TRANSPORT_ERROR
-
-
-class PrefillCore(PrefillEvents, PoolsHolder):
+class PrefillCore(PrefillResend, PoolsHolder):
     """All of prefill's request state; the servicer and the runtime's loops call in.
 
     Args:
@@ -123,12 +111,16 @@ class PrefillCore(PrefillEvents, PoolsHolder):
             link is released.
         transfer_budget: seconds Transferring allows for a number of bytes (the
             deadline grows with the request, see ``DaemonSettings.transfer_budget_s``).
+        resend_retries: resends of a request after a transient transport error
+            (:mod:`kvbeam.server.core.resend`; 0: fail at once).
+        on_resend: called once per resend (metrics).
     """
 
     def __init__(self, *, table: TransferTable, peers: Peers, decode: DecodePeers, io: Executor,
                  spec: PoolSpec | None, layout: SideLayout | None, pools: AllocatedSide | None,
                  integrity: bool, faults: FaultHooks, drain_s: float,
-                 transfer_budget: Callable[[int], float] = lambda _n: 0.0) -> None:
+                 transfer_budget: Callable[[int], float] = lambda _n: 0.0,
+                 resend_retries: int = 0, on_resend: Callable[[], None] = lambda: None) -> None:
         self.table = table
         self.peers = peers
         self.decode = decode
@@ -138,6 +130,8 @@ class PrefillCore(PrefillEvents, PoolsHolder):
         self.faults = faults
         self.drain_s = drain_s
         self.transfer_budget = transfer_budget
+        self.resend_retries = resend_retries
+        self.on_resend = on_resend
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
         self._out: dict[str, Outgoing] = {}
@@ -206,7 +200,8 @@ class PrefillCore(PrefillEvents, PoolsHolder):
                 self._late_verdict(request_id, detail, snap.peer)
             return snap
         reason = FailureReason.PEER_FAILED if from_peer else FailureReason.ABORTED
-        detail = detail or ("aborted by decode" if from_peer else "aborted")
+        detail = after_resends(detail or ("aborted by decode" if from_peer else "aborted"),
+                               rec.resends, rec.first_failure)
         if self.table.fail(request_id, reason, detail):
             log.warning("request %s failed: %s: %s", request_id, reason.value, detail,
                         extra=fields(request_id, rec.decode_address))
@@ -266,9 +261,13 @@ class PrefillCore(PrefillEvents, PoolsHolder):
     def _step(self, rec: Outgoing) -> None:
         """Run the request's next chunk; one step per request at a time keeps chunk order."""
         with self._lock:
-            if self._ended(rec) or not rec.chunks:
+            idle = self._ended(rec) or not rec.chunks or rec.resend_pending
+            if idle:
                 rec.running = False
-                return
+        if idle:
+            self._maybe_resend(rec)
+            return
+        with self._lock:
             conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
             if conn is None:
                 conn = self.peers.by_address(rec.decode_address)
@@ -280,7 +279,9 @@ class PrefillCore(PrefillEvents, PoolsHolder):
                 self._connecting[rec.decode_address] = [rec]
             else:
                 rec.conn = conn
-                ranges, final = rec.chunks.popleft()
+                chunk = rec.chunks.popleft()
+                rec.posted.append(chunk)  # replayed by a resend
+                ranges, final = chunk
         if conn is None:
             self._connect(rec.decode_address)
             return
@@ -291,10 +292,12 @@ class PrefillCore(PrefillEvents, PoolsHolder):
                 self.on_peer_lost(conn, str(exc))
             self._step_failed(rec, exc)
         with self._lock:
-            again = bool(rec.chunks) and not self._ended(rec)
+            again = bool(rec.chunks) and not self._ended(rec) and not rec.resend_pending
             rec.running = again
         if again:
             self.io.submit(self._step, rec)
+        else:
+            self._maybe_resend(rec)
 
     def _connect(self, address: str) -> None:
         """Handshake with decode at ``address``; then every request waiting for it goes on."""
@@ -321,7 +324,13 @@ class PrefillCore(PrefillEvents, PoolsHolder):
         rid = rec.request_id
         digests = (request_digests(self.pools, rec.src_indices, draft=rec.src_draft)
                    if final and self.integrity else None)
-        grant = self.decode.begin_write(conn, rid, rec.seq_len, final, digests)
+        try:
+            grant = self.decode.begin_write(conn, rid, rec.seq_len, final, digests)
+        except AlreadyLanded:
+            if not rec.resends:
+                raise
+            self._landed_already(rec)
+            return
         with self._lock:
             snap = self.table.get(rid)
             if snap is None or snap.state.terminal:
@@ -347,11 +356,13 @@ class PrefillCore(PrefillEvents, PoolsHolder):
                 return
             self._writes[key] = rid
             rec.write_keys.add(key)
+            rec.attempt_link = conn.link.id
             rec.outstanding += 1
             rec.pending_bytes.append(plan.total_bytes)
             rec.bytes_total += plan.total_bytes
             # Before posting: the completion may arrive before write() returns.
             rec.final_posted = rec.final_posted or final
+        self.faults.break_link(rid, conn.link)  # test-only hook, off unless armed
         try:
             conn.link.write(grant.transfer_id, blocks, notify=final)
         except Exception as exc:
@@ -363,6 +374,9 @@ class PrefillCore(PrefillEvents, PoolsHolder):
                 self._drained.notify_all()
             if isinstance(exc, TransportError) and not isinstance(exc, RegionError):
                 self.on_peer_lost(conn, f"link unusable: {exc}", gone=False)
+                with self._lock:
+                    if rec.resend_pending:
+                        return  # resent on a new link once this step ends
             raise
         log.info("request %s: posted %s%d bytes in %d blocks to %s", rid,
                  "final chunk, " if final else "chunk, ", plan.total_bytes, plan.num_blocks,
@@ -390,15 +404,3 @@ class PrefillCore(PrefillEvents, PoolsHolder):
         src[IndexKind.KV_PAGES] = rec.src_indices[IndexKind.KV_PAGES][want]
         dst_sel[IndexKind.KV_PAGES] = dst[IndexKind.KV_PAGES][want]
         return src, dst_sel
-
-    def _step_failed(self, rec: Outgoing, exc: BaseException) -> None:
-        reason = reason_for(exc)
-        if reason is FailureReason.TRANSPORT_ERROR and not isinstance(
-                exc, TransportError | SendFailed):
-            log.error("request %s: unexpected error", rec.request_id, exc_info=exc,
-                      extra=fields(rec.request_id, rec.decode_address))
-        self._fail(rec, reason, str(exc))
-
-    def _ended(self, rec: Outgoing) -> bool:
-        snap = self.table.get(rec.request_id)
-        return snap is None or snap.state.terminal

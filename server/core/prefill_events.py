@@ -14,6 +14,18 @@ import time
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
+from kvbeam.errors import (
+    BadRequest,
+    HandshakeRejectedError,
+    PeerError,
+    PlanError,
+    PoolCompatibilityError,
+    ProtocolError,
+    ProtocolVersionError,
+    RoleConflictError,
+    SendFailed,
+    TransportError,
+)
 from kvbeam.logs import fields
 from kvbeam.server.core.ports import report_link_failure
 from kvbeam.server.lifecycle import TransferTable
@@ -26,6 +38,31 @@ if TYPE_CHECKING:
     from kvbeam.server.core.prefill import Outgoing
 
 log = logging.getLogger(__name__)
+
+
+def reason_for(exc: BaseException) -> FailureReason:
+    """The lifecycle failure reason for an exception of a send step."""
+    if isinstance(exc, SendFailed):
+        return exc.reason
+    if isinstance(exc, PoolCompatibilityError | ProtocolVersionError | RoleConflictError
+                  | HandshakeRejectedError):
+        return FailureReason.INCOMPATIBLE
+    if isinstance(exc, PeerError):
+        return FailureReason.PEER_UNREACHABLE
+    if isinstance(exc, PlanError | ProtocolError | BadRequest):
+        return FailureReason.INVALID_REQUEST
+    return FailureReason.TRANSPORT_ERROR
+
+
+def after_resends(detail: str, resends: int, first: str) -> str:
+    """A failure's detail, saying how many resends were tried and what broke the first link.
+
+    ``first`` is empty when no link failure ever marked the request for a resend.
+    """
+    if not first:
+        return detail
+    text = f"{detail} after {resends} resend{'s' if resends != 1 else ''}"
+    return text if first in detail else f"{text}; the link failed first with {first}"
 
 
 class PrefillEvents:
@@ -41,6 +78,19 @@ class PrefillEvents:
     _out: dict[str, Outgoing]
     _writes: dict[tuple[int, int], str]
 
+    def _ended(self, rec: Outgoing) -> bool:
+        snap = self.table.get(rec.request_id)
+        return snap is None or snap.state.terminal
+
+    def _note_link_failure(self, rec: Outgoing, link_id: int, status: str | None,
+                           cause: str) -> bool:
+        """Whether a failure of link ``link_id`` spares the request (see resend.py)."""
+        raise NotImplementedError
+
+    def _maybe_resend(self, rec: Outgoing) -> None:
+        """Start a pending resend once no write is outstanding (see resend.py)."""
+        raise NotImplementedError
+
     def on_event(self, event: Event) -> None:
         """COMPLETED: one write finished; LINK_FAILED: the decode peer's link is gone."""
         if event.kind is EventKind.LINK_FAILED:
@@ -50,8 +100,14 @@ class PrefillEvents:
             return
         lost: PeerConn | None = None
         with self._drained:
+            # The chunks of a request on one link share its transfer id (decode's), so
+            # the key stays until the record is pruned.
             rid = self._writes.get((event.link, event.transfer_id))
             rec = self._out.get(rid) if rid else None
+            if rec is not None and event.link != rec.attempt_link:
+                # A resend starts only once every write on the old link completed: a
+                # completion from a link this attempt does not use is stray.
+                rec = None
             if rec is None:
                 log.warning("completion of unknown transfer %s on link %d ignored",
                             event.transfer_id, event.link, extra=fields(rid))
@@ -69,14 +125,22 @@ class PrefillEvents:
                 rec.bytes_done += nbytes
             self._drained.notify_all()
             snap = self.table.get(rec.request_id)
+            # The final write acknowledged on this attempt's link means every byte
+            # landed (RC and TCP keep order): a Success even if a resend was pending.
             success = (event.ok and rec.final_posted and rec.outstanding == 0
+                       and event.link == rec.attempt_link
                        and snap is not None and snap.state is TransferState.TRANSFERRING)
             if success:
+                rec.resend_pending = False
                 self.table.advance(rec.request_id, TransferState.SUCCESS,
                                    nbytes=rec.bytes_done)
+            spared = not event.ok and self._note_link_failure(
+                rec, event.link, event.status, f"{event.status}: {event.detail}")
         if success:
             log.info("request %s: Success (%d bytes written)", rec.request_id, rec.bytes_done,
                      extra=fields(rec.request_id, rec.decode_address))
+        elif spared:
+            self._maybe_resend(rec)
         elif not event.ok:
             self._fail(rec, FailureReason.TRANSPORT_ERROR,
                        f"write failed: {event.status}: {event.detail}")
@@ -94,12 +158,15 @@ class PrefillEvents:
             self._tell_decode_once(rec, f"prefill timed out: {status.detail}")
 
     def on_peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
-        """Release the link (its writes complete as failed), fail the peer's requests.
+        """Release the link (its writes complete as failed), fail or resend its requests.
 
         ``gone`` False means only the link died (a QP error, a partitioned data path):
-        decode is still there and learns of each failed request by Abort once its writes
-        are drained, instead of waiting for its own deadline. Blocking (the link's
-        release): called on the executor or a driver loop, never under a lock.
+        decode is still there and keeps the requests, so each is resent on a new link
+        while its retries and deadline allow (:mod:`kvbeam.server.core.resend`); one that
+        fails is told to decode by Abort once its writes are drained, instead of decode
+        waiting for its own deadline. ``gone`` True (heartbeats lost, the peer
+        restarted): every request on the connection fails at once. Blocking (the
+        link's release): called on the executor or a driver loop, never under a lock.
         """
         self.peers.remove(conn)
         conn.close()
@@ -108,15 +175,34 @@ class PrefillEvents:
             if gone:
                 for rec in mine:
                     rec.told_decode = True  # the peer is gone; there is no one to tell
+            spared = [] if gone else [r for r in mine
+                                      if self._note_link_failure(r, conn.link.id, None,
+                                                                 detail)]
         for rec in mine:
-            self._fail(rec, FailureReason.PEER_FAILED, detail)
+            if rec in spared:
+                self._maybe_resend(rec)
+            else:
+                self._fail(rec, FailureReason.PEER_FAILED, detail)
 
     def _fail(self, rec: Outgoing, reason: FailureReason, detail: str) -> None:
         """Fail a request; decode is told once none of its writes is in flight."""
+        detail = after_resends(detail, rec.resends, rec.first_failure)
         if self.table.fail(rec.request_id, reason, detail):
             log.warning("request %s failed: %s: %s", rec.request_id, reason.value, detail,
                         extra=fields(rec.request_id, rec.decode_address))
         self._tell_decode_once(rec, f"prefill failed: {reason.value}: {detail}")
+
+    def _step_failed(self, rec: Outgoing, exc: BaseException) -> None:
+        reason = reason_for(exc)
+        if rec.resends and reason is FailureReason.PEER_UNREACHABLE:
+            # Decode served this request until its link failed; now it does not answer
+            # the resend's handshake: the peer failed (as a lost peer is reported).
+            reason = FailureReason.PEER_FAILED
+        if reason is FailureReason.TRANSPORT_ERROR and not isinstance(
+                exc, TransportError | SendFailed):
+            log.error("request %s: unexpected error", rec.request_id, exc_info=exc,
+                      extra=fields(rec.request_id, rec.decode_address))
+        self._fail(rec, reason, str(exc))
 
     def _tell_decode_once(self, rec: Outgoing, detail: str) -> None:
         """Tell decode of a failed request exactly once, when its writes have drained.

@@ -80,14 +80,16 @@ def wire_pair(wire: Wire) -> Generator[WirePair, None, None]:
     """Prefill on rxeA and decode on rxeB, joined by a veth wire that tests may cut.
 
     Shared by the fault tests and the soak (a daemon start costs a minute under TCG);
-    the fault tests leave it healthy. Prefill has the test-only fault hook armed for
-    request ids starting with ``qperr-`` (see kvbeam/server/faults.py).
+    the fault tests leave it healthy. Prefill has two test-only fault hooks armed (see
+    kvbeam/server/faults.py): writes outside decode's memory for request ids starting
+    with ``qperr-``, and one broken QP for the first request starting with ``qpbreak-``.
     """
     from tests.daemon_helpers import start_both
 
     prefill, decode = start_both(
         transport="rdma", prefill_extra=wire.rdma_args("prefill"),
-        decode_extra=wire.rdma_args("decode"), prefill_env={"KVBEAM_FAULT_OUTSIDE_MR": "qperr-"})
+        decode_extra=wire.rdma_args("decode"),
+        prefill_env={"KVBEAM_FAULT_OUTSIDE_MR": "qperr-", "KVBEAM_FAULT_BREAK_LINK": "1:qpbreak-"})
     try:
         yield WirePair(prefill, decode, wire)
     finally:

@@ -6,6 +6,9 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any, cast
 
+import pytest
+
+from kvbeam.errors import AlreadyLanded
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
 from kvbeam.server.core.decode import DecodeCore
@@ -102,7 +105,69 @@ def test_link_failure_is_handled_on_the_executor() -> None:
     core.begin_write("r", conn.instance_id, 300, True, None)
     core.on_event(Event(EventKind.LINK_FAILED, conn.link.id, None, ok=False,
                         status="IBV_EVENT_QP_FATAL"))
-    assert core.status("r").state is TransferState.TRANSFERRING
+    assert not cast(FakeLink, conn.link).released  # the event thread only noted it
     io.run_all()
-    assert core.status("r").state is TransferState.FAILED
     assert cast(FakeLink, conn.link).released
+    # Only the link failed: the request prefill began writing stays for its resend.
+    assert core.status("r").state is TransferState.TRANSFERRING
+    assert core.slot_of("r") != -1
+
+
+def test_a_lost_peer_fails_and_frees_its_requests_at_once() -> None:
+    core, _io, _prefill, conn = _core()
+    core.reserve("r", 300, PREFILL)
+    core.begin_write("r", conn.instance_id, 300, True, None)
+    core.on_peer_lost(conn, "peer stopped answering heartbeats", gone=True)
+    st = core.status("r")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.PEER_FAILED
+    assert core.slot_of("r") == -1
+
+
+def _relink(core: DecodeCore, conn: PeerConn) -> PeerConn:
+    """The same prefill instance handshakes again after its link failed: a new link."""
+    core.on_peer_lost(conn, "link failed", gone=False)
+    new = fake_conn(PREFILL, core.pools)
+    new.peer = conn.peer
+    core.peers.add(new)
+    return new
+
+
+def test_a_resend_gets_a_new_transfer_id_and_the_old_links_notification_is_ignored() -> None:
+    core, io, _prefill, conn = _core()
+    res = core.reserve("r", 300, PREFILL)
+    digests = request_digests(core.pools, res.indices)
+    old_tid = core.begin_write("r", conn.instance_id, 300, True, digests).transfer_id
+    new = _relink(core, conn)
+    new_tid = core.begin_write("r", conn.instance_id, 300, True, digests).transfer_id
+    assert new_tid != old_tid
+    # A late notification from the old link, with the old id or the new one: ignored.
+    core.on_event(Event(EventKind.NOTIFIED, conn.link.id, old_tid))
+    core.on_event(Event(EventKind.NOTIFIED, conn.link.id, new_tid))
+    assert io.queue == [] and core.bytes_of("r")[0] == 0
+    core.on_event(Event(EventKind.NOTIFIED, new.link.id, new_tid))
+    io.run_all()
+    st = core.status("r")
+    assert st.state is TransferState.SUCCESS and st.detail.startswith("CRC32C verified")
+
+
+def test_a_notification_from_the_granted_link_counts_after_that_link_failed() -> None:
+    core, io, _prefill, conn = _core()
+    res = core.reserve("r", 300, PREFILL)
+    tid = core.begin_write("r", conn.instance_id, 300, True, None).transfer_id
+    core.on_event(Event(EventKind.NOTIFIED, conn.link.id, tid))  # arrived, then link died
+    core.on_peer_lost(conn, "link failed", gone=False)
+    io.run_all()
+    assert core.status("r").state is TransferState.SUCCESS
+    assert res.landed
+
+
+def test_a_resend_of_a_request_that_already_landed_is_answered_already_landed() -> None:
+    core, io, _prefill, conn = _core()
+    core.reserve("r", 300, PREFILL)
+    tid = core.begin_write("r", conn.instance_id, 300, True, None).transfer_id
+    core.on_event(Event(EventKind.NOTIFIED, conn.link.id, tid))
+    io.run_all()
+    _relink(core, conn)
+    with pytest.raises(AlreadyLanded):
+        core.begin_write("r", conn.instance_id, 300, True, None)
+    assert core.status("r").state is TransferState.SUCCESS

@@ -1,0 +1,132 @@
+"""Prefill's resend: a transient transport error re-sends the request on a fresh link.
+
+A write that fails with a transport error (an RC QP's retries exhausted, a flushed
+WR, our own write timeout, a broken TCP stream) leaves the request intact: its
+source bytes are only ever read, and decode keeps its reservation when only the
+link failed (:meth:`~kvbeam.server.core.decode.DecodeCore.on_peer_lost` with
+``gone=False``). So instead of failing it, prefill marks the request for a resend
+(:meth:`PrefillResend._note_link_failure`), waits until none of its writes on the
+dead link is outstanding (each write completes exactly once, as failed or
+cancelled, when the link fails or is released), then replays every chunk it had
+posted (:meth:`PrefillResend._maybe_resend`): the next step handshakes a new link
+(one handshake per address, as for a first send) and asks decode for a new grant
+with BeginWrite, which gives a new transfer id on the new link, so a late
+notification from the old one can never mark the request landed.
+
+At most ``resend_retries`` resends per request (``--resend-retries``, 0: off); the
+request's deadline still bounds every attempt (the table fails it when it passes,
+and a pending resend then never starts). Errors that are not transient fail at
+once: a write outside the peer's memory (its status says so), our own region
+check, a decode refusal, a lost or restarted peer (``gone=True``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING
+
+from kvbeam.logs import fields
+from kvbeam.server.core.prefill_events import PrefillEvents
+from kvbeam.server.lifecycle import TransferTable
+from kvbeam.states import TransferState
+from kvbeam.transport import status as st
+
+if TYPE_CHECKING:
+    from kvbeam.server.core.prefill import Outgoing
+
+log = logging.getLogger(__name__)
+
+#: Write statuses that say the request itself is wrong, not the wire: resending it
+#: on a new link would fail the same way. Everything else (retries exhausted, a
+#: flushed WR, a timeout, a broken stream, a QP in error) is transient.
+NOT_TRANSIENT = frozenset({
+    "IBV_WC_REM_ACCESS_ERR", "IBV_WC_LOC_PROT_ERR", "IBV_WC_LOC_ACCESS_ERR",
+    "IBV_WC_LOC_LEN_ERR", "IBV_WC_MW_BIND_ERR", st.TCP_REMOTE_ACCESS_ERR,
+})
+
+
+def transient(status: str | None) -> bool:
+    """True when a write that failed with ``status`` may succeed on a new link."""
+    return status not in NOT_TRANSIENT
+
+
+class PrefillResend(PrefillEvents):
+    """The resend bookkeeping of the prefill core (state is defined by the subclass)."""
+
+    table: TransferTable
+    io: Executor
+    _lock: threading.Lock
+    #: Resends allowed per request (0: a transport error fails the request at once).
+    resend_retries: int
+    #: Called once per resend (the daemon counts it in ``kvbeam_resends_total``).
+    on_resend: Callable[[], None]
+
+    def _step(self, rec: Outgoing) -> None:
+        """Run the request's next chunk (defined by the core)."""
+        raise NotImplementedError
+
+    def _note_link_failure(self, rec: Outgoing, link_id: int, status: str | None,
+                           cause: str) -> bool:
+        """A link ``rec`` may use failed; True when that does not fail the request.
+
+        Called with the core lock held. True: a resend is (or already was) pending, or
+        the link is not the one this attempt posts on (an older one, or the request
+        has posted nothing on it: its next step picks a new link). False: the request
+        must fail now (it ended, the status is not transient, or no resend is left).
+        ``cause``: what broke the link (a verbs or TCP status and detail), for the logs.
+        """
+        if self._ended(rec) or not transient(status):
+            return False
+        if rec.attempt_link != link_id or rec.resend_pending:
+            return True
+        if rec.resends >= self.resend_retries:
+            return False
+        rec.resend_pending = True
+        rec.resend_status = cause
+        rec.first_failure = rec.first_failure or cause
+        return True
+
+    def _maybe_resend(self, rec: Outgoing) -> None:
+        """Start a pending resend once none of the request's writes is outstanding."""
+        with self._lock:
+            if not rec.resend_pending or rec.outstanding > 0 or rec.running:
+                return
+            rec.resend_pending = False
+            if self._ended(rec):
+                return
+            rec.resends += 1
+            # Replay every chunk posted so far, in order, before the ones still queued.
+            rec.chunks.extendleft(reversed(rec.posted))
+            rec.posted.clear()
+            rec.sent_pages[:] = False
+            rec.final_posted = False
+            rec.bytes_total = rec.bytes_done = 0
+            rec.pending_bytes.clear()
+            rec.attempt_link = None
+            rec.conn = None  # the dead link's connection: the next step finds or makes one
+            rec.running = True
+            n, status = rec.resends, rec.resend_status
+        log.warning("request %s: resend %d/%d on a new link after a transport error: %s",
+                    rec.request_id, n, self.resend_retries, status,
+                    extra=fields(rec.request_id, rec.decode_address))
+        self.on_resend()
+        self.io.submit(self._step, rec)
+
+    def _landed_already(self, rec: Outgoing) -> None:
+        """Decode says the request had landed before our resend: it is a Success here too.
+
+        The failed write was acknowledged to decode but not to us (an RC retry that
+        lost only its acknowledgements): decode received the final notification and
+        verified the bytes, so nothing is resent.
+        """
+        with self._lock:
+            rec.chunks.clear()
+            snap = self.table.get(rec.request_id)
+            if snap is None or snap.state is not TransferState.TRANSFERRING:
+                return
+            self.table.advance(rec.request_id, TransferState.SUCCESS, nbytes=rec.bytes_done)
+        log.info("request %s: Success (decode had it landed before the resend)",
+                 rec.request_id, extra=fields(rec.request_id, rec.decode_address))

@@ -1,0 +1,245 @@
+"""Prefill's resend after a transient transport error, with fake links and a fake decode."""
+
+from __future__ import annotations
+
+import threading
+from typing import cast
+
+import pytest
+
+from kvbeam.errors import ConfigError
+from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.faults import BREAK_LINK_ENV, FaultHooks
+from kvbeam.server.settings import resolve
+from kvbeam.states import FailureReason, TransferState
+from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
+
+ADDR = "127.0.0.1:9"
+RETRY_EXC = "IBV_WC_RETRY_EXC_ERR"
+
+
+def _link(core: PrefillCore, not_: FakeLink | None = None) -> FakeLink:
+    """The fake link of the core's live connection to ADDR (a new one after ``not_``)."""
+    def current() -> FakeLink | None:
+        conn = core.peers.by_address(ADDR)
+        link = cast(FakeLink, conn.link) if conn is not None else None
+        return link if link is not None and link is not not_ else None
+    assert wait_for(lambda: current() is not None)
+    link = current()
+    assert link is not None
+    return link
+
+
+def _resending(retries: int = 2) -> tuple[PrefillCore, FakeDecode, list[int]]:
+    counted: list[int] = []
+    core, fake = prefill_core(resend_retries=retries, on_resend=lambda: counted.append(1))
+    return core, fake, counted
+
+
+def _fail_first_write(core: PrefillCore, status: str = RETRY_EXC) -> FakeLink:
+    link = _link(core)
+    assert wait_for(lambda: len(link.writes) == 1)
+    core.on_event(link.completion(link.writes[0][0], ok=False, status=status))
+    return link
+
+
+def test_a_failed_write_is_resent_on_a_new_link_and_the_request_succeeds() -> None:
+    core, fake, counted = _resending()
+    core.send("r", 0, 300, ADDR, [], True)
+    old = _fail_first_write(core)
+    assert core.status("r").state is TransferState.TRANSFERRING  # not failed
+    new = _link(core, not_=old)
+    assert wait_for(lambda: len(new.writes) == 1)
+    assert old.released and fake.connects == [ADDR, ADDR]
+    assert [link for _r, link in fake.begins] == [old.id, new.id]  # a new grant
+    core.on_event(new.completion(new.writes[0][0]))
+    assert core.status("r").state is TransferState.SUCCESS
+    assert counted == [1] and fake.aborts == []
+    core.periodic()
+    assert not core.known("r")
+
+
+def test_every_posted_chunk_is_resent_in_order() -> None:
+    core, _fake, _counted = _resending()
+    core.send("c", 0, 1000, ADDR, [(0, 256)], False)
+    old = _link(core)
+    assert wait_for(lambda: len(old.writes) == 1)
+    core.on_event(old.completion(old.writes[0][0]))  # chunk 1 landed
+    core.send("c", 0, 1000, ADDR, [(256, 700)], False)
+    assert wait_for(lambda: len(old.writes) == 2)
+    core.on_event(old.completion(old.writes[1][0], ok=False, status=RETRY_EXC))
+    new = _link(core, not_=old)
+    assert wait_for(lambda: len(new.writes) == 2)  # both chunks again
+    core.send("c", 0, 1000, ADDR, [], True)
+    assert wait_for(lambda: len(new.writes) == 3)
+    assert [notify for _tid, notify in new.writes] == [False, False, True]
+    for tid, _ in new.writes:
+        core.on_event(new.completion(tid))
+    assert core.status("c").state is TransferState.SUCCESS
+    done, total = core.bytes_of("c")
+    assert done == total > 0
+
+
+def test_a_late_completion_from_the_old_link_is_ignored() -> None:
+    core, _fake, _counted = _resending()
+    core.send("r", 0, 300, ADDR, [], True)
+    old = _fail_first_write(core)
+    new = _link(core, not_=old)
+    assert wait_for(lambda: len(new.writes) == 1)
+    # The old link's write reported again, now as done: it proves nothing for the resend.
+    core.on_event(old.completion(old.writes[0][0], ok=True))
+    assert core.status("r").state is TransferState.TRANSFERRING
+    core.on_event(new.completion(new.writes[0][0]))
+    assert core.status("r").state is TransferState.SUCCESS
+
+
+def test_a_resend_waits_until_the_dead_links_writes_completed() -> None:
+    core, fake, _counted = _resending()
+    core.send("c", 0, 1000, ADDR, [(0, 256)], False)
+    core.send("c", 0, 1000, ADDR, [], True)
+    old = _link(core)
+    assert wait_for(lambda: len(old.writes) == 2)
+    core.on_event(old.completion(old.writes[0][0], ok=False, status=RETRY_EXC))
+    core.io.submit(lambda: None).result()
+    assert fake.connects == [ADDR]  # the final write may still read the source
+    core.on_event(old.completion(old.writes[1][0], ok=False))  # flushed
+    new = _link(core, not_=old)
+    assert wait_for(lambda: len(new.writes) == 2)
+
+
+def test_retries_zero_fails_at_once_with_the_transport_detail() -> None:
+    core, fake, counted = _resending(retries=0)
+    core.send("r", 0, 300, ADDR, [], True)
+    _fail_first_write(core)
+    st = core.status("r")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.TRANSPORT_ERROR
+    assert RETRY_EXC in st.detail and "resend" not in st.detail
+    assert counted == [] and fake.connects == [ADDR]
+    assert wait_for(lambda: fake.aborts == ["r"])
+
+
+def test_a_permanent_fault_fails_after_the_retries_with_one_abort() -> None:
+    core, fake, counted = _resending(retries=2)
+    core.send("r", 0, 300, ADDR, [], True)
+    link: FakeLink | None = None
+    for _attempt in range(3):
+        link = _link(core, not_=link)
+        assert wait_for(lambda lk=link: len(lk.writes) == 1)
+        core.on_event(link.completion(link.writes[0][0], ok=False, status=RETRY_EXC))
+    st = core.status("r")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.TRANSPORT_ERROR
+    assert st.detail.endswith("after 2 resends") and RETRY_EXC in st.detail
+    assert counted == [1, 1] and len(fake.connects) == 3
+    assert wait_for(lambda: fake.aborts == ["r"])
+    core.io.submit(lambda: None).result()
+    assert fake.aborts == ["r"]
+
+
+def test_an_error_that_is_not_transient_fails_at_once() -> None:
+    core, fake, counted = _resending()
+    core.send("r", 0, 300, ADDR, [], True)
+    _fail_first_write(core, status="IBV_WC_REM_ACCESS_ERR")
+    st = core.status("r")
+    assert st.state is TransferState.FAILED and "IBV_WC_REM_ACCESS_ERR" in st.detail
+    assert counted == [] and fake.connects == [ADDR]
+
+
+def test_a_lost_peer_fails_its_requests_without_a_resend() -> None:
+    core, fake, counted = _resending()
+    core.send("r", 0, 300, ADDR, [], True)
+    link = _link(core)
+    assert wait_for(lambda: len(link.writes) == 1)
+    conn = core.peers.by_address(ADDR)
+    assert conn is not None
+    core.on_peer_lost(conn, "peer stopped answering heartbeats", gone=True)
+    st = core.status("r")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.PEER_FAILED
+    assert counted == [] and fake.connects == [ADDR]
+
+
+def test_other_requests_on_the_failed_link_are_resent_too() -> None:
+    core, fake, counted = _resending()
+    for i in range(3):
+        core.send(f"r{i}", i, 300, ADDR, [], True)
+    old = _link(core)
+    assert wait_for(lambda: len(old.writes) == 3)
+    core.on_event(old.completion(old.writes[0][0], ok=False, status=RETRY_EXC))
+    for tid, _ in old.writes[1:]:
+        core.on_event(old.completion(tid, ok=False))  # flushed
+    new = _link(core, not_=old)
+    assert wait_for(lambda: len(new.writes) == 3)
+    assert fake.connects == [ADDR, ADDR]  # one handshake for all three
+    for tid, _ in new.writes:
+        core.on_event(new.completion(tid))
+    assert all(core.status(f"r{i}").state is TransferState.SUCCESS for i in range(3))
+    assert counted == [1, 1, 1] and fake.aborts == []
+
+
+def _resend_hanging_in_its_handshake(core: PrefillCore,
+                                     fake: FakeDecode) -> tuple[FakeLink, threading.Event]:
+    """Request "r" posted, its write failed, its resend's handshake hangs until the gate."""
+    core.send("r", 0, 300, ADDR, [], True)
+    link = _link(core)
+    assert wait_for(lambda: len(link.writes) == 1)
+    gate = threading.Event()
+    fake.hold[ADDR] = gate
+    core.on_event(link.completion(link.writes[0][0], ok=False, status=RETRY_EXC))
+    assert wait_for(lambda: len(fake.connects) == 2)
+    return link, gate
+
+
+def test_abort_during_a_resend_tells_decode_once_and_posts_nothing() -> None:
+    core, fake, _counted = _resending()
+    link, gate = _resend_hanging_in_its_handshake(core, fake)
+    st = core.abort("r", from_peer=False, detail="scheduler")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.ABORTED
+    assert RETRY_EXC in st.detail  # what made it resend is not lost
+    gate.set()
+    new = _link(core, not_=link)
+    core.io.submit(lambda: None).result()
+    assert wait_for(lambda: fake.aborts == ["r"])
+    assert new.writes == [] and len(fake.begins) == 1
+    core.periodic()
+    assert not core.known("r")
+    assert fake.aborts == ["r"]
+
+
+def test_a_deadline_passing_during_a_resend_ends_it_with_one_abort() -> None:
+    core, fake, _counted = _resending()
+    link, gate = _resend_hanging_in_its_handshake(core, fake)
+    # The sweep finds the deadline passed while the resend's handshake hangs.
+    snap = core.table.fail("r", FailureReason.TIMEOUT, "Transferring took longer than 30 s")
+    assert snap is not None
+    core.on_deadline(snap)
+    gate.set()
+    new = _link(core, not_=link)
+    assert wait_for(lambda: fake.aborts == ["r"])
+    core.io.submit(lambda: None).result()
+    assert new.writes == [] and fake.aborts == ["r"]
+    assert core.status("r").reason is FailureReason.TIMEOUT
+
+
+def test_a_resend_that_finds_the_request_landed_ends_in_success() -> None:
+    core, fake, counted = _resending()
+    fake.landed.add("r")  # the failed write's acknowledgement was all that was lost
+    core.send("r", 0, 300, ADDR, [], True)
+    old = _fail_first_write(core)
+    new = _link(core, not_=old)
+    assert wait_for(lambda: core.status("r").state is TransferState.SUCCESS)
+    assert new.writes == [] and counted == [1] and fake.aborts == []
+
+
+def test_resend_retries_setting_defaults_to_two_and_refuses_negatives() -> None:
+    env = {"KVBEAM_CONFIG": "side.yaml"}
+    assert resolve("prefill", environ=env).resend_retries == 2
+    assert resolve("prefill", environ={**env, "KVBEAM_RESEND_RETRIES": "0"}).resend_retries == 0
+    with pytest.raises(ConfigError, match="--resend-retries"):
+        resolve("prefill", environ={**env, "KVBEAM_RESEND_RETRIES": "-1"})
+
+
+def test_break_link_fault_hook_is_off_unless_armed() -> None:
+    assert not FaultHooks.from_env({}).armed
+    hooks = FaultHooks.from_env({BREAK_LINK_ENV: "2:qpbreak-"})
+    assert hooks.armed and (hooks.break_links, hooks.break_prefix) == (2, "qpbreak-")
+    with pytest.raises(ConfigError, match=BREAK_LINK_ENV):
+        FaultHooks.from_env({BREAK_LINK_ENV: "x"})
