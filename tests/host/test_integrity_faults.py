@@ -57,8 +57,14 @@ def test_a_random_half_corrupted_matches_the_failures_one_for_one() -> None:
         lens = [1 + (i * 7919) % 30000 for i in range(24)]
         results = drive(prefill.address, decode.address, lens, source_slots=8, concurrency=4,
                         prefix="half")
-        injected = set(re.findall(r"FAULT INJECTED: corrupted request (\S+) ", decode.output))
         failed = {r.request_id for r in results if not r.ok}
+
+        def injected_now() -> set[str]:
+            return set(re.findall(r"FAULT INJECTED: corrupted request (\S+) ", decode.output))
+
+        # The output arrives through a reader thread: wait for every failed request's line.
+        wait_until(lambda: failed <= injected_now(), 10)
+        injected = injected_now()
         assert injected == failed
         assert 0 < len(injected) < len(lens)  # both outcomes really happened
         assert all(r.state.startswith("Failed(integrity") for r in results if not r.ok)
@@ -69,7 +75,9 @@ def test_without_integrity_the_same_corruption_goes_unnoticed() -> None:
     with pair(decode_env=env, decode_extra=["--integrity", "false"],
               prefill_extra=["--integrity", "false"]) as (_prefill, decode, p, d):
         assert run_request(p, d, "silent", 5000, 0).ok
-        assert "FAULT INJECTED: corrupted request silent" in decode.output
+        # The daemon's output reaches us through a reader thread: wait for the line.
+        assert wait_until(lambda: "FAULT INJECTED: corrupted request silent" in decode.output,
+                          10), decode.output[-2000:]
 
 
 @pytest.mark.parametrize("env, message", [
