@@ -92,6 +92,7 @@ class Outgoing:
     resend_status: str = ""  # what broke the link, for the resend's log line
     first_failure: str = ""  # what broke the first link, for the final detail
     resends: int = 0
+    digests: list[int] | None = None  # computed once: a resend's source bytes are the same
 
     @property
     def drained(self) -> bool:
@@ -322,8 +323,10 @@ class PrefillCore(PrefillResend, PoolsHolder):
 
     def _write_chunk(self, rec: Outgoing, conn: PeerConn, ranges: Ranges, final: bool) -> None:
         rid = rec.request_id
-        digests = (request_digests(self.pools, rec.src_indices, draft=rec.src_draft)
-                   if final and self.integrity else None)
+        if final and self.integrity and rec.digests is None:
+            rec.digests = request_digests(self.pools, rec.src_indices,
+                                          draft=rec.src_draft)
+        digests = rec.digests if final else None
         try:
             grant = self.decode.begin_write(conn, rid, rec.seq_len, final, digests)
         except AlreadyLanded:
