@@ -1,0 +1,153 @@
+"""The reference engines' transfer through kvbeam's daemons (``--pools engine``).
+
+:class:`ServedPair` starts a prefill and a decode daemon as fresh processes in
+``--pools engine`` mode, allocates each engine's pools in memfds
+(:class:`~kvbeam.engine.EnginePools`, which the reference engine uses as its side
+memory) and attaches them. :meth:`ServedPair.transfer` is a
+:data:`~kvbeam.refengine.run.Transfer`: decode reserves the request at the decode
+engine's own lists, prefill sends it from the prefill engine's lists, both must
+reach Success (decode's only after the CRC32C digests matched), and decode
+releases it. Each transfer's bytes and Send->Success time are recorded.
+
+Start the pair BEFORE the model runs: the daemons are subprocesses, and a process
+must not fork after torch ran parallel work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import yaml
+
+from kvbeam.auth import Security
+from kvbeam.client import KvbeamClient
+from kvbeam.engine import EnginePools, attach
+from kvbeam.engine.attach import Attachment
+from kvbeam.errors import TransferFailed
+from kvbeam.pools.spec import SideConfig
+from kvbeam.procs import DaemonProcess, PendingDaemon, spawn_daemon, wait_until
+from kvbeam.proto.attach_codec import config_to_mapping
+from kvbeam.refengine.engine import IndexLists
+from kvbeam.scheduler import RequestResult, run_request
+from kvbeam.states import TransferState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServedPair:
+    """Two ``--pools engine`` daemons with the engines' memfd pools attached.
+
+    Args:
+        config: the side config of both engines (the daemons get it as ``--config``).
+        transport: ``tcp`` or ``rdma``.
+        extra: more daemon flags (both daemons).
+        env: more daemon environment; ``decode_env``: the decode daemon's only
+            (fault hooks).
+        security: the credentials the daemons require (their token travels in
+            ``env`` as KVBEAM_AUTH_TOKEN); None for an open loopback pair.
+        timeout: seconds a transfer may take before it counts as failed.
+    """
+
+    config: SideConfig
+    transport: str = "tcp"
+    extra: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    decode_env: dict[str, str] = field(default_factory=dict)
+    security: Security | None = None
+    timeout: float = 60.0
+    prefix: str = "ref"
+    #: one :class:`~kvbeam.scheduler.RequestResult` per transfer, in order
+    records: list[RequestResult] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="kvbeam-served-")
+        work = Path(self._dir.name)
+        os.chmod(work, 0o700)  # the attach socket's directory must not be writable by others
+        cfg = work / "side.yaml"
+        cfg.write_text(yaml.safe_dump(config_to_mapping(self.config)))
+        self._daemons: list[DaemonProcess] = []
+        self._attachments: list[Attachment] = []
+        self._pending: list[PendingDaemon] = []
+        self.prefill_pools = EnginePools(self.config)
+        self.decode_pools = EnginePools(self.config)
+        try:
+            pending = {role: self._spawn(role, str(cfg), str(work / f"{role}.sock"))
+                       for role in ("decode", "prefill")}
+            self._pending = list(pending.values())
+            for role, pools in (("decode", self.decode_pools), ("prefill", self.prefill_pools)):
+                sock = str(work / f"{role}.sock")
+                proc = pending[role].proc
+                if not wait_until(lambda s=sock, p=proc: os.path.exists(s) or  # type: ignore[misc]
+                                  p.poll() is not None, 180.0) or not os.path.exists(sock):
+                    raise TransferFailed(f"{role} daemon never opened its attach socket "
+                                         f"(exit {proc.poll()}): {''.join(pending[role].lines)}")
+                self._attachments.append(attach(sock, pools, self.config))
+            self.decode = pending["decode"].ready()
+            self._daemons.append(self.decode)
+            self.prefill = pending["prefill"].ready()
+            self._daemons.append(self.prefill)
+        except BaseException:
+            self.close()
+            raise
+        self._clients = (KvbeamClient(self.prefill.address, security=self.security),
+                         KvbeamClient(self.decode.address, security=self.security))
+        log.info("served pair: prefill %s, decode %s, transport %s", self.prefill.address,
+                 self.decode.address, self.prefill.transport)
+
+    def _spawn(self, role: str, config: str, sock: str) -> PendingDaemon:
+        flags = ["--pools", "engine", "--attach-socket", sock, "--transport", self.transport,
+                 *self.extra]
+        env = {**self.env, **(self.decode_env if role == "decode" else {})}
+        return spawn_daemon(role, config, extra=flags, env=env, security=self.security)
+
+    def transfer(self, src_lists: IndexLists, dst_lists: IndexLists, seq_len: int) -> None:
+        """Move one request from the prefill engine's lists to the decode engine's.
+
+        Raises:
+            TransferFailed: either side did not reach Success within ``timeout``
+                (the message carries both sides' state); the decode engine must not
+                decode from the state then.
+        """
+        prefill, decode = self._clients
+        rid = f"{self.prefix}-{len(self.records)}"
+        # The engine keeps a list per kind it knows; the daemon takes the layout's kinds only.
+        kinds = {b.index_kind for b in self.prefill_pools.layout.flat_buffers}
+        result = run_request(prefill, decode, rid, seq_len, -1, timeout=self.timeout,
+                             busy_retry_s=self.timeout,
+                             src_indices={k.name: v for k, v in src_lists.items() if k in kinds},
+                             dst_indices={k.name: v for k, v in dst_lists.items() if k in kinds})
+        self.records.append(result)
+        if not result.ok or result.prefill_state != TransferState.SUCCESS.value:
+            reason = result.state.removeprefix("Failed(").partition(",")[0]
+            raise TransferFailed(f"request {rid} (seq_len {seq_len}) did not complete: decode "
+                                 f"{result.state}; prefill {result.prefill_state}",
+                                 reason=reason, detail=result.state)
+
+    def close(self) -> None:
+        """Detach the engines, stop the daemons, free the pools."""
+        for client in getattr(self, "_clients", ()):
+            client.close()
+        for att in self._attachments:
+            att.close()
+        for daemon in self._daemons:
+            daemon.stop()
+        for p in self._pending:  # one that never got ready
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait(10)
+        self.prefill_pools.close()
+        self.decode_pools.close()
+        self._dir.cleanup()
+
+    def __enter__(self) -> ServedPair:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
