@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -32,7 +33,9 @@ from kvbeam.errors import TransferFailed
 from kvbeam.pools.spec import SideConfig
 from kvbeam.procs import DaemonProcess, PendingDaemon, spawn_daemon, wait_until
 from kvbeam.proto.attach_codec import config_to_mapping
-from kvbeam.refengine.engine import IndexLists
+from kvbeam.refengine.engine import Continuation, IndexLists
+from kvbeam.refengine.model import ModelShape
+from kvbeam.refengine.run import Comparison, colocated, compare, make_prompt, torch_threads
 from kvbeam.scheduler import RequestResult, run_request
 from kvbeam.states import TransferState
 
@@ -151,3 +154,50 @@ class ServedPair:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class ServedRow:
+    """One prompt through the served pair: the comparison and the transfer's record."""
+
+    comparison: Comparison
+    record: RequestResult
+
+
+def run_prompts(pair: ServedPair, prompt_lens: Sequence[int], k: int) -> list[ServedRow]:
+    """Each prompt colocated and prefill -> daemons -> decode; one row per prompt.
+
+    A transfer that fails is a row whose moved continuation is empty (never decoded).
+    """
+    rows = []
+    with torch_threads(1):
+        for n in prompt_lens:
+            prompt = make_prompt(n, ModelShape().vocab, seed=n)
+            try:
+                c = compare(pair.config, prompt, k, transfer=pair.transfer,
+                            prefill_side=pair.prefill_pools, decode_side=pair.decode_pools)
+            except TransferFailed as exc:
+                log.error("prompt %d: %s", n, exc)
+                ref = colocated(pair.config, prompt, k)
+                empty = Continuation([], ref.logits[:0], [], [])
+                c = Comparison(n, ref, empty)
+            rows.append(ServedRow(c, pair.records[-1]))
+    return rows
+
+
+def format_rows(rows: Sequence[ServedRow], transport: str) -> str:
+    """The demo's table: per request, moved tokens beside colocated ones, bytes, time."""
+    lines = [f"{'request':<8} {'prompt':>6}  {'continued (moved)':<40} "
+             f"{'colocated':<40} {'equal':<5} {'bytes':>8} {'send->ok ms':>11}"]
+    for row in rows:
+        c, r = row.comparison, row.record
+        moved = " ".join(map(str, c.moved.tokens)) or r.state
+        lines.append(f"{r.request_id:<8} {c.seq_len:>6}  {moved:<40} "
+                     f"{' '.join(map(str, c.reference.tokens)):<40} "
+                     f"{'yes' if c.equal else 'NO':<5} {r.bytes:>8} "
+                     f"{r.send_to_success_s * 1e3:>11.1f}")
+    ok = sum(row.comparison.equal for row in rows)
+    lines.append(f"{ok}/{len(rows)} continuations equal to the colocated run (tokens, logits, "
+                 f"draft proposals); {sum(r.record.verified for r in rows)} transfers "
+                 f"CRC32C-verified; transport {transport}")
+    return "\n".join(lines)
