@@ -29,11 +29,12 @@ from kvbeam.auth import Security
 from kvbeam.client import KvbeamClient
 from kvbeam.engine import EnginePools, attach
 from kvbeam.engine.attach import Attachment
-from kvbeam.errors import TransferFailed
+from kvbeam.errors import DaemonStartError, TransferFailed
+from kvbeam.pools.plan import IndexLists
 from kvbeam.pools.spec import SideConfig
 from kvbeam.procs import DaemonProcess, PendingDaemon, spawn_daemon, wait_until
 from kvbeam.proto.attach_codec import config_to_mapping
-from kvbeam.refengine.engine import Continuation, IndexLists
+from kvbeam.refengine.engine import Continuation
 from kvbeam.refengine.model import ModelShape
 from kvbeam.refengine.run import Comparison, colocated, compare, make_prompt, torch_threads
 from kvbeam.scheduler import RequestResult, run_request
@@ -86,10 +87,11 @@ class ServedPair:
             for role, pools in (("decode", self.decode_pools), ("prefill", self.prefill_pools)):
                 sock = str(work / f"{role}.sock")
                 proc = pending[role].proc
-                if not wait_until(lambda s=sock, p=proc: os.path.exists(s) or  # type: ignore[misc]
+                if not wait_until(lambda s=sock, p=proc: os.path.exists(s) or
                                   p.poll() is not None, 180.0) or not os.path.exists(sock):
-                    raise TransferFailed(f"{role} daemon never opened its attach socket "
-                                         f"(exit {proc.poll()}): {''.join(pending[role].lines)}")
+                    raise DaemonStartError(f"kvbeam {role} --pools engine never opened its "
+                                           f"attach socket (exit code {proc.poll()})",
+                                           "".join(pending[role].lines))
                 self._attachments.append(attach(sock, pools, self.config))
             self.decode = pending["decode"].ready()
             self._daemons.append(self.decode)

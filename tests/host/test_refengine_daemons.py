@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from kvbeam.errors import TransferFailed
+from kvbeam.pools.plan import IndexLists
 from kvbeam.pools.types import IndexKind
 from kvbeam.refengine.configs import tiny_config
-from kvbeam.refengine.engine import IndexLists
 from kvbeam.refengine.run import SplitRun, compare, make_prompt, torch_threads
 from kvbeam.refengine.served import ServedPair
 from kvbeam.server.faults import CORRUPT_LANDED_ENV
