@@ -23,7 +23,7 @@ from kvbeam.refengine.configs import tiny_config
 from kvbeam.refengine.run import SplitRun, compare, make_prompt, torch_threads
 from kvbeam.refengine.served import ServedPair
 from kvbeam.server.faults import CORRUPT_LANDED_ENV
-from kvbeam.states import VERIFIED_PREFIX
+from tests.refengine_helpers import check_served
 
 K = 8
 # (unified, draft, prompt lengths): 256 ends on a page, window and C128 boundary at
@@ -52,16 +52,8 @@ def test_continuation_over_daemons_is_token_identical(unified: bool, draft: bool
                 t0 = time.monotonic()
                 c = compare(config, make_prompt(n, 512, seed=n), K, transfer=transfer,
                             prefill_side=pair.prefill_pools, decode_side=pair.decode_pools)
-                rec = pair.records[-1]
-                print(f"\n{_mode(unified, draft)} tcp prompt {n}: {K} tokens, equal {c.equal}, "
-                      f"{rec.bytes} bytes, send->success {rec.send_to_success_s * 1e3:.1f} ms, "
-                      f"{time.monotonic() - t0:.1f} s")
-                assert rec.ok and rec.detail.startswith(VERIFIED_PREFIX), rec
-                assert rec.bytes > 0
-                assert c.tokens_equal, c.table()
-                assert c.proposals_equal, c.table()
-                assert bool(c.moved.proposals) is draft
-                assert c.equal, c.table()
+                check_served(f"{_mode(unified, draft)} tcp", c, pair.records[-1], draft=draft,
+                             seconds=time.monotonic() - t0)
     # The engines chose different (shuffled) pages: the daemons moved between lists.
     for src, dst in seen:
         assert not np.array_equal(src[IndexKind.KV_PAGES], dst[IndexKind.KV_PAGES]) or \

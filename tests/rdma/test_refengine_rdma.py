@@ -13,9 +13,9 @@ import pytest
 from kvbeam.refengine.configs import tiny_config
 from kvbeam.refengine.run import compare, make_prompt, torch_threads
 from kvbeam.refengine.served import ServedPair
-from kvbeam.states import VERIFIED_PREFIX
 from tests.daemon_helpers import SLOW_GUEST
 from tests.rdma.conftest import RdmaDevice
+from tests.refengine_helpers import check_served
 
 pytestmark = pytest.mark.rdma
 K = 4
@@ -32,11 +32,5 @@ def test_continuation_over_rdma_daemons_is_token_identical(
         with torch_threads(1):
             c = compare(config, make_prompt(length, 512, seed=length), K, transfer=pair.transfer,
                         prefill_side=pair.prefill_pools, decode_side=pair.decode_pools)
-        rec = pair.records[-1]
-        print(f"\n{'unified' if unified else 'paged'} draft={draft} rdma prompt {length}: "
-              f"{K} tokens, equal {c.equal}, {rec.bytes} bytes, send->success "
-              f"{rec.send_to_success_s * 1e3:.1f} ms, {time.monotonic() - t0:.1f} s")
-        assert rec.ok and rec.detail.startswith(VERIFIED_PREFIX), rec
-        assert c.tokens_equal and c.proposals_equal, c.table()
-        assert c.moved.proposals
-        assert c.equal, c.table()
+        check_served(f"{'unified' if unified else 'paged'}-draft rdma", c, pair.records[-1],
+                     draft=draft, seconds=time.monotonic() - t0)
