@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,10 +30,10 @@ from kvbeam.auth import Security
 from kvbeam.client import KvbeamClient
 from kvbeam.engine import EnginePools, attach
 from kvbeam.engine.attach import Attachment
-from kvbeam.errors import DaemonStartError, TransferFailed
+from kvbeam.errors import AttachError, DaemonStartError, TransferFailed
 from kvbeam.pools.plan import IndexLists
 from kvbeam.pools.spec import SideConfig
-from kvbeam.procs import DaemonProcess, PendingDaemon, spawn_daemon, wait_until
+from kvbeam.procs import DaemonProcess, PendingDaemon, spawn_daemon
 from kvbeam.proto.attach_codec import config_to_mapping
 from kvbeam.refengine.engine import Continuation
 from kvbeam.refengine.model import ModelShape
@@ -85,14 +86,8 @@ class ServedPair:
                        for role in ("decode", "prefill")}
             self._pending = list(pending.values())
             for role, pools in (("decode", self.decode_pools), ("prefill", self.prefill_pools)):
-                sock = str(work / f"{role}.sock")
-                proc = pending[role].proc
-                if not wait_until(lambda s=sock, p=proc: os.path.exists(s) or
-                                  p.poll() is not None, 180.0) or not os.path.exists(sock):
-                    raise DaemonStartError(f"kvbeam {role} --pools engine never opened its "
-                                           f"attach socket (exit code {proc.poll()})",
-                                           "".join(pending[role].lines))
-                self._attachments.append(attach(sock, pools, self.config))
+                self._attachments.append(self._attach(pending[role], str(work / f"{role}.sock"),
+                                                      pools))
             self.decode = pending["decode"].ready()
             self._daemons.append(self.decode)
             self.prefill = pending["prefill"].ready()
@@ -104,6 +99,22 @@ class ServedPair:
                          KvbeamClient(self.decode.address, security=self.security))
         log.info("served pair: prefill %s, decode %s, transport %s", self.prefill.address,
                  self.decode.address, self.prefill.transport)
+
+    def _attach(self, daemon: PendingDaemon, sock: str, pools: EnginePools,
+                timeout: float = 180.0) -> Attachment:
+        """Attach once the daemon listens on ``sock`` (it starts up meanwhile)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return attach(sock, pools, self.config)
+            except AttachError as exc:
+                # Not listening yet (no socket file, or bound but not listening): retry.
+                if not str(exc).startswith("cannot attach") or daemon.proc.poll() is not None \
+                        or time.monotonic() > deadline:
+                    raise DaemonStartError(f"kvbeam {daemon.role} --pools engine: {exc} "
+                                           f"(exit code {daemon.proc.poll()})",
+                                           "".join(daemon.lines)) from exc
+            time.sleep(0.1)
 
     def _spawn(self, role: str, config: str, sock: str) -> PendingDaemon:
         flags = ["--pools", "engine", "--attach-socket", sock, "--transport", self.transport,
