@@ -9,6 +9,7 @@ import os
 import pwd
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 from kvbeam.client import KvbeamClient
 from kvbeam.procs import wait_until
 from kvbeam.states import FailureReason, TransferState
-from tests.attach_helpers import Engine, proc_counts, start_engine_daemon, write_config
+from tests.attach_helpers import Engine, fd_targets, proc_counts, start_engine_daemon, write_config
 from tests.fixtures import UNIFIED_DRAFT, side
 from tests.metrics_helpers import scrape, value
 
@@ -119,6 +120,56 @@ def test_prefill_engine_sigkill_mid_transfer_fails_both_sides(workdir: Path) -> 
             print(f"\nprefill daemon holds: before attach {before}, after engine SIGKILL {after}")
             assert after["memfd_maps"] == 0 and after["regions"] == 0
             assert d.healthy(2.0)  # decode's engine is still attached
+    finally:
+        for e in engines:
+            e.stop()
+        prefill.stop()
+        decode.stop()
+
+
+def test_decode_engine_detach_during_requests_fails_them_and_releases_memory(
+        workdir: Path) -> None:
+    """A clean detach (not a crash) while one request is Transferring and one only reserved."""
+    cfg = write_config(workdir / "side.yaml", side())
+    psock, dsock = str(workdir / "p.sock"), str(workdir / "d.sock")
+    decode = start_engine_daemon("decode", dsock)
+    prefill = start_engine_daemon("prefill", psock, env={"KVBEAM_FAULT_WRITE_DELAY_S": "3"})
+    engines: list[Engine] = []
+    try:
+        with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+            before = _daemon_holds(decode.proc.pid, decode.metrics)
+            fds_before = fd_targets(decode.proc.pid)
+            engines += [Engine(psock, cfg, seed=1), Engine(dsock, cfg, seed=2)]
+            pe, de = engines
+            assert pe.attached and de.attached, (pe.first, de.first)
+            d.reserve("w1", SEQ, prefill.address)  # reserved, never sent
+            d.reserve("t1", SEQ, prefill.address)
+            p.send("t1", 0, SEQ, decode.address)
+            assert wait_until(lambda: d.status("t1").state is TransferState.TRANSFERRING, 10)
+            assert de.cmd("detach", timeout=30) == "detached"  # returns once memory released
+            for c in (p, d):  # bounded: well inside the 6 s transfer deadline
+                st = c.wait("t1", 15)
+                assert st.state is TransferState.FAILED, str(st)
+            w1 = d.wait("w1", 15)
+            assert w1.state is TransferState.FAILED and "engine memory detached" in w1.detail
+            assert "engine memory detached" in d.status("t1").detail
+            assert p.status("t1").reason in (FailureReason.PEER_FAILED, FailureReason.SHUTDOWN)
+            assert not d.healthy(2.0)
+            wait_until(lambda: proc_counts(decode.proc.pid)["fds"] <= before["fds"] + 1, 5)
+            after = _daemon_holds(decode.proc.pid, decode.metrics)
+            new = sorted((Counter(fd_targets(decode.proc.pid)) - Counter(fds_before)).elements())
+            print(f"\ndecode daemon holds: before attach {before}, after detach mid-request "
+                  f"{after}; new fds {new}")
+            assert after["memfd_maps"] == 0 and after["regions"] == 0
+            # At most the control channel decode opened to prefill to abort t1 there.
+            assert len(new) <= 1 and all(t.startswith("socket:") for t in new), new
+            # The detached engine attaches again; the pair serves.
+            assert de.cmd("attach").startswith("attached ") and d.wait_healthy(10)
+            assert wait_until(lambda: value(scrape(prefill.metrics), "kvbeam_peers") == 0, 15)
+            res = d.reserve("t2", SEQ, prefill.address)
+            p.send("t2", 0, SEQ, decode.address)
+            assert d.wait("t2", 60).state is TransferState.SUCCESS
+            assert de.digests(res.slot, SEQ) == pe.digests(0, SEQ)
     finally:
         for e in engines:
             e.stop()
