@@ -39,7 +39,7 @@ $(SETUP_STAMP): pyproject.toml setup.py
 
 setup: $(SETUP_STAMP) ## venv, Python packages, pyverbs link, soft-RoCE guest kernel and initramfs
 
-demo: setup ## prefill + decode daemons, requests through the scheduler API (RDMA; soft-RoCE guest here)
+demo: setup ## reference engines through two --pools engine daemons, token-identical continuation (RDMA; soft-RoCE guest here)
 	$(VENV)/bin/kvbeam demo
 
 lint: setup ## ruff and mypy

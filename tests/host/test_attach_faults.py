@@ -4,6 +4,7 @@ attach, bad descriptions. What each produced, and what the daemon holds afterwar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pwd
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvbeam.client import KvbeamClient
-from kvbeam.procs import wait_until
+from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.states import FailureReason, TransferState
 from tests.attach_helpers import Engine, fd_targets, proc_counts, start_engine_daemon, write_config
 from tests.fixtures import UNIFIED_DRAFT, side
@@ -35,6 +36,41 @@ def _daemon_holds(pid: int, metrics: str) -> dict[str, int]:
     counts = proc_counts(pid)
     counts["regions"] = int(value(scrape(metrics), "kvbeam_engine_registered_regions"))
     return counts
+
+
+@dataclasses.dataclass
+class SlowPair:
+    """Two engine-mode daemons (prefill's writes delayed 3 s), an attached engine each."""
+
+    prefill: DaemonProcess
+    decode: DaemonProcess
+    engines: list[Engine]
+    p: KvbeamClient
+    d: KvbeamClient
+    fds_before: list[str]  # daemon ``holds_of``'s open fds before the engines attached
+
+
+@contextlib.contextmanager
+def slow_engine_pair(workdir: Path, holds_of: str) -> Iterator[tuple[SlowPair, dict[str, int]]]:
+    """Start the pair; yield it with what daemon ``holds_of`` held before the engines attached."""
+    cfg = write_config(workdir / "side.yaml", side())
+    psock, dsock = str(workdir / "p.sock"), str(workdir / "d.sock")
+    decode = start_engine_daemon("decode", dsock)
+    prefill = start_engine_daemon("prefill", psock, env={"KVBEAM_FAULT_WRITE_DELAY_S": "3"})
+    engines: list[Engine] = []
+    try:
+        with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+            daemon = prefill if holds_of == "prefill" else decode
+            before = _daemon_holds(daemon.proc.pid, daemon.metrics)
+            fds_before = fd_targets(daemon.proc.pid)
+            engines += [Engine(psock, cfg, seed=1), Engine(dsock, cfg, seed=2)]
+            assert all(e.attached for e in engines), [e.first for e in engines]
+            yield SlowPair(prefill, decode, engines, p, d, fds_before), before
+    finally:
+        for e in engines:
+            e.stop()
+        prefill.stop()
+        decode.stop()
 
 
 def test_engine_sigkill_mid_transfer_fails_both_sides_and_leaks_nothing(workdir: Path) -> None:
@@ -95,86 +131,61 @@ def test_engine_sigkill_mid_transfer_fails_both_sides_and_leaks_nothing(workdir:
 
 
 def test_prefill_engine_sigkill_mid_transfer_fails_both_sides(workdir: Path) -> None:
-    cfg = write_config(workdir / "side.yaml", side())
-    psock, dsock = str(workdir / "p.sock"), str(workdir / "d.sock")
-    decode = start_engine_daemon("decode", dsock)
-    prefill = start_engine_daemon("prefill", psock, env={"KVBEAM_FAULT_WRITE_DELAY_S": "3"})
-    engines: list[Engine] = []
-    try:
-        with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
-            before = _daemon_holds(prefill.proc.pid, prefill.metrics)
-            engines += [Engine(psock, cfg, seed=1), Engine(dsock, cfg, seed=2)]
-            assert all(e.attached for e in engines), [e.first for e in engines]
-            d.reserve("q1", SEQ, prefill.address)
-            p.send("q1", 0, SEQ, decode.address)
-            assert wait_until(lambda: p.status("q1").state is TransferState.TRANSFERRING, 10)
-            engines[0].kill()
-            for c in (p, d):
-                st = c.wait("q1", 15)
-                assert st.state is TransferState.FAILED, str(st)
-            assert "engine memory detached" in p.status("q1").detail
-            assert wait_until(
-                lambda: value(scrape(prefill.metrics), "kvbeam_engine_attached") == 0, 15)
-            wait_until(lambda: proc_counts(prefill.proc.pid)["fds"] <= before["fds"], 5)
-            after = _daemon_holds(prefill.proc.pid, prefill.metrics)
-            print(f"\nprefill daemon holds: before attach {before}, after engine SIGKILL {after}")
-            assert after["memfd_maps"] == 0 and after["regions"] == 0
-            assert d.healthy(2.0)  # decode's engine is still attached
-    finally:
-        for e in engines:
-            e.stop()
-        prefill.stop()
-        decode.stop()
+    with slow_engine_pair(workdir, "prefill") as (pair, before):
+        prefill, p, d = pair.prefill, pair.p, pair.d
+        d.reserve("q1", SEQ, prefill.address)
+        p.send("q1", 0, SEQ, pair.decode.address)
+        assert wait_until(lambda: p.status("q1").state is TransferState.TRANSFERRING, 10)
+        pair.engines[0].kill()
+        for c in (p, d):
+            st = c.wait("q1", 15)
+            assert st.state is TransferState.FAILED, str(st)
+        assert "engine memory detached" in p.status("q1").detail
+        assert wait_until(
+            lambda: value(scrape(prefill.metrics), "kvbeam_engine_attached") == 0, 15)
+        wait_until(lambda: proc_counts(prefill.proc.pid)["fds"] <= before["fds"], 5)
+        after = _daemon_holds(prefill.proc.pid, prefill.metrics)
+        print(f"\nprefill daemon holds: before attach {before}, after engine SIGKILL {after}")
+        assert after["memfd_maps"] == 0 and after["regions"] == 0
+        assert d.healthy(2.0)  # decode's engine is still attached
 
 
 def test_decode_engine_detach_during_requests_fails_them_and_releases_memory(
         workdir: Path) -> None:
     """A clean detach (not a crash) while one request is Transferring and one only reserved."""
-    cfg = write_config(workdir / "side.yaml", side())
-    psock, dsock = str(workdir / "p.sock"), str(workdir / "d.sock")
-    decode = start_engine_daemon("decode", dsock)
-    prefill = start_engine_daemon("prefill", psock, env={"KVBEAM_FAULT_WRITE_DELAY_S": "3"})
-    engines: list[Engine] = []
-    try:
-        with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
-            before = _daemon_holds(decode.proc.pid, decode.metrics)
-            fds_before = fd_targets(decode.proc.pid)
-            engines += [Engine(psock, cfg, seed=1), Engine(dsock, cfg, seed=2)]
-            pe, de = engines
-            assert pe.attached and de.attached, (pe.first, de.first)
-            d.reserve("w1", SEQ, prefill.address)  # reserved, never sent
-            d.reserve("t1", SEQ, prefill.address)
-            p.send("t1", 0, SEQ, decode.address)
-            assert wait_until(lambda: d.status("t1").state is TransferState.TRANSFERRING, 10)
-            assert de.cmd("detach", timeout=30) == "detached"  # returns once memory released
-            for c in (p, d):  # bounded: well inside the 6 s transfer deadline
-                st = c.wait("t1", 15)
-                assert st.state is TransferState.FAILED, str(st)
-            w1 = d.wait("w1", 15)
-            assert w1.state is TransferState.FAILED and "engine memory detached" in w1.detail
-            assert "engine memory detached" in d.status("t1").detail
-            assert p.status("t1").reason in (FailureReason.PEER_FAILED, FailureReason.SHUTDOWN)
-            assert not d.healthy(2.0)
-            wait_until(lambda: proc_counts(decode.proc.pid)["fds"] <= before["fds"] + 1, 5)
-            after = _daemon_holds(decode.proc.pid, decode.metrics)
-            new = sorted((Counter(fd_targets(decode.proc.pid)) - Counter(fds_before)).elements())
-            print(f"\ndecode daemon holds: before attach {before}, after detach mid-request "
-                  f"{after}; new fds {new}")
-            assert after["memfd_maps"] == 0 and after["regions"] == 0
-            # At most the control channel decode opened to prefill to abort t1 there.
-            assert len(new) <= 1 and all(t.startswith("socket:") for t in new), new
-            # The detached engine attaches again; the pair serves.
-            assert de.cmd("attach").startswith("attached ") and d.wait_healthy(10)
-            assert wait_until(lambda: value(scrape(prefill.metrics), "kvbeam_peers") == 0, 15)
-            res = d.reserve("t2", SEQ, prefill.address)
-            p.send("t2", 0, SEQ, decode.address)
-            assert d.wait("t2", 60).state is TransferState.SUCCESS
-            assert de.digests(res.slot, SEQ) == pe.digests(0, SEQ)
-    finally:
-        for e in engines:
-            e.stop()
-        prefill.stop()
-        decode.stop()
+    with slow_engine_pair(workdir, "decode") as (pair, before):
+        prefill, decode, p, d = pair.prefill, pair.decode, pair.p, pair.d
+        pe, de = pair.engines
+        fds_before = pair.fds_before
+        d.reserve("w1", SEQ, prefill.address)  # reserved, never sent
+        d.reserve("t1", SEQ, prefill.address)
+        p.send("t1", 0, SEQ, decode.address)
+        assert wait_until(lambda: d.status("t1").state is TransferState.TRANSFERRING, 10)
+        assert de.cmd("detach", timeout=30) == "detached"  # returns once memory released
+        for c in (p, d):  # bounded: well inside the 6 s transfer deadline
+            st = c.wait("t1", 15)
+            assert st.state is TransferState.FAILED, str(st)
+        w1 = d.wait("w1", 15)
+        assert w1.state is TransferState.FAILED and "engine memory detached" in w1.detail
+        assert "engine memory detached" in d.status("t1").detail
+        assert p.status("t1").reason in (FailureReason.PEER_FAILED, FailureReason.SHUTDOWN)
+        assert not d.healthy(2.0)
+        wait_until(lambda: proc_counts(decode.proc.pid)["fds"] <= before["fds"] + 1, 5)
+        after = _daemon_holds(decode.proc.pid, decode.metrics)
+        new = sorted((Counter(fd_targets(decode.proc.pid)) - Counter(fds_before)).elements())
+        print(f"\ndecode daemon holds: before attach {before}, after detach mid-request "
+              f"{after}; new fds {new}")
+        assert after["memfd_maps"] == 0 and after["regions"] == 0
+        # At most the control channel decode opened to prefill to abort t1 there.
+        assert len(new) <= 1 and all(t.startswith("socket:") for t in new), new
+        # The detached engine attaches again; the pair serves.
+        assert de.cmd("attach").startswith("attached ") and d.wait_healthy(10)
+        assert wait_until(lambda: value(scrape(prefill.metrics), "kvbeam_peers") == 0, 15)
+        res = d.reserve("t2", SEQ, prefill.address)
+        p.send("t2", 0, SEQ, decode.address)
+        assert d.wait("t2", 60).state is TransferState.SUCCESS
+        assert de.digests(res.slot, SEQ) == pe.digests(0, SEQ)
+
 
 
 @pytest.fixture
