@@ -43,12 +43,8 @@ from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.plan import build_plan
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
-from kvbeam.server.core.attached import PoolsHolder
-from kvbeam.server.core.ports import (
-    DecodePeers,
-    IndexLists,
-    require_status,
-)
+from kvbeam.server.core.base import CoreBase
+from kvbeam.server.core.ports import DecodePeers, IndexLists
 from kvbeam.server.core.prefill_events import after_resends
 from kvbeam.server.core.resend import PrefillResend
 from kvbeam.server.faults import FaultHooks, outside_peer_mr
@@ -100,7 +96,7 @@ class Outgoing:
         return self.outstanding <= 0 or self.abandoned
 
 
-class PrefillCore(PrefillResend, PoolsHolder):
+class PrefillCore(PrefillResend, CoreBase):
     """All of prefill's request state; the servicer and the runtime's loops call in.
 
     Args:
@@ -116,6 +112,8 @@ class PrefillCore(PrefillResend, PoolsHolder):
             (:mod:`kvbeam.server.core.resend`; 0: fail at once).
         on_resend: called once per resend (metrics).
     """
+
+    role = "prefill"
 
     def __init__(self, *, table: TransferTable, peers: Peers, decode: DecodePeers, io: Executor,
                  spec: PoolSpec | None, layout: SideLayout | None, pools: AllocatedSide | None,
@@ -217,46 +215,19 @@ class PrefillCore(PrefillResend, PoolsHolder):
         self._tell_decode_once(rec, f"aborted on prefill: {detail}")
         return self.status(request_id)
 
-    @staticmethod
-    def _late_verdict(request_id: str, detail: str, decode_address: str) -> None:
-        # Our Success means every write completed here; decode's verdict (e.g. an
-        # integrity failure found after landing) is the one the scheduler acts on.
-        log.error("request %s: decode reports a failure after this side ended: %s",
-                  request_id, detail, extra=fields(request_id, decode_address))
-
-    def status(self, request_id: str) -> TransferStatus:
-        """The request's status."""
-        return require_status(self.table, request_id, "prefill")
-
     def slot_of(self, request_id: str) -> int:
         """The source slot of a live request, -1 once forgotten."""
-        with self._lock:
-            rec = self._out.get(request_id)
+        rec = self._lookup(self._out, request_id)
         return rec.src_slot if rec else -1
 
     def bytes_of(self, request_id: str) -> tuple[int, int]:
         """(bytes written, bytes posted) of a live request."""
-        with self._lock:
-            rec = self._out.get(request_id)
+        rec = self._lookup(self._out, request_id)
         return (rec.bytes_done, rec.bytes_total) if rec else (0, 0)
 
     def known(self, request_id: str) -> bool:
         """True while the core keeps a record of the request (tests, diagnostics)."""
-        with self._lock:
-            return request_id in self._out
-
-    # ---- engine pools (--pools engine) ------------------------------------------------
-    def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
-        """An engine attached: send from its memory from now on."""
-        if self.table.live():  # a request that raced the detach: its indices are stale
-            self.shutdown("engine memory replaced while the request was being accepted")
-        self._hold(spec, layout, pools)
-
-    def drop_pools(self, detail: str) -> None:
-        """The engine's memory goes: refuse new sends, fail every live request (decode
-        is told, bounded) and release every link (their writes stop)."""
-        self._hold(None, None, None, f"no engine attached ({detail})")
-        self.shutdown(detail)
+        return self._lookup(self._out, request_id) is not None
 
     # ---- the send path (executor) --------------------------------------------------------
     def _step(self, rec: Outgoing) -> None:

@@ -78,6 +78,13 @@ class PrefillEvents:
     _out: dict[str, Outgoing]
     _writes: dict[tuple[int, int], str]
 
+    @staticmethod
+    def _late_verdict(request_id: str, detail: str, decode_address: str) -> None:
+        # Our Success means every write completed here; decode's verdict (e.g. an
+        # integrity failure found after landing) is the one the scheduler acts on.
+        log.error("request %s: decode reports a failure after this side ended: %s",
+                  request_id, detail, extra=fields(request_id, decode_address))
+
     def _ended(self, rec: Outgoing) -> bool:
         snap = self.table.get(rec.request_id)
         return snap is None or snap.state.terminal
