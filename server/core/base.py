@@ -14,13 +14,21 @@ from typing import TypeVar
 
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.plan import list_for
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.server.core.attached import PoolsHolder
-from kvbeam.server.core.ports import require_status
+from kvbeam.server.core.ports import IndexLists, require_status
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.states import TransferStatus
 
 R = TypeVar("R")
+
+
+def request_bytes(layout: SideLayout, indices: IndexLists, draft: IndexLists) -> int:
+    """The bytes a whole request moves: every buffer's items of its list (the draft's own
+    list for a draft buffer that has one)."""
+    return sum(len(list_for(indices, draft, c.pool, b.index_kind)) * b.item_len
+               for c in layout.components for b in c.buffers)
 
 
 class CoreBase(PoolsHolder):

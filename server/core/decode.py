@@ -28,9 +28,9 @@ from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.engine_indices import ListLike, validate
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
-from kvbeam.pools.plan import list_for
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
+from kvbeam.server.core.base import request_bytes
 from kvbeam.server.core.decode_landing import DecodeLanding, Reservation
 from kvbeam.server.core.ports import (
     PrefillPeers,
@@ -101,8 +101,7 @@ class DecodeCore(DecodeLanding):
             self.slots.release(request_id)
             raise
         dst, dst_draft = lists or (request_indices(self.spec, slot, seq_len), {})
-        nbytes = sum(len(list_for(dst, dst_draft, c.pool, b.index_kind)) * b.item_len
-                     for c in self.layout.components for b in c.buffers)
+        nbytes = request_bytes(self.layout, dst, dst_draft)
         slot = slot if lists is None else -1
         with self._lock:
             tid = next(self._ids) & 0xFFFFFFFF

@@ -29,6 +29,8 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
 from kvbeam.logs import fields
+from kvbeam.pools.layout import SideLayout
+from kvbeam.server.core.base import request_bytes
 from kvbeam.server.core.prefill_events import PrefillEvents
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.states import TransferState
@@ -57,6 +59,7 @@ class PrefillResend(PrefillEvents):
     """The resend bookkeeping of the prefill core (state is defined by the subclass)."""
 
     table: TransferTable
+    layout: SideLayout
     io: Executor
     _lock: threading.Lock
     #: Resends allowed per request (0: a transport error fails the request at once).
@@ -127,6 +130,8 @@ class PrefillResend(PrefillEvents):
             snap = self.table.get(rec.request_id)
             if snap is None or snap.state is not TransferState.TRANSFERRING:
                 return
-            self.table.advance(rec.request_id, TransferState.SUCCESS, nbytes=rec.bytes_done)
+            # The request's bytes, not this attempt's (it wrote none): what landed.
+            nbytes = request_bytes(self.layout, rec.src_indices, rec.src_draft)
+            self.table.advance(rec.request_id, TransferState.SUCCESS, nbytes=nbytes)
         log.info("request %s: Success (decode had it landed before the resend)",
                  rec.request_id, extra=fields(rec.request_id, rec.decode_address))

@@ -8,6 +8,7 @@ from typing import cast
 import pytest
 
 from kvbeam.errors import ConfigError
+from kvbeam.pools.indices import request_indices
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.faults import BREAK_LINK_ENV, FaultHooks
 from kvbeam.server.settings import resolve
@@ -227,6 +228,10 @@ def test_a_resend_that_finds_the_request_landed_ends_in_success() -> None:
     new = _link(core, not_=old)
     assert wait_for(lambda: core.status("r").state is TransferState.SUCCESS)
     assert new.writes == [] and counted == [1] and fake.aborts == []
+    # The metric gets the request's bytes (what landed), not the resend's (none).
+    lists = request_indices(core.spec, 0, 300)
+    whole = sum(buf.item_len * len(lists[buf.index_kind]) for buf in core.layout.flat_buffers)
+    assert core.status("r").nbytes == whole > 0
 
 
 def test_resend_retries_setting_defaults_to_two_and_refuses_negatives() -> None:
