@@ -110,11 +110,12 @@ class FakeDecode:
 
 
 def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0,
-                 on_resend: Any = lambda: None) -> tuple[PrefillCore, FakeDecode]:
+                 on_resend: Any = lambda: None,
+                 deadlines: Deadlines | None = None) -> tuple[PrefillCore, FakeDecode]:
     """A prefill core over the unit-test pools, with a fake decode side."""
     lay = layout()
     fake = FakeDecode(AllocatedSide(lay))
-    core = PrefillCore(table=TransferTable(Deadlines()), peers=Peers(), decode=fake,
+    core = PrefillCore(table=TransferTable(deadlines or Deadlines()), peers=Peers(), decode=fake,
                        io=ThreadPoolExecutor(workers, thread_name_prefix="test-io"),
                        spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
                        integrity=True, faults=FaultHooks(), drain_s=drain_s,

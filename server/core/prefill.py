@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
@@ -275,11 +276,13 @@ class PrefillCore(PrefillResend, CoreBase):
         """Handshake with decode at ``address``; then every request waiting for it goes on."""
         conn: PeerConn | None = None
         error: Exception | None = None
+        began = time.monotonic()
         try:
             conn = self.decode.connect(address)
         except Exception as exc:
             error = exc
         if conn is not None:
+            self._measured(handshake=time.monotonic() - began)
             self.peers.add(conn)
         with self._lock:
             waiters = self._connecting.pop(address, [])
@@ -298,8 +301,10 @@ class PrefillCore(PrefillResend, CoreBase):
             rec.digests = request_digests(self.pools, rec.src_indices,
                                           draft=rec.src_draft)
         digests = rec.digests if final else None
+        began = time.monotonic()
         try:
             grant = self.decode.begin_write(conn, rid, rec.seq_len, final, digests)
+            self._measured(begin_write=time.monotonic() - began)
         except AlreadyLanded:
             if not rec.resends:
                 raise

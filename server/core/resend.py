@@ -15,7 +15,12 @@ notification from the old one can never mark the request landed.
 
 At most ``resend_retries`` resends per request (``--resend-retries``, 0: off); the
 request's deadline still bounds every attempt (the table fails it when it passes,
-and a pending resend then never starts). Errors that are not transient fail at
+and a pending resend then never starts). A resend needs a handshake and a BeginWrite
+before its grant restarts the deadline; when less time is left than that takes
+(:meth:`PrefillResend._resend_cost`: twice the recent handshake plus BeginWrite, at
+least ``resend_floor_s``), the request fails at once with the transport's error and
+"no time left to resend", instead of a resend the deadline would cut without naming
+what broke. Errors that are not transient fail at
 once: a write outside the peer's memory (its status says so), our own region
 check, a decode refusal, a lost or restarted peer (``gone=True``).
 """
@@ -33,7 +38,7 @@ from kvbeam.pools.layout import SideLayout
 from kvbeam.server.core.base import request_bytes
 from kvbeam.server.core.prefill_events import PrefillEvents
 from kvbeam.server.lifecycle import TransferTable
-from kvbeam.states import TransferState
+from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import status as st
 
 if TYPE_CHECKING:
@@ -48,6 +53,14 @@ NOT_TRANSIENT = frozenset({
     "IBV_WC_REM_ACCESS_ERR", "IBV_WC_LOC_PROT_ERR", "IBV_WC_LOC_ACCESS_ERR",
     "IBV_WC_LOC_LEN_ERR", "IBV_WC_MW_BIND_ERR", st.TCP_REMOTE_ACCESS_ERR,
 })
+
+
+#: The least time before its deadline a resend starts with (seconds).
+RESEND_FLOOR_S = 0.25
+#: A resend starts only with this many times the measured handshake and BeginWrite left.
+RESEND_MARGIN = 2.0
+#: Each measurement's weight against the older ones: a slow handshake is remembered a while.
+_DECAY = 0.9
 
 
 def transient(status: str | None) -> bool:
@@ -66,6 +79,25 @@ class PrefillResend(PrefillEvents):
     resend_retries: int
     #: Called once per resend (the daemon counts it in ``kvbeam_resends_total``).
     on_resend: Callable[[], None]
+    #: The least time before the deadline a resend starts with (see the module docstring).
+    resend_floor_s: float = RESEND_FLOOR_S
+    #: Recent handshake and BeginWrite times (a decaying maximum, seconds).
+    _handshake_s: float = 0.0
+    _begin_write_s: float = 0.0
+
+    def _measured(self, *, handshake: float | None = None,
+                  begin_write: float | None = None) -> None:
+        """Record how long a handshake or a BeginWrite took (what a resend will need)."""
+        with self._lock:
+            if handshake is not None:
+                self._handshake_s = max(handshake, _DECAY * self._handshake_s)
+            if begin_write is not None:
+                self._begin_write_s = max(begin_write, _DECAY * self._begin_write_s)
+
+    def _resend_cost(self) -> float:
+        """The time a resend needs before its grant restarts the deadline (lock held)."""
+        return max(self.resend_floor_s,
+                   RESEND_MARGIN * (self._handshake_s + self._begin_write_s))
 
     def _step(self, rec: Outgoing) -> None:
         """Run the request's next chunk (defined by the core)."""
@@ -100,23 +132,38 @@ class PrefillResend(PrefillEvents):
             rec.resend_pending = False
             if self._ended(rec):
                 return
-            rec.resends += 1
-            # Replay every chunk posted so far, in order, before the ones still queued.
-            rec.chunks.extendleft(reversed(rec.posted))
-            rec.posted.clear()
-            rec.sent_pages[:] = False
-            rec.final_posted = False
-            rec.bytes_total = rec.bytes_done = 0
-            rec.pending_bytes.clear()
-            rec.attempt_link = None
-            rec.conn = None  # the dead link's connection: the next step finds or makes one
-            rec.running = True
+            left, need = self.table.left(rec.request_id), self._resend_cost()
+            late = left is not None and left < need
+            if late and not rec.resends:
+                rec.first_failure = ""  # no resend was tried: the detail is the error's
+            if not late:
+                self._replay(rec)
             n, status = rec.resends, rec.resend_status
+        if late:
+            self._fail(rec, FailureReason.TRANSPORT_ERROR,
+                       f"{status}; no time left to resend ({left:.2f} s to the "
+                       f"deadline, a new link takes about {need:.2f} s)")
+            return
         log.warning("request %s: resend %d/%d on a new link after a transport error: %s",
                     rec.request_id, n, self.resend_retries, status,
                     extra=fields(rec.request_id, rec.decode_address))
         self.on_resend()
         self.io.submit(self._step, rec)
+
+    @staticmethod
+    def _replay(rec: Outgoing) -> None:
+        """Make the request's next step a new attempt (core lock held)."""
+        rec.resends += 1
+        # Replay every chunk posted so far, in order, before the ones still queued.
+        rec.chunks.extendleft(reversed(rec.posted))
+        rec.posted.clear()
+        rec.sent_pages[:] = False
+        rec.final_posted = False
+        rec.bytes_total = rec.bytes_done = 0
+        rec.pending_bytes.clear()
+        rec.attempt_link = None
+        rec.conn = None  # the dead link's connection: the next step finds or makes one
+        rec.running = True
 
     def _landed_already(self, rec: Outgoing) -> None:
         """Decode says the request had landed before our resend: it is a Success here too.
