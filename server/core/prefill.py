@@ -90,6 +90,7 @@ class Outgoing:
     first_failure: str = ""  # what broke the first link, for the final detail
     resends: int = 0
     digests: list[int] | None = None  # computed once: a resend's source bytes are the same
+    rehandshake: str = ""  # why it handshook again before writing (decode forgot us)
 
     @property
     def drained(self) -> bool:
@@ -261,9 +262,9 @@ class PrefillCore(PrefillResend, CoreBase):
         try:
             self._write_chunk(rec, conn, ranges, final)
         except Exception as exc:
-            if isinstance(exc, SendFailed) and exc.peer_lost:
-                self.on_peer_lost(conn, str(exc))
-            self._step_failed(rec, exc)
+            lost = isinstance(exc, SendFailed) and exc.peer_lost
+            if not (lost and self._peer_forgot_us(rec, conn, str(exc))):
+                self._step_failed(rec, exc)
         with self._lock:
             again = bool(rec.chunks) and not self._ended(rec) and not rec.resend_pending
             rec.running = again

@@ -38,6 +38,7 @@ from kvbeam.pools.layout import SideLayout
 from kvbeam.server.core.base import request_bytes
 from kvbeam.server.core.prefill_events import PrefillEvents
 from kvbeam.server.lifecycle import TransferTable
+from kvbeam.server.peers import PeerConn
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import status as st
 
@@ -164,6 +165,27 @@ class PrefillResend(PrefillEvents):
         rec.attempt_link = None
         rec.conn = None  # the dead link's connection: the next step finds or makes one
         rec.running = True
+
+    def _peer_forgot_us(self, rec: Outgoing, conn: PeerConn, detail: str) -> bool:
+        """Decode no longer knows our connection (``detail``; it re-attached its engine or
+        restarted, and prefill had not noticed yet): drop the connection, failing the
+        requests on it (:meth:`on_peer_lost`). True: ``rec`` goes on over a new handshake
+        instead, since decode refused its first BeginWrite before any byte of it was
+        written; once per request.
+        """
+        with self._lock:
+            again = (not rec.rehandshake and not rec.resends and rec.bytes_total == 0
+                     and rec.outstanding == 0 and len(rec.posted) == 1
+                     and not self._ended(rec))
+            if again:
+                rec.rehandshake = detail
+                rec.chunks.appendleft(rec.posted.pop())  # the next step runs it again
+                rec.conn = None  # so on_peer_lost spares it, and the step handshakes anew
+        if again:
+            log.warning("request %s: %s; handshaking again (nothing of it was written)",
+                        rec.request_id, detail, extra=fields(rec.request_id, rec.decode_address))
+        self.on_peer_lost(conn, detail)
+        return again
 
     def _landed_already(self, rec: Outgoing) -> None:
         """Decode says the request had landed before our resend: it is a Success here too.
