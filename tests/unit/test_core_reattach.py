@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-from typing import cast
-
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.states import FailureReason, TransferState
 from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
-
-ADDR = "127.0.0.1:9"
+from tests.unit.test_core_resend import ADDR, _link
 
 
 def _connected() -> tuple[PrefillCore, FakeDecode, FakeLink]:
     """A core whose connection to ADDR served one request; decode then forgets it."""
     core, fake = prefill_core()
     core.send("r0", 0, 300, ADDR, [], True)
-    assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
-    conn = core.peers.by_address(ADDR)
-    assert conn is not None
-    link = cast(FakeLink, conn.link)
+    link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
     core.on_event(link.completion(link.writes[0][0]))
     assert core.status("r0").state is TransferState.SUCCESS
@@ -26,20 +20,10 @@ def _connected() -> tuple[PrefillCore, FakeDecode, FakeLink]:
     return core, fake, link
 
 
-def _new_link(core: PrefillCore, old: FakeLink) -> FakeLink:
-    def current() -> object:
-        conn = core.peers.by_address(ADDR)
-        return conn.link if conn is not None else None
-    assert wait_for(lambda: current() not in (None, old))
-    conn = core.peers.by_address(ADDR)
-    assert conn is not None
-    return cast(FakeLink, conn.link)
-
-
 def test_a_refused_first_begin_write_handshakes_again_and_the_request_succeeds() -> None:
     core, fake, old = _connected()
     core.send("r", 1, 300, ADDR, [], True)
-    new = _new_link(core, old)
+    new = _link(core, not_=old)
     assert wait_for(lambda: len(new.writes) == 1)
     core.on_event(new.completion(new.writes[0][0]))
     assert core.status("r").state is TransferState.SUCCESS
@@ -62,10 +46,7 @@ def test_a_second_refusal_fails_the_request_as_the_peer_failed_after_one_handsha
 def test_a_request_that_wrote_already_fails_at_once_without_a_new_handshake() -> None:
     core, fake = prefill_core()
     core.send("r", 0, 1000, ADDR, [(0, 256)], False)
-    assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
-    conn = core.peers.by_address(ADDR)
-    assert conn is not None
-    link = cast(FakeLink, conn.link)
+    link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
     core.on_event(link.completion(link.writes[0][0]))
     fake.forgot.add(link.id)
