@@ -52,7 +52,7 @@ import numpy as np
 from kvbeam.errors import ConfigError
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.plan import IndexLists
+from kvbeam.pools.plan import IndexLists, list_for
 from kvbeam.transport.base import Link
 from kvbeam.transport.blocks import Blocks
 from kvbeam.transport.endpoint import Endpoint
@@ -165,19 +165,25 @@ class FaultHooks:
                     "(%d/%d)", link.id, how, request_id, n, self.break_links,
                     extra=fields(request_id))
 
-    def after_landing(self, request_id: str, side: AllocatedSide, indices: IndexLists) -> None:
-        """Maybe flip one byte of one item this request moved (decode, before verifying)."""
+    def after_landing(self, request_id: str, side: AllocatedSide, indices: IndexLists,
+                      draft: IndexLists | None = None) -> None:
+        """Maybe flip one byte of one item this request moved (decode, before verifying).
+
+        ``draft``: the draft's own lists (an engine's), which address the draft's
+        buffers instead of ``indices``: the item is picked from the list that moved.
+        """
         if self.corrupt_landed <= 0.0:
             return
         with self._lock:
             if self._rng.random() >= self.corrupt_landed:
                 return
-            candidates = [buf for comp in side.layout.components for buf in comp.buffers
-                          if len(indices[buf.index_kind])]
+            candidates = [(buf, moved) for comp in side.layout.components
+                          for buf in comp.buffers
+                          if len(moved := list_for(indices, draft, comp.pool, buf.index_kind))]
             if not candidates:
                 return
-            buf = self._rng.choice(candidates)
-            item = int(self._rng.choice(indices[buf.index_kind].tolist()))
+            buf, moved = self._rng.choice(candidates)
+            item = int(self._rng.choice(moved.tolist()))
             offset = self._rng.randrange(buf.item_len)
         items = side.buffer_view(buf).numpy().reshape(buf.items, buf.item_len)
         items[item, offset] = np.uint8(items[item, offset] ^ 0xFF)

@@ -170,6 +170,14 @@ class TransferTable:
             if t is not None and t.deadline is not None:
                 t.deadline = max(t.deadline, time.monotonic() + seconds)
 
+    def left(self, request_id: str) -> float | None:
+        """Seconds until a live transfer's deadline; None: unknown, ended, or no deadline."""
+        with self._cond:
+            t = self._live.get(request_id)
+            if t is None or t.deadline is None:
+                return None
+            return t.deadline - time.monotonic()
+
     def fail(self, request_id: str, reason: FailureReason, detail: str) -> TransferStatus | None:
         """Fail a live transfer; None (and no change) when it is terminal or unknown."""
         with self._cond:

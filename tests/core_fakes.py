@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any, cast
 
-from kvbeam.errors import AlreadyLanded
+from kvbeam.errors import AlreadyLanded, SendFailed
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.indices import request_indices
 from kvbeam.server.core.ports import WriteGrant
@@ -18,6 +18,7 @@ from kvbeam.server.faults import FaultHooks
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.states import FailureReason
 from kvbeam.transport import Blocks, Event, EventKind, Link
 from tests.fixtures import UNIFIED_TARGET, layout
 
@@ -68,6 +69,9 @@ class FakeDecode:
     ``hold``: addresses whose handshake blocks until the event is set (a stopped peer).
     ``begins``: (request id, link id) of every BeginWrite. ``landed``: request ids whose
     BeginWrite on a new link answers AlreadyLanded (decode had them before a resend).
+    ``forgot``: link ids decode no longer knows (it re-attached or restarted): BeginWrite
+    on them is refused as the gRPC adapter refuses NotHandshaken. ``unreserved``: request
+    ids decode holds no reservation for (refused as NOT_FOUND).
     """
 
     def __init__(self, side: AllocatedSide) -> None:
@@ -77,6 +81,8 @@ class FakeDecode:
         self.hold: dict[str, threading.Event] = {}
         self.begins: list[tuple[str, int]] = []
         self.landed: set[str] = set()
+        self.forgot: set[int] = set()
+        self.unreserved: set[str] = set()
         self._grants: dict[str, tuple[int | None, int]] = {}
         self._tids = itertools.count(1)
         self._lock = threading.Lock()
@@ -90,6 +96,13 @@ class FakeDecode:
 
     def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
                     digests: list[int] | None) -> WriteGrant:
+        if conn.link.id in self.forgot:
+            raise SendFailed(FailureReason.PEER_FAILED,
+                             f"decode at {conn.control_address} restarted or dropped the "
+                             "connection: NotHandshaken", peer_lost=True)
+        if request_id in self.unreserved:
+            raise SendFailed(FailureReason.INVALID_REQUEST,
+                             f"decode refused BeginWrite: no reservation for {request_id}")
         with self._lock:
             relink = any(r == request_id and link != conn.link.id for r, link in self.begins)
             self.begins.append((request_id, conn.link.id))
@@ -110,11 +123,12 @@ class FakeDecode:
 
 
 def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0,
-                 on_resend: Any = lambda: None) -> tuple[PrefillCore, FakeDecode]:
+                 on_resend: Any = lambda: None,
+                 deadlines: Deadlines | None = None) -> tuple[PrefillCore, FakeDecode]:
     """A prefill core over the unit-test pools, with a fake decode side."""
     lay = layout()
     fake = FakeDecode(AllocatedSide(lay))
-    core = PrefillCore(table=TransferTable(Deadlines()), peers=Peers(), decode=fake,
+    core = PrefillCore(table=TransferTable(deadlines or Deadlines()), peers=Peers(), decode=fake,
                        io=ThreadPoolExecutor(workers, thread_name_prefix="test-io"),
                        spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
                        integrity=True, faults=FaultHooks(), drain_s=drain_s,

@@ -12,6 +12,11 @@ the executor like a first send's) and decode keeps it meanwhile. Nothing here
 imports gRPC (a unit test checks): the servicers are thin adapters, and peer calls
 reach a core through the protocols in :mod:`kvbeam.server.core.ports`, implemented
 over gRPC by :mod:`kvbeam.server.peer_rpc`. An engine can drive a core directly.
+Modules: :mod:`~kvbeam.server.core.base` (status and the engine-pools switch, both
+cores), prefill's :mod:`~kvbeam.server.core.prefill` (API, send path),
+:mod:`~kvbeam.server.core.prefill_events` and :mod:`~kvbeam.server.core.resend`;
+decode's :mod:`~kvbeam.server.core.decode` (API, events) and
+:mod:`~kvbeam.server.core.decode_landing` (the record, verification).
 
 Threads. The driver (``DaemonServicer``) owns ONE bounded executor
 (``ThreadPoolExecutor``, ``IO_WORKERS`` threads); every blocking step runs there:
@@ -38,7 +43,8 @@ RPC, a digest, a write post, a link's release or a memory registration.
    own locks.
 """
 
-from kvbeam.server.core.decode import DecodeCore, Reservation
+from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.decode_landing import Reservation
 from kvbeam.server.core.ports import (
     DecodePeers,
     PrefillPeers,

@@ -21,33 +21,26 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 
 from kvbeam.errors import AlreadyLanded, BadRequest, NotHandshakenError, UnknownRequest
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.digest import request_digests
 from kvbeam.pools.engine_indices import ListLike, validate
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
-from kvbeam.pools.plan import list_for
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
-from kvbeam.server.core.attached import PoolsHolder
+from kvbeam.server.core.base import request_bytes
+from kvbeam.server.core.decode_landing import DecodeLanding, Reservation
 from kvbeam.server.core.ports import (
-    IndexLists,
     PrefillPeers,
     report_link_failure,
-    require_status,
 )
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.server.slots import SlotPool
 from kvbeam.states import (
-    NOT_VERIFIED_NO_DIGESTS,
-    NOT_VERIFIED_OFF,
-    VERIFIED_PREFIX,
     FailureReason,
     TransferState,
     TransferStatus,
@@ -57,27 +50,10 @@ from kvbeam.transport import Event, EventKind
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class Reservation:
-    """Decode's one record of a request (its lifecycle state lives in the table)."""
-
-    request_id: str
-    slot: int
-    seq_len: int
-    prefill_address: str
-    transfer_id: int
-    indices: IndexLists
-    nbytes: int
-    peer_instance: str = ""          # set by BeginWrite: prefill may write from now on
-    digests: list[int] | None = None
-    success_at: float | None = None
-    landed: bool = False
-    draft: IndexLists = field(default_factory=dict)  # the draft's own lists (engine's)
-    link_id: int | None = None       # the link prefill was granted: only its notification counts
-
-
-class DecodeCore(PoolsHolder):
+class DecodeCore(DecodeLanding):
     """All of decode's request state; the servicer and the runtime's loops call in."""
+
+    role = "decode"
 
     def __init__(self, *, table: TransferTable, peers: Peers, prefill: PrefillPeers,
                  io: Executor, spec: PoolSpec | None, layout: SideLayout | None,
@@ -125,8 +101,7 @@ class DecodeCore(PoolsHolder):
             self.slots.release(request_id)
             raise
         dst, dst_draft = lists or (request_indices(self.spec, slot, seq_len), {})
-        nbytes = sum(len(list_for(dst, dst_draft, c.pool, b.index_kind)) * b.item_len
-                     for c in self.layout.components for b in c.buffers)
+        nbytes = request_bytes(self.layout, dst, dst_draft)
         slot = slot if lists is None else -1
         with self._lock:
             tid = next(self._ids) & 0xFFFFFFFF
@@ -219,20 +194,14 @@ class DecodeCore(PoolsHolder):
             self._stop_prefill_then_free(request_id, detail or "aborted on decode")
         return self.status(request_id)
 
-    def status(self, request_id: str) -> TransferStatus:
-        """The request's status."""
-        return require_status(self.table, request_id, "decode")
-
     def slot_of(self, request_id: str) -> int:
         """The slot a request holds, -1 once freed."""
-        with self._lock:
-            res = self._res.get(request_id)
+        res = self._lookup(self._res, request_id)
         return res.slot if res else -1
 
     def bytes_of(self, request_id: str) -> tuple[int, int]:
         """(bytes landed, bytes reserved) of a held request."""
-        with self._lock:
-            res = self._res.get(request_id)
+        res = self._lookup(self._res, request_id)
         if res is None:
             return (0, 0)
         return (res.nbytes if res.landed else 0, res.nbytes)
@@ -261,43 +230,6 @@ class DecodeCore(PoolsHolder):
                         extra=fields(rid, conn.control_address if conn else None))
             return
         self.io.submit(self._verify, res)
-
-    def _verify(self, res: Reservation) -> None:
-        """Check the landed bytes against prefill's digests (executor), then Success."""
-        rid = res.request_id
-        self.faults.after_landing(rid, self.pools, res.indices)
-        verified = NOT_VERIFIED_OFF
-        if res.digests is not None and self.integrity:
-            landed = request_digests(self.pools, res.indices, draft=res.draft)
-            bad = [b.name for b, want, got in
-                   zip(self.layout.flat_buffers, res.digests, landed, strict=True)
-                   if want != got]
-            if bad:
-                detail = (f"CRC32C mismatch in {len(bad)} buffer(s): "
-                          f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
-                if self.table.fail(rid, FailureReason.INTEGRITY, detail):
-                    log.error("request %s failed: integrity: %s", rid, detail,
-                              extra=fields(rid, res.prefill_address))
-                    self._free(rid, "integrity failure")
-                    self._tell_prefill(res, f"decode integrity check failed: {detail}")
-                return
-            verified = f"{VERIFIED_PREFIX} {len(landed)} buffers match prefill's digests"
-        elif res.digests is None and self.integrity:
-            verified = NOT_VERIFIED_NO_DIGESTS
-            log.warning("request %s: prefill sent no digests (its integrity check is off): "
-                        "arrival proven by the completion, bytes not verified",
-                        rid, extra=fields(rid, res.prefill_address))
-        with self._lock:
-            try:
-                self.table.advance(rid, TransferState.SUCCESS, detail=verified,
-                                   nbytes=res.nbytes)
-            except Exception as exc:  # already failed (aborted, timed out): nothing to do
-                log.info("request %s landed after it ended: %s", rid, exc,
-                         extra=fields(rid, res.prefill_address))
-                return
-            res.success_at = time.monotonic()
-        log.info("request %s: Success (%d bytes landed in slot %d; %s)", rid, res.nbytes,
-                 res.slot, verified, extra=fields(rid, res.prefill_address))
 
     def on_deadline(self, status: TransferStatus) -> None:
         """A deadline passed: make sure prefill stops, then free the slot."""
@@ -356,24 +288,13 @@ class DecodeCore(PoolsHolder):
         for rid in rids:
             self._free(rid, "shutdown")
 
-    # ---- engine pools (--pools engine) ------------------------------------------------
-    def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
-        """An engine attached: reserve slots of its config in its memory from now on."""
-        if self.table.live():  # a reservation that raced the detach: its indices are stale
-            self.shutdown("engine memory replaced while the request was being accepted")
+    def _adopt(self, spec: PoolSpec) -> None:
+        """An engine attached: reserve slots of its config from now on."""
         self.slots = SlotPool(spec.num_req_slots)
-        self._hold(spec, layout, pools)
-
-    def drop_pools(self, detail: str) -> None:
-        """The engine's memory goes: refuse new reservations, fail every live request
-        (prefill is told and drains, bounded), release every link, free every slot."""
-        self._hold(None, None, None, f"no engine attached ({detail})")
-        self.shutdown(detail)
 
     # ---- helpers -----------------------------------------------------------------------
     def _reservation(self, rid: str) -> Reservation:
-        with self._lock:
-            res = self._res.get(rid)
+        res = self._lookup(self._res, rid)
         if res is None:
             raise UnknownRequest(f"no reservation for request {rid!r} on this decode daemon")
         return res

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
@@ -43,12 +44,8 @@ from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.plan import build_plan
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
-from kvbeam.server.core.attached import PoolsHolder
-from kvbeam.server.core.ports import (
-    DecodePeers,
-    IndexLists,
-    require_status,
-)
+from kvbeam.server.core.base import CoreBase
+from kvbeam.server.core.ports import DecodePeers, IndexLists
 from kvbeam.server.core.prefill_events import after_resends
 from kvbeam.server.core.resend import PrefillResend
 from kvbeam.server.faults import FaultHooks, outside_peer_mr
@@ -93,6 +90,7 @@ class Outgoing:
     first_failure: str = ""  # what broke the first link, for the final detail
     resends: int = 0
     digests: list[int] | None = None  # computed once: a resend's source bytes are the same
+    rehandshake: str = ""  # why it handshook again before writing (decode forgot us)
 
     @property
     def drained(self) -> bool:
@@ -100,7 +98,7 @@ class Outgoing:
         return self.outstanding <= 0 or self.abandoned
 
 
-class PrefillCore(PrefillResend, PoolsHolder):
+class PrefillCore(PrefillResend, CoreBase):
     """All of prefill's request state; the servicer and the runtime's loops call in.
 
     Args:
@@ -116,6 +114,8 @@ class PrefillCore(PrefillResend, PoolsHolder):
             (:mod:`kvbeam.server.core.resend`; 0: fail at once).
         on_resend: called once per resend (metrics).
     """
+
+    role = "prefill"
 
     def __init__(self, *, table: TransferTable, peers: Peers, decode: DecodePeers, io: Executor,
                  spec: PoolSpec | None, layout: SideLayout | None, pools: AllocatedSide | None,
@@ -217,46 +217,19 @@ class PrefillCore(PrefillResend, PoolsHolder):
         self._tell_decode_once(rec, f"aborted on prefill: {detail}")
         return self.status(request_id)
 
-    @staticmethod
-    def _late_verdict(request_id: str, detail: str, decode_address: str) -> None:
-        # Our Success means every write completed here; decode's verdict (e.g. an
-        # integrity failure found after landing) is the one the scheduler acts on.
-        log.error("request %s: decode reports a failure after this side ended: %s",
-                  request_id, detail, extra=fields(request_id, decode_address))
-
-    def status(self, request_id: str) -> TransferStatus:
-        """The request's status."""
-        return require_status(self.table, request_id, "prefill")
-
     def slot_of(self, request_id: str) -> int:
         """The source slot of a live request, -1 once forgotten."""
-        with self._lock:
-            rec = self._out.get(request_id)
+        rec = self._lookup(self._out, request_id)
         return rec.src_slot if rec else -1
 
     def bytes_of(self, request_id: str) -> tuple[int, int]:
         """(bytes written, bytes posted) of a live request."""
-        with self._lock:
-            rec = self._out.get(request_id)
+        rec = self._lookup(self._out, request_id)
         return (rec.bytes_done, rec.bytes_total) if rec else (0, 0)
 
     def known(self, request_id: str) -> bool:
         """True while the core keeps a record of the request (tests, diagnostics)."""
-        with self._lock:
-            return request_id in self._out
-
-    # ---- engine pools (--pools engine) ------------------------------------------------
-    def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
-        """An engine attached: send from its memory from now on."""
-        if self.table.live():  # a request that raced the detach: its indices are stale
-            self.shutdown("engine memory replaced while the request was being accepted")
-        self._hold(spec, layout, pools)
-
-    def drop_pools(self, detail: str) -> None:
-        """The engine's memory goes: refuse new sends, fail every live request (decode
-        is told, bounded) and release every link (their writes stop)."""
-        self._hold(None, None, None, f"no engine attached ({detail})")
-        self.shutdown(detail)
+        return self._lookup(self._out, request_id) is not None
 
     # ---- the send path (executor) --------------------------------------------------------
     def _step(self, rec: Outgoing) -> None:
@@ -289,9 +262,9 @@ class PrefillCore(PrefillResend, PoolsHolder):
         try:
             self._write_chunk(rec, conn, ranges, final)
         except Exception as exc:
-            if isinstance(exc, SendFailed) and exc.peer_lost:
-                self.on_peer_lost(conn, str(exc))
-            self._step_failed(rec, exc)
+            lost = isinstance(exc, SendFailed) and exc.peer_lost
+            if not (lost and self._peer_forgot_us(rec, conn, str(exc))):
+                self._step_failed(rec, exc)
         with self._lock:
             again = bool(rec.chunks) and not self._ended(rec) and not rec.resend_pending
             rec.running = again
@@ -304,11 +277,13 @@ class PrefillCore(PrefillResend, PoolsHolder):
         """Handshake with decode at ``address``; then every request waiting for it goes on."""
         conn: PeerConn | None = None
         error: Exception | None = None
+        began = time.monotonic()
         try:
             conn = self.decode.connect(address)
         except Exception as exc:
             error = exc
         if conn is not None:
+            self._measured(handshake=time.monotonic() - began)
             self.peers.add(conn)
         with self._lock:
             waiters = self._connecting.pop(address, [])
@@ -327,8 +302,10 @@ class PrefillCore(PrefillResend, PoolsHolder):
             rec.digests = request_digests(self.pools, rec.src_indices,
                                           draft=rec.src_draft)
         digests = rec.digests if final else None
+        began = time.monotonic()
         try:
             grant = self.decode.begin_write(conn, rid, rec.seq_len, final, digests)
+            self._measured(begin_write=time.monotonic() - began)
         except AlreadyLanded:
             if not rec.resends:
                 raise

@@ -78,6 +78,13 @@ class PrefillEvents:
     _out: dict[str, Outgoing]
     _writes: dict[tuple[int, int], str]
 
+    @staticmethod
+    def _late_verdict(request_id: str, detail: str, decode_address: str) -> None:
+        # Our Success means every write completed here; decode's verdict (e.g. an
+        # integrity failure found after landing) is the one the scheduler acts on.
+        log.error("request %s: decode reports a failure after this side ended: %s",
+                  request_id, detail, extra=fields(request_id, decode_address))
+
     def _ended(self, rec: Outgoing) -> bool:
         snap = self.table.get(rec.request_id)
         return snap is None or snap.state.terminal
@@ -198,11 +205,18 @@ class PrefillEvents:
             # Decode served this request until its link failed; now it does not answer
             # the resend's handshake: the peer failed (as a lost peer is reported).
             reason = FailureReason.PEER_FAILED
+        detail = str(exc)
+        if rec.rehandshake and reason in (FailureReason.INVALID_REQUEST,
+                                          FailureReason.PEER_UNREACHABLE):
+            # Decode had forgotten us (restarted, say) and the new handshake did not help
+            # (its reservation is gone too): the peer failed, as before the second try.
+            reason = FailureReason.PEER_FAILED
+            detail = f"{rec.rehandshake}; after handshaking again: {exc}"
         if reason is FailureReason.TRANSPORT_ERROR and not isinstance(
                 exc, TransportError | SendFailed):
             log.error("request %s: unexpected error", rec.request_id, exc_info=exc,
                       extra=fields(rec.request_id, rec.decode_address))
-        self._fail(rec, reason, str(exc))
+        self._fail(rec, reason, detail)
 
     def _tell_decode_once(self, rec: Outgoing, detail: str) -> None:
         """Tell decode of a failed request exactly once, when its writes have drained.

@@ -15,7 +15,12 @@ notification from the old one can never mark the request landed.
 
 At most ``resend_retries`` resends per request (``--resend-retries``, 0: off); the
 request's deadline still bounds every attempt (the table fails it when it passes,
-and a pending resend then never starts). Errors that are not transient fail at
+and a pending resend then never starts). A resend needs a handshake and a BeginWrite
+before its grant restarts the deadline; when less time is left than that takes
+(:meth:`PrefillResend._resend_cost`: twice the recent handshake plus BeginWrite, at
+least ``resend_floor_s``), the request fails at once with the transport's error and
+"no time left to resend", instead of a resend the deadline would cut without naming
+what broke. Errors that are not transient fail at
 once: a write outside the peer's memory (its status says so), our own region
 check, a decode refusal, a lost or restarted peer (``gone=True``).
 """
@@ -29,9 +34,12 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
 from kvbeam.logs import fields
+from kvbeam.pools.layout import SideLayout
+from kvbeam.server.core.base import request_bytes
 from kvbeam.server.core.prefill_events import PrefillEvents
 from kvbeam.server.lifecycle import TransferTable
-from kvbeam.states import TransferState
+from kvbeam.server.peers import PeerConn
+from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import status as st
 
 if TYPE_CHECKING:
@@ -48,6 +56,14 @@ NOT_TRANSIENT = frozenset({
 })
 
 
+#: The least time before its deadline a resend starts with (seconds).
+RESEND_FLOOR_S = 0.25
+#: A resend starts only with this many times the measured handshake and BeginWrite left.
+RESEND_MARGIN = 2.0
+#: Each measurement's weight against the older ones: a slow handshake is remembered a while.
+_DECAY = 0.9
+
+
 def transient(status: str | None) -> bool:
     """True when a write that failed with ``status`` may succeed on a new link."""
     return status not in NOT_TRANSIENT
@@ -57,12 +73,32 @@ class PrefillResend(PrefillEvents):
     """The resend bookkeeping of the prefill core (state is defined by the subclass)."""
 
     table: TransferTable
+    layout: SideLayout
     io: Executor
     _lock: threading.Lock
     #: Resends allowed per request (0: a transport error fails the request at once).
     resend_retries: int
     #: Called once per resend (the daemon counts it in ``kvbeam_resends_total``).
     on_resend: Callable[[], None]
+    #: The least time before the deadline a resend starts with (see the module docstring).
+    resend_floor_s: float = RESEND_FLOOR_S
+    #: Recent handshake and BeginWrite times (a decaying maximum, seconds).
+    _handshake_s: float = 0.0
+    _begin_write_s: float = 0.0
+
+    def _measured(self, *, handshake: float | None = None,
+                  begin_write: float | None = None) -> None:
+        """Record how long a handshake or a BeginWrite took (what a resend will need)."""
+        with self._lock:
+            if handshake is not None:
+                self._handshake_s = max(handshake, _DECAY * self._handshake_s)
+            if begin_write is not None:
+                self._begin_write_s = max(begin_write, _DECAY * self._begin_write_s)
+
+    def _resend_cost(self) -> float:
+        """The time a resend needs before its grant restarts the deadline (lock held)."""
+        return max(self.resend_floor_s,
+                   RESEND_MARGIN * (self._handshake_s + self._begin_write_s))
 
     def _step(self, rec: Outgoing) -> None:
         """Run the request's next chunk (defined by the core)."""
@@ -97,23 +133,59 @@ class PrefillResend(PrefillEvents):
             rec.resend_pending = False
             if self._ended(rec):
                 return
-            rec.resends += 1
-            # Replay every chunk posted so far, in order, before the ones still queued.
-            rec.chunks.extendleft(reversed(rec.posted))
-            rec.posted.clear()
-            rec.sent_pages[:] = False
-            rec.final_posted = False
-            rec.bytes_total = rec.bytes_done = 0
-            rec.pending_bytes.clear()
-            rec.attempt_link = None
-            rec.conn = None  # the dead link's connection: the next step finds or makes one
-            rec.running = True
+            left, need = self.table.left(rec.request_id), self._resend_cost()
+            late = left is not None and left < need
+            if late and not rec.resends:
+                rec.first_failure = ""  # no resend was tried: the detail is the error's
+            if not late:
+                self._replay(rec)
             n, status = rec.resends, rec.resend_status
+        if late:
+            self._fail(rec, FailureReason.TRANSPORT_ERROR,
+                       f"{status}; no time left to resend ({left:.2f} s to the "
+                       f"deadline, a new link takes about {need:.2f} s)")
+            return
         log.warning("request %s: resend %d/%d on a new link after a transport error: %s",
                     rec.request_id, n, self.resend_retries, status,
                     extra=fields(rec.request_id, rec.decode_address))
         self.on_resend()
         self.io.submit(self._step, rec)
+
+    @staticmethod
+    def _replay(rec: Outgoing) -> None:
+        """Make the request's next step a new attempt (core lock held)."""
+        rec.resends += 1
+        # Replay every chunk posted so far, in order, before the ones still queued.
+        rec.chunks.extendleft(reversed(rec.posted))
+        rec.posted.clear()
+        rec.sent_pages[:] = False
+        rec.final_posted = False
+        rec.bytes_total = rec.bytes_done = 0
+        rec.pending_bytes.clear()
+        rec.attempt_link = None
+        rec.conn = None  # the dead link's connection: the next step finds or makes one
+        rec.running = True
+
+    def _peer_forgot_us(self, rec: Outgoing, conn: PeerConn, detail: str) -> bool:
+        """Decode no longer knows our connection (``detail``; it re-attached its engine or
+        restarted, and prefill had not noticed yet): drop the connection, failing the
+        requests on it (:meth:`on_peer_lost`). True: ``rec`` goes on over a new handshake
+        instead, since decode refused its first BeginWrite before any byte of it was
+        written; once per request.
+        """
+        with self._lock:
+            again = (not rec.rehandshake and not rec.resends and rec.bytes_total == 0
+                     and rec.outstanding == 0 and len(rec.posted) == 1
+                     and not self._ended(rec))
+            if again:
+                rec.rehandshake = detail
+                rec.chunks.appendleft(rec.posted.pop())  # the next step runs it again
+                rec.conn = None  # so on_peer_lost spares it, and the step handshakes anew
+        if again:
+            log.warning("request %s: %s; handshaking again (nothing of it was written)",
+                        rec.request_id, detail, extra=fields(rec.request_id, rec.decode_address))
+        self.on_peer_lost(conn, detail)
+        return again
 
     def _landed_already(self, rec: Outgoing) -> None:
         """Decode says the request had landed before our resend: it is a Success here too.
@@ -127,6 +199,8 @@ class PrefillResend(PrefillEvents):
             snap = self.table.get(rec.request_id)
             if snap is None or snap.state is not TransferState.TRANSFERRING:
                 return
-            self.table.advance(rec.request_id, TransferState.SUCCESS, nbytes=rec.bytes_done)
+            # The request's bytes, not this attempt's (it wrote none): what landed.
+            nbytes = request_bytes(self.layout, rec.src_indices, rec.src_draft)
+            self.table.advance(rec.request_id, TransferState.SUCCESS, nbytes=nbytes)
         log.info("request %s: Success (decode had it landed before the resend)",
                  rec.request_id, extra=fields(rec.request_id, rec.decode_address))

@@ -8,8 +8,10 @@ from typing import cast
 import pytest
 
 from kvbeam.errors import ConfigError
+from kvbeam.pools.indices import request_indices
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.faults import BREAK_LINK_ENV, FaultHooks
+from kvbeam.server.lifecycle import Deadlines
 from kvbeam.server.settings import resolve
 from kvbeam.states import FailureReason, TransferState
 from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
@@ -30,9 +32,11 @@ def _link(core: PrefillCore, not_: FakeLink | None = None) -> FakeLink:
     return link
 
 
-def _resending(retries: int = 2) -> tuple[PrefillCore, FakeDecode, list[int]]:
+def _resending(retries: int = 2, transferring: float = 30.0,
+               ) -> tuple[PrefillCore, FakeDecode, list[int]]:
     counted: list[int] = []
-    core, fake = prefill_core(resend_retries=retries, on_resend=lambda: counted.append(1))
+    core, fake = prefill_core(resend_retries=retries, on_resend=lambda: counted.append(1),
+                              deadlines=Deadlines(transferring=transferring))
     return core, fake, counted
 
 
@@ -227,6 +231,10 @@ def test_a_resend_that_finds_the_request_landed_ends_in_success() -> None:
     new = _link(core, not_=old)
     assert wait_for(lambda: core.status("r").state is TransferState.SUCCESS)
     assert new.writes == [] and counted == [1] and fake.aborts == []
+    # The metric gets the request's bytes (what landed), not the resend's (none).
+    lists = request_indices(core.spec, 0, 300)
+    whole = sum(buf.item_len * len(lists[buf.index_kind]) for buf in core.layout.flat_buffers)
+    assert core.status("r").nbytes == whole > 0
 
 
 def test_resend_retries_setting_defaults_to_two_and_refuses_negatives() -> None:
@@ -243,3 +251,29 @@ def test_break_link_fault_hook_is_off_unless_armed() -> None:
     assert hooks.armed and (hooks.break_links, hooks.break_prefix) == (2, "qpbreak-")
     with pytest.raises(ConfigError, match=BREAK_LINK_ENV):
         FaultHooks.from_env({BREAK_LINK_ENV: "x"})
+
+
+def test_a_resend_the_deadline_would_cut_fails_at_once_naming_the_verbs_status() -> None:
+    core, fake, counted = _resending(transferring=0.2)  # under the 0.25 s floor
+    core.send("r", 0, 300, ADDR, [], True)
+    _fail_first_write(core)
+    assert wait_for(lambda: core.status("r").state is TransferState.FAILED)
+    st = core.status("r")
+    assert st.reason is FailureReason.TRANSPORT_ERROR, st
+    assert RETRY_EXC in st.detail and "no time left to resend" in st.detail, st.detail
+    assert "after 0 resends" not in st.detail
+    assert wait_for(lambda: fake.aborts == ["r"])  # decode is told, not left to time out
+    assert counted == [] and fake.connects == [ADDR]  # no new handshake was started
+
+
+def test_the_time_a_resend_needs_is_the_measured_handshake() -> None:
+    # Deadline 1 s: enough for the 0.25 s floor, not for twice a 0.6 s handshake.
+    core, fake, counted = _resending(transferring=1.0)
+    gate = threading.Event()
+    fake.hold[ADDR] = gate
+    threading.Timer(0.6, gate.set).start()
+    core.send("r", 0, 300, ADDR, [], True)
+    _fail_first_write(core)
+    assert wait_for(lambda: core.status("r").state is TransferState.FAILED)
+    assert "no time left to resend" in core.status("r").detail
+    assert counted == [] and fake.connects == [ADDR]

@@ -1,0 +1,69 @@
+"""What both cores share: their pools (an engine's, on ``--pools engine``) and status.
+
+:class:`CoreBase` is the base of :class:`~kvbeam.server.core.prefill.PrefillCore`
+and :class:`~kvbeam.server.core.decode.DecodeCore`: one place for the status
+accessor and for taking up or dropping an engine's memory, which both do the same
+way (fail whatever is live, then hold the new pools or none).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import TypeVar
+
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.plan import list_for
+from kvbeam.pools.spec import PoolSpec
+from kvbeam.server.core.attached import PoolsHolder
+from kvbeam.server.core.ports import IndexLists, require_status
+from kvbeam.server.lifecycle import TransferTable
+from kvbeam.states import TransferStatus
+
+R = TypeVar("R")
+
+
+def request_bytes(layout: SideLayout, indices: IndexLists, draft: IndexLists) -> int:
+    """The bytes a whole request moves: every buffer's items of its list (the draft's own
+    list for a draft buffer that has one)."""
+    return sum(len(list_for(indices, draft, c.pool, b.index_kind)) * b.item_len
+               for c in layout.components for b in c.buffers)
+
+
+class CoreBase(PoolsHolder):
+    """The status accessor and the engine-pools switch of a core (state is the core's)."""
+
+    table: TransferTable
+    #: "prefill" or "decode", for the UnknownRequest message.
+    role: str = ""
+    _lock: threading.Lock
+
+    def status(self, request_id: str) -> TransferStatus:
+        """The request's status."""
+        return require_status(self.table, request_id, self.role)
+
+    def _lookup(self, records: Mapping[str, R], request_id: str) -> R | None:
+        """The core's record of a request (``records`` is its map), None once forgotten."""
+        with self._lock:
+            return records.get(request_id)
+
+    def shutdown(self, detail: str) -> None:
+        """Fail every live request (defined by the core)."""
+        raise NotImplementedError
+
+    def _adopt(self, spec: PoolSpec) -> None:
+        """Size the core's own state for an engine's config (decode: its slots)."""
+
+    def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
+        """An engine attached: work in its memory from now on."""
+        if self.table.live():  # a request that raced the detach: its indices are stale
+            self.shutdown("engine memory replaced while the request was being accepted")
+        self._adopt(spec)
+        self._hold(spec, layout, pools)
+
+    def drop_pools(self, detail: str) -> None:
+        """The engine's memory goes: refuse new requests, fail every live one (the peer
+        is told, bounded), release every link (their writes stop)."""
+        self._hold(None, None, None, f"no engine attached ({detail})")
+        self.shutdown(detail)

@@ -1,0 +1,73 @@
+"""The first request after decode's engine re-attached succeeds (real processes, TCP).
+
+Decode's daemon gets a new instance id when its engine re-attaches; prefill learns it
+only at its next heartbeat (or when the data link closes). A request sent before
+that meets a BeginWrite refusal on the stale connection, before any byte of it was
+written: prefill handshakes again and goes on, so the scheduler sees a Success, not
+"decode ... restarted".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvbeam.client import KvbeamClient
+from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.states import VERIFIED_PREFIX, TransferState
+from tests.attach_helpers import Engine, start_engine_daemon, write_config
+from tests.fixtures import side
+
+SEQ = 700
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[DaemonProcess, DaemonProcess, Engine, Engine]]:
+    """(prefill, decode, prefill engine, decode engine), both engines attached."""
+    tmp_path.chmod(0o700)
+    cfg = write_config(tmp_path / "side.yaml", side())
+    psock, dsock = str(tmp_path / "p.sock"), str(tmp_path / "d.sock")
+    # Slow heartbeats: prefill must not learn of the re-attach before the request.
+    extra = ["--heartbeat-s", "30"]
+    d = start_engine_daemon("decode", dsock, extra=extra)
+    p = start_engine_daemon("prefill", psock, extra=extra)
+    pe = Engine(psock, cfg, seed=1)
+    de = Engine(dsock, cfg, seed=2)
+    try:
+        assert pe.attached and de.attached, (pe.first, de.first)
+        yield p, d, pe, de
+    finally:
+        for stop in (pe.stop, de.stop, p.stop, d.stop):
+            stop()
+
+
+def _move(p: KvbeamClient, d: KvbeamClient, rid: str, slot: int) -> None:
+    d.reserve(rid, SEQ, p.address)
+    p.send(rid, slot, SEQ, d.address)
+    for c in (p, d):
+        st = c.wait(rid, 60)
+        assert st.state is TransferState.SUCCESS, (rid, str(st))
+        assert c is p or st.detail.startswith(VERIFIED_PREFIX), st.detail
+    d.release(rid)
+
+
+def test_first_request_after_a_decode_reattach_succeeds(pair: tuple[
+        DaemonProcess, DaemonProcess, Engine, Engine]) -> None:
+    prefill, decode, _pe, de = pair
+    with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+        assert p.wait_healthy(10) and d.wait_healthy(10)
+        _move(p, d, "before", 0)  # prefill now holds a connection to decode's instance
+        assert de.cmd("detach") == "detached"
+        assert wait_until(lambda: not d.healthy(1.0), 10)
+        assert de.cmd("attach").startswith("attached ")
+        assert d.wait_healthy(10)
+        # At once, not waiting for prefill to drop the old instance's connection (over
+        # TCP it usually has, when decode's detach closed the data link; an idle RC QP
+        # gives no such sign, and the request then handshakes again: the unit tests
+        # in tests/unit/test_core_reattach.py hold that path).
+        _move(p, d, "first-after", 1)
+        assert "failed" not in prefill.output.split("first-after", 1)[1], prefill.output
+        assert prefill.output.count("handshaking again") <= 1
+        _move(p, d, "second-after", 2)
