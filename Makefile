@@ -9,6 +9,9 @@ APT_PACKAGES := qemu-system-x86 busybox-static cpio kmod iproute2 rdma-core ibve
 	ibverbs-providers libibverbs1 perftest python3-pyverbs openssl \
 	docker.io containerd runc iptables docker-compose debootstrap
 SETUP_STAMP := $(VENV)/.kvbeam-setup
+# True when `kubectl kustomize` is Kustomize v5 or newer (docker/k8s needs it).
+KUSTOMIZE_V5 := kubectl version --client -o json 2>/dev/null \
+	| grep -Eq '"kustomizeVersion": "v([5-9]|[1-9][0-9])\.'
 
 .PHONY: help system-deps setup demo test test-host test-rdma test-compose lint proto proto-check \
 	bench bench-plan bench-handshake bench-deps clean
@@ -23,6 +26,17 @@ system-deps: ## install the Debian packages (root; skipped when all are present)
 		echo "installing Debian packages: $$missing"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 			--no-install-recommends $$missing >/dev/null; \
+	fi
+	@# kubectl with Kustomize v5 (kubectl >= 1.27) renders docker/k8s in the tests. Debian 12's
+	@# kubernetes-client is kubectl 1.20 with Kustomize v2.0.3, too old for these manifests (and
+	@# its /usr/bin/kubectl collides with the kubectl package's): take `kubectl` from an apt
+	@# source that has it (the CI image's; pkgs.k8s.io), else stop here (docs/kubernetes.md).
+	@if ! $(KUSTOMIZE_V5); then \
+		echo "installing kubectl (for kubectl kustomize)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends kubectl >/dev/null 2>&1; \
+		$(KUSTOMIZE_V5) || { echo "no kubectl with Kustomize >= v5: add an apt source with" \
+			"kubectl >= 1.27 (pkgs.k8s.io), see docs/kubernetes.md" >&2; exit 1; }; \
 	fi
 
 $(SETUP_STAMP): pyproject.toml setup.py
