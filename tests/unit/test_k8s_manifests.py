@@ -53,6 +53,7 @@ KVBEAM_GID = 10001
 Obj = dict[str, Any]
 
 
+@cache
 def _kubectl() -> str:
     path = shutil.which("kubectl")
     if path is None:
