@@ -191,6 +191,7 @@ def test_daemon_essentials(name: str, role: str) -> None:
     assert len(auth) == 1
     items = volumes[auth[0]]["secret"]["items"]
     assert token == posixpath.join(mounts[auth[0]], items[0]["path"]) and items[0]["key"] == "token"
+    assert volumes[auth[0]]["secret"]["defaultMode"] == 0o440  # owner and fsGroup only
     assert pod["spec"]["securityContext"]["fsGroup"] == KVBEAM_GID
     # Prometheus: the annotations point at the port the daemon serves metrics on.
     assert pod["metadata"]["annotations"] == {
