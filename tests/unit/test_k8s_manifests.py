@@ -16,6 +16,7 @@ import posixpath
 import re
 import shutil
 import subprocess
+import tempfile
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -292,3 +293,63 @@ def test_scheduler_job_finds_every_daemon_through_dns() -> None:
     assert secret["secretName"] == AUTH_SECRET
     assert env(c)["KVBEAM_AUTH_TOKEN_FILE"] == posixpath.join(
         mounts["auth"], secret["items"][0]["path"])
+
+
+FAKE_DAEMON = """#!/bin/sh
+echo "args=$*"
+echo "uid=$(id -u) gid=$(id -g)"
+echo "memlock=$(ulimit -l)"
+grep -E '^(CapEff|NoNewPrivs):' /proc/self/status | tr -d '\\t'
+echo "token=$(cat "$KVBEAM_AUTH_TOKEN_FILE")"
+"""
+
+
+def _run_wrapper(role: str, caps: list[str], where: Path) -> subprocess.CompletedProcess[str]:
+    """The rendered container command with only ``caps`` and no_new_privs (as the runtime
+    starts it), through docker/entrypoint.sh, ending in a stand-in ``kvbeam`` that reports."""
+    c = container(find(render(K8S / "overlays/rdma"), "Deployment", f"kvbeam-{role}"))
+    # The command after tini (not needed here), the image's entrypoint path made the repo's.
+    command = [arg.replace("/usr/local/bin/kvbeam-entrypoint", str(REPO / "docker/entrypoint.sh"))
+               for arg in c["command"][2:]]
+    bounding = ",".join(["-all"] + [f"+{cap.lower()}" for cap in caps])
+    environment = {"PATH": f"{where}:/usr/sbin:/usr/bin:/sbin:/bin", "KVBEAM_RUN_AS": "daemon",
+                   "KVBEAM_TRANSPORT": "tcp", "KVBEAM_AUTH_TOKEN_FILE": str(where / "token")}
+    # The runtime's default: a low soft memlock limit under the hard one.
+    return subprocess.run(
+        ["prlimit", "--memlock=65536:", "setpriv", f"--bounding-set={bounding}",
+         "--inh-caps=-all", "--no-new-privs", "--", *command, *c["args"]],
+        env=environment, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="setpriv with a reduced capability set: root")
+@pytest.mark.parametrize("role", PORTS)
+def test_container_command_drops_privileges_and_reads_the_token(role: str) -> None:
+    """The daemons' command, with exactly the manifests' capabilities, on this host.
+
+    ``daemon`` (uid and gid 1, a name that is also its group's) plays the image's kvbeam
+    user and gid 1 the pod's fsGroup. This host's hard memlock limit is whatever the
+    sandbox allows (raising it needs CAP_SYS_RESOURCE in the host's own set): the soft
+    limit must reach it.
+    """
+    where = Path(tempfile.mkdtemp(prefix="kvbeam-k8s-"))
+    try:
+        where.chmod(0o755)  # the dropped user runs the stand-in and reads the token here
+        (where / "kvbeam").write_text(FAKE_DAEMON)
+        (where / "kvbeam").chmod(0o755)
+        (where / "token").write_text("not-a-secret\n")
+        os.chown(where / "token", 0, 1)
+        (where / "token").chmod(0o440)
+        caps = container(find(render(K8S / "overlays/rdma"), "Deployment", f"kvbeam-{role}"))[
+            "securityContext"]["capabilities"]["add"]
+        run = _run_wrapper(role, caps, where)
+        assert run.returncode == 0, run.stderr
+        hard = subprocess.run(["/bin/sh", "-c", "ulimit -H -l"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        assert run.stdout.splitlines() == [
+            f"args={role}", "uid=1 gid=1", f"memlock={hard}", "CapEff:0000000000000000",
+            "NoNewPrivs:1", "token=not-a-secret"], run.stderr
+        # Without SETUID/SETGID the drop fails and the container exits: they are needed.
+        denied = _run_wrapper(role, [c for c in caps if not c.startswith("SET")], where)
+        assert denied.returncode != 0 and "setpriv" in denied.stderr
+    finally:
+        shutil.rmtree(where)
