@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvbeam.procs import DaemonProcess
 from kvbeam.scheduler import drive
-from tests.attach_helpers import Engine, start_engine_daemon, write_config
+from tests.attach_helpers import Engine, start_engine_pair, write_config
 from tests.daemon_helpers import pair
 from tests.fixtures import side
 
@@ -48,8 +48,7 @@ def test_engine_pools_daemons_never_load_torch(tmp_path: Path) -> None:
     tmp_path.chmod(0o700)
     cfg = write_config(tmp_path / "side.yaml", side())
     psock, dsock = str(tmp_path / "p.sock"), str(tmp_path / "d.sock")
-    decode = start_engine_daemon("decode", dsock)
-    prefill = start_engine_daemon("prefill", psock)
+    prefill, decode = start_engine_pair(psock, dsock)
     engines: list[Engine] = []
     try:
         engines = [Engine(psock, cfg, seed=1, layout="packed"), Engine(dsock, cfg, seed=2)]
