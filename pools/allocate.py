@@ -1,11 +1,11 @@
-"""Allocation of a side's pools: shared memory on the host (no torch), torch on CUDA.
+"""Allocation of a side's pools: host memory viewed with numpy (no torch), torch on CUDA.
 
 Each :class:`~kvbeam.pools.layout.TensorLayout` becomes one flat allocation; buffers
-are byte ranges inside them. On the host each allocation is a memfd mapped MAP_SHARED
-(:mod:`kvbeam.pools.shm`, the mapping an engine's attached pools use too): page-aligned,
-never moving, shmem pages that RDMA registration pins, viewed as a ``uint8`` numpy array.
-The daemon never imports torch for it (``import torch`` costs about a minute per process
-under qemu TCG); torch is imported only for ``--device cuda`` and by :meth:`buffer_view`,
+are byte ranges inside them. On the host each allocation is its own page-aligned
+anonymous mapping that never moves, viewed as a ``uint8`` numpy array (an engine's
+attached pools are memfd mappings instead: :mod:`kvbeam.pools.shared`). The daemon
+never imports torch for it (``import torch`` costs about a minute per process under
+qemu TCG); torch is imported only for ``--device cuda`` and by :meth:`buffer_view`,
 the reference engine's typed-tensor edge. The :class:`AllocatedSide` owns the memory:
 memory registered with a transport must not outlive it.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvbeam.pools.layout import BufferLayout, SideLayout
-from kvbeam.pools.shm import create_memfd, map_shared
 from kvbeam.transport.endpoint import Region
 
 if TYPE_CHECKING:
@@ -43,15 +41,16 @@ class BufferInfo:
     item_len: int
 
 
-def _zeroed_map(name: str, nbytes: int) -> mmap.mmap:
-    """A private memfd of ``nbytes`` mapped here, every page written (the fd is closed)."""
-    fd = create_memfd(name, nbytes)
-    try:
-        m = map_shared(fd, nbytes)
-    finally:
-        os.close(fd)
-    # Written, not just ftruncate's holes: touching every page now means registering the
-    # memory later never faults in fresh pages under a pinned MR.
+def _zeroed_map(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of private anonymous memory, page-aligned, every page written.
+
+    The memory torch's CPU allocator gave large pools before (glibc maps them the same
+    way), so registration and RDMA see the same kind of pages (THP-eligible, unlike
+    shmem); only the owner's process maps it.
+    """
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # Written, not just mapped: touching every page now means registering the memory
+    # later never faults in fresh pages under a pinned MR.
     np.frombuffer(m, dtype=np.uint8)[:] = 0
     return m
 
@@ -76,7 +75,7 @@ class AllocatedSide:
         self._maps: list[mmap.mmap] = []
         self.on_host = self.device.partition(":")[0] == "cpu"
         if self.on_host:
-            self._maps = [_zeroed_map(t.name, t.nbytes) for t in layout.tensors if t.nbytes]
+            self._maps = [_zeroed_map(t.nbytes) for t in layout.tensors if t.nbytes]
             it = iter(host_arrays(self._maps))
             self.arrays = [next(it) if t.nbytes else np.zeros(0, np.uint8)
                            for t in layout.tensors]
