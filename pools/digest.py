@@ -33,7 +33,7 @@ def _items(side: AllocatedSide, buf: BufferLayout) -> np.ndarray[Any, Any]:
     key = id(buf)
     view = per_side.get(key)
     if view is None:
-        view = side.buffer_view(buf).numpy().reshape(buf.items, buf.item_len)
+        view = side.buffer_array(buf).reshape(buf.items, buf.item_len)
         per_side[key] = view
     return view
 

@@ -15,9 +15,7 @@ import logging
 import mmap
 from collections.abc import Sequence
 
-import torch
-
-from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.allocate import AllocatedSide, host_arrays
 from kvbeam.pools.layout import BufferLayout, ComponentLayout, SideLayout, TensorLayout
 
 log = logging.getLogger(__name__)
@@ -52,11 +50,11 @@ class MappedSide(AllocatedSide):
     def __init__(self, layout: SideLayout, maps: Sequence[mmap.mmap]) -> None:
         # Not AllocatedSide.__init__: nothing is allocated, the memory is the engine's.
         self.layout = layout
-        self.device = torch.device("cpu")
+        self.device = "cpu"
+        self.on_host = True
+        self.cuda_tensors = []
         self._maps = list(maps)
-        # frombuffer shares the mapping (no copy); the mmap refuses to close while a
-        # tensor or numpy view of it lives, so a late reader can never touch unmapped memory.
-        self.tensors = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
+        self.arrays = host_arrays(self._maps)
         self._addrs = None
 
     @property
@@ -68,7 +66,7 @@ class MappedSide(AllocatedSide):
         """Give up the mappings (the side is unusable afterwards); unmap them with
         :func:`~kvbeam.pools.shm.unmap` once every other reference to this side is dropped."""
         maps, self._maps = self._maps, []
-        self.tensors = []
+        self.arrays = []
         self._addrs = None
         return maps
 

@@ -185,7 +185,7 @@ class FaultHooks:
             buf, moved = self._rng.choice(candidates)
             item = int(self._rng.choice(moved.tolist()))
             offset = self._rng.randrange(buf.item_len)
-        items = side.buffer_view(buf).numpy().reshape(buf.items, buf.item_len)
+        items = side.buffer_array(buf).reshape(buf.items, buf.item_len)
         items[item, offset] = np.uint8(items[item, offset] ^ 0xFF)
         log.warning("FAULT INJECTED: corrupted request %s buffer %s item %d byte %d",
                     request_id, buf.name, item, offset, extra=fields(request_id))

@@ -135,7 +135,7 @@ OPTIONS: tuple[Option, ...] = (
            "TCP transport: address the data listener binds and advertises "
            "(default: the control host)"),
     Option("pool_device", "KVBEAM_POOL_DEVICE", str, "cpu",
-           "torch device for the pools: cpu or cuda[:N]"),
+           "device for the pools: cpu (host memory, no torch) or cuda[:N] (torch)"),
     # --- engine attach (docs/engine.md) ---
     Option("pools", "KVBEAM_POOLS", str, "own",
            "own: allocate the pools from --config at start; engine: serve an engine's own "

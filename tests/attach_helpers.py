@@ -15,7 +15,9 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -73,6 +75,21 @@ def start_engine_daemon(role: str, socket_path: str, *, config: str | None = Non
     m = found[0]
     return DaemonProcess(role, proc, m.group(2), m.group(3), m.group(4), lines, m.group(5) or "")
 
+
+
+def start_engine_pair(prefill_socket: str, decode_socket: str, **kwargs: Any
+                      ) -> tuple[DaemonProcess, DaemonProcess]:
+    """(prefill, decode) ``--pools engine`` daemons started at the same time (their
+    start-ups overlap: each costs tens of seconds under TCG); ``kwargs`` go to both."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(start_engine_daemon, role, sock, **kwargs)
+                   for role, sock in (("prefill", prefill_socket), ("decode", decode_socket))]
+    started = [f.result() for f in futures if f.exception() is None]
+    if len(started) < 2:
+        for daemon in started:
+            daemon.stop()
+        next(f for f in futures if f.exception() is not None).result()  # raises its error
+    return started[0], started[1]
 
 class Engine:
     """A tests/engine_peer.py process: its memfd pools, attached to a daemon."""

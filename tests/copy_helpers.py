@@ -10,14 +10,14 @@ from kvbeam.transport import Blocks
 
 
 def copy_blocks(src: AllocatedSide, dst: AllocatedSide, blocks: Blocks) -> None:
-    """Copy each (src, dst, length) block between the two sides' tensors."""
-    s_base = {t.data_ptr(): t for t in src.tensors}
-    d_base = {t.data_ptr(): t for t in dst.tensors}
+    """Copy each (src, dst, length) block between the two sides' allocations."""
+    s_base = {t.ctypes.data: t for t in src.arrays}
+    d_base = {t.ctypes.data: t for t in dst.arrays}
     for s, d, n in zip(blocks.src.tolist(), blocks.dst.tolist(), blocks.lengths.tolist(),
                        strict=True):
-        st = next(t for a, t in s_base.items() if a <= s < a + t.numel())
-        dt = next(t for a, t in d_base.items() if a <= d < a + t.numel())
-        so, do = s - st.data_ptr(), d - dt.data_ptr()
+        (sa, st), = [(a, t) for a, t in s_base.items() if a <= s < a + len(t)]
+        (da, dt), = [(a, t) for a, t in d_base.items() if a <= d < a + len(t)]
+        so, do = s - sa, d - da
         dt[do:do + n] = st[so:so + n]
 
 

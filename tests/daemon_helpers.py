@@ -28,7 +28,8 @@ SLOW_GUEST = ["--deadline-bootstrap-s", "20", "--deadline-waiting-s", "20",
               "--handoff-lease-s", "60", "--log-level", "INFO"]
 
 
-#: Start-up budget: ``import torch`` alone takes about a minute in the TCG guest.
+#: Start-up budget: tens of seconds in the TCG guest (imports, pool fill, registration),
+#: minutes on a loaded machine.
 STARTUP_S = 300.0
 
 

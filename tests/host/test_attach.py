@@ -21,7 +21,7 @@ from kvbeam.errors import NoEngineAttached
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.states import VERIFIED_PREFIX, TransferState
-from tests.attach_helpers import Engine, start_engine_daemon, write_config
+from tests.attach_helpers import Engine, start_engine_pair, write_config
 from tests.engine_lists import as_mapping, random_lists
 from tests.fixtures import side
 
@@ -39,12 +39,7 @@ def pair(workdir: Path) -> Iterator[tuple[DaemonProcess, DaemonProcess, str, str
     """(prefill, decode, prefill socket, decode socket, config path); no engines yet."""
     cfg = write_config(workdir / "side.yaml", side())
     psock, dsock = str(workdir / "p.sock"), str(workdir / "d.sock")
-    d = start_engine_daemon("decode", dsock)
-    try:
-        p = start_engine_daemon("prefill", psock)
-    except BaseException:
-        d.stop()
-        raise
+    p, d = start_engine_pair(psock, dsock)
     try:
         yield p, d, psock, dsock, cfg
     finally:

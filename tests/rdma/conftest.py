@@ -79,7 +79,7 @@ def wire(rdma_device: RdmaDevice) -> Generator[Wire, None, None]:
 def wire_pair(wire: Wire) -> Generator[WirePair, None, None]:
     """Prefill on rxeA and decode on rxeB, joined by a veth wire that tests may cut.
 
-    Shared by the fault tests and the soak (a daemon start costs a minute under TCG);
+    Shared by the fault tests and the soak (a daemon start costs tens of seconds under TCG);
     the fault tests leave it healthy. Prefill has two test-only fault hooks armed (see
     kvbeam/server/faults.py): writes outside decode's memory for request ids starting
     with ``qperr-``, and one broken QP for the first request starting with ``qpbreak-``.

@@ -17,7 +17,7 @@ from tests.attach_helpers import (
     Engine,
     fd_targets,
     proc_counts,
-    start_engine_daemon,
+    start_engine_pair,
     write_config,
 )
 from tests.daemon_helpers import SLOW_GUEST
@@ -61,8 +61,7 @@ def test_attached_memfd_pools_move_requests_over_rdma(rdma_device: RdmaDevice,
     tmp_path.chmod(0o700)
     cfg = write_config(tmp_path / "side.yaml", side())
     psock, dsock = str(tmp_path / "p.sock"), str(tmp_path / "d.sock")
-    decode = start_engine_daemon("decode", dsock, transport="rdma", deadlines=SLOW_GUEST)
-    prefill = start_engine_daemon("prefill", psock, transport="rdma", deadlines=SLOW_GUEST)
+    prefill, decode = start_engine_pair(psock, dsock, transport="rdma", deadlines=SLOW_GUEST)
     engines: list[Engine] = []
     try:
         assert prefill.transport == decode.transport == "rdma"

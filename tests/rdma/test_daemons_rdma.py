@@ -3,8 +3,9 @@
 Each daemon is its own process with DSV4 target and draft pools from the shipped
 configs; writes are RDMA WRITEs through pyverbs and decode reports Success only
 after the WRITE WITH IMMEDIATE arrived and every moved buffer's CRC32C matched
-prefill's digests. Under TCG a daemon start costs about a minute (import torch),
-so pairs are shared per module where the tests allow it.
+prefill's digests. Under TCG a daemon start still costs tens of seconds (imports,
+filling and registering its pools), so pairs are shared per module where the tests
+allow it, and a test that needs a daemon of its own reuses the shared peer it can.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.scheduler import drive, run_request
 from kvbeam.server.faults import CORRUPT_LANDED_ENV, SEED_ENV
 from kvbeam.states import FailureReason, TransferState
-from tests.daemon_helpers import pair, start, start_both
+from tests.daemon_helpers import STARTUP_S, pair, spawn, start, start_both
 from tests.metrics_helpers import delta, scrape, settle, succeeded_once_more, value
 from tests.rdma.conftest import RdmaDevice
 
@@ -137,7 +138,14 @@ def test_abort_from_either_side_mid_transfer(unified: Pair) -> None:
 
 
 def test_kill_prefill_then_decode_restart(rdma_device: RdmaDevice) -> None:
-    prefill, decode = start_both(transport="rdma")
+    # The second prefill starts with the pair (start-ups overlap); it serves only after
+    # the first one is killed.
+    spare = spawn("prefill", transport="rdma")
+    try:
+        prefill, decode = start_both(transport="rdma")
+    except BaseException:
+        spare.proc.kill()
+        raise
     try:
         with KvbeamClient(decode.address) as d, KvbeamClient(prefill.address) as p:
             assert run_request(p, d, "warm", 1000, 0, timeout=60).ok
@@ -154,7 +162,8 @@ def test_kill_prefill_then_decode_restart(rdma_device: RdmaDevice) -> None:
                 d.reserve(f"back-{i}", 10, "127.0.0.1:1")
         # now decode dies with a request in flight from a new prefill; prefill fails, and a
         # restarted decode on the same address handshakes again and serves
-        prefill = start("prefill", transport="rdma")
+        prefill.stop()
+        prefill = spare.ready(STARTUP_S)
         address = decode.address
         with KvbeamClient(prefill.address) as p:
             with KvbeamClient(decode.address) as d:
@@ -169,36 +178,45 @@ def test_kill_prefill_then_decode_restart(rdma_device: RdmaDevice) -> None:
             with KvbeamClient(decode.address) as d:
                 assert run_request(p, d, "reborn", 4096, 2, timeout=60).ok
     finally:
+        if spare.proc.poll() is None and spare.proc is not prefill.proc:
+            spare.proc.kill()
+            spare.proc.wait(10)
         prefill.stop()
         decode.stop()
 
 
-def test_mismatched_pair_is_refused_before_any_qp_connects(unified: Pair) -> None:
+def test_mismatched_pair_is_refused_before_any_qp_connects(unified: Pair, paged: Pair) -> None:
+    # The unified prefill against the paged pair's decode (a daemon start saved).
     prefill, _, p, _ = unified
-    decode = start("decode", paged=True, transport="rdma")
-    try:
-        with KvbeamClient(decode.address) as d:
-            d.reserve("mismatch", 100, prefill.address)
-            p.send("mismatch", 0, 100, decode.address)
-            st = p.wait("mismatch", 60)
-            assert st.state is F and st.reason is FailureReason.INCOMPATIBLE
-            assert "prefill and decode pools differ in unified-KV mode" in st.detail
-            assert d.wait("mismatch", 30).state is F
-        # decode creates a link (a QP) only for a verified peer: none here
-        assert "verified and connected" not in decode.output
-        assert "differ in unified-KV mode" in decode.output
-    finally:
-        decode.stop()
+    paged_prefill, decode, pp, d = paged
+    d.reserve("mismatch", 100, prefill.address)
+    p.send("mismatch", 0, 100, decode.address)
+    st = p.wait("mismatch", 60)
+    assert st.state is F and st.reason is FailureReason.INCOMPATIBLE
+    assert "prefill and decode pools differ in unified-KV mode" in st.detail
+    assert d.wait("mismatch", 30).state is F
+    # decode creates a link (a QP) only for a verified peer: none to this prefill
+    links = [ln for ln in decode.output.splitlines() if "verified and connected" in ln]
+    assert not [ln for ln in links if prefill.instance_id in ln]
+    assert [ln for ln in links if paged_prefill.instance_id in ln]
+    assert "differ in unified-KV mode" in decode.output
+    # the refusal left the paged pair serving
+    assert run_request(pp, d, "after-mismatch", 2048, 1, timeout=60).ok
 
 
-def test_corruption_after_landing_is_caught_every_time(rdma_device: RdmaDevice) -> None:
+def test_corruption_after_landing_is_caught_every_time(unified: Pair) -> None:
     """The integrity check over RDMA: decode flips a landed byte in every request (test-only
     fault hook) and every one ends Failed(integrity); none passes as Success."""
     env = {CORRUPT_LANDED_ENV: "1", SEED_ENV: "3"}
-    with pair(transport="rdma", decode_env=env) as (prefill, decode, _p, d):
-        results = drive(prefill.address, decode.address, [64, 5000, 32768], source_slots=8,
-                        concurrency=3, timeout=120, prefix="rot")
-        assert all(r.state.startswith("Failed(integrity") for r in results), results
-        assert decode.output.count("FAULT INJECTED: corrupted") == 3
-        for r in results:
-            assert d.status(r.request_id).reason is FailureReason.INTEGRITY
+    prefill = unified[0]  # only decode needs the hook: the shared prefill sends
+    decode = start("decode", transport="rdma", env=env)
+    try:
+        with KvbeamClient(decode.address) as d:
+            results = drive(prefill.address, decode.address, [64, 5000, 32768],
+                            source_slots=8, concurrency=3, timeout=120, prefix="rot")
+            assert all(r.state.startswith("Failed(integrity") for r in results), results
+            assert decode.output.count("FAULT INJECTED: corrupted") == 3
+            for r in results:
+                assert d.status(r.request_id).reason is FailureReason.INTEGRITY
+    finally:
+        decode.stop()

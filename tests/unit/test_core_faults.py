@@ -27,8 +27,8 @@ def test_after_landing_corrupts_an_item_of_the_list_that_moved_draft_lists_inclu
         changed = []
         for comp in lay.components:
             for buf in comp.buffers:
-                now = side.buffer_view(buf).numpy().reshape(buf.items, buf.item_len)
-                was = before.buffer_view(buf).numpy().reshape(buf.items, buf.item_len)
+                now = side.buffer_array(buf).reshape(buf.items, buf.item_len)
+                was = before.buffer_array(buf).reshape(buf.items, buf.item_len)
                 for item in np.flatnonzero((now != was).any(axis=1)):
                     changed.append((comp.pool, buf.name, int(item)))
                     moved = list_for(target, draft, comp.pool, buf.index_kind)

@@ -42,9 +42,9 @@ def _assert_moved(src: AllocatedSide, dst: AllocatedSide, before: AllocatedSide,
         for buf in comp.buffers:
             si = list_for(s, s_draft, comp.pool, buf.index_kind)
             di = list_for(d, d_draft, comp.pool, buf.index_kind)
-            sv = src.buffer_view(buf).numpy().reshape(buf.items, buf.item_len)
-            dv = dst.buffer_view(buf).numpy().reshape(buf.items, buf.item_len)
-            bv = before.buffer_view(buf).numpy().reshape(buf.items, buf.item_len)
+            sv = src.buffer_array(buf).reshape(buf.items, buf.item_len)
+            dv = dst.buffer_array(buf).reshape(buf.items, buf.item_len)
+            bv = before.buffer_array(buf).reshape(buf.items, buf.item_len)
             assert np.array_equal(dv[di], sv[si]), buf.name
             rest = np.ones(buf.items, dtype=bool)
             rest[di] = False
