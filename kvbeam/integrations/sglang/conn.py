@@ -14,6 +14,7 @@ Settings (attributes of sglang's ``server_args`` when present, else environment)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -23,7 +24,7 @@ from typing import Any
 import yaml
 
 from kvbeam.engine import Attachment, attach
-from kvbeam.engine.requests import client_for, poll_of
+from kvbeam.engine.requests import KVPoll, client_for, poll_of
 from kvbeam.errors import AttachError, KvbeamError, PoolCompatibilityError, UnknownRequest
 from kvbeam.integrations.sglang import bootstrap
 from kvbeam.integrations.sglang.kvargs import (
@@ -42,7 +43,6 @@ try:
         BaseKVManager,
         BaseKVReceiver,
         BaseKVSender,
-        KVPoll,
         KVTransferMetric,
     )
 except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -65,7 +65,7 @@ def _room_key(room: Any) -> str:
     return f"room.{room}"
 
 
-class KvbeamKVManager(BaseKVManager):
+class KvbeamKVManager(BaseKVManager):  # type: ignore[misc]
     """One per server: checks the pools ``KVArgs`` describes and attaches them.
 
     Raises (at construction, before anything is attached):
@@ -110,7 +110,7 @@ class KvbeamKVManager(BaseKVManager):
     def register_to_bootstrap(self) -> None:
         """Prefill: publish the daemon's address at this server's bootstrap server."""
         host = getattr(self.server_args, "host", "127.0.0.1")
-        port = getattr(self.server_args, "disaggregation_bootstrap_port")
+        port = self.server_args.disaggregation_bootstrap_port
         bootstrap.call(f"{host}:{port}", "put", PREFILL_KEY, {"daemon": self.daemon})
 
     def close(self) -> None:
@@ -118,7 +118,7 @@ class KvbeamKVManager(BaseKVManager):
         self.attachment.close()
 
 
-class KvbeamKVSender(BaseKVSender):
+class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
     """Prefill's side of one request (``bootstrap_room``)."""
 
     def __init__(self, mgr: KvbeamKVManager, bootstrap_addr: str, bootstrap_room: int,
@@ -171,14 +171,14 @@ class KvbeamKVSender(BaseKVSender):
     def poll(self) -> int:
         """Bootstrapping until decode sent its metadata, WaitingForInput, then kvbeam's."""
         if self.error is not None:
-            return KVPoll.Failed
+            return int(KVPoll.Failed)
         if self.sent:
             self.last = client_for(self.mgr.daemon).status(self.request_id)
             return int(poll_of(self.last.state))
         decode = bootstrap.call(self.bootstrap_addr, "get", _room_key(self.room))
         if decode is None:
-            return KVPoll.Bootstrapping
-        return KVPoll.Failed if decode.get("aborted") else KVPoll.WaitingForInput
+            return int(KVPoll.Bootstrapping)
+        return int(KVPoll.Failed if decode.get("aborted") else KVPoll.WaitingForInput)
 
     def failure_exception(self) -> None:
         """Raise the failure's description."""
@@ -201,7 +201,7 @@ class KvbeamKVSender(BaseKVSender):
         bootstrap.call(self.bootstrap_addr, "delete", _room_key(self.room))
 
 
-class KvbeamKVReceiver(BaseKVReceiver):
+class KvbeamKVReceiver(BaseKVReceiver):  # type: ignore[misc]
     """Decode's side of one request (``bootstrap_room``)."""
 
     def __init__(self, mgr: KvbeamKVManager, bootstrap_addr: str,
@@ -233,11 +233,11 @@ class KvbeamKVReceiver(BaseKVReceiver):
     def poll(self) -> int:
         """Bootstrapping before init, WaitingForInput until reserved, then kvbeam's."""
         if self.error is not None:
-            return KVPoll.Failed
+            return int(KVPoll.Failed)
         if self.prefill is None:
-            return KVPoll.Bootstrapping
+            return int(KVPoll.Bootstrapping)
         if not self.metadata_sent:
-            return KVPoll.WaitingForInput
+            return int(KVPoll.WaitingForInput)
         try:
             self.last = client_for(self.mgr.daemon).status(self.request_id)
         except UnknownRequest:
@@ -251,10 +251,8 @@ class KvbeamKVReceiver(BaseKVReceiver):
     def abort(self) -> None:
         """Abort at the decode daemon (it tells prefill's) and withdraw the metadata."""
         bootstrap.call(self.bootstrap_addr, "put", _room_key(self.room), {"aborted": True})
-        try:
+        with contextlib.suppress(UnknownRequest):  # never reserved: nothing held
             self.last = client_for(self.mgr.daemon).abort(self.request_id, "aborted by sglang")
-        except UnknownRequest:
-            pass  # never reserved: nothing held
         self.error = self.error or "aborted"
 
     def clear(self) -> None:
@@ -264,7 +262,7 @@ class KvbeamKVReceiver(BaseKVReceiver):
         bootstrap.call(self.bootstrap_addr, "delete", _room_key(self.room))
 
 
-class KvbeamKVBootstrapServer(BaseKVBootstrapServer):
+class KvbeamKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[misc]
     """The prefill server's rendezvous (:class:`~kvbeam.integrations.sglang.bootstrap.
     BootstrapServer`) on sglang's ``--disaggregation-bootstrap-port``."""
 

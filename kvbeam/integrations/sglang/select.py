@@ -34,7 +34,7 @@ def _version() -> str:
         from importlib.metadata import version
 
         return version("sglang")
-    except Exception:  # noqa: BLE001 - any failure means "unknown"
+    except Exception:  # any failure means "unknown"
         return "unknown"
 
 
@@ -84,7 +84,9 @@ def install(utils: ModuleType | None = None, choices: list[str] | None = None) -
         SglangMismatch: an internal moved or changed shape.
     """
     if utils is None:
-        import sglang.srt.disaggregation.utils as utils
+        import sglang.srt.disaggregation.utils as sglang_utils
+
+        utils = sglang_utils
     backend_enum, class_type, original = _check(utils)
     if choices is None:
         try:
@@ -115,4 +117,4 @@ def install(utils: ModuleType | None = None, choices: list[str] | None = None) -
     for module in list(sys.modules.values()):
         if getattr(module, "get_kv_class", None) is original:
             module.get_kv_class = get_kv_class  # type: ignore[attr-defined]
-    utils.get_kv_class = get_kv_class  # type: ignore[attr-defined]
+    vars(utils)["get_kv_class"] = get_kv_class
