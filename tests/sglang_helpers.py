@@ -9,14 +9,18 @@ call, the state sglang saw (:attr:`SglangPair.calls`).
 """
 
 from __future__ import annotations
+import __future__
 
+import ast
+import enum
+import importlib.util
 import os
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from types import ModuleType, SimpleNamespace
+from typing import Any, Literal, Optional
 
 import numpy as np
 import yaml
@@ -214,3 +218,33 @@ class SglangPair:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def sglang_utils_surface() -> ModuleType:
+    """sglang's own ``TransferBackend``, ``KVClassType`` and ``get_kv_class``, from its
+    ``disaggregation/utils.py`` source.
+
+    That module cannot be imported without a GPU stack (its model configs pull
+    torchvision), so the three definitions :mod:`kvbeam.integrations.sglang.select`
+    touches are taken from the installed file unchanged (``@overload`` stubs left out)
+    and executed in a fresh module.
+    """
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.origin is not None, "sglang is not installed"
+    path = Path(spec.origin).parent / "srt" / "disaggregation" / "utils.py"
+    tree = ast.parse(path.read_text(), str(path))
+    keep: list[ast.stmt] = []
+    for node in tree.body:
+        enum_def = isinstance(node, ast.ClassDef) and node.name in ("TransferBackend",
+                                                                     "KVClassType")
+        function = isinstance(node, ast.FunctionDef) and node.name == "get_kv_class" and not any(
+            isinstance(d, ast.Name) and d.id == "overload" for d in node.decorator_list)
+        if enum_def or function:
+            keep.append(node)
+    assert len(keep) == 3, f"{path}: {[getattr(n, 'name', '?') for n in keep]}"
+    module = ModuleType("sglang.srt.disaggregation.utils")
+    module.__dict__.update(Enum=enum.Enum, Optional=Optional, Type=type, Literal=Literal)
+    code = compile(ast.Module(keep, type_ignores=[]), str(path), "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    exec(code, module.__dict__)
+    return module
