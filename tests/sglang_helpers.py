@@ -87,6 +87,7 @@ class SglangPair:
                  chunk_tokens: int | None = None) -> None:
         self.config, self.timeout, self.chunk_tokens = config, timeout, chunk_tokens
         self.calls: list[tuple[str, str, str, str]] = []
+        self.decode_status: Any = None
         self.rooms = 0
         self._dir = tempfile.TemporaryDirectory(prefix="kvbeam-sglang-")
         work = Path(self._dir.name)
@@ -176,6 +177,7 @@ class SglangPair:
             time.sleep(0.01)
         ptx = self._record("prefill", "poll() until done", "Status", tx)
         prx = self._record("decode", "poll() until done", "Status (after CRC32C check)", rx)
+        self.decode_status = rx.last  # the daemon's last Status, before Release
         tx.clear()
         rx.clear()
         if self.rooms == 1:

@@ -240,8 +240,12 @@ class KvbeamKVReceiver(BaseKVReceiver):  # type: ignore[misc]
             return int(KVPoll.WaitingForInput)
         try:
             self.last = client_for(self.mgr.daemon).status(self.request_id)
-        except UnknownRequest:
-            return KVPoll.WaitingForInput  # prefill has not reserved yet
+        except UnknownRequest:  # prefill has not reserved yet, or gave up
+            room = bootstrap.call(self.bootstrap_addr, "get", _room_key(self.room))
+            if room is None or room.get("aborted"):
+                self.error = f"prefill aborted room {self.room} before reserving"
+                return int(KVPoll.Failed)
+            return int(KVPoll.WaitingForInput)
         return int(poll_of(self.last.state))
 
     def failure_exception(self) -> None:
