@@ -84,7 +84,7 @@ class SglangPair:
     """Two ``--pools engine`` daemons, the engines' pools, sglang managers over them."""
 
     def __init__(self, config: SideConfig, transport: str = "tcp", timeout: float = 60.0,
-                 chunk_tokens: int | None = None) -> None:
+                 chunk_tokens: int | None = None, extra: tuple[str, ...] = ()) -> None:
         self.config, self.timeout, self.chunk_tokens = config, timeout, chunk_tokens
         self.calls: list[tuple[str, str, str, str]] = []
         self.decode_status: Any = None
@@ -101,17 +101,18 @@ class SglangPair:
         self.decode_pools = EnginePools(config)
         self.bootstrap: Any = None
         try:
-            self._start(str(cfg), work, transport)
+            self._start(str(cfg), work, transport, extra)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, cfg: str, work: Path, transport: str) -> None:
+    def _start(self, cfg: str, work: Path, transport: str, extra: tuple[str, ...]) -> None:
         from kvbeam.integrations.sglang.conn import KvbeamKVBootstrapServer, KvbeamKVManager
 
         socks = {role: str(work / f"{role}.sock") for role in ("prefill", "decode")}
         pending = {role: spawn_daemon(role, cfg, extra=["--pools", "engine", "--attach-socket",
-                                                        socks[role], "--transport", transport])
+                                                        socks[role], "--transport", transport,
+                                                        *extra])
                    for role in ("decode", "prefill")}
         self.pending = list(pending.values())
         self.bootstrap = KvbeamKVBootstrapServer("127.0.0.1", 0)

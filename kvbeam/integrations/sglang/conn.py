@@ -91,7 +91,7 @@ class KvbeamKVManager(BaseKVManager):  # type: ignore[misc]
         self.daemon = _setting(server_args, "kvbeam_daemon")
         self.attachment = self._attach(_setting(server_args, "kvbeam_attach_socket"))
 
-    def _attach(self, sock: str, timeout: float = 60.0) -> Attachment:
+    def _attach(self, sock: str, timeout: float = 180.0) -> Attachment:
         buffers = buffers_from_kvargs(self.kv_args)
         deadline = time.monotonic() + timeout
         try:
@@ -99,7 +99,8 @@ class KvbeamKVManager(BaseKVManager):  # type: ignore[misc]
                 try:
                     return attach(sock, buffers, self.config)
                 except AttachError as exc:
-                    # The daemon beside the server may still be starting: retry then only.
+                    # The daemon beside the server may still be starting (importing torch
+                    # takes a minute under emulation): retry then only.
                     if not str(exc).startswith("cannot attach") or time.monotonic() > deadline:
                         raise
                 time.sleep(0.1)
