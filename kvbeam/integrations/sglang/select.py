@@ -19,14 +19,13 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from kvbeam.errors import SglangMismatch
+
 #: the sglang release these internals were read from and tested against
 EXPECTED_SGLANG = "0.5.23"
 BACKEND = "kvbeam"
+__all__ = ["BACKEND", "EXPECTED_SGLANG", "SglangMismatch", "install"]
 _CLASS_TYPES = ("KVARGS", "MANAGER", "SENDER", "RECEIVER", "BOOTSTRAP_SERVER")
-
-
-class SglangMismatch(RuntimeError):
-    """sglang's internals are not where kvbeam's selection expects them."""
 
 
 def _version() -> str:
