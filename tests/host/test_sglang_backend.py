@@ -120,6 +120,19 @@ def test_prefill_abort_before_send_fails_decode(pair: SglangPair) -> None:
     rx.clear()
 
 
+def test_a_refused_send_gives_decodes_reservation_back(pair: SglangPair) -> None:
+    tx, rx = _start(pair, 1003)
+    bad = _lists(1)
+    bad["KV_PAGES"] = [10**6]  # outside prefill's pool: prefill's daemon refuses the Send
+    tx.send(np.array(bad["KV_PAGES"], dtype=np.int32), _states(pair, bad), num_kv_tokens=100)
+    assert tx.poll() == FAILED
+    with pytest.raises(RuntimeError, match="out of range"):
+        tx.failure_exception()
+    assert rx.poll() == FAILED  # decode's reservation was aborted, its slot freed
+    tx.clear()
+    rx.clear()
+
+
 def test_abort_after_reserve_frees_the_decode_slot(pair: SglangPair) -> None:
     from kvbeam.engine.requests import client_for
 

@@ -163,10 +163,16 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
             raise RuntimeError(f"decode gave no destination for room {self.room}")
         lists = {"KV_PAGES": self.pages, **state_index_lists(self.mgr.layout, state_indices)}
         # Decode's reservation: its own lists, the length only prefill knows by now.
-        client_for(decode["daemon"]).reserve(self.request_id, self.tokens, self.mgr.daemon,
-                                             indices=decode["lists"])
-        self.last = client_for(self.mgr.daemon).send(
-            self.request_id, -1, self.tokens, decode["daemon"], indices=lists)
+        decode_client = client_for(decode["daemon"])
+        decode_client.reserve(self.request_id, self.tokens, self.mgr.daemon,
+                              indices=decode["lists"])
+        try:
+            self.last = client_for(self.mgr.daemon).send(
+                self.request_id, -1, self.tokens, decode["daemon"], indices=lists)
+        except KvbeamError as exc:
+            # Refused before anything moved: give decode's slot back.
+            decode_client.abort(self.request_id, f"prefill's send was refused: {exc}")
+            raise
         self.sent = True
 
     def poll(self) -> int:
