@@ -44,27 +44,33 @@ def _run(pair: SglangPair, lengths: tuple[int, ...], label: str) -> None:
             assert c.equal, c.table()
 
 
-@pytest.mark.parametrize(("unified", "lengths"), [(True, (250, 256)), (False, (250, 20))],
-                         ids=["unified-draft", "paged-draft"])
-def test_sglang_calls_move_state_token_identically(unified: bool,
-                                                   lengths: tuple[int, ...]) -> None:
-    # 128-token chunks: a 250-token prompt is sent as two sglang chunks.
-    with SglangPair(tiny_config(unified=unified, draft=True), chunk_tokens=128) as pair:
-        _run(pair, lengths, "unified" if unified else "paged")
-        print("\n" + pair.table())
-        saw = [row[3] for row in pair.calls]
-        assert saw[:5] == ["Bootstrapping", "WaitingForInput", "Bootstrapping",
-                           "WaitingForInput", "WaitingForInput"], pair.table()
-        assert [r for r in pair.calls if r[1] == "poll() until done"] == [
-            ("prefill", "poll() until done", "Status", "Success"),
-            ("decode", "poll() until done", "Status (after CRC32C check)", "Success")]
-        assert sum(r[1].startswith("send(") for r in pair.calls) == 2  # two chunks
-
-
 @pytest.fixture(scope="module")
 def pair() -> Iterator[SglangPair]:
-    with SglangPair(tiny_config(unified=True, draft=True)) as p:
+    """Unified KV with the NextN draft; 128-token chunks (a 250-token prompt is two)."""
+    with SglangPair(tiny_config(unified=True, draft=True), chunk_tokens=128) as p:
         yield p
+
+
+def _check_calls(pair: SglangPair) -> None:
+    print("\n" + pair.table())
+    saw = [row[3] for row in pair.calls]
+    assert saw[:5] == ["Bootstrapping", "WaitingForInput", "Bootstrapping",
+                       "WaitingForInput", "WaitingForInput"], pair.table()
+    assert [r for r in pair.calls if r[1] == "poll() until done"] == [
+        ("prefill", "poll() until done", "Status", "Success"),
+        ("decode", "poll() until done", "Status (after CRC32C check)", "Success")]
+    assert sum(r[1].startswith("send(") for r in pair.calls) == 2  # two chunks
+
+
+def test_sglang_calls_move_unified_state_token_identically(pair: SglangPair) -> None:
+    _run(pair, (250,), "unified")
+    _check_calls(pair)
+
+
+def test_sglang_calls_move_paged_state_token_identically() -> None:
+    with SglangPair(tiny_config(unified=False, draft=True), chunk_tokens=128) as paged:
+        _run(paged, (250, 20), "paged")
+        _check_calls(paged)
 
 
 def _start(pair: SglangPair, room: int) -> tuple[KvbeamKVSender, KvbeamKVReceiver]:
