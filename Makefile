@@ -12,6 +12,7 @@ SETUP_STAMP := $(VENV)/.kvbeam-setup
 # True when `kubectl kustomize` is Kustomize v5 or newer (docker/k8s needs it).
 KUSTOMIZE_V5 := kubectl version --client -o json 2>/dev/null \
 	| grep -Eq '"kustomizeVersion": "v([5-9]|[1-9][0-9])\.'
+SGLANG_STAMP := $(VENV)/.kvbeam-sglang
 
 .PHONY: help system-deps setup demo test test-host test-rdma test-compose lint proto proto-check \
 	bench bench-plan bench-handshake bench-deps clean
@@ -51,7 +52,16 @@ $(SETUP_STAMP): pyproject.toml setup.py
 	bash tests/softroce/setup.sh
 	touch $@
 
-setup: $(SETUP_STAMP) ## venv, Python packages, pyverbs link, soft-RoCE guest kernel and initramfs
+setup: $(SETUP_STAMP) $(SGLANG_STAMP) ## venv, Python packages, pyverbs link, soft-RoCE guest kernel and initramfs
+
+# sglang's disaggregation interface for kvbeam's sglang backend and its tests, pinned and
+# --no-deps: sglang's own requirements are CUDA builds (docs/sglang.md).
+.PHONY: sglang
+sglang: $(SGLANG_STAMP) ## sglang 0.5.23's interface classes (requirements-sglang.txt, --no-deps)
+
+$(SGLANG_STAMP): requirements-sglang.txt $(SETUP_STAMP)
+	$(PY) -m pip install -q --no-deps -r requirements-sglang.txt
+	touch $@
 
 demo: setup ## reference engines through two --pools engine daemons, token-identical continuation (RDMA; soft-RoCE guest here)
 	$(VENV)/bin/kvbeam demo

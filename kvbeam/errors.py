@@ -276,3 +276,8 @@ class TransferFailed(KvbeamError):
         super().__init__(message)
         self.reason = reason
         self.detail = detail
+
+
+class SglangMismatch(KvbeamError):
+    """sglang's internals are not where kvbeam's sglang backend selection expects them
+    (:mod:`kvbeam.integrations.sglang.select`; the message names the expected version)."""

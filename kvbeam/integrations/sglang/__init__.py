@@ -1,0 +1,13 @@
+"""kvbeam as an sglang disaggregation transfer backend (sglang 0.5.23; docs/sglang.md).
+
+- :mod:`~kvbeam.integrations.sglang.conn`: ``KvbeamKVManager``, ``KvbeamKVSender``,
+  ``KvbeamKVReceiver``, ``KvbeamKVBootstrapServer``, subclasses of sglang's base classes
+  (importing it imports sglang, and says how to install it when missing);
+- :mod:`~kvbeam.integrations.sglang.select`: ``install()`` makes
+  ``--disaggregation-transfer-backend kvbeam`` resolve to them;
+- :mod:`~kvbeam.integrations.sglang.kvargs` and
+  :mod:`~kvbeam.integrations.sglang.bootstrap`: ``KVArgs`` to attach descriptions and
+  index lists, and the rendezvous store (no sglang import).
+
+Importing this package imports neither sglang nor gRPC.
+"""

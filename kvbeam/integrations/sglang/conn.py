@@ -1,0 +1,294 @@
+"""kvbeam as an sglang transfer backend: manager, sender, receiver, bootstrap server.
+
+Subclasses of sglang's own base classes (``sglang.srt.disaggregation.base.conn``,
+sglang 0.5.23) on :mod:`kvbeam.engine`. Each server process runs a kvbeam daemon
+beside it (``kvbeam prefill|decode --pools engine --attach-socket PATH``); the
+manager attaches the engine's pools that ``KVArgs`` points at, the daemons move the
+bytes. docs/sglang.md.
+
+Settings (attributes of sglang's ``server_args`` when present, else environment):
+``kvbeam_config`` / ``KVBEAM_CONFIG`` (the side YAML the daemon runs with),
+``kvbeam_daemon`` / ``KVBEAM_DAEMON`` (its gRPC address), ``kvbeam_attach_socket`` /
+``KVBEAM_ATTACH_SOCKET``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvbeam.engine import Attachment, attach
+from kvbeam.engine.requests import KVPoll, client_for, poll_of
+from kvbeam.errors import AttachError, KvbeamError, PoolCompatibilityError, UnknownRequest
+from kvbeam.integrations.sglang import bootstrap
+from kvbeam.integrations.sglang.kvargs import (
+    buffers_from_kvargs,
+    check_kvargs,
+    state_index_lists,
+)
+from kvbeam.pools.checks import check_target_draft
+from kvbeam.pools.layout import build_side_layout
+from kvbeam.pools.spec import SideConfig
+from kvbeam.states import TransferState
+
+try:
+    from sglang.srt.disaggregation.base.conn import (
+        BaseKVBootstrapServer,
+        BaseKVManager,
+        BaseKVReceiver,
+        BaseKVSender,
+        KVTransferMetric,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "kvbeam.integrations.sglang needs sglang 0.5.23 (`make sglang`, or "
+        f"`pip install --no-deps -r requirements-sglang.txt`): {exc}") from exc
+
+log = logging.getLogger(__name__)
+PREFILL_KEY = "kvbeam.prefill"
+
+
+def _setting(server_args: Any, name: str) -> str:
+    value = getattr(server_args, name, None) or os.environ.get(name.upper())
+    if not value:
+        raise RuntimeError(f"kvbeam sglang backend: set server_args.{name} or {name.upper()}")
+    return str(value)
+
+
+def _room_key(room: Any) -> str:
+    return f"room.{room}"
+
+
+class KvbeamKVManager(BaseKVManager):  # type: ignore[misc]
+    """One per server: checks the pools ``KVArgs`` describes and attaches them.
+
+    Raises (at construction, before anything is attached):
+        RuntimeError: sglang's DSV4 target/draft checks failed, with sglang's wording
+            ("DSV4 target and draft pools must use the same unified-KV mode: ...").
+        AttachError: ``KVArgs`` does not match the kvbeam config, is not in shareable
+            memory, or the daemon refused the attach.
+    """
+
+    def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any,
+                 is_mla_backend: bool | None = False) -> None:
+        self.kv_args = args
+        self.mode = str(getattr(disaggregation_mode, "value", disaggregation_mode))
+        self.server_args = server_args
+        path = _setting(server_args, "kvbeam_config")
+        self.config = SideConfig.from_mapping(yaml.safe_load(Path(path).read_text()), path)
+        self.layout = build_side_layout(self.config)
+        try:
+            check_target_draft(self.layout, self.mode)
+        except PoolCompatibilityError as exc:
+            raise RuntimeError(str(exc)) from exc
+        check_kvargs(args, self.layout)
+        self.daemon = _setting(server_args, "kvbeam_daemon")
+        self.attachment = self._attach(_setting(server_args, "kvbeam_attach_socket"))
+
+    def _attach(self, sock: str, timeout: float = 180.0) -> Attachment:
+        buffers = buffers_from_kvargs(self.kv_args)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    return attach(sock, buffers, self.config)
+                except AttachError as exc:
+                    # The daemon beside the server may still be starting (importing torch
+                    # takes a minute under emulation): retry then only.
+                    if not str(exc).startswith("cannot attach") or time.monotonic() > deadline:
+                        raise
+                time.sleep(0.1)
+        finally:
+            for fd in buffers.fds:
+                os.close(fd)
+
+    def register_to_bootstrap(self) -> None:
+        """Prefill: publish the daemon's address at this server's bootstrap server."""
+        host = getattr(self.server_args, "host", "127.0.0.1")
+        port = self.server_args.disaggregation_bootstrap_port
+        bootstrap.call(f"{host}:{port}", "put", PREFILL_KEY, {"daemon": self.daemon})
+
+    def close(self) -> None:
+        """Detach the engine's memory (the daemon fails its live requests)."""
+        self.attachment.close()
+
+
+class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
+    """Prefill's side of one request (``bootstrap_room``)."""
+
+    def __init__(self, mgr: KvbeamKVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False) -> None:
+        self.mgr, self.bootstrap_addr, self.room = mgr, bootstrap_addr, bootstrap_room
+        self.request_id = f"sglang-{bootstrap_room}"
+        self.num_pages = 0
+        self.pages: list[Any] = []
+        self.tokens = 0
+        self.sent = False
+        self.error: str | None = None
+        self.last: Any = None
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        """Remember how many pages the request has (the last chunk completes them)."""
+        self.num_pages = num_kv_indices
+
+    def send(self, kv_indices: Any, state_indices: list[Any] | None = None,
+             num_kv_tokens: int | None = None, **_: Any) -> None:
+        """One chunk's pages; the last (states given, or all pages) moves the request.
+
+        sglang's sender learns the request's length only as chunks arrive
+        (``num_kv_tokens``), and kvbeam needs it for the whole request, so earlier
+        chunks are collected and the request moves as one kvbeam send at the last.
+        """
+        if num_kv_tokens is None:
+            raise ValueError("kvbeam needs num_kv_tokens on every send (sglang >= 0.5.23)")
+        self.pages.extend(int(p) for p in kv_indices)
+        self.tokens += num_kv_tokens
+        if state_indices is None and len(self.pages) < self.num_pages:
+            return
+        try:
+            self._send_all(state_indices)
+        except (KvbeamError, RuntimeError, OSError, ValueError) as exc:
+            self.error = f"kvbeam send of {self.request_id} failed: {exc}"
+            log.error("%s", self.error)
+
+    def _send_all(self, state_indices: list[Any] | None) -> None:
+        decode = bootstrap.call(self.bootstrap_addr, "get", _room_key(self.room))
+        if not decode or decode.get("aborted"):
+            raise RuntimeError(f"decode gave no destination for room {self.room}")
+        lists = {"KV_PAGES": self.pages, **state_index_lists(self.mgr.layout, state_indices)}
+        # Decode's reservation: its own lists, the length only prefill knows by now.
+        decode_client = client_for(decode["daemon"])
+        decode_client.reserve(self.request_id, self.tokens, self.mgr.daemon,
+                              indices=decode["lists"])
+        try:
+            self.last = client_for(self.mgr.daemon).send(
+                self.request_id, -1, self.tokens, decode["daemon"], indices=lists)
+        except KvbeamError as exc:
+            # Refused before anything moved: give decode's slot back.
+            decode_client.abort(self.request_id, f"prefill's send was refused: {exc}")
+            raise
+        self.sent = True
+
+    def poll(self) -> int:
+        """Bootstrapping until decode sent its metadata, WaitingForInput, then kvbeam's."""
+        if self.error is not None:
+            return int(KVPoll.Failed)
+        if self.sent:
+            self.last = client_for(self.mgr.daemon).status(self.request_id)
+            return int(poll_of(self.last.state))
+        decode = bootstrap.call(self.bootstrap_addr, "get", _room_key(self.room))
+        if decode is None:
+            return int(KVPoll.Bootstrapping)
+        return int(KVPoll.Failed if decode.get("aborted") else KVPoll.WaitingForInput)
+
+    def failure_exception(self) -> None:
+        """Raise the failure's description."""
+        _raise_failure(self.request_id, self.error, self.last)
+
+    def get_transfer_metric(self) -> Any:
+        """Bytes moved, as the prefill daemon counted them."""
+        return KVTransferMetric(transfer_total_bytes=getattr(self.last, "bytes_done", None))
+
+    def abort(self) -> None:
+        """Abort at the prefill daemon (it tells decode's), or tell decode through the room."""
+        if self.sent:
+            self.last = client_for(self.mgr.daemon).abort(self.request_id, "aborted by sglang")
+        else:
+            bootstrap.call(self.bootstrap_addr, "put", _room_key(self.room), {"aborted": True})
+        self.error = self.error or "aborted"
+
+    def clear(self) -> None:
+        """Forget the room at the bootstrap server."""
+        bootstrap.call(self.bootstrap_addr, "delete", _room_key(self.room))
+
+
+class KvbeamKVReceiver(BaseKVReceiver):  # type: ignore[misc]
+    """Decode's side of one request (``bootstrap_room``)."""
+
+    def __init__(self, mgr: KvbeamKVManager, bootstrap_addr: str,
+                 bootstrap_room: int | None = None) -> None:
+        self.mgr, self.bootstrap_addr, self.room = mgr, bootstrap_addr, bootstrap_room
+        self.request_id = f"sglang-{bootstrap_room}"
+        self.prefill: dict[str, Any] | None = None
+        self.metadata_sent = False
+        self.error: str | None = None
+        self.last: Any = None
+
+    def init(self, prefill_dp_rank: int = 0) -> None:
+        """Look prefill's daemon up at its bootstrap server."""
+        self.prefill = bootstrap.call(self.bootstrap_addr, "get", PREFILL_KEY)
+        if self.prefill is None:
+            self.error = f"no kvbeam prefill registered at {self.bootstrap_addr}"
+
+    def send_metadata(self, kv_indices: Any, aux_index: int | None = None,
+                      state_indices: list[Any] | None = None,
+                      decode_prefix_len: int | None = None, destination: Any = None) -> None:
+        """Publish the destination lists for prefill, which reserves with them."""
+        lists = {"KV_PAGES": kv_indices,
+                 **state_index_lists(self.mgr.layout, state_indices)}
+        value = {"daemon": self.mgr.daemon,
+                 "lists": {k: [int(i) for i in v] for k, v in lists.items()}}
+        bootstrap.call(self.bootstrap_addr, "put", _room_key(self.room), value)
+        self.metadata_sent = True
+
+    def poll(self) -> int:
+        """Bootstrapping before init, WaitingForInput until reserved, then kvbeam's."""
+        if self.error is not None:
+            return int(KVPoll.Failed)
+        if self.prefill is None:
+            return int(KVPoll.Bootstrapping)
+        if not self.metadata_sent:
+            return int(KVPoll.WaitingForInput)
+        try:
+            self.last = client_for(self.mgr.daemon).status(self.request_id)
+        except UnknownRequest:  # prefill has not reserved yet, or gave up
+            room = bootstrap.call(self.bootstrap_addr, "get", _room_key(self.room))
+            if room is None or room.get("aborted"):
+                self.error = f"prefill aborted room {self.room} before reserving"
+                return int(KVPoll.Failed)
+            return int(KVPoll.WaitingForInput)
+        return int(poll_of(self.last.state))
+
+    def failure_exception(self) -> None:
+        """Raise the failure's description."""
+        _raise_failure(self.request_id, self.error, self.last)
+
+    def abort(self) -> None:
+        """Abort at the decode daemon (it tells prefill's) and withdraw the metadata."""
+        bootstrap.call(self.bootstrap_addr, "put", _room_key(self.room), {"aborted": True})
+        with contextlib.suppress(UnknownRequest):  # never reserved: nothing held
+            self.last = client_for(self.mgr.daemon).abort(self.request_id, "aborted by sglang")
+        self.error = self.error or "aborted"
+
+    def clear(self) -> None:
+        """Release the reservation (the engine took the KV over) and forget the room."""
+        if self.last is not None and self.last.state is TransferState.SUCCESS:
+            self.last = client_for(self.mgr.daemon).release(self.request_id)
+        bootstrap.call(self.bootstrap_addr, "delete", _room_key(self.room))
+
+
+class KvbeamKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[misc]
+    """The prefill server's rendezvous (:class:`~kvbeam.integrations.sglang.bootstrap.
+    BootstrapServer`) on sglang's ``--disaggregation-bootstrap-port``."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.server = bootstrap.BootstrapServer(host, port)
+
+    def close(self) -> None:
+        """Stop the server."""
+        self.server.close()
+
+
+def _raise_failure(request_id: str, error: str | None, last: Any) -> None:
+    if error is not None:
+        raise RuntimeError(error)
+    if last is not None and last.state is TransferState.FAILED:
+        reason = last.reason.value if last.reason else "unknown"
+        raise RuntimeError(f"kvbeam request {request_id} failed: {reason}: {last.detail}")
+

@@ -1,0 +1,178 @@
+"""kvbeam as sglang's transfer backend over real daemons (TCP), driven as sglang drives it.
+
+The reference engines' pools are memfds; sglang's ``KVArgs`` built from their
+pointers go to kvbeam's sglang manager, which attaches them to a ``--pools engine``
+daemon. Each request is moved through sglang's own calls in the prefill and decode
+schedulers' order (receiver init, send_metadata, sender init, send per chunk with
+the states on the last, poll until Success, clear) and the decode reference engine
+must continue token-identically (tokens, logits, NextN draft proposals). Abort
+paths free both sides; a mismatched draft is refused at manager construction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvbeam.errors import UnknownRequest
+from kvbeam.integrations.sglang.conn import KvbeamKVReceiver, KvbeamKVSender
+from kvbeam.pools.checks import SAME_UNIFIED
+from kvbeam.pools.spec import SideConfig
+from kvbeam.proto.attach_codec import config_to_mapping
+from kvbeam.refengine.configs import tiny_config
+from kvbeam.refengine.run import compare, make_prompt, torch_threads
+from kvbeam.states import VERIFIED_PREFIX, TransferState
+from tests.sglang_helpers import SglangPair, positional_states
+
+K = 8
+FAILED, WAITING, SUCCESS = 0, 2, 4
+
+
+def _run(pair: SglangPair, lengths: tuple[int, ...], label: str) -> None:
+    with torch_threads(1):
+        for n in lengths:
+            t0 = time.monotonic()
+            c = compare(pair.config, make_prompt(n, 512, seed=n), K, transfer=pair.transfer,
+                        prefill_side=pair.prefill_pools, decode_side=pair.decode_pools)
+            print(f"\n{label} prompt {n}: equal {c.equal}, {time.monotonic() - t0:.1f} s")
+            assert pair.decode_status.detail.startswith(VERIFIED_PREFIX), pair.decode_status
+            assert c.tokens_equal and c.proposals_equal, c.table()
+            assert c.moved.proposals  # the NextN draft ran on moved state
+            assert c.equal, c.table()
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[SglangPair]:
+    """Unified KV with the NextN draft; 128-token chunks (a 250-token prompt is two)."""
+    with SglangPair(tiny_config(unified=True, draft=True), chunk_tokens=128) as p:
+        yield p
+
+
+def _check_calls(pair: SglangPair) -> None:
+    print("\n" + pair.table())
+    saw = [row[3] for row in pair.calls]
+    assert saw[:5] == ["Bootstrapping", "WaitingForInput", "Bootstrapping",
+                       "WaitingForInput", "WaitingForInput"], pair.table()
+    assert [r for r in pair.calls if r[1] == "poll() until done"] == [
+        ("prefill", "poll() until done", "Status", "Success"),
+        ("decode", "poll() until done", "Status (after CRC32C check)", "Success")]
+    assert sum(r[1].startswith("send(") for r in pair.calls) == 2  # two chunks
+
+
+def test_sglang_calls_move_unified_state_token_identically(pair: SglangPair) -> None:
+    _run(pair, (250,), "unified")
+    _check_calls(pair)
+
+
+def test_sglang_calls_move_paged_state_token_identically() -> None:
+    with SglangPair(tiny_config(unified=False, draft=True), chunk_tokens=128) as paged:
+        _run(paged, (250, 20), "paged")
+        _check_calls(paged)
+
+
+def _start(pair: SglangPair, room: int) -> tuple[KvbeamKVSender, KvbeamKVReceiver]:
+    """A request up to the point where prefill would send (decode has reserved nothing)."""
+    rx = KvbeamKVReceiver(pair.decode_mgr, pair.bootstrap_addr, room)
+    rx.init(0)
+    tx = KvbeamKVSender(pair.prefill_mgr, pair.bootstrap_addr, room)
+    tx.init(1, 0)
+    rx.send_metadata(np.array([0], dtype=np.int32), 0, _states(pair, _lists(0)))
+    assert tx.poll() == WAITING and rx.poll() == WAITING
+    return tx, rx
+
+
+def _lists(item: int) -> dict[str, list[int]]:
+    """Index lists of a 100-token request at item ``item`` of every kind."""
+    return {"KV_PAGES": [item], "SWA_RING_ROWS": list(range(32 * item, 32 * item + 32)),
+            "REQ_SLOT": [item], "C128_STATE": [item]}
+
+
+def _states(pair: SglangPair, lists: dict[str, list[int]]) -> list[object]:
+    """``lists`` as sglang's positional state_indices (draft: the target's)."""
+    return [None if c.pool == "draft" else
+            {k: lists[k] for k in sorted({b.index_kind.name for b in c.buffers})}
+            for c in pair.prefill_mgr.layout.states]
+
+
+def test_decode_abort_before_send_fails_both_and_holds_nothing(pair: SglangPair) -> None:
+    tx, rx = _start(pair, 1001)
+    rx.abort()
+    assert rx.poll() == FAILED
+    assert tx.poll() == FAILED  # prefill sees the withdrawn room and never sends
+    tx.send(np.array([1], dtype=np.int32), _states(pair, _lists(1)), num_kv_tokens=100)
+    assert tx.poll() == FAILED
+    with pytest.raises(RuntimeError, match=r"decode gave no destination|aborted"):
+        tx.failure_exception()
+    tx.clear()
+    rx.clear()
+    for mgr in pair.managers:  # neither daemon holds the request
+        from kvbeam.engine.requests import client_for
+
+        with pytest.raises(UnknownRequest):
+            client_for(mgr.daemon).status(tx.request_id)
+
+
+def test_prefill_abort_before_send_fails_decode(pair: SglangPair) -> None:
+    tx, rx = _start(pair, 1002)
+    tx.abort()
+    assert tx.poll() == FAILED
+    assert rx.poll() == FAILED
+    with pytest.raises(RuntimeError, match="prefill aborted room 1002"):
+        rx.failure_exception()
+    tx.clear()
+    rx.clear()
+
+
+def test_a_refused_send_gives_decodes_reservation_back(pair: SglangPair) -> None:
+    tx, rx = _start(pair, 1003)
+    bad = _lists(1)
+    bad["KV_PAGES"] = [10**6]  # outside prefill's pool: prefill's daemon refuses the Send
+    tx.send(np.array(bad["KV_PAGES"], dtype=np.int32), _states(pair, bad), num_kv_tokens=100)
+    assert tx.poll() == FAILED
+    with pytest.raises(RuntimeError, match="out of range"):
+        tx.failure_exception()
+    assert rx.poll() == FAILED  # decode's reservation was aborted, its slot freed
+    tx.clear()
+    rx.clear()
+
+
+def test_abort_after_reserve_frees_the_decode_slot(pair: SglangPair) -> None:
+    from kvbeam.engine.requests import client_for
+
+    slots = pair.config.target.num_req_slots
+    # More requests than decode has slots: each abort must give its slot back.
+    for i in range(slots + 1):
+        tx, rx = _start(pair, 2000 + i)
+        decode = pair.decode_mgr.daemon
+        client_for(decode).reserve(tx.request_id, 100, pair.prefill_mgr.daemon,
+                                   indices=_lists(0))
+        assert rx.poll() == 1  # reserved: Bootstrapping until prefill connects
+        rx.abort()
+        assert rx.poll() == FAILED
+        assert rx.last.state is TransferState.FAILED
+        tx.clear()
+        rx.clear()
+    # And a full request still moves afterwards.
+    _run(pair, (250,), "after aborts")
+
+
+def test_mismatched_draft_refused_at_manager_construction() -> None:
+    data = config_to_mapping(tiny_config(unified=True, draft=True))
+    data["draft"]["unified_kv"] = False
+    with pytest.raises(RuntimeError, match=f"^{SAME_UNIFIED}"):
+        SglangPair(SideConfig.from_mapping(data, "mismatched-draft"))
+
+
+def test_positional_states_cover_every_kind_of_the_layout() -> None:
+    from kvbeam.integrations.sglang.kvargs import state_index_lists
+    from kvbeam.pools.layout import build_side_layout
+    from kvbeam.pools.types import IndexKind
+
+    layout = build_side_layout(tiny_config(unified=False, draft=True))
+    lists = {k: np.array([3]) for k in IndexKind}
+    got = state_index_lists(layout, positional_states(layout, lists))
+    assert set(got) == {b.index_kind.name for c in layout.states for b in c.buffers
+                        if c.pool == "target"}

@@ -1,0 +1,164 @@
+"""kvbeam's sglang backend without daemons: KVArgs, index mapping, selection, rendezvous.
+
+Needs sglang 0.5.23 installed (``make sglang``; ``make setup`` does it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import numpy as np
+import pytest
+import yaml
+
+from kvbeam.engine import EngineBuffers, EnginePools
+from kvbeam.errors import AttachError
+from kvbeam.integrations.sglang import bootstrap, select
+from kvbeam.integrations.sglang.kvargs import (
+    buffers_from_kvargs,
+    check_kvargs,
+    state_index_lists,
+)
+from kvbeam.pools.checks import SAME_UNIFIED
+from kvbeam.pools.layout import build_side_layout
+from kvbeam.proto.attach_codec import config_to_mapping
+from kvbeam.refengine.configs import tiny_config
+from tests.sglang_helpers import kvargs_for, sglang_utils_surface
+
+
+def test_kvargs_pointers_become_the_pools_fds_and_offsets() -> None:
+    with EnginePools(tiny_config(unified=True, draft=True)) as pools:
+        args = kvargs_for(pools)
+        check_kvargs(args, pools.layout)
+        got = buffers_from_kvargs(args)
+        try:
+            want = pools.buffers()
+            assert len(got.fds) == len(want.fds)
+
+            def places(b: EngineBuffers) -> list[list[tuple[int, int, int, int]]]:
+                # The same file (by inode; fd numbers differ: dups), offset, sizes.
+                return [[(os.fstat(b.fds[r.fd_index]).st_ino, r.offset, r.length, r.item_len)
+                         for r in c] for c in b.components]
+
+            assert places(got) == places(want)
+        finally:
+            for fd in got.fds:
+                os.close(fd)
+
+
+def test_kvargs_in_private_memory_is_refused_naming_the_buffer() -> None:
+    with EnginePools(tiny_config(unified=False, draft=False)) as pools:
+        args = kvargs_for(pools)
+        private = np.zeros(args.kv_data_lens[0], dtype=np.uint8)
+        args.kv_data_ptrs[0] = int(private.ctypes.data)
+        with pytest.raises(AttachError, match=r"component 0 buffer 0 .* not in shareable memory"):
+            buffers_from_kvargs(args)
+
+
+def test_kvargs_that_do_not_match_the_config_are_refused() -> None:
+    with EnginePools(tiny_config(unified=True, draft=True)) as pools:
+        args = kvargs_for(pools)
+        args.state_types = args.state_types[:-1]
+        args.state_data_ptrs, args.state_data_lens, args.state_item_lens = (
+            x[:-1] for x in (args.state_data_ptrs, args.state_data_lens, args.state_item_lens))
+        with pytest.raises(AttachError, match="do not match the kvbeam config") as info:
+            check_kvargs(args, pools.layout)
+        assert info.value.field == "state_types"
+        args = kvargs_for(pools)
+        args.kv_item_lens[0] += 1
+        with pytest.raises(AttachError, match=r"component 0 \(kv\)"):
+            check_kvargs(args, pools.layout)
+
+
+def test_positional_state_indices_map_to_kinds_draft_last() -> None:
+    layout = build_side_layout(tiny_config(unified=True, draft=True))
+    names = [c.name for c in layout.states]
+    assert names[-1] == "draft.swa_ring"
+    entries: list[object] = []
+    for comp in layout.states:
+        kinds = sorted({b.index_kind.name for b in comp.buffers})
+        entries.append({k: [1] for k in kinds} if len(kinds) > 1 else [7])
+    lists = state_index_lists(layout, [*entries[:-1], None])
+    assert "draft.SWA_RING_ROWS" not in lists and lists["SWA_RING_ROWS"] == [7]
+    lists = state_index_lists(layout, entries)
+    assert lists["draft.SWA_RING_ROWS"] == [7]
+    paged = build_side_layout(tiny_config(unified=False, draft=True))
+    multi = next(c for c in paged.states if len({b.index_kind for b in c.buffers}) > 1)
+    bad = [[1] if c is multi else None for c in paged.states]
+    with pytest.raises(ValueError, match="pass a mapping kind -> list"):
+        state_index_lists(paged, bad)
+
+
+def test_mismatched_draft_is_refused_at_construction_with_sglangs_wording(
+        tmp_path: Path) -> None:
+    from kvbeam.integrations.sglang.conn import KvbeamKVManager
+
+    data = config_to_mapping(tiny_config(unified=True, draft=True))
+    data["draft"]["unified_kv"] = False
+    cfg = tmp_path / "side.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    from kvbeam.pools.spec import SideConfig
+
+    with EnginePools(SideConfig.from_mapping(data, "bad")) as pools:
+        args = SimpleNamespace(kvbeam_config=str(cfg), kvbeam_daemon="127.0.0.1:1",
+                               kvbeam_attach_socket=str(tmp_path / "none.sock"))
+        with pytest.raises(RuntimeError, match=f"^{SAME_UNIFIED}: target=True, draft=False"):
+            KvbeamKVManager(kvargs_for(pools), "decode", args)
+
+
+def test_the_backend_enum_resolves_to_kvbeams_classes() -> None:
+    from kvbeam.integrations.sglang import conn
+
+    utils = sglang_utils_surface()
+    choices = ["mooncake", "nixl"]
+    select.install(utils, choices)
+    select.install(utils, choices)  # idempotent
+    backend = utils.TransferBackend("kvbeam")
+    assert backend.name == "KVBEAM" and backend in list(utils.TransferBackend)
+    kinds = utils.KVClassType
+    assert utils.get_kv_class(backend, kinds.MANAGER) is conn.KvbeamKVManager
+    assert utils.get_kv_class(backend, kinds.SENDER) is conn.KvbeamKVSender
+    assert utils.get_kv_class(backend, kinds.RECEIVER) is conn.KvbeamKVReceiver
+    assert utils.get_kv_class(backend, kinds.BOOTSTRAP_SERVER) is conn.KvbeamKVBootstrapServer
+    from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
+
+    assert issubclass(conn.KvbeamKVManager, BaseKVManager)
+    assert utils.get_kv_class(backend, kinds.KVARGS) is KVArgs  # sglang's own container
+    assert choices == ["mooncake", "nixl", "kvbeam"]
+    # The other backends still resolve through sglang's function.
+    with pytest.raises(ValueError, match="Unsupported transfer backend"):
+        utils.get_kv_class("nope", kinds.MANAGER)
+
+
+def test_moved_internals_fail_loudly_naming_the_version() -> None:
+    moved = ModuleType("sglang.srt.disaggregation.utils")
+    with pytest.raises(select.SglangMismatch, match=r"expects sglang 0\.5\.23 .*TransferBackend"):
+        select.install(moved, [])
+    utils = sglang_utils_surface()
+    del utils.get_kv_class
+    with pytest.raises(select.SglangMismatch, match=r"0\.5\.23 .*get_kv_class is missing"):
+        select.install(utils, [])
+
+
+def test_missing_sglang_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "kvbeam.integrations.sglang.conn", raising=False)
+    monkeypatch.setitem(sys.modules, "sglang.srt.disaggregation.base.conn", None)
+    with pytest.raises(ImportError, match=r"needs sglang 0\.5\.23 \(`make sglang`"):
+        import kvbeam.integrations.sglang.conn  # noqa: F401
+
+
+def test_bootstrap_store_round_trip() -> None:
+    server = bootstrap.BootstrapServer("127.0.0.1", 0)
+    try:
+        assert bootstrap.call(server.address, "get", "room.1") is None
+        bootstrap.call(server.address, "put", "room.1", {"lists": {"KV_PAGES": [3, 1]}})
+        assert bootstrap.call(server.address, "get", "room.1") == {"lists": {"KV_PAGES": [3, 1]}}
+        assert bootstrap.call(server.address, "delete", "room.1") is not None
+        assert bootstrap.call(server.address, "get", "room.1") is None
+        with pytest.raises(RuntimeError, match="unknown op 'drop'"):
+            bootstrap.call(server.address, "drop", "room.1")
+    finally:
+        server.close()
