@@ -9,7 +9,9 @@ handshake compares it). An engine's block ids are the request's ``KV_PAGES`` lis
 The pool is a :class:`~kvbeam.pools.spec.PoolSpec` of kind ``paged``, so a side
 config, the attach message and the daemon's index checks carry it as they carry a
 DSV4 pool: ``compression_ratios`` has one 0 per layer, ``page_size`` is the block
-size, ``head_dim`` the head size, and ``max_context_len / page_size`` the blocks.
+size, ``head_dim`` the head size, ``max_context_len / page_size`` the blocks of a layer
+(any request may use any of them: the engine always names its blocks) and
+``num_req_slots`` the transfers in flight at once.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ KV_PARTS = 2
 
 
 def paged_spec(*, num_layers: int, block_size: int, num_kv_heads: int, head_size: int,
-               dtype: str, inner_layout: str, num_blocks: int) -> PoolSpec:
-    """A validated paged pool spec of ``num_blocks`` blocks per layer."""
+               dtype: str, inner_layout: str, num_blocks: int,
+               max_inflight: int = 64) -> PoolSpec:
+    """A validated paged pool spec of ``num_blocks`` blocks per layer, ``max_inflight``
+    requests moving at once."""
     spec = PoolSpec(compression_ratios=(0,) * num_layers, page_size=block_size,
                     head_dim=head_size, num_kv_heads=num_kv_heads, dtype=dtype,
-                    kind="paged", inner_layout=inner_layout, num_req_slots=1,
+                    kind="paged", inner_layout=inner_layout, num_req_slots=max_inflight,
                     max_context_len=num_blocks * block_size)
     spec.validate("paged pool")
     return spec
@@ -43,7 +47,7 @@ def block_bytes(spec: PoolSpec) -> int:
 
 def num_blocks(spec: PoolSpec) -> int:
     """Blocks per layer."""
-    return spec.full_pages
+    return spec.max_pages_per_req
 
 
 #: The paged geometry fields the handshake compares, by the name users know them by.

@@ -74,8 +74,8 @@ class PoolSpec:
             spans one extra page).
         kind: ``dsv4`` (the fields above) or ``paged``: per-layer K and V blocks of
             ``page_size`` tokens x ``num_kv_heads`` x ``head_dim`` (one layer per
-            ``compression_ratios`` entry, all 0), ``num_req_slots * max_context_len /
-            page_size`` blocks per layer (:func:`kvbeam.pools.paged.paged_spec`).
+            ``compression_ratios`` entry, all 0), ``max_context_len / page_size``
+            blocks per layer (:func:`kvbeam.pools.paged.paged_spec`).
         num_kv_heads: KV heads per block (paged kind; 1 for DSV4).
         inner_layout: the engine's name for the order of a block's bytes (paged kind,
             e.g. vLLM CPU's ``LBHNC``): both sides must use the same one.

@@ -1,0 +1,91 @@
+"""One vLLM instance for tests/host/test_vllm_connector.py, as a fresh process.
+
+    python -m tests.vllm_peer MODE MODEL_DIR JOB.json OUT.json
+
+MODE ``plain`` (no connector), ``prefill`` or ``decode`` (the kvbeam connector; JOB's
+``connector`` is its ``kv_connector_extra_config``). JOB holds the prompts (token ids)
+and ``max_tokens``. Once its engine is up the peer prints ``peer ready`` and reads
+lines, each a JSON list of per-prompt ``kv_transfer_params`` (or ``null``): per line it
+runs the batch, writes OUT (per prompt the token ids, finish reason, returned
+kv_transfer_params and seconds) and prints ``peer done``. An empty line or EOF ends it
+(prefill keeps its engine, and so its attached KV cache, until then).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+
+def build(mode: str, model_dir: str, job: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
+                                  dtype=job["dtype"], max_model_len=512, enforce_eager=True,
+                                  seed=0, block_size=job["block_size"],
+                                  enable_prefix_caching=mode == "plain")
+    if mode != "plain":
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KvbeamConnector",
+            "kv_connector_module_path": "kvbeam.integrations.vllm",
+            "kv_role": "kv_producer" if mode == "prefill" else "kv_consumer",
+            "kv_connector_extra_config": job["connector"],
+        }
+    return LLM(**kwargs)
+
+
+def reseed_weights(model: Any) -> None:
+    """Seeded, unit-scale weights in place of vLLM's +-1e-3 dummy ones, identical in every
+    instance: with those the outputs ignore the context (the negative control shows it)."""
+    import zlib
+
+    import torch
+
+    for name, p in sorted(model.named_parameters()):
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        if "norm" in name:
+            w = torch.ones(p.shape)
+        else:
+            w = torch.randn(p.shape, generator=g) / (1.0 if p.dim() < 2 or "embed" in name
+                                                     else float(p.shape[-1]) ** 0.5)
+        p.data.copy_(w.to(p.dtype))
+
+
+def main() -> None:
+    mode, model_dir, job_path, out_path = sys.argv[1:5]
+    with open(job_path) as f:
+        job = json.load(f)
+    from vllm import SamplingParams
+
+    llm = build(mode, model_dir, job)
+    if job.get("reseed", True):
+        # By its module name: a function of __main__ does not pickle to the worker.
+        from tests.vllm_peer import reseed_weights as by_name
+
+        llm.apply_model(by_name)
+    print("peer ready", flush=True)
+    while line := sys.stdin.readline().strip():
+        params = json.loads(line) or [None] * len(job["prompts"])
+        with open(out_path, "w") as f:
+            json.dump(run(llm, SamplingParams, job, params), f)
+        print("peer done", flush=True)
+
+
+def run(llm: Any, sampling: Any, job: dict[str, Any], params: list[Any]) -> list[Any]:
+    """One batch, a request at a time (each one's time is measured)."""
+    results = []
+    for prompt, p in zip(job["prompts"], params, strict=True):
+        sp = sampling(max_tokens=job["max_tokens"], temperature=0, detokenize=False,
+                      ignore_eos=True, extra_args={"kv_transfer_params": p} if p else None)
+        t0 = time.monotonic()
+        out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+        results.append({"tokens": list(out.outputs[0].token_ids),
+                        "finish": str(out.outputs[0].finish_reason),
+                        "kv_transfer_params": out.kv_transfer_params,
+                        "seconds": time.monotonic() - t0})
+    return results
+
+if __name__ == "__main__":
+    main()
