@@ -85,9 +85,17 @@ class Peer:
     def run(self, params: Sequence[Mapping[str, Any] | None] | None, timeout: float = 300.0
             ) -> list[dict[str, Any]]:
         """Generate the job's prompts with these per-prompt kv_transfer_params."""
+        self.start(params)
+        return self.result(timeout)
+
+    def start(self, params: Sequence[Mapping[str, Any] | None] | None) -> None:
+        """Start a batch; :meth:`result` waits for it."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(params) + "\n")
         self.proc.stdin.flush()
+
+    def result(self, timeout: float = 300.0) -> list[dict[str, Any]]:
+        """The batch's results, once it is done."""
         self._wait("peer done", timeout)
         result: list[dict[str, Any]] = json.loads(self.out_path.read_text())
         return result

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvbeam.engine.requests import client_for
+from kvbeam.errors import KvbeamError
 from kvbeam.procs import DaemonProcess
 from tests.attach_helpers import start_engine_daemon
 from tests.vllm_helpers import Peer, write_model
@@ -80,44 +82,58 @@ def instances(tmp_path_factory: pytest.TempPathFactory
             d.stop()
 
 
-def transfer(prefill: Peer, decode: Peer, decode_daemon: str, tag: str,
+def reserved(daemon: str, ids: list[str], timeout: float = 300.0) -> None:
+    """Wait until decode's daemon holds a reservation for each id (the router's part:
+    decode reserves, then prefill writes into the reserved blocks)."""
+    client = client_for(daemon)
+    deadline = time.monotonic() + timeout
+    for rid in ids:
+        while True:
+            try:
+                client.status(rid)
+                break
+            except KvbeamError:
+                assert time.monotonic() < deadline, f"decode never reserved {rid}"
+                time.sleep(0.2)
+
+
+def transfer(prefill: Peer, decode: Peer, daemons: tuple[str, str], tag: str,
              zero: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Prefill the batch (its daemon sends each prompt), then decode it."""
-    n = len(prompts())
-    sent = prefill.run([{"do_remote_decode": True, "kvbeam_id": f"{tag}-{i}",
-                         "decode_daemon": decode_daemon} for i in range(n)])
-    params = [dict(r["kv_transfer_params"]) for r in sent]
-    for p in params:
-        p["kvbeam_test_zero_first_block"] = zero
-    return sent, decode.run(params)
+    """Decode's batch first (it reserves its blocks), then prefill's (it sends into them)."""
+    ids = [f"{tag}-{i}" for i in range(len(prompts()))]
+    decode.start([{"do_remote_prefill": True, "kvbeam_id": i, "prefill_daemon": daemons[0],
+                   "kvbeam_test_zero_first_block": zero} for i in ids])
+    reserved(daemons[1], ids)
+    sent = prefill.run([{"do_remote_decode": True, "kvbeam_id": i, "decode_daemon": daemons[1]}
+                        for i in ids])
+    return sent, decode.result()
 
 
 def test_decode_tokens_equal_one_instance(
         instances: tuple[Peer, Peer, Peer, DaemonProcess, DaemonProcess]) -> None:
-    plain, prefill, decode, _, d_daemon = instances
-    t0 = time.monotonic()
+    plain, prefill, decode, p_daemon, d_daemon = instances
     want = plain.run(None)
-    plain_s = time.monotonic() - t0
-    # The context matters: the last two prompts differ only in their first token.
-    assert want[4]["tokens"] != want[5]["tokens"], want
-    sent, got = transfer(prefill, decode, d_daemon.address, "run")
+    sent, got = transfer(prefill, decode, (p_daemon.address, d_daemon.address), "run")
     rows = []
     for i, (w, g, s) in enumerate(zip(want, got, sent, strict=True)):
         assert g["finish"] == "length", g
         rows.append(f"prompt {i} len {len(prompts()[i])}: {len(w['tokens'])} tokens "
-                    f"identical={w['tokens'] == g['tokens']} prefill {s['seconds']:.2f}s "
+                    f"identical={w['tokens'] == g['tokens']} batch: prefill {s['seconds']:.2f}s "
                     f"decode {g['seconds']:.2f}s plain {w['seconds']:.2f}s")
-    log.warning("vLLM comparison (plain batch %.1fs):\n%s", plain_s, "\n".join(rows))
+    log.warning("vLLM comparison:\n%s", "\n".join(rows))
+    for s in sent:
+        assert s["kv_transfer_params"]["kvbeam_id"] in [f"run-{i}" for i in range(len(want))]
     assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
-    assert decode.log("zeroed block") == []
+    # The context matters: the last two prompts differ only in their first token.
+    assert want[4]["tokens"] != want[5]["tokens"], want
 
 
 def test_zeroed_block_changes_the_tokens(
         instances: tuple[Peer, Peer, Peer, DaemonProcess, DaemonProcess]) -> None:
-    plain, prefill, decode, _, d_daemon = instances
+    plain, prefill, decode, p_daemon, d_daemon = instances
     want = plain.run(None)
-    _, got = transfer(prefill, decode, d_daemon.address, "zero", zero=True)
-    assert len(decode.log("TEST: zeroed block")) == len(want)
+    _, got = transfer(prefill, decode, (p_daemon.address, d_daemon.address), "zero", zero=True)
+    assert all(g["finish"] == "length" for g in got), got
     differ = [i for i, (w, g) in enumerate(zip(want, got, strict=True))
               if w["tokens"] != g["tokens"]]
     log.warning("zeroed first block: tokens differ for prompts %s of %d", differ, len(want))
@@ -126,17 +142,19 @@ def test_zeroed_block_changes_the_tokens(
 
 def test_wrong_transfer_fails_the_request(
         instances: tuple[Peer, Peer, Peer, DaemonProcess, DaemonProcess]) -> None:
-    """Decode's request names another prompt's transfer (another length): the transfer
-    fails and vLLM fails the request; no tokens come from a wrong KV."""
-    plain, prefill, decode, _, d_daemon = instances
+    """Decode's requests name another prompt's transfer (another length): the transfers
+    fail and vLLM fails those requests; no tokens come from a wrong KV."""
+    plain, prefill, decode, p_daemon, d_daemon = instances
     n = len(prompts())
-    sent = prefill.run([{"do_remote_decode": True, "kvbeam_id": f"wrong-{i}",
-                         "decode_daemon": d_daemon.address} for i in range(n)])
-    rotated: list[dict[str, Any] | None] = [
-        dict(sent[(i + 1) % 4]["kv_transfer_params"]) for i in range(4)]
-    got = decode.run([*rotated, *[None] * (n - 4)])
+    ids = [f"wrong-{i}" for i in range(n)]
+    decode.start([*[{"do_remote_prefill": True, "kvbeam_id": ids[(i + 1) % 4],
+                     "prefill_daemon": p_daemon.address} for i in range(4)],
+                  *[None] * (n - 4)])
+    reserved(d_daemon.address, ids[:4])
+    prefill.run([{"do_remote_decode": True, "kvbeam_id": i, "decode_daemon": d_daemon.address}
+                 for i in ids])
+    got = decode.result(600)
     want = plain.run(None)
     for i in range(4):
         assert got[i]["finish"] != "length", got[i]
-        assert got[i]["tokens"] != want[i]["tokens"] or not got[i]["tokens"], got[i]
     assert [g["tokens"] for g in got[4:]] == [w["tokens"] for w in want[4:]]
