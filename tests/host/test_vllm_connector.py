@@ -26,6 +26,7 @@ import pytest
 
 from kvbeam.engine.requests import client_for
 from kvbeam.errors import KvbeamError
+from kvbeam.integrations.vllm.params import blocks_for
 from kvbeam.procs import DaemonProcess
 from tests.attach_helpers import start_engine_daemon
 from tests.vllm_helpers import Peer, write_model
@@ -37,6 +38,8 @@ pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (ma
 
 log = logging.getLogger(__name__)
 BLOCK = 32
+#: One block of every layer: K and V, 2 KV heads x 32 dims, float32, 2 layers.
+BLOCK_BYTES = 2 * BLOCK * 2 * 32 * 4 * 2
 MAX_TOKENS = 8
 #: Daemons wait for decode's reservations while decode runs the batch one by one.
 DEADLINES = ["--deadline-bootstrap-s", "20", "--deadline-waiting-s", "60",
@@ -117,7 +120,8 @@ def test_decode_tokens_equal_one_instance(
     rows = []
     for i, (w, g, s) in enumerate(zip(want, got, sent, strict=True)):
         assert g["finish"] == "length", g
-        rows.append(f"prompt {i} len {len(prompts()[i])}: {len(w['tokens'])} tokens "
+        moved = blocks_for(len(prompts()[i]), BLOCK) * BLOCK_BYTES
+        rows.append(f"prompt {i} len {len(prompts()[i])}: {moved} bytes, {len(w['tokens'])} tokens "
                     f"identical={w['tokens'] == g['tokens']} batch: prefill {s['seconds']:.2f}s "
                     f"decode {g['seconds']:.2f}s plain {w['seconds']:.2f}s")
     log.warning("vLLM comparison:\n%s", "\n".join(rows))
