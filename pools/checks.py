@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from kvbeam.errors import Difference, PoolCompatibilityError
 from kvbeam.pools.layout import PoolGeometry, SideLayout
+from kvbeam.pools.paged import PAGED_FIELDS
 
 SWA_ONLY = "DSV4 draft state transfer expects SWA-only NextN layers"
 SAME_UNIFIED = "DSV4 target and draft pools must use the same unified-KV mode"
@@ -113,6 +114,10 @@ def compare_sides(prefill: SideLayout, decode: SideLayout) -> list[Difference]:
     out = target_draft_differences(prefill, "prefill") + target_draft_differences(decode, "decode")
     if prefill.model != decode.model:
         out.append(_cross("model", "model", prefill.model, decode.model))
+    if prefill.target.kind != decode.target.kind or prefill.target.kind == "paged":
+        out.extend(_paged_differences(prefill.target, decode.target))
+        out.extend(_component_differences(prefill, decode))
+        return out
     pools = [("", prefill.target, decode.target)]
     if (prefill.draft is None) != (decode.draft is None):
         out.append(_cross("draft", "draft (NextN) pool presence",
@@ -126,6 +131,20 @@ def compare_sides(prefill: SideLayout, decode: SideLayout) -> list[Difference]:
                 label = f"draft {f.label}" if prefix else f.label
                 out.append(_cross(prefix + f.name, label, f.get(pg), f.get(dg)))
     out.extend(_component_differences(prefill, decode))
+    return out
+
+
+def _paged_differences(p: PoolGeometry, d: PoolGeometry) -> list[Difference]:
+    """Pool kinds differ: that alone; both paged: every paged field, by its own name."""
+    if p.kind != d.kind:
+        return [_cross("kind", "pool kind", p.kind, d.kind)]
+    out: list[Difference] = []
+    for name, label, attr in PAGED_FIELDS:
+        pv, dv = getattr(p, attr), getattr(d, attr)
+        if name == "num_layers":
+            pv, dv = len(pv), len(dv)
+        if pv != dv:
+            out.append(_cross(name, label, pv, dv))
     return out
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbeam.pools.indices import swa_index_mapping_fingerprint
+from kvbeam.pools.paged import block_bytes, num_blocks
 from kvbeam.pools.spec import STATE_ELEMENT_SIZE, PoolSpec, SideConfig
 from kvbeam.pools.types import IndexKind, StateType
 
@@ -77,6 +78,9 @@ class PoolGeometry:
     num_req_slots: int
     max_context_len: int
     swa_index_mapping: str
+    kind: str = "dsv4"
+    num_kv_heads: int = 1
+    inner_layout: str = ""
 
     @classmethod
     def of(cls, spec: PoolSpec) -> PoolGeometry:
@@ -99,6 +103,9 @@ class PoolGeometry:
             num_req_slots=spec.num_req_slots,
             max_context_len=spec.max_context_len,
             swa_index_mapping=swa_index_mapping_fingerprint(spec),
+            kind=spec.kind,
+            num_kv_heads=spec.num_kv_heads,
+            inner_layout=spec.inner_layout,
         )
 
 
@@ -211,6 +218,20 @@ def _build_pool(pool: str, spec: PoolSpec, b: _Builder) -> _PoolBuffers:
     return out
 
 
+def _paged_layout(config: SideConfig, b: _Builder) -> SideLayout:
+    """A paged pool: one allocation and one ``KV_PAGES`` buffer of blocks per layer."""
+    spec = config.target
+    item, blocks = block_bytes(spec), num_blocks(spec)
+    bufs = []
+    for layer in range(len(spec.compression_ratios)):
+        name = f"target.layer{layer}.kv"
+        t = b.tensor(name, blocks * item)
+        bufs.append(BufferLayout(name, t, 0, blocks * item, item, IndexKind.KV_PAGES))
+    return SideLayout(model=config.model, target=PoolGeometry.of(spec), draft=None,
+                      tensors=tuple(b.tensors), kv=ComponentLayout("kv", "target", None,
+                                                                   tuple(bufs)), states=())
+
+
 def build_side_layout(config: SideConfig) -> SideLayout:
     """Lay out a side's target and draft pools and its positional components.
 
@@ -219,6 +240,8 @@ def build_side_layout(config: SideConfig) -> SideLayout:
     """
     tensors: list[TensorLayout] = []
     builder = _Builder(tensors)
+    if config.target.kind == "paged":
+        return _paged_layout(config, builder)
     tgt = _build_pool("target", config.target, builder)
     kv = ComponentLayout("kv", "target", None, (*tgt.c4_kv, *tgt.c4_indexer, *tgt.c128_kv))
     states: list[ComponentLayout] = [

@@ -19,7 +19,7 @@ one place that says how a spec becomes a layout.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,9 @@ MAX_SLIDING_WINDOW = 1 << 20
 MAX_DRAFT_TOKENS = 1024
 #: Compression-state rows are float32 (value and score halves).
 STATE_ELEMENT_SIZE = 4
+#: Pool kinds: DeepSeek-V4's SWA/C4/C128 pools, or generic per-layer paged K/V blocks
+#: (vLLM-style full attention; :mod:`kvbeam.pools.paged`).
+POOL_KINDS = ("dsv4", "paged")
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,13 @@ class PoolSpec:
         swa_pages_per_req: paged SWA pool pages per request slot; default
             ``ceil(sliding_window / page_size) + 1`` (a window not aligned to pages
             spans one extra page).
+        kind: ``dsv4`` (the fields above) or ``paged``: per-layer K and V blocks of
+            ``page_size`` tokens x ``num_kv_heads`` x ``head_dim`` (one layer per
+            ``compression_ratios`` entry, all 0), ``max_context_len / page_size``
+            blocks per layer (:func:`kvbeam.pools.paged.paged_spec`).
+        num_kv_heads: KV heads per block (paged kind; 1 for DSV4).
+        inner_layout: the engine's name for the order of a block's bytes (paged kind,
+            e.g. vLLM CPU's ``LBHNC``): both sides must use the same one.
     """
 
     compression_ratios: tuple[int, ...]
@@ -84,6 +94,9 @@ class PoolSpec:
     online_c128: bool = False
     swa_ring_size: int | None = None
     swa_pages_per_req: int | None = None
+    kind: str = "dsv4"
+    num_kv_heads: int = 1
+    inner_layout: str = ""
 
     # ---- derived geometry -------------------------------------------------
     @property
@@ -212,12 +225,32 @@ class PoolSpec:
         for r in sorted(set(self.compression_ratios) - {0}):
             if self.page_size % r:
                 raise bad("page_size", f"must be a multiple of every compression ratio ({r})")
+        if self.kind not in POOL_KINDS:
+            raise bad("kind", f"unknown pool kind; use one of {', '.join(POOL_KINDS)}")
+        if self.num_kv_heads <= 0:
+            raise bad("num_kv_heads", "must be a positive integer")
+        if self.kind == "paged":
+            self._validate_paged(bad)
+        elif self.num_kv_heads != 1 or self.inner_layout:
+            raise bad("kind", "num_kv_heads and inner_layout belong to the paged kind")
         if (self.swa_pages_per_req is not None
                 and self.swa_pages_per_req < self.min_swa_pages_per_req):
             raise bad(
                 "swa_pages_per_req",
                 f"must be >= ceil(sliding_window / page_size) + 1 = {self.min_swa_pages_per_req}",
             )
+
+
+    def _validate_paged(self, bad: Callable[[str, str], ConfigError]) -> None:
+        """A paged pool: full-attention layers only, no DSV4 modes."""
+        if any(r != 0 for r in self.compression_ratios):
+            raise bad("compression_ratios", "a paged pool has one 0 per layer")
+        if self.unified_kv or self.online_c128 or self.num_draft_tokens:
+            raise bad("kind", "unified_kv, online_c128 and num_draft_tokens are DSV4 modes")
+        if not self.inner_layout:
+            raise bad("inner_layout", "a paged pool names its blocks' inner layout")
+        if self.max_context_len % self.page_size:
+            raise bad("max_context_len", "must be whole blocks (a multiple of page_size)")
 
 
 @dataclass(frozen=True)
@@ -251,6 +284,8 @@ class SideConfig:
         draft = None
         if data.get("draft") is not None:
             draft = PoolSpec.from_mapping(data["draft"], f"{source}: draft")
+            if target.kind == "paged":
+                raise ConfigError(f"{source}: draft: a paged pool has no draft pool")
         return cls(model=model, target=target, draft=draft, source=source)
 
 
@@ -285,9 +320,9 @@ def _coerce(name: str, value: Any, where: str) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: must be true or false (got {_show(value)})")
         return value
-    if name == "dtype":
+    if name in ("dtype", "kind", "inner_layout"):
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: must be a dtype name (got {_show(value)})")
+            raise ConfigError(f"{where}: must be a string (got {_show(value)})")
         return value
     if name in ("swa_ring_size", "swa_pages_per_req") and value is None:
         return None

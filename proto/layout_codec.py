@@ -18,7 +18,7 @@ from kvbeam.pools.layout import (
     SideLayout,
     TensorLayout,
 )
-from kvbeam.pools.spec import VALID_RATIOS
+from kvbeam.pools.spec import POOL_KINDS, VALID_RATIOS
 from kvbeam.pools.types import IndexKind, StateType
 from kvbeam.proto.fields import MAX_BYTES, count, enum_value, int_in, text
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
@@ -93,6 +93,9 @@ def geometry_to_proto(g: PoolGeometry, field: str = "geometry") -> pb.PoolGeomet
         num_req_slots=g.num_req_slots,
         max_context_len=g.max_context_len,
         swa_index_mapping=g.swa_index_mapping,
+        kind=g.kind,
+        num_kv_heads=g.num_kv_heads,
+        inner_layout=g.inner_layout,
     )
 
 
@@ -162,7 +165,22 @@ def geometry_from_proto(m: pb.PoolGeometry, field: str, *, require_layers: bool)
         max_context_len=pos("max_context_len", m.max_context_len, MAX_TOKENS),
         swa_index_mapping=text(m.swa_index_mapping, f"{field}.swa_index_mapping",
                                max_len=MAX_FINGERPRINT_LEN),
+        kind=_kind(m.kind, f"{field}.kind"),
+        num_kv_heads=int_in(m.num_kv_heads or 1, f"{field}.num_kv_heads", 1, MAX_DIM),
+        inner_layout=text(m.inner_layout, f"{field}.inner_layout", required=False,
+                          max_len=MAX_FINGERPRINT_LEN),
     )
+
+
+def _kind(value: str, field: str) -> str:
+    """The pool kind; an older peer sends none (DSV4)."""
+    if not value:
+        return "dsv4"
+    if value not in POOL_KINDS:
+        raise ProtocolError(field, f"unknown pool kind {value[:64]!r} "
+                                   f"(known: {', '.join(POOL_KINDS)})")
+    return value
+
 
 
 def _buffer_from_proto(m: pb.Buffer, field: str,

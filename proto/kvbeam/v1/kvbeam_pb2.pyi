@@ -136,7 +136,7 @@ FAILURE_REASON_INVALID_REQUEST: FailureReason
 FAILURE_REASON_SHUTDOWN: FailureReason
 
 class PoolGeometry(_message.Message):
-    __slots__ = ("compression_ratios", "unified_kv", "sliding_window", "swa_ring_size", "swa_pages", "page_size", "head_dim", "indexer_head_dim", "dtype", "num_draft_tokens", "online_c128", "c4_ring_size", "c128_ring_size", "swa_pages_per_req", "num_req_slots", "max_context_len", "swa_index_mapping")
+    __slots__ = ("compression_ratios", "unified_kv", "sliding_window", "swa_ring_size", "swa_pages", "page_size", "head_dim", "indexer_head_dim", "dtype", "num_draft_tokens", "online_c128", "c4_ring_size", "c128_ring_size", "swa_pages_per_req", "num_req_slots", "max_context_len", "swa_index_mapping", "kind", "num_kv_heads", "inner_layout")
     COMPRESSION_RATIOS_FIELD_NUMBER: _ClassVar[int]
     UNIFIED_KV_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,9 @@ class PoolGeometry(_message.Message):
     NUM_REQ_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     SWA_INDEX_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    INNER_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     compression_ratios: _containers.RepeatedScalarFieldContainer[int]
     unified_kv: bool
     sliding_window: int
@@ -171,7 +174,10 @@ class PoolGeometry(_message.Message):
     num_req_slots: int
     max_context_len: int
     swa_index_mapping: str
-    def __init__(self, compression_ratios: _Optional[_Iterable[int]] = ..., unified_kv: _Optional[bool] = ..., sliding_window: _Optional[int] = ..., swa_ring_size: _Optional[int] = ..., swa_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., head_dim: _Optional[int] = ..., indexer_head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_draft_tokens: _Optional[int] = ..., online_c128: _Optional[bool] = ..., c4_ring_size: _Optional[int] = ..., c128_ring_size: _Optional[int] = ..., swa_pages_per_req: _Optional[int] = ..., num_req_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., swa_index_mapping: _Optional[str] = ...) -> None: ...
+    kind: str
+    num_kv_heads: int
+    inner_layout: str
+    def __init__(self, compression_ratios: _Optional[_Iterable[int]] = ..., unified_kv: _Optional[bool] = ..., sliding_window: _Optional[int] = ..., swa_ring_size: _Optional[int] = ..., swa_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., head_dim: _Optional[int] = ..., indexer_head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_draft_tokens: _Optional[int] = ..., online_c128: _Optional[bool] = ..., c4_ring_size: _Optional[int] = ..., c128_ring_size: _Optional[int] = ..., swa_pages_per_req: _Optional[int] = ..., num_req_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., swa_index_mapping: _Optional[str] = ..., kind: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., inner_layout: _Optional[str] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "nbytes")

@@ -1,0 +1,119 @@
+"""``KvbeamConnector``: kvbeam as a vLLM v1 KV connector (``KVConnectorBase_V1``).
+
+vLLM builds it once in the scheduler process (role SCHEDULER) and once per worker
+(role WORKER), loading it with ``kv_connector_module_path`` (docs/vllm.md). Each role
+delegates to :class:`~kvbeam.integrations.vllm.scheduler.SchedulerSide` or
+:class:`~kvbeam.integrations.vllm.worker.WorkerSide`; the per-layer hooks have nothing
+to do, since kvbeam's daemons move whole requests between the attached caches.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvbeam.integrations.vllm.params import Settings
+from kvbeam.integrations.vllm.scheduler import SchedulerSide, StepPlan
+from kvbeam.integrations.vllm.worker import WorkerSide
+
+log = logging.getLogger(__name__)
+
+
+class KvbeamMetadata(KVConnectorMetadata):
+    """One step's plan, from the scheduler to the workers."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class KvbeamConnector(KVConnectorBase_V1):
+    """Prefill pushes a finished prompt's blocks into decode's reserved blocks."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        model = vllm_config.model_config
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        settings = Settings.from_extra(extra, str(model.served_model_name))
+        block_size = int(vllm_config.cache_config.block_size)
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        self._absorbed: object | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(settings, block_size)
+        else:
+            self.worker = WorkerSide(settings, block_size,
+                                     model.get_num_kv_heads(vllm_config.parallel_config),
+                                     model.get_head_size())
+
+    # ---- scheduler side ----------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return KvbeamMetadata(self.scheduler.take_plan())
+
+    def request_finished(self, request: Any, block_ids: Any
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self.scheduler is not None
+        self.scheduler.sends_finished(connector_output.finished_sending)
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_pending_push_work()
+
+    # ---- worker side -------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def _absorb(self) -> None:
+        if self.worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if meta is not self._absorbed and isinstance(meta, KvbeamMetadata):
+            self._absorbed = meta
+            self.worker.absorb(meta.plan)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._absorb()  # the daemon writes the blocks; nothing to start here
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        self._absorb()
+        assert self.worker is not None
+        sent, received = self.worker.get_finished()
+        return sent or None, received or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()

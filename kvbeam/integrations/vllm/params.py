@@ -1,0 +1,121 @@
+"""What travels with a vLLM request for kvbeam, and the connector's settings. No vLLM import.
+
+vLLM gives every request its own id in each instance, so the transfer has its own
+id, chosen by whoever routes the request (a proxy, or the test) and carried in the
+request's ``kv_transfer_params`` to both instances:
+
+- to prefill: ``{"do_remote_decode": true, "kvbeam_id": ID, "decode_daemon": ADDR}``
+  (ADDR: decode's kvbeam daemon). Prefill computes the prompt, then its daemon writes
+  the prompt's blocks into decode's reserved blocks; the finished output carries
+- back: ``{"do_remote_prefill": true, "kvbeam_id": ID, "prefill_daemon": ADDR,
+  "prompt_len": N}``, which the router passes unchanged to decode's request (same
+  prompt). Decode reserves its own blocks for the request on its daemon, naming
+  prefill's daemon; the bytes land there; decode computes only the last prompt
+  token again and generates.
+
+The block ids are each instance's own: prefill's go into its Send as the source
+``KV_PAGES`` list, decode's into its Reserve as the destination list; kvbeam pairs
+them by position (docs/indices.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvbeam.errors import ConfigError
+
+#: The keys kvbeam reads from and writes into ``kv_transfer_params``.
+DO_REMOTE_DECODE = "do_remote_decode"
+DO_REMOTE_PREFILL = "do_remote_prefill"
+KVBEAM_ID = "kvbeam_id"
+DECODE_DAEMON = "decode_daemon"
+PREFILL_DAEMON = "prefill_daemon"
+PROMPT_LEN = "prompt_len"
+#: TEST ONLY (decode): zero the first received block (all layers) once it landed: the
+#: negative control of tests/host/test_vllm_connector.py.
+TEST_ZERO_FIRST_BLOCK = "kvbeam_test_zero_first_block"
+
+
+@dataclass(frozen=True)
+class SendParams:
+    """Prefill's instructions: push this request's prompt KV to ``decode_daemon``."""
+
+    kvbeam_id: str
+    decode_daemon: str
+
+
+@dataclass(frozen=True)
+class LoadParams:
+    """Decode's instructions: this request's prompt KV comes from ``prefill_daemon``."""
+
+    kvbeam_id: str
+    prefill_daemon: str
+    zero_first_block: bool = False
+
+
+def _text(params: Mapping[str, Any], key: str) -> str:
+    value = params.get(key)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"kv_transfer_params.{key}: a non-empty string is needed (got {value!r})")
+    return value
+
+
+def send_params(params: Mapping[str, Any] | None) -> SendParams | None:
+    """The send a prefill request asks for, or None."""
+    if not params or not params.get(DO_REMOTE_DECODE):
+        return None
+    return SendParams(_text(params, KVBEAM_ID), _text(params, DECODE_DAEMON))
+
+
+def load_params(params: Mapping[str, Any] | None) -> LoadParams | None:
+    """The load a decode request asks for, or None."""
+    if not params or not params.get(DO_REMOTE_PREFILL):
+        return None
+    return LoadParams(_text(params, KVBEAM_ID), _text(params, PREFILL_DAEMON),
+                      bool(params.get(TEST_ZERO_FIRST_BLOCK, False)))
+
+
+def returned_params(kvbeam_id: str, prefill_daemon: str, prompt_len: int) -> dict[str, Any]:
+    """What prefill's finished output carries for decode's request."""
+    return {DO_REMOTE_PREFILL: True, KVBEAM_ID: kvbeam_id, PREFILL_DAEMON: prefill_daemon,
+            PROMPT_LEN: prompt_len}
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks holding ``num_tokens`` tokens."""
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``kv_connector_extra_config``: where this instance's kvbeam daemon is.
+
+    Attributes:
+        daemon: the local daemon's gRPC address (``--listen``).
+        attach_socket: its ``--attach-socket`` (the worker attaches vLLM's KV cache there).
+        model: the model name both sides' pool metadata must share (default: vLLM's
+            served model name).
+        inner_layout: the name of vLLM's block layout both sides must share.
+    """
+
+    daemon: str
+    attach_socket: str
+    model: str
+    inner_layout: str = "LBHNC"
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any], default_model: str) -> Settings:
+        """Read and check the connector's extra config."""
+        known = {"daemon", "attach_socket", "model", "inner_layout"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
+        for key in ("daemon", "attach_socket"):
+            if not isinstance(extra.get(key), str) or not extra[key]:
+                raise ConfigError(f"kv_connector_extra_config.{key}: required (a string)")
+        return cls(daemon=extra["daemon"], attach_socket=extra["attach_socket"],
+                   model=str(extra.get("model") or default_model),
+                   inner_layout=str(extra.get("inner_layout") or "LBHNC"))

@@ -1,0 +1,139 @@
+"""The connector's scheduler side: reserve decode's blocks, send prefill's, hold them.
+
+Runs in vLLM's scheduler process. Both kvbeam calls it makes (Reserve, Send) only
+queue work on the local daemon and return; the daemons move the bytes between the
+memory the workers attached. vLLM objects are duck-typed here (``Any``): this module
+imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbeam.engine import Receiver, Sender
+from kvbeam.errors import KvbeamError
+from kvbeam.integrations.vllm.params import (
+    Settings,
+    blocks_for,
+    load_params,
+    returned_params,
+    send_params,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Load:
+    """A decode request whose prompt KV lands in ``block_ids`` (``failed``: never will)."""
+
+    req_id: str
+    kvbeam_id: str
+    block_ids: tuple[int, ...]
+    failed: bool = False
+    zero_first_block: bool = False
+
+
+@dataclass
+class StepPlan:
+    """What the scheduler tells the workers at one step (vLLM's connector metadata body)."""
+
+    loads: list[Load] = field(default_factory=list)
+    #: (vLLM request id, kvbeam id) of prefill requests whose blocks are held for a send.
+    sends: list[tuple[str, str]] = field(default_factory=list)
+
+
+class SchedulerSide:
+    """Per-request decisions of vLLM's scheduler, in vLLM's call order."""
+
+    def __init__(self, settings: Settings, block_size: int) -> None:
+        self.settings = settings
+        self.block_size = block_size
+        self._plan = StepPlan()
+        self._sending: set[str] = set()
+        self._loading: set[str] = set()
+
+    # ---- decode ------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        """Decode: the whole prompt comes from prefill, loaded asynchronously.
+
+        Only when nothing of it was computed here: a local prefix-cache hit makes
+        vLLM compute the rest itself (correct, just no transfer).
+        """
+        p = load_params(request.kv_transfer_params)
+        if p is None or request.request_id in self._loading:
+            return 0, False
+        if num_computed_tokens:
+            log.info("request %s: %d tokens cached locally; computing it here, no transfer",
+                     request.request_id, num_computed_tokens)
+            return 0, False
+        return len(request.prompt_token_ids), True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
+                                 ) -> None:
+        """Decode: reserve the blocks vLLM just allocated as the request's landing place."""
+        p = load_params(request.kv_transfer_params)
+        if p is None or num_external_tokens == 0:
+            return
+        seq_len = len(request.prompt_token_ids)
+        ids = tuple(int(b) for b in blocks.get_block_ids()[0][:blocks_for(seq_len,
+                                                                           self.block_size)])
+        self._loading.add(request.request_id)
+        failed = False
+        try:
+            Receiver(self.settings.daemon, p.kvbeam_id, p.prefill_daemon).reserve(
+                list(ids), seq_len=seq_len)
+        except KvbeamError as exc:
+            log.warning("request %s: reserve of transfer %s refused: %s", request.request_id,
+                        p.kvbeam_id, exc)
+            failed = True
+        self._plan.loads.append(Load(request.request_id, p.kvbeam_id, ids, failed,
+                                   p.zero_first_block))
+
+    # ---- prefill -----------------------------------------------------------------
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Prefill: send the prompt's blocks and hold them until the send ends."""
+        self._loading.discard(request.request_id)
+        p = send_params(request.kv_transfer_params)
+        if p is None or _aborted(request):
+            return False, None
+        ids = _first_group(block_ids)
+        seq_len = len(request.prompt_token_ids)
+        source = ids[:blocks_for(seq_len, self.block_size)]
+        try:
+            Sender(self.settings.daemon, p.kvbeam_id, p.decode_daemon).send(source,
+                                                                             seq_len=seq_len)
+        except KvbeamError as exc:
+            log.warning("request %s: send of transfer %s refused: %s", request.request_id,
+                        p.kvbeam_id, exc)
+            return False, None
+        self._sending.add(request.request_id)
+        self._plan.sends.append((request.request_id, p.kvbeam_id))
+        return True, returned_params(p.kvbeam_id, self.settings.daemon, seq_len)
+
+    def sends_finished(self, req_ids: set[str] | None) -> None:
+        """The workers reported these sends ended: vLLM frees their blocks now."""
+        self._sending -= req_ids or set()
+
+    def has_pending_push_work(self) -> bool:
+        """Keep vLLM stepping while prefill holds blocks for a send (get_finished frees them)."""
+        return bool(self._sending)
+
+    def take_plan(self) -> StepPlan:
+        """This step's plan; the next step starts empty."""
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+
+def _aborted(request: Any) -> bool:
+    return "ABORTED" in str(getattr(request, "status", ""))
+
+
+def _first_group(block_ids: Any) -> list[int]:
+    """vLLM passes one list, or one list per KV cache group (then the first: full attention)."""
+    if block_ids and isinstance(block_ids[0], list | tuple):
+        return [int(b) for b in block_ids[0]]
+    return [int(b) for b in block_ids]
