@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbeam.client import KvbeamClient
 from kvbeam.procs import DaemonProcess, PendingDaemon
+from kvbeam.scheduler import RequestResult, run_request
 from tests.daemon_helpers import STARTUP_S, rss_kib, spawn
 from tests.fixtures import shipped_config
 from tests.metrics_helpers import Samples, scrape, value
@@ -53,11 +58,22 @@ def fleet(n_prefill: int, n_decode: int, folder: Path, *, transport: str = "tcp"
             started.append(p.ready(STARTUP_S))
         yield started[:n_prefill], started[n_prefill:], cfgs
     finally:
-        for p in pending[len(started):]:
-            p.proc.kill()
-        for d in started:
-            if d.proc.poll() is None:
-                d.stop()
+        stop_all([p.proc for p in pending])
+
+
+def stop_all(procs: Sequence[subprocess.Popen[str]], timeout: float = 15.0) -> None:
+    """SIGTERM every daemon first, then wait for each (their shutdowns overlap); SIGKILL any
+    still running after ``timeout``."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    end = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
 
 
 def landings(decode: DaemonProcess) -> list[str]:
@@ -82,3 +98,80 @@ def figures(d: DaemonProcess) -> dict[str, float]:
             "success": value(s, "kvbeam_transfers_total", state="Success", reason="none"),
             "slots_held": value(s, "kvbeam_slots_reserved"),
             "rss_mib": rss_kib(d.proc.pid) / 1024}
+
+
+@dataclass
+class NxM:
+    """What one N x M run measured: per round wall time and bytes, per daemon figures."""
+
+    rounds: list[tuple[float, int]] = field(default_factory=list)  # (seconds, bytes)
+    figures: list[dict[str, dict[str, float]]] = field(default_factory=list)  # per round
+
+    def bytes_per_s(self, round_index: int = -1) -> float:
+        """Aggregate bytes/s of one round (the last: warm, no handshake in it)."""
+        seconds, nbytes = self.rounds[round_index]
+        return nbytes / seconds
+
+
+def every_pair(prefills: Sequence[DaemonProcess], decodes: Sequence[DaemonProcess], *,
+               seq_len: int, rounds: int = 2, source_slots: int = 4,
+               timeout: float = 60.0, after_round: Callable[[], None] | None = None) -> NxM:
+    """One request per (prefill, decode) pair per round, ``len(prefills)`` at a time in
+    diagonal order (each wave spreads over every daemon); figures after each round (and
+    ``after_round`` called). Every request must reach Success."""
+    out = NxM()
+    pcs = [KvbeamClient(p.address) for p in prefills]
+    dcs = [KvbeamClient(d.address) for d in decodes]
+    n, m = len(prefills), len(decodes)
+    order = [(i, (i + r) % m) for r in range(m) for i in range(n)]
+    try:
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            for k in range(rounds):
+                def one(pair: tuple[int, int], k: int = k) -> RequestResult:
+                    i, j = pair
+                    return run_request(pcs[i], dcs[j], f"nxm-{k}-{i}-{j}", seq_len,
+                                       j % source_slots, timeout=timeout)
+
+                t0 = time.monotonic()
+                results = list(pool.map(one, order))
+                elapsed = time.monotonic() - t0
+                bad = [r for r in results if not r.ok]
+                assert not bad, bad[:5]
+                out.rounds.append((elapsed, sum(r.bytes for r in results)))
+                out.figures.append({d.address: figures(d) for d in [*prefills, *decodes]})
+                if after_round is not None:
+                    after_round()
+    finally:
+        for c in [*pcs, *dcs]:
+            c.close()
+    return out
+
+
+def assert_per_peer_not_per_request(run: NxM, prefills: Sequence[DaemonProcess],
+                                    decodes: Sequence[DaemonProcess]) -> None:
+    """One handshake and one link per pair, made in the first round and reused after it:
+    each daemon's counts equal its number of peers, and later rounds add none."""
+    first, last = run.figures[0], run.figures[-1]
+    for d in [*prefills, *decodes]:
+        peers = len(decodes) if d.role == "prefill" else len(prefills)
+        for key in ("handshakes", "peers", "links"):
+            assert first[d.address][key] == peers, (d.role, d.address, key, first[d.address])
+            assert last[d.address][key] == peers, (d.role, d.address, key, last[d.address])
+
+
+def table(run: NxM, prefills: Sequence[DaemonProcess], decodes: Sequence[DaemonProcess],
+          extra: dict[str, dict[str, int]] | None = None) -> str:
+    """Per-role min/max of each per-daemon figure after the last round, and round times."""
+    last = run.figures[-1]
+    lines = [f"N x M = {len(prefills)} x {len(decodes)}, pairs {len(prefills) * len(decodes)}"]
+    for role, group in (("prefill", prefills), ("decode", decodes)):
+        rows = [dict(last[d.address], **(extra or {}).get(d.address, {})) for d in group]
+        cells = []
+        for key in rows[0]:
+            vals = [r[key] for r in rows]
+            cells.append(f"{key} {min(vals):.0f}..{max(vals):.0f}")
+        lines.append(f"  {role:<7} per daemon: " + ", ".join(cells))
+    for k, (seconds, nbytes) in enumerate(run.rounds):
+        lines.append(f"  round {k + 1}: {nbytes / 1e6:.1f} MB in {seconds:.2f} s = "
+                     f"{nbytes / seconds / 1e6:.1f} MB/s aggregate")
+    return "\n".join(lines)

@@ -47,11 +47,9 @@ def test_decode_killed_and_prefill_restarted_mid_run_every_request_succeeds_once
                 futures = [pool.submit(one, f, i) for i in range(REQUESTS)]
                 assert wait_until(lambda: done["n"] >= 10, 60)
                 t_kill = time.monotonic()
-                victim.proc.kill()  # SIGKILL: its reservations and landings are gone
-                victim.proc.wait(5)
+                victim.kill()  # SIGKILL: its reservations and landings are gone
                 assert wait_until(lambda: done["n"] >= 25, 60)
-                restarted.proc.kill()  # and a prefill crashes, then comes back on its port
-                restarted.proc.wait(5)
+                restarted.kill()  # and a prefill crashes, then comes back on its port
                 replacement = spawn_role("prefill", cfgs["prefill"],
                                          listen=restarted.address).ready(STARTUP_S)
                 results = [fut.result() for fut in futures]
