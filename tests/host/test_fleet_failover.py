@@ -10,6 +10,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from kvbeam.fleet import Fleet
 from kvbeam.procs import wait_until
 from kvbeam.scheduler import RequestResult, run_fleet_request
@@ -27,7 +29,8 @@ def _base_id(attempt_id: str) -> str:
 
 
 def test_decode_killed_and_prefill_restarted_mid_run_every_request_succeeds_once(
-        tmp_path: Path) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvbeam.scheduler")
     with fleet(2, 3, tmp_path) as (prefills, decodes, cfgs):
         done = Counter[str]()
         lock = threading.Lock()
@@ -71,6 +74,11 @@ def test_decode_killed_and_prefill_restarted_mid_run_every_request_succeeds_once
                 fig = figures(d)
                 assert fig["slots_held"] == 0
                 assert fig["success"] == sum(r.decode == d.address for r in results)
+            # Each failure made the scheduler resend what it had in flight there.
+            resends = [m.getMessage() for m in caplog.records if "resending" in m.getMessage()]
+            by_decode = sum(f"-> {victim.address} " in m for m in resends)
+            by_prefill = sum(f"on {restarted.address} ->" in m for m in resends)
+            assert by_decode >= 1 and by_prefill >= 1, resends
             recovery = max(r.recovery_s for r in retried)
             log.warning("failover 2x3: decode %s SIGKILLed, prefill %s SIGKILLed and "
                         "restarted; %d/%d Success, %d retried (%d resends), recovery max "
@@ -81,6 +89,7 @@ def test_decode_killed_and_prefill_restarted_mid_run_every_request_succeeds_once
             print(f"\nFAILOVER killed=decode(SIGKILL)+prefill(SIGKILL, restart) "
                   f"requests={len(results)} success={len(results) - len(bad)} "
                   f"retried={len(retried)} resends={sum(r.attempts - 1 for r in retried)} "
+                  f"(on the killed decode {by_decode}, on the restarted prefill {by_prefill}) "
                   f"recovery_max_ms={recovery * 1e3:.0f}")
         finally:
             if replacement is not None:
