@@ -144,13 +144,21 @@ def _reserve(fleet: Fleet, request_id: str, seq_len: int,
         except PeerError as exc:  # nothing was sent: no attempt spent
             assert decode is not None
             fleet.decodes.set_dead(decode, str(exc))
-        if prefill is not None:
-            fleet.prefills.done(prefill)
-        if decode is not None:
-            fleet.decodes.done(decode)
+        except KvbeamError:  # a refusal (BadRequest, ...): give the picks back, report it
+            _give_back(fleet, prefill, decode)
+            raise
+        _give_back(fleet, prefill, decode)
         if time.monotonic() > deadline:
             raise NoDaemon(f"request {request_id}: no decode took it within the busy window")
         time.sleep(PICK_PAUSE_S)
+
+
+def _give_back(fleet: Fleet, prefill: Member | None, decode: Member | None) -> None:
+    """Undo the load counted by the picks of an attempt that did not go ahead."""
+    if prefill is not None:
+        fleet.prefills.done(prefill)
+    if decode is not None:
+        fleet.decodes.done(decode)
 
 
 def _attempt(fleet: Fleet, prefill: Member, decode: Member, rid: str, seq_len: int,
@@ -166,14 +174,17 @@ def _attempt(fleet: Fleet, prefill: Member, decode: Member, rid: str, seq_len: i
         return _failed(rid, seq_len, slot, f"error: {exc}", "?", t_send), True
     try:
         final: Status | None = d.wait(rid, timeout)
-    except (PeerError, UnknownRequest) as exc:  # decode died (or restarted: it forgot rid)
-        fleet.decodes.set_dead(decode, str(exc))
-        _quiet_abort(p, rid, "decode unreachable; resending elsewhere")
-        return _failed(rid, seq_len, slot, f"error: {exc}", "?", t_send), True
-    assert final is not None
+    except (PeerError, UnknownRequest) as exc:  # decode died, restarted (forgot rid), or blipped
+        # Abort there so this attempt can never end in Success later; a decode that answers
+        # gives its verdict (an abort after Success says Success and frees the slot).
+        final = _quiet_abort(d, rid, "scheduler lost the request; resending elsewhere")
+        if final is None:
+            fleet.decodes.set_dead(decode, str(exc))
+            _quiet_abort(p, rid, "decode unreachable; resending elsewhere")
+            return _failed(rid, seq_len, slot, f"error: {exc}", "?", t_send), True
+    assert final is not None  # mypy: the except branch returned or set it
     if not final.terminal:
-        # Past the timeout: abort so this attempt can never end in Success later; if it
-        # just did, the abort says so (and frees the slot as Release would).
+        # Past the timeout: abort, as above.
         final = _quiet_abort(d, rid, "scheduler timeout; resending elsewhere") or final
     t_done = time.monotonic()
     if final.state is TransferState.SUCCESS:
@@ -223,8 +234,7 @@ def run_fleet_request(fleet: Fleet, request_id: str, seq_len: int, source_slot: 
             _quiet_abort(decode.client, rid, f"scheduler: {exc}")
             result, resend = _failed(rid, seq_len, slot, f"error: {exc}", "?", t0), False
         finally:
-            fleet.prefills.done(prefill)
-            fleet.decodes.done(decode)
+            _give_back(fleet, prefill, decode)
         result = replace(result, prefill=prefill.address, decode=decode.address)
         if result.ok or not resend:
             break
