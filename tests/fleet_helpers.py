@@ -42,10 +42,12 @@ def spawn_role(role: str, cfg: str, *, transport: str = "tcp", listen: str = "12
 
 @contextmanager
 def fleet(n_prefill: int, n_decode: int, folder: Path, *, transport: str = "tcp",
-          slots: int = 4, max_context: int = 4096, extra: Sequence[str] = ()
+          slots: int = 4, max_context: int = 4096, extra: Sequence[str] = (),
+          startup_s: float = STARTUP_S
           ) -> Iterator[tuple[list[DaemonProcess], list[DaemonProcess], dict[str, str]]]:
     """``n_prefill`` prefills and ``n_decode`` decodes, all started at once (start-ups
-    overlap); yields (prefills, decodes, {"prefill": cfg, "decode": cfg}); all stopped after."""
+    overlap; ``startup_s`` is for all of them together); yields (prefills, decodes,
+    {"prefill": cfg, "decode": cfg}); all stopped after."""
     cfgs = {role: small_config(role, folder, slots=slots, max_context=max_context)
             for role in ("prefill", "decode")}
     pending = [spawn_role("prefill", cfgs["prefill"], transport=transport, extra=extra)
@@ -55,7 +57,7 @@ def fleet(n_prefill: int, n_decode: int, folder: Path, *, transport: str = "tcp"
     started: list[DaemonProcess] = []
     try:
         for p in pending:
-            started.append(p.ready(STARTUP_S))
+            started.append(p.ready(startup_s))
         yield started[:n_prefill], started[n_prefill:], cfgs
     finally:
         stop_all([p.proc for p in pending])

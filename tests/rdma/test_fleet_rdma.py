@@ -21,6 +21,9 @@ from tests.rdma.conftest import RdmaDevice
 pytestmark = pytest.mark.rdma
 
 N = M = 4
+#: Eight daemons starting at once on the guest's two vCPUs: with ``import torch`` in each
+#: (about a minute alone under TCG) the first one was not ready after 300 s.
+STARTUP_ALL_S = 1200.0
 
 
 def rdma_objects(kind: str) -> dict[int, int]:
@@ -46,8 +49,8 @@ def verbs_figures(daemons: list[DaemonProcess]) -> dict[str, dict[str, int]]:
 def test_4x4_every_pair_one_qp_reused(rdma_device: RdmaDevice, tmp_path: Path) -> None:
     device, gid_index = rdma_device
     t0 = time.monotonic()
-    with fleet(N, M, tmp_path, transport="rdma", slots=4,
-               max_context=2048) as (prefills, decodes, _cfgs):
+    with fleet(N, M, tmp_path, transport="rdma", slots=4, max_context=2048,
+               startup_s=STARTUP_ALL_S) as (prefills, decodes, _cfgs):
         started = time.monotonic() - t0
         everyone = [*prefills, *decodes]
         idle = verbs_figures(everyone)
