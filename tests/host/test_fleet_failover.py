@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from kvbeam.client import KvbeamClient
 from kvbeam.fleet import Fleet
-from kvbeam.procs import wait_until
+from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.scheduler import RequestResult, run_fleet_request
 from tests.daemon_helpers import STARTUP_S
 from tests.fleet_helpers import figures, fleet, landings, slots_held, spawn_role
@@ -26,6 +27,13 @@ CONCURRENCY = 6
 
 def _base_id(attempt_id: str) -> str:
     return attempt_id.split(".r")[0]
+
+
+def _busy(d: DaemonProcess) -> int:
+    """Requests in flight on a daemon now: decode's held slots, prefill's live transfers."""
+    with KvbeamClient(d.address) as c:
+        cap = c.capacity()
+    return cap.slots_held if d.role == "decode" else cap.live_transfers
 
 
 def test_decode_killed_and_prefill_restarted_mid_run_every_request_succeeds_once(
@@ -49,9 +57,12 @@ def test_decode_killed_and_prefill_restarted_mid_run_every_request_succeeds_once
                     ThreadPoolExecutor(CONCURRENCY) as pool:
                 futures = [pool.submit(one, f, i) for i in range(REQUESTS)]
                 assert wait_until(lambda: done["n"] >= 10, 60)
+                # Kill each while it has requests in flight (so resends must happen).
+                assert wait_until(lambda: _busy(victim) >= 2, 30, interval=0.001)
                 t_kill = time.monotonic()
                 victim.kill()  # SIGKILL: its reservations and landings are gone
                 assert wait_until(lambda: done["n"] >= 25, 60)
+                assert wait_until(lambda: _busy(restarted) >= 2, 30, interval=0.001)
                 restarted.kill()  # and a prefill crashes, then comes back on its port
                 replacement = spawn_role("prefill", cfgs["prefill"],
                                          listen=restarted.address).ready(STARTUP_S)
