@@ -1,6 +1,7 @@
 """4 prefill x 4 decode daemons on one soft-RoCE device: every prefill talks to every decode,
-one handshake and one QP per pair, reused; QPs and MRs per daemon (``rdma resource``) grow
-with peers, not with requests; aggregate bytes/s next to ib_write_bw in the same boot.
+one handshake and one QP per pair, reused; QPs (per device) and MRs (per daemon, from
+``rdma resource``) grow with peers, not with requests; aggregate bytes/s next to
+ib_write_bw in the same boot.
 
 All eight daemons start at once (under TCG each start-up costs about a minute)."""
 
