@@ -84,6 +84,21 @@ class Reservation:
     draft: dict[IndexKind, npt.NDArray[np.int64]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """A daemon's load as its Heartbeat reports it (what a scheduler picks a daemon by)."""
+
+    instance_id: str
+    slots: int  # decode's request slots; 0 on prefill
+    slots_held: int
+    live_transfers: int
+
+    @property
+    def free(self) -> int:
+        """Request slots free now (decode)."""
+        return self.slots - self.slots_held
+
+
 def _lists(indices: Mapping[str, ListLike] | None) -> list[pb.IndexList]:
     """An engine's ``{"KIND" | "draft.KIND": indices}`` as wire lists (none: slot-based)."""
     if not indices:
@@ -220,6 +235,14 @@ class KvbeamClient:
                                              timeout=self.timeout))
         except grpc.RpcError as exc:
             raise self._error(exc, "Release") from None
+
+    def capacity(self) -> Capacity:
+        """The daemon's instance id and load, from one Heartbeat round trip."""
+        try:
+            r = self.stub.Heartbeat(pb.HeartbeatRequest(), timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise self._error(exc, "Heartbeat") from None
+        return Capacity(r.instance_id, r.slots, r.slots_held, r.live_transfers)
 
     def healthy(self, timeout: float | None = None) -> bool:
         """True when the daemon's gRPC health service answers SERVING."""

@@ -220,6 +220,11 @@ class Busy(KvbeamError):
     """RESOURCE_EXHAUSTED: no free slot or too many transfers in flight; retry later."""
 
 
+class NoDaemon(KvbeamError):
+    """Scheduler (:mod:`kvbeam.fleet`): every daemon of a role is unreachable, set aside,
+    or (decode) full; nothing is sent."""
+
+
 # --- processes ---
 
 class DaemonStartError(KvbeamError):

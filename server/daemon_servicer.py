@@ -195,10 +195,14 @@ class DaemonServicer(ControlServicer):
     @handled
     def Heartbeat(self, request: pb.HeartbeatRequest,
                   context: grpc.ServicerContext) -> pb.HeartbeatResponse:
-        """Liveness and identity: a peer notices our restart by the instance id."""
+        """Liveness and identity (a peer notices our restart by the instance id), and
+        capacity: a scheduler picks the decode with the most free slots from it."""
+        held, total = self.rt.slot_usage()
         return pb.HeartbeatResponse(instance_id=self.local.instance_id,
                                     role=ROLE_TO_PROTO[self.rt.role],
-                                    protocol_version=PROTOCOL_VERSION)
+                                    protocol_version=PROTOCOL_VERSION,
+                                    slots=total, slots_held=held,
+                                    live_transfers=len(self.table.live()))
 
     def on_peer_restarted(self, old: VerifiedPeer, new: VerifiedPeer) -> None:
         """A peer came back with a new instance id: its old connection is dead."""

@@ -247,14 +247,17 @@ class Runtime:
         log.info("engine memory released (%s): deregistered, %s", reason,
                  "unmapped" if not left else f"{left} mapping(s) still referenced")
 
+    def slot_usage(self) -> tuple[int, int]:
+        """Decode's request slots (held, total); (0, 0) on prefill or before serving."""
+        # Read through the core each time: an engine attach gives decode new slots.
+        servicer = getattr(self, "_servicer", None)
+        pool = _slot_pool(servicer.core) if servicer is not None else None
+        return (pool.held, pool.size) if pool is not None else (0, 0)
+
     def _publish(self, servicer: DaemonServicer) -> None:
         """Register the scrape-time collector now that the servicer's books exist."""
         core = servicer.core
-
-        def slots() -> tuple[int, int]:
-            # Read through the core each scrape: an engine attach gives decode new slots.
-            pool = _slot_pool(core)
-            return (pool.held, pool.size) if pool is not None else (0, 0)
+        slots = self.slot_usage
 
         self.metrics.registry.register(DaemonCollector(Sources(
             info={"role": self.role.value, "instance": self.local.instance_id,

@@ -48,9 +48,11 @@ def start(role: str, *, paged: bool = False, transport: str = "tcp",
 
 
 def spawn(role: str, *, transport: str = "tcp", extra: Sequence[str] = (),
-          env: dict[str, str] | None = None) -> PendingDaemon:
+          env: dict[str, str] | None = None, cfg: str | None = None,
+          listen: str = "127.0.0.1:0") -> PendingDaemon:
     """Start a daemon like :func:`start` without waiting (call ``.ready(STARTUP_S)``)."""
-    return spawn_daemon(role, shipped_config(role), extra=_args(role, transport, extra), env=env)
+    return spawn_daemon(role, cfg or shipped_config(role), listen=listen,
+                        extra=_args(role, transport, extra), env=env)
 
 
 def start_both(*, paged: bool = False, transport: str = "tcp", decode_extra: Sequence[str] = (),

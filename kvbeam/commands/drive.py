@@ -1,4 +1,4 @@
-"""``kvbeam drive``: run requests through a running prefill/decode pair (a reference scheduler)."""
+"""``kvbeam drive``: run requests through running prefill/decode daemons (a reference scheduler)."""
 
 from __future__ import annotations
 
@@ -23,18 +23,28 @@ buffer matched prefill's. Prints a per-request table (or --json).
 digests were checked (integrity on at both daemons): a Success with integrity off
 counts as a failure then.
 
+Several daemons: repeat --prefill/--decode, comma-separate them, or give
+dns:HOST:PORT (every A/AAAA record of HOST: a Kubernetes headless Service). Each
+request then goes to the decode with the most free slots (from its Heartbeat) and
+the least loaded prefill; a request whose daemon died, restarted or lost its link
+is resent elsewhere (--max-attempts in all), and the table counts the resends.
+
 exit codes: 0 all Success (and verified, with --require-verified), 1 some request
 failed (or was not verified), 2 bad arguments.
 
 example:
   kvbeam drive --prefill 127.0.0.1:50051 --decode 127.0.0.1:50052 --requests 8
+  kvbeam drive --prefill dns:kvbeam-prefill:50051 --decode 10.0.0.5:50052,10.0.0.6:50052
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvbeam drive``."""
-    parser.add_argument("--prefill", required=True, help="prefill control address HOST:PORT")
-    parser.add_argument("--decode", required=True, help="decode control address HOST:PORT")
+    parser.add_argument("--prefill", required=True, action="append",
+                        help="prefill control address HOST:PORT or dns:HOST:PORT; repeat or "
+                             "comma-separate for several")
+    parser.add_argument("--decode", required=True, action="append",
+                        help="decode control address(es), like --prefill")
     parser.add_argument("--requests", type=int, default=8, help="number of requests (default 8)")
     parser.add_argument("--seq-lens", default="",
                         help="comma-separated lengths, cycled (default: random 1..--max-len)")
@@ -46,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=60.0, help="per-request timeout, s")
     parser.add_argument("--seed", type=int, default=0, help="random seed for lengths")
     parser.add_argument("--prefix", default="req", help="request id prefix (ids must be unique)")
+    parser.add_argument("--max-attempts", type=int, default=4,
+                        help="several daemons: tries per request, resends after a daemon "
+                             "failure included (default 4)")
     parser.add_argument("--json", action="store_true", help="print JSON results")
     parser.add_argument("--require-verified", action="store_true",
                         help="fail unless decode verified every request's CRC32C digests")
@@ -66,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     results = drive(args.prefill, args.decode, seq_lens_from(args),
                     source_slots=args.source_slots, concurrency=args.concurrency,
                     timeout=args.timeout, prefix=args.prefix,
-                    security=resolve_security(args))
+                    security=resolve_security(args), max_attempts=args.max_attempts)
     if args.json:
         json.dump([asdict(r) | {"ok": r.ok, "verified": r.verified} for r in results],
                   sys.stdout, indent=1)

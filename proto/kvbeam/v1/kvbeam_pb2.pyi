@@ -481,11 +481,17 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("instance_id", "role", "protocol_version")
+    __slots__ = ("instance_id", "role", "protocol_version", "slots", "slots_held", "live_transfers")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_HELD_FIELD_NUMBER: _ClassVar[int]
+    LIVE_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: Role
     protocol_version: int
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    slots: int
+    slots_held: int
+    live_transfers: int
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., protocol_version: _Optional[int] = ..., slots: _Optional[int] = ..., slots_held: _Optional[int] = ..., live_transfers: _Optional[int] = ...) -> None: ...
