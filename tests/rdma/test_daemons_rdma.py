@@ -160,6 +160,8 @@ def test_kill_prefill_then_decode_restart(rdma_device: RdmaDevice) -> None:
             assert time.monotonic() - t0 < 15
             for i in range(16):  # every slot back
                 d.reserve(f"back-{i}", 10, "127.0.0.1:1")
+            for i in range(16):  # and free again for the second half
+                d.abort(f"back-{i}")
         # now decode dies with a request in flight from a new prefill; prefill fails, and a
         # restarted decode on the same address handshakes again and serves
         prefill.stop()
