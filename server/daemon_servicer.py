@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
@@ -265,13 +266,22 @@ class DaemonServicer(ControlServicer):
             conn.missed_heartbeats += 1
             err = peer_error(exc, address=conn.control_address, method="Heartbeat",
                              timeout=timeout)
-            log.warning("heartbeat %d/%d to %s missed: %s", conn.missed_heartbeats,
-                        MAX_MISSED_HEARTBEATS, conn.control_address, err,
+            silent_s = time.monotonic() - conn.last_heard
+            # A refusal means the peer's process is gone: two in a row lose it. A timeout may
+            # be either side overloaded (2 cores, a flood of RPCs): only a silence longer
+            # than peer_timeout_s loses it, or a busy daemon would drop healthy peers.
+            timed_out = exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            lost = (silent_s >= self.rt.settings.peer_timeout_s if timed_out
+                    else conn.missed_heartbeats >= MAX_MISSED_HEARTBEATS)
+            log.warning("heartbeat %d to %s missed (silent %.1f s of %.1f s allowed): %s",
+                        conn.missed_heartbeats, conn.control_address, silent_s,
+                        self.rt.settings.peer_timeout_s, err,
                         extra=fields(peer=conn.control_address))
-            if conn.missed_heartbeats >= MAX_MISSED_HEARTBEATS:
+            if lost:
                 self.peer_lost(conn, f"peer stopped answering heartbeats: {err}")
             return
         conn.missed_heartbeats = 0
+        conn.last_heard = time.monotonic()
         if reply.instance_id != conn.instance_id:
             self.peer_lost(conn, f"peer restarted (instance {conn.instance_id} -> "
                                  f"{reply.instance_id})")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +64,9 @@ class PeerConn:
         self._lock = threading.Lock()  # leaf: guards the channel and ``closed`` only
         self.closed = False
         self.missed_heartbeats = 0
+        #: When the peer last answered a heartbeat (or the link was made): timed-out
+        #: heartbeats lose it only after ``peer_timeout_s`` of silence.
+        self.last_heard = time.monotonic()
 
     @property
     def instance_id(self) -> str:

@@ -164,6 +164,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("heartbeat_s", "KVBEAM_HEARTBEAT_S", float, 1.0,
            "seconds between heartbeats to each peer with transfers in flight (idle peers: "
            "every 4th)"),
+    Option("peer_timeout_s", "KVBEAM_PEER_TIMEOUT_S", float, 10.0,
+           "seconds a peer may leave heartbeats unanswered (timed out, not refused) before it "
+           "is declared lost; a refused heartbeat (process gone) loses it after two"),
     Option("max_inflight", "KVBEAM_MAX_INFLIGHT", int, 256,
            "transfers in flight on this side before new ones get RESOURCE_EXHAUSTED"),
     Option("integrity", "KVBEAM_INTEGRITY", _bool, True,
@@ -215,6 +218,7 @@ class DaemonSettings:
     handoff_lease_s: float
     rpc_timeout_s: float
     heartbeat_s: float
+    peer_timeout_s: float
     max_inflight: int
     integrity: bool
     fill_seed: int
@@ -289,7 +293,8 @@ def resolve(role: str, args: argparse.Namespace | None = None,
     if not values["listen"]:
         values["listen"] = f"127.0.0.1:{DEFAULT_PORTS[role]}"
     for name in ("deadline_bootstrap_s", "deadline_waiting_s", "deadline_transfer_s",
-                 "handoff_lease_s", "rpc_timeout_s", "heartbeat_s", "transfer_floor_mbps"):
+                 "handoff_lease_s", "rpc_timeout_s", "heartbeat_s", "peer_timeout_s",
+                 "transfer_floor_mbps"):
         if values[name] <= 0:
             raise ConfigError(f"--{name.replace('_', '-')}: must be positive "
                               f"(got {values[name]})")

@@ -102,7 +102,9 @@ def test_stalled_scheduler_between_chunks_times_out_on_both_sides() -> None:
 
 
 def test_reserve_flood_is_resource_exhausted_without_memory_growth() -> None:
-    with pair() as (prefill, decode, _p, d):
+    # The held reservations must outlive the flood (5,000 Reserves: seconds on a loaded
+    # machine), or their lease frees the slots and the flood gets them.
+    with pair(decode_extra=["--deadline-bootstrap-s", "600"]) as (prefill, decode, _p, d):
         for i in range(DECODE_SLOTS):
             d.reserve(f"hold-{i}", 100, prefill.address)
 

@@ -76,7 +76,12 @@ def test_decode_killed_and_prefill_restarted_mid_run_every_request_succeeds_once
             # None twice: across all three decodes (the killed one's log up to its death
             # included) each request landed under exactly one attempt id.
             landed = Counter(_base_id(rid) for d in decodes for rid in landings(d))
-            assert set(landed) == {r.request_id for r in results}
+            # A Success on the victim may lack its log line: decode logs just after the state
+            # changes, and SIGKILL can fall in between. Only those may be missing.
+            unlogged = {r.request_id for r in results} - set(landed)
+            assert all(r.decode == victim.address for r in results
+                       if r.request_id in unlogged), unlogged
+            assert set(landed) <= {r.request_id for r in results}
             assert max(landed.values()) == 1, [k for k, n in landed.items() if n > 1]
             # The survivors' books match the scheduler's and hold no slot.
             survivors = decodes[1:]
