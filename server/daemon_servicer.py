@@ -53,6 +53,20 @@ IO_WORKERS = 8
 
 
 
+def heartbeat_lost(code: grpc.StatusCode, missed: int, silent_s: float,
+                   peer_timeout_s: float) -> bool:
+    """Whether a peer whose heartbeat just failed with ``code`` is lost.
+
+    A refusal (the peer's process is gone, its port closed) loses it after
+    MAX_MISSED_HEARTBEATS in a row. A timeout may be either side overloaded (a flood of
+    RPCs on 2 cores, a TCG guest): only ``peer_timeout_s`` of silence loses it, or a busy
+    daemon would drop healthy peers and fail their requests.
+    """
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return silent_s >= peer_timeout_s
+    return missed >= MAX_MISSED_HEARTBEATS
+
+
 class RoleCore(Protocol):
     """What the adapter and the loops call on a role's core."""
 
@@ -267,12 +281,8 @@ class DaemonServicer(ControlServicer):
             err = peer_error(exc, address=conn.control_address, method="Heartbeat",
                              timeout=timeout)
             silent_s = time.monotonic() - conn.last_heard
-            # A refusal means the peer's process is gone: two in a row lose it. A timeout may
-            # be either side overloaded (2 cores, a flood of RPCs): only a silence longer
-            # than peer_timeout_s loses it, or a busy daemon would drop healthy peers.
-            timed_out = exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-            lost = (silent_s >= self.rt.settings.peer_timeout_s if timed_out
-                    else conn.missed_heartbeats >= MAX_MISSED_HEARTBEATS)
+            lost = heartbeat_lost(exc.code(), conn.missed_heartbeats, silent_s,
+                                  self.rt.settings.peer_timeout_s)
             log.warning("heartbeat %d to %s missed (silent %.1f s of %.1f s allowed): %s",
                         conn.missed_heartbeats, conn.control_address, silent_s,
                         self.rt.settings.peer_timeout_s, err,
