@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -130,6 +133,29 @@ def test_health_is_exempt_from_the_token() -> None:
 
 
 # ---- mTLS ----------------------------------------------------------------------------
+
+
+def test_health_command_dials_mtls_with_the_tls_flags(pki: Pki) -> None:
+    """``kvbeam health`` (the exec probe) answers SERVING through mTLS only with the flags."""
+    _, decode = sides()
+    cert, key = pki.issue("probe")
+    tls = ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(pki.ca)]
+    # The Kubernetes mTLS probe passes them as the pod's KVBEAM_TLS_* variables.
+    tls_env = {**os.environ, "KVBEAM_TLS_CERT": str(cert), "KVBEAM_TLS_KEY": str(key),
+               "KVBEAM_TLS_CA": str(pki.ca)}
+    with serving(decode, pki.security("decode")) as server:
+        probe = [sys.executable, "-m", "kvbeam.commands.health", server.address]
+        for extra, environ in ((tls, None), ([], tls_env)):
+            ok = subprocess.run([*probe, *extra], capture_output=True, text=True, timeout=60,
+                                env=environ)
+            assert ok.returncode == 0, ok.stderr
+            assert "SERVING" in ok.stdout
+        plain = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+        assert plain.returncode == 1 and "not serving" in plain.stderr
+    bad = subprocess.run([*probe, "--tls-cert", str(cert)], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--tls-key" in bad.stderr, bad.stderr
+
 
 
 def test_mtls_handshake_with_certificates_from_the_ca(pki: Pki) -> None:

@@ -270,9 +270,15 @@ def test_mtls_component(tmp_path: Path) -> None:
             assert variables[f"KVBEAM_TLS_{var}"] == posixpath.join(mounts["tls"], file)
         assert variables["KVBEAM_TLS_SERVER_NAME"] == "kvbeam"
         assert "KVBEAM_AUTH_TOKEN_FILE" in variables  # the token stays on as well
-        # Plaintext gRPC probes cannot pass mTLS: TCP checks of the named control port.
+        # Plaintext gRPC probes cannot pass mTLS: `kvbeam health` runs in the pod with its
+        # own KVBEAM_TLS_* credentials, on the port the daemon listens on.
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["tcpSocket"] == {"port": "grpc"} and "grpc" not in c[probe]
+            assert "grpc" not in c[probe] and "tcpSocket" not in c[probe]
+            shell, flag, script = c[probe]["exec"]["command"]
+            assert (shell, flag) == ("/bin/sh", "-c")
+            assert "-m kvbeam.commands.health" in script
+            assert script.endswith("127.0.0.1:${KVBEAM_LISTEN##*:}")
+            assert variables["KVBEAM_LISTEN"].endswith(f":{PORTS[role][0]}")
 
 
 def test_scheduler_job_finds_every_daemon_through_dns() -> None:
