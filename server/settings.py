@@ -361,3 +361,7 @@ def _check_hostport(text: str, source: str, allow_zero: bool = False) -> None:
     if not sep or not host or not port.isdigit() or not lowest <= int(port) < 65536:
         raise ConfigError(f"{source}: expected HOST:PORT with a port {lowest}..65535 "
                           f"(got {text!r})")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        # Peers would refuse it at the handshake (proto.fields.host_port): say so at start.
+        raise ConfigError(f"{source}: an IPv6 host needs brackets, e.g. [fd00::1]:50052 "
+                          f"(got {text!r})")

@@ -30,6 +30,8 @@ def test_flag_beats_env_beats_default() -> None:
         (("--config", "c"), {"KVBEAM_TRANSPORT": "udp"}, "KVBEAM_TRANSPORT: 'udp' is not one of"),
         (("--config", "c", "--listen", "nohost"), {}, "--listen: expected HOST:PORT"),
         (("--config", "c", "--listen", "h:70000"), {}, "--listen: expected HOST:PORT"),
+        (("--config", "c", "--advertise", "fd00::1:50052"), {},
+         "--advertise: an IPv6 host needs brackets"),
         (("--config", "c", "--heartbeat-s", "0"), {}, "--heartbeat-s: must be positive"),
         (("--config", "c"), {"KVBEAM_INTEGRITY": "maybe"}, "KVBEAM_INTEGRITY: not a boolean"),
     ],
