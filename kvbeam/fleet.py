@@ -12,7 +12,10 @@ control addresses. A :class:`Members` set keeps one client per daemon and picks:
   broken round robin.
 
 A daemon that cannot be reached is set aside for :data:`DEAD_S` and then tried
-again, so a restarted one (same address) rejoins by itself. The retry policy that
+again, so a restarted one (same address) rejoins by itself. ``dns:`` names are
+resolved again every :data:`RESOLVE_EVERY_S` when a pick comes (no thread): pods
+that appear join, pods that vanish get no new requests and their channels close
+once their last request here ends. The retry policy that
 uses this lives in :mod:`kvbeam.scheduler`; docs/fleet.md describes both.
 """
 
@@ -38,6 +41,8 @@ log = logging.getLogger(__name__)
 DEAD_S = 1.0
 #: How long a decode's reported capacity is trusted before it is asked again, s.
 CAPACITY_TTL_S = 0.25
+#: How often ``dns:`` addresses are resolved again (pods come and go), s.
+RESOLVE_EVERY_S = 5.0
 
 
 def _host_port(host: str, port: int) -> str:
@@ -91,6 +96,7 @@ class Member:
 
     client: KvbeamClient
     inflight: int = 0  # this scheduler's requests on it now
+    retired: bool = False  # its address left the DNS answer: no new requests
     dead_until: float = 0.0  # monotonic time before which it is not picked
     free: int = 0  # decode: free slots at the last report, less reservations since
     reported_at: float = field(default=-1e9)  # monotonic time of that report
@@ -104,17 +110,60 @@ class Member:
 class Members:
     """The daemons of one role, one client each, and how the scheduler picks among them."""
 
-    def __init__(self, addresses: Sequence[str], *, security: Security | None = None,
+    def __init__(self, specs: Sequence[str], *, security: Security | None = None,
                  timeout: float = 5.0) -> None:
-        self.members = [Member(KvbeamClient(a, security=security, timeout=timeout))
-                        for a in addresses]
+        """``specs``: addresses as :func:`expand_addresses` takes them (``dns:`` included)."""
+        self._specs = list(specs)
+        self._security, self._timeout = security, timeout
+        self._dynamic = any(item.strip().startswith("dns:")
+                            for spec in self._specs for item in spec.split(","))
+        #: Replaced, never changed in place, so a reader without the lock sees a whole list.
+        self.members = ([self._member(a) for a in expand_addresses(self._specs)]
+                        if self._specs else [])
+        self._retired: list[Member] = []
+        self._resolved_at = time.monotonic()
         self._lock = threading.Lock()
         self._turn = itertools.count()
 
+    def _member(self, address: str) -> Member:
+        return Member(KvbeamClient(address, security=self._security, timeout=self._timeout))
+
     def close(self) -> None:
         """Close every channel."""
-        for m in self.members:
+        with self._lock:
+            everyone = self.members + self._retired
+        for m in everyone:
             m.client.close()
+
+    def resolve_again(self, *, force: bool = False) -> None:
+        """Resolve ``dns:`` addresses again when :data:`RESOLVE_EVERY_S` has passed: new ones
+        join, vanished ones retire. A failed lookup keeps the members as they are."""
+        now = time.monotonic()
+        with self._lock:
+            if not self._dynamic or (not force and now - self._resolved_at < RESOLVE_EVERY_S):
+                return
+            self._resolved_at = now  # claimed: other pickers go on with the current list
+        try:
+            wanted = expand_addresses(self._specs)  # DNS: never under the lock
+        except ConfigError as exc:
+            log.warning("resolving %s again failed, keeping %d daemons: %s",
+                        ", ".join(self._specs), len(self.members), exc)
+            return
+        idle: list[Member] = []
+        with self._lock:
+            known = {m.address: m for m in self.members}
+            gone = [m for a, m in known.items() if a not in wanted]
+            joined = {a: self._member(a) for a in wanted if a not in known}
+            self.members = [known.get(a) or joined[a] for a in wanted]
+            for m in gone:
+                m.retired = True
+                (idle if m.inflight == 0 else self._retired).append(m)
+        for m in idle:
+            m.client.close()
+        if gone or joined:
+            log.info("daemons behind %s now: %s (left: %s)", ", ".join(self._specs),
+                     ", ".join(m.address for m in self.members) or "none",
+                     ", ".join(m.address for m in gone) or "none")
 
     def __enter__(self) -> Members:
         return self
@@ -131,6 +180,7 @@ class Members:
     def pick_least_loaded(self, exclude: Iterable[str] = ()) -> Member:
         """The reachable daemon with the fewest of our requests in flight (ties: round robin);
         counts the new request on it (pair with :meth:`done`)."""
+        self.resolve_again()
         with self._lock:
             cands = self._candidates(exclude)
             if not cands:
@@ -145,6 +195,7 @@ class Members:
     def pick_most_free(self, exclude: Iterable[str] = ()) -> Member:
         """The reachable decode with the most free slots as reported (refreshed when stale);
         counts the reservation about to be made on it (pair with :meth:`done`)."""
+        self.resolve_again()
         now = time.monotonic()
         with self._lock:
             stale = [m for m in self._candidates(exclude)
@@ -180,6 +231,11 @@ class Members:
         """A request picked on ``member`` ended there (whatever the outcome)."""
         with self._lock:
             member.inflight = max(0, member.inflight - 1)
+            closing = member.retired and member.inflight == 0 and member in self._retired
+            if closing:
+                self._retired.remove(member)
+        if closing:  # its address left the DNS answer and its last request here ended
+            member.client.close()
 
     def set_full(self, member: Member) -> None:
         """Decode said Busy: take it as full until its next report."""
@@ -199,6 +255,7 @@ class Fleet:
 
     def __init__(self, prefills: Sequence[str], decodes: Sequence[str], *,
                  security: Security | None = None, timeout: float = 5.0) -> None:
+        """Addresses of each role as :func:`expand_addresses` takes them (``dns:`` included)."""
         self.prefills = Members(prefills, security=security, timeout=timeout)
         self.decodes = Members(decodes, security=security, timeout=timeout)
 

@@ -258,11 +258,12 @@ def drive(prefill_address: str | Sequence[str], decode_address: str | Sequence[s
     (:func:`~kvbeam.fleet.expand_addresses`). One prefill and one decode: each request
     runs once on that pair (:func:`run_request`). More: :func:`run_fleet_request`.
     """
-    prefills = expand_addresses([prefill_address] if isinstance(prefill_address, str)
-                                else prefill_address)
-    decodes = expand_addresses([decode_address] if isinstance(decode_address, str)
-                               else decode_address)
-    if len(prefills) == 1 and len(decodes) == 1:
+    prefill_specs = [prefill_address] if isinstance(prefill_address, str) else prefill_address
+    decode_specs = [decode_address] if isinstance(decode_address, str) else decode_address
+    prefills, decodes = expand_addresses(prefill_specs), expand_addresses(decode_specs)
+    # dns: names may resolve to more daemons later (pods scale): only the fleet re-resolves.
+    dynamic = any("dns:" in s for s in [*prefill_specs, *decode_specs])
+    if len(prefills) == 1 and len(decodes) == 1 and not dynamic:
         with KvbeamClient(prefills[0], security=security) as prefill, \
                 KvbeamClient(decodes[0], security=security) as decode:
             def one(i: int) -> RequestResult:
@@ -271,7 +272,7 @@ def drive(prefill_address: str | Sequence[str], decode_address: str | Sequence[s
 
             with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
                 return list(pool.map(one, range(len(seq_lens))))
-    with Fleet(prefills, decodes, security=security) as fleet:
+    with Fleet(prefill_specs, decode_specs, security=security) as fleet:
         def fleet_one(i: int) -> RequestResult:
             return run_fleet_request(fleet, f"{prefix}-{i}", seq_lens[i], i % source_slots,
                                      timeout=timeout, max_attempts=max_attempts)

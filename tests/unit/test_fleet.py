@@ -83,3 +83,41 @@ def test_prefill_least_loaded_then_round_robin_and_excluded() -> None:
     assert m.pick_least_loaded().address == first[1].address
     m.set_dead(first[0], "test")
     assert m.pick_least_loaded(exclude=[first[2].address]).address == first[1].address
+
+
+def test_dns_members_follow_the_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pods that appear behind a dns: name join; vanished ones get no new requests and their
+    channel closes once their last request ends; a failed lookup keeps the members."""
+    answer: list[str] = ["10.0.0.1", "10.0.0.2"]
+    closed: list[str] = []
+
+    def fake_dns(host: str, port: int, **_: Any) -> list[tuple[Any, ...]]:
+        if not answer:
+            raise socket.gaierror("no such host")
+        return [(socket.AF_INET, 1, 6, "", (ip, port)) for ip in answer]
+
+    class Closing(_Fake):
+        def close(self) -> None:
+            closed.append(self.address)
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake_dns)
+    monkeypatch.setattr(Members, "_member",
+                        lambda self, a: fleet_mod.Member(Closing(a, 1)))  # type: ignore[arg-type]
+    m = Members(["dns:kvbeam-prefill:50051"])
+    assert [x.address for x in m.members] == ["10.0.0.1:50051", "10.0.0.2:50051"]
+    busy = m.pick_least_loaded(exclude=["10.0.0.1:50051"])  # a request on .2, in flight
+    m.resolve_again()  # too soon: nothing asked
+    answer[:] = ["10.0.0.1", "10.0.0.3"]
+    assert [x.address for x in m.members] == ["10.0.0.1:50051", "10.0.0.2:50051"]
+    m.resolve_again(force=True)
+    assert [x.address for x in m.members] == ["10.0.0.1:50051", "10.0.0.3:50051"]
+    assert busy.retired and closed == []  # .2 still has a request: its channel stays open
+    picked = {m.pick_least_loaded().address for _ in range(4)}
+    assert picked == {"10.0.0.1:50051", "10.0.0.3:50051"}  # never the vanished one
+    m.done(busy)
+    assert closed == ["10.0.0.2:50051"]
+    answer.clear()  # DNS down: keep what we have
+    m.resolve_again(force=True)
+    assert [x.address for x in m.members] == ["10.0.0.1:50051", "10.0.0.3:50051"]
+    m.close()
+    assert sorted(closed) == ["10.0.0.1:50051", "10.0.0.2:50051", "10.0.0.3:50051"]
