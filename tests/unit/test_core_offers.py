@@ -10,6 +10,7 @@ import pytest
 from kvbeam.errors import UnknownRequest
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.indices import request_indices
+from kvbeam.server.core import offers
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.decode_landing import WAITING_FOR_DIGESTS
 from kvbeam.server.core.ports import Offered, WriteGrant
@@ -240,3 +241,27 @@ def test_no_offer_without_a_connection_to_the_prefill() -> None:
     core.peers.remove(conn)
     assert core.offer(core.reserve("r", SEQ, PREFILL)) is None
     assert prefill.offers == []
+
+
+def test_a_resend_sends_the_digests_computed_once_with_its_new_transfer_id(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    computed: list[str] = []
+    real = request_digests
+
+    def counting(*args: object, **kw: object) -> list[int]:
+        computed.append("x")
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(offers, "request_digests", counting)
+    core, fake = prefill_core(resend_retries=1)
+    core.send("r", 0, SEQ, ADDR, [], True)
+    assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
+    conn = core.peers.by_address(ADDR)
+    assert conn is not None
+    old = cast(FakeLink, conn.link)
+    assert wait_for(lambda: len(old.writes) == 1 and len(fake.digests) == 1)
+    core.on_event(old.completion(old.writes[0][0], ok=False, status="IBV_WC_RETRY_EXC_ERR"))
+    assert wait_for(lambda: len(fake.digests) == 2)
+    (r1, tid1, d1), (r2, tid2, d2) = fake.digests
+    assert r1 == r2 == "r" and tid1 != tid2 and d1 == d2
+    assert computed == ["x"], "the resend digested the source again"
