@@ -7,8 +7,9 @@ prefill's BeginWrite moves it to Transferring and learns the indices and the
 transfer id; the notification carrying that id arrives after every byte (RC
 ordering; an offered request is Transferring from then), the digests (which
 prefill sends after posting) are checked on the executor once both arrived
-(:mod:`kvbeam.server.core.decode_landing`), and the request is Success. The slot stays held until
-the scheduler's Release (the engine took over) or the hand-off lease expires.
+(:mod:`kvbeam.server.core.decode_landing`), and the request is Success. The slot
+stays held until the scheduler's Release (the engine took over) or the hand-off
+lease expires.
 
 No slot is freed while the prefill side might still write into it: a failure decode
 originates after prefill began writing is propagated to prefill first (prefill
