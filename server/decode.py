@@ -45,7 +45,8 @@ class DecodeServicer(DaemonServicer):
             integrity=runtime.settings.integrity, faults=runtime.faults,
             handoff_lease_s=runtime.settings.handoff_lease_s,
             transfer_budget=runtime.settings.transfer_budget_s,
-            on_offer=lambda event: runtime.metrics.offers.labels(event).inc())
+            on_offer=lambda event: runtime.metrics.offers.labels(event).inc(),
+            wire_s=lambda n: n / (runtime.settings.transfer_floor_mbps * 1e6))
         self.slots = self.decode.slots
         self._links_lock = threading.Lock()  # leaf: guards _pending_links only
         self._pending_links: dict[str, Link] = {}

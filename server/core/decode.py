@@ -65,7 +65,8 @@ class DecodeCore(DecodeOffer):
                  pools: AllocatedSide | None, integrity: bool, faults: FaultHooks,
                  handoff_lease_s: float,
                  transfer_budget: Callable[[int], float] = lambda _n: 0.0,
-                 on_offer: Callable[[str], None] = lambda _event: None) -> None:
+                 on_offer: Callable[[str], None] = lambda _event: None,
+                 wire_s: Callable[[int], float] = lambda _n: 0.0) -> None:
         self.table = table
         self.peers = peers
         self.prefill = prefill
@@ -78,6 +79,7 @@ class DecodeCore(DecodeOffer):
         #: wire is not failed here while prefill is still writing it.
         self.transfer_budget = transfer_budget
         self.on_offer = on_offer
+        self.wire_s = wire_s  # an offered reservation's lease grows by its bytes' time
         self.slots = SlotPool(spec.num_req_slots if spec is not None else 0)
         self._lock = threading.Lock()
         self._res: dict[str, Reservation] = {}

@@ -31,7 +31,8 @@ class DecodeOffer(DecodeLanding):
     """The Offer side of the decode core (state is defined by the core)."""
 
     prefill: PrefillPeers
-    transfer_budget: Callable[[int], float]
+    #: Seconds a request's bytes take at the floor rate (``--transfer-floor-mbps``).
+    wire_s: Callable[[int], float]
     #: Called with "made", "refused" or "failed" (the daemon's metrics).
     on_offer: Callable[[str], None]
 
@@ -59,10 +60,12 @@ class DecodeOffer(DecodeLanding):
             if still and answer is Offered.REFUSED and not res.landed:
                 res.peer_instance, res.link_id, res.offered = "", None, False
             go = still and answer.kept and self._ready(res)
-        if answer.kept:
-            # Prefill may write as soon as its Send comes: the lease plus the time the
-            # bytes need, as BeginWrite allows.
-            self.table.extend(res.request_id, self.transfer_budget(res.nbytes))
+        left = self.table.left(res.request_id)
+        if answer.kept and left is not None:
+            # The lease still bounds the wait for the Send, but no BeginWrite will move
+            # the request to Transferring: a Send at the lease's very end must still have
+            # the time its bytes take at the floor rate.
+            self.table.extend(res.request_id, left + self.wire_s(res.nbytes))
         self.on_offer({Offered.REFUSED: "refused", Offered.UNKNOWN: "failed"}.get(answer, "made"))
         log.debug("request %s: offered to prefill %s: %s", res.request_id,
                   res.prefill_address, answer.value,

@@ -265,3 +265,17 @@ def test_a_resend_sends_the_digests_computed_once_with_its_new_transfer_id(
     (r1, tid1, d1), (r2, tid2, d2) = fake.digests
     assert r1 == r2 == "r" and tid1 != tid2 and d1 == d2
     assert computed == ["x"], "the resend digested the source again"
+
+
+@pytest.mark.parametrize("answer", [Offered.DIGESTS_FOLLOW, Offered.REFUSED])
+def test_a_kept_offer_grows_the_lease_by_the_bytes_time_only(answer: Offered) -> None:
+    core, _io, prefill, _conn = _core()
+    core.table.deadlines = Deadlines(bootstrapping=10.0)
+    core.wire_s = lambda n: 5.0 if n > 0 else 0.0
+    prefill.answer = answer
+    res = core.reserve("r", SEQ, PREFILL)
+    core.offer(res)
+    left = core.table.left("r")
+    assert left is not None
+    want = 15.0 if answer is Offered.DIGESTS_FOLLOW else 10.0  # never the 30 s Transferring
+    assert want - 0.5 < left <= want, left
