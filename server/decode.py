@@ -1,4 +1,6 @@
-"""The decode daemon's gRPC adapter: Reserve, BeginWrite, Release, Abort over :class:`DecodeCore`.
+"""The decode daemon's gRPC adapter: Reserve, BeginWrite, Digests, Release, Abort.
+
+The core is :class:`DecodeCore`.
 
 Decodes each request, calls the core (:mod:`kvbeam.server.core.decode`, where the
 reservations live) and encodes the answer. The handshake hooks create and connect
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 class DecodeServicer(DaemonServicer):
-    """Reserve, BeginWrite, Release, Abort and the arrival of transfers."""
+    """Reserve (and its Offer), BeginWrite, Digests, Release, Abort and arrivals."""
 
     def __init__(self, runtime: Runtime, workers: int = IO_WORKERS) -> None:
         super().__init__(runtime, workers)
@@ -42,7 +44,9 @@ class DecodeServicer(DaemonServicer):
             spec=spec, layout=layout, pools=pools,
             integrity=runtime.settings.integrity, faults=runtime.faults,
             handoff_lease_s=runtime.settings.handoff_lease_s,
-            transfer_budget=runtime.settings.transfer_budget_s)
+            transfer_budget=runtime.settings.transfer_budget_s,
+            on_offer=lambda event: runtime.metrics.offers.labels(event).inc(),
+            wire_s=lambda n: n / (runtime.settings.transfer_floor_mbps * 1e6))
         self.slots = self.decode.slots
         self._links_lock = threading.Lock()  # leaf: guards _pending_links only
         self._pending_links: dict[str, Link] = {}
@@ -89,6 +93,9 @@ class DecodeServicer(DaemonServicer):
         target, draft = index_lists_from_proto(request.indices, "indices")
         res = self.decode.reserve(rid, seq_len, request.prefill_address, indices=target,
                                   draft=draft)
+        # A connected prefill gets the reservation now, so its Send writes at once
+        # (one RPC, bounded by the RPC timeout, no lock held; docs/protocol.md).
+        self.decode.offer(res)
         return pb.ReserveResponse(
             request_id=rid, slot=res.slot, indices=indices_to_proto(res.indices, res.draft),
             lease_ms=int(self.rt.settings.deadline_bootstrap_s * 1000),
@@ -99,12 +106,19 @@ class DecodeServicer(DaemonServicer):
                    context: grpc.ServicerContext) -> pb.BeginWriteResponse:
         """Prefill is about to write (a chunk of) a request: check it may, say where."""
         rid = request_id_of(request.request_id)
-        res = self.decode.begin_write(
-            rid, request.instance_id, request.seq_len, request.final_chunk,
-            list(request.digests) if request.has_digests else None)
+        res = self.decode.begin_write(rid, request.instance_id, request.seq_len,
+                                      request.final_chunk, request.digests_follow)
         return pb.BeginWriteResponse(request_id=rid, transfer_id=res.transfer_id, slot=res.slot,
                                      indices=indices_to_proto(res.indices, res.draft),
                                      instance_id=self.local.instance_id)
+
+    @handled
+    def Digests(self, request: pb.DigestsRequest,
+                context: grpc.ServicerContext) -> pb.DigestsResponse:
+        """Prefill's digests of a request whose writes it posted: verify once it landed."""
+        self.decode.digests(request_id_of(request.request_id), request.instance_id,
+                            request.transfer_id, list(request.digests))
+        return pb.DigestsResponse()
 
     @handled
     def Release(self, request: pb.ReleaseRequest,

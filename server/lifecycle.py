@@ -65,6 +65,7 @@ class Transfer:
     history: list[TransferState] = field(default_factory=list)
     version: int = 0
     nbytes: int = 0  # bytes moved, recorded with the move to SUCCESS
+    waiting: str = ""  # what the current state waits for, named if its deadline passes
 
     def snapshot(self) -> TransferStatus:
         """An immutable copy for status replies."""
@@ -118,6 +119,7 @@ class TransferTable:
             raise IllegalTransition(
                 f"request {t.request_id!r}: illegal transition {t.state.value} -> {state.value}")
         t.state = state
+        t.waiting = ""
         t.history.append(state)
         t.version += 1
         self._set_deadline(t)
@@ -170,6 +172,13 @@ class TransferTable:
             if t is not None and t.deadline is not None:
                 t.deadline = max(t.deadline, time.monotonic() + seconds)
 
+    def waiting_for(self, request_id: str, what: str) -> None:
+        """Say what the current state waits for: a timeout's detail names it."""
+        with self._cond:
+            t = self._live.get(request_id)
+            if t is not None:
+                t.waiting = what
+
     def left(self, request_id: str) -> float | None:
         """Seconds until a live transfer's deadline; None: unknown, ended, or no deadline."""
         with self._cond:
@@ -211,7 +220,8 @@ class TransferTable:
             for t in late:
                 t.reason = FailureReason.TIMEOUT
                 t.detail = (f"no progress in {t.state.value} for "
-                            f"{self.deadlines.for_state(t.state)} s")
+                            f"{self.deadlines.for_state(t.state)} s"
+                            + (f" ({t.waiting})" if t.waiting else ""))
                 self._move(t, TransferState.FAILED)
                 out.append(t.snapshot())
             if out:

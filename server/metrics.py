@@ -76,6 +76,13 @@ class DaemonMetrics:
         self.resends = Counter(
             "kvbeam_resends", "Requests prefill resent on a new link after a transient "
             "transport error (see --resend-retries)", registry=r)
+        self.begin_writes = Counter(
+            "kvbeam_begin_writes", "BeginWrite calls prefill made (one per chunk of a request "
+            "that found no offer from decode)", registry=r)
+        self.offers = Counter(
+            "kvbeam_offers", "Reservations decode offered ahead of Send, by event (decode: "
+            "made, refused, failed; prefill: received, refused, used, missed: a single-chunk "
+            "Send that found no offer and asked with BeginWrite)", ["event"], registry=r)
         self.handshake_seconds = Histogram(
             "kvbeam_handshake_seconds", "Handshake latency (client: the whole round trip; "
             "server: decoding, verification and link set-up)", ["side"],
@@ -90,6 +97,10 @@ class DaemonMetrics:
         for result in ("ok", "failed"):
             self.handshakes.labels(side, result)
         self.handshake_seconds.labels(side)
+        offer_events = (("received", "refused", "used", "missed") if role == "prefill"
+                        else ("made", "refused", "failed"))
+        for event in offer_events:
+            self.offers.labels(event)
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
     # ---- sources -------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The cores' peer calls over gRPC: handshake, BeginWrite and Abort to the other daemon.
+"""The cores' peer calls over gRPC: handshake, BeginWrite, Digests, Offer and Abort.
 
 :class:`GrpcDecodePeers` (prefill's view of decode daemons) and
 :class:`GrpcPrefillPeers` (decode's view of prefill daemons) implement the protocols
@@ -17,9 +17,13 @@ from kvbeam.errors import AlreadyLanded, SendFailed
 from kvbeam.logs import fields
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.side import SideInfo
-from kvbeam.proto.transfer_codec import draft_indices_from_proto, indices_from_proto
+from kvbeam.proto.transfer_codec import (
+    draft_indices_from_proto,
+    indices_from_proto,
+    indices_to_proto,
+)
 from kvbeam.rpc_errors import peer_error
-from kvbeam.server.core.ports import WriteGrant
+from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.metrics import DaemonMetrics
 from kvbeam.server.peer_client import ControlClient
 from kvbeam.server.peers import PeerConn, peer_buffer_addrs
@@ -92,14 +96,15 @@ class GrpcDecodePeers:
         return PeerConn(verified, link, self.dial, addrs)
 
     def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
-                    digests: list[int] | None) -> WriteGrant:
+                    digests_follow: bool) -> WriteGrant:
         """BeginWrite on decode; refusals become :class:`SendFailed` with their reason.
 
         Raises :class:`AlreadyLanded` when a resend finds the request landed on decode.
         """
         request = pb.BeginWriteRequest(
             request_id=request_id, instance_id=self.local.instance_id, seq_len=seq_len,
-            final_chunk=final, has_digests=digests is not None, digests=digests or [])
+            final_chunk=final, digests_follow=digests_follow)
+        self.metrics.begin_writes.inc()
         timeout = self.rpc_timeout_s
         try:
             reply = conn.client().stub.BeginWrite(request, timeout=timeout)
@@ -124,6 +129,18 @@ class GrpcDecodePeers:
                              timeout=timeout) from None
         return WriteGrant(reply.transfer_id, indices_from_proto(reply.indices, "indices"),
                           draft_indices_from_proto(reply.indices, "indices"))
+
+    def send_digests(self, conn: PeerConn, request_id: str, transfer_id: int,
+                     digests: list[int]) -> None:
+        """Digests on decode (after the final writes were posted); errors as PeerError."""
+        request = pb.DigestsRequest(request_id=request_id, instance_id=self.local.instance_id,
+                                    transfer_id=transfer_id, digests=digests)
+        timeout = self.rpc_timeout_s
+        try:
+            conn.client().stub.Digests(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise peer_error(exc, address=conn.control_address, method="Digests",
+                             timeout=timeout) from None
 
     def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
               timeout: float | None = None) -> bool:
@@ -152,6 +169,30 @@ class GrpcPrefillPeers:
     def local(self) -> SideInfo:
         """Our side as the servicer sends it."""
         return self._local()
+
+    def offer(self, conn: PeerConn, request_id: str, seq_len: int, grant: WriteGrant,
+              slot: int, lease_s: float) -> Offered:
+        """Offer on prefill: the reservation ahead of Send (never raises; see ports)."""
+        request = pb.OfferRequest(
+            request_id=request_id, instance_id=self.local.instance_id, seq_len=seq_len,
+            transfer_id=grant.transfer_id, slot=slot,
+            indices=indices_to_proto(grant.indices, grant.draft),
+            lease_ms=max(1, int(lease_s * 1000)))
+        try:
+            reply = conn.client().stub.Offer(request, timeout=self.options.rpc_timeout_s)
+        except grpc.RpcError as exc:
+            # A status is prefill's refusal (it will ask BeginWrite); no answer may be a
+            # kept offer whose reply was lost.
+            sure = exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND,
+                                  grpc.StatusCode.INVALID_ARGUMENT,
+                                  grpc.StatusCode.FAILED_PRECONDITION)
+            log.info("offer of %s to %s not made: %s: %s", request_id, conn.control_address,
+                     exc.code().name, exc.details(),
+                     extra=fields(request_id, conn.control_address))
+            return Offered.REFUSED if sure else Offered.UNKNOWN
+        if not reply.accepted:
+            return Offered.REFUSED
+        return Offered.DIGESTS_FOLLOW if reply.digests_follow else Offered.NO_DIGESTS
 
     def abort(self, conn: PeerConn, request_id: str, detail: str,
               timeout: float | None = None) -> bool:

@@ -1,4 +1,4 @@
-"""The prefill daemon's gRPC adapter: Send and Abort, over :class:`PrefillCore`.
+"""The prefill daemon's gRPC adapter: Send, Offer and Abort, over :class:`PrefillCore`.
 
 Decodes each request, validates what only the wire can get wrong, calls the core
 (:mod:`kvbeam.server.core.prefill`, where the send path lives) and encodes the
@@ -11,8 +11,13 @@ import grpc
 
 from kvbeam.proto.fields import host_port
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
-from kvbeam.proto.transfer_codec import index_lists_from_proto
+from kvbeam.proto.transfer_codec import (
+    draft_indices_from_proto,
+    index_lists_from_proto,
+    indices_from_proto,
+)
 from kvbeam.rpc_errors import handled
+from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.daemon_servicer import IO_WORKERS, DaemonServicer
 from kvbeam.server.peer_rpc import Dialer, GrpcDecodePeers
@@ -21,7 +26,7 @@ from kvbeam.server.validation import request_id_of, seq_len_of
 
 
 class PrefillServicer(DaemonServicer):
-    """Send, Abort and the completion of writes."""
+    """Send, Offer, Abort and the completion of writes."""
 
     def __init__(self, runtime: Runtime, workers: int = IO_WORKERS) -> None:
         super().__init__(runtime, workers)
@@ -34,7 +39,9 @@ class PrefillServicer(DaemonServicer):
             integrity=runtime.settings.integrity, faults=runtime.faults,
             drain_s=runtime.transport_timeout(),
             transfer_budget=runtime.settings.transfer_budget_s,
-            resend_retries=runtime.settings.resend_retries, on_resend=runtime.metrics.resends.inc)
+            resend_retries=runtime.settings.resend_retries, on_resend=runtime.metrics.resends.inc,
+            max_offers=runtime.settings.max_inflight,
+            on_offer=lambda event: runtime.metrics.offers.labels(event).inc())
 
     @handled
     def Send(self, request: pb.SendRequest, context: grpc.ServicerContext) -> pb.TransferStatus:
@@ -47,6 +54,18 @@ class PrefillServicer(DaemonServicer):
                                  [(r.start, r.end) for r in request.chunks],
                                  request.final_chunk, indices=target, draft=draft)
         return self._status(snap)
+
+    @handled
+    def Offer(self, request: pb.OfferRequest,
+              context: grpc.ServicerContext) -> pb.OfferResponse:
+        """Decode's reservation ahead of Send: keep it, so the Send writes at once."""
+        rid = request_id_of(request.request_id)
+        # Checked as BeginWrite's answer is: each kind once, no negative index.
+        grant = WriteGrant(request.transfer_id, indices_from_proto(request.indices, "indices"),
+                           draft_indices_from_proto(request.indices, "indices"))
+        kept = self.prefill.offer(rid, request.instance_id, request.seq_len, grant,
+                                  request.lease_ms / 1000)
+        return pb.OfferResponse(accepted=kept, digests_follow=self.prefill.integrity)
 
     @handled
     def Abort(self, request: pb.AbortRequest,

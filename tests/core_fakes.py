@@ -64,14 +64,15 @@ def fake_conn(address: str, side: AllocatedSide) -> PeerConn:
 
 
 class FakeDecode:
-    """Decode daemons as prefill's core sees them: connect, BeginWrite, Abort, counted.
+    """Decode daemons as prefill's core sees them: connect, BeginWrite, Digests, Abort.
 
     ``hold``: addresses whose handshake blocks until the event is set (a stopped peer).
     ``begins``: (request id, link id) of every BeginWrite. ``landed``: request ids whose
     BeginWrite on a new link answers AlreadyLanded (decode had them before a resend).
     ``forgot``: link ids decode no longer knows (it re-attached or restarted): BeginWrite
     on them is refused as the gRPC adapter refuses NotHandshaken. ``unreserved``: request
-    ids decode holds no reservation for (refused as NOT_FOUND).
+    ids decode holds no reservation for (refused as NOT_FOUND). ``digests``: (request
+    id, transfer id, digests) of every Digests call.
     """
 
     def __init__(self, side: AllocatedSide) -> None:
@@ -83,6 +84,7 @@ class FakeDecode:
         self.landed: set[str] = set()
         self.forgot: set[int] = set()
         self.unreserved: set[str] = set()
+        self.digests: list[tuple[str, int, list[int]]] = []
         self._grants: dict[str, tuple[int | None, int]] = {}
         self._tids = itertools.count(1)
         self._lock = threading.Lock()
@@ -95,7 +97,7 @@ class FakeDecode:
         return fake_conn(address, self.side)
 
     def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
-                    digests: list[int] | None) -> WriteGrant:
+                    digests_follow: bool) -> WriteGrant:
         if conn.link.id in self.forgot:
             raise SendFailed(FailureReason.PEER_FAILED,
                              f"decode at {conn.control_address} restarted or dropped the "
@@ -114,6 +116,11 @@ class FakeDecode:
         if relink and request_id in self.landed:
             raise AlreadyLanded(f"request {request_id} landed before the resend")
         return WriteGrant(tid, request_indices(UNIFIED_TARGET, 1, seq_len))
+
+    def send_digests(self, conn: PeerConn, request_id: str, transfer_id: int,
+                     digests: list[int]) -> None:
+        with self._lock:
+            self.digests.append((request_id, transfer_id, list(digests)))
 
     def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
               timeout: float | None = None) -> bool:

@@ -15,12 +15,16 @@ over gRPC by :mod:`kvbeam.server.peer_rpc`. An engine can drive a core directly.
 Modules: :mod:`~kvbeam.server.core.base` (status and the engine-pools switch, both
 cores), prefill's :mod:`~kvbeam.server.core.prefill` (API, send path),
 :mod:`~kvbeam.server.core.prefill_events` and :mod:`~kvbeam.server.core.resend`;
-decode's :mod:`~kvbeam.server.core.decode` (API, events) and
+prefill's :mod:`~kvbeam.server.core.offers` (decode's reservations ahead of Send,
+the digests after the writes); decode's :mod:`~kvbeam.server.core.decode` (API,
+events), :mod:`~kvbeam.server.core.decode_offer` (Offer) and
 :mod:`~kvbeam.server.core.decode_landing` (the record, verification).
 
 Threads. The driver (``DaemonServicer``) owns ONE bounded executor
 (``ThreadPoolExecutor``, ``IO_WORKERS`` threads); every blocking step runs there:
-handshakes, CRC32C digests, peer RPCs (BeginWrite, Abort), link releases. The
+handshakes, CRC32C digests, peer RPCs (BeginWrite, Digests, Abort), link releases.
+The one exception is decode's Offer (:mod:`~kvbeam.server.core.decode_offer`), made
+in the Reserve handler's thread, outside every lock, bounded by the RPC timeout. The
 transport event thread (``on_event``) only does bookkeeping and submits work.
 Long-lived loops (events, deadline sweep, heartbeats) are the runtime's only
 other threads; nothing starts a thread per event.
@@ -36,7 +40,8 @@ RPC, a digest, a write post, a link's release or a memory registration.
 2. ``TransferTable._cond`` (:mod:`kvbeam.server.lifecycle`): the lifecycle states.
    Its ``on_change`` callback (metrics) runs after the lock is released.
 3. Leaves, which call nothing while held: ``Peers._lock``
-   (:mod:`kvbeam.server.peers`), ``PeerConn._lock`` (the channel; ``close`` releases
+   (:mod:`kvbeam.server.peers`), ``OfferBook._lock`` (prefill's offers),
+   ``PeerConn._lock`` (the channel; ``close`` releases
    the link after dropping it), ``SlotPool`` (:mod:`kvbeam.server.slots`),
    ``DecodeServicer._links_lock`` (handshake links), ``DaemonServicer._watch_lock``,
    ``FaultHooks._lock``, ``ControlServer._lock`` (start/stop only), and the metrics'

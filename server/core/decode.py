@@ -1,11 +1,15 @@
 """Decode's core: reservations, BeginWrite, arrival and its proof, without gRPC.
 
 Per request: :meth:`DecodeCore.reserve` holds a slot and computes the destination
-indices (Bootstrapping, its deadline is the reservation lease); prefill's BeginWrite
-moves it to Transferring and learns the indices and the transfer id; the
-notification carrying that id arrives after every byte (RC ordering), the digests
-are checked on the executor, and the request is Success. The slot stays held until
-the scheduler's Release (the engine took over) or the hand-off lease expires.
+indices (Bootstrapping, its deadline is the reservation lease); the servicer then
+offers them to a connected prefill (:mod:`kvbeam.server.core.decode_offer`), or
+prefill's BeginWrite moves it to Transferring and learns the indices and the
+transfer id; the notification carrying that id arrives after every byte (RC
+ordering; an offered request is Transferring from then), the digests (which
+prefill sends after posting) are checked on the executor once both arrived
+(:mod:`kvbeam.server.core.decode_landing`), and the request is Success. The slot
+stays held until the scheduler's Release (the engine took over) or the hand-off
+lease expires.
 
 No slot is freed while the prefill side might still write into it: a failure decode
 originates after prefill began writing is propagated to prefill first (prefill
@@ -31,7 +35,8 @@ from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.base import request_bytes
-from kvbeam.server.core.decode_landing import DecodeLanding, Reservation
+from kvbeam.server.core.decode_landing import Reservation
+from kvbeam.server.core.decode_offer import DecodeOffer
 from kvbeam.server.core.ports import (
     PrefillPeers,
     report_link_failure,
@@ -50,7 +55,7 @@ from kvbeam.transport import Event, EventKind
 log = logging.getLogger(__name__)
 
 
-class DecodeCore(DecodeLanding):
+class DecodeCore(DecodeOffer):
     """All of decode's request state; the servicer and the runtime's loops call in."""
 
     role = "decode"
@@ -59,7 +64,9 @@ class DecodeCore(DecodeLanding):
                  io: Executor, spec: PoolSpec | None, layout: SideLayout | None,
                  pools: AllocatedSide | None, integrity: bool, faults: FaultHooks,
                  handoff_lease_s: float,
-                 transfer_budget: Callable[[int], float] = lambda _n: 0.0) -> None:
+                 transfer_budget: Callable[[int], float] = lambda _n: 0.0,
+                 on_offer: Callable[[str], None] = lambda _event: None,
+                 wire_s: Callable[[int], float] = lambda _n: 0.0) -> None:
         self.table = table
         self.peers = peers
         self.prefill = prefill
@@ -71,6 +78,8 @@ class DecodeCore(DecodeLanding):
         #: Seconds Transferring allows for a number of bytes: a large request on a slow
         #: wire is not failed here while prefill is still writing it.
         self.transfer_budget = transfer_budget
+        self.on_offer = on_offer
+        self.wire_s = wire_s  # an offered reservation's lease grows by its bytes' time
         self.slots = SlotPool(spec.num_req_slots if spec is not None else 0)
         self._lock = threading.Lock()
         self._res: dict[str, Reservation] = {}
@@ -114,8 +123,11 @@ class DecodeCore(DecodeLanding):
         return res
 
     def begin_write(self, request_id: str, instance_id: str, seq_len: int, final: bool,
-                    digests: list[int] | None) -> Reservation:
-        """Prefill is about to write (a chunk of) a request: check it may, say where."""
+                    digests_follow: bool) -> Reservation:
+        """Prefill is about to write (a chunk of) a request: check it may, say where.
+
+        ``digests_follow``: prefill's integrity is on (its digests come with Digests).
+        """
         conn = self.peers.get(instance_id)
         if conn is None:
             raise NotHandshakenError(
@@ -127,16 +139,15 @@ class DecodeCore(DecodeLanding):
         if seq_len != res.seq_len:
             raise BadRequest(f"request {request_id}: seq_len {seq_len} differs from the "
                                  f"reserved {res.seq_len}")
-        if digests is not None and len(digests) != len(self.layout.flat_buffers):
-            raise BadRequest(f"request {request_id}: {len(digests)} digests for "
-                                 f"{len(self.layout.flat_buffers)} buffers")
         with self._lock:
             snap = self.status(request_id)
             if res.peer_instance and res.peer_instance != conn.instance_id:
                 raise BadRequest(f"request {request_id} is being written by prefill "
                                      f"instance {res.peer_instance}")
-            # The same prefill instance on a new link: a resend after a transport error.
+            # The same prefill instance on a new link: a resend after a transport error
+            # (or a Send that could not use the offer made over the old link).
             relink = res.link_id is not None and res.link_id != conn.link.id
+            resend, res.offered = not res.offered, False
             if relink and snap.state is TransferState.SUCCESS:
                 raise AlreadyLanded(f"request {request_id} landed and was verified before "
                                     "the resend: nothing to write again")
@@ -155,14 +166,15 @@ class DecodeCore(DecodeLanding):
                 self._by_transfer.pop(res.transfer_id, None)
                 res.transfer_id = next(self._ids) & 0xFFFFFFFF
                 self._by_transfer[res.transfer_id] = request_id
-                res.landed = False
+                res.landed = res.verifying = False
             res.link_id = conn.link.id
-            if final and digests is not None:
-                res.digests = list(digests)
+            if final:
+                res.digests_follow = digests_follow
         if relink:
-            log.warning("request %s: prefill resends it on a new link (transfer id %d)",
-                        request_id, res.transfer_id,
-                        extra=fields(request_id, res.prefill_address))
+            log.log(logging.WARNING if resend else logging.INFO,
+                    "request %s: prefill %s it on a new link (transfer id %d)", request_id,
+                    "resends" if resend else "writes", res.transfer_id,
+                    extra=fields(request_id, res.prefill_address))
         return res
 
     def release(self, request_id: str) -> TransferStatus:
@@ -222,14 +234,28 @@ class DecodeCore(DecodeLanding):
             # byte written on it. A link-only failure removed its connection already,
             # yet a notification it delivered before failing is still proof of arrival.
             ok = res is not None and bool(res.peer_instance) and res.link_id == event.link
+            go = False
             if res is not None and ok:
                 res.landed = True
+                self._transferring(res.request_id)
+                go = self._ready(res)
         if res is None or not ok:
             log.warning("completion for unknown transfer id %s on link %d ignored",
                         event.transfer_id, event.link,
                         extra=fields(rid, conn.control_address if conn else None))
             return
-        self.io.submit(self._verify, res)
+        if go:  # else the digests are still to come (Digests triggers it)
+            self.io.submit(self._verify, res)
+
+    def _transferring(self, rid: str) -> None:
+        """An offered request landed without a BeginWrite: it is Transferring now (its
+        deadline bounds the wait for the digests). Core lock held."""
+        snap = self.table.get(rid)
+        if snap is not None and snap.state is TransferState.BOOTSTRAPPING:
+            self.table.advance(rid, TransferState.WAITING_FOR_INPUT)
+        if snap is not None and snap.state in (TransferState.BOOTSTRAPPING,
+                                               TransferState.WAITING_FOR_INPUT):
+            self.table.advance(rid, TransferState.TRANSFERRING)
 
     def on_deadline(self, status: TransferStatus) -> None:
         """A deadline passed: make sure prefill stops, then free the slot."""

@@ -1,9 +1,13 @@
 """Decode's landing path: the request's record, and its proof of arrival.
 
 The notification carrying a request's transfer id arrives after every byte (RC
-ordering); :meth:`DecodeLanding._verify` then checks the landed bytes against
-prefill's digests on the executor and makes the request Success, or fails it
-(integrity) and tells prefill. :class:`DecodeLanding` is a base of
+ordering); prefill's digests arrive separately, in Digests, which prefill sends
+once it posted the final writes (it digests while they are in flight). Whichever
+of the two comes second queues :meth:`DecodeLanding._verify` on the executor: it
+checks the landed bytes against the digests and makes the request Success, or
+fails it (integrity) and tells prefill. With integrity on, no Success without
+both; digests that never come leave the request to its Transferring deadline,
+whose detail names them. :class:`DecodeLanding` is a base of
 :class:`~kvbeam.server.core.decode.DecodeCore` (split to keep modules small).
 """
 
@@ -12,13 +16,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
+from kvbeam.errors import BadRequest, NotHandshakenError, UnknownRequest
 from kvbeam.logs import fields
 from kvbeam.pools.digest import request_digests
 from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.ports import IndexLists
 from kvbeam.server.faults import FaultHooks
+from kvbeam.server.peers import Peers
 from kvbeam.states import (
     NOT_VERIFIED_NO_DIGESTS,
     NOT_VERIFIED_OFF,
@@ -47,6 +54,15 @@ class Reservation:
     landed: bool = False
     draft: IndexLists = field(default_factory=dict)  # the draft's own lists (engine's)
     link_id: int | None = None       # the link prefill was granted: only its notification counts
+    # Prefill's integrity flag (from BeginWrite or its answer to Offer): True, its
+    # digests come with Digests; None, not known yet (an Offer not answered).
+    digests_follow: bool | None = None
+    offered: bool = False            # granted by Offer, no BeginWrite since
+    verifying: bool = False          # verification is queued (once per landing)
+
+
+#: What a landed request waits for when its digests are missing (a timeout names it).
+WAITING_FOR_DIGESTS = "the writes landed; prefill's digests (Digests) never arrived"
 
 
 class DecodeLanding(CoreBase):
@@ -54,7 +70,55 @@ class DecodeLanding(CoreBase):
 
     integrity: bool
     faults: FaultHooks
+    peers: Peers
+    io: Executor
     _lock: threading.Lock
+    _res: dict[str, Reservation]
+
+    def digests(self, request_id: str, instance_id: str, transfer_id: int,
+                digests: list[int]) -> None:
+        """Prefill's digests of a request it posted; verify if it landed already.
+
+        Digests for another transfer id (an attempt a resend replaced) are ignored:
+        the resend sends them again with its own.
+        """
+        if self.peers.get(instance_id) is None:
+            raise NotHandshakenError(
+                f"no successful handshake with prefill instance {instance_id!r}")
+        if len(digests) != len(self.layout.flat_buffers):
+            raise BadRequest(f"request {request_id}: {len(digests)} digests for "
+                             f"{len(self.layout.flat_buffers)} buffers")
+        with self._lock:
+            res = self._res.get(request_id)
+            if res is None:
+                raise UnknownRequest(f"no reservation for request {request_id!r} on this "
+                                     "decode daemon")
+            if res.peer_instance != instance_id:
+                raise BadRequest(f"request {request_id} is not being written by prefill "
+                                 f"instance {instance_id}")
+            current = transfer_id == res.transfer_id
+            if current:
+                res.digests, res.digests_follow = list(digests), True
+            go = current and self._ready(res)
+        if not current:
+            log.info("request %s: digests for the replaced transfer %d ignored", request_id,
+                     transfer_id, extra=fields(request_id, res.prefill_address))
+        if go:
+            self.io.submit(self._verify, res)
+
+    def _ready(self, res: Reservation) -> bool:
+        """Landed, and the digests arrived where they are needed: verify now, once.
+
+        Core lock held. Digests are needed when our integrity is on and prefill's is
+        on or not known yet.
+        """
+        if not res.landed or res.verifying:
+            return False
+        if self.integrity and res.digests_follow is not False and res.digests is None:
+            self.table.waiting_for(res.request_id, WAITING_FOR_DIGESTS)
+            return False
+        res.verifying = True
+        return True
 
     def _free(self, rid: str, why: str) -> None:
         """Forget the request and free its slot (defined by the core)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Protocol
 
 import numpy as np
@@ -27,16 +28,12 @@ from kvbeam.transport.base import Event
 IndexLists = dict[IndexKind, npt.NDArray[np.int64]]
 
 
-
-
 def require_status(table: TransferTable, request_id: str, side: str) -> TransferStatus:
     """The request's status; UnknownRequest when ``side`` does not know it."""
     snap = table.get(request_id)
     if snap is None:
         raise UnknownRequest(f"unknown request id {request_id!r} on this {side} daemon")
     return snap
-
-
 
 
 def report_link_failure(peers: Peers, io: Executor,
@@ -56,6 +53,20 @@ class WriteGrant:
     draft: IndexLists = field(default_factory=dict)  # the draft's own lists, where given
 
 
+class Offered(Enum):
+    """Prefill's answer to decode's Offer of a reservation."""
+
+    DIGESTS_FOLLOW = "digests_follow"  # kept; prefill's integrity is on
+    NO_DIGESTS = "no_digests"          # kept; prefill's integrity is off
+    REFUSED = "refused"                # not kept, for sure: prefill will ask BeginWrite
+    UNKNOWN = "unknown"                # no answer (timeout, unreachable): it may be kept
+
+    @property
+    def kept(self) -> bool:
+        """Prefill kept the offer: its Send writes without BeginWrite."""
+        return self in (Offered.DIGESTS_FOLLOW, Offered.NO_DIGESTS)
+
+
 class DecodePeers(Protocol):
     """Prefill's calls to decode daemons (blocking; run on the executor only)."""
 
@@ -63,12 +74,23 @@ class DecodePeers(Protocol):
         """Handshake with the decode daemon at ``address`` and connect a link to it."""
 
     def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
-                    digests: list[int] | None) -> WriteGrant:
-        """Ask decode where (a chunk of) a request goes.
+                    digests_follow: bool) -> WriteGrant:
+        """Ask decode where (a chunk of) a request goes (no offer for it was kept).
+
+        ``digests_follow``: prefill's integrity is on; :meth:`send_digests` follows the
+        final chunk's writes.
 
         Raises:
             SendFailed: decode refused (with the reason to report).
             PeerError: decode could not be reached.
+        """
+
+    def send_digests(self, conn: PeerConn, request_id: str, transfer_id: int,
+                     digests: list[int]) -> None:
+        """Give decode the request's digests, after its final writes were posted.
+
+        Raises:
+            PeerError: decode could not be reached (its deadline then fails the request).
         """
 
     def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
@@ -77,7 +99,16 @@ class DecodePeers(Protocol):
 
 
 class PrefillPeers(Protocol):
-    """Decode's calls to prefill daemons (blocking; run on the executor only)."""
+    """Decode's calls to prefill daemons (blocking; on the executor, or for :meth:`offer`
+    in the Reserve handler; never under a lock)."""
+
+    def offer(self, conn: PeerConn, request_id: str, seq_len: int, grant: WriteGrant,
+              slot: int, lease_s: float) -> Offered:
+        """Push a reservation to prefill ahead of its Send (bounded by the RPC timeout).
+
+        Never raises: a refusal or an error is an answer (:class:`Offered`), after
+        which prefill asks with BeginWrite as without an offer.
+        """
 
     def abort(self, conn: PeerConn, request_id: str, detail: str,
               timeout: float | None = None) -> bool:

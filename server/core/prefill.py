@@ -2,10 +2,12 @@
 
 Send queues a chunk of a request; a step on the executor handshakes with the decode
 daemon if needed (Bootstrapping; one handshake per address, later requests wait for
-it without holding a worker), asks decode where to write with BeginWrite
-(WaitingForInput -> Transferring), plans against decode's indices and posts the
-writes; the final chunk carries the states and the completion notification. A
-request is Success once every write completed. A request never ends (Success or
+it without holding a worker), takes decode's offer of the reservation or, without
+one, asks decode where to write with BeginWrite (WaitingForInput -> Transferring;
+:mod:`kvbeam.server.core.offers`), plans against decode's indices and posts the
+writes; the final chunk carries the states and the completion notification, and
+with integrity on the request's digests follow it (computed while the writes are in
+flight). A request is Success once every write completed. A request never ends (Success or
 Failed) while a write that reads its source may still be in flight: decode is told
 of a failure only once the request's writes drained, or once its link is released
 (:meth:`PrefillCore.periodic` abandons writes that do not drain in time).
@@ -37,7 +39,6 @@ from kvbeam.errors import (
 )
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.digest import request_digests
 from kvbeam.pools.engine_indices import ListLike, same_lists, validate
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
@@ -45,6 +46,7 @@ from kvbeam.pools.plan import build_plan
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.base import CoreBase
+from kvbeam.server.core.offers import OfferBook, PrefillOffers
 from kvbeam.server.core.ports import DecodePeers, IndexLists
 from kvbeam.server.core.prefill_events import after_resends
 from kvbeam.server.core.resend import PrefillResend
@@ -98,7 +100,7 @@ class Outgoing:
         return self.outstanding <= 0 or self.abandoned
 
 
-class PrefillCore(PrefillResend, CoreBase):
+class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
     """All of prefill's request state; the servicer and the runtime's loops call in.
 
     Args:
@@ -113,6 +115,9 @@ class PrefillCore(PrefillResend, CoreBase):
         resend_retries: resends of a request after a transient transport error
             (:mod:`kvbeam.server.core.resend`; 0: fail at once).
         on_resend: called once per resend (metrics).
+        max_offers: the most reservations decode offered that are kept unused
+            (:mod:`kvbeam.server.core.offers`).
+        on_offer: called with what happened to an offer (metrics).
     """
 
     role = "prefill"
@@ -121,7 +126,9 @@ class PrefillCore(PrefillResend, CoreBase):
                  spec: PoolSpec | None, layout: SideLayout | None, pools: AllocatedSide | None,
                  integrity: bool, faults: FaultHooks, drain_s: float,
                  transfer_budget: Callable[[int], float] = lambda _n: 0.0,
-                 resend_retries: int = 0, on_resend: Callable[[], None] = lambda: None) -> None:
+                 resend_retries: int = 0, on_resend: Callable[[], None] = lambda: None,
+                 max_offers: int = 1024,
+                 on_offer: Callable[[str], None] = lambda _event: None) -> None:
         self.table = table
         self.peers = peers
         self.decode = decode
@@ -133,6 +140,8 @@ class PrefillCore(PrefillResend, CoreBase):
         self.transfer_budget = transfer_budget
         self.resend_retries = resend_retries
         self.on_resend = on_resend
+        self.offers = OfferBook(max_offers)  # decode's reservations ahead of Send
+        self.on_offer = on_offer
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
         self._out: dict[str, Outgoing] = {}
@@ -190,6 +199,7 @@ class PrefillCore(PrefillResend, CoreBase):
 
     def abort(self, request_id: str, *, from_peer: bool, detail: str) -> TransferStatus:
         """Fail the request, wait until none of its writes is in flight, tell decode."""
+        self.offers.drop(request_id)
         with self._lock:
             rec = self._out.get(request_id)
             if rec is not None and from_peer:
@@ -298,19 +308,17 @@ class PrefillCore(PrefillResend, CoreBase):
 
     def _write_chunk(self, rec: Outgoing, conn: PeerConn, ranges: Ranges, final: bool) -> None:
         rid = rec.request_id
-        if final and self.integrity and rec.digests is None:
-            rec.digests = request_digests(self.pools, rec.src_indices,
-                                          draft=rec.src_draft)
-        digests = rec.digests if final else None
-        began = time.monotonic()
-        try:
-            grant = self.decode.begin_write(conn, rid, rec.seq_len, final, digests)
-            self._measured(begin_write=time.monotonic() - began)
-        except AlreadyLanded:
-            if not rec.resends:
-                raise
-            self._landed_already(rec)
-            return
+        grant = self._offered_grant(rec, conn, final)
+        if grant is None:
+            began = time.monotonic()
+            try:
+                grant = self.decode.begin_write(conn, rid, rec.seq_len, final, self.integrity)
+                self._measured(begin_write=time.monotonic() - began)
+            except AlreadyLanded:
+                if not rec.resends:
+                    raise
+                self._landed_already(rec)
+                return
         with self._lock:
             snap = self.table.get(rid)
             if snap is None or snap.state.terminal:
@@ -361,6 +369,8 @@ class PrefillCore(PrefillResend, CoreBase):
         log.info("request %s: posted %s%d bytes in %d blocks to %s", rid,
                  "final chunk, " if final else "chunk, ", plan.total_bytes, plan.num_blocks,
                  conn.control_address, extra=fields(rid, rec.decode_address))
+        if final and self.integrity:  # digested while the writes are in flight
+            self._send_digests(rec, conn, grant.transfer_id)
 
     def _select_pages(self, rec: Outgoing, dst: IndexLists, ranges: Ranges,
                       final: bool) -> tuple[IndexLists, IndexLists]:

@@ -34,6 +34,7 @@ from kvbeam.states import FailureReason, TransferState, TransferStatus
 from kvbeam.transport import Event, EventKind
 
 if TYPE_CHECKING:
+    from kvbeam.server.core.offers import OfferBook
     from kvbeam.server.core.ports import DecodePeers
     from kvbeam.server.core.prefill import Outgoing
 
@@ -77,6 +78,7 @@ class PrefillEvents:
     _drained: threading.Condition
     _out: dict[str, Outgoing]
     _writes: dict[tuple[int, int], str]
+    offers: OfferBook
 
     @staticmethod
     def _late_verdict(request_id: str, detail: str, decode_address: str) -> None:
@@ -177,6 +179,7 @@ class PrefillEvents:
         """
         self.peers.remove(conn)
         conn.close()
+        self.offers.drop_conn(conn)  # decode granted them on this link
         with self._lock:
             mine = [r for r in self._out.values() if r.conn is conn]
             if gone:
@@ -251,6 +254,7 @@ class PrefillEvents:
     def periodic(self) -> None:
         """Abandon failed requests whose writes hang; forget requests that ended."""
         now = time.monotonic()
+        self.offers.expire()
         hung: list[Outgoing] = []
         with self._lock:
             for rid, rec in list(self._out.items()):

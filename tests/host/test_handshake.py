@@ -218,6 +218,19 @@ def test_protocol_version_mismatch_server_newer(prefill: SideInfo, decode: SideI
     assert (info.value.local, info.value.remote) == (PROTOCOL_VERSION, PROTOCOL_VERSION + 1)
 
 
+def test_a_protocol_1_peer_is_refused_naming_both_versions(prefill: SideInfo,
+                                                           decode: SideInfo) -> None:
+    """Protocol 2 (Offer, Digests) against a protocol 1 build: refused before any transfer."""
+    assert PROTOCOL_VERSION == 2
+    request = pb.HandshakeRequest(side=side_to_proto(prefill))
+    request.side.protocol_version = 1
+    with running(decode) as server:
+        code, _, rejection, details = raw_handshake(server.address, request)
+    assert code is grpc.StatusCode.FAILED_PRECONDITION
+    assert rejection is not None and rejection.protocol_version == 2
+    assert "this side speaks kvbeam protocol version 2, the peer speaks 1" in details, details
+
+
 def test_reply_of_another_version_is_refused_by_the_client(prefill: SideInfo,
                                                            decode: SideInfo) -> None:
     class Liar(ControlServicer):

@@ -155,8 +155,18 @@ def _messages(daemons: tuple[Daemon, Daemon]) -> st.SearchStrategy[tuple[str, Me
             chunks=ranges)),
         st.tuples(st.just("BeginWrite"), st.builds(
             pb.BeginWriteRequest, request_id=rid, instance_id=inst, seq_len=EDGE_INTS,
-            final_chunk=st.booleans(), has_digests=st.booleans(),
+            final_chunk=st.booleans(), digests_follow=st.booleans())),
+        st.tuples(st.just("Digests"), st.builds(
+            pb.DigestsRequest, request_id=rid, instance_id=inst,
+            transfer_id=st.integers(0, 2**32 - 1),
             digests=st.lists(st.integers(0, 2**32 - 1), max_size=40))),
+        st.tuples(st.just("Offer"), st.builds(
+            pb.OfferRequest, request_id=rid, instance_id=inst, seq_len=EDGE_INTS,
+            transfer_id=st.integers(0, 2**32 - 1), slot=EDGE_INTS, lease_ms=EDGE_INTS,
+            indices=st.lists(st.builds(pb.IndexList, kind=st.integers(0, 5),
+                                       indices=st.lists(EDGE_INTS, max_size=8),
+                                       pool=st.sampled_from(["", "target", "draft", "x"])),
+                             max_size=6))),
         st.tuples(st.sampled_from(["Status", "WatchStatus"]),
                   st.builds(pb.StatusRequest, request_id=rid)),
         st.tuples(st.just("Abort"), st.builds(

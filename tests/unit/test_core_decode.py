@@ -12,6 +12,7 @@ from kvbeam.errors import AlreadyLanded
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
 from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.peers import PeerConn, Peers
@@ -39,8 +40,20 @@ class QueueExecutor(Executor):
 
 
 class FakePrefill:
+    """Prefill daemons as decode's core sees them: Abort and Offer, recorded.
+
+    ``answer``: what Offer answers (prefill kept it, digests follow, by default).
+    """
+
     def __init__(self) -> None:
         self.aborts: list[str] = []
+        self.offers: list[tuple[str, WriteGrant]] = []
+        self.answer = Offered.DIGESTS_FOLLOW
+
+    def offer(self, conn: PeerConn, request_id: str, seq_len: int, grant: WriteGrant,
+              slot: int, lease_s: float) -> Offered:
+        self.offers.append((request_id, grant))
+        return self.answer
 
     def abort(self, conn: PeerConn, request_id: str, detail: str,
               timeout: float | None = None) -> bool:
@@ -63,7 +76,8 @@ def test_landing_is_verified_on_the_executor_not_the_event_thread() -> None:
     core, io, _prefill, conn = _core()
     res = core.reserve("r", 300, PREFILL)
     digests = request_digests(core.pools, res.indices)  # what prefill would send
-    core.begin_write("r", conn.instance_id, 300, True, digests)
+    tid = core.begin_write("r", conn.instance_id, 300, True, True).transfer_id
+    core.digests("r", conn.instance_id, tid, digests)  # sent after posting
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
     # The event thread only noted the arrival; the CRC check waits on the executor.
     assert core.status("r").state is TransferState.TRANSFERRING
@@ -79,7 +93,8 @@ def test_integrity_failure_frees_the_slot_and_tells_prefill_from_the_executor() 
     core, io, prefill, conn = _core()
     res = core.reserve("r", 300, PREFILL)
     wrong = [d ^ 1 for d in request_digests(core.pools, res.indices)]
-    core.begin_write("r", conn.instance_id, 300, True, wrong)
+    tid = core.begin_write("r", conn.instance_id, 300, True, True).transfer_id
+    core.digests("r", conn.instance_id, tid, wrong)
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
     assert prefill.aborts == []
     io.run_all()
@@ -91,7 +106,7 @@ def test_integrity_failure_frees_the_slot_and_tells_prefill_from_the_executor() 
 def test_abort_after_begin_write_asks_prefill_before_freeing_the_slot() -> None:
     core, io, prefill, conn = _core()
     core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, None)
+    core.begin_write("r", conn.instance_id, 300, True, False)
     st = core.abort("r", from_peer=False, detail="scheduler")
     assert st.state is TransferState.FAILED
     assert core.slot_of("r") != -1  # prefill may still write: the slot stays held
@@ -102,7 +117,7 @@ def test_abort_after_begin_write_asks_prefill_before_freeing_the_slot() -> None:
 def test_link_failure_is_handled_on_the_executor() -> None:
     core, io, _prefill, conn = _core()
     core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, None)
+    core.begin_write("r", conn.instance_id, 300, True, False)
     core.on_event(Event(EventKind.LINK_FAILED, conn.link.id, None, ok=False,
                         status="IBV_EVENT_QP_FATAL"))
     assert not cast(FakeLink, conn.link).released  # the event thread only noted it
@@ -116,7 +131,7 @@ def test_link_failure_is_handled_on_the_executor() -> None:
 def test_a_lost_peer_fails_and_frees_its_requests_at_once() -> None:
     core, _io, _prefill, conn = _core()
     core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, None)
+    core.begin_write("r", conn.instance_id, 300, True, False)
     core.on_peer_lost(conn, "peer stopped answering heartbeats", gone=True)
     st = core.status("r")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.PEER_FAILED
@@ -136,10 +151,12 @@ def test_a_resend_gets_a_new_transfer_id_and_the_old_links_notification_is_ignor
     core, io, _prefill, conn = _core()
     res = core.reserve("r", 300, PREFILL)
     digests = request_digests(core.pools, res.indices)
-    old_tid = core.begin_write("r", conn.instance_id, 300, True, digests).transfer_id
+    old_tid = core.begin_write("r", conn.instance_id, 300, True, True).transfer_id
+    core.digests("r", conn.instance_id, old_tid, digests)
     new = _relink(core, conn)
-    new_tid = core.begin_write("r", conn.instance_id, 300, True, digests).transfer_id
+    new_tid = core.begin_write("r", conn.instance_id, 300, True, True).transfer_id
     assert new_tid != old_tid
+    core.digests("r", conn.instance_id, new_tid, digests)  # the resend sends them again
     # A late notification from the old link, with the old id or the new one: ignored.
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, old_tid))
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, new_tid))
@@ -153,7 +170,7 @@ def test_a_resend_gets_a_new_transfer_id_and_the_old_links_notification_is_ignor
 def test_a_notification_from_the_granted_link_counts_after_that_link_failed() -> None:
     core, io, _prefill, conn = _core()
     res = core.reserve("r", 300, PREFILL)
-    tid = core.begin_write("r", conn.instance_id, 300, True, None).transfer_id
+    tid = core.begin_write("r", conn.instance_id, 300, True, False).transfer_id
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, tid))  # arrived, then link died
     core.on_peer_lost(conn, "link failed", gone=False)
     io.run_all()
@@ -164,10 +181,10 @@ def test_a_notification_from_the_granted_link_counts_after_that_link_failed() ->
 def test_a_resend_of_a_request_that_already_landed_is_answered_already_landed() -> None:
     core, io, _prefill, conn = _core()
     core.reserve("r", 300, PREFILL)
-    tid = core.begin_write("r", conn.instance_id, 300, True, None).transfer_id
+    tid = core.begin_write("r", conn.instance_id, 300, True, False).transfer_id
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, tid))
     io.run_all()
     _relink(core, conn)
     with pytest.raises(AlreadyLanded):
-        core.begin_write("r", conn.instance_id, 300, True, None)
+        core.begin_write("r", conn.instance_id, 300, True, False)
     assert core.status("r").state is TransferState.SUCCESS

@@ -381,20 +381,18 @@ class ReserveResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class BeginWriteRequest(_message.Message):
-    __slots__ = ("request_id", "instance_id", "seq_len", "final_chunk", "has_digests", "digests")
+    __slots__ = ("request_id", "instance_id", "seq_len", "final_chunk", "digests_follow")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     FINAL_CHUNK_FIELD_NUMBER: _ClassVar[int]
-    HAS_DIGESTS_FIELD_NUMBER: _ClassVar[int]
-    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instance_id: str
     seq_len: int
     final_chunk: bool
-    has_digests: bool
-    digests: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., final_chunk: _Optional[bool] = ..., has_digests: _Optional[bool] = ..., digests: _Optional[_Iterable[int]] = ...) -> None: ...
+    digests_follow: bool
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., final_chunk: _Optional[bool] = ..., digests_follow: _Optional[bool] = ...) -> None: ...
 
 class BeginWriteResponse(_message.Message):
     __slots__ = ("request_id", "transfer_id", "slot", "indices", "instance_id")
@@ -409,6 +407,48 @@ class BeginWriteResponse(_message.Message):
     indices: _containers.RepeatedCompositeFieldContainer[IndexList]
     instance_id: str
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., slot: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class OfferRequest(_message.Message):
+    __slots__ = ("request_id", "instance_id", "seq_len", "transfer_id", "slot", "indices", "lease_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    instance_id: str
+    seq_len: int
+    transfer_id: int
+    slot: int
+    indices: _containers.RepeatedCompositeFieldContainer[IndexList]
+    lease_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., transfer_id: _Optional[int] = ..., slot: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class OfferResponse(_message.Message):
+    __slots__ = ("accepted", "digests_follow")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    digests_follow: bool
+    def __init__(self, accepted: _Optional[bool] = ..., digests_follow: _Optional[bool] = ...) -> None: ...
+
+class DigestsRequest(_message.Message):
+    __slots__ = ("request_id", "instance_id", "transfer_id", "digests")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    instance_id: str
+    transfer_id: int
+    digests: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., digests: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DigestsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -1,0 +1,59 @@
+"""Protocol 2 between real daemons over TCP: no BeginWrite once decode offers reservations.
+
+Decode pushes each reservation to its connected prefill (Offer); prefill's Send then
+writes at once. The first request precedes any handshake, so it asks with BeginWrite
+(the fallback); so does each chunk of a chunked request. Counted by the daemons'
+metrics (``kvbeam_begin_writes_total``, ``kvbeam_offers_total``).
+"""
+
+from __future__ import annotations
+
+from kvbeam.scheduler import run_request
+from kvbeam.states import TransferState
+from tests.daemon_helpers import pair
+from tests.metrics_helpers import delta, scrape, value
+
+S = TransferState.SUCCESS
+METRICS = ["--metrics", "127.0.0.1:0"]
+N = 6
+
+
+def test_reserve_before_send_needs_no_begin_write_after_the_first_handshake() -> None:
+    with pair(decode_extra=METRICS, prefill_extra=METRICS) as (prefill, decode, p, d):
+        assert prefill.metrics and decode.metrics
+        first = run_request(p, d, "o-0", 700, 0)
+        assert first.state.startswith("Success"), first
+        p0, d0 = scrape(prefill.metrics), scrape(decode.metrics)
+        assert value(p0, "kvbeam_begin_writes_total") == 1  # before any handshake
+        assert value(p0, "kvbeam_offers_total", event="missed") == 1
+
+        for i in range(1, N + 1):
+            result = run_request(p, d, f"o-{i}", 300 + 97 * i, i % 4, release=False)
+            assert result.state.startswith("Success"), result
+            # Decode verified the bytes against the digests that followed the writes.
+            st = d.status(f"o-{i}")
+            assert st.detail.startswith("CRC32C verified"), st
+            d.release(f"o-{i}")
+        p1, d1 = scrape(prefill.metrics), scrape(decode.metrics)
+        assert delta(p1, p0, "kvbeam_begin_writes_total") == 0
+        assert delta(p1, p0, "kvbeam_offers_total", event="used") == N
+        assert delta(p1, p0, "kvbeam_offers_total", event="missed") == 0
+        assert delta(d1, d0, "kvbeam_offers_total", event="made") == N
+
+
+def test_a_chunked_request_asks_begin_write_per_chunk_and_succeeds() -> None:
+    with pair(decode_extra=METRICS, prefill_extra=METRICS) as (prefill, decode, p, d):
+        assert prefill.metrics
+        assert run_request(p, d, "f-0", 500, 0).state.startswith("Success")  # handshake
+        p0 = scrape(prefill.metrics)
+        d.reserve("f-1", 900, prefill.address)  # offered; the chunked Send does not use it
+        p.send("f-1", 1, 900, decode.address, final=False, chunks=[(0, 512)])
+        p.send("f-1", 1, 900, decode.address, final=True)
+        st = d.wait("f-1", 20)
+        assert st.state is S and st.detail.startswith("CRC32C verified"), st
+        assert p.wait("f-1", 10).state is S
+        d.release("f-1")
+        p1 = scrape(prefill.metrics)
+        assert delta(p1, p0, "kvbeam_begin_writes_total") == 2  # one per chunk
+        assert delta(p1, p0, "kvbeam_offers_total", event="received") == 1
+        assert delta(p1, p0, "kvbeam_offers_total", event="used") == 0

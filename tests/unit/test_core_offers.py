@@ -1,0 +1,281 @@
+"""Protocol 2 in the cores: decode's Offer replaces BeginWrite, digests follow the writes."""
+
+from __future__ import annotations
+
+import time
+from typing import cast
+
+import pytest
+
+from kvbeam.errors import UnknownRequest
+from kvbeam.pools.digest import request_digests
+from kvbeam.pools.indices import request_indices
+from kvbeam.server.core import offers
+from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.decode_landing import WAITING_FOR_DIGESTS
+from kvbeam.server.core.ports import Offered, WriteGrant
+from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.lifecycle import Deadlines
+from kvbeam.server.peers import PeerConn
+from kvbeam.states import NOT_VERIFIED_NO_DIGESTS, FailureReason, TransferState
+from kvbeam.transport import Event, EventKind
+from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
+from tests.fixtures import UNIFIED_TARGET
+from tests.unit.test_core_decode import PREFILL, FakePrefill, QueueExecutor, _core
+
+ADDR = "127.0.0.1:9"
+SEQ = 300
+
+
+# ---- prefill ----------------------------------------------------------------------------
+def _connected(**kw: object) -> tuple[PrefillCore, FakeDecode, PeerConn, list[str]]:
+    """A prefill core that already handshook with decode (one request, by BeginWrite)."""
+    events: list[str] = []
+    core, fake = prefill_core(**kw)  # type: ignore[arg-type]
+    core.on_offer = events.append
+    core.send("first", 0, SEQ, ADDR, [], True)
+    assert wait_for(lambda: len(fake.begins) == 1 and len(fake.digests) == 1)
+    conn = core.peers.by_address(ADDR)
+    assert conn is not None
+    link = cast(FakeLink, conn.link)
+    core.on_event(link.completion(link.writes[0][0]))
+    assert core.status("first").state is TransferState.SUCCESS
+    assert events == ["missed"]  # the first request found no offer: it asked BeginWrite
+    events.clear()
+    return core, fake, conn, events
+
+
+def _grant(tid: int) -> WriteGrant:
+    return WriteGrant(tid, request_indices(UNIFIED_TARGET, 2, SEQ))
+
+
+def test_an_offered_request_posts_its_writes_without_begin_write_and_digests_follow() -> None:
+    core, fake, conn, events = _connected()
+    assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
+    core.send("r", 1, SEQ, ADDR, [], True)
+    link = cast(FakeLink, conn.link)
+    assert wait_for(lambda: len(link.writes) == 2 and len(fake.digests) == 2)
+    assert link.writes[1] == (77, True)  # the offer's transfer id, with the notification
+    assert [rid for rid, _ in fake.begins] == ["first"], "BeginWrite was called for r"
+    want = request_digests(core.pools, request_indices(UNIFIED_TARGET, 1, SEQ))
+    assert fake.digests[1] == ("r", 77, want)  # after posting, for the offer's transfer id
+    assert core.status("r").state is TransferState.TRANSFERRING
+    core.on_event(link.completion(77))
+    assert core.status("r").state is TransferState.SUCCESS
+    assert events == ["received", "used"]
+    assert len(core.offers) == 0
+
+
+def test_a_send_before_the_reserve_falls_back_to_begin_write_and_a_late_offer_is_refused(
+        ) -> None:
+    core, fake, conn, events = _connected()
+    core.send("r", 1, SEQ, ADDR, [], True)
+    assert wait_for(lambda: len(fake.begins) == 2)
+    assert fake.begins[1][0] == "r"
+    assert wait_for(lambda: events == ["missed"])
+    assert not core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
+    assert events == ["missed", "refused"] and len(core.offers) == 0
+
+
+def test_an_offer_over_a_previous_connection_is_ignored() -> None:
+    core, fake, conn, events = _connected()
+    assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
+    # Decode's instance changed behind the connection (prefill has not noticed a loss):
+    # the next request handshakes a new connection, which the offer did not come over.
+    core.peers.remove(conn)
+    core.send("r", 1, SEQ, ADDR, [], True)
+    assert wait_for(lambda: len(fake.begins) == 2)
+    new = core.peers.by_address(ADDR)
+    assert new is not None and new is not conn
+    assert wait_for(lambda: len(cast(FakeLink, new.link).writes) == 1)
+    assert cast(FakeLink, new.link).writes[0][0] != 77
+    assert events == ["received", "missed"]
+
+
+@pytest.mark.parametrize("change", ["seq_len", "expired"])
+def test_an_offer_that_does_not_fit_the_send_is_not_used(change: str) -> None:
+    core, fake, conn, events = _connected()
+    assert core.offer("r", conn.instance_id, SEQ + (change == "seq_len"), _grant(77),
+                      lease_s=10.0 if change == "seq_len" else 0.0)
+    time.sleep(0.01)
+    core.send("r", 1, SEQ, ADDR, [], True)
+    assert wait_for(lambda: len(fake.begins) == 2)
+    assert events == ["received", "missed"]
+
+
+def test_abort_and_peer_loss_drop_offers_and_the_book_is_bounded() -> None:
+    core, _fake, conn, events = _connected(workers=2)
+    core.offers.capacity = 2
+    assert core.offer("a", conn.instance_id, SEQ, _grant(1), lease_s=10.0)
+    assert core.offer("b", conn.instance_id, SEQ, _grant(2), lease_s=10.0)
+    assert not core.offer("c", conn.instance_id, SEQ, _grant(3), lease_s=10.0)  # full
+    with pytest.raises(UnknownRequest):  # prefill never saw a Send of it
+        core.abort("a", from_peer=True, detail="decode aborted")
+    assert len(core.offers) == 1
+    core.on_peer_lost(conn, "link failed", gone=False)
+    assert len(core.offers) == 0
+    assert events == ["received", "received", "refused"]
+
+
+# ---- decode -----------------------------------------------------------------------------
+def _offered(answer: Offered = Offered.DIGESTS_FOLLOW, deadlines: Deadlines | None = None
+             ) -> tuple[DecodeCore, QueueExecutor, FakePrefill, PeerConn, list[int]]:
+    core, io, prefill, conn = _core()
+    if deadlines is not None:
+        core.table.deadlines = deadlines
+    prefill.answer = answer
+    res = core.reserve("r", SEQ, PREFILL)
+    assert core.offer(res) is answer
+    assert [rid for rid, _ in prefill.offers] == ["r"]
+    assert prefill.offers[0][1].transfer_id == res.transfer_id
+    return core, io, prefill, conn, request_digests(core.pools, res.indices)
+
+
+def _notify(core: DecodeCore, conn: PeerConn) -> None:
+    tid = core._reservation("r").transfer_id
+    core.on_event(Event(EventKind.NOTIFIED, conn.link.id, tid))
+
+
+@pytest.mark.parametrize("digests_first", [True, False])
+def test_an_offered_request_is_verified_once_both_notification_and_digests_arrived(
+        digests_first: bool) -> None:
+    core, io, _prefill, conn, digests = _offered()
+    tid = core._reservation("r").transfer_id
+    if digests_first:
+        core.digests("r", conn.instance_id, tid, digests)
+        assert io.queue == []  # nothing landed yet
+    _notify(core, conn)
+    assert core.status("r").state is TransferState.TRANSFERRING
+    if not digests_first:
+        assert io.queue == [], "verification started before the digests came"
+        core.digests("r", conn.instance_id, tid, digests)
+    assert len(io.queue) == 1
+    io.run_all()
+    st = core.status("r")
+    assert st.state is TransferState.SUCCESS and st.detail.startswith("CRC32C verified")
+
+
+def test_a_wrong_digest_after_the_notification_fails_integrity() -> None:
+    core, io, prefill, conn, digests = _offered()
+    _notify(core, conn)
+    core.digests("r", conn.instance_id, core._reservation("r").transfer_id,
+                 [digests[0] ^ 1, *digests[1:]])
+    io.run_all()
+    st = core.status("r")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.INTEGRITY
+    assert prefill.aborts == ["r"] and core.slot_of("r") == -1
+
+
+def test_digests_that_never_arrive_time_out_never_success() -> None:
+    core, io, _prefill, conn, digests = _offered(deadlines=Deadlines(transferring=0.05))
+    _notify(core, conn)
+    io.run_all()
+    assert core.status("r").state is TransferState.TRANSFERRING
+    time.sleep(0.1)
+    expired = core.table.expire()
+    assert [s.request_id for s in expired] == ["r"]
+    st = core.status("r")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.TIMEOUT
+    assert WAITING_FOR_DIGESTS in st.detail
+    core.on_deadline(expired[0])
+    io.run_all()
+    with pytest.raises(UnknownRequest):  # the slot is freed: late digests find nothing
+        core.digests("r", conn.instance_id, 1, digests)
+    assert core.status("r").state is TransferState.FAILED
+
+
+def test_stale_digests_of_a_replaced_transfer_are_ignored() -> None:
+    core, io, _prefill, conn, digests = _offered()
+    old = core._reservation("r").transfer_id
+    core.digests("r", conn.instance_id, old + 1000, [d ^ 1 for d in digests])
+    _notify(core, conn)
+    assert io.queue == []  # the wrong transfer's digests do not count
+    core.digests("r", conn.instance_id, old, digests)
+    io.run_all()
+    assert core.status("r").state is TransferState.SUCCESS
+
+
+def test_a_notification_before_the_offers_answer_still_counts() -> None:
+    core, io, prefill, conn = _core()
+    res = core.reserve("r", SEQ, PREFILL)
+    real = prefill.offer
+
+    def offer_and_land(*args: object, **kw: object) -> Offered:
+        answer = real(*args, **kw)  # type: ignore[arg-type]
+        # Prefill used the offer at once: its notification beats the answer here.
+        core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
+        return answer
+
+    prefill.offer = offer_and_land  # type: ignore[method-assign]
+    core.offer(res)
+    assert res.landed and io.queue == []
+    core.digests("r", conn.instance_id, res.transfer_id,
+                 request_digests(core.pools, res.indices))
+    io.run_all()
+    assert core.status("r").state is TransferState.SUCCESS
+
+
+def test_an_offer_kept_without_digests_lands_unverified() -> None:
+    core, io, _prefill, conn, _digests = _offered(Offered.NO_DIGESTS)
+    _notify(core, conn)
+    io.run_all()
+    st = core.status("r")
+    assert st.state is TransferState.SUCCESS and st.detail == NOT_VERIFIED_NO_DIGESTS
+
+
+def test_an_offered_reservation_is_drained_on_abort_a_refused_one_is_freed_at_once() -> None:
+    core, io, prefill, _conn, _digests = _offered()
+    core.abort("r", from_peer=False, detail="scheduler")
+    assert core.slot_of("r") != -1  # prefill may write: asked to drain first
+    io.run_all()
+    assert prefill.aborts == ["r"] and core.slot_of("r") == -1
+
+    core, io, prefill, _conn, _digests = _offered(Offered.REFUSED)
+    assert not core._reservation("r").peer_instance  # the grant was taken back
+    core.abort("r", from_peer=False, detail="scheduler")
+    assert core.slot_of("r") == -1  # freed at once: prefill cannot write
+
+
+def test_no_offer_without_a_connection_to_the_prefill() -> None:
+    core, _io, prefill, conn = _core()
+    core.peers.remove(conn)
+    assert core.offer(core.reserve("r", SEQ, PREFILL)) is None
+    assert prefill.offers == []
+
+
+def test_a_resend_sends_the_digests_computed_once_with_its_new_transfer_id(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    computed: list[str] = []
+    real = request_digests
+
+    def counting(*args: object, **kw: object) -> list[int]:
+        computed.append("x")
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(offers, "request_digests", counting)
+    core, fake = prefill_core(resend_retries=1)
+    core.send("r", 0, SEQ, ADDR, [], True)
+    assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
+    conn = core.peers.by_address(ADDR)
+    assert conn is not None
+    old = cast(FakeLink, conn.link)
+    assert wait_for(lambda: len(old.writes) == 1 and len(fake.digests) == 1)
+    core.on_event(old.completion(old.writes[0][0], ok=False, status="IBV_WC_RETRY_EXC_ERR"))
+    assert wait_for(lambda: len(fake.digests) == 2)
+    (r1, tid1, d1), (r2, tid2, d2) = fake.digests
+    assert r1 == r2 == "r" and tid1 != tid2 and d1 == d2
+    assert computed == ["x"], "the resend digested the source again"
+
+
+@pytest.mark.parametrize("answer", [Offered.DIGESTS_FOLLOW, Offered.REFUSED])
+def test_a_kept_offer_grows_the_lease_by_the_bytes_time_only(answer: Offered) -> None:
+    core, _io, prefill, _conn = _core()
+    core.table.deadlines = Deadlines(bootstrapping=10.0)
+    core.wire_s = lambda n: 5.0 if n > 0 else 0.0
+    prefill.answer = answer
+    res = core.reserve("r", SEQ, PREFILL)
+    core.offer(res)
+    left = core.table.left("r")
+    assert left is not None
+    want = 15.0 if answer is Offered.DIGESTS_FOLLOW else 10.0  # never the 30 s Transferring
+    assert want - 0.5 < left <= want, left
