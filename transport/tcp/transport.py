@@ -22,7 +22,9 @@ import socket
 import threading
 from collections.abc import Sequence
 
-from kvbeam.errors import TransportError
+import numpy as np
+
+from kvbeam.errors import RegionError, TransportError
 from kvbeam.transport import status as st
 from kvbeam.transport.base import Access, Event, EventKind, Registration, Transport
 from kvbeam.transport.core import wait_readable
@@ -196,6 +198,9 @@ class _Receiver:
                     refused = (f"block at {addr:#x} length {length} is outside every "
                                f"remote-writable region of the receiver")
                 wire.discard(self.conn, length)
+            elif kind == wire.WRITEV:
+                in_transfer = True
+                landed, refused = self._writev(length, landed, refused)
             elif kind == wire.END:
                 in_transfer = False
                 self.t.received(landed)
@@ -212,6 +217,27 @@ class _Receiver:
             else:
                 log.warning("TCP transport: unknown frame kind %d; dropping the connection", kind)
                 return
+
+    def _writev(self, count: int, landed: int, refused: str | None) -> tuple[int, str | None]:
+        """Land one WRITEV frame's blocks; (bytes landed so far, why refused or None).
+
+        Like a run of WRITE frames: the blocks before the first one outside our
+        regions land, that one and every later one are read and dropped.
+        """
+        addrs, lengths = wire.recv_descs(self.conn, count)
+        table = self.t.writable()  # read per frame: registrations may change between transfers
+        ok = count if refused is None else 0
+        if ok:
+            try:  # one vectorised check for the whole frame; per block only on a refusal
+                table.lookup(np.array(addrs, dtype=np.uint64), np.array(lengths, dtype=np.uint64))
+            except RegionError:
+                ok = next(i for i, (a, n) in enumerate(zip(addrs, lengths, strict=True))
+                          if not table.contains(a, n))
+                refused = (f"block at {addrs[ok]:#x} length {lengths[ok]} is outside every "
+                           f"remote-writable region of the receiver")
+        wire.recv_scatter(self.conn, wire.views(addrs[:ok], lengths[:ok], writable=True))
+        wire.discard(self.conn, sum(lengths[ok:]))
+        return landed + sum(lengths[:ok]), refused
 
     def _link_failed(self, transfer_id: int | None, status: str, detail: str) -> None:
         log.warning("TCP transport: link %d: %s: %s", self.link.id, status, detail)
