@@ -1,8 +1,10 @@
 """TCP transport: the same interface for hosts without RDMA.
 
 Each side listens on one port. A link's outbound connection carries its writes:
-the sender streams each block's bytes straight from local memory in WRITE frames
-(header with destination address and length), then an END frame per transfer.
+the sender streams each block's bytes straight from local memory in WRITEV frames
+(up to IOV_MAX blocks each: their destination addresses and lengths, then the
+payloads, one ``sendmsg``; see :mod:`kvbeam.transport.tcp.wire`), then an END
+frame per transfer. The receiver also accepts the older one-block WRITE frames.
 The receiver checks every block against its remote-writable regions before it
 lands the bytes, straight from the socket into the destination, and answers END
 with ACK (after emitting the notification) or NAK (a block was refused). The
