@@ -3,9 +3,10 @@
 Starts a prefill and a decode daemon over TCP, sends requests one at a time
 through the scheduler API and prints, per request length, the median
 Send-to-Success time and each daemon's process CPU time per request (utime +
-stime from ``/proc/PID/stat`` over the timed requests). With ``--profile DIR``
-it then samples both daemons with py-spy during 128-token requests (summarise
-with :mod:`tests.bench.profile_summary`).
+stime from ``/proc/PID/stat`` over the timed requests). ``--lists engine`` sends
+engine-chosen (random, fragmented) index lists instead of slot-contiguous ones.
+With ``--profile DIR`` it then samples both daemons with py-spy during requests
+of the first length (summarise with :mod:`tests.bench.profile_summary`).
 
 Run: ``python -m tests.bench.bench_host_cpu [--lens 128,1024,8192,32768]``.
 """
@@ -15,11 +16,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
 
 from kvbeam.client import KvbeamClient
-from kvbeam.scheduler import run_request
-from tests.bench.bench_request import _profile_loop
+from kvbeam.pools.layout import build_side_layout
+from kvbeam.pools.spec import load_side_config
+from kvbeam.scheduler import RequestResult, run_request
+from tests.bench.bench_request import _spy
 from tests.daemon_helpers import start_both
+from tests.engine_lists import as_mapping, random_lists
+from tests.fixtures import shipped_config
 
 _TICK = os.sysconf("SC_CLK_TCK")
 #: Timed requests per length (after warm-ups): many small ones, fewer large ones.
@@ -33,11 +42,36 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15)
 
 
+def _sender(p: KvbeamClient, d: KvbeamClient, engine: bool) -> Callable[[str, int],
+                                                                          RequestResult]:
+    """One request: slot lists (slot cycles over 8), or fresh random engine lists each time."""
+    pcfg, dcfg = (load_side_config(shipped_config(role)) for role in ("prefill", "decode"))
+    play, dlay = build_side_layout(pcfg), build_side_layout(dcfg)
+    rng = np.random.default_rng(1)
+    count = [0]
+
+    def one(rid: str, tokens: int) -> RequestResult:
+        count[0] += 1
+        if not engine:
+            r = run_request(p, d, rid, tokens, count[0] % 8, timeout=120.0)
+        else:
+            s, t = random_lists(pcfg.target, play, tokens, rng), random_lists(
+                dcfg.target, dlay, tokens, rng)
+            r = run_request(p, d, rid, tokens, 0, src_indices=as_mapping(s),
+                            dst_indices=as_mapping(t), timeout=120.0)
+        if not r.ok:
+            raise SystemExit(f"request {rid} ended {r.state}")
+        return r
+
+    return one
+
+
 def main() -> None:
     """Print one line per request length."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lens", default="128,1024,8192,32768")
+    parser.add_argument("--lists", choices=("slot", "engine"), default="slot")
     parser.add_argument("--no-integrity", action="store_true")
     parser.add_argument("--profile", metavar="DIR")
     parser.add_argument("--profile-seconds", type=float, default=25.0)
@@ -45,24 +79,24 @@ def main() -> None:
     flags = ["--integrity", "false" if args.no_integrity else "true", "--log-level", "WARNING"]
     prefill, decode = start_both(transport="tcp", prefill_extra=flags, decode_extra=flags)
     pids = (prefill.proc.pid, decode.proc.pid)
+    lens = [int(x) for x in args.lens.split(",")]
     try:
         with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+            one = _sender(p, d, args.lists == "engine")
             print(f"{'tokens':>7} {'bytes':>10} {'n':>3} {'send->ok ms':>12} {'best ms':>8} "
-                  f"{'prefill cpu ms':>15} {'decode cpu ms':>14}")
+                  f"{'prefill cpu ms':>15} {'decode cpu ms':>14}  ({args.lists} lists)")
             n = 0
-            for seq_len in [int(x) for x in args.lens.split(",")]:
+            for seq_len in lens:
                 repeat = REPEAT.get(seq_len, 10)
                 for _ in range(3):  # warm-up
                     n += 1
-                    run_request(p, d, f"host-warm-{n}", seq_len, n % 8, timeout=120.0)
+                    one(f"host-warm-{n}", seq_len)
                 before = [cpu_s(pid) for pid in pids]
                 times: list[float] = []
                 nbytes = 0
                 for _ in range(repeat):
                     n += 1
-                    r = run_request(p, d, f"host-{n}", seq_len, n % 8, timeout=120.0)
-                    if not r.ok:
-                        raise SystemExit(f"request {r.request_id} ended {r.state}")
+                    r = one(f"host-{n}", seq_len)
                     nbytes = r.bytes
                     times.append(r.send_to_success_s * 1e3)
                 cpu = [(cpu_s(pid) - b) * 1e3 / repeat for pid, b in zip(pids, before,
@@ -70,10 +104,28 @@ def main() -> None:
                 print(f"{seq_len:>7} {nbytes:>10} {repeat:>3} {statistics.median(times):>12.2f} "
                       f"{min(times):>8.2f} {cpu[0]:>15.2f} {cpu[1]:>14.2f}", flush=True)
             if args.profile:
-                _profile_loop(p, d, pids, 128, args.profile_seconds, args.profile)
+                _profile(one, pids, lens[0], args.profile_seconds, args.profile)
     finally:
         prefill.stop()
         decode.stop()
+
+
+def _profile(one: Callable[[str, int], RequestResult], pids: tuple[int, int], seq_len: int,
+             seconds: float, out_dir: str) -> None:
+    """Requests back to back under py-spy on both daemons (files as bench_request writes)."""
+    os.makedirs(out_dir, exist_ok=True)
+    spies = [_spy(pid, seconds, os.path.join(out_dir, f"{name}.txt"))
+             for pid, name in zip(pids, ("prefill", "decode"), strict=True)]
+    time.sleep(2.0)  # py-spy attaches
+    times: list[float] = []
+    end = time.monotonic() + seconds - 3.0
+    while time.monotonic() < end:
+        times.append(one(f"prof-{len(times)}", seq_len).send_to_success_s)
+    for spy in spies:
+        spy.wait(60)
+    with open(os.path.join(out_dir, "requests.txt"), "w") as f:
+        f.write(f"{len(times)} requests of {seq_len} tokens, median "
+                f"{statistics.median(times) * 1e3:.1f} ms, window {seconds - 3.0:.0f} s\n")
 
 
 if __name__ == "__main__":

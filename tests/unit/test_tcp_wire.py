@@ -14,7 +14,7 @@ import pytest
 
 from kvbeam.transport import Access, Blocks, Event, EventKind, Region
 from kvbeam.transport import status as st
-from kvbeam.transport.tcp import TcpLink, TcpTransport, wire
+from kvbeam.transport.tcp import TcpLink, TcpTransport, iov, wire
 
 SIZE = 8 << 20
 
@@ -57,7 +57,8 @@ def test_writev_frames_land_every_block_through_partial_sends(
     src, dst = bufs
     blocks = _scattered(np.random.default_rng(1), 2 * wire.MAX_VEC + 7, _addr(src), _addr(dst))
     a, b = socket.socketpair()
-    a.settimeout(5.0)  # like a link's socket: non-blocking underneath, so sends may be partial
+    for s in (a, b):  # like a link's socket: non-blocking underneath, so calls may be partial
+        s.settimeout(5.0)
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     calls: list[int] = []
     sender = threading.Thread(target=wire.send_writev, args=(
@@ -69,7 +70,7 @@ def test_writev_frames_land_every_block_through_partial_sends(
         header = wire.recv_header(b)
         assert header is not None and header[0] == wire.WRITEV
         addrs, lengths = wire.recv_descs(b, header[4])
-        wire.recv_scatter(b, wire.views(addrs, lengths, writable=True))
+        iov.transfer(b, addrs, lengths, reading=True)
         got += header[4]
         frames += 1
     sender.join(10)

@@ -24,8 +24,6 @@ import socket
 import threading
 from collections.abc import Sequence
 
-import numpy as np
-
 from kvbeam.errors import RegionError, TransportError
 from kvbeam.transport import status as st
 from kvbeam.transport.base import Access, Event, EventKind, Registration, Transport
@@ -35,7 +33,7 @@ from kvbeam.transport.host import LinkHostBase
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.regions import RegionTable
 from kvbeam.transport.stats import TransportStats
-from kvbeam.transport.tcp import wire
+from kvbeam.transport.tcp import iov, wire
 from kvbeam.transport.tcp.link import TICK_S, TcpLink
 
 log = logging.getLogger(__name__)
@@ -231,15 +229,16 @@ class _Receiver:
         ok = count if refused is None else 0
         if ok:
             try:  # one vectorised check for the whole frame; per block only on a refusal
-                table.lookup(np.array(addrs, dtype=np.uint64), np.array(lengths, dtype=np.uint64))
+                table.lookup(addrs, lengths)
             except RegionError:
-                ok = next(i for i, (a, n) in enumerate(zip(addrs, lengths, strict=True))
+                ok = next(i for i, (a, n) in enumerate(zip(addrs.tolist(), lengths.tolist(),
+                                                           strict=True))
                           if not table.contains(a, n))
-                refused = (f"block at {addrs[ok]:#x} length {lengths[ok]} is outside every "
-                           f"remote-writable region of the receiver")
-        wire.recv_scatter(self.conn, wire.views(addrs[:ok], lengths[:ok], writable=True))
-        wire.discard(self.conn, sum(lengths[ok:]))
-        return landed + sum(lengths[:ok]), refused
+                refused = (f"block at {int(addrs[ok]):#x} length {int(lengths[ok])} is outside "
+                           f"every remote-writable region of the receiver")
+        iov.transfer(self.conn, addrs[:ok], lengths[:ok], reading=True)
+        wire.discard(self.conn, int(lengths[ok:].sum()))
+        return landed + int(lengths[:ok].sum()), refused
 
     def _link_failed(self, transfer_id: int | None, status: str, detail: str) -> None:
         log.warning("TCP transport: link %d: %s: %s", self.link.id, status, detail)

@@ -4,9 +4,9 @@ Every frame starts with one fixed header; WRITE, HELLO and NAK frames carry
 ``length`` payload bytes after it. A WRITEV frame carries ``length`` blocks: that
 many (destination address, length) pairs (little-endian u64), then their payloads
 back to back; senders batch a transfer's blocks into WRITEV frames of at most
-:data:`MAX_VEC` blocks so that one ``sendmsg`` (and on the receiver one
-``recvmsg_into``) moves a whole frame, where one WRITE frame per block cost two
-system calls and ~20 us of Python on each side. Receivers accept both. Payloads
+:data:`MAX_VEC` blocks so that one ``writev`` (and on the receiver one ``readv``,
+:mod:`kvbeam.transport.tcp.iov`) moves a whole frame, where one WRITE frame per
+block cost two system calls and ~20 us of Python on each side. Receivers accept both. Payloads
 move between the socket and process memory directly (ctypes views of the
 addresses), with no intermediate copy.
 """
@@ -14,13 +14,14 @@ addresses), with no intermediate copy.
 from __future__ import annotations
 
 import ctypes
-import os
 import socket
 import struct
 from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
+
+from kvbeam.transport.tcp import iov
 
 HEADER = struct.Struct("<BBHIQQ")  # kind, flags, reserved, transfer_id, addr, length
 
@@ -34,11 +35,8 @@ WRITEV = 6  # sender -> receiver: ``length`` (addr, length) pairs, then their pa
 FLAG_NOTIFY = 1
 
 _CHUNK = 4 << 20  # per send/recv call, so a timeout means "no progress", not "too big"
-#: Buffers one sendmsg/recvmsg_into call takes (the kernel's IOV_MAX, usually 1024).
-_IOV = max(16, min(os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024,
-                   1024))
 #: Blocks per WRITEV frame: its header and descriptors plus every payload in one call.
-MAX_VEC = _IOV - 2
+MAX_VEC = iov.IOV_MAX - 1
 _DESC = np.dtype("<u8")
 
 
@@ -50,28 +48,6 @@ def frame(kind: int, transfer_id: int = 0, addr: int = 0, length: int = 0, flags
 def view(addr: int, length: int) -> memoryview:
     """A byte view of ``length`` bytes of this process's memory at ``addr`` (no copy)."""
     return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
-
-
-_from_memory = ctypes.pythonapi.PyMemoryView_FromMemory
-_from_memory.restype = ctypes.py_object
-_from_memory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
-_PYBUF_READ, _PYBUF_WRITE = 0x100, 0x200
-
-
-def views(addrs: list[int], lengths: list[int], writable: bool) -> list[memoryview]:
-    """Byte views of many blocks of this process's memory (no copy), zero-length ones left out.
-
-    One view spans them all and each block is a slice of it: a ctypes view per
-    block cost ~2 us (a new array type per length), a slice ~0.4 us. The span may
-    cover unmapped memory between the blocks; only the blocks' bytes are touched,
-    and the caller has checked that each lies in a registered region.
-    """
-    if not addrs:
-        return []
-    lo = min(addrs)
-    hi = max(a + n for a, n in zip(addrs, lengths, strict=True))
-    whole = _from_memory(lo, hi - lo, _PYBUF_WRITE if writable else _PYBUF_READ)
-    return [whole[a - lo:a - lo + n] for a, n in zip(addrs, lengths, strict=True) if n]
 
 
 def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
@@ -143,18 +119,6 @@ def discard(sock: socket.socket, length: int) -> None:
         left -= n
 
 
-def _advance(bufs: list[memoryview], i: int, n: int) -> int:
-    """Drop ``n`` bytes from the front of ``bufs[i:]``; the index of the first buffer left."""
-    while n:
-        size = len(bufs[i])
-        if n < size:
-            bufs[i] = bufs[i][n:]
-            return i
-        n -= size
-        i += 1
-    return i
-
-
 def send_writev(sock: socket.socket, src: npt.NDArray[np.uint64], dst: npt.NDArray[np.uint64],
                 lengths: npt.NDArray[np.uint64], progress: Callable[[], None]) -> None:
     """Blocks as WRITEV frames of at most :data:`MAX_VEC` blocks, payloads read in place.
@@ -163,34 +127,23 @@ def send_writev(sock: socket.socket, src: npt.NDArray[np.uint64], dst: npt.NDArr
     """
     for lo in range(0, len(src), MAX_VEC):
         hi = min(lo + MAX_VEC, len(src))
-        desc = np.empty((hi - lo, 2), dtype=_DESC)
+        head = np.empty(HEADER.size + (hi - lo) * 16, dtype=np.uint8)
+        HEADER.pack_into(head.data, 0, WRITEV, 0, 0, 0, 0, hi - lo)
+        desc = head[HEADER.size:].view(_DESC).reshape(hi - lo, 2)
         desc[:, 0] = dst[lo:hi]
         desc[:, 1] = lengths[lo:hi]
-        bufs = [memoryview(frame(WRITEV, length=hi - lo)), memoryview(desc.tobytes())]
-        bufs += views(src[lo:hi].tolist(), lengths[lo:hi].tolist(), writable=False)
-        i = 0
-        while i < len(bufs):
-            i = _advance(bufs, i, sock.sendmsg(bufs[i:i + _IOV]))
-            progress()
+        addrs = np.concatenate(([head.ctypes.data], src[lo:hi])).astype(np.uint64)
+        sizes = np.concatenate(([head.nbytes], lengths[lo:hi])).astype(np.uint64)
+        iov.transfer(sock, addrs, sizes, reading=False, progress=progress)
 
 
-def recv_descs(sock: socket.socket, count: int) -> tuple[list[int], list[int]]:
-    """A WRITEV frame's ``count`` (destination address, length) pairs."""
+def recv_descs(sock: socket.socket, count: int) -> tuple[npt.NDArray[np.uint64],
+                                                          npt.NDArray[np.uint64]]:
+    """A WRITEV frame's ``count`` destination addresses and lengths."""
     if not 0 < count <= MAX_VEC:
         raise ConnectionError(f"WRITEV frame with {count} blocks (at most {MAX_VEC})")
     raw = bytearray(count * 2 * _DESC.itemsize)
     if not recv_into(sock, memoryview(raw)):
         raise ConnectionError("peer closed the connection mid-frame")
-    pairs = np.frombuffer(raw, dtype=_DESC).reshape(count, 2)
-    return pairs[:, 0].tolist(), pairs[:, 1].tolist()
-
-
-def recv_scatter(sock: socket.socket, targets: list[memoryview]) -> None:
-    """Fill every buffer of ``targets`` in order, up to IOV_MAX of them per system call."""
-    bufs = [t for t in targets if len(t)]
-    i = 0
-    while i < len(bufs):
-        n = sock.recvmsg_into(bufs[i:i + _IOV])[0]
-        if n == 0:
-            raise ConnectionError("peer closed the connection mid-frame")
-        i = _advance(bufs, i, n)
+    pairs = np.frombuffer(raw, dtype=_DESC).reshape(count, 2).astype(np.uint64)
+    return pairs[:, 0], pairs[:, 1]
