@@ -8,6 +8,9 @@ engine-chosen (random, fragmented) index lists instead of slot-contiguous ones.
 With ``--profile DIR`` it then samples both daemons with py-spy during requests
 of the first length (summarise with :mod:`tests.bench.profile_summary`).
 
+The last line is machine-readable when 128 is among the lengths:
+``host_small_request_ms=N.NN`` (median Send-to-Success of a 128-token request).
+
 Run: ``python -m tests.bench.bench_host_cpu [--lens 128,1024,8192,32768]``.
 """
 
@@ -86,6 +89,7 @@ def main() -> None:
             print(f"{'tokens':>7} {'bytes':>10} {'n':>3} {'send->ok ms':>12} {'best ms':>8} "
                   f"{'prefill cpu ms':>15} {'decode cpu ms':>14}  ({args.lists} lists)")
             n = 0
+            small: float | None = None
             for seq_len in lens:
                 repeat = REPEAT.get(seq_len, 10)
                 for _ in range(3):  # warm-up
@@ -103,8 +107,12 @@ def main() -> None:
                                                                            strict=True)]
                 print(f"{seq_len:>7} {nbytes:>10} {repeat:>3} {statistics.median(times):>12.2f} "
                       f"{min(times):>8.2f} {cpu[0]:>15.2f} {cpu[1]:>14.2f}", flush=True)
+                if seq_len == 128:
+                    small = statistics.median(times)
             if args.profile:
                 _profile(one, pids, lens[0], args.profile_seconds, args.profile)
+            if small is not None:
+                print(f"host_small_request_ms={small:.2f}")
     finally:
         prefill.stop()
         decode.stop()
