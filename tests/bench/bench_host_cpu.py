@@ -6,7 +6,7 @@ Send-to-Success time and each daemon's process CPU time per request (utime +
 stime from ``/proc/PID/stat`` over the timed requests). ``--lists engine`` sends
 engine-chosen (random, fragmented) index lists instead of slot-contiguous ones.
 With ``--profile DIR`` it then samples both daemons with py-spy during requests
-of the first length (summarise with :mod:`tests.bench.profile_summary`).
+of the first length, slot lists (summarise with :mod:`tests.bench.profile_summary`).
 
 The last line is machine-readable when 128 is among the lengths:
 ``host_small_request_ms=N.NN`` (median Send-to-Success of a 128-token request).
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -28,7 +27,7 @@ from kvbeam.client import KvbeamClient
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.spec import load_side_config
 from kvbeam.scheduler import RequestResult, run_request
-from tests.bench.bench_request import _spy
+from tests.bench.bench_request import _profile_loop
 from tests.daemon_helpers import start_both
 from tests.engine_lists import as_mapping, random_lists
 from tests.fixtures import shipped_config
@@ -110,30 +109,12 @@ def main() -> None:
                 if seq_len == 128:
                     small = statistics.median(times)
             if args.profile:
-                _profile(one, pids, lens[0], args.profile_seconds, args.profile)
+                _profile_loop(p, d, pids, lens[0], args.profile_seconds, args.profile)
             if small is not None:
                 print(f"host_small_request_ms={small:.2f}")
     finally:
         prefill.stop()
         decode.stop()
-
-
-def _profile(one: Callable[[str, int], RequestResult], pids: tuple[int, int], seq_len: int,
-             seconds: float, out_dir: str) -> None:
-    """Requests back to back under py-spy on both daemons (files as bench_request writes)."""
-    os.makedirs(out_dir, exist_ok=True)
-    spies = [_spy(pid, seconds, os.path.join(out_dir, f"{name}.txt"))
-             for pid, name in zip(pids, ("prefill", "decode"), strict=True)]
-    time.sleep(2.0)  # py-spy attaches
-    times: list[float] = []
-    end = time.monotonic() + seconds - 3.0
-    while time.monotonic() < end:
-        times.append(one(f"prof-{len(times)}", seq_len).send_to_success_s)
-    for spy in spies:
-        spy.wait(60)
-    with open(os.path.join(out_dir, "requests.txt"), "w") as f:
-        f.write(f"{len(times)} requests of {seq_len} tokens, median "
-                f"{statistics.median(times) * 1e3:.1f} ms, window {seconds - 3.0:.0f} s\n")
 
 
 if __name__ == "__main__":
