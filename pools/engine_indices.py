@@ -83,29 +83,54 @@ def _array(values: ListLike, label: str, side: str = "request") -> npt.NDArray[n
     return arr.astype(np.int64, copy=False)
 
 
-def _kinds(layout: SideLayout, pool: str | None) -> dict[IndexKind, list[int]]:
-    """The kinds a pool's buffers use (every pool's when None), with each buffer's items."""
-    out: dict[IndexKind, list[int]] = {}
-    for comp in layout.components:
-        if pool is None or comp.pool == pool:
-            for buf in comp.buffers:
-                out.setdefault(buf.index_kind, []).append(buf.items)
-    return {k: out[k] for k in IndexKind if k in out}  # IndexKind order, for messages
+class _Shape:
+    """What validation reads from a layout, computed once per layout (a few per daemon).
 
-
-def _addressed(layout: SideLayout, pool: str, kind: IndexKind,
-               draft: Mapping[IndexKind, ListLike]) -> list[int]:
-    """Items of every buffer a ``pool`` list of ``kind`` addresses.
-
-    A target list also addresses the draft's buffers of its kind unless the draft
-    has its own list: it must fit every buffer it addresses.
+    Walking ~180 buffers per kind on every request cost more than the checks.
     """
-    out: list[int] = []
-    for comp in layout.components:
-        own = comp.pool == "draft" and kind in draft
-        if (pool == "draft") == own:
-            out += [b.items for b in comp.buffers if b.index_kind is kind]
-    return out
+
+    def __init__(self, layout: SideLayout) -> None:
+        self.layout = layout  # held so the id in the cache key stays this layout's
+        self.used = self._kinds(None)
+        self.draft_used = self._kinds("draft")
+        self._addressed: dict[tuple[str, IndexKind, bool], int] = {}
+
+    def _kinds(self, pool: str | None) -> dict[IndexKind, list[int]]:
+        """The kinds a pool's buffers use (every pool's when None), with each buffer's items."""
+        out: dict[IndexKind, list[int]] = {}
+        for comp in self.layout.components:
+            if pool is None or comp.pool == pool:
+                for buf in comp.buffers:
+                    out.setdefault(buf.index_kind, []).append(buf.items)
+        return {k: out[k] for k in IndexKind if k in out}  # IndexKind order, for messages
+
+    def items(self, pool: str, kind: IndexKind, draft_has_kind: bool) -> int:
+        """Items of the smallest buffer a ``pool`` list of ``kind`` addresses.
+
+        A target list also addresses the draft's buffers of its kind unless the draft
+        has its own list: it must fit every buffer it addresses.
+        """
+        key = (pool, kind, draft_has_kind)
+        if key not in self._addressed:
+            out: list[int] = []
+            for comp in self.layout.components:
+                own = comp.pool == "draft" and draft_has_kind
+                if (pool == "draft") == own:
+                    out += [b.items for b in comp.buffers if b.index_kind is kind]
+            self._addressed[key] = min(out, default=np.iinfo(np.int64).max)
+        return self._addressed[key]
+
+
+_SHAPES: dict[int, _Shape] = {}
+
+
+def _shape(layout: SideLayout) -> _Shape:
+    shape = _SHAPES.get(id(layout))
+    if shape is None or shape.layout is not layout:
+        if len(_SHAPES) >= 64:
+            _SHAPES.clear()
+        shape = _SHAPES[id(layout)] = _Shape(layout)
+    return shape
 
 
 def validate(side: str, spec: PoolSpec, layout: SideLayout, target: Mapping[IndexKind, ListLike],
@@ -118,8 +143,8 @@ def validate(side: str, spec: PoolSpec, layout: SideLayout, target: Mapping[Inde
     lets page kinds be shorter than ``seq_len`` needs (decode holding a prefix);
     ``shorter_why`` says why it is not allowed when it is not.
     """
-    used = _kinds(layout, None)
-    draft_used = _kinds(layout, "draft")
+    shape = _shape(layout)
+    used, draft_used = shape.used, shape.draft_used
     for kind in target:
         if kind not in used:
             raise BadIndexList(f"{side}: this layout has no {kind.value} buffers (it uses "
@@ -143,7 +168,7 @@ def validate(side: str, spec: PoolSpec, layout: SideLayout, target: Mapping[Inde
     out_d: Lists = {}
     for pool, given, out in (("target", target, out_t), ("draft", draft, out_d)):
         for kind, values in given.items():
-            items = min(_addressed(layout, pool, kind, draft), default=np.iinfo(np.int64).max)
+            items = shape.items(pool, kind, kind in draft)
             label = kind.value if pool == "target" else f"draft {kind.value}"
             arr = _array(values, label, side)
             _check(side, pool, kind, label, arr, want[kind], items, seq_len,

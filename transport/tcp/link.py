@@ -204,10 +204,7 @@ class TcpLink(Link):
                     return
                 self._sending = item.transfer_id
             try:
-                for src, dst, length in zip(item.src.tolist(), item.dst.tolist(),
-                                            item.lengths.tolist(), strict=True):
-                    wire.send_write(sock, src, dst, length)
-                    self._progress = time.monotonic()
+                wire.send_writev(sock, item.src, item.dst, item.lengths, self._progressed)
                 with self._lock:
                     if self._sending is None:  # failed meanwhile and already reported
                         return
@@ -220,6 +217,9 @@ class TcpLink(Link):
                 status = st.TIMEOUT if isinstance(exc, TimeoutError) else st.TCP_CONNECTION_LOST
                 self._fail(status, f"sending to the peer: {exc}")
                 return
+
+    def _progressed(self) -> None:
+        self._progress = time.monotonic()
 
     def _ack_loop(self) -> None:
         sock = self._sock

@@ -1,8 +1,10 @@
 """TCP transport: the same interface for hosts without RDMA.
 
 Each side listens on one port. A link's outbound connection carries its writes:
-the sender streams each block's bytes straight from local memory in WRITE frames
-(header with destination address and length), then an END frame per transfer.
+the sender streams each block's bytes straight from local memory in WRITEV frames
+(up to IOV_MAX blocks each: their destination addresses and lengths, then the
+payloads, one ``sendmsg``; see :mod:`kvbeam.transport.tcp.wire`), then an END
+frame per transfer. The receiver also accepts the older one-block WRITE frames.
 The receiver checks every block against its remote-writable regions before it
 lands the bytes, straight from the socket into the destination, and answers END
 with ACK (after emitting the notification) or NAK (a block was refused). The
@@ -22,7 +24,7 @@ import socket
 import threading
 from collections.abc import Sequence
 
-from kvbeam.errors import TransportError
+from kvbeam.errors import RegionError, TransportError
 from kvbeam.transport import status as st
 from kvbeam.transport.base import Access, Event, EventKind, Registration, Transport
 from kvbeam.transport.core import wait_readable
@@ -31,7 +33,7 @@ from kvbeam.transport.host import LinkHostBase
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.regions import RegionTable
 from kvbeam.transport.stats import TransportStats
-from kvbeam.transport.tcp import wire
+from kvbeam.transport.tcp import iov, wire
 from kvbeam.transport.tcp.link import TICK_S, TcpLink
 
 log = logging.getLogger(__name__)
@@ -196,6 +198,9 @@ class _Receiver:
                     refused = (f"block at {addr:#x} length {length} is outside every "
                                f"remote-writable region of the receiver")
                 wire.discard(self.conn, length)
+            elif kind == wire.WRITEV:
+                in_transfer = True
+                landed, refused = self._writev(length, landed, refused)
             elif kind == wire.END:
                 in_transfer = False
                 self.t.received(landed)
@@ -212,6 +217,28 @@ class _Receiver:
             else:
                 log.warning("TCP transport: unknown frame kind %d; dropping the connection", kind)
                 return
+
+    def _writev(self, count: int, landed: int, refused: str | None) -> tuple[int, str | None]:
+        """Land one WRITEV frame's blocks; (bytes landed so far, why refused or None).
+
+        Like a run of WRITE frames: the blocks before the first one outside our
+        regions land, that one and every later one are read and dropped.
+        """
+        addrs, lengths = wire.recv_descs(self.conn, count)
+        table = self.t.writable()  # read per frame: registrations may change between transfers
+        ok = count if refused is None else 0
+        if ok:
+            try:  # one vectorised check for the whole frame; per block only on a refusal
+                table.lookup(addrs, lengths)
+            except RegionError:
+                ok = next(i for i, (a, n) in enumerate(zip(addrs.tolist(), lengths.tolist(),
+                                                           strict=True))
+                          if not table.contains(a, n))
+                refused = (f"block at {int(addrs[ok]):#x} length {int(lengths[ok])} is outside "
+                           f"every remote-writable region of the receiver")
+        iov.transfer(self.conn, addrs[:ok], lengths[:ok], reading=True)
+        wire.discard(self.conn, int(lengths[ok:].sum()))
+        return landed + int(lengths[:ok].sum()), refused
 
     def _link_failed(self, transfer_id: int | None, status: str, detail: str) -> None:
         log.warning("TCP transport: link %d: %s: %s", self.link.id, status, detail)
