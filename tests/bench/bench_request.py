@@ -139,8 +139,8 @@ def run_requests(paged: bool, integrity: bool, lens: list[int], repeat: int,
     """Start a daemon pair, time ``repeat`` requests of each length (after one warm-up),
     with each daemon's CPU time over the timed requests.
 
-    Then ``on_pair`` (more measurements on the same pair), then, with ``profile_dir``,
-    a profile of 128-token requests (py-spy).
+    Then, with ``profile_dir``, a profile of 128-token requests (py-spy), then
+    ``on_pair`` (more measurements on the same pair).
     """
     flags = ["--integrity", "true" if integrity else "false", "--log-level", "WARNING",
              *(extra or [])]
@@ -170,14 +170,14 @@ def run_requests(paged: bool, integrity: bool, lens: list[int], repeat: int,
                 rows.append(RequestRow(mode, integrity, seq_len, nbytes,
                                        statistics.median(times[1:]), min(times[1:]), times[1:],
                                        *cpu_ms))
-            if on_pair:
-                on_pair(prefill, decode, p, d)
             if profile_dir:
                 try:
                     _profile_loop(p, d, (prefill.proc.pid, decode.proc.pid), 128,
                                   profile_seconds, profile_dir)
                 except (OSError, subprocess.SubprocessError) as exc:  # no py-spy: no profile
                     print(f"profile skipped: {exc!r}", file=sys.stderr)
+            if on_pair:  # last: a failure there (e.g. an overload) spoils nothing else
+                on_pair(prefill, decode, p, d)
     finally:
         prefill.stop()
         decode.stop()
@@ -187,8 +187,13 @@ def run_requests(paged: bool, integrity: bool, lens: list[int], repeat: int,
 def aggregate(prefill: str, decode: str, tokens: int = 8192, concurrency: int = 16,
               rounds: int = 3, source_slots: int = 8) -> dict[str, Any]:
     """``concurrency`` requests of ``tokens`` at once through :func:`kvbeam.scheduler.drive`,
-    ``rounds`` times after a warm-up round: total bytes / wall time of each round, median."""
+    ``rounds`` times after a warm-up round: total bytes / wall time of each round, median.
+
+    A round where a request fails ends the measurement: the result then says how many
+    failed and how (no ``gbps``: a partial round is not an aggregate rate).
+    """
     runs: list[float] = []
+    out: dict[str, Any] = {"tokens": tokens, "concurrency": concurrency, "runs_gbps": runs}
     for k in range(rounds + 1):
         t0 = time.monotonic()
         res = drive(prefill, decode, [tokens] * concurrency, source_slots=source_slots,
@@ -196,11 +201,11 @@ def aggregate(prefill: str, decode: str, tokens: int = 8192, concurrency: int = 
         wall = time.monotonic() - t0
         bad = [r for r in res if not r.ok]
         if bad:
-            raise SystemExit(f"aggregate: {len(bad)} of {len(res)} requests failed: {bad[0]}")
+            return {**out, "error": f"round {k}: {len(bad)} of {len(res)} requests failed "
+                                    f"after {wall:.1f} s", "failures": [r.state for r in bad]}
         if k:
             runs.append(sum(r.bytes for r in res) * 8 / wall / 1e9)
-    return {"tokens": tokens, "concurrency": concurrency, "runs_gbps": runs,
-            "gbps": statistics.median(runs)}
+    return {**out, "gbps": statistics.median(runs)}
 
 
 def fragmented(p: KvbeamClient, d: KvbeamClient, lens: Sequence[int], styles: Sequence[str],
@@ -217,7 +222,7 @@ def fragmented(p: KvbeamClient, d: KvbeamClient, lens: Sequence[int], styles: Se
                 r = run_request(p, d, f"{style}-{tokens}-{i}-{time.monotonic_ns()}", tokens, 0,
                                 src_indices=src, dst_indices=dst, timeout=120.0)
                 if not r.verified:
-                    raise SystemExit(f"request {r.request_id} ended {r.state} (not verified)")
+                    raise RuntimeError(f"request {r.request_id} ended {r.state} (not verified)")
                 if i:
                     ms.append(r.send_to_success_s * 1e3)
             rows.append({"lists": style, "tokens": tokens, "bytes": r.bytes, "runs_ms": ms,

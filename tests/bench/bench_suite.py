@@ -258,7 +258,7 @@ def guarded(name: str, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``, or ``{"error": ...}`` when it raises (logged with its traceback)."""
     try:
         return fn(*args)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # SystemExit: a request that did not succeed
         log(f"section {name} failed: {exc!r}\n{traceback.format_exc()}")
         return {"error": repr(exc)}
 
