@@ -40,6 +40,13 @@ from tests.bench.bench_transport import ib_write_bw
 from tests.bench.request_blocks import request_case
 from tests.daemon_helpers import start_both
 
+#: Seconds each daemon's idle CPU rate is measured before the first request.
+IDLE_S = 2.0
+#: The harness's deadlines (tests/daemon_helpers.SLOW_GUEST: 10 s without progress, peer
+#: lost after 10 s of unanswered heartbeats) are for fault tests; a benchmark that queues
+#: 16 requests on one link under TCG measures how long they take instead of failing them.
+BENCH_DEADLINES = ["--deadline-transfer-s", "120", "--peer-timeout-s", "60"]
+
 #: A callback run on a daemon pair after its rows: (prefill, decode, clients to each).
 PairWork = Callable[[DaemonProcess, DaemonProcess, KvbeamClient, KvbeamClient], None]
 
@@ -58,6 +65,10 @@ class RequestRow:
     #: Process CPU time (user + system, every thread) per timed request, ms.
     prefill_cpu_ms: float = float("nan")
     decode_cpu_ms: float = float("nan")
+    #: Of that, what the idle daemon burns in the same wall time (heartbeats, sweeps,
+    #: progress threads): its CPU rate before any request, times the wall time, per request.
+    prefill_idle_ms: float = float("nan")
+    decode_idle_ms: float = float("nan")
 
     @property
     def gbps(self) -> float:
@@ -143,10 +154,14 @@ def run_requests(paged: bool, integrity: bool, lens: list[int], repeat: int,
     ``on_pair`` (more measurements on the same pair).
     """
     flags = ["--integrity", "true" if integrity else "false", "--log-level", "WARNING",
-             *(extra or [])]
+             *BENCH_DEADLINES, *(extra or [])]
     prefill, decode = start_both(paged=paged, transport=transport, prefill_extra=flags,
                                  decode_extra=flags)
     pids = (prefill.proc.pid, decode.proc.pid)
+    idle0, t_idle = [cpu_s(pid) for pid in pids], time.monotonic()
+    time.sleep(IDLE_S)
+    t_idle = time.monotonic() - t_idle
+    idle_rate = [(cpu_s(pid) - c) / t_idle for pid, c in zip(pids, idle0, strict=True)]
     mode = "paged" if paged else "unified"
     rows = []
     try:
@@ -156,9 +171,10 @@ def run_requests(paged: bool, integrity: bool, lens: list[int], repeat: int,
                 times: list[float] = []
                 nbytes = 0
                 cpu0: list[float] = []
+                t0 = 0.0
                 for i in range(repeat + 1):  # the first is a warm-up
                     if i == 1:
-                        cpu0 = [cpu_s(pid) for pid in pids]
+                        cpu0, t0 = [cpu_s(pid) for pid in pids], time.monotonic()
                     n += 1
                     r = run_request(p, d, f"bench-{n}", seq_len, n % 8, timeout=120.0)
                     if not r.ok:
@@ -167,9 +183,11 @@ def run_requests(paged: bool, integrity: bool, lens: list[int], repeat: int,
                     times.append(r.send_to_success_s * 1e3)
                 cpu_ms = [(cpu_s(pid) - c) * 1e3 / repeat for pid, c in zip(pids, cpu0,
                                                                             strict=True)]
+                wall = time.monotonic() - t0
+                idle_ms = [rate * wall * 1e3 / repeat for rate in idle_rate]
                 rows.append(RequestRow(mode, integrity, seq_len, nbytes,
                                        statistics.median(times[1:]), min(times[1:]), times[1:],
-                                       *cpu_ms))
+                                       *cpu_ms, *idle_ms))
             if profile_dir:
                 try:
                     _profile_loop(p, d, (prefill.proc.pid, decode.proc.pid), 128,

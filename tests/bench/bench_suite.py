@@ -49,7 +49,13 @@ from kvbeam.procs import DaemonProcess
 from kvbeam.transport.options import TransportOptions
 from tests.bench import bench_scaling as sc
 from tests.bench import targets
-from tests.bench.bench_request import RequestRow, aggregate, fragmented, run_requests
+from tests.bench.bench_request import (
+    PairWork,
+    RequestRow,
+    aggregate,
+    fragmented,
+    run_requests,
+)
 from tests.bench.bench_transport import (
     BUFFER,
     ib_write_bw,
@@ -218,16 +224,25 @@ def requests(args: argparse.Namespace, res: dict[str, Any]) -> list[dict[str, An
     lens = [int(x) for x in args.lens.split(",")]
     skip = set(filter(None, args.skip.split(",")))
 
+    def concurrent(key: str) -> PairWork:
+        def work(prefill: DaemonProcess, decode: DaemonProcess, p: KvbeamClient,
+                 d: KvbeamClient) -> None:
+            if "aggregate" not in skip:
+                res[key] = guarded(key, aggregate, prefill.address, decode.address)
+                log(f"{key}: {res[key]}")
+        return work
+
     def first_pair(prefill: DaemonProcess, decode: DaemonProcess, p: KvbeamClient,
                    d: KvbeamClient) -> None:
         if "fragmented" not in skip:
             res["fragmented"] = guarded("fragmented", fragmented, p, d, PEER_LENS, FRAGMENTED,
                                         args.req_repeat)
             log(f"fragmented lists: {res['fragmented']}")
-        if "aggregate" not in skip:
-            res["aggregate"] = guarded("aggregate", aggregate, prefill.address, decode.address)
-            log(f"aggregate: {res['aggregate']}")
+        concurrent("aggregate")(prefill, decode, p, d)
 
+    # Both unified pairs run the concurrent requests: the target is with integrity on,
+    # the pair with it off shows what integrity costs there.
+    work_of = {(False, True): first_pair, (False, False): concurrent("aggregate_integrity_off")}
     for paged in (False, True):
         for integrity in (True, False):
             first = integrity and not paged
@@ -235,7 +250,7 @@ def requests(args: argparse.Namespace, res: dict[str, Any]) -> list[dict[str, An
             # under py-spy, summarised by phase into the JSON.
             prof = os.path.join(args.results, "profile") if first else None
             rows += run_requests(paged, integrity, lens, args.req_repeat, profile_dir=prof,
-                                 on_pair=first_pair if first else None)
+                                 on_pair=work_of.get((paged, integrity)))
             log(f"requests {'paged' if paged else 'unified'} integrity {integrity}: "
                 f"{[round(r.median_ms, 1) for r in rows[-len(lens):]]} ms")
     return [r.as_dict() for r in rows]

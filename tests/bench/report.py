@@ -34,7 +34,7 @@ def _raw(res: dict[str, Any]) -> None:
         print(f"{size >> 10:>6}Ki {ref:>11.3f} {lat[k]['t_typical_us']:>7.1f} {m:>9.3f} "
               f"{ratio(m, ref):>6.2f} {r:>8.3f} {ratio(r, ref):>6.2f} {ratio(r, m):>6.2f} "
               f"{rk.get('py_us_per_block', NAN):>9.2f} {crc:>7}")
-    for sec in ("mooncake", "mooncake_request", "kvbeam_raw", "scaling", "aggregate"):
+    for sec in ("mooncake", "mooncake_request", "kvbeam_raw", "scaling"):
         if isinstance(res.get(sec), dict) and "error" in res[sec]:
             print(f"{sec}: FAILED: {res[sec]['error']}")
     for sec in ("requests_error", "fragmented_error"):
@@ -48,15 +48,18 @@ def _requests(res: dict[str, Any]) -> None:
     print(f"\n== whole DSV4 requests, Send -> Success (median of {res['req_repeat']}); "
           f"reference ib_write_bw 64 KiB {ref64:.3f} Gb/s")
     print(f"{'mode':>8} {'integ':>5} {'tokens':>7} {'bytes':>9} {'ms':>8} {'Gb/s':>7} "
-          f"{'/ib_bw':>6} {'floor ms':>8} {'x floor':>7} {'cpu P ms':>8} {'cpu D ms':>8}")
+          f"{'/ib_bw':>6} {'floor ms':>8} {'x floor':>7} {'cpu P ms':>8} {'cpu D ms':>8} "
+          f"{'idle P/D':>11}")
     for r in res["requests"]:
         floor = floor_ms(res, r["bytes"])
         print(f"{r['mode']:>8} {'on' if r['integrity'] else 'off':>5} {r['tokens']:>7} "
               f"{r['bytes']:>9} {r['median_ms']:>8.1f} {r['gbps']:>7.3f} "
               f"{ratio(r['gbps'], ref64):>6.2f} {floor:>8.1f} {r['median_ms'] / floor:>7.1f} "
-              f"{r.get('prefill_cpu_ms', NAN):>8.1f} {r.get('decode_cpu_ms', NAN):>8.1f}")
+              f"{r.get('prefill_cpu_ms', NAN):>8.1f} {r.get('decode_cpu_ms', NAN):>8.1f} "
+              f"{r.get('prefill_idle_ms', NAN):>5.1f}/{r.get('decode_idle_ms', NAN):<5.1f}")
     print("(floor = ib_write_lat 4 KiB one-way latency + bytes at ib_write_bw 64 KiB; cpu P/D = "
-          "prefill's/decode's process CPU per request, all threads)")
+          "prefill's/decode's process CPU per request, all threads; idle P/D = of that, what "
+          "each burns idle in the same time)")
 
 
 def _peer(res: dict[str, Any]) -> None:
@@ -81,12 +84,20 @@ def _peer(res: dict[str, Any]) -> None:
 
 
 def _concurrent_and_host(res: dict[str, Any]) -> None:
-    agg = res.get("aggregate")
-    if isinstance(agg, dict) and "gbps" in agg:
-        ref64 = res["limits"]["ib_write_bw"][K64]["gbps"]
-        print(f"\n== {agg['concurrency']} concurrent {agg['tokens']}-token requests (drive): "
-              f"{agg['gbps']:.3f} Gb/s = {ratio(agg['gbps'], ref64):.2f} x ib_write_bw "
-              f"(rounds: {', '.join(f'{g:.3f}' for g in agg['runs_gbps'])})")
+    ref64 = res["limits"]["ib_write_bw"][K64]["gbps"]
+    for key, integrity in (("aggregate", "on"), ("aggregate_integrity_off", "off")):
+        agg = res.get(key)
+        if not isinstance(agg, dict):
+            continue
+        head = (f"\n== {agg.get('concurrency', 16)} concurrent {agg.get('tokens', 8192)}-token "
+                f"requests (drive), unified, integrity {integrity}:")
+        if "gbps" in agg:
+            print(f"{head} {agg['gbps']:.3f} Gb/s = {ratio(agg['gbps'], ref64):.2f} x "
+                  f"ib_write_bw (rounds: {', '.join(f'{g:.3f}' for g in agg['runs_gbps'])})")
+        else:
+            print(f"{head} FAILED: {agg.get('error')}")
+            for state in sorted(set(agg.get("failures", [])))[:4]:
+                print(f"  {state[:200]}")
     host = res.get("host_tcp")
     if isinstance(host, dict) and "requests" in host:
         print(f"\n== host {host.get('host', '')} {host.get('started', '')}: TCP on loopback, "
