@@ -123,7 +123,7 @@ def _profile_loop(p: KvbeamClient, d: KvbeamClient, pids: tuple[int, int], seq_l
     while time.monotonic() < end:
         times.append(one(f"prof-{len(times)}"))
     for spy in spies:
-        spy.wait(60)
+        spy.wait(180)  # py-spy writes its file after -d; under a loaded TCG guest 60 s was short
     with open(os.path.join(out_dir, "requests.txt"), "w") as f:
         f.write(f"{len(times)} requests of {seq_len} tokens, median "
                 f"{statistics.median(times) * 1e3:.1f} ms, window {seconds - 3.0:.0f} s\n")

@@ -148,11 +148,11 @@ def lines(values: Mapping[str, float]) -> list[str]:
 
 def table(values: Mapping[str, float]) -> list[str]:
     """Each target's figure beside its goal and whether it is met (for people)."""
-    out = [f"{'line':<34} {'value':>8} {'goal':>8} {'met':>4}  what"]
+    out = [f"{'line':<44} {'value':>8} {'goal':>8} {'met':>4}  what"]
     for t in TARGETS:
         v = values.get(t.name, NAN)
         met = t.met(v)
-        out.append(f"{t.name:<34} {v:>8.{t.digits}f} {t.goal():>8} "
+        out.append(f"{t.name:<44} {v:>8.{t.digits}f} {t.goal():>8} "
                    f"{'-' if met is None else 'yes' if met else 'NO':>4}  {t.what}")
     return out
 
