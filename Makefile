@@ -15,7 +15,7 @@ KUSTOMIZE_V5 := kubectl version --client -o json 2>/dev/null \
 SGLANG_STAMP := $(VENV)/.kvbeam-sglang
 
 .PHONY: help system-deps setup demo test test-host test-rdma test-compose lint proto proto-check \
-	bench bench-plan bench-handshake bench-deps clean test-vllm
+	bench bench-plan bench-handshake bench-host bench-deps clean test-vllm
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
@@ -121,13 +121,19 @@ bench-deps: setup ## the benchmark-only packages (pyproject extra "bench": Moonc
 	@$(PY) -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['bench']))" > $(BENCH_DIR)/requirements.txt
 	$(PY) -m pip install -q -r $(BENCH_DIR)/requirements.txt
 
-bench: bench-deps bench-plan bench-handshake ## all benchmarks: host ones, then one guest boot (table + JSON + plots)
+bench-host: setup ## host_small_request_ms: whole requests over TCP on loopback (into $(BENCH_DIR)/host.json)
+	@mkdir -p $(BENCH_DIR)
+	$(PY) -m tests.bench.bench_request --host-json $(BENCH_DIR)/host.json
+
+bench: bench-deps bench-plan bench-handshake bench-host ## all benchmarks: host ones, then one guest boot (table + JSON + plots)
 	bash tests/softroce/run_rdma_suite.sh --cmd '$(PY) -m tests.bench.bench_suite'
 	@mkdir -p $(BENCH_DIR)
 	@cp $(SOFTROCE_DIR)/results/latest/bench.json $(BENCH_DIR)/bench.json
 	@$(PY) -m tests.bench.plot_bench $(BENCH_DIR)/bench.json docs > /dev/null
 	@echo "results: $(BENCH_DIR)/bench.json, plots: docs/bench-*.png"
-	@$(PY) -m tests.bench.bench_suite --report $(BENCH_DIR)/bench.json
+	@# The host figures join the guest's results (written into bench.json): one report.
+	@$(PY) -m tests.bench.bench_suite --report $(BENCH_DIR)/bench.json \
+		--host-json $(BENCH_DIR)/host.json
 
 clean: ## remove the venv and caches (keeps the downloaded guest kernel)
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

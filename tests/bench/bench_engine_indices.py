@@ -41,8 +41,8 @@ from tests.engine_lists import as_mapping, random_lists
 from tests.fixtures import shipped_config
 
 
-def _pages(spec: PoolSpec, lay: SideLayout, tokens: int,
-           rng: np.random.Generator) -> dict[IndexKind, np.ndarray]:
+def page_lists(spec: PoolSpec, lay: SideLayout, tokens: int,
+               rng: np.random.Generator) -> dict[IndexKind, np.ndarray]:
     """Shuffled pages and state items, the ring rows of one random slot's ring."""
     lists = random_lists(spec, lay, tokens, rng)
     if IndexKind.SWA_RING_ROWS in lists:
@@ -76,8 +76,8 @@ def plan_part() -> None:
                          request_indices(cfg.target, 2, tokens)),
                 "engine": (random_lists(cfg.target, lay, tokens, rng),
                            random_lists(cfg.target, lay, tokens, rng)),
-                "pages": (_pages(cfg.target, lay, tokens, rng),
-                          _pages(cfg.target, lay, tokens, rng)),
+                "pages": (page_lists(cfg.target, lay, tokens, rng),
+                          page_lists(cfg.target, lay, tokens, rng)),
             }
             for name, (src, dst) in cases.items():
                 plan = build_plan(lay, addrs, src, lay, addrs, dst)
@@ -108,7 +108,7 @@ def transfer_rows(p: KvbeamClient, d: KvbeamClient, sizes: Sequence[int], runs: 
                     s = request_indices(pcfg.target, 0, tokens)
                     dst = request_indices(cfg.target, 0, tokens)
                 else:
-                    pick = random_lists if name == "engine" else _pages
+                    pick = random_lists if name == "engine" else page_lists
                     s = pick(pcfg.target, play, tokens, rng)
                     dst = pick(cfg.target, lay, tokens, rng)
                 blocks = build_plan(play, addrs, s, lay, addrs, dst).num_blocks

@@ -10,24 +10,45 @@ Send-to-Success time and bytes/s, next to ``ib_write_bw`` at 64 KiB measured in
 the same run, and the raw transport time for the same bytes.
 
 The last line is machine-readable: ``ratio_vs_ib_write_bw=0.NN`` (32k-token
-request bytes/s over ib_write_bw's).
+request bytes/s over ib_write_bw's). Each row also has each daemon's process CPU
+time per request (``/proc/PID/stat``, user + system, all threads).
+
+``--host-json FILE``: the host figures instead (TCP on loopback, no RDMA): 128- and
+32k-token requests, written to FILE for ``make bench`` to fold into its report,
+ending with ``host_small_request_ms=N.N``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from kvbeam.client import KvbeamClient
-from kvbeam.scheduler import run_request
+from kvbeam.procs import DaemonProcess
+from kvbeam.scheduler import drive, run_request
 from tests.bench.bench_transport import ib_write_bw
+from tests.bench.request_blocks import request_case
 from tests.daemon_helpers import start_both
+
+#: Seconds each daemon's idle CPU rate is measured before the first request.
+IDLE_S = 2.0
+#: The harness's deadlines (tests/daemon_helpers.SLOW_GUEST: 10 s without progress, peer
+#: lost after 10 s of unanswered heartbeats) are for fault tests; a benchmark that queues
+#: 16 requests on one link under TCG measures how long they take instead of failing them.
+BENCH_DEADLINES = ["--deadline-transfer-s", "120", "--peer-timeout-s", "60"]
+
+#: A callback run on a daemon pair after its rows: (prefill, decode, clients to each).
+PairWork = Callable[[DaemonProcess, DaemonProcess, KvbeamClient, KvbeamClient], None]
 
 
 @dataclass
@@ -41,6 +62,13 @@ class RequestRow:
     median_ms: float
     best_ms: float
     runs_ms: list[float]
+    #: Process CPU time (user + system, every thread) per timed request, ms.
+    prefill_cpu_ms: float = float("nan")
+    decode_cpu_ms: float = float("nan")
+    #: Of that, what the idle daemon burns in the same wall time (heartbeats, sweeps,
+    #: progress threads): its CPU rate before any request, times the wall time, per request.
+    prefill_idle_ms: float = float("nan")
+    decode_idle_ms: float = float("nan")
 
     @property
     def gbps(self) -> float:
@@ -50,6 +78,15 @@ class RequestRow:
     def as_dict(self) -> dict[str, Any]:
         """For the JSON file."""
         return {**asdict(self), "gbps": self.gbps}
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (/proc/PID/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    # Fields after the command name (which may hold spaces) in parentheses: utime is the
+    # 14th field of the line, stime the 15th, in clock ticks.
+    fields_ = stat[stat.rindex(")") + 2:].split()
+    return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _spy(pid: int, seconds: float, out: str) -> subprocess.Popen[bytes]:
@@ -86,7 +123,7 @@ def _profile_loop(p: KvbeamClient, d: KvbeamClient, pids: tuple[int, int], seq_l
     while time.monotonic() < end:
         times.append(one(f"prof-{len(times)}"))
     for spy in spies:
-        spy.wait(60)
+        spy.wait(180)  # py-spy writes its file after -d; under a loaded TCG guest 60 s was short
     with open(os.path.join(out_dir, "requests.txt"), "w") as f:
         f.write(f"{len(times)} requests of {seq_len} tokens, median "
                 f"{statistics.median(times) * 1e3:.1f} ms, window {seconds - 3.0:.0f} s\n")
@@ -108,15 +145,23 @@ def profile_requests(paged: bool, seq_len: int, seconds: float, out_dir: str,
 
 def run_requests(paged: bool, integrity: bool, lens: list[int], repeat: int,
                  extra: list[str] | None = None, profile_dir: str | None = None,
-                 profile_seconds: float = 20.0) -> list[RequestRow]:
-    """Start a daemon pair, time ``repeat`` requests of each length (after one warm-up).
+                 profile_seconds: float = 20.0, transport: str = "rdma",
+                 on_pair: PairWork | None = None) -> list[RequestRow]:
+    """Start a daemon pair, time ``repeat`` requests of each length (after one warm-up),
+    with each daemon's CPU time over the timed requests.
 
-    With ``profile_dir``, then profile 128-token requests on the same pair (py-spy).
+    Then, with ``profile_dir``, a profile of 128-token requests (py-spy), then
+    ``on_pair`` (more measurements on the same pair).
     """
     flags = ["--integrity", "true" if integrity else "false", "--log-level", "WARNING",
-             *(extra or [])]
-    prefill, decode = start_both(paged=paged, transport="rdma", prefill_extra=flags,
+             *BENCH_DEADLINES, *(extra or [])]
+    prefill, decode = start_both(paged=paged, transport=transport, prefill_extra=flags,
                                  decode_extra=flags)
+    pids = (prefill.proc.pid, decode.proc.pid)
+    idle0, t_idle = [cpu_s(pid) for pid in pids], time.monotonic()
+    time.sleep(IDLE_S)
+    t_idle = time.monotonic() - t_idle
+    idle_rate = [(cpu_s(pid) - c) / t_idle for pid, c in zip(pids, idle0, strict=True)]
     mode = "paged" if paged else "unified"
     rows = []
     try:
@@ -125,25 +170,91 @@ def run_requests(paged: bool, integrity: bool, lens: list[int], repeat: int,
             for seq_len in lens:
                 times: list[float] = []
                 nbytes = 0
-                for _ in range(repeat + 1):  # the first is a warm-up
+                cpu0: list[float] = []
+                t0 = 0.0
+                for i in range(repeat + 1):  # the first is a warm-up
+                    if i == 1:
+                        cpu0, t0 = [cpu_s(pid) for pid in pids], time.monotonic()
                     n += 1
                     r = run_request(p, d, f"bench-{n}", seq_len, n % 8, timeout=120.0)
                     if not r.ok:
                         raise SystemExit(f"request {r.request_id} ended {r.state}")
                     nbytes = r.bytes
                     times.append(r.send_to_success_s * 1e3)
+                cpu_ms = [(cpu_s(pid) - c) * 1e3 / repeat for pid, c in zip(pids, cpu0,
+                                                                            strict=True)]
+                wall = time.monotonic() - t0
+                idle_ms = [rate * wall * 1e3 / repeat for rate in idle_rate]
                 rows.append(RequestRow(mode, integrity, seq_len, nbytes,
-                                       statistics.median(times[1:]), min(times[1:]), times[1:]))
+                                       statistics.median(times[1:]), min(times[1:]), times[1:],
+                                       *cpu_ms, *idle_ms))
             if profile_dir:
                 try:
                     _profile_loop(p, d, (prefill.proc.pid, decode.proc.pid), 128,
                                   profile_seconds, profile_dir)
                 except (OSError, subprocess.SubprocessError) as exc:  # no py-spy: no profile
                     print(f"profile skipped: {exc!r}", file=sys.stderr)
+            if on_pair:  # last: a failure there (e.g. an overload) spoils nothing else
+                on_pair(prefill, decode, p, d)
     finally:
         prefill.stop()
         decode.stop()
     return rows
+
+
+def aggregate(prefill: str, decode: str, tokens: int = 8192, concurrency: int = 16,
+              rounds: int = 3, source_slots: int = 8) -> dict[str, Any]:
+    """``concurrency`` requests of ``tokens`` at once through :func:`kvbeam.scheduler.drive`,
+    ``rounds`` times after a warm-up round: total bytes / wall time of each round, median.
+
+    A round where a request fails ends the measurement: the result then says how many
+    failed and how (no ``gbps``: a partial round is not an aggregate rate).
+    """
+    runs: list[float] = []
+    out: dict[str, Any] = {"tokens": tokens, "concurrency": concurrency, "runs_gbps": runs}
+    for k in range(rounds + 1):
+        t0 = time.monotonic()
+        res = drive(prefill, decode, [tokens] * concurrency, source_slots=source_slots,
+                    concurrency=concurrency, timeout=300.0, prefix=f"agg{k}-{time.monotonic_ns()}")
+        wall = time.monotonic() - t0
+        bad = [r for r in res if not r.ok]
+        if bad:
+            return {**out, "error": f"round {k}: {len(bad)} of {len(res)} requests failed "
+                                    f"after {wall:.1f} s", "failures": [r.state for r in bad]}
+        if k:
+            runs.append(sum(r.bytes for r in res) * 8 / wall / 1e9)
+    return {**out, "gbps": statistics.median(runs)}
+
+
+def fragmented(p: KvbeamClient, d: KvbeamClient, lens: Sequence[int], styles: Sequence[str],
+               repeat: int) -> list[dict[str, Any]]:
+    """Send-to-Success of requests with the engine-chosen lists of
+    :func:`tests.bench.request_blocks.request_case` (the same lists the Mooncake peer
+    moves), median of ``repeat`` after a warm-up; every request must end CRC32C-verified."""
+    rows = []
+    for style in styles:
+        for tokens in lens:
+            src, dst = request_case(tokens, style).client_lists()
+            ms = []
+            for i in range(repeat + 1):
+                r = run_request(p, d, f"{style}-{tokens}-{i}-{time.monotonic_ns()}", tokens, 0,
+                                src_indices=src, dst_indices=dst, timeout=120.0)
+                if not r.verified:
+                    raise RuntimeError(f"request {r.request_id} ended {r.state} (not verified)")
+                if i:
+                    ms.append(r.send_to_success_s * 1e3)
+            rows.append({"lists": style, "tokens": tokens, "bytes": r.bytes, "runs_ms": ms,
+                         "median_ms": statistics.median(ms)})
+    return rows
+
+
+def host_figures(repeat: int = 20) -> dict[str, Any]:
+    """The host figures: 128- and 32k-token requests over TCP on loopback (unified,
+    integrity on), each daemon's CPU per request beside them."""
+    rows = run_requests(False, True, [128, 32768], repeat, transport="tcp")
+    return {"small_request_ms": rows[0].median_ms, "host": platform.node(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "requests": [r.as_dict() for r in rows]}
 
 
 def main() -> None:
@@ -157,7 +268,19 @@ def main() -> None:
     parser.add_argument("--profile", metavar="DIR",
                         help="profile the first length's requests with py-spy instead")
     parser.add_argument("--profile-seconds", type=float, default=25.0)
+    parser.add_argument("--host-json", metavar="FILE",
+                        help="host figures over TCP on loopback, written to FILE")
     args = parser.parse_args()
+    if args.host_json:
+        res = host_figures(max(args.repeat, 20))
+        Path(args.host_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.host_json).write_text(json.dumps(res, indent=1))
+        for r in res["requests"]:
+            print(f"host tcp {r['tokens']:>6} tokens: {r['median_ms']:.1f} ms Send-to-Success, "
+                  f"CPU per request prefill {r['prefill_cpu_ms']:.1f} ms, decode "
+                  f"{r['decode_cpu_ms']:.1f} ms")
+        print(f"host_small_request_ms={res['small_request_ms']:.1f}")
+        return
     if args.profile:
         profile_requests(args.paged, int(args.lens.split(",")[0]), args.profile_seconds,
                          args.profile)

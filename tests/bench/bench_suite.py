@@ -1,4 +1,4 @@
-"""``make bench``: every RDMA figure of issue 8 in one soft-RoCE guest boot.
+"""``make bench``: every RDMA figure of issues 8 and 14 in one soft-RoCE guest boot.
 
 Sections, in this order, each figure the median of ``--repeat`` runs beside its
 reference measured in the same boot:
@@ -6,17 +6,24 @@ reference measured in the same boot:
 1. limits: ``ib_write_bw`` and ``ib_write_lat`` at 4 KiB, 64 KiB, 1 MiB on the device;
 2. peer: Mooncake Transfer Engine (RDMA, same device, same 64 MiB buffers and block
    sizes, CRC-checked after each run) when it is installed (the ``bench`` extra);
-3. kvbeam raw blocks of the same sizes (:mod:`tests.bench.bench_transport`), CRC-checked;
-4. scaling (:mod:`tests.bench.bench_scaling`): block size, blocks per request,
+3. whole-request peer: Mooncake TE moving the blocks kvbeam's planner makes for 8k-
+   and 32k-token requests (slot-contiguous and engine-chosen lists,
+   :mod:`tests.bench.request_blocks`), one ``batch_transfer_sync_write`` per request;
+4. kvbeam raw blocks of the same sizes (:mod:`tests.bench.bench_transport`), CRC-checked;
+5. scaling (:mod:`tests.bench.bench_scaling`): block size, blocks per request,
    concurrency, QPs per peer;
-5. whole DSV4 requests through the daemons and the scheduler API, unified and
-   paged, integrity on and off (:mod:`tests.bench.bench_request`).
+6. whole DSV4 requests through the daemons and the scheduler API, unified and
+   paged, integrity on and off, each daemon's CPU per request
+   (:mod:`tests.bench.bench_request`); on the first pair (unified, integrity on) also
+   the engine-chosen lists the Mooncake peer moved, and 16 concurrent 8k requests.
 
-Prints a table, writes everything to ``--json`` (default
-``$KVBEAM_RESULTS_DIR/bench.json``), and ends with exactly two lines:
-``ratio_vs_mooncake=0.NN`` (kvbeam raw 64 KiB / Mooncake 64 KiB) and
+Prints a table (:mod:`tests.bench.report`), writes everything to ``--json`` (default
+``$KVBEAM_RESULTS_DIR/bench.json``), and ends with the targets table and one
+``name=value`` line per target (:mod:`tests.bench.targets`), e.g.
 ``ratio_vs_ib_write_bw=0.NN`` (whole 32k-token unified request, integrity on,
-bytes/s over ib_write_bw at 64 KiB). Plots: ``tests/bench/plot_bench.py`` on the host.
+bytes/s over ib_write_bw at 64 KiB). ``--report JSON [--host-json FILE]`` prints
+an earlier run, first folding in the host figures (``bench_request --host-json``).
+Plots: ``tests/bench/plot_bench.py`` on the host.
 """
 
 from __future__ import annotations
@@ -37,9 +44,18 @@ from typing import Any
 
 import numpy as np
 
+from kvbeam.client import KvbeamClient
+from kvbeam.procs import DaemonProcess
 from kvbeam.transport.options import TransportOptions
 from tests.bench import bench_scaling as sc
-from tests.bench.bench_request import RequestRow, run_requests
+from tests.bench import targets
+from tests.bench.bench_request import (
+    PairWork,
+    RequestRow,
+    aggregate,
+    fragmented,
+    run_requests,
+)
 from tests.bench.bench_transport import (
     BUFFER,
     ib_write_bw,
@@ -47,8 +63,12 @@ from tests.bench.bench_transport import (
     run_kvbeam,
     sender_and_receiver,
 )
+from tests.bench.report import SIZES, report
 
-SIZES = [4 << 10, 64 << 10, 1 << 20]
+#: Request lengths and list styles of the whole-request peer (Mooncake TE); the
+#: engine-chosen styles are also sent through the daemons (``fragmented``).
+PEER_LENS = (8192, 32768)
+FRAGMENTED = ("pages", "engine")
 LAT_ITERS = {4 << 10: 300, 64 << 10: 100, 1 << 20: 20}
 
 
@@ -116,13 +136,10 @@ def source_buffer() -> mmap.mmap:
     return src
 
 
-def mooncake(args: argparse.Namespace) -> dict[str, Any]:
-    """Mooncake TE per size, in a child process with a time limit (a hang costs the limit,
-    not the guest boot), or the reason it did not run."""
-    cmd = [sys.executable, "-m", "tests.bench.bench_mooncake", "--measure",
-           ",".join(map(str, SIZES)), "--seconds", str(args.seconds), "--repeat",
-           str(args.repeat), "--device", args.device]
-    limit = 60 + len(SIZES) * args.repeat * (args.seconds + 20)
+def _mooncake_child(extra: list[str], limit: float) -> dict[str, Any]:
+    """``bench_mooncake`` in a child process with a time limit (a hang costs the limit,
+    not the guest boot): its RESULT, or the reason there is none."""
+    cmd = [sys.executable, "-m", "tests.bench.bench_mooncake", *extra]
     try:
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=limit)
     except subprocess.TimeoutExpired:
@@ -133,6 +150,23 @@ def mooncake(args: argparse.Namespace) -> dict[str, Any]:
             return out
     return {"error": f"Mooncake run exited {done.returncode} without results "
                      f"(not installed? the bench extra: pip install '.[bench]')"}
+
+
+def mooncake(args: argparse.Namespace) -> dict[str, Any]:
+    """Mooncake TE per block size, or the reason it did not run."""
+    return _mooncake_child(["--measure", ",".join(map(str, SIZES)), "--seconds",
+                            str(args.seconds), "--repeat", str(args.repeat), "--device",
+                            args.device],
+                           60 + len(SIZES) * args.repeat * (args.seconds + 20))
+
+
+def mooncake_request(args: argparse.Namespace) -> dict[str, Any]:
+    """Mooncake TE moving whole requests' blocks (per list style and length), or why not."""
+    styles = ("slot", *FRAGMENTED)
+    return _mooncake_child(["--request", ",".join(map(str, PEER_LENS)), "--styles",
+                            ",".join(styles), "--repeat", str(args.req_repeat), "--device",
+                            args.device],
+                           120 + len(styles) * len(PEER_LENS) * (args.req_repeat + 1) * 15)
 
 
 def kvbeam_raw(args: argparse.Namespace, src: mmap.mmap) -> dict[str, Any]:
@@ -180,16 +214,43 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def requests(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Whole requests: unified and paged, integrity on and off (one daemon pair each)."""
+def requests(args: argparse.Namespace, res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Whole requests: unified and paged, integrity on and off (one daemon pair each).
+
+    On the first pair, also ``res["fragmented"]`` (engine-chosen lists) and
+    ``res["aggregate"]`` (16 concurrent 8k requests) unless ``--skip``-ped.
+    """
     rows: list[RequestRow] = []
     lens = [int(x) for x in args.lens.split(",")]
+    skip = set(filter(None, args.skip.split(",")))
+
+    def concurrent(key: str) -> PairWork:
+        def work(prefill: DaemonProcess, decode: DaemonProcess, p: KvbeamClient,
+                 d: KvbeamClient) -> None:
+            if "aggregate" not in skip:
+                res[key] = guarded(key, aggregate, prefill.address, decode.address)
+                log(f"{key}: {res[key]}")
+        return work
+
+    def first_pair(prefill: DaemonProcess, decode: DaemonProcess, p: KvbeamClient,
+                   d: KvbeamClient) -> None:
+        if "fragmented" not in skip:
+            res["fragmented"] = guarded("fragmented", fragmented, p, d, PEER_LENS, FRAGMENTED,
+                                        args.req_repeat)
+            log(f"fragmented lists: {res['fragmented']}")
+        concurrent("aggregate")(prefill, decode, p, d)
+
+    # Both unified pairs run the concurrent requests: the target is with integrity on,
+    # the pair with it off shows what integrity costs there.
+    work_of = {(False, True): first_pair, (False, False): concurrent("aggregate_integrity_off")}
     for paged in (False, True):
         for integrity in (True, False):
+            first = integrity and not paged
             # The first pair (unified, integrity on) is also profiled: 128-token requests
             # under py-spy, summarised by phase into the JSON.
-            prof = os.path.join(args.results, "profile") if integrity and not paged else None
-            rows += run_requests(paged, integrity, lens, args.req_repeat, profile_dir=prof)
+            prof = os.path.join(args.results, "profile") if first else None
+            rows += run_requests(paged, integrity, lens, args.req_repeat, profile_dir=prof,
+                                 on_pair=work_of.get((paged, integrity)))
             log(f"requests {'paged' if paged else 'unified'} integrity {integrity}: "
                 f"{[round(r.median_ms, 1) for r in rows[-len(lens):]]} ms")
     return [r.as_dict() for r in rows]
@@ -212,75 +273,20 @@ def guarded(name: str, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``, or ``{"error": ...}`` when it raises (logged with its traceback)."""
     try:
         return fn(*args)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # SystemExit: a request that did not succeed
         log(f"section {name} failed: {exc!r}\n{traceback.format_exc()}")
         return {"error": repr(exc)}
 
 
-def ratio(a: float, b: float) -> float:
-    """a / b, NaN when b is 0."""
-    return a / b if b else float("nan")
-
-
-def report(res: dict[str, Any]) -> None:
-    """The table on stdout; the last two lines are the machine-readable ratios."""
-    bw, lat = res["limits"]["ib_write_bw"], res["limits"]["ib_write_lat"]
-    mc, raw = res.get("mooncake", {}), res["kvbeam_raw"]
-    print(f"\n== limits and raw blocks on {res['device']} (median of {res['repeat']}; "
-          "ratios to ib_write_bw of the same size, same boot)")
-    print(f"{'block':>8} {'ib_write_bw':>11} {'lat us':>7} {'mooncake':>9} {'mc/ib':>6} "
-          f"{'kvbeam':>8} {'kv/ib':>6} {'kv/mc':>6} {'py us/blk':>9} {'crc':>7}")
-    nan = float("nan")
-    for size in SIZES:
-        k = str(size)
-        ref = bw[k]["gbps"]
-        m = mc.get(k, {}).get("gbps", nan)
-        rk = raw.get(k, {})
-        r = rk.get("gbps", nan)
-        crc = ("ok" if rk.get("crc_ok", False) and mc.get(k, {}).get("crc_ok", True) else "BAD")
-        print(f"{size >> 10:>6}Ki {ref:>11.3f} {lat[k]['t_typical_us']:>7.1f} {m:>9.3f} "
-              f"{ratio(m, ref):>6.2f} {r:>8.3f} {ratio(r, ref):>6.2f} {ratio(r, m):>6.2f} "
-              f"{rk.get('py_us_per_block', nan):>9.2f} {crc:>7}")
-    for sec in ("mooncake", "kvbeam_raw", "scaling"):
-        if isinstance(res.get(sec), dict) and "error" in res[sec]:
-            print(f"{sec}: FAILED: {res[sec]['error']}")
-    if res.get("requests_error"):
-        print(f"requests: FAILED: {res['requests_error']}")
-    print("(Gb/s; lat us = ib_write_lat typical one-way latency)")
-    ref64 = bw[str(64 << 10)]["gbps"]
-    floor_lat_ms = lat[str(4 << 10)]["t_typical_us"] / 1e3
-    print(f"\n== whole DSV4 requests, Send -> Success (median of {res['req_repeat']}); "
-          f"reference ib_write_bw 64 KiB {ref64:.3f} Gb/s")
-    print(f"{'mode':>8} {'integ':>5} {'tokens':>7} {'bytes':>9} {'ms':>8} {'Gb/s':>7} "
-          f"{'/ib_bw':>6} {'floor ms':>8} {'x floor':>7}")
-    for r in res["requests"]:
-        floor = floor_lat_ms + r["bytes"] * 8 / (ref64 * 1e9) * 1e3
-        print(f"{r['mode']:>8} {'on' if r['integrity'] else 'off':>5} {r['tokens']:>7} "
-              f"{r['bytes']:>9} {r['median_ms']:>8.1f} {r['gbps']:>7.3f} "
-              f"{ratio(r['gbps'], ref64):>6.2f} {floor:>8.1f} {r['median_ms'] / floor:>7.1f}")
-    print("(floor = ib_write_lat 4 KiB one-way latency + bytes at ib_write_bw 64 KiB)")
-    s = res.get("scaling", {})
-    for name in ("block_size", "concurrency", "qps_per_peer"):
-        if isinstance(s.get(name), list):
-            print(f"\n== scaling: {name}")
-            for p in s[name]:
-                print(f"{p['label']:>14} {p['gbps']:>7.3f} Gb/s {p['blocks_per_s']:>9.0f} blk/s "
-                      f"py {p['py_us_per_block']:>7.2f} us/blk post {p['post_us_per_block']:>8.1f}"
-                      " us/blk")
-    for mode, pts in (s.get("blocks_per_request") or {}).items():
-        print(f"\n== scaling: blocks per request ({mode}; 16 KiB pages; per page)")
-        for p in pts:
-            print(f"{int(p['x']):>8} pages {p['gbps']:>7.3f} Gb/s {p['requests_per_s']:>7.1f} "
-                  f"req/s py {p['py_us_per_block']:>7.2f} us/page (plan "
-                  f"{p['plan_us_per_block']:.2f})")
-    prof = res.get("profile_128")
-    if isinstance(prof, dict) and "info" in prof:
-        print(f"\n== profile: {prof['info']}; Python CPU ms per request (GIL held) by phase")
-        for daemon in ("prefill", "decode"):
-            phases = ", ".join(f"{k} {v:.1f}" for k, v in prof[daemon].items())
-            print(f"{daemon} ({sum(prof[daemon].values()):.1f} ms): {phases}")
-    print(f"ratio_vs_mooncake={res['ratio_vs_mooncake']:.2f}")
-    print(f"ratio_vs_ib_write_bw={res['ratio_vs_ib_write_bw']:.2f}")
+def report_file(path: Path, host_json: Path | None = None) -> None:
+    """Print an earlier run's table; with ``host_json``, first fold the host figures
+    into it (``res["host_tcp"]``, targets recomputed) and rewrite ``path``."""
+    res = json.loads(path.read_text())
+    if host_json is not None:
+        res["host_tcp"] = json.loads(host_json.read_text())
+        res["targets"] = targets.compute(res)
+        path.write_text(json.dumps(res, indent=1, default=float))
+    report(res)
 
 
 def main() -> None:
@@ -295,15 +301,17 @@ def main() -> None:
     p.add_argument("--scale-seconds", type=float, default=1.5)
     p.add_argument("--lens", default="128,1024,8192,32768")
     p.add_argument("--req-repeat", type=int, default=5)
-    p.add_argument("--skip", default="", help="comma list of sections to skip: "
-                   "mooncake,scaling,requests (for quick iteration)")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: mooncake, "
+                   "mooncake_request,scaling,requests,fragmented,aggregate (quick iteration)")
     p.add_argument("--report", metavar="JSON", help="print the table of an earlier run and exit")
+    p.add_argument("--host-json", metavar="FILE", help="with --report: fold these host "
+                   "figures (bench_request --host-json) into JSON first (rewrites it)")
     p.add_argument("--results", default=os.environ.get("KVBEAM_RESULTS_DIR", "."),
                    help="where bench.json and profile/ go")
     p.add_argument("--json", help="default: RESULTS/bench.json")
     args = p.parse_args()
     if args.report:
-        report(json.loads(Path(args.report).read_text()))
+        report_file(Path(args.report), Path(args.host_json) if args.host_json else None)
         return
     skip = set(filter(None, args.skip.split(",")))
     args.json = args.json or os.path.join(args.results, "bench.json")
@@ -316,29 +324,29 @@ def main() -> None:
     # One guest boot is expensive and shared: a section that fails is recorded and the
     # others still run.
     res["mooncake"] = {} if "mooncake" in skip else guarded("mooncake", mooncake, args)
+    if not {"mooncake", "mooncake_request"} & skip:
+        res["mooncake_request"] = guarded("mooncake_request", mooncake_request, args)
     res["kvbeam_raw"] = guarded("kvbeam_raw", kvbeam_raw, args, src)
     if "scaling" not in skip:
         res["scaling"] = guarded("scaling", scaling, args)
-    res["requests"] = [] if "requests" in skip else guarded("requests", requests, args)
-    if isinstance(res["requests"], dict):  # failed: keep the error, report no rows
-        res["requests_error"] = res["requests"].get("error")
-        res["requests"] = []
-    k64 = str(64 << 10)
-    res["ratio_vs_mooncake"] = ratio(res["kvbeam_raw"].get(k64, {}).get("gbps", 0.0),
-                                     res["mooncake"].get(k64, {}).get("gbps", 0.0))
-    big = [r for r in res["requests"] if r["mode"] == "unified" and r["integrity"]]
-    res["ratio_vs_ib_write_bw"] = ratio(big[-1]["gbps"] if big else 0.0,
-                                        res["limits"]["ib_write_bw"][k64]["gbps"])
+    res["requests"] = [] if "requests" in skip else guarded("requests", requests, args, res)
+    for sec in ("requests", "fragmented"):
+        if isinstance(res.get(sec), dict):  # failed: keep the error, report no rows
+            res[f"{sec}_error"] = res[sec].get("error")
+            res[sec] = []
     prof = Path(args.results) / "profile"
     if (prof / "requests.txt").exists():
         res["profile_128"] = guarded("profile", profile_table, prof)
     res["elapsed_s"] = time.monotonic() - started
+    res["targets"] = targets.compute(res)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=1, default=float))
     log(f"wrote {args.json} after {res['elapsed_s']:.0f} s")
     report(res)
     crc = [v.get("crc_ok", True) for sec in ("mooncake", "kvbeam_raw")
            for v in res[sec].values() if isinstance(v, dict)]
+    crc += [row.get("crc_ok", True) for per_len in (res.get("mooncake_request") or {}).values()
+            if isinstance(per_len, dict) for row in per_len.values()]
     if not all(crc):
         sys.exit("CRC mismatch: a receiver's buffer differs from the source")
 

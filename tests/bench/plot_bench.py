@@ -4,7 +4,8 @@
 
 Writes ``bench-block-size.png``, ``bench-blocks-per-request.png``,
 ``bench-concurrency.png``, ``bench-qps.png`` and ``bench-requests.png``: bytes/s
-(left axis) and Python CPU time per block (right axis) for each curve.
+(left axis) and Python CPU time per block (right axis) for each curve; the requests
+plot also marks Mooncake TE moving the same requests' blocks, where measured.
 """
 
 from __future__ import annotations
@@ -52,6 +53,21 @@ def _figure(path: Path, title: str, xlabel: str, curves: list[tuple[str, list[di
     plt.close(fig)
 
 
+def _peer_points(ax: Any, res: dict[str, Any], ref: float) -> None:
+    """Mooncake TE moving the same requests' blocks (one batch call each), where measured."""
+    mc = res.get("mooncake_request")
+    if not isinstance(mc, dict) or "error" in mc:
+        return
+    for (style, marker), color in zip([("slot", "*"), ("pages", "P"), ("engine", "X")],
+                                      ["black", "tab:purple", "tab:red"], strict=True):
+        pts = sorted((int(t), m["bytes"] * 8 / m["median_ms"] / 1e6)
+                     for t, m in mc.get(style, {}).items())
+        if pts:
+            ax.plot([t for t, _ in pts], [g / ref for _, g in pts], marker, color=color,
+                    markersize=10, linestyle="none",
+                    label=f"Mooncake TE, same blocks ({style} lists)")
+
+
 def render(res: dict[str, Any], out: Path) -> list[Path]:
     """Every plot the results allow; returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
@@ -85,6 +101,7 @@ def render(res: dict[str, Any], out: Path) -> list[Path]:
             rows = [r for r in res["requests"] if r["mode"] == mode and r["integrity"] == integ]
             ax.plot([r["tokens"] for r in rows], [r["gbps"] / ref for r in rows], style,
                     label=f"{mode}, integrity {'on' if integ else 'off'}")
+        _peer_points(ax, res, ref)
         ax.axhline(1.0, color="grey", linestyle="--", label="ib_write_bw 64 KiB")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per request")
