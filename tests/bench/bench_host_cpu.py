@@ -8,8 +8,8 @@ engine-chosen (random, fragmented) index lists instead of slot-contiguous ones.
 With ``--profile DIR`` it then samples both daemons with py-spy during requests
 of the first length, slot lists (summarise with :mod:`tests.bench.profile_summary`).
 
-The last line is machine-readable when 128 is among the lengths:
-``host_small_request_ms=N.NN`` (median Send-to-Success of a 128-token request).
+A diagnostic beside ``make bench-host`` (which prints ``host_small_request_ms=``
+for the bench report): this one varies the lists and profiles.
 
 Run: ``python -m tests.bench.bench_host_cpu [--lens 128,1024,8192,32768]``.
 """
@@ -17,7 +17,6 @@ Run: ``python -m tests.bench.bench_host_cpu [--lens 128,1024,8192,32768]``.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 from collections.abc import Callable
 
@@ -27,21 +26,13 @@ from kvbeam.client import KvbeamClient
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.spec import load_side_config
 from kvbeam.scheduler import RequestResult, run_request
-from tests.bench.bench_request import _profile_loop
+from tests.bench.bench_request import _profile_loop, cpu_s
 from tests.daemon_helpers import start_both
 from tests.engine_lists import as_mapping, random_lists
 from tests.fixtures import shipped_config
 
-_TICK = os.sysconf("SC_CLK_TCK")
 #: Timed requests per length (after warm-ups): many small ones, fewer large ones.
 REPEAT = {128: 100, 1024: 50, 8192: 30, 32768: 20}
-
-
-def cpu_s(pid: int) -> float:
-    """Process CPU time (user + system) of ``pid`` so far, seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15)
 
 
 def _sender(p: KvbeamClient, d: KvbeamClient, engine: bool) -> Callable[[str, int],
@@ -88,7 +79,6 @@ def main() -> None:
             print(f"{'tokens':>7} {'bytes':>10} {'n':>3} {'send->ok ms':>12} {'best ms':>8} "
                   f"{'prefill cpu ms':>15} {'decode cpu ms':>14}  ({args.lists} lists)")
             n = 0
-            small: float | None = None
             for seq_len in lens:
                 repeat = REPEAT.get(seq_len, 10)
                 for _ in range(3):  # warm-up
@@ -106,12 +96,8 @@ def main() -> None:
                                                                            strict=True)]
                 print(f"{seq_len:>7} {nbytes:>10} {repeat:>3} {statistics.median(times):>12.2f} "
                       f"{min(times):>8.2f} {cpu[0]:>15.2f} {cpu[1]:>14.2f}", flush=True)
-                if seq_len == 128:
-                    small = statistics.median(times)
             if args.profile:
                 _profile_loop(p, d, pids, lens[0], args.profile_seconds, args.profile)
-            if small is not None:
-                print(f"host_small_request_ms={small:.2f}")
     finally:
         prefill.stop()
         decode.stop()
