@@ -157,7 +157,7 @@ class FakeHost:
 def make_link(options: TransportOptions) -> tuple[VerbsLink, FakeQP, FakeHost]:
     t = FakeHost(options)
     qp = FakeQP(options.sq_depth)
-    link = VerbsLink(t, 1, cast(Any, qp))
+    link = VerbsLink(t, 1, [cast(Any, qp)])
     link.connect(Endpoint("rdma", (RemoteRegion(0x4000_0000, 1 << 30, 9),), gid="fe80::2",
                           qpns=(5,), psn=3, mtu=4096))
     return link, qp, t
@@ -193,7 +193,7 @@ def test_posting_never_overflows_and_completes_every_transfer(
     assert all(e.ok and e.kind is EventKind.COMPLETED for e in t.events)
     with_wrs = [i for i, (n, notify) in enumerate(transfers) if n or notify]
     assert [d for d in done if d in with_wrs] == with_wrs  # in posting order
-    assert link._outstanding == 0 and not link._inflight
+    assert link.outstanding == 0 and not link._lanes[0].inflight
     assert link.stats.wrs == sum(n + notify for n, notify in transfers)
 
 
