@@ -34,12 +34,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import deque
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import numpy as np
 
 from kvbeam.transport.core import Prepared
-from kvbeam.transport.verbs.chain import SGE_DTYPE, WR_DTYPE, WrBatch
+from kvbeam.transport.verbs.chain import SGE_DTYPE, WR_DTYPE, WrBatch, build
 
 _EMPTY = WrBatch(np.zeros(0, WR_DTYPE), np.zeros(0, SGE_DTYPE), [], [])
 
@@ -146,3 +147,132 @@ def marker_ready(request: Request, lanes: list[Lane]) -> bool:
         elif lane.done_seq < seq:
             return False
     return True
+
+
+class Requests:
+    """The requests of one link on its lanes: queueing, markers, outcomes (progress thread).
+
+    ``done`` is called once per request, when its last part completed or was dropped
+    (``request.failure`` says how it went).
+    """
+
+    def __init__(self, lanes: list[Lane], done: Callable[[Request], None]) -> None:
+        self.lanes = lanes
+        self.waiting: list[Request] = []  # requests whose separate marker is not queued yet
+        self._last: dict[int, dict[int, int]] = {}  # transfer id -> lane -> its last job seq
+        self._done = done
+
+    def queue(self, request: Request, jobs: list[tuple[Lane, Job]]) -> None:
+        """Number each job on its lane and queue it; queue or hold the marker."""
+        last = self._last.setdefault(request.transfer_id, {}) if len(self.lanes) > 1 else {}
+        for lane, job in jobs:
+            lane.seq += 1
+            job.seq = last[lane.index] = lane.seq
+            lane.pending.append(job)
+        request.parts = len(jobs)
+        marker, home = request.marker, request.home
+        if marker is not None and home is not None:
+            request.parts += 1
+            request.watermarks = self._last.pop(request.transfer_id, {})
+            if set(request.watermarks) <= {home.index}:  # RC orders it after all of them
+                home.pending.append(marker)
+                request.marker = None
+            else:
+                self.waiting.append(request)
+        if not request.parts:  # no blocks and no notify: nothing to wait for
+            self._done(request)
+
+    def release_markers(self) -> None:
+        """Queue every waiting marker whose writes on other QPs all completed."""
+        waiting: list[Request] = []
+        for request in self.waiting:
+            if request.marker is not None and request.home is not None and marker_ready(
+                    request, self.lanes):
+                request.home.pending.appendleft(request.marker)  # after what it covers
+                request.marker = None
+            else:
+                waiting.append(request)
+        self.waiting = waiting
+
+    def part_done(self, request: Request) -> None:
+        """One part of a request completed or was dropped."""
+        request.parts -= 1
+        if not request.parts:
+            self._done(request)
+
+    def job_done(self, lane: Lane, job: Job) -> None:
+        """A job's last WR completed (in posting order on its lane)."""
+        if job.seq:
+            lane.done_seq = job.seq
+        self.part_done(job.request)
+        if self.waiting:
+            self.release_markers()
+
+    def job_posted(self, lane: Lane, job: Job) -> None:
+        """A job's last WR was posted (or the job was dropped unposted)."""
+        if job.seq:
+            lane.posted_seq = max(lane.posted_seq, job.seq)
+            if self.waiting:
+                self.release_markers()
+
+    def fail_lane(self, lane: Lane, status: str, detail: str) -> bool:
+        """The lane's QP failed: fail the requests that used it; whether any did."""
+        lane.dead = True
+        jobs = [cast(Job, tag) for _, _, tag in lane.inflight if tag is not None]
+        jobs += lane.pending
+        lane.inflight.clear()
+        lane.pending.clear()
+        lane.outstanding = 0
+        hit = [job.request for job in jobs]
+        hit += [r for r in self.waiting if r.home is lane
+                or r.watermarks.get(lane.index, 0) > lane.done_seq]
+        for request in hit:
+            if request.failure is None:
+                request.failure = (status, detail)
+            if request.marker is not None:  # never posted now
+                request.marker = None
+                self.waiting.remove(request)
+                self.part_done(request)
+        for job in jobs:
+            self.part_done(job.request)
+        return bool(hit)
+
+    def take_all(self) -> list[Request]:
+        """Every request with a part still on a lane (or a marker waiting); all cleared."""
+        requests = {id(r): r for r in self.waiting}
+        for lane in self.lanes:
+            jobs = [cast(Job, t) for _, _, t in lane.inflight if t is not None]
+            requests.update((id(j.request), j.request) for j in (*jobs, *lane.pending))
+            lane.inflight.clear()
+            lane.pending.clear()
+            lane.outstanding = 0
+        self.waiting = []
+        return list(requests.values())
+
+
+def plan(p: Prepared, lanes: list[Lane], k: int, first: int, serials: Iterator[int],
+         signal_every: int, marker: tuple[int, int]) -> tuple[Request, list[tuple[Lane, Job]]]:
+    """A checked write as a request and its jobs: ``k`` shares on lanes from ``first`` on.
+
+    With one lane the marker ends the share's own chain; with more it is a job of its
+    own (:attr:`Request.marker`) on the home lane, placed by :meth:`Requests.queue`.
+    """
+    n = len(lanes)
+    request = Request(p.transfer_id)
+    jobs: list[tuple[Lane, Job]] = []
+    shares = [s for s in stripe(p, k) if len(s)] if n > 1 else [p]
+    for i, share in enumerate(shares):
+        job = Job(request)
+        job.batch = build(share if n == 1 else part(share, 0, len(share), False),
+                          _serial(serials), signal_every, marker, job)
+        if job.batch.n:
+            jobs.append((lanes[(first + i) % n], job))
+    if n > 1 and p.notify:
+        request.home = jobs[-1][0] if jobs else lanes[first]
+        request.marker = job = Job(request)
+        job.batch = build(part(p, 0, 0, True), _serial(serials), signal_every, marker, job)
+    return request, jobs
+
+
+def _serial(serials: Iterator[int]) -> int:
+    return next(serials) & 0x7FFF_FFFF  # keeps RECV_TAG clear in wr_ids

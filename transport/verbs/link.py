@@ -32,9 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 from kvbeam.errors import TransportError
 from kvbeam.transport import status as st
@@ -42,20 +40,19 @@ from kvbeam.transport.base import Event, EventKind, Link
 from kvbeam.transport.blocks import Blocks
 from kvbeam.transport.core import prepare, remote_table
 from kvbeam.transport.endpoint import Endpoint
-from kvbeam.transport.host import LinkHost
 from kvbeam.transport.regions import RegionTable
-from kvbeam.transport.verbs.chain import Poster, build
-from kvbeam.transport.verbs.device import VerbsDevice, mtu_bytes, mtu_enum
+from kvbeam.transport.verbs.chain import Poster
+from kvbeam.transport.verbs.device import mtu_bytes, mtu_enum
 from kvbeam.transport.verbs.lanes import (
     Job,
     Lane,
     Request,
+    Requests,
     lanes_for,
-    marker_ready,
-    part,
-    stripe,
+    plan,
     stripe_slice,
 )
+from kvbeam.transport.verbs.linkhost import LinkStats, VerbsHost
 from kvbeam.transport.verbs.qp import RECV_TAG, QueuePair, imm_to_id
 
 log = logging.getLogger(__name__)
@@ -65,40 +62,6 @@ log = logging.getLogger(__name__)
 _WC_RECV_RDMA_WITH_IMM = 129
 _QPS_ERR = 6
 _POLL_BATCH = 64
-
-
-class VerbsHost(LinkHost, Protocol):
-    """What an RDMA link needs from its transport beyond :class:`LinkHost`."""
-
-    @property
-    def device(self) -> VerbsDevice:
-        """The opened device: GID, MTU and name go into the link's endpoint."""
-
-    @property
-    def lock(self) -> AbstractContextManager[Any]:
-        """The transport lock (re-entrant). The progress thread holds it while it
-        services links; a link takes it to change its QP's state (connect, release)."""
-
-    def posted(self, wrs: int) -> None:
-        """Count work requests posted."""
-
-    def wake(self) -> None:
-        """Wake the progress thread: there is work to post (never blocks)."""
-
-    def revoke(self, link_id: int) -> None:
-        """Deregister link ``link_id``'s own memory keys (its QP is destroyed)."""
-
-
-@dataclass
-class LinkStats:
-    """Counters of one link's posting work (for benchmarks and metrics)."""
-
-    wrs: int = 0  # WRs posted, markers included
-    posts: int = 0  # ibv_post_send calls
-    post_s: float = 0.0  # wall time inside ibv_post_send (with rxe: the kernel sends from it)
-    book_s: float = 0.0  # progress-thread CPU time around the posts
-    prepare_s: float = 0.0  # CPU time in write(): slicing, bounds checks, keys, WR arrays
-
 
 
 class VerbsLink(Link):
@@ -116,9 +79,7 @@ class VerbsLink(Link):
         self._submit_lock = threading.Lock()
         # From writers, guarded by _submit_lock: (request, its (lane, job) shares) per write.
         self._submitted: deque[tuple[Request, list[tuple[Lane, Job]]]] = deque()
-        # Progress thread only, from here on:
-        self._waiting: list[Request] = []  # requests whose separate marker is not queued yet
-        self._last: dict[int, dict[int, int]] = {}  # transfer id -> lane -> its last job seq
+        self._requests = Requests(self._lanes, self._outcome)  # progress thread only
         self._serials = itertools.count()
         self._rr = itertools.count()  # round-robin start lane of requests on fewer lanes
         self._check_remote = True  # tests turn this off to make the peer's NIC refuse a block
@@ -171,22 +132,9 @@ class VerbsLink(Link):
         slice_bytes = stripe_slice(blocks.total_bytes, k, opts.slice_bytes)
         p = prepare(transfer_id, blocks, notify, slice_bytes, self._t.local_keys(), peer,
                     self._check_remote)
-        request = Request(transfer_id)
         first = next(self._rr) % n if k < n else 0
-        jobs: list[tuple[Lane, Job]] = []
-        shares = [s for s in stripe(p, k) if len(s)] if n > 1 else [p]
-        for i, share in enumerate(shares):
-            job = Job(request)
-            # With one QP the marker ends the share's own chain; else it is its own job.
-            job.batch = build(share if n == 1 else part(share, 0, len(share), False),
-                              self._serial(), opts.signal_every, self._marker, job)
-            if job.batch.n:
-                jobs.append((self._lanes[(first + i) % n], job))
-        if n > 1 and notify:
-            request.home = jobs[-1][0] if jobs else self._lanes[first]
-            request.marker = marker = Job(request)
-            marker.batch = build(part(p, 0, 0, True), self._serial(), opts.signal_every,
-                                 self._marker, marker)
+        request, jobs = plan(p, self._lanes, k, first, self._serials, opts.signal_every,
+                             self._marker)
         self.stats.prepare_s += time.thread_time() - start
         with self._submit_lock:  # the state may have changed while we prepared
             self._usable_peer()
@@ -288,9 +236,6 @@ class VerbsLink(Link):
     def _live(self) -> list[Lane]:
         return [lane for lane in self._lanes if lane.qp is not None and not lane.dead]
 
-    def _serial(self) -> int:
-        return next(self._serials) & 0x7FFF_FFFF  # keeps RECV_TAG clear in wr_ids
-
     def _usable_peer(self) -> RegionTable:
         if self._failure is not None and self._state in ("failing", "failed"):
             status, detail = self._failure
@@ -301,41 +246,12 @@ class VerbsLink(Link):
         return self._peer
 
     def _intake(self) -> None:
-        """Queue what writers submitted: number each job on its lane, place the markers."""
+        """Queue what writers submitted."""
         with self._submit_lock:
             taken = list(self._submitted)
             self._submitted.clear()
-        multi = len(self._lanes) > 1
         for request, jobs in taken:
-            last = self._last.setdefault(request.transfer_id, {}) if multi else {}
-            for lane, job in jobs:
-                lane.seq += 1
-                job.seq = last[lane.index] = lane.seq
-                lane.pending.append(job)
-            request.parts = len(jobs)
-            marker, home = request.marker, request.home
-            if marker is not None and home is not None:
-                request.parts += 1
-                request.watermarks = self._last.pop(request.transfer_id, {})
-                if set(request.watermarks) <= {home.index}:  # RC orders it after them
-                    home.pending.append(marker)
-                    request.marker = None
-                else:
-                    self._waiting.append(request)
-            if not request.parts:  # no blocks and no notify: nothing to wait for
-                self._t.emit(Event(EventKind.COMPLETED, self.id, request.transfer_id))
-
-    def _release_markers(self) -> None:
-        """Queue every waiting marker whose writes on other QPs all completed."""
-        waiting: list[Request] = []
-        for request in self._waiting:
-            if request.marker is not None and request.home is not None and marker_ready(
-                    request, self._lanes):
-                request.home.pending.appendleft(request.marker)  # after what it covers
-                request.marker = None
-            else:
-                waiting.append(request)
-        self._waiting = waiting
+            self._requests.queue(request, jobs)
 
     def _post(self, lane: Lane, poster: Poster, now: float) -> None:
         """Post the next slice of the lane's first pending job (a failed request's unposted
@@ -344,8 +260,8 @@ class VerbsLink(Link):
         job = lane.pending[0]
         if job.pos == 0 and job.request.failure is not None:
             lane.pending.popleft()
-            lane.posted_seq = max(lane.posted_seq, job.seq)
-            self._part_done(job.request)
+            self._requests.job_posted(lane, job)
+            self._requests.part_done(job.request)
             return
         batch = job.batch
         a = job.pos
@@ -371,10 +287,7 @@ class VerbsLink(Link):
         self._t.posted(b - a)
         if b == batch.n:
             lane.pending.popleft()
-            if job.seq:
-                lane.posted_seq = job.seq
-                if self._waiting:
-                    self._release_markers()
+            self._requests.job_posted(lane, job)
 
     def _complete(self, lane: Lane, wc: Any, now: float) -> None:
         wr_id = int(wc.wr_id)
@@ -395,35 +308,16 @@ class VerbsLink(Link):
             done, count, tag = inflight.popleft()
             lane.outstanding -= count
             if tag is not None:
-                job = cast(Job, tag)
-                if job.seq:
-                    lane.done_seq = job.seq
-                self._part_done(job.request)
-                if self._waiting:
-                    self._release_markers()
+                self._requests.job_done(lane, cast(Job, tag))
             if done == wr_id:
                 return
         log.error("link %d: completion for unknown wr_id %#x", self.id, wr_id)
 
-    def _part_done(self, request: Request) -> None:
-        """One part of a request completed or was dropped: emit its outcome after the last."""
-        request.parts -= 1
-        if request.parts:
-            return
-        if request.failure is None:
-            self._t.emit(Event(EventKind.COMPLETED, self.id, request.transfer_id))
-        else:
-            self._t.emit(Event(EventKind.COMPLETED, self.id, request.transfer_id, False,
-                               *request.failure))
-
-    def _doom(self, request: Request, status: str, detail: str) -> None:
-        """Mark a request failed; its marker (if not queued) will never be posted."""
-        if request.failure is None:
-            request.failure = (status, detail)
-        if request.marker is not None:
-            request.marker = None
-            self._waiting.remove(request)
-            self._part_done(request)
+    def _outcome(self, request: Request) -> None:
+        """Every part of a request is done: its COMPLETED event."""
+        failure = request.failure
+        self._t.emit(Event(EventKind.COMPLETED, self.id, request.transfer_id, failure is None,
+                           *(failure or (st.OK, ""))))
 
     def _timeout(self, lane: Lane) -> None:
         qp = lane.qp
@@ -448,26 +342,14 @@ class VerbsLink(Link):
         if first:
             self._t.link_failed(status)
         self._intake()  # everything submitted before the failure is on its lane now
-        lane.dead = True
-        jobs = [cast(Job, tag) for _, _, tag in lane.inflight if tag is not None]
-        jobs += lane.pending
-        lane.inflight.clear()
-        lane.pending.clear()
-        lane.outstanding = 0
-        hit = [job.request for job in jobs]
-        hit += [r for r in self._waiting if r.home is lane
-                or r.watermarks.get(lane.index, 0) > lane.done_seq]
-        for request in hit:
-            self._doom(request, status, detail)
-        for job in jobs:
-            self._part_done(job.request)
+        hit = self._requests.fail_lane(lane, status, detail)
         if first and not hit:
             self._t.emit(Event(EventKind.LINK_FAILED, self.id, None, False, status, detail))
         self._maybe_finish()
 
     def _maybe_finish(self) -> None:
         """Tear a failing link down once its other QPs have nothing left of ours."""
-        if self._state != "failing" or self._failure is None or self._waiting or any(
+        if self._state != "failing" or self._failure is None or self._requests.waiting or any(
                 not lane.idle for lane in self._live()):
             return
         self._stop("failed", *self._failure)
@@ -483,16 +365,7 @@ class VerbsLink(Link):
             taken = list(self._submitted)
             self._submitted.clear()
         requests = {id(r): r for r, _ in taken}
-        for lane in self._lanes:
-            for job in [cast(Job, t) for _, _, t in lane.inflight if t is not None]:
-                requests[id(job.request)] = job.request
-            for job in lane.pending:
-                requests[id(job.request)] = job.request
-            lane.inflight.clear()
-            lane.pending.clear()
-            lane.outstanding = 0
-        requests.update((id(r), r) for r in self._waiting)
-        self._waiting = []
+        requests.update((id(r), r) for r in self._requests.take_all())
         for request in requests.values():
             failure = request.failure or (status, detail)
             self._t.emit(Event(EventKind.COMPLETED, self.id, request.transfer_id, False,

@@ -15,7 +15,7 @@ Its endpoint carries only those rkeys; releasing the link (or its failure)
 deregisters them, so a peer that went away holds no key that still works, and
 one peer's rkeys are not another's. No MR ever allows remote read.
 
-Links reach the transport only through :class:`~kvbeam.transport.verbs.link.VerbsHost`
+Links reach the transport only through :class:`~kvbeam.transport.verbs.linkhost.VerbsHost`
 (see :mod:`kvbeam.transport.host`).
 
 Lock order (every lock in kvbeam.transport; a thread holding one lock takes only locks
