@@ -16,6 +16,7 @@ from typing import Any
 
 from kvbeam.auth import Security, load_token
 from kvbeam.errors import ConfigError
+from kvbeam.transport.options import MAX_QPS_PER_PEER
 
 #: Default deadline of every control RPC, seconds (the daemons' KVBEAM_RPC_TIMEOUT_S
 #: default too). A handshake takes milliseconds; the margin covers a loaded host.
@@ -304,6 +305,9 @@ def resolve(role: str, args: argparse.Namespace | None = None,
                               f"(got {values[name]})")
     if values["resend_retries"] < 0:
         raise ConfigError(f"--resend-retries: must be 0 or more (got {values['resend_retries']})")
+    if not 1 <= values["qps_per_peer"] <= MAX_QPS_PER_PEER:
+        raise ConfigError(f"--qps-per-peer: must be 1 to {MAX_QPS_PER_PEER} "
+                          f"(got {values['qps_per_peer']})")
     if values["max_inflight"] <= 0:
         raise ConfigError(f"--max-inflight: must be positive (got {values['max_inflight']})")
     _check_hostport(values["listen"], "--listen", allow_zero=True)
