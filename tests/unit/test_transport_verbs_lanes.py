@@ -169,17 +169,17 @@ def test_a_failed_request_is_reported_only_after_its_other_shares_completed() ->
         (1, False, "IBV_WC_RETRY_EXC_ERR")]
 
 
-def test_a_qp_error_with_no_request_on_it_is_a_link_failure() -> None:
-    link, qps, t = make_lanes(OPTS, 2)
-    link.write(1, blocks(1, 4096))  # one QP only
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_qp_error_with_no_request_on_it_is_a_link_failure(n: int) -> None:
+    link, qps, t = make_lanes(OPTS, n)
+    link.write(1, blocks(1, 4096))  # one QP only: the first
     run(link, *qps)
-    idle = next(q for q in qps if not q.log)
-    qp_any = cast(Any, idle)
-    qp_any.poll = lambda n: [type("WC", (), {"wr_id": 1 << 63, "status": 5, "vendor_err": 0})]
-    run(link, *qps)
+    flushed = type("WC", (), {"wr_id": 1 << 63, "status": 5, "vendor_err": 0})
+    cast(Any, qps[0]).poll = lambda n: [flushed]  # a flushed receive on the first QP
+    run(link, *qps)  # the link ends while its other QPs are still to be polled
     assert [(e.kind, e.status) for e in t.events[1:]] == [
         (EventKind.LINK_FAILED, "IBV_WC_WR_FLUSH_ERR")]
-    assert all(q.closed for q in qps)
+    assert all(q.closed for q in qps) and not link.active
 
 
 def test_qp_counts_must_match_and_the_refusal_names_both() -> None:

@@ -97,6 +97,11 @@ class Lane:
         self.dead = False  # its QP failed: neither polled nor posted to again
 
     @property
+    def live(self) -> bool:
+        """Its QP exists and has not failed."""
+        return self.qp is not None and not self.dead
+
+    @property
     def idle(self) -> bool:
         """Nothing queued and nothing in flight."""
         return not self.pending and not self.outstanding

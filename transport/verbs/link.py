@@ -193,11 +193,11 @@ class VerbsLink(Link):
             return False
         busy = False
         for lane in self._live():
-            while not lane.dead:
+            while lane.live:  # a failure may end the lane, or the whole link, meanwhile
                 wcs = lane.qp.poll(_POLL_BATCH)
                 for wc in wcs:
                     self._complete(lane, wc, now)
-                    if lane.dead:
+                    if not lane.live:
                         break
                 busy = busy or bool(wcs)
                 if len(wcs) < _POLL_BATCH:
@@ -207,7 +207,7 @@ class VerbsLink(Link):
         for lane in self._live():
             if lane.index in self._held:
                 continue
-            while lane.pending and lane.outstanding < lane.qp.sq_depth and not lane.dead:
+            while lane.pending and lane.live and lane.outstanding < lane.qp.sq_depth:
                 self._post(lane, poster, now)
                 busy = True
             if lane.outstanding and now - lane.progress > self._opts.op_timeout_s:
@@ -234,7 +234,7 @@ class VerbsLink(Link):
         return self._lanes[0].qp if self._lanes else None
 
     def _live(self) -> list[Lane]:
-        return [lane for lane in self._lanes if lane.qp is not None and not lane.dead]
+        return [lane for lane in self._lanes if lane.live]
 
     def _usable_peer(self) -> RegionTable:
         if self._failure is not None and self._state in ("failing", "failed"):
