@@ -193,18 +193,19 @@ class FaultHooks:
 
 def _break(link: Link) -> str:
     """Break a live link the way the wire would: shut its TCP socket, or error its QP."""
-    unchecked: Any = link  # test-only reach into TcpLink._sock / VerbsLink._qp
+    unchecked: Any = link  # test-only reach into TcpLink._sock / VerbsLink._qps
     sock = getattr(unchecked, "_sock", None)
     if sock is not None:
         sock.shutdown(socket.SHUT_RDWR)
         return "TCP data socket shut"
-    qp = getattr(unchecked, "_qp", None)
-    if qp is not None:
+    qps = list(getattr(unchecked, "_qps", ()))
+    if qps:
         import pyverbs.enums as e
         from pyverbs.qp import QPAttr
 
-        qp.qp.modify(QPAttr(qp_state=e.IBV_QPS_ERR), e.IBV_QP_STATE)
-        return f"QP {qp.qpn} moved to the error state"
+        for qp in qps:  # every QP of the link, as a broken wire would
+            qp.qp.modify(QPAttr(qp_state=e.IBV_QPS_ERR), e.IBV_QP_STATE)
+        return f"QP {', '.join(str(qp.qpn) for qp in qps)} moved to the error state"
     return "not a TCP or RDMA link: left alone"
 
 

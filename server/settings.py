@@ -16,6 +16,7 @@ from typing import Any
 
 from kvbeam.auth import Security, load_token
 from kvbeam.errors import ConfigError
+from kvbeam.transport.options import MAX_QPS_PER_PEER
 
 #: Default deadline of every control RPC, seconds (the daemons' KVBEAM_RPC_TIMEOUT_S
 #: default too). A handshake takes milliseconds; the margin covers a loaded host.
@@ -192,6 +193,9 @@ OPTIONS: tuple[Option, ...] = (
            "RDMA: the RC QP's ack timeout exponent, 4.096 us * 2**N per try (0-31; 17: 0.54 s)"),
     Option("rdma_retry_cnt", "KVBEAM_RDMA_RETRY_CNT", int, 7,
            "RDMA: RC QP retries before IBV_WC_RETRY_EXC_ERR (0-7)"),
+    Option("qps_per_peer", "KVBEAM_QPS_PER_PEER", int, 1,
+           "RDMA: RC queue pairs per peer link; large requests are striped over them "
+           "(1-16; both sides of a link must agree)"),
     Option("resend_retries", "KVBEAM_RESEND_RETRIES", int, 2,
            "prefill: resends of a request on a new link after a transient transport error "
            "(retries exhausted, a broken link), each within the request's deadline; 0: such "
@@ -229,6 +233,7 @@ class DaemonSettings:
     per_peer_rkeys: bool = True
     rdma_qp_timeout: int = 17
     rdma_retry_cnt: int = 7
+    qps_per_peer: int = 1
     transfer_floor_mbps: float = 100.0
     pools: str = "own"
     attach_socket: str = ""
@@ -300,6 +305,9 @@ def resolve(role: str, args: argparse.Namespace | None = None,
                               f"(got {values[name]})")
     if values["resend_retries"] < 0:
         raise ConfigError(f"--resend-retries: must be 0 or more (got {values['resend_retries']})")
+    if not 1 <= values["qps_per_peer"] <= MAX_QPS_PER_PEER:
+        raise ConfigError(f"--qps-per-peer: must be 1 to {MAX_QPS_PER_PEER} "
+                          f"(got {values['qps_per_peer']})")
     if values["max_inflight"] <= 0:
         raise ConfigError(f"--max-inflight: must be positive (got {values['max_inflight']})")
     _check_hostport(values["listen"], "--listen", allow_zero=True)

@@ -4,7 +4,7 @@ A link never reaches into its transport: everything it needs (the local key tabl
 the regions its endpoint advertises, counting, emitting events, leaving the
 transport) goes through :class:`LinkHost`, which each transport implements and
 hands to every link it creates. The verbs transport adds what an RDMA link needs
-on top (:class:`kvbeam.transport.verbs.link.VerbsHost`), and so does TCP
+on top (:class:`kvbeam.transport.verbs.linkhost.VerbsHost`), and so does TCP
 (:class:`kvbeam.transport.tcp.link.TcpHost`). Unit tests drive links against a
 fake host implementing the same protocol.
 """

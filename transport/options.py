@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_QPS_PER_PEER = 16  # each QP holds its own send and receive queues and a CQ
+
 
 @dataclass(frozen=True)
 class TransportOptions:
@@ -43,6 +45,12 @@ class TransportOptions:
     # (per-peer rkeys, revoked with the link). False: one shared remote-write MR per
     # region for every link (handshakes skip a registration of the whole pool).
     per_link_keys: bool = True
+    # RDMA: RC queue pairs per link. A request's writes are striped over them by bytes
+    # (see kvbeam.transport.verbs.lanes); both sides of a link must use the same count.
+    qps_per_peer: int = 1
+    # A request is striped over one more QP per this many bytes (smaller ones use one QP,
+    # keeping their marker in their own chain: no wait for another QP's completion).
+    stripe_min_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
         if not 0 < self.slice_bytes < 1 << 31:
@@ -58,6 +66,11 @@ class TransportOptions:
             raise ValueError(f"max_chain must be positive, got {self.max_chain}")
         if self.recv_depth < 1:
             raise ValueError(f"recv_depth must be positive, got {self.recv_depth}")
+        if not 1 <= self.qps_per_peer <= MAX_QPS_PER_PEER:
+            raise ValueError(f"qps_per_peer must be in [1, {MAX_QPS_PER_PEER}], "
+                             f"got {self.qps_per_peer}")
+        if self.stripe_min_bytes <= 0:
+            raise ValueError(f"stripe_min_bytes must be positive, got {self.stripe_min_bytes}")
         if not 0 <= self.qp_timeout <= 31:  # a 5-bit field of the QP attributes
             raise ValueError(f"qp_timeout must be in [0, 31], got {self.qp_timeout}")
         if not 0 <= self.retry_cnt <= 7:  # a 3-bit field

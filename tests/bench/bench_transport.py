@@ -10,6 +10,7 @@ kvbeam writing whole batches of SIZE blocks (64 MiB per transfer) from this
 process into a spawned receiver process, keeping two transfers in flight, for
 the same duration (ib_write_bw gets at least 10 s where its 128-deep queue holds
 over 32 MiB, e.g. 1 MiB messages: under TCG a 3 s run measured nothing);
+``--qps N`` gives the link N RC QPs on both ends (requests striped over them);
 ``--repeat`` alternates the two that many times and reports
 medians. It prints bytes/s, WRs posted/s, Python CPU time per block (write():
 checks, keys and WR arrays; plus the progress thread's bookkeeping) and wall
@@ -167,12 +168,15 @@ def main() -> None:
     p.add_argument("--signal-every", type=int, default=TransportOptions.signal_every)
     p.add_argument("--sq-depth", type=int, default=TransportOptions.sq_depth)
     p.add_argument("--max-chain", type=int, default=TransportOptions.max_chain)
+    p.add_argument("--qps", type=int, default=TransportOptions.qps_per_peer,
+                   help="RC QPs per link (qps_per_peer) on both ends; requests are striped")
     p.add_argument("--repeat", type=int, default=1, help="alternate reference and kvbeam N times")
     p.add_argument("--no-reference", action="store_true", help="skip ib_write_bw")
     args = p.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     options = TransportOptions(signal_every=args.signal_every, sq_depth=args.sq_depth,
-                               max_chain=args.max_chain, op_timeout_s=60.0)
+                               max_chain=args.max_chain, op_timeout_s=60.0,
+                               qps_per_peer=args.qps)
 
     src = mmap.mmap(-1, BUFFER)
     src.write(np.random.default_rng(7).integers(0, 256, BUFFER, dtype=np.uint8).tobytes())
@@ -198,7 +202,7 @@ def main() -> None:
 
     print(f"\nkvbeam verbs transport vs ib_write_bw on {args.device} (gid {args.gid_index}), "
           f"{args.seconds} s each, median of {args.repeat}, {args.posting} posting, signal every "
-          f"{args.signal_every}, SQ {args.sq_depth}, chain {args.max_chain}")
+          f"{args.signal_every}, SQ {args.sq_depth}, chain {args.max_chain}, {args.qps} QP(s)")
     print(f"{'block':>8} {'ib_write_bw':>12} {'(-D)':>4} {'kvbeam':>10} {'ratio':>6} "
           f"{'WRs/s':>10} {'py us/blk':>10} {'post us/blk':>12} {'crc':>4}")
     for r in rows:

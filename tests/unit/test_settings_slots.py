@@ -19,6 +19,8 @@ def test_flag_beats_env_beats_default() -> None:
     assert s.listen == "127.0.0.1:50052"
     assert s.transport == "auto"
     assert resolve("prefill", _args(), env).listen == "127.0.0.1:50051"
+    assert s.qps_per_peer == 1
+    assert resolve("decode", _args(), {**env, "KVBEAM_QPS_PER_PEER": "4"}).qps_per_peer == 4
 
 
 @pytest.mark.parametrize(
@@ -34,6 +36,7 @@ def test_flag_beats_env_beats_default() -> None:
          "--advertise: an IPv6 host needs brackets"),
         (("--config", "c", "--heartbeat-s", "0"), {}, "--heartbeat-s: must be positive"),
         (("--config", "c"), {"KVBEAM_INTEGRITY": "maybe"}, "KVBEAM_INTEGRITY: not a boolean"),
+        (("--config", "c", "--qps-per-peer", "0"), {}, "--qps-per-peer: must be 1 to 16"),
     ],
 )
 def test_bad_settings_name_the_source(argv: tuple[str, ...], env: dict[str, str],

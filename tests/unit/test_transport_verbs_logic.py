@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
-from collections import deque
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -21,15 +19,11 @@ from hypothesis import strategies as st
 from kvbeam.errors import TransportError
 from kvbeam.transport import status
 from kvbeam.transport.base import Event, EventKind
-from kvbeam.transport.blocks import Blocks
 from kvbeam.transport.core import Prepared
-from kvbeam.transport.endpoint import Endpoint, RemoteRegion
 from kvbeam.transport.options import TransportOptions
-from kvbeam.transport.regions import RegionTable
-from kvbeam.transport.stats import TransferMeter
-from kvbeam.transport.verbs.chain import SGE_DTYPE, WR_DTYPE, WrBatch, build
-from kvbeam.transport.verbs.link import VerbsLink
+from kvbeam.transport.verbs.chain import SGE_DTYPE, WR_DTYPE, build
 from kvbeam.transport.verbs.qp import RECV_TAG
+from tests.verbs_fakes import FakePoster, blocks, make_link, run
 
 U64 = np.uint64
 
@@ -70,112 +64,6 @@ def test_build_links_the_chain_and_picks_signals(n: int, notify: bool, every: in
     assert all(wr_id >> 32 == 3 and not wr_id & RECV_TAG for wr_id, _, _ in b.signals)
 
 
-class FakeQP:
-    """Completes signalled WRs in order; counts what is outstanding like a NIC's SQ."""
-
-    def __init__(self, sq_depth: int) -> None:
-        self.sq_depth = sq_depth
-        self.qpn, self.psn, self.event_fd = 99, 1, None
-        self.qp = self
-        self.posted: deque[tuple[int, int]] = deque()  # (wr_id, signalled) per WR
-        self.outstanding = 0
-        self.max_outstanding = 0
-        self.fail_next: int | None = None
-        self.closed = False
-
-    def to_rts(self, *args: Any) -> None:
-        pass
-
-    def take(self, batch: WrBatch, a: int, b: int) -> None:
-        rows = batch.wrs[a:b]
-        for wr_id, flags in zip(rows["wr_id"].tolist(), rows["send_flags"].tolist(), strict=True):
-            self.posted.append((wr_id, flags & 2))
-        self.outstanding += b - a
-        self.max_outstanding = max(self.max_outstanding, self.outstanding)
-        assert self.outstanding <= self.sq_depth, "send queue overflow"
-
-    def poll(self, n: int) -> list[Any]:
-        out: list[Any] = []
-        while self.posted and len(out) < n:
-            wr_id, signalled = self.posted.popleft()
-            self.outstanding -= 1
-            if signalled:
-                st_ = self.fail_next if self.fail_next is not None else 0
-                out.append(SimpleNamespace(wr_id=wr_id, status=st_, opcode=1, vendor_err=0,
-                                           imm_data=0))
-        return out
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class FakePoster:
-    def post(self, qp: FakeQP, batch: WrBatch, a: int, b: int) -> None:
-        qp.take(batch, a, b)
-
-
-class FakeHost:
-    """A :class:`VerbsHost` that keeps events in a list and counts with a real meter."""
-
-    def __init__(self, options: TransportOptions) -> None:
-        self.options = options
-        self.events: list[Event] = []
-        self.lock = threading.RLock()
-        self.device = cast(Any, SimpleNamespace(gid="fe80::1", mtu=5, name="fake0"))
-        self.meter = TransferMeter()
-        self.revoked: list[int] = []
-
-    def local_keys(self) -> RegionTable:
-        return RegionTable([(0x1000, 1 << 30, 5)], "local")
-
-    def link_regions(self, link_id: int) -> tuple[RemoteRegion, ...]:
-        return ()
-
-    def submitted(self, link_id: int, transfer_id: int, nbytes: int, nblocks: int) -> None:
-        self.meter.submitted(link_id, transfer_id, nbytes, nblocks)
-
-    def posted(self, wrs: int) -> None:
-        self.meter.posted(wrs)
-
-    def link_failed(self, status: str) -> None:
-        self.meter.link_failed(status)
-
-    def emit(self, event: Event) -> None:
-        self.meter.on_event(event)
-        self.events.append(event)
-
-    def wake(self) -> None:
-        pass
-
-    def forget(self, link_id: int) -> None:
-        pass
-
-    def revoke(self, link_id: int) -> None:
-        self.revoked.append(link_id)
-
-
-def make_link(options: TransportOptions) -> tuple[VerbsLink, FakeQP, FakeHost]:
-    t = FakeHost(options)
-    qp = FakeQP(options.sq_depth)
-    link = VerbsLink(t, 1, cast(Any, qp))
-    link.connect(Endpoint("rdma", (RemoteRegion(0x4000_0000, 1 << 30, 9),), gid="fe80::2",
-                          qpns=(5,), psn=3, mtu=4096))
-    return link, qp, t
-
-
-def run(link: VerbsLink, qp: FakeQP, steps: int = 10_000) -> None:
-    poster = cast(Any, FakePoster())
-    for _ in range(steps):
-        if not link.service(poster, 0.0) and not qp.posted:
-            return
-    raise AssertionError("did not settle")
-
-
-def blocks(n: int, size: int) -> Blocks:
-    i = np.arange(n, dtype=np.uint64) * U64(size)
-    return Blocks(U64(0x1000) + i, U64(0x4000_0000) + i, np.full(n, size, np.uint64))
-
-
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 300), st.booleans()), min_size=1, max_size=12),
        st.sampled_from([(16, 4, 8), (32, 8, 32), (512, 64, 256), (8, 8, 3)]))
@@ -193,7 +81,7 @@ def test_posting_never_overflows_and_completes_every_transfer(
     assert all(e.ok and e.kind is EventKind.COMPLETED for e in t.events)
     with_wrs = [i for i, (n, notify) in enumerate(transfers) if n or notify]
     assert [d for d in done if d in with_wrs] == with_wrs  # in posting order
-    assert link._outstanding == 0 and not link._inflight
+    assert link.outstanding == 0 and not link._lanes[0].inflight
     assert link.stats.wrs == sum(n + notify for n, notify in transfers)
 
 

@@ -97,15 +97,16 @@ _SEND_SIGNALED = 2  # enum ibv_send_flags
 class WrBatch:
     """One transfer's WRs: ``n`` linked ibv_send_wr with their SGEs, and its signals.
 
-    ``signals[i]`` is ``(wr_id, WRs it retires, transfer id if it is the transfer's
-    last WR else None)`` for the signalled WR at position ``signal_pos[i]``.
+    ``signals[i]`` is ``(wr_id, WRs it retires, tag if it is the batch's last WR else
+    None)`` for the signalled WR at position ``signal_pos[i]``; the tag is the transfer
+    id unless :func:`build` was given another.
     """
 
     __slots__ = ("n", "sge_addr", "sges", "signal_pos", "signals", "wr_addr", "wrs")
 
     def __init__(self, wrs: np.ndarray[Any, np.dtype[np.void]],
                  sges: np.ndarray[Any, np.dtype[np.void]], signal_pos: list[int],
-                 signals: list[tuple[int, int, int | None]]) -> None:
+                 signals: list[tuple[int, int, object]]) -> None:
         self.wrs, self.sges = wrs, sges
         self.n = len(wrs)
         self.wr_addr = int(wrs.ctypes.data)
@@ -114,13 +115,15 @@ class WrBatch:
         self.signals = signals
 
 
-def build(p: Prepared, serial: int, signal_every: int, marker: tuple[int, int]) -> WrBatch:
+def build(p: Prepared, serial: int, signal_every: int, marker: tuple[int, int],
+          tag: object = None) -> WrBatch:
     """The WRs of a transfer: one RDMA WRITE per block, then (with ``notify``) the marker.
 
     The marker is a zero-length RDMA WRITE WITH IMM whose immediate is the transfer
     id in network order; ``marker`` is a valid remote (addr, rkey) for it. One WR
     in ``signal_every`` is signalled, and always the last, so a transfer never
-    leaves unsignalled WRs behind. wr_ids are ``serial << 32 | position``.
+    leaves unsignalled WRs behind. wr_ids are ``serial << 32 | position``. The last
+    signal carries ``tag`` (default: the transfer id).
     """
     n_data = len(p)
     n = n_data + (1 if p.notify else 0)
@@ -151,7 +154,7 @@ def build(p: Prepared, serial: int, signal_every: int, marker: tuple[int, int]) 
     wrs["wr_id"][pos] = wr_ids
     retired = pos + 1  # WRs each signalled WR retires: back to the previous one
     retired[1:] -= pos[:-1] + 1
-    finals: list[int | None] = [None] * (len(pos) - 1) + [p.transfer_id]
+    finals: list[object] = [None] * (len(pos) - 1) + [p.transfer_id if tag is None else tag]
     signals = list(zip(wr_ids.tolist(), retired.tolist(), finals, strict=True))
     return WrBatch(wrs, sges, pos.tolist(), signals)
 

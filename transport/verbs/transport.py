@@ -15,7 +15,7 @@ Its endpoint carries only those rkeys; releasing the link (or its failure)
 deregisters them, so a peer that went away holds no key that still works, and
 one peer's rkeys are not another's. No MR ever allows remote read.
 
-Links reach the transport only through :class:`~kvbeam.transport.verbs.link.VerbsHost`
+Links reach the transport only through :class:`~kvbeam.transport.verbs.linkhost.VerbsHost`
 (see :mod:`kvbeam.transport.host`).
 
 Lock order (every lock in kvbeam.transport; a thread holding one lock takes only locks
@@ -146,7 +146,8 @@ class VerbsTransport(LinkHostBase, Transport):
         return reg
 
     def create_link(self) -> VerbsLink:
-        """A new RC QP and its own remote-write keys; its endpoint goes into the handshake.
+        """New RC QPs (``options.qps_per_peer``) and the link's own remote-write keys; its
+        endpoint goes into the handshake.
 
         The keys are registered (and the QP created) before the transport lock is
         taken: with a large pool that takes long, and the progress thread needs the
@@ -156,9 +157,14 @@ class VerbsTransport(LinkHostBase, Transport):
             raise TransportError("transport is closed")
         start = time.monotonic()
         grants = self._grant()
+        qps: list[QueuePair] = []
         try:
-            qp = QueuePair(self.device, self.options)
+            for _ in range(self.options.qps_per_peer):
+                qps.append(QueuePair(self.device, self.options))
+                qps[-1].psn = qps[0].psn  # one PSN in the endpoint for all of them
         except BaseException:
+            for qp in qps:
+                qp.close()
             _close_grants(grants)
             raise
         with self._lock:
@@ -168,12 +174,13 @@ class VerbsTransport(LinkHostBase, Transport):
                 live = {id(reg) for reg in self._book.all()}
                 stale = [g for g in grants if id(g[0]) not in live]
                 grants = [g for g in grants if id(g[0]) in live]
-                link = VerbsLink(self, self._next_id, qp)
+                link = VerbsLink(self, self._next_id, qps)
                 self._next_id += 1
                 self._grants[link.id] = grants
                 self._links[link.id] = link
         if closed:
-            qp.close()
+            for qp in qps:
+                qp.close()
             _close_grants(grants)
             raise TransportError("transport is closed")
         _close_grants(stale)
@@ -339,13 +346,18 @@ class VerbsTransport(LinkHostBase, Transport):
             # A completion that arrived before arming raises no event: poll once more.
             if any([self._service(link, now) for link in links]):
                 return _BACKOFF_S[0]
-            fds = {fd: link for link in links if (fd := link.event_fd) is not None}
+            fds: dict[int, VerbsLink] = {}
+            polled = False  # a link with a QP that has no event fd: sleep with back-off
+            for link in links:
+                link_fds = link.event_fds
+                polled = polled or link_fds is None
+                fds.update((fd, link) for fd in link_fds or ())
             timeout = _MAX_SLEEP_S
             for link in links:
                 deadline = link.deadline()
                 if deadline is not None:
                     timeout = min(timeout, max(0.0, deadline - now) + 1e-3)
-            if len(fds) < len(links):
+            if polled:
                 timeout = min(timeout, backoff)
                 backoff = min(backoff * 2, _BACKOFF_S[1])
         ready = wait_readable([self._wake_r, *fds], timeout)
@@ -355,12 +367,12 @@ class VerbsTransport(LinkHostBase, Transport):
                     with contextlib.suppress(BlockingIOError, OSError):
                         os.read(self._wake_r, 4096)
                 elif (link := fds[fd]).active:  # else closed meanwhile (fd maybe reused)
-                    self._take_event(link)
+                    self._take_event(link, fd)
         return backoff
 
-    def _take_event(self, link: VerbsLink) -> None:
+    def _take_event(self, link: VerbsLink, fd: int) -> None:
         try:
-            link.take_event()
+            link.take_event(fd)
         except Exception:  # non-blocking fd with no event after all: harmless
             log.debug("link %d: no completion event to take", link.id, exc_info=True)
 
