@@ -33,6 +33,11 @@ from kvbeam.transport import Transport
 
 log = logging.getLogger(__name__)
 
+#: Longest a Reserve waits for its Offer to prefill, s. The Offer is an optimisation (a
+#: Send without it asks BeginWrite), so a slow or partitioned prefill must not make
+#: Reserve itself slow: a scheduler's own deadline on Reserve is a few seconds.
+OFFER_TIMEOUT_S = 1.0
+
 
 class Dialer:
     """Opens control channels with the daemon's options (a :data:`~kvbeam.server.peers.Dial`)."""
@@ -179,7 +184,8 @@ class GrpcPrefillPeers:
             indices=indices_to_proto(grant.indices, grant.draft),
             lease_ms=max(1, int(lease_s * 1000)))
         try:
-            reply = conn.client().stub.Offer(request, timeout=self.options.rpc_timeout_s)
+            reply = conn.client().stub.Offer(
+                request, timeout=min(self.options.rpc_timeout_s, OFFER_TIMEOUT_S))
         except grpc.RpcError as exc:
             # A status is prefill's refusal (it will ask BeginWrite); no answer may be a
             # kept offer whose reply was lost.

@@ -3,7 +3,9 @@
 When Reserve names a prefill that is a verified peer with a live connection,
 :meth:`DecodeOffer.offer` calls Offer on it with exactly what BeginWrite would
 answer (the transfer id, the destination lists), inside the Reserve handler but
-outside every lock, bounded by the RPC timeout. Prefill's Send then writes at once,
+outside every lock, bounded by ``OFFER_TIMEOUT_S`` (1 s; less if the RPC timeout is),
+and not at all while the peer misses heartbeats: Reserve stays fast when prefill is
+slow or cut off. Prefill's Send then writes at once,
 with no control round trip; without an offer (the first request before any
 handshake, a Send before the Reserve, a resend on a new link) prefill asks with
 BeginWrite as before (docs/protocol.md, "The offer path and its fallback").
@@ -44,8 +46,8 @@ class DecodeOffer(DecodeLanding):
         """
         conn = self.peers.by_address(res.prefill_address)
         lease = self.table.left(res.request_id)
-        if conn is None or conn.closed or lease is None:
-            return None
+        if conn is None or conn.closed or lease is None or conn.missed_heartbeats:
+            return None  # no peer, or one not answering now: BeginWrite decides later
         with self._lock:
             if res.peer_instance or self._res.get(res.request_id) is not res:
                 return None  # BeginWrite came first, or the reservation is gone

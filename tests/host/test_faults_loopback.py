@@ -101,6 +101,19 @@ def test_stalled_scheduler_between_chunks_times_out_on_both_sides() -> None:
         assert run_request(p, d, "next", 4000, 3).ok
 
 
+def test_reserve_answers_while_its_prefill_is_frozen() -> None:
+    """Reserve offers the reservation to prefill (protocol 2), but a frozen prefill must not
+    make Reserve outlast the scheduler's own deadline (5 s), even with a long RPC timeout."""
+    with pair(decode_extra=["--rpc-timeout-s", "8"]) as (prefill, _decode, p, d):
+        assert run_request(p, d, "warm", 100, 0).ok  # decode now has a link to prefill
+        os.kill(prefill.proc.pid, signal.SIGSTOP)
+        try:
+            d.reserve("while-frozen", 100, prefill.address)  # raises on its 5 s deadline
+        finally:
+            os.kill(prefill.proc.pid, signal.SIGCONT)
+        d.abort("while-frozen")
+
+
 def test_reserve_flood_is_resource_exhausted_without_memory_growth() -> None:
     # The held reservations must outlive the flood (5,000 Reserves: seconds on a loaded
     # machine), or their lease frees the slots and the flood gets them.

@@ -243,6 +243,17 @@ def test_no_offer_without_a_connection_to_the_prefill() -> None:
     assert prefill.offers == []
 
 
+def test_no_offer_to_a_prefill_that_misses_heartbeats() -> None:
+    """A peer not answering heartbeats (slow, partitioned) would make Reserve wait."""
+    core, _io, prefill, conn = _core()
+    conn.missed_heartbeats = 1
+    assert core.offer(core.reserve("r", SEQ, PREFILL)) is None
+    assert prefill.offers == [] and not core._reservation("r").peer_instance
+    conn.missed_heartbeats = 0
+    assert core.offer(core.reserve("r2", SEQ, PREFILL)) is not None
+    assert len(prefill.offers) == 1
+
+
 def test_a_resend_sends_the_digests_computed_once_with_its_new_transfer_id(
         monkeypatch: pytest.MonkeyPatch) -> None:
     computed: list[str] = []
