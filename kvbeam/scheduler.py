@@ -2,7 +2,7 @@
 
 For each request: Reserve on decode, Send on prefill, wait for decode's terminal
 state (Success only once the completion proved every byte landed and, with
-integrity on, the CRC32C digests matched), check prefill's, Release on decode.
+integrity on, the XXH3-128 digests matched), check prefill's, Release on decode.
 Used by ``kvbeam drive``, ``kvbeam demo`` and the compose scheduler service.
 
 With several daemons (:class:`~kvbeam.fleet.Fleet`) each request goes to the decode
@@ -57,7 +57,7 @@ class RequestResult:
 
     @property
     def verified(self) -> bool:
-        """True when decode's Success says every moved buffer's CRC32C matched prefill's."""
+        """True when decode's Success says every moved buffer's XXH3-128 matched prefill's."""
         return self.ok and self.detail.startswith(VERIFIED_PREFIX)
 
 
@@ -292,7 +292,7 @@ def format_table(results: Sequence[RequestResult], transport: str = "") -> str:
     ok = sum(r.ok for r in results)
     verified = sum(r.verified for r in results)
     total = sum(r.bytes for r in results if r.ok)
-    lines.append(f"{ok}/{len(results)} Success ({verified} CRC32C-verified), {total} bytes"
+    lines.append(f"{ok}/{len(results)} Success ({verified} XXH3-128-verified), {total} bytes"
                  + (f", transport {transport}" if transport else ""))
     retried = [r for r in results if r.attempts > 1]
     if retried:

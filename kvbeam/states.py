@@ -15,8 +15,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-#: How decode's Success detail starts when every moved buffer's CRC32C matched prefill's.
-VERIFIED_PREFIX = "CRC32C verified:"
+#: How decode's Success detail starts when every moved buffer's XXH3-128 matched prefill's.
+VERIFIED_PREFIX = "XXH3-128 verified:"
 #: Decode's Success details when the bytes were not verified (the completion proved arrival).
 NOT_VERIFIED_OFF = "bytes not verified: integrity is off on decode (KVBEAM_INTEGRITY=false)"
 NOT_VERIFIED_NO_DIGESTS = "bytes not verified: prefill sent no digests (its integrity is off)"

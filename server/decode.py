@@ -14,7 +14,9 @@ import threading
 
 import grpc
 
+from kvbeam.errors import BadRequest
 from kvbeam.logs import fields
+from kvbeam.pools.digest import digests_from_wire
 from kvbeam.proto.fields import host_port
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.transfer_codec import index_lists_from_proto, indices_to_proto
@@ -116,8 +118,13 @@ class DecodeServicer(DaemonServicer):
     def Digests(self, request: pb.DigestsRequest,
                 context: grpc.ServicerContext) -> pb.DigestsResponse:
         """Prefill's digests of a request whose writes it posted: verify once it landed."""
-        self.decode.digests(request_id_of(request.request_id), request.instance_id,
-                            request.transfer_id, list(request.digests))
+        rid = request_id_of(request.request_id)
+        try:
+            digests = digests_from_wire(list(request.digests))
+        except ValueError as exc:
+            raise BadRequest(f"request {rid}: Digests from instance {request.instance_id!r}: "
+                             f"{exc}") from None
+        self.decode.digests(rid, request.instance_id, request.transfer_id, digests)
         return pb.DigestsResponse()
 
     @handled

@@ -15,6 +15,7 @@ import grpc
 
 from kvbeam.errors import AlreadyLanded, SendFailed
 from kvbeam.logs import fields
+from kvbeam.pools.digest import digests_to_wire
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.side import SideInfo
 from kvbeam.proto.transfer_codec import (
@@ -139,7 +140,8 @@ class GrpcDecodePeers:
                      digests: list[int]) -> None:
         """Digests on decode (after the final writes were posted); errors as PeerError."""
         request = pb.DigestsRequest(request_id=request_id, instance_id=self.local.instance_id,
-                                    transfer_id=transfer_id, digests=digests)
+                                    transfer_id=transfer_id,
+                                    digests=digests_to_wire(digests))
         timeout = self.rpc_timeout_s
         try:
             conn.client().stub.Digests(request, timeout=timeout)

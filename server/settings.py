@@ -171,7 +171,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_inflight", "KVBEAM_MAX_INFLIGHT", int, 256,
            "transfers in flight on this side before new ones get RESOURCE_EXHAUSTED"),
     Option("integrity", "KVBEAM_INTEGRITY", _bool, True,
-           "verify CRC32C digests of every transfer on decode (true/false)"),
+           "verify XXH3-128 digests of every transfer on decode (true/false)"),
     Option("fill_seed", "KVBEAM_FILL_SEED", int, -1,
            "fill the pools with a deterministic pattern from this seed at start (demo and "
            "tests; -1: leave them zeroed)"),

@@ -177,7 +177,7 @@ class SglangPair:
         while {tx.poll(), rx.poll()} - {4, 0} and time.monotonic() < deadline:
             time.sleep(0.01)
         ptx = self._record("prefill", "poll() until done", "Status", tx)
-        prx = self._record("decode", "poll() until done", "Status (after CRC32C check)", rx)
+        prx = self._record("decode", "poll() until done", "Status (after XXH3-128 check)", rx)
         self.decode_status = rx.last  # the daemon's last Status, before Release
         tx.clear()
         rx.clear()

@@ -41,7 +41,7 @@ docker/config/{prefill,decode}.yaml, filled with distinct patterns), run request
 of different lengths through the scheduler API (Reserve, Send, wait, Release),
 and print a per-request table and the transport used.
 
-Either way decode verifies every moved buffer with CRC32C against prefill's
+Either way decode verifies every moved buffer with XXH3-128 against prefill's
 digests before it reports Success.
 
 --transport auto (default): RDMA when a device exists; otherwise the demo re-runs

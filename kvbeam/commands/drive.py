@@ -16,10 +16,10 @@ HELP = "run N requests through running daemons; exit 0 only if all reach Success
 DESCRIPTION = """\
 Act as the scheduler: for each request Reserve on decode, Send on prefill, wait for
 decode's terminal state, Release. Decode reports Success only after the completion
-proved every byte landed and (integrity on) the CRC32C digests of every moved
+proved every byte landed and (integrity on) the XXH3-128 digests of every moved
 buffer matched prefill's. Prints a per-request table (or --json).
 
---require-verified also demands that decode's Success detail says the CRC32C
+--require-verified also demands that decode's Success detail says the XXH3-128
 digests were checked (integrity on at both daemons): a Success with integrity off
 counts as a failure then.
 
@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "failure included (default 4)")
     parser.add_argument("--json", action="store_true", help="print JSON results")
     parser.add_argument("--require-verified", action="store_true",
-                        help="fail unless decode verified every request's CRC32C digests")
+                        help="fail unless decode verified every request's XXH3-128 digests")
     add_auth_arguments(parser)
 
 
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(results))
     unverified = [r.request_id for r in results if r.ok and not r.verified]
     if args.require_verified and unverified:
-        print(f"kvbeam drive: {len(unverified)} request(s) reached Success without CRC32C "
+        print(f"kvbeam drive: {len(unverified)} request(s) reached Success without XXH3-128 "
               f"verification ({', '.join(unverified[:5])}): turn integrity on at both daemons "
               "(KVBEAM_INTEGRITY=true, the default)", file=sys.stderr)
         return 1

@@ -6,7 +6,7 @@
 memory) and attaches them. :meth:`ServedPair.transfer` is a
 :data:`~kvbeam.refengine.run.Transfer`: decode reserves the request at the decode
 engine's own lists, prefill sends it from the prefill engine's lists, both must
-reach Success (decode's only after the CRC32C digests matched), and decode
+reach Success (decode's only after the XXH3-128 digests matched), and decode
 releases it. Each transfer's bytes and Send->Success time are recorded.
 
 Start the pair BEFORE the model runs: the daemons are subprocesses, and a process
@@ -212,5 +212,5 @@ def format_rows(rows: Sequence[ServedRow], transport: str) -> str:
     ok = sum(row.comparison.equal for row in rows)
     lines.append(f"{ok}/{len(rows)} continuations equal to the colocated run (tokens, logits, "
                  f"draft proposals); {sum(r.record.verified for r in rows)} transfers "
-                 f"CRC32C-verified; transport {transport}")
+                 f"XXH3-128-verified; transport {transport}")
     return "\n".join(lines)

@@ -22,7 +22,7 @@ events), :mod:`~kvbeam.server.core.decode_offer` (Offer) and
 
 Threads. The driver (``DaemonServicer``) owns ONE bounded executor
 (``ThreadPoolExecutor``, ``IO_WORKERS`` threads); every blocking step runs there:
-handshakes, CRC32C digests, peer RPCs (BeginWrite, Digests, Abort), link releases.
+handshakes, XXH3-128 digests, peer RPCs (BeginWrite, Digests, Abort), link releases.
 The one exception is decode's Offer (:mod:`~kvbeam.server.core.decode_offer`), made
 in the Reserve handler's thread, outside every lock, bounded by the RPC timeout. The
 transport event thread (``on_event``) only does bookkeeping and submits work.

@@ -139,7 +139,7 @@ class DecodeLanding(CoreBase):
                    zip(self.layout.flat_buffers, res.digests, landed, strict=True)
                    if want != got]
             if bad:
-                detail = (f"CRC32C mismatch in {len(bad)} buffer(s): "
+                detail = (f"XXH3-128 mismatch in {len(bad)} buffer(s): "
                           f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
                 if self.table.fail(rid, FailureReason.INTEGRITY, detail):
                     log.error("request %s failed: integrity: %s", rid, detail,

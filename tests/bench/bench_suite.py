@@ -56,6 +56,7 @@ from tests.bench.bench_request import (
     fragmented,
     run_requests,
 )
+from tests.bench.bench_threads import thread_breakdown
 from tests.bench.bench_transport import (
     BUFFER,
     ib_write_bw,
@@ -68,6 +69,8 @@ from tests.bench.report import SIZES, report
 #: Request lengths and list styles of the whole-request peer (Mooncake TE); the
 #: engine-chosen styles are also sent through the daemons (``fragmented``).
 PEER_LENS = (8192, 32768)
+#: Requests per length whose CPU is split by thread (``tests.bench.bench_threads``).
+THREAD_REQUESTS = 10
 FRAGMENTED = ("pages", "engine")
 LAT_ITERS = {4 << 10: 300, 64 << 10: 100, 1 << 20: 20}
 
@@ -239,6 +242,12 @@ def requests(args: argparse.Namespace, res: dict[str, Any]) -> list[dict[str, An
                                         args.req_repeat)
             log(f"fragmented lists: {res['fragmented']}")
         concurrent("aggregate")(prefill, decode, p, d)
+        if "threads" not in skip:
+            pids = {"prefill": prefill.proc.pid, "decode": decode.proc.pid}
+            res["threads"] = {str(tokens): guarded(f"threads {tokens}", thread_breakdown, p, d,
+                                                   pids, tokens, THREAD_REQUESTS)
+                              for tokens in (128, 32768)}
+            log(f"threads: {res['threads']}")
 
     # Both unified pairs run the concurrent requests: the target is with integrity on,
     # the pair with it off shows what integrity costs there.
@@ -302,7 +311,8 @@ def main() -> None:
     p.add_argument("--lens", default="128,1024,8192,32768")
     p.add_argument("--req-repeat", type=int, default=5)
     p.add_argument("--skip", default="", help="comma list of sections to skip: mooncake, "
-                   "mooncake_request,scaling,requests,fragmented,aggregate (quick iteration)")
+                   "mooncake_request,scaling,requests,fragmented,aggregate,threads "
+                   "(quick iteration)")
     p.add_argument("--report", metavar="JSON", help="print the table of an earlier run and exit")
     p.add_argument("--host-json", metavar="FILE", help="with --report: fold these host "
                    "figures (bench_request --host-json) into JSON first (rewrites it)")

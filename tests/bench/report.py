@@ -131,6 +131,17 @@ def _scaling(res: dict[str, Any]) -> None:
             print(f"{daemon} ({sum(prof[daemon].values()):.1f} ms): {phases}")
 
 
+def _threads(res: dict[str, Any]) -> None:
+    for tokens, per in (res.get("threads") or {}).items():
+        if not isinstance(per, dict) or "prefill" not in per:
+            continue
+        print(f"\n== CPU ms per {tokens}-token request by thread group (unified, integrity on; "
+              f"median Send -> Success {per['send_to_success_ms']['median']:.1f} ms)")
+        for daemon in ("prefill", "decode"):
+            groups = ", ".join(f"{k} {v:.1f}" for k, v in per[daemon].items() if k != "total")
+            print(f"{daemon} ({per[daemon]['total']:.1f} ms): {groups}")
+
+
 def report(res: dict[str, Any]) -> None:
     """The table on stdout; the targets table; last, one ``name=value`` line per target."""
     _raw(res)
@@ -138,6 +149,7 @@ def report(res: dict[str, Any]) -> None:
     _peer(res)
     _concurrent_and_host(res)
     _scaling(res)
+    _threads(res)
     values = targets.compute(res)
     print("\n== targets (issue 14; one boot; host_small_request_ms on the host)")
     print("\n".join(targets.table(values)))

@@ -38,7 +38,7 @@ def compose(kvbeam_image: str, request: pytest.FixtureRequest) -> Iterator[Compo
 
 
 def test_compose_up_moves_and_verifies_every_request(compose: Compose, timings: Timings) -> None:
-    """up --exit-code-from scheduler: exit 0, every request Success and CRC32C-verified."""
+    """up --exit-code-from scheduler: exit 0, every request Success and XXH3-128-verified."""
     compose.env["KVBEAM_DRIVE_ARGS"] = f"--requests {REQUESTS} --max-len 8192 --concurrency 4"
     with timings.step("compose up (8 requests)"):
         proc = compose("up", "--no-build", "--abort-on-container-exit",
@@ -46,14 +46,14 @@ def test_compose_up_moves_and_verifies_every_request(compose: Compose, timings: 
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     table = compose.stdout("scheduler")
-    assert f"{REQUESTS}/{REQUESTS} Success ({REQUESTS} CRC32C-verified)" in table, table
+    assert f"{REQUESTS}/{REQUESTS} Success ({REQUESTS} XXH3-128-verified)" in table, table
     decode, prefill = compose.logs("decode"), compose.logs("prefill")
     for role, log in (("decode", decode), ("prefill", prefill)):
         assert f"kvbeam {role} listening on" in log, log
         assert f"{role} daemon: {TRANSPORT} transport" in log, log
         assert "Traceback" not in log and " ERROR " not in log, log
         assert f"{role} daemon stopped: nothing registered" in log, log  # SIGTERM reached it
-    assert decode.count("CRC32C verified: ") == REQUESTS, decode
+    assert decode.count("XXH3-128 verified: ") == REQUESTS, decode
     assert prefill.count(": Success (") == REQUESTS, prefill
 
 
@@ -62,7 +62,7 @@ def test_decode_stopped_mid_run(compose: Compose, timings: Timings) -> None:
     exits 1, and prefill stays healthy."""
     compose.env["KVBEAM_DRIVE_ARGS"] = "--requests 1000 --max-len 32768 --concurrency 4 --json"
     compose("up", "-d", "--no-build", timeout=600)
-    compose.wait_log("decode", "CRC32C verified: ", 3, timeout=300)
+    compose.wait_log("decode", "XXH3-128 verified: ", 3, timeout=300)
     with timings.step("stop decode -> scheduler exit"):
         t0 = time.monotonic()
         compose("stop", "-t", "10", "decode", timeout=60)

@@ -29,7 +29,7 @@ def test_concurrent_requests_all_succeed_and_slots_return(paged: bool) -> None:
         bad = [r for r in results if not r.ok]
         assert not bad, bad
         assert all(r.bytes > 0 for r in results)
-        assert "CRC32C mismatch" not in decode.output
+        assert "XXH3-128 mismatch" not in decode.output
 
 
 def test_reserve_when_full_is_resource_exhausted() -> None:

@@ -19,7 +19,7 @@ def test_demo_runs_the_reference_engines_and_shows_equal_continuations() -> None
     for _, moved, colocated, equal, nbytes in rows:
         assert moved == colocated and equal == "yes" and int(nbytes) > 0
     assert "2/2 continuations equal to the colocated run" in out.stdout
-    assert "2 transfers CRC32C-verified; transport tcp" in out.stdout
+    assert "2 transfers XXH3-128-verified; transport tcp" in out.stdout
 
 
 def test_demo_paged_without_draft() -> None:
@@ -34,6 +34,6 @@ def test_demo_pools_own_keeps_the_transport_only_run() -> None:
     out = run_cli("demo", "--pools", "own", "--transport", "tcp", "--seq-lens", "128,1000,333",
                   timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "3/3 Success (3 CRC32C-verified)" in out.stdout
+    assert "3/3 Success (3 XXH3-128-verified)" in out.stdout
     assert "transport tcp" in out.stdout
     assert "reference engines" not in out.stdout

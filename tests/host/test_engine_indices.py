@@ -1,6 +1,6 @@
 """Two daemons over TCP moving engine-chosen (shuffled, fragmented) index lists.
 
-Integrity is on (the default): decode's Success says its CRC32C of the items at
+Integrity is on (the default): decode's Success says its XXH3-128 of the items at
 ITS lists, in list order, equals prefill's of the items at ITS lists, so element i
 of prefill's list of a kind landed at element i of decode's, for every buffer.
 """

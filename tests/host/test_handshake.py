@@ -218,17 +218,21 @@ def test_protocol_version_mismatch_server_newer(prefill: SideInfo, decode: SideI
     assert (info.value.local, info.value.remote) == (PROTOCOL_VERSION, PROTOCOL_VERSION + 1)
 
 
-def test_a_protocol_1_peer_is_refused_naming_both_versions(prefill: SideInfo,
-                                                           decode: SideInfo) -> None:
-    """Protocol 2 (Offer, Digests) against a protocol 1 build: refused before any transfer."""
-    assert PROTOCOL_VERSION == 2
+@pytest.mark.parametrize("old", [1, 2])
+def test_an_older_protocol_peer_is_refused_naming_both_versions(prefill: SideInfo,
+                                                                decode: SideInfo,
+                                                                old: int) -> None:
+    """Protocol 3 (XXH3-128 digests) against a protocol 2 build (CRC32C digests) or a
+    protocol 1 build (no Offer, no Digests): refused before any transfer."""
+    assert PROTOCOL_VERSION == 3
     request = pb.HandshakeRequest(side=side_to_proto(prefill))
-    request.side.protocol_version = 1
+    request.side.protocol_version = old
     with running(decode) as server:
         code, _, rejection, details = raw_handshake(server.address, request)
     assert code is grpc.StatusCode.FAILED_PRECONDITION
-    assert rejection is not None and rejection.protocol_version == 2
-    assert "this side speaks kvbeam protocol version 2, the peer speaks 1" in details, details
+    assert rejection is not None and rejection.protocol_version == 3
+    assert f"this side speaks kvbeam protocol version 3, the peer speaks {old}" in details, \
+        details
 
 
 def test_reply_of_another_version_is_refused_by_the_client(prefill: SideInfo,

@@ -43,7 +43,7 @@ def test_every_corruption_is_caught() -> None:
 
             assert wait_until(told, 10), notice
             dst = d.status(r.request_id)
-            assert dst.reason is FailureReason.INTEGRITY and "CRC32C mismatch" in dst.detail
+            assert dst.reason is FailureReason.INTEGRITY and "XXH3-128 mismatch" in dst.detail
         assert decode.output.count("FAULT INJECTED: corrupted") == 5
         assert "FAULT INJECTION ARMED" in decode.output
         # every slot came back after the failures

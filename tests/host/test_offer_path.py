@@ -32,7 +32,7 @@ def test_reserve_before_send_needs_no_begin_write_after_the_first_handshake() ->
             assert result.state.startswith("Success"), result
             # Decode verified the bytes against the digests that followed the writes.
             st = d.status(f"o-{i}")
-            assert st.detail.startswith("CRC32C verified"), st
+            assert st.detail.startswith("XXH3-128 verified"), st
             d.release(f"o-{i}")
         p1, d1 = scrape(prefill.metrics), scrape(decode.metrics)
         assert delta(p1, p0, "kvbeam_begin_writes_total") == 0
@@ -50,7 +50,7 @@ def test_a_chunked_request_asks_begin_write_per_chunk_and_succeeds() -> None:
         p.send("f-1", 1, 900, decode.address, final=False, chunks=[(0, 512)])
         p.send("f-1", 1, 900, decode.address, final=True)
         st = d.wait("f-1", 20)
-        assert st.state is S and st.detail.startswith("CRC32C verified"), st
+        assert st.state is S and st.detail.startswith("XXH3-128 verified"), st
         assert p.wait("f-1", 10).state is S
         d.release("f-1")
         p1 = scrape(prefill.metrics)

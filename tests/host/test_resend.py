@@ -4,7 +4,7 @@ Real daemon processes on loopback (TCP transport). Prefill's test-only hook
 ``KVBEAM_FAULT_BREAK_LINK`` shuts the TCP data socket just before a write is posted,
 as a dropped connection or an RC QP whose retries ran out would break it. With the
 default ``--resend-retries 2`` one break costs one resend and the request succeeds,
-CRC32C-verified; with ``--resend-retries 0`` it fails at once with the transport's
+XXH3-128-verified; with ``--resend-retries 0`` it fails at once with the transport's
 detail; a break on every attempt fails it after two resends. Each case ends bounded
 and leaks nothing (every slot reservable, no live transfer on either side).
 """
@@ -55,7 +55,7 @@ def test_a_broken_link_costs_one_resend_and_the_request_succeeds() -> None:
               prefill_env={BREAK_LINK_ENV: "1"}) as (prefill, decode, p, d):
         result = run_request(p, d, "rs-once", 3000, 1, timeout=60)
         assert result.ok, (result, prefill.output[-3000:])
-        assert result.verified, result  # decode's CRC32C of what landed matched prefill's
+        assert result.verified, result  # decode's XXH3-128 of what landed matched prefill's
         assert "FAULT INJECTED: broke link" in prefill.output
         assert wait_until(lambda: re.search(r"WARNING .*request rs-once: resend 1/2 on a new "
                                             r"link after a transport error: \S+",

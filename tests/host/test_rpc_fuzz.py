@@ -159,7 +159,7 @@ def _messages(daemons: tuple[Daemon, Daemon]) -> st.SearchStrategy[tuple[str, Me
         st.tuples(st.just("Digests"), st.builds(
             pb.DigestsRequest, request_id=rid, instance_id=inst,
             transfer_id=st.integers(0, 2**32 - 1),
-            digests=st.lists(st.integers(0, 2**32 - 1), max_size=40))),
+            digests=st.lists(st.binary(max_size=20), max_size=40))),
         st.tuples(st.just("Offer"), st.builds(
             pb.OfferRequest, request_id=rid, instance_id=inst, seq_len=EDGE_INTS,
             transfer_id=st.integers(0, 2**32 - 1), slot=EDGE_INTS, lease_ms=EDGE_INTS,

@@ -58,7 +58,7 @@ def _check_calls(pair: SglangPair) -> None:
                        "WaitingForInput", "WaitingForInput"], pair.table()
     assert [r for r in pair.calls if r[1] == "poll() until done"] == [
         ("prefill", "poll() until done", "Status", "Success"),
-        ("decode", "poll() until done", "Status (after CRC32C check)", "Success")]
+        ("decode", "poll() until done", "Status (after XXH3-128 check)", "Success")]
     assert sum(r[1].startswith("send(") for r in pair.calls) == 2  # two chunks
 
 

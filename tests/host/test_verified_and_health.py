@@ -17,7 +17,7 @@ def test_success_detail_says_crc32c_verified_and_health_answers() -> None:
         results = drive(prefill.address, decode.address, [100, 5000], source_slots=2)
         assert all(r.ok and r.verified for r in results), results
         assert all(r.detail.startswith(VERIFIED_PREFIX) for r in results)
-        assert "CRC32C verified: " in d.status(results[0].request_id).detail
+        assert "XXH3-128 verified: " in d.status(results[0].request_id).detail
         ok = _kvbeam("health", decode.address)
         assert ok.returncode == 0 and "SERVING" in ok.stdout, ok
         light = subprocess.run([sys.executable, "-m", "kvbeam.commands.health", "--quiet",
@@ -27,7 +27,7 @@ def test_success_detail_says_crc32c_verified_and_health_answers() -> None:
         drv = _kvbeam("drive", "--prefill", prefill.address, "--decode", decode.address,
                       "--requests", "2", "--prefix", "cli", "--require-verified")
         assert drv.returncode == 0, drv
-        assert "2/2 Success (2 CRC32C-verified)" in drv.stdout
+        assert "2/2 Success (2 XXH3-128-verified)" in drv.stdout
     down = _kvbeam("health", decode.address, "--timeout", "1")
     assert down.returncode == 1 and "not serving" in down.stderr, down
 
@@ -40,4 +40,4 @@ def test_require_verified_fails_when_prefill_sends_no_digests() -> None:
         drv = _kvbeam("drive", "--prefill", prefill.address, "--decode", decode.address,
                       "--requests", "1", "--prefix", "cli", "--require-verified")
         assert drv.returncode == 1, drv
-        assert "reached Success without CRC32C verification" in drv.stderr
+        assert "reached Success without XXH3-128 verification" in drv.stderr

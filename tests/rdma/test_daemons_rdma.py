@@ -2,7 +2,7 @@
 
 Each daemon is its own process with DSV4 target and draft pools from the shipped
 configs; writes are RDMA WRITEs through pyverbs and decode reports Success only
-after the WRITE WITH IMMEDIATE arrived and every moved buffer's CRC32C matched
+after the WRITE WITH IMMEDIATE arrived and every moved buffer's XXH3-128 matched
 prefill's digests. Under TCG a daemon start still costs tens of seconds (imports,
 filling and registering its pools), so pairs are shared per module where the tests
 allow it, and a test that needs a daemon of its own reuses the shared peer it can.
@@ -87,7 +87,7 @@ def _fifty(pair: Pair, prefix: str) -> None:
                     timeout=120, prefix=prefix)
     bad = [r for r in results if not r.ok]
     assert not bad, bad
-    assert "CRC32C mismatch" not in decode.output
+    assert "XXH3-128 mismatch" not in decode.output
     assert "verified and connected (rdma)" in decode.output
 
 

@@ -2,7 +2,7 @@
 
 One unified daemon pair: requests whose pages, state items and ring rows the
 engine scattered over its pools (the decode side with a draft list of its own)
-end CRC32C-verified; then the same request sizes with slot-contiguous,
+end XXH3-128-verified; then the same request sizes with slot-contiguous,
 page-scattered and fully shuffled lists, figures left in
 ``$KVBEAM_RESULTS_DIR/engine_indices.json`` (the harness prints it).
 """

@@ -6,7 +6,7 @@ by the fixture for the first request whose id starts with ``qpbreak-``) moves th
 to the error state just before the request's write is posted, as an RC QP whose
 retries ran out under load would be: the write fails with a verbs status, prefill
 handshakes a new QP pair, resends with a new BeginWrite, and the request succeeds,
-CRC32C-verified, with nothing leaked (one QP per daemon, every slot free).
+XXH3-128-verified, with nothing leaked (one QP per daemon, every slot free).
 """
 
 from __future__ import annotations

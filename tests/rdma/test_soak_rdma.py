@@ -3,7 +3,7 @@
 Runs on the fault tests' daemon pair (two rxe devices joined by a veth wire, see
 tests/rdma/netfaults.py). Workers drive requests end to end (Reserve, Send, wait for
 decode's Success, Release) with seeded random lengths; decode reports Success only
-after the WRITE WITH IMMEDIATE arrived and every moved buffer's CRC32C matched the
+after the WRITE WITH IMMEDIATE arrived and every moved buffer's XXH3-128 matched the
 digests prefill computed over its fill pattern (``--fill-seed``), so every Success is a
 byte-for-byte check. Prints requests/s, p50/p99 Send-to-Success latency and both
 daemons' resident memory (VmRSS) before and after, and asserts the growth stays within
@@ -103,6 +103,6 @@ def test_soak(wire_pair: WirePair) -> None:
     if results_dir:
         Path(results_dir, "soak.json").write_text(json.dumps(summary, indent=2) + "\n")
     assert results and not bad, bad[:5]
-    assert "CRC32C mismatch" not in pair.decode.output
+    assert "XXH3-128 mismatch" not in pair.decode.output
     for role in pids:
         assert after[role] - before[role] <= RSS_GROWTH_KIB, summary

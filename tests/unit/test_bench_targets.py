@@ -127,3 +127,28 @@ def test_report_of_an_earlier_run_without_the_new_sections() -> None:
     assert back["ratio_vs_ib_write_bw"] == pytest.approx(res["ratio_vs_ib_write_bw"], abs=0.01)
     assert back["ratio_vs_mooncake"] == pytest.approx(res["ratio_vs_mooncake"], abs=0.01)
     assert math.isnan(back["ratio_vs_mooncake_request"])
+
+
+def test_thread_groups_and_their_report() -> None:
+    """Each daemon thread lands in the group its name says; the report prints each group
+    of a bench.json's ``threads`` section with the daemon's total."""
+    from tests.bench.bench_threads import group_of
+
+    assert group_of("kvbeam-verbs-rxe0").startswith("verbs progress")
+    assert group_of("kvbeam-io_1").startswith("executor")
+    assert group_of("kvbeam-control_0").startswith("RPC handlers")
+    assert group_of("Thread-1 (_serve)").startswith("gRPC Python server")
+    assert group_of("[event_engine]").startswith("gRPC C core")
+    assert group_of("kvbeam-heartbeat") == group_of("kvbeam-sweeper")
+    assert group_of("MainThread") == "other"
+    res = _result()
+    res["threads"] = {"128": {"prefill": {"executor (plan)": 12.5, "total": 20.0},
+                              "decode": {"RPC handlers": 7.25, "total": 9.0},
+                              "send_to_success_ms": {"median": 31.0}}}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        report(res)
+    text = out.getvalue()
+    assert "CPU ms per 128-token request by thread group" in text and "31.0 ms" in text
+    assert "prefill (20.0 ms): executor (plan) 12.5" in text
+    assert "decode (9.0 ms): RPC handlers 7.2" in text

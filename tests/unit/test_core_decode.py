@@ -84,7 +84,7 @@ def test_landing_is_verified_on_the_executor_not_the_event_thread() -> None:
     assert len(io.queue) == 1
     io.run_all()
     st = core.status("r")
-    assert st.state is TransferState.SUCCESS and st.detail.startswith("CRC32C verified")
+    assert st.state is TransferState.SUCCESS and st.detail.startswith("XXH3-128 verified")
     core.release("r")
     assert core.slot_of("r") == -1
 
@@ -164,7 +164,7 @@ def test_a_resend_gets_a_new_transfer_id_and_the_old_links_notification_is_ignor
     core.on_event(Event(EventKind.NOTIFIED, new.link.id, new_tid))
     io.run_all()
     st = core.status("r")
-    assert st.state is TransferState.SUCCESS and st.detail.startswith("CRC32C verified")
+    assert st.state is TransferState.SUCCESS and st.detail.startswith("XXH3-128 verified")
 
 
 def test_a_notification_from_the_granted_link_counts_after_that_link_failed() -> None:

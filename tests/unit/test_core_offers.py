@@ -152,7 +152,7 @@ def test_an_offered_request_is_verified_once_both_notification_and_digests_arriv
     assert len(io.queue) == 1
     io.run_all()
     st = core.status("r")
-    assert st.state is TransferState.SUCCESS and st.detail.startswith("CRC32C verified")
+    assert st.state is TransferState.SUCCESS and st.detail.startswith("XXH3-128 verified")
 
 
 def test_a_wrong_digest_after_the_notification_fails_integrity() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
@@ -48,7 +49,7 @@ def test_prefix_pairing_digests_the_tail() -> None:
 
 def test_in_place_runs_digest_like_a_gather() -> None:
     """Contiguous lists are digested in place; the result equals gathering every item."""
-    import crc32c
+    import xxhash
 
     side = AllocatedSide(layout())
     side.fill_pattern(5)
@@ -64,5 +65,18 @@ def test_in_place_runs_digest_like_a_gather() -> None:
             for buf in comp.buffers:
                 items = side.buffer_array(buf).reshape(buf.items, buf.item_len)
                 gathered = np.take(items, idx[buf.index_kind], axis=0)
-                expected.append(crc32c.crc32c(np.ascontiguousarray(gathered).data))
+                expected.append(xxhash.xxh3_128_intdigest(np.ascontiguousarray(gathered).data))
         assert request_digests(side, idx) == expected, name
+
+
+def test_digests_cross_the_wire_as_16_bytes_and_a_wrong_length_is_named() -> None:
+    """XXH3-128 digests travel as 16 big-endian bytes each; a digest of another length
+    (protocol 2's CRC32C, a corrupt message) is refused, naming which one."""
+    from kvbeam.pools.digest import digests_from_wire, digests_to_wire
+
+    digests = [0, 1, 2**128 - 1, 0x0123456789ABCDEF0123456789ABCDEF]
+    raw = digests_to_wire(digests)
+    assert [len(b) for b in raw] == [16] * 4 and raw[1] == b"\0" * 15 + b"\1"
+    assert digests_from_wire(raw) == digests
+    with pytest.raises(ValueError, match="digest 2 is 4 bytes, expected 16"):
+        digests_from_wire([*raw[:2], b"\0\0\0\1"])

@@ -443,8 +443,8 @@ class DigestsRequest(_message.Message):
     request_id: str
     instance_id: str
     transfer_id: int
-    digests: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., digests: _Optional[_Iterable[int]] = ...) -> None: ...
+    digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DigestsResponse(_message.Message):
     __slots__ = ()

@@ -1,0 +1,171 @@
+"""Diagnostic: which thread of each daemon burns the CPU a request costs.
+
+Starts a daemon pair (``tests.daemon_helpers.start_both``), runs a few warm-up
+requests, then ``--n`` requests of ``--tokens`` through the scheduler API, and
+prints each daemon's CPU per request split by OS thread (``/proc/PID/task/TID/stat``,
+user + system). Python threads are named from ``py-spy dump`` (OS thread id to
+Python thread name); the others keep their kernel name (gRPC's C core threads).
+
+Process CPU (what ``bench_request`` reports) says how much a request costs; this
+says where: a gRPC poller, the verbs progress thread (with rxe, the kernel's
+sending inside ``ibv_post_send`` counts there), the send pool, the executor.
+
+``--digests``: CRC32C, XXH3 and zlib's CRC32 over 10 MB first (MB/s), the cost of
+integrity per byte on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvbeam.client import KvbeamClient
+from kvbeam.scheduler import run_request
+from tests.daemon_helpers import start_both
+
+
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """{tid: (kernel thread name, CPU seconds so far)} for every thread of ``pid``."""
+    out: dict[int, tuple[str, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended between listing and reading
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def python_thread_names(pid: int) -> dict[int, str]:
+    """{tid: Python thread name} from ``py-spy dump`` (empty without py-spy)."""
+    spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    try:
+        dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                              timeout=120).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r'^Thread (\d+) \([^)]*\): "([^"]*)"',
+                                                             dump, re.M)}
+
+
+#: Thread groups, by the name's start (Python names first, then kernel names in brackets).
+GROUPS = [("kvbeam-verbs", "verbs progress (posts, completions; rxe sends in ibv_post_send)"),
+          ("kvbeam-tcp", "TCP data plane"),
+          ("kvbeam-io", "executor (plan, post, digests, peer RPCs)"),
+          ("kvbeam-control", "RPC handlers (gRPC handler pool)"),
+          ("Thread-1 (_serve)", "gRPC Python server loop (_serve)"),
+          ("kvbeam-events", "loops (events, sweeper, heartbeat)"),
+          ("kvbeam-sweeper", "loops (events, sweeper, heartbeat)"),
+          ("kvbeam-heartbeat", "loops (events, sweeper, heartbeat)"),
+          ("[", "gRPC C core threads (event engine, timers)")]
+
+
+def group_of(name: str) -> str:
+    """The group a thread's name belongs to (``other`` when none matches)."""
+    return next((g for prefix, g in GROUPS if name.startswith(prefix)), "other")
+
+
+def thread_breakdown(p: KvbeamClient, d: KvbeamClient, pids: dict[str, int], tokens: int,
+                     n: int, by_thread: bool = False) -> dict[str, dict[str, float]]:
+    """CPU ms per request of ``tokens``, per daemon and thread group (``by_thread``: per
+    thread, "NAME TID"), over ``n`` requests (after the caller's warm-up); each daemon's
+    ``total`` and the median Send-to-Success (``send_to_success_ms``) beside them."""
+    before = {role: thread_cpu(pid) for role, pid in pids.items()}
+    times = []
+    for i in range(n):
+        r = run_request(p, d, f"thr-{tokens}-{i}-{time.monotonic_ns()}", tokens, i % 8,
+                        timeout=120.0)
+        if not r.ok:
+            raise RuntimeError(f"request {r.request_id} ended {r.state}")
+        times.append(r.send_to_success_s * 1e3)
+    after = {role: thread_cpu(pid) for role, pid in pids.items()}
+    out: dict[str, dict[str, float]] = {}
+    for role, pid in pids.items():
+        names = python_thread_names(pid)
+        groups: dict[str, float] = {}
+        for tid, (kname, cpu) in after[role].items():
+            spent = (cpu - before[role].get(tid, (kname, 0.0))[1]) * 1e3 / n
+            name = names.get(tid, f"[{kname}]")
+            group = f"{name} {tid}" if by_thread else group_of(name)
+            groups[group] = groups.get(group, 0.0) + spent
+        out[role] = {**dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+                     "total": sum(groups.values())}
+    out["send_to_success_ms"] = {"median": statistics.median(times)}
+    return out
+
+
+def digest_speeds(mb: int = 10) -> None:
+    """MB/s of each candidate digest over ``mb`` MB of random bytes (best of 3)."""
+    import zlib
+
+    import crc32c
+    import numpy as np
+
+    data = np.random.default_rng(1).integers(0, 256, mb << 20, dtype=np.uint8).tobytes()
+    cands = {"crc32c": crc32c.crc32c, "zlib.crc32": zlib.crc32}
+    try:
+        import xxhash
+        cands["xxh3_64"] = xxhash.xxh3_64_intdigest
+        cands["xxh3_128"] = xxhash.xxh3_128_intdigest
+    except ImportError:
+        pass
+    for name, fn in cands.items():
+        best = min(_timed(fn, data) for _ in range(3))
+        print(f"digest {name:>10}: {mb / best:8.1f} MB/s ({best * 1e3:.1f} ms for {mb} MB)",
+              flush=True)
+
+
+def _timed(fn: object, data: bytes) -> float:
+    t0 = time.perf_counter()
+    fn(data)  # type: ignore[operator]
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    """Run one pair and print the per-thread table."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--transport", default="rdma", choices=["rdma", "tcp"])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--n", type=int, default=20)
+    parser.add_argument("--integrity", default="true", choices=["true", "false"])
+    parser.add_argument("--extra", default="", help="more daemon flags, space-separated")
+    parser.add_argument("--digests", action="store_true")
+    args = parser.parse_args()
+    if args.digests:
+        digest_speeds()
+    flags = ["--integrity", args.integrity, "--log-level", "WARNING",
+             "--deadline-transfer-s", "120", "--peer-timeout-s", "60", *args.extra.split()]
+    prefill, decode = start_both(transport=args.transport, prefill_extra=flags,
+                                 decode_extra=flags)
+    pids = {"prefill": prefill.proc.pid, "decode": decode.proc.pid}
+    try:
+        with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+            for i in range(3):
+                run_request(p, d, f"warm-{i}", args.tokens, 1, timeout=120.0)
+            out = thread_breakdown(p, d, pids, args.tokens, args.n, by_thread=True)
+        print(f"\n{args.n} requests of {args.tokens} tokens over {args.transport} "
+              f"(integrity {args.integrity}, {args.extra or 'default flags'}): median "
+              f"{out['send_to_success_ms']['median']:.1f} ms Send-to-Success", flush=True)
+        for role in pids:
+            per = out[role]
+            print(f"{role}: {per.pop('total'):.1f} ms CPU per request")
+            for name, spent in per.items():
+                if spent > 0:
+                    print(f"  {spent:8.2f} ms  {name}")
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+if __name__ == "__main__":
+    main()
