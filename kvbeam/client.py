@@ -21,7 +21,7 @@ Every call has a deadline; errors are typed (:class:`Busy` for RESOURCE_EXHAUSTE
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -35,7 +35,7 @@ from kvbeam.errors import BadRequest, KvbeamError
 from kvbeam.pools.engine_indices import ListLike, split_mapping
 from kvbeam.pools.types import IndexKind
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
-from kvbeam.proto.service import control_stub
+from kvbeam.proto.service import ControlStub, control_stub
 from kvbeam.proto.transfer_codec import (
     draft_indices_from_proto,
     indices_from_proto,
@@ -196,29 +196,20 @@ class KvbeamClient:
 
     def watch(self, request_id: str, timeout: float) -> Iterator[Status]:
         """Each state change until the transfer ends or ``timeout`` seconds pass."""
-        try:
-            for m in self.stub.WatchStatus(pb.StatusRequest(request_id=request_id),
-                                           timeout=timeout):
-                yield _status(m)
-        except grpc.RpcError as exc:
-            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                return
-            raise self._error(exc, "WatchStatus") from None
+        with self.open_watch(request_id, timeout) as w:
+            yield from w.changes()
+
+    def open_watch(self, request_id: str, timeout: float) -> StatusWatch:
+        """Open WatchStatus now and read it later (:meth:`StatusWatch.wait`): the stream is
+        set up while the caller does something else, e.g. Send on prefill, so a request's
+        Send-to-Success does not wait for a second call's setup after Send returned.
+        Close it (a ``with`` block) when not read to the end."""
+        return StatusWatch(self.stub, request_id, timeout, error=self._error, status=self.status)
 
     def wait(self, request_id: str, timeout: float) -> Status:
         """The terminal status, or the last one seen when ``timeout`` passes."""
-        end = time.monotonic() + timeout
-        # WatchStatus sends the current status first, so no Status RPC is needed before
-        # it: one round trip less per request (about 10 ms under TCG).
-        last: Status | None = None
-        while True:
-            for s in self.watch(request_id, max(0.1, end - time.monotonic())):
-                last = s
-                if s.terminal:
-                    return s
-            if time.monotonic() >= end:
-                break
-        return last if last is not None else self.status(request_id)
+        with self.open_watch(request_id, timeout) as w:
+            return w.wait()
 
     def abort(self, request_id: str, detail: str = "") -> Status:
         """Abort on this daemon; it propagates to the peer."""
@@ -262,3 +253,66 @@ class KvbeamClient:
                 return True
             time.sleep(0.1)
         return False
+
+
+class StatusWatch:
+    """One request's WatchStatus stream, opened at construction (the call starts at once)
+    and read with :meth:`wait` or :meth:`changes`; see :meth:`KvbeamClient.open_watch`.
+
+    WatchStatus sends the current status first, so no Status RPC is needed before it.
+    A stream that ends before the request is terminal (the daemon restarted the watch,
+    or the call's deadline passed early) is opened again until ``timeout``.
+    """
+
+    def __init__(self, stub: ControlStub, request_id: str, timeout: float, *,
+                 error: Callable[[grpc.RpcError, str], KvbeamError],
+                 status: Callable[[str], Status]) -> None:
+        self._stub = stub
+        self._error = error
+        self._status = status
+        self._request_id = request_id
+        self._end = time.monotonic() + timeout
+        self._call = self._open()
+
+    def _open(self) -> grpc.CallIterator[pb.TransferStatus]:
+        return self._stub.WatchStatus(
+            pb.StatusRequest(request_id=self._request_id),
+            timeout=max(0.1, self._end - time.monotonic()))
+
+    def _stream(self) -> Iterator[Status]:
+        """The current call's messages; DEADLINE_EXCEEDED ends it, other errors are typed."""
+        try:
+            for m in self._call:
+                yield _status(m)
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                return
+            raise self._error(exc, "WatchStatus") from None
+
+    def changes(self) -> Iterator[Status]:
+        """Each state change on the first stream, until it ends (terminal or timeout)."""
+        yield from self._stream()
+
+    def wait(self) -> Status:
+        """The terminal status, or the last one seen when the timeout passes."""
+        last: Status | None = None
+        while True:
+            for s in self._stream():
+                last = s
+                if s.terminal:
+                    return s
+            if time.monotonic() >= self._end:
+                break
+            self._call = self._open()
+        return last if last is not None else self._status(self._request_id)
+
+    def close(self) -> None:
+        """Cancel the stream (harmless when it already ended)."""
+        self._call.cancel()  # type: ignore[no-untyped-call]
+
+    def __enter__(self) -> StatusWatch:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -84,8 +84,10 @@ def run_request(prefill: KvbeamClient, decode: KvbeamClient, request_id: str, se
                     raise
                 time.sleep(0.05)  # back-pressure: decode has no free slot right now
         t_send = time.monotonic()
-        prefill.send(request_id, source_slot, seq_len, decode.address, indices=src_indices)
-        final: Status = decode.wait(request_id, timeout)
+        # Decode's watch opens while Send travels: no second call setup after Send returns.
+        with decode.open_watch(request_id, timeout) as watch:
+            prefill.send(request_id, source_slot, seq_len, decode.address, indices=src_indices)
+            final: Status = watch.wait()
         t_done = time.monotonic()
         pstat = prefill.wait(request_id, min(timeout, 10.0))
         if final.state is TransferState.SUCCESS and release:
@@ -166,14 +168,20 @@ def _attempt(fleet: Fleet, prefill: Member, decode: Member, rid: str, seq_len: i
     """Send a reserved request and wait for decode's verdict: (result, worth a resend)."""
     t_send = time.monotonic()
     p, d = prefill.client, decode.client
+    watch = d.open_watch(rid, timeout)  # set up while Send travels (see run_request)
     try:
         p.send(rid, source_slot, seq_len, d.address)
     except PeerError as exc:  # prefill died or restarted: the reservation is for nothing
+        watch.close()
         fleet.prefills.set_dead(prefill, str(exc))
         _quiet_abort(d, rid, "prefill unreachable; resending elsewhere")
         return _failed(rid, seq_len, slot, f"error: {exc}", "?", t_send), True
+    except BaseException:
+        watch.close()
+        raise
     try:
-        final: Status | None = d.wait(rid, timeout)
+        with watch:
+            final: Status | None = watch.wait()
     except (PeerError, UnknownRequest) as exc:  # decode died, restarted (forgot rid), or blipped
         # Abort there so this attempt can never end in Success later; a decode that answers
         # gives its verdict (an abort after Success says Success and frees the slot).

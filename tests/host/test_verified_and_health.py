@@ -12,7 +12,7 @@ from tests.control_helpers import run_cli as _kvbeam
 from tests.daemon_helpers import pair
 
 
-def test_success_detail_says_crc32c_verified_and_health_answers() -> None:
+def test_success_detail_says_xxh3_verified_and_health_answers() -> None:
     with pair() as (prefill, decode, _p, d):
         results = drive(prefill.address, decode.address, [100, 5000], source_slots=2)
         assert all(r.ok and r.verified for r in results), results
@@ -41,3 +41,21 @@ def test_require_verified_fails_when_prefill_sends_no_digests() -> None:
                       "--requests", "1", "--prefix", "cli", "--require-verified")
         assert drv.returncode == 1, drv
         assert "reached Success without XXH3-128 verification" in drv.stderr
+
+
+def test_a_watch_opened_before_send_sees_the_reservation_then_success() -> None:
+    """``open_watch`` starts WatchStatus at once: opened after Reserve and before Send, its
+    first message is the reservation's state (not terminal), and the same stream then
+    reports Success once prefill's Send moved the request."""
+    from kvbeam.states import TransferState
+
+    with pair() as (prefill, decode, p, d):
+        d.reserve("early-watch", 200, prefill.address)
+        with d.open_watch("early-watch", 60.0) as watch:
+            first = next(watch.changes())
+            assert not first.terminal and first.state is not TransferState.SUCCESS, first
+            p.send("early-watch", 0, 200, decode.address)
+            final = watch.wait()
+        assert final.state is TransferState.SUCCESS and final.detail.startswith(VERIFIED_PREFIX)
+        with d.open_watch("early-watch", 5.0) as late:  # a terminal request: one message
+            assert late.wait().state is TransferState.SUCCESS
