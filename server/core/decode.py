@@ -236,7 +236,7 @@ class DecodeCore(DecodeOffer):
             ok = res is not None and bool(res.peer_instance) and res.link_id == event.link
             go = False
             if res is not None and ok:
-                res.landed = True
+                res.landed, res.landed_at = True, time.monotonic()
                 self._transferring(res.request_id)
                 go = self._ready(res)
         if res is None or not ok:

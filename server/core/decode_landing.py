@@ -58,6 +58,10 @@ class Reservation:
     # digests come with Digests; None, not known yet (an Offer not answered).
     digests_follow: bool | None = None
     offered: bool = False            # granted by Offer, no BeginWrite since
+    # time.monotonic() of the landing and of the digests' arrival: the Success log line
+    # says which came last and how long the check took (where integrity's time goes).
+    landed_at: float = 0.0
+    digests_at: float = 0.0
     verifying: bool = False          # verification is queued (once per landing)
 
 
@@ -99,6 +103,7 @@ class DecodeLanding(CoreBase):
             current = transfer_id == res.transfer_id
             if current:
                 res.digests, res.digests_follow = list(digests), True
+                res.digests_at = time.monotonic()
             go = current and self._ready(res)
         if not current:
             log.info("request %s: digests for the replaced transfer %d ignored", request_id,
@@ -133,8 +138,13 @@ class DecodeLanding(CoreBase):
         rid = res.request_id
         self.faults.after_landing(rid, self.pools, res.indices, res.draft)
         verified = NOT_VERIFIED_OFF
+        timing = ""
         if res.digests is not None and self.integrity:
+            t0 = time.monotonic()
             landed = request_digests(self.pools, res.indices, draft=res.draft)
+            lag = (res.digests_at - res.landed_at) * 1e3
+            timing = (f"; digests {abs(lag):.1f} ms {'after' if lag > 0 else 'before'} the "
+                      f"landing, check {(time.monotonic() - t0) * 1e3:.1f} ms")
             bad = [b.name for b, want, got in
                    zip(self.layout.flat_buffers, res.digests, landed, strict=True)
                    if want != got]
@@ -162,5 +172,5 @@ class DecodeLanding(CoreBase):
                          extra=fields(rid, res.prefill_address))
                 return
             res.success_at = time.monotonic()
-        log.info("request %s: Success (%d bytes landed in slot %d; %s)", rid, res.nbytes,
-                 res.slot, verified, extra=fields(rid, res.prefill_address))
+        log.info("request %s: Success (%d bytes landed in slot %d; %s%s)", rid, res.nbytes,
+                 res.slot, verified, timing, extra=fields(rid, res.prefill_address))

@@ -17,7 +17,7 @@ from pathlib import Path
 #: (phase, regex on one frame), checked leaf to root per sample; first hit wins.
 PHASES: list[tuple[str, str]] = [
     ("logging", r"\(logging/"),
-    ("digest (CRC32C)", r"request_digests"),
+    ("digest (XXH3-128)", r"request_digests"),
     ("gRPC client call", r"grpc/_channel\.py"),
     ("transport write (checks, keys, WR arrays)",
      r"(VerbsLink|TcpLink)\.write|prepare \(|build \("),
