@@ -23,6 +23,12 @@ log = logging.getLogger(__name__)
 
 REQUESTS = 60
 CONCURRENCY = 6
+#: Prefill waits this long before posting each write (the slow-wire fault hook), so a
+#: request stays in flight on both daemons long enough for the kills below to catch
+#: attempts mid-transfer: without it, on a loaded machine, the decode's held slots were
+#: sometimes all Success-awaiting-Release at the kill (no resend to observe) or the
+#: prefill never had two transfers live at once while polled.
+SLOW_WIRE = {"KVBEAM_FAULT_WRITE_DELAY_S": "0.25"}
 
 
 def _base_id(attempt_id: str) -> str:
@@ -39,7 +45,7 @@ def _busy(d: DaemonProcess) -> int:
 def test_decode_killed_and_prefill_restarted_mid_run_every_request_succeeds_once(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="kvbeam.scheduler")
-    with fleet(2, 3, tmp_path) as (prefills, decodes, cfgs):
+    with fleet(2, 3, tmp_path, prefill_env=SLOW_WIRE) as (prefills, decodes, cfgs):
         done = Counter[str]()
         lock = threading.Lock()
         lens = [512 + (i * 2654435761) % 3500 for i in range(REQUESTS)]
@@ -64,8 +70,8 @@ def test_decode_killed_and_prefill_restarted_mid_run_every_request_succeeds_once
                 assert wait_until(lambda: done["n"] >= 25, 60)
                 assert wait_until(lambda: _busy(restarted) >= 2, 30, interval=0.001)
                 restarted.kill()  # and a prefill crashes, then comes back on its port
-                replacement = spawn_role("prefill", cfgs["prefill"],
-                                         listen=restarted.address).ready(STARTUP_S)
+                replacement = spawn_role("prefill", cfgs["prefill"], listen=restarted.address,
+                                         env=SLOW_WIRE).ready(STARTUP_S)
                 results = [fut.result() for fut in futures]
             t_all = time.monotonic() - t_kill
 
