@@ -279,8 +279,9 @@ class StatusWatch:
             pb.StatusRequest(request_id=self._request_id),
             timeout=max(0.1, self._end - time.monotonic()))
 
-    def _stream(self) -> Iterator[Status]:
-        """The current call's messages; DEADLINE_EXCEEDED ends it, other errors are typed."""
+    def changes(self) -> Iterator[Status]:
+        """Each state change on the current stream, until it ends (terminal or timeout):
+        DEADLINE_EXCEEDED ends it quietly, other errors are typed."""
         try:
             for m in self._call:
                 yield _status(m)
@@ -289,15 +290,11 @@ class StatusWatch:
                 return
             raise self._error(exc, "WatchStatus") from None
 
-    def changes(self) -> Iterator[Status]:
-        """Each state change on the first stream, until it ends (terminal or timeout)."""
-        yield from self._stream()
-
     def wait(self) -> Status:
         """The terminal status, or the last one seen when the timeout passes."""
         last: Status | None = None
         while True:
-            for s in self._stream():
+            for s in self.changes():
                 last = s
                 if s.terminal:
                     return s

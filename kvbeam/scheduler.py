@@ -168,28 +168,26 @@ def _attempt(fleet: Fleet, prefill: Member, decode: Member, rid: str, seq_len: i
     """Send a reserved request and wait for decode's verdict: (result, worth a resend)."""
     t_send = time.monotonic()
     p, d = prefill.client, decode.client
-    watch = d.open_watch(rid, timeout)  # set up while Send travels (see run_request)
-    try:
-        p.send(rid, source_slot, seq_len, d.address)
-    except PeerError as exc:  # prefill died or restarted: the reservation is for nothing
-        watch.close()
-        fleet.prefills.set_dead(prefill, str(exc))
-        _quiet_abort(d, rid, "prefill unreachable; resending elsewhere")
-        return _failed(rid, seq_len, slot, f"error: {exc}", "?", t_send), True
-    except BaseException:
-        watch.close()
-        raise
-    try:
-        with watch:
-            final: Status | None = watch.wait()
-    except (PeerError, UnknownRequest) as exc:  # decode died, restarted (forgot rid), or blipped
-        # Abort there so this attempt can never end in Success later; a decode that answers
-        # gives its verdict (an abort after Success says Success and frees the slot).
-        final = _quiet_abort(d, rid, "scheduler lost the request; resending elsewhere")
-        if final is None:
-            fleet.decodes.set_dead(decode, str(exc))
-            _quiet_abort(p, rid, "decode unreachable; resending elsewhere")
+    # Decode's watch is set up while Send travels (see run_request); `with` closes it
+    # however the attempt ends.
+    with d.open_watch(rid, timeout) as watch:
+        try:
+            p.send(rid, source_slot, seq_len, d.address)
+        except PeerError as exc:  # prefill died or restarted: the reservation is for nothing
+            fleet.prefills.set_dead(prefill, str(exc))
+            _quiet_abort(d, rid, "prefill unreachable; resending elsewhere")
             return _failed(rid, seq_len, slot, f"error: {exc}", "?", t_send), True
+        try:
+            final: Status | None = watch.wait()
+        except (PeerError, UnknownRequest) as exc:
+            # Decode died, restarted (forgot rid), or blipped. Abort there so this attempt
+            # can never end in Success later; a decode that answers gives its verdict (an
+            # abort after Success says Success and frees the slot).
+            final = _quiet_abort(d, rid, "scheduler lost the request; resending elsewhere")
+            if final is None:
+                fleet.decodes.set_dead(decode, str(exc))
+                _quiet_abort(p, rid, "decode unreachable; resending elsewhere")
+                return _failed(rid, seq_len, slot, f"error: {exc}", "?", t_send), True
     assert final is not None  # mypy: the except branch returned or set it
     if not final.terminal:
         # Past the timeout: abort, as above.

@@ -103,7 +103,7 @@ def request_digests(side: AllocatedSide, indices: IndexLists, *, include_kv: boo
             idx, run = kinds[key]
             items = _items(side, buf)
             if run is not None and run[0] >= 0 and run[0] + run[1] <= len(items):
-                # A slice of a C-contiguous array is contiguous: CRC it in place.
+                # A slice of a C-contiguous array is contiguous: digest it in place.
                 out.append(_digest(items[run[0]:run[0] + run[1]].data))
             else:
                 out.append(_digest(np.ascontiguousarray(np.take(items, idx, axis=0)).data))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from kvbeam.errors import BadRequest, NotHandshakenError, UnknownRequest
 from kvbeam.logs import fields
-from kvbeam.pools.digest import request_digests
+from kvbeam.pools.digest import DIGEST_NAME, request_digests
 from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.ports import IndexLists
 from kvbeam.server.faults import FaultHooks
@@ -149,7 +149,7 @@ class DecodeLanding(CoreBase):
                    zip(self.layout.flat_buffers, res.digests, landed, strict=True)
                    if want != got]
             if bad:
-                detail = (f"XXH3-128 mismatch in {len(bad)} buffer(s): "
+                detail = (f"{DIGEST_NAME} mismatch in {len(bad)} buffer(s): "
                           f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
                 if self.table.fail(rid, FailureReason.INTEGRITY, detail):
                     log.error("request %s failed: integrity: %s", rid, detail,
