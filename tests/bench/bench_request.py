@@ -80,13 +80,18 @@ class RequestRow:
         return {**asdict(self), "gbps": self.gbps}
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far, all its threads (/proc/PID/stat)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
+def stat_cpu_s(stat: str) -> float:
+    """User + system CPU seconds from the text of a ``/proc/PID/stat`` (a process, all its
+    threads) or ``/proc/PID/task/TID/stat`` (one thread)."""
     # Fields after the command name (which may hold spaces) in parentheses: utime is the
     # 14th field of the line, stime the 15th, in clock ticks.
     fields_ = stat[stat.rindex(")") + 2:].split()
     return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (/proc/PID/stat)."""
+    return stat_cpu_s(Path(f"/proc/{pid}/stat").read_text())
 
 
 def _spy(pid: int, seconds: float, out: str) -> subprocess.Popen[bytes]:

@@ -23,25 +23,24 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kvbeam.client import KvbeamClient
 from kvbeam.scheduler import run_request
+from tests.bench.bench_request import BENCH_DEADLINES, stat_cpu_s
 from tests.daemon_helpers import start_both
 
 
 def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     """{tid: (kernel thread name, CPU seconds so far)} for every thread of ``pid``."""
     out: dict[int, tuple[str, float]] = {}
-    tick = os.sysconf("SC_CLK_TCK")
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             stat = (task / "stat").read_text()
         except OSError:  # the thread ended between listing and reading
             continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+        out[int(task.name)] = (stat[stat.index("(") + 1:stat.rindex(")")], stat_cpu_s(stat))
     return out
 
 
@@ -109,24 +108,21 @@ def digest_speeds(mb: int = 10) -> None:
 
     import crc32c
     import numpy as np
+    import xxhash
 
     data = np.random.default_rng(1).integers(0, 256, mb << 20, dtype=np.uint8).tobytes()
-    cands = {"crc32c": crc32c.crc32c, "zlib.crc32": zlib.crc32}
-    try:
-        import xxhash
-        cands["xxh3_64"] = xxhash.xxh3_64_intdigest
-        cands["xxh3_128"] = xxhash.xxh3_128_intdigest
-    except ImportError:
-        pass
+    cands: dict[str, Callable[[bytes], object]] = {
+        "crc32c": crc32c.crc32c, "zlib.crc32": zlib.crc32,
+        "xxh3_64": xxhash.xxh3_64_intdigest, "xxh3_128": xxhash.xxh3_128_intdigest}
     for name, fn in cands.items():
         best = min(_timed(fn, data) for _ in range(3))
         print(f"digest {name:>10}: {mb / best:8.1f} MB/s ({best * 1e3:.1f} ms for {mb} MB)",
               flush=True)
 
 
-def _timed(fn: object, data: bytes) -> float:
+def _timed(fn: Callable[[bytes], object], data: bytes) -> float:
     t0 = time.perf_counter()
-    fn(data)  # type: ignore[operator]
+    fn(data)
     return time.perf_counter() - t0
 
 
@@ -143,8 +139,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.digests:
         digest_speeds()
-    flags = ["--integrity", args.integrity, "--log-level", "WARNING",
-             "--deadline-transfer-s", "120", "--peer-timeout-s", "60", *args.extra.split()]
+    flags = ["--integrity", args.integrity, "--log-level", "WARNING", *BENCH_DEADLINES,
+             *args.extra.split()]
     prefill, decode = start_both(transport=args.transport, prefill_extra=flags,
                                  decode_extra=flags)
     pids = {"prefill": prefill.proc.pid, "decode": decode.proc.pid}
