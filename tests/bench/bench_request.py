@@ -270,6 +270,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--paged", action="store_true")
     parser.add_argument("--no-integrity", action="store_true")
+    parser.add_argument("--daemon-flags", default="",
+                        help="more flags for both daemons, space-separated (e.g. "
+                             "'--qps-per-peer 2': the whole-request QP table of "
+                             "docs/performance.md)")
     parser.add_argument("--profile", metavar="DIR",
                         help="profile the first length's requests with py-spy instead")
     parser.add_argument("--profile-seconds", type=float, default=25.0)
@@ -294,7 +298,8 @@ def main() -> None:
     gid = int(os.environ.get("KVBEAM_RDMA_GID_INDEX", "0"))
     ref_gbps = ib_write_bw(device, gid, 65536, 5, 18515)
     rows = run_requests(args.paged, not args.no_integrity,
-                        [int(x) for x in args.lens.split(",")], args.repeat)
+                        [int(x) for x in args.lens.split(",")], args.repeat,
+                        extra=args.daemon_flags.split())
     ref_bps = ref_gbps * 1e9 / 8
     print(f"\nwhole DSV4 requests ({rows[0].mode}, integrity "
           f"{'off' if args.no_integrity else 'on'}) over {device}; ib_write_bw 64 KiB in the "
