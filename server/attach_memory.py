@@ -100,6 +100,16 @@ def _check_placement(refs: Sequence[tuple[str, BufferRef]], sizes: dict[int, int
                                   f"{a_off} + {a_len})", f"{b}.offset")
 
 
+def _holders(fd_index: int, req: AttachRequest, layout: SideLayout) -> str:
+    """The buffers fd ``fd_index`` holds, for a refusal: the first one and how many more."""
+    names = [f"components[{i}][{j}] {buf.name}"
+             for i, (comp, want) in enumerate(zip(req.components, layout.components,
+                                                  strict=True))
+             for j, (ref, buf) in enumerate(zip(comp, want.buffers, strict=True))
+             if ref.fd_index == fd_index]
+    return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+
+
 def map_engine_memory(req: AttachRequest, fds: list[int], role: str,
                       expected: SideConfig | None) -> EngineMemory:
     """Check the description, then map the fds it uses. Closes every fd in ``fds``
@@ -110,7 +120,8 @@ def map_engine_memory(req: AttachRequest, fds: list[int], role: str,
         refs = [(f"components[{i}][{j}]", ref) for i, comp in enumerate(req.components)
                 for j, ref in enumerate(comp)]
         used = sorted({ref.fd_index for _, ref in refs})
-        sizes = {k: shared_file_size(fds[k], f"fds[{k}]") for k in used}
+        sizes = {k: shared_file_size(fds[k], f"fds[{k}]", _holders(k, req, layout))
+                 for k in used}
         _check_placement(refs, sizes)
         slot = {k: n for n, k in enumerate(used)}
         for k in used:

@@ -10,12 +10,19 @@ MESSAGE``) and then serves commands on stdin, one answer line each:
 - ``digests SLOT SEQ_LEN``: CRC32C of each buffer's items of that request, in
   layout order (the items the slot-based index lists name), ``digests a,b,...``
 - ``detach`` / ``attach``: detach, or attach the same memory again
+- ``resize NBYTES``: ``ftruncate`` every fd of the pools to NBYTES (an engine shrinking
+  or growing memory a daemon maps): ``resized``, or ``resize refused: ERRNO_NAME``
+- ``punch``: punch a hole over every fd's whole size (``FALLOC_FL_PUNCH_HOLE``, which
+  size seals do not block; the pages read back as zeros): ``punched``
 - ``exit``
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import errno
+import os
 import sys
 from typing import Any
 
@@ -31,6 +38,28 @@ from kvbeam.pools.shm import create_memfd, map_shared
 from kvbeam.pools.spec import SideConfig
 
 PAGE = 4096
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def resize(fds: list[int], nbytes: int) -> str:
+    """``ftruncate`` every fd to ``nbytes``; the answer line."""
+    try:
+        for fd in fds:
+            os.ftruncate(fd, nbytes)
+    except OSError as exc:
+        return f"resize refused: {errno.errorcode.get(exc.errno or 0, str(exc.errno))}"
+    return "resized"
+
+
+def punch(fds: list[int]) -> str:
+    """Punch a hole over every fd's whole size; the answer line."""
+    for fd in fds:
+        if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0,
+                           os.fstat(fd).st_size) != 0:
+            return f"punch failed: {errno.errorcode.get(ctypes.get_errno(), '?')}"
+    return "punched"
 
 
 class Packed:
@@ -110,6 +139,10 @@ def main() -> int:
             print("detached", flush=True)
         elif cmd[0] == "attach":
             att = do_attach()
+        elif cmd[0] == "resize":
+            print(resize(buffers.fds, int(cmd[1])), flush=True)
+        elif cmd[0] == "punch":
+            print(punch(buffers.fds), flush=True)
         elif cmd[0] == "exit":
             break
     if att is not None:

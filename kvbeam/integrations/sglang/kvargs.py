@@ -2,8 +2,9 @@
 
 sglang hands a backend only pointers, lengths and item lengths: the main KV buffers,
 then one positional list per state component (``state_types``), the draft's last. The
-engine's pools must live in shareable memory (memfd/tmpfs, e.g. :class:`kvbeam.engine.
-EnginePools` or :class:`kvbeam.engine.SharedMemory`) whose fds the process still holds:
+engine's pools must live in size-sealed memfds (e.g. :class:`kvbeam.engine.EnginePools`
+or :class:`kvbeam.engine.SharedMemory`; the daemon refuses unsealed ones) whose fds the
+process still holds:
 each pointer is found in ``/proc/self/maps`` and its mapping's file matched, by device
 and inode, to an open fd. No sglang import here (the adapters pass its objects in).
 """
