@@ -25,6 +25,7 @@ import json
 import os
 import socket
 import struct
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -204,9 +205,12 @@ def reply_from_json(data: object) -> AttachReply:
 
 
 # ---- socket I/O ----------------------------------------------------------------------
-def _recv_exact(sock: socket.socket, n: int, head: bytes = b"") -> bytes:
+def _recv_exact(sock: socket.socket, n: int, head: bytes = b"",
+                deadline: float | None = None) -> bytes:
     buf = bytearray(head)
     while len(buf) < n:
+        if deadline is not None:
+            _time_left(sock, deadline, f"{len(buf)} of {n} bytes")
         chunk = sock.recv(n - len(buf))
         if not chunk:
             raise EOFError(f"connection closed after {len(buf)} of {n} bytes")
@@ -214,12 +218,26 @@ def _recv_exact(sock: socket.socket, n: int, head: bytes = b"") -> bytes:
     return bytes(buf)
 
 
-def read_message(sock: socket.socket, *, with_fds: bool = False) -> tuple[object, list[int]]:
+def _time_left(sock: socket.socket, deadline: float, progress: str) -> None:
+    """Bound the next read by what is left until ``deadline`` (monotonic)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"the message did not arrive whole in time ({progress} read)")
+    sock.settimeout(left)
+
+
+def read_message(sock: socket.socket, *, with_fds: bool = False,
+                 deadline: float | None = None) -> tuple[object, list[int]]:
     """Read one message (and the fds sent with its first bytes); raises EOFError at EOF.
 
-    Fds received are returned even when the body is refused later: the caller closes them.
+    With ``deadline`` (``time.monotonic()``) the whole message must arrive by then, however
+    the sender paces it (TimeoutError otherwise); without it, the socket's timeout bounds
+    each read. Fds received are returned even when the body is refused later: the caller
+    closes them.
     """
     fds: list[int] = []
+    if deadline is not None:
+        _time_left(sock, deadline, "nothing")
     if with_fds:
         head, fds, flags, _ = socket.recv_fds(sock, _LEN.size, MAX_FDS)
         if not head:
@@ -234,10 +252,10 @@ def read_message(sock: socket.socket, *, with_fds: bool = False) -> tuple[object
         if not head:
             raise EOFError("connection closed")
     try:
-        (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, head))
+        (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, head, deadline))
         if n > MAX_MESSAGE_BYTES:
             raise AttachError(f"attach message of {n} bytes exceeds {MAX_MESSAGE_BYTES}")
-        body = _recv_exact(sock, n)
+        body = _recv_exact(sock, n, deadline=deadline)
         try:
             return json.loads(body), fds
         except ValueError as exc:

@@ -1,10 +1,13 @@
 """The daemon's attach socket: a local engine hands over its pools (``--pools engine``).
 
-One long-lived thread serves a Unix stream socket (mode 0600, set before listen; its
-directory must not be writable by others). A connecting engine is checked by its
-peer credentials (SO_PEERCRED: the daemon's uid or one of ``--attach-allow-uid``),
-sends one attach message with its memfds (:mod:`kvbeam.proto.attach_codec`) and
-keeps the connection open: its lifetime is the attachment. A detach message, the
+One long-lived thread serves a Unix stream socket (mode 0600, set before listen, or
+0660 in ``--attach-group``; its directory must not be writable by others). A
+connecting engine is checked by its peer credentials (SO_PEERCRED: the daemon's uid
+or one of ``--attach-allow-uid``) as soon as it is accepted, before a byte of it is
+read: a stranger gets a refusal and the connection closed. An allowed engine then has
+:data:`READ_TIMEOUT_S` in all to send its one attach message with its memfds
+(:mod:`kvbeam.proto.attach_codec`), and keeps the connection open: its lifetime is
+the attachment. A detach message, the
 socket closing or the engine dying ends it; the runtime then fails the requests on
 that memory and unmaps it, and the next engine may attach. One engine at a time: a
 second one is refused with the first one's pid.
@@ -13,6 +16,7 @@ second one is refused with the first one's pid.
 from __future__ import annotations
 
 import contextlib
+import grp
 import logging
 import os
 import selectors
@@ -20,6 +24,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +40,8 @@ from kvbeam.proto.attach_codec import (
 
 log = logging.getLogger(__name__)
 
-#: Seconds a connecting engine has to send its message (the loop serves nothing else meanwhile).
+#: Seconds a connecting engine has to send its whole attach message, however it paces
+#: it (the loop serves nothing else meanwhile).
 READ_TIMEOUT_S = 5.0
 #: How often the loop checks for stop, seconds.
 TICK_S = 0.2
@@ -94,6 +100,39 @@ def _prepare_path(path: str) -> None:
     raise AttachError(f"--attach-socket {path}: another daemon listens there")
 
 
+def _group_id(group: str) -> int:
+    """``--attach-group``'s gid (a name or a number)."""
+    try:
+        return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise AttachError(f"--attach-group {group}: no such group") from None
+
+
+def _socket_mode(path: str, allow_uids: Sequence[int], group: str) -> None:
+    """Give the bound socket its owner-only or group mode (before listen: nobody can
+    connect in between). Never world-writable: who may connect is who may attach."""
+    if not group:
+        os.chmod(path, 0o600)
+        others = sorted(u for u in allow_uids if u not in (0, os.getuid()))
+        if others:
+            log.warning("--attach-allow-uid %s without --attach-group: the socket is mode 0600, "
+                        "so only the daemon's uid and root can connect; give --attach-group "
+                        "a group those uids are in", ",".join(map(str, others)))
+        return
+    gid = _group_id(group)
+    try:
+        os.chown(path, -1, gid)
+    except PermissionError:
+        raise AttachError(f"--attach-group {group}: cannot give the socket group {gid} (the "
+                          "daemon's user must be a member of it)") from None
+    os.chmod(path, 0o660)
+    parent = os.stat(os.path.dirname(os.path.abspath(path)))
+    if not (parent.st_mode & 0o001 or (parent.st_gid == gid and parent.st_mode & 0o010)):
+        log.warning("--attach-group %s: the socket's directory (mode %o, gid %d) does not let "
+                    "that group reach the socket; give it the group and mode 0710", group,
+                    stat.S_IMODE(parent.st_mode), parent.st_gid)
+
+
 class AttachServer:
     """Serve the attach socket on one thread; the callbacks do the attach and the detach.
 
@@ -103,11 +142,13 @@ class AttachServer:
         on_attach: checks, maps and registers the memory, returns the new instance id;
             raises (AttachError, ...) to refuse. Owns the fds it is given.
         on_detach: fails the requests on the memory and releases it; gets the reason.
+        group: ``--attach-group`` (a name or gid): the socket gets that group and mode
+            0660 so its members can connect; "" keeps it 0600 (the daemon's uid, root).
     """
 
     def __init__(self, path: str, allow_uids: Sequence[int],
                  on_attach: Callable[[AttachRequest, list[int], PeerCred], str],
-                 on_detach: Callable[[str], None]) -> None:
+                 on_detach: Callable[[str], None], *, group: str = "") -> None:
         self.path = path
         self.allowed = {os.getuid(), *allow_uids}
         self._on_attach = on_attach
@@ -119,11 +160,12 @@ class AttachServer:
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._listener.bind(path)
-            # Before listen: nobody can connect between bind and chmod.
-            os.chmod(path, 0o666 if allow_uids else 0o600)
+            _socket_mode(path, allow_uids, group)
             self._listener.listen(4)
         except BaseException:
             self._listener.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
             raise
 
     @property
@@ -166,14 +208,20 @@ class AttachServer:
 
     def _accept(self, sel: selectors.BaseSelector) -> None:
         conn, _ = self._listener.accept()
-        conn.settimeout(READ_TIMEOUT_S)
         cred = peer_cred(conn)
+        if cred.uid not in self.allowed:
+            self._refuse_stranger(conn, cred)
+            return
+        conn.settimeout(READ_TIMEOUT_S)
         try:
-            data, fds = read_message(conn, with_fds=True)
+            data, fds = read_message(conn, with_fds=True,
+                                     deadline=time.monotonic() + READ_TIMEOUT_S)
         except (EOFError, OSError, KvbeamError) as exc:
+            why = (f"{exc} (an attach message must arrive whole within {READ_TIMEOUT_S:g} s)"
+                   if isinstance(exc, TimeoutError) else str(exc))
             log.warning("attach from pid %d (uid %d): unreadable message: %s", cred.pid,
-                        cred.uid, exc)
-            self._answer(conn, AttachReply(False, f"unreadable attach message: {exc}"))
+                        cred.uid, why)
+            self._answer(conn, AttachReply(False, f"unreadable attach message: {why}"))
             conn.close()
             return
         try:
@@ -202,13 +250,17 @@ class AttachServer:
         sel.register(conn, selectors.EVENT_READ, "engine")
         log.info("engine pid %d (uid %d) attached on %s", cred.pid, cred.uid, self.path)
 
+    def _refuse_stranger(self, conn: socket.socket, cred: PeerCred) -> None:
+        """Refuse a uid that may not attach without reading anything it sent (its fds, if
+        any, are released with the connection)."""
+        log.warning("attach refused: peer uid %d (pid %d) is not allowed", cred.uid, cred.pid)
+        conn.setblocking(False)  # the short reply fits the socket buffer; never wait on it
+        self._answer(conn, AttachReply(
+            False, f"attach refused: peer uid {cred.uid} (pid {cred.pid}) is neither this "
+                   f"daemon's uid {os.getuid()} nor in --attach-allow-uid", "peer_uid"))
+        conn.close()
+
     def _admit(self, cred: PeerCred, data: object, fds: list[int]) -> AttachRequest:
-        if cred.uid not in self.allowed:
-            log.warning("attach refused: peer uid %d (pid %d) is not allowed", cred.uid,
-                        cred.pid)
-            raise AttachError(
-                f"attach refused: peer uid {cred.uid} (pid {cred.pid}) is neither this "
-                f"daemon's uid {os.getuid()} nor in --attach-allow-uid", "peer_uid")
         req = request_from_json(data, len(fds))
         engine = self._engine
         if engine is not None:

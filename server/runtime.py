@@ -183,7 +183,8 @@ class Runtime:
         if self.engine_mode:
             self.gauges = AttachGauges(self.metrics.registry)
             self.attach_server = AttachServer(self.attach_path, self.settings.attach_allow_uid,
-                                              self.attach_engine, self.detach_engine)
+                                              self.attach_engine, self.detach_engine,
+                                              group=self.settings.attach_group)
         self.server = ControlServer(self.local, servicer=servicer, options=self.options)
         # SERVING only while pools exist (always with --pools own).
         self.health = self.server.health = GatedHealth(lambda: self.attached, HEALTH_SERVICES)

@@ -147,7 +147,12 @@ OPTIONS: tuple[Option, ...] = (
            "$XDG_RUNTIME_DIR/kvbeam/ROLE-PORT.sock, else /tmp/kvbeam-UID/ROLE-PORT.sock)"),
     Option("attach_allow_uid", "KVBEAM_ATTACH_ALLOW_UID", _uids, (),
            "--pools engine: a uid besides the daemon's own that may attach (repeatable; "
-           "variable: comma-separated); the socket is then mode 0666, the uid check guards it"),
+           "variable: comma-separated); checked on connect, before anything is read. The "
+           "socket stays mode 0600: give --attach-group so that uid can connect"),
+    Option("attach_group", "KVBEAM_ATTACH_GROUP", str, "",
+           "--pools engine: a group (name or gid) whose members may connect to the attach "
+           "socket (it gets that group and mode 0660; its directory needs the group's x "
+           "bit); only uids of --attach-allow-uid are then admitted. Empty: mode 0600"),
     Option("deadline_bootstrap_s", "KVBEAM_DEADLINE_BOOTSTRAP_S", float, 10.0,
            "seconds allowed in Bootstrapping (handshake, reservation lease)"),
     Option("deadline_waiting_s", "KVBEAM_DEADLINE_WAITING_S", float, 30.0,
@@ -238,6 +243,7 @@ class DaemonSettings:
     pools: str = "own"
     attach_socket: str = ""
     attach_allow_uid: tuple[int, ...] = ()
+    attach_group: str = ""
     resend_retries: int = 2
 
     def transfer_budget_s(self, nbytes: int) -> float:

@@ -1,4 +1,5 @@
-"""``--pools``, ``--attach-socket`` and ``--attach-allow-uid``: flags, variables, defaults."""
+"""``--pools``, ``--attach-socket``, ``--attach-allow-uid`` and ``--attach-group``: flags,
+variables, defaults."""
 
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ def test_pools_engine_needs_no_config_and_takes_repeated_uids() -> None:
     assert (s.pools, s.attach_allow_uid, s.attach_socket) == ("engine", (7,), "/s")
     with pytest.raises(ConfigError, match="KVBEAM_ATTACH_ALLOW_UID: not a uid: 'x'"):
         resolve("prefill", daemon_args(), environ={**env, "KVBEAM_ATTACH_ALLOW_UID": "x"})
+
+
+def test_attach_group_is_empty_by_default_and_taken_from_flag_or_variable() -> None:
+    assert resolve("decode", daemon_args("--pools", "engine"), environ={}).attach_group == ""
+    s = resolve("decode", daemon_args("--pools", "engine", "--attach-group", "kvbeam"),
+                environ={"KVBEAM_ATTACH_GROUP": "other"})
+    assert s.attach_group == "kvbeam"
+    s = resolve("decode", daemon_args("--pools", "engine"), environ={"KVBEAM_ATTACH_GROUP": "7"})
+    assert s.attach_group == "7"
 
 
 def test_default_socket_path_names_role_and_port(monkeypatch: pytest.MonkeyPatch) -> None:
