@@ -216,6 +216,7 @@ class AttachServer:
         try:
             data, fds = read_message(conn, with_fds=True,
                                      deadline=time.monotonic() + READ_TIMEOUT_S)
+            conn.settimeout(READ_TIMEOUT_S)  # not what the deadline left: for later messages
         except (EOFError, OSError, KvbeamError) as exc:
             why = (f"{exc} (an attach message must arrive whole within {READ_TIMEOUT_S:g} s)"
                    if isinstance(exc, TimeoutError) else str(exc))

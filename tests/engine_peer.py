@@ -14,6 +14,8 @@ MESSAGE``) and then serves commands on stdin, one answer line each:
   or growing memory a daemon maps): ``resized``, or ``resize refused: ERRNO_NAME``
 - ``punch``: punch a hole over every fd's whole size (``FALLOC_FL_PUNCH_HOLE``, which
   size seals do not block; the pages read back as zeros): ``punched``
+- ``close-fds``: close every fd of the pools (keeping the engine's own mappings and the
+  attachment): ``closed``
 - ``exit``
 """
 
@@ -143,6 +145,11 @@ def main() -> int:
             print(resize(buffers.fds, int(cmd[1])), flush=True)
         elif cmd[0] == "punch":
             print(punch(buffers.fds), flush=True)
+        elif cmd[0] == "close-fds":
+            for fd in buffers.fds:
+                os.close(fd)
+            buffers.fds.clear()
+            print("closed", flush=True)
         elif cmd[0] == "exit":
             break
     if att is not None:

@@ -4,7 +4,8 @@ The reproduction of issue 22: two ``--pools engine`` daemons, engines attached t
 :mod:`kvbeam.engine`, then the prefill engine ``ftruncate``\\ s its memfds to 0 and a
 request is sent. Unsealed, the prefill daemon died of SIGBUS reading the source; the
 memfds are now sealed against shrinking and growing, so the engine's ``ftruncate`` fails
-with EPERM and the request moves. Punching a hole (which size seals do not block) zeroes
+with EPERM and the request moves (likewise for decode's engine, for growing, and after
+the engines closed their fds). Punching a hole (which size seals do not block) zeroes
 the pages for everybody, and nothing crashes. A memfd without the seals, a tmpfs file
 (which cannot carry seals) and a file on a disk filesystem are refused at attach, naming
 the fd, the buffer and the fix.
@@ -96,6 +97,10 @@ def test_an_engine_that_truncates_its_memory_cannot_kill_its_daemon(
                pair.de.cmd(f"resize {1 << 30}")]
     slot = _move(pair, "decode-truncated")
     assert answers == ["resize refused: EPERM"] * 3
+    assert pair.de.digests(slot, SEQ) == pair.pe.digests(0, SEQ)
+    # Closing its fds takes nothing from a daemon: its mappings hold the memory.
+    assert pair.pe.cmd("close-fds") == pair.de.cmd("close-fds") == "closed"
+    slot = _move(pair, "fds-closed")
     assert pair.de.digests(slot, SEQ) == pair.pe.digests(0, SEQ)
 
 

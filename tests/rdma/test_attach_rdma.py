@@ -1,7 +1,10 @@
 """Engine-attached memfd pools moved over RDMA (soft-RoCE): the daemons register the
 engines' memory (MRs over MAP_SHARED memfd mappings), a request lands in the decode
 engine's own memory, and the engine's SIGKILL deregisters and unmaps everything; a
-new engine attaches to the same daemon and a request moves again."""
+new engine attaches to the same daemon and a request moves again. The engines' memfds
+are sealed: an engine's ``ftruncate`` fails and cannot leave an MR over pages its file
+no longer has; punching holes (which seals do not block) crashes nothing and never
+passes for a good transfer."""
 
 from __future__ import annotations
 
@@ -56,6 +59,32 @@ def _cycle(p: KvbeamClient, d: KvbeamClient, prefill: DaemonProcess, decode: Dae
     return attached
 
 
+def _punched(p: KvbeamClient, d: KvbeamClient, prefill: DaemonProcess, decode: DaemonProcess,
+             pe: Engine, engines: list[Engine], dsock: str, cfg: str) -> None:
+    """Both engines punch holes over all their registered memory, then a request moves:
+    the MRs keep the old pages pinned while the CPU mappings see zeros, so the request
+    may fail its digest check, but nothing crashes and no mismatch passes as Success."""
+    engines.append(Engine(dsock, cfg, seed=9))
+    de = engines[-1]
+    assert de.attached and d.wait_healthy(30), de.first
+    assert wait_until(lambda: value(scrape(prefill.metrics), "kvbeam_peers") == 0, 30)
+    assert pe.cmd("punch") == "punched" and de.cmd("punch") == "punched"
+    res = d.reserve("rdma-punched", SEQ, prefill.address)
+    p.send("rdma-punched", 0, SEQ, decode.address)
+    states = {side: c.wait("rdma-punched", 120) for side, c in (("prefill", p), ("decode", d))}
+    landed, source = de.digests(res.slot, SEQ), pe.digests(0, SEQ)
+    print(f"\nafter punching both engines' memory: {({k: str(v) for k, v in states.items()})}; "
+          f"decode engine reads what the prefill engine reads: {landed == source}")
+    for daemon in (prefill, decode):
+        assert daemon.proc.poll() is None, (daemon.role, daemon.proc.poll(),
+                                            daemon.output[-2000:])
+    assert all(st.state in (TransferState.SUCCESS, TransferState.FAILED)
+               for st in states.values()), states
+    if states["decode"].state is TransferState.SUCCESS:
+        assert landed == source, "a transfer into punched memory passed its digest check"
+    assert p.healthy(5.0) and d.healthy(5.0)
+
+
 def test_attached_memfd_pools_move_requests_over_rdma(rdma_device: RdmaDevice,
                                                       tmp_path: Path) -> None:
     tmp_path.chmod(0o700)
@@ -74,6 +103,9 @@ def test_attached_memfd_pools_move_requests_over_rdma(rdma_device: RdmaDevice,
             assert pe.attached and p.wait_healthy(30), pe.first
             figures = []
             for n in (1, 2):  # the second cycle: a new engine on the same daemon
+                if n == 2:  # sealed: shrinking or regrowing registered memory is refused
+                    assert pe.cmd("resize 0") == "resize refused: EPERM"
+                    assert pe.cmd(f"resize {1 << 30}") == "resize refused: EPERM"
                 engines.append(Engine(dsock, cfg, seed=1 + n))
                 attached = _cycle(p, d, prefill, decode, pe, engines[-1], f"rdma-{n}")
                 wait_until(lambda: proc_counts(pid)["fds"] <= before["fds"], 10)
@@ -88,6 +120,7 @@ def test_attached_memfd_pools_move_requests_over_rdma(rdma_device: RdmaDevice,
                   + f"; fds open after that were not before: {dict(extra)}")
             # Nothing accumulates per attach: the second cycle ends where the first did.
             assert figures[1][1]["fds"] <= figures[0][1]["fds"], figures
+            _punched(p, d, prefill, decode, pe, engines, dsock, cfg)
     finally:
         for e in engines:
             e.stop()
