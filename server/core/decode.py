@@ -37,6 +37,7 @@ from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.base import request_bytes
 from kvbeam.server.core.decode_landing import Reservation
 from kvbeam.server.core.decode_offer import DecodeOffer
+from kvbeam.server.core.decode_pages import PageBook
 from kvbeam.server.core.ports import (
     PrefillPeers,
     report_link_failure,
@@ -84,6 +85,7 @@ class DecodeCore(DecodeOffer):
         self._lock = threading.Lock()
         self._res: dict[str, Reservation] = {}
         self._by_transfer: dict[int, str] = {}
+        self._pages = PageBook()  # no destination item in two live reservations
         self._ids = itertools.count(1)
 
     # ---- API ---------------------------------------------------------------------------
@@ -96,6 +98,8 @@ class DecodeCore(DecodeOffer):
         destination lists (docs/indices.md), validated before anything is held. The
         reservation still holds a request slot (the capacity: at most
         ``num_req_slots`` in flight), but the lists are the address: its slot is -1.
+        Lists naming an item a live reservation holds are refused
+        (:class:`~kvbeam.server.core.decode_pages.PageBook`), before anything is held.
         """
         lists = None
         if indices or draft:
@@ -104,12 +108,19 @@ class DecodeCore(DecodeOffer):
                              shorter_why="decode's integrity check off, since prefill digests "
                                          "its whole lists")
         slot = self.slots.acquire(request_id)
+        dst, dst_draft = lists or (request_indices(self.spec, slot, seq_len), {})
         try:
-            self.table.create(request_id, prefill_address)
+            with self._lock:
+                self._pages.claim(request_id, dst, dst_draft)
+            try:
+                self.table.create(request_id, prefill_address)
+            except Exception:
+                with self._lock:
+                    self._pages.release(request_id)
+                raise
         except Exception:
             self.slots.release(request_id)
             raise
-        dst, dst_draft = lists or (request_indices(self.spec, slot, seq_len), {})
         nbytes = request_bytes(self.layout, dst, dst_draft)
         slot = slot if lists is None else -1
         with self._lock:
@@ -151,6 +162,11 @@ class DecodeCore(DecodeOffer):
             if relink and snap.state is TransferState.SUCCESS:
                 raise AlreadyLanded(f"request {request_id} landed and was verified before "
                                     "the resend: nothing to write again")
+            if relink and res.verifying:
+                # Every byte of the old link's writes landed (its notification came) and
+                # is being verified: a new landing must not reset it under the check.
+                raise AlreadyLanded(f"request {request_id} landed before the resend and "
+                                    "its verification is under way: nothing to write again")
             if snap.state is TransferState.BOOTSTRAPPING:
                 self.table.advance(request_id, TransferState.WAITING_FOR_INPUT)
                 self.table.advance(request_id, TransferState.TRANSFERRING)
@@ -186,21 +202,41 @@ class DecodeCore(DecodeOffer):
         self._free(request_id, "released by the scheduler")
         return snap
 
-    def abort(self, request_id: str, *, from_peer: bool, detail: str) -> TransferStatus:
-        """Abort a request: fail it, make sure prefill stops writing, free the slot."""
+    def abort(self, request_id: str, *, from_peer: bool, detail: str,
+              instance_id: str = "") -> TransferStatus:
+        """Abort a request: fail it, make sure prefill stops writing, free the slot.
+
+        ``from_peer`` (prefill reports its own failure, its writes drained) frees the
+        slot at once only when ``instance_id`` is the prefill instance the request was
+        granted to (BeginWrite or Offer), or no prefill was granted it (none can be
+        writing). Anyone else's claim is a scheduler's abort: prefill drains first.
+        """
         snap = self.status(request_id)
         if snap.state is TransferState.SUCCESS:
             self._free(request_id, "aborted after Success")
             return snap
-        if from_peer:
+        with self._lock:  # decided and failed at once: no grant can come in between
+            res = self._res.get(request_id)
+            granted = res.peer_instance if res is not None else ""
+            by_prefill = from_peer and bool(instance_id) and granted in ("", instance_id)
+            if by_prefill:
+                detail = detail or "aborted by prefill"
+                failed = self.table.fail(request_id, FailureReason.PEER_FAILED, detail)
+            else:
+                failed = self.table.fail(request_id, FailureReason.ABORTED, detail or "aborted")
+        if from_peer and not by_prefill:
+            log.warning("request %s: an Abort claiming to come from prefill names instance "
+                        "%r, not %s, the prefill instance granted the request: taken as a "
+                        "scheduler's abort (prefill drains first)", request_id, instance_id,
+                        granted or "(none yet)", extra=fields(request_id, snap.peer))
+        if by_prefill:
             # Prefill failed or was aborted and has drained its writes: free at once.
-            detail = detail or "aborted by prefill"
-            if self.table.fail(request_id, FailureReason.PEER_FAILED, detail) is not None:
+            if failed is not None:
                 log.warning("request %s failed: prefill reported: %s", request_id, detail,
                             extra=fields(request_id, snap.peer))
             self._free(request_id, "prefill aborted")
             return self.status(request_id)
-        if self.table.fail(request_id, FailureReason.ABORTED, detail or "aborted") is not None:
+        if failed is not None:
             log.info("request %s aborted by the scheduler", request_id,
                      extra=fields(request_id, snap.peer))
             self._stop_prefill_then_free(request_id, detail or "aborted on decode")
@@ -239,13 +275,14 @@ class DecodeCore(DecodeOffer):
                 res.landed, res.landed_at = True, time.monotonic()
                 self._transferring(res.request_id)
                 go = self._ready(res)
+                tid = res.transfer_id
         if res is None or not ok:
             log.warning("completion for unknown transfer id %s on link %d ignored",
                         event.transfer_id, event.link,
                         extra=fields(rid, conn.control_address if conn else None))
             return
         if go:  # else the digests are still to come (Digests triggers it)
-            self.io.submit(self._verify, res)
+            self.io.submit(self._verify, res, tid)
 
     def _transferring(self, rid: str) -> None:
         """An offered request landed without a BeginWrite: it is Transferring now (its
@@ -315,8 +352,10 @@ class DecodeCore(DecodeOffer):
             self._free(rid, "shutdown")
 
     def _adopt(self, spec: PoolSpec) -> None:
-        """An engine attached: reserve slots of its config from now on."""
+        """An engine attached: reserve slots (and its items) of its config from now on."""
         self.slots = SlotPool(spec.num_req_slots)
+        with self._lock:
+            self._pages = PageBook()
 
     # ---- helpers -----------------------------------------------------------------------
     def _reservation(self, rid: str) -> Reservation:
@@ -330,6 +369,7 @@ class DecodeCore(DecodeOffer):
             res = self._res.pop(rid, None)
             if res is not None:
                 self._by_transfer.pop(res.transfer_id, None)
+            self._pages.release(rid)
         if res is not None and self.slots.release(rid) is not None:
             log.info("request %s: slot %d freed (%s)", rid, res.slot, why,
                      extra=fields(rid, res.prefill_address))
