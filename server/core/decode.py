@@ -12,9 +12,12 @@ stays held until the scheduler's Release (the engine took over) or the hand-off
 lease expires.
 
 No slot is freed while the prefill side might still write into it: a failure decode
-originates after prefill began writing is propagated to prefill first (prefill
-drains its writes before answering); if prefill cannot confirm, the link to it is
-torn down, after which no write from it can land.
+originates after prefill began writing is propagated to prefill first, and the slot
+is freed once prefill confirms its writes drained (in its answer, or by its own
+Abort once they have), or once the link they would come over is released. An abort
+prefill does not confirm keeps only that request's slot: decode asks again, and
+after the request's transfer budget releases that one link (its other requests stay
+for prefill's resend), never failing the peer's other requests.
 """
 
 from __future__ import annotations
@@ -55,11 +58,19 @@ from kvbeam.transport import Event, EventKind
 
 log = logging.getLogger(__name__)
 
+#: Seconds between decode's repeats of an Abort prefill has not confirmed.
+ASK_AGAIN_S = 1.0
+#: Repeated Aborts in flight at once (each an RPC on the bounded executor).
+MAX_ASKING = 2
+#: Deadline of the Aborts shutdown and detach send, all at once, s.
+SHUTDOWN_ABORT_S = 1.0
+
 
 class DecodeCore(DecodeOffer):
     """All of decode's request state; the servicer and the runtime's loops call in."""
 
     role = "decode"
+    ask_again_s = ASK_AGAIN_S
 
     def __init__(self, *, table: TransferTable, peers: Peers, prefill: PrefillPeers,
                  io: Executor, spec: PoolSpec | None, layout: SideLayout | None,
@@ -304,10 +315,32 @@ class DecodeCore(DecodeOffer):
         with self._lock:
             stale = [(r.request_id, r.prefill_address) for r in self._res.values()
                      if r.success_at is not None and now - r.success_at > self.handoff_lease_s]
+            ask, overdue = self._unconfirmed_due(now)
         for rid, peer in stale:
             log.warning("request %s: no Release within the %.0f s hand-off lease; slot freed",
                         rid, self.handoff_lease_s, extra=fields(rid, peer))
             self._free(rid, "hand-off lease expired")
+        for res in ask:
+            self.io.submit(self._drain_then_free, res, res.abort_detail)
+        for res in overdue:
+            self.io.submit(self._release_link_of, res)
+
+    def _unconfirmed_due(self, now: float) -> tuple[list[Reservation], list[Reservation]]:
+        """Aborts prefill has not confirmed: those to ask again (a few at a time), and
+        those past their transfer budget, whose link goes. Core lock held."""
+        ask: list[Reservation] = []
+        overdue: list[Reservation] = []
+        asking = sum(r.asking for r in self._res.values())
+        for r in self._res.values():
+            if r.unconfirmed_since is None or r.asking:
+                continue
+            if now - r.unconfirmed_since > self.transfer_budget(r.nbytes):
+                r.asking = True
+                overdue.append(r)
+            elif now - r.asked_at >= self.ask_again_s and asking < MAX_ASKING:
+                r.asking, asking = True, asking + 1
+                ask.append(r)
+        return ask, overdue
 
     def on_peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
         """Close the link first (no more writes can land), then fail and free its requests.
@@ -322,6 +355,14 @@ class DecodeCore(DecodeOffer):
         self.peers.remove(conn, forget=gone)
         conn.close()
         if not gone:
+            # No write can land over the released link: requests that failed while
+            # prefill might still write over it (an abort not confirmed) are free now.
+            with self._lock:
+                on_link = [r.request_id for r in self._res.values() if r.link_id == conn.link.id]
+            for rid in on_link:
+                snap = self.table.get(rid)
+                if snap is not None and snap.state is TransferState.FAILED:
+                    self._free(rid, "its link was released: no write of it can land")
             return
         with self._lock:
             mine = [r for r in self._res.values()
@@ -336,13 +377,26 @@ class DecodeCore(DecodeOffer):
                 self._free(res.request_id, "peer lost")
 
     def shutdown(self, detail: str = "decode shutting down") -> None:
-        """Fail every live request (reason shutdown) and tell prefill, briefly."""
+        """Fail every live request (reason shutdown), tell prefill, release links, free.
+
+        Prefill is told of every request at once, within ``SHUTDOWN_ABORT_S`` in all
+        (a grace period must hold hundreds of live requests and a prefill that does not
+        answer); the slots are freed after the links are released, so no confirmation
+        is needed.
+        """
+        calls: list[tuple[PeerConn, str]] = []
         for snap in self.table.live():
             if self.table.fail(snap.request_id, FailureReason.SHUTDOWN, detail):
                 with self._lock:
                     res = self._res.get(snap.request_id)
-                if res is not None:
-                    self._tell_prefill(res, detail, timeout=1.0)
+                conn = self._prefill_conn(res) if res is not None else None
+                if conn is not None:
+                    calls.append((conn, snap.request_id))
+        if calls:
+            began = time.monotonic()
+            confirmed = self.prefill.abort_all(calls, detail, SHUTDOWN_ABORT_S)
+            log.info("%s: told prefill of %d live request(s) in %.2f s, %d confirmed", detail,
+                     len(calls), time.monotonic() - began, confirmed)
         for conn in self.peers.all():
             self.peers.remove(conn)
             conn.close()
@@ -386,17 +440,51 @@ class DecodeCore(DecodeOffer):
         self.io.submit(self._drain_then_free, res, detail)
 
     def _drain_then_free(self, res: Reservation, detail: str) -> None:
-        if not self._tell_prefill(res, detail):
-            conn = self.peers.get(res.peer_instance)
-            if conn is not None:
-                self.on_peer_lost(conn, f"prefill did not confirm the abort of "
-                                        f"{res.request_id}")
-        self._free(res.request_id, detail)
+        """Free once prefill confirms its writes drained, or once their link is gone;
+        otherwise hold only this slot (``periodic`` asks again, then releases the link)."""
+        if self._tell_prefill(res, detail) or self._link_gone(res):
+            self._free(res.request_id, detail)
+            return
+        now = time.monotonic()
+        with self._lock:
+            res.asking, res.asked_at = False, now
+            first = self._res.get(res.request_id) is res and res.unconfirmed_since is None
+            if first:
+                res.unconfirmed_since, res.abort_detail = now, detail
+        if first:
+            log.warning("request %s: prefill did not confirm that its writes drained; slot %d "
+                        "stays held until it does, its link goes, or %.0f s pass (then decode "
+                        "releases that link); the peer's other requests go on", res.request_id,
+                        res.slot, self.transfer_budget(res.nbytes),
+                        extra=fields(res.request_id, res.prefill_address))
 
-    def _tell_prefill(self, res: Reservation, detail: str, timeout: float | None = None) -> bool:
-        """Abort the request on prefill (it drains first); True when prefill confirmed."""
+    def _link_gone(self, res: Reservation) -> bool:
+        """The link the request was granted on is released: none of its writes can land."""
+        conn = self.peers.get(res.peer_instance)
+        return conn is None or conn.closed or conn.link.id != res.link_id
+
+    def _release_link_of(self, res: Reservation) -> None:
+        """An abort unconfirmed past the request's transfer budget: release its link only."""
+        conn = self.peers.get(res.peer_instance)
+        if conn is not None and conn.link.id == res.link_id:
+            log.warning("request %s: prefill did not confirm its writes drained within %.0f s: "
+                        "releasing the link to %s; requests on it stay for prefill's resend",
+                        res.request_id, self.transfer_budget(res.nbytes), conn.control_address,
+                        extra=fields(res.request_id, res.prefill_address))
+            self.on_peer_lost(conn, f"prefill did not confirm the abort of {res.request_id}",
+                              gone=False)
+        self._free(res.request_id, "its link was released: no write of it can land")
+
+    def _prefill_conn(self, res: Reservation) -> PeerConn | None:
+        """The live connection to the request's prefill (the granted instance, if any)."""
         conn = (self.peers.get(res.peer_instance) if res.peer_instance
                 else self.peers.by_address(res.prefill_address))
-        if conn is None or conn.closed:
+        return None if conn is None or conn.closed else conn
+
+    def _tell_prefill(self, res: Reservation, detail: str, timeout: float | None = None) -> bool:
+        """Abort the request on prefill; True when prefill confirmed none of its writes
+        is in flight."""
+        conn = self._prefill_conn(res)
+        if conn is None:
             return False
         return self.prefill.abort(conn, res.request_id, detail, timeout)

@@ -63,6 +63,12 @@ class Reservation:
     landed_at: float = 0.0
     digests_at: float = 0.0
     verifying: bool = False          # verification is queued (once per landing)
+    # An abort prefill did not confirm (its writes may be in flight): when it was first
+    # left unconfirmed and last asked again; ``asking``: an Abort of it is under way.
+    unconfirmed_since: float | None = None
+    asked_at: float = 0.0
+    asking: bool = False
+    abort_detail: str = ""
 
 
 #: What a landed request waits for when its digests are missing (a timeout names it).

@@ -9,7 +9,7 @@ only ever called on the driver's bounded executor, never under a core lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from enum import Enum
@@ -112,4 +112,10 @@ class PrefillPeers(Protocol):
 
     def abort(self, conn: PeerConn, request_id: str, detail: str,
               timeout: float | None = None) -> bool:
-        """Abort a request on prefill, which drains its writes first; True when confirmed."""
+        """Abort a request on prefill; True when prefill confirmed none of its writes is
+        in flight (it answers within ``timeout``, and says so by Abort later if not)."""
+
+    def abort_all(self, calls: Sequence[tuple[PeerConn, str]], detail: str,
+                  timeout: float) -> int:
+        """Abort many requests (connection, request id) at once, all within ``timeout``
+        (shutdown, detach); returns how many prefill confirmed."""
