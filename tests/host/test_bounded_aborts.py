@@ -116,7 +116,7 @@ def test_decode_shutdown_with_256_live_requests_ends_inside_the_grace_period(
         st = core.status(f"live-{i}")
         assert st.state is TransferState.FAILED and st.reason is FailureReason.SHUTDOWN
         assert core.slot_of(f"live-{i}") == -1
-    core.io.shutdown(wait=False, cancel_futures=True)  # type: ignore[attr-defined]
+    core.io.shutdown(wait=False, cancel_futures=True)
 
 
 # ---- prefill's Abort handler ------------------------------------------------------------
