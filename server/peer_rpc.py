@@ -83,6 +83,28 @@ def _abort(client: ControlClient, request: pb.AbortRequest, timeout: float,
     return not left
 
 
+def _await_aborts(pending: Sequence[grpc.Future[pb.TransferStatus]], total: int,
+                  timeout: float, peer: str) -> int:
+    """Wait for Aborts started at once (each bounded by its own deadline); how many the
+    peer confirmed (answered with nothing in flight, or never heard of the request)."""
+    confirmed = unanswered = 0
+    for future in pending:
+        try:
+            future.result()
+            # A call's future is its Call too: the answer's trailing metadata.
+            metadata = future.trailing_metadata()  # type: ignore[attr-defined]
+            confirmed += not writes_in_flight(metadata)
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.NOT_FOUND:
+                confirmed += 1
+            else:
+                unanswered += 1
+    if unanswered or len(pending) < total:
+        log.info("%d of %d Abort(s) to %s not answered within %.1f s", total - confirmed,
+                 total, peer, timeout)
+    return confirmed
+
+
 class GrpcDecodePeers:
     """Prefill's calls to decode daemons."""
 
@@ -184,6 +206,31 @@ class GrpcDecodePeers:
         with self.dial(address) as client:  # never connected: a one-off channel
             return _abort(client, request, timeout, address)
 
+    def abort_all(self, calls: Sequence[tuple[PeerConn | None, str, str]], detail: str,
+                  timeout: float) -> int:
+        """Abort many requests on decode at once (gRPC futures, no thread each), all
+        within ``timeout``; returns how many decode confirmed."""
+        one_off: dict[str, ControlClient] = {}  # one channel per address never connected
+        pending = []
+        try:
+            for conn, address, request_id in calls:
+                request = pb.AbortRequest(request_id=request_id, detail=detail,
+                                          from_peer=True, instance_id=self.local.instance_id)
+                if conn is not None and not conn.closed:
+                    client = conn.client()
+                else:
+                    client = one_off.get(address) or one_off.setdefault(address,
+                                                                        self.dial(address))
+                try:
+                    pending.append(client.stub.Abort.future(request, timeout=timeout))
+                except (grpc.RpcError, ValueError) as exc:  # a channel closed meanwhile
+                    log.info("could not tell %s that %s failed: %s", address, request_id, exc,
+                             extra=fields(request_id, address))
+            return _await_aborts(pending, len(calls), timeout, "decode")
+        finally:
+            for client in one_off.values():
+                client.close()
+
 
 class GrpcPrefillPeers:
     """Decode's calls to prefill daemons."""
@@ -244,17 +291,4 @@ class GrpcPrefillPeers:
             except (grpc.RpcError, ValueError) as exc:  # a channel closed meanwhile
                 log.info("could not tell %s that %s failed: %s", conn.control_address,
                          request_id, exc, extra=fields(request_id, conn.control_address))
-        confirmed = unanswered = 0
-        for future in pending:
-            try:
-                future.result()  # bounded by the call's own deadline
-                confirmed += not writes_in_flight(future.trailing_metadata())
-            except grpc.RpcError as exc:
-                if exc.code() is grpc.StatusCode.NOT_FOUND:
-                    confirmed += 1  # prefill never heard of it: nothing in flight
-                else:
-                    unanswered += 1
-        if unanswered:
-            log.info("%d of %d Abort(s) to prefill not answered within %.1f s", unanswered,
-                     len(calls), timeout)
-        return confirmed
+        return _await_aborts(pending, len(calls), timeout, "prefill")

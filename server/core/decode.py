@@ -42,6 +42,7 @@ from kvbeam.server.core.decode_landing import Reservation
 from kvbeam.server.core.decode_offer import DecodeOffer
 from kvbeam.server.core.decode_pages import PageBook
 from kvbeam.server.core.ports import (
+    SHUTDOWN_ABORT_S,
     PrefillPeers,
     report_link_failure,
 )
@@ -62,8 +63,6 @@ log = logging.getLogger(__name__)
 ASK_AGAIN_S = 1.0
 #: Repeated Aborts in flight at once (each an RPC on the bounded executor).
 MAX_ASKING = 2
-#: Deadline of the Aborts shutdown and detach send, all at once, s.
-SHUTDOWN_ABORT_S = 1.0
 
 
 class DecodeCore(DecodeOffer):

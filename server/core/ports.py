@@ -27,6 +27,11 @@ from kvbeam.transport.base import Event
 
 IndexLists = dict[IndexKind, npt.NDArray[np.int64]]
 
+#: Deadline of the Aborts a core sends at shutdown or detach, all at once, s: with
+#: hundreds of live requests and a peer that does not answer, the whole shutdown still
+#: fits a 30 s termination grace period.
+SHUTDOWN_ABORT_S = 1.0
+
 
 def require_status(table: TransferTable, request_id: str, side: str) -> TransferStatus:
     """The request's status; UnknownRequest when ``side`` does not know it."""
@@ -96,6 +101,11 @@ class DecodePeers(Protocol):
     def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
               timeout: float | None = None) -> bool:
         """Tell decode a request failed here (best effort); True when decode confirmed."""
+
+    def abort_all(self, calls: Sequence[tuple[PeerConn | None, str, str]], detail: str,
+                  timeout: float) -> int:
+        """Tell decode of many failed requests (connection or None, address, request id)
+        at once, all within ``timeout`` (shutdown, detach); returns how many confirmed."""
 
 
 class PrefillPeers(Protocol):

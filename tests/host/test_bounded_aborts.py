@@ -2,7 +2,7 @@
 
 - Decode's shutdown and engine detach with 256 live requests, against a prefill that
   never answers an Abort, end well inside a 30 s Kubernetes grace period (the grace is
-  the functional requirement; the time is printed).
+  the functional requirement; the time is printed); prefill's shutdown likewise.
 - Prefill's Abort answers within its caller's deadline even when the request's writes
   never drain, says in the trailing metadata that they are in flight, and 40 at once
   leave its heartbeats answered (a daemon has 16 handler threads).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import replace
 from types import SimpleNamespace
@@ -28,17 +28,23 @@ from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.side import SideInfo
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.ports import WriteGrant
+from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.lifecycle import Deadlines, TransferTable
-from kvbeam.server.peer_rpc import WRITES_IN_FLIGHT_KEY, Dialer, GrpcPrefillPeers
+from kvbeam.server.peer_rpc import (
+    WRITES_IN_FLIGHT_KEY,
+    Dialer,
+    GrpcDecodePeers,
+    GrpcPrefillPeers,
+)
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.server.prefill import PrefillServicer
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.settings import ControlOptions, resolve
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Link
-from tests.core_fakes import FakeDecode, FakeLink, wait_for
+from tests.core_fakes import FakeDecode, FakeLink, fake_conn, wait_for
 from tests.fixtures import UNIFIED_TARGET, layout, shipped_config
 
 #: Kubernetes' default termination grace period, s: shutdown must end inside it.
@@ -116,6 +122,57 @@ def test_decode_shutdown_with_256_live_requests_ends_inside_the_grace_period(
         st = core.status(f"live-{i}")
         assert st.state is TransferState.FAILED and st.reason is FailureReason.SHUTDOWN
         assert core.slot_of(f"live-{i}") == -1
+    core.io.shutdown(wait=False, cancel_futures=True)
+
+
+class SilentDecode(FakeDecode):
+    """Prefill's view of a decode whose control server answers no Abort: the handshake and
+    BeginWrite are faked (writes never complete), Abort goes over real gRPC."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(AllocatedSide(layout()))
+        self.options = ControlOptions(rpc_timeout_s=5.0)
+        self.grpc = GrpcDecodePeers(
+            lambda: cast(SideInfo, SimpleNamespace(instance_id="prefill-under-test")),
+            cast(Any, None), Dialer(self.options), cast(Any, None))
+        self.address = address
+
+    def connect(self, address: str) -> PeerConn:
+        conn = fake_conn(address, self.side)
+        return PeerConn(conn.peer, conn.link, Dialer(self.options), conn.addrs)
+
+    def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
+              timeout: float | None = None) -> bool:
+        return self.grpc.abort(conn, address, request_id, detail, timeout)
+
+    def abort_all(self, calls: Sequence[tuple[PeerConn | None, str, str]], detail: str,
+                  timeout: float) -> int:
+        return self.grpc.abort_all(calls, detail, timeout)
+
+
+def test_prefill_shutdown_with_256_live_requests_ends_inside_the_grace_period(
+        silent_prefill: tuple[str, list[str]]) -> None:
+    address, calls = silent_prefill  # the same silent server, as decode this time
+    core = PrefillCore(table=TransferTable(Deadlines()), peers=Peers(),
+                       decode=SilentDecode(address),
+                       io=futures.ThreadPoolExecutor(8, thread_name_prefix="test-io"),
+                       spec=UNIFIED_TARGET, layout=layout(), pools=AllocatedSide(layout()),
+                       integrity=False, faults=FaultHooks(), drain_s=24.0)
+    for i in range(LIVE):
+        core.send(f"live-{i}", i % UNIFIED_TARGET.num_req_slots, 100, address, [], True)
+    assert wait_for(lambda: all(core.in_flight(f"live-{i}") == 1 for i in range(LIVE)), 30)
+    began = time.monotonic()
+    worker = threading.Thread(target=core.shutdown, daemon=True)
+    worker.start()
+    worker.join(GRACE_S)
+    took = time.monotonic() - began
+    print(f"\nprefill shutdown with {LIVE} live requests, decode answering no Abort: "
+          f"{took:.2f} s (grace {GRACE_S:.0f} s)")
+    assert not worker.is_alive(), f"shutdown still running after {GRACE_S:.0f} s"
+    assert took < GRACE_S
+    assert calls, "decode was never told"
+    for i in range(LIVE):
+        assert core.status(f"live-{i}").reason is FailureReason.SHUTDOWN
     core.io.shutdown(wait=False, cancel_futures=True)
 
 
