@@ -249,7 +249,9 @@ class PrefillEvents:
                     rec.outstanding, self.drain_s,
                     extra=fields(rec.request_id, rec.decode_address))
         if conn is not None:
-            self.on_peer_lost(conn, f"writes of {rec.request_id} did not drain")
+            # Only the link goes: its other requests are resent on a new one (or fail
+            # and are told to decode), not failed with this one.
+            self.on_peer_lost(conn, f"writes of {rec.request_id} did not drain", gone=False)
 
     def periodic(self) -> None:
         """Abandon failed requests whose writes hang; forget requests that ended."""

@@ -113,3 +113,22 @@ def test_an_abort_never_confirmed_releases_that_link_only_and_frees_its_slot() -
     assert cast(FakeLink, conn.link).released and core.slot_of("r1") == -1
     assert core.status("r1").reason is FailureReason.ABORTED
     assert core.status("r2").state is TransferState.TRANSFERRING and core.slot_of("r2") != -1
+
+
+def test_writes_that_never_drain_release_their_link_but_fail_only_their_request() -> None:
+    core, fake = prefill_core(drain_s=0.1, resend_retries=1)
+    for rid in ("slow", "other"):
+        core.send(rid, 0, 300, ADDR, [], True)
+    link = _link(core)
+    assert wait_for(lambda: len(link.writes) == 2)
+    core.abort("slow", from_peer=False, detail="scheduler")  # its write never completes
+    core.periodic()
+    time.sleep(0.15)
+    core.periodic()  # past drain_s: the link is released, so no write of it can read on
+    assert wait_for(lambda: link.released)
+    for tid, _ in list(link.writes):  # as a released link flushes its writes
+        core.on_event(link.completion(tid, ok=False))
+    # Only the link went: the other request is resent on a new one, not failed.
+    assert wait_for(lambda: len(fake.begins) >= 3 or core.status("other").state.terminal)
+    assert core.status("other").state is TransferState.TRANSFERRING, core.status("other")
+    assert wait_for(lambda: "slow" in fake.aborts), "decode was not told it drained"
