@@ -121,7 +121,8 @@ class DecodeCore(DecodeOffer):
         dst, dst_draft = lists or (request_indices(self.spec, slot, seq_len), {})
         try:
             with self._lock:
-                self._pages.claim(request_id, dst, dst_draft)
+                self._pages.claim(request_id, dst, dst_draft,
+                                  draft_pool=self.layout.draft is not None)
             try:
                 self.table.create(request_id, prefill_address)
             except Exception:

@@ -6,7 +6,9 @@ would have two prefills write into it, and one request's KV land in another's: a
 engine's allocator bug, or a caller that does not own the pages it names. The book
 refuses the second reservation with :class:`~kvbeam.errors.BadIndexList`, naming both
 requests, the kind (and pool) and the item. Slot-based reservations are entered too,
-so an engine list cannot take a slot's pages either.
+so an engine list cannot take a slot's pages either. The draft pool's items are those
+its buffers address: the draft's own list of a kind where given, else the target's
+(:func:`~kvbeam.pools.plan.list_for`).
 
 One owner array per (pool, kind), grown to the largest index seen: a claim and a
 release are a handful of numpy operations, whatever the request's length. Not
@@ -22,6 +24,7 @@ import numpy.typing as npt
 
 from kvbeam.errors import BadIndexList
 from kvbeam.pools.engine_indices import NOUNS
+from kvbeam.pools.plan import list_for
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.ports import IndexLists
 
@@ -37,13 +40,18 @@ class PageBook:
         self._held: dict[str, tuple[int, list[tuple[_Key, npt.NDArray[np.int64]]]]] = {}
         self._handles = itertools.count(1)
 
-    def claim(self, request_id: str, indices: IndexLists, draft: IndexLists) -> None:
+    def claim(self, request_id: str, indices: IndexLists, draft: IndexLists, *,
+              draft_pool: bool) -> None:
         """Enter a reservation's lists; BadIndexList if a live one holds any of their items.
 
-        Nothing is entered when the claim is refused.
+        ``draft_pool``: the layout has a draft, whose items are entered too. Nothing is
+        entered when the claim is refused.
         """
-        lists = [((pool, kind), arr) for pool, given in (("target", indices), ("draft", draft))
-                 for kind, arr in given.items() if len(arr)]
+        given = {("target", k): v for k, v in indices.items()}
+        if draft_pool:
+            given.update({("draft", k): list_for(indices, draft, "draft", k)
+                          for k in {*indices, *draft}})
+        lists = [(key, arr) for key, arr in given.items() if len(arr)]
         for (pool, kind), arr in lists:
             owners = self._owners.get((pool, kind))
             if owners is None:

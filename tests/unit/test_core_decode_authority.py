@@ -121,3 +121,29 @@ def test_a_slot_based_reservation_may_not_take_an_engine_requests_pages() -> Non
     with pytest.raises(BadIndexList) as err:
         core.reserve("e", 300, PREFILL, indices=engine)
     assert "request s" in str(err.value)
+
+
+def test_the_draft_pools_items_are_owned_too() -> None:
+    core, _io, _prefill, _conn = _core()
+    rng = np.random.default_rng(3)
+    draft = random_lists(core.spec, core.layout, 300, rng, pool="draft")
+    first = random_lists(core.spec, core.layout, 300, rng)
+    core.reserve("a", 300, PREFILL, indices=first, draft=draft)
+    second = _disjoint(first, kind_items(core.layout))  # the target's items all differ
+    kind = next(iter(draft))
+    with pytest.raises(BadIndexList) as err:  # but the draft's own lists are the same
+        core.reserve("b", 300, PREFILL, indices=second, draft=draft)
+    assert err.value.pool == "draft" and err.value.kind == kind.value
+    assert "request a" in str(err.value) and f"draft {kind.value}" in str(err.value)
+
+
+def test_a_draft_list_may_not_take_what_a_slot_based_reservation_writes_in_the_draft() -> None:
+    core, _io, _prefill, _conn = _core()
+    slot_based = core.reserve("s", 300, PREFILL)  # its draft buffers use the target lists
+    draft_kinds = kind_items(core.layout, pool="draft")
+    target = _disjoint({k: v for k, v in slot_based.indices.items()
+                        if k in kind_items(core.layout)}, kind_items(core.layout))
+    draft = {k: slot_based.indices[k].copy() for k in draft_kinds}  # the slot's own items
+    with pytest.raises(BadIndexList) as err:
+        core.reserve("e", 300, PREFILL, indices=target, draft=draft)
+    assert err.value.pool == "draft" and "request s" in str(err.value)
