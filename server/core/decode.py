@@ -219,8 +219,9 @@ class DecodeCore(DecodeOffer):
 
         ``from_peer`` (prefill reports its own failure, its writes drained) frees the
         slot at once only when ``instance_id`` is the prefill instance the request was
-        granted to (BeginWrite or Offer), or no prefill was granted it (none can be
-        writing). Anyone else's claim is a scheduler's abort: prefill drains first.
+        granted to (BeginWrite or Offer) and still a verified peer, or no prefill was
+        granted it (none can be writing). Anyone else's claim is a scheduler's abort:
+        prefill drains first.
         """
         snap = self.status(request_id)
         if snap.state is TransferState.SUCCESS:
@@ -229,7 +230,9 @@ class DecodeCore(DecodeOffer):
         with self._lock:  # decided and failed at once: no grant can come in between
             res = self._res.get(request_id)
             granted = res.peer_instance if res is not None else ""
-            by_prefill = from_peer and bool(instance_id) and granted in ("", instance_id)
+            by_prefill = from_peer and bool(instance_id) and (
+                not granted or (granted == instance_id
+                                and self.peers.verified(instance_id) is not None))
             if by_prefill:
                 detail = detail or "aborted by prefill"
                 failed = self.table.fail(request_id, FailureReason.PEER_FAILED, detail)

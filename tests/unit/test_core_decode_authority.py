@@ -147,3 +147,14 @@ def test_a_draft_list_may_not_take_what_a_slot_based_reservation_writes_in_the_d
     with pytest.raises(BadIndexList) as err:
         core.reserve("e", 300, PREFILL, indices=target, draft=draft)
     assert err.value.pool == "draft" and "request s" in str(err.value)
+
+
+def test_a_granted_instance_that_is_no_longer_verified_cannot_skip_the_drain() -> None:
+    core, io, prefill, conn = _core()
+    core.reserve("r", 300, PREFILL)
+    core.begin_write("r", conn.instance_id, 300, True, False)
+    core.peers.forget(conn.instance_id)  # e.g. replaced by a restart being processed
+    core.abort("r", from_peer=True, detail="x", instance_id=conn.instance_id)
+    assert core.slot_of("r") != -1
+    io.run_all()
+    assert prefill.aborts == ["r"]
