@@ -139,4 +139,5 @@ class DecodeServicer(DaemonServicer):
         """Abort a request: fail it, make sure prefill stops writing, free the slot."""
         rid = request_id_of(request.request_id)
         return self._status(self.decode.abort(rid, from_peer=request.from_peer,
-                                              detail=request.detail))
+                                              detail=request.detail,
+                                              instance_id=request.instance_id))

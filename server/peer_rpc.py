@@ -9,7 +9,7 @@ call blocks; the cores make them on the driver's executor only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 
@@ -38,6 +38,20 @@ log = logging.getLogger(__name__)
 #: Send without it asks BeginWrite), so a slow or partitioned prefill must not make
 #: Reserve itself slow: a scheduler's own deadline on Reserve is a few seconds.
 OFFER_TIMEOUT_S = 1.0
+#: Trailing metadata of prefill's answer to Abort: the request's writes still in flight
+#: (absent or 0: drained). Prefill tells decode by Abort once they drained.
+WRITES_IN_FLIGHT_KEY = "kvbeam-writes-in-flight"
+
+
+def writes_in_flight(metadata: Iterable[tuple[str, str | bytes]] | None) -> int:
+    """The count :data:`WRITES_IN_FLIGHT_KEY` carries in trailing metadata (0 if none)."""
+    for key, value in metadata or ():
+        if key == WRITES_IN_FLIGHT_KEY:
+            try:
+                return max(0, int(value))
+            except (TypeError, ValueError):
+                return 1  # unreadable: not a confirmation
+    return 0
 
 
 class Dialer:
@@ -52,15 +66,43 @@ class Dialer:
 
 def _abort(client: ControlClient, request: pb.AbortRequest, timeout: float,
            address: str) -> bool:
+    """Abort on a peer; True when it confirmed none of the request's writes is in flight."""
     try:
-        client.stub.Abort(request, timeout=timeout)
+        _reply, call = client.stub.Abort.with_call(request, timeout=timeout)
     except grpc.RpcError as exc:
         if exc.code() is grpc.StatusCode.NOT_FOUND:
             return True  # the peer never heard of it: nothing of it is in flight
         log.info("could not tell %s that %s failed: %s", address, request.request_id,
                  exc.details(), extra=fields(request.request_id, address))
         return False
-    return True
+    left = writes_in_flight(call.trailing_metadata())
+    if left:
+        log.info("%s: %d write(s) of %s still in flight when it answered the Abort; it says "
+                 "so once they drained", address, left, request.request_id,
+                 extra=fields(request.request_id, address))
+    return not left
+
+
+def _await_aborts(pending: Sequence[grpc.Future[pb.TransferStatus]], total: int,
+                  timeout: float, peer: str) -> int:
+    """Wait for Aborts started at once (each bounded by its own deadline); how many the
+    peer confirmed (answered with nothing in flight, or never heard of the request)."""
+    confirmed = unanswered = 0
+    for future in pending:
+        try:
+            future.result()
+            # A call's future is its Call too: the answer's trailing metadata.
+            metadata = future.trailing_metadata()  # type: ignore[attr-defined]
+            confirmed += not writes_in_flight(metadata)
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.NOT_FOUND:
+                confirmed += 1
+            else:
+                unanswered += 1
+    if unanswered or len(pending) < total:
+        log.info("%d of %d Abort(s) to %s not answered within %.1f s", total - confirmed,
+                 total, peer, timeout)
+    return confirmed
 
 
 class GrpcDecodePeers:
@@ -164,6 +206,31 @@ class GrpcDecodePeers:
         with self.dial(address) as client:  # never connected: a one-off channel
             return _abort(client, request, timeout, address)
 
+    def abort_all(self, calls: Sequence[tuple[PeerConn | None, str, str]], detail: str,
+                  timeout: float) -> int:
+        """Abort many requests on decode at once (gRPC futures, no thread each), all
+        within ``timeout``; returns how many decode confirmed."""
+        one_off: dict[str, ControlClient] = {}  # one channel per address never connected
+        pending = []
+        try:
+            for conn, address, request_id in calls:
+                request = pb.AbortRequest(request_id=request_id, detail=detail,
+                                          from_peer=True, instance_id=self.local.instance_id)
+                if conn is not None and not conn.closed:
+                    client = conn.client()
+                else:
+                    client = one_off.get(address) or one_off.setdefault(address,
+                                                                        self.dial(address))
+                try:
+                    pending.append(client.stub.Abort.future(request, timeout=timeout))
+                except (grpc.RpcError, ValueError) as exc:  # a channel closed meanwhile
+                    log.info("could not tell %s that %s failed: %s", address, request_id, exc,
+                             extra=fields(request_id, address))
+            return _await_aborts(pending, len(calls), timeout, "decode")
+        finally:
+            for client in one_off.values():
+                client.close()
+
 
 class GrpcPrefillPeers:
     """Decode's calls to prefill daemons."""
@@ -209,3 +276,19 @@ class GrpcPrefillPeers:
                                   instance_id=self.local.instance_id)
         return _abort(conn.client(), request, timeout or self.options.rpc_timeout_s,
                       conn.control_address)
+
+    def abort_all(self, calls: Sequence[tuple[PeerConn, str]], detail: str,
+                  timeout: float) -> int:
+        """Abort many requests on their prefills at once: every call is started before
+        any answer is awaited (gRPC futures, no thread each), so all end within
+        ``timeout``; returns how many prefill confirmed."""
+        pending = []
+        for conn, request_id in calls:
+            request = pb.AbortRequest(request_id=request_id, detail=detail, from_peer=True,
+                                      instance_id=self.local.instance_id)
+            try:
+                pending.append(conn.client().stub.Abort.future(request, timeout=timeout))
+            except (grpc.RpcError, ValueError) as exc:  # a channel closed meanwhile
+                log.info("could not tell %s that %s failed: %s", conn.control_address,
+                         request_id, exc, extra=fields(request_id, conn.control_address))
+        return _await_aborts(pending, len(calls), timeout, "prefill")

@@ -20,9 +20,12 @@ from kvbeam.rpc_errors import handled
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.daemon_servicer import IO_WORKERS, DaemonServicer
-from kvbeam.server.peer_rpc import Dialer, GrpcDecodePeers
+from kvbeam.server.peer_rpc import WRITES_IN_FLIGHT_KEY, Dialer, GrpcDecodePeers
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.validation import request_id_of, seq_len_of
+
+#: What an Abort keeps of its caller's deadline for the answer's way back, s.
+ABORT_ANSWER_S = 0.25
 
 
 class PrefillServicer(DaemonServicer):
@@ -70,7 +73,14 @@ class PrefillServicer(DaemonServicer):
     @handled
     def Abort(self, request: pb.AbortRequest,
               context: grpc.ServicerContext) -> pb.TransferStatus:
-        """Fail the request, wait until none of its writes is in flight, tell decode."""
+        """Fail the request; answer within the caller's deadline, saying in the trailing
+        metadata (``kvbeam-writes-in-flight``) how many of its writes had not drained."""
         rid = request_id_of(request.request_id)
-        snap = self.prefill.abort(rid, from_peer=request.from_peer, detail=request.detail)
+        remaining = context.time_remaining()
+        wait_s = None if remaining is None else max(0.0, remaining - ABORT_ANSWER_S)
+        snap = self.prefill.abort(rid, from_peer=request.from_peer, detail=request.detail,
+                                  wait_s=wait_s)
+        left = self.prefill.in_flight(rid)
+        if left:
+            context.set_trailing_metadata(((WRITES_IN_FLIGHT_KEY, str(left)),))
         return self._status(snap)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any, cast
@@ -127,6 +128,10 @@ class FakeDecode:
         with self._lock:
             self.aborts.append(request_id)
         return True
+
+    def abort_all(self, calls: Sequence[tuple[PeerConn | None, str, str]], detail: str,
+                  timeout: float) -> int:
+        return sum(self.abort(conn, address, rid, detail, timeout) for conn, address, rid in calls)
 
 
 def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0,

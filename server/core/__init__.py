@@ -18,7 +18,8 @@ cores), prefill's :mod:`~kvbeam.server.core.prefill` (API, send path),
 prefill's :mod:`~kvbeam.server.core.offers` (decode's reservations ahead of Send,
 the digests after the writes); decode's :mod:`~kvbeam.server.core.decode` (API,
 events), :mod:`~kvbeam.server.core.decode_offer` (Offer) and
-:mod:`~kvbeam.server.core.decode_landing` (the record, verification).
+:mod:`~kvbeam.server.core.decode_landing` (the record, verification),
+:mod:`~kvbeam.server.core.decode_pages` (no item in two live reservations).
 
 Threads. The driver (``DaemonServicer``) owns ONE bounded executor
 (``ThreadPoolExecutor``, ``IO_WORKERS`` threads); every blocking step runs there:
@@ -35,8 +36,11 @@ RPC, a digest, a write post, a link's release or a memory registration.
 
 1. ``PrefillCore._lock`` / ``DecodeCore._lock`` (one per core; prefill's
    ``_drained`` condition shares it): every request record, the write and
-   transfer-id maps, the pending-handshake waiters. Held only for bookkeeping;
-   waiting on ``_drained`` (prefill's Abort) releases it.
+   transfer-id maps, the pending-handshake waiters, decode's page book
+   (:mod:`~kvbeam.server.core.decode_pages`). Held only for bookkeeping;
+   waiting on ``_drained`` (prefill's Abort) releases it. Prefill's
+   ``_abort_waiters`` counter is taken before it, never blocking (a full counter
+   means: answer without waiting).
 2. ``TransferTable._cond`` (:mod:`kvbeam.server.lifecycle`): the lifecycle states.
    Its ``on_change`` callback (metrics) runs after the lock is released.
 3. Leaves, which call nothing while held: ``Peers._lock``

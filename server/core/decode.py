@@ -12,9 +12,12 @@ stays held until the scheduler's Release (the engine took over) or the hand-off
 lease expires.
 
 No slot is freed while the prefill side might still write into it: a failure decode
-originates after prefill began writing is propagated to prefill first (prefill
-drains its writes before answering); if prefill cannot confirm, the link to it is
-torn down, after which no write from it can land.
+originates after prefill began writing is propagated to prefill first, and the slot
+is freed once prefill confirms its writes drained (in its answer, or by its own
+Abort once they have), or once the link they would come over is released. An abort
+prefill does not confirm keeps only that request's slot: decode asks again, and
+after the request's transfer budget releases that one link (its other requests stay
+for prefill's resend), never failing the peer's other requests.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.base import request_bytes
 from kvbeam.server.core.decode_landing import Reservation
 from kvbeam.server.core.decode_offer import DecodeOffer
+from kvbeam.server.core.decode_pages import PageBook
 from kvbeam.server.core.ports import (
+    SHUTDOWN_ABORT_S,
     PrefillPeers,
     report_link_failure,
 )
@@ -54,11 +59,17 @@ from kvbeam.transport import Event, EventKind
 
 log = logging.getLogger(__name__)
 
+#: Seconds between decode's repeats of an Abort prefill has not confirmed.
+ASK_AGAIN_S = 1.0
+#: Repeated Aborts in flight at once (each an RPC on the bounded executor).
+MAX_ASKING = 2
+
 
 class DecodeCore(DecodeOffer):
     """All of decode's request state; the servicer and the runtime's loops call in."""
 
     role = "decode"
+    ask_again_s = ASK_AGAIN_S
 
     def __init__(self, *, table: TransferTable, peers: Peers, prefill: PrefillPeers,
                  io: Executor, spec: PoolSpec | None, layout: SideLayout | None,
@@ -84,6 +95,7 @@ class DecodeCore(DecodeOffer):
         self._lock = threading.Lock()
         self._res: dict[str, Reservation] = {}
         self._by_transfer: dict[int, str] = {}
+        self._pages = PageBook()  # no destination item in two live reservations
         self._ids = itertools.count(1)
 
     # ---- API ---------------------------------------------------------------------------
@@ -96,6 +108,8 @@ class DecodeCore(DecodeOffer):
         destination lists (docs/indices.md), validated before anything is held. The
         reservation still holds a request slot (the capacity: at most
         ``num_req_slots`` in flight), but the lists are the address: its slot is -1.
+        Lists naming an item a live reservation holds are refused
+        (:class:`~kvbeam.server.core.decode_pages.PageBook`), before anything is held.
         """
         lists = None
         if indices or draft:
@@ -104,12 +118,20 @@ class DecodeCore(DecodeOffer):
                              shorter_why="decode's integrity check off, since prefill digests "
                                          "its whole lists")
         slot = self.slots.acquire(request_id)
+        dst, dst_draft = lists or (request_indices(self.spec, slot, seq_len), {})
         try:
-            self.table.create(request_id, prefill_address)
+            with self._lock:
+                self._pages.claim(request_id, dst, dst_draft,
+                                  draft_pool=self.layout.draft is not None)
+            try:
+                self.table.create(request_id, prefill_address)
+            except Exception:
+                with self._lock:
+                    self._pages.release(request_id)
+                raise
         except Exception:
             self.slots.release(request_id)
             raise
-        dst, dst_draft = lists or (request_indices(self.spec, slot, seq_len), {})
         nbytes = request_bytes(self.layout, dst, dst_draft)
         slot = slot if lists is None else -1
         with self._lock:
@@ -151,6 +173,11 @@ class DecodeCore(DecodeOffer):
             if relink and snap.state is TransferState.SUCCESS:
                 raise AlreadyLanded(f"request {request_id} landed and was verified before "
                                     "the resend: nothing to write again")
+            if relink and res.verifying:
+                # Every byte of the old link's writes landed (its notification came) and
+                # is being verified: a new landing must not reset it under the check.
+                raise AlreadyLanded(f"request {request_id} landed before the resend and "
+                                    "its verification is under way: nothing to write again")
             if snap.state is TransferState.BOOTSTRAPPING:
                 self.table.advance(request_id, TransferState.WAITING_FOR_INPUT)
                 self.table.advance(request_id, TransferState.TRANSFERRING)
@@ -186,21 +213,44 @@ class DecodeCore(DecodeOffer):
         self._free(request_id, "released by the scheduler")
         return snap
 
-    def abort(self, request_id: str, *, from_peer: bool, detail: str) -> TransferStatus:
-        """Abort a request: fail it, make sure prefill stops writing, free the slot."""
+    def abort(self, request_id: str, *, from_peer: bool, detail: str,
+              instance_id: str = "") -> TransferStatus:
+        """Abort a request: fail it, make sure prefill stops writing, free the slot.
+
+        ``from_peer`` (prefill reports its own failure, its writes drained) frees the
+        slot at once only when ``instance_id`` is the prefill instance the request was
+        granted to (BeginWrite or Offer) and still a verified peer, or no prefill was
+        granted it (none can be writing). Anyone else's claim is a scheduler's abort:
+        prefill drains first.
+        """
         snap = self.status(request_id)
         if snap.state is TransferState.SUCCESS:
             self._free(request_id, "aborted after Success")
             return snap
-        if from_peer:
+        with self._lock:  # decided and failed at once: no grant can come in between
+            res = self._res.get(request_id)
+            granted = res.peer_instance if res is not None else ""
+            by_prefill = from_peer and bool(instance_id) and (
+                not granted or (granted == instance_id
+                                and self.peers.verified(instance_id) is not None))
+            if by_prefill:
+                detail = detail or "aborted by prefill"
+                failed = self.table.fail(request_id, FailureReason.PEER_FAILED, detail)
+            else:
+                failed = self.table.fail(request_id, FailureReason.ABORTED, detail or "aborted")
+        if from_peer and not by_prefill:
+            log.warning("request %s: an Abort claiming to come from prefill names instance "
+                        "%r, not %s, the prefill instance granted the request: taken as a "
+                        "scheduler's abort (prefill drains first)", request_id, instance_id,
+                        granted or "(none yet)", extra=fields(request_id, snap.peer))
+        if by_prefill:
             # Prefill failed or was aborted and has drained its writes: free at once.
-            detail = detail or "aborted by prefill"
-            if self.table.fail(request_id, FailureReason.PEER_FAILED, detail) is not None:
+            if failed is not None:
                 log.warning("request %s failed: prefill reported: %s", request_id, detail,
                             extra=fields(request_id, snap.peer))
             self._free(request_id, "prefill aborted")
             return self.status(request_id)
-        if self.table.fail(request_id, FailureReason.ABORTED, detail or "aborted") is not None:
+        if failed is not None:
             log.info("request %s aborted by the scheduler", request_id,
                      extra=fields(request_id, snap.peer))
             self._stop_prefill_then_free(request_id, detail or "aborted on decode")
@@ -239,13 +289,14 @@ class DecodeCore(DecodeOffer):
                 res.landed, res.landed_at = True, time.monotonic()
                 self._transferring(res.request_id)
                 go = self._ready(res)
+                tid = res.transfer_id
         if res is None or not ok:
             log.warning("completion for unknown transfer id %s on link %d ignored",
                         event.transfer_id, event.link,
                         extra=fields(rid, conn.control_address if conn else None))
             return
         if go:  # else the digests are still to come (Digests triggers it)
-            self.io.submit(self._verify, res)
+            self.io.submit(self._verify, res, tid)
 
     def _transferring(self, rid: str) -> None:
         """An offered request landed without a BeginWrite: it is Transferring now (its
@@ -267,10 +318,32 @@ class DecodeCore(DecodeOffer):
         with self._lock:
             stale = [(r.request_id, r.prefill_address) for r in self._res.values()
                      if r.success_at is not None and now - r.success_at > self.handoff_lease_s]
+            ask, overdue = self._unconfirmed_due(now)
         for rid, peer in stale:
             log.warning("request %s: no Release within the %.0f s hand-off lease; slot freed",
                         rid, self.handoff_lease_s, extra=fields(rid, peer))
             self._free(rid, "hand-off lease expired")
+        for res in ask:
+            self.io.submit(self._drain_then_free, res, res.abort_detail)
+        for res in overdue:
+            self.io.submit(self._release_link_of, res)
+
+    def _unconfirmed_due(self, now: float) -> tuple[list[Reservation], list[Reservation]]:
+        """Aborts prefill has not confirmed: those to ask again (a few at a time), and
+        those past their transfer budget, whose link goes. Core lock held."""
+        ask: list[Reservation] = []
+        overdue: list[Reservation] = []
+        asking = sum(r.asking for r in self._res.values())
+        for r in self._res.values():
+            if r.unconfirmed_since is None or r.asking:
+                continue
+            if now - r.unconfirmed_since > self.transfer_budget(r.nbytes):
+                r.asking = True
+                overdue.append(r)
+            elif now - r.asked_at >= self.ask_again_s and asking < MAX_ASKING:
+                r.asking, asking = True, asking + 1
+                ask.append(r)
+        return ask, overdue
 
     def on_peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
         """Close the link first (no more writes can land), then fail and free its requests.
@@ -285,6 +358,14 @@ class DecodeCore(DecodeOffer):
         self.peers.remove(conn, forget=gone)
         conn.close()
         if not gone:
+            # No write can land over the released link: requests that failed while
+            # prefill might still write over it (an abort not confirmed) are free now.
+            with self._lock:
+                on_link = [r.request_id for r in self._res.values() if r.link_id == conn.link.id]
+            for rid in on_link:
+                snap = self.table.get(rid)
+                if snap is not None and snap.state is TransferState.FAILED:
+                    self._free(rid, "its link was released: no write of it can land")
             return
         with self._lock:
             mine = [r for r in self._res.values()
@@ -299,13 +380,26 @@ class DecodeCore(DecodeOffer):
                 self._free(res.request_id, "peer lost")
 
     def shutdown(self, detail: str = "decode shutting down") -> None:
-        """Fail every live request (reason shutdown) and tell prefill, briefly."""
+        """Fail every live request (reason shutdown), tell prefill, release links, free.
+
+        Prefill is told of every request at once, within ``SHUTDOWN_ABORT_S`` in all
+        (a grace period must hold hundreds of live requests and a prefill that does not
+        answer); the slots are freed after the links are released, so no confirmation
+        is needed.
+        """
+        calls: list[tuple[PeerConn, str]] = []
         for snap in self.table.live():
             if self.table.fail(snap.request_id, FailureReason.SHUTDOWN, detail):
                 with self._lock:
                     res = self._res.get(snap.request_id)
-                if res is not None:
-                    self._tell_prefill(res, detail, timeout=1.0)
+                conn = self._prefill_conn(res) if res is not None else None
+                if conn is not None:
+                    calls.append((conn, snap.request_id))
+        if calls:
+            began = time.monotonic()
+            confirmed = self.prefill.abort_all(calls, detail, SHUTDOWN_ABORT_S)
+            log.info("%s: told prefill of %d live request(s) in %.2f s, %d confirmed", detail,
+                     len(calls), time.monotonic() - began, confirmed)
         for conn in self.peers.all():
             self.peers.remove(conn)
             conn.close()
@@ -315,8 +409,10 @@ class DecodeCore(DecodeOffer):
             self._free(rid, "shutdown")
 
     def _adopt(self, spec: PoolSpec) -> None:
-        """An engine attached: reserve slots of its config from now on."""
+        """An engine attached: reserve slots (and its items) of its config from now on."""
         self.slots = SlotPool(spec.num_req_slots)
+        with self._lock:
+            self._pages = PageBook()
 
     # ---- helpers -----------------------------------------------------------------------
     def _reservation(self, rid: str) -> Reservation:
@@ -330,6 +426,7 @@ class DecodeCore(DecodeOffer):
             res = self._res.pop(rid, None)
             if res is not None:
                 self._by_transfer.pop(res.transfer_id, None)
+            self._pages.release(rid)
         if res is not None and self.slots.release(rid) is not None:
             log.info("request %s: slot %d freed (%s)", rid, res.slot, why,
                      extra=fields(rid, res.prefill_address))
@@ -346,17 +443,51 @@ class DecodeCore(DecodeOffer):
         self.io.submit(self._drain_then_free, res, detail)
 
     def _drain_then_free(self, res: Reservation, detail: str) -> None:
-        if not self._tell_prefill(res, detail):
-            conn = self.peers.get(res.peer_instance)
-            if conn is not None:
-                self.on_peer_lost(conn, f"prefill did not confirm the abort of "
-                                        f"{res.request_id}")
-        self._free(res.request_id, detail)
+        """Free once prefill confirms its writes drained, or once their link is gone;
+        otherwise hold only this slot (``periodic`` asks again, then releases the link)."""
+        if self._tell_prefill(res, detail) or self._link_gone(res):
+            self._free(res.request_id, detail)
+            return
+        now = time.monotonic()
+        with self._lock:
+            res.asking, res.asked_at = False, now
+            first = self._res.get(res.request_id) is res and res.unconfirmed_since is None
+            if first:
+                res.unconfirmed_since, res.abort_detail = now, detail
+        if first:
+            log.warning("request %s: prefill did not confirm that its writes drained; slot %d "
+                        "stays held until it does, its link goes, or %.0f s pass (then decode "
+                        "releases that link); the peer's other requests go on", res.request_id,
+                        res.slot, self.transfer_budget(res.nbytes),
+                        extra=fields(res.request_id, res.prefill_address))
 
-    def _tell_prefill(self, res: Reservation, detail: str, timeout: float | None = None) -> bool:
-        """Abort the request on prefill (it drains first); True when prefill confirmed."""
+    def _link_gone(self, res: Reservation) -> bool:
+        """The link the request was granted on is released: none of its writes can land."""
+        conn = self.peers.get(res.peer_instance)
+        return conn is None or conn.closed or conn.link.id != res.link_id
+
+    def _release_link_of(self, res: Reservation) -> None:
+        """An abort unconfirmed past the request's transfer budget: release its link only."""
+        conn = self.peers.get(res.peer_instance)
+        if conn is not None and conn.link.id == res.link_id:
+            log.warning("request %s: prefill did not confirm its writes drained within %.0f s: "
+                        "releasing the link to %s; requests on it stay for prefill's resend",
+                        res.request_id, self.transfer_budget(res.nbytes), conn.control_address,
+                        extra=fields(res.request_id, res.prefill_address))
+            self.on_peer_lost(conn, f"prefill did not confirm the abort of {res.request_id}",
+                              gone=False)
+        self._free(res.request_id, "its link was released: no write of it can land")
+
+    def _prefill_conn(self, res: Reservation) -> PeerConn | None:
+        """The live connection to the request's prefill (the granted instance, if any)."""
         conn = (self.peers.get(res.peer_instance) if res.peer_instance
                 else self.peers.by_address(res.prefill_address))
-        if conn is None or conn.closed:
+        return None if conn is None or conn.closed else conn
+
+    def _tell_prefill(self, res: Reservation, detail: str, timeout: float | None = None) -> bool:
+        """Abort the request on prefill; True when prefill confirmed none of its writes
+        is in flight."""
+        conn = self._prefill_conn(res)
+        if conn is None:
             return False
         return self.prefill.abort(conn, res.request_id, detail, timeout)

@@ -63,6 +63,12 @@ class Reservation:
     landed_at: float = 0.0
     digests_at: float = 0.0
     verifying: bool = False          # verification is queued (once per landing)
+    # An abort prefill did not confirm (its writes may be in flight): when it was first
+    # left unconfirmed and last asked again; ``asking``: an Abort of it is under way.
+    unconfirmed_since: float | None = None
+    asked_at: float = 0.0
+    asking: bool = False
+    abort_detail: str = ""
 
 
 #: What a landed request waits for when its digests are missing (a timeout names it).
@@ -109,7 +115,7 @@ class DecodeLanding(CoreBase):
             log.info("request %s: digests for the replaced transfer %d ignored", request_id,
                      transfer_id, extra=fields(request_id, res.prefill_address))
         if go:
-            self.io.submit(self._verify, res)
+            self.io.submit(self._verify, res, transfer_id)
 
     def _ready(self, res: Reservation) -> bool:
         """Landed, and the digests arrived where they are needed: verify now, once.
@@ -133,8 +139,18 @@ class DecodeLanding(CoreBase):
         """Abort the request on prefill (defined by the core)."""
         raise NotImplementedError
 
-    def _verify(self, res: Reservation) -> None:
-        """Check the landed bytes against prefill's digests (executor), then Success."""
+    @staticmethod
+    def _current(res: Reservation, transfer_id: int) -> bool:
+        """The landing of ``transfer_id`` is still the request's (no resend replaced it).
+        Core lock held."""
+        return res.transfer_id == transfer_id and res.landed
+
+    def _verify(self, res: Reservation, transfer_id: int) -> None:
+        """Check the landed bytes against prefill's digests (executor), then Success.
+
+        ``transfer_id`` is the landing that was queued: its result counts only while
+        that landing is still the request's (checked under the lock, with the verdict).
+        """
         rid = res.request_id
         self.faults.after_landing(rid, self.pools, res.indices, res.draft)
         verified = NOT_VERIFIED_OFF
@@ -151,6 +167,11 @@ class DecodeLanding(CoreBase):
             if bad:
                 detail = (f"{DIGEST_NAME} mismatch in {len(bad)} buffer(s): "
                           f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
+                with self._lock:
+                    current = self._current(res, transfer_id)
+                if not current:
+                    self._replaced(res, transfer_id)
+                    return
                 if self.table.fail(rid, FailureReason.INTEGRITY, detail):
                     log.error("request %s failed: integrity: %s", rid, detail,
                               extra=fields(rid, res.prefill_address))
@@ -164,13 +185,24 @@ class DecodeLanding(CoreBase):
                         "arrival proven by the completion, bytes not verified",
                         rid, extra=fields(rid, res.prefill_address))
         with self._lock:
-            try:
-                self.table.advance(rid, TransferState.SUCCESS, detail=verified,
-                                   nbytes=res.nbytes)
-            except Exception as exc:  # already failed (aborted, timed out): nothing to do
-                log.info("request %s landed after it ended: %s", rid, exc,
-                         extra=fields(rid, res.prefill_address))
-                return
-            res.success_at = time.monotonic()
+            current = self._current(res, transfer_id)
+            if current:
+                try:
+                    self.table.advance(rid, TransferState.SUCCESS, detail=verified,
+                                       nbytes=res.nbytes)
+                except Exception as exc:  # already failed (aborted, timed out): nothing to do
+                    log.info("request %s landed after it ended: %s", rid, exc,
+                             extra=fields(rid, res.prefill_address))
+                    return
+                res.success_at = time.monotonic()
+        if not current:
+            self._replaced(res, transfer_id)
+            return
         log.info("request %s: Success (%d bytes landed in slot %d; %s%s)", rid, res.nbytes,
                  res.slot, verified, timing, extra=fields(rid, res.prefill_address))
+
+    @staticmethod
+    def _replaced(res: Reservation, transfer_id: int) -> None:
+        log.warning("request %s: the landing of transfer %d was replaced while it was "
+                    "verified: its verdict is void", res.request_id, transfer_id,
+                    extra=fields(res.request_id, res.prefill_address))

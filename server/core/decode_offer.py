@@ -49,8 +49,10 @@ class DecodeOffer(DecodeLanding):
         if conn is None or conn.closed or lease is None or conn.missed_heartbeats:
             return None  # no peer, or one not answering now: BeginWrite decides later
         with self._lock:
-            if res.peer_instance or self._res.get(res.request_id) is not res:
-                return None  # BeginWrite came first, or the reservation is gone
+            snap = self.table.get(res.request_id)
+            if (res.peer_instance or self._res.get(res.request_id) is not res
+                    or snap is None or snap.state.terminal):
+                return None  # BeginWrite came first, or the request ended or is gone
             res.peer_instance, res.link_id, res.offered = conn.instance_id, conn.link.id, True
         answer = self.prefill.offer(conn, res.request_id, res.seq_len,
                                     WriteGrant(res.transfer_id, res.indices, res.draft),
@@ -62,6 +64,7 @@ class DecodeOffer(DecodeLanding):
             if still and answer is Offered.REFUSED and not res.landed:
                 res.peer_instance, res.link_id, res.offered = "", None, False
             go = still and answer.kept and self._ready(res)
+            tid = res.transfer_id
         left = self.table.left(res.request_id)
         if answer.kept and left is not None:
             # The lease still bounds the wait for the Send, but no BeginWrite will move
@@ -73,5 +76,5 @@ class DecodeOffer(DecodeLanding):
                   res.prefill_address, answer.value,
                   extra=fields(res.request_id, res.prefill_address))
         if go:
-            self.io.submit(self._verify, res)
+            self.io.submit(self._verify, res, tid)
         return answer

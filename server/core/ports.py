@@ -9,7 +9,7 @@ only ever called on the driver's bounded executor, never under a core lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from enum import Enum
@@ -26,6 +26,11 @@ from kvbeam.states import TransferStatus
 from kvbeam.transport.base import Event
 
 IndexLists = dict[IndexKind, npt.NDArray[np.int64]]
+
+#: Deadline of the Aborts a core sends at shutdown or detach, all at once, s: with
+#: hundreds of live requests and a peer that does not answer, the whole shutdown still
+#: fits a 30 s termination grace period.
+SHUTDOWN_ABORT_S = 1.0
 
 
 def require_status(table: TransferTable, request_id: str, side: str) -> TransferStatus:
@@ -97,6 +102,11 @@ class DecodePeers(Protocol):
               timeout: float | None = None) -> bool:
         """Tell decode a request failed here (best effort); True when decode confirmed."""
 
+    def abort_all(self, calls: Sequence[tuple[PeerConn | None, str, str]], detail: str,
+                  timeout: float) -> int:
+        """Tell decode of many failed requests (connection or None, address, request id)
+        at once, all within ``timeout`` (shutdown, detach); returns how many confirmed."""
+
 
 class PrefillPeers(Protocol):
     """Decode's calls to prefill daemons (blocking; on the executor, or for :meth:`offer`
@@ -112,4 +122,10 @@ class PrefillPeers(Protocol):
 
     def abort(self, conn: PeerConn, request_id: str, detail: str,
               timeout: float | None = None) -> bool:
-        """Abort a request on prefill, which drains its writes first; True when confirmed."""
+        """Abort a request on prefill; True when prefill confirmed none of its writes is
+        in flight (it answers within ``timeout``, and says so by Abort later if not)."""
+
+    def abort_all(self, calls: Sequence[tuple[PeerConn, str]], detail: str,
+                  timeout: float) -> int:
+        """Abort many requests (connection, request id) at once, all within ``timeout``
+        (shutdown, detach); returns how many prefill confirmed."""

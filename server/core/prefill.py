@@ -58,6 +58,14 @@ from kvbeam.states import FailureReason, TransferState, TransferStatus
 log = logging.getLogger(__name__)
 Ranges = list[tuple[int, int]]
 
+#: Abort handlers that may wait on a request's drain at once; the others answer at once
+#: (the answer then says writes are in flight). A daemon has 16 handler threads, and its
+#: heartbeats and every other RPC need them: a burst of aborts must not take them all.
+ABORT_WAITERS = 4
+#: Longest an Abort handler waits on its request's drain, s (less if its caller's
+#: deadline is nearer): writes in flight usually complete within milliseconds.
+ABORT_WAIT_S = 2.0
+
 
 @dataclass(eq=False)
 class Outgoing:
@@ -144,6 +152,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
         self.on_offer = on_offer
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
+        # Counts the Abort handlers waiting on a drain (taken without blocking).
+        self._abort_waiters = threading.BoundedSemaphore(ABORT_WAITERS)
         self._out: dict[str, Outgoing] = {}
         self._writes: dict[tuple[int, int], str] = {}
         self._connecting: dict[str, list[Outgoing]] = {}
@@ -197,8 +207,16 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
             self.io.submit(self._step, rec)
         return self.status(request_id)
 
-    def abort(self, request_id: str, *, from_peer: bool, detail: str) -> TransferStatus:
-        """Fail the request, wait until none of its writes is in flight, tell decode."""
+    def abort(self, request_id: str, *, from_peer: bool, detail: str,
+              wait_s: float | None = None) -> TransferStatus:
+        """Fail the request; wait a little for its writes to drain; tell decode.
+
+        The wait is bounded by ``ABORT_WAIT_S`` and ``wait_s`` (what the caller's
+        deadline leaves; None: no deadline) and taken by at most ``ABORT_WAITERS`` calls at
+        once; :meth:`in_flight` then says whether the writes drained. Those that did
+        not drain are told to decode by Abort once they do (or the link is released:
+        :meth:`periodic` abandons them after ``drain_s``), even when decode asked.
+        """
         self.offers.drop(request_id)
         with self._lock:
             rec = self._out.get(request_id)
@@ -218,14 +236,31 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                         extra=fields(request_id, rec.decode_address))
         elif from_peer:
             self._late_verdict(request_id, detail, rec.decode_address)
-        # The protocol: the answer to Abort means none of the request's writes is in
-        # flight. Waiting on the condition releases the lock.
+        # The answer says whether any of the request's writes is still in flight
+        # (in_flight). Waiting on the condition releases the lock.
         with self._drained:
-            drained = self._drained.wait_for(lambda: rec.drained, timeout=self.drain_s)
-        if not drained:
-            self._abandon(rec)
-        self._tell_decode_once(rec, f"aborted on prefill: {detail}")
+            drained = rec.drained
+        bound = min(self.drain_s, ABORT_WAIT_S, ABORT_WAIT_S if wait_s is None else wait_s)
+        if not drained and bound > 0 and self._abort_waiters.acquire(blocking=False):
+            try:
+                with self._drained:
+                    drained = self._drained.wait_for(lambda: rec.drained, timeout=bound)
+            finally:
+                self._abort_waiters.release()
+        if from_peer and not drained:
+            with self._lock:
+                rec.told_decode = False  # our answer says "in flight": tell it once drained
+            log.info("request %s: %d write(s) still in flight when decode's Abort was "
+                     "answered; decode is told once they drained", request_id,
+                     rec.outstanding, extra=fields(request_id, rec.decode_address))
+        self._tell_decode_once(rec, f"aborted on prefill: {detail}")  # once drained
         return self.status(request_id)
+
+    def in_flight(self, request_id: str) -> int:
+        """Writes of the request that may still read its source (0 once drained)."""
+        with self._lock:
+            rec = self._out.get(request_id)
+            return 0 if rec is None or rec.drained else rec.outstanding
 
     def slot_of(self, request_id: str) -> int:
         """The source slot of a live request, -1 once forgotten."""

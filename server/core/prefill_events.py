@@ -27,7 +27,7 @@ from kvbeam.errors import (
     TransportError,
 )
 from kvbeam.logs import fields
-from kvbeam.server.core.ports import report_link_failure
+from kvbeam.server.core.ports import SHUTDOWN_ABORT_S, report_link_failure
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState, TransferStatus
@@ -249,7 +249,9 @@ class PrefillEvents:
                     rec.outstanding, self.drain_s,
                     extra=fields(rec.request_id, rec.decode_address))
         if conn is not None:
-            self.on_peer_lost(conn, f"writes of {rec.request_id} did not drain")
+            # Only the link goes: its other requests are resent on a new one (or fail
+            # and are told to decode), not failed with this one.
+            self.on_peer_lost(conn, f"writes of {rec.request_id} did not drain", gone=False)
 
     def periodic(self) -> None:
         """Abandon failed requests whose writes hang; forget requests that ended."""
@@ -276,7 +278,11 @@ class PrefillEvents:
             self.io.submit(self._abandon, rec)
 
     def shutdown(self, detail: str = "prefill shutting down") -> None:
-        """Fail every live request (reason shutdown), tell decode briefly, release links."""
+        """Fail every live request (reason shutdown), tell decode, release links.
+
+        Decode is told of every request at once, within ``SHUTDOWN_ABORT_S`` in all.
+        """
+        calls: list[tuple[PeerConn | None, str, str]] = []
         for snap in self.table.live():
             if self.table.fail(snap.request_id, FailureReason.SHUTDOWN, detail):
                 with self._lock:
@@ -286,8 +292,12 @@ class PrefillEvents:
                         rec.told_decode = True
                 if rec is not None and tell:
                     conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
-                    self.decode.abort(conn, rec.decode_address, rec.request_id,
-                                      detail, timeout=1.0)
+                    calls.append((conn, rec.decode_address, rec.request_id))
+        if calls:
+            began = time.monotonic()
+            confirmed = self.decode.abort_all(calls, detail, SHUTDOWN_ABORT_S)
+            log.info("%s: told decode of %d live request(s) in %.2f s, %d confirmed", detail,
+                     len(calls), time.monotonic() - began, confirmed)
         for conn in self.peers.all():
             self.peers.remove(conn)
             conn.close()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any, cast
 
@@ -59,6 +59,10 @@ class FakePrefill:
               timeout: float | None = None) -> bool:
         self.aborts.append(request_id)
         return True
+
+    def abort_all(self, calls: Sequence[tuple[PeerConn, str]], detail: str,
+                  timeout: float) -> int:
+        return sum(self.abort(conn, rid, detail, timeout) for conn, rid in calls)
 
 
 def _core() -> tuple[DecodeCore, QueueExecutor, FakePrefill, PeerConn]:

@@ -6,6 +6,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
@@ -72,10 +73,14 @@ def test_record_is_pruned_after_a_drain_timeout_even_when_writes_complete_late()
     core.send("r", 0, 300, ADDR, [], True)
     link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
-    # Abort: the write never completes, so the drain times out and the link is released.
+    # Abort: the write never completes, so the drain times out and the sweep releases
+    # the link (the Abort itself answered without waiting that long).
     st = core.abort("r", from_peer=False, detail="test")
     assert st.state is TransferState.FAILED
-    assert link.released
+    core.periodic()  # notes when it failed
+    time.sleep(0.15)
+    core.periodic()  # its writes are past drain_s
+    assert wait_for(lambda: link.released)
     # The released link's cancelled write now completes, late, as failed.
     core.on_event(link.completion(link.writes[0][0], ok=False))
     core.periodic()

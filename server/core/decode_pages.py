@@ -1,0 +1,97 @@
+"""Which live reservation owns each destination item of decode's pools.
+
+:func:`~kvbeam.pools.engine_indices.validate` checks one request's lists alone (each
+index in range, none twice in a list). Two live reservations naming the same page
+would have two prefills write into it, and one request's KV land in another's: an
+engine's allocator bug, or a caller that does not own the pages it names. The book
+refuses the second reservation with :class:`~kvbeam.errors.BadIndexList`, naming both
+requests, the kind (and pool) and the item. Slot-based reservations are entered too,
+so an engine list cannot take a slot's pages either. The draft pool's items are those
+its buffers address: the draft's own list of a kind where given, else the target's
+(:func:`~kvbeam.pools.plan.list_for`).
+
+One owner array per (pool, kind), grown to the largest index seen: a claim and a
+release are a handful of numpy operations, whatever the request's length. Not
+thread-safe on its own: the decode core calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbeam.errors import BadIndexList
+from kvbeam.pools.engine_indices import NOUNS
+from kvbeam.pools.plan import list_for
+from kvbeam.pools.types import IndexKind
+from kvbeam.server.core.ports import IndexLists
+
+_Key = tuple[str, IndexKind]
+
+
+class PageBook:
+    """Owners of decode's destination items: no item belongs to two live reservations."""
+
+    def __init__(self) -> None:
+        self._owners: dict[_Key, npt.NDArray[np.int64]] = {}  # 0: free, else a handle
+        self._names: dict[int, str] = {}                      # handle -> request id
+        self._held: dict[str, tuple[int, list[tuple[_Key, npt.NDArray[np.int64]]]]] = {}
+        self._handles = itertools.count(1)
+
+    def claim(self, request_id: str, indices: IndexLists, draft: IndexLists, *,
+              draft_pool: bool) -> None:
+        """Enter a reservation's lists; BadIndexList if a live one holds any of their items.
+
+        ``draft_pool``: the layout has a draft, whose items are entered too. Nothing is
+        entered when the claim is refused.
+        """
+        given = {("target", k): v for k, v in indices.items()}
+        if draft_pool:
+            given.update({("draft", k): list_for(indices, draft, "draft", k)
+                          for k in {*indices, *draft}})
+        lists = [(key, arr) for key, arr in given.items() if len(arr)]
+        for (pool, kind), arr in lists:
+            owners = self._owners.get((pool, kind))
+            if owners is None:
+                continue
+            inside = arr[arr < len(owners)]
+            taken = np.flatnonzero(owners[inside]) if len(inside) else inside
+            if len(taken):
+                index = int(inside[int(taken[0])])
+                position = int(np.flatnonzero(arr == index)[0])
+                other = self._names[int(owners[index])]
+                label = kind.value if pool == "target" else f"draft {kind.value}"
+                noun = NOUNS[kind].removesuffix("s")
+                raise BadIndexList(
+                    f"decode: request {request_id}: {label} index {index} at position "
+                    f"{position} is held by live request {other}: two live reservations may "
+                    f"not name the same {noun} (the engine must give each request its own)",
+                    side="decode", kind=kind.value, pool=pool, position=position, index=index)
+        handle = next(self._handles)
+        for key, arr in lists:
+            owners = self._owners.get(key, np.zeros(0, dtype=np.int64))
+            need = int(arr.max()) + 1
+            if need > len(owners):
+                grown = np.zeros(max(need, 2 * len(owners)), dtype=np.int64)
+                grown[:len(owners)] = owners
+                owners = self._owners[key] = grown
+            owners[arr] = handle
+        self._names[handle] = request_id
+        self._held[request_id] = (handle, lists)
+
+    def release(self, request_id: str) -> None:
+        """Free a reservation's items (nothing when it holds none)."""
+        entry = self._held.pop(request_id, None)
+        if entry is None:
+            return
+        handle, lists = entry
+        for key, arr in lists:
+            owners = self._owners[key]
+            mine = arr[owners[arr] == handle]
+            owners[mine] = 0
+        del self._names[handle]
+
+    def __len__(self) -> int:
+        return len(self._held)

@@ -1,0 +1,122 @@
+"""An Abort that claims to come from prefill, sent by someone else, through decode's
+real gRPC servicer (issue 22, item 4): it is a scheduler's abort, so decode asks the
+granted prefill to drain before the slot is freed, instead of freeing it at once
+while prefill may still be writing into it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from types import SimpleNamespace
+from typing import Any, cast
+
+import grpc
+import pytest
+
+from kvbeam.procs import wait_until
+from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.server.decode import DecodeServicer
+from kvbeam.server.handshake import VerifiedPeer
+from kvbeam.server.peer_rpc import Dialer
+from kvbeam.server.peers import PeerConn
+from kvbeam.server.runtime import Runtime
+from kvbeam.server.settings import resolve
+from kvbeam.transport import Link
+from tests.core_fakes import FakeLink
+from tests.fixtures import shipped_config
+
+SERVICE = "kvbeam.v1.KvbeamControl"
+PREFILL_INSTANCE = "prefill-real"
+
+
+class Prefill:
+    """A prefill's control server that answers decode's Abort only once released."""
+
+    def __init__(self) -> None:
+        self.aborts: list[pb.AbortRequest] = []
+        self.release = threading.Event()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+            "Abort": grpc.unary_unary_rpc_method_handler(
+                self._abort, request_deserializer=pb.AbortRequest.FromString,
+                response_serializer=pb.TransferStatus.SerializeToString)}),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def _abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> Any:
+        self.aborts.append(request)
+        self.release.wait(30)  # "draining"
+        return pb.TransferStatus(request_id=request.request_id,
+                                 state=pb.TRANSFER_STATE_FAILED)
+
+
+@pytest.fixture
+def decode() -> Iterator[tuple[DecodeServicer, grpc.Channel, Prefill]]:
+    env = {"KVBEAM_CONFIG": shipped_config("decode"), "KVBEAM_LISTEN": "127.0.0.1:0",
+           "KVBEAM_TRANSPORT": "tcp", "KVBEAM_RPC_TIMEOUT_S": "20",
+           "KVBEAM_HEARTBEAT_S": "3600"}  # the fake prefill answers no heartbeat
+    runtime = Runtime(resolve("decode", None, env))
+    servicer = DecodeServicer(runtime)
+    address = runtime.start(servicer)
+    prefill = Prefill()
+    # The prefill instance as a verified, connected peer (its link a fake: no bytes move).
+    peer = SimpleNamespace(instance_id=PREFILL_INSTANCE, control_address=prefill.address,
+                           layout=runtime.layout, endpoint=SimpleNamespace(regions=[]))
+    runtime.peers.add(PeerConn(cast(VerifiedPeer, peer), cast(Link, FakeLink()),
+                               Dialer(runtime.options)))
+    channel = grpc.insecure_channel(address)
+    try:
+        yield servicer, channel, prefill
+    finally:
+        prefill.release.set()
+        channel.close()
+        prefill.server.stop(0)
+        runtime.stop(grace=0.5)
+
+
+def _call(channel: grpc.Channel, method: str, reply: Any) -> Any:
+    return channel.unary_unary(f"/{SERVICE}/{method}",
+                               request_serializer=lambda m: m.SerializeToString(),
+                               response_deserializer=reply.FromString)
+
+
+def test_an_impersonated_prefill_abort_does_not_free_a_slot_prefill_may_write(
+        decode: tuple[DecodeServicer, grpc.Channel, Prefill]) -> None:
+    servicer, channel, prefill = decode
+    _call(channel, "Reserve", pb.ReserveResponse)(
+        pb.ReserveRequest(request_id="victim", seq_len=100, prefill_address=prefill.address),
+        timeout=10)
+    _call(channel, "BeginWrite", pb.BeginWriteResponse)(
+        pb.BeginWriteRequest(request_id="victim", instance_id=PREFILL_INSTANCE, seq_len=100,
+                             final_chunk=True), timeout=10)  # prefill may write now
+    slot = servicer.decode.slot_of("victim")
+    assert slot != -1
+    st = _call(channel, "Abort", pb.TransferStatus)(
+        pb.AbortRequest(request_id="victim", detail="prefill failed (not really)",
+                        from_peer=True, instance_id="intruder"), timeout=10)
+    assert st.state == pb.TRANSFER_STATE_FAILED
+    assert st.failure_reason == pb.FAILURE_REASON_ABORTED  # a scheduler's abort
+    # Held until the real prefill confirms its writes drained.
+    assert wait_until(lambda: len(prefill.aborts) == 1, 10), "prefill was not asked to drain"
+    assert servicer.decode.slot_of("victim") == slot, "slot freed before prefill drained"
+    asked = prefill.aborts[0]
+    assert asked.from_peer and asked.instance_id == servicer.local.instance_id
+    prefill.release.set()
+    assert wait_until(lambda: servicer.decode.slot_of("victim") == -1, 10)
+
+
+def test_the_granted_prefills_own_abort_frees_at_once(
+        decode: tuple[DecodeServicer, grpc.Channel, Prefill]) -> None:
+    servicer, channel, prefill = decode
+    _call(channel, "Reserve", pb.ReserveResponse)(
+        pb.ReserveRequest(request_id="own", seq_len=100, prefill_address=prefill.address),
+        timeout=10)
+    _call(channel, "BeginWrite", pb.BeginWriteResponse)(
+        pb.BeginWriteRequest(request_id="own", instance_id=PREFILL_INSTANCE, seq_len=100,
+                             final_chunk=True), timeout=10)
+    st = _call(channel, "Abort", pb.TransferStatus)(
+        pb.AbortRequest(request_id="own", detail="prefill failed: drained",
+                        from_peer=True, instance_id=PREFILL_INSTANCE), timeout=10)
+    assert st.failure_reason == pb.FAILURE_REASON_PEER_FAILED
+    assert servicer.decode.slot_of("own") == -1 and prefill.aborts == []
