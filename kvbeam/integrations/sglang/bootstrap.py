@@ -8,6 +8,12 @@ destination index lists (prefill reserves at decode with them once it knows the
 request's length, at its last chunk). One JSON line in, one out per connection;
 served by one thread, one connection at a time (each is a dict operation).
 No sglang import.
+
+What decode puts here decides which daemon prefill sends the request's KV to, so with
+a token (the kvbeam daemons' ``--auth-token-file``) every request must carry it
+(``"token"``, compared in constant time) or is refused before the store is touched;
+without one the store serves loopback only, unless told it may be open (``insecure``).
+The token crosses the network in clear text, as the daemons' does without TLS.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ import socket
 import socketserver
 import threading
 from typing import Any
+
+from kvbeam.auth import is_loopback, same_token
+from kvbeam.errors import AuthenticationError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +43,18 @@ class _Handler(socketserver.StreamRequestHandler):
             req = json.loads(line)
             op, key = req["op"], str(req["key"])
             store = self.server.store
-            if op == "put":
+            token = self.server.token
+            presented = req.get("token")
+            if token and not same_token(presented, token):
+                why = "no token" if not presented else "a wrong token"
+                log.warning("kvbeam bootstrap request from %s refused: %s",
+                            self.client_address[0], why)
+                reply: dict[str, Any] = {"ok": False, "unauthenticated": True, "error": (
+                    f"refused: {why}; this bootstrap store requires the kvbeam token "
+                    "(KVBEAM_AUTH_TOKEN_FILE, or kvbeam_auth_token_file)")}
+            elif op == "put":
                 store[key] = req["value"]
-                reply: dict[str, Any] = {"ok": True}
+                reply = {"ok": True}
             elif op == "get":
                 reply = {"ok": True, "value": store.get(key)}
             elif op == "delete":
@@ -51,16 +69,33 @@ class _Handler(socketserver.StreamRequestHandler):
 class _Server(socketserver.TCPServer):
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int]) -> None:
+    def __init__(self, address: tuple[str, int], token: str) -> None:
         super().__init__(address, _Handler)
         self.store: dict[str, Any] = {}
+        self.token = token
 
 
 class BootstrapServer:
-    """The store, listening on ``host:port`` (port 0: any) in a background thread."""
+    """The store, listening on ``host:port`` (port 0: any) in a background thread.
 
-    def __init__(self, host: str, port: int) -> None:
-        self._server = _Server((host, port))
+    Args:
+        token: the token every request must carry ("" : none required).
+        insecure: serve a non-loopback address without a token.
+
+    Raises:
+        ConfigError: a non-loopback host without a token and without ``insecure``.
+    """
+
+    def __init__(self, host: str, port: int, *, token: str = "", insecure: bool = False) -> None:
+        if not token and not insecure and not is_loopback(host):
+            raise ConfigError(
+                f"refusing to serve the kvbeam bootstrap store on {host} without a token: "
+                "whoever reaches it decides where prefill sends KV; set "
+                "KVBEAM_AUTH_TOKEN_FILE (the daemons' token file), or KVBEAM_INSECURE=true")
+        if not token:
+            log.warning("kvbeam sglang bootstrap store on %s:%s has NO authentication",
+                        host, port)
+        self._server = _Server((host, port), token)
         self.address = f"{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="kvbeam-sglang-bootstrap", daemon=True)
@@ -74,13 +109,25 @@ class BootstrapServer:
         self._thread.join(5)
 
 
-def call(address: str, op: str, key: str, value: Any = None, timeout: float = 10.0) -> Any:
-    """One operation on the store at ``address``; the value (``get``/``delete``) or None."""
+def call(address: str, op: str, key: str, value: Any = None, timeout: float = 10.0, *,
+         token: str = "") -> Any:
+    """One operation on the store at ``address``; the value (``get``/``delete``) or None.
+
+    Raises:
+        AuthenticationError: the store requires a token and ``token`` is not it.
+        RuntimeError: the store refused the request otherwise.
+    """
     host, _, port = address.rpartition(":")
+    request: dict[str, Any] = {"op": op, "key": key, "value": value}
+    if token:
+        request["token"] = token
     with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-        sock.sendall(json.dumps({"op": op, "key": key, "value": value}).encode() + b"\n")
+        sock.sendall(json.dumps(request).encode() + b"\n")
         with sock.makefile("rb") as f:
             reply = json.loads(f.readline(MAX_LINE))
+    if reply.get("unauthenticated"):
+        raise AuthenticationError(f"kvbeam bootstrap {address}: {reply.get('error')}",
+                                  address=address)
     if not reply.get("ok"):
         raise RuntimeError(f"kvbeam bootstrap {address}: {reply.get('error')}")
     return reply.get("value")
