@@ -116,23 +116,6 @@ def free_port() -> int:
         return port
 
 
-def non_loopback_ip() -> str:
-    """An IPv4 address of this machine that is not loopback (the source of a call to it).
-
-    A call to it from this machine comes from it, so a test can make one caller look
-    different from the loopback daemons. Raises when the machine has none.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.254", 9))  # TEST-NET-1: only the route is looked up
-        except OSError as exc:
-            raise RuntimeError(f"this machine has no non-loopback IPv4 route: {exc}") from None
-        ip: str = s.getsockname()[0]
-    if ip.startswith("127."):
-        raise RuntimeError("this machine's only IPv4 address is loopback")
-    return ip
-
-
 def run_cli(*argv: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
     """``python -m kvbeam.cli ARGV`` in a fresh process from the repository root; never raises
     for its exit code (check ``returncode``)."""

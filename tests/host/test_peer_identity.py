@@ -22,7 +22,7 @@ from kvbeam.client import KvbeamClient
 from kvbeam.procs import DaemonProcess
 from kvbeam.scheduler import run_request
 from kvbeam.states import TransferState
-from tests.control_helpers import free_port, non_loopback_ip
+from tests.control_helpers import free_port
 from tests.daemon_helpers import start
 from tests.tls_helpers import Pki
 
@@ -70,21 +70,20 @@ def test_token_caller_claiming_another_prefills_address_is_refused(tmp_path: Pat
     token.write_text("identity-token\n")
     sec = Security(token="identity-token")
     auth = ["--auth-token-file", str(token)]
-    wire_ip = non_loopback_ip()
     dport = free_port()
-    # Decode listens on every address: the real prefill calls it on loopback, the rogue
-    # on this machine's other address (so it calls from there: the only thing a token
-    # cannot vouch for is who you are, but the address you call from is seen).
+    # Decode listens on both families, loopback only reaches it: the real prefill calls
+    # it over 127.0.0.1 (an IPv4-mapped peer on the dual-stack socket), the rogue over
+    # ::1, so the rogue calls from ::1 while it claims 127.0.0.1 (a token cannot vouch
+    # for who you are, but the address you call from is seen).
     with _daemons(("decode", [*auth, "--advertise", f"127.0.0.1:{dport}"],
-                   f"0.0.0.0:{dport}", sec),
+                   f"[::]:{dport}", sec),
                   ("prefill", auth, "127.0.0.1:0", sec)) as (decode, prefill), \
             KvbeamClient(prefill.address, security=sec) as p, \
             KvbeamClient(f"127.0.0.1:{dport}", security=sec) as d:
         with _daemons(("prefill", [*auth, "--advertise", prefill.address], "127.0.0.1:0",
                        sec)) as (rogue_daemon,), \
                 KvbeamClient(rogue_daemon.address, security=sec) as rogue:
-            _impersonation_is_refused(p, d, rogue, prefill.address, f"{wire_ip}:{dport}",
-                                      wire_ip)
+            _impersonation_is_refused(p, d, rogue, prefill.address, f"[::1]:{dport}", "::1")
         assert "claims control address" in decode.output
 
 
