@@ -6,8 +6,11 @@ bootstrap-port``); prefill and decode find each other through it by
 small JSON: prefill's daemon address, and per room decode's daemon address and
 destination index lists (prefill reserves at decode with them once it knows the
 request's length, at its last chunk). One JSON line in, one out per connection;
-served by one thread, one connection at a time (each is a dict operation).
-No sglang import.
+served by one thread, one connection at a time (each is a dict operation). So every
+read and write is bounded: a request must arrive, and its reply leave, within
+:data:`REQUEST_DEADLINE_S`, and a request line is at most :data:`MAX_LINE` bytes; a
+client that sends nothing, dribbles, or sends too much is answered (when it can be)
+and hung up on, and the next connection is served. No sglang import.
 
 What decode puts here decides which daemon prefill sends the request's KV to, so with
 a token (the kvbeam daemons' ``--auth-token-file``) every request must carry it
@@ -23,6 +26,7 @@ import logging
 import socket
 import socketserver
 import threading
+import time
 from typing import Any
 
 from kvbeam.auth import is_loopback, same_token
@@ -32,13 +36,64 @@ log = logging.getLogger(__name__)
 
 #: largest request line accepted (the index lists of a 128k-token request fit easily)
 MAX_LINE = 16 << 20
+#: seconds a connection has to deliver its request line and take its reply: the store
+#: serves one connection at a time, so this is the longest one client can hold it
+REQUEST_DEADLINE_S = 5.0
 
 
-class _Handler(socketserver.StreamRequestHandler):
+def _read_line(sock: socket.socket, deadline: float, limit: int) -> bytes:
+    """One ``\n``-terminated line from ``sock`` by the monotonic ``deadline``.
+
+    Raises:
+        TimeoutError: the deadline passed before the line ended.
+        ConnectionError: the peer closed before the line ended (or reset).
+        ValueError: the line is longer than ``limit`` bytes.
+    """
+    data = bytearray()
+    while b"\n" not in data:
+        if len(data) > limit:
+            raise ValueError(f"request longer than {limit} bytes")
+        late = f"no complete request within {REQUEST_DEADLINE_S:g} s"
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(late)
+        sock.settimeout(remaining)
+        try:
+            chunk = sock.recv(min(1 << 20, limit + 1 - len(data)))
+        except TimeoutError:
+            raise TimeoutError(late) from None
+        if not chunk:
+            raise ConnectionError("the connection closed before the request ended")
+        data += chunk
+    line = bytes(data[:data.index(b"\n") + 1])
+    if len(line) > limit:
+        raise ValueError(f"request longer than {limit} bytes")
+    return line
+
+
+def _send(sock: socket.socket, deadline: float, payload: bytes) -> None:
+    """Send ``payload`` by ``deadline`` (a client that does not read is not waited for)."""
+    sock.settimeout(max(deadline - time.monotonic(), 0.001))
+    sock.sendall(payload)
+
+
+class _Handler(socketserver.BaseRequestHandler):
     server: _Server
+    request: socket.socket
 
     def handle(self) -> None:
-        line = self.rfile.readline(MAX_LINE)
+        deadline = time.monotonic() + REQUEST_DEADLINE_S
+        try:
+            line = _read_line(self.request, deadline, MAX_LINE)
+        except OSError as exc:  # the deadline, a hang-up, a reset
+            log.warning("kvbeam bootstrap connection from %s dropped: %s",
+                        self.client_address[0], exc)
+            return
+        except ValueError as exc:
+            log.warning("kvbeam bootstrap request from %s refused: %s",
+                        self.client_address[0], exc)
+            self._reply(deadline, {"ok": False, "error": f"bad request: {exc}"})
+            return
         try:
             req = json.loads(line)
             op, key = req["op"], str(req["key"])
@@ -63,7 +118,14 @@ class _Handler(socketserver.StreamRequestHandler):
                 reply = {"ok": False, "error": f"unknown op {op!r}"}
         except (ValueError, KeyError, TypeError) as exc:
             reply = {"ok": False, "error": f"bad request: {exc}"}
-        self.wfile.write(json.dumps(reply).encode() + b"\n")
+        self._reply(deadline, reply)
+
+    def _reply(self, deadline: float, reply: dict[str, Any]) -> None:
+        try:
+            _send(self.request, deadline, json.dumps(reply).encode() + b"\n")
+        except OSError as exc:  # a timeout included: the client did not take its reply
+            log.warning("kvbeam bootstrap reply to %s not delivered: %s",
+                        self.client_address[0], exc)
 
 
 class _Server(socketserver.TCPServer):
