@@ -187,6 +187,39 @@ class Security:
         return channel
 
 
+#: the environment variable that allows an unauthenticated server off loopback
+INSECURE_ENV = "KVBEAM_INSECURE"
+
+
+def parse_bool(text: str) -> bool:
+    """A boolean setting (``--insecure``, ``KVBEAM_INSECURE``, ...): 1/true/yes/on or
+    0/false/no/off, any case; the daemons and the engine integrations read them alike.
+
+    Raises:
+        ValueError: anything else (a typo must not quietly mean false).
+    """
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use true/false)")
+
+
+def insecure_from_environment(environ: Mapping[str, str], where: str) -> bool:
+    """``KVBEAM_INSECURE`` from ``environ`` (unset: False), as the daemons parse it.
+
+    Raises:
+        ConfigError: a value :func:`parse_bool` refuses; the message starts with ``where``.
+    """
+    if INSECURE_ENV not in environ:
+        return False
+    try:
+        return parse_bool(environ[INSECURE_ENV])
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {INSECURE_ENV}: {exc}") from None
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (a literal, ``[v6]`` or a name) names only loopback addresses."""
     host = host.strip("[]")

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from kvbeam.auth import CLIENT_SETTINGS, Security, client_security
+from kvbeam.auth import CLIENT_SETTINGS, Security, client_security, insecure_from_environment
 from kvbeam.client import KvbeamClient
 from kvbeam.engine import Attachment, attach
 from kvbeam.engine.requests import KVPoll, client_for, poll_of
@@ -74,10 +74,6 @@ def credentials(server_args: Any) -> Security:
     values = {key: getattr(server_args, f"kvbeam_{key}", None)
               or os.environ.get(f"KVBEAM_{key.upper()}") for key in CLIENT_SETTINGS}
     return client_security(values, "kvbeam sglang backend")
-
-
-def _insecure() -> bool:
-    return os.environ.get("KVBEAM_INSECURE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _room_key(room: Any) -> str:
@@ -307,7 +303,8 @@ class KvbeamKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[misc]
 
     def __init__(self, host: str, port: int) -> None:
         self.server = bootstrap.BootstrapServer(host, port, token=credentials(None).token,
-                                                insecure=_insecure())
+                                                insecure=insecure_from_environment(
+                                                    os.environ, "kvbeam sglang backend"))
 
     def close(self) -> None:
         """Stop the server."""
