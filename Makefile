@@ -104,7 +104,7 @@ test-vllm: ## vLLM prefill + decode through kvbeam daemons, token-identical to o
 	$(MAKE) system-deps
 	$(MAKE) $(VLLM_STAMP)
 	KVBEAM_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-		tests/host/test_vllm_connector.py
+		tests/host/test_vllm_connector.py tests/host/test_vllm_auth.py
 
 bench-plan: setup ## planning time for a 128k-token request
 	$(PY) tests/bench/bench_plan.py

@@ -29,7 +29,7 @@ import hmac
 import ipaddress
 import logging
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -187,6 +187,39 @@ class Security:
         return channel
 
 
+#: the environment variable that allows an unauthenticated server off loopback
+INSECURE_ENV = "KVBEAM_INSECURE"
+
+
+def parse_bool(text: str) -> bool:
+    """A boolean setting (``--insecure``, ``KVBEAM_INSECURE``, ...): 1/true/yes/on or
+    0/false/no/off, any case; the daemons and the engine integrations read them alike.
+
+    Raises:
+        ValueError: anything else (a typo must not quietly mean false).
+    """
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use true/false)")
+
+
+def insecure_from_environment(environ: Mapping[str, str], where: str) -> bool:
+    """``KVBEAM_INSECURE`` from ``environ`` (unset: False), as the daemons parse it.
+
+    Raises:
+        ConfigError: a value :func:`parse_bool` refuses; the message starts with ``where``.
+    """
+    if INSECURE_ENV not in environ:
+        return False
+    try:
+        return parse_bool(environ[INSECURE_ENV])
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {INSECURE_ENV}: {exc}") from None
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (a literal, ``[v6]`` or a name) names only loopback addresses."""
     host = host.strip("[]")
@@ -232,6 +265,44 @@ def load_token(token: str, token_file: str) -> str:
     return lines[0].strip()
 
 
+#: The credential settings of the engine integrations, named as the daemons' flags are
+#: (vLLM's ``kv_connector_extra_config`` keys; sglang's ``kvbeam_KEY`` attributes or
+#: ``KVBEAM_KEY`` variables). The token only from a file: no secret in an engine's config.
+CLIENT_SETTINGS = ("auth_token_file", "tls_cert", "tls_key", "tls_ca", "tls_server_name")
+
+
+def client_security(settings: Mapping[str, object], where: str) -> Security:
+    """The credentials an engine integration presents to kvbeam daemons, from its settings.
+
+    Args:
+        settings: any of :data:`CLIENT_SETTINGS` (missing or empty: not used).
+        where: what the settings are, for errors (``kv_connector_extra_config``).
+
+    Raises:
+        ConfigError: a setting is not a string, the TLS files are incomplete, or a file
+            cannot be read; the message starts with ``where`` (files are read now, so a
+            bad setting fails at start-up, not at the first request).
+    """
+    values: dict[str, str] = {}
+    for key in CLIENT_SETTINGS:
+        value = settings.get(key) or ""
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}.{key}: a string is needed (got {value!r})")
+        values[key] = value
+    try:
+        return Security(tls_cert=values["tls_cert"], tls_key=values["tls_key"],
+                        tls_ca=values["tls_ca"], tls_server_name=values["tls_server_name"],
+                        token=load_token("", values["auth_token_file"])).load()
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def same_token(presented: object, expected: str) -> bool:
+    """Whether ``presented`` is the token ``expected``, compared in constant time."""
+    return isinstance(presented, str) and hmac.compare_digest(_digest(presented),
+                                                              _digest(expected))
+
+
 def _digest(value: str) -> bytes:
     # Hashing first makes the comparison's time independent of the lengths too.
     return hashlib.sha256(value.encode("utf-8", "surrogateescape")).digest()
@@ -241,7 +312,7 @@ class TokenInterceptor(_ServerInterceptor):
     """Answers UNAUTHENTICATED, before any servicer code runs, to calls without the token."""
 
     def __init__(self, token: str) -> None:
-        self._expected = _digest(TOKEN_SCHEME + token)
+        self._expected = TOKEN_SCHEME + token
 
     def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails], Handler | None],
@@ -252,8 +323,7 @@ class TokenInterceptor(_ServerInterceptor):
             return continuation(handler_call_details)
         metadata = handler_call_details.invocation_metadata or ()
         presented = [v for k, v in metadata if k == TOKEN_KEY]
-        if len(presented) == 1 and isinstance(presented[0], str) and hmac.compare_digest(
-                _digest(presented[0]), self._expected):
+        if len(presented) == 1 and same_token(presented[0], self._expected):
             return continuation(handler_call_details)
         why = "no auth token" if not presented else "a wrong auth token"
         return _deny(continuation(handler_call_details), method, why)

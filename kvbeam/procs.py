@@ -121,12 +121,24 @@ class PendingDaemon:
         m = self._found[0]
         daemon = DaemonProcess(self.role, self.proc, m.group(2), m.group(3), m.group(4),
                                self.lines, m.group(5) or "")
-        with KvbeamClient(daemon.address, security=self.security) as client:
+        with KvbeamClient(local_address(daemon.address), security=self.security) as client:
             if not client.wait_healthy(30.0):
                 daemon.stop()
                 raise DaemonStartError(f"kvbeam {self.role} never reported SERVING",
                                        daemon.output)
         return daemon
+
+
+#: wildcard hosts a daemon may bind, and the loopback address that reaches each from here
+_LOOPBACK_FOR_WILDCARD = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}
+
+
+def local_address(address: str) -> str:
+    """``address`` as this machine dials it: a wildcard host (``0.0.0.0``, ``[::]``) becomes
+    loopback (a wildcard names no address to send to), anything else stays as it is."""
+    host, sep, port = address.rpartition(":")
+    loopback = _LOOPBACK_FOR_WILDCARD.get(host)
+    return f"{loopback}{sep}{port}" if loopback else address
 
 
 def start_daemon(role: str, config: str, *, listen: str = "127.0.0.1:0",

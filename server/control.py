@@ -52,6 +52,7 @@ class ControlServer:
         self.servicer = servicer if servicer is not None else ControlServicer(local)
         self.servicer.local = local
         self.options = options or ControlOptions()
+        self.servicer.security = self.options.security  # binds callers' claimed addresses
         self.startup_check = startup_check
         self.health = health.HealthServicer()
         self._server: grpc.Server | None = None

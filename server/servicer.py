@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from kvbeam.auth import Security
 from kvbeam.errors import (
     Difference,
     NotHandshakenError,
@@ -37,6 +38,7 @@ from kvbeam.proto.rejection_codec import (
 )
 from kvbeam.proto.side import SideEncoder, SideInfo, side_from_proto
 from kvbeam.server.handshake import VerifiedPeer, verify_peer
+from kvbeam.server.identity import claim_refusal
 from kvbeam.server.peers import Peers
 from kvbeam.transport.endpoint import Endpoint
 
@@ -49,12 +51,18 @@ class ControlServicer(pb_grpc.KvbeamControlServicer):
     Args:
         local: our side (role, layout, default endpoint, instance id, control address).
         peers: the registry to fill (a fresh one by default).
+
+    Attributes:
+        security: how the server authenticates callers; a caller's claimed control
+            address must match it (:func:`~kvbeam.server.identity.claim_refusal`).
+            :class:`~kvbeam.server.control.ControlServer` sets it from its options.
     """
 
     def __init__(self, local: SideInfo, *, peers: Peers | None = None) -> None:
         self._local = local
         self._encoder: SideEncoder | None = None
         self.peers = peers if peers is not None else Peers()
+        self.security = Security()
 
     @property
     def local(self) -> SideInfo:
@@ -116,6 +124,13 @@ class ControlServicer(pb_grpc.KvbeamControlServicer):
             self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
                          Reason.REJECT_REASON_INVALID_METADATA, str(exc), field=exc.field,
                          include_metadata=False)
+        # Before anything is registered or created: a caller claiming another peer's
+        # address would otherwise replace it (a "restart" that fails its requests).
+        refusal = claim_refusal(peer.control_address, security=self.security, peer=address,
+                                auth=context.auth_context())
+        if refusal is not None:
+            log.warning("%s", refusal)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         try:
             verified = verify_peer(self.local, peer, address=address)
         except ProtocolVersionError as exc:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvbeam.auth import Security, load_token
+from kvbeam.auth import INSECURE_ENV, Security, load_token, parse_bool
 from kvbeam.errors import ConfigError
 from kvbeam.transport.options import MAX_QPS_PER_PEER
 
@@ -92,15 +92,6 @@ def _uids(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _bool(text: str) -> bool:
-    low = text.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"not a boolean: {text!r} (use true/false)")
-
-
 #: Credentials: daemons use them for their server and their channels to peers; the
 #: scheduler commands (reserve, send, drive, ...) take the same flags and variables.
 AUTH_OPTIONS: tuple[Option, ...] = (
@@ -175,7 +166,7 @@ OPTIONS: tuple[Option, ...] = (
            "is declared lost; a refused heartbeat (process gone) loses it after two"),
     Option("max_inflight", "KVBEAM_MAX_INFLIGHT", int, 256,
            "transfers in flight on this side before new ones get RESOURCE_EXHAUSTED"),
-    Option("integrity", "KVBEAM_INTEGRITY", _bool, True,
+    Option("integrity", "KVBEAM_INTEGRITY", parse_bool, True,
            "verify XXH3-128 digests of every transfer on decode (true/false)"),
     Option("fill_seed", "KVBEAM_FILL_SEED", int, -1,
            "fill the pools with a deterministic pattern from this seed at start (demo and "
@@ -189,9 +180,9 @@ OPTIONS: tuple[Option, ...] = (
            "HOST:PORT of the Prometheus /metrics endpoint (port 0: any free port); "
            "empty: no endpoint"),
     *AUTH_OPTIONS,
-    Option("insecure", "KVBEAM_INSECURE", _bool, False,
+    Option("insecure", INSECURE_ENV, parse_bool, False,
            "allow a non-loopback --listen without authentication (true/false)"),
-    Option("per_peer_rkeys", "KVBEAM_PER_PEER_RKEYS", _bool, True,
+    Option("per_peer_rkeys", "KVBEAM_PER_PEER_RKEYS", parse_bool, True,
            "RDMA decode: register the pools once more per peer so each peer gets its own "
            "rkeys, revoked when it goes (false: one shared set, faster handshakes)"),
     Option("rdma_qp_timeout", "KVBEAM_RDMA_QP_TIMEOUT", int, 17,
@@ -276,7 +267,7 @@ def _add_arguments(parser: argparse.ArgumentParser, options: tuple[Option, ...])
                               "help": f"{opt.help} [env {opt.env}]"}
         if opt.choices:
             kw["choices"] = opt.choices
-        if opt.kind is _bool:  # a bare --insecure means true
+        if opt.kind is parse_bool:  # a bare --insecure means true
             kw.update(nargs="?", const="true")
         if opt.kind is _uids:  # repeatable
             kw["action"] = "append"

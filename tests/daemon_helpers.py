@@ -41,10 +41,14 @@ def _args(role: str, transport: str, extra: Sequence[str]) -> list[str]:
 
 def start(role: str, *, paged: bool = False, transport: str = "tcp",
           extra: Sequence[str] = (), cfg: str | None = None, listen: str = "127.0.0.1:0",
-          env: dict[str, str] | None = None) -> DaemonProcess:
-    """A daemon with fast deadlines and a fill pattern (prefill seed 1, decode seed 2)."""
+          env: dict[str, str] | None = None, security: Security | None = None) -> DaemonProcess:
+    """A daemon with fast deadlines and a fill pattern (prefill seed 1, decode seed 2).
+
+    ``security``: what the readiness check presents (the daemon's own go in ``extra``).
+    """
     return start_daemon(role, cfg or shipped_config(role, paged), listen=listen,
-                        extra=_args(role, transport, extra), env=env, timeout=STARTUP_S)
+                        extra=_args(role, transport, extra), env=env, timeout=STARTUP_S,
+                        security=security)
 
 
 def spawn(role: str, *, transport: str = "tcp", extra: Sequence[str] = (),

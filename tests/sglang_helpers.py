@@ -25,6 +25,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 import yaml
 
+from kvbeam.auth import Security
 from kvbeam.engine import EnginePools
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.plan import IndexLists
@@ -84,8 +85,13 @@ class SglangPair:
     """Two ``--pools engine`` daemons, the engines' pools, sglang managers over them."""
 
     def __init__(self, config: SideConfig, transport: str = "tcp", timeout: float = 60.0,
-                 chunk_tokens: int | None = None, extra: tuple[str, ...] = ()) -> None:
+                 chunk_tokens: int | None = None, extra: tuple[str, ...] = (),
+                 security: Security | None = None) -> None:
+        """``security``: what the daemons' readiness checks present (the daemons, managers
+        and bootstrap server take their own credentials from ``extra`` and the
+        environment, e.g. ``KVBEAM_AUTH_TOKEN_FILE``)."""
         self.config, self.timeout, self.chunk_tokens = config, timeout, chunk_tokens
+        self.security = security
         self.calls: list[tuple[str, str, str, str]] = []
         self.decode_status: Any = None
         self.rooms = 0
@@ -112,7 +118,7 @@ class SglangPair:
         socks = {role: str(work / f"{role}.sock") for role in ("prefill", "decode")}
         pending = {role: spawn_daemon(role, cfg, extra=["--pools", "engine", "--attach-socket",
                                                         socks[role], "--transport", transport,
-                                                        *extra])
+                                                        *extra], security=self.security)
                    for role in ("decode", "prefill")}
         self.pending = list(pending.values())
         self.bootstrap = KvbeamKVBootstrapServer("127.0.0.1", 0)

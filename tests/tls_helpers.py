@@ -14,7 +14,9 @@ from pathlib import Path
 
 from kvbeam.auth import Security
 
-_EXT = ("subjectAltName=DNS:localhost,IP:127.0.0.1\n"
+#: The names every test certificate carries unless told otherwise (loopback daemons).
+LOOPBACK_SANS = "DNS:localhost,IP:127.0.0.1"
+_EXT = ("subjectAltName={sans}\n"
         "extendedKeyUsage=serverAuth,clientAuth\n"
         "basicConstraints=CA:FALSE\n")
 _EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
@@ -31,27 +33,28 @@ class Pki:
     dir: Path
     ca: Path
 
-    def issue(self, name: str) -> tuple[Path, Path]:
-        """A certificate and key for ``name`` (CN), signed by this CA: ``(cert, key)``."""
+    def issue(self, name: str, sans: str = LOOPBACK_SANS) -> tuple[Path, Path]:
+        """A certificate and key for ``name`` (CN) naming ``sans`` (openssl's
+        subjectAltName syntax), signed by this CA: ``(cert, key)``."""
         key, csr, cert = (self.dir / f"{name}.{ext}" for ext in ("key", "csr", "pem"))
         _openssl("req", *_EC, "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}",
                  cwd=self.dir)
         ext = self.dir / "ext.cnf"
-        ext.write_text(_EXT)
+        ext.write_text(_EXT.format(sans=sans))
         _openssl("x509", "-req", "-in", str(csr), "-CA", str(self.ca), "-CAkey",
                  str(self.dir / "ca.key"), "-CAcreateserial", "-out", str(cert), "-days", "2",
                  "-extfile", str(ext), cwd=self.dir)
         return cert, key
 
-    def flags(self, name: str) -> list[str]:
+    def flags(self, name: str, sans: str = LOOPBACK_SANS) -> list[str]:
         """The ``--tls-cert/--tls-key/--tls-ca`` flags presenting a fresh certificate for
         ``name`` (daemons and client commands take the same)."""
-        cert, key = self.issue(name)
+        cert, key = self.issue(name, sans)
         return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(self.ca)]
 
-    def security(self, name: str, **kw: object) -> Security:
+    def security(self, name: str, sans: str = LOOPBACK_SANS, **kw: object) -> Security:
         """A :class:`Security` presenting a fresh certificate for ``name`` and trusting this CA."""
-        cert, key = self.issue(name)
+        cert, key = self.issue(name, sans)
         return Security(tls_cert=str(cert), tls_key=str(key), tls_ca=str(self.ca),
                         **kw)  # type: ignore[arg-type]
 

@@ -61,18 +61,19 @@ def poll_of(state: TransferState) -> KVPoll:
     return _POLL[state]
 
 
-_clients: dict[str, KvbeamClient] = {}
+_clients: dict[tuple[str, Security | None], KvbeamClient] = {}
 _clients_lock = threading.Lock()
 
 
 def client_for(address: str, security: Security | None = None) -> KvbeamClient:
-    """The process's shared client to a daemon (created on first use; gRPC imported then)."""
+    """The process's shared client to a daemon presenting ``security`` (created on first
+    use; gRPC imported then): one per address and credentials."""
     from kvbeam.client import KvbeamClient
 
     with _clients_lock:
-        client = _clients.get(address)
+        client = _clients.get((address, security))
         if client is None:
-            client = _clients[address] = KvbeamClient(address, security=security)
+            client = _clients[(address, security)] = KvbeamClient(address, security=security)
         return client
 
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from kvbeam.engine import EngineBuffers, EnginePools
-from kvbeam.errors import AttachError
+from kvbeam.errors import AttachError, ConfigError
 from kvbeam.integrations.sglang import bootstrap, select
 from kvbeam.integrations.sglang.kvargs import (
     buffers_from_kvargs,
@@ -162,3 +162,28 @@ def test_bootstrap_store_round_trip() -> None:
             bootstrap.call(server.address, "drop", "room.1")
     finally:
         server.close()
+
+
+@pytest.mark.parametrize(("value", "opens"), [("true", True), ("1", True), ("on", True),
+                                              ("false", False), ("no", False)])
+def test_bootstrap_server_reads_kvbeam_insecure_as_the_daemons_do(
+        monkeypatch: pytest.MonkeyPatch, value: str, opens: bool) -> None:
+    from kvbeam.integrations.sglang import conn
+    monkeypatch.delenv("KVBEAM_AUTH_TOKEN_FILE", raising=False)
+    monkeypatch.setenv("KVBEAM_INSECURE", value)
+    if opens:
+        conn.KvbeamKVBootstrapServer("0.0.0.0", 0).close()
+    else:
+        with pytest.raises(ConfigError, match="without a token"):
+            conn.KvbeamKVBootstrapServer("0.0.0.0", 0)
+
+
+@pytest.mark.parametrize("value", ["maybe", "", "ture"])
+def test_a_bad_kvbeam_insecure_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch,
+                                                    value: str) -> None:
+    # As the daemons refuse it (server/settings.py): a typo must not quietly mean false.
+    from kvbeam.integrations.sglang import conn
+    monkeypatch.delenv("KVBEAM_AUTH_TOKEN_FILE", raising=False)
+    monkeypatch.setenv("KVBEAM_INSECURE", value)
+    with pytest.raises(ConfigError, match=f"KVBEAM_INSECURE: not a boolean: {value!r}"):
+        conn.KvbeamKVBootstrapServer("127.0.0.1", 0)

@@ -41,8 +41,9 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Calls:
     c = Calls()
 
     class FakeReceiver:
-        def __init__(self, daemon: str, rid: str, prefill: str) -> None:
+        def __init__(self, daemon: str, rid: str, prefill: str, *, security: Any) -> None:
             self.args = (daemon, rid, prefill)
+            assert security is SETTINGS.security  # every call presents the credentials
 
         def reserve(self, ids: list[int], *, seq_len: int) -> None:
             if c.refuse:

@@ -9,7 +9,12 @@ bytes. docs/sglang.md.
 Settings (attributes of sglang's ``server_args`` when present, else environment):
 ``kvbeam_config`` / ``KVBEAM_CONFIG`` (the side YAML the daemon runs with),
 ``kvbeam_daemon`` / ``KVBEAM_DAEMON`` (its gRPC address), ``kvbeam_attach_socket`` /
-``KVBEAM_ATTACH_SOCKET``.
+``KVBEAM_ATTACH_SOCKET``; credentials, the daemons' flags of the same names
+(:data:`kvbeam.auth.CLIENT_SETTINGS`): ``kvbeam_auth_token_file`` /
+``KVBEAM_AUTH_TOKEN_FILE``, ``kvbeam_tls_cert`` / ``KVBEAM_TLS_CERT``, ``..._tls_key``,
+``..._tls_ca``, ``..._tls_server_name``. Every daemon call presents them, and every
+bootstrap store request the token; the store requires it (sglang builds the store from
+host and port only, so there the environment's ``KVBEAM_AUTH_TOKEN_FILE`` counts).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from kvbeam.auth import CLIENT_SETTINGS, Security, client_security, insecure_from_environment
+from kvbeam.client import KvbeamClient
 from kvbeam.engine import Attachment, attach
 from kvbeam.engine.requests import KVPoll, client_for, poll_of
 from kvbeam.errors import AttachError, KvbeamError, PoolCompatibilityError, UnknownRequest
@@ -61,6 +68,14 @@ def _setting(server_args: Any, name: str) -> str:
     return str(value)
 
 
+def credentials(server_args: Any) -> Security:
+    """What the backend presents to daemons: ``server_args.kvbeam_KEY``, else ``KVBEAM_KEY``
+    from the environment, for each of :data:`~kvbeam.auth.CLIENT_SETTINGS` (files read now)."""
+    values = {key: getattr(server_args, f"kvbeam_{key}", None)
+              or os.environ.get(f"KVBEAM_{key.upper()}") for key in CLIENT_SETTINGS}
+    return client_security(values, "kvbeam sglang backend")
+
+
 def _room_key(room: Any) -> str:
     return f"room.{room}"
 
@@ -88,6 +103,7 @@ class KvbeamKVManager(BaseKVManager):  # type: ignore[misc]
         except PoolCompatibilityError as exc:
             raise RuntimeError(str(exc)) from exc
         check_kvargs(args, self.layout)
+        self.security = credentials(server_args)
         self.daemon = _setting(server_args, "kvbeam_daemon")
         self.attachment = self._attach(_setting(server_args, "kvbeam_attach_socket"))
 
@@ -108,11 +124,19 @@ class KvbeamKVManager(BaseKVManager):  # type: ignore[misc]
             for fd in buffers.fds:
                 os.close(fd)
 
+    def client(self, address: str) -> KvbeamClient:
+        """The shared client to the daemon at ``address``, presenting our credentials."""
+        return client_for(address, self.security)
+
+    def store(self, address: str, op: str, key: str, value: Any = None) -> Any:
+        """One operation on the bootstrap store at ``address``, with our token."""
+        return bootstrap.call(address, op, key, value, token=self.security.token)
+
     def register_to_bootstrap(self) -> None:
         """Prefill: publish the daemon's address at this server's bootstrap server."""
         host = getattr(self.server_args, "host", "127.0.0.1")
         port = self.server_args.disaggregation_bootstrap_port
-        bootstrap.call(f"{host}:{port}", "put", PREFILL_KEY, {"daemon": self.daemon})
+        self.store(f"{host}:{port}", "put", PREFILL_KEY, {"daemon": self.daemon})
 
     def close(self) -> None:
         """Detach the engine's memory (the daemon fails its live requests)."""
@@ -158,16 +182,16 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
             log.error("%s", self.error)
 
     def _send_all(self, state_indices: list[Any] | None) -> None:
-        decode = bootstrap.call(self.bootstrap_addr, "get", _room_key(self.room))
+        decode = self.mgr.store(self.bootstrap_addr, "get", _room_key(self.room))
         if not decode or decode.get("aborted"):
             raise RuntimeError(f"decode gave no destination for room {self.room}")
         lists = {"KV_PAGES": self.pages, **state_index_lists(self.mgr.layout, state_indices)}
         # Decode's reservation: its own lists, the length only prefill knows by now.
-        decode_client = client_for(decode["daemon"])
+        decode_client = self.mgr.client(decode["daemon"])
         decode_client.reserve(self.request_id, self.tokens, self.mgr.daemon,
                               indices=decode["lists"])
         try:
-            self.last = client_for(self.mgr.daemon).send(
+            self.last = self.mgr.client(self.mgr.daemon).send(
                 self.request_id, -1, self.tokens, decode["daemon"], indices=lists)
         except KvbeamError as exc:
             # Refused before anything moved: give decode's slot back.
@@ -180,9 +204,9 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         if self.error is not None:
             return int(KVPoll.Failed)
         if self.sent:
-            self.last = client_for(self.mgr.daemon).status(self.request_id)
+            self.last = self.mgr.client(self.mgr.daemon).status(self.request_id)
             return int(poll_of(self.last.state))
-        decode = bootstrap.call(self.bootstrap_addr, "get", _room_key(self.room))
+        decode = self.mgr.store(self.bootstrap_addr, "get", _room_key(self.room))
         if decode is None:
             return int(KVPoll.Bootstrapping)
         return int(KVPoll.Failed if decode.get("aborted") else KVPoll.WaitingForInput)
@@ -198,14 +222,14 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
     def abort(self) -> None:
         """Abort at the prefill daemon (it tells decode's), or tell decode through the room."""
         if self.sent:
-            self.last = client_for(self.mgr.daemon).abort(self.request_id, "aborted by sglang")
+            self.last = self.mgr.client(self.mgr.daemon).abort(self.request_id, "aborted by sglang")
         else:
-            bootstrap.call(self.bootstrap_addr, "put", _room_key(self.room), {"aborted": True})
+            self.mgr.store(self.bootstrap_addr, "put", _room_key(self.room), {"aborted": True})
         self.error = self.error or "aborted"
 
     def clear(self) -> None:
         """Forget the room at the bootstrap server."""
-        bootstrap.call(self.bootstrap_addr, "delete", _room_key(self.room))
+        self.mgr.store(self.bootstrap_addr, "delete", _room_key(self.room))
 
 
 class KvbeamKVReceiver(BaseKVReceiver):  # type: ignore[misc]
@@ -222,7 +246,7 @@ class KvbeamKVReceiver(BaseKVReceiver):  # type: ignore[misc]
 
     def init(self, prefill_dp_rank: int = 0) -> None:
         """Look prefill's daemon up at its bootstrap server."""
-        self.prefill = bootstrap.call(self.bootstrap_addr, "get", PREFILL_KEY)
+        self.prefill = self.mgr.store(self.bootstrap_addr, "get", PREFILL_KEY)
         if self.prefill is None:
             self.error = f"no kvbeam prefill registered at {self.bootstrap_addr}"
 
@@ -234,7 +258,7 @@ class KvbeamKVReceiver(BaseKVReceiver):  # type: ignore[misc]
                  **state_index_lists(self.mgr.layout, state_indices)}
         value = {"daemon": self.mgr.daemon,
                  "lists": {k: [int(i) for i in v] for k, v in lists.items()}}
-        bootstrap.call(self.bootstrap_addr, "put", _room_key(self.room), value)
+        self.mgr.store(self.bootstrap_addr, "put", _room_key(self.room), value)
         self.metadata_sent = True
 
     def poll(self) -> int:
@@ -246,9 +270,9 @@ class KvbeamKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         if not self.metadata_sent:
             return int(KVPoll.WaitingForInput)
         try:
-            self.last = client_for(self.mgr.daemon).status(self.request_id)
+            self.last = self.mgr.client(self.mgr.daemon).status(self.request_id)
         except UnknownRequest:  # prefill has not reserved yet, or gave up
-            room = bootstrap.call(self.bootstrap_addr, "get", _room_key(self.room))
+            room = self.mgr.store(self.bootstrap_addr, "get", _room_key(self.room))
             if room is None or room.get("aborted"):
                 self.error = f"prefill aborted room {self.room} before reserving"
                 return int(KVPoll.Failed)
@@ -261,16 +285,16 @@ class KvbeamKVReceiver(BaseKVReceiver):  # type: ignore[misc]
 
     def abort(self) -> None:
         """Abort at the decode daemon (it tells prefill's) and withdraw the metadata."""
-        bootstrap.call(self.bootstrap_addr, "put", _room_key(self.room), {"aborted": True})
+        self.mgr.store(self.bootstrap_addr, "put", _room_key(self.room), {"aborted": True})
         with contextlib.suppress(UnknownRequest):  # never reserved: nothing held
-            self.last = client_for(self.mgr.daemon).abort(self.request_id, "aborted by sglang")
+            self.last = self.mgr.client(self.mgr.daemon).abort(self.request_id, "aborted by sglang")
         self.error = self.error or "aborted"
 
     def clear(self) -> None:
         """Release the reservation (the engine took the KV over) and forget the room."""
         if self.last is not None and self.last.state is TransferState.SUCCESS:
-            self.last = client_for(self.mgr.daemon).release(self.request_id)
-        bootstrap.call(self.bootstrap_addr, "delete", _room_key(self.room))
+            self.last = self.mgr.client(self.mgr.daemon).release(self.request_id)
+        self.mgr.store(self.bootstrap_addr, "delete", _room_key(self.room))
 
 
 class KvbeamKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[misc]
@@ -278,7 +302,9 @@ class KvbeamKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[misc]
     BootstrapServer`) on sglang's ``--disaggregation-bootstrap-port``."""
 
     def __init__(self, host: str, port: int) -> None:
-        self.server = bootstrap.BootstrapServer(host, port)
+        self.server = bootstrap.BootstrapServer(host, port, token=credentials(None).token,
+                                                insecure=insecure_from_environment(
+                                                    os.environ, "kvbeam sglang backend"))
 
     def close(self) -> None:
         """Stop the server."""

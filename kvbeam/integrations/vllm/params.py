@@ -21,10 +21,13 @@ them by position (docs/indices.md).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kvbeam.errors import ConfigError
+
+if TYPE_CHECKING:  # kvbeam.auth imports gRPC: only when settings are read
+    from kvbeam.auth import Security
 
 #: The keys kvbeam reads from and writes into ``kv_transfer_params``.
 DO_REMOTE_DECODE = "do_remote_decode"
@@ -88,6 +91,12 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def _no_credentials() -> Security:
+    from kvbeam.auth import Security
+
+    return Security()
+
+
 @dataclass(frozen=True)
 class Settings:
     """``kv_connector_extra_config``: where this instance's kvbeam daemon is.
@@ -98,17 +107,23 @@ class Settings:
         model: the model name both sides' pool metadata must share (default: vLLM's
             served model name).
         inner_layout: the name of vLLM's block layout both sides must share.
+        security: what every call to a daemon presents, from the keys ``auth_token_file``,
+            ``tls_cert``, ``tls_key``, ``tls_ca``, ``tls_server_name``
+            (:func:`kvbeam.auth.client_security`; the daemons' flags of the same names).
     """
 
     daemon: str
     attach_socket: str
     model: str
     inner_layout: str = "LBHNC"
+    security: Security = field(default_factory=_no_credentials)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], default_model: str) -> Settings:
-        """Read and check the connector's extra config."""
-        known = {"daemon", "attach_socket", "model", "inner_layout"}
+        """Read and check the connector's extra config (credential files are read now)."""
+        from kvbeam.auth import CLIENT_SETTINGS, client_security
+
+        known = {"daemon", "attach_socket", "model", "inner_layout", *CLIENT_SETTINGS}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
@@ -118,4 +133,5 @@ class Settings:
                 raise ConfigError(f"kv_connector_extra_config.{key}: required (a string)")
         return cls(daemon=extra["daemon"], attach_socket=extra["attach_socket"],
                    model=str(extra.get("model") or default_model),
-                   inner_layout=str(extra.get("inner_layout") or "LBHNC"))
+                   inner_layout=str(extra.get("inner_layout") or "LBHNC"),
+                   security=client_security(extra, "kv_connector_extra_config"))

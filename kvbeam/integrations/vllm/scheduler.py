@@ -84,8 +84,8 @@ class SchedulerSide:
         self._loading.add(request.request_id)
         failed = False
         try:
-            Receiver(self.settings.daemon, p.kvbeam_id, p.prefill_daemon).reserve(
-                list(ids), seq_len=seq_len)
+            Receiver(self.settings.daemon, p.kvbeam_id, p.prefill_daemon,
+                     security=self.settings.security).reserve(list(ids), seq_len=seq_len)
         except KvbeamError as exc:
             log.warning("request %s: reserve of transfer %s refused: %s", request.request_id,
                         p.kvbeam_id, exc)
@@ -104,8 +104,8 @@ class SchedulerSide:
         seq_len = len(request.prompt_token_ids)
         source = ids[:blocks_for(seq_len, self.block_size)]
         try:
-            Sender(self.settings.daemon, p.kvbeam_id, p.decode_daemon).send(source,
-                                                                             seq_len=seq_len)
+            Sender(self.settings.daemon, p.kvbeam_id, p.decode_daemon,
+                   security=self.settings.security).send(source, seq_len=seq_len)
         except KvbeamError as exc:
             log.warning("request %s: send of transfer %s refused: %s", request.request_id,
                         p.kvbeam_id, exc)

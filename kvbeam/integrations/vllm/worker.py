@@ -120,7 +120,8 @@ class WorkerSide:
     def _poll(self, kvbeam_id: str) -> KVPoll | None:
         """The transfer's state on the local daemon; None when the daemon does not know it."""
         try:
-            return poll_of(client_for(self.settings.daemon).status(kvbeam_id).state)
+            client = client_for(self.settings.daemon, self.settings.security)
+            return poll_of(client.status(kvbeam_id).state)
         except KvbeamError:
             return None
 
@@ -139,7 +140,7 @@ class WorkerSide:
                 v[load.block_ids[0]].zero_()
             log.warning("TEST: zeroed block %d of request %s", load.block_ids[0], load.req_id)
         try:  # the engine took the KV over: decode's daemon frees the reservation
-            client_for(self.settings.daemon).release(load.kvbeam_id)
+            client_for(self.settings.daemon, self.settings.security).release(load.kvbeam_id)
         except KvbeamError as exc:
             log.info("transfer %s: release: %s", load.kvbeam_id, exc)
 

@@ -1,0 +1,72 @@
+"""sglang's backend against token-protected daemons and bootstrap store (issue 22, item 6).
+
+One environment variable (``KVBEAM_AUTH_TOKEN_FILE``) gives the daemons, the backend's
+managers and its bootstrap store the same token, as on a node: a request moves. A
+backend without the token is refused by the store and by the daemons, with errors
+that say what is missing.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvbeam.auth import Security
+from kvbeam.errors import AuthenticationError
+from kvbeam.integrations.sglang.conn import PREFILL_KEY, KvbeamKVReceiver, KvbeamKVSender
+from kvbeam.refengine.configs import tiny_config
+from tests.sglang_helpers import SglangPair
+
+SUCCESS, WAITING = 4, 2
+
+
+def _lists(item: int) -> dict[str, list[int]]:
+    """Index lists of a 100-token request at item ``item`` of every kind."""
+    return {"KV_PAGES": [item], "SWA_RING_ROWS": list(range(32 * item, 32 * item + 32)),
+            "REQ_SLOT": [item], "C128_STATE": [item]}
+
+
+def _states(pair: SglangPair, lists: dict[str, list[int]]) -> list[object]:
+    return [None if c.pool == "draft" else
+            {k: lists[k] for k in sorted({b.index_kind.name for b in c.buffers})}
+            for c in pair.prefill_mgr.layout.states]
+
+
+def test_backend_with_the_token_moves_a_request_and_without_it_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    token = tmp_path / "token"
+    token.write_text("sglang-token\n")
+    monkeypatch.setenv("KVBEAM_AUTH_TOKEN_FILE", str(token))  # daemons, managers, store
+    with SglangPair(tiny_config(unified=True, draft=True),
+                    security=Security(token="sglang-token")) as pair:
+        rx = KvbeamKVReceiver(pair.decode_mgr, pair.bootstrap_addr, 1)
+        rx.init(0)
+        tx = KvbeamKVSender(pair.prefill_mgr, pair.bootstrap_addr, 1)
+        tx.init(1, 0)
+        rx.send_metadata(np.array([0], dtype=np.int32), 0, _states(pair, _lists(0)))
+        assert tx.poll() == WAITING and rx.poll() == WAITING
+        tx.send(np.array([1], dtype=np.int32), _states(pair, _lists(1)), num_kv_tokens=100)
+        deadline = time.monotonic() + 60
+        while {tx.poll(), rx.poll()} - {0, SUCCESS} and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (tx.poll(), rx.poll()) == (SUCCESS, SUCCESS), (tx.error, tx.last, rx.last)
+        tx.clear()
+        rx.clear()
+
+        # The same backend configured without the token.
+        bare = copy.copy(pair.prefill_mgr)
+        bare.security = Security()
+        with pytest.raises(AuthenticationError, match="refused: no token; this bootstrap store "
+                                                      "requires the kvbeam token"):
+            bare.store(pair.bootstrap_addr, "get", PREFILL_KEY)
+        with pytest.raises(AuthenticationError, match="refused our credentials"):
+            bare.client(pair.prefill_mgr.daemon).status(tx.request_id)
+        with pytest.raises(AuthenticationError, match="requires the kvbeam token"):
+            KvbeamKVSender(bare, pair.bootstrap_addr, 2).poll()
+        # Nothing a refused caller sent reached the store: prefill's entry is intact.
+        assert pair.prefill_mgr.store(pair.bootstrap_addr, "get", PREFILL_KEY) == {
+            "daemon": pair.prefill_mgr.daemon}
