@@ -242,6 +242,17 @@ class NoEngineAttached(KvbeamError):
     (FAILED_PRECONDITION) and answers NOT_SERVING on health until an engine attaches."""
 
 
+class FrameError(KvbeamError):
+    """An engine-channel frame refused (:mod:`kvbeam.proto.engine_frames`); ``field``
+    names the part at fault (``length``, ``lists[1].kind``, ...)."""
+
+    def __init__(self, field: str, problem: str, request_id: str = "") -> None:
+        self.field = field
+        self.problem = problem
+        self.request_id = request_id
+        super().__init__(f"{field}: {problem}")
+
+
 class AttachError(KvbeamError):
     """An engine's attach was refused (by the daemon, or before sending); ``field`` names
     the part of the attach description at fault ("" when none)."""
