@@ -191,6 +191,11 @@ class SendFailed(KvbeamError):
         self.peer_lost = peer_lost
 
 
+class NotReserved(SendFailed):
+    """Decode has no reservation for the request (yet): its BeginWrite was refused
+    UnknownRequest. Prefill then waits for decode's reservation (``--send-wait-s``)."""
+
+
 class IllegalTransition(KvbeamError):
     """A state change the lifecycle does not allow (e.g. SUCCESS -> TRANSFERRING)."""
 

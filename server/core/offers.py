@@ -84,6 +84,11 @@ class OfferBook:
             return None
         return offer
 
+    def has(self, request_id: str) -> bool:
+        """Whether an offer for the request is kept."""
+        with self._lock:
+            return request_id in self._offers
+
     def drop(self, request_id: str) -> None:
         """Forget a request's offer (it was aborted, or it writes with BeginWrite)."""
         with self._lock:
@@ -138,7 +143,13 @@ class PrefillOffers:
         kept = not late and self.offers.put(
             Offer(request_id, conn, seq_len, grant, time.monotonic() + lease_s))
         self.on_offer("received" if kept else "refused")
+        if kept:
+            self._unpark(request_id)  # a Send that came first waits for this
         return kept
+
+    def _unpark(self, request_id: str) -> None:
+        """Write a request whose Send waits for this reservation (the core's)."""
+        raise NotImplementedError
 
     def _offered_grant(self, rec: Outgoing, conn: PeerConn, final: bool) -> WriteGrant | None:
         """Decode's offer for this step, if one is usable (else BeginWrite asks).

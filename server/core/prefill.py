@@ -33,6 +33,7 @@ from kvbeam.errors import (
     AlreadyLanded,
     BadRequest,
     DuplicateRequest,
+    NotReserved,
     RegionError,
     SendFailed,
     TransportError,
@@ -93,6 +94,7 @@ class Outgoing:
     resends: int = 0
     digests: list[int] | None = None  # computed once: a resend's source bytes are the same
     rehandshake: str = ""  # why it handshook again before writing (decode forgot us)
+    parked: bool = False  # the Send came before decode's reservation: waiting for it
 
     @property
     def drained(self) -> bool:
@@ -117,6 +119,9 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
         on_resend: called once per resend (metrics).
         max_offers: the most reservations decode offered that are kept unused
             (:mod:`kvbeam.server.core.offers`).
+        send_wait_s: how long a Send that found no reservation on decode waits for it
+            (WaitingForInput, its source pages held) before it fails with a timeout;
+            0: it fails at once, as before the engine channel.
         on_offer: called with what happened to an offer (metrics).
     """
 
@@ -128,7 +133,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                  transfer_budget: Callable[[int], float] = lambda _n: 0.0,
                  resend_retries: int = 0, on_resend: Callable[[], None] = lambda: None,
                  max_offers: int = 1024,
-                 on_offer: Callable[[str], None] = lambda _event: None) -> None:
+                 on_offer: Callable[[str], None] = lambda _event: None,
+                 send_wait_s: float = 0.0) -> None:
         self.table = table
         self.peers = peers
         self.decode = decode
@@ -142,6 +148,7 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
         self.on_resend = on_resend
         self.offers = OfferBook(max_offers)  # decode's reservations ahead of Send
         self.on_offer = on_offer
+        self.send_wait_s = send_wait_s
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
         self._out: dict[str, Outgoing] = {}
@@ -276,7 +283,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
             if not (lost and self._peer_forgot_us(rec, conn, str(exc))):
                 self._step_failed(rec, exc)
         with self._lock:
-            again = bool(rec.chunks) and not self._ended(rec) and not rec.resend_pending
+            again = (bool(rec.chunks) and not self._ended(rec) and not rec.resend_pending
+                     and not rec.parked)
             rec.running = again
         if again:
             self.io.submit(self._step, rec)
@@ -314,6 +322,12 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
             try:
                 grant = self.decode.begin_write(conn, rid, rec.seq_len, final, self.integrity)
                 self._measured(begin_write=time.monotonic() - began)
+            except NotReserved:
+                if not self.send_wait_s or rec.resends or rec.rehandshake or \
+                        len(rec.posted) > 1:
+                    raise  # decode forgot it (restarted, expired): no reservation is coming
+                self._park(rec, ranges, final)
+                return
             except AlreadyLanded:
                 if not rec.resends:
                     raise
@@ -325,6 +339,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                 return  # aborted or timed out meanwhile: nothing posted, decode is told
             if snap.state is TransferState.BOOTSTRAPPING:
                 self.table.advance(rid, TransferState.WAITING_FOR_INPUT)
+                self.table.advance(rid, TransferState.TRANSFERRING)
+            elif snap.state is TransferState.WAITING_FOR_INPUT:  # it waited for decode
                 self.table.advance(rid, TransferState.TRANSFERRING)
             else:
                 self.table.touch(rid)
@@ -371,6 +387,40 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                  conn.control_address, extra=fields(rid, rec.decode_address))
         if final and self.integrity:  # digested while the writes are in flight
             self._send_digests(rec, conn, grant.transfer_id)
+
+    def _park(self, rec: Outgoing, ranges: Ranges, final: bool) -> None:
+        """The Send came first: wait in WaitingForInput for decode's reservation (its
+        Offer unparks it, :meth:`offer`) or until ``send_wait_s`` passes (a timeout)."""
+        rid = rec.request_id
+        with self._lock:
+            if self._ended(rec):
+                return
+            rec.chunks.appendleft((ranges, final))  # taken again once decode reserved
+            rec.posted.pop()
+            rec.parked = True
+            snap = self.table.get(rid)
+            if snap is not None and snap.state is TransferState.BOOTSTRAPPING:
+                self.table.advance(rid, TransferState.WAITING_FOR_INPUT)
+            self.table.lease(rid, self.send_wait_s,
+                             "decode's reservation: the Send came first and decode's engine "
+                             "did not reserve the request within --send-wait-s")
+            offered = self.offers.has(rid)  # the Offer raced the refused BeginWrite
+        log.info("request %s: decode has not reserved it yet; waiting up to %.1f s",
+                 rid, self.send_wait_s, extra=fields(rid, rec.decode_address))
+        if offered:
+            self._unpark(rid)
+
+    def _unpark(self, request_id: str) -> None:
+        """Decode's reservation arrived for a parked request: write it now."""
+        with self._lock:
+            rec = self._out.get(request_id)
+            if rec is None or not rec.parked:
+                return
+            rec.parked = False
+            go = not rec.running and not self._ended(rec)
+            rec.running = rec.running or go
+        if go:
+            self.io.submit(self._step, rec)
 
     def _select_pages(self, rec: Outgoing, dst: IndexLists, ranges: Ranges,
                       final: bool) -> tuple[IndexLists, IndexLists]:

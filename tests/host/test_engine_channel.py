@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,3 +140,46 @@ def test_a_dropped_engine_socket_fails_the_peers_request(engines: tuple[
     pe.cmd(f"send gone {SEQ} {decode.address} 4")
     answer = pe.cmd("wait gone 30")
     assert answer.startswith("Failed "), answer
+
+
+def _until(engine: ChannelEngine, rid: str, want: str, tries: int = 300) -> str:
+    answer = ""
+    for _ in range(tries):
+        answer = engine.cmd(f"poll {rid}")
+        if answer.startswith(want):
+            return answer
+        time.sleep(0.05)
+    return answer
+
+
+def test_a_send_before_the_reservation_waits_for_it(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    prefill, decode, pe, de = engines
+    for i in range(2):  # the first before any handshake, the second over a live link
+        rid = f"early{i}"
+        assert pe.cmd(f"send {rid} {SEQ} {decode.address} {30 + i}") == f"send {rid}"
+        assert _until(pe, rid, "WaitingForInput") == "WaitingForInput"
+        assert de.cmd(f"reserve {rid} {SEQ} {prefill.address} {40 + i}") == f"reserve {rid}"
+        assert de.cmd(f"wait {rid} 60") == "Success"
+        assert pe.cmd(f"wait {rid} 60") == "Success"
+        assert de.cmd(f"digests {rid}") == pe.cmd(f"digests {rid}"), rid
+        de.cmd(f"release {rid}")
+
+
+def test_a_send_nobody_reserves_fails_when_its_lease_runs_out(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    _prefill, decode, pe, _de = engines
+    pe.cmd(f"send lonely {SEQ} {decode.address} 5")
+    answer = pe.cmd("wait lonely 30")
+    assert answer.startswith("Failed timeout: no progress in WaitingForInput for 3.0 s "
+                             "(decode's reservation"), answer
+
+
+def test_an_abort_while_waiting_for_the_reservation_fails_it(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    _prefill, decode, pe, _de = engines
+    pe.cmd(f"send quit {SEQ} {decode.address} 6")
+    assert _until(pe, "quit", "WaitingForInput") == "WaitingForInput"
+    pe.cmd("abort quit")
+    answer = pe.cmd("wait quit 10")
+    assert answer.startswith("Failed aborted: aborted by the test engine"), answer
