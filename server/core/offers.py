@@ -151,6 +151,10 @@ class PrefillOffers:
         """Write a request whose Send waits for this reservation (the core's)."""
         raise NotImplementedError
 
+    def _waits_for_offer(self, rec: Outgoing, conn: PeerConn, final: bool) -> bool:
+        """Whether a Send with no offer waits for one before asking (the core's)."""
+        raise NotImplementedError
+
     def _offered_grant(self, rec: Outgoing, conn: PeerConn, final: bool) -> WriteGrant | None:
         """Decode's offer for this step, if one is usable (else BeginWrite asks).
 
@@ -162,6 +166,8 @@ class PrefillOffers:
         single = final and len(rec.posted) == 1 and not rec.resends
         if not single:
             return None
+        if offer is None and self._waits_for_offer(rec, conn, final):
+            return None  # it waits for the Offer (counted "used" when that comes)
         self.on_offer("used" if offer is not None else "missed")
         return offer.grant if offer is not None else None
 

@@ -58,6 +58,10 @@ from kvbeam.states import FailureReason, TransferState, TransferStatus
 
 log = logging.getLogger(__name__)
 Ranges = list[tuple[int, int]]
+#: Seconds a Send that found no offer waits for decode's Offer before it asks with
+#: BeginWrite (decode may have reserved before the two daemons were connected, and then
+#: made no offer). Checked by the sweep (SWEEP_S, 0.2 s), so it is at least that.
+OFFER_GRACE_S = 0.05
 
 
 @dataclass(eq=False)
@@ -95,6 +99,8 @@ class Outgoing:
     digests: list[int] | None = None  # computed once: a resend's source bytes are the same
     rehandshake: str = ""  # why it handshook again before writing (decode forgot us)
     parked: bool = False  # the Send came before decode's reservation: waiting for it
+    parked_at: float = 0.0  # when it parked (its BeginWrite fallback is due OFFER_GRACE_S later)
+    asked: bool = False  # asks (or asked) with BeginWrite: only decode's Offer unparks it
 
     @property
     def drained(self) -> bool:
@@ -308,6 +314,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
             for rec in waiters:
                 rec.conn = conn
                 rec.running = error is None
+                # Decode had no connection to offer on when it reserved: ask at once.
+                rec.asked = True
         for rec in waiters:
             if error is not None:
                 self._step_failed(rec, error)
@@ -317,6 +325,11 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
     def _write_chunk(self, rec: Outgoing, conn: PeerConn, ranges: Ranges, final: bool) -> None:
         rid = rec.request_id
         grant = self._offered_grant(rec, conn, final)
+        if grant is None and self._waits_for_offer(rec, conn, final):
+            # Decode's engine reserves on its own daemon, which offers the reservation
+            # over the peer link: wait for that instead of asking (no BeginWrite).
+            self._park(rec, ranges, final)
+            return
         if grant is None:
             began = time.monotonic()
             try:
@@ -326,6 +339,7 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                 if not self.send_wait_s or rec.resends or rec.rehandshake or \
                         len(rec.posted) > 1:
                     raise  # decode forgot it (restarted, expired): no reservation is coming
+                rec.asked = True  # from now on only decode's Offer unparks it
                 self._park(rec, ranges, final)
                 return
             except AlreadyLanded:
@@ -388,6 +402,24 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
         if final and self.integrity:  # digested while the writes are in flight
             self._send_digests(rec, conn, grant.transfer_id)
 
+    def _waits_for_offer(self, rec: Outgoing, conn: PeerConn, final: bool) -> bool:
+        """Whether a single-chunk Send with no offer waits for decode's Offer first."""
+        return (bool(self.send_wait_s) and final and len(rec.posted) == 1 and not rec.asked
+                and not rec.resends and not rec.rehandshake and not conn.missed_heartbeats)
+
+    def periodic(self) -> None:
+        """The sweep's work, and the BeginWrite fallback of Sends that waited for an
+        Offer OFFER_GRACE_S in vain (decode reserved before the daemons connected)."""
+        super().periodic()
+        now = time.monotonic()
+        with self._lock:
+            due = [r for r in self._out.values()
+                   if r.parked and not r.asked and now - r.parked_at >= OFFER_GRACE_S]
+            for rec in due:
+                rec.asked = True
+        for rec in due:
+            self._unpark(rec.request_id)
+
     def _park(self, rec: Outgoing, ranges: Ranges, final: bool) -> None:
         """The Send came first: wait in WaitingForInput for decode's reservation (its
         Offer unparks it, :meth:`offer`) or until ``send_wait_s`` passes (a timeout)."""
@@ -398,6 +430,7 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
             rec.chunks.appendleft((ranges, final))  # taken again once decode reserved
             rec.posted.pop()
             rec.parked = True
+            rec.parked_at = time.monotonic()
             snap = self.table.get(rid)
             if snap is not None and snap.state is TransferState.BOOTSTRAPPING:
                 self.table.advance(rid, TransferState.WAITING_FOR_INPUT)
@@ -405,8 +438,9 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                              "decode's reservation: the Send came first and decode's engine "
                              "did not reserve the request within --send-wait-s")
             offered = self.offers.has(rid)  # the Offer raced the refused BeginWrite
-        log.info("request %s: decode has not reserved it yet; waiting up to %.1f s",
-                 rid, self.send_wait_s, extra=fields(rid, rec.decode_address))
+        log.debug("request %s: waiting up to %.1f s for decode's reservation (%s)",
+                  rid, self.send_wait_s, "decode has none yet" if rec.asked else "its Offer",
+                  extra=fields(rid, rec.decode_address))
         if offered:
             self._unpark(rid)
 
