@@ -114,12 +114,18 @@ def main() -> None:
     ap.add_argument("--flow", type=int, default=400)
     ap.add_argument("--inflight", type=int, default=16)
     ap.add_argument("--profile", default="")
+    ap.add_argument("--settle-ms", type=float, default=20.0,
+                    help="also time sequential requests whose Send follows the reservation "
+                         "by this much (decode's Offer is then kept before the Send)")
+    ap.add_argument("--daemon-flags", default="",
+                    help="extra flags for both daemons (e.g. '--integrity false')")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvbeam-bench-chan-"))
     work.chmod(0o700)
     psock, dsock = str(work / "p.sock"), str(work / "d.sock")
     prefill, decode = start_engine_pair(psock, dsock, deadlines=[
-        *BENCH_DEADLINES, "--log-level", "WARNING", "--deadline-bootstrap-s", "60"])
+        *BENCH_DEADLINES, "--log-level", "WARNING", "--deadline-bootstrap-s", "60",
+        *args.daemon_flags.split()])
     pe = Worker(psock, shipped_config("prefill"), "prefill")
     de = Worker(dsock, shipped_config("decode"), "decode")
     out: dict[str, tuple[float, float]] = {}
@@ -141,6 +147,14 @@ def main() -> None:
             lat.append((t1 - t0) * 1000)
         cpu1 = [cpu_s(p) for p in pids]
         offers = _offer_counts(prefill.metrics, decode.metrics)
+        settled = []
+        for i in range(args.requests // 2 if args.settle_ms else 0):
+            de.cmd(f"reserve t{i} {prefill.address}")
+            time.sleep(args.settle_ms / 1000)
+            t0 = float(pe.cmd(f"send t{i} {decode.address}").split()[1])
+            t1 = float(de.cmd(f"done t{i}").split()[1])
+            assert pe.cmd(f"wait t{i}") == "Success"
+            settled.append((t1 - t0) * 1000)
         chan_cpu = max(b - a for a, b in zip(cpu0, cpu1, strict=True)) * 1000 / args.requests
         chan_poll = float(pe.cmd("poll 20000").split()[1])
         spies = []
@@ -221,6 +235,9 @@ def main() -> None:
           f"{args.requests} sequential, {args.flow} at {args.inflight} in flight "
           f"(gRPC: {args.flow // 2}); failed={failed}; engines imported gRPC: {not no_grpc}")
     print(f"# offers/BeginWrites after the sequential channel phase: {offers}")
+    if settled:
+        print(f"# engine_small_request_ms with decode's Offer kept before the Send "
+              f"(reserved {args.settle_ms:g} ms earlier): {statistics.median(settled):.3f}")
     for k, (chan, grpc_) in out.items():
         print(f"{k}={chan:.3f} grpc_{k}={grpc_:.3f}")
 
