@@ -295,9 +295,11 @@ class AttachServer:
 
     @staticmethod
     def _answer(conn: socket.socket, reply: AttachReply) -> bool:
+        mode = conn.gettimeout()  # the engine channel runs the socket non-blocking
         try:
-            conn.settimeout(READ_TIMEOUT_S)  # the channel runs it non-blocking
+            conn.settimeout(READ_TIMEOUT_S)
             conn.sendall(frame(reply_to_json(reply)))
+            conn.settimeout(mode)
             return True
         except OSError:
             return False

@@ -162,7 +162,10 @@ class PrefillOffers:
         resend (a resend needs a new transfer id on its new link: BeginWrite). A
         chunked request asks with BeginWrite per chunk; its offer is dropped.
         """
+        had = self.offers.has(rec.request_id)
         offer = self.offers.take(rec.request_id, conn, rec.seq_len)
+        if had and offer is None:
+            rec.asked = True  # decode offered, but not this (expired, other link): ask now
         single = final and len(rec.posted) == 1 and not rec.resends
         if not single:
             return None
