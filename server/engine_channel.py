@@ -22,16 +22,15 @@ import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from kvbeam.errors import KvbeamError
 from kvbeam.proto import engine_frames as ef
 from kvbeam.proto.fields import host_port
+from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.validation import request_id_of, seq_len_of
 from kvbeam.states import TransferStatus
-
-if TYPE_CHECKING:
-    from kvbeam.server.core.decode import DecodeCore
-    from kvbeam.server.core.prefill import PrefillCore
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +66,9 @@ class CoreOps:
         self._max_len = max_context_len
 
     def _seq_len(self, value: int) -> int:
-        from kvbeam.server.validation import seq_len_of
-
         return seq_len_of(value, self._max_len())
 
     def reserve(self, frame: ef.Reserve) -> None:
-        from kvbeam.server.core.decode import DecodeCore
-
         core = self._core()
         if not isinstance(core, DecodeCore):
             raise ef.FrameError("kind", "RESERVE is decode's; this is a prefill daemon",
@@ -85,8 +80,6 @@ class CoreOps:
         core.io.submit(core.offer, res)  # an RPC to prefill: never on the attach thread
 
     def send(self, frame: ef.Send) -> None:
-        from kvbeam.server.core.prefill import PrefillCore
-
         core = self._core()
         if not isinstance(core, PrefillCore):
             raise ef.FrameError("kind", "SEND is prefill's; this is a decode daemon",
@@ -101,8 +94,6 @@ class CoreOps:
                            detail=frame.detail or "aborted by the engine")
 
     def release(self, frame: ef.Release) -> None:
-        from kvbeam.server.core.decode import DecodeCore
-
         core = self._core()
         if not isinstance(core, DecodeCore):
             raise ef.FrameError("kind", "RELEASE is decode's; this is a prefill daemon",
@@ -266,8 +257,6 @@ class EngineChannel:
         assert not isinstance(frame, ef.State | ef.Error)  # decode() allows engine kinds only
         rid = frame.request_id
         try:
-            from kvbeam.server.validation import request_id_of
-
             request_id_of(rid)
         except KvbeamError as exc:
             self.push_error(rid[:128], "request_id", str(exc))

@@ -41,6 +41,8 @@ from kvbeam.transport import Access, Endpoint, TransportOptions, open_transport
 from kvbeam.transport.factory import Kind as TransportKind
 
 if TYPE_CHECKING:
+    from kvbeam.server.core.decode import DecodeCore
+    from kvbeam.server.core.prefill import PrefillCore
     from kvbeam.server.daemon_servicer import DaemonServicer
 
 log = logging.getLogger(__name__)
@@ -194,7 +196,7 @@ class Runtime:
         if self.engine_mode:
             self.gauges = AttachGauges(self.metrics.registry)
             self.engine_channel = EngineChannel(
-                CoreOps(self.role.value, lambda: servicer.core,  # type: ignore[arg-type,return-value]
+                CoreOps(self.role.value, lambda: cast("DecodeCore | PrefillCore", servicer.core),
                         lambda: self.config.target.max_context_len), servicer.io)
             self.attach_server = AttachServer(self.attach_path, self.settings.attach_allow_uid,
                                               self.attach_engine, self.detach_engine,

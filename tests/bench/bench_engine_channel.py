@@ -33,7 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvbeam.client import KvbeamClient
-from kvbeam.engine.requests import Sender
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.spec import load_side_config
@@ -195,12 +194,12 @@ def main() -> None:
                 glat.append(r.send_to_success_s * 1000)
             cpu1 = [cpu_s(x) for x in pids]
             g_cpu = max(b - a for a, b in zip(cpu0, cpu1, strict=True)) * 1000 / args.requests
-            s = Sender(prefill.address, f"g{args.requests - 1}", decode.address, client=p)
-            s._started = True
+            # What Sender(address, ...).poll() is over gRPC: one Status call.
+            last = f"g{args.requests - 1}"
             ptimes = []
             for _ in range(200):
                 t0 = time.perf_counter_ns()
-                s.poll()
+                p.status(last)
                 ptimes.append(time.perf_counter_ns() - t0)
             g_poll = statistics.median(ptimes) / 1000
             # 16 in flight: each request's whole lifecycle through the scheduler API.
