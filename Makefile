@@ -121,9 +121,10 @@ bench-deps: setup ## the benchmark-only packages (pyproject extra "bench": Moonc
 	@$(PY) -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['bench']))" > $(BENCH_DIR)/requirements.txt
 	$(PY) -m pip install -q -r $(BENCH_DIR)/requirements.txt
 
-bench-host: setup ## host_small_request_ms: whole requests over TCP on loopback (into $(BENCH_DIR)/host.json)
+bench-host: setup ## host_small_request_ms, and the engine channel's target lines beside the gRPC API's (TCP on loopback)
 	@mkdir -p $(BENCH_DIR)
 	$(PY) -m tests.bench.bench_request --host-json $(BENCH_DIR)/host.json
+	$(PY) -m tests.bench.bench_engine_channel | tee $(BENCH_DIR)/engine-channel.txt
 
 bench: bench-deps bench-plan bench-handshake bench-host ## all benchmarks: host ones, then one guest boot (table + JSON + plots)
 	bash tests/softroce/run_rdma_suite.sh --cmd '$(PY) -m tests.bench.bench_suite'

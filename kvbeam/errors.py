@@ -191,6 +191,11 @@ class SendFailed(KvbeamError):
         self.peer_lost = peer_lost
 
 
+class NotReserved(SendFailed):
+    """Decode has no reservation for the request (yet): its BeginWrite was refused
+    UnknownRequest. Prefill then waits for decode's reservation (``--send-wait-s``)."""
+
+
 class IllegalTransition(KvbeamError):
     """A state change the lifecycle does not allow (e.g. SUCCESS -> TRANSFERRING)."""
 
@@ -240,6 +245,17 @@ class DaemonStartError(KvbeamError):
 class NoEngineAttached(KvbeamError):
     """A ``--pools engine`` daemon has no engine memory attached: it refuses transfers
     (FAILED_PRECONDITION) and answers NOT_SERVING on health until an engine attaches."""
+
+
+class FrameError(KvbeamError):
+    """An engine-channel frame refused (:mod:`kvbeam.proto.engine_frames`); ``field``
+    names the part at fault (``length``, ``lists[1].kind``, ...)."""
+
+    def __init__(self, field: str, problem: str, request_id: str = "") -> None:
+        self.field = field
+        self.problem = problem
+        self.request_id = request_id
+        super().__init__(f"{field}: {problem}")
 
 
 class AttachError(KvbeamError):

@@ -14,7 +14,9 @@ the protocol. Request::
 (main KV first, the target states, the draft last); ``fd_index`` indexes the fds
 sent with the message. ``{"version": 1, "op": "detach"}`` ends an attachment (so
 does closing the socket). Reply: ``{"ok": bool, "error": str, "field": str,
-"instance_id": str}``. Pure data: no torch, no gRPC.
+"instance_id": str, "channel": int}`` (``channel``: the engine-channel frame version
+spoken on the socket after the attach, :mod:`kvbeam.proto.engine_frames`).
+Pure data: no torch, no gRPC.
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ class AttachReply:
     error: str = ""
     field: str = ""
     instance_id: str = ""
+    #: The engine-channel frame version the daemon speaks after this attach
+    #: (:mod:`kvbeam.proto.engine_frames`); 0: none (an older daemon).
+    channel: int = 0
 
 
 # ---- config <-> mapping ----------------------------------------------------------
@@ -201,7 +206,8 @@ def reply_from_json(data: object) -> AttachReply:
         raise AttachError(f"malformed attach reply: {data!r}")
     return AttachReply(ok=data["ok"], error=str(data.get("error", "")),
                        field=str(data.get("field", "")),
-                       instance_id=str(data.get("instance_id", "")))
+                       instance_id=str(data.get("instance_id", "")),
+                       channel=data["channel"] if isinstance(data.get("channel"), int) else 0)
 
 
 # ---- socket I/O ----------------------------------------------------------------------

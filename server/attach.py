@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import grp
+import json
 import logging
 import os
 import selectors
@@ -27,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvbeam.errors import AttachError, KvbeamError
 from kvbeam.proto.attach_codec import (
@@ -37,6 +39,10 @@ from kvbeam.proto.attach_codec import (
     reply_to_json,
     request_from_json,
 )
+from kvbeam.proto.engine_frames import ENGINE_FRAMES_VERSION, FrameError
+
+if TYPE_CHECKING:
+    from kvbeam.server.engine_channel import EngineChannel
 
 log = logging.getLogger(__name__)
 
@@ -144,12 +150,17 @@ class AttachServer:
         on_detach: fails the requests on the memory and releases it; gets the reason.
         group: ``--attach-group`` (a name or gid): the socket gets that group and mode
             0660 so its members can connect; "" keeps it 0600 (the daemon's uid, root).
+        channel: the engine channel (:mod:`kvbeam.server.engine_channel`) the attached
+            socket carries after the attach reply; served by this same thread.
     """
 
     def __init__(self, path: str, allow_uids: Sequence[int],
                  on_attach: Callable[[AttachRequest, list[int], PeerCred], str],
-                 on_detach: Callable[[str], None], *, group: str = "") -> None:
+                 on_detach: Callable[[str], None], *, group: str = "",
+                 channel: EngineChannel | None = None) -> None:
         self.path = path
+        #: The engine channel (per-request frames after the attach), None: attach only.
+        self.channel = channel
         self.allowed = {os.getuid(), *allow_uids}
         self._on_attach = on_attach
         self._on_detach = on_detach
@@ -196,12 +207,16 @@ class AttachServer:
     def _loop(self) -> None:
         with selectors.DefaultSelector() as sel:
             sel.register(self._listener, selectors.EVENT_READ, "listener")
+            if self.channel is not None:
+                sel.register(self.channel.wake_fd, selectors.EVENT_READ, "wake")
             while not self._stop.is_set():
-                for key, _ in sel.select(TICK_S):
+                for key, mask in sel.select(TICK_S):
                     try:
                         if key.data == "listener":
                             self._accept(sel)
-                        else:
+                        elif key.data == "wake" or mask & selectors.EVENT_WRITE:
+                            self._flush(sel)
+                        if key.data == "engine" and mask & selectors.EVENT_READ:
                             self._engine_message(sel)
                     except Exception:  # the attach thread must survive any one engine
                         log.exception("attach socket: handling %s failed", key.data)
@@ -243,10 +258,13 @@ class AttachServer:
             self._answer(conn, AttachReply(False, str(exc), field))
             conn.close()
             return
-        if not self._answer(conn, AttachReply(True, instance_id=instance)):
+        version = ENGINE_FRAMES_VERSION if self.channel is not None else 0
+        if not self._answer(conn, AttachReply(True, instance_id=instance, channel=version)):
             self._on_detach(f"engine (pid {cred.pid}) left before the attach reply")
             conn.close()
             return
+        if self.channel is not None:
+            self.channel.bind(conn)
         self._engine = (conn, cred)
         sel.register(conn, selectors.EVENT_READ, "engine")
         log.info("engine pid %d (uid %d) attached on %s", cred.pid, cred.uid, self.path)
@@ -278,21 +296,31 @@ class AttachServer:
         conn, cred = engine
         reason = ""
         try:
-            data, fds = read_message(conn)
-            req = request_from_json(data, len(fds))
-            if req.op == "detach":
-                reason = f"engine (pid {cred.pid}) detached"
-            else:
+            if self.channel is None:
+                messages = [read_message(conn)[0]]
+            else:  # frames; a JSON attach-protocol message among them is the detach
+                messages = [json.loads(m) for m in self.channel.readable(conn)]
+            for data in messages:
+                req = request_from_json(data, 0)
+                if req.op == "detach":
+                    reason = f"engine (pid {cred.pid}) detached"
+                    break
                 self._answer(conn, AttachReply(False, "op: already attached on this "
                                                       "connection; detach first", "op"))
+            if not reason:
                 return
         except (EOFError, OSError) as exc:
             reason = f"engine (pid {cred.pid}) closed the attach socket (exited?): {exc}"
-        except AttachError as exc:
-            self._answer(conn, AttachReply(False, str(exc), exc.field))
+        except FrameError as exc:  # an oversize frame: the stream cannot be read on
+            self._flush(sel)
+            reason = f"engine (pid {cred.pid}) sent an unreadable frame: {exc}"
+        except (AttachError, ValueError) as exc:
+            self._answer(conn, AttachReply(False, str(exc), getattr(exc, "field", "")))
             return
         sel.unregister(conn)
         self._engine = None
+        if self.channel is not None:
+            self.channel.unbind()
         log.warning("%s: releasing its memory", reason)
         try:
             self._on_detach(reason)
@@ -300,10 +328,31 @@ class AttachServer:
             self._answer(conn, AttachReply(True))
             conn.close()
 
+    def _flush(self, sel: selectors.BaseSelector) -> None:
+        """Write the engine channel's pushed states; wait for writability if the socket is full."""
+        engine, channel = self._engine, self.channel
+        if channel is None:
+            return
+        try:
+            done = channel.flush()
+        except OSError as exc:
+            if engine is not None:
+                log.warning("engine (pid %d): %s; dropping it", engine[1].pid, exc)
+                engine[0].shutdown(socket.SHUT_RDWR)  # read as EOF next: the detach
+            return
+        if engine is not None:
+            events = selectors.EVENT_READ | (0 if done else selectors.EVENT_WRITE)
+            with contextlib.suppress(KeyError, ValueError):
+                if sel.get_key(engine[0]).events != events:
+                    sel.modify(engine[0], events, "engine")
+
     @staticmethod
     def _answer(conn: socket.socket, reply: AttachReply) -> bool:
+        mode = conn.gettimeout()  # the engine channel runs the socket non-blocking
         try:
+            conn.settimeout(READ_TIMEOUT_S)
             conn.sendall(frame(reply_to_json(reply)))
+            conn.settimeout(mode)
             return True
         except OSError:
             return False

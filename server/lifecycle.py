@@ -66,6 +66,7 @@ class Transfer:
     version: int = 0
     nbytes: int = 0  # bytes moved, recorded with the move to SUCCESS
     waiting: str = ""  # what the current state waits for, named if its deadline passes
+    lease_s: float | None = None  # the current state's own budget (a lease), if not the default
 
     def snapshot(self) -> TransferStatus:
         """An immutable copy for status replies."""
@@ -110,6 +111,7 @@ class TransferTable:
         return snap
 
     def _set_deadline(self, t: Transfer) -> None:
+        t.lease_s = None
         budget = self.deadlines.for_state(t.state)
         t.entered = time.monotonic()
         t.deadline = None if budget is None else t.entered + budget
@@ -172,6 +174,16 @@ class TransferTable:
             if t is not None and t.deadline is not None:
                 t.deadline = max(t.deadline, time.monotonic() + seconds)
 
+    def lease(self, request_id: str, seconds: float, what: str) -> None:
+        """Give the current state exactly ``seconds`` from now (a lease, shorter or longer
+        than the state's deadline); a timeout's detail names ``what`` it waited for."""
+        with self._cond:
+            t = self._live.get(request_id)
+            if t is not None:
+                t.deadline = time.monotonic() + seconds
+                t.lease_s = seconds
+                t.waiting = what
+
     def waiting_for(self, request_id: str, what: str) -> None:
         """Say what the current state waits for: a timeout's detail names it."""
         with self._cond:
@@ -219,8 +231,9 @@ class TransferTable:
             out = []
             for t in late:
                 t.reason = FailureReason.TIMEOUT
-                t.detail = (f"no progress in {t.state.value} for "
-                            f"{self.deadlines.for_state(t.state)} s"
+                budget = t.lease_s if t.lease_s is not None else \
+                    self.deadlines.for_state(t.state)
+                t.detail = (f"no progress in {t.state.value} for {budget} s"
                             + (f" ({t.waiting})" if t.waiting else ""))
                 self._move(t, TransferState.FAILED)
                 out.append(t.snapshot())

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 
-from kvbeam.errors import AlreadyLanded, SendFailed
+from kvbeam.errors import AlreadyLanded, NotReserved, SendFailed, UnknownRequest
 from kvbeam.logs import fields
 from kvbeam.pools.digest import digests_to_wire
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
@@ -167,6 +167,10 @@ class GrpcDecodePeers:
             if code is grpc.StatusCode.FAILED_PRECONDITION and details.startswith(
                     AlreadyLanded.__name__):
                 raise AlreadyLanded(details) from None  # a resend found it landed
+            if code is grpc.StatusCode.NOT_FOUND and details.startswith(
+                    UnknownRequest.__name__):
+                raise NotReserved(FailureReason.INVALID_REQUEST,
+                                  f"decode refused BeginWrite: {details}") from None
             if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 raise SendFailed(FailureReason.INVALID_REQUEST,
                                  f"decode refused BeginWrite: {details}") from None

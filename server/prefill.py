@@ -44,7 +44,8 @@ class PrefillServicer(DaemonServicer):
             transfer_budget=runtime.settings.transfer_budget_s,
             resend_retries=runtime.settings.resend_retries, on_resend=runtime.metrics.resends.inc,
             max_offers=runtime.settings.max_inflight,
-            on_offer=lambda event: runtime.metrics.offers.labels(event).inc())
+            on_offer=lambda event: runtime.metrics.offers.labels(event).inc(),
+            send_wait_s=runtime.settings.send_wait_s)
 
     @handled
     def Send(self, request: pb.SendRequest, context: grpc.ServicerContext) -> pb.TransferStatus:

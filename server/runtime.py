@@ -27,6 +27,7 @@ from kvbeam.server.attach import AttachServer, PeerCred, default_socket_path
 from kvbeam.server.attach_memory import map_engine_memory
 from kvbeam.server.attach_runtime import UNATTACHED_LAYOUT, AttachGauges, Pools, release
 from kvbeam.server.control import HEALTH_SERVICES, ControlServer
+from kvbeam.server.engine_channel import CoreOps, EngineChannel
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.metrics import DaemonMetrics
@@ -35,10 +36,13 @@ from kvbeam.server.peers import Peers
 from kvbeam.server.servicer import GatedHealth
 from kvbeam.server.settings import ControlOptions, DaemonSettings
 from kvbeam.server.slots import SlotPool
+from kvbeam.states import TransferStatus
 from kvbeam.transport import Access, Endpoint, TransportOptions, open_transport
 from kvbeam.transport.factory import Kind as TransportKind
 
 if TYPE_CHECKING:
+    from kvbeam.server.core.decode import DecodeCore
+    from kvbeam.server.core.prefill import PrefillCore
     from kvbeam.server.daemon_servicer import DaemonServicer
 
 log = logging.getLogger(__name__)
@@ -95,7 +99,9 @@ class Runtime:
         self.table = TransferTable(
             Deadlines(settings.deadline_bootstrap_s, settings.deadline_waiting_s,
                       settings.deadline_transfer_s),
-            capacity=settings.max_inflight, on_change=self.metrics.on_change)
+            capacity=settings.max_inflight, on_change=self._on_change)
+        #: --pools engine: the attached engine's per-request channel (set by :meth:`start`).
+        self.engine_channel: EngineChannel | None = None
         #: The one registry of verified peers and their connections (both roles).
         self.peers = Peers()
         self.options = ControlOptions(rpc_timeout_s=settings.rpc_timeout_s,
@@ -113,6 +119,13 @@ class Runtime:
         self.metrics_address = ""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+
+    def _on_change(self, snap: TransferStatus) -> None:
+        """The transfer table's observer: metrics, and the engine channel's pushes."""
+        self.metrics.on_change(snap)
+        channel = self.engine_channel
+        if channel is not None:
+            channel.on_change(snap)
 
     @property
     def access(self) -> Access:
@@ -182,9 +195,13 @@ class Runtime:
         self._servicer = servicer
         if self.engine_mode:
             self.gauges = AttachGauges(self.metrics.registry)
+            self.engine_channel = EngineChannel(
+                CoreOps(self.role.value, lambda: cast("DecodeCore | PrefillCore", servicer.core),
+                        lambda: self.config.target.max_context_len), servicer.io)
             self.attach_server = AttachServer(self.attach_path, self.settings.attach_allow_uid,
                                               self.attach_engine, self.detach_engine,
-                                              group=self.settings.attach_group)
+                                              group=self.settings.attach_group,
+                                              channel=self.engine_channel)
         self.server = ControlServer(self.local, servicer=servicer, options=self.options)
         # SERVING only while pools exist (always with --pools own).
         self.health = self.server.health = GatedHealth(lambda: self.attached, HEALTH_SERVICES)
@@ -283,6 +300,8 @@ class Runtime:
         log.info("%s daemon shutting down", self.role.value)
         if self.attach_server is not None:
             self.attach_server.stop()
+        if self.engine_channel is not None:
+            self.engine_channel.close()
         servicer = getattr(self, "_servicer", None)
         if servicer is not None:
             servicer.shutdown()

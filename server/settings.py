@@ -156,6 +156,9 @@ OPTIONS: tuple[Option, ...] = (
            "congested wire is not failed while it still moves"),
     Option("handoff_lease_s", "KVBEAM_HANDOFF_LEASE_S", float, 30.0,
            "decode: seconds a slot stays held after Success until Release"),
+    Option("send_wait_s", "KVBEAM_SEND_WAIT_S", float, 10.0,
+           "prefill: seconds a Send that arrived before decode's reservation waits for it "
+           "(WaitingForInput, its source pages held); then it fails with reason timeout"),
     Option("rpc_timeout_s", "KVBEAM_RPC_TIMEOUT_S", float, 5.0,
            "deadline of every RPC to a peer"),
     Option("heartbeat_s", "KVBEAM_HEARTBEAT_S", float, 1.0,
@@ -216,6 +219,7 @@ class DaemonSettings:
     deadline_waiting_s: float
     deadline_transfer_s: float
     handoff_lease_s: float
+    send_wait_s: float
     rpc_timeout_s: float
     heartbeat_s: float
     peer_timeout_s: float
@@ -295,7 +299,7 @@ def resolve(role: str, args: argparse.Namespace | None = None,
     if not values["listen"]:
         values["listen"] = f"127.0.0.1:{DEFAULT_PORTS[role]}"
     for name in ("deadline_bootstrap_s", "deadline_waiting_s", "deadline_transfer_s",
-                 "handoff_lease_s", "rpc_timeout_s", "heartbeat_s", "peer_timeout_s",
+                 "handoff_lease_s", "send_wait_s", "rpc_timeout_s", "heartbeat_s", "peer_timeout_s",
                  "transfer_floor_mbps"):
         if values[name] <= 0:
             raise ConfigError(f"--{name.replace('_', '-')}: must be positive "

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any, cast
 
-from kvbeam.errors import AlreadyLanded, SendFailed
+from kvbeam.errors import AlreadyLanded, NotReserved, SendFailed
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.indices import request_indices
 from kvbeam.server.core.ports import WriteGrant
@@ -85,6 +85,10 @@ class FakeDecode:
         self.landed: set[str] = set()
         self.forgot: set[int] = set()
         self.unreserved: set[str] = set()
+        #: Requests decode has not reserved YET (BeginWrite refused UnknownRequest), and
+        #: the BeginWrites refused so.
+        self.not_yet: set[str] = set()
+        self.refused_not_yet: list[str] = []
         self.digests: list[tuple[str, int, list[int]]] = []
         self._grants: dict[str, tuple[int | None, int]] = {}
         self._tids = itertools.count(1)
@@ -103,6 +107,10 @@ class FakeDecode:
             raise SendFailed(FailureReason.PEER_FAILED,
                              f"decode at {conn.control_address} restarted or dropped the "
                              "connection: NotHandshaken", peer_lost=True)
+        if request_id in self.not_yet:
+            self.refused_not_yet.append(request_id)
+            raise NotReserved(FailureReason.INVALID_REQUEST, "decode refused BeginWrite: "
+                              f"UnknownRequest: no reservation for request {request_id!r}")
         if request_id in self.unreserved:
             raise SendFailed(FailureReason.INVALID_REQUEST,
                              f"decode refused BeginWrite: no reservation for {request_id}")
@@ -136,7 +144,8 @@ class FakeDecode:
 
 def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0,
                  on_resend: Any = lambda: None,
-                 deadlines: Deadlines | None = None) -> tuple[PrefillCore, FakeDecode]:
+                 deadlines: Deadlines | None = None,
+                 send_wait_s: float = 0.0) -> tuple[PrefillCore, FakeDecode]:
     """A prefill core over the unit-test pools, with a fake decode side."""
     lay = layout()
     fake = FakeDecode(AllocatedSide(lay))
@@ -144,7 +153,8 @@ def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0
                        io=ThreadPoolExecutor(workers, thread_name_prefix="test-io"),
                        spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
                        integrity=True, faults=FaultHooks(), drain_s=drain_s,
-                       resend_retries=resend_retries, on_resend=on_resend)
+                       resend_retries=resend_retries, on_resend=on_resend,
+                       send_wait_s=send_wait_s)
     return core, fake
 
 

@@ -4,7 +4,9 @@
 and returns an :class:`Attachment` once the daemon mapped, checked and registered
 the memory. The attachment's socket IS the attachment: :meth:`Attachment.detach`,
 :meth:`Attachment.close` or the process's death detaches, and the daemon then fails
-the requests on that memory and unmaps it. No gRPC, no torch.
+the requests on that memory and unmaps it. After the attach the same socket is the
+engine's per-request channel (:attr:`Attachment.channel`, :mod:`kvbeam.engine.channel`).
+No gRPC, no torch.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import socket
 from types import TracebackType
 
+from kvbeam.engine.channel import EngineChannel
 from kvbeam.engine.memory import EngineBuffers, EnginePools
 from kvbeam.errors import AttachError
 from kvbeam.pools.spec import SideConfig
@@ -24,6 +27,7 @@ from kvbeam.proto.attach_codec import (
     reply_from_json,
     request_to_json,
 )
+from kvbeam.proto.engine_frames import ENGINE_FRAMES_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,9 @@ class Attachment:
         self._sock: socket.socket | None = sock
         self.instance_id = reply.instance_id
         self.path = path
+        #: The per-request channel over this socket (None: the daemon predates it).
+        self.channel: EngineChannel | None = (
+            EngineChannel(sock, path) if reply.channel == ENGINE_FRAMES_VERSION else None)
 
     @property
     def attached(self) -> bool:
@@ -46,21 +53,32 @@ class Attachment:
         sock, self._sock = self._sock, None
         if sock is None:
             return
+        channel, self.channel = self.channel, None
         try:
-            sock.settimeout(timeout)
-            sock.sendall(frame(request_to_json(AttachRequest(op="detach"))))
-            data, _ = read_message(sock)
+            message = frame(request_to_json(AttachRequest(op="detach")))
+            if channel is not None:  # its reader thread reads the answer
+                channel.send_raw(message)
+                data: object = channel.take_json(timeout)
+            else:
+                sock.settimeout(timeout)
+                sock.sendall(message)
+                data, _ = read_message(sock)
             reply = reply_from_json(data)
             if not reply.ok:
                 raise AttachError(f"detach refused by {self.path}: {reply.error}", reply.field)
         except (OSError, EOFError) as exc:
             raise AttachError(f"detach from {self.path} failed: {exc}") from None
         finally:
+            if channel is not None:
+                channel.close()
             sock.close()
 
     def close(self) -> None:
         """Drop the attachment without waiting (the daemon detaches when it sees EOF)."""
         sock, self._sock = self._sock, None
+        channel, self.channel = self.channel, None
+        if channel is not None:
+            channel.close()
         if sock is not None:
             sock.close()
 

@@ -18,7 +18,15 @@ Decode, before prefill sends::
 ``"draft.KIND"`` to the draft's own lists (docs/indices.md has the semantics). The
 lists cover the whole request even when prefill sends it in chunks.
 
-gRPC is imported on the first call, not at import; torch never. One channel per
+Given the engine's :class:`~kvbeam.engine.attach.Attachment` instead of a daemon
+address, every call is a frame on the attach socket (:mod:`kvbeam.engine.channel`):
+``send``/``send_metadata``/``abort``/``release`` write one frame each (several in one
+write inside ``attachment.channel.batch()``), ``poll()`` reads the state the channel's
+reader thread applied from the daemon's pushes (no syscall, no RPC), ``wait()`` blocks
+on it; ``attachment.channel.poll_many()`` returns every change at once. No gRPC then.
+
+Given an address, each call is a gRPC call to that daemon (the scheduler API): gRPC
+is imported on the first call, not at import; torch never. One gRPC channel per
 daemon address is shared by every request of the process (:func:`client_for`).
 """
 
@@ -29,8 +37,11 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvbeam.errors import TransferFailed
-from kvbeam.states import TransferState
+from kvbeam.engine.attach import Attachment
+from kvbeam.engine.channel import EngineChannel, RequestState
+from kvbeam.errors import AttachError, TransferFailed
+from kvbeam.proto import engine_frames as ef
+from kvbeam.states import FailureReason, TransferState
 
 if TYPE_CHECKING:  # annotations only: kvbeam.client imports gRPC
     from kvbeam.auth import Security
@@ -83,17 +94,30 @@ def index_lists(kv_indices: Sequence[int] | Any,
     return {"KV_PAGES": kv_indices, **(state_indices or {})}
 
 
-class _Request:
-    """What both sides share: the daemon, the request id, the last status seen."""
+def _channel_of(daemon: str | Attachment | EngineChannel) -> EngineChannel | None:
+    if isinstance(daemon, str):
+        return None
+    channel = daemon if isinstance(daemon, EngineChannel) else daemon.channel
+    if channel is None:
+        raise AttachError("this attachment has no engine channel (the daemon predates it, or "
+                          "the attachment was closed): pass the daemon's address instead",
+                          "channel")
+    return channel
 
-    def __init__(self, daemon_address: str, request_id: str, *,
+
+class _Request:
+    """What both sides share: the daemon (channel or address), the request id, its state."""
+
+    def __init__(self, daemon: str | Attachment | EngineChannel, request_id: str, *,
                  client: KvbeamClient | None = None, security: Security | None = None) -> None:
-        self.daemon_address = daemon_address
+        self.channel = _channel_of(daemon)
+        self.daemon_address = daemon if isinstance(daemon, str) else ""
         self.request_id = request_id
         self._client = client
         self._security = security
         self._started = False
         self.last: Status | None = None
+        self._state: RequestState | None = None  # the channel's record of this request
 
     @property
     def client(self) -> KvbeamClient:
@@ -102,38 +126,69 @@ class _Request:
             self._client = client_for(self.daemon_address, self._security)
         return self._client
 
+    def _track(self) -> RequestState:
+        assert self.channel is not None
+        if self._state is None or self._state.state.terminal:
+            self._state = self.channel.track(self.request_id)
+        return self._state
+
     def poll(self) -> KVPoll:
-        """The request's state; Bootstrapping until it was sent or reserved here."""
-        if not self._started:
+        """The request's state; Bootstrapping until it was sent or reserved here.
+
+        Over the engine channel: the last state the daemon pushed (an attribute read).
+        """
+        state = self._state
+        if state is not None:
+            return _POLL[state.state]
+        if not self._started or self.channel is not None:
             return KVPoll.Bootstrapping
         self.last = self.client.status(self.request_id)
         return poll_of(self.last.state)
 
     def wait(self, timeout: float) -> KVPoll:
         """Block until the request ends or ``timeout`` seconds pass; the state then."""
+        if self.channel is not None:
+            if self._state is None:
+                return KVPoll.Bootstrapping
+            return poll_of(self.channel.wait(self._state, timeout))
         self.last = self.client.wait(self.request_id, timeout)
         return poll_of(self.last.state)
 
+    def failure(self) -> tuple[FailureReason | None, str] | None:
+        """(reason, detail) when the request failed (as last seen), else None."""
+        if self._state is not None:
+            s = self._state
+            return (s.reason, s.detail) if s.state is TransferState.FAILED else None
+        last = self.last
+        if last is not None and last.state is TransferState.FAILED:
+            return last.reason, last.detail
+        return None
+
     def failure_exception(self) -> None:
         """Raise :class:`~kvbeam.errors.TransferFailed` when the last poll saw Failed."""
-        s = self.last
-        if s is not None and s.state is TransferState.FAILED:
-            reason = s.reason.value if s.reason else "unknown"
-            raise TransferFailed(f"request {self.request_id} failed: {reason}: {s.detail}",
-                                 reason=reason, detail=s.detail)
+        failed = self.failure()
+        if failed is not None:
+            reason = failed[0].value if failed[0] else "unknown"
+            raise TransferFailed(f"request {self.request_id} failed: {reason}: {failed[1]}",
+                                 reason=reason, detail=failed[1])
 
     def abort(self, detail: str = "aborted by the engine") -> None:
         """Abort the request on this side's daemon (it tells the peer)."""
-        if self._started:
-            self.last = self.client.abort(self.request_id, detail)
+        if not self._started:
+            return
+        if self.channel is not None:
+            self.channel.send(ef.Abort(self.request_id, detail))
+            return
+        self.last = self.client.abort(self.request_id, detail)
 
 
 class Sender(_Request):
     """Prefill's side of one request: send its KV (possibly in chunks) to a decode daemon."""
 
-    def __init__(self, daemon_address: str, request_id: str, decode_address: str, *,
-                 client: KvbeamClient | None = None, security: Security | None = None) -> None:
-        super().__init__(daemon_address, request_id, client=client, security=security)
+    def __init__(self, daemon: str | Attachment | EngineChannel, request_id: str,
+                 decode_address: str, *, client: KvbeamClient | None = None,
+                 security: Security | None = None) -> None:
+        super().__init__(daemon, request_id, client=client, security=security)
         self.decode_address = decode_address
 
     def send(self, kv_indices: Sequence[int] | Any,
@@ -146,6 +201,14 @@ class Sender(_Request):
         if not final and chunk is None:
             raise ValueError("a non-final send needs its token range (chunk)")
         lists = None if self._started else index_lists(kv_indices, state_indices)
+        if self.channel is not None:
+            target, draft = ef.split_lists(lists) if lists is not None else (None, None)
+            state = self._track() if not self._started else self._state
+            self.channel.send(ef.Send(self.request_id, seq_len, self.decode_address, final,
+                                      (chunk,) if chunk else (), target, draft))
+            self._started = True
+            assert state is not None
+            return _POLL[state.state]
         self.last = self.client.send(self.request_id, -1, seq_len, self.decode_address,
                                      final=final, chunks=[chunk] if chunk else (),
                                      indices=lists)
@@ -156,17 +219,29 @@ class Sender(_Request):
 class Receiver(_Request):
     """Decode's side of one request: reserve where it lands, poll, release."""
 
-    def __init__(self, daemon_address: str, request_id: str, prefill_address: str, *,
-                 client: KvbeamClient | None = None, security: Security | None = None) -> None:
-        super().__init__(daemon_address, request_id, client=client, security=security)
+    def __init__(self, daemon: str | Attachment | EngineChannel, request_id: str,
+                 prefill_address: str, *, client: KvbeamClient | None = None,
+                 security: Security | None = None) -> None:
+        super().__init__(daemon, request_id, client=client, security=security)
         self.prefill_address = prefill_address
 
     def reserve(self, kv_indices: Sequence[int] | Any,
                 state_indices: Mapping[str, Sequence[int] | Any] | None = None, *,
-                seq_len: int) -> Reservation:
-        """Reserve the request at the engine's destination lists (checked by decode)."""
-        r = self.client.reserve(self.request_id, seq_len, self.prefill_address,
-                                indices=index_lists(kv_indices, state_indices))
+                seq_len: int) -> Reservation | None:
+        """Reserve the request at the engine's destination lists (checked by decode).
+
+        Over the engine channel this writes one frame and returns None: a refusal
+        shows as Failed (``failure_exception`` says why).
+        """
+        lists = index_lists(kv_indices, state_indices)
+        if self.channel is not None:
+            target, draft = ef.split_lists(lists)
+            self._track()
+            self.channel.send(ef.Reserve(self.request_id, seq_len, self.prefill_address,
+                                         target, draft))
+            self._started = True
+            return None
+        r = self.client.reserve(self.request_id, seq_len, self.prefill_address, indices=lists)
         self._started = True
         return r
 
@@ -174,4 +249,7 @@ class Receiver(_Request):
 
     def release(self) -> None:
         """The engine took the KV over: decode frees the reservation."""
+        if self.channel is not None:
+            self.channel.send(ef.Release(self.request_id))
+            return
         self.last = self.client.release(self.request_id)

@@ -84,6 +84,11 @@ class OfferBook:
             return None
         return offer
 
+    def has(self, request_id: str) -> bool:
+        """Whether an offer for the request is kept."""
+        with self._lock:
+            return request_id in self._offers
+
     def drop(self, request_id: str) -> None:
         """Forget a request's offer (it was aborted, or it writes with BeginWrite)."""
         with self._lock:
@@ -138,7 +143,17 @@ class PrefillOffers:
         kept = not late and self.offers.put(
             Offer(request_id, conn, seq_len, grant, time.monotonic() + lease_s))
         self.on_offer("received" if kept else "refused")
+        if kept:
+            self._unpark(request_id)  # a Send that came first waits for this
         return kept
+
+    def _unpark(self, request_id: str) -> None:
+        """Write a request whose Send waits for this reservation (the core's)."""
+        raise NotImplementedError
+
+    def _waits_for_offer(self, rec: Outgoing, conn: PeerConn, final: bool) -> bool:
+        """Whether a Send with no offer waits for one before asking (the core's)."""
+        raise NotImplementedError
 
     def _offered_grant(self, rec: Outgoing, conn: PeerConn, final: bool) -> WriteGrant | None:
         """Decode's offer for this step, if one is usable (else BeginWrite asks).
@@ -147,10 +162,15 @@ class PrefillOffers:
         resend (a resend needs a new transfer id on its new link: BeginWrite). A
         chunked request asks with BeginWrite per chunk; its offer is dropped.
         """
+        had = self.offers.has(rec.request_id)
         offer = self.offers.take(rec.request_id, conn, rec.seq_len)
+        if had and offer is None:
+            rec.asked = True  # decode offered, but not this (expired, other link): ask now
         single = final and len(rec.posted) == 1 and not rec.resends
         if not single:
             return None
+        if offer is None and self._waits_for_offer(rec, conn, final):
+            return None  # it waits for the Offer (counted "used" when that comes)
         self.on_offer("used" if offer is not None else "missed")
         return offer.grant if offer is not None else None
 

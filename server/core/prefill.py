@@ -33,6 +33,7 @@ from kvbeam.errors import (
     AlreadyLanded,
     BadRequest,
     DuplicateRequest,
+    NotReserved,
     RegionError,
     SendFailed,
     TransportError,
@@ -57,6 +58,10 @@ from kvbeam.states import FailureReason, TransferState, TransferStatus
 
 log = logging.getLogger(__name__)
 Ranges = list[tuple[int, int]]
+#: Seconds a Send that found no offer waits for decode's Offer before it asks with
+#: BeginWrite (decode may have reserved before the two daemons were connected, and then
+#: made no offer). Checked by the sweep (SWEEP_S, 0.2 s), so it is at least that.
+OFFER_GRACE_S = 0.05
 
 #: Abort handlers that may wait on a request's drain at once; the others answer at once
 #: (the answer then says writes are in flight). A daemon has 16 handler threads, and its
@@ -101,6 +106,9 @@ class Outgoing:
     resends: int = 0
     digests: list[int] | None = None  # computed once: a resend's source bytes are the same
     rehandshake: str = ""  # why it handshook again before writing (decode forgot us)
+    parked: bool = False  # the Send came before decode's reservation: waiting for it
+    parked_at: float = 0.0  # when it parked (its BeginWrite fallback is due OFFER_GRACE_S later)
+    asked: bool = False  # asks (or asked) with BeginWrite: only decode's Offer unparks it
 
     @property
     def drained(self) -> bool:
@@ -125,6 +133,9 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
         on_resend: called once per resend (metrics).
         max_offers: the most reservations decode offered that are kept unused
             (:mod:`kvbeam.server.core.offers`).
+        send_wait_s: how long a Send that found no reservation on decode waits for it
+            (WaitingForInput, its source pages held) before it fails with a timeout;
+            0: it fails at once, as before the engine channel.
         on_offer: called with what happened to an offer (metrics).
     """
 
@@ -136,7 +147,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                  transfer_budget: Callable[[int], float] = lambda _n: 0.0,
                  resend_retries: int = 0, on_resend: Callable[[], None] = lambda: None,
                  max_offers: int = 1024,
-                 on_offer: Callable[[str], None] = lambda _event: None) -> None:
+                 on_offer: Callable[[str], None] = lambda _event: None,
+                 send_wait_s: float = 0.0) -> None:
         self.table = table
         self.peers = peers
         self.decode = decode
@@ -150,6 +162,7 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
         self.on_resend = on_resend
         self.offers = OfferBook(max_offers)  # decode's reservations ahead of Send
         self.on_offer = on_offer
+        self.send_wait_s = send_wait_s
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
         # Counts the Abort handlers waiting on a drain (taken without blocking).
@@ -311,7 +324,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
             if not (lost and self._peer_forgot_us(rec, conn, str(exc))):
                 self._step_failed(rec, exc)
         with self._lock:
-            again = bool(rec.chunks) and not self._ended(rec) and not rec.resend_pending
+            again = (bool(rec.chunks) and not self._ended(rec) and not rec.resend_pending
+                     and not rec.parked)
             rec.running = again
         if again:
             self.io.submit(self._step, rec)
@@ -335,6 +349,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
             for rec in waiters:
                 rec.conn = conn
                 rec.running = error is None
+                # Decode had no connection to offer on when it reserved: ask at once.
+                rec.asked = True
         for rec in waiters:
             if error is not None:
                 self._step_failed(rec, error)
@@ -344,11 +360,23 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
     def _write_chunk(self, rec: Outgoing, conn: PeerConn, ranges: Ranges, final: bool) -> None:
         rid = rec.request_id
         grant = self._offered_grant(rec, conn, final)
+        if grant is None and self._waits_for_offer(rec, conn, final):
+            # Decode's engine reserves on its own daemon, which offers the reservation
+            # over the peer link: wait for that instead of asking (no BeginWrite).
+            self._park(rec, ranges, final)
+            return
         if grant is None:
             began = time.monotonic()
             try:
                 grant = self.decode.begin_write(conn, rid, rec.seq_len, final, self.integrity)
                 self._measured(begin_write=time.monotonic() - began)
+            except NotReserved:
+                if not self.send_wait_s or rec.resends or rec.rehandshake or \
+                        len(rec.posted) > 1:
+                    raise  # decode forgot it (restarted, expired): no reservation is coming
+                rec.asked = True  # from now on only decode's Offer unparks it
+                self._park(rec, ranges, final)
+                return
             except AlreadyLanded:
                 if not rec.resends:
                     raise
@@ -360,6 +388,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                 return  # aborted or timed out meanwhile: nothing posted, decode is told
             if snap.state is TransferState.BOOTSTRAPPING:
                 self.table.advance(rid, TransferState.WAITING_FOR_INPUT)
+                self.table.advance(rid, TransferState.TRANSFERRING)
+            elif snap.state is TransferState.WAITING_FOR_INPUT:  # it waited for decode
                 self.table.advance(rid, TransferState.TRANSFERRING)
             else:
                 self.table.touch(rid)
@@ -406,6 +436,60 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                  conn.control_address, extra=fields(rid, rec.decode_address))
         if final and self.integrity:  # digested while the writes are in flight
             self._send_digests(rec, conn, grant.transfer_id)
+
+    def _waits_for_offer(self, rec: Outgoing, conn: PeerConn, final: bool) -> bool:
+        """Whether a single-chunk Send with no offer waits for decode's Offer first."""
+        return (bool(self.send_wait_s) and final and len(rec.posted) == 1 and not rec.asked
+                and not rec.resends and not rec.rehandshake and not conn.missed_heartbeats)
+
+    def periodic(self) -> None:
+        """The sweep's work, and the BeginWrite fallback of Sends that waited for an
+        Offer OFFER_GRACE_S in vain (decode reserved before the daemons connected)."""
+        super().periodic()
+        now = time.monotonic()
+        with self._lock:
+            due = [r for r in self._out.values()
+                   if r.parked and not r.asked and now - r.parked_at >= OFFER_GRACE_S]
+            for rec in due:
+                rec.asked = True
+        for rec in due:
+            self._unpark(rec.request_id)
+
+    def _park(self, rec: Outgoing, ranges: Ranges, final: bool) -> None:
+        """The Send came first: wait in WaitingForInput for decode's reservation (its
+        Offer unparks it, :meth:`offer`) or until ``send_wait_s`` passes (a timeout)."""
+        rid = rec.request_id
+        with self._lock:
+            if self._ended(rec):
+                return
+            rec.chunks.appendleft((ranges, final))  # taken again once decode reserved
+            rec.posted.pop()
+            rec.parked = True
+            rec.parked_at = time.monotonic()
+            snap = self.table.get(rid)
+            if snap is not None and snap.state is TransferState.BOOTSTRAPPING:
+                self.table.advance(rid, TransferState.WAITING_FOR_INPUT)
+            self.table.lease(rid, self.send_wait_s,
+                             "decode's reservation: the Send came first and decode's engine "
+                             "did not reserve the request within --send-wait-s")
+            offered = self.offers.has(rid)  # the Offer raced the refused BeginWrite
+        log.debug("request %s: waiting up to %.1f s for decode's reservation (%s)",
+                  rid, self.send_wait_s, "decode has none yet" if rec.asked else "its Offer",
+                  extra=fields(rid, rec.decode_address))
+        if offered:
+            self._unpark(rid)
+
+    def _unpark(self, request_id: str) -> None:
+        """Decode's reservation arrived for a parked request: write it now."""
+        with self._lock:
+            rec = self._out.get(request_id)
+            if rec is None or not rec.parked:
+                return
+            rec.parked = False
+            go = not rec.running and not self._ended(rec)
+            rec.running = rec.running or go
+        if go:
+            self.io.submit(self._step, rec)
 
     def _select_pages(self, rec: Outgoing, dst: IndexLists, ranges: Ranges,
                       final: bool) -> tuple[IndexLists, IndexLists]:

@@ -25,6 +25,8 @@ PHASES: list[tuple[str, str]] = [
     ("plan (indices, pages, blocks)", r"build_plan|_select_pages|request_indices|indices_from|"
                                       r"indices_to|Runs\.|coalesce"),
     ("status table / watch", r"lifecycle\.py|TransferTable"),
+    ("engine channel (frames, pushes, attach loop)",
+     r"engine_channel\.py|engine_frames\.py|server/attach\.py|engine/channel\.py"),
     ("RPC handlers", r"rpc_status\.py|servicer\.py|decode\.py|prefill\.py"),
     ("gRPC server machinery", r"grpc/_server\.py|grpc/_common\.py|grpc/_utilities"),
     ("thread hand-offs (locks, queues, pools)",
@@ -63,7 +65,9 @@ def main() -> None:
     info = (d / "requests.txt").read_text().strip()
     nreq = int(info.split()[0])
     print(f"{info}; Python CPU (GIL held) ms per request, by phase")
-    for daemon in ("prefill", "decode"):
+    for daemon in ("prefill", "decode", "prefill-engine"):
+        if not (d / f"{daemon}.txt").exists():
+            continue
         counts = summarise(d / f"{daemon}.txt")
         total = sum(counts.values())
         print(f"\n{daemon}: {total / args.rate / nreq * 1e3:.2f} ms per request")

@@ -69,12 +69,14 @@ def test_duplicate_and_bad_requests_are_refused_and_daemons_stay_up() -> None:
         assert run_request(p, d, "after", 300, 1).ok
 
 
-def test_send_without_reservation_fails_on_both_sides() -> None:
-    with pair() as (_prefill, decode, p, _d):
+def test_send_without_reservation_waits_for_one_then_fails_naming_it() -> None:
+    # A Send may come before decode's reservation (docs/protocol.md, "Either order"):
+    # it waits --send-wait-s for it, then fails with a timeout that says so.
+    with pair(prefill_extra=["--send-wait-s", "1"]) as (_prefill, decode, p, _d):
         p.send("orphan", 0, 100, decode.address)
         st = p.wait("orphan", 10)
-        assert st.state is F and st.reason is FailureReason.INVALID_REQUEST
-        assert "no reservation" in st.detail
+        assert st.state is F and st.reason is FailureReason.TIMEOUT, str(st)
+        assert "WaitingForInput for 1.0 s (decode's reservation" in st.detail, st.detail
 
 
 def test_abort_on_decode_propagates_to_prefill_and_frees_the_slot() -> None:

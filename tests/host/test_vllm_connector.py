@@ -17,15 +17,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from kvbeam.engine.requests import client_for
-from kvbeam.errors import KvbeamError
 from kvbeam.integrations.vllm.params import blocks_for
 from kvbeam.procs import DaemonProcess
 from tests.attach_helpers import start_engine_daemon
@@ -41,10 +38,11 @@ BLOCK = 32
 #: One block of every layer: K and V, 2 KV heads x 32 dims, float32, 2 layers.
 BLOCK_BYTES = 2 * BLOCK * 2 * 32 * 4 * 2
 MAX_TOKENS = 8
-#: Daemons wait for decode's reservations while decode runs the batch one by one.
+#: Prefill's sends wait for decode's reservations (--send-wait-s) while decode starts its
+#: batch after prefill's (vLLM's proxy order) and admits the requests one by one.
 DEADLINES = ["--deadline-bootstrap-s", "20", "--deadline-waiting-s", "60",
              "--deadline-transfer-s", "30", "--heartbeat-s", "1", "--rpc-timeout-s", "5",
-             "--handoff-lease-s", "60", "--log-level", "INFO"]
+             "--handoff-lease-s", "60", "--send-wait-s", "120", "--log-level", "INFO"]
 
 
 def prompts() -> list[list[int]]:
@@ -85,30 +83,15 @@ def instances(tmp_path_factory: pytest.TempPathFactory
             d.stop()
 
 
-def reserved(daemon: str, ids: list[str], timeout: float = 300.0) -> None:
-    """Wait until decode's daemon holds a reservation for each id (the router's part:
-    decode reserves, then prefill writes into the reserved blocks)."""
-    client = client_for(daemon)
-    deadline = time.monotonic() + timeout
-    for rid in ids:
-        while True:
-            try:
-                client.status(rid)
-                break
-            except KvbeamError:
-                assert time.monotonic() < deadline, f"decode never reserved {rid}"
-                time.sleep(0.2)
-
-
 def transfer(prefill: Peer, decode: Peer, daemons: tuple[str, str], tag: str,
              zero: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Decode's batch first (it reserves its blocks), then prefill's (it sends into them)."""
+    """vLLM's standard proxy order: prefill first (``max_tokens`` 1; its sends wait for
+    decode's reservations), then decode with the ``kv_transfer_params`` prefill returned."""
     ids = [f"{tag}-{i}" for i in range(len(prompts()))]
-    decode.start([{"do_remote_prefill": True, "kvbeam_id": i, "prefill_daemon": daemons[0],
-                   "kvbeam_test_zero_first_block": zero} for i in ids])
-    reserved(daemons[1], ids)
     sent = prefill.run([{"do_remote_decode": True, "kvbeam_id": i, "decode_daemon": daemons[1]}
                         for i in ids])
+    back = [{**s["kv_transfer_params"], "kvbeam_test_zero_first_block": zero} for s in sent]
+    decode.start(back)
     return sent, decode.result()
 
 
@@ -151,12 +134,11 @@ def test_wrong_transfer_fails_the_request(
     plain, prefill, decode, p_daemon, d_daemon = instances
     n = len(prompts())
     ids = [f"wrong-{i}" for i in range(n)]
+    prefill.run([{"do_remote_decode": True, "kvbeam_id": i, "decode_daemon": d_daemon.address}
+                 for i in ids])
     decode.start([*[{"do_remote_prefill": True, "kvbeam_id": ids[(i + 1) % 4],
                      "prefill_daemon": p_daemon.address} for i in range(4)],
                   *[None] * (n - 4)])
-    reserved(d_daemon.address, ids[:4])
-    prefill.run([{"do_remote_decode": True, "kvbeam_id": i, "decode_daemon": d_daemon.address}
-                 for i in ids])
     got = decode.result(600)
     want = plain.run(None)
     for i in range(4):

@@ -11,6 +11,7 @@ from kvbeam.errors import UnknownRequest
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.indices import request_indices
 from kvbeam.server.core import offers
+from kvbeam.server.core import prefill as prefill_module
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.decode_landing import WAITING_FOR_DIGESTS
 from kvbeam.server.core.ports import Offered, WriteGrant
@@ -75,6 +76,50 @@ def test_a_send_before_the_reserve_falls_back_to_begin_write_and_a_late_offer_is
     assert wait_for(lambda: events == ["missed"])
     assert not core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
     assert events == ["missed", "refused"] and len(core.offers) == 0
+
+
+def test_with_send_wait_a_send_before_the_offer_waits_for_it_instead_of_asking() -> None:
+    core, fake, conn, events = _connected(send_wait_s=5.0)
+    link = cast(FakeLink, conn.link)
+    core.send("r", 1, SEQ, ADDR, [], True)
+    assert wait_for(lambda: core.status("r").state is TransferState.WAITING_FOR_INPUT)
+    assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)  # unparks it
+    assert wait_for(lambda: len(link.writes) == 2)
+    assert link.writes[1] == (77, True)
+    assert [rid for rid, _ in fake.begins] == ["first"], "BeginWrite was called for r"
+    assert core.status("r").state is TransferState.TRANSFERRING
+    assert events == ["received", "used"]
+
+
+def test_with_send_wait_no_offer_within_the_grace_asks_begin_write() -> None:
+    core, fake, conn, _events = _connected(send_wait_s=5.0)
+    core.send("s", 1, SEQ, ADDR, [], True)  # decode reserved without offering it
+    assert wait_for(lambda: core.status("s").state is TransferState.WAITING_FOR_INPUT)
+    time.sleep(prefill_module.OFFER_GRACE_S)
+    core.periodic()  # the sweep: the grace passed
+    assert wait_for(lambda: [rid for rid, _ in fake.begins] == ["first", "s"])
+    link = cast(FakeLink, conn.link)
+    assert wait_for(lambda: len(link.writes) == 2)
+
+
+def test_with_send_wait_decode_without_the_reservation_keeps_it_waiting_until_the_lease(
+        ) -> None:
+    core, fake, _conn, _events = _connected(send_wait_s=0.3)
+    fake.not_yet.add("t")  # BeginWrite: decode has no reservation yet (NotReserved)
+    core.send("t", 1, SEQ, ADDR, [], True)
+    assert wait_for(lambda: core.status("t").state is TransferState.WAITING_FOR_INPUT)
+    time.sleep(prefill_module.OFFER_GRACE_S)
+    core.periodic()
+    assert wait_for(lambda: fake.refused_not_yet == ["t"])
+    core.periodic()  # asked once: only decode's Offer (or the lease) ends the wait now
+    time.sleep(0.05)
+    assert fake.refused_not_yet == ["t"]
+    assert core.status("t").state is TransferState.WAITING_FOR_INPUT
+    time.sleep(0.35)
+    expired = core.table.expire()
+    assert [s.request_id for s in expired] == ["t"]
+    assert expired[0].reason is FailureReason.TIMEOUT
+    assert "for 0.3 s (decode's reservation" in expired[0].detail, expired[0].detail
 
 
 def test_an_offer_over_a_previous_connection_is_ignored() -> None:

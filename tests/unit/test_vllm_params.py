@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from kvbeam.errors import ConfigError, NoFreeSlot
+from kvbeam.errors import ConfigError
 from kvbeam.integrations.vllm import params as P
 from kvbeam.integrations.vllm import scheduler as S
 
@@ -30,81 +30,44 @@ class Blocks:
         return (self.ids,)
 
 
-@dataclass
-class Calls:
-    made: list[tuple[Any, ...]] = field(default_factory=list)
-    refuse: bool = False
+def test_the_scheduler_side_makes_no_kvbeam_call() -> None:
+    assert not hasattr(S, "Sender") and not hasattr(S, "Receiver") and not hasattr(S, "client_for")
 
 
-@pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> Calls:
-    c = Calls()
-
-    class FakeReceiver:
-        def __init__(self, daemon: str, rid: str, prefill: str, *, security: Any) -> None:
-            self.args = (daemon, rid, prefill)
-            assert security is SETTINGS.security  # every call presents the credentials
-
-        def reserve(self, ids: list[int], *, seq_len: int) -> None:
-            if c.refuse:
-                raise NoFreeSlot("full")
-            c.made.append(("reserve", *self.args, ids, seq_len))
-
-    class FakeSender(FakeReceiver):
-        def send(self, ids: list[int], *, seq_len: int) -> None:
-            if c.refuse:
-                raise NoFreeSlot("full")
-            c.made.append(("send", *self.args, ids, seq_len))
-
-    monkeypatch.setattr(S, "Receiver", FakeReceiver)
-    monkeypatch.setattr(S, "Sender", FakeSender)
-    return c
-
-
-def test_prefill_sends_the_prompt_blocks_and_holds_them(calls: Calls) -> None:
+def test_prefill_holds_the_prompt_blocks_and_plans_their_send() -> None:
     side = S.SchedulerSide(SETTINGS, block_size=32)
     req = Req("a", list(range(70)), {"do_remote_decode": True, "kvbeam_id": "t1",
                                       "decode_daemon": "d:1"})
     hold, out = side.request_finished(req, [5, 9, 2, 11])
     assert hold and side.has_pending_push_work()
-    assert calls.made == [("send", "127.0.0.1:7", "t1", "d:1", [5, 9, 2], 70)]
     assert out == {"do_remote_prefill": True, "kvbeam_id": "t1", "prefill_daemon": "127.0.0.1:7",
                    "prompt_len": 70}
-    assert side.take_plan().sends == [("a", "t1")]
+    assert side.take_plan().sends == [S.Push("a", "t1", (5, 9, 2), "d:1", 70)]
     side.sends_finished({"a"})
     assert not side.has_pending_push_work()
 
 
-def test_prefill_send_refused_frees_the_blocks(calls: Calls) -> None:
-    calls.refuse = True
+def test_an_aborted_prefill_request_is_not_sent() -> None:
     side = S.SchedulerSide(SETTINGS, block_size=32)
-    req = Req("a", [1] * 40, {"do_remote_decode": True, "kvbeam_id": "t", "decode_daemon": "d"})
+    req = Req("a", [1] * 40, {"do_remote_decode": True, "kvbeam_id": "t", "decode_daemon": "d"},
+              status="FINISHED_ABORTED")
     assert side.request_finished(req, [1, 2]) == (False, None)
-    assert not side.has_pending_push_work()
+    assert not side.has_pending_push_work() and side.take_plan().sends == []
 
 
-def test_decode_loads_the_whole_prompt_into_its_blocks(calls: Calls) -> None:
+def test_decode_loads_the_whole_prompt_into_its_blocks() -> None:
     side = S.SchedulerSide(SETTINGS, block_size=32)
     req = Req("b", list(range(45)), P.returned_params("t2", "p:1", 45))
     assert side.get_num_new_matched_tokens(req, 0) == (45, True)
     side.update_state_after_alloc(req, Blocks([7, 3]), 45)
-    assert calls.made == [("reserve", "127.0.0.1:7", "t2", "p:1", [7, 3], 45)]
-    assert side.take_plan().loads == [S.Load("b", "t2", (7, 3))]
+    assert side.take_plan().loads == [S.Load("b", "t2", (7, 3), "p:1", 45)]
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # asked again: no reload
 
 
-def test_decode_with_a_local_prefix_computes_itself(calls: Calls) -> None:
+def test_decode_with_a_local_prefix_computes_itself() -> None:
     side = S.SchedulerSide(SETTINGS, block_size=32)
     req = Req("c", list(range(45)), P.returned_params("t3", "p:1", 45))
     assert side.get_num_new_matched_tokens(req, 32) == (0, False)
-
-
-def test_decode_reserve_refused_is_a_failed_load(calls: Calls) -> None:
-    calls.refuse = True
-    side = S.SchedulerSide(SETTINGS, block_size=32)
-    req = Req("d", list(range(45)), P.returned_params("t4", "p:1", 45))
-    side.update_state_after_alloc(req, Blocks([7, 3]), 45)
-    assert side.take_plan().loads == [S.Load("d", "t4", (7, 3), failed=True)]
 
 
 def test_params_and_settings_refuse_what_is_missing() -> None:

@@ -1,9 +1,12 @@
-"""The connector's scheduler side: reserve decode's blocks, send prefill's, hold them.
+"""The connector's scheduler side: plan decode's loads and prefill's sends, hold the blocks.
 
-Runs in vLLM's scheduler process. Both kvbeam calls it makes (Reserve, Send) only
-queue work on the local daemon and return; the daemons move the bytes between the
-memory the workers attached. vLLM objects are duck-typed here (``Any``): this module
-imports no vLLM.
+Runs in vLLM's scheduler process and makes no kvbeam call: each step's loads (decode:
+the blocks vLLM allocated for a remote prefill) and sends (prefill: a finished
+prompt's blocks, held) go to the workers in the step's connector metadata, and the
+worker that attached the KV cache reserves and sends them over its engine channel
+(:mod:`kvbeam.integrations.vllm.worker`). A refused reserve or send shows there as a
+failed transfer. vLLM objects are duck-typed here (``Any``): this module imports no
+vLLM.
 """
 
 from __future__ import annotations
@@ -12,8 +15,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbeam.engine import Receiver, Sender
-from kvbeam.errors import KvbeamError
 from kvbeam.integrations.vllm.params import (
     Settings,
     blocks_for,
@@ -32,8 +33,21 @@ class Load:
     req_id: str
     kvbeam_id: str
     block_ids: tuple[int, ...]
+    prefill_daemon: str = ""
+    seq_len: int = 0
     failed: bool = False
     zero_first_block: bool = False
+
+
+@dataclass(frozen=True)
+class Push:
+    """A prefill request whose prompt KV in ``block_ids`` goes to ``decode_daemon``."""
+
+    req_id: str
+    kvbeam_id: str
+    block_ids: tuple[int, ...]
+    decode_daemon: str
+    seq_len: int
 
 
 @dataclass
@@ -41,8 +55,8 @@ class StepPlan:
     """What the scheduler tells the workers at one step (vLLM's connector metadata body)."""
 
     loads: list[Load] = field(default_factory=list)
-    #: (vLLM request id, kvbeam id) of prefill requests whose blocks are held for a send.
-    sends: list[tuple[str, str]] = field(default_factory=list)
+    #: Prefill requests whose blocks are held for a send.
+    sends: list[Push] = field(default_factory=list)
 
 
 class SchedulerSide:
@@ -74,7 +88,8 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
-        """Decode: reserve the blocks vLLM just allocated as the request's landing place."""
+        """Decode: the blocks vLLM just allocated are the request's landing place (the
+        worker reserves them on its daemon)."""
         p = load_params(request.kv_transfer_params)
         if p is None or num_external_tokens == 0:
             return
@@ -82,36 +97,23 @@ class SchedulerSide:
         ids = tuple(int(b) for b in blocks.get_block_ids()[0][:blocks_for(seq_len,
                                                                            self.block_size)])
         self._loading.add(request.request_id)
-        failed = False
-        try:
-            Receiver(self.settings.daemon, p.kvbeam_id, p.prefill_daemon,
-                     security=self.settings.security).reserve(list(ids), seq_len=seq_len)
-        except KvbeamError as exc:
-            log.warning("request %s: reserve of transfer %s refused: %s", request.request_id,
-                        p.kvbeam_id, exc)
-            failed = True
-        self._plan.loads.append(Load(request.request_id, p.kvbeam_id, ids, failed,
-                                   p.zero_first_block))
+        self._plan.loads.append(Load(request.request_id, p.kvbeam_id, ids, p.prefill_daemon,
+                                     seq_len, zero_first_block=p.zero_first_block))
 
     # ---- prefill -----------------------------------------------------------------
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        """Prefill: send the prompt's blocks and hold them until the send ends."""
+        """Prefill: hold the prompt's blocks; the worker sends them (decode may reserve
+        before or after: the send waits for the reservation, ``--send-wait-s``)."""
         self._loading.discard(request.request_id)
         p = send_params(request.kv_transfer_params)
         if p is None or _aborted(request):
             return False, None
         ids = _first_group(block_ids)
         seq_len = len(request.prompt_token_ids)
-        source = ids[:blocks_for(seq_len, self.block_size)]
-        try:
-            Sender(self.settings.daemon, p.kvbeam_id, p.decode_daemon,
-                   security=self.settings.security).send(source, seq_len=seq_len)
-        except KvbeamError as exc:
-            log.warning("request %s: send of transfer %s refused: %s", request.request_id,
-                        p.kvbeam_id, exc)
-            return False, None
+        source = tuple(ids[:blocks_for(seq_len, self.block_size)])
         self._sending.add(request.request_id)
-        self._plan.sends.append((request.request_id, p.kvbeam_id))
+        self._plan.sends.append(Push(request.request_id, p.kvbeam_id, source, p.decode_daemon,
+                                     seq_len))
         return True, returned_params(p.kvbeam_id, self.settings.daemon, seq_len)
 
     def sends_finished(self, req_ids: set[str] | None) -> None:

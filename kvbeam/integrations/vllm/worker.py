@@ -4,17 +4,27 @@ Runs in vLLM's worker process. :meth:`WorkerSide.register_kv_caches` moves the o
 allocation vLLM's per-layer views share into a memfd (every view is re-pointed in
 place, so vLLM's attention layers keep using the same tensor objects) and attaches it
 to the local ``--pools engine`` daemon as a paged pool: one buffer per layer, one
-item per block. The daemons move the bytes; this side only asks the local daemon how
-each transfer it was told about ended (:meth:`WorkerSide.get_finished`).
+item per block. Every per-request call goes over that attachment's engine channel
+(:mod:`kvbeam.engine.channel`): the step's reservations and sends leave in one write
+(:meth:`WorkerSide.absorb`), and :meth:`WorkerSide.get_finished` reads the states the
+daemon pushed (no RPC per step). The daemons move the bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from kvbeam.engine import Attachment, EngineBuffers, KVPoll, SharedMemory, attach
-from kvbeam.engine.requests import client_for, poll_of
+from kvbeam.engine import (
+    Attachment,
+    EngineBuffers,
+    KVPoll,
+    Receiver,
+    Sender,
+    SharedMemory,
+    attach,
+)
 from kvbeam.errors import KvbeamError
 from kvbeam.integrations.vllm.params import Settings
 from kvbeam.integrations.vllm.scheduler import Load, StepPlan
@@ -43,8 +53,8 @@ class WorkerSide:
         self.attachment: Attachment | None = None
         self._shared = SharedMemory()
         self._views: list[torch.Tensor] = []
-        self._loads: dict[str, Load] = {}
-        self._sends: dict[str, str] = {}
+        self._loads: dict[str, tuple[Load, Receiver | None]] = {}
+        self._sends: dict[str, Sender | None] = {}
         self._load_errors: set[int] = set()
         self.moved_bytes = 0
 
@@ -86,53 +96,70 @@ class WorkerSide:
 
     # ---- transfers ---------------------------------------------------------------
     def absorb(self, plan: StepPlan) -> None:
-        """Take the scheduler's new loads and sends of this step."""
-        for load in plan.loads:
-            self._loads[load.req_id] = load
-        for req_id, kvbeam_id in plan.sends:
-            self._sends[req_id] = kvbeam_id
+        """Reserve this step's loads and send its sends, in one write to the daemon."""
+        att = self.attachment
+        channel = att.channel if att is not None else None
+        if att is None or channel is None:
+            for load in plan.loads:
+                self._loads[load.req_id] = (load, None)
+            for push in plan.sends:
+                self._sends[push.req_id] = None
+            if plan.loads or plan.sends:
+                log.warning("no engine channel to the daemon: %d load(s) and %d send(s) fail",
+                            len(plan.loads), len(plan.sends))
+            return
+        with channel.batch():
+            for load in plan.loads:
+                receiver = None
+                if not load.failed:
+                    receiver = Receiver(att, load.kvbeam_id, load.prefill_daemon)
+                    receiver.reserve(list(load.block_ids), seq_len=load.seq_len)
+                self._loads[load.req_id] = (load, receiver)
+            for push in plan.sends:
+                sender = Sender(att, push.kvbeam_id, push.decode_daemon)
+                sender.send(list(push.block_ids), seq_len=push.seq_len)
+                self._sends[push.req_id] = sender
 
     def get_finished(self) -> tuple[set[str], set[str]]:
-        """(sends ended, loads ended); a failed load's blocks go to the load errors."""
-        sent = {r for r, k in self._sends.items() if self._ended_send(k)}
+        """(sends ended, loads ended), from the states the daemon pushed; a failed load's
+        blocks go to the load errors."""
+        sent = {r for r, s in self._sends.items()
+                if s is None or s.poll() in (KVPoll.Success, KVPoll.Failed)}
         for r in sent:
-            del self._sends[r]
+            sender = self._sends.pop(r)
+            failed = sender.failure() if sender is not None else None
+            if failed is not None:
+                log.warning("request %s: send of transfer %s failed: %s", r,
+                            sender.request_id if sender else "?", failed[1])
         received: set[str] = set()
-        for r, load in list(self._loads.items()):
-            state = KVPoll.Failed if load.failed else self._poll_load(load)
-            if state is KVPoll.Success:
-                self._landed(load)
-            elif state is KVPoll.Failed:
-                log.warning("request %s: transfer %s failed; vLLM gets its blocks as load "
-                            "errors", r, load.kvbeam_id)
-                self._load_errors.update(load.block_ids)
-            else:
-                continue
-            received.add(r)
-            del self._loads[r]
+        with self._batch():
+            for r, (load, receiver) in list(self._loads.items()):
+                state = KVPoll.Failed if receiver is None else receiver.poll()
+                if state is KVPoll.Success:
+                    assert receiver is not None
+                    self._landed(load, receiver)
+                elif state is KVPoll.Failed:
+                    why = receiver.failure() if receiver is not None else None
+                    log.warning("request %s: transfer %s failed (%s); vLLM gets its blocks as "
+                                "load errors", r, load.kvbeam_id, why[1] if why else "not "
+                                "reserved")
+                    self._load_errors.update(load.block_ids)
+                else:
+                    continue
+                received.add(r)
+                del self._loads[r]
         return sent, received
+
+    def _batch(self) -> contextlib.AbstractContextManager[None]:
+        channel = self.attachment.channel if self.attachment is not None else None
+        return channel.batch() if channel is not None else contextlib.nullcontext()
 
     def take_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call."""
         out, self._load_errors = self._load_errors, set()
         return out
 
-    def _poll(self, kvbeam_id: str) -> KVPoll | None:
-        """The transfer's state on the local daemon; None when the daemon does not know it."""
-        try:
-            client = client_for(self.settings.daemon, self.settings.security)
-            return poll_of(client.status(kvbeam_id).state)
-        except KvbeamError:
-            return None
-
-    def _ended_send(self, kvbeam_id: str) -> bool:
-        # Unknown to the daemon: nothing of it is in flight any more either.
-        return self._poll(kvbeam_id) in (KVPoll.Success, KVPoll.Failed, None)
-
-    def _poll_load(self, load: Load) -> KVPoll:
-        return self._poll(load.kvbeam_id) or KVPoll.Failed
-
-    def _landed(self, load: Load) -> None:
+    def _landed(self, load: Load, receiver: Receiver) -> None:
         self.moved_bytes += len(load.block_ids) * sum(
             v.stride(0) * v.element_size() for v in self._views)
         if load.zero_first_block and load.block_ids:
@@ -140,7 +167,7 @@ class WorkerSide:
                 v[load.block_ids[0]].zero_()
             log.warning("TEST: zeroed block %d of request %s", load.block_ids[0], load.req_id)
         try:  # the engine took the KV over: decode's daemon frees the reservation
-            client_for(self.settings.daemon, self.settings.security).release(load.kvbeam_id)
+            receiver.release()
         except KvbeamError as exc:
             log.info("transfer %s: release: %s", load.kvbeam_id, exc)
 

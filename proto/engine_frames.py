@@ -1,0 +1,374 @@
+"""The engine channel's frames: an engine's per-request calls and its daemon's pushed states.
+
+After a successful attach (:mod:`kvbeam.proto.attach_codec`) the same Unix socket
+carries compact binary frames both ways (docs/protocol.md, "The engine channel").
+Every frame is a 4-byte big-endian length of what follows, then::
+
+    u8 version (ENGINE_FRAMES_VERSION) | u8 kind | u16 id length | request id (UTF-8) | body
+
+Engine to daemon: RESERVE (decode), SEND (prefill), ABORT, RELEASE (decode). Daemon to
+engine: STATE (every state change of a request the engine started on this channel)
+and ERROR (a frame refused: the field at fault and why). Several frames written at
+once are a batch; nothing else marks one. A JSON attach-protocol message (its body
+starts with ``{``) may still follow on the same socket: the detach.
+
+Strings are a u16 length and UTF-8; integers are big-endian; index lists are
+``u8 count`` of ``u8 pool (0 target, 1 draft) | u8 kind (IndexKind order) | u32 n |
+n little-endian u32``. Decoding is strict and every refusal is a :class:`FrameError`
+naming the field. Pure data: no sockets, no gRPC, no torch.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbeam.errors import FrameError
+from kvbeam.pools.types import IndexKind
+from kvbeam.states import FailureReason, TransferState
+
+__all__ = ["FrameError"]  # defined with every other error in kvbeam.errors
+
+#: The frame format's version; a frame of another version is refused (ERROR "version").
+ENGINE_FRAMES_VERSION = 1
+#: Largest frame either side accepts (a 1M-token request's lists are ~100 KB); a
+#: longer length is refused from the 4-byte prefix, before any of the body is read.
+MAX_FRAME_BYTES = 16 << 20
+#: Most index lists in one frame, most indices in one list, most chunks in one SEND.
+MAX_LISTS = 64
+MAX_INDICES = 1 << 22
+MAX_CHUNKS = 4096
+
+RESERVE, SEND, ABORT, RELEASE = 1, 2, 3, 4
+STATE, ERROR = 16, 17
+KIND_NAMES = {RESERVE: "RESERVE", SEND: "SEND", ABORT: "ABORT", RELEASE: "RELEASE",
+              STATE: "STATE", ERROR: "ERROR"}
+ENGINE_KINDS = (RESERVE, SEND, ABORT, RELEASE)
+
+#: SEND flags.
+FINAL, HAS_LISTS = 1, 2
+
+#: STATE's state byte: sglang's KVPoll integers.
+STATE_CODES = {TransferState.FAILED: 0, TransferState.BOOTSTRAPPING: 1,
+               TransferState.WAITING_FOR_INPUT: 2, TransferState.TRANSFERRING: 3,
+               TransferState.SUCCESS: 4}
+STATE_FROM_CODE = {v: k for k, v in STATE_CODES.items()}
+#: STATE's reason byte: 0 none, then FailureReason's order from 1.
+REASON_CODES = {r: i + 1 for i, r in enumerate(FailureReason)}
+REASON_FROM_CODE = {v: k for k, v in REASON_CODES.items()}
+_KINDS = list(IndexKind)
+
+_LEN = struct.Struct(">I")
+_HEAD = struct.Struct(">BBH")
+_U8 = struct.Struct(">B")
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_LIST = struct.Struct(">BBI")
+_CHUNK = struct.Struct(">II")
+_STATE = struct.Struct(">BBI")
+
+
+Lists = dict[IndexKind, npt.NDArray[np.int64]]
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """Decode's reservation at the engine's destination lists."""
+
+    request_id: str
+    seq_len: int
+    prefill_address: str
+    indices: Lists = field(default_factory=dict)
+    draft: Lists = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Send:
+    """(A chunk of) a request prefill sends; the lists travel with the first frame."""
+
+    request_id: str
+    seq_len: int
+    decode_address: str
+    final: bool
+    chunks: tuple[tuple[int, int], ...] = ()
+    indices: Lists | None = None
+    draft: Lists | None = None
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Abort a request on this daemon (it tells the peer)."""
+
+    request_id: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Release:
+    """Decode's engine took the KV over: free the reservation."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class State:
+    """A request's new state, pushed by the daemon."""
+
+    request_id: str
+    state: TransferState
+    reason: FailureReason | None
+    version: int
+    detail: str
+
+
+@dataclass(frozen=True)
+class Error:
+    """The daemon refused a frame (``request_id`` empty when it could not be read)."""
+
+    request_id: str
+    field: str
+    message: str
+
+
+EngineFrame = Reserve | Send | Abort | Release
+DaemonFrame = State | Error
+
+
+# ---- encoding --------------------------------------------------------------------------
+def _str(value: str, name: str) -> bytes:
+    raw = value.encode()
+    if len(raw) > 0xFFFF:
+        raise FrameError(name, f"longer than {0xFFFF} bytes")
+    return _U16.pack(len(raw)) + raw
+
+
+def _frame(kind: int, request_id: str, body: bytes) -> bytes:
+    rid = request_id.encode()
+    if len(rid) > 0xFFFF:
+        raise FrameError("request_id", f"longer than {0xFFFF} bytes")
+    n = _HEAD.size + len(rid) + len(body)
+    if n > MAX_FRAME_BYTES:
+        raise FrameError("length", f"frame of {n} bytes exceeds {MAX_FRAME_BYTES}")
+    return _LEN.pack(n) + _HEAD.pack(ENGINE_FRAMES_VERSION, kind, len(rid)) + rid + body
+
+
+def split_lists(mapping: Mapping[str, Sequence[int] | Any]) -> tuple[Lists, Lists]:
+    """An engine's ``{"KIND" | "draft.KIND": indices}`` as (target, draft) by kind."""
+    target: Lists = {}
+    draft: Lists = {}
+    for name, values in mapping.items():
+        pool, _, kind = name.rpartition(".")
+        if pool not in ("", "draft"):
+            raise FrameError(f"indices[{name!r}]", "a name is KIND or draft.KIND")
+        try:
+            k = IndexKind(kind)
+        except ValueError:
+            raise FrameError(f"indices[{name!r}]", f"unknown index kind {kind!r} (known: "
+                             f"{', '.join(x.value for x in IndexKind)})") from None
+        (draft if pool else target)[k] = np.asarray(values, dtype=np.int64).reshape(-1)
+    return target, draft
+
+
+def _lists(target: Lists, draft: Lists) -> bytes:
+    parts = [_U8.pack(len(target) + len(draft))]
+    for pool, lists in ((0, target), (1, draft)):
+        for kind, values in lists.items():
+            arr = np.asarray(values, dtype=np.int64).reshape(-1)
+            if len(arr) and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
+                raise FrameError(f"indices[{kind.value}]", "indices must be in 0..2^32-1")
+            parts.append(_LIST.pack(pool, _KINDS.index(kind), len(arr)))
+            parts.append(arr.astype("<u4").tobytes())
+    return b"".join(parts)
+
+
+def encode(frame: EngineFrame | DaemonFrame) -> bytes:
+    """One frame, length prefix included."""
+    if isinstance(frame, Reserve):
+        return _frame(RESERVE, frame.request_id,
+                      _U32.pack(frame.seq_len) + _str(frame.prefill_address, "prefill_address")
+                      + _lists(frame.indices, frame.draft))
+    if isinstance(frame, Send):
+        has = frame.indices is not None or frame.draft is not None
+        if len(frame.chunks) > MAX_CHUNKS:
+            raise FrameError("chunks", f"more than {MAX_CHUNKS} chunks")
+        body = [_U32.pack(frame.seq_len), _str(frame.decode_address, "decode_address"),
+                _U8.pack((FINAL if frame.final else 0) | (HAS_LISTS if has else 0)),
+                _U16.pack(len(frame.chunks))]
+        body += [_CHUNK.pack(s, e) for s, e in frame.chunks]
+        if has:
+            body.append(_lists(frame.indices or {}, frame.draft or {}))
+        return _frame(SEND, frame.request_id, b"".join(body))
+    if isinstance(frame, Abort):
+        return _frame(ABORT, frame.request_id, _str(frame.detail, "detail"))
+    if isinstance(frame, Release):
+        return _frame(RELEASE, frame.request_id, b"")
+    if isinstance(frame, State):
+        reason = REASON_CODES[frame.reason] if frame.reason is not None else 0
+        return _frame(STATE, frame.request_id,
+                      _STATE.pack(STATE_CODES[frame.state], reason, frame.version & 0xFFFFFFFF)
+                      + _str(frame.detail[:4096], "detail"))
+    return _frame(ERROR, frame.request_id,
+                  _str(frame.field[:256], "field") + _str(frame.message[:4096], "message"))
+
+
+# ---- decoding (strict) -------------------------------------------------------------------
+class _Cursor:
+    def __init__(self, body: memoryview, request_id: str) -> None:
+        self.body = body
+        self.at = 0
+        self.request_id = request_id
+
+    def take(self, n: int, name: str) -> memoryview:
+        if self.at + n > len(self.body):
+            raise FrameError(name, f"frame ends early (needs {n} more bytes at offset "
+                             f"{self.at}, has {len(self.body) - self.at})", self.request_id)
+        out = self.body[self.at:self.at + n]
+        self.at += n
+        return out
+
+    def unpack(self, st: struct.Struct, name: str) -> tuple[Any, ...]:
+        return st.unpack(self.take(st.size, name))
+
+    def string(self, name: str) -> str:
+        (n,) = self.unpack(_U16, name)
+        try:
+            return bytes(self.take(n, name)).decode()
+        except UnicodeDecodeError:
+            raise FrameError(name, "not UTF-8", self.request_id) from None
+
+    def lists(self) -> tuple[Lists, Lists]:
+        (count,) = self.unpack(_U8, "lists")
+        if count > MAX_LISTS:
+            raise FrameError("lists", f"{count} lists (at most {MAX_LISTS})", self.request_id)
+        target: Lists = {}
+        draft: Lists = {}
+        for i in range(count):
+            pool, kind, n = self.unpack(_LIST, f"lists[{i}]")
+            if pool not in (0, 1):
+                raise FrameError(f"lists[{i}].pool", f"unknown pool {pool} (0 target, 1 draft)",
+                                 self.request_id)
+            if kind >= len(_KINDS):
+                raise FrameError(f"lists[{i}].kind", f"unknown index kind {kind} (0..."
+                                 f"{len(_KINDS) - 1})", self.request_id)
+            if n > MAX_INDICES:
+                raise FrameError(f"lists[{i}].count", f"{n} indices (at most {MAX_INDICES})",
+                                 self.request_id)
+            out = draft if pool else target
+            if _KINDS[kind] in out:
+                raise FrameError(f"lists[{i}].kind", f"{_KINDS[kind].value} appears twice"
+                                 f"{' (draft)' if pool else ''}", self.request_id)
+            raw = self.take(4 * n, f"lists[{i}].indices")
+            out[_KINDS[kind]] = np.frombuffer(raw, dtype="<u4").astype(np.int64)
+        return target, draft
+
+    def end(self) -> None:
+        if self.at != len(self.body):
+            raise FrameError("length", f"{len(self.body) - self.at} bytes after the frame's "
+                             "last field", self.request_id)
+
+
+def decode(body: bytes | memoryview, allowed: Sequence[int] = ENGINE_KINDS
+           ) -> EngineFrame | DaemonFrame:
+    """Decode one frame's body (after the length prefix); only ``allowed`` kinds.
+
+    Raises:
+        FrameError: naming the field at fault (and the request id once it was read).
+    """
+    view = memoryview(body)
+    if len(view) < _HEAD.size:
+        raise FrameError("length", f"a frame is at least {_HEAD.size} bytes (got {len(view)})")
+    version, kind, rid_len = _HEAD.unpack(view[:_HEAD.size])
+    if version != ENGINE_FRAMES_VERSION:
+        raise FrameError("version", f"engine frame version {version} is not supported "
+                         f"(this side speaks {ENGINE_FRAMES_VERSION})")
+    if kind not in allowed:
+        raise FrameError("kind", f"frame kind {kind} is not one this side accepts "
+                         f"({', '.join(f'{k} {KIND_NAMES[k]}' for k in allowed)})")
+    cur = _Cursor(view[_HEAD.size:], "")
+    try:
+        rid = bytes(cur.take(rid_len, "request_id")).decode()
+    except UnicodeDecodeError:
+        raise FrameError("request_id", "not UTF-8") from None
+    cur.request_id = rid
+    out: EngineFrame | DaemonFrame
+    if kind == RESERVE:
+        (seq_len,) = cur.unpack(_U32, "seq_len")
+        address = cur.string("prefill_address")
+        target, draft = cur.lists()
+        out = Reserve(rid, seq_len, address, target, draft)
+    elif kind == SEND:
+        (seq_len,) = cur.unpack(_U32, "seq_len")
+        address = cur.string("decode_address")
+        (flags,) = cur.unpack(_U8, "flags")
+        if flags & ~(FINAL | HAS_LISTS):
+            raise FrameError("flags", f"unknown flag bits {flags:#x}", rid)
+        (n,) = cur.unpack(_U16, "chunks")
+        if n > MAX_CHUNKS:
+            raise FrameError("chunks", f"{n} chunks (at most {MAX_CHUNKS})", rid)
+        chunks = tuple(cur.unpack(_CHUNK, f"chunks[{i}]") for i in range(n))
+        lists = cur.lists() if flags & HAS_LISTS else None
+        out = Send(rid, seq_len, address, bool(flags & FINAL),
+                   tuple((int(s), int(e)) for s, e in chunks),
+                   lists[0] if lists else None, lists[1] if lists else None)
+    elif kind == ABORT:
+        out = Abort(rid, cur.string("detail"))
+    elif kind == RELEASE:
+        out = Release(rid)
+    elif kind == STATE:
+        code, reason, version_ = cur.unpack(_STATE, "state")
+        if code not in STATE_FROM_CODE:
+            raise FrameError("state", f"unknown state {code}", rid)
+        if reason and reason not in REASON_FROM_CODE:
+            raise FrameError("reason", f"unknown failure reason {reason}", rid)
+        out = State(rid, STATE_FROM_CODE[code], REASON_FROM_CODE.get(reason), version_,
+                    cur.string("detail"))
+    else:
+        out = Error(rid, cur.string("field"), cur.string("message"))
+    cur.end()
+    return out
+
+
+class FrameBuffer:
+    """Splits a byte stream into frame bodies; a length over the limit is refused at once.
+
+    :meth:`feed` the bytes as they arrive; it returns every complete body. A body
+    starting with ``{`` is a JSON attach-protocol message (the detach), returned too.
+    """
+
+    def __init__(self, limit: int = MAX_FRAME_BYTES) -> None:
+        self.limit = limit
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The complete bodies in what arrived so far.
+
+        Raises:
+            FrameError: ``length``: a frame announces more than the limit (the stream
+                cannot be resynchronised: close it).
+        """
+        buf = self._buf
+        buf += data
+        out: list[bytes] = []
+        at = 0
+        while len(buf) - at >= _LEN.size:
+            (n,) = _LEN.unpack_from(buf, at)
+            if n > self.limit:
+                raise FrameError("length", f"frame of {n} bytes announced, the limit is "
+                                 f"{self.limit}: refused before reading it")
+            if len(buf) - at - _LEN.size < n:
+                break
+            out.append(bytes(buf[at + _LEN.size:at + _LEN.size + n]))
+            at += _LEN.size + n
+        if at:
+            del buf[:at]
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete frame held."""
+        return len(self._buf)

@@ -1,0 +1,291 @@
+"""The daemon's end of the engine channel: an attached engine's per-request calls, pushed states.
+
+After an attach, the attach socket carries binary frames (:mod:`kvbeam.proto.engine_frames`).
+:class:`EngineChannel` is driven by the attach server's one thread: it reads what
+arrived (no thread per message or per request), decodes every complete frame
+(strictly: a malformed one gets an ERROR frame naming the field, an oversize length
+ends the connection before its body is read) and calls the role's core through its
+existing entry points (:class:`CoreOps`): calls that may block (decode's Offer to its
+prefill, an abort that waits for writes to drain) run on the daemon's bounded executor.
+
+Every state change of a request the engine started on this channel is pushed back
+as a STATE frame: the transfer table's observer (:meth:`EngineChannel.on_change`, any
+thread) appends the encoded frame to an outbound buffer under a leaf lock and wakes
+the attach thread, which alone writes to the socket (non-blocking, outside the lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Protocol
+
+from kvbeam.errors import KvbeamError
+from kvbeam.proto import engine_frames as ef
+from kvbeam.proto.fields import host_port
+from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.validation import request_id_of, seq_len_of
+from kvbeam.states import TransferStatus
+
+log = logging.getLogger(__name__)
+
+#: Bytes read per readable event.
+READ_CHUNK = 1 << 18
+#: Pushed bytes an engine may leave unread before the daemon drops it (it stopped reading).
+MAX_OUTBOUND_BYTES = 64 << 20
+
+
+class EngineOps(Protocol):
+    """The role's core as the channel drives it (one method per engine frame)."""
+
+    def reserve(self, frame: ef.Reserve) -> None:
+        """Decode: hold the request at the engine's lists, offer it to its prefill."""
+
+    def send(self, frame: ef.Send) -> None:
+        """Prefill: queue (a chunk of) the request."""
+
+    def abort(self, frame: ef.Abort) -> None:
+        """Either: abort the request (may block: called on the executor)."""
+
+    def release(self, frame: ef.Release) -> None:
+        """Decode: the engine took the KV over."""
+
+
+class CoreOps:
+    """:class:`EngineOps` over a daemon's core, with the gRPC handlers' field checks."""
+
+    def __init__(self, role: str, core: Callable[[], DecodeCore | PrefillCore],
+                 max_context_len: Callable[[], int]) -> None:
+        self.role = role
+        self._core = core
+        self._max_len = max_context_len
+
+    def _seq_len(self, value: int) -> int:
+        return seq_len_of(value, self._max_len())
+
+    def reserve(self, frame: ef.Reserve) -> None:
+        core = self._core()
+        if not isinstance(core, DecodeCore):
+            raise ef.FrameError("kind", "RESERVE is decode's; this is a prefill daemon",
+                                frame.request_id)
+        seq_len = self._seq_len(frame.seq_len)
+        host_port(frame.prefill_address, "prefill_address")
+        res = core.reserve(frame.request_id, seq_len, frame.prefill_address,
+                           indices=frame.indices, draft=frame.draft)
+        core.io.submit(core.offer, res)  # an RPC to prefill: never on the attach thread
+
+    def send(self, frame: ef.Send) -> None:
+        core = self._core()
+        if not isinstance(core, PrefillCore):
+            raise ef.FrameError("kind", "SEND is prefill's; this is a decode daemon",
+                                frame.request_id)
+        seq_len = self._seq_len(frame.seq_len)
+        host_port(frame.decode_address, "decode_address")
+        core.send(frame.request_id, -1, seq_len, frame.decode_address, list(frame.chunks),
+                  frame.final, indices=frame.indices, draft=frame.draft)
+
+    def abort(self, frame: ef.Abort) -> None:
+        self._core().abort(frame.request_id, from_peer=False,
+                           detail=frame.detail or "aborted by the engine")
+
+    def release(self, frame: ef.Release) -> None:
+        core = self._core()
+        if not isinstance(core, DecodeCore):
+            raise ef.FrameError("kind", "RELEASE is decode's; this is a prefill daemon",
+                                frame.request_id)
+        core.release(frame.request_id)
+
+
+def _field_of(exc: BaseException, frame: ef.EngineFrame) -> str:
+    found = getattr(exc, "field", "")
+    return found if isinstance(found, str) and found else ef.KIND_NAMES.get(
+        {ef.Reserve: ef.RESERVE, ef.Send: ef.SEND, ef.Abort: ef.ABORT,
+         ef.Release: ef.RELEASE}[type(frame)], "frame").lower()
+
+
+class EngineChannel:
+    """One daemon's engine channel; :meth:`bind` at each attach, :meth:`unbind` at detach.
+
+    Args:
+        ops: the role's core (:class:`CoreOps`).
+        io: the daemon's bounded executor (blocking calls run there).
+    """
+
+    def __init__(self, ops: EngineOps, io: Executor) -> None:
+        self.ops = ops
+        self.io = io
+        self._lock = threading.Lock()  # leaf: _out, _mine, _conn; no I/O under it
+        self._conn: socket.socket | None = None
+        self._out = bytearray()
+        self._mine: set[str] = set()
+        self._frames = ef.FrameBuffer()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._woken = False
+        #: Frames handled and states pushed (diagnostics, the benchmark).
+        self.frames_in = 0
+        self.frames_out = 0
+
+    @property
+    def wake_fd(self) -> socket.socket:
+        """Readable when pushed states wait to be written (the attach loop selects it)."""
+        return self._wake_r
+
+    def bind(self, conn: socket.socket) -> None:
+        """An engine attached on ``conn``: frames follow its attach reply."""
+        conn.setblocking(False)
+        with self._lock:
+            self._conn = conn
+            self._out = bytearray()
+            self._mine = set()
+            self._frames = ef.FrameBuffer()
+
+    def unbind(self) -> None:
+        """The engine detached: nothing more is pushed (its requests fail as before)."""
+        with self._lock:
+            self._conn = None
+            self._out = bytearray()
+            self._mine = set()
+
+    def close(self) -> None:
+        """Close the wake pair (daemon stop)."""
+        self.unbind()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # ---- pushed states (any thread) -----------------------------------------------------
+    def on_change(self, snap: TransferStatus) -> None:
+        """The transfer table's observer: push the change when the engine started it here."""
+        with self._lock:
+            if snap.request_id not in self._mine or self._conn is None:
+                return
+            if snap.state.terminal:
+                self._mine.discard(snap.request_id)
+        self._push(ef.encode(ef.State(snap.request_id, snap.state, snap.reason, snap.version,
+                                      snap.detail)))
+
+    def push_error(self, request_id: str, field: str, message: str) -> None:
+        """Tell the engine a frame was refused (any thread)."""
+        self._push(ef.encode(ef.Error(request_id, field, message)))
+
+    def _push(self, data: bytes) -> None:
+        with self._lock:
+            if self._conn is None:
+                return
+            self._out += data
+            self.frames_out += 1
+            wake = not self._woken
+            self._woken = True
+        if wake:
+            with contextlib.suppress(BlockingIOError, OSError):
+                self._wake_w.send(b"\0")
+
+    # ---- the attach thread --------------------------------------------------------------
+    def flush(self) -> bool:
+        """Write what is queued (non-blocking); True when nothing is left.
+
+        Raises:
+            OSError: the socket broke, or the engine left more than MAX_OUTBOUND_BYTES
+                unread (the caller detaches it).
+        """
+        with contextlib.suppress(BlockingIOError, OSError):
+            while self._wake_r.recv(4096):
+                pass
+        with self._lock:
+            self._woken = False
+            conn, data = self._conn, bytes(self._out)
+            self._out = bytearray()
+        if conn is None or not data:
+            return True
+        try:
+            sent = conn.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent == len(data):
+            return True
+        with self._lock:
+            self._out[:0] = data[sent:]
+            left = len(self._out)
+        if left > MAX_OUTBOUND_BYTES:
+            raise OSError(f"the engine left {left} bytes of pushed states unread (limit "
+                          f"{MAX_OUTBOUND_BYTES}): it stopped reading its attach socket")
+        return False
+
+    def readable(self, conn: socket.socket) -> list[bytes]:
+        """Read what arrived and handle every complete frame; returns JSON messages
+        (attach protocol: the detach) for the attach server.
+
+        Raises:
+            EOFError: the engine closed the socket.
+            ef.FrameError: an oversize length (the stream cannot be resynchronised);
+                the ERROR frame is already queued.
+        """
+        try:
+            data = conn.recv(READ_CHUNK)
+        except BlockingIOError:
+            return []
+        if not data:
+            raise EOFError("end of stream")
+        try:
+            bodies = self._frames.feed(data)
+        except ef.FrameError as exc:
+            self.push_error("", exc.field, str(exc))
+            raise
+        json_messages = []
+        for body in bodies:
+            if body[:1] == b"{":
+                json_messages.append(body)
+                continue
+            self.handle(body)
+        return json_messages
+
+    def handle(self, body: bytes) -> None:
+        """Decode and run one engine frame; any refusal becomes an ERROR frame."""
+        self.frames_in += 1
+        try:
+            frame = ef.decode(body)
+        except ef.FrameError as exc:
+            log.warning("engine frame refused: %s", exc)
+            self.push_error(exc.request_id, exc.field, str(exc))
+            return
+        assert not isinstance(frame, ef.State | ef.Error)  # decode() allows engine kinds only
+        rid = frame.request_id
+        try:
+            request_id_of(rid)
+        except KvbeamError as exc:
+            self.push_error(rid[:128], "request_id", str(exc))
+            return
+        if isinstance(frame, ef.Abort):
+            self.io.submit(self._run, frame)  # waits for writes to drain, tells the peer
+            return
+        self._run(frame)
+
+    def _run(self, frame: ef.EngineFrame) -> None:
+        rid = frame.request_id
+        starts = isinstance(frame, ef.Reserve | ef.Send)
+        with self._lock:
+            new = starts and rid not in self._mine
+            if new:
+                self._mine.add(rid)  # before the core creates it: its first state is pushed
+        try:
+            if isinstance(frame, ef.Reserve):
+                self.ops.reserve(frame)
+            elif isinstance(frame, ef.Send):
+                self.ops.send(frame)
+            elif isinstance(frame, ef.Abort):
+                self.ops.abort(frame)
+            else:
+                self.ops.release(frame)
+        except Exception as exc:
+            if new:
+                with self._lock:
+                    self._mine.discard(rid)
+            if not isinstance(exc, KvbeamError):
+                log.exception("engine frame for request %s failed unexpectedly", rid)
+            self.push_error(rid, _field_of(exc, frame), f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,245 @@
+"""Benchmark: small requests at the engine's level, over the engine channel and over gRPC.
+
+Two ``--pools engine`` daemons over TCP on loopback and two engine processes
+(tests/bench/bench_engine_worker.py: EnginePools memory, engine-chosen lists, every
+call through ``kvbeam.engine`` on the attachment). This process is the router: it mints
+the request ids and hands them to both engines; nobody calls the scheduler API. Then the
+same figures through the gRPC scheduler API (``kvbeam.engine.Sender``/``Receiver`` on
+the daemons' addresses, :func:`kvbeam.scheduler.run_request`) against the same daemons
+and memory, in the same run. Target lines, each beside its gRPC figure::
+
+    engine_poll_us=      median cost of one poll() of a finished request
+    engine_small_request_ms=   128 tokens, prefill's send to decode seeing Success, median
+    daemon_cpu_ms_per_small_request=  the larger daemon's process CPU over N requests
+    small_requests_per_s=  16 in flight, one pair, whole lifecycle
+
+``--profile DIR``: py-spy both daemons and the prefill engine during the flow phase
+(when the bench extra installed py-spy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kvbeam.client import KvbeamClient
+from kvbeam.pools.indices import request_indices
+from kvbeam.pools.layout import build_side_layout
+from kvbeam.pools.spec import load_side_config
+from kvbeam.scheduler import run_request
+from tests.attach_helpers import start_engine_pair
+from tests.bench.bench_request import BENCH_DEADLINES, cpu_s
+from tests.fixtures import shipped_config
+
+SEQ = 128
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class Worker:
+    """A bench_engine_worker process."""
+
+    def __init__(self, socket_path: str, config: str, role: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.bench.bench_engine_worker", "--socket", socket_path,
+             "--config", config, "--role", role], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, bufsize=1, cwd=ROOT)
+        assert self.read() == "attached"
+
+    def read(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine worker exited ({self.proc.poll()})")
+        return line.strip()
+
+    def cmd(self, text: str) -> str:
+        self.write(text)
+        return self.read()
+
+    def write(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.write("exit")
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _lists(role: str, slot: int) -> dict[str, list[int]]:
+    config = load_side_config(shipped_config(role))
+    used = {b.index_kind for b in build_side_layout(config).flat_buffers}
+    return {k.value: v.tolist() for k, v in request_indices(config.target, slot, SEQ).items()
+            if k in used}
+
+
+def _offer_counts(*metrics: str) -> str:
+    """Each daemon's kvbeam_offers and BeginWrite counters (how the requests went)."""
+    out = []
+    for address in metrics:
+        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+        out += [line for line in text.splitlines()
+                if line.startswith(("kvbeam_offers_total", "kvbeam_begin_writes_total"))]
+    return "; ".join(out)
+
+
+def _spy(pid: int, out: str) -> subprocess.Popen[bytes] | None:
+    """py-spy sampling ``pid`` until SIGINT (the bench extra's; else ``$PY_SPY``)."""
+    exe = os.environ.get("PY_SPY") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(exe):
+        print(f"# no py-spy at {exe}: no profile", flush=True)
+        return None
+    return subprocess.Popen([exe, "record", "-p", str(pid), "-r", "250", "-f", "raw", "--gil",
+                             "-o", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=100)
+    ap.add_argument("--flow", type=int, default=400)
+    ap.add_argument("--inflight", type=int, default=16)
+    ap.add_argument("--profile", default="")
+    ap.add_argument("--settle-ms", type=float, default=20.0,
+                    help="also time sequential requests whose Send follows the reservation "
+                         "by this much (decode's Offer is then kept before the Send)")
+    ap.add_argument("--daemon-flags", default="",
+                    help="extra flags for both daemons (e.g. '--integrity false')")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="kvbeam-bench-chan-"))
+    work.chmod(0o700)
+    psock, dsock = str(work / "p.sock"), str(work / "d.sock")
+    prefill, decode = start_engine_pair(psock, dsock, deadlines=[
+        *BENCH_DEADLINES, "--log-level", "WARNING", "--deadline-bootstrap-s", "60",
+        *args.daemon_flags.split()])
+    pe = Worker(psock, shipped_config("prefill"), "prefill")
+    de = Worker(dsock, shipped_config("decode"), "decode")
+    out: dict[str, tuple[float, float]] = {}
+    try:
+        pids = (prefill.proc.pid, decode.proc.pid)
+        # ---- the engine channel -----------------------------------------------------
+        for i in range(5):  # warm-up: the handshake, the first offers
+            de.cmd(f"reserve w{i} {prefill.address}")
+            pe.cmd(f"send w{i} {decode.address}")
+            de.cmd(f"done w{i}")
+            pe.cmd(f"wait w{i}")
+        lat = []
+        cpu0 = [cpu_s(p) for p in pids]
+        for i in range(args.requests):
+            de.cmd(f"reserve s{i} {prefill.address}")
+            t0 = float(pe.cmd(f"send s{i} {decode.address}").split()[1])
+            t1 = float(de.cmd(f"done s{i}").split()[1])
+            assert pe.cmd(f"wait s{i}") == "Success"
+            lat.append((t1 - t0) * 1000)
+        cpu1 = [cpu_s(p) for p in pids]
+        offers = _offer_counts(prefill.metrics, decode.metrics)
+        settled = []
+        for i in range(args.requests // 2 if args.settle_ms else 0):
+            de.cmd(f"reserve t{i} {prefill.address}")
+            time.sleep(args.settle_ms / 1000)
+            t0 = float(pe.cmd(f"send t{i} {decode.address}").split()[1])
+            t1 = float(de.cmd(f"done t{i}").split()[1])
+            assert pe.cmd(f"wait t{i}") == "Success"
+            settled.append((t1 - t0) * 1000)
+        chan_cpu = max(b - a for a, b in zip(cpu0, cpu1, strict=True)) * 1000 / args.requests
+        chan_poll = float(pe.cmd("poll 20000").split()[1])
+        spies = []
+        if args.profile:
+            os.makedirs(args.profile, exist_ok=True)
+            for name, pid in (("prefill", pids[0]), ("decode", pids[1]),
+                              ("prefill-engine", pe.proc.pid)):
+                spy = _spy(pid, os.path.join(args.profile, f"{name}.txt"))
+                if spy is not None:
+                    spies.append(spy)
+            time.sleep(1.0)  # py-spy attaches
+        de.write(f"flow f {args.flow} {args.inflight} {prefill.address}")
+        pe.write(f"flow f {args.flow} {args.inflight} {decode.address}")
+        d_flow, p_flow = de.read().split(), pe.read().split()
+        start = min(float(d_flow[1]), float(p_flow[1]))
+        end = max(float(d_flow[2]), float(p_flow[2]))
+        failed = int(d_flow[3]) + int(p_flow[3])
+        chan_rate = args.flow / (end - start)
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its samples and exits
+            spy.wait(60)
+        if args.profile:
+            Path(args.profile, "requests.txt").write_text(
+                f"{args.flow} requests at {args.inflight} in flight over the engine channel\n")
+        no_grpc = pe.cmd("grpc") == de.cmd("grpc") == "grpc False"
+        out["engine_poll_us"] = (chan_poll, 0.0)
+        out["engine_small_request_ms"] = (statistics.median(lat), 0.0)
+        out["daemon_cpu_ms_per_small_request"] = (chan_cpu, 0.0)
+        out["small_requests_per_s"] = (chan_rate, 0.0)
+        # ---- the gRPC scheduler API, same daemons and memory ---------------------------
+        with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+            src, dst = _lists("prefill", 0), _lists("decode", 0)
+            glat = []
+            cpu0 = [cpu_s(x) for x in pids]
+            for i in range(args.requests):
+                r = run_request(p, d, f"g{i}", SEQ, -1, src_indices=src, dst_indices=dst)
+                assert r.ok, r
+                glat.append(r.send_to_success_s * 1000)
+            cpu1 = [cpu_s(x) for x in pids]
+            g_cpu = max(b - a for a, b in zip(cpu0, cpu1, strict=True)) * 1000 / args.requests
+            # What Sender(address, ...).poll() is over gRPC: one Status call.
+            last = f"g{args.requests - 1}"
+            ptimes = []
+            for _ in range(200):
+                t0 = time.perf_counter_ns()
+                p.status(last)
+                ptimes.append(time.perf_counter_ns() - t0)
+            g_poll = statistics.median(ptimes) / 1000
+            # 16 in flight: each request's whole lifecycle through the scheduler API.
+            lock = threading.Lock()
+            free = list(range(16))
+
+            def one(i: int) -> bool:
+                with lock:
+                    slot = free.pop()
+                try:
+                    return run_request(p, d, f"gf{i}", SEQ, -1, src_indices=src,
+                                       dst_indices=_lists("decode", slot)).ok
+                finally:
+                    with lock:
+                        free.append(slot)
+
+            t0 = time.monotonic()
+            with ThreadPoolExecutor(args.inflight) as pool:
+                oks = list(pool.map(one, range(args.flow // 2)))
+            g_rate = len(oks) / (time.monotonic() - t0)
+            failed += oks.count(False)
+        for k, v in (("engine_poll_us", g_poll), ("engine_small_request_ms",
+                     statistics.median(glat)), ("daemon_cpu_ms_per_small_request", g_cpu),
+                     ("small_requests_per_s", g_rate)):
+            out[k] = (out[k][0], v)
+    finally:
+        pe.stop()
+        de.stop()
+        prefill.stop()
+        decode.stop()
+    print(f"# engine channel vs gRPC scheduler API, {SEQ}-token requests, TCP loopback, "
+          f"{args.requests} sequential, {args.flow} at {args.inflight} in flight "
+          f"(gRPC: {args.flow // 2}); failed={failed}; engines imported gRPC: {not no_grpc}")
+    print(f"# offers/BeginWrites after the sequential channel phase: {offers}")
+    if settled:
+        print(f"# engine_small_request_ms with decode's Offer kept before the Send "
+              f"(reserved {args.settle_ms:g} ms earlier): {statistics.median(settled):.3f}")
+    for k, (chan, grpc_) in out.items():
+        print(f"{k}={chan:.3f} grpc_{k}={grpc_:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""A stand-in engine that drives its requests over the engine channel (no gRPC).
+
+Run as a fresh process (``python -m tests.channel_engine --socket S --config C``): it
+allocates memfd pools (EnginePools), fills them with ``--seed``'s pattern, attaches,
+prints ``attached INSTANCE`` and serves commands on stdin, one answer line each:
+
+- ``reserve RID SEQ PREFILL_ADDR LIST_SEED``: Receiver.send_metadata at random lists
+- ``send RID SEQ DECODE_ADDR LIST_SEED``: Sender.send at random lists
+- ``poll RID`` / ``wait RID SECONDS``: the KVPoll name (and the failure, if any)
+- ``abort RID`` / ``release RID``
+- ``events``: every change since the last call (poll_many), ``RID:STATE`` each
+- ``digests RID``: CRC32C of each buffer's items at the request's lists
+- ``grpc``: whether gRPC was ever imported in this process
+- ``exit``
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import crc32c
+import numpy as np
+import yaml
+
+from kvbeam.engine import EnginePools, KVPoll, Receiver, Sender, attach
+from kvbeam.pools.layout import build_side_layout
+from kvbeam.pools.spec import SideConfig
+from tests.engine_lists import random_lists
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    with open(args.config) as f:
+        config = SideConfig.from_mapping(yaml.safe_load(f), args.config)
+    layout = build_side_layout(config)
+    pools = EnginePools(config)
+    pools.fill_pattern(args.seed)
+    att = attach(args.socket, pools)
+    assert att.channel is not None
+    print(f"attached {att.instance_id}", flush=True)
+    requests: dict[str, Sender | Receiver] = {}
+    lists: dict[str, dict[str, list[int]]] = {}
+
+    def answer(req: Sender | Receiver, state: KVPoll) -> str:
+        failed = req.failure()
+        return state.name if failed is None else (
+            f"{state.name} {failed[0].value if failed[0] else '?'}: {failed[1]}")
+
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd:
+            continue
+        op = cmd[0]
+        if op in ("reserve", "send"):
+            rid, seq, addr, seed = cmd[1], int(cmd[2]), cmd[3], int(cmd[4])
+            picked = random_lists(config.target, layout, seq, np.random.default_rng(seed))
+            mapping = {k.value: v.tolist() for k, v in picked.items()}
+            lists[rid] = mapping
+            kv = mapping.pop("KV_PAGES")
+            if op == "reserve":
+                r = Receiver(att, rid, addr)
+                r.send_metadata(kv, mapping, seq_len=seq)
+                requests[rid] = r
+            else:
+                s = Sender(att, rid, addr)
+                s.send(kv, mapping, seq_len=seq)
+                requests[rid] = s
+            mapping["KV_PAGES"] = kv
+            print(f"{op} {rid}", flush=True)
+        elif op == "poll":
+            print(answer(requests[cmd[1]], requests[cmd[1]].poll()), flush=True)
+        elif op == "wait":
+            req = requests[cmd[1]]
+            print(answer(req, req.wait(float(cmd[2]))), flush=True)
+        elif op == "abort":
+            requests[cmd[1]].abort("aborted by the test engine")
+            print("aborted", flush=True)
+        elif op == "release":
+            req = requests[cmd[1]]
+            assert isinstance(req, Receiver)
+            req.release()
+            print("released", flush=True)
+        elif op == "events":
+            evs = att.channel.poll_many()
+            print("events " + ",".join(f"{e.request_id}:{e.state.value}" for e in evs),
+                  flush=True)
+        elif op == "digests":
+            mapping = lists[cmd[1]]
+            out = []
+            for buf in layout.flat_buffers:
+                items = pools.buffer_array(buf).reshape(buf.items, buf.item_len)
+                take = np.take(items, np.asarray(mapping[buf.index_kind.value]), axis=0)
+                out.append(crc32c.crc32c(np.ascontiguousarray(take).data))
+            print("digests " + ",".join(map(str, out)), flush=True)
+        elif op == "grpc":
+            print("grpc " + str("grpc" in sys.modules), flush=True)
+        elif op == "exit":
+            break
+    att.close()
+    pools.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Engines drive their requests over the attach socket (the engine channel), no gRPC.
+
+Two ``--pools engine`` daemons over TCP; two engine processes (tests/channel_engine.py)
+attach and drive every request with ``kvbeam.engine.Sender``/``Receiver`` on their
+attachment: the frames go to their own daemon, the states come back pushed. Decode's
+daemon offers the reservation to prefill's over the existing peer link; nobody calls
+the scheduler API. Each engine checks it never imported gRPC.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvbeam.client import KvbeamClient
+from kvbeam.procs import DaemonProcess
+from kvbeam.states import TransferState
+from tests.attach_helpers import start_engine_pair, write_config
+from tests.daemon_helpers import FAST
+from tests.fixtures import side
+
+SEQ = 700
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class ChannelEngine:
+    """A tests/channel_engine.py process attached to one daemon."""
+
+    def __init__(self, socket_path: str, config: str, seed: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.channel_engine", "--socket", socket_path,
+             "--config", config, "--seed", str(seed)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, cwd=ROOT)
+        self.first = self._line(120)
+        assert self.first.startswith("attached "), self.first
+
+    def _line(self, timeout: float) -> str:
+        assert self.proc.stdout is not None
+        out = self.proc.stdout
+        box: list[str] = []
+        t = threading.Thread(target=lambda: box.append(out.readline()), daemon=True)
+        t.start()
+        t.join(timeout)
+        if not box or not box[0]:
+            err = self.proc.stderr.read() if self.proc.poll() is not None and \
+                self.proc.stderr else ""
+            raise RuntimeError(f"engine gave no answer (exit {self.proc.poll()}): {err}")
+        return box[0].strip()
+
+    def cmd(self, text: str, timeout: float = 60) -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+        return self._line(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.cmd("exit", 5)
+                self.proc.wait(10)
+            except (RuntimeError, OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Iterator[tuple[DaemonProcess, DaemonProcess, ChannelEngine,
+                                              ChannelEngine]]:
+    """(prefill daemon, decode daemon, prefill engine, decode engine), all attached."""
+    tmp_path.chmod(0o700)
+    cfg = write_config(tmp_path / "side.yaml", side())
+    psock, dsock = str(tmp_path / "p.sock"), str(tmp_path / "d.sock")
+    deadlines = [*FAST, "--send-wait-s", "3"]
+    p, d = start_engine_pair(psock, dsock, deadlines=deadlines)
+    pe = de = None
+    try:
+        pe = ChannelEngine(psock, cfg, 1)
+        de = ChannelEngine(dsock, cfg, 2)
+        yield p, d, pe, de
+    finally:
+        for e in (pe, de):
+            if e is not None:
+                e.stop()
+        p.stop()
+        d.stop()
+
+
+def _no_grpc(*engines: ChannelEngine) -> None:
+    for e in engines:
+        assert e.cmd("grpc") == "grpc False"
+
+
+def test_reserve_first_moves_the_bytes_and_pushes_every_state(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    prefill, decode, pe, de = engines
+    for i in range(3):  # the first handshakes; later ones use decode's offer
+        rid = f"r{i}"
+        assert de.cmd(f"reserve {rid} {SEQ} {prefill.address} {10 + i}") == f"reserve {rid}"
+        assert pe.cmd(f"send {rid} {SEQ} {decode.address} {20 + i}") == f"send {rid}"
+        assert de.cmd(f"wait {rid} 60") == "Success"
+        assert pe.cmd(f"wait {rid} 60") == "Success"
+        assert pe.cmd(f"poll {rid}") == "Success"
+        landed = de.cmd(f"digests {rid}")  # decode's memory at ITS lists
+        assert landed == pe.cmd(f"digests {rid}"), rid  # == prefill's at ITS lists
+        assert de.cmd(f"release {rid}") == "released"
+    events = de.cmd("events")
+    assert "r2:Bootstrapping" in events and "r2:Success" in events, events
+    _no_grpc(pe, de)
+    with KvbeamClient(decode.address) as d:  # released: nothing held
+        assert d.status("r2").state is TransferState.SUCCESS
+        assert d.capacity().slots_held == 0
+
+
+def test_a_refused_frame_fails_the_request_with_the_daemons_reason(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    prefill, _decode, _pe, de = engines
+    de.cmd(f"reserve bad {SEQ} no-port 1")
+    answer = de.cmd("wait bad 10")
+    assert answer.startswith("Failed invalid_request: prefill_address: "), answer
+    # The channel still serves after the refusal.
+    assert de.cmd(f"reserve ok {SEQ} {prefill.address} 2") == "reserve ok"
+    assert de.cmd("poll ok") in ("Bootstrapping", "WaitingForInput"), de.cmd("poll ok")
+
+
+def test_a_dropped_engine_socket_fails_the_peers_request(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    prefill, decode, pe, de = engines
+    assert de.cmd(f"reserve gone {SEQ} {prefill.address} 3") == "reserve gone"
+    de.proc.kill()
+    de.proc.wait(10)
+    with KvbeamClient(decode.address) as d:
+        st = d.wait("gone", 30)
+        assert st.state is TransferState.FAILED and "detached" in st.detail, str(st)
+    pe.cmd(f"send gone {SEQ} {decode.address} 4")
+    answer = pe.cmd("wait gone 30")
+    assert answer.startswith("Failed "), answer
+
+
+def _until(engine: ChannelEngine, rid: str, want: str, tries: int = 300) -> str:
+    answer = ""
+    for _ in range(tries):
+        answer = engine.cmd(f"poll {rid}")
+        if answer.startswith(want):
+            return answer
+        time.sleep(0.05)
+    return answer
+
+
+def test_a_send_before_the_reservation_waits_for_it(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    prefill, decode, pe, de = engines
+    for i in range(2):  # the first before any handshake, the second over a live link
+        rid = f"early{i}"
+        assert pe.cmd(f"send {rid} {SEQ} {decode.address} {30 + i}") == f"send {rid}"
+        assert _until(pe, rid, "WaitingForInput") == "WaitingForInput"
+        assert de.cmd(f"reserve {rid} {SEQ} {prefill.address} {40 + i}") == f"reserve {rid}"
+        assert de.cmd(f"wait {rid} 60") == "Success"
+        assert pe.cmd(f"wait {rid} 60") == "Success"
+        assert de.cmd(f"digests {rid}") == pe.cmd(f"digests {rid}"), rid
+        de.cmd(f"release {rid}")
+
+
+def test_a_send_nobody_reserves_fails_when_its_lease_runs_out(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    _prefill, decode, pe, _de = engines
+    pe.cmd(f"send lonely {SEQ} {decode.address} 5")
+    answer = pe.cmd("wait lonely 30")
+    assert answer.startswith("Failed timeout: no progress in WaitingForInput for 3.0 s "
+                             "(decode's reservation"), answer
+
+
+def test_an_abort_while_waiting_for_the_reservation_fails_it(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    _prefill, decode, pe, _de = engines
+    pe.cmd(f"send quit {SEQ} {decode.address} 6")
+    assert _until(pe, "quit", "WaitingForInput") == "WaitingForInput"
+    pe.cmd("abort quit")
+    answer = pe.cmd("wait quit 10")
+    assert answer.startswith("Failed aborted: aborted by the test engine"), answer

@@ -1,0 +1,67 @@
+"""The engine's end of the engine channel, against a fake daemon on a socketpair."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from kvbeam.engine import KVPoll, Receiver, Sender
+from kvbeam.engine.channel import EngineChannel
+from kvbeam.proto import engine_frames as ef
+from kvbeam.states import FailureReason, TransferState
+
+
+def _until(check: object, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if check():  # type: ignore[operator]
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_pushed_states_are_read_locally_and_all_at_once() -> None:
+    engine, daemon = socket.socketpair()
+    channel = EngineChannel(engine, "fake.sock")
+    s = Sender(channel, "a", "d:1")
+    r = Receiver(channel, "b", "p:1")
+    assert s.poll() is KVPoll.Bootstrapping  # before any call: nothing asked
+    with channel.batch():
+        s.send([1, 2], seq_len=100)
+        r.send_metadata([3, 4], seq_len=100)
+    daemon.settimeout(5)
+    got = ef.FrameBuffer().feed(daemon.recv(65536))  # the batch: one write
+    assert [type(ef.decode(b)).__name__ for b in got] == ["Send", "Reserve"]
+    daemon.sendall(b"".join(ef.encode(f) for f in (
+        ef.State("a", TransferState.BOOTSTRAPPING, None, 0, ""),
+        ef.State("a", TransferState.TRANSFERRING, None, 2, ""),
+        ef.State("a", TransferState.WAITING_FOR_INPUT, None, 1, "late, ignored"),
+        ef.State("b", TransferState.FAILED, FailureReason.INTEGRITY, 3, "digest 2 differs"),
+        ef.State("zzz", TransferState.SUCCESS, None, 9, "not ours: ignored"))))
+    assert r.wait(5) is KVPoll.Failed
+    assert _until(lambda: s.poll() is KVPoll.Transferring)
+    events = channel.poll_many()
+    assert [(e.request_id, e.state.value) for e in events] == [
+        ("a", "Bootstrapping"), ("a", "Transferring"), ("b", "Failed")]
+    assert channel.poll_many() == []
+    assert r.failure() == (FailureReason.INTEGRITY, "digest 2 differs")
+    daemon.sendall(ef.encode(ef.State("a", TransferState.SUCCESS, None, 4, "")))
+    assert next(channel.events(timeout=5)).state is TransferState.SUCCESS
+    assert s.poll() is KVPoll.Success
+    channel.close()
+    daemon.close()
+
+
+def test_a_closed_daemon_socket_fails_what_is_in_flight() -> None:
+    engine, daemon = socket.socketpair()
+    channel = EngineChannel(engine, "fake.sock")
+    s = Sender(channel, "a", "d:1")
+    s.send([1], seq_len=10)
+    daemon.close()
+    assert s.wait(5) is KVPoll.Failed
+    reason, detail = s.failure() or (None, "")
+    assert reason is FailureReason.SHUTDOWN and "the daemon on fake.sock" in detail, detail
+    late = Sender(channel, "b", "d:1")  # after the close: failed at once, nothing written
+    late.send([2], seq_len=10)
+    assert late.poll() is KVPoll.Failed
+    channel.close()

@@ -1,0 +1,148 @@
+"""The engine channel's frames and the daemon's handling of untrusted ones (no daemon)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from kvbeam.errors import BadRequest
+from kvbeam.pools.types import IndexKind
+from kvbeam.proto import engine_frames as ef
+from kvbeam.server.engine_channel import EngineChannel
+from kvbeam.states import FailureReason, TransferState, TransferStatus
+
+
+def _body(frame: bytes) -> bytes:
+    return frame[4:]
+
+
+def test_every_frame_round_trips() -> None:
+    lists = {IndexKind.KV_PAGES: np.array([5, 1, 9]), IndexKind.REQ_SLOT: np.array([3])}
+    draft = {IndexKind.KV_PAGES: np.array([7, 8, 2])}
+    frames: list[ef.EngineFrame | ef.DaemonFrame] = [
+        ef.Reserve("r-1", 700, "127.0.0.1:5", lists, draft),
+        ef.Send("r-1", 700, "127.0.0.1:6", False, ((0, 256), (256, 512)), lists, {}),
+        ef.Send("r-1", 700, "127.0.0.1:6", True),
+        ef.Abort("r-1", "why"), ef.Release("r-1"),
+        ef.State("r-1", TransferState.FAILED, FailureReason.TIMEOUT, 3, "late"),
+        ef.Error("", "length", "too long")]
+    kinds = (*ef.ENGINE_KINDS, ef.STATE, ef.ERROR)
+    for f in frames:
+        back = ef.decode(_body(ef.encode(f)), kinds)
+        assert type(back) is type(f)
+        for name in ("request_id", "seq_len", "final", "chunks", "detail", "state", "reason"):
+            assert getattr(back, name, None) == getattr(f, name, None), name
+        for name in ("indices", "draft"):
+            a, b = getattr(back, name, None) or {}, getattr(f, name, None) or {}
+            assert a.keys() == b.keys()
+            for k in a:
+                assert np.array_equal(a[k], b[k])
+
+
+@pytest.mark.parametrize(("mangle", "field"), [
+    (lambda b: b[:-1], "lists[1].indices"),          # truncated inside a list
+    (lambda b: bytes([2]) + b[1:], "version"),        # another version
+    (lambda b: b[:1] + bytes([99]) + b[2:], "kind"),  # an unknown kind
+    (lambda b: b + b"\0", "length"),                  # trailing bytes
+    (lambda b: b[:4], "request_id"),                  # the id cut short
+])
+def test_a_malformed_frame_is_refused_naming_the_field(mangle: object, field: str) -> None:
+    body = _body(ef.encode(ef.Reserve("rid", 700, "h:1", {IndexKind.KV_PAGES: np.arange(3),
+                                                          IndexKind.REQ_SLOT: np.arange(1)})))
+    with pytest.raises(ef.FrameError) as info:
+        ef.decode(mangle(body))  # type: ignore[operator]
+    assert info.value.field == field, str(info.value)
+
+
+def test_an_unknown_index_kind_and_a_repeated_list_are_refused() -> None:
+    good = _body(ef.encode(ef.Reserve("rid", 7, "h:1", {IndexKind.KV_PAGES: np.arange(2)})))
+    head = 4 + 3 + 4 + 2 + 3  # version/kind/idlen, "rid", seq_len, address
+    bad_kind = bytearray(good)
+    bad_kind[head + 2] = 77  # count byte, pool byte, then the kind
+    with pytest.raises(ef.FrameError, match=r"lists\[0\].kind: unknown index kind 77"):
+        ef.decode(bytes(bad_kind))
+    twice = ef.encode(ef.Reserve("rid", 7, "h:1", {IndexKind.KV_PAGES: np.arange(2)}))
+    twice_body = bytearray(_body(twice))
+    twice_body[head] = 2
+    twice_body += twice_body[head + 1:]
+    with pytest.raises(ef.FrameError, match=r"lists\[1\].kind: KV_PAGES appears twice"):
+        ef.decode(bytes(twice_body))
+
+
+def test_an_oversize_length_is_refused_before_its_body_arrives() -> None:
+    buf = ef.FrameBuffer(limit=1024)
+    with pytest.raises(ef.FrameError, match="frame of 1025 bytes announced") as info:
+        buf.feed(struct.pack(">I", 1025))  # only the 4-byte prefix: no body was read
+    assert info.value.field == "length"
+
+
+def test_frames_split_and_coalesced_arrive_whole() -> None:
+    data = b"".join(ef.encode(ef.Release(f"r{i}")) for i in range(5))
+    buf = ef.FrameBuffer()
+    got = []
+    for i in range(0, len(data), 3):
+        got += buf.feed(data[i:i + 3])
+    assert [ef.decode(b).request_id for b in got] == [f"r{i}" for i in range(5)]
+    assert buf.pending == 0
+
+
+class _Ops:
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def reserve(self, frame: ef.Reserve) -> None:
+        if frame.seq_len == 13:
+            raise BadRequest("seq_len 13 is unlucky")
+        self.seen.append(f"reserve {frame.request_id}")
+
+    def send(self, frame: ef.Send) -> None:
+        self.seen.append(f"send {frame.request_id}")
+
+    def abort(self, frame: ef.Abort) -> None:
+        self.seen.append(f"abort {frame.request_id}")
+
+    def release(self, frame: ef.Release) -> None:
+        raise RuntimeError("a bug in the core")
+
+
+def _pushed(sock: socket.socket, channel: EngineChannel) -> list[ef.DaemonFrame]:
+    assert channel.flush()
+    sock.settimeout(2)
+    buf = ef.FrameBuffer()
+    out: list[bytes] = []
+    while not out:
+        out = buf.feed(sock.recv(65536))
+    return [ef.decode(b, (ef.STATE, ef.ERROR)) for b in out]  # type: ignore[misc]
+
+
+def test_the_daemon_channel_answers_every_bad_frame_and_keeps_serving() -> None:
+    ops = _Ops()
+    daemon, engine = socket.socketpair()
+    with ThreadPoolExecutor(1) as io:
+        ch = EngineChannel(ops, io)
+        ch.bind(daemon)
+        body = _body(ef.encode(ef.Reserve("r1", 7, "h:1")))
+        engine.sendall(ef.encode(ef.Reserve("r1", 13, "h:1"))  # refused by the core
+                       + struct.pack(">I", len(body) - 1) + body[:-1]  # truncated
+                       + ef.encode(ef.Reserve("bad id!", 7, "h:1"))  # not a request id
+                       + ef.encode(ef.Release("r0"))  # an unexpected error
+                       + ef.encode(ef.Reserve("r2", 7, "h:1")))
+        assert ch.readable(daemon) == []
+        errors = _pushed(engine, ch)
+        assert [(e.request_id, e.field) for e in errors if isinstance(e, ef.Error)] == [
+            ("r1", "reserve"), ("r1", "lists"), ("bad id!", "request_id"), ("r0", "release")]
+        assert "seq_len 13 is unlucky" in errors[0].message  # type: ignore[union-attr]
+        assert ops.seen == ["reserve r2"]
+        # Only the requests it started here are pushed: r2, not r1 (refused) nor others.
+        for rid in ("r1", "r2", "grpc-started"):
+            ch.on_change(TransferStatus(rid, "p", TransferState.SUCCESS, None, "ok", 2, 0.1))
+        pushed = _pushed(engine, ch)
+        assert [(p.request_id, p.state) for p in pushed] == [  # type: ignore[union-attr]
+            ("r2", TransferState.SUCCESS)]
+        ch.close()
+    daemon.close()
+    engine.close()

@@ -1,0 +1,93 @@
+"""The vLLM connector's worker side over the engine channel, without vLLM or a daemon.
+
+The worker's attachment is a real :class:`~kvbeam.engine.channel.EngineChannel` on one
+end of a socketpair; the test plays the daemon on the other end: it reads the frames
+the worker wrote for a step and pushes states back.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+from kvbeam.engine.channel import EngineChannel
+from kvbeam.integrations.vllm import params as P
+from kvbeam.integrations.vllm import scheduler as S
+from kvbeam.integrations.vllm.worker import WorkerSide
+from kvbeam.pools.types import IndexKind
+from kvbeam.proto import engine_frames as ef
+from kvbeam.states import TransferState
+
+SETTINGS = P.Settings(daemon="127.0.0.1:7", attach_socket="/x.sock", model="m")
+
+
+class _Attachment:
+    def __init__(self, channel: EngineChannel) -> None:
+        self.channel = channel
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _frames(sock: socket.socket, n: int) -> list[Any]:
+    buf = ef.FrameBuffer()
+    out: list[bytes] = []
+    sock.settimeout(5)
+    while len(out) < n:
+        out += buf.feed(sock.recv(65536))
+    return [ef.decode(b) for b in out]
+
+
+def _finished(worker: WorkerSide, want: tuple[set[str], set[str]]) -> tuple[set[str], set[str]]:
+    sent: set[str] = set()
+    received: set[str] = set()
+    deadline = time.monotonic() + 5
+    while (sent, received) != want and time.monotonic() < deadline:
+        s, r = worker.get_finished()
+        sent |= s
+        received |= r
+        time.sleep(0.01)
+    return sent, received
+
+
+def test_a_step_reserves_and_sends_in_one_write_and_pushed_states_finish_them() -> None:
+    engine, daemon = socket.socketpair()
+    worker = WorkerSide(SETTINGS, block_size=32, num_kv_heads=2, head_size=32)
+    worker.attachment = _Attachment(EngineChannel(engine, "test"))  # type: ignore[assignment]
+    worker.absorb(S.StepPlan(loads=[S.Load("b", "t2", (7, 3), "p:1", 45),
+                                    S.Load("c", "t3", (4,), "p:1", 20)],
+                             sends=[S.Push("a", "t1", (5, 9, 2), "d:1", 70)]))
+    reserve2, _reserve3, send = _frames(daemon, 3)  # the step's batch
+    assert isinstance(reserve2, ef.Reserve) and isinstance(send, ef.Send)
+    assert (reserve2.request_id, reserve2.seq_len, reserve2.prefill_address) == ("t2", 45, "p:1")
+    assert np.array_equal(reserve2.indices[IndexKind.KV_PAGES], [7, 3])
+    assert (send.request_id, send.seq_len, send.decode_address, send.final) == (
+        "t1", 70, "d:1", True)
+    assert np.array_equal((send.indices or {})[IndexKind.KV_PAGES], [5, 9, 2])
+    assert worker.get_finished() == (set(), set())  # nothing pushed yet: nothing ended
+    daemon.sendall(ef.encode(ef.State("t2", TransferState.SUCCESS, None, 3, "ok"))
+                   + ef.encode(ef.State("t1", TransferState.SUCCESS, None, 3, "ok"))
+                   + ef.encode(ef.Error("t3", "reserve", "NoFreeSlot: full")))
+    assert _finished(worker, ({"a"}, {"b", "c"})) == ({"a"}, {"b", "c"})
+    assert worker.take_load_errors() == {4}  # the refused reservation's block
+    (release,) = _frames(daemon, 1)  # the landed request is released
+    assert isinstance(release, ef.Release) and release.request_id == "t2"
+    worker.close()
+    daemon.close()
+
+
+def test_a_dropped_daemon_socket_fails_the_loads_as_load_errors() -> None:
+    engine, daemon = socket.socketpair()
+    worker = WorkerSide(SETTINGS, block_size=32, num_kv_heads=2, head_size=32)
+    channel = EngineChannel(engine, "test")
+    worker.attachment = _Attachment(channel)  # type: ignore[assignment]
+    worker.absorb(S.StepPlan(loads=[S.Load("b", "t2", (7, 3), "p:1", 45)]))
+    _frames(daemon, 1)
+    daemon.close()  # the daemon went away
+    assert _finished(worker, (set(), {"b"})) == (set(), {"b"})
+    assert worker.take_load_errors() == {7, 3}
+    assert channel.closed_reason.endswith("closed the attach socket")
+    worker.close()
