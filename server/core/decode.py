@@ -117,29 +117,31 @@ class DecodeCore(DecodeOffer):
                              seq_len, shorter_pages=not self.integrity,
                              shorter_why="decode's integrity check off, since prefill digests "
                                          "its whole lists")
-        slot = self.slots.acquire(request_id)
-        dst, dst_draft = lists or (request_indices(self.spec, slot, seq_len), {})
+        held = self.slots.acquire(request_id)
+        dst, dst_draft = lists or (request_indices(self.spec, held, seq_len), {})
+        nbytes = request_bytes(self.layout, dst, dst_draft)
+        slot = held if lists is None else -1
         try:
+            # The table entry and the record appear together, under the core lock (the
+            # order is core lock -> table): an Abort or a deadline that finds the request
+            # finds its record too, so it frees the slot (else the slot leaked, held by a
+            # failed request no one would free). No I/O here; the Offer comes after.
             with self._lock:
                 self._pages.claim(request_id, dst, dst_draft,
                                   draft_pool=self.layout.draft is not None)
-            try:
-                self.table.create(request_id, prefill_address)
-            except Exception:
-                with self._lock:
+                try:
+                    self.table.create(request_id, prefill_address)
+                except Exception:
                     self._pages.release(request_id)
-                raise
+                    raise
+                tid = next(self._ids) & 0xFFFFFFFF
+                res = Reservation(request_id, slot, seq_len, prefill_address, tid, dst,
+                                  nbytes, draft=dst_draft)
+                self._res[request_id] = res
+                self._by_transfer[tid] = request_id
         except Exception:
             self.slots.release(request_id)
             raise
-        nbytes = request_bytes(self.layout, dst, dst_draft)
-        slot = slot if lists is None else -1
-        with self._lock:
-            tid = next(self._ids) & 0xFFFFFFFF
-            res = Reservation(request_id, slot, seq_len, prefill_address, tid, dst, nbytes,
-                              draft=dst_draft)
-            self._res[request_id] = res
-            self._by_transfer[tid] = request_id
         log.info("request %s: reserved slot %d for %d tokens from prefill %s", request_id,
                  slot, seq_len, prefill_address, extra=fields(request_id, prefill_address))
         return res
