@@ -9,6 +9,7 @@ one link per verified prefill instance, before the handshake reply leaves.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 
@@ -24,6 +25,7 @@ from kvbeam.rpc_errors import handled
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.daemon_servicer import IO_WORKERS, DaemonServicer
 from kvbeam.server.handshake import VerifiedPeer
+from kvbeam.server.identity import claim_refusal
 from kvbeam.server.peer_rpc import Dialer, GrpcPrefillPeers
 from kvbeam.server.peers import PeerConn
 from kvbeam.server.runtime import Runtime
@@ -138,6 +140,11 @@ class DecodeServicer(DaemonServicer):
               context: grpc.ServicerContext) -> pb.TransferStatus:
         """Abort a request: fail it, make sure prefill stops writing, free the slot."""
         rid = request_id_of(request.request_id)
+        # An Abort that says it is prefill's must come from where that prefill's handshake
+        # was admitted from: the same rule, bound to this call's credentials.
+        caller = functools.partial(claim_refusal, security=self.security, peer=context.peer(),
+                                   auth=context.auth_context(), call="Abort")
         return self._status(self.decode.abort(rid, from_peer=request.from_peer,
                                               detail=request.detail,
-                                              instance_id=request.instance_id))
+                                              instance_id=request.instance_id,
+                                              caller_refusal=caller))

@@ -19,6 +19,11 @@ requests. :func:`claim_refusal` says when a caller may not claim an address:
   development, or ``--insecure``).
 
 An empty claim (a peer running no control server) is always allowed: it names no one.
+
+The same rule decides whether an Abort that says it is prefill's (``from_peer``) comes
+from the request's prefill (:meth:`kvbeam.server.core.decode.DecodeCore.abort`): the
+caller must be allowed to claim that prefill's address, since the instance id it names
+is no secret.
 """
 
 from __future__ import annotations
@@ -112,21 +117,26 @@ def _strings(auth: AuthContext, key: str) -> list[str]:
 
 
 def claim_refusal(claimed: str, *, security: Security, peer: str,
-                  auth: AuthContext) -> str | None:
+                  auth: AuthContext, call: str = "handshake") -> str | None:
     """Why the caller may not claim ``claimed`` as its control address; None if it may.
 
+    May resolve ``claimed``'s host (a token's rule): never call it under a lock.
+
     Args:
-        claimed: the control address in the caller's SideInfo ("" : none claimed).
+        claimed: the control address in the caller's SideInfo ("" : none claimed), or
+            the address of the peer a call claims to come from (decode's Abort that
+            says it is prefill's, checked against the request's prefill).
         security: how this server authenticates its callers.
         peer: ``context.peer()`` of the call.
         auth: ``context.auth_context()`` of the call (the client certificate's SANs).
+        call: what the caller sent, for the message ("handshake", "Abort").
     """
     if not claimed or not security.authenticated:
         return None
     try:
         host = host_port(claimed, "side.control_address")[0]
     except ProtocolError as exc:
-        return f"handshake from {peer} refused: {exc}"
+        return f"{call} from {peer} refused: {exc}"
     ip = caller_ip(peer)
     caller = ip or peer
     if security.tls and not security.tls_server_name:
@@ -134,13 +144,13 @@ def claim_refusal(claimed: str, *, security: Security, peer: str,
         if san_covers(host, dns, ips):
             return None
         names = ", ".join([*dns, *ips]) or "nothing"
-        return (f"handshake from {caller} refused: it claims control address {claimed}, but "
+        return (f"{call} from {caller} refused: it claims control address {claimed}, but "
                 f"its client certificate names {names} (subjectAltName), not {host}; a peer "
                 "may only claim an address its certificate names")
     if ip is not None and ip in host_addresses(host):
         return None
     how = "mTLS with --tls-server-name" if security.tls else "a shared token"
-    return (f"handshake from {caller} refused: it claims control address {claimed}, but "
+    return (f"{call} from {caller} refused: it claims control address {claimed}, but "
             f"calls from {caller}, which {host} does not name; under {how} a peer may only "
             "claim an address at the host it calls from (set its --advertise to the address "
             "it dials its peers from)")

@@ -117,29 +117,31 @@ class DecodeCore(DecodeOffer):
                              seq_len, shorter_pages=not self.integrity,
                              shorter_why="decode's integrity check off, since prefill digests "
                                          "its whole lists")
-        slot = self.slots.acquire(request_id)
-        dst, dst_draft = lists or (request_indices(self.spec, slot, seq_len), {})
+        held = self.slots.acquire(request_id)
+        dst, dst_draft = lists or (request_indices(self.spec, held, seq_len), {})
+        nbytes = request_bytes(self.layout, dst, dst_draft)
+        slot = held if lists is None else -1
         try:
+            # The table entry and the record appear together, under the core lock (the
+            # order is core lock -> table): an Abort or a deadline that finds the request
+            # finds its record too, so it frees the slot (else the slot leaked, held by a
+            # failed request no one would free). No I/O here; the Offer comes after.
             with self._lock:
                 self._pages.claim(request_id, dst, dst_draft,
                                   draft_pool=self.layout.draft is not None)
-            try:
-                self.table.create(request_id, prefill_address)
-            except Exception:
-                with self._lock:
+                try:
+                    self.table.create(request_id, prefill_address)
+                except Exception:
                     self._pages.release(request_id)
-                raise
+                    raise
+                tid = next(self._ids) & 0xFFFFFFFF
+                res = Reservation(request_id, slot, seq_len, prefill_address, tid, dst,
+                                  nbytes, draft=dst_draft)
+                self._res[request_id] = res
+                self._by_transfer[tid] = request_id
         except Exception:
             self.slots.release(request_id)
             raise
-        nbytes = request_bytes(self.layout, dst, dst_draft)
-        slot = slot if lists is None else -1
-        with self._lock:
-            tid = next(self._ids) & 0xFFFFFFFF
-            res = Reservation(request_id, slot, seq_len, prefill_address, tid, dst, nbytes,
-                              draft=dst_draft)
-            self._res[request_id] = res
-            self._by_transfer[tid] = request_id
         log.info("request %s: reserved slot %d for %d tokens from prefill %s", request_id,
                  slot, seq_len, prefill_address, extra=fields(request_id, prefill_address))
         return res
@@ -214,23 +216,35 @@ class DecodeCore(DecodeOffer):
         return snap
 
     def abort(self, request_id: str, *, from_peer: bool, detail: str,
-              instance_id: str = "") -> TransferStatus:
+              instance_id: str = "",
+              caller_refusal: Callable[[str], str | None] = lambda _address: None
+              ) -> TransferStatus:
         """Abort a request: fail it, make sure prefill stops writing, free the slot.
 
         ``from_peer`` (prefill reports its own failure, its writes drained) frees the
-        slot at once only when ``instance_id`` is the prefill instance the request was
-        granted to (BeginWrite or Offer) and still a verified peer, or no prefill was
-        granted it (none can be writing). Anyone else's claim is a scheduler's abort:
-        prefill drains first.
+        slot at once only from the request's own prefill: ``instance_id`` is the
+        prefill instance the request was granted to (BeginWrite or Offer) and still a
+        verified peer, or no prefill was granted it (none can be writing), and the
+        caller's credentials cover the request's prefill address. Instance ids are no
+        secret (every Heartbeat answer carries one), so ``caller_refusal`` says why the
+        caller may not speak for a prefill at an address (None: it may): the servicer
+        binds the handshake's rule (:func:`kvbeam.server.identity.claim_refusal`) to
+        the call's credentials; the default checks nothing, as a server without
+        authentication does. Anyone else's claim is a scheduler's abort: prefill
+        drains first.
         """
         snap = self.status(request_id)
         if snap.state is TransferState.SUCCESS:
             self._free(request_id, "aborted after Success")
             return snap
+        claimed = self._lookup(self._res, request_id) if from_peer and instance_id else None
+        # Outside the lock: the check may resolve the prefill's host name. The address
+        # is the one the grant went to (BeginWrite and Offer check it), fixed at Reserve.
+        refusal = caller_refusal(claimed.prefill_address) if claimed is not None else None
         with self._lock:  # decided and failed at once: no grant can come in between
             res = self._res.get(request_id)
             granted = res.peer_instance if res is not None else ""
-            by_prefill = from_peer and bool(instance_id) and (
+            by_prefill = claimed is not None and res is claimed and refusal is None and (
                 not granted or (granted == instance_id
                                 and self.peers.verified(instance_id) is not None))
             if by_prefill:
@@ -238,7 +252,11 @@ class DecodeCore(DecodeOffer):
                 failed = self.table.fail(request_id, FailureReason.PEER_FAILED, detail)
             else:
                 failed = self.table.fail(request_id, FailureReason.ABORTED, detail or "aborted")
-        if from_peer and not by_prefill:
+        if refusal is not None and claimed is not None:
+            log.warning("request %s: not an Abort of its prefill at %s (%s): taken as a "
+                        "scheduler's abort (prefill drains first)", request_id,
+                        claimed.prefill_address, refusal, extra=fields(request_id, snap.peer))
+        elif from_peer and not by_prefill and res is not None:
             log.warning("request %s: an Abort claiming to come from prefill names instance "
                         "%r, not %s, the prefill instance granted the request: taken as a "
                         "scheduler's abort (prefill drains first)", request_id, instance_id,

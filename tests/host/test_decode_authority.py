@@ -8,12 +8,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from concurrent import futures
+from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
 import grpc
 import pytest
 
+from kvbeam.auth import Security
 from kvbeam.procs import wait_until
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.server.decode import DecodeServicer
@@ -51,11 +54,15 @@ class Prefill:
                                  state=pb.TRANSFER_STATE_FAILED)
 
 
-@pytest.fixture
-def decode() -> Iterator[tuple[DecodeServicer, grpc.Channel, Prefill]]:
+@contextmanager
+def _decode(env: dict[str, str] | None = None
+            ) -> Iterator[tuple[DecodeServicer, str, Prefill]]:
+    """Decode's real servicer (and its bound address), with one prefill instance as a
+    verified, connected peer whose control server is ``Prefill``."""
     env = {"KVBEAM_CONFIG": shipped_config("decode"), "KVBEAM_LISTEN": "127.0.0.1:0",
            "KVBEAM_TRANSPORT": "tcp", "KVBEAM_RPC_TIMEOUT_S": "20",
-           "KVBEAM_HEARTBEAT_S": "3600"}  # the fake prefill answers no heartbeat
+           "KVBEAM_HEARTBEAT_S": "3600",  # the fake prefill answers no heartbeat
+           **(env or {})}
     runtime = Runtime(resolve("decode", None, env))
     servicer = DecodeServicer(runtime)
     address = runtime.start(servicer)
@@ -65,14 +72,22 @@ def decode() -> Iterator[tuple[DecodeServicer, grpc.Channel, Prefill]]:
                            layout=runtime.layout, endpoint=SimpleNamespace(regions=[]))
     runtime.peers.add(PeerConn(cast(VerifiedPeer, peer), cast(Link, FakeLink()),
                                Dialer(runtime.options)))
-    channel = grpc.insecure_channel(address)
     try:
-        yield servicer, channel, prefill
+        yield servicer, address, prefill
     finally:
         prefill.release.set()
-        channel.close()
         prefill.server.stop(0)
         runtime.stop(grace=0.5)
+
+
+@pytest.fixture
+def decode() -> Iterator[tuple[DecodeServicer, grpc.Channel, Prefill]]:
+    with _decode() as (servicer, address, prefill):
+        channel = grpc.insecure_channel(address)
+        try:
+            yield servicer, channel, prefill
+        finally:
+            channel.close()
 
 
 def _call(channel: grpc.Channel, method: str, reply: Any) -> Any:
@@ -120,3 +135,51 @@ def test_the_granted_prefills_own_abort_frees_at_once(
                         from_peer=True, instance_id=PREFILL_INSTANCE), timeout=10)
     assert st.failure_reason == pb.FAILURE_REASON_PEER_FAILED
     assert servicer.decode.slot_of("own") == -1 and prefill.aborts == []
+
+
+def _reserve_and_grant(channel: grpc.Channel, rid: str, prefill: Prefill) -> None:
+    _call(channel, "Reserve", pb.ReserveResponse)(
+        pb.ReserveRequest(request_id=rid, seq_len=100, prefill_address=prefill.address),
+        timeout=10)
+    _call(channel, "BeginWrite", pb.BeginWriteResponse)(
+        pb.BeginWriteRequest(request_id=rid, instance_id=PREFILL_INSTANCE, seq_len=100,
+                             final_chunk=True), timeout=10)  # prefill may write now
+
+
+def test_a_token_holder_naming_the_granted_instance_from_another_host_does_not_free_it(
+        tmp_path: Path) -> None:
+    """Instance ids are not secrets (a Heartbeat answer carries one): a caller with the
+    shared token names the real prefill's instance, but it calls from ::1 while that
+    prefill is at 127.0.0.1, so its Abort is a scheduler's (prefill drains first).
+    Everything on loopback: decode listens on [::] (dual-stack), the real prefill's
+    calls come over 127.0.0.1, the rogue's over ::1 (as tests/host/test_peer_identity.py)."""
+    token = tmp_path / "token"
+    token.write_text("authority-token\n")
+    sec = Security(token="authority-token")
+    env = {"KVBEAM_AUTH_TOKEN_FILE": str(token), "KVBEAM_LISTEN": "[::]:0"}
+    with _decode(env) as (servicer, address, prefill):
+        port = address.rpartition(":")[2]
+        real, rogue = sec.channel(f"127.0.0.1:{port}"), sec.channel(f"[::1]:{port}")
+        try:
+            _reserve_and_grant(real, "victim", prefill)
+            slot = servicer.decode.slot_of("victim")
+            st = _call(rogue, "Abort", pb.TransferStatus)(
+                pb.AbortRequest(request_id="victim", detail="prefill failed (not really)",
+                                from_peer=True, instance_id=PREFILL_INSTANCE), timeout=10)
+            assert st.failure_reason == pb.FAILURE_REASON_ABORTED  # a scheduler's abort
+            assert wait_until(lambda: len(prefill.aborts) == 1, 10), \
+                "prefill was not asked to drain"
+            assert servicer.decode.slot_of("victim") == slot, "slot freed before prefill drained"
+            prefill.release.set()
+            assert wait_until(lambda: servicer.decode.slot_of("victim") == -1, 10)
+
+            # The real prefill, from where it is, is still believed at once.
+            _reserve_and_grant(real, "own", prefill)
+            st = _call(real, "Abort", pb.TransferStatus)(
+                pb.AbortRequest(request_id="own", detail="prefill failed: drained",
+                                from_peer=True, instance_id=PREFILL_INSTANCE), timeout=10)
+            assert st.failure_reason == pb.FAILURE_REASON_PEER_FAILED
+            assert servicer.decode.slot_of("own") == -1 and len(prefill.aborts) == 1
+        finally:
+            real.close()
+            rogue.close()

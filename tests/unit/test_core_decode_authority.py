@@ -3,12 +3,18 @@ and engine pages that two live reservations would share (issue 22, item 4)."""
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
+from kvbeam.auth import Security
 from kvbeam.errors import AlreadyLanded, BadIndexList
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.types import IndexKind
+from kvbeam.server.identity import claim_refusal
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
 from tests.engine_lists import kind_items, random_lists
@@ -158,3 +164,62 @@ def test_a_granted_instance_that_is_no_longer_verified_cannot_skip_the_drain() -
     assert core.slot_of("r") != -1
     io.run_all()
     assert prefill.aborts == ["r"]
+
+
+# ---- who may speak for the granted prefill: the Abort's caller's credentials ------------
+TOKEN = Security(token="t")
+
+
+def _caller(peer: str, security: Security = TOKEN,
+            auth: dict[str, list[bytes]] | None = None) -> Callable[[str], str | None]:
+    """The check the servicer binds to an Abort's caller (the handshake's own rule)."""
+    return functools.partial(claim_refusal, security=security, peer=peer, auth=auth or {},
+                             call="Abort")
+
+
+def test_an_abort_naming_the_granted_instance_from_another_host_still_drains_first(
+        caplog: pytest.LogCaptureFixture) -> None:
+    core, io, prefill, conn = _core()  # the granted prefill's control address is PREFILL
+    core.reserve("r", 300, PREFILL)
+    core.begin_write("r", conn.instance_id, 300, True, False)
+    # Instance ids are not secrets (every Heartbeat answer carries one): a token holder
+    # calling from ::1 names the real instance, but 127.0.0.1 is where prefill is.
+    with caplog.at_level(logging.WARNING, "kvbeam.server.core.decode"):
+        st = core.abort("r", from_peer=True, detail="prefill says stop",
+                        instance_id=conn.instance_id, caller_refusal=_caller("ipv6:[::1]:4444"))
+    assert st.reason is FailureReason.ABORTED
+    assert core.slot_of("r") != -1, "slot freed on an Abort from another host"
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    assert "::1" in warning and PREFILL in warning, warning  # names the caller and prefill
+    io.run_all()
+    assert prefill.aborts == ["r"] and core.slot_of("r") == -1
+
+
+def test_an_abort_from_the_granted_prefills_own_host_frees_at_once() -> None:
+    core, io, prefill, conn = _core()
+    core.reserve("r", 300, PREFILL)
+    core.begin_write("r", conn.instance_id, 300, True, False)
+    st = core.abort("r", from_peer=True, detail="prefill failed: x",
+                    instance_id=conn.instance_id, caller_refusal=_caller("ipv4:127.0.0.1:4444"))
+    assert st.reason is FailureReason.PEER_FAILED and core.slot_of("r") == -1
+    io.run_all()
+    assert prefill.aborts == []
+
+
+def test_under_mtls_the_callers_certificate_must_name_the_prefills_host() -> None:
+    mtls = Security(tls_cert="c.pem", tls_key="k.pem", tls_ca="ca.pem")  # never read
+    core, io, prefill, conn = _core()
+    core.reserve("r", 300, PREFILL)
+    core.begin_write("r", conn.instance_id, 300, True, False)
+    rogue = {"peer_dns": [b"rogue.example"], "peer_ip": [b"10.9.9.9"]}
+    core.abort("r", from_peer=True, detail="x", instance_id=conn.instance_id,
+               caller_refusal=_caller("ipv4:127.0.0.1:4444", mtls, rogue))
+    assert core.slot_of("r") != -1  # same host, but its certificate names another
+    io.run_all()
+    assert prefill.aborts == ["r"] and core.slot_of("r") == -1
+    core.reserve("s", 300, PREFILL)
+    core.begin_write("s", conn.instance_id, 300, True, False)
+    real = {"peer_dns": [b"localhost"], "peer_ip": [b"127.0.0.1"]}
+    core.abort("s", from_peer=True, detail="x", instance_id=conn.instance_id,
+               caller_refusal=_caller("ipv4:10.1.1.1:4444", mtls, real))
+    assert core.slot_of("s") == -1  # its certificate names prefill's host
