@@ -92,6 +92,28 @@ def test_decode_loads_the_whole_prompt_into_its_blocks(calls: Calls) -> None:
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # asked again: no reload
 
 
+def test_a_request_cannot_switch_on_test_behaviour(calls: Calls,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """``kv_transfer_params`` comes from any API caller: the retired test switch
+    ``kvbeam_test_zero_first_block`` (it zeroed the first landed block) and any other
+    unknown ``kvbeam_`` key change nothing; the connector logs them as ignored."""
+    side = S.SchedulerSide(SETTINGS, block_size=32)
+    params = {**P.returned_params("t5", "p:1", 45), "kvbeam_test_zero_first_block": True,
+              "kvbeam_bogus": 1, "remote_engine_id": "another connector's key"}
+    req = Req("e", list(range(45)), params)
+    assert side.get_num_new_matched_tokens(req, 0) == (45, True)
+    side.update_state_after_alloc(req, Blocks([7, 3]), 45)
+    assert calls.made == [("reserve", "127.0.0.1:7", "t5", "p:1", [7, 3], 45)]
+    assert side.take_plan().loads == [S.Load("e", "t5", (7, 3))]  # as without the keys
+    assert P.load_params(params) == P.load_params(P.returned_params("t5", "p:1", 45))
+    ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert ignored and all("kvbeam_bogus, kvbeam_test_zero_first_block" in m
+                           and "remote_engine_id" not in m for m in ignored), ignored
+    prefill = {"do_remote_decode": True, "kvbeam_id": "t6", "decode_daemon": "d:1",
+               "kvbeam_test_zero_first_block": True}
+    assert P.send_params(prefill) == P.SendParams("t6", "d:1")
+
+
 def test_decode_with_a_local_prefix_computes_itself(calls: Calls) -> None:
     side = S.SchedulerSide(SETTINGS, block_size=32)
     req = Req("c", list(range(45)), P.returned_params("t3", "p:1", 45))

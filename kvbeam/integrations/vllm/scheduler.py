@@ -33,7 +33,6 @@ class Load:
     kvbeam_id: str
     block_ids: tuple[int, ...]
     failed: bool = False
-    zero_first_block: bool = False
 
 
 @dataclass
@@ -90,8 +89,7 @@ class SchedulerSide:
             log.warning("request %s: reserve of transfer %s refused: %s", request.request_id,
                         p.kvbeam_id, exc)
             failed = True
-        self._plan.loads.append(Load(request.request_id, p.kvbeam_id, ids, failed,
-                                   p.zero_first_block))
+        self._plan.loads.append(Load(request.request_id, p.kvbeam_id, ids, failed))
 
     # ---- prefill -----------------------------------------------------------------
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
