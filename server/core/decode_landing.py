@@ -73,7 +73,7 @@ class DecodeLanding(CoreBase):
     """Verification of a landed request (state is defined by the core)."""
 
     integrity: bool
-    faults: FaultHooks
+    faults: FaultHooks | None
     peers: Peers
     io: Executor
     _lock: threading.Lock
@@ -136,7 +136,8 @@ class DecodeLanding(CoreBase):
     def _verify(self, res: Reservation) -> None:
         """Check the landed bytes against prefill's digests (executor), then Success."""
         rid = res.request_id
-        self.faults.after_landing(rid, self.pools, res.indices, res.draft)
+        if self.faults is not None:  # test-only hook (--enable-fault-injection)
+            self.faults.after_landing(rid, self.pools, res.indices, res.draft)
         verified = NOT_VERIFIED_OFF
         timing = ""
         if res.digests is not None and self.integrity:
