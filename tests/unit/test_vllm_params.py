@@ -114,6 +114,26 @@ def test_a_request_cannot_switch_on_test_behaviour(calls: Calls,
     assert P.send_params(prefill) == P.SendParams("t6", "d:1")
 
 
+def test_malformed_params_do_not_raise_into_vllms_scheduler(
+        calls: Calls, caplog: pytest.LogCaptureFixture) -> None:
+    """An exception in a connector call stops vLLM's engine core for every request: a
+    request whose kvbeam keys are malformed runs without a transfer instead (decode
+    computes the prompt itself, prefill sends nothing), and the log says why."""
+    side = S.SchedulerSide(SETTINGS, block_size=32)
+    for bad in ({"do_remote_prefill": True, "prefill_daemon": "p:1"},
+                {"do_remote_prefill": True, "kvbeam_id": 7, "prefill_daemon": "p:1"}):
+        req = Req("f", list(range(45)), bad)
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+        side.update_state_after_alloc(req, Blocks([7, 3]), 45)
+    prefill = Req("g", list(range(45)), {"do_remote_decode": True, "kvbeam_id": "t7"})
+    assert side.request_finished(prefill, [1, 2]) == (False, None)
+    assert calls.made == [] and side.take_plan().loads == []
+    assert not side.has_pending_push_work()
+    refused = [r.getMessage() for r in caplog.records if "no transfer" in r.getMessage()]
+    assert any("request f" in m and "kvbeam_id" in m for m in refused), refused
+    assert any("request g" in m and "decode_daemon" in m for m in refused), refused
+
+
 def test_decode_with_a_local_prefix_computes_itself(calls: Calls) -> None:
     side = S.SchedulerSide(SETTINGS, block_size=32)
     req = Req("c", list(range(45)), P.returned_params("t3", "p:1", 45))

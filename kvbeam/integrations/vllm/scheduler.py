@@ -9,8 +9,9 @@ imports no vLLM.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvbeam.engine import Receiver, Sender
 from kvbeam.errors import KvbeamError
@@ -23,6 +24,7 @@ from kvbeam.integrations.vllm.params import (
 )
 
 log = logging.getLogger(__name__)
+P = TypeVar("P")
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class SchedulerSide:
         Only when nothing of it was computed here: a local prefix-cache hit makes
         vLLM compute the rest itself (correct, just no transfer).
         """
-        p = load_params(request.kv_transfer_params)
+        p = _checked(load_params, request)
         if p is None or request.request_id in self._loading:
             return 0, False
         if num_computed_tokens:
@@ -74,7 +76,7 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
         """Decode: reserve the blocks vLLM just allocated as the request's landing place."""
-        p = load_params(request.kv_transfer_params)
+        p = _checked(load_params, request)
         if p is None or num_external_tokens == 0:
             return
         seq_len = len(request.prompt_token_ids)
@@ -95,7 +97,7 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """Prefill: send the prompt's blocks and hold them until the send ends."""
         self._loading.discard(request.request_id)
-        p = send_params(request.kv_transfer_params)
+        p = _checked(send_params, request)
         if p is None or _aborted(request):
             return False, None
         ids = _first_group(block_ids)
@@ -124,6 +126,21 @@ class SchedulerSide:
         """This step's plan; the next step starts empty."""
         plan, self._plan = self._plan, StepPlan()
         return plan
+
+
+def _checked(read: Callable[[Any], P | None], request: Any) -> P | None:
+    """``read(request.kv_transfer_params)``, or None (no transfer) where they are malformed.
+
+    The parameters come from the API caller, and vLLM runs the connector inside its
+    scheduler loop, where an exception stops the engine for every request: a request
+    with malformed kvbeam keys runs without a transfer instead (decode computes its
+    prompt itself; prefill sends nothing).
+    """
+    try:
+        return read(request.kv_transfer_params)
+    except ValueError as exc:
+        log.warning("request %s: %s; no transfer for it", request.request_id, exc)
+        return None
 
 
 def _aborted(request: Any) -> bool:
