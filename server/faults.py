@@ -1,7 +1,12 @@
-"""Test-only fault injection, switched on by environment variables, never by a flag.
+"""Test-only fault injection: off unless the daemon runs with ``--enable-fault-injection``.
 
-Every hook here is inert unless its variable is set, and a daemon with a fault armed
-says so loudly at start-up. Four hooks:
+A daemon builds its :class:`FaultHooks` only when started with the flag
+(:func:`build_faults`, logged as a WARNING at start); without it the production
+classes hold ``None`` and every ``KVBEAM_FAULT_*`` variable is ignored, by name, in a
+WARNING. With the flag, the variables choose the faults (each armed one is logged
+again). Unit tests pass a :class:`FaultHooks` to the cores directly. All fault
+logic lives here: the transports' links carry no test-only member (the outside-MR
+fault swaps the link's view of the peer's regions for an unchecked one). Four hooks:
 
 Corrupt landed bytes (decode). Integrity checking is only worth its cost if it
 catches corruption every time, and that needs corruption on demand.
@@ -14,11 +19,11 @@ INJECTED: corrupted ...`` so tests can count them against the integrity failures
 Write outside the peer's memory (prefill). ``KVBEAM_FAULT_OUTSIDE_MR=PREFIX``: for
 every request whose id starts with ``PREFIX``, the first block is aimed just past the
 end of decode's lowest registered region and prefill's own bounds check is skipped
-for that link, so decode's RDMA device itself refuses the write
-(``IBV_WC_REM_ACCESS_ERR``) and both queue pairs go to the error state, as a corrupt
-address or rkey would make them. tests/rdma/test_faults_rdma.py uses it to prove
-that such a request fails with the verbs status and that the next request handshakes
-a fresh queue pair.
+for that link (:func:`skip_remote_check`), so decode's RDMA device itself refuses
+the write (``IBV_WC_REM_ACCESS_ERR``) and both queue pairs go to the error state, as
+a corrupt address or rkey would make them. tests/rdma/test_faults_rdma.py uses it to
+prove that such a request fails with the verbs status and that the next request
+handshakes a fresh queue pair.
 
 A slow wire (prefill). ``KVBEAM_FAULT_WRITE_DELAY_S=S`` makes prefill wait S seconds
 after BeginWrite before posting each write, as if the bytes took that long to move:
@@ -54,8 +59,9 @@ from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.plan import IndexLists, list_for
 from kvbeam.transport.base import Link
-from kvbeam.transport.blocks import Blocks
+from kvbeam.transport.blocks import AddressArray, Blocks
 from kvbeam.transport.endpoint import Endpoint
+from kvbeam.transport.regions import KeyArray, RegionTable
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +70,30 @@ SEED_ENV = "KVBEAM_FAULT_SEED"
 OUTSIDE_MR_ENV = "KVBEAM_FAULT_OUTSIDE_MR"
 WRITE_DELAY_ENV = "KVBEAM_FAULT_WRITE_DELAY_S"
 BREAK_LINK_ENV = "KVBEAM_FAULT_BREAK_LINK"
+#: Every variable a fault reads (all start with this prefix).
+FAULT_ENV_PREFIX = "KVBEAM_FAULT_"
+#: The daemon flag without which no fault is armed.
+ENABLE_FLAG = "--enable-fault-injection"
+
+
+def build_faults(enabled: bool, environ: Mapping[str, str] | None = None) -> FaultHooks | None:
+    """A daemon's fault hooks: None unless ``enabled`` (``--enable-fault-injection``).
+
+    Without the flag every ``KVBEAM_FAULT_*`` variable is named in a WARNING and
+    ignored: a production daemon with a stray variable in its environment keeps
+    moving requests untouched. With it, a WARNING says fault injection is on before
+    the variables are read (and refused when malformed).
+    """
+    env = os.environ if environ is None else environ
+    if not enabled:
+        for name in sorted(k for k in env if k.startswith(FAULT_ENV_PREFIX)):
+            log.warning("%s is set but fault injection is off (no %s): ignored", name,
+                        ENABLE_FLAG)
+        return None
+    log.warning("FAULT INJECTION ENABLED (%s): this daemon breaks things on purpose where a "
+                "%s* variable asks; a test-only mode, never run it in production",
+                ENABLE_FLAG, FAULT_ENV_PREFIX)
+    return FaultHooks.from_env(env)
 
 
 @dataclass
@@ -143,6 +173,13 @@ class FaultHooks:
         """True when this request's first block must miss the peer's memory (prefill)."""
         return bool(self.outside_mr_prefix) and request_id.startswith(self.outside_mr_prefix)
 
+    def aim(self, request_id: str, link: Link, peer: Endpoint, blocks: Blocks) -> Blocks:
+        """The blocks to post for this request: ``blocks``, or, where it must write
+        outside the peer's memory, the same with the first one moved past it (prefill)."""
+        if not self.writes_outside(request_id):
+            return blocks
+        return outside_peer_mr(link, peer, blocks)
+
     def slow_wire(self) -> None:
         """Wait ``write_delay_s`` before a write is posted (prefill; never under a lock)."""
         if self.write_delay_s > 0.0:
@@ -209,20 +246,49 @@ def _break(link: Link) -> str:
     return "not a TCP or RDMA link: left alone"
 
 
+class UncheckedRemote(RegionTable):
+    """A peer's regions as a link sees them, minus the bounds check (fault injection only).
+
+    Every block gets the key of the peer's lowest region, so a block outside that
+    region is caught by the peer: its NIC (``IBV_WC_REM_ACCESS_ERR``) or its TCP
+    receiver, never by us.
+    """
+
+    def __init__(self, checked: RegionTable) -> None:
+        super().__init__((), f"{checked.name} (unchecked)")
+        self._first_key = checked.first_key()
+
+    def lookup(self, addrs: AddressArray, lengths: AddressArray) -> KeyArray:
+        """The lowest region's key for every block, checking nothing."""
+        return np.full(len(addrs), self._first_key, dtype=np.uint32)
+
+
+def skip_remote_check(link: Link) -> None:
+    """Let the peer, not ``link``, catch the link's writes that fall outside its regions.
+
+    Only for a link that is doomed anyway (its QP goes to the error state with the
+    first such write); works on the connected :class:`VerbsLink` and :class:`TcpLink`.
+    """
+    unchecked: Any = link  # fault injection's reach into the link's view of its peer
+    peer = getattr(unchecked, "_peer", None)
+    if not isinstance(peer, RegionTable):
+        raise TypeError(f"link {link.id} ({type(link).__name__}) has no connected peer table")
+    unchecked._peer = peer if isinstance(peer, UncheckedRemote) else UncheckedRemote(peer)
+
+
 def outside_peer_mr(link: Link, peer: Endpoint, blocks: Blocks) -> Blocks:
     """``blocks`` with the first one moved just past the peer's lowest region, unchecked.
 
     The link is doomed once the write is posted (its QP goes to the error state), so
-    switching its remote bounds check off (a test-only attribute of both transports'
-    links) affects no healthy traffic.
+    switching its remote bounds check off (:func:`skip_remote_check`) affects no
+    healthy traffic.
     """
     if not len(blocks) or not peer.regions:
         return blocks
     lowest = min(peer.regions, key=lambda r: r.addr)
     dst = blocks.dst.copy()
     dst[0] = np.uint64(lowest.addr + lowest.length)
-    unchecked: Any = link  # _check_remote exists on VerbsLink and TcpLink only, for tests
-    unchecked._check_remote = False
+    skip_remote_check(link)
     log.warning("FAULT INJECTED: writing %d bytes at %#x, just past decode's region %#x+%d",
                 int(blocks.lengths[0]), int(dst[0]), lowest.addr, lowest.length)
     return Blocks(blocks.src, dst, blocks.lengths)

@@ -28,7 +28,7 @@ from kvbeam.server.attach_memory import map_engine_memory
 from kvbeam.server.attach_runtime import UNATTACHED_LAYOUT, AttachGauges, Pools, release
 from kvbeam.server.control import HEALTH_SERVICES, ControlServer
 from kvbeam.server.engine_channel import CoreOps, EngineChannel
-from kvbeam.server.faults import FaultHooks
+from kvbeam.server.faults import FaultHooks, build_faults
 from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.metrics import DaemonMetrics
 from kvbeam.server.metrics_collector import DaemonCollector, Sources
@@ -59,7 +59,8 @@ def _slot_pool(core: object) -> SlotPool | None:
 class Runtime:
     """A daemon's resources. Construct, :meth:`start` with a servicer, :meth:`stop`."""
 
-    def __init__(self, settings: DaemonSettings) -> None:
+    def __init__(self, settings: DaemonSettings, faults: FaultHooks | None = None) -> None:
+        """``faults``: a test's own fault hooks (else built from the settings)."""
         self.settings = settings
         self.role = Role(settings.role)
         #: --pools engine: the memory is an engine's, attached at run time (kvbeam.server.attach).
@@ -70,7 +71,9 @@ class Runtime:
         if layout is not None:
             # Refuse broken pools before allocating hundreds of MB or opening a device.
             check_target_draft(layout, self.role.value)
-        self.faults = FaultHooks.from_env()  # test-only; all off unless KVBEAM_FAULT_* set
+        #: Test-only fault hooks: None unless --enable-fault-injection (or passed in by a test).
+        self.faults = faults if faults is not None else build_faults(
+            settings.enable_fault_injection)
         self._pools: Pools | None = None
         self.attach_server: AttachServer | None = None
         self.gauges: AttachGauges | None = None  # engine mode only

@@ -67,7 +67,11 @@ class ControlOptions:
 
 @dataclass(frozen=True)
 class Option:
-    """One setting: attribute name, flag, environment variable, type, default and help."""
+    """One setting: attribute name, flag, environment variable, type, default and help.
+
+    ``env`` "": a flag only, with no variable (``--enable-fault-injection``: nothing in
+    a daemon's environment alone may switch it on).
+    """
 
     name: str
     env: str
@@ -199,6 +203,10 @@ OPTIONS: tuple[Option, ...] = (
            "prefill: resends of a request on a new link after a transient transport error "
            "(retries exhausted, a broken link), each within the request's deadline; 0: such "
            "an error fails the request at once"),
+    Option("enable_fault_injection", "", _bool, False,
+           "TEST ONLY: arm the fault hooks that KVBEAM_FAULT_* variables name "
+           "(docs/faults.md), logged as a WARNING at start; without it they are ignored. "
+           "Never in production; a flag only, no variable"),
 )
 
 
@@ -240,6 +248,7 @@ class DaemonSettings:
     attach_allow_uid: tuple[int, ...] = ()
     attach_group: str = ""
     resend_retries: int = 2
+    enable_fault_injection: bool = False
 
     def transfer_budget_s(self, nbytes: int) -> float:
         """Seconds Transferring allows a request of ``nbytes``: the deadline, or the bytes
@@ -268,7 +277,7 @@ def add_auth_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_arguments(parser: argparse.ArgumentParser, options: tuple[Option, ...]) -> None:
     for opt in options:
         kw: dict[str, Any] = {"default": None, "dest": opt.name,
-                              "help": f"{opt.help} [env {opt.env}]"}
+                              "help": f"{opt.help} [env {opt.env}]" if opt.env else opt.help}
         if opt.choices:
             kw["choices"] = opt.choices
         if opt.kind is parse_bool:  # a bare --insecure means true
@@ -282,7 +291,7 @@ def env_help() -> str:
     """The environment-variable table for ``--help`` epilogs."""
     width = max(len(o.env) for o in OPTIONS)
     lines = ["environment (a flag overrides its variable):"]
-    for o in OPTIONS:
+    for o in (o for o in OPTIONS if o.env):
         default = "-" if o.default in (None, "", ()) else o.default
         lines.append(f"  {o.env:<{width}}  {o.flag} (default: {default})")
     return "\n".join(lines)
@@ -348,7 +357,7 @@ def _values(options: tuple[Option, ...], args: argparse.Namespace | None,
         if isinstance(raw, list):  # a repeated flag
             raw = ",".join(raw)
         source = opt.flag
-        if raw is None and opt.env in env:
+        if raw is None and opt.env and opt.env in env:
             raw, source = env[opt.env], opt.env
         if raw is None:
             values[opt.name] = opt.default

@@ -43,16 +43,19 @@ def spawn_role(role: str, cfg: str, *, transport: str = "tcp", listen: str = "12
 @contextmanager
 def fleet(n_prefill: int, n_decode: int, folder: Path, *, transport: str = "tcp",
           slots: int = 4, max_context: int = 4096, extra: Sequence[str] = (),
-          startup_s: float = STARTUP_S, prefill_env: dict[str, str] | None = None
+          startup_s: float = STARTUP_S, prefill_env: dict[str, str] | None = None,
+          prefill_extra: Sequence[str] = ()
           ) -> Iterator[tuple[list[DaemonProcess], list[DaemonProcess], dict[str, str]]]:
     """``n_prefill`` prefills and ``n_decode`` decodes, all started at once (start-ups
     overlap; ``startup_s`` is for all of them together); yields (prefills, decodes,
-    {"prefill": cfg, "decode": cfg}); all stopped after. ``prefill_env``: the
-    prefills' extra environment (fault hooks, e.g. a slow wire)."""
+    {"prefill": cfg, "decode": cfg}); all stopped after. ``prefill_env`` and
+    ``prefill_extra``: the prefills' extra environment and flags (fault hooks, e.g. a
+    slow wire, need ``--enable-fault-injection``)."""
     cfgs = {role: small_config(role, folder, slots=slots, max_context=max_context)
             for role in ("prefill", "decode")}
-    pending = [spawn_role("prefill", cfgs["prefill"], transport=transport, extra=extra,
-                          env=prefill_env) for _ in range(n_prefill)]
+    pending = [spawn_role("prefill", cfgs["prefill"], transport=transport,
+                          extra=[*extra, *prefill_extra], env=prefill_env)
+               for _ in range(n_prefill)]
     pending += [spawn_role("decode", cfgs["decode"], transport=transport, extra=extra)
                 for _ in range(n_decode)]
     started: list[DaemonProcess] = []

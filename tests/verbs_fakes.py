@@ -1,10 +1,13 @@
 """A fake verbs layer for unit tests of :class:`VerbsLink`: QPs that complete in order
-(as RC does), a poster and a host, so posting and retiring run exactly as on a NIC."""
+(as RC does), a poster and a host, so posting and retiring run exactly as on a NIC; and
+:func:`lane_held`, which stops one lane of a real or fake link from posting."""
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -138,3 +141,20 @@ def blocks(n: int, size: int) -> Blocks:
     """``n`` contiguous blocks of ``size`` bytes inside the fake regions."""
     i = np.arange(n, dtype=np.uint64) * U64(size)
     return Blocks(U64(0x1000) + i, U64(0x4000_0000) + i, np.full(n, size, np.uint64))
+
+
+@contextmanager
+def lane_held(link: VerbsLink, index: int) -> Iterator[None]:
+    """While inside, lane ``index`` of ``link`` posts nothing: its send queue has no room.
+
+    The progress thread posts on a lane only while ``outstanding < qp.sq_depth``; a
+    depth of 0 keeps every job of that lane pending, as a full send queue would, with
+    no hook in the link. Restored on exit; wake the link's progress thread after.
+    """
+    qp = link._lanes[index].qp
+    depth = qp.sq_depth
+    qp.sq_depth = 0
+    try:
+        yield
+    finally:
+        qp.sq_depth = depth

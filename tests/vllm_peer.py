@@ -3,7 +3,9 @@
     python -m tests.vllm_peer MODE MODEL_DIR JOB.json OUT.json
 
 MODE ``plain`` (no connector), ``prefill`` or ``decode`` (the kvbeam connector; JOB's
-``connector`` is its ``kv_connector_extra_config``). JOB holds the prompts (token ids)
+``connector`` is its ``kv_connector_extra_config``; ``connector_module`` and
+``connector_class``, where given, load another connector class, such as the test's
+negative control in tests/vllm_zeroing.py). JOB holds the prompts (token ids)
 and ``max_tokens``. Once its engine is up the peer prints ``peer ready`` and reads
 lines, each a JSON list of per-prompt ``kv_transfer_params`` (or ``null``): per line it
 runs the batch, writes OUT (per prompt the token ids, finish reason, returned
@@ -27,9 +29,9 @@ def build(mode: str, model_dir: str, job: dict[str, Any]) -> Any:
                                   seed=0, block_size=job["block_size"],
                                   enable_prefix_caching=mode == "plain")
     if mode != "plain":
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "KvbeamConnector",
-            "kv_connector_module_path": "kvbeam.integrations.vllm",
+        kwargs["kv_transfer_config"] = {  # JOB may name a test connector (tests.vllm_zeroing)
+            "kv_connector": job.get("connector_class", "KvbeamConnector"),
+            "kv_connector_module_path": job.get("connector_module", "kvbeam.integrations.vllm"),
             "kv_role": "kv_producer" if mode == "prefill" else "kv_consumer",
             "kv_connector_extra_config": job["connector"],
         }

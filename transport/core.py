@@ -9,8 +9,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvbeam.errors import RegionError, TransportError
 from kvbeam.transport.base import Access, Event, Registration
 from kvbeam.transport.blocks import AddressArray, Blocks
@@ -37,21 +35,13 @@ class Prepared:
 
 
 def prepare(transfer_id: int, blocks: Blocks, notify: bool, slice_bytes: int,
-            local: RegionTable, remote: RegionTable, check_remote: bool = True) -> Prepared:
-    """Slice, bounds-check and key every block; raises RegionError before anything is posted.
-
-    ``check_remote=False`` exists only so tests can make the peer's NIC (or TCP
-    receiver) catch a bad write: unchecked blocks get the rkey of the peer's first
-    region, so an address outside it is caught by the bounds check of that MR.
-    """
+            local: RegionTable, remote: RegionTable) -> Prepared:
+    """Slice, bounds-check and key every block; raises RegionError before anything is posted."""
     if not 0 <= transfer_id <= MAX_TRANSFER_ID:
         raise TransportError(f"transfer id {transfer_id} does not fit in 32 bits")
     b = blocks.split(slice_bytes)
     lkeys = local.lookup(b.src, b.lengths)
-    if check_remote:
-        rkeys = remote.lookup(b.dst, b.lengths)
-    else:
-        rkeys = np.full(len(b), remote.first_key(), dtype=np.uint32)
+    rkeys = remote.lookup(b.dst, b.lengths)
     keep = b.lengths > 0  # zero-length blocks move nothing; they were still checked above
     if not bool(keep.all()):
         return Prepared(transfer_id, notify, b.src[keep], b.dst[keep], b.lengths[keep],

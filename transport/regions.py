@@ -61,7 +61,7 @@ class RegionTable:
         return keys
 
     def first_key(self) -> int:
-        """The key of the lowest region (0 if none): for tests that bypass the checks."""
+        """The key of the lowest region (0 if none)."""
         return int(self._keys[0]) if len(self._keys) else 0
 
     def contains(self, addr: int, length: int) -> bool:

@@ -73,7 +73,7 @@ class DecodeCore(DecodeOffer):
 
     def __init__(self, *, table: TransferTable, peers: Peers, prefill: PrefillPeers,
                  io: Executor, spec: PoolSpec | None, layout: SideLayout | None,
-                 pools: AllocatedSide | None, integrity: bool, faults: FaultHooks,
+                 pools: AllocatedSide | None, integrity: bool, faults: FaultHooks | None,
                  handoff_lease_s: float,
                  transfer_budget: Callable[[int], float] = lambda _n: 0.0,
                  on_offer: Callable[[str], None] = lambda _event: None,

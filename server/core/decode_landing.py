@@ -79,7 +79,7 @@ class DecodeLanding(CoreBase):
     """Verification of a landed request (state is defined by the core)."""
 
     integrity: bool
-    faults: FaultHooks
+    faults: FaultHooks | None
     peers: Peers
     io: Executor
     _lock: threading.Lock
@@ -152,7 +152,8 @@ class DecodeLanding(CoreBase):
         that landing is still the request's (checked under the lock, with the verdict).
         """
         rid = res.request_id
-        self.faults.after_landing(rid, self.pools, res.indices, res.draft)
+        if self.faults is not None:  # test-only hook (--enable-fault-injection)
+            self.faults.after_landing(rid, self.pools, res.indices, res.draft)
         verified = NOT_VERIFIED_OFF
         timing = ""
         if res.digests is not None and self.integrity:

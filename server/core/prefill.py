@@ -51,7 +51,7 @@ from kvbeam.server.core.offers import OfferBook, PrefillOffers
 from kvbeam.server.core.ports import DecodePeers, IndexLists
 from kvbeam.server.core.prefill_events import after_resends
 from kvbeam.server.core.resend import PrefillResend
-from kvbeam.server.faults import FaultHooks, outside_peer_mr
+from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState, TransferStatus
@@ -143,7 +143,7 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
 
     def __init__(self, *, table: TransferTable, peers: Peers, decode: DecodePeers, io: Executor,
                  spec: PoolSpec | None, layout: SideLayout | None, pools: AllocatedSide | None,
-                 integrity: bool, faults: FaultHooks, drain_s: float,
+                 integrity: bool, faults: FaultHooks | None, drain_s: float,
                  transfer_budget: Callable[[int], float] = lambda _n: 0.0,
                  resend_retries: int = 0, on_resend: Callable[[], None] = lambda: None,
                  max_offers: int = 1024,
@@ -400,9 +400,9 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                           src_draft=rec.src_draft, dst_draft=grant.draft)
         self.table.extend(rid, self.transfer_budget(plan.total_bytes))
         blocks = plan.blocks
-        self.faults.slow_wire()  # test-only hook, off unless armed
-        if self.faults.writes_outside(rid):  # test-only hook, off unless armed
-            blocks = outside_peer_mr(conn.link, conn.peer.endpoint, blocks)
+        if self.faults is not None:  # test-only hooks (--enable-fault-injection)
+            self.faults.slow_wire()
+            blocks = self.faults.aim(rid, conn.link, conn.peer.endpoint, blocks)
         key = (conn.link.id, grant.transfer_id)
         with self._lock:
             if self._ended(rec):
@@ -415,7 +415,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
             rec.bytes_total += plan.total_bytes
             # Before posting: the completion may arrive before write() returns.
             rec.final_posted = rec.final_posted or final
-        self.faults.break_link(rid, conn.link)  # test-only hook, off unless armed
+        if self.faults is not None:  # test-only hook (--enable-fault-injection)
+            self.faults.break_link(rid, conn.link)
         try:
             conn.link.write(grant.transfer_id, blocks, notify=final)
         except Exception as exc:

@@ -18,6 +18,7 @@ import pytest
 
 from kvbeam.client import KvbeamClient
 from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.server.faults import ENABLE_FLAG, WRITE_DELAY_ENV
 from kvbeam.states import FailureReason, TransferState
 from tests.attach_helpers import Engine, fd_targets, proc_counts, start_engine_daemon, write_config
 from tests.fixtures import UNIFIED_DRAFT, side
@@ -56,7 +57,8 @@ def slow_engine_pair(workdir: Path, holds_of: str) -> Iterator[tuple[SlowPair, d
     cfg = write_config(workdir / "side.yaml", side())
     psock, dsock = str(workdir / "p.sock"), str(workdir / "d.sock")
     decode = start_engine_daemon("decode", dsock)
-    prefill = start_engine_daemon("prefill", psock, env={"KVBEAM_FAULT_WRITE_DELAY_S": "3"})
+    prefill = start_engine_daemon("prefill", psock, extra=[ENABLE_FLAG],
+                                  env={WRITE_DELAY_ENV: "3"})
     engines: list[Engine] = []
     try:
         with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
@@ -81,8 +83,8 @@ def test_engine_sigkill_mid_transfer_fails_both_sides_and_leaks_nothing(workdir:
     psock, dsock = str(workdir / "p.sock"), str(workdir / "d.sock")
     decode = start_engine_daemon("decode", dsock)
     # A slow wire: prefill waits 3 s after BeginWrite, so the request is mid-transfer.
-    prefill = start_engine_daemon("prefill", psock,
-                                  env={"KVBEAM_FAULT_WRITE_DELAY_S": "3"})
+    prefill = start_engine_daemon("prefill", psock, extra=[ENABLE_FLAG],
+                                  env={WRITE_DELAY_ENV: "3"})
     engines: list[Engine] = []
     try:
         with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:

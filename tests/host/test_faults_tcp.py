@@ -13,6 +13,7 @@ tests/rdma/test_faults_rdma.py; these are the fast host versions:
 from __future__ import annotations
 
 from kvbeam.scheduler import drive, run_request
+from kvbeam.server.faults import ENABLE_FLAG, OUTSIDE_MR_ENV
 from kvbeam.states import TransferState
 from tests.daemon_helpers import pair
 
@@ -20,7 +21,8 @@ S, F = TransferState.SUCCESS, TransferState.FAILED
 
 
 def test_refused_write_fails_both_sides_and_the_link_is_rebuilt() -> None:
-    with pair(prefill_env={"KVBEAM_FAULT_OUTSIDE_MR": "bad-"}) as (prefill, decode, p, d):
+    with pair(prefill_extra=[ENABLE_FLAG],
+              prefill_env={OUTSIDE_MR_ENV: "bad-"}) as (prefill, decode, p, d):
         assert run_request(p, d, "warm", 1000, 0).ok
         d.reserve("bystander", 2000, prefill.address)  # reserved, not sent yet
         d.reserve("bad-1", 2000, prefill.address)

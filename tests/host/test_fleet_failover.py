@@ -16,6 +16,7 @@ from kvbeam.client import KvbeamClient
 from kvbeam.fleet import Fleet
 from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.scheduler import RequestResult, run_fleet_request
+from kvbeam.server.faults import ENABLE_FLAG, WRITE_DELAY_ENV
 from tests.daemon_helpers import STARTUP_S
 from tests.fleet_helpers import figures, fleet, landings, slots_held, spawn_role
 
@@ -28,7 +29,7 @@ CONCURRENCY = 6
 #: attempts mid-transfer: without it, on a loaded machine, the decode's held slots were
 #: sometimes all Success-awaiting-Release at the kill (no resend to observe) or the
 #: prefill never had two transfers live at once while polled.
-SLOW_WIRE = {"KVBEAM_FAULT_WRITE_DELAY_S": "0.25"}
+SLOW_WIRE = {WRITE_DELAY_ENV: "0.25"}
 
 
 def _base_id(attempt_id: str) -> str:
@@ -45,7 +46,8 @@ def _busy(d: DaemonProcess) -> int:
 def test_decode_killed_and_prefill_restarted_mid_run_every_request_succeeds_once(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="kvbeam.scheduler")
-    with fleet(2, 3, tmp_path, prefill_env=SLOW_WIRE) as (prefills, decodes, cfgs):
+    with fleet(2, 3, tmp_path, prefill_extra=[ENABLE_FLAG],
+               prefill_env=SLOW_WIRE) as (prefills, decodes, cfgs):
         done = Counter[str]()
         lock = threading.Lock()
         lens = [512 + (i * 2654435761) % 3500 for i in range(REQUESTS)]
@@ -71,7 +73,7 @@ def test_decode_killed_and_prefill_restarted_mid_run_every_request_succeeds_once
                 assert wait_until(lambda: _busy(restarted) >= 2, 30, interval=0.001)
                 restarted.kill()  # and a prefill crashes, then comes back on its port
                 replacement = spawn_role("prefill", cfgs["prefill"], listen=restarted.address,
-                                         env=SLOW_WIRE).ready(STARTUP_S)
+                                         extra=[ENABLE_FLAG], env=SLOW_WIRE).ready(STARTUP_S)
                 results = [fut.result() for fut in futures]
             t_all = time.monotonic() - t_kill
 

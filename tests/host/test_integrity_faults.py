@@ -16,7 +16,7 @@ import pytest
 from kvbeam.errors import ConfigError
 from kvbeam.procs import wait_until
 from kvbeam.scheduler import drive, run_request
-from kvbeam.server.faults import CORRUPT_LANDED_ENV, SEED_ENV, FaultHooks
+from kvbeam.server.faults import CORRUPT_LANDED_ENV, ENABLE_FLAG, SEED_ENV, FaultHooks
 from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import pair
 
@@ -25,7 +25,7 @@ F = TransferState.FAILED
 
 def test_every_corruption_is_caught() -> None:
     env = {CORRUPT_LANDED_ENV: "1", SEED_ENV: "7"}
-    with pair(decode_env=env) as (prefill, decode, p, d):
+    with pair(decode_extra=[ENABLE_FLAG], decode_env=env) as (prefill, decode, p, d):
         results = drive(prefill.address, decode.address, [1, 127, 4096, 20000, 32768],
                         source_slots=8, concurrency=2, prefix="corrupt")
         assert [r.state.startswith("Failed(integrity") for r in results] == [True] * 5, results
@@ -53,7 +53,7 @@ def test_every_corruption_is_caught() -> None:
 
 def test_a_random_half_corrupted_matches_the_failures_one_for_one() -> None:
     env = {CORRUPT_LANDED_ENV: "0.5", SEED_ENV: "11"}
-    with pair(decode_env=env) as (prefill, decode, _p, _d):
+    with pair(decode_extra=[ENABLE_FLAG], decode_env=env) as (prefill, decode, _p, _d):
         lens = [1 + (i * 7919) % 30000 for i in range(24)]
         results = drive(prefill.address, decode.address, lens, source_slots=8, concurrency=4,
                         prefix="half")
@@ -72,7 +72,7 @@ def test_a_random_half_corrupted_matches_the_failures_one_for_one() -> None:
 
 def test_without_integrity_the_same_corruption_goes_unnoticed() -> None:
     env = {CORRUPT_LANDED_ENV: "1"}
-    with pair(decode_env=env, decode_extra=["--integrity", "false"],
+    with pair(decode_env=env, decode_extra=[ENABLE_FLAG, "--integrity", "false"],
               prefill_extra=["--integrity", "false"]) as (_prefill, decode, p, d):
         assert run_request(p, d, "silent", 5000, 0).ok
         # The daemon's output reaches us through a reader thread: wait for the line.

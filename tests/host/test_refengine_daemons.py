@@ -22,7 +22,7 @@ from kvbeam.pools.types import IndexKind
 from kvbeam.refengine.configs import tiny_config
 from kvbeam.refengine.run import SplitRun, compare, make_prompt, torch_threads
 from kvbeam.refengine.served import ServedPair
-from kvbeam.server.faults import CORRUPT_LANDED_ENV
+from kvbeam.server.faults import CORRUPT_LANDED_ENV, ENABLE_FLAG
 from tests.refengine_helpers import check_served
 
 K = 8
@@ -63,7 +63,7 @@ def test_continuation_over_daemons_is_token_identical(unified: bool, draft: bool
 @pytest.fixture(scope="module")
 def corrupting_pair() -> Iterator[ServedPair]:
     """A pair whose decode daemon flips one landed byte of every request."""
-    with ServedPair(tiny_config(unified=True, draft=True),
+    with ServedPair(tiny_config(unified=True, draft=True), extra=(ENABLE_FLAG,),
                     decode_env={CORRUPT_LANDED_ENV: "1"}) as pair:
         yield pair
 

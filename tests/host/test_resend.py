@@ -17,12 +17,14 @@ import time
 from kvbeam.client import KvbeamClient, Status
 from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.scheduler import run_request
-from kvbeam.server.faults import BREAK_LINK_ENV
+from kvbeam.server.faults import BREAK_LINK_ENV, ENABLE_FLAG
 from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import DECODE_SLOTS, free_slots, pair
 from tests.metrics_helpers import Samples, scrape, settle, value
 
 METRICS = ["--metrics", "127.0.0.1:0"]
+#: Prefill's flags: metrics and the fault hooks (KVBEAM_FAULT_BREAK_LINK).
+PREFILL = [*METRICS, ENABLE_FLAG]
 #: Transferring's deadline in these tests (tests.daemon_helpers.FAST).
 DEADLINE_S = 6.0
 
@@ -51,7 +53,7 @@ def _no_leak(prefill: DaemonProcess, decode: DaemonProcess, d: KvbeamClient) -> 
 
 
 def test_a_broken_link_costs_one_resend_and_the_request_succeeds() -> None:
-    with pair(decode_extra=METRICS, prefill_extra=METRICS,
+    with pair(decode_extra=METRICS, prefill_extra=PREFILL,
               prefill_env={BREAK_LINK_ENV: "1"}) as (prefill, decode, p, d):
         result = run_request(p, d, "rs-once", 3000, 1, timeout=60)
         assert result.ok, (result, prefill.output[-3000:])
@@ -71,7 +73,7 @@ def test_a_broken_link_costs_one_resend_and_the_request_succeeds() -> None:
 
 
 def test_resend_retries_zero_fails_the_request_with_the_transport_detail() -> None:
-    with pair(decode_extra=METRICS, prefill_extra=[*METRICS, "--resend-retries", "0"],
+    with pair(decode_extra=METRICS, prefill_extra=[*PREFILL, "--resend-retries", "0"],
               prefill_env={BREAK_LINK_ENV: "1"}) as (prefill, decode, p, d):
         pst, dst, took = _one(p, d, "rs-off")
         assert pst.state is TransferState.FAILED, pst
@@ -86,7 +88,7 @@ def test_resend_retries_zero_fails_the_request_with_the_transport_detail() -> No
 
 
 def test_a_link_broken_on_every_attempt_fails_after_the_retries_bounded() -> None:
-    with pair(decode_extra=METRICS, prefill_extra=METRICS,
+    with pair(decode_extra=METRICS, prefill_extra=PREFILL,
               prefill_env={BREAK_LINK_ENV: "3:rs-always"}) as (prefill, decode, p, d):
         pst, dst, took = _one(p, d, "rs-always")
         assert pst.state is TransferState.FAILED, pst

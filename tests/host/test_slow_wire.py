@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from kvbeam.scheduler import run_request
-from kvbeam.server.faults import WRITE_DELAY_ENV
+from kvbeam.server.faults import ENABLE_FLAG, WRITE_DELAY_ENV
 from tests.daemon_helpers import pair
 
 DELAY_S = 3.0
@@ -20,7 +20,7 @@ DEADLINE = ["--deadline-transfer-s", "1", "--transfer-floor-mbps", "0.001"]
 
 
 def test_slow_wire_longer_than_the_transfer_deadline_succeeds() -> None:
-    with pair(decode_extra=DEADLINE, prefill_extra=DEADLINE,
+    with pair(decode_extra=DEADLINE, prefill_extra=[*DEADLINE, ENABLE_FLAG],
               prefill_env={WRITE_DELAY_ENV: str(DELAY_S)}) as (prefill, decode, p, d):
         t0 = time.monotonic()
         result = run_request(p, d, "slow", 4096, 0, timeout=30)

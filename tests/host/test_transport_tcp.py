@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvbeam.errors import RegionError, TransportError
+from kvbeam.server.faults import skip_remote_check
 from kvbeam.transport import Access, Blocks, Event, EventKind, Region, open_transport
 from kvbeam.transport import status as st
 from kvbeam.transport.options import TransportOptions
@@ -100,7 +101,7 @@ def test_out_of_region_block_raises_and_writes_nothing(
 def test_receiver_refuses_what_the_sender_did_not_check(
         pair: tuple[TcpTransport, TcpLink, PeerProcess], source: tuple[mmap.mmap, int]) -> None:
     transport, link, peer = pair
-    link._check_remote = False
+    skip_remote_check(link)
     link.write(9, plan(source[1], peer.addr, [(0, N - 100, 200)]))
     events = wait_events(transport, 1, 10)
     assert [(e.transfer_id, e.ok, e.status) for e in events] == [
@@ -154,7 +155,7 @@ def test_stalled_peer_times_out(pair: tuple[TcpTransport, TcpLink, PeerProcess],
 def test_link_can_be_recreated_after_failure(pair: tuple[TcpTransport, TcpLink, PeerProcess],
                                              source: tuple[mmap.mmap, int]) -> None:
     transport, link, peer = pair
-    link._check_remote = False
+    skip_remote_check(link)
     link.write(1, plan(source[1], peer.addr, [(0, N, 1)]))
     assert [e.ok for e in wait_events(transport, 1, 10)] == [False]
     peer.call("clear")

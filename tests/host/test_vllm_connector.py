@@ -8,6 +8,10 @@ decode's generated token ids must equal the plain instance's exactly; with the f
 moved block zeroed on decode they must differ (the context matters); a transfer that
 never comes fails the request instead of producing tokens.
 
+The zeroing is the test harness's own: decode runs tests/vllm_zeroing.py's connector
+subclass, which zeroes the first landed block of transfers named ``zero-N`` (and is
+kvbeam's connector otherwise); no request parameter can ask kvbeam for it.
+
 Runs only where vLLM is installed in the interpreter running pytest (``make
 test-vllm``); KVBEAM_REQUIRE_VLLM=1 turns the skip into a failure.
 """
@@ -68,8 +72,11 @@ def instances(tmp_path_factory: pytest.TempPathFactory
         "plain": Peer("plain", model, {**base, "max_tokens": MAX_TOKENS}, work),
         "prefill": Peer("prefill", model, {**base, "max_tokens": 1, "connector": {
             "daemon": daemons["prefill"].address, "attach_socket": sockets["prefill"]}}, work),
-        "decode": Peer("decode", model, {**base, "max_tokens": MAX_TOKENS, "connector": {
-            "daemon": daemons["decode"].address, "attach_socket": sockets["decode"]}}, work),
+        "decode": Peer("decode", model, {
+            **base, "max_tokens": MAX_TOKENS, "connector": {
+                "daemon": daemons["decode"].address, "attach_socket": sockets["decode"]},
+            "connector_module": "tests.vllm_zeroing", "connector_class": "ZeroingConnector"},
+            work),
     }
     try:
         for p in peers.values():
@@ -83,11 +90,39 @@ def instances(tmp_path_factory: pytest.TempPathFactory
             d.stop()
 
 
+# MERGE(wt-chan side)
 def transfer(prefill: Peer, decode: Peer, daemons: tuple[str, str], tag: str,
              zero: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """vLLM's standard proxy order: prefill first (``max_tokens`` 1; its sends wait for
     decode's reservations), then decode with the ``kv_transfer_params`` prefill returned."""
     ids = [f"{tag}-{i}" for i in range(len(prompts()))]
+# MERGE(wt-switch side)
+def reserved(daemon: str, ids: list[str], timeout: float = 300.0) -> None:
+    """Wait until decode's daemon holds a reservation for each id (the router's part:
+    decode reserves, then prefill writes into the reserved blocks)."""
+    client = client_for(daemon)
+    deadline = time.monotonic() + timeout
+    for rid in ids:
+        while True:
+            try:
+                client.status(rid)
+                break
+            except KvbeamError:
+                assert time.monotonic() < deadline, f"decode never reserved {rid}"
+                time.sleep(0.2)
+
+
+def transfer(prefill: Peer, decode: Peer, daemons: tuple[str, str], tag: str
+             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Decode's batch first (it reserves its blocks), then prefill's (it sends into them).
+
+    Transfers tagged ``zero`` (tests/vllm_zeroing.py's ``ZERO_PREFIX``) get their first
+    block zeroed on decode by the test's connector."""
+    ids = [f"{tag}-{i}" for i in range(len(prompts()))]
+    decode.start([{"do_remote_prefill": True, "kvbeam_id": i, "prefill_daemon": daemons[0]}
+                  for i in ids])
+    reserved(daemons[1], ids)
+# MERGE(end)
     sent = prefill.run([{"do_remote_decode": True, "kvbeam_id": i, "decode_daemon": daemons[1]}
                         for i in ids])
     back = [{**s["kv_transfer_params"], "kvbeam_test_zero_first_block": zero} for s in sent]
@@ -119,7 +154,8 @@ def test_zeroed_block_changes_the_tokens(
         instances: tuple[Peer, Peer, Peer, DaemonProcess, DaemonProcess]) -> None:
     plain, prefill, decode, p_daemon, d_daemon = instances
     want = plain.run(None)
-    _, got = transfer(prefill, decode, (p_daemon.address, d_daemon.address), "zero", zero=True)
+    # "zero-N": tests/vllm_zeroing.py's ZERO_PREFIX (that module imports vLLM).
+    _, got = transfer(prefill, decode, (p_daemon.address, d_daemon.address), "zero")
     assert all(g["finish"] == "length" for g in got), got
     differ = [i for i, (w, g) in enumerate(zip(want, got, strict=True))
               if w["tokens"] != g["tokens"]]

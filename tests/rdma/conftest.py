@@ -80,16 +80,18 @@ def wire_pair(wire: Wire) -> Generator[WirePair, None, None]:
     """Prefill on rxeA and decode on rxeB, joined by a veth wire that tests may cut.
 
     Shared by the fault tests and the soak (a daemon start costs tens of seconds under TCG);
-    the fault tests leave it healthy. Prefill has two test-only fault hooks armed (see
-    kvbeam/server/faults.py): writes outside decode's memory for request ids starting
-    with ``qperr-``, and one broken QP for the first request starting with ``qpbreak-``.
+    the fault tests leave it healthy. Prefill runs with --enable-fault-injection and two
+    test-only fault hooks armed (see kvbeam/server/faults.py): writes outside decode's
+    memory for request ids starting with ``qperr-``, and one broken QP for the first
+    request starting with ``qpbreak-``.
     """
+    from kvbeam.server.faults import BREAK_LINK_ENV, ENABLE_FLAG, OUTSIDE_MR_ENV
     from tests.daemon_helpers import start_both
 
     prefill, decode = start_both(
-        transport="rdma", prefill_extra=wire.rdma_args("prefill"),
+        transport="rdma", prefill_extra=[*wire.rdma_args("prefill"), ENABLE_FLAG],
         decode_extra=wire.rdma_args("decode"),
-        prefill_env={"KVBEAM_FAULT_OUTSIDE_MR": "qperr-", "KVBEAM_FAULT_BREAK_LINK": "1:qpbreak-"})
+        prefill_env={OUTSIDE_MR_ENV: "qperr-", BREAK_LINK_ENV: "1:qpbreak-"})
     try:
         yield WirePair(prefill, decode, wire)
     finally:

@@ -20,7 +20,7 @@ from kvbeam.client import KvbeamClient
 from kvbeam.errors import Busy
 from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.scheduler import drive, run_request
-from kvbeam.server.faults import CORRUPT_LANDED_ENV, SEED_ENV
+from kvbeam.server.faults import CORRUPT_LANDED_ENV, ENABLE_FLAG, SEED_ENV
 from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import STARTUP_S, pair, spawn, start, start_both
 from tests.metrics_helpers import delta, scrape, settle, succeeded_once_more, value
@@ -211,7 +211,7 @@ def test_corruption_after_landing_is_caught_every_time(unified: Pair) -> None:
     fault hook) and every one ends Failed(integrity); none passes as Success."""
     env = {CORRUPT_LANDED_ENV: "1", SEED_ENV: "3"}
     prefill = unified[0]  # only decode needs the hook: the shared prefill sends
-    decode = start("decode", transport="rdma", env=env)
+    decode = start("decode", transport="rdma", extra=[ENABLE_FLAG], env=env)
     try:
         with KvbeamClient(decode.address) as d:
             results = drive(prefill.address, decode.address, [64, 5000, 32768],

@@ -152,7 +152,7 @@ def test_no_remote_read_even_with_a_valid_rkey(pair: Pair) -> None:
     wr = SendWR(wr_id=0x77, opcode=e.IBV_WR_RDMA_READ, num_sge=1,
                 sg=[SGE(pair.src_addr, 4096, lkey)], send_flags=e.IBV_SEND_SIGNALED)
     wr.set_wr_rdma(region.rkey, region.addr)
-    lp._qp.qp.post_send(wr)
+    lp._qps[0].qp.post_send(wr)
     event = wait_for(pair.prefill, lambda ev: ev.kind is EventKind.LINK_FAILED)
     # The responder refuses at the QP (no remote-read access: invalid request) or the MR.
     assert event.status in ("IBV_WC_REM_ACCESS_ERR", "IBV_WC_REM_INV_REQ_ERR"), event

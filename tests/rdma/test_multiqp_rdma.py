@@ -21,6 +21,7 @@ from kvbeam.transport.verbs import VerbsLink, VerbsTransport
 from tests.rdma.conftest import RdmaDevice
 from tests.transport_helpers import FILL, N, expected_after, plan
 from tests.transport_peer import PeerConfig, PeerProcess, buffer_address
+from tests.verbs_fakes import lane_held
 
 pytestmark = pytest.mark.rdma
 
@@ -107,23 +108,22 @@ def test_never_notified_while_a_share_on_another_qp_is_not_written(
         side: Side, peer: Peer, source: tuple[mmap.mmap, int]) -> None:
     t, link = side
     n, dst, proc = peer.qps, peer.proc.addr, peer.proc
-    link._held = {0}  # test-only hook: QP 0 posts nothing until released
-    rows = [(0, 0, N)]
-    link.write(7, plan(source[1], dst, rows))
-    share = N // n
-    expected = expected_after(source[0], rows)
-    deadline = time.monotonic() + 60
-    got = np.frombuffer(proc.read(), dtype=np.uint8)
-    while not np.array_equal(got[share:], expected[share:]) and time.monotonic() < deadline:
-        time.sleep(0.5)  # the other QPs' shares land
+    with lane_held(link, 0):  # QP 0 posts nothing until released
+        rows = [(0, 0, N)]
+        link.write(7, plan(source[1], dst, rows))
+        share = N // n
+        expected = expected_after(source[0], rows)
+        deadline = time.monotonic() + 60
         got = np.frombuffer(proc.read(), dtype=np.uint8)
-    assert np.array_equal(got[share:], expected[share:])
-    time.sleep(2.0)  # time enough for a wrongly posted marker to arrive
-    assert proc.events(1, 1.0, EventKind.NOTIFIED) == []  # no proof of arrival yet
-    assert t.events(0) == []
-    got = np.frombuffer(proc.read(0, share), dtype=np.uint8)
-    assert (got == FILL).all()  # QP 0's share is not there
-    link._held.clear()
+        while not np.array_equal(got[share:], expected[share:]) and time.monotonic() < deadline:
+            time.sleep(0.5)  # the other QPs' shares land
+            got = np.frombuffer(proc.read(), dtype=np.uint8)
+        assert np.array_equal(got[share:], expected[share:])
+        time.sleep(2.0)  # time enough for a wrongly posted marker to arrive
+        assert proc.events(1, 1.0, EventKind.NOTIFIED) == []  # no proof of arrival yet
+        assert t.events(0) == []
+        got = np.frombuffer(proc.read(0, share), dtype=np.uint8)
+        assert (got == FILL).all()  # QP 0's share is not there
     t.wake()
     assert [(e.transfer_id, e.ok) for e in events(t, 1, 60)] == [(7, True)]
     assert [e.transfer_id for e in proc.events(1, 60, EventKind.NOTIFIED)] == [7]

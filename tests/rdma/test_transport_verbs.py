@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvbeam.errors import RegionError, TransportError
+from kvbeam.server.faults import skip_remote_check
 from kvbeam.transport import Access, Blocks, Event, EventKind, Region, RemoteRegion
 from kvbeam.transport import status as st
 from kvbeam.transport.options import TransportOptions
@@ -155,7 +156,7 @@ def test_out_of_bounds_plan_is_refused_before_posting(side: Side,
 def test_bad_remote_write_drives_qp_to_error(rdma_device: RdmaDevice, side: Side,
                                              source: tuple[mmap.mmap, int], fault: str) -> None:
     if fault == "outside-mr":
-        side.link._check_remote = False  # test-only: let the peer's NIC catch it
+        skip_remote_check(side.link)  # let the peer's NIC catch it
         side.link.write(9, plan(source[1], side.peer.addr, [(0, N - 100, 200)]))
     else:  # our checks pass, but the rkey we were told is wrong
         side.link.release()

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvbeam.server.faults import skip_remote_check
 from kvbeam.transport import Access, Blocks, Event, EventKind, Region
 from kvbeam.transport import status as st
 from kvbeam.transport.tcp import TcpLink, TcpTransport, iov, wire
@@ -121,7 +122,7 @@ def test_refused_block_lands_what_came_before_it_and_naks(
     bad = 1200  # in the second frame: the first frame and 1200 - MAX_VEC blocks land
     dsts = blocks.dst.copy()
     dsts[bad] = np.uint64(_addr(dst) + SIZE)  # just past the region
-    link._check_remote = False  # let the receiver catch it
+    skip_remote_check(link)  # let the receiver catch it
     link.write(7, Blocks(blocks.src, dsts, blocks.lengths))
     done = _completion(a)
     assert (done.transfer_id, done.ok, done.status) == (7, False, st.TCP_REMOTE_ACCESS_ERR)

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbeam.errors import RegionError, TransportError
+from kvbeam.server.faults import UncheckedRemote
 from kvbeam.transport import status
 from kvbeam.transport.base import Event, EventKind
 from kvbeam.transport.blocks import Blocks
@@ -150,11 +151,12 @@ def test_prepare_transfer_id_must_fit_32_bits() -> None:
 
 
 def test_prepare_unchecked_uses_the_first_remote_key() -> None:
-    p = prepare(1, blocks((0x1000, 0xdead_0000, 8)), True, 64, LOCAL, REMOTE,
-                check_remote=False)
+    """The outside-MR fault's table (kvbeam.server.faults): the peer, not us, catches it."""
+    unchecked = UncheckedRemote(REMOTE)
+    p = prepare(1, blocks((0x1000, 0xdead_0000, 8)), True, 64, LOCAL, unchecked)
     assert p.rkeys.tolist() == [21]
     with pytest.raises(RegionError):  # the local side is always checked
-        prepare(1, blocks((0x9000, 0x10_0000, 8)), True, 64, LOCAL, REMOTE, check_remote=False)
+        prepare(1, blocks((0x9000, 0x10_0000, 8)), True, 64, LOCAL, unchecked)
 
 
 @given(st.lists(st.integers(0, 5000), min_size=1, max_size=40), st.integers(1, 1500))

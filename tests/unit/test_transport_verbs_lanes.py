@@ -20,7 +20,7 @@ from kvbeam.transport.core import Prepared
 from kvbeam.transport.endpoint import Endpoint, RemoteRegion
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.verbs.lanes import lanes_for, stripe, stripe_slice
-from tests.verbs_fakes import FakePoster, FakeQP, blocks, make_lanes, run
+from tests.verbs_fakes import FakePoster, FakeQP, blocks, lane_held, make_lanes, run
 
 WRITE_WITH_IMM = 1
 OPTS = TransportOptions(sq_depth=64, signal_every=8, max_chain=32, slice_bytes=1 << 20,
@@ -107,6 +107,23 @@ def test_marker_waits_for_every_other_qp_to_complete(slow: int) -> None:
     qps[slow].frozen = False
     run(link, *qps)
     assert markers(qps[3]) == 1 and sum(markers(q) for q in qps) == 1
+    assert [(e.transfer_id, e.ok) for e in t.events] == [(9, True)]
+
+
+def test_a_held_lane_posts_nothing_and_no_marker_goes_until_it_is_released() -> None:
+    """tests/verbs_fakes.lane_held (the multi-QP RDMA test's hold on QP 0): the held
+    lane's share stays unposted, the others' are posted and complete, and the proof of
+    arrival waits for the held share."""
+    link, qps, t = make_lanes(OPTS, 4)
+    with lane_held(link, 0):
+        link.write(9, blocks(16, 1 << 20), notify=True)
+        run(link, *qps)
+        assert qps[0].log == []
+        assert all(data_bytes(q) == 4 << 20 for q in qps[1:])
+        assert sum(markers(q) for q in qps) == 0 and t.events == []
+    assert qps[0].sq_depth == OPTS.sq_depth
+    run(link, *qps)
+    assert data_bytes(qps[0]) == 4 << 20 and sum(markers(q) for q in qps) == 1
     assert [(e.transfer_id, e.ok) for e in t.events] == [(9, True)]
 
 

@@ -59,7 +59,6 @@ class TcpLink(Link):
         self._connecting = False  # connect() is dialling, without the lock
         self._threads: list[threading.Thread] = []
         self._inbound: set[socket.socket] = set()
-        self._check_remote = True  # tests turn this off to make the receiver refuse a block
 
     @property
     def endpoint(self) -> Endpoint:
@@ -107,7 +106,7 @@ class TcpLink(Link):
         """Check, slice and queue the blocks; the sender thread streams them."""
         peer = self._usable_peer()
         prepared = prepare(transfer_id, blocks, notify, self._t.options.slice_bytes,
-                           self._t.local_keys(), peer, self._check_remote)
+                           self._t.local_keys(), peer)
         with self._lock:  # checked again under the lock that _fail drains the queue under
             self._usable_peer()
             # Counted before queueing: the ACK (and its event) may follow at once.

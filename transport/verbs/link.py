@@ -82,8 +82,6 @@ class VerbsLink(Link):
         self._requests = Requests(self._lanes, self._outcome)  # progress thread only
         self._serials = itertools.count()
         self._rr = itertools.count()  # round-robin start lane of requests on fewer lanes
-        self._check_remote = True  # tests turn this off to make the peer's NIC refuse a block
-        self._held: set[int] = set()  # test-only: lanes the progress thread does not post on
         self.stats = LinkStats()
 
     # -- Link API ----------------------------------------------------------------------
@@ -130,8 +128,7 @@ class VerbsLink(Link):
         opts, n = self._opts, len(self._lanes)
         k = lanes_for(blocks.total_bytes, n, opts.stripe_min_bytes) if n > 1 else 1
         slice_bytes = stripe_slice(blocks.total_bytes, k, opts.slice_bytes)
-        p = prepare(transfer_id, blocks, notify, slice_bytes, self._t.local_keys(), peer,
-                    self._check_remote)
+        p = prepare(transfer_id, blocks, notify, slice_bytes, self._t.local_keys(), peer)
         first = next(self._rr) % n if k < n else 0
         request, jobs = plan(p, self._lanes, k, first, self._serials, opts.signal_every,
                              self._marker)
@@ -205,8 +202,6 @@ class VerbsLink(Link):
         if self._submitted:
             self._intake()
         for lane in self._live():
-            if lane.index in self._held:
-                continue
             while lane.pending and lane.live and lane.outstanding < lane.qp.sq_depth:
                 self._post(lane, poster, now)
                 busy = True
@@ -227,11 +222,6 @@ class VerbsLink(Link):
     def _qps(self) -> list[QueuePair]:
         """The link's QPs while they exist (also reached by fault injection and tests)."""
         return [lane.qp for lane in self._lanes if lane.qp is not None]
-
-    @property
-    def _qp(self) -> QueuePair | None:
-        """The first QP (tests reach into it to post by hand)."""
-        return self._lanes[0].qp if self._lanes else None
 
     def _live(self) -> list[Lane]:
         return [lane for lane in self._lanes if lane.live]

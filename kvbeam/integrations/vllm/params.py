@@ -20,6 +20,7 @@ them by position (docs/indices.md).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,8 @@ from kvbeam.errors import ConfigError
 if TYPE_CHECKING:  # kvbeam.auth imports gRPC: only when settings are read
     from kvbeam.auth import Security
 
+log = logging.getLogger(__name__)
+
 #: The keys kvbeam reads from and writes into ``kv_transfer_params``.
 DO_REMOTE_DECODE = "do_remote_decode"
 DO_REMOTE_PREFILL = "do_remote_prefill"
@@ -36,9 +39,8 @@ KVBEAM_ID = "kvbeam_id"
 DECODE_DAEMON = "decode_daemon"
 PREFILL_DAEMON = "prefill_daemon"
 PROMPT_LEN = "prompt_len"
-#: TEST ONLY (decode): zero the first received block (all layers) once it landed: the
-#: negative control of tests/host/test_vllm_connector.py.
-TEST_ZERO_FIRST_BLOCK = "kvbeam_test_zero_first_block"
+#: Every ``kvbeam_``-prefixed key the connector reads; any other one is ignored (logged).
+KNOWN_KVBEAM_KEYS = frozenset({KVBEAM_ID})
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,6 @@ class LoadParams:
 
     kvbeam_id: str
     prefill_daemon: str
-    zero_first_block: bool = False
 
 
 def _text(params: Mapping[str, Any], key: str) -> str:
@@ -65,10 +66,27 @@ def _text(params: Mapping[str, Any], key: str) -> str:
     return value
 
 
+def _ignore_unknown(params: Mapping[str, Any]) -> None:
+    """Log the ``kvbeam_`` keys kvbeam does not read, and read nothing of them.
+
+    ``kv_transfer_params`` arrives from whoever calls vLLM's API. Ignored rather than
+    refused: vLLM calls the connector inside its scheduler loop, where an exception
+    stops the engine for every request, and the dict also carries the keys of other
+    connectors and of the proxy (only ``kvbeam_`` ones are ours to name).
+    """
+    unknown = sorted(k for k in params if isinstance(k, str) and k.startswith("kvbeam_")
+                     and k not in KNOWN_KVBEAM_KEYS)
+    if unknown:
+        log.warning("kv_transfer_params: unknown kvbeam key(s) %s ignored (kvbeam reads "
+                    "%s); no request parameter switches test behaviour on",
+                    ", ".join(unknown), ", ".join(sorted(KNOWN_KVBEAM_KEYS)))
+
+
 def send_params(params: Mapping[str, Any] | None) -> SendParams | None:
     """The send a prefill request asks for, or None."""
     if not params or not params.get(DO_REMOTE_DECODE):
         return None
+    _ignore_unknown(params)
     return SendParams(_text(params, KVBEAM_ID), _text(params, DECODE_DAEMON))
 
 
@@ -76,8 +94,8 @@ def load_params(params: Mapping[str, Any] | None) -> LoadParams | None:
     """The load a decode request asks for, or None."""
     if not params or not params.get(DO_REMOTE_PREFILL):
         return None
-    return LoadParams(_text(params, KVBEAM_ID), _text(params, PREFILL_DAEMON),
-                      bool(params.get(TEST_ZERO_FIRST_BLOCK, False)))
+    _ignore_unknown(params)
+    return LoadParams(_text(params, KVBEAM_ID), _text(params, PREFILL_DAEMON))
 
 
 def returned_params(kvbeam_id: str, prefill_daemon: str, prompt_len: int) -> dict[str, Any]:

@@ -12,8 +12,9 @@ vLLM.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvbeam.integrations.vllm.params import (
     Settings,
@@ -24,6 +25,7 @@ from kvbeam.integrations.vllm.params import (
 )
 
 log = logging.getLogger(__name__)
+P = TypeVar("P")
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,6 @@ class Load:
     prefill_daemon: str = ""
     seq_len: int = 0
     failed: bool = False
-    zero_first_block: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class SchedulerSide:
         Only when nothing of it was computed here: a local prefix-cache hit makes
         vLLM compute the rest itself (correct, just no transfer).
         """
-        p = load_params(request.kv_transfer_params)
+        p = _checked(load_params, request)
         if p is None or request.request_id in self._loading:
             return 0, False
         if num_computed_tokens:
@@ -90,7 +91,7 @@ class SchedulerSide:
                                  ) -> None:
         """Decode: the blocks vLLM just allocated are the request's landing place (the
         worker reserves them on its daemon)."""
-        p = load_params(request.kv_transfer_params)
+        p = _checked(load_params, request)
         if p is None or num_external_tokens == 0:
             return
         seq_len = len(request.prompt_token_ids)
@@ -98,14 +99,14 @@ class SchedulerSide:
                                                                            self.block_size)])
         self._loading.add(request.request_id)
         self._plan.loads.append(Load(request.request_id, p.kvbeam_id, ids, p.prefill_daemon,
-                                     seq_len, zero_first_block=p.zero_first_block))
+                                     seq_len))
 
     # ---- prefill -----------------------------------------------------------------
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """Prefill: hold the prompt's blocks; the worker sends them (decode may reserve
         before or after: the send waits for the reservation, ``--send-wait-s``)."""
         self._loading.discard(request.request_id)
-        p = send_params(request.kv_transfer_params)
+        p = _checked(send_params, request)
         if p is None or _aborted(request):
             return False, None
         ids = _first_group(block_ids)
@@ -128,6 +129,21 @@ class SchedulerSide:
         """This step's plan; the next step starts empty."""
         plan, self._plan = self._plan, StepPlan()
         return plan
+
+
+def _checked(read: Callable[[Any], P | None], request: Any) -> P | None:
+    """``read(request.kv_transfer_params)``, or None (no transfer) where they are malformed.
+
+    The parameters come from the API caller, and vLLM runs the connector inside its
+    scheduler loop, where an exception stops the engine for every request: a request
+    with malformed kvbeam keys runs without a transfer instead (decode computes its
+    prompt itself; prefill sends nothing).
+    """
+    try:
+        return read(request.kv_transfer_params)
+    except ValueError as exc:
+        log.warning("request %s: %s; no transfer for it", request.request_id, exc)
+        return None
 
 
 def _aborted(request: Any) -> bool:

@@ -162,10 +162,6 @@ class WorkerSide:
     def _landed(self, load: Load, receiver: Receiver) -> None:
         self.moved_bytes += len(load.block_ids) * sum(
             v.stride(0) * v.element_size() for v in self._views)
-        if load.zero_first_block and load.block_ids:
-            for v in self._views:
-                v[load.block_ids[0]].zero_()
-            log.warning("TEST: zeroed block %d of request %s", load.block_ids[0], load.req_id)
         try:  # the engine took the KV over: decode's daemon frees the reservation
             receiver.release()
         except KvbeamError as exc:
