@@ -203,7 +203,7 @@ OPTIONS: tuple[Option, ...] = (
            "prefill: resends of a request on a new link after a transient transport error "
            "(retries exhausted, a broken link), each within the request's deadline; 0: such "
            "an error fails the request at once"),
-    Option("enable_fault_injection", "", _bool, False,
+    Option("enable_fault_injection", "", parse_bool, False,
            "TEST ONLY: arm the fault hooks that KVBEAM_FAULT_* variables name "
            "(docs/faults.md), logged as a WARNING at start; without it they are ignored. "
            "Never in production; a flag only, no variable"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvbeam.engine import Receiver
 from kvbeam.integrations.vllm.connector import KvbeamConnector
 from kvbeam.integrations.vllm.scheduler import Load
 from kvbeam.integrations.vllm.worker import WorkerSide
@@ -26,13 +27,13 @@ ZERO_PREFIX = "zero-"
 class ZeroingWorkerSide(WorkerSide):
     """The connector's worker side, zeroing the first landed block of ``zero-`` transfers."""
 
-    def _landed(self, load: Load) -> None:
+    def _landed(self, load: Load, receiver: Receiver) -> None:
         if load.kvbeam_id.startswith(ZERO_PREFIX) and load.block_ids:
             for view in self._views:
                 view[load.block_ids[0]].zero_()
             log.warning("negative control: zeroed block %d of request %s (transfer %s)",
                         load.block_ids[0], load.req_id, load.kvbeam_id)
-        super()._landed(load)
+        super()._landed(load, receiver)
 
 
 class ZeroingConnector(KvbeamConnector):

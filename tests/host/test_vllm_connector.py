@@ -90,43 +90,17 @@ def instances(tmp_path_factory: pytest.TempPathFactory
             d.stop()
 
 
-# MERGE(wt-chan side)
-def transfer(prefill: Peer, decode: Peer, daemons: tuple[str, str], tag: str,
-             zero: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """vLLM's standard proxy order: prefill first (``max_tokens`` 1; its sends wait for
-    decode's reservations), then decode with the ``kv_transfer_params`` prefill returned."""
-    ids = [f"{tag}-{i}" for i in range(len(prompts()))]
-# MERGE(wt-switch side)
-def reserved(daemon: str, ids: list[str], timeout: float = 300.0) -> None:
-    """Wait until decode's daemon holds a reservation for each id (the router's part:
-    decode reserves, then prefill writes into the reserved blocks)."""
-    client = client_for(daemon)
-    deadline = time.monotonic() + timeout
-    for rid in ids:
-        while True:
-            try:
-                client.status(rid)
-                break
-            except KvbeamError:
-                assert time.monotonic() < deadline, f"decode never reserved {rid}"
-                time.sleep(0.2)
-
-
 def transfer(prefill: Peer, decode: Peer, daemons: tuple[str, str], tag: str
              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Decode's batch first (it reserves its blocks), then prefill's (it sends into them).
+    """vLLM's standard proxy order: prefill first (``max_tokens`` 1; its sends wait for
+    decode's reservations), then decode with the ``kv_transfer_params`` prefill returned.
 
     Transfers tagged ``zero`` (tests/vllm_zeroing.py's ``ZERO_PREFIX``) get their first
     block zeroed on decode by the test's connector."""
     ids = [f"{tag}-{i}" for i in range(len(prompts()))]
-    decode.start([{"do_remote_prefill": True, "kvbeam_id": i, "prefill_daemon": daemons[0]}
-                  for i in ids])
-    reserved(daemons[1], ids)
-# MERGE(end)
     sent = prefill.run([{"do_remote_decode": True, "kvbeam_id": i, "decode_daemon": daemons[1]}
                         for i in ids])
-    back = [{**s["kv_transfer_params"], "kvbeam_test_zero_first_block": zero} for s in sent]
-    decode.start(back)
+    decode.start([s["kv_transfer_params"] for s in sent])
     return sent, decode.result()
 
 
@@ -148,15 +122,21 @@ def test_decode_tokens_equal_one_instance(
     assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
     # The context matters: the last two prompts differ only in their first token.
     assert want[4]["tokens"] != want[5]["tokens"], want
+    assert decode.log("negative control") == []  # the test's connector zeroed nothing
 
 
 def test_zeroed_block_changes_the_tokens(
         instances: tuple[Peer, Peer, Peer, DaemonProcess, DaemonProcess]) -> None:
     plain, prefill, decode, p_daemon, d_daemon = instances
+    from tests.vllm_zeroing import ZERO_PREFIX  # it imports vLLM: only past the skip
+
     want = plain.run(None)
-    # "zero-N": tests/vllm_zeroing.py's ZERO_PREFIX (that module imports vLLM).
-    _, got = transfer(prefill, decode, (p_daemon.address, d_daemon.address), "zero")
+    _, got = transfer(prefill, decode, (p_daemon.address, d_daemon.address),
+                      ZERO_PREFIX.rstrip("-"))
     assert all(g["finish"] == "length" for g in got), got
+    zeroed = decode.log("negative control: zeroed block")
+    assert sorted(line.split("(transfer ")[1].split(")")[0] for line in zeroed) == sorted(
+        f"{ZERO_PREFIX}{i}" for i in range(len(want))), zeroed
     differ = [i for i, (w, g) in enumerate(zip(want, got, strict=True))
               if w["tokens"] != g["tokens"]]
     log.warning("zeroed first block: tokens differ for prompts %s of %d", differ, len(want))

@@ -1,22 +1,22 @@
-"""The engine integrations' credentials: settings parsing, every client built with them, the
-sglang bootstrap store's token (issue 22, item 6). No vLLM import (fakes); sglang's base
-classes are imported by the sglang tests."""
+"""The engine integrations' credentials: sglang's settings and the clients built with them,
+the sglang bootstrap store's token (issue 22, item 6), and the vLLM connector's refusal of
+credential keys (over the engine channel it makes no gRPC call: issue 23). No vLLM
+import; sglang's base classes are imported by the sglang tests."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
-from kvbeam.auth import Security
+from kvbeam.auth import CLIENT_SETTINGS, Security
 from kvbeam.errors import AuthenticationError, ConfigError
 from kvbeam.integrations.sglang import bootstrap
 from kvbeam.integrations.vllm import params as P
-from kvbeam.integrations.vllm import scheduler as S
-from kvbeam.integrations.vllm import worker as W
-from tests.tls_helpers import Pki
 
 BASE = {"daemon": "127.0.0.1:7", "attach_socket": "/x.sock"}
 
@@ -28,88 +28,40 @@ def token_file(tmp_path: Path) -> str:
     return str(path)
 
 
-# ---- vLLM: kv_connector_extra_config ---------------------------------------------------
-def test_vllm_settings_read_the_token_file_and_tls_files(token_file: str, pki: Pki) -> None:
-    s = P.Settings.from_extra({**BASE, "auth_token_file": token_file}, "m")
-    assert s.security.token == "engine-token" and not s.security.tls
-    cert, key = pki.issue("vllm")
-    s = P.Settings.from_extra({**BASE, "tls_cert": str(cert), "tls_key": str(key),
-                               "tls_ca": str(pki.ca), "tls_server_name": "kvbeam",
-                               "auth_token_file": token_file}, "m")
-    assert s.security.mode == "mtls+token" and s.security.tls_server_name == "kvbeam"
-    assert P.Settings.from_extra(BASE, "m").security.mode == "none"
-    assert "engine-token" not in repr(s)
-
-
-@pytest.mark.parametrize(("extra", "needle"), [
-    ({"auth_token_file": "/nonexistent/token"},
-     "kv_connector_extra_config: --auth-token-file: cannot read /nonexistent/token"),
-    ({"tls_cert": "c.pem"}, "kv_connector_extra_config: mTLS needs --tls-cert, --tls-key and "
-                            "--tls-ca together; missing --tls-key, --tls-ca"),
-    ({"tls_ca": 3}, "kv_connector_extra_config.tls_ca: a string is needed"),
-    ({"auth_token": "inline"}, "unknown key(s) auth_token"),  # a file only: no secret in config
-])
-def test_vllm_settings_refuse_bad_credentials_naming_the_key(extra: dict[str, Any],
-                                                             needle: str) -> None:
+# ---- vLLM: no credentials (the connector makes no gRPC call) ---------------------------
+@pytest.mark.parametrize("key", CLIENT_SETTINGS)
+def test_vllm_settings_refuse_credential_keys_pointing_at_the_daemons(key: str,
+                                                                     token_file: str) -> None:
+    """The connector's every call goes over its attach socket (the daemon checks the
+    engine's uid): a credential in ``kv_connector_extra_config`` would protect nothing, so
+    it is refused at vLLM's start-up, saying where the credentials go instead."""
     with pytest.raises(ConfigError) as info:
-        P.Settings.from_extra({**BASE, **extra}, "m")
-    assert needle in str(info.value)
+        P.Settings.from_extra({**BASE, key: token_file}, "m")
+    message = str(info.value)
+    assert message.startswith(f"kv_connector_extra_config: {key}: the connector makes no "
+                              "gRPC call"), message
+    assert "attach socket" in message and "--attach-allow-uid" in message, message
+    assert "--auth-token-file" in message and "--tls-cert" in message, message
+    assert "engine-token" not in message
 
 
-def test_vllm_scheduler_side_presents_the_credentials(monkeypatch: pytest.MonkeyPatch,
-                                                       token_file: str) -> None:
-    settings = P.Settings.from_extra({**BASE, "auth_token_file": token_file}, "m")
-    made: list[tuple[str, Security | None]] = []
-
-    class Fake:
-        def __init__(self, daemon: str, rid: str, peer: str, *,
-                     security: Security | None = None) -> None:
-            made.append((daemon, security))
-
-        def send(self, ids: list[int], *, seq_len: int) -> None:
-            pass
-
-        reserve = send
-
-    monkeypatch.setattr(S, "Sender", Fake)
-    monkeypatch.setattr(S, "Receiver", Fake)
-    side = S.SchedulerSide(settings, block_size=32)
-    prefill_req = SimpleNamespace(request_id="a", prompt_token_ids=list(range(40)),
-                                  status="FINISHED_LENGTH_CAPPED",
-                                  kv_transfer_params={"do_remote_decode": True,
-                                                      "kvbeam_id": "t1", "decode_daemon": "d:1"})
-    side.request_finished(prefill_req, [5, 9])
-    decode_req = SimpleNamespace(request_id="b", prompt_token_ids=list(range(40)),
-                                 kv_transfer_params=P.returned_params("t2", "p:1", 40))
-    side.update_state_after_alloc(decode_req, SimpleNamespace(get_block_ids=lambda: ([1, 2],)),
-                                  40)
-    assert made == [("127.0.0.1:7", settings.security)] * 2
+def test_vllm_settings_hold_no_credentials() -> None:
+    assert "security" not in {f.name for f in fields(P.Settings)}
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) auth_token"):
+        P.Settings.from_extra({**BASE, "auth_token": "inline"}, "m")  # no inline secret either
 
 
-def test_vllm_worker_side_presents_the_credentials(monkeypatch: pytest.MonkeyPatch,
-                                                    token_file: str) -> None:
-    settings = P.Settings.from_extra({**BASE, "auth_token_file": token_file}, "m")
-    built: list[tuple[str, Security | None]] = []
-
-    class Client:
-        def status(self, rid: str) -> Any:
-            from kvbeam.states import TransferState
-
-            return SimpleNamespace(state=TransferState.SUCCESS)
-
-        def release(self, rid: str) -> None:
-            pass
-
-    def client_for(address: str, security: Security | None = None) -> Client:
-        built.append((address, security))
-        return Client()
-
-    monkeypatch.setattr(W, "client_for", client_for)
-    worker = W.WorkerSide(settings, block_size=32, num_kv_heads=1, head_size=8)
-    worker.absorb(S.StepPlan(loads=[S.Load("r", "t", (1,))], sends=[("s", "u")]))
-    assert worker.get_finished() == ({"s"}, {"r"})  # polls both, releases the load
-    assert built and all(b == ("127.0.0.1:7", settings.security) for b in built)
-    assert len(built) == 3  # two polls and the release
+def test_the_vllm_connector_imports_no_grpc() -> None:
+    """The scheduler and worker sides, settings read: gRPC is never imported in vLLM's
+    processes (kvbeam.auth, which the credential keys needed, imports it)."""
+    code = ("import sys\n"
+            "from kvbeam.integrations.vllm import params, scheduler, worker\n"
+            f"params.Settings.from_extra({BASE!r}, 'm')\n"
+            "print(sorted(m for m in ('grpc', 'kvbeam.auth', 'kvbeam.client') "
+            "if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_shared_clients_are_per_address_and_credentials() -> None:

@@ -64,11 +64,7 @@ def test_decode_loads_the_whole_prompt_into_its_blocks() -> None:
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # asked again: no reload
 
 
-# MERGE(wt-chan side)
-def test_decode_with_a_local_prefix_computes_itself() -> None:
-# MERGE(wt-switch side)
-def test_a_request_cannot_switch_on_test_behaviour(calls: Calls,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_a_request_cannot_switch_on_test_behaviour(caplog: pytest.LogCaptureFixture) -> None:
     """``kv_transfer_params`` comes from any API caller: the retired test switch
     ``kvbeam_test_zero_first_block`` (it zeroed the first landed block) and any other
     unknown ``kvbeam_`` key change nothing; the connector logs them as ignored."""
@@ -78,8 +74,8 @@ def test_a_request_cannot_switch_on_test_behaviour(calls: Calls,
     req = Req("e", list(range(45)), params)
     assert side.get_num_new_matched_tokens(req, 0) == (45, True)
     side.update_state_after_alloc(req, Blocks([7, 3]), 45)
-    assert calls.made == [("reserve", "127.0.0.1:7", "t5", "p:1", [7, 3], 45)]
-    assert side.take_plan().loads == [S.Load("e", "t5", (7, 3))]  # as without the keys
+    # The plan the worker reserves from is the one without the keys.
+    assert side.take_plan().loads == [S.Load("e", "t5", (7, 3), "p:1", 45)]
     assert P.load_params(params) == P.load_params(P.returned_params("t5", "p:1", 45))
     ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert ignored and all("kvbeam_bogus, kvbeam_test_zero_first_block" in m
@@ -87,13 +83,16 @@ def test_a_request_cannot_switch_on_test_behaviour(calls: Calls,
     prefill = {"do_remote_decode": True, "kvbeam_id": "t6", "decode_daemon": "d:1",
                "kvbeam_test_zero_first_block": True}
     assert P.send_params(prefill) == P.SendParams("t6", "d:1")
+    hold, _ = side.request_finished(Req("h", list(range(45)), prefill), [4, 8])
+    assert hold and side.take_plan().sends == [S.Push("h", "t6", (4, 8), "d:1", 45)]
 
 
 def test_malformed_params_do_not_raise_into_vllms_scheduler(
-        calls: Calls, caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture) -> None:
     """An exception in a connector call stops vLLM's engine core for every request: a
     request whose kvbeam keys are malformed runs without a transfer instead (decode
-    computes the prompt itself, prefill sends nothing), and the log says why."""
+    computes the prompt itself, prefill sends nothing: nothing in the plan), and the log
+    says why."""
     side = S.SchedulerSide(SETTINGS, block_size=32)
     for bad in ({"do_remote_prefill": True, "prefill_daemon": "p:1"},
                 {"do_remote_prefill": True, "kvbeam_id": 7, "prefill_daemon": "p:1"}):
@@ -102,15 +101,14 @@ def test_malformed_params_do_not_raise_into_vllms_scheduler(
         side.update_state_after_alloc(req, Blocks([7, 3]), 45)
     prefill = Req("g", list(range(45)), {"do_remote_decode": True, "kvbeam_id": "t7"})
     assert side.request_finished(prefill, [1, 2]) == (False, None)
-    assert calls.made == [] and side.take_plan().loads == []
+    assert side.take_plan() == S.StepPlan()
     assert not side.has_pending_push_work()
     refused = [r.getMessage() for r in caplog.records if "no transfer" in r.getMessage()]
     assert any("request f" in m and "kvbeam_id" in m for m in refused), refused
     assert any("request g" in m and "decode_daemon" in m for m in refused), refused
 
 
-def test_decode_with_a_local_prefix_computes_itself(calls: Calls) -> None:
-# MERGE(end)
+def test_decode_with_a_local_prefix_computes_itself() -> None:
     side = S.SchedulerSide(SETTINGS, block_size=32)
     req = Req("c", list(range(45)), P.returned_params("t3", "p:1", 45))
     assert side.get_num_new_matched_tokens(req, 32) == (0, False)

@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from kvbeam.errors import ConfigError
-
-if TYPE_CHECKING:  # kvbeam.auth imports gRPC: only when settings are read
-    from kvbeam.auth import Security
 
 log = logging.getLogger(__name__)
 
@@ -109,47 +106,61 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def _no_credentials() -> Security:
-    from kvbeam.auth import Security
-
-    return Security()
+#: The credential settings of the integrations that call daemons over gRPC (the names of
+#: ``kvbeam.auth.CLIENT_SETTINGS``, spelt out: that module imports gRPC). The vLLM
+#: connector makes no gRPC call, so it refuses them rather than ignore a credential.
+CREDENTIAL_KEYS = ("auth_token_file", "tls_cert", "tls_key", "tls_ca", "tls_server_name")
+SETTINGS_KEYS = frozenset({"daemon", "attach_socket", "model", "inner_layout"})
 
 
 @dataclass(frozen=True)
 class Settings:
     """``kv_connector_extra_config``: where this instance's kvbeam daemon is.
 
+    The connector's every call goes over the attach socket's engine channel (the daemon
+    admits the engine by its uid): it makes no gRPC call and holds no credentials. The
+    daemons authenticate each other with their own flags (``--auth-token-file``,
+    ``--tls-*``).
+
     Attributes:
-        daemon: the local daemon's gRPC address (``--listen``).
-        attach_socket: its ``--attach-socket`` (the worker attaches vLLM's KV cache there).
+        daemon: the local daemon's gRPC address (``--listen``): not called by the
+            connector, but handed to decode (prefill's ``prefill_daemon``), whose daemon
+            reaches prefill's there.
+        attach_socket: its ``--attach-socket`` (the worker attaches vLLM's KV cache there
+            and drives every transfer over it).
         model: the model name both sides' pool metadata must share (default: vLLM's
             served model name).
         inner_layout: the name of vLLM's block layout both sides must share.
-        security: what every call to a daemon presents, from the keys ``auth_token_file``,
-            ``tls_cert``, ``tls_key``, ``tls_ca``, ``tls_server_name``
-            (:func:`kvbeam.auth.client_security`; the daemons' flags of the same names).
     """
 
     daemon: str
     attach_socket: str
     model: str
     inner_layout: str = "LBHNC"
-    security: Security = field(default_factory=_no_credentials)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], default_model: str) -> Settings:
-        """Read and check the connector's extra config (credential files are read now)."""
-        from kvbeam.auth import CLIENT_SETTINGS, client_security
+        """Read and check the connector's extra config.
 
-        known = {"daemon", "attach_socket", "model", "inner_layout", *CLIENT_SETTINGS}
-        unknown = sorted(set(extra) - known)
+        Raises:
+            ConfigError: a key is unknown, a credential key is given (naming where the
+                credentials go instead), or ``daemon``/``attach_socket`` is missing.
+        """
+        credentials = [k for k in CREDENTIAL_KEYS if k in extra]
+        if credentials:
+            raise ConfigError(
+                f"kv_connector_extra_config: {', '.join(credentials)}: the connector makes "
+                "no gRPC call, so it takes no credentials: its calls go over the attach "
+                "socket (attach_socket), where the daemon checks the engine's uid "
+                "(--attach-allow-uid); give the token or TLS files to the daemons "
+                "themselves (--auth-token-file; --tls-cert, --tls-key, --tls-ca)")
+        unknown = sorted(set(extra) - SETTINGS_KEYS)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(known))}")
+                              f"known: {', '.join(sorted(SETTINGS_KEYS))}")
         for key in ("daemon", "attach_socket"):
             if not isinstance(extra.get(key), str) or not extra[key]:
                 raise ConfigError(f"kv_connector_extra_config.{key}: required (a string)")
         return cls(daemon=extra["daemon"], attach_socket=extra["attach_socket"],
                    model=str(extra.get("model") or default_model),
-                   inner_layout=str(extra.get("inner_layout") or "LBHNC"),
-                   security=client_security(extra, "kv_connector_extra_config"))
+                   inner_layout=str(extra.get("inner_layout") or "LBHNC"))
