@@ -265,9 +265,10 @@ def load_token(token: str, token_file: str) -> str:
     return lines[0].strip()
 
 
-#: The credential settings of the engine integrations, named as the daemons' flags are
-#: (vLLM's ``kv_connector_extra_config`` keys; sglang's ``kvbeam_KEY`` attributes or
-#: ``KVBEAM_KEY`` variables). The token only from a file: no secret in an engine's config.
+#: The credential settings of the engine integrations that call daemons over gRPC, named
+#: as the daemons' flags are (sglang's ``kvbeam_KEY`` attributes or ``KVBEAM_KEY``
+#: variables; vLLM's connector refuses them: it calls over its attach socket only). The
+#: token only from a file: no secret in an engine's config.
 CLIENT_SETTINGS = ("auth_token_file", "tls_cert", "tls_key", "tls_ca", "tls_server_name")
 
 
@@ -276,7 +277,7 @@ def client_security(settings: Mapping[str, object], where: str) -> Security:
 
     Args:
         settings: any of :data:`CLIENT_SETTINGS` (missing or empty: not used).
-        where: what the settings are, for errors (``kv_connector_extra_config``).
+        where: what the settings are, for errors (``kvbeam sglang backend``).
 
     Raises:
         ConfigError: a setting is not a string, the TLS files are incomplete, or a file
