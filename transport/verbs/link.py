@@ -116,6 +116,7 @@ class VerbsLink(Link):
                 raise TransportError(f"link {self.id} is {self._state}; create a new link")
             for lane, qpn in zip(self._lanes, peer.qpns, strict=True):
                 lane.qp.to_rts(peer.gid, qpn, peer.psn, mtu)
+            self._t.bind(self.id, self._qps)  # our keys work from here on
             self._peer = table
             if peer.regions:
                 self._marker = (peer.regions[0].addr, peer.regions[0].rkey)
