@@ -374,38 +374,35 @@ class BrokenQueuePair(FakeQueuePair):
         return [SimpleNamespace(wr_id=RECV_TAG, status=5, vendor_err=0)]  # IBV_WC_WR_FLUSH_ERR
 
 
-def test_keys_of_a_link_that_fails_on_the_progress_thread_go_outside_the_lock(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    lock_free: list[bool] = []
-    holder: list[Any] = []
+@pytest.mark.parametrize("how", ["release", "failure on the progress thread"])
+def test_a_links_windows_go_before_its_qps(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """A bound type-2 window holds its QP (rxe waits for it before destroying the QP):
+    released or failed, a link deallocates its windows first."""
+    order: list[str] = []
 
-    def probe() -> None:
-        got = holder[0].lock.acquire(timeout=2)
-        lock_free.append(got)
-        if got:
-            holder[0].lock.release()
-
-    class WatchedWindow(FakeWindow):
-        def close(self) -> None:  # could another thread take the transport lock now?
-            thread = threading.Thread(target=probe)
-            thread.start()
-            thread.join()
+    class RecordingWindow(FakeWindow):
+        def close(self) -> None:
+            order.append("window")
             super().close()
 
-    fake_verbs(monkeypatch, qp=BrokenQueuePair, window=WatchedWindow)
+    class RecordingQueuePair(BrokenQueuePair):
+        def close(self) -> None:
+            order.append("qp")
+
+    fake_verbs(monkeypatch, qp=RecordingQueuePair, window=RecordingWindow)
     t: Any = verbs.VerbsTransport("fake0", 0, raw_chains=False)
-    holder.append(t)
     try:
         t.register([Region(0x10000, 4096)], Access.REMOTE_WRITE)
         link = t.create_link()
-        (key,) = [r.rkey for r in link.endpoint.regions]
         link.connect(PEER)
-        BrokenQueuePair.made[-1].broken.set()
-        event = t.events(timeout=5)
-        assert [e.status for e in event] == ["IBV_WC_WR_FLUSH_ERR"]  # LINK_FAILED
-        mr = next(m for m in t.device.windows if m.rkey == key)
-        assert wait_until(lambda: mr.closed, 5)
-        assert lock_free == [True]  # deregistered after the progress thread let go
+        if how == "release":
+            link.release()
+        else:
+            BrokenQueuePair.made[-1].broken.set()
+            event = t.events(timeout=5)
+            assert [e.status for e in event] == ["IBV_WC_WR_FLUSH_ERR"]  # LINK_FAILED
+            assert wait_until(lambda: "qp" in order, 5)
+        assert order == ["window", "qp"]
         assert t.link_regions(link.id) == ()
     finally:
         t.close()

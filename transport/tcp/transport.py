@@ -29,7 +29,7 @@ from kvbeam.errors import RegionError, TransportError
 from kvbeam.transport import status as st
 from kvbeam.transport.base import Access, Event, EventKind, Registration, Transport
 from kvbeam.transport.core import wait_readable
-from kvbeam.transport.endpoint import Region, RemoteRegion
+from kvbeam.transport.endpoint import Endpoint, Region, RemoteRegion
 from kvbeam.transport.host import LinkHostBase
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.regions import RegionTable
@@ -90,6 +90,10 @@ class TcpTransport(LinkHostBase, Transport):
             self._links[link.id] = link
             self._by_token[link.token] = link
         return link
+
+    def template_endpoint(self) -> Endpoint:
+        """Our address without a link token (a link refuses to connect to it)."""
+        return Endpoint(kind="tcp", regions=(), address=self.address)
 
     def stats(self) -> TransportStats:
         """Counters: bytes sent (ACKed) and received (landed here), completions, failures."""

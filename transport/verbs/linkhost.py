@@ -35,7 +35,8 @@ class VerbsHost(LinkHost, Protocol):
         caller holds the transport lock); raises TransportError if they cannot be."""
 
     def revoke(self, link_id: int) -> None:
-        """Revoke link ``link_id``'s own memory keys (its QP is destroyed)."""
+        """Revoke link ``link_id``'s own memory keys (deallocate its memory windows), at
+        once; called under the transport lock just before its QPs are destroyed."""
 
 
 @dataclass

@@ -30,12 +30,13 @@ further down the list, never one above it):
    per-link grants, QP state changes, and every post and poll (the progress thread
    holds it while it services links). Held while a connecting link binds its memory
    windows (local work requests on its own QP, which the progress thread does not
-   service before it is connected). Never held across a memory registration or
-   deregistration: :meth:`VerbsTransport.register` and :meth:`VerbsTransport.create_link`
-   register their MRs first and take it only to record them; a released registration,
-   a released link's keys and :meth:`VerbsTransport.close` deregister after letting go
-   of it; a link that fails on the progress thread hands its keys back under it, and
-   that thread deregisters them as soon as it lets go, before it services links again.
+   service before it is connected) and while a released or failed link's windows are
+   deallocated (before its QPs: a bound type-2 window holds its QP); both are cheap,
+   constant work per region. Never held across a memory registration or
+   deregistration: :meth:`VerbsTransport.register` registers its MRs first and takes
+   it only to record them, :meth:`VerbsTransport.create_link` registers nothing; a
+   released registration and :meth:`VerbsTransport.close` deregister after letting
+   go of it.
    ``TcpTransport._lock`` (links and tokens) sits at this level on the TCP side and
    is never held while a link lock is taken.
 2. ``VerbsLink._submit_lock`` (the queue between writers and the progress thread) and
@@ -61,12 +62,12 @@ from typing import Any
 from kvbeam.errors import RegionError, TransportError
 from kvbeam.transport.base import Access, Registration, Transport
 from kvbeam.transport.core import wait_readable
-from kvbeam.transport.endpoint import Region, RemoteRegion
+from kvbeam.transport.endpoint import Endpoint, Region, RemoteRegion
 from kvbeam.transport.host import LinkHostBase
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.stats import TransportStats
 from kvbeam.transport.verbs.chain import Poster
-from kvbeam.transport.verbs.device import VerbsDevice
+from kvbeam.transport.verbs.device import VerbsDevice, mtu_bytes
 from kvbeam.transport.verbs.link import VerbsLink
 from kvbeam.transport.verbs.pyverbs_import import import_pyverbs
 from kvbeam.transport.verbs.qp import QueuePair
@@ -108,9 +109,6 @@ class VerbsTransport(LinkHostBase, Transport):
                         "(per-peer keys need memory windows; docs/security.md)", device)
         #: Per link id: (registration, that link's memory windows over it), registration order.
         self._grants: dict[int, list[tuple[Registration, list[Window]]]] = {}
-        #: Grants of links that failed on the progress thread, deregistered by it after
-        #: it lets go of the transport lock.
-        self._retired: list[tuple[Registration, list[Window]]] = []
         self._lock = threading.RLock()
         self._links: dict[int, VerbsLink] = {}
         self._next_id = 1
@@ -208,6 +206,13 @@ class VerbsTransport(LinkHostBase, Transport):
                      time.monotonic() - start)
         return link
 
+    def template_endpoint(self) -> Endpoint:
+        """The device's GID and MTU and no keys; its QPN is 1 (the GSI QP of every
+        port), which no RC QP can connect to: there is no link behind it."""
+        return Endpoint(kind="rdma", regions=(), gid=self.device.gid,
+                        qpns=(1,) * self.options.qps_per_peer, psn=0,
+                        mtu=mtu_bytes(self.device.mtu), address=self.device.name)
+
     def link_regions(self, link_id: int) -> tuple[RemoteRegion, ...]:
         """The remote-writable regions with the rkeys of link ``link_id`` only (empty once
         it is released: its keys are revoked)."""
@@ -261,7 +266,6 @@ class VerbsTransport(LinkHostBase, Transport):
         self.wake()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
-        self._close_retired()
         with self._lock:
             links = list(self._links.values())
         for link in links:
@@ -305,27 +309,17 @@ class VerbsTransport(LinkHostBase, Transport):
                   time.monotonic() - start)
 
     def revoke(self, link_id: int) -> None:
-        """Deregister a link's keys (its QP is gone): a write with them now fails remotely.
+        """Deallocate a link's memory windows: a write with their keys now fails remotely.
 
-        A link that fails on the progress thread revokes under the transport lock; its
-        keys are then deregistered when that thread lets go of the lock, before it looks
-        at any link again.
+        Called by the link under the transport lock, before it destroys its QPs
+        (deallocating a window is one cheap verbs call, no deregistration).
         """
         with self._lock:
             grants = self._grants.pop(link_id, [])
-            if threading.current_thread() is self._thread:
-                self._retired += grants
-                return
-        _close_grants(grants)
+            _close_grants(grants)
         if grants:
             log.debug("link %d: %d memory windows revoked", link_id,
                       sum(len(m) for _, m in grants))
-
-    def _close_retired(self) -> None:
-        """Deregister the keys failed links left behind (outside the transport lock)."""
-        with self._lock:
-            retired, self._retired = self._retired, []
-        _close_grants(retired)
 
     def _deregister(self, reg: Registration) -> None:
         doomed: list[tuple[Registration, list[Window]]] = []
@@ -344,7 +338,6 @@ class VerbsTransport(LinkHostBase, Transport):
         backoff = _BACKOFF_S[0]
         while not self._stopping:
             try:
-                self._close_retired()
                 if self._cycle():
                     backoff = _BACKOFF_S[0]
                     continue
