@@ -103,10 +103,7 @@ class VerbsTransport(LinkHostBase, Transport):
         #: The memory window type links get (None: the REMOTE_WRITE MRs' own keys are shared).
         self._window_type = (self.device.window_type(self.options.qps_per_peer)
                              if self.options.per_link_keys else None)
-        if self.options.per_link_keys and self._window_type is None:
-            log.warning("RDMA device %s has no memory windows: every peer gets the same "
-                        "remote-write keys of the pools, valid until the daemon stops "
-                        "(per-peer keys need memory windows; docs/security.md)", device)
+        self._warned_shared = False  # the no-windows warning is logged once
         #: Per link id: (registration, that link's memory windows over it), registration order.
         self._grants: dict[int, list[tuple[Registration, list[Window]]]] = {}
         self._lock = threading.RLock()
@@ -143,6 +140,13 @@ class VerbsTransport(LinkHostBase, Transport):
             if r.addr <= 0 or r.length <= 0:
                 raise RegionError(f"cannot register {r}: address and length must be positive")
         windows = self._window_type is not None and access is Access.REMOTE_WRITE
+        if (access is Access.REMOTE_WRITE and self.options.per_link_keys and not windows
+                and not self._warned_shared):
+            self._warned_shared = True
+            log.warning("RDMA device %s has no memory windows: every peer gets the same "
+                        "remote-write keys of the pools, valid until the daemon stops "
+                        "(per-peer keys need memory windows; docs/security.md)",
+                        self.device.name)
         shared = Access.LOCAL if windows else access
         mrs: list[Any] = []
         try:
