@@ -137,11 +137,9 @@ class Runtime:
 
     def _template_endpoint(self) -> Endpoint:
         # The handshake carries a per-peer endpoint; this template only gives the
-        # SideInfo (and the start-up check) a real one of this transport's kind.
-        template = self.transport.create_link()
-        endpoint = template.endpoint
-        template.release()
-        return endpoint
+        # SideInfo (and the start-up check) one of this transport's kind, without
+        # creating a link (a QP and memory keys) to throw away.
+        return self.transport.template_endpoint()
 
     # ---- the pools (own, or the attached engine's) ------------------------------------
     def _require(self) -> Pools:

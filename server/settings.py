@@ -190,8 +190,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("insecure", INSECURE_ENV, parse_bool, False,
            "allow a non-loopback --listen without authentication (true/false)"),
     Option("per_peer_rkeys", "KVBEAM_PER_PEER_RKEYS", parse_bool, True,
-           "RDMA decode: register the pools once more per peer so each peer gets its own "
-           "rkeys, revoked when it goes (false: one shared set, faster handshakes)"),
+           "RDMA decode: each peer gets its own rkeys (memory windows over the pools' one "
+           "registration), revoked when it goes (false, or a device without memory "
+           "windows: one shared set, valid until the daemon stops)"),
     Option("rdma_qp_timeout", "KVBEAM_RDMA_QP_TIMEOUT", int, 17,
            "RDMA: the RC QP's ack timeout exponent, 4.096 us * 2**N per try (0-31; 17: 0.54 s)"),
     Option("rdma_retry_cnt", "KVBEAM_RDMA_RETRY_CNT", int, 7,

@@ -108,6 +108,9 @@ class FakeHost:
     def forget(self, link_id: int) -> None:
         pass
 
+    def bind(self, link_id: int, qps: Any) -> None:
+        pass
+
     def revoke(self, link_id: int) -> None:
         self.revoked.append(link_id)
 

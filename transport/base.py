@@ -129,6 +129,12 @@ class Transport(ABC):
         """A new link; put its ``endpoint`` into the handshake, then ``connect``."""
 
     @abstractmethod
+    def template_endpoint(self) -> Endpoint:
+        """An endpoint of this transport's kind and address, for a side's metadata
+        before any link exists; it names no link (nothing can connect to it) and
+        costs nothing. Handshakes carry each peer's own link's endpoint instead."""
+
+    @abstractmethod
     def events(self, timeout: float | None = 0.0) -> list[Event]:
         """Events so far, waiting up to ``timeout`` seconds (None: forever) for one."""
 

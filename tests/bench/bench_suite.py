@@ -15,7 +15,10 @@ reference measured in the same boot:
 6. whole DSV4 requests through the daemons and the scheduler API, unified and
    paged, integrity on and off, each daemon's CPU per request
    (:mod:`tests.bench.bench_request`); on the first pair (unified, integrity on) also
-   the engine-chosen lists the Mooncake peer moved, and 16 concurrent 8k requests.
+   the engine-chosen lists the Mooncake peer moved, and 16 concurrent 8k requests;
+7. handshake_pool (:mod:`tests.bench.bench_keys`): a handshake's data-plane time with
+   a small decode pool and a 1 GiB one, beside what re-registering the pool costs
+   (what every handshake did before memory windows).
 
 Prints a table (:mod:`tests.bench.report`), writes everything to ``--json`` (default
 ``$KVBEAM_RESULTS_DIR/bench.json``), and ends with the targets table and one
@@ -47,8 +50,8 @@ import numpy as np
 from kvbeam.client import KvbeamClient
 from kvbeam.procs import DaemonProcess
 from kvbeam.transport.options import TransportOptions
+from tests.bench import bench_keys, targets
 from tests.bench import bench_scaling as sc
-from tests.bench import targets
 from tests.bench.bench_request import (
     PairWork,
     RequestRow,
@@ -311,7 +314,8 @@ def main() -> None:
     p.add_argument("--lens", default="128,1024,8192,32768")
     p.add_argument("--req-repeat", type=int, default=5)
     p.add_argument("--skip", default="", help="comma list of sections to skip: mooncake, "
-                   "mooncake_request,scaling,requests,fragmented,aggregate,threads "
+                   "mooncake_request,scaling,requests,fragmented,aggregate,threads,"
+                   "handshake_pool "
                    "(quick iteration)")
     p.add_argument("--report", metavar="JSON", help="print the table of an earlier run and exit")
     p.add_argument("--host-json", metavar="FILE", help="with --report: fold these host "
@@ -344,6 +348,9 @@ def main() -> None:
         if isinstance(res.get(sec), dict):  # failed: keep the error, report no rows
             res[f"{sec}_error"] = res[sec].get("error")
             res[sec] = []
+    if "handshake_pool" not in skip:
+        res["handshake_pool"] = guarded("handshake_pool", bench_keys.handshake_pools,
+                                        args.device, args.gid_index)
     prof = Path(args.results) / "profile"
     if (prof / "requests.txt").exists():
         res["profile_128"] = guarded("profile", profile_table, prof)
@@ -353,6 +360,8 @@ def main() -> None:
     Path(args.json).write_text(json.dumps(res, indent=1, default=float))
     log(f"wrote {args.json} after {res['elapsed_s']:.0f} s")
     report(res)
+    if isinstance(res.get("handshake_pool"), dict) and "error" not in res["handshake_pool"]:
+        bench_keys.print_table(res["handshake_pool"])
     crc = [v.get("crc_ok", True) for sec in ("mooncake", "kvbeam_raw")
            for v in res[sec].values() if isinstance(v, dict)]
     crc += [row.get("crc_ok", True) for per_len in (res.get("mooncake_request") or {}).values()

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from kvbeam.proto.side import SideInfo
 from kvbeam.server.decode import DecodeServicer
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.settings import resolve
+from kvbeam.transport.tcp import TcpLink, TcpTransport
 from tests.fixtures import shipped_config
 
 
@@ -52,3 +55,26 @@ def test_wildcard_listen_fixes_the_advertised_address_before_serving() -> None:
         assert runtime.local.control_address == advertised
     finally:
         runtime.stop(grace=0.2)
+
+
+def test_start_up_creates_no_throwaway_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The side's endpoint before any peer is a template of the transport's kind: no link
+    (over RDMA: no QP, no memory keys) is created and thrown away for it."""
+    created: list[object] = []
+    real = TcpTransport.create_link
+
+    def counting(self: TcpTransport) -> TcpLink:
+        created.append(self)
+        return real(self)
+
+    monkeypatch.setattr(TcpTransport, "create_link", counting)
+    env = {"KVBEAM_CONFIG": shipped_config("decode"), "KVBEAM_LISTEN": "127.0.0.1:0",
+           "KVBEAM_TRANSPORT": "tcp"}
+    runtime = Runtime(resolve("decode", None, env))
+    try:
+        servicer = DecodeServicer(runtime)
+        servicer.prepare()  # the template encodes and validates as the side's endpoint
+        assert runtime.local.endpoint.kind == "tcp"
+        assert created == []
+    finally:
+        runtime.transport.close()

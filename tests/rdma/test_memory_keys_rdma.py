@@ -1,9 +1,10 @@
 """Least access on a real (or soft-RoCE) device: per-link rkeys, revocation, no remote read.
 
 Two transports in this process play prefill (source registered LOCAL) and decode
-(destination registered REMOTE_WRITE); their links are RC QPs on the same device.
-A "peer that went away" is a released decode link; its old rkeys are then tried
-from a fresh QP, as a stale or malicious peer would.
+(destination registered REMOTE_WRITE, once); their links are RC QPs on the same device
+and each decode link's keys are its own memory windows (type 2 with one QP per link,
+bound to it; type 1 with several). A "peer that went away" is a released decode link;
+its old rkeys are then tried from a fresh QP, as a stale or malicious peer would.
 """
 
 from __future__ import annotations
@@ -35,14 +36,14 @@ ACCESS_ERRORS = ("IBV_WC_REM_ACCESS_ERR",)
 class Pair:
     """A prefill transport and a decode transport on one device, with their buffers."""
 
-    def __init__(self, device: RdmaDevice) -> None:
+    def __init__(self, device: RdmaDevice, options: TransportOptions = OPTIONS) -> None:
         self.src = mmap.mmap(-1, SIZE)
         self.src.write(np.random.default_rng(7).integers(0, 256, SIZE, np.uint8).tobytes())
         self.dst = mmap.mmap(-1, SIZE)
         self.dst.write(bytes([FILL]) * SIZE)
         self.src_addr, self.dst_addr = buffer_address(self.src), buffer_address(self.dst)
-        self.prefill = verbs.VerbsTransport(device.name, device.gid_index, OPTIONS)
-        self.decode = verbs.VerbsTransport(device.name, device.gid_index, OPTIONS)
+        self.prefill = verbs.VerbsTransport(device.name, device.gid_index, options)
+        self.decode = verbs.VerbsTransport(device.name, device.gid_index, options)
         self.src_reg = self.prefill.register([Region(self.src_addr, SIZE)], Access.LOCAL)
         self.dst_reg = self.decode.register([Region(self.dst_addr, SIZE)], Access.REMOTE_WRITE)
 
@@ -90,6 +91,14 @@ def pair(rdma_device: RdmaDevice) -> Iterator[Pair]:
     p.close()
 
 
+@pytest.fixture
+def multi_qp_pair(rdma_device: RdmaDevice) -> Iterator[Pair]:
+    """Two QPs per link: one key per region for both, so type-1 windows."""
+    p = Pair(rdma_device, dataclasses.replace(OPTIONS, qps_per_peer=2))
+    yield p
+    p.close()
+
+
 def test_each_peer_gets_its_own_rkeys(pair: Pair) -> None:
     lp1, ld1 = pair.connect()
     lp2, ld2 = pair.connect()
@@ -102,7 +111,10 @@ def test_each_peer_gets_its_own_rkeys(pair: Pair) -> None:
     assert pair.write(lp2, 2, 65536).ok and pair.landed(65536)
 
 
-def test_old_peer_rkey_stops_working_after_it_goes_away(pair: Pair) -> None:
+@pytest.mark.parametrize("pairing", ["pair", "multi_qp_pair"])
+def test_old_peer_rkey_stops_working_after_it_goes_away(
+        request: pytest.FixtureRequest, pairing: str) -> None:
+    pair: Pair = request.getfixturevalue(pairing)
     lp1, ld1 = pair.connect()
     assert pair.write(lp1, 1).ok and pair.landed()
     stale = ld1.endpoint.regions
@@ -116,6 +128,19 @@ def test_old_peer_rkey_stops_working_after_it_goes_away(pair: Pair) -> None:
     lp3, ld3 = pair.connect()  # a new handshake gets fresh keys that work
     assert {r.rkey for r in ld3.endpoint.regions}.isdisjoint(r.rkey for r in stale)
     assert pair.write(lp3, 3, 131072).ok and pair.landed(131072)
+
+
+def test_a_live_peers_rkey_does_not_work_on_another_peers_qp(pair: Pair) -> None:
+    """Type-2 windows are bound to their link's QP: a peer that learned another live
+    peer's keys still cannot write with them (per-link MRs allowed that)."""
+    lp1, ld1 = pair.connect()
+    lp2, ld2 = pair.connect(lambda ep: dataclasses.replace(ep, regions=ld1.endpoint.regions))
+    assert ld2.endpoint.regions != ld1.endpoint.regions
+    before = bytes(pair.dst)
+    event = pair.write(lp2, 2, 65536)
+    assert (event.ok, event.status) == (False, "IBV_WC_REM_ACCESS_ERR"), event
+    assert bytes(pair.dst) == before
+    assert pair.write(lp1, 1).ok and pair.landed()  # its own peer's writes still work
 
 
 @pytest.mark.parametrize("whose", ["decode", "prefill"])

@@ -1,8 +1,9 @@
 """Least access for registered memory, on the host: MR flags and per-link keys (fake device).
 
 The real device runs the same paths in tests/rdma/test_memory_keys_rdma.py; here a
-fake device records what would be registered, so the bookkeeping (which MR grants
-what, which keys a link advertises, when they are deregistered) is checked fast.
+fake device records what would be registered and which memory windows exist, so the
+bookkeeping (which MR grants what, which keys a link advertises, when they are
+revoked, that a handshake registers nothing) is checked fast.
 """
 
 from __future__ import annotations
@@ -26,36 +27,69 @@ from kvbeam.transport.verbs import transport as verbs
 from kvbeam.transport.verbs.qp import RECV_TAG
 from tests.transport_peer import buffer_address
 
+_keys = itertools.count(0x100)
+
 
 class FakeMR:
     """What ibv_reg_mr would return: keys and the access it grants."""
 
-    _keys = itertools.count(0x100)
-
-    def __init__(self, addr: int, length: int, access: Access) -> None:
-        self.addr, self.length, self.access = addr, length, access
-        self.lkey = self.rkey = next(self._keys)
+    def __init__(self, addr: int, length: int, access: Access, windows: bool = False) -> None:
+        self.addr, self.length, self.access, self.windows = addr, length, access, windows
+        self.lkey = self.rkey = next(_keys)
         self.closed = False
 
     def close(self) -> None:
         self.closed = True
 
 
+class FakeWindow:
+    """A memory window: remote write through its own key over part of an MR."""
+
+    made: ClassVar[list[FakeWindow]] = []
+
+    def __init__(self, dev: Any, mr: FakeMR, addr: int, length: int, mw_type: int) -> None:
+        assert mr.windows, "a window over an MR that does not allow them"
+        self.mr, self.addr, self.length, self.mw_type = mr, addr, length, mw_type
+        self.access = Access.REMOTE_WRITE
+        self.rkey = next(_keys)
+        self.closed = self.bound = False
+        dev.windows.append(self)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def fake_bind(qp: Any, windows: list[FakeWindow], timeout: float) -> None:
+    for window in windows:
+        window.bound = True
+
+
 class FakeDevice:
-    """Records every MR; enough of VerbsDevice for the transport and links."""
+    """Records every MR and window; enough of VerbsDevice for the transport and links."""
+
+    window_kind: ClassVar[int | None] = 2  # what window_type answers (None: no windows)
 
     def __init__(self, name: str, gid_index: int) -> None:
         self.name, self.gid_index = name, gid_index
         self.gid, self.mtu = "fe80:0000:0000:0000:0000:0000:0000:0001", 3
         self.mrs: list[FakeMR] = []
+        self.windows: list[FakeWindow] = []
 
-    def register(self, addr: int, length: int, access: Access) -> FakeMR:
-        mr = FakeMR(addr, length, access)
+    def window_type(self, qps_per_link: int) -> int | None:
+        return self.window_kind
+
+    def register(self, addr: int, length: int, access: Access, *,
+                 windows: bool = False) -> FakeMR:
+        mr = FakeMR(addr, length, access, windows)
         self.mrs.append(mr)
         return mr
 
-    def live(self) -> list[FakeMR]:
-        return [m for m in self.mrs if not m.closed]
+    def all_keys(self) -> list[FakeMR | FakeWindow]:
+        """Every MR and window, in creation order of each kind."""
+        return [*self.mrs, *self.windows]
+
+    def live(self) -> list[FakeMR | FakeWindow]:
+        return [m for m in self.all_keys() if not m.closed]
 
     def close(self) -> None:
         pass
@@ -67,14 +101,30 @@ class FakeQueuePair:
     def __init__(self, dev: FakeDevice, opts: Any) -> None:
         self.qpn, self.psn, self.event_fd, self.sq_depth = next(self._qpns), 1, None, 16
 
+    def to_rts(self, *args: Any) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
 
+PEER = Endpoint("rdma", (RemoteRegion(0x4000_0000, 4096, 9),), gid="fe80::2", qpns=(5,), psn=3,
+                mtu=4096)
+
+
+def fake_verbs(monkeypatch: pytest.MonkeyPatch, device: type[FakeDevice] = FakeDevice,
+               qp: type[FakeQueuePair] = FakeQueuePair,
+               window: type[FakeWindow] = FakeWindow) -> None:
+    """The transport's device, QPs and memory windows replaced by fakes."""
+    monkeypatch.setattr(verbs, "VerbsDevice", device)
+    monkeypatch.setattr(verbs, "QueuePair", qp)
+    monkeypatch.setattr(verbs, "Window", window, raising=False)
+    monkeypatch.setattr(verbs, "bind_windows", fake_bind, raising=False)
+
+
 @pytest.fixture
 def transport(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    monkeypatch.setattr(verbs, "VerbsDevice", FakeDevice)
-    monkeypatch.setattr(verbs, "QueuePair", FakeQueuePair)
+    fake_verbs(monkeypatch)
     t = verbs.VerbsTransport("fake0", 0, raw_chains=False)
     yield t
     t.close()
@@ -84,7 +134,22 @@ def test_shared_mrs_grant_no_remote_access(transport: Any) -> None:
     transport.register([Region(0x10000, 4096), Region(0x20000, 4096)], Access.REMOTE_WRITE)
     transport.register([Region(0x30000, 4096)], Access.LOCAL)
     assert [m.access for m in transport.device.mrs] == [Access.LOCAL] * 3
+    assert [m.windows for m in transport.device.mrs] == [True, True, False]
 
+
+def test_a_handshake_registers_no_memory(transport: Any) -> None:
+    """A link (one per handshake) gets windows over the pools' one registration: its
+    cost does not grow with the pool; the windows are bound when it connects."""
+    dev: FakeDevice = transport.device
+    transport.register([Region(0x10000, 1 << 30), Region(0x50000000, 1 << 30)],
+                       Access.REMOTE_WRITE)
+    registered = len(dev.mrs)
+    links = [transport.create_link() for _ in range(3)]
+    for link in links:
+        link.connect(PEER)
+    assert len(dev.mrs) == registered, "a link registered memory"
+    assert len(dev.windows) == 6 and all(w.bound for w in dev.windows)
+    assert all(w.mw_type == 2 for w in dev.windows)  # one QP per link: bound to it
 
 def test_each_link_gets_its_own_keys_and_loses_them_on_release(transport: Any) -> None:
     dev: FakeDevice = transport.device
@@ -97,7 +162,7 @@ def test_each_link_gets_its_own_keys_and_loses_them_on_release(transport: Any) -
     keys_a, keys_b = {r.rkey for r in ea.regions}, {r.rkey for r in eb.regions}
     assert len(keys_a) == 2 and not keys_a & keys_b
     assert not keys_a & {r.rkey for r in reg.remote}  # not the shared MR's key either
-    granted = {m.rkey: m for m in dev.mrs}
+    granted = {m.rkey: m for m in dev.all_keys()}
     assert all(granted[k].access is Access.REMOTE_WRITE for k in keys_a | keys_b)
     a.release()
     assert all(granted[k].closed for k in keys_a)  # revoked with the link
@@ -115,7 +180,7 @@ def test_prefill_links_advertise_nothing(transport: Any) -> None:
     assert len(transport.device.mrs) == 1
 
 
-def test_close_deregisters_every_key(transport: Any) -> None:
+def test_close_revokes_and_deregisters_every_key(transport: Any) -> None:
     transport.register([Region(0x10000, 4096)], Access.REMOTE_WRITE)
     transport.create_link()
     transport.create_link()
@@ -124,10 +189,10 @@ def test_close_deregisters_every_key(transport: Any) -> None:
     assert transport.device.live() == []
 
 
-@pytest.mark.parametrize(("access", "remote_write"), [(Access.LOCAL, False),
-                                                      (Access.REMOTE_WRITE, True)])
+@pytest.mark.parametrize(("access", "windows", "remote_write"), [
+    (Access.LOCAL, False, False), (Access.REMOTE_WRITE, False, True), (Access.LOCAL, True, False)])
 def test_mr_flags_never_allow_remote_read(monkeypatch: pytest.MonkeyPatch, access: Access,
-                                          remote_write: bool) -> None:
+                                          windows: bool, remote_write: bool) -> None:
     e = pytest.importorskip("pyverbs.enums")
     seen: list[int] = []
 
@@ -139,8 +204,9 @@ def test_mr_flags_never_allow_remote_read(monkeypatch: pytest.MonkeyPatch, acces
     monkeypatch.setattr(sys.modules["pyverbs.mr"], "MR", MR, raising=False)
     dev = object.__new__(verbs_device.VerbsDevice)
     dev.pd, dev.name = object(), "fake0"
-    dev.register(0x1000, 4096, access)
+    dev.register(0x1000, 4096, access, windows=windows)
     (flags,) = seen
+    assert bool(flags & e.IBV_ACCESS_MW_BIND) is windows
     assert flags & e.IBV_ACCESS_LOCAL_WRITE
     assert not flags & e.IBV_ACCESS_REMOTE_READ and not flags & e.IBV_ACCESS_REMOTE_ATOMIC
     assert bool(flags & e.IBV_ACCESS_REMOTE_WRITE) is remote_write
@@ -162,42 +228,77 @@ def test_tcp_link_token_is_per_link_and_revoked() -> None:
         buf.close()
 
 
-def test_shared_keys_mode_when_per_link_keys_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("why", ["per_link_keys off", "device without windows"])
+def test_shared_keys_mode(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                          why: str) -> None:
     from kvbeam.transport.options import TransportOptions
 
-    monkeypatch.setattr(verbs, "VerbsDevice", FakeDevice)
-    monkeypatch.setattr(verbs, "QueuePair", FakeQueuePair)
-    t = verbs.VerbsTransport("fake0", 0, TransportOptions(per_link_keys=False), raw_chains=False)
+    fake_verbs(monkeypatch)
+    if why == "device without windows":
+        monkeypatch.setattr(FakeDevice, "window_kind", None)
+    t = verbs.VerbsTransport("fake0", 0, TransportOptions(per_link_keys=why != "per_link_keys off"),
+                             raw_chains=False)
     try:
         reg = t.register([Region(0x10000, 4096)], Access.REMOTE_WRITE)
         a, b = t.create_link(), t.create_link()
         assert a.endpoint.regions == b.endpoint.regions == reg.remote
         device: Any = t.device  # the FakeDevice patched in above
-        assert [m.access for m in device.mrs] == [Access.REMOTE_WRITE]  # no per-link MRs
+        assert [m.access for m in device.mrs] == [Access.REMOTE_WRITE]  # no per-link keys
+        assert device.windows == []
+        warned = "has no memory windows: every peer gets the same" in caplog.text
+        assert warned is (why == "device without windows")
     finally:
         t.close()
 
 
-class SlowDevice(FakeDevice):
-    """A device whose registrations with one access stall until the test lets them go."""
+def test_several_qps_per_link_get_type_1_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A type-2 window works on one QP only; a link's endpoint has one key per region for
+    all its QPs, so with several the windows are type 1 (the device says which it has)."""
+    from kvbeam.transport.verbs.device import VerbsDevice
 
-    slow_access = Access.REMOTE_WRITE
+    e = pytest.importorskip("pyverbs.enums")
+    dev = object.__new__(VerbsDevice)
+    dev.max_mw = 1 << 16
+    dev.cap_flags = e.IBV_DEVICE_MEM_WINDOW | e.IBV_DEVICE_MEM_WINDOW_TYPE_2B
+    assert (dev.window_type(1), dev.window_type(4)) == (2, 1)
+    dev.cap_flags = e.IBV_DEVICE_MEM_WINDOW
+    assert dev.window_type(1) == 1
+    dev.max_mw = 0
+    assert dev.window_type(1) is None
+
+
+class SlowDevice(FakeDevice):
+    """A device whose registrations (or window allocations) stall until the test lets
+    them go: ``slow`` says which."""
+
+    slow = "window"
     entered = threading.Event()
     gate = threading.Event()
 
-    def register(self, addr: int, length: int, access: Access) -> FakeMR:
-        if access is self.slow_access:
-            self.entered.set()
-            assert self.gate.wait(10), "the test never let the registration finish"
-        return super().register(addr, length, access)
+    @classmethod
+    def stall(cls, what: str) -> None:
+        if what == cls.slow:
+            cls.entered.set()
+            assert cls.gate.wait(10), f"the test never let the {what} finish"
+
+    def register(self, addr: int, length: int, access: Access, *,
+                 windows: bool = False) -> FakeMR:
+        self.stall("registration")
+        return super().register(addr, length, access, windows=windows)
+
+
+class SlowWindow(FakeWindow):
+    def __init__(self, dev: Any, mr: FakeMR, addr: int, length: int, mw_type: int) -> None:
+        SlowDevice.stall("window")
+        super().__init__(dev, mr, addr, length, mw_type)
 
 
 @pytest.fixture
 def slow(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setattr(SlowDevice, "entered", threading.Event())
     monkeypatch.setattr(SlowDevice, "gate", threading.Event())
-    monkeypatch.setattr(verbs, "VerbsDevice", SlowDevice)
-    monkeypatch.setattr(verbs, "QueuePair", FakeQueuePair)
+    monkeypatch.setattr(SlowDevice, "slow", "window")
+    fake_verbs(monkeypatch, SlowDevice, window=SlowWindow)
     t = verbs.VerbsTransport("fake0", 0, raw_chains=False)
     yield t
     SlowDevice.gate.set()
@@ -214,19 +315,16 @@ def _in_background(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
 
 @pytest.mark.parametrize("what", ["create_link", "register"])
 def test_memory_registration_never_holds_the_transport_lock(slow: Any, what: str) -> None:
-    """While one link's keys (or a new pool) are being registered, which takes long on
-    a large pool, the progress thread can still take the transport lock and every other
-    link's events still flow."""
+    """While a new pool is being registered, which takes long on a large pool (or a
+    link's windows allocated), the progress thread can still take the transport lock
+    and every other link's events still flow."""
     if what == "create_link":
         slow.register([Region(0x10000, 4096)], Access.REMOTE_WRITE)  # shared MR: LOCAL
         thread, out = _in_background(slow.create_link)
     else:
-        SlowDevice.slow_access = Access.LOCAL
-        try:
-            thread, out = _in_background(
-                lambda: slow.register([Region(0x20000, 4096)], Access.LOCAL))
-        finally:
-            SlowDevice.slow_access = Access.REMOTE_WRITE
+        SlowDevice.slow = "registration"
+        thread, out = _in_background(
+            lambda: slow.register([Region(0x20000, 4096)], Access.LOCAL))
     assert slow.lock.acquire(timeout=2), "a registration holds the transport lock"
     slow.lock.release()
     event = Event(EventKind.NOTIFIED, 7, 1)
@@ -276,40 +374,35 @@ class BrokenQueuePair(FakeQueuePair):
         return [SimpleNamespace(wr_id=RECV_TAG, status=5, vendor_err=0)]  # IBV_WC_WR_FLUSH_ERR
 
 
-def test_keys_of_a_link_that_fails_on_the_progress_thread_go_outside_the_lock(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(verbs, "VerbsDevice", FakeDevice)
-    monkeypatch.setattr(verbs, "QueuePair", BrokenQueuePair)
-    t: Any = verbs.VerbsTransport("fake0", 0, raw_chains=False)
-    lock_free: list[bool] = []
+@pytest.mark.parametrize("how", ["release", "failure on the progress thread"])
+def test_a_links_windows_go_before_its_qps(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """A bound type-2 window holds its QP (rxe waits for it before destroying the QP):
+    released or failed, a link deallocates its windows first."""
+    order: list[str] = []
 
-    def probe() -> None:
-        got = t.lock.acquire(timeout=2)
-        lock_free.append(got)
-        if got:
-            t.lock.release()
-
-    class WatchedMR(FakeMR):
-        def close(self) -> None:  # could another thread take the transport lock now?
-            thread = threading.Thread(target=probe)
-            thread.start()
-            thread.join()
+    class RecordingWindow(FakeWindow):
+        def close(self) -> None:
+            order.append("window")
             super().close()
 
+    class RecordingQueuePair(BrokenQueuePair):
+        def close(self) -> None:
+            order.append("qp")
+
+    fake_verbs(monkeypatch, qp=RecordingQueuePair, window=RecordingWindow)
+    t: Any = verbs.VerbsTransport("fake0", 0, raw_chains=False)
     try:
         t.register([Region(0x10000, 4096)], Access.REMOTE_WRITE)
-        monkeypatch.setattr(t.device, "register", lambda a, n, acc: t.device.mrs.append(
-            WatchedMR(a, n, acc)) or t.device.mrs[-1])
         link = t.create_link()
-        (key,) = [r.rkey for r in link.endpoint.regions]
-        link.connect(Endpoint("rdma", (RemoteRegion(0x4000_0000, 4096, 9),), gid="fe80::2",
-                              qpns=(5,), psn=3, mtu=4096))
-        BrokenQueuePair.made[-1].broken.set()
-        event = t.events(timeout=5)
-        assert [e.status for e in event] == ["IBV_WC_WR_FLUSH_ERR"]  # LINK_FAILED
-        mr = next(m for m in t.device.mrs if m.rkey == key)
-        assert wait_until(lambda: mr.closed, 5)
-        assert lock_free == [True]  # deregistered after the progress thread let go
+        link.connect(PEER)
+        if how == "release":
+            link.release()
+        else:
+            BrokenQueuePair.made[-1].broken.set()
+            event = t.events(timeout=5)
+            assert [e.status for e in event] == ["IBV_WC_WR_FLUSH_ERR"]  # LINK_FAILED
+            assert wait_until(lambda: "qp" in order, 5)
+        assert order == ["window", "qp"]
         assert t.link_regions(link.id) == ()
     finally:
         t.close()

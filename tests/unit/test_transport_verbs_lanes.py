@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from kvbeam.errors import TransportError
 from kvbeam.transport.base import EventKind
+from kvbeam.transport.blocks import Blocks
 from kvbeam.transport.core import Prepared
 from kvbeam.transport.endpoint import Endpoint, RemoteRegion
 from kvbeam.transport.options import TransportOptions
@@ -206,3 +207,41 @@ def test_qp_counts_must_match_and_the_refusal_names_both() -> None:
         fresh.connect(Endpoint("rdma", (RemoteRegion(0x4000_0000, 1 << 30, 9),),
                                gid="fe80::2", qpns=(5, 6), psn=3, mtu=4096))
     assert fresh.endpoint.qpns == (99, 99, 99, 99) and fresh.endpoint.psn == 1
+
+
+def test_a_chunk_whose_request_never_sends_its_final_chunk_leaves_no_entry() -> None:
+    """A non-final chunk (no marker) of a request that is then abandoned (aborted, its
+    deadline passed): once its writes completed nothing of it stays for the link's life."""
+    link, qps, t = make_lanes(OPTS, 2)
+    link.write(5, blocks(2, 4096), notify=False)
+    link.write(6, blocks(8, 1 << 20), notify=False)  # striped over both QPs
+    run(link, *qps)
+    assert [e.ok for e in t.events] == [True, True]
+    assert cast(Any, link)._requests._last == {}
+    link.write(7, Blocks.empty(), notify=False)  # nothing to post at all
+    run(link, *qps)
+    assert cast(Any, link)._requests._last == {}
+
+
+def test_a_chunk_that_fails_before_the_final_one_leaves_no_entry() -> None:
+    link, qps, t = make_lanes(OPTS, 2)
+    link.write(5, blocks(8, 1 << 20), notify=False)  # striped over both QPs
+    cast(Any, link).service(FakePoster(), 0.0)
+    qps[0].fail_next = 12  # IBV_WC_RETRY_EXC_ERR
+    run(link, *qps)
+    assert [(e.transfer_id, e.ok) for e in t.events] == [(5, False)]
+    assert cast(Any, link)._requests._last == {}
+
+
+def test_an_earlier_chunk_still_in_flight_keeps_its_entry_for_the_marker() -> None:
+    """The entry is dropped only once every write it names completed: the final chunk's
+    marker must still wait for an earlier chunk on another QP (see the test above)."""
+    link, qps, _ = make_lanes(OPTS, 2)
+    link.write(5, blocks(2, 4096), notify=False)
+    (first,) = lanes_of(link)[5]
+    qps[first].frozen = True
+    run(link, *qps)
+    assert set(cast(Any, link)._requests._last) == {5}
+    qps[first].frozen = False
+    run(link, *qps)
+    assert cast(Any, link)._requests._last == {}

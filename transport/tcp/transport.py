@@ -22,13 +22,14 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Sequence
 
 from kvbeam.errors import RegionError, TransportError
 from kvbeam.transport import status as st
 from kvbeam.transport.base import Access, Event, EventKind, Registration, Transport
 from kvbeam.transport.core import wait_readable
-from kvbeam.transport.endpoint import Region, RemoteRegion
+from kvbeam.transport.endpoint import Endpoint, Region, RemoteRegion
 from kvbeam.transport.host import LinkHostBase
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.regions import RegionTable
@@ -37,6 +38,15 @@ from kvbeam.transport.tcp import iov, wire
 from kvbeam.transport.tcp.link import TICK_S, TcpLink
 
 log = logging.getLogger(__name__)
+
+#: Inbound connections that have not yet named a link (HELLO) held at once; over it the
+#: oldest is dropped. They cost a socket each, no thread.
+MAX_UNAUTHENTICATED = 64
+#: How long a new inbound connection has to send its HELLO (a peer sends it right
+#: after connecting, in its first packet).
+HELLO_TIMEOUT_S = 5.0
+_MAX_TOKEN = 256  # longest token a HELLO may carry (ours are 32 characters)
+_CAP_LOG_EVERY_S = 10.0  # at most one log line per this long about the cap
 
 
 class TcpTransport(LinkHostBase, Transport):
@@ -56,6 +66,8 @@ class TcpTransport(LinkHostBase, Transport):
         self._by_token: dict[str, TcpLink] = {}
         self._next_id = 1
         self._closed = threading.Event()
+        self._dropped = 0  # connections dropped over MAX_UNAUTHENTICATED (accept thread)
+        self._dropped_logged = -_CAP_LOG_EVERY_S
         self._accepter = threading.Thread(target=self._accept_loop, name="kvbeam-tcp-accept",
                                           daemon=True)
         self._accepter.start()
@@ -78,6 +90,10 @@ class TcpTransport(LinkHostBase, Transport):
             self._links[link.id] = link
             self._by_token[link.token] = link
         return link
+
+    def template_endpoint(self) -> Endpoint:
+        """Our address without a link token (a link refuses to connect to it)."""
+        return Endpoint(kind="tcp", regions=(), address=self.address)
 
     def stats(self) -> TransportStats:
         """Counters: bytes sent (ACKed) and received (landed here), completions, failures."""
@@ -125,33 +141,119 @@ class TcpTransport(LinkHostBase, Transport):
         return self._book.writable
 
     def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                if not wait_readable([self._listener.fileno()], TICK_S):
+        """Accept inbound connections and read their HELLO; only then give one a thread.
+
+        Until a connection names a live link it is one non-blocking socket in
+        ``pending`` (this thread's alone), polled with the listener: at most
+        :data:`MAX_UNAUTHENTICATED` of them, each dropped after :data:`HELLO_TIMEOUT_S`.
+        """
+        pending: dict[int, _Pending] = {}
+        listener = self._listener.fileno()
+        self._listener.setblocking(False)
+        try:
+            while not self._closed.is_set():
+                now = time.monotonic()
+                timeout = min([TICK_S, *(max(0.0, c.deadline - now) for c in pending.values())])
+                try:
+                    ready = wait_readable([listener, *pending], timeout)
+                except (OSError, ValueError):
+                    if self._closed.is_set():
+                        return
+                    log.exception("TCP transport: waiting for connections failed")
                     continue
-                conn, peer = self._listener.accept()
+                for fd in ready:
+                    if fd == listener:
+                        if not self._accept_new(pending):
+                            return
+                    elif fd in pending:
+                        self._read_hello(pending, pending[fd])
+                self._expire(pending, time.monotonic())
+        finally:
+            for conn in pending.values():
+                conn.sock.close()
+
+    def _accept_new(self, pending: dict[int, _Pending]) -> bool:
+        """Accept what the listener has queued (False once the transport is closed)."""
+        for _ in range(MAX_UNAUTHENTICATED):  # then look at the pending ones again
+            try:
+                sock, peer = self._listener.accept()
+            except BlockingIOError:
+                return True
             except (OSError, ValueError):
                 if self._closed.is_set():
-                    return
+                    return False
                 log.exception("TCP transport: accept failed")
-                continue
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
-                             name=f"kvbeam-tcp-recv-{peer}").start()
+                return True
+            sock.setblocking(False)
+            if len(pending) >= MAX_UNAUTHENTICATED:
+                # A peer's HELLO follows its connect at once: the connection waiting
+                # longest is the least likely to be one.
+                oldest = pending.pop(next(iter(pending)))
+                oldest.sock.close()
+                self._over_cap(oldest.peer)
+            conn = _Pending(sock, peer, time.monotonic() + HELLO_TIMEOUT_S)
+            pending[sock.fileno()] = conn
+            self._read_hello(pending, conn)  # often already here
+        return True
 
-    def _serve(self, conn: socket.socket, peer: object) -> None:
-        """Receive side of one inbound connection: HELLO, then WRITE*/END frames."""
-        conn.settimeout(self.options.op_timeout_s)
+    def _over_cap(self, peer: object) -> None:
+        """Count (and now and then log) a connection dropped because of the cap."""
+        self._dropped += 1
+        now = time.monotonic()
+        if now - self._dropped_logged >= _CAP_LOG_EVERY_S:
+            self._dropped_logged = now
+            log.warning("TCP transport: %d unauthenticated inbound connections (no HELLO "
+                        "yet) already open, the most allowed: dropped the oldest, from %s "
+                        "(%d dropped so far). Something is opening connections to the data "
+                        "port that are not a kvbeam peer's", MAX_UNAUTHENTICATED, peer,
+                        self._dropped)
+
+    def _read_hello(self, pending: dict[int, _Pending], conn: _Pending) -> None:
+        """Read what has arrived of ``conn``'s HELLO; a complete one gets its link's thread."""
         try:
-            hello = wire.recv_header(conn)
-            if hello is None or hello[0] != wire.HELLO or hello[4] > 256:
-                log.warning("TCP transport: %s sent no HELLO; dropping the connection", peer)
+            data = conn.sock.recv(conn.missing())
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._drop(pending, conn, logging.INFO, f"failed before its HELLO: {exc}")
+            return
+        if not data:
+            self._drop(pending, conn, logging.DEBUG, "closed before its HELLO")
+            return
+        conn.buf += data
+        if len(conn.buf) == wire.HEADER.size:
+            kind, _, _, _, _, length = wire.HEADER.unpack(conn.buf)
+            if kind != wire.HELLO or not 0 < length <= _MAX_TOKEN:
+                self._drop(pending, conn, logging.WARNING, "sent no HELLO")
                 return
-            token = wire.recv_bytes(conn, hello[4]).decode("ascii", "replace")
-            with self._lock:
-                link = self._by_token.get(token)
-            if link is None:
-                log.warning("TCP transport: %s named no link of ours; dropping it", peer)
-                return
+            conn.token_length = length
+        if conn.missing():
+            return
+        token = conn.buf[wire.HEADER.size:].decode("ascii", "replace")
+        with self._lock:
+            link = self._by_token.get(token)
+        if link is None:
+            self._drop(pending, conn, logging.WARNING, "named no link of ours")
+            return
+        del pending[conn.sock.fileno()]
+        conn.sock.setblocking(True)
+        conn.sock.settimeout(self.options.op_timeout_s)
+        threading.Thread(target=self._serve, args=(conn.sock, conn.peer, link), daemon=True,
+                         name=f"kvbeam-tcp-recv-{conn.peer}").start()
+
+    def _drop(self, pending: dict[int, _Pending], conn: _Pending, level: int, why: str) -> None:
+        del pending[conn.sock.fileno()]
+        conn.sock.close()
+        log.log(level, "TCP transport: inbound connection from %s %s; dropped it", conn.peer, why)
+
+    def _expire(self, pending: dict[int, _Pending], now: float) -> None:
+        for conn in [c for c in pending.values() if c.deadline <= now]:
+            self._drop(pending, conn, logging.INFO,
+                       f"sent no HELLO within {HELLO_TIMEOUT_S:g} s")
+
+    def _serve(self, conn: socket.socket, peer: object, link: TcpLink) -> None:
+        """Receive side of one inbound connection that named ``link``: WRITE*/END frames."""
+        try:
             link.add_inbound(conn)
             try:
                 _Receiver(self, link, conn).run()
@@ -162,6 +264,23 @@ class TcpTransport(LinkHostBase, Transport):
                 log.info("TCP transport: inbound connection from %s ended: %s", peer, exc)
         finally:
             conn.close()
+
+
+class _Pending:
+    """An inbound connection that has not completed its HELLO (accept thread only)."""
+
+    __slots__ = ("buf", "deadline", "peer", "sock", "token_length")
+
+    def __init__(self, sock: socket.socket, peer: object, deadline: float) -> None:
+        self.sock, self.peer, self.deadline = sock, peer, deadline
+        self.buf = bytearray()
+        self.token_length: int | None = None  # known once the header is in
+
+    def missing(self) -> int:
+        """Bytes of the HELLO (header, then token) still to read."""
+        if self.token_length is None:
+            return wire.HEADER.size - len(self.buf)
+        return wire.HEADER.size + self.token_length - len(self.buf)
 
 
 class _Receiver:

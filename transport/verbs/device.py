@@ -48,6 +48,8 @@ class VerbsDevice:
             attr = self.ctx.query_device()
             self.max_qp_wr = int(attr.max_qp_wr)
             self.max_cqe = int(attr.max_cqe)
+            self.max_mw = int(attr.max_mw)
+            self.cap_flags = int(attr.device_cap_flags)
         except Exception as exc:
             self.ctx.close()
             raise TransportError(f"cannot use RDMA device {name!r} port {PORT} GID index "
@@ -59,14 +61,30 @@ class VerbsDevice:
         log.info("RDMA device %s: GID[%d]=%s, active MTU %d", name, gid_index, self.gid,
                  mtu_bytes(self.mtu))
 
-    def register(self, addr: int, length: int, access: Access) -> Any:
-        """An MR over ``[addr, addr + length)``: local only, or remote write (never read)."""
+    def window_type(self, qps_per_link: int) -> int | None:
+        """The memory window type links use (see :mod:`kvbeam.transport.verbs.windows`):
+        2 (bound to the link's one QP), 1 (several QPs per link), None: no windows here."""
+        import pyverbs.enums as e
+
+        if self.max_mw <= 0 or not self.cap_flags & e.IBV_DEVICE_MEM_WINDOW:
+            return None
+        type2 = e.IBV_DEVICE_MEM_WINDOW_TYPE_2A | e.IBV_DEVICE_MEM_WINDOW_TYPE_2B
+        return 2 if qps_per_link == 1 and self.cap_flags & type2 else 1
+
+    def register(self, addr: int, length: int, access: Access, *, windows: bool = False) -> Any:
+        """An MR over ``[addr, addr + length)``: local only, or remote write (never read).
+
+        ``windows``: memory windows may be bound over it (it grants no remote access
+        itself; each window grants remote write through its own key).
+        """
         import pyverbs.enums as e
         from pyverbs.mr import MR
 
         flags = e.IBV_ACCESS_LOCAL_WRITE
         if access is Access.REMOTE_WRITE:
             flags |= e.IBV_ACCESS_REMOTE_WRITE
+        if windows:
+            flags |= e.IBV_ACCESS_MW_BIND
         try:
             return MR(self.pd, length, flags, address=addr)
         except Exception as exc:

@@ -164,7 +164,11 @@ class Requests:
     def __init__(self, lanes: list[Lane], done: Callable[[Request], None]) -> None:
         self.lanes = lanes
         self.waiting: list[Request] = []  # requests whose separate marker is not queued yet
-        self._last: dict[int, dict[int, int]] = {}  # transfer id -> lane -> its last job seq
+        #: Transfer id -> lane -> the seq of its last job there, for the final chunk's marker.
+        #: Only writes not yet completed matter (see :meth:`_settle`), so an entry goes once
+        #: they all completed or failed: a request abandoned before its final chunk (aborted,
+        #: past its deadline) or whose chunk failed leaves nothing behind.
+        self._last: dict[int, dict[int, int]] = {}
         self._done = done
 
     def queue(self, request: Request, jobs: list[tuple[Lane, Job]]) -> None:
@@ -185,6 +189,7 @@ class Requests:
             else:
                 self.waiting.append(request)
         if not request.parts:  # no blocks and no notify: nothing to wait for
+            self._settle(request)
             self._done(request)
 
     def release_markers(self) -> None:
@@ -203,7 +208,21 @@ class Requests:
         """One part of a request completed or was dropped."""
         request.parts -= 1
         if not request.parts:
+            self._settle(request)
             self._done(request)
+
+    def _settle(self, request: Request) -> None:
+        """Drop the transfer's entry once no write it names can still be in flight.
+
+        A completed write is placed in the peer's memory, so a later chunk's marker need
+        not wait for it; a failed request's link takes no further chunk.
+        """
+        last = self._last.get(request.transfer_id)
+        if last is None:
+            return
+        if request.failure is not None or all(self.lanes[index].done_seq >= seq
+                                              for index, seq in last.items()):
+            del self._last[request.transfer_id]
 
     def job_done(self, lane: Lane, job: Job) -> None:
         """A job's last WR completed (in posting order on its lane)."""

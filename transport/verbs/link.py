@@ -114,6 +114,7 @@ class VerbsLink(Link):
                 raise TransportError(f"link {self.id} is {self._state}; create a new link")
             for lane, qpn in zip(self._lanes, peer.qpns, strict=True):
                 lane.qp.to_rts(peer.gid, qpn, peer.psn, mtu)
+            self._t.bind(self.id, self._qps)  # our keys work from here on
             self._peer = table
             if peer.regions:
                 self._marker = (peer.regions[0].addr, peer.regions[0].rkey)
@@ -142,9 +143,11 @@ class VerbsLink(Link):
     def release(self) -> None:
         """Destroy the QPs; queued and in-flight transfers fail with CANCELLED."""
         with self._t.lock:
+            # Keys first: a bound type-2 memory window holds its QP (rxe waits for it
+            # to go before it destroys the QP).
+            self._t.revoke(self.id)
             self._stop("released", st.CANCELLED, "link released")
             self._t.forget(self.id)
-        self._t.revoke(self.id)  # deregistration: outside the transport lock
 
     # -- progress thread -----------------------------------------------------------------
     @property
@@ -342,9 +345,8 @@ class VerbsLink(Link):
         if self._state != "failing" or self._failure is None or self._requests.waiting or any(
                 not lane.idle for lane in self._live()):
             return
+        self._t.revoke(self.id)  # a dead link's keys go now, before its QPs (see release)
         self._stop("failed", *self._failure)
-        # A dead link's keys go now (on the progress thread: once it lets go of the lock).
-        self._t.revoke(self.id)
 
     def _stop(self, state: str, status: str, detail: str) -> None:
         """Enter a final state: fail every transfer still ours, destroy the QPs."""
@@ -364,4 +366,4 @@ class VerbsLink(Link):
             if lane.qp is not None:
                 lane.qp.close()
                 lane.qp = None
-        # The caller revokes the keys next, after the QPs: no write of ours still uses them.
+        # The caller revoked the link's keys (memory windows) just before.

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvbeam.transport.host import LinkHost
 from kvbeam.transport.verbs.device import VerbsDevice
+from kvbeam.transport.verbs.qp import QueuePair
 
 
 class VerbsHost(LinkHost, Protocol):
@@ -28,8 +30,13 @@ class VerbsHost(LinkHost, Protocol):
     def wake(self) -> None:
         """Wake the progress thread: there is work to post (never blocks)."""
 
+    def bind(self, link_id: int, qps: Sequence[QueuePair]) -> None:
+        """Bind link ``link_id``'s memory windows through its QPs, just connected (the
+        caller holds the transport lock); raises TransportError if they cannot be."""
+
     def revoke(self, link_id: int) -> None:
-        """Deregister link ``link_id``'s own memory keys (its QP is destroyed)."""
+        """Revoke link ``link_id``'s own memory keys (deallocate its memory windows), at
+        once; called under the transport lock just before its QPs are destroyed."""
 
 
 @dataclass

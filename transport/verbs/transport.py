@@ -8,12 +8,17 @@ One progress thread per transport owns every post and poll. It sleeps in
 writers poke), so an idle transport costs no CPU; while work is outstanding it
 also wakes for the nearest link deadline.
 
-Memory keys are per link (least access): :meth:`VerbsTransport.register` gives
-every region an MR with local access only, and each link registers its own
-remote-write MRs over the REMOTE_WRITE regions that exist when it is created.
-Its endpoint carries only those rkeys; releasing the link (or its failure)
-deregisters them, so a peer that went away holds no key that still works, and
-one peer's rkeys are not another's. No MR ever allows remote read.
+Memory keys are per link (least access), and memory is registered once:
+:meth:`VerbsTransport.register` gives every region one MR with local access only
+(REMOTE_WRITE regions may have memory windows bound over them), and each link gets
+its own memory window per REMOTE_WRITE region that exists when it is created
+(:mod:`kvbeam.transport.verbs.windows`: constant work per region, whatever its size),
+bound when the link connects. Its endpoint carries only those rkeys; releasing the
+link (or its failure) deallocates the windows, so a peer that went away holds no key
+that still works, and one peer's rkeys are not another's. On a device without memory
+windows (or with ``per_link_keys`` off) the MRs of REMOTE_WRITE regions grant remote
+write themselves and every link advertises their keys. No MR or window ever allows
+remote read.
 
 Links reach the transport only through :class:`~kvbeam.transport.verbs.linkhost.VerbsHost`
 (see :mod:`kvbeam.transport.host`).
@@ -23,12 +28,15 @@ further down the list, never one above it):
 
 1. ``VerbsTransport._lock`` (re-entrant), the *transport lock*: the links table, the
    per-link grants, QP state changes, and every post and poll (the progress thread
-   holds it while it services links). Never held across a memory registration or
-   deregistration: :meth:`VerbsTransport.register` and :meth:`VerbsTransport.create_link`
-   register their MRs first and take it only to record them; a released registration,
-   a released link's keys and :meth:`VerbsTransport.close` deregister after letting go
-   of it; a link that fails on the progress thread hands its keys back under it, and
-   that thread deregisters them as soon as it lets go, before it services links again.
+   holds it while it services links). Held while a connecting link binds its memory
+   windows (local work requests on its own QP, which the progress thread does not
+   service before it is connected) and while a released or failed link's windows are
+   deallocated (before its QPs: a bound type-2 window holds its QP); both are cheap,
+   constant work per region. Never held across a memory registration or
+   deregistration: :meth:`VerbsTransport.register` registers its MRs first and takes
+   it only to record them, :meth:`VerbsTransport.create_link` registers nothing; a
+   released registration and :meth:`VerbsTransport.close` deregister after letting
+   go of it.
    ``TcpTransport._lock`` (links and tokens) sits at this level on the TCP side and
    is never held while a link lock is taken.
 2. ``VerbsLink._submit_lock`` (the queue between writers and the progress thread) and
@@ -54,15 +62,16 @@ from typing import Any
 from kvbeam.errors import RegionError, TransportError
 from kvbeam.transport.base import Access, Registration, Transport
 from kvbeam.transport.core import wait_readable
-from kvbeam.transport.endpoint import Region, RemoteRegion
+from kvbeam.transport.endpoint import Endpoint, Region, RemoteRegion
 from kvbeam.transport.host import LinkHostBase
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.stats import TransportStats
 from kvbeam.transport.verbs.chain import Poster
-from kvbeam.transport.verbs.device import VerbsDevice
+from kvbeam.transport.verbs.device import VerbsDevice, mtu_bytes
 from kvbeam.transport.verbs.link import VerbsLink
 from kvbeam.transport.verbs.pyverbs_import import import_pyverbs
 from kvbeam.transport.verbs.qp import QueuePair
+from kvbeam.transport.verbs.windows import Window, bind_windows
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +100,12 @@ class VerbsTransport(LinkHostBase, Transport):
         self.device = VerbsDevice(device, gid_index)
         super().__init__()
         self._mrs: dict[int, list[Any]] = {}
-        #: Per link id: (registration, its remote-write MRs for that link), registration order.
-        self._grants: dict[int, list[tuple[Registration, list[Any]]]] = {}
-        #: Grants of links that failed on the progress thread, deregistered by it after
-        #: it lets go of the transport lock.
-        self._retired: list[tuple[Registration, list[Any]]] = []
+        #: The memory window type links get (None: the REMOTE_WRITE MRs' own keys are shared).
+        self._window_type = (self.device.window_type(self.options.qps_per_peer)
+                             if self.options.per_link_keys else None)
+        self._warned_shared = False  # the no-windows warning is logged once
+        #: Per link id: (registration, that link's memory windows over it), registration order.
+        self._grants: dict[int, list[tuple[Registration, list[Window]]]] = {}
         self._lock = threading.RLock()
         self._links: dict[int, VerbsLink] = {}
         self._next_id = 1
@@ -117,22 +127,31 @@ class VerbsTransport(LinkHostBase, Transport):
         return self._poster.raw
 
     def register(self, regions: Sequence[Region], access: Access) -> Registration:
-        """One local-access MR per region; REMOTE_WRITE regions get per-link MRs on top.
+        """One MR per region, the only registration of this memory; links get windows.
 
-        The shared MR grants no remote access at all, whatever ``access`` says: peers
-        write only through the keys of the link created for them (:meth:`create_link`).
-        With ``options.per_link_keys`` off, the shared MR has ``access`` and every
-        link advertises its key. The MRs are registered before the transport lock is
-        taken (pinning a large pool is slow), then recorded under it.
+        With memory windows the MR grants no remote access at all, whatever ``access``
+        says: peers write only through the windows of the link created for them
+        (:meth:`create_link`). Without (``options.per_link_keys`` off, or a device
+        without windows) the MR has ``access`` and every link advertises its key. The
+        MRs are registered before the transport lock is taken (pinning a large pool
+        is slow), then recorded under it.
         """
         for r in regions:
             if r.addr <= 0 or r.length <= 0:
                 raise RegionError(f"cannot register {r}: address and length must be positive")
-        shared = access if not self.options.per_link_keys else Access.LOCAL
+        windows = self._window_type is not None and access is Access.REMOTE_WRITE
+        if (access is Access.REMOTE_WRITE and self.options.per_link_keys and not windows
+                and not self._warned_shared):
+            self._warned_shared = True
+            log.warning("RDMA device %s has no memory windows: every peer gets the same "
+                        "remote-write keys of the pools, valid until the daemon stops "
+                        "(per-peer keys need memory windows; docs/security.md)",
+                        self.device.name)
+        shared = Access.LOCAL if windows else access
         mrs: list[Any] = []
         try:
             for r in regions:
-                mrs.append(self.device.register(r.addr, r.length, shared))
+                mrs.append(self.device.register(r.addr, r.length, shared, windows=windows))
             with self._lock:
                 if self._closed:
                     raise TransportError("transport is closed")
@@ -146,12 +165,12 @@ class VerbsTransport(LinkHostBase, Transport):
         return reg
 
     def create_link(self) -> VerbsLink:
-        """New RC QPs (``options.qps_per_peer``) and the link's own remote-write keys; its
-        endpoint goes into the handshake.
+        """New RC QPs (``options.qps_per_peer``) and the link's own memory windows; its
+        endpoint (with the windows' keys) goes into the handshake.
 
-        The keys are registered (and the QP created) before the transport lock is
-        taken: with a large pool that takes long, and the progress thread needs the
-        lock for every other link's completions.
+        Registers no memory: the windows lie over the pools' one registration and are
+        bound when the link connects. They are allocated (and the QPs created) before
+        the transport lock is taken.
         """
         if self._closed:
             raise TransportError("transport is closed")
@@ -185,38 +204,47 @@ class VerbsTransport(LinkHostBase, Transport):
             raise TransportError("transport is closed")
         _close_grants(stale)
         if grants:
-            log.info("link %d: own memory keys for %d regions (%d MiB) registered in "
-                     "%.3f s", link.id, sum(len(m) for _, m in grants),
+            log.info("link %d: own memory windows (type %s) for %d regions (%d MiB) in "
+                     "%.3f s", link.id, self._window_type, sum(len(m) for _, m in grants),
                      sum(r.length for reg, _ in grants for r in reg.regions) >> 20,
                      time.monotonic() - start)
         return link
 
+    def template_endpoint(self) -> Endpoint:
+        """The device's GID and MTU and no keys; its QPN is 1 (the GSI QP of every
+        port), which no RC QP can connect to: there is no link behind it."""
+        return Endpoint(kind="rdma", regions=(), gid=self.device.gid,
+                        qpns=(1,) * self.options.qps_per_peer, psn=0,
+                        mtu=mtu_bytes(self.device.mtu), address=self.device.name)
+
     def link_regions(self, link_id: int) -> tuple[RemoteRegion, ...]:
         """The remote-writable regions with the rkeys of link ``link_id`` only (empty once
         it is released: its keys are revoked)."""
-        if not self.options.per_link_keys:
+        if self._window_type is None:
             return self._book.remote_regions()
         with self._lock:
-            return tuple(RemoteRegion(r.addr, r.length, int(mr.rkey))
-                         for reg, mrs in self._grants.get(link_id, ())
-                         for r, mr in zip(reg.regions, mrs, strict=True))
+            return tuple(RemoteRegion(r.addr, r.length, w.rkey)
+                         for reg, windows in self._grants.get(link_id, ())
+                         for r, w in zip(reg.regions, windows, strict=True))
 
-    def _grant(self) -> list[tuple[Registration, list[Any]]]:
-        """Remote-write MRs over every REMOTE_WRITE registration, for one new link.
+    def _grant(self) -> list[tuple[Registration, list[Window]]]:
+        """Memory windows over every REMOTE_WRITE registration, for one new link.
 
         Runs without the transport lock, over a snapshot of the registrations.
         """
-        grants: list[tuple[Registration, list[Any]]] = []
-        if not self.options.per_link_keys:
+        grants: list[tuple[Registration, list[Window]]] = []
+        mw_type = self._window_type
+        if mw_type is None:
             return grants
+        with self._lock:
+            snapshot = [(reg, self._mrs[id(reg)]) for reg in self._book.all()
+                        if reg.access is Access.REMOTE_WRITE and id(reg) in self._mrs]
         try:
-            for reg in self._book.all():
-                if reg.access is not Access.REMOTE_WRITE:
-                    continue
-                mrs: list[Any] = []
-                grants.append((reg, mrs))
-                for r in reg.regions:
-                    mrs.append(self.device.register(r.addr, r.length, Access.REMOTE_WRITE))
+            for reg, mrs in snapshot:
+                windows: list[Window] = []
+                grants.append((reg, windows))
+                for r, mr in zip(reg.regions, mrs, strict=True):
+                    windows.append(Window(self.device, mr, r.addr, r.length, mw_type))
         except BaseException:
             _close_grants(grants)
             raise
@@ -242,7 +270,6 @@ class VerbsTransport(LinkHostBase, Transport):
         self.wake()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
-        self._close_retired()
         with self._lock:
             links = list(self._links.values())
         for link in links:
@@ -274,38 +301,39 @@ class VerbsTransport(LinkHostBase, Transport):
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"\0")  # a full pipe already means "wake up"
 
-    def revoke(self, link_id: int) -> None:
-        """Deregister a link's keys (its QP is gone): a write with them now fails remotely.
+    def bind(self, link_id: int, qps: Sequence[QueuePair]) -> None:
+        """Bind link ``link_id``'s memory windows through its first QP, now connected
+        (called by the link under the transport lock, before it is serviced)."""
+        windows = [w for _, ws in self._grants.get(link_id, ()) for w in ws]
+        if not windows:
+            return
+        start = time.monotonic()
+        bind_windows(qps[0], windows, self.options.op_timeout_s)
+        log.debug("link %d: %d memory windows bound in %.4f s", link_id, len(windows),
+                  time.monotonic() - start)
 
-        A link that fails on the progress thread revokes under the transport lock; its
-        keys are then deregistered when that thread lets go of the lock, before it looks
-        at any link again.
+    def revoke(self, link_id: int) -> None:
+        """Deallocate a link's memory windows: a write with their keys now fails remotely.
+
+        Called by the link under the transport lock, before it destroys its QPs
+        (deallocating a window is one cheap verbs call, no deregistration).
         """
         with self._lock:
             grants = self._grants.pop(link_id, [])
-            if threading.current_thread() is self._thread:
-                self._retired += grants
-                return
-        _close_grants(grants)
+            _close_grants(grants)
         if grants:
-            log.debug("link %d: %d per-link memory keys revoked", link_id,
+            log.debug("link %d: %d memory windows revoked", link_id,
                       sum(len(m) for _, m in grants))
 
-    def _close_retired(self) -> None:
-        """Deregister the keys failed links left behind (outside the transport lock)."""
-        with self._lock:
-            retired, self._retired = self._retired, []
-        _close_grants(retired)
-
     def _deregister(self, reg: Registration) -> None:
-        doomed: list[tuple[Registration, list[Any]]] = []
+        doomed: list[tuple[Registration, list[Window]]] = []
         with self._lock:
             self._book.remove(reg)
             for grants in self._grants.values():  # links' keys over it go first
                 doomed += [g for g in grants if g[0] is reg]
                 grants[:] = [g for g in grants if g[0] is not reg]
             mrs = self._mrs.pop(id(reg), [])
-        _close_grants(doomed)
+        _close_grants(doomed)  # windows first: an MR with windows bound cannot go
         for mr in mrs:
             mr.close()
 
@@ -314,7 +342,6 @@ class VerbsTransport(LinkHostBase, Transport):
         backoff = _BACKOFF_S[0]
         while not self._stopping:
             try:
-                self._close_retired()
                 if self._cycle():
                     backoff = _BACKOFF_S[0]
                     continue
@@ -377,7 +404,7 @@ class VerbsTransport(LinkHostBase, Transport):
             log.debug("link %d: no completion event to take", link.id, exc_info=True)
 
 
-def _close_grants(grants: Sequence[tuple[Registration, list[Any]]]) -> None:
-    for _, mrs in grants:
-        for mr in mrs:
-            mr.close()
+def _close_grants(grants: Sequence[tuple[Registration, list[Window]]]) -> None:
+    for _, windows in grants:
+        for window in windows:
+            window.close()
