@@ -29,7 +29,8 @@ def load() -> None:
         SglangMismatch: sglang's internals are not 0.5.23's (sglang logs it and goes on
             without the backend; the flag's choices then lack ``kvbeam``).
     """
-    from kvbeam.integrations.sglang import select
+    from kvbeam.integrations.sglang import memory, select
 
     select.install()
+    memory.install()
     log.info("kvbeam sglang backend registered (sglang plugin)")
