@@ -120,3 +120,45 @@ def test_decode_retries_an_unreachable_prefill_bootstrap() -> None:
         s.bind(("127.0.0.1", 0))
         addr = f"127.0.0.1:{s.getsockname()[1]}"
     assert _Manager(1).try_ensure_parallel_info(addr) is False
+
+
+class _RacingDaemon:
+    """Decode's daemon as a poll may see it: unknown, then (prefill reserved, moved and
+    cleared its room in between) Success."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.known = True  # False: the daemon never learns of the request
+
+    def status(self, request_id: str) -> object:
+        from kvbeam.errors import UnknownRequest
+        from kvbeam.states import TransferState
+
+        self.calls += 1
+        if self.calls == 1 or not self.known:
+            raise UnknownRequest(f"unknown request {request_id}")
+        return SimpleNamespace(state=TransferState.SUCCESS)
+
+
+def test_a_room_cleared_between_two_decode_calls_is_not_an_abort(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seen in the served test on a loaded host: decode's Status said unknown, then
+    # prefill reserved, moved, succeeded and deleted the room before decode read it.
+    from kvbeam.engine import requests
+    from kvbeam.integrations.sglang.conn import KvbeamKVReceiver
+
+    server = bootstrap.BootstrapServer("127.0.0.1", 0)
+    try:
+        daemon = _RacingDaemon()
+        monkeypatch.setitem(requests._clients, "racing:1", daemon)
+        mgr = SimpleNamespace(daemon="racing:1", layout=_layout())
+        rx = KvbeamKVReceiver(mgr, server.address, 7)  # type: ignore[arg-type]
+        rx.prefill, rx.metadata_sent = {"daemon": "p:1"}, True  # init and send_metadata done
+        assert rx.poll() == 4  # Success, not "prefill aborted room 7 before reserving"
+        assert daemon.calls == 2
+        daemon.known = False  # and when the daemon does not know it either: Failed, said so
+        assert rx.poll() == 0
+        with pytest.raises(RuntimeError, match="prefill aborted room 7 before reserving"):
+            rx.failure_exception()
+    finally:
+        server.close()

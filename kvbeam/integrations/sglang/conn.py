@@ -259,14 +259,21 @@ class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
             return int(KVPoll.Bootstrapping)
         if not self.metadata_sent:
             return int(KVPoll.WaitingForInput)
+        daemon = client_for(self.mgr.daemon)
         try:
-            self.last = client_for(self.mgr.daemon).status(self.request_id)
+            self.last = daemon.status(self.request_id)
         except UnknownRequest:  # prefill has not reserved yet, or gave up
             room = bootstrap.call(self.bootstrap_addr, "get", _room_key(self.room))
-            if room is None or room.get("aborted"):
+            if room is not None and not room.get("aborted"):
+                return int(KVPoll.WaitingForInput)
+            # Prefill deletes the room when it is done: it may have reserved, moved and
+            # cleared between the two calls above. Only a request decode's daemon still
+            # does not know was given up before reserving.
+            try:
+                self.last = daemon.status(self.request_id)
+            except UnknownRequest:
                 self.error = f"prefill aborted room {self.room} before reserving"
                 return int(KVPoll.Failed)
-            return int(KVPoll.WaitingForInput)
         return int(poll_of(self.last.state))
 
     def failure_exception(self) -> None:
