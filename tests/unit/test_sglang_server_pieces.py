@@ -162,3 +162,25 @@ def test_a_room_cleared_between_two_decode_calls_is_not_an_abort(
             rx.failure_exception()
     finally:
         server.close()
+
+
+def test_docs_show_the_flags_and_side_config_the_served_test_runs() -> None:
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from tests.sglang_server_helpers import MAX_RUNNING, SGLANG_FLAGS, side_config
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text()
+    flags = re.search(r"`SERVER_FLAGS` are the CPU setup of the test \(tests/"
+                      r"sglang_server_helpers.py\):\n(.*?)\. What needs what", doc, re.S)
+    assert flags is not None
+    assert " ".join(flags.group(1).replace("\n", " ").strip("`").split("` `")).replace(
+        "`", "") == " ".join(SGLANG_FLAGS)
+    block = re.search(r"The test's, for the tiny Llama:\n\n```yaml\n(.*?)```", doc, re.S)
+    assert block is not None
+    from kvbeam.pools.spec import SideConfig
+
+    assert SideConfig.from_mapping(yaml.safe_load(block.group(1)), "doc") == \
+        SideConfig.from_mapping(side_config(aux_rows=2 * MAX_RUNNING), "doc")
