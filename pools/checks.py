@@ -114,7 +114,7 @@ def compare_sides(prefill: SideLayout, decode: SideLayout) -> list[Difference]:
     out = target_draft_differences(prefill, "prefill") + target_draft_differences(decode, "decode")
     if prefill.model != decode.model:
         out.append(_cross("model", "model", prefill.model, decode.model))
-    if prefill.target.kind != decode.target.kind or prefill.target.kind == "paged":
+    if prefill.target.kind != decode.target.kind or prefill.target.kind != "dsv4":
         out.extend(_paged_differences(prefill.target, decode.target))
         out.extend(_component_differences(prefill, decode))
         return out
@@ -135,7 +135,8 @@ def compare_sides(prefill: SideLayout, decode: SideLayout) -> list[Difference]:
 
 
 def _paged_differences(p: PoolGeometry, d: PoolGeometry) -> list[Difference]:
-    """Pool kinds differ: that alone; both paged: every paged field, by its own name."""
+    """Pool kinds differ: that alone; both paged or sglang_mha: every paged field, by its
+    own name (the sglang_mha aux rows are compared as the AUX component's buffers)."""
     if p.kind != d.kind:
         return [_cross("kind", "pool kind", p.kind, d.kind)]
     out: list[Difference] = []

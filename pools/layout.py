@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from kvbeam.pools.indices import swa_index_mapping_fingerprint
 from kvbeam.pools.paged import block_bytes, num_blocks
+from kvbeam.pools.sglang_mha import page_bytes
 from kvbeam.pools.spec import STATE_ELEMENT_SIZE, PoolSpec, SideConfig
 from kvbeam.pools.types import IndexKind, StateType
 
@@ -232,6 +233,30 @@ def _paged_layout(config: SideConfig, b: _Builder) -> SideLayout:
                                                                    tuple(bufs)), states=())
 
 
+def _sglang_mha_layout(config: SideConfig, b: _Builder) -> SideLayout:
+    """sglang's MHA pool: K of every layer, then V of every layer (``KV_PAGES``, one
+    item a page), and the AUX component: one buffer per metadata field, one row
+    (``REQ_SLOT``) per request."""
+    spec = config.target
+    item, pages = page_bytes(spec), spec.max_pages_per_req
+    bufs = []
+    for part in ("k", "v"):
+        for layer in range(len(spec.compression_ratios)):
+            name = f"target.layer{layer}.{part}"
+            t = b.tensor(name, pages * item)
+            bufs.append(BufferLayout(name, t, 0, pages * item, item, IndexKind.KV_PAGES))
+    aux = []
+    for i, row in enumerate(spec.aux_item_lens):
+        name = f"target.aux{i}"
+        t = b.tensor(name, spec.aux_rows * row)
+        aux.append(BufferLayout(name, t, 0, spec.aux_rows * row, row, IndexKind.REQ_SLOT))
+    return SideLayout(model=config.model, target=PoolGeometry.of(spec), draft=None,
+                      tensors=tuple(b.tensors),
+                      kv=ComponentLayout("kv", "target", None, tuple(bufs)),
+                      states=(ComponentLayout("target.aux", "target", StateType.AUX,
+                                              tuple(aux)),))
+
+
 def build_side_layout(config: SideConfig) -> SideLayout:
     """Lay out a side's target and draft pools and its positional components.
 
@@ -242,6 +267,8 @@ def build_side_layout(config: SideConfig) -> SideLayout:
     builder = _Builder(tensors)
     if config.target.kind == "paged":
         return _paged_layout(config, builder)
+    if config.target.kind == "sglang_mha":
+        return _sglang_mha_layout(config, builder)
     tgt = _build_pool("target", config.target, builder)
     kv = ComponentLayout("kv", "target", None, (*tgt.c4_kv, *tgt.c4_indexer, *tgt.c128_kv))
     states: list[ComponentLayout] = [

@@ -44,9 +44,12 @@ MAX_SLIDING_WINDOW = 1 << 20
 MAX_DRAFT_TOKENS = 1024
 #: Compression-state rows are float32 (value and score halves).
 STATE_ELEMENT_SIZE = 4
-#: Pool kinds: DeepSeek-V4's SWA/C4/C128 pools, or generic per-layer paged K/V blocks
-#: (vLLM-style full attention; :mod:`kvbeam.pools.paged`).
-POOL_KINDS = ("dsv4", "paged")
+#: Pool kinds: DeepSeek-V4's SWA/C4/C128 pools, generic per-layer paged K/V blocks
+#: (vLLM-style full attention; :mod:`kvbeam.pools.paged`), or sglang's MHA pool (K and V
+#: buffers apart, plus sglang's per-request metadata rows; :mod:`kvbeam.pools.sglang_mha`).
+POOL_KINDS = ("dsv4", "paged", "sglang_mha")
+#: The kinds of full-attention pages (no DSV4 modes, no draft pool).
+PAGED_KINDS = ("paged", "sglang_mha")
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,12 @@ class PoolSpec:
             blocks per layer (:func:`kvbeam.pools.paged.paged_spec`).
         num_kv_heads: KV heads per block (paged kind; 1 for DSV4).
         inner_layout: the engine's name for the order of a block's bytes (paged kind,
-            e.g. vLLM CPU's ``LBHNC``): both sides must use the same one.
+            e.g. vLLM CPU's ``LBHNC``; sglang_mha: sglang's ``kv_cache_layout``, ``nhd``):
+            both sides must use the same one.
+        aux_item_lens: sglang_mha: bytes of one request's row in each of sglang's
+            metadata buffers (``KVArgs.aux_item_lens``), in sglang's order.
+        aux_rows: sglang_mha: rows of each metadata buffer (requests it can hold; each
+            side has its own count).
     """
 
     compression_ratios: tuple[int, ...]
@@ -97,6 +105,8 @@ class PoolSpec:
     kind: str = "dsv4"
     num_kv_heads: int = 1
     inner_layout: str = ""
+    aux_item_lens: tuple[int, ...] = ()
+    aux_rows: int = 0
 
     # ---- derived geometry -------------------------------------------------
     @property
@@ -229,10 +239,18 @@ class PoolSpec:
             raise bad("kind", f"unknown pool kind; use one of {', '.join(POOL_KINDS)}")
         if self.num_kv_heads <= 0:
             raise bad("num_kv_heads", "must be a positive integer")
-        if self.kind == "paged":
+        if self.kind in PAGED_KINDS:
             self._validate_paged(bad)
         elif self.num_kv_heads != 1 or self.inner_layout:
-            raise bad("kind", "num_kv_heads and inner_layout belong to the paged kind")
+            raise bad("kind", "num_kv_heads and inner_layout belong to the paged kinds")
+        if self.kind == "sglang_mha":
+            if not self.aux_item_lens or any(n <= 0 for n in self.aux_item_lens):
+                raise bad("aux_item_lens", "sglang_mha needs the byte length of each of "
+                          "sglang's metadata buffers' rows (KVArgs.aux_item_lens), all > 0")
+            if self.aux_rows <= 0:
+                raise bad("aux_rows", "sglang_mha needs its metadata buffers' row count > 0")
+        elif self.aux_item_lens or self.aux_rows:
+            raise bad("kind", "aux_item_lens and aux_rows belong to the sglang_mha kind")
         if (self.swa_pages_per_req is not None
                 and self.swa_pages_per_req < self.min_swa_pages_per_req):
             raise bad(
@@ -284,8 +302,8 @@ class SideConfig:
         draft = None
         if data.get("draft") is not None:
             draft = PoolSpec.from_mapping(data["draft"], f"{source}: draft")
-            if target.kind == "paged":
-                raise ConfigError(f"{source}: draft: a paged pool has no draft pool")
+            if target.kind in PAGED_KINDS:
+                raise ConfigError(f"{source}: draft: a {target.kind} pool has no draft pool")
         return cls(model=model, target=target, draft=draft, source=source)
 
 
@@ -315,6 +333,11 @@ def _coerce(name: str, value: Any, where: str) -> Any:
         for item in value:
             if isinstance(item, bool) or not isinstance(item, int):
                 raise ConfigError(f"{where}: every ratio must be an integer (got {_show(item)})")
+        return tuple(value)
+    if name == "aux_item_lens":
+        if not isinstance(value, list | tuple) or any(
+                isinstance(i, bool) or not isinstance(i, int) for i in value):
+            raise ConfigError(f"{where}: must be a list of byte lengths (got {_show(value)})")
         return tuple(value)
     if name in ("unified_kv", "online_c128"):
         if not isinstance(value, bool):

@@ -11,6 +11,9 @@ class StateType(enum.Enum):
     SWA = "SWA"
     SWA_RING = "SWA_RING"
     C128_STATE = "C128_STATE"
+    #: sglang's per-request metadata row (``KVArgs.aux_*``): first output token,
+    #: bootstrap room, ... (the ``sglang_mha`` kind; one ``REQ_SLOT`` item per request).
+    AUX = "AUX"
 
 
 class IndexKind(enum.Enum):
@@ -22,7 +25,8 @@ class IndexKind(enum.Enum):
       full-to-SWA index mapping; one item is one SWA page.
     - ``SWA_RING_ROWS``: unified-KV ring rows ``slot * ring + pos % ring`` for
       the window's positions; one item is one row.
-    - ``REQ_SLOT``: ``[slot]``; one item is a request's whole C4 compression-state ring.
+    - ``REQ_SLOT``: ``[slot]``; one item is a request's whole C4 compression-state ring
+      (DSV4), or its metadata row (sglang's aux buffers, the ``sglang_mha`` kind).
     - ``C128_STATE``: the C128 compression-state item holding position ``L - 1``.
     """
 

@@ -38,6 +38,7 @@ COMPONENT_TYPE_TO_PROTO: dict[StateType | None, pb.ComponentType] = {
     StateType.SWA: pb.ComponentType.COMPONENT_TYPE_SWA,
     StateType.SWA_RING: pb.ComponentType.COMPONENT_TYPE_SWA_RING,
     StateType.C128_STATE: pb.ComponentType.COMPONENT_TYPE_C128_STATE,
+    StateType.AUX: pb.ComponentType.COMPONENT_TYPE_AUX,
 }
 _COMPONENT_TYPE_FROM_PROTO = {int(v): k for k, v in COMPONENT_TYPE_TO_PROTO.items()}
 

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -187,3 +188,44 @@ def test_a_bad_kvbeam_insecure_is_refused_naming_it(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("KVBEAM_INSECURE", value)
     with pytest.raises(ConfigError, match=f"KVBEAM_INSECURE: not a boolean: {value!r}"):
         conn.KvbeamKVBootstrapServer("127.0.0.1", 0)
+
+
+class _LazyModule(ModuleType):
+    """A module that imports on attribute access (transformers' lazy modules do)."""
+
+    touched: ClassVar[list[str]] = []
+
+    def __getattr__(self, name: str) -> object:
+        self.touched.append(name)
+        raise RuntimeError(f"lazy import of {name} triggered")
+
+
+def test_install_reads_module_namespaces_without_lazy_imports(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A real sglang server's sys.modules holds transformers' lazy modules: looking
+    # get_kv_class up with getattr() imported (and failed on) their models.
+    monkeypatch.setitem(sys.modules, "kvbeam_test_lazy", _LazyModule("kvbeam_test_lazy"))
+    monkeypatch.setitem(sys.modules, "kvbeam_test_none", None)  # a blocked import
+    utils = sglang_utils_surface()
+    original = utils.get_kv_class
+    by_name = ModuleType("kvbeam_test_by_name")
+    by_name.get_kv_class = original  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kvbeam_test_by_name", by_name)
+    select.install(utils, [])
+    assert _LazyModule.touched == []
+    assert by_name.get_kv_class is utils.get_kv_class is not original
+
+
+def test_the_sglang_plugin_entry_point_is_declared_and_loads() -> None:
+    import tomllib
+
+    from kvbeam.integrations.sglang import plugin
+
+    root = Path(__file__).resolve().parents[2]
+    eps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["entry-points"]
+    name, _, value = plugin.ENTRY_POINT.partition(" = ")
+    assert eps[plugin.ENTRY_POINT_GROUP] == {name: value}
+    module, _, attr = value.partition(":")
+    import importlib
+
+    assert getattr(importlib.import_module(module), attr) is plugin.load

@@ -39,6 +39,13 @@ from kvbeam.integrations.sglang.kvargs import (
     check_kvargs,
     state_index_lists,
 )
+from kvbeam.integrations.sglang.scheduler import (
+    PREFILL_KEY,
+    ManagerMembers,
+    ReceiverMembers,
+    aux_lists,
+    prefill_poll,
+)
 from kvbeam.pools.checks import check_target_draft
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.spec import SideConfig
@@ -58,7 +65,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         f"`pip install --no-deps -r requirements-sglang.txt`): {exc}") from exc
 
 log = logging.getLogger(__name__)
-PREFILL_KEY = "kvbeam.prefill"
+__all__ = ["PREFILL_KEY", "KvbeamKVBootstrapServer", "KvbeamKVManager", "KvbeamKVReceiver",
+           "KvbeamKVSender"]
 
 
 def _setting(server_args: Any, name: str) -> str:
@@ -80,7 +88,7 @@ def _room_key(room: Any) -> str:
     return f"room.{room}"
 
 
-class KvbeamKVManager(BaseKVManager):  # type: ignore[misc]
+class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
     """One per server: checks the pools ``KVArgs`` describes and attaches them.
 
     Raises (at construction, before anything is attached):
@@ -105,10 +113,14 @@ class KvbeamKVManager(BaseKVManager):  # type: ignore[misc]
         check_kvargs(args, self.layout)
         self.security = credentials(server_args)
         self.daemon = _setting(server_args, "kvbeam_daemon")
+        self._init_scheduler_members()
         self.attachment = self._attach(_setting(server_args, "kvbeam_attach_socket"))
+        if self.mode == "prefill" and getattr(server_args, "disaggregation_bootstrap_port",
+                                              None) is not None:
+            self.register_to_bootstrap()  # sglang's schedulers never call it for kvbeam
 
     def _attach(self, sock: str, timeout: float = 180.0) -> Attachment:
-        buffers = buffers_from_kvargs(self.kv_args)
+        buffers = buffers_from_kvargs(self.kv_args, self.layout)
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -128,15 +140,10 @@ class KvbeamKVManager(BaseKVManager):  # type: ignore[misc]
         """The shared client to the daemon at ``address``, presenting our credentials."""
         return client_for(address, self.security)
 
-    def store(self, address: str, op: str, key: str, value: Any = None) -> Any:
+    def store(self, address: str, op: str, key: str, value: Any = None,
+              timeout: float = 10.0) -> Any:
         """One operation on the bootstrap store at ``address``, with our token."""
-        return bootstrap.call(address, op, key, value, token=self.security.token)
-
-    def register_to_bootstrap(self) -> None:
-        """Prefill: publish the daemon's address at this server's bootstrap server."""
-        host = getattr(self.server_args, "host", "127.0.0.1")
-        port = self.server_args.disaggregation_bootstrap_port
-        self.store(f"{host}:{port}", "put", PREFILL_KEY, {"daemon": self.daemon})
+        return bootstrap.call(address, op, key, value, timeout, token=self.security.token)
 
     def close(self) -> None:
         """Detach the engine's memory (the daemon fails its live requests)."""
@@ -151,6 +158,7 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         self.mgr, self.bootstrap_addr, self.room = mgr, bootstrap_addr, bootstrap_room
         self.request_id = f"sglang-{bootstrap_room}"
         self.num_pages = 0
+        self.aux_index: int | None = None
         self.pages: list[Any] = []
         self.tokens = 0
         self.sent = False
@@ -158,8 +166,10 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         self.last: Any = None
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
-        """Remember how many pages the request has (the last chunk completes them)."""
+        """Remember how many pages the request has (the last chunk completes them) and
+        its metadata row (``aux_index``)."""
         self.num_pages = num_kv_indices
+        self.aux_index = aux_index
 
     def send(self, kv_indices: Any, state_indices: list[Any] | None = None,
              num_kv_tokens: int | None = None, **_: Any) -> None:
@@ -185,7 +195,8 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         decode = self.mgr.store(self.bootstrap_addr, "get", _room_key(self.room))
         if not decode or decode.get("aborted"):
             raise RuntimeError(f"decode gave no destination for room {self.room}")
-        lists = {"KV_PAGES": self.pages, **state_index_lists(self.mgr.layout, state_indices)}
+        lists = {"KV_PAGES": self.pages, **state_index_lists(self.mgr.layout, state_indices),
+                 **aux_lists(self.mgr.layout, self.aux_index)}
         # Decode's reservation: its own lists, the length only prefill knows by now.
         decode_client = self.mgr.client(decode["daemon"])
         decode_client.reserve(self.request_id, self.tokens, self.mgr.daemon,
@@ -200,12 +211,13 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         self.sent = True
 
     def poll(self) -> int:
-        """Bootstrapping until decode sent its metadata, WaitingForInput, then kvbeam's."""
+        """Bootstrapping until decode sent its metadata, WaitingForInput, then kvbeam's
+        (its handshake reads Transferring: sglang's inflight queue takes no Bootstrapping)."""
         if self.error is not None:
             return int(KVPoll.Failed)
         if self.sent:
             self.last = self.mgr.client(self.mgr.daemon).status(self.request_id)
-            return int(poll_of(self.last.state))
+            return prefill_poll(int(poll_of(self.last.state)))
         decode = self.mgr.store(self.bootstrap_addr, "get", _room_key(self.room))
         if decode is None:
             return int(KVPoll.Bootstrapping)
@@ -232,7 +244,7 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         self.mgr.store(self.bootstrap_addr, "delete", _room_key(self.room))
 
 
-class KvbeamKVReceiver(BaseKVReceiver):  # type: ignore[misc]
+class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
     """Decode's side of one request (``bootstrap_room``)."""
 
     def __init__(self, mgr: KvbeamKVManager, bootstrap_addr: str,
@@ -243,19 +255,22 @@ class KvbeamKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         self.metadata_sent = False
         self.error: str | None = None
         self.last: Any = None
+        self._init_scheduler_members()
 
     def init(self, prefill_dp_rank: int = 0) -> None:
         """Look prefill's daemon up at its bootstrap server."""
         self.prefill = self.mgr.store(self.bootstrap_addr, "get", PREFILL_KEY)
         if self.prefill is None:
             self.error = f"no kvbeam prefill registered at {self.bootstrap_addr}"
+            self.conclude_state = int(KVPoll.Failed)
 
     def send_metadata(self, kv_indices: Any, aux_index: int | None = None,
                       state_indices: list[Any] | None = None,
                       decode_prefix_len: int | None = None, destination: Any = None) -> None:
         """Publish the destination lists for prefill, which reserves with them."""
         lists = {"KV_PAGES": kv_indices,
-                 **state_index_lists(self.mgr.layout, state_indices)}
+                 **state_index_lists(self.mgr.layout, state_indices),
+                 **aux_lists(self.mgr.layout, aux_index)}
         value = {"daemon": self.mgr.daemon,
                  "lists": {k: [int(i) for i in v] for k, v in lists.items()}}
         self.mgr.store(self.bootstrap_addr, "put", _room_key(self.room), value)
@@ -269,14 +284,21 @@ class KvbeamKVReceiver(BaseKVReceiver):  # type: ignore[misc]
             return int(KVPoll.Bootstrapping)
         if not self.metadata_sent:
             return int(KVPoll.WaitingForInput)
+        daemon = self.mgr.client(self.mgr.daemon)
         try:
-            self.last = self.mgr.client(self.mgr.daemon).status(self.request_id)
+            self.last = daemon.status(self.request_id)
         except UnknownRequest:  # prefill has not reserved yet, or gave up
             room = self.mgr.store(self.bootstrap_addr, "get", _room_key(self.room))
-            if room is None or room.get("aborted"):
+            if room is not None and not room.get("aborted"):
+                return int(KVPoll.WaitingForInput)
+            # Prefill deletes the room when it is done: it may have reserved, moved and
+            # cleared between the two calls above. Only a request decode's daemon still
+            # does not know was given up before reserving.
+            try:
+                self.last = daemon.status(self.request_id)
+            except UnknownRequest:
                 self.error = f"prefill aborted room {self.room} before reserving"
                 return int(KVPoll.Failed)
-            return int(KVPoll.WaitingForInput)
         return int(poll_of(self.last.state))
 
     def failure_exception(self) -> None:

@@ -25,6 +25,14 @@ from kvbeam.proto.attach_codec import BufferRef
 #: kvbeam's state component type -> sglang's ``StateType`` value (``KVArgs.state_types``).
 SGLANG_STATE_TYPE = {StateType.SWA: "swa", StateType.SWA_RING: "swa_ring",
                      StateType.C128_STATE: "c128_state"}
+#: The name kvbeam gives sglang's metadata buffers (``KVArgs.aux_*``), not a state type:
+#: the last component when the layout has an ``AUX`` component (the sglang_mha kind).
+AUX = "aux"
+
+
+def has_aux(layout: SideLayout | None) -> bool:
+    """True when ``layout`` moves sglang's metadata rows (an ``AUX`` component)."""
+    return layout is not None and any(c.state_type is StateType.AUX for c in layout.states)
 
 
 @dataclass(frozen=True)
@@ -61,21 +69,27 @@ def _open_fds() -> dict[tuple[int, int], int]:
     return out
 
 
-def kvargs_components(kv_args: Any) -> list[tuple[str, list[int], list[int], list[int]]]:
-    """``KVArgs`` as positional components: (type, ptrs, lens, item_lens), KV first."""
+def kvargs_components(kv_args: Any, layout: SideLayout | None = None
+                      ) -> list[tuple[str, list[int], list[int], list[int]]]:
+    """``KVArgs`` as positional components: (type, ptrs, lens, item_lens), KV first, then
+    the state components, then the metadata buffers when ``layout`` moves them."""
     comps = [("kv", list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens),
               list(kv_args.kv_item_lens))]
     for st, ptrs, lens, items in zip(kv_args.state_types, kv_args.state_data_ptrs,
                                      kv_args.state_data_lens, kv_args.state_item_lens,
                                      strict=True):
         comps.append((str(getattr(st, "value", st)), list(ptrs), list(lens), list(items)))
+    if has_aux(layout):
+        comps.append((AUX, list(kv_args.aux_data_ptrs), list(kv_args.aux_data_lens),
+                      list(kv_args.aux_item_lens)))
     return comps
 
 
 def check_kvargs(kv_args: Any, layout: SideLayout) -> None:
     """Refuse ``KVArgs`` whose components do not describe ``layout`` (type, count, sizes)."""
-    comps = kvargs_components(kv_args)
-    want = [("kv", c) if c.state_type is None else (SGLANG_STATE_TYPE[c.state_type], c)
+    comps = kvargs_components(kv_args, layout)
+    want = [("kv", c) if c.state_type is None else
+            (AUX if c.state_type is StateType.AUX else SGLANG_STATE_TYPE[c.state_type], c)
             for c in layout.components]
     got_types = [c[0] for c in comps]
     if got_types != [w[0] for w in want]:
@@ -89,8 +103,9 @@ def check_kvargs(kv_args: Any, layout: SideLayout) -> None:
                               f"components[{i}]")
 
 
-def buffers_from_kvargs(kv_args: Any) -> EngineBuffers:
-    """The attach description of the memory ``KVArgs`` points at (fds duplicated).
+def buffers_from_kvargs(kv_args: Any, layout: SideLayout | None = None) -> EngineBuffers:
+    """The attach description of the memory ``KVArgs`` points at (fds duplicated); the
+    metadata buffers too when ``layout`` moves them.
 
     Raises:
         AttachError: a pointer is not inside a file mapping whose fd this process holds
@@ -100,7 +115,7 @@ def buffers_from_kvargs(kv_args: Any) -> EngineBuffers:
     index: dict[int, int] = {}
     out = EngineBuffers([])
     try:
-        for ci, (_, ptrs, lens, items) in enumerate(kvargs_components(kv_args)):
+        for ci, (_, ptrs, lens, items) in enumerate(kvargs_components(kv_args, layout)):
             refs = []
             for bi, (ptr, n, item) in enumerate(zip(ptrs, lens, items, strict=True)):
                 m = next((m for m in maps if m.start <= ptr and ptr + n <= m.end), None)
@@ -132,7 +147,7 @@ def state_index_lists(layout: SideLayout, state_indices: Sequence[Any] | None
     the draft (last), its lists are then the target's, as sglang's shared allocator.
     """
     out: dict[str, Any] = {}
-    states = layout.states
+    states = tuple(c for c in layout.states if c.state_type is not StateType.AUX)
     entries = list(state_indices or [])
     if len(entries) > len(states):
         raise ValueError(f"{len(entries)} state index entries for {len(states)} components")

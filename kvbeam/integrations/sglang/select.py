@@ -1,14 +1,15 @@
 """Make ``--disaggregation-transfer-backend kvbeam`` resolve to kvbeam's classes.
 
-sglang has no plugin hook: its backends are a closed ``TransferBackend`` enum resolved
+sglang's backends are a closed ``TransferBackend`` enum resolved
 by ``get_kv_class()`` (``sglang.srt.disaggregation.utils``), and the flag's choices
 are a list (``sglang.srt.arg_groups.choices``). :func:`install` adds ``KVBEAM =
 "kvbeam"`` to the enum and the choices, and wraps ``get_kv_class`` (also where
 modules already imported it by name), in the current process. It checks every
 internal it touches first and raises :class:`SglangMismatch`, naming the sglang
-version this was written against, when one moved. Call it before sglang builds its
-server args, in every process that resolves the backend
-(``python -m kvbeam.integrations.sglang.launch`` does, docs/sglang.md).
+version this was written against, when one moved. It must run before sglang builds its
+server args, in every process that resolves the backend: sglang's plugin loader calls
+it in each of them through kvbeam's entry point
+(:mod:`kvbeam.integrations.sglang.plugin`, docs/sglang.md).
 """
 
 from __future__ import annotations
@@ -112,8 +113,9 @@ def install(utils: ModuleType | None = None, choices: list[str] | None = None) -
 
     get_kv_class._kvbeam = True  # type: ignore[attr-defined]
     get_kv_class.__wrapped__ = original  # type: ignore[attr-defined]
-    # prefill.py, decode.py and disagg_service import get_kv_class by name.
+    # prefill.py, decode.py and disagg_service import get_kv_class by name. Read each
+    # module's own namespace: a lazy module's __getattr__ (transformers') would import.
     for module in list(sys.modules.values()):
-        if getattr(module, "get_kv_class", None) is original:
+        if getattr(module, "__dict__", {}).get("get_kv_class") is original:
             module.get_kv_class = get_kv_class  # type: ignore[attr-defined]
     vars(utils)["get_kv_class"] = get_kv_class

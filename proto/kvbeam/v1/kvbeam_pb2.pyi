@@ -34,6 +34,7 @@ class ComponentType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMPONENT_TYPE_SWA: _ClassVar[ComponentType]
     COMPONENT_TYPE_SWA_RING: _ClassVar[ComponentType]
     COMPONENT_TYPE_C128_STATE: _ClassVar[ComponentType]
+    COMPONENT_TYPE_AUX: _ClassVar[ComponentType]
 
 class IndexKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -101,6 +102,7 @@ COMPONENT_TYPE_KV: ComponentType
 COMPONENT_TYPE_SWA: ComponentType
 COMPONENT_TYPE_SWA_RING: ComponentType
 COMPONENT_TYPE_C128_STATE: ComponentType
+COMPONENT_TYPE_AUX: ComponentType
 INDEX_KIND_UNSPECIFIED: IndexKind
 INDEX_KIND_KV_PAGES: IndexKind
 INDEX_KIND_SWA_PAGES: IndexKind

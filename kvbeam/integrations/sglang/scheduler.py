@@ -1,0 +1,148 @@
+"""What sglang 0.5.23's own schedulers read beyond the base classes (prefill.py, decode.py).
+
+Kept apart from the transfer calls (:mod:`kvbeam.integrations.sglang.conn`):
+
+- :class:`ManagerMembers`: decode's ``prefill_info_table`` and
+  ``try_ensure_parallel_info(addr)`` (decode looks prefill up before it creates a
+  receiver's transfer), and prefill's self-registration at its bootstrap server
+  (sglang 0.5.23 calls ``register_to_bootstrap()`` only from its common manager's
+  ``__init__``, which kvbeam's does not inherit);
+- :class:`ReceiverMembers`: ``kv_mgr``, ``conclude_state``, ``require_staging``,
+  ``abort_notified``, ``bootstrap_infos`` and ``ensure_abort_notified()``;
+- :func:`aux_lists`: the request's metadata row (``aux_index``, sglang's
+  ``metadata_buffer_index``) as the ``REQ_SLOT`` list of the AUX component, so the row
+  moves with the KV through the daemons;
+- :func:`prefill_poll`: the states sglang's prefill queues accept.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvbeam.auth import Security
+from kvbeam.engine.requests import KVPoll
+from kvbeam.integrations.sglang import bootstrap
+from kvbeam.integrations.sglang.kvargs import has_aux
+from kvbeam.pools.layout import SideLayout
+
+log = logging.getLogger(__name__)
+
+#: The bootstrap key prefill's daemon address is registered under.
+PREFILL_KEY = "kvbeam.prefill"
+#: How long prefill retries its registration while its bootstrap server starts (sglang
+#: starts it in the HTTP server's process, beside the scheduler that registers).
+REGISTER_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class PrefillInfo:
+    """What decode's scheduler reads of a prefill (``prefill_info_table`` values):
+    kvbeam's prefill is one daemon, one data-parallel rank."""
+
+    daemon: str
+    dp_size: int = 1
+    follow_bootstrap_room: bool = True
+
+
+class ManagerMembers:
+    """The manager's members sglang's schedulers read (mixed into the kvbeam manager)."""
+
+    server_args: Any
+    daemon: str
+    #: the credentials the manager presents (its bootstrap calls carry the token)
+    security: Security
+
+    def _init_scheduler_members(self) -> None:
+        self.prefill_info_table: dict[str, PrefillInfo] = {}
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Decode: look prefill's daemon up at ``bootstrap_addr``; True once known."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        try:
+            value = bootstrap.call(bootstrap_addr, "get", PREFILL_KEY, timeout=2.0,
+                                   token=self.security.token)
+        except OSError as exc:  # its bootstrap server is not up yet: sglang retries
+            log.info("kvbeam: prefill bootstrap %s not reachable yet: %s", bootstrap_addr, exc)
+            return False
+        if not isinstance(value, dict) or not isinstance(value.get("daemon"), str):
+            return False
+        self.prefill_info_table[bootstrap_addr] = PrefillInfo(value["daemon"])
+        return True
+
+    def bootstrap_address(self) -> str:
+        """This prefill server's bootstrap address (``--host``, bootstrap port)."""
+        host = getattr(self.server_args, "host", None) or "127.0.0.1"
+        return f"{host}:{self.server_args.disaggregation_bootstrap_port}"
+
+    def register_to_bootstrap(self) -> None:
+        """Prefill: publish the daemon's address at this server's bootstrap server,
+        retrying while it starts (up to :data:`REGISTER_TIMEOUT_S`)."""
+        address = self.bootstrap_address()
+        deadline = time.monotonic() + REGISTER_TIMEOUT_S
+        while True:
+            try:
+                bootstrap.call(address, "put", PREFILL_KEY, {"daemon": self.daemon},
+                               token=self.security.token)
+                log.info("kvbeam: prefill daemon %s registered at bootstrap %s", self.daemon,
+                         address)
+                return
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"kvbeam: prefill could not register at its bootstrap "
+                                       f"server {address} within {REGISTER_TIMEOUT_S:.0f} s: "
+                                       f"{exc}") from exc
+            time.sleep(0.2)
+
+
+class ReceiverMembers:
+    """The receiver's members decode's scheduler reads (mixed into the kvbeam receiver)."""
+
+    mgr: Any
+
+    def _init_scheduler_members(self) -> None:
+        #: decode's allocation policy reads it after init(): Failed when init failed
+        self.conclude_state: int | None = None
+        #: kvbeam never stages through a host buffer: the daemon writes the pool
+        self.require_staging = False
+        #: True once prefill was told of this request's abort (through the daemons)
+        self.abort_notified = False
+        #: per-prefill-rank acknowledgements a deferred release waits for (none: kvbeam
+        #: aborts synchronously at its daemon)
+        self.bootstrap_infos: list[Any] = []
+
+    @property
+    def kv_mgr(self) -> Any:
+        """The manager (sglang's name for it)."""
+        return self.mgr
+
+    def ensure_abort_notified(self, force_arm: bool = False) -> None:
+        """Tell prefill (through the daemons) that decode gave this request up, once."""
+        if not self.abort_notified:
+            self.abort()  # type: ignore[attr-defined]  # the receiver's own
+            self.abort_notified = True
+
+
+def aux_lists(layout: SideLayout, aux_index: int | None) -> dict[str, list[int]]:
+    """The metadata row's index list (``REQ_SLOT``) when ``layout`` moves sglang's
+    metadata buffers; nothing otherwise.
+
+    Raises:
+        ValueError: the layout moves metadata rows and sglang gave no ``aux_index``.
+    """
+    if not has_aux(layout):
+        return {}
+    if aux_index is None or int(aux_index) < 0:
+        raise ValueError(f"the sglang_mha layout moves the metadata row, but sglang gave "
+                         f"aux_index {aux_index!r}")
+    return {"REQ_SLOT": [int(aux_index)]}
+
+
+def prefill_poll(state: int) -> int:
+    """kvbeam's poll as sglang's prefill inflight queue accepts it: the reservation and
+    kvbeam's own handshake (Bootstrapping) are Transferring there (sglang 0.5.23 raises
+    on Bootstrapping in that queue)."""
+    return int(KVPoll.Transferring) if state == int(KVPoll.Bootstrapping) else state

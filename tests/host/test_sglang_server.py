@@ -1,0 +1,254 @@
+"""sglang's own servers with ``--disaggregation-transfer-backend kvbeam``, behind its router.
+
+One plain sglang server records greedy outputs; then two ``--pools engine`` kvbeam
+daemons, sglang's prefill and decode servers (the backend installs itself through its
+plugin entry point) and sglang's router (``--pd-disaggregation --mini-lb``), started
+one after the other (an idle sglang scheduler busy-polls a core). Through the router
+the outputs must equal the plain server's for prompts under and over one chunk
+(``--chunked-prefill-size``), one at a time and several in flight; every transfer is
+XXH3-128-verified by the decode daemon. A tiny Llama with seeded weights (with sglang's
+dummy weights the output is a 2-token cycle that ignores the context).
+
+Negative control (the test harness, tests/sglang_server/harness): a moved block
+overwritten on decode changes the output; a moved metadata row with another bootstrap
+room fails the request (sglang's own check). An aborted request frees its pages on both
+servers. The commands are docs/sglang.md's.
+
+Runs in the sglang server venv (``make test-sglang``); elsewhere it is skipped, and
+KVBEAM_REQUIRE_SGLANG_SERVER=1 turns the skip into a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HAVE_SERVER = all(importlib.util.find_spec(m) is not None
+                  for m in ("sglang", "sglang_router", "safetensors", "uvicorn"))
+if not HAVE_SERVER and os.environ.get("KVBEAM_REQUIRE_SGLANG_SERVER") == "1":
+    raise RuntimeError("KVBEAM_REQUIRE_SGLANG_SERVER=1 but the sglang server venv is not "
+                       "this interpreter's (make test-sglang)")
+pytestmark = pytest.mark.skipif(not HAVE_SERVER,
+                                reason="sglang's server stack is not installed (make test-sglang)")
+
+from tests.sglang_server_helpers import (  # noqa: E402 (after the skip decision)
+    CHUNK,
+    MAX_RUNNING,
+    ROOT,
+    Process,
+    daemon,
+    free_port,
+    generate,
+    router,
+    sglang_server,
+    side_config,
+    write_model,
+    write_yaml,
+)
+
+#: Prompt lengths: under one chunk (256 tokens), exactly one, and over one (2 and 3 chunks).
+LENGTHS = (6, 100, 256, 300, 700)
+NEW_TOKENS = 16
+HARNESS = ROOT / "tests" / "sglang_server" / "harness"
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    """``n`` token ids (not special ones) from a seeded generator."""
+    return [int(t) for t in np.random.default_rng(n * 1000 + seed).integers(3, 1000, n)]
+
+
+def _post(port: int, path: str, body: dict[str, object]) -> int:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return int(resp.status)
+
+
+def _load(port: int) -> dict[str, object]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/loads", timeout=60) as resp:
+        out: dict[str, object] = json.loads(resp.read())["loads"][0]
+    return out
+
+
+@dataclass
+class Served:
+    """The running pair and what the plain server produced."""
+
+    work: Path
+    plain: dict[tuple[int, int], list[int]]
+    ports: dict[str, int]
+    procs: dict[str, Process] = field(default_factory=dict)
+    starts: dict[str, float] = field(default_factory=dict)
+
+    def arm(self, mode: str) -> None:
+        """Arm the harness in the decode server for the next request."""
+        (self.work / "arm").write_text(mode)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    work = tmp_path_factory.mktemp("sglang-served")
+    model = write_model(work / "model")
+    ports = {k: free_port() for k in ("plain", "pd", "dd", "prefill", "decode", "boot",
+                                      "router")}
+    keys = [(n, 0) for n in LENGTHS] + [(n, s) for n in (50, 300) for s in (1, 2)]
+    plain_server = sglang_server("plain", model, ports["plain"], work / "plain.log")
+    starts: dict[str, float] = {}
+    try:
+        plain_server.wait_for("The server is fired up")
+        starts["plain server"] = plain_server.ready_s or 0.0
+        plain = {}
+        for n, s in keys:
+            out = generate(ports["plain"], prompt(n, s), NEW_TOKENS)
+            assert "output_ids" in out, out
+            plain[(n, s)] = out["output_ids"]
+    finally:
+        plain_server.stop()  # before the pair starts: an idle scheduler busy-polls a core
+    # Context matters with these weights: different prompts, different continuations.
+    assert len({tuple(v) for v in plain.values()}) == len(plain), plain
+    served = Served(work, plain, ports, starts=starts)
+    (work / "arm").write_text("")
+    pcfg = write_yaml(work / "prefill.yaml", side_config(aux_rows=2 * MAX_RUNNING))
+    dcfg = write_yaml(work / "decode.yaml", side_config(aux_rows=2 * MAX_RUNNING))
+    backend = ["--disaggregation-transfer-backend", "kvbeam",
+               "--disaggregation-bootstrap-port", str(ports["boot"])]
+    procs = served.procs
+    try:
+        procs["prefill daemon"] = daemon("prefill", pcfg, f"127.0.0.1:{ports['pd']}",
+                                         work / "prefill.sock", work / "prefill-daemon.log")
+        procs["decode daemon"] = daemon("decode", dcfg, f"127.0.0.1:{ports['dd']}",
+                                        work / "decode.sock", work / "decode-daemon.log")
+        procs["prefill server"] = sglang_server(
+            "prefill", model, ports["prefill"], work / "prefill.log",
+            "--disaggregation-mode", "prefill", *backend,
+            env={"KVBEAM_CONFIG": str(pcfg), "KVBEAM_DAEMON": f"127.0.0.1:{ports['pd']}",
+                 "KVBEAM_ATTACH_SOCKET": str(work / "prefill.sock")})
+        procs["prefill server"].wait_for("The server is fired up")
+        procs["decode server"] = sglang_server(
+            "decode", model, ports["decode"], work / "decode.log",
+            "--disaggregation-mode", "decode", *backend,
+            "--disaggregation-decode-retraction-backup", "none",
+            env={"KVBEAM_CONFIG": str(dcfg), "KVBEAM_DAEMON": f"127.0.0.1:{ports['dd']}",
+                 "KVBEAM_ATTACH_SOCKET": str(work / "decode.sock"),
+                 "KVBEAM_TEST_ARM_FILE": str(work / "arm")}, path=(HARNESS,))
+        procs["decode server"].wait_for("The server is fired up")
+        procs["router"] = router(ports["router"], f"http://127.0.0.1:{ports['prefill']}",
+                                 ports["boot"], f"http://127.0.0.1:{ports['decode']}",
+                                 work / "router.log")
+        procs["router"].wait_listening(ports["router"])
+        for name, p in procs.items():
+            if p.ready_s is not None:  # the daemons are ready once their server attached
+                starts[name] = p.ready_s
+        print("\nstart-up (s): " + ", ".join(f"{k} {v:.0f}" for k, v in starts.items()))
+        yield served
+    finally:
+        for p in reversed(list(procs.values())):
+            p.stop()
+
+
+def _verified(served: Served) -> int:
+    """Requests the decode daemon verified (XXH3-128) so far."""
+    log = served.procs["decode daemon"].text()
+    return sum("XXH3-128 verified" in line for line in log.splitlines())
+
+
+def test_router_outputs_equal_one_plain_server(served: Served) -> None:
+    rows = ["| prompt tokens | chunks | tokens compared | in flight | result |",
+            "|---|---|---|---|---|"]
+    before = _verified(served)
+    for n in LENGTHS:
+        out = generate(served.ports["router"], prompt(n), NEW_TOKENS)
+        got = out.get("output_ids")
+        rows.append(f"| {n} | {-(-n // CHUNK)} | {NEW_TOKENS} | 1 | "
+                    f"{'equal' if got == served.plain[(n, 0)] else 'DIFFERENT'} |")
+        assert got == served.plain[(n, 0)], (n, out)
+    print("\n" + "\n".join(rows))
+    assert _verified(served) - before == len(LENGTHS)
+
+
+def test_several_requests_in_flight_equal_the_plain_server(served: Served) -> None:
+    keys = [(n, s) for n in (50, 300) for s in (1, 2)]
+    got: dict[tuple[int, int], object] = {}
+
+    def one(key: tuple[int, int]) -> None:
+        got[key] = generate(served.ports["router"], prompt(*key), NEW_TOKENS).get("output_ids")
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    print(f"\n{len(keys)} in flight (prompts {[k[0] for k in keys]}): "
+          f"{sum(got[k] == served.plain[k] for k in keys)} equal")
+    assert {k: got.get(k) for k in keys} == {k: served.plain[k] for k in keys}
+
+
+def test_a_corrupted_moved_block_changes_the_output(served: Served) -> None:
+    served.arm("block")
+    out = generate(served.ports["router"], prompt(300), NEW_TOKENS)
+    print(f"\nblock corrupted: {out.get('output_ids')} (plain {served.plain[(300, 0)]})")
+    assert "HARNESS: corrupted the moved block" in served.procs["decode server"].text()
+    assert out.get("output_ids") != served.plain[(300, 0)], out
+    # The next request is clean again: the corruption was this request's only.
+    assert generate(served.ports["router"], prompt(100), NEW_TOKENS).get(
+        "output_ids") == served.plain[(100, 0)]
+
+
+def test_a_corrupted_metadata_row_fails_the_request(served: Served) -> None:
+    served.arm("row")
+    out = generate(served.ports["router"], prompt(100), NEW_TOKENS)
+    print(f"\nmetadata row corrupted: {json.dumps(out)[:300]}")
+    assert "HARNESS: corrupted the moved row" in served.procs["decode server"].text()
+    assert out.get("output_ids") != served.plain[(100, 0)], out
+    assert "bootstrap_room mismatch" in json.dumps(out) or "error" in out, out
+    assert "Context corruption detected" in served.procs["decode server"].text()
+
+
+def test_an_aborted_request_frees_its_pages_on_both_servers(served: Served) -> None:
+    ports = served.ports
+    result: dict[str, object] = {}
+
+    def long() -> None:
+        result.update(generate(ports["router"], prompt(300, 9), 1500))
+
+    t = threading.Thread(target=long)
+    t.start()
+    deadline = time.monotonic() + 120
+    while int(_load(ports["decode"]).get("num_running_reqs", 0)) == 0:  # type: ignore[call-overload]
+        assert time.monotonic() < deadline, "the long request never reached decode"
+        time.sleep(0.2)
+    busy = _load(ports["decode"])
+    for server in ("prefill", "decode"):
+        assert _post(ports[server], "/abort_request", {"abort_all": True}) == 200
+    t.join(120)
+    assert not t.is_alive()
+    print(f"\naborted after {len(result.get('output_ids', []))} tokens: "  # type: ignore[arg-type]
+          f"{json.dumps(result.get('meta_info', result))[:200]}")
+    assert "abort" in json.dumps(result).lower(), result
+    assert len(result.get("output_ids", [])) < 1500, result  # type: ignore[arg-type]
+    # Idle again: nothing running or queued, and each server's pool empties once its
+    # cache is flushed (sglang refuses /flush_cache while a request holds pages).
+    deadline = time.monotonic() + 60
+    for server in ("prefill", "decode"):
+        while int(_load(ports[server]).get("num_running_reqs", 0)) != 0:  # type: ignore[call-overload]
+            assert time.monotonic() < deadline, _load(ports[server])
+            time.sleep(0.2)
+        assert _post(ports[server], "/flush_cache", {}) == 200
+        load = _load(ports[server])
+        print(f"\n{server} after abort: {load.get('num_used_tokens')} tokens used "
+              f"(decode while busy: {busy.get('num_used_tokens')})")
+        assert int(load.get("num_used_tokens", -1)) == 0, load  # type: ignore[call-overload]
+    assert int(busy.get("num_used_tokens", 0)) >= 300  # type: ignore[call-overload]
+    # And the pair still serves the plain server's output.
+    assert generate(ports["router"], prompt(6), NEW_TOKENS).get("output_ids") == \
+        served.plain[(6, 0)]
