@@ -25,15 +25,26 @@ def kind_items(layout: SideLayout, pool: str | None = None) -> dict[IndexKind, i
 
 
 def random_lists(spec: PoolSpec, layout: SideLayout, seq_len: int, rng: np.random.Generator,
-                 pool: str | None = None) -> Lists:
+                 pool: str | None = None, taken: dict[IndexKind, set[int]] | None = None) -> Lists:
     """Distinct random items per kind the layout (or ``pool``) uses, the lengths seq_len needs.
 
     Random picks without replacement from the whole pool: out of order and fragmented,
-    as an engine's free list hands them out.
+    as an engine's free list hands them out. ``taken``: items other live requests hold,
+    never picked, and this request's picks are added to it (decode refuses two live
+    reservations naming one item).
     """
     want = expected_lengths(spec, seq_len)
-    return {kind: rng.choice(items, size=want[kind], replace=False).astype(np.int64)
-            for kind, items in kind_items(layout, pool).items()}
+    lists: Lists = {}
+    for kind, items in kind_items(layout, pool).items():
+        if taken is None:
+            lists[kind] = rng.choice(items, size=want[kind], replace=False).astype(np.int64)
+            continue
+        held = taken.setdefault(kind, set())
+        population = np.arange(items) if np.ndim(items) == 0 else np.asarray(items)
+        free = np.array([i for i in population.tolist() if i not in held], np.int64)
+        lists[kind] = rng.choice(free, size=want[kind], replace=False).astype(np.int64)
+        held.update(lists[kind].tolist())
+    return lists
 
 
 def as_mapping(target: Lists, draft: Lists | None = None) -> dict[str, list[int]]:

@@ -157,8 +157,9 @@ def test_decode_reserve_with_engine_lists_counts_capacity_and_reports_slot_minus
     with pytest.raises(BadIndexList, match="decode: REQ_SLOT index 4 at position 0"):
         core.reserve("bad", 900, "127.0.0.1:7", indices=bad)
     assert core.slots.free == UNIFIED_TARGET.num_req_slots and core.table.get("bad") is None
+    taken: dict[K, set[int]] = {}
     for i in range(UNIFIED_TARGET.num_req_slots):
-        lists = random_lists(UNIFIED_TARGET, lay, 900, rng)
+        lists = random_lists(UNIFIED_TARGET, lay, 900, rng, taken=taken)
         res = core.reserve(f"r{i}", 900, "127.0.0.1:7", indices=lists)
         assert res.slot == -1 and np.array_equal(res.indices[K.KV_PAGES], lists[K.KV_PAGES])
         slot_res = request_indices(UNIFIED_TARGET, 0, 900)
