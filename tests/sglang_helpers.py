@@ -163,9 +163,9 @@ class SglangPair:
         self._record("prefill", "init(num_pages, aux)", "room not posted yet", tx)
         rx.send_metadata(np.asarray(dst[IndexKind.KV_PAGES], dtype=np.int32), 0,
                          positional_states(self.decode_mgr.layout, dst))
-        self._record("decode", "send_metadata(pages, aux, states)", "bootstrap put: daemon + "
-                     "destination lists", rx)
-        self._record("prefill", "poll()", "bootstrap get: decode's lists", tx)
+        self._record("decode", "send_metadata(pages, aux, states)", "RESERVE frame to decode's "
+                     "daemon + bootstrap put: daemon, seq_len", rx)
+        self._record("prefill", "poll()", "bootstrap get: decode's daemon, seq_len", tx)
         if before_send is not None:
             before_send(tx, rx)
         step = self.chunk_tokens or seq_len
@@ -178,18 +178,19 @@ class SglangPair:
                     num_kv_tokens=end - start)
             self._record("prefill", f"send({len(pages)} pages, states={'yes' if last else 'None'}"
                          f", num_kv_tokens={end - start})",
-                         "Reserve at decode + Send" if last else "pages collected", tx)
+                         "SEND frame" if last else "pages collected", tx)
         deadline = time.monotonic() + self.timeout
         while {tx.poll(), rx.poll()} - {4, 0} and time.monotonic() < deadline:
             time.sleep(0.01)
-        ptx = self._record("prefill", "poll() until done", "Status", tx)
-        prx = self._record("decode", "poll() until done", "Status (after XXH3-128 check)", rx)
-        self.decode_status = rx.last  # the daemon's last Status, before Release
+        ptx = self._record("prefill", "poll() until done", "pushed state", tx)
+        prx = self._record("decode", "poll() until done", "pushed state (after XXH3-128 "
+                           "check)", rx)
+        self.decode_status = rx.request  # the daemon's last pushed state, before Release
         tx.clear()
         rx.clear()
         if self.rooms == 1:
             self.calls += [("prefill", "clear()", "bootstrap delete", "-"),
-                           ("decode", "clear()", "Release + bootstrap delete", "-")]
+                           ("decode", "clear()", "RELEASE frame + bootstrap delete", "-")]
         if (ptx, prx) != (4, 4):
             tx_err = rx_err = ""
             for name, obj in (("prefill", tx), ("decode", rx)):

@@ -154,6 +154,13 @@ class _Request:
         self.last = self.client.wait(self.request_id, timeout)
         return poll_of(self.last.state)
 
+    @property
+    def detail(self) -> str:
+        """The daemon's last detail of the request (e.g. its verification), as last seen."""
+        if self._state is not None:
+            return self._state.detail
+        return self.last.detail if self.last is not None else ""
+
     def failure(self) -> tuple[FailureReason | None, str] | None:
         """(reason, detail) when the request failed (as last seen), else None."""
         if self._state is not None:

@@ -12,11 +12,12 @@ paths free both sides; a mismatched draft is refused at manager construction.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 
+from kvbeam.engine import KVPoll
 from kvbeam.errors import UnknownRequest
 from kvbeam.integrations.sglang.conn import KvbeamKVReceiver, KvbeamKVSender
 from kvbeam.pools.checks import SAME_UNIFIED
@@ -24,7 +25,7 @@ from kvbeam.pools.spec import SideConfig
 from kvbeam.proto.attach_codec import config_to_mapping
 from kvbeam.refengine.configs import tiny_config
 from kvbeam.refengine.run import compare, make_prompt, torch_threads
-from kvbeam.states import VERIFIED_PREFIX, TransferState
+from kvbeam.states import VERIFIED_PREFIX, FailureReason
 from tests.sglang_helpers import SglangPair, positional_states
 
 K = 8
@@ -57,8 +58,8 @@ def _check_calls(pair: SglangPair) -> None:
     assert saw[:5] == ["Bootstrapping", "WaitingForInput", "Bootstrapping",
                        "WaitingForInput", "WaitingForInput"], pair.table()
     assert [r for r in pair.calls if r[1] == "poll() until done"] == [
-        ("prefill", "poll() until done", "Status", "Success"),
-        ("decode", "poll() until done", "Status (after XXH3-128 check)", "Success")]
+        ("prefill", "poll() until done", "pushed state", "Success"),
+        ("decode", "poll() until done", "pushed state (after XXH3-128 check)", "Success")]
     assert sum(r[1].startswith("send(") for r in pair.calls) == 2  # two chunks
 
 
@@ -97,62 +98,99 @@ def _states(pair: SglangPair, lists: dict[str, list[int]]) -> list[object]:
             for c in pair.prefill_mgr.layout.states]
 
 
+def _until(poll: Callable[[], int], want: int, timeout: float = 10.0) -> int:
+    """Poll until ``want`` (the daemons' pushes and decode's room check are asynchronous)."""
+    deadline = time.monotonic() + timeout
+    state = poll()
+    while state != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+        state = poll()
+    return state
+
+
+def _pages_free(pair: SglangPair, lists: dict[str, list[int]], request_id: str) -> None:
+    """Decode's daemon frees ``lists``' items: a new reservation of them is taken.
+
+    An aborted reservation that was offered to prefill is freed once prefill confirmed
+    it stopped (one round trip after the Failed state): retried until then. The probe
+    names a prefill no daemon is connected to (no offer is made), so its own abort frees
+    its items at once."""
+    from kvbeam.engine.requests import client_for
+    from kvbeam.errors import BadRequest
+
+    decode = client_for(pair.decode_mgr.daemon)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            decode.reserve(request_id, 100, "127.0.0.1:1", indices=lists)
+            break
+        except BadRequest as exc:
+            if "is held by live request" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    decode.abort(request_id, "test")
+
+
 def test_decode_abort_before_send_fails_both_and_holds_nothing(pair: SglangPair) -> None:
+    from kvbeam.engine.requests import client_for
+
     tx, rx = _start(pair, 1001)
     rx.abort()
     assert rx.poll() == FAILED
-    assert tx.poll() == FAILED  # prefill sees the withdrawn room and never sends
+    # Prefill reads the room again when it sends: the withdrawn room stops it.
     tx.send(np.array([1], dtype=np.int32), _states(pair, _lists(1)), num_kv_tokens=100)
     assert tx.poll() == FAILED
-    with pytest.raises(RuntimeError, match=r"decode gave no destination|aborted"):
+    with pytest.raises(RuntimeError, match=r"decode gave no destination"):
         tx.failure_exception()
     tx.clear()
     rx.clear()
-    for mgr in pair.managers:  # neither daemon holds the request
-        from kvbeam.engine.requests import client_for
-
-        with pytest.raises(UnknownRequest):
-            client_for(mgr.daemon).status(tx.request_id)
+    with pytest.raises(UnknownRequest):  # prefill's daemon never heard of it
+        client_for(pair.prefill_mgr.daemon).status(tx.request_id)
+    assert rx.request is not None
+    assert rx.request.wait(10) is KVPoll.Failed  # decode's reservation was aborted ...
+    _pages_free(pair, _lists(0), "check-1001")   # ... and its pages freed
 
 
 def test_prefill_abort_before_send_fails_decode(pair: SglangPair) -> None:
     tx, rx = _start(pair, 1002)
     tx.abort()
     assert tx.poll() == FAILED
-    assert rx.poll() == FAILED
+    assert _until(rx.poll, FAILED) == FAILED  # decode's room check, within ROOM_CHECK_S
     with pytest.raises(RuntimeError, match="prefill aborted room 1002"):
         rx.failure_exception()
     tx.clear()
     rx.clear()
+    assert rx.request is not None and rx.request.wait(10) is KVPoll.Failed
+    _pages_free(pair, _lists(0), "check-1002")
 
 
 def test_a_refused_send_gives_decodes_reservation_back(pair: SglangPair) -> None:
     tx, rx = _start(pair, 1003)
     bad = _lists(1)
-    bad["KV_PAGES"] = [10**6]  # outside prefill's pool: prefill's daemon refuses the Send
+    bad["KV_PAGES"] = [10**6]  # outside prefill's pool: prefill's daemon refuses the SEND
     tx.send(np.array(bad["KV_PAGES"], dtype=np.int32), _states(pair, bad), num_kv_tokens=100)
-    assert tx.poll() == FAILED
+    assert _until(tx.poll, FAILED) == FAILED
     with pytest.raises(RuntimeError, match="out of range"):
         tx.failure_exception()
-    assert rx.poll() == FAILED  # decode's reservation was aborted, its slot freed
+    assert _until(rx.poll, FAILED) == FAILED  # decode's reservation was aborted ...
     tx.clear()
     rx.clear()
+    assert rx.request is not None and rx.request.wait(10) is KVPoll.Failed
+    _pages_free(pair, _lists(0), "check-1003")  # ... its pages freed
 
 
 def test_abort_after_reserve_frees_the_decode_slot(pair: SglangPair) -> None:
-    from kvbeam.engine.requests import client_for
-
     slots = pair.config.target.num_req_slots
-    # More requests than decode has slots: each abort must give its slot back.
+    # More requests than decode has slots, each reserved over the engine channel at the
+    # same pages: each abort must give its slot and pages back.
     for i in range(slots + 1):
+        _pages_free(pair, _lists(0), f"check-{2000 + i}")  # the previous one's, freed
         tx, rx = _start(pair, 2000 + i)
-        decode = pair.decode_mgr.daemon
-        client_for(decode).reserve(tx.request_id, 100, pair.prefill_mgr.daemon,
-                                   indices=_lists(0))
-        assert rx.poll() == 1  # reserved: Bootstrapping until prefill connects
         rx.abort()
         assert rx.poll() == FAILED
-        assert rx.last.state is TransferState.FAILED
+        assert rx.request is not None and rx.request.wait(10) is KVPoll.Failed
+        failed = rx.request.failure()
+        assert failed is not None and failed[0] is FailureReason.ABORTED, failed
         tx.clear()
         rx.clear()
     # And a full request still moves afterwards.
@@ -176,3 +214,23 @@ def test_positional_states_cover_every_kind_of_the_layout() -> None:
     got = state_index_lists(layout, positional_states(layout, lists))
     assert set(got) == {b.index_kind.name for c in layout.states for b in c.buffers
                         if c.pool == "target"}
+
+
+def test_a_request_makes_no_grpc_call_and_polls_read_pushed_state(
+        pair: SglangPair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every per-request call (send_metadata, send, poll, clear) goes over the engine
+    channel: any gRPC call of the scheduler API fails the test."""
+    from kvbeam.client import KvbeamClient
+
+    calls: list[str] = []
+
+    def refuse(name: str) -> object:
+        def call(self: object, *args: object, **kwargs: object) -> object:
+            calls.append(name)
+            raise AssertionError(f"gRPC {name} in the sglang backend's request path")
+        return call
+
+    for name in ("reserve", "send", "status", "wait", "open_watch", "abort", "release"):
+        monkeypatch.setattr(KvbeamClient, name, refuse(name))
+    _run(pair, (250,), "no gRPC")
+    assert calls == []

@@ -23,11 +23,16 @@ from kvbeam.integrations.sglang.scheduler import (
     ManagerMembers,
     PrefillInfo,
     aux_lists,
+    decode_poll,
+    decode_seq_len,
     prefill_poll,
+    same_lists,
 )
-from kvbeam.pools.layout import build_side_layout
+from kvbeam.pools.indices import request_indices
+from kvbeam.pools.layout import SideLayout, build_side_layout
 from kvbeam.pools.sglang_mha import sglang_mha_side_config, sglang_mha_spec
 from kvbeam.pools.shm import shared_file_size
+from kvbeam.pools.spec import PoolSpec
 
 AUX = (64, 128)
 
@@ -139,46 +144,48 @@ def test_decode_retries_an_unreachable_prefill_bootstrap() -> None:
     assert _Manager(1).try_ensure_parallel_info(addr) is False
 
 
-class _RacingDaemon:
-    """Decode's daemon as a poll may see it: unknown, then (prefill reserved, moved and
-    cleared its room in between) Success."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.known = True  # False: the daemon never learns of the request
-
-    def status(self, request_id: str) -> object:
-        from kvbeam.errors import UnknownRequest
-        from kvbeam.states import TransferState
-
-        self.calls += 1
-        if self.calls == 1 or not self.known:
-            raise UnknownRequest(f"unknown request {request_id}")
-        return SimpleNamespace(state=TransferState.SUCCESS)
+def test_decode_polls_say_waiting_until_prefill_writes() -> None:
+    # decode's reservation is Bootstrapping at its daemon until prefill's first write;
+    # sglang's decode transfer queue reads WaitingForInput then, as its own backends say.
+    assert [decode_poll(s) for s in range(5)] == [0, 2, 2, 3, 4]
 
 
-def test_a_room_cleared_between_two_decode_calls_is_not_an_abort(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # Seen in the served test on a loaded host: decode's Status said unknown, then
-    # prefill reserved, moved, succeeded and deleted the room before decode read it.
-    from kvbeam.integrations.sglang.conn import KvbeamKVReceiver
+def _lists_of(layout: SideLayout, spec: PoolSpec, seq_len: int) -> dict[str, object]:
+    used = {b.index_kind for c in layout.components for b in c.buffers}
+    return {k.name: v for k, v in request_indices(spec, 0, seq_len).items() if k in used}
 
-    server = bootstrap.BootstrapServer("127.0.0.1", 0)
-    try:
-        daemon = _RacingDaemon()
-        mgr = SimpleNamespace(
-            daemon="racing:1", layout=_layout(), client=lambda address: daemon,
-            store=lambda address, op, key, value=None: bootstrap.call(address, op, key, value))
-        rx = KvbeamKVReceiver(mgr, server.address, 7)  # type: ignore[arg-type]
-        rx.prefill, rx.metadata_sent = {"daemon": "p:1"}, True  # init and send_metadata done
-        assert rx.poll() == 4  # Success, not "prefill aborted room 7 before reserving"
-        assert daemon.calls == 2
-        daemon.known = False  # and when the daemon does not know it either: Failed, said so
-        assert rx.poll() == 0
-        with pytest.raises(RuntimeError, match="prefill aborted room 7 before reserving"):
-            rx.failure_exception()
-    finally:
-        server.close()
+
+def test_decode_derives_the_request_length_from_its_lists() -> None:
+    from kvbeam.refengine.configs import tiny_config
+
+    mha = sglang_mha_side_config("m", sglang_mha_spec(
+        num_layers=2, page_size=1, num_kv_heads=2, head_dim=4, dtype="float16",
+        token_rows=300, aux_item_lens=AUX, aux_rows=4))
+    layout = build_side_layout(mha)
+    for n in (1, 7, 250):  # page_size 1: the page count is the length
+        assert decode_seq_len(mha.target, _lists_of(layout, mha.target, n)) == n
+    for unified in (True, False):  # page_size 128: one length of the page, same lists
+        config = tiny_config(unified=unified, draft=True)
+        layout = build_side_layout(config)
+        for n in (20, 100, 250):
+            got = decode_seq_len(config.target, _lists_of(layout, config.target, n))
+            assert -(-got // 128) == -(-n // 128)
+            assert same_lists(config.target, layout, n, got), (unified, n, got)
+    ring = tiny_config(unified=True, draft=True)
+    assert decode_seq_len(ring.target, _lists_of(build_side_layout(ring),
+                                                 ring.target, 20)) == 20  # rows pin it
+
+
+def test_decode_lists_that_fit_no_length_are_refused_naming_them() -> None:
+    from kvbeam.refengine.configs import tiny_config
+
+    config = tiny_config(unified=True, draft=True)
+    lists = _lists_of(build_side_layout(config), config.target, 20)
+    lists["KV_PAGES"] = [0, 1]  # two pages, but ring rows of a 20-token request
+    with pytest.raises(ValueError, match=r"fit no request of 129\.\.256 tokens"):
+        decode_seq_len(config.target, lists)
+    with pytest.raises(ValueError, match="no KV pages"):
+        decode_seq_len(config.target, {"KV_PAGES": []})
 
 
 def test_docs_show_the_flags_and_side_config_the_served_test_runs() -> None:

@@ -6,33 +6,41 @@ beside it (``kvbeam prefill|decode --pools engine --attach-socket PATH``); the
 manager attaches the engine's pools that ``KVArgs`` points at, the daemons move the
 bytes. docs/sglang.md.
 
+Every per-request call goes over the engine channel of the manager's attachment
+(:mod:`kvbeam.engine.channel`): decode's ``send_metadata`` is a RESERVE frame to its own
+daemon (which offers the reservation to prefill's over the daemons' peer link), prefill's
+last ``send`` a SEND frame to its own, ``abort``/``clear`` ABORT/RELEASE frames, and
+``poll()`` reads the state the daemon pushed. The bootstrap room (plain TCP) still tells
+each side the other's daemon address, and prefill decode's request length. No gRPC
+call per request.
+
 Settings (attributes of sglang's ``server_args`` when present, else environment):
 ``kvbeam_config`` / ``KVBEAM_CONFIG`` (the side YAML the daemon runs with),
-``kvbeam_daemon`` / ``KVBEAM_DAEMON`` (its gRPC address), ``kvbeam_attach_socket`` /
-``KVBEAM_ATTACH_SOCKET``; credentials, the daemons' flags of the same names
-(:data:`kvbeam.auth.CLIENT_SETTINGS`): ``kvbeam_auth_token_file`` /
-``KVBEAM_AUTH_TOKEN_FILE``, ``kvbeam_tls_cert`` / ``KVBEAM_TLS_CERT``, ``..._tls_key``,
-``..._tls_ca``, ``..._tls_server_name``. Every daemon call presents them, and every
-bootstrap store request the token; the store requires it (sglang builds the store from
-host and port only, so there the environment's ``KVBEAM_AUTH_TOKEN_FILE`` counts).
+``kvbeam_daemon`` / ``KVBEAM_DAEMON`` (its gRPC address, which the peer daemon is
+told), ``kvbeam_attach_socket`` / ``KVBEAM_ATTACH_SOCKET``; credentials, the daemons'
+flags of the same names (:data:`kvbeam.auth.CLIENT_SETTINGS`): ``kvbeam_auth_token_file``
+/ ``KVBEAM_AUTH_TOKEN_FILE``, ``kvbeam_tls_cert`` / ``KVBEAM_TLS_CERT``, ``..._tls_key``,
+``..._tls_ca``, ``..._tls_server_name``. Every bootstrap store request carries the
+token, and the store requires it (sglang builds the store from host and port only, so
+there the environment's ``KVBEAM_AUTH_TOKEN_FILE`` counts); :meth:`KvbeamKVManager.client`
+(diagnostics, not the request path) presents them all.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from kvbeam.auth import CLIENT_SETTINGS, Security, client_security, insecure_from_environment
-from kvbeam.client import KvbeamClient
-from kvbeam.engine import Attachment, attach
-from kvbeam.engine.requests import KVPoll, client_for, poll_of
-from kvbeam.errors import AttachError, KvbeamError, PoolCompatibilityError, UnknownRequest
+from kvbeam.engine import Attachment, Receiver, Sender, attach
+from kvbeam.engine.requests import KVPoll, client_for
+from kvbeam.errors import AttachError, KvbeamError, PoolCompatibilityError
 from kvbeam.integrations.sglang import bootstrap
 from kvbeam.integrations.sglang.kvargs import (
     buffers_from_kvargs,
@@ -44,12 +52,18 @@ from kvbeam.integrations.sglang.scheduler import (
     ManagerMembers,
     ReceiverMembers,
     aux_lists,
+    decode_poll,
+    decode_seq_len,
     prefill_poll,
+    same_lists,
 )
 from kvbeam.pools.checks import check_target_draft
-from kvbeam.pools.layout import build_side_layout
+from kvbeam.pools.layout import SideLayout, build_side_layout
 from kvbeam.pools.spec import SideConfig
-from kvbeam.states import TransferState
+from kvbeam.states import FailureReason
+
+if TYPE_CHECKING:  # annotations only: kvbeam.client imports gRPC
+    from kvbeam.client import KvbeamClient
 
 try:
     from sglang.srt.disaggregation.base.conn import (
@@ -82,6 +96,12 @@ def credentials(server_args: Any) -> Security:
     values = {key: getattr(server_args, f"kvbeam_{key}", None)
               or os.environ.get(f"KVBEAM_{key.upper()}") for key in CLIENT_SETTINGS}
     return client_security(values, "kvbeam sglang backend")
+
+
+#: Seconds between decode's bootstrap-store reads while its reservation waits for
+#: prefill's first write (a prefill that gave the request up before sending tells decode
+#: only through the room).
+ROOM_CHECK_S = 0.5
 
 
 def _room_key(room: Any) -> str:
@@ -137,7 +157,8 @@ class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
                 os.close(fd)
 
     def client(self, address: str) -> KvbeamClient:
-        """The shared client to the daemon at ``address``, presenting our credentials."""
+        """The shared client to the daemon at ``address``, presenting our credentials
+        (diagnostics and tools: no per-request call uses gRPC; imported on first use)."""
         return client_for(address, self.security)
 
     def store(self, address: str, op: str, key: str, value: Any = None,
@@ -151,7 +172,7 @@ class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
 
 
 class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
-    """Prefill's side of one request (``bootstrap_room``)."""
+    """Prefill's side of one request (``bootstrap_room``), over the engine channel."""
 
     def __init__(self, mgr: KvbeamKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
@@ -161,9 +182,12 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         self.aux_index: int | None = None
         self.pages: list[Any] = []
         self.tokens = 0
-        self.sent = False
+        self.request: Sender | None = None  # once sent: the channel's record of it
+        self.decode_posted = False  # decode's room was seen (no more store reads in poll)
+        self.withdrawn = False
         self.error: str | None = None
-        self.last: Any = None
+        self.nbytes: int | None = None
+        self.last: Any = None  # the failure as last seen (reason, detail), for messages
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         """Remember how many pages the request has (the last chunk completes them) and
@@ -175,9 +199,8 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
              num_kv_tokens: int | None = None, **_: Any) -> None:
         """One chunk's pages; the last (states given, or all pages) moves the request.
 
-        sglang's sender learns the request's length only as chunks arrive
-        (``num_kv_tokens``), and kvbeam needs it for the whole request, so earlier
-        chunks are collected and the request moves as one kvbeam send at the last.
+        Earlier chunks are collected and the request moves as one SEND frame at the
+        last (kvbeam's chunked sends are not used yet: docs/sglang.md).
         """
         if num_kv_tokens is None:
             raise ValueError("kvbeam needs num_kv_tokens on every send (sglang >= 0.5.23)")
@@ -190,53 +213,79 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         except (KvbeamError, RuntimeError, OSError, ValueError) as exc:
             self.error = f"kvbeam send of {self.request_id} failed: {exc}"
             log.error("%s", self.error)
+            self._withdraw()
 
     def _send_all(self, state_indices: list[Any] | None) -> None:
+        # Read the room again (not the cached sighting): decode may have aborted since.
         decode = self.mgr.store(self.bootstrap_addr, "get", _room_key(self.room))
         if not decode or decode.get("aborted"):
             raise RuntimeError(f"decode gave no destination for room {self.room}")
+        seq_len = decode.get("seq_len")
+        if not isinstance(seq_len, int) or not isinstance(decode.get("daemon"), str):
+            raise RuntimeError(f"room {self.room}: decode's entry names no daemon and "
+                               f"seq_len (a kvbeam older than the engine channel?): {decode}")
+        if not same_lists(self.mgr.config.target, self.mgr.layout, self.tokens, seq_len):
+            raise RuntimeError(f"room {self.room}: prefill computed {self.tokens} tokens, "
+                               f"decode reserved {seq_len}: their index lists differ")
         lists = {"KV_PAGES": self.pages, **state_index_lists(self.mgr.layout, state_indices),
                  **aux_lists(self.mgr.layout, self.aux_index)}
-        # Decode's reservation: its own lists, the length only prefill knows by now.
-        decode_client = self.mgr.client(decode["daemon"])
-        decode_client.reserve(self.request_id, self.tokens, self.mgr.daemon,
-                              indices=decode["lists"])
+        request = Sender(self.mgr.attachment, self.request_id, decode["daemon"])
+        # Decode's length is authoritative (it reserved with it; the lists are the same).
+        request.send(lists["KV_PAGES"], {k: v for k, v in lists.items() if k != "KV_PAGES"},
+                     seq_len=seq_len)
+        self.request = request
+        self.nbytes = moved_bytes(self.mgr.layout, lists)
+
+    def _withdraw(self) -> None:
+        """Tell decode through the room that this request will not come (once): its poll
+        aborts its reservation."""
+        if self.withdrawn:
+            return
+        self.withdrawn = True
         try:
-            self.last = self.mgr.client(self.mgr.daemon).send(
-                self.request_id, -1, self.tokens, decode["daemon"], indices=lists)
-        except KvbeamError as exc:
-            # Refused before anything moved: give decode's slot back.
-            decode_client.abort(self.request_id, f"prefill's send was refused: {exc}")
-            raise
-        self.sent = True
+            self.mgr.store(self.bootstrap_addr, "put", _room_key(self.room), {"aborted": True})
+        except (OSError, RuntimeError) as exc:
+            log.warning("kvbeam: room %s: could not tell decode of the failure: %s", self.room,
+                        exc)
 
     def poll(self) -> int:
-        """Bootstrapping until decode sent its metadata, WaitingForInput, then kvbeam's
-        (its handshake reads Transferring: sglang's inflight queue takes no Bootstrapping)."""
+        """Bootstrapping until decode sent its metadata, WaitingForInput, then the state
+        the daemon pushed (an attribute read: no RPC, no syscall). Its handshake reads
+        Transferring: sglang's inflight queue takes no Bootstrapping."""
         if self.error is not None:
             return int(KVPoll.Failed)
-        if self.sent:
-            self.last = self.mgr.client(self.mgr.daemon).status(self.request_id)
-            return prefill_poll(int(poll_of(self.last.state)))
+        if self.request is not None:
+            state = int(self.request.poll())
+            if state == int(KVPoll.Failed):
+                self.last = self.request.failure()
+                self._withdraw()  # refused before decode heard of it: decode frees its pages
+            return prefill_poll(state)
+        if self.decode_posted:
+            return int(KVPoll.WaitingForInput)
         decode = self.mgr.store(self.bootstrap_addr, "get", _room_key(self.room))
         if decode is None:
             return int(KVPoll.Bootstrapping)
-        return int(KVPoll.Failed if decode.get("aborted") else KVPoll.WaitingForInput)
+        if decode.get("aborted"):
+            return int(KVPoll.Failed)
+        self.decode_posted = True
+        return int(KVPoll.WaitingForInput)
 
     def failure_exception(self) -> None:
         """Raise the failure's description."""
-        _raise_failure(self.request_id, self.error, self.last)
+        if self.error is None and self.request is not None and self.poll() == KVPoll.Failed:
+            self.last = self.request.failure()
+        _raise_failure(self.request_id, self.error or (
+            "aborted" if self.withdrawn and self.last is None else None), self.last)
 
     def get_transfer_metric(self) -> Any:
-        """Bytes moved, as the prefill daemon counted them."""
-        return KVTransferMetric(transfer_total_bytes=getattr(self.last, "bytes_done", None))
+        """Bytes the request moves (its lists' items), once sent."""
+        return KVTransferMetric(transfer_total_bytes=self.nbytes)
 
     def abort(self) -> None:
-        """Abort at the prefill daemon (it tells decode's), or tell decode through the room."""
-        if self.sent:
-            self.last = self.mgr.client(self.mgr.daemon).abort(self.request_id, "aborted by sglang")
-        else:
-            self.mgr.store(self.bootstrap_addr, "put", _room_key(self.room), {"aborted": True})
+        """Abort at the prefill daemon (it tells decode's), and withdraw the room."""
+        if self.request is not None:
+            self.request.abort("aborted by sglang")
+        self._withdraw()
         self.error = self.error or "aborted"
 
     def clear(self) -> None:
@@ -245,16 +294,18 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
 
 
 class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
-    """Decode's side of one request (``bootstrap_room``)."""
+    """Decode's side of one request (``bootstrap_room``), over the engine channel."""
 
     def __init__(self, mgr: KvbeamKVManager, bootstrap_addr: str,
                  bootstrap_room: int | None = None) -> None:
         self.mgr, self.bootstrap_addr, self.room = mgr, bootstrap_addr, bootstrap_room
         self.request_id = f"sglang-{bootstrap_room}"
         self.prefill: dict[str, Any] | None = None
+        self.request: Receiver | None = None  # once reserved: the channel's record of it
         self.metadata_sent = False
+        self.next_room_check = 0.0
         self.error: str | None = None
-        self.last: Any = None
+        self.last: Any = None  # the failure as last seen (reason, detail), for messages
         self._init_scheduler_members()
 
     def init(self, prefill_dp_rank: int = 0) -> None:
@@ -267,55 +318,74 @@ class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
     def send_metadata(self, kv_indices: Any, aux_index: int | None = None,
                       state_indices: list[Any] | None = None,
                       decode_prefix_len: int | None = None, destination: Any = None) -> None:
-        """Publish the destination lists for prefill, which reserves with them."""
-        lists = {"KV_PAGES": kv_indices,
-                 **state_index_lists(self.mgr.layout, state_indices),
-                 **aux_lists(self.mgr.layout, aux_index)}
-        value = {"daemon": self.mgr.daemon,
-                 "lists": {k: [int(i) for i in v] for k, v in lists.items()}}
-        self.mgr.store(self.bootstrap_addr, "put", _room_key(self.room), value)
+        """Reserve at decode's own daemon over the engine channel (it offers the
+        reservation to prefill's daemon), then post decode's daemon and the request's
+        length in the room for prefill."""
+        if self.prefill is None:
+            return  # init failed: poll says Failed
+        try:
+            lists = {"KV_PAGES": kv_indices,
+                     **state_index_lists(self.mgr.layout, state_indices),
+                     **aux_lists(self.mgr.layout, aux_index)}
+            seq_len = decode_seq_len(self.mgr.config.target, lists)
+            request = Receiver(self.mgr.attachment, self.request_id, self.prefill["daemon"])
+            request.reserve(lists["KV_PAGES"],
+                            {k: v for k, v in lists.items() if k != "KV_PAGES"},
+                            seq_len=seq_len)
+        except (KvbeamError, ValueError) as exc:
+            self.error = f"kvbeam reservation of {self.request_id} failed: {exc}"
+            log.error("%s", self.error)
+            self.mgr.store(self.bootstrap_addr, "put", _room_key(self.room), {"aborted": True})
+            return
+        self.request = request
+        self.mgr.store(self.bootstrap_addr, "put", _room_key(self.room),
+                       {"daemon": self.mgr.daemon, "seq_len": seq_len})
         self.metadata_sent = True
+        self.next_room_check = time.monotonic() + ROOM_CHECK_S
 
     def poll(self) -> int:
-        """Bootstrapping before init, WaitingForInput until reserved, then kvbeam's."""
+        """Bootstrapping before init, WaitingForInput until prefill writes, then the state
+        the daemon pushed (an attribute read: no RPC).
+
+        Until prefill's first write, at most one bootstrap-store read per
+        :data:`ROOM_CHECK_S` notices a prefill that gave the request up before sending
+        (its daemon never heard of it): the reservation is then aborted, its pages freed.
+        """
         if self.error is not None:
             return int(KVPoll.Failed)
         if self.prefill is None:
             return int(KVPoll.Bootstrapping)
-        if not self.metadata_sent:
+        if self.request is None:
             return int(KVPoll.WaitingForInput)
-        daemon = self.mgr.client(self.mgr.daemon)
-        try:
-            self.last = daemon.status(self.request_id)
-        except UnknownRequest:  # prefill has not reserved yet, or gave up
+        state = int(self.request.poll())
+        if state == int(KVPoll.Bootstrapping) and time.monotonic() >= self.next_room_check:
+            self.next_room_check = time.monotonic() + ROOM_CHECK_S
             room = self.mgr.store(self.bootstrap_addr, "get", _room_key(self.room))
-            if room is not None and not room.get("aborted"):
-                return int(KVPoll.WaitingForInput)
-            # Prefill deletes the room when it is done: it may have reserved, moved and
-            # cleared between the two calls above. Only a request decode's daemon still
-            # does not know was given up before reserving.
-            try:
-                self.last = daemon.status(self.request_id)
-            except UnknownRequest:
-                self.error = f"prefill aborted room {self.room} before reserving"
+            if room is not None and room.get("aborted"):
+                self.request.abort(f"prefill gave room {self.room} up before sending")
+                self.error = f"prefill aborted room {self.room} before sending"
                 return int(KVPoll.Failed)
-        return int(poll_of(self.last.state))
+        if state == int(KVPoll.Failed):
+            self.last = self.request.failure()
+        return decode_poll(state)
 
     def failure_exception(self) -> None:
         """Raise the failure's description."""
+        if self.error is None and self.request is not None:
+            self.last = self.request.failure()
         _raise_failure(self.request_id, self.error, self.last)
 
     def abort(self) -> None:
-        """Abort at the decode daemon (it tells prefill's) and withdraw the metadata."""
+        """Abort at the decode daemon (it tells prefill's) and withdraw the room."""
         self.mgr.store(self.bootstrap_addr, "put", _room_key(self.room), {"aborted": True})
-        with contextlib.suppress(UnknownRequest):  # never reserved: nothing held
-            self.last = self.mgr.client(self.mgr.daemon).abort(self.request_id, "aborted by sglang")
+        if self.request is not None:  # never reserved: nothing held
+            self.request.abort("aborted by sglang")
         self.error = self.error or "aborted"
 
     def clear(self) -> None:
         """Release the reservation (the engine took the KV over) and forget the room."""
-        if self.last is not None and self.last.state is TransferState.SUCCESS:
-            self.last = self.mgr.client(self.mgr.daemon).release(self.request_id)
+        if self.request is not None and self.request.poll() is KVPoll.Success:
+            self.request.release()
         self.mgr.store(self.bootstrap_addr, "delete", _room_key(self.room))
 
 
@@ -333,10 +403,23 @@ class KvbeamKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[misc]
         self.server.close()
 
 
-def _raise_failure(request_id: str, error: str | None, last: Any) -> None:
+def _raise_failure(request_id: str, error: str | None,
+                   failed: tuple[FailureReason | None, str] | None) -> None:
     if error is not None:
         raise RuntimeError(error)
-    if last is not None and last.state is TransferState.FAILED:
-        reason = last.reason.value if last.reason else "unknown"
-        raise RuntimeError(f"kvbeam request {request_id} failed: {reason}: {last.detail}")
+    if failed is not None:
+        reason = failed[0].value if failed[0] else "unknown"
+        raise RuntimeError(f"kvbeam request {request_id} failed: {reason}: {failed[1]}")
+
+
+def moved_bytes(layout: SideLayout, lists: Mapping[str, Any]) -> int:
+    """The bytes a request with these lists moves: every buffer's items of its list (a
+    draft buffer's own ``draft.KIND`` list when given, else the target's)."""
+    total = 0
+    for comp in layout.components:
+        for buf in comp.buffers:
+            kind = buf.index_kind.name
+            own = lists.get(f"draft.{kind}") if comp.pool == "draft" else None
+            total += len(own if own is not None else lists.get(kind, ())) * buf.item_len
+    return total
 

@@ -12,13 +12,15 @@ Kept apart from the transfer calls (:mod:`kvbeam.integrations.sglang.conn`):
 - :func:`aux_lists`: the request's metadata row (``aux_index``, sglang's
   ``metadata_buffer_index``) as the ``REQ_SLOT`` list of the AUX component, so the row
   moves with the KV through the daemons;
-- :func:`prefill_poll`: the states sglang's prefill queues accept.
+- :func:`prefill_poll` and :func:`decode_poll`: the states sglang's queues accept;
+- :func:`decode_seq_len`: the request length decode reserves with, from its own lists.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +28,10 @@ from kvbeam.auth import Security
 from kvbeam.engine.requests import KVPoll
 from kvbeam.integrations.sglang import bootstrap
 from kvbeam.integrations.sglang.kvargs import has_aux
+from kvbeam.pools.indices import expected_lengths
 from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.spec import PoolSpec
+from kvbeam.pools.types import IndexKind
 
 log = logging.getLogger(__name__)
 
@@ -146,3 +151,52 @@ def prefill_poll(state: int) -> int:
     kvbeam's own handshake (Bootstrapping) are Transferring there (sglang 0.5.23 raises
     on Bootstrapping in that queue)."""
     return int(KVPoll.Transferring) if state == int(KVPoll.Bootstrapping) else state
+
+
+def decode_poll(state: int) -> int:
+    """kvbeam's poll as sglang's decode transfer queue reads it once the metadata went
+    out: the reservation waiting for prefill's first write (Bootstrapping at the daemon)
+    is WaitingForInput there, as sglang's own backends report it."""
+    return int(KVPoll.WaitingForInput) if state == int(KVPoll.Bootstrapping) else state
+
+
+def decode_seq_len(spec: PoolSpec, lists: Mapping[str, Any]) -> int:
+    """The request length decode reserves with, from the destination lists sglang gave.
+
+    sglang hands decode's backend page ids, not the request's token count; kvbeam needs
+    a ``seq_len`` whose lists have exactly these lengths
+    (:func:`~kvbeam.pools.indices.expected_lengths`). The KV page count bounds it to one
+    page, ``((n - 1) * page_size, n * page_size]``; token-granular lists (SWA ring rows
+    shorter than the ring) pin it. The longest length consistent with every target list
+    is taken: prefill then sends with this length (decode's is authoritative,
+    docs/sglang.md), after checking its own token count needs the same lists.
+
+    Raises:
+        ValueError: no length in that page gives the lists' lengths.
+    """
+    given = {IndexKind(k): len(v) for k, v in lists.items() if "." not in k}
+    pages = given.get(IndexKind.KV_PAGES, 0)
+    if pages <= 0:
+        raise ValueError("decode's metadata has no KV pages: kvbeam cannot reserve an empty "
+                         "request")
+    top: int = min(pages * int(spec.page_size), int(spec.max_context_len))
+    low: int = (pages - 1) * int(spec.page_size) + 1
+    ring = given.get(IndexKind.SWA_RING_ROWS)
+    hints = [ring] if ring is not None and low <= ring <= top else []
+    candidates: list[int] = [top, *hints, *range(top - 1, low - 1, -1)]
+    for seq_len in candidates:
+        want = expected_lengths(spec, seq_len)
+        if all(want.get(kind, 0) == n for kind, n in given.items()):
+            return seq_len
+    raise ValueError(f"decode's lists ({', '.join(f'{k.value} {n}' for k, n in given.items())}) "
+                     f"fit no request of {low}..{top} tokens (page_size {spec.page_size})")
+
+
+def same_lists(spec: PoolSpec, layout: SideLayout, a: int, b: int) -> bool:
+    """Whether requests of ``a`` and ``b`` tokens move lists of the same lengths, for
+    every index kind ``layout``'s buffers use."""
+    if a == b:
+        return True
+    used = {buf.index_kind for comp in layout.components for buf in comp.buffers}
+    la, lb = expected_lengths(spec, a), expected_lengths(spec, b)
+    return all(la.get(kind) == lb.get(kind) for kind in used)
