@@ -78,13 +78,14 @@ def test_terminal_history_is_bounded() -> None:
 
 
 def test_each_state_has_a_deadline() -> None:
-    table = _table(bootstrapping=0.01, waiting_for_input=0.02, transferring=0.03)
+    # Deadlines long enough that a loaded machine cannot pass them before the first check.
+    table = _table(bootstrapping=10, waiting_for_input=20, transferring=30)
     for rid, steps in (("b", []), ("w", [W]), ("t", [W, T])):
         table.create(rid, "p")
         for s in steps:
             table.advance(rid, s)
     assert table.expire() == []
-    expired = table.expire(time.monotonic() + 1)
+    expired = table.expire(time.monotonic() + 31)
     assert {e.request_id for e in expired} == {"b", "w", "t"}
     assert all(e.state is F and e.reason is FailureReason.TIMEOUT for e in expired)
     assert "WaitingForInput" in next(e.detail for e in expired if e.request_id == "w")

@@ -68,6 +68,8 @@ class TcpTransport(LinkHostBase, Transport):
         self._closed = threading.Event()
         self._dropped = 0  # connections dropped over MAX_UNAUTHENTICATED (accept thread)
         self._dropped_logged = -_CAP_LOG_EVERY_S
+        # Before the thread starts: close() may run before it gets to its first line.
+        self._listener.setblocking(False)
         self._accepter = threading.Thread(target=self._accept_loop, name="kvbeam-tcp-accept",
                                           daemon=True)
         self._accepter.start()
@@ -148,8 +150,12 @@ class TcpTransport(LinkHostBase, Transport):
         :data:`MAX_UNAUTHENTICATED` of them, each dropped after :data:`HELLO_TIMEOUT_S`.
         """
         pending: dict[int, _Pending] = {}
-        listener = self._listener.fileno()
-        self._listener.setblocking(False)
+        try:
+            listener = self._listener.fileno()
+        except OSError:  # closed before this thread ran
+            return
+        if listener < 0:
+            return
         try:
             while not self._closed.is_set():
                 now = time.monotonic()
