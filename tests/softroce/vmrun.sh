@@ -6,7 +6,7 @@
 # If the guest never reports an exit status (boot or setup failure, crash, timeout) it prints the
 # guest console log and exits 125 (124 on timeout): never 0.
 # Env: KVBEAM_SOFTROCE_DIR       cache dir (default <repo>/.softroce), made by setup.sh
-#      KVBEAM_SOFTROCE_TIMEOUT   whole run, seconds (default 1800)
+#      KVBEAM_SOFTROCE_TIMEOUT   whole run, seconds (default 2700)
 #      KVBEAM_SOFTROCE_BOOT_TIMEOUT  until rxe0 is up (default 300; a boot takes 10-40 s)
 #      KVBEAM_SOFTROCE_MEM, _SMP guest size (default 3G: two torch processes + pools fit; 2 vCPUs)
 #      KVBEAM_SOFTROCE_DEBUG=1   all kernel messages and a trace of the init scripts on the console
@@ -15,7 +15,7 @@ set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 DIR=${KVBEAM_SOFTROCE_DIR:-$REPO/.softroce}
-TIMEOUT=${KVBEAM_SOFTROCE_TIMEOUT:-1800}
+TIMEOUT=${KVBEAM_SOFTROCE_TIMEOUT:-2700}
 BOOT_TIMEOUT=${KVBEAM_SOFTROCE_BOOT_TIMEOUT:-300}
 MEM=${KVBEAM_SOFTROCE_MEM:-3G}
 SMP=${KVBEAM_SOFTROCE_SMP:-2}
