@@ -182,3 +182,58 @@ def test_no_remote_read_even_with_a_valid_rkey(pair: Pair) -> None:
     # The responder refuses at the QP (no remote-read access: invalid request) or the MR.
     assert event.status in ("IBV_WC_REM_ACCESS_ERR", "IBV_WC_REM_INV_REQ_ERR"), event
     assert bytes(pair.src[:4096]) == before  # nothing was read into our buffer
+
+
+#: The child of the test below: a decode transport with one connected link (its memory
+#: window bound to the link's QP), then it says so and waits to be killed.
+_KILLED_CHILD = """
+import mmap, sys, time
+from kvbeam.transport import Access, Region
+from kvbeam.transport.options import TransportOptions
+from kvbeam.transport.verbs import VerbsTransport
+from tests.transport_peer import buffer_address
+name, gid = sys.argv[1], int(sys.argv[2])
+buf = mmap.mmap(-1, 1 << 20)
+prefill = VerbsTransport(name, gid, TransportOptions(op_timeout_s=10.0))
+decode = VerbsTransport(name, gid, TransportOptions(op_timeout_s=10.0))
+decode.register([Region(buffer_address(buf), 1 << 20)], Access.REMOTE_WRITE)
+lp, ld = prefill.create_link(), decode.create_link()
+ld.connect(lp.endpoint)
+lp.connect(ld.endpoint)
+print("bound", flush=True)
+time.sleep(600)
+"""
+#: A SIGKILLed process whose verbs objects the kernel tears down in order is gone in well
+#: under a second, even under TCG; rxe's wait for a QP still held by a memory window is
+#: 20 s (RXE_POOL_MAX_TIMEOUT), per QP.
+EXIT_BOUND_S = 10.0
+
+
+def test_sigkilled_process_with_bound_windows_exits_at_once(rdma_device: RdmaDevice) -> None:
+    """A daemon killed with links whose windows are bound must exit at once.
+
+    At process exit the kernel destroys a process's verbs objects newest first; a QP
+    created after its link's windows went before them, and rxe then waited (20 s) for
+    the type-2 window bound to it to let go. Links create their QPs first now.
+    """
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, rdma_device.name,
+                              str(rdma_device.gid_index)], stdout=subprocess.PIPE, text=True,
+                             cwd=os.getcwd())
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "bound"
+        t0 = time.monotonic()
+        child.send_signal(signal.SIGKILL)
+        child.wait(60)
+        took = time.monotonic() - t0
+        print(f"SIGKILLed process with a bound memory window exited after {took:.2f} s")
+        assert took < EXIT_BOUND_S, took
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(60)

@@ -175,16 +175,20 @@ class VerbsTransport(LinkHostBase, Transport):
         if self._closed:
             raise TransportError("transport is closed")
         start = time.monotonic()
-        grants = self._grant()
+        # QPs before windows: a killed process's verbs objects are destroyed newest
+        # first, and rxe's QP destroy waits (20 s) for a type-2 window still bound to
+        # it; windows created after their QP go first and let go of it.
         qps: list[QueuePair] = []
+        grants: list[tuple[Registration, list[Window]]] = []
         try:
             for _ in range(self.options.qps_per_peer):
                 qps.append(QueuePair(self.device, self.options))
                 qps[-1].psn = qps[0].psn  # one PSN in the endpoint for all of them
+            grants = self._grant()
         except BaseException:
+            _close_grants(grants)
             for qp in qps:
                 qp.close()
-            _close_grants(grants)
             raise
         with self._lock:
             closed = self._closed
