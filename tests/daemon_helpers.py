@@ -22,9 +22,15 @@ FAST = ["--deadline-bootstrap-s", "4", "--deadline-waiting-s", "4",
 #: The same under TCG (the RDMA suite's guest runs 16-40x slower): a first handshake there,
 #: with QP creation and eight requests arriving at once, has taken more than 4 s, and a
 #: busy prefill has missed two 0.5 s heartbeats. A killed peer is still noticed at once
-#: (its heartbeat is refused, not timed out).
+#: (its heartbeat is refused, not timed out). Its soft-RoCE wire moves about 7 MB/s in all
+#: with eight requests in flight (the fifty-request test: 307 MB in 40-45 s), about 1 MB/s
+#: each, less with a second guest on the host: far below the 100 MB/s the default
+#: --transfer-floor-mbps assumes. A 10 MB request (uni-0, 31486 tokens) took 8.2 s from
+#: Send to Success of its 10 s Transferring budget in a passing run, and under more load timed
+#: out on decode (no progress in Transferring) while prefill's writes completed.
 SLOW_GUEST = ["--deadline-bootstrap-s", "20", "--deadline-waiting-s", "20",
-              "--deadline-transfer-s", "10", "--heartbeat-s", "1", "--rpc-timeout-s", "8",
+              "--deadline-transfer-s", "10", "--transfer-floor-mbps", "0.5",
+              "--heartbeat-s", "1", "--rpc-timeout-s", "8",
               "--handoff-lease-s", "60", "--log-level", "INFO"]
 
 

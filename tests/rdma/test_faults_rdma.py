@@ -179,6 +179,8 @@ def test_sigkill_during_the_handshake_and_while_idle(
     """
     pair = wire_pair
     p, d = clients
+    # The pair's own link exists whatever ran before (the QP counts below include it).
+    assert run_request(p, d, "sigkill-warm", 4096, 0, timeout=120).ok
     extra_prefill = spawn("prefill", transport="rdma", extra=pair.wire.rdma_args("prefill"))
     extra_decode = spawn("decode", transport="rdma", extra=pair.wire.rdma_args("decode"))
     p2 = extra_prefill.ready(STARTUP_S)
