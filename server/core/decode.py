@@ -199,11 +199,16 @@ class DecodeCore(DecodeOffer):
             res.link_id = conn.link.id
             if final:
                 res.digests_follow = digests_follow
-        if relink:
-            log.log(logging.WARNING if resend else logging.INFO,
-                    "request %s: prefill %s it on a new link (transfer id %d)", request_id,
-                    "resends" if resend else "writes", res.transfer_id,
-                    extra=fields(request_id, res.prefill_address))
+        if relink and resend:
+            log.warning("request %s: prefill resends it on a new link (transfer id %d)",
+                        request_id, res.transfer_id, extra=fields(request_id, res.prefill_address))
+        elif relink:
+            # The grant went out as an Offer over the old link, and prefill may have
+            # written over it before that link failed (no BeginWrite tells decode): from
+            # here the request is either resent or written for the first time.
+            log.info("request %s: prefill resends it on a new link, or writes it there "
+                     "first: the offer went over the old one (transfer id %d)", request_id,
+                     res.transfer_id, extra=fields(request_id, res.prefill_address))
         return res
 
     def release(self, request_id: str) -> TransferStatus:
