@@ -25,8 +25,6 @@ from tests.metrics_helpers import Samples, scrape, settle, value
 METRICS = ["--metrics", "127.0.0.1:0"]
 #: Prefill's flags: metrics and the fault hooks (KVBEAM_FAULT_BREAK_LINK).
 PREFILL = [*METRICS, ENABLE_FLAG]
-#: Transferring's deadline in these tests (tests.daemon_helpers.FAST).
-DEADLINE_S = 6.0
 
 
 def _one(p: KvbeamClient, d: KvbeamClient, rid: str) -> tuple[Status, Status, float]:
@@ -37,6 +35,16 @@ def _one(p: KvbeamClient, d: KvbeamClient, rid: str) -> tuple[Status, Status, fl
     pst = p.wait(rid, 60)
     dst = d.wait(rid, 60)
     return pst, dst, time.monotonic() - t0
+
+
+def _ended_by_prefill(dst: Status, took: float) -> None:
+    """Decode failed because prefill's Abort told it, not by its Transferring deadline.
+
+    The cause is asserted, not the time: under a loaded CI host the three handshakes
+    of a resend can take seconds, which says nothing about who ended the request.
+    """
+    assert dst.detail.startswith("prefill failed: "), (dst, took)
+    assert "no progress" not in dst.detail and "deadline" not in dst.detail, (dst, took)
 
 
 def _idle(metrics: str) -> Samples:
@@ -79,8 +87,8 @@ def test_resend_retries_zero_fails_the_request_with_the_transport_detail() -> No
         assert pst.state is TransferState.FAILED, pst
         assert pst.reason in (FailureReason.TRANSPORT_ERROR, FailureReason.PEER_FAILED), pst
         assert "TCP_CONNECTION_LOST" in pst.detail and "resend" not in pst.detail, pst
-        assert dst.state is TransferState.FAILED, dst  # told by prefill's Abort
-        assert took < DEADLINE_S, took  # at once, not by a deadline
+        assert dst.state is TransferState.FAILED, dst
+        _ended_by_prefill(dst, took)
         assert prefill.metrics
         assert value(scrape(prefill.metrics), "kvbeam_resends_total") == 0
         _no_leak(prefill, decode, d)
@@ -94,7 +102,7 @@ def test_a_link_broken_on_every_attempt_fails_after_the_retries_bounded() -> Non
         assert pst.state is TransferState.FAILED, pst
         assert "TCP_CONNECTION_LOST" in pst.detail and "after 2 resends" in pst.detail, pst
         assert dst.state is TransferState.FAILED, dst
-        assert took < DEADLINE_S, took  # three attempts, each ended by its transport error
+        _ended_by_prefill(dst, took)  # three attempts, each ended by its transport error
         assert prefill.metrics
         assert value(scrape(prefill.metrics), "kvbeam_resends_total") == 2
         assert prefill.output.count("FAULT INJECTED: broke link") == 3
