@@ -60,7 +60,10 @@ def test_compose_up_moves_and_verifies_every_request(compose: Compose, timings: 
 def test_decode_stopped_mid_run(compose: Compose, timings: Timings) -> None:
     """Stop decode while requests move: the scheduler sees them fail within the deadline,
     exits 1, and prefill stays healthy."""
-    compose.env["KVBEAM_DRIVE_ARGS"] = "--requests 1000 --max-len 32768 --concurrency 4 --json"
+    # Every request 32k tokens: its transfer is most of its life, so when decode stops some
+    # of the four in flight are moving (random lengths once left all four between decode's
+    # Success and the scheduler's Release, and none was reported Failed).
+    compose.env["KVBEAM_DRIVE_ARGS"] = "--requests 1000 --seq-lens 32768 --concurrency 4 --json"
     compose("up", "-d", "--no-build", timeout=600)
     compose.wait_log("decode", "XXH3-128 verified: ", 3, timeout=300)
     with timings.step("stop decode -> scheduler exit"):
