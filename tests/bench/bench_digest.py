@@ -46,9 +46,9 @@ from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.plan import list_for
 from kvbeam.pools.spec import PoolSpec, SideConfig
-from kvbeam.procs import start_daemon
+from kvbeam.procs import DaemonProcess, start_daemon
 from kvbeam.scheduler import run_request
-from tests.bench.bench_request import cpu_s
+from tests.bench.bench_request import stat_cpu_s
 
 #: The 61-layer request: DeepSeek-V4's C4/C128 alternation, NextN draft, head_dim 512.
 TOKENS = 16384
@@ -182,40 +182,75 @@ def library_figures() -> dict[str, Any]:
     return out
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of ``pid`` so far, summed by thread name with its
+    number dropped (``kvbeam-digest_0`` and ``kvbeam-digest_1`` are ``kvbeam-digest``)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip().rstrip("0123456789").rstrip("_-")
+            out[name or "?"] = out.get(name or "?", 0.0) + stat_cpu_s((task / "stat").read_text())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return out
+
+
 def daemon_figures(repeat: int) -> dict[str, Any]:
-    """Part 4: the 61-layer request over TCP on loopback, integrity on and off."""
+    """Part 4: the 61-layer request over TCP on loopback, integrity on and off.
+
+    Both daemon pairs run at once and the requests alternate between them (off, on,
+    off, on, ...), so a neighbour's load falls on both alike. CPU per request is each
+    daemon's, and split by thread name (/proc/PID/task).
+    """
+    modes = (False, True)
+    pairs: dict[bool, tuple[DaemonProcess, DaemonProcess]] = {}
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvbeam-bench-61l-") as tmp:
         cfg = _yaml(dsv4_61(), Path(tmp) / "dsv4-61.yaml")
-        for integrity in (False, True):
-            flags = ["--transport", "tcp", "--integrity", str(integrity).lower(),
-                     "--log-level", "WARNING", "--deadline-transfer-s", "120"]
-            decode = start_daemon("decode", cfg, extra=[*flags, "--fill-seed", "2"],
-                                  timeout=300.0)
-            prefill = start_daemon("prefill", cfg, extra=[*flags, "--fill-seed", "1"],
-                                   timeout=300.0)
-            try:
-                with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
-                    times, nbytes, cpu0 = [], 0, [0.0, 0.0]
-                    pids = (prefill.proc.pid, decode.proc.pid)
-                    for i in range(repeat + 1):  # the first is a warm-up
-                        if i == 1:
-                            cpu0 = [cpu_s(pid) for pid in pids]
-                        r = run_request(p, d, f"b61-{integrity}-{i}", TOKENS, i % SLOTS,
-                                        timeout=120.0)
-                        if not r.ok or (integrity and not r.verified):
-                            raise SystemExit(f"request {r.request_id} ended {r.state}")
-                        nbytes = r.bytes
-                        if i:
-                            times.append(r.send_to_success_s * 1e3)
-                    cpu = [(cpu_s(pid) - c) * 1e3 / repeat for pid, c in zip(pids, cpu0,
-                                                                              strict=True)]
-            finally:
-                prefill.stop()
-                decode.stop()
-            rows["on" if integrity else "off"] = {
-                "bytes": nbytes, "median_ms": statistics.median(times), "best_ms": min(times),
-                "runs_ms": times, "prefill_cpu_ms": cpu[0], "decode_cpu_ms": cpu[1]}
+        try:
+            for integrity in modes:
+                flags = ["--transport", "tcp", "--integrity", str(integrity).lower(),
+                         "--log-level", "WARNING", "--deadline-transfer-s", "120"]
+                decode = start_daemon("decode", cfg, extra=[*flags, "--fill-seed", "2"],
+                                      timeout=300.0)
+                pairs[integrity] = (start_daemon("prefill", cfg,
+                                                 extra=[*flags, "--fill-seed", "1"],
+                                                 timeout=300.0), decode)
+            clients = {m: (KvbeamClient(pairs[m][0].address), KvbeamClient(pairs[m][1].address))
+                       for m in modes}
+            times: dict[bool, list[float]] = {m: [] for m in modes}
+            nbytes: dict[bool, int] = {}
+            cpu0: dict[bool, list[dict[str, float]]] = {}
+            for i in range(repeat + 1):  # the first of each is a warm-up
+                for m in modes:
+                    if i == 1:
+                        cpu0[m] = [thread_cpu_s(d.proc.pid) for d in pairs[m]]
+                    p, d = clients[m]
+                    r = run_request(p, d, f"b61-{m}-{i}", TOKENS, i % SLOTS, timeout=120.0)
+                    if not r.ok or (m and not r.verified):
+                        raise SystemExit(f"request {r.request_id} ended {r.state}")
+                    nbytes[m] = r.bytes
+                    if i:
+                        times[m].append(r.send_to_success_s * 1e3)
+            for m in modes:
+                split = []
+                for daemon, before in zip(pairs[m], cpu0[m], strict=True):
+                    now = thread_cpu_s(daemon.proc.pid)
+                    split.append({k: (v - before.get(k, 0.0)) * 1e3 / repeat
+                                  for k, v in now.items() if v - before.get(k, 0.0) > 0})
+                rows["on" if m else "off"] = {
+                    "bytes": nbytes[m], "median_ms": statistics.median(times[m]),
+                    "best_ms": min(times[m]), "runs_ms": times[m],
+                    "prefill_cpu_ms": sum(split[0].values()),
+                    "decode_cpu_ms": sum(split[1].values()),
+                    "prefill_threads_ms": split[0], "decode_threads_ms": split[1]}
+            for p, d in clients.values():
+                p.close()
+                d.close()
+        finally:
+            for pair in pairs.values():
+                for daemon in pair:
+                    daemon.stop()
     return rows
 
 
@@ -256,6 +291,9 @@ def main() -> None:
             print(f"  integrity {name:<3}: {r['median_ms']:.1f} ms (best {r['best_ms']:.1f}), "
                   f"{r['bytes'] / 1e6:.1f} MB; CPU per request prefill "
                   f"{r['prefill_cpu_ms']:.1f} ms, decode {r['decode_cpu_ms']:.1f} ms")
+            for side in ("prefill", "decode"):
+                top = sorted(r[f"{side}_threads_ms"].items(), key=lambda kv: -kv[1])[:5]
+                print(f"    {side} by thread: " + ", ".join(f"{k} {v:.1f}" for k, v in top))
         print(f"  memory copy of the same bytes: {lib['memcpy_ms'][0]:.1f} ms")
         print(f"integrity_61l_ratio={rows['on']['median_ms'] / rows['off']['median_ms']:.2f}")
     print(f"digest_gbps_one_thread={lib['sizes'][3]['gbps_1']:.1f}")

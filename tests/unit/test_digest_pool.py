@@ -105,3 +105,19 @@ def test_parts_are_one_per_selected_buffer() -> None:
 def test_a_negative_thread_count_is_refused() -> None:
     with pytest.raises(ValueError, match="digest threads must be >= 0, got -1"):
         DigestPool(-1)
+
+
+def test_the_pool_threads_carry_its_name_in_the_os_too() -> None:
+    """Per-thread CPU (top -H, the bench's split) can tell the digests apart."""
+    import sys
+    import threading as th
+    from pathlib import Path
+
+    from kvbeam.pools.digest_pool import THREAD_NAME
+
+    with DigestPool(1) as pool:
+        names = pool._executor.submit(  # type: ignore[union-attr]
+            lambda: (th.current_thread().name,
+                     Path(f"/proc/self/task/{th.get_native_id()}/comm").read_text().strip()
+                     if sys.platform.startswith("linux") else THREAD_NAME)).result(30)
+    assert names[0].startswith(THREAD_NAME) and names[1] == THREAD_NAME
