@@ -19,7 +19,9 @@ off, median Send-to-Success; the target is at most 1.15) and
 ``digest_gbps_one_thread=N.N``.
 
 Run: ``make bench-digest`` (part of ``make bench-host``) or
-``python -m tests.bench.bench_digest [--json FILE] [--repeat N] [--skip-daemons]``.
+``python -m tests.bench.bench_digest [--json FILE] [--repeat N] [--skip-daemons]``; in
+the soft-RoCE guest ``--transport rdma --skip-library --repeat 3`` (both daemon pairs'
+pools, about 1 GB, fit its 3 GB).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from kvbeam.pools.plan import list_for
 from kvbeam.pools.spec import PoolSpec, SideConfig
 from kvbeam.procs import DaemonProcess, start_daemon
 from kvbeam.scheduler import run_request
-from tests.bench.bench_request import stat_cpu_s
+from tests.bench.bench_request import BENCH_DEADLINES, stat_cpu_s
+from tests.daemon_helpers import SLOW_GUEST
 
 #: The 61-layer request: DeepSeek-V4's C4/C128 alternation, NextN draft, head_dim 512.
 TOKENS = 16384
@@ -148,16 +151,19 @@ def _median_ms(fn: Callable[[], object], n: int) -> tuple[float, float]:
     return statistics.median(wall), statistics.median(cpu)
 
 
-def library_figures() -> dict[str, Any]:
-    """Parts 1-3: the binding's GB/s, its GIL, and one request's digests by pool size."""
+def library_figures(pools: bool = True) -> dict[str, Any]:
+    """Parts 1-3: the binding's GB/s, its GIL, and one request's digests by pool size;
+    without ``pools`` only the request's digests on one thread and the memory copy (the
+    guest, where the rest would take minutes)."""
     out: dict[str, Any] = {"xxhash": xxhash.VERSION, "cores": os.cpu_count(), "sizes": []}
-    for size in SIZES:
+    for size in SIZES if pools else ():
         row: dict[str, Any] = {"bytes": size}
         for n in (1, 2, 4):
             gbps, cores = _threads_gbps(size, n)
             row[f"gbps_{n}"], row[f"cores_{n}"] = gbps, cores
         out["sizes"].append(row)
-    out["gil_call_ms"], out["gil_other_thread_iterations"] = _gil_released()
+    if pools:
+        out["gil_call_ms"], out["gil_other_thread_iterations"] = _gil_released()
     cfg = dsv4_61(slots=1)
     side = AllocatedSide(build_side_layout(cfg))
     side.fill_pattern(1)
@@ -169,7 +175,7 @@ def library_figures() -> dict[str, Any]:
     want = request_digests(side, idx)
     out["request_ms"] = {"inline": _median_ms(lambda: request_digests(side, idx), 9)}
     # The pools digest on their own threads: process CPU counts them too.
-    for threads in (2, 4):
+    for threads in (2, 4) if pools else ():
         with DigestPool(threads) as pool:
             if pool.digests(side, idx).result() != want:
                 raise SystemExit(f"the pool of {threads} gave other digests than inline")
@@ -195,8 +201,9 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
     return out
 
 
-def daemon_figures(repeat: int) -> dict[str, Any]:
-    """Part 4: the 61-layer request over TCP on loopback, integrity on and off.
+def daemon_figures(repeat: int, transport: str = "tcp") -> dict[str, Any]:
+    """Part 4: the 61-layer request over ``transport`` (TCP on loopback; rdma in the
+    soft-RoCE guest), integrity on and off.
 
     Both daemon pairs run at once and the requests alternate between them (off, on,
     off, on, ...), so a neighbour's load falls on both alike. CPU per request is each
@@ -209,8 +216,9 @@ def daemon_figures(repeat: int) -> dict[str, Any]:
         cfg = _yaml(dsv4_61(), Path(tmp) / "dsv4-61.yaml")
         try:
             for integrity in modes:
-                flags = ["--transport", "tcp", "--integrity", str(integrity).lower(),
-                         "--log-level", "WARNING", "--deadline-transfer-s", "120"]
+                flags = ["--transport", transport, "--integrity", str(integrity).lower(),
+                         *(SLOW_GUEST if transport == "rdma" else []), "--log-level", "WARNING",
+                         *BENCH_DEADLINES]
                 decode = start_daemon("decode", cfg, extra=[*flags, "--fill-seed", "2"],
                                       timeout=300.0)
                 pairs[integrity] = (start_daemon("prefill", cfg,
@@ -262,20 +270,27 @@ def main() -> None:
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--skip-daemons", action="store_true",
                         help="parts 1-3 only (no daemons)")
+    parser.add_argument("--transport", choices=("tcp", "rdma"), default="tcp",
+                        help="part 4's data plane (rdma: in the soft-RoCE guest, with "
+                             "--skip-library)")
+    parser.add_argument("--skip-library", action="store_true",
+                        help="of parts 1-3 only the request's digests on one thread and the "
+                             "memory copy (minutes in the guest otherwise)")
     args = parser.parse_args()
-    lib = library_figures()
-    print(f"XXH3-128 (python xxhash {lib['xxhash']}), {lib['cores']} cores: aggregate GB/s of "
-          "N threads on their own buffers, the cores the process got (CPU s per wall s), and "
-          "GB per CPU second (per core)")
-    print(f"{'bytes':>9} " + " ".join(f"{f'{n} thread(s)':>24}" for n in (1, 2, 4)))
-    for row in lib["sizes"]:
-        print(f"{row['bytes']:>9} " + " ".join(
-            f"{row[f'gbps_{n}']:>7.1f} ({row[f'cores_{n}']:.2f} cores) "
-            f"{row[f'gbps_{n}'] / row[f'cores_{n}']:>5.1f}/core" for n in (1, 2, 4)))
-    print(f"GIL: one {lib['gil_call_ms']:.1f} ms digest call of 256 MiB; a Python loop in "
-          f"another thread ran {lib['gil_other_thread_iterations']} iterations meanwhile "
-          "(none: the call holds the GIL)")
+    lib = library_figures(pools=not args.skip_library)
     mb = lib["request_bytes"] / 1e6
+    if lib["sizes"]:
+        print(f"XXH3-128 (python xxhash {lib['xxhash']}), {lib['cores']} cores: aggregate GB/s "
+              "of N threads on their own buffers, the cores the process got (CPU s per wall "
+              "s), and GB per CPU second (per core)")
+        print(f"{'bytes':>9} " + " ".join(f"{f'{n} thread(s)':>24}" for n in (1, 2, 4)))
+        for row in lib["sizes"]:
+            print(f"{row['bytes']:>9} " + " ".join(
+                f"{row[f'gbps_{n}']:>7.1f} ({row[f'cores_{n}']:.2f} cores) "
+                f"{row[f'gbps_{n}'] / row[f'cores_{n}']:>5.1f}/core" for n in (1, 2, 4)))
+        print(f"GIL: one {lib['gil_call_ms']:.1f} ms digest call of 256 MiB; a Python loop in "
+              f"another thread ran {lib['gil_other_thread_iterations']} iterations meanwhile "
+              "(none: the call holds the GIL)")
     print(f"61-layer {TOKENS}-token request ({lib['request_buffers']} buffers, {mb:.1f} MB), "
           "median wall ms (process CPU ms):")
     for name, (wall, cpu) in lib["request_ms"].items():
@@ -283,10 +298,11 @@ def main() -> None:
     print(f"  memory copy of the same bytes (numpy copyto): {lib['memcpy_ms'][0]:.1f} ms")
     res: dict[str, Any] = {"library": lib}
     if not args.skip_daemons:
-        rows = daemon_figures(args.repeat)
-        res["tcp"] = rows
-        print(f"61-layer {TOKENS}-token request over TCP on loopback (median of "
-              f"{args.repeat}, Send to Success):")
+        rows = daemon_figures(args.repeat, args.transport)
+        res[args.transport] = rows
+        where = "TCP on loopback" if args.transport == "tcp" else "RDMA"
+        print(f"61-layer {TOKENS}-token request over {where} (median of {args.repeat}, "
+              "Send to Success):")
         for name, r in rows.items():
             print(f"  integrity {name:<3}: {r['median_ms']:.1f} ms (best {r['best_ms']:.1f}), "
                   f"{r['bytes'] / 1e6:.1f} MB; CPU per request prefill "
@@ -295,8 +311,11 @@ def main() -> None:
                 top = sorted(r[f"{side}_threads_ms"].items(), key=lambda kv: -kv[1])[:5]
                 print(f"    {side} by thread: " + ", ".join(f"{k} {v:.1f}" for k, v in top))
         print(f"  memory copy of the same bytes: {lib['memcpy_ms'][0]:.1f} ms")
-        print(f"integrity_61l_ratio={rows['on']['median_ms'] / rows['off']['median_ms']:.2f}")
-    print(f"digest_gbps_one_thread={lib['sizes'][3]['gbps_1']:.1f}")
+        suffix = "" if args.transport == "tcp" else "_rdma"
+        print(f"integrity_61l{suffix}_ratio="
+              f"{rows['on']['median_ms'] / rows['off']['median_ms']:.2f}")
+    if lib["sizes"]:
+        print(f"digest_gbps_one_thread={lib['sizes'][3]['gbps_1']:.1f}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=1))
