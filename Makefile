@@ -15,7 +15,7 @@ KUSTOMIZE_V5 := kubectl version --client -o json 2>/dev/null \
 SGLANG_STAMP := $(VENV)/.kvbeam-sglang
 
 .PHONY: help system-deps setup demo test test-host test-rdma test-compose lint proto proto-check \
-	bench bench-plan bench-handshake bench-host bench-deps clean test-vllm test-sglang
+	bench bench-plan bench-handshake bench-host bench-digest bench-deps clean test-vllm test-sglang
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
@@ -140,10 +140,15 @@ bench-deps: setup ## the benchmark-only packages (pyproject extra "bench": Moonc
 	@$(PY) -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['bench']))" > $(BENCH_DIR)/requirements.txt
 	$(PY) -m pip install -q -r $(BENCH_DIR)/requirements.txt
 
-bench-host: setup ## host_small_request_ms, and the engine channel's target lines beside the gRPC API's (TCP on loopback)
+bench-host: setup ## host_small_request_ms, the engine channel's target lines beside the gRPC API's, and integrity beside the wire (TCP on loopback)
 	@mkdir -p $(BENCH_DIR)
 	$(PY) -m tests.bench.bench_request --host-json $(BENCH_DIR)/host.json
 	$(PY) -m tests.bench.bench_engine_channel | tee $(BENCH_DIR)/engine-channel.txt
+	$(PY) -m tests.bench.bench_digest --json $(BENCH_DIR)/digest.json | tee $(BENCH_DIR)/digest.txt
+
+bench-digest: setup ## digest GB/s per thread and core, the GIL, and the 61-layer 16k request over TCP, integrity on/off beside a memory copy
+	@mkdir -p $(BENCH_DIR)
+	$(PY) -m tests.bench.bench_digest --json $(BENCH_DIR)/digest.json | tee $(BENCH_DIR)/digest.txt
 
 bench: bench-deps bench-plan bench-handshake bench-host ## all benchmarks: host ones, then one guest boot (table + JSON + plots)
 	bash tests/softroce/run_rdma_suite.sh --cmd '$(PY) -m tests.bench.bench_suite'

@@ -19,6 +19,7 @@ overhead, not the hash, dominated small requests.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -80,16 +81,38 @@ def _run(idx: np.ndarray[Any, Any]) -> tuple[int, int] | None:
     return (first, n) if n == 1 or bool((np.diff(idx) == 1).all()) else None
 
 
-def request_digests(side: AllocatedSide, indices: IndexLists, *, include_kv: bool = True,
-                    include_states: bool = True, draft: IndexLists | None = None) -> list[int]:
-    """XXH3-128 of each selected buffer's items, in the order of ``indices``.
+@dataclass(frozen=True, eq=False)
+class DigestPart:
+    """One buffer's share of a request's digests: its items, in place or gathered.
 
-    ``indices`` must be the lists actually moved (after pairing, see
-    :func:`kvbeam.pools.plan.pair_index_lists`), so both sides digest the same items.
-    Buffers follow :attr:`SideLayout.flat_buffers`, filtered like the plan; the
-    draft's buffers use ``draft``'s list of their kind where it has one.
+    A part reads the pool memory only when :meth:`digest` runs, so a list of parts
+    can be built under no lock and digested on any thread (``xxhash`` releases the
+    GIL for an input over 64 KiB, see :mod:`kvbeam.pools.digest_pool`).
     """
-    out: list[int] = []
+
+    items: np.ndarray[Any, Any]   # the buffer's (items, item_len) view
+    idx: np.ndarray[Any, Any]     # the items moved, in order
+    run: tuple[int, int] | None   # (first, count) when ``idx`` is one ascending run
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this part digests."""
+        return len(self.idx) * int(self.items.shape[1])
+
+    def digest(self) -> int:
+        """XXH3-128 of the part's items, in order."""
+        run = self.run
+        if run is not None and run[0] >= 0 and run[0] + run[1] <= len(self.items):
+            # A slice of a C-contiguous array is contiguous: digest it in place.
+            return _digest(self.items[run[0]:run[0] + run[1]].data)
+        return _digest(np.ascontiguousarray(np.take(self.items, self.idx, axis=0)).data)
+
+
+def digest_parts(side: AllocatedSide, indices: IndexLists, *, include_kv: bool = True,
+                 include_states: bool = True, draft: IndexLists | None = None
+                 ) -> list[DigestPart]:
+    """The parts :func:`request_digests` digests, one per selected buffer, in its order."""
+    out: list[DigestPart] = []
     kinds: dict[tuple[IndexKind, bool], tuple[np.ndarray[Any, Any], tuple[int, int] | None]] = {}
     for comp in side.layout.components:
         wanted = include_kv if comp.state_type is None else include_states
@@ -101,10 +124,20 @@ def request_digests(side: AllocatedSide, indices: IndexLists, *, include_kv: boo
                 idx = list_for(indices, draft, comp.pool, buf.index_kind)
                 kinds[key] = (idx, _run(idx))
             idx, run = kinds[key]
-            items = _items(side, buf)
-            if run is not None and run[0] >= 0 and run[0] + run[1] <= len(items):
-                # A slice of a C-contiguous array is contiguous: digest it in place.
-                out.append(_digest(items[run[0]:run[0] + run[1]].data))
-            else:
-                out.append(_digest(np.ascontiguousarray(np.take(items, idx, axis=0)).data))
+            out.append(DigestPart(_items(side, buf), idx, run))
     return out
+
+
+def request_digests(side: AllocatedSide, indices: IndexLists, *, include_kv: bool = True,
+                    include_states: bool = True, draft: IndexLists | None = None) -> list[int]:
+    """XXH3-128 of each selected buffer's items, in the order of ``indices``.
+
+    ``indices`` must be the lists actually moved (after pairing, see
+    :func:`kvbeam.pools.plan.pair_index_lists`), so both sides digest the same items.
+    Buffers follow :attr:`SideLayout.flat_buffers`, filtered like the plan; the
+    draft's buffers use ``draft``'s list of their kind where it has one. On the
+    calling thread; :class:`kvbeam.pools.digest_pool.DigestPool` computes the same
+    list on several.
+    """
+    return [part.digest() for part in digest_parts(side, indices, include_kv=include_kv,
+                                                   include_states=include_states, draft=draft)]

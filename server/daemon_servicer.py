@@ -22,6 +22,7 @@ import grpc
 from kvbeam.errors import UnknownRequest
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
@@ -109,6 +110,8 @@ class DaemonServicer(ControlServicer):
         self.table = runtime.table
         #: The driver's one bounded executor: every blocking step of the core runs here.
         self.io = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvbeam-io")
+        #: The integrity digests' threads (--digest-threads), shared by every request.
+        self.digest_pool = DigestPool(runtime.settings.digest_threads)
         self._watch_lock = threading.Lock()
         self._watchers = 0  # open WatchStatus streams
 
@@ -131,6 +134,7 @@ class DaemonServicer(ControlServicer):
             self.core.shutdown()
         finally:
             self.io.shutdown(wait=False, cancel_futures=True)
+            self.digest_pool.close()
 
     def slot_of(self, request_id: str) -> int:
         """The request slot a transfer uses, -1 if none (for status replies)."""

@@ -50,7 +50,8 @@ class DecodeServicer(DaemonServicer):
             handoff_lease_s=runtime.settings.handoff_lease_s,
             transfer_budget=runtime.settings.transfer_budget_s,
             on_offer=lambda event: runtime.metrics.offers.labels(event).inc(),
-            wire_s=lambda n: n / (runtime.settings.transfer_floor_mbps * 1e6))
+            wire_s=lambda n: n / (runtime.settings.transfer_floor_mbps * 1e6),
+            digest_pool=self.digest_pool)
         self.slots = self.decode.slots
         self._links_lock = threading.Lock()  # leaf: guards _pending_links only
         self._pending_links: dict[str, Link] = {}

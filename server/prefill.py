@@ -45,7 +45,7 @@ class PrefillServicer(DaemonServicer):
             resend_retries=runtime.settings.resend_retries, on_resend=runtime.metrics.resends.inc,
             max_offers=runtime.settings.max_inflight,
             on_offer=lambda event: runtime.metrics.offers.labels(event).inc(),
-            send_wait_s=runtime.settings.send_wait_s)
+            send_wait_s=runtime.settings.send_wait_s, digest_pool=self.digest_pool)
 
     @handled
     def Send(self, request: pb.SendRequest, context: grpc.ServicerContext) -> pb.TransferStatus:

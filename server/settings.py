@@ -21,6 +21,10 @@ from kvbeam.transport.options import MAX_QPS_PER_PEER
 #: Default deadline of every control RPC, seconds (the daemons' KVBEAM_RPC_TIMEOUT_S
 #: default too). A handshake takes milliseconds; the margin covers a loaded host.
 DEFAULT_RPC_TIMEOUT_S = 5.0
+#: The integrity digests' threads by default (--digest-threads): one per core, at most
+#: four (a large request's digests are memory bound beyond a few cores, and the daemon's
+#: other threads need the rest; docs/performance.md, "Integrity beside the wire").
+DEFAULT_DIGEST_THREADS = min(4, os.cpu_count() or 1)
 #: Largest message either side accepts (a 61-layer DSV4 SideInfo is ~20 KB).
 MAX_MESSAGE_BYTES = 16 << 20
 #: Largest header/trailer block accepted. The rejection trailer carries the
@@ -175,6 +179,10 @@ OPTIONS: tuple[Option, ...] = (
            "transfers in flight on this side before new ones get RESOURCE_EXHAUSTED"),
     Option("integrity", "KVBEAM_INTEGRITY", parse_bool, True,
            "verify XXH3-128 digests of every transfer on decode (true/false)"),
+    Option("digest_threads", "KVBEAM_DIGEST_THREADS", int, DEFAULT_DIGEST_THREADS,
+           "threads that compute a request's integrity digests in parallel over its buffers "
+           "(prefill while its writes are in flight, decode once they landed); default one "
+           "per core, at most 4; 0: on the request's executor thread"),
     Option("fill_seed", "KVBEAM_FILL_SEED", int, -1,
            "fill the pools with a deterministic pattern from this seed at start (demo and "
            "tests; -1: leave them zeroed)"),
@@ -249,6 +257,7 @@ class DaemonSettings:
     attach_allow_uid: tuple[int, ...] = ()
     attach_group: str = ""
     resend_retries: int = 2
+    digest_threads: int = DEFAULT_DIGEST_THREADS
     enable_fault_injection: bool = False
 
     def transfer_budget_s(self, nbytes: int) -> float:
@@ -314,6 +323,8 @@ def resolve(role: str, args: argparse.Namespace | None = None,
         if values[name] <= 0:
             raise ConfigError(f"--{name.replace('_', '-')}: must be positive "
                               f"(got {values[name]})")
+    if values["digest_threads"] < 0:
+        raise ConfigError(f"--digest-threads: must be 0 or more (got {values['digest_threads']})")
     if values["resend_retries"] < 0:
         raise ConfigError(f"--resend-retries: must be 0 or more (got {values['resend_retries']})")
     if not 1 <= values["qps_per_peer"] <= MAX_QPS_PER_PEER:

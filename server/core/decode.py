@@ -32,6 +32,7 @@ from concurrent.futures import Executor
 from kvbeam.errors import AlreadyLanded, BadRequest, NotHandshakenError, UnknownRequest
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.engine_indices import ListLike, validate
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
@@ -77,7 +78,8 @@ class DecodeCore(DecodeOffer):
                  handoff_lease_s: float,
                  transfer_budget: Callable[[int], float] = lambda _n: 0.0,
                  on_offer: Callable[[str], None] = lambda _event: None,
-                 wire_s: Callable[[int], float] = lambda _n: 0.0) -> None:
+                 wire_s: Callable[[int], float] = lambda _n: 0.0,
+                 digest_pool: DigestPool | None = None) -> None:
         self.table = table
         self.peers = peers
         self.prefill = prefill
@@ -91,6 +93,8 @@ class DecodeCore(DecodeOffer):
         self.transfer_budget = transfer_budget
         self.on_offer = on_offer
         self.wire_s = wire_s  # an offered reservation's lease grows by its bytes' time
+        # The landed bytes' digests run on it (owned by the driver); None: on the executor.
+        self.digest_pool = digest_pool or DigestPool(0)
         self.slots = SlotPool(spec.num_req_slots if spec is not None else 0)
         self._lock = threading.Lock()
         self._res: dict[str, Reservation] = {}

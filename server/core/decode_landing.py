@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from kvbeam.errors import BadRequest, NotHandshakenError, UnknownRequest
 from kvbeam.logs import fields
-from kvbeam.pools.digest import DIGEST_NAME, request_digests
+from kvbeam.pools.digest import DIGEST_NAME
+from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.ports import IndexLists
 from kvbeam.server.faults import FaultHooks
@@ -82,6 +83,7 @@ class DecodeLanding(CoreBase):
     faults: FaultHooks | None
     peers: Peers
     io: Executor
+    digest_pool: DigestPool
     _lock: threading.Lock
     _res: dict[str, Reservation]
 
@@ -158,7 +160,9 @@ class DecodeLanding(CoreBase):
         timing = ""
         if res.digests is not None and self.integrity:
             t0 = time.monotonic()
-            landed = request_digests(self.pools, res.indices, draft=res.draft)
+            # In parallel over the buffers, on the digest pool; no lock held while it runs,
+            # and Success (below) only once every buffer's digest was compared.
+            landed = self.digest_pool.digests(self.pools, res.indices, draft=res.draft).result()
             lag = (res.digests_at - res.landed_at) * 1e3
             timing = (f"; digests {abs(lag):.1f} ms {'after' if lag > 0 else 'before'} the "
                       f"landing, check {(time.monotonic() - t0) * 1e3:.1f} ms")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from kvbeam.errors import NotHandshakenError
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.digest import request_digests
+from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.server.core.ports import DecodePeers, WriteGrant
 from kvbeam.server.peers import PeerConn, Peers
 
@@ -125,6 +125,7 @@ class PrefillOffers:
     _lock: threading.Lock
     _out: dict[str, Outgoing]
     pools: AllocatedSide  # the core's (PoolsHolder)
+    digest_pool: DigestPool
 
     def offer(self, request_id: str, instance_id: str, seq_len: int, grant: WriteGrant,
               lease_s: float) -> bool:
@@ -174,12 +175,15 @@ class PrefillOffers:
         self.on_offer("used" if offer is not None else "missed")
         return offer.grant if offer is not None else None
 
-    def _send_digests(self, rec: Outgoing, conn: PeerConn, transfer_id: int) -> None:
-        """Digest the request's source (its writes are in flight: the source does not
-        change) and give decode the digests; computed once per request, a resend
-        sends the same. Outside every lock, on the executor."""
+    def _send_digests(self, rec: Outgoing, conn: PeerConn, transfer_id: int,
+                      job: DigestJob | None) -> None:
+        """Give decode the digests of the request's source: ``job``'s, started on the
+        digest pool before the final writes were posted (the source does not change
+        while they are in flight). Computed once per request, a resend sends the same.
+        Outside every lock, on the executor (it waits for the pool's threads)."""
         if rec.digests is None:
-            rec.digests = request_digests(self.pools, rec.src_indices, draft=rec.src_draft)
+            rec.digests = (job or self.digest_pool.digests(
+                self.pools, rec.src_indices, draft=rec.src_draft)).result()
         try:
             self.decode.send_digests(conn, rec.request_id, transfer_id, rec.digests)
         except Exception as exc:  # decode's deadline fails the request, naming the digests

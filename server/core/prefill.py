@@ -40,6 +40,7 @@ from kvbeam.errors import (
 )
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.engine_indices import ListLike, same_lists, validate
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
@@ -137,6 +138,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
             (WaitingForInput, its source pages held) before it fails with a timeout;
             0: it fails at once, as before the engine channel.
         on_offer: called with what happened to an offer (metrics).
+        digest_pool: the threads integrity's digests are computed on (owned by the
+            driver); None: on the executor thread.
     """
 
     role = "prefill"
@@ -148,7 +151,7 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                  resend_retries: int = 0, on_resend: Callable[[], None] = lambda: None,
                  max_offers: int = 1024,
                  on_offer: Callable[[str], None] = lambda _event: None,
-                 send_wait_s: float = 0.0) -> None:
+                 send_wait_s: float = 0.0, digest_pool: DigestPool | None = None) -> None:
         self.table = table
         self.peers = peers
         self.decode = decode
@@ -163,6 +166,7 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
         self.offers = OfferBook(max_offers)  # decode's reservations ahead of Send
         self.on_offer = on_offer
         self.send_wait_s = send_wait_s
+        self.digest_pool = digest_pool or DigestPool(0)  # 0: on the executor thread
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
         # Counts the Abort handlers waiting on a drain (taken without blocking).
@@ -417,6 +421,10 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
             rec.final_posted = rec.final_posted or final
         if self.faults is not None:  # test-only hook (--enable-fault-injection)
             self.faults.break_link(rid, conn.link)
+        # Integrity: the digest pool digests the source while the writes go out (the
+        # source does not change while the request lives); sent once they are posted.
+        job = (self.digest_pool.digests(self.pools, rec.src_indices, draft=rec.src_draft)
+               if final and self.integrity and rec.digests is None else None)
         try:
             conn.link.write(grant.transfer_id, blocks, notify=final)
         except Exception as exc:
@@ -436,7 +444,7 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                  "final chunk, " if final else "chunk, ", plan.total_bytes, plan.num_blocks,
                  conn.control_address, extra=fields(rid, rec.decode_address))
         if final and self.integrity:  # digested while the writes are in flight
-            self._send_digests(rec, conn, grant.transfer_id)
+            self._send_digests(rec, conn, grant.transfer_id, job)
 
     def _waits_for_offer(self, rec: Outgoing, conn: PeerConn, final: bool) -> bool:
         """Whether a single-chunk Send with no offer waits for decode's Offer first."""

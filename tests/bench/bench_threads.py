@@ -60,6 +60,7 @@ def python_thread_names(pid: int) -> dict[int, str]:
 GROUPS = [("kvbeam-verbs", "verbs progress (posts, completions; rxe sends in ibv_post_send)"),
           ("kvbeam-tcp", "TCP data plane"),
           ("kvbeam-io", "executor (plan, post, digests, peer RPCs)"),
+          ("kvbeam-digest", "digest pool (XXH3-128, --digest-threads)"),
           ("kvbeam-control", "RPC handlers (gRPC handler pool)"),
           ("Thread-1 (_serve)", "gRPC Python server loop (_serve)"),
           ("kvbeam-events", "loops (events, sweeper, heartbeat)"),

@@ -136,6 +136,7 @@ def test_thread_groups_and_their_report() -> None:
 
     assert group_of("kvbeam-verbs-rxe0").startswith("verbs progress")
     assert group_of("kvbeam-io_1").startswith("executor")
+    assert group_of("kvbeam-digest_0").startswith("digest pool")
     assert group_of("kvbeam-control_0").startswith("RPC handlers")
     assert group_of("Thread-1 (_serve)").startswith("gRPC Python server")
     assert group_of("[event_engine]").startswith("gRPC C core")

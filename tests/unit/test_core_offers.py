@@ -9,8 +9,8 @@ import pytest
 
 from kvbeam.errors import UnknownRequest
 from kvbeam.pools.digest import request_digests
+from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.pools.indices import request_indices
-from kvbeam.server.core import offers
 from kvbeam.server.core import prefill as prefill_module
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.decode_landing import WAITING_FOR_DIGESTS
@@ -302,13 +302,13 @@ def test_no_offer_to_a_prefill_that_misses_heartbeats() -> None:
 def test_a_resend_sends_the_digests_computed_once_with_its_new_transfer_id(
         monkeypatch: pytest.MonkeyPatch) -> None:
     computed: list[str] = []
-    real = request_digests
+    real = DigestPool.digests
 
-    def counting(*args: object, **kw: object) -> list[int]:
+    def counting(*args: object, **kw: object) -> DigestJob:
         computed.append("x")
         return real(*args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(offers, "request_digests", counting)
+    monkeypatch.setattr(DigestPool, "digests", counting)  # the cores digest on the pool
     core, fake = prefill_core(resend_retries=1)
     core.send("r", 0, SEQ, ADDR, [], True)
     assert wait_for(lambda: core.peers.by_address(ADDR) is not None)

@@ -1,0 +1,144 @@
+"""A small pool of threads that compute a request's digests in parallel.
+
+``xxhash`` (python-xxhash 3.x/4.x) releases the GIL while it digests an input over
+64 KiB (``XXHASH_GIL_MINSIZE`` in its C source; ``make bench-host``'s digest lines
+measure it), so threads digesting different buffers run on different cores: a
+61-layer request's 182 buffers are split into contiguous groups of about equal
+bytes, one task each, and the job's result is the digests in the buffers' order,
+exactly what :func:`kvbeam.pools.digest.request_digests` returns on one thread.
+Buffers under 64 KiB (the per-slot states) hold the GIL while digested, but they
+are a few percent of a large request's bytes. ``numpy.take`` (a scattered list's
+gather) releases the GIL too.
+
+Prefill starts its job before it posts the final writes and sends the digests once
+it is done; decode starts its job when the writes landed and compares once it is
+done. Neither holds a lock while it waits (docs/concurrency.md).
+
+``threads=0`` computes on the calling thread (the job is done when returned).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
+
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.digest import DigestPart, digest_parts
+from kvbeam.pools.plan import IndexLists
+
+log = logging.getLogger(__name__)
+
+#: The pool threads' name, in Python and in the OS (``top -H``, /proc/PID/task/TID/comm).
+THREAD_NAME = "kvbeam-digest"
+#: prctl(2) option that names the calling thread (Linux).
+_PR_SET_NAME = 15
+#: Tasks per thread a job is split into: more evens out unequal groups, fewer costs
+#: less per task (a task is a future and a thread wake-up, some 20 us).
+TASKS_PER_THREAD = 2
+
+
+def split_parts(parts: Sequence[DigestPart], groups: int) -> list[Sequence[DigestPart]]:
+    """``parts`` cut into at most ``groups`` contiguous runs of about equal bytes, in
+    order (every part in exactly one run; a part of zero bytes goes with its neighbours)."""
+    total = sum(p.nbytes for p in parts)
+    if groups <= 1 or len(parts) <= 1 or total == 0:
+        return [parts] if parts else []
+    out: list[Sequence[DigestPart]] = []
+    start, acc = 0, 0
+    for i, part in enumerate(parts):
+        acc += part.nbytes
+        # Cut once this run reaches its share of the bytes (the last run takes the rest).
+        if len(out) < groups - 1 and acc * groups >= total * (len(out) + 1):
+            out.append(parts[start:i + 1])
+            start = i + 1
+    if start < len(parts):
+        out.append(parts[start:])
+    return out
+
+
+def _name_os_thread() -> None:
+    """Give the pool thread its name in the OS too (Python 3.11 names only its own
+    object), so per-thread CPU (``top -H``, ``make bench-host``) shows the digests."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, THREAD_NAME.encode(), 0, 0, 0)
+    except (OSError, AttributeError) as exc:  # a libc without prctl: only the name is lost
+        log.debug("could not name the digest thread: %s", exc)
+
+
+def _digest_all(parts: Sequence[DigestPart]) -> list[int]:
+    return [p.digest() for p in parts]
+
+
+class DigestJob:
+    """One request's digests being computed; :meth:`result` waits for them all."""
+
+    def __init__(self, tasks: list[Future[list[int]]]) -> None:
+        self._tasks = tasks
+
+    def done(self) -> bool:
+        """True once every task finished (:meth:`result` will not wait)."""
+        return all(t.done() for t in self._tasks)
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """The digests, in the buffers' order; re-raises a task's exception (e.g. an
+        index outside its buffer). ``timeout``: seconds for the whole job (TimeoutError)."""
+        out: list[int] = []
+        for task in self._tasks:  # in order: a later task may finish first
+            out.extend(task.result(timeout))
+        return out
+
+
+class DigestPool:
+    """Threads that digest a request's buffers in parallel (see the module docstring).
+
+    Args:
+        threads: how many (``--digest-threads``, default
+            :data:`kvbeam.server.settings.DEFAULT_DIGEST_THREADS`); 0: digest on the
+            calling thread.
+
+    The threads are started on first use, at most ``threads`` of them, and live
+    until :meth:`close` (one pool per daemon, never a thread per request).
+    """
+
+    def __init__(self, threads: int) -> None:
+        if threads < 0:
+            raise ValueError(f"digest threads must be >= 0, got {threads}")
+        self.threads = threads
+        self._executor = (ThreadPoolExecutor(max_workers=threads,
+                                             thread_name_prefix=THREAD_NAME,
+                                             initializer=_name_os_thread)
+                          if threads else None)
+
+    def digests(self, side: AllocatedSide, indices: IndexLists, *, include_kv: bool = True,
+                include_states: bool = True, draft: IndexLists | None = None) -> DigestJob:
+        """Start digesting what :func:`~kvbeam.pools.digest.request_digests` would (same
+        arguments, same result); returns at once with threads, when done without."""
+        parts = digest_parts(side, indices, include_kv=include_kv,
+                             include_states=include_states, draft=draft)
+        if self._executor is None:
+            done: Future[list[int]] = Future()
+            try:
+                done.set_result(_digest_all(parts))
+            except Exception as exc:  # the same as a pool task's: result() raises it
+                done.set_exception(exc)
+            return DigestJob([done])
+        groups = split_parts(parts, self.threads * TASKS_PER_THREAD)
+        return DigestJob([self._executor.submit(_digest_all, g) for g in groups])
+
+    def close(self) -> None:
+        """Stop the threads (a job under way finishes; none is accepted after)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> DigestPool:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

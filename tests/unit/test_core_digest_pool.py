@@ -1,0 +1,130 @@
+"""The cores compute integrity's digests on the digest pool, with the same guarantee.
+
+Prefill starts its source's digests on the pool before it posts the final writes and
+sends them once posted; decode digests the landed bytes on the pool and is Success
+only when every buffer matched: one corrupted landed byte is Failed(integrity),
+naming the buffer.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
+
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.digest import request_digests
+from kvbeam.pools.digest_pool import DigestJob, DigestPool
+from kvbeam.pools.indices import request_indices
+from kvbeam.pools.types import IndexKind
+from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.faults import FaultHooks
+from kvbeam.server.lifecycle import Deadlines, TransferTable
+from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.states import FailureReason, TransferState
+from kvbeam.transport import Blocks, Event, EventKind, Link
+from tests.core_fakes import FakeDecode, FakeLink, fake_conn, wait_for
+from tests.fixtures import UNIFIED_TARGET, layout
+from tests.unit.test_core_decode import PREFILL, FakePrefill, QueueExecutor
+
+ADDR = "127.0.0.1:9"
+SEQ = 700
+
+
+class RecordingPool(DigestPool):
+    """A digest pool that notes when a job starts, into a log shared with the link."""
+
+    def __init__(self, threads: int, log: list[str]) -> None:
+        super().__init__(threads)
+        self.log = log
+
+    def digests(self, side: AllocatedSide, indices: Any, **kw: Any) -> DigestJob:
+        self.log.append("digests started")
+        return super().digests(side, indices, **kw)
+
+
+class RecordingLink(FakeLink):
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+
+    def write(self, transfer_id: int, blocks: Blocks, notify: bool = True) -> None:
+        self.log.append(f"write notify={notify}")
+        super().write(transfer_id, blocks, notify)
+
+
+class RecordingDecode(FakeDecode):
+    """Decode whose connection's link writes into the shared log."""
+
+    def __init__(self, side: AllocatedSide, log: list[str]) -> None:
+        super().__init__(side)
+        self.conn = fake_conn(ADDR, side)
+        self.conn.link = cast(Link, RecordingLink(log))
+
+    def connect(self, address: str) -> PeerConn:
+        return self.conn
+
+
+def test_prefill_starts_its_digests_on_the_pool_before_posting_and_sends_the_same() -> None:
+    log: list[str] = []
+    lay = layout()
+    src = AllocatedSide(lay)
+    src.fill_pattern(3)
+    fake = RecordingDecode(AllocatedSide(lay), log)
+    with RecordingPool(2, log) as pool:
+        core = PrefillCore(table=TransferTable(Deadlines()), peers=Peers(), decode=fake,
+                           io=ThreadPoolExecutor(2), spec=UNIFIED_TARGET, layout=lay,
+                           pools=src, integrity=True, faults=FaultHooks(), drain_s=5.0,
+                           digest_pool=pool)
+        core.send("r", 1, SEQ, ADDR, [], True)
+        assert wait_for(lambda: len(fake.digests) == 1)
+    assert log == ["digests started", "write notify=True"]
+    rid, tid, digests = fake.digests[0]
+    assert (rid, tid) == ("r", cast(FakeLink, fake.conn.link).writes[0][0])
+    assert digests == request_digests(src, request_indices(UNIFIED_TARGET, 1, SEQ))
+
+
+def _decode(pool: DigestPool) -> tuple[DecodeCore, QueueExecutor, FakePrefill, Any]:
+    lay = layout()
+    io, prefill = QueueExecutor(), FakePrefill()
+    pools = AllocatedSide(lay)
+    pools.fill_pattern(9)
+    core = DecodeCore(table=TransferTable(Deadlines()), peers=Peers(), prefill=prefill, io=io,
+                      spec=UNIFIED_TARGET, layout=lay, pools=pools, integrity=True,
+                      faults=FaultHooks(), handoff_lease_s=30.0, digest_pool=pool)
+    conn = fake_conn(PREFILL, AllocatedSide(lay))
+    core.peers.add(conn)
+    return core, io, prefill, conn
+
+
+def test_decode_verifies_on_the_pool_and_is_success_when_every_buffer_matches() -> None:
+    with DigestPool(3) as pool:
+        core, io, _prefill, conn = _decode(pool)
+        res = core.reserve("r", SEQ, PREFILL)
+        tid = core.begin_write("r", conn.instance_id, SEQ, True, True).transfer_id
+        core.digests("r", conn.instance_id, tid, request_digests(core.pools, res.indices))
+        core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
+        io.run_all()
+    st = core.status("r")
+    assert st.state is TransferState.SUCCESS, st
+    assert st.detail.startswith(f"XXH3-128 verified: {len(core.layout.flat_buffers)} buffers")
+
+
+def test_one_corrupted_landed_byte_fails_integrity_naming_its_buffer() -> None:
+    """Never Success on unverified bytes: the byte flipped after prefill digested (what a
+    bad wire or a stray write would do) is found by the pool's digests."""
+    with DigestPool(2) as pool:
+        core, io, prefill, conn = _decode(pool)
+        res = core.reserve("r", SEQ, PREFILL)
+        sent = request_digests(core.pools, res.indices)  # what prefill digested
+        ring = next(b for b in core.layout.flat_buffers if b.name.endswith("swa_ring"))
+        row = int(res.indices[IndexKind.SWA_RING_ROWS][7])
+        core.pools.buffer_array(ring)[row * ring.item_len + 3] ^= 0x01  # one landed byte
+        tid = core.begin_write("r", conn.instance_id, SEQ, True, True).transfer_id
+        core.digests("r", conn.instance_id, tid, sent)
+        core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
+        io.run_all()
+    st = core.status("r")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.INTEGRITY
+    assert st.detail == f"XXH3-128 mismatch in 1 buffer(s): {ring.name}"
+    assert prefill.aborts == ["r"] and core.slot_of("r") == -1
