@@ -12,7 +12,7 @@ daemon (which offers the reservation to prefill's over the daemons' peer link), 
 last ``send`` a SEND frame to its own, ``abort``/``clear`` ABORT/RELEASE frames, and
 ``poll()`` reads the state the daemon pushed. The bootstrap room (plain TCP) still tells
 each side the other's daemon address, and prefill decode's request length. No gRPC
-call per request.
+call per request, and no gRPC import (tests/host/test_sglang_auth.py).
 
 Settings (attributes of sglang's ``server_args`` when present, else environment):
 ``kvbeam_config`` / ``KVBEAM_CONFIG`` (the side YAML the daemon runs with),
