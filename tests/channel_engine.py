@@ -8,6 +8,9 @@ prints ``attached INSTANCE`` and serves commands on stdin, one answer line each:
 - ``send RID SEQ DECODE_ADDR LIST_SEED``: Sender.send at random lists
 - ``poll RID`` / ``wait RID SECONDS``: the KVPoll name (and the failure, if any)
 - ``abort RID`` / ``release RID``
+- ``reuse RID NEW SEQ PREFILL_ADDR``: abort RID, wait for its pushed terminal state,
+  and at once reserve NEW at RID's very lists (an engine whose allocator frees a
+  request's pages on Failed and hands them to the next); answers RID's state
 - ``events``: every change since the last call (poll_many), ``RID:STATE`` each
 - ``digests RID``: CRC32C of each buffer's items at the request's lists
 - ``grpc``: whether gRPC was ever imported in this process
@@ -80,6 +83,17 @@ def main() -> int:
         elif op == "abort":
             requests[cmd[1]].abort("aborted by the test engine")
             print("aborted", flush=True)
+        elif op == "reuse":
+            rid, new, seq, addr = cmd[1], cmd[2], int(cmd[3]), cmd[4]
+            old = requests[rid]
+            old.abort("aborted by the test engine")
+            state = old.wait(60.0)
+            mapping = dict(lists[rid])
+            kv = mapping.pop("KV_PAGES")
+            r = Receiver(att, new, addr)
+            r.send_metadata(kv, mapping, seq_len=seq)  # no command line in between
+            requests[new], lists[new] = r, lists[rid]
+            print(answer(old, state), flush=True)
         elif op == "release":
             req = requests[cmd[1]]
             assert isinstance(req, Receiver)

@@ -24,6 +24,7 @@ from kvbeam.states import TransferState
 from tests.attach_helpers import start_engine_pair, write_config
 from tests.daemon_helpers import FAST
 from tests.fixtures import side
+from tests.metrics_helpers import scrape, value
 
 SEQ = 700
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -183,3 +184,36 @@ def test_an_abort_while_waiting_for_the_reservation_fails_it(engines: tuple[
     pe.cmd("abort quit")
     answer = pe.cmd("wait quit 10")
     assert answer.startswith("Failed aborted: aborted by the test engine"), answer
+
+
+def test_an_aborted_offered_reservation_is_failed_once_its_pages_may_be_reused(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    """Decode pushes Failed for an aborted reservation prefill was offered only once its
+    pages are free: prefill may have begun writing them, so decode first has prefill
+    drain (its Abort's answer) and frees them then. An engine that hands them to its
+    next request as soon as it sees Failed is accepted, and that request moves."""
+    prefill, decode, pe, de = engines
+    # A first request links the pair (the next reservations are offered over the link).
+    assert de.cmd(f"reserve warm {SEQ} {prefill.address} 50") == "reserve warm"
+    pe.cmd(f"send warm {SEQ} {decode.address} 51")
+    assert de.cmd("wait warm 60") == "Success"
+    de.cmd("release warm")
+    for i in range(3):
+        rid, new = f"offered{i}", f"reused{i}"
+        before = value(scrape(prefill.metrics), "kvbeam_offers_total", event="received")
+        assert de.cmd(f"reserve {rid} {SEQ} {prefill.address} {60 + i}") == f"reserve {rid}"
+        for _ in range(600):  # prefill holds decode's offer (nothing is sent yet)
+            if value(scrape(prefill.metrics), "kvbeam_offers_total",
+                     event="received") > before:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"prefill never received the offer of {rid}")
+        answer = de.cmd(f"reuse {rid} {new} {SEQ} {prefill.address}")
+        assert answer.startswith("Failed aborted: aborted by the test engine"), answer
+        # The new reservation at the same pages was accepted and moves.
+        pe.cmd(f"send {new} {SEQ} {decode.address} {70 + i}")
+        assert de.cmd(f"wait {new} 60") == "Success", de.cmd(f"poll {new}")
+        assert pe.cmd(f"wait {new} 60") == "Success"
+        assert de.cmd(f"digests {new}") == pe.cmd(f"digests {new}"), new
+        de.cmd(f"release {new}")

@@ -146,3 +146,38 @@ def test_the_daemon_channel_answers_every_bad_frame_and_keeps_serving() -> None:
         ch.close()
     daemon.close()
     engine.close()
+
+
+def test_decode_pushes_a_failed_state_once_the_requests_pages_are_freed() -> None:
+    """Decode's channel (failed_when_freed) holds a request's Failed back until the core
+    frees its pages (on_freed), in either order; other states go at once."""
+    daemon, engine = socket.socketpair()
+    with ThreadPoolExecutor(1) as io:
+        ch = EngineChannel(_Ops(), io, failed_when_freed=True)
+        ch.bind(daemon)
+        engine.sendall(b"".join(ef.encode(ef.Reserve(r, 7, "h:1")) for r in ("a", "b")))
+        assert ch.readable(daemon) == []
+
+        def snap(rid: str, state: TransferState, version: int) -> TransferStatus:
+            reason = FailureReason.ABORTED if state is TransferState.FAILED else None
+            return TransferStatus(rid, "p", state, reason, "x", version, 0.1)
+
+        ch.on_change(snap("a", TransferState.BOOTSTRAPPING, 0))
+        assert [(p.request_id, p.state) for p in _pushed(engine, ch)] == [  # type: ignore[union-attr]
+            ("a", TransferState.BOOTSTRAPPING)]
+        ch.on_change(snap("a", TransferState.FAILED, 1))  # prefill may still write: held
+        ch.on_freed("b")  # b freed before it failed (its Failed then goes at once)
+        assert ch.flush()
+        engine.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            engine.recv(1)
+        engine.setblocking(True)
+        ch.on_freed("a")
+        ch.on_change(snap("b", TransferState.FAILED, 1))
+        ch.on_freed("zzz")  # not the engine's: nothing
+        pushed = _pushed(engine, ch)
+        assert [(p.request_id, p.state) for p in pushed] == [  # type: ignore[union-attr]
+            ("a", TransferState.FAILED), ("b", TransferState.FAILED)]
+        ch.close()
+    daemon.close()
+    engine.close()
