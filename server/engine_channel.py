@@ -31,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Protocol
 
-from kvbeam.errors import KvbeamError
+from kvbeam.errors import BadRequest, KvbeamError
 from kvbeam.proto import engine_frames as ef
 from kvbeam.proto.fields import host_port
 from kvbeam.server.core.decode import DecodeCore
@@ -61,6 +61,9 @@ class EngineOps(Protocol):
 
     def release(self, frame: ef.Release) -> None:
         """Decode: the engine took the KV over."""
+
+    def refused(self, frame: ef.EngineFrame, exc: Exception) -> None:
+        """A frame was refused (its ERROR already queued): end what it leaves half done."""
 
 
 class CoreOps:
@@ -94,7 +97,20 @@ class CoreOps:
         seq_len = self._seq_len(frame.seq_len)
         host_port(frame.decode_address, "decode_address")
         core.send(frame.request_id, -1, seq_len, frame.decode_address, list(frame.chunks),
-                  frame.final, indices=frame.indices, draft=frame.draft)
+                  frame.final, indices=frame.indices, draft=frame.draft,
+                  kv_offset=frame.kv_offset)
+
+    def refused(self, frame: ef.EngineFrame, exc: Exception) -> None:
+        core = self._core()
+        if (isinstance(frame, ef.Send) and frame.kv_offset is not None
+                and isinstance(exc, ef.FrameError | BadRequest)  # the piece, not a duplicate
+                and isinstance(core, PrefillCore) and core.known(frame.request_id)):
+            # A refused piece of a request under way: its earlier chunks may be written,
+            # and no later piece can complete it. Fail it now (decode frees its pages once
+            # prefill's writes drained) rather than at its deadline; on the executor,
+            # since the abort waits for the drain.
+            core.io.submit(core.abort, frame.request_id, from_peer=False,
+                           detail=f"a SEND piece was refused: {exc}")
 
     def abort(self, frame: ef.Abort) -> None:
         self._core().abort(frame.request_id, from_peer=False,
@@ -325,3 +341,4 @@ class EngineChannel:
             if not isinstance(exc, KvbeamError):
                 log.exception("engine frame for request %s failed unexpectedly", rid)
             self.push_error(rid, _field_of(exc, frame), f"{type(exc).__name__}: {exc}")
+            self.ops.refused(frame, exc)  # after the ERROR: the engine reads that first
