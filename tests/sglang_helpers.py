@@ -118,8 +118,10 @@ class SglangPair:
         return state
 
     def transfer(self, src: IndexLists, dst: IndexLists, seq_len: int,
-                 before_send: Callable[[Any, Any], None] | None = None) -> None:
-        """One request through sglang's calls, in the schedulers' order."""
+                 before_send: Callable[[Any, Any], None] | None = None,
+                 after_chunk: Callable[[Any], None] | None = None) -> None:
+        """One request through sglang's calls, in the schedulers' order (``after_chunk``:
+        called with the sender after each send but the last, as sglang computes the next)."""
         from kvbeam.integrations.sglang.conn import KvbeamKVReceiver, KvbeamKVSender
         from kvbeam.pools.types import IndexKind
 
@@ -150,7 +152,10 @@ class SglangPair:
                     num_kv_tokens=end - start)
             self._record("prefill", f"send({len(pages)} pages, states={'yes' if last else 'None'}"
                          f", num_kv_tokens={end - start})",
-                         "SEND frame" if last else "pages collected", tx)
+                         "SEND frame (the chunk's pages, and the states)" if last
+                         else "SEND frame (the chunk's pages)", tx)
+            if not last and after_chunk is not None:
+                after_chunk(tx)
         deadline = time.monotonic() + self.timeout
         while {tx.poll(), rx.poll()} - {4, 0} and time.monotonic() < deadline:
             time.sleep(0.01)
