@@ -29,14 +29,17 @@ import hmac
 import ipaddress
 import logging
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from kvbeam.errors import ConfigError
+
+if TYPE_CHECKING:  # gRPC only where a server or channel is built: kvbeam.auth_grpc
+    import grpc
+
+    from kvbeam.auth_grpc import ServerInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -47,22 +50,6 @@ TOKEN_SCHEME = "Bearer "
 EXEMPT_PREFIX = "/grpc.health.v1.Health/"
 #: Flags that make the control plane authenticated (named in errors).
 AUTH_FLAGS = "--tls-cert/--tls-key/--tls-ca or --auth-token/--auth-token-file"
-
-if TYPE_CHECKING:  # grpc's runtime classes are not generic; grpc-stubs' are
-    Handler = grpc.RpcMethodHandler[Any, Any]
-    _ServerInterceptor = grpc.ServerInterceptor[Any, Any]
-    _UU = grpc.UnaryUnaryClientInterceptor[Any, Any]
-    _US = grpc.UnaryStreamClientInterceptor[Any, Any]
-    _SU = grpc.StreamUnaryClientInterceptor[Any, Any]
-    _SS = grpc.StreamStreamClientInterceptor[Any, Any]
-else:
-    Handler = grpc.RpcMethodHandler
-    _ServerInterceptor = grpc.ServerInterceptor
-    _UU = grpc.UnaryUnaryClientInterceptor
-    _US = grpc.UnaryStreamClientInterceptor
-    _SU = grpc.StreamUnaryClientInterceptor
-    _SS = grpc.StreamStreamClientInterceptor
-
 
 @dataclass(frozen=True)
 class Security:
@@ -118,7 +105,9 @@ class Security:
 
     # ---- files -------------------------------------------------------------------
     @functools.cached_property
-    def _pem(self) -> tuple[bytes, bytes, bytes]:
+    def pem(self) -> tuple[bytes, bytes, bytes]:
+        """The PEM certificate chain, key and CA bundle (read once; ConfigError naming the
+        flag of a file that cannot be read or holds no PEM of its kind)."""
         return (_read_pem(self.tls_cert, "--tls-cert", "CERTIFICATE"),
                 _read_pem(self.tls_key, "--tls-key", "PRIVATE KEY"),
                 _read_pem(self.tls_ca, "--tls-ca", "CERTIFICATE"))
@@ -126,7 +115,7 @@ class Security:
     def load(self) -> Security:
         """Read and sanity-check the PEM files now (ConfigError naming the flag); returns self."""
         if self.tls:
-            self._pem  # noqa: B018 - cached for the server and every channel
+            self.pem  # noqa: B018 - cached for the server and every channel
         return self
 
     # ---- server --------------------------------------------------------------------
@@ -159,32 +148,22 @@ class Security:
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """mTLS server credentials that require a client certificate, or None."""
-        if not self.tls:
-            return None
-        cert, key, ca = self._pem
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
-                                           require_client_auth=True)
+        from kvbeam import auth_grpc
 
-    def server_interceptors(self) -> list[_ServerInterceptor]:
+        return auth_grpc.server_credentials(self)
+
+    def server_interceptors(self) -> list[ServerInterceptor]:
         """The token check, when a token is set."""
-        return [TokenInterceptor(self.token)] if self.token else []
+        from kvbeam import auth_grpc
+
+        return auth_grpc.server_interceptors(self)
 
     # ---- client --------------------------------------------------------------------
     def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
         """A channel to ``address`` presenting these credentials (the only way kvbeam dials)."""
-        opts = list(options)
-        if self.tls_server_name:
-            opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
-        if self.tls:
-            cert, key, ca = self._pem
-            creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
-                                                 certificate_chain=cert)
-            channel = grpc.secure_channel(address, creds, options=opts)
-        else:
-            channel = grpc.insecure_channel(address, options=opts)
-        if self.token:
-            channel = grpc.intercept_channel(channel, _TokenClientInterceptor(self.token))
-        return channel
+        from kvbeam import auth_grpc
+
+        return auth_grpc.channel(self, address, options)
 
 
 #: the environment variable that allows an unauthenticated server off loopback
@@ -307,84 +286,3 @@ def same_token(presented: object, expected: str) -> bool:
 def _digest(value: str) -> bytes:
     # Hashing first makes the comparison's time independent of the lengths too.
     return hashlib.sha256(value.encode("utf-8", "surrogateescape")).digest()
-
-
-class TokenInterceptor(_ServerInterceptor):
-    """Answers UNAUTHENTICATED, before any servicer code runs, to calls without the token."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = TOKEN_SCHEME + token
-
-    def intercept_service(
-            self, continuation: Callable[[grpc.HandlerCallDetails], Handler | None],
-            handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
-        """Pass authenticated calls (and health checks) on; refuse the rest."""
-        method = handler_call_details.method
-        if method.startswith(EXEMPT_PREFIX):
-            return continuation(handler_call_details)
-        metadata = handler_call_details.invocation_metadata or ()
-        presented = [v for k, v in metadata if k == TOKEN_KEY]
-        if len(presented) == 1 and same_token(presented[0], self._expected):
-            return continuation(handler_call_details)
-        why = "no auth token" if not presented else "a wrong auth token"
-        return _deny(continuation(handler_call_details), method, why)
-
-
-def _deny(real: Handler | None, method: str, why: str) -> Handler:
-    """A handler of the same streaming shape as ``real`` that aborts UNAUTHENTICATED."""
-    message = (f"kvbeam: {method} refused: {why}; this daemon requires the shared token "
-               "(--auth-token / KVBEAM_AUTH_TOKEN)")
-
-    def abort(request: Any, context: grpc.ServicerContext) -> Any:
-        log.warning("control RPC %s from %s refused: %s (UNAUTHENTICATED)", method,
-                    context.peer(), why)
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    streaming = (bool(real and real.request_streaming), bool(real and real.response_streaming))
-    if streaming == (False, True):
-        return grpc.unary_stream_rpc_method_handler(abort)
-    if streaming == (True, False):
-        return grpc.stream_unary_rpc_method_handler(abort)
-    if streaming == (True, True):
-        return grpc.stream_stream_rpc_method_handler(abort)
-    return grpc.unary_unary_rpc_method_handler(abort)
-
-
-class _CallDetails(grpc.ClientCallDetails):
-    def __init__(self, base: grpc.ClientCallDetails, metadata: grpc.Metadata) -> None:
-        self.method = base.method
-        self.timeout = base.timeout
-        self.metadata = metadata
-        self.credentials = base.credentials
-        self.wait_for_ready = getattr(base, "wait_for_ready", None)
-        self.compression = getattr(base, "compression", None)
-
-
-class _TokenClientInterceptor(_UU, _US, _SU, _SS):
-    """Adds ``authorization: Bearer TOKEN`` to every call."""
-
-    def __init__(self, token: str) -> None:
-        self._header = (TOKEN_KEY, TOKEN_SCHEME + token)
-
-    def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
-        return _CallDetails(details, (*(details.metadata or ()), self._header))
-
-    def intercept_unary_unary(self, continuation: Any, client_call_details: Any,
-                              request: Any) -> Any:
-        """Add the token."""
-        return continuation(self._details(client_call_details), request)
-
-    def intercept_unary_stream(self, continuation: Any, client_call_details: Any,
-                               request: Any) -> Any:
-        """Add the token."""
-        return continuation(self._details(client_call_details), request)
-
-    def intercept_stream_unary(self, continuation: Any, client_call_details: Any,
-                               request_iterator: Any) -> Any:
-        """Add the token."""
-        return continuation(self._details(client_call_details), request_iterator)
-
-    def intercept_stream_stream(self, continuation: Any, client_call_details: Any,
-                                request_iterator: Any) -> Any:
-        """Add the token."""
-        return continuation(self._details(client_call_details), request_iterator)

@@ -207,6 +207,20 @@ def _check(side: str, pool: str, kind: IndexKind, label: str, arr: npt.NDArray[n
                            position=pos, index=int(arr[pos]))
 
 
+def validate_prefix(side: str, spec: PoolSpec, layout: SideLayout, kind: IndexKind,
+                    arr: npt.NDArray[np.int64], seq_len: int) -> None:
+    """Check the first ``len(arr)`` indices of a target ``kind`` list an engine gives in
+    pieces (one per chunk): no more than ``seq_len`` needs, each in range, none twice.
+    The whole lists are checked by :func:`validate` once the last piece came."""
+    shape = _shape(layout)
+    if kind not in shape.used:
+        raise BadIndexList(f"{side}: this layout has no {kind.value} buffers (it uses "
+                           f"{', '.join(k.value for k in shape.used)})", side=side,
+                           kind=kind.value)
+    _check(side, "target", kind, kind.value, arr, expected_lengths(spec, seq_len)[kind],
+           shape.items("target", kind, False), seq_len, True, "")
+
+
 def same_lists(a: Mapping[IndexKind, npt.NDArray[np.int64]],
                b: Mapping[IndexKind, npt.NDArray[np.int64]]) -> bool:
     """True when two sets of lists name the same kinds with equal lists."""

@@ -50,8 +50,10 @@ KIND_NAMES = {RESERVE: "RESERVE", SEND: "SEND", ABORT: "ABORT", RELEASE: "RELEAS
               STATE: "STATE", ERROR: "ERROR"}
 ENGINE_KINDS = (RESERVE, SEND, ABORT, RELEASE)
 
-#: SEND flags.
-FINAL, HAS_LISTS = 1, 2
+#: SEND flags. EXTENDS: the frame's lists are the next piece of the request's source
+#: lists (``u32 kv_offset`` follows the chunks: where its KV pages start in the request's
+#: KV_PAGES list), for an engine that learns its pages chunk by chunk (sglang).
+FINAL, HAS_LISTS, EXTENDS = 1, 2, 4
 
 #: STATE's state byte: sglang's KVPoll integers.
 STATE_CODES = {TransferState.FAILED: 0, TransferState.BOOTSTRAPPING: 1,
@@ -89,7 +91,13 @@ class Reserve:
 
 @dataclass(frozen=True)
 class Send:
-    """(A chunk of) a request prefill sends; the lists travel with the first frame."""
+    """(A chunk of) a request prefill sends.
+
+    Without ``kv_offset`` the lists are the whole request's and travel with the first
+    frame. With it (flag EXTENDS) every frame of the request carries the next piece:
+    its KV pages, which continue the request's KV_PAGES list at position ``kv_offset``,
+    and, in the final frame, every other list whole.
+    """
 
     request_id: str
     seq_len: int
@@ -98,6 +106,7 @@ class Send:
     chunks: tuple[tuple[int, int], ...] = ()
     indices: Lists | None = None
     draft: Lists | None = None
+    kv_offset: int | None = None
 
 
 @dataclass(frozen=True)
@@ -196,10 +205,16 @@ def encode(frame: EngineFrame | DaemonFrame) -> bytes:
         has = frame.indices is not None or frame.draft is not None
         if len(frame.chunks) > MAX_CHUNKS:
             raise FrameError("chunks", f"more than {MAX_CHUNKS} chunks")
+        extends = frame.kv_offset is not None
+        flags = (FINAL if frame.final else 0) | (HAS_LISTS if has else 0) | (
+            EXTENDS if extends else 0)
         body = [_U32.pack(frame.seq_len), _str(frame.decode_address, "decode_address"),
-                _U8.pack((FINAL if frame.final else 0) | (HAS_LISTS if has else 0)),
-                _U16.pack(len(frame.chunks))]
+                _U8.pack(flags), _U16.pack(len(frame.chunks))]
         body += [_CHUNK.pack(s, e) for s, e in frame.chunks]
+        if frame.kv_offset is not None:
+            if not 0 <= frame.kv_offset <= 0xFFFFFFFF:
+                raise FrameError("kv_offset", "must be in 0..2^32-1")
+            body.append(_U32.pack(frame.kv_offset))
         if has:
             body.append(_lists(frame.indices or {}, frame.draft or {}))
         return _frame(SEND, frame.request_id, b"".join(body))
@@ -305,16 +320,18 @@ def decode(body: bytes | memoryview, allowed: Sequence[int] = ENGINE_KINDS
         (seq_len,) = cur.unpack(_U32, "seq_len")
         address = cur.string("decode_address")
         (flags,) = cur.unpack(_U8, "flags")
-        if flags & ~(FINAL | HAS_LISTS):
+        if flags & ~(FINAL | HAS_LISTS | EXTENDS):
             raise FrameError("flags", f"unknown flag bits {flags:#x}", rid)
         (n,) = cur.unpack(_U16, "chunks")
         if n > MAX_CHUNKS:
             raise FrameError("chunks", f"{n} chunks (at most {MAX_CHUNKS})", rid)
         chunks = tuple(cur.unpack(_CHUNK, f"chunks[{i}]") for i in range(n))
+        offset = cur.unpack(_U32, "kv_offset")[0] if flags & EXTENDS else None
         lists = cur.lists() if flags & HAS_LISTS else None
         out = Send(rid, seq_len, address, bool(flags & FINAL),
                    tuple((int(s), int(e)) for s, e in chunks),
-                   lists[0] if lists else None, lists[1] if lists else None)
+                   lists[0] if lists else None, lists[1] if lists else None,
+                   None if offset is None else int(offset))
     elif kind == ABORT:
         out = Abort(rid, cur.string("detail"))
     elif kind == RELEASE:

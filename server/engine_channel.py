@@ -12,6 +12,13 @@ Every state change of a request the engine started on this channel is pushed bac
 as a STATE frame: the transfer table's observer (:meth:`EngineChannel.on_change`, any
 thread) appends the encoded frame to an outbound buffer under a leaf lock and wakes
 the attach thread, which alone writes to the socket (non-blocking, outside the lock).
+
+On decode a request's Failed is pushed once its pages are free (``failed_when_freed``):
+the table fails a request at once, but decode frees its pages only when prefill can no
+longer write into them (prefill confirmed its writes drained, or their link is gone),
+and an engine frees a request's pages on Failed, so a Failed pushed earlier let the
+engine hand them to its next request while the old one still held them. The decode
+core's ``on_freed`` (:meth:`EngineChannel.on_freed`) releases the parked state.
 """
 
 from __future__ import annotations
@@ -24,13 +31,13 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Protocol
 
-from kvbeam.errors import KvbeamError
+from kvbeam.errors import BadRequest, KvbeamError
 from kvbeam.proto import engine_frames as ef
 from kvbeam.proto.fields import host_port
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.validation import request_id_of, seq_len_of
-from kvbeam.states import TransferStatus
+from kvbeam.states import TransferState, TransferStatus
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,9 @@ class EngineOps(Protocol):
 
     def release(self, frame: ef.Release) -> None:
         """Decode: the engine took the KV over."""
+
+    def refused(self, frame: ef.EngineFrame, exc: Exception) -> None:
+        """A frame was refused (its ERROR already queued): end what it leaves half done."""
 
 
 class CoreOps:
@@ -87,7 +97,20 @@ class CoreOps:
         seq_len = self._seq_len(frame.seq_len)
         host_port(frame.decode_address, "decode_address")
         core.send(frame.request_id, -1, seq_len, frame.decode_address, list(frame.chunks),
-                  frame.final, indices=frame.indices, draft=frame.draft)
+                  frame.final, indices=frame.indices, draft=frame.draft,
+                  kv_offset=frame.kv_offset)
+
+    def refused(self, frame: ef.EngineFrame, exc: Exception) -> None:
+        core = self._core()
+        if (isinstance(frame, ef.Send) and frame.kv_offset is not None
+                and isinstance(exc, ef.FrameError | BadRequest)  # the piece, not a duplicate
+                and isinstance(core, PrefillCore) and core.known(frame.request_id)):
+            # A refused piece of a request under way: its earlier chunks may be written,
+            # and no later piece can complete it. Fail it now (decode frees its pages once
+            # prefill's writes drained) rather than at its deadline; on the executor,
+            # since the abort waits for the drain.
+            core.io.submit(core.abort, frame.request_id, from_peer=False,
+                           detail=f"a SEND piece was refused: {exc}")
 
     def abort(self, frame: ef.Abort) -> None:
         self._core().abort(frame.request_id, from_peer=False,
@@ -114,15 +137,23 @@ class EngineChannel:
     Args:
         ops: the role's core (:class:`CoreOps`).
         io: the daemon's bounded executor (blocking calls run there).
+        failed_when_freed: push a request's Failed only at :meth:`on_freed` (decode: its
+            pages are free then), not when the table fails it.
     """
 
-    def __init__(self, ops: EngineOps, io: Executor) -> None:
+    def __init__(self, ops: EngineOps, io: Executor, *, failed_when_freed: bool = False) -> None:
         self.ops = ops
         self.io = io
-        self._lock = threading.Lock()  # leaf: _out, _mine, _conn; no I/O under it
+        self.failed_when_freed = failed_when_freed
+        self._lock = threading.Lock()  # leaf: _out, _mine, _parked, _freed, _conn; no I/O
         self._conn: socket.socket | None = None
         self._out = bytearray()
         self._mine: set[str] = set()
+        #: Failed states waiting for their request's pages to be freed (failed_when_freed).
+        self._parked: dict[str, TransferStatus] = {}
+        #: The engine's live requests freed before the table failed them (their Failed
+        #: then goes out at once).
+        self._freed: set[str] = set()
         self._frames = ef.FrameBuffer()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -144,6 +175,7 @@ class EngineChannel:
             self._conn = conn
             self._out = bytearray()
             self._mine = set()
+            self._parked, self._freed = {}, set()
             self._frames = ef.FrameBuffer()
 
     def unbind(self) -> None:
@@ -152,6 +184,7 @@ class EngineChannel:
             self._conn = None
             self._out = bytearray()
             self._mine = set()
+            self._parked, self._freed = {}, set()
 
     def close(self) -> None:
         """Close the wake pair (daemon stop)."""
@@ -162,11 +195,30 @@ class EngineChannel:
     # ---- pushed states (any thread) -----------------------------------------------------
     def on_change(self, snap: TransferStatus) -> None:
         """The transfer table's observer: push the change when the engine started it here."""
+        rid = snap.request_id
         with self._lock:
-            if snap.request_id not in self._mine or self._conn is None:
+            if rid not in self._mine or self._conn is None:
                 return
             if snap.state.terminal:
-                self._mine.discard(snap.request_id)
+                self._mine.discard(rid)
+            if (self.failed_when_freed and snap.state is TransferState.FAILED
+                    and rid not in self._freed):
+                self._parked[rid] = snap  # pushed by on_freed, once the pages are free
+                return
+            self._freed.discard(rid)
+        self._push_state(snap)
+
+    def on_freed(self, request_id: str) -> None:
+        """The core freed a request's pages and slot (any thread, no lock held): push
+        its parked Failed now (``failed_when_freed``)."""
+        with self._lock:
+            snap = self._parked.pop(request_id, None)
+            if snap is None and request_id in self._mine:
+                self._freed.add(request_id)  # freed before it failed: push Failed at once
+        if snap is not None:
+            self._push_state(snap)
+
+    def _push_state(self, snap: TransferStatus) -> None:
         self._push(ef.encode(ef.State(snap.request_id, snap.state, snap.reason, snap.version,
                                       snap.detail)))
 
@@ -289,3 +341,4 @@ class EngineChannel:
             if not isinstance(exc, KvbeamError):
                 log.exception("engine frame for request %s failed unexpectedly", rid)
             self.push_error(rid, _field_of(exc, frame), f"{type(exc).__name__}: {exc}")
+            self.ops.refused(frame, exc)  # after the ERROR: the engine reads that first

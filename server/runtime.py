@@ -198,7 +198,11 @@ class Runtime:
             self.gauges = AttachGauges(self.metrics.registry)
             self.engine_channel = EngineChannel(
                 CoreOps(self.role.value, lambda: cast("DecodeCore | PrefillCore", servicer.core),
-                        lambda: self.config.target.max_context_len), servicer.io)
+                        lambda: self.config.target.max_context_len), servicer.io,
+                failed_when_freed=self.role is Role.DECODE)
+            if self.role is Role.DECODE:
+                # A failed request's Failed goes to the engine once its pages are free.
+                cast("DecodeCore", servicer.core).on_freed = self.engine_channel.on_freed
             self.attach_server = AttachServer(self.attach_path, self.settings.attach_allow_uid,
                                               self.attach_engine, self.detach_engine,
                                               group=self.settings.attach_group,

@@ -6,8 +6,14 @@ prints ``attached INSTANCE`` and serves commands on stdin, one answer line each:
 
 - ``reserve RID SEQ PREFILL_ADDR LIST_SEED``: Receiver.send_metadata at random lists
 - ``send RID SEQ DECODE_ADDR LIST_SEED``: Sender.send at random lists
+- ``chunk RID SEQ DECODE_ADDR LIST_SEED OFFSET START END FINAL``: Sender.send_chunk of
+  tokens [START, END) with the request's KV pages from position OFFSET up to the chunk's
+  last page (FINAL 1: all the rest, and the other lists)
 - ``poll RID`` / ``wait RID SECONDS``: the KVPoll name (and the failure, if any)
 - ``abort RID`` / ``release RID``
+- ``reuse RID NEW SEQ PREFILL_ADDR``: abort RID, wait for its pushed terminal state,
+  and at once reserve NEW at RID's very lists (an engine whose allocator frees a
+  request's pages on Failed and hands them to the next); answers RID's state
 - ``events``: every change since the last call (poll_many), ``RID:STATE`` each
 - ``digests RID``: CRC32C of each buffer's items at the request's lists
 - ``grpc``: whether gRPC was ever imported in this process
@@ -72,6 +78,22 @@ def main() -> int:
                 requests[rid] = s
             mapping["KV_PAGES"] = kv
             print(f"{op} {rid}", flush=True)
+        elif op == "chunk":
+            rid, seq, addr, seed = cmd[1], int(cmd[2]), cmd[3], int(cmd[4])
+            offset, start, end, final = int(cmd[5]), int(cmd[6]), int(cmd[7]), cmd[8] == "1"
+            if rid not in lists:
+                picked = random_lists(config.target, layout, seq, np.random.default_rng(seed))
+                lists[rid] = {k.value: v.tolist() for k, v in picked.items()}
+            mapping = lists[rid]
+            kv = mapping["KV_PAGES"]
+            upto = len(kv) if final else -(-end // config.target.page_size)
+            states = {k: v for k, v in mapping.items() if k != "KV_PAGES"} if final else None
+            sender = requests.get(rid)
+            if not isinstance(sender, Sender):
+                sender = requests[rid] = Sender(att, rid, addr)
+            sender.send_chunk(kv[offset:upto], (start, end), seq_len=seq, final=final,
+                              state_indices=states, kv_offset=offset)
+            print(f"chunk {rid}", flush=True)
         elif op == "poll":
             print(answer(requests[cmd[1]], requests[cmd[1]].poll()), flush=True)
         elif op == "wait":
@@ -80,6 +102,17 @@ def main() -> int:
         elif op == "abort":
             requests[cmd[1]].abort("aborted by the test engine")
             print("aborted", flush=True)
+        elif op == "reuse":
+            rid, new, seq, addr = cmd[1], cmd[2], int(cmd[3]), cmd[4]
+            old = requests[rid]
+            old.abort("aborted by the test engine")
+            state = old.wait(60.0)
+            mapping = dict(lists[rid])
+            kv = mapping.pop("KV_PAGES")
+            r = Receiver(att, new, addr)
+            r.send_metadata(kv, mapping, seq_len=seq)  # no command line in between
+            requests[new], lists[new] = r, lists[rid]
+            print(answer(old, state), flush=True)
         elif op == "release":
             req = requests[cmd[1]]
             assert isinstance(req, Receiver)

@@ -32,38 +32,10 @@ from kvbeam.pools.plan import IndexLists
 from kvbeam.pools.spec import SideConfig
 from kvbeam.procs import DaemonProcess, PendingDaemon, spawn_daemon
 from kvbeam.proto.attach_codec import config_to_mapping
+from tests.sglang_kvargs import kvargs_for
 
 POLL_NAMES = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring",
               4: "Success"}
-
-
-def kvargs_for(pools: EnginePools) -> Any:
-    """sglang's ``KVArgs`` for ``pools``: pointers, lengths, item lengths, state types."""
-    from sglang.srt.disaggregation.base.conn import KVArgs, StateType
-
-    from kvbeam.integrations.sglang.kvargs import SGLANG_STATE_TYPE
-
-    def describe(comp_index: int) -> tuple[list[int], list[int], list[int]]:
-        bufs = pools.layout.components[comp_index].buffers
-        return ([int(pools.buffer_array(b).ctypes.data) for b in bufs],
-                [b.nbytes for b in bufs], [b.item_len for b in bufs])
-
-    args = KVArgs()
-    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = describe(0)
-    args.state_types, args.state_data_ptrs, args.state_data_lens, args.state_item_lens = \
-        [], [], [], []
-    for i, comp in enumerate(pools.layout.components[1:], start=1):
-        assert comp.state_type is not None
-        ptrs, lens, items = describe(i)
-        args.state_types.append(StateType(SGLANG_STATE_TYPE[comp.state_type]))
-        args.state_data_ptrs.append(ptrs)
-        args.state_data_lens.append(lens)
-        args.state_item_lens.append(items)
-    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [], [], []
-    args.page_size = pools.config.target.page_size
-    args.ib_device = ""
-    args.num_draft_entries = 1 if pools.config.draft is not None else 0
-    return args
 
 
 def positional_states(layout: SideLayout, lists: IndexLists) -> list[Any]:
@@ -146,8 +118,10 @@ class SglangPair:
         return state
 
     def transfer(self, src: IndexLists, dst: IndexLists, seq_len: int,
-                 before_send: Callable[[Any, Any], None] | None = None) -> None:
-        """One request through sglang's calls, in the schedulers' order."""
+                 before_send: Callable[[Any, Any], None] | None = None,
+                 after_chunk: Callable[[Any], None] | None = None) -> None:
+        """One request through sglang's calls, in the schedulers' order (``after_chunk``:
+        called with the sender after each send but the last, as sglang computes the next)."""
         from kvbeam.integrations.sglang.conn import KvbeamKVReceiver, KvbeamKVSender
         from kvbeam.pools.types import IndexKind
 
@@ -178,7 +152,10 @@ class SglangPair:
                     num_kv_tokens=end - start)
             self._record("prefill", f"send({len(pages)} pages, states={'yes' if last else 'None'}"
                          f", num_kv_tokens={end - start})",
-                         "SEND frame" if last else "pages collected", tx)
+                         "SEND frame (the chunk's pages, and the states)" if last
+                         else "SEND frame (the chunk's pages)", tx)
+            if not last and after_chunk is not None:
+                after_chunk(tx)
         deadline = time.monotonic() + self.timeout
         while {tx.poll(), rx.poll()} - {4, 0} and time.monotonic() < deadline:
             time.sleep(0.01)

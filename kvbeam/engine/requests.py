@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from kvbeam.engine.attach import Attachment
 from kvbeam.engine.channel import EngineChannel, RequestState
 from kvbeam.errors import AttachError, TransferFailed
+from kvbeam.pools.types import IndexKind
 from kvbeam.proto import engine_frames as ef
 from kvbeam.states import FailureReason, TransferState
 
@@ -197,6 +198,42 @@ class Sender(_Request):
                  security: Security | None = None) -> None:
         super().__init__(daemon, request_id, client=client, security=security)
         self.decode_address = decode_address
+        self._pages_sent = 0  # KV pages given so far by send_chunk (the next kv_offset)
+
+    def send_chunk(self, kv_pages: Sequence[int] | Any, chunk: tuple[int, int], *,
+                   seq_len: int, final: bool = False,
+                   state_indices: Mapping[str, Sequence[int] | Any] | None = None,
+                   kv_offset: int | None = None) -> KVPoll:
+        """Send one chunk as soon as the engine has it: its token range ``chunk`` and the
+        KV pages it adds (the next ones of the request's KV_PAGES list); the final chunk
+        brings every other list whole (``state_indices``: the states, the metadata row,
+        the draft's own lists).
+
+        For an engine that learns its pages chunk by chunk (sglang's chunked prefill):
+        the daemon writes each chunk's pages while the next is computed, and decode is
+        Success once the final chunk landed (and was verified). Chunks go in order; an
+        out-of-order, overlapping or malformed one is refused (Failed, the daemon's
+        message naming the field) and fails the request. ``kv_offset``: where these
+        pages start in the request's KV_PAGES list (default: after those sent so far).
+        Engine channel only.
+
+        Raises:
+            ValueError: not over the engine channel, or states before the final chunk.
+        """
+        if self.channel is None:
+            raise ValueError("send_chunk needs the engine channel (give the Sender an "
+                             "Attachment): the gRPC Send takes the whole request's lists")
+        if state_indices and not final:
+            raise ValueError("the other lists (state_indices) come with the final chunk")
+        target, draft = ef.split_lists(index_lists(kv_pages, state_indices))
+        offset = self._pages_sent if kv_offset is None else kv_offset
+        state = self._track() if not self._started else self._state
+        self.channel.send(ef.Send(self.request_id, seq_len, self.decode_address, final,
+                                  (chunk,), target, draft, kv_offset=offset))
+        self._started = True
+        self._pages_sent = offset + len(target[IndexKind.KV_PAGES])
+        assert state is not None
+        return _POLL[state.state]
 
     def send(self, kv_indices: Sequence[int] | Any,
              state_indices: Mapping[str, Sequence[int] | Any] | None = None, *, seq_len: int,

@@ -101,6 +101,11 @@ class DecodeCore(DecodeOffer):
         self._by_transfer: dict[int, str] = {}
         self._pages = PageBook()  # no destination item in two live reservations
         self._ids = itertools.count(1)
+        #: Called (no lock held) with a request id once its pages and slot are free: a
+        #: failed request's may be reused from then, which is when the engine channel
+        #: pushes its Failed (the runtime sets it; the table's Failed comes earlier, while
+        #: prefill may still be writing them).
+        self.on_freed: Callable[[str], None] = lambda _rid: None
 
     # ---- API ---------------------------------------------------------------------------
     def reserve(self, request_id: str, seq_len: int, prefill_address: str, *,
@@ -457,6 +462,8 @@ class DecodeCore(DecodeOffer):
         if res is not None and self.slots.release(rid) is not None:
             log.info("request %s: slot %d freed (%s)", rid, res.slot, why,
                      extra=fields(rid, res.prefill_address))
+        if res is not None:
+            self.on_freed(rid)  # after the pages and the slot: the engine may reuse them
 
     def _stop_prefill_then_free(self, rid: str, detail: str) -> None:
         with self._lock:

@@ -33,6 +33,7 @@ from kvbeam.errors import (
     AlreadyLanded,
     BadRequest,
     DuplicateRequest,
+    FrameError,
     NotReserved,
     RegionError,
     SendFailed,
@@ -51,6 +52,7 @@ from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.offers import OfferBook, PrefillOffers
 from kvbeam.server.core.ports import DecodePeers, IndexLists
 from kvbeam.server.core.prefill_events import after_resends
+from kvbeam.server.core.prefill_pieces import Pieces
 from kvbeam.server.core.resend import PrefillResend
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import TransferTable
@@ -110,6 +112,7 @@ class Outgoing:
     parked: bool = False  # the Send came before decode's reservation: waiting for it
     parked_at: float = 0.0  # when it parked (its BeginWrite fallback is due OFFER_GRACE_S later)
     asked: bool = False  # asks (or asked) with BeginWrite: only decode's Offer unparks it
+    pieces: Pieces | None = None  # its lists come a piece per chunk (SEND with kv_offset)
 
     @property
     def drained(self) -> bool:
@@ -178,13 +181,18 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
     # ---- API ---------------------------------------------------------------------------
     def send(self, request_id: str, src_slot: int, seq_len: int, decode_address: str,
              ranges: Ranges, final: bool, *, indices: Mapping[IndexKind, ListLike] | None = None,
-             draft: Mapping[IndexKind, ListLike] | None = None) -> TransferStatus:
+             draft: Mapping[IndexKind, ListLike] | None = None,
+             kv_offset: int | None = None) -> TransferStatus:
         """Queue (a chunk of) a request for decode; returns at once (poll :meth:`status`).
 
         ``indices`` (and ``draft``, the draft's own lists) are the engine's source
         lists of the whole request (docs/indices.md), validated here before anything
         is queued; without them the lists are ``src_slot``'s. A further chunk omits
-        them or repeats them unchanged.
+        them or repeats them unchanged. With ``kv_offset`` (the engine channel's
+        EXTENDS) they are instead this chunk's piece of the lists, its KV pages from
+        that position of the request's KV_PAGES list on, every other list with the
+        final chunk (:mod:`kvbeam.server.core.prefill_pieces`); every chunk of such a
+        request gives one.
         """
         for start, end in ranges:
             if not 0 <= start < end <= seq_len:
@@ -192,22 +200,42 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
         if not final and not ranges:
             raise BadRequest("a non-final chunk must name its token ranges (chunks)")
         lists = (validate("prefill", self.spec, self.layout, indices or {}, draft or {}, seq_len)
-                 if indices or draft else None)
+                 if (indices or draft) and kv_offset is None else None)
         with self._lock:
             rec = self._out.get(request_id)
             if rec is None:
+                pieces = None
+                if kv_offset is not None:
+                    pieces = Pieces(request_id, self.spec, self.layout, seq_len)
+                    whole = pieces.add(kv_offset, ranges, final, indices or {}, draft or {})
+                    lists = whole or ({**{k: np.zeros(0, dtype=np.int64) for k in IndexKind},
+                                       IndexKind.KV_PAGES: pieces.kv_pages}, {})
                 src, src_draft = lists or (request_indices(self.spec, src_slot, seq_len), {})
                 self.table.create(request_id, decode_address)
                 rec = Outgoing(request_id, src_slot if lists is None else -1, seq_len,
                                decode_address, src,
                                np.zeros(len(src[IndexKind.KV_PAGES]), dtype=np.bool_),
-                               src_draft=src_draft)
+                               src_draft=src_draft, pieces=pieces)
                 self._out[request_id] = rec
             else:
                 snap = self.table.get(request_id)
                 if rec.final_submitted or snap is None or snap.state.terminal:
                     raise DuplicateRequest(f"request id {request_id!r}: its final chunk was "
                                            "already sent or it ended; request ids are unique")
+                if (kv_offset is None) != (rec.pieces is None):
+                    raise FrameError("kv_offset", (
+                        f"request {request_id}: its lists came whole with its first SEND, "
+                        "a later one gives no piece" if rec.pieces is None else
+                        f"request {request_id}: its lists come in pieces, so every SEND of "
+                        "it gives one (with kv_offset)"), request_id)
+                if rec.pieces is not None and kv_offset is not None:
+                    if (rec.seq_len, rec.decode_address) != (seq_len, decode_address):
+                        raise BadRequest(f"request {request_id}: a further chunk must keep "
+                                         "the seq_len and decode address of the first")
+                    whole = rec.pieces.add(kv_offset, ranges, final, indices or {}, draft or {})
+                    if whole is not None:
+                        rec.src_indices, rec.src_draft = whole
+                    indices = draft = None  # taken: not compared with the first's below
                 engine = rec.src_slot < 0  # the first chunk gave lists: its slot is ignored
                 same = lists is None or (engine and same_lists(lists[0], rec.src_indices)
                                          and same_lists(lists[1], rec.src_draft))

@@ -24,6 +24,7 @@ from kvbeam.states import TransferState
 from tests.attach_helpers import start_engine_pair, write_config
 from tests.daemon_helpers import FAST
 from tests.fixtures import side
+from tests.metrics_helpers import scrape, value
 
 SEQ = 700
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -183,3 +184,131 @@ def test_an_abort_while_waiting_for_the_reservation_fails_it(engines: tuple[
     pe.cmd("abort quit")
     answer = pe.cmd("wait quit 10")
     assert answer.startswith("Failed aborted: aborted by the test engine"), answer
+
+
+def test_an_aborted_offered_reservation_is_failed_once_its_pages_may_be_reused(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    """Decode pushes Failed for an aborted reservation prefill was offered only once its
+    pages are free: prefill may have begun writing them, so decode first has prefill
+    drain (its Abort's answer) and frees them then. An engine that hands them to its
+    next request as soon as it sees Failed is accepted, and that request moves."""
+    prefill, decode, pe, de = engines
+    # A first request links the pair (the next reservations are offered over the link).
+    assert de.cmd(f"reserve warm {SEQ} {prefill.address} 50") == "reserve warm"
+    pe.cmd(f"send warm {SEQ} {decode.address} 51")
+    assert de.cmd("wait warm 60") == "Success"
+    de.cmd("release warm")
+    for i in range(3):
+        rid, new = f"offered{i}", f"reused{i}"
+        before = value(scrape(prefill.metrics), "kvbeam_offers_total", event="received")
+        assert de.cmd(f"reserve {rid} {SEQ} {prefill.address} {60 + i}") == f"reserve {rid}"
+        for _ in range(600):  # prefill holds decode's offer (nothing is sent yet)
+            if value(scrape(prefill.metrics), "kvbeam_offers_total",
+                     event="received") > before:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"prefill never received the offer of {rid}")
+        answer = de.cmd(f"reuse {rid} {new} {SEQ} {prefill.address}")
+        assert answer.startswith("Failed aborted: aborted by the test engine"), answer
+        # The new reservation at the same pages was accepted and moves.
+        pe.cmd(f"send {new} {SEQ} {decode.address} {70 + i}")
+        assert de.cmd(f"wait {new} 60") == "Success", de.cmd(f"poll {new}")
+        assert pe.cmd(f"wait {new} 60") == "Success"
+        assert de.cmd(f"digests {new}") == pe.cmd(f"digests {new}"), new
+        de.cmd(f"release {new}")
+
+
+#: SEQ's three chunks of one 256-token page each: (kv_offset, start, end, final).
+CHUNKS = ((0, 0, 256, 0), (1, 256, 512, 0), (2, 512, SEQ, 1))
+
+
+def _written(prefill: DaemonProcess, rid: str) -> int:
+    """Bytes of ``rid`` prefill's writes completed (0 until the first chunk's did)."""
+    with KvbeamClient(prefill.address) as p:
+        return p.status(rid).bytes_done
+
+
+def _until_written(prefill: DaemonProcess, rid: str) -> int:
+    for _ in range(600):
+        done = _written(prefill, rid)
+        if done:
+            return done
+        time.sleep(0.05)
+    raise AssertionError(f"no write of {rid} completed")
+
+
+def test_a_request_sent_chunk_by_chunk_moves_each_chunk_as_it_comes(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    """Each SEND gives its chunk's pages (kv_offset); prefill writes them at once, and
+    decode is Success only once the final chunk (with the states) landed and verified."""
+    prefill, decode, pe, de = engines
+    for i in range(2):  # the first handshakes; the second over the pair's link
+        rid = f"chunked{i}"
+        assert de.cmd(f"reserve {rid} {SEQ} {prefill.address} {80 + i}") == f"reserve {rid}"
+        offset, start, end, _ = CHUNKS[0]
+        assert pe.cmd(f"chunk {rid} {SEQ} {decode.address} {90 + i} {offset} {start} {end} 0"
+                      ) == f"chunk {rid}"
+        first = _until_written(prefill, rid)  # chunk 0 moved before chunk 1 exists
+        offset, start, end, _ = CHUNKS[1]
+        pe.cmd(f"chunk {rid} {SEQ} {decode.address} {90 + i} {offset} {start} {end} 0")
+        for _ in range(600):
+            if _written(prefill, rid) > first:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"chunk 1 of {rid} was not written")
+        # Two of three chunks landed: no Success without the final chunk.
+        assert de.cmd(f"wait {rid} 1") in ("Bootstrapping", "WaitingForInput", "Transferring")
+        offset, start, end, _ = CHUNKS[2]
+        pe.cmd(f"chunk {rid} {SEQ} {decode.address} {90 + i} {offset} {start} {end} 1")
+        assert de.cmd(f"wait {rid} 60") == "Success"
+        assert pe.cmd(f"wait {rid} 60") == "Success"
+        assert de.cmd(f"digests {rid}") == pe.cmd(f"digests {rid}"), rid
+        de.cmd(f"release {rid}")
+    _no_grpc(pe, de)
+
+
+@pytest.mark.parametrize(("second", "field"), [
+    ("2 512 700 1", "kv_offset: request bad: its KV pages continue at position 1, this "
+                    "piece starts at 2"),  # a gap: piece 1 skipped
+    ("0 0 256 0", "kv_offset: request bad: its KV pages continue at position 1, this piece "
+                  "starts at 0"),  # a repeat (overlap)
+    ("1 512 700 1", "chunks: request bad: chunk [512, 700) does not continue the request "
+                    "at token 256"),  # tokens out of order
+])
+def test_an_out_of_order_piece_is_refused_naming_the_field_and_frees_the_request(
+        engines: tuple[DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine],
+        second: str, field: str) -> None:
+    prefill, decode, pe, de = engines
+    assert de.cmd(f"reserve bad {SEQ} {prefill.address} 100") == "reserve bad"
+    pe.cmd(f"chunk bad {SEQ} {decode.address} 101 0 0 256 0")
+    pe.cmd(f"chunk bad {SEQ} {decode.address} 101 {second}")
+    answer = pe.cmd("wait bad 30")
+    assert answer.startswith(f"Failed invalid_request: {field.split(':')[0]}: "), answer
+    assert field in answer, answer
+    # Prefill failed the request (its first chunk may have landed): decode frees it.
+    assert de.cmd("wait bad 30").startswith("Failed "), de.cmd("poll bad")
+    with KvbeamClient(decode.address) as d:
+        assert d.capacity().slots_held == 0
+    assert de.cmd(f"reserve again {SEQ} {prefill.address} 100") == "reserve again"
+    pe.cmd(f"send again {SEQ} {decode.address} 102")
+    assert de.cmd("wait again 60") == "Success", de.cmd("poll again")
+
+
+def test_an_abort_between_chunks_frees_both_sides(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    prefill, decode, pe, de = engines
+    assert de.cmd(f"reserve mid {SEQ} {prefill.address} 110") == "reserve mid"
+    pe.cmd(f"chunk mid {SEQ} {decode.address} 111 0 0 256 0")
+    _until_written(prefill, "mid")
+    pe.cmd("abort mid")
+    assert pe.cmd("wait mid 30").startswith("Failed aborted: aborted by the test engine")
+    assert de.cmd("wait mid 30").startswith("Failed "), de.cmd("poll mid")
+    with KvbeamClient(decode.address) as d, KvbeamClient(prefill.address) as p:
+        assert d.capacity().slots_held == 0
+        assert p.capacity().live_transfers == 0
+    # Decode's pages are free for its engine's next request, which moves.
+    assert de.cmd(f"reserve next {SEQ} {prefill.address} 110") == "reserve next"
+    pe.cmd(f"send next {SEQ} {decode.address} 112")
+    assert de.cmd("wait next 60") == "Success", de.cmd("poll next")

@@ -9,6 +9,9 @@ that say what is missing.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from kvbeam.auth import Security
 from kvbeam.errors import AuthenticationError
 from kvbeam.integrations.sglang.conn import PREFILL_KEY, KvbeamKVReceiver, KvbeamKVSender
 from kvbeam.refengine.configs import tiny_config
+from tests.attach_helpers import start_engine_daemon, write_config
 from tests.sglang_helpers import SglangPair
 
 SUCCESS, WAITING = 4, 2
@@ -70,3 +74,61 @@ def test_backend_with_the_token_moves_a_request_and_without_it_is_refused(
         # Nothing a refused caller sent reached the store: prefill's entry is intact.
         assert pair.prefill_mgr.store(pair.bootstrap_addr, "get", PREFILL_KEY) == {
             "daemon": pair.prefill_mgr.daemon}
+
+
+#: What an sglang server process does at start with the kvbeam backend (the modules
+#: sglang's plugin hook imports; the manager: its config, credentials and attach,
+#: prefill's bootstrap store and registration; a request object of each side), then
+#: which gRPC modules it loaded. (The hook's install() patches sglang's server modules,
+#: which need sglang's full install, not this venv's base classes: its imports are here.)
+_ENGINE_START = """
+import sys
+from types import SimpleNamespace
+
+import yaml
+
+import kvbeam.engine
+import kvbeam.integrations.sglang
+from kvbeam.integrations.sglang import memory, plugin, select
+from kvbeam.integrations.sglang.conn import (KvbeamKVBootstrapServer, KvbeamKVManager,
+                                             KvbeamKVReceiver, KvbeamKVSender)
+from kvbeam.pools.spec import SideConfig
+from tests.sglang_kvargs import kvargs_for
+
+cfg, sock = sys.argv[1], sys.argv[2]
+with open(cfg) as f:
+    pools = kvbeam.engine.EnginePools(SideConfig.from_mapping(yaml.safe_load(f), cfg))
+store = KvbeamKVBootstrapServer("127.0.0.1", 0)
+args = SimpleNamespace(kvbeam_config=cfg, kvbeam_daemon="127.0.0.1:1",
+                       kvbeam_attach_socket=sock, host="127.0.0.1",
+                       disaggregation_bootstrap_port=store.server.address.rpartition(":")[2])
+mgr = KvbeamKVManager(kvargs_for(pools), "prefill", args)
+assert mgr.security.token == "sglang-token" and mgr.attachment.channel is not None
+KvbeamKVSender(mgr, store.server.address, 1).poll()
+KvbeamKVReceiver(mgr, store.server.address, 2).init(0)
+mgr.close()
+store.close()
+print("grpc modules:", sorted(m for m in sys.modules if m == "grpc" or m.startswith("grpc.")
+                              or m in ("kvbeam.client", "kvbeam.auth_grpc")))
+"""
+
+
+def test_the_sglang_engine_process_imports_no_grpc(tmp_path: Path) -> None:
+    """The backend makes no gRPC call per request, so its process never imports gRPC: not
+    through the plugin, the engine channel, the credentials (kvbeam.auth) or the store."""
+    tmp_path.chmod(0o700)
+    token = tmp_path / "token"
+    token.write_text("sglang-token\n")
+    cfg = write_config(tmp_path / "side.yaml", tiny_config(unified=True, draft=True))
+    sock = str(tmp_path / "prefill.sock")
+    daemon = start_engine_daemon("prefill", sock, config=cfg,
+                                 extra=["--auth-token-file", str(token)])
+    try:
+        out = subprocess.run([sys.executable, "-c", _ENGINE_START, cfg, sock],
+                             capture_output=True, text=True, timeout=300, check=False,
+                             cwd=Path(__file__).resolve().parents[2],
+                             env={**os.environ, "KVBEAM_AUTH_TOKEN_FILE": str(token)})
+    finally:
+        daemon.stop()
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "grpc modules: []", out.stdout

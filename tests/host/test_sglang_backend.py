@@ -11,6 +11,7 @@ paths free both sides; a mismatched draft is refused at manager construction.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 
@@ -68,6 +69,26 @@ def test_sglang_calls_move_unified_state_token_identically(pair: SglangPair) -> 
     _check_calls(pair)
 
 
+def test_each_chunk_is_written_as_sglang_hands_it_over(pair: SglangPair) -> None:
+    """Chunked prefill overlaps the transfer: the first chunk's pages are written at
+    prefill's daemon before sglang hands over the last chunk, and decode continues
+    token-identically once that landed."""
+    from kvbeam.engine.requests import client_for
+
+    def first_chunk_written(tx: KvbeamKVSender) -> None:
+        prefill = client_for(pair.prefill_mgr.daemon)
+        written = _until(lambda: int(prefill.status(tx.request_id).bytes_done > 0), 1, 30)
+        assert written == 1, "the first chunk was not written before the last was sent"
+        assert tx.poll() != SUCCESS  # the last chunk is still to come
+
+    with torch_threads(1):
+        c = compare(pair.config, make_prompt(250, 512, seed=7), K,
+                    transfer=functools.partial(pair.transfer, after_chunk=first_chunk_written),
+                    prefill_side=pair.prefill_pools, decode_side=pair.decode_pools)
+    assert c.equal, c.table()
+    assert pair.decode_status.detail.startswith(VERIFIED_PREFIX), pair.decode_status
+
+
 def test_sglang_calls_move_paged_state_token_identically() -> None:
     with SglangPair(tiny_config(unified=False, draft=True), chunk_tokens=128) as paged:
         _run(paged, (250, 20), "paged")
@@ -109,25 +130,16 @@ def _until(poll: Callable[[], int], want: int, timeout: float = 10.0) -> int:
 
 
 def _pages_free(pair: SglangPair, lists: dict[str, list[int]], request_id: str) -> None:
-    """Decode's daemon frees ``lists``' items: a new reservation of them is taken.
+    """Decode's daemon has freed ``lists``' items: a new reservation of them is taken.
 
-    An aborted reservation that was offered to prefill is freed once prefill confirmed
-    it stopped (one round trip after the Failed state): retried until then. The probe
-    names a prefill no daemon is connected to (no offer is made), so its own abort frees
-    its items at once."""
+    Called once decode's engine saw the old request Failed: decode pushes that only once
+    its pages are free (an aborted reservation that was offered to prefill: after prefill
+    confirmed it stopped), so no retry. The probe names a prefill no daemon is connected
+    to (no offer is made), so its own abort frees its items at once."""
     from kvbeam.engine.requests import client_for
-    from kvbeam.errors import BadRequest
 
     decode = client_for(pair.decode_mgr.daemon)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            decode.reserve(request_id, 100, "127.0.0.1:1", indices=lists)
-            break
-        except BadRequest as exc:
-            if "is held by live request" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    decode.reserve(request_id, 100, "127.0.0.1:1", indices=lists)
     decode.abort(request_id, "test")
 
 
@@ -184,7 +196,8 @@ def test_abort_after_reserve_frees_the_decode_slot(pair: SglangPair) -> None:
     # More requests than decode has slots, each reserved over the engine channel at the
     # same pages: each abort must give its slot and pages back.
     for i in range(slots + 1):
-        _pages_free(pair, _lists(0), f"check-{2000 + i}")  # the previous one's, freed
+        if i:
+            _pages_free(pair, _lists(0), f"check-{2000 + i}")  # the previous one's, freed
         tx, rx = _start(pair, 2000 + i)
         rx.abort()
         assert rx.poll() == FAILED

@@ -162,10 +162,17 @@ def _verified(served: Served) -> int:
     return sum("XXH3-128 verified" in line for line in log.splitlines())
 
 
+def _chunks_posted(served: Served) -> int:
+    """Non-final chunks the prefill daemon wrote so far (each as sglang handed it over)."""
+    log = served.procs["prefill daemon"].text()
+    return sum(": posted chunk, " in line for line in log.splitlines())
+
+
 def test_router_outputs_equal_one_plain_server(served: Served) -> None:
     rows = ["| prompt tokens | chunks | tokens compared | in flight | result |",
             "|---|---|---|---|---|"]
     before = _verified(served)
+    chunks_before = _chunks_posted(served)
     for n in LENGTHS:
         out = generate(served.ports["router"], prompt(n), NEW_TOKENS)
         got = out.get("output_ids")
@@ -174,6 +181,11 @@ def test_router_outputs_equal_one_plain_server(served: Served) -> None:
         assert got == served.plain[(n, 0)], (n, out)
     print("\n" + "\n".join(rows))
     assert _verified(served) - before == len(LENGTHS)
+    # Prompts over one chunk moved chunk by chunk: each earlier chunk was written when
+    # sglang handed it over, before the last (300: one, 700: two).
+    early = sum(-(-n // CHUNK) - 1 for n in LENGTHS)
+    assert _chunks_posted(served) - chunks_before >= early, served.procs[
+        "prefill daemon"].text()[-4000:]
 
 
 def test_several_requests_in_flight_equal_the_plain_server(served: Served) -> None:

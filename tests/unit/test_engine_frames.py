@@ -27,6 +27,8 @@ def test_every_frame_round_trips() -> None:
         ef.Reserve("r-1", 700, "127.0.0.1:5", lists, draft),
         ef.Send("r-1", 700, "127.0.0.1:6", False, ((0, 256), (256, 512)), lists, {}),
         ef.Send("r-1", 700, "127.0.0.1:6", True),
+        ef.Send("r-1", 700, "127.0.0.1:6", False, ((256, 512),),
+                {IndexKind.KV_PAGES: np.array([4])}, {}, kv_offset=1),
         ef.Abort("r-1", "why"), ef.Release("r-1"),
         ef.State("r-1", TransferState.FAILED, FailureReason.TIMEOUT, 3, "late"),
         ef.Error("", "length", "too long")]
@@ -34,7 +36,8 @@ def test_every_frame_round_trips() -> None:
     for f in frames:
         back = ef.decode(_body(ef.encode(f)), kinds)
         assert type(back) is type(f)
-        for name in ("request_id", "seq_len", "final", "chunks", "detail", "state", "reason"):
+        for name in ("request_id", "seq_len", "final", "chunks", "detail", "state", "reason",
+                     "kv_offset"):
             assert getattr(back, name, None) == getattr(f, name, None), name
         for name in ("indices", "draft"):
             a, b = getattr(back, name, None) or {}, getattr(f, name, None) or {}
@@ -108,6 +111,9 @@ class _Ops:
     def release(self, frame: ef.Release) -> None:
         raise RuntimeError("a bug in the core")
 
+    def refused(self, frame: ef.EngineFrame, exc: Exception) -> None:
+        self.seen.append(f"refused {frame.request_id}")
+
 
 def _pushed(sock: socket.socket, channel: EngineChannel) -> list[ef.DaemonFrame]:
     assert channel.flush()
@@ -136,13 +142,48 @@ def test_the_daemon_channel_answers_every_bad_frame_and_keeps_serving() -> None:
         assert [(e.request_id, e.field) for e in errors if isinstance(e, ef.Error)] == [
             ("r1", "reserve"), ("r1", "lists"), ("bad id!", "request_id"), ("r0", "release")]
         assert "seq_len 13 is unlucky" in errors[0].message  # type: ignore[union-attr]
-        assert ops.seen == ["reserve r2"]
+        assert ops.seen == ["refused r1", "refused r0", "reserve r2"]
         # Only the requests it started here are pushed: r2, not r1 (refused) nor others.
         for rid in ("r1", "r2", "grpc-started"):
             ch.on_change(TransferStatus(rid, "p", TransferState.SUCCESS, None, "ok", 2, 0.1))
         pushed = _pushed(engine, ch)
         assert [(p.request_id, p.state) for p in pushed] == [  # type: ignore[union-attr]
             ("r2", TransferState.SUCCESS)]
+        ch.close()
+    daemon.close()
+    engine.close()
+
+
+def test_decode_pushes_a_failed_state_once_the_requests_pages_are_freed() -> None:
+    """Decode's channel (failed_when_freed) holds a request's Failed back until the core
+    frees its pages (on_freed), in either order; other states go at once."""
+    daemon, engine = socket.socketpair()
+    with ThreadPoolExecutor(1) as io:
+        ch = EngineChannel(_Ops(), io, failed_when_freed=True)
+        ch.bind(daemon)
+        engine.sendall(b"".join(ef.encode(ef.Reserve(r, 7, "h:1")) for r in ("a", "b")))
+        assert ch.readable(daemon) == []
+
+        def snap(rid: str, state: TransferState, version: int) -> TransferStatus:
+            reason = FailureReason.ABORTED if state is TransferState.FAILED else None
+            return TransferStatus(rid, "p", state, reason, "x", version, 0.1)
+
+        ch.on_change(snap("a", TransferState.BOOTSTRAPPING, 0))
+        assert [(p.request_id, p.state) for p in _pushed(engine, ch)] == [  # type: ignore[union-attr]
+            ("a", TransferState.BOOTSTRAPPING)]
+        ch.on_change(snap("a", TransferState.FAILED, 1))  # prefill may still write: held
+        ch.on_freed("b")  # b freed before it failed (its Failed then goes at once)
+        assert ch.flush()
+        engine.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            engine.recv(1)
+        engine.setblocking(True)
+        ch.on_freed("a")
+        ch.on_change(snap("b", TransferState.FAILED, 1))
+        ch.on_freed("zzz")  # not the engine's: nothing
+        pushed = _pushed(engine, ch)
+        assert [(p.request_id, p.state) for p in pushed] == [  # type: ignore[union-attr]
+            ("a", TransferState.FAILED), ("b", TransferState.FAILED)]
         ch.close()
     daemon.close()
     engine.close()

@@ -46,7 +46,7 @@ def _loaded_after(imports: list[str]) -> set[str]:
     _submodules("kvbeam.pools"),
     _submodules("kvbeam.transport"),
     ["kvbeam.client", "kvbeam.scheduler", "kvbeam.procs", "kvbeam.states", "kvbeam.rpc_errors",
-     "kvbeam.auth", "kvbeam.logs"],
+     "kvbeam.auth", "kvbeam.auth_grpc", "kvbeam.logs"],
 ], ids=["proto", "pools", "transport", "client"])
 def test_layers_below_the_daemons_never_import_them(imports: list[str]) -> None:
     loaded = _loaded_after(imports)
@@ -59,6 +59,15 @@ def test_the_error_hierarchy_imports_no_grpc() -> None:
     assert "kvbeam.errors" in loaded
     assert "grpc" not in loaded
     assert sorted(n for n in loaded if n.startswith("kvbeam.") and n != "kvbeam.errors") == []
+
+
+def test_the_credentials_import_no_grpc() -> None:
+    """Engines read their credentials (kvbeam.auth) without gRPC; only kvbeam.auth_grpc,
+    which servers and channels use, imports it."""
+    loaded = _loaded_after(["kvbeam.auth"])
+    assert "kvbeam.auth" in loaded
+    assert "grpc" not in loaded and "kvbeam.auth_grpc" not in loaded
+    assert "grpc" in _loaded_after(["kvbeam.auth_grpc"])
 
 
 def test_every_exception_class_is_defined_in_kvbeam_errors() -> None:

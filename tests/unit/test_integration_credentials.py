@@ -53,11 +53,11 @@ def test_vllm_settings_hold_no_credentials() -> None:
 
 def test_the_vllm_connector_imports_no_grpc() -> None:
     """The scheduler and worker sides, settings read: gRPC is never imported in vLLM's
-    processes (kvbeam.auth, which the credential keys needed, imports it)."""
+    processes (kvbeam.auth, whose credential keys they read, imports none)."""
     code = ("import sys\n"
             "from kvbeam.integrations.vllm import params, scheduler, worker\n"
             f"params.Settings.from_extra({BASE!r}, 'm')\n"
-            "print(sorted(m for m in ('grpc', 'kvbeam.auth', 'kvbeam.client') "
+            "print(sorted(m for m in ('grpc', 'kvbeam.auth_grpc', 'kvbeam.client') "
             "if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)

@@ -27,7 +27,8 @@ from kvbeam.pools.checks import SAME_UNIFIED
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.proto.attach_codec import config_to_mapping
 from kvbeam.refengine.configs import tiny_config
-from tests.sglang_helpers import kvargs_for, sglang_utils_surface
+from tests.sglang_helpers import sglang_utils_surface
+from tests.sglang_kvargs import kvargs_for
 
 
 def test_kvargs_pointers_become_the_pools_fds_and_offsets() -> None:

@@ -8,11 +8,12 @@ bytes. docs/sglang.md.
 
 Every per-request call goes over the engine channel of the manager's attachment
 (:mod:`kvbeam.engine.channel`): decode's ``send_metadata`` is a RESERVE frame to its own
-daemon (which offers the reservation to prefill's over the daemons' peer link), prefill's
-last ``send`` a SEND frame to its own, ``abort``/``clear`` ABORT/RELEASE frames, and
+daemon (which offers the reservation to prefill's over the daemons' peer link), each of
+prefill's ``send`` calls a SEND frame to its own with that chunk's pages (written while
+sglang computes the next chunk), ``abort``/``clear`` ABORT/RELEASE frames, and
 ``poll()`` reads the state the daemon pushed. The bootstrap room (plain TCP) still tells
 each side the other's daemon address, and prefill decode's request length. No gRPC
-call per request.
+call per request, and no gRPC import (tests/host/test_sglang_auth.py).
 
 Settings (attributes of sglang's ``server_args`` when present, else environment):
 ``kvbeam_config`` / ``KVBEAM_CONFIG`` (the side YAML the daemon runs with),
@@ -58,8 +59,10 @@ from kvbeam.integrations.sglang.scheduler import (
     same_lists,
 )
 from kvbeam.pools.checks import check_target_draft
+from kvbeam.pools.indices import expected_lengths
 from kvbeam.pools.layout import SideLayout, build_side_layout
 from kvbeam.pools.spec import SideConfig
+from kvbeam.pools.types import IndexKind
 from kvbeam.states import FailureReason
 
 if TYPE_CHECKING:  # annotations only: kvbeam.client imports gRPC
@@ -182,6 +185,7 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         self.aux_index: int | None = None
         self.pages: list[Any] = []
         self.tokens = 0
+        self.seq_len: int | None = None  # decode's length, read at the first chunk
         self.request: Sender | None = None  # once sent: the channel's record of it
         self.decode_posted = False  # decode's room was seen (no more store reads in poll)
         self.withdrawn = False
@@ -197,26 +201,51 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
 
     def send(self, kv_indices: Any, state_indices: list[Any] | None = None,
              num_kv_tokens: int | None = None, **_: Any) -> None:
-        """One chunk's pages; the last (states given, or all pages) moves the request.
-
-        Earlier chunks are collected and the request moves as one SEND frame at the
-        last (kvbeam's chunked sends are not used yet: docs/sglang.md).
+        """One chunk's pages, sent at once: a SEND frame that gives the daemon this
+        chunk's token range and the KV pages it adds (``Sender.send_chunk``), so its
+        bytes move while sglang computes the next chunk. The last chunk (states given, or
+        all pages) also carries the states and the metadata row; decode is Success once
+        it landed and was verified.
         """
         if num_kv_tokens is None:
             raise ValueError("kvbeam needs num_kv_tokens on every send (sglang >= 0.5.23)")
-        self.pages.extend(int(p) for p in kv_indices)
+        if self.error is not None:
+            return  # failed (or aborted) already: poll says Failed
+        pages = [int(p) for p in kv_indices]
+        start = self.tokens
+        self.pages.extend(pages)
         self.tokens += num_kv_tokens
-        if state_indices is None and len(self.pages) < self.num_pages:
-            return
+        final = state_indices is not None or len(self.pages) >= self.num_pages
         try:
-            self._send_all(state_indices)
+            self._send_chunk(pages, start, final, state_indices)
         except (KvbeamError, RuntimeError, OSError, ValueError) as exc:
             self.error = f"kvbeam send of {self.request_id} failed: {exc}"
             log.error("%s", self.error)
+            if self.request is not None:  # earlier chunks may be moving: stop them
+                self.request.abort(self.error)
             self._withdraw()
 
-    def _send_all(self, state_indices: list[Any] | None) -> None:
-        # Read the room again (not the cached sighting): decode may have aborted since.
+    def _send_chunk(self, pages: list[int], start: int, final: bool,
+                    state_indices: list[Any] | None) -> None:
+        if self.request is None:
+            self._start()
+        assert self.request is not None and self.seq_len is not None
+        seq_len, states = self.seq_len, None
+        if final:
+            if not same_lists(self.mgr.config.target, self.mgr.layout, self.tokens, seq_len):
+                raise RuntimeError(f"room {self.room}: prefill computed {self.tokens} tokens, "
+                                   f"decode reserved {seq_len}: their index lists differ")
+            states = {**state_index_lists(self.mgr.layout, state_indices),
+                      **aux_lists(self.mgr.layout, self.aux_index)}
+            self.nbytes = moved_bytes(self.mgr.layout, {"KV_PAGES": self.pages, **states})
+        # Decode's length is authoritative (it reserved with it; the lists are the same):
+        # the last chunk runs to its end, the others end where sglang's did (page-aligned).
+        self.request.send_chunk(pages, (start, seq_len if final else self.tokens),
+                                seq_len=seq_len, final=final, state_indices=states)
+
+    def _start(self) -> None:
+        """At the first chunk: decode's daemon and length from the room (read again, not
+        the cached sighting: decode may have aborted since), checked against ours."""
         decode = self.mgr.store(self.bootstrap_addr, "get", _room_key(self.room))
         if not decode or decode.get("aborted"):
             raise RuntimeError(f"decode gave no destination for room {self.room}")
@@ -224,17 +253,13 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         if not isinstance(seq_len, int) or not isinstance(decode.get("daemon"), str):
             raise RuntimeError(f"room {self.room}: decode's entry names no daemon and "
                                f"seq_len (a kvbeam older than the engine channel?): {decode}")
-        if not same_lists(self.mgr.config.target, self.mgr.layout, self.tokens, seq_len):
-            raise RuntimeError(f"room {self.room}: prefill computed {self.tokens} tokens, "
-                               f"decode reserved {seq_len}: their index lists differ")
-        lists = {"KV_PAGES": self.pages, **state_index_lists(self.mgr.layout, state_indices),
-                 **aux_lists(self.mgr.layout, self.aux_index)}
-        request = Sender(self.mgr.attachment, self.request_id, decode["daemon"])
-        # Decode's length is authoritative (it reserved with it; the lists are the same).
-        request.send(lists["KV_PAGES"], {k: v for k, v in lists.items() if k != "KV_PAGES"},
-                     seq_len=seq_len)
-        self.request = request
-        self.nbytes = moved_bytes(self.mgr.layout, lists)
+        want = expected_lengths(self.mgr.config.target, seq_len)[IndexKind.KV_PAGES]
+        if self.num_pages != want:
+            raise RuntimeError(f"room {self.room}: prefill has {self.num_pages} KV pages, "
+                               f"decode reserved {want} ({seq_len} tokens): their index "
+                               "lists differ")
+        self.seq_len = seq_len
+        self.request = Sender(self.mgr.attachment, self.request_id, decode["daemon"])
 
     def _withdraw(self) -> None:
         """Tell decode through the room that this request will not come (once): its poll

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvbeam.auth import CLIENT_SETTINGS
 from kvbeam.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -106,10 +107,10 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-#: The credential settings of the integrations that call daemons over gRPC (the names of
-#: ``kvbeam.auth.CLIENT_SETTINGS``, spelt out: that module imports gRPC). The vLLM
-#: connector makes no gRPC call, so it refuses them rather than ignore a credential.
-CREDENTIAL_KEYS = ("auth_token_file", "tls_cert", "tls_key", "tls_ca", "tls_server_name")
+#: The credential settings of the integrations that call daemons over gRPC
+#: (:data:`kvbeam.auth.CLIENT_SETTINGS`). The vLLM connector makes no gRPC call, so it
+#: refuses them rather than ignore a credential.
+CREDENTIAL_KEYS = CLIENT_SETTINGS
 SETTINGS_KEYS = frozenset({"daemon", "attach_socket", "model", "inner_layout"})
 
 
