@@ -122,7 +122,7 @@ def test_both_posters_land_the_same_bytes(rdma_device: RdmaDevice,
                                           peer: PeerProcess) -> None:
     requests = request_rows(7)
     rows = [row for request in requests for row in request]
-    assert len(rows) > 150  # ~200 blocks, ~350 slices: many chains of at most max_chain WRs
+    assert len(rows) > 100  # ~125 blocks, ~250 slices: many chains of at most max_chain WRs
     landed: dict[str, bytes] = {}
     posts: dict[str, tuple[int, int]] = {}
     for poster in ("compiled", "pyverbs"):
