@@ -4,15 +4,19 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# Debian packages: RDMA user space + the soft-RoCE guest (qemu, busybox, kernel tools).
+# Debian packages: RDMA user space + the soft-RoCE guest (qemu, busybox, kernel tools), and
+# what the compiled WR poster (transport/verbs/_post.c, built by setup.py) compiles with:
+# a C compiler, Python's headers and <infiniband/verbs.h> (libibverbs-dev).
 APT_PACKAGES := qemu-system-x86 busybox-static cpio kmod iproute2 rdma-core ibverbs-utils \
-	ibverbs-providers libibverbs1 perftest python3-pyverbs openssl \
+	ibverbs-providers libibverbs1 libibverbs-dev gcc libc6-dev python3-dev perftest \
+	python3-pyverbs openssl \
 	docker.io containerd runc iptables docker-compose debootstrap
 SETUP_STAMP := $(VENV)/.kvbeam-setup
 # True when `kubectl kustomize` is Kustomize v5 or newer (docker/k8s needs it).
 KUSTOMIZE_V5 := kubectl version --client -o json 2>/dev/null \
 	| grep -Eq '"kustomizeVersion": "v([5-9]|[1-9][0-9])\.'
 SGLANG_STAMP := $(VENV)/.kvbeam-sglang
+POSTER_STAMP := $(VENV)/.kvbeam-poster
 
 .PHONY: help system-deps setup demo test test-host test-rdma test-compose lint proto proto-check \
 	bench bench-plan bench-handshake bench-host bench-digest bench-deps clean test-vllm test-sglang
@@ -52,7 +56,13 @@ $(SETUP_STAMP): pyproject.toml setup.py
 	bash tests/softroce/setup.sh
 	touch $@
 
-setup: $(SETUP_STAMP) $(SGLANG_STAMP) ## venv, Python packages, pyverbs link, soft-RoCE guest kernel and initramfs
+# The compiled WR poster, rebuilt in place when its source changes (the editable install
+# builds it the first time; optional: without the headers the pyverbs poster is used).
+$(POSTER_STAMP): transport/verbs/_post.c setup.py $(SETUP_STAMP)
+	$(PY) setup.py -q build_ext --inplace --build-temp build/poster
+	touch $@
+
+setup: $(SETUP_STAMP) $(POSTER_STAMP) $(SGLANG_STAMP) ## venv, Python packages, the compiled WR poster, pyverbs link, soft-RoCE guest kernel and initramfs
 
 # sglang's disaggregation interface for kvbeam's sglang backend and its tests, pinned and
 # --no-deps: sglang's own requirements are CUDA builds (docs/sglang.md).

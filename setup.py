@@ -1,14 +1,21 @@
-"""Package list for the package-dir mapping in pyproject.toml (everything else is there).
+"""Package list for the package-dir mapping in pyproject.toml, and the optional WR poster.
 
 pyproject.toml cannot list packages found under a mapped folder (``packages.find`` names
 them after the folder, ``pools.x``, not ``kvbeam.pools.x``), so this lists them: every
 package under each mapped folder, named after its mapping.
+
+``kvbeam.transport.verbs._post`` (transport/verbs/_post.c) posts RDMA WRITE chains from the
+prepared WR arrays without Python per WR. It needs <infiniband/verbs.h> (Debian's
+libibverbs-dev, in the Makefile's system-deps) and is optional: where it cannot be built
+the install goes on and the RDMA transport posts through pyverbs objects instead
+(docs/performance.md, "WR posting"). An editable install builds it in place
+(transport/verbs/_post.*.so); so does ``python setup.py build_ext --inplace``.
 """
 
 import tomllib
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 PACKAGE_DIR: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"][
@@ -26,4 +33,9 @@ def mapped_packages() -> list[str]:
     return sorted(set(packages))
 
 
-setup(packages=mapped_packages())
+# optional: a failed build is a warning, not a failed install (the pyverbs poster remains).
+# No libibverbs link: ibv_post_send is an inline of verbs.h, and pyverbs loads the library.
+POSTER = Extension("kvbeam.transport.verbs._post", ["transport/verbs/_post.c"], optional=True,
+                   extra_compile_args=["-O2", "-std=c11", "-Wall"])
+
+setup(packages=mapped_packages(), ext_modules=[POSTER])

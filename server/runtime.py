@@ -90,7 +90,8 @@ class Runtime:
                                      per_link_keys=settings.per_peer_rkeys,
                                      qp_timeout=settings.rdma_qp_timeout,
                                      retry_cnt=settings.rdma_retry_cnt,
-                                     qps_per_peer=settings.qps_per_peer),
+                                     qps_per_peer=settings.qps_per_peer,
+                                     poster=settings.rdma_poster),
             tcp_host=host if host not in ("0.0.0.0", "::", "[::]") else None)
         log.info("%s daemon: %s transport%s", self.role.value, self.transport.kind,
                  "" if self.transport.kind == "rdma" else

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvbeam.auth import INSECURE_ENV, Security, load_token, parse_bool
 from kvbeam.errors import ConfigError
-from kvbeam.transport.options import MAX_QPS_PER_PEER
+from kvbeam.transport.options import MAX_QPS_PER_PEER, POSTER_KINDS
 
 #: Default deadline of every control RPC, seconds (the daemons' KVBEAM_RPC_TIMEOUT_S
 #: default too). A handshake takes milliseconds; the margin covers a loaded host.
@@ -208,6 +208,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("qps_per_peer", "KVBEAM_QPS_PER_PEER", int, 1,
            "RDMA: RC queue pairs per peer link; large requests are striped over them "
            "(1-16; both sides of a link must agree)"),
+    Option("rdma_poster", "KVBEAM_RDMA_POSTER", str, "auto",
+           "RDMA: how WR chains are posted: auto (the compiled helper built at install, else "
+           "pyverbs objects, logged at start), compiled (refuse to start without it), or "
+           "pyverbs (one pyverbs SendWR per WR: the fallback, slower)", POSTER_KINDS),
     Option("resend_retries", "KVBEAM_RESEND_RETRIES", int, 2,
            "prefill: resends of a request on a new link after a transient transport error "
            "(retries exhausted, a broken link), each within the request's deadline; 0: such "
@@ -251,6 +255,7 @@ class DaemonSettings:
     rdma_qp_timeout: int = 17
     rdma_retry_cnt: int = 7
     qps_per_peer: int = 1
+    rdma_poster: str = "auto"
     transfer_floor_mbps: float = 100.0
     pools: str = "own"
     attach_socket: str = ""

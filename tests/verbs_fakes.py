@@ -44,10 +44,10 @@ class FakeQP:
         pass
 
     def take(self, batch: WrBatch, a: int, b: int) -> None:
-        rows = batch.wrs[a:b]
+        rows = batch.descs[a:b]
         for wr_id, flags in zip(rows["wr_id"].tolist(), rows["send_flags"].tolist(), strict=True):
             self.posted.append((wr_id, flags & 2))
-        self.log += zip(rows["opcode"].tolist(), batch.sges[a:b]["length"].tolist(), strict=True)
+        self.log += zip(rows["opcode"].tolist(), rows["length"].tolist(), strict=True)
         self.outstanding += b - a
         self.max_outstanding = max(self.max_outstanding, self.outstanding)
         assert self.outstanding <= self.sq_depth, "send queue overflow"

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_QPS_PER_PEER = 16  # each QP holds its own send and receive queues and a CQ
+MAX_CHAIN = 1 << 16  # WRs one post may hand over (transport/verbs/_post.c's MAX_CHAIN)
+POSTER_KINDS = ("auto", "compiled", "pyverbs")  # TransportOptions.poster
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,10 @@ class TransportOptions:
     # A request is striped over one more QP per this many bytes (smaller ones use one QP,
     # keeping their marker in their own chain: no wait for another QP's completion).
     stripe_min_bytes: int = 256 << 10
+    # RDMA: how WR chains are posted (kvbeam.transport.verbs.chain): "auto" takes the
+    # compiled helper (transport/verbs/_post.c) where it was built and loads, else pyverbs
+    # objects; "compiled" refuses to start without it; "pyverbs" never uses it.
+    poster: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 < self.slice_bytes < 1 << 31:
@@ -62,8 +68,11 @@ class TransportOptions:
             # produce a completion, and posting would wait forever.
             raise ValueError(f"signal_every must be in (0, sq_depth={self.sq_depth}], "
                              f"got {self.signal_every}")
-        if self.max_chain <= 0:
-            raise ValueError(f"max_chain must be positive, got {self.max_chain}")
+        if not 0 < self.max_chain <= MAX_CHAIN:  # the compiled poster's bound per call
+            raise ValueError(f"max_chain must be in (0, {MAX_CHAIN}], got {self.max_chain}")
+        if self.poster not in POSTER_KINDS:
+            raise ValueError(f"poster must be one of {', '.join(POSTER_KINDS)}, "
+                             f"got {self.poster!r}")
         if self.recv_depth < 1:
             raise ValueError(f"recv_depth must be positive, got {self.recv_depth}")
         if not 1 <= self.qps_per_peer <= MAX_QPS_PER_PEER:

@@ -10,6 +10,8 @@ reference measured in the same boot:
    and 32k-token requests (slot-contiguous and engine-chosen lists,
    :mod:`tests.bench.request_blocks`), one ``batch_transfer_sync_write`` per request;
 4. kvbeam raw blocks of the same sizes (:mod:`tests.bench.bench_transport`), CRC-checked;
+   then both WR posters (compiled, pyverbs) moving the same 4 KiB blocks: posts/s, WRs/s
+   and the time per post (:func:`tests.bench.bench_transport.poster_rates`);
 5. scaling (:mod:`tests.bench.bench_scaling`): block size, blocks per request,
    concurrency, QPs per peer;
 6. whole DSV4 requests through the daemons and the scheduler API, unified and
@@ -63,6 +65,7 @@ from tests.bench.bench_threads import thread_breakdown
 from tests.bench.bench_transport import (
     BUFFER,
     ib_write_bw,
+    poster_rates,
     ref_seconds,
     run_kvbeam,
     sender_and_receiver,
@@ -314,7 +317,7 @@ def main() -> None:
     p.add_argument("--lens", default="128,1024,8192,32768")
     p.add_argument("--req-repeat", type=int, default=5)
     p.add_argument("--skip", default="", help="comma list of sections to skip: mooncake, "
-                   "mooncake_request,scaling,requests,fragmented,aggregate,threads,"
+                   "mooncake_request,posters,scaling,requests,fragmented,aggregate,threads,"
                    "handshake_pool "
                    "(quick iteration)")
     p.add_argument("--report", metavar="JSON", help="print the table of an earlier run and exit")
@@ -341,6 +344,9 @@ def main() -> None:
     if not {"mooncake", "mooncake_request"} & skip:
         res["mooncake_request"] = guarded("mooncake_request", mooncake_request, args)
     res["kvbeam_raw"] = guarded("kvbeam_raw", kvbeam_raw, args, src)
+    if "posters" not in skip:  # both WR posters, the same blocks, this boot
+        res["posters"] = guarded("posters", poster_rates, args.device, args.gid_index, src,
+                                 4 << 10, args.seconds, args.repeat)
     if "scaling" not in skip:
         res["scaling"] = guarded("scaling", scaling, args)
     res["requests"] = [] if "requests" in skip else guarded("requests", requests, args, res)

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from statistics import median
+from typing import Any
 
 import numpy as np
 
@@ -101,14 +102,13 @@ def _ib_write_bw(device: str, gid_index: int, size: int, seconds: int, port: int
 
 
 @contextmanager
-def sender_and_receiver(device: str, gid_index: int, options: TransportOptions, src: mmap.mmap,
-                        *, raw_chains: bool | None = None
+def sender_and_receiver(device: str, gid_index: int, options: TransportOptions, src: mmap.mmap
                         ) -> Iterator[tuple[VerbsTransport, VerbsLink, PeerProcess]]:
     """A sender transport with ``src`` registered, linked to a receiver process holding a
     BUFFER-byte remote-write region; both closed afterwards."""
     peer = PeerProcess(PeerConfig("rdma", BUFFER, Access.REMOTE_WRITE, device=device,
                                   gid_index=gid_index, options=options))
-    transport = VerbsTransport(device, gid_index, options, raw_chains=raw_chains)
+    transport = VerbsTransport(device, gid_index, options)
     try:
         transport.register([Region(buffer_address(src), BUFFER)], Access.LOCAL)
         link = transport.create_link()
@@ -154,6 +154,58 @@ def run_kvbeam(transport: VerbsTransport, link: VerbsLink, peer: PeerProcess, sr
             post_s / total_blocks * 1e6, crc_ok)
 
 
+#: The posters make bench compares (TransportOptions.poster), in the order it runs them.
+POSTERS = ("compiled", "pyverbs")
+
+
+def poster_rates(device: str, gid_index: int, src: mmap.mmap, size: int, seconds: float,
+                 repeat: int) -> dict[str, Any]:
+    """Each poster moving the same BUFFER of ``size`` blocks for ``seconds``, ``repeat`` times.
+
+    Per poster (medians): posts/s and WRs/s over the run (bounded by the wire as well),
+    the time inside ``Poster.post`` per post and per WR, and posts/s of that time alone
+    (what one core could post), with the receiver's CRC after each run.
+    """
+    out: dict[str, Any] = {"block": size}
+    for kind in POSTERS:
+        options = TransportOptions(op_timeout_s=60.0, poster=kind)
+        runs = []
+        with sender_and_receiver(device, gid_index, options, src) as (transport, link, peer):
+            assert transport.poster == kind, f"asked for the {kind} poster, got {transport.poster}"
+            for _ in range(repeat):
+                peer.call("fill", 0, b"\0" * BUFFER)
+                posts, post_s = link.stats.posts, link.stats.post_s
+                start = time.perf_counter()
+                _, wrs_per_s, _, _, crc_ok = run_kvbeam(transport, link, peer, src, size, seconds)
+                elapsed = time.perf_counter() - start
+                posts, post_s = link.stats.posts - posts, link.stats.post_s - post_s
+                runs.append({"posts_per_s": posts / elapsed, "wrs_per_s": wrs_per_s,
+                             "us_per_post": post_s / posts * 1e6,
+                             "us_per_wr": post_s / (wrs_per_s * elapsed) * 1e6,
+                             "post_capacity_per_s": posts / post_s, "crc_ok": crc_ok})
+        out[kind] = {k: (all(r[k] for r in runs) if k == "crc_ok" else median(r[k] for r in runs))
+                     for k in runs[0]}
+    return out
+
+
+def print_poster_rates(rates: dict[str, Any]) -> None:
+    """The posters' table (``make bench``'s "WR posting" lines)."""
+    print(f"\n== WR posting, {int(rates['block']) >> 10} KiB blocks, same boot (posts/s and "
+          "WRs/s over the run; us inside post_send per post and per WR; posts/s of that time)")
+    print(f"{'poster':>9} {'posts/s':>9} {'WRs/s':>10} {'us/post':>9} {'us/WR':>7} "
+          f"{'posts/s cpu':>12} {'crc':>4}")
+    for kind in POSTERS:
+        r = rates.get(kind)
+        if isinstance(r, dict):
+            print(f"{kind:>9} {r['posts_per_s']:>9.0f} {r['wrs_per_s']:>10.0f} "
+                  f"{r['us_per_post']:>9.1f} {r['us_per_wr']:>7.2f} "
+                  f"{r['post_capacity_per_s']:>12.0f} {'ok' if r['crc_ok'] else 'BAD':>4}")
+    c, o = rates.get("compiled"), rates.get("pyverbs")
+    if isinstance(c, dict) and isinstance(o, dict) and c["us_per_post"]:
+        print(f"compiled / pyverbs: {o['us_per_post'] / c['us_per_post']:.1f}x less time per "
+              f"post, {c['wrs_per_s'] / o['wrs_per_s']:.2f}x the WRs/s")
+
+
 def main() -> None:
     """Parse arguments, measure, print the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -163,8 +215,9 @@ def main() -> None:
     p.add_argument("--sizes", default="4K,64K,1M")
     p.add_argument("--seconds", type=int, default=3)
     p.add_argument("--port", type=int, default=18515, help="ib_write_bw's TCP port")
-    p.add_argument("--posting", choices=["raw", "object"], default="raw",
-                   help="raw: WR chains straight from numpy; object: one pyverbs SendWR per WR")
+    p.add_argument("--posting", choices=["compiled", "pyverbs"], default="compiled",
+                   help="compiled: the C helper builds each chain from the WR descriptors; "
+                   "pyverbs: one pyverbs SendWR per WR")
     p.add_argument("--signal-every", type=int, default=TransportOptions.signal_every)
     p.add_argument("--sq-depth", type=int, default=TransportOptions.sq_depth)
     p.add_argument("--max-chain", type=int, default=TransportOptions.max_chain)
@@ -176,13 +229,13 @@ def main() -> None:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     options = TransportOptions(signal_every=args.signal_every, sq_depth=args.sq_depth,
                                max_chain=args.max_chain, op_timeout_s=60.0,
-                               qps_per_peer=args.qps)
+                               qps_per_peer=args.qps, poster=args.posting)
 
     src = mmap.mmap(-1, BUFFER)
     src.write(np.random.default_rng(7).integers(0, 256, BUFFER, dtype=np.uint8).tobytes())
     rows = []
-    with sender_and_receiver(args.device, args.gid_index, options, src,
-                             raw_chains=args.posting == "raw") as (transport, link, peer):
+    with sender_and_receiver(args.device, args.gid_index, options, src) as (transport, link,
+                                                                           peer):
         for size in sizes:
             runs = []
             for _ in range(args.repeat):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from tests.bench import targets
+from tests.bench.bench_transport import print_poster_rates
 from tests.bench.targets import K64, NAN, floor_ms, ratio
 
 SIZES = [4 << 10, 64 << 10, 1 << 20]
@@ -142,9 +143,18 @@ def _threads(res: dict[str, Any]) -> None:
             print(f"{daemon} ({per[daemon]['total']:.1f} ms): {groups}")
 
 
+def _posters(res: dict[str, Any]) -> None:
+    rates = res.get("posters")
+    if isinstance(rates, dict) and "error" in rates:
+        print(f"posters: FAILED: {rates['error']}")
+    elif isinstance(rates, dict):
+        print_poster_rates(rates)
+
+
 def report(res: dict[str, Any]) -> None:
     """The table on stdout; the targets table; last, one ``name=value`` line per target."""
     _raw(res)
+    _posters(res)
     _requests(res)
     _peer(res)
     _concurrent_and_host(res)

@@ -56,8 +56,8 @@ class Side:
     """Our transport and a link connected to the peer's (fresh) link."""
 
     def __init__(self, device: RdmaDevice, source: int, peer: PeerProcess,
-                 options: TransportOptions = OPTIONS, raw: bool | None = None) -> None:
-        self.t = verbs.VerbsTransport(device.name, device.gid_index, options, raw_chains=raw)
+                 options: TransportOptions = OPTIONS) -> None:
+        self.t = verbs.VerbsTransport(device.name, device.gid_index, options)
         self.t.register([Region(source, N)], Access.LOCAL)
         self.link = self.t.create_link()
         self.peer = peer
@@ -97,12 +97,12 @@ def scattered_rows(seed: int, count: int) -> list[tuple[int, int, int]]:
     return [(int(rng.integers(0, N - sizes[i])), int(starts[i]), int(sizes[i])) for i in order]
 
 
-@pytest.mark.parametrize("raw", [True, False], ids=["raw-chains", "pyverbs-objects"])
+@pytest.mark.parametrize("poster", ["compiled", "pyverbs"])
 def test_multi_block_plan_lands_exactly(rdma_device: RdmaDevice, source: tuple[mmap.mmap, int],
-                                        peer: PeerProcess, raw: bool) -> None:
-    s = Side(rdma_device, source[1], peer, raw=raw)
+                                        peer: PeerProcess, poster: str) -> None:
+    s = Side(rdma_device, source[1], peer, dataclasses.replace(OPTIONS, poster=poster))
     try:
-        assert s.t.raw_chains is raw
+        assert s.t.poster == poster
         rows = scattered_rows(1, 30)  # ~3 MB: ~90 slices of 40 KB, SQ of 32, signal every 8
         s.link.write(0xC0DE0001, plan(source[1], peer.addr, rows))
         events = s.events(1, 60)

@@ -15,6 +15,7 @@ import pkgutil
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tomllib
 import zipfile
 from pathlib import Path
@@ -116,7 +117,7 @@ def test_wheel_holds_each_file_once_under_its_package_name(tmp_path: Path) -> No
         shutil.copy(REPO / name, src / name)
     for folder in _package_dir().values():
         shutil.copytree(REPO / folder, src / folder,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                     "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(src)],
                    check=True, capture_output=True, text=True)
@@ -130,6 +131,10 @@ def test_wheel_holds_each_file_once_under_its_package_name(tmp_path: Path) -> No
         for path in (src / folder).rglob("*"):
             if path.suffix in (".py", ".pyi", ".proto") or path.name == "py.typed":
                 expected.add(f"{prefix}/{path.relative_to(src / folder).as_posix()}")
+    # The compiled WR poster, built by the wheel's own build (setup.py; libibverbs-dev), and
+    # its source (an extension's sources are package data to setuptools).
+    expected |= {"kvbeam/transport/verbs/_post" + sysconfig.get_config_var("EXT_SUFFIX"),
+                 "kvbeam/transport/verbs/_post.c"}
     assert set(names) == expected
     assert {"kvbeam/py.typed", "kvbeam/pools/plan.py", "kvbeam/proto/kvbeam/v1/kvbeam.proto",
             "kvbeam/proto/kvbeam/v1/kvbeam_pb2.pyi"} <= set(names)

@@ -21,6 +21,7 @@ import pytest
 # pyverbs is part of `make setup`: a missing one fails here rather than skipping.
 from kvbeam.procs import wait_until
 from kvbeam.transport import Access, Endpoint, Event, EventKind, Region, RemoteRegion
+from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.tcp import TcpTransport
 from kvbeam.transport.verbs import device as verbs_device
 from kvbeam.transport.verbs import transport as verbs
@@ -125,7 +126,7 @@ def fake_verbs(monkeypatch: pytest.MonkeyPatch, device: type[FakeDevice] = FakeD
 @pytest.fixture
 def transport(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     fake_verbs(monkeypatch)
-    t = verbs.VerbsTransport("fake0", 0, raw_chains=False)
+    t = verbs.VerbsTransport("fake0", 0, TransportOptions(poster="pyverbs"))
     yield t
     t.close()
 
@@ -231,13 +232,11 @@ def test_tcp_link_token_is_per_link_and_revoked() -> None:
 @pytest.mark.parametrize("why", ["per_link_keys off", "device without windows"])
 def test_shared_keys_mode(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
                           why: str) -> None:
-    from kvbeam.transport.options import TransportOptions
-
     fake_verbs(monkeypatch)
     if why == "device without windows":
         monkeypatch.setattr(FakeDevice, "window_kind", None)
-    t = verbs.VerbsTransport("fake0", 0, TransportOptions(per_link_keys=why != "per_link_keys off"),
-                             raw_chains=False)
+    options = TransportOptions(per_link_keys=why != "per_link_keys off", poster="pyverbs")
+    t = verbs.VerbsTransport("fake0", 0, options)
     try:
         reg = t.register([Region(0x10000, 4096)], Access.REMOTE_WRITE)
         a, b = t.create_link(), t.create_link()
@@ -299,7 +298,7 @@ def slow(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setattr(SlowDevice, "gate", threading.Event())
     monkeypatch.setattr(SlowDevice, "slow", "window")
     fake_verbs(monkeypatch, SlowDevice, window=SlowWindow)
-    t = verbs.VerbsTransport("fake0", 0, raw_chains=False)
+    t = verbs.VerbsTransport("fake0", 0, TransportOptions(poster="pyverbs"))
     yield t
     SlowDevice.gate.set()
     t.close()
@@ -390,7 +389,7 @@ def test_a_links_windows_go_before_its_qps(monkeypatch: pytest.MonkeyPatch, how:
             order.append("qp")
 
     fake_verbs(monkeypatch, qp=RecordingQueuePair, window=RecordingWindow)
-    t: Any = verbs.VerbsTransport("fake0", 0, raw_chains=False)
+    t: Any = verbs.VerbsTransport("fake0", 0, TransportOptions(poster="pyverbs"))
     try:
         t.register([Region(0x10000, 4096)], Access.REMOTE_WRITE)
         link = t.create_link()

@@ -21,7 +21,7 @@ from kvbeam.transport import status
 from kvbeam.transport.base import Event, EventKind
 from kvbeam.transport.core import Prepared
 from kvbeam.transport.options import TransportOptions
-from kvbeam.transport.verbs.chain import SGE_DTYPE, WR_DTYPE, build
+from kvbeam.transport.verbs.chain import DESC_DTYPE, build
 from kvbeam.transport.verbs.qp import RECV_TAG
 from tests.verbs_fakes import FakePoster, blocks, make_link, run
 
@@ -37,17 +37,15 @@ def prepared(n: int, notify: bool, transfer_id: int = 7) -> Prepared:
 
 @pytest.mark.parametrize(("n", "notify", "every"), [(10, True, 4), (8, False, 4), (0, True, 4),
                                                     (1, False, 64), (64, True, 64)])
-def test_build_links_the_chain_and_picks_signals(n: int, notify: bool, every: int) -> None:
+def test_build_describes_the_chain_and_picks_signals(n: int, notify: bool, every: int) -> None:
     b = build(prepared(n, notify), 3, every, (0xAAAA, 0xBB))
     total = n + notify
-    assert b.n == total and WR_DTYPE.itemsize == 128 and SGE_DTYPE.itemsize == 16
+    assert b.n == total and b.descs.dtype == DESC_DTYPE
     if total == 0:
         return
-    w, s = b.wrs, b.sges
-    assert w["next"][:-1].tolist() == [b.wr_addr + 128 * (i + 1) for i in range(total - 1)]
-    assert int(w["next"][-1]) == 0
-    assert w["sg_list"].tolist() == [b.sge_addr + 16 * i for i in range(total)]
-    assert s["addr"][:n].tolist() == [0x1000 + 64 * i for i in range(n)]
+    w = b.descs
+    assert w["addr"][:n].tolist() == [0x1000 + 64 * i for i in range(n)]
+    assert w["length"][:n].tolist() == [64] * n and w["lkey"][:n].tolist() == [5] * n
     assert w["remote_addr"][:n].tolist() == [0x9000 + 64 * i for i in range(n)]
     assert set(w["opcode"][:n].tolist()) <= {0} and set(w["num_sge"][:n].tolist()) <= {1}
     if notify:
@@ -143,13 +141,6 @@ def test_import_needs_neither_pyverbs_nor_torch() -> None:
             "bad = [m for m in ('pyverbs', 'torch') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_sendwr_layout_probe_where_pyverbs_exists() -> None:
-    pytest.importorskip("pyverbs.wr")
-    from kvbeam.transport.verbs.chain import send_wr_struct_offset
-
-    assert send_wr_struct_offset() is not None
 
 
 def test_opening_a_missing_device_is_a_transport_error() -> None:

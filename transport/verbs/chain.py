@@ -1,116 +1,78 @@
 """Send WRs built with numpy, a whole transfer at once, and posted as chains.
 
-:func:`build` turns a checked transfer into a :class:`WrBatch`: C ``struct
-ibv_send_wr``/``ibv_sge`` arrays (LP64 layout) already linked into one chain,
-with the RDMA WRITE WITH IMM marker last and the signalled WRs chosen. The
-progress thread then posts any slice ``[a, b)`` of it with :meth:`Poster.post`.
-The provider copies WRs into its queue during ``ibv_post_send``, so nothing has
-to stay alive after the call.
+:func:`build` turns a checked transfer into a :class:`WrBatch`: one descriptor per WR
+(:data:`DESC_DTYPE`: wr_id, remote address and key, source address, length and key,
+opcode, flags, immediate), the RDMA WRITE WITH IMM marker last and the signalled WRs
+chosen, all checked (:func:`check_descriptors`) before anything can be posted. The
+progress thread then posts any slice ``[a, b)`` of it with :meth:`Poster.post`. The
+provider copies WRs into its queue during ``ibv_post_send``, so nothing has to stay
+alive after the call.
 
-Two posters behind one method:
+Two posters behind one method (:class:`Poster`; ``TransportOptions.poster``):
 
-- raw (default): pyverbs hands ``ibv_post_send`` a pointer to the ``send_wr``
-  struct inside a :class:`SendWR` object. We locate that struct once per process
-  (verifying every field we use against values set through pyverbs), copy WR
-  ``a`` into it, and let its ``next`` point into the numpy array: a chain of any
-  length costs three memmoves and one ``post_send``, with no per-WR Python work.
-- objects (fallback, or ``raw=False``): one SendWR object per WR, built from the
-  arrays at each post. Used where the struct cannot be located.
+- compiled (default where it was built): ``kvbeam.transport.verbs._post``
+  (transport/verbs/_post.c, built at install) builds the ``ibv_send_wr``/``ibv_sge``
+  chain of the slice from the descriptors in C, with ``<infiniband/verbs.h>``'s own
+  structs, and calls ``ibv_post_send`` once, the GIL released: no Python per WR. It
+  takes the QP's ``struct ibv_qp`` pointer from the pyverbs QP object as pyverbs' own
+  qp.pxd declares it, after checking the object's type, size and neighbouring fields and
+  that the verbs QP has the object's qp_num and PD (pyverbs 44 has no accessor for it;
+  _post.c says why this is safe); it writes nothing into pyverbs' objects.
+- pyverbs (fallback, or forced): one pyverbs SendWR object per WR, built from the
+  descriptors at each post and posted as one chain through ``QP.post_send``. Used where
+  the helper was not built, does not load, or does not recognise pyverbs' QP layout.
 """
 
 from __future__ import annotations
 
-import ctypes
+import importlib
 import logging
 import socket
-import struct
+import weakref
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from kvbeam.errors import TransportError
 from kvbeam.transport.core import Prepared
+from kvbeam.transport.options import MAX_CHAIN, POSTER_KINDS
 
 log = logging.getLogger(__name__)
 
-WR_DTYPE = np.dtype({
-    "names": ["wr_id", "next", "sg_list", "num_sge", "opcode", "send_flags", "imm_data",
-              "remote_addr", "rkey"],
-    "formats": [np.uint64, np.uint64, np.uint64, np.int32, np.uint32, np.uint32, np.uint32,
-                np.uint64, np.uint32],
-    "offsets": [0, 8, 16, 24, 28, 32, 36, 40, 48],
-    "itemsize": 128,  # sizeof(struct ibv_send_wr) on LP64
+#: One WR as both posters read it (struct kvbeam_wr_desc in _post.c, checked at load).
+DESC_DTYPE = np.dtype({
+    "names": ["wr_id", "remote_addr", "addr", "length", "lkey", "rkey", "imm_data", "opcode",
+              "send_flags", "num_sge"],
+    "formats": [np.uint64, np.uint64, np.uint64, np.uint32, np.uint32, np.uint32, np.uint32,
+                np.uint8, np.uint8, np.uint8],
+    "offsets": [0, 8, 16, 24, 28, 32, 36, 40, 41, 42],
+    "itemsize": 48,
 })
-SGE_DTYPE = np.dtype({"names": ["addr", "length", "lkey"],
-                      "formats": [np.uint64, np.uint32, np.uint32],
-                      "offsets": [0, 8, 12], "itemsize": 16})
 
-_struct_offset: int | bool | None = False  # False: not probed yet
-
-
-def send_wr_struct_offset() -> int | None:
-    """Offset of ``struct ibv_send_wr`` inside a pyverbs SendWR object, or None if unsure."""
-    global _struct_offset
-    if _struct_offset is False:
-        try:
-            _struct_offset = _probe_offset()
-        except Exception:  # any surprise means: do not touch object memory
-            log.exception("probing pyverbs SendWR layout failed")
-            _struct_offset = None
-        if _struct_offset is None:
-            log.warning("pyverbs SendWR layout not recognised: posting WRs one object at a "
-                        "time (slower)")
-    return _struct_offset if isinstance(_struct_offset, int) else None
-
-
-def _probe_offset() -> int | None:
-    import pyverbs.enums as e
-    from pyverbs.wr import SGE, SendWR
-
-    a = SendWR(wr_id=0x5EED_0001_CAFE_F00D, opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1,
-               sg=[SGE(0x1234_5678, 4321, 0xABCD)], send_flags=e.IBV_SEND_SIGNALED,
-               imm_data=0x0BADBEEF)
-    b = SendWR(wr_id=2, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[SGE(1, 1, 1)], send_flags=0)
-    a.next_wr = b
-    a.set_wr_rdma(0x7E57_AB1E, 0x1122_3344_5566_7788)
-    size = type(a).__basicsize__
-    raw_a = ctypes.string_at(id(a), size)
-    for off in range(0, size - WR_DTYPE.itemsize + 1, 8):
-        wr = np.frombuffer(raw_a, WR_DTYPE, count=1, offset=off)[0]
-        # pyverbs 44 cannot read back sg_list or the rdma fields: compare with what we
-        # set, and dereference the sg_list candidate only once every other field matched.
-        if (int(wr["wr_id"]) == 0x5EED_0001_CAFE_F00D and int(wr["next"]) == id(b) + off
-                and int(wr["num_sge"]) == 1 and int(wr["opcode"]) == e.IBV_WR_RDMA_WRITE_WITH_IMM
-                and int(wr["send_flags"]) == e.IBV_SEND_SIGNALED
-                and int(wr["imm_data"]) == 0x0BADBEEF
-                and int(wr["remote_addr"]) == 0x1122_3344_5566_7788
-                and int(wr["rkey"]) == 0x7E57_AB1E and int(wr["sg_list"]) != 0
-                and struct.unpack("<QII", ctypes.string_at(int(wr["sg_list"]), 16))
-                == (0x1234_5678, 4321, 0xABCD)):
-            return off
-    return None
-
-
-_WR_RDMA_WRITE_WITH_IMM = 1  # enum ibv_wr_opcode
-_SEND_SIGNALED = 2  # enum ibv_send_flags
+WR_RDMA_WRITE = 0  # enum ibv_wr_opcode
+WR_RDMA_WRITE_WITH_IMM = 1
+SEND_SIGNALED = 2  # enum ibv_send_flags
+#: The longest WR verbs allow (ibv_port_attr.max_msg_sz is at most 2**31).
+MAX_WR_BYTES = 1 << 31
+#: The most WRs one transfer's batch may hold (wr_ids keep the position in 32 bits).
+MAX_BATCH_WRS = 1 << 32
 
 
 class WrBatch:
-    """One transfer's WRs: ``n`` linked ibv_send_wr with their SGEs, and its signals.
+    """One transfer's WRs: ``n`` checked descriptors (:data:`DESC_DTYPE`) and its signals.
 
     ``signals[i]`` is ``(wr_id, WRs it retires, tag if it is the batch's last WR else
     None)`` for the signalled WR at position ``signal_pos[i]``; the tag is the transfer
     id unless :func:`build` was given another.
     """
 
-    __slots__ = ("n", "sge_addr", "sges", "signal_pos", "signals", "wr_addr", "wrs")
+    __slots__ = ("descs", "n", "signal_pos", "signals")
 
-    def __init__(self, wrs: np.ndarray[Any, np.dtype[np.void]],
-                 sges: np.ndarray[Any, np.dtype[np.void]], signal_pos: list[int],
+    def __init__(self, descs: np.ndarray[Any, np.dtype[np.void]], signal_pos: list[int],
                  signals: list[tuple[int, int, object]]) -> None:
-        self.wrs, self.sges = wrs, sges
-        self.n = len(wrs)
-        self.wr_addr = int(wrs.ctypes.data)
-        self.sge_addr = int(sges.ctypes.data)
+        self.descs = descs
+        self.n = len(descs)
         self.signal_pos = signal_pos
         self.signals = signals
 
@@ -123,79 +85,156 @@ def build(p: Prepared, serial: int, signal_every: int, marker: tuple[int, int],
     id in network order; ``marker`` is a valid remote (addr, rkey) for it. One WR
     in ``signal_every`` is signalled, and always the last, so a transfer never
     leaves unsignalled WRs behind. wr_ids are ``serial << 32 | position``. The last
-    signal carries ``tag`` (default: the transfer id).
+    signal carries ``tag`` (default: the transfer id). The descriptors are checked
+    (:func:`check_descriptors`): a bad one raises here, before anything is posted.
     """
     n_data = len(p)
     n = n_data + (1 if p.notify else 0)
-    wrs = np.zeros(n, WR_DTYPE)
-    sges = np.zeros(n, SGE_DTYPE)
-    idx = np.arange(n, dtype=np.uint64)
-    wrs["next"] = np.uint64(wrs.ctypes.data) + (idx + np.uint64(1)) * np.uint64(WR_DTYPE.itemsize)
-    wrs["sg_list"] = np.uint64(sges.ctypes.data) + idx * np.uint64(SGE_DTYPE.itemsize)
-    wrs["num_sge"][:n_data] = 1
-    wrs["remote_addr"][:n_data] = p.dst
-    wrs["rkey"][:n_data] = p.rkeys
-    sges["addr"][:n_data] = p.src
-    sges["length"][:n_data] = p.lengths
-    sges["lkey"][:n_data] = p.lkeys
+    if n > MAX_BATCH_WRS:
+        raise TransportError(f"a transfer of {n} WRs does not fit one batch (at most "
+                             f"{MAX_BATCH_WRS}); nothing was posted")
+    descs = np.zeros(n, DESC_DTYPE)
+    descs["num_sge"][:n_data] = 1
+    descs["remote_addr"][:n_data] = p.dst
+    descs["rkey"][:n_data] = p.rkeys
+    descs["addr"][:n_data] = p.src
+    descs["length"][:n_data] = check_lengths(p.lengths)
+    descs["lkey"][:n_data] = p.lkeys
     if p.notify:
-        wrs["opcode"][n_data] = _WR_RDMA_WRITE_WITH_IMM
-        wrs["num_sge"][n_data] = 0
-        wrs["imm_data"][n_data] = socket.htonl(p.transfer_id)
-        wrs["remote_addr"][n_data], wrs["rkey"][n_data] = marker
+        descs["opcode"][n_data] = WR_RDMA_WRITE_WITH_IMM
+        descs["imm_data"][n_data] = socket.htonl(p.transfer_id)
+        descs["remote_addr"][n_data], descs["rkey"][n_data] = marker
     if n == 0:
-        return WrBatch(wrs, sges, [], [])
-    wrs["next"][n - 1] = 0
+        return WrBatch(descs, [], [])
     pos = np.arange(signal_every - 1, n, signal_every, dtype=np.int64)
     if not len(pos) or pos[-1] != n - 1:
         pos = np.concatenate((pos, [n - 1]))
     wr_ids = (np.uint64(serial) << np.uint64(32)) | pos.astype(np.uint64)
-    wrs["send_flags"][pos] = _SEND_SIGNALED
-    wrs["wr_id"][pos] = wr_ids
+    descs["send_flags"][pos] = SEND_SIGNALED
+    descs["wr_id"][pos] = wr_ids
+    check_descriptors(descs)
     retired = pos + 1  # WRs each signalled WR retires: back to the previous one
     retired[1:] -= pos[:-1] + 1
     finals: list[object] = [None] * (len(pos) - 1) + [p.transfer_id if tag is None else tag]
     signals = list(zip(wr_ids.tolist(), retired.tolist(), finals, strict=True))
-    return WrBatch(wrs, sges, pos.tolist(), signals)
+    return WrBatch(descs, pos.tolist(), signals)
+
+
+def check_lengths(lengths: np.ndarray[Any, np.dtype[np.uint64]]) -> np.ndarray[Any, Any]:
+    """``lengths`` if each is in (0, MAX_WR_BYTES] (one WR each); TransportError otherwise."""
+    bad = np.flatnonzero((lengths == 0) | (lengths > MAX_WR_BYTES))
+    if len(bad):
+        i = int(bad[0])
+        raise TransportError(f"block {i} of the write is {int(lengths[i])} bytes: a WR moves 1 "
+                             f"to {MAX_WR_BYTES} bytes; nothing was posted")
+    return lengths
+
+
+def check_descriptors(descs: np.ndarray[Any, np.dtype[np.void]]) -> None:
+    """Refuse (TransportError) a batch with any WR neither poster may post.
+
+    Every WR is an RDMA WRITE of one SGE of 1 to MAX_WR_BYTES bytes from a nonzero
+    address, or a zero-length WRITE WITH IMM with no SGE; its flags are at most
+    SIGNALED; the last WR is signalled. Addresses and keys were checked against the
+    registered regions by :func:`kvbeam.transport.core.prepare`.
+    """
+    if descs.dtype != DESC_DTYPE or descs.ndim != 1:
+        raise TransportError(f"WR descriptors of dtype {descs.dtype} and shape {descs.shape}: "
+                             "not kvbeam's; nothing was posted")
+    op, flags, sges, length = (descs[k] for k in ("opcode", "send_flags", "num_sge", "length"))
+    write = (op == WR_RDMA_WRITE) & (sges == 1) & (length > 0) & (length <= MAX_WR_BYTES) & (
+        descs["addr"] > 0)
+    marker = (op == WR_RDMA_WRITE_WITH_IMM) & (sges == 0) & (length == 0)
+    bad = np.flatnonzero(~(write | marker) | ((flags & ~np.uint8(SEND_SIGNALED)) != 0))
+    if len(bad):
+        i = int(bad[0])
+        raise TransportError(
+            f"WR {i} of {len(descs)}: opcode {int(op[i])}, {int(sges[i])} SGE(s) of "
+            f"{int(length[i])} bytes at {int(descs['addr'][i]):#x}, flags {int(flags[i])}: not "
+            "an RDMA WRITE kvbeam posts; nothing was posted")
+    if len(descs) and not int(flags[-1]) & SEND_SIGNALED:
+        raise TransportError(f"the last of {len(descs)} WRs is not signalled: its completion "
+                             "would never be seen; nothing was posted")
+
+
+_helper: ModuleType | bool | None = False  # False: not loaded yet; None: not available
+_helper_why = ""
+
+
+def compiled_helper() -> tuple[ModuleType | None, str]:
+    """The compiled poster module, or None and why not (tried once per process)."""
+    global _helper, _helper_why
+    if _helper is False:
+        try:
+            module = importlib.import_module("kvbeam.transport.verbs._post")
+            layout = {name: spec[1] for name, spec in (DESC_DTYPE.fields or {}).items()}
+            consts = (module.WR_RDMA_WRITE, module.WR_RDMA_WRITE_WITH_IMM, module.SEND_SIGNALED,
+                      module.MAX_CHAIN)
+            if (module.DESC_SIZE, module.DESC_OFFSETS, consts) != (
+                    DESC_DTYPE.itemsize, layout,
+                    (WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM, SEND_SIGNALED, MAX_CHAIN)):
+                raise ImportError(f"its descriptor layout {module.DESC_OFFSETS} "
+                                  f"({module.DESC_SIZE} bytes) or constants {consts} differ "
+                                  "from chain.py's (a stale build: rebuild it)")
+            _helper = module
+        except (ImportError, AttributeError) as exc:  # not built, or not this layout
+            _helper, _helper_why = None, f"{type(exc).__name__}: {exc}"
+    return (_helper if isinstance(_helper, ModuleType) else None), _helper_why
 
 
 class Poster:
-    """Posts a slice of a :class:`WrBatch` as one chain (raw or through SendWR objects)."""
+    """Posts a slice of a :class:`WrBatch` as one chain: compiled, or pyverbs objects.
 
-    def __init__(self, raw: bool | None = None) -> None:
-        import pyverbs.enums as e
-        from pyverbs.wr import SGE, SendWR
+    ``kind`` "auto" takes the compiled helper when it loads and falls back to pyverbs
+    objects (saying why, once: :attr:`why`); "compiled" raises TransportError where it
+    cannot be used; "pyverbs" never tries it. A QP whose pyverbs layout the helper does
+    not recognise (checked once per QP) is posted to through pyverbs objects under
+    "auto" and refused under "compiled".
+    """
 
-        offset = send_wr_struct_offset() if raw is not False else None
-        if raw and offset is None:
-            raise RuntimeError("raw WR posting requested but the pyverbs layout is unknown")
-        self.raw = offset is not None
-        if offset is not None:
-            self._head = SendWR(opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[SGE(0, 0, 0)],
-                                send_flags=0)
-            self._head_addr = id(self._head) + offset
-            # The head's own sg_list pointer (pyverbs frees it): read it from the struct.
-            self._head_sg = int(np.frombuffer(ctypes.string_at(self._head_addr, 128),
-                                              WR_DTYPE, count=1)[0]["sg_list"])
+    def __init__(self, kind: str = "auto") -> None:
+        if kind not in POSTER_KINDS:
+            raise ValueError(f"poster must be one of {', '.join(POSTER_KINDS)}, got {kind!r}")
+        from pyverbs.wr import SGE, SendWR  # noqa: F401  (the fallback must import)
+
+        self.requested = kind
+        helper, why = compiled_helper() if kind != "pyverbs" else (None, "forced by poster=pyverbs")
+        if kind == "compiled" and helper is None:
+            raise TransportError(f"the compiled WR poster was requested but cannot be loaded: "
+                                 f"{why}; rebuild it (docs/troubleshooting.md)")
+        self._helper = helper
+        #: Why the compiled poster is not in use ("" when it is).
+        self.why = "" if helper is not None else why
+        self._checked: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+    @property
+    def kind(self) -> str:
+        """The poster in use: "compiled" or "pyverbs"."""
+        return "compiled" if self._helper is not None else "pyverbs"
 
     def post(self, qp: Any, batch: WrBatch, a: int, b: int) -> None:
         """``ibv_post_send`` WRs ``a`` to ``b - 1`` of the batch as one chain."""
-        if not self.raw:
+        helper = self._helper
+        if helper is not None and self._compiled_ok(helper, qp):
+            helper.post(qp, batch.descs, a, b)
+        else:
             self._post_objects(qp, batch, a, b)
-            return
-        nxt = batch.wrs["next"]
-        saved = int(nxt[b - 1])
-        nxt[b - 1] = 0
-        try:
-            wr = batch.wr_addr + a * WR_DTYPE.itemsize
-            # Copy WR a into the head object but keep its own sg_list (pyverbs frees it).
-            ctypes.memmove(self._head_addr, wr, 16)
-            ctypes.memmove(self._head_addr + 24, wr + 24, WR_DTYPE.itemsize - 24)
-            ctypes.memmove(self._head_sg, batch.sge_addr + a * SGE_DTYPE.itemsize,
-                           SGE_DTYPE.itemsize)
-            qp.post_send(self._head)
-        finally:
-            nxt[b - 1] = saved
+
+    def _compiled_ok(self, helper: ModuleType, qp: Any) -> bool:
+        ok = self._checked.get(qp)
+        if ok is None:
+            try:
+                helper.qp_ready(qp)
+                ok = True
+            except (TypeError, ValueError) as exc:
+                if self.requested == "compiled":
+                    raise TransportError(f"the compiled WR poster cannot post to this QP: "
+                                         f"{exc}") from exc
+                log.warning("the compiled WR poster does not recognise this QP (%s): posting "
+                            "to it through pyverbs objects (slower)", exc)
+                ok = False
+            self._checked[qp] = ok
+        return ok
 
     @staticmethod
     def _post_objects(qp: Any, batch: WrBatch, a: int, b: int) -> None:
@@ -203,12 +242,14 @@ class Poster:
         # unlink a WR, so reusing objects is not possible through its API.
         from pyverbs.wr import SGE, SendWR
 
+        if not 0 <= a < b <= batch.n:
+            raise TransportError(f"WRs [{a}, {b}) of a batch of {batch.n}: not a slice; nothing "
+                                 "was posted")
         chain: list[Any] = []
         nxt: Any = None
-        for row, sge in zip(reversed(batch.wrs[a:b].tolist()),
-                            reversed(batch.sges[a:b].tolist()), strict=True):
-            wr_id, _, _, num_sge, opcode, flags, imm, raddr, rkey = row
-            wr = SendWR(wr_id=wr_id, opcode=opcode, num_sge=1, sg=[SGE(*sge)],
+        for row in reversed(batch.descs[a:b].tolist()):
+            wr_id, raddr, addr, length, lkey, rkey, imm, opcode, flags, num_sge = row
+            wr = SendWR(wr_id=wr_id, opcode=opcode, num_sge=1, sg=[SGE(addr, length, lkey)],
                         send_flags=flags, imm_data=imm, next_wr=nxt)
             wr.num_sge = num_sge
             wr.set_wr_rdma(rkey, raddr)

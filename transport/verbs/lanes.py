@@ -40,9 +40,9 @@ from typing import Any, cast
 import numpy as np
 
 from kvbeam.transport.core import Prepared
-from kvbeam.transport.verbs.chain import SGE_DTYPE, WR_DTYPE, WrBatch, build
+from kvbeam.transport.verbs.chain import DESC_DTYPE, WrBatch, build
 
-_EMPTY = WrBatch(np.zeros(0, WR_DTYPE), np.zeros(0, SGE_DTYPE), [], [])
+_EMPTY = WrBatch(np.zeros(0, DESC_DTYPE), [], [])
 
 
 class Request:

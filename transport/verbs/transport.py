@@ -82,15 +82,15 @@ _BACKOFF_S = (1e-4, 5e-3)  # first and longest sleep when a link has no event fd
 class VerbsTransport(LinkHostBase, Transport):
     """The verbs data plane on one device and GID index.
 
-    ``raw_chains`` forces (True) or forbids (False) posting WR chains straight from
-    numpy arrays (see :mod:`kvbeam.transport.verbs.chain`); None picks it when the
-    pyverbs layout is recognised.
+    ``options.poster`` picks how WR chains are posted (:mod:`kvbeam.transport.verbs.chain`):
+    "auto" (the compiled helper where it loads, else pyverbs objects), "compiled" or
+    "pyverbs".
     """
 
     kind = "rdma"
 
-    def __init__(self, device: str, gid_index: int = 0, options: TransportOptions | None = None,
-                 *, raw_chains: bool | None = None) -> None:
+    def __init__(self, device: str, gid_index: int = 0,
+                 options: TransportOptions | None = None) -> None:
         try:
             import_pyverbs()
         except ImportError as exc:
@@ -109,7 +109,7 @@ class VerbsTransport(LinkHostBase, Transport):
         self._lock = threading.RLock()
         self._links: dict[int, VerbsLink] = {}
         self._next_id = 1
-        self._poster = Poster(raw_chains)
+        self._poster = Poster(self.options.poster)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -118,13 +118,18 @@ class VerbsTransport(LinkHostBase, Transport):
         self._thread = threading.Thread(target=self._run, name=f"kvbeam-verbs-{device}",
                                         daemon=True)
         self._thread.start()
-        log.info("RDMA transport on %s (GID index %d), %s WR posting", device, gid_index,
-                 "raw-chain" if self._poster.raw else "object")
+        if self._poster.why and self.options.poster == "auto":
+            log.warning("RDMA transport on %s (GID index %d): the compiled WR poster is not in "
+                        "use (%s): posting WRs through pyverbs objects (slower; "
+                        "docs/troubleshooting.md)", device, gid_index, self._poster.why)
+        else:
+            log.info("RDMA transport on %s (GID index %d), %s WR poster", device, gid_index,
+                     self._poster.kind)
 
     @property
-    def raw_chains(self) -> bool:
-        """Whether WR chains are posted straight from numpy arrays."""
-        return self._poster.raw
+    def poster(self) -> str:
+        """The WR poster in use: "compiled" or "pyverbs"."""
+        return self._poster.kind
 
     def register(self, regions: Sequence[Region], access: Access) -> Registration:
         """One MR per region, the only registration of this memory; links get windows.
