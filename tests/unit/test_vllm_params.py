@@ -170,3 +170,11 @@ def test_decode_daemons_setting_is_checked() -> None:
         P.Settings.from_extra({**extra, "decode_daemons": ["d:2"]}, "m")
     with pytest.raises(ConfigError, match="decode_daemons"):
         P.Settings.from_extra({**extra, "decode_daemons": {"10.0.0.2:8200": 5}}, "m")
+
+
+def test_explicit_params_win_over_the_router_request_id() -> None:
+    explicit = {"do_remote_decode": True, "kvbeam_id": "t9", "decode_daemon": "d:9"}
+    got = P.send_params(explicit, ROUTER_ID, ROUTED.decode_daemons)
+    assert got == P.SendParams("t9", "d:9")
+    assert P.router_decode(ROUTER_ID) == "10.0.0.2:8200"
+    assert P.router_decode("cmpl-0123456789abcdef0123456789abcdef-0-1") is None
