@@ -2,13 +2,14 @@
 
 Starts what tests/host/test_vllm_served.py starts (two ``--pools engine`` daemons, a
 prefill and a decode ``vllm serve`` with the connector, vllm-router in PD mode, a plain
-``vllm serve``; the tiny seeded Llama, float32, prefix caching on) and, per prompt
-length and concurrency, streams the same fresh prompts (no prefix hits) through the
-router and to the plain server. Prints per cell TTFT and inter-token latency (median,
-p99) for both, the bytes decode's daemon landed per request, and where the PD path's
-extra time goes: decode's daemon Reserve -> Success and prefill's Send -> Success (the
-daemons' own histograms). Figures only, beside the direct server measured in the same
-run; no thresholds.
+``vllm serve``; the tiny seeded Llama, float32, prefix caching on). Per prompt length
+and concurrency it streams fresh prompts of that length (new ones per path: no prefix
+hits) through the router, to the plain server, and to the decode server alone (no
+transfer: its connector's per-step cost without the router hop and prefill). Prints
+per cell TTFT and inter-token latency (median, p99) of the three paths, the bytes
+decode's daemon landed per request, and where the PD path's extra time goes: decode's
+daemon Reserve -> Success and prefill's Send -> Success (the daemons' histograms).
+Figures only, beside the direct server measured in the same run; no thresholds.
 
     python -m tests.bench.vllm_served [--requests N] [--max-tokens N] [--json PATH]
 """
@@ -58,6 +59,7 @@ def cell(d: Deployment, rng: np.random.Generator, length: int, concurrency: int,
          requests: int, max_tokens: int) -> dict[str, Any]:
     prompts = [[int(t) for t in rng.integers(3, 1024, length)] for _ in range(requests)]
     other = [[int(t) for t in rng.integers(3, 1024, length)] for _ in range(requests)]
+    local = [[int(t) for t in rng.integers(3, 1024, length)] for _ in range(requests)]
     d_url = f"http://{d.daemons['decode'].metrics}/metrics"
     p_url = f"http://{d.daemons['prefill'].metrics}/metrics"
     landed0, d_hist0, p_hist0 = d.landed(), _histogram(d_url, "kvbeam_transfer_seconds"), \
@@ -70,6 +72,9 @@ def cell(d: Deployment, rng: np.random.Generator, length: int, concurrency: int,
     t0 = time.monotonic()
     direct = _run(d.plain.url, other, concurrency, max_tokens)
     direct_s = time.monotonic() - t0
+    # The decode server itself, no transfer: its connector's per-step cost without the
+    # router hop and the prefill stage.
+    on_decode = _run(d.decode.url, local, concurrency, max_tokens)
     moved = landed1[0] - landed0[0]
 
     def per(h0: tuple[float, float], h1: tuple[float, float]) -> float:
@@ -84,7 +89,7 @@ def cell(d: Deployment, rng: np.random.Generator, length: int, concurrency: int,
                 "ok": float(sum(c.finish == "length" for c in out))}
 
     return {"prompt": length, "concurrency": concurrency, "requests": requests,
-            "router": stats(routed), "direct": stats(direct),
+            "router": stats(routed), "direct": stats(direct), "decode": stats(on_decode),
             "router_s": routed_s, "direct_s": direct_s, "transfers": moved,
             "bytes_per_request": (landed1[1] - landed0[1]) / moved if moved else 0.0,
             "decode_reserve_to_success_ms": per(d_hist0, d_hist1),
@@ -97,7 +102,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             "|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
-        for path in ("router", "direct"):
+        for path in ("router", "decode", "direct"):
             s = r[path]
             extra = (f"{r['bytes_per_request']:,.0f} | {r['decode_reserve_to_success_ms']:.1f} ms"
                      f" | {r['prefill_send_to_success_ms']:.1f} ms" if path == "router"
@@ -129,7 +134,7 @@ def main() -> None:
             d.stop()
     print(table(rows))
     for r in rows:
-        if r["router"]["ok"] != r["requests"] or r["direct"]["ok"] != r["requests"]:
+        if any(r[path]["ok"] != r["requests"] for path in ("router", "decode", "direct")):
             print(f"WARNING: cell {r['prompt']}x{r['concurrency']}: not every request "
                   "finished with length", flush=True)
     if args.json:
