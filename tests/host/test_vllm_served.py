@@ -26,12 +26,25 @@ import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
 from kvbeam.integrations.vllm.params import blocks_for
-from tests.vllm_served import Completion, Deployment, complete, metric, start_deployment
+from kvbeam.procs import DaemonProcess
+from tests.attach_helpers import start_engine_daemon
+from tests.vllm_served import (
+    Completion,
+    Deployment,
+    Served,
+    complete,
+    kv_config,
+    metric,
+    start_deployment,
+    vllm_serve,
+    write_checkpoint,
+)
 
 HAVE_VLLM = all(importlib.util.find_spec(m) is not None for m in ("vllm", "vllm_router"))
 if not HAVE_VLLM and os.environ.get("KVBEAM_REQUIRE_VLLM") == "1":
@@ -63,8 +76,37 @@ def _tokens(rng: np.random.Generator, n: int) -> list[int]:
     return [int(t) for t in rng.integers(3, 1024, n)]
 
 
+@dataclass
+class Mismatched:
+    """A decode server with block size 64 (prefill's is 32; vLLM's CPU attention takes
+    multiples of 32 only), policy ``fail``, its daemon."""
+
+    server: Served
+    daemon: DaemonProcess
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def mismatched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mismatched]:
+    """Started before the deployment (its start-up overlaps theirs)."""
+    work = tmp_path_factory.mktemp("vllm-mismatched")
+    model = write_checkpoint(work / "tiny-llama")
+    sock = str(work / "decode64.sock")
+    # Its reservations give up after 10 s: a refused handshake never reaches them.
+    daemon = start_engine_daemon("decode", sock, deadlines=[
+        *DEADLINES, "--deadline-waiting-s", "10"])
+    server = vllm_serve("decode64", model, block_size=64, args=SERVE_ARGS,
+                        kv_transfer_config=kv_config("decode", {
+                            "daemon": daemon.address, "attach_socket": sock}, policy="fail"))
+    try:
+        yield Mismatched(server, daemon)
+    finally:
+        server.stop()
+        daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, mismatched: Mismatched
+           ) -> Iterator[Deployment]:
     deployment = start_deployment(
         tmp_path_factory.mktemp("vllm-served"), SERVE_ARGS, DEADLINES,
         decode_connector=("tests.vllm_zeroing", "ZeroingConnector"), decode_policy="recompute",
@@ -251,3 +293,25 @@ def test_a_client_that_disconnects_frees_both_instances(served: Deployment) -> N
                 gauges, more)
     assert not any(gauges.values()), gauges
     assert more < 300, more  # aborted, not run to its end
+
+
+def test_a_block_size_mismatch_is_refused_naming_both(served: Deployment,
+                                                      mismatched: Mismatched) -> None:
+    """Prefill (block size 32) sends to a decode server with block size 64: the daemons'
+    handshake refuses the pair naming both values, prefill's send fails, and decode's
+    vLLM (``kv_load_failure_policy: "fail"``) fails the request instead of generating
+    from blocks that never landed."""
+    mismatched.server.wait_ready()
+    prompt = _tokens(np.random.default_rng(7), 70)
+    first = complete(served.prefill.url, prompt, 1, kv_transfer_params={
+        "do_remote_decode": True, "kvbeam_id": "bs-1",
+        "decode_daemon": mismatched.daemon.address})
+    got = complete(mismatched.server.url, prompt, MAX_TOKENS,
+                   kv_transfer_params=first.kv_transfer_params)
+    log.warning("block size 32 -> 64: the client saw %s %s %s", got.status, got.finish,
+                got.error[:200])
+    assert got.status != 200 or got.finish == "error", got
+    named = [line for d in (served.daemons["prefill"], mismatched.daemon) for line in d.lines
+             if "block_size" in line]
+    log.warning("refusal: %s", named[:2])
+    assert any("32" in line and "64" in line for line in named), named
