@@ -19,7 +19,8 @@ SGLANG_STAMP := $(VENV)/.kvbeam-sglang
 POSTER_STAMP := $(VENV)/.kvbeam-poster
 
 .PHONY: help system-deps setup demo test test-host test-rdma test-compose lint proto proto-check \
-	bench bench-plan bench-handshake bench-host bench-digest bench-deps clean test-vllm test-sglang
+	bench bench-plan bench-handshake bench-host bench-digest bench-deps bench-vllm clean \
+	test-vllm test-sglang
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
@@ -109,12 +110,20 @@ $(VLLM_STAMP): pyproject.toml setup.py
 	# (operator torchvision::nms does not exist). vLLM runs without them.
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
+# vLLM's PD router (a Rust binary in a wheel; tests/host/test_vllm_served.py), pinned: its
+# PD mode's request shape is what docs/vllm.md describes. Its own stamp: an existing venv
+# gets it without reinstalling vLLM.
+VLLM_ROUTER_STAMP := $(VLLM_VENV)/.kvbeam-vllm-router
+$(VLLM_ROUTER_STAMP): $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-router==0.1.17
+	touch $@
 
-test-vllm: ## vLLM prefill + decode through kvbeam daemons, token-identical to one vLLM (own venv)
+test-vllm: ## vLLM prefill + decode through kvbeam daemons (LLM objects, and `vllm serve` behind vllm-router), token-identical to one vLLM (own venv)
 	$(MAKE) system-deps
-	$(MAKE) $(VLLM_STAMP)
+	$(MAKE) $(VLLM_ROUTER_STAMP)
 	KVBEAM_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-		tests/host/test_vllm_connector.py tests/host/test_vllm_auth.py
+		tests/host/test_vllm_connector.py tests/host/test_vllm_auth.py \
+		tests/host/test_vllm_served.py
 
 # sglang's real servers in their own venv: pinned, --no-deps, beside the CPU torch (docs/sglang.md).
 SGLANG_SERVER_VENV  ?= .venv-sglang
@@ -160,7 +169,13 @@ bench-digest: setup ## digest GB/s per thread and core, the GIL, and the 61-laye
 	@mkdir -p $(BENCH_DIR)
 	$(PY) -m tests.bench.bench_digest --json $(BENCH_DIR)/digest.json | tee $(BENCH_DIR)/digest.txt
 
-bench: bench-deps bench-plan bench-handshake bench-host ## all benchmarks: host ones, then one guest boot (table + JSON + plots)
+bench-vllm: ## TTFT and inter-token latency through vllm-router + kvbeam vs one `vllm serve` (own venv)
+	$(MAKE) $(VLLM_ROUTER_STAMP)
+	@mkdir -p $(BENCH_DIR)
+	$(VLLM_VENV)/bin/python -m tests.bench.vllm_served --json $(BENCH_DIR)/vllm.json \
+		| tee $(BENCH_DIR)/vllm.txt
+
+bench: bench-deps bench-plan bench-handshake bench-host bench-vllm ## all benchmarks: host ones, then one guest boot (table + JSON + plots)
 	bash tests/softroce/run_rdma_suite.sh --cmd '$(PY) -m tests.bench.bench_suite'
 	@mkdir -p $(BENCH_DIR)
 	@cp $(SOFTROCE_DIR)/results/latest/bench.json $(BENCH_DIR)/bench.json

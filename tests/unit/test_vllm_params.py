@@ -122,3 +122,59 @@ def test_params_and_settings_refuse_what_is_missing() -> None:
         P.Settings.from_extra({"daemon": "a"}, "m")
     with pytest.raises(ConfigError, match="unknown"):
         P.Settings.from_extra({"daemon": "a", "attach_socket": "b", "bogus": 1}, "m")
+
+
+#: What vllm-router 0.1.17's PD mode sends: NIXL's fixed kv_transfer_params (the caller's
+#: are replaced) and X-Request-Id ``___prefill_addr_P___decode_addr_D_UUID``, which vLLM
+#: wraps as ``cmpl-<id>-<prompt>-<hex>`` (docs/vllm.md, "Behind vllm-router").
+ROUTER_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
+ROUTER_ID = ("cmpl-___prefill_addr_10.0.0.1:8100___decode_addr_10.0.0.2:8200_"
+             "0123456789abcdef0123456789abcdef-0-9f3a")
+ROUTED = P.Settings(daemon="10.0.0.1:50051", attach_socket="/x.sock", model="m",
+                    decode_daemons={"10.0.0.2:8200": "10.0.0.2:50052"})
+
+
+def test_behind_vllm_router_prefill_finds_decode_in_the_request_id() -> None:
+    side = S.SchedulerSide(ROUTED, block_size=32)
+    delay, back = side.request_finished(Req(ROUTER_ID, list(range(40)), dict(ROUTER_PARAMS)),
+                                        [[4, 5, 6]])
+    assert delay is True
+    plan = side.take_plan()
+    assert [(p.kvbeam_id, p.decode_daemon, p.block_ids) for p in plan.sends] == [
+        (ROUTER_ID, "10.0.0.2:50052", (4, 5))]
+    assert back == {"do_remote_prefill": True, "kvbeam_id": ROUTER_ID,
+                    "prefill_daemon": "10.0.0.1:50051", "prompt_len": 40}
+
+
+def test_behind_vllm_router_an_unmapped_decode_sends_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    side = S.SchedulerSide(ROUTED, block_size=32)
+    other = ROUTER_ID.replace("10.0.0.2:8200", "10.0.0.3:8200")
+    with caplog.at_level("WARNING"):
+        assert side.request_finished(Req(other, list(range(40)), dict(ROUTER_PARAMS)),
+                                     [[4, 5]]) == (False, None)
+    assert "decode 10.0.0.3:8200 (from vllm-router's request id) is not in " \
+           "kv_connector_extra_config.decode_daemons" in caplog.text
+    # No router id and no decode_daemon: as before, no transfer.
+    assert S.SchedulerSide(ROUTED, 32).request_finished(
+        Req("cmpl-1", [1] * 40, dict(ROUTER_PARAMS)), [[4, 5]]) == (False, None)
+
+
+def test_decode_daemons_setting_is_checked() -> None:
+    extra = {"daemon": "h:1", "attach_socket": "/s"}
+    got = P.Settings.from_extra({**extra, "decode_daemons": {"http://10.0.0.2:8200/": "d:2"}},
+                                "m")
+    assert got.decode_daemons == {"10.0.0.2:8200": "d:2"}
+    with pytest.raises(ConfigError, match="decode_daemons: a mapping of decode vLLM"):
+        P.Settings.from_extra({**extra, "decode_daemons": ["d:2"]}, "m")
+    with pytest.raises(ConfigError, match="decode_daemons"):
+        P.Settings.from_extra({**extra, "decode_daemons": {"10.0.0.2:8200": 5}}, "m")
+
+
+def test_explicit_params_win_over_the_router_request_id() -> None:
+    explicit = {"do_remote_decode": True, "kvbeam_id": "t9", "decode_daemon": "d:9"}
+    got = P.send_params(explicit, ROUTER_ID, ROUTED.decode_daemons)
+    assert got == P.SendParams("t9", "d:9")
+    assert P.router_decode(ROUTER_ID) == "10.0.0.2:8200"
+    assert P.router_decode("cmpl-0123456789abcdef0123456789abcdef-0-1") is None

@@ -21,8 +21,9 @@ them by position (docs/indices.md).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbeam.auth import CLIENT_SETTINGS
@@ -39,6 +40,11 @@ PREFILL_DAEMON = "prefill_daemon"
 PROMPT_LEN = "prompt_len"
 #: Every ``kvbeam_``-prefixed key the connector reads; any other one is ignored (logged).
 KNOWN_KVBEAM_KEYS = frozenset({KVBEAM_ID})
+#: The request id vllm-router's PD mode gives both servers (its ``X-Request-Id``, which
+#: vLLM wraps as ``cmpl-<id>-<prompt>-<hex>``): the chosen prefill's and decode's HTTP
+#: host:port and a uuid. vLLM's own MoRI-IO connector reads its peer from it the same way.
+ROUTER_REQUEST_ID = re.compile(
+    r"___prefill_addr_(?P<prefill>.+?)___decode_addr_(?P<decode>.+)_[0-9a-f]{32}(?:-.*)?$")
 
 
 @dataclass(frozen=True)
@@ -80,12 +86,41 @@ def _ignore_unknown(params: Mapping[str, Any]) -> None:
                     ", ".join(unknown), ", ".join(sorted(KNOWN_KVBEAM_KEYS)))
 
 
-def send_params(params: Mapping[str, Any] | None) -> SendParams | None:
-    """The send a prefill request asks for, or None."""
+def router_decode(request_id: str) -> str | None:
+    """The decode server's HTTP host:port vllm-router named in ``request_id``, or None."""
+    m = ROUTER_REQUEST_ID.search(request_id)
+    return m.group("decode") if m else None
+
+
+def send_params(params: Mapping[str, Any] | None, request_id: str = "",
+                decode_daemons: Mapping[str, str] | None = None) -> SendParams | None:
+    """The send a prefill request asks for, or None.
+
+    A caller (a proxy) names the transfer and decode's daemon in the parameters. Behind
+    vllm-router's PD mode, which replaces the caller's parameters with NIXL's and names
+    the chosen decode server only in the request id, the transfer is this request's
+    id (unique, and returned to decode) and decode's daemon is looked up in
+    ``decode_daemons`` by that server's HTTP host:port.
+
+    Raises:
+        ValueError: the transfer id or decode's daemon is missing or malformed.
+    """
     if not params or not params.get(DO_REMOTE_DECODE):
         return None
     _ignore_unknown(params)
-    return SendParams(_text(params, KVBEAM_ID), _text(params, DECODE_DAEMON))
+    decode = router_decode(request_id) if DECODE_DAEMON not in params else None
+    if decode is None:
+        return SendParams(_text(params, KVBEAM_ID), _text(params, DECODE_DAEMON))
+    daemon = (decode_daemons or {}).get(decode)
+    if daemon is None:
+        raise ValueError(f"decode {decode} (from vllm-router's request id) is not in "
+                         "kv_connector_extra_config.decode_daemons (known: "
+                         f"{', '.join(sorted(decode_daemons or {})) or 'none'})")
+    kvbeam_id = params.get(KVBEAM_ID) or request_id
+    if not isinstance(kvbeam_id, str):
+        raise ValueError(f"kv_transfer_params.{KVBEAM_ID}: a non-empty string is needed "
+                         f"(got {kvbeam_id!r})")
+    return SendParams(kvbeam_id, daemon)
 
 
 def load_params(params: Mapping[str, Any] | None) -> LoadParams | None:
@@ -111,7 +146,8 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 #: (:data:`kvbeam.auth.CLIENT_SETTINGS`). The vLLM connector makes no gRPC call, so it
 #: refuses them rather than ignore a credential.
 CREDENTIAL_KEYS = CLIENT_SETTINGS
-SETTINGS_KEYS = frozenset({"daemon", "attach_socket", "model", "inner_layout"})
+SETTINGS_KEYS = frozenset({"daemon", "attach_socket", "model", "inner_layout",
+                           "decode_daemons"})
 
 
 @dataclass(frozen=True)
@@ -132,12 +168,16 @@ class Settings:
         model: the model name both sides' pool metadata must share (default: vLLM's
             served model name).
         inner_layout: the name of vLLM's block layout both sides must share.
+        decode_daemons: prefill behind vllm-router: each decode server's HTTP
+            host:port (as the router's ``--decode`` URL names it) -> that server's
+            kvbeam daemon (docs/vllm.md, "Behind vllm-router").
     """
 
     daemon: str
     attach_socket: str
     model: str
     inner_layout: str = "LBHNC"
+    decode_daemons: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], default_model: str) -> Settings:
@@ -164,4 +204,15 @@ class Settings:
                 raise ConfigError(f"kv_connector_extra_config.{key}: required (a string)")
         return cls(daemon=extra["daemon"], attach_socket=extra["attach_socket"],
                    model=str(extra.get("model") or default_model),
-                   inner_layout=str(extra.get("inner_layout") or "LBHNC"))
+                   inner_layout=str(extra.get("inner_layout") or "LBHNC"),
+                   decode_daemons=_decode_daemons(extra.get("decode_daemons") or {}))
+
+
+def _decode_daemons(value: Any) -> dict[str, str]:
+    """``decode_daemons`` with its keys as vllm-router names them (host:port, no scheme)."""
+    if not isinstance(value, Mapping) or not all(
+            isinstance(k, str) and k and isinstance(v, str) and v for k, v in value.items()):
+        raise ConfigError("kv_connector_extra_config.decode_daemons: a mapping of decode vLLM "
+                          "HTTP addresses (host:port, as vllm-router's --decode names them) "
+                          f"to their kvbeam daemons' addresses is needed (got {value!r})")
+    return {re.sub(r"^https?://", "", k).rstrip("/"): v for k, v in value.items()}

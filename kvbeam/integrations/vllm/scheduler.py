@@ -106,7 +106,8 @@ class SchedulerSide:
         """Prefill: hold the prompt's blocks; the worker sends them (decode may reserve
         before or after: the send waits for the reservation, ``--send-wait-s``)."""
         self._loading.discard(request.request_id)
-        p = _checked(send_params, request)
+        p = _checked(lambda params: send_params(params, str(request.request_id),
+                                                self.settings.decode_daemons), request)
         if p is None or _aborted(request):
             return False, None
         ids = _first_group(block_ids)

