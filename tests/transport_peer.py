@@ -47,6 +47,20 @@ def buffer_address(buf: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
+def random_source(nbytes: int, seed: int) -> tuple[mmap.mmap, int]:
+    """A source buffer of ``nbytes`` seeded random bytes, and its address."""
+    buf = mmap.mmap(-1, nbytes)
+    buf.write(np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes())
+    return buf, buffer_address(buf)
+
+
+def rdma_peer(device: str, gid_index: int, nbytes: int, fill: int,
+              options: TransportOptions) -> PeerProcess:
+    """A peer process owning a remote-writable, ``fill``-filled RDMA buffer."""
+    return PeerProcess(PeerConfig("rdma", nbytes, Access.REMOTE_WRITE, fill=fill,
+                                  device=device, gid_index=gid_index, options=options))
+
+
 def open_for_test(kind: str, device: str | None, gid_index: int | None,
                   options: TransportOptions | None) -> Transport:
     """The transport a test asked for (never silently TCP when RDMA was asked for)."""

@@ -20,7 +20,7 @@ from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.verbs import VerbsLink, VerbsTransport
 from tests.rdma.conftest import RdmaDevice
 from tests.transport_helpers import FILL, N, expected_after, plan
-from tests.transport_peer import PeerConfig, PeerProcess, buffer_address
+from tests.transport_peer import PeerProcess, random_source, rdma_peer
 from tests.verbs_fakes import lane_held
 
 pytestmark = pytest.mark.rdma
@@ -43,17 +43,13 @@ def options(qps: int) -> TransportOptions:
 
 @pytest.fixture(scope="module")
 def source() -> Iterator[tuple[mmap.mmap, int]]:
-    buf = mmap.mmap(-1, N)
-    buf.write(np.random.default_rng(11).integers(0, 256, N, dtype=np.uint8).tobytes())
-    yield buf, buffer_address(buf)
+    yield random_source(N, 11)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2qps", "4qps"])
 def peer(request: pytest.FixtureRequest, rdma_device: RdmaDevice) -> Iterator[Peer]:
     qps = int(request.param)
-    p = PeerProcess(PeerConfig("rdma", N, Access.REMOTE_WRITE, fill=FILL,
-                               device=rdma_device.name, gid_index=rdma_device.gid_index,
-                               options=options(qps)))
+    p = rdma_peer(rdma_device.name, rdma_device.gid_index, N, FILL, options(qps))
     yield Peer(p, qps)
     p.close()
 

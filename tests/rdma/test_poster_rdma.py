@@ -25,7 +25,7 @@ from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.verbs import chain
 from tests.rdma.conftest import RdmaDevice
 from tests.transport_helpers import FILL, N, expected_after, plan
-from tests.transport_peer import PeerConfig, PeerProcess, buffer_address
+from tests.transport_peer import PeerProcess, random_source, rdma_peer
 
 pytestmark = pytest.mark.rdma
 
@@ -39,16 +39,12 @@ REQUESTS = 3
 
 @pytest.fixture(scope="module")
 def source() -> Iterator[tuple[mmap.mmap, int]]:
-    buf = mmap.mmap(-1, N)
-    buf.write(np.random.default_rng(24).integers(0, 256, N, dtype=np.uint8).tobytes())
-    yield buf, buffer_address(buf)
+    yield random_source(N, 24)
 
 
 @pytest.fixture(scope="module")
 def peer(rdma_device: RdmaDevice) -> Iterator[PeerProcess]:
-    p = PeerProcess(PeerConfig("rdma", N, Access.REMOTE_WRITE, fill=FILL,
-                               device=rdma_device.name, gid_index=rdma_device.gid_index,
-                               options=OPTIONS))
+    p = rdma_peer(rdma_device.name, rdma_device.gid_index, N, FILL, OPTIONS)
     yield p
     p.close()
 

@@ -24,7 +24,7 @@ from kvbeam.transport import status as st
 from kvbeam.transport.options import TransportOptions
 from tests.rdma.conftest import RdmaDevice
 from tests.transport_helpers import FILL, N, expected_after, plan
-from tests.transport_peer import PeerConfig, PeerProcess, buffer_address
+from tests.transport_peer import PeerConfig, PeerProcess, random_source, rdma_peer
 
 pytestmark = pytest.mark.rdma
 
@@ -38,16 +38,12 @@ OPTIONS = TransportOptions(slice_bytes=40_000, sq_depth=32, signal_every=8, max_
 
 @pytest.fixture(scope="module")
 def source() -> Iterator[tuple[mmap.mmap, int]]:
-    buf = mmap.mmap(-1, N)
-    buf.write(np.random.default_rng(5).integers(0, 256, N, dtype=np.uint8).tobytes())
-    yield buf, buffer_address(buf)
+    yield random_source(N, 5)
 
 
 @pytest.fixture(scope="module")
 def peer(rdma_device: RdmaDevice) -> Iterator[PeerProcess]:
-    p = PeerProcess(PeerConfig("rdma", N, Access.REMOTE_WRITE, fill=FILL,
-                               device=rdma_device.name, gid_index=rdma_device.gid_index,
-                               options=OPTIONS))
+    p = rdma_peer(rdma_device.name, rdma_device.gid_index, N, FILL, OPTIONS)
     yield p
     p.close()
 
