@@ -284,6 +284,23 @@ def daemon_figures(repeat: int, transport: str = "tcp") -> dict[str, Any]:
     return rows
 
 
+def print_daemon_figures(rows: dict[str, Any], transport: str, memcpy_ms: float) -> None:
+    """Part 4's lines (also in ``make bench``'s guest report) and the ratio line."""
+    where = "TCP on loopback" if transport == "tcp" else "RDMA"
+    print(f"61-layer {TOKENS}-token request over {where} (median of "
+          f"{len(rows['on']['runs_ms'])}, Send to Success):")
+    for name, r in rows.items():
+        print(f"  integrity {name:<3}: {r['median_ms']:.1f} ms (best {r['best_ms']:.1f}), "
+              f"{r['bytes'] / 1e6:.1f} MB; CPU per request prefill "
+              f"{r['prefill_cpu_ms']:.1f} ms, decode {r['decode_cpu_ms']:.1f} ms")
+        for side in ("prefill", "decode"):
+            top = sorted(r[f"{side}_threads_ms"].items(), key=lambda kv: -kv[1])[:5]
+            print(f"    {side} by thread: " + ", ".join(f"{k} {v:.1f}" for k, v in top))
+    print(f"  memory copy of the same bytes: {memcpy_ms:.1f} ms")
+    suffix = "" if transport == "tcp" else "_rdma"
+    print(f"integrity_61l{suffix}_ratio={rows['on']['median_ms'] / rows['off']['median_ms']:.2f}")
+
+
 def main() -> None:
     """Print the figures (and write them as JSON with --json)."""
     parser = argparse.ArgumentParser(description=__doc__,
@@ -324,20 +341,7 @@ def main() -> None:
     if not args.skip_daemons:
         rows = daemon_figures(args.repeat, args.transport)
         res[args.transport] = rows
-        where = "TCP on loopback" if args.transport == "tcp" else "RDMA"
-        print(f"61-layer {TOKENS}-token request over {where} (median of {args.repeat}, "
-              "Send to Success):")
-        for name, r in rows.items():
-            print(f"  integrity {name:<3}: {r['median_ms']:.1f} ms (best {r['best_ms']:.1f}), "
-                  f"{r['bytes'] / 1e6:.1f} MB; CPU per request prefill "
-                  f"{r['prefill_cpu_ms']:.1f} ms, decode {r['decode_cpu_ms']:.1f} ms")
-            for side in ("prefill", "decode"):
-                top = sorted(r[f"{side}_threads_ms"].items(), key=lambda kv: -kv[1])[:5]
-                print(f"    {side} by thread: " + ", ".join(f"{k} {v:.1f}" for k, v in top))
-        print(f"  memory copy of the same bytes: {lib['memcpy_ms'][0]:.1f} ms")
-        suffix = "" if args.transport == "tcp" else "_rdma"
-        print(f"integrity_61l{suffix}_ratio="
-              f"{rows['on']['median_ms'] / rows['off']['median_ms']:.2f}")
+        print_daemon_figures(rows, args.transport, lib["memcpy_ms"][0])
     if lib["sizes"]:
         print(f"digest_gbps_one_thread={lib['sizes'][3]['gbps_1']:.1f}")
     if args.json:

@@ -20,7 +20,12 @@ reference measured in the same boot:
    the engine-chosen lists the Mooncake peer moved, and 16 concurrent 8k requests;
 7. handshake_pool (:mod:`tests.bench.bench_keys`): a handshake's data-plane time with
    a small decode pool and a 1 GiB one, beside what re-registering the pool costs
-   (what every handshake did before memory windows).
+   (what every handshake did before memory windows);
+8. integrity_61l (:mod:`tests.bench.bench_digest`): the 61-layer layout (head_dim 512,
+   NextN draft, 16k tokens, 182 buffers, about 107 MB) over RDMA, integrity on and off
+   (two pairs, requests alternating), each daemon's CPU by thread, beside one thread's
+   digests of the same request and a memory copy of its bytes (both pairs' pools, about
+   1 GB, fit the guest's 3 GB; last, when nothing else holds memory).
 
 Prints a table (:mod:`tests.bench.report`), writes everything to ``--json`` (default
 ``$KVBEAM_RESULTS_DIR/bench.json``), and ends with the targets table and one
@@ -52,7 +57,7 @@ import numpy as np
 from kvbeam.client import KvbeamClient
 from kvbeam.procs import DaemonProcess
 from kvbeam.transport.options import TransportOptions
-from tests.bench import bench_keys, targets
+from tests.bench import bench_digest, bench_keys, targets
 from tests.bench import bench_scaling as sc
 from tests.bench.bench_request import (
     PairWork,
@@ -284,6 +289,13 @@ def profile_table(prof: Path) -> dict[str, Any]:
     return out
 
 
+def integrity_61l(repeat: int) -> dict[str, Any]:
+    """Section 8: the 61-layer request over RDMA, integrity on and off, beside one
+    thread's digests of it and a memory copy of its bytes."""
+    lib = bench_digest.library_figures(pools=False)
+    return {"library": lib, "rdma": bench_digest.daemon_figures(repeat, "rdma")}
+
+
 def guarded(name: str, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``, or ``{"error": ...}`` when it raises (logged with its traceback)."""
     try:
@@ -318,7 +330,7 @@ def main() -> None:
     p.add_argument("--req-repeat", type=int, default=5)
     p.add_argument("--skip", default="", help="comma list of sections to skip: mooncake, "
                    "mooncake_request,posters,scaling,requests,fragmented,aggregate,threads,"
-                   "handshake_pool "
+                   "handshake_pool,integrity_61l "
                    "(quick iteration)")
     p.add_argument("--report", metavar="JSON", help="print the table of an earlier run and exit")
     p.add_argument("--host-json", metavar="FILE", help="with --report: fold these host "
@@ -357,6 +369,8 @@ def main() -> None:
     if "handshake_pool" not in skip:
         res["handshake_pool"] = guarded("handshake_pool", bench_keys.handshake_pools,
                                         args.device, args.gid_index)
+    if "integrity_61l" not in skip:
+        res["integrity_61l"] = guarded("integrity_61l", integrity_61l, args.req_repeat)
     prof = Path(args.results) / "profile"
     if (prof / "requests.txt").exists():
         res["profile_128"] = guarded("profile", profile_table, prof)

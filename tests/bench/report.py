@@ -143,6 +143,21 @@ def _threads(res: dict[str, Any]) -> None:
             print(f"{daemon} ({per[daemon]['total']:.1f} ms): {groups}")
 
 
+def _integrity_61l(res: dict[str, Any]) -> None:
+    sec = res.get("integrity_61l")
+    if isinstance(sec, dict) and "error" in sec:
+        print(f"\n== integrity_61l: FAILED: {sec['error']}")
+    elif isinstance(sec, dict):
+        from tests.bench.bench_digest import print_daemon_figures
+
+        lib = sec["library"]
+        wall, cpu = lib["request_ms"]["inline"]
+        print(f"\n== 61-layer request ({lib['request_buffers']} buffers, "
+              f"{lib['request_bytes'] / 1e6:.1f} MB): one thread digests it in {wall:.0f} ms "
+              f"({cpu:.0f} ms CPU)")
+        print_daemon_figures(sec["rdma"], "rdma", lib["memcpy_ms"][0])
+
+
 def _posters(res: dict[str, Any]) -> None:
     rates = res.get("posters")
     if isinstance(rates, dict) and "error" in rates:
@@ -160,6 +175,7 @@ def report(res: dict[str, Any]) -> None:
     _concurrent_and_host(res)
     _scaling(res)
     _threads(res)
+    _integrity_61l(res)
     values = targets.compute(res)
     print("\n== targets (issue 14; one boot; host_small_request_ms on the host)")
     print("\n".join(targets.table(values)))

@@ -63,6 +63,8 @@ TARGETS = (
     Target("aggregate_16x8k_vs_ib_write_bw", "16 concurrent 8k requests (drive): total "
            "bytes / wall time / ib_write_bw", 0.90),
     Target("aggregate_16x8k_integrity_off_vs_ib_write_bw", "the same, integrity off", None),
+    Target("integrity_61l_rdma_ratio", "61-layer 16k request over RDMA (guest): integrity "
+           "on / off, median Send-to-Success", None),
     Target("host_small_request_ms", "host, TCP on loopback: 128-token Send-to-Success, ms",
            None, digits=1),
     *(Target(f"{role}_cpu_ms_per_request_{n}", f"{role} process CPU per {n}-token request "
@@ -104,6 +106,13 @@ def _frag_ms(res: Mapping[str, Any], style: str, tokens: int) -> float:
     return NAN
 
 
+def _integrity_61l_ratio(res: Mapping[str, Any]) -> float:
+    rows = (res.get("integrity_61l") or {}).get("rdma") or {}
+    if "on" not in rows or "off" not in rows:
+        return NAN
+    return ratio(rows["on"]["median_ms"], rows["off"]["median_ms"])
+
+
 def compute(res: Mapping[str, Any]) -> dict[str, float]:
     """Every target figure of a suite result (``bench.json``), NaN where it is missing."""
     ref = res["limits"]["ib_write_bw"][K64]["gbps"]
@@ -131,6 +140,7 @@ def compute(res: Mapping[str, Any]) -> dict[str, float]:
                                                 ref),
         "aggregate_16x8k_integrity_off_vs_ib_write_bw": ratio(
             (res.get("aggregate_integrity_off") or {}).get("gbps", NAN), ref),
+        "integrity_61l_rdma_ratio": _integrity_61l_ratio(res),
         "host_small_request_ms": float((res.get("host_tcp") or {}).get("small_request_ms",
                                                                        NAN)),
     }
