@@ -28,14 +28,14 @@ from types import TracebackType
 import grpc
 import numpy as np
 import numpy.typing as npt
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbeam.auth import Security
+from kvbeam.control_channel import ControlChannel
 from kvbeam.errors import BadRequest, KvbeamError
 from kvbeam.pools.engine_indices import ListLike, split_mapping
 from kvbeam.pools.types import IndexKind
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
-from kvbeam.proto.service import ControlStub, control_stub
+from kvbeam.proto.service import ControlStub
 from kvbeam.proto.transfer_codec import (
     draft_indices_from_proto,
     indices_from_proto,
@@ -112,8 +112,8 @@ def _status(m: pb.TransferStatus) -> Status:
                   m.detail, m.slot, m.bytes_done, m.bytes_total, m.peer)
 
 
-class KvbeamClient:
-    """A channel to one kvbeam daemon (prefill or decode).
+class KvbeamClient(ControlChannel):
+    """A channel to one kvbeam daemon (prefill or decode): the scheduler's calls.
 
     Args:
         address: the daemon's control address, ``host:port``.
@@ -123,22 +123,7 @@ class KvbeamClient:
 
     def __init__(self, address: str, *, timeout: float = 5.0,
                  security: Security | None = None) -> None:
-        self.address = address
-        self.timeout = timeout
-        self.security = security or Security()
-        self.channel = self.security.channel(address)
-        self.stub = control_stub(self.channel)
-
-    def close(self) -> None:
-        """Close the channel."""
-        self.channel.close()
-
-    def __enter__(self) -> KvbeamClient:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
+        super().__init__(address, timeout=timeout, security=security)
 
     def _error(self, exc: grpc.RpcError, method: str) -> KvbeamError:
         return request_error(exc, address=self.address, method=method, timeout=self.timeout)
@@ -234,25 +219,6 @@ class KvbeamClient:
         except grpc.RpcError as exc:
             raise self._error(exc, "Heartbeat") from None
         return Capacity(r.instance_id, r.slots, r.slots_held, r.live_transfers)
-
-    def healthy(self, timeout: float | None = None) -> bool:
-        """True when the daemon's gRPC health service answers SERVING."""
-        stub = health_pb2_grpc.HealthStub(self.channel)
-        try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=""),
-                               timeout=timeout or self.timeout)
-        except grpc.RpcError:
-            return False
-        return bool(reply.status == health_pb2.HealthCheckResponse.ServingStatus.SERVING)
-
-    def wait_healthy(self, timeout: float) -> bool:
-        """Poll :meth:`healthy` until it is or ``timeout`` passes."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.healthy(timeout=1.0):
-                return True
-            time.sleep(0.1)
-        return False
 
 
 class StatusWatch:
