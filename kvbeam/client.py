@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -45,6 +46,8 @@ from kvbeam.proto.transfer_codec import (
 )
 from kvbeam.rpc_errors import request_error
 from kvbeam.states import FailureReason, TransferState
+
+_RequestT = TypeVar("_RequestT")  # the request message of a call
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,15 @@ class KvbeamClient(ControlChannel):
     def _error(self, exc: grpc.RpcError, method: str) -> KvbeamError:
         return request_error(exc, address=self.address, method=method, timeout=self.timeout)
 
+    def _transfer_call(self, method: str,
+                       rpc: grpc.UnaryUnaryMultiCallable[_RequestT, pb.TransferStatus],
+                       request: _RequestT) -> Status:
+        """One call answered by a TransferStatus, under the deadline; failures typed."""
+        try:
+            return _status(rpc(request, timeout=self.timeout))
+        except grpc.RpcError as exc:
+            raise self._error(exc, method) from None
+
     def reserve(self, request_id: str, seq_len: int, prefill_address: str, *,
                 indices: Mapping[str, ListLike] | None = None) -> Reservation:
         """Decode: hold a slot for the request and learn (or give) its destination indices.
@@ -166,18 +178,12 @@ class KvbeamClient(ControlChannel):
                              seq_len=seq_len, decode_address=decode_address, final_chunk=final,
                              chunks=[pb.TokenRange(start=a, end=b) for a, b in chunks],
                              indices=lists)
-        try:
-            return _status(self.stub.Send(req, timeout=self.timeout))
-        except grpc.RpcError as exc:
-            raise self._error(exc, "Send") from None
+        return self._transfer_call("Send", self.stub.Send, req)
 
     def status(self, request_id: str) -> Status:
         """The transfer's current status on this daemon."""
-        try:
-            return _status(self.stub.Status(pb.StatusRequest(request_id=request_id),
-                                            timeout=self.timeout))
-        except grpc.RpcError as exc:
-            raise self._error(exc, "Status") from None
+        return self._transfer_call("Status", self.stub.Status,
+                                   pb.StatusRequest(request_id=request_id))
 
     def watch(self, request_id: str, timeout: float) -> Iterator[Status]:
         """Each state change until the transfer ends or ``timeout`` seconds pass."""
@@ -198,19 +204,13 @@ class KvbeamClient(ControlChannel):
 
     def abort(self, request_id: str, detail: str = "") -> Status:
         """Abort on this daemon; it propagates to the peer."""
-        try:
-            return _status(self.stub.Abort(pb.AbortRequest(request_id=request_id, detail=detail),
-                                           timeout=self.timeout))
-        except grpc.RpcError as exc:
-            raise self._error(exc, "Abort") from None
+        return self._transfer_call("Abort", self.stub.Abort,
+                                   pb.AbortRequest(request_id=request_id, detail=detail))
 
     def release(self, request_id: str) -> Status:
         """Decode: the engine took the request over; free its slot."""
-        try:
-            return _status(self.stub.Release(pb.ReleaseRequest(request_id=request_id),
-                                             timeout=self.timeout))
-        except grpc.RpcError as exc:
-            raise self._error(exc, "Release") from None
+        return self._transfer_call("Release", self.stub.Release,
+                                   pb.ReleaseRequest(request_id=request_id))
 
     def capacity(self) -> Capacity:
         """The daemon's instance id and load, from one Heartbeat round trip."""
