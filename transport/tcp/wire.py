@@ -8,7 +8,7 @@ WRITEV frames of at most :data:`MAX_VEC` blocks so that one ``writev`` (and on t
 receiver one ``readv``, :mod:`kvbeam.transport.tcp.iov`) moves a whole frame. Kind 2,
 the one-block WRITE frame (two system calls and ~20 us of Python per block on each
 side), is retired: only builds of protocol 1 and 2 sent it, and those are refused at
-the handshake (protocol version 3); a receiver drops a connection that sends one.
+the handshake (protocol version); a receiver drops a connection that sends one.
 Payloads move between the socket and process memory directly (``readv``/``writev``
 on the blocks' addresses), with no intermediate copy.
 """
