@@ -15,7 +15,8 @@ Shared by the daemons and their clients (none imports ``kvbeam.server``):
 :mod:`kvbeam.errors` (every error class; docs/errors.md), :mod:`kvbeam.rpc_errors`
 (errors <-> gRPC status codes), :mod:`kvbeam.states` (transfer states and statuses),
 :mod:`kvbeam.auth` (mTLS and token credentials), :mod:`kvbeam.logs` (log fields and
-formats); the public client :mod:`kvbeam.client` and :mod:`kvbeam.scheduler`.
+formats), :mod:`kvbeam.control_channel` (the channel every control client is); the
+public client :mod:`kvbeam.client` and :mod:`kvbeam.scheduler`.
 """
 
 from kvbeam.errors import KvbeamError

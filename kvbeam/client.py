@@ -24,18 +24,19 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import TypeVar
 
 import grpc
 import numpy as np
 import numpy.typing as npt
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbeam.auth import Security
+from kvbeam.control_channel import ControlChannel
 from kvbeam.errors import BadRequest, KvbeamError
 from kvbeam.pools.engine_indices import ListLike, split_mapping
 from kvbeam.pools.types import IndexKind
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
-from kvbeam.proto.service import ControlStub, control_stub
+from kvbeam.proto.service import ControlStub
 from kvbeam.proto.transfer_codec import (
     draft_indices_from_proto,
     indices_from_proto,
@@ -45,6 +46,8 @@ from kvbeam.proto.transfer_codec import (
 )
 from kvbeam.rpc_errors import request_error
 from kvbeam.states import FailureReason, TransferState
+
+_RequestT = TypeVar("_RequestT")  # the request message of a call
 
 
 @dataclass(frozen=True)
@@ -112,8 +115,8 @@ def _status(m: pb.TransferStatus) -> Status:
                   m.detail, m.slot, m.bytes_done, m.bytes_total, m.peer)
 
 
-class KvbeamClient:
-    """A channel to one kvbeam daemon (prefill or decode).
+class KvbeamClient(ControlChannel):
+    """A channel to one kvbeam daemon (prefill or decode): the scheduler's calls.
 
     Args:
         address: the daemon's control address, ``host:port``.
@@ -123,25 +126,19 @@ class KvbeamClient:
 
     def __init__(self, address: str, *, timeout: float = 5.0,
                  security: Security | None = None) -> None:
-        self.address = address
-        self.timeout = timeout
-        self.security = security or Security()
-        self.channel = self.security.channel(address)
-        self.stub = control_stub(self.channel)
-
-    def close(self) -> None:
-        """Close the channel."""
-        self.channel.close()
-
-    def __enter__(self) -> KvbeamClient:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
+        super().__init__(address, timeout=timeout, security=security)
 
     def _error(self, exc: grpc.RpcError, method: str) -> KvbeamError:
         return request_error(exc, address=self.address, method=method, timeout=self.timeout)
+
+    def _transfer_call(self, method: str,
+                       rpc: grpc.UnaryUnaryMultiCallable[_RequestT, pb.TransferStatus],
+                       request: _RequestT) -> Status:
+        """One call answered by a TransferStatus, under the deadline; failures typed."""
+        try:
+            return _status(rpc(request, timeout=self.timeout))
+        except grpc.RpcError as exc:
+            raise self._error(exc, method) from None
 
     def reserve(self, request_id: str, seq_len: int, prefill_address: str, *,
                 indices: Mapping[str, ListLike] | None = None) -> Reservation:
@@ -181,18 +178,12 @@ class KvbeamClient:
                              seq_len=seq_len, decode_address=decode_address, final_chunk=final,
                              chunks=[pb.TokenRange(start=a, end=b) for a, b in chunks],
                              indices=lists)
-        try:
-            return _status(self.stub.Send(req, timeout=self.timeout))
-        except grpc.RpcError as exc:
-            raise self._error(exc, "Send") from None
+        return self._transfer_call("Send", self.stub.Send, req)
 
     def status(self, request_id: str) -> Status:
         """The transfer's current status on this daemon."""
-        try:
-            return _status(self.stub.Status(pb.StatusRequest(request_id=request_id),
-                                            timeout=self.timeout))
-        except grpc.RpcError as exc:
-            raise self._error(exc, "Status") from None
+        return self._transfer_call("Status", self.stub.Status,
+                                   pb.StatusRequest(request_id=request_id))
 
     def watch(self, request_id: str, timeout: float) -> Iterator[Status]:
         """Each state change until the transfer ends or ``timeout`` seconds pass."""
@@ -213,19 +204,13 @@ class KvbeamClient:
 
     def abort(self, request_id: str, detail: str = "") -> Status:
         """Abort on this daemon; it propagates to the peer."""
-        try:
-            return _status(self.stub.Abort(pb.AbortRequest(request_id=request_id, detail=detail),
-                                           timeout=self.timeout))
-        except grpc.RpcError as exc:
-            raise self._error(exc, "Abort") from None
+        return self._transfer_call("Abort", self.stub.Abort,
+                                   pb.AbortRequest(request_id=request_id, detail=detail))
 
     def release(self, request_id: str) -> Status:
         """Decode: the engine took the request over; free its slot."""
-        try:
-            return _status(self.stub.Release(pb.ReleaseRequest(request_id=request_id),
-                                             timeout=self.timeout))
-        except grpc.RpcError as exc:
-            raise self._error(exc, "Release") from None
+        return self._transfer_call("Release", self.stub.Release,
+                                   pb.ReleaseRequest(request_id=request_id))
 
     def capacity(self) -> Capacity:
         """The daemon's instance id and load, from one Heartbeat round trip."""
@@ -234,25 +219,6 @@ class KvbeamClient:
         except grpc.RpcError as exc:
             raise self._error(exc, "Heartbeat") from None
         return Capacity(r.instance_id, r.slots, r.slots_held, r.live_transfers)
-
-    def healthy(self, timeout: float | None = None) -> bool:
-        """True when the daemon's gRPC health service answers SERVING."""
-        stub = health_pb2_grpc.HealthStub(self.channel)
-        try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=""),
-                               timeout=timeout or self.timeout)
-        except grpc.RpcError:
-            return False
-        return bool(reply.status == health_pb2.HealthCheckResponse.ServingStatus.SERVING)
-
-    def wait_healthy(self, timeout: float) -> bool:
-        """Poll :meth:`healthy` until it is or ``timeout`` passes."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.healthy(timeout=1.0):
-                return True
-            time.sleep(0.1)
-        return False
 
 
 class StatusWatch:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import mmap
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,15 +29,6 @@ log = logging.getLogger(__name__)
 
 #: A pool allocation seen from the host: flat ``uint8`` bytes.
 Bytes = np.ndarray[Any, np.dtype[np.uint8]]
-
-
-@dataclass(frozen=True)
-class BufferInfo:
-    """sglang's buffer info triple: data pointer, byte length, item length."""
-
-    data_ptr: int
-    data_len: int
-    item_len: int
 
 
 def _zeroed_map(nbytes: int) -> mmap.mmap:
@@ -124,18 +114,9 @@ class AllocatedSide:
             return self.cuda_tensors[buf.tensor].narrow(0, buf.offset, buf.nbytes)
         return torch.from_numpy(self.buffer_array(buf))
 
-    def component_buf_infos(self, component: int) -> list[BufferInfo]:
-        """(data pointer, byte length, item length) for each buffer of a component."""
-        comp = self.layout.components[component]
-        return [BufferInfo(self.buffer_addr(b), b.nbytes, b.item_len) for b in comp.buffers]
-
     def tensor_regions(self) -> list[Region]:
         """One region per allocation: what a transport registers (fewest memory regions)."""
         return [Region(self._base(i), self._length(i)) for i in range(len(self.layout.tensors))]
-
-    def buffer_regions(self) -> list[Region]:
-        """One region per flat buffer: what the handshake advertises to the peer."""
-        return [Region(self.buffer_addr(b), b.nbytes) for b in self.layout.flat_buffers]
 
     def fill_pattern(self, seed: int) -> None:
         """Fill every allocation with a deterministic pattern, distinct per allocation and seed."""

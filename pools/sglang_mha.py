@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvbeam.pools.spec import PoolSpec, SideConfig
+from kvbeam.pools.spec import PoolSpec
 
 #: sglang's NHD layout name (``MHATokenToKVPool.kv_cache_layout``), the only one moved.
 NHD = "nhd"
@@ -41,11 +41,6 @@ def sglang_mha_spec(*, num_layers: int, page_size: int, num_kv_heads: int, head_
                     aux_rows=aux_rows)
     spec.validate("sglang_mha pool")
     return spec
-
-
-def sglang_mha_side_config(model: str, spec: PoolSpec) -> SideConfig:
-    """The side config of an sglang server whose pool is ``spec``."""
-    return SideConfig(model=model, target=spec)
 
 
 def page_bytes(spec: PoolSpec) -> int:

@@ -176,11 +176,6 @@ class PoolSpec:
         """Full-KV pages in the pool (every slot's pages)."""
         return self.num_req_slots * self.max_pages_per_req
 
-    @property
-    def has_c128(self) -> bool:
-        """True when any layer is C128."""
-        return 128 in self.compression_ratios
-
     # ---- construction -----------------------------------------------------
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], where: str) -> PoolSpec:

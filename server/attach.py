@@ -179,12 +179,6 @@ class AttachServer:
                 os.unlink(path)
             raise
 
-    @property
-    def attached_pid(self) -> int | None:
-        """The attached engine's pid, None when none is attached."""
-        engine = self._engine
-        return engine[1].pid if engine else None
-
     def start(self) -> None:
         """Start the serving thread."""
         self._thread = threading.Thread(target=self._loop, name="kvbeam-attach", daemon=True)

@@ -119,16 +119,6 @@ class VerifiedPeer:
         """The endpoint we gave this peer."""
         return self._local.endpoint
 
-    @property
-    def prefill_layout(self) -> SideLayout:
-        """The prefill side's layout (ours or the peer's)."""
-        return self._side.layout if self._side.role is Role.PREFILL else self._local.layout
-
-    @property
-    def decode_layout(self) -> SideLayout:
-        """The decode side's layout (ours or the peer's)."""
-        return self._side.layout if self._side.role is Role.DECODE else self._local.layout
-
     def with_local_endpoint(self, endpoint: Endpoint) -> VerifiedPeer:
         """The same verified peer with the endpoint we actually sent it.
 

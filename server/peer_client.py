@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from types import TracebackType
 
 import grpc
 
+from kvbeam.control_channel import ControlChannel
 from kvbeam.errors import (
     Difference,
     HandshakeRejectedError,
@@ -34,7 +34,6 @@ from kvbeam.proto.rejection_codec import (
     decode_rejection,
     find_rejection,
 )
-from kvbeam.proto.service import control_stub
 from kvbeam.proto.side import Role, SideEncoder, SideInfo, side_from_proto
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import peer_error
@@ -50,7 +49,7 @@ from kvbeam.transport.endpoint import Endpoint
 log = logging.getLogger(__name__)
 
 
-class ControlClient:
+class ControlClient(ControlChannel):
     """A channel to one peer's control server. Close it (or use ``with``) when done.
 
     Args:
@@ -59,29 +58,13 @@ class ControlClient:
     """
 
     def __init__(self, address: str, *, options: ControlOptions | None = None) -> None:
-        self.address = address
         self.options = options or ControlOptions()
-        self.channel = self.options.security.channel(address, self.options.grpc_options())
-        self.stub = control_stub(self.channel)
+        super().__init__(address, timeout=self.options.rpc_timeout_s,
+                         security=self.options.security,
+                         channel_options=self.options.grpc_options())
         # Base64 inflates a "-bin" trailer by 4/3; leave room for the other headers.
         self._budget = min(MAX_REJECTION_BYTES, self.options.max_metadata_bytes // 2)
         self._encoder: SideEncoder | None = None
-
-    @property
-    def timeout(self) -> float:
-        """The deadline of each RPC, seconds."""
-        return self.options.rpc_timeout_s
-
-    def close(self) -> None:
-        """Close the channel."""
-        self.channel.close()
-
-    def __enter__(self) -> ControlClient:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
 
     def handshake(self, local: SideInfo, *, endpoint: Endpoint | None = None) -> VerifiedPeer:
         """Exchange sides with the peer and verify the pair on this side too.

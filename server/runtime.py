@@ -179,11 +179,6 @@ class Runtime:
         write fails with its verbs status before the state deadline fires."""
         return max(0.5, 0.8 * self.settings.deadline_transfer_s)
 
-    @property
-    def stopping(self) -> bool:
-        """True once :meth:`stop` began."""
-        return self._stop.is_set()
-
     def start(self, servicer: DaemonServicer) -> str:
         """Serve the control plane and start the background loops; returns the bound address.
 

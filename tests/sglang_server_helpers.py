@@ -23,7 +23,8 @@ from typing import Any
 
 import yaml
 
-from kvbeam.pools.sglang_mha import sglang_mha_side_config, sglang_mha_spec
+from kvbeam.pools.sglang_mha import sglang_mha_spec
+from kvbeam.pools.spec import SideConfig
 from kvbeam.proto.attach_codec import config_to_mapping
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,7 +112,7 @@ def side_config(aux_rows: int) -> dict[str, Any]:
                            num_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
                            dtype=KV_DTYPE, token_rows=MAX_TOTAL_TOKENS + PAGE_SIZE,
                            aux_item_lens=AUX_ITEM_LENS, aux_rows=aux_rows)
-    return config_to_mapping(sglang_mha_side_config("tiny-llama", spec))
+    return config_to_mapping(SideConfig(model="tiny-llama", target=spec))
 
 
 class Process:

@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from kvbeam.auth import Security
+from kvbeam.control_channel import serving
 from kvbeam.errors import ConfigError
 from kvbeam.server.settings import add_auth_arguments, resolve_security
 
@@ -47,12 +45,7 @@ def check(address: str, timeout: float, security: Security | None = None) -> boo
     (emulated) CPU. ``security``: the credentials to dial with (mTLS); plain otherwise.
     """
     with (security or Security()).channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        except grpc.RpcError:
-            return False
-    return bool(reply.status == health_pb2.HealthCheckResponse.ServingStatus.SERVING)
+        return serving(channel, timeout)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -53,7 +53,7 @@ RPC, a digest, a write post, a link's release or a memory registration.
 """
 
 from kvbeam.server.core.decode import DecodeCore
-from kvbeam.server.core.decode_landing import Reservation
+from kvbeam.server.core.decode_landing import Incoming
 from kvbeam.server.core.ports import (
     DecodePeers,
     PrefillPeers,
@@ -61,5 +61,5 @@ from kvbeam.server.core.ports import (
 )
 from kvbeam.server.core.prefill import Outgoing, PrefillCore
 
-__all__ = ["DecodeCore", "DecodePeers", "Outgoing",
-           "PrefillCore", "PrefillPeers", "Reservation", "WriteGrant"]
+__all__ = ["DecodeCore", "DecodePeers", "Incoming", "Outgoing",
+           "PrefillCore", "PrefillPeers", "WriteGrant"]

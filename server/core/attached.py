@@ -39,11 +39,6 @@ class PoolsHolder:
         return held
 
     @property
-    def has_pools(self) -> bool:
-        """True while the core has pools."""
-        return self._held is not None
-
-    @property
     def spec(self) -> PoolSpec:
         """The target pool's spec."""
         return self._require_pools()[0]

@@ -39,7 +39,7 @@ from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.base import request_bytes
-from kvbeam.server.core.decode_landing import Reservation
+from kvbeam.server.core.decode_landing import Incoming
 from kvbeam.server.core.decode_offer import DecodeOffer
 from kvbeam.server.core.decode_pages import PageBook
 from kvbeam.server.core.ports import (
@@ -97,7 +97,7 @@ class DecodeCore(DecodeOffer):
         self.digest_pool = digest_pool or DigestPool(0)
         self.slots = SlotPool(spec.num_req_slots if spec is not None else 0)
         self._lock = threading.Lock()
-        self._res: dict[str, Reservation] = {}
+        self._res: dict[str, Incoming] = {}
         self._by_transfer: dict[int, str] = {}
         self._pages = PageBook()  # no destination item in two live reservations
         self._ids = itertools.count(1)
@@ -110,7 +110,7 @@ class DecodeCore(DecodeOffer):
     # ---- API ---------------------------------------------------------------------------
     def reserve(self, request_id: str, seq_len: int, prefill_address: str, *,
                 indices: Mapping[IndexKind, ListLike] | None = None,
-                draft: Mapping[IndexKind, ListLike] | None = None) -> Reservation:
+                draft: Mapping[IndexKind, ListLike] | None = None) -> Incoming:
         """Hold a slot for a request and compute (or check) its destination indices.
 
         ``indices`` (and ``draft``, the draft's own lists) are the engine's
@@ -144,7 +144,7 @@ class DecodeCore(DecodeOffer):
                     self._pages.release(request_id)
                     raise
                 tid = next(self._ids) & 0xFFFFFFFF
-                res = Reservation(request_id, slot, seq_len, prefill_address, tid, dst,
+                res = Incoming(request_id, slot, seq_len, prefill_address, tid, dst,
                                   nbytes, draft=dst_draft)
                 self._res[request_id] = res
                 self._by_transfer[tid] = request_id
@@ -156,7 +156,7 @@ class DecodeCore(DecodeOffer):
         return res
 
     def begin_write(self, request_id: str, instance_id: str, seq_len: int, final: bool,
-                    digests_follow: bool) -> Reservation:
+                    digests_follow: bool) -> Incoming:
         """Prefill is about to write (a chunk of) a request: check it may, say where.
 
         ``digests_follow``: prefill's integrity is on (its digests come with Digests).
@@ -360,11 +360,11 @@ class DecodeCore(DecodeOffer):
         for res in overdue:
             self.io.submit(self._release_link_of, res)
 
-    def _unconfirmed_due(self, now: float) -> tuple[list[Reservation], list[Reservation]]:
+    def _unconfirmed_due(self, now: float) -> tuple[list[Incoming], list[Incoming]]:
         """Aborts prefill has not confirmed: those to ask again (a few at a time), and
         those past their transfer budget, whose link goes. Core lock held."""
-        ask: list[Reservation] = []
-        overdue: list[Reservation] = []
+        ask: list[Incoming] = []
+        overdue: list[Incoming] = []
         asking = sum(r.asking for r in self._res.values())
         for r in self._res.values():
             if r.unconfirmed_since is None or r.asking:
@@ -447,7 +447,7 @@ class DecodeCore(DecodeOffer):
             self._pages = PageBook()
 
     # ---- helpers -----------------------------------------------------------------------
-    def _reservation(self, rid: str) -> Reservation:
+    def _reservation(self, rid: str) -> Incoming:
         res = self._lookup(self._res, rid)
         if res is None:
             raise UnknownRequest(f"no reservation for request {rid!r} on this decode daemon")
@@ -476,7 +476,7 @@ class DecodeCore(DecodeOffer):
             return
         self.io.submit(self._drain_then_free, res, detail)
 
-    def _drain_then_free(self, res: Reservation, detail: str) -> None:
+    def _drain_then_free(self, res: Incoming, detail: str) -> None:
         """Free once prefill confirms its writes drained, or once their link is gone;
         otherwise hold only this slot (``periodic`` asks again, then releases the link)."""
         if self._tell_prefill(res, detail) or self._link_gone(res):
@@ -495,12 +495,12 @@ class DecodeCore(DecodeOffer):
                         res.slot, self.transfer_budget(res.nbytes),
                         extra=fields(res.request_id, res.prefill_address))
 
-    def _link_gone(self, res: Reservation) -> bool:
+    def _link_gone(self, res: Incoming) -> bool:
         """The link the request was granted on is released: none of its writes can land."""
         conn = self.peers.get(res.peer_instance)
         return conn is None or conn.closed or conn.link.id != res.link_id
 
-    def _release_link_of(self, res: Reservation) -> None:
+    def _release_link_of(self, res: Incoming) -> None:
         """An abort unconfirmed past the request's transfer budget: release its link only."""
         conn = self.peers.get(res.peer_instance)
         if conn is not None and conn.link.id == res.link_id:
@@ -512,13 +512,13 @@ class DecodeCore(DecodeOffer):
                               gone=False)
         self._free(res.request_id, "its link was released: no write of it can land")
 
-    def _prefill_conn(self, res: Reservation) -> PeerConn | None:
+    def _prefill_conn(self, res: Incoming) -> PeerConn | None:
         """The live connection to the request's prefill (the granted instance, if any)."""
         conn = (self.peers.get(res.peer_instance) if res.peer_instance
                 else self.peers.by_address(res.prefill_address))
         return None if conn is None or conn.closed else conn
 
-    def _tell_prefill(self, res: Reservation, detail: str, timeout: float | None = None) -> bool:
+    def _tell_prefill(self, res: Incoming, detail: str, timeout: float | None = None) -> bool:
         """Abort the request on prefill; True when prefill confirmed none of its writes
         is in flight."""
         conn = self._prefill_conn(res)

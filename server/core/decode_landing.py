@@ -39,8 +39,13 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class Reservation:
-    """Decode's one record of a request (its lifecycle state lives in the table)."""
+class Incoming:
+    """Decode's one record of a request (its lifecycle state lives in the table).
+
+    Prefill's counterpart is :class:`~kvbeam.server.core.prefill.Outgoing`; the
+    scheduler's view of the same reservation is :class:`kvbeam.client.Reservation`
+    (what Reserve answered).
+    """
 
     request_id: str
     slot: int
@@ -85,7 +90,7 @@ class DecodeLanding(CoreBase):
     io: Executor
     digest_pool: DigestPool
     _lock: threading.Lock
-    _res: dict[str, Reservation]
+    _res: dict[str, Incoming]
 
     def digests(self, request_id: str, instance_id: str, transfer_id: int,
                 digests: list[int]) -> None:
@@ -119,7 +124,7 @@ class DecodeLanding(CoreBase):
         if go:
             self.io.submit(self._verify, res, transfer_id)
 
-    def _ready(self, res: Reservation) -> bool:
+    def _ready(self, res: Incoming) -> bool:
         """Landed, and the digests arrived where they are needed: verify now, once.
 
         Core lock held. Digests are needed when our integrity is on and prefill's is
@@ -137,17 +142,17 @@ class DecodeLanding(CoreBase):
         """Forget the request and free its slot (defined by the core)."""
         raise NotImplementedError
 
-    def _tell_prefill(self, res: Reservation, detail: str, timeout: float | None = None) -> bool:
+    def _tell_prefill(self, res: Incoming, detail: str, timeout: float | None = None) -> bool:
         """Abort the request on prefill (defined by the core)."""
         raise NotImplementedError
 
     @staticmethod
-    def _current(res: Reservation, transfer_id: int) -> bool:
+    def _current(res: Incoming, transfer_id: int) -> bool:
         """The landing of ``transfer_id`` is still the request's (no resend replaced it).
         Core lock held."""
         return res.transfer_id == transfer_id and res.landed
 
-    def _verify(self, res: Reservation, transfer_id: int) -> None:
+    def _verify(self, res: Incoming, transfer_id: int) -> None:
         """Check the landed bytes against prefill's digests (executor), then Success.
 
         ``transfer_id`` is the landing that was queued: its result counts only while
@@ -207,7 +212,7 @@ class DecodeLanding(CoreBase):
                  res.slot, verified, timing, extra=fields(rid, res.prefill_address))
 
     @staticmethod
-    def _replaced(res: Reservation, transfer_id: int) -> None:
+    def _replaced(res: Incoming, transfer_id: int) -> None:
         log.warning("request %s: the landing of transfer %d was replaced while it was "
                     "verified: its verdict is void", res.request_id, transfer_id,
                     extra=fields(res.request_id, res.prefill_address))

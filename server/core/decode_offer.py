@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable
 
 from kvbeam.logs import fields
-from kvbeam.server.core.decode_landing import DecodeLanding, Reservation
+from kvbeam.server.core.decode_landing import DecodeLanding, Incoming
 from kvbeam.server.core.ports import Offered, PrefillPeers, WriteGrant
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class DecodeOffer(DecodeLanding):
     #: Called with "made", "refused" or "failed" (the daemon's metrics).
     on_offer: Callable[[str], None]
 
-    def offer(self, res: Reservation) -> Offered | None:
+    def offer(self, res: Incoming) -> Offered | None:
         """Offer a fresh reservation to its prefill when that is a connected peer.
 
         Returns prefill's answer, None when no offer was made (no connection, or

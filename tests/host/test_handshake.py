@@ -55,8 +55,6 @@ def test_compatible_pair_succeeds_on_both_sides(prefill: SideInfo, decode: SideI
         assert peer.endpoint == decode.endpoint
         assert peer.local_endpoint == prefill.endpoint
         assert peer.control_address == server.address  # advertised after binding
-        assert peer.prefill_layout == prefill.layout
-        assert peer.decode_layout == decode.layout
         # The server registered the client as verified, with the same layouts.
         theirs = server.peers.require(prefill.instance_id)
         assert theirs.role is Role.PREFILL

@@ -148,7 +148,7 @@ def _messages(daemons: tuple[Daemon, Daemon]) -> st.SearchStrategy[tuple[str, Me
     return st.one_of(
         st.tuples(st.just("Reserve"), st.builds(
             pb.ReserveRequest, request_id=rid.map(lambda s: "R" + s), seq_len=EDGE_INTS,
-            prefill_address=addr, peer_instance_id=inst)),
+            prefill_address=addr)),
         st.tuples(st.just("Send"), st.builds(
             pb.SendRequest, request_id=rid.map(lambda s: "S" + s), source_slot=EDGE_INTS,
             seq_len=EDGE_INTS, decode_address=addr, final_chunk=st.booleans(),

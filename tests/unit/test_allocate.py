@@ -1,4 +1,4 @@
-"""Host allocation: page-aligned shared memory, buffer infos with the layout's geometry."""
+"""Host allocation: page-aligned shared memory, buffers at the layout's offsets."""
 
 from __future__ import annotations
 
@@ -10,29 +10,26 @@ from kvbeam.pools.allocate import AllocatedSide
 from tests.fixtures import PAGED_DRAFT, PAGED_TARGET, layout
 
 
-def test_buffer_infos_match_the_layout() -> None:
+def test_buffers_lie_inside_their_allocations() -> None:
     lay = layout()
     side = AllocatedSide(lay)
     assert len(side.arrays) == len(lay.tensors)
     assert not side.cuda_tensors
-    for ci, comp in enumerate(lay.components):
-        infos = side.component_buf_infos(ci)
-        assert [i.data_len for i in infos] == [b.nbytes for b in comp.buffers]
-        assert [i.item_len for i in infos] == [b.item_len for b in comp.buffers]
-        for info, buf in zip(infos, comp.buffers, strict=True):
-            a = side.arrays[buf.tensor]
-            assert a.ctypes.data <= info.data_ptr
-            assert info.data_ptr + info.data_len <= a.ctypes.data + len(a)
+    for buf in lay.flat_buffers:
+        a = side.arrays[buf.tensor]
+        assert side.buffer_addr(buf) == a.ctypes.data + buf.offset
+        assert buf.offset + buf.nbytes <= len(a)
 
 
 def test_allocations_are_zeroed_page_aligned_and_stable() -> None:
     side = AllocatedSide(layout())
     regions = side.tensor_regions()
+    addrs = side.buffer_addrs()
     assert all(r.addr % mmap.PAGESIZE == 0 for r in regions)
     assert all(not a.any() for a in side.arrays)
     side.fill_pattern(3)
     assert side.tensor_regions() == regions
-    assert side.buffer_addrs() == [r.addr for r in side.buffer_regions()]
+    assert side.buffer_addrs() == addrs == [side.buffer_addr(b) for b in side.layout.flat_buffers]
 
 
 def test_buffer_array_and_view_alias_the_allocation() -> None:
@@ -58,4 +55,3 @@ def test_regions_and_patterns() -> None:
     b.fill_pattern(2)
     assert not np.array_equal(a.arrays[0], b.arrays[0])
     assert [r.length for r in a.tensor_regions()] == [t.nbytes for t in lay.tensors]
-    assert [r.addr for r in a.buffer_regions()] == a.buffer_addrs()

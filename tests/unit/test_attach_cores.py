@@ -26,7 +26,6 @@ def _decode() -> DecodeCore:
 
 def test_a_decode_core_without_pools_refuses_then_serves_then_drops() -> None:
     core = _decode()
-    assert not core.has_pools
     with pytest.raises(NoEngineAttached, match="no engine attached"):
         _ = core.layout
     lay = layout()

@@ -46,7 +46,7 @@ def _loaded_after(imports: list[str]) -> set[str]:
     _submodules("kvbeam.pools"),
     _submodules("kvbeam.transport"),
     ["kvbeam.client", "kvbeam.scheduler", "kvbeam.procs", "kvbeam.states", "kvbeam.rpc_errors",
-     "kvbeam.auth", "kvbeam.auth_grpc", "kvbeam.logs"],
+     "kvbeam.auth", "kvbeam.auth_grpc", "kvbeam.logs", "kvbeam.control_channel"],
 ], ids=["proto", "pools", "transport", "client"])
 def test_layers_below_the_daemons_never_import_them(imports: list[str]) -> None:
     loaded = _loaded_after(imports)

@@ -10,7 +10,7 @@ from kvbeam.pools.checks import check_sides, compare_sides
 from kvbeam.pools.engine_indices import validate
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.paged import paged_side_config, paged_spec
-from kvbeam.pools.sglang_mha import page_bytes, sglang_mha_side_config, sglang_mha_spec
+from kvbeam.pools.sglang_mha import page_bytes, sglang_mha_spec
 from kvbeam.pools.spec import SideConfig
 from kvbeam.pools.types import IndexKind, StateType
 from kvbeam.proto.attach_codec import config_to_mapping
@@ -23,8 +23,8 @@ BASE = dict(num_layers=2, page_size=4, num_kv_heads=2, head_dim=32, dtype="float
 
 
 def side(**over: object) -> SideConfig:
-    return sglang_mha_side_config("tiny-llama",
-                                  sglang_mha_spec(**{**BASE, **over}))  # type: ignore[arg-type]
+    return SideConfig(model="tiny-llama",
+                      target=sglang_mha_spec(**{**BASE, **over}))  # type: ignore[arg-type]
 
 
 def test_layout_is_k_then_v_per_layer_and_the_metadata_rows() -> None:

@@ -30,15 +30,15 @@ from kvbeam.integrations.sglang.scheduler import (
 )
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout, build_side_layout
-from kvbeam.pools.sglang_mha import sglang_mha_side_config, sglang_mha_spec
+from kvbeam.pools.sglang_mha import sglang_mha_spec
 from kvbeam.pools.shm import shared_file_size
-from kvbeam.pools.spec import PoolSpec
+from kvbeam.pools.spec import PoolSpec, SideConfig
 
 AUX = (64, 128)
 
 
 def _layout(rows: int = 9, aux_rows: int = 4):  # type: ignore[no-untyped-def]
-    return build_side_layout(sglang_mha_side_config("m", sglang_mha_spec(
+    return build_side_layout(SideConfig(model="m", target=sglang_mha_spec(
         num_layers=2, page_size=1, num_kv_heads=2, head_dim=4, dtype="float16",
         token_rows=rows, aux_item_lens=AUX, aux_rows=aux_rows)))
 
@@ -158,7 +158,7 @@ def _lists_of(layout: SideLayout, spec: PoolSpec, seq_len: int) -> dict[str, obj
 def test_decode_derives_the_request_length_from_its_lists() -> None:
     from kvbeam.refengine.configs import tiny_config
 
-    mha = sglang_mha_side_config("m", sglang_mha_spec(
+    mha = SideConfig(model="m", target=sglang_mha_spec(
         num_layers=2, page_size=1, num_kv_heads=2, head_dim=4, dtype="float16",
         token_rows=300, aux_item_lens=AUX, aux_rows=4))
     layout = build_side_layout(mha)

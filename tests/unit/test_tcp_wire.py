@@ -1,4 +1,4 @@
-"""The TCP wire's batched WRITEV frames: exact landing, partial sends, refusals, old frames."""
+"""The TCP wire's WRITEV frames: exact landing, partial sends, refusals, the retired WRITE."""
 
 from __future__ import annotations
 
@@ -131,9 +131,10 @@ def test_refused_block_lands_what_came_before_it_and_naks(
     assert b.stats().received_bytes == int(blocks.lengths[:bad].sum())
 
 
-def test_old_write_frames_are_still_accepted(
+def test_retired_write_frame_drops_the_connection_and_fails_the_transfer(
         pair: tuple[TcpTransport, TcpTransport, TcpLink],
         bufs: tuple[mmap.mmap, mmap.mmap]) -> None:
+    """Kind 2, the one-block WRITE frame only protocol 1 and 2 builds sent, lands nothing."""
     a, b, link = pair
     src, dst = bufs
     sock = link._sock
@@ -141,9 +142,11 @@ def test_old_write_frames_are_still_accepted(
     link._queue.put(None)  # stop the sender thread: this test writes the frames itself
     time.sleep(0.1)
     link._inflight.append(9)
-    wire.send_write(sock, _addr(src) + 10, _addr(dst) + 100, 5000)
-    wire.send_all(sock, wire.frame(wire.END, 9, flags=wire.FLAG_NOTIFY))
+    # One send: the receiver closes on the first header, so a second one could meet a reset.
+    wire.send_all(sock, wire.frame(2, 0, _addr(dst) + 100, 5000) + src[10:5010]
+                  + wire.frame(wire.END, 9, flags=wire.FLAG_NOTIFY))
     done = _completion(a)
-    assert (done.transfer_id, done.ok) == (9, True)
-    assert dst[100:5100] == src[10:5010]
-    assert b.stats().received_bytes == 5000
+    assert (done.transfer_id, done.ok, done.status) == (9, False, st.TCP_CONNECTION_LOST)
+    assert dst[100:5100] == bytes(5000)
+    assert b.stats().received_bytes == 0
+    assert not [e for e in b.events(0.2) if e.kind is EventKind.NOTIFIED]

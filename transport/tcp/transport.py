@@ -4,11 +4,11 @@ Each side listens on one port. A link's outbound connection carries its writes:
 the sender streams each block's bytes straight from local memory in WRITEV frames
 (up to IOV_MAX blocks each: their destination addresses and lengths, then the
 payloads, one ``sendmsg``; see :mod:`kvbeam.transport.tcp.wire`), then an END
-frame per transfer. The receiver also accepts the older one-block WRITE frames.
-The receiver checks every block against its remote-writable regions before it
-lands the bytes, straight from the socket into the destination, and answers END
-with ACK (after emitting the notification) or NAK (a block was refused). The
-writer's COMPLETED event follows ACK/NAK, so it means what an RDMA completion means.
+frame per transfer. The receiver checks every block against its remote-writable
+regions before it lands the bytes, straight from the socket into the destination,
+and answers END with ACK (after emitting the notification) or NAK (a block was
+refused). The writer's COMPLETED event follows ACK/NAK, so it means what an RDMA
+completion means.
 
 Links (:mod:`kvbeam.transport.tcp.link`) reach this transport only through its
 :class:`~kvbeam.transport.tcp.link.TcpHost` methods. Lock order: see
@@ -139,7 +139,7 @@ class TcpTransport(LinkHostBase, Transport):
         self._meter.received(nbytes)
 
     def writable(self) -> RegionTable:
-        """Our remote-writable regions: where inbound WRITE frames may land."""
+        """Our remote-writable regions: where inbound WRITEV blocks may land."""
         return self._book.writable
 
     def _accept_loop(self) -> None:
@@ -258,7 +258,7 @@ class TcpTransport(LinkHostBase, Transport):
                        f"sent no HELLO within {HELLO_TIMEOUT_S:g} s")
 
     def _serve(self, conn: socket.socket, peer: object, link: TcpLink) -> None:
-        """Receive side of one inbound connection that named ``link``: WRITE*/END frames."""
+        """Receive side of one inbound connection that named ``link``: WRITEV*/END frames."""
         try:
             link.add_inbound(conn)
             try:
@@ -290,7 +290,7 @@ class _Pending:
 
 
 class _Receiver:
-    """Lands WRITE frames of one inbound connection and answers each END."""
+    """Lands WRITEV frames of one inbound connection and answers each END."""
 
     def __init__(self, transport: TcpTransport, link: TcpLink, conn: socket.socket) -> None:
         self.t, self.link, self.conn = transport, link, conn
@@ -311,19 +311,8 @@ class _Receiver:
                     self._link_failed(None, st.TCP_CONNECTION_LOST,
                                       f"{eof_reason} in the middle of a transfer")
                 return
-            kind, flags, transfer_id, addr, length = header
-            if kind == wire.WRITE:
-                in_transfer = True
-                # The table is read per block: registrations may change between transfers.
-                if refused is None and self.t.writable().contains(addr, length):
-                    wire.recv_into(self.conn, wire.view(addr, length))
-                    landed += length
-                    continue
-                if refused is None:
-                    refused = (f"block at {addr:#x} length {length} is outside every "
-                               f"remote-writable region of the receiver")
-                wire.discard(self.conn, length)
-            elif kind == wire.WRITEV:
+            kind, flags, transfer_id, _addr, length = header
+            if kind == wire.WRITEV:
                 in_transfer = True
                 landed, refused = self._writev(length, landed, refused)
             elif kind == wire.END:
@@ -346,8 +335,8 @@ class _Receiver:
     def _writev(self, count: int, landed: int, refused: str | None) -> tuple[int, str | None]:
         """Land one WRITEV frame's blocks; (bytes landed so far, why refused or None).
 
-        Like a run of WRITE frames: the blocks before the first one outside our
-        regions land, that one and every later one are read and dropped.
+        The blocks before the first one outside our regions land, that one and every
+        later one are read and dropped (and the transfer is NAKed at its END).
         """
         addrs, lengths = wire.recv_descs(self.conn, count)
         table = self.t.writable()  # read per frame: registrations may change between transfers

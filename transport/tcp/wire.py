@@ -1,19 +1,20 @@
 """The TCP transport's wire format and the socket I/O that reads and writes raw memory.
 
-Every frame starts with one fixed header; WRITE, HELLO and NAK frames carry
-``length`` payload bytes after it. A WRITEV frame carries ``length`` blocks: that
-many (destination address, length) pairs (little-endian u64), then their payloads
-back to back; senders batch a transfer's blocks into WRITEV frames of at most
-:data:`MAX_VEC` blocks so that one ``writev`` (and on the receiver one ``readv``,
-:mod:`kvbeam.transport.tcp.iov`) moves a whole frame, where one WRITE frame per
-block cost two system calls and ~20 us of Python on each side. Receivers accept both. Payloads
-move between the socket and process memory directly (ctypes views of the
-addresses), with no intermediate copy.
+Every frame starts with one fixed header; HELLO and NAK frames carry ``length``
+payload bytes after it. A WRITEV frame, the one frame that carries data, holds
+``length`` blocks: that many (destination address, length) pairs (little-endian
+u64), then their payloads back to back; senders batch a transfer's blocks into
+WRITEV frames of at most :data:`MAX_VEC` blocks so that one ``writev`` (and on the
+receiver one ``readv``, :mod:`kvbeam.transport.tcp.iov`) moves a whole frame. Kind 2,
+the one-block WRITE frame (two system calls and ~20 us of Python per block on each
+side), is retired: only builds of protocol 1 and 2 sent it, and those are refused at
+the handshake (protocol version); a receiver drops a connection that sends one.
+Payloads move between the socket and process memory directly (``readv``/``writev``
+on the blocks' addresses), with no intermediate copy.
 """
 
 from __future__ import annotations
 
-import ctypes
 import socket
 import struct
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from kvbeam.transport.tcp import iov
 HEADER = struct.Struct("<BBHIQQ")  # kind, flags, reserved, transfer_id, addr, length
 
 HELLO = 1  # sender -> receiver: payload = the token of the receiver's link
-WRITE = 2  # sender -> receiver: write ``length`` bytes of payload at ``addr``
+# 2: the retired one-block WRITE frame (never reuse the number)
 END = 3  # sender -> receiver: transfer ``transfer_id`` is complete; flags & NOTIFY
 ACK = 4  # receiver -> sender: every byte of ``transfer_id`` landed
 NAK = 5  # receiver -> sender: ``transfer_id`` was refused; payload = "STATUS detail"
@@ -45,28 +46,12 @@ def frame(kind: int, transfer_id: int = 0, addr: int = 0, length: int = 0, flags
     return HEADER.pack(kind, flags, 0, transfer_id, addr, length)
 
 
-def view(addr: int, length: int) -> memoryview:
-    """A byte view of ``length`` bytes of this process's memory at ``addr`` (no copy)."""
-    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
-
-
 def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
     """Send everything; each call may wait up to the socket timeout for progress."""
     mv = memoryview(data).cast("B")
     off = 0
     while off < len(mv):
         off += sock.send(mv[off:off + _CHUNK])
-
-
-def send_write(sock: socket.socket, addr: int, dst: int, length: int) -> None:
-    """A WRITE frame whose payload is read straight from local memory at ``addr``."""
-    header = frame(WRITE, 0, dst, length)
-    payload = view(addr, length)
-    sent = sock.sendmsg([header, payload[:_CHUNK]])  # header and first chunk in one syscall
-    if sent < len(header):
-        send_all(sock, header[sent:])
-        sent = len(header)
-    send_all(sock, payload[sent - len(header):])
 
 
 def recv_into(sock: socket.socket, target: memoryview, idle_ok: bool = False) -> bool:

@@ -59,6 +59,16 @@ MAX_WR_BYTES = 1 << 31
 MAX_BATCH_WRS = 1 << 32
 
 
+def id_to_imm(transfer_id: int) -> int:
+    """The immediate value that carries ``transfer_id`` (network byte order on the wire)."""
+    return socket.htonl(transfer_id)
+
+
+def imm_to_id(imm_data: int) -> int:
+    """The transfer id in a completion's immediate: :func:`id_to_imm` undone."""
+    return socket.ntohl(imm_data)
+
+
 class WrBatch:
     """One transfer's WRs: ``n`` checked descriptors (:data:`DESC_DTYPE`) and its signals.
 
@@ -102,7 +112,7 @@ def build(p: Prepared, serial: int, signal_every: int, marker: tuple[int, int],
     descs["lkey"][:n_data] = p.lkeys
     if p.notify:
         descs["opcode"][n_data] = WR_RDMA_WRITE_WITH_IMM
-        descs["imm_data"][n_data] = socket.htonl(p.transfer_id)
+        descs["imm_data"][n_data] = id_to_imm(p.transfer_id)
         descs["remote_addr"][n_data], descs["rkey"][n_data] = marker
     if n == 0:
         return WrBatch(descs, [], [])

@@ -41,7 +41,7 @@ from kvbeam.transport.blocks import Blocks
 from kvbeam.transport.core import prepare, remote_table
 from kvbeam.transport.endpoint import Endpoint
 from kvbeam.transport.regions import RegionTable
-from kvbeam.transport.verbs.chain import Poster
+from kvbeam.transport.verbs.chain import Poster, imm_to_id
 from kvbeam.transport.verbs.device import mtu_bytes, mtu_enum
 from kvbeam.transport.verbs.lanes import (
     Job,
@@ -53,7 +53,7 @@ from kvbeam.transport.verbs.lanes import (
     stripe_slice,
 )
 from kvbeam.transport.verbs.linkhost import LinkStats, VerbsHost
-from kvbeam.transport.verbs.qp import RECV_TAG, QueuePair, imm_to_id
+from kvbeam.transport.verbs.qp import RECV_TAG, QueuePair
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import socket
 import threading
 from typing import Any
 
@@ -157,13 +156,3 @@ class QueuePair:
                 except Exception:
                     log.exception("closing %s of QP failed", name)
                 setattr(self, name, None)
-
-
-def imm_to_id(imm_data: int) -> int:
-    """The transfer id in a completion's immediate (network byte order on the wire)."""
-    return socket.ntohl(imm_data)
-
-
-def id_to_imm(transfer_id: int) -> int:
-    """The immediate value that carries ``transfer_id``."""
-    return socket.htonl(transfer_id)

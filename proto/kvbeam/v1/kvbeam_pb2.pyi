@@ -355,18 +355,16 @@ class IndexList(_message.Message):
     def __init__(self, kind: _Optional[_Union[IndexKind, str]] = ..., indices: _Optional[_Iterable[int]] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "seq_len", "prefill_address", "peer_instance_id", "indices")
+    __slots__ = ("request_id", "seq_len", "prefill_address", "indices")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    PEER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq_len: int
     prefill_address: str
-    peer_instance_id: str
     indices: _containers.RepeatedCompositeFieldContainer[IndexList]
-    def __init__(self, request_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., prefill_address: _Optional[str] = ..., peer_instance_id: _Optional[str] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., prefill_address: _Optional[str] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("request_id", "slot", "indices", "lease_ms", "instance_id")
