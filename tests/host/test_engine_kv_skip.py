@@ -12,7 +12,6 @@ name ``kv_skip`` and the values it was checked against.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
