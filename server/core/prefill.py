@@ -74,6 +74,10 @@ ABORT_WAITERS = 4
 #: Longest an Abort handler waits on its request's drain, s (less if its caller's
 #: deadline is nearer): writes in flight usually complete within milliseconds.
 ABORT_WAIT_S = 2.0
+#: Aborts from decode of a request prefill has no Send of yet (decode declined it before
+#: prefill's engine sent it) kept so that Send fails at once: at most this many, each
+#: for ``send_wait_s`` (what the Send would otherwise wait).
+MAX_EARLY_ABORTS = 1024
 
 
 @dataclass(eq=False)
@@ -189,6 +193,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
         self._out: dict[str, Outgoing] = {}
         self._writes: dict[tuple[int, int], str] = {}
         self._connecting: dict[str, list[Outgoing]] = {}
+        #: Decode's aborts that came before the request's Send: id -> (expiry, detail).
+        self._early_aborts: dict[str, tuple[float, str]] = {}
 
     # ---- API ---------------------------------------------------------------------------
     def send(self, request_id: str, src_slot: int, seq_len: int, decode_address: str,
@@ -215,6 +221,15 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                  if (indices or draft) and kv_offset is None else None)
         with self._lock:
             rec = self._out.get(request_id)
+            early = self._early_aborts.pop(request_id, None) if rec is None else None
+            if early is not None and early[0] >= time.monotonic():
+                # Decode declined (or aborted) it before this Send: fail it now, rather
+                # than hold the engine's source for the --send-wait-s lease.
+                self.table.create(request_id, decode_address)
+                self.table.fail(request_id, FailureReason.PEER_FAILED, early[1])
+                log.warning("request %s failed: decode ended it before its Send: %s",
+                            request_id, early[1], extra=fields(request_id, decode_address))
+                return self.status(request_id)
             if rec is None:
                 pieces = None
                 if kv_offset is not None:
@@ -279,6 +294,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
             rec = self._out.get(request_id)
             if rec is not None and from_peer:
                 rec.told_decode = True  # decode asked: it knows
+        if rec is None and from_peer and self.send_wait_s and self.table.get(request_id) is None:
+            self._remember_early_abort(request_id, detail or "aborted by decode")
         if rec is None:  # ended and pruned, or never seen (UnknownRequest)
             snap = self.status(request_id)
             if from_peer and snap.state is TransferState.SUCCESS:
@@ -312,6 +329,19 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                      rec.outstanding, extra=fields(request_id, rec.decode_address))
         self._tell_decode_once(rec, f"aborted on prefill: {detail}")  # once drained
         return self.status(request_id)
+
+    def _remember_early_abort(self, request_id: str, detail: str) -> None:
+        """Decode ended a request whose Send has not come (its engine declined it before
+        prefill's engine sent it): its Send, if it comes within ``send_wait_s``, fails at
+        once. Bounded: the oldest is forgotten first (that Send then waits its lease)."""
+        now = time.monotonic()
+        with self._lock:
+            book = self._early_aborts
+            for rid in [r for r, (expiry, _) in book.items() if expiry < now]:
+                del book[rid]
+            while len(book) >= MAX_EARLY_ABORTS:
+                del book[next(iter(book))]
+            book[request_id] = (now + self.send_wait_s, detail)
 
     def in_flight(self, request_id: str) -> int:
         """Writes of the request that may still read its source (0 once drained)."""

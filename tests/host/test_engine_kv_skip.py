@@ -11,6 +11,7 @@ name ``kv_skip`` and the values it was checked against.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -131,3 +132,14 @@ def test_a_declined_request_frees_prefill_at_once(engines: Engines) -> None:
     assert value(scrape(decode.metrics), "kvbeam_declines_total") == before + 1
     with KvbeamClient(prefill.address) as p:
         assert p.status("dcl").state is TransferState.FAILED
+    # Declined before prefill's engine sent it (vLLM's prefill sends after it answered
+    # the client): the Send that comes later fails at once, not at its lease.
+    assert de.cmd(f"decline early {prefill.address}") == "declined"
+    for _ in range(200):
+        if value(scrape(decode.metrics), "kvbeam_declines_total") == before + 2:
+            break
+        time.sleep(0.05)
+    assert pe.cmd(f"send early {SEQ} {decode.address} 25") == "send early"
+    answer = pe.cmd("wait early 60")
+    assert answer.startswith("Failed peer_failed: declined by decode: the test engine will "
+                             "not load it"), answer
