@@ -228,9 +228,10 @@ def same_lists(a: Mapping[IndexKind, npt.NDArray[np.int64]],
 
 
 def check_kv_skip(side: str, spec: PoolSpec, layout: SideLayout, kv_skip: int, seq_len: int,
-                  *, lists: bool) -> int:
+                  *, lists: bool) -> int | None:
     """Check a request's ``kv_skip`` (its leading KV pages decode holds, which prefill
-    does not write) on ``side``; return how many KV pages are left to move.
+    does not write) on ``side``; return how many KV pages are left to move (None for
+    ``kv_skip`` 0: the whole request, nothing to check).
 
     It has a meaning only for the engine's own lists (``lists``) on a layout of KV pages
     alone, without a draft pool: a state component, an SWA list or a ring (DSV4) holds
@@ -242,7 +243,7 @@ def check_kv_skip(side: str, spec: PoolSpec, layout: SideLayout, kv_skip: int, s
         BadKvSkip: naming ``kv_skip``, its value and what it was checked against.
     """
     if kv_skip == 0:
-        return expected_lengths(spec, seq_len)[IndexKind.KV_PAGES]
+        return None
     if kv_skip < 0:
         raise BadKvSkip(f"{side}: kv_skip {kv_skip}: a count of leading KV pages, not "
                         "negative")
