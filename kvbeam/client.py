@@ -141,18 +141,24 @@ class KvbeamClient(ControlChannel):
             raise self._error(exc, method) from None
 
     def reserve(self, request_id: str, seq_len: int, prefill_address: str, *,
-                indices: Mapping[str, ListLike] | None = None) -> Reservation:
+                indices: Mapping[str, ListLike] | None = None, kv_skip: int = 0
+                ) -> Reservation:
         """Decode: hold a slot for the request and learn (or give) its destination indices.
 
         ``indices``: the engine's destination lists keyed by kind name, ``"draft.KIND"``
         for the draft's own lists (docs/indices.md); the reservation's slot is then -1.
         A bad list raises :class:`~kvbeam.errors.BadRequest` naming the kind and index.
+        ``kv_skip``: leading KV pages decode already holds; ``KV_PAGES`` then names only
+        the pages from there on, and prefill writes only those (docs/protocol.md,
+        "Partial loads").
         """
         lists = _lists(indices)
+        if not 0 <= kv_skip <= 0xFFFFFFFF:
+            raise BadRequest(f"kv_skip {kv_skip}: a count of leading KV pages (0..2^32-1)")
         try:
             r = self.stub.Reserve(pb.ReserveRequest(request_id=request_id, seq_len=seq_len,
                                                     prefill_address=prefill_address,
-                                                    indices=lists),
+                                                    indices=lists, kv_skip=kv_skip),
                                   timeout=self.timeout)
         except grpc.RpcError as exc:
             raise self._error(exc, "Reserve") from None

@@ -269,6 +269,15 @@ class AttachError(KvbeamError):
 
 # --- engine-chosen index lists ---
 
+class BadKvSkip(BadRequest):
+    """A ``kv_skip`` (leading KV pages decode holds, not written) refused: negative,
+    past the request's pages, without the engine's lists, or on a layout where it has no
+    meaning (INVALID_ARGUMENT, as BadRequest; the engine channel's ERROR names
+    ``kv_skip``)."""
+
+    field = "kv_skip"
+
+
 class BadIndexList(BadRequest):
     """An engine's index list refused before any byte moved (INVALID_ARGUMENT, as BadRequest).
 

@@ -28,7 +28,7 @@ from typing import Union
 import numpy as np
 import numpy.typing as npt
 
-from kvbeam.errors import BadIndexList
+from kvbeam.errors import BadIndexList, BadKvSkip
 from kvbeam.pools.indices import expected_lengths
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.spec import PoolSpec
@@ -225,3 +225,43 @@ def same_lists(a: Mapping[IndexKind, npt.NDArray[np.int64]],
                b: Mapping[IndexKind, npt.NDArray[np.int64]]) -> bool:
     """True when two sets of lists name the same kinds with equal lists."""
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def check_kv_skip(side: str, spec: PoolSpec, layout: SideLayout, kv_skip: int, seq_len: int,
+                  *, lists: bool) -> int | None:
+    """Check a request's ``kv_skip`` (its leading KV pages decode holds, which prefill
+    does not write) on ``side``; return how many KV pages are left to move (None for
+    ``kv_skip`` 0: the whole request, nothing to check).
+
+    It has a meaning only for the engine's own lists (``lists``) on a layout of KV pages
+    alone, without a draft pool: a state component, an SWA list or a ring (DSV4) holds
+    what the whole prefix computed, and a draft's own lists are not the target's pages.
+    At least one page must be left to move: a request decode holds whole is declined
+    (DECLINE), not reserved.
+
+    Raises:
+        BadKvSkip: naming ``kv_skip``, its value and what it was checked against.
+    """
+    if kv_skip == 0:
+        return None
+    if kv_skip < 0:
+        raise BadKvSkip(f"{side}: kv_skip {kv_skip}: a count of leading KV pages, not "
+                        "negative")
+    if not lists:
+        raise BadKvSkip(f"{side}: kv_skip {kv_skip} needs the engine's index lists (its "
+                        "KV_PAGES from position kv_skip on): slot-based lists address the "
+                        "whole request")
+    other = [k.value for k in _shape(layout).used if k is not IndexKind.KV_PAGES]
+    if other or layout.draft is not None:
+        what = (f"{', '.join(other)} buffers" if other else "") + (
+            f"{' and ' if other else ''}a draft pool" if layout.draft is not None else "")
+        raise BadKvSkip(f"{side}: kv_skip {kv_skip} is only for a layout of KV pages alone; "
+                        f"this one has {what}, whose items hold what the whole prefix "
+                        "computed: give kv_skip 0 (move the whole request)")
+    pages = expected_lengths(spec, seq_len)[IndexKind.KV_PAGES]
+    if kv_skip >= pages:
+        raise BadKvSkip(f"{side}: kv_skip {kv_skip} leaves no KV page of the request's "
+                        f"{pages} ({seq_len} tokens, {spec.page_size} per page) to move: at "
+                        f"most {pages - 1}; a request decode holds whole is declined "
+                        "(DECLINE), not reserved")
+    return pages - kv_skip

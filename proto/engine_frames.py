@@ -6,7 +6,8 @@ Every frame is a 4-byte big-endian length of what follows, then::
 
     u8 version (ENGINE_FRAMES_VERSION) | u8 kind | u16 id length | request id (UTF-8) | body
 
-Engine to daemon: RESERVE (decode), SEND (prefill), ABORT, RELEASE (decode). Daemon to
+Engine to daemon: RESERVE (decode), SEND (prefill), ABORT, RELEASE (decode), DECLINE
+(decode: a request it will not load, told to its prefill at once). Daemon to
 engine: STATE (every state change of a request the engine started on this channel)
 and ERROR (a frame refused: the field at fault and why). Several frames written at
 once are a batch; nothing else marks one. A JSON attach-protocol message (its body
@@ -44,11 +45,11 @@ MAX_LISTS = 64
 MAX_INDICES = 1 << 22
 MAX_CHUNKS = 4096
 
-RESERVE, SEND, ABORT, RELEASE = 1, 2, 3, 4
+RESERVE, SEND, ABORT, RELEASE, DECLINE = 1, 2, 3, 4, 5
 STATE, ERROR = 16, 17
 KIND_NAMES = {RESERVE: "RESERVE", SEND: "SEND", ABORT: "ABORT", RELEASE: "RELEASE",
-              STATE: "STATE", ERROR: "ERROR"}
-ENGINE_KINDS = (RESERVE, SEND, ABORT, RELEASE)
+              DECLINE: "DECLINE", STATE: "STATE", ERROR: "ERROR"}
+ENGINE_KINDS = (RESERVE, SEND, ABORT, RELEASE, DECLINE)
 
 #: SEND flags. EXTENDS: the frame's lists are the next piece of the request's source
 #: lists (``u32 kv_offset`` follows the chunks: where its KV pages start in the request's
@@ -80,13 +81,20 @@ Lists = dict[IndexKind, npt.NDArray[np.int64]]
 
 @dataclass(frozen=True)
 class Reserve:
-    """Decode's reservation at the engine's destination lists."""
+    """Decode's reservation at the engine's destination lists.
+
+    ``kv_skip``: leading KV pages of the request decode already holds (its prefix
+    cache); the KV_PAGES list then names only the pages from that position on, and
+    prefill writes only those. On the wire a trailing ``u32`` after the lists, present
+    only when non-zero (a frame without it reserves the whole request).
+    """
 
     request_id: str
     seq_len: int
     prefill_address: str
     indices: Lists = field(default_factory=dict)
     draft: Lists = field(default_factory=dict)
+    kv_skip: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,17 @@ class Release:
 
 
 @dataclass(frozen=True)
+class Decline:
+    """Decode will not load a request it reserved nothing for (e.g. it holds every
+    block, or the request will not use prefill's KV): its daemon tells prefill at once,
+    which fails its send and frees its source blocks instead of waiting out its lease."""
+
+    request_id: str
+    prefill_address: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
 class State:
     """A request's new state, pushed by the daemon."""
 
@@ -144,7 +163,7 @@ class Error:
     message: str
 
 
-EngineFrame = Reserve | Send | Abort | Release
+EngineFrame = Reserve | Send | Abort | Release | Decline
 DaemonFrame = State | Error
 
 
@@ -198,9 +217,12 @@ def _lists(target: Lists, draft: Lists) -> bytes:
 def encode(frame: EngineFrame | DaemonFrame) -> bytes:
     """One frame, length prefix included."""
     if isinstance(frame, Reserve):
+        if not 0 <= frame.kv_skip <= 0xFFFFFFFF:
+            raise FrameError("kv_skip", f"must be in 0..2^32-1 (got {frame.kv_skip})")
         return _frame(RESERVE, frame.request_id,
                       _U32.pack(frame.seq_len) + _str(frame.prefill_address, "prefill_address")
-                      + _lists(frame.indices, frame.draft))
+                      + _lists(frame.indices, frame.draft)
+                      + (_U32.pack(frame.kv_skip) if frame.kv_skip else b""))
     if isinstance(frame, Send):
         has = frame.indices is not None or frame.draft is not None
         if len(frame.chunks) > MAX_CHUNKS:
@@ -222,6 +244,10 @@ def encode(frame: EngineFrame | DaemonFrame) -> bytes:
         return _frame(ABORT, frame.request_id, _str(frame.detail, "detail"))
     if isinstance(frame, Release):
         return _frame(RELEASE, frame.request_id, b"")
+    if isinstance(frame, Decline):
+        return _frame(DECLINE, frame.request_id,
+                      _str(frame.prefill_address, "prefill_address") + _str(frame.detail,
+                                                                            "detail"))
     if isinstance(frame, State):
         reason = REASON_CODES[frame.reason] if frame.reason is not None else 0
         return _frame(STATE, frame.request_id,
@@ -315,7 +341,8 @@ def decode(body: bytes | memoryview, allowed: Sequence[int] = ENGINE_KINDS
         (seq_len,) = cur.unpack(_U32, "seq_len")
         address = cur.string("prefill_address")
         target, draft = cur.lists()
-        out = Reserve(rid, seq_len, address, target, draft)
+        skip = cur.unpack(_U32, "kv_skip")[0] if len(cur.body) - cur.at == _U32.size else 0
+        out = Reserve(rid, seq_len, address, target, draft, int(skip))
     elif kind == SEND:
         (seq_len,) = cur.unpack(_U32, "seq_len")
         address = cur.string("decode_address")
@@ -336,6 +363,8 @@ def decode(body: bytes | memoryview, allowed: Sequence[int] = ENGINE_KINDS
         out = Abort(rid, cur.string("detail"))
     elif kind == RELEASE:
         out = Release(rid)
+    elif kind == DECLINE:
+        out = Decline(rid, cur.string("prefill_address"), cur.string("detail"))
     elif kind == STATE:
         code, reason, version_ = cur.unpack(_STATE, "state")
         if code not in STATE_FROM_CODE:

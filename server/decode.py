@@ -52,6 +52,7 @@ class DecodeServicer(DaemonServicer):
             on_offer=lambda event: runtime.metrics.offers.labels(event).inc(),
             wire_s=lambda n: n / (runtime.settings.transfer_floor_mbps * 1e6),
             digest_pool=self.digest_pool)
+        self.decode.on_decline = runtime.metrics.declines.inc
         self.slots = self.decode.slots
         self._links_lock = threading.Lock()  # leaf: guards _pending_links only
         self._pending_links: dict[str, Link] = {}
@@ -97,7 +98,7 @@ class DecodeServicer(DaemonServicer):
         host_port(request.prefill_address, "prefill_address")
         target, draft = index_lists_from_proto(request.indices, "indices")
         res = self.decode.reserve(rid, seq_len, request.prefill_address, indices=target,
-                                  draft=draft)
+                                  draft=draft, kv_skip=request.kv_skip)
         # A connected prefill gets the reservation now, so its Send writes at once
         # (one RPC, bounded by the RPC timeout, no lock held; docs/protocol.md).
         self.decode.offer(res)
@@ -115,7 +116,7 @@ class DecodeServicer(DaemonServicer):
                                       request.final_chunk, request.digests_follow)
         return pb.BeginWriteResponse(request_id=rid, transfer_id=res.transfer_id, slot=res.slot,
                                      indices=indices_to_proto(res.indices, res.draft),
-                                     instance_id=self.local.instance_id)
+                                     instance_id=self.local.instance_id, kv_skip=res.kv_skip)
 
     @handled
     def Digests(self, request: pb.DigestsRequest,

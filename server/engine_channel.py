@@ -62,6 +62,9 @@ class EngineOps(Protocol):
     def release(self, frame: ef.Release) -> None:
         """Decode: the engine took the KV over."""
 
+    def decline(self, frame: ef.Decline) -> None:
+        """Decode: tell prefill the request will not be loaded (may block: executor)."""
+
     def refused(self, frame: ef.EngineFrame, exc: Exception) -> None:
         """A frame was refused (its ERROR already queued): end what it leaves half done."""
 
@@ -86,7 +89,7 @@ class CoreOps:
         seq_len = self._seq_len(frame.seq_len)
         host_port(frame.prefill_address, "prefill_address")
         res = core.reserve(frame.request_id, seq_len, frame.prefill_address,
-                           indices=frame.indices, draft=frame.draft)
+                           indices=frame.indices, draft=frame.draft, kv_skip=frame.kv_skip)
         core.io.submit(core.offer, res)  # an RPC to prefill: never on the attach thread
 
     def send(self, frame: ef.Send) -> None:
@@ -123,12 +126,21 @@ class CoreOps:
                                 frame.request_id)
         core.release(frame.request_id)
 
+    def decline(self, frame: ef.Decline) -> None:
+        core = self._core()
+        if not isinstance(core, DecodeCore):
+            raise ef.FrameError("kind", "DECLINE is decode's; this is a prefill daemon",
+                                frame.request_id)
+        host_port(frame.prefill_address, "prefill_address")
+        core.decline(frame.request_id, frame.prefill_address,
+                     frame.detail or "declined by decode's engine")
+
 
 def _field_of(exc: BaseException, frame: ef.EngineFrame) -> str:
     found = getattr(exc, "field", "")
     return found if isinstance(found, str) and found else ef.KIND_NAMES.get(
         {ef.Reserve: ef.RESERVE, ef.Send: ef.SEND, ef.Abort: ef.ABORT,
-         ef.Release: ef.RELEASE}[type(frame)], "frame").lower()
+         ef.Release: ef.RELEASE, ef.Decline: ef.DECLINE}[type(frame)], "frame").lower()
 
 
 class EngineChannel:
@@ -313,8 +325,8 @@ class EngineChannel:
         except KvbeamError as exc:
             self.push_error(rid[:128], "request_id", str(exc))
             return
-        if isinstance(frame, ef.Abort):
-            self.io.submit(self._run, frame)  # waits for writes to drain, tells the peer
+        if isinstance(frame, ef.Abort | ef.Decline):
+            self.io.submit(self._run, frame)  # an RPC to the peer (an abort drains first)
             return
         self._run(frame)
 
@@ -332,6 +344,8 @@ class EngineChannel:
                 self.ops.send(frame)
             elif isinstance(frame, ef.Abort):
                 self.ops.abort(frame)
+            elif isinstance(frame, ef.Decline):
+                self.ops.decline(frame)
             else:
                 self.ops.release(frame)
         except Exception as exc:

@@ -83,6 +83,9 @@ class DaemonMetrics:
             "kvbeam_offers", "Reservations decode offered ahead of Send, by event (decode: "
             "made, refused, failed; prefill: received, refused, used, missed: a single-chunk "
             "Send that found no offer and asked with BeginWrite)", ["event"], registry=r)
+        self.declines = Counter(
+            "kvbeam_declines", "Requests decode's engine declined (DECLINE: it will not load "
+            "them) that decode's daemon told their prefill of, by Abort", registry=r)
         self.handshake_seconds = Histogram(
             "kvbeam_handshake_seconds", "Handshake latency (client: the whole round trip; "
             "server: decoding, verification and link set-up)", ["side"],

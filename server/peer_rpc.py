@@ -180,7 +180,8 @@ class GrpcDecodePeers:
             raise peer_error(exc, address=conn.control_address, method="BeginWrite",
                              timeout=timeout) from None
         return WriteGrant(reply.transfer_id, indices_from_proto(reply.indices, "indices"),
-                          draft_indices_from_proto(reply.indices, "indices"))
+                          draft_indices_from_proto(reply.indices, "indices"),
+                          kv_skip=reply.kv_skip)
 
     def send_digests(self, conn: PeerConn, request_id: str, transfer_id: int,
                      digests: list[int]) -> None:
@@ -255,7 +256,7 @@ class GrpcPrefillPeers:
             request_id=request_id, instance_id=self.local.instance_id, seq_len=seq_len,
             transfer_id=grant.transfer_id, slot=slot,
             indices=indices_to_proto(grant.indices, grant.draft),
-            lease_ms=max(1, int(lease_s * 1000)))
+            lease_ms=max(1, int(lease_s * 1000)), kv_skip=grant.kv_skip)
         try:
             reply = conn.client().stub.Offer(
                 request, timeout=min(self.options.rpc_timeout_s, OFFER_TIMEOUT_S))

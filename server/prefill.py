@@ -66,7 +66,8 @@ class PrefillServicer(DaemonServicer):
         rid = request_id_of(request.request_id)
         # Checked as BeginWrite's answer is: each kind once, no negative index.
         grant = WriteGrant(request.transfer_id, indices_from_proto(request.indices, "indices"),
-                           draft_indices_from_proto(request.indices, "indices"))
+                           draft_indices_from_proto(request.indices, "indices"),
+                           kv_skip=request.kv_skip)  # checked against the Send's lists
         kept = self.prefill.offer(rid, request.instance_id, request.seq_len, grant,
                                   request.lease_ms / 1000)
         return pb.OfferResponse(accepted=kept, digests_follow=self.prefill.integrity)

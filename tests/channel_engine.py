@@ -4,7 +4,10 @@ Run as a fresh process (``python -m tests.channel_engine --socket S --config C``
 allocates memfd pools (EnginePools), fills them with ``--seed``'s pattern, attaches,
 prints ``attached INSTANCE`` and serves commands on stdin, one answer line each:
 
-- ``reserve RID SEQ PREFILL_ADDR LIST_SEED``: Receiver.send_metadata at random lists
+- ``reserve RID SEQ PREFILL_ADDR LIST_SEED [SKIP]``: Receiver.send_metadata at random
+  lists; with SKIP, only the KV pages from position SKIP on (``kv_skip``: the engine
+  holds the first SKIP, a prefix cache)
+- ``decline RID PREFILL_ADDR``: Receiver.decline (decode will not load RID)
 - ``send RID SEQ DECODE_ADDR LIST_SEED``: Sender.send at random lists
 - ``chunk RID SEQ DECODE_ADDR LIST_SEED OFFSET START END FINAL``: Sender.send_chunk of
   tokens [START, END) with the request's KV pages from position OFFSET up to the chunk's
@@ -15,7 +18,8 @@ prints ``attached INSTANCE`` and serves commands on stdin, one answer line each:
   and at once reserve NEW at RID's very lists (an engine whose allocator frees a
   request's pages on Failed and hands them to the next); answers RID's state
 - ``events``: every change since the last call (poll_many), ``RID:STATE`` each
-- ``digests RID``: CRC32C of each buffer's items at the request's lists
+- ``digests RID [FROM [TO]]``: CRC32C of each buffer's items at the request's lists
+  (its KV pages from position FROM up to TO only)
 - ``grpc``: whether gRPC was ever imported in this process
 - ``exit``
 """
@@ -69,8 +73,9 @@ def main() -> int:
             lists[rid] = mapping
             kv = mapping.pop("KV_PAGES")
             if op == "reserve":
+                skip = int(cmd[5]) if len(cmd) > 5 else 0
                 r = Receiver(att, rid, addr)
-                r.send_metadata(kv, mapping, seq_len=seq)
+                r.send_metadata(kv[skip:], mapping, seq_len=seq, kv_skip=skip)
                 requests[rid] = r
             else:
                 s = Sender(att, rid, addr)
@@ -122,12 +127,19 @@ def main() -> int:
             evs = att.channel.poll_many()
             print("events " + ",".join(f"{e.request_id}:{e.state.value}" for e in evs),
                   flush=True)
+        elif op == "decline":
+            Receiver(att, cmd[1], cmd[2]).decline("the test engine will not load it")
+            print("declined", flush=True)
         elif op == "digests":
             mapping = lists[cmd[1]]
+            pages = slice(int(cmd[2]) if len(cmd) > 2 else 0,
+                          int(cmd[3]) if len(cmd) > 3 else None)
             out = []
             for buf in layout.flat_buffers:
                 items = pools.buffer_array(buf).reshape(buf.items, buf.item_len)
-                take = np.take(items, np.asarray(mapping[buf.index_kind.value]), axis=0)
+                at = np.asarray(mapping[buf.index_kind.value])
+                take = np.take(items, at[pages] if buf.index_kind.value == "KV_PAGES" else at,
+                               axis=0)
                 out.append(crc32c.crc32c(np.ascontiguousarray(take).data))
             print("digests " + ",".join(map(str, out)), flush=True)
         elif op == "grpc":

@@ -271,23 +271,45 @@ class Receiver(_Request):
 
     def reserve(self, kv_indices: Sequence[int] | Any,
                 state_indices: Mapping[str, Sequence[int] | Any] | None = None, *,
-                seq_len: int) -> Reservation | None:
+                seq_len: int, kv_skip: int = 0) -> Reservation | None:
         """Reserve the request at the engine's destination lists (checked by decode).
 
-        Over the engine channel this writes one frame and returns None: a refusal
-        shows as Failed (``failure_exception`` says why).
+        ``kv_skip``: the request's leading KV pages this engine already holds (its
+        prefix cache); ``kv_indices`` then names only the pages from there on, and
+        prefill writes (and digests) only those. Over the engine channel this writes
+        one frame and returns None: a refusal shows as Failed (``failure_exception``
+        says why).
         """
         lists = index_lists(kv_indices, state_indices)
         if self.channel is not None:
             target, draft = ef.split_lists(lists)
             self._track()
             self.channel.send(ef.Reserve(self.request_id, seq_len, self.prefill_address,
-                                         target, draft))
+                                         target, draft, kv_skip))
             self._started = True
             return None
-        r = self.client.reserve(self.request_id, seq_len, self.prefill_address, indices=lists)
+        r = self.client.reserve(self.request_id, seq_len, self.prefill_address, indices=lists,
+                                kv_skip=kv_skip)
         self._started = True
         return r
+
+    def decline(self, detail: str) -> None:
+        """This engine will not load the request (it reserved nothing for it): decode's
+        daemon tells prefill at once, which fails its send and frees its source instead
+        of waiting out its lease. Engine channel only: with the scheduler API, call
+        Abort on prefill's daemon.
+
+        Raises:
+            ValueError: not over the engine channel, or the request was reserved here
+                (abort it instead).
+        """
+        if self.channel is None:
+            raise ValueError("decline needs the engine channel (give the Receiver an "
+                             "Attachment); with the scheduler API, abort the request on "
+                             "prefill's daemon")
+        if self._started:
+            raise ValueError(f"request {self.request_id} was reserved here: abort it instead")
+        self.channel.send(ef.Decline(self.request_id, self.prefill_address, detail))
 
     send_metadata = reserve  # sglang's name for the same call
 

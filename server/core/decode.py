@@ -29,11 +29,17 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 
-from kvbeam.errors import AlreadyLanded, BadRequest, NotHandshakenError, UnknownRequest
+from kvbeam.errors import (
+    AlreadyLanded,
+    BadKvSkip,
+    BadRequest,
+    NotHandshakenError,
+    UnknownRequest,
+)
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest_pool import DigestPool
-from kvbeam.pools.engine_indices import ListLike, validate
+from kvbeam.pools.engine_indices import ListLike, check_kv_skip, validate
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.spec import PoolSpec
@@ -92,6 +98,8 @@ class DecodeCore(DecodeOffer):
         #: wire is not failed here while prefill is still writing it.
         self.transfer_budget = transfer_budget
         self.on_offer = on_offer
+        #: Called once per request declined to its prefill (the daemon's metrics).
+        self.on_decline: Callable[[], None] = lambda: None
         self.wire_s = wire_s  # an offered reservation's lease grows by its bytes' time
         # The landed bytes' digests run on it (owned by the driver); None: on the executor.
         self.digest_pool = digest_pool or DigestPool(0)
@@ -110,7 +118,8 @@ class DecodeCore(DecodeOffer):
     # ---- API ---------------------------------------------------------------------------
     def reserve(self, request_id: str, seq_len: int, prefill_address: str, *,
                 indices: Mapping[IndexKind, ListLike] | None = None,
-                draft: Mapping[IndexKind, ListLike] | None = None) -> Incoming:
+                draft: Mapping[IndexKind, ListLike] | None = None,
+                kv_skip: int = 0) -> Incoming:
         """Hold a slot for a request and compute (or check) its destination indices.
 
         ``indices`` (and ``draft``, the draft's own lists) are the engine's
@@ -119,13 +128,24 @@ class DecodeCore(DecodeOffer):
         ``num_req_slots`` in flight), but the lists are the address: its slot is -1.
         Lists naming an item a live reservation holds are refused
         (:class:`~kvbeam.server.core.decode_pages.PageBook`), before anything is held.
+
+        ``kv_skip``: the request's leading KV pages this engine already holds (its
+        prefix cache); its KV_PAGES list then names exactly the pages from there on,
+        and prefill writes and digests only those (docs/protocol.md, "Partial loads").
         """
         lists = None
+        left = check_kv_skip("decode", self.spec, self.layout, kv_skip, seq_len,
+                             lists=bool(indices or draft))
         if indices or draft:
             lists = validate("decode", self.spec, self.layout, indices or {}, draft or {},
-                             seq_len, shorter_pages=not self.integrity,
+                             seq_len, shorter_pages=bool(kv_skip) or not self.integrity,
                              shorter_why="decode's integrity check off, since prefill digests "
-                                         "its whole lists")
+                                         "its whole lists (or kv_skip, naming the pages "
+                                         "decode holds)")
+            given = len(lists[0][IndexKind.KV_PAGES])
+            if kv_skip and given != left:
+                raise BadKvSkip(f"decode: kv_skip {kv_skip}: KV_PAGES has {given} indices; "
+                                f"{seq_len} tokens less the {kv_skip} pages held need {left}")
         held = self.slots.acquire(request_id)
         dst, dst_draft = lists or (request_indices(self.spec, held, seq_len), {})
         nbytes = request_bytes(self.layout, dst, dst_draft)
@@ -145,15 +165,42 @@ class DecodeCore(DecodeOffer):
                     raise
                 tid = next(self._ids) & 0xFFFFFFFF
                 res = Incoming(request_id, slot, seq_len, prefill_address, tid, dst,
-                                  nbytes, draft=dst_draft)
+                               nbytes, draft=dst_draft, kv_skip=kv_skip)
                 self._res[request_id] = res
                 self._by_transfer[tid] = request_id
         except Exception:
             self.slots.release(request_id)
             raise
-        log.info("request %s: reserved slot %d for %d tokens from prefill %s", request_id,
-                 slot, seq_len, prefill_address, extra=fields(request_id, prefill_address))
+        log.info("request %s: reserved slot %d for %d tokens from prefill %s%s", request_id,
+                 slot, seq_len, prefill_address,
+                 f" (its first {kv_skip} KV pages held here: not written)" if kv_skip else "",
+                 extra=fields(request_id, prefill_address))
         return res
+
+    def decline(self, request_id: str, prefill_address: str, detail: str) -> bool:
+        """The engine will not load a request it reserved nothing for: tell its prefill
+        now, by Abort, so prefill fails its send and frees the source (instead of
+        waiting out its ``--send-wait-s`` lease). Blocking (an RPC): on the executor.
+
+        Returns True when prefill was told (it answered). A request this daemon holds
+        a reservation of is aborted instead (ABORT): refused here.
+        """
+        if self._lookup(self._res, request_id) is not None:
+            raise BadRequest(f"request {request_id} is reserved here: abort it (ABORT), "
+                             "DECLINE is for a request decode will not load at all")
+        conn = self.peers.by_address(prefill_address)
+        why = f"declined by decode: {detail}"
+        if conn is None or conn.closed:
+            log.warning("request %s: declined, but prefill %s is not connected to this "
+                        "daemon: it frees the request at its --send-wait-s lease",
+                        request_id, prefill_address, extra=fields(request_id, prefill_address))
+            return False
+        told = self.prefill.abort(conn, request_id, why)
+        self.on_decline()
+        log.info("request %s: declined (%s); prefill %s told%s", request_id, detail,
+                 prefill_address, "" if told else " (no confirmation)",
+                 extra=fields(request_id, prefill_address))
+        return True
 
     def begin_write(self, request_id: str, instance_id: str, seq_len: int, final: bool,
                     digests_follow: bool) -> Incoming:

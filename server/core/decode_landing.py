@@ -75,6 +75,7 @@ class Incoming:
     asked_at: float = 0.0
     asking: bool = False
     abort_detail: str = ""
+    kv_skip: int = 0                 # leading KV pages the engine holds: not written
 
 
 #: What a landed request waits for when its digests are missing (a timeout names it).

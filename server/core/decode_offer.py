@@ -55,7 +55,8 @@ class DecodeOffer(DecodeLanding):
                 return None  # BeginWrite came first, or the request ended or is gone
             res.peer_instance, res.link_id, res.offered = conn.instance_id, conn.link.id, True
         answer = self.prefill.offer(conn, res.request_id, res.seq_len,
-                                    WriteGrant(res.transfer_id, res.indices, res.draft),
+                                    WriteGrant(res.transfer_id, res.indices, res.draft,
+                                               res.kv_skip),
                                     res.slot, lease)
         with self._lock:
             still = res.offered  # no BeginWrite since (it decides instead)

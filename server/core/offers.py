@@ -183,7 +183,7 @@ class PrefillOffers:
         Outside every lock, on the executor (it waits for the pool's threads)."""
         if rec.digests is None:
             rec.digests = (job or self.digest_pool.digests(
-                self.pools, rec.src_indices, draft=rec.src_draft)).result()
+                self.pools, rec.moved_source, draft=rec.src_draft)).result()
         try:
             self.decode.send_digests(conn, rec.request_id, transfer_id, rec.digests)
         except Exception as exc:  # decode's deadline fails the request, naming the digests

@@ -56,6 +56,8 @@ class WriteGrant:
     transfer_id: int
     indices: IndexLists
     draft: IndexLists = field(default_factory=dict)  # the draft's own lists, where given
+    #: Leading KV pages of the request decode holds: ``indices``' KV_PAGES starts there.
+    kv_skip: int = 0
 
 
 class Offered(Enum):

@@ -31,6 +31,7 @@ import numpy.typing as npt
 
 from kvbeam.errors import (
     AlreadyLanded,
+    BadKvSkip,
     BadRequest,
     DuplicateRequest,
     FrameError,
@@ -42,7 +43,7 @@ from kvbeam.errors import (
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest_pool import DigestPool
-from kvbeam.pools.engine_indices import ListLike, same_lists, validate
+from kvbeam.pools.engine_indices import ListLike, check_kv_skip, same_lists, validate
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.plan import build_plan
@@ -50,7 +51,7 @@ from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.offers import OfferBook, PrefillOffers
-from kvbeam.server.core.ports import DecodePeers, IndexLists
+from kvbeam.server.core.ports import DecodePeers, IndexLists, WriteGrant
 from kvbeam.server.core.prefill_events import after_resends
 from kvbeam.server.core.prefill_pieces import Pieces
 from kvbeam.server.core.resend import PrefillResend
@@ -73,6 +74,10 @@ ABORT_WAITERS = 4
 #: Longest an Abort handler waits on its request's drain, s (less if its caller's
 #: deadline is nearer): writes in flight usually complete within milliseconds.
 ABORT_WAIT_S = 2.0
+#: Aborts from decode of a request prefill has no Send of yet (decode declined it before
+#: prefill's engine sent it) kept so that Send fails at once: at most this many, each
+#: for ``send_wait_s`` (what the Send would otherwise wait).
+MAX_EARLY_ABORTS = 1024
 
 
 @dataclass(eq=False)
@@ -113,6 +118,17 @@ class Outgoing:
     parked_at: float = 0.0  # when it parked (its BeginWrite fallback is due OFFER_GRACE_S later)
     asked: bool = False  # asks (or asked) with BeginWrite: only decode's Offer unparks it
     pieces: Pieces | None = None  # its lists come a piece per chunk (SEND with kv_offset)
+    kv_skip: int | None = None  # leading KV pages decode holds (its grant's; None: no grant)
+
+    @property
+    def moved_source(self) -> IndexLists:
+        """The source lists of what moves: the KV pages from ``kv_skip`` on (what decode
+        reserved and digests), every other list whole."""
+        if not self.kv_skip:
+            return self.src_indices
+        out = dict(self.src_indices)
+        out[IndexKind.KV_PAGES] = self.src_indices[IndexKind.KV_PAGES][self.kv_skip:]
+        return out
 
     @property
     def drained(self) -> bool:
@@ -177,6 +193,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
         self._out: dict[str, Outgoing] = {}
         self._writes: dict[tuple[int, int], str] = {}
         self._connecting: dict[str, list[Outgoing]] = {}
+        #: Decode's aborts that came before the request's Send: id -> (expiry, detail).
+        self._early_aborts: dict[str, tuple[float, str]] = {}
 
     # ---- API ---------------------------------------------------------------------------
     def send(self, request_id: str, src_slot: int, seq_len: int, decode_address: str,
@@ -203,6 +221,15 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                  if (indices or draft) and kv_offset is None else None)
         with self._lock:
             rec = self._out.get(request_id)
+            early = self._early_aborts.pop(request_id, None) if rec is None else None
+            if early is not None and early[0] >= time.monotonic():
+                # Decode declined (or aborted) it before this Send: fail it now, rather
+                # than hold the engine's source for the --send-wait-s lease.
+                self.table.create(request_id, decode_address)
+                self.table.fail(request_id, FailureReason.PEER_FAILED, early[1])
+                log.warning("request %s failed: decode ended it before its Send: %s",
+                            request_id, early[1], extra=fields(request_id, decode_address))
+                return self.status(request_id)
             if rec is None:
                 pieces = None
                 if kv_offset is not None:
@@ -267,6 +294,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
             rec = self._out.get(request_id)
             if rec is not None and from_peer:
                 rec.told_decode = True  # decode asked: it knows
+        if rec is None and from_peer and self.send_wait_s and self.table.get(request_id) is None:
+            self._remember_early_abort(request_id, detail or "aborted by decode")
         if rec is None:  # ended and pruned, or never seen (UnknownRequest)
             snap = self.status(request_id)
             if from_peer and snap.state is TransferState.SUCCESS:
@@ -300,6 +329,19 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                      rec.outstanding, extra=fields(request_id, rec.decode_address))
         self._tell_decode_once(rec, f"aborted on prefill: {detail}")  # once drained
         return self.status(request_id)
+
+    def _remember_early_abort(self, request_id: str, detail: str) -> None:
+        """Decode ended a request whose Send has not come (its engine declined it before
+        prefill's engine sent it): its Send, if it comes within ``send_wait_s``, fails at
+        once. Bounded: the oldest is forgotten first (that Send then waits its lease)."""
+        now = time.monotonic()
+        with self._lock:
+            book = self._early_aborts
+            for rid in [r for r, (expiry, _) in book.items() if expiry < now]:
+                del book[rid]
+            while len(book) >= MAX_EARLY_ABORTS:
+                del book[next(iter(book))]
+            book[request_id] = (now + self.send_wait_s, detail)
 
     def in_flight(self, request_id: str) -> int:
         """Writes of the request that may still read its source (0 once drained)."""
@@ -414,6 +456,7 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                     raise
                 self._landed_already(rec)
                 return
+        self._check_grant_skip(rec, grant)
         with self._lock:
             snap = self.table.get(rid)
             if snap is None or snap.state.terminal:
@@ -451,7 +494,7 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
             self.faults.break_link(rid, conn.link)
         # Integrity: the digest pool digests the source while the writes go out (the
         # source does not change while the request lives); sent once they are posted.
-        job = (self.digest_pool.digests(self.pools, rec.src_indices, draft=rec.src_draft)
+        job = (self.digest_pool.digests(self.pools, rec.moved_source, draft=rec.src_draft)
                if final and self.integrity and rec.digests is None else None)
         try:
             conn.link.write(grant.transfer_id, blocks, notify=final)
@@ -528,25 +571,49 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
         if go:
             self.io.submit(self._step, rec)
 
+    def _check_grant_skip(self, rec: Outgoing, grant: WriteGrant) -> None:
+        """Decode's ``kv_skip`` (untrusted: from the peer) fits this request's source:
+        its engine's lists, a layout of KV pages alone, a page left to move, and the
+        same in every grant of the request (a resend's, a later chunk's)."""
+        try:
+            check_kv_skip("prefill", self.spec, self.layout, grant.kv_skip, rec.seq_len,
+                          lists=rec.src_slot < 0)
+        except BadKvSkip as exc:
+            raise SendFailed(FailureReason.INVALID_REQUEST, f"decode's grant: {exc}") from None
+        with self._lock:
+            if rec.kv_skip is None:
+                rec.kv_skip = grant.kv_skip
+            elif rec.kv_skip != grant.kv_skip:
+                raise SendFailed(FailureReason.INVALID_REQUEST,
+                                 f"decode's grant: kv_skip {grant.kv_skip} differs from the "
+                                 f"{rec.kv_skip} of its earlier grant for this request")
+
     def _select_pages(self, rec: Outgoing, dst: IndexLists, ranges: Ranges,
                       final: bool) -> tuple[IndexLists, IndexLists]:
-        """This chunk's KV pages (not sent before); the states go with the final chunk."""
+        """This chunk's KV pages (not sent before, and not among the ``kv_skip`` leading
+        pages decode holds); the states go with the final chunk. Decode's KV_PAGES list
+        starts at position ``kv_skip`` of the request's."""
         page = self.spec.page_size
+        skip = rec.kv_skip or 0
         want = np.zeros_like(rec.sent_pages)
         if final:
             want[:] = True
         for start, end in ranges:
             want[start // page: -(-end // page)] = True
+        want[:skip] = False
         want &= ~rec.sent_pages
-        if len(dst[IndexKind.KV_PAGES]) == len(want) and bool(want.all()):
+        reserved = len(dst[IndexKind.KV_PAGES])
+        if not skip and reserved == len(want) and bool(want.all()):
             rec.sent_pages |= want
             return rec.src_indices, dst  # the usual single-chunk request: no mask copies
-        if len(dst[IndexKind.KV_PAGES]) != len(want):
+        if reserved != len(want) - skip:
+            held = f" from position {skip} (kv_skip)" if skip else ""
+            left = f" (so {len(want) - skip} to move)" if skip else ""
             raise SendFailed(FailureReason.INVALID_REQUEST,
-                             f"decode reserved {len(dst[IndexKind.KV_PAGES])} KV pages, "
-                             f"prefill has {len(want)}")
+                             f"decode reserved {reserved} KV pages{held}, prefill has "
+                             f"{len(want)}{left}")
         rec.sent_pages |= want
         src, dst_sel = dict(rec.src_indices), dict(dst)
         src[IndexKind.KV_PAGES] = rec.src_indices[IndexKind.KV_PAGES][want]
-        dst_sel[IndexKind.KV_PAGES] = dst[IndexKind.KV_PAGES][want]
+        dst_sel[IndexKind.KV_PAGES] = dst[IndexKind.KV_PAGES][want[skip:]]
         return src, dst_sel

@@ -150,9 +150,9 @@ def test_router_output_equals_the_direct_server(served: Deployment) -> None:
         assert (g.status, g.finish, w.status, w.finish) == (200, "length", 200, "length"), (g, w)
         assert len(w.tokens) == MAX_TOKENS
     assert [g.tokens for g in got] == [w.tokens for w in want]
-    # Decode loaded them from prefill (a prompt whose prefix decode holds is computed
-    # there: at most the one sharing a prefix).
-    assert landed >= len(prompts) - 1, landed
+    # Decode loaded every one from prefill (one whose prefix decode already held, only
+    # the blocks after it).
+    assert landed == len(prompts), landed
     assert nbytes >= sum(blocks_for(len(p), BLOCK) for p in prompts[:2]) * BLOCK_BYTES
 
 
@@ -167,19 +167,77 @@ def test_router_streams_what_the_direct_server_streams(served: Deployment) -> No
     assert landed == len(prompts), landed
 
 
-def test_prefix_hits_on_decode_stay_identical(served: Deployment) -> None:
-    """A prompt decode already holds (a full local hit: decode computes its last token
-    itself, no transfer) and new prompts sharing a prefix with it."""
+def _one(d: Deployment, prompt: list[int]) -> tuple[Completion, Completion, float, float]:
+    """One prompt through the router, then to the plain server: (router's, plain's,
+    transfers landed on decode, blocks landed)."""
+    before = d.landed()
+    got = complete(d.router.url, prompt, MAX_TOKENS)
+    after = d.landed()
+    want = complete(d.plain.url, prompt, MAX_TOKENS)
+    return got, want, after[0] - before[0], (after[1] - before[1]) / BLOCK_BYTES
+
+
+def test_decode_loads_only_the_blocks_its_prefix_cache_lacks(served: Deployment) -> None:
+    """Prefix caching on decode: vLLM reports the blocks it holds (``num_computed_tokens``,
+    whole blocks, never the whole prompt: it computes the last token again), and decode
+    reserves only the others (``kv_skip``): prefill writes just those. One prompt at a
+    time so each one's blocks are counted alone (decode's daemon's landed bytes)."""
     rng = np.random.default_rng(2)
-    base = _tokens(rng, 96)
-    first = complete(served.router.url, base, MAX_TOKENS)
-    before = served.landed()
-    again = complete(served.router.url, base, MAX_TOKENS)
-    assert served.landed()[0] == before[0]  # held on decode: nothing loaded
-    shared = [base[:64] + _tokens(rng, n) for n in (10, 40)]
-    got, want, _, _ = _compare(served, [base, *shared], stream=False)
-    assert first.tokens == again.tokens == want[0].tokens == got[0].tokens
-    assert [g.tokens for g in got] == [w.tokens for w in want]
+    base = _tokens(rng, 96)  # 3 blocks
+    shared = base[:64] + _tokens(rng, 40)  # 4 blocks, the first 2 base's
+    short = _tokens(rng, 20)  # under one block
+    cases = [  # (case, prompt, blocks decode holds when it comes)
+        ("new prompt", base, 0),
+        ("shared 2-block prefix", shared, 2),
+        ("shared 2-block prefix", base[:64] + _tokens(rng, 10), 2),
+        ("repeat (all but the last block held)", base, 2),
+        ("repeat (all but the last block held)", shared, 3),
+        ("under one block", short, 0),
+        ("under one block, repeated", short, 0),
+    ]
+    rows = []
+    for case, prompt, held in cases:
+        got, want, landed, blocks = _one(served, prompt)
+        total = blocks_for(len(prompt), BLOCK)
+        rows.append(f"{case}: {len(prompt)} tokens, {total} blocks, {blocks:g} moved, "
+                    f"{len(want.tokens)} tokens identical={got.tokens == want.tokens}")
+        assert (got.status, got.finish) == (200, "length"), got
+        assert got.tokens == want.tokens, case
+        assert (landed, blocks) == (1, total - held), (case, landed, blocks)
+    log.warning("partial loads through vllm-router:\n%s", "\n".join(rows))
+
+
+def test_a_declined_transfer_frees_prefills_blocks_at_once(served: Deployment) -> None:
+    """Decode declines a transfer it will not load (here its prompt is not the one
+    prefill computed, 5 tokens longer): its daemon tells prefill's at once, prefill's
+    send ends Failed ("declined by decode") and prefill's vLLM frees the blocks, long
+    before the --send-wait-s lease; decode computes the prompt itself."""
+    rng = np.random.default_rng(8)
+    prompt = _tokens(rng, 150)
+    other = prompt + _tokens(rng, 5)
+    first = complete(served.prefill.url, prompt, 1, kv_transfer_params={
+        "do_remote_decode": True, "kvbeam_id": "decline-1",
+        "decode_daemon": served.daemons["decode"].address})
+    usage = f"{served.prefill.url}/metrics"
+    began = time.monotonic()
+    got = complete(served.decode.url, other, MAX_TOKENS,
+                   kv_transfer_params=first.kv_transfer_params)
+    want = complete(served.plain.url, other, MAX_TOKENS)
+    assert (got.status, got.finish) == (200, "length"), got
+    assert got.tokens == want.tokens
+    end = time.monotonic() + SEND_WAIT_S + 60  # bounded: the lease would free them too
+    while time.monotonic() < end and metric(usage, "vllm:kv_cache_usage_perc") > 0:
+        time.sleep(0.2)
+    freed_s = time.monotonic() - began
+    assert metric(usage, "vllm:kv_cache_usage_perc") == 0
+    ended = [line for line in served.daemons["prefill"].lines if "decline-1" in line
+             and "fail" in line]
+    log.warning("declined: prefill's blocks freed %.1f s after decode's request (lease %d "
+                "s): %s", freed_s, SEND_WAIT_S, ended[-1:])
+    # Freed by the decline, not by the lease (whose failure names --send-wait-s).
+    assert any("declined by decode: its prompt has 155 tokens, prefill computed 150" in line
+               for line in ended), ended
+    assert not any("send-wait-s" in line for line in ended), ended
 
 
 def test_a_zeroed_block_changes_the_tokens(served: Deployment) -> None:

@@ -25,6 +25,8 @@ def test_every_frame_round_trips() -> None:
     draft = {IndexKind.KV_PAGES: np.array([7, 8, 2])}
     frames: list[ef.EngineFrame | ef.DaemonFrame] = [
         ef.Reserve("r-1", 700, "127.0.0.1:5", lists, draft),
+        ef.Reserve("r-1", 700, "127.0.0.1:5", lists, {}, kv_skip=3),
+        ef.Decline("r-1", "127.0.0.1:5", "holds it all"),
         ef.Send("r-1", 700, "127.0.0.1:6", False, ((0, 256), (256, 512)), lists, {}),
         ef.Send("r-1", 700, "127.0.0.1:6", True),
         ef.Send("r-1", 700, "127.0.0.1:6", False, ((256, 512),),
@@ -37,7 +39,7 @@ def test_every_frame_round_trips() -> None:
         back = ef.decode(_body(ef.encode(f)), kinds)
         assert type(back) is type(f)
         for name in ("request_id", "seq_len", "final", "chunks", "detail", "state", "reason",
-                     "kv_offset"):
+                     "kv_offset", "kv_skip", "prefill_address"):
             assert getattr(back, name, None) == getattr(f, name, None), name
         for name in ("indices", "draft"):
             a, b = getattr(back, name, None) or {}, getattr(f, name, None) or {}
@@ -59,6 +61,18 @@ def test_a_malformed_frame_is_refused_naming_the_field(mangle: object, field: st
     with pytest.raises(ef.FrameError) as info:
         ef.decode(mangle(body))  # type: ignore[operator]
     assert info.value.field == field, str(info.value)
+
+
+def test_a_reserve_without_kv_skip_is_the_old_frame_and_kv_skip_is_bounded() -> None:
+    lists = {IndexKind.KV_PAGES: np.arange(2)}
+    plain = ef.encode(ef.Reserve("rid", 700, "h:1", lists))
+    skipped = ef.encode(ef.Reserve("rid", 700, "h:1", lists, kv_skip=5))
+    assert skipped[4:] == plain[4:] + struct.pack(">I", 5)  # a trailing u32, only when set
+    back = ef.decode(_body(skipped))
+    assert isinstance(back, ef.Reserve) and back.kv_skip == 5
+    with pytest.raises(ef.FrameError) as info:
+        ef.encode(ef.Reserve("rid", 700, "h:1", lists, kv_skip=-1))
+    assert info.value.field == "kv_skip"
 
 
 def test_an_unknown_index_kind_and_a_repeated_list_are_refused() -> None:
@@ -110,6 +124,9 @@ class _Ops:
 
     def release(self, frame: ef.Release) -> None:
         raise RuntimeError("a bug in the core")
+
+    def decline(self, frame: ef.Decline) -> None:
+        self.seen.append(f"decline {frame.request_id}")
 
     def refused(self, frame: ef.EngineFrame, exc: Exception) -> None:
         self.seen.append(f"refused {frame.request_id}")

@@ -80,7 +80,8 @@ def test_receiver_reserves_at_the_engine_lists_and_releases() -> None:
     assert rec.calls == []
     r.send_metadata([7, 1, 3], {"SWA_RING_ROWS": [9, 8]}, seq_len=600)
     assert rec.calls[0] == ("reserve", ("r", 600, "p:1"),
-                            {"indices": {"KV_PAGES": [7, 1, 3], "SWA_RING_ROWS": [9, 8]}})
+                            {"indices": {"KV_PAGES": [7, 1, 3], "SWA_RING_ROWS": [9, 8]},
+                             "kv_skip": 0})
     rec.state = _status(TransferState.SUCCESS)
     assert r.poll() is KVPoll.Success and r.wait(1.0) is KVPoll.Success
     r.failure_exception()  # Success: nothing raised

@@ -108,10 +108,48 @@ def test_malformed_params_do_not_raise_into_vllms_scheduler(
     assert any("request g" in m and "decode_daemon" in m for m in refused), refused
 
 
-def test_decode_with_a_local_prefix_computes_itself() -> None:
+def test_decode_with_a_local_prefix_loads_only_the_blocks_it_lacks() -> None:
+    """vLLM's blocks for the request come cached ones first: the load names the rest,
+    and kv_skip counts the cached blocks (prefill writes only those after them)."""
     side = S.SchedulerSide(SETTINGS, block_size=32)
-    req = Req("c", list(range(45)), P.returned_params("t3", "p:1", 45))
-    assert side.get_num_new_matched_tokens(req, 32) == (0, False)
+    req = Req("c", list(range(100)), P.returned_params("t3", "p:1", 100))
+    assert side.get_num_new_matched_tokens(req, 64) == (36, True)
+    side.update_state_after_alloc(req, Blocks([4, 8, 6, 1]), 36)
+    assert side.take_plan().loads == [S.Load("c", "t3", (6, 1), "p:1", 100, kv_skip=2)]
+    assert not side.has_pending_push_work()
+
+
+def test_decode_declines_what_it_will_not_load_and_tells_prefill_once() -> None:
+    """Prefill holds its blocks for every returned request: one decode will not load
+    (another prompt, a whole-prompt hit, a hit not in whole blocks, or it ended before
+    it loaded) goes out as a decline at once, and vLLM computes the prompt itself."""
+    side = S.SchedulerSide(SETTINGS, block_size=32)
+    other = Req("d1", list(range(50)), P.returned_params("t7", "p:1", 45))
+    assert side.get_num_new_matched_tokens(other, 0) == (0, False)
+    assert side.get_num_new_matched_tokens(other, 0) == (0, False)  # asked again: once
+    whole = Req("d2", list(range(64)), P.returned_params("t8", "p:1", 64))
+    assert side.get_num_new_matched_tokens(whole, 64) == (0, False)
+    odd = Req("d3", list(range(64)), P.returned_params("t9", "p:1", 64))
+    assert side.get_num_new_matched_tokens(odd, 20) == (0, False)
+    assert side.has_pending_push_work()  # vLLM steps until the worker sent them
+    plan = side.take_plan()
+    assert [(d.req_id, d.kvbeam_id, d.prefill_daemon) for d in plan.declines] == [
+        ("d1", "t7", "p:1"), ("d2", "t8", "p:1"), ("d3", "t9", "p:1")]
+    assert "50 tokens, prefill computed 45" in plan.declines[0].why
+    assert "holds all 64" in plan.declines[1].why and "whole blocks" in plan.declines[2].why
+    assert not side.has_pending_push_work()
+    assert side.request_finished(other, []) == (False, None)  # declined already
+    gone = Req("d4", list(range(40)), P.returned_params("t10", "p:1", 40),
+               status="FINISHED_ABORTED")
+    assert side.get_num_new_matched_tokens(gone, 0) == (40, True)  # never allocated
+    assert side.request_finished(gone, []) == (False, None)
+    assert [(d.req_id, "before decode loaded it" in d.why)
+            for d in side.take_plan().declines] == [("d4", True)]
+    loaded = Req("d5", list(range(40)), P.returned_params("t11", "p:1", 40))
+    side.get_num_new_matched_tokens(loaded, 0)
+    side.update_state_after_alloc(loaded, Blocks([2, 3]), 40)
+    side.request_finished(loaded, [2, 3])
+    assert side.take_plan().declines == []  # it loaded: nothing to decline
 
 
 def test_params_and_settings_refuse_what_is_missing() -> None:

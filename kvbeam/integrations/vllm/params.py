@@ -61,6 +61,8 @@ class LoadParams:
 
     kvbeam_id: str
     prefill_daemon: str
+    #: The prompt length prefill computed (its returned ``prompt_len``; 0: not given).
+    prompt_len: int = 0
 
 
 def _text(params: Mapping[str, Any], key: str) -> str:
@@ -128,7 +130,11 @@ def load_params(params: Mapping[str, Any] | None) -> LoadParams | None:
     if not params or not params.get(DO_REMOTE_PREFILL):
         return None
     _ignore_unknown(params)
-    return LoadParams(_text(params, KVBEAM_ID), _text(params, PREFILL_DAEMON))
+    prompt_len = params.get(PROMPT_LEN, 0)
+    if not isinstance(prompt_len, int) or isinstance(prompt_len, bool) or prompt_len < 0:
+        raise ValueError(f"kv_transfer_params.{PROMPT_LEN}: a token count is needed "
+                         f"(got {prompt_len!r})")
+    return LoadParams(_text(params, KVBEAM_ID), _text(params, PREFILL_DAEMON), prompt_len)
 
 
 def returned_params(kvbeam_id: str, prefill_daemon: str, prompt_len: int) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvbeam.integrations.vllm.params import (
+    LoadParams,
     Settings,
     blocks_for,
     load_params,
@@ -38,6 +39,19 @@ class Load:
     prefill_daemon: str = ""
     seq_len: int = 0
     failed: bool = False
+    #: Leading blocks of the prompt decode's prefix cache holds (``block_ids`` are the
+    #: rest): prefill writes only those after them.
+    kv_skip: int = 0
+
+
+@dataclass(frozen=True)
+class Decline:
+    """A decode request that will not load prefill's KV: its prefill is told at once."""
+
+    req_id: str
+    kvbeam_id: str
+    prefill_daemon: str
+    why: str
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,8 @@ class StepPlan:
     loads: list[Load] = field(default_factory=list)
     #: Prefill requests whose blocks are held for a send.
     sends: list[Push] = field(default_factory=list)
+    #: Decode requests that will not load: prefill frees their blocks now.
+    declines: list[Decline] = field(default_factory=list)
 
 
 class SchedulerSide:
@@ -69,23 +85,46 @@ class SchedulerSide:
         self._plan = StepPlan()
         self._sending: set[str] = set()
         self._loading: set[str] = set()
+        self._declined: set[str] = set()
 
     # ---- decode ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
-        """Decode: the whole prompt comes from prefill, loaded asynchronously.
+        """Decode: the prompt's tokens past the local prefix-cache hit come from
+        prefill, loaded asynchronously (only the blocks this cache lacks move).
 
-        Only when nothing of it was computed here: a local prefix-cache hit makes
-        vLLM compute the rest itself (correct, just no transfer).
+        A request that will not load (its prompt is not the one prefill computed, the
+        hit covers the whole prompt, or it is not whole blocks) is declined: prefill
+        frees its blocks now, and vLLM computes what is missing here.
         """
         p = _checked(load_params, request)
-        if p is None or request.request_id in self._loading:
+        rid = request.request_id
+        if p is None or rid in self._loading or rid in self._declined:
+            return 0, False
+        prompt_len = len(request.prompt_token_ids)
+        why = ""
+        if p.prompt_len and p.prompt_len != prompt_len:
+            why = (f"its prompt has {prompt_len} tokens, prefill computed {p.prompt_len}: "
+                   "prefill's KV is not this prompt's")
+        elif num_computed_tokens >= prompt_len:
+            why = f"its prefix cache holds all {prompt_len} prompt tokens"
+        elif num_computed_tokens % self.block_size:
+            why = (f"its prefix-cache hit of {num_computed_tokens} tokens is not whole blocks "
+                   f"of {self.block_size}")
+        if why:
+            self._decline(rid, p, why)
             return 0, False
         if num_computed_tokens:
-            log.info("request %s: %d tokens cached locally; computing it here, no transfer",
-                     request.request_id, num_computed_tokens)
-            return 0, False
-        return len(request.prompt_token_ids), True
+            log.info("request %s: %d tokens (%d blocks) cached locally; loading the other %d",
+                     rid, num_computed_tokens, num_computed_tokens // self.block_size,
+                     prompt_len - num_computed_tokens)
+        return prompt_len - num_computed_tokens, True
+
+    def _decline(self, req_id: str, p: LoadParams, why: str) -> None:
+        log.info("request %s: not loading transfer %s (%s); prefill frees its blocks now",
+                 req_id, p.kvbeam_id, why)
+        self._declined.add(req_id)
+        self._plan.declines.append(Decline(req_id, p.kvbeam_id, p.prefill_daemon, why))
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
@@ -95,17 +134,31 @@ class SchedulerSide:
         if p is None or num_external_tokens == 0:
             return
         seq_len = len(request.prompt_token_ids)
-        ids = tuple(int(b) for b in blocks.get_block_ids()[0][:blocks_for(seq_len,
-                                                                           self.block_size)])
+        # vLLM's blocks are the request's all: the locally cached ones first.
+        skip = (seq_len - num_external_tokens) // self.block_size
+        ids = tuple(int(b) for b in blocks.get_block_ids()[0][skip:blocks_for(
+            seq_len, self.block_size)])
         self._loading.add(request.request_id)
         self._plan.loads.append(Load(request.request_id, p.kvbeam_id, ids, p.prefill_daemon,
-                                     seq_len))
+                                     seq_len, kv_skip=skip))
 
     # ---- prefill -----------------------------------------------------------------
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """Prefill: hold the prompt's blocks; the worker sends them (decode may reserve
-        before or after: the send waits for the reservation, ``--send-wait-s``)."""
-        self._loading.discard(request.request_id)
+        before or after: the send waits for the reservation, ``--send-wait-s``).
+
+        Decode: a request that ends without having loaded (aborted while it waited) is
+        declined, so prefill frees its blocks now."""
+        rid = request.request_id
+        loaded = rid in self._loading or rid in self._declined
+        self._loading.discard(rid)
+        self._declined.discard(rid)
+        p_load = None if loaded else _checked(load_params, request)
+        if p_load is not None:
+            self._decline(rid, p_load, f"it ended ({getattr(request, 'status', '?')}) "
+                                       "before decode loaded it")
+            self._declined.discard(rid)
+            return False, None
         p = _checked(lambda params: send_params(params, str(request.request_id),
                                                 self.settings.decode_daemons), request)
         if p is None or _aborted(request):
@@ -123,8 +176,9 @@ class SchedulerSide:
         self._sending -= req_ids or set()
 
     def has_pending_push_work(self) -> bool:
-        """Keep vLLM stepping while prefill holds blocks for a send (get_finished frees them)."""
-        return bool(self._sending)
+        """Keep vLLM stepping while prefill holds blocks for a send (get_finished frees
+        them), and until this side's declines went to the worker."""
+        return bool(self._sending) or bool(self._plan.declines)
 
     def take_plan(self) -> StepPlan:
         """This step's plan; the next step starts empty."""

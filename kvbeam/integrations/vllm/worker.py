@@ -113,8 +113,11 @@ class WorkerSide:
                 receiver = None
                 if not load.failed:
                     receiver = Receiver(att, load.kvbeam_id, load.prefill_daemon)
-                    receiver.reserve(list(load.block_ids), seq_len=load.seq_len)
+                    receiver.reserve(list(load.block_ids), seq_len=load.seq_len,
+                                     kv_skip=load.kv_skip)
                 self._loads[load.req_id] = (load, receiver)
+            for declined in plan.declines:
+                Receiver(att, declined.kvbeam_id, declined.prefill_daemon).decline(declined.why)
             for push in plan.sends:
                 sender = Sender(att, push.kvbeam_id, push.decode_daemon)
                 sender.send(list(push.block_ids), seq_len=push.seq_len)

@@ -355,16 +355,18 @@ class IndexList(_message.Message):
     def __init__(self, kind: _Optional[_Union[IndexKind, str]] = ..., indices: _Optional[_Iterable[int]] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "seq_len", "prefill_address", "indices")
+    __slots__ = ("request_id", "seq_len", "prefill_address", "indices", "kv_skip")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
+    KV_SKIP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq_len: int
     prefill_address: str
     indices: _containers.RepeatedCompositeFieldContainer[IndexList]
-    def __init__(self, request_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., prefill_address: _Optional[str] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ...) -> None: ...
+    kv_skip: int
+    def __init__(self, request_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., prefill_address: _Optional[str] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., kv_skip: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("request_id", "slot", "indices", "lease_ms", "instance_id")
@@ -395,21 +397,23 @@ class BeginWriteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., final_chunk: _Optional[bool] = ..., digests_follow: _Optional[bool] = ...) -> None: ...
 
 class BeginWriteResponse(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "slot", "indices", "instance_id")
+    __slots__ = ("request_id", "transfer_id", "slot", "indices", "instance_id", "kv_skip")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_SKIP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: int
     slot: int
     indices: _containers.RepeatedCompositeFieldContainer[IndexList]
     instance_id: str
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., slot: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    kv_skip: int
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., slot: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., instance_id: _Optional[str] = ..., kv_skip: _Optional[int] = ...) -> None: ...
 
 class OfferRequest(_message.Message):
-    __slots__ = ("request_id", "instance_id", "seq_len", "transfer_id", "slot", "indices", "lease_ms")
+    __slots__ = ("request_id", "instance_id", "seq_len", "transfer_id", "slot", "indices", "lease_ms", "kv_skip")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -417,6 +421,7 @@ class OfferRequest(_message.Message):
     SLOT_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_SKIP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instance_id: str
     seq_len: int
@@ -424,7 +429,8 @@ class OfferRequest(_message.Message):
     slot: int
     indices: _containers.RepeatedCompositeFieldContainer[IndexList]
     lease_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., transfer_id: _Optional[int] = ..., slot: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    kv_skip: int
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., transfer_id: _Optional[int] = ..., slot: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., kv_skip: _Optional[int] = ...) -> None: ...
 
 class OfferResponse(_message.Message):
     __slots__ = ("accepted", "digests_follow")
