@@ -13,6 +13,12 @@ shown). Decode runs tests/vllm_zeroing.py's connector (kvbeam's, plus zeroing th
 first landed block of transfers named ``zero-N``) for the negative control, sent in
 vLLM's toy proxy protocol.
 
+The fleet: one more prefill (prefill2) and decode server (decode2), each with its own
+daemon, and a second vllm-router over all four (two ``--prefill``, two ``--decode``);
+every prefill's ``decode_daemons`` maps both decodes. The last test kills decode2
+mid-transfer. A sixth server (decode, block size 64, bfloat16) is refused for both
+mismatches. All start at once, once per module.
+
 Runs only where vLLM and vllm-router are installed in the interpreter running pytest
 (``make test-vllm``); KVBEAM_REQUIRE_VLLM=1 turns the skip into a failure.
 """
@@ -337,10 +343,12 @@ def test_a_dtype_mismatch_is_refused_naming_both(served: Deployment,
     log.warning("float32 -> %s: the client saw %s %s %s", MISMATCHED_DTYPE, got.status,
                 got.finish, got.error[:200])
     assert got.status != 200 or got.finish == "error", got
-    named = [line for d in (served.daemons["prefill"], mismatched.daemon) for line in d.lines
-             if "differ in dtype" in line]
-    log.warning("refusal: %s", named[:2])
-    assert any(f"prefill=float32, decode={MISMATCHED_DTYPE}" in line for line in named), named
+    # Prefill's daemon fails this transfer naming the difference.
+    named = [line for line in served.daemons["prefill"].lines
+             if "dtype-1" in line and "differ in dtype" in line]
+    log.warning("refusal: %s", named[:1])
+    assert any(f"prefill=float32, decode={MISMATCHED_DTYPE}" in line for line in named), \
+        [line for line in served.daemons["prefill"].lines if "dtype-1" in line]
 
 
 #: vllm-router's request id in a daemon's log: (prefill's, decode's HTTP host:port).
