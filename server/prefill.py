@@ -7,6 +7,8 @@ status. Peer calls go over gRPC (:class:`~kvbeam.server.peer_rpc.GrpcDecodePeers
 
 from __future__ import annotations
 
+import functools
+
 import grpc
 
 from kvbeam.proto.fields import host_port
@@ -20,6 +22,7 @@ from kvbeam.rpc_errors import handled
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.daemon_servicer import IO_WORKERS, DaemonServicer
+from kvbeam.server.identity import claim_refusal
 from kvbeam.server.peer_rpc import WRITES_IN_FLIGHT_KEY, Dialer, GrpcDecodePeers
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.validation import request_id_of, seq_len_of
@@ -80,8 +83,13 @@ class PrefillServicer(DaemonServicer):
         rid = request_id_of(request.request_id)
         remaining = context.time_remaining()
         wait_s = None if remaining is None else max(0.0, remaining - ABORT_ANSWER_S)
+        # A verdict said to be decode's counts only from the request's decode: the same
+        # identity rule as the handshake's, bound to this call's credentials.
+        caller = functools.partial(claim_refusal, security=self.security, peer=context.peer(),
+                                   auth=context.auth_context(), call="Abort")
         snap = self.prefill.abort(rid, from_peer=request.from_peer, detail=request.detail,
-                                  wait_s=wait_s)
+                                  wait_s=wait_s, instance_id=request.instance_id,
+                                  caller_refusal=caller)
         left = self.prefill.in_flight(rid)
         if left:
             context.set_trailing_metadata(((WRITES_IN_FLIGHT_KEY, str(left)),))

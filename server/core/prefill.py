@@ -280,7 +280,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
         return self.status(request_id)
 
     def abort(self, request_id: str, *, from_peer: bool, detail: str,
-              wait_s: float | None = None) -> TransferStatus:
+              wait_s: float | None = None, instance_id: str = "",
+              caller_refusal: Callable[[str], str | None] | None = None) -> TransferStatus:
         """Fail the request; wait a little for its writes to drain; tell decode.
 
         The wait is bounded by ``ABORT_WAIT_S`` and ``wait_s`` (what the caller's
@@ -288,7 +289,16 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
         once; :meth:`in_flight` then says whether the writes drained. Those that did
         not drain are told to decode by Abort once they do (or the link is released:
         :meth:`periodic` abandons them after ``drain_s``), even when decode asked.
+
+        ``from_peer`` (decode reports its verdict: reason peer_failed, decode needs no
+        Abort back) is taken only from the request's own decode, the rule decode applies
+        to prefill's Aborts: with ``caller_refusal`` given (the daemon's handler; None: a
+        test of the core, nothing checked), ``instance_id`` must be the decode instance
+        the request is connected to (if any) and the caller's credentials must cover the
+        request's decode address. Anyone else's claim is a scheduler's abort.
         """
+        if from_peer and caller_refusal is not None:
+            from_peer = self._from_its_decode(request_id, instance_id, caller_refusal)
         self.offers.drop(request_id)
         with self._lock:
             rec = self._out.get(request_id)
@@ -329,6 +339,27 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                      rec.outstanding, extra=fields(request_id, rec.decode_address))
         self._tell_decode_once(rec, f"aborted on prefill: {detail}")  # once drained
         return self.status(request_id)
+
+    def _from_its_decode(self, request_id: str, instance_id: str,
+                         caller_refusal: Callable[[str], str | None]) -> bool:
+        """Whether an Abort that says it is decode's comes from the request's decode."""
+        with self._lock:
+            rec = self._out.get(request_id)
+            conn = rec.conn if rec is not None else None
+            address = rec.decode_address if rec is not None else ""
+        if rec is None:
+            return True  # nothing here to protect (ended, unknown, or not yet sent)
+        # Outside the lock: the check may resolve the decode's host name.
+        refusal = caller_refusal(address)
+        wrong = conn is not None and conn.instance_id != instance_id
+        if refusal is None and not wrong:
+            return True
+        log.warning("request %s: an Abort claiming to come from its decode at %s %s: taken "
+                    "as a scheduler's abort", request_id, address,
+                    refusal if refusal is not None else
+                    f"names instance {instance_id!r}, not {conn.instance_id if conn else '?'}",
+                    extra=fields(request_id, address))
+        return False
 
     def _remember_early_abort(self, request_id: str, detail: str) -> None:
         """Decode ended a request whose Send has not come (its engine declined it before
