@@ -9,6 +9,7 @@ the scheduler API. Each engine checks it never imported gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -76,8 +77,16 @@ def engines(tmp_path: Path) -> Iterator[tuple[DaemonProcess, DaemonProcess, Chan
     """(prefill daemon, decode daemon, prefill engine, decode engine), all attached."""
     tmp_path.chmod(0o700)
     cfg = write_config(tmp_path / "side.yaml", side())
-    psock, dsock = str(tmp_path / "p.sock"), str(tmp_path / "d.sock")
-    deadlines = [*FAST, "--send-wait-s", "3"]
+    with attached_pair(tmp_path, cfg, [*FAST, "--send-wait-s", "3"]) as four:
+        yield four
+
+
+@contextlib.contextmanager
+def attached_pair(tmp: Path, cfg: str, deadlines: list[str]) -> Iterator[tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]]:
+    """Two ``--pools engine`` daemons and a ChannelEngine attached to each (prefill's
+    pools filled with seed 1, decode's with 2); all stopped on exit."""
+    psock, dsock = str(tmp / "p.sock"), str(tmp / "d.sock")
     p, d = start_engine_pair(psock, dsock, deadlines=deadlines)
     pe = de = None
     try:

@@ -20,9 +20,9 @@ from kvbeam.errors import BadRequest
 from kvbeam.pools.paged import block_bytes, paged_side_config, paged_spec
 from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.states import VERIFIED_PREFIX, TransferState
-from tests.attach_helpers import start_engine_pair, write_config
+from tests.attach_helpers import write_config
 from tests.daemon_helpers import FAST
-from tests.host.test_engine_channel import ChannelEngine, _until
+from tests.host.test_engine_channel import ChannelEngine, _until, attached_pair
 from tests.metrics_helpers import scrape, value
 
 SPEC = paged_spec(num_layers=4, block_size=16, num_kv_heads=2, head_size=64, dtype="bfloat16",
@@ -43,20 +43,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     tmp = tmp_path_factory.mktemp("kvskip")
     tmp.chmod(0o700)
     cfg = write_config(tmp / "paged.yaml", paged_side_config("paged-test", SPEC))
-    psock, dsock = str(tmp / "p.sock"), str(tmp / "d.sock")
-    p, d = start_engine_pair(psock, dsock, deadlines=[*FAST, "--send-wait-s",
-                                                      str(SEND_WAIT_S)])
-    pe = de = None
-    try:
-        pe = ChannelEngine(psock, cfg, 1)
-        de = ChannelEngine(dsock, cfg, 2)
-        yield p, d, pe, de
-    finally:
-        for e in (pe, de):
-            if e is not None:
-                e.stop()
-        p.stop()
-        d.stop()
+    with attached_pair(tmp, cfg, [*FAST, "--send-wait-s", str(SEND_WAIT_S)]) as four:
+        yield four
 
 
 def _bytes(daemon: DaemonProcess) -> float:

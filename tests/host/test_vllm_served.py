@@ -364,22 +364,30 @@ def test_a_client_that_disconnects_frees_both_instances(served: Deployment) -> N
     assert more < 300, more  # aborted, not run to its end
 
 
+def _failed_on_the_mismatched(served: Deployment, mismatched: Mismatched, kvbeam_id: str,
+                              seed: int, tokens: int) -> None:
+    """Prefill sends a prompt to the mismatched decode server (toy proxy order); decode's
+    vLLM (``kv_load_failure_policy: "fail"``) must fail it, not generate from blocks
+    that never landed."""
+    mismatched.server.wait_ready()
+    prompt = _tokens(np.random.default_rng(seed), tokens)
+    first = complete(served.prefill.url, prompt, 1, kv_transfer_params={
+        "do_remote_decode": True, "kvbeam_id": kvbeam_id,
+        "decode_daemon": mismatched.daemon.address})
+    got = complete(mismatched.server.url, prompt, MAX_TOKENS,
+                   kv_transfer_params=first.kv_transfer_params)
+    log.warning("%s to the mismatched decode: the client saw %s %s %s", kvbeam_id,
+                got.status, got.finish, got.error[:200])
+    assert got.status != 200 or got.finish == "error", got
+
+
 def test_a_block_size_mismatch_is_refused_naming_both(served: Deployment,
                                                       mismatched: Mismatched) -> None:
     """Prefill (block size 32) sends to a decode server with block size 64: the daemons'
     handshake refuses the pair naming both values, prefill's send fails, and decode's
     vLLM (``kv_load_failure_policy: "fail"``) fails the request instead of generating
     from blocks that never landed."""
-    mismatched.server.wait_ready()
-    prompt = _tokens(np.random.default_rng(7), 70)
-    first = complete(served.prefill.url, prompt, 1, kv_transfer_params={
-        "do_remote_decode": True, "kvbeam_id": "bs-1",
-        "decode_daemon": mismatched.daemon.address})
-    got = complete(mismatched.server.url, prompt, MAX_TOKENS,
-                   kv_transfer_params=first.kv_transfer_params)
-    log.warning("block size 32 -> 64: the client saw %s %s %s", got.status, got.finish,
-                got.error[:200])
-    assert got.status != 200 or got.finish == "error", got
+    _failed_on_the_mismatched(served, mismatched, "bs-1", 7, 70)
     named = [line for d in (served.daemons["prefill"], mismatched.daemon) for line in d.lines
              if "block_size" in line]
     log.warning("refusal: %s", named[:2])
@@ -391,16 +399,7 @@ def test_a_dtype_mismatch_is_refused_naming_both(served: Deployment,
     """Prefill's KV is float32, the mismatched decode server's bfloat16 (``--dtype``):
     the handshake names both dtypes (beside the block sizes: it names every
     difference), and decode's vLLM fails the request."""
-    mismatched.server.wait_ready()
-    prompt = _tokens(np.random.default_rng(8), 90)
-    first = complete(served.prefill.url, prompt, 1, kv_transfer_params={
-        "do_remote_decode": True, "kvbeam_id": "dtype-1",
-        "decode_daemon": mismatched.daemon.address})
-    got = complete(mismatched.server.url, prompt, MAX_TOKENS,
-                   kv_transfer_params=first.kv_transfer_params)
-    log.warning("float32 -> %s: the client saw %s %s %s", MISMATCHED_DTYPE, got.status,
-                got.finish, got.error[:200])
-    assert got.status != 200 or got.finish == "error", got
+    _failed_on_the_mismatched(served, mismatched, "dtype-1", 8, 90)
     # Prefill's daemon fails this transfer naming the difference.
     named = [line for line in served.daemons["prefill"].lines
              if "dtype-1" in line and "differ in dtype" in line]
