@@ -130,17 +130,23 @@ def served(tmp_path_factory: pytest.TempPathFactory, mismatched: Mismatched
         deployment.stop()
 
 
+def _at_once(router: Served, plain: Served, prompts: list[list[int]], *, stream: bool
+             ) -> tuple[list[Completion], list[Completion]]:
+    """Every prompt through ``router`` and to ``plain``, all at once; (router's, plain's)."""
+    with ThreadPoolExecutor(2 * len(prompts)) as pool:
+        via = [pool.submit(complete, router.url, p, MAX_TOKENS, stream=stream)
+               for p in prompts]
+        direct = [pool.submit(complete, plain.url, p, MAX_TOKENS, stream=stream)
+                  for p in prompts]
+        return [f.result() for f in via], [f.result() for f in direct]
+
+
 def _compare(d: Deployment, prompts: list[list[int]], *, stream: bool
              ) -> tuple[list[Completion], list[Completion], float, float]:
     """All prompts at once through the router and to the plain server; (router's, plain's,
     transfers landed on decode, bytes landed) for this batch."""
     before = d.landed()
-    with ThreadPoolExecutor(2 * len(prompts)) as pool:
-        via = [pool.submit(complete, d.router.url, p, MAX_TOKENS, stream=stream)
-               for p in prompts]
-        direct = [pool.submit(complete, d.plain.url, p, MAX_TOKENS, stream=stream)
-                  for p in prompts]
-        got, want = [f.result() for f in via], [f.result() for f in direct]
+    got, want = _at_once(d.router, d.plain, prompts, stream=stream)
     after = d.landed()
     rows = [f"prompt len {len(p)} ({blocks_for(len(p), BLOCK)} blocks): {len(w.tokens)} tokens "
             f"identical={g.tokens == w.tokens} router ttft {g.ttft_s:.2f}s plain {w.ttft_s:.2f}s"
@@ -439,12 +445,7 @@ def test_a_fleet_behind_one_router_equals_the_direct_server(served: Deployment) 
     for stream, lengths in ((False, (40, 75, 110, 150, 66, 200, 90, 130)),
                             (True, (55, 95, 120, 180, 35, 70, 140, 100))):
         prompts = [_tokens(rng, n) for n in lengths]
-        with ThreadPoolExecutor(2 * len(prompts)) as pool:
-            via = [pool.submit(complete, served.fleet_router.url, p, MAX_TOKENS, stream=stream)
-                   for p in prompts]
-            direct = [pool.submit(complete, served.plain.url, p, MAX_TOKENS, stream=stream)
-                      for p in prompts]
-            got, want = [f.result() for f in via], [f.result() for f in direct]
+        got, want = _at_once(served.fleet_router, served.plain, prompts, stream=stream)
         for g, w in zip(got, want, strict=True):
             assert (g.status, g.finish, w.status, w.finish) == (200, "length", 200, "length"), \
                 (g, w)
