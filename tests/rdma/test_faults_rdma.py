@@ -168,7 +168,10 @@ def test_qp_error_names_the_verbs_status_and_the_qp_is_rebuilt(
     # receive WRs were flushed (IBV_WC_WR_FLUSH_ERR): a verbs status either way.
     # On failure, what both daemons logged of the request (it failed once in a full
     # suite run with decode's request left in Bootstrapping: neither path told it).
-    assert dst.state is F and "IBV_WC_" in dst.detail, (dst, _lines_of(pair, rid))
+    if not (dst.state is F and "IBV_WC_" in dst.detail):
+        for role, lines in _lines_of(pair, rid).items():
+            print(f"--- {role} daemon, lines of {rid} and its links:\n" + "".join(lines))
+    assert dst.state is F and "IBV_WC_" in dst.detail, dst
     assert tp < DETECT_S and td < DETECT_S, (tp, td)
     assert "FAULT INJECTED: writing" in pair.prefill.output
     # The next request handshakes again: new QPs on both sides, the failed ones destroyed.
