@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kvbeam.errors import Difference, PoolCompatibilityError
 from kvbeam.pools.layout import PoolGeometry, SideLayout
-from kvbeam.pools.paged import PAGED_FIELDS
+from kvbeam.pools.paged import HEADS_OUTERMOST_LAYOUTS, PAGED_FIELDS, rank_heads
 
 SWA_ONLY = "DSV4 draft state transfer expects SWA-only NextN layers"
 SAME_UNIFIED = "DSV4 target and draft pools must use the same unified-KV mode"
@@ -116,7 +116,9 @@ def compare_sides(prefill: SideLayout, decode: SideLayout) -> list[Difference]:
         out.append(_cross("model", "model", prefill.model, decode.model))
     if prefill.target.kind != decode.target.kind or prefill.target.kind != "dsv4":
         out.extend(_paged_differences(prefill.target, decode.target))
-        out.extend(_component_differences(prefill, decode))
+        out.extend(_component_differences(prefill, decode,
+                                          per_head=_tp_place_differs(prefill.target,
+                                                                     decode.target)))
         return out
     pools = [("", prefill.target, decode.target)]
     if (prefill.draft is None) != (decode.draft is None):
@@ -136,20 +138,91 @@ def compare_sides(prefill: SideLayout, decode: SideLayout) -> list[Difference]:
 
 def _paged_differences(p: PoolGeometry, d: PoolGeometry) -> list[Difference]:
     """Pool kinds differ: that alone; both paged or sglang_mha: every paged field, by its
-    own name (the sglang_mha aux rows are compared as the AUX component's buffers)."""
+    own name (the sglang_mha aux rows are compared as the AUX component's buffers), and
+    the pools' tensor-parallel places (:func:`_tp_differences`)."""
     if p.kind != d.kind:
         return [_cross("kind", "pool kind", p.kind, d.kind)]
+    tp = _tp_place_differs(p, d)
     out: list[Difference] = []
     for name, label, attr in PAGED_FIELDS:
+        if name == "num_kv_heads" and tp:
+            continue  # each rank's own heads: the TP check compares the totals
         pv, dv = getattr(p, attr), getattr(d, attr)
         if name == "num_layers":
             pv, dv = len(pv), len(dv)
         if pv != dv:
             out.append(_cross(name, label, pv, dv))
+    if tp:
+        out.extend(_tp_differences(p, d))
     return out
 
 
-def _component_differences(prefill: SideLayout, decode: SideLayout) -> list[Difference]:
+def _tp_place_differs(p: PoolGeometry, d: PoolGeometry) -> bool:
+    """Both pools paged, at different tensor-parallel places (size or rank)."""
+    return p.kind == d.kind == "paged" and (p.tp_size, p.tp_rank) != (d.tp_size, d.tp_rank)
+
+
+def _tp(g: PoolGeometry) -> str:
+    lo, hi = rank_heads(g.tp_rank, g.num_kv_heads)
+    return f"rank {g.tp_rank} of {g.tp_size}, heads [{lo}, {hi})"
+
+
+def _tp_differences(p: PoolGeometry, d: PoolGeometry) -> list[Difference]:
+    """What keeps a prefill rank's pool from writing a decode rank's heads.
+
+    Accepted: the same total heads, KV heads outermost in a block (so decode's heads are
+    one byte range of prefill's block), prefill TP <= decode TP with decode TP a multiple
+    of it, and prefill's heads containing decode's. Prefill TP above decode TP is refused:
+    one decode block would need writes from several prefill ranks (docs/pools.md).
+    """
+    out: list[Difference] = []
+    p_total, d_total = p.num_kv_heads * p.tp_size, d.num_kv_heads * d.tp_size
+    if p_total != d_total:
+        out.append(_cross("total_kv_heads", "total KV heads (num_kv_heads x tp_size)",
+                          f"{p.num_kv_heads}x{p.tp_size}={p_total}",
+                          f"{d.num_kv_heads}x{d.tp_size}={d_total}"))
+    if p.tp_size != d.tp_size:
+        layouts = {p.inner_layout, d.inner_layout}
+        if not layouts <= HEADS_OUTERMOST_LAYOUTS:
+            out.append(_tp_refusal(
+                "inner_layout", p.inner_layout, d.inner_layout,
+                f"tensor-parallel sizes differ (prefill={p.tp_size}, decode={d.tp_size}), "
+                "which needs a block layout with KV heads outermost "
+                f"({', '.join(sorted(HEADS_OUTERMOST_LAYOUTS))}): block inner layout"))
+        if p.tp_size > d.tp_size:
+            out.append(_tp_refusal(
+                "tp_size", p.tp_size, d.tp_size,
+                "tensor-parallel size, prefill above decode (not supported: one decode "
+                "block would need writes from several prefill ranks; run decode with at "
+                "least prefill's TP):"))
+        elif d.tp_size % p.tp_size:
+            out.append(_tp_refusal(
+                "tp_size", p.tp_size, d.tp_size,
+                "tensor-parallel size (decode's must be a multiple of prefill's):"))
+    if not out:
+        p_lo, p_hi = rank_heads(p.tp_rank, p.num_kv_heads)
+        d_lo, d_hi = rank_heads(d.tp_rank, d.num_kv_heads)
+        if not p_lo <= d_lo < d_hi <= p_hi:
+            out.append(_tp_refusal(
+                "tp_rank", _tp(p), _tp(d),
+                "tensor-parallel rank (prefill's heads must contain decode's: decode rank "
+                f"{d.tp_rank} takes its heads from prefill rank "
+                f"{d_lo // p.num_kv_heads}):"))
+    return out
+
+
+def _tp_refusal(field: str, p: object, d: object, what: str) -> Difference:
+    """A tensor-parallel refusal: ``what`` says why, then both values as :func:`_cross`."""
+    ps, ds = _fmt(p), _fmt(d)
+    return Difference(field, CROSS, (("prefill", ps), ("decode", ds)),
+                      f"prefill and decode pools differ in {what} prefill={ps}, decode={ds}")
+
+
+def _component_differences(prefill: SideLayout, decode: SideLayout, *,
+                           per_head: bool = False) -> list[Difference]:
+    """Each component's buffers, side by side. ``per_head``: paged pools at different
+    tensor-parallel places, whose KV blocks hold different heads; their bytes per head
+    must match instead of their item lengths."""
     out: list[Difference] = []
     pc, dc = prefill.components, decode.components
     if len(pc) != len(dc):
@@ -166,7 +239,14 @@ def _component_differences(prefill: SideLayout, decode: SideLayout) -> list[Diff
                               len(a.buffers), len(b.buffers)))
             continue
         for j, (ba, bb) in enumerate(zip(a.buffers, b.buffers, strict=True)):
-            if ba.item_len != bb.item_len:
+            if per_head and a.state_type is None:
+                ph = _per_head(ba.item_len, prefill.target.num_kv_heads)
+                dh = _per_head(bb.item_len, decode.target.num_kv_heads)
+                if ph != dh:
+                    out.append(_cross(f"components[{i}].buffers[{j}].item_len",
+                                      f"{where} buffer {j} ({ba.name}) bytes per KV head",
+                                      ph, dh))
+            elif ba.item_len != bb.item_len:
                 out.append(_cross(f"components[{i}].buffers[{j}].item_len",
                                   f"{where} buffer {j} ({ba.name}) item length",
                                   ba.item_len, bb.item_len))
@@ -175,6 +255,13 @@ def _component_differences(prefill: SideLayout, decode: SideLayout) -> list[Diff
                                   f"{where} buffer {j} ({ba.name}) index kind",
                                   ba.index_kind.value, bb.index_kind.value))
     return out
+
+
+def _per_head(item_len: int, heads: int) -> str:
+    """A block's bytes per head, or how it fails to be whole heads."""
+    if item_len % heads:
+        return f"{item_len} bytes for {heads} heads (not whole heads)"
+    return str(item_len // heads)
 
 
 def check_sides(prefill: SideLayout, decode: SideLayout) -> None:

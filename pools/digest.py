@@ -19,6 +19,7 @@ overhead, not the hash, dominated small requests.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,43 +94,64 @@ class DigestPart:
     items: np.ndarray[Any, Any]   # the buffer's (items, item_len) view
     idx: np.ndarray[Any, Any]     # the items moved, in order
     run: tuple[int, int] | None   # (first, count) when ``idx`` is one ascending run
+    #: (offset, width) of the bytes of each item that move (a TP head window), or None:
+    #: the whole item.
+    window: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes this part digests."""
-        return len(self.idx) * int(self.items.shape[1])
+        width = self.window[1] if self.window is not None else int(self.items.shape[1])
+        return len(self.idx) * width
 
     def digest(self) -> int:
-        """XXH3-128 of the part's items, in order."""
+        """XXH3-128 of the part's items (their window's bytes, where one is set), in order."""
         run = self.run
-        if run is not None and run[0] >= 0 and run[0] + run[1] <= len(self.items):
+        in_place = run is not None and run[0] >= 0 and run[0] + run[1] <= len(self.items)
+        if self.window is not None:
+            off, width = self.window
+            rows = (self.items[run[0]:run[0] + run[1]] if in_place and run is not None
+                    else np.take(self.items, self.idx, axis=0))
+            return _digest(np.ascontiguousarray(rows[:, off:off + width]).data)
+        if in_place and run is not None:
             # A slice of a C-contiguous array is contiguous: digest it in place.
             return _digest(self.items[run[0]:run[0] + run[1]].data)
         return _digest(np.ascontiguousarray(np.take(self.items, self.idx, axis=0)).data)
 
 
 def digest_parts(side: AllocatedSide, indices: IndexLists, *, include_kv: bool = True,
-                 include_states: bool = True, draft: IndexLists | None = None
+                 include_states: bool = True, draft: IndexLists | None = None,
+                 windows: Sequence[tuple[int, int] | None] | None = None
                  ) -> list[DigestPart]:
-    """The parts :func:`request_digests` digests, one per selected buffer, in its order."""
+    """The parts :func:`request_digests` digests, one per selected buffer, in its order.
+
+    ``windows``: per flat buffer, the (offset, width) of each item that moves
+    (:func:`kvbeam.pools.plan.side_windows`: paged pools at different TP places), or None
+    for whole items; digests cover exactly the moved bytes.
+    """
     out: list[DigestPart] = []
     kinds: dict[tuple[IndexKind, bool], tuple[np.ndarray[Any, Any], tuple[int, int] | None]] = {}
+    flat = -1
     for comp in side.layout.components:
         wanted = include_kv if comp.state_type is None else include_states
         if not wanted:
+            flat += len(comp.buffers)
             continue
         for buf in comp.buffers:
+            flat += 1
             key = (buf.index_kind, own_draft_list(draft, comp.pool, buf.index_kind))
             if key not in kinds:
                 idx = list_for(indices, draft, comp.pool, buf.index_kind)
                 kinds[key] = (idx, _run(idx))
             idx, run = kinds[key]
-            out.append(DigestPart(_items(side, buf), idx, run))
+            window = windows[flat] if windows is not None else None
+            out.append(DigestPart(_items(side, buf), idx, run, window))
     return out
 
 
 def request_digests(side: AllocatedSide, indices: IndexLists, *, include_kv: bool = True,
-                    include_states: bool = True, draft: IndexLists | None = None) -> list[int]:
+                    include_states: bool = True, draft: IndexLists | None = None,
+                    windows: Sequence[tuple[int, int] | None] | None = None) -> list[int]:
     """XXH3-128 of each selected buffer's items, in the order of ``indices``.
 
     ``indices`` must be the lists actually moved (after pairing, see
@@ -140,4 +162,5 @@ def request_digests(side: AllocatedSide, indices: IndexLists, *, include_kv: boo
     list on several.
     """
     return [part.digest() for part in digest_parts(side, indices, include_kv=include_kv,
-                                                   include_states=include_states, draft=draft)]
+                                                   include_states=include_states, draft=draft,
+                                                   windows=windows)]

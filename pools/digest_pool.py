@@ -116,11 +116,12 @@ class DigestPool:
                           if threads else None)
 
     def digests(self, side: AllocatedSide, indices: IndexLists, *, include_kv: bool = True,
-                include_states: bool = True, draft: IndexLists | None = None) -> DigestJob:
+                include_states: bool = True, draft: IndexLists | None = None,
+                windows: Sequence[tuple[int, int] | None] | None = None) -> DigestJob:
         """Start digesting what :func:`~kvbeam.pools.digest.request_digests` would (same
         arguments, same result); returns at once with threads, when done without."""
         parts = digest_parts(side, indices, include_kv=include_kv,
-                             include_states=include_states, draft=draft)
+                             include_states=include_states, draft=draft, windows=windows)
         if self._executor is None:
             done: Future[list[int]] = Future()
             try:

@@ -82,6 +82,8 @@ class PoolGeometry:
     kind: str = "dsv4"
     num_kv_heads: int = 1
     inner_layout: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
 
     @classmethod
     def of(cls, spec: PoolSpec) -> PoolGeometry:
@@ -107,6 +109,8 @@ class PoolGeometry:
             kind=spec.kind,
             num_kv_heads=spec.num_kv_heads,
             inner_layout=spec.inner_layout,
+            tp_rank=spec.tp_rank,
+            tp_size=spec.tp_size,
         )
 
 

@@ -7,6 +7,12 @@ work is numpy array arithmetic; nothing loops per token or per index.
 Example: source buffers at 1000 and 2000, destination buffers at 3000 and 4000,
 item lengths 16 and 32, source indices [1, 2], destination indices [3, 4] give the
 blocks (1016, 3048, 32) and (2032, 4096, 64).
+
+Paged pools at different tensor-parallel places (a prefill rank holding more KV heads
+than the decode rank it writes) move a head window of each item
+(:class:`~kvbeam.pools.paged.HeadWindow`): source bytes ``[page * item_s + off_s, + w)``
+to destination bytes ``[page * item_d + off_d, + w)``, one block per page (pages do not
+coalesce: the bytes between two windows are other heads).
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbeam.errors import PlanError
-from kvbeam.pools.layout import BufferLayout, SideLayout
+from kvbeam.pools.layout import BufferLayout, PoolGeometry, SideLayout
+from kvbeam.pools.paged import HeadWindow, head_window
 from kvbeam.pools.types import EXACT_MATCH_KINDS, IndexKind
 from kvbeam.transport.blocks import Blocks
 
@@ -203,7 +210,9 @@ class _Shape:
     key_of: npt.NDArray[np.intp]  # each job's position in ``keys``
     keys: tuple[_Key, ...]  # in order of first use
     first_job: tuple[int, ...]  # the first job of each key
-    groups: tuple[tuple[int, int, npt.NDArray[np.intp]], ...]  # (key pos, item_len, jobs)
+    # (key pos, source item_len, destination item_len, head window or None: whole items)
+    groups: tuple[tuple[int, int, int, HeadWindow | None, npt.NDArray[np.intp]], ...]
+    windowed: npt.NDArray[np.bool_]  # each job moves a head window (one block per page)
     broken: tuple[int, str] | None  # the first job whose two sides disagree, and why
 
 
@@ -215,8 +224,56 @@ def _draft_kinds(draft: IndexLists | None) -> frozenset[IndexKind] | None:
     return None if draft is None else frozenset(draft)
 
 
-def _mismatch(ci: int, sb: BufferLayout, db: BufferLayout) -> str | None:
-    if sb.item_len != db.item_len:
+def tp_windows(src: PoolGeometry, dst: PoolGeometry) -> bool:
+    """True when two target pools are paged at different tensor-parallel places, so their
+    KV buffers pair by head window (:func:`buffer_window`) rather than whole items."""
+    return src.kind == dst.kind == "paged" and (src.tp_size, src.tp_rank) != (dst.tp_size,
+                                                                              dst.tp_rank)
+
+
+def buffer_window(src: SideLayout, dst: SideLayout, sb: BufferLayout,
+                  db: BufferLayout) -> HeadWindow | None:
+    """The head window a KV buffer pair moves, or None when it moves whole items.
+
+    Raises:
+        PlanError: the two blocks hold different bytes per head, or no head in common.
+    """
+    if not tp_windows(src.target, dst.target):
+        return None
+    s, d = src.target, dst.target
+    try:
+        window = head_window(s.tp_rank, s.num_kv_heads, sb.item_len, d.tp_rank,
+                             d.num_kv_heads, db.item_len)
+    except ValueError as exc:
+        raise PlanError(f"{sb.name}: {exc}") from None
+    return None if window.whole(sb.item_len, db.item_len) else window
+
+
+def side_windows(side: SideLayout, peer: SideLayout, *, source: bool
+                 ) -> tuple[tuple[int, int] | None, ...]:
+    """Per flat buffer of ``side``: the (offset, width) of each item it moves to or from
+    ``peer``, or None for the whole item; what its digests cover (``source``: ``side``
+    writes to ``peer``, else ``peer`` writes to ``side``).
+
+    Raises:
+        PlanError: as :func:`buffer_window` (the handshake refused such a pair already).
+    """
+    src, dst = (side, peer) if source else (peer, side)
+    if not tp_windows(src.target, dst.target):
+        return (None,) * len(side.flat_buffers)
+    out: list[tuple[int, int] | None] = []
+    for sb, db in zip(src.flat_buffers, dst.flat_buffers, strict=False):
+        window = buffer_window(src, dst, sb, db)
+        if window is None:
+            out.append(None)
+        else:
+            out.append((window.src_offset if source else window.dst_offset, window.width))
+    out.extend([None] * (len(side.flat_buffers) - len(out)))
+    return tuple(out)
+
+
+def _mismatch(ci: int, sb: BufferLayout, db: BufferLayout, windowed: bool) -> str | None:
+    if sb.item_len != db.item_len and not windowed:
         return (f"item length differs for {sb.name} (component {ci}): source {sb.item_len}, "
                 f"destination {db.item_len}")
     if sb.index_kind != db.index_kind:
@@ -240,6 +297,7 @@ def _shape(key: tuple[object, ...], src: SideLayout, dst: SideLayout, include_kv
         )
     jobs: list[tuple[int, int, BufferLayout, BufferLayout, str]] = []
     flat_pos: list[int] = []
+    sc_is_kv: list[bool] = []
     flat = 0
     for ci, (sc, dc) in enumerate(zip(src.components, dst.components, strict=True)):
         if len(sc.buffers) != len(dc.buffers):
@@ -252,14 +310,25 @@ def _shape(key: tuple[object, ...], src: SideLayout, dst: SideLayout, include_kv
             if wanted:
                 jobs.append((ci, bi, sb, db, sc.pool))
                 flat_pos.append(flat)
+                sc_is_kv.append(sc.state_type is None)
             flat += 1
     broken: tuple[int, str] | None = None
     keys: dict[_Key, int] = {}
     first_job: list[int] = []
     key_of: list[int] = []
-    by_group: dict[tuple[int, int], list[int]] = {}
+    windowed: list[bool] = []
+    by_group: dict[tuple[int, int, int, HeadWindow | None], list[int]] = {}
     for j, (ci, _bi, sb, db, pool) in enumerate(jobs):
-        why = _mismatch(ci, sb, db)
+        window: HeadWindow | None = None
+        why: str | None = None
+        if sc_is_kv[j]:
+            try:
+                window = buffer_window(src, dst, sb, db)
+            except PlanError as exc:
+                why = str(exc)
+        windowed.append(window is not None)
+        by_heads = sc_is_kv[j] and tp_windows(src.target, dst.target)
+        why = why or _mismatch(ci, sb, db, by_heads)
         if why is not None and broken is None:
             broken = (j, why)
         kind = sb.index_kind
@@ -268,14 +337,16 @@ def _shape(key: tuple[object, ...], src: SideLayout, dst: SideLayout, include_kv
             keys[kk] = len(keys)
             first_job.append(j)
         key_of.append(keys[kk])
-        by_group.setdefault((keys[kk], sb.item_len), []).append(j)
+        by_group.setdefault((keys[kk], sb.item_len, db.item_len, window), []).append(j)
     shape = _Shape(
         src, dst, (len(src.flat_buffers), len(dst.flat_buffers)), tuple(jobs),
         tuple((ci, bi, sb.name) for ci, bi, sb, _, _ in jobs), np.array(flat_pos, dtype=np.intp),
         np.array([sb.items for _, _, sb, _, _ in jobs], dtype=np.int64),
         np.array([db.items for _, _, _, db, _ in jobs], dtype=np.int64),
         np.array(key_of, dtype=np.intp), tuple(keys), tuple(first_job),
-        tuple((k, n, np.array(js, dtype=np.intp)) for (k, n), js in by_group.items()), broken)
+        tuple((k, ns, nd, w, np.array(js, dtype=np.intp))
+              for (k, ns, nd, w), js in by_group.items()),
+        np.array(windowed, dtype=np.bool_), broken)
     if len(_SHAPES) >= _SHAPES_MAX:
         _SHAPES.clear()
     _SHAPES[key] = shape
@@ -284,17 +355,18 @@ def _shape(key: tuple[object, ...], src: SideLayout, dst: SideLayout, include_kv
 
 def _first_error(shape: _Shape, src_indices: IndexLists, dst_indices: IndexLists,
                  src_draft: IndexLists | None, dst_draft: IndexLists | None
-                 ) -> tuple[list[Runs], list[tuple[int, int, int, int]]]:
+                 ) -> tuple[list[Runs], list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]]:
     """Pair each key's lists and check every job's index range; raise the first error.
 
     "First" is what a buffer-by-buffer check in positional order would hit first: a
     job's side mismatch, then its key's pairing (at the key's first job), then its
-    source range, then its destination range. Returns each key's runs and bounds.
+    source range, then its destination range. Returns each key's runs and paired lists.
     """
     errors: list[tuple[int, int, BaseException | None]] = []  # (job, rank, error)
     if shape.broken is not None:
         errors.append((shape.broken[0], 0, PlanError(shape.broken[1])))
     runs: list[Runs] = []
+    pairs: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = []
     bounds: list[tuple[int, int, int, int]] = []
     for pos, (kind, _, _) in enumerate(shape.keys):
         j = shape.first_job[pos]
@@ -308,6 +380,7 @@ def _first_error(shape: _Shape, src_indices: IndexLists, dst_indices: IndexLists
             errors.append((j, 1, exc))
             break
         runs.append(Runs.of(s_idx, d_idx))
+        pairs.append((s_idx, d_idx))
         bounds.append((*_bounds(s_idx), *_bounds(d_idx)))
     # Range checks, vectorised over jobs: a key's bounds against each job's item count.
     n = len(runs)
@@ -330,7 +403,7 @@ def _first_error(shape: _Shape, src_indices: IndexLists, dst_indices: IndexLists
         if rank == 2:
             _check_range(s_lo, s_hi, sb, "source")
         _check_range(d_lo, d_hi, db, "destination")
-    return runs, bounds
+    return runs, pairs
 
 
 def build_plan(
@@ -372,13 +445,15 @@ def build_plan(
         )
     if shape is None:
         shape = _shape(key, src, dst, include_kv, include_states, src_draft, dst_draft)
-    runs, _ = _first_error(shape, src_indices, dst_indices, src_draft, dst_draft)
-    # Blocks: runs depend only on the index kind and byte offsets on (kind, item length),
-    # so each group of buffers sharing both is one broadcast of the runs over the
-    # buffers' base addresses, scattered into the plan's positional order.
+    runs, pairs = _first_error(shape, src_indices, dst_indices, src_draft, dst_draft)
+    # Blocks: runs depend only on the index kind and byte offsets on (kind, item lengths,
+    # window), so each group of buffers sharing them is one broadcast of the runs (of the
+    # pages, for a head window) over the buffers' base addresses, scattered into the
+    # plan's positional order.
     per_key = np.array([len(r.count) for r in runs], dtype=np.int64)
     items = np.array([int(r.count.sum()) for r in runs], dtype=np.int64)
-    per_job = per_key[shape.key_of] if len(runs) else np.zeros(0, dtype=np.int64)
+    per_job = (np.where(shape.windowed, items[shape.key_of], per_key[shape.key_of])
+               if len(runs) else np.zeros(0, dtype=np.int64))
     starts = np.zeros(len(per_job) + 1, dtype=np.int64)
     np.cumsum(per_job, out=starts[1:])
     total = int(starts[-1])
@@ -387,15 +462,22 @@ def build_plan(
     out_len = np.empty(total, dtype=np.uint64)
     s_base = np.array(src_addrs, dtype=np.uint64)[shape.flat]
     d_base = np.array(dst_addrs, dtype=np.uint64)[shape.flat]
-    for key_pos, item_len, jobs in shape.groups:
-        r = runs[key_pos]
-        width = len(r.count)
+    for key_pos, src_item, dst_item, window, jobs in shape.groups:
+        if window is None:  # whole items (src_item == dst_item): runs coalesce
+            r = runs[key_pos]
+            item = np.uint64(src_item)
+            s_off, d_off, lengths = r.src_start * item, r.dst_start * item, r.count * item
+        else:  # a head window of every page: one block each
+            s_idx, d_idx = pairs[key_pos]
+            s_off = s_idx.astype(np.uint64) * np.uint64(src_item) + np.uint64(window.src_offset)
+            d_off = d_idx.astype(np.uint64) * np.uint64(dst_item) + np.uint64(window.dst_offset)
+            lengths = np.full(len(s_idx), window.width, dtype=np.uint64)
+        width = len(lengths)
         if width == 0:
             continue
-        item = np.uint64(item_len)
         at = (starts[jobs][:, None] + np.arange(width, dtype=np.int64)).ravel()
-        out_src[at] = (s_base[jobs][:, None] + r.src_start * item).ravel()
-        out_dst[at] = (d_base[jobs][:, None] + r.dst_start * item).ravel()
-        out_len[at] = np.broadcast_to(r.count * item, (len(jobs), width)).ravel()
+        out_src[at] = (s_base[jobs][:, None] + s_off).ravel()
+        out_dst[at] = (d_base[jobs][:, None] + d_off).ravel()
+        out_len[at] = np.broadcast_to(lengths, (len(jobs), width)).ravel()
     job_items = items[shape.key_of] if len(runs) else np.zeros(0, dtype=np.int64)
     return TransferPlan(Blocks(out_src, out_dst, out_len), shape.heads, job_items, starts)

@@ -87,6 +87,11 @@ class PoolSpec:
             metadata buffers (``KVArgs.aux_item_lens``), in sglang's order.
         aux_rows: sglang_mha: rows of each metadata buffer (requests it can hold; each
             side has its own count).
+        tp_rank: paged: this pool's tensor-parallel rank in its instance (0-based).
+        tp_size: paged: the instance's tensor-parallel size. The pool holds KV heads
+            ``[tp_rank * num_kv_heads, (tp_rank + 1) * num_kv_heads)`` of
+            ``num_kv_heads * tp_size``; the handshake pairs a prefill rank with a
+            decode rank whose heads it contains (docs/pools.md, "Tensor parallelism").
     """
 
     compression_ratios: tuple[int, ...]
@@ -107,6 +112,8 @@ class PoolSpec:
     inner_layout: str = ""
     aux_item_lens: tuple[int, ...] = ()
     aux_rows: int = 0
+    tp_rank: int = 0
+    tp_size: int = 1
 
     # ---- derived geometry -------------------------------------------------
     @property
@@ -165,6 +172,11 @@ class PoolSpec:
     def indexer_row_bytes(self) -> int:
         """Bytes per C4 indexer row."""
         return self.indexer_head_dim * self.element_size
+
+    @property
+    def total_kv_heads(self) -> int:
+        """KV heads of the whole model layer: this pool's times the tensor-parallel size."""
+        return self.num_kv_heads * self.tp_size
 
     @property
     def max_pages_per_req(self) -> int:
@@ -234,6 +246,12 @@ class PoolSpec:
             raise bad("kind", f"unknown pool kind; use one of {', '.join(POOL_KINDS)}")
         if self.num_kv_heads <= 0:
             raise bad("num_kv_heads", "must be a positive integer")
+        if self.tp_size <= 0:
+            raise bad("tp_size", "must be a positive integer (1: no tensor parallelism)")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise bad("tp_rank", f"must be in 0..tp_size-1 = 0..{self.tp_size - 1}")
+        if self.tp_size != 1 and self.kind != "paged":
+            raise bad("tp_size", "tensor-parallel ranks belong to the paged kind")
         if self.kind in PAGED_KINDS:
             self._validate_paged(bad)
         elif self.num_kv_heads != 1 or self.inner_layout:

@@ -68,6 +68,7 @@ MAX_PAGES = 1 << 40        # SWA ring rows of a whole pool
 MAX_RING = 1 << 20         # compression-state rings
 MAX_COMPONENTS = 64
 MAX_FINGERPRINT_LEN = 128
+MAX_TP = 1 << 16           # tensor-parallel ranks of an instance
 
 
 # ---- encoding ---------------------------------------------------------------
@@ -97,6 +98,8 @@ def geometry_to_proto(g: PoolGeometry, field: str = "geometry") -> pb.PoolGeomet
         kind=g.kind,
         num_kv_heads=g.num_kv_heads,
         inner_layout=g.inner_layout,
+        tp_rank=g.tp_rank,
+        tp_size=g.tp_size,
     )
 
 
@@ -147,6 +150,9 @@ def geometry_from_proto(m: pb.PoolGeometry, field: str, *, require_layers: bool)
     def pos(name: str, value: int, hi: int) -> int:
         return int_in(value, f"{field}.{name}", 1, hi)
 
+    # 0 from an older peer: rank 0 of 1 (no tensor parallelism).
+    tp_size = int_in(m.tp_size or 1, f"{field}.tp_size", 1, MAX_TP)
+    tp_rank = int_in(m.tp_rank, f"{field}.tp_rank", 0, tp_size - 1)
     return PoolGeometry(
         compression_ratios=tuple(int(r) for r in m.compression_ratios),
         unified_kv=bool(m.unified_kv),
@@ -170,6 +176,8 @@ def geometry_from_proto(m: pb.PoolGeometry, field: str, *, require_layers: bool)
         num_kv_heads=int_in(m.num_kv_heads or 1, f"{field}.num_kv_heads", 1, MAX_DIM),
         inner_layout=text(m.inner_layout, f"{field}.inner_layout", required=False,
                           max_len=MAX_FINGERPRINT_LEN),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
     )
 
 

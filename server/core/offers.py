@@ -27,6 +27,7 @@ from kvbeam.errors import NotHandshakenError
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
+from kvbeam.pools.plan import side_windows
 from kvbeam.server.core.ports import DecodePeers, WriteGrant
 from kvbeam.server.peers import PeerConn, Peers
 
@@ -183,7 +184,8 @@ class PrefillOffers:
         Outside every lock, on the executor (it waits for the pool's threads)."""
         if rec.digests is None:
             rec.digests = (job or self.digest_pool.digests(
-                self.pools, rec.moved_source, draft=rec.src_draft)).result()
+                self.pools, rec.moved_source, draft=rec.src_draft,
+                windows=side_windows(self.pools.layout, conn.peer.layout, source=True))).result()
         try:
             self.decode.send_digests(conn, rec.request_id, transfer_id, rec.digests)
         except Exception as exc:  # decode's deadline fails the request, naming the digests

@@ -46,7 +46,7 @@ from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.engine_indices import ListLike, check_kv_skip, same_lists, validate
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
-from kvbeam.pools.plan import build_plan
+from kvbeam.pools.plan import build_plan, side_windows
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.base import CoreBase
@@ -525,7 +525,9 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
             self.faults.break_link(rid, conn.link)
         # Integrity: the digest pool digests the source while the writes go out (the
         # source does not change while the request lives); sent once they are posted.
-        job = (self.digest_pool.digests(self.pools, rec.moved_source, draft=rec.src_draft)
+        job = (self.digest_pool.digests(self.pools, rec.moved_source, draft=rec.src_draft,
+                                        windows=side_windows(self.layout, conn.peer.layout,
+                                                             source=True))
                if final and self.integrity and rec.digests is None else None)
         try:
             conn.link.write(grant.transfer_id, blocks, notify=final)

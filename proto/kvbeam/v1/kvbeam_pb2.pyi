@@ -138,7 +138,7 @@ FAILURE_REASON_INVALID_REQUEST: FailureReason
 FAILURE_REASON_SHUTDOWN: FailureReason
 
 class PoolGeometry(_message.Message):
-    __slots__ = ("compression_ratios", "unified_kv", "sliding_window", "swa_ring_size", "swa_pages", "page_size", "head_dim", "indexer_head_dim", "dtype", "num_draft_tokens", "online_c128", "c4_ring_size", "c128_ring_size", "swa_pages_per_req", "num_req_slots", "max_context_len", "swa_index_mapping", "kind", "num_kv_heads", "inner_layout")
+    __slots__ = ("compression_ratios", "unified_kv", "sliding_window", "swa_ring_size", "swa_pages", "page_size", "head_dim", "indexer_head_dim", "dtype", "num_draft_tokens", "online_c128", "c4_ring_size", "c128_ring_size", "swa_pages_per_req", "num_req_slots", "max_context_len", "swa_index_mapping", "kind", "num_kv_heads", "inner_layout", "tp_rank", "tp_size")
     COMPRESSION_RATIOS_FIELD_NUMBER: _ClassVar[int]
     UNIFIED_KV_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,8 @@ class PoolGeometry(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     INNER_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     compression_ratios: _containers.RepeatedScalarFieldContainer[int]
     unified_kv: bool
     sliding_window: int
@@ -179,7 +181,9 @@ class PoolGeometry(_message.Message):
     kind: str
     num_kv_heads: int
     inner_layout: str
-    def __init__(self, compression_ratios: _Optional[_Iterable[int]] = ..., unified_kv: _Optional[bool] = ..., sliding_window: _Optional[int] = ..., swa_ring_size: _Optional[int] = ..., swa_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., head_dim: _Optional[int] = ..., indexer_head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_draft_tokens: _Optional[int] = ..., online_c128: _Optional[bool] = ..., c4_ring_size: _Optional[int] = ..., c128_ring_size: _Optional[int] = ..., swa_pages_per_req: _Optional[int] = ..., num_req_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., swa_index_mapping: _Optional[str] = ..., kind: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., inner_layout: _Optional[str] = ...) -> None: ...
+    tp_rank: int
+    tp_size: int
+    def __init__(self, compression_ratios: _Optional[_Iterable[int]] = ..., unified_kv: _Optional[bool] = ..., sliding_window: _Optional[int] = ..., swa_ring_size: _Optional[int] = ..., swa_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., head_dim: _Optional[int] = ..., indexer_head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_draft_tokens: _Optional[int] = ..., online_c128: _Optional[bool] = ..., c4_ring_size: _Optional[int] = ..., c128_ring_size: _Optional[int] = ..., swa_pages_per_req: _Optional[int] = ..., num_req_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., swa_index_mapping: _Optional[str] = ..., kind: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., inner_layout: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "nbytes")
