@@ -31,8 +31,9 @@ def side(tp_size: int = 1, tp_rank: int = 0, total: int = TOTAL_HEADS, **over: o
     return paged_side_config("tiny-llama", spec)
 
 
-def layout(*args: int, **over: object) -> SideLayout:
-    return build_side_layout(side(*args, **over))
+def layout(tp_size: int = 1, tp_rank: int = 0, total: int = TOTAL_HEADS, **over: object
+           ) -> SideLayout:
+    return build_side_layout(side(tp_size, tp_rank, total, **over))
 
 
 # ---- the window arithmetic ------------------------------------------------------------
@@ -172,7 +173,7 @@ class _Side:
         self._memory = memory
 
     def buffer_array(self, buf: object) -> np.ndarray:
-        i = self.layout.flat_buffers.index(buf)  # type: ignore[arg-type]
+        i = self.layout.flat_buffers.index(buf)
         b = self.layout.flat_buffers[i]
         return self._memory[i * b.nbytes:(i + 1) * b.nbytes]
 

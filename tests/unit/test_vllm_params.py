@@ -11,7 +11,7 @@ from kvbeam.errors import ConfigError
 from kvbeam.integrations.vllm import params as P
 from kvbeam.integrations.vllm import scheduler as S
 
-SETTINGS = P.Settings(daemon="127.0.0.1:7", attach_socket="/x.sock", model="m")
+SETTINGS = P.Settings(daemons=("127.0.0.1:7",), attach_sockets=("/x.sock",), model="m")
 
 
 @dataclass
@@ -42,7 +42,7 @@ def test_prefill_holds_the_prompt_blocks_and_plans_their_send() -> None:
     assert hold and side.has_pending_push_work()
     assert out == {"do_remote_prefill": True, "kvbeam_id": "t1", "prefill_daemon": "127.0.0.1:7",
                    "prompt_len": 70}
-    assert side.take_plan().sends == [S.Push("a", "t1", (5, 9, 2), "d:1", 70)]
+    assert side.take_plan().sends == [S.Push("a", "t1", (5, 9, 2), ("d:1",), 70)]
     side.sends_finished({"a"})
     assert not side.has_pending_push_work()
 
@@ -57,10 +57,10 @@ def test_an_aborted_prefill_request_is_not_sent() -> None:
 
 def test_decode_loads_the_whole_prompt_into_its_blocks() -> None:
     side = S.SchedulerSide(SETTINGS, block_size=32)
-    req = Req("b", list(range(45)), P.returned_params("t2", "p:1", 45))
+    req = Req("b", list(range(45)), P.returned_params("t2", ("p:1",), 45))
     assert side.get_num_new_matched_tokens(req, 0) == (45, True)
     side.update_state_after_alloc(req, Blocks([7, 3]), 45)
-    assert side.take_plan().loads == [S.Load("b", "t2", (7, 3), "p:1", 45)]
+    assert side.take_plan().loads == [S.Load("b", "t2", (7, 3), ("p:1",), 45)]
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # asked again: no reload
 
 
@@ -69,22 +69,22 @@ def test_a_request_cannot_switch_on_test_behaviour(caplog: pytest.LogCaptureFixt
     ``kvbeam_test_zero_first_block`` (it zeroed the first landed block) and any other
     unknown ``kvbeam_`` key change nothing; the connector logs them as ignored."""
     side = S.SchedulerSide(SETTINGS, block_size=32)
-    params = {**P.returned_params("t5", "p:1", 45), "kvbeam_test_zero_first_block": True,
+    params = {**P.returned_params("t5", ("p:1",), 45), "kvbeam_test_zero_first_block": True,
               "kvbeam_bogus": 1, "remote_engine_id": "another connector's key"}
     req = Req("e", list(range(45)), params)
     assert side.get_num_new_matched_tokens(req, 0) == (45, True)
     side.update_state_after_alloc(req, Blocks([7, 3]), 45)
     # The plan the worker reserves from is the one without the keys.
-    assert side.take_plan().loads == [S.Load("e", "t5", (7, 3), "p:1", 45)]
-    assert P.load_params(params) == P.load_params(P.returned_params("t5", "p:1", 45))
+    assert side.take_plan().loads == [S.Load("e", "t5", (7, 3), ("p:1",), 45)]
+    assert P.load_params(params) == P.load_params(P.returned_params("t5", ("p:1",), 45))
     ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert ignored and all("kvbeam_bogus, kvbeam_test_zero_first_block" in m
                            and "remote_engine_id" not in m for m in ignored), ignored
     prefill = {"do_remote_decode": True, "kvbeam_id": "t6", "decode_daemon": "d:1",
                "kvbeam_test_zero_first_block": True}
-    assert P.send_params(prefill) == P.SendParams("t6", "d:1")
+    assert P.send_params(prefill) == P.SendParams("t6", ("d:1",))
     hold, _ = side.request_finished(Req("h", list(range(45)), prefill), [4, 8])
-    assert hold and side.take_plan().sends == [S.Push("h", "t6", (4, 8), "d:1", 45)]
+    assert hold and side.take_plan().sends == [S.Push("h", "t6", (4, 8), ("d:1",), 45)]
 
 
 def test_malformed_params_do_not_raise_into_vllms_scheduler(
@@ -112,10 +112,10 @@ def test_decode_with_a_local_prefix_loads_only_the_blocks_it_lacks() -> None:
     """vLLM's blocks for the request come cached ones first: the load names the rest,
     and kv_skip counts the cached blocks (prefill writes only those after them)."""
     side = S.SchedulerSide(SETTINGS, block_size=32)
-    req = Req("c", list(range(100)), P.returned_params("t3", "p:1", 100))
+    req = Req("c", list(range(100)), P.returned_params("t3", ("p:1",), 100))
     assert side.get_num_new_matched_tokens(req, 64) == (36, True)
     side.update_state_after_alloc(req, Blocks([4, 8, 6, 1]), 36)
-    assert side.take_plan().loads == [S.Load("c", "t3", (6, 1), "p:1", 100, kv_skip=2)]
+    assert side.take_plan().loads == [S.Load("c", "t3", (6, 1), ("p:1",), 100, kv_skip=2)]
     assert not side.has_pending_push_work()
 
 
@@ -124,28 +124,28 @@ def test_decode_declines_what_it_will_not_load_and_tells_prefill_once() -> None:
     (another prompt, a whole-prompt hit, a hit not in whole blocks, or it ended before
     it loaded) goes out as a decline at once, and vLLM computes the prompt itself."""
     side = S.SchedulerSide(SETTINGS, block_size=32)
-    other = Req("d1", list(range(50)), P.returned_params("t7", "p:1", 45))
+    other = Req("d1", list(range(50)), P.returned_params("t7", ("p:1",), 45))
     assert side.get_num_new_matched_tokens(other, 0) == (0, False)
     assert side.get_num_new_matched_tokens(other, 0) == (0, False)  # asked again: once
-    whole = Req("d2", list(range(64)), P.returned_params("t8", "p:1", 64))
+    whole = Req("d2", list(range(64)), P.returned_params("t8", ("p:1",), 64))
     assert side.get_num_new_matched_tokens(whole, 64) == (0, False)
-    odd = Req("d3", list(range(64)), P.returned_params("t9", "p:1", 64))
+    odd = Req("d3", list(range(64)), P.returned_params("t9", ("p:1",), 64))
     assert side.get_num_new_matched_tokens(odd, 20) == (0, False)
     assert side.has_pending_push_work()  # vLLM steps until the worker sent them
     plan = side.take_plan()
-    assert [(d.req_id, d.kvbeam_id, d.prefill_daemon) for d in plan.declines] == [
-        ("d1", "t7", "p:1"), ("d2", "t8", "p:1"), ("d3", "t9", "p:1")]
+    assert [(d.req_id, d.kvbeam_id, d.prefill_daemons) for d in plan.declines] == [
+        ("d1", "t7", ("p:1",)), ("d2", "t8", ("p:1",)), ("d3", "t9", ("p:1",))]
     assert "50 tokens, prefill computed 45" in plan.declines[0].why
     assert "holds all 64" in plan.declines[1].why and "whole blocks" in plan.declines[2].why
     assert not side.has_pending_push_work()
     assert side.request_finished(other, []) == (False, None)  # declined already
-    gone = Req("d4", list(range(40)), P.returned_params("t10", "p:1", 40),
+    gone = Req("d4", list(range(40)), P.returned_params("t10", ("p:1",), 40),
                status="FINISHED_ABORTED")
     assert side.get_num_new_matched_tokens(gone, 0) == (40, True)  # never allocated
     assert side.request_finished(gone, []) == (False, None)
     assert [(d.req_id, "before decode loaded it" in d.why)
             for d in side.take_plan().declines] == [("d4", True)]
-    loaded = Req("d5", list(range(40)), P.returned_params("t11", "p:1", 40))
+    loaded = Req("d5", list(range(40)), P.returned_params("t11", ("p:1",), 40))
     side.get_num_new_matched_tokens(loaded, 0)
     side.update_state_after_alloc(loaded, Blocks([2, 3]), 40)
     side.request_finished(loaded, [2, 3])
@@ -169,8 +169,8 @@ ROUTER_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_e
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
 ROUTER_ID = ("cmpl-___prefill_addr_10.0.0.1:8100___decode_addr_10.0.0.2:8200_"
              "0123456789abcdef0123456789abcdef-0-9f3a")
-ROUTED = P.Settings(daemon="10.0.0.1:50051", attach_socket="/x.sock", model="m",
-                    decode_daemons={"10.0.0.2:8200": "10.0.0.2:50052"})
+ROUTED = P.Settings(daemons=("10.0.0.1:50051",), attach_sockets=("/x.sock",), model="m",
+                    decode_daemons={"10.0.0.2:8200": ("10.0.0.2:50052",)})
 
 
 def test_behind_vllm_router_prefill_finds_decode_in_the_request_id() -> None:
@@ -179,8 +179,8 @@ def test_behind_vllm_router_prefill_finds_decode_in_the_request_id() -> None:
                                         [[4, 5, 6]])
     assert delay is True
     plan = side.take_plan()
-    assert [(p.kvbeam_id, p.decode_daemon, p.block_ids) for p in plan.sends] == [
-        (ROUTER_ID, "10.0.0.2:50052", (4, 5))]
+    assert [(p.kvbeam_id, p.decode_daemons, p.block_ids) for p in plan.sends] == [
+        (ROUTER_ID, ("10.0.0.2:50052",), (4, 5))]
     assert back == {"do_remote_prefill": True, "kvbeam_id": ROUTER_ID,
                     "prefill_daemon": "10.0.0.1:50051", "prompt_len": 40}
 
@@ -203,9 +203,14 @@ def test_decode_daemons_setting_is_checked() -> None:
     extra = {"daemon": "h:1", "attach_socket": "/s"}
     got = P.Settings.from_extra({**extra, "decode_daemons": {"http://10.0.0.2:8200/": "d:2"}},
                                 "m")
-    assert got.decode_daemons == {"10.0.0.2:8200": "d:2"}
+    assert got.decode_daemons == {"10.0.0.2:8200": ("d:2",)}
     with pytest.raises(ConfigError, match="decode_daemons: a mapping of decode vLLM"):
         P.Settings.from_extra({**extra, "decode_daemons": ["d:2"]}, "m")
+    with pytest.raises(ConfigError, match="decode_daemons"):
+        P.Settings.from_extra({**extra, "decode_daemons": {"10.0.0.2:8200": ["d:2", 3]}}, "m")
+    ranks = P.Settings.from_extra({**extra, "decode_daemons": {"10.0.0.2:8200": ["a:1", "b:2"]}},
+                                  "m")
+    assert ranks.decode_daemons == {"10.0.0.2:8200": ("a:1", "b:2")}
     with pytest.raises(ConfigError, match="decode_daemons"):
         P.Settings.from_extra({**extra, "decode_daemons": {"10.0.0.2:8200": 5}}, "m")
 
@@ -213,6 +218,47 @@ def test_decode_daemons_setting_is_checked() -> None:
 def test_explicit_params_win_over_the_router_request_id() -> None:
     explicit = {"do_remote_decode": True, "kvbeam_id": "t9", "decode_daemon": "d:9"}
     got = P.send_params(explicit, ROUTER_ID, ROUTED.decode_daemons)
-    assert got == P.SendParams("t9", "d:9")
+    assert got == P.SendParams("t9", ("d:9",))
     assert P.router_decode(ROUTER_ID) == "10.0.0.2:8200"
     assert P.router_decode("cmpl-0123456789abcdef0123456789abcdef-0-1") is None
+
+
+# ---- tensor parallelism ---------------------------------------------------------------
+def test_tp_settings_name_one_daemon_and_socket_per_rank() -> None:
+    got = P.Settings.from_extra({"daemon": ["h:1", "h:2"], "attach_socket": ["/a", "/b"]}, "m")
+    assert (got.daemons, got.attach_sockets) == (("h:1", "h:2"), ("/a", "/b"))
+    got.check_tp(2)
+    with pytest.raises(ConfigError, match=r"daemon: 2 given for tensor_parallel_size 1"):
+        got.check_tp(1)
+    with pytest.raises(ConfigError, match=r"daemon names 2 daemon\(s\), attach_socket 1"):
+        P.Settings.from_extra({"daemon": ["h:1", "h:2"], "attach_socket": "/a"}, "m")
+    with pytest.raises(ConfigError, match="daemon: required"):
+        P.Settings.from_extra({"daemon": [], "attach_socket": "/a"}, "m")
+
+
+def test_rank_transfer_ids_and_which_ranks_pair() -> None:
+    assert P.rank_transfer_id("t", 0, 1) == "t"
+    assert [P.rank_transfer_id("t", d, 2) for d in range(2)] == ["t.r0", "t.r1"]
+    assert list(P.decode_ranks_of(0, 1, 2)) == [0, 1]
+    assert [list(P.decode_ranks_of(p, 2, 4)) for p in range(2)] == [[0, 1], [2, 3]]
+    assert [P.prefill_rank_of(d, 4, 2) for d in range(4)] == [0, 0, 1, 1]
+    assert [P.prefill_rank_of(d, 2, 1) for d in range(2)] == [0, 0]
+    # Prefill TP above decode's: only the rank the decode rank names sends (and the
+    # daemons' handshake refuses the pair).
+    assert [list(P.decode_ranks_of(p, 2, 1)) for p in range(2)] == [[0], []]
+    for p_tp, d_tp in ((1, 1), (1, 2), (2, 2), (2, 4), (1, 4)):
+        for d in range(d_tp):
+            assert d in P.decode_ranks_of(P.prefill_rank_of(d, d_tp, p_tp), p_tp, d_tp)
+
+
+def test_tp_params_carry_every_rank_daemon() -> None:
+    back = P.returned_params("t", ("p:1", "p:2"), 40)
+    assert back["prefill_daemon"] == ["p:1", "p:2"]
+    assert P.load_params(back) == P.LoadParams("t", ("p:1", "p:2"), 40)
+    asked = {"do_remote_decode": True, "kvbeam_id": "t", "decode_daemon": ["d:1", "d:2"]}
+    assert P.send_params(asked) == P.SendParams("t", ("d:1", "d:2"))
+    with pytest.raises(ValueError, match="decode_daemon: a daemon address or a list"):
+        P.send_params({**asked, "decode_daemon": ["d:1", 7]})
+    routed = P.send_params({"do_remote_decode": True}, ROUTER_ID,
+                           {"10.0.0.2:8200": ("d:1", "d:2")})
+    assert routed == P.SendParams(ROUTER_ID, ("d:1", "d:2"))

@@ -21,7 +21,7 @@ from kvbeam.pools.types import IndexKind
 from kvbeam.proto import engine_frames as ef
 from kvbeam.states import TransferState
 
-SETTINGS = P.Settings(daemon="127.0.0.1:7", attach_socket="/x.sock", model="m")
+SETTINGS = P.Settings(daemons=("127.0.0.1:7",), attach_sockets=("/x.sock",), model="m")
 
 
 class _Attachment:
@@ -57,9 +57,9 @@ def test_a_step_reserves_and_sends_in_one_write_and_pushed_states_finish_them() 
     engine, daemon = socket.socketpair()
     worker = WorkerSide(SETTINGS, block_size=32, num_kv_heads=2, head_size=32)
     worker.attachment = _Attachment(EngineChannel(engine, "test"))  # type: ignore[assignment]
-    worker.absorb(S.StepPlan(loads=[S.Load("b", "t2", (7, 3), "p:1", 45),
-                                    S.Load("c", "t3", (4,), "p:1", 20)],
-                             sends=[S.Push("a", "t1", (5, 9, 2), "d:1", 70)]))
+    worker.absorb(S.StepPlan(loads=[S.Load("b", "t2", (7, 3), ("p:1",), 45),
+                                    S.Load("c", "t3", (4,), ("p:1",), 20)],
+                             sends=[S.Push("a", "t1", (5, 9, 2), ("d:1",), 70)]))
     reserve2, _reserve3, send = _frames(daemon, 3)  # the step's batch
     assert isinstance(reserve2, ef.Reserve) and isinstance(send, ef.Send)
     assert (reserve2.request_id, reserve2.seq_len, reserve2.prefill_address) == ("t2", 45, "p:1")
@@ -84,10 +84,49 @@ def test_a_dropped_daemon_socket_fails_the_loads_as_load_errors() -> None:
     worker = WorkerSide(SETTINGS, block_size=32, num_kv_heads=2, head_size=32)
     channel = EngineChannel(engine, "test")
     worker.attachment = _Attachment(channel)  # type: ignore[assignment]
-    worker.absorb(S.StepPlan(loads=[S.Load("b", "t2", (7, 3), "p:1", 45)]))
+    worker.absorb(S.StepPlan(loads=[S.Load("b", "t2", (7, 3), ("p:1",), 45)]))
     _frames(daemon, 1)
     daemon.close()  # the daemon went away
     assert _finished(worker, (set(), {"b"})) == (set(), {"b"})
     assert worker.take_load_errors() == {7, 3}
     assert channel.closed_reason.endswith("closed the attach socket")
     worker.close()
+
+
+TP2 = P.Settings(daemons=("127.0.0.1:7", "127.0.0.1:8"), attach_sockets=("/a.sock", "/b.sock"),
+                 model="m")
+
+
+def test_a_tp1_prefill_sends_one_transfer_per_decode_rank_and_ends_when_all_did() -> None:
+    engine, daemon = socket.socketpair()
+    worker = WorkerSide(SETTINGS, block_size=32, num_kv_heads=2, head_size=32)
+    worker.attachment = _Attachment(EngineChannel(engine, "test"))  # type: ignore[assignment]
+    worker.absorb(S.StepPlan(sends=[S.Push("a", "t1", (5, 9), ("d:1", "d:2"), 40)]))
+    sends = _frames(daemon, 2)
+    assert [(s.request_id, s.decode_address) for s in sends] == [("t1.r0", "d:1"),
+                                                                ("t1.r1", "d:2")]
+    assert all(np.array_equal((s.indices or {})[IndexKind.KV_PAGES], [5, 9]) for s in sends)
+    daemon.sendall(ef.encode(ef.State("t1.r0", TransferState.SUCCESS, None, 3, "ok")))
+    time.sleep(0.2)
+    assert worker.get_finished() == (set(), set())  # one of its two transfers ended
+    daemon.sendall(ef.encode(ef.State("t1.r1", TransferState.FAILED, None, 3, "x")))
+    assert _finished(worker, ({"a"}, set())) == ({"a"}, set())
+    worker.close()
+    daemon.close()
+
+
+def test_each_decode_rank_reserves_its_own_transfer_on_its_own_daemon() -> None:
+    for rank in (0, 1):
+        worker = WorkerSide(TP2, block_size=32, num_kv_heads=1, head_size=32, tp_rank=rank,
+                            tp_size=2)
+        assert worker.attach_socket == TP2.attach_sockets[rank]
+        engine, daemon = socket.socketpair()
+        worker.attachment = _Attachment(EngineChannel(engine, "test"))  # type: ignore[assignment]
+        worker.absorb(S.StepPlan(loads=[S.Load("b", "t2", (7, 3), ("p:1",), 45)],
+                                 declines=[S.Decline("c", "t3", ("p:1",), "no")]))
+        reserve, decline = _frames(daemon, 2)
+        assert isinstance(reserve, ef.Reserve) and isinstance(decline, ef.Decline)
+        assert (reserve.request_id, reserve.prefill_address) == (f"t2.r{rank}", "p:1")
+        assert decline.request_id == f"t3.r{rank}"
+        worker.close()
+        daemon.close()

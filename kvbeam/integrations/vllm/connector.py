@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvbeam.errors import KvbeamError
 from kvbeam.integrations.vllm.params import Settings
 from kvbeam.integrations.vllm.scheduler import SchedulerSide, StepPlan
 from kvbeam.integrations.vllm.worker import WorkerSide
@@ -44,12 +45,21 @@ class KvbeamConnector(KVConnectorBase_V1):
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self._absorbed: object | None = None
+        parallel = vllm_config.parallel_config
+        tp_size = int(parallel.tensor_parallel_size)
+        settings.check_tp(tp_size)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(settings, block_size)
         else:
-            self.worker = WorkerSide(settings, block_size,
-                                     model.get_num_kv_heads(vllm_config.parallel_config),
-                                     model.get_head_size())
+            total = int(model.get_total_num_kv_heads())
+            if total % tp_size:
+                raise KvbeamError(
+                    f"{total} KV heads over tensor_parallel_size {tp_size}: vLLM replicates "
+                    "heads across ranks then, which kvbeam does not pair (each rank must "
+                    "hold its own share of the heads)")
+            self.worker = WorkerSide(settings, block_size, model.get_num_kv_heads(parallel),
+                                     model.get_head_size(), tp_rank=_tp_rank(tp_size),
+                                     tp_size=tp_size)
 
     # ---- scheduler side ----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
@@ -117,3 +127,12 @@ class KvbeamConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+
+
+def _tp_rank(tp_size: int) -> int:
+    """This worker's tensor-parallel rank (vLLM's, set up before the connector's worker)."""
+    if tp_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())

@@ -16,6 +16,13 @@ request's ``kv_transfer_params`` to both instances:
 The block ids are each instance's own: prefill's go into its Send as the source
 ``KV_PAGES`` list, decode's into its Reserve as the destination list; kvbeam pairs
 them by position (docs/indices.md).
+
+Tensor parallelism: every TP rank's worker attaches to a daemon of its own, so an
+instance of TP size N names N daemons (``decode_daemon`` and ``prefill_daemon`` are then
+lists, rank order; a string is one rank). Prefill rank p sends one kvbeam transfer to
+each decode rank d it holds the heads of (:func:`decode_ranks_of`), named
+:func:`rank_transfer_id`; decode rank d reserves that id at the prefill rank that holds
+its heads (:func:`prefill_rank_of`).
 """
 
 from __future__ import annotations
@@ -49,20 +56,26 @@ ROUTER_REQUEST_ID = re.compile(
 
 @dataclass(frozen=True)
 class SendParams:
-    """Prefill's instructions: push this request's prompt KV to ``decode_daemon``."""
+    """Prefill's instructions: push this request's prompt KV to ``decode_daemons`` (one
+    per decode TP rank, rank order)."""
 
     kvbeam_id: str
-    decode_daemon: str
+    decode_daemons: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class LoadParams:
-    """Decode's instructions: this request's prompt KV comes from ``prefill_daemon``."""
+    """Decode's instructions: this request's prompt KV comes from ``prefill_daemons`` (one
+    per prefill TP rank, rank order)."""
 
     kvbeam_id: str
-    prefill_daemon: str
+    prefill_daemons: tuple[str, ...]
     #: The prompt length prefill computed (its returned ``prompt_len``; 0: not given).
     prompt_len: int = 0
+
+
+#: The most TP ranks a daemon list may name (a bound on what a request may ask for).
+MAX_RANKS = 256
 
 
 def _text(params: Mapping[str, Any], key: str) -> str:
@@ -70,6 +83,51 @@ def _text(params: Mapping[str, Any], key: str) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"kv_transfer_params.{key}: a non-empty string is needed (got {value!r})")
     return value
+
+
+def daemon_list(value: Any) -> tuple[str, ...] | None:
+    """A daemon address (one TP rank) or a list of them (one per rank, rank order) as a
+    tuple, or None when ``value`` is neither (empty, non-strings, over MAX_RANKS)."""
+    if isinstance(value, str):
+        return (value,) if value else None
+    if (isinstance(value, list | tuple) and 0 < len(value) <= MAX_RANKS
+            and all(isinstance(v, str) and v for v in value)):
+        return tuple(value)
+    return None
+
+
+def _daemons(params: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = params.get(key)
+    got = daemon_list(value)
+    if got is None:
+        raise ValueError(f"kv_transfer_params.{key}: a daemon address or a list of them (one "
+                         f"per TP rank) is needed (got {value!r})")
+    return got
+
+
+def _one_or_list(daemons: tuple[str, ...]) -> str | list[str]:
+    """How ``kv_transfer_params`` carries daemons: a string for one rank (as before TP)."""
+    return daemons[0] if len(daemons) == 1 else list(daemons)
+
+
+def rank_transfer_id(kvbeam_id: str, decode_rank: int, decode_tp: int) -> str:
+    """The kvbeam transfer id of decode rank ``decode_rank``'s share of a request: the
+    request's own for a TP 1 decode, else ``<kvbeam_id>.r<rank>``."""
+    return kvbeam_id if decode_tp == 1 else f"{kvbeam_id}.r{decode_rank}"
+
+
+def prefill_rank_of(decode_rank: int, decode_tp: int, prefill_tp: int) -> int:
+    """The prefill rank that holds decode rank ``decode_rank``'s KV heads (heads split
+    evenly over each instance's ranks)."""
+    return decode_rank * prefill_tp // decode_tp
+
+
+def decode_ranks_of(prefill_rank: int, prefill_tp: int, decode_tp: int) -> range:
+    """The decode ranks whose heads prefill rank ``prefill_rank`` holds (those for which
+    :func:`prefill_rank_of` names it). With prefill TP above decode TP only some prefill
+    ranks send, and the daemons' handshake refuses the pair (docs/vllm.md)."""
+    return range(-(-prefill_rank * decode_tp // prefill_tp),
+                 -(-(prefill_rank + 1) * decode_tp // prefill_tp))
 
 
 def _ignore_unknown(params: Mapping[str, Any]) -> None:
@@ -95,7 +153,8 @@ def router_decode(request_id: str) -> str | None:
 
 
 def send_params(params: Mapping[str, Any] | None, request_id: str = "",
-                decode_daemons: Mapping[str, str] | None = None) -> SendParams | None:
+                decode_daemons: Mapping[str, tuple[str, ...]] | None = None
+                ) -> SendParams | None:
     """The send a prefill request asks for, or None.
 
     A caller (a proxy) names the transfer and decode's daemon in the parameters. Behind
@@ -112,7 +171,7 @@ def send_params(params: Mapping[str, Any] | None, request_id: str = "",
     _ignore_unknown(params)
     decode = router_decode(request_id) if DECODE_DAEMON not in params else None
     if decode is None:
-        return SendParams(_text(params, KVBEAM_ID), _text(params, DECODE_DAEMON))
+        return SendParams(_text(params, KVBEAM_ID), _daemons(params, DECODE_DAEMON))
     daemon = (decode_daemons or {}).get(decode)
     if daemon is None:
         raise ValueError(f"decode {decode} (from vllm-router's request id) is not in "
@@ -134,13 +193,15 @@ def load_params(params: Mapping[str, Any] | None) -> LoadParams | None:
     if not isinstance(prompt_len, int) or isinstance(prompt_len, bool) or prompt_len < 0:
         raise ValueError(f"kv_transfer_params.{PROMPT_LEN}: a token count is needed "
                          f"(got {prompt_len!r})")
-    return LoadParams(_text(params, KVBEAM_ID), _text(params, PREFILL_DAEMON), prompt_len)
+    return LoadParams(_text(params, KVBEAM_ID), _daemons(params, PREFILL_DAEMON), prompt_len)
 
 
-def returned_params(kvbeam_id: str, prefill_daemon: str, prompt_len: int) -> dict[str, Any]:
-    """What prefill's finished output carries for decode's request."""
-    return {DO_REMOTE_PREFILL: True, KVBEAM_ID: kvbeam_id, PREFILL_DAEMON: prefill_daemon,
-            PROMPT_LEN: prompt_len}
+def returned_params(kvbeam_id: str, prefill_daemons: tuple[str, ...], prompt_len: int
+                    ) -> dict[str, Any]:
+    """What prefill's finished output carries for decode's request: every prefill rank's
+    daemon (a string for one)."""
+    return {DO_REMOTE_PREFILL: True, KVBEAM_ID: kvbeam_id,
+            PREFILL_DAEMON: _one_or_list(prefill_daemons), PROMPT_LEN: prompt_len}
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -166,24 +227,41 @@ class Settings:
     ``--tls-*``).
 
     Attributes:
-        daemon: the local daemon's gRPC address (``--listen``): not called by the
-            connector, but handed to decode (prefill's ``prefill_daemon``), whose daemon
-            reaches prefill's there.
-        attach_socket: its ``--attach-socket`` (the worker attaches vLLM's KV cache there
-            and drives every transfer over it).
+        daemons: each TP rank's local daemon's gRPC address (``--listen``), rank order
+            (``daemon``: a string for TP 1, a list of one per rank): not called by the
+            connector, but handed to decode (prefill's ``prefill_daemon``), whose daemons
+            reach prefill's there.
+        attach_sockets: each rank's daemon's ``--attach-socket`` (``attach_socket``, as
+            ``daemon``): rank r's worker attaches its share of vLLM's KV cache there and
+            drives its transfers over it (a daemon attaches one engine).
         model: the model name both sides' pool metadata must share (default: vLLM's
             served model name).
         inner_layout: the name of vLLM's block layout both sides must share.
         decode_daemons: prefill behind vllm-router: each decode server's HTTP
             host:port (as the router's ``--decode`` URL names it) -> that server's
-            kvbeam daemon (docs/vllm.md, "Behind vllm-router").
+            kvbeam daemon, or a list of its ranks' daemons for a TP > 1 decode
+            (docs/vllm.md, "Behind vllm-router").
     """
 
-    daemon: str
-    attach_socket: str
+    daemons: tuple[str, ...]
+    attach_sockets: tuple[str, ...]
     model: str
     inner_layout: str = "LBHNC"
-    decode_daemons: Mapping[str, str] = field(default_factory=dict)
+    decode_daemons: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def check_tp(self, tp_size: int) -> None:
+        """Refuse settings that do not name one daemon and attach socket per TP rank.
+
+        Raises:
+            ConfigError: naming both counts.
+        """
+        for key, values in (("daemon", self.daemons), ("attach_socket", self.attach_sockets)):
+            if len(values) != tp_size:
+                raise ConfigError(
+                    f"kv_connector_extra_config.{key}: {len(values)} given for "
+                    f"tensor_parallel_size {tp_size}: each TP rank attaches to a daemon of "
+                    f"its own (a daemon attaches one engine), so give a list of {tp_size}, "
+                    "rank order (docs/vllm.md, \"Tensor parallelism\")")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], default_model: str) -> Settings:
@@ -205,20 +283,36 @@ class Settings:
         if unknown:
             raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
                               f"known: {', '.join(sorted(SETTINGS_KEYS))}")
+        lists: dict[str, tuple[str, ...]] = {}
         for key in ("daemon", "attach_socket"):
-            if not isinstance(extra.get(key), str) or not extra[key]:
-                raise ConfigError(f"kv_connector_extra_config.{key}: required (a string)")
-        return cls(daemon=extra["daemon"], attach_socket=extra["attach_socket"],
+            got = daemon_list(extra.get(key))
+            if got is None:
+                raise ConfigError(f"kv_connector_extra_config.{key}: required (a string, or "
+                                  "a list of one per TP rank; got "
+                                  f"{extra.get(key)!r})")
+            lists[key] = got
+        if len(lists["daemon"]) != len(lists["attach_socket"]):
+            raise ConfigError(
+                f"kv_connector_extra_config: daemon names {len(lists['daemon'])} daemon(s), "
+                f"attach_socket {len(lists['attach_socket'])}: one of each per TP rank")
+        return cls(daemons=lists["daemon"], attach_sockets=lists["attach_socket"],
                    model=str(extra.get("model") or default_model),
                    inner_layout=str(extra.get("inner_layout") or "LBHNC"),
                    decode_daemons=_decode_daemons(extra.get("decode_daemons") or {}))
 
 
-def _decode_daemons(value: Any) -> dict[str, str]:
-    """``decode_daemons`` with its keys as vllm-router names them (host:port, no scheme)."""
+def _decode_daemons(value: Any) -> dict[str, tuple[str, ...]]:
+    """``decode_daemons`` with its keys as vllm-router names them (host:port, no scheme),
+    each value a decode server's daemon or its TP ranks' daemons."""
     if not isinstance(value, Mapping) or not all(
-            isinstance(k, str) and k and isinstance(v, str) and v for k, v in value.items()):
+            isinstance(k, str) and k and daemon_list(v) is not None for k, v in value.items()):
         raise ConfigError("kv_connector_extra_config.decode_daemons: a mapping of decode vLLM "
                           "HTTP addresses (host:port, as vllm-router's --decode names them) "
-                          f"to their kvbeam daemons' addresses is needed (got {value!r})")
-    return {re.sub(r"^https?://", "", k).rstrip("/"): v for k, v in value.items()}
+                          "to their kvbeam daemons' addresses (a list of one per TP rank for "
+                          f"a TP > 1 decode) is needed (got {value!r})")
+    out: dict[str, tuple[str, ...]] = {}
+    for k, v in value.items():
+        daemons = daemon_list(v)
+        assert daemons is not None  # checked above
+        out[re.sub(r"^https?://", "", k).rstrip("/")] = daemons
+    return out

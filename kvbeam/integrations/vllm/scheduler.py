@@ -36,7 +36,8 @@ class Load:
     req_id: str
     kvbeam_id: str
     block_ids: tuple[int, ...]
-    prefill_daemon: str = ""
+    #: Every prefill TP rank's daemon, rank order (each decode rank picks its own).
+    prefill_daemons: tuple[str, ...] = ()
     seq_len: int = 0
     failed: bool = False
     #: Leading blocks of the prompt decode's prefix cache holds (``block_ids`` are the
@@ -50,18 +51,19 @@ class Decline:
 
     req_id: str
     kvbeam_id: str
-    prefill_daemon: str
+    prefill_daemons: tuple[str, ...]
     why: str
 
 
 @dataclass(frozen=True)
 class Push:
-    """A prefill request whose prompt KV in ``block_ids`` goes to ``decode_daemon``."""
+    """A prefill request whose prompt KV in ``block_ids`` goes to ``decode_daemons`` (one
+    per decode TP rank, rank order)."""
 
     req_id: str
     kvbeam_id: str
     block_ids: tuple[int, ...]
-    decode_daemon: str
+    decode_daemons: tuple[str, ...]
     seq_len: int
 
 
@@ -124,7 +126,7 @@ class SchedulerSide:
         log.info("request %s: not loading transfer %s (%s); prefill frees its blocks now",
                  req_id, p.kvbeam_id, why)
         self._declined.add(req_id)
-        self._plan.declines.append(Decline(req_id, p.kvbeam_id, p.prefill_daemon, why))
+        self._plan.declines.append(Decline(req_id, p.kvbeam_id, p.prefill_daemons, why))
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
@@ -139,7 +141,7 @@ class SchedulerSide:
         ids = tuple(int(b) for b in blocks.get_block_ids()[0][skip:blocks_for(
             seq_len, self.block_size)])
         self._loading.add(request.request_id)
-        self._plan.loads.append(Load(request.request_id, p.kvbeam_id, ids, p.prefill_daemon,
+        self._plan.loads.append(Load(request.request_id, p.kvbeam_id, ids, p.prefill_daemons,
                                      seq_len, kv_skip=skip))
 
     # ---- prefill -----------------------------------------------------------------
@@ -167,9 +169,9 @@ class SchedulerSide:
         seq_len = len(request.prompt_token_ids)
         source = tuple(ids[:blocks_for(seq_len, self.block_size)])
         self._sending.add(request.request_id)
-        self._plan.sends.append(Push(request.request_id, p.kvbeam_id, source, p.decode_daemon,
+        self._plan.sends.append(Push(request.request_id, p.kvbeam_id, source, p.decode_daemons,
                                      seq_len))
-        return True, returned_params(p.kvbeam_id, self.settings.daemon, seq_len)
+        return True, returned_params(p.kvbeam_id, self.settings.daemons, seq_len)
 
     def sends_finished(self, req_ids: set[str] | None) -> None:
         """The workers reported these sends ended: vLLM frees their blocks now."""

@@ -8,6 +8,13 @@ item per block. Every per-request call goes over that attachment's engine channe
 (:mod:`kvbeam.engine.channel`): the step's reservations and sends leave in one write
 (:meth:`WorkerSide.absorb`), and :meth:`WorkerSide.get_finished` reads the states the
 daemon pushed (no RPC per step). The daemons move the bytes.
+
+With tensor parallelism every rank's worker runs its own WorkerSide, attached to its own
+daemon (``Settings.attach_sockets[rank]``) with its share of the heads (the pool's
+``tp_rank``/``tp_size``). Prefill rank p sends one transfer to each decode rank whose
+heads it holds; decode rank d reserves its own at the prefill rank holding its heads
+(:func:`~kvbeam.integrations.vllm.params.rank_transfer_id`). vLLM counts a request sent
+or received once every rank reported it.
 """
 
 from __future__ import annotations
@@ -26,7 +33,12 @@ from kvbeam.engine import (
     attach,
 )
 from kvbeam.errors import KvbeamError
-from kvbeam.integrations.vllm.params import Settings
+from kvbeam.integrations.vllm.params import (
+    Settings,
+    decode_ranks_of,
+    prefill_rank_of,
+    rank_transfer_id,
+)
 from kvbeam.integrations.vllm.scheduler import Load, StepPlan
 from kvbeam.pools.paged import block_bytes, paged_side_config, paged_spec
 from kvbeam.proto.attach_codec import BufferRef
@@ -45,16 +57,27 @@ class WorkerSide:
     """One worker's attached KV cache and the transfers it waits on."""
 
     def __init__(self, settings: Settings, block_size: int, num_kv_heads: int,
-                 head_size: int) -> None:
+                 head_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+        """``num_kv_heads``: this rank's own heads; ``tp_rank`` of ``tp_size``: its place.
+
+        Raises:
+            ConfigError: the settings do not name one daemon per TP rank.
+        """
+        settings.check_tp(tp_size)
         self.settings = settings
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.attach_socket = settings.attach_sockets[tp_rank]
         self.attachment: Attachment | None = None
         self._shared = SharedMemory()
         self._views: list[torch.Tensor] = []
         self._loads: dict[str, tuple[Load, Receiver | None]] = {}
-        self._sends: dict[str, Sender | None] = {}
+        #: Each sending request's transfers (one per decode rank this rank covers; None:
+        #: never sent).
+        self._sends: dict[str, list[Sender | None]] = {}
         self._load_errors: set[int] = set()
         self.moved_bytes = 0
 
@@ -77,7 +100,8 @@ class WorkerSide:
         num_blocks = int(views[0].shape[0])
         spec = paged_spec(num_layers=len(views), block_size=self.block_size,
                           num_kv_heads=self.num_kv_heads, head_size=self.head_size, dtype=dtype,
-                          inner_layout=self.settings.inner_layout, num_blocks=num_blocks)
+                          inner_layout=self.settings.inner_layout, num_blocks=num_blocks,
+                          tp_rank=self.tp_rank, tp_size=self.tp_size)
         item = block_bytes(spec)
         refs = []
         for name, v in kv_caches.items():
@@ -89,10 +113,11 @@ class WorkerSide:
                                   item))
         self._views = views
         config = paged_side_config(self.settings.model, spec)
-        self.attachment = attach(self.settings.attach_socket,
+        self.attachment = attach(self.attach_socket,
                                  EngineBuffers(list(self._shared.fds), [refs]), config)
-        log.info("attached vLLM's KV cache: %d layers x %d blocks of %d bytes to %s",
-                 len(views), num_blocks, item, self.settings.attach_socket)
+        log.info("attached vLLM's KV cache (TP rank %d of %d, %d KV heads): %d layers x %d "
+                 "blocks of %d bytes to %s", self.tp_rank, self.tp_size, self.num_kv_heads,
+                 len(views), num_blocks, item, self.attach_socket)
 
     # ---- transfers ---------------------------------------------------------------
     def absorb(self, plan: StepPlan) -> None:
@@ -103,7 +128,7 @@ class WorkerSide:
             for load in plan.loads:
                 self._loads[load.req_id] = (load, None)
             for push in plan.sends:
-                self._sends[push.req_id] = None
+                self._sends[push.req_id] = [None]
             if plan.loads or plan.sends:
                 log.warning("no engine channel to the daemon: %d load(s) and %d send(s) fail",
                             len(plan.loads), len(plan.sends))
@@ -112,28 +137,43 @@ class WorkerSide:
             for load in plan.loads:
                 receiver = None
                 if not load.failed:
-                    receiver = Receiver(att, load.kvbeam_id, load.prefill_daemon)
+                    receiver = self._receiver(att, load.kvbeam_id, load.prefill_daemons)
                     receiver.reserve(list(load.block_ids), seq_len=load.seq_len,
                                      kv_skip=load.kv_skip)
                 self._loads[load.req_id] = (load, receiver)
             for declined in plan.declines:
-                Receiver(att, declined.kvbeam_id, declined.prefill_daemon).decline(declined.why)
+                self._receiver(att, declined.kvbeam_id, declined.prefill_daemons).decline(
+                    declined.why)
             for push in plan.sends:
-                sender = Sender(att, push.kvbeam_id, push.decode_daemon)
-                sender.send(list(push.block_ids), seq_len=push.seq_len)
-                self._sends[push.req_id] = sender
+                senders: list[Sender | None] = []
+                decode_tp = len(push.decode_daemons)
+                for d in decode_ranks_of(self.tp_rank, self.tp_size, decode_tp):
+                    sender = Sender(att, rank_transfer_id(push.kvbeam_id, d, decode_tp),
+                                    push.decode_daemons[d])
+                    sender.send(list(push.block_ids), seq_len=push.seq_len)
+                    senders.append(sender)
+                self._sends[push.req_id] = senders
+
+    def _receiver(self, att: Attachment, kvbeam_id: str, prefill_daemons: tuple[str, ...]
+                  ) -> Receiver:
+        """This rank's share of a load: its own transfer id, at the prefill rank holding
+        its heads."""
+        prefill = prefill_daemons[prefill_rank_of(self.tp_rank, self.tp_size,
+                                                  len(prefill_daemons))]
+        return Receiver(att, rank_transfer_id(kvbeam_id, self.tp_rank, self.tp_size), prefill)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(sends ended, loads ended), from the states the daemon pushed; a failed load's
         blocks go to the load errors."""
-        sent = {r for r, s in self._sends.items()
-                if s is None or s.poll() in (KVPoll.Success, KVPoll.Failed)}
+        sent = {r for r, senders in self._sends.items()
+                if all(s is None or s.poll() in (KVPoll.Success, KVPoll.Failed)
+                       for s in senders)}
         for r in sent:
-            sender = self._sends.pop(r)
-            failed = sender.failure() if sender is not None else None
-            if failed is not None:
-                log.warning("request %s: send of transfer %s failed: %s", r,
-                            sender.request_id if sender else "?", failed[1])
+            for sender in self._sends.pop(r):
+                failed = sender.failure() if sender is not None else None
+                if failed is not None:
+                    log.warning("request %s: send of transfer %s failed: %s", r,
+                                sender.request_id if sender else "?", failed[1])
         received: set[str] = set()
         with self._batch():
             for r, (load, receiver) in list(self._loads.items()):
