@@ -20,6 +20,9 @@ prints ``attached INSTANCE`` and serves commands on stdin, one answer line each:
 - ``events``: every change since the last call (poll_many), ``RID:STATE`` each
 - ``digests RID [FROM [TO]]``: CRC32C of each buffer's items at the request's lists
   (its KV pages from position FROM up to TO only)
+- ``heads RID FIRST COUNT``: CRC32C of each KV buffer's items at the request's lists,
+  only the bytes of the pool's heads [FIRST, FIRST + COUNT) (a paged pool: heads are a
+  block's outermost dimension)
 - ``grpc``: whether gRPC was ever imported in this process
 - ``exit``
 """
@@ -142,6 +145,17 @@ def main() -> int:
                                axis=0)
                 out.append(crc32c.crc32c(np.ascontiguousarray(take).data))
             print("digests " + ",".join(map(str, out)), flush=True)
+        elif op == "heads":
+            mapping = lists[cmd[1]]
+            first, count = int(cmd[2]), int(cmd[3])
+            out = []
+            for buf in layout.flat_buffers:
+                per_head = buf.item_len // config.target.num_kv_heads
+                items = pools.buffer_array(buf).reshape(buf.items, buf.item_len)
+                rows = np.take(items, np.asarray(mapping["KV_PAGES"]), axis=0)
+                window = rows[:, first * per_head:(first + count) * per_head]
+                out.append(crc32c.crc32c(np.ascontiguousarray(window).data))
+            print("heads " + ",".join(map(str, out)), flush=True)
         elif op == "grpc":
             print("grpc " + str("grpc" in sys.modules), flush=True)
         elif op == "exit":
