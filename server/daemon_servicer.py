@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
@@ -30,6 +29,7 @@ from kvbeam.proto.side import ROLE_TO_PROTO
 from kvbeam.proto.transfer_codec import status_to_proto
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import handled, peer_error
+from kvbeam.server.executor import LoggingExecutor
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.peers import PeerConn
 from kvbeam.server.servicer import ControlServicer
@@ -109,7 +109,7 @@ class DaemonServicer(ControlServicer):
         self.rt = runtime
         self.table = runtime.table
         #: The driver's one bounded executor: every blocking step of the core runs here.
-        self.io = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvbeam-io")
+        self.io = LoggingExecutor(max_workers=workers, thread_name_prefix="kvbeam-io")
         #: The integrity digests' threads (--digest-threads), shared by every request.
         self.digest_pool = DigestPool(runtime.settings.digest_threads)
         self._watch_lock = threading.Lock()
