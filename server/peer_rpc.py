@@ -1,19 +1,30 @@
-"""The cores' peer calls over gRPC: handshake, BeginWrite, Digests, Offer and Abort.
+"""The cores' peer calls: the handshake over gRPC, then BeginWrite, Digests, Offer and
+Abort over the pair's peer channel (:mod:`kvbeam.server.peer_channel`).
 
 :class:`GrpcDecodePeers` (prefill's view of decode daemons) and
 :class:`GrpcPrefillPeers` (decode's view of prefill daemons) implement the protocols
-of :mod:`kvbeam.server.core.ports`, mapping gRPC statuses to the cores' errors. Every
-call blocks; the cores make them on the driver's executor only.
+of :mod:`kvbeam.server.core.ports`, mapping statuses to the cores' errors. A request on
+the channel is the RPC's own message and its answer carries the RPC's status, so one
+mapping serves both; a peer that opened no channel (a tool, a test's fake peer) is
+called over the RPCs, which every daemon still serves. Every call blocks; the cores
+make them on the driver's executor only.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import grpc
 
-from kvbeam.errors import AlreadyLanded, NotReserved, SendFailed, UnknownRequest
+from kvbeam.errors import (
+    AlreadyLanded,
+    NotReserved,
+    PeerUnavailableError,
+    SendFailed,
+    UnknownRequest,
+)
 from kvbeam.logs import fields
 from kvbeam.pools.digest import digests_to_wire
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
@@ -23,9 +34,22 @@ from kvbeam.proto.transfer_codec import (
     indices_from_proto,
     indices_to_proto,
 )
+from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import peer_error
 from kvbeam.server.core.ports import Offered, WriteGrant
+from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.metrics import DaemonMetrics
+from kvbeam.server.peer_channel import (
+    ABORT,
+    BEGIN_WRITE,
+    CHANNEL_ADDRESS_KEY,
+    CHANNEL_TOKEN_KEY,
+    DIGESTS,
+    OFFER,
+    Hello,
+    PeerChannels,
+    Reply,
+)
 from kvbeam.server.peer_client import ControlClient
 from kvbeam.server.peers import PeerConn, peer_buffer_addrs
 from kvbeam.server.settings import ControlOptions
@@ -64,18 +88,30 @@ class Dialer:
         return ControlClient(address, options=self.options)
 
 
-def _abort(client: ControlClient, request: pb.AbortRequest, timeout: float,
-           address: str) -> bool:
-    """Abort on a peer; True when it confirmed none of the request's writes is in flight."""
+def _channel_of(conn: PeerConn) -> Any:
+    """The connection's live peer channel, or None (then the RPC is called)."""
+    channel = conn.channel
+    return channel if channel is not None and not channel.closed else None
+
+
+def _abort(client: ControlClient | None, request: pb.AbortRequest, timeout: float,
+           address: str, conn: PeerConn | None = None) -> bool:
+    """Abort on a peer (over ``conn``'s channel, else the RPC on ``client``); True when
+    it confirmed none of the request's writes is in flight."""
+    channel = _channel_of(conn) if conn is not None else None
     try:
-        _reply, call = client.stub.Abort.with_call(request, timeout=timeout)
+        if channel is not None:
+            left = channel.call(ABORT, request.SerializeToString(), timeout).in_flight
+        else:
+            assert client is not None
+            _reply, call = client.stub.Abort.with_call(request, timeout=timeout)
+            left = writes_in_flight(call.trailing_metadata())
     except grpc.RpcError as exc:
         if exc.code() is grpc.StatusCode.NOT_FOUND:
             return True  # the peer never heard of it: nothing of it is in flight
         log.info("could not tell %s that %s failed: %s", address, request.request_id,
                  exc.details(), extra=fields(request.request_id, address))
         return False
-    left = writes_in_flight(call.trailing_metadata())
     if left:
         log.info("%s: %d write(s) of %s still in flight when it answered the Abort; it says "
                  "so once they drained", address, left, request.request_id,
@@ -83,17 +119,28 @@ def _abort(client: ControlClient, request: pb.AbortRequest, timeout: float,
     return not left
 
 
-def _await_aborts(pending: Sequence[grpc.Future[pb.TransferStatus]], total: int,
-                  timeout: float, peer: str) -> int:
+def _start_abort(conn: PeerConn | None, client: ControlClient | None,
+                 request: pb.AbortRequest, timeout: float) -> Any:
+    """Start one Abort without waiting: a channel call's future, or the RPC's."""
+    channel = _channel_of(conn) if conn is not None else None
+    if channel is not None:
+        return channel.start_call(ABORT, request.SerializeToString(), timeout)
+    assert client is not None
+    return client.stub.Abort.future(request, timeout=timeout)
+
+
+def _await_aborts(pending: Sequence[Any], total: int, timeout: float, peer: str) -> int:
     """Wait for Aborts started at once (each bounded by its own deadline); how many the
     peer confirmed (answered with nothing in flight, or never heard of the request)."""
     confirmed = unanswered = 0
     for future in pending:
         try:
-            future.result()
-            # A call's future is its Call too: the answer's trailing metadata.
-            metadata = future.trailing_metadata()  # type: ignore[attr-defined]
-            confirmed += not writes_in_flight(metadata)
+            result = future.result()
+            if isinstance(result, Reply):
+                confirmed += not result.in_flight
+            else:
+                # A call's future is its Call too: the answer's trailing metadata.
+                confirmed += not writes_in_flight(future.trailing_metadata())
         except grpc.RpcError as exc:
             if exc.code() is grpc.StatusCode.NOT_FOUND:
                 confirmed += 1
@@ -109,11 +156,12 @@ class GrpcDecodePeers:
     """Prefill's calls to decode daemons."""
 
     def __init__(self, local: Callable[[], SideInfo], transport: Transport, dial: Dialer,
-                 metrics: DaemonMetrics) -> None:
+                 metrics: DaemonMetrics, channels: PeerChannels | None = None) -> None:
         self._local = local
         self.transport = transport
         self.dial = dial
         self.metrics = metrics
+        self.channels = channels
 
     @property
     def local(self) -> SideInfo:
@@ -134,14 +182,39 @@ class GrpcDecodePeers:
                 verified = client.handshake(self.local, endpoint=link.endpoint)
             addrs = peer_buffer_addrs(verified.layout, verified)
             link.connect(verified.endpoint)
+            channel = self._open_channel(verified, address)
         except Exception:
             link.release()
             client.close()
             raise
         client.close()
-        log.info("decode %s at %s verified and connected (%s)", verified.instance_id,
-                 address, self.transport.kind, extra=fields(peer=address))
-        return PeerConn(verified, link, self.dial, addrs)
+        conn = PeerConn(verified, link, self.dial, addrs)
+        if channel is not None:
+            conn.channel, channel.bound = channel, conn
+        log.info("decode %s at %s verified and connected (%s%s)", verified.instance_id,
+                 address, self.transport.kind, ", peer channel" if channel else "",
+                 extra=fields(peer=address))
+        return conn
+
+    def _open_channel(self, verified: VerifiedPeer, address: str) -> Any:
+        """Open the pair's peer channel where decode's handshake reply says (None when
+        it names none: a tool or a test's fake decode, called over the RPCs).
+
+        Raises:
+            PeerUnavailableError: decode named a channel we could not open.
+        """
+        extra = verified.endpoint.extra
+        where, token = extra.get(CHANNEL_ADDRESS_KEY, ""), extra.get(CHANNEL_TOKEN_KEY, "")
+        if self.channels is None or not where:
+            return None
+        peer = f"decode {verified.instance_id} at {address}"
+        hello = Hello(PROTOCOL_VERSION, self.local.instance_id, verified.instance_id, token)
+        try:
+            return self.channels.connect(where, hello, peer, self.rpc_timeout_s)
+        except (OSError, ValueError) as exc:
+            raise PeerUnavailableError(
+                f"handshake with {peer} succeeded, but its peer channel at {where} could "
+                f"not be opened: {exc}", address=address) from None
 
     def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
                     digests_follow: bool) -> WriteGrant:
@@ -154,8 +227,13 @@ class GrpcDecodePeers:
             final_chunk=final, digests_follow=digests_follow)
         self.metrics.begin_writes.inc()
         timeout = self.rpc_timeout_s
+        channel = _channel_of(conn)
         try:
-            reply = conn.client().stub.BeginWrite(request, timeout=timeout)
+            if channel is not None:
+                reply = pb.BeginWriteResponse.FromString(channel.call(
+                    BEGIN_WRITE, request.SerializeToString(), timeout).payload)
+            else:
+                reply = conn.client().stub.BeginWrite(request, timeout=timeout)
         except grpc.RpcError as exc:
             code = exc.code()
             details = exc.details() or ""
@@ -190,8 +268,12 @@ class GrpcDecodePeers:
                                     transfer_id=transfer_id,
                                     digests=digests_to_wire(digests))
         timeout = self.rpc_timeout_s
+        channel = _channel_of(conn)
         try:
-            conn.client().stub.Digests(request, timeout=timeout)
+            if channel is not None:
+                channel.call(DIGESTS, request.SerializeToString(), timeout)
+            else:
+                conn.client().stub.Digests(request, timeout=timeout)
         except grpc.RpcError as exc:
             raise peer_error(exc, address=conn.control_address, method="Digests",
                              timeout=timeout) from None
@@ -203,7 +285,8 @@ class GrpcDecodePeers:
                                   instance_id=self.local.instance_id)
         timeout = timeout or self.rpc_timeout_s
         if conn is not None and not conn.closed:
-            confirmed = _abort(conn.client(), request, timeout, address)
+            client = None if _channel_of(conn) is not None else conn.client()
+            confirmed = _abort(client, request, timeout, address, conn)
             if confirmed or not conn.closed:
                 return confirmed
             # The connection closed under the call (its link failed meanwhile, which
@@ -221,13 +304,16 @@ class GrpcDecodePeers:
             for conn, address, request_id in calls:
                 request = pb.AbortRequest(request_id=request_id, detail=detail,
                                           from_peer=True, instance_id=self.local.instance_id)
-                if conn is not None and not conn.closed:
-                    client = conn.client()
-                else:
+                live = conn is not None and not conn.closed
+                client: ControlClient | None = None
+                if not live:
                     client = one_off.get(address) or one_off.setdefault(address,
                                                                         self.dial(address))
+                elif conn is not None and _channel_of(conn) is None:
+                    client = conn.client()
                 try:
-                    pending.append(client.stub.Abort.future(request, timeout=timeout))
+                    pending.append(_start_abort(conn if live else None, client, request,
+                                                timeout))
                 except (grpc.RpcError, ValueError) as exc:  # a channel closed meanwhile
                     log.info("could not tell %s that %s failed: %s", address, request_id, exc,
                              extra=fields(request_id, address))
@@ -257,9 +343,14 @@ class GrpcPrefillPeers:
             transfer_id=grant.transfer_id, slot=slot,
             indices=indices_to_proto(grant.indices, grant.draft),
             lease_ms=max(1, int(lease_s * 1000)), kv_skip=grant.kv_skip)
+        timeout = min(self.options.rpc_timeout_s, OFFER_TIMEOUT_S)
+        channel = _channel_of(conn)
         try:
-            reply = conn.client().stub.Offer(
-                request, timeout=min(self.options.rpc_timeout_s, OFFER_TIMEOUT_S))
+            if channel is not None:
+                reply = pb.OfferResponse.FromString(
+                    channel.call(OFFER, request.SerializeToString(), timeout).payload)
+            else:
+                reply = conn.client().stub.Offer(request, timeout=timeout)
         except grpc.RpcError as exc:
             # A status is prefill's refusal (it will ask BeginWrite); no answer may be a
             # kept offer whose reply was lost.
@@ -279,8 +370,9 @@ class GrpcPrefillPeers:
         """Abort the request on prefill (it drains first); True when prefill confirmed."""
         request = pb.AbortRequest(request_id=request_id, detail=detail, from_peer=True,
                                   instance_id=self.local.instance_id)
-        return _abort(conn.client(), request, timeout or self.options.rpc_timeout_s,
-                      conn.control_address)
+        client = None if _channel_of(conn) is not None else conn.client()
+        return _abort(client, request, timeout or self.options.rpc_timeout_s,
+                      conn.control_address, conn)
 
     def abort_all(self, calls: Sequence[tuple[PeerConn, str]], detail: str,
                   timeout: float) -> int:
@@ -292,7 +384,8 @@ class GrpcPrefillPeers:
             request = pb.AbortRequest(request_id=request_id, detail=detail, from_peer=True,
                                       instance_id=self.local.instance_id)
             try:
-                pending.append(conn.client().stub.Abort.future(request, timeout=timeout))
+                client = None if _channel_of(conn) is not None else conn.client()
+                pending.append(_start_abort(conn, client, request, timeout))
             except (grpc.RpcError, ValueError) as exc:  # a channel closed meanwhile
                 log.info("could not tell %s that %s failed: %s", conn.control_address,
                          request_id, exc, extra=fields(request_id, conn.control_address))

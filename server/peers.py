@@ -61,6 +61,12 @@ class PeerConn:
         #: The peer's buffer addresses (prefill needs decode's; decode needs none).
         self.addrs = addrs or []
         self._client: Any = None
+        #: The peer channel to this peer (kvbeam.server.peer_channel.PeerChannel) once
+        #: one is bound; None for a peer that opened none (per-request calls then go
+        #: over the RPCs).
+        self.channel: Any = None
+        #: Decode: the token our handshake reply gave this peer for its channel's HELLO.
+        self.channel_token = ""
         self._lock = threading.Lock()  # leaf: guards the channel and ``closed`` only
         self.closed = False
         self.missed_heartbeats = 0
@@ -96,6 +102,9 @@ class PeerConn:
                 return
             self.closed = True
             client, self._client = self._client, None
+            channel = self.channel
+        if channel is not None:  # orderly: the peer takes it as a link loss, not as gone
+            channel.close("its connection was closed on this side", bye=True)
         try:
             self.link.release()
         finally:
