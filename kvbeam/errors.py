@@ -248,7 +248,8 @@ class NoEngineAttached(KvbeamError):
 
 
 class FrameError(KvbeamError):
-    """An engine-channel frame refused (:mod:`kvbeam.proto.engine_frames`); ``field``
+    """An engine-channel or peer-channel frame refused (:mod:`kvbeam.proto.engine_frames`,
+    :mod:`kvbeam.server.peer_channel`); ``field``
     names the part at fault (``length``, ``lists[1].kind``, ...)."""
 
     def __init__(self, field: str, problem: str, request_id: str = "") -> None:

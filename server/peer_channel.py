@@ -496,8 +496,11 @@ class PeerChannels:
         self._wake()
         if self._thread is not None:
             self._thread.join(5.0)
-        for channel in list(self._channels):
+        with self._lock:
+            adds, self._adds = self._adds, []
+        for channel in [*self._channels, *adds]:
             channel.close("this daemon stops")
+            channel.sock.close()  # the thread that would close it has stopped
         for sock in list(self._pending):
             sock.close()
         if self._listener is not None:
