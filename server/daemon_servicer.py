@@ -267,17 +267,19 @@ class DaemonServicer(ControlServicer):
                               message=reply.SerializeToString(), in_flight=context.in_flight)
 
     def _channel_closed(self, channel: PeerChannel, reason: str) -> None:
-        """A bound channel closed. Ours to a live connection: its peer is lost. A BYE
-        (the peer replaced or released its connection) is a link loss: the requests
-        stay for a resend, their deadlines bound them; anything else (the peer closed
-        without one, went silent, sent a bad frame) loses the peer: its requests fail
-        at once."""
+        """A bound channel closed. Closed without a BYE (the peer's process went, it fell
+        silent, it sent a bad frame): its peer is lost, its requests fail at once. A BYE
+        (the peer released or replaced that connection: its link failed, an engine
+        detached) only retires the channel: each side handles its own link as before
+        (its transport reports the failure), the connection's calls go over the RPCs
+        until the next handshake opens a new channel."""
         conn = channel.bound
         if not isinstance(conn, PeerConn) or conn.closed or conn.channel is not channel:
             return  # closed by its connection, or replaced by a newer channel
-        gone = not channel.orderly
+        if channel.orderly:
+            return
         self.io.submit(self.peer_lost, conn, f"peer channel to {channel.peer} lost: {reason}",
-                       gone=gone)
+                       gone=True)
 
     def slot_of(self, request_id: str) -> int:
         """The request slot a transfer uses, -1 if none (for status replies)."""
@@ -410,7 +412,8 @@ class DaemonServicer(ControlServicer):
             rounds += 1
             busy = {s.peer for s in self.table.live()}
             for conn in self.rt.peers.all():
-                if conn.channel is not None:
+                channel = conn.channel
+                if channel is not None and not channel.closed:
                     continue  # the peer channel carries its heartbeats
                 if conn.closed or (not self._has_work_with(conn, busy)
                                    and rounds % IDLE_BEAT_EVERY):
