@@ -21,7 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
 
-from kvbeam.errors import FrameError, UnknownRequest
+from kvbeam.errors import FrameError, PeerChannelError, UnknownRequest
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest_pool import DigestPool
@@ -57,15 +57,6 @@ SHORT_WATCH_S = 0.5
 IO_WORKERS = 8
 #: Threads that answer the peer channel's requests that may wait (an Abort drains).
 PEER_WORKERS = 4
-
-
-class ChannelAbort(Exception):
-    """A handler refused a request that came over the peer channel (its status)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
 
 
 class ChannelContext:
@@ -109,7 +100,7 @@ class ChannelContext:
 
     def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
         """Refuse the request with a status, as ``context.abort`` does."""
-        raise ChannelAbort(code, details)
+        raise PeerChannelError(code, details)
 
 
 
@@ -256,8 +247,8 @@ class DaemonServicer(ControlServicer):
                 context: ChannelContext, correlation: int) -> None:
         try:
             reply = handler(request, context)
-        except ChannelAbort as refused:
-            context.channel.reply(correlation, refused.code, refused.details)
+        except PeerChannelError as refused:
+            context.channel.reply(correlation, refused.code(), refused.details())
             return
         except Exception as exc:  # handlers are @handled: this is our own bug
             log.exception("answering a peer channel request failed")

@@ -52,6 +52,7 @@ from typing import Any
 import grpc
 
 from kvbeam.errors import FrameError
+from kvbeam.errors import PeerChannelError as ChannelError
 
 log = logging.getLogger(__name__)
 
@@ -100,33 +101,6 @@ TICK_S = 0.05
 _READ = 256 << 10
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
-class ChannelError(grpc.RpcError):
-    """A call on the channel that got no OK answer, shaped like a failed gRPC call.
-
-    The peer's refusal carries its status code and details (the same as the RPC's);
-    a closed channel is UNAVAILABLE and an expired call DEADLINE_EXCEEDED, so the
-    callers' mapping of RPC failures applies unchanged.
-    """
-
-    def __init__(self, code: grpc.StatusCode, details: str, in_flight: int = 0) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code = code
-        self._details = details
-        self._in_flight = in_flight
-
-    def code(self) -> grpc.StatusCode:
-        """The status code."""
-        return self._code
-
-    def details(self) -> str:
-        """The status details."""
-        return self._details
-
-    def trailing_metadata(self) -> Any:
-        """None of gRPC's: the channel's answer has no metadata."""
-        return ()
 
 
 @dataclass(frozen=True)

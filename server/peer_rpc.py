@@ -21,6 +21,7 @@ import grpc
 from kvbeam.errors import (
     AlreadyLanded,
     NotReserved,
+    PeerChannelError,
     PeerUnavailableError,
     SendFailed,
     UnknownRequest,
@@ -106,7 +107,7 @@ def _abort(client: ControlClient | None, request: pb.AbortRequest, timeout: floa
             assert client is not None
             _reply, call = client.stub.Abort.with_call(request, timeout=timeout)
             left = writes_in_flight(call.trailing_metadata())
-    except grpc.RpcError as exc:
+    except (grpc.RpcError, PeerChannelError) as exc:
         if exc.code() is grpc.StatusCode.NOT_FOUND:
             return True  # the peer never heard of it: nothing of it is in flight
         log.info("could not tell %s that %s failed: %s", address, request.request_id,
@@ -141,7 +142,7 @@ def _await_aborts(pending: Sequence[Any], total: int, timeout: float, peer: str)
             else:
                 # A call's future is its Call too: the answer's trailing metadata.
                 confirmed += not writes_in_flight(future.trailing_metadata())
-        except grpc.RpcError as exc:
+        except (grpc.RpcError, PeerChannelError) as exc:
             if exc.code() is grpc.StatusCode.NOT_FOUND:
                 confirmed += 1
             else:
@@ -234,7 +235,7 @@ class GrpcDecodePeers:
                     BEGIN_WRITE, request.SerializeToString(), timeout).payload)
             else:
                 reply = conn.client().stub.BeginWrite(request, timeout=timeout)
-        except grpc.RpcError as exc:
+        except (grpc.RpcError, PeerChannelError) as exc:
             code = exc.code()
             details = exc.details() or ""
             if code is grpc.StatusCode.FAILED_PRECONDITION and "NotHandshaken" in details:
@@ -274,7 +275,7 @@ class GrpcDecodePeers:
                 channel.call(DIGESTS, request.SerializeToString(), timeout)
             else:
                 conn.client().stub.Digests(request, timeout=timeout)
-        except grpc.RpcError as exc:
+        except (grpc.RpcError, PeerChannelError) as exc:
             raise peer_error(exc, address=conn.control_address, method="Digests",
                              timeout=timeout) from None
 
@@ -314,7 +315,7 @@ class GrpcDecodePeers:
                 try:
                     pending.append(_start_abort(conn if live else None, client, request,
                                                 timeout))
-                except (grpc.RpcError, ValueError) as exc:  # a channel closed meanwhile
+                except (grpc.RpcError, PeerChannelError, ValueError) as exc:  # closed meanwhile
                     log.info("could not tell %s that %s failed: %s", address, request_id, exc,
                              extra=fields(request_id, address))
             return _await_aborts(pending, len(calls), timeout, "decode")
@@ -351,7 +352,7 @@ class GrpcPrefillPeers:
                     channel.call(OFFER, request.SerializeToString(), timeout).payload)
             else:
                 reply = conn.client().stub.Offer(request, timeout=timeout)
-        except grpc.RpcError as exc:
+        except (grpc.RpcError, PeerChannelError) as exc:
             # A status is prefill's refusal (it will ask BeginWrite); no answer may be a
             # kept offer whose reply was lost.
             sure = exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND,
@@ -386,7 +387,7 @@ class GrpcPrefillPeers:
             try:
                 client = None if _channel_of(conn) is not None else conn.client()
                 pending.append(_start_abort(conn, client, request, timeout))
-            except (grpc.RpcError, ValueError) as exc:  # a channel closed meanwhile
+            except (grpc.RpcError, PeerChannelError, ValueError) as exc:  # closed meanwhile
                 log.info("could not tell %s that %s failed: %s", conn.control_address,
                          request_id, exc, extra=fields(request_id, conn.control_address))
         return _await_aborts(pending, len(calls), timeout, "prefill")

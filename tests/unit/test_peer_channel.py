@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from kvbeam.errors import FrameError
+from kvbeam.errors import PeerChannelError as ChannelError
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.server import peer_channel as pc
 from kvbeam.server.decode import DecodeServicer
@@ -26,7 +27,6 @@ from kvbeam.server.peer_channel import (
     BEGIN_WRITE,
     DIGESTS,
     HEADER,
-    ChannelError,
     Hello,
     PeerChannel,
     PeerChannels,
@@ -198,8 +198,7 @@ def test_the_peer_closing_fails_waiting_calls_at_once_and_reports_the_loss(
     with pytest.raises(ChannelError) as err:
         future.result(5.0)
     assert err.value.code() is grpc.StatusCode.UNAVAILABLE
-    assert wait_for(lambda: prefill.closed)
-    assert "closed" in prefill.closed[0]
+    assert wait_for(lambda: prefill.closed)  # EOF or a reset, by timing: never orderly
     assert not channel.orderly
 
 
