@@ -245,9 +245,30 @@ class PeerChannel:
         self._calls: dict[int, _Call] = {}
         self._next = 1
         self._inbox = bytearray()  # selector thread only
+        self._missed_logged = 0  # selector thread only: the last count logged
 
     def __repr__(self) -> str:
         return f"PeerChannel({self.peer}{', closed' if self.closed else ''})"
+
+    def missed_heartbeats(self, now: float | None = None) -> int:
+        """Heartbeats the peer has left unanswered in a row: the whole intervals it has
+        been silent, less one (both sides ping every ``heartbeat_s`` and answer a ping at
+        once, so a live peer is never silent for two; the RPC heartbeat's rule, which
+        waits two intervals for an answer)."""
+        silent = (time.monotonic() if now is None else now) - self.last_heard
+        return max(0, int(silent / self.hub.heartbeat_s) - 1)
+
+    def note_silence(self, now: float) -> None:
+        """Log each heartbeat newly missed and the peer's return (the selector thread's
+        sweep), as the RPC heartbeat loop does."""
+        missed = self.missed_heartbeats(now)
+        if missed > self._missed_logged:
+            log.warning("heartbeat %d on the peer channel to %s missed (silent %.1f s of "
+                        "%.1f s allowed)", missed, self.peer, now - self.last_heard,
+                        self.hub.peer_timeout_s)
+        elif missed == 0 and self._missed_logged:
+            log.info("peer channel to %s: the peer answers again", self.peer)
+        self._missed_logged = missed
 
     # ---- writing (any thread) ---------------------------------------------------------
     def send(self, data: bytes) -> None:
@@ -622,6 +643,7 @@ class PeerChannels:
             self._last_beat = now
         for channel in list(self._channels):
             channel.expire(now)
+            channel.note_silence(now)
             silent = now - channel.last_heard
             if silent >= self.peer_timeout_s:
                 channel.close(f"peer stopped answering heartbeats on the peer channel "

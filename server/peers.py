@@ -69,10 +69,27 @@ class PeerConn:
         self.channel_token = ""
         self._lock = threading.Lock()  # leaf: guards the channel and ``closed`` only
         self.closed = False
-        self.missed_heartbeats = 0
+        #: The RPC heartbeat loop's count of heartbeats missed in a row (a peer without
+        #: an open peer channel); see :attr:`missed_heartbeats`.
+        self._rpc_missed = 0
         #: When the peer last answered a heartbeat (or the link was made): timed-out
         #: heartbeats lose it only after ``peer_timeout_s`` of silence.
         self.last_heard = time.monotonic()
+
+    @property
+    def missed_heartbeats(self) -> int:
+        """Heartbeats in a row the peer left unanswered: over its open peer channel, the
+        intervals it has been silent past the first (the channel's own count); otherwise
+        the RPC heartbeat loop's. Decode does not offer to such a peer, prefill does not
+        wait for its offers."""
+        channel = self.channel
+        if channel is not None and not channel.closed:
+            return int(channel.missed_heartbeats())
+        return self._rpc_missed
+
+    @missed_heartbeats.setter
+    def missed_heartbeats(self, value: int) -> None:
+        self._rpc_missed = value
 
     @property
     def instance_id(self) -> str:

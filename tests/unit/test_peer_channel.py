@@ -20,6 +20,7 @@ import pytest
 
 from kvbeam.errors import FrameError
 from kvbeam.errors import PeerChannelError as ChannelError
+from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.server import peer_channel as pc
 from kvbeam.server.decode import DecodeServicer
@@ -31,7 +32,8 @@ from kvbeam.server.peer_channel import (
     PeerChannel,
     PeerChannels,
 )
-from tests.core_fakes import wait_for
+from tests.core_fakes import fake_conn, wait_for
+from tests.fixtures import layout
 
 TOKEN = "t" * 32
 
@@ -45,6 +47,7 @@ class Side:
         self.requests: list[tuple[int, bytes]] = []
         self.closed: list[str] = []
         self.hellos: list[Hello] = []
+        self.channels: list[PeerChannel] = []  # bound on their HELLO
         self.hub = PeerChannels(role, self._request, self._closed, on_hello=self._hello,
                                 heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s)
 
@@ -61,6 +64,7 @@ class Side:
 
     def _hello(self, channel: PeerChannel, hello: Hello) -> object:
         self.hellos.append(hello)
+        self.channels.append(channel)
         if hello.token != TOKEN:
             raise FrameError("hello.token", "not the token our handshake gave")
         return object()
@@ -261,6 +265,32 @@ def test_a_silent_peer_is_lost_after_peer_timeout(prefill: Side) -> None:
         assert HEADER.unpack(_recv_exact(sock, HEADER.size))[0] == pc.WELCOME
         assert wait_for(lambda: side.closed, 10.0)
         assert "stopped answering heartbeats" in side.closed[0]
+        sock.close()
+    finally:
+        side.hub.stop()
+
+
+def test_a_silent_peer_counts_missed_heartbeats_on_its_connection_until_it_speaks() -> None:
+    # What the RPC heartbeat loop counted for a peer (decode offers nothing to one that
+    # misses heartbeats, prefill waits for no offer of it) the channel counts for its own:
+    # the peer's connection reads it while the channel is open, the RPC count otherwise.
+    side = Side("decode", peer_timeout_s=30.0, heartbeat_s=0.1)
+    side.hub.listen("127.0.0.1", 0, "127.0.0.1")
+    side.hub.start()
+    try:
+        sock = _raw(side)  # a "prefill" that goes silent after the WELCOME
+        sock.sendall(pc.encode_hello(Hello(PROTOCOL_VERSION, "p", "d", TOKEN)))
+        assert HEADER.unpack(_recv_exact(sock, HEADER.size))[0] == pc.WELCOME
+        channel = side.channels[0]
+        conn = fake_conn("127.0.0.1:9", AllocatedSide(layout()))
+        conn.missed_heartbeats = 0
+        conn.channel = channel
+        assert wait_for(lambda: conn.missed_heartbeats >= 2, 10.0), conn.missed_heartbeats
+        sock.sendall(pc.frame(pc.PING, 0))  # it speaks: counted from its last frame
+        assert wait_for(lambda: conn.missed_heartbeats == 0, 10.0)
+        channel.close("test over")
+        conn.missed_heartbeats = 3  # closed: the RPC heartbeat loop's count again
+        assert conn.missed_heartbeats == 3
         sock.close()
     finally:
         side.hub.stop()
