@@ -14,7 +14,8 @@ Prefill starts its job before it posts the final writes and sends the digests on
 it is done; decode starts its job when the writes landed and compares once it is
 done. Neither holds a lock while it waits (docs/concurrency.md).
 
-``threads=0`` computes on the calling thread (the job is done when returned).
+``threads=0`` computes on the calling thread (the job is done when returned), and so
+does a job too small to gain from the threads (:data:`INLINE_BELOW_BYTES`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ _PR_SET_NAME = 15
 #: Tasks per thread a job is split into: more evens out unequal groups, fewer costs
 #: less per task (a task is a future and a thread wake-up, some 20 us).
 TASKS_PER_THREAD = 2
+#: Inputs over this size are digested with the GIL released (``XXHASH_GIL_MINSIZE``).
+GIL_RELEASE_BYTES = 64 << 10
+#: A job with fewer bytes than this in parts that release the GIL runs on the calling
+#: thread: handing it to the pool costs more than it saves. Measured for a 128-token
+#: request of docker/config/prefill.yaml (27 parts, 444 KB, none over 32 KiB, so no
+#: part would run in parallel anyway): 96 us on the calling thread, 210 us (223 us of
+#: CPU) through a 2-thread pool, and 2.6 ms of wall time through the pool while the
+#: machine was loaded (the pool thread's wake-up). At a few GB/s per core, 2 MiB is a
+#: few hundred microseconds: about where two threads start to pay for the hand-off.
+INLINE_BELOW_BYTES = 2 << 20
 
 
 def split_parts(parts: Sequence[DigestPart], groups: int) -> list[Sequence[DigestPart]]:
@@ -71,6 +82,11 @@ def _name_os_thread() -> None:
         log.debug("could not name the digest thread: %s", exc)
 
 
+def _parallel_bytes(parts: Sequence[DigestPart]) -> int:
+    """Bytes of ``parts`` that a pool thread digests with the GIL released."""
+    return sum(n for n in (p.nbytes for p in parts) if n > GIL_RELEASE_BYTES)
+
+
 def _digest_all(parts: Sequence[DigestPart]) -> list[int]:
     return [p.digest() for p in parts]
 
@@ -101,15 +117,20 @@ class DigestPool:
         threads: how many (``--digest-threads``, default
             :data:`kvbeam.server.settings.DEFAULT_DIGEST_THREADS`); 0: digest on the
             calling thread.
+        inline_below: a job with fewer bytes than this in parts over
+            :data:`GIL_RELEASE_BYTES` runs on the calling thread (default
+            :data:`INLINE_BELOW_BYTES`; 0: every job goes to the threads).
 
     The threads are started on first use, at most ``threads`` of them, and live
     until :meth:`close` (one pool per daemon, never a thread per request).
     """
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, *, inline_below: int = INLINE_BELOW_BYTES) -> None:
         if threads < 0:
             raise ValueError(f"digest threads must be >= 0, got {threads}")
         self.threads = threads
+        #: Jobs with fewer GIL-releasing bytes run on the calling thread (0: none do).
+        self.inline_below = inline_below
         self._executor = (ThreadPoolExecutor(max_workers=threads,
                                              thread_name_prefix=THREAD_NAME,
                                              initializer=_name_os_thread)
@@ -121,7 +142,7 @@ class DigestPool:
         arguments, same result); returns at once with threads, when done without."""
         parts = digest_parts(side, indices, include_kv=include_kv,
                              include_states=include_states, draft=draft)
-        if self._executor is None:
+        if self._executor is None or _parallel_bytes(parts) < self.inline_below:
             done: Future[list[int]] = Future()
             try:
                 done.set_result(_digest_all(parts))

@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import grpc
@@ -32,6 +31,7 @@ from kvbeam.proto.side import ROLE_TO_PROTO, Role
 from kvbeam.proto.transfer_codec import status_to_proto
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import handled, peer_error
+from kvbeam.server.executor import LoggingExecutor
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.peer_channel import KIND_NAMES, PeerChannel, PeerChannels, decode_request
 from kvbeam.server.peer_rpc import writes_in_flight
@@ -159,14 +159,14 @@ class DaemonServicer(ControlServicer):
         self.rt = runtime
         self.table = runtime.table
         #: The driver's one bounded executor: every blocking step of the core runs here.
-        self.io = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvbeam-io")
+        self.io = LoggingExecutor(max_workers=workers, thread_name_prefix="kvbeam-io")
         #: The integrity digests' threads (--digest-threads), shared by every request.
         self.digest_pool = DigestPool(runtime.settings.digest_threads)
         self._watch_lock = threading.Lock()
         self._watchers = 0  # open WatchStatus streams
         #: Answers the channel's requests that may wait (Abort); the others are
         #: answered on the channel's thread (core bookkeeping only, no I/O).
-        self.peer_io = ThreadPoolExecutor(max_workers=PEER_WORKERS,
+        self.peer_io = LoggingExecutor(max_workers=PEER_WORKERS,
                                           thread_name_prefix="kvbeam-peer")
         settings = runtime.settings
         #: The peer channels: one per verified peer, all on one selector thread.

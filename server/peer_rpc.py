@@ -113,6 +113,12 @@ def _abort(client: ControlClient | None, request: pb.AbortRequest, timeout: floa
         log.info("could not tell %s that %s failed: %s", address, request.request_id,
                  exc.details(), extra=fields(request.request_id, address))
         return False
+    except ValueError as exc:
+        # The channel was closed between taking it and the call (its link failed
+        # meanwhile): the caller says it again on a one-off channel.
+        log.info("could not tell %s that %s failed: %s", address, request.request_id, exc,
+                 extra=fields(request.request_id, address))
+        return False
     if left:
         log.info("%s: %d write(s) of %s still in flight when it answered the Abort; it says "
                  "so once they drained", address, left, request.request_id,

@@ -9,7 +9,9 @@
    less: held), for a buffer below and above the binding's threshold (64 KiB).
 3. One 61-layer request's digests (head_dim 512, 16k tokens, 182 buffers) on the
    calling thread and on :class:`kvbeam.pools.digest_pool.DigestPool` of 2 and 4
-   threads.
+   threads; and a small request's (128 tokens of docker/config/prefill.yaml), which
+   the pool digests on the calling thread (``INLINE_BELOW_BYTES``), beside the same
+   job handed to 2 pool threads.
 4. That request over TCP on loopback between two daemons, integrity on and off,
    beside a memory copy of the same bytes measured in the same run (the floor a
    loopback transfer cannot beat), with each daemon's CPU per request.
@@ -43,11 +45,11 @@ import xxhash
 from kvbeam.client import KvbeamClient
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
-from kvbeam.pools.digest_pool import DigestPool
+from kvbeam.pools.digest_pool import INLINE_BELOW_BYTES, DigestPool
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.plan import list_for
-from kvbeam.pools.spec import PoolSpec, SideConfig
+from kvbeam.pools.spec import PoolSpec, SideConfig, load_side_config
 from kvbeam.procs import DaemonProcess, start_daemon
 from kvbeam.scheduler import run_request
 from tests.bench.bench_request import BENCH_DEADLINES, stat_cpu_s
@@ -151,6 +153,24 @@ def _median_ms(fn: Callable[[], object], n: int) -> tuple[float, float]:
     return statistics.median(wall), statistics.median(cpu)
 
 
+def small_request_figures(n: int = 300) -> dict[str, tuple[float, float]]:
+    """A 128-token request's digests (docker/config/prefill.yaml): median wall and CPU
+    microseconds as the pool runs them (on the calling thread) and handed to 2 threads."""
+    from tests.fixtures import shipped_config
+
+    cfg = load_side_config(shipped_config("prefill"))
+    side = AllocatedSide(build_side_layout(cfg))
+    side.fill_pattern(1)
+    idx = request_indices(cfg.target, 0, 128)
+    out = {}
+    for name, inline_below in (("inline", INLINE_BELOW_BYTES), ("pool_2", 0)):
+        with DigestPool(2, inline_below=inline_below) as pool:
+            wall, cpu = _median_ms(lambda p=pool: p.digests(side, idx).result(),  # type: ignore[misc]
+                                   n)
+        out[name] = (wall * 1e3, cpu * 1e3)
+    return out
+
+
 def library_figures(pools: bool = True) -> dict[str, Any]:
     """Parts 1-3: the binding's GB/s, its GIL, and one request's digests by pool size;
     without ``pools`` only the request's digests on one thread and the memory copy (the
@@ -181,6 +201,8 @@ def library_figures(pools: bool = True) -> dict[str, Any]:
                 raise SystemExit(f"the pool of {threads} gave other digests than inline")
             out["request_ms"][f"pool_{threads}"] = _median_ms(
                 lambda p=pool: p.digests(side, idx).result(), 9)  # type: ignore[misc]
+    if pools:
+        out["small_request_us"] = small_request_figures()
     # The same bytes copied once in memory (one core): the floor of any transfer.
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
@@ -313,6 +335,8 @@ def main() -> None:
     for name, (wall, cpu) in lib["request_ms"].items():
         print(f"  digests {name:<7}: {wall:6.1f} ms ({cpu:6.1f} CPU ms), {mb / wall:5.1f} GB/s")
     print(f"  memory copy of the same bytes (numpy copyto): {lib['memcpy_ms'][0]:.1f} ms")
+    for name, (wall, cpu) in lib.get("small_request_us", {}).items():
+        print(f"128-token request's digests {name:<7}: {wall:6.0f} us ({cpu:6.0f} CPU us)")
     res: dict[str, Any] = {"library": lib}
     if not args.skip_daemons:
         rows = daemon_figures(args.repeat, args.transport)

@@ -141,9 +141,10 @@ def finish(p: KvbeamClient, d: KvbeamClient, rid: str, seq_len: int, slot: int) 
 
 
 def _lines_of(pair: WirePair, rid: str) -> dict[str, list[str]]:
-    """Each daemon's log lines naming ``rid`` or a link or QP (a failure's context)."""
-    keys = (rid, "link", "QP", "qp")
-    return {d.role: [line for line in d.lines if any(k in line for k in keys)][-40:]
+    """Each daemon's log lines naming ``rid``, a link or QP, an abort, or a failed
+    background job (a failure's context)."""
+    keys = (rid, "link", "QP", "qp", "bort", "background job", "Traceback", "Error")
+    return {d.role: [line for line in d.lines if any(k in line for k in keys)][-80:]
             for d in (pair.prefill, pair.decode)}
 
 

@@ -35,7 +35,7 @@ class RecordingPool(DigestPool):
     """A digest pool that notes when a job starts, into a log shared with the link."""
 
     def __init__(self, threads: int, log: list[str]) -> None:
-        super().__init__(threads)
+        super().__init__(threads, inline_below=0)
         self.log = log
 
     def digests(self, side: AllocatedSide, indices: Any, **kw: Any) -> DigestJob:
@@ -98,7 +98,7 @@ def _decode(pool: DigestPool) -> tuple[DecodeCore, QueueExecutor, FakePrefill, A
 
 
 def test_decode_verifies_on_the_pool_and_is_success_when_every_buffer_matches() -> None:
-    with DigestPool(3) as pool:
+    with DigestPool(3, inline_below=0) as pool:  # the threads' path, not the inline one
         core, io, _prefill, conn = _decode(pool)
         res = core.reserve("r", SEQ, PREFILL)
         tid = core.begin_write("r", conn.instance_id, SEQ, True, True).transfer_id
@@ -113,7 +113,7 @@ def test_decode_verifies_on_the_pool_and_is_success_when_every_buffer_matches() 
 def test_one_corrupted_landed_byte_fails_integrity_naming_its_buffer() -> None:
     """Never Success on unverified bytes: the byte flipped after prefill digested (what a
     bad wire or a stray write would do) is found by the pool's digests."""
-    with DigestPool(2) as pool:
+    with DigestPool(2, inline_below=0) as pool:
         core, io, prefill, conn = _decode(pool)
         res = core.reserve("r", SEQ, PREFILL)
         sent = request_digests(core.pools, res.indices)  # what prefill digested

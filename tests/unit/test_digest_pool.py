@@ -27,7 +27,7 @@ def test_the_pool_gives_the_inline_digests_in_the_buffers_order(threads: int) ->
     idx = request_indices(UNIFIED_TARGET, 1, 700)
     scattered = dict(idx)  # a gathered list too, not only runs digested in place
     scattered[IndexKind.KV_PAGES] = idx[IndexKind.KV_PAGES][::-1].copy()
-    with DigestPool(threads) as pool:
+    with DigestPool(threads, inline_below=0) as pool:
         for lists in (idx, scattered):
             for kv, states in ((True, True), (True, False), (False, True)):
                 want = request_digests(side, lists, include_kv=kv, include_states=states)
@@ -121,3 +121,18 @@ def test_the_pool_threads_carry_its_name_in_the_os_too() -> None:
                      Path(f"/proc/self/task/{th.get_native_id()}/comm").read_text().strip()
                      if sys.platform.startswith("linux") else THREAD_NAME)).result(30)
     assert names[0].startswith(THREAD_NAME) and names[1] == THREAD_NAME
+
+
+def test_a_small_job_runs_on_the_calling_thread_and_a_large_one_on_the_pool() -> None:
+    """A 700-token request here is under INLINE_BELOW_BYTES: done on return, no pool
+    thread started; with the bound at 0 the same job goes to the pool, same digests."""
+    side = _side(3)
+    idx = request_indices(UNIFIED_TARGET, 0, 700)
+    want = request_digests(side, idx)
+    with DigestPool(2) as pool:
+        job = pool.digests(side, idx)
+        assert job.done() and job.result(timeout=0) == want
+        assert pool._executor is not None and not pool._executor._threads
+    with DigestPool(2, inline_below=0) as pool:
+        assert pool.digests(side, idx).result(timeout=30) == want
+        assert pool._executor is not None and pool._executor._threads
