@@ -95,17 +95,29 @@ def _channel_of(conn: PeerConn) -> Any:
     return channel if channel is not None and not channel.closed else None
 
 
-def _abort(client: ControlClient | None, request: pb.AbortRequest, timeout: float,
-           address: str, conn: PeerConn | None = None) -> bool:
-    """Abort on a peer (over ``conn``'s channel, else the RPC on ``client``); True when
-    it confirmed none of the request's writes is in flight."""
+def _rpc_client(conn: PeerConn | None, client: ControlClient | None) -> ControlClient:
+    """Where an Abort goes without a channel: ``client`` (a one-off), else the
+    connection's own control channel."""
+    if client is not None:
+        return client
+    assert conn is not None, "an Abort needs a connection or a one-off client"
+    return conn.client()
+
+
+def _abort(request: pb.AbortRequest, timeout: float, address: str, *,
+           conn: PeerConn | None = None, client: ControlClient | None = None) -> bool:
+    """Abort on a peer (over ``conn``'s open channel, else the RPC on ``client`` or the
+    connection's); True when it confirmed none of the request's writes is in flight.
+
+    A channel that closed before or under the call (a BYE: the peer released that
+    link; the connection stays ours) sends the Abort over the RPC instead: an Abort
+    is idempotent, and the request's decode must hear it."""
     channel = _channel_of(conn) if conn is not None else None
     try:
-        if channel is not None:
-            left = channel.call(ABORT, request.SerializeToString(), timeout).in_flight
-        else:
-            assert client is not None
-            _reply, call = client.stub.Abort.with_call(request, timeout=timeout)
+        left = _channel_abort(channel, request, timeout) if channel is not None else None
+        if left is None:
+            _reply, call = _rpc_client(conn, client).stub.Abort.with_call(
+                request, timeout=timeout)
             left = writes_in_flight(call.trailing_metadata())
     except (grpc.RpcError, PeerChannelError) as exc:
         if exc.code() is grpc.StatusCode.NOT_FOUND:
@@ -126,14 +138,25 @@ def _abort(client: ControlClient | None, request: pb.AbortRequest, timeout: floa
     return not left
 
 
-def _start_abort(conn: PeerConn | None, client: ControlClient | None,
-                 request: pb.AbortRequest, timeout: float) -> Any:
-    """Start one Abort without waiting: a channel call's future, or the RPC's."""
+def _channel_abort(channel: Any, request: pb.AbortRequest, timeout: float) -> int | None:
+    """An Abort over the channel: the writes in flight it answered, None when the
+    channel closed before answering (the caller says it over the RPC)."""
+    try:
+        return int(channel.call(ABORT, request.SerializeToString(), timeout).in_flight)
+    except PeerChannelError:
+        if channel.closed:
+            return None
+        raise
+
+
+def _start_abort(request: pb.AbortRequest, timeout: float, *, conn: PeerConn | None = None,
+                 client: ControlClient | None = None) -> Any:
+    """Start one Abort without waiting: a channel call's future, or the RPC's (on
+    ``client`` or the connection's, as :func:`_abort` chooses)."""
     channel = _channel_of(conn) if conn is not None else None
     if channel is not None:
         return channel.start_call(ABORT, request.SerializeToString(), timeout)
-    assert client is not None
-    return client.stub.Abort.future(request, timeout=timeout)
+    return _rpc_client(conn, client).stub.Abort.future(request, timeout=timeout)
 
 
 def _await_aborts(pending: Sequence[Any], total: int, timeout: float, peer: str) -> int:
@@ -292,14 +315,13 @@ class GrpcDecodePeers:
                                   instance_id=self.local.instance_id)
         timeout = timeout or self.rpc_timeout_s
         if conn is not None and not conn.closed:
-            client = None if _channel_of(conn) is not None else conn.client()
-            confirmed = _abort(client, request, timeout, address, conn)
+            confirmed = _abort(request, timeout, address, conn=conn)
             if confirmed or not conn.closed:
                 return confirmed
             # The connection closed under the call (its link failed meanwhile, which
             # now keeps decode's reservation): say it again on a one-off channel.
         with self.dial(address) as client:  # never connected: a one-off channel
-            return _abort(client, request, timeout, address)
+            return _abort(request, timeout, address, client=client)
 
     def abort_all(self, calls: Sequence[tuple[PeerConn | None, str, str]], detail: str,
                   timeout: float) -> int:
@@ -312,15 +334,13 @@ class GrpcDecodePeers:
                 request = pb.AbortRequest(request_id=request_id, detail=detail,
                                           from_peer=True, instance_id=self.local.instance_id)
                 live = conn is not None and not conn.closed
-                client: ControlClient | None = None
-                if not live:
-                    client = one_off.get(address) or one_off.setdefault(address,
-                                                                        self.dial(address))
-                elif conn is not None and _channel_of(conn) is None:
-                    client = conn.client()
                 try:
-                    pending.append(_start_abort(conn if live else None, client, request,
-                                                timeout))
+                    if live:
+                        pending.append(_start_abort(request, timeout, conn=conn))
+                    else:
+                        client = one_off.get(address) or one_off.setdefault(
+                            address, self.dial(address))
+                        pending.append(_start_abort(request, timeout, client=client))
                 except (grpc.RpcError, PeerChannelError, ValueError) as exc:  # closed meanwhile
                     log.info("could not tell %s that %s failed: %s", address, request_id, exc,
                              extra=fields(request_id, address))
@@ -377,9 +397,8 @@ class GrpcPrefillPeers:
         """Abort the request on prefill (it drains first); True when prefill confirmed."""
         request = pb.AbortRequest(request_id=request_id, detail=detail, from_peer=True,
                                   instance_id=self.local.instance_id)
-        client = None if _channel_of(conn) is not None else conn.client()
-        return _abort(client, request, timeout or self.options.rpc_timeout_s,
-                      conn.control_address, conn)
+        return _abort(request, timeout or self.options.rpc_timeout_s,
+                      conn.control_address, conn=conn)
 
     def abort_all(self, calls: Sequence[tuple[PeerConn, str]], detail: str,
                   timeout: float) -> int:
@@ -391,8 +410,7 @@ class GrpcPrefillPeers:
             request = pb.AbortRequest(request_id=request_id, detail=detail, from_peer=True,
                                       instance_id=self.local.instance_id)
             try:
-                client = None if _channel_of(conn) is not None else conn.client()
-                pending.append(_start_abort(conn, client, request, timeout))
+                pending.append(_start_abort(request, timeout, conn=conn))
             except (grpc.RpcError, PeerChannelError, ValueError) as exc:  # closed meanwhile
                 log.info("could not tell %s that %s failed: %s", conn.control_address,
                          request_id, exc, extra=fields(request_id, conn.control_address))
