@@ -101,7 +101,8 @@ def _rpc_client(conn: PeerConn | None, client: ControlClient | None) -> ControlC
     if client is not None:
         return client
     assert conn is not None, "an Abort needs a connection or a one-off client"
-    return conn.client()
+    own: ControlClient = conn.client()
+    return own
 
 
 def _abort(request: pb.AbortRequest, timeout: float, address: str, *,
