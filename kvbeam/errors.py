@@ -11,7 +11,7 @@ class, where it is raised and its status code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: this module imports no other kvbeam module
     from kvbeam.states import FailureReason
@@ -248,7 +248,8 @@ class NoEngineAttached(KvbeamError):
 
 
 class FrameError(KvbeamError):
-    """An engine-channel frame refused (:mod:`kvbeam.proto.engine_frames`); ``field``
+    """An engine-channel or peer-channel frame refused (:mod:`kvbeam.proto.engine_frames`,
+    :mod:`kvbeam.server.peer_channel`); ``field``
     names the part at fault (``length``, ``lists[1].kind``, ...)."""
 
     def __init__(self, field: str, problem: str, request_id: str = "") -> None:
@@ -311,3 +312,28 @@ class TransferFailed(KvbeamError):
 class SglangMismatch(KvbeamError):
     """sglang's internals are not where kvbeam's sglang backend selection expects them
     (:mod:`kvbeam.integrations.sglang.select`; the message names the expected version)."""
+
+
+class PeerChannelError(KvbeamError):
+    """A call on the peer channel (:mod:`kvbeam.server.peer_channel`) refused, closed or
+    timed out, or a channel request refused by its handler; shaped like a failed gRPC call
+    (``code()`` is a ``grpc.StatusCode``, untyped here: this module imports no gRPC), so
+    the callers' mapping of RPC failures applies unchanged."""
+
+    def __init__(self, code: Any, details: str, in_flight: int = 0) -> None:
+        super().__init__(f"{getattr(code, 'name', code)}: {details}")
+        self._code = code
+        self._details = details
+        self.in_flight = in_flight
+
+    def code(self) -> Any:
+        """The status code (a ``grpc.StatusCode``)."""
+        return self._code
+
+    def details(self) -> str:
+        """The status details."""
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """None: the channel's answer has no metadata."""
+        return ()

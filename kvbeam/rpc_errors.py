@@ -37,6 +37,7 @@ from kvbeam.errors import (
     NoFreeSlot,
     NotHandshakenError,
     NotKvbeamPeerError,
+    PeerChannelError,
     PeerError,
     PeerTimeoutError,
     PeerUnavailableError,
@@ -147,7 +148,8 @@ def request_error(exc: grpc.RpcError, *, address: str, method: str,
     return peer_error(exc, address=address, method=method, timeout=timeout)
 
 
-def peer_error(exc: grpc.RpcError, *, address: str, method: str, timeout: float) -> KvbeamError:
+def peer_error(exc: grpc.RpcError | PeerChannelError, *, address: str, method: str,
+               timeout: float) -> KvbeamError:
     """The kvbeam error for a gRPC failure that is not a structured kvbeam rejection.
 
     Args:

@@ -13,24 +13,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.protobuf.message import Message as ProtoMessage
 
-from kvbeam.errors import UnknownRequest
+from kvbeam.errors import FrameError, PeerChannelError, UnknownRequest
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
-from kvbeam.proto.side import ROLE_TO_PROTO
+from kvbeam.proto.side import ROLE_TO_PROTO, Role
 from kvbeam.proto.transfer_codec import status_to_proto
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import handled, peer_error
 from kvbeam.server.executor import LoggingExecutor
 from kvbeam.server.handshake import VerifiedPeer
+from kvbeam.server.peer_channel import KIND_NAMES, PeerChannel, PeerChannels, decode_request
+from kvbeam.server.peer_rpc import writes_in_flight
 from kvbeam.server.peers import PeerConn
 from kvbeam.server.servicer import ControlServicer
 from kvbeam.states import TransferStatus
@@ -51,6 +55,52 @@ WATCH_LIMIT_S = 600.0
 SHORT_WATCH_S = 0.5
 #: Threads of the driver's executor: handshakes, CRCs, peer RPCs, link releases.
 IO_WORKERS = 8
+#: Threads that answer the peer channel's requests that may wait (an Abort drains).
+PEER_WORKERS = 4
+
+
+class ChannelContext:
+    """What a servicer method sees of a request that came over the peer channel.
+
+    The same handlers serve the RPC and the channel (one set of checks and codecs);
+    this stands in for ``grpc.ServicerContext``. ``bound`` is the verified peer
+    connection the channel is bound to: who sent the request, proved by the channel's
+    HELLO (a token only the handshake gave that peer).
+    """
+
+    def __init__(self, channel: PeerChannel, timeout_s: float) -> None:
+        self.channel = channel
+        self.bound: PeerConn = channel.bound
+        self._deadline = time.monotonic() + timeout_s
+        self.in_flight = 0
+
+    def peer(self) -> str:
+        """The caller, for log lines."""
+        return f"peer channel of {self.channel.peer}"
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        """No certificate: the channel's HELLO proved the caller (see ``bound``)."""
+        return {}
+
+    def time_remaining(self) -> float:
+        """What is left of the caller's deadline, s."""
+        return max(0.0, self._deadline - time.monotonic())
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        """None."""
+        return ()
+
+    def is_active(self) -> bool:
+        """Whether the caller still waits."""
+        return not self.channel.closed
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        """The only trailer the peer handlers set: the writes still in flight."""
+        self.in_flight = writes_in_flight(metadata)
+
+    def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
+        """Refuse the request with a status, as ``context.abort`` does."""
+        raise PeerChannelError(code, details)
 
 
 
@@ -114,6 +164,19 @@ class DaemonServicer(ControlServicer):
         self.digest_pool = DigestPool(runtime.settings.digest_threads)
         self._watch_lock = threading.Lock()
         self._watchers = 0  # open WatchStatus streams
+        #: Answers the channel's requests that may wait (Abort); the others are
+        #: answered on the channel's thread (core bookkeeping only, no I/O).
+        self.peer_io = LoggingExecutor(max_workers=PEER_WORKERS,
+                                          thread_name_prefix="kvbeam-peer")
+        settings = runtime.settings
+        #: The peer channels: one per verified peer, all on one selector thread.
+        self.channels = PeerChannels(
+            runtime.role.value, self._channel_request, self._channel_closed,
+            on_hello=self.channel_hello, heartbeat_s=settings.heartbeat_s,
+            peer_timeout_s=settings.peer_timeout_s)
+        #: Per channel request kind: (handler, request message, answered inline).
+        self.channel_handlers: dict[int, tuple[Callable[[Any, Any], ProtoMessage],
+                                               type[ProtoMessage], bool]] = {}
 
     # ---- hooks: the core decides ------------------------------------------------------
     def on_event(self, event: Event) -> None:
@@ -133,8 +196,81 @@ class DaemonServicer(ControlServicer):
         try:
             self.core.shutdown()
         finally:
+            self.channels.stop()
             self.io.shutdown(wait=False, cancel_futures=True)
+            self.peer_io.shutdown(wait=False, cancel_futures=True)
             self.digest_pool.close()
+
+    # ---- the peer channel --------------------------------------------------------------
+    def start_channels(self) -> None:
+        """Start the peer channels' thread; decode listens (prefill dials it) on the
+        control host (``--peer-port``, default any), advertised at the control
+        address's host in every handshake reply."""
+        if self.rt.role is Role.DECODE:
+            host = self.rt.settings.listen.rpartition(":")[0] or "0.0.0.0"
+            advertised = self.rt.local.control_address.rpartition(":")[0] or host
+            self.channels.listen(host, self.rt.settings.peer_port, advertised)
+        self.channels.start()
+
+    def channel_hello(self, channel: PeerChannel, hello: Any) -> PeerConn:
+        """Check an inbound channel's HELLO; the connection to bind it to (decode's).
+
+        Raises FrameError (the channel is refused): prefill opens channels."""
+        raise FrameError("hello", f"a {self.rt.role.value} daemon accepts no peer channel")
+
+    def _channel_request(self, channel: PeerChannel, kind: int, correlation: int,
+                         payload: bytes) -> None:
+        """A request on a channel: decode it as its RPC's message and answer it with the
+        RPC's own handler, on the channel's thread or, if it may wait, on ``peer_io``.
+
+        Raises FrameError (the channel closes) when the frame cannot be decoded."""
+        handler, message_type, inline = self.channel_handlers[kind]
+        timeout_s, raw = decode_request(payload)
+        try:
+            request = message_type.FromString(raw)
+        except DecodeError as exc:
+            raise FrameError(KIND_NAMES[kind], f"not a {message_type.__name__}: {exc}") from None
+        claimed = getattr(request, "instance_id", "")
+        bound = channel.bound
+        if claimed and claimed != bound.instance_id:
+            channel.reply(correlation, grpc.StatusCode.PERMISSION_DENIED,
+                          f"PermissionDenied: the peer channel is bound to instance "
+                          f"{bound.instance_id}, the request names {claimed!r}")
+            return
+        context = ChannelContext(channel, timeout_s)
+        if inline:
+            self._answer(handler, request, context, correlation)
+        else:
+            self.peer_io.submit(self._answer, handler, request, context, correlation)
+
+    def _answer(self, handler: Callable[[Any, Any], ProtoMessage], request: ProtoMessage,
+                context: ChannelContext, correlation: int) -> None:
+        try:
+            reply = handler(request, context)
+        except PeerChannelError as refused:
+            context.channel.reply(correlation, refused.code(), refused.details())
+            return
+        except Exception as exc:  # handlers are @handled: this is our own bug
+            log.exception("answering a peer channel request failed")
+            context.channel.reply(correlation, grpc.StatusCode.INTERNAL, f"Internal: {exc}")
+            return
+        context.channel.reply(correlation, grpc.StatusCode.OK,
+                              message=reply.SerializeToString(), in_flight=context.in_flight)
+
+    def _channel_closed(self, channel: PeerChannel, reason: str) -> None:
+        """A bound channel closed. Closed without a BYE (the peer's process went, it fell
+        silent, it sent a bad frame): its peer is lost, its requests fail at once. A BYE
+        (the peer released or replaced that connection: its link failed, an engine
+        detached) only retires the channel: each side handles its own link as before
+        (its transport reports the failure), the connection's calls go over the RPCs
+        until the next handshake opens a new channel."""
+        conn = channel.bound
+        if not isinstance(conn, PeerConn) or conn.closed or conn.channel is not channel:
+            return  # closed by its connection, or replaced by a newer channel
+        if channel.orderly:
+            return
+        self.io.submit(self.peer_lost, conn, f"peer channel to {channel.peer} lost: {reason}",
+                       gone=True)
 
     def slot_of(self, request_id: str) -> int:
         """The request slot a transfer uses, -1 if none (for status replies)."""
@@ -267,6 +403,9 @@ class DaemonServicer(ControlServicer):
             rounds += 1
             busy = {s.peer for s in self.table.live()}
             for conn in self.rt.peers.all():
+                channel = conn.channel
+                if channel is not None and not channel.closed:
+                    continue  # the peer channel carries its heartbeats
                 if conn.closed or (not self._has_work_with(conn, busy)
                                    and rounds % IDLE_BEAT_EVERY):
                     continue

@@ -9,23 +9,37 @@ one link per verified prefill instance, before the handshake reply leaves.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
+from collections.abc import Callable
 
 import grpc
 
-from kvbeam.errors import BadRequest
+from kvbeam.auth import same_token
+from kvbeam.errors import BadRequest, FrameError
 from kvbeam.logs import fields
 from kvbeam.pools.digest import digests_from_wire
 from kvbeam.proto.fields import host_port
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.transfer_codec import index_lists_from_proto, indices_to_proto
+from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import handled
 from kvbeam.server.core.decode import DecodeCore
-from kvbeam.server.daemon_servicer import IO_WORKERS, DaemonServicer
+from kvbeam.server.daemon_servicer import IO_WORKERS, ChannelContext, DaemonServicer
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.identity import claim_refusal
+from kvbeam.server.peer_channel import (
+    ABORT,
+    BEGIN_WRITE,
+    CHANNEL_ADDRESS_KEY,
+    CHANNEL_TOKEN_KEY,
+    DIGESTS,
+    Hello,
+    PeerChannel,
+    new_token,
+)
 from kvbeam.server.peer_rpc import Dialer, GrpcPrefillPeers
 from kvbeam.server.peers import PeerConn
 from kvbeam.server.runtime import Runtime
@@ -55,27 +69,38 @@ class DecodeServicer(DaemonServicer):
         self.decode.on_decline = runtime.metrics.declines.inc
         self.slots = self.decode.slots
         self._links_lock = threading.Lock()  # leaf: guards _pending_links only
-        self._pending_links: dict[str, Link] = {}
+        self._pending_links: dict[str, tuple[Link, str]] = {}  # link, channel token
+        self.channel_handlers = {BEGIN_WRITE: (self.BeginWrite, pb.BeginWriteRequest, True),
+                                 DIGESTS: (self.Digests, pb.DigestsRequest, True),
+                                 ABORT: (self.Abort, pb.AbortRequest, False)}
 
     # ---- handshake hooks: one link per verified prefill -------------------------
     def endpoint_for(self, peer: VerifiedPeer) -> Endpoint:
-        """Create this peer's link; its endpoint (QPN, rkeys) goes into our reply."""
+        """Create this peer's link; its endpoint (QPN, rkeys) goes into our reply, with
+        where our peer channel listens and the token its HELLO must carry."""
         link = self.rt.transport.create_link()  # may register memory: no lock held
+        token = new_token()
         with self._links_lock:
             old = self._pending_links.pop(peer.instance_id, None)
-            self._pending_links[peer.instance_id] = link
+            self._pending_links[peer.instance_id] = (link, token)
         if old is not None:
-            old.release()
-        return link.endpoint
+            old[0].release()
+        endpoint = link.endpoint
+        if not self.channels.address:
+            return endpoint
+        return dataclasses.replace(endpoint, extra={
+            **endpoint.extra, CHANNEL_ADDRESS_KEY: self.channels.address,
+            CHANNEL_TOKEN_KEY: token})
 
     def on_verified(self, peer: VerifiedPeer) -> None:
         """Connect the peer's link (before our reply leaves, so before any write)."""
         with self._links_lock:
-            link = self._pending_links.pop(peer.instance_id)
+            link, token = self._pending_links.pop(peer.instance_id)
         previous = self.rt.peers.get(peer.instance_id)
         try:
             link.connect(peer.endpoint)
             conn = PeerConn(peer, link, self._dial)
+            conn.channel_token = token
         except Exception:
             link.release()
             self.peers.forget(peer.instance_id)
@@ -87,6 +112,35 @@ class DecodeServicer(DaemonServicer):
         log.info("prefill %s at %s verified and connected (%s)", peer.instance_id,
                  peer.control_address, self.rt.transport.kind,
                  extra=fields(peer=peer.control_address))
+
+    def channel_hello(self, channel: PeerChannel, hello: Hello) -> PeerConn:
+        """Bind an inbound peer channel to the verified prefill its HELLO names: the
+        token must be the one our latest handshake reply gave that instance. A channel
+        it had is replaced at once (closed with a BYE, no waiting on it).
+
+        Raises:
+            FrameError: refused (the reason is logged with the caller's address).
+        """
+        if hello.version != PROTOCOL_VERSION:
+            raise FrameError("hello.version", f"protocol version {hello.version}, ours "
+                                              f"{PROTOCOL_VERSION}")
+        if hello.decode_instance != self.local.instance_id:
+            raise FrameError("hello.decode_instance",
+                             f"names decode instance {hello.decode_instance!r}, we are "
+                             f"{self.local.instance_id} (we restarted: handshake again)")
+        conn = self.rt.peers.get(hello.prefill_instance)
+        if conn is None or conn.closed:
+            raise FrameError("hello.prefill_instance",
+                             f"no connected prefill instance {hello.prefill_instance!r}: "
+                             "handshake first")
+        if not conn.channel_token or not same_token(hello.token, conn.channel_token):
+            raise FrameError("hello.token", f"not the token our handshake gave prefill "
+                                            f"{hello.prefill_instance}")
+        channel.peer = f"prefill {conn.instance_id} at {conn.control_address}"
+        old, conn.channel = conn.channel, channel
+        if old is not None:
+            old.close("replaced by a new channel from the same prefill", bye=True)
+        return conn
 
     # ---- RPCs ----------------------------------------------------------------------
     @handled
@@ -143,9 +197,19 @@ class DecodeServicer(DaemonServicer):
         """Abort a request: fail it, make sure prefill stops writing, free the slot."""
         rid = request_id_of(request.request_id)
         # An Abort that says it is prefill's must come from where that prefill's handshake
-        # was admitted from: the same rule, bound to this call's credentials.
-        caller = functools.partial(claim_refusal, security=self.security, peer=context.peer(),
-                                   auth=context.auth_context(), call="Abort")
+        # was admitted from: the same rule, bound to this call's credentials; over the
+        # peer channel, the prefill the channel is bound to (its HELLO proved it).
+        caller: Callable[[str], str | None]
+        if isinstance(context, ChannelContext):
+            bound = context.bound.control_address
+
+            def caller(address: str) -> str | None:
+                return None if address == bound else (
+                    f"Abort over the peer channel of prefill {bound} claims prefill {address}")
+        else:
+            caller = functools.partial(claim_refusal, security=self.security,
+                                       peer=context.peer(), auth=context.auth_context(),
+                                       call="Abort")
         return self._status(self.decode.abort(rid, from_peer=request.from_peer,
                                               detail=request.detail,
                                               instance_id=request.instance_id,

@@ -1,19 +1,31 @@
-"""The cores' peer calls over gRPC: handshake, BeginWrite, Digests, Offer and Abort.
+"""The cores' peer calls: the handshake over gRPC, then BeginWrite, Digests, Offer and
+Abort over the pair's peer channel (:mod:`kvbeam.server.peer_channel`).
 
 :class:`GrpcDecodePeers` (prefill's view of decode daemons) and
 :class:`GrpcPrefillPeers` (decode's view of prefill daemons) implement the protocols
-of :mod:`kvbeam.server.core.ports`, mapping gRPC statuses to the cores' errors. Every
-call blocks; the cores make them on the driver's executor only.
+of :mod:`kvbeam.server.core.ports`, mapping statuses to the cores' errors. A request on
+the channel is the RPC's own message and its answer carries the RPC's status, so one
+mapping serves both; a peer that opened no channel (a tool, a test's fake peer) is
+called over the RPCs, which every daemon still serves. Every call blocks; the cores
+make them on the driver's executor only.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import grpc
 
-from kvbeam.errors import AlreadyLanded, NotReserved, SendFailed, UnknownRequest
+from kvbeam.errors import (
+    AlreadyLanded,
+    NotReserved,
+    PeerChannelError,
+    PeerUnavailableError,
+    SendFailed,
+    UnknownRequest,
+)
 from kvbeam.logs import fields
 from kvbeam.pools.digest import digests_to_wire
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
@@ -23,9 +35,22 @@ from kvbeam.proto.transfer_codec import (
     indices_from_proto,
     indices_to_proto,
 )
+from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import peer_error
 from kvbeam.server.core.ports import Offered, WriteGrant
+from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.metrics import DaemonMetrics
+from kvbeam.server.peer_channel import (
+    ABORT,
+    BEGIN_WRITE,
+    CHANNEL_ADDRESS_KEY,
+    CHANNEL_TOKEN_KEY,
+    DIGESTS,
+    OFFER,
+    Hello,
+    PeerChannels,
+    Reply,
+)
 from kvbeam.server.peer_client import ControlClient
 from kvbeam.server.peers import PeerConn, peer_buffer_addrs
 from kvbeam.server.settings import ControlOptions
@@ -64,12 +89,38 @@ class Dialer:
         return ControlClient(address, options=self.options)
 
 
-def _abort(client: ControlClient, request: pb.AbortRequest, timeout: float,
-           address: str) -> bool:
-    """Abort on a peer; True when it confirmed none of the request's writes is in flight."""
+def _channel_of(conn: PeerConn) -> Any:
+    """The connection's live peer channel, or None (then the RPC is called)."""
+    channel = conn.channel
+    return channel if channel is not None and not channel.closed else None
+
+
+def _rpc_client(conn: PeerConn | None, client: ControlClient | None) -> ControlClient:
+    """Where an Abort goes without a channel: ``client`` (a one-off), else the
+    connection's own control channel."""
+    if client is not None:
+        return client
+    assert conn is not None, "an Abort needs a connection or a one-off client"
+    own: ControlClient = conn.client()
+    return own
+
+
+def _abort(request: pb.AbortRequest, timeout: float, address: str, *,
+           conn: PeerConn | None = None, client: ControlClient | None = None) -> bool:
+    """Abort on a peer (over ``conn``'s open channel, else the RPC on ``client`` or the
+    connection's); True when it confirmed none of the request's writes is in flight.
+
+    A channel that closed before or under the call (a BYE: the peer released that
+    link; the connection stays ours) sends the Abort over the RPC instead: an Abort
+    is idempotent, and the request's decode must hear it."""
+    channel = _channel_of(conn) if conn is not None else None
     try:
-        _reply, call = client.stub.Abort.with_call(request, timeout=timeout)
-    except grpc.RpcError as exc:
+        left = _channel_abort(channel, request, timeout) if channel is not None else None
+        if left is None:
+            _reply, call = _rpc_client(conn, client).stub.Abort.with_call(
+                request, timeout=timeout)
+            left = writes_in_flight(call.trailing_metadata())
+    except (grpc.RpcError, PeerChannelError) as exc:
         if exc.code() is grpc.StatusCode.NOT_FOUND:
             return True  # the peer never heard of it: nothing of it is in flight
         log.info("could not tell %s that %s failed: %s", address, request.request_id,
@@ -81,7 +132,6 @@ def _abort(client: ControlClient, request: pb.AbortRequest, timeout: float,
         log.info("could not tell %s that %s failed: %s", address, request.request_id, exc,
                  extra=fields(request.request_id, address))
         return False
-    left = writes_in_flight(call.trailing_metadata())
     if left:
         log.info("%s: %d write(s) of %s still in flight when it answered the Abort; it says "
                  "so once they drained", address, left, request.request_id,
@@ -89,18 +139,40 @@ def _abort(client: ControlClient, request: pb.AbortRequest, timeout: float,
     return not left
 
 
-def _await_aborts(pending: Sequence[grpc.Future[pb.TransferStatus]], total: int,
-                  timeout: float, peer: str) -> int:
+def _channel_abort(channel: Any, request: pb.AbortRequest, timeout: float) -> int | None:
+    """An Abort over the channel: the writes in flight it answered, None when the
+    channel closed before answering (the caller says it over the RPC)."""
+    try:
+        return int(channel.call(ABORT, request.SerializeToString(), timeout).in_flight)
+    except PeerChannelError:
+        if channel.closed:
+            return None
+        raise
+
+
+def _start_abort(request: pb.AbortRequest, timeout: float, *, conn: PeerConn | None = None,
+                 client: ControlClient | None = None) -> Any:
+    """Start one Abort without waiting: a channel call's future, or the RPC's (on
+    ``client`` or the connection's, as :func:`_abort` chooses)."""
+    channel = _channel_of(conn) if conn is not None else None
+    if channel is not None:
+        return channel.start_call(ABORT, request.SerializeToString(), timeout)
+    return _rpc_client(conn, client).stub.Abort.future(request, timeout=timeout)
+
+
+def _await_aborts(pending: Sequence[Any], total: int, timeout: float, peer: str) -> int:
     """Wait for Aborts started at once (each bounded by its own deadline); how many the
     peer confirmed (answered with nothing in flight, or never heard of the request)."""
     confirmed = unanswered = 0
     for future in pending:
         try:
-            future.result()
-            # A call's future is its Call too: the answer's trailing metadata.
-            metadata = future.trailing_metadata()  # type: ignore[attr-defined]
-            confirmed += not writes_in_flight(metadata)
-        except grpc.RpcError as exc:
+            result = future.result()
+            if isinstance(result, Reply):
+                confirmed += not result.in_flight
+            else:
+                # A call's future is its Call too: the answer's trailing metadata.
+                confirmed += not writes_in_flight(future.trailing_metadata())
+        except (grpc.RpcError, PeerChannelError) as exc:
             if exc.code() is grpc.StatusCode.NOT_FOUND:
                 confirmed += 1
             else:
@@ -115,11 +187,12 @@ class GrpcDecodePeers:
     """Prefill's calls to decode daemons."""
 
     def __init__(self, local: Callable[[], SideInfo], transport: Transport, dial: Dialer,
-                 metrics: DaemonMetrics) -> None:
+                 metrics: DaemonMetrics, channels: PeerChannels | None = None) -> None:
         self._local = local
         self.transport = transport
         self.dial = dial
         self.metrics = metrics
+        self.channels = channels
 
     @property
     def local(self) -> SideInfo:
@@ -140,14 +213,39 @@ class GrpcDecodePeers:
                 verified = client.handshake(self.local, endpoint=link.endpoint)
             addrs = peer_buffer_addrs(verified.layout, verified)
             link.connect(verified.endpoint)
+            channel = self._open_channel(verified, address)
         except Exception:
             link.release()
             client.close()
             raise
         client.close()
-        log.info("decode %s at %s verified and connected (%s)", verified.instance_id,
-                 address, self.transport.kind, extra=fields(peer=address))
-        return PeerConn(verified, link, self.dial, addrs)
+        conn = PeerConn(verified, link, self.dial, addrs)
+        if channel is not None:
+            conn.channel, channel.bound = channel, conn
+        log.info("decode %s at %s verified and connected (%s%s)", verified.instance_id,
+                 address, self.transport.kind, ", peer channel" if channel else "",
+                 extra=fields(peer=address))
+        return conn
+
+    def _open_channel(self, verified: VerifiedPeer, address: str) -> Any:
+        """Open the pair's peer channel where decode's handshake reply says (None when
+        it names none: a tool or a test's fake decode, called over the RPCs).
+
+        Raises:
+            PeerUnavailableError: decode named a channel we could not open.
+        """
+        extra = verified.endpoint.extra
+        where, token = extra.get(CHANNEL_ADDRESS_KEY, ""), extra.get(CHANNEL_TOKEN_KEY, "")
+        if self.channels is None or not where:
+            return None
+        peer = f"decode {verified.instance_id} at {address}"
+        hello = Hello(PROTOCOL_VERSION, self.local.instance_id, verified.instance_id, token)
+        try:
+            return self.channels.connect(where, hello, peer, self.rpc_timeout_s)
+        except (OSError, ValueError) as exc:
+            raise PeerUnavailableError(
+                f"handshake with {peer} succeeded, but its peer channel at {where} could "
+                f"not be opened: {exc}", address=address) from None
 
     def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
                     digests_follow: bool) -> WriteGrant:
@@ -160,9 +258,14 @@ class GrpcDecodePeers:
             final_chunk=final, digests_follow=digests_follow)
         self.metrics.begin_writes.inc()
         timeout = self.rpc_timeout_s
+        channel = _channel_of(conn)
         try:
-            reply = conn.client().stub.BeginWrite(request, timeout=timeout)
-        except grpc.RpcError as exc:
+            if channel is not None:
+                reply = pb.BeginWriteResponse.FromString(channel.call(
+                    BEGIN_WRITE, request.SerializeToString(), timeout).payload)
+            else:
+                reply = conn.client().stub.BeginWrite(request, timeout=timeout)
+        except (grpc.RpcError, PeerChannelError) as exc:
             code = exc.code()
             details = exc.details() or ""
             if code is grpc.StatusCode.FAILED_PRECONDITION and "NotHandshaken" in details:
@@ -196,9 +299,13 @@ class GrpcDecodePeers:
                                     transfer_id=transfer_id,
                                     digests=digests_to_wire(digests))
         timeout = self.rpc_timeout_s
+        channel = _channel_of(conn)
         try:
-            conn.client().stub.Digests(request, timeout=timeout)
-        except grpc.RpcError as exc:
+            if channel is not None:
+                channel.call(DIGESTS, request.SerializeToString(), timeout)
+            else:
+                conn.client().stub.Digests(request, timeout=timeout)
+        except (grpc.RpcError, PeerChannelError) as exc:
             raise peer_error(exc, address=conn.control_address, method="Digests",
                              timeout=timeout) from None
 
@@ -209,13 +316,13 @@ class GrpcDecodePeers:
                                   instance_id=self.local.instance_id)
         timeout = timeout or self.rpc_timeout_s
         if conn is not None and not conn.closed:
-            confirmed = _abort(conn.client(), request, timeout, address)
+            confirmed = _abort(request, timeout, address, conn=conn)
             if confirmed or not conn.closed:
                 return confirmed
             # The connection closed under the call (its link failed meanwhile, which
             # now keeps decode's reservation): say it again on a one-off channel.
         with self.dial(address) as client:  # never connected: a one-off channel
-            return _abort(client, request, timeout, address)
+            return _abort(request, timeout, address, client=client)
 
     def abort_all(self, calls: Sequence[tuple[PeerConn | None, str, str]], detail: str,
                   timeout: float) -> int:
@@ -227,14 +334,15 @@ class GrpcDecodePeers:
             for conn, address, request_id in calls:
                 request = pb.AbortRequest(request_id=request_id, detail=detail,
                                           from_peer=True, instance_id=self.local.instance_id)
-                if conn is not None and not conn.closed:
-                    client = conn.client()
-                else:
-                    client = one_off.get(address) or one_off.setdefault(address,
-                                                                        self.dial(address))
+                live = conn is not None and not conn.closed
                 try:
-                    pending.append(client.stub.Abort.future(request, timeout=timeout))
-                except (grpc.RpcError, ValueError) as exc:  # a channel closed meanwhile
+                    if live:
+                        pending.append(_start_abort(request, timeout, conn=conn))
+                    else:
+                        client = one_off.get(address) or one_off.setdefault(
+                            address, self.dial(address))
+                        pending.append(_start_abort(request, timeout, client=client))
+                except (grpc.RpcError, PeerChannelError, ValueError) as exc:  # closed meanwhile
                     log.info("could not tell %s that %s failed: %s", address, request_id, exc,
                              extra=fields(request_id, address))
             return _await_aborts(pending, len(calls), timeout, "decode")
@@ -263,10 +371,15 @@ class GrpcPrefillPeers:
             transfer_id=grant.transfer_id, slot=slot,
             indices=indices_to_proto(grant.indices, grant.draft),
             lease_ms=max(1, int(lease_s * 1000)), kv_skip=grant.kv_skip)
+        timeout = min(self.options.rpc_timeout_s, OFFER_TIMEOUT_S)
+        channel = _channel_of(conn)
         try:
-            reply = conn.client().stub.Offer(
-                request, timeout=min(self.options.rpc_timeout_s, OFFER_TIMEOUT_S))
-        except grpc.RpcError as exc:
+            if channel is not None:
+                reply = pb.OfferResponse.FromString(
+                    channel.call(OFFER, request.SerializeToString(), timeout).payload)
+            else:
+                reply = conn.client().stub.Offer(request, timeout=timeout)
+        except (grpc.RpcError, PeerChannelError) as exc:
             # A status is prefill's refusal (it will ask BeginWrite); no answer may be a
             # kept offer whose reply was lost.
             sure = exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND,
@@ -285,8 +398,8 @@ class GrpcPrefillPeers:
         """Abort the request on prefill (it drains first); True when prefill confirmed."""
         request = pb.AbortRequest(request_id=request_id, detail=detail, from_peer=True,
                                   instance_id=self.local.instance_id)
-        return _abort(conn.client(), request, timeout or self.options.rpc_timeout_s,
-                      conn.control_address)
+        return _abort(request, timeout or self.options.rpc_timeout_s,
+                      conn.control_address, conn=conn)
 
     def abort_all(self, calls: Sequence[tuple[PeerConn, str]], detail: str,
                   timeout: float) -> int:
@@ -298,8 +411,8 @@ class GrpcPrefillPeers:
             request = pb.AbortRequest(request_id=request_id, detail=detail, from_peer=True,
                                       instance_id=self.local.instance_id)
             try:
-                pending.append(conn.client().stub.Abort.future(request, timeout=timeout))
-            except (grpc.RpcError, ValueError) as exc:  # a channel closed meanwhile
+                pending.append(_start_abort(request, timeout, conn=conn))
+            except (grpc.RpcError, PeerChannelError, ValueError) as exc:  # closed meanwhile
                 log.info("could not tell %s that %s failed: %s", conn.control_address,
                          request_id, exc, extra=fields(request_id, conn.control_address))
         return _await_aborts(pending, len(calls), timeout, "prefill")

@@ -61,12 +61,35 @@ class PeerConn:
         #: The peer's buffer addresses (prefill needs decode's; decode needs none).
         self.addrs = addrs or []
         self._client: Any = None
+        #: The peer channel to this peer (kvbeam.server.peer_channel.PeerChannel) once
+        #: one is bound; None for a peer that opened none (per-request calls then go
+        #: over the RPCs).
+        self.channel: Any = None
+        #: Decode: the token our handshake reply gave this peer for its channel's HELLO.
+        self.channel_token = ""
         self._lock = threading.Lock()  # leaf: guards the channel and ``closed`` only
         self.closed = False
-        self.missed_heartbeats = 0
+        #: The RPC heartbeat loop's count of heartbeats missed in a row (a peer without
+        #: an open peer channel); see :attr:`missed_heartbeats`.
+        self._rpc_missed = 0
         #: When the peer last answered a heartbeat (or the link was made): timed-out
         #: heartbeats lose it only after ``peer_timeout_s`` of silence.
         self.last_heard = time.monotonic()
+
+    @property
+    def missed_heartbeats(self) -> int:
+        """Heartbeats in a row the peer left unanswered: over its open peer channel, the
+        intervals it has been silent past the first (the channel's own count); otherwise
+        the RPC heartbeat loop's. Decode does not offer to such a peer, prefill does not
+        wait for its offers."""
+        channel = self.channel
+        if channel is not None and not channel.closed:
+            return int(channel.missed_heartbeats())
+        return self._rpc_missed
+
+    @missed_heartbeats.setter
+    def missed_heartbeats(self, value: int) -> None:
+        self._rpc_missed = value
 
     @property
     def instance_id(self) -> str:
@@ -96,6 +119,9 @@ class PeerConn:
                 return
             self.closed = True
             client, self._client = self._client, None
+            channel = self.channel
+        if channel is not None:  # orderly: the peer takes it as a link loss, not as gone
+            channel.close("its connection was closed on this side", bye=True)
         try:
             self.link.release()
         finally:

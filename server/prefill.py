@@ -8,6 +8,7 @@ status. Peer calls go over gRPC (:class:`~kvbeam.server.peer_rpc.GrpcDecodePeers
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import grpc
 
@@ -21,8 +22,9 @@ from kvbeam.proto.transfer_codec import (
 from kvbeam.rpc_errors import handled
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.core.prefill import PrefillCore
-from kvbeam.server.daemon_servicer import IO_WORKERS, DaemonServicer
+from kvbeam.server.daemon_servicer import IO_WORKERS, ChannelContext, DaemonServicer
 from kvbeam.server.identity import claim_refusal
+from kvbeam.server.peer_channel import ABORT, OFFER
 from kvbeam.server.peer_rpc import WRITES_IN_FLIGHT_KEY, Dialer, GrpcDecodePeers
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.validation import request_id_of, seq_len_of
@@ -38,7 +40,7 @@ class PrefillServicer(DaemonServicer):
         super().__init__(runtime, workers)
         spec, layout, pools = runtime.initial_pools()  # none yet with --pools engine
         decode = GrpcDecodePeers(lambda: self.local, runtime.transport,
-                                 Dialer(runtime.options), runtime.metrics)
+                                 Dialer(runtime.options), runtime.metrics, self.channels)
         self.core = self.prefill = PrefillCore(
             table=runtime.table, peers=runtime.peers, decode=decode, io=self.io,
             spec=spec, layout=layout, pools=pools,
@@ -49,6 +51,8 @@ class PrefillServicer(DaemonServicer):
             max_offers=runtime.settings.max_inflight,
             on_offer=lambda event: runtime.metrics.offers.labels(event).inc(),
             send_wait_s=runtime.settings.send_wait_s, digest_pool=self.digest_pool)
+        self.channel_handlers = {OFFER: (self.Offer, pb.OfferRequest, True),
+                                 ABORT: (self.Abort, pb.AbortRequest, False)}
 
     @handled
     def Send(self, request: pb.SendRequest, context: grpc.ServicerContext) -> pb.TransferStatus:
@@ -75,6 +79,21 @@ class PrefillServicer(DaemonServicer):
                                   request.lease_ms / 1000)
         return pb.OfferResponse(accepted=kept, digests_follow=self.prefill.integrity)
 
+    def _caller_refusal(self, context: grpc.ServicerContext) -> Callable[[str], str | None]:
+        """Why the caller of an Abort saying it is decode's may not speak for the decode
+        at an address (None: it may). Over the peer channel the channel's HELLO proved
+        the caller: it speaks for the decode it is bound to; over the RPC the
+        handshake's rule, bound to the call's credentials."""
+        if isinstance(context, ChannelContext):
+            bound = context.bound.control_address
+
+            def channel_refusal(address: str) -> str | None:
+                return None if address == bound else (
+                    f"Abort over the peer channel of decode {bound} claims decode {address}")
+            return channel_refusal
+        return functools.partial(claim_refusal, security=self.security, peer=context.peer(),
+                                 auth=context.auth_context(), call="Abort")
+
     @handled
     def Abort(self, request: pb.AbortRequest,
               context: grpc.ServicerContext) -> pb.TransferStatus:
@@ -83,13 +102,9 @@ class PrefillServicer(DaemonServicer):
         rid = request_id_of(request.request_id)
         remaining = context.time_remaining()
         wait_s = None if remaining is None else max(0.0, remaining - ABORT_ANSWER_S)
-        # A verdict said to be decode's counts only from the request's decode: the same
-        # identity rule as the handshake's, bound to this call's credentials.
-        caller = functools.partial(claim_refusal, security=self.security, peer=context.peer(),
-                                   auth=context.auth_context(), call="Abort")
         snap = self.prefill.abort(rid, from_peer=request.from_peer, detail=request.detail,
                                   wait_s=wait_s, instance_id=request.instance_id,
-                                  caller_refusal=caller)
+                                  caller_refusal=self._caller_refusal(context))
         left = self.prefill.in_flight(rid)
         if left:
             context.set_trailing_metadata(((WRITES_IN_FLIGHT_KEY, str(left)),))

@@ -210,6 +210,7 @@ class Runtime:
         # without --advertise) before it answers the first call.
         address = self.server.start(self.settings.listen)
         self.local = self.server.local  # carries the bound or advertised address
+        servicer.start_channels()
         self._publish(servicer)
         for name, target in (("events", servicer.event_loop), ("sweeper", self._sweep),
                              ("heartbeat", servicer.heartbeat_loop)):

@@ -125,6 +125,10 @@ OPTIONS: tuple[Option, ...] = (
            "127.0.0.1:50052 decode)"),
     Option("advertise", "KVBEAM_ADVERTISE", str, "",
            "HOST:PORT peers use to reach this daemon (default: --listen)"),
+    Option("peer_port", "KVBEAM_PEER_PORT", int, 0,
+           "decode: TCP port of the peer channel (prefill's per-request control: offers, "
+           "aborts, digests, heartbeats), on the --listen host (default: any free port; "
+           "each handshake reply names it)"),
     Option("transport", "KVBEAM_TRANSPORT", str, "auto",
            "data plane: auto (RDMA device given or found, else TCP), rdma, or tcp",
            ("auto", "rdma", "tcp")),
@@ -231,6 +235,7 @@ class DaemonSettings:
     config: str
     listen: str
     advertise: str
+    peer_port: int
     transport: str
     rdma_device: str
     rdma_gid_index: int
@@ -335,6 +340,8 @@ def resolve(role: str, args: argparse.Namespace | None = None,
     if not 1 <= values["qps_per_peer"] <= MAX_QPS_PER_PEER:
         raise ConfigError(f"--qps-per-peer: must be 1 to {MAX_QPS_PER_PEER} "
                           f"(got {values['qps_per_peer']})")
+    if not 0 <= values["peer_port"] <= 65535:
+        raise ConfigError(f"--peer-port: must be 0 to 65535 (got {values['peer_port']})")
     if values["max_inflight"] <= 0:
         raise ConfigError(f"--max-inflight: must be positive (got {values['max_inflight']})")
     _check_hostport(values["listen"], "--listen", allow_zero=True)

@@ -23,12 +23,15 @@ events), :mod:`~kvbeam.server.core.decode_offer` (Offer) and
 
 Threads. The driver (``DaemonServicer``) owns ONE bounded executor
 (``ThreadPoolExecutor``, ``IO_WORKERS`` threads); every blocking step runs there:
-handshakes, XXH3-128 digests, peer RPCs (BeginWrite, Digests, Abort), link releases.
-The one exception is decode's Offer (:mod:`~kvbeam.server.core.decode_offer`), made
-in the Reserve handler's thread, outside every lock, bounded by the RPC timeout. The
-transport event thread (``on_event``) only does bookkeeping and submits work.
-Long-lived loops (events, deadline sweep, heartbeats) are the runtime's only
-other threads; nothing starts a thread per event.
+handshakes, XXH3-128 digests, peer calls (BeginWrite, Digests, Abort: each waits for
+its answer on the pair's peer channel), link releases. The one exception is decode's
+Offer (:mod:`~kvbeam.server.core.decode_offer`), made in the Reserve handler's
+thread, outside every lock, bounded by the RPC timeout. The transport event thread
+(``on_event``) only does bookkeeping and submits work. Long-lived loops (events,
+deadline sweep, heartbeats) and the peer channels' selector thread
+(:mod:`kvbeam.server.peer_channel`, which answers Offer, BeginWrite and Digests
+itself and hands Aborts to the servicer's ``peer_io`` pool) are the other threads;
+nothing starts a thread per event.
 
 Locks in kvbeam.server, and their order (a lock may be taken while holding one
 listed ABOVE it, never the reverse). No lock is held across I/O: a handshake, an
@@ -48,8 +51,11 @@ RPC, a digest, a write post, a link's release or a memory registration.
    ``PeerConn._lock`` (the channel; ``close`` releases
    the link after dropping it), ``SlotPool`` (:mod:`kvbeam.server.slots`),
    ``DecodeServicer._links_lock`` (handshake links), ``DaemonServicer._watch_lock``,
-   ``FaultHooks._lock``, ``ControlServer._lock`` (start/stop only), and the metrics'
-   own locks.
+   ``FaultHooks._lock``, ``ControlServer._lock`` (start/stop only), the peer
+   channels' ``PeerChannel._wlock`` (a channel's outbound buffer and calls; held
+   across a non-blocking ``send`` only) and ``PeerChannels._lock`` (the selector's
+   queues), and the metrics' own locks. ``PeerConn.close`` closes its peer channel
+   after releasing ``PeerConn._lock``.
 """
 
 from kvbeam.server.core.decode import DecodeCore

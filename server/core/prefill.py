@@ -195,6 +195,10 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
         self._connecting: dict[str, list[Outgoing]] = {}
         #: Decode's aborts that came before the request's Send: id -> (expiry, detail).
         self._early_aborts: dict[str, tuple[float, str]] = {}
+        #: Requests that ended before their final chunk came and whose record the sweep
+        #: forgot: a further chunk of one is answered with its status (while the table
+        #: still knows it), as when the record is kept. Pruned by the sweep.
+        self._ended_unfinished: set[str] = set()
 
     # ---- API ---------------------------------------------------------------------------
     def send(self, request_id: str, src_slot: int, seq_len: int, decode_address: str,
@@ -221,6 +225,15 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                  if (indices or draft) and kv_offset is None else None)
         with self._lock:
             rec = self._out.get(request_id)
+            ended = self._ended_before_final(rec, request_id)
+            if ended is not None:
+                # The request failed (decode's verdict, a lost peer, a deadline) before
+                # the engine's last chunk came: not a reuse of its id. The chunk is
+                # answered with the request's end, which its caller reads anyway.
+                log.info("request %s: a further chunk came after it ended (%s): answered "
+                         "with its status", request_id, ended.state.value,
+                         extra=fields(request_id, decode_address))
+                return ended
             early = self._early_aborts.pop(request_id, None) if rec is None else None
             if early is not None and early[0] >= time.monotonic():
                 # Decode declined (or aborted) it before this Send: fail it now, rather
@@ -360,6 +373,20 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                     f"names instance {instance_id!r}, not {conn.instance_id if conn else '?'}",
                     extra=fields(request_id, address))
         return False
+
+    def _ended_before_final(self, rec: Outgoing | None,
+                            request_id: str) -> TransferStatus | None:
+        """The status of a request that ended before its final chunk was submitted
+        (None: it did not, or it is not known); under ``_lock``."""
+        if rec is None and request_id not in self._ended_unfinished:
+            return None
+        if rec is not None and rec.final_submitted:
+            return None
+        snap = self.table.get(request_id)
+        if snap is None:
+            self._ended_unfinished.discard(request_id)  # forgotten: a new request
+            return None
+        return snap if snap.state.terminal else None
 
     def _remember_early_abort(self, request_id: str, detail: str) -> None:
         """Decode ended a request whose Send has not come (its engine declined it before

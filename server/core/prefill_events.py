@@ -78,6 +78,7 @@ class PrefillEvents:
     _drained: threading.Condition
     _out: dict[str, Outgoing]
     _writes: dict[tuple[int, int], str]
+    _ended_unfinished: set[str]
     offers: OfferBook
 
     @staticmethod
@@ -259,6 +260,8 @@ class PrefillEvents:
         self.offers.expire()
         hung: list[Outgoing] = []
         with self._lock:
+            self._ended_unfinished = {r for r in self._ended_unfinished
+                                      if self.table.get(r) is not None}
             for rid, rec in list(self._out.items()):
                 snap = self.table.get(rid)
                 ended = snap is None or snap.state.terminal
@@ -272,6 +275,8 @@ class PrefillEvents:
                     continue
                 if rec.told_decode or snap is None or snap.state is TransferState.SUCCESS:
                     del self._out[rid]
+                    if snap is not None and not rec.final_submitted:
+                        self._ended_unfinished.add(rid)  # a late chunk gets its status
                     for key in rec.write_keys:
                         self._writes.pop(key, None)
         for rec in hung:

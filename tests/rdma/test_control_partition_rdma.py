@@ -42,6 +42,7 @@ class AdvertisedPair(NamedTuple):
     wire: Wire
     prefill_port: int
     decode_port: int
+    channel_port: int  # decode's peer channel (prefill dials it on the wire)
 
     @property
     def prefill_peer(self) -> str:
@@ -54,14 +55,17 @@ class AdvertisedPair(NamedTuple):
         return f"{self.wire.decode_ip}:{self.decode_port}"
 
     def cut(self) -> None:
-        """Drop the daemons' gRPC traffic to each other (the scheduler's still flows)."""
+        """Drop the daemons' control traffic to each other, gRPC and the peer channel
+        (the scheduler's still flows)."""
         block_tcp(self.wire.prefill_ip, self.prefill_port)
         block_tcp(self.wire.decode_ip, self.decode_port)
+        block_tcp(self.wire.decode_ip, self.channel_port)
 
     def heal(self) -> None:
         """Undo :meth:`cut`."""
         unblock_tcp(self.wire.prefill_ip, self.prefill_port)
         unblock_tcp(self.wire.decode_ip, self.decode_port)
+        unblock_tcp(self.wire.decode_ip, self.channel_port)
 
 
 def _flags(wire: Wire, role: str, port: int) -> list[str]:
@@ -75,11 +79,12 @@ def _flags(wire: Wire, role: str, port: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pair(wire: Wire) -> Iterator[AdvertisedPair]:
-    pport, dport = free_port(), free_port()
+    pport, dport, cport = free_port(), free_port(), free_port()
     prefill, decode = start_both(transport="rdma",
                                  prefill_extra=_flags(wire, "prefill", pport),
-                                 decode_extra=_flags(wire, "decode", dport))
-    ap = AdvertisedPair(prefill, decode, wire, pport, dport)
+                                 decode_extra=[*_flags(wire, "decode", dport),
+                                               "--peer-port", str(cport)])
+    ap = AdvertisedPair(prefill, decode, wire, pport, dport, cport)
     try:
         yield ap
     finally:

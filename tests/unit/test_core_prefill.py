@@ -12,6 +12,7 @@ from typing import cast
 
 import pytest
 
+from kvbeam.errors import DuplicateRequest
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.states import TransferState
 from tests.core_fakes import FakeLink, prefill_core, wait_for
@@ -160,6 +161,33 @@ def test_a_hanging_handshake_holds_one_worker_not_the_others() -> None:
         stuck.set()
     b_link = _link(core, "10.0.0.2:1")
     assert wait_for(lambda: len(b_link.writes) == 6)
+
+
+def test_a_chunk_after_the_request_ended_is_answered_with_its_status() -> None:
+    # The request fails between its chunks (here an abort; in the RDMA control
+    # partition a lost peer): the engine's next chunk, final or not, is not a reuse of
+    # its id (no DuplicateRequest) but is told how it ended, before and after the sweep
+    # forgets its record. A final chunk sent twice stays a duplicate.
+    core, _fake = prefill_core(drain_s=0.0)
+    core.send("late", 0, 1000, ADDR, [(0, 256)], False)
+    link = _link(core)
+    assert wait_for(lambda: len(link.writes) == 1)
+    for tid, _ in link.writes:
+        core.on_event(link.completion(tid))
+    core.abort("late", from_peer=False, detail="engine cancelled", wait_s=0.0)
+    assert core.status("late").state is TransferState.FAILED
+    assert core.send("late", 0, 1000, ADDR, [(256, 700)], False).state is TransferState.FAILED
+    core.periodic()
+    assert "late" not in core._out  # forgotten: the answer comes from the table
+    st = core.send("late", 0, 1000, ADDR, [], True)
+    assert st.state is TransferState.FAILED and "engine cancelled" in st.detail, st
+
+    core.send("twice", 0, 1000, ADDR, [], True)
+    assert wait_for(lambda: len(link.writes) == 2)
+    core.on_event(link.completion(link.writes[-1][0]))
+    assert core.status("twice").state is TransferState.SUCCESS
+    with pytest.raises(DuplicateRequest):
+        core.send("twice", 0, 1000, ADDR, [], True)
 
 
 def test_chunks_of_one_request_post_in_order_and_succeed_after_the_final() -> None:

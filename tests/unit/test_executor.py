@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
+import grpc
 import pytest
 
 from kvbeam.server.executor import LoggingExecutor
@@ -71,6 +72,7 @@ class _ClosingConn:
 
     def __init__(self) -> None:
         self.closed = False
+        self.channel = None  # no peer channel: the Abort is an RPC
         self.old = _Client(fails=True)
 
     def client(self) -> _Client:
@@ -91,3 +93,41 @@ def test_an_abort_whose_channel_closes_under_it_is_said_again_on_a_one_off_chann
     conn: Any = _ClosingConn()
     assert peers.abort(conn, "decode:1", "qperr-1", "prefill failed", timeout=1.0) is True
     assert conn.old.stub.Abort.calls == 1 and one_off.stub.Abort.calls == 1
+
+
+class _ByeChannel:
+    """A peer channel the peer closes with a BYE while an Abort waits on it."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.calls = 0
+
+    def call(self, kind: int, message: bytes, timeout: float) -> object:
+        from kvbeam.errors import PeerChannelError
+
+        self.calls += 1
+        self.closed = True
+        raise PeerChannelError(grpc.StatusCode.UNAVAILABLE, "peer channel closed: BYE")
+
+
+class _ChannelConn:
+    def __init__(self) -> None:
+        self.closed = False  # a BYE retires the channel only: the connection stays
+        self.channel = _ByeChannel()
+        self.rpc = _Client(fails=False)
+
+    def client(self) -> _Client:
+        return self.rpc
+
+
+def test_an_abort_whose_peer_channel_closes_under_it_goes_over_the_rpc() -> None:
+    from typing import Any
+
+    from kvbeam.server.peer_rpc import GrpcDecodePeers
+
+    none: Any = None
+    local: Any = type("Local", (), {"instance_id": "p1"})()
+    peers = GrpcDecodePeers(lambda: local, transport=none, dial=none, metrics=none)
+    conn: Any = _ChannelConn()
+    assert peers.abort(conn, "decode:1", "qperr-1", "prefill failed", timeout=1.0) is True
+    assert conn.channel.calls == 1 and conn.rpc.stub.Abort.calls == 1

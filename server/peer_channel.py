@@ -1,0 +1,770 @@
+"""The peer channel: one long-lived TCP connection per daemon pair for per-request control.
+
+Everything per request that is not bytes goes here instead of a unary gRPC call:
+decode's Offer and Abort to prefill, prefill's BeginWrite, Digests and Abort to decode,
+and the heartbeats between them (docs/protocol.md, "The peer channel"). The handshake,
+health, admin and the scheduler API stay gRPC.
+
+**Who opens it.** Prefill, right after its handshake with decode succeeds: prefill is
+the handshake's client (it dials decode to send a request), and decode's handshake
+reply carries the channel's address and a fresh random token naming the pair
+(:data:`CHANNEL_ADDRESS_KEY`, :data:`CHANNEL_TOKEN_KEY` in the endpoint's extras). The
+token is how the TCP data plane authenticates its connections (its HELLO carries the
+link's token): it travels only in the handshake, which the control plane's mTLS or
+shared token protects, and binds the connection to the verified pair.
+
+**Frames** (both ways)::
+
+    u8 kind | u32 correlation id | u32 payload length | payload
+
+A request's payload is ``u32 timeout_ms`` then the RPC's own protobuf message
+(``OfferRequest``, ``BeginWriteRequest``, ``DigestsRequest``, ``AbortRequest``), decoded
+by the same strict codecs as the RPC. Its REPLY carries the same correlation id:
+``u8 status code (gRPC's numbering) | u32 writes in flight | u32 details length |
+details (UTF-8) | the response message``, so callers map refusals exactly as they
+mapped the RPC's statuses. A payload longer than :data:`MAX_PAYLOAD` is refused from
+the header; any malformed frame closes the channel with a log line naming the peer and
+what was wrong; nothing here raises into the daemon.
+
+**Threads.** One selector thread per daemon (:class:`PeerChannels`) reads every
+channel, accepts decode's inbound ones, sends heartbeats, finds silent peers and
+expired calls. A writer appends its frame to the channel's bounded outbound buffer and
+tries one non-blocking ``send`` under the channel's write lock (a leaf, never held
+across a blocking call); what the kernel does not take, the selector thread flushes.
+A peer that stops reading until the buffer passes :data:`MAX_OUTBOUND` is failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvbeam.errors import FrameError
+from kvbeam.errors import PeerChannelError as ChannelError
+
+log = logging.getLogger(__name__)
+
+#: Endpoint extras in decode's handshake reply: where its channel listens, and the
+#: pair's token (a secret: it is only ever sent inside the authenticated handshake).
+CHANNEL_ADDRESS_KEY = "kvbeam.peer_channel"
+CHANNEL_TOKEN_KEY = "kvbeam.peer_channel_token"
+
+HEADER = struct.Struct("<BII")  # kind, correlation id, payload length
+_HELLO_HEAD = struct.Struct("<I")  # protocol version; then three u16-prefixed strings
+_U16 = struct.Struct("<H")
+_TIMEOUT = struct.Struct("<I")  # a request's deadline, ms
+_REPLY_HEAD = struct.Struct("<BII")  # status code, writes in flight, details length
+
+HELLO = 1  # prefill -> decode: the channel's first frame (version, instance ids, token)
+WELCOME = 2  # decode -> prefill: the HELLO was accepted; the channel is bound
+PING = 3
+PONG = 4
+BYE = 5  # either way: an orderly close (payload: why); the peer's link, not the peer, went
+OFFER = 16  # decode -> prefill
+BEGIN_WRITE = 17  # prefill -> decode
+DIGESTS = 18  # prefill -> decode
+ABORT = 19  # both ways
+REPLY = 32  # the answer to a request, same correlation id
+
+KIND_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", PING: "PING", PONG: "PONG", BYE: "BYE",
+              OFFER: "Offer", BEGIN_WRITE: "BeginWrite", DIGESTS: "Digests",
+              ABORT: "Abort", REPLY: "REPLY"}
+#: The requests each side may receive (by its role).
+REQUESTS_TO = {"prefill": frozenset({OFFER, ABORT}),
+               "decode": frozenset({BEGIN_WRITE, DIGESTS, ABORT})}
+
+#: Largest payload accepted: a 1M-token request's index lists are ~100 KB; the length
+#: is refused from the header, before any of the payload is read.
+MAX_PAYLOAD = 16 << 20
+#: Bytes a channel may hold unsent before its peer counts as stalled and is failed.
+MAX_OUTBOUND = 64 << 20
+#: Longest a token or an instance id in a HELLO may be.
+MAX_HELLO_STRING = 256
+#: How long an inbound connection has to send its HELLO (prefill sends it at once).
+HELLO_TIMEOUT_S = 5.0
+#: Inbound connections without a HELLO held at once; over it the oldest is dropped.
+MAX_UNAUTHENTICATED = 64
+#: The selector's longest sleep, s: how often call deadlines and silence are checked.
+TICK_S = 0.05
+_READ = 256 << 10
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An OK answer: the response message's bytes and the writes still in flight."""
+
+    payload: bytes
+    in_flight: int = 0
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The first frame of a channel: who opens it, to whom, with which token."""
+
+    version: int
+    prefill_instance: str
+    decode_instance: str
+    token: str
+
+
+def new_token() -> str:
+    """A fresh random token naming one pair's channel."""
+    return secrets.token_hex(16)
+
+
+def frame(kind: int, correlation: int, payload: bytes = b"") -> bytes:
+    """One frame's bytes."""
+    if len(payload) > MAX_PAYLOAD:
+        raise FrameError("payload", f"{len(payload)} bytes, over the limit of {MAX_PAYLOAD}")
+    return HEADER.pack(kind, correlation, len(payload)) + payload
+
+
+def _string(value: str) -> bytes:
+    raw = value.encode()
+    if len(raw) > MAX_HELLO_STRING:
+        raise FrameError("hello", f"a string of {len(raw)} bytes (at most {MAX_HELLO_STRING})")
+    return _U16.pack(len(raw)) + raw
+
+
+def encode_hello(hello: Hello) -> bytes:
+    """The HELLO frame."""
+    return frame(HELLO, 0, _HELLO_HEAD.pack(hello.version) + _string(hello.prefill_instance)
+                 + _string(hello.decode_instance) + _string(hello.token))
+
+
+def decode_hello(payload: bytes) -> Hello:
+    """A HELLO's payload, strictly; FrameError names what is wrong."""
+    if len(payload) < _HELLO_HEAD.size:
+        raise FrameError("hello", f"{len(payload)} bytes, too short for its version")
+    (version,) = _HELLO_HEAD.unpack_from(payload)
+    at = _HELLO_HEAD.size
+    out: list[str] = []
+    for name in ("prefill_instance", "decode_instance", "token"):
+        if at + _U16.size > len(payload):
+            raise FrameError(f"hello.{name}", "missing")
+        (n,) = _U16.unpack_from(payload, at)
+        at += _U16.size
+        if n > MAX_HELLO_STRING or at + n > len(payload):
+            raise FrameError(f"hello.{name}", f"length {n} runs past the frame or the limit")
+        try:
+            out.append(payload[at:at + n].decode())
+        except UnicodeDecodeError:
+            raise FrameError(f"hello.{name}", "not UTF-8") from None
+        at += n
+    if at != len(payload):
+        raise FrameError("hello", f"{len(payload) - at} trailing byte(s)")
+    return Hello(version, out[0], out[1], out[2])
+
+
+def encode_request(kind: int, correlation: int, message: bytes, timeout_s: float) -> bytes:
+    """A request frame: its deadline, then the RPC's request message."""
+    ms = max(1, min(int(timeout_s * 1000), 0xFFFFFFFF))
+    return frame(kind, correlation, _TIMEOUT.pack(ms) + message)
+
+
+def decode_request(payload: bytes) -> tuple[float, bytes]:
+    """(timeout s, message bytes) of a request's payload."""
+    if len(payload) < _TIMEOUT.size:
+        raise FrameError("request", f"{len(payload)} bytes, too short for its deadline")
+    (ms,) = _TIMEOUT.unpack_from(payload)
+    return ms / 1000, payload[_TIMEOUT.size:]
+
+
+def encode_reply(correlation: int, code: grpc.StatusCode, details: str = "",
+                 message: bytes = b"", in_flight: int = 0) -> bytes:
+    """A REPLY frame."""
+    raw = details.encode()[:1 << 16]
+    return frame(REPLY, correlation, _REPLY_HEAD.pack(code.value[0], max(0, in_flight),
+                                                      len(raw)) + raw + message)
+
+
+def decode_reply(payload: bytes) -> Reply | ChannelError:
+    """A REPLY's payload: the answer, or the peer's refusal as a ChannelError."""
+    if len(payload) < _REPLY_HEAD.size:
+        raise FrameError("reply", f"{len(payload)} bytes, too short for its status")
+    value, in_flight, n = _REPLY_HEAD.unpack_from(payload)
+    code = _CODES.get(value)
+    if code is None:
+        raise FrameError("reply.status", f"unknown status code {value}")
+    start = _REPLY_HEAD.size
+    if start + n > len(payload):
+        raise FrameError("reply.details", f"length {n} runs past the frame")
+    details = payload[start:start + n].decode("utf-8", "replace")
+    if code is not grpc.StatusCode.OK:
+        return ChannelError(code, details, in_flight)
+    return Reply(payload[start + n:], in_flight)
+
+
+class _Call:
+    __slots__ = ("deadline", "future", "what")
+
+    def __init__(self, what: str, deadline: float) -> None:
+        self.what = what
+        self.deadline = deadline
+        self.future: Future[Reply] = Future()
+
+
+#: Handles a request that arrived: (channel, kind, correlation id, payload).
+RequestHandler = Callable[["PeerChannel", int, int, bytes], None]
+
+
+class PeerChannel:
+    """One established channel to one verified peer (see the module docstring).
+
+    ``bound`` is what the daemon bound it to (its peer connection). Calls and frames
+    may come from any thread; only the selector thread reads the socket.
+    """
+
+    def __init__(self, hub: PeerChannels, sock: socket.socket, peer: str) -> None:
+        self.hub = hub
+        self.sock = sock
+        #: The peer as messages name it ("decode 3f2a at 10.0.0.2:7000").
+        self.peer = peer
+        self.bound: Any = None
+        self.last_heard = time.monotonic()
+        self.closed = False
+        self.close_reason = ""
+        #: The close was orderly (a BYE either way): the peer lives, its link was replaced.
+        self.orderly = False
+        self._wlock = threading.Lock()  # leaf: the outbound buffer; non-blocking send only
+        self._out = bytearray()
+        self._calls: dict[int, _Call] = {}
+        self._next = 1
+        self._inbox = bytearray()  # selector thread only
+        self._missed_logged = 0  # selector thread only: the last count logged
+
+    def __repr__(self) -> str:
+        return f"PeerChannel({self.peer}{', closed' if self.closed else ''})"
+
+    def missed_heartbeats(self, now: float | None = None) -> int:
+        """Heartbeats the peer has left unanswered in a row: the whole intervals it has
+        been silent, less one (both sides ping every ``heartbeat_s`` and answer a ping at
+        once, so a live peer is never silent for two; the RPC heartbeat's rule, which
+        waits two intervals for an answer)."""
+        silent = (time.monotonic() if now is None else now) - self.last_heard
+        return max(0, int(silent / self.hub.heartbeat_s) - 1)
+
+    def note_silence(self, now: float) -> None:
+        """Log each heartbeat newly missed and the peer's return (the selector thread's
+        sweep), as the RPC heartbeat loop does."""
+        missed = self.missed_heartbeats(now)
+        if missed > self._missed_logged:
+            log.warning("heartbeat %d on the peer channel to %s missed (silent %.1f s of "
+                        "%.1f s allowed)", missed, self.peer, now - self.last_heard,
+                        self.hub.peer_timeout_s)
+        elif missed == 0 and self._missed_logged:
+            log.info("peer channel to %s: the peer answers again", self.peer)
+        self._missed_logged = missed
+
+    # ---- writing (any thread) ---------------------------------------------------------
+    def send(self, data: bytes) -> None:
+        """Queue ``data`` (whole frames) and send what the socket takes now.
+
+        Never blocks; a peer that stopped reading until :data:`MAX_OUTBOUND` bytes wait
+        is failed (the channel closes, every call on it fails at once)."""
+        overflow = False
+        with self._wlock:
+            if self.closed:
+                return
+            if len(self._out) + len(data) > MAX_OUTBOUND:
+                overflow = True
+            else:
+                self._out += data
+                left = self._flush_locked()
+        if overflow:
+            self.close(f"the peer stopped reading: {MAX_OUTBOUND} bytes wait to be sent")
+            return
+        if left:
+            self.hub.want_write(self)
+
+    def _flush_locked(self) -> int:
+        """Send what the kernel takes without blocking; bytes still waiting."""
+        while self._out:
+            try:
+                n = self.sock.send(self._out)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self.hub.close_later(self, f"send failed: {exc}")
+                self._out.clear()
+                break
+            del self._out[:n]
+        return len(self._out)
+
+    def flush(self) -> int:
+        """The selector thread's flush: bytes still waiting."""
+        with self._wlock:
+            return self._flush_locked()
+
+    def start_call(self, kind: int, message: bytes, timeout_s: float) -> Future[Reply]:
+        """Send a request; its future resolves with the REPLY or a ChannelError (a
+        refusal, the channel closing, or ``timeout_s`` passing)."""
+        with self._wlock:
+            correlation = self._next
+            self._next = self._next % 0xFFFFFFFF + 1
+            call = _Call(KIND_NAMES.get(kind, str(kind)), time.monotonic() + timeout_s)
+            self._calls[correlation] = call
+            closed = self.closed
+        if closed:
+            self._resolve(correlation, ChannelError(
+                grpc.StatusCode.UNAVAILABLE, f"peer channel to {self.peer} closed: "
+                                             f"{self.close_reason}"))
+        else:
+            self.send(encode_request(kind, correlation, message, timeout_s))
+        return call.future
+
+    def call(self, kind: int, message: bytes, timeout_s: float) -> Reply:
+        """:meth:`start_call` and wait (bounded by ``timeout_s``; the hub expires it).
+
+        Raises:
+            ChannelError: refused, closed or timed out.
+        """
+        future = self.start_call(kind, message, timeout_s)
+        try:
+            return future.result(timeout_s + 1.0)
+        except TimeoutError:  # the hub expires calls; this is only its backstop
+            raise ChannelError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"{KIND_NAMES.get(kind, kind)} on the peer channel to "
+                               f"{self.peer}: no answer within {timeout_s:g} s") from None
+
+    def reply(self, correlation: int, code: grpc.StatusCode, details: str = "",
+              message: bytes = b"", in_flight: int = 0) -> None:
+        """Answer a request that arrived."""
+        self.send(encode_reply(correlation, code, details, message, in_flight))
+
+    # ---- reading (selector thread) ----------------------------------------------------
+    def received(self, data: bytes) -> list[tuple[int, int, bytes]]:
+        """Whole frames in what arrived: (kind, correlation, payload) each.
+
+        Raises:
+            FrameError: a header announcing more than :data:`MAX_PAYLOAD`.
+        """
+        self.last_heard = time.monotonic()
+        self._inbox += data
+        out = []
+        at = 0
+        while len(self._inbox) - at >= HEADER.size:
+            kind, correlation, length = HEADER.unpack_from(self._inbox, at)
+            if length > MAX_PAYLOAD:
+                raise FrameError(KIND_NAMES.get(kind, f"kind {kind}"),
+                                 f"payload of {length} bytes, over the limit of {MAX_PAYLOAD}")
+            end = at + HEADER.size + length
+            if end > len(self._inbox):
+                break
+            out.append((kind, correlation, bytes(self._inbox[at + HEADER.size:end])))
+            at = end
+        del self._inbox[:at]
+        return out
+
+    def answered(self, correlation: int, payload: bytes) -> None:
+        """A REPLY arrived (raises FrameError when it is malformed)."""
+        result = decode_reply(payload)
+        self._resolve(correlation, result)
+
+    def _resolve(self, correlation: int, result: Reply | ChannelError) -> None:
+        with self._wlock:
+            call = self._calls.pop(correlation, None)
+        if call is None:
+            return  # answered after its deadline: the caller has gone on
+        if isinstance(result, ChannelError):
+            call.future.set_exception(result)
+        else:
+            call.future.set_result(result)
+
+    def expire(self, now: float) -> None:
+        """Fail calls past their deadline."""
+        with self._wlock:
+            late = [(c, call) for c, call in self._calls.items() if call.deadline < now]
+        for correlation, call in late:
+            self._resolve(correlation, ChannelError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"{call.what} on the peer channel to {self.peer}: no answer in time"))
+
+    def close(self, reason: str, *, bye: bool = False, orderly: bool = False) -> None:
+        """Close the channel (idempotent): every call waiting on it fails now, and the
+        hub reports the loss to the daemon (whose handler decides what it means).
+
+        ``bye``: we close it on purpose (its connection was replaced or released): say
+        so to the peer first (a BYE, best effort), so it does not take the peer for
+        gone. ``orderly``: the peer said BYE."""
+        with self._wlock:
+            if self.closed:
+                return
+            self.closed = True
+            self.close_reason = reason
+            self.orderly = bye or orderly
+            calls, self._calls = self._calls, {}
+            if bye:
+                self._out += frame(BYE, 0, reason.encode()[:4096])
+                self._flush_locked()
+            self._out.clear()
+        for call in calls.values():
+            if not call.future.done():
+                call.future.set_exception(ChannelError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{call.what}: peer channel to {self.peer} closed: {reason}"))
+        self.hub.closed(self, reason)
+
+
+class PeerChannels:
+    """A daemon's peer channels and the one selector thread that serves them all.
+
+    Args:
+        role: our role ("prefill" or "decode"): which requests we accept.
+        on_request: handles a request frame (it answers with :meth:`PeerChannel.reply`).
+        on_closed: a bound channel closed (reason given); the daemon fails its peer.
+        on_hello: decode's check of a HELLO: the object to bind the channel to, or
+            raises FrameError (the channel is closed, the reason logged).
+        heartbeat_s: how often every channel is pinged.
+        peer_timeout_s: silence after which a channel's peer counts as lost.
+    """
+
+    def __init__(self, role: str, on_request: RequestHandler,
+                 on_closed: Callable[[PeerChannel, str], None], *,
+                 on_hello: Callable[[PeerChannel, Hello], Any] | None = None,
+                 heartbeat_s: float = 1.0, peer_timeout_s: float = 10.0) -> None:
+        self.role = role
+        self.requests = REQUESTS_TO[role]
+        self.on_request = on_request
+        self.on_closed = on_closed
+        self.on_hello = on_hello
+        self.heartbeat_s = heartbeat_s
+        self.peer_timeout_s = peer_timeout_s
+        self.address = ""  # where we listen ("" : we do not)
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._lock = threading.Lock()  # leaf: the queues below
+        self._adds: list[PeerChannel] = []
+        self._writes: set[PeerChannel] = set()
+        self._to_close: list[tuple[PeerChannel, str]] = []
+        self._channels: set[PeerChannel] = set()  # selector thread only
+        self._pending: dict[socket.socket, tuple[float, str, bytearray]] = {}
+        self._listener: socket.socket | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_beat = 0.0
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def listen(self, host: str, port: int, advertise_host: str) -> str:
+        """Bind the channel listener (decode); returns the address peers dial."""
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(128)
+        sock.setblocking(False)
+        self._listener = sock
+        bound = sock.getsockname()[1]
+        adv = advertise_host.strip("[]")
+        self.address = f"[{adv}]:{bound}" if ":" in adv else f"{adv}:{bound}"
+        log.info("peer channel listening on %s:%d (advertised %s)", host, bound, self.address)
+        return self.address
+
+    def start(self) -> None:
+        """Start the selector thread."""
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        if self._listener is not None:
+            self._sel.register(self._listener, selectors.EVENT_READ, "listen")
+        self._thread = threading.Thread(target=self._run, name="kvbeam-peer-channel",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Close every channel and stop the thread."""
+        self._stop.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        with self._lock:
+            adds, self._adds = self._adds, []
+        for channel in [*self._channels, *adds]:
+            channel.close("this daemon stops")
+            channel.sock.close()  # the thread that would close it has stopped
+        for sock in list(self._pending):
+            sock.close()
+        if self._listener is not None:
+            self._listener.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # ---- opening (prefill, on the caller's thread) ----------------------------------------
+    def connect(self, address: str, hello: Hello, peer: str, timeout_s: float) -> PeerChannel:
+        """Dial ``address``, send the HELLO, wait for WELCOME; the established channel.
+
+        Blocking (a TCP connect and one round trip, bounded by ``timeout_s``): call it
+        where the handshake runs (the executor), never under a lock.
+
+        Raises:
+            OSError: unreachable, refused, closed or silent (the message says which).
+        """
+        host, _, port = address.rpartition(":")
+        deadline = time.monotonic() + timeout_s
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(encode_hello(hello))
+            got = bytearray()
+            while len(got) < HEADER.size:
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                chunk = sock.recv(HEADER.size - len(got))
+                if not chunk:
+                    raise ConnectionError(f"peer channel to {peer} at {address} closed before "
+                                          "its WELCOME: it refused our HELLO (see its log)")
+                got += chunk
+            kind, _, length = HEADER.unpack(got)
+            if kind != WELCOME or length:
+                raise ConnectionError(f"peer channel to {peer} at {address}: answered "
+                                      f"{KIND_NAMES.get(kind, kind)} to our HELLO, not WELCOME")
+        except TimeoutError:
+            sock.close()
+            raise TimeoutError(f"peer channel to {peer} at {address}: no WELCOME within "
+                               f"{timeout_s:g} s") from None
+        except BaseException:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        channel = PeerChannel(self, sock, peer)
+        with self._lock:
+            self._adds.append(channel)
+        self._wake()
+        return channel
+
+    # ---- requests from other threads --------------------------------------------------------
+    def want_write(self, channel: PeerChannel) -> None:
+        """A channel has bytes the kernel did not take: the selector flushes them."""
+        with self._lock:
+            self._writes.add(channel)
+        self._wake()
+
+    def close_later(self, channel: PeerChannel, reason: str) -> None:
+        """Close ``channel`` from the selector thread (a writer found its socket broken)."""
+        with self._lock:
+            self._to_close.append((channel, reason))
+        self._wake()
+
+    def closed(self, channel: PeerChannel, reason: str) -> None:
+        """Called by :meth:`PeerChannel.close`: unregister it, tell the daemon."""
+        with self._lock:
+            self._to_close.append((channel, ""))  # the selector unregisters and closes it
+        self._wake()
+        log.log(logging.INFO if channel.orderly else logging.WARNING,
+                "peer channel to %s closed: %s", channel.peer, reason)
+        if channel.bound is not None:
+            try:
+                self.on_closed(channel, reason)
+            except Exception:
+                log.exception("handling the loss of the peer channel to %s failed",
+                              channel.peer)
+
+    def _wake(self) -> None:
+        # BlockingIOError: a wake-up is pending already; OSError: we stop.
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
+
+    # ---- the selector thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                events = self._sel.select(TICK_S)
+            except OSError:
+                log.exception("peer channel selector failed")
+                time.sleep(TICK_S)
+                continue
+            for key, mask in events:
+                try:
+                    self._ready(key, mask)
+                except Exception:  # never lose the thread to one connection
+                    log.exception("peer channel: handling %s failed", key.data)
+            try:
+                self._housekeeping()
+            except Exception:
+                log.exception("peer channel housekeeping failed")
+
+    def _ready(self, key: selectors.SelectorKey, mask: int) -> None:
+        data = key.data
+        if data == "wake":
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
+        elif data == "listen":
+            self._accept()
+        elif data == "pending":
+            self._read_hello(key.fileobj)  # type: ignore[arg-type]
+        elif isinstance(data, PeerChannel):
+            if mask & selectors.EVENT_READ:
+                self._read(data)
+            if mask & selectors.EVENT_WRITE and not data.closed and not data.flush():
+                self._sel.modify(data.sock, selectors.EVENT_READ, data)
+
+    def _housekeeping(self) -> None:
+        with self._lock:
+            adds, self._adds = self._adds, []
+            writes, self._writes = self._writes, set()
+            closing, self._to_close = self._to_close, []
+        for channel in adds:
+            if channel.closed:
+                continue
+            self._channels.add(channel)
+            self._sel.register(channel.sock, selectors.EVENT_READ, channel)
+            channel.last_heard = time.monotonic()
+        for channel in writes:
+            if channel in self._channels and not channel.closed and channel.flush():
+                self._sel.modify(channel.sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
+                                 channel)
+        for channel, reason in closing:
+            if reason:
+                channel.close(reason)
+            if channel in self._channels:
+                self._channels.discard(channel)
+                with contextlib.suppress(KeyError, ValueError):
+                    self._sel.unregister(channel.sock)
+            channel.sock.close()
+        now = time.monotonic()
+        beat = now - self._last_beat >= self.heartbeat_s
+        if beat:
+            self._last_beat = now
+        for channel in list(self._channels):
+            channel.expire(now)
+            channel.note_silence(now)
+            silent = now - channel.last_heard
+            if silent >= self.peer_timeout_s:
+                channel.close(f"peer stopped answering heartbeats on the peer channel "
+                              f"(silent {silent:.1f} s, {self.peer_timeout_s:g} s allowed)")
+            elif beat:
+                channel.send(frame(PING, 0))
+        for sock, (deadline, who, _) in list(self._pending.items()):
+            if now > deadline:
+                self._drop_pending(sock, logging.WARNING,
+                                   f"sent no HELLO within {HELLO_TIMEOUT_S:g} s", who)
+
+    def _read(self, channel: PeerChannel) -> None:
+        try:
+            data = channel.sock.recv(_READ)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            channel.close(f"receive failed: {exc}")
+            return
+        if not data:
+            channel.close("the peer closed the connection")
+            return
+        try:
+            frames = channel.received(data)
+            for kind, correlation, payload in frames:
+                self._frame(channel, kind, correlation, payload)
+        except FrameError as exc:
+            log.error("peer channel to %s: bad frame: %s; closing the channel", channel.peer,
+                      exc)
+            channel.close(f"bad frame: {exc}")
+
+    def _frame(self, channel: PeerChannel, kind: int, correlation: int,
+               payload: bytes) -> None:
+        if kind == PING:
+            channel.send(frame(PONG, correlation))
+        elif kind == PONG:
+            pass  # last_heard is updated by every frame
+        elif kind == BYE:
+            channel.close(f"the peer closed it: {payload.decode('utf-8', 'replace')}",
+                          orderly=True)
+        elif kind == REPLY:
+            channel.answered(correlation, payload)
+        elif kind in self.requests:
+            self.on_request(channel, kind, correlation, payload)
+        else:
+            raise FrameError("kind", f"{KIND_NAMES.get(kind, kind)} is not a frame a "
+                                     f"{self.role} daemon accepts on an established channel")
+
+    # ---- inbound connections (decode) ----------------------------------------------------
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("peer channel: accept failed: %s", exc)
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if len(self._pending) >= MAX_UNAUTHENTICATED:
+                oldest = min(self._pending, key=lambda s: self._pending[s][0])
+                self._drop_pending(oldest, logging.WARNING,
+                                   f"dropped: {MAX_UNAUTHENTICATED} connections wait for "
+                                   "their HELLO", self._pending[oldest][1])
+            who = f"{addr[0]}:{addr[1]}"
+            self._pending[sock] = (time.monotonic() + HELLO_TIMEOUT_S, who, bytearray())
+            self._sel.register(sock, selectors.EVENT_READ, "pending")
+
+    def _drop_pending(self, sock: socket.socket, level: int, why: str, who: str) -> None:
+        self._pending.pop(sock, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(sock)
+        sock.close()
+        log.log(level, "peer channel from %s refused: %s", who, why)
+
+    def _read_hello(self, sock: socket.socket) -> None:
+        _deadline, who, buf = self._pending[sock]
+        try:
+            data = sock.recv(HEADER.size + 3 * (MAX_HELLO_STRING + 2) + 4 - len(buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._drop_pending(sock, logging.INFO, f"failed before its HELLO: {exc}", who)
+            return
+        if not data:
+            self._drop_pending(sock, logging.INFO, "closed before its HELLO", who)
+            return
+        buf += data
+        if len(buf) < HEADER.size:
+            return
+        kind, _, length = HEADER.unpack_from(buf)
+        limit = _HELLO_HEAD.size + 3 * (MAX_HELLO_STRING + _U16.size)
+        if kind != HELLO or length > limit:
+            self._drop_pending(sock, logging.WARNING,
+                               f"its first frame is {KIND_NAMES.get(kind, kind)} of {length} "
+                               "bytes, not a HELLO", who)
+            return
+        if len(buf) < HEADER.size + length:
+            return
+        if len(buf) > HEADER.size + length:
+            self._drop_pending(sock, logging.WARNING, "it sent frames before its WELCOME", who)
+            return
+        self._pending.pop(sock)
+        self._sel.unregister(sock)
+        channel = PeerChannel(self, sock, who)
+        try:
+            hello = decode_hello(bytes(buf[HEADER.size:]))
+            if self.on_hello is None:
+                raise FrameError("hello", "this daemon accepts no peer channels")
+            channel.bound = self.on_hello(channel, hello)
+        except FrameError as exc:
+            sock.close()
+            log.warning("peer channel from %s refused: %s", who, exc)
+            return
+        except Exception:
+            sock.close()
+            log.exception("peer channel from %s: checking its HELLO failed", who)
+            return
+        self._channels.add(channel)
+        self._sel.register(sock, selectors.EVENT_READ, channel)
+        channel.send(frame(WELCOME, 0))
+        log.info("peer channel from %s bound", channel.peer)

@@ -1,0 +1,387 @@
+"""The peer channel (server/peer_channel.py): frames, HELLO, calls, closes, heartbeats.
+
+Real sockets on loopback, two hubs (a "decode" that listens, a "prefill" that dials);
+no daemon. What the daemons bind a channel to and do on its loss is in
+tests/host/test_peer_channel_daemons.py.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+
+from kvbeam.errors import FrameError
+from kvbeam.errors import PeerChannelError as ChannelError
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.proto.version import PROTOCOL_VERSION
+from kvbeam.server import peer_channel as pc
+from kvbeam.server.decode import DecodeServicer
+from kvbeam.server.peer_channel import (
+    BEGIN_WRITE,
+    DIGESTS,
+    HEADER,
+    Hello,
+    PeerChannel,
+    PeerChannels,
+)
+from tests.core_fakes import fake_conn, wait_for
+from tests.fixtures import layout
+
+TOKEN = "t" * 32
+
+
+class Side:
+    """One hub and what reached it."""
+
+    def __init__(self, role: str, *, answer: bool = True, peer_timeout_s: float = 10.0,
+                 heartbeat_s: float = 0.1) -> None:
+        self.answer = answer
+        self.requests: list[tuple[int, bytes]] = []
+        self.closed: list[str] = []
+        self.hellos: list[Hello] = []
+        self.channels: list[PeerChannel] = []  # bound on their HELLO
+        self.hub = PeerChannels(role, self._request, self._closed, on_hello=self._hello,
+                                heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s)
+
+    def _request(self, channel: PeerChannel, kind: int, correlation: int,
+                 payload: bytes) -> None:
+        _timeout, message = pc.decode_request(payload)
+        self.requests.append((kind, message))
+        if self.answer:
+            channel.reply(correlation, grpc.StatusCode.OK, message=b"re:" + message,
+                          in_flight=len(message))
+
+    def _closed(self, channel: PeerChannel, reason: str) -> None:
+        self.closed.append(reason)
+
+    def _hello(self, channel: PeerChannel, hello: Hello) -> object:
+        self.hellos.append(hello)
+        self.channels.append(channel)
+        if hello.token != TOKEN:
+            raise FrameError("hello.token", "not the token our handshake gave")
+        return object()
+
+
+@pytest.fixture
+def decode() -> Iterator[Side]:
+    side = Side("decode")
+    side.hub.listen("127.0.0.1", 0, "127.0.0.1")
+    side.hub.start()
+    yield side
+    side.hub.stop()
+
+
+@pytest.fixture
+def prefill() -> Iterator[Side]:
+    side = Side("prefill")
+    side.hub.start()
+    yield side
+    side.hub.stop()
+
+
+def _open(prefill: Side, decode: Side, token: str = TOKEN) -> PeerChannel:
+    hello = Hello(PROTOCOL_VERSION, "prefill-1", "decode-1", token)
+    channel = prefill.hub.connect(decode.hub.address, hello, "decode-1", 5.0)
+    channel.bound = object()  # what the daemon binds it to; closes are reported then
+    return channel
+
+
+def _raw(decode: Side) -> socket.socket:
+    host, _, port = decode.hub.address.rpartition(":")
+    return socket.create_connection((host, int(port)), timeout=5.0)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+# ---- frames ------------------------------------------------------------------------------
+def test_hello_round_trips_and_malformed_ones_name_the_field() -> None:
+    hello = Hello(PROTOCOL_VERSION, "p", "d", TOKEN)
+    raw = pc.encode_hello(hello)
+    kind, _, _length = HEADER.unpack_from(raw)
+    assert kind == pc.HELLO and pc.decode_hello(raw[HEADER.size:]) == hello
+    payload = raw[HEADER.size:]
+    with pytest.raises(FrameError, match="trailing"):
+        pc.decode_hello(payload + b"x")
+    with pytest.raises(FrameError, match="token"):
+        pc.decode_hello(payload[:-5])
+    with pytest.raises(FrameError, match="too short"):
+        pc.decode_hello(b"\x01")
+    bad = struct.pack("<I", 4) + struct.pack("<H", 2) + b"\xff\xfe"
+    with pytest.raises(FrameError, match=r"prefill_instance.*UTF-8"):
+        pc.decode_hello(bad)
+
+
+def test_a_reply_carries_the_status_details_and_writes_in_flight() -> None:
+    raw = pc.encode_reply(7, grpc.StatusCode.NOT_FOUND, "UnknownRequest: r")
+    kind, correlation, _ = HEADER.unpack_from(raw)
+    assert (kind, correlation) == (pc.REPLY, 7)
+    refused = pc.decode_reply(raw[HEADER.size:])
+    assert isinstance(refused, ChannelError)
+    assert refused.code() is grpc.StatusCode.NOT_FOUND
+    assert refused.details() == "UnknownRequest: r"
+    ok = pc.decode_reply(pc.encode_reply(8, grpc.StatusCode.OK, message=b"m",
+                                         in_flight=3)[HEADER.size:])
+    assert ok == pc.Reply(b"m", 3)
+    with pytest.raises(FrameError, match="unknown status code"):
+        pc.decode_reply(struct.pack("<BII", 200, 0, 0))
+    with pytest.raises(FrameError, match="runs past"):
+        pc.decode_reply(struct.pack("<BII", 0, 0, 10) + b"abc")
+
+
+def test_a_payload_over_the_limit_is_refused_when_encoding() -> None:
+    with pytest.raises(FrameError, match="over the limit"):
+        pc.frame(pc.PING, 0, b"\0" * (pc.MAX_PAYLOAD + 1))
+
+
+# ---- calls -------------------------------------------------------------------------------
+def test_calls_are_answered_by_correlation_id_many_at_once(prefill: Side,
+                                                          decode: Side) -> None:
+    channel = _open(prefill, decode)
+    futures = [channel.start_call(BEGIN_WRITE, f"m{i}".encode(), 5.0) for i in range(50)]
+    replies = [f.result(10) for f in futures]
+    assert [r.payload for r in replies] == [f"re:m{i}".encode() for i in range(50)]
+    assert all(r.in_flight == len(f"m{i}") for i, r in enumerate(replies))
+    assert decode.hellos == [Hello(PROTOCOL_VERSION, "prefill-1", "decode-1", TOKEN)]
+    assert channel.call(DIGESTS, b"d", 5.0).payload == b"re:d"
+
+
+def test_a_request_the_receiver_does_not_serve_closes_the_channel(prefill: Side,
+                                                                  decode: Side) -> None:
+    channel = _open(prefill, decode)
+    # OFFER goes decode -> prefill only: decode refuses it on an established channel.
+    with pytest.raises(ChannelError) as err:
+        channel.call(pc.OFFER, b"x", 5.0)
+    assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert wait_for(lambda: channel.closed)
+    assert wait_for(lambda: prefill.closed), prefill.closed
+    # The hub still serves: a new channel works.
+    assert _open(prefill, decode).call(BEGIN_WRITE, b"y", 5.0).payload == b"re:y"
+
+
+def test_a_call_unanswered_fails_with_deadline_exceeded(prefill: Side) -> None:
+    silent = Side("decode", answer=False)
+    silent.hub.listen("127.0.0.1", 0, "127.0.0.1")
+    silent.hub.start()
+    try:
+        channel = _open(prefill, silent)
+        t0 = time.monotonic()
+        with pytest.raises(ChannelError) as err:
+            channel.call(BEGIN_WRITE, b"x", 0.3)
+        assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - t0 < 5.0  # bounded by its deadline, not the backstop's
+        assert not channel.closed  # a slow answer is not a lost peer
+    finally:
+        silent.hub.stop()
+
+
+def test_the_peer_closing_fails_waiting_calls_at_once_and_reports_the_loss(
+        prefill: Side) -> None:
+    silent = Side("decode", answer=False)
+    silent.hub.listen("127.0.0.1", 0, "127.0.0.1")
+    silent.hub.start()
+    channel = _open(prefill, silent)
+    future = channel.start_call(BEGIN_WRITE, b"x", 30.0)
+    assert wait_for(lambda: silent.requests)
+    silent.hub.stop()  # closes its end (a BYE-less close: the peer's process went)
+    with pytest.raises(ChannelError) as err:
+        future.result(5.0)
+    assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert wait_for(lambda: prefill.closed)  # EOF or a reset, by timing: never orderly
+    assert not channel.orderly
+
+
+def test_bye_is_an_orderly_close(prefill: Side, decode: Side) -> None:
+    channel = _open(prefill, decode)
+    assert wait_for(lambda: len(decode.hub._channels) == 1)
+    (theirs,) = decode.hub._channels
+    theirs.bound = object()
+    channel.close("link replaced", bye=True)
+    assert wait_for(lambda: theirs.closed)
+    assert theirs.orderly and "link replaced" in theirs.close_reason
+
+
+# ---- HELLO and refusals ------------------------------------------------------------------
+def test_a_wrong_token_is_refused_before_any_frame_is_served(prefill: Side,
+                                                             decode: Side) -> None:
+    with pytest.raises(ConnectionError, match="refused our HELLO"):
+        _open(prefill, decode, token="x" * 32)
+    assert not decode.hub._channels
+
+
+def test_a_first_frame_that_is_not_a_hello_is_dropped(decode: Side) -> None:
+    sock = _raw(decode)
+    sock.sendall(pc.frame(pc.PING, 0))
+    assert _recv_exact(sock, HEADER.size) == b""  # closed, no WELCOME
+    sock.close()
+
+
+def test_an_oversize_frame_closes_the_channel_naming_the_peer(decode: Side,
+                                                              caplog: Any) -> None:
+    sock = _raw(decode)
+    sock.sendall(pc.encode_hello(Hello(PROTOCOL_VERSION, "p", "d", TOKEN)))
+    assert HEADER.unpack(_recv_exact(sock, HEADER.size))[0] == pc.WELCOME
+    assert wait_for(lambda: len(decode.hub._channels) == 1)
+    sock.sendall(HEADER.pack(pc.BEGIN_WRITE, 1, pc.MAX_PAYLOAD + 1))
+    assert _recv_exact(sock, 1) == b""  # the channel was closed
+    assert wait_for(lambda: decode.closed)
+    assert "over the limit" in decode.closed[0], decode.closed
+    sock.close()
+
+
+def test_a_peer_that_sends_no_hello_is_dropped_after_the_timeout(
+        decode: Side, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pc, "HELLO_TIMEOUT_S", 0.2)
+    sock = _raw(decode)
+    sock.settimeout(10.0)
+    assert _recv_exact(sock, 1) == b""
+    sock.close()
+
+
+def test_a_silent_peer_is_lost_after_peer_timeout(prefill: Side) -> None:
+    # Decode's hub with a short peer timeout; the "prefill" is a raw socket that
+    # answers nothing after the WELCOME (a frozen process).
+    side = Side("decode", peer_timeout_s=0.5, heartbeat_s=0.1)
+    side.hub.listen("127.0.0.1", 0, "127.0.0.1")
+    side.hub.start()
+    try:
+        sock = _raw(side)
+        sock.sendall(pc.encode_hello(Hello(PROTOCOL_VERSION, "p", "d", TOKEN)))
+        assert HEADER.unpack(_recv_exact(sock, HEADER.size))[0] == pc.WELCOME
+        assert wait_for(lambda: side.closed, 10.0)
+        assert "stopped answering heartbeats" in side.closed[0]
+        sock.close()
+    finally:
+        side.hub.stop()
+
+
+def test_a_silent_peer_counts_missed_heartbeats_on_its_connection_until_it_speaks() -> None:
+    # What the RPC heartbeat loop counted for a peer (decode offers nothing to one that
+    # misses heartbeats, prefill waits for no offer of it) the channel counts for its own:
+    # the peer's connection reads it while the channel is open, the RPC count otherwise.
+    side = Side("decode", peer_timeout_s=30.0, heartbeat_s=0.1)
+    side.hub.listen("127.0.0.1", 0, "127.0.0.1")
+    side.hub.start()
+    try:
+        sock = _raw(side)  # a "prefill" that goes silent after the WELCOME
+        sock.sendall(pc.encode_hello(Hello(PROTOCOL_VERSION, "p", "d", TOKEN)))
+        assert HEADER.unpack(_recv_exact(sock, HEADER.size))[0] == pc.WELCOME
+        channel = side.channels[0]
+        conn = fake_conn("127.0.0.1:9", AllocatedSide(layout()))
+        conn.missed_heartbeats = 0
+        conn.channel = channel
+        assert wait_for(lambda: conn.missed_heartbeats >= 2, 10.0), conn.missed_heartbeats
+        sock.sendall(pc.frame(pc.PING, 0))  # it speaks: counted from its last frame
+        assert wait_for(lambda: conn.missed_heartbeats == 0, 10.0)
+        channel.close("test over")
+        conn.missed_heartbeats = 3  # closed: the RPC heartbeat loop's count again
+        assert conn.missed_heartbeats == 3
+        sock.close()
+    finally:
+        side.hub.stop()
+
+
+def test_heartbeats_keep_an_idle_channel_alive(prefill: Side) -> None:
+    side = Side("decode", peer_timeout_s=0.6, heartbeat_s=0.1)
+    side.hub.listen("127.0.0.1", 0, "127.0.0.1")
+    side.hub.start()
+    try:
+        channel = _open(prefill, side)
+        time.sleep(1.5)  # several peer timeouts of idleness, answered by PONGs
+        assert not channel.closed and not side.closed
+        assert channel.call(BEGIN_WRITE, b"z", 5.0).payload == b"re:z"
+    finally:
+        side.hub.stop()
+
+
+def test_a_stalled_peer_fails_when_its_send_buffer_fills(
+        prefill: Side, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pc, "MAX_OUTBOUND", 1 << 20)
+    side = Side("decode", answer=False)
+    side.hub.listen("127.0.0.1", 0, "127.0.0.1")
+    side.hub.start()
+    try:
+        channel = _open(prefill, side)
+        side.hub._stop.set()  # its thread stops reading: the peer stalls
+        side.hub._wake()
+        done = threading.Event()
+
+        def flood() -> None:
+            for _ in range(200):
+                channel.start_call(DIGESTS, b"\0" * (256 << 10), 30.0)
+                if channel.closed:
+                    break
+            done.set()
+
+        threading.Thread(target=flood, daemon=True).start()
+        assert done.wait(30.0), "a writer blocked on a stalled peer"
+        assert channel.closed and "stopped reading" in channel.close_reason
+    finally:
+        side.hub._stop.clear()
+        side.hub.stop()
+
+
+# ---- decode binds a channel to the verified prefill -------------------------------------
+class _Conn:
+    def __init__(self, token: str) -> None:
+        self.instance_id = "prefill-1"
+        self.control_address = "127.0.0.1:1"
+        self.channel_token = token
+        self.channel: Any = None
+        self.closed = False
+
+
+class _Chan:
+    def __init__(self) -> None:
+        self.peer = "127.0.0.1:2"
+        self.closes: list[tuple[str, bool]] = []
+
+    def close(self, reason: str, *, bye: bool = False) -> None:
+        self.closes.append((reason, bye))
+
+
+def _decode_servicer(conn: _Conn | None) -> Any:
+    peers = SimpleNamespace(get=lambda iid: conn if conn and iid == conn.instance_id else None)
+    return SimpleNamespace(local=SimpleNamespace(instance_id="decode-1"),
+                           rt=SimpleNamespace(peers=peers))
+
+
+@pytest.mark.parametrize(("hello", "field"), [
+    (Hello(PROTOCOL_VERSION - 1, "prefill-1", "decode-1", TOKEN), "hello.version"),
+    (Hello(PROTOCOL_VERSION, "prefill-1", "decode-0", TOKEN), "hello.decode_instance"),
+    (Hello(PROTOCOL_VERSION, "prefill-9", "decode-1", TOKEN), "hello.prefill_instance"),
+    (Hello(PROTOCOL_VERSION, "prefill-1", "decode-1", "y" * 32), "hello.token"),
+])
+def test_decode_refuses_a_hello_naming_the_field(hello: Hello, field: str) -> None:
+    servicer = _decode_servicer(_Conn(TOKEN))
+    with pytest.raises(FrameError) as err:
+        DecodeServicer.channel_hello(servicer, _Chan(), hello)  # type: ignore[arg-type]
+    assert err.value.field == field, err.value
+
+
+def test_a_new_channel_from_the_same_prefill_replaces_the_old_one_at_once() -> None:
+    conn = _Conn(TOKEN)
+    servicer = _decode_servicer(conn)
+    hello = Hello(PROTOCOL_VERSION, "prefill-1", "decode-1", TOKEN)
+    first, second = _Chan(), _Chan()
+    bind: Any = DecodeServicer.channel_hello
+    assert bind(servicer, first, hello) is conn
+    assert conn.channel is first and first.peer.startswith("prefill prefill-1")
+    assert bind(servicer, second, hello) is conn
+    assert conn.channel is second
+    assert first.closes == [("replaced by a new channel from the same prefill", True)]
