@@ -265,7 +265,7 @@ class PeerChannel:
         if missed > self._missed_logged:
             log.warning("heartbeat %d on the peer channel to %s missed (silent %.1f s of "
                         "%.1f s allowed)", missed, self.peer, now - self.last_heard,
-                        self.hub.peer_timeout_s)
+                        self.hub.silence_limit_s)
         elif missed == 0 and self._missed_logged:
             log.info("peer channel to %s: the peer answers again", self.peer)
         self._missed_logged = missed
@@ -430,7 +430,10 @@ class PeerChannels:
         on_hello: decode's check of a HELLO: the object to bind the channel to, or
             raises FrameError (the channel is closed, the reason logged).
         heartbeat_s: how often every channel is pinged.
-        peer_timeout_s: silence after which a channel's peer counts as lost.
+        peer_timeout_s: how long a peer may leave our pings unanswered before it counts as
+            lost: a channel is closed after ``heartbeat_s + peer_timeout_s`` of silence
+            (:attr:`silence_limit_s`), since a live peer's next frame may come a whole
+            interval after its last one.
     """
 
     def __init__(self, role: str, on_request: RequestHandler,
@@ -444,6 +447,10 @@ class PeerChannels:
         self.on_hello = on_hello
         self.heartbeat_s = heartbeat_s
         self.peer_timeout_s = peer_timeout_s
+        #: Silence after which a channel's peer is lost. Counted from the peer's last
+        #: frame, so one heartbeat interval more than the timeout: with heartbeats far
+        #: apart (``--heartbeat-s 3600``) an idle channel must not die of its own quiet.
+        self.silence_limit_s = heartbeat_s + peer_timeout_s
         self.address = ""  # where we listen ("" : we do not)
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -645,9 +652,9 @@ class PeerChannels:
             channel.expire(now)
             channel.note_silence(now)
             silent = now - channel.last_heard
-            if silent >= self.peer_timeout_s:
+            if silent >= self.silence_limit_s:
                 channel.close(f"peer stopped answering heartbeats on the peer channel "
-                              f"(silent {silent:.1f} s, {self.peer_timeout_s:g} s allowed)")
+                              f"(silent {silent:.1f} s, {self.silence_limit_s:g} s allowed)")
             elif beat:
                 channel.send(frame(PING, 0))
         for sock, (deadline, who, _) in list(self._pending.items()):

@@ -40,11 +40,14 @@ def test_a_killed_prefill_fails_decodes_offered_request_at_once() -> None:
         prefill = start("prefill", extra=NO_BEATS)
         with KvbeamClient(decode.address) as d, KvbeamClient(prefill.address) as p:
             assert run_request(p, d, "warm", 500, 0).ok  # the pair has its channel
+            assert "peer channel from prefill" in decode.output, decode.output[-3000:]
             d.reserve("offered", 2000, prefill.address)
             prefill.kill()
             st = d.wait("offered", 20)
-            assert st.state is F and st.reason is FailureReason.PEER_FAILED, st
-            assert "peer channel" in st.detail, st
+            logs = f"{st}\n--- decode ---\n{decode.output[-4000:]}\n--- prefill ---\n" \
+                   f"{prefill.output[-4000:]}"
+            assert st.state is F and st.reason is FailureReason.PEER_FAILED, logs
+            assert "peer channel" in st.detail, logs
             assert free_slots(d, prefill.address) == DECODE_SLOTS
     finally:
         decode.stop()

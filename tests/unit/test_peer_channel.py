@@ -270,6 +270,24 @@ def test_a_silent_peer_is_lost_after_peer_timeout(prefill: Side) -> None:
         side.hub.stop()
 
 
+def test_heartbeats_far_apart_do_not_lose_an_idle_peer_after_the_timeout_alone() -> None:
+    # --heartbeat-s 3600 (tests that want no beats): a quiet but live peer is not lost
+    # when peer_timeout_s of silence passed; it gets a whole interval more to speak.
+    side = Side("decode", peer_timeout_s=0.2, heartbeat_s=30.0)
+    assert side.hub.silence_limit_s == 30.2
+    side.hub.listen("127.0.0.1", 0, "127.0.0.1")
+    side.hub.start()
+    try:
+        sock = _raw(side)
+        sock.sendall(pc.encode_hello(Hello(PROTOCOL_VERSION, "p", "d", TOKEN)))
+        assert HEADER.unpack(_recv_exact(sock, HEADER.size))[0] == pc.WELCOME
+        time.sleep(1.0)  # five peer timeouts of silence
+        assert not side.closed, side.closed
+        sock.close()
+    finally:
+        side.hub.stop()
+
+
 def test_a_silent_peer_counts_missed_heartbeats_on_its_connection_until_it_speaks() -> None:
     # What the RPC heartbeat loop counted for a peer (decode offers nothing to one that
     # misses heartbeats, prefill waits for no offer of it) the channel counts for its own:
