@@ -419,6 +419,8 @@ class DaemonServicer(ControlServicer):
         try:
             reply = conn.client().stub.Heartbeat(
                 pb.HeartbeatRequest(instance_id=self.local.instance_id), timeout=timeout)
+        except ValueError:
+            return  # the connection was closed meanwhile: nothing to beat
         except grpc.RpcError as exc:
             conn.missed_heartbeats += 1
             err = peer_error(exc, address=conn.control_address, method="Heartbeat",

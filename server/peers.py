@@ -106,8 +106,16 @@ class PeerConn:
 
         Opening a gRPC channel does not connect (it connects lazily), so holding the
         leaf lock here is not holding it across network I/O.
+
+        Raises:
+            ValueError: the connection is closed (a channel opened now would never be
+                closed); gRPC raises the same for a call on a closed channel, so callers
+                handle both alike.
         """
         with self._lock:
+            if self.closed:
+                raise ValueError(f"connection to peer {self.instance_id} "
+                                 f"({self.control_address}) is closed")
             if self._client is None:
                 self._client = self._dial(self.control_address)
             return self._client
