@@ -303,7 +303,7 @@ class GrpcDecodePeers:
         try:
             reply = pb.BeginWriteResponse.FromString(channel.call(
                 BEGIN_WRITE, request.SerializeToString(), timeout).payload)
-        except (grpc.RpcError, PeerChannelError) as exc:
+        except PeerChannelError as exc:
             code = exc.code()
             details = exc.details() or ""
             if code is grpc.StatusCode.FAILED_PRECONDITION and "NotHandshaken" in details:
@@ -340,7 +340,7 @@ class GrpcDecodePeers:
         channel = _require_channel(conn, "Digests")
         try:
             channel.call(DIGESTS, request.SerializeToString(), timeout)
-        except (grpc.RpcError, PeerChannelError) as exc:
+        except PeerChannelError as exc:
             raise peer_error(exc, address=conn.control_address, method="Digests",
                              timeout=timeout) from None
 
@@ -419,11 +419,10 @@ class GrpcPrefillPeers:
         try:
             reply = pb.OfferResponse.FromString(
                 channel.call(OFFER, request.SerializeToString(), timeout).payload)
-        except (grpc.RpcError, PeerChannelError) as exc:
+        except PeerChannelError as exc:
             # A status is prefill's refusal (it will ask BeginWrite); no answer may be a
             # kept offer whose reply was lost.
-            sure = exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND,
-                                  grpc.StatusCode.INVALID_ARGUMENT,
+            sure = exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
                                   grpc.StatusCode.FAILED_PRECONDITION)
             log.info("offer of %s to %s not made: %s: %s", request_id, conn.control_address,
                      exc.code().name, exc.details(),
