@@ -1,4 +1,4 @@
-"""The cores' peer calls: the handshake over gRPC, then BeginWrite, Digests, Offer and
+"""The cores' peer calls: the handshake over gRPC, then BeginWrite, Offer and
 Abort over the pair's peer channel (:mod:`kvbeam.server.peer_channel`).
 
 :class:`GrpcDecodePeers` (prefill's view of decode daemons) and
@@ -27,7 +27,6 @@ from kvbeam.errors import (
     UnknownRequest,
 )
 from kvbeam.logs import fields
-from kvbeam.pools.digest import digests_to_wire
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.side import SideInfo
 from kvbeam.proto.transfer_codec import (
@@ -45,7 +44,6 @@ from kvbeam.server.peer_channel import (
     BEGIN_WRITE,
     CHANNEL_ADDRESS_KEY,
     CHANNEL_TOKEN_KEY,
-    DIGESTS,
     OFFER,
     Hello,
     PeerChannels,
@@ -290,24 +288,7 @@ class GrpcDecodePeers:
                              timeout=timeout) from None
         return WriteGrant(reply.transfer_id, indices_from_proto(reply.indices, "indices"),
                           draft_indices_from_proto(reply.indices, "indices"),
-                          kv_skip=reply.kv_skip)
-
-    def send_digests(self, conn: PeerConn, request_id: str, transfer_id: int,
-                     digests: list[int]) -> None:
-        """Digests on decode (after the final writes were posted); errors as PeerError."""
-        request = pb.DigestsRequest(request_id=request_id, instance_id=self.local.instance_id,
-                                    transfer_id=transfer_id,
-                                    digests=digests_to_wire(digests))
-        timeout = self.rpc_timeout_s
-        channel = _channel_of(conn)
-        try:
-            if channel is not None:
-                channel.call(DIGESTS, request.SerializeToString(), timeout)
-            else:
-                conn.client().stub.Digests(request, timeout=timeout)
-        except (grpc.RpcError, PeerChannelError) as exc:
-            raise peer_error(exc, address=conn.control_address, method="Digests",
-                             timeout=timeout) from None
+                          kv_skip=reply.kv_skip, mailbox_slot=reply.mailbox_slot)
 
     def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
               timeout: float | None = None) -> bool:
@@ -370,7 +351,8 @@ class GrpcPrefillPeers:
             request_id=request_id, instance_id=self.local.instance_id, seq_len=seq_len,
             transfer_id=grant.transfer_id, slot=slot,
             indices=indices_to_proto(grant.indices, grant.draft),
-            lease_ms=max(1, int(lease_s * 1000)), kv_skip=grant.kv_skip)
+            lease_ms=max(1, int(lease_s * 1000)), kv_skip=grant.kv_skip,
+            mailbox_slot=grant.mailbox_slot)
         timeout = min(self.options.rpc_timeout_s, OFFER_TIMEOUT_S)
         channel = _channel_of(conn)
         try:

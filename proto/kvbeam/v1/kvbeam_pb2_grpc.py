@@ -85,11 +85,6 @@ class KvbeamControlStub:
                 request_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.OfferRequest.SerializeToString,
                 response_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.OfferResponse.FromString,
                 _registered_method=True)
-        self.Digests = channel.unary_unary(
-                '/kvbeam.v1.KvbeamControl/Digests',
-                request_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.DigestsRequest.SerializeToString,
-                response_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.DigestsResponse.FromString,
-                _registered_method=True)
 
 
 class KvbeamControlServicer:
@@ -155,13 +150,7 @@ class KvbeamControlServicer:
 
     def Offer(self, request, context):
         """Decode -> prefill: a reservation ahead of Send (protocol 2).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Digests(self, request, context):
-        """Prefill -> decode: the request's digests after its writes were posted (protocol 2).
+        Protocol 2 to 4's Digests RPC is gone (protocol 5: the digest mailbox).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -219,11 +208,6 @@ def add_KvbeamControlServicer_to_server(servicer, server):
                     servicer.Offer,
                     request_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.OfferRequest.FromString,
                     response_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.OfferResponse.SerializeToString,
-            ),
-            'Digests': grpc.unary_unary_rpc_method_handler(
-                    servicer.Digests,
-                    request_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.DigestsRequest.FromString,
-                    response_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.DigestsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -497,33 +481,6 @@ class KvbeamControl:
             '/kvbeam.v1.KvbeamControl/Offer',
             kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.OfferRequest.SerializeToString,
             kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.OfferResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Digests(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvbeam.v1.KvbeamControl/Digests',
-            kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.DigestsRequest.SerializeToString,
-            kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.DigestsResponse.FromString,
             options,
             channel_credentials,
             insecure,
