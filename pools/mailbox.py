@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvbeam.errors import RecordError
 from kvbeam.transport.endpoint import Region, RemoteRegion
 
 #: The record's magic, the bytes ``KVDR`` read as a little-endian u32.
@@ -58,14 +59,7 @@ MAX_SLOTS = 1 << 20
 
 Bytes = np.ndarray[Any, np.dtype[np.uint8]]
 
-
-class RecordError(ValueError):
-    """A record that fails a check: ``field`` names it, ``detail`` gives both values."""
-
-    def __init__(self, field: str, detail: str) -> None:
-        super().__init__(f"digest record: {field}: {detail}")
-        self.field = field
-        self.detail = detail
+__all__ = ["RecordError"]  # raised here, defined with every kvbeam error
 
 
 def record_size(n: int) -> int:

@@ -37,11 +37,11 @@ def test_generated_code_imports_from_the_package() -> None:
     assert SERVICE_NAME == "kvbeam.v1.KvbeamControl"
     names = set(pb.DESCRIPTOR.services_by_name["KvbeamControl"].methods_by_name)
     assert names == {"Handshake", "Reserve", "Send", "Status", "WatchStatus", "Abort",
-                     "Heartbeat", "BeginWrite", "Release", "Offer", "Digests"}
+                     "Heartbeat", "BeginWrite", "Release", "Offer"}
 
 
 def test_protocol_version_is_the_schema_constant() -> None:
-    assert PROTOCOL_VERSION == pb.ProtocolVersion.PROTOCOL_VERSION_CURRENT == 4
+    assert PROTOCOL_VERSION == pb.ProtocolVersion.PROTOCOL_VERSION_CURRENT == 5
 
 
 def test_transfer_state_enum_is_the_single_state_machine() -> None:
