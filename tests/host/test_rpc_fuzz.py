@@ -156,13 +156,10 @@ def _messages(daemons: tuple[Daemon, Daemon]) -> st.SearchStrategy[tuple[str, Me
         st.tuples(st.just("BeginWrite"), st.builds(
             pb.BeginWriteRequest, request_id=rid, instance_id=inst, seq_len=EDGE_INTS,
             final_chunk=st.booleans(), digests_follow=st.booleans())),
-        st.tuples(st.just("Digests"), st.builds(
-            pb.DigestsRequest, request_id=rid, instance_id=inst,
-            transfer_id=st.integers(0, 2**32 - 1),
-            digests=st.lists(st.binary(max_size=20), max_size=40))),
         st.tuples(st.just("Offer"), st.builds(
             pb.OfferRequest, request_id=rid, instance_id=inst, seq_len=EDGE_INTS,
             transfer_id=st.integers(0, 2**32 - 1), slot=EDGE_INTS, lease_ms=EDGE_INTS,
+            mailbox_slot=st.integers(0, 2**32 - 1),
             indices=st.lists(st.builds(pb.IndexList, kind=st.integers(0, 5),
                                        indices=st.lists(EDGE_INTS, max_size=8),
                                        pool=st.sampled_from(["", "target", "draft", "x"])),

@@ -19,7 +19,8 @@ from tests.unit.test_core_prefill import ADDR, _link
 
 def test_prefills_abort_answers_within_the_callers_time_and_tells_decode_once_drained(
         ) -> None:
-    core, fake = prefill_core(drain_s=30.0, integrity=False)  # a drain that would outlast any caller
+    # A drain that would outlast any caller.
+    core, fake = prefill_core(drain_s=30.0, integrity=False)
     core.send("r", 0, 300, ADDR, [], True)
     link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)

@@ -80,7 +80,7 @@ def test_landing_is_verified_on_the_executor_not_the_event_thread() -> None:
     core, io, _prefill, conn = _core()
     res = core.reserve("r", 300, PREFILL)
     digests = request_digests(core.pools, res.indices)  # what prefill would send
-    tid = core.begin_write("r", conn.instance_id, 300, True, True).transfer_id
+    core.begin_write("r", conn.instance_id, 300, True, True)
     land_record(core, "r", digests)  # sent after posting
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
     # The event thread only noted the arrival; the CRC check waits on the executor.
@@ -97,7 +97,7 @@ def test_integrity_failure_frees_the_slot_and_tells_prefill_from_the_executor() 
     core, io, prefill, conn = _core()
     res = core.reserve("r", 300, PREFILL)
     wrong = [d ^ 1 for d in request_digests(core.pools, res.indices)]
-    tid = core.begin_write("r", conn.instance_id, 300, True, True).transfer_id
+    core.begin_write("r", conn.instance_id, 300, True, True)
     land_record(core, "r", wrong)
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
     assert prefill.aborts == []

@@ -1,9 +1,9 @@
 """The cores compute integrity's digests on the digest pool, with the same guarantee.
 
 Prefill starts its source's digests on the pool before it posts the final writes and
-writes their record once they are posted (the notified write); decode digests the landed bytes on the pool and is Success
-only when every buffer matched: one corrupted landed byte is Failed(integrity),
-naming the buffer.
+writes their record once they are posted (the notified write); decode digests the
+landed bytes on the pool and is Success only when every buffer matched: one corrupted
+landed byte is Failed(integrity), naming the buffer.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_decode_verifies_on_the_pool_and_is_success_when_every_buffer_matches() 
     with DigestPool(3, inline_below=0) as pool:  # the threads' path, not the inline one
         core, io, _prefill, conn = _decode(pool)
         res = core.reserve("r", SEQ, PREFILL)
-        tid = core.begin_write("r", conn.instance_id, SEQ, True, True).transfer_id
+        core.begin_write("r", conn.instance_id, SEQ, True, True)
         land_record(core, "r", request_digests(core.pools, res.indices))
         core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
         io.run_all()
@@ -122,7 +122,7 @@ def test_one_corrupted_landed_byte_fails_integrity_naming_its_buffer() -> None:
         ring = next(b for b in core.layout.flat_buffers if b.name.endswith("swa_ring"))
         row = int(res.indices[IndexKind.SWA_RING_ROWS][7])
         core.pools.buffer_array(ring)[row * ring.item_len + 3] ^= 0x01  # one landed byte
-        tid = core.begin_write("r", conn.instance_id, SEQ, True, True).transfer_id
+        core.begin_write("r", conn.instance_id, SEQ, True, True)
         land_record(core, "r", sent)
         core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
         io.run_all()

@@ -10,9 +10,9 @@ import pytest
 
 from kvbeam.errors import UnknownRequest
 from kvbeam.pools.digest import request_digests
-from kvbeam.pools.mailbox import encode_record
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.pools.indices import request_indices
+from kvbeam.pools.mailbox import encode_record
 from kvbeam.server.core import prefill as prefill_module
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.decode_landing import WAITING_FOR_DIGESTS

@@ -26,6 +26,7 @@ from kvbeam.pools.mailbox import (
 )
 from kvbeam.server.faults import CORRUPT_RECORD_ENV, RECORD_FIELDS, FaultHooks
 from kvbeam.states import TransferState
+from kvbeam.transport import Link
 from kvbeam.transport.endpoint import RemoteRegion
 from tests.core_fakes import FakeLink, prefill_core, wait_for
 from tests.fixtures import UNIFIED_TARGET
@@ -201,7 +202,7 @@ def test_a_record_that_cannot_be_posted_fails_the_request_and_frees_its_slot() -
 
     def connect(address: str) -> object:
         conn = real(address)
-        conn.link = NoRecord()
+        conn.link = cast(Link, NoRecord())
         return conn
 
     fake.connect = connect  # type: ignore[method-assign,assignment]
