@@ -135,7 +135,11 @@ class PrefillOffers:
             raise NotHandshakenError(f"no connection to decode instance {instance_id!r}")
         with self._lock:
             rec = self._out.get(request_id)
-            late = rec is not None and bool(rec.posted or rec.transfer_id is not None)
+            # Late: the request already writes under a grant (BeginWrite's), or posted a
+            # chunk. A Send whose first step is still asking BeginWrite is not late: decode
+            # may refuse that one (no reservation yet: it parks), and this offer unparks it.
+            late = rec is not None and (rec.transfer_id is not None or rec.bytes_total > 0
+                                        or len(rec.posted) > 1 or bool(rec.resends))
         kept = not late and self.offers.put(
             Offer(request_id, conn, seq_len, grant, time.monotonic() + lease_s))
         self.on_offer("received" if kept else "refused")
