@@ -382,3 +382,25 @@ def test_a_kept_offer_grows_the_lease_by_the_bytes_time_only(answer: Offered) ->
     assert left is not None
     want = 15.0 if answer is Offered.DIGESTS_FOLLOW else 10.0  # never the 30 s Transferring
     assert want - 0.5 < left <= want, left
+
+
+def test_an_offer_that_comes_while_the_send_asks_begin_write_is_kept_and_unparks_it() -> None:
+    """Decode reserves (and offers) just after refusing the Send's BeginWrite for want of
+    a reservation: the offer must not be refused as late, or the parked Send would wait
+    for an offer that already came, until --send-wait-s."""
+    core, fake, conn, events = _connected(send_wait_s=5.0)
+    conn.missed_heartbeats = 1  # no waiting for an offer first: the Send asks at once
+    fake.not_yet.add("r")
+    real = fake.begin_write
+
+    def racing(c: PeerConn, rid: str, *args: object) -> WriteGrant:
+        if rid == "r":  # decode's Offer overtakes its refusal of this BeginWrite
+            assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
+        return real(c, rid, *args)  # type: ignore[arg-type]
+
+    fake.begin_write = racing  # type: ignore[method-assign]
+    core.send("r", 1, SEQ, ADDR, [], True)
+    link = cast(FakeLink, conn.link)
+    assert wait_for(lambda: len(link.writes) == 4), core.status("r")
+    assert link.writes[2:] == [(77, False), (77, True)]  # written under the offer
+    assert events == ["missed", "received", "used"]
