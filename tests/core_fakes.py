@@ -13,6 +13,7 @@ from typing import Any, cast
 
 from kvbeam.errors import AlreadyLanded, NotReserved, SendFailed
 from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.mailbox import HEADER, MAGIC, RecordArea, encode_record, request_hash
 from kvbeam.server.core.decode import DecodeCore
@@ -42,8 +43,8 @@ class FakeLink:
         self.released = False
 
     def write(self, transfer_id: int, blocks: Blocks, notify: bool = True) -> None:
-        if notify and len(blocks) == 1:
-            raw = ctypes.string_at(int(blocks.src[0]), int(blocks.lengths[0]))
+        if notify and len(blocks):  # a digest record is a notified write's last block
+            raw = ctypes.string_at(int(blocks.src[-1]), int(blocks.lengths[-1]))
             if HEADER.size <= len(raw) and HEADER.unpack_from(raw)[0] == MAGIC:
                 self.records.append((transfer_id, raw))
         self.writes.append((transfer_id, notify))
@@ -199,8 +200,10 @@ def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0
                  integrity: bool = True) -> tuple[PrefillCore, FakeDecode]:
     """A prefill core over the unit-test pools, with a fake decode side.
 
-    With ``integrity`` a final chunk is two writes (its data, then its digest record,
-    notified); tests of other paths may switch it off to keep one write per chunk."""
+    With ``integrity`` a first attempt's final chunk is two writes (its data, then its
+    digest record, notified: the digests run on the pool's threads, ``inline_below=0``,
+    while the data flies); a resend's, whose digests are kept, is one (the record is
+    its last block). Tests of other paths may switch integrity off: one write a chunk."""
     lay = layout()
     fake = FakeDecode(AllocatedSide(lay))
     core = PrefillCore(table=TransferTable(deadlines or Deadlines()), peers=Peers(), decode=fake,
@@ -208,7 +211,8 @@ def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0
                        spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
                        integrity=integrity, faults=FaultHooks(), drain_s=drain_s,
                        resend_retries=resend_retries, on_resend=on_resend,
-                       send_wait_s=send_wait_s)
+                       send_wait_s=send_wait_s,
+                       digest_pool=DigestPool(2, inline_below=0))
     fake.core = core  # type: ignore[attr-defined]  # names the records' request ids
     return core, fake
 

@@ -63,6 +63,7 @@ from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState, TransferStatus
+from kvbeam.transport.blocks import Blocks
 
 log = logging.getLogger(__name__)
 Ranges = list[tuple[int, int]]
@@ -554,6 +555,17 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         if self.faults is not None:  # test-only hooks (--enable-fault-injection)
             self.faults.slow_wire()
             blocks = self.faults.aim(rid, conn.link, conn.peer.endpoint, blocks)
+        # Integrity: the digest pool digests the source while the writes go out (the
+        # source does not change while the request lives); the record follows them. Digests
+        # with nothing to overlap (a small request's job runs inline on this thread; a
+        # resend's are kept) put the record at the end of the data's own write (one
+        # transfer, one completion); else it is one more write once the job is done.
+        job = (self.digest_pool.digests(self.pools, rec.moved_source, draft=rec.src_draft,
+                                        windows=side_windows(self.layout, conn.peer.layout,
+                                                             source=True))
+               if record and rec.digests is None else None)
+        together = record and (job is None or job.inline)
+        separate = record and not together
         key = (conn.link.id, grant.transfer_id)
         with self._lock:
             if self._ended(rec):
@@ -564,27 +576,23 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
             rec.write_keys.add(key)
             rec.attempt_link = conn.link.id
             # The record's write is counted now: no Success (nor drain) before it completed.
-            rec.outstanding += 2 if record else 1
+            rec.outstanding += 2 if separate else 1
             rec.pending_bytes.append(plan.total_bytes)
-            if record:
+            if separate:
                 rec.pending_bytes.append(0)  # the record: not the request's bytes
             rec.bytes_total += plan.total_bytes
             # Before posting: the completion may arrive before write() returns.
             rec.final_posted = rec.final_posted or final
         if self.faults is not None:  # test-only hook (--enable-fault-injection)
             self.faults.break_link(rid, conn.link)
-        # Integrity: the digest pool digests the source while the writes go out (the
-        # source does not change while the request lives); the record follows them.
-        job = (self.digest_pool.digests(self.pools, rec.moved_source, draft=rec.src_draft,
-                                        windows=side_windows(self.layout, conn.peer.layout,
-                                                             source=True))
-               if record and rec.digests is None else None)
         try:
-            conn.link.write(grant.transfer_id, blocks, notify=final and not record)
+            if together:  # the record is the data write's last block
+                blocks = Blocks.concat([blocks, self._record_blocks(rec, conn, grant, job)])
+            conn.link.write(grant.transfer_id, blocks, notify=final and not separate)
         except Exception as exc:
             with self._drained:
-                rec.outstanding -= 2 if record else 1
-                if record:
+                rec.outstanding -= 2 if separate else 1
+                if separate:
                     rec.pending_bytes.pop()
                 rec.pending_bytes.pop()
                 rec.bytes_total -= plan.total_bytes
@@ -597,10 +605,11 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         log.info("request %s: posted %s%d bytes in %d blocks to %s", rid,
                  "final chunk, " if final else "chunk, ", plan.total_bytes, plan.num_blocks,
                  conn.control_address, extra=fields(rid, rec.decode_address))
-        if not record:
+        if not separate:
             return
         try:  # digested while the data writes are in flight
-            self._post_record(rec, conn, grant, job)
+            conn.link.write(grant.transfer_id, self._record_blocks(rec, conn, grant, job),
+                            notify=True)
         except Exception as exc:
             with self._drained:
                 rec.outstanding -= 1

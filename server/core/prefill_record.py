@@ -113,14 +113,14 @@ class PrefillRecords:
         rec.staging = None
         free.give(slot)
 
-    def _post_record(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant,
-                     job: DigestJob | None) -> None:
-        """Write the request's digest record into decode's mailbox slot, notified: the
-        marker follows it. ``job``: the digests, started on the digest pool before the
-        data was posted (the source does not change while the request lives); computed
-        once per request, a resend writes the same digests with its new transfer id.
-        Outside every lock, on the executor (it waits for the pool's threads, as the
-        Digests message did). The write is counted in ``rec.outstanding`` already."""
+    def _record_blocks(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant,
+                       job: DigestJob | None) -> Blocks:
+        """The request's digest record, in its staging slot, as the block that writes it
+        into decode's mailbox slot (posted notified: the marker follows it). ``job``: the
+        digests, started on the digest pool before the data was posted (the source does
+        not change while the request lives); computed once per request, a resend writes
+        the same digests with its new transfer id. Outside every lock, on the executor
+        (it waits for the pool's threads, as the Digests message did)."""
         if rec.digests is None:
             rec.digests = (job or self.digest_pool.digests(
                 self.pools, rec.moved_source, draft=rec.src_draft,
@@ -133,7 +133,6 @@ class PrefillRecords:
         area, _free, slot = rec.staging
         area.put(slot, raw)
         n = min(len(raw), record_size(len(rec.digests)), conn.mailbox.record_bytes)
-        blocks = Blocks(np.array([area.slot_addr(slot)], dtype=np.uint64),
-                        np.array([conn.mailbox.slot_addr(grant.mailbox_slot)], dtype=np.uint64),
-                        np.array([n], dtype=np.uint64))
-        conn.link.write(grant.transfer_id, blocks, notify=True)
+        return Blocks(np.array([area.slot_addr(slot)], dtype=np.uint64),
+                      np.array([conn.mailbox.slot_addr(grant.mailbox_slot)], dtype=np.uint64),
+                      np.array([n], dtype=np.uint64))

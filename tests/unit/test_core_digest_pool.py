@@ -80,6 +80,8 @@ def test_prefill_starts_its_digests_on_the_pool_before_posting_and_sends_the_sam
                            digest_pool=pool)
         core.send("r", 1, SEQ, ADDR, [], True)
         assert wait_for(lambda: len(fake.digests) == 1)
+    # On the pool's threads (inline_below=0): the data goes out while they digest, the
+    # record follows as the notified write.
     assert log == ["digests started", "write notify=False", "write notify=True"]
     rid, tid, digests = fake.digests[0]
     assert (rid, tid) == ("r", cast(FakeLink, fake.conn.link).writes[0][0])

@@ -1,7 +1,8 @@
 """Prefill's resend after a transient transport error, with fake links and a fake decode.
 
-Integrity is on: a final chunk is two writes of its transfer id, its data and then its
-digest record (the notified one); both complete (or fail) before anything is resent."""
+Integrity is on: a first attempt's final chunk is two writes of its transfer id, its data
+and then its digest record (the notified one); both complete (or fail) before anything is
+resent. A resend's is one write (its digests are kept: the record is its last block)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def test_a_failed_write_is_resent_on_a_new_link_and_the_request_succeeds() -> No
     old = _fail_first_write(core)
     assert core.status("r").state is TransferState.TRANSFERRING  # not failed
     new = _link(core, not_=old)
-    assert wait_for(lambda: len(new.writes) == 2)
+    assert wait_for(lambda: len(new.writes) == 1)
+    assert new.writes[0][1] and len(new.records) == 1  # data and record, one notified write
     assert old.released and fake.connects == [ADDR, ADDR]
     assert [link for _r, link in fake.begins] == [old.id, new.id]  # a new grant
     _succeed(core, new)
@@ -84,7 +86,7 @@ def test_every_posted_chunk_is_resent_in_order() -> None:
     core.on_event(old.completion(old.writes[1][0], ok=False, status=RETRY_EXC))
     new = _link(core, not_=old)
     assert wait_for(lambda: len(new.writes) == 2)  # both chunks again
-    core.send("c", 0, 1000, ADDR, [], True)
+    core.send("c", 0, 1000, ADDR, [], True)  # its first final: digested while data flies
     assert wait_for(lambda: len(new.writes) == 4)
     assert [notify for _tid, notify in new.writes] == [False, False, False, True]
     for tid, _ in new.writes:
@@ -99,7 +101,7 @@ def test_a_late_completion_from_the_old_link_is_ignored() -> None:
     core.send("r", 0, 300, ADDR, [], True)
     old = _fail_first_write(core)
     new = _link(core, not_=old)
-    assert wait_for(lambda: len(new.writes) == 2)
+    assert wait_for(lambda: len(new.writes) == 1)
     # The old link's write reported again, now as done: it proves nothing for the resend.
     core.on_event(old.completion(old.writes[0][0], ok=True))
     assert core.status("r").state is TransferState.TRANSFERRING
@@ -121,7 +123,7 @@ def test_a_resend_waits_until_the_dead_links_writes_completed() -> None:
     assert fake.connects == [ADDR]  # the record's write may still read its staging slot
     core.on_event(old.completion(old.writes[2][0], ok=False))  # flushed
     new = _link(core, not_=old)
-    assert wait_for(lambda: len(new.writes) == 3)
+    assert wait_for(lambda: len(new.writes) == 2)  # the chunk, the final with its record
 
 
 def test_retries_zero_fails_at_once_with_the_transport_detail() -> None:
@@ -141,7 +143,7 @@ def test_a_permanent_fault_fails_after_the_retries_with_one_abort() -> None:
     link: FakeLink | None = None
     for _attempt in range(3):
         link = _link(core, not_=link)
-        assert wait_for(lambda lk=link: len(lk.writes) == 2)
+        assert wait_for(lambda lk=link, n=1 if _attempt else 2: len(lk.writes) == n)
         for event in link.finish(link.writes[0][0], ok=False, status=RETRY_EXC):
             core.on_event(event)
     st = core.status("r")
@@ -185,7 +187,7 @@ def test_other_requests_on_the_failed_link_are_resent_too() -> None:
     for tid, _ in old.writes[1:]:
         core.on_event(old.completion(tid, ok=False))  # flushed
     new = _link(core, not_=old)
-    assert wait_for(lambda: len(new.writes) == 6)
+    assert wait_for(lambda: len(new.writes) == 3)  # each one write: its digests are kept
     assert fake.connects == [ADDR, ADDR]  # one handshake for all three
     for tid, _ in new.writes:
         core.on_event(new.completion(tid))

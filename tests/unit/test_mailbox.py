@@ -217,3 +217,29 @@ def test_a_record_that_cannot_be_posted_fails_the_request_and_frees_its_slot() -
     assert core.in_flight("r") == 0
     assert core._free_staging is not None and core._free_staging.held == 0
     assert wait_for(lambda: fake.aborts == ["r"])
+
+
+def test_digests_done_inline_put_the_record_at_the_end_of_the_datas_own_write() -> None:
+    """A small request's digests run on the calling thread (nothing to overlap): one
+    write, notified, whose last block is the record; one completion ends it."""
+    from kvbeam.pools.digest_pool import DigestPool
+    from kvbeam.server.core.prefill import PrefillCore
+
+    core, _fake = prefill_core()
+    assert isinstance(core, PrefillCore)
+    core.digest_pool = DigestPool(0)  # inline, as any job under INLINE_BELOW_BYTES
+    core.send("r", 0, 300, ADDR, [], True)
+    assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
+    conn = core.peers.by_address(ADDR)
+    assert conn is not None
+    link = cast(FakeLink, conn.link)
+    assert wait_for(lambda: len(link.writes) == 1)
+    tid = link.writes[0][0]
+    assert link.writes == [(tid, True)] and len(link.records) == 1
+    assert conn.mailbox is not None
+    assert int(link.blocks[0].dst[-1]) == conn.mailbox.slot_addr(0)
+    core.on_event(link.completion(tid))
+    assert core.status("r").state is TransferState.SUCCESS
+    assert core._free_staging is not None and core._free_staging.held == 0
+    done, total = core.bytes_of("r")
+    assert done == total > 0
