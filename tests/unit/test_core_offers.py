@@ -398,7 +398,7 @@ def test_an_offer_that_comes_while_the_send_asks_begin_write_is_kept_and_unparks
             assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
         return real(c, rid, *args)  # type: ignore[arg-type]
 
-    fake.begin_write = racing  # type: ignore[method-assign]
+    fake.begin_write = racing  # type: ignore[method-assign,assignment]
     core.send("r", 1, SEQ, ADDR, [], True)
     link = cast(FakeLink, conn.link)
     assert wait_for(lambda: len(link.writes) == 4), core.status("r")
