@@ -30,7 +30,6 @@ class ControlStub(Protocol):
     WatchStatus: grpc.UnaryStreamMultiCallable[pb.StatusRequest, pb.TransferStatus]
     Abort: grpc.UnaryUnaryMultiCallable[pb.AbortRequest, pb.TransferStatus]
     Heartbeat: grpc.UnaryUnaryMultiCallable[pb.HeartbeatRequest, pb.HeartbeatResponse]
-    BeginWrite: grpc.UnaryUnaryMultiCallable[pb.BeginWriteRequest, pb.BeginWriteResponse]
     Release: grpc.UnaryUnaryMultiCallable[pb.ReleaseRequest, pb.TransferStatus]
 
 

@@ -262,8 +262,10 @@ class DaemonServicer(ControlServicer):
         silent, it sent a bad frame): its peer is lost, its requests fail at once. A BYE
         (the peer released or replaced that connection: its link failed, an engine
         detached) only retires the channel: each side handles its own link as before
-        (its transport reports the failure), the connection's calls go over the RPCs
-        until the next handshake opens a new channel."""
+        (its transport reports the failure). No per-request call goes over the RPCs
+        instead: prefill's next step on that connection drops it and handshakes again,
+        which opens a new channel; decode makes no offer on it; only an Abort falls back
+        to the RPC (it must reach the peer); heartbeats go over the RPC loop."""
         conn = channel.bound
         if not isinstance(conn, PeerConn) or conn.closed or conn.channel is not channel:
             return  # closed by its connection, or replaced by a newer channel
@@ -419,6 +421,8 @@ class DaemonServicer(ControlServicer):
         try:
             reply = conn.client().stub.Heartbeat(
                 pb.HeartbeatRequest(instance_id=self.local.instance_id), timeout=timeout)
+        except ValueError:
+            return  # the connection was closed meanwhile: nothing to beat
         except grpc.RpcError as exc:
             conn.missed_heartbeats += 1
             err = peer_error(exc, address=conn.control_address, method="Heartbeat",

@@ -1,4 +1,5 @@
-"""The decode daemon's gRPC adapter: Reserve, BeginWrite, Release, Abort.
+"""The decode daemon's adapter: the RPCs Reserve, Release and Abort, and the peer
+channel's BeginWrite and Abort (``channel_handlers``: no BeginWrite RPC is served).
 
 The core is :class:`DecodeCore`.
 
@@ -165,7 +166,8 @@ class DecodeServicer(DaemonServicer):
     @handled
     def BeginWrite(self, request: pb.BeginWriteRequest,
                    context: grpc.ServicerContext) -> pb.BeginWriteResponse:
-        """Prefill is about to write (a chunk of) a request: check it may, say where."""
+        """Prefill is about to write (a chunk of) a request: check it may, say where (the
+        peer channel's handler; ``context`` is its :class:`ChannelContext`)."""
         rid = request_id_of(request.request_id)
         res = self.decode.begin_write(rid, request.instance_id, request.seq_len,
                                       request.final_chunk, request.digests_follow)

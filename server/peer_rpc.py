@@ -5,9 +5,13 @@ Abort over the pair's peer channel (:mod:`kvbeam.server.peer_channel`).
 :class:`GrpcPrefillPeers` (decode's view of prefill daemons) implement the protocols
 of :mod:`kvbeam.server.core.ports`, mapping statuses to the cores' errors. A request on
 the channel is the RPC's own message and its answer carries the RPC's status, so one
-mapping serves both; a peer that opened no channel (a tool, a test's fake peer) is
-called over the RPCs, which every daemon still serves. Every call blocks; the cores
-make them on the driver's executor only.
+mapping serves both. BeginWrite and Offer go over the channel only (the
+daemons serve no such RPC): a handshake whose decode names no channel, or whose channel
+cannot be opened, fails; a connection whose channel closed (a BYE: the link was
+replaced) sends nothing (prefill's core handshakes again, decode makes no offer). Only
+the daemons' own Abort still falls back to the RPC (the scheduler's Abort method), since
+an abort must reach its peer. Every call blocks; the cores make them on the driver's
+executor only.
 """
 
 from __future__ import annotations
@@ -88,9 +92,37 @@ class Dialer:
 
 
 def _channel_of(conn: PeerConn) -> Any:
-    """The connection's live peer channel, or None (then the RPC is called)."""
+    """The connection's live peer channel, or None."""
     channel = conn.channel
     return channel if channel is not None and not channel.closed else None
+
+
+def no_channel(conn: PeerConn, role: str) -> str:
+    """Why ``conn`` has no open peer channel (for a refusal's details), "" when it has."""
+    channel = conn.channel
+    if channel is None:
+        return (f"no peer channel to {role} {conn.instance_id} at {conn.control_address}: "
+                "the connection never opened one")
+    if channel.closed:
+        return (f"no peer channel to {role} {conn.instance_id} at {conn.control_address}: "
+                f"it closed ({channel.close_reason or 'no reason given'}); the next "
+                "handshake opens a new one")
+    return ""
+
+
+def _require_channel(conn: PeerConn, method: str) -> Any:
+    """Decode's open peer channel on ``conn``, for ``method`` (BeginWrite).
+
+    Raises:
+        PeerUnavailableError: none is open; the message names the peer and why (no RPC
+            is tried: the daemons serve BeginWrite on the channel only).
+    """
+    channel = _channel_of(conn)
+    if channel is None:
+        raise PeerUnavailableError(f"{method} to {conn.control_address}: "
+                                   f"{no_channel(conn, 'decode')}",
+                                   address=conn.control_address, code="UNAVAILABLE")
+    return channel
 
 
 def _rpc_client(conn: PeerConn | None, client: ControlClient | None) -> ControlClient:
@@ -109,8 +141,11 @@ def _abort(request: pb.AbortRequest, timeout: float, address: str, *,
     connection's); True when it confirmed none of the request's writes is in flight.
 
     A channel that closed before or under the call (a BYE: the peer released that
-    link; the connection stays ours) sends the Abort over the RPC instead: an Abort
-    is idempotent, and the request's decode must hear it."""
+    link; the connection stays ours) sends the Abort over the RPC instead. This is the
+    one daemon-to-daemon call that keeps an RPC fallback, on purpose: ``Abort`` is a
+    scheduler API method every daemon serves anyway, an Abort is idempotent, and an
+    abort must never be lost (the peer would hold the request's slot, or keep writing
+    into it, until a deadline); BeginWrite and Offer have no fallback."""
     channel = _channel_of(conn) if conn is not None else None
     try:
         left = _channel_abort(channel, request, timeout) if channel is not None else None
@@ -218,25 +253,31 @@ class GrpcDecodePeers:
             raise
         client.close()
         conn = PeerConn(verified, link, self.dial, addrs)
-        if channel is not None:
-            conn.channel, channel.bound = channel, conn
-        log.info("decode %s at %s verified and connected (%s%s)", verified.instance_id,
-                 address, self.transport.kind, ", peer channel" if channel else "",
+        conn.channel, channel.bound = channel, conn
+        log.info("decode %s at %s verified and connected (%s, peer channel)",
+                 verified.instance_id, address, self.transport.kind,
                  extra=fields(peer=address))
         return conn
 
     def _open_channel(self, verified: VerifiedPeer, address: str) -> Any:
-        """Open the pair's peer channel where decode's handshake reply says (None when
-        it names none: a tool or a test's fake decode, called over the RPCs).
+        """Open the pair's peer channel where decode's handshake reply says.
+
+        The pair never runs without one: BeginWrite goes over it only.
 
         Raises:
-            PeerUnavailableError: decode named a channel we could not open.
+            PeerUnavailableError: decode named no channel (not a protocol 4 daemon's
+                reply), or named one we could not open (the message names its address).
         """
         extra = verified.endpoint.extra
         where, token = extra.get(CHANNEL_ADDRESS_KEY, ""), extra.get(CHANNEL_TOKEN_KEY, "")
-        if self.channels is None or not where:
-            return None
         peer = f"decode {verified.instance_id} at {address}"
+        if self.channels is None or not where:
+            raise PeerUnavailableError(
+                f"handshake with {peer} succeeded, but "
+                + ("its reply names no peer channel (every kvbeam protocol 4 decode daemon "
+                   "names one): BeginWrite goes over it only"
+                   if not where else "this side has no peer channels to open it with"),
+                address=address)
         hello = Hello(PROTOCOL_VERSION, self.local.instance_id, verified.instance_id, token)
         try:
             return self.channels.connect(where, hello, peer, self.rpc_timeout_s)
@@ -256,14 +297,11 @@ class GrpcDecodePeers:
             final_chunk=final, digests_follow=digests_follow)
         self.metrics.begin_writes.inc()
         timeout = self.rpc_timeout_s
-        channel = _channel_of(conn)
+        channel = _require_channel(conn, "BeginWrite")
         try:
-            if channel is not None:
-                reply = pb.BeginWriteResponse.FromString(channel.call(
-                    BEGIN_WRITE, request.SerializeToString(), timeout).payload)
-            else:
-                reply = conn.client().stub.BeginWrite(request, timeout=timeout)
-        except (grpc.RpcError, PeerChannelError) as exc:
+            reply = pb.BeginWriteResponse.FromString(channel.call(
+                BEGIN_WRITE, request.SerializeToString(), timeout).payload)
+        except PeerChannelError as exc:
             code = exc.code()
             details = exc.details() or ""
             if code is grpc.StatusCode.FAILED_PRECONDITION and "NotHandshaken" in details:
@@ -346,7 +384,16 @@ class GrpcPrefillPeers:
 
     def offer(self, conn: PeerConn, request_id: str, seq_len: int, grant: WriteGrant,
               slot: int, lease_s: float) -> Offered:
-        """Offer on prefill: the reservation ahead of Send (never raises; see ports)."""
+        """Offer on prefill: the reservation ahead of Send (never raises; see ports).
+
+        Without an open peer channel no offer is made (REFUSED, nothing was sent: the
+        Send asks with BeginWrite), as for a peer that misses heartbeats."""
+        channel = _channel_of(conn)
+        if channel is None:
+            why = no_channel(conn, "prefill")
+            log.debug("request %s not offered: %s", request_id, why,
+                      extra=fields(request_id, conn.control_address))
+            return Offered.REFUSED
         request = pb.OfferRequest(
             request_id=request_id, instance_id=self.local.instance_id, seq_len=seq_len,
             transfer_id=grant.transfer_id, slot=slot,
@@ -354,18 +401,13 @@ class GrpcPrefillPeers:
             lease_ms=max(1, int(lease_s * 1000)), kv_skip=grant.kv_skip,
             mailbox_slot=grant.mailbox_slot)
         timeout = min(self.options.rpc_timeout_s, OFFER_TIMEOUT_S)
-        channel = _channel_of(conn)
         try:
-            if channel is not None:
-                reply = pb.OfferResponse.FromString(
-                    channel.call(OFFER, request.SerializeToString(), timeout).payload)
-            else:
-                reply = conn.client().stub.Offer(request, timeout=timeout)
-        except (grpc.RpcError, PeerChannelError) as exc:
+            reply = pb.OfferResponse.FromString(
+                channel.call(OFFER, request.SerializeToString(), timeout).payload)
+        except PeerChannelError as exc:
             # A status is prefill's refusal (it will ask BeginWrite); no answer may be a
             # kept offer whose reply was lost.
-            sure = exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND,
-                                  grpc.StatusCode.INVALID_ARGUMENT,
+            sure = exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
                                   grpc.StatusCode.FAILED_PRECONDITION)
             log.info("offer of %s to %s not made: %s: %s", request_id, conn.control_address,
                      exc.code().name, exc.details(),

@@ -87,8 +87,9 @@ class PeerConn:
             peer_mailbox(peer.layout, peer) if addrs else None)
         self._client: Any = None
         #: The peer channel to this peer (kvbeam.server.peer_channel.PeerChannel) once
-        #: one is bound; None for a peer that opened none (per-request calls then go
-        #: over the RPCs).
+        #: one is bound: BeginWrite, Digests and Offer go over it only. None before
+        #: decode's is bound (prefill's connect opens its own or fails), and in the
+        #: cores' tests, whose fake peers take the calls directly.
         self.channel: Any = None
         #: Decode: the token our handshake reply gave this peer for its channel's HELLO.
         self.channel_token = ""
@@ -116,6 +117,14 @@ class PeerConn:
     def missed_heartbeats(self, value: int) -> None:
         self._rpc_missed = value
 
+    def retired_channel(self) -> Any:
+        """The connection's peer channel once it has closed, else None (it is open, or
+        there is none yet). A channel closed with a BYE (the peer released or replaced
+        that connection) leaves the connection unable to carry BeginWrite or Offer:
+        prefill's core drops it and handshakes again (:meth:`PrefillCore._step`)."""
+        channel = self.channel
+        return channel if channel is not None and channel.closed else None
+
     @property
     def instance_id(self) -> str:
         """The peer's instance id."""
@@ -131,8 +140,16 @@ class PeerConn:
 
         Opening a gRPC channel does not connect (it connects lazily), so holding the
         leaf lock here is not holding it across network I/O.
+
+        Raises:
+            ValueError: the connection is closed (a channel opened now would never be
+                closed); gRPC raises the same for a call on a closed channel, so callers
+                handle both alike.
         """
         with self._lock:
+            if self.closed:
+                raise ValueError(f"connection to peer {self.instance_id} "
+                                 f"({self.control_address}) is closed")
             if self._client is None:
                 self._client = self._dial(self.control_address)
             return self._client

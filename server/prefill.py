@@ -1,8 +1,11 @@
-"""The prefill daemon's gRPC adapter: Send, Offer and Abort, over :class:`PrefillCore`.
+"""The prefill daemon's adapter: the RPCs Send and Abort, and the peer channel's Offer and
+Abort, over :class:`PrefillCore`.
 
 Decodes each request, validates what only the wire can get wrong, calls the core
 (:mod:`kvbeam.server.core.prefill`, where the send path lives) and encodes the
-status. Peer calls go over gRPC (:class:`~kvbeam.server.peer_rpc.GrpcDecodePeers`).
+status. :meth:`PrefillServicer.Offer` is a handler of the peer channel only (no such RPC
+is served: ``channel_handlers``). Peer calls go over the peer channel
+(:class:`~kvbeam.server.peer_rpc.GrpcDecodePeers`).
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ class PrefillServicer(DaemonServicer):
     @handled
     def Offer(self, request: pb.OfferRequest,
               context: grpc.ServicerContext) -> pb.OfferResponse:
-        """Decode's reservation ahead of Send: keep it, so the Send writes at once."""
+        """Decode's reservation ahead of Send: keep it, so the Send writes at once (the
+        peer channel's handler; ``context`` is its :class:`ChannelContext`)."""
         rid = request_id_of(request.request_id)
         # Checked as BeginWrite's answer is: each kind once, no negative index.
         grant = WriteGrant(request.transfer_id, indices_from_proto(request.indices, "indices"),

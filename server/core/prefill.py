@@ -438,6 +438,7 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
     # ---- the send path (executor) --------------------------------------------------------
     def _step(self, rec: Outgoing) -> None:
         """Run the request's next chunk; one step per request at a time keeps chunk order."""
+        self._drop_retired(rec)
         with self._lock:
             idle = self._ended(rec) or not rec.chunks or rec.resend_pending
             if idle:
@@ -477,6 +478,31 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
             self.io.submit(self._step, rec)
         else:
             self._maybe_resend(rec)
+
+    def _drop_retired(self, rec: Outgoing) -> None:
+        """The connection this step would use has lost its peer channel: drop it, so the
+        step handshakes a new link (and a new channel) instead of calling nothing.
+
+        Closed with a BYE (decode released or replaced that connection: its link failed,
+        its engine detached), only the link is gone: decode keeps the reservations and
+        each request on the connection is resent on the next link while its retries and
+        deadline allow (``gone=False``, as a failed link). Closed without one, the peer
+        is lost (its channel handler says so too): its requests fail. Blocking (the
+        link's release): on the executor, no lock held.
+        """
+        with self._lock:
+            conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
+            if conn is None:
+                conn = self.peers.by_address(rec.decode_address)
+        channel = conn.retired_channel() if conn is not None else None
+        if conn is None or channel is None or conn.closed:
+            return
+        how = "closed" if channel.orderly else "lost"
+        log.info("request %s: the peer channel to %s was %s (%s): dropping that connection, "
+                 "the next handshake opens a new one", rec.request_id, channel.peer, how,
+                 channel.close_reason, extra=fields(rec.request_id, rec.decode_address))
+        self.on_peer_lost(conn, f"peer channel to {channel.peer} {how}: "
+                                f"{channel.close_reason}", gone=not channel.orderly)
 
     def _connect(self, address: str) -> None:
         """Handshake with decode at ``address``; then every request waiting for it goes on."""

@@ -62,6 +62,10 @@ GROUPS = [("kvbeam-verbs", "verbs progress (posts, completions; rxe sends in ibv
           ("kvbeam-io", "executor (plan, post, digests, peer RPCs)"),
           ("kvbeam-digest", "digest pool (XXH3-128, --digest-threads)"),
           ("kvbeam-control", "RPC handlers (gRPC handler pool)"),
+          # Before "kvbeam-peer": the selector thread's name starts with it.
+          ("kvbeam-peer-channel", "peer channel (frames, inline handlers, heartbeats)"),
+          ("kvbeam-peer", "peer channel Abort pool"),
+          ("kvbeam-attach", "engine channel (attach loop)"),
           ("Thread-1 (_serve)", "gRPC Python server loop (_serve)"),
           ("kvbeam-events", "loops (events, sweeper, heartbeat)"),
           ("kvbeam-sweeper", "loops (events, sweeper, heartbeat)"),

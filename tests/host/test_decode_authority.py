@@ -102,9 +102,8 @@ def test_an_impersonated_prefill_abort_does_not_free_a_slot_prefill_may_write(
     _call(channel, "Reserve", pb.ReserveResponse)(
         pb.ReserveRequest(request_id="victim", seq_len=100, prefill_address=prefill.address),
         timeout=10)
-    _call(channel, "BeginWrite", pb.BeginWriteResponse)(
-        pb.BeginWriteRequest(request_id="victim", instance_id=PREFILL_INSTANCE, seq_len=100,
-                             final_chunk=True), timeout=10)  # prefill may write now
+    # Prefill's BeginWrite (a peer channel request: no such RPC), straight to the core.
+    servicer.decode.begin_write("victim", PREFILL_INSTANCE, 100, True, False)  # may write now
     slot = servicer.decode.slot_of("victim")
     assert slot != -1
     st = _call(channel, "Abort", pb.TransferStatus)(
@@ -127,9 +126,8 @@ def test_the_granted_prefills_own_abort_frees_at_once(
     _call(channel, "Reserve", pb.ReserveResponse)(
         pb.ReserveRequest(request_id="own", seq_len=100, prefill_address=prefill.address),
         timeout=10)
-    _call(channel, "BeginWrite", pb.BeginWriteResponse)(
-        pb.BeginWriteRequest(request_id="own", instance_id=PREFILL_INSTANCE, seq_len=100,
-                             final_chunk=True), timeout=10)
+    # Prefill's BeginWrite (a peer channel request: no such RPC), straight to the core.
+    servicer.decode.begin_write("own", PREFILL_INSTANCE, 100, True, False)
     st = _call(channel, "Abort", pb.TransferStatus)(
         pb.AbortRequest(request_id="own", detail="prefill failed: drained",
                         from_peer=True, instance_id=PREFILL_INSTANCE), timeout=10)
@@ -137,13 +135,13 @@ def test_the_granted_prefills_own_abort_frees_at_once(
     assert servicer.decode.slot_of("own") == -1 and prefill.aborts == []
 
 
-def _reserve_and_grant(channel: grpc.Channel, rid: str, prefill: Prefill) -> None:
+def _reserve_and_grant(servicer: DecodeServicer, channel: grpc.Channel, rid: str,
+                       prefill: Prefill) -> None:
     _call(channel, "Reserve", pb.ReserveResponse)(
         pb.ReserveRequest(request_id=rid, seq_len=100, prefill_address=prefill.address),
         timeout=10)
-    _call(channel, "BeginWrite", pb.BeginWriteResponse)(
-        pb.BeginWriteRequest(request_id=rid, instance_id=PREFILL_INSTANCE, seq_len=100,
-                             final_chunk=True), timeout=10)  # prefill may write now
+    # Prefill's BeginWrite (a peer channel request: no such RPC), straight to the core.
+    servicer.decode.begin_write(rid, PREFILL_INSTANCE, 100, True, False)  # may write now
 
 
 def test_a_token_holder_naming_the_granted_instance_from_another_host_does_not_free_it(
@@ -161,7 +159,7 @@ def test_a_token_holder_naming_the_granted_instance_from_another_host_does_not_f
         port = address.rpartition(":")[2]
         real, rogue = sec.channel(f"127.0.0.1:{port}"), sec.channel(f"[::1]:{port}")
         try:
-            _reserve_and_grant(real, "victim", prefill)
+            _reserve_and_grant(servicer, real, "victim", prefill)
             slot = servicer.decode.slot_of("victim")
             st = _call(rogue, "Abort", pb.TransferStatus)(
                 pb.AbortRequest(request_id="victim", detail="prefill failed (not really)",
@@ -174,7 +172,7 @@ def test_a_token_holder_naming_the_granted_instance_from_another_host_does_not_f
             assert wait_until(lambda: servicer.decode.slot_of("victim") == -1, 10)
 
             # The real prefill, from where it is, is still believed at once.
-            _reserve_and_grant(real, "own", prefill)
+            _reserve_and_grant(servicer, real, "own", prefill)
             st = _call(real, "Abort", pb.TransferStatus)(
                 pb.AbortRequest(request_id="own", detail="prefill failed: drained",
                                 from_peer=True, instance_id=PREFILL_INSTANCE), timeout=10)

@@ -1,17 +1,31 @@
 """The peer channel between real daemons over TCP (protocol 4, server/peer_channel.py).
 
 The frames and the channel's own states are unit-tested in
-tests/unit/test_peer_channel.py; here two daemons use it: per-request calls go over it,
-and its loss (a killed peer, no heartbeat involved) fails that peer's requests at once.
+tests/unit/test_peer_channel.py; here two daemons use it: per-request calls go over it
+(and only over it: no RPC stands in), its loss (a killed peer, no heartbeat involved)
+fails that peer's requests at once, and a channel closed with a BYE is replaced by the
+next request's handshake.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
 from kvbeam.client import KvbeamClient
 from kvbeam.procs import wait_until
 from kvbeam.scheduler import run_request
+from kvbeam.server.decode import DecodeServicer
+from kvbeam.server.prefill import PrefillServicer
+from kvbeam.server.runtime import Runtime
+from kvbeam.server.settings import resolve
 from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import DECODE_SLOTS, free_slots, pair, start
+from tests.fixtures import shipped_config
 
 F = TransferState.FAILED
 #: Heartbeats (gRPC or on the channel) far apart: only the channel's closing can tell.
@@ -27,8 +41,7 @@ def test_per_request_calls_go_over_the_peer_channel() -> None:
         bound = [line for line in decode.output.splitlines()
                  if "peer channel from prefill" in line and "bound" in line]
         assert len(bound) == 1, decode.output[-3000:]  # one channel for the pair
-        # Nothing went over the RPCs: no daemon-to-daemon gRPC call was refused or
-        # fell back (a fallback would log neither, so check the offers were used).
+        # No offer failed (there is no RPC to fall back to: every one went over it).
         assert "offer of" not in decode.output, decode.output[-3000:]
 
 
@@ -72,3 +85,67 @@ def test_a_killed_decode_is_noticed_by_prefill_and_the_next_decode_serves() -> N
                           10), prefill.output[-3000:]
     finally:
         prefill.stop()
+
+
+@contextmanager
+def _in_process() -> Iterator[tuple[PrefillServicer, DecodeServicer]]:
+    """A prefill and a decode daemon in this process (real runtimes, TCP), so a test can
+    make decode replace its side of the pair as a failed link or detach would."""
+    servicers: list[Any] = []
+    try:
+        for role, kind in (("decode", DecodeServicer), ("prefill", PrefillServicer)):
+            env = {"KVBEAM_CONFIG": shipped_config(role), "KVBEAM_LISTEN": "127.0.0.1:0",
+                   "KVBEAM_TRANSPORT": "tcp", "KVBEAM_HEARTBEAT_S": "3600",
+                   "KVBEAM_FILL_SEED": "1" if role == "prefill" else "2"}
+            runtime = Runtime(resolve(role, None, env))
+            servicer = kind(runtime)
+            runtime.start(servicer)
+            servicers.append(servicer)
+        yield servicers[1], servicers[0]
+    finally:
+        for servicer in reversed(servicers):
+            servicer.rt.stop(grace=0.5)
+
+
+def _channel_of(servicer: Any) -> Any:
+    conns = servicer.rt.peers.all()
+    assert len(conns) == 1, conns
+    return conns[0].channel
+
+
+@pytest.mark.parametrize("how", ["link", "channel"])
+def test_a_channel_closed_with_a_bye_is_replaced_by_the_next_requests_handshake(
+        caplog: pytest.LogCaptureFixture, how: str) -> None:
+    """Decode releases its side of the pair (``link``: its link failed, say), or only
+    its channel (``channel``: the link stays, so prefill's connection does too): the
+    channel closes with a BYE, so neither side takes the other for gone. No RPC stands
+    in for the channel: decode makes no offer on a connection without one, and prefill's
+    next request drops such a connection and handshakes again, over a new link and a new
+    channel, and succeeds; so does the one after it, on that channel."""
+    caplog.set_level(logging.INFO)
+    with _in_process() as (prefill, decode), \
+            KvbeamClient(prefill.rt.local.control_address) as p, \
+            KvbeamClient(decode.rt.local.control_address) as d:
+        assert run_request(p, d, "before", 500, 0).ok
+        old = _channel_of(prefill)
+        assert old is not None and not old.closed
+        (conn,) = decode.rt.peers.all()
+        if how == "link":
+            decode.peer_lost(conn, "test: the link is replaced", gone=False)
+        else:
+            conn.channel.close("test: the channel is replaced", bye=True)
+        assert wait_until(lambda: old.closed, 10), "prefill never heard the BYE"
+        assert old.orderly, old.close_reason  # a BYE: the peer lives
+        for i in range(2):
+            result = run_request(p, d, f"after-{i}", 500, i + 1)
+            assert result.ok, (result, caplog.text[-4000:])
+        new = _channel_of(prefill)
+        assert new is not old and not new.closed
+        assert _channel_of(decode) is not None and not _channel_of(decode).closed
+    bound = [r for r in caplog.records if "peer channel from prefill" in r.getMessage()
+             and "bound" in r.getMessage()]
+    assert len(bound) == 2, caplog.text[-4000:]  # the first channel, and its replacement
+    if how == "channel":  # prefill's connection outlived its channel: dropped, not used
+        assert "dropping that connection, the next handshake opens a new one" in caplog.text
+    assert "not made" not in caplog.text  # no offer failed: none was tried without one
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-4000:]

@@ -1,7 +1,9 @@
 """Fuzz every RPC handler of a running prefill/decode pair, in process, with hypothesis.
 
 Two daemons (real runtimes, real gRPC servers on loopback, TCP data plane) take
-random bytes and adversarial-but-well-formed messages on every method. Each answer
+random bytes and adversarial-but-well-formed messages on every method, and the peer
+channel's handlers (BeginWrite, Digests, Offer: no RPCs) the same messages as a
+channel bound to the instance they name would deliver them. Each answer
 must be a deliberate status (never INTERNAL or UNKNOWN, which mean an unhandled
 exception, and never a hang); afterwards both daemons still serve, no slot leaked,
 no byte of either side's pools changed, and a real request still succeeds.
@@ -13,21 +15,25 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
 import pytest
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbeam.client import KvbeamClient
+from kvbeam.errors import FrameError
 from kvbeam.procs import wait_until
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.scheduler import run_request
 from kvbeam.server.decode import DecodeServicer
+from kvbeam.server.peer_channel import BEGIN_WRITE, DIGESTS, OFFER
 from kvbeam.server.prefill import PrefillServicer
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.settings import resolve
@@ -42,6 +48,23 @@ NEVER = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
 CALL_TIMEOUT_S = 10.0
 METHODS = [m.name for m in pb.DESCRIPTOR.services_by_name["KvbeamControl"].methods]
 STREAMING = {"WatchStatus"}
+#: The peer channel's requests (no RPC serves them): the frame kind of each.
+CHANNEL_KINDS = {"BeginWrite": BEGIN_WRITE, "Digests": DIGESTS, "Offer": OFFER}
+
+
+class _Channel:
+    """A peer channel bound to whichever instance the request names (the channel's
+    HELLO check is tests/unit/test_peer_channel.py's): the handler's own checks decide."""
+
+    def __init__(self, instance_id: str) -> None:
+        self.bound = SimpleNamespace(instance_id=instance_id, control_address="127.0.0.1:1")
+        self.peer = f"fuzz {instance_id!r}"
+        self.closed = False
+        self.answers: list[grpc.StatusCode] = []
+
+    def reply(self, correlation: int, code: grpc.StatusCode, details: str = "",
+              message: bytes = b"", in_flight: int = 0) -> None:
+        self.answers.append(code)
 
 
 @dataclass
@@ -51,6 +74,7 @@ class Daemon:
     runtime: Runtime
     address: str
     channel: grpc.Channel
+    servicer: Any
 
     def digest(self) -> list[str]:
         """sha256 of every pool allocation: equal before and after means nothing was written."""
@@ -58,6 +82,8 @@ class Daemon:
 
     def call(self, method: str, payload: bytes) -> grpc.StatusCode:
         """Send raw request bytes to a method; the status code of the answer."""
+        if method in CHANNEL_KINDS:
+            return self.channel_call(method, payload)
         try:
             if method in STREAMING:
                 stream: Any = self.channel.unary_stream(SERVICE + method, None, None)(
@@ -74,6 +100,27 @@ class Daemon:
         return grpc.StatusCode.OK
 
 
+    def channel_call(self, method: str, payload: bytes) -> grpc.StatusCode:
+        """A request message to a peer channel handler, as a channel bound to the
+        instance it names delivers it; the status of the REPLY. A kind this role does
+        not take, or bytes that are not the message, close a real channel (FrameError;
+        the hub refuses a wrong-way kind before any handler): INVALID_ARGUMENT here."""
+        kind = CHANNEL_KINDS[method]
+        frame = struct.pack("<I", int(CALL_TIMEOUT_S * 1000)) + payload
+        if kind not in self.servicer.channel_handlers:
+            return grpc.StatusCode.INVALID_ARGUMENT
+        try:
+            claimed = getattr(pb, f"{method}Request").FromString(payload).instance_id
+        except DecodeError:
+            with pytest.raises(FrameError):
+                self.servicer._channel_request(_Channel(""), kind, 1, frame)
+            return grpc.StatusCode.INVALID_ARGUMENT
+        channel = _Channel(claimed)
+        self.servicer._channel_request(channel, kind, 1, frame)
+        assert len(channel.answers) == 1, (method, channel.answers)  # answered inline
+        return channel.answers[0]
+
+
 def _start(role: str) -> Daemon:
     env = {"KVBEAM_CONFIG": shipped_config(role), "KVBEAM_LISTEN": "127.0.0.1:0",
            "KVBEAM_TRANSPORT": "tcp", "KVBEAM_FILL_SEED": "1" if role == "prefill" else "2",
@@ -83,7 +130,7 @@ def _start(role: str) -> Daemon:
     runtime = Runtime(resolve(role, None, env))
     servicer: Any = DecodeServicer(runtime) if role == "decode" else PrefillServicer(runtime)
     address = runtime.start(servicer)
-    return Daemon(runtime, address, grpc.insecure_channel(address))
+    return Daemon(runtime, address, grpc.insecure_channel(address), servicer)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +159,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None,
 
 
 @FUZZ
-@given(method=st.sampled_from(METHODS), payload=st.binary(max_size=600),
+@given(method=st.sampled_from(METHODS + sorted(CHANNEL_KINDS)), payload=st.binary(max_size=600),
        to_decode=st.booleans())
 def test_random_bytes_on_every_method(daemons: tuple[Daemon, Daemon], method: str,
                                       payload: bytes, to_decode: bool) -> None:
@@ -184,13 +231,27 @@ def test_adversarial_messages_on_every_method(daemons: tuple[Daemon, Daemon],
     assert code not in NEVER, (method, message, code)
 
 
+def test_the_peer_channels_requests_are_no_rpcs(daemons: tuple[Daemon, Daemon]) -> None:
+    """BeginWrite and Offer are served on the peer channel only, and Digests nowhere (the
+    digest mailbox, protocol 5): over gRPC both daemons answer UNIMPLEMENTED."""
+    messages = {"BeginWrite": pb.BeginWriteRequest(request_id="r", instance_id="p", seq_len=10,
+                                                   final_chunk=True),
+                "Offer": pb.OfferRequest(request_id="r", instance_id="d", seq_len=10),
+                # Protocol 4's DigestsRequest (request_id = 1): its bytes, no message type.
+                "Digests": pb.ReleaseRequest(request_id="r")}
+    for daemon in daemons:
+        for method, message in messages.items():
+            call: Callable[..., Any] = daemon.channel.unary_unary(SERVICE + method, None, None)
+            with pytest.raises(grpc.RpcError) as err:
+                call(message.SerializeToString(), timeout=CALL_TIMEOUT_S)
+            assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED, (method, err.value)
+
+
 def test_index_lists_of_a_response_are_never_taken_from_the_wire(
         daemons: tuple[Daemon, Daemon]) -> None:
     """BeginWrite from a stranger (not a verified peer) is refused: it learns no indices."""
     _, decode = daemons
     message = pb.BeginWriteRequest(request_id="stranger", instance_id="not-a-peer", seq_len=10,
                                    final_chunk=True)
-    call: Callable[..., Any] = decode.channel.unary_unary(SERVICE + "BeginWrite", None, None)
-    with pytest.raises(grpc.RpcError) as err:
-        call(message.SerializeToString(), timeout=CALL_TIMEOUT_S)
-    assert err.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+    code = decode.channel_call("BeginWrite", message.SerializeToString())
+    assert code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION), code

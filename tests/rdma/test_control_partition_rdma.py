@@ -1,13 +1,13 @@
 """A control-path partition: the daemons cannot reach each other's gRPC, the scheduler can.
 
 Each daemon listens on every address and advertises its end of the veth wire
-(tests/rdma/netfaults.py) to its peer, so daemon-to-daemon RPCs (Handshake, BeginWrite,
-Heartbeat, Abort) go over the wire while this test, the scheduler, calls both on
-127.0.0.1. Dropping TCP to and from the two advertised control ports cuts only the
-daemons' path; RoCE (UDP 4791) and the scheduler's calls still get through. A request in
-flight and a new one must both end Failed on both sides within the deadlines plus slack,
-decode's slots must all be free again, and once the rules are gone the next request must
-succeed.
+(tests/rdma/netfaults.py) to its peer, so daemon-to-daemon calls (the Handshake RPC,
+the peer channel's BeginWrite, Offer, Abort and heartbeats) go over the wire while this
+test, the scheduler, calls both on 127.0.0.1. Dropping TCP to and from the two
+advertised control ports and decode's channel port cuts only the daemons' path; RoCE
+(UDP 4791) and the scheduler's calls still get through. A request in flight and a new
+one must both end Failed on both sides within the deadlines plus slack, decode's slots
+must all be free again, and once the rules are gone the next request must succeed.
 """
 
 from __future__ import annotations

@@ -70,20 +70,10 @@ class KvbeamControlStub:
                 request_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
-        self.BeginWrite = channel.unary_unary(
-                '/kvbeam.v1.KvbeamControl/BeginWrite',
-                request_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.BeginWriteRequest.SerializeToString,
-                response_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.BeginWriteResponse.FromString,
-                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kvbeam.v1.KvbeamControl/Release',
                 request_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.TransferStatus.FromString,
-                _registered_method=True)
-        self.Offer = channel.unary_unary(
-                '/kvbeam.v1.KvbeamControl/Offer',
-                request_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.OfferRequest.SerializeToString,
-                response_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.OfferResponse.FromString,
                 _registered_method=True)
 
 
@@ -136,21 +126,11 @@ class KvbeamControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def BeginWrite(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Release(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Offer(self, request, context):
-        """Decode -> prefill: a reservation ahead of Send (protocol 2).
-        Protocol 2 to 4's Digests RPC is gone (protocol 5: the digest mailbox).
+        """BeginWrite (prefill -> decode) and Offer (decode -> prefill) are no RPCs: their
+        messages travel on the pair's peer channel only (docs/protocol.md, "The peer
+        channel"). Abort is also sent there between daemons. Protocol 2 to 4's Digests is
+        gone (protocol 5: the digest mailbox).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -194,20 +174,10 @@ def add_KvbeamControlServicer_to_server(servicer, server):
                     request_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.HeartbeatRequest.FromString,
                     response_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.HeartbeatResponse.SerializeToString,
             ),
-            'BeginWrite': grpc.unary_unary_rpc_method_handler(
-                    servicer.BeginWrite,
-                    request_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.BeginWriteRequest.FromString,
-                    response_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.BeginWriteResponse.SerializeToString,
-            ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
                     request_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.ReleaseRequest.FromString,
                     response_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.TransferStatus.SerializeToString,
-            ),
-            'Offer': grpc.unary_unary_rpc_method_handler(
-                    servicer.Offer,
-                    request_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.OfferRequest.FromString,
-                    response_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.OfferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -411,33 +381,6 @@ class KvbeamControl:
             _registered_method=True)
 
     @staticmethod
-    def BeginWrite(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvbeam.v1.KvbeamControl/BeginWrite',
-            kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.BeginWriteRequest.SerializeToString,
-            kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.BeginWriteResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def Release(request,
             target,
             options=(),
@@ -454,33 +397,6 @@ class KvbeamControl:
             '/kvbeam.v1.KvbeamControl/Release',
             kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.ReleaseRequest.SerializeToString,
             kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.TransferStatus.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Offer(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvbeam.v1.KvbeamControl/Offer',
-            kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.OfferRequest.SerializeToString,
-            kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.OfferResponse.FromString,
             options,
             channel_credentials,
             insecure,

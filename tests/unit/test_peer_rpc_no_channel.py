@@ -1,0 +1,166 @@
+"""One path between the daemons (issue 24): BeginWrite and Offer go over the peer
+channel only (the digests go in band: the mailbox). A connection without an open
+channel calls no RPC: prefill's BeginWrite fails naming the peer and why, decode makes no offer, prefill's
+core drops such a connection and handshakes again (a new link, a new channel), and a
+handshake whose decode names no channel, or one that cannot be opened, fails. Only the
+daemons' Abort still falls back to the RPC (tests/unit/test_executor.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from kvbeam.errors import PeerUnavailableError
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.server.core.ports import Offered, WriteGrant
+from kvbeam.server.handshake import VerifiedPeer
+from kvbeam.server.peer_channel import CHANNEL_ADDRESS_KEY, CHANNEL_TOKEN_KEY, PeerChannels
+from kvbeam.server.peer_rpc import GrpcDecodePeers, GrpcPrefillPeers, no_channel
+from kvbeam.server.peers import PeerConn
+from kvbeam.server.settings import ControlOptions
+from kvbeam.states import TransferState
+from tests.core_fakes import FakeLink, fake_conn, prefill_core, wait_for
+from tests.fixtures import layout
+
+ADDR = "127.0.0.1:9"
+
+
+class _NoRpc:
+    """A control channel that must not be used: no per-request call is an RPC."""
+
+    @property
+    def stub(self) -> Any:
+        raise AssertionError("an RPC was called")
+
+    def close(self) -> None:
+        pass
+
+
+class _Closed:
+    """A peer channel closed with a BYE (the peer replaced its link)."""
+
+    closed = True
+    orderly = True
+    close_reason = "the peer closed it: its connection was closed on this side"
+    peer = f"decode d1 at {ADDR}"
+
+    def call(self, *_a: Any) -> Any:
+        raise AssertionError("a closed channel was called")
+
+    start_call = call
+
+    def close(self, reason: str, *, bye: bool = False) -> None:
+        pass  # closed already (a real channel's close is idempotent)
+
+
+class _Metrics:
+    begin_writes = SimpleNamespace(inc=lambda: None)
+
+
+def _conn(channel: Any) -> PeerConn:
+    conn = fake_conn(ADDR, AllocatedSide(layout()))
+    conn._dial = lambda _address: _NoRpc()
+    conn.channel = channel
+    return conn
+
+
+def _decode_peers() -> GrpcDecodePeers:
+    local: Any = SimpleNamespace(instance_id="p1")
+    dial: Any = SimpleNamespace(options=ControlOptions(rpc_timeout_s=1.0))
+    return GrpcDecodePeers(lambda: local, cast(Any, None), dial, cast(Any, _Metrics()))
+
+
+@pytest.mark.parametrize("channel", [None, _Closed()], ids=["never-opened", "closed-bye"])
+def test_begin_write_without_a_channel_fails_naming_why_and_calls_no_rpc(
+        channel: Any) -> None:
+    peers, conn = _decode_peers(), _conn(channel)
+    with pytest.raises(PeerUnavailableError) as err:
+        peers.begin_write(conn, "r1", 100, True, False)
+    text = str(err.value)
+    assert text.startswith(f"BeginWrite to {ADDR}: no peer channel to decode "), text
+    assert ("never opened one" if channel is None else "its connection was closed") in text
+    assert err.value.address == ADDR
+
+
+@pytest.mark.parametrize("channel", [None, _Closed()], ids=["not-bound-yet", "closed-bye"])
+def test_decode_makes_no_offer_without_a_channel(channel: Any) -> None:
+    local: Any = SimpleNamespace(instance_id="d1")
+    peers = GrpcPrefillPeers(lambda: local, ControlOptions(rpc_timeout_s=1.0))
+    conn = _conn(channel)
+    grant = WriteGrant(5, {})
+    assert peers.offer(conn, "r1", 100, grant, 0, 10.0) is Offered.REFUSED  # nothing sent
+    assert "closed" in no_channel(conn, "prefill") or channel is None
+
+
+def _verified(extra: dict[str, str]) -> VerifiedPeer:
+    return cast(VerifiedPeer, SimpleNamespace(instance_id="d1", endpoint=SimpleNamespace(
+        extra=extra)))
+
+
+def test_a_handshake_whose_decode_names_no_channel_fails() -> None:
+    peers = _decode_peers()
+    peers.channels = cast(PeerChannels, SimpleNamespace())
+    with pytest.raises(PeerUnavailableError, match="names no peer channel") as err:
+        peers._open_channel(_verified({}), ADDR)
+    assert err.value.address == ADDR
+
+
+def test_a_handshake_whose_channel_cannot_be_opened_fails_naming_its_address() -> None:
+    def refuse(*_a: Any) -> Any:
+        raise ConnectionRefusedError("[Errno 111] Connection refused")
+
+    peers = _decode_peers()
+    peers.channels = cast(PeerChannels, SimpleNamespace(connect=refuse))
+    with pytest.raises(PeerUnavailableError) as err:
+        peers._open_channel(_verified({CHANNEL_ADDRESS_KEY: "127.0.0.1:1",
+                                       CHANNEL_TOKEN_KEY: "t"}), ADDR)
+    assert "its peer channel at 127.0.0.1:1 could not be opened" in str(err.value)
+
+
+def test_prefill_drops_a_connection_whose_channel_closed_and_handshakes_again() -> None:
+    """The core's side: a connection whose channel a BYE closed is not used again (it
+    could carry no BeginWrite); the next request handshakes a new link and succeeds."""
+    core, fake = prefill_core()
+    core.send("first", 0, 300, ADDR, [], True)
+    assert wait_for(lambda: len(fake.digests) == 1)  # after its writes were posted
+    old = core.peers.by_address(ADDR)
+    assert old is not None
+    link = cast(FakeLink, old.link)
+    for write in list(link.writes):  # the data and, with integrity on, the digest record
+        core.on_event(link.completion(write[0]))
+    assert core.status("first").state is TransferState.SUCCESS
+    old.channel = _Closed()  # decode released that connection: a BYE
+
+    core.send("next", 1, 300, ADDR, [], True)
+    assert wait_for(lambda: len(fake.digests) == 2)
+    new = core.peers.by_address(ADDR)
+    assert new is not None and new is not old
+    assert old.closed and link.released, "the connection without a channel was kept"
+    assert fake.connects == [ADDR, ADDR]  # handshook again
+    assert fake.begins[1] == ("next", new.link.id)
+    new_link = cast(FakeLink, new.link)
+    for write in list(new_link.writes):
+        core.on_event(new_link.completion(write[0]))
+    assert core.status("next").state is TransferState.SUCCESS
+
+
+def test_a_channel_lost_without_a_bye_fails_the_connections_requests() -> None:
+    """Closed without a BYE the peer is lost (its handler says so too): a request on
+    the connection fails; a new one handshakes again."""
+    core, fake = prefill_core()
+    core.send("first", 0, 300, ADDR, [], True)
+    assert wait_for(lambda: len(fake.digests) == 1)  # its writes are in flight
+    old = core.peers.by_address(ADDR)
+    assert old is not None
+    lost = _Closed()
+    lost.orderly, lost.close_reason = False, "the peer closed the connection"
+    old.channel = lost
+    core.send("next", 1, 300, ADDR, [], True)
+    assert wait_for(lambda: core.status("first").state is TransferState.FAILED), \
+        core.status("first")
+    assert core.status("first").detail == \
+        f"peer channel to decode d1 at {ADDR} lost: the peer closed the connection"
+    assert wait_for(lambda: len(fake.digests) == 2)
+    assert fake.connects == [ADDR, ADDR]
