@@ -252,16 +252,22 @@ def test_a_peer_that_sends_no_hello_is_dropped_after_the_timeout(
     sock.close()
 
 
+def _welcomed(side: Side) -> socket.socket:
+    """Start ``side``'s hub listening and open a raw "prefill" socket that it welcomed."""
+    side.hub.listen("127.0.0.1", 0, "127.0.0.1")
+    side.hub.start()
+    sock = _raw(side)
+    sock.sendall(pc.encode_hello(Hello(PROTOCOL_VERSION, "p", "d", TOKEN)))
+    assert HEADER.unpack(_recv_exact(sock, HEADER.size))[0] == pc.WELCOME
+    return sock
+
+
 def test_a_silent_peer_is_lost_after_peer_timeout(prefill: Side) -> None:
     # Decode's hub with a short peer timeout; the "prefill" is a raw socket that
     # answers nothing after the WELCOME (a frozen process).
     side = Side("decode", peer_timeout_s=0.5, heartbeat_s=0.1)
-    side.hub.listen("127.0.0.1", 0, "127.0.0.1")
-    side.hub.start()
     try:
-        sock = _raw(side)
-        sock.sendall(pc.encode_hello(Hello(PROTOCOL_VERSION, "p", "d", TOKEN)))
-        assert HEADER.unpack(_recv_exact(sock, HEADER.size))[0] == pc.WELCOME
+        sock = _welcomed(side)
         assert wait_for(lambda: side.closed, 10.0)
         assert "stopped answering heartbeats" in side.closed[0]
         sock.close()
@@ -274,12 +280,8 @@ def test_heartbeats_far_apart_do_not_lose_an_idle_peer_after_the_timeout_alone()
     # when peer_timeout_s of silence passed; it gets a whole interval more to speak.
     side = Side("decode", peer_timeout_s=0.2, heartbeat_s=30.0)
     assert side.hub.silence_limit_s == 30.2
-    side.hub.listen("127.0.0.1", 0, "127.0.0.1")
-    side.hub.start()
     try:
-        sock = _raw(side)
-        sock.sendall(pc.encode_hello(Hello(PROTOCOL_VERSION, "p", "d", TOKEN)))
-        assert HEADER.unpack(_recv_exact(sock, HEADER.size))[0] == pc.WELCOME
+        sock = _welcomed(side)
         time.sleep(1.0)  # five peer timeouts of silence
         assert not side.closed, side.closed
         sock.close()
@@ -292,12 +294,8 @@ def test_a_silent_peer_counts_missed_heartbeats_on_its_connection_until_it_speak
     # misses heartbeats, prefill waits for no offer of it) the channel counts for its own:
     # the peer's connection reads it while the channel is open, the RPC count otherwise.
     side = Side("decode", peer_timeout_s=30.0, heartbeat_s=0.1)
-    side.hub.listen("127.0.0.1", 0, "127.0.0.1")
-    side.hub.start()
     try:
-        sock = _raw(side)  # a "prefill" that goes silent after the WELCOME
-        sock.sendall(pc.encode_hello(Hello(PROTOCOL_VERSION, "p", "d", TOKEN)))
-        assert HEADER.unpack(_recv_exact(sock, HEADER.size))[0] == pc.WELCOME
+        sock = _welcomed(side)  # a "prefill" that goes silent after the WELCOME
         channel = side.channels[0]
         conn = fake_conn("127.0.0.1:9", AllocatedSide(layout()))
         conn.missed_heartbeats = 0
