@@ -259,6 +259,16 @@ class FrameError(KvbeamError):
         super().__init__(f"{field}: {problem}")
 
 
+class RecordError(KvbeamError, ValueError):
+    """A digest record (protocol 5's mailbox) that fails a check: ``field`` names it,
+    ``detail`` gives both values (:mod:`kvbeam.pools.mailbox`)."""
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"digest record: {field}: {detail}")
+        self.field = field
+        self.detail = detail
+
+
 class AttachError(KvbeamError):
     """An engine's attach was refused (by the daemon, or before sending); ``field`` names
     the part of the attach description at fault ("" when none)."""

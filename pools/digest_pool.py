@@ -94,8 +94,11 @@ def _digest_all(parts: Sequence[DigestPart]) -> list[int]:
 class DigestJob:
     """One request's digests being computed; :meth:`result` waits for them all."""
 
-    def __init__(self, tasks: list[Future[list[int]]]) -> None:
+    def __init__(self, tasks: list[Future[list[int]]], *, inline: bool = False) -> None:
         self._tasks = tasks
+        #: Computed on the calling thread before :meth:`DigestPool.digests` returned (a
+        #: small job, or a pool without threads): done, nothing to overlap with it.
+        self.inline = inline
 
     def done(self) -> bool:
         """True once every task finished (:meth:`result` will not wait)."""
@@ -149,7 +152,7 @@ class DigestPool:
                 done.set_result(_digest_all(parts))
             except Exception as exc:  # the same as a pool task's: result() raises it
                 done.set_exception(exc)
-            return DigestJob([done])
+            return DigestJob([done], inline=True)
         groups = split_parts(parts, self.threads * TASKS_PER_THREAD)
         return DigestJob([self._executor.submit(_digest_all, g) for g in groups])
 

@@ -1,6 +1,5 @@
 """The decode daemon's adapter: the RPCs Reserve, Release and Abort, and the peer
-channel's BeginWrite, Digests and Abort (``channel_handlers``: no BeginWrite or Digests
-RPC is served).
+channel's BeginWrite and Abort (``channel_handlers``: no BeginWrite RPC is served).
 
 The core is :class:`DecodeCore`.
 
@@ -20,9 +19,9 @@ from collections.abc import Callable
 import grpc
 
 from kvbeam.auth import same_token
-from kvbeam.errors import BadRequest, FrameError
+from kvbeam.errors import FrameError
 from kvbeam.logs import fields
-from kvbeam.pools.digest import digests_from_wire
+from kvbeam.pools.mailbox import MAILBOX_KEY
 from kvbeam.proto.fields import host_port
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.transfer_codec import index_lists_from_proto, indices_to_proto
@@ -37,7 +36,6 @@ from kvbeam.server.peer_channel import (
     BEGIN_WRITE,
     CHANNEL_ADDRESS_KEY,
     CHANNEL_TOKEN_KEY,
-    DIGESTS,
     Hello,
     PeerChannel,
     new_token,
@@ -52,7 +50,7 @@ log = logging.getLogger(__name__)
 
 
 class DecodeServicer(DaemonServicer):
-    """Reserve (and its Offer), BeginWrite, Digests, Release, Abort and arrivals."""
+    """Reserve (and its Offer), BeginWrite, Release, Abort and arrivals."""
 
     def __init__(self, runtime: Runtime, workers: int = IO_WORKERS) -> None:
         super().__init__(runtime, workers)
@@ -67,19 +65,19 @@ class DecodeServicer(DaemonServicer):
             transfer_budget=runtime.settings.transfer_budget_s,
             on_offer=lambda event: runtime.metrics.offers.labels(event).inc(),
             wire_s=lambda n: n / (runtime.settings.transfer_floor_mbps * 1e6),
-            digest_pool=self.digest_pool)
+            digest_pool=self.digest_pool, mailbox=runtime.records)
         self.decode.on_decline = runtime.metrics.declines.inc
         self.slots = self.decode.slots
         self._links_lock = threading.Lock()  # leaf: guards _pending_links only
         self._pending_links: dict[str, tuple[Link, str]] = {}  # link, channel token
         self.channel_handlers = {BEGIN_WRITE: (self.BeginWrite, pb.BeginWriteRequest, True),
-                                 DIGESTS: (self.Digests, pb.DigestsRequest, True),
                                  ABORT: (self.Abort, pb.AbortRequest, False)}
 
     # ---- handshake hooks: one link per verified prefill -------------------------
     def endpoint_for(self, peer: VerifiedPeer) -> Endpoint:
         """Create this peer's link; its endpoint (QPN, rkeys) goes into our reply, with
-        where our peer channel listens and the token its HELLO must carry."""
+        our digest mailbox (protocol 5), where our peer channel listens and the token
+        its HELLO must carry."""
         link = self.rt.transport.create_link()  # may register memory: no lock held
         token = new_token()
         with self._links_lock:
@@ -88,11 +86,13 @@ class DecodeServicer(DaemonServicer):
         if old is not None:
             old[0].release()
         endpoint = link.endpoint
-        if not self.channels.address:
-            return endpoint
-        return dataclasses.replace(endpoint, extra={
-            **endpoint.extra, CHANNEL_ADDRESS_KEY: self.channels.address,
-            CHANNEL_TOKEN_KEY: token})
+        extra = dict(endpoint.extra)
+        mailbox = self.decode.mailbox
+        if mailbox is not None:  # registered before the link: its regions include it
+            extra[MAILBOX_KEY] = mailbox.advert().text()
+        if self.channels.address:
+            extra.update({CHANNEL_ADDRESS_KEY: self.channels.address, CHANNEL_TOKEN_KEY: token})
+        return dataclasses.replace(endpoint, extra=extra)
 
     def on_verified(self, peer: VerifiedPeer) -> None:
         """Connect the peer's link (before our reply leaves, so before any write)."""
@@ -173,21 +173,8 @@ class DecodeServicer(DaemonServicer):
                                       request.final_chunk, request.digests_follow)
         return pb.BeginWriteResponse(request_id=rid, transfer_id=res.transfer_id, slot=res.slot,
                                      indices=indices_to_proto(res.indices, res.draft),
-                                     instance_id=self.local.instance_id, kv_skip=res.kv_skip)
-
-    @handled
-    def Digests(self, request: pb.DigestsRequest,
-                context: grpc.ServicerContext) -> pb.DigestsResponse:
-        """Prefill's digests of a request whose writes it posted: verify once it landed
-        (the peer channel's handler)."""
-        rid = request_id_of(request.request_id)
-        try:
-            digests = digests_from_wire(list(request.digests))
-        except ValueError as exc:
-            raise BadRequest(f"request {rid}: Digests from instance {request.instance_id!r}: "
-                             f"{exc}") from None
-        self.decode.digests(rid, request.instance_id, request.transfer_id, digests)
-        return pb.DigestsResponse()
+                                     instance_id=self.local.instance_id, kv_skip=res.kv_skip,
+                                     mailbox_slot=res.mailbox_slot)
 
     @handled
     def Release(self, request: pb.ReleaseRequest,

@@ -6,7 +6,7 @@ classes hold ``None`` and every ``KVBEAM_FAULT_*`` variable is ignored, by name,
 WARNING. With the flag, the variables choose the faults (each armed one is logged
 again). Unit tests pass a :class:`FaultHooks` to the cores directly. All fault
 logic lives here: the transports' links carry no test-only member (the outside-MR
-fault swaps the link's view of the peer's regions for an unchecked one). Four hooks:
+fault swaps the link's view of the peer's regions for an unchecked one). Five hooks:
 
 Corrupt landed bytes (decode). Integrity checking is only worth its cost if it
 catches corruption every time, and that needs corruption on demand.
@@ -38,6 +38,15 @@ QP whose retries ran out would make it. Each break logs ``FAULT INJECTED: broke
 link``. tests/host/test_resend.py and tests/rdma/test_resend_rdma.py use it to prove
 that the request is resent on a new link (``--resend-retries``) and succeeds, and
 that a fault on every attempt fails it after the retries, bounded.
+
+A lying digest record (prefill). ``KVBEAM_FAULT_CORRUPT_RECORD=FIELD`` (or
+``FIELD:PREFIX``, for requests whose id starts with ``PREFIX`` only) makes prefill
+write every request's digest record (protocol 5, :mod:`kvbeam.pools.mailbox`) with
+that field wrong and its self-digest recomputed, so decode's check of that very field
+is what catches it: ``magic``, ``version``, ``count``, ``transfer_id``, ``slot``,
+``request_id`` or ``digest`` (the first buffer's digest: the landed bytes then fail to
+match it); ``self_digest`` flips a byte of the self-digest instead (a torn record).
+Each logs ``FAULT INJECTED: digest record``. tests/host/test_integrity_mailbox.py uses it.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ import numpy as np
 from kvbeam.errors import ConfigError
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.mailbox import MAGIC, RECORD_VERSION, encode_record, request_hash
 from kvbeam.pools.plan import IndexLists, list_for
 from kvbeam.transport.base import Link
 from kvbeam.transport.blocks import AddressArray, Blocks
@@ -70,6 +80,10 @@ SEED_ENV = "KVBEAM_FAULT_SEED"
 OUTSIDE_MR_ENV = "KVBEAM_FAULT_OUTSIDE_MR"
 WRITE_DELAY_ENV = "KVBEAM_FAULT_WRITE_DELAY_S"
 BREAK_LINK_ENV = "KVBEAM_FAULT_BREAK_LINK"
+CORRUPT_RECORD_ENV = "KVBEAM_FAULT_CORRUPT_RECORD"
+#: The digest record's fields KVBEAM_FAULT_CORRUPT_RECORD may make wrong.
+RECORD_FIELDS = ("magic", "version", "count", "transfer_id", "slot", "request_id", "digest",
+                 "self_digest")
 #: Every variable a fault reads (all start with this prefix).
 FAULT_ENV_PREFIX = "KVBEAM_FAULT_"
 #: The daemon flag without which no fault is armed.
@@ -106,6 +120,8 @@ class FaultHooks:
     write_delay_s: float = 0.0
     break_links: int = 0
     break_prefix: str = ""
+    corrupt_record_field: str = ""
+    corrupt_record_prefix: str = ""
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -144,9 +160,18 @@ class FaultHooks:
         except ValueError as exc:
             raise ConfigError(f"{BREAK_LINK_ENV}: expected N or N:PREFIX, got "
                               f"{env[BREAK_LINK_ENV]!r}") from exc
+        record_field, _, record_prefix = env.get(CORRUPT_RECORD_ENV, "").partition(":")
+        if record_field and record_field not in RECORD_FIELDS:
+            raise ConfigError(f"{CORRUPT_RECORD_ENV}: {record_field!r} is not one of "
+                              f"{', '.join(RECORD_FIELDS)} (FIELD or FIELD:PREFIX)")
         hooks = cls(corrupt_landed=corrupt, seed=seed,
                     outside_mr_prefix=env.get(OUTSIDE_MR_ENV, ""), write_delay_s=delay,
-                    break_links=max(0, nbreaks), break_prefix=prefix)
+                    break_links=max(0, nbreaks), break_prefix=prefix,
+                    corrupt_record_field=record_field, corrupt_record_prefix=record_prefix)
+        if hooks.corrupt_record_field:
+            log.warning("FAULT INJECTION ARMED (%s=%s): digest records carry a wrong %s; "
+                        "never run it in production", CORRUPT_RECORD_ENV,
+                        env[CORRUPT_RECORD_ENV], record_field)
         if hooks.break_links:
             log.warning("FAULT INJECTION ARMED (%s=%s): the data link breaks before each of "
                         "the first %d writes; never run it in production", BREAK_LINK_ENV,
@@ -167,7 +192,8 @@ class FaultHooks:
     def armed(self) -> bool:
         """True when any fault is switched on."""
         return (self.corrupt_landed > 0.0 or bool(self.outside_mr_prefix)
-                or self.write_delay_s > 0.0 or self.break_links > 0)
+                or self.write_delay_s > 0.0 or self.break_links > 0
+                or bool(self.corrupt_record_field))
 
     def writes_outside(self, request_id: str) -> bool:
         """True when this request's first block must miss the peer's memory (prefill)."""
@@ -201,6 +227,27 @@ class FaultHooks:
         log.warning("FAULT INJECTED: broke link %d (%s) before a write of request %s "
                     "(%d/%d)", link.id, how, request_id, n, self.break_links,
                     extra=fields(request_id))
+
+    def corrupt_record(self, request_id: str, raw: bytes, transfer_id: int, slot: int,
+                       digests: list[int]) -> bytes:
+        """The digest record to write for this request: ``raw``, or one with the armed
+        field wrong (its self-digest valid, except for ``self_digest``) (prefill)."""
+        field = self.corrupt_record_field
+        if not field or not request_id.startswith(self.corrupt_record_prefix):
+            return raw
+        if field == "self_digest":
+            out = raw[:-1] + bytes([raw[-1] ^ 0xFF])
+        else:
+            wrong = [digests[0] ^ 1, *digests[1:]] if field == "digest" and digests else digests
+            out = encode_record(
+                transfer_id + (field == "transfer_id"), slot + (field == "slot"), request_id,
+                wrong, magic=MAGIC ^ (field == "magic"),
+                version=RECORD_VERSION + (field == "version"),
+                count=len(digests) + 1 if field == "count" else None,
+                rid_hash=request_hash(request_id) ^ 1 if field == "request_id" else None)
+        log.warning("FAULT INJECTED: digest record of request %s written with a wrong %s",
+                    request_id, field, extra=fields(request_id))
+        return out
 
     def after_landing(self, request_id: str, side: AllocatedSide, indices: IndexLists,
                       draft: IndexLists | None = None) -> None:

@@ -1,7 +1,7 @@
 """The peer channel: one long-lived TCP connection per daemon pair for per-request control.
 
 Everything per request that is not bytes goes here instead of a unary gRPC call:
-decode's Offer and Abort to prefill, prefill's BeginWrite, Digests and Abort to decode,
+decode's Offer and Abort to prefill, prefill's BeginWrite and Abort to decode,
 and the heartbeats between them (docs/protocol.md, "The peer channel"). The handshake,
 health, admin and the scheduler API stay gRPC.
 
@@ -18,7 +18,7 @@ shared token protects, and binds the connection to the verified pair.
     u8 kind | u32 correlation id | u32 payload length | payload
 
 A request's payload is ``u32 timeout_ms`` then the RPC's own protobuf message
-(``OfferRequest``, ``BeginWriteRequest``, ``DigestsRequest``, ``AbortRequest``), decoded
+(``OfferRequest``, ``BeginWriteRequest``, ``AbortRequest``), decoded
 by the same strict codecs as the RPC. Its REPLY carries the same correlation id:
 ``u8 status code (gRPC's numbering) | u32 writes in flight | u32 details length |
 details (UTF-8) | the response message``, so callers map refusals exactly as they
@@ -74,16 +74,16 @@ PONG = 4
 BYE = 5  # either way: an orderly close (payload: why); the peer's link, not the peer, went
 OFFER = 16  # decode -> prefill
 BEGIN_WRITE = 17  # prefill -> decode
-DIGESTS = 18  # prefill -> decode
+DIGESTS = 18  # retired: protocol 4's Digests (protocol 5: the digest mailbox); never reused
 ABORT = 19  # both ways
 REPLY = 32  # the answer to a request, same correlation id
 
 KIND_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", PING: "PING", PONG: "PONG", BYE: "BYE",
-              OFFER: "Offer", BEGIN_WRITE: "BeginWrite", DIGESTS: "Digests",
+              OFFER: "Offer", BEGIN_WRITE: "BeginWrite",
               ABORT: "Abort", REPLY: "REPLY"}
 #: The requests each side may receive (by its role).
 REQUESTS_TO = {"prefill": frozenset({OFFER, ABORT}),
-               "decode": frozenset({BEGIN_WRITE, DIGESTS, ABORT})}
+               "decode": frozenset({BEGIN_WRITE, ABORT})}
 
 #: Largest payload accepted: a 1M-token request's index lists are ~100 KB; the length
 #: is refused from the header, before any of the payload is read.

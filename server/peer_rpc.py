@@ -1,11 +1,11 @@
-"""The cores' peer calls: the handshake over gRPC, then BeginWrite, Digests, Offer and
+"""The cores' peer calls: the handshake over gRPC, then BeginWrite, Offer and
 Abort over the pair's peer channel (:mod:`kvbeam.server.peer_channel`).
 
 :class:`GrpcDecodePeers` (prefill's view of decode daemons) and
 :class:`GrpcPrefillPeers` (decode's view of prefill daemons) implement the protocols
 of :mod:`kvbeam.server.core.ports`, mapping statuses to the cores' errors. A request on
 the channel is the RPC's own message and its answer carries the RPC's status, so one
-mapping serves both. BeginWrite, Digests and Offer go over the channel only (the
+mapping serves both. BeginWrite and Offer go over the channel only (the
 daemons serve no such RPC): a handshake whose decode names no channel, or whose channel
 cannot be opened, fails; a connection whose channel closed (a BYE: the link was
 replaced) sends nothing (prefill's core handshakes again, decode makes no offer). Only
@@ -31,7 +31,6 @@ from kvbeam.errors import (
     UnknownRequest,
 )
 from kvbeam.logs import fields
-from kvbeam.pools.digest import digests_to_wire
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.side import SideInfo
 from kvbeam.proto.transfer_codec import (
@@ -49,7 +48,6 @@ from kvbeam.server.peer_channel import (
     BEGIN_WRITE,
     CHANNEL_ADDRESS_KEY,
     CHANNEL_TOKEN_KEY,
-    DIGESTS,
     OFFER,
     Hello,
     PeerChannels,
@@ -113,11 +111,11 @@ def no_channel(conn: PeerConn, role: str) -> str:
 
 
 def _require_channel(conn: PeerConn, method: str) -> Any:
-    """Decode's open peer channel on ``conn``, for ``method`` (BeginWrite, Digests).
+    """Decode's open peer channel on ``conn``, for ``method`` (BeginWrite).
 
     Raises:
         PeerUnavailableError: none is open; the message names the peer and why (no RPC
-            is tried: the daemons serve BeginWrite and Digests on the channel only).
+            is tried: the daemons serve BeginWrite on the channel only).
     """
     channel = _channel_of(conn)
     if channel is None:
@@ -147,7 +145,7 @@ def _abort(request: pb.AbortRequest, timeout: float, address: str, *,
     one daemon-to-daemon call that keeps an RPC fallback, on purpose: ``Abort`` is a
     scheduler API method every daemon serves anyway, an Abort is idempotent, and an
     abort must never be lost (the peer would hold the request's slot, or keep writing
-    into it, until a deadline); BeginWrite, Digests and Offer have no fallback."""
+    into it, until a deadline); BeginWrite and Offer have no fallback."""
     channel = _channel_of(conn) if conn is not None else None
     try:
         left = _channel_abort(channel, request, timeout) if channel is not None else None
@@ -264,7 +262,7 @@ class GrpcDecodePeers:
     def _open_channel(self, verified: VerifiedPeer, address: str) -> Any:
         """Open the pair's peer channel where decode's handshake reply says.
 
-        The pair never runs without one: BeginWrite and Digests go over it only.
+        The pair never runs without one: BeginWrite goes over it only.
 
         Raises:
             PeerUnavailableError: decode named no channel (not a protocol 4 daemon's
@@ -277,7 +275,7 @@ class GrpcDecodePeers:
             raise PeerUnavailableError(
                 f"handshake with {peer} succeeded, but "
                 + ("its reply names no peer channel (every kvbeam protocol 4 decode daemon "
-                   "names one): BeginWrite and Digests go over it only"
+                   "names one): BeginWrite goes over it only"
                    if not where else "this side has no peer channels to open it with"),
                 address=address)
         hello = Hello(PROTOCOL_VERSION, self.local.instance_id, verified.instance_id, token)
@@ -328,21 +326,7 @@ class GrpcDecodePeers:
                              timeout=timeout) from None
         return WriteGrant(reply.transfer_id, indices_from_proto(reply.indices, "indices"),
                           draft_indices_from_proto(reply.indices, "indices"),
-                          kv_skip=reply.kv_skip)
-
-    def send_digests(self, conn: PeerConn, request_id: str, transfer_id: int,
-                     digests: list[int]) -> None:
-        """Digests on decode (after the final writes were posted); errors as PeerError."""
-        request = pb.DigestsRequest(request_id=request_id, instance_id=self.local.instance_id,
-                                    transfer_id=transfer_id,
-                                    digests=digests_to_wire(digests))
-        timeout = self.rpc_timeout_s
-        channel = _require_channel(conn, "Digests")
-        try:
-            channel.call(DIGESTS, request.SerializeToString(), timeout)
-        except PeerChannelError as exc:
-            raise peer_error(exc, address=conn.control_address, method="Digests",
-                             timeout=timeout) from None
+                          kv_skip=reply.kv_skip, mailbox_slot=reply.mailbox_slot)
 
     def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
               timeout: float | None = None) -> bool:
@@ -414,7 +398,8 @@ class GrpcPrefillPeers:
             request_id=request_id, instance_id=self.local.instance_id, seq_len=seq_len,
             transfer_id=grant.transfer_id, slot=slot,
             indices=indices_to_proto(grant.indices, grant.draft),
-            lease_ms=max(1, int(lease_s * 1000)), kv_skip=grant.kv_skip)
+            lease_ms=max(1, int(lease_s * 1000)), kv_skip=grant.kv_skip,
+            mailbox_slot=grant.mailbox_slot)
         timeout = min(self.options.rpc_timeout_s, OFFER_TIMEOUT_S)
         try:
             reply = pb.OfferResponse.FromString(

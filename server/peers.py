@@ -23,6 +23,7 @@ from typing import Any
 from kvbeam.errors import NotHandshakenError, ProtocolError
 from kvbeam.logs import fields
 from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.mailbox import MAILBOX_KEY, Advert, RecordError, mailbox_region, parse_advert
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.transport import Link
 
@@ -32,13 +33,33 @@ log = logging.getLogger(__name__)
 Dial = Callable[[str], Any]
 
 
+def peer_mailbox(layout: SideLayout, peer: VerifiedPeer) -> Advert | None:
+    """Decode's advertised digest mailbox (``extra[kvbeam-mailbox]``), checked against
+    its endpoint's regions and the record size of ``layout``; None when it names none.
+
+    Raises:
+        ProtocolError: the advert is malformed, too small or outside decode's regions.
+    """
+    extra = getattr(peer.endpoint, "extra", None) or {}
+    text = extra.get(MAILBOX_KEY, "")
+    if not text:
+        return None
+    try:
+        return parse_advert(text, len(layout.flat_buffers), tuple(peer.endpoint.regions))
+    except RecordError as exc:
+        raise ProtocolError(f"side.endpoint.extra[{MAILBOX_KEY}]", exc.detail) from None
+
+
 def peer_buffer_addrs(layout: SideLayout, peer: VerifiedPeer) -> list[int]:
     """The peer's buffer base addresses, aligned with ``layout.flat_buffers``.
 
     A kvbeam daemon registers one region per tensor, in tensor order, so buffer
-    ``b`` lives at ``regions[b.tensor].addr + b.offset``. Anything else is refused.
+    ``b`` lives at ``regions[b.tensor].addr + b.offset``; decode's digest mailbox
+    (its own region, protocol 5, wherever it comes) is not a tensor's and is left
+    out. Anything else is refused.
     """
-    regions = peer.endpoint.regions
+    box = mailbox_region(peer_mailbox(layout, peer), tuple(peer.endpoint.regions))
+    regions = [r for r in peer.endpoint.regions if r is not box]
     tensors = layout.tensors
     if len(regions) != len(tensors):
         raise ProtocolError("side.endpoint.regions",
@@ -54,12 +75,16 @@ class PeerConn:
     """One verified peer: its data link, a control channel to it, its buffer addresses."""
 
     def __init__(self, peer: VerifiedPeer, link: Link, dial: Dial,
-                 addrs: list[int] | None = None) -> None:
+                 addrs: list[int] | None = None, mailbox: Advert | None = None) -> None:
         self.peer = peer
         self.link = link
         self._dial = dial
         #: The peer's buffer addresses (prefill needs decode's; decode needs none).
         self.addrs = addrs or []
+        #: Decode's digest mailbox, as its handshake advertised it (prefill; None: none,
+        #: or decode's view of a prefill). Checked by :func:`peer_buffer_addrs` first.
+        self.mailbox = mailbox if mailbox is not None else (
+            peer_mailbox(peer.layout, peer) if addrs else None)
         self._client: Any = None
         #: The peer channel to this peer (kvbeam.server.peer_channel.PeerChannel) once
         #: one is bound: BeginWrite, Digests and Offer go over it only. None before

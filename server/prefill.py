@@ -53,7 +53,8 @@ class PrefillServicer(DaemonServicer):
             resend_retries=runtime.settings.resend_retries, on_resend=runtime.metrics.resends.inc,
             max_offers=runtime.settings.max_inflight,
             on_offer=lambda event: runtime.metrics.offers.labels(event).inc(),
-            send_wait_s=runtime.settings.send_wait_s, digest_pool=self.digest_pool)
+            send_wait_s=runtime.settings.send_wait_s, digest_pool=self.digest_pool,
+            staging=runtime.records, staging_slots=runtime.settings.max_inflight)
         self.channel_handlers = {OFFER: (self.Offer, pb.OfferRequest, True),
                                  ABORT: (self.Abort, pb.AbortRequest, False)}
 
@@ -78,7 +79,8 @@ class PrefillServicer(DaemonServicer):
         # Checked as BeginWrite's answer is: each kind once, no negative index.
         grant = WriteGrant(request.transfer_id, indices_from_proto(request.indices, "indices"),
                            draft_indices_from_proto(request.indices, "indices"),
-                           kv_skip=request.kv_skip)  # checked against the Send's lists
+                           kv_skip=request.kv_skip,  # checked against the Send's lists
+                           mailbox_slot=request.mailbox_slot)  # checked against the mailbox
         kept = self.prefill.offer(rid, request.instance_id, request.seq_len, grant,
                                   request.lease_ms / 1000)
         return pb.OfferResponse(accepted=kept, digests_follow=self.prefill.integrity)

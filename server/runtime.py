@@ -19,6 +19,7 @@ from kvbeam.errors import NoEngineAttached
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.checks import check_target_draft
 from kvbeam.pools.layout import SideLayout, build_side_layout
+from kvbeam.pools.mailbox import RecordArea, record_bytes
 from kvbeam.pools.shm import unmap
 from kvbeam.pools.spec import PoolSpec, SideConfig, load_side_config
 from kvbeam.proto.attach_codec import AttachRequest
@@ -38,6 +39,7 @@ from kvbeam.server.settings import ControlOptions, DaemonSettings
 from kvbeam.server.slots import SlotPool
 from kvbeam.states import TransferStatus
 from kvbeam.transport import Access, Endpoint, TransportOptions, open_transport
+from kvbeam.transport.base import Registration
 from kvbeam.transport.factory import Kind as TransportKind
 
 if TYPE_CHECKING:
@@ -96,9 +98,16 @@ class Runtime:
         log.info("%s daemon: %s transport%s", self.role.value, self.transport.kind,
                  "" if self.transport.kind == "rdma" else
                  " (NO RDMA DEVICE: data moves over TCP, far slower than RDMA)")
+        #: The digest records' memory (protocol 5), the daemon's own (never an engine's):
+        #: decode's mailbox (a slot per request slot, REMOTE_WRITE, advertised in the
+        #: handshake) or prefill's staging slots (``--max-inflight``, LOCAL). Registered
+        #: after the pools; an engine attach keeps it when its shape still fits.
+        self.records: RecordArea | None = None
+        self._records_reg: Registration | None = None
         if own is not None and self.expected is not None:
             self._pools = Pools(self.expected, own.layout, own,
                                 self.transport.register(own.tensor_regions(), self.access))
+            self._fit_records(own.layout, self.expected.target)
         self.metrics = DaemonMetrics(self.role.value)
         self.table = TransferTable(
             Deadlines(settings.deadline_bootstrap_s, settings.deadline_waiting_s,
@@ -174,6 +183,35 @@ class Runtime:
         p = self._pools
         return (None, None, None) if p is None else (p.config.target, p.layout, p.side)
 
+    def _fit_records(self, layout: SideLayout, spec: PoolSpec) -> RecordArea:
+        """The digest records' area for this layout (kept when it still fits; else the
+        old one is deregistered and a new one registered). Before any link of the
+        pools exists: a link's endpoint (its rkeys) covers what was registered then."""
+        slots = spec.num_req_slots if self.role is Role.DECODE else self.settings.max_inflight
+        size = record_bytes(len(layout.flat_buffers))
+        area = self.records
+        if area is not None and (area.slots, area.record_bytes) == (max(1, slots), size):
+            return area
+        self._release_records()
+        area = RecordArea(max(1, slots), size)
+        try:
+            self._records_reg = self.transport.register([area.region], self.access)
+        except BaseException:
+            area.close()
+            raise
+        self.records = area
+        log.info("digest %s: %d slots of %d bytes registered", "mailbox"
+                 if self.role is Role.DECODE else "record staging", area.slots, size)
+        return area
+
+    def _release_records(self) -> None:
+        reg, self._records_reg = self._records_reg, None
+        area, self.records = self.records, None
+        if reg is not None:
+            reg.release()  # waits for writes that use it
+        if area is not None:
+            area.close()
+
     def transport_timeout(self) -> float:
         """The transport's own deadline for a write: below Transferring's, so a stuck
         write fails with its verbs status before the state deadline fires."""
@@ -235,6 +273,17 @@ class Runtime:
         except BaseException:
             unmap(memory.side.take_maps())
             raise
+        try:
+            records = self._fit_records(memory.layout, memory.config.target)
+        except BaseException:
+            registration.release()
+            unmap(memory.side.take_maps())
+            raise
+        core = self._servicer.core
+        if self.role is Role.DECODE:
+            cast("DecodeCore", core).use_mailbox(records)
+        else:
+            cast("PrefillCore", core).use_staging(records)
         pools = Pools(memory.config, memory.layout, memory.side, registration)
         local = SideInfo(self.role, memory.layout, self._template_endpoint(),
                          control_address=self.local.control_address)
@@ -318,5 +367,6 @@ class Runtime:
         pools, self._pools = self._pools, None
         if pools is not None:
             release(pools)
+        self._release_records()
         self.transport.close()
         log.info("%s daemon stopped: nothing registered, transport closed", self.role.value)

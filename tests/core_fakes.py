@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import threading
 import time
@@ -12,7 +13,10 @@ from typing import Any, cast
 
 from kvbeam.errors import AlreadyLanded, NotReserved, SendFailed
 from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.indices import request_indices
+from kvbeam.pools.mailbox import HEADER, MAGIC, RecordArea, encode_record, request_hash
+from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.faults import FaultHooks
@@ -33,11 +37,25 @@ class FakeLink:
         self.id = next(_link_ids)
         self.writes: list[tuple[int, bool]] = []
         self.blocks: list[Blocks] = []  # each write's blocks, for tests that apply them
+        #: (transfer id, bytes) of each digest record written (read from its source
+        #: when it was posted, as the wire would).
+        self.records: list[tuple[int, bytes]] = []
         self.released = False
 
     def write(self, transfer_id: int, blocks: Blocks, notify: bool = True) -> None:
+        if notify and len(blocks):  # a digest record is a notified write's last block
+            raw = ctypes.string_at(int(blocks.src[-1]), int(blocks.lengths[-1]))
+            if HEADER.size <= len(raw) and HEADER.unpack_from(raw)[0] == MAGIC:
+                self.records.append((transfer_id, raw))
         self.writes.append((transfer_id, notify))
         self.blocks.append(blocks)
+
+    def finish(self, transfer_id: int, ok: bool = True,
+               status: str = "IBV_WC_WR_FLUSH_ERR") -> list[Event]:
+        """The COMPLETED events of every write of ``transfer_id`` (with integrity on a
+        final chunk is two: its data, then its digest record)."""
+        return [self.completion(tid, ok, status) for tid, _ in self.writes
+                if tid == transfer_id]
 
     def release(self) -> None:
         self.released = True
@@ -57,11 +75,15 @@ class FakeClient:
 
 
 def fake_conn(address: str, side: AllocatedSide) -> PeerConn:
-    """A connection to a decode daemon at ``address`` whose pools are ``side``."""
+    """A connection to a decode daemon at ``address`` whose pools are ``side`` (and a
+    digest mailbox of its own)."""
     peer = SimpleNamespace(instance_id=f"decode@{address}", control_address=address,
                            layout=side.layout, endpoint=SimpleNamespace(regions=[]))
-    return PeerConn(cast(VerifiedPeer, peer), cast(Link, FakeLink()),
-                    lambda _a: FakeClient(), side.buffer_addrs())
+    box = RecordArea.for_buffers(16, len(side.layout.flat_buffers))
+    conn = PeerConn(cast(VerifiedPeer, peer), cast(Link, FakeLink()),
+                    lambda _a: FakeClient(), side.buffer_addrs(), mailbox=box.advert())
+    conn.fake_mailbox = box  # type: ignore[attr-defined]  # alive as long as the conn
+    return conn
 
 
 class FakeDecode:
@@ -73,7 +95,8 @@ class FakeDecode:
     ``forgot``: link ids decode no longer knows (it re-attached or restarted): BeginWrite
     on them is refused as the gRPC adapter refuses NotHandshaken. ``unreserved``: request
     ids decode holds no reservation for (refused as NOT_FOUND). ``digests``: (request
-    id, transfer id, digests) of every Digests call.
+    id, transfer id, digests) of every digest record prefill wrote (read back from its
+    record write's source, which the fake link keeps).
     """
 
     def __init__(self, side: AllocatedSide) -> None:
@@ -89,7 +112,10 @@ class FakeDecode:
         #: the BeginWrites refused so.
         self.not_yet: set[str] = set()
         self.refused_not_yet: list[str] = []
-        self.digests: list[tuple[str, int, list[int]]] = []
+        self.links: list[FakeLink] = []
+        #: Request ids the digest records are resolved against (their hash), besides
+        #: those BeginWrite saw.
+        self.names: set[str] = set()
         self._grants: dict[str, tuple[int | None, int]] = {}
         self._tids = itertools.count(1)
         self._lock = threading.Lock()
@@ -99,7 +125,25 @@ class FakeDecode:
         gate = self.hold.get(address)
         if gate is not None:
             gate.wait(10)
-        return fake_conn(address, self.side)
+        conn = fake_conn(address, self.side)
+        self.links.append(cast(FakeLink, conn.link))
+        return conn
+
+    @property
+    def digests(self) -> list[tuple[str, int, list[int]]]:
+        """(request id, transfer id, digests) of every digest record written, in order."""
+        core = getattr(self, "core", None)
+        known = {*self.names, *(r for r, _ in self.begins), *(core._out if core else ())}
+        names = {request_hash(r): r for r in known}
+        out = []
+        for link in list(self.links):
+            for tid, raw in list(link.records):
+                n = HEADER.unpack_from(raw)[2]
+                rid = names.get(HEADER.unpack_from(raw)[5], "?")
+                out.append((rid, tid, [int.from_bytes(raw[HEADER.size + 16 * i:
+                                                          HEADER.size + 16 * (i + 1)],
+                                                      "little") for i in range(n)]))
+        return out
 
     def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
                     digests_follow: bool) -> WriteGrant:
@@ -126,11 +170,6 @@ class FakeDecode:
             raise AlreadyLanded(f"request {request_id} landed before the resend")
         return WriteGrant(tid, request_indices(UNIFIED_TARGET, 1, seq_len))
 
-    def send_digests(self, conn: PeerConn, request_id: str, transfer_id: int,
-                     digests: list[int]) -> None:
-        with self._lock:
-            self.digests.append((request_id, transfer_id, list(digests)))
-
     def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
               timeout: float | None = None) -> bool:
         with self._lock:
@@ -142,19 +181,39 @@ class FakeDecode:
         return sum(self.abort(conn, address, rid, detail, timeout) for conn, address, rid in calls)
 
 
+def land_record(core: DecodeCore, request_id: str, digests: list[int],
+                transfer_id: int | None = None, slot: int | None = None) -> None:
+    """What prefill's record write lands before its marker: the request's digest record
+    in its slot of decode's mailbox (``transfer_id``/``slot``: the record's, by default
+    the reservation's)."""
+    res = core._reservation(request_id)
+    assert core.mailbox is not None
+    tid = res.transfer_id if transfer_id is None else transfer_id
+    core.mailbox.put(res.mailbox_slot, encode_record(
+        tid, res.mailbox_slot if slot is None else slot, request_id, digests))
+
+
 def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0,
                  on_resend: Any = lambda: None,
                  deadlines: Deadlines | None = None,
-                 send_wait_s: float = 0.0) -> tuple[PrefillCore, FakeDecode]:
-    """A prefill core over the unit-test pools, with a fake decode side."""
+                 send_wait_s: float = 0.0,
+                 integrity: bool = True) -> tuple[PrefillCore, FakeDecode]:
+    """A prefill core over the unit-test pools, with a fake decode side.
+
+    With ``integrity`` a first attempt's final chunk is two writes (its data, then its
+    digest record, notified: the digests run on the pool's threads, ``inline_below=0``,
+    while the data flies); a resend's, whose digests are kept, is one (the record is
+    its last block). Tests of other paths may switch integrity off: one write a chunk."""
     lay = layout()
     fake = FakeDecode(AllocatedSide(lay))
     core = PrefillCore(table=TransferTable(deadlines or Deadlines()), peers=Peers(), decode=fake,
                        io=ThreadPoolExecutor(workers, thread_name_prefix="test-io"),
                        spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
-                       integrity=True, faults=FaultHooks(), drain_s=drain_s,
+                       integrity=integrity, faults=FaultHooks(), drain_s=drain_s,
                        resend_retries=resend_retries, on_resend=on_resend,
-                       send_wait_s=send_wait_s)
+                       send_wait_s=send_wait_s,
+                       digest_pool=DigestPool(2, inline_below=0))
+    fake.core = core  # type: ignore[attr-defined]  # names the records' request ids
     return core, fake
 
 

@@ -15,22 +15,23 @@ over gRPC by :mod:`kvbeam.server.peer_rpc`. An engine can drive a core directly.
 Modules: :mod:`~kvbeam.server.core.base` (status and the engine-pools switch, both
 cores), prefill's :mod:`~kvbeam.server.core.prefill` (API, send path),
 :mod:`~kvbeam.server.core.prefill_events` and :mod:`~kvbeam.server.core.resend`;
-prefill's :mod:`~kvbeam.server.core.offers` (decode's reservations ahead of Send,
-the digests after the writes); decode's :mod:`~kvbeam.server.core.decode` (API,
+prefill's :mod:`~kvbeam.server.core.offers` (decode's reservations ahead of Send) and
+:mod:`~kvbeam.server.core.prefill_record` (the digest record, written into decode's
+mailbox before the completion marker: protocol 5); decode's :mod:`~kvbeam.server.core.decode` (API,
 events), :mod:`~kvbeam.server.core.decode_offer` (Offer) and
 :mod:`~kvbeam.server.core.decode_landing` (the record, verification),
 :mod:`~kvbeam.server.core.decode_pages` (no item in two live reservations).
 
 Threads. The driver (``DaemonServicer``) owns ONE bounded executor
 (``ThreadPoolExecutor``, ``IO_WORKERS`` threads); every blocking step runs there:
-handshakes, XXH3-128 digests, peer calls (BeginWrite, Digests, Abort: each waits for
-its answer on the pair's peer channel), link releases. The one exception is decode's
+handshakes, XXH3-128 digests, peer calls (BeginWrite, Abort: each waits for its
+answer on the pair's peer channel), link releases. The one exception is decode's
 Offer (:mod:`~kvbeam.server.core.decode_offer`), made in the Reserve handler's
 thread, outside every lock, bounded by the RPC timeout. The transport event thread
 (``on_event``) only does bookkeeping and submits work. Long-lived loops (events,
 deadline sweep, heartbeats) and the peer channels' selector thread
-(:mod:`kvbeam.server.peer_channel`, which answers Offer, BeginWrite and Digests
-itself and hands Aborts to the servicer's ``peer_io`` pool) are the other threads;
+(:mod:`kvbeam.server.peer_channel`, which answers Offer and BeginWrite itself and
+hands Aborts to the servicer's ``peer_io`` pool) are the other threads;
 nothing starts a thread per event.
 
 Locks in kvbeam.server, and their order (a lock may be taken while holding one

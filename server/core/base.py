@@ -52,14 +52,14 @@ class CoreBase(PoolsHolder):
         """Fail every live request (defined by the core)."""
         raise NotImplementedError
 
-    def _adopt(self, spec: PoolSpec) -> None:
+    def _adopt(self, spec: PoolSpec, layout: SideLayout) -> None:
         """Size the core's own state for an engine's config (decode: its slots)."""
 
     def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
         """An engine attached: work in its memory from now on."""
         if self.table.live():  # a request that raced the detach: its indices are stale
             self.shutdown("engine memory replaced while the request was being accepted")
-        self._adopt(spec)
+        self._adopt(spec, layout)
         self._hold(spec, layout, pools)
 
     def drop_pools(self, detail: str) -> None:

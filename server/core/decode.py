@@ -5,9 +5,10 @@ indices (Bootstrapping, its deadline is the reservation lease); the servicer the
 offers them to a connected prefill (:mod:`kvbeam.server.core.decode_offer`), or
 prefill's BeginWrite moves it to Transferring and learns the indices and the
 transfer id; the notification carrying that id arrives after every byte (RC
-ordering; an offered request is Transferring from then), the digests (which
-prefill sends after posting) are checked on the executor once both arrived
-(:mod:`kvbeam.server.core.decode_landing`), and the request is Success. The slot
+ordering; an offered request is Transferring from then), the request's digest record
+among them (prefill writes it into the request's slot of the digest mailbox before the
+marker), and the record and the bytes are checked on the executor
+(:mod:`kvbeam.server.core.decode_landing`); then the request is Success. The slot
 stays held until the scheduler's Release (the engine took over) or the hand-off
 lease expires.
 
@@ -42,6 +43,7 @@ from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.engine_indices import ListLike, check_kv_skip, validate
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.mailbox import RecordArea, record_bytes
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.base import request_bytes
@@ -85,7 +87,10 @@ class DecodeCore(DecodeOffer):
                  transfer_budget: Callable[[int], float] = lambda _n: 0.0,
                  on_offer: Callable[[str], None] = lambda _event: None,
                  wire_s: Callable[[int], float] = lambda _n: 0.0,
-                 digest_pool: DigestPool | None = None) -> None:
+                 digest_pool: DigestPool | None = None,
+                 mailbox: RecordArea | None = None) -> None:
+        """``mailbox``: the digest mailbox the daemon registered (REMOTE_WRITE) and
+        advertises; None: the core makes its own, unregistered (tests of the core)."""
         self.table = table
         self.peers = peers
         self.prefill = prefill
@@ -104,6 +109,9 @@ class DecodeCore(DecodeOffer):
         # The landed bytes' digests run on it (owned by the driver); None: on the executor.
         self.digest_pool = digest_pool or DigestPool(0)
         self.slots = SlotPool(spec.num_req_slots if spec is not None else 0)
+        self.mailbox: RecordArea | None = mailbox
+        if spec is not None and layout is not None:
+            self._fit_mailbox(spec, layout)
         self._lock = threading.Lock()
         self._res: dict[str, Incoming] = {}
         self._by_transfer: dict[int, str] = {}
@@ -147,6 +155,10 @@ class DecodeCore(DecodeOffer):
                 raise BadKvSkip(f"decode: kv_skip {kv_skip}: KV_PAGES has {given} indices; "
                                 f"{seq_len} tokens less the {kv_skip} pages held need {left}")
         held = self.slots.acquire(request_id)
+        if self.mailbox is not None and held < self.mailbox.slots:
+            # No write of an earlier holder of the slot can come any more (a slot is freed
+            # only once its prefill drained): a stale record can never pass from here.
+            self.mailbox.clear(held)
         dst, dst_draft = lists or (request_indices(self.spec, held, seq_len), {})
         nbytes = request_bytes(self.layout, dst, dst_draft)
         slot = held if lists is None else -1
@@ -165,7 +177,7 @@ class DecodeCore(DecodeOffer):
                     raise
                 tid = next(self._ids) & 0xFFFFFFFF
                 res = Incoming(request_id, slot, seq_len, prefill_address, tid, dst,
-                               nbytes, draft=dst_draft, kv_skip=kv_skip)
+                               nbytes, draft=dst_draft, kv_skip=kv_skip, mailbox_slot=held)
                 self._res[request_id] = res
                 self._by_transfer[tid] = request_id
         except Exception:
@@ -206,7 +218,8 @@ class DecodeCore(DecodeOffer):
                     digests_follow: bool) -> Incoming:
         """Prefill is about to write (a chunk of) a request: check it may, say where.
 
-        ``digests_follow``: prefill's integrity is on (its digests come with Digests).
+        ``digests_follow``: prefill's integrity is on (its digest record comes in band,
+        into the request's mailbox slot, before the marker).
         """
         conn = self.peers.get(instance_id)
         if conn is None:
@@ -374,7 +387,7 @@ class DecodeCore(DecodeOffer):
                         event.transfer_id, event.link,
                         extra=fields(rid, conn.control_address if conn else None))
             return
-        if go:  # else the digests are still to come (Digests triggers it)
+        if go:  # else prefill's integrity flag is still to come (the Offer's answer)
             self.io.submit(self._verify, res, tid)
 
     def _transferring(self, rid: str) -> None:
@@ -487,11 +500,30 @@ class DecodeCore(DecodeOffer):
         for rid in rids:
             self._free(rid, "shutdown")
 
-    def _adopt(self, spec: PoolSpec) -> None:
+    def _adopt(self, spec: PoolSpec, layout: SideLayout) -> None:
         """An engine attached: reserve slots (and its items) of its config from now on."""
         self.slots = SlotPool(spec.num_req_slots)
+        self._fit_mailbox(spec, layout)
         with self._lock:
             self._pages = PageBook()
+
+    def use_mailbox(self, mailbox: RecordArea) -> None:
+        """The daemon's digest mailbox (registered, advertised) from now on (an engine
+        attach gives it before the pools: :meth:`use_pools`)."""
+        self.mailbox = mailbox
+
+    def _fit_mailbox(self, spec: PoolSpec, layout: SideLayout) -> None:
+        """Keep a mailbox with a slot per request slot that holds this layout's record;
+        the core makes its own when it has none that does (a test's core: a daemon's
+        runtime gives it one it registered)."""
+        box, size = self.mailbox, record_bytes(len(layout.flat_buffers))
+        if box is not None and box.slots >= spec.num_req_slots and box.record_bytes >= size:
+            return
+        if box is not None:
+            log.error("the daemon's digest mailbox (%d slots of %d bytes) does not fit %d "
+                      "slots of %d: using an unregistered one, prefill will refuse it",
+                      box.slots, box.record_bytes, spec.num_req_slots, size)
+        self.mailbox = RecordArea(max(1, spec.num_req_slots), size)
 
     # ---- helpers -----------------------------------------------------------------------
     def _reservation(self, rid: str) -> Incoming:

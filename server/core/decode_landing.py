@@ -1,14 +1,15 @@
 """Decode's landing path: the request's record, and its proof of arrival.
 
 The notification carrying a request's transfer id arrives after every byte (RC
-ordering); prefill's digests arrive separately, in Digests, which prefill sends
-once it posted the final writes (it digests while they are in flight). Whichever
-of the two comes second queues :meth:`DecodeLanding._verify` on the executor: it
-checks the landed bytes against the digests and makes the request Success, or
-fails it (integrity) and tells prefill. With integrity on, no Success without
-both; digests that never come leave the request to its Transferring deadline,
-whose detail names them. :class:`DecodeLanding` is a base of
-:class:`~kvbeam.server.core.decode.DecodeCore` (split to keep modules small).
+ordering), the request's digest record included: with integrity on, prefill's last
+write of the final chunk puts the record (its XXH3-128 digests, protocol 5) into the
+request's slot of decode's digest mailbox (:mod:`kvbeam.pools.mailbox`), and the
+marker follows it. The notification queues :meth:`DecodeLanding._verify` on the
+executor: it copies the record out of the slot and checks it (magic, version, count,
+self-digest, transfer id, slot, request id), then the landed bytes against its
+digests, and makes the request Success, or fails it (integrity, naming the field or
+the buffers) and tells prefill. No message is awaited. :class:`DecodeLanding` is a
+base of :class:`~kvbeam.server.core.decode.DecodeCore` (split to keep modules small).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-from kvbeam.errors import BadRequest, NotHandshakenError, UnknownRequest
 from kvbeam.logs import fields
 from kvbeam.pools.digest import DIGEST_NAME
 from kvbeam.pools.digest_pool import DigestPool
+from kvbeam.pools.mailbox import Expected, RecordArea, RecordError, parse_record
 from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.ports import IndexLists
 from kvbeam.server.faults import FaultHooks
@@ -55,19 +56,18 @@ class Incoming:
     indices: IndexLists
     nbytes: int
     peer_instance: str = ""          # set by BeginWrite: prefill may write from now on
-    digests: list[int] | None = None
+    digests: list[int] | None = None  # the digest record's, once checked
     success_at: float | None = None
     landed: bool = False
     draft: IndexLists = field(default_factory=dict)  # the draft's own lists (engine's)
     link_id: int | None = None       # the link prefill was granted: only its notification counts
     # Prefill's integrity flag (from BeginWrite or its answer to Offer): True, its
-    # digests come with Digests; None, not known yet (an Offer not answered).
+    # digest record comes in band (the mailbox); None, not known yet (an Offer not
+    # answered: a record found in the slot at the landing says it is on).
     digests_follow: bool | None = None
     offered: bool = False            # granted by Offer, no BeginWrite since
-    # time.monotonic() of the landing and of the digests' arrival: the Success log line
-    # says which came last and how long the check took (where integrity's time goes).
+    # time.monotonic() of the landing: the Success log line says how long the check took.
     landed_at: float = 0.0
-    digests_at: float = 0.0
     verifying: bool = False          # verification is queued (once per landing)
     # An abort prefill did not confirm (its writes may be in flight): when it was first
     # left unconfirmed and last asked again; ``asking``: an Abort of it is under way.
@@ -76,10 +76,14 @@ class Incoming:
     asking: bool = False
     abort_detail: str = ""
     kv_skip: int = 0                 # leading KV pages the engine holds: not written
+    #: The request's slot of the digest mailbox (its request slot, also with engine lists).
+    mailbox_slot: int = -1
 
 
-#: What a landed request waits for when its digests are missing (a timeout names it).
-WAITING_FOR_DIGESTS = "the writes landed; prefill's digests (Digests) never arrived"
+#: What a landed request waits for when prefill's integrity flag is not known (its
+#: answer to the Offer never came) and no record is in the slot (a timeout names it).
+WAITING_FOR_DIGESTS = ("the writes landed without a digest record, and prefill's answer "
+                       "to the Offer (its integrity flag) never came")
 
 
 class DecodeLanding(CoreBase):
@@ -90,54 +94,59 @@ class DecodeLanding(CoreBase):
     peers: Peers
     io: Executor
     digest_pool: DigestPool
+    #: The digest mailbox: one record slot per request slot (set by the core).
+    mailbox: RecordArea | None
     _lock: threading.Lock
     _res: dict[str, Incoming]
 
-    def digests(self, request_id: str, instance_id: str, transfer_id: int,
-                digests: list[int]) -> None:
-        """Prefill's digests of a request it posted; verify if it landed already.
-
-        Digests for another transfer id (an attempt a resend replaced) are ignored:
-        the resend sends them again with its own.
-        """
-        if self.peers.get(instance_id) is None:
-            raise NotHandshakenError(
-                f"no successful handshake with prefill instance {instance_id!r}")
-        if len(digests) != len(self.layout.flat_buffers):
-            raise BadRequest(f"request {request_id}: {len(digests)} digests for "
-                             f"{len(self.layout.flat_buffers)} buffers")
-        with self._lock:
-            res = self._res.get(request_id)
-            if res is None:
-                raise UnknownRequest(f"no reservation for request {request_id!r} on this "
-                                     "decode daemon")
-            if res.peer_instance != instance_id:
-                raise BadRequest(f"request {request_id} is not being written by prefill "
-                                 f"instance {instance_id}")
-            current = transfer_id == res.transfer_id
-            if current:
-                res.digests, res.digests_follow = list(digests), True
-                res.digests_at = time.monotonic()
-            go = current and self._ready(res)
-        if not current:
-            log.info("request %s: digests for the replaced transfer %d ignored", request_id,
-                     transfer_id, extra=fields(request_id, res.prefill_address))
-        if go:
-            self.io.submit(self._verify, res, transfer_id)
-
     def _ready(self, res: Incoming) -> bool:
-        """Landed, and the digests arrived where they are needed: verify now, once.
+        """Landed, and prefill's integrity flag known: verify now, once.
 
-        Core lock held. Digests are needed when our integrity is on and prefill's is
-        on or not known yet.
+        Core lock held. With our integrity on and prefill's flag not known yet (an
+        Offer whose answer is not back), a record in the request's mailbox slot says
+        prefill's integrity is on (the slot was cleared when it was reserved, and the
+        record lands before the marker); without one the request waits for the answer.
         """
         if not res.landed or res.verifying:
             return False
-        if self.integrity and res.digests_follow is not False and res.digests is None:
-            self.table.waiting_for(res.request_id, WAITING_FOR_DIGESTS)
-            return False
+        if self.integrity and res.digests_follow is None:
+            box = self.mailbox
+            if box is None or not 0 <= res.mailbox_slot < box.slots \
+                    or not box.has_record(res.mailbox_slot):
+                self.table.waiting_for(res.request_id, WAITING_FOR_DIGESTS)
+                return False
+            res.digests_follow = True
         res.verifying = True
         return True
+
+    def _record(self, res: Incoming, transfer_id: int) -> list[int]:
+        """The digests of the request's record in its mailbox slot, checked (executor,
+        no lock: nothing writes the slot while the landing is verified).
+
+        Raises:
+            RecordError: naming the field that failed, with both values.
+        """
+        box = self.mailbox
+        if box is None or not 0 <= res.mailbox_slot < box.slots:
+            raise RecordError("slot", f"{res.mailbox_slot} has no place in the mailbox of "
+                                      f"{box.slots if box is not None else 0} slots")
+        return parse_record(box.read(res.mailbox_slot),
+                            Expected(len(self.layout.flat_buffers), transfer_id,
+                                     res.mailbox_slot, res.request_id))
+
+    def _integrity_failed(self, res: Incoming, transfer_id: int, detail: str) -> None:
+        """Fail a landing whose record or bytes do not check out (executor)."""
+        rid = res.request_id
+        with self._lock:
+            current = self._current(res, transfer_id)
+        if not current:
+            self._replaced(res, transfer_id)
+            return
+        if self.table.fail(rid, FailureReason.INTEGRITY, detail):
+            log.error("request %s failed: integrity: %s", rid, detail,
+                      extra=fields(rid, res.prefill_address))
+            self._free(rid, "integrity failure")
+            self._tell_prefill(res, f"decode integrity check failed: {detail}")
 
     def _free(self, rid: str, why: str) -> None:
         """Forget the request and free its slot (defined by the core)."""
@@ -164,33 +173,28 @@ class DecodeLanding(CoreBase):
             self.faults.after_landing(rid, self.pools, res.indices, res.draft)
         verified = NOT_VERIFIED_OFF
         timing = ""
-        if res.digests is not None and self.integrity:
+        if res.digests_follow and self.integrity:
             t0 = time.monotonic()
+            try:
+                res.digests = self._record(res, transfer_id)
+            except RecordError as exc:
+                self._integrity_failed(res, transfer_id, str(exc))
+                return
             # In parallel over the buffers, on the digest pool; no lock held while it runs,
             # and Success (below) only once every buffer's digest was compared.
             landed = self.digest_pool.digests(self.pools, res.indices, draft=res.draft).result()
-            lag = (res.digests_at - res.landed_at) * 1e3
-            timing = (f"; digests {abs(lag):.1f} ms {'after' if lag > 0 else 'before'} the "
-                      f"landing, check {(time.monotonic() - t0) * 1e3:.1f} ms")
+            timing = (f"; record and check {(time.monotonic() - t0) * 1e3:.1f} ms, "
+                      f"{(time.monotonic() - res.landed_at) * 1e3:.1f} ms after the landing")
             bad = [b.name for b, want, got in
                    zip(self.layout.flat_buffers, res.digests, landed, strict=True)
                    if want != got]
             if bad:
                 detail = (f"{DIGEST_NAME} mismatch in {len(bad)} buffer(s): "
                           f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
-                with self._lock:
-                    current = self._current(res, transfer_id)
-                if not current:
-                    self._replaced(res, transfer_id)
-                    return
-                if self.table.fail(rid, FailureReason.INTEGRITY, detail):
-                    log.error("request %s failed: integrity: %s", rid, detail,
-                              extra=fields(rid, res.prefill_address))
-                    self._free(rid, "integrity failure")
-                    self._tell_prefill(res, f"decode integrity check failed: {detail}")
+                self._integrity_failed(res, transfer_id, detail)
                 return
             verified = f"{VERIFIED_PREFIX} {len(landed)} buffers match prefill's digests"
-        elif res.digests is None and self.integrity:
+        elif self.integrity:
             verified = NOT_VERIFIED_NO_DIGESTS
             log.warning("request %s: prefill sent no digests (its integrity check is off): "
                         "arrival proven by the completion, bytes not verified",

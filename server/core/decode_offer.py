@@ -56,7 +56,7 @@ class DecodeOffer(DecodeLanding):
             res.peer_instance, res.link_id, res.offered = conn.instance_id, conn.link.id, True
         answer = self.prefill.offer(conn, res.request_id, res.seq_len,
                                     WriteGrant(res.transfer_id, res.indices, res.draft,
-                                               res.kv_skip),
+                                               res.kv_skip, res.mailbox_slot),
                                     res.slot, lease)
         with self._lock:
             still = res.offered  # no BeginWrite since (it decides instead)

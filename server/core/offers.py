@@ -24,10 +24,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvbeam.errors import NotHandshakenError
-from kvbeam.logs import fields
-from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.digest_pool import DigestJob, DigestPool
-from kvbeam.pools.plan import side_windows
 from kvbeam.server.core.ports import DecodePeers, WriteGrant
 from kvbeam.server.peers import PeerConn, Peers
 
@@ -112,7 +108,7 @@ class OfferBook:
 
 
 class PrefillOffers:
-    """The offer path of the prefill core: keep offers, use them, send digests after.
+    """The offer path of the prefill core: keep offers, use them.
 
     State is defined by :class:`~kvbeam.server.core.prefill.PrefillCore`.
     """
@@ -125,8 +121,6 @@ class PrefillOffers:
     on_offer: Callable[[str], None]
     _lock: threading.Lock
     _out: dict[str, Outgoing]
-    pools: AllocatedSide  # the core's (PoolsHolder)
-    digest_pool: DigestPool
 
     def offer(self, request_id: str, instance_id: str, seq_len: int, grant: WriteGrant,
               lease_s: float) -> bool:
@@ -141,7 +135,11 @@ class PrefillOffers:
             raise NotHandshakenError(f"no connection to decode instance {instance_id!r}")
         with self._lock:
             rec = self._out.get(request_id)
-            late = rec is not None and bool(rec.posted or rec.transfer_id is not None)
+            # Late: the request already writes under a grant (BeginWrite's), or posted a
+            # chunk. A Send whose first step is still asking BeginWrite is not late: decode
+            # may refuse that one (no reservation yet: it parks), and this offer unparks it.
+            late = rec is not None and (rec.transfer_id is not None or rec.bytes_total > 0
+                                        or len(rec.posted) > 1 or bool(rec.resends))
         kept = not late and self.offers.put(
             Offer(request_id, conn, seq_len, grant, time.monotonic() + lease_s))
         self.on_offer("received" if kept else "refused")
@@ -175,19 +173,3 @@ class PrefillOffers:
             return None  # it waits for the Offer (counted "used" when that comes)
         self.on_offer("used" if offer is not None else "missed")
         return offer.grant if offer is not None else None
-
-    def _send_digests(self, rec: Outgoing, conn: PeerConn, transfer_id: int,
-                      job: DigestJob | None) -> None:
-        """Give decode the digests of the request's source: ``job``'s, started on the
-        digest pool before the final writes were posted (the source does not change
-        while they are in flight). Computed once per request, a resend sends the same.
-        Outside every lock, on the executor (it waits for the pool's threads)."""
-        if rec.digests is None:
-            rec.digests = (job or self.digest_pool.digests(
-                self.pools, rec.moved_source, draft=rec.src_draft,
-                windows=side_windows(self.pools.layout, conn.peer.layout, source=True))).result()
-        try:
-            self.decode.send_digests(conn, rec.request_id, transfer_id, rec.digests)
-        except Exception as exc:  # decode's deadline fails the request, naming the digests
-            log.warning("request %s: could not give decode its digests: %s", rec.request_id,
-                        exc, extra=fields(rec.request_id, rec.decode_address))

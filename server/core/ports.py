@@ -58,6 +58,8 @@ class WriteGrant:
     draft: IndexLists = field(default_factory=dict)  # the draft's own lists, where given
     #: Leading KV pages of the request decode holds: ``indices``' KV_PAGES starts there.
     kv_skip: int = 0
+    #: The request's slot of decode's digest mailbox (where its digest record goes).
+    mailbox_slot: int = 0
 
 
 class Offered(Enum):
@@ -84,20 +86,12 @@ class DecodePeers(Protocol):
                     digests_follow: bool) -> WriteGrant:
         """Ask decode where (a chunk of) a request goes (no offer for it was kept).
 
-        ``digests_follow``: prefill's integrity is on; :meth:`send_digests` follows the
-        final chunk's writes.
+        ``digests_follow``: prefill's integrity is on; the final chunk's last write is
+        the request's digest record, into decode's mailbox slot (``mailbox_slot``).
 
         Raises:
             SendFailed: decode refused (with the reason to report).
             PeerError: decode could not be reached.
-        """
-
-    def send_digests(self, conn: PeerConn, request_id: str, transfer_id: int,
-                     digests: list[int]) -> None:
-        """Give decode the request's digests, after its final writes were posted.
-
-        Raises:
-            PeerError: decode could not be reached (its deadline then fails the request).
         """
 
     def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,

@@ -6,8 +6,10 @@ it without holding a worker), takes decode's offer of the reservation or, withou
 one, asks decode where to write with BeginWrite (WaitingForInput -> Transferring;
 :mod:`kvbeam.server.core.offers`), plans against decode's indices and posts the
 writes; the final chunk carries the states and the completion notification, and
-with integrity on the request's digests follow it (computed while the writes are in
-flight). A request is Success once every write completed. A request never ends (Success or
+with integrity on its last write is the request's digest record, into decode's
+mailbox, which the notification follows (:mod:`kvbeam.server.core.prefill_record`;
+the digests are computed while the data writes are in flight). A request is Success
+once every write completed. A request never ends (Success or
 Failed) while a write that reads its source may still be in flight: decode is told
 of a failure only once the request's writes drained, or once its link is released
 (:meth:`PrefillCore.periodic` abandons writes that do not drain in time).
@@ -46,6 +48,7 @@ from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.engine_indices import ListLike, check_kv_skip, same_lists, validate
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.mailbox import FreeSlots, RecordArea
 from kvbeam.pools.plan import build_plan, side_windows
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
@@ -54,11 +57,13 @@ from kvbeam.server.core.offers import OfferBook, PrefillOffers
 from kvbeam.server.core.ports import DecodePeers, IndexLists, WriteGrant
 from kvbeam.server.core.prefill_events import after_resends
 from kvbeam.server.core.prefill_pieces import Pieces
+from kvbeam.server.core.prefill_record import PrefillRecords
 from kvbeam.server.core.resend import PrefillResend
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState, TransferStatus
+from kvbeam.transport.blocks import Blocks
 
 log = logging.getLogger(__name__)
 Ranges = list[tuple[int, int]]
@@ -119,6 +124,9 @@ class Outgoing:
     asked: bool = False  # asks (or asked) with BeginWrite: only decode's Offer unparks it
     pieces: Pieces | None = None  # its lists come a piece per chunk (SEND with kv_offset)
     kv_skip: int | None = None  # leading KV pages decode holds (its grant's; None: no grant)
+    #: The staging slot its digest record is written from (area, its free-list, slot),
+    #: held while a write of it is outstanding (server/core/prefill_record.py).
+    staging: tuple[RecordArea, FreeSlots, int] | None = None
 
     @property
     def moved_source(self) -> IndexLists:
@@ -136,7 +144,7 @@ class Outgoing:
         return self.outstanding <= 0 or self.abandoned
 
 
-class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
+class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
     """All of prefill's request state; the servicer and the runtime's loops call in.
 
     Args:
@@ -159,6 +167,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
         on_offer: called with what happened to an offer (metrics).
         digest_pool: the threads integrity's digests are computed on (owned by the
             driver); None: on the executor thread.
+        staging: the digest records' staging slots, registered LOCAL by the daemon
+            (None: the core makes its own of ``staging_slots``, unregistered: tests).
     """
 
     role = "prefill"
@@ -170,7 +180,8 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                  resend_retries: int = 0, on_resend: Callable[[], None] = lambda: None,
                  max_offers: int = 1024,
                  on_offer: Callable[[str], None] = lambda _event: None,
-                 send_wait_s: float = 0.0, digest_pool: DigestPool | None = None) -> None:
+                 send_wait_s: float = 0.0, digest_pool: DigestPool | None = None,
+                 staging: RecordArea | None = None, staging_slots: int = 256) -> None:
         self.table = table
         self.peers = peers
         self.decode = decode
@@ -186,6 +197,9 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
         self.on_offer = on_offer
         self.send_wait_s = send_wait_s
         self.digest_pool = digest_pool or DigestPool(0)  # 0: on the executor thread
+        self.staging_slots = staging_slots
+        self._staging = staging
+        self._free_staging = FreeSlots(staging.slots) if staging is not None else None
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
         # Counts the Abort handlers waiting on a drain (taken without blocking).
@@ -541,6 +555,11 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
                 self._landed_already(rec)
                 return
         self._check_grant_skip(rec, grant)
+        # Integrity: the final chunk's data goes out unnotified, and the request's digest
+        # record follows it as one more write of the transfer, notified.
+        record = final and self.integrity
+        if record:
+            self._check_mailbox(conn, grant)
         with self._lock:
             snap = self.table.get(rid)
             if snap is None or snap.state.terminal:
@@ -562,46 +581,81 @@ class PrefillCore(PrefillOffers, PrefillResend, CoreBase):
         if self.faults is not None:  # test-only hooks (--enable-fault-injection)
             self.faults.slow_wire()
             blocks = self.faults.aim(rid, conn.link, conn.peer.endpoint, blocks)
+        # Integrity: the digest pool digests the source while the writes go out (the
+        # source does not change while the request lives); the record follows them. Digests
+        # with nothing to overlap (a small request's job runs inline on this thread; a
+        # resend's are kept) put the record at the end of the data's own write (one
+        # transfer, one completion); else it is one more write once the job is done.
+        job = (self.digest_pool.digests(self.pools, rec.moved_source, draft=rec.src_draft,
+                                        windows=side_windows(self.layout, conn.peer.layout,
+                                                             source=True))
+               if record and rec.digests is None else None)
+        together = record and (job is None or job.inline)
+        separate = record and not together
         key = (conn.link.id, grant.transfer_id)
         with self._lock:
             if self._ended(rec):
                 return
+            if record:
+                self._take_staging(rec)
             self._writes[key] = rid
             rec.write_keys.add(key)
             rec.attempt_link = conn.link.id
-            rec.outstanding += 1
+            # The record's write is counted now: no Success (nor drain) before it completed.
+            rec.outstanding += 2 if separate else 1
             rec.pending_bytes.append(plan.total_bytes)
+            if separate:
+                rec.pending_bytes.append(0)  # the record: not the request's bytes
             rec.bytes_total += plan.total_bytes
             # Before posting: the completion may arrive before write() returns.
             rec.final_posted = rec.final_posted or final
         if self.faults is not None:  # test-only hook (--enable-fault-injection)
             self.faults.break_link(rid, conn.link)
-        # Integrity: the digest pool digests the source while the writes go out (the
-        # source does not change while the request lives); sent once they are posted.
-        job = (self.digest_pool.digests(self.pools, rec.moved_source, draft=rec.src_draft,
-                                        windows=side_windows(self.layout, conn.peer.layout,
-                                                             source=True))
-               if final and self.integrity and rec.digests is None else None)
         try:
-            conn.link.write(grant.transfer_id, blocks, notify=final)
+            if together:  # the record is the data write's last block
+                blocks = Blocks.concat([blocks, self._record_blocks(rec, conn, grant, job)])
+            conn.link.write(grant.transfer_id, blocks, notify=final and not separate)
         except Exception as exc:
             with self._drained:
-                rec.outstanding -= 1
+                rec.outstanding -= 2 if separate else 1
+                if separate:
+                    rec.pending_bytes.pop()
                 rec.pending_bytes.pop()
                 rec.bytes_total -= plan.total_bytes
                 rec.final_posted = rec.final_posted and not final
+                self._give_staging(rec)
                 self._drained.notify_all()
-            if isinstance(exc, TransportError) and not isinstance(exc, RegionError):
-                self.on_peer_lost(conn, f"link unusable: {exc}", gone=False)
-                with self._lock:
-                    if rec.resend_pending:
-                        return  # resent on a new link once this step ends
+            if self._resend_after(rec, conn, exc):
+                return  # resent on a new link once this step ends
             raise
         log.info("request %s: posted %s%d bytes in %d blocks to %s", rid,
                  "final chunk, " if final else "chunk, ", plan.total_bytes, plan.num_blocks,
                  conn.control_address, extra=fields(rid, rec.decode_address))
-        if final and self.integrity:  # digested while the writes are in flight
-            self._send_digests(rec, conn, grant.transfer_id, job)
+        if not separate:
+            return
+        try:  # digested while the data writes are in flight
+            conn.link.write(grant.transfer_id, self._record_blocks(rec, conn, grant, job),
+                            notify=True)
+        except Exception as exc:
+            with self._drained:
+                rec.outstanding -= 1
+                rec.pending_bytes.pop()
+                rec.final_posted = False  # no Success without the record's write
+                self._give_staging(rec)
+                self._drained.notify_all()
+            if self._resend_after(rec, conn, exc):
+                return
+            raise
+
+    def _resend_after(self, rec: Outgoing, conn: PeerConn, exc: Exception) -> bool:
+        """A write of the request could not be posted: a link that cannot take writes is
+        lost (its requests are resent on a new one). True when this request's resend is
+        pending (the step then ends without failing it)."""
+        if isinstance(exc, TransportError) and not isinstance(exc, RegionError):
+            self.on_peer_lost(conn, f"link unusable: {exc}", gone=False)
+            with self._lock:
+                return rec.resend_pending
+        return False
 
     def _waits_for_offer(self, rec: Outgoing, conn: PeerConn, final: bool) -> bool:
         """Whether a single-chunk Send with no offer waits for decode's Offer first."""

@@ -101,6 +101,11 @@ class PrefillEvents:
         """Start a pending resend once no write is outstanding (see resend.py)."""
         raise NotImplementedError
 
+    @staticmethod
+    def _give_staging(rec: Outgoing, force: bool = False) -> None:
+        """Give back the request's digest-record staging slot (prefill_record.py)."""
+        raise NotImplementedError
+
     def on_event(self, event: Event) -> None:
         """COMPLETED: one write finished; LINK_FAILED: the decode peer's link is gone."""
         if event.kind is EventKind.LINK_FAILED:
@@ -133,6 +138,7 @@ class PrefillEvents:
             nbytes = rec.pending_bytes.popleft() if rec.pending_bytes else 0
             if event.ok:
                 rec.bytes_done += nbytes
+            self._give_staging(rec)  # once no write of it reads the staging slot
             self._drained.notify_all()
             snap = self.table.get(rec.request_id)
             # The final write acknowledged on this attempt's link means every byte
@@ -275,6 +281,7 @@ class PrefillEvents:
                     continue
                 if rec.told_decode or snap is None or snap.state is TransferState.SUCCESS:
                     del self._out[rid]
+                    self._give_staging(rec, force=True)
                     if snap is not None and not rec.final_submitted:
                         self._ended_unfinished.add(rid)  # a late chunk gets its status
                     for key in rec.write_keys:

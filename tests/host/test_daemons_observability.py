@@ -1,8 +1,9 @@
 """Metrics and structured logs of real daemons (separate processes, TCP on loopback).
 
 The scrapes check that counters move by exactly one request's worth: its bytes
-(the plan's byte total, as both daemons report it), its blocks (as prefill's
-``posted`` lines report them), one Success, one latency observation.
+(the plan's byte total, as both daemons report it; the transport's also count its
+digest record), its blocks (as prefill's ``posted`` lines report them, and the
+record's), one Success, one latency observation.
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ from typing import Any
 import pytest
 
 from kvbeam.errors import DaemonStartError, DuplicateRequest, UnknownRequest
+from kvbeam.pools.layout import build_side_layout
+from kvbeam.pools.mailbox import record_size
+from kvbeam.pools.spec import load_side_config
 from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.scheduler import run_request
 from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import pair, start
+from tests.fixtures import shipped_config
 from tests.metrics_helpers import (
     delta,
     scrape,
@@ -92,12 +97,16 @@ def test_metrics_move_by_exactly_one_request() -> None:
             assert sum(delta(after, before, "kvbeam_transfers_total", state="Failed",
                              reason=r.value) for r in FailureReason) == 0, role
             assert value(after, "kvbeam_transfers_live", state="Transferring") == 0
-        assert delta(p2, p0, "kvbeam_transport_sent_bytes_total") == total
+        # The wire also carried the request's digest record (protocol 5): the last block of
+        # the final write (its digests ran inline, a small request's: one write).
+        record = record_size(len(build_side_layout(
+            load_side_config(shipped_config("prefill"))).flat_buffers))
+        assert delta(p2, p0, "kvbeam_transport_sent_bytes_total") == total + record
         blocks = posted_blocks(prefill, "m-1", chunks=2)
-        assert delta(p2, p0, "kvbeam_transport_sent_blocks_total") == blocks
+        assert delta(p2, p0, "kvbeam_transport_sent_blocks_total") == blocks + 1
         assert delta(p2, p0, "kvbeam_transport_write_completions_total", status="OK") == 2
         assert value(p2, "kvbeam_transport_inflight_writes") == 0
-        assert delta(d2, d0, "kvbeam_transport_received_bytes_total") == total
+        assert delta(d2, d0, "kvbeam_transport_received_bytes_total") == total + record
         assert delta(d2, d0, "kvbeam_transport_notifications_total") == 1
         assert delta(p2, p0, "kvbeam_handshakes_total", side="client", result="ok") == 1
         assert delta(p2, p0, "kvbeam_handshake_seconds_count", side="client") == 1

@@ -216,21 +216,22 @@ def test_protocol_version_mismatch_server_newer(prefill: SideInfo, decode: SideI
     assert (info.value.local, info.value.remote) == (PROTOCOL_VERSION, PROTOCOL_VERSION + 1)
 
 
-@pytest.mark.parametrize("old", [1, 2, 3])
+@pytest.mark.parametrize("old", [1, 2, 3, 4])
 def test_an_older_protocol_peer_is_refused_naming_both_versions(prefill: SideInfo,
                                                                 decode: SideInfo,
                                                                 old: int) -> None:
-    """Protocol 4 (the peer channel) against a protocol 3 build (per-request gRPC calls),
-    a protocol 2 build (CRC32C digests) or a protocol 1 build (no Offer, no Digests):
-    refused before any transfer."""
-    assert PROTOCOL_VERSION == 4
+    """Protocol 5 (the digest mailbox) against a protocol 4 build (a Digests message, no
+    mailbox: its decode would wait for digests that never come), a protocol 3 build
+    (per-request gRPC calls), a protocol 2 build (CRC32C digests) or a protocol 1 build
+    (no Offer, no Digests): refused before any transfer."""
+    assert PROTOCOL_VERSION == 5
     request = pb.HandshakeRequest(side=side_to_proto(prefill))
     request.side.protocol_version = old
     with running(decode) as server:
         code, _, rejection, details = raw_handshake(server.address, request)
     assert code is grpc.StatusCode.FAILED_PRECONDITION
-    assert rejection is not None and rejection.protocol_version == 4
-    assert f"this side speaks kvbeam protocol version 4, the peer speaks {old}" in details, \
+    assert rejection is not None and rejection.protocol_version == 5
+    assert f"this side speaks kvbeam protocol version 5, the peer speaks {old}" in details, \
         details
 
 

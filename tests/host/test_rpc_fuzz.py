@@ -203,13 +203,10 @@ def _messages(daemons: tuple[Daemon, Daemon]) -> st.SearchStrategy[tuple[str, Me
         st.tuples(st.just("BeginWrite"), st.builds(
             pb.BeginWriteRequest, request_id=rid, instance_id=inst, seq_len=EDGE_INTS,
             final_chunk=st.booleans(), digests_follow=st.booleans())),
-        st.tuples(st.just("Digests"), st.builds(
-            pb.DigestsRequest, request_id=rid, instance_id=inst,
-            transfer_id=st.integers(0, 2**32 - 1),
-            digests=st.lists(st.binary(max_size=20), max_size=40))),
         st.tuples(st.just("Offer"), st.builds(
             pb.OfferRequest, request_id=rid, instance_id=inst, seq_len=EDGE_INTS,
             transfer_id=st.integers(0, 2**32 - 1), slot=EDGE_INTS, lease_ms=EDGE_INTS,
+            mailbox_slot=st.integers(0, 2**32 - 1),
             indices=st.lists(st.builds(pb.IndexList, kind=st.integers(0, 5),
                                        indices=st.lists(EDGE_INTS, max_size=8),
                                        pool=st.sampled_from(["", "target", "draft", "x"])),
@@ -235,12 +232,13 @@ def test_adversarial_messages_on_every_method(daemons: tuple[Daemon, Daemon],
 
 
 def test_the_peer_channels_requests_are_no_rpcs(daemons: tuple[Daemon, Daemon]) -> None:
-    """BeginWrite, Offer and Digests are served on the peer channel only: over gRPC both
-    daemons answer UNIMPLEMENTED (the RPC fallback is gone, issue 24)."""
+    """BeginWrite and Offer are served on the peer channel only, and Digests nowhere (the
+    digest mailbox, protocol 5): over gRPC both daemons answer UNIMPLEMENTED."""
     messages = {"BeginWrite": pb.BeginWriteRequest(request_id="r", instance_id="p", seq_len=10,
                                                    final_chunk=True),
                 "Offer": pb.OfferRequest(request_id="r", instance_id="d", seq_len=10),
-                "Digests": pb.DigestsRequest(request_id="r", instance_id="p")}
+                # Protocol 4's DigestsRequest (request_id = 1): its bytes, no message type.
+                "Digests": pb.ReleaseRequest(request_id="r")}
     for daemon in daemons:
         for method, message in messages.items():
             call: Callable[..., Any] = daemon.channel.unary_unary(SERVICE + method, None, None)

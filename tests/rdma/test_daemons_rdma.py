@@ -18,11 +18,15 @@ import pytest
 
 from kvbeam.client import KvbeamClient
 from kvbeam.errors import Busy
+from kvbeam.pools.layout import build_side_layout
+from kvbeam.pools.mailbox import record_size
+from kvbeam.pools.spec import load_side_config
 from kvbeam.procs import DaemonProcess, wait_until
 from kvbeam.scheduler import drive, run_request
 from kvbeam.server.faults import CORRUPT_LANDED_ENV, ENABLE_FLAG, SEED_ENV
 from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import STARTUP_S, pair, spawn, start, start_both
+from tests.fixtures import shipped_config
 from tests.metrics_helpers import delta, scrape, settle, succeeded_once_more, value
 from tests.rdma.conftest import RdmaDevice
 
@@ -63,7 +67,11 @@ def test_metrics_count_rdma_bytes_wrs_and_arrivals(unified: Pair) -> None:
 
     p1 = settle(prefill.metrics, succeeded_once_more(p0), 30)
     d1 = settle(decode.metrics, succeeded_once_more(d0), 30)
-    assert delta(p1, p0, "kvbeam_transport_sent_bytes_total") == total
+    # The wire also carried the request's digest record (protocol 5), into decode's
+    # mailbox: the plan's bytes and one record.
+    record = record_size(len(build_side_layout(
+        load_side_config(shipped_config("prefill"))).flat_buffers))
+    assert delta(p1, p0, "kvbeam_transport_sent_bytes_total") == total + record
     assert delta(p1, p0, "kvbeam_transport_sent_blocks_total") > 0
     assert delta(p1, p0, "kvbeam_transport_posted_wrs_total") > 0  # slices + the IMM marker
     assert value(p1, "kvbeam_transport_inflight_wrs") == 0

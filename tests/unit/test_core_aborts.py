@@ -19,7 +19,8 @@ from tests.unit.test_core_prefill import ADDR, _link
 
 def test_prefills_abort_answers_within_the_callers_time_and_tells_decode_once_drained(
         ) -> None:
-    core, fake = prefill_core(drain_s=30.0)  # a drain that would outlast any caller
+    # A drain that would outlast any caller.
+    core, fake = prefill_core(drain_s=30.0, integrity=False)
     core.send("r", 0, 300, ADDR, [], True)
     link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
@@ -36,7 +37,7 @@ def test_prefills_abort_answers_within_the_callers_time_and_tells_decode_once_dr
 
 
 def test_many_aborts_at_once_hold_few_handler_threads() -> None:
-    core, _fake = prefill_core(drain_s=30.0, workers=8)
+    core, _fake = prefill_core(drain_s=30.0, workers=8, integrity=False)
     n = 40  # more than the 16 handler threads of a daemon
     for i in range(n):
         core.send(f"r{i}", i % 4, 300, ADDR, [], True)
@@ -116,7 +117,7 @@ def test_an_abort_never_confirmed_releases_that_link_only_and_frees_its_slot() -
 
 
 def test_writes_that_never_drain_release_their_link_but_fail_only_their_request() -> None:
-    core, fake = prefill_core(drain_s=0.1, resend_retries=1)
+    core, fake = prefill_core(drain_s=0.1, resend_retries=1, integrity=False)
     for rid in ("slow", "other"):
         core.send(rid, 0, 300, ADDR, [], True)
     link = _link(core)

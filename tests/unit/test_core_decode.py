@@ -18,7 +18,7 @@ from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
-from tests.core_fakes import FakeLink, fake_conn
+from tests.core_fakes import FakeLink, fake_conn, land_record
 from tests.fixtures import UNIFIED_TARGET, layout
 
 PREFILL = "127.0.0.1:7"
@@ -80,8 +80,8 @@ def test_landing_is_verified_on_the_executor_not_the_event_thread() -> None:
     core, io, _prefill, conn = _core()
     res = core.reserve("r", 300, PREFILL)
     digests = request_digests(core.pools, res.indices)  # what prefill would send
-    tid = core.begin_write("r", conn.instance_id, 300, True, True).transfer_id
-    core.digests("r", conn.instance_id, tid, digests)  # sent after posting
+    core.begin_write("r", conn.instance_id, 300, True, True)
+    land_record(core, "r", digests)  # sent after posting
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
     # The event thread only noted the arrival; the CRC check waits on the executor.
     assert core.status("r").state is TransferState.TRANSFERRING
@@ -97,8 +97,8 @@ def test_integrity_failure_frees_the_slot_and_tells_prefill_from_the_executor() 
     core, io, prefill, conn = _core()
     res = core.reserve("r", 300, PREFILL)
     wrong = [d ^ 1 for d in request_digests(core.pools, res.indices)]
-    tid = core.begin_write("r", conn.instance_id, 300, True, True).transfer_id
-    core.digests("r", conn.instance_id, tid, wrong)
+    core.begin_write("r", conn.instance_id, 300, True, True)
+    land_record(core, "r", wrong)
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
     assert prefill.aborts == []
     io.run_all()
@@ -156,11 +156,11 @@ def test_a_resend_gets_a_new_transfer_id_and_the_old_links_notification_is_ignor
     res = core.reserve("r", 300, PREFILL)
     digests = request_digests(core.pools, res.indices)
     old_tid = core.begin_write("r", conn.instance_id, 300, True, True).transfer_id
-    core.digests("r", conn.instance_id, old_tid, digests)
+    land_record(core, "r", digests)
     new = _relink(core, conn)
     new_tid = core.begin_write("r", conn.instance_id, 300, True, True).transfer_id
     assert new_tid != old_tid
-    core.digests("r", conn.instance_id, new_tid, digests)  # the resend sends them again
+    land_record(core, "r", digests)  # the resend sends them again
     # A late notification from the old link, with the old id or the new one: ignored.
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, old_tid))
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, new_tid))

@@ -17,6 +17,7 @@ from kvbeam.pools.types import IndexKind
 from kvbeam.server.identity import claim_refusal
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
+from tests.core_fakes import land_record
 from tests.engine_lists import kind_items, random_lists
 from tests.unit.test_core_decode import PREFILL, _core, _relink
 
@@ -60,7 +61,7 @@ def test_a_relink_while_the_landing_is_verified_is_answered_already_landed() -> 
     res = core.reserve("r", 300, PREFILL)
     digests = request_digests(core.pools, res.indices)
     tid = core.begin_write("r", conn.instance_id, 300, True, True).transfer_id
-    core.digests("r", conn.instance_id, tid, digests)
+    land_record(core, "r", digests)
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, tid))
     assert len(io.queue) == 1  # the verification is queued, not run yet
     _relink(core, conn)

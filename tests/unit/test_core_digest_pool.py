@@ -1,9 +1,9 @@
 """The cores compute integrity's digests on the digest pool, with the same guarantee.
 
 Prefill starts its source's digests on the pool before it posts the final writes and
-sends them once posted; decode digests the landed bytes on the pool and is Success
-only when every buffer matched: one corrupted landed byte is Failed(integrity),
-naming the buffer.
+writes their record once they are posted (the notified write); decode digests the
+landed bytes on the pool and is Success only when every buffer matched: one corrupted
+landed byte is Failed(integrity), naming the buffer.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Blocks, Event, EventKind, Link
-from tests.core_fakes import FakeDecode, FakeLink, fake_conn, wait_for
+from tests.core_fakes import FakeDecode, FakeLink, fake_conn, land_record, wait_for
 from tests.fixtures import UNIFIED_TARGET, layout
 from tests.unit.test_core_decode import PREFILL, FakePrefill, QueueExecutor
 
@@ -60,6 +60,8 @@ class RecordingDecode(FakeDecode):
         super().__init__(side)
         self.conn = fake_conn(ADDR, side)
         self.conn.link = cast(Link, RecordingLink(log))
+        self.links.append(cast(FakeLink, self.conn.link))
+        self.names.add("r")
 
     def connect(self, address: str) -> PeerConn:
         return self.conn
@@ -78,7 +80,9 @@ def test_prefill_starts_its_digests_on_the_pool_before_posting_and_sends_the_sam
                            digest_pool=pool)
         core.send("r", 1, SEQ, ADDR, [], True)
         assert wait_for(lambda: len(fake.digests) == 1)
-    assert log == ["digests started", "write notify=True"]
+    # On the pool's threads (inline_below=0): the data goes out while they digest, the
+    # record follows as the notified write.
+    assert log == ["digests started", "write notify=False", "write notify=True"]
     rid, tid, digests = fake.digests[0]
     assert (rid, tid) == ("r", cast(FakeLink, fake.conn.link).writes[0][0])
     assert digests == request_digests(src, request_indices(UNIFIED_TARGET, 1, SEQ))
@@ -101,8 +105,8 @@ def test_decode_verifies_on_the_pool_and_is_success_when_every_buffer_matches() 
     with DigestPool(3, inline_below=0) as pool:  # the threads' path, not the inline one
         core, io, _prefill, conn = _decode(pool)
         res = core.reserve("r", SEQ, PREFILL)
-        tid = core.begin_write("r", conn.instance_id, SEQ, True, True).transfer_id
-        core.digests("r", conn.instance_id, tid, request_digests(core.pools, res.indices))
+        core.begin_write("r", conn.instance_id, SEQ, True, True)
+        land_record(core, "r", request_digests(core.pools, res.indices))
         core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
         io.run_all()
     st = core.status("r")
@@ -120,8 +124,8 @@ def test_one_corrupted_landed_byte_fails_integrity_naming_its_buffer() -> None:
         ring = next(b for b in core.layout.flat_buffers if b.name.endswith("swa_ring"))
         row = int(res.indices[IndexKind.SWA_RING_ROWS][7])
         core.pools.buffer_array(ring)[row * ring.item_len + 3] ^= 0x01  # one landed byte
-        tid = core.begin_write("r", conn.instance_id, SEQ, True, True).transfer_id
-        core.digests("r", conn.instance_id, tid, sent)
+        core.begin_write("r", conn.instance_id, SEQ, True, True)
+        land_record(core, "r", sent)
         core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
         io.run_all()
     st = core.status("r")

@@ -1,4 +1,5 @@
-"""Protocol 2 in the cores: decode's Offer replaces BeginWrite, digests follow the writes."""
+"""Protocol 2 in the cores: decode's Offer replaces BeginWrite; the digest record (protocol
+5) is the final chunk's last write, into decode's mailbox, and the notification follows it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from kvbeam.errors import UnknownRequest
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.pools.indices import request_indices
+from kvbeam.pools.mailbox import encode_record
 from kvbeam.server.core import prefill as prefill_module
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.decode_landing import WAITING_FOR_DIGESTS
@@ -20,7 +22,7 @@ from kvbeam.server.lifecycle import Deadlines
 from kvbeam.server.peers import PeerConn
 from kvbeam.states import NOT_VERIFIED_NO_DIGESTS, FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
-from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
+from tests.core_fakes import FakeDecode, FakeLink, land_record, prefill_core, wait_for
 from tests.fixtures import UNIFIED_TARGET
 from tests.unit.test_core_decode import PREFILL, FakePrefill, QueueExecutor, _core
 
@@ -39,7 +41,9 @@ def _connected(**kw: object) -> tuple[PrefillCore, FakeDecode, PeerConn, list[st
     conn = core.peers.by_address(ADDR)
     assert conn is not None
     link = cast(FakeLink, conn.link)
-    core.on_event(link.completion(link.writes[0][0]))
+    assert link.writes == [(link.writes[0][0], False), (link.writes[0][0], True)]
+    for event in link.finish(link.writes[0][0]):  # its data, then its digest record
+        core.on_event(event)
     assert core.status("first").state is TransferState.SUCCESS
     assert events == ["missed"]  # the first request found no offer: it asked BeginWrite
     events.clear()
@@ -50,17 +54,25 @@ def _grant(tid: int) -> WriteGrant:
     return WriteGrant(tid, request_indices(UNIFIED_TARGET, 2, SEQ))
 
 
-def test_an_offered_request_posts_its_writes_without_begin_write_and_digests_follow() -> None:
+def test_an_offered_request_posts_its_writes_without_begin_write_then_its_record() -> None:
     core, fake, conn, events = _connected()
-    assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
+    grant = WriteGrant(77, request_indices(UNIFIED_TARGET, 2, SEQ), mailbox_slot=5)
+    assert core.offer("r", conn.instance_id, SEQ, grant, lease_s=10.0)
     core.send("r", 1, SEQ, ADDR, [], True)
     link = cast(FakeLink, conn.link)
-    assert wait_for(lambda: len(link.writes) == 2 and len(fake.digests) == 2)
-    assert link.writes[1] == (77, True)  # the offer's transfer id, with the notification
+    assert wait_for(lambda: len(link.writes) == 4 and len(fake.digests) == 2)
+    # The offer's transfer id: the data unnotified, then the record with the notification.
+    assert link.writes[2:] == [(77, False), (77, True)]
     assert [rid for rid, _ in fake.begins] == ["first"], "BeginWrite was called for r"
     want = request_digests(core.pools, request_indices(UNIFIED_TARGET, 1, SEQ))
-    assert fake.digests[1] == ("r", 77, want)  # after posting, for the offer's transfer id
+    assert fake.digests[1] == ("r", 77, want)
+    # The record goes from a staging slot into decode's mailbox slot 5, whole.
+    record = link.blocks[3]
+    assert conn.mailbox is not None and int(record.dst[0]) == conn.mailbox.slot_addr(5)
+    assert link.records[1][1] == encode_record(77, 5, "r", want)
     assert core.status("r").state is TransferState.TRANSFERRING
+    core.on_event(link.completion(77))  # the data: not yet Success, the record is out
+    assert core.status("r").state is TransferState.TRANSFERRING and core.in_flight("r") == 1
     core.on_event(link.completion(77))
     assert core.status("r").state is TransferState.SUCCESS
     assert events == ["received", "used"]
@@ -84,8 +96,8 @@ def test_with_send_wait_a_send_before_the_offer_waits_for_it_instead_of_asking()
     core.send("r", 1, SEQ, ADDR, [], True)
     assert wait_for(lambda: core.status("r").state is TransferState.WAITING_FOR_INPUT)
     assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)  # unparks it
-    assert wait_for(lambda: len(link.writes) == 2)
-    assert link.writes[1] == (77, True)
+    assert wait_for(lambda: len(link.writes) == 4)
+    assert link.writes[2:] == [(77, False), (77, True)]
     assert [rid for rid, _ in fake.begins] == ["first"], "BeginWrite was called for r"
     assert core.status("r").state is TransferState.TRANSFERRING
     assert events == ["received", "used"]
@@ -99,7 +111,7 @@ def test_with_send_wait_no_offer_within_the_grace_asks_begin_write() -> None:
     core.periodic()  # the sweep: the grace passed
     assert wait_for(lambda: [rid for rid, _ in fake.begins] == ["first", "s"])
     link = cast(FakeLink, conn.link)
-    assert wait_for(lambda: len(link.writes) == 2)
+    assert wait_for(lambda: len(link.writes) == 4)
 
 
 def test_with_send_wait_decode_without_the_reservation_keeps_it_waiting_until_the_lease(
@@ -132,7 +144,7 @@ def test_an_offer_over_a_previous_connection_is_ignored() -> None:
     assert wait_for(lambda: len(fake.begins) == 2)
     new = core.peers.by_address(ADDR)
     assert new is not None and new is not conn
-    assert wait_for(lambda: len(cast(FakeLink, new.link).writes) == 1)
+    assert wait_for(lambda: len(cast(FakeLink, new.link).writes) == 2)
     assert cast(FakeLink, new.link).writes[0][0] != 77
     assert events == ["received", "missed"]
 
@@ -181,38 +193,76 @@ def _notify(core: DecodeCore, conn: PeerConn) -> None:
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, tid))
 
 
-@pytest.mark.parametrize("digests_first", [True, False])
-def test_an_offered_request_is_verified_once_both_notification_and_digests_arrived(
-        digests_first: bool) -> None:
+def test_an_offered_request_is_verified_from_its_record_once_the_notification_came() -> None:
     core, io, _prefill, conn, digests = _offered()
-    tid = core._reservation("r").transfer_id
-    if digests_first:
-        core.digests("r", conn.instance_id, tid, digests)
-        assert io.queue == []  # nothing landed yet
+    assert prefill_offer_slot(_prefill) == core._reservation("r").mailbox_slot
+    land_record(core, "r", digests)
+    assert io.queue == []  # nothing landed yet: the record alone proves nothing
     _notify(core, conn)
     assert core.status("r").state is TransferState.TRANSFERRING
-    if not digests_first:
-        assert io.queue == [], "verification started before the digests came"
-        core.digests("r", conn.instance_id, tid, digests)
     assert len(io.queue) == 1
     io.run_all()
     st = core.status("r")
     assert st.state is TransferState.SUCCESS and st.detail.startswith("XXH3-128 verified")
 
 
-def test_a_wrong_digest_after_the_notification_fails_integrity() -> None:
+def prefill_offer_slot(prefill: FakePrefill) -> int:
+    """The mailbox slot decode's Offer named."""
+    return prefill.offers[-1][1].mailbox_slot
+
+
+def test_a_wrong_digest_in_the_record_fails_integrity() -> None:
     core, io, prefill, conn, digests = _offered()
+    land_record(core, "r", [digests[0] ^ 1, *digests[1:]])
     _notify(core, conn)
-    core.digests("r", conn.instance_id, core._reservation("r").transfer_id,
-                 [digests[0] ^ 1, *digests[1:]])
     io.run_all()
     st = core.status("r")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.INTEGRITY
+    assert st.detail.startswith("XXH3-128 mismatch in 1 buffer(s)"), st.detail
     assert prefill.aborts == ["r"] and core.slot_of("r") == -1
 
 
-def test_digests_that_never_arrive_time_out_never_success() -> None:
-    core, io, _prefill, conn, digests = _offered(deadlines=Deadlines(transferring=0.05))
+def test_a_landing_without_a_record_fails_integrity_naming_the_magic() -> None:
+    """Prefill said its digests follow, the marker came, the slot holds no record (it was
+    cleared when reserved): never Success, never a wait."""
+    core, io, prefill, conn, _digests = _offered()
+    _notify(core, conn)
+    io.run_all()
+    st = core.status("r")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.INTEGRITY
+    assert st.detail.startswith("digest record: magic: 0x00000000, expected 0x5244564b"), \
+        st.detail
+    assert prefill.aborts == ["r"] and core.slot_of("r") == -1
+
+
+@pytest.mark.parametrize(("field", "kw"), [("transfer_id", {"transfer_id": 999}),
+                                           ("slot", {"slot": 7})])
+def test_a_record_of_another_transfer_or_slot_fails_naming_the_field(
+        field: str, kw: dict[str, int]) -> None:
+    core, io, _prefill, conn, digests = _offered()
+    land_record(core, "r", digests, **kw)
+    _notify(core, conn)
+    io.run_all()
+    st = core.status("r")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.INTEGRITY
+    assert st.detail.startswith(f"digest record: {field}: {next(iter(kw.values()))}, "
+                                "expected "), st.detail
+
+
+def test_a_stale_record_of_an_earlier_request_in_the_slot_never_passes() -> None:
+    core, io, _prefill, conn, digests = _offered()
+    slot = core._reservation("r").mailbox_slot
+    land_record(core, "r", digests)  # the record of r
+    core.abort("r", from_peer=True, detail="prefill failed", instance_id=conn.instance_id)
+    io.run_all()
+    res = core.reserve("r2", SEQ, PREFILL)  # the same slot again: its header is cleared
+    assert res.mailbox_slot == slot
+    assert core.mailbox is not None and not core.mailbox.has_record(slot)
+
+
+def test_no_flag_and_no_record_waits_for_the_offers_answer_then_times_out() -> None:
+    core, io, _prefill, conn, _digests = _offered(Offered.UNKNOWN,
+                                                  deadlines=Deadlines(transferring=0.05))
     _notify(core, conn)
     io.run_all()
     assert core.status("r").state is TransferState.TRANSFERRING
@@ -224,18 +274,15 @@ def test_digests_that_never_arrive_time_out_never_success() -> None:
     assert WAITING_FOR_DIGESTS in st.detail
     core.on_deadline(expired[0])
     io.run_all()
-    with pytest.raises(UnknownRequest):  # the slot is freed: late digests find nothing
-        core.digests("r", conn.instance_id, 1, digests)
-    assert core.status("r").state is TransferState.FAILED
+    with pytest.raises(UnknownRequest):  # the slot is freed
+        core._reservation("r")
 
 
-def test_stale_digests_of_a_replaced_transfer_are_ignored() -> None:
-    core, io, _prefill, conn, digests = _offered()
-    old = core._reservation("r").transfer_id
-    core.digests("r", conn.instance_id, old + 1000, [d ^ 1 for d in digests])
+def test_a_record_in_the_slot_stands_for_an_unanswered_offer() -> None:
+    core, io, _prefill, conn, digests = _offered(Offered.UNKNOWN)
+    land_record(core, "r", digests)
     _notify(core, conn)
-    assert io.queue == []  # the wrong transfer's digests do not count
-    core.digests("r", conn.instance_id, old, digests)
+    assert len(io.queue) == 1
     io.run_all()
     assert core.status("r").state is TransferState.SUCCESS
 
@@ -247,15 +294,14 @@ def test_a_notification_before_the_offers_answer_still_counts() -> None:
 
     def offer_and_land(*args: object, **kw: object) -> Offered:
         answer = real(*args, **kw)  # type: ignore[arg-type]
-        # Prefill used the offer at once: its notification beats the answer here.
+        # Prefill used the offer at once: its record and notification beat the answer.
+        land_record(core, "r", request_digests(core.pools, res.indices))
         core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
         return answer
 
     prefill.offer = offer_and_land  # type: ignore[method-assign]
     core.offer(res)
-    assert res.landed and io.queue == []
-    core.digests("r", conn.instance_id, res.transfer_id,
-                 request_digests(core.pools, res.indices))
+    assert res.landed and len(io.queue) == 1
     io.run_all()
     assert core.status("r").state is TransferState.SUCCESS
 
@@ -315,8 +361,9 @@ def test_a_resend_sends_the_digests_computed_once_with_its_new_transfer_id(
     conn = core.peers.by_address(ADDR)
     assert conn is not None
     old = cast(FakeLink, conn.link)
-    assert wait_for(lambda: len(old.writes) == 1 and len(fake.digests) == 1)
-    core.on_event(old.completion(old.writes[0][0], ok=False, status="IBV_WC_RETRY_EXC_ERR"))
+    assert wait_for(lambda: len(old.writes) == 2 and len(fake.digests) == 1)
+    for event in old.finish(old.writes[0][0], ok=False, status="IBV_WC_RETRY_EXC_ERR"):
+        core.on_event(event)  # the data and the record, flushed
     assert wait_for(lambda: len(fake.digests) == 2)
     (r1, tid1, d1), (r2, tid2, d2) = fake.digests
     assert r1 == r2 == "r" and tid1 != tid2 and d1 == d2
@@ -335,3 +382,25 @@ def test_a_kept_offer_grows_the_lease_by_the_bytes_time_only(answer: Offered) ->
     assert left is not None
     want = 15.0 if answer is Offered.DIGESTS_FOLLOW else 10.0  # never the 30 s Transferring
     assert want - 0.5 < left <= want, left
+
+
+def test_an_offer_that_comes_while_the_send_asks_begin_write_is_kept_and_unparks_it() -> None:
+    """Decode reserves (and offers) just after refusing the Send's BeginWrite for want of
+    a reservation: the offer must not be refused as late, or the parked Send would wait
+    for an offer that already came, until --send-wait-s."""
+    core, fake, conn, events = _connected(send_wait_s=5.0)
+    conn.missed_heartbeats = 1  # no waiting for an offer first: the Send asks at once
+    fake.not_yet.add("r")
+    real = fake.begin_write
+
+    def racing(c: PeerConn, rid: str, *args: object) -> WriteGrant:
+        if rid == "r":  # decode's Offer overtakes its refusal of this BeginWrite
+            assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
+        return real(c, rid, *args)  # type: ignore[arg-type]
+
+    fake.begin_write = racing  # type: ignore[method-assign,assignment]
+    core.send("r", 1, SEQ, ADDR, [], True)
+    link = cast(FakeLink, conn.link)
+    assert wait_for(lambda: len(link.writes) == 4), core.status("r")
+    assert link.writes[2:] == [(77, False), (77, True)]  # written under the offer
+    assert events == ["missed", "received", "used"]

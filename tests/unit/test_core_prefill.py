@@ -38,7 +38,7 @@ def test_core_modules_do_not_import_grpc() -> None:
 
 
 def test_single_chunk_request_succeeds_once_its_write_completes() -> None:
-    core, _fake = prefill_core()
+    core, _fake = prefill_core(integrity=False)
     core.send("r", 0, 300, ADDR, [], True)
     link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
@@ -55,7 +55,7 @@ def test_single_chunk_request_succeeds_once_its_write_completes() -> None:
 
 def test_decodes_late_verdict_is_logged_after_the_success_record_was_pruned(
         caplog: pytest.LogCaptureFixture) -> None:
-    core, _fake = prefill_core()
+    core, _fake = prefill_core(integrity=False)
     core.send("r", 0, 300, ADDR, [], True)
     link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
@@ -70,7 +70,7 @@ def test_decodes_late_verdict_is_logged_after_the_success_record_was_pruned(
 
 
 def test_record_is_pruned_after_a_drain_timeout_even_when_writes_complete_late() -> None:
-    core, fake = prefill_core(drain_s=0.1)
+    core, fake = prefill_core(drain_s=0.1, integrity=False)
     core.send("r", 0, 300, ADDR, [], True)
     link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
@@ -91,7 +91,7 @@ def test_record_is_pruned_after_a_drain_timeout_even_when_writes_complete_late()
 
 def test_decode_that_aborted_is_not_told_again_when_a_write_completes_during_the_drain(
         ) -> None:
-    core, fake = prefill_core()
+    core, fake = prefill_core(integrity=False)
     core.send("r", 0, 300, ADDR, [], True)
     link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
@@ -110,7 +110,7 @@ def test_two_failure_paths_racing_tell_decode_once() -> None:
     sys_interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as possible: widen any race
     try:
-        core, fake = prefill_core()
+        core, fake = prefill_core(integrity=False)
         n = 40
         for i in range(n):
             core.send(f"r{i}", i % 4, 300, ADDR, [], True)
@@ -145,7 +145,7 @@ def test_two_failure_paths_racing_tell_decode_once() -> None:
 
 
 def test_a_hanging_handshake_holds_one_worker_not_the_others() -> None:
-    core, fake = prefill_core(workers=2)
+    core, fake = prefill_core(workers=2, integrity=False)
     stuck = threading.Event()
     fake.hold["10.0.0.2:1"] = stuck
     try:
@@ -168,7 +168,7 @@ def test_a_chunk_after_the_request_ended_is_answered_with_its_status() -> None:
     # partition a lost peer): the engine's next chunk, final or not, is not a reuse of
     # its id (no DuplicateRequest) but is told how it ended, before and after the sweep
     # forgets its record. A final chunk sent twice stays a duplicate.
-    core, _fake = prefill_core(drain_s=0.0)
+    core, _fake = prefill_core(drain_s=0.0, integrity=False)
     core.send("late", 0, 1000, ADDR, [(0, 256)], False)
     link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
@@ -191,7 +191,7 @@ def test_a_chunk_after_the_request_ended_is_answered_with_its_status() -> None:
 
 
 def test_chunks_of_one_request_post_in_order_and_succeed_after_the_final() -> None:
-    core, _fake = prefill_core()
+    core, _fake = prefill_core(integrity=False)
     core.send("c", 0, 1000, ADDR, [(0, 256)], False)
     core.send("c", 0, 1000, ADDR, [(256, 700)], False)
     core.send("c", 0, 1000, ADDR, [], True)

@@ -17,7 +17,7 @@ SEQ = 300
 
 def _in_flight() -> tuple[PrefillCore, PeerConn]:
     """A prefill core with request "r" posted to decode at ADDR (its writes in flight)."""
-    core, fake = prefill_core(drain_s=0.2)
+    core, fake = prefill_core(drain_s=0.2, integrity=False)
     core.send("r", 0, SEQ, ADDR, [], True)
     assert wait_for(lambda: len(fake.begins) == 1)
     conn = core.peers.by_address(ADDR)

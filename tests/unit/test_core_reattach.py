@@ -10,7 +10,7 @@ from tests.unit.test_core_resend import ADDR, _link
 
 def _connected() -> tuple[PrefillCore, FakeDecode, FakeLink]:
     """A core whose connection to ADDR served one request; decode then forgets it."""
-    core, fake = prefill_core()
+    core, fake = prefill_core(integrity=False)
     core.send("r0", 0, 300, ADDR, [], True)
     link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
@@ -44,7 +44,7 @@ def test_a_second_refusal_fails_the_request_as_the_peer_failed_after_one_handsha
 
 
 def test_a_request_that_wrote_already_fails_at_once_without_a_new_handshake() -> None:
-    core, fake = prefill_core()
+    core, fake = prefill_core(integrity=False)
     core.send("r", 0, 1000, ADDR, [(0, 256)], False)
     link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)

@@ -1,4 +1,8 @@
-"""Prefill's resend after a transient transport error, with fake links and a fake decode."""
+"""Prefill's resend after a transient transport error, with fake links and a fake decode.
+
+Integrity is on: a first attempt's final chunk is two writes of its transfer id, its data
+and then its digest record (the notified one); both complete (or fail) before anything is
+resent. A resend's is one write (its digests are kept: the record is its last block)."""
 
 from __future__ import annotations
 
@@ -42,9 +46,16 @@ def _resending(retries: int = 2, transferring: float = 30.0,
 
 def _fail_first_write(core: PrefillCore, status: str = RETRY_EXC) -> FakeLink:
     link = _link(core)
-    assert wait_for(lambda: len(link.writes) == 1)
-    core.on_event(link.completion(link.writes[0][0], ok=False, status=status))
+    assert wait_for(lambda: len(link.writes) == 2)  # the data, then the digest record
+    for event in link.finish(link.writes[0][0], ok=False, status=status):
+        core.on_event(event)
     return link
+
+
+def _succeed(core: PrefillCore, link: FakeLink) -> None:
+    """Complete every write of the link's (one) request: its data and its record."""
+    for event in link.finish(link.writes[0][0]):
+        core.on_event(event)
 
 
 def test_a_failed_write_is_resent_on_a_new_link_and_the_request_succeeds() -> None:
@@ -54,9 +65,10 @@ def test_a_failed_write_is_resent_on_a_new_link_and_the_request_succeeds() -> No
     assert core.status("r").state is TransferState.TRANSFERRING  # not failed
     new = _link(core, not_=old)
     assert wait_for(lambda: len(new.writes) == 1)
+    assert new.writes[0][1] and len(new.records) == 1  # data and record, one notified write
     assert old.released and fake.connects == [ADDR, ADDR]
     assert [link for _r, link in fake.begins] == [old.id, new.id]  # a new grant
-    core.on_event(new.completion(new.writes[0][0]))
+    _succeed(core, new)
     assert core.status("r").state is TransferState.SUCCESS
     assert counted == [1] and fake.aborts == []
     core.periodic()
@@ -74,9 +86,9 @@ def test_every_posted_chunk_is_resent_in_order() -> None:
     core.on_event(old.completion(old.writes[1][0], ok=False, status=RETRY_EXC))
     new = _link(core, not_=old)
     assert wait_for(lambda: len(new.writes) == 2)  # both chunks again
-    core.send("c", 0, 1000, ADDR, [], True)
-    assert wait_for(lambda: len(new.writes) == 3)
-    assert [notify for _tid, notify in new.writes] == [False, False, True]
+    core.send("c", 0, 1000, ADDR, [], True)  # its first final: digested while data flies
+    assert wait_for(lambda: len(new.writes) == 4)
+    assert [notify for _tid, notify in new.writes] == [False, False, False, True]
     for tid, _ in new.writes:
         core.on_event(new.completion(tid))
     assert core.status("c").state is TransferState.SUCCESS
@@ -93,7 +105,7 @@ def test_a_late_completion_from_the_old_link_is_ignored() -> None:
     # The old link's write reported again, now as done: it proves nothing for the resend.
     core.on_event(old.completion(old.writes[0][0], ok=True))
     assert core.status("r").state is TransferState.TRANSFERRING
-    core.on_event(new.completion(new.writes[0][0]))
+    _succeed(core, new)
     assert core.status("r").state is TransferState.SUCCESS
 
 
@@ -102,13 +114,16 @@ def test_a_resend_waits_until_the_dead_links_writes_completed() -> None:
     core.send("c", 0, 1000, ADDR, [(0, 256)], False)
     core.send("c", 0, 1000, ADDR, [], True)
     old = _link(core)
-    assert wait_for(lambda: len(old.writes) == 2)
+    assert wait_for(lambda: len(old.writes) == 3)  # the chunk, the final's data, the record
     core.on_event(old.completion(old.writes[0][0], ok=False, status=RETRY_EXC))
     core.io.submit(lambda: None).result()
-    assert fake.connects == [ADDR]  # the final write may still read the source
+    assert fake.connects == [ADDR]  # the final writes may still read the source
     core.on_event(old.completion(old.writes[1][0], ok=False))  # flushed
+    core.io.submit(lambda: None).result()
+    assert fake.connects == [ADDR]  # the record's write may still read its staging slot
+    core.on_event(old.completion(old.writes[2][0], ok=False))  # flushed
     new = _link(core, not_=old)
-    assert wait_for(lambda: len(new.writes) == 2)
+    assert wait_for(lambda: len(new.writes) == 2)  # the chunk, the final with its record
 
 
 def test_retries_zero_fails_at_once_with_the_transport_detail() -> None:
@@ -128,8 +143,9 @@ def test_a_permanent_fault_fails_after_the_retries_with_one_abort() -> None:
     link: FakeLink | None = None
     for _attempt in range(3):
         link = _link(core, not_=link)
-        assert wait_for(lambda lk=link: len(lk.writes) == 1)
-        core.on_event(link.completion(link.writes[0][0], ok=False, status=RETRY_EXC))
+        assert wait_for(lambda lk=link, n=1 if _attempt else 2: len(lk.writes) == n)
+        for event in link.finish(link.writes[0][0], ok=False, status=RETRY_EXC):
+            core.on_event(event)
     st = core.status("r")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.TRANSPORT_ERROR
     assert st.detail.endswith("after 2 resends") and RETRY_EXC in st.detail
@@ -152,7 +168,7 @@ def test_a_lost_peer_fails_its_requests_without_a_resend() -> None:
     core, fake, counted = _resending()
     core.send("r", 0, 300, ADDR, [], True)
     link = _link(core)
-    assert wait_for(lambda: len(link.writes) == 1)
+    assert wait_for(lambda: len(link.writes) == 2)
     conn = core.peers.by_address(ADDR)
     assert conn is not None
     core.on_peer_lost(conn, "peer stopped answering heartbeats", gone=True)
@@ -166,12 +182,12 @@ def test_other_requests_on_the_failed_link_are_resent_too() -> None:
     for i in range(3):
         core.send(f"r{i}", i, 300, ADDR, [], True)
     old = _link(core)
-    assert wait_for(lambda: len(old.writes) == 3)
+    assert wait_for(lambda: len(old.writes) == 6)  # each request's data and record
     core.on_event(old.completion(old.writes[0][0], ok=False, status=RETRY_EXC))
     for tid, _ in old.writes[1:]:
         core.on_event(old.completion(tid, ok=False))  # flushed
     new = _link(core, not_=old)
-    assert wait_for(lambda: len(new.writes) == 3)
+    assert wait_for(lambda: len(new.writes) == 3)  # each one write: its digests are kept
     assert fake.connects == [ADDR, ADDR]  # one handshake for all three
     for tid, _ in new.writes:
         core.on_event(new.completion(tid))
@@ -184,10 +200,11 @@ def _resend_hanging_in_its_handshake(core: PrefillCore,
     """Request "r" posted, its write failed, its resend's handshake hangs until the gate."""
     core.send("r", 0, 300, ADDR, [], True)
     link = _link(core)
-    assert wait_for(lambda: len(link.writes) == 1)
+    assert wait_for(lambda: len(link.writes) == 2)
     gate = threading.Event()
     fake.hold[ADDR] = gate
-    core.on_event(link.completion(link.writes[0][0], ok=False, status=RETRY_EXC))
+    for event in link.finish(link.writes[0][0], ok=False, status=RETRY_EXC):
+        core.on_event(event)
     assert wait_for(lambda: len(fake.connects) == 2)
     return link, gate
 

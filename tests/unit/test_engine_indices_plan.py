@@ -94,7 +94,7 @@ class EngineDecode(FakeDecode):
 
 
 def _engine_prefill(dst_lists: Lists, dst_draft: Lists) -> tuple[Any, EngineDecode]:
-    core, _fake = prefill_core()
+    core, _fake = prefill_core(integrity=False)
     dst = AllocatedSide(core.layout)
     dst.fill_pattern(12)
     engine = EngineDecode(dst, dst_lists, dst_draft)
@@ -116,6 +116,7 @@ def test_chunked_send_selects_pages_by_position_not_page_id() -> None:
     core.send("e", -1, 1000, ADDR, [(0, 300)], False, indices=s, draft=s_draft)
     core.send("e", 5, 1000, ADDR, [(300, 700)], False)  # the slot is ignored: lists kept
     core.send("e", -1, 1000, ADDR, [], True, indices=s, draft=s_draft)  # repeated unchanged
+    assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
     conn = core.peers.by_address(ADDR)
     assert conn is not None
     link = conn.link

@@ -62,4 +62,4 @@ def test_prefill_refuses_a_peers_kv_skip_that_its_source_cannot_have() -> None:
     assert snap.reason is FailureReason.INVALID_REQUEST
     assert snap.detail.startswith("decode's grant: prefill: kv_skip 3 needs the engine's "
                                   "index lists"), snap.detail
-    assert len(cast(FakeLink, conn.link).writes) == 1  # only the first request's
+    assert len(cast(FakeLink, conn.link).writes) == 2  # only the first request's (and record)

@@ -26,7 +26,6 @@ from kvbeam.server import peer_channel as pc
 from kvbeam.server.decode import DecodeServicer
 from kvbeam.server.peer_channel import (
     BEGIN_WRITE,
-    DIGESTS,
     HEADER,
     Hello,
     PeerChannel,
@@ -158,7 +157,7 @@ def test_calls_are_answered_by_correlation_id_many_at_once(prefill: Side,
     assert [r.payload for r in replies] == [f"re:m{i}".encode() for i in range(50)]
     assert all(r.in_flight == len(f"m{i}") for i, r in enumerate(replies))
     assert decode.hellos == [Hello(PROTOCOL_VERSION, "prefill-1", "decode-1", TOKEN)]
-    assert channel.call(DIGESTS, b"d", 5.0).payload == b"re:d"
+    assert channel.call(BEGIN_WRITE, b"d", 5.0).payload == b"re:d"
 
 
 def test_a_request_the_receiver_does_not_serve_closes_the_channel(prefill: Side,
@@ -339,7 +338,7 @@ def test_a_stalled_peer_fails_when_its_send_buffer_fills(
 
         def flood() -> None:
             for _ in range(200):
-                channel.start_call(DIGESTS, b"\0" * (256 << 10), 30.0)
+                channel.start_call(BEGIN_WRITE, b"\0" * (256 << 10), 30.0)
                 if channel.closed:
                     break
             done.set()

@@ -1,6 +1,6 @@
-"""One path between the daemons (issue 24): BeginWrite, Digests and Offer go over the
-peer channel only. A connection without an open channel calls no RPC: prefill's
-BeginWrite and Digests fail naming the peer and why, decode makes no offer, prefill's
+"""One path between the daemons (issue 24): BeginWrite and Offer go over the peer
+channel only (the digests go in band: the mailbox). A connection without an open
+channel calls no RPC: prefill's BeginWrite fails naming the peer and why, decode makes no offer, prefill's
 core drops such a connection and handshakes again (a new link, a new channel), and a
 handshake whose decode names no channel, or one that cannot be opened, fails. Only the
 daemons' Abort still falls back to the RPC (tests/unit/test_executor.py)."""
@@ -73,7 +73,7 @@ def _decode_peers() -> GrpcDecodePeers:
 
 
 @pytest.mark.parametrize("channel", [None, _Closed()], ids=["never-opened", "closed-bye"])
-def test_begin_write_and_digests_without_a_channel_fail_naming_why_and_call_no_rpc(
+def test_begin_write_without_a_channel_fails_naming_why_and_calls_no_rpc(
         channel: Any) -> None:
     peers, conn = _decode_peers(), _conn(channel)
     with pytest.raises(PeerUnavailableError) as err:
@@ -82,8 +82,6 @@ def test_begin_write_and_digests_without_a_channel_fail_naming_why_and_call_no_r
     assert text.startswith(f"BeginWrite to {ADDR}: no peer channel to decode "), text
     assert ("never opened one" if channel is None else "its connection was closed") in text
     assert err.value.address == ADDR
-    with pytest.raises(PeerUnavailableError, match=r"^Digests to .*: no peer channel"):
-        peers.send_digests(conn, "r1", 7, [1, 2])
 
 
 @pytest.mark.parametrize("channel", [None, _Closed()], ids=["not-bound-yet", "closed-bye"])
@@ -130,7 +128,8 @@ def test_prefill_drops_a_connection_whose_channel_closed_and_handshakes_again() 
     old = core.peers.by_address(ADDR)
     assert old is not None
     link = cast(FakeLink, old.link)
-    core.on_event(link.completion(link.writes[0][0]))
+    for write in list(link.writes):  # the data and, with integrity on, the digest record
+        core.on_event(link.completion(write[0]))
     assert core.status("first").state is TransferState.SUCCESS
     old.channel = _Closed()  # decode released that connection: a BYE
 
@@ -142,7 +141,8 @@ def test_prefill_drops_a_connection_whose_channel_closed_and_handshakes_again() 
     assert fake.connects == [ADDR, ADDR]  # handshook again
     assert fake.begins[1] == ("next", new.link.id)
     new_link = cast(FakeLink, new.link)
-    core.on_event(new_link.completion(new_link.writes[0][0]))
+    for write in list(new_link.writes):
+        core.on_event(new_link.completion(write[0]))
     assert core.status("next").state is TransferState.SUCCESS
 
 

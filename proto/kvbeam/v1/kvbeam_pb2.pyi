@@ -401,23 +401,25 @@ class BeginWriteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., final_chunk: _Optional[bool] = ..., digests_follow: _Optional[bool] = ...) -> None: ...
 
 class BeginWriteResponse(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "slot", "indices", "instance_id", "kv_skip")
+    __slots__ = ("request_id", "transfer_id", "slot", "indices", "instance_id", "kv_skip", "mailbox_slot")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_SKIP_FIELD_NUMBER: _ClassVar[int]
+    MAILBOX_SLOT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: int
     slot: int
     indices: _containers.RepeatedCompositeFieldContainer[IndexList]
     instance_id: str
     kv_skip: int
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., slot: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., instance_id: _Optional[str] = ..., kv_skip: _Optional[int] = ...) -> None: ...
+    mailbox_slot: int
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., slot: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., instance_id: _Optional[str] = ..., kv_skip: _Optional[int] = ..., mailbox_slot: _Optional[int] = ...) -> None: ...
 
 class OfferRequest(_message.Message):
-    __slots__ = ("request_id", "instance_id", "seq_len", "transfer_id", "slot", "indices", "lease_ms", "kv_skip")
+    __slots__ = ("request_id", "instance_id", "seq_len", "transfer_id", "slot", "indices", "lease_ms", "kv_skip", "mailbox_slot")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -426,6 +428,7 @@ class OfferRequest(_message.Message):
     INDICES_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     KV_SKIP_FIELD_NUMBER: _ClassVar[int]
+    MAILBOX_SLOT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instance_id: str
     seq_len: int
@@ -434,7 +437,8 @@ class OfferRequest(_message.Message):
     indices: _containers.RepeatedCompositeFieldContainer[IndexList]
     lease_ms: int
     kv_skip: int
-    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., transfer_id: _Optional[int] = ..., slot: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., kv_skip: _Optional[int] = ...) -> None: ...
+    mailbox_slot: int
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., transfer_id: _Optional[int] = ..., slot: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., kv_skip: _Optional[int] = ..., mailbox_slot: _Optional[int] = ...) -> None: ...
 
 class OfferResponse(_message.Message):
     __slots__ = ("accepted", "digests_follow")
@@ -443,22 +447,6 @@ class OfferResponse(_message.Message):
     accepted: bool
     digests_follow: bool
     def __init__(self, accepted: _Optional[bool] = ..., digests_follow: _Optional[bool] = ...) -> None: ...
-
-class DigestsRequest(_message.Message):
-    __slots__ = ("request_id", "instance_id", "transfer_id", "digests")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
-    DIGESTS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    instance_id: str
-    transfer_id: int
-    digests: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
-
-class DigestsResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

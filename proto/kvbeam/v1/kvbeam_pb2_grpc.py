@@ -127,9 +127,10 @@ class KvbeamControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """BeginWrite (prefill -> decode), Digests (prefill -> decode) and Offer (decode ->
-        prefill) are no RPCs: their messages travel on the pair's peer channel only
-        (docs/protocol.md, "The peer channel"). Abort is also sent there between daemons.
+        """BeginWrite (prefill -> decode) and Offer (decode -> prefill) are no RPCs: their
+        messages travel on the pair's peer channel only (docs/protocol.md, "The peer
+        channel"). Abort is also sent there between daemons. Protocol 2 to 4's Digests is
+        gone (protocol 5: the digest mailbox).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
