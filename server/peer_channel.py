@@ -420,6 +420,16 @@ class PeerChannel:
         self.hub.closed(self, reason)
 
 
+def _give_up(sock: socket.socket, why: str) -> None:
+    """Close a channel we opened and gave up on before its WELCOME, saying BYE first
+    (best effort): decode may have bound it already, and a BYE-less close would make
+    it take us, alive and about to handshake again, for gone."""
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        sock.send(frame(BYE, 0, f"prefill gave up on this channel: {why}".encode()[:4096]))
+    sock.close()
+
+
 class PeerChannels:
     """A daemon's peer channels and the one selector thread that serves them all.
 
@@ -539,11 +549,11 @@ class PeerChannels:
                 raise ConnectionError(f"peer channel to {peer} at {address}: answered "
                                       f"{KIND_NAMES.get(kind, kind)} to our HELLO, not WELCOME")
         except TimeoutError:
-            sock.close()
+            _give_up(sock, f"no WELCOME within {timeout_s:g} s")
             raise TimeoutError(f"peer channel to {peer} at {address}: no WELCOME within "
                                f"{timeout_s:g} s") from None
-        except BaseException:
-            sock.close()
+        except BaseException as exc:
+            _give_up(sock, f"opening the channel failed: {exc}")
             raise
         sock.setblocking(False)
         channel = PeerChannel(self, sock, peer)
@@ -637,7 +647,8 @@ class PeerChannels:
                 self._sel.modify(channel.sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
                                  channel)
         for channel, reason in closing:
-            if reason:
+            if reason:  # a writer found the socket broken: first read the peer's last words
+                self._read_last_words(channel)
                 channel.close(reason)
             if channel in self._channels:
                 self._channels.discard(channel)
@@ -661,6 +672,30 @@ class PeerChannels:
             if now > deadline:
                 self._drop_pending(sock, logging.WARNING,
                                    f"sent no HELLO within {HELLO_TIMEOUT_S:g} s", who)
+
+    def _read_last_words(self, channel: PeerChannel) -> None:
+        """Read what a peer sent before its socket broke under a writer (the kernel keeps
+        it readable after a reset): a BYE there makes the close orderly, and REPLYs
+        there answer their calls. A peer that said BYE and closed while our frame was
+        on its way resets the connection, and without this the writer's error would
+        take a live peer, whose link was only replaced, for gone. Requests there are
+        not served: no answer could be sent."""
+        while not channel.closed:
+            try:
+                data = channel.sock.recv(_READ)
+            except OSError:  # nothing more (BlockingIOError) or the reset itself
+                return
+            if not data:
+                return
+            try:
+                for kind, correlation, payload in channel.received(data):
+                    if kind == BYE:
+                        self._frame(channel, kind, correlation, payload)
+                        return
+                    if kind == REPLY:
+                        channel.answered(correlation, payload)
+            except FrameError:
+                return
 
     def _read(self, channel: PeerChannel) -> None:
         try:
@@ -753,7 +788,12 @@ class PeerChannels:
         if len(buf) < HEADER.size + length:
             return
         if len(buf) > HEADER.size + length:
-            self._drop_pending(sock, logging.WARNING, "it sent frames before its WELCOME", who)
+            after = HEADER.size + length
+            if len(buf) >= after + HEADER.size and buf[after] == BYE:  # it timed out waiting
+                self._drop_pending(sock, logging.INFO, "it gave up before our WELCOME", who)
+            else:
+                self._drop_pending(sock, logging.WARNING, "it sent frames before its WELCOME",
+                                   who)
             return
         self._pending.pop(sock)
         self._sel.unregister(sock)

@@ -302,7 +302,9 @@ def test_an_out_of_order_piece_is_refused_naming_the_field_and_frees_the_request
         assert d.capacity().slots_held == 0
     assert de.cmd(f"reserve again {SEQ} {prefill.address} 100") == "reserve again"
     pe.cmd(f"send again {SEQ} {decode.address} 102")
-    assert de.cmd("wait again 60") == "Success", de.cmd("poll again")
+    answer = de.cmd("wait again 60")
+    assert answer == "Success", f"{answer}\n--- decode ---\n{decode.output[-6000:]}\n" \
+                                f"--- prefill ---\n{prefill.output[-6000:]}"
 
 
 def test_an_abort_between_chunks_frees_both_sides(engines: tuple[

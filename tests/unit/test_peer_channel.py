@@ -215,6 +215,62 @@ def test_bye_is_an_orderly_close(prefill: Side, decode: Side) -> None:
     assert theirs.orderly and "link replaced" in theirs.close_reason
 
 
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """Two ends of one loopback TCP connection (a socketpair has no resets)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ours = socket.create_connection(listener.getsockname(), timeout=5.0)
+        theirs, _ = listener.accept()
+    return ours, theirs
+
+
+def test_a_bye_before_a_reset_under_a_writer_is_still_an_orderly_close() -> None:
+    # The peer said BYE and closed with our PING unread, so its kernel reset the
+    # connection; our next send fails. The BYE is read before the close is judged, so
+    # the peer counts as alive (only its link went), not gone. No selector thread: the
+    # test runs the hub's housekeeping itself, so the send surely fails first.
+    closed: list[str] = []
+    hub = PeerChannels("decode", lambda *a: None, lambda c, why: closed.append(why))
+    ours, theirs = _tcp_pair()
+    ours.setblocking(False)
+    channel = PeerChannel(hub, ours, "prefill p")
+    channel.bound = object()
+    try:
+        channel.send(pc.frame(pc.PING, 0))
+        theirs.sendall(pc.frame(pc.BYE, 0, b"link replaced"))
+        time.sleep(0.1)  # our PING sits unread in its buffer: the close resets
+        theirs.close()
+        time.sleep(0.1)
+        for _ in range(3):  # the first send after a reset may still be taken
+            channel.send(pc.frame(pc.PING, 0))
+        hub._housekeeping()
+        assert channel.closed
+        assert channel.orderly, channel.close_reason
+        assert "link replaced" in channel.close_reason
+    finally:
+        hub.stop()
+
+
+def test_a_connect_that_gives_up_before_the_welcome_says_bye(prefill: Side) -> None:
+    # Decode may bind the channel after we stopped waiting: a BYE tells it we live on.
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        address = f"127.0.0.1:{mute.getsockname()[1]}"
+        hello = Hello(PROTOCOL_VERSION, "prefill-1", "decode-1", TOKEN)
+        with pytest.raises(TimeoutError, match=r"no WELCOME within 0\.3 s"):
+            prefill.hub.connect(address, hello, "decode-1", 0.3)
+        conn, _ = mute.accept()
+        with conn:
+            conn.settimeout(5.0)
+            got = b""
+            while chunk := conn.recv(4096):
+                got += chunk
+    kind, _, length = HEADER.unpack_from(got)
+    assert kind == pc.HELLO
+    after = HEADER.size + length
+    kind, _, length = HEADER.unpack_from(got, after)
+    assert kind == pc.BYE
+    assert b"gave up" in got[after + HEADER.size:], got
+
+
 # ---- HELLO and refusals ------------------------------------------------------------------
 def test_a_wrong_token_is_refused_before_any_frame_is_served(prefill: Side,
                                                              decode: Side) -> None:
