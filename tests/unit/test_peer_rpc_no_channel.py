@@ -1,9 +1,10 @@
 """One path between the daemons (issue 24): BeginWrite and Offer go over the peer
 channel only (the digests go in band: the mailbox). A connection without an open
-channel calls no RPC: prefill's BeginWrite fails naming the peer and why, decode makes no offer, prefill's
-core drops such a connection and handshakes again (a new link, a new channel), and a
-handshake whose decode names no channel, or one that cannot be opened, fails. Only the
-daemons' Abort still falls back to the RPC (tests/unit/test_executor.py)."""
+channel calls no RPC: prefill's BeginWrite fails naming the peer and why, decode makes
+no offer, prefill's core drops such a connection and handshakes again (a new link, a
+new channel), and a handshake whose decode names no channel, or one that cannot be
+opened, fails. Only the daemons' Abort still falls back to the RPC
+(tests/unit/test_executor.py)."""
 
 from __future__ import annotations
 
