@@ -33,7 +33,7 @@ from kvbeam.pools.types import IndexKind
 
 #: The digest's name as operators see it (Success details, mismatch errors, docs).
 DIGEST_NAME = "XXH3-128"
-#: Bytes of one digest on the wire (``DigestsRequest.digests``: big-endian).
+#: Bytes of one digest (XXH3-128), as the mailbox record carries each.
 DIGEST_BYTES = 16
 
 _views: weakref.WeakKeyDictionary[AllocatedSide, dict[int, np.ndarray[Any, Any]]] = (
@@ -54,21 +54,6 @@ def _items(side: AllocatedSide, buf: BufferLayout) -> np.ndarray[Any, Any]:
 def _digest(data: memoryview) -> int:
     """One buffer's digest (XXH3-128, seed 0) as an unsigned 128-bit integer."""
     return int(xxhash.xxh3_128_intdigest(data))
-
-
-def digests_to_wire(digests: list[int]) -> list[bytes]:
-    """Digests as ``DigestsRequest.digests`` carries them: 16 bytes each, big-endian."""
-    return [d.to_bytes(DIGEST_BYTES, "big") for d in digests]
-
-
-def digests_from_wire(raw: list[bytes]) -> list[int]:
-    """The inverse of :func:`digests_to_wire`; ValueError naming the first digest that
-    is not 16 bytes long (a peer on another protocol, or a corrupt message)."""
-    for i, b in enumerate(raw):
-        if len(b) != DIGEST_BYTES:
-            raise ValueError(f"digest {i} is {len(b)} bytes, expected {DIGEST_BYTES} "
-                             f"({DIGEST_NAME})")
-    return [int.from_bytes(b, "big") for b in raw]
 
 
 def _run(idx: np.ndarray[Any, Any]) -> tuple[int, int] | None:

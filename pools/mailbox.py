@@ -38,6 +38,7 @@ import numpy as np
 import xxhash
 
 from kvbeam.errors import RecordError
+from kvbeam.pools.digest import DIGEST_BYTES
 from kvbeam.transport.endpoint import Region, RemoteRegion
 
 #: The record's magic, the bytes ``KVDR`` read as a little-endian u32.
@@ -46,7 +47,6 @@ MAGIC = int.from_bytes(b"KVDR", "little")
 RECORD_VERSION = 1
 #: magic, version, n, transfer id, slot, request id hash.
 HEADER = struct.Struct("<IHHIIQ")
-DIGEST_BYTES = 16
 #: Slots are a multiple of this many bytes.
 ALIGN = 64
 #: The endpoint ``extra`` key decode advertises its mailbox under: ``addr:record_bytes:slots``.

@@ -87,7 +87,7 @@ class PeerConn:
             peer_mailbox(peer.layout, peer) if addrs else None)
         self._client: Any = None
         #: The peer channel to this peer (kvbeam.server.peer_channel.PeerChannel) once
-        #: one is bound: BeginWrite, Digests and Offer go over it only. None before
+        #: one is bound: BeginWrite and Offer go over it only. None before
         #: decode's is bound (prefill's connect opens its own or fails), and in the
         #: cores' tests, whose fake peers take the calls directly.
         self.channel: Any = None

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-import pytest
 
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
@@ -69,14 +68,3 @@ def test_in_place_runs_digest_like_a_gather() -> None:
         assert request_digests(side, idx) == expected, name
 
 
-def test_digests_cross_the_wire_as_16_bytes_and_a_wrong_length_is_named() -> None:
-    """XXH3-128 digests travel as 16 big-endian bytes each; a digest of another length
-    (protocol 2's CRC32C, a corrupt message) is refused, naming which one."""
-    from kvbeam.pools.digest import digests_from_wire, digests_to_wire
-
-    digests = [0, 1, 2**128 - 1, 0x0123456789ABCDEF0123456789ABCDEF]
-    raw = digests_to_wire(digests)
-    assert [len(b) for b in raw] == [16] * 4 and raw[1] == b"\0" * 15 + b"\1"
-    assert digests_from_wire(raw) == digests
-    with pytest.raises(ValueError, match="digest 2 is 4 bytes, expected 16"):
-        digests_from_wire([*raw[:2], b"\0\0\0\1"])
