@@ -38,8 +38,7 @@ from kvbeam.pools.types import IndexKind
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.service import ControlStub
 from kvbeam.proto.transfer_codec import (
-    draft_indices_from_proto,
-    indices_from_proto,
+    grant_indices_from_proto,
     indices_to_proto,
     reason_from_proto,
     state_from_proto,
@@ -166,9 +165,9 @@ class KvbeamClient(ControlChannel):
             raise BadRequest(f"Reserve on {self.address}: the decode daemon ignored the index "
                              "lists (it predates engine-chosen indices) and reserved slot "
                              f"{r.slot}; abort {request_id} and upgrade it")
-        return Reservation(r.request_id, r.slot, indices_from_proto(r.indices, "indices"),
-                           r.lease_ms / 1000, r.instance_id,
-                           draft_indices_from_proto(r.indices, "indices"))
+        target, draft = grant_indices_from_proto(r.indices, "indices")
+        return Reservation(r.request_id, r.slot, target, r.lease_ms / 1000, r.instance_id,
+                           draft)
 
     def send(self, request_id: str, source_slot: int, seq_len: int, decode_address: str, *,
              final: bool = True, chunks: Sequence[tuple[int, int]] = (),

@@ -38,6 +38,10 @@ Lists = dict[IndexKind, npt.NDArray[np.int64]]
 #: What a caller may hand in for one list: a sequence of ints or an integer array.
 ListLike = Union[Sequence[int], npt.NDArray[np.integer]]  # noqa: UP007 (a runtime alias)
 
+#: Lists up to this long are checked in plain Python (measured faster below about 100
+#: items; a 128-token request's lists are 1-16 long), longer ones with numpy.
+_SMALL_LIST = 64
+
 #: What one item of a kind is, for messages.
 NOUNS = {
     IndexKind.KV_PAGES: "pages",
@@ -188,6 +192,13 @@ def _check(side: str, pool: str, kind: IndexKind, label: str, arr: npt.NDArray[n
                            side=side, kind=kind.value, pool=pool)
     if n == 0:
         return
+    if n <= _SMALL_LIST:
+        # A small request's lists: plain Python is 5-10x cheaper than the numpy calls
+        # below (each costs about a microsecond whatever its length). Only the verdict
+        # is taken here; a bad list falls through to find and name the first offender.
+        values = arr.tolist()
+        if min(values) >= 0 and max(values) < items and len(set(values)) == n:
+            return
     bad = np.flatnonzero((arr < 0) | (arr >= items))
     if len(bad):
         pos = int(bad[0])

@@ -88,34 +88,27 @@ def index_lists_from_proto(lists: Iterable[pb.IndexList], field: str) -> tuple[
         if len(item.indices) > MAX_INDICES:
             raise ProtocolError(f"{field}[{i}].indices",
                                 f"too many indices: {len(item.indices)} (at most {MAX_INDICES})")
-        out[kind] = np.asarray(item.indices, dtype=np.int64)
+        # fromiter with the length: about a third cheaper than asarray on upb's
+        # repeated container (which numpy reads item by item through the sequence protocol).
+        out[kind] = np.fromiter(item.indices, np.int64, len(item.indices))
     return target, draft
 
 
-def indices_from_proto(lists: Iterable[pb.IndexList], field: str
-                       ) -> dict[IndexKind, npt.NDArray[np.int64]]:
-    """Decode a daemon's target index lists: each kind exactly once, no negative index.
+def grant_indices_from_proto(lists: Iterable[pb.IndexList], field: str) -> tuple[
+        dict[IndexKind, npt.NDArray[np.int64]], dict[IndexKind, npt.NDArray[np.int64]]]:
+    """Decode a daemon's answer's lists into (target, draft), each decoded once: every
+    target kind exactly once, the draft's own lists (pool "draft") where given (empty:
+    the draft uses the target's), no negative index in either.
 
-    The draft's own lists (pool "draft") are :func:`draft_indices_from_proto`'s.
     Range checks against a buffer happen in the planner, which knows the buffers.
     """
-    out, _draft = index_lists_from_proto(lists, field)
-    for kind, arr in out.items():
-        if len(arr) and int(arr.min()) < 0:
-            raise ProtocolError(f"{field}[{kind.value}].indices",
-                                f"negative index {int(arr.min())}")
-    missing = [k.value for k in IndexKind if k not in out]
+    target, draft = index_lists_from_proto(lists, field)
+    for pool, out in (("", target), ("draft.", draft)):
+        for kind, arr in out.items():
+            if len(arr) and int(arr.min()) < 0:
+                raise ProtocolError(f"{field}[{pool}{kind.value}].indices",
+                                    f"negative index {int(arr.min())}")
+    missing = [k.value for k in IndexKind if k not in target]
     if missing:
         raise ProtocolError(field, f"index kinds missing: {', '.join(missing)}")
-    return out
-
-
-def draft_indices_from_proto(lists: Iterable[pb.IndexList], field: str
-                             ) -> dict[IndexKind, npt.NDArray[np.int64]]:
-    """The draft pool's own lists of a daemon's answer (empty: the draft uses the target's)."""
-    _target, draft = index_lists_from_proto(lists, field)
-    for kind, arr in draft.items():
-        if len(arr) and int(arr.min()) < 0:
-            raise ProtocolError(f"{field}[draft.{kind.value}].indices",
-                                f"negative index {int(arr.min())}")
-    return draft
+    return target, draft

@@ -156,7 +156,7 @@ class DecodeServicer(DaemonServicer):
         res = self.decode.reserve(rid, seq_len, request.prefill_address, indices=target,
                                   draft=draft, kv_skip=request.kv_skip)
         # A connected prefill gets the reservation now, so its Send writes at once
-        # (one RPC, bounded by the RPC timeout, no lock held; docs/protocol.md).
+        # (one frame on the peer channel, not waited for; docs/protocol.md).
         self.decode.offer(res)
         return pb.ReserveResponse(
             request_id=rid, slot=res.slot, indices=indices_to_proto(res.indices, res.draft),

@@ -90,7 +90,7 @@ class CoreOps:
         host_port(frame.prefill_address, "prefill_address")
         res = core.reserve(frame.request_id, seq_len, frame.prefill_address,
                            indices=frame.indices, draft=frame.draft, kv_skip=frame.kv_skip)
-        core.io.submit(core.offer, res)  # an RPC to prefill: never on the attach thread
+        core.offer(res)  # sent without waiting: prefill's answer is handled where it lands
 
     def send(self, frame: ef.Send) -> None:
         core = self._core()

@@ -8,10 +8,11 @@ Terminal states never change.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvbeam.errors import DuplicateRequest, IllegalTransition, TooManyTransfers
@@ -138,17 +139,26 @@ class TransferTable:
             return t.snapshot() if t else None
 
     def advance(self, request_id: str, state: TransferState, detail: str = "",
-                nbytes: int = 0) -> TransferStatus:
+                nbytes: int = 0, *, through: Sequence[TransferState] = ()) -> TransferStatus:
         """Move a live transfer to a non-failed state (legal transitions only).
 
         ``detail``, when given, replaces the status detail (decode says there how a
         Success was verified). ``nbytes``: with SUCCESS, the bytes the transfer moved
-        (observers count them).
+        (observers count them). ``through``: states passed on the way, each a move of
+        its own (history, version) but one notification for all: observers (the
+        engine's pushes) see only where it ends, a version step of more than one.
         """
-        if state is TransferState.FAILED:
+        if state is TransferState.FAILED or TransferState.FAILED in through:
             raise IllegalTransition("use fail() to fail a transfer: it needs a reason")
         with self._cond:
             t = self._require(request_id)
+            path = (t.state, *through, state)
+            for here, there in itertools.pairwise(path):
+                if not legal(here, there):  # checked whole first: no half-made path
+                    raise IllegalTransition(f"request {request_id!r}: illegal transition "
+                                            f"{here.value} -> {there.value}")
+            for passed in through:
+                self._move(t, passed)
             self._move(t, state)
             if detail:
                 t.detail = detail

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
@@ -34,8 +35,7 @@ from kvbeam.logs import fields
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.side import SideInfo
 from kvbeam.proto.transfer_codec import (
-    draft_indices_from_proto,
-    indices_from_proto,
+    grant_indices_from_proto,
     indices_to_proto,
 )
 from kvbeam.proto.version import PROTOCOL_VERSION
@@ -133,6 +133,27 @@ def _rpc_client(conn: PeerConn | None, client: ControlClient | None) -> ControlC
     assert conn is not None, "an Abort needs a connection or a one-off client"
     own: ControlClient = conn.client()
     return own
+
+
+def _offer_answer(done: Future[Reply], request_id: str, address: str) -> Offered:
+    """Prefill's answer to an Offer from its call's future (never raises)."""
+    try:
+        reply = pb.OfferResponse.FromString(done.result().payload)
+    except PeerChannelError as exc:
+        # A status is prefill's refusal (it will ask BeginWrite); no answer may be a
+        # kept offer whose reply was lost.
+        sure = exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
+                              grpc.StatusCode.FAILED_PRECONDITION)
+        log.info("offer of %s to %s not made: %s: %s", request_id, address,
+                 exc.code().name, exc.details(), extra=fields(request_id, address))
+        return Offered.REFUSED if sure else Offered.UNKNOWN
+    except Exception as exc:  # a malformed answer: prefill may still have kept it
+        log.warning("offer of %s to %s: prefill's answer could not be read: %s", request_id,
+                    address, exc, extra=fields(request_id, address))
+        return Offered.UNKNOWN
+    if not reply.accepted:
+        return Offered.REFUSED
+    return Offered.DIGESTS_FOLLOW if reply.digests_follow else Offered.NO_DIGESTS
 
 
 def _abort(request: pb.AbortRequest, timeout: float, address: str, *,
@@ -324,9 +345,9 @@ class GrpcDecodePeers:
                                  f"decode refused BeginWrite: {details}") from None
             raise peer_error(exc, address=conn.control_address, method="BeginWrite",
                              timeout=timeout) from None
-        return WriteGrant(reply.transfer_id, indices_from_proto(reply.indices, "indices"),
-                          draft_indices_from_proto(reply.indices, "indices"),
-                          kv_skip=reply.kv_skip, mailbox_slot=reply.mailbox_slot)
+        target, draft = grant_indices_from_proto(reply.indices, "indices")
+        return WriteGrant(reply.transfer_id, target, draft, kv_skip=reply.kv_skip,
+                          mailbox_slot=reply.mailbox_slot)
 
     def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
               timeout: float | None = None) -> bool:
@@ -383,8 +404,9 @@ class GrpcPrefillPeers:
         return self._local()
 
     def offer(self, conn: PeerConn, request_id: str, seq_len: int, grant: WriteGrant,
-              slot: int, lease_s: float) -> Offered:
-        """Offer on prefill: the reservation ahead of Send (never raises; see ports).
+              slot: int, lease_s: float, answered: Callable[[Offered], None]) -> None:
+        """Offer on prefill: the reservation ahead of Send, sent without waiting (never
+        raises; see ports): ``answered`` gets prefill's answer where it arrives.
 
         Without an open peer channel no offer is made (REFUSED, nothing was sent: the
         Send asks with BeginWrite), as for a peer that misses heartbeats."""
@@ -393,7 +415,8 @@ class GrpcPrefillPeers:
             why = no_channel(conn, "prefill")
             log.debug("request %s not offered: %s", request_id, why,
                       extra=fields(request_id, conn.control_address))
-            return Offered.REFUSED
+            answered(Offered.REFUSED)
+            return
         request = pb.OfferRequest(
             request_id=request_id, instance_id=self.local.instance_id, seq_len=seq_len,
             transfer_id=grant.transfer_id, slot=slot,
@@ -401,21 +424,11 @@ class GrpcPrefillPeers:
             lease_ms=max(1, int(lease_s * 1000)), kv_skip=grant.kv_skip,
             mailbox_slot=grant.mailbox_slot)
         timeout = min(self.options.rpc_timeout_s, OFFER_TIMEOUT_S)
-        try:
-            reply = pb.OfferResponse.FromString(
-                channel.call(OFFER, request.SerializeToString(), timeout).payload)
-        except PeerChannelError as exc:
-            # A status is prefill's refusal (it will ask BeginWrite); no answer may be a
-            # kept offer whose reply was lost.
-            sure = exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
-                                  grpc.StatusCode.FAILED_PRECONDITION)
-            log.info("offer of %s to %s not made: %s: %s", request_id, conn.control_address,
-                     exc.code().name, exc.details(),
-                     extra=fields(request_id, conn.control_address))
-            return Offered.REFUSED if sure else Offered.UNKNOWN
-        if not reply.accepted:
-            return Offered.REFUSED
-        return Offered.DIGESTS_FOLLOW if reply.digests_follow else Offered.NO_DIGESTS
+        # The channel expires the call after ``timeout`` (its selector's sweep), so the
+        # callback always runs: on the selector thread (the REPLY, the expiry), on the
+        # thread that closes the channel, or here when it is closed already.
+        channel.start_call(OFFER, request.SerializeToString(), timeout).add_done_callback(
+            lambda done: answered(_offer_answer(done, request_id, conn.control_address)))
 
     def abort(self, conn: PeerConn, request_id: str, detail: str,
               timeout: float | None = None) -> bool:

@@ -18,9 +18,8 @@ import grpc
 from kvbeam.proto.fields import host_port
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.transfer_codec import (
-    draft_indices_from_proto,
+    grant_indices_from_proto,
     index_lists_from_proto,
-    indices_from_proto,
 )
 from kvbeam.rpc_errors import handled
 from kvbeam.server.core.ports import WriteGrant
@@ -77,8 +76,8 @@ class PrefillServicer(DaemonServicer):
         peer channel's handler; ``context`` is its :class:`ChannelContext`)."""
         rid = request_id_of(request.request_id)
         # Checked as BeginWrite's answer is: each kind once, no negative index.
-        grant = WriteGrant(request.transfer_id, indices_from_proto(request.indices, "indices"),
-                           draft_indices_from_proto(request.indices, "indices"),
+        target, draft = grant_indices_from_proto(request.indices, "indices")
+        grant = WriteGrant(request.transfer_id, target, draft,
                            kv_skip=request.kv_skip,  # checked against the Send's lists
                            mailbox_slot=request.mailbox_slot)  # checked against the mailbox
         kept = self.prefill.offer(rid, request.instance_id, request.seq_len, grant,

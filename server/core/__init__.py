@@ -25,9 +25,10 @@ events), :mod:`~kvbeam.server.core.decode_offer` (Offer) and
 Threads. The driver (``DaemonServicer``) owns ONE bounded executor
 (``ThreadPoolExecutor``, ``IO_WORKERS`` threads); every blocking step runs there:
 handshakes, XXH3-128 digests, peer calls (BeginWrite, Abort: each waits for its
-answer on the pair's peer channel), link releases. The one exception is decode's
-Offer (:mod:`~kvbeam.server.core.decode_offer`), made in the Reserve handler's
-thread, outside every lock, bounded by the RPC timeout. The transport event thread
+answer on the pair's peer channel), link releases. Decode's Offer
+(:mod:`~kvbeam.server.core.decode_offer`) does not block: it is sent from the
+Reserve's thread, outside every lock, and its answer is an event handled on the
+peer channel's thread (``DecodeOffer.offer_answered``). The transport event thread
 (``on_event``) only does bookkeeping and submits work. Long-lived loops (events,
 deadline sweep, heartbeats) and the peer channels' selector thread
 (:mod:`kvbeam.server.peer_channel`, which answers Offer and BeginWrite itself and

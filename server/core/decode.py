@@ -250,8 +250,8 @@ class DecodeCore(DecodeOffer):
                 raise AlreadyLanded(f"request {request_id} landed before the resend and "
                                     "its verification is under way: nothing to write again")
             if snap.state is TransferState.BOOTSTRAPPING:
-                self.table.advance(request_id, TransferState.WAITING_FOR_INPUT)
-                self.table.advance(request_id, TransferState.TRANSFERRING)
+                self.table.advance(request_id, TransferState.TRANSFERRING,
+                                   through=(TransferState.WAITING_FOR_INPUT,))
             elif snap.state is TransferState.TRANSFERRING:
                 self.table.touch(request_id)  # a further chunk is progress
             else:
@@ -395,9 +395,9 @@ class DecodeCore(DecodeOffer):
         deadline bounds the wait for the digests). Core lock held."""
         snap = self.table.get(rid)
         if snap is not None and snap.state is TransferState.BOOTSTRAPPING:
-            self.table.advance(rid, TransferState.WAITING_FOR_INPUT)
-        if snap is not None and snap.state in (TransferState.BOOTSTRAPPING,
-                                               TransferState.WAITING_FOR_INPUT):
+            self.table.advance(rid, TransferState.TRANSFERRING,
+                               through=(TransferState.WAITING_FOR_INPUT,))
+        elif snap is not None and snap.state is TransferState.WAITING_FOR_INPUT:
             self.table.advance(rid, TransferState.TRANSFERRING)
 
     def on_deadline(self, status: TransferStatus) -> None:

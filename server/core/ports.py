@@ -105,15 +105,18 @@ class DecodePeers(Protocol):
 
 
 class PrefillPeers(Protocol):
-    """Decode's calls to prefill daemons (blocking; on the executor, or for :meth:`offer`
-    in the Reserve handler; never under a lock)."""
+    """Decode's calls to prefill daemons (never under a lock; all but :meth:`offer`
+    block, and run on the executor)."""
 
     def offer(self, conn: PeerConn, request_id: str, seq_len: int, grant: WriteGrant,
-              slot: int, lease_s: float) -> Offered:
-        """Push a reservation to prefill ahead of its Send (bounded by the RPC timeout).
+              slot: int, lease_s: float, answered: Callable[[Offered], None]) -> None:
+        """Push a reservation to prefill ahead of its Send; returns at once.
 
-        Never raises: a refusal or an error is an answer (:class:`Offered`), after
-        which prefill asks with BeginWrite as without an offer.
+        ``answered`` is called exactly once with prefill's answer (:class:`Offered`): on
+        the peer channel's thread when it comes or its time runs out, on the thread that
+        closes the channel, or before this returns (no channel: REFUSED). A refusal or
+        an error is an answer, after which prefill asks with BeginWrite as without an
+        offer. Never raises; ``answered`` must not block, nor be called under a lock.
         """
 
     def abort(self, conn: PeerConn, request_id: str, detail: str,

@@ -564,9 +564,9 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
             snap = self.table.get(rid)
             if snap is None or snap.state.terminal:
                 return  # aborted or timed out meanwhile: nothing posted, decode is told
-            if snap.state is TransferState.BOOTSTRAPPING:
-                self.table.advance(rid, TransferState.WAITING_FOR_INPUT)
-                self.table.advance(rid, TransferState.TRANSFERRING)
+            if snap.state is TransferState.BOOTSTRAPPING:  # one push to the engine, not two
+                self.table.advance(rid, TransferState.TRANSFERRING,
+                                   through=(TransferState.WAITING_FOR_INPUT,))
             elif snap.state is TransferState.WAITING_FOR_INPUT:  # it waited for decode
                 self.table.advance(rid, TransferState.TRANSFERRING)
             else:

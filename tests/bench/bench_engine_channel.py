@@ -39,6 +39,7 @@ from kvbeam.pools.spec import load_side_config
 from kvbeam.scheduler import run_request
 from tests.attach_helpers import start_engine_pair
 from tests.bench.bench_request import BENCH_DEADLINES, cpu_s
+from tests.bench.bench_threads import group_of, python_thread_names, thread_cpu
 from tests.fixtures import shipped_config
 
 SEQ = 128
@@ -97,6 +98,37 @@ def _offer_counts(*metrics: str) -> str:
     return "; ".join(out)
 
 
+def _by_thread(pids: tuple[int, int], before: list[dict[int, tuple[str, float]]],
+               after: list[dict[int, tuple[str, float]]], n: int) -> list[dict[str, float]]:
+    """Each daemon's CPU ms per request by thread group (tests/bench/bench_threads.py's
+    groups; Python names from ``py-spy dump``, kernel names without py-spy), largest
+    first, then ``total``: 10 ms clock ticks, so read it over a few hundred requests."""
+    out = []
+    for pid, was, now in zip(pids, before, after, strict=True):
+        names = python_thread_names(pid)
+        groups: dict[str, float] = {}
+        for tid, (kname, cpu) in now.items():
+            group = group_of(names.get(tid, f"[{kname}]"))
+            groups[group] = groups.get(group, 0.0) + (cpu - was.get(tid, (kname, 0.0))[1]) * 1e3 / n
+        out.append({**dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+                    "total": sum(groups.values())})
+    return out
+
+
+def _switches(pid: int) -> int:
+    """Context switches (voluntary and not) of every thread of ``pid`` so far: each
+    hand-off between threads costs one (or more) on the thread that sleeps."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:  # the thread ended between listing and reading
+            continue
+        total += sum(int(line.split()[1]) for line in status.splitlines()
+                     if "ctxt_switches:" in line)
+    return total
+
+
 def _spy(pid: int, out: str) -> subprocess.Popen[bytes] | None:
     """py-spy sampling ``pid`` until SIGINT (the bench extra's; else ``$PY_SPY``)."""
     exe = os.environ.get("PY_SPY") or os.path.join(os.path.dirname(sys.executable), "py-spy")
@@ -138,6 +170,8 @@ def main() -> None:
             pe.cmd(f"wait w{i}")
         lat = []
         cpu0 = [cpu_s(p) for p in pids]
+        threads0 = [thread_cpu(p) for p in pids]
+        switches0 = [_switches(p) for p in pids]
         for i in range(args.requests):
             de.cmd(f"reserve s{i} {prefill.address}")
             t0 = float(pe.cmd(f"send s{i} {decode.address}").split()[1])
@@ -145,6 +179,9 @@ def main() -> None:
             assert pe.cmd(f"wait s{i}") == "Success"
             lat.append((t1 - t0) * 1000)
         cpu1 = [cpu_s(p) for p in pids]
+        by_thread = _by_thread(pids, threads0, [thread_cpu(p) for p in pids], args.requests)
+        switched = [(_switches(p) - was) / args.requests
+                    for p, was in zip(pids, switches0, strict=True)]
         offers = _offer_counts(prefill.metrics, decode.metrics)
         settled = []
         for i in range(args.requests // 2 if args.settle_ms else 0):
@@ -234,6 +271,11 @@ def main() -> None:
           f"{args.requests} sequential, {args.flow} at {args.inflight} in flight "
           f"(gRPC: {args.flow // 2}); failed={failed}; engines imported gRPC: {not no_grpc}")
     print(f"# offers/BeginWrites after the sequential channel phase: {offers}")
+    for role, groups in zip(("prefill", "decode"), by_thread, strict=True):
+        print(f"# {role} CPU ms per sequential request by thread: " + "; ".join(
+            f"{g} {ms:.3f}" for g, ms in groups.items()))
+    print(f"# context switches per sequential request (every thread): prefill "
+          f"{switched[0]:.1f}, decode {switched[1]:.1f}")
     if settled:
         print(f"# engine_small_request_ms with decode's Offer kept before the Send "
               f"(reserved {args.settle_ms:g} ms earlier): {statistics.median(settled):.3f}")

@@ -65,7 +65,7 @@ GROUPS = [("kvbeam-verbs", "verbs progress (posts, completions; rxe sends in ibv
           # Before "kvbeam-peer": the selector thread's name starts with it.
           ("kvbeam-peer-channel", "peer channel (frames, inline handlers, heartbeats)"),
           ("kvbeam-peer", "peer channel Abort pool"),
-          ("kvbeam-attach", "engine channel (attach loop)"),
+          ("kvbeam-attach", "engine channel (attach loop: frames, cores' API calls, pushes)"),
           ("Thread-1 (_serve)", "gRPC Python server loop (_serve)"),
           ("kvbeam-events", "loops (events, sweeper, heartbeat)"),
           ("kvbeam-sweeper", "loops (events, sweeper, heartbeat)"),

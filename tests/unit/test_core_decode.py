@@ -42,18 +42,25 @@ class QueueExecutor(Executor):
 class FakePrefill:
     """Prefill daemons as decode's core sees them: Abort and Offer, recorded.
 
-    ``answer``: what Offer answers (prefill kept it, digests follow, by default).
+    ``answer``: what Offer answers (prefill kept it, digests follow, by default), at
+    once; with ``hold`` set the answers wait in ``held`` until a test calls them.
     """
 
     def __init__(self) -> None:
         self.aborts: list[str] = []
         self.offers: list[tuple[str, WriteGrant]] = []
         self.answer = Offered.DIGESTS_FOLLOW
+        self.hold = False
+        self.held: list[Callable[[], None]] = []
 
     def offer(self, conn: PeerConn, request_id: str, seq_len: int, grant: WriteGrant,
-              slot: int, lease_s: float) -> Offered:
+              slot: int, lease_s: float, answered: Callable[[Offered], None]) -> None:
         self.offers.append((request_id, grant))
-        return self.answer
+        answer = self.answer
+        if self.hold:
+            self.held.append(lambda: answered(answer))
+        else:
+            answered(answer)
 
     def abort(self, conn: PeerConn, request_id: str, detail: str,
               timeout: float | None = None) -> bool:

@@ -190,9 +190,8 @@ def test_wire_lists_round_trip_with_the_draft_pool() -> None:
     from kvbeam.errors import ProtocolError
     from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
     from kvbeam.proto.transfer_codec import (
-        draft_indices_from_proto,
+        grant_indices_from_proto,
         index_lists_from_proto,
-        indices_from_proto,
         indices_to_proto,
     )
 
@@ -201,9 +200,14 @@ def test_wire_lists_round_trip_with_the_draft_pool() -> None:
     wire = indices_to_proto(target, draft)
     kv = pb.INDEX_KIND_KV_PAGES
     assert [m.pool for m in wire][-1] == "draft"
-    got = indices_from_proto(wire, "indices")
+    got, got_draft = grant_indices_from_proto(wire, "indices")
     assert all(np.array_equal(got[k], target[k]) for k in IndexKind)
-    assert draft_indices_from_proto(wire, "indices")[K.SWA_RING_ROWS].tolist() == [5, 3, 9]
+    assert got_draft[K.SWA_RING_ROWS].tolist() == [5, 3, 9]
+    negative = indices_to_proto(target, {K.SWA_RING_ROWS: np.array([5, -3], dtype=np.int64)})
+    with pytest.raises(ProtocolError, match=r"indices\[draft.SWA_RING_ROWS\].indices"):
+        grant_indices_from_proto(negative, "indices")
+    with pytest.raises(ProtocolError, match="index kinds missing"):
+        grant_indices_from_proto(wire[1:], "indices")
     with pytest.raises(ProtocolError, match="unknown pool 'drafty'"):
         index_lists_from_proto([pb.IndexList(kind=kv, indices=[1], pool="drafty")], "indices")
     with pytest.raises(ProtocolError, match=r"SWA_RING_ROWS appears twice \(draft\)"):

@@ -121,3 +121,18 @@ def test_on_change_sees_every_change() -> None:
     table.advance("r", W)
     table.fail("r", FailureReason.SHUTDOWN, "bye")
     assert seen == [B, W, F]
+
+
+def test_a_move_through_states_is_one_change_and_checked_whole() -> None:
+    seen: list[tuple[TransferState, int]] = []
+    table = TransferTable(Deadlines(), on_change=lambda s: seen.append((s.state, s.version)))
+    table.create("r", "p")
+    snap = table.advance("r", T, through=(W,))
+    assert (snap.state, snap.version) == (T, 2)
+    assert seen == [(B, 0), (T, 2)]  # observers (the engine's pushes) see one change
+    table.create("q", "p")
+    with pytest.raises(IllegalTransition, match="Transferring -> Transferring"):
+        table.advance("q", T, through=(W, T))  # refused before any move is made
+    assert table.get("q").state is B  # type: ignore[union-attr]
+    with pytest.raises(IllegalTransition, match=r"use fail\(\)"):
+        table.advance("q", T, through=(F,))

@@ -8,16 +8,26 @@ opened, fails. Only the daemons' Abort still falls back to the RPC
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any, cast
 
+import grpc
 import pytest
 
+from kvbeam.errors import PeerChannelError as ChannelError
 from kvbeam.errors import PeerUnavailableError
 from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.peer_channel import CHANNEL_ADDRESS_KEY, CHANNEL_TOKEN_KEY, PeerChannels
+from kvbeam.server.peer_channel import (
+    CHANNEL_ADDRESS_KEY,
+    CHANNEL_TOKEN_KEY,
+    OFFER,
+    PeerChannels,
+    Reply,
+)
 from kvbeam.server.peer_rpc import GrpcDecodePeers, GrpcPrefillPeers, no_channel
 from kvbeam.server.peers import PeerConn
 from kvbeam.server.settings import ControlOptions
@@ -91,7 +101,9 @@ def test_decode_makes_no_offer_without_a_channel(channel: Any) -> None:
     peers = GrpcPrefillPeers(lambda: local, ControlOptions(rpc_timeout_s=1.0))
     conn = _conn(channel)
     grant = WriteGrant(5, {})
-    assert peers.offer(conn, "r1", 100, grant, 0, 10.0) is Offered.REFUSED  # nothing sent
+    answers: list[Offered] = []
+    peers.offer(conn, "r1", 100, grant, 0, 10.0, answers.append)
+    assert answers == [Offered.REFUSED]  # nothing sent, answered at once
     assert "closed" in no_channel(conn, "prefill") or channel is None
 
 
@@ -165,3 +177,48 @@ def test_a_channel_lost_without_a_bye_fails_the_connections_requests() -> None:
         f"peer channel to decode d1 at {ADDR} lost: the peer closed the connection"
     assert wait_for(lambda: len(fake.digests) == 2)
     assert fake.connects == [ADDR, ADDR]
+
+
+class _Pending:
+    """An open peer channel whose calls are answered when the test says."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, Future[Reply]]] = []
+
+    def start_call(self, kind: int, message: bytes, timeout_s: float) -> Future[Reply]:
+        future: Future[Reply] = Future()
+        self.calls.append((kind, future))
+        return future
+
+
+def _ok(accepted: bool, digests_follow: bool) -> Reply:
+    return Reply(pb.OfferResponse(accepted=accepted,
+                                  digests_follow=digests_follow).SerializeToString())
+
+
+@pytest.mark.parametrize(("outcome", "want"), [
+    (_ok(True, True), Offered.DIGESTS_FOLLOW),
+    (_ok(True, False), Offered.NO_DIGESTS),
+    (_ok(False, True), Offered.REFUSED),
+    (ChannelError(grpc.StatusCode.NOT_FOUND, "no such request"), Offered.REFUSED),
+    (ChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer in time"), Offered.UNKNOWN),
+    (ChannelError(grpc.StatusCode.UNAVAILABLE, "channel closed"), Offered.UNKNOWN),
+    (Reply(b"\xff\xff not an OfferResponse"), Offered.UNKNOWN),
+], ids=["kept-digests", "kept-no-digests", "not-accepted", "refused", "expired", "closed",
+        "malformed"])
+def test_decode_offers_without_waiting_and_hears_the_answer_once_it_comes(
+        outcome: Reply | ChannelError, want: Offered) -> None:
+    local: Any = SimpleNamespace(instance_id="d1")
+    peers = GrpcPrefillPeers(lambda: local, ControlOptions(rpc_timeout_s=1.0))
+    channel = _Pending()
+    answers: list[Offered] = []
+    peers.offer(_conn(channel), "r1", 100, WriteGrant(5, {}), 0, 10.0, answers.append)
+    assert [kind for kind, _ in channel.calls] == [OFFER] and answers == []  # sent, not waited
+    future = channel.calls[0][1]
+    if isinstance(outcome, ChannelError):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+    assert answers == [want]
