@@ -301,10 +301,32 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
             rec.final_submitted = final
             rec.chunks.append((ranges, final))
             start_step = not rec.running
-            rec.running = True
-        if start_step:
+            park = start_step and self._parks_at_once(rec)
+            if park:
+                self._park_locked(rec)  # decode's Offer starts its step
+            else:
+                rec.running = True
+        if park:
+            self._after_park(rec)
+        elif start_step:
             self.io.submit(self._step, rec)
         return self.status(request_id)
+
+    def _parks_at_once(self, rec: Outgoing) -> bool:
+        """Whether a fresh single-chunk Send would only park (no offer yet, its decode
+        connected: its step would wait for the Offer): it parks here, at once, and
+        decode's Offer starts its one step (no executor job that only parks).
+        Under ``_lock``; the same conditions as the step's (:meth:`_waits_for_offer`)."""
+        if rec.posted or len(rec.chunks) != 1 or not rec.chunks[0][1] or rec.parked:
+            return False
+        if self.offers.has(rec.request_id):
+            return False  # the Offer came first: the step writes at once
+        conn = self.peers.by_address(rec.decode_address)
+        if conn is None or conn.closed or conn.retired_channel() is not None:
+            return False  # the step connects (or drops a retired connection) first
+        rec.conn = conn
+        return (bool(self.send_wait_s) and not rec.asked and not rec.resends
+                and not rec.rehandshake and not conn.missed_heartbeats)
 
     def abort(self, request_id: str, *, from_peer: bool, detail: str,
               wait_s: float | None = None, instance_id: str = "",
@@ -678,25 +700,33 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
     def _park(self, rec: Outgoing, ranges: Ranges, final: bool) -> None:
         """The Send came first: wait in WaitingForInput for decode's reservation (its
         Offer unparks it, :meth:`offer`) or until ``send_wait_s`` passes (a timeout)."""
-        rid = rec.request_id
         with self._lock:
             if self._ended(rec):
                 return
             rec.chunks.appendleft((ranges, final))  # taken again once decode reserved
             rec.posted.pop()
-            rec.parked = True
-            rec.parked_at = time.monotonic()
-            snap = self.table.get(rid)
-            if snap is not None and snap.state is TransferState.BOOTSTRAPPING:
-                self.table.advance(rid, TransferState.WAITING_FOR_INPUT)
-            self.table.lease(rid, self.send_wait_s,
-                             "decode's reservation: the Send came first and decode's engine "
-                             "did not reserve the request within --send-wait-s")
-            offered = self.offers.has(rid)  # the Offer raced the refused BeginWrite
+            self._park_locked(rec)
+        self._after_park(rec)
+
+    def _park_locked(self, rec: Outgoing) -> None:
+        """Park a request whose chunk is queued (under ``_lock``)."""
+        rid = rec.request_id
+        rec.parked = True
+        rec.parked_at = time.monotonic()
+        snap = self.table.get(rid)
+        if snap is not None and snap.state is TransferState.BOOTSTRAPPING:
+            self.table.advance(rid, TransferState.WAITING_FOR_INPUT)
+        self.table.lease(rid, self.send_wait_s,
+                         "decode's reservation: the Send came first and decode's engine "
+                         "did not reserve the request within --send-wait-s")
+
+    def _after_park(self, rec: Outgoing) -> None:
+        """Once parked (no lock held): an Offer that came meanwhile unparks it now."""
+        rid = rec.request_id
         log.debug("request %s: waiting up to %.1f s for decode's reservation (%s)",
                   rid, self.send_wait_s, "decode has none yet" if rec.asked else "its Offer",
                   extra=fields(rid, rec.decode_address))
-        if offered:
+        if self.offers.has(rid):  # the Offer raced the park (or the refused BeginWrite)
             self._unpark(rid)
 
     def _unpark(self, request_id: str) -> None:

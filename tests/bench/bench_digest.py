@@ -329,7 +329,7 @@ def main() -> None:
                 f"{row[f'gbps_{n}'] / row[f'cores_{n}']:>5.1f}/core" for n in (1, 2, 4)))
         print(f"GIL: one {lib['gil_call_ms']:.1f} ms digest call of 256 MiB; a Python loop in "
               f"another thread ran {lib['gil_other_thread_iterations']} iterations meanwhile "
-              "(none: the call holds the GIL)")
+              "(0 would mean the call holds the GIL)")
     print(f"61-layer {TOKENS}-token request ({lib['request_buffers']} buffers, {mb:.1f} MB), "
           "median wall ms (process CPU ms):")
     for name, (wall, cpu) in lib["request_ms"].items():

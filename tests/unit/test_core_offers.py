@@ -103,6 +103,26 @@ def test_with_send_wait_a_send_before_the_offer_waits_for_it_instead_of_asking()
     assert events == ["received", "used"]
 
 
+def test_a_send_before_the_offer_parks_at_once_and_the_offer_runs_its_one_step() -> None:
+    core, fake, conn, events = _connected(send_wait_s=5.0)
+    jobs: list[str] = []
+    submit = core.io.submit
+
+    def counted(fn: object, *args: object, **kw: object) -> object:
+        jobs.append(getattr(fn, "__name__", repr(fn)))
+        return submit(fn, *args, **kw)  # type: ignore[arg-type]
+
+    core.io.submit = counted  # type: ignore[method-assign,assignment]
+    core.send("r", 1, SEQ, ADDR, [], True)
+    # Parked before send returned: no executor job ran only to park it.
+    assert core.status("r").state is TransferState.WAITING_FOR_INPUT and jobs == []
+    assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)  # unparks it
+    link = cast(FakeLink, conn.link)
+    assert wait_for(lambda: len(link.writes) == 4)
+    assert jobs == ["_step"] and events == ["received", "used"]
+    assert [rid for rid, _ in fake.begins] == ["first"], "BeginWrite was called for r"
+
+
 def test_with_send_wait_no_offer_within_the_grace_asks_begin_write() -> None:
     core, fake, conn, _events = _connected(send_wait_s=5.0)
     core.send("s", 1, SEQ, ADDR, [], True)  # decode reserved without offering it
