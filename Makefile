@@ -162,18 +162,20 @@ bench-deps: setup ## the benchmark-only packages (pyproject extra "bench": Moonc
 bench-host: setup ## host_small_request_ms, the engine channel's target lines beside the gRPC API's, and integrity beside the wire (TCP on loopback)
 	@mkdir -p $(BENCH_DIR)
 	$(PY) -m tests.bench.bench_request --host-json $(BENCH_DIR)/host.json
-	$(PY) -m tests.bench.bench_engine_channel | tee $(BENCH_DIR)/engine-channel.txt
-	$(PY) -m tests.bench.bench_digest --json $(BENCH_DIR)/digest.json | tee $(BENCH_DIR)/digest.txt
+	bash -o pipefail -c '$(PY) -m tests.bench.bench_engine_channel | tee $(BENCH_DIR)/engine-channel.txt'
+	bash -o pipefail -c '$(PY) -m tests.bench.bench_digest --json $(BENCH_DIR)/digest.json \
+		| tee $(BENCH_DIR)/digest.txt'
 
 bench-digest: setup ## digest GB/s per thread and core, the GIL, and the 61-layer 16k request over TCP, integrity on/off beside a memory copy
 	@mkdir -p $(BENCH_DIR)
-	$(PY) -m tests.bench.bench_digest --json $(BENCH_DIR)/digest.json | tee $(BENCH_DIR)/digest.txt
+	bash -o pipefail -c '$(PY) -m tests.bench.bench_digest --json $(BENCH_DIR)/digest.json \
+		| tee $(BENCH_DIR)/digest.txt'
 
 bench-vllm: ## TTFT and inter-token latency through vllm-router + kvbeam vs one `vllm serve` (own venv)
 	$(MAKE) $(VLLM_ROUTER_STAMP)
 	@mkdir -p $(BENCH_DIR)
-	$(VLLM_VENV)/bin/python -m tests.bench.vllm_served --json $(BENCH_DIR)/vllm.json \
-		| tee $(BENCH_DIR)/vllm.txt
+	bash -o pipefail -c '$(VLLM_VENV)/bin/python -m tests.bench.vllm_served \
+		--json $(BENCH_DIR)/vllm.json | tee $(BENCH_DIR)/vllm.txt'
 
 bench: bench-deps bench-plan bench-handshake bench-host bench-vllm ## all benchmarks: host ones, then one guest boot (table + JSON + plots)
 	bash tests/softroce/run_rdma_suite.sh --cmd '$(PY) -m tests.bench.bench_suite'
