@@ -316,7 +316,7 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         """Whether a fresh single-chunk Send would only park (no offer yet, its decode
         connected: its step would wait for the Offer): it parks here, at once, and
         decode's Offer starts its one step (no executor job that only parks).
-        Under ``_lock``; the same conditions as the step's (:meth:`_waits_for_offer`)."""
+        Under ``_lock``; the step's own test is :meth:`_waits_for_offer`."""
         if rec.posted or len(rec.chunks) != 1 or not rec.chunks[0][1] or rec.parked:
             return False
         if self.offers.has(rec.request_id):
@@ -325,8 +325,7 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         if conn is None or conn.closed or conn.retired_channel() is not None:
             return False  # the step connects (or drops a retired connection) first
         rec.conn = conn
-        return (bool(self.send_wait_s) and not rec.asked and not rec.resends
-                and not rec.rehandshake and not conn.missed_heartbeats)
+        return self._may_wait_for_offer(rec, conn)
 
     def abort(self, request_id: str, *, from_peer: bool, detail: str,
               wait_s: float | None = None, instance_id: str = "",
@@ -680,9 +679,16 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         return False
 
     def _waits_for_offer(self, rec: Outgoing, conn: PeerConn, final: bool) -> bool:
-        """Whether a single-chunk Send with no offer waits for decode's Offer first."""
-        return (bool(self.send_wait_s) and final and len(rec.posted) == 1 and not rec.asked
-                and not rec.resends and not rec.rehandshake and not conn.missed_heartbeats)
+        """Whether a single-chunk Send with no offer waits for decode's Offer first (in
+        its step: its one chunk taken)."""
+        return final and len(rec.posted) == 1 and self._may_wait_for_offer(rec, conn)
+
+    def _may_wait_for_offer(self, rec: Outgoing, conn: PeerConn) -> bool:
+        """Whether the request may wait for decode's Offer rather than ask BeginWrite:
+        ``--send-wait-s`` on, never asked, no resend or new handshake, and its decode
+        answering heartbeats."""
+        return (bool(self.send_wait_s) and not rec.asked and not rec.resends
+                and not rec.rehandshake and not conn.missed_heartbeats)
 
     def periodic(self) -> None:
         """The sweep's work, and the BeginWrite fallback of Sends that waited for an
