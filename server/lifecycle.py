@@ -117,10 +117,14 @@ class TransferTable:
         t.entered = time.monotonic()
         t.deadline = None if budget is None else t.entered + budget
 
-    def _move(self, t: Transfer, state: TransferState) -> None:
-        if not legal(t.state, state):
+    @staticmethod
+    def _check_legal(request_id: str, src: TransferState, dst: TransferState) -> None:
+        if not legal(src, dst):
             raise IllegalTransition(
-                f"request {t.request_id!r}: illegal transition {t.state.value} -> {state.value}")
+                f"request {request_id!r}: illegal transition {src.value} -> {dst.value}")
+
+    def _move(self, t: Transfer, state: TransferState) -> None:
+        self._check_legal(t.request_id, t.state, state)
         t.state = state
         t.waiting = ""
         t.history.append(state)
@@ -153,10 +157,8 @@ class TransferTable:
         with self._cond:
             t = self._require(request_id)
             path = (t.state, *through, state)
-            for here, there in itertools.pairwise(path):
-                if not legal(here, there):  # checked whole first: no half-made path
-                    raise IllegalTransition(f"request {request_id!r}: illegal transition "
-                                            f"{here.value} -> {there.value}")
+            for here, there in itertools.pairwise(path):  # whole first: no half-made path
+                self._check_legal(request_id, here, there)
             for passed in through:
                 self._move(t, passed)
             self._move(t, state)

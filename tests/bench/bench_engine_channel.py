@@ -39,7 +39,7 @@ from kvbeam.pools.spec import load_side_config
 from kvbeam.scheduler import run_request
 from tests.attach_helpers import start_engine_pair
 from tests.bench.bench_request import BENCH_DEADLINES, cpu_s
-from tests.bench.bench_threads import group_of, python_thread_names, thread_cpu
+from tests.bench.bench_threads import cpu_by_group, thread_cpu
 from tests.fixtures import shipped_config
 
 SEQ = 128
@@ -96,23 +96,6 @@ def _offer_counts(*metrics: str) -> str:
         out += [line for line in text.splitlines()
                 if line.startswith(("kvbeam_offers_total", "kvbeam_begin_writes_total"))]
     return "; ".join(out)
-
-
-def _by_thread(pids: tuple[int, int], before: list[dict[int, tuple[str, float]]],
-               after: list[dict[int, tuple[str, float]]], n: int) -> list[dict[str, float]]:
-    """Each daemon's CPU ms per request by thread group (tests/bench/bench_threads.py's
-    groups; Python names from ``py-spy dump``, kernel names without py-spy), largest
-    first, then ``total``: 10 ms clock ticks, so read it over a few hundred requests."""
-    out = []
-    for pid, was, now in zip(pids, before, after, strict=True):
-        names = python_thread_names(pid)
-        groups: dict[str, float] = {}
-        for tid, (kname, cpu) in now.items():
-            group = group_of(names.get(tid, f"[{kname}]"))
-            groups[group] = groups.get(group, 0.0) + (cpu - was.get(tid, (kname, 0.0))[1]) * 1e3 / n
-        out.append({**dict(sorted(groups.items(), key=lambda kv: -kv[1])),
-                    "total": sum(groups.values())})
-    return out
 
 
 def _switches(pid: int) -> int:
@@ -179,7 +162,8 @@ def main() -> None:
             assert pe.cmd(f"wait s{i}") == "Success"
             lat.append((t1 - t0) * 1000)
         cpu1 = [cpu_s(p) for p in pids]
-        by_thread = _by_thread(pids, threads0, [thread_cpu(p) for p in pids], args.requests)
+        by_thread = [cpu_by_group(p, was, thread_cpu(p), args.requests)
+                     for p, was in zip(pids, threads0, strict=True)]
         switched = [(_switches(p) - was) / args.requests
                     for p, was in zip(pids, switches0, strict=True)]
         offers = _offer_counts(prefill.metrics, decode.metrics)

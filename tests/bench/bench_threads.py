@@ -92,19 +92,27 @@ def thread_breakdown(p: KvbeamClient, d: KvbeamClient, pids: dict[str, int], tok
             raise RuntimeError(f"request {r.request_id} ended {r.state}")
         times.append(r.send_to_success_s * 1e3)
     after = {role: thread_cpu(pid) for role, pid in pids.items()}
-    out: dict[str, dict[str, float]] = {}
-    for role, pid in pids.items():
-        names = python_thread_names(pid)
-        groups: dict[str, float] = {}
-        for tid, (kname, cpu) in after[role].items():
-            spent = (cpu - before[role].get(tid, (kname, 0.0))[1]) * 1e3 / n
-            name = names.get(tid, f"[{kname}]")
-            group = f"{name} {tid}" if by_thread else group_of(name)
-            groups[group] = groups.get(group, 0.0) + spent
-        out[role] = {**dict(sorted(groups.items(), key=lambda kv: -kv[1])),
-                     "total": sum(groups.values())}
+    out = {role: cpu_by_group(pid, before[role], after[role], n, by_thread=by_thread)
+           for role, pid in pids.items()}
     out["send_to_success_ms"] = {"median": statistics.median(times)}
     return out
+
+
+def cpu_by_group(pid: int, before: dict[int, tuple[str, float]],
+                 after: dict[int, tuple[str, float]], n: int, *,
+                 by_thread: bool = False) -> dict[str, float]:
+    """CPU ms per request of ``pid`` between two :func:`thread_cpu` readings over ``n``
+    requests, per thread group (``by_thread``: per thread, "NAME TID"), largest first,
+    then ``total``. Python names from ``py-spy dump``, kernel names in brackets."""
+    names = python_thread_names(pid)
+    groups: dict[str, float] = {}
+    for tid, (kname, cpu) in after.items():
+        spent = (cpu - before.get(tid, (kname, 0.0))[1]) * 1e3 / n
+        name = names.get(tid, f"[{kname}]")
+        group = f"{name} {tid}" if by_thread else group_of(name)
+        groups[group] = groups.get(group, 0.0) + spent
+    return {**dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+            "total": sum(groups.values())}
 
 
 def digest_speeds(mb: int = 10) -> None:
