@@ -196,6 +196,16 @@ class NotReserved(SendFailed):
     UnknownRequest. Prefill then waits for decode's reservation (``--send-wait-s``)."""
 
 
+class NotPosted(KvbeamError):
+    """A write of a request could not be posted on its link (``cause``, the transport's
+    error). Internal to prefill's core: the step that meets it resends the request on a
+    new link (a transient transport error) or fails it with ``cause``."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 class IllegalTransition(KvbeamError):
     """A state change the lifecycle does not allow (e.g. SUCCESS -> TRANSFERRING)."""
 

@@ -195,6 +195,12 @@ class FaultHooks:
                 or self.write_delay_s > 0.0 or self.break_links > 0
                 or bool(self.corrupt_record_field))
 
+    @property
+    def hold_posting(self) -> bool:
+        """True when a hook run before a write is posted may block (a delay sleeps, a
+        broken link is a verbs call): prefill then posts on its executor only."""
+        return self.write_delay_s > 0.0 or self.break_links > 0
+
     def writes_outside(self, request_id: str) -> bool:
         """True when this request's first block must miss the peer's memory (prefill)."""
         return bool(self.outside_mr_prefix) and request_id.startswith(self.outside_mr_prefix)

@@ -155,12 +155,15 @@ class PrefillOffers:
         """Whether a Send with no offer waits for one before asking (the core's)."""
         raise NotImplementedError
 
-    def _offered_grant(self, rec: Outgoing, conn: PeerConn, final: bool) -> WriteGrant | None:
+    def _offered_grant(self, rec: Outgoing, conn: PeerConn, final: bool, *,
+                       count_miss: bool = True) -> WriteGrant | None:
         """Decode's offer for this step, if one is usable (else BeginWrite asks).
 
         Used for a request whose first chunk is its final one and that is not a
         resend (a resend needs a new transfer id on its new link: BeginWrite). A
         chunked request asks with BeginWrite per chunk; its offer is dropped.
+        ``count_miss`` False: a miss is not counted here (a step that runs inline hands
+        the BeginWrite to the executor, whose step counts it).
         """
         had = self.offers.has(rec.request_id)
         offer = self.offers.take(rec.request_id, conn, rec.seq_len)
@@ -171,5 +174,6 @@ class PrefillOffers:
             return None
         if offer is None and self._waits_for_offer(rec, conn, final):
             return None  # it waits for the Offer (counted "used" when that comes)
-        self.on_offer("used" if offer is not None else "missed")
+        if offer is not None or count_miss:
+            self.on_offer("used" if offer is not None else "missed")
         return offer.grant if offer is not None else None

@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +38,7 @@ from kvbeam.errors import (
     BadRequest,
     DuplicateRequest,
     FrameError,
+    NotPosted,
     NotReserved,
     RegionError,
     SendFailed,
@@ -44,7 +46,7 @@ from kvbeam.errors import (
 )
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.digest_pool import DigestPool
+from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.pools.engine_indices import ListLike, check_kv_skip, same_lists, validate
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
@@ -83,6 +85,13 @@ ABORT_WAIT_S = 2.0
 #: prefill's engine sent it) kept so that Send fails at once: at most this many, each
 #: for ``send_wait_s`` (what the Send would otherwise wait).
 MAX_EARLY_ABORTS = 1024
+#: A request of at most this many KV pages whose step cannot block (decode's offer in
+#: hand, its connection up, nothing armed that sleeps) runs its step on the thread that
+#: made it ready: the engine channel's (its Send) or the peer channel's (decode's Offer),
+#: not on the executor: one thread hand-off less per request. Larger requests plan and
+#: digest for longer than a frame-reading thread should be held.
+INLINE_STEP_MAX_PAGES = 64
+
 
 
 @dataclass(eq=False)
@@ -309,7 +318,7 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         if park:
             self._after_park(rec)
         elif start_step:
-            self.io.submit(self._step, rec)
+            self._start_step(rec)
         return self.status(request_id)
 
     def _parks_at_once(self, rec: Outgoing) -> bool:
@@ -457,8 +466,43 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         return self._lookup(self._out, request_id) is not None
 
     # ---- the send path (executor) --------------------------------------------------------
-    def _step(self, rec: Outgoing) -> None:
-        """Run the request's next chunk; one step per request at a time keeps chunk order."""
+    def _start_step(self, rec: Outgoing) -> None:
+        """Run the request's step (the caller set ``rec.running``): here when it cannot
+        block (:meth:`_steps_inline`), else on the executor."""
+        if self._steps_inline(rec):
+            self._step(rec, inline=True)
+        else:
+            self.io.submit(self._step, rec)
+
+    def _steps_inline(self, rec: Outgoing) -> bool:
+        """Whether the request's step cannot block, so the thread that made it ready may
+        run it: one final chunk, the first attempt, at most ``INLINE_STEP_MAX_PAGES`` KV
+        pages, its decode connected with a live peer channel, decode's offer in hand (no
+        BeginWrite) and no fault armed that holds a post. Read without the lock: the
+        step meets a race that made the answer stale by going on on the executor."""
+        if self.faults is not None and self.faults.hold_posting:
+            return False
+        if (len(rec.chunks) != 1 or not rec.chunks[0][1] or rec.posted or rec.resends
+                or rec.rehandshake or rec.resend_pending
+                or len(rec.src_indices[IndexKind.KV_PAGES]) > INLINE_STEP_MAX_PAGES):
+            return False
+        if self._retired(rec) is not None:
+            return False
+        conn = rec.conn if rec.conn is not None and not rec.conn.closed else \
+            self.peers.by_address(rec.decode_address)
+        return conn is not None and not conn.closed and self.offers.has(rec.request_id)
+
+    def _step(self, rec: Outgoing, inline: bool = False) -> None:
+        """Run the request's next chunk; one step per request at a time keeps chunk order.
+
+        ``inline``: on the thread that made the request ready (:meth:`_start_step`), which
+        must not block: where the step would (a retired connection to drop, a handshake,
+        BeginWrite, a post's failure, digests still being computed), it goes on on the
+        executor.
+        """
+        if inline and self._retired(rec) is not None:
+            self.io.submit(self._step, rec)
+            return
         self._drop_retired(rec)
         with self._lock:
             idle = self._ended(rec) or not rec.chunks or rec.resend_pending
@@ -472,25 +516,50 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
             if conn is None:
                 conn = self.peers.by_address(rec.decode_address)
             if conn is None:
-                waiting = self._connecting.get(rec.decode_address)
-                if waiting is not None:  # a handshake with that address is under way
-                    waiting.append(rec)
+                if inline:
+                    pass  # the handshake runs on the executor (below)
+                elif (waiting := self._connecting.get(rec.decode_address)) is not None:
+                    waiting.append(rec)  # a handshake with that address is under way
                     return
-                self._connecting[rec.decode_address] = [rec]
+                else:
+                    self._connecting[rec.decode_address] = [rec]
             else:
                 rec.conn = conn
                 chunk = rec.chunks.popleft()
                 rec.posted.append(chunk)  # replayed by a resend
                 ranges, final = chunk
         if conn is None:
-            self._connect(rec.decode_address)
+            if inline:
+                self.io.submit(self._step, rec)
+            else:
+                self._connect(rec.decode_address)
             return
         try:
-            self._write_chunk(rec, conn, ranges, final)
+            self._write_chunk(rec, conn, ranges, final, inline=inline)
         except Exception as exc:
-            lost = isinstance(exc, SendFailed) and exc.peer_lost
-            if not (lost and self._peer_forgot_us(rec, conn, str(exc))):
-                self._step_failed(rec, exc)
+            if inline:  # what follows may block (a link's release, a new handshake)
+                self.io.submit(self._failed_step, rec, conn, exc)
+            else:
+                self._failed_step(rec, conn, exc)
+            return
+        self._end_step(rec)
+
+    def _failed_step(self, rec: Outgoing, conn: PeerConn, exc: BaseException) -> None:
+        """The step's chunk was not written (``exc``): resend it on a new link (a post
+        failed), handshake again (decode forgot us) or fail the request; then the step
+        ends. Blocking (a link's release): on the executor, no lock held."""
+        if isinstance(exc, NotPosted):
+            if self._resend_after(rec, conn, exc.cause):
+                self._end_step(rec)  # resent on a new link once this step ends
+                return
+            exc = exc.cause
+        lost = isinstance(exc, SendFailed) and exc.peer_lost
+        if not (lost and self._peer_forgot_us(rec, conn, str(exc))):
+            self._step_failed(rec, exc)
+        self._end_step(rec)
+
+    def _end_step(self, rec: Outgoing) -> None:
+        """The step is over: the next chunk's step, or a pending resend."""
         with self._lock:
             again = (bool(rec.chunks) and not self._ended(rec) and not rec.resend_pending
                      and not rec.parked)
@@ -499,6 +568,18 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
             self.io.submit(self._step, rec)
         else:
             self._maybe_resend(rec)
+
+    def _retired(self, rec: Outgoing) -> tuple[PeerConn, Any] | None:
+        """The connection the request's step would use, with its peer channel, when
+        that channel was retired (closed under the connection)."""
+        with self._lock:
+            conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
+            if conn is None:
+                conn = self.peers.by_address(rec.decode_address)
+        channel = conn.retired_channel() if conn is not None else None
+        if conn is None or channel is None or conn.closed:
+            return None
+        return conn, channel
 
     def _drop_retired(self, rec: Outgoing) -> None:
         """The connection this step would use has lost its peer channel: drop it, so the
@@ -511,13 +592,10 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         is lost (its channel handler says so too): its requests fail. Blocking (the
         link's release): on the executor, no lock held.
         """
-        with self._lock:
-            conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
-            if conn is None:
-                conn = self.peers.by_address(rec.decode_address)
-        channel = conn.retired_channel() if conn is not None else None
-        if conn is None or channel is None or conn.closed:
+        retired = self._retired(rec)
+        if retired is None:
             return
+        conn, channel = retired
         how = "closed" if channel.orderly else "lost"
         log.info("request %s: the peer channel to %s was %s (%s): dropping that connection, "
                  "the next handshake opens a new one", rec.request_id, channel.peer, how,
@@ -550,13 +628,24 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
             else:
                 self.io.submit(self._step, rec)
 
-    def _write_chunk(self, rec: Outgoing, conn: PeerConn, ranges: Ranges, final: bool) -> None:
+    def _write_chunk(self, rec: Outgoing, conn: PeerConn, ranges: Ranges, final: bool, *,
+                     inline: bool = False) -> None:
+        """Write one chunk: take decode's grant (its offer, else BeginWrite), plan, post;
+        with integrity, the final chunk's digest record follows. A post that fails
+        raises :class:`NotPosted` (:meth:`_failed_step` resends or fails).
+        ``inline``: the step may not block (:meth:`_step`)."""
         rid = rec.request_id
-        grant = self._offered_grant(rec, conn, final)
+        grant = self._offered_grant(rec, conn, final, count_miss=not inline)
         if grant is None and self._waits_for_offer(rec, conn, final):
             # Decode's engine reserves on its own daemon, which offers the reservation
             # over the peer link: wait for that instead of asking (no BeginWrite).
             self._park(rec, ranges, final)
+            return
+        if grant is None and inline:
+            # The offer went meanwhile (aborted, expired): BeginWrite asks, and waits for
+            # its answer, on the executor (the step's end hands the chunk over).
+            with self._lock:
+                rec.chunks.appendleft(rec.posted.pop())
             return
         if grant is None:
             began = time.monotonic()
@@ -646,15 +735,22 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
                 rec.final_posted = rec.final_posted and not final
                 self._give_staging(rec)
                 self._drained.notify_all()
-            if self._resend_after(rec, conn, exc):
-                return  # resent on a new link once this step ends
-            raise
+            raise NotPosted(exc) from exc
         log.info("request %s: posted %s%d bytes in %d blocks to %s", rid,
                  "final chunk, " if final else "chunk, ", plan.total_bytes, plan.num_blocks,
                  conn.control_address, extra=fields(rid, rec.decode_address))
         if not separate:
             return
-        try:  # digested while the data writes are in flight
+        if inline:  # the digests are still being computed: waited for on the executor
+            self.io.submit(self._record_on_executor, rec, conn, grant, job)
+            return
+        self._post_record(rec, conn, grant, job)
+
+    def _post_record(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant,
+                     job: DigestJob | None) -> None:
+        """Post the request's digest record once its digests are done (they were computed
+        while the data writes went out); raises :class:`NotPosted` when the post fails."""
+        try:
             conn.link.write(grant.transfer_id, self._record_blocks(rec, conn, grant, job),
                             notify=True)
         except Exception as exc:
@@ -664,11 +760,18 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
                 rec.final_posted = False  # no Success without the record's write
                 self._give_staging(rec)
                 self._drained.notify_all()
-            if self._resend_after(rec, conn, exc):
-                return
-            raise
+            raise NotPosted(exc) from exc
 
-    def _resend_after(self, rec: Outgoing, conn: PeerConn, exc: Exception) -> bool:
+    def _record_on_executor(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant,
+                            job: DigestJob | None) -> None:
+        """:meth:`_post_record` for a step that ran inline (it ended once the data was
+        posted; the record's write is counted, so nothing ends the request meanwhile)."""
+        try:
+            self._post_record(rec, conn, grant, job)
+        except Exception as exc:
+            self._failed_step(rec, conn, exc)
+
+    def _resend_after(self, rec: Outgoing, conn: PeerConn, exc: BaseException) -> bool:
         """A write of the request could not be posted: a link that cannot take writes is
         lost (its requests are resent on a new one). True when this request's resend is
         pending (the step then ends without failing it)."""
@@ -745,7 +848,7 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
             go = not rec.running and not self._ended(rec)
             rec.running = rec.running or go
         if go:
-            self.io.submit(self._step, rec)
+            self._start_step(rec)
 
     def _check_grant_skip(self, rec: Outgoing, grant: WriteGrant) -> None:
         """Decode's ``kv_skip`` (untrusted: from the peer) fits this request's source:

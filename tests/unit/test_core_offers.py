@@ -8,7 +8,7 @@ from typing import cast
 
 import pytest
 
-from kvbeam.errors import UnknownRequest
+from kvbeam.errors import TransportError, UnknownRequest
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.pools.indices import request_indices
@@ -119,8 +119,118 @@ def test_a_send_before_the_offer_parks_at_once_and_the_offer_runs_its_one_step()
     assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)  # unparks it
     link = cast(FakeLink, conn.link)
     assert wait_for(lambda: len(link.writes) == 4)
-    assert jobs == ["_step"] and events == ["received", "used"]
+    # Its one step ran on the Offer's thread: only the wait for the digest pool (the
+    # record's write) went to the executor.
+    assert jobs == ["_record_on_executor"] and events == ["received", "used"]
     assert [rid for rid, _ in fake.begins] == ["first"], "BeginWrite was called for r"
+
+
+def _count_jobs(core: PrefillCore) -> list[str]:
+    """The names of the jobs the core hands its executor from now on."""
+    jobs: list[str] = []
+    submit = core.io.submit
+
+    def counted(fn: object, *args: object, **kw: object) -> object:
+        jobs.append(getattr(fn, "__name__", repr(fn)))
+        return submit(fn, *args, **kw)  # type: ignore[arg-type]
+
+    core.io.submit = counted  # type: ignore[method-assign,assignment]
+    return jobs
+
+
+def test_an_offered_small_send_posts_on_the_senders_thread() -> None:
+    """With decode's offer in hand a small request's step cannot block: the Send posts
+    its data before it returns (no executor hand-off); the digest record follows once
+    the pool's digests are done (waited for on the executor)."""
+    core, fake, conn, events = _connected()
+    link = cast(FakeLink, conn.link)
+    assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
+    jobs = _count_jobs(core)
+    core.send("r", 1, SEQ, ADDR, [], True)
+    assert link.writes[2:3] == [(77, False)], "the data was not posted by send itself"
+    assert wait_for(lambda: len(link.writes) == 4 and len(fake.digests) == 2)
+    assert link.writes[3] == (77, True) and jobs == ["_record_on_executor"]
+    assert events == ["received", "used"]
+    want = request_digests(core.pools, request_indices(UNIFIED_TARGET, 1, SEQ))
+    assert fake.digests[1] == ("r", 77, want)
+
+
+def test_an_offered_small_send_with_inline_digests_is_one_write_and_no_job() -> None:
+    """Digests small enough to run on the calling thread (the daemon's default pool):
+    the record is the data write's last block, and nothing goes to the executor."""
+    core, _fake, conn, _events = _connected()
+    core.digest_pool = DigestPool(0)  # every job inline, as a small request's in a daemon
+    link = cast(FakeLink, conn.link)
+    assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
+    jobs = _count_jobs(core)
+    core.send("r", 1, SEQ, ADDR, [], True)
+    assert link.writes[2:] == [(77, True)] and len(link.records) == 2 and jobs == []
+    core.on_event(link.completion(77))
+    assert core.status("r").state is TransferState.SUCCESS
+
+
+def test_a_request_over_the_inline_bound_steps_on_the_executor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    core, _fake, conn, _events = _connected()
+    monkeypatch.setattr(prefill_module, "INLINE_STEP_MAX_PAGES", 1)
+    assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
+    jobs = _count_jobs(core)
+    core.send("r", 1, SEQ, ADDR, [], True)
+    link = cast(FakeLink, conn.link)
+    assert wait_for(lambda: len(link.writes) == 4)
+    assert jobs[0] == "_step" and link.writes[2:] == [(77, False), (77, True)]
+
+
+def test_an_armed_write_delay_keeps_the_step_on_the_executor() -> None:
+    core, _fake, conn, _events = _connected()
+    assert core.faults is not None
+    core.faults.write_delay_s = 0.01  # a hook that sleeps before the post
+    assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
+    jobs = _count_jobs(core)
+    core.send("r", 1, SEQ, ADDR, [], True)
+    link = cast(FakeLink, conn.link)
+    assert wait_for(lambda: len(link.writes) == 4)
+    assert jobs[0] == "_step"
+
+
+def test_an_offer_gone_before_the_inline_step_asks_begin_write_from_the_executor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offer is checked without the lock: when it went (aborted, expired) before
+    the step took it, the step does not ask BeginWrite on the sender's thread."""
+    core, fake, conn, events = _connected()
+    monkeypatch.setattr(core.offers, "has", lambda _rid: True)  # it looked offered
+    jobs = _count_jobs(core)
+    core.send("r", 1, SEQ, ADDR, [], True)
+    link = cast(FakeLink, conn.link)
+    assert wait_for(lambda: len(link.writes) == 4)
+    assert jobs[0] == "_step" and [rid for rid, _ in fake.begins] == ["first", "r"]
+    assert events == ["missed"]  # counted once, by the executor's step
+
+
+def test_an_inline_post_that_fails_is_resent_on_a_new_link_from_the_executor() -> None:
+    core, fake, conn, _events = _connected(resend_retries=1)
+    old = cast(FakeLink, conn.link)
+    assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
+    real = old.write
+
+    def broken(transfer_id: int, blocks: object, notify: bool = True) -> None:
+        if transfer_id == 77:
+            raise TransportError("link 1: QP in error state", "IBV_WC_RETRY_EXC_ERR")
+        real(transfer_id, blocks, notify)  # type: ignore[arg-type]
+
+    old.write = broken  # type: ignore[method-assign]
+    jobs = _count_jobs(core)
+    core.send("r", 1, SEQ, ADDR, [], True)
+    assert core.status("r").state is TransferState.TRANSFERRING  # not failed on this thread
+    # Resent under a new grant; its digests were never recorded (the post failed before
+    # the record), so the resend's data and record are two writes again.
+    assert wait_for(lambda: len(fake.links) == 2 and len(fake.links[1].writes) == 2)
+    new = fake.links[1]
+    assert jobs[0] == "_failed_step" and old.released
+    assert [rid for rid, link in fake.begins][-1] == "r" and fake.begins[-1][1] == new.id
+    for event in new.finish(new.writes[0][0]):
+        core.on_event(event)
+    assert core.status("r").state is TransferState.SUCCESS
 
 
 def test_with_send_wait_no_offer_within_the_grace_asks_begin_write() -> None:
