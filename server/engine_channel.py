@@ -10,8 +10,11 @@ prefill, an abort that waits for writes to drain) run on the daemon's bounded ex
 
 Every state change of a request the engine started on this channel is pushed back
 as a STATE frame: the transfer table's observer (:meth:`EngineChannel.on_change`, any
-thread) appends the encoded frame to an outbound buffer under a leaf lock and wakes
-the attach thread, which alone writes to the socket (non-blocking, outside the lock).
+thread) sends the encoded frame at once, non-blocking, under a leaf lock, when nothing
+is queued before it (no hand-off to another thread: the usual case); what the socket
+does not take is queued in the outbound buffer, and the attach thread, woken, writes
+it when the socket is writable (also non-blocking, under the same lock, so frames keep
+their order).
 
 On decode a request's Failed is pushed once its pages are free (``failed_when_freed``):
 the table fails a request at once, but decode frees its pages only when prefill can no
@@ -157,7 +160,8 @@ class EngineChannel:
         self.ops = ops
         self.io = io
         self.failed_when_freed = failed_when_freed
-        self._lock = threading.Lock()  # leaf: _out, _mine, _parked, _freed, _conn; no I/O
+        self._lock = threading.Lock()  # leaf: _out, _mine, _parked, _freed, _conn; held
+        # across a non-blocking send on the engine socket only (frames keep their order)
         self._conn: socket.socket | None = None
         self._out = bytearray()
         self._mine: set[str] = set()
@@ -239,11 +243,23 @@ class EngineChannel:
         self._push(ef.encode(ef.Error(request_id, field, message)))
 
     def _push(self, data: bytes) -> None:
+        """Send ``data`` now when nothing is queued before it (one non-blocking send on
+        the pushing thread: no wake-up of the attach thread, no hand-off); else, or for
+        what the socket did not take, queue it for the attach thread."""
         with self._lock:
-            if self._conn is None:
+            conn = self._conn
+            if conn is None:
                 return
-            self._out += data
             self.frames_out += 1
+            if not self._out:  # in order: every earlier frame is already on the socket
+                try:
+                    sent = conn.send(data)
+                except OSError:  # full (BlockingIOError), or broken: flush() finds out
+                    sent = 0
+                if sent == len(data):
+                    return
+                data = data[sent:]
+            self._out += data
             wake = not self._woken
             self._woken = True
         if wake:
@@ -261,21 +277,19 @@ class EngineChannel:
         with contextlib.suppress(BlockingIOError, OSError):
             while self._wake_r.recv(4096):
                 pass
-        with self._lock:
+        with self._lock:  # the send under the lock: a pushing thread's sends stay in order
             self._woken = False
-            conn, data = self._conn, bytes(self._out)
-            self._out = bytearray()
-        if conn is None or not data:
-            return True
-        try:
-            sent = conn.send(data)
-        except BlockingIOError:
-            sent = 0
-        if sent == len(data):
-            return True
-        with self._lock:
-            self._out[:0] = data[sent:]
+            conn = self._conn
+            if conn is None or not self._out:
+                return True
+            try:
+                sent = conn.send(self._out)
+            except BlockingIOError:
+                sent = 0
+            del self._out[:sent]
             left = len(self._out)
+        if not left:
+            return True
         if left > MAX_OUTBOUND_BYTES:
             raise OSError(f"the engine left {left} bytes of pushed states unread (limit "
                           f"{MAX_OUTBOUND_BYTES}): it stopped reading its attach socket")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -201,6 +202,46 @@ def test_decode_pushes_a_failed_state_once_the_requests_pages_are_freed() -> Non
         pushed = _pushed(engine, ch)
         assert [(p.request_id, p.state) for p in pushed] == [  # type: ignore[union-attr]
             ("a", TransferState.FAILED), ("b", TransferState.FAILED)]
+        ch.close()
+    daemon.close()
+    engine.close()
+
+
+def test_a_pushed_state_goes_out_at_once_and_a_full_socket_keeps_the_order() -> None:
+    """A state pushed with nothing queued is on the socket before the push returns (no
+    flush by the attach thread); once the socket is full, later states queue behind
+    what it did not take, and the flush delivers every frame whole and in order."""
+    daemon, engine = socket.socketpair()
+    daemon.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    with ThreadPoolExecutor(1) as io:
+        ch = EngineChannel(_Ops(), io)
+        ch.bind(daemon)
+        n = 400
+        engine.sendall(b"".join(ef.encode(ef.Reserve(f"r{i}", 7, "h:1")) for i in range(n)))
+        while len(ch._mine) < n:  # the requests it started here
+            ch.readable(daemon)
+
+        def state(i: int) -> TransferStatus:
+            return TransferStatus(f"r{i}", "p", TransferState.SUCCESS, None, "d" * 200, 2, 0.1)
+
+        ch.on_change(state(0))
+        engine.settimeout(2)
+        first = ef.FrameBuffer().feed(engine.recv(65536))  # no flush() was called
+        assert [ef.decode(b, (ef.STATE,)).request_id for b in first] == ["r0"]
+        for i in range(1, n):  # more than the socket takes unread
+            ch.on_change(state(i))
+        assert len(ch._out) > 0, "the socket took everything: the test filled nothing"
+        buf, got = ef.FrameBuffer(), list[bytes]()
+        engine.setblocking(False)
+        while len(got) < n - 1:
+            ch.flush()
+            try:
+                got += buf.feed(engine.recv(65536))
+            except BlockingIOError:
+                time.sleep(0.001)
+        assert [ef.decode(b, (ef.STATE,)).request_id for b in got] == [
+            f"r{i}" for i in range(1, n)]
+        assert buf.pending == 0 and ch.flush()
         ch.close()
     daemon.close()
     engine.close()
