@@ -29,7 +29,11 @@ answer on the pair's peer channel), link releases. Decode's Offer
 (:mod:`~kvbeam.server.core.decode_offer`) does not block: it is sent from the
 Reserve's thread, outside every lock, and its answer is an event handled on the
 peer channel's thread (``DecodeOffer.offer_answered``). The transport event thread
-(``on_event``) only does bookkeeping and submits work. Long-lived loops (events,
+(``on_event``) does bookkeeping, verifies a small landing on decode (its digests run
+inline anyway) and submits the rest. A prefill step that cannot block (a small
+single-chunk request with decode's offer in hand) runs on the thread that made it
+ready (the engine channel's, a handler's, or the peer channel's for an Offer), not on
+the executor (``PrefillCore._steps_inline``). Long-lived loops (events,
 deadline sweep, heartbeats) and the peer channels' selector thread
 (:mod:`kvbeam.server.peer_channel`, which answers Offer and BeginWrite itself and
 hands Aborts to the servicer's ``peer_io`` pool) are the other threads;

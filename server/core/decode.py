@@ -362,7 +362,8 @@ class DecodeCore(DecodeOffer):
 
     # ---- events ----------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
-        """NOTIFIED: a transfer landed (verified on the executor); LINK_FAILED: peer gone."""
+        """NOTIFIED: a transfer landed (verified here when small, else on the executor);
+        LINK_FAILED: the peer is gone."""
         if event.kind is EventKind.LINK_FAILED:
             report_link_failure(self.peers, self.io, self.on_peer_lost, event)
             return
@@ -388,7 +389,7 @@ class DecodeCore(DecodeOffer):
                         extra=fields(rid, conn.control_address if conn else None))
             return
         if go:  # else prefill's integrity flag is still to come (the Offer's answer)
-            self.io.submit(self._verify, res, tid)
+            self._start_verify(res, tid)
 
     def _transferring(self, rid: str) -> None:
         """An offered request landed without a BeginWrite: it is Transferring now (its

@@ -4,12 +4,15 @@ The notification carrying a request's transfer id arrives after every byte (RC
 ordering), the request's digest record included: with integrity on, prefill's last
 write of the final chunk puts the record (its XXH3-128 digests, protocol 5) into the
 request's slot of decode's digest mailbox (:mod:`kvbeam.pools.mailbox`), and the
-marker follows it. The notification queues :meth:`DecodeLanding._verify` on the
-executor: it copies the record out of the slot and checks it (magic, version, count,
-self-digest, transfer id, slot, request id), then the landed bytes against its
-digests, and makes the request Success, or fails it (integrity, naming the field or
-the buffers) and tells prefill. No message is awaited. :class:`DecodeLanding` is a
-base of :class:`~kvbeam.server.core.decode.DecodeCore` (split to keep modules small).
+marker follows it. The notification starts :meth:`DecodeLanding._verify`
+(:meth:`DecodeLanding._start_verify`): it copies the record out of the slot and checks
+it (magic, version, count, self-digest, transfer id, slot, request id), then the
+landed bytes against its digests, and makes the request Success, or fails it
+(integrity, naming the field or the buffers) and tells prefill. No message is
+awaited. A landing small enough that its digests run on the calling thread anyway
+is verified on the thread that saw it land (no hand-off); a larger one on the
+executor, and a failure is always handled there (telling prefill is a peer call).
+:class:`DecodeLanding` is a base of :class:`~kvbeam.server.core.decode.DecodeCore`.
 """
 
 from __future__ import annotations
@@ -134,6 +137,16 @@ class DecodeLanding(CoreBase):
                             Expected(len(self.layout.flat_buffers), transfer_id,
                                      res.mailbox_slot, res.request_id))
 
+    def _start_verify(self, res: Incoming, transfer_id: int) -> None:
+        """Verify a landing (no lock held): here when it cannot block, i.e. integrity is
+        off or its digests run inline (fewer bytes than the digest pool hands to its
+        threads), else on the executor."""
+        if not (self.integrity and res.digests_follow) \
+                or res.nbytes < self.digest_pool.inline_below:
+            self._verify(res, transfer_id, inline=True)
+        else:
+            self.io.submit(self._verify, res, transfer_id)
+
     def _integrity_failed(self, res: Incoming, transfer_id: int, detail: str) -> None:
         """Fail a landing whose record or bytes do not check out (executor)."""
         rid = res.request_id
@@ -162,12 +175,20 @@ class DecodeLanding(CoreBase):
         Core lock held."""
         return res.transfer_id == transfer_id and res.landed
 
-    def _verify(self, res: Incoming, transfer_id: int) -> None:
-        """Check the landed bytes against prefill's digests (executor), then Success.
+    def _verify(self, res: Incoming, transfer_id: int, inline: bool = False) -> None:
+        """Check the landed bytes against prefill's digests, then Success.
 
         ``transfer_id`` is the landing that was queued: its result counts only while
         that landing is still the request's (checked under the lock, with the verdict).
+        ``inline``: on the thread that saw the landing (:meth:`_start_verify`), which
+        must not block: a failure is handled on the executor.
         """
+        def failed(detail: str) -> None:
+            if inline:
+                self.io.submit(self._integrity_failed, res, transfer_id, detail)
+            else:
+                self._integrity_failed(res, transfer_id, detail)
+
         rid = res.request_id
         if self.faults is not None:  # test-only hook (--enable-fault-injection)
             self.faults.after_landing(rid, self.pools, res.indices, res.draft)
@@ -178,7 +199,7 @@ class DecodeLanding(CoreBase):
             try:
                 res.digests = self._record(res, transfer_id)
             except RecordError as exc:
-                self._integrity_failed(res, transfer_id, str(exc))
+                failed(str(exc))
                 return
             # In parallel over the buffers, on the digest pool; no lock held while it runs,
             # and Success (below) only once every buffer's digest was compared.
@@ -191,7 +212,7 @@ class DecodeLanding(CoreBase):
             if bad:
                 detail = (f"{DIGEST_NAME} mismatch in {len(bad)} buffer(s): "
                           f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
-                self._integrity_failed(res, transfer_id, detail)
+                failed(detail)
                 return
             verified = f"{VERIFIED_PREFIX} {len(landed)} buffers match prefill's digests"
         elif self.integrity:

@@ -87,4 +87,4 @@ class DecodeOffer(DecodeLanding):
                   res.prefill_address, answer.value,
                   extra=fields(res.request_id, res.prefill_address))
         if go:
-            self.io.submit(self._verify, res, tid)
+            self._start_verify(res, tid)

@@ -11,6 +11,7 @@ import pytest
 from kvbeam.errors import AlreadyLanded
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
+from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.faults import FaultHooks
@@ -75,12 +76,47 @@ class FakePrefill:
 def _core() -> tuple[DecodeCore, QueueExecutor, FakePrefill, PeerConn]:
     lay = layout()
     io, prefill = QueueExecutor(), FakePrefill()
+    # inline_below=0: every landing counts as large, so its verification is a job on the
+    # executor that a test runs when it chooses (a small landing's inline check has
+    # tests of its own, which set the core's digest_pool back to the daemon's default).
     core = DecodeCore(table=TransferTable(Deadlines()), peers=Peers(), prefill=prefill, io=io,
                       spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
-                      integrity=True, faults=FaultHooks(), handoff_lease_s=30.0)
+                      integrity=True, faults=FaultHooks(), handoff_lease_s=30.0,
+                      digest_pool=DigestPool(0, inline_below=0))
     conn = fake_conn(PREFILL, AllocatedSide(lay))
     core.peers.add(conn)
     return core, io, prefill, conn
+
+
+def test_a_small_landing_is_verified_on_the_thread_that_saw_it_land() -> None:
+    """Digests that run on the calling thread anyway: no executor job, Success before
+    the event handler returns."""
+    core, io, _prefill, conn = _core()
+    core.digest_pool = DigestPool(0)  # the daemon's default: small jobs inline
+    res = core.reserve("r", 300, PREFILL)
+    core.begin_write("r", conn.instance_id, 300, True, True)
+    land_record(core, "r", request_digests(core.pools, res.indices))
+    core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
+    st = core.status("r")
+    assert st.state is TransferState.SUCCESS and st.detail.startswith("XXH3-128 verified")
+    assert io.queue == []
+
+
+def test_a_small_landing_that_fails_its_check_is_failed_from_the_executor() -> None:
+    """The check runs where the landing was seen; telling prefill (a peer call) does not."""
+    core, io, prefill, conn = _core()
+    core.digest_pool = DigestPool(0)
+    res = core.reserve("r", 300, PREFILL)
+    wrong = [d ^ 1 for d in request_digests(core.pools, res.indices)]
+    core.begin_write("r", conn.instance_id, 300, True, True)
+    land_record(core, "r", wrong)
+    core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
+    assert core.status("r").state is TransferState.TRANSFERRING and prefill.aborts == []
+    assert len(io.queue) == 1
+    io.run_all()
+    st = core.status("r")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.INTEGRITY
+    assert prefill.aborts == ["r"] and core.slot_of("r") == -1
 
 
 def test_landing_is_verified_on_the_executor_not_the_event_thread() -> None:

@@ -75,7 +75,9 @@ def test_a_relink_while_the_landing_is_verified_is_answered_already_landed() -> 
 def test_a_landing_replaced_under_verification_is_never_advanced_to_success() -> None:
     core, io, _prefill, conn = _core()
     res = core.reserve("r", 300, PREFILL)
-    tid = core.begin_write("r", conn.instance_id, 300, True, False).transfer_id
+    # Digests follow (a landing without them is settled on the event thread at once).
+    tid = core.begin_write("r", conn.instance_id, 300, True, True).transfer_id
+    land_record(core, "r", request_digests(core.pools, res.indices))
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, tid))
     assert len(io.queue) == 1
     with core._lock:  # what any path that replaces the landing does (a relink does this)
