@@ -370,19 +370,24 @@ class DaemonServicer(ControlServicer):
 
     # ---- loops (run by the runtime in threads) -----------------------------------
     def event_loop(self, stop: threading.Event) -> None:
-        """Dispatch transport events until stopped."""
+        """Deliver transport events until stopped: the transport's own threads hand most
+        to :meth:`_handle_event` where they saw them (no hand-off to this thread;
+        :meth:`kvbeam.transport.base.Transport.deliver_to`), this loop the rest."""
+        transport = self.rt.transport
+        transport.deliver_to(self._handle_event)
         while not stop.is_set():
             try:
-                events = self.rt.transport.events(timeout=0.2)
+                transport.pump(0.2)
             except Exception:
-                log.exception("reading transport events failed")
+                log.exception("delivering transport events failed")
                 stop.wait(0.2)
-                continue
-            for event in events:
-                try:
-                    self.on_event(event)
-                except Exception:  # one bad event must not stop the loop
-                    log.exception("handling transport event %s failed", event)
+
+    def _handle_event(self, event: Event) -> None:
+        """One transport event, on whichever thread delivers it; never raises."""
+        try:
+            self.on_event(event)
+        except Exception:  # one bad event must not stop the delivering thread
+            log.exception("handling transport event %s failed", event)
 
     def sweep(self) -> None:
         """Enforce deadlines (called every SWEEP_S by the runtime)."""

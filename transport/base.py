@@ -139,6 +139,17 @@ class Transport(ABC):
         """Events so far, waiting up to ``timeout`` seconds (None: forever) for one."""
 
     @abstractmethod
+    def deliver_to(self, handler: Callable[[Event], None]) -> None:
+        """Hand every event to ``handler`` instead of :meth:`events`: called on the
+        transport thread that saw the completion, where it holds no lock (one thread at a
+        time, in order), or by :meth:`pump`. ``handler`` must not block or raise."""
+
+    @abstractmethod
+    def pump(self, timeout: float) -> None:
+        """With a handler set: deliver the events no transport thread delivered,
+        waiting up to ``timeout`` for one (one thread calls it in a loop)."""
+
+    @abstractmethod
     def close(self) -> None:
         """Release links and registrations and stop background work. Idempotent."""
 

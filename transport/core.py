@@ -15,6 +15,8 @@ from kvbeam.transport.blocks import AddressArray, Blocks
 from kvbeam.transport.endpoint import Region, RemoteRegion
 from kvbeam.transport.regions import KeyArray, RegionTable
 
+#: How long the event thread waits before looking again while another thread delivers.
+PUMP_BUSY_WAIT_S = 0.05
 MAX_TRANSFER_ID = 0xFFFF_FFFF  # it travels as the 32-bit immediate of RDMA WRITE WITH IMM
 
 
@@ -50,17 +52,31 @@ def prepare(transfer_id: int, blocks: Blocks, notify: bool, slice_bytes: int,
 
 
 class EventQueue:
-    """Thread-safe FIFO of events with a blocking drain."""
+    """Thread-safe FIFO of events: drained by an event thread (:meth:`drain`), or, once
+    a handler is set (:meth:`deliver_to`), handed to it by whichever thread calls
+    :meth:`deliver`.
+
+    A transport thread that saw a completion queues its event without waking anyone
+    (``put(wake=False)``) and delivers it itself once it holds no lock: no hand-off to an
+    event thread. One deliverer at a time (a lock taken without waiting: a thread that
+    finds it held leaves its events to the holder, who looks again after releasing it),
+    so events keep their order. :meth:`pump`, on the daemon's event thread, delivers
+    what was queued with a wake-up (an event emitted under a lock).
+    """
 
     def __init__(self) -> None:
         self._items: deque[Event] = deque()
         self._cond = threading.Condition()
+        self._handler: Callable[[Event], None] | None = None
+        self._delivering = threading.Lock()  # held while handing events over; never waited on
 
-    def put(self, event: Event) -> None:
-        """Append one event and wake a waiter."""
+    def put(self, event: Event, wake: bool = True) -> None:
+        """Append one event; ``wake``: wake the event thread (else the caller will
+        :meth:`deliver`)."""
         with self._cond:
             self._items.append(event)
-            self._cond.notify_all()
+            if wake:
+                self._cond.notify_all()
 
     def drain(self, timeout: float | None) -> list[Event]:
         """Everything queued, waiting up to ``timeout`` (None: forever) while empty."""
@@ -74,6 +90,48 @@ class EventQueue:
             out = list(self._items)
             self._items.clear()
             return out
+
+    def deliver_to(self, handler: Callable[[Event], None]) -> None:
+        """Hand events to ``handler`` from now on (:meth:`deliver`, :meth:`pump`). It runs
+        on transport threads: it must not block, and it must not raise."""
+        self._handler = handler
+
+    def deliver(self) -> bool:
+        """Hand what is queued to the handler on this thread, in order (the caller holds
+        no lock); without a handler, wake the event thread to drain it. False when
+        another thread is delivering (it takes these too) or no handler is set."""
+        handler = self._handler
+        if handler is None:
+            with self._cond:
+                self._cond.notify_all()
+            return False
+        while True:
+            if not self._delivering.acquire(blocking=False):
+                return False
+            try:
+                while True:
+                    with self._cond:
+                        batch = list(self._items)
+                        self._items.clear()
+                    if not batch:
+                        break
+                    for event in batch:
+                        handler(event)
+            finally:
+                self._delivering.release()
+            with self._cond:  # an event put after our last look, while we held the lock
+                if not self._items:
+                    return True
+
+    def pump(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for a wake-up, then deliver what is queued (a handler
+        must be set)."""
+        with self._cond:
+            if not self._items:
+                self._cond.wait(timeout)
+        if not self.deliver():
+            with self._cond:  # another thread delivers: do not spin on its queue
+                self._cond.wait(min(timeout, PUMP_BUSY_WAIT_S))
 
 
 class RegistrationBook:

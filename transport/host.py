@@ -11,6 +11,7 @@ fake host implementing the same protocol.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from kvbeam.transport.base import Event
@@ -43,6 +44,15 @@ class LinkHost(Protocol):
     def emit(self, event: Event) -> None:
         """Count and queue an event for :meth:`kvbeam.transport.base.Transport.events`."""
 
+    def stage(self, event: Event) -> None:
+        r"""Count and queue an event without waking the event thread: the caller
+        :meth:`deliver`\ s it once it holds no lock."""
+
+    def deliver(self) -> None:
+        """Hand the queued events over on this thread now: to the handler (see
+        :meth:`kvbeam.transport.base.Transport.deliver_to`), else to the event thread.
+        The caller holds no lock."""
+
     def forget(self, link_id: int) -> None:
         """The link is released: drop it from the transport's books."""
 
@@ -73,6 +83,24 @@ class LinkHostBase:
         self._meter.link_failed(status)
 
     def emit(self, event: Event) -> None:
-        """Count and queue an event."""
+        """Count and queue an event (the event thread is woken to take it)."""
         self._meter.on_event(event)
         self._events.put(event)
+
+    def stage(self, event: Event) -> None:
+        """Count and queue an event for this thread's :meth:`deliver`."""
+        self._meter.on_event(event)
+        self._events.put(event, wake=False)
+
+    def deliver(self) -> None:
+        """Deliver the queued events on this thread (no lock held)."""
+        self._events.deliver()
+
+    def deliver_to(self, handler: Callable[[Event], None]) -> None:
+        """Events go to ``handler``, on the transport thread that saw them where it can
+        (:class:`~kvbeam.transport.core.EventQueue`); :meth:`pump` delivers the rest."""
+        self._events.deliver_to(handler)
+
+    def pump(self, timeout: float) -> None:
+        """Deliver queued events to the handler, waiting up to ``timeout`` for one."""
+        self._events.pump(timeout)

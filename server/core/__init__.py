@@ -28,8 +28,10 @@ handshakes, XXH3-128 digests, peer calls (BeginWrite, Abort: each waits for its
 answer on the pair's peer channel), link releases. Decode's Offer
 (:mod:`~kvbeam.server.core.decode_offer`) does not block: it is sent from the
 Reserve's thread, outside every lock, and its answer is an event handled on the
-peer channel's thread (``DecodeOffer.offer_answered``). The transport event thread
-(``on_event``) does bookkeeping, verifies a small landing on decode (its digests run
+peer channel's thread (``DecodeOffer.offer_answered``). ``on_event`` runs on the
+transport thread that saw the event (or the daemon's event thread; see
+:meth:`kvbeam.transport.base.Transport.deliver_to`) with no transport lock held: it does
+bookkeeping, verifies a small landing on decode (its digests run
 inline anyway) and submits the rest. A prefill step that cannot block (a small
 single-chunk request with decode's offer in hand) runs on the thread that made it
 ready (the engine channel's, a handler's, or the peer channel's for an Offer), not on

@@ -1,8 +1,8 @@
 """Prefill's core, second half: completions, failures, deadlines, peer loss, pruning.
 
 :class:`PrefillEvents` is the base of :class:`~kvbeam.server.core.prefill.PrefillCore`
-(split only to keep modules small). :meth:`on_event` runs on the transport's event
-thread and only does bookkeeping; everything that blocks (telling decode, releasing
+(split only to keep modules small). :meth:`on_event` runs on the transport thread that
+saw the event (or the daemon's event thread) and only does bookkeeping; everything that blocks (telling decode, releasing
 a link) is submitted to the executor.
 """
 

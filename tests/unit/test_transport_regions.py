@@ -194,6 +194,65 @@ def test_event_queue_waits_and_drains() -> None:
     assert q.drain(5.0) == [ev]
 
 
+def test_staged_events_are_delivered_on_the_calling_thread_in_order() -> None:
+    q = EventQueue()
+    seen: list[tuple[int | None, str]] = []
+    q.deliver_to(lambda e: seen.append((e.transfer_id, threading.current_thread().name)))
+    for tid in (1, 2, 3):
+        q.put(Event(EventKind.COMPLETED, 1, tid), wake=False)
+    assert q.deliver()
+    assert seen == [(1, "MainThread"), (2, "MainThread"), (3, "MainThread")]
+    assert q.drain(0) == []  # nothing left behind for an event thread
+
+
+def test_a_thread_that_finds_a_delivery_under_way_leaves_its_events_to_it() -> None:
+    """One deliverer at a time, and nothing stranded: an event staged while another
+    thread delivers is delivered by that thread, after the ones before it."""
+    q = EventQueue()
+    seen: list[int | None] = []
+    answers: list[bool] = []
+
+    def handler(event: Event) -> None:
+        seen.append(event.transfer_id)
+        if event.transfer_id == 1:  # meanwhile another thread stages 2 and tries
+            def other() -> None:
+                q.put(Event(EventKind.COMPLETED, 1, 2), wake=False)
+                answers.append(q.deliver())
+            t = threading.Thread(target=other)
+            t.start()
+            t.join()
+
+    q.deliver_to(handler)
+    q.put(Event(EventKind.COMPLETED, 1, 1), wake=False)
+    assert q.deliver()
+    assert answers == [False] and seen == [1, 2]
+
+
+def test_pump_delivers_what_was_queued_with_a_wake_up() -> None:
+    q = EventQueue()
+    seen: list[str] = []
+    q.deliver_to(lambda e: seen.append(threading.current_thread().name))
+    threading.Timer(0.05, q.put, (Event(EventKind.NOTIFIED, 3, 9),)).start()
+    start = time.monotonic()
+    while not seen and time.monotonic() - start < 5:
+        q.pump(1.0)
+    assert seen == ["MainThread"]
+
+
+def test_deliver_without_a_handler_wakes_the_event_thread() -> None:
+    q = EventQueue()
+    ev = Event(EventKind.NOTIFIED, 3, 9)
+
+    def stage_then_deliver() -> None:
+        q.put(ev, wake=False)
+        assert not q.deliver()
+
+    threading.Timer(0.05, stage_then_deliver).start()
+    start = time.monotonic()
+    assert q.drain(5.0) == [ev]
+    assert time.monotonic() - start < 2.0  # woken, not found by a later timeout
+
+
 def test_event_error() -> None:
     assert Event(EventKind.COMPLETED, 1, 2).error() is None
     err = Event(EventKind.COMPLETED, 1, 2, False, "IBV_WC_RETRY_EXC_ERR", "x").error()

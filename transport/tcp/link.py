@@ -242,7 +242,9 @@ class TcpLink(Link):
                         else:
                             raise ConnectionError(f"unexpected ACK for transfer {transfer_id}")
                     self._progress = time.monotonic()
-                    self._t.emit(Event(EventKind.COMPLETED, self.id, transfer_id, True, st.OK))
+                    # Handled here, on the thread that read the ACK (no lock held).
+                    self._t.stage(Event(EventKind.COMPLETED, self.id, transfer_id, True, st.OK))
+                    self._t.deliver()
                 elif kind == wire.NAK:
                     # The refused transfer heads _inflight; it and all after it fail.
                     text = wire.recv_bytes(sock, length).decode("utf-8", "replace")

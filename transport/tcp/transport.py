@@ -325,9 +325,11 @@ class _Receiver:
                                   + detail)
                     self._link_failed(transfer_id, st.TCP_REMOTE_ACCESS_ERR, refused)
                     return
-                if flags & wire.FLAG_NOTIFY:
-                    self.t.emit(Event(EventKind.NOTIFIED, self.link.id, transfer_id))
+                if flags & wire.FLAG_NOTIFY:  # handled on this thread once the ACK is out
+                    self.t.stage(Event(EventKind.NOTIFIED, self.link.id, transfer_id))
                 wire.send_all(self.conn, wire.frame(wire.ACK, transfer_id))
+                if flags & wire.FLAG_NOTIFY:
+                    self.t.deliver()
             else:
                 log.warning("TCP transport: unknown frame kind %d; dropping the connection", kind)
                 return

@@ -60,7 +60,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from kvbeam.errors import RegionError, TransportError
-from kvbeam.transport.base import Access, Registration, Transport
+from kvbeam.transport.base import Access, Event, Registration, Transport
 from kvbeam.transport.core import wait_readable
 from kvbeam.transport.endpoint import Endpoint, Region, RemoteRegion
 from kvbeam.transport.host import LinkHostBase
@@ -115,6 +115,7 @@ class VerbsTransport(LinkHostBase, Transport):
         os.set_blocking(self._wake_w, False)
         self._stopping = False
         self._closed = False
+        self._staged = False  # the progress thread queued events it has yet to deliver
         self._thread = threading.Thread(target=self._run, name=f"kvbeam-verbs-{device}",
                                         daemon=True)
         self._thread.start()
@@ -346,18 +347,37 @@ class VerbsTransport(LinkHostBase, Transport):
         for mr in mrs:
             mr.close()
 
+    def emit(self, event: Event) -> None:
+        """Count and queue an event. The progress thread's (it may hold the transport's
+        lock) are staged and delivered by that thread once its cycle is over (no
+        hand-off to the daemon's event thread); any other thread's wake the event thread."""
+        if threading.current_thread() is self._thread:
+            self._staged = True
+            self.stage(event)
+        else:
+            super().emit(event)
+
     # -- progress thread ---------------------------------------------------------------
     def _run(self) -> None:
         backoff = _BACKOFF_S[0]
         while not self._stopping:
             try:
-                if self._cycle():
+                busy = self._cycle()
+                self._deliver_staged()
+                if busy:
                     backoff = _BACKOFF_S[0]
                     continue
                 backoff = self._sleep(backoff)
+                self._deliver_staged()
             except Exception:  # a bug here must not silently stop every transfer
                 log.exception("RDMA progress thread error; continuing")
                 time.sleep(_BACKOFF_S[1])
+
+    def _deliver_staged(self) -> None:
+        """Deliver the events this thread staged (no lock held here)."""
+        if self._staged:
+            self._staged = False
+            self.deliver()
 
     def _cycle(self) -> bool:
         with self._lock:
