@@ -20,6 +20,7 @@ and memory, in the same run. Target lines, each beside its gRPC figure::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import statistics
@@ -133,13 +134,17 @@ def main() -> None:
                          "by this much (decode's Offer is then kept before the Send)")
     ap.add_argument("--daemon-flags", default="",
                     help="extra flags for both daemons (e.g. '--integrity false')")
+    ap.add_argument("--transport", choices=("tcp", "rdma"), default="tcp",
+                    help="the daemons' data plane (rdma: the device in KVBEAM_RDMA_DEVICE, "
+                         "as inside the soft-RoCE harness)")
+    ap.add_argument("--json", default="", help="also write the figures to this file")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvbeam-bench-chan-"))
     work.chmod(0o700)
     psock, dsock = str(work / "p.sock"), str(work / "d.sock")
-    prefill, decode = start_engine_pair(psock, dsock, deadlines=[
+    prefill, decode = start_engine_pair(psock, dsock, transport=args.transport, deadlines=[
         *BENCH_DEADLINES, "--log-level", "WARNING", "--deadline-bootstrap-s", "60",
-        *args.daemon_flags.split()])
+        "--deadline-waiting-s", "60", *args.daemon_flags.split()])
     pe = Worker(psock, shipped_config("prefill"), "prefill")
     de = Worker(dsock, shipped_config("decode"), "decode")
     out: dict[str, tuple[float, float]] = {}
@@ -175,7 +180,8 @@ def main() -> None:
             t1 = float(de.cmd(f"done t{i}").split()[1])
             assert pe.cmd(f"wait t{i}") == "Success"
             settled.append((t1 - t0) * 1000)
-        chan_cpu = max(b - a for a, b in zip(cpu0, cpu1, strict=True)) * 1000 / args.requests
+        chan_cpus = [(b - a) * 1000 / args.requests for a, b in zip(cpu0, cpu1, strict=True)]
+        chan_cpu = max(chan_cpus)
         chan_poll = float(pe.cmd("poll 20000").split()[1])
         spies = []
         if args.profile:
@@ -214,7 +220,8 @@ def main() -> None:
                 assert r.ok, r
                 glat.append(r.send_to_success_s * 1000)
             cpu1 = [cpu_s(x) for x in pids]
-            g_cpu = max(b - a for a, b in zip(cpu0, cpu1, strict=True)) * 1000 / args.requests
+            g_cpus = [(b - a) * 1000 / args.requests for a, b in zip(cpu0, cpu1, strict=True)]
+            g_cpu = max(g_cpus)
             # What Sender(address, ...).poll() is over gRPC: one Status call.
             last = f"g{args.requests - 1}"
             ptimes = []
@@ -251,7 +258,8 @@ def main() -> None:
         de.stop()
         prefill.stop()
         decode.stop()
-    print(f"# engine channel vs gRPC scheduler API, {SEQ}-token requests, TCP loopback, "
+    where = "TCP loopback" if args.transport == "tcp" else "RDMA"
+    print(f"# engine channel vs gRPC scheduler API, {SEQ}-token requests, {where}, "
           f"{args.requests} sequential, {args.flow} at {args.inflight} in flight "
           f"(gRPC: {args.flow // 2}); failed={failed}; engines imported gRPC: {not no_grpc}")
     print(f"# offers/BeginWrites after the sequential channel phase: {offers}")
@@ -263,8 +271,21 @@ def main() -> None:
     if settled:
         print(f"# engine_small_request_ms with decode's Offer kept before the Send "
               f"(reserved {args.settle_ms:g} ms earlier): {statistics.median(settled):.3f}")
+    print(f"# each daemon's CPU ms per sequential request: engine channel prefill "
+          f"{chan_cpus[0]:.3f}, decode {chan_cpus[1]:.3f}; gRPC API prefill {g_cpus[0]:.3f}, "
+          f"decode {g_cpus[1]:.3f}")
     for k, (chan, grpc_) in out.items():
         print(f"{k}={chan:.3f} grpc_{k}={grpc_:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "transport": args.transport, "tokens": SEQ, "requests": args.requests,
+            "flow": args.flow, "inflight": args.inflight, "failed": failed,
+            "lines": {**{k: v[0] for k, v in out.items()},
+                      **{f"grpc_{k}": v[1] for k, v in out.items()}},
+            "cpu_ms": dict(zip(("prefill", "decode"), chan_cpus, strict=True)),
+            "grpc_cpu_ms": dict(zip(("prefill", "decode"), g_cpus, strict=True)),
+            "by_thread": dict(zip(("prefill", "decode"), by_thread, strict=True)),
+            "switches": dict(zip(("prefill", "decode"), switched, strict=True))}, indent=1))
 
 
 if __name__ == "__main__":

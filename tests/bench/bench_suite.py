@@ -21,7 +21,11 @@ reference measured in the same boot:
 7. handshake_pool (:mod:`tests.bench.bench_keys`): a handshake's data-plane time with
    a small decode pool and a 1 GiB one, beside what re-registering the pool costs
    (what every handshake did before memory windows);
-8. integrity_61l (:mod:`tests.bench.bench_digest`): the 61-layer layout (head_dim 512,
+8. engine_channel (:mod:`tests.bench.bench_engine_channel`): 128-token requests the way
+   engines run them (two ``--pools engine`` daemons over RDMA, two engine processes on
+   their attachments, no scheduler), each daemon's CPU per request and by thread,
+   beside the same daemons through the gRPC scheduler API in the same run;
+9. integrity_61l (:mod:`tests.bench.bench_digest`): the 61-layer layout (head_dim 512,
    NextN draft, 16k tokens, 182 buffers, about 107 MB) over RDMA, integrity on and off
    (two pairs, requests alternating), each daemon's CPU by thread, beside one thread's
    digests of the same request and a memory copy of its bytes (both pairs' pools, about
@@ -296,6 +300,33 @@ def integrity_61l(repeat: int) -> dict[str, Any]:
     return {"library": lib, "rdma": bench_digest.daemon_figures(repeat, "rdma")}
 
 
+#: Sequential 128-token requests of the guest's engine-channel section (the flow phase
+#: runs four times as many, ENGINE_INFLIGHT at once): TCG makes each one tens of ms.
+ENGINE_REQUESTS = 40
+ENGINE_INFLIGHT = 8
+
+
+def engine_channel(results: str) -> dict[str, Any]:
+    """Section 8: ``bench_engine_channel --transport rdma`` in a child process (its own
+    daemons and engines), with a time limit; its figures (``--json``)."""
+    out = Path(results) / "engine-channel.json"
+    cmd = [sys.executable, "-m", "tests.bench.bench_engine_channel", "--transport", "rdma",
+           "--requests", str(ENGINE_REQUESTS), "--flow", str(4 * ENGINE_REQUESTS),
+           "--inflight", str(ENGINE_INFLIGHT), "--settle-ms", "0", "--json", str(out)]
+    try:
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=1200)
+    except subprocess.TimeoutExpired:
+        return {"error": "bench_engine_channel did not finish within 1200 s"}
+    log("engine channel (RDMA):\n" + "\n".join(
+        line for line in done.stdout.splitlines() if line.startswith("#") or "=" in line))
+    if done.returncode != 0 or not out.exists():
+        return {"error": f"bench_engine_channel exited {done.returncode}: "
+                         f"{done.stdout[-2000:]}"}
+    figures: dict[str, Any] = json.loads(out.read_text())
+    return figures
+
+
 def guarded(name: str, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``, or ``{"error": ...}`` when it raises (logged with its traceback)."""
     try:
@@ -330,7 +361,7 @@ def main() -> None:
     p.add_argument("--req-repeat", type=int, default=5)
     p.add_argument("--skip", default="", help="comma list of sections to skip: mooncake, "
                    "mooncake_request,posters,scaling,requests,fragmented,aggregate,threads,"
-                   "handshake_pool,integrity_61l "
+                   "handshake_pool,engine_channel,integrity_61l "
                    "(quick iteration)")
     p.add_argument("--report", metavar="JSON", help="print the table of an earlier run and exit")
     p.add_argument("--host-json", metavar="FILE", help="with --report: fold these host "
@@ -369,6 +400,8 @@ def main() -> None:
     if "handshake_pool" not in skip:
         res["handshake_pool"] = guarded("handshake_pool", bench_keys.handshake_pools,
                                         args.device, args.gid_index)
+    if "engine_channel" not in skip:
+        res["engine_channel"] = guarded("engine_channel", engine_channel, args.results)
     if "integrity_61l" not in skip:
         res["integrity_61l"] = guarded("integrity_61l", integrity_61l, args.req_repeat)
     prof = Path(args.results) / "profile"

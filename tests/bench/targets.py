@@ -70,6 +70,12 @@ TARGETS = (
     *(Target(f"{role}_cpu_ms_per_request_{n}", f"{role} process CPU per {n}-token request "
              "(guest, unified, integrity on), ms", None, digits=1)
       for n in CPU_LENS for role in ("prefill", "decode")),
+    *(Target(f"engine_{role}_cpu_ms_128", f"{role} daemon CPU per 128-token request through "
+             "the engine channel, as engines run it (guest, RDMA, integrity on), ms", 30.0,
+             at_least=False, digits=1) for role in ("prefill", "decode")),
+    Target("engine_small_request_ms_guest", "128-token request through the engine channel "
+           "(guest, RDMA): prefill engine's send to decode engine's Success, median ms", None,
+           digits=1),
 )
 
 
@@ -148,6 +154,11 @@ def compute(res: Mapping[str, Any]) -> dict[str, float]:
         row = _row(res, n)
         for role in ("prefill", "decode"):
             out[f"{role}_cpu_ms_per_request_{n}"] = float(row.get(f"{role}_cpu_ms", NAN))
+    engine = res.get("engine_channel") or {}
+    for role in ("prefill", "decode"):
+        out[f"engine_{role}_cpu_ms_128"] = float((engine.get("cpu_ms") or {}).get(role, NAN))
+    out["engine_small_request_ms_guest"] = float(
+        (engine.get("lines") or {}).get("engine_small_request_ms", NAN))
     return out
 
 

@@ -52,6 +52,8 @@ def _result() -> dict[str, Any]:
                         "median_ms": 500.0, "runs_ms": [500.0]}],
         "aggregate": {"tokens": 8192, "concurrency": 16, "gbps": 0.225, "runs_gbps": [0.225]},
         "host_tcp": {"small_request_ms": 7.25, "requests": []},
+        "engine_channel": {"cpu_ms": {"prefill": 12.5, "decode": 31.0},
+                           "lines": {"engine_small_request_ms": 44.0}},
     }
 
 
@@ -71,11 +73,15 @@ def test_compute_every_target_from_its_sections() -> None:
     assert v["host_small_request_ms"] == pytest.approx(7.25)
     assert v["prefill_cpu_ms_per_request_32768"] == pytest.approx(32.768)
     assert v["decode_cpu_ms_per_request_1024"] == pytest.approx(0.512)
+    assert v["engine_prefill_cpu_ms_128"] == pytest.approx(12.5)
+    assert v["engine_decode_cpu_ms_128"] == pytest.approx(31.0)
+    assert v["engine_small_request_ms_guest"] == pytest.approx(44.0)
 
 
 def test_missing_sections_are_nan_not_errors() -> None:
     res = _result()
-    for sec in ("mooncake_request", "fragmented", "aggregate", "host_tcp", "requests"):
+    for sec in ("mooncake_request", "fragmented", "aggregate", "host_tcp", "requests",
+                "engine_channel"):
         del res[sec]
     v = targets.compute(res)
     assert v["ratio_vs_mooncake"] == pytest.approx(1.5)
@@ -104,6 +110,8 @@ def test_table_says_which_goals_are_met() -> None:
     assert rows["ratio_vs_ib_write_bw"][4] == "NO"
     assert rows["small_request_x_floor"][2:5] == ["<=", "3.0", "yes"]
     assert rows["host_small_request_ms"][2:4] == ["-", "-"]
+    assert rows["engine_prefill_cpu_ms_128"][2:5] == ["<=", "30.0", "yes"]
+    assert rows["engine_decode_cpu_ms_128"][2:5] == ["<=", "30.0", "NO"]
 
 
 def _printed(res: dict[str, Any]) -> str:
