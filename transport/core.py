@@ -91,6 +91,11 @@ class EventQueue:
             self._items.clear()
             return out
 
+    def wake(self) -> None:
+        """Wake the event thread to take what is queued (:meth:`drain`, :meth:`pump`)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def deliver_to(self, handler: Callable[[Event], None]) -> None:
         """Hand events to ``handler`` from now on (:meth:`deliver`, :meth:`pump`). It runs
         on transport threads: it must not block, and it must not raise."""
@@ -102,8 +107,7 @@ class EventQueue:
         another thread is delivering (it takes these too) or no handler is set."""
         handler = self._handler
         if handler is None:
-            with self._cond:
-                self._cond.notify_all()
+            self.wake()
             return False
         while True:
             if not self._delivering.acquire(blocking=False):

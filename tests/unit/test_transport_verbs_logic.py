@@ -83,6 +83,17 @@ def test_posting_never_overflows_and_completes_every_transfer(
     assert link.stats.wrs == sum(n + notify for n, notify in transfers)
 
 
+def test_a_link_is_busy_from_its_write_until_every_wr_completed() -> None:
+    """What the progress thread reads to decide who handles its events: itself when no
+    link is busy, else the daemon's event thread."""
+    link, qp, _t = make_link(TransportOptions(sq_depth=16, signal_every=4, max_chain=8))
+    assert not link.busy
+    link.write(1, blocks(20, 64))
+    assert link.busy  # submitted, not yet taken onto a lane
+    run(link, qp)
+    assert not link.busy and link.outstanding == 0
+
+
 def test_error_completion_fails_everything_and_tears_down() -> None:
     link, qp, t = make_link(TransportOptions(sq_depth=16, signal_every=4, max_chain=8))
     for i in range(5):

@@ -156,6 +156,11 @@ class VerbsLink(Link):
         return sum(lane.outstanding for lane in self._lanes)
 
     @property
+    def busy(self) -> bool:
+        """Writes queued, pending on a lane or in flight (read by the progress thread)."""
+        return bool(self._submitted) or any(not lane.idle for lane in self._live())
+
+    @property
     def active(self) -> bool:
         """Whether the progress thread should service this link."""
         return self._state in ("connected", "failing")

@@ -349,8 +349,11 @@ class VerbsTransport(LinkHostBase, Transport):
 
     def emit(self, event: Event) -> None:
         """Count and queue an event. The progress thread's (it may hold the transport's
-        lock) are staged and delivered by that thread once its cycle is over (no
-        hand-off to the daemon's event thread); any other thread's wake the event thread."""
+        lock) are staged and, once its cycle is over, delivered by that thread when it
+        has nothing else to post or reap (no hand-off to the daemon's event thread), else
+        handed to the event thread (the handlers must not hold up other requests' posts;
+        with rxe, whose copies run inside ``ibv_post_send`` without the GIL, the two
+        threads then overlap). Any other thread's wake the event thread."""
         if threading.current_thread() is self._thread:
             self._staged = True
             self.stage(event)
@@ -374,9 +377,16 @@ class VerbsTransport(LinkHostBase, Transport):
                 time.sleep(_BACKOFF_S[1])
 
     def _deliver_staged(self) -> None:
-        """Deliver the events this thread staged (no lock held here)."""
-        if self._staged:
-            self._staged = False
+        """Deliver the events this thread staged (no lock held here), or hand them to the
+        event thread while a link has work queued or in flight."""
+        if not self._staged:
+            return
+        self._staged = False
+        with self._lock:
+            busy = any(link.busy for link in self._links.values())
+        if busy:
+            self._events.wake()
+        else:
             self.deliver()
 
     def _cycle(self) -> bool:
