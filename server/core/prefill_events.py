@@ -2,8 +2,8 @@
 
 :class:`PrefillEvents` is the base of :class:`~kvbeam.server.core.prefill.PrefillCore`
 (split only to keep modules small). :meth:`on_event` runs on the transport thread that
-saw the event (or the daemon's event thread) and only does bookkeeping; everything that blocks (telling decode, releasing
-a link) is submitted to the executor.
+saw the event (or the daemon's event thread) and only does bookkeeping; everything
+that blocks (telling decode, releasing a link) is submitted to the executor.
 """
 
 from __future__ import annotations
