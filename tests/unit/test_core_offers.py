@@ -103,28 +103,6 @@ def test_with_send_wait_a_send_before_the_offer_waits_for_it_instead_of_asking()
     assert events == ["received", "used"]
 
 
-def test_a_send_before_the_offer_parks_at_once_and_the_offer_runs_its_one_step() -> None:
-    core, fake, conn, events = _connected(send_wait_s=5.0)
-    jobs: list[str] = []
-    submit = core.io.submit
-
-    def counted(fn: object, *args: object, **kw: object) -> object:
-        jobs.append(getattr(fn, "__name__", repr(fn)))
-        return submit(fn, *args, **kw)  # type: ignore[arg-type]
-
-    core.io.submit = counted  # type: ignore[method-assign,assignment]
-    core.send("r", 1, SEQ, ADDR, [], True)
-    # Parked before send returned: no executor job ran only to park it.
-    assert core.status("r").state is TransferState.WAITING_FOR_INPUT and jobs == []
-    assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)  # unparks it
-    link = cast(FakeLink, conn.link)
-    assert wait_for(lambda: len(link.writes) == 4)
-    # Its one step ran on the Offer's thread: only the wait for the digest pool (the
-    # record's write) went to the executor.
-    assert jobs == ["_record_on_executor"] and events == ["received", "used"]
-    assert [rid for rid, _ in fake.begins] == ["first"], "BeginWrite was called for r"
-
-
 def _count_jobs(core: PrefillCore) -> list[str]:
     """The names of the jobs the core hands its executor from now on."""
     jobs: list[str] = []
@@ -136,6 +114,21 @@ def _count_jobs(core: PrefillCore) -> list[str]:
 
     core.io.submit = counted  # type: ignore[method-assign,assignment]
     return jobs
+
+
+def test_a_send_before_the_offer_parks_at_once_and_the_offer_runs_its_one_step() -> None:
+    core, fake, conn, events = _connected(send_wait_s=5.0)
+    jobs = _count_jobs(core)
+    core.send("r", 1, SEQ, ADDR, [], True)
+    # Parked before send returned: no executor job ran only to park it.
+    assert core.status("r").state is TransferState.WAITING_FOR_INPUT and jobs == []
+    assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)  # unparks it
+    link = cast(FakeLink, conn.link)
+    assert wait_for(lambda: len(link.writes) == 4)
+    # Its one step ran on the Offer's thread: only the wait for the digest pool (the
+    # record's write) went to the executor.
+    assert jobs == ["_record_on_executor"] and events == ["received", "used"]
+    assert [rid for rid, _ in fake.begins] == ["first"], "BeginWrite was called for r"
 
 
 def test_an_offered_small_send_posts_on_the_senders_thread() -> None:
