@@ -486,11 +486,9 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
                 or rec.rehandshake or rec.resend_pending
                 or len(rec.src_indices[IndexKind.KV_PAGES]) > INLINE_STEP_MAX_PAGES):
             return False
-        if self._retired(rec) is not None:
-            return False
-        conn = rec.conn if rec.conn is not None and not rec.conn.closed else \
-            self.peers.by_address(rec.decode_address)
-        return conn is not None and not conn.closed and self.offers.has(rec.request_id)
+        conn = self._step_conn(rec)
+        return (conn is not None and not conn.closed and conn.retired_channel() is None
+                and self.offers.has(rec.request_id))
 
     def _step(self, rec: Outgoing, inline: bool = False) -> None:
         """Run the request's next chunk; one step per request at a time keeps chunk order.
@@ -500,10 +498,11 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         BeginWrite, a post's failure, digests still being computed), it goes on on the
         executor.
         """
-        if inline and self._retired(rec) is not None:
+        if not inline:
+            self._drop_retired(rec)
+        elif self._retired(rec) is not None:  # dropping it blocks: on the executor
             self.io.submit(self._step, rec)
             return
-        self._drop_retired(rec)
         with self._lock:
             idle = self._ended(rec) or not rec.chunks or rec.resend_pending
             if idle:
@@ -512,9 +511,7 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
             self._maybe_resend(rec)
             return
         with self._lock:
-            conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
-            if conn is None:
-                conn = self.peers.by_address(rec.decode_address)
+            conn = self._step_conn(rec)
             if conn is None:
                 if inline:
                     pass  # the handshake runs on the executor (below)
@@ -569,13 +566,18 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         else:
             self._maybe_resend(rec)
 
+    def _step_conn(self, rec: Outgoing) -> PeerConn | None:
+        """The connection the request's next step would use: its own while open, else
+        the one to its decode address (None: a handshake first)."""
+        conn = rec.conn
+        return conn if conn is not None and not conn.closed else \
+            self.peers.by_address(rec.decode_address)
+
     def _retired(self, rec: Outgoing) -> tuple[PeerConn, Any] | None:
         """The connection the request's step would use, with its peer channel, when
         that channel was retired (closed under the connection)."""
         with self._lock:
-            conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
-            if conn is None:
-                conn = self.peers.by_address(rec.decode_address)
+            conn = self._step_conn(rec)
         channel = conn.retired_channel() if conn is not None else None
         if conn is None or channel is None or conn.closed:
             return None
