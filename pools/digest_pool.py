@@ -144,8 +144,13 @@ class DigestPool:
                 windows: Sequence[tuple[int, int] | None] | None = None) -> DigestJob:
         """Start digesting what :func:`~kvbeam.pools.digest.request_digests` would (same
         arguments, same result); returns at once with threads, when done without."""
-        parts = digest_parts(side, indices, include_kv=include_kv,
-                             include_states=include_states, draft=draft, windows=windows)
+        return self.start(digest_parts(side, indices, include_kv=include_kv,
+                                       include_states=include_states, draft=draft,
+                                       windows=windows))
+
+    def start(self, parts: Sequence[DigestPart]) -> DigestJob:
+        """Start digesting ``parts`` (:func:`~kvbeam.pools.digest.digest_parts`, or a run of
+        them: a sub-batch's buffers); the job's result is their digests, in order."""
         if self._executor is None or _parallel_bytes(parts) < self.inline_below:
             done: Future[list[int]] = Future()
             try:

@@ -1,4 +1,4 @@
-"""The digest mailbox (protocol 5): a request's digest record, written in band.
+"""The digest mailbox (protocol 5; sub-batch marks: 6): a request's digest record, in band.
 
 With integrity on, prefill RDMA-writes the request's digest record into decode's
 *mailbox* (one slot per decode request slot) as the last write of the request's
@@ -12,7 +12,9 @@ A record, little-endian throughout:
 offset  bytes  field
 ======  =====  ==============================================================
 0       4      magic ``KVDR`` (the bytes ``K V D R``)
-4       2      version (:data:`RECORD_VERSION`)
+4       1      version (:data:`RECORD_VERSION`)
+5       1      marks: sub-batches written and notified before the record
+               (:mod:`kvbeam.pools.sub_batches`; 0: none, the request is digested whole)
 6       2      buffer count n
 8       4      transfer id (the grant's, the marker's immediate)
 12      4      decode's mailbox slot
@@ -44,9 +46,10 @@ from kvbeam.transport.endpoint import Region, RemoteRegion
 #: The record's magic, the bytes ``KVDR`` read as a little-endian u32.
 MAGIC = int.from_bytes(b"KVDR", "little")
 #: The record layout's version (bump for any change of a field's meaning or place).
-RECORD_VERSION = 1
-#: magic, version, n, transfer id, slot, request id hash.
-HEADER = struct.Struct("<IHHIIQ")
+#: 2 (protocol 6): the version is one byte, the marks count the next (was a u16 1).
+RECORD_VERSION = 2
+#: magic, version, marks, n, transfer id, slot, request id hash.
+HEADER = struct.Struct("<IBBHIIQ")
 #: Slots are a multiple of this many bytes.
 ALIGN = 64
 #: The endpoint ``extra`` key decode advertises its mailbox under: ``addr:record_bytes:slots``.
@@ -82,14 +85,17 @@ def _self_digest(body: bytes | memoryview) -> bytes:
 
 
 def encode_record(transfer_id: int, slot: int, request_id: str, digests: list[int], *,
-                  magic: int = MAGIC, version: int = RECORD_VERSION,
+                  marks: int = 0, magic: int = MAGIC, version: int = RECORD_VERSION,
                   count: int | None = None, rid_hash: int | None = None) -> bytes:
-    """The record of a request's digests (the keyword arguments exist for fault
-    injection and tests: a record that lies about one field, its self-digest valid)."""
+    """The record of a request's digests; ``marks``: its sub-batches notified before it
+    (the other keyword arguments exist for fault injection and tests: a record that
+    lies about one field, its self-digest valid)."""
     n = len(digests)
     if n > MAX_BUFFERS:
         raise ValueError(f"{n} digests: a record carries at most {MAX_BUFFERS}")
-    head = HEADER.pack(magic, version, n if count is None else count,
+    if not 0 <= marks <= 0xFF:
+        raise ValueError(f"{marks} marks: a record counts 0..255")
+    head = HEADER.pack(magic, version, marks, n if count is None else count,
                        transfer_id & 0xFFFFFFFF, slot & 0xFFFFFFFF,
                        request_hash(request_id) if rid_hash is None else rid_hash)
     body = head + b"".join(d.to_bytes(DIGEST_BYTES, "little") for d in digests)
@@ -106,8 +112,16 @@ class Expected:
     request_id: str
 
 
-def parse_record(raw: bytes | memoryview, want: Expected) -> list[int]:
-    """The digests of a record that passes every check against ``want``.
+@dataclass(frozen=True)
+class Record:
+    """A checked record: the request's digests, and the sub-batches marked before it."""
+
+    digests: list[int]
+    marks: int
+
+
+def parse_record(raw: bytes | memoryview, want: Expected) -> Record:
+    """The digests (and marks count) of a record that passes every check against ``want``.
 
     Raises:
         RecordError: naming the first field that fails, with both values (the magic,
@@ -116,7 +130,7 @@ def parse_record(raw: bytes | memoryview, want: Expected) -> list[int]:
     raw = bytes(raw)
     if len(raw) < HEADER.size:
         raise RecordError("length", f"{len(raw)} bytes, a record needs at least {HEADER.size}")
-    magic, version, n, tid, slot, rid_hash = HEADER.unpack_from(raw)
+    magic, version, marks, n, tid, slot, rid_hash = HEADER.unpack_from(raw)
     if magic != MAGIC:
         raise RecordError("magic", f"{magic:#010x}, expected {MAGIC:#010x} (KVDR): no record "
                                    "was written into the slot, or another one overwrote it")
@@ -142,9 +156,9 @@ def parse_record(raw: bytes | memoryview, want: Expected) -> list[int]:
     if rid_hash != expect_hash:
         raise RecordError("request_id", f"hash {rid_hash:#018x}, expected {expect_hash:#018x} "
                                         f"(request {want.request_id})")
-    return [int.from_bytes(raw[HEADER.size + i * DIGEST_BYTES:
-                               HEADER.size + (i + 1) * DIGEST_BYTES], "little")
-            for i in range(n)]
+    return Record([int.from_bytes(raw[HEADER.size + i * DIGEST_BYTES:
+                                      HEADER.size + (i + 1) * DIGEST_BYTES], "little")
+                   for i in range(n)], marks)
 
 
 @dataclass(frozen=True)
@@ -273,6 +287,12 @@ class RecordArea:
         self._check(slot)
         start = slot * self.record_bytes
         return self.array[start:start + 4].tobytes() == b"KVDR"
+
+    def marks(self, slot: int) -> int:
+        """The marks count of the record in a slot, unchecked (what decode waits for;
+        the record's checks come with its verification, which refuses a wrong count)."""
+        self._check(slot)
+        return int(self.array[slot * self.record_bytes + 5])
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.slots:

@@ -80,8 +80,7 @@ class TransferPlan:
     def buffers(self) -> tuple[BufferPlan, ...]:
         """Each planned buffer's blocks (views of :attr:`blocks`), in positional order."""
         b, at = self.blocks, self.starts.tolist()
-        return tuple(BufferPlan(ci, bi, name, items,
-                                Blocks(b.src[lo:hi], b.dst[lo:hi], b.lengths[lo:hi]))
+        return tuple(BufferPlan(ci, bi, name, items, b.slice(lo, hi))
                      for (ci, bi, name), items, lo, hi in zip(
                          self.heads, self.items.tolist(), at[:-1], at[1:], strict=True))
 

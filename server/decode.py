@@ -22,6 +22,7 @@ from kvbeam.auth import same_token
 from kvbeam.errors import FrameError
 from kvbeam.logs import fields
 from kvbeam.pools.mailbox import MAILBOX_KEY
+from kvbeam.pools.sub_batches import SUB_BATCH_KEY
 from kvbeam.proto.fields import host_port
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.transfer_codec import index_lists_from_proto, indices_to_proto
@@ -65,7 +66,8 @@ class DecodeServicer(DaemonServicer):
             transfer_budget=runtime.settings.transfer_budget_s,
             on_offer=lambda event: runtime.metrics.offers.labels(event).inc(),
             wire_s=lambda n: n / (runtime.settings.transfer_floor_mbps * 1e6),
-            digest_pool=self.digest_pool, mailbox=runtime.records)
+            digest_pool=self.digest_pool, mailbox=runtime.records,
+            sub_batch_bytes=int(runtime.settings.verify_sub_batch_mib * (1 << 20)))
         self.decode.on_decline = runtime.metrics.declines.inc
         self.slots = self.decode.slots
         self._links_lock = threading.Lock()  # leaf: guards _pending_links only
@@ -90,6 +92,8 @@ class DecodeServicer(DaemonServicer):
         mailbox = self.decode.mailbox
         if mailbox is not None:  # registered before the link: its regions include it
             extra[MAILBOX_KEY] = mailbox.advert().text()
+        if self.decode.sub_batch_bytes:
+            extra[SUB_BATCH_KEY] = str(self.decode.sub_batch_bytes)
         if self.channels.address:
             extra.update({CHANNEL_ADDRESS_KEY: self.channels.address, CHANNEL_TOKEN_KEY: token})
         return dataclasses.replace(endpoint, extra=extra)

@@ -83,7 +83,7 @@ BREAK_LINK_ENV = "KVBEAM_FAULT_BREAK_LINK"
 CORRUPT_RECORD_ENV = "KVBEAM_FAULT_CORRUPT_RECORD"
 #: The digest record's fields KVBEAM_FAULT_CORRUPT_RECORD may make wrong.
 RECORD_FIELDS = ("magic", "version", "count", "transfer_id", "slot", "request_id", "digest",
-                 "self_digest")
+                 "self_digest", "marks")
 #: Every variable a fault reads (all start with this prefix).
 FAULT_ENV_PREFIX = "KVBEAM_FAULT_"
 #: The daemon flag without which no fault is armed.
@@ -235,7 +235,7 @@ class FaultHooks:
                     extra=fields(request_id))
 
     def corrupt_record(self, request_id: str, raw: bytes, transfer_id: int, slot: int,
-                       digests: list[int]) -> bytes:
+                       digests: list[int], marks: int = 0) -> bytes:
         """The digest record to write for this request: ``raw``, or one with the armed
         field wrong (its self-digest valid, except for ``self_digest``) (prefill)."""
         field = self.corrupt_record_field
@@ -247,7 +247,7 @@ class FaultHooks:
             wrong = [digests[0] ^ 1, *digests[1:]] if field == "digest" and digests else digests
             out = encode_record(
                 transfer_id + (field == "transfer_id"), slot + (field == "slot"), request_id,
-                wrong, magic=MAGIC ^ (field == "magic"),
+                wrong, marks=marks + (field == "marks"), magic=MAGIC ^ (field == "magic"),
                 version=RECORD_VERSION + (field == "version"),
                 count=len(digests) + 1 if field == "count" else None,
                 rid_hash=request_hash(request_id) ^ 1 if field == "request_id" else None)
@@ -256,19 +256,23 @@ class FaultHooks:
         return out
 
     def after_landing(self, request_id: str, side: AllocatedSide, indices: IndexLists,
-                      draft: IndexLists | None = None) -> None:
+                      draft: IndexLists | None = None, buffers: range | None = None) -> None:
         """Maybe flip one byte of one item this request moved (decode, before verifying).
 
         ``draft``: the draft's own lists (an engine's), which address the draft's
         buffers instead of ``indices``: the item is picked from the list that moved.
+        ``buffers``: the flat buffers that landed (a sub-batch's, verified as it lands:
+        the byte is flipped among them; None: every buffer). The chance applies to
+        each call, so a request verified in sub-batches may be hit in several.
         """
         if self.corrupt_landed <= 0.0:
             return
         with self._lock:
             if self._rng.random() >= self.corrupt_landed:
                 return
-            candidates = [(buf, moved) for comp in side.layout.components
-                          for buf in comp.buffers
+            flat = [(comp, buf) for comp in side.layout.components for buf in comp.buffers]
+            picked = flat if buffers is None else [flat[i] for i in buffers]
+            candidates = [(buf, moved) for comp, buf in picked
                           if len(moved := list_for(indices, draft, comp.pool, buf.index_kind))]
             if not candidates:
                 return

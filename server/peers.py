@@ -24,6 +24,7 @@ from kvbeam.errors import NotHandshakenError, ProtocolError
 from kvbeam.logs import fields
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.mailbox import MAILBOX_KEY, Advert, RecordError, mailbox_region, parse_advert
+from kvbeam.pools.sub_batches import SUB_BATCH_KEY, parse_sub_batch
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.transport import Link
 
@@ -48,6 +49,16 @@ def peer_mailbox(layout: SideLayout, peer: VerifiedPeer) -> Advert | None:
         return parse_advert(text, len(layout.flat_buffers), tuple(peer.endpoint.regions))
     except RecordError as exc:
         raise ProtocolError(f"side.endpoint.extra[{MAILBOX_KEY}]", exc.detail) from None
+
+
+def peer_sub_batch(peer: VerifiedPeer) -> int:
+    """Decode's advertised sub-batch size in bytes (``extra[kvbeam-sub-batch]``); 0: none.
+
+    Raises:
+        ProtocolError: not a number of bytes in range.
+    """
+    extra = getattr(peer.endpoint, "extra", None) or {}
+    return parse_sub_batch(extra.get(SUB_BATCH_KEY, ""))
 
 
 def peer_buffer_addrs(layout: SideLayout, peer: VerifiedPeer) -> list[int]:
@@ -85,6 +96,9 @@ class PeerConn:
         #: or decode's view of a prefill). Checked by :func:`peer_buffer_addrs` first.
         self.mailbox = mailbox if mailbox is not None else (
             peer_mailbox(peer.layout, peer) if addrs else None)
+        #: Decode's advertised sub-batch size (prefill; 0: none, or decode's view of a
+        #: prefill): a large request's sub-batches are marked (pools/sub_batches.py).
+        self.sub_batch_bytes = peer_sub_batch(peer) if addrs else 0
         self._client: Any = None
         #: The peer channel to this peer (kvbeam.server.peer_channel.PeerChannel) once
         #: one is bound: BeginWrite and Offer go over it only. None before

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvbeam.auth import INSECURE_ENV, Security, load_token, parse_bool
 from kvbeam.errors import ConfigError
+from kvbeam.pools.sub_batches import MAX_SUB_BATCH_BYTES, MIN_SUB_BATCH_BYTES
 from kvbeam.transport.options import MAX_QPS_PER_PEER, POSTER_KINDS
 
 #: Default deadline of every control RPC, seconds (the daemons' KVBEAM_RPC_TIMEOUT_S
@@ -187,6 +188,11 @@ OPTIONS: tuple[Option, ...] = (
            "threads that compute a request's integrity digests in parallel over its buffers "
            "(prefill while its writes are in flight, decode once they landed); default one "
            "per core, at most 4; 0: on the request's executor thread"),
+    Option("verify_sub_batch_mib", "KVBEAM_VERIFY_SUB_BATCH_MIB", float, 16.0,
+           "decode, integrity on: a request of at least twice this many MiB, written in one "
+           "chunk, is verified in sub-batches of about this size as each lands (at most 16 "
+           "per request), so Success waits only for the last one's digests; 0: verify each "
+           "request whole once it landed"),
     Option("fill_seed", "KVBEAM_FILL_SEED", int, -1,
            "fill the pools with a deterministic pattern from this seed at start (demo and "
            "tests; -1: leave them zeroed)"),
@@ -268,6 +274,7 @@ class DaemonSettings:
     attach_group: str = ""
     resend_retries: int = 2
     digest_threads: int = DEFAULT_DIGEST_THREADS
+    verify_sub_batch_mib: float = 16.0
     enable_fault_injection: bool = False
 
     def transfer_budget_s(self, nbytes: int) -> float:
@@ -335,6 +342,10 @@ def resolve(role: str, args: argparse.Namespace | None = None,
                               f"(got {values[name]})")
     if values["digest_threads"] < 0:
         raise ConfigError(f"--digest-threads: must be 0 or more (got {values['digest_threads']})")
+    sub_batch = values["verify_sub_batch_mib"]
+    if sub_batch and not (MIN_SUB_BATCH_BYTES <= sub_batch * (1 << 20) <= MAX_SUB_BATCH_BYTES):
+        raise ConfigError(f"--verify-sub-batch-mib: 0 (off) or {MIN_SUB_BATCH_BYTES / (1 << 20):g}"
+                          f" to {MAX_SUB_BATCH_BYTES >> 20} (got {sub_batch:g})")
     if values["resend_retries"] < 0:
         raise ConfigError(f"--resend-retries: must be 0 or more (got {values['resend_retries']})")
     if not 1 <= values["qps_per_peer"] <= MAX_QPS_PER_PEER:

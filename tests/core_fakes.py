@@ -138,8 +138,8 @@ class FakeDecode:
         out = []
         for link in list(self.links):
             for tid, raw in list(link.records):
-                n = HEADER.unpack_from(raw)[2]
-                rid = names.get(HEADER.unpack_from(raw)[5], "?")
+                head = HEADER.unpack_from(raw)
+                n, rid = head[3], names.get(head[6], "?")
                 out.append((rid, tid, [int.from_bytes(raw[HEADER.size + 16 * i:
                                                           HEADER.size + 16 * (i + 1)],
                                                       "little") for i in range(n)]))
@@ -182,15 +182,16 @@ class FakeDecode:
 
 
 def land_record(core: DecodeCore, request_id: str, digests: list[int],
-                transfer_id: int | None = None, slot: int | None = None) -> None:
+                transfer_id: int | None = None, slot: int | None = None,
+                marks: int = 0) -> None:
     """What prefill's record write lands before its marker: the request's digest record
     in its slot of decode's mailbox (``transfer_id``/``slot``: the record's, by default
-    the reservation's)."""
+    the reservation's; ``marks``: the sub-batches it says were notified before it)."""
     res = core._reservation(request_id)
     assert core.mailbox is not None
     tid = res.transfer_id if transfer_id is None else transfer_id
     core.mailbox.put(res.mailbox_slot, encode_record(
-        tid, res.mailbox_slot if slot is None else slot, request_id, digests))
+        tid, res.mailbox_slot if slot is None else slot, request_id, digests, marks=marks))
 
 
 def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0,

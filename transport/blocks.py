@@ -56,6 +56,10 @@ class Blocks:
             np.concatenate([p.lengths for p in parts]).astype(np.uint64, copy=False),
         )
 
+    def slice(self, lo: int, hi: int) -> Blocks:
+        """Blocks ``[lo, hi)`` (views of these arrays)."""
+        return Blocks(self.src[lo:hi], self.dst[lo:hi], self.lengths[lo:hi])
+
     def split(self, max_length: int) -> Blocks:
         """Split blocks longer than ``max_length`` into slices of at most ``max_length`` bytes.
 

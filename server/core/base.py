@@ -14,8 +14,8 @@ from typing import TypeVar
 
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.layout import SideLayout
-from kvbeam.pools.plan import list_for
 from kvbeam.pools.spec import PoolSpec
+from kvbeam.pools.sub_batches import buffer_bytes
 from kvbeam.server.core.attached import PoolsHolder
 from kvbeam.server.core.ports import IndexLists, require_status
 from kvbeam.server.lifecycle import TransferTable
@@ -27,8 +27,7 @@ R = TypeVar("R")
 def request_bytes(layout: SideLayout, indices: IndexLists, draft: IndexLists) -> int:
     """The bytes a whole request moves: every buffer's items of its list (the draft's own
     list for a draft buffer that has one)."""
-    return sum(len(list_for(indices, draft, c.pool, b.index_kind)) * b.item_len
-               for c in layout.components for b in c.buffers)
+    return sum(buffer_bytes(layout, indices, draft))
 
 
 class CoreBase(PoolsHolder):

@@ -45,8 +45,8 @@ from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.mailbox import RecordArea, record_bytes
 from kvbeam.pools.spec import PoolSpec
+from kvbeam.pools.sub_batches import MARK_BITS, buffer_bytes, cuts, split_id
 from kvbeam.pools.types import IndexKind
-from kvbeam.server.core.base import request_bytes
 from kvbeam.server.core.decode_landing import Incoming
 from kvbeam.server.core.decode_offer import DecodeOffer
 from kvbeam.server.core.decode_pages import PageBook
@@ -88,9 +88,12 @@ class DecodeCore(DecodeOffer):
                  on_offer: Callable[[str], None] = lambda _event: None,
                  wire_s: Callable[[int], float] = lambda _n: 0.0,
                  digest_pool: DigestPool | None = None,
-                 mailbox: RecordArea | None = None) -> None:
+                 mailbox: RecordArea | None = None, sub_batch_bytes: int = 0) -> None:
         """``mailbox``: the digest mailbox the daemon registered (REMOTE_WRITE) and
-        advertises; None: the core makes its own, unregistered (tests of the core)."""
+        advertises; None: the core makes its own, unregistered (tests of the core).
+        ``sub_batch_bytes``: the sub-batch size decode advertises
+        (``--verify-sub-batch-mib``, :mod:`kvbeam.pools.sub_batches`; 0: none), with
+        integrity on."""
         self.table = table
         self.peers = peers
         self.prefill = prefill
@@ -108,6 +111,7 @@ class DecodeCore(DecodeOffer):
         self.wire_s = wire_s  # an offered reservation's lease grows by its bytes' time
         # The landed bytes' digests run on it (owned by the driver); None: on the executor.
         self.digest_pool = digest_pool or DigestPool(0)
+        self.sub_batch_bytes = sub_batch_bytes if integrity else 0
         self.slots = SlotPool(spec.num_req_slots if spec is not None else 0)
         self.mailbox: RecordArea | None = mailbox
         if spec is not None and layout is not None:
@@ -160,7 +164,8 @@ class DecodeCore(DecodeOffer):
             # only once its prefill drained): a stale record can never pass from here.
             self.mailbox.clear(held)
         dst, dst_draft = lists or (request_indices(self.spec, held, seq_len), {})
-        nbytes = request_bytes(self.layout, dst, dst_draft)
+        per_buffer = buffer_bytes(self.layout, dst, dst_draft)
+        nbytes = sum(per_buffer)
         slot = held if lists is None else -1
         try:
             # The table entry and the record appear together, under the core lock (the
@@ -175,9 +180,10 @@ class DecodeCore(DecodeOffer):
                 except Exception:
                     self._pages.release(request_id)
                     raise
-                tid = next(self._ids) & 0xFFFFFFFF
+                tid = self._transfer_id()
                 res = Incoming(request_id, slot, seq_len, prefill_address, tid, dst,
-                               nbytes, draft=dst_draft, kv_skip=kv_skip, mailbox_slot=held)
+                               nbytes, draft=dst_draft, kv_skip=kv_skip, mailbox_slot=held,
+                               sub_batches=cuts(per_buffer, self.sub_batch_bytes))
                 self._res[request_id] = res
                 self._by_transfer[tid] = request_id
         except Exception:
@@ -188,6 +194,14 @@ class DecodeCore(DecodeOffer):
                  f" (its first {kv_skip} KV pages held here: not written)" if kv_skip else "",
                  extra=fields(request_id, prefill_address))
         return res
+
+    def _transfer_id(self) -> int:
+        """A new transfer id (core lock held): a nonzero multiple of ``1 << MARK_BITS``,
+        so its sub-batches' marks (the low bits, pools/sub_batches.py) name no other."""
+        while True:
+            tid = (next(self._ids) << MARK_BITS) & 0xFFFFFFFF
+            if tid:
+                return tid
 
     def decline(self, request_id: str, prefill_address: str, detail: str) -> bool:
         """The engine will not load a request it reserved nothing for: tell its prefill
@@ -262,9 +276,10 @@ class DecodeCore(DecodeOffer):
                 # A new transfer id on the new link: the old link's notification (if it
                 # still comes) finds no request, and nothing has landed on this one yet.
                 self._by_transfer.pop(res.transfer_id, None)
-                res.transfer_id = next(self._ids) & 0xFFFFFFFF
+                res.transfer_id = self._transfer_id()
                 self._by_transfer[res.transfer_id] = request_id
                 res.landed = res.verifying = False
+                res.marked = {}  # the old landing's sub-batches count for nothing
             res.link_id = conn.link.id
             if final:
                 res.digests_follow = digests_follow
@@ -370,26 +385,33 @@ class DecodeCore(DecodeOffer):
         conn = self.peers.by_link(event.link)
         if event.kind is not EventKind.NOTIFIED or event.transfer_id is None:
             return
+        # A sub-batch's mark carries the grant's id plus its number (pools/sub_batches.py).
+        base, mark = split_id(event.transfer_id)
         with self._lock:
-            rid = self._by_transfer.get(event.transfer_id)
+            rid = self._by_transfer.get(base)
             res = self._res.get(rid) if rid else None
             # Only the link of the latest grant counts: its notification follows every
             # byte written on it. A link-only failure removed its connection already,
             # yet a notification it delivered before failing is still proof of arrival.
-            ok = res is not None and bool(res.peer_instance) and res.link_id == event.link
+            ok = (res is not None and bool(res.peer_instance) and res.link_id == event.link
+                  and (not mark or mark <= len(res.sub_batches)))
             go = False
             if res is not None and ok:
-                res.landed, res.landed_at = True, time.monotonic()
                 self._transferring(res.request_id)
-                go = self._ready(res)
-                tid = res.transfer_id
+                if not mark:
+                    res.landed, res.landed_at = True, time.monotonic()
+                    go = self._ready(res)
         if res is None or not ok:
-            log.warning("completion for unknown transfer id %s on link %d ignored",
+            log.warning("completion for unknown transfer id %s on link %d ignored%s",
                         event.transfer_id, event.link,
+                        f" (mark {mark}: decode cut that request into "
+                        f"{len(res.sub_batches)} marked sub-batches)" if res and mark else "",
                         extra=fields(rid, conn.control_address if conn else None))
             return
-        if go:  # else prefill's integrity flag is still to come (the Offer's answer)
-            self._start_verify(res, tid)
+        if mark:
+            self._on_mark(res, base, mark)
+        elif go:  # else prefill's integrity flag (the Offer's answer) or a mark is to come
+            self._start_verify(res, base)
 
     def _transferring(self, rid: str) -> None:
         """An offered request landed without a BeginWrite: it is Transferring now (its

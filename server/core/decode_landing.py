@@ -4,7 +4,12 @@ The notification carrying a request's transfer id arrives after every byte (RC
 ordering), the request's digest record included: with integrity on, prefill's last
 write of the final chunk puts the record (its XXH3-128 digests, protocol 5) into the
 request's slot of decode's digest mailbox (:mod:`kvbeam.pools.mailbox`), and the
-marker follows it. The notification starts :meth:`DecodeLanding._verify`
+marker follows it. A large request written in one chunk comes in sub-batches
+(:mod:`kvbeam.pools.sub_batches`, protocol 6): each but the last has its own
+notification (a *mark*), on which its buffers are digested at once
+(:meth:`DecodeLanding._on_mark`), on the digest pool, while the rest is still on the
+wire; the record says how many marks came before it, and the check waits for each
+mark's digests. The notification starts :meth:`DecodeLanding._verify`
 (:meth:`DecodeLanding._start_verify`): it copies the record out of the slot and checks
 it (magic, version, count, self-digest, transfer id, slot, request id), then the
 landed bytes against its digests, and makes the request Success, or fails it
@@ -24,9 +29,10 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from kvbeam.logs import fields
-from kvbeam.pools.digest import DIGEST_NAME
-from kvbeam.pools.digest_pool import DigestPool
-from kvbeam.pools.mailbox import Expected, RecordArea, RecordError, parse_record
+from kvbeam.pools.digest import DIGEST_NAME, DigestPart, digest_parts
+from kvbeam.pools.digest_pool import DigestJob, DigestPool
+from kvbeam.pools.mailbox import Expected, Record, RecordArea, RecordError, parse_record
+from kvbeam.pools.sub_batches import bounds
 from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.ports import IndexLists
 from kvbeam.server.faults import FaultHooks
@@ -81,6 +87,14 @@ class Incoming:
     kv_skip: int = 0                 # leading KV pages the engine holds: not written
     #: The request's slot of the digest mailbox (its request slot, also with engine lists).
     mailbox_slot: int = -1
+    #: Where its sub-batches end (flat-buffer positions, pools/sub_batches.py), if prefill
+    #: marks them: decode's own cut, from its sub-batch size and this request's bytes.
+    sub_batches: tuple[int, ...] = ()
+    #: The digest jobs of the sub-batches whose mark came (mark number -> job), of the
+    #: current transfer id (a resend's new id starts over).
+    marked: dict[int, DigestJob] = field(default_factory=dict)
+    #: Its digest parts (one per flat buffer), built at its first mark.
+    parts: list[DigestPart] | None = None
 
 
 #: What a landed request waits for when prefill's integrity flag is not known (its
@@ -112,19 +126,30 @@ class DecodeLanding(CoreBase):
         """
         if not res.landed or res.verifying:
             return False
+        box = self.mailbox
+        recorded = (box is not None and 0 <= res.mailbox_slot < box.slots
+                    and box.has_record(res.mailbox_slot))
         if self.integrity and res.digests_follow is None:
-            box = self.mailbox
-            if box is None or not 0 <= res.mailbox_slot < box.slots \
-                    or not box.has_record(res.mailbox_slot):
+            if not recorded:
                 self.table.waiting_for(res.request_id, WAITING_FOR_DIGESTS)
                 return False
             res.digests_follow = True
+        if self.integrity and res.digests_follow and res.sub_batches and recorded:
+            assert box is not None
+            # The record says how many marks came before it; a count decode did not cut
+            # is refused by the check itself (naming both), not waited for.
+            marks = box.marks(res.mailbox_slot)
+            if marks == len(res.sub_batches) and len(res.marked) < marks:
+                self.table.waiting_for(res.request_id, (
+                    f"the marks of its sub-batches: the digest record says {marks} came "
+                    f"before it, {len(res.marked)} did"))
+                return False
         res.verifying = True
         return True
 
-    def _record(self, res: Incoming, transfer_id: int) -> list[int]:
-        """The digests of the request's record in its mailbox slot, checked (executor,
-        no lock: nothing writes the slot while the landing is verified).
+    def _record(self, res: Incoming, transfer_id: int) -> Record:
+        """The request's record in its mailbox slot, checked (executor, no lock: nothing
+        writes the slot while the landing is verified).
 
         Raises:
             RecordError: naming the field that failed, with both values.
@@ -190,22 +215,23 @@ class DecodeLanding(CoreBase):
                 self._integrity_failed(res, transfer_id, detail)
 
         rid = res.request_id
-        if self.faults is not None:  # test-only hook (--enable-fault-injection)
-            self.faults.after_landing(rid, self.pools, res.indices, res.draft)
         verified = NOT_VERIFIED_OFF
         timing = ""
+        if not self.integrity:
+            self._corrupt_landed(res, None)
         if res.digests_follow and self.integrity:
             t0 = time.monotonic()
             try:
-                res.digests = self._record(res, transfer_id)
+                record = self._record(res, transfer_id)
+                res.digests = record.digests
+                landed = self._landed_digests(res, record.marks)
             except RecordError as exc:
                 failed(str(exc))
                 return
-            # In parallel over the buffers, on the digest pool; no lock held while it runs,
-            # and Success (below) only once every buffer's digest was compared.
-            landed = self.digest_pool.digests(self.pools, res.indices, draft=res.draft).result()
             timing = (f"; record and check {(time.monotonic() - t0) * 1e3:.1f} ms, "
-                      f"{(time.monotonic() - res.landed_at) * 1e3:.1f} ms after the landing")
+                      f"{(time.monotonic() - res.landed_at) * 1e3:.1f} ms after the landing"
+                      + (f", {record.marks} of {record.marks + 1} sub-batches digested as "
+                         "they landed" if record.marks else ""))
             bad = [b.name for b, want, got in
                    zip(self.layout.flat_buffers, res.digests, landed, strict=True)
                    if want != got]
@@ -216,6 +242,7 @@ class DecodeLanding(CoreBase):
                 return
             verified = f"{VERIFIED_PREFIX} {len(landed)} buffers match prefill's digests"
         elif self.integrity:
+            self._corrupt_landed(res, None)
             verified = NOT_VERIFIED_NO_DIGESTS
             log.warning("request %s: prefill sent no digests (its integrity check is off): "
                         "arrival proven by the completion, bytes not verified",
@@ -236,6 +263,73 @@ class DecodeLanding(CoreBase):
             return
         log.info("request %s: Success (%d bytes landed in slot %d; %s%s)", rid, res.nbytes,
                  res.slot, verified, timing, extra=fields(rid, res.prefill_address))
+
+    def _corrupt_landed(self, res: Incoming, buffers: range | None) -> None:
+        """The test-only hook that flips a landed byte (--enable-fault-injection), among
+        ``buffers`` (None: any), before they are digested."""
+        if self.faults is not None:
+            self.faults.after_landing(res.request_id, self.pools, res.indices, res.draft,
+                                      buffers=buffers)
+
+    def _parts(self, res: Incoming) -> list[DigestPart]:
+        """The request's digest parts, one per flat buffer (built once; no lock needed:
+        a race builds the same list twice)."""
+        parts = res.parts
+        if parts is None:
+            parts = res.parts = digest_parts(self.pools, res.indices, draft=res.draft)
+        return parts
+
+    def _landed_digests(self, res: Incoming, marks: int) -> list[int]:
+        """The landed bytes' digests, in flat order, on the digest pool (no lock held):
+        the marked sub-batches' jobs (started as each landed) and the last part's, or
+        every buffer's when the record says no mark came.
+
+        Raises:
+            RecordError: the record's marks count is not decode's cut of the request.
+        """
+        if not marks:
+            # In parallel over the buffers; Success only once every digest was compared.
+            self._corrupt_landed(res, None)
+            return self.digest_pool.digests(self.pools, res.indices, draft=res.draft).result()
+        cut = res.sub_batches
+        if marks != len(cut):
+            raise RecordError("marks", (
+                f"{marks} sub-batches notified before the record, decode cut the request "
+                f"into {len(cut)} (of {len(cut) + 1} parts, by its --verify-sub-batch-mib)"
+                if cut else f"{marks} sub-batches notified before the record, decode cut "
+                "this request into none (under two sub-batches, or its sub-batches off)"))
+        parts = self._parts(res)
+        lo, _hi = bounds(cut, marks + 1, len(parts))
+        self._corrupt_landed(res, range(lo, len(parts)))
+        last = self.digest_pool.start(parts[lo:])
+        out: list[int] = []
+        for k in range(1, marks + 1):
+            out.extend(res.marked[k].result())
+        out.extend(last.result())
+        return out
+
+    def _on_mark(self, res: Incoming, transfer_id: int, mark: int) -> None:
+        """Sub-batch ``mark`` of the landing of ``transfer_id`` landed (its notification
+        came): digest its buffers now, on the digest pool (no lock held), and verify the
+        request if it was all that was missing. A mark decode did not cut, a repeated
+        one, or one of a replaced landing is ignored (the record's count decides)."""
+        rid = res.request_id
+        parts = self._parts(res)
+        lo, hi = bounds(res.sub_batches, mark, len(parts))
+        self._corrupt_landed(res, range(lo, hi))
+        job = self.digest_pool.start(parts[lo:hi])
+        with self._lock:
+            fresh = (res.transfer_id == transfer_id and mark not in res.marked
+                     and not res.verifying)
+            if fresh:
+                res.marked[mark] = job
+            go = fresh and self._ready(res)
+        if not fresh:
+            log.warning("request %s: mark %d of transfer %d came again, or after its "
+                        "landing was replaced or verified: ignored", rid, mark, transfer_id,
+                        extra=fields(rid, res.prefill_address))
+        elif go:
+            self._start_verify(res, transfer_id)
 
     @staticmethod
     def _replaced(res: Incoming, transfer_id: int) -> None:

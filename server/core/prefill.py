@@ -51,8 +51,9 @@ from kvbeam.pools.engine_indices import ListLike, check_kv_skip, same_lists, val
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.mailbox import FreeSlots, RecordArea
-from kvbeam.pools.plan import build_plan, side_windows
+from kvbeam.pools.plan import TransferPlan, build_plan, side_windows
 from kvbeam.pools.spec import PoolSpec
+from kvbeam.pools.sub_batches import MAX_MARKS, bounds, buffer_bytes, cuts, mark_id
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.offers import OfferBook, PrefillOffers
@@ -704,18 +705,24 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
                if record and rec.digests is None else None)
         together = record and (job is None or job.inline)
         separate = record and not together
-        key = (conn.link.id, grant.transfer_id)
+        # The writes: each marked sub-batch (its own notified write), then the rest.
+        writes = self._sub_batches(rec, conn, grant, plan, blocks) if record else []
+        marks = len(writes)
+        # The sub-batches run from the first block on: the last part is what follows.
+        writes.append((grant.transfer_id,
+                       blocks.slice(sum(len(b) for _, b in writes), len(blocks))))
         with self._lock:
             if self._ended(rec):
                 return
             if record:
                 self._take_staging(rec)
-            self._writes[key] = rid
-            rec.write_keys.add(key)
+            for tid, part in writes:
+                self._writes[(conn.link.id, tid)] = rid
+                rec.write_keys.add((conn.link.id, tid))
+                rec.pending_bytes.append(part.total_bytes)
             rec.attempt_link = conn.link.id
             # The record's write is counted now: no Success (nor drain) before it completed.
-            rec.outstanding += 2 if separate else 1
-            rec.pending_bytes.append(plan.total_bytes)
+            rec.outstanding += len(writes) + separate
             if separate:
                 rec.pending_bytes.append(0)  # the record: not the request's bytes
             rec.bytes_total += plan.total_bytes
@@ -723,38 +730,66 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
             rec.final_posted = rec.final_posted or final
         if self.faults is not None:  # test-only hook (--enable-fault-injection)
             self.faults.break_link(rid, conn.link)
+        posted = 0
         try:
+            for tid, part in writes[:-1]:  # the marks: decode digests each as it lands
+                conn.link.write(tid, part, notify=True)
+                posted += 1
+            tid, part = writes[-1]
             if together:  # the record is the data write's last block
-                blocks = Blocks.concat([blocks, self._record_blocks(rec, conn, grant, job)])
-            conn.link.write(grant.transfer_id, blocks, notify=final and not separate)
+                part = Blocks.concat([part, self._record_blocks(rec, conn, grant, job, marks)])
+            conn.link.write(tid, part, notify=final and not separate)
         except Exception as exc:
-            with self._drained:
-                rec.outstanding -= 2 if separate else 1
-                if separate:
+            left = writes[posted:]
+            with self._drained:  # only what was not posted: the rest completes as usual
+                rec.outstanding -= len(left) + separate
+                for _ in range(len(left) + separate):
                     rec.pending_bytes.pop()
-                rec.pending_bytes.pop()
-                rec.bytes_total -= plan.total_bytes
+                rec.bytes_total -= sum(b.total_bytes for _, b in left)
                 rec.final_posted = rec.final_posted and not final
                 self._give_staging(rec)
                 self._drained.notify_all()
             raise NotPosted(exc) from exc
-        log.info("request %s: posted %s%d bytes in %d blocks to %s", rid,
+        log.info("request %s: posted %s%d bytes in %d blocks to %s%s", rid,
                  "final chunk, " if final else "chunk, ", plan.total_bytes, plan.num_blocks,
-                 conn.control_address, extra=fields(rid, rec.decode_address))
+                 conn.control_address,
+                 f" ({marks} sub-batches marked before the last)" if marks else "",
+                 extra=fields(rid, rec.decode_address))
         if not separate:
             return
         if inline:  # the digests are still being computed: waited for on the executor
-            self.io.submit(self._record_on_executor, rec, conn, grant, job)
+            self.io.submit(self._record_on_executor, rec, conn, grant, job, marks)
             return
-        self._post_record(rec, conn, grant, job)
+        self._post_record(rec, conn, grant, job, marks)
+
+    def _sub_batches(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant,
+                     plan: TransferPlan, blocks: Blocks) -> list[tuple[int, Blocks]]:
+        """The marked sub-batches of a request written whole in this final chunk (its
+        record follows), as (mark's transfer id, blocks); empty when decode advertised
+        no sub-batch size or the request moves less than two (pools/sub_batches.py).
+        Cut where decode cuts: at its buffers' bytes, from decode's layout and the
+        grant's lists, so each mark's buffers are exactly those decode digests."""
+        peer = conn.peer.layout
+        n = len(peer.flat_buffers)
+        if (not conn.sub_batch_bytes or len(rec.posted) != 1 or len(plan.heads) != n
+                or len(blocks) != plan.num_blocks or grant.transfer_id & MAX_MARKS):
+            return []  # (an id with mark bits set is no protocol 6 grant: no marks)
+        at = cuts(buffer_bytes(peer, grant.indices, grant.draft), conn.sub_batch_bytes)
+        starts = plan.starts.tolist()
+        out = []
+        for k in range(1, len(at) + 1):
+            lo, hi = bounds(at, k, n)
+            out.append((mark_id(grant.transfer_id, k), blocks.slice(starts[lo], starts[hi])))
+        return out
 
     def _post_record(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant,
-                     job: DigestJob | None) -> None:
+                     job: DigestJob | None, marks: int) -> None:
         """Post the request's digest record once its digests are done (they were computed
-        while the data writes went out); raises :class:`NotPosted` when the post fails."""
+        while the data writes went out); raises :class:`NotPosted` when the post fails.
+        ``marks``: the sub-batches notified before it."""
         try:
-            conn.link.write(grant.transfer_id, self._record_blocks(rec, conn, grant, job),
-                            notify=True)
+            conn.link.write(grant.transfer_id,
+                            self._record_blocks(rec, conn, grant, job, marks), notify=True)
         except Exception as exc:
             with self._drained:
                 rec.outstanding -= 1
@@ -765,11 +800,11 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
             raise NotPosted(exc) from exc
 
     def _record_on_executor(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant,
-                            job: DigestJob | None) -> None:
+                            job: DigestJob | None, marks: int) -> None:
         """:meth:`_post_record` for a step that ran inline (it ended once the data was
         posted; the record's write is counted, so nothing ends the request meanwhile)."""
         try:
-            self._post_record(rec, conn, grant, job)
+            self._post_record(rec, conn, grant, job, marks)
         except Exception as exc:
             self._failed_step(rec, conn, exc)
 

@@ -114,9 +114,10 @@ class PrefillRecords:
         free.give(slot)
 
     def _record_blocks(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant,
-                       job: DigestJob | None) -> Blocks:
+                       job: DigestJob | None, marks: int = 0) -> Blocks:
         """The request's digest record, in its staging slot, as the block that writes it
-        into decode's mailbox slot (posted notified: the marker follows it). ``job``: the
+        into decode's mailbox slot (posted notified: the marker follows it); ``marks``:
+        the sub-batches notified before it (pools/sub_batches.py). ``job``: the
         digests, started on the digest pool before the data was posted (the source does
         not change while the request lives); computed once per request, a resend writes
         the same digests with its new transfer id. Outside every lock, on the executor
@@ -125,10 +126,11 @@ class PrefillRecords:
             rec.digests = (job or self.digest_pool.digests(
                 self.pools, rec.moved_source, draft=rec.src_draft,
                 windows=side_windows(self.layout, conn.peer.layout, source=True))).result()
-        raw = encode_record(grant.transfer_id, grant.mailbox_slot, rec.request_id, rec.digests)
+        raw = encode_record(grant.transfer_id, grant.mailbox_slot, rec.request_id, rec.digests,
+                            marks=marks)
         if self.faults is not None:  # test-only hook (--enable-fault-injection)
             raw = self.faults.corrupt_record(rec.request_id, raw, grant.transfer_id,
-                                             grant.mailbox_slot, rec.digests)
+                                             grant.mailbox_slot, rec.digests, marks)
         assert rec.staging is not None and conn.mailbox is not None
         area, _free, slot = rec.staging
         area.put(slot, raw)

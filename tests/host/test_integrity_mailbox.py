@@ -13,7 +13,7 @@ import pytest
 
 from kvbeam.procs import wait_until
 from kvbeam.scheduler import drive
-from kvbeam.server.faults import CORRUPT_RECORD_ENV, ENABLE_FLAG
+from kvbeam.server.faults import CORRUPT_LANDED_ENV, CORRUPT_RECORD_ENV, ENABLE_FLAG, SEED_ENV
 from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import pair
 
@@ -67,3 +67,38 @@ def test_integrity_off_on_prefill_lands_unverified_on_decode() -> None:
         st = d.status(results[0].request_id)
         assert st.state is TransferState.SUCCESS and st.detail.startswith(
             "bytes not verified: prefill sent no digests"), st
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_large_requests_are_verified_in_sub_batches_as_they_land(paged: bool) -> None:
+    """Protocol 6: decode advertises 64 KiB sub-batches; prefill notifies each as it is
+    written, decode digests it at once, and Success comes after the last part's check."""
+    sub = ["--verify-sub-batch-mib", "0.0625"]
+    with pair(paged=paged, decode_extra=sub) as (prefill, decode, _p, d):
+        results = drive(prefill.address, decode.address, [1, 4096, 20000, 32768],
+                        source_slots=8, concurrency=2, prefix="sub")
+        assert all(r.ok for r in results), results
+        for r in results:
+            st = d.status(r.request_id)
+            assert st.state is TransferState.SUCCESS and st.detail.startswith(
+                "XXH3-128 verified"), st
+        # Each moves 0.4-10 MB (the per-slot states are most of a short one's): every
+        # one went in sub-batches, as both sides' logs say.
+        assert prefill.output.count("sub-batches marked before the last") == 4
+        assert wait_until(lambda: decode.output.count("sub-batches digested as they landed")
+                          == 4, 10), decode.output[-3000:]
+
+
+def test_a_byte_flipped_in_any_sub_batch_fails_the_request() -> None:
+    env = {CORRUPT_LANDED_ENV: "1", SEED_ENV: "5"}
+    sub = ["--verify-sub-batch-mib", "0.0625", ENABLE_FLAG]
+    with pair(decode_extra=sub, decode_env=env) as (prefill, decode, _p, d):
+        results = drive(prefill.address, decode.address, [20000, 32768], source_slots=8,
+                        concurrency=1, prefix="flip")
+        assert [r.state.startswith("Failed(integrity") for r in results] == [True, True], \
+            results
+        for r in results:
+            st = d.status(r.request_id)
+            assert st.reason is FailureReason.INTEGRITY and "XXH3-128 mismatch" in st.detail
+        # Every sub-batch was hit once, so more than one buffer per request mismatches.
+        assert decode.output.count("FAULT INJECTED: corrupted") > 2

@@ -230,3 +230,22 @@ def test_corruption_after_landing_is_caught_every_time(unified: Pair) -> None:
                 assert d.status(r.request_id).reason is FailureReason.INTEGRITY
     finally:
         decode.stop()
+
+
+def test_sub_batches_are_marked_over_two_qps_and_verified_as_they_land(
+        rdma_device: RdmaDevice) -> None:
+    """Protocol 6 over RDMA with two QPs per link: each sub-batch's WRITE WITH IMMEDIATE
+    (its mark) follows its own writes on both lanes, decode digests it at once, and every
+    request is Success only after its last part's check; none is refused or lost."""
+    two = ["--qps-per-peer", "2"]
+    with pair(transport="rdma", prefill_extra=two,
+              decode_extra=[*two, "--verify-sub-batch-mib", "0.0625"]) as (
+            prefill, decode, _p, d):
+        results = drive(prefill.address, decode.address, [64, 5000, 32768, 32768],
+                        source_slots=8, concurrency=3, timeout=120, prefix="sub")
+        assert all(r.ok and r.verified for r in results), results
+        for r in results:
+            assert d.status(r.request_id).detail.startswith("XXH3-128 verified")
+        assert prefill.output.count("sub-batches marked before the last") == 4
+        assert wait_until(lambda: decode.output.count(
+            "sub-batches digested as they landed") == 4, 10), decode.output[-3000:]

@@ -16,6 +16,7 @@ from kvbeam.pools.mailbox import (
     Advert,
     Expected,
     FreeSlots,
+    Record,
     RecordArea,
     encode_record,
     mailbox_region,
@@ -43,15 +44,18 @@ def _record(**kw: object) -> bytes:
 def test_a_record_round_trips_and_has_the_documented_layout() -> None:
     raw = _record()
     assert len(raw) == record_size(5) == 24 + 5 * 16 + 16
-    assert raw[:4] == b"KVDR" and HEADER.unpack_from(raw)[:5] == (MAGIC, 1, 5, 77, 3)
+    assert raw[:4] == b"KVDR" and HEADER.unpack_from(raw)[:6] == (MAGIC, 2, 0, 5, 77, 3)
     assert int.from_bytes(raw[24:40], "little") == DIGESTS[0]
-    assert parse_record(raw + b"\0" * 40, WANT) == DIGESTS  # a slot's padding is ignored
+    # a slot's padding is ignored
+    assert parse_record(raw + b"\0" * 40, WANT) == Record(DIGESTS, 0)
+    marked = _record(marks=3)
+    assert raw[5] == 0 and marked[5] == 3 and parse_record(marked, WANT).marks == 3
     assert record_bytes(5) == 128 and record_bytes(0) == 64 and record_bytes(182) == 2944 + 64
 
 
 @pytest.mark.parametrize(("raw", "field", "values"), [
     (_record(magic=0), "magic", "0x00000000, expected 0x5244564b"),
-    (_record(version=2), "version", "2, expected 1"),
+    (_record(version=1), "version", "1, expected 2"),  # protocol 5's record
     (_record(count=4), "count", "4 digests, expected 5"),
     (encode_record(78, 3, "req-1", DIGESTS), "transfer_id", "78, expected 77"),
     (encode_record(77, 4, "req-1", DIGESTS), "slot", "4, expected 3"),
@@ -106,7 +110,7 @@ def test_a_record_area_clears_a_slots_header_and_reads_a_copy() -> None:
     assert area.record_bytes == 128 and area.region.length == 512
     area.put(2, _record())
     assert area.has_record(2) and not area.has_record(1)
-    assert parse_record(area.read(2), Expected(5, 77, 3, "req-1")) == DIGESTS
+    assert parse_record(area.read(2), Expected(5, 77, 3, "req-1")).digests == DIGESTS
     area.clear(2)
     assert not area.has_record(2)
     with pytest.raises(RecordError, match="magic"):
@@ -136,7 +140,9 @@ def test_the_fault_hook_makes_exactly_its_field_wrong(field: str) -> None:
     assert hooks.armed
     raw = hooks.corrupt_record("req-1", _record(), 77, 3, DIGESTS)
     if field == "digest":  # a valid record whose first digest is wrong
-        assert parse_record(raw, WANT) == [DIGESTS[0] ^ 1, *DIGESTS[1:]]
+        assert parse_record(raw, WANT).digests == [DIGESTS[0] ^ 1, *DIGESTS[1:]]
+    elif field == "marks":  # a valid record counting a mark that never came
+        assert parse_record(raw, WANT) == Record(DIGESTS, 1)
     else:
         with pytest.raises(RecordError) as err:
             parse_record(raw, WANT)
@@ -168,7 +174,7 @@ def test_the_record_is_the_last_write_and_success_waits_for_it() -> None:
         len(core.layout.flat_buffers))
     want = request_digests(core.pools, request_indices(UNIFIED_TARGET, 0, 300))
     assert parse_record(link.records[0][1],
-                        Expected(len(want), tid, 0, "r")) == want
+                        Expected(len(want), tid, 0, "r")) == Record(want, 0)
     assert core._free_staging is not None and core._free_staging.held == 1
     core.on_event(link.completion(tid))
     assert core.status("r").state is TransferState.TRANSFERRING and core.in_flight("r") == 1

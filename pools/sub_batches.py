@@ -1,0 +1,115 @@
+"""Sub-batches (protocol 6): a large request's landing verified while the rest flies.
+
+Decode advertises a sub-batch size in its handshake (``--verify-sub-batch-mib``,
+endpoint ``extra[kvbeam-sub-batch]``, bytes). When prefill writes a whole request in
+one final chunk with integrity on and the request moves at least two sub-batches, it
+cuts the writes at flat-buffer boundaries (:func:`cuts`) and posts each sub-batch but
+the last as its own notified write, whose transfer id is the grant's plus the
+sub-batch's number (:func:`mark_id`): the notification ("mark") proves that
+sub-batch's bytes landed, so decode digests its buffers at once, on its digest pool,
+while the later sub-batches are still on the wire. The last part goes with the digest
+record and the grant's own transfer id, as without sub-batches; the record says how
+many marks came before it, and decode's Success waits for every mark's digests and the
+last part's. A request prefill sends in several chunks, or one under two sub-batches,
+has no marks (the record says 0) and is digested whole once it landed.
+
+Both sides compute the same cuts from the same numbers: decode's sub-batch size and
+the bytes each of decode's buffers receives (prefill: its plan's blocks per buffer;
+decode: the items its lists name, times the bytes each moves). Decode's transfer ids
+are multiples of ``1 << MARK_BITS``, so a mark's id never names another request. All
+pure: no I/O, no lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvbeam.errors import ProtocolError
+from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.plan import IndexLists, list_for
+
+#: Low bits of a transfer id that number a request's marks (decode's ids leave them 0).
+MARK_BITS = 4
+#: The most marks (sub-batches before the last part) a request has.
+MAX_MARKS = (1 << MARK_BITS) - 1
+#: The endpoint ``extra`` key decode advertises its sub-batch size under (bytes).
+SUB_BATCH_KEY = "kvbeam-sub-batch"
+#: The smallest sub-batch a decode may advertise: below it a mark costs more than the
+#: overlap it buys (a notified write, a pool task), and tests use sizes this small.
+MIN_SUB_BATCH_BYTES = 64 << 10
+#: The largest accepted (a typo of units, not a real size, above it).
+MAX_SUB_BATCH_BYTES = 1 << 40
+
+
+def buffer_bytes(layout: SideLayout, indices: IndexLists,
+                 draft: IndexLists | None = None) -> list[int]:
+    """The bytes each of decode's buffers receives, in flat order: the items of its list
+    (the draft's own, where it has one) times its item length. Decode computes it from
+    its own layout and lists, prefill from decode's layout and the grant's lists: the
+    same numbers, so the same :func:`cuts`."""
+    return [len(list_for(indices, draft, c.pool, b.index_kind)) * b.item_len
+            for c in layout.components for b in c.buffers]
+
+
+def cuts(per_buffer: Sequence[int], sub_batch_bytes: int) -> tuple[int, ...]:
+    """Where a request's marked sub-batches end: flat-buffer positions, ascending.
+
+    Sub-batch ``k`` (1-based) is buffers ``[cuts[k-2], cuts[k-1])`` (from 0 for the
+    first); the last part, with the record, is ``[cuts[-1], n)``. Empty when
+    ``sub_batch_bytes`` is 0 or the request moves less than two sub-batches. A
+    sub-batch ends at the first buffer that brings it to ``sub_batch_bytes`` (or to
+    the request's bytes over ``MAX_MARKS + 1``, when that is larger, so a huge
+    request still has at most ``MAX_MARKS`` marks); the last buffer always goes
+    with the last part.
+    """
+    total = sum(per_buffer)
+    if sub_batch_bytes <= 0 or total < 2 * sub_batch_bytes or len(per_buffer) < 2:
+        return ()
+    size = max(sub_batch_bytes, -(-total // (MAX_MARKS + 1)))
+    out: list[int] = []
+    acc = 0
+    for i, nbytes in enumerate(per_buffer[:-1]):
+        acc += nbytes
+        if acc >= size and len(out) < MAX_MARKS:
+            out.append(i + 1)
+            acc = 0
+    return tuple(out)
+
+
+def bounds(at: Sequence[int], k: int, n: int) -> tuple[int, int]:
+    """Buffers ``[lo, hi)`` of sub-batch ``k`` (1-based; ``len(at) + 1``: the last part)."""
+    lo = at[k - 2] if k >= 2 else 0
+    hi = at[k - 1] if k <= len(at) else n
+    return lo, hi
+
+
+def mark_id(transfer_id: int, k: int) -> int:
+    """The transfer id of sub-batch ``k``'s mark (1..MAX_MARKS) of grant ``transfer_id``."""
+    if not 1 <= k <= MAX_MARKS or transfer_id & MAX_MARKS:
+        raise ValueError(f"mark {k} of transfer id {transfer_id}: marks are 1..{MAX_MARKS} "
+                         f"of an id whose low {MARK_BITS} bits are 0")
+    return transfer_id | k
+
+
+def split_id(transfer_id: int) -> tuple[int, int]:
+    """(the grant's transfer id, mark number): mark 0 is the grant's own (the last part)."""
+    return transfer_id & ~MAX_MARKS, transfer_id & MAX_MARKS
+
+
+def parse_sub_batch(text: str) -> int:
+    """Decode's advertised sub-batch size (``extra[kvbeam-sub-batch]``); 0 when absent.
+
+    Raises:
+        ProtocolError: not a whole number of bytes in range.
+    """
+    if not text:
+        return 0
+    field = f"side.endpoint.extra[{SUB_BATCH_KEY}]"
+    try:
+        value = int(text)
+    except ValueError:
+        raise ProtocolError(field, f"{text[:40]!r} is not a number of bytes") from None
+    if not MIN_SUB_BATCH_BYTES <= value <= MAX_SUB_BATCH_BYTES:
+        raise ProtocolError(field, f"{value} bytes, outside {MIN_SUB_BATCH_BYTES}.."
+                                   f"{MAX_SUB_BATCH_BYTES}")
+    return value

@@ -1,0 +1,227 @@
+"""Sub-batches (protocol 6): the cut both sides compute, prefill's marked writes, and
+decode digesting each sub-batch as its mark comes, Success only after the last."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import pytest
+
+from kvbeam.errors import ProtocolError
+from kvbeam.pools.digest import request_digests
+from kvbeam.pools.digest_pool import DigestPool
+from kvbeam.pools.indices import request_indices
+from kvbeam.pools.mailbox import HEADER
+from kvbeam.pools.sub_batches import (
+    MAX_MARKS,
+    MIN_SUB_BATCH_BYTES,
+    bounds,
+    buffer_bytes,
+    cuts,
+    mark_id,
+    parse_sub_batch,
+    split_id,
+)
+from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.ports import WriteGrant
+from kvbeam.server.faults import FaultHooks
+from kvbeam.server.peers import PeerConn
+from kvbeam.states import FailureReason, TransferState
+from kvbeam.transport import Event, EventKind
+from tests.core_fakes import FakeLink, land_record, wait_for
+from tests.fixtures import UNIFIED_TARGET, layout
+from tests.unit.test_core_decode import PREFILL, QueueExecutor, _core, _relink
+from tests.unit.test_core_offers import ADDR, SEQ, _connected
+
+PER_BUFFER = buffer_bytes(layout(), request_indices(UNIFIED_TARGET, 0, SEQ), {})
+#: A size that cuts the unit-test request into 3 marked sub-batches and a last part.
+QUARTER = sum(PER_BUFFER) // 4
+
+
+# ---- the cut ------------------------------------------------------------------------------
+def test_the_cut_covers_every_buffer_once_and_leaves_the_last_to_the_record() -> None:
+    at = cuts(PER_BUFFER, QUARTER)
+    assert at == (3, 9, 12) and len(PER_BUFFER) == 13
+    parts = [bounds(at, k, len(PER_BUFFER)) for k in range(1, len(at) + 2)]
+    assert parts == [(0, 3), (3, 9), (9, 12), (12, 13)]
+    for lo, hi in parts[:-1]:  # each marked sub-batch reaches the size
+        assert sum(PER_BUFFER[lo:hi]) >= QUARTER
+
+
+@pytest.mark.parametrize(("per_buffer", "size", "want"), [
+    ([100, 100], 0, ()),            # sub-batches off
+    ([100, 99], 100, ()),           # under two sub-batches: verified whole
+    ([100, 100], 100, (1,)),
+    ([300], 100, ()),               # one buffer: nothing to cut
+    ([1000, 1, 1], 100, (1,)),      # the last buffer always goes with the last part
+])
+def test_the_cut_in_corner_cases(per_buffer: list[int], size: int, want: tuple[int, ...]) -> None:
+    assert cuts(per_buffer, size) == want
+
+
+def test_a_huge_request_has_at_most_fifteen_marks() -> None:
+    at = cuts([1 << 20] * 1000, 1 << 20)
+    assert len(at) == MAX_MARKS == 15 and list(at) == sorted(at) and at[-1] < 1000
+
+
+def test_mark_ids_name_no_other_grant() -> None:
+    assert mark_id(32, 1) == 33 and split_id(33) == (32, 1) and split_id(32) == (32, 0)
+    assert split_id(0xFFFFFFF0 | MAX_MARKS) == (0xFFFFFFF0, MAX_MARKS)
+    with pytest.raises(ValueError, match=r"marks are 1\.\.15"):
+        mark_id(33, 1)  # not a protocol 6 grant's id
+    with pytest.raises(ValueError):
+        mark_id(32, 16)
+
+
+def test_the_advertised_size_is_checked() -> None:
+    assert parse_sub_batch("") == 0 and parse_sub_batch(str(16 << 20)) == 16 << 20
+    for bad, why in (("16M", "not a number"), (str(MIN_SUB_BATCH_BYTES - 1), "outside")):
+        with pytest.raises(ProtocolError, match=why) as err:
+            parse_sub_batch(bad)
+        assert err.value.field == "side.endpoint.extra[kvbeam-sub-batch]"
+
+
+# ---- prefill: the marked writes -------------------------------------------------------------
+def test_prefill_posts_each_sub_batch_as_a_notified_write_then_the_rest_and_its_record() -> None:
+    core, fake, conn, _events = _connected()
+    conn.sub_batch_bytes = QUARTER
+    tid = 16 * 7
+    assert core.offer("r", conn.instance_id, SEQ,
+                      WriteGrant(tid, request_indices(UNIFIED_TARGET, 2, SEQ)), lease_s=10.0)
+    core.send("r", 1, SEQ, ADDR, [], True)
+    link = cast(FakeLink, conn.link)
+    assert wait_for(lambda: len(link.writes) == 2 + 5 and len(fake.digests) == 2)
+    assert link.writes[2:] == [(tid + 1, True), (tid + 2, True), (tid + 3, True),
+                               (tid, False), (tid, True)]
+    # Each mark's blocks are exactly its buffers' (in the plan's order), the last part
+    # the rest; together every byte once.
+    marked = link.blocks[2:5]
+    assert [b.total_bytes for b in marked] == [sum(PER_BUFFER[0:3]), sum(PER_BUFFER[3:9]),
+                                               sum(PER_BUFFER[9:12])]
+    assert sum(b.total_bytes for b in link.blocks[2:6]) == sum(PER_BUFFER)
+    assert HEADER.unpack_from(link.records[-1][1])[2] == 3  # the record counts the marks
+    for event in [*link.finish(tid + 1), *link.finish(tid + 2), *link.finish(tid)]:
+        core.on_event(event)
+    assert core.status("r").state is TransferState.TRANSFERRING  # mark 3 still out
+    for event in link.finish(tid + 3):
+        core.on_event(event)
+    st = core.status("r")
+    assert st.state is TransferState.SUCCESS and st.nbytes == sum(PER_BUFFER)
+
+
+def test_prefill_marks_nothing_for_a_grant_id_with_mark_bits() -> None:
+    """A grant that is no protocol 6 one (low bits set) is written as before: no marks."""
+    core, _fake, conn, _events = _connected()
+    conn.sub_batch_bytes = QUARTER
+    assert core.offer("r", conn.instance_id, SEQ,
+                      WriteGrant(77, request_indices(UNIFIED_TARGET, 2, SEQ)), lease_s=10.0)
+    core.send("r", 1, SEQ, ADDR, [], True)
+    link = cast(FakeLink, conn.link)
+    assert wait_for(lambda: len(link.writes) == 4)
+    assert link.writes[2:] == [(77, False), (77, True)]
+    assert HEADER.unpack_from(link.records[-1][1])[2] == 0
+
+
+# ---- decode: digests as each sub-batch lands ------------------------------------------------
+def _marked_core() -> tuple[DecodeCore, QueueExecutor, PeerConn, list[int]]:
+    core, io, _prefill, conn = _core()
+    core.sub_batch_bytes = QUARTER
+    core.digest_pool = DigestPool(0)  # each job on the calling thread: nothing to wait on
+    res = core.reserve("r", SEQ, PREFILL)
+    assert res.sub_batches == (3, 9, 12) and res.transfer_id % 16 == 0
+    core.begin_write("r", conn.instance_id, SEQ, True, True)
+    return core, io, conn, request_digests(core.pools, res.indices)
+
+
+def _notify(core: DecodeCore, conn: PeerConn, transfer_id: int) -> None:
+    core.on_event(Event(EventKind.NOTIFIED, conn.link.id, transfer_id))
+
+
+def test_decode_digests_each_marked_sub_batch_and_succeeds_after_the_last() -> None:
+    core, io, conn, digests = _marked_core()
+    res = core._reservation("r")
+    tid = res.transfer_id
+    _notify(core, conn, tid + 2)  # marks may come in any order (lanes)
+    assert sorted(res.marked) == [2] and res.parts is not None
+    land_record(core, "r", digests, marks=3)
+    _notify(core, conn, tid)  # the last part and the record, before marks 1 and 3
+    assert core.status("r").state is TransferState.TRANSFERRING and not res.verifying
+    _notify(core, conn, tid + 1)
+    assert core.status("r").state is TransferState.TRANSFERRING
+    _notify(core, conn, tid + 3)  # the last missing piece starts the check
+    io.run_all()
+    st = core.status("r")
+    assert st.state is TransferState.SUCCESS and st.detail.startswith("XXH3-128 verified: 13")
+
+
+def test_a_byte_flipped_in_a_marked_sub_batch_fails_the_request() -> None:
+    core, io, conn, digests = _marked_core()
+    res = core._reservation("r")
+    core.faults = FaultHooks(corrupt_landed=1.0, seed=3)
+    for k in (1, 2, 3):
+        _notify(core, conn, res.transfer_id + k)
+    core.faults = FaultHooks()  # only the marked sub-batches were hit
+    land_record(core, "r", digests, marks=3)
+    _notify(core, conn, res.transfer_id)
+    io.run_all()
+    st = core.status("r")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.INTEGRITY
+    assert "XXH3-128 mismatch in 3 buffer(s)" in st.detail
+
+
+def test_a_record_counting_other_marks_fails_naming_both_counts() -> None:
+    core, io, conn, digests = _marked_core()
+    res = core._reservation("r")
+    land_record(core, "r", digests, marks=2)  # decode cut 3: not waited for
+    _notify(core, conn, res.transfer_id)
+    io.run_all()
+    st = core.status("r")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.INTEGRITY
+    assert st.detail.startswith("digest record: marks: 2 sub-batches notified before the "
+                                "record, decode cut the request into 3"), st.detail
+
+
+def test_a_record_without_marks_is_digested_whole() -> None:
+    """Prefill sent the request in chunks (or it is no protocol 6 prefill): no marks."""
+    core, io, conn, digests = _marked_core()
+    land_record(core, "r", digests)
+    _notify(core, conn, core._reservation("r").transfer_id)
+    io.run_all()
+    assert core.status("r").state is TransferState.SUCCESS
+
+
+def test_marks_decode_did_not_cut_and_repeated_ones_are_ignored() -> None:
+    core, io, conn, digests = _marked_core()
+    res = core._reservation("r")
+    _notify(core, conn, res.transfer_id + 4)  # decode cut 3
+    _notify(core, conn, res.transfer_id + 1)
+    _notify(core, conn, res.transfer_id + 1)
+    assert sorted(res.marked) == [1]
+    for k in (2, 3):
+        _notify(core, conn, res.transfer_id + k)
+    land_record(core, "r", digests, marks=3)
+    _notify(core, conn, res.transfer_id)
+    io.run_all()
+    assert core.status("r").state is TransferState.SUCCESS
+
+
+def test_a_resend_starts_the_marks_over() -> None:
+    core, io, conn, digests = _marked_core()
+    res = core._reservation("r")
+    old = res.transfer_id
+    for k in (1, 2, 3):
+        _notify(core, conn, old + k)
+    new = _relink(core, conn)
+    tid = core.begin_write("r", conn.instance_id, SEQ, True, True).transfer_id
+    assert tid != old and res.marked == {}  # the old landing's sub-batches count for nothing
+    _notify(core, new, old + 1)  # a late mark of the old transfer: no request has its id
+    assert res.marked == {}
+    land_record(core, "r", digests, marks=3)
+    for k in (1, 2):
+        _notify(core, new, tid + k)
+    _notify(core, new, tid)
+    io.run_all()
+    assert core.status("r").state is TransferState.TRANSFERRING  # mark 3 of the resend
+    _notify(core, new, tid + 3)
+    io.run_all()
+    assert core.status("r").state is TransferState.SUCCESS
