@@ -32,6 +32,14 @@ from kvbeam.transport.blocks import Blocks
 
 IndexLists = Mapping[IndexKind, npt.NDArray[np.int64]]
 
+#: Index lists up to this long are scanned in plain Python (runs, bounds): each numpy
+#: call costs a few microseconds, more than a short list's whole scan.
+SHORT_LIST = 256
+#: Plans of at most this many blocks are assembled in plain Python: a small request's
+#: plan was a few dozen numpy calls per buffer group (355 us for a 128-token request
+#: of docker/config/prefill.yaml, the largest single cost of its send step).
+SMALL_PLAN_BLOCKS = 512
+
 
 def own_draft_list(draft: IndexLists | None, pool: str, kind: IndexKind) -> bool:
     """True when a ``pool`` buffer of ``kind`` is addressed by the draft's own list.
@@ -114,6 +122,24 @@ class Runs:
         if n == 0:
             z = np.zeros(0, dtype=np.uint64)
             return cls(z, z, z)
+        if n <= SHORT_LIST:
+            s, d = src_idx.tolist(), dst_idx.tolist()
+            s_start, d_start, count = [s[0]], [d[0]], []
+            run = 1
+            for i in range(1, n):
+                if s[i] == s[i - 1] + 1 and d[i] == d[i - 1] + 1:
+                    run += 1
+                else:
+                    count.append(run)
+                    s_start.append(s[i])
+                    d_start.append(d[i])
+                    run = 1
+            count.append(run)
+            # Through int64, as the vectorised path: a negative index wraps the same way
+            # (the range check that follows refuses it).
+            return cls(np.array(s_start, dtype=np.int64).astype(np.uint64),
+                       np.array(d_start, dtype=np.int64).astype(np.uint64),
+                       np.array(count, dtype=np.uint64))
         breaks = (np.diff(src_idx) != 1) | (np.diff(dst_idx) != 1)
         starts = np.flatnonzero(np.concatenate(([True], breaks)))
         runs = np.diff(np.append(starts, n))
@@ -140,7 +166,10 @@ def coalesce(
 
 def _bounds(idx: npt.NDArray[np.int64]) -> tuple[int, int]:
     """(min, max) of an index list; (0, -1) when empty so every range check passes."""
-    return (int(idx.min()), int(idx.max())) if len(idx) else (0, -1)
+    if len(idx) <= SHORT_LIST:
+        items = idx.tolist()
+        return (min(items), max(items)) if items else (0, -1)
+    return int(idx.min()), int(idx.max())
 
 
 def _check_range(lo: int, hi: int, buf: BufferLayout, side: str) -> None:
@@ -213,6 +242,25 @@ class _Shape:
     groups: tuple[tuple[int, int, int, HeadWindow | None, npt.NDArray[np.intp]], ...]
     windowed: npt.NDArray[np.bool_]  # each job moves a head window (one block per page)
     broken: tuple[int, str] | None  # the first job whose two sides disagree, and why
+
+    @cached_property
+    def lists(self) -> _ShapeLists:
+        """The arrays as Python lists (the path of small plans and short lists)."""
+        return _ShapeLists(self.flat.tolist(), self.key_of.tolist(), self.src_items.tolist(),
+                           self.dst_items.tolist(), self.windowed.tolist(),
+                           [(k, ns, nd, w, js.tolist()) for k, ns, nd, w, js in self.groups])
+
+
+@dataclass(frozen=True)
+class _ShapeLists:
+    """A :class:`_Shape`'s arrays as Python lists."""
+
+    flat: list[int]
+    key_of: list[int]
+    src_items: list[int]
+    dst_items: list[int]
+    windowed: list[bool]
+    groups: list[tuple[int, int, int, HeadWindow | None, list[int]]]
 
 
 _SHAPES: dict[tuple[object, ...], _Shape] = {}
@@ -381,9 +429,22 @@ def _first_error(shape: _Shape, src_indices: IndexLists, dst_indices: IndexLists
         runs.append(Runs.of(s_idx, d_idx))
         pairs.append((s_idx, d_idx))
         bounds.append((*_bounds(s_idx), *_bounds(d_idx)))
-    # Range checks, vectorised over jobs: a key's bounds against each job's item count.
+    # Range checks: a key's bounds against each job's item count (vectorised over the
+    # jobs, or a plain loop over a few dozen).
     n = len(runs)
-    if n:
+    if n and len(shape.jobs) <= SHORT_LIST:
+        lists = shape.lists
+        for j, k in enumerate(lists.key_of):
+            if k >= n:
+                continue
+            s_lo, s_hi, d_lo, d_hi = bounds[k]
+            if s_lo < 0 or s_hi >= lists.src_items[j]:
+                errors.append((j, 2, None))
+                break
+            if d_lo < 0 or d_hi >= lists.dst_items[j]:
+                errors.append((j, 3, None))
+                break
+    elif n:
         lo = np.array(bounds, dtype=np.int64).reshape(n, 4)
         usable = shape.key_of < n
         ks = np.where(usable, shape.key_of, 0)
@@ -403,6 +464,55 @@ def _first_error(shape: _Shape, src_indices: IndexLists, dst_indices: IndexLists
             _check_range(s_lo, s_hi, sb, "source")
         _check_range(d_lo, d_hi, db, "destination")
     return runs, pairs
+
+
+def _blocks(shape: _Shape, runs: list[Runs],
+            pairs: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]) -> int:
+    """How many blocks the plan has: each job's key's runs, or its items for a job that
+    moves a head window (one block per item)."""
+    lists = shape.lists
+    return sum(len(pairs[k][0]) if w else len(runs[k].count)
+               for k, w in zip(lists.key_of, lists.windowed, strict=True))
+
+
+def _small_plan(shape: _Shape, runs: list[Runs],
+                pairs: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]],
+                src_addrs: Sequence[int], dst_addrs: Sequence[int]) -> TransferPlan:
+    """:func:`build_plan`'s blocks for a small plan (checked lists), assembled in plain
+    Python: the same blocks in the same order as the vectorised path, which tests
+    compare on random requests."""
+    lists = shape.lists
+    flat, key_of = lists.flat, lists.key_of
+    per_job: list[tuple[list[int], list[int], list[int]]] = [([], [], [])] * len(flat)
+    for key_pos, src_item, dst_item, window, jobs in lists.groups:
+        if window is None:  # whole items (src_item == dst_item): runs coalesce
+            r = runs[key_pos]
+            s_off = [i * src_item for i in r.src_start.tolist()]
+            d_off = [i * src_item for i in r.dst_start.tolist()]
+            lengths = [c * src_item for c in r.count.tolist()]
+        else:  # a head window of every page: one block each
+            s_idx, d_idx = pairs[key_pos]
+            s_off = [i * src_item + window.src_offset for i in s_idx.tolist()]
+            d_off = [i * dst_item + window.dst_offset for i in d_idx.tolist()]
+            lengths = [window.width] * len(s_off)
+        for j in jobs:
+            s_base, d_base = src_addrs[flat[j]], dst_addrs[flat[j]]
+            per_job[j] = ([s_base + o for o in s_off], [d_base + o for o in d_off], lengths)
+    out_src: list[int] = []
+    out_dst: list[int] = []
+    out_len: list[int] = []
+    starts = [0]
+    for s_list, d_list, lengths in per_job:
+        out_src += s_list
+        out_dst += d_list
+        out_len += lengths
+        starts.append(len(out_src))
+    key_items = [int(r.count.sum()) for r in runs]
+    return TransferPlan(Blocks(np.array(out_src, dtype=np.uint64),
+                               np.array(out_dst, dtype=np.uint64),
+                               np.array(out_len, dtype=np.uint64)),
+                        shape.heads, np.array([key_items[k] for k in key_of], dtype=np.int64),
+                        np.array(starts, dtype=np.int64))
 
 
 def build_plan(
@@ -445,6 +555,8 @@ def build_plan(
     if shape is None:
         shape = _shape(key, src, dst, include_kv, include_states, src_draft, dst_draft)
     runs, pairs = _first_error(shape, src_indices, dst_indices, src_draft, dst_draft)
+    if len(shape.jobs) <= SHORT_LIST and _blocks(shape, runs, pairs) <= SMALL_PLAN_BLOCKS:
+        return _small_plan(shape, runs, pairs, src_addrs, dst_addrs)
     # Blocks: runs depend only on the index kind and byte offsets on (kind, item lengths,
     # window), so each group of buffers sharing them is one broadcast of the runs (of the
     # pages, for a head window) over the buffers' base addresses, scattered into the

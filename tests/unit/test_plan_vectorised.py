@@ -1,5 +1,8 @@
 """The vectorised planner against the buffer-by-buffer loop it replaced (hypothesis).
 
+Both of its paths: numpy throughout, and plain Python for short lists and small plans
+(``SHORT_LIST``, ``SMALL_PLAN_BLOCKS``), each forced for a whole run of examples.
+
 ``_loop_plan`` is the planner as it was before the buffers of a kind were planned in
 one broadcast step: each buffer validated and planned in positional order. On random
 index lists (slot-contiguous and engine-fragmented, paged and unified DSV4 layouts,
@@ -15,10 +18,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import event, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvbeam.errors import PlanError
+from kvbeam.pools import plan as plan_module
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.plan import (
@@ -34,6 +38,7 @@ from kvbeam.pools.plan import (
 from kvbeam.pools.types import IndexKind
 from kvbeam.transport.blocks import Blocks
 from tests.fixtures import PAGED_TARGET, UNIFIED_TARGET, layout
+from tests.unit.test_paged_tp import layout as tp_layout
 
 Planned = list[tuple[int, int, str, int, Blocks]]
 
@@ -134,6 +139,19 @@ def _break(rng: np.random.Generator, lists: dict[IndexKind, np.ndarray], how: in
     lists[kind] = v
 
 
+#: The planner's paths: (SHORT_LIST, SMALL_PLAN_BLOCKS) that force each.
+PATHS = {"numpy": (0, 0), "python": (1 << 30, 1 << 30)}
+
+
+@pytest.fixture(params=sorted(PATHS))
+def path(request: pytest.FixtureRequest) -> Any:
+    """Every test using it runs once with each of the planner's paths forced."""
+    saved = plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS
+    plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS = PATHS[request.param]
+    yield request.param
+    plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS = saved
+
+
 def _outcome(fn: Any, *args: Any, **kw: Any) -> tuple[str, Any]:
     try:
         return "ok", fn(*args, **kw)
@@ -141,15 +159,17 @@ def _outcome(fn: Any, *args: Any, **kw: Any) -> tuple[str, Any]:
         return type(exc).__name__, str(exc)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # constant per run
 @given(spec_i=st.integers(0, len(SPECS) - 1), draft=st.booleans(), seq_len=st.integers(0, 2048),
        src_slot=st.integers(0, 3), dst_slot=st.integers(0, 7), fragmented=st.booleans(),
        own_draft=st.integers(0, 3), include=st.sampled_from([(True, True), (True, False),
                                                              (False, True)]),
        broken=st.integers(0, 6), wide=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_vectorised_plan_equals_the_buffer_loop(
-    spec_i: int, draft: bool, seq_len: int, src_slot: int, dst_slot: int, fragmented: bool,
-    own_draft: int, include: tuple[bool, bool], broken: int, wide: bool, seed: int,
+    path: str, spec_i: int, draft: bool, seq_len: int, src_slot: int, dst_slot: int,
+    fragmented: bool, own_draft: int, include: tuple[bool, bool], broken: int, wide: bool,
+    seed: int,
 ) -> None:
     rng = np.random.default_rng(seed)
     src = _layout(spec_i, draft, 4, 16)
@@ -194,7 +214,7 @@ def test_vectorised_plan_equals_the_buffer_loop(
     assert plan.total_bytes == whole.total_bytes and plan.num_blocks == len(whole)
 
 
-def test_the_first_error_in_positional_order_wins() -> None:
+def test_the_first_error_in_positional_order_wins(path: str) -> None:
     lay = _layout(0, True, 4, 16)
     idx = request_indices(replace(UNIFIED_TARGET, num_req_slots=4), 0, 600)
     bad = dict(idx)
@@ -209,3 +229,50 @@ def test_the_first_error_in_positional_order_wins() -> None:
     with pytest.raises(PlanError) as got:
         build_plan(lay, addrs, idx, lay, addrs, bad, **kw)
     assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize("tp", [(1, 0, 2, 1), (1, 0, 2, 0), (2, 1, 4, 3), (1, 0, 1, 0)])
+def test_both_paths_give_the_same_head_window_blocks(tp: tuple[int, int, int, int]) -> None:
+    """Paged pools at different TP places move a head window per page: the Python and
+    the numpy assembly give the same blocks, in the same order (random page lists)."""
+    src, dst = tp_layout(tp[0], tp[1]), tp_layout(tp[2], tp[3])
+    rng = np.random.default_rng(sum(tp))
+    pages = min(src.flat_buffers[0].items, dst.flat_buffers[0].items)
+    for n in (1, 3, pages):
+        s_idx = {IndexKind.KV_PAGES: rng.permutation(pages)[:n].astype(np.int64)}
+        d_idx = {IndexKind.KV_PAGES: rng.permutation(pages)[:n].astype(np.int64)}
+        s_addrs, d_addrs = _addrs(src, 1 << 20), _addrs(dst, 1 << 40)
+        plans = []
+        for short, small in PATHS.values():
+            saved = plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS
+            plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS = short, small
+            try:
+                plans.append(build_plan(src, s_addrs, s_idx, dst, d_addrs, d_idx))
+            finally:
+                plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS = saved
+        a, b = plans
+        for x, y in ((a.blocks.src, b.blocks.src), (a.blocks.dst, b.blocks.dst),
+                     (a.blocks.lengths, b.blocks.lengths), (a.items, b.items),
+                     (a.starts, b.starts)):
+            assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(-3, 40), st.integers(-3, 40)), max_size=60))
+def test_short_lists_give_the_vectorised_runs_and_bounds(pairs: list[tuple[int, int]]) -> None:
+    """The runs and bounds of a short list, scanned in Python, are numpy's (the oracle
+    above shares them, so they are compared here on their own, on lists whose sides
+    break runs apart, independently)."""
+    s = np.array([a for a, _ in pairs], dtype=np.int64)
+    d = np.array([b for _, b in pairs], dtype=np.int64)
+    got = []
+    for short in (1 << 30, 0):
+        saved = plan_module.SHORT_LIST
+        plan_module.SHORT_LIST = short
+        try:
+            r = Runs.of(s, d)
+            got.append((r.src_start.tobytes(), r.dst_start.tobytes(), r.count.tobytes(),
+                        r.count.dtype, _bounds(s), _bounds(d)))
+        finally:
+            plan_module.SHORT_LIST = saved
+    assert got[0] == got[1]
