@@ -50,6 +50,8 @@ MAGIC = int.from_bytes(b"KVDR", "little")
 RECORD_VERSION = 2
 #: magic, version, marks, n, transfer id, slot, request id hash.
 HEADER = struct.Struct("<IBBHIIQ")
+#: Where the marks count sits in a record (after the magic and the version byte).
+MARKS_OFFSET = 5
 #: Slots are a multiple of this many bytes.
 ALIGN = 64
 #: The endpoint ``extra`` key decode advertises its mailbox under: ``addr:record_bytes:slots``.
@@ -292,7 +294,7 @@ class RecordArea:
         """The marks count of the record in a slot, unchecked (what decode waits for;
         the record's checks come with its verification, which refuses a wrong count)."""
         self._check(slot)
-        return int(self.array[slot * self.record_bytes + 5])
+        return int(self.array[slot * self.record_bytes + MARKS_OFFSET])
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.slots:

@@ -127,14 +127,16 @@ class DecodeLanding(CoreBase):
         if not res.landed or res.verifying:
             return False
         box = self.mailbox
-        recorded = (box is not None and 0 <= res.mailbox_slot < box.slots
+        # The slot is read only where its record decides something.
+        recorded = (self.integrity and (res.digests_follow is None or bool(res.sub_batches))
+                    and box is not None and 0 <= res.mailbox_slot < box.slots
                     and box.has_record(res.mailbox_slot))
         if self.integrity and res.digests_follow is None:
             if not recorded:
                 self.table.waiting_for(res.request_id, WAITING_FOR_DIGESTS)
                 return False
             res.digests_follow = True
-        if self.integrity and res.digests_follow and res.sub_batches and recorded:
+        if res.digests_follow and res.sub_batches and recorded:
             assert box is not None
             # The record says how many marks came before it; a count decode did not cut
             # is refused by the check itself (naming both), not waited for.

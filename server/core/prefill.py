@@ -771,7 +771,10 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         grant's lists, so each mark's buffers are exactly those decode digests."""
         peer = conn.peer.layout
         n = len(peer.flat_buffers)
-        if (not conn.sub_batch_bytes or len(rec.posted) != 1 or len(plan.heads) != n
+        # Under two sub-batches there is nothing to cut (the usual small request: no per-
+        # buffer sums on its path; a record of no marks is always decode's answer too).
+        if (not conn.sub_batch_bytes or plan.total_bytes < 2 * conn.sub_batch_bytes
+                or len(rec.posted) != 1 or len(plan.heads) != n
                 or len(blocks) != plan.num_blocks or grant.transfer_id & MAX_MARKS):
             return []  # (an id with mark bits set is no protocol 6 grant: no marks)
         at = cuts(buffer_bytes(peer, grant.indices, grant.draft), conn.sub_batch_bytes)
