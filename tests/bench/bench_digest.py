@@ -223,41 +223,45 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
     return out
 
 
-def daemon_figures(repeat: int, transport: str = "tcp") -> dict[str, Any]:
+def daemon_figures(repeat: int, transport: str = "tcp", whole: bool = False
+                   ) -> dict[str, Any]:
     """Part 4: the 61-layer request over ``transport`` (TCP on loopback; rdma in the
-    soft-RoCE guest), integrity on and off.
+    soft-RoCE guest), integrity on and off; with ``whole`` also integrity on with decode's
+    sub-batches off (``--verify-sub-batch-mib 0``: the request digested whole after its
+    last byte), the reference for what the sub-batches change.
 
-    Both daemon pairs run at once and the requests alternate between them (off, on,
-    off, on, ...), so a neighbour's load falls on both alike. CPU per request is each
+    The daemon pairs run at once and the requests alternate between them (off, on,
+    off, on, ...), so a neighbour's load falls on all alike. CPU per request is each
     daemon's, and split by thread name (/proc/PID/task).
     """
-    modes = (False, True)
-    pairs: dict[bool, tuple[DaemonProcess, DaemonProcess]] = {}
+    modes: dict[str, list[str]] = {"off": ["--integrity", "false"], "on": ["--integrity", "true"]}
+    if whole:
+        modes["on_whole"] = ["--integrity", "true", "--verify-sub-batch-mib", "0"]
+    pairs: dict[str, tuple[DaemonProcess, DaemonProcess]] = {}
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvbeam-bench-61l-") as tmp:
         cfg = _yaml(dsv4_61(), Path(tmp) / "dsv4-61.yaml")
         try:
-            for integrity in modes:
-                flags = ["--transport", transport, "--integrity", str(integrity).lower(),
+            for m, mode_flags in modes.items():
+                flags = ["--transport", transport, *mode_flags,
                          *(SLOW_GUEST if transport == "rdma" else []), "--log-level", "WARNING",
                          *BENCH_DEADLINES]
                 decode = start_daemon("decode", cfg, extra=[*flags, "--fill-seed", "2"],
                                       timeout=300.0)
-                pairs[integrity] = (start_daemon("prefill", cfg,
-                                                 extra=[*flags, "--fill-seed", "1"],
-                                                 timeout=300.0), decode)
+                pairs[m] = (start_daemon("prefill", cfg, extra=[*flags, "--fill-seed", "1"],
+                                         timeout=300.0), decode)
             clients = {m: (KvbeamClient(pairs[m][0].address), KvbeamClient(pairs[m][1].address))
                        for m in modes}
-            times: dict[bool, list[float]] = {m: [] for m in modes}
-            nbytes: dict[bool, int] = {}
-            cpu0: dict[bool, list[dict[str, float]]] = {}
+            times: dict[str, list[float]] = {m: [] for m in modes}
+            nbytes: dict[str, int] = {}
+            cpu0: dict[str, list[dict[str, float]]] = {}
             for i in range(repeat + 1):  # the first of each is a warm-up
                 for m in modes:
                     if i == 1:
                         cpu0[m] = [thread_cpu_s(d.proc.pid) for d in pairs[m]]
                     p, d = clients[m]
                     r = run_request(p, d, f"b61-{m}-{i}", TOKENS, i % SLOTS, timeout=120.0)
-                    if not r.ok or (m and not r.verified):
+                    if not r.ok or (m != "off" and not r.verified):
                         raise SystemExit(f"request {r.request_id} ended {r.state}")
                     nbytes[m] = r.bytes
                     if i:
@@ -268,7 +272,7 @@ def daemon_figures(repeat: int, transport: str = "tcp") -> dict[str, Any]:
                     now = thread_cpu_s(daemon.proc.pid)
                     split.append({k: (v - before.get(k, 0.0)) * 1e3 / repeat
                                   for k, v in now.items() if v - before.get(k, 0.0) > 0})
-                rows["on" if m else "off"] = {
+                rows[m] = {
                     "bytes": nbytes[m], "median_ms": statistics.median(times[m]),
                     "best_ms": min(times[m]), "runs_ms": times[m],
                     "prefill_cpu_ms": sum(split[0].values()),
@@ -289,8 +293,10 @@ def print_daemon_figures(rows: dict[str, Any], transport: str, memcpy_ms: float)
     where = "TCP on loopback" if transport == "tcp" else "RDMA"
     print(f"61-layer {TOKENS}-token request over {where} (median of "
           f"{len(rows['on']['runs_ms'])}, Send to Success):")
+    labels = {"on_whole": "on, sub-batches off (--verify-sub-batch-mib 0)"}
     for name, r in rows.items():
-        print(f"  integrity {name:<3}: {r['median_ms']:.1f} ms (best {r['best_ms']:.1f}), "
+        print(f"  integrity {labels.get(name, name):<3}: {r['median_ms']:.1f} ms "
+              f"(best {r['best_ms']:.1f}), "
               f"{r['bytes'] / 1e6:.1f} MB; CPU per request prefill "
               f"{r['prefill_cpu_ms']:.1f} ms, decode {r['decode_cpu_ms']:.1f} ms")
         for side in ("prefill", "decode"):
@@ -339,7 +345,7 @@ def main() -> None:
         print(f"128-token request's digests {name:<7}: {wall:6.0f} us ({cpu:6.0f} CPU us)")
     res: dict[str, Any] = {"library": lib}
     if not args.skip_daemons:
-        rows = daemon_figures(args.repeat, args.transport)
+        rows = daemon_figures(args.repeat, args.transport, whole=args.transport == "tcp")
         res[args.transport] = rows
         print_daemon_figures(rows, args.transport, lib["memcpy_ms"][0])
     if lib["sizes"]:

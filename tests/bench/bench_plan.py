@@ -3,7 +3,9 @@
 Prints the median and best planning time for a 128k-token request through every
 component of a DSV4-like layout, unified and paged (target: < 10 ms), and for a
 128-token request, whose planning is the fixed cost the send path pays per request.
-Timed: ``build_plan`` and reading the plan's whole block batch and byte count.
+Timed: ``build_plan`` and reading the plan's whole block batch and byte count. Last, a
+128-token request of docker/config/prefill.yaml planned by each of the planner's paths
+(plain Python, as small plans are; numpy throughout, the reference) in the same run.
 
 Run: ``make bench-plan`` or ``python tests/bench/bench_plan.py``.
 """
@@ -12,13 +14,15 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
+from kvbeam.pools import plan as plan_module
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.plan import build_plan
-from kvbeam.pools.spec import PoolSpec, SideConfig
+from kvbeam.pools.spec import PoolSpec, SideConfig, load_side_config
 from kvbeam.pools.types import IndexKind
 
 TOKENS = 128 * 1024
@@ -60,6 +64,32 @@ def main() -> None:
             print(f"{name:<32} {len(lay.flat_buffers):>7} {plan.num_blocks:>7} "
                   f"{plan.total_bytes / 2**20:>9.1f} {statistics.median(times):>10.2f} "
                   f"{min(times):>8.2f}")
+
+    small_request_paths()
+
+
+def small_request_paths(n: int = 2000) -> None:
+    """A 128-token request of the shipped prefill config, planned by each path."""
+    cfg = load_side_config(str(Path(__file__).resolve().parents[2] / "docker/config/prefill.yaml"))
+    lay = build_side_layout(cfg)
+    addrs = [(1 << 40) + (i << 24) for i in range(len(lay.flat_buffers))]
+    src, dst = request_indices(cfg.target, 0, 128), request_indices(cfg.target, 1, 128)
+    saved = plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS
+    out = {}
+    try:
+        for name, limits in (("python", saved), ("numpy", (0, 0))):
+            plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS = limits
+            runs = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    build_plan(lay, addrs, src, lay, addrs, dst)
+                runs.append((time.perf_counter() - t0) / n * 1e6)
+            out[name] = statistics.median(runs)
+    finally:
+        plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS = saved
+    print(f"128-token request, docker/config/prefill.yaml ({len(lay.flat_buffers)} buffers): "
+          f"{out['python']:.0f} us (numpy path, same run: {out['numpy']:.0f} us)")
 
 
 if __name__ == "__main__":
