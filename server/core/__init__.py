@@ -68,12 +68,13 @@ RPC, a digest, a write post, a link's release or a memory registration.
 
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.decode_landing import Incoming
+from kvbeam.server.core.outgoing import Outgoing, Step
 from kvbeam.server.core.ports import (
     DecodePeers,
     PrefillPeers,
     WriteGrant,
 )
-from kvbeam.server.core.prefill import Outgoing, PrefillCore
+from kvbeam.server.core.prefill import PrefillCore
 
 __all__ = ["DecodeCore", "DecodePeers", "Incoming", "Outgoing",
-           "PrefillCore", "PrefillPeers", "WriteGrant"]
+           "PrefillCore", "PrefillPeers", "Step", "WriteGrant"]

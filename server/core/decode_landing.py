@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 class Incoming:
     """Decode's one record of a request (its lifecycle state lives in the table).
 
-    Prefill's counterpart is :class:`~kvbeam.server.core.prefill.Outgoing`; the
+    Prefill's counterpart is :class:`~kvbeam.server.core.outgoing.Outgoing`; the
     scheduler's view of the same reservation is :class:`kvbeam.client.Reservation`
     (what Reserve answered).
     """

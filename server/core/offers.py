@@ -28,7 +28,7 @@ from kvbeam.server.core.ports import DecodePeers, WriteGrant
 from kvbeam.server.peers import PeerConn, Peers
 
 if TYPE_CHECKING:
-    from kvbeam.server.core.prefill import Outgoing
+    from kvbeam.server.core.outgoing import Outgoing
 
 log = logging.getLogger(__name__)
 

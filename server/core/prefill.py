@@ -23,14 +23,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from kvbeam.errors import (
     AlreadyLanded,
@@ -57,6 +54,7 @@ from kvbeam.pools.sub_batches import MAX_MARKS, bounds, buffer_bytes, cuts, mark
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.offers import OfferBook, PrefillOffers
+from kvbeam.server.core.outgoing import Outgoing, Ranges, Step
 from kvbeam.server.core.ports import DecodePeers, IndexLists, WriteGrant
 from kvbeam.server.core.prefill_events import after_resends
 from kvbeam.server.core.prefill_pieces import Pieces
@@ -69,7 +67,6 @@ from kvbeam.states import FailureReason, TransferState, TransferStatus
 from kvbeam.transport.blocks import Blocks
 
 log = logging.getLogger(__name__)
-Ranges = list[tuple[int, int]]
 #: Seconds a Send that found no offer waits for decode's Offer before it asks with
 #: BeginWrite (decode may have reserved before the two daemons were connected, and then
 #: made no offer). Checked by the sweep (SWEEP_S, 0.2 s), so it is at least that.
@@ -93,65 +90,6 @@ MAX_EARLY_ABORTS = 1024
 #: digest for longer than a frame-reading thread should be held.
 INLINE_STEP_MAX_PAGES = 64
 
-
-
-@dataclass(eq=False)
-class Outgoing:
-    """Prefill's one record of a request (its lifecycle state lives in the table)."""
-
-    request_id: str
-    src_slot: int
-    seq_len: int
-    decode_address: str
-    src_indices: IndexLists
-    sent_pages: npt.NDArray[np.bool_]
-    conn: PeerConn | None = None
-    transfer_id: int | None = None
-    chunks: deque[tuple[Ranges, bool]] = field(default_factory=deque)
-    running: bool = False        # a step of this request is queued or on the executor
-    final_submitted: bool = False
-    final_posted: bool = False
-    outstanding: int = 0         # writes posted and not completed
-    abandoned: bool = False      # its link was released: no write of it is in flight
-    failed_at: float | None = None
-    bytes_total: int = 0
-    bytes_done: int = 0
-    pending_bytes: deque[int] = field(default_factory=deque)
-    write_keys: set[tuple[int, int]] = field(default_factory=set)
-    told_decode: bool = False    # decode knows of the failure (or must not be told)
-    src_draft: IndexLists = field(default_factory=dict)  # the draft's own lists (engine's)
-    # The resend after a transient transport error (server/core/resend.py):
-    posted: list[tuple[Ranges, bool]] = field(default_factory=list)  # chunks taken so far
-    attempt_link: int | None = None  # the link this attempt posts on
-    resend_pending: bool = False  # that link failed: resend once no write is outstanding
-    resend_status: str = ""  # what broke the link, for the resend's log line
-    first_failure: str = ""  # what broke the first link, for the final detail
-    resends: int = 0
-    digests: list[int] | None = None  # computed once: a resend's source bytes are the same
-    rehandshake: str = ""  # why it handshook again before writing (decode forgot us)
-    parked: bool = False  # the Send came before decode's reservation: waiting for it
-    parked_at: float = 0.0  # when it parked (its BeginWrite fallback is due OFFER_GRACE_S later)
-    asked: bool = False  # asks (or asked) with BeginWrite: only decode's Offer unparks it
-    pieces: Pieces | None = None  # its lists come a piece per chunk (SEND with kv_offset)
-    kv_skip: int | None = None  # leading KV pages decode holds (its grant's; None: no grant)
-    #: The staging slot its digest record is written from (area, its free-list, slot),
-    #: held while a write of it is outstanding (server/core/prefill_record.py).
-    staging: tuple[RecordArea, FreeSlots, int] | None = None
-
-    @property
-    def moved_source(self) -> IndexLists:
-        """The source lists of what moves: the KV pages from ``kv_skip`` on (what decode
-        reserved and digests), every other list whole."""
-        if not self.kv_skip:
-            return self.src_indices
-        out = dict(self.src_indices)
-        out[IndexKind.KV_PAGES] = self.src_indices[IndexKind.KV_PAGES][self.kv_skip:]
-        return out
-
-    @property
-    def drained(self) -> bool:
-        """No write of this request can still read its source."""
-        return self.outstanding <= 0 or self.abandoned
 
 
 class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
@@ -308,14 +246,13 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
                     raise BadRequest(f"request {request_id}: a further chunk must keep "
                                          "the source slot (or index lists), seq_len and decode "
                                          "address of the first")
-            rec.final_submitted = final
-            rec.chunks.append((ranges, final))
-            start_step = not rec.running
+            start_step = rec.queue((ranges, final))
             park = start_step and self._parks_at_once(rec)
             if park:
-                self._park_locked(rec)  # decode's Offer starts its step
-            else:
-                rec.running = True
+                rec.park(time.monotonic())  # decode's Offer starts its step
+                self._lease_parked(rec)
+            elif start_step:
+                rec.move(Step.RUNNING)
         if park:
             self._after_park(rec)
         elif start_step:
@@ -327,7 +264,8 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         connected: its step would wait for the Offer): it parks here, at once, and
         decode's Offer starts its one step (no executor job that only parks).
         Under ``_lock``; the step's own test is :meth:`_waits_for_offer`."""
-        if rec.posted or len(rec.chunks) != 1 or not rec.chunks[0][1] or rec.parked:
+        if rec.posted or len(rec.chunks) != 1 or not rec.chunks[0][1] or \
+                rec.step is not Step.IDLE:
             return False
         if self.offers.has(rec.request_id):
             return False  # the Offer came first: the step writes at once
@@ -468,7 +406,7 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
 
     # ---- the send path (executor) --------------------------------------------------------
     def _start_step(self, rec: Outgoing) -> None:
-        """Run the request's step (the caller set ``rec.running``): here when it cannot
+        """Run the request's step (the caller moved it to RUNNING): here when it cannot
         block (:meth:`_steps_inline`), else on the executor."""
         if self._steps_inline(rec):
             self._step(rec, inline=True)
@@ -484,7 +422,7 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         if self.faults is not None and self.faults.hold_posting:
             return False
         if (len(rec.chunks) != 1 or not rec.chunks[0][1] or rec.posted or rec.resends
-                or rec.rehandshake or rec.resend_pending
+                or rec.rehandshake or rec.resend_cause is not None
                 or len(rec.src_indices[IndexKind.KV_PAGES]) > INLINE_STEP_MAX_PAGES):
             return False
         conn = self._step_conn(rec)
@@ -505,9 +443,9 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
             self.io.submit(self._step, rec)
             return
         with self._lock:
-            idle = self._ended(rec) or not rec.chunks or rec.resend_pending
+            idle = self._ended(rec) or not rec.chunks or rec.resend_cause is not None
             if idle:
-                rec.running = False
+                rec.move(Step.IDLE)
         if idle:
             self._maybe_resend(rec)
             return
@@ -517,15 +455,15 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
                 if inline:
                     pass  # the handshake runs on the executor (below)
                 elif (waiting := self._connecting.get(rec.decode_address)) is not None:
+                    rec.move(Step.CONNECTING)
                     waiting.append(rec)  # a handshake with that address is under way
                     return
                 else:
+                    rec.move(Step.CONNECTING)
                     self._connecting[rec.decode_address] = [rec]
             else:
                 rec.conn = conn
-                chunk = rec.chunks.popleft()
-                rec.posted.append(chunk)  # replayed by a resend
-                ranges, final = chunk
+                ranges, final = rec.take_chunk()
         if conn is None:
             if inline:
                 self.io.submit(self._step, rec)
@@ -533,14 +471,14 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
                 self._connect(rec.decode_address)
             return
         try:
-            self._write_chunk(rec, conn, ranges, final, inline=inline)
+            parks = self._write_chunk(rec, conn, ranges, final, inline=inline)
         except Exception as exc:
             if inline:  # what follows may block (a link's release, a new handshake)
                 self.io.submit(self._failed_step, rec, conn, exc)
             else:
                 self._failed_step(rec, conn, exc)
             return
-        self._end_step(rec)
+        self._end_step(rec, parks=parks)
 
     def _failed_step(self, rec: Outgoing, conn: PeerConn, exc: BaseException) -> None:
         """The step's chunk was not written (``exc``): resend it on a new link (a post
@@ -556,14 +494,21 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
             self._step_failed(rec, exc)
         self._end_step(rec)
 
-    def _end_step(self, rec: Outgoing) -> None:
-        """The step is over: the next chunk's step, or a pending resend."""
+    def _end_step(self, rec: Outgoing, *, parks: bool = False) -> None:
+        """The step is over: the next chunk's step, a pending resend, or (``parks``: the
+        step put its chunk back to wait for decode's reservation) the park; an Offer that
+        came while the step ran is in the book, and the step runs again for it."""
         with self._lock:
-            again = (bool(rec.chunks) and not self._ended(rec) and not rec.resend_pending
-                     and not rec.parked)
-            rec.running = again
+            again = rec.step_ended(ended=self._ended(rec), parks=parks,
+                                   offer_waiting=parks and self.offers.has(rec.request_id),
+                                   now=time.monotonic())
+            parked = rec.step is Step.PARKED
+            if parked:
+                self._lease_parked(rec)
         if again:
             self.io.submit(self._step, rec)
+        elif parked:
+            self._after_park(rec)
         else:
             self._maybe_resend(rec)
 
@@ -622,7 +567,7 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
             waiters = self._connecting.pop(address, [])
             for rec in waiters:
                 rec.conn = conn
-                rec.running = error is None
+                rec.move(Step.RUNNING if error is None else Step.IDLE)
                 # Decode had no connection to offer on when it reserved: ask at once.
                 rec.asked = True
         for rec in waiters:
@@ -632,24 +577,24 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
                 self.io.submit(self._step, rec)
 
     def _write_chunk(self, rec: Outgoing, conn: PeerConn, ranges: Ranges, final: bool, *,
-                     inline: bool = False) -> None:
+                     inline: bool = False) -> bool:
         """Write one chunk: take decode's grant (its offer, else BeginWrite), plan, post;
         with integrity, the final chunk's digest record follows. A post that fails
-        raises :class:`NotPosted` (:meth:`_failed_step` resends or fails).
+        raises :class:`NotPosted` (:meth:`_failed_step` resends or fails). True: the
+        chunk was put back to wait for decode's reservation (the step's end parks it).
         ``inline``: the step may not block (:meth:`_step`)."""
         rid = rec.request_id
         grant = self._offered_grant(rec, conn, final, count_miss=not inline)
         if grant is None and self._waits_for_offer(rec, conn, final):
             # Decode's engine reserves on its own daemon, which offers the reservation
             # over the peer link: wait for that instead of asking (no BeginWrite).
-            self._park(rec, ranges, final)
-            return
+            return self._park(rec)
         if grant is None and inline:
             # The offer went meanwhile (aborted, expired): BeginWrite asks, and waits for
             # its answer, on the executor (the step's end hands the chunk over).
             with self._lock:
-                rec.chunks.appendleft(rec.posted.pop())
-            return
+                rec.put_back()
+            return False
         if grant is None:
             began = time.monotonic()
             try:
@@ -660,13 +605,12 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
                         len(rec.posted) > 1:
                     raise  # decode forgot it (restarted, expired): no reservation is coming
                 rec.asked = True  # from now on only decode's Offer unparks it
-                self._park(rec, ranges, final)
-                return
+                return self._park(rec)
             except AlreadyLanded:
                 if not rec.resends:
                     raise
                 self._landed_already(rec)
-                return
+                return False
         self._check_grant_skip(rec, grant)
         # Integrity: the final chunk's data goes out unnotified, and the request's digest
         # record follows it as one more write of the transfer, notified.
@@ -676,7 +620,7 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         with self._lock:
             snap = self.table.get(rid)
             if snap is None or snap.state.terminal:
-                return  # aborted or timed out meanwhile: nothing posted, decode is told
+                return False  # aborted or timed out meanwhile: nothing posted, decode is told
             if snap.state is TransferState.BOOTSTRAPPING:  # one push to the engine, not two
                 self.table.advance(rid, TransferState.TRANSFERRING,
                                    through=(TransferState.WAITING_FOR_INPUT,))
@@ -713,7 +657,7 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
                        blocks.slice(sum(len(b) for _, b in writes), len(blocks))))
         with self._lock:
             if self._ended(rec):
-                return
+                return False
             if record:
                 self._take_staging(rec)
             for tid, part in writes:
@@ -756,11 +700,12 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
                  f" ({marks} sub-batches marked before the last)" if marks else "",
                  extra=fields(rid, rec.decode_address))
         if not separate:
-            return
+            return False
         if inline:  # the digests are still being computed: waited for on the executor
             self.io.submit(self._record_on_executor, rec, conn, grant, job, marks)
-            return
+            return False
         self._post_record(rec, conn, grant, job, marks)
+        return False
 
     def _sub_batches(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant,
                      plan: TransferPlan, blocks: Blocks) -> list[tuple[int, Blocks]]:
@@ -818,7 +763,7 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         if isinstance(exc, TransportError) and not isinstance(exc, RegionError):
             self.on_peer_lost(conn, f"link unusable: {exc}", gone=False)
             with self._lock:
-                return rec.resend_pending
+                return rec.resend_cause is not None
         return False
 
     def _waits_for_offer(self, rec: Outgoing, conn: PeerConn, final: bool) -> bool:
@@ -840,28 +785,26 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         now = time.monotonic()
         with self._lock:
             due = [r for r in self._out.values()
-                   if r.parked and not r.asked and now - r.parked_at >= OFFER_GRACE_S]
+                   if r.step is Step.PARKED and not r.asked
+                   and now - r.parked_at >= OFFER_GRACE_S]
             for rec in due:
                 rec.asked = True
         for rec in due:
             self._unpark(rec.request_id)
 
-    def _park(self, rec: Outgoing, ranges: Ranges, final: bool) -> None:
-        """The Send came first: wait in WaitingForInput for decode's reservation (its
-        Offer unparks it, :meth:`offer`) or until ``send_wait_s`` passes (a timeout)."""
+    def _park(self, rec: Outgoing) -> bool:
+        """The Send came first: its step puts the chunk back, and once the step ends the
+        request waits in WaitingForInput for decode's reservation (its Offer unparks it,
+        :meth:`offer`) or until ``send_wait_s`` passes (a timeout). True (the step's
+        outcome: it parks)."""
         with self._lock:
-            if self._ended(rec):
-                return
-            rec.chunks.appendleft((ranges, final))  # taken again once decode reserved
-            rec.posted.pop()
-            self._park_locked(rec)
-        self._after_park(rec)
+            if not self._ended(rec):
+                rec.put_back()  # taken again once decode reserved
+        return True
 
-    def _park_locked(self, rec: Outgoing) -> None:
-        """Park a request whose chunk is queued (under ``_lock``)."""
+    def _lease_parked(self, rec: Outgoing) -> None:
+        """A request parked: WaitingForInput, for at most ``send_wait_s`` (under ``_lock``)."""
         rid = rec.request_id
-        rec.parked = True
-        rec.parked_at = time.monotonic()
         snap = self.table.get(rid)
         if snap is not None and snap.state is TransferState.BOOTSTRAPPING:
             self.table.advance(rid, TransferState.WAITING_FOR_INPUT)
@@ -882,13 +825,13 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         """Decode's reservation arrived for a parked request: write it now."""
         with self._lock:
             rec = self._out.get(request_id)
-            if rec is None or not rec.parked:
+            if rec is None or rec.step is not Step.PARKED:
+                return  # not waiting (a step that parks looks for the offer as it ends)
+            if self._ended(rec):
+                rec.move(Step.IDLE)
                 return
-            rec.parked = False
-            go = not rec.running and not self._ended(rec)
-            rec.running = rec.running or go
-        if go:
-            self._start_step(rec)
+            rec.unpark()
+        self._start_step(rec)
 
     def _check_grant_skip(self, rec: Outgoing, grant: WriteGrant) -> None:
         """Decode's ``kv_skip`` (untrusted: from the peer) fits this request's source:

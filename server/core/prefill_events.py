@@ -35,8 +35,8 @@ from kvbeam.transport import Event, EventKind
 
 if TYPE_CHECKING:
     from kvbeam.server.core.offers import OfferBook
+    from kvbeam.server.core.outgoing import Outgoing
     from kvbeam.server.core.ports import DecodePeers
-    from kvbeam.server.core.prefill import Outgoing
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +134,7 @@ class PrefillEvents:
                 conn = self.peers.by_link(event.link)
                 if conn is not None and self.peers.remove(conn):
                     lost = conn
-            rec.outstanding -= 1
-            nbytes = rec.pending_bytes.popleft() if rec.pending_bytes else 0
-            if event.ok:
-                rec.bytes_done += nbytes
+            rec.completed(event.ok)
             self._give_staging(rec)  # once no write of it reads the staging slot
             self._drained.notify_all()
             snap = self.table.get(rec.request_id)
@@ -147,7 +144,7 @@ class PrefillEvents:
                        and event.link == rec.attempt_link
                        and snap is not None and snap.state is TransferState.TRANSFERRING)
             if success:
-                rec.resend_pending = False
+                rec.resend_cause = None
                 self.table.advance(rec.request_id, TransferState.SUCCESS,
                                    nbytes=rec.bytes_done)
             spared = not event.ok and self._note_link_failure(

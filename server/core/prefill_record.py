@@ -45,7 +45,7 @@ from kvbeam.states import FailureReason
 from kvbeam.transport.blocks import Blocks
 
 if TYPE_CHECKING:
-    from kvbeam.server.core.prefill import Outgoing
+    from kvbeam.server.core.outgoing import Outgoing
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import status as st
 
 if TYPE_CHECKING:
-    from kvbeam.server.core.prefill import Outgoing
+    from kvbeam.server.core.outgoing import Outgoing
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class PrefillResend(PrefillEvents):
                            cause: str) -> bool:
         """A link ``rec`` may use failed; True when that does not fail the request.
 
-        Called with the core lock held. True: a resend is (or already was) pending, or
+        Called with the core lock held. True: a resend is (or already was) owed, or
         the link is not the one this attempt posts on (an older one, or the request
         has posted nothing on it: its next step picks a new link). False: the request
         must fail now (it ended, the status is not transient, or no resend is left).
@@ -116,55 +116,36 @@ class PrefillResend(PrefillEvents):
         """
         if self._ended(rec) or not transient(status):
             return False
-        if rec.attempt_link != link_id or rec.resend_pending:
-            return True
-        if rec.resends >= self.resend_retries:
-            return False
-        rec.resend_pending = True
-        rec.resend_status = cause
-        rec.first_failure = rec.first_failure or cause
-        return True
+        return rec.link_failed(link_id, cause, self.resend_retries)
 
     def _maybe_resend(self, rec: Outgoing) -> None:
-        """Start a pending resend once none of the request's writes is outstanding."""
+        """Start an owed resend once no step runs and none of its writes is outstanding."""
         with self._lock:
-            if not rec.resend_pending or rec.outstanding > 0 or rec.running:
+            if not rec.resend_due():
                 return
-            rec.resend_pending = False
+            cause = rec.resend_cause
             if self._ended(rec):
+                rec.resend_cause = None
                 return
             left, need = self.table.left(rec.request_id), self._resend_cost()
             late = left is not None and left < need
-            if late and not rec.resends:
-                rec.first_failure = ""  # no resend was tried: the detail is the error's
-            if not late:
-                self._replay(rec)
-            n, status = rec.resends, rec.resend_status
+            if late:
+                rec.resend_cause = None
+                if not rec.resends:
+                    rec.first_failure = ""  # no resend was tried: the detail is the error's
+            else:
+                rec.replay()  # RUNNING: its step is submitted below
+            n = rec.resends
         if late:
             self._fail(rec, FailureReason.TRANSPORT_ERROR,
-                       f"{status}; no time left to resend ({left:.2f} s to the "
+                       f"{cause}; no time left to resend ({left:.2f} s to the "
                        f"deadline, a new link takes about {need:.2f} s)")
             return
         log.warning("request %s: resend %d/%d on a new link after a transport error: %s",
-                    rec.request_id, n, self.resend_retries, status,
+                    rec.request_id, n, self.resend_retries, cause,
                     extra=fields(rec.request_id, rec.decode_address))
         self.on_resend()
         self.io.submit(self._step, rec)
-
-    @staticmethod
-    def _replay(rec: Outgoing) -> None:
-        """Make the request's next step a new attempt (core lock held)."""
-        rec.resends += 1
-        # Replay every chunk posted so far, in order, before the ones still queued.
-        rec.chunks.extendleft(reversed(rec.posted))
-        rec.posted.clear()
-        rec.sent_pages[:] = False
-        rec.final_posted = False
-        rec.bytes_total = rec.bytes_done = 0
-        rec.pending_bytes.clear()
-        rec.attempt_link = None
-        rec.conn = None  # the dead link's connection: the next step finds or makes one
-        rec.running = True
 
     def _peer_forgot_us(self, rec: Outgoing, conn: PeerConn, detail: str) -> bool:
         """Decode no longer knows our connection (``detail``; it re-attached its engine or
@@ -179,7 +160,7 @@ class PrefillResend(PrefillEvents):
                      and not self._ended(rec))
             if again:
                 rec.rehandshake = detail
-                rec.chunks.appendleft(rec.posted.pop())  # the next step runs it again
+                rec.put_back()  # the next step runs it again
                 rec.conn = None  # so on_peer_lost spares it, and the step handshakes anew
         if again:
             log.warning("request %s: %s; handshaking again (nothing of it was written)",

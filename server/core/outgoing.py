@@ -1,0 +1,245 @@
+"""Prefill's record of one request, and the explicit phase of its send path.
+
+A request's send path is in exactly one :class:`Step` at a time. The core moves it
+only through :meth:`Outgoing.move` (an illegal move raises ``RuntimeError``: a bug
+in the core, never an input's fault), so the questions the core asks ("may a step start
+now?", "does an Offer start one?", "may the resend start?") are answered by one
+field instead of the combinations of the flags that used to stand for it
+(``running``, ``parked``, ``resend_pending``)::
+
+    IDLE ──Send / next chunk──▶ RUNNING ──no connection──▶ CONNECTING
+     ▲  ▲                        │  ▲                          │
+     │  └───────step ends────────┘  └──────handshake done──────┘
+     │                           │
+     │                    waits for decode's
+     │                      reservation
+     │                           ▼
+     └─────ended───────────── PARKED ──decode's Offer / the grace──▶ RUNNING
+
+A fresh single-chunk Send that would only wait for decode's Offer parks at once
+(IDLE → PARKED, no step at all). A step that parks stays RUNNING until it ends
+(:meth:`Outgoing.step_ended`): an Offer that comes meanwhile finds it RUNNING and
+starts nothing; the step's end sees the offer and runs again. So one step per
+request runs at a time, which keeps its chunks in order.
+
+A link failure under the request is not a phase: the resend it owes
+(``resend_cause``) starts once the request is IDLE with no write outstanding
+(:meth:`Outgoing.resend_due`; :mod:`kvbeam.server.core.resend`).
+
+Nothing here locks, sleeps or does I/O: the core calls these methods under its lock
+and does what they answer (unit tests drive them directly: tests/unit/test_outgoing.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbeam.pools.mailbox import FreeSlots, RecordArea
+from kvbeam.pools.types import IndexKind
+from kvbeam.server.core.ports import IndexLists
+from kvbeam.server.core.prefill_pieces import Pieces
+from kvbeam.server.peers import PeerConn
+
+#: Token ranges of a chunk, ``[start, end)`` pairs.
+Ranges = list[tuple[int, int]]
+#: A chunk of a request: its token ranges and whether it is the final one.
+Chunk = tuple[Ranges, bool]
+
+
+class Step(Enum):
+    """Where a request's send path is (one at a time)."""
+
+    #: No step runs or is queued: the request waits for its engine's next chunk, for
+    #: its writes to complete, or for its end.
+    IDLE = "idle"
+    #: A step is queued on the executor or running (on it, or inline on the thread that
+    #: made the request ready); it takes the next chunk.
+    RUNNING = "running"
+    #: Its step waits for the handshake with its decode (one per address; every
+    #: request waiting for that address goes on when it is done).
+    CONNECTING = "connecting"
+    #: Its chunk waits for decode's reservation: decode's Offer (or, after the grace,
+    #: BeginWrite) starts its step.
+    PARKED = "parked"
+
+
+#: The moves :meth:`Outgoing.move` allows (to, from any of).
+_MOVES: dict[Step, frozenset[Step]] = {
+    Step.RUNNING: frozenset({Step.IDLE, Step.PARKED, Step.CONNECTING}),
+    Step.CONNECTING: frozenset({Step.RUNNING}),
+    Step.PARKED: frozenset({Step.IDLE, Step.RUNNING}),
+    Step.IDLE: frozenset({Step.RUNNING, Step.CONNECTING, Step.PARKED}),
+}
+
+
+@dataclass(eq=False)
+class Outgoing:
+    """Prefill's one record of a request (its lifecycle state lives in the table).
+
+    Fields by what they track: the engine's request; the send path (:class:`Step`,
+    the chunks, the grant); the writes in flight; the resend; its end.
+    """
+
+    # -- the engine's request (fixed by its first Send) ---------------------------------
+    request_id: str
+    src_slot: int  # -1: the engine gave index lists
+    seq_len: int
+    decode_address: str
+    src_indices: IndexLists
+    sent_pages: npt.NDArray[np.bool_]
+    src_draft: IndexLists = field(default_factory=dict)  # the draft's own lists (engine's)
+    pieces: Pieces | None = None  # its lists come a piece per chunk (SEND with kv_offset)
+    final_submitted: bool = False  # the engine's final chunk came
+
+    # -- the send path -------------------------------------------------------------------
+    step: Step = Step.IDLE
+    chunks: deque[Chunk] = field(default_factory=deque)  # queued, not yet taken by a step
+    posted: list[Chunk] = field(default_factory=list)  # taken this attempt (a resend replays)
+    parked_at: float = 0.0  # when it parked (its BeginWrite fallback is due a grace later)
+    asked: bool = False  # asks (or asked) with BeginWrite: only decode's Offer unparks it
+    conn: PeerConn | None = None
+    transfer_id: int | None = None
+    kv_skip: int | None = None  # leading KV pages decode holds (its grant's; None: no grant)
+    attempt_link: int | None = None  # the link this attempt posts on
+    rehandshake: str = ""  # why it handshook again before writing (decode forgot us)
+
+    # -- the writes in flight --------------------------------------------------------------
+    outstanding: int = 0  # writes posted and not completed
+    pending_bytes: deque[int] = field(default_factory=deque)  # each outstanding write's bytes
+    bytes_total: int = 0
+    bytes_done: int = 0
+    write_keys: set[tuple[int, int]] = field(default_factory=set)
+    final_posted: bool = False  # the final chunk's writes are posted: Success once they complete
+    abandoned: bool = False  # its link was released: no write of it is in flight
+    #: The staging slot its digest record is written from (area, its free-list, slot),
+    #: held while a write of it is outstanding (server/core/prefill_record.py).
+    staging: tuple[RecordArea, FreeSlots, int] | None = None
+    digests: list[int] | None = None  # computed once: a resend's source bytes are the same
+
+    # -- the resend after a transient transport error (server/core/resend.py) ------------
+    resend_cause: str | None = None  # what broke its link: a resend is owed (None: none)
+    first_failure: str = ""  # what broke the first link, for the final detail
+    resends: int = 0
+
+    # -- its end -----------------------------------------------------------------------
+    failed_at: float | None = None  # when the sweep first saw it failed with writes in flight
+    told_decode: bool = False  # decode knows of the failure (or must not be told)
+
+    @property
+    def moved_source(self) -> IndexLists:
+        """The source lists of what moves: the KV pages from ``kv_skip`` on (what decode
+        reserved and digests), every other list whole."""
+        if not self.kv_skip:
+            return self.src_indices
+        out = dict(self.src_indices)
+        out[IndexKind.KV_PAGES] = self.src_indices[IndexKind.KV_PAGES][self.kv_skip:]
+        return out
+
+    @property
+    def drained(self) -> bool:
+        """No write of this request can still read its source."""
+        return self.outstanding <= 0 or self.abandoned
+
+    # ---- the send path's moves ----------------------------------------------------------
+    def move(self, to: Step) -> None:
+        """Move the send path to ``to``; raises ``RuntimeError`` if it may not (a bug)."""
+        if self.step not in _MOVES[to]:
+            raise RuntimeError(f"request {self.request_id}: its send path cannot go from "
+                              f"{self.step.value} to {to.value}")
+        self.step = to
+
+    def queue(self, chunk: Chunk) -> bool:
+        """The engine sent a chunk. True when a step must be started for it (the
+        request was IDLE or PARKED; the caller parks it or moves it to RUNNING)."""
+        self.chunks.append(chunk)
+        self.final_submitted = chunk[1]
+        return self.step in (Step.IDLE, Step.PARKED)
+
+    def park(self, now: float) -> None:
+        """Wait for decode's reservation (from IDLE: a Send parked at once; from
+        RUNNING: only at the step's end, :meth:`step_ended`)."""
+        self.move(Step.PARKED)
+        self.parked_at = now
+
+    def unpark(self) -> bool:
+        """Decode's reservation came (or the grace passed): True when the request was
+        PARKED, now RUNNING (the caller starts its step)."""
+        if self.step is not Step.PARKED:
+            return False
+        self.move(Step.RUNNING)
+        return True
+
+    def take_chunk(self) -> Chunk:
+        """The step takes the next chunk (kept in ``posted``: a resend replays it)."""
+        chunk = self.chunks.popleft()
+        self.posted.append(chunk)
+        return chunk
+
+    def put_back(self) -> Chunk:
+        """The step did not write the chunk it took: it goes first again."""
+        chunk = self.posted.pop()
+        self.chunks.appendleft(chunk)
+        return chunk
+
+    def step_ended(self, *, ended: bool, parks: bool, offer_waiting: bool,
+                   now: float) -> bool:
+        """The step is over. ``ended``: the request ended meanwhile; ``parks``: the step
+        put its chunk back to wait for decode's reservation; ``offer_waiting``: an offer
+        for it is in the book. True: run the next step now (it stays RUNNING);
+        otherwise it is IDLE, or PARKED when it parks and no offer is there yet."""
+        if not ended and self.chunks and self.resend_cause is None and \
+                (not parks or offer_waiting):
+            return True
+        if parks and not ended:
+            self.park(now)
+        else:
+            self.move(Step.IDLE)
+        return False
+
+    # ---- the writes --------------------------------------------------------------------
+    def completed(self, ok: bool) -> int:
+        """One write completed (``ok``: its bytes landed): the bytes it counted."""
+        self.outstanding -= 1
+        nbytes = self.pending_bytes.popleft() if self.pending_bytes else 0
+        if ok:
+            self.bytes_done += nbytes
+        return nbytes
+
+    # ---- the resend --------------------------------------------------------------------
+    def link_failed(self, link_id: int, cause: str, retries: int) -> bool:
+        """Link ``link_id`` failed with a transient error, the request still live. True
+        when that does not fail it: a resend is owed (now or already), or the link is
+        not the one this attempt posts on. False: no resend is left (``retries``)."""
+        if self.attempt_link != link_id or self.resend_cause is not None:
+            return True
+        if self.resends >= retries:
+            return False
+        self.resend_cause = cause
+        self.first_failure = self.first_failure or cause
+        return True
+
+    def resend_due(self) -> bool:
+        """A resend is owed and may start: no step runs and no write is outstanding
+        (each write on the dead link completes, as failed, before it starts)."""
+        return self.resend_cause is not None and self.outstanding <= 0 and \
+            self.step is Step.IDLE
+
+    def replay(self) -> None:
+        """Start the owed resend as a new attempt (the caller runs its step): every
+        chunk posted so far again, in order, before the ones still queued."""
+        self.move(Step.RUNNING)
+        self.resend_cause = None
+        self.resends += 1
+        self.chunks.extendleft(reversed(self.posted))
+        self.posted.clear()
+        self.sent_pages[:] = False
+        self.final_posted = False
+        self.bytes_total = self.bytes_done = 0
+        self.pending_bytes.clear()
+        self.attempt_link = None
+        self.conn = None  # the dead link's connection: the next step finds or makes one

@@ -1,0 +1,174 @@
+"""Prefill's request record as a state machine: events in, its send path's phase out.
+
+No threads, no sleeps, no core: each test feeds the moves the core makes (a Send, a
+step's end, decode's Offer, a link failure, a completion) and asserts the phase and
+what the record answers (start a step? park? resend?).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvbeam.server.core.outgoing import Outgoing, Step
+
+
+def _rec() -> Outgoing:
+    return Outgoing("r", 0, 128, "decode:1", {}, np.zeros(4, dtype=np.bool_))
+
+
+def _at(rec: Outgoing) -> Step:
+    """The phase (a call, so the type checker does not narrow it across the moves)."""
+    return rec.step
+
+
+def _posted(rec: Outgoing, link: int, writes: int = 2) -> None:
+    """What the core does once a step posted ``writes`` writes on ``link``."""
+    rec.attempt_link = link
+    rec.outstanding += writes
+    rec.pending_bytes.extend([100] * writes)
+    rec.bytes_total += 100 * writes
+
+
+def test_a_send_starts_one_step_and_a_further_chunk_only_queues() -> None:
+    rec = _rec()
+    assert rec.queue(([(0, 64)], False)) is True  # IDLE: the caller starts a step
+    rec.move(Step.RUNNING)
+    assert rec.queue(([(64, 128)], True)) is False  # a step runs: it takes this one next
+    assert rec.final_submitted and len(rec.chunks) == 2
+    assert rec.take_chunk() == ([(0, 64)], False)
+    assert rec.step_ended(ended=False, parks=False, offer_waiting=False, now=1.0) is True
+    assert _at(rec) is Step.RUNNING  # the next chunk's step, still one at a time
+    assert rec.take_chunk() == ([(64, 128)], True)
+    assert rec.step_ended(ended=False, parks=False, offer_waiting=False, now=2.0) is False
+    assert _at(rec) is Step.IDLE and rec.posted == [([(0, 64)], False), ([(64, 128)], True)]
+
+
+def test_a_send_that_came_first_parks_and_decodes_offer_starts_its_step() -> None:
+    rec = _rec()
+    assert rec.queue(([], True))
+    rec.park(now=5.0)
+    assert _at(rec) is Step.PARKED and rec.parked_at == 5.0
+    assert rec.unpark() is True and _at(rec) is Step.RUNNING
+    assert rec.unpark() is False, "a second Offer started a second step"
+
+
+def test_a_step_that_parks_stays_running_until_it_ends() -> None:
+    rec = _rec()
+    rec.queue(([], True))
+    rec.move(Step.RUNNING)
+    rec.take_chunk()
+    rec.put_back()  # BeginWrite said not reserved: the chunk waits for the Offer
+    # decode's Offer lands while the step is still running: it starts nothing
+    assert rec.unpark() is False and _at(rec) is Step.RUNNING
+    # the step's end sees the offer in the book: it runs again instead of parking
+    assert rec.step_ended(ended=False, parks=True, offer_waiting=True, now=3.0) is True
+    assert _at(rec) is Step.RUNNING and rec.chunks[0] == ([], True) and not rec.posted
+
+
+def test_a_step_that_parks_with_no_offer_yet_is_parked_at_its_end() -> None:
+    rec = _rec()
+    rec.queue(([], True))
+    rec.move(Step.RUNNING)
+    rec.take_chunk()
+    rec.put_back()
+    assert rec.step_ended(ended=False, parks=True, offer_waiting=False, now=7.0) is False
+    assert _at(rec) is Step.PARKED and rec.parked_at == 7.0
+    assert rec.unpark() is True and _at(rec) is Step.RUNNING
+
+
+def test_a_request_that_ended_during_its_step_goes_idle_not_parked() -> None:
+    rec = _rec()
+    rec.queue(([], True))
+    rec.move(Step.RUNNING)
+    assert rec.step_ended(ended=True, parks=True, offer_waiting=True, now=1.0) is False
+    assert _at(rec) is Step.IDLE
+
+
+def test_the_handshake_holds_the_step_and_gives_it_back() -> None:
+    rec = _rec()
+    rec.queue(([], True))
+    rec.move(Step.RUNNING)
+    rec.move(Step.CONNECTING)
+    assert rec.unpark() is False  # an Offer while connecting: the step goes on after
+    assert rec.queue(([], True)) is False, "a chunk while connecting started a step"
+    rec.move(Step.RUNNING)  # the handshake is done: the step runs
+    assert _at(rec) is Step.RUNNING
+
+
+@pytest.mark.parametrize(("at", "to"), [
+    (Step.RUNNING, Step.RUNNING),  # two steps at once would reorder chunks
+    (Step.IDLE, Step.IDLE),
+    (Step.PARKED, Step.CONNECTING),
+    (Step.CONNECTING, Step.PARKED),
+    (Step.CONNECTING, Step.CONNECTING),
+])
+def test_a_move_its_phase_does_not_allow_raises(at: Step, to: Step) -> None:
+    rec = _rec()
+    rec.step = at
+    with pytest.raises(RuntimeError, match=f"from {at.value} to {to.value}"):
+        rec.move(to)
+    assert _at(rec) is at
+
+
+def test_completions_count_bytes_and_drain() -> None:
+    rec = _rec()
+    _posted(rec, link=3, writes=2)
+    assert not rec.drained
+    assert rec.completed(ok=True) == 100 and rec.bytes_done == 100
+    assert rec.completed(ok=False) == 100 and rec.bytes_done == 100  # failed: not done
+    assert rec.drained and rec.outstanding == 0
+
+
+def test_a_failed_link_owes_one_resend_that_waits_for_the_writes_and_the_step() -> None:
+    rec = _rec()
+    rec.queue(([], True))
+    rec.move(Step.RUNNING)
+    rec.take_chunk()
+    _posted(rec, link=3)
+    rec.final_posted = True
+    assert rec.step_ended(ended=False, parks=False, offer_waiting=False, now=1.0) is False
+    assert rec.link_failed(3, "IBV_WC_RETRY_EXC_ERR", retries=1) is True
+    assert rec.resend_cause == "IBV_WC_RETRY_EXC_ERR" == rec.first_failure
+    assert rec.link_failed(3, "again", retries=1) is True  # the same failure, seen twice
+    assert rec.resend_cause == "IBV_WC_RETRY_EXC_ERR"
+    assert not rec.resend_due(), "a resend started while writes were outstanding"
+    rec.completed(ok=False)
+    rec.completed(ok=False)
+    assert rec.resend_due()
+    rec.replay()
+    assert _at(rec) is Step.RUNNING and rec.resends == 1 and rec.resend_cause is None
+    assert list(rec.chunks) == [([], True)] and not rec.posted
+    assert (rec.attempt_link, rec.conn, rec.final_posted, rec.bytes_total) == \
+        (None, None, False, 0)
+    assert not rec.sent_pages.any()
+
+
+def test_a_queued_step_holds_back_an_owed_resend() -> None:
+    rec = _rec()
+    rec.queue(([(0, 64)], False))
+    rec.move(Step.RUNNING)
+    _posted(rec, link=1)
+    rec.link_failed(1, "broken", retries=2)
+    rec.completed(ok=False)
+    rec.completed(ok=False)
+    assert not rec.resend_due(), "the resend started while a step ran"
+    rec.queue(([(64, 128)], True))
+    # the running step stops for the resend: it ends IDLE, not with the next chunk
+    assert rec.step_ended(ended=False, parks=False, offer_waiting=False, now=1.0) is False
+    assert _at(rec) is Step.IDLE and rec.resend_due()
+
+
+def test_a_link_this_attempt_does_not_post_on_spares_it_and_owes_nothing() -> None:
+    rec = _rec()
+    _posted(rec, link=2)
+    assert rec.link_failed(9, "old link", retries=0) is True
+    assert rec.resend_cause is None
+
+
+def test_no_resend_left_fails_it() -> None:
+    rec = _rec()
+    _posted(rec, link=2)
+    rec.resends = 1
+    assert rec.link_failed(2, "broken", retries=1) is False
+    assert rec.resend_cause is None
