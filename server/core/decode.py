@@ -47,7 +47,7 @@ from kvbeam.pools.mailbox import RecordArea, record_bytes
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.sub_batches import MARK_BITS, buffer_bytes, cuts, split_id
 from kvbeam.pools.types import IndexKind
-from kvbeam.server.core.decode_landing import Incoming
+from kvbeam.server.core.decode_landing import Incoming, Landing
 from kvbeam.server.core.decode_offer import DecodeOffer
 from kvbeam.server.core.decode_pages import PageBook
 from kvbeam.server.core.ports import (
@@ -258,7 +258,7 @@ class DecodeCore(DecodeOffer):
             if relink and snap.state is TransferState.SUCCESS:
                 raise AlreadyLanded(f"request {request_id} landed and was verified before "
                                     "the resend: nothing to write again")
-            if relink and res.verifying:
+            if relink and res.landing in (Landing.VERIFYING, Landing.VERIFIED):
                 # Every byte of the old link's writes landed (its notification came) and
                 # is being verified: a new landing must not reset it under the check.
                 raise AlreadyLanded(f"request {request_id} landed before the resend and "
@@ -278,7 +278,7 @@ class DecodeCore(DecodeOffer):
                 self._by_transfer.pop(res.transfer_id, None)
                 res.transfer_id = self._transfer_id()
                 self._by_transfer[res.transfer_id] = request_id
-                res.landed = res.verifying = False
+                res.landing = Landing.AWAITED
                 res.marked = {}  # the old landing's sub-batches count for nothing
             res.link_id = conn.link.id
             if final:
@@ -373,7 +373,7 @@ class DecodeCore(DecodeOffer):
         res = self._lookup(self._res, request_id)
         if res is None:
             return (0, 0)
-        return (res.nbytes if res.landed else 0, res.nbytes)
+        return (res.nbytes if res.landing is not Landing.AWAITED else 0, res.nbytes)
 
     # ---- events ----------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
@@ -399,7 +399,8 @@ class DecodeCore(DecodeOffer):
             if res is not None and ok:
                 self._transferring(res.request_id)
                 if not mark:
-                    res.landed, res.landed_at = True, time.monotonic()
+                    if res.landing is Landing.AWAITED:
+                        res.landing, res.landed_at = Landing.LANDED, time.monotonic()
                     go = self._ready(res)
         if res is None or not ok:
             log.warning("completion for unknown transfer id %s on link %d ignored%s",

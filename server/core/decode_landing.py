@@ -27,6 +27,7 @@ import threading
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from enum import Enum
 
 from kvbeam.logs import fields
 from kvbeam.pools.digest import DIGEST_NAME, DigestPart, digest_parts
@@ -48,6 +49,26 @@ from kvbeam.states import (
 log = logging.getLogger(__name__)
 
 
+class Landing(Enum):
+    """Where a request's bytes are on decode, for its current grant (one at a time).
+
+    AWAITED -> LANDED (its notification came) -> VERIFYING (the check is queued or
+    running: at most once per landing) -> VERIFIED (Success; held for the engine's
+    Release). A resend on a new link, before the check began, starts over at AWAITED
+    with a new transfer id; one that comes later is answered ``AlreadyLanded``.
+    """
+
+    #: Nothing of the current grant has landed (no notification of its transfer id).
+    AWAITED = "awaited"
+    #: Its notification came; the check waits for prefill's integrity flag (an Offer's
+    #: answer) or for the marks its digest record counts.
+    LANDED = "landed"
+    #: The check is queued or running.
+    VERIFYING = "verifying"
+    #: Checked: Success (or it ended meanwhile); nothing lands on it any more.
+    VERIFIED = "verified"
+
+
 @dataclass(eq=False)
 class Incoming:
     """Decode's one record of a request (its lifecycle state lives in the table).
@@ -66,8 +87,9 @@ class Incoming:
     nbytes: int
     peer_instance: str = ""          # set by BeginWrite: prefill may write from now on
     digests: list[int] | None = None  # the digest record's, once checked
-    success_at: float | None = None
-    landed: bool = False
+    #: Where its bytes are (:class:`Landing`).
+    landing: Landing = Landing.AWAITED
+    success_at: float | None = None  # when it was VERIFIED (its hand-off lease runs from it)
     draft: IndexLists = field(default_factory=dict)  # the draft's own lists (engine's)
     link_id: int | None = None       # the link prefill was granted: only its notification counts
     # Prefill's integrity flag (from BeginWrite or its answer to Offer): True, its
@@ -77,7 +99,6 @@ class Incoming:
     offered: bool = False            # granted by Offer, no BeginWrite since
     # time.monotonic() of the landing: the Success log line says how long the check took.
     landed_at: float = 0.0
-    verifying: bool = False          # verification is queued (once per landing)
     # An abort prefill did not confirm (its writes may be in flight): when it was first
     # left unconfirmed and last asked again; ``asking``: an Abort of it is under way.
     unconfirmed_since: float | None = None
@@ -124,7 +145,7 @@ class DecodeLanding(CoreBase):
         prefill's integrity is on (the slot was cleared when it was reserved, and the
         record lands before the marker); without one the request waits for the answer.
         """
-        if not res.landed or res.verifying:
+        if res.landing is not Landing.LANDED:
             return False
         box = self.mailbox
         # The slot is read only where its record decides something.
@@ -146,7 +167,7 @@ class DecodeLanding(CoreBase):
                     f"the marks of its sub-batches: the digest record says {marks} came "
                     f"before it, {len(res.marked)} did"))
                 return False
-        res.verifying = True
+        res.landing = Landing.VERIFYING
         return True
 
     def _record(self, res: Incoming, transfer_id: int) -> Record:
@@ -200,7 +221,7 @@ class DecodeLanding(CoreBase):
     def _current(res: Incoming, transfer_id: int) -> bool:
         """The landing of ``transfer_id`` is still the request's (no resend replaced it).
         Core lock held."""
-        return res.transfer_id == transfer_id and res.landed
+        return res.transfer_id == transfer_id and res.landing is not Landing.AWAITED
 
     def _verify(self, res: Incoming, transfer_id: int, inline: bool = False) -> None:
         """Check the landed bytes against prefill's digests, then Success.
@@ -259,7 +280,7 @@ class DecodeLanding(CoreBase):
                     log.info("request %s landed after it ended: %s", rid, exc,
                              extra=fields(rid, res.prefill_address))
                     return
-                res.success_at = time.monotonic()
+                res.landing, res.success_at = Landing.VERIFIED, time.monotonic()
         if not current:
             self._replaced(res, transfer_id)
             return
@@ -322,7 +343,7 @@ class DecodeLanding(CoreBase):
         job = self.digest_pool.start(parts[lo:hi])
         with self._lock:
             fresh = (res.transfer_id == transfer_id and mark not in res.marked
-                     and not res.verifying)
+                     and res.landing in (Landing.AWAITED, Landing.LANDED))
             if fresh:
                 res.marked[mark] = job
             go = fresh and self._ready(res)

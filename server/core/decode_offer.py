@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable
 
 from kvbeam.logs import fields
-from kvbeam.server.core.decode_landing import DecodeLanding, Incoming
+from kvbeam.server.core.decode_landing import DecodeLanding, Incoming, Landing
 from kvbeam.server.core.ports import Offered, PrefillPeers, WriteGrant
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class DecodeOffer(DecodeLanding):
             still = res.offered  # no BeginWrite since (it decides instead)
             if still and answer.kept:
                 res.digests_follow = answer is Offered.DIGESTS_FOLLOW
-            if still and answer is Offered.REFUSED and not res.landed:
+            if still and answer is Offered.REFUSED and res.landing is Landing.AWAITED:
                 res.peer_instance, res.link_id, res.offered = "", None, False
             go = still and answer.kept and self._ready(res)
             tid = res.transfer_id

@@ -13,6 +13,7 @@ from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.decode_landing import Landing
 from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import Deadlines, TransferTable
@@ -222,7 +223,7 @@ def test_a_notification_from_the_granted_link_counts_after_that_link_failed() ->
     core.on_peer_lost(conn, "link failed", gone=False)
     io.run_all()
     assert core.status("r").state is TransferState.SUCCESS
-    assert res.landed
+    assert res.landing is Landing.VERIFIED
 
 
 def test_a_resend_of_a_request_that_already_landed_is_answered_already_landed() -> None:

@@ -14,6 +14,7 @@ from kvbeam.auth import Security
 from kvbeam.errors import AlreadyLanded, BadIndexList
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.types import IndexKind
+from kvbeam.server.core.decode_landing import Landing
 from kvbeam.server.identity import claim_refusal
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
@@ -67,7 +68,7 @@ def test_a_relink_while_the_landing_is_verified_is_answered_already_landed() -> 
     _relink(core, conn)
     with pytest.raises(AlreadyLanded):  # no resend may reset what is being verified
         core.begin_write("r", conn.instance_id, 300, True, True)
-    assert res.transfer_id == tid and res.landed
+    assert res.transfer_id == tid and res.landing is Landing.VERIFYING
     io.run_all()
     assert core.status("r").state is TransferState.SUCCESS
 
@@ -82,7 +83,7 @@ def test_a_landing_replaced_under_verification_is_never_advanced_to_success() ->
     assert len(io.queue) == 1
     with core._lock:  # what any path that replaces the landing does (a relink does this)
         core._by_transfer.pop(res.transfer_id)
-        res.transfer_id, res.landed, res.verifying = tid + 100, False, False
+        res.transfer_id, res.landing = tid + 100, Landing.AWAITED
         core._by_transfer[res.transfer_id] = "r"
     io.run_all()  # the verification of the old landing finishes only now
     assert core.status("r").state is TransferState.TRANSFERRING, \

@@ -15,7 +15,7 @@ from kvbeam.pools.indices import request_indices
 from kvbeam.pools.mailbox import encode_record
 from kvbeam.server.core import prefill as prefill_module
 from kvbeam.server.core.decode import DecodeCore
-from kvbeam.server.core.decode_landing import WAITING_FOR_DIGESTS
+from kvbeam.server.core.decode_landing import WAITING_FOR_DIGESTS, Landing
 from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.lifecycle import Deadlines
@@ -418,7 +418,8 @@ def test_a_notification_before_the_offers_answer_still_counts() -> None:
     # Prefill used the offer at once: its record and notification beat the answer.
     land_record(core, "r", request_digests(core.pools, res.indices))
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
-    assert res.landed and len(io.queue) == 1  # no answer yet: the record says digests follow
+    # No answer yet: the record says digests follow.
+    assert res.landing is Landing.VERIFYING and len(io.queue) == 1
     prefill.held.pop()()  # the answer comes: the check is not queued twice
     assert len(io.queue) == 1
     io.run_all()

@@ -23,6 +23,7 @@ from kvbeam.pools.sub_batches import (
     split_id,
 )
 from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.decode_landing import Landing
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.peers import PeerConn
@@ -145,7 +146,7 @@ def test_decode_digests_each_marked_sub_batch_and_succeeds_after_the_last() -> N
     assert sorted(res.marked) == [2] and res.parts is not None
     land_record(core, "r", digests, marks=3)
     _notify(core, conn, tid)  # the last part and the record, before marks 1 and 3
-    assert core.status("r").state is TransferState.TRANSFERRING and not res.verifying
+    assert core.status("r").state is TransferState.TRANSFERRING and res.landing is Landing.LANDED
     _notify(core, conn, tid + 1)
     assert core.status("r").state is TransferState.TRANSFERRING
     _notify(core, conn, tid + 3)  # the last missing piece starts the check
