@@ -7,7 +7,7 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -198,22 +198,26 @@ def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0
                  on_resend: Any = lambda: None,
                  deadlines: Deadlines | None = None,
                  send_wait_s: float = 0.0,
-                 integrity: bool = True) -> tuple[PrefillCore, FakeDecode]:
+                 integrity: bool = True, io: Executor | None = None,
+                 digest_threads: int = 2) -> tuple[PrefillCore, FakeDecode]:
     """A prefill core over the unit-test pools, with a fake decode side.
 
     With ``integrity`` a first attempt's final chunk is two writes (its data, then its
     digest record, notified: the digests run on the pool's threads, ``inline_below=0``,
     while the data flies); a resend's, whose digests are kept, is one (the record is
-    its last block). Tests of other paths may switch integrity off: one write a chunk."""
+    its last block). Tests of other paths may switch integrity off: one write a chunk.
+    ``io``: the executor (a thread pool of ``workers`` by default; a queue executor
+    drives the core one event at a time); ``digest_threads`` 0: digests inline (the
+    record is then the data write's last block)."""
     lay = layout()
     fake = FakeDecode(AllocatedSide(lay))
     core = PrefillCore(table=TransferTable(deadlines or Deadlines()), peers=Peers(), decode=fake,
-                       io=ThreadPoolExecutor(workers, thread_name_prefix="test-io"),
+                       io=io or ThreadPoolExecutor(workers, thread_name_prefix="test-io"),
                        spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
                        integrity=integrity, faults=FaultHooks(), drain_s=drain_s,
                        resend_retries=resend_retries, on_resend=on_resend,
                        send_wait_s=send_wait_s,
-                       digest_pool=DigestPool(2, inline_below=0))
+                       digest_pool=DigestPool(digest_threads, inline_below=0))
     fake.core = core  # type: ignore[attr-defined]  # names the records' request ids
     return core, fake
 

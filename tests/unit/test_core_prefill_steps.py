@@ -1,0 +1,164 @@
+"""Prefill's send path driven one event at a time: no threads, no sleeps.
+
+The executor is a queue that runs nothing until the test says so and the digests run
+inline, so each test chooses the interleaving of a Send, decode's Offer, a step, a
+completion and a link failure, and asserts what the core did (its writes, BeginWrites,
+its request's phase) after each. These are the races the request's explicit phase
+(:class:`kvbeam.server.core.outgoing.Step`) settles: one step per request at a time,
+an Offer never lost, a resend only once the running step and every write are done.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import pytest
+
+from kvbeam.pools.indices import request_indices
+from kvbeam.server.core import prefill as prefill_module
+from kvbeam.server.core.outgoing import Outgoing, Step
+from kvbeam.server.core.ports import WriteGrant
+from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.states import TransferState
+from tests.core_fakes import FakeDecode, FakeLink, prefill_core
+from tests.fixtures import UNIFIED_TARGET
+from tests.unit.test_core_decode import QueueExecutor
+
+ADDR = "127.0.0.1:9"
+SEQ = 300
+
+
+def _core(**kw: object) -> tuple[PrefillCore, FakeDecode, QueueExecutor]:
+    io = QueueExecutor()
+    core, fake = prefill_core(io=io, digest_threads=0, **kw)  # type: ignore[arg-type]
+    return core, fake, io
+
+
+def _rec(core: PrefillCore, rid: str = "r") -> Outgoing:
+    with core._lock:
+        return core._out[rid]
+
+
+def _step(core: PrefillCore, rid: str = "r") -> Step:
+    return _rec(core, rid).step
+
+
+def _offer(core: PrefillCore, fake: FakeDecode, tid: int, rid: str = "r") -> bool:
+    conn = core.peers.by_address(ADDR)
+    assert conn is not None
+    grant = WriteGrant(tid, request_indices(UNIFIED_TARGET, 2, SEQ), mailbox_slot=3)
+    return core.offer(rid, conn.instance_id, SEQ, grant, lease_s=10.0)
+
+
+def _link(core: PrefillCore) -> FakeLink:
+    conn = core.peers.by_address(ADDR)
+    assert conn is not None
+    return cast(FakeLink, conn.link)
+
+
+def test_an_offer_while_a_step_parks_runs_the_step_once_more_not_twice() -> None:
+    core, fake, io = _core(send_wait_s=5.0)
+    fake.not_yet.add("r")  # decode has not reserved it: BeginWrite is refused
+    real = fake.begin_write
+
+    def begin_then_offer(*args: object, **kw: object) -> WriteGrant:
+        # decode's Offer lands while the step waits for BeginWrite's refusal
+        assert _offer(core, fake, 32)
+        assert not io.queue and _step(core) is Step.RUNNING, "the Offer started a step"
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    fake.begin_write = begin_then_offer  # type: ignore[method-assign]
+    core.send("r", 1, SEQ, ADDR, [], True)
+    io.run_all()  # handshake, then the step: BeginWrite refused, the offer in the book
+    assert fake.refused_not_yet == ["r"]
+    link = _link(core)
+    # The step's end found the offer and ran once more: it wrote with the offer's id.
+    assert link.writes == [(32, True)]
+    assert core.status("r").state is TransferState.TRANSFERRING
+    assert _step(core) is Step.IDLE and not io.queue
+    for event in link.finish(32):
+        core.on_event(event)
+    assert core.status("r").state is TransferState.SUCCESS
+
+
+def test_an_offer_after_the_send_parked_writes_on_the_offers_thread() -> None:
+    core, fake, io = _core(send_wait_s=5.0)
+    core.send("first", 0, SEQ, ADDR, [], True)  # connects the pair (by BeginWrite)
+    io.run_all()
+    link = _link(core)
+    for event in link.finish(link.writes[0][0]):
+        core.on_event(event)
+    core.send("r", 1, SEQ, ADDR, [], True)
+    # Connected, no offer yet: it parks at once, with no step at all.
+    assert _step(core) is Step.PARKED and not io.queue
+    assert core.status("r").state is TransferState.WAITING_FOR_INPUT
+    assert _offer(core, fake, 48)
+    # The Offer's thread ran the small step inline: posted, nothing left for the executor.
+    assert link.writes[-1] == (48, True) and not io.queue
+    assert _step(core) is Step.IDLE
+    assert not _offer(core, fake, 64), "a second offer of a writing request was kept"
+    assert link.writes[-1] == (48, True)
+    assert [rid for rid, _ in fake.begins] == ["first"]
+
+
+def test_the_grace_asks_a_parked_send_with_begin_write_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    core, fake, io = _core(send_wait_s=5.0)
+    core.send("first", 0, SEQ, ADDR, [], True)
+    io.run_all()
+    core.send("r", 1, SEQ, ADDR, [], True)
+    assert _step(core) is Step.PARKED
+    core.periodic()  # within the grace: it keeps waiting for the Offer
+    assert _step(core) is Step.PARKED and not io.queue
+    monkeypatch.setattr(prefill_module, "OFFER_GRACE_S", 0.0)
+    core.periodic()
+    assert _step(core) is Step.RUNNING and _rec(core).asked
+    core.periodic()  # asked already: the sweep does not start it again
+    assert len(io.queue) == 1
+    io.run_all()
+    assert [rid for rid, _ in fake.begins] == ["first", "r"]
+    assert _step(core) is Step.IDLE
+    assert core.status("r").state is TransferState.TRANSFERRING
+
+
+def test_an_abort_of_a_parked_send_leaves_no_step_for_a_late_offer() -> None:
+    core, fake, io = _core(send_wait_s=5.0)
+    core.send("first", 0, SEQ, ADDR, [], True)
+    io.run_all()
+    writes = len(_link(core).writes)
+    core.send("r", 1, SEQ, ADDR, [], True)
+    assert _step(core) is Step.PARKED
+    core.abort("r", from_peer=False, detail="client went away")
+    assert core.status("r").state is TransferState.FAILED
+    _offer(core, fake, 80)  # decode's reservation, too late
+    assert _step(core) is Step.IDLE and len(_link(core).writes) == writes
+    io.run_all()  # the Abort to decode (nothing of it was in flight)
+    assert fake.aborts == ["r"]
+
+
+def test_a_link_failure_during_a_queued_step_resends_every_chunk_in_order_after_it() -> None:
+    core, fake, io = _core(resend_retries=1)
+    core.send("r", 0, SEQ, ADDR, [(0, 128)], False)
+    io.run_all()  # handshake, BeginWrite, the first chunk posted (unnotified)
+    first = _link(core)
+    tid = first.writes[0][0]
+    assert first.writes == [(tid, False)] and _step(core) is Step.IDLE
+    core.send("r", 0, SEQ, ADDR, [(128, SEQ)], True)
+    assert _step(core) is Step.RUNNING and len(io.queue) == 1  # its step, not run yet
+    # The first chunk's write fails: a resend is owed, but a step is queued.
+    core.on_event(first.completion(tid, ok=False, status="IBV_WC_RETRY_EXC_ERR"))
+    rec = _rec(core)
+    assert rec.resend_cause is not None and rec.resends == 0
+    assert _step(core) is Step.RUNNING, "the resend started beside the queued step"
+    io.run_all()  # the step stops for the resend; the resend handshakes and replays
+    assert rec.resends == 1 and first.released
+    second = _link(core)
+    assert second is not first
+    assert [link for _, link in fake.begins] == [first.id, second.id, second.id]
+    new = second.writes[0][0]
+    # The replayed first chunk, then the final chunk with its record, on the new link.
+    assert second.writes == [(new, False), (new, True)]
+    assert _step(core) is Step.IDLE and core.status("r").state is TransferState.TRANSFERRING
+    for event in second.finish(new):
+        core.on_event(event)
+    assert core.status("r").state is TransferState.SUCCESS
