@@ -12,15 +12,22 @@ the executor like a first send's) and decode keeps it meanwhile. Nothing here
 imports gRPC (a unit test checks): the servicers are thin adapters, and peer calls
 reach a core through the protocols in :mod:`kvbeam.server.core.ports`, implemented
 over gRPC by :mod:`kvbeam.server.peer_rpc`. An engine can drive a core directly.
-Modules: :mod:`~kvbeam.server.core.base` (status and the engine-pools switch, both
-cores), prefill's :mod:`~kvbeam.server.core.prefill` (API, send path),
-:mod:`~kvbeam.server.core.prefill_events` and :mod:`~kvbeam.server.core.resend`;
-prefill's :mod:`~kvbeam.server.core.offers` (decode's reservations ahead of Send) and
-:mod:`~kvbeam.server.core.prefill_record` (the digest record, written into decode's
-mailbox before the completion marker: protocol 5); decode's :mod:`~kvbeam.server.core.decode` (API,
-events), :mod:`~kvbeam.server.core.decode_offer` (Offer) and
-:mod:`~kvbeam.server.core.decode_landing` (the record, verification),
-:mod:`~kvbeam.server.core.decode_pages` (no item in two live reservations).
+Modules, by responsibility: :mod:`~kvbeam.server.core.base` (status and the
+engine-pools switch, both cores). Prefill: :mod:`~kvbeam.server.core.outgoing` (the
+request record and its send path's one explicit phase, :class:`Step`: pure, no
+lock, no I/O), :mod:`~kvbeam.server.core.prefill` (the API, decode's offers, the send
+path: steps, handshakes, plans, posts), :mod:`~kvbeam.server.core.prefill_events`
+(completions, failures, deadlines, a lost peer, resends, the sweep), and the
+collaborators the core holds: :mod:`~kvbeam.server.core.offers` (``OfferBook``,
+decode's reservations ahead of Send), :mod:`~kvbeam.server.core.prefill_record`
+(``RecordStager``: the digest record's staging slots, written into decode's mailbox
+before the completion marker: protocol 5) and :mod:`~kvbeam.server.core.resend`
+(``ResendPolicy``). Decode: :mod:`~kvbeam.server.core.decode` (API, events),
+:mod:`~kvbeam.server.core.decode_offer` (Offer), :mod:`~kvbeam.server.core.decode_landing`
+(the request record, its one explicit landing phase, :class:`Landing`, the record and
+verification), :mod:`~kvbeam.server.core.decode_pages` (no item in two live
+reservations). Each request's phase is its record's, moved only by its methods;
+its lifecycle state (what engines and schedulers see) is the table's.
 
 Threads. The driver (``DaemonServicer``) owns ONE bounded executor
 (``ThreadPoolExecutor``, ``IO_WORKERS`` threads); every blocking step runs there:
@@ -67,7 +74,7 @@ RPC, a digest, a write post, a link's release or a memory registration.
 """
 
 from kvbeam.server.core.decode import DecodeCore
-from kvbeam.server.core.decode_landing import Incoming
+from kvbeam.server.core.decode_landing import Incoming, Landing
 from kvbeam.server.core.outgoing import Outgoing, Step
 from kvbeam.server.core.ports import (
     DecodePeers,
@@ -76,5 +83,5 @@ from kvbeam.server.core.ports import (
 )
 from kvbeam.server.core.prefill import PrefillCore
 
-__all__ = ["DecodeCore", "DecodePeers", "Incoming", "Outgoing",
+__all__ = ["DecodeCore", "DecodePeers", "Incoming", "Landing", "Outgoing",
            "PrefillCore", "PrefillPeers", "Step", "WriteGrant"]

@@ -19,16 +19,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvbeam.errors import NotHandshakenError
-from kvbeam.server.core.ports import DecodePeers, WriteGrant
-from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.server.core.ports import WriteGrant
+from kvbeam.server.peers import PeerConn
 
 if TYPE_CHECKING:
-    from kvbeam.server.core.outgoing import Outgoing
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -105,75 +103,3 @@ class OfferBook:
     def _expire(self, now: float) -> None:
         for rid in [r for r, o in self._offers.items() if o.expires < now]:
             del self._offers[rid]
-
-
-class PrefillOffers:
-    """The offer path of the prefill core: keep offers, use them.
-
-    State is defined by :class:`~kvbeam.server.core.prefill.PrefillCore`.
-    """
-
-    peers: Peers
-    decode: DecodePeers
-    integrity: bool
-    offers: OfferBook
-    #: Called with "received", "refused", "used" or "missed" (the daemon's metrics).
-    on_offer: Callable[[str], None]
-    _lock: threading.Lock
-    _out: dict[str, Outgoing]
-
-    def offer(self, request_id: str, instance_id: str, seq_len: int, grant: WriteGrant,
-              lease_s: float) -> bool:
-        """Decode offers a reservation ahead of Send; True when it is kept.
-
-        Not kept (False) when the book is full or the request already writes (its
-        Send came first and asked with BeginWrite). Raises NotHandshakenError when
-        ``instance_id`` is not a connected decode peer.
-        """
-        conn = self.peers.get(instance_id)
-        if conn is None or conn.closed:
-            raise NotHandshakenError(f"no connection to decode instance {instance_id!r}")
-        with self._lock:
-            rec = self._out.get(request_id)
-            # Late: the request already writes under a grant (BeginWrite's), or posted a
-            # chunk. A Send whose first step is still asking BeginWrite is not late: decode
-            # may refuse that one (no reservation yet: it parks), and this offer unparks it.
-            late = rec is not None and (rec.transfer_id is not None or rec.bytes_total > 0
-                                        or len(rec.posted) > 1 or bool(rec.resends))
-        kept = not late and self.offers.put(
-            Offer(request_id, conn, seq_len, grant, time.monotonic() + lease_s))
-        self.on_offer("received" if kept else "refused")
-        if kept:
-            self._unpark(request_id)  # a Send that came first waits for this
-        return kept
-
-    def _unpark(self, request_id: str) -> None:
-        """Write a request whose Send waits for this reservation (the core's)."""
-        raise NotImplementedError
-
-    def _waits_for_offer(self, rec: Outgoing, conn: PeerConn, final: bool) -> bool:
-        """Whether a Send with no offer waits for one before asking (the core's)."""
-        raise NotImplementedError
-
-    def _offered_grant(self, rec: Outgoing, conn: PeerConn, final: bool, *,
-                       count_miss: bool = True) -> WriteGrant | None:
-        """Decode's offer for this step, if one is usable (else BeginWrite asks).
-
-        Used for a request whose first chunk is its final one and that is not a
-        resend (a resend needs a new transfer id on its new link: BeginWrite). A
-        chunked request asks with BeginWrite per chunk; its offer is dropped.
-        ``count_miss`` False: a miss is not counted here (a step that runs inline hands
-        the BeginWrite to the executor, whose step counts it).
-        """
-        had = self.offers.has(rec.request_id)
-        offer = self.offers.take(rec.request_id, conn, rec.seq_len)
-        if had and offer is None:
-            rec.asked = True  # decode offered, but not this (expired, other link): ask now
-        single = final and len(rec.posted) == 1 and not rec.resends
-        if not single:
-            return None
-        if offer is None and self._waits_for_offer(rec, conn, final):
-            return None  # it waits for the Offer (counted "used" when that comes)
-        if offer is not None or count_miss:
-            self.on_offer("used" if offer is not None else "missed")
-        return offer.grant if offer is not None else None

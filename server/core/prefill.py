@@ -35,6 +35,7 @@ from kvbeam.errors import (
     BadRequest,
     DuplicateRequest,
     FrameError,
+    NotHandshakenError,
     NotPosted,
     NotReserved,
     RegionError,
@@ -47,19 +48,19 @@ from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.pools.engine_indices import ListLike, check_kv_skip, same_lists, validate
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
-from kvbeam.pools.mailbox import FreeSlots, RecordArea
+from kvbeam.pools.mailbox import RecordArea
 from kvbeam.pools.plan import TransferPlan, build_plan, side_windows
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.sub_batches import MAX_MARKS, bounds, buffer_bytes, cuts, mark_id
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.base import CoreBase
-from kvbeam.server.core.offers import OfferBook, PrefillOffers
+from kvbeam.server.core.offers import Offer, OfferBook
 from kvbeam.server.core.outgoing import Outgoing, Ranges, Step
 from kvbeam.server.core.ports import DecodePeers, IndexLists, WriteGrant
-from kvbeam.server.core.prefill_events import after_resends
+from kvbeam.server.core.prefill_events import PrefillEvents, after_resends
 from kvbeam.server.core.prefill_pieces import Pieces
-from kvbeam.server.core.prefill_record import PrefillRecords
-from kvbeam.server.core.resend import PrefillResend
+from kvbeam.server.core.prefill_record import RecordStager
+from kvbeam.server.core.resend import ResendPolicy
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
@@ -92,7 +93,7 @@ INLINE_STEP_MAX_PAGES = 64
 
 
 
-class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
+class PrefillCore(PrefillEvents, CoreBase):
     """All of prefill's request state; the servicer and the runtime's loops call in.
 
     Args:
@@ -139,15 +140,15 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         self.faults = faults
         self.drain_s = drain_s
         self.transfer_budget = transfer_budget
-        self.resend_retries = resend_retries
+        #: When a request whose link failed is resent (server/core/resend.py).
+        self.resend = ResendPolicy(resend_retries)
         self.on_resend = on_resend
         self.offers = OfferBook(max_offers)  # decode's reservations ahead of Send
         self.on_offer = on_offer
         self.send_wait_s = send_wait_s
         self.digest_pool = digest_pool or DigestPool(0)  # 0: on the executor thread
-        self.staging_slots = staging_slots
-        self._staging = staging
-        self._free_staging = FreeSlots(staging.slots) if staging is not None else None
+        #: The digest records' staging slots (used under ``_lock``).
+        self.records = RecordStager(staging_slots, staging)
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
         # Counts the Abort handlers waiting on a drain (taken without blocking).
@@ -258,6 +259,54 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         elif start_step:
             self._start_step(rec)
         return self.status(request_id)
+
+    def offer(self, request_id: str, instance_id: str, seq_len: int, grant: WriteGrant,
+              lease_s: float) -> bool:
+        """Decode offers a reservation ahead of Send; True when it is kept.
+
+        Not kept (False) when the book is full or the request already writes (its
+        Send came first and asked with BeginWrite). Raises NotHandshakenError when
+        ``instance_id`` is not a connected decode peer.
+        """
+        conn = self.peers.get(instance_id)
+        if conn is None or conn.closed:
+            raise NotHandshakenError(f"no connection to decode instance {instance_id!r}")
+        with self._lock:
+            rec = self._out.get(request_id)
+            # Late: the request already writes under a grant (BeginWrite's), or posted a
+            # chunk. A Send whose first step is still asking BeginWrite is not late: decode
+            # may refuse that one (no reservation yet: it parks), and this offer unparks it.
+            late = rec is not None and (rec.transfer_id is not None or rec.bytes_total > 0
+                                        or len(rec.posted) > 1 or bool(rec.resends))
+        kept = not late and self.offers.put(
+            Offer(request_id, conn, seq_len, grant, time.monotonic() + lease_s))
+        self.on_offer("received" if kept else "refused")
+        if kept:
+            self._unpark(request_id)  # a Send that came first waits for this
+        return kept
+
+    def _offered_grant(self, rec: Outgoing, conn: PeerConn, final: bool, *,
+                       count_miss: bool = True) -> WriteGrant | None:
+        """Decode's offer for this step, if one is usable (else BeginWrite asks).
+
+        Used for a request whose first chunk is its final one and that is not a
+        resend (a resend needs a new transfer id on its new link: BeginWrite). A
+        chunked request asks with BeginWrite per chunk; its offer is dropped.
+        ``count_miss`` False: a miss is not counted here (a step that runs inline hands
+        the BeginWrite to the executor, whose step counts it).
+        """
+        had = self.offers.has(rec.request_id)
+        offer = self.offers.take(rec.request_id, conn, rec.seq_len)
+        if had and offer is None:
+            rec.asked = True  # decode offered, but not this (expired, other link): ask now
+        single = final and len(rec.posted) == 1 and not rec.resends
+        if not single:
+            return None
+        if offer is None and self._waits_for_offer(rec, conn, final):
+            return None  # it waits for the Offer (counted "used" when that comes)
+        if offer is not None or count_miss:
+            self.on_offer("used" if offer is not None else "missed")
+        return offer.grant if offer is not None else None
 
     def _parks_at_once(self, rec: Outgoing) -> bool:
         """Whether a fresh single-chunk Send would only park (no offer yet, its decode
@@ -561,7 +610,8 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         except Exception as exc:
             error = exc
         if conn is not None:
-            self._measured(handshake=time.monotonic() - began)
+            with self._lock:
+                self.resend.measured(handshake=time.monotonic() - began)
             self.peers.add(conn)
         with self._lock:
             waiters = self._connecting.pop(address, [])
@@ -599,7 +649,8 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
             began = time.monotonic()
             try:
                 grant = self.decode.begin_write(conn, rid, rec.seq_len, final, self.integrity)
-                self._measured(begin_write=time.monotonic() - began)
+                with self._lock:
+                    self.resend.measured(begin_write=time.monotonic() - began)
             except NotReserved:
                 if not self.send_wait_s or rec.resends or rec.rehandshake or \
                         len(rec.posted) > 1:
@@ -616,7 +667,7 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
         # record follows it as one more write of the transfer, notified.
         record = final and self.integrity
         if record:
-            self._check_mailbox(conn, grant)
+            self.records.check_mailbox(conn, grant)
         with self._lock:
             snap = self.table.get(rid)
             if snap is None or snap.state.terminal:
@@ -659,7 +710,7 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
             if self._ended(rec):
                 return False
             if record:
-                self._take_staging(rec)
+                self.records.take(rec, len(self.layout.flat_buffers))
             for tid, part in writes:
                 self._writes[(conn.link.id, tid)] = rid
                 rec.write_keys.add((conn.link.id, tid))
@@ -691,7 +742,7 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
                     rec.pending_bytes.pop()
                 rec.bytes_total -= sum(b.total_bytes for _, b in left)
                 rec.final_posted = rec.final_posted and not final
-                self._give_staging(rec)
+                self.records.give(rec)
                 self._drained.notify_all()
             raise NotPosted(exc) from exc
         log.info("request %s: posted %s%d bytes in %d blocks to %s%s", rid,
@@ -706,6 +757,24 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
             return False
         self._post_record(rec, conn, grant, job, marks)
         return False
+
+    def use_staging(self, area: RecordArea) -> None:
+        """The daemon's staging slots for digest records (registered LOCAL) from now on."""
+        with self._lock:
+            self.records.use(area)
+
+    def _record_blocks(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant,
+                       job: DigestJob | None, marks: int = 0) -> Blocks:
+        """The request's digest record as the block that writes it into decode's mailbox
+        (:meth:`RecordStager.blocks`). ``job``: the digests, started on the digest pool
+        before the data was posted (the source does not change while the request lives);
+        computed once per request, a resend writes the same digests with its new
+        transfer id. Outside every lock, on the step's thread (it may wait for the pool)."""
+        if rec.digests is None:
+            rec.digests = (job or self.digest_pool.digests(
+                self.pools, rec.moved_source, draft=rec.src_draft,
+                windows=side_windows(self.layout, conn.peer.layout, source=True))).result()
+        return self.records.blocks(rec, conn, grant, rec.digests, marks, self.faults)
 
     def _sub_batches(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant,
                      plan: TransferPlan, blocks: Blocks) -> list[tuple[int, Blocks]]:
@@ -743,7 +812,7 @@ class PrefillCore(PrefillRecords, PrefillOffers, PrefillResend, CoreBase):
                 rec.outstanding -= 1
                 rec.pending_bytes.pop()
                 rec.final_posted = False  # no Success without the record's write
-                self._give_staging(rec)
+                self.records.give(rec)
                 self._drained.notify_all()
             raise NotPosted(exc) from exc
 

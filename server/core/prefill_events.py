@@ -1,9 +1,12 @@
-"""Prefill's core, second half: completions, failures, deadlines, peer loss, pruning.
+"""Prefill's core, its events: completions, failures, deadlines, peer loss, resends.
 
-:class:`PrefillEvents` is the base of :class:`~kvbeam.server.core.prefill.PrefillCore`
-(split only to keep modules small). :meth:`on_event` runs on the transport thread that
-saw the event (or the daemon's event thread) and only does bookkeeping; everything
-that blocks (telling decode, releasing a link) is submitted to the executor.
+:class:`PrefillEvents`, the base of :class:`~kvbeam.server.core.prefill.PrefillCore`,
+handles what happens to a request after its writes are posted: their completions, failures,
+deadlines, a lost peer, the resend after a transient link failure (its policy:
+:class:`~kvbeam.server.core.resend.ResendPolicy`), the sweep and shutdown.
+:meth:`on_event` runs on the transport thread that saw the event (or the daemon's
+event thread) and only does bookkeeping; everything that blocks (telling decode,
+releasing a link) is submitted to the executor.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
@@ -27,7 +31,10 @@ from kvbeam.errors import (
     TransportError,
 )
 from kvbeam.logs import fields
+from kvbeam.pools.layout import SideLayout
+from kvbeam.server.core.base import request_bytes
 from kvbeam.server.core.ports import SHUTDOWN_ABORT_S, report_link_failure
+from kvbeam.server.core.resend import ResendPolicy, transient
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState, TransferStatus
@@ -37,6 +44,7 @@ if TYPE_CHECKING:
     from kvbeam.server.core.offers import OfferBook
     from kvbeam.server.core.outgoing import Outgoing
     from kvbeam.server.core.ports import DecodePeers
+    from kvbeam.server.core.prefill_record import RecordStager
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +88,13 @@ class PrefillEvents:
     _writes: dict[tuple[int, int], str]
     _ended_unfinished: set[str]
     offers: OfferBook
+    records: RecordStager
+    resend: ResendPolicy
+    #: Called once per resend (the daemon counts it in ``kvbeam_resends_total``).
+    on_resend: Callable[[], None]
+    layout: SideLayout
+    #: Runs the request's next chunk (the core's send path, on the executor).
+    _step: Callable[[Outgoing], None]
 
     @staticmethod
     def _late_verdict(request_id: str, detail: str, decode_address: str) -> None:
@@ -91,20 +106,6 @@ class PrefillEvents:
     def _ended(self, rec: Outgoing) -> bool:
         snap = self.table.get(rec.request_id)
         return snap is None or snap.state.terminal
-
-    def _note_link_failure(self, rec: Outgoing, link_id: int, status: str | None,
-                           cause: str) -> bool:
-        """Whether a failure of link ``link_id`` spares the request (see resend.py)."""
-        raise NotImplementedError
-
-    def _maybe_resend(self, rec: Outgoing) -> None:
-        """Start a pending resend once no write is outstanding (see resend.py)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _give_staging(rec: Outgoing, force: bool = False) -> None:
-        """Give back the request's digest-record staging slot (prefill_record.py)."""
-        raise NotImplementedError
 
     def on_event(self, event: Event) -> None:
         """COMPLETED: one write finished; LINK_FAILED: the decode peer's link is gone."""
@@ -135,7 +136,7 @@ class PrefillEvents:
                 if conn is not None and self.peers.remove(conn):
                     lost = conn
             rec.completed(event.ok)
-            self._give_staging(rec)  # once no write of it reads the staging slot
+            self.records.give(rec)  # once no write of it reads the staging slot
             self._drained.notify_all()
             snap = self.table.get(rec.request_id)
             # The final write acknowledged on this attempt's link means every byte
@@ -278,7 +279,7 @@ class PrefillEvents:
                     continue
                 if rec.told_decode or snap is None or snap.state is TransferState.SUCCESS:
                     del self._out[rid]
-                    self._give_staging(rec, force=True)
+                    self.records.give(rec, force=True)
                     if snap is not None and not rec.final_submitted:
                         self._ended_unfinished.add(rid)  # a late chunk gets its status
                     for key in rec.write_keys:
@@ -310,3 +311,86 @@ class PrefillEvents:
         for conn in self.peers.all():
             self.peers.remove(conn)
             conn.close()
+
+    # ---- the resend (server/core/resend.py: its policy) ---------------------------------
+    def _note_link_failure(self, rec: Outgoing, link_id: int, status: str | None,
+                           cause: str) -> bool:
+        """A link ``rec`` may use failed; True when that does not fail the request.
+
+        Called with the core lock held. True: a resend is (or already was) owed, or
+        the link is not the one this attempt posts on (an older one, or the request
+        has posted nothing on it: its next step picks a new link). False: the request
+        must fail now (it ended, the status is not transient, or no resend is left).
+        ``cause``: what broke the link (a verbs or TCP status and detail), for the logs.
+        """
+        if self._ended(rec) or not transient(status):
+            return False
+        return rec.link_failed(link_id, cause, self.resend.retries)
+
+    def _maybe_resend(self, rec: Outgoing) -> None:
+        """Start an owed resend once no step runs and none of its writes is outstanding."""
+        with self._lock:
+            if not rec.resend_due():
+                return
+            cause = rec.resend_cause
+            if self._ended(rec):
+                rec.resend_cause = None
+                return
+            left, need = self.table.left(rec.request_id), self.resend.cost()
+            late = left is not None and left < need
+            if late:
+                rec.resend_cause = None
+                if not rec.resends:
+                    rec.first_failure = ""  # no resend was tried: the detail is the error's
+            else:
+                rec.replay()  # RUNNING: its step is submitted below
+            n = rec.resends
+        if late:
+            self._fail(rec, FailureReason.TRANSPORT_ERROR,
+                       f"{cause}; no time left to resend ({left:.2f} s to the "
+                       f"deadline, a new link takes about {need:.2f} s)")
+            return
+        log.warning("request %s: resend %d/%d on a new link after a transport error: %s",
+                    rec.request_id, n, self.resend.retries, cause,
+                    extra=fields(rec.request_id, rec.decode_address))
+        self.on_resend()
+        self.io.submit(self._step, rec)
+
+    def _peer_forgot_us(self, rec: Outgoing, conn: PeerConn, detail: str) -> bool:
+        """Decode no longer knows our connection (``detail``; it re-attached its engine or
+        restarted, and prefill had not noticed yet): drop the connection, failing the
+        requests on it (:meth:`on_peer_lost`). True: ``rec`` goes on over a new handshake
+        instead, since decode refused its first BeginWrite before any byte of it was
+        written; once per request.
+        """
+        with self._lock:
+            again = (not rec.rehandshake and not rec.resends and rec.bytes_total == 0
+                     and rec.outstanding == 0 and len(rec.posted) == 1
+                     and not self._ended(rec))
+            if again:
+                rec.rehandshake = detail
+                rec.put_back()  # the next step runs it again
+                rec.conn = None  # so on_peer_lost spares it, and the step handshakes anew
+        if again:
+            log.warning("request %s: %s; handshaking again (nothing of it was written)",
+                        rec.request_id, detail, extra=fields(rec.request_id, rec.decode_address))
+        self.on_peer_lost(conn, detail)
+        return again
+
+    def _landed_already(self, rec: Outgoing) -> None:
+        """Decode says the request had landed before our resend: it is a Success here too.
+
+        The failed write was acknowledged to decode but not to us (an RC retry that
+        lost only its acknowledgements): decode received the final notification and
+        verified the bytes, so nothing is resent.
+        """
+        with self._lock:
+            rec.chunks.clear()
+            snap = self.table.get(rec.request_id)
+            if snap is None or snap.state is not TransferState.TRANSFERRING:
+                return
+            # The request's bytes, not this attempt's (it wrote none): what landed.
+            nbytes = request_bytes(self.layout, rec.src_indices, rec.src_draft)
+            self.table.advance(rec.request_id, TransferState.SUCCESS, nbytes=nbytes)
+        log.info("request %s: Success (decode had it landed before the resend)",
+                 rec.request_id, extra=fields(rec.request_id, rec.decode_address))
