@@ -22,20 +22,21 @@ collaborators the core holds: :mod:`~kvbeam.server.core.offers` (``OfferBook``,
 decode's reservations ahead of Send), :mod:`~kvbeam.server.core.prefill_record`
 (``RecordStager``: the digest record's staging slots, written into decode's mailbox
 before the completion marker: protocol 5) and :mod:`~kvbeam.server.core.resend`
-(``ResendPolicy``). Decode: :mod:`~kvbeam.server.core.decode` (API, events),
-:mod:`~kvbeam.server.core.decode_offer` (Offer), :mod:`~kvbeam.server.core.decode_landing`
-(the request record, its one explicit landing phase, :class:`Landing`, the record and
-verification), :mod:`~kvbeam.server.core.decode_pages` (no item in two live
-reservations). Each request's phase is its record's, moved only by its methods;
-its lifecycle state (what engines and schedulers see) is the table's.
+(``ResendPolicy``). Decode: :mod:`~kvbeam.server.core.incoming` (the request record
+and its landing's one explicit phase, :class:`Landing`: pure),
+:mod:`~kvbeam.server.core.decode` (API, the Offer, events),
+:mod:`~kvbeam.server.core.decode_landing` (the digest record and the verification),
+:mod:`~kvbeam.server.core.decode_pages` (no item in two live reservations).
+Each request's phase is its record's, moved only by its methods; its lifecycle state
+(what engines and schedulers see) is the table's.
 
 Threads. The driver (``DaemonServicer``) owns ONE bounded executor
 (``ThreadPoolExecutor``, ``IO_WORKERS`` threads); every blocking step runs there:
 handshakes, XXH3-128 digests, peer calls (BeginWrite, Abort: each waits for its
 answer on the pair's peer channel), link releases. Decode's Offer
-(:mod:`~kvbeam.server.core.decode_offer`) does not block: it is sent from the
+(:meth:`~kvbeam.server.core.decode.DecodeCore.offer`) does not block: it is sent from the
 Reserve's thread, outside every lock, and its answer is an event handled on the
-peer channel's thread (``DecodeOffer.offer_answered``). ``on_event`` runs on the
+peer channel's thread (``DecodeCore.offer_answered``). ``on_event`` runs on the
 transport thread that saw the event (or the daemon's event thread; see
 :meth:`kvbeam.transport.base.Transport.deliver_to`) with no transport lock held: it does
 bookkeeping, verifies a small landing on decode (its digests run
@@ -74,7 +75,7 @@ RPC, a digest, a write post, a link's release or a memory registration.
 """
 
 from kvbeam.server.core.decode import DecodeCore
-from kvbeam.server.core.decode_landing import Incoming, Landing
+from kvbeam.server.core.incoming import Incoming, Landing
 from kvbeam.server.core.outgoing import Outgoing, Step
 from kvbeam.server.core.ports import (
     DecodePeers,

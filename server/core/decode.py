@@ -1,8 +1,8 @@
-"""Decode's core: reservations, BeginWrite, arrival and its proof, without gRPC.
+"""Decode's core: reservations, Offer, BeginWrite, arrival and its proof, without gRPC.
 
 Per request: :meth:`DecodeCore.reserve` holds a slot and computes the destination
 indices (Bootstrapping, its deadline is the reservation lease); the servicer then
-offers them to a connected prefill (:mod:`kvbeam.server.core.decode_offer`), or
+offers them to a connected prefill (:meth:`DecodeCore.offer`, below), or
 prefill's BeginWrite moves it to Transferring and learns the indices and the
 transfer id; the notification carrying that id arrives after every byte (RC
 ordering; an offered request is Transferring from then), the request's digest record
@@ -19,10 +19,30 @@ Abort once they have), or once the link they would come over is released. An abo
 prefill does not confirm keeps only that request's slot: decode asks again, and
 after the request's transfer budget releases that one link (its other requests stay
 for prefill's resend), never failing the peer's other requests.
+
+The Offer (protocol 2). When Reserve names a prefill that is a verified peer with a
+live connection, :meth:`DecodeCore.offer` sends Offer on the pair's peer channel with exactly what
+BeginWrite would answer (the transfer id, the destination lists), outside every
+lock, and does not wait: prefill's answer is an event, handled where it arrives
+(:meth:`DecodeCore.offer_answered`, on the peer channel's thread; bounded by
+``OFFER_TIMEOUT_S``, 1 s or less if the RPC timeout is, after which the channel
+answers "unknown"). No offer is made while the peer misses heartbeats: Reserve stays
+fast when prefill is slow or cut off, and no thread waits on prefill's answer.
+Prefill's Send then writes at once, with no control round trip; without an offer
+(the first request before any handshake, a Send before the Reserve, a resend on a
+new link) prefill asks with BeginWrite as before (docs/protocol.md, "The offer path
+and its fallback").
+
+The reservation counts as granted BEFORE the offer is sent (``peer_instance`` and
+the link set): prefill may post its writes, and its notification arrive, before
+Offer's answer is back here. From then on an abort asks prefill to drain first, as
+after a BeginWrite. Only an explicit refusal (prefill will not use it) takes the
+grant back; a call that got no answer may have been kept, so the grant stays.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -47,12 +67,14 @@ from kvbeam.pools.mailbox import RecordArea, record_bytes
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.sub_batches import MARK_BITS, buffer_bytes, cuts, split_id
 from kvbeam.pools.types import IndexKind
-from kvbeam.server.core.decode_landing import Incoming, Landing
-from kvbeam.server.core.decode_offer import DecodeOffer
+from kvbeam.server.core.decode_landing import DecodeLanding
 from kvbeam.server.core.decode_pages import PageBook
+from kvbeam.server.core.incoming import Incoming
 from kvbeam.server.core.ports import (
     SHUTDOWN_ABORT_S,
+    Offered,
     PrefillPeers,
+    WriteGrant,
     report_link_failure,
 )
 from kvbeam.server.faults import FaultHooks
@@ -74,7 +96,7 @@ ASK_AGAIN_S = 1.0
 MAX_ASKING = 2
 
 
-class DecodeCore(DecodeOffer):
+class DecodeCore(DecodeLanding):
     """All of decode's request state; the servicer and the runtime's loops call in."""
 
     role = "decode"
@@ -258,7 +280,7 @@ class DecodeCore(DecodeOffer):
             if relink and snap.state is TransferState.SUCCESS:
                 raise AlreadyLanded(f"request {request_id} landed and was verified before "
                                     "the resend: nothing to write again")
-            if relink and res.landing in (Landing.VERIFYING, Landing.VERIFIED):
+            if relink and res.checking:
                 # Every byte of the old link's writes landed (its notification came) and
                 # is being verified: a new landing must not reset it under the check.
                 raise AlreadyLanded(f"request {request_id} landed before the resend and "
@@ -278,8 +300,7 @@ class DecodeCore(DecodeOffer):
                 self._by_transfer.pop(res.transfer_id, None)
                 res.transfer_id = self._transfer_id()
                 self._by_transfer[res.transfer_id] = request_id
-                res.landing = Landing.AWAITED
-                res.marked = {}  # the old landing's sub-batches count for nothing
+                res.relinked()  # the old landing's sub-batches count for nothing
             res.link_id = conn.link.id
             if final:
                 res.digests_follow = digests_follow
@@ -373,7 +394,7 @@ class DecodeCore(DecodeOffer):
         res = self._lookup(self._res, request_id)
         if res is None:
             return (0, 0)
-        return (res.nbytes if res.landing is not Landing.AWAITED else 0, res.nbytes)
+        return (res.nbytes if res.landed else 0, res.nbytes)
 
     # ---- events ----------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
@@ -399,8 +420,7 @@ class DecodeCore(DecodeOffer):
             if res is not None and ok:
                 self._transferring(res.request_id)
                 if not mark:
-                    if res.landing is Landing.AWAITED:
-                        res.landing, res.landed_at = Landing.LANDED, time.monotonic()
+                    res.notified(time.monotonic())
                     go = self._ready(res)
         if res is None or not ok:
             log.warning("completion for unknown transfer id %s on link %d ignored%s",
@@ -628,3 +648,51 @@ class DecodeCore(DecodeOffer):
         if conn is None:
             return False
         return self.prefill.abort(conn, res.request_id, detail, timeout)
+
+    # ---- Offer: the reservation pushed to prefill ahead of its Send (protocol 2) ----------
+    def offer(self, res: Incoming) -> bool:
+        """Offer a fresh reservation to its prefill when that is a connected peer.
+
+        Returns whether the offer was sent (False: no connection, or BeginWrite came
+        first); prefill's answer comes later, to :meth:`offer_answered`. Never blocks:
+        any thread, no lock held.
+        """
+        conn = self.peers.by_address(res.prefill_address)
+        lease = self.table.left(res.request_id)
+        if conn is None or conn.closed or lease is None or conn.missed_heartbeats:
+            return False  # no peer, or one not answering now: BeginWrite decides later
+        with self._lock:
+            snap = self.table.get(res.request_id)
+            if (res.peer_instance or self._res.get(res.request_id) is not res
+                    or snap is None or snap.state.terminal):
+                return False  # BeginWrite came first, or the request ended or is gone
+            res.peer_instance, res.link_id, res.offered = conn.instance_id, conn.link.id, True
+        self.prefill.offer(conn, res.request_id, res.seq_len,
+                           WriteGrant(res.transfer_id, res.indices, res.draft,
+                                      res.kv_skip, res.mailbox_slot),
+                           res.slot, lease, functools.partial(self.offer_answered, res))
+        return True
+
+    def offer_answered(self, res: Incoming, answer: Offered) -> None:
+        """Prefill's answer to the Offer of ``res`` (any thread, no lock held; it takes
+        the core lock for bookkeeping only, and queues the check when it landed)."""
+        with self._lock:
+            still = res.offered  # no BeginWrite since (it decides instead)
+            if still and answer.kept:
+                res.digests_follow = answer is Offered.DIGESTS_FOLLOW
+            if still and answer is Offered.REFUSED and not res.landed:
+                res.peer_instance, res.link_id, res.offered = "", None, False
+            go = still and answer.kept and self._ready(res)
+            tid = res.transfer_id
+        left = self.table.left(res.request_id)
+        if answer.kept and left is not None:
+            # The lease still bounds the wait for the Send, but no BeginWrite will move
+            # the request to Transferring: a Send at the lease's very end must still have
+            # the time its bytes take at the floor rate.
+            self.table.extend(res.request_id, left + self.wire_s(res.nbytes))
+        self.on_offer({Offered.REFUSED: "refused", Offered.UNKNOWN: "failed"}.get(answer, "made"))
+        log.debug("request %s: offered to prefill %s: %s", res.request_id,
+                  res.prefill_address, answer.value,
+                  extra=fields(res.request_id, res.prefill_address))
+        if go:
+            self._start_verify(res, tid)

@@ -1,4 +1,4 @@
-"""Decode's landing path: the request's record, and its proof of arrival.
+"""Decode's landing path: a request's proof of arrival, and its verification.
 
 The notification carrying a request's transfer id arrives after every byte (RC
 ordering), the request's digest record included: with integrity on, prefill's last
@@ -17,7 +17,9 @@ landed bytes against its digests, and makes the request Success, or fails it
 awaited. A landing small enough that its digests run on the calling thread anyway
 is verified on the thread that saw it land (no hand-off); a larger one on the
 executor, and a failure is always handled there (telling prefill is a peer call).
-:class:`DecodeLanding` is a base of :class:`~kvbeam.server.core.decode.DecodeCore`.
+:class:`DecodeLanding` is the base of :class:`~kvbeam.server.core.decode.DecodeCore`
+that verifies; the request's record and its landing phase are
+:mod:`kvbeam.server.core.incoming`'s.
 """
 
 from __future__ import annotations
@@ -25,17 +27,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
-from enum import Enum
 
 from kvbeam.logs import fields
 from kvbeam.pools.digest import DIGEST_NAME, DigestPart, digest_parts
-from kvbeam.pools.digest_pool import DigestJob, DigestPool
+from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.mailbox import Expected, Record, RecordArea, RecordError, parse_record
 from kvbeam.pools.sub_batches import bounds
 from kvbeam.server.core.base import CoreBase
-from kvbeam.server.core.ports import IndexLists
+from kvbeam.server.core.incoming import Incoming, Landing
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.peers import Peers
 from kvbeam.states import (
@@ -47,75 +48,6 @@ from kvbeam.states import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class Landing(Enum):
-    """Where a request's bytes are on decode, for its current grant (one at a time).
-
-    AWAITED -> LANDED (its notification came) -> VERIFYING (the check is queued or
-    running: at most once per landing) -> VERIFIED (Success; held for the engine's
-    Release). A resend on a new link, before the check began, starts over at AWAITED
-    with a new transfer id; one that comes later is answered ``AlreadyLanded``.
-    """
-
-    #: Nothing of the current grant has landed (no notification of its transfer id).
-    AWAITED = "awaited"
-    #: Its notification came; the check waits for prefill's integrity flag (an Offer's
-    #: answer) or for the marks its digest record counts.
-    LANDED = "landed"
-    #: The check is queued or running.
-    VERIFYING = "verifying"
-    #: Checked: Success (or it ended meanwhile); nothing lands on it any more.
-    VERIFIED = "verified"
-
-
-@dataclass(eq=False)
-class Incoming:
-    """Decode's one record of a request (its lifecycle state lives in the table).
-
-    Prefill's counterpart is :class:`~kvbeam.server.core.outgoing.Outgoing`; the
-    scheduler's view of the same reservation is :class:`kvbeam.client.Reservation`
-    (what Reserve answered).
-    """
-
-    request_id: str
-    slot: int
-    seq_len: int
-    prefill_address: str
-    transfer_id: int
-    indices: IndexLists
-    nbytes: int
-    peer_instance: str = ""          # set by BeginWrite: prefill may write from now on
-    digests: list[int] | None = None  # the digest record's, once checked
-    #: Where its bytes are (:class:`Landing`).
-    landing: Landing = Landing.AWAITED
-    success_at: float | None = None  # when it was VERIFIED (its hand-off lease runs from it)
-    draft: IndexLists = field(default_factory=dict)  # the draft's own lists (engine's)
-    link_id: int | None = None       # the link prefill was granted: only its notification counts
-    # Prefill's integrity flag (from BeginWrite or its answer to Offer): True, its
-    # digest record comes in band (the mailbox); None, not known yet (an Offer not
-    # answered: a record found in the slot at the landing says it is on).
-    digests_follow: bool | None = None
-    offered: bool = False            # granted by Offer, no BeginWrite since
-    # time.monotonic() of the landing: the Success log line says how long the check took.
-    landed_at: float = 0.0
-    # An abort prefill did not confirm (its writes may be in flight): when it was first
-    # left unconfirmed and last asked again; ``asking``: an Abort of it is under way.
-    unconfirmed_since: float | None = None
-    asked_at: float = 0.0
-    asking: bool = False
-    abort_detail: str = ""
-    kv_skip: int = 0                 # leading KV pages the engine holds: not written
-    #: The request's slot of the digest mailbox (its request slot, also with engine lists).
-    mailbox_slot: int = -1
-    #: Where its sub-batches end (flat-buffer positions, pools/sub_batches.py), if prefill
-    #: marks them: decode's own cut, from its sub-batch size and this request's bytes.
-    sub_batches: tuple[int, ...] = ()
-    #: The digest jobs of the sub-batches whose mark came (mark number -> job), of the
-    #: current transfer id (a resend's new id starts over).
-    marked: dict[int, DigestJob] = field(default_factory=dict)
-    #: Its digest parts (one per flat buffer), built at its first mark.
-    parts: list[DigestPart] | None = None
 
 
 #: What a landed request waits for when prefill's integrity flag is not known (its
@@ -136,6 +68,11 @@ class DecodeLanding(CoreBase):
     mailbox: RecordArea | None
     _lock: threading.Lock
     _res: dict[str, Incoming]
+    #: Forget a request and free its slot (the core's: ``_free(request_id, why)``).
+    _free: Callable[[str, str], None]
+    #: Abort a request on prefill; True once prefill confirmed its writes drained (the
+    #: core's: ``_tell_prefill(res, detail, timeout=None)``).
+    _tell_prefill: Callable[..., bool]
 
     def _ready(self, res: Incoming) -> bool:
         """Landed, and prefill's integrity flag known: verify now, once.
@@ -167,7 +104,7 @@ class DecodeLanding(CoreBase):
                     f"the marks of its sub-batches: the digest record says {marks} came "
                     f"before it, {len(res.marked)} did"))
                 return False
-        res.landing = Landing.VERIFYING
+        res.verify()
         return True
 
     def _record(self, res: Incoming, transfer_id: int) -> Record:
@@ -209,19 +146,11 @@ class DecodeLanding(CoreBase):
             self._free(rid, "integrity failure")
             self._tell_prefill(res, f"decode integrity check failed: {detail}")
 
-    def _free(self, rid: str, why: str) -> None:
-        """Forget the request and free its slot (defined by the core)."""
-        raise NotImplementedError
-
-    def _tell_prefill(self, res: Incoming, detail: str, timeout: float | None = None) -> bool:
-        """Abort the request on prefill (defined by the core)."""
-        raise NotImplementedError
-
     @staticmethod
     def _current(res: Incoming, transfer_id: int) -> bool:
         """The landing of ``transfer_id`` is still the request's (no resend replaced it).
         Core lock held."""
-        return res.transfer_id == transfer_id and res.landing is not Landing.AWAITED
+        return res.transfer_id == transfer_id and res.landed
 
     def _verify(self, res: Incoming, transfer_id: int, inline: bool = False) -> None:
         """Check the landed bytes against prefill's digests, then Success.
@@ -280,7 +209,7 @@ class DecodeLanding(CoreBase):
                     log.info("request %s landed after it ended: %s", rid, exc,
                              extra=fields(rid, res.prefill_address))
                     return
-                res.landing, res.success_at = Landing.VERIFIED, time.monotonic()
+                res.verified(time.monotonic())
         if not current:
             self._replaced(res, transfer_id)
             return
@@ -343,7 +272,7 @@ class DecodeLanding(CoreBase):
         job = self.digest_pool.start(parts[lo:hi])
         with self._lock:
             fresh = (res.transfer_id == transfer_id and mark not in res.marked
-                     and res.landing in (Landing.AWAITED, Landing.LANDED))
+                     and not res.checking)
             if fresh:
                 res.marked[mark] = job
             go = fresh and self._ready(res)

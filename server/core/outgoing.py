@@ -202,13 +202,19 @@ class Outgoing:
         return False
 
     # ---- the writes --------------------------------------------------------------------
-    def completed(self, ok: bool) -> int:
-        """One write completed (``ok``: its bytes landed): the bytes it counted."""
+    def completed(self, ok: bool, link: int) -> bool:
+        """One write on ``link`` completed (``ok``: its bytes landed). True when it
+        proves the whole request landed: the last outstanding write of its final chunk,
+        on this attempt's link (RC and TCP keep order: every byte before it landed); a
+        resend owed is then moot."""
         self.outstanding -= 1
         nbytes = self.pending_bytes.popleft() if self.pending_bytes else 0
         if ok:
             self.bytes_done += nbytes
-        return nbytes
+        done = ok and self.final_posted and self.outstanding == 0 and link == self.attempt_link
+        if done:
+            self.resend_cause = None
+        return done
 
     # ---- the resend --------------------------------------------------------------------
     def link_failed(self, link_id: int, cause: str, retries: int) -> bool:

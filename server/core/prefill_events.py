@@ -135,17 +135,15 @@ class PrefillEvents:
                 conn = self.peers.by_link(event.link)
                 if conn is not None and self.peers.remove(conn):
                     lost = conn
-            rec.completed(event.ok)
+            # The final write acknowledged on this attempt's link means every byte
+            # landed: a Success even if a resend was owed.
+            landed = rec.completed(event.ok, event.link)
             self.records.give(rec)  # once no write of it reads the staging slot
             self._drained.notify_all()
             snap = self.table.get(rec.request_id)
-            # The final write acknowledged on this attempt's link means every byte
-            # landed (RC and TCP keep order): a Success even if a resend was pending.
-            success = (event.ok and rec.final_posted and rec.outstanding == 0
-                       and event.link == rec.attempt_link
-                       and snap is not None and snap.state is TransferState.TRANSFERRING)
+            success = (landed and snap is not None
+                       and snap.state is TransferState.TRANSFERRING)
             if success:
-                rec.resend_cause = None
                 self.table.advance(rec.request_id, TransferState.SUCCESS,
                                    nbytes=rec.bytes_done)
             spared = not event.ok and self._note_link_failure(

@@ -14,7 +14,7 @@ from kvbeam.auth import Security
 from kvbeam.errors import AlreadyLanded, BadIndexList
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.types import IndexKind
-from kvbeam.server.core.decode_landing import Landing
+from kvbeam.server.core.incoming import Landing
 from kvbeam.server.identity import claim_refusal
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Event, EventKind

@@ -15,7 +15,8 @@ from kvbeam.pools.indices import request_indices
 from kvbeam.pools.mailbox import encode_record
 from kvbeam.server.core import prefill as prefill_module
 from kvbeam.server.core.decode import DecodeCore
-from kvbeam.server.core.decode_landing import WAITING_FOR_DIGESTS, Landing
+from kvbeam.server.core.decode_landing import WAITING_FOR_DIGESTS
+from kvbeam.server.core.incoming import Landing
 from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.lifecycle import Deadlines

@@ -115,9 +115,21 @@ def test_completions_count_bytes_and_drain() -> None:
     rec = _rec()
     _posted(rec, link=3, writes=2)
     assert not rec.drained
-    assert rec.completed(ok=True) == 100 and rec.bytes_done == 100
-    assert rec.completed(ok=False) == 100 and rec.bytes_done == 100  # failed: not done
+    assert rec.completed(ok=True, link=3) is False and rec.bytes_done == 100
+    assert rec.completed(ok=False, link=3) is False and rec.bytes_done == 100  # failed
     assert rec.drained and rec.outstanding == 0
+
+
+def test_only_the_final_chunks_last_write_on_this_attempts_link_proves_the_landing() -> None:
+    rec = _rec()
+    _posted(rec, link=3, writes=2)
+    assert not rec.completed(ok=True, link=3), "landed before the final chunk was posted"
+    rec.final_posted = True
+    rec.resend_cause = "a link failure seen after the bytes landed"
+    assert not rec.completed(ok=True, link=9), "a stray link's completion proved it"
+    _posted(rec, link=3, writes=1)
+    assert rec.completed(ok=True, link=3)
+    assert rec.resend_cause is None  # nothing is left to resend
 
 
 def test_a_failed_link_owes_one_resend_that_waits_for_the_writes_and_the_step() -> None:
@@ -133,8 +145,8 @@ def test_a_failed_link_owes_one_resend_that_waits_for_the_writes_and_the_step() 
     assert rec.link_failed(3, "again", retries=1) is True  # the same failure, seen twice
     assert rec.resend_cause == "IBV_WC_RETRY_EXC_ERR"
     assert not rec.resend_due(), "a resend started while writes were outstanding"
-    rec.completed(ok=False)
-    rec.completed(ok=False)
+    rec.completed(ok=False, link=3)
+    rec.completed(ok=False, link=3)
     assert rec.resend_due()
     rec.replay()
     assert _at(rec) is Step.RUNNING and rec.resends == 1 and rec.resend_cause is None
@@ -150,8 +162,8 @@ def test_a_queued_step_holds_back_an_owed_resend() -> None:
     rec.move(Step.RUNNING)
     _posted(rec, link=1)
     rec.link_failed(1, "broken", retries=2)
-    rec.completed(ok=False)
-    rec.completed(ok=False)
+    rec.completed(ok=False, link=1)
+    rec.completed(ok=False, link=1)
     assert not rec.resend_due(), "the resend started while a step ran"
     rec.queue(([(64, 128)], True))
     # the running step stops for the resend: it ends IDLE, not with the next chunk

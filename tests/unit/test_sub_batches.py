@@ -23,7 +23,7 @@ from kvbeam.pools.sub_batches import (
     split_id,
 )
 from kvbeam.server.core.decode import DecodeCore
-from kvbeam.server.core.decode_landing import Landing
+from kvbeam.server.core.incoming import Landing
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.peers import PeerConn

@@ -1,0 +1,127 @@
+"""Decode's record of one request, and the explicit phase of its landing.
+
+A request's bytes are in exactly one :class:`Landing` phase for its current grant;
+the core moves it under its lock (:mod:`kvbeam.server.core.decode`,
+:mod:`kvbeam.server.core.decode_landing`). Prefill's counterpart is
+:mod:`kvbeam.server.core.outgoing`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvbeam.pools.digest import DigestPart
+from kvbeam.pools.digest_pool import DigestJob
+from kvbeam.server.core.ports import IndexLists
+
+
+class Landing(Enum):
+    """Where a request's bytes are on decode, for its current grant (one at a time).
+
+    AWAITED -> LANDED (its notification came) -> VERIFYING (the check is queued or
+    running: at most once per landing) -> VERIFIED (Success; held for the engine's
+    Release). A resend on a new link, before the check began, starts over at AWAITED
+    with a new transfer id; one that comes later is answered ``AlreadyLanded``.
+    """
+
+    #: Nothing of the current grant has landed (no notification of its transfer id).
+    AWAITED = "awaited"
+    #: Its notification came; the check waits for prefill's integrity flag (an Offer's
+    #: answer) or for the marks its digest record counts.
+    LANDED = "landed"
+    #: The check is queued or running.
+    VERIFYING = "verifying"
+    #: Checked: Success (or it ended meanwhile); nothing lands on it any more.
+    VERIFIED = "verified"
+
+
+@dataclass(eq=False)
+class Incoming:
+    """Decode's one record of a request (its lifecycle state lives in the table).
+
+    Prefill's counterpart is :class:`~kvbeam.server.core.outgoing.Outgoing`; the
+    scheduler's view of the same reservation is :class:`kvbeam.client.Reservation`
+    (what Reserve answered).
+    """
+
+    request_id: str
+    slot: int
+    seq_len: int
+    prefill_address: str
+    transfer_id: int
+    indices: IndexLists
+    nbytes: int
+    peer_instance: str = ""          # set by BeginWrite: prefill may write from now on
+    digests: list[int] | None = None  # the digest record's, once checked
+    #: Where its bytes are (:class:`Landing`).
+    landing: Landing = Landing.AWAITED
+    success_at: float | None = None  # when it was VERIFIED (its hand-off lease runs from it)
+    draft: IndexLists = field(default_factory=dict)  # the draft's own lists (engine's)
+    link_id: int | None = None       # the link prefill was granted: only its notification counts
+    # Prefill's integrity flag (from BeginWrite or its answer to Offer): True, its
+    # digest record comes in band (the mailbox); None, not known yet (an Offer not
+    # answered: a record found in the slot at the landing says it is on).
+    digests_follow: bool | None = None
+    offered: bool = False            # granted by Offer, no BeginWrite since
+    # time.monotonic() of the landing: the Success log line says how long the check took.
+    landed_at: float = 0.0
+    # An abort prefill did not confirm (its writes may be in flight): when it was first
+    # left unconfirmed and last asked again; ``asking``: an Abort of it is under way.
+    unconfirmed_since: float | None = None
+    asked_at: float = 0.0
+    asking: bool = False
+    abort_detail: str = ""
+    kv_skip: int = 0                 # leading KV pages the engine holds: not written
+    #: The request's slot of the digest mailbox (its request slot, also with engine lists).
+    mailbox_slot: int = -1
+    #: Where its sub-batches end (flat-buffer positions, pools/sub_batches.py), if prefill
+    #: marks them: decode's own cut, from its sub-batch size and this request's bytes.
+    sub_batches: tuple[int, ...] = ()
+    #: The digest jobs of the sub-batches whose mark came (mark number -> job), of the
+    #: current transfer id (a resend's new id starts over).
+    marked: dict[int, DigestJob] = field(default_factory=dict)
+    #: Its digest parts (one per flat buffer), built at its first mark.
+    parts: list[DigestPart] | None = None
+
+    # ---- the landing's moves (the core calls them under its lock) --------------------
+    @property
+    def landed(self) -> bool:
+        """Its current grant's notification came (every byte of it landed)."""
+        return self.landing is not Landing.AWAITED
+
+    @property
+    def checking(self) -> bool:
+        """Its check is queued, running or done: nothing may replace the landing."""
+        return self.landing in (Landing.VERIFYING, Landing.VERIFIED)
+
+    def notified(self, now: float) -> None:
+        """The notification of its current transfer id came: AWAITED -> LANDED (a
+        repeated one changes nothing)."""
+        if self.landing is Landing.AWAITED:
+            self.landing, self.landed_at = Landing.LANDED, now
+
+    def verify(self) -> None:
+        """Its check starts (once per landing): LANDED -> VERIFYING."""
+        self._move(Landing.LANDED, Landing.VERIFYING)
+
+    def verified(self, now: float) -> None:
+        """Its check passed and it is Success: VERIFYING -> VERIFIED (its hand-off
+        lease runs from ``now``)."""
+        self._move(Landing.VERIFYING, Landing.VERIFIED)
+        self.success_at = now
+
+    def relinked(self) -> None:
+        """Prefill writes it again on a new link, before any check began: back to
+        AWAITED, and the old landing's sub-batches count for nothing."""
+        if self.checking:
+            raise RuntimeError(f"request {self.request_id}: a landing being checked "
+                               "cannot be replaced")
+        self.landing = Landing.AWAITED
+        self.marked = {}
+
+    def _move(self, at: Landing, to: Landing) -> None:
+        if self.landing is not at:
+            raise RuntimeError(f"request {self.request_id}: its landing cannot go from "
+                               f"{self.landing.value} to {to.value}")
+        self.landing = to
