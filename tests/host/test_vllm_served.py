@@ -537,9 +537,13 @@ def test_a_decode_killed_mid_transfer_behind_the_router_leaves_prefill_serving(
     assert live["decode2 daemon"] >= 1, live
     assert any(not s.startswith("HTTP 200 length") for s in seen), seen  # decode2's clients
     # The router and both prefills keep serving: prompts through the router reach the
-    # surviving decode (those it still sends to decode2 fail), token-identical.
+    # surviving decode (those it still sends to decode2 fail), token-identical. The
+    # router picks the decode at random and keeps the dead one in its list, so up to
+    # 24 prompts go until 3 complete (8 at random all to decode2 happened once).
     after: list[tuple[str, bool]] = []
-    for _ in range(8):
+    for _ in range(24):
+        if sum(ok for _, ok in after) >= 3:
+            break
         prompt = _tokens(rng, 150)
         try:
             got = complete(router.url, prompt, MAX_TOKENS, timeout=120)
@@ -547,7 +551,7 @@ def test_a_decode_killed_mid_transfer_behind_the_router_leaves_prefill_serving(
             after.append((f"{type(exc).__name__}: {exc}", False))
             continue
         ok = (got.status, got.finish) == (200, "length")
-        after.append((f"HTTP {got.status} {got.finish} {got.error[:80]}", ok))
+        after.append((f"HTTP {got.status} {got.finish} {got.error[:160]}", ok))
         if ok:
             assert got.tokens == complete(served.plain.url, prompt, MAX_TOKENS).tokens
     log.warning("through the router after the kill: %s", after)
