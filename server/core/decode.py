@@ -21,9 +21,9 @@ after the request's transfer budget releases that one link (its other requests s
 for prefill's resend), never failing the peer's other requests.
 
 The Offer (protocol 2). When Reserve names a prefill that is a verified peer with a
-live connection, :meth:`DecodeCore.offer` sends Offer on the pair's peer channel with exactly what
-BeginWrite would answer (the transfer id, the destination lists), outside every
-lock, and does not wait: prefill's answer is an event, handled where it arrives
+live connection, :meth:`DecodeCore.offer` sends Offer on the pair's peer channel with
+exactly what BeginWrite would answer (the transfer id, the destination lists), outside
+every lock, and does not wait: prefill's answer is an event, handled where it arrives
 (:meth:`DecodeCore.offer_answered`, on the peer channel's thread; bounded by
 ``OFFER_TIMEOUT_S``, 1 s or less if the RPC timeout is, after which the channel
 answers "unknown"). No offer is made while the peer misses heartbeats: Reserve stays

@@ -694,10 +694,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         # with nothing to overlap (a small request's job runs inline on this thread; a
         # resend's are kept) put the record at the end of the data's own write (one
         # transfer, one completion); else it is one more write once the job is done.
-        job = (self.digest_pool.digests(self.pools, rec.moved_source, draft=rec.src_draft,
-                                        windows=side_windows(self.layout, conn.peer.layout,
-                                                             source=True))
-               if record and rec.digests is None else None)
+        job = self._digest_job(rec, conn) if record and rec.digests is None else None
         together = record and (job is None or job.inline)
         separate = record and not together
         # The writes: each marked sub-batch (its own notified write), then the rest.
@@ -771,10 +768,15 @@ class PrefillCore(PrefillEvents, CoreBase):
         computed once per request, a resend writes the same digests with its new
         transfer id. Outside every lock, on the step's thread (it may wait for the pool)."""
         if rec.digests is None:
-            rec.digests = (job or self.digest_pool.digests(
-                self.pools, rec.moved_source, draft=rec.src_draft,
-                windows=side_windows(self.layout, conn.peer.layout, source=True))).result()
+            rec.digests = (job or self._digest_job(rec, conn)).result()
         return self.records.blocks(rec, conn, grant, rec.digests, marks, self.faults)
+
+    def _digest_job(self, rec: Outgoing, conn: PeerConn) -> DigestJob:
+        """The request's digests of what it moves to ``conn``'s decode, started on the
+        digest pool (the bytes of each item that decode's layout takes)."""
+        return self.digest_pool.digests(self.pools, rec.moved_source, draft=rec.src_draft,
+                                        windows=side_windows(self.layout, conn.peer.layout,
+                                                             source=True))
 
     def _sub_batches(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant,
                      plan: TransferPlan, blocks: Blocks) -> list[tuple[int, Blocks]]:
