@@ -1,10 +1,9 @@
 """The decode daemon's adapter: the RPCs Reserve, Release and Abort, and the peer
 channel's BeginWrite and Abort (``channel_handlers``: no BeginWrite RPC is served).
 
-The core is :class:`DecodeCore`.
-
-Decodes each request, calls the core (:mod:`kvbeam.server.core.decode`, where the
-reservations live) and encodes the answer. The handshake hooks create and connect
+Decodes each request, calls decode's driver (:class:`DecodeDriver`, which hands each
+call to the core, :mod:`kvbeam.server.core.decode`, where the reservations live, and
+does the core's actions) and encodes the answer. The handshake hooks create and connect
 one link per verified prefill instance, before the handshake reply leaves.
 """
 
@@ -28,7 +27,7 @@ from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.transfer_codec import index_lists_from_proto, indices_to_proto
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import handled
-from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.daemon_servicer import IO_WORKERS, ChannelContext, DaemonServicer
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.identity import claim_refusal
@@ -57,7 +56,7 @@ class DecodeServicer(DaemonServicer):
         super().__init__(runtime, workers)
         spec, layout, pools = runtime.initial_pools()  # none yet with --pools engine
         self._dial = Dialer(runtime.options)
-        self.core = self.decode = DecodeCore(
+        self.core = self.decode = DecodeDriver(
             table=runtime.table, peers=runtime.peers,
             prefill=GrpcPrefillPeers(lambda: self.local, runtime.options), io=self.io,
             spec=spec, layout=layout, pools=pools,

@@ -37,7 +37,7 @@ from typing import Protocol
 from kvbeam.errors import BadRequest, KvbeamError
 from kvbeam.proto import engine_frames as ef
 from kvbeam.proto.fields import host_port
-from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.validation import request_id_of, seq_len_of
 from kvbeam.states import TransferState, TransferStatus
@@ -75,7 +75,7 @@ class EngineOps(Protocol):
 class CoreOps:
     """:class:`EngineOps` over a daemon's core, with the gRPC handlers' field checks."""
 
-    def __init__(self, role: str, core: Callable[[], DecodeCore | PrefillCore],
+    def __init__(self, role: str, core: Callable[[], DecodeDriver | PrefillCore],
                  max_context_len: Callable[[], int]) -> None:
         self.role = role
         self._core = core
@@ -86,7 +86,7 @@ class CoreOps:
 
     def reserve(self, frame: ef.Reserve) -> None:
         core = self._core()
-        if not isinstance(core, DecodeCore):
+        if not isinstance(core, DecodeDriver):
             raise ef.FrameError("kind", "RESERVE is decode's; this is a prefill daemon",
                                 frame.request_id)
         seq_len = self._seq_len(frame.seq_len)
@@ -124,14 +124,14 @@ class CoreOps:
 
     def release(self, frame: ef.Release) -> None:
         core = self._core()
-        if not isinstance(core, DecodeCore):
+        if not isinstance(core, DecodeDriver):
             raise ef.FrameError("kind", "RELEASE is decode's; this is a prefill daemon",
                                 frame.request_id)
         core.release(frame.request_id)
 
     def decline(self, frame: ef.Decline) -> None:
         core = self._core()
-        if not isinstance(core, DecodeCore):
+        if not isinstance(core, DecodeDriver):
             raise ef.FrameError("kind", "DECLINE is decode's; this is a prefill daemon",
                                 frame.request_id)
         host_port(frame.prefill_address, "prefill_address")

@@ -43,7 +43,7 @@ from kvbeam.transport.base import Registration
 from kvbeam.transport.factory import Kind as TransportKind
 
 if TYPE_CHECKING:
-    from kvbeam.server.core.decode import DecodeCore
+    from kvbeam.server.core.decode_driver import DecodeDriver
     from kvbeam.server.core.prefill import PrefillCore
     from kvbeam.server.daemon_servicer import DaemonServicer
 
@@ -231,12 +231,12 @@ class Runtime:
         if self.engine_mode:
             self.gauges = AttachGauges(self.metrics.registry)
             self.engine_channel = EngineChannel(
-                CoreOps(self.role.value, lambda: cast("DecodeCore | PrefillCore", servicer.core),
+                CoreOps(self.role.value, lambda: cast("DecodeDriver | PrefillCore", servicer.core),
                         lambda: self.config.target.max_context_len), servicer.io,
                 failed_when_freed=self.role is Role.DECODE)
             if self.role is Role.DECODE:
                 # A failed request's Failed goes to the engine once its pages are free.
-                cast("DecodeCore", servicer.core).on_freed = self.engine_channel.on_freed
+                cast("DecodeDriver", servicer.core).on_freed = self.engine_channel.on_freed
             self.attach_server = AttachServer(self.attach_path, self.settings.attach_allow_uid,
                                               self.attach_engine, self.detach_engine,
                                               group=self.settings.attach_group,
@@ -281,7 +281,7 @@ class Runtime:
             raise
         core = self._servicer.core
         if self.role is Role.DECODE:
-            cast("DecodeCore", core).use_mailbox(records)
+            cast("DecodeDriver", core).use_mailbox(records)
         else:
             cast("PrefillCore", core).use_staging(records)
         pools = Pools(memory.config, memory.layout, memory.side, registration)

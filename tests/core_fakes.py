@@ -17,6 +17,7 @@ from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.mailbox import HEADER, MAGIC, RecordArea, encode_record, request_hash
 from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.faults import FaultHooks
@@ -181,13 +182,14 @@ class FakeDecode:
         return sum(self.abort(conn, address, rid, detail, timeout) for conn, address, rid in calls)
 
 
-def land_record(core: DecodeCore, request_id: str, digests: list[int],
+def land_record(core: DecodeDriver | DecodeCore, request_id: str, digests: list[int],
                 transfer_id: int | None = None, slot: int | None = None,
                 marks: int = 0) -> None:
     """What prefill's record write lands before its marker: the request's digest record
     in its slot of decode's mailbox (``transfer_id``/``slot``: the record's, by default
     the reservation's; ``marks``: the sub-batches it says were notified before it)."""
-    res = core._reservation(request_id)
+    inner = core.core if isinstance(core, DecodeDriver) else core
+    res = inner._reservation(request_id)
     assert core.mailbox is not None
     tid = res.transfer_id if transfer_id is None else transfer_id
     core.mailbox.put(res.mailbox_slot, encode_record(

@@ -22,21 +22,26 @@ collaborators the core holds: :mod:`~kvbeam.server.core.offers` (``OfferBook``,
 decode's reservations ahead of Send), :mod:`~kvbeam.server.core.prefill_record`
 (``RecordStager``: the digest record's staging slots, written into decode's mailbox
 before the completion marker: protocol 5) and :mod:`~kvbeam.server.core.resend`
-(``ResendPolicy``). Decode: :mod:`~kvbeam.server.core.incoming` (the request record
-and its landing's one explicit phase, :class:`Landing`: pure),
-:mod:`~kvbeam.server.core.decode` (API, the Offer, events),
-:mod:`~kvbeam.server.core.decode_landing` (the digest record and the verification),
-:mod:`~kvbeam.server.core.decode_pages` (no item in two live reservations).
+(``ResendPolicy``). Decode's core is a plain state machine, events in and actions
+out: :mod:`~kvbeam.server.core.incoming` (the request record and its landing's one
+explicit phase, :class:`Landing`: pure), :mod:`~kvbeam.server.core.decode` (the core:
+every API call, transport event, peer answer, verdict and tick is an event, and it
+returns :mod:`~kvbeam.server.core.decode_actions`; it does no I/O),
+:mod:`~kvbeam.server.core.decode_pages` (no item in two live reservations); its
+driver :mod:`~kvbeam.server.core.decode_driver` (``DecodeDriver``, what the daemon
+calls: it does every action and feeds back what comes of it) with
+:mod:`~kvbeam.server.core.decode_landing` (``LandingCheck``: the digest record and
+the landed bytes' digests, the driver's I/O).
 Each request's phase is its record's, moved only by its methods; its lifecycle state
 (what engines and schedulers see) is the table's.
 
-Threads. The driver (``DaemonServicer``) owns ONE bounded executor
+Threads. The daemon (``DaemonServicer``) owns ONE bounded executor
 (``ThreadPoolExecutor``, ``IO_WORKERS`` threads); every blocking step runs there:
 handshakes, XXH3-128 digests, peer calls (BeginWrite, Abort: each waits for its
-answer on the pair's peer channel), link releases. Decode's Offer
-(:meth:`~kvbeam.server.core.decode.DecodeCore.offer`) does not block: it is sent from the
-Reserve's thread, outside every lock, and its answer is an event handled on the
-peer channel's thread (``DecodeCore.offer_answered``). ``on_event`` runs on the
+answer on the pair's peer channel), link releases. Decode's Offer (the core's
+``SendOffer`` action) does not block: its driver sends it from the Reserve's thread,
+outside every lock, and its answer is an event handled on the peer channel's thread
+(``DecodeCore.offer_answered``). ``on_event`` runs on the
 transport thread that saw the event (or the daemon's event thread; see
 :meth:`kvbeam.transport.base.Transport.deliver_to`) with no transport lock held: it does
 bookkeeping, verifies a small landing on decode (its digests run

@@ -2,8 +2,8 @@
 
 :class:`CoreBase` is the base of :class:`~kvbeam.server.core.prefill.PrefillCore`
 and :class:`~kvbeam.server.core.decode.DecodeCore`: one place for the status
-accessor and for taking up or dropping an engine's memory, which both do the same
-way (fail whatever is live, then hold the new pools or none).
+accessor and for taking up or refusing an engine's memory. Failing what was live
+first is the caller's (prefill's core, decode's driver): it is I/O (peers are told).
 """
 
 from __future__ import annotations
@@ -47,22 +47,14 @@ class CoreBase(PoolsHolder):
         with self._lock:
             return records.get(request_id)
 
-    def shutdown(self, detail: str) -> None:
-        """Fail every live request (defined by the core)."""
-        raise NotImplementedError
-
     def _adopt(self, spec: PoolSpec, layout: SideLayout) -> None:
         """Size the core's own state for an engine's config (decode: its slots)."""
 
-    def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
-        """An engine attached: work in its memory from now on."""
-        if self.table.live():  # a request that raced the detach: its indices are stale
-            self.shutdown("engine memory replaced while the request was being accepted")
+    def take_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
+        """Work in an engine's memory from now on (the caller failed what was live)."""
         self._adopt(spec, layout)
         self._hold(spec, layout, pools)
 
-    def drop_pools(self, detail: str) -> None:
-        """The engine's memory goes: refuse new requests, fail every live one (the peer
-        is told, bounded), release every link (their writes stop)."""
+    def refuse_pools(self, detail: str) -> None:
+        """No memory from now on: every path that would touch it refuses, saying why."""
         self._hold(None, None, None, f"no engine attached ({detail})")
-        self.shutdown(detail)

@@ -1,54 +1,64 @@
-"""Decode's core: reservations, Offer, BeginWrite, arrival and its proof, without gRPC.
+"""Decode's core: reservations, Offer, BeginWrite, arrival and its proof, as a state
+machine: events in, actions out, no I/O.
+
+Every method takes an event (an API call, a transport event, a peer's answer, a
+digest job started, a verdict, a timer's time ``now``) and returns what the driver
+must do (:mod:`kvbeam.server.core.decode_actions`): the core holds no executor, no
+peer client, no clock and no digest pool. The driver
+(:class:`~kvbeam.server.core.decode_driver.DecodeDriver`) is the only place that
+does I/O, and feeds what comes back to the core as its next event. The core still
+takes its one lock, since events arrive on several of the daemon's threads; it never
+holds it while anything is done, because it does nothing.
 
 Per request: :meth:`DecodeCore.reserve` holds a slot and computes the destination
-indices (Bootstrapping, its deadline is the reservation lease); the servicer then
-offers them to a connected prefill (:meth:`DecodeCore.offer`, below), or
-prefill's BeginWrite moves it to Transferring and learns the indices and the
-transfer id; the notification carrying that id arrives after every byte (RC
-ordering; an offered request is Transferring from then), the request's digest record
-among them (prefill writes it into the request's slot of the digest mailbox before the
-marker), and the record and the bytes are checked on the executor
-(:mod:`kvbeam.server.core.decode_landing`); then the request is Success. The slot
+indices (Bootstrapping, its deadline is the reservation lease); the driver then
+offers them to a connected prefill (:meth:`DecodeCore.offer` returns the
+:class:`SendOffer`), or prefill's BeginWrite moves it to Transferring and learns the
+indices and the transfer id; the notification carrying that id arrives after every
+byte (RC ordering; an offered request is Transferring from then), the request's
+digest record among them (prefill writes it into the request's slot of the digest
+mailbox before the marker), and :class:`CheckLanding` checks the record and the
+bytes; the verdict (:meth:`DecodeCore.checked`) makes the request Success. The slot
 stays held until the scheduler's Release (the engine took over) or the hand-off
 lease expires.
 
 No slot is freed while the prefill side might still write into it: a failure decode
-originates after prefill began writing is propagated to prefill first, and the slot
-is freed once prefill confirms its writes drained (in its answer, or by its own
-Abort once they have), or once the link they would come over is released. An abort
-prefill does not confirm keeps only that request's slot: decode asks again, and
-after the request's transfer budget releases that one link (its other requests stay
-for prefill's resend), never failing the peer's other requests.
+originates after prefill began writing is propagated to prefill first
+(:class:`DrainPrefill`), and the slot is freed once prefill confirms its writes
+drained (:meth:`DecodeCore.drain_answered`, or its own Abort once they have), or once
+the link they would come over is released (:meth:`DecodeCore.link_dropped`). An
+abort prefill does not confirm keeps only that request's slot: decode asks again,
+and after the request's transfer budget releases that one link (its other requests
+stay for prefill's resend), never failing the peer's other requests.
 
 The Offer (protocol 2). When Reserve names a prefill that is a verified peer with a
-live connection, :meth:`DecodeCore.offer` sends Offer on the pair's peer channel with
-exactly what BeginWrite would answer (the transfer id, the destination lists), outside
-every lock, and does not wait: prefill's answer is an event, handled where it arrives
-(:meth:`DecodeCore.offer_answered`, on the peer channel's thread; bounded by
-``OFFER_TIMEOUT_S``, 1 s or less if the RPC timeout is, after which the channel
-answers "unknown"). No offer is made while the peer misses heartbeats: Reserve stays
-fast when prefill is slow or cut off, and no thread waits on prefill's answer.
-Prefill's Send then writes at once, with no control round trip; without an offer
-(the first request before any handshake, a Send before the Reserve, a resend on a
-new link) prefill asks with BeginWrite as before (docs/protocol.md, "The offer path
-and its fallback").
+live connection, the Offer carries exactly what BeginWrite would answer (the
+transfer id, the destination lists); the driver sends it on the pair's peer channel
+and does not wait: prefill's answer is an event (:meth:`DecodeCore.offer_answered`;
+bounded by ``OFFER_TIMEOUT_S``, 1 s or less if the RPC timeout is, after which the
+channel answers "unknown"). No offer is made while the peer misses heartbeats:
+Reserve stays fast when prefill is slow or cut off. Prefill's Send then writes at
+once, with no control round trip; without an offer (the first request before any
+handshake, a Send before the Reserve, a resend on a new link) prefill asks with
+BeginWrite as before (docs/protocol.md, "The offer path and its fallback").
 
 The reservation counts as granted BEFORE the offer is sent (``peer_instance`` and
 the link set): prefill may post its writes, and its notification arrive, before
 Offer's answer is back here. From then on an abort asks prefill to drain first, as
 after a BeginWrite. Only an explicit refusal (prefill will not use it) takes the
 grant back; a call that got no answer may have been kept, so the grant stays.
+
+The landing's decisions live here too (:meth:`DecodeCore._ready`: when to check;
+:meth:`DecodeCore.checked`: what the verdict does); reading the record and digesting
+the bytes is the driver's (:mod:`kvbeam.server.core.decode_landing`).
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor
 
 from kvbeam.errors import (
     AlreadyLanded,
@@ -59,7 +69,7 @@ from kvbeam.errors import (
 )
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.digest_pool import DigestPool
+from kvbeam.pools.digest_pool import DigestJob
 from kvbeam.pools.engine_indices import ListLike, check_kv_skip, validate
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import SideLayout
@@ -67,17 +77,22 @@ from kvbeam.pools.mailbox import RecordArea, record_bytes
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.sub_batches import MARK_BITS, buffer_bytes, cuts, split_id
 from kvbeam.pools.types import IndexKind
-from kvbeam.server.core.decode_landing import DecodeLanding
-from kvbeam.server.core.decode_pages import PageBook
-from kvbeam.server.core.incoming import Incoming
-from kvbeam.server.core.ports import (
-    SHUTDOWN_ABORT_S,
-    Offered,
-    PrefillPeers,
-    WriteGrant,
-    report_link_failure,
+from kvbeam.server.core.base import CoreBase
+from kvbeam.server.core.decode_actions import (
+    Actions,
+    CheckLanding,
+    Count,
+    DigestMark,
+    DrainPrefill,
+    DropLink,
+    Freed,
+    SendOffer,
+    TellPrefill,
 )
-from kvbeam.server.faults import FaultHooks
+from kvbeam.server.core.decode_landing import Verdict
+from kvbeam.server.core.decode_pages import PageBook
+from kvbeam.server.core.incoming import Incoming, Landing
+from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.server.slots import SlotPool
@@ -92,47 +107,41 @@ log = logging.getLogger(__name__)
 
 #: Seconds between decode's repeats of an Abort prefill has not confirmed.
 ASK_AGAIN_S = 1.0
-#: Repeated Aborts in flight at once (each an RPC on the bounded executor).
+#: Repeated Aborts in flight at once (each a peer call on the driver's executor).
 MAX_ASKING = 2
+#: What a landed request waits for when prefill's integrity flag is not known (its
+#: answer to the Offer never came) and no record is in the slot (a timeout names it).
+WAITING_FOR_DIGESTS = ("the writes landed without a digest record, and prefill's answer "
+                       "to the Offer (its integrity flag) never came")
 
 
-class DecodeCore(DecodeLanding):
-    """All of decode's request state; the servicer and the runtime's loops call in."""
+class DecodeCore(CoreBase):
+    """All of decode's request state, and every decision on it; returns actions."""
 
     role = "decode"
     ask_again_s = ASK_AGAIN_S
 
-    def __init__(self, *, table: TransferTable, peers: Peers, prefill: PrefillPeers,
-                 io: Executor, spec: PoolSpec | None, layout: SideLayout | None,
-                 pools: AllocatedSide | None, integrity: bool, faults: FaultHooks | None,
+    def __init__(self, *, table: TransferTable, peers: Peers, spec: PoolSpec | None,
+                 layout: SideLayout | None, pools: AllocatedSide | None, integrity: bool,
                  handoff_lease_s: float,
                  transfer_budget: Callable[[int], float] = lambda _n: 0.0,
-                 on_offer: Callable[[str], None] = lambda _event: None,
                  wire_s: Callable[[int], float] = lambda _n: 0.0,
-                 digest_pool: DigestPool | None = None,
                  mailbox: RecordArea | None = None, sub_batch_bytes: int = 0) -> None:
-        """``mailbox``: the digest mailbox the daemon registered (REMOTE_WRITE) and
+        """``peers``: the verified prefills (read here; the driver removes a lost one).
+        ``mailbox``: the digest mailbox the daemon registered (REMOTE_WRITE) and
         advertises; None: the core makes its own, unregistered (tests of the core).
         ``sub_batch_bytes``: the sub-batch size decode advertises
         (``--verify-sub-batch-mib``, :mod:`kvbeam.pools.sub_batches`; 0: none), with
         integrity on."""
         self.table = table
         self.peers = peers
-        self.prefill = prefill
-        self.io = io
-        self._hold(spec, layout, pools)  # none yet on an engine daemon (use_pools)
+        self._hold(spec, layout, pools)  # none yet on an engine daemon (take_pools)
         self.integrity = integrity
-        self.faults = faults
         self.handoff_lease_s = handoff_lease_s
         #: Seconds Transferring allows for a number of bytes: a large request on a slow
         #: wire is not failed here while prefill is still writing it.
         self.transfer_budget = transfer_budget
-        self.on_offer = on_offer
-        #: Called once per request declined to its prefill (the daemon's metrics).
-        self.on_decline: Callable[[], None] = lambda: None
         self.wire_s = wire_s  # an offered reservation's lease grows by its bytes' time
-        # The landed bytes' digests run on it (owned by the driver); None: on the executor.
-        self.digest_pool = digest_pool or DigestPool(0)
         self.sub_batch_bytes = sub_batch_bytes if integrity else 0
         self.slots = SlotPool(spec.num_req_slots if spec is not None else 0)
         self.mailbox: RecordArea | None = mailbox
@@ -143,11 +152,6 @@ class DecodeCore(DecodeLanding):
         self._by_transfer: dict[int, str] = {}
         self._pages = PageBook()  # no destination item in two live reservations
         self._ids = itertools.count(1)
-        #: Called (no lock held) with a request id once its pages and slot are free: a
-        #: failed request's may be reused from then, which is when the engine channel
-        #: pushes its Failed (the runtime sets it; the table's Failed comes earlier, while
-        #: prefill may still be writing them).
-        self.on_freed: Callable[[str], None] = lambda _rid: None
 
     # ---- API ---------------------------------------------------------------------------
     def reserve(self, request_id: str, seq_len: int, prefill_address: str, *,
@@ -225,30 +229,26 @@ class DecodeCore(DecodeLanding):
             if tid:
                 return tid
 
-    def decline(self, request_id: str, prefill_address: str, detail: str) -> bool:
+    def decline(self, request_id: str, prefill_address: str, detail: str) -> Actions:
         """The engine will not load a request it reserved nothing for: tell its prefill
         now, by Abort, so prefill fails its send and frees the source (instead of
-        waiting out its ``--send-wait-s`` lease). Blocking (an RPC): on the executor.
+        waiting out its ``--send-wait-s`` lease). Nothing to do when that prefill is
+        not connected to this daemon (it frees the request at its lease).
 
-        Returns True when prefill was told (it answered). A request this daemon holds
-        a reservation of is aborted instead (ABORT): refused here.
+        A request this daemon holds a reservation of is aborted instead (ABORT):
+        refused here.
         """
         if self._lookup(self._res, request_id) is not None:
             raise BadRequest(f"request {request_id} is reserved here: abort it (ABORT), "
                              "DECLINE is for a request decode will not load at all")
         conn = self.peers.by_address(prefill_address)
-        why = f"declined by decode: {detail}"
         if conn is None or conn.closed:
             log.warning("request %s: declined, but prefill %s is not connected to this "
                         "daemon: it frees the request at its --send-wait-s lease",
                         request_id, prefill_address, extra=fields(request_id, prefill_address))
-            return False
-        told = self.prefill.abort(conn, request_id, why)
-        self.on_decline()
-        log.info("request %s: declined (%s); prefill %s told%s", request_id, detail,
-                 prefill_address, "" if told else " (no confirmation)",
-                 extra=fields(request_id, prefill_address))
-        return True
+            return []
+        return [TellPrefill(conn, request_id, f"declined by decode: {detail}"),
+                Count("declines")]
 
     def begin_write(self, request_id: str, instance_id: str, seq_len: int, final: bool,
                     digests_follow: bool) -> Incoming:
@@ -316,19 +316,18 @@ class DecodeCore(DecodeLanding):
                      res.transfer_id, extra=fields(request_id, res.prefill_address))
         return res
 
-    def release(self, request_id: str) -> TransferStatus:
+    def release(self, request_id: str) -> tuple[TransferStatus, Actions]:
         """The engine took over a request that reached Success: free its slot."""
         snap = self.status(request_id)
         if snap.state is not TransferState.SUCCESS:
             raise BadRequest(f"request {request_id} is {snap.state.value}, not Success: "
                                  "only a finished request is released (use Abort to cancel)")
-        self._free(request_id, "released by the scheduler")
-        return snap
+        return snap, self._free(request_id, "released by the scheduler")
 
     def abort(self, request_id: str, *, from_peer: bool, detail: str,
               instance_id: str = "",
               caller_refusal: Callable[[str], str | None] = lambda _address: None
-              ) -> TransferStatus:
+              ) -> tuple[TransferStatus, Actions]:
         """Abort a request: fail it, make sure prefill stops writing, free the slot.
 
         ``from_peer`` (prefill reports its own failure, its writes drained) frees the
@@ -341,12 +340,11 @@ class DecodeCore(DecodeLanding):
         binds the handshake's rule (:func:`kvbeam.server.identity.claim_refusal`) to
         the call's credentials; the default checks nothing, as a server without
         authentication does. Anyone else's claim is a scheduler's abort: prefill
-        drains first.
+        drains first (:class:`DrainPrefill`).
         """
         snap = self.status(request_id)
         if snap.state is TransferState.SUCCESS:
-            self._free(request_id, "aborted after Success")
-            return snap
+            return snap, self._free(request_id, "aborted after Success")
         claimed = self._lookup(self._res, request_id) if from_peer and instance_id else None
         # Outside the lock: the check may resolve the prefill's host name. The address
         # is the one the grant went to (BeginWrite and Offer check it), fixed at Reserve.
@@ -376,13 +374,14 @@ class DecodeCore(DecodeLanding):
             if failed is not None:
                 log.warning("request %s failed: prefill reported: %s", request_id, detail,
                             extra=fields(request_id, snap.peer))
-            self._free(request_id, "prefill aborted")
-            return self.status(request_id)
+            actions = self._free(request_id, "prefill aborted")
+            return self.status(request_id), actions
+        actions = []
         if failed is not None:
             log.info("request %s aborted by the scheduler", request_id,
                      extra=fields(request_id, snap.peer))
-            self._stop_prefill_then_free(request_id, detail or "aborted on decode")
-        return self.status(request_id)
+            actions = self._stop_prefill_then_free(request_id, detail or "aborted on decode")
+        return self.status(request_id), actions
 
     def slot_of(self, request_id: str) -> int:
         """The slot a request holds, -1 once freed."""
@@ -396,16 +395,62 @@ class DecodeCore(DecodeLanding):
             return (0, 0)
         return (res.nbytes if res.landed else 0, res.nbytes)
 
-    # ---- events ----------------------------------------------------------------------
-    def on_event(self, event: Event) -> None:
-        """NOTIFIED: a transfer landed (verified here when small, else on the executor);
-        LINK_FAILED: the peer is gone."""
+    # ---- Offer: the reservation pushed to prefill ahead of its Send (protocol 2) ----------
+    def offer(self, res: Incoming) -> Actions:
+        """Offer a fresh reservation to its prefill when that is a connected peer: the
+        :class:`SendOffer`, or nothing (no connection, one missing heartbeats, or
+        BeginWrite came first). Prefill's answer comes later, to
+        :meth:`offer_answered`."""
+        conn = self.peers.by_address(res.prefill_address)
+        lease = self.table.left(res.request_id)
+        if conn is None or conn.closed or lease is None or conn.missed_heartbeats:
+            return []  # no peer, or one not answering now: BeginWrite decides later
+        with self._lock:
+            snap = self.table.get(res.request_id)
+            if (res.peer_instance or self._res.get(res.request_id) is not res
+                    or snap is None or snap.state.terminal):
+                return []  # BeginWrite came first, or the request ended or is gone
+            res.peer_instance, res.link_id, res.offered = conn.instance_id, conn.link.id, True
+        return [SendOffer(conn, res, WriteGrant(res.transfer_id, res.indices, res.draft,
+                                                res.kv_skip, res.mailbox_slot), lease)]
+
+    def offer_answered(self, res: Incoming, answer: Offered) -> Actions:
+        """Prefill's answer to the Offer of ``res``: counted, and the landing checked
+        when it was only waiting for prefill's integrity flag."""
+        with self._lock:
+            still = res.offered  # no BeginWrite since (it decides instead)
+            if still and answer.kept:
+                res.digests_follow = answer is Offered.DIGESTS_FOLLOW
+            if still and answer is Offered.REFUSED and not res.landed:
+                res.peer_instance, res.link_id, res.offered = "", None, False
+            go = still and answer.kept and self._ready(res)
+            tid = res.transfer_id
+        left = self.table.left(res.request_id)
+        if answer.kept and left is not None:
+            # The lease still bounds the wait for the Send, but no BeginWrite will move
+            # the request to Transferring: a Send at the lease's very end must still have
+            # the time its bytes take at the floor rate.
+            self.table.extend(res.request_id, left + self.wire_s(res.nbytes))
+        log.debug("request %s: offered to prefill %s: %s", res.request_id,
+                  res.prefill_address, answer.value,
+                  extra=fields(res.request_id, res.prefill_address))
+        actions: Actions = [Count("offers", {Offered.REFUSED: "refused",
+                                             Offered.UNKNOWN: "failed"}.get(answer, "made"))]
+        if go:
+            actions.append(CheckLanding(res, tid))
+        return actions
+
+    # ---- the landing -------------------------------------------------------------------
+    def on_event(self, event: Event, now: float) -> Actions:
+        """NOTIFIED: a transfer (or one of its sub-batches) landed; LINK_FAILED: that
+        link is gone (its peer stays: prefill resends on its next link)."""
         if event.kind is EventKind.LINK_FAILED:
-            report_link_failure(self.peers, self.io, self.on_peer_lost, event)
-            return
-        conn = self.peers.by_link(event.link)
+            lost = self.peers.by_link(event.link)
+            if lost is None:
+                return []
+            return [DropLink(lost, f"link failed: {event.status}: {event.detail}", gone=False)]
         if event.kind is not EventKind.NOTIFIED or event.transfer_id is None:
-            return
+            return []
         # A sub-batch's mark carries the grant's id plus its number (pools/sub_batches.py).
         base, mark = split_id(event.transfer_id)
         with self._lock:
@@ -420,19 +465,112 @@ class DecodeCore(DecodeLanding):
             if res is not None and ok:
                 self._transferring(res.request_id)
                 if not mark:
-                    res.notified(time.monotonic())
+                    res.notified(now)
                     go = self._ready(res)
         if res is None or not ok:
+            conn = self.peers.by_link(event.link)
             log.warning("completion for unknown transfer id %s on link %d ignored%s",
                         event.transfer_id, event.link,
                         f" (mark {mark}: decode cut that request into "
                         f"{len(res.sub_batches)} marked sub-batches)" if res and mark else "",
                         extra=fields(rid, conn.control_address if conn else None))
-            return
+            return []
         if mark:
-            self._on_mark(res, base, mark)
-        elif go:  # else prefill's integrity flag (the Offer's answer) or a mark is to come
-            self._start_verify(res, base)
+            return [DigestMark(res, base, mark)]
+        return [CheckLanding(res, base)] if go else []
+
+    def mark_digesting(self, res: Incoming, transfer_id: int, mark: int,
+                       job: DigestJob) -> Actions:
+        """Sub-batch ``mark`` of the landing of ``transfer_id`` is being digested
+        (``job``); the check follows when it was all that was missing. A mark decode did
+        not cut, a repeated one, or one of a replaced landing is ignored (the record's
+        count decides)."""
+        with self._lock:
+            fresh = (res.transfer_id == transfer_id and mark not in res.marked
+                     and not res.checking)
+            if fresh:
+                res.marked[mark] = job
+            go = fresh and self._ready(res)
+        if not fresh:
+            log.warning("request %s: mark %d of transfer %d came again, or after its "
+                        "landing was replaced or verified: ignored", res.request_id, mark,
+                        transfer_id, extra=fields(res.request_id, res.prefill_address))
+        return [CheckLanding(res, transfer_id)] if go else []
+
+    def _ready(self, res: Incoming) -> bool:
+        """Landed, and prefill's integrity flag known: verify now, once.
+
+        Core lock held. With our integrity on and prefill's flag not known yet (an
+        Offer whose answer is not back), a record in the request's mailbox slot says
+        prefill's integrity is on (the slot was cleared when it was reserved, and the
+        record lands before the marker); without one the request waits for the answer.
+        """
+        if res.landing is not Landing.LANDED:
+            return False
+        box = self.mailbox
+        # The slot is read only where its record decides something.
+        recorded = (self.integrity and (res.digests_follow is None or bool(res.sub_batches))
+                    and box is not None and 0 <= res.mailbox_slot < box.slots
+                    and box.has_record(res.mailbox_slot))
+        if self.integrity and res.digests_follow is None:
+            if not recorded:
+                self.table.waiting_for(res.request_id, WAITING_FOR_DIGESTS)
+                return False
+            res.digests_follow = True
+        if res.digests_follow and res.sub_batches and recorded:
+            assert box is not None
+            # The record says how many marks came before it; a count decode did not cut
+            # is refused by the check itself (naming both), not waited for.
+            marks = box.marks(res.mailbox_slot)
+            if marks == len(res.sub_batches) and len(res.marked) < marks:
+                self.table.waiting_for(res.request_id, (
+                    f"the marks of its sub-batches: the digest record says {marks} came "
+                    f"before it, {len(res.marked)} did"))
+                return False
+        res.verify()
+        return True
+
+    def checked(self, res: Incoming, transfer_id: int, verdict: Verdict,
+                now: float) -> Actions:
+        """The check of the landing of ``transfer_id`` is done: Success, or Failed
+        (integrity: the slot is freed and prefill told). Its verdict counts only while
+        that landing is still the request's (no resend replaced it)."""
+        rid = res.request_id
+        with self._lock:
+            current = res.transfer_id == transfer_id and res.landed
+            failed = None
+            if current and verdict.ok:
+                res.digests = verdict.digests
+                try:
+                    self.table.advance(rid, TransferState.SUCCESS, detail=verdict.detail,
+                                       nbytes=res.nbytes)
+                except Exception as exc:  # already failed (aborted, timed out): nothing to do
+                    log.info("request %s landed after it ended: %s", rid, exc,
+                             extra=fields(rid, res.prefill_address))
+                    return []
+                res.verified(now)
+            elif current:
+                failed = self.table.fail(rid, FailureReason.INTEGRITY, verdict.detail)
+        if not current:
+            log.warning("request %s: the landing of transfer %d was replaced while it was "
+                        "verified: its verdict is void", rid, transfer_id,
+                        extra=fields(rid, res.prefill_address))
+            return []
+        if verdict.ok:
+            log.info("request %s: Success (%d bytes landed in slot %d; %s%s)", rid,
+                     res.nbytes, res.slot, verdict.detail, verdict.timing,
+                     extra=fields(rid, res.prefill_address))
+            return []
+        if failed is None:
+            return []  # it had ended already (aborted, timed out): its own path frees it
+        log.error("request %s failed: integrity: %s", rid, verdict.detail,
+                  extra=fields(rid, res.prefill_address))
+        actions = self._free(rid, "integrity failure")
+        conn = self._prefill_conn(res)
+        if conn is not None:
+            actions.append(TellPrefill(conn, rid,
+                                       f"decode integrity check failed: {verdict.detail}"))
+        return actions
 
     def _transferring(self, rid: str) -> None:
         """An offered request landed without a BeginWrite: it is Transferring now (its
@@ -444,25 +582,30 @@ class DecodeCore(DecodeLanding):
         elif snap is not None and snap.state is TransferState.WAITING_FOR_INPUT:
             self.table.advance(rid, TransferState.TRANSFERRING)
 
-    def on_deadline(self, status: TransferStatus) -> None:
+    # ---- timers, answers, a lost peer -----------------------------------------------------
+    def on_deadline(self, status: TransferStatus) -> Actions:
         """A deadline passed: make sure prefill stops, then free the slot."""
-        self._stop_prefill_then_free(status.request_id, f"decode timed out: {status.detail}")
+        return self._stop_prefill_then_free(status.request_id,
+                                            f"decode timed out: {status.detail}")
 
-    def periodic(self) -> None:
-        """Free Success slots whose hand-off lease expired without a Release."""
-        now = time.monotonic()
+    def periodic(self, now: float) -> Actions:
+        """Free Success slots whose hand-off lease expired without a Release; ask again
+        about the aborts prefill has not confirmed, and release the link of one past its
+        transfer budget."""
         with self._lock:
             stale = [(r.request_id, r.prefill_address) for r in self._res.values()
                      if r.success_at is not None and now - r.success_at > self.handoff_lease_s]
             ask, overdue = self._unconfirmed_due(now)
+        actions: Actions = []
         for rid, peer in stale:
             log.warning("request %s: no Release within the %.0f s hand-off lease; slot freed",
                         rid, self.handoff_lease_s, extra=fields(rid, peer))
-            self._free(rid, "hand-off lease expired")
-        for res in ask:
-            self.io.submit(self._drain_then_free, res, res.abort_detail)
+            actions += self._free(rid, "hand-off lease expired")
+        actions += [DrainPrefill(res, self._prefill_conn(res), res.abort_detail)
+                    for res in ask]
         for res in overdue:
-            self.io.submit(self._release_link_of, res)
+            actions += self._overdue(res)
+        return actions
 
     def _unconfirmed_due(self, now: float) -> tuple[list[Incoming], list[Incoming]]:
         """Aborts prefill has not confirmed: those to ask again (a few at a time), and
@@ -481,48 +624,78 @@ class DecodeCore(DecodeLanding):
                 ask.append(r)
         return ask, overdue
 
-    def on_peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
-        """Close the link first (no more writes can land), then fail and free its requests.
+    def _overdue(self, res: Incoming) -> Actions:
+        """An abort unconfirmed past the request's transfer budget: release its link only
+        (the request is freed once it is: :meth:`link_dropped`), or free it now when that
+        link is gone already."""
+        conn = self.peers.get(res.peer_instance)
+        if conn is not None and conn.link.id == res.link_id:
+            log.warning("request %s: prefill did not confirm its writes drained within %.0f s: "
+                        "releasing the link to %s; requests on it stay for prefill's resend",
+                        res.request_id, self.transfer_budget(res.nbytes), conn.control_address,
+                        extra=fields(res.request_id, res.prefill_address))
+            return [DropLink(conn, f"prefill did not confirm the abort of {res.request_id}",
+                             gone=False)]
+        return self._free(res.request_id, "its link was released: no write of it can land")
+
+    def drain_answered(self, res: Incoming, detail: str, confirmed: bool,
+                       now: float) -> Actions:
+        """Prefill answered the Abort of :class:`DrainPrefill` (``confirmed``: its writes
+        drained). Freed once it confirmed or the request's link is gone; otherwise only
+        this slot stays held (:meth:`periodic` asks again, then releases the link)."""
+        if confirmed or self._link_gone(res):
+            return self._free(res.request_id, detail)
+        with self._lock:
+            res.asking, res.asked_at = False, now
+            first = self._res.get(res.request_id) is res and res.unconfirmed_since is None
+            if first:
+                res.unconfirmed_since, res.abort_detail = now, detail
+        if first:
+            log.warning("request %s: prefill did not confirm that its writes drained; slot %d "
+                        "stays held until it does, its link goes, or %.0f s pass (then decode "
+                        "releases that link); the peer's other requests go on", res.request_id,
+                        res.slot, self.transfer_budget(res.nbytes),
+                        extra=fields(res.request_id, res.prefill_address))
+        return []
+
+    def link_dropped(self, conn: PeerConn, detail: str, *, gone: bool) -> Actions:
+        """``conn`` was removed and its link released (no more writes can land over it).
 
         ``gone`` False means only the link died (its QP failed, or the same instance
         handshook again): every reservation stays, those it began writing included,
         since prefill resends them on its next link (a new BeginWrite) or, failing,
-        tells us by Abort; their deadlines still bound them. ``gone`` True (heartbeats
-        lost, the peer restarted): its requests fail and their slots are freed at
-        once. Blocking (the link's release): never under a lock.
+        tells us by Abort; their deadlines still bound them. Requests that failed while
+        prefill might still write over it (an abort not confirmed) are freed now.
+        ``gone`` True (heartbeats lost, the peer restarted): its requests fail and their
+        slots are freed at once.
         """
-        self.peers.remove(conn, forget=gone)
-        conn.close()
         if not gone:
-            # No write can land over the released link: requests that failed while
-            # prefill might still write over it (an abort not confirmed) are free now.
             with self._lock:
                 on_link = [r.request_id for r in self._res.values() if r.link_id == conn.link.id]
+            actions: Actions = []
             for rid in on_link:
                 snap = self.table.get(rid)
                 if snap is not None and snap.state is TransferState.FAILED:
-                    self._free(rid, "its link was released: no write of it can land")
-            return
+                    actions += self._free(rid, "its link was released: no write of it can land")
+            return actions
         with self._lock:
             mine = [r for r in self._res.values()
                     if r.peer_instance == conn.instance_id
                     or (not r.peer_instance and r.prefill_address == conn.control_address)]
+        actions = []
         for res in mine:
             if self.table.fail(res.request_id, FailureReason.PEER_FAILED, detail):
                 log.warning("request %s failed: %s", res.request_id, detail,
                             extra=fields(res.request_id, res.prefill_address))
             snap = self.table.get(res.request_id)
             if snap is not None and snap.state is TransferState.FAILED:
-                self._free(res.request_id, "peer lost")
+                actions += self._free(res.request_id, "peer lost")
+        return actions
 
-    def shutdown(self, detail: str = "decode shutting down") -> None:
-        """Fail every live request (reason shutdown), tell prefill, release links, free.
-
-        Prefill is told of every request at once, within ``SHUTDOWN_ABORT_S`` in all
-        (a grace period must hold hundreds of live requests and a prefill that does not
-        answer); the slots are freed after the links are released, so no confirmation
-        is needed.
-        """
+    # ---- shutdown, an engine's memory ---------------------------------------------------
+    def fail_live(self, detail: str) -> list[tuple[PeerConn, str]]:
+        """Fail every live request (reason shutdown); the (connection, request id) of
+        each whose prefill is connected, to be told at once (the driver's Aborts)."""
         calls: list[tuple[PeerConn, str]] = []
         for snap in self.table.live():
             if self.table.fail(snap.request_id, FailureReason.SHUTDOWN, detail):
@@ -531,18 +704,16 @@ class DecodeCore(DecodeLanding):
                 conn = self._prefill_conn(res) if res is not None else None
                 if conn is not None:
                     calls.append((conn, snap.request_id))
-        if calls:
-            began = time.monotonic()
-            confirmed = self.prefill.abort_all(calls, detail, SHUTDOWN_ABORT_S)
-            log.info("%s: told prefill of %d live request(s) in %.2f s, %d confirmed", detail,
-                     len(calls), time.monotonic() - began, confirmed)
-        for conn in self.peers.all():
-            self.peers.remove(conn)
-            conn.close()
+        return calls
+
+    def free_all(self, why: str) -> Actions:
+        """Forget every request and free its slot (after every link was released)."""
         with self._lock:
             rids = list(self._res)
+        actions: Actions = []
         for rid in rids:
-            self._free(rid, "shutdown")
+            actions += self._free(rid, why)
+        return actions
 
     def _adopt(self, spec: PoolSpec, layout: SideLayout) -> None:
         """An engine attached: reserve slots (and its items) of its config from now on."""
@@ -553,7 +724,7 @@ class DecodeCore(DecodeLanding):
 
     def use_mailbox(self, mailbox: RecordArea) -> None:
         """The daemon's digest mailbox (registered, advertised) from now on (an engine
-        attach gives it before the pools: :meth:`use_pools`)."""
+        attach gives it before the pools: :meth:`take_pools`)."""
         self.mailbox = mailbox
 
     def _fit_mailbox(self, spec: PoolSpec, layout: SideLayout) -> None:
@@ -576,123 +747,41 @@ class DecodeCore(DecodeLanding):
             raise UnknownRequest(f"no reservation for request {rid!r} on this decode daemon")
         return res
 
-    def _free(self, rid: str, why: str) -> None:
+    def _free(self, rid: str, why: str) -> Actions:
+        """Forget the request and free its pages and slot: :class:`Freed` (nothing when it
+        was forgotten already)."""
         with self._lock:
             res = self._res.pop(rid, None)
             if res is not None:
                 self._by_transfer.pop(res.transfer_id, None)
             self._pages.release(rid)
-        if res is not None and self.slots.release(rid) is not None:
+        if res is None:
+            return []
+        if self.slots.release(rid) is not None:
             log.info("request %s: slot %d freed (%s)", rid, res.slot, why,
                      extra=fields(rid, res.prefill_address))
-        if res is not None:
-            self.on_freed(rid)  # after the pages and the slot: the engine may reuse them
+        return [Freed(rid)]  # after the pages and the slot: the engine may reuse them
 
-    def _stop_prefill_then_free(self, rid: str, detail: str) -> None:
+    def _stop_prefill_then_free(self, rid: str, detail: str) -> Actions:
         with self._lock:
             res = self._res.get(rid)
         if res is None:
-            return
+            return []
         if not res.peer_instance:  # prefill never got the indices: it cannot write
-            self._free(rid, detail)
-            self.io.submit(self._tell_prefill, res, detail)
-            return
-        self.io.submit(self._drain_then_free, res, detail)
-
-    def _drain_then_free(self, res: Incoming, detail: str) -> None:
-        """Free once prefill confirms its writes drained, or once their link is gone;
-        otherwise hold only this slot (``periodic`` asks again, then releases the link)."""
-        if self._tell_prefill(res, detail) or self._link_gone(res):
-            self._free(res.request_id, detail)
-            return
-        now = time.monotonic()
-        with self._lock:
-            res.asking, res.asked_at = False, now
-            first = self._res.get(res.request_id) is res and res.unconfirmed_since is None
-            if first:
-                res.unconfirmed_since, res.abort_detail = now, detail
-        if first:
-            log.warning("request %s: prefill did not confirm that its writes drained; slot %d "
-                        "stays held until it does, its link goes, or %.0f s pass (then decode "
-                        "releases that link); the peer's other requests go on", res.request_id,
-                        res.slot, self.transfer_budget(res.nbytes),
-                        extra=fields(res.request_id, res.prefill_address))
+            actions = self._free(rid, detail)
+            conn = self._prefill_conn(res)
+            if conn is not None:
+                actions.append(TellPrefill(conn, rid, detail))
+            return actions
+        return [DrainPrefill(res, self._prefill_conn(res), detail)]
 
     def _link_gone(self, res: Incoming) -> bool:
         """The link the request was granted on is released: none of its writes can land."""
         conn = self.peers.get(res.peer_instance)
         return conn is None or conn.closed or conn.link.id != res.link_id
 
-    def _release_link_of(self, res: Incoming) -> None:
-        """An abort unconfirmed past the request's transfer budget: release its link only."""
-        conn = self.peers.get(res.peer_instance)
-        if conn is not None and conn.link.id == res.link_id:
-            log.warning("request %s: prefill did not confirm its writes drained within %.0f s: "
-                        "releasing the link to %s; requests on it stay for prefill's resend",
-                        res.request_id, self.transfer_budget(res.nbytes), conn.control_address,
-                        extra=fields(res.request_id, res.prefill_address))
-            self.on_peer_lost(conn, f"prefill did not confirm the abort of {res.request_id}",
-                              gone=False)
-        self._free(res.request_id, "its link was released: no write of it can land")
-
     def _prefill_conn(self, res: Incoming) -> PeerConn | None:
         """The live connection to the request's prefill (the granted instance, if any)."""
         conn = (self.peers.get(res.peer_instance) if res.peer_instance
                 else self.peers.by_address(res.prefill_address))
         return None if conn is None or conn.closed else conn
-
-    def _tell_prefill(self, res: Incoming, detail: str, timeout: float | None = None) -> bool:
-        """Abort the request on prefill; True when prefill confirmed none of its writes
-        is in flight."""
-        conn = self._prefill_conn(res)
-        if conn is None:
-            return False
-        return self.prefill.abort(conn, res.request_id, detail, timeout)
-
-    # ---- Offer: the reservation pushed to prefill ahead of its Send (protocol 2) ----------
-    def offer(self, res: Incoming) -> bool:
-        """Offer a fresh reservation to its prefill when that is a connected peer.
-
-        Returns whether the offer was sent (False: no connection, or BeginWrite came
-        first); prefill's answer comes later, to :meth:`offer_answered`. Never blocks:
-        any thread, no lock held.
-        """
-        conn = self.peers.by_address(res.prefill_address)
-        lease = self.table.left(res.request_id)
-        if conn is None or conn.closed or lease is None or conn.missed_heartbeats:
-            return False  # no peer, or one not answering now: BeginWrite decides later
-        with self._lock:
-            snap = self.table.get(res.request_id)
-            if (res.peer_instance or self._res.get(res.request_id) is not res
-                    or snap is None or snap.state.terminal):
-                return False  # BeginWrite came first, or the request ended or is gone
-            res.peer_instance, res.link_id, res.offered = conn.instance_id, conn.link.id, True
-        self.prefill.offer(conn, res.request_id, res.seq_len,
-                           WriteGrant(res.transfer_id, res.indices, res.draft,
-                                      res.kv_skip, res.mailbox_slot),
-                           res.slot, lease, functools.partial(self.offer_answered, res))
-        return True
-
-    def offer_answered(self, res: Incoming, answer: Offered) -> None:
-        """Prefill's answer to the Offer of ``res`` (any thread, no lock held; it takes
-        the core lock for bookkeeping only, and queues the check when it landed)."""
-        with self._lock:
-            still = res.offered  # no BeginWrite since (it decides instead)
-            if still and answer.kept:
-                res.digests_follow = answer is Offered.DIGESTS_FOLLOW
-            if still and answer is Offered.REFUSED and not res.landed:
-                res.peer_instance, res.link_id, res.offered = "", None, False
-            go = still and answer.kept and self._ready(res)
-            tid = res.transfer_id
-        left = self.table.left(res.request_id)
-        if answer.kept and left is not None:
-            # The lease still bounds the wait for the Send, but no BeginWrite will move
-            # the request to Transferring: a Send at the lease's very end must still have
-            # the time its bytes take at the floor rate.
-            self.table.extend(res.request_id, left + self.wire_s(res.nbytes))
-        self.on_offer({Offered.REFUSED: "refused", Offered.UNKNOWN: "failed"}.get(answer, "made"))
-        log.debug("request %s: offered to prefill %s: %s", res.request_id,
-                  res.prefill_address, answer.value,
-                  extra=fields(res.request_id, res.prefill_address))
-        if go:
-            self._start_verify(res, tid)

@@ -433,6 +433,19 @@ class PrefillCore(PrefillEvents, CoreBase):
                 del book[next(iter(book))]
             book[request_id] = (now + self.send_wait_s, detail)
 
+    def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
+        """An engine attached: work in its memory from now on (a request that raced the
+        detach is failed first: its source pages are stale)."""
+        if self.table.live():
+            self.shutdown("engine memory replaced while the request was being accepted")
+        self.take_pools(spec, layout, pools)
+
+    def drop_pools(self, detail: str) -> None:
+        """The engine's memory goes: refuse new requests, fail every live one (decode is
+        told, bounded), release every link (their writes stop)."""
+        self.refuse_pools(detail)
+        self.shutdown(detail)
+
     def in_flight(self, request_id: str) -> int:
         """Writes of the request that may still read its source (0 once drained)."""
         with self._lock:

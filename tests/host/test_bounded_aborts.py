@@ -26,7 +26,7 @@ from kvbeam.pools.indices import request_indices
 from kvbeam.procs import wait_until
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.side import SideInfo
-from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.faults import FaultHooks
@@ -78,11 +78,11 @@ def silent_prefill() -> Iterator[tuple[str, list[str]]]:
         server.stop(0)
 
 
-def _decode_with_live_requests(address: str) -> DecodeCore:
+def _decode_with_live_requests(address: str) -> DecodeDriver:
     """A decode core over real gRPC peer calls, LIVE requests granted to one prefill."""
     lay = layout(num_req_slots=LIVE)
     options = ControlOptions(rpc_timeout_s=5.0)
-    core = DecodeCore(table=TransferTable(Deadlines(), capacity=2 * LIVE), peers=Peers(),
+    core = DecodeDriver(table=TransferTable(Deadlines(), capacity=2 * LIVE), peers=Peers(),
                       prefill=GrpcPrefillPeers(lambda: cast(SideInfo, SimpleNamespace(
                           instance_id="decode-under-test")), options),
                       io=futures.ThreadPoolExecutor(8, thread_name_prefix="test-io"),

@@ -8,7 +8,7 @@ import pytest
 
 from kvbeam.errors import NoEngineAttached
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.peers import Peers
@@ -18,8 +18,8 @@ from tests.fixtures import UNIFIED_TARGET, layout
 from tests.unit.test_core_decode import FakePrefill, QueueExecutor
 
 
-def _decode() -> DecodeCore:
-    return DecodeCore(table=TransferTable(Deadlines()), peers=Peers(), prefill=FakePrefill(),
+def _decode() -> DecodeDriver:
+    return DecodeDriver(table=TransferTable(Deadlines()), peers=Peers(), prefill=FakePrefill(),
                       io=QueueExecutor(), spec=None, layout=None, pools=None, integrity=True,
                       faults=FaultHooks(), handoff_lease_s=30.0)
 

@@ -8,7 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
-from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.prefill import ABORT_WAITERS
 from kvbeam.server.peers import PeerConn
 from kvbeam.states import FailureReason, TransferState
@@ -54,7 +54,7 @@ def test_many_aborts_at_once_hold_few_handler_threads() -> None:
     assert all(core.in_flight(f"r{i}") == 1 for i in range(n))
 
 
-def _two_granted(core: DecodeCore, conn: PeerConn) -> None:
+def _two_granted(core: DecodeDriver, conn: PeerConn) -> None:
     for rid in ("r1", "r2"):
         core.reserve(rid, 300, PREFILL)
         core.begin_write(rid, conn.instance_id, 300, True, False)
@@ -73,12 +73,12 @@ class SilentPrefill(FakePrefill):
         return request_id not in self.silent
 
 
-def _silent_core(budget_s: float) -> tuple[DecodeCore, QueueExecutor, SilentPrefill, PeerConn]:
+def _silent_core(budget_s: float) -> tuple[DecodeDriver, QueueExecutor, SilentPrefill, PeerConn]:
     core, io, _prefill, conn = _core()
     prefill = SilentPrefill({"r1"})
     core.prefill = prefill
-    core.transfer_budget = lambda _n: budget_s
-    core.ask_again_s = 0.0  # ask again at every sweep
+    core.core.transfer_budget = lambda _n: budget_s
+    core.core.ask_again_s = 0.0  # ask again at every sweep
     _two_granted(core, conn)
     return core, io, prefill, conn
 

@@ -12,7 +12,7 @@ from kvbeam.errors import AlreadyLanded
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.digest_pool import DigestPool
-from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.incoming import Landing
 from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.faults import FaultHooks
@@ -74,13 +74,13 @@ class FakePrefill:
         return sum(self.abort(conn, rid, detail, timeout) for conn, rid in calls)
 
 
-def _core() -> tuple[DecodeCore, QueueExecutor, FakePrefill, PeerConn]:
+def _core() -> tuple[DecodeDriver, QueueExecutor, FakePrefill, PeerConn]:
     lay = layout()
     io, prefill = QueueExecutor(), FakePrefill()
     # inline_below=0: every landing counts as large, so its verification is a job on the
     # executor that a test runs when it chooses (a small landing's inline check has
     # tests of its own, which set the core's digest_pool back to the daemon's default).
-    core = DecodeCore(table=TransferTable(Deadlines()), peers=Peers(), prefill=prefill, io=io,
+    core = DecodeDriver(table=TransferTable(Deadlines()), peers=Peers(), prefill=prefill, io=io,
                       spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
                       integrity=True, faults=FaultHooks(), handoff_lease_s=30.0,
                       digest_pool=DigestPool(0, inline_below=0))
@@ -103,8 +103,10 @@ def test_a_small_landing_is_verified_on_the_thread_that_saw_it_land() -> None:
     assert io.queue == []
 
 
-def test_a_small_landing_that_fails_its_check_is_failed_from_the_executor() -> None:
-    """The check runs where the landing was seen; telling prefill (a peer call) does not."""
+def test_a_small_landing_that_fails_its_check_fails_at_once_and_tells_prefill_later() -> None:
+    """The check runs where the landing was seen, and so does its verdict: the request
+    is Failed and its slot freed before the event handler returns; telling prefill (a
+    peer call) is the one thing left for the executor."""
     core, io, prefill, conn = _core()
     core.digest_pool = DigestPool(0)
     res = core.reserve("r", 300, PREFILL)
@@ -112,12 +114,11 @@ def test_a_small_landing_that_fails_its_check_is_failed_from_the_executor() -> N
     core.begin_write("r", conn.instance_id, 300, True, True)
     land_record(core, "r", wrong)
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
-    assert core.status("r").state is TransferState.TRANSFERRING and prefill.aborts == []
-    assert len(io.queue) == 1
-    io.run_all()
     st = core.status("r")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.INTEGRITY
-    assert prefill.aborts == ["r"] and core.slot_of("r") == -1
+    assert core.slot_of("r") == -1 and prefill.aborts == [] and len(io.queue) == 1
+    io.run_all()
+    assert prefill.aborts == ["r"]
 
 
 def test_landing_is_verified_on_the_executor_not_the_event_thread() -> None:
@@ -186,7 +187,7 @@ def test_a_lost_peer_fails_and_frees_its_requests_at_once() -> None:
     assert core.slot_of("r") == -1
 
 
-def _relink(core: DecodeCore, conn: PeerConn) -> PeerConn:
+def _relink(core: DecodeDriver, conn: PeerConn) -> PeerConn:
     """The same prefill instance handshakes again after its link failed: a new link."""
     core.on_peer_lost(conn, "link failed", gone=False)
     new = fake_conn(PREFILL, core.pools)

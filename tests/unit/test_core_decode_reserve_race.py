@@ -47,12 +47,12 @@ class WatchedLock:
 def test_an_abort_between_the_table_entry_and_the_record_leaks_no_slot() -> None:
     core, io, _prefill, _conn = _core()
     table = HookedTable(Deadlines())
-    core.table = table
+    core.core.table = table
     free = core.slots.free
     # Set once the interleaved Abort has finished, or has to wait for the core's lock
     # (Reserve holds it): Reserve goes on then, and the Abort runs after it.
     abort_done_or_waiting = threading.Event()
-    core._lock = cast(Any, WatchedLock(abort_done_or_waiting))
+    core.core._lock = cast(Any, WatchedLock(abort_done_or_waiting))
     answers: list[TransferStatus] = []
 
     def abort() -> None:

@@ -16,7 +16,7 @@ from kvbeam.pools.digest import request_digests
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.types import IndexKind
-from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import Deadlines, TransferTable
@@ -88,12 +88,12 @@ def test_prefill_starts_its_digests_on_the_pool_before_posting_and_sends_the_sam
     assert digests == request_digests(src, request_indices(UNIFIED_TARGET, 1, SEQ))
 
 
-def _decode(pool: DigestPool) -> tuple[DecodeCore, QueueExecutor, FakePrefill, Any]:
+def _decode(pool: DigestPool) -> tuple[DecodeDriver, QueueExecutor, FakePrefill, Any]:
     lay = layout()
     io, prefill = QueueExecutor(), FakePrefill()
     pools = AllocatedSide(lay)
     pools.fill_pattern(9)
-    core = DecodeCore(table=TransferTable(Deadlines()), peers=Peers(), prefill=prefill, io=io,
+    core = DecodeDriver(table=TransferTable(Deadlines()), peers=Peers(), prefill=prefill, io=io,
                       spec=UNIFIED_TARGET, layout=lay, pools=pools, integrity=True,
                       faults=FaultHooks(), handoff_lease_s=30.0, digest_pool=pool)
     conn = fake_conn(PREFILL, AllocatedSide(lay))

@@ -14,8 +14,8 @@ from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.mailbox import encode_record
 from kvbeam.server.core import prefill as prefill_module
-from kvbeam.server.core.decode import DecodeCore
-from kvbeam.server.core.decode_landing import WAITING_FOR_DIGESTS
+from kvbeam.server.core.decode import WAITING_FOR_DIGESTS
+from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.incoming import Landing
 from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.core.prefill import PrefillCore
@@ -300,7 +300,7 @@ def test_abort_and_peer_loss_drop_offers_and_the_book_is_bounded() -> None:
 
 # ---- decode -----------------------------------------------------------------------------
 def _offered(answer: Offered = Offered.DIGESTS_FOLLOW, deadlines: Deadlines | None = None
-             ) -> tuple[DecodeCore, QueueExecutor, FakePrefill, PeerConn, list[int]]:
+             ) -> tuple[DecodeDriver, QueueExecutor, FakePrefill, PeerConn, list[int]]:
     core, io, prefill, conn = _core()
     if deadlines is not None:
         core.table.deadlines = deadlines
@@ -312,14 +312,14 @@ def _offered(answer: Offered = Offered.DIGESTS_FOLLOW, deadlines: Deadlines | No
     return core, io, prefill, conn, request_digests(core.pools, res.indices)
 
 
-def _notify(core: DecodeCore, conn: PeerConn) -> None:
-    tid = core._reservation("r").transfer_id
+def _notify(core: DecodeDriver, conn: PeerConn) -> None:
+    tid = core.core._reservation("r").transfer_id
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, tid))
 
 
 def test_an_offered_request_is_verified_from_its_record_once_the_notification_came() -> None:
     core, io, _prefill, conn, digests = _offered()
-    assert prefill_offer_slot(_prefill) == core._reservation("r").mailbox_slot
+    assert prefill_offer_slot(_prefill) == core.core._reservation("r").mailbox_slot
     land_record(core, "r", digests)
     assert io.queue == []  # nothing landed yet: the record alone proves nothing
     _notify(core, conn)
@@ -375,7 +375,7 @@ def test_a_record_of_another_transfer_or_slot_fails_naming_the_field(
 
 def test_a_stale_record_of_an_earlier_request_in_the_slot_never_passes() -> None:
     core, io, _prefill, conn, digests = _offered()
-    slot = core._reservation("r").mailbox_slot
+    slot = core.core._reservation("r").mailbox_slot
     land_record(core, "r", digests)  # the record of r
     core.abort("r", from_peer=True, detail="prefill failed", instance_id=conn.instance_id)
     io.run_all()
@@ -399,7 +399,7 @@ def test_no_flag_and_no_record_waits_for_the_offers_answer_then_times_out() -> N
     core.on_deadline(expired[0])
     io.run_all()
     with pytest.raises(UnknownRequest):  # the slot is freed
-        core._reservation("r")
+        core.core._reservation("r")
 
 
 def test_a_record_in_the_slot_stands_for_an_unanswered_offer() -> None:
@@ -443,7 +443,7 @@ def test_an_offered_reservation_is_drained_on_abort_a_refused_one_is_freed_at_on
     assert prefill.aborts == ["r"] and core.slot_of("r") == -1
 
     core, io, prefill, _conn, _digests = _offered(Offered.REFUSED)
-    assert not core._reservation("r").peer_instance  # the grant was taken back
+    assert not core.core._reservation("r").peer_instance  # the grant was taken back
     core.abort("r", from_peer=False, detail="scheduler")
     assert core.slot_of("r") == -1  # freed at once: prefill cannot write
 
@@ -460,7 +460,7 @@ def test_no_offer_to_a_prefill_that_misses_heartbeats() -> None:
     core, _io, prefill, conn = _core()
     conn.missed_heartbeats = 1
     assert not core.offer(core.reserve("r", SEQ, PREFILL))
-    assert prefill.offers == [] and not core._reservation("r").peer_instance
+    assert prefill.offers == [] and not core.core._reservation("r").peer_instance
     conn.missed_heartbeats = 0
     assert core.offer(core.reserve("r2", SEQ, PREFILL))
     assert len(prefill.offers) == 1
@@ -495,7 +495,7 @@ def test_a_resend_sends_the_digests_computed_once_with_its_new_transfer_id(
 def test_a_kept_offer_grows_the_lease_by_the_bytes_time_only(answer: Offered) -> None:
     core, _io, prefill, _conn = _core()
     core.table.deadlines = Deadlines(bootstrapping=10.0)
-    core.wire_s = lambda n: 5.0 if n > 0 else 0.0
+    core.core.wire_s = lambda n: 5.0 if n > 0 else 0.0
     prefill.answer = answer
     res = core.reserve("r", SEQ, PREFILL)
     core.offer(res)

@@ -22,7 +22,7 @@ from kvbeam.pools.sub_batches import (
     parse_sub_batch,
     split_id,
 )
-from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.incoming import Landing
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.faults import FaultHooks
@@ -124,9 +124,9 @@ def test_prefill_marks_nothing_for_a_grant_id_with_mark_bits() -> None:
 
 
 # ---- decode: digests as each sub-batch lands ------------------------------------------------
-def _marked_core() -> tuple[DecodeCore, QueueExecutor, PeerConn, list[int]]:
+def _marked_core() -> tuple[DecodeDriver, QueueExecutor, PeerConn, list[int]]:
     core, io, _prefill, conn = _core()
-    core.sub_batch_bytes = QUARTER
+    core.core.sub_batch_bytes = QUARTER
     core.digest_pool = DigestPool(0)  # each job on the calling thread: nothing to wait on
     res = core.reserve("r", SEQ, PREFILL)
     assert res.sub_batches == (3, 9, 12) and res.transfer_id % 16 == 0
@@ -134,13 +134,13 @@ def _marked_core() -> tuple[DecodeCore, QueueExecutor, PeerConn, list[int]]:
     return core, io, conn, request_digests(core.pools, res.indices)
 
 
-def _notify(core: DecodeCore, conn: PeerConn, transfer_id: int) -> None:
+def _notify(core: DecodeDriver, conn: PeerConn, transfer_id: int) -> None:
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, transfer_id))
 
 
 def test_decode_digests_each_marked_sub_batch_and_succeeds_after_the_last() -> None:
     core, io, conn, digests = _marked_core()
-    res = core._reservation("r")
+    res = core.core._reservation("r")
     tid = res.transfer_id
     _notify(core, conn, tid + 2)  # marks may come in any order (lanes)
     assert sorted(res.marked) == [2] and res.parts is not None
@@ -157,11 +157,11 @@ def test_decode_digests_each_marked_sub_batch_and_succeeds_after_the_last() -> N
 
 def test_a_byte_flipped_in_a_marked_sub_batch_fails_the_request() -> None:
     core, io, conn, digests = _marked_core()
-    res = core._reservation("r")
-    core.faults = FaultHooks(corrupt_landed=1.0, seed=3)
+    res = core.core._reservation("r")
+    core.checker.faults = FaultHooks(corrupt_landed=1.0, seed=3)
     for k in (1, 2, 3):
         _notify(core, conn, res.transfer_id + k)
-    core.faults = FaultHooks()  # only the marked sub-batches were hit
+    core.checker.faults = FaultHooks()  # only the marked sub-batches were hit
     land_record(core, "r", digests, marks=3)
     _notify(core, conn, res.transfer_id)
     io.run_all()
@@ -172,7 +172,7 @@ def test_a_byte_flipped_in_a_marked_sub_batch_fails_the_request() -> None:
 
 def test_a_record_counting_other_marks_fails_naming_both_counts() -> None:
     core, io, conn, digests = _marked_core()
-    res = core._reservation("r")
+    res = core.core._reservation("r")
     land_record(core, "r", digests, marks=2)  # decode cut 3: not waited for
     _notify(core, conn, res.transfer_id)
     io.run_all()
@@ -186,14 +186,14 @@ def test_a_record_without_marks_is_digested_whole() -> None:
     """Prefill sent the request in chunks (or it is no protocol 6 prefill): no marks."""
     core, io, conn, digests = _marked_core()
     land_record(core, "r", digests)
-    _notify(core, conn, core._reservation("r").transfer_id)
+    _notify(core, conn, core.core._reservation("r").transfer_id)
     io.run_all()
     assert core.status("r").state is TransferState.SUCCESS
 
 
 def test_marks_decode_did_not_cut_and_repeated_ones_are_ignored() -> None:
     core, io, conn, digests = _marked_core()
-    res = core._reservation("r")
+    res = core.core._reservation("r")
     _notify(core, conn, res.transfer_id + 4)  # decode cut 3
     _notify(core, conn, res.transfer_id + 1)
     _notify(core, conn, res.transfer_id + 1)
@@ -208,7 +208,7 @@ def test_marks_decode_did_not_cut_and_repeated_ones_are_ignored() -> None:
 
 def test_a_resend_starts_the_marks_over() -> None:
     core, io, conn, digests = _marked_core()
-    res = core._reservation("r")
+    res = core.core._reservation("r")
     old = res.transfer_id
     for k in (1, 2, 3):
         _notify(core, conn, old + k)

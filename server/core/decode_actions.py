@@ -1,0 +1,111 @@
+"""What decode's core asks of its driver: one small frozen class per kind of I/O.
+
+:class:`~kvbeam.server.core.decode.DecodeCore` decides and returns these;
+:class:`~kvbeam.server.core.decode_driver.DecodeDriver` is the only place that does
+them (a peer call, a link's release, a digest, a push to the engine, a metric), and
+feeds what comes back (an answer, a digest job, a verdict) to the core as the next
+event. The core holds no executor, no peer client and no clock: a test calls it and
+compares the list it returns (tests/unit/test_decode_core_actions.py).
+
+Where each runs (the driver's choice, not the core's): :class:`SendOffer`,
+:class:`DigestMark`, :class:`Freed` and :class:`Count` never block and run on the
+thread that handled the event; :class:`CheckLanding` runs there too when its digests
+run inline anyway, else on the executor; :class:`TellPrefill`,
+:class:`DrainPrefill` and :class:`DropLink` block (a peer call, a link's release) and
+always run on the executor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbeam.server.core.incoming import Incoming
+from kvbeam.server.core.ports import WriteGrant
+from kvbeam.server.peers import PeerConn
+
+
+@dataclass(frozen=True)
+class SendOffer:
+    """Offer ``grant`` to the request's prefill on ``conn``'s peer channel (one frame,
+    not waited for); the answer comes back as
+    :meth:`~kvbeam.server.core.decode.DecodeCore.offer_answered`."""
+
+    conn: PeerConn
+    res: Incoming
+    grant: WriteGrant
+    lease_s: float
+
+
+@dataclass(frozen=True)
+class DigestMark:
+    """Start digesting sub-batch ``mark`` of the landing of ``transfer_id`` (its
+    notification came); the job goes back as
+    :meth:`~kvbeam.server.core.decode.DecodeCore.mark_digesting`."""
+
+    res: Incoming
+    transfer_id: int
+    mark: int
+
+
+@dataclass(frozen=True)
+class CheckLanding:
+    """Check the landing of ``transfer_id``: its digest record, and the landed bytes
+    against it (:class:`~kvbeam.server.core.decode_landing.LandingCheck`); the verdict
+    goes back as :meth:`~kvbeam.server.core.decode.DecodeCore.checked`."""
+
+    res: Incoming
+    transfer_id: int
+
+
+@dataclass(frozen=True)
+class TellPrefill:
+    """Abort the request on its prefill over ``conn``, best effort: nothing waits on
+    the answer (prefill could not be writing it, or decode no longer needs to know)."""
+
+    conn: PeerConn
+    request_id: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class DrainPrefill:
+    """Abort the request on its prefill over ``conn`` and learn whether prefill
+    confirmed its writes drained (no connection: it did not); the answer goes back as
+    :meth:`~kvbeam.server.core.decode.DecodeCore.drain_answered`."""
+
+    res: Incoming
+    conn: PeerConn | None
+    detail: str
+
+
+@dataclass(frozen=True)
+class DropLink:
+    """Remove the peer connection and release its link (no write can land over it
+    after); then :meth:`~kvbeam.server.core.decode.DecodeCore.link_dropped`. ``gone``:
+    the peer itself is lost (its requests fail), not only this link."""
+
+    conn: PeerConn
+    detail: str
+    gone: bool
+
+
+@dataclass(frozen=True)
+class Freed:
+    """The request's pages and slot are free: the engine may reuse them, and the driver
+    forgets whatever it held for the request (its sub-batches' digest jobs)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Count:
+    """Count one event on a daemon metric: ``offers`` (``label``: made, refused,
+    failed) or ``declines``."""
+
+    metric: str
+    label: str = ""
+
+
+DecodeAction = (SendOffer | DigestMark | CheckLanding | TellPrefill | DrainPrefill
+                | DropLink | Freed | Count)
+Actions = list[DecodeAction]

@@ -1,0 +1,342 @@
+"""Decode's driver: the one place its core's decisions become I/O.
+
+:class:`DecodeDriver` is what the daemon calls (the servicer, the engine channel, the
+runtime's loops): every call hands an event to
+:class:`~kvbeam.server.core.decode.DecodeCore`, which returns actions
+(:mod:`kvbeam.server.core.decode_actions`), and the driver does them: it sends the
+Offer, starts a sub-batch's digests, checks a landing
+(:class:`~kvbeam.server.core.decode_landing.LandingCheck`), aborts a request on its
+prefill, releases a link, pushes a freed request to the engine, counts. What an
+action brings back (prefill's answer, a digest job, a verdict, a released link) goes
+to the core as its next event, and the actions of that are done in turn.
+
+Threads: nothing here starts one. Actions that cannot block run on the thread that
+handled the event; a peer call, a link's release and a large landing's check run on
+the daemon's bounded executor (``io``). No lock is held while any action runs: the
+core's lock is taken and released inside each of its methods.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+
+from kvbeam.logs import fields
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.digest_pool import DigestPool
+from kvbeam.pools.engine_indices import ListLike
+from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.mailbox import RecordArea
+from kvbeam.pools.spec import PoolSpec
+from kvbeam.pools.types import IndexKind
+from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.decode_actions import (
+    Actions,
+    CheckLanding,
+    Count,
+    DecodeAction,
+    DigestMark,
+    DrainPrefill,
+    DropLink,
+    Freed,
+    SendOffer,
+    TellPrefill,
+)
+from kvbeam.server.core.decode_landing import LandingCheck
+from kvbeam.server.core.incoming import Incoming
+from kvbeam.server.core.ports import SHUTDOWN_ABORT_S, Offered, PrefillPeers
+from kvbeam.server.faults import FaultHooks
+from kvbeam.server.lifecycle import TransferTable
+from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.server.slots import SlotPool
+from kvbeam.states import TransferStatus
+from kvbeam.transport import Event
+
+log = logging.getLogger(__name__)
+
+
+class DecodeDriver:
+    """Decode's API for the daemon: each call is an event for the core, whose actions
+    it does. See the module docstring."""
+
+    role = "decode"
+
+    def __init__(self, *, table: TransferTable, peers: Peers, prefill: PrefillPeers,
+                 io: Executor, spec: PoolSpec | None, layout: SideLayout | None,
+                 pools: AllocatedSide | None, integrity: bool, faults: FaultHooks | None,
+                 handoff_lease_s: float,
+                 transfer_budget: Callable[[int], float] = lambda _n: 0.0,
+                 on_offer: Callable[[str], None] = lambda _event: None,
+                 wire_s: Callable[[int], float] = lambda _n: 0.0,
+                 digest_pool: DigestPool | None = None,
+                 mailbox: RecordArea | None = None, sub_batch_bytes: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``prefill``: the calls to prefill daemons (:class:`PrefillPeers`); ``io``: the
+        daemon's bounded executor; ``digest_pool``: the landed bytes' digests (owned by
+        the daemon; None: on the calling thread). The rest is the core's
+        (:class:`DecodeCore`)."""
+        self.core = DecodeCore(table=table, peers=peers, spec=spec, layout=layout,
+                               pools=pools, integrity=integrity,
+                               handoff_lease_s=handoff_lease_s,
+                               transfer_budget=transfer_budget, wire_s=wire_s,
+                               mailbox=mailbox, sub_batch_bytes=sub_batch_bytes)
+        self.prefill = prefill
+        self.io = io
+        self.clock = clock
+        self.checker = LandingCheck(self._memory, integrity, digest_pool or DigestPool(0),
+                                    faults)
+        #: Metrics: one call per offer answered (made, refused, failed), per decline.
+        self.on_offer = on_offer
+        self.on_decline: Callable[[], None] = lambda: None
+        #: Called (no lock held) with a request id once its pages and slot are free: a
+        #: failed request's may be reused from then, which is when the engine channel
+        #: pushes its Failed (the runtime sets it; the table's Failed comes earlier, while
+        #: prefill may still be writing them).
+        self.on_freed: Callable[[str], None] = lambda _rid: None
+
+    # ---- what the daemon reads ----------------------------------------------------------
+    @property
+    def table(self) -> TransferTable:
+        """The lifecycle states (the core's)."""
+        return self.core.table
+
+    @property
+    def peers(self) -> Peers:
+        """The verified prefills."""
+        return self.core.peers
+
+    @property
+    def slots(self) -> SlotPool:
+        """The request slots (an engine's attach replaces them)."""
+        return self.core.slots
+
+    @property
+    def mailbox(self) -> RecordArea | None:
+        """The digest mailbox."""
+        return self.core.mailbox
+
+    @property
+    def sub_batch_bytes(self) -> int:
+        """The sub-batch size decode advertises (0: none)."""
+        return self.core.sub_batch_bytes
+
+    @property
+    def spec(self) -> PoolSpec:
+        """The target pool's spec (NoEngineAttached while there is none)."""
+        return self.core.spec
+
+    @property
+    def layout(self) -> SideLayout:
+        """The side's layout."""
+        return self.core.layout
+
+    @property
+    def pools(self) -> AllocatedSide:
+        """The memory."""
+        return self.core.pools
+
+    @property
+    def digest_pool(self) -> DigestPool:
+        """The landed bytes' digests' threads."""
+        return self.checker.digest_pool
+
+    @digest_pool.setter
+    def digest_pool(self, pool: DigestPool) -> None:
+        self.checker.digest_pool = pool
+
+    @property
+    def faults(self) -> FaultHooks | None:
+        """The fault hooks armed with ``--enable-fault-injection`` (None: none)."""
+        return self.checker.faults
+
+    def _memory(self) -> tuple[AllocatedSide, SideLayout, RecordArea | None]:
+        return self.core.pools, self.core.layout, self.core.mailbox
+
+    def status(self, request_id: str) -> TransferStatus:
+        """The request's status."""
+        return self.core.status(request_id)
+
+    def slot_of(self, request_id: str) -> int:
+        """The slot a request holds, -1 once freed."""
+        return self.core.slot_of(request_id)
+
+    def bytes_of(self, request_id: str) -> tuple[int, int]:
+        """(bytes landed, bytes reserved) of a held request."""
+        return self.core.bytes_of(request_id)
+
+    # ---- the API: engines, schedulers, prefill's BeginWrite -----------------------------
+    def reserve(self, request_id: str, seq_len: int, prefill_address: str, *,
+                indices: Mapping[IndexKind, ListLike] | None = None,
+                draft: Mapping[IndexKind, ListLike] | None = None,
+                kv_skip: int = 0) -> Incoming:
+        """Hold a slot for a request (:meth:`DecodeCore.reserve`)."""
+        return self.core.reserve(request_id, seq_len, prefill_address, indices=indices,
+                                 draft=draft, kv_skip=kv_skip)
+
+    def offer(self, res: Incoming) -> bool:
+        """Offer a fresh reservation to its prefill when that is a connected peer;
+        whether it was sent. Never blocks."""
+        actions = self.core.offer(res)
+        self.execute(actions)
+        return bool(actions)
+
+    def begin_write(self, request_id: str, instance_id: str, seq_len: int, final: bool,
+                    digests_follow: bool) -> Incoming:
+        """Prefill is about to write (a chunk of) a request (:meth:`DecodeCore.begin_write`)."""
+        return self.core.begin_write(request_id, instance_id, seq_len, final, digests_follow)
+
+    def release(self, request_id: str) -> TransferStatus:
+        """The engine took over a request that reached Success: free its slot."""
+        snap, actions = self.core.release(request_id)
+        self.execute(actions)
+        return snap
+
+    def abort(self, request_id: str, *, from_peer: bool, detail: str, instance_id: str = "",
+              caller_refusal: Callable[[str], str | None] = lambda _address: None
+              ) -> TransferStatus:
+        """Abort a request (:meth:`DecodeCore.abort`): prefill drains on the executor."""
+        snap, actions = self.core.abort(request_id, from_peer=from_peer, detail=detail,
+                                        instance_id=instance_id,
+                                        caller_refusal=caller_refusal)
+        self.execute(actions)
+        return snap
+
+    def decline(self, request_id: str, prefill_address: str, detail: str) -> bool:
+        """Tell prefill the engine will not load a request it reserved nothing for
+        (:meth:`DecodeCore.decline`). Blocking (the Abort, on this thread): call it on
+        the executor. True when prefill was told."""
+        actions = self.core.decline(request_id, prefill_address, detail)
+        told = False
+        for action in actions:
+            if isinstance(action, TellPrefill):
+                told = self._tell(action)
+            else:
+                self._do(action)
+        if actions:
+            log.info("request %s: declined (%s); prefill %s told%s", request_id, detail,
+                     prefill_address, "" if told else " (no confirmation)",
+                     extra=fields(request_id, prefill_address))
+        return bool(actions)
+
+    # ---- events -------------------------------------------------------------------------
+    def on_event(self, event: Event) -> None:
+        """A transport event: a landing (or a sub-batch of one), a failed link."""
+        self.execute(self.core.on_event(event, self.clock()))
+
+    def on_deadline(self, status: TransferStatus) -> None:
+        """A deadline passed (the request is Failed in the table already)."""
+        self.execute(self.core.on_deadline(status))
+
+    def periodic(self) -> None:
+        """The sweep: hand-off leases, aborts prefill has not confirmed."""
+        self.execute(self.core.periodic(self.clock()))
+
+    def on_peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
+        """Close the link first (no more writes can land), then tell the core
+        (:meth:`DecodeCore.link_dropped`). Blocking (the link's release): never under a
+        lock."""
+        self.peers.remove(conn, forget=gone)
+        conn.close()
+        self.execute(self.core.link_dropped(conn, detail, gone=gone))
+
+    def shutdown(self, detail: str = "decode shutting down") -> None:
+        """Fail every live request (reason shutdown), tell prefill, release links, free.
+
+        Prefill is told of every request at once, within ``SHUTDOWN_ABORT_S`` in all
+        (a grace period must hold hundreds of live requests and a prefill that does not
+        answer); the slots are freed after the links are released, so no confirmation
+        is needed.
+        """
+        calls = self.core.fail_live(detail)
+        if calls:
+            began = time.monotonic()
+            confirmed = self.prefill.abort_all(calls, detail, SHUTDOWN_ABORT_S)
+            log.info("%s: told prefill of %d live request(s) in %.2f s, %d confirmed", detail,
+                     len(calls), time.monotonic() - began, confirmed)
+        for conn in self.peers.all():
+            self.peers.remove(conn)
+            conn.close()
+        self.execute(self.core.free_all("shutdown"))
+
+    # ---- an engine's memory ------------------------------------------------------------
+    def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
+        """An engine attached: work in its memory from now on (a request that raced the
+        detach is failed first: its indices are stale)."""
+        if self.table.live():
+            self.shutdown("engine memory replaced while the request was being accepted")
+        self.core.take_pools(spec, layout, pools)
+
+    def drop_pools(self, detail: str) -> None:
+        """The engine's memory goes: refuse new requests, fail every live one (prefill is
+        told, bounded), release every link (their writes stop)."""
+        self.core.refuse_pools(detail)
+        self.shutdown(detail)
+
+    def use_mailbox(self, mailbox: RecordArea) -> None:
+        """The daemon's digest mailbox (registered, advertised) from now on."""
+        self.core.use_mailbox(mailbox)
+
+    # ---- the actions ---------------------------------------------------------------------
+    def execute(self, actions: Actions) -> None:
+        """Do the core's actions, in order: on this thread those that cannot block, on
+        the executor the others."""
+        for action in actions:
+            if isinstance(action, TellPrefill):
+                self.io.submit(self._tell, action)
+            elif isinstance(action, DrainPrefill):
+                self.io.submit(self._drain, action)
+            elif isinstance(action, DropLink):
+                self.io.submit(self.on_peer_lost, action.conn, action.detail,
+                               gone=action.gone)
+            elif isinstance(action, CheckLanding) and not self.checker.inline(action.res):
+                self.io.submit(self._check, action)
+            else:
+                self._do(action)
+
+    def _do(self, action: DecodeAction) -> None:
+        """Do one action on this thread."""
+        if isinstance(action, SendOffer):
+            res = action.res
+            self.prefill.offer(action.conn, res.request_id, res.seq_len, action.grant,
+                               res.slot, action.lease_s,
+                               functools.partial(self._offer_answered, res))
+        elif isinstance(action, DigestMark):
+            job = self.checker.digest_mark(action.res, action.mark)
+            self.execute(self.core.mark_digesting(action.res, action.transfer_id,
+                                                  action.mark, job))
+        elif isinstance(action, CheckLanding):
+            self._check(action)
+        elif isinstance(action, TellPrefill):
+            self._tell(action)
+        elif isinstance(action, DrainPrefill):
+            self._drain(action)
+        elif isinstance(action, DropLink):
+            self.on_peer_lost(action.conn, action.detail, gone=action.gone)
+        elif isinstance(action, Freed):
+            self.on_freed(action.request_id)
+        elif isinstance(action, Count) and action.metric == "offers":
+            self.on_offer(action.label)
+        elif isinstance(action, Count):
+            self.on_decline()
+
+    def _offer_answered(self, res: Incoming, answer: Offered) -> None:
+        """Prefill's answer to an Offer (the peer channel's thread, no lock held)."""
+        self.execute(self.core.offer_answered(res, answer))
+
+    def _check(self, action: CheckLanding) -> None:
+        verdict = self.checker.check(action.res, action.transfer_id)
+        self.execute(self.core.checked(action.res, action.transfer_id, verdict, self.clock()))
+
+    def _tell(self, action: TellPrefill) -> bool:
+        """Abort the request on prefill; True when prefill confirmed none of its writes
+        is in flight."""
+        return self.prefill.abort(action.conn, action.request_id, action.detail)
+
+    def _drain(self, action: DrainPrefill) -> None:
+        confirmed = action.conn is not None and self.prefill.abort(
+            action.conn, action.res.request_id, action.detail)
+        self.execute(self.core.drain_answered(action.res, action.detail, confirmed,
+                                              self.clock()))

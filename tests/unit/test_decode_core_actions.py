@@ -1,0 +1,242 @@
+"""Decode's core as a state machine: feed it events, compare the actions it returns.
+
+No executor, no fake prefill, no threads, no clock: the core does no I/O, so each
+test is a list of events and the exact actions each returns (h11's and raft's tests
+read this way). The driver that does these actions has its own tests
+(test_core_decode.py and the others that build a ``DecodeDriver``).
+"""
+
+from __future__ import annotations
+
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.digest import request_digests
+from kvbeam.pools.digest_pool import DigestPool
+from kvbeam.server.core.decode import DecodeCore
+from kvbeam.server.core.decode_actions import (
+    CheckLanding,
+    Count,
+    DigestMark,
+    DrainPrefill,
+    DropLink,
+    Freed,
+    SendOffer,
+    TellPrefill,
+)
+from kvbeam.server.core.decode_landing import LandingCheck, Verdict
+from kvbeam.server.core.incoming import Landing
+from kvbeam.server.core.ports import Offered
+from kvbeam.server.lifecycle import Deadlines, TransferTable
+from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.states import FailureReason, TransferState
+from kvbeam.transport import Event, EventKind
+from tests.core_fakes import fake_conn, land_record
+from tests.fixtures import UNIFIED_TARGET, layout
+
+PREFILL = "127.0.0.1:7"
+OK = Verdict(True, "XXH3-128 verified: 13 buffers match prefill's digests", digests=[1])
+
+
+def _core(integrity: bool = True, budget_s: float = 0.0) -> tuple[DecodeCore, PeerConn]:
+    lay = layout()
+    core = DecodeCore(table=TransferTable(Deadlines()), peers=Peers(), spec=UNIFIED_TARGET,
+                      layout=lay, pools=AllocatedSide(lay), integrity=integrity,
+                      handoff_lease_s=30.0, transfer_budget=lambda _n: budget_s)
+    conn = fake_conn(PREFILL, AllocatedSide(lay))
+    core.peers.add(conn)
+    return core, conn
+
+
+def _landed(core: DecodeCore, conn: PeerConn, tid: int) -> list[object]:
+    return list(core.on_event(Event(EventKind.NOTIFIED, conn.link.id, tid), now=5.0))
+
+
+def test_a_begun_write_that_lands_asks_for_its_check_and_the_verdict_is_success() -> None:
+    core, conn = _core()
+    res = core.reserve("r", 300, PREFILL)
+    core.begin_write("r", conn.instance_id, 300, True, True)
+    assert _landed(core, conn, res.transfer_id) == [CheckLanding(res, res.transfer_id)]
+    assert res.landing is Landing.VERIFYING  # asked once: a second notification asks nothing
+    assert _landed(core, conn, res.transfer_id) == []
+    assert core.checked(res, res.transfer_id, OK, now=6.0) == []
+    st = core.status("r")
+    assert st.state is TransferState.SUCCESS and st.detail == OK.detail
+    assert res.success_at == 6.0 and res.digests == [1]
+
+
+def test_a_failed_verdict_frees_the_slot_then_tells_prefill() -> None:
+    core, conn = _core()
+    res = core.reserve("r", 300, PREFILL)
+    core.begin_write("r", conn.instance_id, 300, True, True)
+    _landed(core, conn, res.transfer_id)
+    bad = Verdict(False, "XXH3-128 mismatch in 1 buffer(s): target.layer1.c4_kv")
+    assert core.checked(res, res.transfer_id, bad, now=6.0) == [
+        Freed("r"), TellPrefill(conn, "r", f"decode integrity check failed: {bad.detail}")]
+    st = core.status("r")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.INTEGRITY
+    assert core.slot_of("r") == -1
+
+
+def test_a_verdict_on_a_replaced_landing_does_nothing() -> None:
+    core, conn = _core()
+    res = core.reserve("r", 300, PREFILL)
+    core.begin_write("r", conn.instance_id, 300, True, True)
+    old = res.transfer_id
+    _landed(core, conn, old)
+    res.transfer_id += 16  # what a relink does, under the lock, before the verdict
+    assert core.checked(res, old, OK, now=6.0) == []
+    assert core.status("r").state is TransferState.TRANSFERRING
+
+
+def test_the_offer_is_an_action_and_its_answer_counts_and_may_start_the_check() -> None:
+    core, conn = _core()
+    res = core.reserve("r", 300, PREFILL)
+    [offer] = core.offer(res)
+    assert isinstance(offer, SendOffer) and offer.conn is conn and offer.res is res
+    assert offer.grant.transfer_id == res.transfer_id and offer.lease_s > 0
+    assert core.offer(res) == []  # granted already: no second Offer
+    # The bytes land before the answer, with no record in the slot: the check waits.
+    assert _landed(core, conn, res.transfer_id) == []
+    assert core.status("r").state is TransferState.TRANSFERRING
+    assert core.offer_answered(res, Offered.DIGESTS_FOLLOW) == [
+        Count("offers", "made"), CheckLanding(res, res.transfer_id)]
+
+
+def test_a_refused_offer_takes_the_grant_back() -> None:
+    core, _conn = _core()
+    res = core.reserve("r", 300, PREFILL)
+    core.offer(res)
+    assert core.offer_answered(res, Offered.REFUSED) == [Count("offers", "refused")]
+    assert res.peer_instance == "" and not res.offered
+
+
+def test_a_mark_asks_for_its_digests_and_the_last_piece_for_the_check() -> None:
+    core, conn = _core()
+    core.sub_batch_bytes = 1 << 12
+    res = core.reserve("r", 300, PREFILL)
+    assert len(res.sub_batches) >= 1
+    core.begin_write("r", conn.instance_id, 300, True, True)
+    tid = res.transfer_id
+    assert _landed(core, conn, tid + 1) == [DigestMark(res, tid, 1)]
+    job = DigestPool(0).start([])
+    assert core.mark_digesting(res, tid, 1, job) == []
+    assert core.mark_digesting(res, tid, 1, job) == []  # a repeated mark is ignored
+    assert res.marked == {1: job}
+
+
+def test_a_scheduler_abort_of_a_granted_request_drains_prefill_first() -> None:
+    core, conn = _core()
+    res = core.reserve("r", 300, PREFILL)
+    core.begin_write("r", conn.instance_id, 300, True, True)
+    st, actions = core.abort("r", from_peer=False, detail="stop")
+    assert st.state is TransferState.FAILED
+    assert actions == [DrainPrefill(res, conn, "stop")] and core.slot_of("r") != -1
+    # Prefill did not confirm, and the link is still there: only this slot stays held.
+    assert core.drain_answered(res, "stop", confirmed=False, now=10.0) == []
+    assert res.unconfirmed_since == 10.0 and core.slot_of("r") != -1
+    # Confirmed at the next ask: freed.
+    assert core.drain_answered(res, "stop", confirmed=True, now=11.0) == [Freed("r")]
+    assert core.slot_of("r") == -1
+
+
+def test_an_abort_before_any_grant_frees_at_once_and_tells_prefill() -> None:
+    core, conn = _core()
+    core.reserve("r", 300, PREFILL)
+    _st, actions = core.abort("r", from_peer=False, detail="stop")
+    assert actions == [Freed("r"), TellPrefill(conn, "r", "stop")]
+
+
+def test_an_unconfirmed_abort_past_its_budget_drops_only_that_link() -> None:
+    core, conn = _core(budget_s=2.0)
+    res = core.reserve("r", 300, PREFILL)
+    core.begin_write("r", conn.instance_id, 300, True, True)
+    core.abort("r", from_peer=False, detail="stop")
+    core.drain_answered(res, "stop", confirmed=False, now=10.0)
+    core.ask_again_s = 1.0
+    assert core.periodic(now=11.5) == [DrainPrefill(res, conn, "stop")]  # asked again
+    assert core.periodic(now=11.6) == []  # one ask at a time
+    core.drain_answered(res, "stop", confirmed=False, now=11.7)
+    actions = core.periodic(now=12.5)
+    assert actions == [DropLink(conn, "prefill did not confirm the abort of r", gone=False)]
+    # The driver released the link: the request is free now.
+    assert core.link_dropped(conn, "released", gone=False) == [Freed("r")]
+
+
+def test_a_link_failure_is_a_dropped_link_and_keeps_the_requests() -> None:
+    core, conn = _core()
+    core.reserve("r", 300, PREFILL)
+    core.begin_write("r", conn.instance_id, 300, True, True)
+    event = Event(EventKind.LINK_FAILED, conn.link.id, None, ok=False, status="RETRY_EXC",
+                  detail="x")
+    assert core.on_event(event, now=1.0) == [
+        DropLink(conn, "link failed: RETRY_EXC: x", gone=False)]
+    assert core.link_dropped(conn, "link failed", gone=False) == []  # resent later
+    assert core.status("r").state is TransferState.TRANSFERRING
+
+
+def test_a_lost_peer_fails_and_frees_its_requests() -> None:
+    core, conn = _core()
+    core.reserve("a", 300, PREFILL)
+    core.reserve("b", 300, PREFILL)
+    core.begin_write("a", conn.instance_id, 300, True, True)
+    assert core.link_dropped(conn, "heartbeats lost", gone=True) == [Freed("a"), Freed("b")]
+    assert core.status("a").reason is FailureReason.PEER_FAILED
+
+
+def test_the_hand_off_lease_frees_a_success_nobody_released() -> None:
+    core, conn = _core(integrity=False)
+    res = core.reserve("r", 300, PREFILL)
+    core.begin_write("r", conn.instance_id, 300, True, False)
+    assert _landed(core, conn, res.transfer_id) == [CheckLanding(res, res.transfer_id)]
+    core.checked(res, res.transfer_id, Verdict(True, "not verified"), now=100.0)
+    assert core.periodic(now=129.0) == []
+    assert core.periodic(now=131.0) == [Freed("r")]
+
+
+def test_decline_of_an_unconnected_prefill_does_nothing_and_of_a_connected_one_tells_it() -> None:
+    core, conn = _core()
+    assert core.decline("x", "10.0.0.9:1", "full") == []
+    assert core.decline("x", PREFILL, "full") == [
+        TellPrefill(conn, "x", "declined by decode: full"), Count("declines")]
+
+
+def test_shutdown_fails_what_is_live_then_frees_it_all() -> None:
+    core, conn = _core()
+    core.reserve("a", 300, PREFILL)
+    res = core.reserve("b", 300, PREFILL)
+    core.begin_write("b", conn.instance_id, 300, True, True)
+    assert core.fail_live("bye") == [(conn, "a"), (conn, "b")]
+    assert core.status("b").reason is FailureReason.SHUTDOWN
+    assert core.free_all("shutdown") == [Freed("a"), Freed("b")]
+    assert res.request_id == "b" and core.slot_of("b") == -1
+
+
+def test_the_real_digests_of_a_landing_make_the_same_verdict_as_a_test_one() -> None:
+    """The driver's check (LandingCheck) against the record a real prefill writes."""
+    core, conn = _core()
+    res = core.reserve("r", 300, PREFILL)
+    core.begin_write("r", conn.instance_id, 300, True, True)
+    land_record(core, "r", request_digests(core.pools, res.indices))
+    [check] = _landed(core, conn, res.transfer_id)
+    assert isinstance(check, CheckLanding)
+    checker = LandingCheck(lambda: (core.pools, core.layout, core.mailbox), True,
+                           DigestPool(0), None)
+    verdict = checker.check(res, check.transfer_id)
+    assert verdict.ok and verdict.detail.startswith("XXH3-128 verified: 13")
+    assert core.checked(res, check.transfer_id, verdict, now=6.0) == []
+    assert core.status("r").state is TransferState.SUCCESS
+
+
+def test_the_core_module_imports_nothing_that_does_io() -> None:
+    """No executor, clock, socket, RPC or driver in decode's core: its I/O is its
+    driver's (a change that adds one fails here, not in review)."""
+    import ast
+    from pathlib import Path
+
+    import kvbeam.server.core.decode as module
+    tree = ast.parse(Path(module.__file__).read_text())
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names}
+    names |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    io = {"time", "socket", "grpc", "concurrent.futures", "kvbeam.server.peer_rpc",
+          "kvbeam.server.core.decode_driver", "kvbeam.server.faults"}
+    assert names & io == set()
