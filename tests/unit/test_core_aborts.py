@@ -8,13 +8,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
+import pytest
+
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.prefill import ABORT_WAITERS
 from kvbeam.server.peers import PeerConn
 from kvbeam.states import FailureReason, TransferState
 from tests.core_fakes import FakeLink, prefill_core, wait_for
 from tests.unit.test_core_decode import PREFILL, FakePrefill, QueueExecutor, _core
-from tests.unit.test_core_prefill import ADDR, _link
+from tests.unit.test_core_prefill import ADDR, _conn_link, _link, _queued, _sweep_clock
 
 
 def test_prefills_abort_answers_within_the_callers_time_and_tells_decode_once_drained(
@@ -116,20 +118,32 @@ def test_an_abort_never_confirmed_releases_that_link_only_and_frees_its_slot() -
     assert core.status("r2").state is TransferState.TRANSFERRING and core.slot_of("r2") != -1
 
 
-def test_writes_that_never_drain_release_their_link_but_fail_only_their_request() -> None:
-    core, fake = prefill_core(drain_s=0.1, resend_retries=1, integrity=False)
+def test_writes_that_never_drain_release_their_link_but_fail_only_their_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep's clock is moved past ``drain_s`` (no sleep), and the Abort's caller has
+    no time left (``wait_s=0``): it answers at once."""
+    clock = _sweep_clock(monkeypatch)
+    core, fake, io = _queued(drain_s=0.1, resend_retries=1, integrity=False)
     for rid in ("slow", "other"):
         core.send(rid, 0, 300, ADDR, [], True)
-    link = _link(core)
-    assert wait_for(lambda: len(link.writes) == 2)
-    core.abort("slow", from_peer=False, detail="scheduler")  # its write never completes
+    io.run_all()
+    link = _conn_link(core)
+    assert len(link.writes) == 2
+    # Its write never completes.
+    core.abort("slow", from_peer=False, detail="scheduler", wait_s=0.0)
     core.periodic()
-    time.sleep(0.15)
+    clock.now += 0.15
     core.periodic()  # past drain_s: the link is released, so no write of it can read on
-    assert wait_for(lambda: link.released)
+    assert not link.released and len(io.queue) == 1
+    io.run_all()
+    assert link.released
+    assert fake.aborts == ["slow"]  # its writes can no longer read: decode is told now
     for tid, _ in list(link.writes):  # as a released link flushes its writes
         core.on_event(link.completion(tid, ok=False))
     # Only the link went: the other request is resent on a new one, not failed.
-    assert wait_for(lambda: len(fake.begins) >= 3 or core.status("other").state.terminal)
+    io.run_all()
+    new = _conn_link(core)
+    assert new is not link and fake.begins[-1] == ("other", new.id) and len(fake.begins) == 3
+    assert len(new.writes) == 1
     assert core.status("other").state is TransferState.TRANSFERRING, core.status("other")
-    assert wait_for(lambda: "slow" in fake.aborts), "decode was not told it drained"
+    assert fake.aborts == ["slow"], "decode was not told it drained, or told twice"

@@ -1,10 +1,13 @@
 """Protocol 2 in the cores: decode's Offer replaces BeginWrite; the digest record (protocol
-5) is the final chunk's last write, into decode's mailbox, and the notification follows it."""
+5) is the final chunk's last write, into decode's mailbox, and the notification follows it.
+
+Both cores run on a queue executor: each test runs the queued jobs when it chooses, with
+no threads and no sleeps (:func:`_connected` stays on a thread pool for other modules)."""
 
 from __future__ import annotations
 
 import time
-from typing import cast
+from typing import Any, cast
 
 import pytest
 
@@ -26,6 +29,7 @@ from kvbeam.transport import Event, EventKind
 from tests.core_fakes import FakeDecode, FakeLink, land_record, prefill_core, wait_for
 from tests.fixtures import UNIFIED_TARGET
 from tests.unit.test_core_decode import PREFILL, FakePrefill, QueueExecutor, _core
+from tests.unit.test_core_prefill import _queued
 
 ADDR = "127.0.0.1:9"
 SEQ = 300
@@ -51,17 +55,42 @@ def _connected(**kw: object) -> tuple[PrefillCore, FakeDecode, PeerConn, list[st
     return core, fake, conn, events
 
 
+def _queued_connected(**kw: Any) -> tuple[PrefillCore, FakeDecode, PeerConn, list[str],
+                                          QueueExecutor]:
+    """:func:`_connected` on a queue executor: nothing runs until the test runs it. The
+    digests are computed at once, yet handed back as a pool's job, so a first attempt's
+    final chunk is still its data and then its record, two writes."""
+    events: list[str] = []
+    core, fake, io = _queued(record_apart=True, **kw)
+    core.on_offer = events.append
+    core.send("first", 0, SEQ, ADDR, [], True)
+    io.run_all()
+    assert len(fake.begins) == 1 and len(fake.digests) == 1
+    conn = core.peers.by_address(ADDR)
+    assert conn is not None
+    link = cast(FakeLink, conn.link)
+    assert link.writes == [(link.writes[0][0], False), (link.writes[0][0], True)]
+    for event in link.finish(link.writes[0][0]):  # its data, then its digest record
+        core.on_event(event)
+    assert core.status("first").state is TransferState.SUCCESS
+    assert events == ["missed"]  # the first request found no offer: it asked BeginWrite
+    events.clear()
+    return core, fake, conn, events, io
+
+
 def _grant(tid: int) -> WriteGrant:
     return WriteGrant(tid, request_indices(UNIFIED_TARGET, 2, SEQ))
 
 
 def test_an_offered_request_posts_its_writes_without_begin_write_then_its_record() -> None:
-    core, fake, conn, events = _connected()
+    core, fake, conn, events, io = _queued_connected()
     grant = WriteGrant(77, request_indices(UNIFIED_TARGET, 2, SEQ), mailbox_slot=5)
     assert core.offer("r", conn.instance_id, SEQ, grant, lease_s=10.0)
     core.send("r", 1, SEQ, ADDR, [], True)
     link = cast(FakeLink, conn.link)
-    assert wait_for(lambda: len(link.writes) == 4 and len(fake.digests) == 2)
+    assert len(link.writes) == 3 and len(io.queue) == 1  # the data; the record is queued
+    io.run_all()
+    assert len(link.writes) == 4 and len(fake.digests) == 2
     # The offer's transfer id: the data unnotified, then the record with the notification.
     assert link.writes[2:] == [(77, False), (77, True)]
     assert [rid for rid, _ in fake.begins] == ["first"], "BeginWrite was called for r"
@@ -82,22 +111,24 @@ def test_an_offered_request_posts_its_writes_without_begin_write_then_its_record
 
 def test_a_send_before_the_reserve_falls_back_to_begin_write_and_a_late_offer_is_refused(
         ) -> None:
-    core, fake, conn, events = _connected()
+    core, fake, conn, events, io = _queued_connected()
     core.send("r", 1, SEQ, ADDR, [], True)
-    assert wait_for(lambda: len(fake.begins) == 2)
+    io.run_all()
+    assert len(fake.begins) == 2
     assert fake.begins[1][0] == "r"
-    assert wait_for(lambda: events == ["missed"])
+    assert events == ["missed"]
     assert not core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
     assert events == ["missed", "refused"] and len(core.offers) == 0
 
 
 def test_with_send_wait_a_send_before_the_offer_waits_for_it_instead_of_asking() -> None:
-    core, fake, conn, events = _connected(send_wait_s=5.0)
+    core, fake, conn, events, io = _queued_connected(send_wait_s=5.0)
     link = cast(FakeLink, conn.link)
     core.send("r", 1, SEQ, ADDR, [], True)
-    assert wait_for(lambda: core.status("r").state is TransferState.WAITING_FOR_INPUT)
+    assert core.status("r").state is TransferState.WAITING_FOR_INPUT
     assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)  # unparks it
-    assert wait_for(lambda: len(link.writes) == 4)
+    io.run_all()
+    assert len(link.writes) == 4
     assert link.writes[2:] == [(77, False), (77, True)]
     assert [rid for rid, _ in fake.begins] == ["first"], "BeginWrite was called for r"
     assert core.status("r").state is TransferState.TRANSFERRING
@@ -118,17 +149,19 @@ def _count_jobs(core: PrefillCore) -> list[str]:
 
 
 def test_a_send_before_the_offer_parks_at_once_and_the_offer_runs_its_one_step() -> None:
-    core, fake, conn, events = _connected(send_wait_s=5.0)
+    core, fake, conn, events, io = _queued_connected(send_wait_s=5.0)
     jobs = _count_jobs(core)
     core.send("r", 1, SEQ, ADDR, [], True)
     # Parked before send returned: no executor job ran only to park it.
     assert core.status("r").state is TransferState.WAITING_FOR_INPUT and jobs == []
     assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)  # unparks it
     link = cast(FakeLink, conn.link)
-    assert wait_for(lambda: len(link.writes) == 4)
     # Its one step ran on the Offer's thread: only the wait for the digest pool (the
     # record's write) went to the executor.
-    assert jobs == ["_record_on_executor"] and events == ["received", "used"]
+    assert link.writes[2:] == [(77, False)] and jobs == ["_record_on_executor"]
+    io.run_all()
+    assert len(link.writes) == 4 and jobs == ["_record_on_executor"]
+    assert events == ["received", "used"]
     assert [rid for rid, _ in fake.begins] == ["first"], "BeginWrite was called for r"
 
 
@@ -136,13 +169,15 @@ def test_an_offered_small_send_posts_on_the_senders_thread() -> None:
     """With decode's offer in hand a small request's step cannot block: the Send posts
     its data before it returns (no executor hand-off); the digest record follows once
     the pool's digests are done (waited for on the executor)."""
-    core, fake, conn, events = _connected()
+    core, fake, conn, events, io = _queued_connected()
     link = cast(FakeLink, conn.link)
     assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
     jobs = _count_jobs(core)
     core.send("r", 1, SEQ, ADDR, [], True)
-    assert link.writes[2:3] == [(77, False)], "the data was not posted by send itself"
-    assert wait_for(lambda: len(link.writes) == 4 and len(fake.digests) == 2)
+    assert link.writes[2:] == [(77, False)], "the data was not posted by send itself"
+    assert jobs == ["_record_on_executor"]
+    io.run_all()
+    assert len(link.writes) == 4 and len(fake.digests) == 2
     assert link.writes[3] == (77, True) and jobs == ["_record_on_executor"]
     assert events == ["received", "used"]
     want = request_digests(core.pools, request_indices(UNIFIED_TARGET, 1, SEQ))
@@ -152,57 +187,69 @@ def test_an_offered_small_send_posts_on_the_senders_thread() -> None:
 def test_an_offered_small_send_with_inline_digests_is_one_write_and_no_job() -> None:
     """Digests small enough to run on the calling thread (the daemon's default pool):
     the record is the data write's last block, and nothing goes to the executor."""
-    core, _fake, conn, _events = _connected()
+    core, _fake, conn, _events, io = _queued_connected()
     core.digest_pool = DigestPool(0)  # every job inline, as a small request's in a daemon
     link = cast(FakeLink, conn.link)
     assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
     jobs = _count_jobs(core)
     core.send("r", 1, SEQ, ADDR, [], True)
     assert link.writes[2:] == [(77, True)] and len(link.records) == 2 and jobs == []
+    assert not io.queue
     core.on_event(link.completion(77))
     assert core.status("r").state is TransferState.SUCCESS
 
 
 def test_a_request_over_the_inline_bound_steps_on_the_executor(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    core, _fake, conn, _events = _connected()
+    core, _fake, conn, _events, io = _queued_connected()
     monkeypatch.setattr(prefill_module, "INLINE_STEP_MAX_PAGES", 1)
     assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
     jobs = _count_jobs(core)
     core.send("r", 1, SEQ, ADDR, [], True)
     link = cast(FakeLink, conn.link)
-    assert wait_for(lambda: len(link.writes) == 4)
-    assert jobs[0] == "_step" and link.writes[2:] == [(77, False), (77, True)]
+    assert jobs == ["_step"] and len(link.writes) == 2  # nothing posted by send itself
+    io.run_all()
+    assert jobs == ["_step"] and link.writes[2:] == [(77, False), (77, True)]
 
 
-def test_an_armed_write_delay_keeps_the_step_on_the_executor() -> None:
-    core, _fake, conn, _events = _connected()
+def test_an_armed_write_delay_keeps_the_step_on_the_executor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The armed delay is recorded instead of slept: it is taken on the executor's step,
+    never on the sender's thread."""
+    core, _fake, conn, _events, io = _queued_connected()
     assert core.faults is not None
     core.faults.write_delay_s = 0.01  # a hook that sleeps before the post
+    delays: list[float] = []
+    monkeypatch.setattr(core.faults, "slow_wire", lambda: delays.append(0.01))
     assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
     jobs = _count_jobs(core)
     core.send("r", 1, SEQ, ADDR, [], True)
     link = cast(FakeLink, conn.link)
-    assert wait_for(lambda: len(link.writes) == 4)
-    assert jobs[0] == "_step"
+    assert jobs == ["_step"] and delays == [] and len(link.writes) == 2
+    io.run_all()
+    assert len(link.writes) == 4 and delays == [0.01]
 
 
 def test_an_offer_gone_before_the_inline_step_asks_begin_write_from_the_executor(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The offer is checked without the lock: when it went (aborted, expired) before
     the step took it, the step does not ask BeginWrite on the sender's thread."""
-    core, fake, conn, events = _connected()
+    core, fake, conn, events, io = _queued_connected()
     monkeypatch.setattr(core.offers, "has", lambda _rid: True)  # it looked offered
     jobs = _count_jobs(core)
     core.send("r", 1, SEQ, ADDR, [], True)
+    # The step started inline, found no offer, and handed the chunk to the executor.
+    assert jobs == ["_step"] and [rid for rid, _ in fake.begins] == ["first"]
+    assert events == []
+    io.run_all()
     link = cast(FakeLink, conn.link)
-    assert wait_for(lambda: len(link.writes) == 4)
+    assert len(link.writes) == 4
     assert jobs[0] == "_step" and [rid for rid, _ in fake.begins] == ["first", "r"]
     assert events == ["missed"]  # counted once, by the executor's step
 
 
 def test_an_inline_post_that_fails_is_resent_on_a_new_link_from_the_executor() -> None:
-    core, fake, conn, _events = _connected(resend_retries=1)
+    core, fake, conn, _events, io = _queued_connected(resend_retries=1)
     old = cast(FakeLink, conn.link)
     assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
     real = old.write
@@ -216,9 +263,11 @@ def test_an_inline_post_that_fails_is_resent_on_a_new_link_from_the_executor() -
     jobs = _count_jobs(core)
     core.send("r", 1, SEQ, ADDR, [], True)
     assert core.status("r").state is TransferState.TRANSFERRING  # not failed on this thread
+    assert jobs == ["_failed_step"] and not old.released  # handled on the executor
+    io.run_all()
     # Resent under a new grant; its digests were never recorded (the post failed before
     # the record), so the resend's data and record are two writes again.
-    assert wait_for(lambda: len(fake.links) == 2 and len(fake.links[1].writes) == 2)
+    assert len(fake.links) == 2 and len(fake.links[1].writes) == 2
     new = fake.links[1]
     assert jobs[0] == "_failed_step" and old.released
     assert [rid for rid, link in fake.begins][-1] == "r" and fake.begins[-1][1] == new.id
@@ -227,65 +276,72 @@ def test_an_inline_post_that_fails_is_resent_on_a_new_link_from_the_executor() -
     assert core.status("r").state is TransferState.SUCCESS
 
 
-def test_with_send_wait_no_offer_within_the_grace_asks_begin_write() -> None:
-    core, fake, conn, _events = _connected(send_wait_s=5.0)
+def test_with_send_wait_no_offer_within_the_grace_asks_begin_write(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    core, fake, conn, _events, io = _queued_connected(send_wait_s=5.0)
     core.send("s", 1, SEQ, ADDR, [], True)  # decode reserved without offering it
-    assert wait_for(lambda: core.status("s").state is TransferState.WAITING_FOR_INPUT)
-    time.sleep(prefill_module.OFFER_GRACE_S)
+    assert core.status("s").state is TransferState.WAITING_FOR_INPUT
+    core.periodic()  # within the grace: it keeps waiting
+    assert not io.queue
+    monkeypatch.setattr(prefill_module, "OFFER_GRACE_S", 0.0)
     core.periodic()  # the sweep: the grace passed
-    assert wait_for(lambda: [rid for rid, _ in fake.begins] == ["first", "s"])
+    io.run_all()
+    assert [rid for rid, _ in fake.begins] == ["first", "s"]
     link = cast(FakeLink, conn.link)
-    assert wait_for(lambda: len(link.writes) == 4)
+    assert len(link.writes) == 4
 
 
 def test_with_send_wait_decode_without_the_reservation_keeps_it_waiting_until_the_lease(
-        ) -> None:
-    core, fake, _conn, _events = _connected(send_wait_s=0.3)
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    core, fake, _conn, _events, io = _queued_connected(send_wait_s=0.3)
     fake.not_yet.add("t")  # BeginWrite: decode has no reservation yet (NotReserved)
     core.send("t", 1, SEQ, ADDR, [], True)
-    assert wait_for(lambda: core.status("t").state is TransferState.WAITING_FOR_INPUT)
-    time.sleep(prefill_module.OFFER_GRACE_S)
+    assert core.status("t").state is TransferState.WAITING_FOR_INPUT
+    monkeypatch.setattr(prefill_module, "OFFER_GRACE_S", 0.0)  # the grace passed
     core.periodic()
-    assert wait_for(lambda: fake.refused_not_yet == ["t"])
+    io.run_all()
+    assert fake.refused_not_yet == ["t"]
     core.periodic()  # asked once: only decode's Offer (or the lease) ends the wait now
-    time.sleep(0.05)
+    assert not io.queue
     assert fake.refused_not_yet == ["t"]
     assert core.status("t").state is TransferState.WAITING_FOR_INPUT
-    time.sleep(0.35)
-    expired = core.table.expire()
+    expired = core.table.expire(time.monotonic() + 0.35)  # the lease, 0.3 s, has passed
     assert [s.request_id for s in expired] == ["t"]
     assert expired[0].reason is FailureReason.TIMEOUT
     assert "for 0.3 s (decode's reservation" in expired[0].detail, expired[0].detail
 
 
 def test_an_offer_over_a_previous_connection_is_ignored() -> None:
-    core, fake, conn, events = _connected()
+    core, fake, conn, events, io = _queued_connected()
     assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
     # Decode's instance changed behind the connection (prefill has not noticed a loss):
     # the next request handshakes a new connection, which the offer did not come over.
     core.peers.remove(conn)
     core.send("r", 1, SEQ, ADDR, [], True)
-    assert wait_for(lambda: len(fake.begins) == 2)
+    io.run_all()
+    assert len(fake.begins) == 2
     new = core.peers.by_address(ADDR)
     assert new is not None and new is not conn
-    assert wait_for(lambda: len(cast(FakeLink, new.link).writes) == 2)
+    assert len(cast(FakeLink, new.link).writes) == 2
     assert cast(FakeLink, new.link).writes[0][0] != 77
     assert events == ["received", "missed"]
 
 
 @pytest.mark.parametrize("change", ["seq_len", "expired"])
 def test_an_offer_that_does_not_fit_the_send_is_not_used(change: str) -> None:
-    core, fake, conn, events = _connected()
+    """An offer for another length, or one whose lease passed (granted with a lease
+    already over: no sleep)."""
+    core, fake, conn, events, io = _queued_connected()
     assert core.offer("r", conn.instance_id, SEQ + (change == "seq_len"), _grant(77),
-                      lease_s=10.0 if change == "seq_len" else 0.0)
-    time.sleep(0.01)
+                      lease_s=10.0 if change == "seq_len" else -1.0)
     core.send("r", 1, SEQ, ADDR, [], True)
-    assert wait_for(lambda: len(fake.begins) == 2)
+    io.run_all()
+    assert len(fake.begins) == 2
     assert events == ["received", "missed"]
 
 
 def test_abort_and_peer_loss_drop_offers_and_the_book_is_bounded() -> None:
-    core, _fake, conn, events = _connected(workers=2)
+    core, _fake, conn, events, io = _queued_connected()
     core.offers.capacity = 2
     assert core.offer("a", conn.instance_id, SEQ, _grant(1), lease_s=10.0)
     assert core.offer("b", conn.instance_id, SEQ, _grant(2), lease_s=10.0)
@@ -296,6 +352,7 @@ def test_abort_and_peer_loss_drop_offers_and_the_book_is_bounded() -> None:
     core.on_peer_lost(conn, "link failed", gone=False)
     assert len(core.offers) == 0
     assert events == ["received", "received", "refused"]
+    assert not io.queue
 
 
 # ---- decode -----------------------------------------------------------------------------
@@ -476,16 +533,17 @@ def test_a_resend_sends_the_digests_computed_once_with_its_new_transfer_id(
         return real(*args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(DigestPool, "digests", counting)  # the cores digest on the pool
-    core, fake = prefill_core(resend_retries=1)
+    core, fake, io = _queued(record_apart=True, resend_retries=1)
     core.send("r", 0, SEQ, ADDR, [], True)
-    assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
+    io.run_all()
     conn = core.peers.by_address(ADDR)
     assert conn is not None
     old = cast(FakeLink, conn.link)
-    assert wait_for(lambda: len(old.writes) == 2 and len(fake.digests) == 1)
+    assert len(old.writes) == 2 and len(fake.digests) == 1
     for event in old.finish(old.writes[0][0], ok=False, status="IBV_WC_RETRY_EXC_ERR"):
         core.on_event(event)  # the data and the record, flushed
-    assert wait_for(lambda: len(fake.digests) == 2)
+    io.run_all()
+    assert len(fake.digests) == 2
     (r1, tid1, d1), (r2, tid2, d2) = fake.digests
     assert r1 == r2 == "r" and tid1 != tid2 and d1 == d2
     assert computed == ["x"], "the resend digested the source again"
@@ -509,7 +567,7 @@ def test_an_offer_that_comes_while_the_send_asks_begin_write_is_kept_and_unparks
     """Decode reserves (and offers) just after refusing the Send's BeginWrite for want of
     a reservation: the offer must not be refused as late, or the parked Send would wait
     for an offer that already came, until --send-wait-s."""
-    core, fake, conn, events = _connected(send_wait_s=5.0)
+    core, fake, conn, events, io = _queued_connected(send_wait_s=5.0)
     conn.missed_heartbeats = 1  # no waiting for an offer first: the Send asks at once
     fake.not_yet.add("r")
     real = fake.begin_write
@@ -521,7 +579,8 @@ def test_an_offer_that_comes_while_the_send_asks_begin_write_is_kept_and_unparks
 
     fake.begin_write = racing  # type: ignore[method-assign,assignment]
     core.send("r", 1, SEQ, ADDR, [], True)
+    io.run_all()
     link = cast(FakeLink, conn.link)
-    assert wait_for(lambda: len(link.writes) == 4), core.status("r")
+    assert len(link.writes) == 4, core.status("r")
     assert link.writes[2:] == [(77, False), (77, True)]  # written under the offer
     assert events == ["missed", "received", "used"]

@@ -1,4 +1,9 @@
-"""Prefill's gRPC-free core with fake links and a fake decode side: the races it fixes."""
+"""Prefill's gRPC-free core with fake links and a fake decode side: the races it fixes.
+
+Most tests drive the core through a queue executor (nothing runs until the test runs
+it, the digests run inline): the test chooses each interleaving, with no threads and no
+sleeps. Those that race real threads (a drain waited for while a completion comes) keep
+a thread-pool executor and poll."""
 
 from __future__ import annotations
 
@@ -7,15 +12,21 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import cast
+from typing import Any, cast
 
 import pytest
 
 from kvbeam.errors import DuplicateRequest
+from kvbeam.pools.digest import DigestPart
+from kvbeam.pools.digest_pool import DigestJob, DigestPool
+from kvbeam.server.core import prefill_events
 from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.peers import PeerConn
 from kvbeam.states import TransferState
-from tests.core_fakes import FakeLink, prefill_core, wait_for
+from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
+from tests.unit.test_core_decode import QueueExecutor
 
 ADDR = "127.0.0.1:9"
 
@@ -28,6 +39,57 @@ def _link(core: PrefillCore, address: str = ADDR) -> FakeLink:
     return cast(FakeLink, conn.link)
 
 
+class PoolJobDigests(DigestPool):
+    """Digests computed at once on the calling thread, handed back as a digest pool's job
+    (not ``inline``): prefill writes a first attempt's digest record as its own write
+    after the data, as with digest threads, yet no thread runs."""
+
+    def __init__(self) -> None:
+        super().__init__(0, inline_below=0)
+
+    def start(self, parts: Sequence[DigestPart]) -> DigestJob:
+        job = super().start(parts)
+        job.inline = False
+        return job
+
+
+def _queued(*, record_apart: bool = False,
+            **kw: Any) -> tuple[PrefillCore, FakeDecode, QueueExecutor]:
+    """A prefill core (:func:`prefill_core`, ``kw``) on a queue executor, digests inline.
+    ``record_apart``: a first attempt's final chunk is two writes, its data and then its
+    digest record (:class:`PoolJobDigests`); else the record is the data's last block."""
+    io = QueueExecutor()
+    core, fake = prefill_core(io=io, digest_threads=0, **kw)
+    if record_apart:
+        core.digest_pool = PoolJobDigests()
+    return core, fake, io
+
+
+def _conn_link(core: PrefillCore, address: str = ADDR) -> FakeLink:
+    """The fake link of the core's connection to ``address`` (it must be connected)."""
+    conn = core.peers.by_address(address)
+    assert conn is not None, f"no connection to {address}"
+    return cast(FakeLink, conn.link)
+
+
+class Clock:
+    """A monotonic clock the test moves, patched over a core module's ``time``."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def _sweep_clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """The clock the sweep (:meth:`PrefillCore.periodic`) reads when writes are past
+    ``drain_s``: moved by the test instead of sleeping."""
+    clock = Clock()
+    monkeypatch.setattr(prefill_events, "time", clock)
+    return clock
+
+
 def test_core_modules_do_not_import_grpc() -> None:
     code = ("import sys, kvbeam.server.core, kvbeam.server.core.prefill, "
             "kvbeam.server.core.decode, kvbeam.server.peers; "
@@ -38,10 +100,12 @@ def test_core_modules_do_not_import_grpc() -> None:
 
 
 def test_single_chunk_request_succeeds_once_its_write_completes() -> None:
-    core, _fake = prefill_core(integrity=False)
+    core, _fake, io = _queued(integrity=False)
     core.send("r", 0, 300, ADDR, [], True)
-    link = _link(core)
-    assert wait_for(lambda: len(link.writes) == 1)
+    assert core.status("r").state is TransferState.BOOTSTRAPPING and len(io.queue) == 1
+    io.run_all()  # the handshake, then the step: BeginWrite and the write
+    link = _conn_link(core)
+    assert len(link.writes) == 1
     assert core.status("r").state is TransferState.TRANSFERRING
     tid, notify = link.writes[0]
     assert notify
@@ -50,15 +114,16 @@ def test_single_chunk_request_succeeds_once_its_write_completes() -> None:
     done, total = core.bytes_of("r")
     assert done == total > 0
     core.periodic()
-    assert not core.known("r")
+    assert not core.known("r") and not io.queue
 
 
 def test_decodes_late_verdict_is_logged_after_the_success_record_was_pruned(
         caplog: pytest.LogCaptureFixture) -> None:
-    core, _fake = prefill_core(integrity=False)
+    core, _fake, io = _queued(integrity=False)
     core.send("r", 0, 300, ADDR, [], True)
-    link = _link(core)
-    assert wait_for(lambda: len(link.writes) == 1)
+    io.run_all()
+    link = _conn_link(core)
+    assert len(link.writes) == 1
     core.on_event(link.completion(link.writes[0][0]))
     core.periodic()
     assert not core.known("r")  # pruned: decode's integrity verdict comes after that
@@ -67,26 +132,38 @@ def test_decodes_late_verdict_is_logged_after_the_success_record_was_pruned(
     assert st.state is TransferState.SUCCESS
     assert ("request r: decode reports a failure after this side ended: decode integrity "
             "check failed: x") in caplog.text
+    assert not io.queue  # nothing to tell decode
 
 
-def test_record_is_pruned_after_a_drain_timeout_even_when_writes_complete_late() -> None:
-    core, fake = prefill_core(drain_s=0.1, integrity=False)
+def test_record_is_pruned_after_a_drain_timeout_even_when_writes_complete_late(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep's clock is moved past ``drain_s`` (no sleep); the Abort's caller has no
+    time left (``wait_s=0``), so it answers at once. Decode is told exactly once: when
+    the sweep released the link (its writes can no longer read the source)."""
+    clock = _sweep_clock(monkeypatch)
+    core, fake, io = _queued(drain_s=0.1, integrity=False)
     core.send("r", 0, 300, ADDR, [], True)
-    link = _link(core)
-    assert wait_for(lambda: len(link.writes) == 1)
+    io.run_all()
+    link = _conn_link(core)
+    assert len(link.writes) == 1
     # Abort: the write never completes, so the drain times out and the sweep releases
     # the link (the Abort itself answered without waiting that long).
-    st = core.abort("r", from_peer=False, detail="test")
+    st = core.abort("r", from_peer=False, detail="test", wait_s=0.0)
     assert st.state is TransferState.FAILED
+    assert not io.queue  # the write may still read the source: decode is not told yet
     core.periodic()  # notes when it failed
-    time.sleep(0.15)
+    assert not io.queue
+    clock.now += 0.15
     core.periodic()  # its writes are past drain_s
-    assert wait_for(lambda: link.released)
+    assert not link.released and len(io.queue) == 1  # the release, on the executor
+    io.run_all()
+    assert link.released and fake.aborts == ["r"]  # released: now decode is told
     # The released link's cancelled write now completes, late, as failed.
     core.on_event(link.completion(link.writes[0][0], ok=False))
     core.periodic()
     assert not core.known("r"), "the record leaked after a drain timeout"
-    assert fake.aborts.count("r") <= 1
+    io.run_all()
+    assert fake.aborts == ["r"]
 
 
 def test_decode_that_aborted_is_not_told_again_when_a_write_completes_during_the_drain(
@@ -145,22 +222,35 @@ def test_two_failure_paths_racing_tell_decode_once() -> None:
 
 
 def test_a_hanging_handshake_holds_one_worker_not_the_others() -> None:
-    core, fake = prefill_core(workers=2, integrity=False)
-    stuck = threading.Event()
-    fake.hold["10.0.0.2:1"] = stuck
-    try:
-        for i in range(6):  # more requests to the stuck peer than there are workers
-            core.send(f"b{i}", i % 4, 300, "10.0.0.2:1", [], True)
-        for i in range(4):
-            core.send(f"a{i}", i, 300, ADDR, [], True)
-        link = _link(core)
-        assert wait_for(lambda: len(link.writes) == 4, 3), "requests to A queued behind B"
-        assert fake.connects.count("10.0.0.2:1") == 1  # one handshake for all six
-        assert all(core.status(f"b{i}").state is TransferState.BOOTSTRAPPING for i in range(6))
-    finally:
-        stuck.set()
-    b_link = _link(core, "10.0.0.2:1")
-    assert wait_for(lambda: len(b_link.writes) == 6)
+    """While the handshake with a stuck peer (B) is under way, every other job on the
+    executor runs: B's other requests join that handshake and return (none blocks a
+    worker or starts a second one), and requests to A are written."""
+    core, fake, io = _queued(integrity=False)
+    stuck = "10.0.0.2:1"
+    real = fake.connect
+    handshakes: list[str] = []
+    meanwhile: list[tuple[int, int, set[TransferState]]] = []
+
+    def hanging(address: str) -> PeerConn:
+        if address == stuck:  # B does not answer yet: the other jobs run meanwhile
+            handshakes.append(address)
+            io.run_all()
+            meanwhile.append((len(io.queue), len(_conn_link(core).writes),
+                              {core.status(f"b{i}").state for i in range(6)}))
+        return real(address)
+
+    fake.connect = hanging  # type: ignore[method-assign]
+    for i in range(6):  # more requests to the stuck peer than a pool has workers
+        core.send(f"b{i}", i % 4, 300, stuck, [], True)
+    for i in range(4):
+        core.send(f"a{i}", i, 300, ADDR, [], True)
+    assert len(io.queue) == 10
+    io.run_all()  # B's first step handshakes (hanging): the other nine run inside it
+    assert handshakes == [stuck]  # one handshake for all six
+    # Within it: no job left, A's four written, B's six still Bootstrapping.
+    assert meanwhile == [(0, 4, {TransferState.BOOTSTRAPPING})], "requests to A queued behind B"
+    assert len(_conn_link(core, stuck).writes) == 6
+    assert fake.connects.count(stuck) == 1 and not io.queue
 
 
 def test_a_chunk_after_the_request_ended_is_answered_with_its_status() -> None:
@@ -168,35 +258,41 @@ def test_a_chunk_after_the_request_ended_is_answered_with_its_status() -> None:
     # partition a lost peer): the engine's next chunk, final or not, is not a reuse of
     # its id (no DuplicateRequest) but is told how it ended, before and after the sweep
     # forgets its record. A final chunk sent twice stays a duplicate.
-    core, _fake = prefill_core(drain_s=0.0, integrity=False)
+    core, fake, io = _queued(drain_s=0.0, integrity=False)
     core.send("late", 0, 1000, ADDR, [(0, 256)], False)
-    link = _link(core)
-    assert wait_for(lambda: len(link.writes) == 1)
+    io.run_all()
+    link = _conn_link(core)
+    assert len(link.writes) == 1
     for tid, _ in link.writes:
         core.on_event(link.completion(tid))
     core.abort("late", from_peer=False, detail="engine cancelled", wait_s=0.0)
     assert core.status("late").state is TransferState.FAILED
     assert core.send("late", 0, 1000, ADDR, [(256, 700)], False).state is TransferState.FAILED
+    assert len(io.queue) == 1  # only the Abort to decode: the chunk started no step
     core.periodic()
     assert "late" not in core._out  # forgotten: the answer comes from the table
     st = core.send("late", 0, 1000, ADDR, [], True)
     assert st.state is TransferState.FAILED and "engine cancelled" in st.detail, st
 
     core.send("twice", 0, 1000, ADDR, [], True)
-    assert wait_for(lambda: len(link.writes) == 2)
+    io.run_all()
+    assert len(link.writes) == 2 and fake.aborts == ["late"]
     core.on_event(link.completion(link.writes[-1][0]))
     assert core.status("twice").state is TransferState.SUCCESS
     with pytest.raises(DuplicateRequest):
         core.send("twice", 0, 1000, ADDR, [], True)
+    assert not io.queue
 
 
 def test_chunks_of_one_request_post_in_order_and_succeed_after_the_final() -> None:
-    core, _fake = prefill_core(integrity=False)
+    core, _fake, io = _queued(integrity=False)
     core.send("c", 0, 1000, ADDR, [(0, 256)], False)
     core.send("c", 0, 1000, ADDR, [(256, 700)], False)
     core.send("c", 0, 1000, ADDR, [], True)
-    link = _link(core)
-    assert wait_for(lambda: len(link.writes) == 3)
+    assert len(io.queue) == 1  # one step for the three chunks: it takes them in order
+    io.run_all()
+    link = _conn_link(core)
+    assert len(link.writes) == 3
     assert [notify for _tid, notify in link.writes] == [False, False, True]
     for tid, _ in link.writes:
         assert core.status("c").state is TransferState.TRANSFERRING

@@ -2,30 +2,39 @@
 
 Integrity is on: a first attempt's final chunk is two writes of its transfer id, its data
 and then its digest record (the notified one); both complete (or fail) before anything is
-resent. A resend's is one write (its digests are kept: the record is its last block)."""
+resent. A resend's is one write (its digests are kept: the record is its last block).
+
+The core runs on a queue executor (its digests computed at once, handed back as a pool's
+job: :class:`~tests.unit.test_core_prefill.PoolJobDigests`): each test runs the queued
+steps, handshakes and releases when it chooses, with no threads and no sleeps."""
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Callable
 from typing import cast
 
 import pytest
 
 from kvbeam.errors import ConfigError
 from kvbeam.pools.indices import request_indices
+from kvbeam.server.core import prefill as prefill_module
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.faults import BREAK_LINK_ENV, FaultHooks
 from kvbeam.server.lifecycle import Deadlines
+from kvbeam.server.peers import PeerConn
 from kvbeam.server.settings import resolve
-from kvbeam.states import FailureReason, TransferState
-from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
+from kvbeam.states import FailureReason, TransferState, TransferStatus
+from tests.core_fakes import FakeDecode, FakeLink, wait_for
+from tests.unit.test_core_decode import QueueExecutor
+from tests.unit.test_core_prefill import Clock, _queued
 
 ADDR = "127.0.0.1:9"
 RETRY_EXC = "IBV_WC_RETRY_EXC_ERR"
 
 
 def _link(core: PrefillCore, not_: FakeLink | None = None) -> FakeLink:
-    """The fake link of the core's live connection to ADDR (a new one after ``not_``)."""
+    """The fake link of the core's live connection to ADDR (a new one after ``not_``),
+    once there is one (polled: for cores on a thread pool)."""
     def current() -> FakeLink | None:
         conn = core.peers.by_address(ADDR)
         link = cast(FakeLink, conn.link) if conn is not None else None
@@ -36,17 +45,31 @@ def _link(core: PrefillCore, not_: FakeLink | None = None) -> FakeLink:
     return link
 
 
+def _live(core: PrefillCore, not_: FakeLink | None = None) -> FakeLink:
+    """The fake link of the core's live connection to ADDR, which must be there (and be
+    a new one after ``not_``)."""
+    conn = core.peers.by_address(ADDR)
+    assert conn is not None, "not connected"
+    link = cast(FakeLink, conn.link)
+    assert link is not not_, "still the old link"
+    return link
+
+
 def _resending(retries: int = 2, transferring: float = 30.0,
-               ) -> tuple[PrefillCore, FakeDecode, list[int]]:
+               ) -> tuple[PrefillCore, FakeDecode, list[int], QueueExecutor]:
     counted: list[int] = []
-    core, fake = prefill_core(resend_retries=retries, on_resend=lambda: counted.append(1),
-                              deadlines=Deadlines(transferring=transferring))
-    return core, fake, counted
+    core, fake, io = _queued(record_apart=True, resend_retries=retries,
+                             on_resend=lambda: counted.append(1),
+                             deadlines=Deadlines(transferring=transferring))
+    return core, fake, counted, io
 
 
-def _fail_first_write(core: PrefillCore, status: str = RETRY_EXC) -> FakeLink:
-    link = _link(core)
-    assert wait_for(lambda: len(link.writes) == 2)  # the data, then the digest record
+def _fail_first_write(core: PrefillCore, io: QueueExecutor,
+                      status: str = RETRY_EXC) -> FakeLink:
+    """Run the queued steps, then fail the first transfer's writes (its data and record)."""
+    io.run_all()
+    link = _live(core)
+    assert len(link.writes) == 2  # the data, then the digest record
     for event in link.finish(link.writes[0][0], ok=False, status=status):
         core.on_event(event)
     return link
@@ -58,13 +81,29 @@ def _succeed(core: PrefillCore, link: FakeLink) -> None:
         core.on_event(event)
 
 
+def _during_handshake(fake: FakeDecode, nth: int, action: Callable[[], None]) -> None:
+    """Run ``action`` inside decode's ``nth`` handshake (1: the first), before it answers:
+    where a call from another thread would come while the handshake hangs (the core holds
+    no lock while it handshakes)."""
+    real = fake.connect
+
+    def connect(address: str) -> PeerConn:
+        if len(fake.connects) == nth - 1:
+            action()
+        return real(address)
+
+    fake.connect = connect  # type: ignore[method-assign]
+
+
 def test_a_failed_write_is_resent_on_a_new_link_and_the_request_succeeds() -> None:
-    core, fake, counted = _resending()
+    core, fake, counted, io = _resending()
     core.send("r", 0, 300, ADDR, [], True)
-    old = _fail_first_write(core)
+    old = _fail_first_write(core, io)
     assert core.status("r").state is TransferState.TRANSFERRING  # not failed
-    new = _link(core, not_=old)
-    assert wait_for(lambda: len(new.writes) == 1)
+    assert counted == [1] and not old.released  # the resend's step and the release: queued
+    io.run_all()
+    new = _live(core, not_=old)
+    assert len(new.writes) == 1
     assert new.writes[0][1] and len(new.records) == 1  # data and record, one notified write
     assert old.released and fake.connects == [ADDR, ADDR]
     assert [link for _r, link in fake.begins] == [old.id, new.id]  # a new grant
@@ -72,22 +111,26 @@ def test_a_failed_write_is_resent_on_a_new_link_and_the_request_succeeds() -> No
     assert core.status("r").state is TransferState.SUCCESS
     assert counted == [1] and fake.aborts == []
     core.periodic()
-    assert not core.known("r")
+    assert not core.known("r") and not io.queue
 
 
 def test_every_posted_chunk_is_resent_in_order() -> None:
-    core, _fake, _counted = _resending()
+    core, _fake, _counted, io = _resending()
     core.send("c", 0, 1000, ADDR, [(0, 256)], False)
-    old = _link(core)
-    assert wait_for(lambda: len(old.writes) == 1)
+    io.run_all()
+    old = _live(core)
+    assert len(old.writes) == 1
     core.on_event(old.completion(old.writes[0][0]))  # chunk 1 landed
     core.send("c", 0, 1000, ADDR, [(256, 700)], False)
-    assert wait_for(lambda: len(old.writes) == 2)
+    io.run_all()
+    assert len(old.writes) == 2
     core.on_event(old.completion(old.writes[1][0], ok=False, status=RETRY_EXC))
-    new = _link(core, not_=old)
-    assert wait_for(lambda: len(new.writes) == 2)  # both chunks again
+    io.run_all()
+    new = _live(core, not_=old)
+    assert len(new.writes) == 2  # both chunks again
     core.send("c", 0, 1000, ADDR, [], True)  # its first final: digested while data flies
-    assert wait_for(lambda: len(new.writes) == 4)
+    io.run_all()
+    assert len(new.writes) == 4
     assert [notify for _tid, notify in new.writes] == [False, False, False, True]
     for tid, _ in new.writes:
         core.on_event(new.completion(tid))
@@ -97,11 +140,12 @@ def test_every_posted_chunk_is_resent_in_order() -> None:
 
 
 def test_a_late_completion_from_the_old_link_is_ignored() -> None:
-    core, _fake, _counted = _resending()
+    core, _fake, _counted, io = _resending()
     core.send("r", 0, 300, ADDR, [], True)
-    old = _fail_first_write(core)
-    new = _link(core, not_=old)
-    assert wait_for(lambda: len(new.writes) == 1)
+    old = _fail_first_write(core, io)
+    io.run_all()
+    new = _live(core, not_=old)
+    assert len(new.writes) == 1
     # The old link's write reported again, now as done: it proves nothing for the resend.
     core.on_event(old.completion(old.writes[0][0], ok=True))
     assert core.status("r").state is TransferState.TRANSFERRING
@@ -110,84 +154,94 @@ def test_a_late_completion_from_the_old_link_is_ignored() -> None:
 
 
 def test_a_resend_waits_until_the_dead_links_writes_completed() -> None:
-    core, fake, _counted = _resending()
+    core, fake, _counted, io = _resending()
     core.send("c", 0, 1000, ADDR, [(0, 256)], False)
     core.send("c", 0, 1000, ADDR, [], True)
-    old = _link(core)
-    assert wait_for(lambda: len(old.writes) == 3)  # the chunk, the final's data, the record
+    io.run_all()
+    old = _live(core)
+    assert len(old.writes) == 3  # the chunk, the final's data, the record
     core.on_event(old.completion(old.writes[0][0], ok=False, status=RETRY_EXC))
-    core.io.submit(lambda: None).result()
+    io.run_all()  # the dead link's release (its connection is forgotten at once)
     assert fake.connects == [ADDR]  # the final writes may still read the source
     core.on_event(old.completion(old.writes[1][0], ok=False))  # flushed
-    core.io.submit(lambda: None).result()
+    assert not io.queue
     assert fake.connects == [ADDR]  # the record's write may still read its staging slot
     core.on_event(old.completion(old.writes[2][0], ok=False))  # flushed
-    new = _link(core, not_=old)
-    assert wait_for(lambda: len(new.writes) == 2)  # the chunk, the final with its record
+    assert len(io.queue) == 1  # now the resend's step
+    io.run_all()
+    new = _live(core, not_=old)
+    assert len(new.writes) == 2  # the chunk, the final with its record
 
 
 def test_retries_zero_fails_at_once_with_the_transport_detail() -> None:
-    core, fake, counted = _resending(retries=0)
+    core, fake, counted, io = _resending(retries=0)
     core.send("r", 0, 300, ADDR, [], True)
-    _fail_first_write(core)
+    _fail_first_write(core, io)
     st = core.status("r")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.TRANSPORT_ERROR
     assert RETRY_EXC in st.detail and "resend" not in st.detail
     assert counted == [] and fake.connects == [ADDR]
-    assert wait_for(lambda: fake.aborts == ["r"])
+    assert fake.aborts == []  # queued: told once both writes drained
+    io.run_all()
+    assert fake.aborts == ["r"] and fake.connects == [ADDR]
 
 
 def test_a_permanent_fault_fails_after_the_retries_with_one_abort() -> None:
-    core, fake, counted = _resending(retries=2)
+    core, fake, counted, io = _resending(retries=2)
     core.send("r", 0, 300, ADDR, [], True)
     link: FakeLink | None = None
-    for _attempt in range(3):
-        link = _link(core, not_=link)
-        assert wait_for(lambda lk=link, n=1 if _attempt else 2: len(lk.writes) == n)
+    for attempt in range(3):
+        io.run_all()
+        link = _live(core, not_=link)
+        assert len(link.writes) == (1 if attempt else 2)
         for event in link.finish(link.writes[0][0], ok=False, status=RETRY_EXC):
             core.on_event(event)
     st = core.status("r")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.TRANSPORT_ERROR
     assert st.detail.endswith("after 2 resends") and RETRY_EXC in st.detail
     assert counted == [1, 1] and len(fake.connects) == 3
-    assert wait_for(lambda: fake.aborts == ["r"])
-    core.io.submit(lambda: None).result()
-    assert fake.aborts == ["r"]
+    io.run_all()
+    assert fake.aborts == ["r"] and not io.queue
 
 
 def test_an_error_that_is_not_transient_fails_at_once() -> None:
-    core, fake, counted = _resending()
+    core, fake, counted, io = _resending()
     core.send("r", 0, 300, ADDR, [], True)
-    _fail_first_write(core, status="IBV_WC_REM_ACCESS_ERR")
+    _fail_first_write(core, io, status="IBV_WC_REM_ACCESS_ERR")
     st = core.status("r")
     assert st.state is TransferState.FAILED and "IBV_WC_REM_ACCESS_ERR" in st.detail
+    io.run_all()
     assert counted == [] and fake.connects == [ADDR]
 
 
 def test_a_lost_peer_fails_its_requests_without_a_resend() -> None:
-    core, fake, counted = _resending()
+    core, fake, counted, io = _resending()
     core.send("r", 0, 300, ADDR, [], True)
-    link = _link(core)
-    assert wait_for(lambda: len(link.writes) == 2)
+    io.run_all()
+    link = _live(core)
+    assert len(link.writes) == 2
     conn = core.peers.by_address(ADDR)
     assert conn is not None
     core.on_peer_lost(conn, "peer stopped answering heartbeats", gone=True)
     st = core.status("r")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.PEER_FAILED
+    assert link.released and not io.queue  # no resend queued, and no one to tell
     assert counted == [] and fake.connects == [ADDR]
 
 
 def test_other_requests_on_the_failed_link_are_resent_too() -> None:
-    core, fake, counted = _resending()
+    core, fake, counted, io = _resending()
     for i in range(3):
         core.send(f"r{i}", i, 300, ADDR, [], True)
-    old = _link(core)
-    assert wait_for(lambda: len(old.writes) == 6)  # each request's data and record
+    io.run_all()
+    old = _live(core)
+    assert len(old.writes) == 6  # each request's data and record
     core.on_event(old.completion(old.writes[0][0], ok=False, status=RETRY_EXC))
     for tid, _ in old.writes[1:]:
         core.on_event(old.completion(tid, ok=False))  # flushed
-    new = _link(core, not_=old)
-    assert wait_for(lambda: len(new.writes) == 3)  # each one write: its digests are kept
+    io.run_all()
+    new = _live(core, not_=old)
+    assert len(new.writes) == 3  # each one write: its digests are kept
     assert fake.connects == [ADDR, ADDR]  # one handshake for all three
     for tid, _ in new.writes:
         core.on_event(new.completion(tid))
@@ -195,58 +249,71 @@ def test_other_requests_on_the_failed_link_are_resent_too() -> None:
     assert counted == [1, 1, 1] and fake.aborts == []
 
 
-def _resend_hanging_in_its_handshake(core: PrefillCore,
-                                     fake: FakeDecode) -> tuple[FakeLink, threading.Event]:
-    """Request "r" posted, its write failed, its resend's handshake hangs until the gate."""
+def _resend_handshaking(core: PrefillCore, fake: FakeDecode, io: QueueExecutor,
+                        during: Callable[[], None]) -> FakeLink:
+    """Request "r" posted, its write failed; ``during`` runs inside its resend's
+    handshake (before decode answers it); returns the failed link."""
     core.send("r", 0, 300, ADDR, [], True)
-    link = _link(core)
-    assert wait_for(lambda: len(link.writes) == 2)
-    gate = threading.Event()
-    fake.hold[ADDR] = gate
+    io.run_all()
+    link = _live(core)
+    assert len(link.writes) == 2
+    _during_handshake(fake, 2, during)
     for event in link.finish(link.writes[0][0], ok=False, status=RETRY_EXC):
         core.on_event(event)
-    assert wait_for(lambda: len(fake.connects) == 2)
-    return link, gate
+    return link
 
 
 def test_abort_during_a_resend_tells_decode_once_and_posts_nothing() -> None:
-    core, fake, _counted = _resending()
-    link, gate = _resend_hanging_in_its_handshake(core, fake)
-    st = core.abort("r", from_peer=False, detail="scheduler")
+    """The scheduler's Abort comes while the resend's handshake is under way (run inside
+    it: the core holds no lock there, as when it comes from a handler's thread)."""
+    core, fake, _counted, io = _resending()
+    answers: list[tuple[TransferStatus, int]] = []
+
+    def abort() -> None:
+        answers.append((core.abort("r", from_peer=False, detail="scheduler"), len(io.queue)))
+
+    link = _resend_handshaking(core, fake, io, abort)
+    io.run_all()
+    [(st, queued)] = answers
+    assert queued == 1  # answered at once, the Abort to decode queued: nothing in flight
     assert st.state is TransferState.FAILED and st.reason is FailureReason.ABORTED
     assert RETRY_EXC in st.detail  # what made it resend is not lost
-    gate.set()
-    new = _link(core, not_=link)
-    core.io.submit(lambda: None).result()
-    assert wait_for(lambda: fake.aborts == ["r"])
+    assert len(fake.connects) == 2
+    new = _live(core, not_=link)
+    assert fake.aborts == ["r"]
     assert new.writes == [] and len(fake.begins) == 1
     core.periodic()
     assert not core.known("r")
+    io.run_all()
     assert fake.aborts == ["r"]
 
 
 def test_a_deadline_passing_during_a_resend_ends_it_with_one_abort() -> None:
-    core, fake, _counted = _resending()
-    link, gate = _resend_hanging_in_its_handshake(core, fake)
-    # The sweep finds the deadline passed while the resend's handshake hangs.
-    snap = core.table.fail("r", FailureReason.TIMEOUT, "Transferring took longer than 30 s")
-    assert snap is not None
-    core.on_deadline(snap)
-    gate.set()
-    new = _link(core, not_=link)
-    assert wait_for(lambda: fake.aborts == ["r"])
-    core.io.submit(lambda: None).result()
+    core, fake, _counted, io = _resending()
+
+    def deadline() -> None:
+        # The sweep finds the deadline passed while the resend's handshake hangs.
+        snap = core.table.fail("r", FailureReason.TIMEOUT, "Transferring took longer than 30 s")
+        assert snap is not None
+        core.on_deadline(snap)
+
+    link = _resend_handshaking(core, fake, io, deadline)
+    io.run_all()
+    assert len(fake.connects) == 2
+    new = _live(core, not_=link)
     assert new.writes == [] and fake.aborts == ["r"]
     assert core.status("r").reason is FailureReason.TIMEOUT
 
 
 def test_a_resend_that_finds_the_request_landed_ends_in_success() -> None:
-    core, fake, counted = _resending()
+    core, fake, counted, io = _resending()
     fake.landed.add("r")  # the failed write's acknowledgement was all that was lost
     core.send("r", 0, 300, ADDR, [], True)
-    old = _fail_first_write(core)
-    new = _link(core, not_=old)
-    assert wait_for(lambda: core.status("r").state is TransferState.SUCCESS)
+    old = _fail_first_write(core, io)
+    assert core.status("r").state is TransferState.TRANSFERRING
+    io.run_all()
+    new = _live(core, not_=old)
+    assert core.status("r").state is TransferState.SUCCESS
     assert new.writes == [] and counted == [1] and fake.aborts == []
     # The metric gets the request's bytes (what landed), not the resend's (none).
     lists = request_indices(core.spec, 0, 300)
@@ -271,26 +338,33 @@ def test_break_link_fault_hook_is_off_unless_armed() -> None:
 
 
 def test_a_resend_the_deadline_would_cut_fails_at_once_naming_the_verbs_status() -> None:
-    core, fake, counted = _resending(transferring=0.2)  # under the 0.25 s floor
+    core, fake, counted, io = _resending(transferring=0.2)  # under the 0.25 s floor
     core.send("r", 0, 300, ADDR, [], True)
-    _fail_first_write(core)
-    assert wait_for(lambda: core.status("r").state is TransferState.FAILED)
-    st = core.status("r")
+    _fail_first_write(core, io)
+    st = core.status("r")  # failed by the failed write's completion itself
+    assert st.state is TransferState.FAILED
     assert st.reason is FailureReason.TRANSPORT_ERROR, st
     assert RETRY_EXC in st.detail and "no time left to resend" in st.detail, st.detail
     assert "after 0 resends" not in st.detail
-    assert wait_for(lambda: fake.aborts == ["r"])  # decode is told, not left to time out
+    io.run_all()
+    assert fake.aborts == ["r"]  # decode is told, not left to time out
     assert counted == [] and fake.connects == [ADDR]  # no new handshake was started
 
 
-def test_the_time_a_resend_needs_is_the_measured_handshake() -> None:
-    # Deadline 1 s: enough for the 0.25 s floor, not for twice a 0.6 s handshake.
-    core, fake, counted = _resending(transferring=1.0)
-    gate = threading.Event()
-    fake.hold[ADDR] = gate
-    threading.Timer(0.6, gate.set).start()
+def test_the_time_a_resend_needs_is_the_measured_handshake(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first handshake takes 0.6 s on the core's clock (moved while it runs, no
+    sleep); the deadline, 1 s, is enough for the 0.25 s floor, not for twice that."""
+    clock = Clock()
+    monkeypatch.setattr(prefill_module, "time", clock)
+    core, fake, counted, io = _resending(transferring=1.0)
+
+    def slow() -> None:
+        clock.now += 0.6
+
+    _during_handshake(fake, 1, slow)
     core.send("r", 0, 300, ADDR, [], True)
-    _fail_first_write(core)
-    assert wait_for(lambda: core.status("r").state is TransferState.FAILED)
+    _fail_first_write(core, io)
+    assert core.status("r").state is TransferState.FAILED
     assert "no time left to resend" in core.status("r").detail
     assert counted == [] and fake.connects == [ADDR]
