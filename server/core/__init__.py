@@ -13,11 +13,14 @@ imports gRPC (a unit test checks): the servicers are thin adapters, and peer cal
 reach a core through the protocols in :mod:`kvbeam.server.core.ports`, implemented
 over gRPC by :mod:`kvbeam.server.peer_rpc`. An engine can drive a core directly.
 Modules, by responsibility: :mod:`~kvbeam.server.core.base` (status and the
-engine-pools switch, both cores). Prefill: :mod:`~kvbeam.server.core.outgoing` (the
+engine-pools switch, both cores), :mod:`~kvbeam.server.core.actions` (the actions both
+return: a link to drop, a metric to count). Prefill: :mod:`~kvbeam.server.core.outgoing` (the
 request record and its send path's one explicit phase, :class:`Step`: pure, no
 lock, no I/O), :mod:`~kvbeam.server.core.prefill` (the API, decode's offers, the send
 path: steps, handshakes, plans, posts), :mod:`~kvbeam.server.core.prefill_events`
-(completions, failures, deadlines, a lost peer, resends, the sweep), and the
+(completions, failures, deadlines, a lost peer, resends, the sweep: events in, actions
+out, :mod:`~kvbeam.server.core.prefill_actions`, which the core's ``_execute`` does),
+and the
 collaborators the core holds: :mod:`~kvbeam.server.core.offers` (``OfferBook``,
 decode's reservations ahead of Send), :mod:`~kvbeam.server.core.prefill_record`
 (``RecordStager``: the digest record's staging slots, written into decode's mailbox

@@ -77,14 +77,13 @@ from kvbeam.pools.mailbox import RecordArea, record_bytes
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.sub_batches import MARK_BITS, buffer_bytes, cuts, split_id
 from kvbeam.pools.types import IndexKind
+from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.decode_actions import (
     Actions,
     CheckLanding,
-    Count,
     DigestMark,
     DrainPrefill,
-    DropLink,
     Freed,
     SendOffer,
     TellPrefill,

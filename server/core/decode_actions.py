@@ -1,4 +1,5 @@
-"""What decode's core asks of its driver: one small frozen class per kind of I/O.
+"""What decode's core asks of its driver: one small frozen class per kind of I/O
+(:class:`DropLink` and :class:`Count` are both roles', :mod:`kvbeam.server.core.actions`).
 
 :class:`~kvbeam.server.core.decode.DecodeCore` decides and returns these;
 :class:`~kvbeam.server.core.decode_driver.DecodeDriver` is the only place that does
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.incoming import Incoming
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.peers import PeerConn
@@ -79,31 +81,11 @@ class DrainPrefill:
 
 
 @dataclass(frozen=True)
-class DropLink:
-    """Remove the peer connection and release its link (no write can land over it
-    after); then :meth:`~kvbeam.server.core.decode.DecodeCore.link_dropped`. ``gone``:
-    the peer itself is lost (its requests fail), not only this link."""
-
-    conn: PeerConn
-    detail: str
-    gone: bool
-
-
-@dataclass(frozen=True)
 class Freed:
     """The request's pages and slot are free: the engine may reuse them, and the driver
     forgets whatever it held for the request (its sub-batches' digest jobs)."""
 
     request_id: str
-
-
-@dataclass(frozen=True)
-class Count:
-    """Count one event on a daemon metric: ``offers`` (``label``: made, refused,
-    failed) or ``declines``."""
-
-    metric: str
-    label: str = ""
 
 
 DecodeAction = (SendOffer | DigestMark | CheckLanding | TellPrefill | DrainPrefill

@@ -32,15 +32,14 @@ from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.mailbox import RecordArea
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
+from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.decode_actions import (
     Actions,
     CheckLanding,
-    Count,
     DecodeAction,
     DigestMark,
     DrainPrefill,
-    DropLink,
     Freed,
     SendOffer,
     TellPrefill,

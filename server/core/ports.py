@@ -10,7 +10,6 @@ only ever called on the driver's bounded executor, never under a core lock.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
@@ -21,9 +20,8 @@ import numpy.typing as npt
 from kvbeam.errors import UnknownRequest
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.lifecycle import TransferTable
-from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.server.peers import PeerConn
 from kvbeam.states import TransferStatus
-from kvbeam.transport.base import Event
 
 IndexLists = dict[IndexKind, npt.NDArray[np.int64]]
 
@@ -40,14 +38,6 @@ def require_status(table: TransferTable, request_id: str, side: str) -> Transfer
         raise UnknownRequest(f"unknown request id {request_id!r} on this {side} daemon")
     return snap
 
-
-def report_link_failure(peers: Peers, io: Executor,
-                        on_peer_lost: Callable[..., None], event: Event) -> None:
-    """A LINK_FAILED event: the link's peer is lost (handled on the executor, not here)."""
-    conn = peers.by_link(event.link)
-    if conn is not None:
-        io.submit(on_peer_lost, conn, f"link failed: {event.status}: {event.detail}",
-                  gone=False)
 
 @dataclass(frozen=True)
 class WriteGrant:

@@ -53,10 +53,12 @@ from kvbeam.pools.plan import TransferPlan, build_plan, side_windows
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.sub_batches import MAX_MARKS, bounds, buffer_bytes, cuts, mark_id
 from kvbeam.pools.types import IndexKind
+from kvbeam.server.core.actions import DropLink
 from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.offers import Offer, OfferBook
 from kvbeam.server.core.outgoing import Outgoing, Ranges, Step
-from kvbeam.server.core.ports import DecodePeers, IndexLists, WriteGrant
+from kvbeam.server.core.ports import SHUTDOWN_ABORT_S, DecodePeers, IndexLists, WriteGrant
+from kvbeam.server.core.prefill_actions import Actions, RunStep, TellDecode
 from kvbeam.server.core.prefill_events import PrefillEvents, after_resends
 from kvbeam.server.core.prefill_pieces import Pieces
 from kvbeam.server.core.prefill_record import RecordStager
@@ -65,6 +67,7 @@ from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState, TransferStatus
+from kvbeam.transport import Event
 from kvbeam.transport.blocks import Blocks
 
 log = logging.getLogger(__name__)
@@ -382,7 +385,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             log.info("request %s: %d write(s) still in flight when decode's Abort was "
                      "answered; decode is told once they drained", request_id,
                      rec.outstanding, extra=fields(request_id, rec.decode_address))
-        self._tell_decode_once(rec, f"aborted on prefill: {detail}")  # once drained
+        self._execute(self._tell_decode_once(rec, f"aborted on prefill: {detail}"))
         return self.status(request_id)
 
     def _from_its_decode(self, request_id: str, instance_id: str,
@@ -466,6 +469,54 @@ class PrefillCore(PrefillEvents, CoreBase):
         """True while the core keeps a record of the request (tests, diagnostics)."""
         return self._lookup(self._out, request_id) is not None
 
+    # ---- events: the handlers decide (prefill_events.py), these do the I/O --------------
+    def on_event(self, event: Event) -> None:
+        """A transport event (a write's completion, a failed link), on the thread that
+        saw it: bookkeeping here, whatever blocks on the executor."""
+        self._execute(self.handle_event(event))
+
+    def on_deadline(self, status: TransferStatus) -> None:
+        """A deadline passed (the table failed it): decode is told once its writes drained."""
+        self._execute(self.handle_deadline(status))
+
+    def on_peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
+        """Release the link (its writes complete as failed), then fail or resend its
+        requests (:meth:`link_dropped`). Blocking (the link's release): on the executor
+        or a daemon loop, never under a lock."""
+        self.peers.remove(conn)
+        conn.close()
+        self._execute(self.link_dropped(conn, detail, gone=gone))
+
+    def shutdown(self, detail: str = "prefill shutting down") -> None:
+        """Fail every live request (reason shutdown), tell decode, release links.
+
+        Decode is told of every request at once, within ``SHUTDOWN_ABORT_S`` in all.
+        """
+        calls = self.fail_live(detail)
+        if calls:
+            began = time.monotonic()
+            confirmed = self.decode.abort_all(calls, detail, SHUTDOWN_ABORT_S)
+            log.info("%s: told decode of %d live request(s) in %.2f s, %d confirmed", detail,
+                     len(calls), time.monotonic() - began, confirmed)
+        for conn in self.peers.all():
+            self.peers.remove(conn)
+            conn.close()
+
+    def _execute(self, actions: Actions) -> None:
+        """Do the event handlers' actions, in order: a count here, the rest (a peer call,
+        a step, a link's release) on the executor."""
+        for action in actions:
+            if isinstance(action, TellDecode):
+                self.io.submit(self.decode.abort, action.conn, action.address,
+                               action.request_id, action.detail)
+            elif isinstance(action, RunStep):
+                self.io.submit(self._step, action.rec)
+            elif isinstance(action, DropLink):
+                self.io.submit(self.on_peer_lost, action.conn, action.detail,
+                               gone=action.gone)
+            else:
+                self.on_resend()  # Count("resends"): the only count prefill's handlers make
+
     # ---- the send path (executor) --------------------------------------------------------
     def _start_step(self, rec: Outgoing) -> None:
         """Run the request's step (the caller moved it to RUNNING): here when it cannot
@@ -509,7 +560,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             if idle:
                 rec.move(Step.IDLE)
         if idle:
-            self._maybe_resend(rec)
+            self._execute(self._maybe_resend(rec))
             return
         with self._lock:
             conn = self._step_conn(rec)
@@ -553,7 +604,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             exc = exc.cause
         lost = isinstance(exc, SendFailed) and exc.peer_lost
         if not (lost and self._peer_forgot_us(rec, conn, str(exc))):
-            self._step_failed(rec, exc)
+            self._execute(self._step_failed(rec, exc))
         self._end_step(rec)
 
     def _end_step(self, rec: Outgoing, *, parks: bool = False) -> None:
@@ -572,7 +623,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         elif parked:
             self._after_park(rec)
         else:
-            self._maybe_resend(rec)
+            self._execute(self._maybe_resend(rec))
 
     def _step_conn(self, rec: Outgoing) -> PeerConn | None:
         """The connection the request's next step would use: its own while open, else
@@ -613,6 +664,27 @@ class PrefillCore(PrefillEvents, CoreBase):
         self.on_peer_lost(conn, f"peer channel to {channel.peer} {how}: "
                                 f"{channel.close_reason}", gone=not channel.orderly)
 
+    def _peer_forgot_us(self, rec: Outgoing, conn: PeerConn, detail: str) -> bool:
+        """Decode no longer knows our connection (``detail``; it re-attached its engine or
+        restarted, and prefill had not noticed yet): drop the connection, failing the
+        requests on it (:meth:`on_peer_lost`). True: ``rec`` goes on over a new handshake
+        instead, since decode refused its first BeginWrite before any byte of it was
+        written; once per request.
+        """
+        with self._lock:
+            again = (not rec.rehandshake and not rec.resends and rec.bytes_total == 0
+                     and rec.outstanding == 0 and len(rec.posted) == 1
+                     and not self._ended(rec))
+            if again:
+                rec.rehandshake = detail
+                rec.put_back()  # the next step runs it again
+                rec.conn = None  # so on_peer_lost spares it, and the step handshakes anew
+        if again:
+            log.warning("request %s: %s; handshaking again (nothing of it was written)",
+                        rec.request_id, detail, extra=fields(rec.request_id, rec.decode_address))
+        self.on_peer_lost(conn, detail)
+        return again
+
     def _connect(self, address: str) -> None:
         """Handshake with decode at ``address``; then every request waiting for it goes on."""
         conn: PeerConn | None = None
@@ -635,7 +707,7 @@ class PrefillCore(PrefillEvents, CoreBase):
                 rec.asked = True
         for rec in waiters:
             if error is not None:
-                self._step_failed(rec, error)
+                self._execute(self._step_failed(rec, error))
             else:
                 self.io.submit(self._step, rec)
 
@@ -865,8 +937,8 @@ class PrefillCore(PrefillEvents, CoreBase):
     def periodic(self) -> None:
         """The sweep's work, and the BeginWrite fallback of Sends that waited for an
         Offer OFFER_GRACE_S in vain (decode reserved before the daemons connected)."""
-        super().periodic()
         now = time.monotonic()
+        self._execute(self.sweep(now))  # abandon hung writes, forget what ended
         with self._lock:
             due = [r for r in self._out.values()
                    if r.step is Step.PARKED and not r.asked

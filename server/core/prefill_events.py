@@ -1,21 +1,20 @@
 """Prefill's core, its events: completions, failures, deadlines, peer loss, resends.
 
 :class:`PrefillEvents`, the base of :class:`~kvbeam.server.core.prefill.PrefillCore`,
-handles what happens to a request after its writes are posted: their completions, failures,
-deadlines, a lost peer, the resend after a transient link failure (its policy:
-:class:`~kvbeam.server.core.resend.ResendPolicy`), the sweep and shutdown.
-:meth:`on_event` runs on the transport thread that saw the event (or the daemon's
-event thread) and only does bookkeeping; everything that blocks (telling decode,
-releasing a link) is submitted to the executor.
+decides what happens to a request after its writes are posted: their completions,
+failures, deadlines, a lost link or peer, the resend after a transient link failure
+(its policy: :class:`~kvbeam.server.core.resend.ResendPolicy`), the sweep. Each
+handler takes an event and returns actions (:mod:`kvbeam.server.core.prefill_actions`:
+tell decode, run a step, drop a link, count) and does no I/O: no executor, no peer
+call, no clock (the sweep's time is its argument). ``PrefillCore`` does the actions
+(its ``on_event``, ``on_deadline``, ``on_peer_lost``, ``periodic`` and ``_execute``),
+as decode's driver does decode's; its send path still does its own I/O.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable
-from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
 from kvbeam.errors import (
@@ -32,8 +31,9 @@ from kvbeam.errors import (
 )
 from kvbeam.logs import fields
 from kvbeam.pools.layout import SideLayout
+from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.base import request_bytes
-from kvbeam.server.core.ports import SHUTDOWN_ABORT_S, report_link_failure
+from kvbeam.server.core.prefill_actions import Actions, RunStep, TellDecode
 from kvbeam.server.core.resend import ResendPolicy, transient
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
@@ -43,7 +43,6 @@ from kvbeam.transport import Event, EventKind
 if TYPE_CHECKING:
     from kvbeam.server.core.offers import OfferBook
     from kvbeam.server.core.outgoing import Outgoing
-    from kvbeam.server.core.ports import DecodePeers
     from kvbeam.server.core.prefill_record import RecordStager
 
 log = logging.getLogger(__name__)
@@ -75,12 +74,11 @@ def after_resends(detail: str, resends: int, first: str) -> str:
 
 
 class PrefillEvents:
-    """Event handlers of the prefill core (state is defined by the subclass)."""
+    """Event handlers of the prefill core: events in, actions out (state is defined by
+    the subclass)."""
 
     table: TransferTable
     peers: Peers
-    decode: DecodePeers
-    io: Executor
     drain_s: float
     _lock: threading.Lock
     _drained: threading.Condition
@@ -90,11 +88,7 @@ class PrefillEvents:
     offers: OfferBook
     records: RecordStager
     resend: ResendPolicy
-    #: Called once per resend (the daemon counts it in ``kvbeam_resends_total``).
-    on_resend: Callable[[], None]
     layout: SideLayout
-    #: Runs the request's next chunk (the core's send path, on the executor).
-    _step: Callable[[Outgoing], None]
 
     @staticmethod
     def _late_verdict(request_id: str, detail: str, decode_address: str) -> None:
@@ -107,13 +101,16 @@ class PrefillEvents:
         snap = self.table.get(rec.request_id)
         return snap is None or snap.state.terminal
 
-    def on_event(self, event: Event) -> None:
+    def handle_event(self, event: Event) -> Actions:
         """COMPLETED: one write finished; LINK_FAILED: the decode peer's link is gone."""
         if event.kind is EventKind.LINK_FAILED:
-            report_link_failure(self.peers, self.io, self.on_peer_lost, event)
-            return
+            conn = self.peers.by_link(event.link)
+            if conn is None:
+                return []
+            return [DropLink(conn, f"link failed: {event.status}: {event.detail}",
+                             gone=False)]
         if event.kind is not EventKind.COMPLETED or event.transfer_id is None:
-            return
+            return []
         lost: PeerConn | None = None
         with self._drained:
             # The chunks of a request on one link share its transfer id (decode's), so
@@ -127,7 +124,7 @@ class PrefillEvents:
             if rec is None:
                 log.warning("completion of unknown transfer %s on link %d ignored",
                             event.transfer_id, event.link, extra=fields(rid))
-                return
+                return []
             if not event.ok:
                 # A failed write leaves the link unusable (an RC QP in error, a TCP stream
                 # broken): forget it now so a request connecting meanwhile handshakes a
@@ -148,40 +145,40 @@ class PrefillEvents:
                                    nbytes=rec.bytes_done)
             spared = not event.ok and self._note_link_failure(
                 rec, event.link, event.status, f"{event.status}: {event.detail}")
+        actions: Actions = []
         if success:
             log.info("request %s: Success (%d bytes written)", rec.request_id, rec.bytes_done,
                      extra=fields(rec.request_id, rec.decode_address))
         elif spared:
-            self._maybe_resend(rec)
+            actions = self._maybe_resend(rec)
         elif not event.ok:
-            self._fail(rec, FailureReason.TRANSPORT_ERROR,
-                       f"write failed: {event.status}: {event.detail}")
+            actions = self._fail(rec, FailureReason.TRANSPORT_ERROR,
+                                 f"write failed: {event.status}: {event.detail}")
         elif snap is not None and snap.state is TransferState.FAILED:
-            self._tell_decode_once(rec, f"prefill failed: {snap.detail}")
+            actions = self._tell_decode_once(rec, f"prefill failed: {snap.detail}")
         if lost is not None:
-            self.io.submit(self.on_peer_lost, lost, f"write failed: {event.status}",
-                           gone=False)
+            actions.append(DropLink(lost, f"write failed: {event.status}", gone=False))
+        return actions
 
-    def on_deadline(self, status: TransferStatus) -> None:
+    def handle_deadline(self, status: TransferStatus) -> Actions:
         """A deadline passed (the table failed it): tell decode once its writes drained."""
         with self._lock:
             rec = self._out.get(status.request_id)
-        if rec is not None:
-            self._tell_decode_once(rec, f"prefill timed out: {status.detail}")
+        if rec is None:
+            return []
+        return self._tell_decode_once(rec, f"prefill timed out: {status.detail}")
 
-    def on_peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
-        """Release the link (its writes complete as failed), fail or resend its requests.
+    def link_dropped(self, conn: PeerConn, detail: str, *, gone: bool) -> Actions:
+        """``conn`` was removed and its link released (its writes complete as failed):
+        fail or resend its requests.
 
         ``gone`` False means only the link died (a QP error, a partitioned data path):
         decode is still there and keeps the requests, so each is resent on a new link
         while its retries and deadline allow (:mod:`kvbeam.server.core.resend`); one that
         fails is told to decode by Abort once its writes are drained, instead of decode
         waiting for its own deadline. ``gone`` True (heartbeats lost, the peer
-        restarted): every request on the connection fails at once. Blocking (the
-        link's release): called on the executor or a driver loop, never under a lock.
+        restarted): every request on the connection fails at once.
         """
-        self.peers.remove(conn)
-        conn.close()
         self.offers.drop_conn(conn)  # decode granted them on this link
         with self._lock:
             mine = [r for r in self._out.values() if r.conn is conn]
@@ -191,21 +188,23 @@ class PrefillEvents:
             spared = [] if gone else [r for r in mine
                                       if self._note_link_failure(r, conn.link.id, None,
                                                                  detail)]
+        actions: Actions = []
         for rec in mine:
             if rec in spared:
-                self._maybe_resend(rec)
+                actions += self._maybe_resend(rec)
             else:
-                self._fail(rec, FailureReason.PEER_FAILED, detail)
+                actions += self._fail(rec, FailureReason.PEER_FAILED, detail)
+        return actions
 
-    def _fail(self, rec: Outgoing, reason: FailureReason, detail: str) -> None:
+    def _fail(self, rec: Outgoing, reason: FailureReason, detail: str) -> Actions:
         """Fail a request; decode is told once none of its writes is in flight."""
         detail = after_resends(detail, rec.resends, rec.first_failure)
         if self.table.fail(rec.request_id, reason, detail):
             log.warning("request %s failed: %s: %s", rec.request_id, reason.value, detail,
                         extra=fields(rec.request_id, rec.decode_address))
-        self._tell_decode_once(rec, f"prefill failed: {reason.value}: {detail}")
+        return self._tell_decode_once(rec, f"prefill failed: {reason.value}: {detail}")
 
-    def _step_failed(self, rec: Outgoing, exc: BaseException) -> None:
+    def _step_failed(self, rec: Outgoing, exc: BaseException) -> Actions:
         reason = reason_for(exc)
         if rec.resends and reason is FailureReason.PEER_UNREACHABLE:
             # Decode served this request until its link failed; now it does not answer
@@ -222,9 +221,9 @@ class PrefillEvents:
                 exc, TransportError | SendFailed):
             log.error("request %s: unexpected error", rec.request_id, exc_info=exc,
                       extra=fields(rec.request_id, rec.decode_address))
-        self._fail(rec, reason, detail)
+        return self._fail(rec, reason, detail)
 
-    def _tell_decode_once(self, rec: Outgoing, detail: str) -> None:
+    def _tell_decode_once(self, rec: Outgoing, detail: str) -> Actions:
         """Tell decode of a failed request exactly once, when its writes have drained.
 
         Check and set happen under the lock: two failure paths racing (a failed
@@ -234,33 +233,16 @@ class PrefillEvents:
             snap = self.table.get(rec.request_id)
             if (rec.told_decode or not rec.drained or snap is None
                     or snap.state is not TransferState.FAILED):
-                return
+                return []
             rec.told_decode = True
             conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
-        self.io.submit(self.decode.abort, conn, rec.decode_address, rec.request_id, detail)
+        return [TellDecode(conn, rec.decode_address, rec.request_id, detail)]
 
-    def _abandon(self, rec: Outgoing) -> None:
-        """The request's writes did not drain in time: release its link, so none can."""
-        with self._drained:
-            if rec.drained:
-                return
-            rec.abandoned = True
-            conn = rec.conn
-            self._drained.notify_all()
-        log.warning("request %s: %d write(s) still in flight after %.1f s: releasing the link "
-                    "so none can read the source any longer", rec.request_id,
-                    rec.outstanding, self.drain_s,
-                    extra=fields(rec.request_id, rec.decode_address))
-        if conn is not None:
-            # Only the link goes: its other requests are resent on a new one (or fail
-            # and are told to decode), not failed with this one.
-            self.on_peer_lost(conn, f"writes of {rec.request_id} did not drain", gone=False)
-
-    def periodic(self) -> None:
-        """Abandon failed requests whose writes hang; forget requests that ended."""
-        now = time.monotonic()
+    def sweep(self, now: float) -> Actions:
+        """Abandon failed requests whose writes hang (their link goes, so none can read
+        the source any longer); forget requests that ended."""
         self.offers.expire()
-        hung: list[Outgoing] = []
+        hung: list[tuple[Outgoing, PeerConn | None, int]] = []
         with self._lock:
             self._ended_unfinished = {r for r in self._ended_unfinished
                                       if self.table.get(r) is not None}
@@ -273,7 +255,8 @@ class PrefillEvents:
                     if snap is not None and snap.state is TransferState.FAILED:
                         rec.failed_at = rec.failed_at or now
                         if now - rec.failed_at > self.drain_s:
-                            hung.append(rec)
+                            rec.abandoned = True  # drained from now on: its link goes
+                            hung.append((rec, rec.conn, rec.outstanding))
                     continue
                 if rec.told_decode or snap is None or snap.state is TransferState.SUCCESS:
                     del self._out[rid]
@@ -282,14 +265,24 @@ class PrefillEvents:
                         self._ended_unfinished.add(rid)  # a late chunk gets its status
                     for key in rec.write_keys:
                         self._writes.pop(key, None)
-        for rec in hung:
-            self.io.submit(self._abandon, rec)
+            if hung:
+                self._drained.notify_all()  # an Abort waiting on one answers now
+        actions: Actions = []
+        for rec, conn, outstanding in hung:
+            log.warning("request %s: %d write(s) still in flight after %.1f s: releasing the "
+                        "link so none can read the source any longer", rec.request_id,
+                        outstanding, self.drain_s,
+                        extra=fields(rec.request_id, rec.decode_address))
+            if conn is not None:
+                # Only the link goes: its other requests are resent on a new one (or fail
+                # and are told to decode), not failed with this one.
+                actions.append(DropLink(conn, f"writes of {rec.request_id} did not drain",
+                                        gone=False))
+        return actions
 
-    def shutdown(self, detail: str = "prefill shutting down") -> None:
-        """Fail every live request (reason shutdown), tell decode, release links.
-
-        Decode is told of every request at once, within ``SHUTDOWN_ABORT_S`` in all.
-        """
+    def fail_live(self, detail: str) -> list[tuple[PeerConn | None, str, str]]:
+        """Fail every live request (reason shutdown); the (connection or None, decode
+        address, request id) of each that decode was not told of, to tell at once."""
         calls: list[tuple[PeerConn | None, str, str]] = []
         for snap in self.table.live():
             if self.table.fail(snap.request_id, FailureReason.SHUTDOWN, detail):
@@ -301,14 +294,7 @@ class PrefillEvents:
                 if rec is not None and tell:
                     conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
                     calls.append((conn, rec.decode_address, rec.request_id))
-        if calls:
-            began = time.monotonic()
-            confirmed = self.decode.abort_all(calls, detail, SHUTDOWN_ABORT_S)
-            log.info("%s: told decode of %d live request(s) in %.2f s, %d confirmed", detail,
-                     len(calls), time.monotonic() - began, confirmed)
-        for conn in self.peers.all():
-            self.peers.remove(conn)
-            conn.close()
+        return calls
 
     # ---- the resend (server/core/resend.py: its policy) ---------------------------------
     def _note_link_failure(self, rec: Outgoing, link_id: int, status: str | None,
@@ -325,15 +311,15 @@ class PrefillEvents:
             return False
         return rec.link_failed(link_id, cause, self.resend.retries)
 
-    def _maybe_resend(self, rec: Outgoing) -> None:
+    def _maybe_resend(self, rec: Outgoing) -> Actions:
         """Start an owed resend once no step runs and none of its writes is outstanding."""
         with self._lock:
             if not rec.resend_due():
-                return
+                return []
             cause = rec.resend_cause
             if self._ended(rec):
                 rec.resend_cause = None
-                return
+                return []
             left, need = self.table.left(rec.request_id), self.resend.cost()
             late = left is not None and left < need
             if late:
@@ -344,36 +330,13 @@ class PrefillEvents:
                 rec.replay()  # RUNNING: its step is submitted below
             n = rec.resends
         if late:
-            self._fail(rec, FailureReason.TRANSPORT_ERROR,
-                       f"{cause}; no time left to resend ({left:.2f} s to the "
-                       f"deadline, a new link takes about {need:.2f} s)")
-            return
+            return self._fail(rec, FailureReason.TRANSPORT_ERROR,
+                              f"{cause}; no time left to resend ({left:.2f} s to the "
+                              f"deadline, a new link takes about {need:.2f} s)")
         log.warning("request %s: resend %d/%d on a new link after a transport error: %s",
                     rec.request_id, n, self.resend.retries, cause,
                     extra=fields(rec.request_id, rec.decode_address))
-        self.on_resend()
-        self.io.submit(self._step, rec)
-
-    def _peer_forgot_us(self, rec: Outgoing, conn: PeerConn, detail: str) -> bool:
-        """Decode no longer knows our connection (``detail``; it re-attached its engine or
-        restarted, and prefill had not noticed yet): drop the connection, failing the
-        requests on it (:meth:`on_peer_lost`). True: ``rec`` goes on over a new handshake
-        instead, since decode refused its first BeginWrite before any byte of it was
-        written; once per request.
-        """
-        with self._lock:
-            again = (not rec.rehandshake and not rec.resends and rec.bytes_total == 0
-                     and rec.outstanding == 0 and len(rec.posted) == 1
-                     and not self._ended(rec))
-            if again:
-                rec.rehandshake = detail
-                rec.put_back()  # the next step runs it again
-                rec.conn = None  # so on_peer_lost spares it, and the step handshakes anew
-        if again:
-            log.warning("request %s: %s; handshaking again (nothing of it was written)",
-                        rec.request_id, detail, extra=fields(rec.request_id, rec.decode_address))
-        self.on_peer_lost(conn, detail)
-        return again
+        return [Count("resends"), RunStep(rec)]
 
     def _landed_already(self, rec: Outgoing) -> None:
         """Decode says the request had landed before our resend: it is a Success here too.

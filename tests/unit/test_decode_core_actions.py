@@ -11,13 +11,12 @@ from __future__ import annotations
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.digest_pool import DigestPool
+from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.decode_actions import (
     CheckLanding,
-    Count,
     DigestMark,
     DrainPrefill,
-    DropLink,
     Freed,
     SendOffer,
     TellPrefill,
