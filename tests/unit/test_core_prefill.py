@@ -21,7 +21,7 @@ import pytest
 from kvbeam.errors import DuplicateRequest
 from kvbeam.pools.digest import DigestPart
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
-from kvbeam.server.core import prefill_events
+from kvbeam.server.core import prefill as prefill_module
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.peers import PeerConn
 from kvbeam.states import TransferState
@@ -86,7 +86,7 @@ def _sweep_clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     """The clock the sweep (:meth:`PrefillCore.periodic`) reads when writes are past
     ``drain_s``: moved by the test instead of sleeping."""
     clock = Clock()
-    monkeypatch.setattr(prefill_events, "time", clock)
+    monkeypatch.setattr(prefill_module, "time", clock)
     return clock
 
 
