@@ -293,3 +293,11 @@ class Peers:
         """A snapshot of the live connections."""
         with self._lock:
             return list(self._conns.values())
+
+    def close_all(self) -> None:
+        """Remove every connection and release its link (shutdown, an engine's detach):
+        no write can land over one after. Blocking (the links' release): no lock held
+        while a connection closes."""
+        for conn in self.all():
+            self.remove(conn)
+            conn.close()

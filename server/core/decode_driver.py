@@ -46,7 +46,7 @@ from kvbeam.server.core.decode_actions import (
 )
 from kvbeam.server.core.decode_landing import LandingCheck
 from kvbeam.server.core.incoming import Incoming
-from kvbeam.server.core.ports import SHUTDOWN_ABORT_S, Offered, PrefillPeers
+from kvbeam.server.core.ports import Offered, PrefillPeers, abort_at_shutdown
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
@@ -249,15 +249,9 @@ class DecodeDriver:
         answer); the slots are freed after the links are released, so no confirmation
         is needed.
         """
-        calls = self.core.fail_live(detail)
-        if calls:
-            began = time.monotonic()
-            confirmed = self.prefill.abort_all(calls, detail, SHUTDOWN_ABORT_S)
-            log.info("%s: told prefill of %d live request(s) in %.2f s, %d confirmed", detail,
-                     len(calls), time.monotonic() - began, confirmed)
-        for conn in self.peers.all():
-            self.peers.remove(conn)
-            conn.close()
+        abort_at_shutdown(self.core.fail_live(detail), detail, "prefill",
+                          self.prefill.abort_all)
+        self.peers.close_all()
         self.execute(self.core.free_all("shutdown"))
 
     # ---- an engine's memory ------------------------------------------------------------

@@ -9,10 +9,12 @@ only ever called on the driver's bounded executor, never under a core lock.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +26,9 @@ from kvbeam.server.peers import PeerConn
 from kvbeam.states import TransferStatus
 
 IndexLists = dict[IndexKind, npt.NDArray[np.int64]]
+Call = TypeVar("Call")
+
+log = logging.getLogger(__name__)
 
 #: Deadline of the Aborts a core sends at shutdown or detach, all at once, s: with
 #: hundreds of live requests and a peer that does not answer, the whole shutdown still
@@ -37,6 +42,19 @@ def require_status(table: TransferTable, request_id: str, side: str) -> Transfer
     if snap is None:
         raise UnknownRequest(f"unknown request id {request_id!r} on this {side} daemon")
     return snap
+
+
+def abort_at_shutdown(calls: Sequence[Call], detail: str, whom: str,
+                      abort_all: Callable[[Sequence[Call], str, float], int]) -> None:
+    """Tell the peer side of every live request in ``calls`` at once (``abort_all``,
+    within ``SHUTDOWN_ABORT_S`` in all) and log how it went; ``whom``: "decode" or
+    "prefill". Blocking: the caller's shutdown or detach, no lock held."""
+    if not calls:
+        return
+    began = time.monotonic()
+    confirmed = abort_all(calls, detail, SHUTDOWN_ABORT_S)
+    log.info("%s: told %s of %d live request(s) in %.2f s, %d confirmed", detail, whom,
+             len(calls), time.monotonic() - began, confirmed)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ from kvbeam.server.core.actions import DropLink
 from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.offers import Offer, OfferBook
 from kvbeam.server.core.outgoing import Outgoing, Ranges, Step
-from kvbeam.server.core.ports import SHUTDOWN_ABORT_S, DecodePeers, IndexLists, WriteGrant
+from kvbeam.server.core.ports import DecodePeers, IndexLists, WriteGrant, abort_at_shutdown
 from kvbeam.server.core.prefill_actions import Actions, RunStep, TellDecode
 from kvbeam.server.core.prefill_events import PrefillEvents, after_resends
 from kvbeam.server.core.prefill_pieces import Pieces
@@ -492,15 +492,8 @@ class PrefillCore(PrefillEvents, CoreBase):
 
         Decode is told of every request at once, within ``SHUTDOWN_ABORT_S`` in all.
         """
-        calls = self.fail_live(detail)
-        if calls:
-            began = time.monotonic()
-            confirmed = self.decode.abort_all(calls, detail, SHUTDOWN_ABORT_S)
-            log.info("%s: told decode of %d live request(s) in %.2f s, %d confirmed", detail,
-                     len(calls), time.monotonic() - began, confirmed)
-        for conn in self.peers.all():
-            self.peers.remove(conn)
-            conn.close()
+        abort_at_shutdown(self.fail_live(detail), detail, "decode", self.decode.abort_all)
+        self.peers.close_all()
 
     def _execute(self, actions: Actions) -> None:
         """Do the event handlers' actions, in order: a count here, the rest (a peer call,

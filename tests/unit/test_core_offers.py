@@ -7,6 +7,7 @@ no threads and no sleeps (:func:`_connected` stays on a thread pool for other mo
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
@@ -38,10 +39,30 @@ SEQ = 300
 # ---- prefill ----------------------------------------------------------------------------
 def _connected(**kw: object) -> tuple[PrefillCore, FakeDecode, PeerConn, list[str]]:
     """A prefill core that already handshook with decode (one request, by BeginWrite)."""
-    events: list[str] = []
     core, fake = prefill_core(**kw)  # type: ignore[arg-type]
+    conn, events = _first_request(core, fake, lambda: None)
+    return core, fake, conn, events
+
+
+def _queued_connected(**kw: Any) -> tuple[PrefillCore, FakeDecode, PeerConn, list[str],
+                                          QueueExecutor]:
+    """:func:`_connected` on a queue executor: nothing runs until the test runs it. The
+    digests are computed at once, yet handed back as a pool's job, so a first attempt's
+    final chunk is still its data and then its record, two writes."""
+    core, fake, io = _queued(record_apart=True, **kw)
+    conn, events = _first_request(core, fake, io.run_all)
+    return core, fake, conn, events, io
+
+
+def _first_request(core: PrefillCore, fake: FakeDecode,
+                   run: Callable[[], None]) -> tuple[PeerConn, list[str]]:
+    """Send a first request (``run`` runs what it queued; a thread pool's needs nothing)
+    and complete it: the core is connected, and records what happens to offers."""
+    events: list[str] = []
     core.on_offer = events.append
     core.send("first", 0, SEQ, ADDR, [], True)
+    run()
+    # True at once after a queue executor's run; a thread pool's is polled.
     assert wait_for(lambda: len(fake.begins) == 1 and len(fake.digests) == 1)
     conn = core.peers.by_address(ADDR)
     assert conn is not None
@@ -52,30 +73,7 @@ def _connected(**kw: object) -> tuple[PrefillCore, FakeDecode, PeerConn, list[st
     assert core.status("first").state is TransferState.SUCCESS
     assert events == ["missed"]  # the first request found no offer: it asked BeginWrite
     events.clear()
-    return core, fake, conn, events
-
-
-def _queued_connected(**kw: Any) -> tuple[PrefillCore, FakeDecode, PeerConn, list[str],
-                                          QueueExecutor]:
-    """:func:`_connected` on a queue executor: nothing runs until the test runs it. The
-    digests are computed at once, yet handed back as a pool's job, so a first attempt's
-    final chunk is still its data and then its record, two writes."""
-    events: list[str] = []
-    core, fake, io = _queued(record_apart=True, **kw)
-    core.on_offer = events.append
-    core.send("first", 0, SEQ, ADDR, [], True)
-    io.run_all()
-    assert len(fake.begins) == 1 and len(fake.digests) == 1
-    conn = core.peers.by_address(ADDR)
-    assert conn is not None
-    link = cast(FakeLink, conn.link)
-    assert link.writes == [(link.writes[0][0], False), (link.writes[0][0], True)]
-    for event in link.finish(link.writes[0][0]):  # its data, then its digest record
-        core.on_event(event)
-    assert core.status("first").state is TransferState.SUCCESS
-    assert events == ["missed"]  # the first request found no offer: it asked BeginWrite
-    events.clear()
-    return core, fake, conn, events, io
+    return conn, events
 
 
 def _grant(tid: int) -> WriteGrant:
