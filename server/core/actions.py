@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.transport import Event
 
 
 @dataclass(frozen=True)
@@ -31,3 +32,13 @@ class Count:
 
     metric: str
     label: str = ""
+
+
+def link_failure(peers: Peers, event: Event) -> DropLink | None:
+    """What either core does about a LINK_FAILED event: drop that link, keeping the
+    peer (only the link died; the requests on it are resent or told). None when no
+    connection uses the link any more."""
+    conn = peers.by_link(event.link)
+    if conn is None:
+        return None
+    return DropLink(conn, f"link failed: {event.status}: {event.detail}", gone=False)

@@ -77,7 +77,7 @@ from kvbeam.pools.mailbox import RecordArea, record_bytes
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.sub_batches import MARK_BITS, buffer_bytes, cuts, split_id
 from kvbeam.pools.types import IndexKind
-from kvbeam.server.core.actions import Count, DropLink
+from kvbeam.server.core.actions import Count, DropLink, link_failure
 from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.decode_actions import (
     Actions,
@@ -444,10 +444,8 @@ class DecodeCore(CoreBase):
         """NOTIFIED: a transfer (or one of its sub-batches) landed; LINK_FAILED: that
         link is gone (its peer stays: prefill resends on its next link)."""
         if event.kind is EventKind.LINK_FAILED:
-            lost = self.peers.by_link(event.link)
-            if lost is None:
-                return []
-            return [DropLink(lost, f"link failed: {event.status}: {event.detail}", gone=False)]
+            lost = link_failure(self.peers, event)
+            return [lost] if lost is not None else []
         if event.kind is not EventKind.NOTIFIED or event.transfer_id is None:
             return []
         # A sub-batch's mark carries the grant's id plus its number (pools/sub_batches.py).

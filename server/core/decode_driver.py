@@ -277,20 +277,20 @@ class DecodeDriver:
         """Do the core's actions, in order: on this thread those that cannot block, on
         the executor the others."""
         for action in actions:
-            if isinstance(action, TellPrefill):
-                self.io.submit(self._tell, action)
-            elif isinstance(action, DrainPrefill):
-                self.io.submit(self._drain, action)
-            elif isinstance(action, DropLink):
-                self.io.submit(self.on_peer_lost, action.conn, action.detail,
-                               gone=action.gone)
-            elif isinstance(action, CheckLanding) and not self.checker.inline(action.res):
-                self.io.submit(self._check, action)
+            if self._blocks(action):
+                self.io.submit(self._do, action)
             else:
                 self._do(action)
 
+    def _blocks(self, action: DecodeAction) -> bool:
+        """The action may block: a peer call, a link's release, a landing's check whose
+        digests do not run inline."""
+        if isinstance(action, CheckLanding):
+            return not self.checker.inline(action.res)
+        return isinstance(action, TellPrefill | DrainPrefill | DropLink)
+
     def _do(self, action: DecodeAction) -> None:
-        """Do one action on this thread."""
+        """Do one action on this thread (``execute`` chose the thread)."""
         if isinstance(action, SendOffer):
             res = action.res
             self.prefill.offer(action.conn, res.request_id, res.seq_len, action.grant,

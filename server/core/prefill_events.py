@@ -31,7 +31,7 @@ from kvbeam.errors import (
 )
 from kvbeam.logs import fields
 from kvbeam.pools.layout import SideLayout
-from kvbeam.server.core.actions import Count, DropLink
+from kvbeam.server.core.actions import Count, DropLink, link_failure
 from kvbeam.server.core.base import request_bytes
 from kvbeam.server.core.prefill_actions import Actions, RunStep, TellDecode
 from kvbeam.server.core.resend import ResendPolicy, transient
@@ -104,11 +104,8 @@ class PrefillEvents:
     def handle_event(self, event: Event) -> Actions:
         """COMPLETED: one write finished; LINK_FAILED: the decode peer's link is gone."""
         if event.kind is EventKind.LINK_FAILED:
-            conn = self.peers.by_link(event.link)
-            if conn is None:
-                return []
-            return [DropLink(conn, f"link failed: {event.status}: {event.detail}",
-                             gone=False)]
+            dropped = link_failure(self.peers, event)
+            return [dropped] if dropped is not None else []
         if event.kind is not EventKind.COMPLETED or event.transfer_id is None:
             return []
         lost: PeerConn | None = None
