@@ -38,7 +38,7 @@ from kvbeam.errors import BadRequest, KvbeamError
 from kvbeam.proto import engine_frames as ef
 from kvbeam.proto.fields import host_port
 from kvbeam.server.core.decode_driver import DecodeDriver
-from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.validation import request_id_of, seq_len_of
 from kvbeam.states import TransferState, TransferStatus
 
@@ -75,7 +75,7 @@ class EngineOps(Protocol):
 class CoreOps:
     """:class:`EngineOps` over a daemon's core, with the gRPC handlers' field checks."""
 
-    def __init__(self, role: str, core: Callable[[], DecodeDriver | PrefillCore],
+    def __init__(self, role: str, core: Callable[[], DecodeDriver | PrefillDriver],
                  max_context_len: Callable[[], int]) -> None:
         self.role = role
         self._core = core
@@ -97,7 +97,7 @@ class CoreOps:
 
     def send(self, frame: ef.Send) -> None:
         core = self._core()
-        if not isinstance(core, PrefillCore):
+        if not isinstance(core, PrefillDriver):
             raise ef.FrameError("kind", "SEND is prefill's; this is a decode daemon",
                                 frame.request_id)
         seq_len = self._seq_len(frame.seq_len)
@@ -110,7 +110,7 @@ class CoreOps:
         core = self._core()
         if (isinstance(frame, ef.Send) and frame.kv_offset is not None
                 and isinstance(exc, ef.FrameError | BadRequest)  # the piece, not a duplicate
-                and isinstance(core, PrefillCore) and core.known(frame.request_id)):
+                and isinstance(core, PrefillDriver) and core.known(frame.request_id)):
             # A refused piece of a request under way: its earlier chunks may be written,
             # and no later piece can complete it. Fail it now (decode frees its pages once
             # prefill's writes drained) rather than at its deadline; on the executor,

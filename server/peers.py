@@ -135,7 +135,7 @@ class PeerConn:
         """The connection's peer channel once it has closed, else None (it is open, or
         there is none yet). A channel closed with a BYE (the peer released or replaced
         that connection) leaves the connection unable to carry BeginWrite or Offer:
-        prefill's core drops it and handshakes again (:meth:`PrefillCore._step`)."""
+        prefill's core drops it and handshakes again (:meth:`PrefillCore.step`)."""
         channel = self.channel
         return channel if channel is not None and channel.closed else None
 

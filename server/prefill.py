@@ -1,5 +1,5 @@
 """The prefill daemon's adapter: the RPCs Send and Abort, and the peer channel's Offer and
-Abort, over :class:`PrefillCore`.
+Abort, over :class:`PrefillDriver`.
 
 Decodes each request, validates what only the wire can get wrong, calls the core
 (:mod:`kvbeam.server.core.prefill`, where the send path lives) and encodes the
@@ -23,7 +23,7 @@ from kvbeam.proto.transfer_codec import (
 )
 from kvbeam.rpc_errors import handled
 from kvbeam.server.core.ports import WriteGrant
-from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.daemon_servicer import IO_WORKERS, ChannelContext, DaemonServicer
 from kvbeam.server.identity import claim_refusal
 from kvbeam.server.peer_channel import ABORT, OFFER
@@ -43,7 +43,7 @@ class PrefillServicer(DaemonServicer):
         spec, layout, pools = runtime.initial_pools()  # none yet with --pools engine
         decode = GrpcDecodePeers(lambda: self.local, runtime.transport,
                                  Dialer(runtime.options), runtime.metrics, self.channels)
-        self.core = self.prefill = PrefillCore(
+        self.core = self.prefill = PrefillDriver(
             table=runtime.table, peers=runtime.peers, decode=decode, io=self.io,
             spec=spec, layout=layout, pools=pools,
             integrity=runtime.settings.integrity, faults=runtime.faults,

@@ -44,7 +44,7 @@ from kvbeam.transport.factory import Kind as TransportKind
 
 if TYPE_CHECKING:
     from kvbeam.server.core.decode_driver import DecodeDriver
-    from kvbeam.server.core.prefill import PrefillCore
+    from kvbeam.server.core.prefill_driver import PrefillDriver
     from kvbeam.server.daemon_servicer import DaemonServicer
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,8 @@ class Runtime:
         if self.engine_mode:
             self.gauges = AttachGauges(self.metrics.registry)
             self.engine_channel = EngineChannel(
-                CoreOps(self.role.value, lambda: cast("DecodeDriver | PrefillCore", servicer.core),
+                CoreOps(self.role.value,
+                        lambda: cast("DecodeDriver | PrefillDriver", servicer.core),
                         lambda: self.config.target.max_context_len), servicer.io,
                 failed_when_freed=self.role is Role.DECODE)
             if self.role is Role.DECODE:
@@ -283,7 +284,7 @@ class Runtime:
         if self.role is Role.DECODE:
             cast("DecodeDriver", core).use_mailbox(records)
         else:
-            cast("PrefillCore", core).use_staging(records)
+            cast("PrefillDriver", core).use_staging(records)
         pools = Pools(memory.config, memory.layout, memory.side, registration)
         local = SideInfo(self.role, memory.layout, self._template_endpoint(),
                          control_address=self.local.control_address)

@@ -19,7 +19,7 @@ from kvbeam.pools.mailbox import HEADER, MAGIC, RecordArea, encode_record, reque
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.ports import WriteGrant
-from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.lifecycle import Deadlines, TransferTable
@@ -134,7 +134,7 @@ class FakeDecode:
     def digests(self) -> list[tuple[str, int, list[int]]]:
         """(request id, transfer id, digests) of every digest record written, in order."""
         core = getattr(self, "core", None)
-        known = {*self.names, *(r for r, _ in self.begins), *(core._out if core else ())}
+        known = {*self.names, *(r for r, _ in self.begins), *(core.core._out if core else ())}
         names = {request_hash(r): r for r in known}
         out = []
         for link in list(self.links):
@@ -201,7 +201,7 @@ def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0
                  deadlines: Deadlines | None = None,
                  send_wait_s: float = 0.0,
                  integrity: bool = True, io: Executor | None = None,
-                 digest_threads: int = 2) -> tuple[PrefillCore, FakeDecode]:
+                 digest_threads: int = 2) -> tuple[PrefillDriver, FakeDecode]:
     """A prefill core over the unit-test pools, with a fake decode side.
 
     With ``integrity`` a first attempt's final chunk is two writes (its data, then its
@@ -213,7 +213,7 @@ def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0
     record is then the data write's last block)."""
     lay = layout()
     fake = FakeDecode(AllocatedSide(lay))
-    core = PrefillCore(table=TransferTable(deadlines or Deadlines()), peers=Peers(), decode=fake,
+    core = PrefillDriver(table=TransferTable(deadlines or Deadlines()), peers=Peers(), decode=fake,
                        io=io or ThreadPoolExecutor(workers, thread_name_prefix="test-io"),
                        spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
                        integrity=integrity, faults=FaultHooks(), drain_s=drain_s,

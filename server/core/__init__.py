@@ -14,25 +14,30 @@ reach a core through the protocols in :mod:`kvbeam.server.core.ports`, implement
 over gRPC by :mod:`kvbeam.server.peer_rpc`. An engine can drive a core directly.
 Modules, by responsibility: :mod:`~kvbeam.server.core.base` (status and the
 engine-pools switch, both cores), :mod:`~kvbeam.server.core.actions` (the actions both
-return: a link to drop, a metric to count). Prefill: :mod:`~kvbeam.server.core.outgoing` (the
-request record and its send path's one explicit phase, :class:`Step`: pure, no
-lock, no I/O), :mod:`~kvbeam.server.core.prefill` (the API, decode's offers, the send
-path: steps, handshakes, plans, posts), :mod:`~kvbeam.server.core.prefill_events`
-(completions, failures, deadlines, a lost peer, resends, the sweep: events in, actions
-out, :mod:`~kvbeam.server.core.prefill_actions`, which the core's ``_execute`` does),
-and the
-collaborators the core holds: :mod:`~kvbeam.server.core.offers` (``OfferBook``,
+return: a link to drop, a metric to count). Both cores are plain state machines:
+every API call, transport event, peer answer, post outcome and tick is an event, each
+returns actions, and neither does I/O (no executor, peer client, digest pool or
+clock: ``now`` is an argument; a unit test reads each core's imports). Each has a
+driver, what the daemon calls, that does every action and hands what comes of it back
+to the core as its next event. Prefill: :mod:`~kvbeam.server.core.outgoing` (the
+request record and its send path's one explicit phase, :class:`Step`: pure, no lock,
+no I/O), :mod:`~kvbeam.server.core.prefill` (the core: the API, decode's offers, the
+send path's decisions: connect, ask for a grant, plan and cut the writes, book them),
+:mod:`~kvbeam.server.core.prefill_events` (its handlers of completions, failures,
+deadlines, a lost peer, resends, the sweep), the actions
+:mod:`~kvbeam.server.core.prefill_actions`, the driver
+:mod:`~kvbeam.server.core.prefill_driver` (``PrefillDriver``: handshakes, BeginWrite,
+digests, posts, Aborts, link releases, the Abort handler's bounded wait for a drain),
+and the collaborators the core holds: :mod:`~kvbeam.server.core.offers` (``OfferBook``,
 decode's reservations ahead of Send), :mod:`~kvbeam.server.core.prefill_record`
 (``RecordStager``: the digest record's staging slots, written into decode's mailbox
 before the completion marker: protocol 5) and :mod:`~kvbeam.server.core.resend`
-(``ResendPolicy``). Decode's core is a plain state machine, events in and actions
-out: :mod:`~kvbeam.server.core.incoming` (the request record and its landing's one
-explicit phase, :class:`Landing`: pure), :mod:`~kvbeam.server.core.decode` (the core:
-every API call, transport event, peer answer, verdict and tick is an event, and it
-returns :mod:`~kvbeam.server.core.decode_actions`; it does no I/O),
-:mod:`~kvbeam.server.core.decode_pages` (no item in two live reservations); its
-driver :mod:`~kvbeam.server.core.decode_driver` (``DecodeDriver``, what the daemon
-calls: it does every action and feeds back what comes of it) with
+(``ResendPolicy``). Decode: :mod:`~kvbeam.server.core.incoming` (the request record
+and its landing's one explicit phase, :class:`Landing`: pure),
+:mod:`~kvbeam.server.core.decode` (the core, returning
+:mod:`~kvbeam.server.core.decode_actions`), :mod:`~kvbeam.server.core.decode_pages`
+(no item in two live reservations); its driver
+:mod:`~kvbeam.server.core.decode_driver` (``DecodeDriver``) with
 :mod:`~kvbeam.server.core.decode_landing` (``LandingCheck``: the digest record and
 the landed bytes' digests, the driver's I/O).
 Each request's phase is its record's, moved only by its methods; its lifecycle state
@@ -51,7 +56,8 @@ bookkeeping, verifies a small landing on decode (its digests run
 inline anyway) and submits the rest. A prefill step that cannot block (a small
 single-chunk request with decode's offer in hand) runs on the thread that made it
 ready (the engine channel's, a handler's, or the peer channel's for an Offer), not on
-the executor (``PrefillCore._steps_inline``). Long-lived loops (events,
+the executor (``PrefillCore.steps_inline``; what follows an action that blocks goes
+to the executor in order, ``PrefillDriver.execute``). Long-lived loops (events,
 deadline sweep, heartbeats) and the peer channels' selector thread
 (:mod:`kvbeam.server.peer_channel`, which answers Offer and BeginWrite itself and
 hands Aborts to the servicer's ``peer_io`` pool) are the other threads;
@@ -65,9 +71,9 @@ RPC, a digest, a write post, a link's release or a memory registration.
    ``_drained`` condition shares it): every request record, the write and
    transfer-id maps, the pending-handshake waiters, decode's page book
    (:mod:`~kvbeam.server.core.decode_pages`). Held only for bookkeeping;
-   waiting on ``_drained`` (prefill's Abort) releases it. Prefill's
-   ``_abort_waiters`` counter is taken before it, never blocking (a full counter
-   means: answer without waiting).
+   waiting on ``_drained`` (prefill's Abort, in its driver) releases it. The prefill
+   driver's ``_abort_waiters`` counter is taken before it, never blocking (a full
+   counter means: answer without waiting).
 2. ``TransferTable._cond`` (:mod:`kvbeam.server.lifecycle`): the lifecycle states.
    Its ``on_change`` callback (metrics) runs after the lock is released.
 3. Leaves, which call nothing while held: ``Peers._lock``
@@ -91,6 +97,7 @@ from kvbeam.server.core.ports import (
     WriteGrant,
 )
 from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.core.prefill_driver import PrefillDriver
 
 __all__ = ["DecodeCore", "DecodePeers", "Incoming", "Landing", "Outgoing",
-           "PrefillCore", "PrefillPeers", "Step", "WriteGrant"]
+           "PrefillCore", "PrefillDriver", "PrefillPeers", "Step", "WriteGrant"]

@@ -3,7 +3,7 @@
 :class:`CoreBase` is the base of :class:`~kvbeam.server.core.prefill.PrefillCore`
 and :class:`~kvbeam.server.core.decode.DecodeCore`: one place for the status
 accessor and for taking up or refusing an engine's memory. Failing what was live
-first is the caller's (prefill's core, decode's driver): it is I/O (peers are told).
+first is the caller's (each role's driver): it is I/O (peers are told).
 """
 
 from __future__ import annotations

@@ -11,22 +11,18 @@ offer beyond ``capacity`` is refused and that request asks with BeginWrite, as
 every request did before protocol 2 (docs/protocol.md, "The offer path and its
 fallback").
 
-The book's lock is a leaf: nothing is called while it is held.
+The book's lock is a leaf: nothing is called while it is held. It reads no clock:
+the core passes its ``now``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.peers import PeerConn
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +35,7 @@ class Offer:
     conn: PeerConn      # the connection the offer came over: its link is decode's grant
     seq_len: int
     grant: WriteGrant
-    expires: float      # time.monotonic() when the reservation's lease passes
+    expires: float      # the core's clock when the reservation's lease passes
 
 
 class OfferBook:
@@ -58,24 +54,25 @@ class OfferBook:
         with self._lock:
             return len(self._offers)
 
-    def put(self, offer: Offer) -> bool:
+    def put(self, offer: Offer, now: float) -> bool:
         """Keep an offer (replacing one for the same request); False when full."""
         with self._lock:
             if offer.request_id not in self._offers and len(self._offers) >= self.capacity:
-                self._expire(time.monotonic())
+                self._expire(now)
                 if len(self._offers) >= self.capacity:
                     return False
             self._offers[offer.request_id] = offer
             return True
 
-    def take(self, request_id: str, conn: PeerConn, seq_len: int) -> Offer | None:
+    def take(self, request_id: str, conn: PeerConn, seq_len: int,
+             now: float) -> Offer | None:
         """The request's offer if it came over ``conn`` (the same decode instance and
         link), names ``seq_len`` and has not expired; the offer is gone either way."""
         with self._lock:
             offer = self._offers.pop(request_id, None)
         if offer is None or offer.conn is not conn or conn.closed:
             return None
-        if offer.seq_len != seq_len or offer.expires < time.monotonic():
+        if offer.seq_len != seq_len or offer.expires < now:
             return None
         return offer
 
@@ -95,10 +92,10 @@ class OfferBook:
             for rid in [r for r, o in self._offers.items() if o.conn is conn]:
                 del self._offers[rid]
 
-    def expire(self) -> None:
+    def expire(self, now: float) -> None:
         """Forget offers whose reservation lease passed."""
         with self._lock:
-            self._expire(time.monotonic())
+            self._expire(now)
 
     def _expire(self, now: float) -> None:
         for rid in [r for r, o in self._offers.items() if o.expires < now]:

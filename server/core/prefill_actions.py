@@ -1,14 +1,17 @@
-"""What prefill's event handlers ask of the I/O around them: one small class each.
+"""What prefill's core asks of the I/O around it: one small class each.
 
-:class:`~kvbeam.server.core.prefill_events.PrefillEvents` (completions, failures,
-deadlines, a lost link or peer, resends, the sweep) decides and returns these;
-:class:`~kvbeam.server.core.prefill.PrefillCore`'s ``_execute`` does them. With
-:class:`~kvbeam.server.core.actions.DropLink` and
+:class:`~kvbeam.server.core.prefill.PrefillCore` decides and returns these (its send
+path, its event handlers in :mod:`kvbeam.server.core.prefill_events`);
+:class:`~kvbeam.server.core.prefill_driver.PrefillDriver` does them and hands what
+comes back (a connection, decode's grant, a post's failure) to the core as its next
+event. With :class:`~kvbeam.server.core.actions.DropLink` and
 :class:`~kvbeam.server.core.actions.Count`, both roles' own.
 
-Where each runs: :class:`TellDecode`, :class:`RunStep` and ``DropLink`` block (a
-peer call, a step's handshake or BeginWrite, a link's release) and always run on the
-executor; ``Count`` runs on the thread that handled the event.
+Where each runs is the driver's choice: :class:`Connect`, :class:`AskGrant`,
+:class:`TellDecode` and ``DropLink`` block (a handshake, a peer call, a link's
+release) and run on the executor; :class:`RunStep` runs where it was asked when the
+core says the step cannot block, else on the executor; :class:`PostWrites` and
+``Count`` run on the thread that handled the event.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvbeam.server.core.actions import Count, DropLink
+from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.peers import PeerConn
+from kvbeam.transport.blocks import Blocks
 
 if TYPE_CHECKING:
-    from kvbeam.server.core.outgoing import Outgoing
+    from kvbeam.server.core.outgoing import Outgoing, Ranges
 
 
 @dataclass(frozen=True)
@@ -37,11 +42,53 @@ class TellDecode:
 
 @dataclass(frozen=True)
 class RunStep:
-    """Run the request's step, which the handler moved to RUNNING (its resend on a new
-    link: a handshake, BeginWrite, the writes)."""
+    """Run the request's step, which the core moved to RUNNING (its next chunk, or its
+    resend on a new link): the driver calls :meth:`PrefillCore.step`."""
 
     rec: Outgoing
 
 
-PrefillAction = TellDecode | RunStep | DropLink | Count
+@dataclass(frozen=True)
+class Connect:
+    """Handshake with the decode daemon at ``address``; the answer (a connection or
+    the error) goes to :meth:`PrefillCore.connected`, which starts every request that
+    waited for it."""
+
+    address: str
+
+
+@dataclass(frozen=True)
+class AskGrant:
+    """Ask decode where to write this chunk (BeginWrite: no offer of its reservation
+    was in hand); the answer goes to :meth:`PrefillCore.granted`."""
+
+    rec: Outgoing
+    conn: PeerConn
+    ranges: Ranges
+    final: bool
+
+
+@dataclass(frozen=True)
+class PostWrites:
+    """Post the chunk's writes, planned and cut by the core: each marked sub-batch
+    notified (decode digests it as it lands), then the rest. ``record``: the request's
+    digest record goes too, as the last write's last block when its digests are at
+    hand, else as one more notified write once they are. The driver books them with
+    :meth:`PrefillCore.book` before the first post and reports the outcome with
+    :meth:`PrefillCore.posted` or :meth:`PrefillCore.step_failed`."""
+
+    rec: Outgoing
+    conn: PeerConn
+    grant: WriteGrant
+    #: (transfer id, blocks) of each write, in posting order.
+    writes: tuple[tuple[int, Blocks], ...]
+    final: bool
+    record: bool
+    #: The sub-batches notified before the last write (the record names their count).
+    marks: int
+    total_bytes: int
+    num_blocks: int
+
+
+PrefillAction = TellDecode | RunStep | Connect | AskGrant | PostWrites | DropLink | Count
 Actions = list[PrefillAction]

@@ -6,9 +6,8 @@ failures, deadlines, a lost link or peer, the resend after a transient link fail
 (its policy: :class:`~kvbeam.server.core.resend.ResendPolicy`), the sweep. Each
 handler takes an event and returns actions (:mod:`kvbeam.server.core.prefill_actions`:
 tell decode, run a step, drop a link, count) and does no I/O: no executor, no peer
-call, no clock (the sweep's time is its argument). ``PrefillCore`` does the actions
-(its ``on_event``, ``on_deadline``, ``on_peer_lost``, ``periodic`` and ``_execute``),
-as decode's driver does decode's; its send path still does its own I/O.
+call, no clock (the sweep's time is its argument). The driver,
+:class:`~kvbeam.server.core.prefill_driver.PrefillDriver`, does the actions.
 """
 
 from __future__ import annotations
@@ -238,7 +237,7 @@ class PrefillEvents:
     def sweep(self, now: float) -> Actions:
         """Abandon failed requests whose writes hang (their link goes, so none can read
         the source any longer); forget requests that ended."""
-        self.offers.expire()
+        self.offers.expire(now)
         hung: list[tuple[Outgoing, PeerConn | None, int]] = []
         with self._lock:
             self._ended_unfinished = {r for r in self._ended_unfinished

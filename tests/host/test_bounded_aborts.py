@@ -28,7 +28,7 @@ from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.side import SideInfo
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.ports import WriteGrant
-from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.lifecycle import Deadlines, TransferTable
@@ -153,7 +153,7 @@ class SilentDecode(FakeDecode):
 def test_prefill_shutdown_with_256_live_requests_ends_inside_the_grace_period(
         silent_prefill: tuple[str, list[str]]) -> None:
     address, calls = silent_prefill  # the same silent server, as decode this time
-    core = PrefillCore(table=TransferTable(Deadlines()), peers=Peers(),
+    core = PrefillDriver(table=TransferTable(Deadlines()), peers=Peers(),
                        decode=SilentDecode(address),
                        io=futures.ThreadPoolExecutor(8, thread_name_prefix="test-io"),
                        spec=UNIFIED_TARGET, layout=layout(), pools=AllocatedSide(layout()),

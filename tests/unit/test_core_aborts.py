@@ -11,7 +11,7 @@ from typing import cast
 import pytest
 
 from kvbeam.server.core.decode_driver import DecodeDriver
-from kvbeam.server.core.prefill import ABORT_WAITERS
+from kvbeam.server.core.prefill_driver import ABORT_WAITERS
 from kvbeam.server.peers import PeerConn
 from kvbeam.states import FailureReason, TransferState
 from tests.core_fakes import FakeLink, prefill_core, wait_for
@@ -122,8 +122,8 @@ def test_writes_that_never_drain_release_their_link_but_fail_only_their_request(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The sweep's clock is moved past ``drain_s`` (no sleep), and the Abort's caller has
     no time left (``wait_s=0``): it answers at once."""
-    clock = _sweep_clock(monkeypatch)
     core, fake, io = _queued(drain_s=0.1, resend_retries=1, integrity=False)
+    clock = _sweep_clock(core)
     for rid in ("slow", "other"):
         core.send(rid, 0, 300, ADDR, [], True)
     io.run_all()

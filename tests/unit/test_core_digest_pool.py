@@ -17,7 +17,7 @@ from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.decode_driver import DecodeDriver
-from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.peers import PeerConn, Peers
@@ -74,7 +74,7 @@ def test_prefill_starts_its_digests_on_the_pool_before_posting_and_sends_the_sam
     src.fill_pattern(3)
     fake = RecordingDecode(AllocatedSide(lay), log)
     with RecordingPool(2, log) as pool:
-        core = PrefillCore(table=TransferTable(Deadlines()), peers=Peers(), decode=fake,
+        core = PrefillDriver(table=TransferTable(Deadlines()), peers=Peers(), decode=fake,
                            io=ThreadPoolExecutor(2), spec=UNIFIED_TARGET, layout=lay,
                            pools=src, integrity=True, faults=FaultHooks(), drain_s=5.0,
                            digest_pool=pool)

@@ -22,7 +22,7 @@ from kvbeam.server.core.decode import WAITING_FOR_DIGESTS
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.incoming import Landing
 from kvbeam.server.core.ports import Offered, WriteGrant
-from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.lifecycle import Deadlines
 from kvbeam.server.peers import PeerConn
 from kvbeam.states import NOT_VERIFIED_NO_DIGESTS, FailureReason, TransferState
@@ -37,14 +37,14 @@ SEQ = 300
 
 
 # ---- prefill ----------------------------------------------------------------------------
-def _connected(**kw: object) -> tuple[PrefillCore, FakeDecode, PeerConn, list[str]]:
+def _connected(**kw: object) -> tuple[PrefillDriver, FakeDecode, PeerConn, list[str]]:
     """A prefill core that already handshook with decode (one request, by BeginWrite)."""
     core, fake = prefill_core(**kw)  # type: ignore[arg-type]
     conn, events = _first_request(core, fake, lambda: None)
     return core, fake, conn, events
 
 
-def _queued_connected(**kw: Any) -> tuple[PrefillCore, FakeDecode, PeerConn, list[str],
+def _queued_connected(**kw: Any) -> tuple[PrefillDriver, FakeDecode, PeerConn, list[str],
                                           QueueExecutor]:
     """:func:`_connected` on a queue executor: nothing runs until the test runs it. The
     digests are computed at once, yet handed back as a pool's job, so a first attempt's
@@ -54,7 +54,7 @@ def _queued_connected(**kw: Any) -> tuple[PrefillCore, FakeDecode, PeerConn, lis
     return core, fake, conn, events, io
 
 
-def _first_request(core: PrefillCore, fake: FakeDecode,
+def _first_request(core: PrefillDriver, fake: FakeDecode,
                    run: Callable[[], None]) -> tuple[PeerConn, list[str]]:
     """Send a first request (``run`` runs what it queued; a thread pool's needs nothing)
     and complete it: the core is connected, and records what happens to offers."""
@@ -133,7 +133,7 @@ def test_with_send_wait_a_send_before_the_offer_waits_for_it_instead_of_asking()
     assert events == ["received", "used"]
 
 
-def _count_jobs(core: PrefillCore) -> list[str]:
+def _count_jobs(core: PrefillDriver) -> list[str]:
     """The names of the jobs the core hands its executor from now on."""
     jobs: list[str] = []
     submit = core.io.submit
@@ -156,9 +156,9 @@ def test_a_send_before_the_offer_parks_at_once_and_the_offer_runs_its_one_step()
     link = cast(FakeLink, conn.link)
     # Its one step ran on the Offer's thread: only the wait for the digest pool (the
     # record's write) went to the executor.
-    assert link.writes[2:] == [(77, False)] and jobs == ["_record_on_executor"]
+    assert link.writes[2:] == [(77, False)] and jobs == ["_post_record"]
     io.run_all()
-    assert len(link.writes) == 4 and jobs == ["_record_on_executor"]
+    assert len(link.writes) == 4 and jobs == ["_post_record"]
     assert events == ["received", "used"]
     assert [rid for rid, _ in fake.begins] == ["first"], "BeginWrite was called for r"
 
@@ -173,10 +173,10 @@ def test_an_offered_small_send_posts_on_the_senders_thread() -> None:
     jobs = _count_jobs(core)
     core.send("r", 1, SEQ, ADDR, [], True)
     assert link.writes[2:] == [(77, False)], "the data was not posted by send itself"
-    assert jobs == ["_record_on_executor"]
+    assert jobs == ["_post_record"]
     io.run_all()
     assert len(link.writes) == 4 and len(fake.digests) == 2
-    assert link.writes[3] == (77, True) and jobs == ["_record_on_executor"]
+    assert link.writes[3] == (77, True) and jobs == ["_post_record"]
     assert events == ["received", "used"]
     want = request_digests(core.pools, request_indices(UNIFIED_TARGET, 1, SEQ))
     assert fake.digests[1] == ("r", 77, want)
@@ -205,9 +205,9 @@ def test_a_request_over_the_inline_bound_steps_on_the_executor(
     jobs = _count_jobs(core)
     core.send("r", 1, SEQ, ADDR, [], True)
     link = cast(FakeLink, conn.link)
-    assert jobs == ["_step"] and len(link.writes) == 2  # nothing posted by send itself
+    assert jobs == ["_step_job"] and len(link.writes) == 2  # nothing posted by send itself
     io.run_all()
-    assert jobs == ["_step"] and link.writes[2:] == [(77, False), (77, True)]
+    assert jobs == ["_step_job"] and link.writes[2:] == [(77, False), (77, True)]
 
 
 def test_an_armed_write_delay_keeps_the_step_on_the_executor(
@@ -223,7 +223,7 @@ def test_an_armed_write_delay_keeps_the_step_on_the_executor(
     jobs = _count_jobs(core)
     core.send("r", 1, SEQ, ADDR, [], True)
     link = cast(FakeLink, conn.link)
-    assert jobs == ["_step"] and delays == [] and len(link.writes) == 2
+    assert jobs == ["_step_job"] and delays == [] and len(link.writes) == 2
     io.run_all()
     assert len(link.writes) == 4 and delays == [0.01]
 
@@ -236,14 +236,15 @@ def test_an_offer_gone_before_the_inline_step_asks_begin_write_from_the_executor
     monkeypatch.setattr(core.offers, "has", lambda _rid: True)  # it looked offered
     jobs = _count_jobs(core)
     core.send("r", 1, SEQ, ADDR, [], True)
-    # The step started inline, found no offer, and handed the chunk to the executor.
-    assert jobs == ["_step"] and [rid for rid, _ in fake.begins] == ["first"]
-    assert events == []
+    # The step started inline, found no offer (counted a miss), and handed its
+    # BeginWrite, and what follows it, to the executor.
+    assert jobs == ["execute"] and [rid for rid, _ in fake.begins] == ["first"]
+    assert events == ["missed"]
     io.run_all()
     link = cast(FakeLink, conn.link)
     assert len(link.writes) == 4
-    assert jobs[0] == "_step" and [rid for rid, _ in fake.begins] == ["first", "r"]
-    assert events == ["missed"]  # counted once, by the executor's step
+    assert jobs[0] == "execute" and [rid for rid, _ in fake.begins] == ["first", "r"]
+    assert events == ["missed"]  # counted once
 
 
 def test_an_inline_post_that_fails_is_resent_on_a_new_link_from_the_executor() -> None:
@@ -261,13 +262,14 @@ def test_an_inline_post_that_fails_is_resent_on_a_new_link_from_the_executor() -
     jobs = _count_jobs(core)
     core.send("r", 1, SEQ, ADDR, [], True)
     assert core.status("r").state is TransferState.TRANSFERRING  # not failed on this thread
-    assert jobs == ["_failed_step"] and not old.released  # handled on the executor
+    # The link's release, and what follows it, on the executor.
+    assert jobs == ["execute"] and not old.released
     io.run_all()
     # Resent under a new grant; its digests were never recorded (the post failed before
     # the record), so the resend's data and record are two writes again.
     assert len(fake.links) == 2 and len(fake.links[1].writes) == 2
     new = fake.links[1]
-    assert jobs[0] == "_failed_step" and old.released
+    assert jobs[0] == "execute" and old.released
     assert [rid for rid, link in fake.begins][-1] == "r" and fake.begins[-1][1] == new.id
     for event in new.finish(new.writes[0][0]):
         core.on_event(event)

@@ -21,8 +21,7 @@ import pytest
 from kvbeam.errors import DuplicateRequest
 from kvbeam.pools.digest import DigestPart
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
-from kvbeam.server.core import prefill as prefill_module
-from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.peers import PeerConn
 from kvbeam.states import TransferState
 from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
@@ -31,7 +30,7 @@ from tests.unit.test_core_decode import QueueExecutor
 ADDR = "127.0.0.1:9"
 
 
-def _link(core: PrefillCore, address: str = ADDR) -> FakeLink:
+def _link(core: PrefillDriver, address: str = ADDR) -> FakeLink:
     """The fake link of the core's connection to ``address``, once it is connected."""
     assert wait_for(lambda: core.peers.by_address(address) is not None)
     conn = core.peers.by_address(address)
@@ -54,7 +53,7 @@ class PoolJobDigests(DigestPool):
 
 
 def _queued(*, record_apart: bool = False,
-            **kw: Any) -> tuple[PrefillCore, FakeDecode, QueueExecutor]:
+            **kw: Any) -> tuple[PrefillDriver, FakeDecode, QueueExecutor]:
     """A prefill core (:func:`prefill_core`, ``kw``) on a queue executor, digests inline.
     ``record_apart``: a first attempt's final chunk is two writes, its data and then its
     digest record (:class:`PoolJobDigests`); else the record is the data's last block."""
@@ -65,7 +64,7 @@ def _queued(*, record_apart: bool = False,
     return core, fake, io
 
 
-def _conn_link(core: PrefillCore, address: str = ADDR) -> FakeLink:
+def _conn_link(core: PrefillDriver, address: str = ADDR) -> FakeLink:
     """The fake link of the core's connection to ``address`` (it must be connected)."""
     conn = core.peers.by_address(address)
     assert conn is not None, f"no connection to {address}"
@@ -82,11 +81,11 @@ class Clock:
         return self.now
 
 
-def _sweep_clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    """The clock the sweep (:meth:`PrefillCore.periodic`) reads when writes are past
-    ``drain_s``: moved by the test instead of sleeping."""
+def _sweep_clock(core: PrefillDriver) -> Clock:
+    """The driver's clock, which the sweep (:meth:`PrefillDriver.periodic`) reads when
+    writes are past ``drain_s``: moved by the test instead of sleeping."""
     clock = Clock()
-    monkeypatch.setattr(prefill_module, "time", clock)
+    core.clock = clock.monotonic
     return clock
 
 
@@ -140,8 +139,8 @@ def test_record_is_pruned_after_a_drain_timeout_even_when_writes_complete_late(
     """The sweep's clock is moved past ``drain_s`` (no sleep); the Abort's caller has no
     time left (``wait_s=0``), so it answers at once. Decode is told exactly once: when
     the sweep released the link (its writes can no longer read the source)."""
-    clock = _sweep_clock(monkeypatch)
     core, fake, io = _queued(drain_s=0.1, integrity=False)
+    clock = _sweep_clock(core)
     core.send("r", 0, 300, ADDR, [], True)
     io.run_all()
     link = _conn_link(core)
@@ -270,7 +269,7 @@ def test_a_chunk_after_the_request_ended_is_answered_with_its_status() -> None:
     assert core.send("late", 0, 1000, ADDR, [(256, 700)], False).state is TransferState.FAILED
     assert len(io.queue) == 1  # only the Abort to decode: the chunk started no step
     core.periodic()
-    assert "late" not in core._out  # forgotten: the answer comes from the table
+    assert "late" not in core.core._out  # forgotten: the answer comes from the table
     st = core.send("late", 0, 1000, ADDR, [], True)
     assert st.state is TransferState.FAILED and "engine cancelled" in st.detail, st
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import cast
 
-from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.peers import PeerConn
 from kvbeam.states import FailureReason, TransferState
 from tests.core_fakes import FakeLink, prefill_core, wait_for
@@ -15,7 +15,7 @@ ADDR = "127.0.0.1:9"
 SEQ = 300
 
 
-def _in_flight() -> tuple[PrefillCore, PeerConn]:
+def _in_flight() -> tuple[PrefillDriver, PeerConn]:
     """A prefill core with request "r" posted to decode at ADDR (its writes in flight)."""
     core, fake = prefill_core(drain_s=0.2, integrity=False)
     core.send("r", 0, SEQ, ADDR, [], True)

@@ -18,7 +18,7 @@ from kvbeam.pools.indices import request_indices
 from kvbeam.server.core import prefill as prefill_module
 from kvbeam.server.core.outgoing import Outgoing, Step
 from kvbeam.server.core.ports import WriteGrant
-from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.states import TransferState
 from tests.core_fakes import FakeDecode, FakeLink, prefill_core
 from tests.fixtures import UNIFIED_TARGET
@@ -28,29 +28,29 @@ ADDR = "127.0.0.1:9"
 SEQ = 300
 
 
-def _core(**kw: object) -> tuple[PrefillCore, FakeDecode, QueueExecutor]:
+def _core(**kw: object) -> tuple[PrefillDriver, FakeDecode, QueueExecutor]:
     io = QueueExecutor()
     core, fake = prefill_core(io=io, digest_threads=0, **kw)  # type: ignore[arg-type]
     return core, fake, io
 
 
-def _rec(core: PrefillCore, rid: str = "r") -> Outgoing:
-    with core._lock:
-        return core._out[rid]
+def _rec(core: PrefillDriver, rid: str = "r") -> Outgoing:
+    with core.core._lock:
+        return core.core._out[rid]
 
 
-def _step(core: PrefillCore, rid: str = "r") -> Step:
+def _step(core: PrefillDriver, rid: str = "r") -> Step:
     return _rec(core, rid).step
 
 
-def _offer(core: PrefillCore, fake: FakeDecode, tid: int, rid: str = "r") -> bool:
+def _offer(core: PrefillDriver, fake: FakeDecode, tid: int, rid: str = "r") -> bool:
     conn = core.peers.by_address(ADDR)
     assert conn is not None
     grant = WriteGrant(tid, request_indices(UNIFIED_TARGET, 2, SEQ), mailbox_slot=3)
     return core.offer(rid, conn.instance_id, SEQ, grant, lease_s=10.0)
 
 
-def _link(core: PrefillCore) -> FakeLink:
+def _link(core: PrefillDriver) -> FakeLink:
     conn = core.peers.by_address(ADDR)
     assert conn is not None
     return cast(FakeLink, conn.link)

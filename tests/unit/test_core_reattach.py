@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.states import FailureReason, TransferState
 from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
 from tests.unit.test_core_resend import ADDR, _link
 
 
-def _connected() -> tuple[PrefillCore, FakeDecode, FakeLink]:
+def _connected() -> tuple[PrefillDriver, FakeDecode, FakeLink]:
     """A core whose connection to ADDR served one request; decode then forgets it."""
     core, fake = prefill_core(integrity=False)
     core.send("r0", 0, 300, ADDR, [], True)

@@ -17,8 +17,7 @@ import pytest
 
 from kvbeam.errors import ConfigError
 from kvbeam.pools.indices import request_indices
-from kvbeam.server.core import prefill as prefill_module
-from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.faults import BREAK_LINK_ENV, FaultHooks
 from kvbeam.server.lifecycle import Deadlines
 from kvbeam.server.peers import PeerConn
@@ -32,7 +31,7 @@ ADDR = "127.0.0.1:9"
 RETRY_EXC = "IBV_WC_RETRY_EXC_ERR"
 
 
-def _link(core: PrefillCore, not_: FakeLink | None = None) -> FakeLink:
+def _link(core: PrefillDriver, not_: FakeLink | None = None) -> FakeLink:
     """The fake link of the core's live connection to ADDR (a new one after ``not_``),
     once there is one (polled: for cores on a thread pool)."""
     def current() -> FakeLink | None:
@@ -45,7 +44,7 @@ def _link(core: PrefillCore, not_: FakeLink | None = None) -> FakeLink:
     return link
 
 
-def _live(core: PrefillCore, not_: FakeLink | None = None) -> FakeLink:
+def _live(core: PrefillDriver, not_: FakeLink | None = None) -> FakeLink:
     """The fake link of the core's live connection to ADDR, which must be there (and be
     a new one after ``not_``)."""
     conn = core.peers.by_address(ADDR)
@@ -56,7 +55,7 @@ def _live(core: PrefillCore, not_: FakeLink | None = None) -> FakeLink:
 
 
 def _resending(retries: int = 2, transferring: float = 30.0,
-               ) -> tuple[PrefillCore, FakeDecode, list[int], QueueExecutor]:
+               ) -> tuple[PrefillDriver, FakeDecode, list[int], QueueExecutor]:
     counted: list[int] = []
     core, fake, io = _queued(record_apart=True, resend_retries=retries,
                              on_resend=lambda: counted.append(1),
@@ -64,7 +63,7 @@ def _resending(retries: int = 2, transferring: float = 30.0,
     return core, fake, counted, io
 
 
-def _fail_first_write(core: PrefillCore, io: QueueExecutor,
+def _fail_first_write(core: PrefillDriver, io: QueueExecutor,
                       status: str = RETRY_EXC) -> FakeLink:
     """Run the queued steps, then fail the first transfer's writes (its data and record)."""
     io.run_all()
@@ -75,7 +74,7 @@ def _fail_first_write(core: PrefillCore, io: QueueExecutor,
     return link
 
 
-def _succeed(core: PrefillCore, link: FakeLink) -> None:
+def _succeed(core: PrefillDriver, link: FakeLink) -> None:
     """Complete every write of the link's (one) request: its data and its record."""
     for event in link.finish(link.writes[0][0]):
         core.on_event(event)
@@ -249,7 +248,7 @@ def test_other_requests_on_the_failed_link_are_resent_too() -> None:
     assert counted == [1, 1, 1] and fake.aborts == []
 
 
-def _resend_handshaking(core: PrefillCore, fake: FakeDecode, io: QueueExecutor,
+def _resend_handshaking(core: PrefillDriver, fake: FakeDecode, io: QueueExecutor,
                         during: Callable[[], None]) -> FakeLink:
     """Request "r" posted, its write failed; ``during`` runs inside its resend's
     handshake (before decode answers it); returns the failed link."""
@@ -356,8 +355,8 @@ def test_the_time_a_resend_needs_is_the_measured_handshake(
     """The first handshake takes 0.6 s on the core's clock (moved while it runs, no
     sleep); the deadline, 1 s, is enough for the 0.25 s floor, not for twice that."""
     clock = Clock()
-    monkeypatch.setattr(prefill_module, "time", clock)
     core, fake, counted, io = _resending(transferring=1.0)
+    core.clock = clock.monotonic
 
     def slow() -> None:
         clock.now += 0.6

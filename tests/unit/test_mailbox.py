@@ -166,8 +166,8 @@ def _posted(integrity: bool = True) -> tuple[object, FakeLink]:
 
 def test_the_record_is_the_last_write_and_success_waits_for_it() -> None:
     core, link = _posted()
-    from kvbeam.server.core.prefill import PrefillCore
-    assert isinstance(core, PrefillCore)
+    from kvbeam.server.core.prefill_driver import PrefillDriver
+    assert isinstance(core, PrefillDriver)
     tid = link.writes[0][0]
     assert link.writes == [(tid, False), (tid, True)]
     assert len(link.blocks[1]) == 1 and int(link.blocks[1].lengths[0]) == record_size(
@@ -188,8 +188,8 @@ def test_the_record_is_the_last_write_and_success_waits_for_it() -> None:
 
 def test_integrity_off_writes_no_record_and_notifies_the_data() -> None:
     core, link = _posted(integrity=False)
-    from kvbeam.server.core.prefill import PrefillCore
-    assert isinstance(core, PrefillCore)
+    from kvbeam.server.core.prefill_driver import PrefillDriver
+    assert isinstance(core, PrefillDriver)
     assert link.writes == [(link.writes[0][0], True)] and link.records == []
     core.on_event(link.completion(link.writes[0][0]))
     assert core.status("r").state is TransferState.SUCCESS
@@ -229,10 +229,10 @@ def test_digests_done_inline_put_the_record_at_the_end_of_the_datas_own_write() 
     """A small request's digests run on the calling thread (nothing to overlap): one
     write, notified, whose last block is the record; one completion ends it."""
     from kvbeam.pools.digest_pool import DigestPool
-    from kvbeam.server.core.prefill import PrefillCore
+    from kvbeam.server.core.prefill_driver import PrefillDriver
 
     core, _fake = prefill_core()
-    assert isinstance(core, PrefillCore)
+    assert isinstance(core, PrefillDriver)
     core.digest_pool = DigestPool(0)  # inline, as any job under INLINE_BELOW_BYTES
     core.send("r", 0, 300, ADDR, [], True)
     assert wait_for(lambda: core.peers.by_address(ADDR) is not None)

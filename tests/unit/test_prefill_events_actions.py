@@ -32,9 +32,10 @@ def _posted(retries: int = 0, drain_s: float = 5.0
             ) -> tuple[PrefillCore, QueueExecutor, PeerConn, Outgoing, int]:
     """A request whose one write is posted and outstanding (integrity off: one write)."""
     io = QueueExecutor()
-    core, _fake = prefill_core(io=io, digest_threads=0, integrity=False,
-                               resend_retries=retries, drain_s=drain_s)
-    core.send("r", 1, SEQ, ADDR, [], True)
+    driver, _fake = prefill_core(io=io, digest_threads=0, integrity=False,
+                                 resend_retries=retries, drain_s=drain_s)
+    driver.send("r", 1, SEQ, ADDR, [], True)
+    core = driver.core
     io.run_all()  # the handshake, BeginWrite, the post
     conn = core.peers.by_address(ADDR)
     assert conn is not None
@@ -125,7 +126,7 @@ def test_shutdown_lists_every_live_request_once() -> None:
 
 def test_the_event_handlers_module_imports_nothing_that_does_io() -> None:
     """No executor, clock, socket or RPC in prefill's event handlers: the I/O is the
-    core's ``_execute`` (a change that adds one fails here)."""
+    driver's (a change that adds one fails here)."""
     tree = ast.parse(Path(prefill_events.__file__).read_text())
     names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
              for alias in node.names}

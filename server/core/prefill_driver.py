@@ -1,0 +1,473 @@
+"""Prefill's driver: the one place its core's decisions become I/O.
+
+:class:`PrefillDriver` is what the daemon calls (the servicer, the engine channel, the
+runtime's loops): every call hands an event to
+:class:`~kvbeam.server.core.prefill.PrefillCore`, which returns actions
+(:mod:`kvbeam.server.core.prefill_actions`), and the driver does them: it handshakes
+with a decode daemon, asks decode for a grant (BeginWrite), starts a request's
+digests and posts its writes and digest record, tells decode of a failure, releases a
+link, counts. What an action brings back (a connection, decode's answer, a post's
+outcome, a released link) goes to the core as its next event, and the actions of that
+are done in turn.
+
+Threads: nothing here starts one. A list of actions runs in order: on the thread that
+handled the event until an action that blocks (a handshake, a peer call, a link's
+release, a digest record whose digests are still being computed), and from there on
+the daemon's bounded executor (``io``), so what follows a link's release sees it
+released. A step runs where it was asked when the core says it cannot block
+(:meth:`PrefillCore.steps_inline`), else as its own executor job. No lock is held
+while any action runs: the core's lock is taken and released inside each of its
+methods; the Abort handler's wait for a drain is on the core's condition, bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+
+from kvbeam.errors import NotPosted
+from kvbeam.logs import fields
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.digest_pool import DigestJob, DigestPool
+from kvbeam.pools.engine_indices import ListLike
+from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.mailbox import RecordArea
+from kvbeam.pools.plan import side_windows
+from kvbeam.pools.spec import PoolSpec
+from kvbeam.pools.types import IndexKind
+from kvbeam.server.core.actions import Count, DropLink
+from kvbeam.server.core.offers import OfferBook
+from kvbeam.server.core.outgoing import Outgoing, Ranges
+from kvbeam.server.core.ports import DecodePeers, WriteGrant, abort_at_shutdown
+from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.core.prefill_actions import (
+    Actions,
+    AskGrant,
+    Connect,
+    PostWrites,
+    PrefillAction,
+    RunStep,
+    TellDecode,
+)
+from kvbeam.server.core.prefill_record import RecordStager
+from kvbeam.server.faults import FaultHooks
+from kvbeam.server.lifecycle import TransferTable
+from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.states import TransferStatus
+from kvbeam.transport import Event
+from kvbeam.transport.blocks import Blocks
+
+log = logging.getLogger(__name__)
+
+#: Abort handlers that may wait on a request's drain at once; the others answer at once
+#: (the answer then says writes are in flight). A daemon has 16 handler threads, and its
+#: heartbeats and every other RPC need them: a burst of aborts must not take them all.
+ABORT_WAITERS = 4
+#: Longest an Abort handler waits on its request's drain, s (less if its caller's
+#: deadline is nearer): writes in flight usually complete within milliseconds.
+ABORT_WAIT_S = 2.0
+
+
+class PrefillDriver:
+    """Prefill's API for the daemon: each call is an event for the core, whose actions
+    it does. See the module docstring."""
+
+    role = "prefill"
+
+    def __init__(self, *, table: TransferTable, peers: Peers, decode: DecodePeers, io: Executor,
+                 spec: PoolSpec | None, layout: SideLayout | None, pools: AllocatedSide | None,
+                 integrity: bool, faults: FaultHooks | None, drain_s: float,
+                 transfer_budget: Callable[[int], float] = lambda _n: 0.0,
+                 resend_retries: int = 0, on_resend: Callable[[], None] = lambda: None,
+                 max_offers: int = 1024,
+                 on_offer: Callable[[str], None] = lambda _event: None,
+                 send_wait_s: float = 0.0, digest_pool: DigestPool | None = None,
+                 staging: RecordArea | None = None, staging_slots: int = 256,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``decode``: the calls to decode daemons (gRPC in the daemon, fakes in tests);
+        ``io``: the daemon's bounded executor; ``digest_pool``: the threads integrity's
+        digests are computed on (owned by the daemon; None: on the calling thread);
+        ``faults``: the hooks of ``--enable-fault-injection``; ``on_resend``,
+        ``on_offer``: metrics. The rest is the core's (:class:`PrefillCore`)."""
+        self.core = PrefillCore(table=table, peers=peers, spec=spec, layout=layout,
+                                pools=pools, integrity=integrity, drain_s=drain_s,
+                                transfer_budget=transfer_budget,
+                                resend_retries=resend_retries, max_offers=max_offers,
+                                send_wait_s=send_wait_s, staging=staging,
+                                staging_slots=staging_slots)
+        self.decode = decode
+        self.io = io
+        self.faults = faults
+        self.digest_pool = digest_pool or DigestPool(0)  # 0: on the calling thread
+        self.clock = clock
+        self.on_resend = on_resend
+        self.on_offer = on_offer
+        # Counts the Abort handlers waiting on a drain (taken without blocking).
+        self._abort_waiters = threading.BoundedSemaphore(ABORT_WAITERS)
+
+    # ---- what the daemon reads ----------------------------------------------------------
+    @property
+    def table(self) -> TransferTable:
+        """The lifecycle states (the core's)."""
+        return self.core.table
+
+    @property
+    def peers(self) -> Peers:
+        """The verified decodes and the connections to them."""
+        return self.core.peers
+
+    @property
+    def integrity(self) -> bool:
+        """Whether requests carry digests."""
+        return self.core.integrity
+
+    @property
+    def offers(self) -> OfferBook:
+        """Decode's reservations offered ahead of Send."""
+        return self.core.offers
+
+    @property
+    def records(self) -> RecordStager:
+        """The digest records' staging slots."""
+        return self.core.records
+
+    @property
+    def spec(self) -> PoolSpec:
+        """The target pool's spec (NoEngineAttached while there is none)."""
+        return self.core.spec
+
+    @property
+    def layout(self) -> SideLayout:
+        """The side's layout."""
+        return self.core.layout
+
+    @property
+    def pools(self) -> AllocatedSide:
+        """The memory."""
+        return self.core.pools
+
+    def status(self, request_id: str) -> TransferStatus:
+        """The request's status."""
+        return self.core.status(request_id)
+
+    def in_flight(self, request_id: str) -> int:
+        """Writes of the request that may still read its source (0 once drained)."""
+        return self.core.in_flight(request_id)
+
+    def slot_of(self, request_id: str) -> int:
+        """The source slot of a live request, -1 once forgotten."""
+        return self.core.slot_of(request_id)
+
+    def bytes_of(self, request_id: str) -> tuple[int, int]:
+        """(bytes written, bytes posted) of a live request."""
+        return self.core.bytes_of(request_id)
+
+    def known(self, request_id: str) -> bool:
+        """True while the core keeps a record of the request (tests, diagnostics)."""
+        return self.core.known(request_id)
+
+    def use_staging(self, area: RecordArea) -> None:
+        """The daemon's staging slots for digest records (registered LOCAL) from now on."""
+        self.core.use_staging(area)
+
+    # ---- the API: engines, schedulers, decode's Offer and Abort -------------------------
+    def send(self, request_id: str, src_slot: int, seq_len: int, decode_address: str,
+             ranges: Ranges, final: bool, *, indices: Mapping[IndexKind, ListLike] | None = None,
+             draft: Mapping[IndexKind, ListLike] | None = None,
+             kv_offset: int | None = None) -> TransferStatus:
+        """Queue (a chunk of) a request for decode (:meth:`PrefillCore.send`); returns at
+        once with its status (its step may have posted already, on this thread)."""
+        self.execute(self.core.send(request_id, src_slot, seq_len, decode_address, ranges,
+                                    final, indices=indices, draft=draft, kv_offset=kv_offset,
+                                    now=self.clock()))
+        return self.core.status(request_id)
+
+    def offer(self, request_id: str, instance_id: str, seq_len: int, grant: WriteGrant,
+              lease_s: float) -> bool:
+        """Decode offers a reservation ahead of Send (:meth:`PrefillCore.offer`); True
+        when it is kept."""
+        kept, actions = self.core.offer(request_id, instance_id, seq_len, grant, lease_s,
+                                        self.clock())
+        self.execute(actions)
+        return kept
+
+    def abort(self, request_id: str, *, from_peer: bool, detail: str,
+              wait_s: float | None = None, instance_id: str = "",
+              caller_refusal: Callable[[str], str | None] | None = None) -> TransferStatus:
+        """Fail the request; wait a little for its writes to drain; tell decode.
+
+        The wait is bounded by ``ABORT_WAIT_S`` and ``wait_s`` (what the caller's
+        deadline leaves; None: no deadline) and taken by at most ``ABORT_WAITERS`` calls at
+        once; :meth:`in_flight` then says whether the writes drained. Those that did
+        not drain are told to decode by Abort once they do (or the link is released:
+        the sweep abandons them after ``drain_s``), even when decode asked.
+
+        ``from_peer`` (decode reports its verdict: reason peer_failed, decode needs no
+        Abort back) is taken only from the request's own decode, the rule decode applies
+        to prefill's Aborts: with ``caller_refusal`` given (the daemon's handler; None: a
+        test of the core, nothing checked), ``instance_id`` must be the decode instance
+        the request is connected to (if any) and the caller's credentials must cover the
+        request's decode address. Anyone else's claim is a scheduler's abort.
+        """
+        if from_peer and caller_refusal is not None:
+            from_peer = self._from_its_decode(request_id, instance_id, caller_refusal)
+        failed = self.core.abort(request_id, from_peer=from_peer, detail=detail,
+                                 now=self.clock())
+        if failed is None:
+            return self.core.status(request_id)  # ended and pruned, or UnknownRequest
+        rec, detail = failed
+        drained = self._wait_drained(rec, wait_s)
+        self.execute(self.core.abort_answered(rec, from_peer=from_peer, drained=drained,
+                                              detail=detail))
+        return self.core.status(request_id)
+
+    def _wait_drained(self, rec: Outgoing, wait_s: float | None) -> bool:
+        """Whether the request's writes drained, waiting for them a bounded while when a
+        waiter's permit is free. The wait on the core's condition releases its lock."""
+        cond = self.core.drained
+        with cond:
+            drained = rec.drained
+        bound = min(self.core.drain_s, ABORT_WAIT_S, ABORT_WAIT_S if wait_s is None else wait_s)
+        if not drained and bound > 0 and self._abort_waiters.acquire(blocking=False):
+            try:
+                with cond:
+                    drained = cond.wait_for(lambda: rec.drained, timeout=bound)
+            finally:
+                self._abort_waiters.release()
+        return drained
+
+    def _from_its_decode(self, request_id: str, instance_id: str,
+                         caller_refusal: Callable[[str], str | None]) -> bool:
+        """Whether an Abort that says it is decode's comes from the request's decode."""
+        known = self.core.decode_of(request_id)
+        if known is None:
+            return True  # nothing here to protect (ended, unknown, or not yet sent)
+        conn, address = known
+        # The check may resolve the decode's host name: no lock is held here.
+        refusal = caller_refusal(address)
+        wrong = conn is not None and conn.instance_id != instance_id
+        if refusal is None and not wrong:
+            return True
+        log.warning("request %s: an Abort claiming to come from its decode at %s %s: taken "
+                    "as a scheduler's abort", request_id, address,
+                    refusal if refusal is not None else
+                    f"names instance {instance_id!r}, not {conn.instance_id if conn else '?'}",
+                    extra=fields(request_id, address))
+        return False
+
+    def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
+        """An engine attached: work in its memory from now on (a request that raced the
+        detach is failed first: its source pages are stale)."""
+        if self.core.table.live():
+            self.shutdown("engine memory replaced while the request was being accepted")
+        self.core.take_pools(spec, layout, pools)
+
+    def drop_pools(self, detail: str) -> None:
+        """The engine's memory goes: refuse new requests, fail every live one (decode is
+        told, bounded), release every link (their writes stop)."""
+        self.core.refuse_pools(detail)
+        self.shutdown(detail)
+
+    # ---- events from the transport and the runtime's loops ------------------------------
+    def on_event(self, event: Event) -> None:
+        """A transport event (a write's completion, a failed link), on the thread that
+        saw it."""
+        self.execute(self.core.handle_event(event))
+
+    def on_deadline(self, status: TransferStatus) -> None:
+        """A deadline passed (the table failed it): decode is told once its writes drained."""
+        self.execute(self.core.handle_deadline(status))
+
+    def on_peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
+        """Release the link (its writes complete as failed), then fail or resend its
+        requests (:meth:`PrefillCore.link_dropped`). Blocking (the link's release): on
+        the executor or a daemon loop, never under a lock."""
+        self._drop_link(DropLink(conn, detail, gone), on_executor=True)
+
+    def periodic(self) -> None:
+        """The sweep's work (:meth:`PrefillCore.periodic`), every SWEEP_S."""
+        self.execute(self.core.periodic(self.clock()))
+
+    def shutdown(self, detail: str = "prefill shutting down") -> None:
+        """Fail every live request (reason shutdown), tell decode, release links.
+
+        Decode is told of every request at once, within ``SHUTDOWN_ABORT_S`` in all.
+        """
+        abort_at_shutdown(self.core.fail_live(detail), detail, "decode", self.decode.abort_all)
+        self.core.peers.close_all()
+
+    # ---- doing the actions ----------------------------------------------------------------
+    def execute(self, actions: Actions, on_executor: bool = False) -> None:
+        """Do ``actions`` in order: here until one blocks (``on_executor`` False: this
+        thread must not block), then the rest, in order, as one executor job."""
+        for i, action in enumerate(actions):
+            if isinstance(action, RunStep):
+                self._run_step(action.rec, on_executor)
+            elif not on_executor and self._blocks(action):
+                self.io.submit(self.execute, actions[i:], True)
+                return
+            else:
+                self._do(action, on_executor)
+
+    def _blocks(self, action: PrefillAction) -> bool:
+        """Whether doing ``action`` may block: a handshake, a peer call, a link's release;
+        a post when an armed fault holds it (a delay sleeps, a broken link is a verbs
+        call)."""
+        if isinstance(action, PostWrites):
+            return self.faults is not None and self.faults.hold_posting
+        return not isinstance(action, Count)
+
+    def _run_step(self, rec: Outgoing, on_executor: bool) -> None:
+        """A step here when the core says it cannot block (and no fault holds posting);
+        else its own executor job, a fresh stack (a chunked request's steps follow one
+        another)."""
+        if self.core.steps_inline(rec) and not (self.faults is not None
+                                                and self.faults.hold_posting):
+            self.execute(self.core.step(rec, self.clock()), on_executor)
+        else:
+            self.io.submit(self._step_job, rec)
+
+    def _step_job(self, rec: Outgoing) -> None:
+        self.execute(self.core.step(rec, self.clock()), on_executor=True)
+
+    def _do(self, action: PrefillAction, on_executor: bool) -> None:
+        """Do one action (the caller placed it on a thread that may run it)."""
+        if isinstance(action, TellDecode):
+            self.decode.abort(action.conn, action.address, action.request_id, action.detail)
+        elif isinstance(action, DropLink):
+            self._drop_link(action, on_executor)
+        elif isinstance(action, Connect):
+            self._connect(action.address, on_executor)
+        elif isinstance(action, AskGrant):
+            self._ask_grant(action, on_executor)
+        elif isinstance(action, PostWrites):
+            self._post(action, on_executor)
+        elif isinstance(action, Count):
+            if action.metric == "resends":
+                self.on_resend()
+            else:
+                self.on_offer(action.label)
+        else:  # a step: placed by execute
+            self._run_step(action.rec, on_executor)
+
+    def _drop_link(self, action: DropLink, on_executor: bool) -> None:
+        """Remove the connection and release its link (its writes complete as failed);
+        then the core fails or resends the requests on it."""
+        self.core.peers.remove(action.conn)
+        action.conn.close()
+        self.execute(self.core.link_dropped(action.conn, action.detail, gone=action.gone),
+                     on_executor)
+
+    def _connect(self, address: str, on_executor: bool) -> None:
+        """Handshake with decode at ``address``; the core starts what waited for it."""
+        conn: PeerConn | None = None
+        error: Exception | None = None
+        began = self.clock()
+        try:
+            conn = self.decode.connect(address)
+        except Exception as exc:
+            error = exc
+        self.execute(self.core.connected(address, conn, error, self.clock() - began),
+                     on_executor)
+
+    def _ask_grant(self, ask: AskGrant, on_executor: bool) -> None:
+        """BeginWrite: decode's grant for the chunk, or why there is none."""
+        rec = ask.rec
+        grant: WriteGrant | None = None
+        error: Exception | None = None
+        began = self.clock()
+        try:
+            grant = self.decode.begin_write(ask.conn, rec.request_id, rec.seq_len, ask.final,
+                                            self.core.integrity)
+        except Exception as exc:
+            error = exc
+        now = self.clock()
+        self.execute(self.core.granted(rec, ask.conn, ask.ranges, ask.final, grant, error,
+                                       elapsed=now - began, now=now), on_executor)
+
+    def _post(self, post: PostWrites, on_executor: bool) -> None:
+        """Post the chunk's writes; with integrity the digests run on the digest pool
+        while the data goes out and the record follows (at the end of the data's own
+        write when they are at hand, else as one more write once they are)."""
+        rec, conn = post.rec, post.conn
+        writes = list(post.writes)
+        if self.faults is not None:  # test-only hooks (--enable-fault-injection)
+            self.faults.slow_wire()
+            tid, first = writes[0]
+            writes[0] = (tid, self.faults.aim(rec.request_id, conn.link, conn.peer.endpoint,
+                                              first))
+        # The source does not change while the request lives: its digests are computed
+        # once, while the writes are in flight. Digests with nothing to overlap (a small
+        # request's job runs inline on this thread; a resend's are kept) put the record
+        # at the end of the data's own write (one transfer, one completion).
+        job = self._digest_job(rec, conn) if post.record and rec.digests is None else None
+        together = post.record and (job is None or job.inline)
+        separate = post.record and not together
+        if not self.core.book(post, separate=separate):  # it ended meanwhile
+            self.execute(self.core.posted(rec, self.clock()), on_executor)
+            return
+        if self.faults is not None:  # test-only hook (--enable-fault-injection)
+            self.faults.break_link(rec.request_id, conn.link)
+        posted = 0
+        try:
+            for tid, part in writes[:-1]:  # the marks: decode digests each as it lands
+                conn.link.write(tid, part, notify=True)
+                posted += 1
+            tid, part = writes[-1]
+            if together:  # the record is the data write's last block
+                part = Blocks.concat([part, self._record_blocks(post, job)])
+            conn.link.write(tid, part, notify=post.final and not separate)
+        except Exception as exc:
+            # Only what was not posted: the rest completes as usual.
+            self.core.unbook(post, left=len(writes) - posted, separate=separate)
+            self.execute(self.core.step_failed(rec, conn, NotPosted(exc), self.clock()),
+                         on_executor)
+            return
+        log.info("request %s: posted %s%d bytes in %d blocks to %s%s", rec.request_id,
+                 "final chunk, " if post.final else "chunk, ", post.total_bytes,
+                 post.num_blocks, conn.control_address,
+                 f" ({post.marks} sub-batches marked before the last)" if post.marks else "",
+                 extra=fields(rec.request_id, rec.decode_address))
+        if separate and not on_executor:
+            # The digests are still being computed: the record waits for them on the
+            # executor, and the step ends there.
+            self.io.submit(self._post_record, post, job)
+        elif separate:
+            self._post_record(post, job)
+        else:
+            self.execute(self.core.posted(rec, self.clock()), on_executor)
+
+    def _post_record(self, post: PostWrites, job: DigestJob | None) -> None:
+        """Post the request's digest record once its digests are done (the step's last
+        write, counted when the data was booked); then the step ends. Blocking."""
+        rec, conn = post.rec, post.conn
+        try:
+            conn.link.write(post.grant.transfer_id, self._record_blocks(post, job),
+                            notify=True)
+        except Exception as exc:
+            self.core.unbook(post, left=0, separate=True)
+            self.execute(self.core.step_failed(rec, conn, NotPosted(exc), self.clock()),
+                         on_executor=True)
+            return
+        self.execute(self.core.posted(rec, self.clock()), on_executor=True)
+
+    def _record_blocks(self, post: PostWrites, job: DigestJob | None) -> Blocks:
+        """The request's digest record as the block that writes it into decode's mailbox
+        (:meth:`RecordStager.blocks`); computed once per request, a resend writes the
+        same digests with its new transfer id. Outside every lock (it may wait for the
+        digest pool)."""
+        rec = post.rec
+        if rec.digests is None:
+            rec.digests = (job or self._digest_job(rec, post.conn)).result()
+        return RecordStager.blocks(rec, post.conn, post.grant, rec.digests, post.marks,
+                                   self.faults)
+
+    def _digest_job(self, rec: Outgoing, conn: PeerConn) -> DigestJob:
+        """The request's digests of what it moves to ``conn``'s decode, started on the
+        digest pool (the bytes of each item that decode's layout takes)."""
+        return self.digest_pool.digests(self.core.pools, rec.moved_source, draft=rec.src_draft,
+                                        windows=side_windows(self.core.layout,
+                                                             conn.peer.layout, source=True))

@@ -1,0 +1,223 @@
+"""Prefill's core as a state machine: feed it events, compare the actions it returns.
+
+No executor, no fake decode daemon, no threads, no clock: the core does no I/O, so each
+test is a list of events (a Send, a handshake's answer, decode's grant, a post's
+outcome) and the actions each returns. The driver that does them has its own tests
+(test_core_prefill*.py, test_core_offers.py and the others that build a
+``PrefillDriver``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from kvbeam.errors import NotPosted, NotReserved, SendFailed, TransportError
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.indices import request_indices
+from kvbeam.server.core import prefill
+from kvbeam.server.core.actions import Count, DropLink
+from kvbeam.server.core.outgoing import Outgoing, Step
+from kvbeam.server.core.ports import WriteGrant
+from kvbeam.server.core.prefill import PrefillCore
+from kvbeam.server.core.prefill_actions import (
+    AskGrant,
+    Connect,
+    PostWrites,
+    RunStep,
+    TellDecode,
+)
+from kvbeam.server.lifecycle import Deadlines, TransferTable
+from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.states import FailureReason, TransferState
+from tests.core_fakes import fake_conn
+from tests.fixtures import UNIFIED_TARGET, layout
+
+DECODE = "127.0.0.1:9"
+SEQ = 300
+
+
+def _core(integrity: bool = False, **kw: float) -> PrefillCore:
+    lay = layout()
+    return PrefillCore(table=TransferTable(Deadlines()), peers=Peers(), spec=UNIFIED_TARGET,
+                       layout=lay, pools=AllocatedSide(lay), integrity=integrity,
+                       drain_s=5.0, **kw)  # type: ignore[arg-type]
+
+
+def _conn() -> PeerConn:
+    return fake_conn(DECODE, AllocatedSide(layout()))
+
+
+def _grant(tid: int = 7) -> WriteGrant:
+    return WriteGrant(tid, request_indices(UNIFIED_TARGET, 2, SEQ))
+
+
+def _rec(core: PrefillCore, rid: str = "r") -> Outgoing:
+    with core._lock:
+        return core._out[rid]
+
+
+def _sent(core: PrefillCore, rid: str = "r") -> Outgoing:
+    """A single-chunk request whose Send asked for its step."""
+    assert core.send(rid, 1, SEQ, DECODE, [], True, now=1.0) == [RunStep(_rec(core, rid))]
+    return _rec(core, rid)
+
+
+def _asking(core: PrefillCore, conn: PeerConn) -> Outgoing:
+    """A request connected to ``conn`` whose step asks decode for a grant."""
+    core.peers.add(conn)
+    rec = _sent(core)
+    # No offer of decode's in hand: a miss, and BeginWrite asks.
+    assert core.step(rec, now=1.0) == [Count("offers", "missed"),
+                                       AskGrant(rec, conn, [], True)]
+    return rec
+
+
+def test_the_first_step_connects_once_per_address_and_the_handshake_starts_every_waiter(
+        ) -> None:
+    core = _core()
+    first, second = _sent(core, "a"), _sent(core, "b")
+    assert core.step(first, now=1.0) == [Connect(DECODE)]
+    assert core.step(second, now=1.0) == []  # waits for the same handshake
+    assert first.step is Step.CONNECTING and second.step is Step.CONNECTING
+    conn = _conn()
+    assert core.connected(DECODE, conn, None, elapsed=0.2) == [RunStep(first), RunStep(second)]
+    assert core.peers.by_address(DECODE) is conn and first.asked  # no offer is coming
+
+
+def test_a_failed_handshake_fails_every_waiter_and_tells_decode_by_address() -> None:
+    core = _core()
+    rec = _sent(core)
+    assert core.step(rec, now=1.0) == [Connect(DECODE)]
+    error = SendFailed(FailureReason.PEER_UNREACHABLE, "decode at 127.0.0.1:9: refused")
+    # Nothing was written: decode (which may hold its reservation) is told at once, by a
+    # call of its own (there is no connection).
+    assert core.connected(DECODE, None, error, elapsed=0.1) == [TellDecode(
+        None, DECODE, "r", "prefill failed: peer_unreachable: decode at 127.0.0.1:9: refused")]
+    st = core.status("r")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.PEER_UNREACHABLE
+    assert rec.step is Step.IDLE
+
+
+def test_a_grant_plans_the_writes_and_their_post_ends_the_step() -> None:
+    core, conn = _core(), _conn()
+    rec = _asking(core, conn)
+    [post] = core.granted(rec, conn, [], True, _grant(7), None, elapsed=0.01, now=1.1)
+    assert isinstance(post, PostWrites)
+    assert (post.rec, post.conn, post.final, post.record, post.marks) == (rec, conn, True,
+                                                                          False, 0)
+    assert [tid for tid, _ in post.writes] == [7] and post.total_bytes > 0
+    assert core.status("r").state is TransferState.TRANSFERRING
+    assert core.book(post, separate=False)
+    assert rec.outstanding == 1 and rec.final_posted and rec.attempt_link == conn.link.id
+    assert core.posted(rec, now=1.2) == [] and rec.step is Step.IDLE
+
+
+def test_with_integrity_the_final_chunk_books_its_record_as_one_more_write() -> None:
+    core, conn = _core(integrity=True), _conn()
+    rec = _asking(core, conn)
+    [post] = core.granted(rec, conn, [], True, _grant(7), None, elapsed=0.01, now=1.1)
+    assert isinstance(post, PostWrites) and post.record
+    assert core.book(post, separate=True)
+    assert rec.outstanding == 2 and rec.staging is not None  # the data, then the record
+    core.unbook(post, left=0, separate=True)  # the record's post failed
+    # The data is still in flight: no Success without the record (its staging slot is
+    # given back once the data's write completed).
+    assert rec.outstanding == 1 and not rec.final_posted
+
+
+def test_no_offer_within_the_grace_asks_and_no_reservation_yet_parks_it_again() -> None:
+    core, conn = _core(send_wait_s=5.0), _conn()
+    core.peers.add(conn)
+    assert core.send("r", 1, SEQ, DECODE, [], True, now=1.0) == []  # parked at once
+    rec = _rec(core)
+    assert core.periodic(now=1.0) == []  # within the grace: it waits for decode's Offer
+    assert core.periodic(now=1.0 + prefill.OFFER_GRACE_S) == [RunStep(rec)]
+    assert core.step(rec, now=1.1) == [Count("offers", "missed"),
+                                       AskGrant(rec, conn, [], True)]
+    refused = NotReserved(FailureReason.INVALID_REQUEST, "UnknownRequest: no reservation")
+    assert core.granted(rec, conn, [], True, None, refused, elapsed=0.01, now=1.1) == []
+    assert rec.step is Step.PARKED and list(rec.chunks) == [([], True)]
+    assert core.status("r").state is TransferState.WAITING_FOR_INPUT
+
+
+def test_decodes_offer_unparks_a_parked_request_and_its_step_writes_without_asking() -> None:
+    core, conn = _core(send_wait_s=5.0), _conn()
+    core.peers.add(conn)
+    assert core.send("r", 1, SEQ, DECODE, [], True, now=1.0) == []  # parked at once
+    rec = _rec(core)
+    assert rec.step is Step.PARKED
+    kept, actions = core.offer("r", conn.instance_id, SEQ, _grant(9), lease_s=1.0, now=1.1)
+    assert kept and actions == [Count("offers", "received"), RunStep(rec)]
+    count, post = core.step(rec, now=1.2)
+    assert count == Count("offers", "used") and isinstance(post, PostWrites)
+    assert [tid for tid, _ in post.writes] == [9]
+
+
+def test_a_post_on_a_dead_link_drops_it_and_resends_on_a_new_one() -> None:
+    core, conn = _core(resend_retries=1), _conn()
+    rec = _asking(core, conn)
+    [post] = core.granted(rec, conn, [], True, _grant(7), None, elapsed=0.01, now=1.1)
+    assert isinstance(post, PostWrites) and core.book(post, separate=False)
+    core.unbook(post, left=1, separate=False)  # the one write was not posted
+    broken = NotPosted(TransportError("link: QP in error state", "IBV_WC_RETRY_EXC_ERR"))
+    assert core.step_failed(rec, conn, broken, now=1.2) == [
+        DropLink(conn, "link unusable: link: QP in error state", gone=False),
+        Count("resends"), RunStep(rec)]
+    assert core.peers.by_address(DECODE) is None  # out of the registry at once
+    assert rec.resends == 1 and rec.conn is None and rec.step is Step.RUNNING
+    assert core.step(rec, now=1.3) == [Connect(DECODE)]  # a new link
+
+
+def test_a_dead_link_with_no_resend_left_fails_the_request_and_tells_decode() -> None:
+    core, conn = _core(), _conn()
+    rec = _asking(core, conn)
+    [post] = core.granted(rec, conn, [], True, _grant(7), None, elapsed=0.01, now=1.1)
+    assert isinstance(post, PostWrites) and core.book(post, separate=False)
+    core.unbook(post, left=1, separate=False)
+    broken = NotPosted(TransportError("link: QP in error state", "IBV_WC_RETRY_EXC_ERR"))
+    drop, tell = core.step_failed(rec, conn, broken, now=1.2)
+    assert drop == DropLink(conn, "link unusable: link: QP in error state", gone=False)
+    assert tell.request_id == "r" and tell.conn is conn  # type: ignore[union-attr]
+    st = core.status("r")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.PEER_FAILED
+
+
+def test_decode_that_forgot_us_is_dropped_and_the_request_handshakes_again_once() -> None:
+    core, conn = _core(), _conn()
+    rec = _asking(core, conn)
+    forgot = SendFailed(FailureReason.PEER_FAILED, "decode restarted: NotHandshaken",
+                        peer_lost=True)
+    assert core.step_failed(rec, conn, forgot, now=1.1) == [
+        DropLink(conn, str(forgot), gone=True), RunStep(rec)]
+    assert rec.rehandshake and rec.conn is None and list(rec.chunks) == [([], True)]
+    assert core.step(rec, now=1.2) == [Connect(DECODE)]
+    conn2 = _conn()
+    assert core.connected(DECODE, conn2, None, elapsed=0.1) == [RunStep(rec)]
+    assert core.step(rec, now=1.3) == [Count("offers", "missed"),
+                                       AskGrant(rec, conn2, [], True)]
+    # The second time is a failure: the peer failed.
+    drop, *_ = core.step_failed(rec, conn2, forgot, now=1.4)
+    assert drop == DropLink(conn2, str(forgot), gone=True)
+    assert core.status("r").reason is FailureReason.PEER_FAILED
+
+
+def test_a_request_aborted_before_its_grant_posts_nothing() -> None:
+    core, conn = _core(), _conn()
+    rec = _asking(core, conn)
+    failed = core.abort("r", from_peer=False, detail="scheduler", now=1.05)
+    assert failed is not None and failed[0] is rec
+    assert core.granted(rec, conn, [], True, _grant(7), None, elapsed=0.01, now=1.1) == []
+    assert rec.outstanding == 0 and rec.step is Step.IDLE
+
+
+def test_the_core_module_imports_nothing_that_does_io() -> None:
+    """No executor, clock, socket, RPC, digest pool or fault hook in prefill's core: the
+    I/O is its driver's (a change that adds one fails here)."""
+    tree = ast.parse(Path(prefill.__file__).read_text())
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names}
+    names |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert names & {"time", "socket", "grpc", "concurrent.futures", "kvbeam.server.peer_rpc",
+                    "kvbeam.server.faults", "kvbeam.pools.digest_pool",
+                    "kvbeam.server.core.prefill_driver"} == set()
