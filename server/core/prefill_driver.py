@@ -304,13 +304,13 @@ class PrefillDriver:
         """Do ``actions`` in order: here until one blocks (``on_executor`` False: this
         thread must not block), then the rest, in order, as one executor job."""
         for i, action in enumerate(actions):
-            if isinstance(action, RunStep):
-                self._run_step(action.rec, on_executor)
-            elif not on_executor and self._blocks(action):
+            if not on_executor and not isinstance(action, RunStep) and self._blocks(action):
                 self.io.submit(self.execute, actions[i:], True)
                 return
-            else:
+            try:
                 self._do(action, on_executor)
+            except Exception:  # one action's failure (a bug, a peer call) spares the rest
+                log.exception("prefill: doing %s failed", type(action).__name__)
 
     def _blocks(self, action: PrefillAction) -> bool:
         """Whether doing ``action`` may block: a handshake, a peer call, a link's release;
@@ -350,7 +350,7 @@ class PrefillDriver:
                 self.on_resend()
             else:
                 self.on_offer(action.label)
-        else:  # a step: placed by execute
+        else:  # a step: here, or its own executor job
             self._run_step(action.rec, on_executor)
 
     def _drop_link(self, action: DropLink, on_executor: bool) -> None:
