@@ -9,8 +9,9 @@ first is the caller's (each role's driver): it is I/O (peers are told).
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.layout import SideLayout
@@ -19,6 +20,7 @@ from kvbeam.pools.sub_batches import buffer_bytes
 from kvbeam.server.core.attached import PoolsHolder
 from kvbeam.server.core.ports import IndexLists, require_status
 from kvbeam.server.lifecycle import TransferTable
+from kvbeam.server.peers import Peers
 from kvbeam.states import TransferStatus
 
 R = TypeVar("R")
@@ -34,6 +36,7 @@ class CoreBase(PoolsHolder):
     """The status accessor and the engine-pools switch of a core (state is the core's)."""
 
     table: TransferTable
+    peers: Peers
     #: "prefill" or "decode", for the UnknownRequest message.
     role: str = ""
     _lock: threading.Lock
@@ -58,3 +61,59 @@ class CoreBase(PoolsHolder):
     def refuse_pools(self, detail: str) -> None:
         """No memory from now on: every path that would touch it refuses, saying why."""
         self._hold(None, None, None, f"no engine attached ({detail})")
+
+
+C = TypeVar("C", bound=CoreBase)
+
+
+class DriverBase(ABC, Generic[C]):
+    """What both drivers show of their core (``core``), and how either takes up or
+    gives up an engine's memory (failing what is live first: its peers are told)."""
+
+    core: C
+
+    @abstractmethod
+    def shutdown(self, detail: str) -> None:
+        """Fail every live request, tell the peer side of each (bounded), release links."""
+
+    def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
+        """An engine attached: work in its memory from now on (a request that raced the
+        detach is failed first: its pages are stale)."""
+        if self.core.table.live():
+            self.shutdown("engine memory replaced while the request was being accepted")
+        self.core.take_pools(spec, layout, pools)
+
+    def drop_pools(self, detail: str) -> None:
+        """The engine's memory goes: refuse new requests, fail every live one (the peer
+        side is told, bounded), release every link (their writes stop)."""
+        self.core.refuse_pools(detail)
+        self.shutdown(detail)
+
+    @property
+    def table(self) -> TransferTable:
+        """The lifecycle states (the core's)."""
+        return self.core.table
+
+    @property
+    def peers(self) -> Peers:
+        """The verified peers and the connections to them."""
+        return self.core.peers
+
+    @property
+    def spec(self) -> PoolSpec:
+        """The target pool's spec (NoEngineAttached while there is none)."""
+        return self.core.spec
+
+    @property
+    def layout(self) -> SideLayout:
+        """The side's layout."""
+        return self.core.layout
+
+    @property
+    def pools(self) -> AllocatedSide:
+        """The memory."""
+        return self.core.pools
+
+    def status(self, request_id: str) -> TransferStatus:
+        """The request's status."""
+        return self.core.status(request_id)

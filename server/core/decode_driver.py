@@ -33,6 +33,7 @@ from kvbeam.pools.mailbox import RecordArea
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.actions import Count, DropLink
+from kvbeam.server.core.base import DriverBase
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.decode_actions import (
     Actions,
@@ -57,7 +58,7 @@ from kvbeam.transport import Event
 log = logging.getLogger(__name__)
 
 
-class DecodeDriver:
+class DecodeDriver(DriverBase[DecodeCore]):
     """Decode's API for the daemon: each call is an event for the core, whose actions
     it does. See the module docstring."""
 
@@ -98,16 +99,6 @@ class DecodeDriver:
 
     # ---- what the daemon reads ----------------------------------------------------------
     @property
-    def table(self) -> TransferTable:
-        """The lifecycle states (the core's)."""
-        return self.core.table
-
-    @property
-    def peers(self) -> Peers:
-        """The verified prefills."""
-        return self.core.peers
-
-    @property
     def slots(self) -> SlotPool:
         """The request slots (an engine's attach replaces them)."""
         return self.core.slots
@@ -121,21 +112,6 @@ class DecodeDriver:
     def sub_batch_bytes(self) -> int:
         """The sub-batch size decode advertises (0: none)."""
         return self.core.sub_batch_bytes
-
-    @property
-    def spec(self) -> PoolSpec:
-        """The target pool's spec (NoEngineAttached while there is none)."""
-        return self.core.spec
-
-    @property
-    def layout(self) -> SideLayout:
-        """The side's layout."""
-        return self.core.layout
-
-    @property
-    def pools(self) -> AllocatedSide:
-        """The memory."""
-        return self.core.pools
 
     @property
     def digest_pool(self) -> DigestPool:
@@ -153,10 +129,6 @@ class DecodeDriver:
 
     def _memory(self) -> tuple[AllocatedSide, SideLayout, RecordArea | None]:
         return self.core.pools, self.core.layout, self.core.mailbox
-
-    def status(self, request_id: str) -> TransferStatus:
-        """The request's status."""
-        return self.core.status(request_id)
 
     def slot_of(self, request_id: str) -> int:
         """The slot a request holds, -1 once freed."""
@@ -254,20 +226,7 @@ class DecodeDriver:
         self.peers.close_all()
         self.execute(self.core.free_all("shutdown"))
 
-    # ---- an engine's memory ------------------------------------------------------------
-    def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
-        """An engine attached: work in its memory from now on (a request that raced the
-        detach is failed first: its indices are stale)."""
-        if self.table.live():
-            self.shutdown("engine memory replaced while the request was being accepted")
-        self.core.take_pools(spec, layout, pools)
-
-    def drop_pools(self, detail: str) -> None:
-        """The engine's memory goes: refuse new requests, fail every live one (prefill is
-        told, bounded), release every link (their writes stop)."""
-        self.core.refuse_pools(detail)
-        self.shutdown(detail)
-
+    # ---- an engine's memory (use_pools, drop_pools: DriverBase) -----------------------
     def use_mailbox(self, mailbox: RecordArea) -> None:
         """The daemon's digest mailbox (registered, advertised) from now on."""
         self.core.use_mailbox(mailbox)

@@ -39,6 +39,7 @@ from kvbeam.pools.plan import side_windows
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.actions import Count, DropLink
+from kvbeam.server.core.base import DriverBase
 from kvbeam.server.core.offers import OfferBook
 from kvbeam.server.core.outgoing import Outgoing, Ranges
 from kvbeam.server.core.ports import DecodePeers, WriteGrant, abort_at_shutdown
@@ -71,7 +72,7 @@ ABORT_WAITERS = 4
 ABORT_WAIT_S = 2.0
 
 
-class PrefillDriver:
+class PrefillDriver(DriverBase[PrefillCore]):
     """Prefill's API for the daemon: each call is an event for the core, whose actions
     it does. See the module docstring."""
 
@@ -110,16 +111,6 @@ class PrefillDriver:
 
     # ---- what the daemon reads ----------------------------------------------------------
     @property
-    def table(self) -> TransferTable:
-        """The lifecycle states (the core's)."""
-        return self.core.table
-
-    @property
-    def peers(self) -> Peers:
-        """The verified decodes and the connections to them."""
-        return self.core.peers
-
-    @property
     def integrity(self) -> bool:
         """Whether requests carry digests."""
         return self.core.integrity
@@ -133,25 +124,6 @@ class PrefillDriver:
     def records(self) -> RecordStager:
         """The digest records' staging slots."""
         return self.core.records
-
-    @property
-    def spec(self) -> PoolSpec:
-        """The target pool's spec (NoEngineAttached while there is none)."""
-        return self.core.spec
-
-    @property
-    def layout(self) -> SideLayout:
-        """The side's layout."""
-        return self.core.layout
-
-    @property
-    def pools(self) -> AllocatedSide:
-        """The memory."""
-        return self.core.pools
-
-    def status(self, request_id: str) -> TransferStatus:
-        """The request's status."""
-        return self.core.status(request_id)
 
     def in_flight(self, request_id: str) -> int:
         """Writes of the request that may still read its source (0 once drained)."""
@@ -257,19 +229,6 @@ class PrefillDriver:
                     f"names instance {instance_id!r}, not {conn.instance_id if conn else '?'}",
                     extra=fields(request_id, address))
         return False
-
-    def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
-        """An engine attached: work in its memory from now on (a request that raced the
-        detach is failed first: its source pages are stale)."""
-        if self.core.table.live():
-            self.shutdown("engine memory replaced while the request was being accepted")
-        self.core.take_pools(spec, layout, pools)
-
-    def drop_pools(self, detail: str) -> None:
-        """The engine's memory goes: refuse new requests, fail every live one (decode is
-        told, bounded), release every link (their writes stop)."""
-        self.core.refuse_pools(detail)
-        self.shutdown(detail)
 
     # ---- events from the transport and the runtime's loops ------------------------------
     def on_event(self, event: Event) -> None:
