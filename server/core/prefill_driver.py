@@ -243,8 +243,9 @@ class PrefillDriver(DriverBase[PrefillCore]):
     def on_peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
         """Release the link (its writes complete as failed), then fail or resend its
         requests (:meth:`PrefillCore.link_dropped`). Blocking (the link's release): on
-        the executor or a daemon loop, never under a lock."""
-        self._drop_link(DropLink(conn, detail, gone), on_executor=True)
+        the executor or a daemon loop, never under a lock; what follows (Aborts to
+        decode, resends) goes to the executor, so a heartbeat loop is not held by it."""
+        self._drop_link(DropLink(conn, detail, gone), on_executor=False)
 
     def periodic(self) -> None:
         """The sweep's work (:meth:`PrefillCore.periodic`), every SWEEP_S."""
