@@ -40,7 +40,6 @@ from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.base import DriverBase
-from kvbeam.server.core.offers import OfferBook
 from kvbeam.server.core.outgoing import Outgoing, Ranges
 from kvbeam.server.core.ports import DecodePeers, WriteGrant, abort_at_shutdown
 from kvbeam.server.core.prefill import PrefillCore
@@ -114,16 +113,6 @@ class PrefillDriver(DriverBase[PrefillCore]):
     def integrity(self) -> bool:
         """Whether requests carry digests."""
         return self.core.integrity
-
-    @property
-    def offers(self) -> OfferBook:
-        """Decode's reservations offered ahead of Send."""
-        return self.core.offers
-
-    @property
-    def records(self) -> RecordStager:
-        """The digest records' staging slots."""
-        return self.core.records
 
     def in_flight(self, request_id: str) -> int:
         """Writes of the request that may still read its source (0 once drained)."""

@@ -104,7 +104,7 @@ def test_an_offered_request_posts_its_writes_without_begin_write_then_its_record
     core.on_event(link.completion(77))
     assert core.status("r").state is TransferState.SUCCESS
     assert events == ["received", "used"]
-    assert len(core.offers) == 0
+    assert len(core.core.offers) == 0
 
 
 def test_a_send_before_the_reserve_falls_back_to_begin_write_and_a_late_offer_is_refused(
@@ -116,7 +116,7 @@ def test_a_send_before_the_reserve_falls_back_to_begin_write_and_a_late_offer_is
     assert fake.begins[1][0] == "r"
     assert events == ["missed"]
     assert not core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
-    assert events == ["missed", "refused"] and len(core.offers) == 0
+    assert events == ["missed", "refused"] and len(core.core.offers) == 0
 
 
 def test_with_send_wait_a_send_before_the_offer_waits_for_it_instead_of_asking() -> None:
@@ -233,7 +233,7 @@ def test_an_offer_gone_before_the_inline_step_asks_begin_write_from_the_executor
     """The offer is checked without the lock: when it went (aborted, expired) before
     the step took it, the step does not ask BeginWrite on the sender's thread."""
     core, fake, conn, events, io = _queued_connected()
-    monkeypatch.setattr(core.offers, "has", lambda _rid: True)  # it looked offered
+    monkeypatch.setattr(core.core.offers, "has", lambda _rid: True)  # it looked offered
     jobs = _count_jobs(core)
     core.send("r", 1, SEQ, ADDR, [], True)
     # The step started inline, found no offer (counted a miss), and handed its
@@ -342,15 +342,15 @@ def test_an_offer_that_does_not_fit_the_send_is_not_used(change: str) -> None:
 
 def test_abort_and_peer_loss_drop_offers_and_the_book_is_bounded() -> None:
     core, _fake, conn, events, io = _queued_connected()
-    core.offers.capacity = 2
+    core.core.offers.capacity = 2
     assert core.offer("a", conn.instance_id, SEQ, _grant(1), lease_s=10.0)
     assert core.offer("b", conn.instance_id, SEQ, _grant(2), lease_s=10.0)
     assert not core.offer("c", conn.instance_id, SEQ, _grant(3), lease_s=10.0)  # full
     with pytest.raises(UnknownRequest):  # prefill never saw a Send of it
         core.abort("a", from_peer=True, detail="decode aborted")
-    assert len(core.offers) == 1
+    assert len(core.core.offers) == 1
     core.on_peer_lost(conn, "link failed", gone=False)
-    assert len(core.offers) == 0
+    assert len(core.core.offers) == 0
     assert events == ["received", "received", "refused"]
     assert not io.queue
 

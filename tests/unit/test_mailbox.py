@@ -175,13 +175,13 @@ def test_the_record_is_the_last_write_and_success_waits_for_it() -> None:
     want = request_digests(core.pools, request_indices(UNIFIED_TARGET, 0, 300))
     assert parse_record(link.records[0][1],
                         Expected(len(want), tid, 0, "r")) == Record(want, 0)
-    assert core.records.free is not None and core.records.free.held == 1
+    assert core.core.records.free is not None and core.core.records.free.held == 1
     core.on_event(link.completion(tid))
     assert core.status("r").state is TransferState.TRANSFERRING and core.in_flight("r") == 1
-    assert core.records.free.held == 1  # the record's write still reads its slot
+    assert core.core.records.free.held == 1  # the record's write still reads its slot
     core.on_event(link.completion(tid))
     assert core.status("r").state is TransferState.SUCCESS
-    assert core.records.free.held == 0  # given back once no write of it is outstanding
+    assert core.core.records.free.held == 0  # given back once no write of it is outstanding
     done, total = core.bytes_of("r")
     assert done == total > 0  # the record is not counted as the request's bytes
 
@@ -221,7 +221,7 @@ def test_a_record_that_cannot_be_posted_fails_the_request_and_frees_its_slot() -
     core.on_event(link.completion(link.writes[0][0]))
     assert core.status("r").state is TransferState.FAILED  # never Success without it
     assert core.in_flight("r") == 0
-    assert core.records.free is not None and core.records.free.held == 0
+    assert core.core.records.free is not None and core.core.records.free.held == 0
     assert wait_for(lambda: fake.aborts == ["r"])
 
 
@@ -246,6 +246,6 @@ def test_digests_done_inline_put_the_record_at_the_end_of_the_datas_own_write() 
     assert int(link.blocks[0].dst[-1]) == conn.mailbox.slot_addr(0)
     core.on_event(link.completion(tid))
     assert core.status("r").state is TransferState.SUCCESS
-    assert core.records.free is not None and core.records.free.held == 0
+    assert core.core.records.free is not None and core.core.records.free.held == 0
     done, total = core.bytes_of("r")
     assert done == total > 0
