@@ -5,10 +5,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # Debian packages: RDMA user space + the soft-RoCE guest (qemu, busybox, kernel tools), and
-# what the compiled WR poster (transport/verbs/_post.c, built by setup.py) compiles with:
-# a C compiler, Python's headers and <infiniband/verbs.h> (libibverbs-dev).
+# what the compiled helpers (built by setup.py) compile with: a C compiler, Python's headers,
+# <infiniband/verbs.h> (libibverbs-dev) for the WR poster (transport/verbs/_post.c) and
+# <xxhash.h> (libxxhash-dev) for the digests (pools/_xxh3.c).
 APT_PACKAGES := qemu-system-x86 busybox-static cpio kmod iproute2 rdma-core ibverbs-utils \
-	ibverbs-providers libibverbs1 libibverbs-dev gcc libc6-dev python3-dev perftest \
+	ibverbs-providers libibverbs1 libibverbs-dev libxxhash-dev gcc libc6-dev python3-dev perftest \
 	python3-pyverbs openssl \
 	docker.io containerd runc iptables docker-compose debootstrap
 SETUP_STAMP := $(VENV)/.kvbeam-setup
@@ -57,9 +58,11 @@ $(SETUP_STAMP): pyproject.toml setup.py
 	bash tests/softroce/setup.sh
 	touch $@
 
-# The compiled WR poster, rebuilt in place when its source changes (the editable install
-# builds it the first time; optional: without the headers the pyverbs poster is used).
-$(POSTER_STAMP): transport/verbs/_post.c setup.py $(SETUP_STAMP)
+# The compiled helpers (the WR poster, the digests), rebuilt in place when a source changes
+# (the editable install builds them the first time; optional: without the headers the
+# pyverbs poster and python-xxhash are used).
+$(POSTER_STAMP): transport/verbs/_post.c pools/_xxh3.c pools/_xxh3_avx2.c pools/_xxh3_loop.h \
+		setup.py $(SETUP_STAMP)
 	$(PY) setup.py -q build_ext --inplace --build-temp build/poster
 	touch $@
 

@@ -1,4 +1,4 @@
-"""Package list for the package-dir mapping in pyproject.toml, and the optional WR poster.
+"""Package list for the package-dir mapping in pyproject.toml, and the optional compiled helpers.
 
 pyproject.toml cannot list packages found under a mapped folder (``packages.find`` names
 them after the folder, ``pools.x``, not ``kvbeam.pools.x``), so this lists them: every
@@ -10,6 +10,10 @@ libibverbs-dev, in the Makefile's system-deps) and is optional: where it cannot 
 the install goes on and the RDMA transport posts through pyverbs objects instead
 (docs/performance.md, "WR posting"). An editable install builds it in place
 (transport/verbs/_post.*.so); so does ``python setup.py build_ext --inplace``.
+
+``kvbeam.pools._xxh3`` (pools/_xxh3.c) computes a request's integrity digests in one call
+with the GIL released. It needs <xxhash.h> (Debian's libxxhash-dev) and is optional the
+same way: without it digests go through python-xxhash (docs/performance.md, "Digests").
 """
 
 import tomllib
@@ -38,4 +42,9 @@ def mapped_packages() -> list[str]:
 POSTER = Extension("kvbeam.transport.verbs._post", ["transport/verbs/_post.c"], optional=True,
                    extra_compile_args=["-O2", "-std=c11", "-Wall"])
 
-setup(packages=mapped_packages(), ext_modules=[POSTER])
+# optional too: without <xxhash.h> (libxxhash-dev) digests go through python-xxhash.
+DIGESTER = Extension("kvbeam.pools._xxh3", ["pools/_xxh3.c", "pools/_xxh3_avx2.c"],
+                     depends=["pools/_xxh3_loop.h"], optional=True,
+                     extra_compile_args=["-O2", "-std=c11", "-Wall"])
+
+setup(packages=mapped_packages(), ext_modules=[POSTER, DIGESTER])

@@ -14,13 +14,20 @@ allocated together) is digested in place, with no copy; any other list is
 gathered with one vectorised ``take`` per buffer, never a Python loop per item.
 Each buffer's 2-D item view is built once per side: the per-buffer numpy/torch
 overhead, not the hash, dominated small requests.
+
+Where the compiled helper ``kvbeam.pools._xxh3`` (pools/_xxh3.c, built at install where
+Debian's libxxhash-dev is) loads, :func:`digest_many` digests a request's parts in one
+call with the GIL released, streaming each part's items as they lie in the pool (no
+gather, no Python per buffer); without it, each part goes through python-xxhash as
+above. Both give the same digests (tests/unit/test_digest.py runs both); the daemon logs
+which it uses at start (:func:`digester`).
 """
 
 from __future__ import annotations
 
+import importlib
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,7 +35,7 @@ import xxhash
 
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.layout import BufferLayout
-from kvbeam.pools.plan import IndexLists, list_for, own_draft_list
+from kvbeam.pools.plan import IndexLists, own_draft_list
 from kvbeam.pools.types import IndexKind
 
 #: The digest's name as operators see it (Success details, mismatch errors, docs).
@@ -36,19 +43,19 @@ DIGEST_NAME = "XXH3-128"
 #: Bytes of one digest (XXH3-128), as the mailbox record carries each.
 DIGEST_BYTES = 16
 
-_views: weakref.WeakKeyDictionary[AllocatedSide, dict[int, np.ndarray[Any, Any]]] = (
+#: What :func:`digest_parts` selects of a side, by (include_kv, include_states, the
+#: draft's own kinds, windows): (the distinct (kind, draft's own list) keys, then per
+#: selected buffer its item view, its key's position and its window). Built once per
+#: side and selection: per request only the index lists change.
+_Template = tuple[list[tuple[IndexKind, bool]],
+                  list[tuple[np.ndarray[Any, Any], int, tuple[int, int] | None]]]
+_templates: weakref.WeakKeyDictionary[AllocatedSide, dict[Any, _Template]] = (
     weakref.WeakKeyDictionary())
 
 
 def _items(side: AllocatedSide, buf: BufferLayout) -> np.ndarray[Any, Any]:
-    """The buffer as an (items, item_len) uint8 array over the pool memory (cached)."""
-    per_side = _views.setdefault(side, {})
-    key = id(buf)
-    view = per_side.get(key)
-    if view is None:
-        view = side.buffer_array(buf).reshape(buf.items, buf.item_len)
-        per_side[key] = view
-    return view
+    """The buffer as an (items, item_len) uint8 array over the pool memory."""
+    return side.buffer_array(buf).reshape(buf.items, buf.item_len)
 
 
 def _digest(data: memoryview) -> int:
@@ -67,21 +74,26 @@ def _run(idx: np.ndarray[Any, Any]) -> tuple[int, int] | None:
     return (first, n) if n == 1 or bool((np.diff(idx) == 1).all()) else None
 
 
-@dataclass(frozen=True, eq=False)
 class DigestPart:
-    """One buffer's share of a request's digests: its items, in place or gathered.
+    """One buffer's share of a request's digests: its items, in the order moved.
 
-    A part reads the pool memory only when :meth:`digest` runs, so a list of parts
-    can be built under no lock and digested on any thread (``xxhash`` releases the
-    GIL for an input over 64 KiB, see :mod:`kvbeam.pools.digest_pool`).
+    A part reads the pool memory only when it is digested, so a list of parts can be
+    built under no lock and digested on any thread (the compiled helper releases the GIL
+    for all of a call; ``xxhash`` for an input over 64 KiB, see
+    :mod:`kvbeam.pools.digest_pool`).
     """
 
-    items: np.ndarray[Any, Any]   # the buffer's (items, item_len) view
-    idx: np.ndarray[Any, Any]     # the items moved, in order
-    run: tuple[int, int] | None   # (first, count) when ``idx`` is one ascending run
-    #: (offset, width) of the bytes of each item that move (a TP head window), or None:
-    #: the whole item.
-    window: tuple[int, int] | None = None
+    __slots__ = ("idx", "items", "window")
+
+    def __init__(self, items: np.ndarray[Any, Any], idx: np.ndarray[Any, Any],
+                 window: tuple[int, int] | None = None) -> None:
+        #: The buffer's (items, item_len) view of the pool memory.
+        self.items = items
+        #: The items moved, in order (C-contiguous int64).
+        self.idx = idx
+        #: (offset, width) of the bytes of each item that move (a TP head window), or
+        #: None: the whole item.
+        self.window = window
 
     @property
     def nbytes(self) -> int:
@@ -89,9 +101,17 @@ class DigestPart:
         width = self.window[1] if self.window is not None else int(self.items.shape[1])
         return len(self.idx) * width
 
+    @property
+    def spec(self) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], int, int, int]:
+        """The part as the compiled helper takes it: (items, idx, item_len, offset, width)."""
+        item_len = int(self.items.shape[1])
+        off, width = self.window if self.window is not None else (0, item_len)
+        return (self.items, self.idx, item_len, off, width)
+
     def digest(self) -> int:
-        """XXH3-128 of the part's items (their window's bytes, where one is set), in order."""
-        run = self.run
+        """XXH3-128 of the part's items (their window's bytes, where one is set), in order,
+        through python-xxhash: one ascending run in place, any other list gathered."""
+        run = _run(self.idx)
         in_place = run is not None and run[0] >= 0 and run[0] + run[1] <= len(self.items)
         if self.window is not None:
             off, width = self.window
@@ -104,6 +124,35 @@ class DigestPart:
         return _digest(np.ascontiguousarray(np.take(self.items, self.idx, axis=0)).data)
 
 
+def _template(side: AllocatedSide, include_kv: bool, include_states: bool,
+              draft: IndexLists | None,
+              windows: Sequence[tuple[int, int] | None] | None) -> _Template:
+    """What :func:`digest_parts` selects of ``side`` (cached per side and selection)."""
+    key = (include_kv, include_states, frozenset(draft) if draft is not None else None,
+           tuple(windows) if windows is not None else None)
+    per_side = _templates.setdefault(side, {})
+    cached = per_side.get(key)
+    if cached is not None:
+        return cached
+    keys: list[tuple[IndexKind, bool]] = []
+    rows: list[tuple[np.ndarray[Any, Any], int, tuple[int, int] | None]] = []
+    flat = -1
+    for comp in side.layout.components:
+        wanted = include_kv if comp.state_type is None else include_states
+        if not wanted:
+            flat += len(comp.buffers)
+            continue
+        for buf in comp.buffers:
+            flat += 1
+            list_key = (buf.index_kind, own_draft_list(draft, comp.pool, buf.index_kind))
+            if list_key not in keys:
+                keys.append(list_key)
+            window = windows[flat] if windows is not None else None
+            rows.append((_items(side, buf), keys.index(list_key), window))
+    per_side[key] = (keys, rows)
+    return keys, rows
+
+
 def digest_parts(side: AllocatedSide, indices: IndexLists, *, include_kv: bool = True,
                  include_states: bool = True, draft: IndexLists | None = None,
                  windows: Sequence[tuple[int, int] | None] | None = None
@@ -114,24 +163,11 @@ def digest_parts(side: AllocatedSide, indices: IndexLists, *, include_kv: bool =
     (:func:`kvbeam.pools.plan.side_windows`: paged pools at different TP places), or None
     for whole items; digests cover exactly the moved bytes.
     """
-    out: list[DigestPart] = []
-    kinds: dict[tuple[IndexKind, bool], tuple[np.ndarray[Any, Any], tuple[int, int] | None]] = {}
-    flat = -1
-    for comp in side.layout.components:
-        wanted = include_kv if comp.state_type is None else include_states
-        if not wanted:
-            flat += len(comp.buffers)
-            continue
-        for buf in comp.buffers:
-            flat += 1
-            key = (buf.index_kind, own_draft_list(draft, comp.pool, buf.index_kind))
-            if key not in kinds:
-                idx = list_for(indices, draft, comp.pool, buf.index_kind)
-                kinds[key] = (idx, _run(idx))
-            idx, run = kinds[key]
-            window = windows[flat] if windows is not None else None
-            out.append(DigestPart(_items(side, buf), idx, run, window))
-    return out
+    keys, rows = _template(side, include_kv, include_states, draft, windows)
+    # contiguous int64: the compiled helper reads each list in place
+    lists = [np.ascontiguousarray((draft if own and draft is not None else indices)[kind],
+                                  dtype=np.int64) for kind, own in keys]
+    return [DigestPart(items, lists[at], window) for items, at, window in rows]
 
 
 def request_digests(side: AllocatedSide, indices: IndexLists, *, include_kv: bool = True,
@@ -146,6 +182,39 @@ def request_digests(side: AllocatedSide, indices: IndexLists, *, include_kv: boo
     calling thread; :class:`kvbeam.pools.digest_pool.DigestPool` computes the same
     list on several.
     """
-    return [part.digest() for part in digest_parts(side, indices, include_kv=include_kv,
-                                                   include_states=include_states, draft=draft,
-                                                   windows=windows)]
+    return digest_many(digest_parts(side, indices, include_kv=include_kv,
+                                    include_states=include_states, draft=draft,
+                                    windows=windows))
+
+
+def _load_helper() -> tuple[Any, str]:
+    """The compiled helper module and its vector unit, or None and why it is not used."""
+    try:
+        module = importlib.import_module("kvbeam.pools._xxh3")
+        return module, f"compiled XXH3-128 ({module.VECTOR}), one call per request"
+    except (ImportError, AttributeError) as exc:  # not built (no <xxhash.h>), or stale
+        return None, (f"python-xxhash, one call per buffer (the compiled helper did not "
+                      f"load: {type(exc).__name__}: {exc})")
+
+
+_HELPER, _HELPER_WHY = _load_helper()
+#: True when :func:`digest_many` uses the compiled helper (every part's hashing then
+#: runs with the GIL released, however small).
+COMPILED = _HELPER is not None
+
+
+def digester() -> str:
+    """How this process digests: the compiled helper, or python-xxhash and why."""
+    return _HELPER_WHY
+
+
+def digest_many(parts: Sequence[DigestPart], *, compiled: bool | None = None) -> list[int]:
+    """Each part's digest, in order. ``compiled``: None takes the helper where it loaded;
+    True requires it (RuntimeError without it); False uses python-xxhash (tests compare)."""
+    use = _HELPER is not None if compiled is None else compiled
+    if not use:
+        return [part.digest() for part in parts]
+    if _HELPER is None:
+        raise RuntimeError(f"the compiled digest helper is not available: {_HELPER_WHY}")
+    out: list[int] = _HELPER.digest_parts([part.spec for part in parts])
+    return out

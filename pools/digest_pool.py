@@ -8,7 +8,9 @@ bytes, one task each, and the job's result is the digests in the buffers' order,
 exactly what :func:`kvbeam.pools.digest.request_digests` returns on one thread.
 Buffers under 64 KiB (the per-slot states) hold the GIL while digested, but they
 are a few percent of a large request's bytes. ``numpy.take`` (a scattered list's
-gather) releases the GIL too.
+gather) releases the GIL too. With the compiled helper (:func:`kvbeam.pools.digest.
+digest_many`) a task is one call that holds the GIL for none of its parts and gathers
+nothing.
 
 Prefill starts its job before it posts the final writes and sends the digests once
 it is done; decode starts its job when the writes landed and compares once it is
@@ -27,8 +29,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 
+from kvbeam.pools import digest
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.digest import DigestPart, digest_parts
+from kvbeam.pools.digest import DigestPart, digest_many, digest_parts
 from kvbeam.pools.plan import IndexLists
 
 log = logging.getLogger(__name__)
@@ -83,12 +86,16 @@ def _name_os_thread() -> None:
 
 
 def _parallel_bytes(parts: Sequence[DigestPart]) -> int:
-    """Bytes of ``parts`` that a pool thread digests with the GIL released."""
-    return sum(n for n in (p.nbytes for p in parts) if n > GIL_RELEASE_BYTES)
+    """Bytes of ``parts`` that a pool thread digests with the GIL released: all of them
+    with the compiled helper, the parts over 64 KiB with python-xxhash."""
+    sizes = (p.nbytes for p in parts)
+    if digest.COMPILED:
+        return sum(sizes)
+    return sum(n for n in sizes if n > GIL_RELEASE_BYTES)
 
 
 def _digest_all(parts: Sequence[DigestPart]) -> list[int]:
-    return [p.digest() for p in parts]
+    return digest_many(parts)
 
 
 class DigestJob:

@@ -8,6 +8,7 @@ fingerprint the handshake compares (:func:`swa_index_mapping_fingerprint`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
@@ -116,9 +117,17 @@ def expected_lengths(spec: PoolSpec, seq_len: int) -> dict[IndexKind, int]:
     """How many indices each kind's list holds for a request of ``seq_len`` tokens.
 
     The lengths of the slot-based lists, which do not depend on the slot: what an
-    engine's own lists must match (:mod:`kvbeam.pools.engine_indices`).
+    engine's own lists must match (:mod:`kvbeam.pools.engine_indices`). A fresh dict
+    (the caller may keep or change it) of lengths cached per (spec, length).
     """
-    return {kind: len(idx) for kind, idx in request_indices(spec, 0, seq_len).items()}
+    return dict(_lengths(spec, seq_len))
+
+
+@functools.lru_cache(maxsize=4096)
+def _lengths(spec: PoolSpec, seq_len: int) -> tuple[tuple[IndexKind, int], ...]:
+    # Every request checks its engine's lists against these: building the five lists
+    # (numpy) each time cost about 4% of a small request's CPU on each daemon.
+    return tuple((kind, len(idx)) for kind, idx in request_indices(spec, 0, seq_len).items())
 
 
 def swa_index_mapping_fingerprint(spec: PoolSpec) -> str:

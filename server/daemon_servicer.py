@@ -22,6 +22,7 @@ from google.protobuf.message import Message as ProtoMessage
 
 from kvbeam.errors import FrameError, PeerChannelError, UnknownRequest
 from kvbeam.logs import fields
+from kvbeam.pools import digest
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.layout import SideLayout
@@ -162,6 +163,11 @@ class DaemonServicer(ControlServicer):
         self.io = LoggingExecutor(max_workers=workers, thread_name_prefix="kvbeam-io")
         #: The integrity digests' threads (--digest-threads), shared by every request.
         self.digest_pool = DigestPool(runtime.settings.digest_threads)
+        if runtime.settings.integrity:
+            # Without the compiled helper digests are correct, only slower: say so once.
+            log.log(logging.INFO if digest.COMPILED else logging.WARNING,
+                    "integrity digests: %s; %d digest thread(s)", digest.digester(),
+                    runtime.settings.digest_threads)
         self._watch_lock = threading.Lock()
         self._watchers = 0  # open WatchStatus streams
         #: Answers the channel's requests that may wait (Abort); the others are

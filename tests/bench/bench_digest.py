@@ -11,7 +11,8 @@
    calling thread and on :class:`kvbeam.pools.digest_pool.DigestPool` of 2 and 4
    threads; and a small request's (128 tokens of docker/config/prefill.yaml), which
    the pool digests on the calling thread (``INLINE_BELOW_BYTES``), beside the same
-   job handed to 2 pool threads.
+   job handed to 2 pool threads. Where the compiled helper (pools/_xxh3.c) is in use,
+   each beside the same parts digested through python-xxhash on one thread ("python").
 4. That request over TCP on loopback between two daemons, integrity on and off,
    beside a memory copy of the same bytes measured in the same run (the floor a
    loopback transfer cannot beat), with each daemon's CPU per request.
@@ -43,8 +44,9 @@ import numpy as np
 import xxhash
 
 from kvbeam.client import KvbeamClient
+from kvbeam.pools import digest
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.digest import request_digests
+from kvbeam.pools.digest import digest_many, digest_parts, request_digests
 from kvbeam.pools.digest_pool import INLINE_BELOW_BYTES, DigestPool
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import build_side_layout
@@ -163,6 +165,9 @@ def small_request_figures(n: int = 300) -> dict[str, tuple[float, float]]:
     side.fill_pattern(1)
     idx = request_indices(cfg.target, 0, 128)
     out = {}
+    if digest.COMPILED:  # the reference: the same parts through python-xxhash, inline
+        out["python"] = tuple(us * 1e3 for us in _median_ms(
+            lambda: digest_many(digest_parts(side, idx), compiled=False), n))
     for name, inline_below in (("inline", INLINE_BELOW_BYTES), ("pool_2", 0)):
         with DigestPool(2, inline_below=inline_below) as pool:
             wall, cpu = _median_ms(lambda p=pool: p.digests(side, idx).result(),  # type: ignore[misc]
@@ -193,7 +198,14 @@ def library_figures(pools: bool = True) -> dict[str, Any]:
     out["request_bytes"] = nbytes
     out["request_buffers"] = len(side.layout.flat_buffers)
     want = request_digests(side, idx)
+    out["digester"] = digest.digester()
     out["request_ms"] = {"inline": _median_ms(lambda: request_digests(side, idx), 9)}
+    if digest.COMPILED:  # the reference: python-xxhash, a call per buffer
+        parts = digest_parts(side, idx)
+        if digest_many(parts, compiled=False) != want:
+            raise SystemExit("python-xxhash gave other digests than the compiled helper")
+        out["request_ms"]["python"] = _median_ms(
+            lambda: digest_many(digest_parts(side, idx), compiled=False), 9)
     # The pools digest on their own threads: process CPU counts them too.
     for threads in (2, 4) if pools else ():
         with DigestPool(threads) as pool:
@@ -336,8 +348,9 @@ def main() -> None:
         print(f"GIL: one {lib['gil_call_ms']:.1f} ms digest call of 256 MiB; a Python loop in "
               f"another thread ran {lib['gil_other_thread_iterations']} iterations meanwhile "
               "(0 would mean the call holds the GIL)")
+    print(f"request digests: {lib['digester']}")
     print(f"61-layer {TOKENS}-token request ({lib['request_buffers']} buffers, {mb:.1f} MB), "
-          "median wall ms (process CPU ms):")
+          "median wall ms (process CPU ms); python: python-xxhash on one thread:")
     for name, (wall, cpu) in lib["request_ms"].items():
         print(f"  digests {name:<7}: {wall:6.1f} ms ({cpu:6.1f} CPU ms), {mb / wall:5.1f} GB/s")
     print(f"  memory copy of the same bytes (numpy copyto): {lib['memcpy_ms'][0]:.1f} ms")

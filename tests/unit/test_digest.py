@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 
+from kvbeam.pools import digest
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.digest import request_digests
+from kvbeam.pools.digest import DigestPart, digest_many, digest_parts, request_digests
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.plan import pair_index_lists
 from kvbeam.pools.types import IndexKind
@@ -68,3 +70,43 @@ def test_in_place_runs_digest_like_a_gather() -> None:
         assert request_digests(side, idx) == expected, name
 
 
+
+
+def test_the_compiled_helper_and_python_xxhash_give_the_same_digests() -> None:
+    """The compiled helper (pools/_xxh3.c) and python-xxhash agree part for part: whole
+    items and TP head windows, runs, gaps, repeats, reversed and empty lists. CI builds
+    the helper, so it must have loaded here."""
+    assert digest.COMPILED, digest.digester()
+    side = AllocatedSide(layout())
+    side.fill_pattern(9)
+    base = request_indices(UNIFIED_TARGET, 1, 700)
+    rng = np.random.default_rng(3)
+    lists = [base, {k: v[::-1].copy() for k, v in base.items()},
+             {k: np.repeat(v, 2) for k, v in base.items()},
+             {k: rng.permutation(v) for k, v in base.items()},
+             {k: v[:0] for k, v in base.items()}]
+    for idx in lists:
+        parts = digest_parts(side, idx)
+        windowed = [DigestPart(p.items, p.idx, (3, p.items.shape[1] // 2))
+                    for p in parts]
+        for chosen in (parts, windowed):
+            assert (digest_many(chosen, compiled=True)
+                    == digest_many(chosen, compiled=False)
+                    == [p.digest() for p in chosen])
+
+
+def test_the_compiled_helper_refuses_what_lies_outside_a_buffer() -> None:
+    """An item number outside its buffer, or a window outside its item, is refused
+    before a byte is read, naming the part and the item."""
+    side = AllocatedSide(layout())
+    part = digest_parts(side, request_indices(UNIFIED_TARGET, 1, 700))[0]
+    items = len(part.items)
+    for bad in (items, -1):
+        outside = DigestPart(part.items, np.array([0, bad], np.int64))
+        with pytest.raises(IndexError, match=f"digest part 0: item {bad} \\(position 1\\)"):
+            digest_many([outside], compiled=True)
+    width = int(part.items.shape[1])
+    with pytest.raises(ValueError, match="window"):
+        digest_many([DigestPart(part.items, part.idx, (width - 1, 2))], compiled=True)
+    with pytest.raises(ValueError, match="int64"):
+        digest_many([DigestPart(part.items, part.idx.astype(np.int32))], compiled=True)

@@ -1,0 +1,225 @@
+/*
+ * kvbeam.pools._xxh3: a request's per-buffer XXH3-128 digests in one call, without the GIL
+ * and without copying scattered items together first.
+ *
+ * Why: kvbeam.pools.digest digests each buffer with python-xxhash, one Python call per
+ * buffer (27 for a 128-token request of docker/config/prefill.yaml, 182 for a 61-layer
+ * one), with a numpy gather first when the buffer's items are not one run, and xxhash
+ * holds the GIL for inputs under 64 KiB. Per small request that Python work, not the
+ * hash, was most of the digests' cost on both daemons (docs/performance.md, "Digests").
+ *
+ * digest_parts(parts) takes a sequence of (items, idx, item_len, offset, width) tuples:
+ * `items` a C-contiguous buffer of whole items (a pool buffer's memory), `idx` a
+ * C-contiguous int64 buffer of item numbers, and the bytes [offset, offset + width) of
+ * each item are what is digested, items in idx order. It returns one int per part: the
+ * XXH3-128 (seed 0) of those bytes concatenated, as python-xxhash's xxh3_128_intdigest
+ * gives it (high 64 bits above low 64 bits). XXH3's streaming form digests the pieces
+ * as they lie; its result equals the one-shot digest of the concatenation. Consecutive
+ * whole items are one piece.
+ *
+ * Every item number and window is checked against its buffer before a byte is read
+ * (ValueError for a malformed part, IndexError naming the part and the item for an item
+ * outside its buffer). The hashing runs with the GIL released; the buffers stay pinned
+ * (PyObject_GetBuffer) until it is done.
+ *
+ * Optional, like the WR poster: setup.py builds it where <xxhash.h> (Debian's
+ * libxxhash-dev) is installed; without it kvbeam.pools.digest digests through python-xxhash.
+ * XXH_INLINE_ALL compiles the header's implementation in, so nothing is linked. The loop
+ * is built twice (pools/_xxh3_loop.h): for the baseline x86-64 CPU (SSE2) and for AVX2,
+ * chosen when the module loads (VECTOR names which).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+/* What one part holds while its digest is computed (the buffers pinned). */
+struct part {
+    Py_buffer items;
+    Py_buffer idx;
+    Py_ssize_t item_len;
+    Py_ssize_t offset;
+    Py_ssize_t width;
+    uint64_t hash[2]; /* high 64 bits, low 64 bits */
+};
+
+/* A C-contiguous buffer of native int64 (numpy's int64 exports "l" or "q" on LP64). */
+static int is_int64(const Py_buffer *view) {
+    const char *fmt = view->format;
+    if (view->itemsize != 8 || fmt == NULL)
+        return 0;
+    if (*fmt == '@' || *fmt == '=' || *fmt == '<')
+        fmt++;
+    return (fmt[0] == 'l' || fmt[0] == 'q') && fmt[1] == '\0';
+}
+
+/* Pin the part's buffers and check its shape; 0, or -1 with an exception set (nothing
+ * left pinned). */
+static int part_open(PyObject *tuple, Py_ssize_t number, struct part *p) {
+    PyObject *items, *idx;
+    if (!PyTuple_Check(tuple) ||
+        !PyArg_ParseTuple(tuple, "OOnnn", &items, &idx, &p->item_len, &p->offset, &p->width)) {
+        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "digest part %zd: not an (items, idx, item_len, "
+                         "offset, width) tuple", number);
+        }
+        return -1;
+    }
+    if (p->item_len <= 0 || p->offset < 0 || p->width < 0 ||
+        p->offset > p->item_len - p->width) {
+        PyErr_Format(PyExc_ValueError, "digest part %zd: window [%zd, %zd + %zd) is not "
+                     "inside an item of %zd bytes", number, p->offset, p->offset, p->width,
+                     p->item_len);
+        return -1;
+    }
+    if (PyObject_GetBuffer(items, &p->items, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (p->items.len % p->item_len != 0) {
+        PyErr_Format(PyExc_ValueError, "digest part %zd: a buffer of %zd bytes is not whole "
+                     "items of %zd bytes", number, p->items.len, p->item_len);
+        PyBuffer_Release(&p->items);
+        return -1;
+    }
+    if (PyObject_GetBuffer(idx, &p->idx, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&p->items);
+        return -1;
+    }
+    if (!is_int64(&p->idx)) {
+        PyErr_Format(PyExc_ValueError, "digest part %zd: item numbers must be int64 "
+                     "(format %s, itemsize %zd)", number,
+                     p->idx.format ? p->idx.format : "?", p->idx.itemsize);
+        PyBuffer_Release(&p->idx);
+        PyBuffer_Release(&p->items);
+        return -1;
+    }
+    return 0;
+}
+
+static void part_close(struct part *p) {
+    PyBuffer_Release(&p->idx);
+    PyBuffer_Release(&p->items);
+}
+
+/* The first item number outside [0, count) in the part, or -1 when all are inside. */
+static Py_ssize_t first_outside(const struct part *p) {
+    const int64_t *idx = (const int64_t *)p->idx.buf;
+    Py_ssize_t n = p->idx.len / 8;
+    int64_t count = (int64_t)(p->items.len / p->item_len);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (idx[i] < 0 || idx[i] >= count)
+            return i;
+    return -1;
+}
+
+/* The baseline build of the loop, and the AVX2 build (pools/_xxh3_avx2.c). */
+#define KVBEAM_XXH3_DIGEST kvbeam_xxh3_digest_base
+#include "_xxh3_loop.h"
+void kvbeam_xxh3_digest_avx2(const unsigned char *base, const int64_t *idx, ptrdiff_t n,
+                             size_t item_len, size_t offset, size_t width, uint64_t out[2]);
+
+typedef void (*digest_fn)(const unsigned char *, const int64_t *, ptrdiff_t, size_t, size_t,
+                          size_t, uint64_t[2]);
+/* Chosen once, when the module loads. */
+static digest_fn part_digest_fn = kvbeam_xxh3_digest_base;
+static const char *vector_name = "sse2";
+
+static void part_digest(struct part *p) {
+    part_digest_fn((const unsigned char *)p->items.buf, (const int64_t *)p->idx.buf,
+                   p->idx.len / 8, (size_t)p->item_len, (size_t)p->offset, (size_t)p->width,
+                   p->hash);
+}
+
+static PyObject *hash_to_int(const uint64_t hash[2]) {
+    PyObject *high = PyLong_FromUnsignedLongLong(hash[0]);
+    PyObject *low = PyLong_FromUnsignedLongLong(hash[1]);
+    PyObject *shift = PyLong_FromLong(64);
+    PyObject *shifted = NULL, *out = NULL;
+    if (high && low && shift && (shifted = PyNumber_Lshift(high, shift)))
+        out = PyNumber_Or(shifted, low);
+    Py_XDECREF(high);
+    Py_XDECREF(low);
+    Py_XDECREF(shift);
+    Py_XDECREF(shifted);
+    return out;
+}
+
+static PyObject *digest_parts(PyObject *self, PyObject *arg) {
+    (void)self;
+    PyObject *seq = PySequence_Fast(arg, "digest_parts takes a sequence of parts");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    struct part *parts = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(*parts));
+    PyObject *out = NULL;
+    Py_ssize_t opened = 0, bad_part = -1, bad_item = -1;
+    if (parts == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (; opened < n; opened++)
+        if (part_open(PySequence_Fast_GET_ITEM(seq, opened), opened, &parts[opened]) < 0)
+            goto done;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t outside = first_outside(&parts[i]);
+        if (outside >= 0) {
+            bad_part = i;
+            bad_item = outside;
+            break;
+        }
+        part_digest(&parts[i]);
+    }
+    Py_END_ALLOW_THREADS
+    if (bad_part >= 0) {
+        const struct part *p = &parts[bad_part];
+        PyErr_Format(PyExc_IndexError, "digest part %zd: item %lld (position %zd) is outside "
+                     "its buffer of %zd items", bad_part,
+                     (long long)((const int64_t *)p->idx.buf)[bad_item], bad_item,
+                     p->items.len / p->item_len);
+        goto done;
+    }
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *value = hash_to_int(parts[i].hash);
+        if (value == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, value);
+    }
+done:
+    for (Py_ssize_t i = 0; i < opened; i++)
+        part_close(&parts[i]);
+    PyMem_Free(parts);
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"digest_parts", digest_parts, METH_O,
+     "digest_parts(parts) -> list[int]: XXH3-128 (seed 0) of each (items, idx, item_len, "
+     "offset, width) part's bytes, the GIL released."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_xxh3",
+    "Per-buffer XXH3-128 digests of a request in one call (see pools/_xxh3.c).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__xxh3(void) {
+    PyObject *mod = PyModule_Create(&module);
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) {
+        part_digest_fn = kvbeam_xxh3_digest_avx2;
+        vector_name = "avx2";
+    }
+    if (mod != NULL && PyModule_AddStringConstant(mod, "VECTOR", vector_name) < 0)
+        Py_CLEAR(mod);
+    return mod;
+}
