@@ -32,7 +32,7 @@ from kvbeam.errors import BadIndexList, BadKvSkip
 from kvbeam.pools.indices import expected_lengths
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.spec import PoolSpec
-from kvbeam.pools.types import EXACT_MATCH_KINDS, IndexKind
+from kvbeam.pools.types import EXACT_MATCH_KINDS, INDEX_KINDS, IndexKind
 
 Lists = dict[IndexKind, npt.NDArray[np.int64]]
 #: What a caller may hand in for one list: a sequence of ints or an integer array.
@@ -108,7 +108,7 @@ class _Shape:
             if pool is None or comp.pool == pool:
                 for buf in comp.buffers:
                     out.setdefault(buf.index_kind, []).append(buf.items)
-        return {k: out[k] for k in IndexKind if k in out}  # IndexKind order, for messages
+        return {k: out[k] for k in INDEX_KINDS if k in out}  # IndexKind order, for messages
 
     def items(self, pool: str, kind: IndexKind, draft_has_kind: bool) -> int:
         """Items of the smallest buffer a ``pool`` list of ``kind`` addresses.
@@ -164,13 +164,13 @@ def validate(side: str, spec: PoolSpec, layout: SideLayout, target: Mapping[Inde
             raise BadIndexList(f"{side}: the draft pool has no {kind.value} buffers (it uses "
                                f"{', '.join(k.value for k in draft_used)})", side=side,
                                kind=kind.value, pool="draft")
-    missing = [k.value for k in IndexKind if k in used and k not in target]
+    missing = [k.value for k in INDEX_KINDS if k in used and k not in target]
     if missing:
         raise BadIndexList(f"{side}: index lists missing for {', '.join(missing)}: give every "
                            "kind the layout uses, or none for slot-based lists",
                            side=side, kind=missing[0])
     want = expected_lengths(spec, seq_len)
-    out_t: Lists = {k: np.zeros(0, dtype=np.int64) for k in IndexKind}
+    out_t: Lists = {k: np.zeros(0, dtype=np.int64) for k in INDEX_KINDS}
     out_d: Lists = {}
     for pool, given, out in (("target", target, out_t), ("draft", draft, out_d)):
         for kind, values in given.items():

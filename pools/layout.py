@@ -14,6 +14,7 @@ Buffer order follows sglang's wire layout:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from kvbeam.pools.indices import swa_index_mapping_fingerprint
@@ -125,7 +126,9 @@ class SideLayout:
     kv: ComponentLayout
     states: tuple[ComponentLayout, ...]
 
-    @property
+    # components and flat_buffers are read several times per request (plans, digests,
+    # sub-batches): built once per layout (the fields are frozen), not per read.
+    @functools.cached_property
     def components(self) -> tuple[ComponentLayout, ...]:
         """Main KV first, then the state components in order (the draft's last)."""
         return (self.kv, *self.states)
@@ -135,7 +138,7 @@ class SideLayout:
         """The positional state component types, e.g. ``[SWA, SWA_RING, SWA_RING]``."""
         return [c.state_type for c in self.states if c.state_type is not None]
 
-    @property
+    @functools.cached_property
     def flat_buffers(self) -> tuple[BufferLayout, ...]:
         """Every buffer in positional order; the handshake's region list follows it."""
         return tuple(b for c in self.components for b in c.buffers)

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 
 from kvbeam.errors import ProtocolError
 from kvbeam.pools.layout import SideLayout
-from kvbeam.pools.plan import IndexLists, list_for
+from kvbeam.pools.plan import IndexLists, own_draft_list
+from kvbeam.pools.types import IndexKind
 
 #: Low bits of a transfer id that number a request's marks (decode's ids leave them 0).
 MARK_BITS = 4
@@ -47,8 +48,16 @@ def buffer_bytes(layout: SideLayout, indices: IndexLists,
     (the draft's own, where it has one) times its item length. Decode computes it from
     its own layout and lists, prefill from decode's layout and the grant's lists: the
     same numbers, so the same :func:`cuts`."""
-    return [len(list_for(indices, draft, c.pool, b.index_kind)) * b.item_len
-            for c in layout.components for b in c.buffers]
+    counts: dict[tuple[IndexKind, bool], int] = {}  # items per list, each counted once
+    out = []
+    for c in layout.components:
+        for b in c.buffers:
+            key = (b.index_kind, own_draft_list(draft, c.pool, b.index_kind))
+            n = counts.get(key)
+            if n is None:
+                n = counts[key] = len((draft if key[1] and draft else indices)[b.index_kind])
+            out.append(n * b.item_len)
+    return out
 
 
 def cuts(per_buffer: Sequence[int], sub_batch_bytes: int) -> tuple[int, ...]:

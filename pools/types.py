@@ -15,6 +15,10 @@ class StateType(enum.Enum):
     #: bootstrap room, ... (the ``sglang_mha`` kind; one ``REQ_SLOT`` item per request).
     AUX = "AUX"
 
+    # Members are singletons: identity hashing (C) instead of Enum's hash of the name (a
+    # Python call per dict lookup, some 200-300 per small request in a daemon's lists).
+    __hash__ = object.__hash__
+
 
 class IndexKind(enum.Enum):
     """Which per-request index list addresses a buffer's items.
@@ -35,6 +39,15 @@ class IndexKind(enum.Enum):
     SWA_RING_ROWS = "SWA_RING_ROWS"
     REQ_SLOT = "REQ_SLOT"
     C128_STATE = "C128_STATE"
+
+    # Members are singletons: identity hashing (C) instead of Enum's hash of the name (a
+    # Python call per dict lookup, some 200-300 per small request in a daemon's lists).
+    __hash__ = object.__hash__
+
+
+#: Every index kind, in declaration order: iterating the enum itself runs a Python
+#: generator per member (EnumType.__iter__), and the per-request paths loop over them.
+INDEX_KINDS: tuple[IndexKind, ...] = tuple(IndexKind)
 
 
 #: Index kinds whose source and destination lists must have exactly the same length.

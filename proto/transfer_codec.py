@@ -9,7 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbeam.errors import ProtocolError
-from kvbeam.pools.types import IndexKind
+from kvbeam.pools.types import INDEX_KINDS, IndexKind
 from kvbeam.proto.fields import MAX_ITEMS, enum_value
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.states import FailureReason, TransferState, TransferStatus
@@ -58,10 +58,10 @@ def indices_to_proto(indices: Mapping[IndexKind, npt.NDArray[np.int64]],
                      draft: Mapping[IndexKind, npt.NDArray[np.int64]] | None = None
                      ) -> list[pb.IndexList]:
     """Every kind's index list, in IndexKind order; then the draft's own lists (pool "draft")."""
-    out = [pb.IndexList(kind=KIND_TO_PROTO[k], indices=indices[k].tolist()) for k in IndexKind
+    out = [pb.IndexList(kind=KIND_TO_PROTO[k], indices=indices[k].tolist()) for k in INDEX_KINDS
            if k in indices]
     return out + [pb.IndexList(kind=KIND_TO_PROTO[k], indices=draft[k].tolist(), pool="draft")
-                  for k in IndexKind if draft and k in draft]
+                  for k in INDEX_KINDS if draft and k in draft]
 
 
 def index_lists_from_proto(lists: Iterable[pb.IndexList], field: str) -> tuple[
@@ -108,7 +108,7 @@ def grant_indices_from_proto(lists: Iterable[pb.IndexList], field: str) -> tuple
             if len(arr) and int(arr.min()) < 0:
                 raise ProtocolError(f"{field}[{pool}{kind.value}].indices",
                                     f"negative index {int(arr.min())}")
-    missing = [k.value for k in IndexKind if k not in target]
+    missing = [k.value for k in INDEX_KINDS if k not in target]
     if missing:
         raise ProtocolError(field, f"index kinds missing: {', '.join(missing)}")
     return target, draft

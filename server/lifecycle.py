@@ -44,11 +44,13 @@ class Deadlines:
 
     def for_state(self, state: TransferState) -> float | None:
         """The budget of ``state``; None for terminal states."""
-        return {
-            TransferState.BOOTSTRAPPING: self.bootstrapping,
-            TransferState.WAITING_FOR_INPUT: self.waiting_for_input,
-            TransferState.TRANSFERRING: self.transferring,
-        }.get(state)
+        if state is TransferState.BOOTSTRAPPING:
+            return self.bootstrapping
+        if state is TransferState.WAITING_FOR_INPUT:
+            return self.waiting_for_input
+        if state is TransferState.TRANSFERRING:
+            return self.transferring
+        return None
 
 
 @dataclass
@@ -91,12 +93,15 @@ class TransferTable:
         self.keep_terminal = keep_terminal
         self._live: dict[str, Transfer] = {}
         self._done: OrderedDict[str, Transfer] = OrderedDict()
-        self._cond = threading.Condition()
+        # Taken as ``with self._lock`` (C), not through the Condition's Python-level
+        # __enter__/__exit__ (a few per request change); the Condition shares the lock.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._on_change = on_change
 
     def create(self, request_id: str, peer: str) -> TransferStatus:
         """Start a transfer in BOOTSTRAPPING; refuse duplicates and a full table."""
-        with self._cond:
+        with self._lock:
             if request_id in self._live or request_id in self._done:
                 raise DuplicateRequest(f"request id {request_id!r} is already known on this side")
             if len(self._live) >= self.capacity:
@@ -138,7 +143,7 @@ class TransferTable:
 
     def get(self, request_id: str) -> TransferStatus | None:
         """The current status, or None for an unknown request."""
-        with self._cond:
+        with self._lock:
             t = self._live.get(request_id) or self._done.get(request_id)
             return t.snapshot() if t else None
 
@@ -154,7 +159,7 @@ class TransferTable:
         """
         if state is TransferState.FAILED or TransferState.FAILED in through:
             raise IllegalTransition("use fail() to fail a transfer: it needs a reason")
-        with self._cond:
+        with self._lock:
             t = self._require(request_id)
             path = (t.state, *through, state)
             for here, there in itertools.pairwise(path):  # whole first: no half-made path
@@ -173,7 +178,7 @@ class TransferTable:
 
     def touch(self, request_id: str) -> None:
         """Record progress: restart the current state's deadline (e.g. a chunk arrived)."""
-        with self._cond:
+        with self._lock:
             t = self._live.get(request_id)
             if t is not None:
                 self._set_deadline(t)
@@ -181,7 +186,7 @@ class TransferTable:
     def extend(self, request_id: str, seconds: float) -> None:
         """Allow the current state at least ``seconds`` from now (e.g. Transferring sized
         by the request's bytes); never shortens a deadline."""
-        with self._cond:
+        with self._lock:
             t = self._live.get(request_id)
             if t is not None and t.deadline is not None:
                 t.deadline = max(t.deadline, time.monotonic() + seconds)
@@ -189,7 +194,7 @@ class TransferTable:
     def lease(self, request_id: str, seconds: float, what: str) -> None:
         """Give the current state exactly ``seconds`` from now (a lease, shorter or longer
         than the state's deadline); a timeout's detail names ``what`` it waited for."""
-        with self._cond:
+        with self._lock:
             t = self._live.get(request_id)
             if t is not None:
                 t.deadline = time.monotonic() + seconds
@@ -198,14 +203,14 @@ class TransferTable:
 
     def waiting_for(self, request_id: str, what: str) -> None:
         """Say what the current state waits for: a timeout's detail names it."""
-        with self._cond:
+        with self._lock:
             t = self._live.get(request_id)
             if t is not None:
                 t.waiting = what
 
     def left(self, request_id: str) -> float | None:
         """Seconds until a live transfer's deadline; None: unknown, ended, or no deadline."""
-        with self._cond:
+        with self._lock:
             t = self._live.get(request_id)
             if t is None or t.deadline is None:
                 return None
@@ -213,7 +218,7 @@ class TransferTable:
 
     def fail(self, request_id: str, reason: FailureReason, detail: str) -> TransferStatus | None:
         """Fail a live transfer; None (and no change) when it is terminal or unknown."""
-        with self._cond:
+        with self._lock:
             t = self._live.get(request_id)
             if t is None:
                 return None
@@ -237,7 +242,7 @@ class TransferTable:
     def expire(self, now: float | None = None) -> list[TransferStatus]:
         """Fail every live transfer past its deadline with TIMEOUT; returns what expired."""
         now = time.monotonic() if now is None else now
-        with self._cond:
+        with self._lock:
             late = [t for t in self._live.values()
                     if t.deadline is not None and now > t.deadline]
             out = []
@@ -257,7 +262,7 @@ class TransferTable:
 
     def live(self) -> list[TransferStatus]:
         """Snapshots of every non-terminal transfer."""
-        with self._cond:
+        with self._lock:
             return [t.snapshot() for t in self._live.values()]
 
     def watch(self, request_id: str, timeout: float) -> Iterator[TransferStatus]:
@@ -265,7 +270,7 @@ class TransferTable:
         end = time.monotonic() + timeout
         seen = -1
         while True:
-            with self._cond:
+            with self._lock:
                 t = self._live.get(request_id) or self._done.get(request_id)
                 if t is None:
                     raise KeyError(request_id)

@@ -54,7 +54,7 @@ from kvbeam.pools.mailbox import RecordArea
 from kvbeam.pools.plan import TransferPlan, build_plan
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.sub_batches import MAX_MARKS, bounds, buffer_bytes, cuts, mark_id
-from kvbeam.pools.types import IndexKind
+from kvbeam.pools.types import INDEX_KINDS, IndexKind
 from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.offers import Offer, OfferBook
@@ -202,7 +202,7 @@ class PrefillCore(PrefillEvents, CoreBase):
                 if kv_offset is not None:
                     pieces = Pieces(request_id, self.spec, self.layout, seq_len)
                     whole = pieces.add(kv_offset, ranges, final, indices or {}, draft or {})
-                    lists = whole or ({**{k: np.zeros(0, dtype=np.int64) for k in IndexKind},
+                    lists = whole or ({**{k: np.zeros(0, dtype=np.int64) for k in INDEX_KINDS},
                                        IndexKind.KV_PAGES: pieces.kv_pages}, {})
                 src, src_draft = lists or (request_indices(self.spec, src_slot, seq_len), {})
                 self.table.create(request_id, decode_address)
