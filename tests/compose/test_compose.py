@@ -53,6 +53,10 @@ def test_compose_up_moves_and_verifies_every_request(compose: Compose, timings: 
         assert f"{role} daemon: {TRANSPORT} transport" in log, log
         assert "Traceback" not in log and " ERROR " not in log, log
         assert f"{role} daemon stopped: nothing registered" in log, log  # SIGTERM reached it
+        # The image compiles kvbeam's C helpers (docker/Dockerfile): its daemons use them.
+        assert "integrity digests: compiled XXH3-128" in log, log
+        if TRANSPORT == "rdma":
+            assert "compiled WR poster" in log, log
     assert decode.count("XXH3-128 verified: ") == REQUESTS, decode
     assert prefill.count(": Success (") == REQUESTS, prefill
 
