@@ -19,8 +19,10 @@
  *
  * Every item number and window is checked against its buffer before a byte is read
  * (ValueError for a malformed part, IndexError naming the part and the item for an item
- * outside its buffer). The hashing runs with the GIL released; the buffers stay pinned
- * (PyObject_GetBuffer) until it is done.
+ * outside its buffer). The hashing runs with the GIL released unless the caller passes
+ * release_gil=False (a small job: taking the GIL back from a busy thread can cost up to
+ * the interpreter's switch interval, 5 ms, far more than hashing a few hundred KB); the
+ * buffers stay pinned (PyObject_GetBuffer) until it is done.
  *
  * Optional, like the WR poster: setup.py builds it where <xxhash.h> (Debian's
  * libxxhash-dev) is installed; without it kvbeam.pools.digest digests through python-xxhash.
@@ -148,8 +150,26 @@ static PyObject *hash_to_int(const uint64_t hash[2]) {
     return out;
 }
 
-static PyObject *digest_parts(PyObject *self, PyObject *arg) {
+/* Hash every part (item numbers checked first). */
+static void digest_all(struct part *parts, Py_ssize_t n, Py_ssize_t *bad_part,
+                       Py_ssize_t *bad_item) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t outside = first_outside(&parts[i]);
+        if (outside >= 0) {
+            *bad_part = i;
+            *bad_item = outside;
+            return;
+        }
+        part_digest(&parts[i]);
+    }
+}
+
+static PyObject *digest_parts(PyObject *self, PyObject *args) {
     (void)self;
+    PyObject *arg;
+    int release_gil = 1;
+    if (!PyArg_ParseTuple(args, "O|p:digest_parts", &arg, &release_gil))
+        return NULL;
     PyObject *seq = PySequence_Fast(arg, "digest_parts takes a sequence of parts");
     if (seq == NULL)
         return NULL;
@@ -164,17 +184,13 @@ static PyObject *digest_parts(PyObject *self, PyObject *arg) {
     for (; opened < n; opened++)
         if (part_open(PySequence_Fast_GET_ITEM(seq, opened), opened, &parts[opened]) < 0)
             goto done;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t outside = first_outside(&parts[i]);
-        if (outside >= 0) {
-            bad_part = i;
-            bad_item = outside;
-            break;
-        }
-        part_digest(&parts[i]);
+    if (release_gil) {
+        Py_BEGIN_ALLOW_THREADS
+        digest_all(parts, n, &bad_part, &bad_item);
+        Py_END_ALLOW_THREADS
+    } else {
+        digest_all(parts, n, &bad_part, &bad_item);
     }
-    Py_END_ALLOW_THREADS
     if (bad_part >= 0) {
         const struct part *p = &parts[bad_part];
         PyErr_Format(PyExc_IndexError, "digest part %zd: item %lld (position %zd) is outside "
@@ -200,9 +216,10 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"digest_parts", digest_parts, METH_O,
-     "digest_parts(parts) -> list[int]: XXH3-128 (seed 0) of each (items, idx, item_len, "
-     "offset, width) part's bytes, the GIL released."},
+    {"digest_parts", digest_parts, METH_VARARGS,
+     "digest_parts(parts, release_gil=True) -> list[int]: XXH3-128 (seed 0) of each "
+     "(items, idx, item_len, offset, width) part's bytes, the GIL released unless "
+     "release_gil is false."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -42,6 +42,8 @@ from kvbeam.pools.types import IndexKind
 DIGEST_NAME = "XXH3-128"
 #: Bytes of one digest (XXH3-128), as the mailbox record carries each.
 DIGEST_BYTES = 16
+#: A compiled call on fewer bytes keeps the GIL unless told otherwise (:func:`digest_many`).
+RELEASE_GIL_BYTES = 1 << 20
 
 #: What :func:`digest_parts` selects of a side, by (include_kv, include_states, the
 #: draft's own kinds, windows): (the distinct (kind, draft's own list) keys, then per
@@ -208,13 +210,22 @@ def digester() -> str:
     return _HELPER_WHY
 
 
-def digest_many(parts: Sequence[DigestPart], *, compiled: bool | None = None) -> list[int]:
+def digest_many(parts: Sequence[DigestPart], *, compiled: bool | None = None,
+                release_gil: bool | None = None) -> list[int]:
     """Each part's digest, in order. ``compiled``: None takes the helper where it loaded;
-    True requires it (RuntimeError without it); False uses python-xxhash (tests compare)."""
+    True requires it (RuntimeError without it); False uses python-xxhash (tests compare).
+
+    ``release_gil`` (the helper only): whether other threads may run while it hashes;
+    None: when the parts hold :data:`RELEASE_GIL_BYTES` or more. A thread that released
+    the GIL in a busy daemon may wait up to the interpreter's switch interval (5 ms) to
+    take it back, much longer than a small request's digests take (63 us on the host), so
+    the digest pool's threads release it and its inline jobs do not."""
     use = _HELPER is not None if compiled is None else compiled
     if not use:
         return [part.digest() for part in parts]
     if _HELPER is None:
         raise RuntimeError(f"the compiled digest helper is not available: {_HELPER_WHY}")
-    out: list[int] = _HELPER.digest_parts([part.spec for part in parts])
+    if release_gil is None:
+        release_gil = sum(part.nbytes for part in parts) >= RELEASE_GIL_BYTES
+    out: list[int] = _HELPER.digest_parts([part.spec for part in parts], release_gil)
     return out

@@ -95,7 +95,8 @@ def _parallel_bytes(parts: Sequence[DigestPart]) -> int:
 
 
 def _digest_all(parts: Sequence[DigestPart]) -> list[int]:
-    return digest_many(parts)
+    """A pool task: the GIL released, so the pool's threads hash on different cores."""
+    return digest_many(parts, release_gil=True)
 
 
 class DigestJob:
@@ -161,7 +162,8 @@ class DigestPool:
         if self._executor is None or _parallel_bytes(parts) < self.inline_below:
             done: Future[list[int]] = Future()
             try:
-                done.set_result(_digest_all(parts))
+                # On the calling thread: keep the GIL (digest_many says why).
+                done.set_result(digest_many(parts, release_gil=False))
             except Exception as exc:  # the same as a pool task's: result() raises it
                 done.set_exception(exc)
             return DigestJob([done], inline=True)

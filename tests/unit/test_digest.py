@@ -110,3 +110,44 @@ def test_the_compiled_helper_refuses_what_lies_outside_a_buffer() -> None:
         digest_many([DigestPart(part.items, part.idx, (width - 1, 2))], compiled=True)
     with pytest.raises(ValueError, match="int64"):
         digest_many([DigestPart(part.items, part.idx.astype(np.int32))], compiled=True)
+
+
+def test_the_compiled_helper_releases_the_gil_only_when_told() -> None:
+    """Another thread, woken as the call starts, runs during a released call and only
+    after a held one (the digest pool's threads release it; inline jobs keep it:
+    digest_many says why). The waiter blocks in recv (GIL released), is woken just
+    before the call, and needs the GIL to take its time stamp."""
+    import socket
+    import threading
+    import time
+
+    assert digest.COMPILED, digest.digester()
+    big = np.ones((4096, 64 << 10), dtype=np.uint8)  # 256 MiB: tens of ms to hash
+    part = DigestPart(big, np.arange(len(big), dtype=np.int64))
+    digest_many([part], compiled=True)  # pages touched once
+
+    def woken_after(release: bool) -> tuple[float, float]:
+        """(seconds from the wake-up to the waiter's stamp, seconds of the call)."""
+        ours, theirs = socket.socketpair()
+        woke: list[float] = []
+
+        def waiter() -> None:
+            theirs.recv(1)
+            woke.append(time.perf_counter())
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        time.sleep(0.05)  # it blocks in recv
+        t0 = time.perf_counter()
+        ours.send(b"x")
+        digest_many([part], compiled=True, release_gil=release)
+        t1 = time.perf_counter()
+        thread.join()
+        ours.close()
+        theirs.close()
+        return woke[0] - t0, t1 - t0
+
+    waited, took = woken_after(True)
+    assert waited < took / 2, (waited, took)  # ran while the call hashed
+    waited, took = woken_after(False)
+    assert waited > took / 2, (waited, took)  # waited for the call to end
