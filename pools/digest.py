@@ -17,10 +17,10 @@ overhead, not the hash, dominated small requests.
 
 Where the compiled helper ``kvbeam.pools._xxh3`` (pools/_xxh3.c, built at install where
 Debian's libxxhash-dev is) loads, :func:`digest_many` digests a request's parts in one
-call with the GIL released, streaming each part's items as they lie in the pool (no
-gather, no Python per buffer); without it, each part goes through python-xxhash as
-above. Both give the same digests (tests/unit/test_digest.py runs both); the daemon logs
-which it uses at start (:func:`digester`).
+call (the GIL released for the digest pool's tasks), streaming each part's items as they
+lie in the pool (no gather, no Python per buffer); without it, each part goes through
+python-xxhash as above. Both give the same digests (tests/unit/test_digest.py runs
+both); the daemon logs which it uses at start (:func:`digester`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import xxhash
 
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.layout import BufferLayout
-from kvbeam.pools.plan import IndexLists, own_draft_list
+from kvbeam.pools.plan import IndexLists, list_for, own_draft_list
 from kvbeam.pools.types import IndexKind
 
 #: The digest's name as operators see it (Success details, mismatch errors, docs).
@@ -81,7 +81,7 @@ class DigestPart:
 
     A part reads the pool memory only when it is digested, so a list of parts can be
     built under no lock and digested on any thread (the compiled helper releases the GIL
-    for all of a call; ``xxhash`` for an input over 64 KiB, see
+    in the digest pool's tasks; ``xxhash`` for an input over 64 KiB, see
     :mod:`kvbeam.pools.digest_pool`).
     """
 
@@ -167,8 +167,8 @@ def digest_parts(side: AllocatedSide, indices: IndexLists, *, include_kv: bool =
     """
     keys, rows = _template(side, include_kv, include_states, draft, windows)
     # contiguous int64: the compiled helper reads each list in place
-    lists = [np.ascontiguousarray((draft if own and draft is not None else indices)[kind],
-                                  dtype=np.int64) for kind, own in keys]
+    lists = [np.ascontiguousarray(list_for(indices, draft, "draft" if own else "target", kind))
+             for kind, own in keys]
     return [DigestPart(items, lists[at], window) for items, at, window in rows]
 
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from kvbeam.errors import ProtocolError
 from kvbeam.pools.layout import SideLayout
-from kvbeam.pools.plan import IndexLists, own_draft_list
+from kvbeam.pools.plan import IndexLists, list_for, own_draft_list
 from kvbeam.pools.types import IndexKind
 
 #: Low bits of a transfer id that number a request's marks (decode's ids leave them 0).
@@ -55,7 +55,7 @@ def buffer_bytes(layout: SideLayout, indices: IndexLists,
             key = (b.index_kind, own_draft_list(draft, c.pool, b.index_kind))
             n = counts.get(key)
             if n is None:
-                n = counts[key] = len((draft if key[1] and draft else indices)[b.index_kind])
+                n = counts[key] = len(list_for(indices, draft, c.pool, b.index_kind))
             out.append(n * b.item_len)
     return out
 
