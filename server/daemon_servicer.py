@@ -36,7 +36,7 @@ from kvbeam.server.executor import LoggingExecutor
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.peer_channel import KIND_NAMES, PeerChannel, PeerChannels, decode_request
 from kvbeam.server.peer_rpc import writes_in_flight
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.peers import PeerConn, lost_peer
 from kvbeam.server.servicer import ControlServicer
 from kvbeam.states import TransferStatus
 from kvbeam.transport.base import Event
@@ -272,10 +272,8 @@ class DaemonServicer(ControlServicer):
         instead: prefill's next step on that connection drops it and handshakes again,
         which opens a new channel; decode makes no offer on it; only an Abort falls back
         to the RPC (it must reach the peer); heartbeats go over the RPC loop."""
-        conn = channel.bound
-        if not isinstance(conn, PeerConn) or conn.closed or conn.channel is not channel:
-            return  # closed by its connection, or replaced by a newer channel
-        if channel.orderly:
+        conn = lost_peer(channel, self.rt.peers)
+        if conn is None:
             return
         self.io.submit(self.peer_lost, conn, f"peer channel to {channel.peer} lost: {reason}",
                        gone=True)

@@ -168,14 +168,21 @@ class PeerConn:
                 self._client = self._dial(self.control_address)
             return self._client
 
-    def close(self) -> None:
-        """Release the link (the peer can no longer write into us) and the channel."""
+    def close(self, *, keep_channel: bool = False) -> None:
+        """Release the link (the peer can no longer write into us) and the channel.
+
+        ``keep_channel`` (decode, when only the link failed): the peer channel stays open,
+        bound to this closed connection, as the peer's liveness: the prefill closes it
+        with a BYE when it drops its side and handshakes again, while its EOF without
+        a BYE (the process died) still fails the prefill's reservations at once. Closing
+        it here would race that EOF: whichever the kernel reported first decided.
+        """
         with self._lock:
             if self.closed:
                 return
             self.closed = True
             client, self._client = self._client, None
-            channel = self.channel
+            channel = None if keep_channel else self.channel
         if channel is not None:  # orderly: the peer takes it as a link loss, not as gone
             channel.close("its connection was closed on this side", bye=True)
         try:
@@ -301,3 +308,26 @@ class Peers:
         for conn in self.all():
             self.remove(conn)
             conn.close()
+
+
+def lost_peer(channel: Any, peers: Peers) -> PeerConn | None:
+    """The connection whose peer a closed peer channel proves lost, or None.
+
+    Only a channel closed without a BYE (the peer's process went, it fell silent, it
+    sent a bad frame) that is still its connection's channel counts: a BYE retires it
+    (the peer released or replaced that connection), a replaced channel is history.
+    Its connection may be closed already, dropped for a link failure that the same
+    death caused (the kernel reports both sockets; either may be handled first) or
+    kept open as decode's watch on the peer (:meth:`PeerConn.close`); then a newer
+    live connection to the same instance means the peer handshook again and is alive.
+    """
+    conn = channel.bound
+    if not isinstance(conn, PeerConn) or conn.channel is not channel or channel.orderly:
+        return None
+    if conn.closed:
+        live = peers.get(conn.instance_id)
+        if live is not None and live is not conn and not live.closed:
+            log.info("the earlier peer channel to %s closed; the peer is connected again",
+                     channel.peer)
+            return None
+    return conn

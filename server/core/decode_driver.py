@@ -208,9 +208,11 @@ class DecodeDriver(DriverBase[DecodeCore]):
     def on_peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
         """Close the link first (no more writes can land), then tell the core
         (:meth:`DecodeCore.link_dropped`). Blocking (the link's release): never under a
-        lock."""
+        lock. When only the link failed, the peer channel stays open (see
+        :meth:`PeerConn.close`): the reservations kept for prefill's resend still fail
+        at once if it turns out prefill died."""
         self.peers.remove(conn, forget=gone)
-        conn.close()
+        conn.close(keep_channel=not gone)
         self.execute(self.core.link_dropped(conn, detail, gone=gone))
 
     def shutdown(self, detail: str = "decode shutting down") -> None:
