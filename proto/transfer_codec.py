@@ -54,19 +54,55 @@ def reason_from_proto(value: int, field: str = "failure_reason") -> FailureReaso
 POOL_NAMES = ("", "target", "draft")
 
 
+#: ``IndexList.packed``'s element: little-endian int64, whatever this machine's order.
+_PACKED = np.dtype("<i8")
+
+
 def indices_to_proto(indices: Mapping[IndexKind, npt.NDArray[np.int64]],
-                     draft: Mapping[IndexKind, npt.NDArray[np.int64]] | None = None
-                     ) -> list[pb.IndexList]:
-    """Every kind's index list, in IndexKind order; then the draft's own lists (pool "draft")."""
-    out = [pb.IndexList(kind=KIND_TO_PROTO[k], indices=indices[k].tolist()) for k in INDEX_KINDS
-           if k in indices]
-    return out + [pb.IndexList(kind=KIND_TO_PROTO[k], indices=draft[k].tolist(), pool="draft")
-                  for k in INDEX_KINDS if draft and k in draft]
+                     draft: Mapping[IndexKind, npt.NDArray[np.int64]] | None = None, *,
+                     packed: bool = False) -> list[pb.IndexList]:
+    """Every kind's index list, in IndexKind order; then the draft's own lists (pool "draft").
+
+    ``packed``: each list as ``IndexList.packed`` (little-endian int64s), what the
+    daemons send each other (protocol 7); else as ``indices``, what clients get.
+    """
+    lists = [(k, indices[k], "") for k in INDEX_KINDS if k in indices]
+    if draft:
+        lists += [(k, draft[k], "draft") for k in INDEX_KINDS if k in draft]
+    if packed:
+        return [pb.IndexList(kind=KIND_TO_PROTO[k], pool=pool,
+                             packed=arr.astype(_PACKED, copy=False).tobytes())
+                for k, arr, pool in lists]
+    return [pb.IndexList(kind=KIND_TO_PROTO[k], indices=arr.tolist(), pool=pool)
+            for k, arr, pool in lists]
+
+
+def _unpacked(item: pb.IndexList, where: str) -> npt.NDArray[np.int64]:
+    """One list's indices, from ``packed`` or ``indices`` (not both), as int64s."""
+    if not item.packed:
+        if len(item.indices) > MAX_INDICES:
+            raise ProtocolError(f"{where}.indices",
+                                f"too many indices: {len(item.indices)} (at most {MAX_INDICES})")
+        # fromiter with the length: about a third cheaper than asarray on upb's
+        # repeated container (which numpy reads item by item through the sequence protocol).
+        return np.fromiter(item.indices, np.int64, len(item.indices))
+    if len(item.indices):
+        raise ProtocolError(where, "sets both indices and packed (one or the other)")
+    count, rest = divmod(len(item.packed), _PACKED.itemsize)
+    if rest:
+        raise ProtocolError(f"{where}.packed", f"{len(item.packed)} bytes is not a whole "
+                            f"number of {_PACKED.itemsize}-byte indices")
+    if count > MAX_INDICES:
+        raise ProtocolError(f"{where}.packed",
+                            f"too many indices: {count} (at most {MAX_INDICES})")
+    # A copy in native order: frombuffer's view would be read-only and keep the message.
+    return np.frombuffer(item.packed, _PACKED).astype(np.int64)
 
 
 def index_lists_from_proto(lists: Iterable[pb.IndexList], field: str) -> tuple[
         dict[IndexKind, npt.NDArray[np.int64]], dict[IndexKind, npt.NDArray[np.int64]]]:
-    """Decode index lists into (target, draft) by kind: each (pool, kind) at most once.
+    """Decode index lists into (target, draft) by kind: each (pool, kind) at most once,
+    each list from ``indices`` or ``packed``.
 
     Only the wire's own limits are checked here (known kind and pool, bounded
     length); ranges, lengths and duplicates are checked against a layout by
@@ -85,12 +121,7 @@ def index_lists_from_proto(lists: Iterable[pb.IndexList], field: str) -> tuple[
         if kind in out:
             raise ProtocolError(f"{field}[{i}].kind",
                                 f"{kind.value} appears twice{' (draft)' if out is draft else ''}")
-        if len(item.indices) > MAX_INDICES:
-            raise ProtocolError(f"{field}[{i}].indices",
-                                f"too many indices: {len(item.indices)} (at most {MAX_INDICES})")
-        # fromiter with the length: about a third cheaper than asarray on upb's
-        # repeated container (which numpy reads item by item through the sequence protocol).
-        out[kind] = np.fromiter(item.indices, np.int64, len(item.indices))
+        out[kind] = _unpacked(item, f"{field}[{i}]")
     return target, draft
 
 

@@ -175,7 +175,8 @@ class DecodeServicer(DaemonServicer):
         res = self.decode.begin_write(rid, request.instance_id, request.seq_len,
                                       request.final_chunk, request.digests_follow)
         return pb.BeginWriteResponse(request_id=rid, transfer_id=res.transfer_id, slot=res.slot,
-                                     indices=indices_to_proto(res.indices, res.draft),
+                                     indices=indices_to_proto(res.indices, res.draft,
+                                                              packed=True),
                                      instance_id=self.local.instance_id, kv_skip=res.kv_skip,
                                      mailbox_slot=res.mailbox_slot)
 

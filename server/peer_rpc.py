@@ -420,7 +420,7 @@ class GrpcPrefillPeers:
         request = pb.OfferRequest(
             request_id=request_id, instance_id=self.local.instance_id, seq_len=seq_len,
             transfer_id=grant.transfer_id, slot=slot,
-            indices=indices_to_proto(grant.indices, grant.draft),
+            indices=indices_to_proto(grant.indices, grant.draft, packed=True),
             lease_ms=max(1, int(lease_s * 1000)), kv_skip=grant.kv_skip,
             mailbox_slot=grant.mailbox_slot)
         timeout = min(self.options.rpc_timeout_s, OFFER_TIMEOUT_S)

@@ -349,14 +349,16 @@ class TokenRange(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class IndexList(_message.Message):
-    __slots__ = ("kind", "indices", "pool")
+    __slots__ = ("kind", "indices", "pool", "packed")
     KIND_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     kind: IndexKind
     indices: _containers.RepeatedScalarFieldContainer[int]
     pool: str
-    def __init__(self, kind: _Optional[_Union[IndexKind, str]] = ..., indices: _Optional[_Iterable[int]] = ..., pool: _Optional[str] = ...) -> None: ...
+    packed: bytes
+    def __init__(self, kind: _Optional[_Union[IndexKind, str]] = ..., indices: _Optional[_Iterable[int]] = ..., pool: _Optional[str] = ..., packed: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "seq_len", "prefill_address", "indices", "kv_skip")
