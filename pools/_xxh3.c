@@ -11,9 +11,11 @@
  * digest_parts(parts) takes a sequence of (items, idx, item_len, offset, width) tuples:
  * `items` a C-contiguous buffer of whole items (a pool buffer's memory), `idx` a
  * C-contiguous int64 buffer of item numbers, and the bytes [offset, offset + width) of
- * each item are what is digested, items in idx order. It returns one int per part: the
- * XXH3-128 (seed 0) of those bytes concatenated, as python-xxhash's xxh3_128_intdigest
- * gives it (high 64 bits above low 64 bits). XXH3's streaming form digests the pieces
+ * each item are what is digested, items in idx order. It returns one bytes object, 16
+ * per part: the XXH3-128 (seed 0) of those bytes concatenated, little-endian (python-
+ * xxhash's xxh3_128_intdigest(...).to_bytes(16, "little")), the layout the digest record
+ * carries, so a request's digests never become Python ints one by one. XXH3's streaming
+ * form digests the pieces
  * as they lie; its result equals the one-shot digest of the concatenation. Consecutive
  * whole items are one piece.
  *
@@ -136,18 +138,13 @@ static void part_digest(struct part *p) {
                    p->hash);
 }
 
-static PyObject *hash_to_int(const uint64_t hash[2]) {
-    PyObject *high = PyLong_FromUnsignedLongLong(hash[0]);
-    PyObject *low = PyLong_FromUnsignedLongLong(hash[1]);
-    PyObject *shift = PyLong_FromLong(64);
-    PyObject *shifted = NULL, *out = NULL;
-    if (high && low && shift && (shifted = PyNumber_Lshift(high, shift)))
-        out = PyNumber_Or(shifted, low);
-    Py_XDECREF(high);
-    Py_XDECREF(low);
-    Py_XDECREF(shift);
-    Py_XDECREF(shifted);
-    return out;
+/* A digest as the record carries it: the 128-bit value little-endian (low 64 bits first),
+ * what int.to_bytes(16, "little") gives for python-xxhash's xxh3_128_intdigest. */
+static void put_digest(unsigned char *out, const uint64_t hash[2]) {
+    for (int i = 0; i < 8; i++) {
+        out[i] = (unsigned char)(hash[1] >> (8 * i));
+        out[8 + i] = (unsigned char)(hash[0] >> (8 * i));
+    }
 }
 
 /* Hash every part (item numbers checked first). */
@@ -199,13 +196,11 @@ static PyObject *digest_parts(PyObject *self, PyObject *args) {
                      p->items.len / p->item_len);
         goto done;
     }
-    out = PyList_New(n);
-    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        PyObject *value = hash_to_int(parts[i].hash);
-        if (value == NULL)
-            Py_CLEAR(out);
-        else
-            PyList_SET_ITEM(out, i, value);
+    out = PyBytes_FromStringAndSize(NULL, n * 16);
+    if (out != NULL) {
+        unsigned char *at = (unsigned char *)PyBytes_AS_STRING(out);
+        for (Py_ssize_t i = 0; i < n; i++)
+            put_digest(at + 16 * i, parts[i].hash);
     }
 done:
     for (Py_ssize_t i = 0; i < opened; i++)
@@ -217,9 +212,9 @@ done:
 
 static PyMethodDef methods[] = {
     {"digest_parts", digest_parts, METH_VARARGS,
-     "digest_parts(parts, release_gil=True) -> list[int]: XXH3-128 (seed 0) of each "
-     "(items, idx, item_len, offset, width) part's bytes, the GIL released unless "
-     "release_gil is false."},
+     "digest_parts(parts, release_gil=True) -> bytes: XXH3-128 (seed 0) of each "
+     "(items, idx, item_len, offset, width) part's bytes, 16 little-endian bytes per part, "
+     "the GIL released unless release_gil is false."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -4,8 +4,9 @@
 64 KiB (``XXHASH_GIL_MINSIZE`` in its C source; ``make bench-host``'s digest lines
 measure it), so threads digesting different buffers run on different cores: a
 61-layer request's 182 buffers are split into contiguous groups of about equal
-bytes, one task each, and the job's result is the digests in the buffers' order,
-exactly what :func:`kvbeam.pools.digest.request_digests` returns on one thread.
+bytes, one task each, and the job's result is the digests in the buffers' order
+(one bytes object, 16 per buffer), exactly what
+:func:`kvbeam.pools.digest.request_digests` returns on one thread.
 Buffers under 64 KiB (the per-slot states) hold the GIL while digested, but they
 are a few percent of a large request's bytes. ``numpy.take`` (a scattered list's
 gather) releases the GIL too. With the compiled helper (:func:`kvbeam.pools.digest.
@@ -31,7 +32,7 @@ from types import TracebackType
 
 from kvbeam.pools import digest
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.digest import DigestPart, digest_many, digest_parts
+from kvbeam.pools.digest import DigestParts, digest_many, digest_parts
 from kvbeam.pools.plan import IndexLists
 
 log = logging.getLogger(__name__)
@@ -55,16 +56,17 @@ GIL_RELEASE_BYTES = 64 << 10
 INLINE_BELOW_BYTES = 2 << 20
 
 
-def split_parts(parts: Sequence[DigestPart], groups: int) -> list[Sequence[DigestPart]]:
+def split_parts(parts: DigestParts, groups: int) -> list[DigestParts]:
     """``parts`` cut into at most ``groups`` contiguous runs of about equal bytes, in
     order (every part in exactly one run; a part of zero bytes goes with its neighbours)."""
-    total = sum(p.nbytes for p in parts)
+    sizes = parts.part_bytes()
+    total = sum(sizes)
     if groups <= 1 or len(parts) <= 1 or total == 0:
-        return [parts] if parts else []
-    out: list[Sequence[DigestPart]] = []
+        return [parts] if len(parts) else []
+    out: list[DigestParts] = []
     start, acc = 0, 0
-    for i, part in enumerate(parts):
-        acc += part.nbytes
+    for i, size in enumerate(sizes):
+        acc += size
         # Cut once this run reaches its share of the bytes (the last run takes the rest).
         if len(out) < groups - 1 and acc * groups >= total * (len(out) + 1):
             out.append(parts[start:i + 1])
@@ -85,16 +87,15 @@ def _name_os_thread() -> None:
         log.debug("could not name the digest thread: %s", exc)
 
 
-def _parallel_bytes(parts: Sequence[DigestPart]) -> int:
+def _parallel_bytes(parts: DigestParts) -> int:
     """Bytes of ``parts`` that a pool thread digests with the GIL released: all of them
     with the compiled helper, the parts over 64 KiB with python-xxhash."""
-    sizes = (p.nbytes for p in parts)
     if digest.COMPILED:
-        return sum(sizes)
-    return sum(n for n in sizes if n > GIL_RELEASE_BYTES)
+        return parts.nbytes
+    return sum(n for n in parts.part_bytes() if n > GIL_RELEASE_BYTES)
 
 
-def _digest_all(parts: Sequence[DigestPart]) -> list[int]:
+def _digest_all(parts: DigestParts) -> bytes:
     """A pool task: the GIL released, so the pool's threads hash on different cores."""
     return digest_many(parts, release_gil=True)
 
@@ -102,7 +103,7 @@ def _digest_all(parts: Sequence[DigestPart]) -> list[int]:
 class DigestJob:
     """One request's digests being computed; :meth:`result` waits for them all."""
 
-    def __init__(self, tasks: list[Future[list[int]]], *, inline: bool = False) -> None:
+    def __init__(self, tasks: list[Future[bytes]], *, inline: bool = False) -> None:
         self._tasks = tasks
         #: Computed on the calling thread before :meth:`DigestPool.digests` returned (a
         #: small job, or a pool without threads): done, nothing to overlap with it.
@@ -112,13 +113,14 @@ class DigestJob:
         """True once every task finished (:meth:`result` will not wait)."""
         return all(t.done() for t in self._tasks)
 
-    def result(self, timeout: float | None = None) -> list[int]:
-        """The digests, in the buffers' order; re-raises a task's exception (e.g. an
-        index outside its buffer). ``timeout``: seconds for the whole job (TimeoutError)."""
-        out: list[int] = []
-        for task in self._tasks:  # in order: a later task may finish first
-            out.extend(task.result(timeout))
-        return out
+    def result(self, timeout: float | None = None) -> bytes:
+        """The digests (16 bytes each), in the buffers' order; re-raises a task's exception
+        (e.g. an index outside its buffer). ``timeout``: seconds for the whole job
+        (TimeoutError)."""
+        if len(self._tasks) == 1:
+            return self._tasks[0].result(timeout)
+        # In order: a later task may finish first.
+        return b"".join(task.result(timeout) for task in self._tasks)
 
 
 class DigestPool:
@@ -156,11 +158,11 @@ class DigestPool:
                                        include_states=include_states, draft=draft,
                                        windows=windows))
 
-    def start(self, parts: Sequence[DigestPart]) -> DigestJob:
+    def start(self, parts: DigestParts) -> DigestJob:
         """Start digesting ``parts`` (:func:`~kvbeam.pools.digest.digest_parts`, or a run of
         them: a sub-batch's buffers); the job's result is their digests, in order."""
         if self._executor is None or _parallel_bytes(parts) < self.inline_below:
-            done: Future[list[int]] = Future()
+            done: Future[bytes] = Future()
             try:
                 # On the calling thread: keep the GIL (digest_many says why).
                 done.set_result(digest_many(parts, release_gil=False))

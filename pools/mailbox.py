@@ -86,13 +86,16 @@ def _self_digest(body: bytes | memoryview) -> bytes:
     return int(xxhash.xxh3_128_intdigest(body)).to_bytes(DIGEST_BYTES, "little")
 
 
-def encode_record(transfer_id: int, slot: int, request_id: str, digests: list[int], *,
+def encode_record(transfer_id: int, slot: int, request_id: str, digests: bytes, *,
                   marks: int = 0, magic: int = MAGIC, version: int = RECORD_VERSION,
                   count: int | None = None, rid_hash: int | None = None) -> bytes:
-    """The record of a request's digests; ``marks``: its sub-batches notified before it
-    (the other keyword arguments exist for fault injection and tests: a record that
-    lies about one field, its self-digest valid)."""
-    n = len(digests)
+    """The record of a request's digests (16 little-endian bytes per buffer, as
+    :func:`kvbeam.pools.digest.digest_many` gives them); ``marks``: its sub-batches
+    notified before it (the other keyword arguments exist for fault injection and tests:
+    a record that lies about one field, its self-digest valid)."""
+    n, rest = divmod(len(digests), DIGEST_BYTES)
+    if rest:
+        raise ValueError(f"{len(digests)} bytes of digests: not {DIGEST_BYTES} per buffer")
     if n > MAX_BUFFERS:
         raise ValueError(f"{n} digests: a record carries at most {MAX_BUFFERS}")
     if not 0 <= marks <= 0xFF:
@@ -100,7 +103,7 @@ def encode_record(transfer_id: int, slot: int, request_id: str, digests: list[in
     head = HEADER.pack(magic, version, marks, n if count is None else count,
                        transfer_id & 0xFFFFFFFF, slot & 0xFFFFFFFF,
                        request_hash(request_id) if rid_hash is None else rid_hash)
-    body = head + b"".join(d.to_bytes(DIGEST_BYTES, "little") for d in digests)
+    body = head + digests
     return body + _self_digest(body)
 
 
@@ -116,9 +119,10 @@ class Expected:
 
 @dataclass(frozen=True)
 class Record:
-    """A checked record: the request's digests, and the sub-batches marked before it."""
+    """A checked record: the request's digests (16 little-endian bytes per buffer, in
+    layout order), and the sub-batches marked before it."""
 
-    digests: list[int]
+    digests: bytes
     marks: int
 
 
@@ -158,9 +162,7 @@ def parse_record(raw: bytes | memoryview, want: Expected) -> Record:
     if rid_hash != expect_hash:
         raise RecordError("request_id", f"hash {rid_hash:#018x}, expected {expect_hash:#018x} "
                                         f"(request {want.request_id})")
-    return Record([int.from_bytes(raw[HEADER.size + i * DIGEST_BYTES:
-                                      HEADER.size + (i + 1) * DIGEST_BYTES], "little")
-                   for i in range(n)], marks)
+    return Record(raw[HEADER.size:end], marks)
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,7 @@ import numpy as np
 from kvbeam.errors import ConfigError
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.digest import DIGEST_BYTES
 from kvbeam.pools.mailbox import MAGIC, RECORD_VERSION, encode_record, request_hash
 from kvbeam.pools.plan import IndexLists, list_for
 from kvbeam.transport.base import Link
@@ -235,7 +236,7 @@ class FaultHooks:
                     extra=fields(request_id))
 
     def corrupt_record(self, request_id: str, raw: bytes, transfer_id: int, slot: int,
-                       digests: list[int], marks: int = 0) -> bytes:
+                       digests: bytes, marks: int = 0) -> bytes:
         """The digest record to write for this request: ``raw``, or one with the armed
         field wrong (its self-digest valid, except for ``self_digest``) (prefill)."""
         field = self.corrupt_record_field
@@ -244,12 +245,14 @@ class FaultHooks:
         if field == "self_digest":
             out = raw[:-1] + bytes([raw[-1] ^ 0xFF])
         else:
-            wrong = [digests[0] ^ 1, *digests[1:]] if field == "digest" and digests else digests
+            # The first buffer's digest with its lowest bit flipped (little-endian).
+            wrong = (bytes([digests[0] ^ 1]) + digests[1:] if field == "digest" and digests
+                     else digests)
             out = encode_record(
                 transfer_id + (field == "transfer_id"), slot + (field == "slot"), request_id,
                 wrong, marks=marks + (field == "marks"), magic=MAGIC ^ (field == "magic"),
                 version=RECORD_VERSION + (field == "version"),
-                count=len(digests) + 1 if field == "count" else None,
+                count=len(digests) // DIGEST_BYTES + 1 if field == "count" else None,
                 rid_hash=request_hash(request_id) ^ 1 if field == "request_id" else None)
         log.warning("FAULT INJECTED: digest record of request %s written with a wrong %s",
                     request_id, field, extra=fields(request_id))

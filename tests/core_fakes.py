@@ -131,7 +131,7 @@ class FakeDecode:
         return conn
 
     @property
-    def digests(self) -> list[tuple[str, int, list[int]]]:
+    def digests(self) -> list[tuple[str, int, bytes]]:
         """(request id, transfer id, digests) of every digest record written, in order."""
         core = getattr(self, "core", None)
         known = {*self.names, *(r for r, _ in self.begins), *(core.core._out if core else ())}
@@ -141,9 +141,7 @@ class FakeDecode:
             for tid, raw in list(link.records):
                 head = HEADER.unpack_from(raw)
                 n, rid = head[3], names.get(head[6], "?")
-                out.append((rid, tid, [int.from_bytes(raw[HEADER.size + 16 * i:
-                                                          HEADER.size + 16 * (i + 1)],
-                                                      "little") for i in range(n)]))
+                out.append((rid, tid, raw[HEADER.size:HEADER.size + 16 * n]))
         return out
 
     def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
@@ -182,7 +180,13 @@ class FakeDecode:
         return sum(self.abort(conn, address, rid, detail, timeout) for conn, address, rid in calls)
 
 
-def land_record(core: DecodeDriver | DecodeCore, request_id: str, digests: list[int],
+def flip_digest(digests: bytes, buffer: int = 0) -> bytes:
+    """``digests`` with buffer ``buffer``'s digest wrong (its lowest bit flipped)."""
+    at = buffer * 16
+    return digests[:at] + bytes([digests[at] ^ 1]) + digests[at + 1:]
+
+
+def land_record(core: DecodeDriver | DecodeCore, request_id: str, digests: bytes,
                 transfer_id: int | None = None, slot: int | None = None,
                 marks: int = 0) -> None:
     """What prefill's record write lands before its marker: the request's digest record

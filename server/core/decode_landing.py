@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.digest import DIGEST_NAME, DigestPart, digest_parts
+from kvbeam.pools.digest import DIGEST_BYTES, DIGEST_NAME, DigestParts, digest_parts
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.mailbox import Expected, Record, RecordArea, RecordError, parse_record
@@ -50,8 +50,8 @@ class Verdict:
     detail: str
     #: For the Success log line: how long the record and the check took.
     timing: str = ""
-    #: The digest record's digests, when one was checked.
-    digests: list[int] | None = None
+    #: The digest record's digests (16 bytes per buffer), when one was checked.
+    digests: bytes | None = None
 
 
 class LandingCheck:
@@ -95,17 +95,18 @@ class LandingCheck:
             landed = self._landed_digests(res, pools, record.marks)
         except RecordError as exc:
             return Verdict(False, str(exc))
-        bad = [b.name for b, want, got in zip(layout.flat_buffers, record.digests, landed,
-                                             strict=True) if want != got]
-        if bad:
+        if record.digests != landed:  # one comparison; which buffers only on a mismatch
+            bad = [b.name for i, b in enumerate(layout.flat_buffers)
+                   if record.digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]
+                   != landed[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]]
             return Verdict(False, f"{DIGEST_NAME} mismatch in {len(bad)} buffer(s): "
                                   f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
         timing = (f"; record and check {(time.monotonic() - t0) * 1e3:.1f} ms, "
                   f"{(time.monotonic() - res.landed_at) * 1e3:.1f} ms after the landing"
                   + (f", {record.marks} of {record.marks + 1} sub-batches digested as "
                      "they landed" if record.marks else ""))
-        return Verdict(True, f"{VERIFIED_PREFIX} {len(landed)} buffers match prefill's "
-                             "digests", timing, record.digests)
+        return Verdict(True, f"{VERIFIED_PREFIX} {len(landed) // DIGEST_BYTES} buffers "
+                             "match prefill's digests", timing, record.digests)
 
     def digest_mark(self, res: Incoming, mark: int) -> DigestJob:
         """Start digesting sub-batch ``mark``'s buffers on the digest pool (its
@@ -140,7 +141,7 @@ class LandingCheck:
                                       buffers=buffers)
 
     @staticmethod
-    def _parts(res: Incoming, pools: AllocatedSide) -> list[DigestPart]:
+    def _parts(res: Incoming, pools: AllocatedSide) -> DigestParts:
         """The request's digest parts, one per flat buffer (built once; no lock needed:
         a race builds the same list twice)."""
         parts = res.parts
@@ -148,7 +149,7 @@ class LandingCheck:
             parts = res.parts = digest_parts(pools, res.indices, draft=res.draft)
         return parts
 
-    def _landed_digests(self, res: Incoming, pools: AllocatedSide, marks: int) -> list[int]:
+    def _landed_digests(self, res: Incoming, pools: AllocatedSide, marks: int) -> bytes:
         """The landed bytes' digests, in flat order, on the digest pool (no lock held):
         the marked sub-batches' jobs (started as each landed) and the last part's, or
         every buffer's when the record says no mark came.
@@ -171,8 +172,5 @@ class LandingCheck:
         lo, _hi = bounds(cut, marks + 1, len(parts))
         self._corrupt_landed(res, pools, range(lo, len(parts)))
         last = self.digest_pool.start(parts[lo:])
-        out: list[int] = []
-        for k in range(1, marks + 1):
-            out.extend(res.marked[k].result())
-        out.extend(last.result())
-        return out
+        return b"".join([*(res.marked[k].result() for k in range(1, marks + 1)),
+                         last.result()])

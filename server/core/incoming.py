@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvbeam.pools.digest import DigestPart
+from kvbeam.pools.digest import DigestParts
 from kvbeam.pools.digest_pool import DigestJob
 from kvbeam.server.core.ports import IndexLists
 
@@ -53,7 +53,7 @@ class Incoming:
     indices: IndexLists
     nbytes: int
     peer_instance: str = ""          # set by BeginWrite: prefill may write from now on
-    digests: list[int] | None = None  # the digest record's, once checked
+    digests: bytes | None = None  # the digest record's, once checked
     #: Where its bytes are (:class:`Landing`).
     landing: Landing = Landing.AWAITED
     success_at: float | None = None  # when it was VERIFIED (its hand-off lease runs from it)
@@ -82,7 +82,7 @@ class Incoming:
     #: current transfer id (a resend's new id starts over).
     marked: dict[int, DigestJob] = field(default_factory=dict)
     #: Its digest parts (one per flat buffer), built at its first mark.
-    parts: list[DigestPart] | None = None
+    parts: DigestParts | None = None
 
     # ---- the landing's moves (the core calls them under its lock) --------------------
     @property

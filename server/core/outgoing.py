@@ -119,7 +119,7 @@ class Outgoing:
     #: The staging slot its digest record is written from (area, its free-list, slot),
     #: held while a write of it is outstanding (server/core/prefill_record.py).
     staging: tuple[RecordArea, FreeSlots, int] | None = None
-    digests: list[int] | None = None  # computed once: a resend's source bytes are the same
+    digests: bytes | None = None  # computed once: a resend's source bytes are the same
 
     # -- the resend after a transient transport error (server/core/resend.py) ------------
     resend_cause: str | None = None  # what broke its link: a resend is owed (None: none)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvbeam.errors import SendFailed
+from kvbeam.pools.digest import DIGEST_BYTES
 from kvbeam.pools.mailbox import (
     MAILBOX_KEY,
     FreeSlots,
@@ -119,7 +120,7 @@ class RecordStager:
         free.give(slot)
 
     @staticmethod
-    def blocks(rec: Outgoing, conn: PeerConn, grant: WriteGrant, digests: list[int],
+    def blocks(rec: Outgoing, conn: PeerConn, grant: WriteGrant, digests: bytes,
                marks: int, faults: FaultHooks | None) -> Blocks:
         """The request's digest record, put in its staging slot, as the block that writes
         it into decode's mailbox slot (posted notified: the marker follows it); ``marks``:
@@ -133,7 +134,7 @@ class RecordStager:
         assert rec.staging is not None and conn.mailbox is not None
         area, _free, slot = rec.staging
         area.put(slot, raw)
-        n = min(len(raw), record_size(len(digests)), conn.mailbox.record_bytes)
+        n = min(len(raw), record_size(len(digests) // DIGEST_BYTES), conn.mailbox.record_bytes)
         return Blocks(np.array([area.slot_addr(slot)], dtype=np.uint64),
                       np.array([conn.mailbox.slot_addr(grant.mailbox_slot)], dtype=np.uint64),
                       np.array([n], dtype=np.uint64))

@@ -20,7 +20,7 @@ from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
-from tests.core_fakes import FakeLink, fake_conn, land_record
+from tests.core_fakes import FakeLink, fake_conn, flip_digest, land_record
 from tests.fixtures import UNIFIED_TARGET, layout
 
 PREFILL = "127.0.0.1:7"
@@ -110,7 +110,7 @@ def test_a_small_landing_that_fails_its_check_fails_at_once_and_tells_prefill_la
     core, io, prefill, conn = _core()
     core.digest_pool = DigestPool(0)
     res = core.reserve("r", 300, PREFILL)
-    wrong = [d ^ 1 for d in request_digests(core.pools, res.indices)]
+    wrong = flip_digest(request_digests(core.pools, res.indices))
     core.begin_write("r", conn.instance_id, 300, True, True)
     land_record(core, "r", wrong)
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
@@ -141,7 +141,7 @@ def test_landing_is_verified_on_the_executor_not_the_event_thread() -> None:
 def test_integrity_failure_frees_the_slot_and_tells_prefill_from_the_executor() -> None:
     core, io, prefill, conn = _core()
     res = core.reserve("r", 300, PREFILL)
-    wrong = [d ^ 1 for d in request_digests(core.pools, res.indices)]
+    wrong = flip_digest(request_digests(core.pools, res.indices))
     core.begin_write("r", conn.instance_id, 300, True, True)
     land_record(core, "r", wrong)
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))

@@ -27,7 +27,7 @@ from kvbeam.server.lifecycle import Deadlines
 from kvbeam.server.peers import PeerConn
 from kvbeam.states import NOT_VERIFIED_NO_DIGESTS, FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
-from tests.core_fakes import FakeDecode, FakeLink, land_record, prefill_core, wait_for
+from tests.core_fakes import FakeDecode, FakeLink, flip_digest, land_record, prefill_core, wait_for
 from tests.fixtures import UNIFIED_TARGET
 from tests.unit.test_core_decode import PREFILL, FakePrefill, QueueExecutor, _core
 from tests.unit.test_core_prefill import _queued
@@ -357,7 +357,7 @@ def test_abort_and_peer_loss_drop_offers_and_the_book_is_bounded() -> None:
 
 # ---- decode -----------------------------------------------------------------------------
 def _offered(answer: Offered = Offered.DIGESTS_FOLLOW, deadlines: Deadlines | None = None
-             ) -> tuple[DecodeDriver, QueueExecutor, FakePrefill, PeerConn, list[int]]:
+             ) -> tuple[DecodeDriver, QueueExecutor, FakePrefill, PeerConn, bytes]:
     core, io, prefill, conn = _core()
     if deadlines is not None:
         core.table.deadlines = deadlines
@@ -394,7 +394,7 @@ def prefill_offer_slot(prefill: FakePrefill) -> int:
 
 def test_a_wrong_digest_in_the_record_fails_integrity() -> None:
     core, io, prefill, conn, digests = _offered()
-    land_record(core, "r", [digests[0] ^ 1, *digests[1:]])
+    land_record(core, "r", flip_digest(digests))
     _notify(core, conn)
     io.run_all()
     st = core.status("r")

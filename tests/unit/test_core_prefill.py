@@ -12,14 +12,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import pytest
 
 from kvbeam.errors import DuplicateRequest
-from kvbeam.pools.digest import DigestPart
+from kvbeam.pools.digest import DigestParts
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.peers import PeerConn
@@ -46,7 +45,7 @@ class PoolJobDigests(DigestPool):
     def __init__(self) -> None:
         super().__init__(0, inline_below=0)
 
-    def start(self, parts: Sequence[DigestPart]) -> DigestJob:
+    def start(self, parts: DigestParts) -> DigestJob:
         job = super().start(parts)
         job.inline = False
         return job

@@ -9,7 +9,7 @@ read this way). The driver that does these actions has its own tests
 from __future__ import annotations
 
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.digest import request_digests
+from kvbeam.pools.digest import DigestParts, request_digests
 from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.decode import DecodeCore
@@ -32,7 +32,8 @@ from tests.core_fakes import fake_conn, land_record
 from tests.fixtures import UNIFIED_TARGET, layout
 
 PREFILL = "127.0.0.1:7"
-OK = Verdict(True, "XXH3-128 verified: 13 buffers match prefill's digests", digests=[1])
+OK = Verdict(True, "XXH3-128 verified: 13 buffers match prefill's digests",
+             digests=bytes(16 * 13))
 
 
 def _core(integrity: bool = True, budget_s: float = 0.0) -> tuple[DecodeCore, PeerConn]:
@@ -59,7 +60,7 @@ def test_a_begun_write_that_lands_asks_for_its_check_and_the_verdict_is_success(
     assert core.checked(res, res.transfer_id, OK, now=6.0) == []
     st = core.status("r")
     assert st.state is TransferState.SUCCESS and st.detail == OK.detail
-    assert res.success_at == 6.0 and res.digests == [1]
+    assert res.success_at == 6.0 and res.digests == bytes(16 * 13)
 
 
 def test_a_failed_verdict_frees_the_slot_then_tells_prefill() -> None:
@@ -116,7 +117,7 @@ def test_a_mark_asks_for_its_digests_and_the_last_piece_for_the_check() -> None:
     core.begin_write("r", conn.instance_id, 300, True, True)
     tid = res.transfer_id
     assert _landed(core, conn, tid + 1) == [DigestMark(res, tid, 1)]
-    job = DigestPool(0).start([])
+    job = DigestPool(0).start(DigestParts([]))
     assert core.mark_digesting(res, tid, 1, job) == []
     assert core.mark_digesting(res, tid, 1, job) == []  # a repeated mark is ignored
     assert res.marked == {1: job}

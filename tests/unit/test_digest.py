@@ -9,7 +9,13 @@ import pytest
 
 from kvbeam.pools import digest
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.digest import DigestPart, digest_many, digest_parts, request_digests
+from kvbeam.pools.digest import (
+    DigestParts,
+    digest_many,
+    digest_parts,
+    request_digests,
+    split_digests,
+)
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.plan import pair_index_lists
 from kvbeam.pools.types import IndexKind
@@ -66,8 +72,10 @@ def test_in_place_runs_digest_like_a_gather() -> None:
             for buf in comp.buffers:
                 items = side.buffer_array(buf).reshape(buf.items, buf.item_len)
                 gathered = np.take(items, idx[buf.index_kind], axis=0)
-                expected.append(xxhash.xxh3_128_intdigest(np.ascontiguousarray(gathered).data))
-        assert request_digests(side, idx) == expected, name
+                value = xxhash.xxh3_128_intdigest(np.ascontiguousarray(gathered).data)
+                expected.append(value.to_bytes(16, "little"))  # as the record carries it
+        got = request_digests(side, idx)
+        assert split_digests(got) == expected and got == b"".join(expected), name
 
 
 
@@ -87,29 +95,31 @@ def test_the_compiled_helper_and_python_xxhash_give_the_same_digests() -> None:
              {k: v[:0] for k, v in base.items()}]
     for idx in lists:
         parts = digest_parts(side, idx)
-        windowed = [DigestPart(p.items, p.idx, (3, p.items.shape[1] // 2))
-                    for p in parts]
+        windowed = DigestParts.of([(items, i, (3, items.shape[1] // 2))
+                                   for items, i, _l, _o, _w in parts.specs])
         for chosen in (parts, windowed):
-            assert (digest_many(chosen, compiled=True)
-                    == digest_many(chosen, compiled=False)
-                    == [p.digest() for p in chosen])
+            one = digest_many(chosen, compiled=True)
+            assert len(one) == 16 * len(chosen)
+            assert one == digest_many(chosen, compiled=False)
+            # part for part: each part alone gives its 16 bytes of the whole
+            assert split_digests(one) == [digest_many(chosen[i:i + 1], compiled=False)
+                                          for i in range(len(chosen))]
 
 
 def test_the_compiled_helper_refuses_what_lies_outside_a_buffer() -> None:
     """An item number outside its buffer, or a window outside its item, is refused
     before a byte is read, naming the part and the item."""
     side = AllocatedSide(layout())
-    part = digest_parts(side, request_indices(UNIFIED_TARGET, 1, 700))[0]
-    items = len(part.items)
-    for bad in (items, -1):
-        outside = DigestPart(part.items, np.array([0, bad], np.int64))
+    items, idx, *_ = digest_parts(side, request_indices(UNIFIED_TARGET, 1, 700)).specs[0]
+    for bad in (len(items), -1):
+        outside = DigestParts.of([(items, np.array([0, bad], np.int64), None)])
         with pytest.raises(IndexError, match=f"digest part 0: item {bad} \\(position 1\\)"):
-            digest_many([outside], compiled=True)
-    width = int(part.items.shape[1])
+            digest_many(outside, compiled=True)
+    width = int(items.shape[1])
     with pytest.raises(ValueError, match="window"):
-        digest_many([DigestPart(part.items, part.idx, (width - 1, 2))], compiled=True)
+        digest_many(DigestParts.of([(items, idx, (width - 1, 2))]), compiled=True)
     with pytest.raises(ValueError, match="int64"):
-        digest_many([DigestPart(part.items, part.idx.astype(np.int32))], compiled=True)
+        digest_many(DigestParts.of([(items, idx.astype(np.int32), None)]), compiled=True)
 
 
 def test_the_compiled_helper_releases_the_gil_only_when_told() -> None:
@@ -123,8 +133,8 @@ def test_the_compiled_helper_releases_the_gil_only_when_told() -> None:
 
     assert digest.COMPILED, digest.digester()
     big = np.ones((4096, 64 << 10), dtype=np.uint8)  # 256 MiB: tens of ms to hash
-    part = DigestPart(big, np.arange(len(big), dtype=np.int64))
-    digest_many([part], compiled=True)  # pages touched once
+    part = DigestParts.of([(big, np.arange(len(big), dtype=np.int64), None)])
+    digest_many(part, compiled=True)  # pages touched once
 
     def woken_after(release: bool) -> tuple[float, float]:
         """(seconds from the wake-up to the waiter's stamp, seconds of the call)."""
@@ -140,7 +150,7 @@ def test_the_compiled_helper_releases_the_gil_only_when_told() -> None:
         time.sleep(0.05)  # it blocks in recv
         t0 = time.perf_counter()
         ours.send(b"x")
-        digest_many([part], compiled=True, release_gil=release)
+        digest_many(part, compiled=True, release_gil=release)
         t1 = time.perf_counter()
         thread.join()
         ours.close()

@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.digest import DigestPart, digest_parts, request_digests
+from kvbeam.pools.digest import (
+    DigestParts,
+    digest_many,
+    digest_parts,
+    request_digests,
+    split_digests,
+)
 from kvbeam.pools.digest_pool import DigestPool, split_parts
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.types import IndexKind
@@ -36,7 +42,7 @@ def test_the_pool_gives_the_inline_digests_in_the_buffers_order(threads: int) ->
                 assert job.done()
         # Distinct buffers give distinct digests: a reordering would show.
         got = pool.digests(side, idx).result(timeout=30)
-        assert len(set(got)) > 1 and got == request_digests(side, idx)
+        assert len(set(split_digests(got))) > 1 and got == request_digests(side, idx)
 
 
 def test_one_flipped_byte_changes_exactly_its_buffers_digest() -> None:
@@ -49,7 +55,8 @@ def test_one_flipped_byte_changes_exactly_its_buffers_digest() -> None:
         row = int(idx[IndexKind.SWA_RING_ROWS][3])
         side.buffer_array(bufs[ring])[row * bufs[ring].item_len + 1] ^= 0x40
         after = pool.digests(side, idx).result(timeout=30)
-    assert [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b] == [ring]
+    assert [i for i, (a, b) in enumerate(zip(split_digests(before), split_digests(after),
+                                             strict=True)) if a != b] == [ring]
 
 
 def test_split_keeps_every_part_once_in_order_and_at_most_the_groups_asked() -> None:
@@ -57,13 +64,14 @@ def test_split_keeps_every_part_once_in_order_and_at_most_the_groups_asked() -> 
     items = np.zeros((64, 16), dtype=np.uint8)
     for trial in range(50):
         n = int(rng.integers(0, 40))
-        parts = [DigestPart(items, np.arange(int(rng.integers(0, 64))), None) for _ in range(n)]
+        parts = DigestParts.of([(items, np.arange(int(rng.integers(0, 64))), None)
+                                for _ in range(n)])
         groups = int(rng.integers(1, 9))
         out = split_parts(parts, groups)
-        assert [p for g in out for p in g] == parts, trial
+        assert [p for g in out for p in g.specs] == parts.specs, trial
         assert len(out) <= groups and all(len(g) for g in out), trial
     # About equal bytes: eight equal parts in four groups are four pairs.
-    equal = [DigestPart(items, np.arange(8), None) for _ in range(8)]
+    equal = DigestParts.of([(items, np.arange(8), None)] * 8)
     assert [len(g) for g in split_parts(equal, 4)] == [2, 2, 2, 2]
 
 
@@ -82,7 +90,7 @@ def test_jobs_from_several_threads_at_once_each_get_their_own_digests() -> None:
     sides = [_side(s) for s in (4, 5, 6)]
     lists = [request_indices(UNIFIED_TARGET, s, 500 + 100 * s) for s in range(3)]
     want = [request_digests(side, idx) for side, idx in zip(sides, lists, strict=True)]
-    got: list[list[int] | None] = [None] * 3
+    got: list[bytes | None] = [None] * 3
     with DigestPool(2) as pool:
         def run(i: int) -> None:
             got[i] = pool.digests(sides[i], lists[i]).result(timeout=60)
@@ -99,7 +107,10 @@ def test_parts_are_one_per_selected_buffer() -> None:
     side = _side(7)
     idx = request_indices(UNIFIED_TARGET, 0, 300)
     assert len(digest_parts(side, idx)) == len(side.layout.flat_buffers)
-    assert [p.digest() for p in digest_parts(side, idx)] == request_digests(side, idx)
+    parts = digest_parts(side, idx)
+    assert parts.nbytes == sum(parts.part_bytes()) > 0
+    assert b"".join(digest_many(parts[i:i + 1]) for i in range(len(parts))) \
+        == request_digests(side, idx)
 
 
 def test_a_negative_thread_count_is_refused() -> None:

@@ -29,10 +29,12 @@ from kvbeam.server.faults import CORRUPT_RECORD_ENV, RECORD_FIELDS, FaultHooks
 from kvbeam.states import TransferState
 from kvbeam.transport import Link
 from kvbeam.transport.endpoint import RemoteRegion
-from tests.core_fakes import FakeLink, prefill_core, wait_for
+from tests.core_fakes import FakeLink, flip_digest, prefill_core, wait_for
 from tests.fixtures import UNIFIED_TARGET
 
-DIGESTS = [(i + 1) * 0x0123456789ABCDEF0123456789ABCDEF % (1 << 128) for i in range(5)]
+DIGEST_VALUES = [(i + 1) * 0x0123456789ABCDEF0123456789ABCDEF % (1 << 128) for i in range(5)]
+#: As digest_many gives them: 16 little-endian bytes each.
+DIGESTS = b"".join(d.to_bytes(16, "little") for d in DIGEST_VALUES)
 WANT = Expected(buffers=5, transfer_id=77, slot=3, request_id="req-1")
 ADDR = "127.0.0.1:9"
 
@@ -45,7 +47,8 @@ def test_a_record_round_trips_and_has_the_documented_layout() -> None:
     raw = _record()
     assert len(raw) == record_size(5) == 24 + 5 * 16 + 16
     assert raw[:4] == b"KVDR" and HEADER.unpack_from(raw)[:6] == (MAGIC, 2, 0, 5, 77, 3)
-    assert int.from_bytes(raw[24:40], "little") == DIGESTS[0]
+    assert int.from_bytes(raw[24:40], "little") == DIGEST_VALUES[0]
+    assert raw[24:24 + 5 * 16] == DIGESTS
     # a slot's padding is ignored
     assert parse_record(raw + b"\0" * 40, WANT) == Record(DIGESTS, 0)
     marked = _record(marks=3)
@@ -60,7 +63,7 @@ def test_a_record_round_trips_and_has_the_documented_layout() -> None:
     (encode_record(78, 3, "req-1", DIGESTS), "transfer_id", "78, expected 77"),
     (encode_record(77, 4, "req-1", DIGESTS), "slot", "4, expected 3"),
     (encode_record(77, 3, "req-2", DIGESTS), "request_id", "expected"),
-    (encode_record(77, 3, "req-1", DIGESTS[:4]), "count", "4 digests, expected 5"),
+    (encode_record(77, 3, "req-1", DIGESTS[:4 * 16]), "count", "4 digests, expected 5"),
     (b"KVDR", "length", "4 bytes"),
 ])
 def test_each_wrong_field_is_refused_naming_it_and_both_values(raw: bytes, field: str,
@@ -140,7 +143,7 @@ def test_the_fault_hook_makes_exactly_its_field_wrong(field: str) -> None:
     assert hooks.armed
     raw = hooks.corrupt_record("req-1", _record(), 77, 3, DIGESTS)
     if field == "digest":  # a valid record whose first digest is wrong
-        assert parse_record(raw, WANT).digests == [DIGESTS[0] ^ 1, *DIGESTS[1:]]
+        assert parse_record(raw, WANT).digests == flip_digest(DIGESTS)
     elif field == "marks":  # a valid record counting a mark that never came
         assert parse_record(raw, WANT) == Record(DIGESTS, 1)
     else:
@@ -174,7 +177,7 @@ def test_the_record_is_the_last_write_and_success_waits_for_it() -> None:
         len(core.layout.flat_buffers))
     want = request_digests(core.pools, request_indices(UNIFIED_TARGET, 0, 300))
     assert parse_record(link.records[0][1],
-                        Expected(len(want), tid, 0, "r")) == Record(want, 0)
+                        Expected(len(want) // 16, tid, 0, "r")) == Record(want, 0)
     assert core.core.records.free is not None and core.core.records.free.held == 1
     core.on_event(link.completion(tid))
     assert core.status("r").state is TransferState.TRANSFERRING and core.in_flight("r") == 1

@@ -124,7 +124,7 @@ def test_prefill_marks_nothing_for_a_grant_id_with_mark_bits() -> None:
 
 
 # ---- decode: digests as each sub-batch lands ------------------------------------------------
-def _marked_core() -> tuple[DecodeDriver, QueueExecutor, PeerConn, list[int]]:
+def _marked_core() -> tuple[DecodeDriver, QueueExecutor, PeerConn, bytes]:
     core, io, _prefill, conn = _core()
     core.core.sub_batch_bytes = QUARTER
     core.digest_pool = DigestPool(0)  # each job on the calling thread: nothing to wait on
