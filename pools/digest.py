@@ -226,7 +226,8 @@ def _load_helper() -> tuple[Any, str]:
     """The compiled helper module and its vector unit, or None and why it is not used."""
     try:
         module = importlib.import_module("kvbeam.pools._xxh3")
-        return module, f"compiled XXH3-128 ({module.VECTOR}), one call per request"
+        return module, (f"compiled XXH3-128 ({module.VECTOR}), one call per request "
+                        f"({module.VECTOR_CHOICE})")
     except (ImportError, AttributeError) as exc:  # not built (no <xxhash.h>), or stale
         return None, (f"python-xxhash, one call per buffer (the compiled helper did not "
                       f"load: {type(exc).__name__}: {exc})")
