@@ -243,13 +243,13 @@ def test_reply_of_another_version_is_refused_by_the_client(prefill: SideInfo,
         def Handshake(self, request: pb.HandshakeRequest,
                       context: grpc.ServicerContext) -> pb.HandshakeResponse:
             reply = pb.HandshakeResponse(side=side_to_proto(self.local))
-            reply.side.protocol_version = 7
+            reply.side.protocol_version = PROTOCOL_VERSION + 1
             return reply
 
     with running(decode, servicer=Liar(decode)) as server:
         with pytest.raises(ProtocolVersionError) as info:
             handshake(prefill, server.address)
-        assert info.value.remote == 7
+        assert info.value.remote == PROTOCOL_VERSION + 1
 
         class Garbage(ControlServicer):
             def Handshake(self, request: pb.HandshakeRequest,
