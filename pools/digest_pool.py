@@ -23,9 +23,6 @@ does a job too small to gain from the threads (:data:`INLINE_BELOW_BYTES`).
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import sys
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
@@ -34,13 +31,10 @@ from kvbeam.pools import digest
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import DigestParts, digest_many, digest_parts
 from kvbeam.pools.plan import IndexLists
-
-log = logging.getLogger(__name__)
+from kvbeam.threads import name_os_thread
 
 #: The pool threads' name, in Python and in the OS (``top -H``, /proc/PID/task/TID/comm).
 THREAD_NAME = "kvbeam-digest"
-#: prctl(2) option that names the calling thread (Linux).
-_PR_SET_NAME = 15
 #: Tasks per thread a job is split into: more evens out unequal groups, fewer costs
 #: less per task (a task is a future and a thread wake-up, some 20 us).
 TASKS_PER_THREAD = 2
@@ -74,17 +68,6 @@ def split_parts(parts: DigestParts, groups: int) -> list[DigestParts]:
     if start < len(parts):
         out.append(parts[start:])
     return out
-
-
-def _name_os_thread() -> None:
-    """Give the pool thread its name in the OS too (Python 3.11 names only its own
-    object), so per-thread CPU (``top -H``, ``make bench-host``) shows the digests."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, THREAD_NAME.encode(), 0, 0, 0)
-    except (OSError, AttributeError) as exc:  # a libc without prctl: only the name is lost
-        log.debug("could not name the digest thread: %s", exc)
 
 
 def _parallel_bytes(parts: DigestParts) -> int:
@@ -146,7 +129,7 @@ class DigestPool:
         self.inline_below = inline_below
         self._executor = (ThreadPoolExecutor(max_workers=threads,
                                              thread_name_prefix=THREAD_NAME,
-                                             initializer=_name_os_thread)
+                                             initializer=name_os_thread)
                           if threads else None)
 
     def digests(self, side: AllocatedSide, indices: IndexLists, *, include_kv: bool = True,

@@ -40,6 +40,7 @@ from kvbeam.proto.attach_codec import (
     request_from_json,
 )
 from kvbeam.proto.engine_frames import ENGINE_FRAMES_VERSION, FrameError
+from kvbeam.threads import name_os_thread
 
 if TYPE_CHECKING:
     from kvbeam.server.engine_channel import EngineChannel
@@ -199,6 +200,7 @@ class AttachServer:
 
     # ---- the thread ---------------------------------------------------------------
     def _loop(self) -> None:
+        name_os_thread()
         with selectors.DefaultSelector() as sel:
             sel.register(self._listener, selectors.EVENT_READ, "listener")
             if self.channel is not None:

@@ -25,6 +25,7 @@ from kvbeam.server.handshake import check_local_side
 from kvbeam.server.peers import Peers
 from kvbeam.server.servicer import ControlServicer
 from kvbeam.server.settings import ControlOptions
+from kvbeam.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,8 @@ class ControlServer:
                 check_local_side(self.local)
             server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=self.options.max_workers,
-                                           thread_name_prefix="kvbeam-control"),
+                                           thread_name_prefix="kvbeam-control",
+                                           initializer=name_os_thread),
                 # SO_REUSEPORT would let a second daemon bind the same port and
                 # silently receive half of the handshakes.
                 options=[*self.options.grpc_options(), ("grpc.so_reuseport", 0)],

@@ -39,6 +39,7 @@ from kvbeam.server.peer_rpc import writes_in_flight
 from kvbeam.server.peers import PeerConn, lost_peer
 from kvbeam.server.servicer import ControlServicer
 from kvbeam.states import TransferStatus
+from kvbeam.threads import name_os_thread
 from kvbeam.transport.base import Event
 
 if TYPE_CHECKING:
@@ -160,7 +161,8 @@ class DaemonServicer(ControlServicer):
         self.rt = runtime
         self.table = runtime.table
         #: The driver's one bounded executor: every blocking step of the core runs here.
-        self.io = LoggingExecutor(max_workers=workers, thread_name_prefix="kvbeam-io")
+        self.io = LoggingExecutor(max_workers=workers, thread_name_prefix="kvbeam-io",
+                                  initializer=name_os_thread)
         #: The integrity digests' threads (--digest-threads), shared by every request.
         self.digest_pool = DigestPool(runtime.settings.digest_threads)
         if runtime.settings.integrity:
@@ -173,7 +175,8 @@ class DaemonServicer(ControlServicer):
         #: Answers the channel's requests that may wait (Abort); the others are
         #: answered on the channel's thread (core bookkeeping only, no I/O).
         self.peer_io = LoggingExecutor(max_workers=PEER_WORKERS,
-                                          thread_name_prefix="kvbeam-peer")
+                                          thread_name_prefix="kvbeam-peer",
+                                          initializer=name_os_thread)
         settings = runtime.settings
         #: The peer channels: one per verified peer, all on one selector thread.
         self.channels = PeerChannels(
@@ -377,6 +380,7 @@ class DaemonServicer(ControlServicer):
         """Deliver transport events until stopped: the transport's own threads hand most
         to :meth:`_handle_event` where they saw them (no hand-off to this thread;
         :meth:`kvbeam.transport.base.Transport.deliver_to`), this loop the rest."""
+        name_os_thread()
         transport = self.rt.transport
         transport.deliver_to(self._handle_event)
         while not stop.is_set():
@@ -410,6 +414,7 @@ class DaemonServicer(ControlServicer):
         IDLE_BEAT_EVERY intervals: a peer that died between requests would otherwise
         keep its connection here (a QP, a channel) for ever.
         """
+        name_os_thread()
         interval = self.rt.settings.heartbeat_s
         rounds = 0
         while not stop.wait(interval):

@@ -53,6 +53,7 @@ import grpc
 
 from kvbeam.errors import FrameError
 from kvbeam.errors import PeerChannelError as ChannelError
+from kvbeam.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -596,6 +597,7 @@ class PeerChannels:
 
     # ---- the selector thread ---------------------------------------------------------------
     def _run(self) -> None:
+        name_os_thread()
         while not self._stop.is_set():
             try:
                 events = self._sel.select(TICK_S)

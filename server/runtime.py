@@ -38,6 +38,7 @@ from kvbeam.server.servicer import GatedHealth
 from kvbeam.server.settings import ControlOptions, DaemonSettings
 from kvbeam.server.slots import SlotPool
 from kvbeam.states import TransferStatus
+from kvbeam.threads import name_os_thread
 from kvbeam.transport import Access, Endpoint, TransportOptions, open_transport
 from kvbeam.transport.base import Registration
 from kvbeam.transport.factory import Kind as TransportKind
@@ -339,6 +340,7 @@ class Runtime:
             slots=slots if _slot_pool(core) is not None else None)))
 
     def _sweep(self, stop: threading.Event) -> None:
+        name_os_thread()
         while not stop.wait(SWEEP_S):
             try:
                 self._servicer.sweep()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from kvbeam.proto import engine_frames as ef
 from kvbeam.states import FailureReason, TransferState
+from kvbeam.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +184,7 @@ class EngineChannel:
             del self._requests[rec.request_id]  # the Sender/Receiver keeps its record
 
     def _read_loop(self) -> None:
+        name_os_thread()
         frames = ef.FrameBuffer()
         reason = ""
         while True:

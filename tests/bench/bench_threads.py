@@ -56,21 +56,24 @@ def python_thread_names(pid: int) -> dict[int, str]:
                                                              dump, re.M)}
 
 
-#: Thread groups, by the name's start (Python names first, then kernel names in brackets).
+#: Thread groups, by the name's start: every kvbeam thread names itself in the OS too
+#: (kvbeam/threads.py), so the kernel's names (15 bytes: "kvbeam-peer-cha") say which
+#: thread is which without py-spy; py-spy's Python names, where it is installed, start
+#: the same. Other threads (gRPC's C core, the main thread) keep kernel names, bracketed.
 GROUPS = [("kvbeam-verbs", "verbs progress (posts, completions; rxe sends in ibv_post_send)"),
           ("kvbeam-tcp", "TCP data plane"),
           ("kvbeam-io", "executor (plan, post, digests, peer RPCs)"),
           ("kvbeam-digest", "digest pool (XXH3-128, --digest-threads)"),
           ("kvbeam-control", "RPC handlers (gRPC handler pool)"),
           # Before "kvbeam-peer": the selector thread's name starts with it.
-          ("kvbeam-peer-channel", "peer channel (frames, inline handlers, heartbeats)"),
+          ("kvbeam-peer-cha", "peer channel (frames, inline handlers, heartbeats)"),
           ("kvbeam-peer", "peer channel Abort pool"),
           ("kvbeam-attach", "engine channel (attach loop: frames, cores' API calls, pushes)"),
           ("Thread-1 (_serve)", "gRPC Python server loop (_serve)"),
           ("kvbeam-events", "loops (events, sweeper, heartbeat)"),
           ("kvbeam-sweeper", "loops (events, sweeper, heartbeat)"),
-          ("kvbeam-heartbeat", "loops (events, sweeper, heartbeat)"),
-          ("[", "gRPC C core threads (event engine, timers)")]
+          ("kvbeam-heartbea", "loops (events, sweeper, heartbeat)"),
+          ("[", "other threads (gRPC's C core, the main thread)")]
 
 
 def group_of(name: str) -> str:
@@ -103,12 +106,13 @@ def cpu_by_group(pid: int, before: dict[int, tuple[str, float]],
                  by_thread: bool = False) -> dict[str, float]:
     """CPU ms per request of ``pid`` between two :func:`thread_cpu` readings over ``n``
     requests, per thread group (``by_thread``: per thread, "NAME TID"), largest first,
-    then ``total``. Python names from ``py-spy dump``, kernel names in brackets."""
+    then ``total``. Python names from ``py-spy dump`` where it is installed, else the
+    kernel's (kvbeam's threads name themselves there); others' kernel names in brackets."""
     names = python_thread_names(pid)
     groups: dict[str, float] = {}
     for tid, (kname, cpu) in after.items():
         spent = (cpu - before.get(tid, (kname, 0.0))[1]) * 1e3 / n
-        name = names.get(tid, f"[{kname}]")
+        name = names.get(tid) or (kname if kname.startswith("kvbeam-") else f"[{kname}]")
         group = f"{name} {tid}" if by_thread else group_of(name)
         groups[group] = groups.get(group, 0.0) + spent
     return {**dict(sorted(groups.items(), key=lambda kv: -kv[1])),

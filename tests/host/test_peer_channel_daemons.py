@@ -13,6 +13,7 @@ import logging
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,6 +45,19 @@ def test_per_request_calls_go_over_the_peer_channel() -> None:
         assert len(bound) == 1, decode.output[-3000:]  # one channel for the pair
         # No offer failed (there is no RPC to fall back to: every one went over it).
         assert "offer of" not in decode.output, decode.output[-3000:]
+
+
+def test_every_daemon_thread_is_named_in_the_os() -> None:
+    """top -H and the bench's CPU split by thread read the kernel's names (15 bytes)."""
+    with pair() as (prefill, decode, p, d):
+        assert run_request(p, d, "named", 500, 0).ok
+        for daemon in (prefill, decode):
+            names = {path.read_text().strip()
+                     for path in Path(f"/proc/{daemon.proc.pid}/task").glob("*/comm")}
+            want = {"kvbeam-peer-cha", "kvbeam-events", "kvbeam-sweeper", "kvbeam-heartbea",
+                    "kvbeam-tcp-acce", "kvbeam-control_"}
+            assert want <= names, (daemon.role, sorted(names))
+            assert any(n.startswith("kvbeam-tcp-") for n in names - want), sorted(names)
 
 
 def test_a_killed_prefill_fails_decodes_offered_request_at_once() -> None:

@@ -131,7 +131,8 @@ def test_the_pool_threads_carry_its_name_in_the_os_too() -> None:
             lambda: (th.current_thread().name,
                      Path(f"/proc/self/task/{th.get_native_id()}/comm").read_text().strip()
                      if sys.platform.startswith("linux") else THREAD_NAME)).result(30)
-    assert names[0].startswith(THREAD_NAME) and names[1] == THREAD_NAME
+    # The OS keeps 15 bytes: "kvbeam-digest_0" whole.
+    assert names[0].startswith(THREAD_NAME) and names[1] == names[0][:15]
 
 
 def test_a_small_job_runs_on_the_calling_thread_and_a_large_one_on_the_pool() -> None:

@@ -17,6 +17,7 @@ from collections import deque
 from typing import Protocol
 
 from kvbeam.errors import TransportError
+from kvbeam.threads import name_os_thread
 from kvbeam.transport import status as st
 from kvbeam.transport.base import Event, EventKind, Link
 from kvbeam.transport.blocks import Blocks
@@ -188,6 +189,7 @@ class TcpLink(Link):
             self._t.emit(Event(EventKind.LINK_FAILED, self.id, None, False, status, detail))
 
     def _send_loop(self) -> None:
+        name_os_thread()
         sock = self._sock
         assert sock is not None
         while True:
@@ -221,6 +223,7 @@ class TcpLink(Link):
         self._progress = time.monotonic()
 
     def _ack_loop(self) -> None:
+        name_os_thread()
         sock = self._sock
         assert sock is not None
         timeout = self._t.options.op_timeout_s

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 
 from kvbeam.errors import RegionError, TransportError
+from kvbeam.threads import name_os_thread
 from kvbeam.transport import status as st
 from kvbeam.transport.base import Access, Event, EventKind, Registration, Transport
 from kvbeam.transport.core import wait_readable
@@ -149,6 +150,7 @@ class TcpTransport(LinkHostBase, Transport):
         ``pending`` (this thread's alone), polled with the listener: at most
         :data:`MAX_UNAUTHENTICATED` of them, each dropped after :data:`HELLO_TIMEOUT_S`.
         """
+        name_os_thread()
         pending: dict[int, _Pending] = {}
         try:
             listener = self._listener.fileno()
@@ -259,6 +261,7 @@ class TcpTransport(LinkHostBase, Transport):
 
     def _serve(self, conn: socket.socket, peer: object, link: TcpLink) -> None:
         """Receive side of one inbound connection that named ``link``: WRITEV*/END frames."""
+        name_os_thread()
         try:
             link.add_inbound(conn)
             try:

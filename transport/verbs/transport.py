@@ -60,6 +60,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from kvbeam.errors import RegionError, TransportError
+from kvbeam.threads import name_os_thread
 from kvbeam.transport.base import Access, Event, Registration, Transport
 from kvbeam.transport.core import wait_readable
 from kvbeam.transport.endpoint import Endpoint, Region, RemoteRegion
@@ -362,6 +363,7 @@ class VerbsTransport(LinkHostBase, Transport):
 
     # -- progress thread ---------------------------------------------------------------
     def _run(self) -> None:
+        name_os_thread()
         backoff = _BACKOFF_S[0]
         while not self._stopping:
             try:
