@@ -60,7 +60,9 @@ MAX_TOKENS = 8
 #: One block of every layer of ONE decode rank: K and V, 1 KV head x 32 dims, float32,
 #: 2 layers (prefill's blocks hold both heads: twice this).
 RANK_BLOCK_BYTES = 2 * BLOCK * 1 * 32 * 4 * 2
-DEADLINES = ["--deadline-bootstrap-s", "20", "--deadline-waiting-s", "30",
+#: Waiting 60 s, as test_vllm_served.py's: three vllm serve (two of them TP 2) share two
+#: cores here, and a first batch's time to first token reached 33 s on the plain server.
+DEADLINES = ["--deadline-bootstrap-s", "20", "--deadline-waiting-s", "60",
              "--deadline-transfer-s", "30", "--heartbeat-s", "1", "--rpc-timeout-s", "5",
              "--handoff-lease-s", "60", "--send-wait-s", "30", "--log-level", "INFO"]
 SERVE_ARGS = ["--enable-prefix-caching", "--enable-chunked-prefill",
@@ -81,6 +83,19 @@ class TpDeployment:
     #: The refused decode rank: its daemon and the engine attached to it.
     refused_daemon: DaemonProcess
     refused_engine: ChannelEngine
+
+    def explain(self) -> str:
+        """What the daemons and the servers said about failed requests (a failure's text)."""
+        out = []
+        for daemon in (self.prefill_daemon, *self.decode_daemons):
+            lines = [line for line in daemon.output.splitlines()
+                     if "WARNING" in line or "ERROR" in line or "Failed" in line]
+            out.append(f"--- {daemon.role} daemon {daemon.address}:\n" + "\n".join(lines[-30:]))
+        for server in (self.prefill, self.decode, self.router):
+            lines = [line.rstrip() for line in server.lines
+                     if "kvbeam" in line.lower() or "ERROR" in line or "Traceback" in line]
+            out.append(f"--- {server.name}:\n" + "\n".join(lines[-30:]))
+        return "\n".join(out)
 
     def landed(self) -> list[tuple[float, float]]:
         """Per decode rank's daemon: (transfers that reached Success, bytes landed)."""
@@ -185,7 +200,8 @@ def _batch(tp: TpDeployment, prompts: list[list[int]], *, stream: bool, router: 
     log.warning("TP1 -> TP2 (%s, stream=%s):\n%s\nlanded per decode rank: %s", tag, stream,
                 "\n".join(rows), moved)
     for g, w in zip(got, want, strict=True):
-        assert (g.status, g.finish, w.status, w.finish) == (200, "length", 200, "length"), (g, w)
+        assert (g.status, g.finish, w.status, w.finish) == (200, "length", 200, "length"), \
+            f"{g.status} {g.error}\n{w}\n{tp.explain()}"
         assert len(w.tokens) == MAX_TOKENS
         if stream:
             assert len(g.gaps_s) == MAX_TOKENS - 1, g  # one token per streamed event
