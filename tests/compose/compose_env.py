@@ -26,11 +26,14 @@ class Compose:
     project: str
     image: str
     env: dict[str, str] = field(default_factory=dict)
+    #: Test-only compose files added after the others (``-f``), relative to the repo.
+    overrides: list[str] = field(default_factory=list)
 
     @property
     def files(self) -> list[str]:
         """The compose files, as -f arguments."""
-        names = ["docker/compose.yaml"] + (["docker/compose.rdma.yaml"] if RDMA else [])
+        names = (["docker/compose.yaml"] + (["docker/compose.rdma.yaml"] if RDMA else [])
+                 + self.overrides)
         return [arg for name in names for arg in ("-f", name)]
 
     @property

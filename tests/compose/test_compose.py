@@ -63,7 +63,12 @@ def test_compose_up_moves_and_verifies_every_request(compose: Compose, timings: 
 
 def test_decode_stopped_mid_run(compose: Compose, timings: Timings) -> None:
     """Stop decode while requests move: the scheduler sees them fail within the deadline,
-    exits 1, and prefill stays healthy."""
+    exits 1, and prefill stays healthy. Prefill's wire is slowed (tests/compose/
+    slow-wire.yaml: fault injection, armed by its flag) so that the requests in flight
+    are being written when decode stops: over TCP a request's transfer is otherwise a
+    few milliseconds of its life, and a stop once found every one in flight past
+    decode's Success, waiting for its Release."""
+    compose.overrides.append("tests/compose/slow-wire.yaml")
     # Every request 16k tokens (5 MB; random 1..32k averaged the same): its transfer is most
     # of its life, so when decode stops some of the four in flight are moving (random
     # lengths once left all four between decode's Success and the scheduler's Release, and
@@ -93,6 +98,7 @@ def test_decode_stopped_mid_run(compose: Compose, timings: Timings) -> None:
                 or r["prefill_state"].startswith("Failed(")]
     assert affected, f"no request in flight was reported Failed: {failed[:4]}"
     prefill_log = compose.logs("prefill")
+    assert "FAULT INJECTION ENABLED" in prefill_log, prefill_log[-3000:]  # armed, and said so
     for r in affected:
         if r["prefill_state"].startswith("Failed("):
             assert f"request {r['request_id']} failed" in prefill_log, r
