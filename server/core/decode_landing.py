@@ -29,7 +29,13 @@ from dataclasses import dataclass
 
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.digest import DIGEST_BYTES, DIGEST_NAME, DigestParts, digest_parts
+from kvbeam.pools.digest import (
+    DIGEST_BYTES,
+    DIGEST_NAME,
+    DigestParts,
+    digest_parts,
+    split_digests,
+)
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.mailbox import Expected, Record, RecordArea, RecordError, parse_record
@@ -96,9 +102,10 @@ class LandingCheck:
         except RecordError as exc:
             return Verdict(False, str(exc))
         if record.digests != landed:  # one comparison; which buffers only on a mismatch
-            bad = [b.name for i, b in enumerate(layout.flat_buffers)
-                   if record.digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]
-                   != landed[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]]
+            bad = [b.name for b, want, got in zip(layout.flat_buffers,
+                                                 split_digests(record.digests),
+                                                 split_digests(landed), strict=True)
+                   if want != got]
             return Verdict(False, f"{DIGEST_NAME} mismatch in {len(bad)} buffer(s): "
                                   f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
         timing = (f"; record and check {(time.monotonic() - t0) * 1e3:.1f} ms, "
