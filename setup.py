@@ -14,6 +14,9 @@ the install goes on and the RDMA transport posts through pyverbs objects instead
 ``kvbeam.pools._xxh3`` (pools/_xxh3.c) computes a request's integrity digests in one call
 with the GIL released. It needs <xxhash.h> (Debian's libxxhash-dev) and is optional the
 same way: without it digests go through python-xxhash (docs/performance.md, "Digests").
+
+``kvbeam.pools._plan`` (pools/_plan.c) builds a request's transfer plan in one call; without
+it plans are built in Python and numpy (``kvbeam.pools.plan``), the same blocks.
 """
 
 import tomllib
@@ -47,4 +50,9 @@ DIGESTER = Extension("kvbeam.pools._xxh3", ["pools/_xxh3.c", "pools/_xxh3_avx2.c
                      depends=["pools/_xxh3_loop.h"], optional=True,
                      extra_compile_args=["-O2", "-std=c11", "-Wall"])
 
-setup(packages=mapped_packages(), ext_modules=[POSTER, DIGESTER])
+# optional too, and needs nothing but a C compiler: without it plans are built in Python
+# and numpy.
+PLANNER = Extension("kvbeam.pools._plan", ["pools/_plan.c"], optional=True,
+                    extra_compile_args=["-O2", "-std=c11", "-Wall"])
+
+setup(packages=mapped_packages(), ext_modules=[POSTER, DIGESTER, PLANNER])

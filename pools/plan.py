@@ -17,9 +17,11 @@ coalesce: the bytes between two windows are other heads).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -39,6 +41,27 @@ SHORT_LIST = 256
 #: plan was a few dozen numpy calls per buffer group (355 us for a 128-token request
 #: of docker/config/prefill.yaml, the largest single cost of its send step).
 SMALL_PLAN_BLOCKS = 512
+
+
+def _load_planner() -> tuple[Any, str]:
+    """The compiled planner (pools/_plan.c) and how plans are built, or None and why not."""
+    try:
+        module = importlib.import_module("kvbeam.pools._plan")
+        return module, "compiled (kvbeam.pools._plan, one call per plan)"
+    except ImportError as exc:  # not built (no C compiler at install)
+        return None, (f"Python and numpy (the compiled planner did not load: "
+                      f"{type(exc).__name__}: {exc})")
+
+
+_PLANNER, _PLANNER_WHY = _load_planner()
+#: Whether :func:`build_plan` uses the compiled planner: the Python and numpy paths
+#: remain for where it was not built and as its oracle (tests switch this off).
+COMPILED = _PLANNER is not None
+
+
+def planner() -> str:
+    """How this process builds plans: the compiled planner, or Python and numpy and why."""
+    return _PLANNER_WHY if COMPILED or _PLANNER is None else "Python and numpy (switched off)"
 
 
 def own_draft_list(draft: IndexLists | None, pool: str, kind: IndexKind) -> bool:
@@ -242,6 +265,29 @@ class _Shape:
     groups: tuple[tuple[int, int, int, HeadWindow | None, npt.NDArray[np.intp]], ...]
     windowed: npt.NDArray[np.bool_]  # each job moves a head window (one block per page)
     broken: tuple[int, str] | None  # the first job whose two sides disagree, and why
+
+    @cached_property
+    def job_table(self) -> npt.NDArray[np.int64]:
+        """The jobs as the compiled planner reads them (pools/_plan.c): per job its flat
+        position, key, item counts and lengths on each side, whether it moves a head
+        window, and the window's offsets and width."""
+        table = np.zeros((len(self.jobs), 10), dtype=np.int64)
+        for key_pos, src_item, dst_item, window, jobs in self.groups:
+            row = [0, key_pos, 0, 0, src_item, dst_item, window is not None,
+                   *((window.src_offset, window.dst_offset, window.width) if window
+                     else (0, 0, 0))]
+            table[jobs] = row
+        table[:, 0] = self.flat
+        table[:, 2] = self.src_items
+        table[:, 3] = self.dst_items
+        return table
+
+    @cached_property
+    def key_heads(self) -> tuple[tuple[IndexKind, str, str], ...]:
+        """Each key's kind, and the pool and buffer name of its first job (what pairing
+        its lists needs and names in an error)."""
+        return tuple((kind, self.jobs[j][4], self.jobs[j][2].name)
+                     for (kind, _, _), j in zip(self.keys, self.first_job, strict=True))
 
     @cached_property
     def lists(self) -> _ShapeLists:
@@ -515,6 +561,29 @@ def _small_plan(shape: _Shape, runs: list[Runs],
                         np.array(starts, dtype=np.int64))
 
 
+def _compiled_plan(shape: _Shape, src_indices: IndexLists, dst_indices: IndexLists,
+                   src_draft: IndexLists | None, dst_draft: IndexLists | None,
+                   src_addrs: Sequence[int], dst_addrs: Sequence[int]) -> TransferPlan | None:
+    """:func:`build_plan`'s plan from the compiled planner; None when a list is refused
+    (a length, a missing kind, an index outside its buffer) or not contiguous: the
+    Python checks then name the first error in positional order."""
+    try:
+        pairs = [_pair(kind, list_for(src_indices, src_draft, pool, kind),
+                       list_for(dst_indices, dst_draft, pool, kind), name)
+                 for kind, pool, name in shape.key_heads]
+        out = _PLANNER.plan_blocks(pairs, shape.job_table, src_addrs, dst_addrs)
+    except (PlanError, KeyError, BufferError):
+        return None
+    if out is None:
+        return None
+    blocks, meta = out
+    n, jobs = len(blocks) // 24, len(shape.jobs)
+    arr = np.frombuffer(blocks, dtype=np.uint64)
+    head = np.frombuffer(meta, dtype=np.int64)
+    return TransferPlan(Blocks(arr[:n], arr[n:2 * n], arr[2 * n:]), shape.heads,
+                        head[jobs + 1:], head[:jobs + 1])
+
+
 def build_plan(
     src: SideLayout,
     src_addrs: Sequence[int],
@@ -554,6 +623,11 @@ def build_plan(
         )
     if shape is None:
         shape = _shape(key, src, dst, include_kv, include_states, src_draft, dst_draft)
+    if COMPILED and shape.broken is None:
+        plan = _compiled_plan(shape, src_indices, dst_indices, src_draft, dst_draft,
+                              src_addrs, dst_addrs)
+        if plan is not None:
+            return plan
     runs, pairs = _first_error(shape, src_indices, dst_indices, src_draft, dst_draft)
     if len(shape.jobs) <= SHORT_LIST and _blocks(shape, runs, pairs) <= SMALL_PLAN_BLOCKS:
         return _small_plan(shape, runs, pairs, src_addrs, dst_addrs)

@@ -22,7 +22,7 @@ from google.protobuf.message import Message as ProtoMessage
 
 from kvbeam.errors import FrameError, PeerChannelError, UnknownRequest
 from kvbeam.logs import fields
-from kvbeam.pools import digest
+from kvbeam.pools import digest, plan
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.layout import SideLayout
@@ -170,6 +170,9 @@ class DaemonServicer(ControlServicer):
             log.log(logging.INFO if digest.COMPILED else logging.WARNING,
                     "integrity digests: %s; %d digest thread(s)", digest.digester(),
                     runtime.settings.digest_threads)
+        # The same for the planner: the Python path gives the same blocks, slower.
+        log.log(logging.INFO if plan.COMPILED else logging.WARNING, "transfer plans: %s",
+                plan.planner())
         self._watch_lock = threading.Lock()
         self._watchers = 0  # open WatchStatus streams
         #: Answers the channel's requests that may wait (Abort); the others are

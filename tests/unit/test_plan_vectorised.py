@@ -1,7 +1,8 @@
 """The vectorised planner against the buffer-by-buffer loop it replaced (hypothesis).
 
-Both of its paths: numpy throughout, and plain Python for short lists and small plans
-(``SHORT_LIST``, ``SMALL_PLAN_BLOCKS``), each forced for a whole run of examples.
+Each of its paths: the compiled planner (pools/_plan.c), numpy throughout, and plain
+Python for short lists and small plans (``SHORT_LIST``, ``SMALL_PLAN_BLOCKS``), each
+forced for a whole run of examples.
 
 ``_loop_plan`` is the planner as it was before the buffers of a kind were planned in
 one broadcast step: each buffer validated and planned in positional order. On random
@@ -12,6 +13,8 @@ same blocks, byte for byte, or the same error.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import cache
 from typing import Any
@@ -139,17 +142,36 @@ def _break(rng: np.random.Generator, lists: dict[IndexKind, np.ndarray], how: in
     lists[kind] = v
 
 
-#: The planner's paths: (SHORT_LIST, SMALL_PLAN_BLOCKS) that force each.
-PATHS = {"numpy": (0, 0), "python": (1 << 30, 1 << 30)}
+#: The planner's paths: (COMPILED, SHORT_LIST, SMALL_PLAN_BLOCKS) that force each (the
+#: compiled one falls back to the others for an error's message: numpy's, forced).
+PATHS = {"compiled": (True, 0, 0), "numpy": (False, 0, 0),
+         "python": (False, 1 << 30, 1 << 30)}
+
+
+@contextmanager
+def forced(name: str) -> Iterator[None]:
+    """The planner's path ``name`` for the block."""
+    saved = plan_module.COMPILED, plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS
+    plan_module.COMPILED, plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS = PATHS[name]
+    try:
+        yield
+    finally:
+        plan_module.COMPILED, plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS = saved
+
+
+def test_the_compiled_planner_is_built_and_used() -> None:
+    """setup.py builds it wherever a C compiler is (CI included), and plans go through it."""
+    from kvbeam.pools import _plan  # type: ignore[attr-defined]
+
+    assert plan_module.COMPILED and _plan.JOB_FIELDS == 10
+    assert plan_module.planner().startswith("compiled")
 
 
 @pytest.fixture(params=sorted(PATHS))
 def path(request: pytest.FixtureRequest) -> Any:
     """Every test using it runs once with each of the planner's paths forced."""
-    saved = plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS
-    plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS = PATHS[request.param]
-    yield request.param
-    plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS = saved
+    with forced(request.param):
+        yield request.param
 
 
 def _outcome(fn: Any, *args: Any, **kw: Any) -> tuple[str, Any]:
@@ -232,9 +254,10 @@ def test_the_first_error_in_positional_order_wins(path: str) -> None:
 
 
 @pytest.mark.parametrize("tp", [(1, 0, 2, 1), (1, 0, 2, 0), (2, 1, 4, 3), (1, 0, 1, 0)])
-def test_both_paths_give_the_same_head_window_blocks(tp: tuple[int, int, int, int]) -> None:
-    """Paged pools at different TP places move a head window per page: the Python and
-    the numpy assembly give the same blocks, in the same order (random page lists)."""
+def test_every_path_gives_the_same_head_window_blocks(tp: tuple[int, int, int, int]) -> None:
+    """Paged pools at different TP places move a head window per page: the compiled, the
+    Python and the numpy assembly give the same blocks, in the same order (random page
+    lists)."""
     src, dst = tp_layout(tp[0], tp[1]), tp_layout(tp[2], tp[3])
     rng = np.random.default_rng(sum(tp))
     pages = min(src.flat_buffers[0].items, dst.flat_buffers[0].items)
@@ -243,18 +266,15 @@ def test_both_paths_give_the_same_head_window_blocks(tp: tuple[int, int, int, in
         d_idx = {IndexKind.KV_PAGES: rng.permutation(pages)[:n].astype(np.int64)}
         s_addrs, d_addrs = _addrs(src, 1 << 20), _addrs(dst, 1 << 40)
         plans = []
-        for short, small in PATHS.values():
-            saved = plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS
-            plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS = short, small
-            try:
+        for name in PATHS:
+            with forced(name):
                 plans.append(build_plan(src, s_addrs, s_idx, dst, d_addrs, d_idx))
-            finally:
-                plan_module.SHORT_LIST, plan_module.SMALL_PLAN_BLOCKS = saved
-        a, b = plans
-        for x, y in ((a.blocks.src, b.blocks.src), (a.blocks.dst, b.blocks.dst),
-                     (a.blocks.lengths, b.blocks.lengths), (a.items, b.items),
-                     (a.starts, b.starts)):
-            assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
+        a = plans[0]
+        for b in plans[1:]:
+            for x, y in ((a.blocks.src, b.blocks.src), (a.blocks.dst, b.blocks.dst),
+                         (a.blocks.lengths, b.blocks.lengths), (a.items, b.items),
+                         (a.starts, b.starts)):
+                assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
 
 
 @settings(max_examples=200, deadline=None)
