@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -53,33 +54,111 @@ def bufs() -> Iterator[tuple[mmap.mmap, mmap.mmap]]:
     dst.close()
 
 
-def test_writev_frames_land_every_block_through_partial_sends(
-        bufs: tuple[mmap.mmap, mmap.mmap]) -> None:
+def _receive(sock: socket.socket, blocks: int) -> tuple[int, tuple[int, ...] | None]:
+    """Read WRITEV frames until ``blocks`` blocks landed, then the END: (frames, END)."""
+    frames = got = 0
+    while got < blocks:
+        header = wire.recv_header(sock)
+        assert header is not None and header[0] == wire.WRITEV
+        addrs, lengths = wire.recv_descs(sock, header[4])
+        iov.transfer(sock, addrs, lengths, reading=True)
+        got += header[4]
+        frames += 1
+    return frames, wire.recv_header(sock)
+
+
+@pytest.mark.parametrize("block", [True, False])
+def test_a_transfer_stream_lands_every_block_through_partial_sends(
+        bufs: tuple[mmap.mmap, mmap.mmap], block: bool) -> None:
+    """One stream: WRITEV frames of at most MAX_VEC blocks, then END; the socket takes a
+    few KB per call, so every call is partial. Blocking, one ``move`` sends it all; not
+    blocking, each ``move`` stops where the socket is full and the next resumes there
+    (what a link's writer and its sender thread do)."""
     src, dst = bufs
     blocks = _scattered(np.random.default_rng(1), 2 * wire.MAX_VEC + 7, _addr(src), _addr(dst))
     a, b = socket.socketpair()
     for s in (a, b):  # like a link's socket: non-blocking underneath, so calls may be partial
         s.settimeout(5.0)
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    stream = wire.transfer_stream(77, blocks.src, blocks.dst, blocks.lengths, notify=True)
     calls: list[int] = []
-    sender = threading.Thread(target=wire.send_writev, args=(
-        a, blocks.src, blocks.dst, blocks.lengths, lambda: calls.append(1)))
+    moves: list[bool] = []
+
+    def send() -> None:
+        while not stream.move(a, reading=False, block=block, progress=lambda: calls.append(1)):
+            moves.append(False)
+            time.sleep(0.001)
+        moves.append(True)
+
+    sender = threading.Thread(target=send)
     sender.start()
-    frames = 0
-    got = 0
-    while got < len(blocks):
-        header = wire.recv_header(b)
-        assert header is not None and header[0] == wire.WRITEV
-        addrs, lengths = wire.recv_descs(b, header[4])
-        iov.transfer(b, addrs, lengths, reading=True)
-        got += header[4]
-        frames += 1
+    frames, end = _receive(b, len(blocks))
     sender.join(10)
     assert frames == 3  # MAX_VEC blocks per frame at most
+    assert end is not None and end[:3] == (wire.END, wire.FLAG_NOTIFY, 77)
     assert len(calls) > frames  # partial sends continued where they stopped
+    assert moves[-1] and (moves == [True] if block else len(moves) > 2)
+    assert stream.done == stream.total
     assert dst[:] == _expected(src, blocks, _addr(dst))
     a.close()
     b.close()
+
+
+def test_an_idle_links_writer_sends_a_small_transfer_itself(
+        pair: tuple[TcpTransport, TcpTransport, TcpLink],
+        bufs: tuple[mmap.mmap, mmap.mmap], monkeypatch: pytest.MonkeyPatch) -> None:
+    """No hand-off to the sender thread for a transfer the socket takes at once: the
+    writing thread sent it whole (END included) before write() returned."""
+    a, _b, link = pair
+    src, dst = bufs
+    blocks = _scattered(np.random.default_rng(3), 40, _addr(src), _addr(dst))
+    movers: list[tuple[str, bool]] = []
+    real = iov.Vectors.move
+
+    def move(self: iov.Vectors, *args: Any, **kw: Any) -> bool:
+        done = real(self, *args, **kw)
+        movers.append((threading.current_thread().name, done))
+        return done
+
+    monkeypatch.setattr(iov.Vectors, "move", move)
+    link.write(5, blocks)
+    assert movers == [(threading.current_thread().name, True)]
+    with link._lock:
+        assert not link._pending and not link._streaming  # nothing left for the sender
+    done = _completion(a)
+    assert (done.transfer_id, done.ok) == (5, True)
+    assert dst[:] == _expected(src, blocks, _addr(dst))
+
+
+def test_writes_behind_a_full_socket_queue_in_order(
+        pair: tuple[TcpTransport, TcpTransport, TcpLink],
+        bufs: tuple[mmap.mmap, mmap.mmap]) -> None:
+    """Transfers written while one streams wait their turn, none interleaved: every one
+    completes, in order, each block where it belongs."""
+    a, _b, link = pair
+    src, dst = bufs
+    rng = np.random.default_rng(4)
+    half = SIZE // 2
+    big = Blocks(np.array([_addr(src)], dtype=np.uint64),
+                 np.array([_addr(dst)], dtype=np.uint64), np.array([half], dtype=np.uint64))
+    link.write(1, big)  # 4 MiB: more than the socket takes at once
+    small = []
+    for tid in range(2, 8):
+        off = half + (tid - 2) * 4096
+        small.append(Blocks(np.array([_addr(src) + off], dtype=np.uint64),
+                            np.array([_addr(dst) + off], dtype=np.uint64),
+                            np.array([int(rng.integers(1, 4096))], dtype=np.uint64)))
+        link.write(tid, small[-1])
+    order: list[tuple[int | None, bool]] = []
+    deadline = time.monotonic() + 10
+    while len(order) < 7 and time.monotonic() < deadline:
+        order += [(e.transfer_id, e.ok) for e in a.events(0.5) if e.kind is EventKind.COMPLETED]
+    assert order == [(tid, True) for tid in range(1, 8)]
+    assert dst[:half] == src[:half]
+    for b in small:
+        lo = int(b.src[0]) - _addr(src)
+        n = int(b.lengths[0])
+        assert dst[lo:lo + n] == src[lo:lo + n]
 
 
 def test_oversized_writev_frame_is_a_protocol_error() -> None:
@@ -139,9 +218,9 @@ def test_retired_write_frame_drops_the_connection_and_fails_the_transfer(
     src, dst = bufs
     sock = link._sock
     assert sock is not None
-    link._queue.put(None)  # stop the sender thread: this test writes the frames itself
-    time.sleep(0.1)
-    link._inflight.append(9)
+    with link._lock:  # own the sending side: this test writes the frames itself
+        link._streaming = True
+        link._inflight.append(9)
     # One send: the receiver closes on the first header, so a second one could meet a reset.
     wire.send_all(sock, wire.frame(2, 0, _addr(dst) + 100, 5000) + src[10:5010]
                   + wire.frame(wire.END, 9, flags=wire.FLAG_NOTIFY))

@@ -5,7 +5,8 @@ building those cost ~1 us of Python per block on each side, the larger part of a
 fragmented request's TCP cost (thousands of blocks). Here the ``struct iovec``
 array is a numpy array built in one step from the block arrays, and one ctypes
 call (which releases the GIL) moves up to IOV_MAX blocks; a partial transfer
-resumes inside the block where it stopped.
+resumes inside the block where it stopped (:class:`Vectors`), also across calls: a
+sender may move what the socket takes now and leave the rest to another thread.
 
 The socket keeps its Python timeout semantics: a socket with a timeout is
 non-blocking underneath, so EAGAIN waits (``poll``) up to that timeout for
@@ -49,40 +50,71 @@ def _wait(sock: socket.socket, reading: bool) -> None:
         raise TimeoutError("timed out")
 
 
-def transfer(sock: socket.socket, addrs: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64],
-             *, reading: bool, progress: Callable[[], None] | None = None) -> None:
-    """Write (or read into) every ``[addrs[i], addrs[i] + lengths[i])`` in order, all bytes.
+class Vectors:
+    """Memory ranges ``[addrs[i], addrs[i] + lengths[i])`` to move through a socket in
+    order, as one stream: :meth:`move` may stop where the socket has no room (or no
+    data) and a later call resumes there, inside the block where it stopped.
 
     The caller guarantees each range is memory of this process it may read (or
-    write). ``progress`` is called after every call that moved bytes. Reading
-    raises ConnectionError on EOF before the last byte.
+    write) until the stream is done; ``keep`` holds any buffer the ranges point into
+    (frame headers built for the stream) alive as long as the stream.
     """
-    if len(addrs) == 0:
-        return
-    call = _IOV_CALLS["readv" if reading else "writev"]
-    iov = np.empty((len(addrs), 2), dtype=np.uint64)
-    iov[:, 0] = addrs
-    iov[:, 1] = lengths
-    ends = np.cumsum(iov[:, 1]).tolist()  # a list: bisect per call beats a numpy call
-    total, done, i = ends[-1], 0, 0
-    fd = sock.fileno()
-    while done < total:
-        n = call(fd, iov.ctypes.data + i * 16, min(IOV_MAX, len(iov) - i))
-        if n < 0:
-            err = ctypes.get_errno()
-            if err == errno.EINTR:
-                continue
-            if err in (errno.EAGAIN, errno.EWOULDBLOCK):
-                _wait(sock, reading)
-                continue
-            raise OSError(err, os.strerror(err))
-        if n == 0:
-            raise ConnectionError(f"peer closed the connection mid-frame ({done}/{total})")
-        done += n
-        if progress is not None:
-            progress()
-        i = bisect.bisect_right(ends, done)
-        if i < len(iov):  # resume inside block i: skip the part already moved
-            start = ends[i] - int(lengths[i])
-            iov[i, 0] = int(addrs[i]) + (done - start)
-            iov[i, 1] = ends[i] - done
+
+    def __init__(self, addrs: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64],
+                 keep: object = None) -> None:
+        self._addrs = addrs
+        self._iov = np.empty((len(addrs), 2), dtype=np.uint64)
+        self._iov[:, 0] = addrs
+        self._iov[:, 1] = lengths
+        # A list: bisect per call beats a numpy call.
+        self._ends: list[int] = np.cumsum(self._iov[:, 1]).tolist() if len(addrs) else []
+        self.total = self._ends[-1] if self._ends else 0
+        self.done = 0  # bytes moved so far
+        self._at = 0  # the first iovec not moved whole
+        self._keep = keep
+
+    def move(self, sock: socket.socket, *, reading: bool, block: bool = True,
+             progress: Callable[[], None] | None = None) -> bool:
+        """Move bytes until the stream is done (True) or, with ``block`` False, until
+        the socket would block (False: call again to go on).
+
+        With ``block`` the socket's timeout bounds each wait for progress (TimeoutError).
+        ``progress`` is called after every call that moved bytes. Reading raises
+        ConnectionError on EOF before the last byte.
+        """
+        call = _IOV_CALLS["readv" if reading else "writev"]
+        iov, ends = self._iov, self._ends
+        fd = sock.fileno()
+        while self.done < self.total:
+            i = self._at
+            n = call(fd, iov.ctypes.data + i * 16, min(IOV_MAX, len(iov) - i))
+            if n < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                if err in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    if not block:
+                        return False
+                    _wait(sock, reading)
+                    continue
+                raise OSError(err, os.strerror(err))
+            if n == 0:
+                raise ConnectionError(f"peer closed the connection mid-frame "
+                                      f"({self.done}/{self.total})")
+            self.done += n
+            if progress is not None:
+                progress()
+            i = self._at = bisect.bisect_right(ends, self.done)
+            if i < len(iov):  # resume inside block i: skip the part already moved
+                start = ends[i - 1] if i else 0
+                iov[i, 0] = int(self._addrs[i]) + (self.done - start)
+                iov[i, 1] = ends[i] - self.done
+        return True
+
+
+def transfer(sock: socket.socket, addrs: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64],
+             *, reading: bool, progress: Callable[[], None] | None = None) -> None:
+    """Write (or read into) every ``[addrs[i], addrs[i] + lengths[i])`` in order, all bytes
+    (:class:`Vectors`, waiting up to the socket's timeout for each step of progress)."""
+    if len(addrs):
+        Vectors(addrs, lengths).move(sock, reading=reading, progress=progress)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import socket
 import threading
 import time
@@ -21,11 +20,11 @@ from kvbeam.threads import name_os_thread
 from kvbeam.transport import status as st
 from kvbeam.transport.base import Event, EventKind, Link
 from kvbeam.transport.blocks import Blocks
-from kvbeam.transport.core import Prepared, prepare, remote_table, wait_readable
+from kvbeam.transport.core import prepare, remote_table, wait_readable
 from kvbeam.transport.endpoint import Endpoint
 from kvbeam.transport.host import LinkHost
 from kvbeam.transport.regions import RegionTable
-from kvbeam.transport.tcp import wire
+from kvbeam.transport.tcp import iov, wire
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,16 @@ class TcpHost(LinkHost, Protocol):
 
 class TcpLink(Link):
     """One peer over TCP: an outbound connection for our writes, with a sender thread
-    that streams queued transfers and a reader thread that turns ACK/NAK into events."""
+    that streams queued transfers and a reader thread that turns ACK/NAK into events.
+
+    A write made while the connection is idle is sent by the writing thread itself, as
+    far as the socket takes it without waiting (a small request's whole transfer, END
+    included, in one ``writev``); the sender thread finishes what is left and streams
+    what queued behind it. So a small request costs no thread hand-off here, and no
+    writer ever waits on the socket. One stream owns the socket's sending side at a
+    time (``_streaming``), so transfers never interleave; ``_inflight`` holds every
+    transfer from its write until its ACK, in order (ACKs come in that order).
+    """
 
     def __init__(self, host: TcpHost, link_id: int, token: str) -> None:
         self.id = link_id
@@ -51,9 +59,10 @@ class TcpLink(Link):
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._peer: RegionTable | None = None
-        self._queue: queue.SimpleQueue[Prepared | None] = queue.SimpleQueue()
-        self._inflight: deque[int] = deque()  # END sent, ACK awaited, in order
-        self._sending: int | None = None  # the transfer the sender thread is streaming
+        self._ready = threading.Condition(self._lock)  # the sender thread waits on it
+        self._pending: deque[_Stream] = deque()  # written, not yet streaming, in order
+        self._streaming = False  # a thread is sending a stream (the writer or the sender)
+        self._inflight: deque[int] = deque()  # written, ACK awaited, in order
         self._progress = time.monotonic()
         self._failure: tuple[str, str] | None = None
         self._released = False
@@ -104,15 +113,26 @@ class TcpLink(Link):
             thread.start()
 
     def write(self, transfer_id: int, blocks: Blocks, notify: bool = True) -> None:
-        """Check, slice and queue the blocks; the sender thread streams them."""
+        """Check and slice the blocks; send them here while the connection is idle, as far
+        as the socket takes them without waiting; else queue them for the sender thread."""
         peer = self._usable_peer()
         prepared = prepare(transfer_id, blocks, notify, self._t.options.slice_bytes,
                            self._t.local_keys(), peer)
+        stream = _Stream(transfer_id, wire.transfer_stream(
+            transfer_id, prepared.src, prepared.dst, prepared.lengths, notify))
         with self._lock:  # checked again under the lock that _fail drains the queue under
             self._usable_peer()
-            # Counted before queueing: the ACK (and its event) may follow at once.
+            # Counted before sending: the ACK (and its event) may follow at once.
             self._t.submitted(self.id, transfer_id, blocks.total_bytes, len(blocks))
-            self._queue.put(prepared)
+            if not self._inflight:  # the reader's stall clock starts now, not at the
+                self._progress = time.monotonic()  # last ACK of an idle link
+            self._inflight.append(transfer_id)  # from here a failure reports it
+            if self._streaming or self._pending:
+                self._pending.append(stream)
+                self._ready.notify()
+                return
+            self._streaming = True
+        self._send(stream, block=False)
 
     def release(self) -> None:
         """Close both directions; queued transfers fail with CANCELLED."""
@@ -154,18 +174,12 @@ class TcpLink(Link):
         return self._peer
 
     def _drain_locked(self) -> list[int]:
-        dropped = [] if self._sending is None else [self._sending]
-        self._sending = None
-        dropped += self._inflight
+        """Every transfer written and not acknowledged (queued, streaming or sent); wakes
+        the sender thread, which stops (the link is no longer live)."""
+        dropped = list(self._inflight)
         self._inflight.clear()
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                dropped.append(item.transfer_id)
-        self._queue.put(None)  # stops the sender thread
+        self._pending.clear()
+        self._ready.notify_all()
         return dropped
 
     def _fail(self, status: str, detail: str) -> None:
@@ -189,35 +203,45 @@ class TcpLink(Link):
             self._t.emit(Event(EventKind.LINK_FAILED, self.id, None, False, status, detail))
 
     def _send_loop(self) -> None:
+        """Stream what writers queued (and what a writer left when the socket was full)."""
         name_os_thread()
+        while True:
+            with self._lock:
+                while self.live and (self._streaming or not self._pending):
+                    self._ready.wait()
+                if not self.live:
+                    return
+                stream = self._pending.popleft()
+                self._streaming = True
+            if not self._send(stream, block=True):
+                return
+
+    def _send(self, stream: _Stream, block: bool) -> bool:
+        """Send ``stream`` (this thread owns the socket's sending side); ``block`` False:
+        only what the socket takes now, the rest goes back to the head of the queue for
+        the sender thread. False when the link failed (every transfer in flight is
+        reported failed, this one included)."""
         sock = self._sock
         assert sock is not None
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
+        try:
+            done = stream.vectors.move(sock, reading=False, block=block,
+                                       progress=self._progressed)
+        except (OSError, ConnectionError) as exc:
+            status = st.TIMEOUT if isinstance(exc, TimeoutError) else st.TCP_CONNECTION_LOST
             with self._lock:
-                # From here until END is sent the transfer is ours; a failure or release
-                # meanwhile reports it (see _drain_locked), so it never goes missing.
-                if not self.live:
-                    self._finish([item.transfer_id], *(self._failure or (st.CANCELLED, "")),
-                                 quiet=True)
-                    return
-                self._sending = item.transfer_id
-            try:
-                wire.send_writev(sock, item.src, item.dst, item.lengths, self._progressed)
-                with self._lock:
-                    if self._sending is None:  # failed meanwhile and already reported
-                        return
-                    self._sending = None
-                    self._inflight.append(item.transfer_id)  # before END: the ACK may be quick
-                flags = wire.FLAG_NOTIFY if item.notify else 0
-                wire.send_all(sock, wire.frame(wire.END, item.transfer_id, flags=flags))
-                self._progress = time.monotonic()
-            except OSError as exc:
-                status = st.TIMEOUT if isinstance(exc, TimeoutError) else st.TCP_CONNECTION_LOST
-                self._fail(status, f"sending to the peer: {exc}")
-                return
+                self._streaming = False
+            self._fail(status, f"sending to the peer: {exc}")
+            return False
+        with self._lock:
+            self._streaming = False
+            if not self.live:  # failed or released meanwhile, and already reported
+                return False
+            if not done:
+                self._pending.appendleft(stream)
+            if self._pending:
+                self._ready.notify()
+        self._progress = time.monotonic()
+        return True
 
     def _progressed(self) -> None:
         self._progress = time.monotonic()
@@ -260,6 +284,16 @@ class TcpLink(Link):
                     self._fail(st.TCP_CONNECTION_LOST, f"reading from the peer: {exc}")
                 return
 
+
+
+class _Stream:
+    """One written transfer on its way out: its id and its bytes (frames and END)."""
+
+    __slots__ = ("transfer_id", "vectors")
+
+    def __init__(self, transfer_id: int, vectors: iov.Vectors) -> None:
+        self.transfer_id = transfer_id
+        self.vectors = vectors
 
 
 def _shutdown(sock: socket.socket) -> None:

@@ -1,14 +1,15 @@
 """TCP transport: the same interface for hosts without RDMA.
 
 Each side listens on one port. A link's outbound connection carries its writes:
-the sender streams each block's bytes straight from local memory in WRITEV frames
-(up to IOV_MAX blocks each: their destination addresses and lengths, then the
-payloads, one ``sendmsg``; see :mod:`kvbeam.transport.tcp.wire`), then an END
-frame per transfer. The receiver checks every block against its remote-writable
-regions before it lands the bytes, straight from the socket into the destination,
-and answers END with ACK (after emitting the notification) or NAK (a block was
-refused). The writer's COMPLETED event follows ACK/NAK, so it means what an RDMA
-completion means.
+each transfer is one stream of WRITEV frames (up to IOV_MAX blocks each: their
+destination addresses and lengths, then the payloads, read straight from local
+memory; see :mod:`kvbeam.transport.tcp.wire`) and its END frame, sent by ``writev``
+by the writing thread while the link is idle and by the link's sender thread for
+what the socket did not take at once or what queued behind it. The receiver checks
+every block against its remote-writable regions before it lands the bytes, straight
+from the socket into the destination, and answers END with ACK (after emitting the
+notification) or NAK (a block was refused). The writer's COMPLETED event follows
+ACK/NAK, so it means what an RDMA completion means.
 
 Links (:mod:`kvbeam.transport.tcp.link`) reach this transport only through its
 :class:`~kvbeam.transport.tcp.link.TcpHost` methods. Lock order: see

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -104,22 +103,35 @@ def discard(sock: socket.socket, length: int) -> None:
         left -= n
 
 
-def send_writev(sock: socket.socket, src: npt.NDArray[np.uint64], dst: npt.NDArray[np.uint64],
-                lengths: npt.NDArray[np.uint64], progress: Callable[[], None]) -> None:
-    """Blocks as WRITEV frames of at most :data:`MAX_VEC` blocks, payloads read in place.
+def transfer_stream(transfer_id: int, src: npt.NDArray[np.uint64], dst: npt.NDArray[np.uint64],
+                    lengths: npt.NDArray[np.uint64], notify: bool) -> iov.Vectors:
+    """A whole transfer as one outgoing stream: its blocks as WRITEV frames of at most
+    :data:`MAX_VEC` blocks (payloads read in place), then its END frame.
 
-    ``progress`` is called after every system call that sent bytes.
+    One ``writev`` sends a small transfer whole, END included; the headers live in one
+    buffer the stream keeps.
     """
-    for lo in range(0, len(src), MAX_VEC):
-        hi = min(lo + MAX_VEC, len(src))
-        head = np.empty(HEADER.size + (hi - lo) * 16, dtype=np.uint8)
-        HEADER.pack_into(head.data, 0, WRITEV, 0, 0, 0, 0, hi - lo)
-        desc = head[HEADER.size:].view(_DESC).reshape(hi - lo, 2)
+    n = len(src)
+    frames = [(lo, min(lo + MAX_VEC, n)) for lo in range(0, n, MAX_VEC)]
+    heads = np.empty(HEADER.size * (len(frames) + 1) + 16 * n, dtype=np.uint8)
+    base = heads.ctypes.data
+    addrs = np.empty(n + len(frames) + 1, dtype=np.uint64)
+    sizes = np.empty(n + len(frames) + 1, dtype=np.uint64)
+    at = row = 0  # a byte offset in heads; a row of the stream
+    for lo, hi in frames:
+        k = hi - lo
+        HEADER.pack_into(heads.data, at, WRITEV, 0, 0, 0, 0, k)
+        desc = heads[at + HEADER.size:at + HEADER.size + 16 * k].view(_DESC).reshape(k, 2)
         desc[:, 0] = dst[lo:hi]
         desc[:, 1] = lengths[lo:hi]
-        addrs = np.concatenate(([head.ctypes.data], src[lo:hi])).astype(np.uint64)
-        sizes = np.concatenate(([head.nbytes], lengths[lo:hi])).astype(np.uint64)
-        iov.transfer(sock, addrs, sizes, reading=False, progress=progress)
+        addrs[row], sizes[row] = base + at, HEADER.size + 16 * k
+        addrs[row + 1:row + 1 + k] = src[lo:hi]
+        sizes[row + 1:row + 1 + k] = lengths[lo:hi]
+        at += HEADER.size + 16 * k
+        row += 1 + k
+    HEADER.pack_into(heads.data, at, END, FLAG_NOTIFY if notify else 0, 0, transfer_id, 0, 0)
+    addrs[row], sizes[row] = base + at, HEADER.size
+    return iov.Vectors(addrs, sizes, keep=heads)
 
 
 def recv_descs(sock: socket.socket, count: int) -> tuple[npt.NDArray[np.uint64],
