@@ -48,16 +48,38 @@ def buffer_bytes(layout: SideLayout, indices: IndexLists,
     (the draft's own, where it has one) times its item length. Decode computes it from
     its own layout and lists, prefill from decode's layout and the grant's lists: the
     same numbers, so the same :func:`cuts`."""
-    counts: dict[tuple[IndexKind, bool], int] = {}  # items per list, each counted once
-    out = []
+    lists, key_of, item_len = _template(layout, draft)
+    counts = [len(list_for(indices, draft, pool, kind)) for kind, pool in lists]
+    return [counts[k] * n for k, n in zip(key_of, item_len, strict=True)]
+
+
+_Template = tuple[list[tuple[IndexKind, str]], list[int], list[int]]
+_TEMPLATES: dict[tuple[int, frozenset[IndexKind] | None], tuple[SideLayout, _Template]] = {}
+_TEMPLATES_MAX = 64  # distinct (layout, draft kinds) pairs: a handful per daemon
+
+
+def _template(layout: SideLayout, draft: IndexLists | None) -> _Template:
+    """A layout's lists (kind, pool: each list counted once), each flat buffer's list
+    and item length; per layout and the kinds the draft has its own list of, so a
+    request only counts its lists."""
+    key = (id(layout), None if draft is None else frozenset(draft))
+    hit = _TEMPLATES.get(key)
+    if hit is not None and hit[0] is layout:
+        return hit[1]
+    lists: dict[tuple[IndexKind, bool], tuple[int, str]] = {}
+    key_of: list[int] = []
+    item_len: list[int] = []
     for c in layout.components:
         for b in c.buffers:
-            key = (b.index_kind, own_draft_list(draft, c.pool, b.index_kind))
-            n = counts.get(key)
-            if n is None:
-                n = counts[key] = len(list_for(indices, draft, c.pool, b.index_kind))
-            out.append(n * b.item_len)
-    return out
+            own = own_draft_list(draft, c.pool, b.index_kind)
+            entry = lists.setdefault((b.index_kind, own), (len(lists), c.pool))
+            key_of.append(entry[0])
+            item_len.append(b.item_len)
+    template = ([(kind, pool) for (kind, _), (_, pool) in lists.items()], key_of, item_len)
+    if len(_TEMPLATES) >= _TEMPLATES_MAX:
+        _TEMPLATES.clear()
+    _TEMPLATES[key] = (layout, template)
+    return template
 
 
 def cuts(per_buffer: Sequence[int], sub_batch_bytes: int) -> tuple[int, ...]:

@@ -12,6 +12,7 @@ from kvbeam.pools.digest import request_digests
 from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.mailbox import HEADER
+from kvbeam.pools.plan import list_for
 from kvbeam.pools.sub_batches import (
     MAX_MARKS,
     MIN_SUB_BATCH_BYTES,
@@ -40,6 +41,22 @@ QUARTER = sum(PER_BUFFER) // 4
 
 
 # ---- the cut ------------------------------------------------------------------------------
+@pytest.mark.parametrize("own", [None, (), (0,), (0, 1), (1,)])
+def test_buffer_bytes_counts_each_buffers_own_list(own: tuple[int, ...] | None) -> None:
+    """Per flat buffer: its list's items (the draft's own list where it has one, of each
+    kind it has) times its item length, as a buffer-by-buffer count gives; the layout's
+    template is reused, so a second call with other lengths gives their counts."""
+    lay = layout()
+    for seq in (SEQ, 3 * SEQ + 5):
+        idx = request_indices(UNIFIED_TARGET, 1, seq)
+        kinds = sorted({b.index_kind for b in lay.components[-1].buffers}, key=str)
+        draft = None if own is None else {kinds[i]: idx[kinds[i]][:1 + i]
+                                          for i in own if i < len(kinds)}
+        want = [len(list_for(idx, draft, c.pool, b.index_kind)) * b.item_len
+                for c in lay.components for b in c.buffers]
+        assert buffer_bytes(lay, idx, draft) == want
+
+
 def test_the_cut_covers_every_buffer_once_and_leaves_the_last_to_the_record() -> None:
     at = cuts(PER_BUFFER, QUARTER)
     assert at == (3, 9, 12) and len(PER_BUFFER) == 13
