@@ -34,7 +34,13 @@ from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import handled, peer_error
 from kvbeam.server.executor import LoggingExecutor
 from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.peer_channel import KIND_NAMES, PeerChannel, PeerChannels, decode_request
+from kvbeam.server.peer_channel import (
+    KIND_NAMES,
+    ONE_WAY,
+    PeerChannel,
+    PeerChannels,
+    decode_request,
+)
 from kvbeam.server.peer_rpc import writes_in_flight
 from kvbeam.server.peers import PeerConn, lost_peer
 from kvbeam.server.servicer import ControlServicer
@@ -189,6 +195,10 @@ class DaemonServicer(ControlServicer):
         #: Per channel request kind: (handler, request message, answered inline).
         self.channel_handlers: dict[int, tuple[Callable[[Any, Any], ProtoMessage],
                                                type[ProtoMessage], bool]] = {}
+        #: Per one-way frame kind (``ONE_WAY``): (handler, message); run on the channel's
+        #: thread, no reply (the handler sends what it has to say).
+        self.channel_notices: dict[int, tuple[Callable[[PeerChannel, Any], None],
+                                              type[ProtoMessage]]] = {}
 
     # ---- hooks: the core decides ------------------------------------------------------
     def on_event(self, event: Event) -> None:
@@ -236,6 +246,9 @@ class DaemonServicer(ControlServicer):
         RPC's own handler, on the channel's thread or, if it may wait, on ``peer_io``.
 
         Raises FrameError (the channel closes) when the frame cannot be decoded."""
+        if kind in ONE_WAY:
+            self._channel_notice(channel, kind, payload)
+            return
         handler, message_type, inline = self.channel_handlers[kind]
         timeout_s, raw = decode_request(payload)
         try:
@@ -254,6 +267,25 @@ class DaemonServicer(ControlServicer):
             self._answer(handler, request, context, correlation)
         else:
             self.peer_io.submit(self._answer, handler, request, context, correlation)
+
+    def _channel_notice(self, channel: PeerChannel, kind: int, payload: bytes) -> None:
+        """A one-way frame: its message, to its handler on this thread (no reply).
+
+        Raises FrameError (the channel closes) when it is not one this side takes or
+        cannot be decoded."""
+        entry = self.channel_notices.get(kind)
+        if entry is None:
+            raise FrameError("kind", f"{KIND_NAMES[kind]} is not a frame a "
+                                     f"{self.rt.role.value} daemon takes")
+        handler, message_type = entry
+        try:
+            message = message_type.FromString(payload)
+        except DecodeError as exc:
+            raise FrameError(KIND_NAMES[kind], f"not a {message_type.__name__}: {exc}") from None
+        try:
+            handler(channel, message)
+        except Exception:  # handlers log and answer their own refusals: this is our bug
+            log.exception("handling %s from %s failed", KIND_NAMES[kind], channel.peer)
 
     def _answer(self, handler: Callable[[Any, Any], ProtoMessage], request: ProtoMessage,
                 context: ChannelContext, correlation: int) -> None:

@@ -1,5 +1,6 @@
 """The decode daemon's adapter: the RPCs Reserve, Release and Abort, and the peer
-channel's BeginWrite and Abort (``channel_handlers``: no BeginWrite RPC is served).
+channel's BeginWrite and Abort (``channel_handlers``: no BeginWrite RPC is served) and
+prefill's answers to offers (``channel_notices``).
 
 Decodes each request, calls decode's driver (:class:`DecodeDriver`, which hands each
 call to the core, :mod:`kvbeam.server.core.decode`, where the reservations live, and
@@ -36,11 +37,12 @@ from kvbeam.server.peer_channel import (
     BEGIN_WRITE,
     CHANNEL_ADDRESS_KEY,
     CHANNEL_TOKEN_KEY,
+    OFFER_ANSWER,
     Hello,
     PeerChannel,
     new_token,
 )
-from kvbeam.server.peer_rpc import Dialer, GrpcPrefillPeers
+from kvbeam.server.peer_rpc import Dialer, GrpcPrefillPeers, offer_answer
 from kvbeam.server.peers import PeerConn
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.validation import request_id_of, seq_len_of
@@ -73,6 +75,16 @@ class DecodeServicer(DaemonServicer):
         self._pending_links: dict[str, tuple[Link, str]] = {}  # link, channel token
         self.channel_handlers = {BEGIN_WRITE: (self.BeginWrite, pb.BeginWriteRequest, True),
                                  ABORT: (self.Abort, pb.AbortRequest, False)}
+        self.channel_notices = {OFFER_ANSWER: (self.offer_answer_notice, pb.OfferResponse)}
+
+    def offer_answer_notice(self, channel: PeerChannel, answer: pb.OfferResponse) -> None:
+        """Prefill's OFFER_ANSWER (protocol 8): an offer it did not keep, kept without
+        digests, or refused with a status; counted, and acted on by the reservation it
+        names (its request id and transfer id) when that is still offered to the prefill
+        this channel is bound to. The peer channel's thread."""
+        self.decode.offer_answer(answer.request_id, answer.transfer_id,
+                                 channel.bound.instance_id,
+                                 offer_answer(answer, channel.bound.control_address))
 
     # ---- handshake hooks: one link per verified prefill -------------------------
     def endpoint_for(self, peer: VerifiedPeer) -> Endpoint:

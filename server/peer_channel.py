@@ -18,8 +18,10 @@ shared token protects, and binds the connection to the verified pair.
     u8 kind | u32 correlation id | u32 payload length | payload
 
 A request's payload is ``u32 timeout_ms`` then the RPC's own protobuf message
-(``OfferRequest``, ``BeginWriteRequest``, ``AbortRequest``), decoded
-by the same strict codecs as the RPC. Its REPLY carries the same correlation id:
+(``BeginWriteRequest``, ``AbortRequest``), decoded by the same strict codecs as the
+RPC; a one-way frame's (:data:`ONE_WAY`: decode's ``OfferRequest``, prefill's
+``OfferResponse`` when it has something to say) is the message alone, with no reply.
+A request's REPLY carries the same correlation id:
 ``u8 status code (gRPC's numbering) | u32 writes in flight | u32 details length |
 details (UTF-8) | the response message``, so callers map refusals exactly as they
 mapped the RPC's statuses. A payload longer than :data:`MAX_PAYLOAD` is refused from
@@ -73,18 +75,23 @@ WELCOME = 2  # decode -> prefill: the HELLO was accepted; the channel is bound
 PING = 3
 PONG = 4
 BYE = 5  # either way: an orderly close (payload: why); the peer's link, not the peer, went
-OFFER = 16  # decode -> prefill
+OFFER = 16  # decode -> prefill, one-way (protocol 8): the payload is an OfferRequest
 BEGIN_WRITE = 17  # prefill -> decode
 DIGESTS = 18  # retired: protocol 4's Digests (protocol 5: the digest mailbox); never reused
 ABORT = 19  # both ways
+OFFER_ANSWER = 20  # prefill -> decode, one-way: an OfferResponse, only when not the usual
 REPLY = 32  # the answer to a request, same correlation id
 
 KIND_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", PING: "PING", PONG: "PONG", BYE: "BYE",
-              OFFER: "Offer", BEGIN_WRITE: "BeginWrite",
-              ABORT: "Abort", REPLY: "REPLY"}
-#: The requests each side may receive (by its role).
+              OFFER: "Offer", BEGIN_WRITE: "BeginWrite", ABORT: "Abort",
+              OFFER_ANSWER: "OfferAnswer", REPLY: "REPLY"}
+#: The requests each side may receive (by its role), one-way frames included.
 REQUESTS_TO = {"prefill": frozenset({OFFER, ABORT}),
-               "decode": frozenset({BEGIN_WRITE, ABORT})}
+               "decode": frozenset({BEGIN_WRITE, ABORT, OFFER_ANSWER})}
+#: Frames that expect no REPLY (correlation id 0; the payload is the message alone).
+#: Protocol 8 made decode's Offer one of them: prefill keeps an offer without a word
+#: (the usual case) and says only what decode must act on (OFFER_ANSWER).
+ONE_WAY = frozenset({OFFER, OFFER_ANSWER})
 
 #: Largest payload accepted: a 1M-token request's index lists are ~100 KB; the length
 #: is refused from the header, before any of the payload is read.
@@ -101,7 +108,8 @@ MAX_UNAUTHENTICATED = 64
 TICK_S = 0.05
 _READ = 256 << 10
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
+#: gRPC status codes by number (a REPLY and an OFFER_ANSWER carry the number).
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 @dataclass(frozen=True)
@@ -132,6 +140,11 @@ def frame(kind: int, correlation: int, payload: bytes = b"") -> bytes:
     if len(payload) > MAX_PAYLOAD:
         raise FrameError("payload", f"{len(payload)} bytes, over the limit of {MAX_PAYLOAD}")
     return HEADER.pack(kind, correlation, len(payload)) + payload
+
+
+def notice(kind: int, message: bytes) -> bytes:
+    """A one-way frame (:data:`ONE_WAY`): correlation 0, the message as its payload."""
+    return frame(kind, 0, message)
 
 
 def _string(value: str) -> bytes:
@@ -198,7 +211,7 @@ def decode_reply(payload: bytes) -> Reply | ChannelError:
     if len(payload) < _REPLY_HEAD.size:
         raise FrameError("reply", f"{len(payload)} bytes, too short for its status")
     value, in_flight, n = _REPLY_HEAD.unpack_from(payload)
-    code = _CODES.get(value)
+    code = STATUS_CODES.get(value)
     if code is None:
         raise FrameError("reply.status", f"unknown status code {value}")
     start = _REPLY_HEAD.size

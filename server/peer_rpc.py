@@ -5,7 +5,8 @@ Abort over the pair's peer channel (:mod:`kvbeam.server.peer_channel`).
 :class:`GrpcPrefillPeers` (decode's view of prefill daemons) implement the protocols
 of :mod:`kvbeam.server.core.ports`, mapping statuses to the cores' errors. A request on
 the channel is the RPC's own message and its answer carries the RPC's status, so one
-mapping serves both. BeginWrite and Offer go over the channel only (the
+mapping serves both; the Offer is one-way (protocol 8: prefill answers only what decode
+must act on, in an OFFER_ANSWER). BeginWrite and Offer go over the channel only (the
 daemons serve no such RPC): a handshake whose decode names no channel, or whose channel
 cannot be opened, fails; a connection whose channel closed (a BYE: the link was
 replaced) sends nothing (prefill's core handshakes again, decode makes no offer). Only
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import grpc
@@ -49,9 +49,11 @@ from kvbeam.server.peer_channel import (
     CHANNEL_ADDRESS_KEY,
     CHANNEL_TOKEN_KEY,
     OFFER,
+    STATUS_CODES,
     Hello,
     PeerChannels,
     Reply,
+    notice,
 )
 from kvbeam.server.peer_client import ControlClient
 from kvbeam.server.peers import PeerConn, peer_buffer_addrs
@@ -61,10 +63,6 @@ from kvbeam.transport import Transport
 
 log = logging.getLogger(__name__)
 
-#: Longest a Reserve waits for its Offer to prefill, s. The Offer is an optimisation (a
-#: Send without it asks BeginWrite), so a slow or partitioned prefill must not make
-#: Reserve itself slow: a scheduler's own deadline on Reserve is a few seconds.
-OFFER_TIMEOUT_S = 1.0
 #: Trailing metadata of prefill's answer to Abort: the request's writes still in flight
 #: (absent or 0: drained). Prefill tells decode by Abort once they drained.
 WRITES_IN_FLIGHT_KEY = "kvbeam-writes-in-flight"
@@ -135,22 +133,19 @@ def _rpc_client(conn: PeerConn | None, client: ControlClient | None) -> ControlC
     return own
 
 
-def _offer_answer(done: Future[Reply], request_id: str, address: str) -> Offered:
-    """Prefill's answer to an Offer from its call's future (never raises)."""
-    try:
-        reply = pb.OfferResponse.FromString(done.result().payload)
-    except PeerChannelError as exc:
-        # A status is prefill's refusal (it will ask BeginWrite); no answer may be a
-        # kept offer whose reply was lost.
-        sure = exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
-                              grpc.StatusCode.FAILED_PRECONDITION)
-        log.info("offer of %s to %s not made: %s: %s", request_id, address,
-                 exc.code().name, exc.details(), extra=fields(request_id, address))
+def offer_answer(reply: pb.OfferResponse, address: str) -> Offered:
+    """What prefill's OFFER_ANSWER says (protocol 8; never raises): a status is its
+    refusal (sure, as the statuses a check gives; else it may have been kept), else
+    whether it kept the offer and writes digests."""
+    rid = reply.request_id
+    if reply.code:
+        code = STATUS_CODES.get(reply.code, grpc.StatusCode.UNKNOWN)
+        sure = code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        grpc.StatusCode.PERMISSION_DENIED)
+        log.info("offer of %s to %s not made: %s: %s", rid, address, code.name, reply.detail,
+                 extra=fields(rid, address))
         return Offered.REFUSED if sure else Offered.UNKNOWN
-    except Exception as exc:  # a malformed answer: prefill may still have kept it
-        log.warning("offer of %s to %s: prefill's answer could not be read: %s", request_id,
-                    address, exc, extra=fields(request_id, address))
-        return Offered.UNKNOWN
     if not reply.accepted:
         return Offered.REFUSED
     return Offered.DIGESTS_FOLLOW if reply.digests_follow else Offered.NO_DIGESTS
@@ -404,31 +399,27 @@ class GrpcPrefillPeers:
         return self._local()
 
     def offer(self, conn: PeerConn, request_id: str, seq_len: int, grant: WriteGrant,
-              slot: int, lease_s: float, answered: Callable[[Offered], None]) -> None:
-        """Offer on prefill: the reservation ahead of Send, sent without waiting (never
-        raises; see ports): ``answered`` gets prefill's answer where it arrives.
+              slot: int, lease_s: float) -> bool:
+        """Offer on prefill: the reservation ahead of Send, one frame, no answer awaited
+        (never raises; see ports). True when it was sent: prefill keeps it without a
+        word, or says otherwise in an OFFER_ANSWER (protocol 8).
 
-        Without an open peer channel no offer is made (REFUSED, nothing was sent: the
-        Send asks with BeginWrite), as for a peer that misses heartbeats."""
+        Without an open peer channel no offer is made (False: the Send asks with
+        BeginWrite), as for a peer that misses heartbeats."""
         channel = _channel_of(conn)
         if channel is None:
             why = no_channel(conn, "prefill")
             log.debug("request %s not offered: %s", request_id, why,
                       extra=fields(request_id, conn.control_address))
-            answered(Offered.REFUSED)
-            return
+            return False
         request = pb.OfferRequest(
             request_id=request_id, instance_id=self.local.instance_id, seq_len=seq_len,
             transfer_id=grant.transfer_id, slot=slot,
             indices=indices_to_proto(grant.indices, grant.draft, packed=True),
             lease_ms=max(1, int(lease_s * 1000)), kv_skip=grant.kv_skip,
             mailbox_slot=grant.mailbox_slot)
-        timeout = min(self.options.rpc_timeout_s, OFFER_TIMEOUT_S)
-        # The channel expires the call after ``timeout`` (its selector's sweep), so the
-        # callback always runs: on the selector thread (the REPLY, the expiry), on the
-        # thread that closes the channel, or here when it is closed already.
-        channel.start_call(OFFER, request.SerializeToString(), timeout).add_done_callback(
-            lambda done: answered(_offer_answer(done, request_id, conn.control_address)))
+        channel.send(notice(OFFER, request.SerializeToString()))
+        return not channel.closed
 
     def abort(self, conn: PeerConn, request_id: str, detail: str,
               timeout: float | None = None) -> bool:

@@ -4,7 +4,7 @@ Abort, over :class:`PrefillDriver`.
 Decodes each request, validates what only the wire can get wrong, calls the core
 (:mod:`kvbeam.server.core.prefill`, where the send path lives) and encodes the
 status. :meth:`PrefillServicer.Offer` is a handler of the peer channel only (no such RPC
-is served: ``channel_handlers``). Peer calls go over the peer channel
+is served: ``channel_notices``, one-way since protocol 8). Peer calls go over the peer channel
 (:class:`~kvbeam.server.peer_rpc.GrpcDecodePeers`).
 """
 
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
+from kvbeam.errors import PeerChannelError
 from kvbeam.proto.fields import host_port
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.transfer_codec import (
@@ -26,13 +28,18 @@ from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.daemon_servicer import IO_WORKERS, ChannelContext, DaemonServicer
 from kvbeam.server.identity import claim_refusal
-from kvbeam.server.peer_channel import ABORT, OFFER
+from kvbeam.server.peer_channel import ABORT, OFFER, OFFER_ANSWER, PeerChannel, notice
 from kvbeam.server.peer_rpc import WRITES_IN_FLIGHT_KEY, Dialer, GrpcDecodePeers
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.validation import request_id_of, seq_len_of
 
 #: What an Abort keeps of its caller's deadline for the answer's way back, s.
 ABORT_ANSWER_S = 0.25
+#: The deadline an Offer's handler sees (it does no I/O and waits for nothing), s.
+OFFER_HANDLING_S = 1.0
+#: What an OFFER_ANSWER carries back at most of a request id and of a refusal's details.
+MAX_ANSWER_ID = 1024
+MAX_ANSWER_DETAIL = 4096
 
 
 class PrefillServicer(DaemonServicer):
@@ -54,8 +61,35 @@ class PrefillServicer(DaemonServicer):
             on_offer=lambda event: runtime.metrics.offers.labels(event).inc(),
             send_wait_s=runtime.settings.send_wait_s, digest_pool=self.digest_pool,
             staging=runtime.records, staging_slots=runtime.settings.max_inflight)
-        self.channel_handlers = {OFFER: (self.Offer, pb.OfferRequest, True),
-                                 ABORT: (self.Abort, pb.AbortRequest, False)}
+        self.channel_handlers = {ABORT: (self.Abort, pb.AbortRequest, False)}
+        self.channel_notices = {OFFER: (self.offer_notice, pb.OfferRequest)}
+
+    def offer_notice(self, channel: PeerChannel, request: pb.OfferRequest) -> None:
+        """Decode's Offer over the peer channel, one-way (protocol 8): kept without a word
+        when prefill's digests will follow (the usual case); anything else decode must act
+        on (not kept, kept without digests, refused with a status) goes back to it as one
+        OFFER_ANSWER frame. The peer channel's thread."""
+        code, detail = grpc.StatusCode.OK, ""
+        answer = pb.OfferResponse()
+        bound = channel.bound
+        if request.instance_id and request.instance_id != bound.instance_id:
+            code = grpc.StatusCode.PERMISSION_DENIED
+            detail = (f"PermissionDenied: the peer channel is bound to instance "
+                      f"{bound.instance_id}, the Offer names {request.instance_id!r}")
+        else:
+            # The channel's stand-in for grpc.ServicerContext (one handler serves both).
+            context: Any = ChannelContext(channel, OFFER_HANDLING_S)
+            try:
+                answer = self.Offer(request, context)
+            except PeerChannelError as refused:
+                code, detail = refused.code(), refused.details()
+        if code is grpc.StatusCode.OK and answer.accepted and answer.digests_follow:
+            return
+        answer.request_id = request.request_id[:MAX_ANSWER_ID]
+        answer.transfer_id = request.transfer_id
+        answer.code = code.value[0]
+        answer.detail = detail[:MAX_ANSWER_DETAIL]
+        channel.send(notice(OFFER_ANSWER, answer.SerializeToString()))
 
     @handled
     def Send(self, request: pb.SendRequest, context: grpc.ServicerContext) -> pb.TransferStatus:

@@ -48,8 +48,9 @@ Threads. The daemon (``DaemonServicer``) owns ONE bounded executor
 handshakes, XXH3-128 digests, peer calls (BeginWrite, Abort: each waits for its
 answer on the pair's peer channel), link releases. Decode's Offer (the core's
 ``SendOffer`` action) does not block: its driver sends it from the Reserve's thread,
-outside every lock, and its answer is an event handled on the peer channel's thread
-(``DecodeCore.offer_answered``). ``on_event`` runs on the
+outside every lock, and prefill's answer, when it sends one (protocol 8: a kept offer
+gets none), is an event handled on the peer channel's thread
+(``DecodeCore.answer_arrived``). ``on_event`` runs on the
 transport thread that saw the event (or the daemon's event thread; see
 :meth:`kvbeam.transport.base.Transport.deliver_to`) with no transport lock held: it does
 bookkeeping, verifies a small landing on decode (its digests run

@@ -31,12 +31,15 @@ abort prefill does not confirm keeps only that request's slot: decode asks again
 and after the request's transfer budget releases that one link (its other requests
 stay for prefill's resend), never failing the peer's other requests.
 
-The Offer (protocol 2). When Reserve names a prefill that is a verified peer with a
-live connection, the Offer carries exactly what BeginWrite would answer (the
-transfer id, the destination lists); the driver sends it on the pair's peer channel
-and does not wait: prefill's answer is an event (:meth:`DecodeCore.offer_answered`;
-bounded by ``OFFER_TIMEOUT_S``, 1 s or less if the RPC timeout is, after which the
-channel answers "unknown"). No offer is made while the peer misses heartbeats:
+The Offer (protocol 2; one-way since protocol 8). When Reserve names a prefill that
+is a verified peer with a live connection, the Offer carries exactly what BeginWrite
+would answer (the transfer id, the destination lists); the driver sends it on the
+pair's peer channel (:meth:`DecodeCore.offer_sent`) and nothing comes back while
+prefill keeps it and writes digests: that is the usual case, and the digest record
+in the request's mailbox slot says so when the bytes land. Prefill answers only
+what decode must act on (an OFFER_ANSWER: not kept, kept without digests, refused
+with a status), an event here (:meth:`DecodeCore.answer_arrived`). No offer is made
+while the peer misses heartbeats:
 Reserve stays fast when prefill is slow or cut off. Prefill's Send then writes at
 once, with no control round trip; without an offer (the first request before any
 handshake, a Send before the Reserve, a resend on a new link) prefill asks with
@@ -44,9 +47,9 @@ BeginWrite as before (docs/protocol.md, "The offer path and its fallback").
 
 The reservation counts as granted BEFORE the offer is sent (``peer_instance`` and
 the link set): prefill may post its writes, and its notification arrive, before
-Offer's answer is back here. From then on an abort asks prefill to drain first, as
+any answer could be back here. From then on an abort asks prefill to drain first, as
 after a BeginWrite. Only an explicit refusal (prefill will not use it) takes the
-grant back; a call that got no answer may have been kept, so the grant stays.
+grant back; no answer means kept, so the grant stays.
 
 The landing's decisions live here too (:meth:`DecodeCore._ready`: when to check;
 :meth:`DecodeCore.checked`: what the verdict does); reading the record and digesting
@@ -104,12 +107,18 @@ from kvbeam.transport import Event, EventKind
 
 log = logging.getLogger(__name__)
 
+#: How prefill's answers to offers count (``kvbeam_offers_total{event}``); "made" counts
+#: every offer sent, so made less refused and failed were kept (a kept offer's answer,
+#: saying prefill writes no digests, is not counted).
+_ANSWER_COUNTS = {Offered.REFUSED: "refused", Offered.UNKNOWN: "failed"}
+
 #: Seconds between decode's repeats of an Abort prefill has not confirmed.
 ASK_AGAIN_S = 1.0
 #: Repeated Aborts in flight at once (each a peer call on the driver's executor).
 MAX_ASKING = 2
-#: What a landed request waits for when prefill's integrity flag is not known (its
-#: answer to the Offer never came) and no record is in the slot (a timeout names it).
+#: What a landed request waits for when prefill's integrity flag is not known (a kept
+#: offer gets no answer when digests follow; a prefill without integrity answers that it
+#: kept it without them) and no record is in the slot (a timeout names it).
 WAITING_FOR_DIGESTS = ("the writes landed without a digest record, and prefill's answer "
                        "to the Offer (its integrity flag) never came")
 
@@ -398,8 +407,8 @@ class DecodeCore(CoreBase):
     def offer(self, res: Incoming) -> Actions:
         """Offer a fresh reservation to its prefill when that is a connected peer: the
         :class:`SendOffer`, or nothing (no connection, one missing heartbeats, or
-        BeginWrite came first). Prefill's answer comes later, to
-        :meth:`offer_answered`."""
+        BeginWrite came first). The driver sends it and tells :meth:`offer_sent`;
+        prefill answers only what decode must act on, to :meth:`answer_arrived`."""
         conn = self.peers.by_address(res.prefill_address)
         lease = self.table.left(res.request_id)
         if conn is None or conn.closed or lease is None or conn.missed_heartbeats:
@@ -413,9 +422,44 @@ class DecodeCore(CoreBase):
         return [SendOffer(conn, res, WriteGrant(res.transfer_id, res.indices, res.draft,
                                                 res.kv_skip, res.mailbox_slot), lease)]
 
+    def offer_sent(self, res: Incoming, sent: bool) -> Actions:
+        """The Offer of ``res`` went to prefill (counted "made"; no answer means kept), or
+        could not (no channel: as a refusal)."""
+        if not sent:
+            return self.offer_answered(res, Offered.REFUSED)
+        with self._lock:
+            kept = res.offered  # not refused already (an answer may overtake this)
+        left = self.table.left(res.request_id)
+        if kept and left is not None:
+            # The lease still bounds the wait for the Send, but no BeginWrite will move
+            # the request to Transferring: a Send at the lease's very end must still have
+            # the time its bytes take at the floor rate.
+            self.table.extend(res.request_id, left + self.wire_s(res.nbytes))
+        log.debug("request %s: offered to prefill %s", res.request_id, res.prefill_address,
+                  extra=fields(res.request_id, res.prefill_address))
+        return [Count("offers", "made")]
+
+    def answer_arrived(self, request_id: str, transfer_id: int, instance_id: str,
+                       answer: Offered) -> Actions:
+        """Prefill ``instance_id`` answered an Offer (its OFFER_ANSWER): acted on when the
+        reservation it names (request id and transfer id) is still offered to that
+        prefill; an answer to anything else (the request ended, was offered again,
+        BeginWrite came) is only counted."""
+        with self._lock:
+            res = self._res.get(request_id)
+            current = (res is not None and res.transfer_id == transfer_id
+                       and res.peer_instance == instance_id)
+        if res is None or not current:
+            log.debug("request %s: an answer to an offer it no longer has from %s: %s",
+                      request_id, instance_id, answer.value)
+            label = _ANSWER_COUNTS.get(answer)
+            return [Count("offers", label)] if label else []
+        return self.offer_answered(res, answer)
+
     def offer_answered(self, res: Incoming, answer: Offered) -> Actions:
-        """Prefill's answer to the Offer of ``res``: counted, and the landing checked
-        when it was only waiting for prefill's integrity flag."""
+        """Prefill's answer to the Offer of ``res`` (or "refused": none could be sent):
+        counted; a refusal takes the grant back; kept without digests, the landing is
+        checked when it was only waiting for prefill's integrity flag."""
         with self._lock:
             still = res.offered  # no BeginWrite since (it decides instead)
             if still and answer.kept:
@@ -424,17 +468,11 @@ class DecodeCore(CoreBase):
                 res.peer_instance, res.link_id, res.offered = "", None, False
             go = still and answer.kept and self._ready(res)
             tid = res.transfer_id
-        left = self.table.left(res.request_id)
-        if answer.kept and left is not None:
-            # The lease still bounds the wait for the Send, but no BeginWrite will move
-            # the request to Transferring: a Send at the lease's very end must still have
-            # the time its bytes take at the floor rate.
-            self.table.extend(res.request_id, left + self.wire_s(res.nbytes))
-        log.debug("request %s: offered to prefill %s: %s", res.request_id,
+        log.debug("request %s: prefill %s answered its offer: %s", res.request_id,
                   res.prefill_address, answer.value,
                   extra=fields(res.request_id, res.prefill_address))
-        actions: Actions = [Count("offers", {Offered.REFUSED: "refused",
-                                             Offered.UNKNOWN: "failed"}.get(answer, "made"))]
+        label = _ANSWER_COUNTS.get(answer)
+        actions: Actions = [Count("offers", label)] if label else []
         if go:
             actions.append(CheckLanding(res, tid))
         return actions

@@ -29,8 +29,9 @@ from kvbeam.server.peers import PeerConn
 @dataclass(frozen=True)
 class SendOffer:
     """Offer ``grant`` to the request's prefill on ``conn``'s peer channel (one frame,
-    not waited for); the answer comes back as
-    :meth:`~kvbeam.server.core.decode.DecodeCore.offer_answered`."""
+    one-way); the driver tells :meth:`~kvbeam.server.core.decode.DecodeCore.offer_sent`
+    whether it went, and an answer, if prefill sends one, comes back as
+    :meth:`~kvbeam.server.core.decode.DecodeCore.answer_arrived`."""
 
     conn: PeerConn
     res: Incoming

@@ -18,7 +18,6 @@ core's lock is taken and released inside each of its methods.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -254,9 +253,9 @@ class DecodeDriver(DriverBase[DecodeCore]):
         """Do one action on this thread (``execute`` chose the thread)."""
         if isinstance(action, SendOffer):
             res = action.res
-            self.prefill.offer(action.conn, res.request_id, res.seq_len, action.grant,
-                               res.slot, action.lease_s,
-                               functools.partial(self._offer_answered, res))
+            sent = self.prefill.offer(action.conn, res.request_id, res.seq_len, action.grant,
+                                      res.slot, action.lease_s)
+            self.execute(self.core.offer_sent(res, sent))
         elif isinstance(action, DigestMark):
             job = self.checker.digest_mark(action.res, action.mark)
             self.execute(self.core.mark_digesting(action.res, action.transfer_id,
@@ -276,9 +275,11 @@ class DecodeDriver(DriverBase[DecodeCore]):
         elif isinstance(action, Count):
             self.on_decline()
 
-    def _offer_answered(self, res: Incoming, answer: Offered) -> None:
-        """Prefill's answer to an Offer (the peer channel's thread, no lock held)."""
-        self.execute(self.core.offer_answered(res, answer))
+    def offer_answer(self, request_id: str, transfer_id: int, instance_id: str,
+                     answer: Offered) -> None:
+        """Prefill ``instance_id``'s answer to an Offer (the peer channel's thread, no
+        lock held): :meth:`DecodeCore.answer_arrived`."""
+        self.execute(self.core.answer_arrived(request_id, transfer_id, instance_id, answer))
 
     def _check(self, action: CheckLanding) -> None:
         verdict = self.checker.check(action.res, action.transfer_id)

@@ -117,14 +117,14 @@ class PrefillPeers(Protocol):
     block, and run on the executor)."""
 
     def offer(self, conn: PeerConn, request_id: str, seq_len: int, grant: WriteGrant,
-              slot: int, lease_s: float, answered: Callable[[Offered], None]) -> None:
-        """Push a reservation to prefill ahead of its Send; returns at once.
+              slot: int, lease_s: float) -> bool:
+        """Push a reservation to prefill ahead of its Send, one-way; returns at once,
+        True when it was sent (False: no channel, nothing sent).
 
-        ``answered`` is called exactly once with prefill's answer (:class:`Offered`): on
-        the peer channel's thread when it comes or its time runs out, on the thread that
-        closes the channel, or before this returns (no channel: REFUSED). A refusal or
-        an error is an answer, after which prefill asks with BeginWrite as without an
-        offer. Never raises; ``answered`` must not block, nor be called under a lock.
+        Prefill keeps an offer without a word; what decode must act on (not kept, kept
+        without digests, a refusal) comes later as an answer to
+        :meth:`~kvbeam.server.core.decode.DecodeCore.answer_arrived` (protocol 8). After
+        a refusal prefill asks with BeginWrite, as without an offer. Never raises.
         """
 
     def abort(self, conn: PeerConn, request_id: str, detail: str,

@@ -8,6 +8,8 @@ metrics (``kvbeam_begin_writes_total``, ``kvbeam_offers_total``).
 
 from __future__ import annotations
 
+import time
+
 from kvbeam.scheduler import run_request
 from kvbeam.states import TransferState
 from tests.daemon_helpers import pair
@@ -57,3 +59,29 @@ def test_a_chunked_request_asks_begin_write_per_chunk_and_succeeds() -> None:
         assert delta(p1, p0, "kvbeam_begin_writes_total") == 2  # one per chunk
         assert delta(p1, p0, "kvbeam_offers_total", event="received") == 1
         assert delta(p1, p0, "kvbeam_offers_total", event="used") == 0
+
+
+def test_offers_kept_without_digests_are_answered_and_land_unverified() -> None:
+    """Protocol 8: an Offer is kept without a word only when prefill's digests follow.
+    With prefill's integrity off it answers each one (OFFER_ANSWER, kept, no digests), so
+    decode checks the landing at once rather than waiting for a record that never comes:
+    every offered request reaches Success, unverified, well within its deadline."""
+    with pair(decode_extra=METRICS, prefill_extra=[*METRICS, "--integrity", "false"]) as (
+            prefill, decode, p, d):
+        assert prefill.metrics and decode.metrics
+        assert run_request(p, d, "n-0", 700, 0).state.startswith("Success")  # handshake
+        p0, d0 = scrape(prefill.metrics), scrape(decode.metrics)
+        for i in range(1, N + 1):
+            began = time.monotonic()
+            result = run_request(p, d, f"n-{i}", 300 + 97 * i, i % 4, release=False)
+            took = time.monotonic() - began
+            assert result.state.startswith("Success"), result
+            assert took < 5.0, took  # not a wait for the Transferring deadline (30 s)
+            st = d.status(f"n-{i}")
+            assert st.detail.startswith("bytes not verified: prefill sent no digests"), st
+            d.release(f"n-{i}")
+        p1, d1 = scrape(prefill.metrics), scrape(decode.metrics)
+        assert delta(p1, p0, "kvbeam_offers_total", event="used") == N
+        assert delta(p1, p0, "kvbeam_begin_writes_total") == 0
+        assert delta(d1, d0, "kvbeam_offers_total", event="made") == N
+        assert delta(d1, d0, "kvbeam_offers_total", event="refused") == 0

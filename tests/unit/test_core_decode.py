@@ -44,25 +44,35 @@ class QueueExecutor(Executor):
 class FakePrefill:
     """Prefill daemons as decode's core sees them: Abort and Offer, recorded.
 
-    ``answer``: what Offer answers (prefill kept it, digests follow, by default), at
-    once; with ``hold`` set the answers wait in ``held`` until a test calls them.
+    An Offer is one-way (protocol 8): ``answer`` None (the default) is prefill keeping
+    it without a word, digests to follow; any other answer comes back through
+    ``answered`` (the driver's ``offer_answer``, wired by :func:`_core`) at once, or,
+    with ``hold`` set, when a test calls it from ``held``. ``sent`` False: no channel.
     """
 
     def __init__(self) -> None:
         self.aborts: list[str] = []
         self.offers: list[tuple[str, WriteGrant]] = []
-        self.answer = Offered.DIGESTS_FOLLOW
+        self.answer: Offered | None = None
+        self.sent = True
         self.hold = False
         self.held: list[Callable[[], None]] = []
+        self.answered: Callable[[str, int, str, Offered], None] | None = None
 
     def offer(self, conn: PeerConn, request_id: str, seq_len: int, grant: WriteGrant,
-              slot: int, lease_s: float, answered: Callable[[Offered], None]) -> None:
+              slot: int, lease_s: float) -> bool:
+        if not self.sent:
+            return False
         self.offers.append((request_id, grant))
-        answer = self.answer
-        if self.hold:
-            self.held.append(lambda: answered(answer))
-        else:
-            answered(answer)
+        answer, answered = self.answer, self.answered
+        if answer is not None and answered is not None:
+            def deliver() -> None:
+                answered(request_id, grant.transfer_id, conn.instance_id, answer)
+            if self.hold:
+                self.held.append(deliver)
+            else:
+                deliver()
+        return True
 
     def abort(self, conn: PeerConn, request_id: str, detail: str,
               timeout: float | None = None) -> bool:
@@ -86,6 +96,7 @@ def _core() -> tuple[DecodeDriver, QueueExecutor, FakePrefill, PeerConn]:
                       digest_pool=DigestPool(0, inline_below=0))
     conn = fake_conn(PREFILL, AllocatedSide(lay))
     core.peers.add(conn)
+    prefill.answered = core.offer_answer
     return core, io, prefill, conn
 
 

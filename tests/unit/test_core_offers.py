@@ -356,14 +356,16 @@ def test_abort_and_peer_loss_drop_offers_and_the_book_is_bounded() -> None:
 
 
 # ---- decode -----------------------------------------------------------------------------
-def _offered(answer: Offered = Offered.DIGESTS_FOLLOW, deadlines: Deadlines | None = None
+def _offered(answer: Offered | None = None, deadlines: Deadlines | None = None
              ) -> tuple[DecodeDriver, QueueExecutor, FakePrefill, PeerConn, bytes]:
+    """A reservation offered to prefill, which keeps it without a word (``answer``
+    None: digests follow) or answers ``answer`` at once."""
     core, io, prefill, conn = _core()
     if deadlines is not None:
         core.table.deadlines = deadlines
     prefill.answer = answer
     res = core.reserve("r", SEQ, PREFILL)
-    assert core.offer(res)  # sent, and answered at once (the fake)
+    assert core.offer(res)  # sent (and, the fake, answered at once when it answers)
     assert [rid for rid, _ in prefill.offers] == ["r"]
     assert prefill.offers[0][1].transfer_id == res.transfer_id
     return core, io, prefill, conn, request_digests(core.pools, res.indices)
@@ -404,9 +406,10 @@ def test_a_wrong_digest_in_the_record_fails_integrity() -> None:
 
 
 def test_a_landing_without_a_record_fails_integrity_naming_the_magic() -> None:
-    """Prefill said its digests follow, the marker came, the slot holds no record (it was
+    """Prefill said its digests follow (an answer it need not send since protocol 8, as
+    BeginWrite's flag says it), the marker came, the slot holds no record (it was
     cleared when reserved): never Success, never a wait."""
-    core, io, prefill, conn, _digests = _offered()
+    core, io, prefill, conn, _digests = _offered(Offered.DIGESTS_FOLLOW)
     _notify(core, conn)
     io.run_all()
     st = core.status("r")
@@ -442,8 +445,10 @@ def test_a_stale_record_of_an_earlier_request_in_the_slot_never_passes() -> None
 
 
 def test_no_flag_and_no_record_waits_for_the_offers_answer_then_times_out() -> None:
-    core, io, _prefill, conn, _digests = _offered(Offered.UNKNOWN,
-                                                  deadlines=Deadlines(transferring=0.05))
+    """Kept without a word, landed, and no record in the slot: prefill's integrity may
+    be off and its OFFER_ANSWER still on the way, so the check waits for it, bounded by
+    the Transferring deadline."""
+    core, io, _prefill, conn, _digests = _offered(deadlines=Deadlines(transferring=0.05))
     _notify(core, conn)
     io.run_all()
     assert core.status("r").state is TransferState.TRANSFERRING
@@ -460,7 +465,8 @@ def test_no_flag_and_no_record_waits_for_the_offers_answer_then_times_out() -> N
 
 
 def test_a_record_in_the_slot_stands_for_an_unanswered_offer() -> None:
-    core, io, _prefill, conn, digests = _offered(Offered.UNKNOWN)
+    """The usual case since protocol 8: no answer (kept), the record says digests follow."""
+    core, io, _prefill, conn, digests = _offered()
     land_record(core, "r", digests)
     _notify(core, conn)
     assert len(io.queue) == 1
@@ -472,6 +478,7 @@ def test_a_notification_before_the_offers_answer_still_counts() -> None:
     core, io, prefill, conn = _core()
     res = core.reserve("r", SEQ, PREFILL)
     prefill.hold = True
+    prefill.answer = Offered.DIGESTS_FOLLOW  # an answer decode need not have
     assert core.offer(res)
     # Prefill used the offer at once: its record and notification beat the answer.
     land_record(core, "r", request_digests(core.pools, res.indices))
@@ -549,8 +556,10 @@ def test_a_resend_sends_the_digests_computed_once_with_its_new_transfer_id(
     assert computed == ["x"], "the resend digested the source again"
 
 
-@pytest.mark.parametrize("answer", [Offered.DIGESTS_FOLLOW, Offered.REFUSED])
-def test_a_kept_offer_grows_the_lease_by_the_bytes_time_only(answer: Offered) -> None:
+@pytest.mark.parametrize("answer", [None, Offered.REFUSED])
+def test_a_kept_offer_grows_the_lease_by_the_bytes_time_only(answer: Offered | None) -> None:
+    """Sent and not refused (no answer: kept), the lease grows by the bytes' time at the
+    floor rate; refused before that, it does not."""
     core, _io, prefill, _conn = _core()
     core.table.deadlines = Deadlines(bootstrapping=10.0)
     core.core.wire_s = lambda n: 5.0 if n > 0 else 0.0
@@ -559,8 +568,43 @@ def test_a_kept_offer_grows_the_lease_by_the_bytes_time_only(answer: Offered) ->
     core.offer(res)
     left = core.table.left("r")
     assert left is not None
-    want = 15.0 if answer is Offered.DIGESTS_FOLLOW else 10.0  # never the 30 s Transferring
+    want = 15.0 if answer is None else 10.0  # never the 30 s Transferring
     assert want - 0.5 < left <= want, left
+
+
+@pytest.mark.parametrize("stale", ["transfer_id", "instance", "request"])
+def test_an_answer_to_an_offer_the_reservation_no_longer_has_changes_nothing(
+        stale: str) -> None:
+    """An OFFER_ANSWER names the request, its transfer id and (by its channel) the
+    prefill: one naming another transfer, another prefill or no live request is only
+    counted; the grant stays."""
+    core, _io, prefill, conn, _digests = _offered()
+    res = core.core._reservation("r")
+    events: list[str] = []
+    core.on_offer = events.append
+    rid, tid, who = "r", res.transfer_id, conn.instance_id
+    if stale == "transfer_id":
+        tid += 16
+    elif stale == "instance":
+        who = "another-prefill"
+    else:
+        rid = "gone"
+    core.offer_answer(rid, tid, who, Offered.REFUSED)
+    assert res.peer_instance == conn.instance_id and res.offered  # still granted
+    assert events == ["refused"]
+    core.offer_answer("r", res.transfer_id, conn.instance_id, Offered.REFUSED)
+    assert not res.peer_instance and not res.offered  # the current one takes it back
+    assert prefill.offers and events == ["refused", "refused"]
+
+
+def test_an_offer_that_cannot_be_sent_counts_as_refused() -> None:
+    core, _io, prefill, _conn = _core()
+    events: list[str] = []
+    core.on_offer = events.append
+    prefill.sent = False  # no open channel
+    res = core.reserve("r", SEQ, PREFILL)
+    core.offer(res)
+    assert events == ["refused"] and not res.peer_instance and not res.offered
 
 
 def test_an_offer_that_comes_while_the_send_asks_begin_write_is_kept_and_unparks_it() -> None:

@@ -87,25 +87,36 @@ def test_a_verdict_on_a_replaced_landing_does_nothing() -> None:
     assert core.status("r").state is TransferState.TRANSFERRING
 
 
-def test_the_offer_is_an_action_and_its_answer_counts_and_may_start_the_check() -> None:
+def test_the_offer_is_an_action_and_an_answer_without_digests_may_start_the_check() -> None:
     core, conn = _core()
     res = core.reserve("r", 300, PREFILL)
     [offer] = core.offer(res)
     assert isinstance(offer, SendOffer) and offer.conn is conn and offer.res is res
     assert offer.grant.transfer_id == res.transfer_id and offer.lease_s > 0
     assert core.offer(res) == []  # granted already: no second Offer
-    # The bytes land before the answer, with no record in the slot: the check waits.
+    assert core.offer_sent(res, True) == [Count("offers", "made")]
+    # The bytes land before any answer, with no record in the slot: the check waits.
     assert _landed(core, conn, res.transfer_id) == []
     assert core.status("r").state is TransferState.TRANSFERRING
-    assert core.offer_answered(res, Offered.DIGESTS_FOLLOW) == [
-        Count("offers", "made"), CheckLanding(res, res.transfer_id)]
+    # Prefill's integrity is off: it said so (OFFER_ANSWER); nothing more to wait for.
+    assert core.answer_arrived("r", res.transfer_id, conn.instance_id,
+                               Offered.NO_DIGESTS) == [CheckLanding(res, res.transfer_id)]
 
 
 def test_a_refused_offer_takes_the_grant_back() -> None:
+    core, conn = _core()
+    res = core.reserve("r", 300, PREFILL)
+    core.offer(res)
+    assert core.answer_arrived("r", res.transfer_id, conn.instance_id,
+                               Offered.REFUSED) == [Count("offers", "refused")]
+    assert res.peer_instance == "" and not res.offered
+
+
+def test_an_offer_not_sent_is_a_refusal() -> None:
     core, _conn = _core()
     res = core.reserve("r", 300, PREFILL)
     core.offer(res)
-    assert core.offer_answered(res, Offered.REFUSED) == [Count("offers", "refused")]
+    assert core.offer_sent(res, False) == [Count("offers", "refused")]
     assert res.peer_instance == "" and not res.offered
 
 

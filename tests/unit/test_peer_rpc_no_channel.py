@@ -8,27 +8,27 @@ opened, fails. Only the daemons' Abort still falls back to the RPC
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any, cast
 
 import grpc
+import numpy as np
 import pytest
 
-from kvbeam.errors import PeerChannelError as ChannelError
 from kvbeam.errors import PeerUnavailableError
 from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.types import IndexKind
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.peer_channel import (
     CHANNEL_ADDRESS_KEY,
     CHANNEL_TOKEN_KEY,
+    HEADER,
     OFFER,
     PeerChannels,
-    Reply,
 )
-from kvbeam.server.peer_rpc import GrpcDecodePeers, GrpcPrefillPeers, no_channel
+from kvbeam.server.peer_rpc import GrpcDecodePeers, GrpcPrefillPeers, no_channel, offer_answer
 from kvbeam.server.peers import PeerConn
 from kvbeam.server.settings import ControlOptions
 from kvbeam.states import TransferState
@@ -101,9 +101,7 @@ def test_decode_makes_no_offer_without_a_channel(channel: Any) -> None:
     peers = GrpcPrefillPeers(lambda: local, ControlOptions(rpc_timeout_s=1.0))
     conn = _conn(channel)
     grant = WriteGrant(5, {})
-    answers: list[Offered] = []
-    peers.offer(conn, "r1", 100, grant, 0, 10.0, answers.append)
-    assert answers == [Offered.REFUSED]  # nothing sent, answered at once
+    assert not peers.offer(conn, "r1", 100, grant, 0, 10.0)  # nothing sent
     assert "closed" in no_channel(conn, "prefill") or channel is None
 
 
@@ -179,46 +177,52 @@ def test_a_channel_lost_without_a_bye_fails_the_connections_requests() -> None:
     assert fake.connects == [ADDR, ADDR]
 
 
-class _Pending:
-    """An open peer channel whose calls are answered when the test says."""
+class _Sending:
+    """A channel that records the frames sent on it."""
 
     closed = False
 
     def __init__(self) -> None:
-        self.calls: list[tuple[int, Future[Reply]]] = []
+        self.sent: list[bytes] = []
 
-    def start_call(self, kind: int, message: bytes, timeout_s: float) -> Future[Reply]:
-        future: Future[Reply] = Future()
-        self.calls.append((kind, future))
-        return future
+    def send(self, data: bytes) -> None:
+        self.sent.append(data)
 
 
-def _ok(accepted: bool, digests_follow: bool) -> Reply:
-    return Reply(pb.OfferResponse(accepted=accepted,
-                                  digests_follow=digests_follow).SerializeToString())
-
-
-@pytest.mark.parametrize(("outcome", "want"), [
-    (_ok(True, True), Offered.DIGESTS_FOLLOW),
-    (_ok(True, False), Offered.NO_DIGESTS),
-    (_ok(False, True), Offered.REFUSED),
-    (ChannelError(grpc.StatusCode.NOT_FOUND, "no such request"), Offered.REFUSED),
-    (ChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer in time"), Offered.UNKNOWN),
-    (ChannelError(grpc.StatusCode.UNAVAILABLE, "channel closed"), Offered.UNKNOWN),
-    (Reply(b"\xff\xff not an OfferResponse"), Offered.UNKNOWN),
-], ids=["kept-digests", "kept-no-digests", "not-accepted", "refused", "expired", "closed",
-        "malformed"])
-def test_decode_offers_without_waiting_and_hears_the_answer_once_it_comes(
-        outcome: Reply | ChannelError, want: Offered) -> None:
+def test_decode_offers_one_way_and_waits_for_nothing() -> None:
+    """Protocol 8: the Offer is one frame with no correlation id and no deadline, the
+    OfferRequest alone; nothing waits for an answer."""
     local: Any = SimpleNamespace(instance_id="d1")
     peers = GrpcPrefillPeers(lambda: local, ControlOptions(rpc_timeout_s=1.0))
-    channel = _Pending()
-    answers: list[Offered] = []
-    peers.offer(_conn(channel), "r1", 100, WriteGrant(5, {}), 0, 10.0, answers.append)
-    assert [kind for kind, _ in channel.calls] == [OFFER] and answers == []  # sent, not waited
-    future = channel.calls[0][1]
-    if isinstance(outcome, ChannelError):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
-    assert answers == [want]
+    channel = _Sending()
+    grant = WriteGrant(5, {IndexKind.KV_PAGES: np.array([3, 4], dtype=np.int64)},
+                       mailbox_slot=2)
+    assert peers.offer(_conn(channel), "r1", 100, grant, 0, 10.0)
+    [data] = channel.sent
+    kind, correlation, length = HEADER.unpack_from(data)
+    assert (kind, correlation, length) == (OFFER, 0, len(data) - HEADER.size)
+    request = pb.OfferRequest.FromString(data[HEADER.size:])
+    assert (request.request_id, request.instance_id, request.transfer_id,
+            request.mailbox_slot, request.lease_ms) == ("r1", "d1", 5, 2, 10_000)
+
+
+def _answer(accepted: bool = True, digests_follow: bool = True,
+            code: grpc.StatusCode = grpc.StatusCode.OK) -> pb.OfferResponse:
+    return pb.OfferResponse(request_id="r1", transfer_id=16, accepted=accepted,
+                            digests_follow=digests_follow, code=code.value[0],
+                            detail="" if code is grpc.StatusCode.OK else "why")
+
+
+@pytest.mark.parametrize(("answer", "want"), [
+    (_answer(True, True), Offered.DIGESTS_FOLLOW),
+    (_answer(True, False), Offered.NO_DIGESTS),
+    (_answer(False, True), Offered.REFUSED),
+    (_answer(code=grpc.StatusCode.NOT_FOUND), Offered.REFUSED),
+    (_answer(code=grpc.StatusCode.PERMISSION_DENIED), Offered.REFUSED),
+    (_answer(code=grpc.StatusCode.INTERNAL), Offered.UNKNOWN),
+    (pb.OfferResponse(request_id="r1", code=4242), Offered.UNKNOWN),
+], ids=["kept-digests", "kept-no-digests", "not-accepted", "not-found", "denied",
+        "internal", "unknown-code"])
+def test_an_offer_answer_maps_to_what_decode_does(answer: pb.OfferResponse,
+                                                  want: Offered) -> None:
+    assert offer_answer(answer, ADDR) is want

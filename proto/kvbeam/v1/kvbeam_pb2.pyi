@@ -443,12 +443,20 @@ class OfferRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., transfer_id: _Optional[int] = ..., slot: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., kv_skip: _Optional[int] = ..., mailbox_slot: _Optional[int] = ...) -> None: ...
 
 class OfferResponse(_message.Message):
-    __slots__ = ("accepted", "digests_follow")
+    __slots__ = ("accepted", "digests_follow", "request_id", "transfer_id", "code", "detail")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     digests_follow: bool
-    def __init__(self, accepted: _Optional[bool] = ..., digests_follow: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    transfer_id: int
+    code: int
+    detail: str
+    def __init__(self, accepted: _Optional[bool] = ..., digests_follow: _Optional[bool] = ..., request_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., code: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
