@@ -65,7 +65,7 @@ class DecodeServicer(DaemonServicer):
             integrity=runtime.settings.integrity, faults=runtime.faults,
             handoff_lease_s=runtime.settings.handoff_lease_s,
             transfer_budget=runtime.settings.transfer_budget_s,
-            on_offer=lambda event: runtime.metrics.offers.labels(event).inc(),
+            on_offer=runtime.metrics.count_offer,
             wire_s=lambda n: n / (runtime.settings.transfer_floor_mbps * 1e6),
             digest_pool=self.digest_pool, mailbox=runtime.records,
             sub_batch_bytes=int(runtime.settings.verify_sub_batch_mib * (1 << 20)))

@@ -90,37 +90,49 @@ class DaemonMetrics:
             "kvbeam_handshake_seconds", "Handshake latency (client: the whole round trip; "
             "server: decoding, verification and link set-up)", ["side"],
             buckets=HANDSHAKE_BUCKETS, registry=r)
-        # Declare the series up front so dashboards and rate() see zeros, not gaps.
-        self.finished.labels(TransferState.SUCCESS.value, NO_REASON)
+        # Declare the series up front so dashboards and rate() see zeros, not gaps, and
+        # keep the per-request ones: labels() is a dozen Python calls, paid per request.
+        self._finished: dict[tuple[TransferState, FailureReason | None], Counter] = {
+            (TransferState.SUCCESS, None): self.finished.labels(TransferState.SUCCESS.value,
+                                                                NO_REASON)}
         for reason in FailureReason:
-            self.finished.labels(TransferState.FAILED.value, reason.value)
-        for state in (TransferState.SUCCESS, TransferState.FAILED):
-            self.seconds.labels(state.value)
+            self._finished[TransferState.FAILED, reason] = self.finished.labels(
+                TransferState.FAILED.value, reason.value)
+        self._seconds = {state: self.seconds.labels(state.value)
+                         for state in (TransferState.SUCCESS, TransferState.FAILED)}
         side = "client" if role == "prefill" else "server"
         for result in ("ok", "failed"):
             self.handshakes.labels(side, result)
         self.handshake_seconds.labels(side)
         offer_events = (("received", "refused", "used", "missed") if role == "prefill"
                         else ("made", "refused", "failed"))
-        for event in offer_events:
-            self.offers.labels(event)
+        self._offers = {event: self.offers.labels(event) for event in offer_events}
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
     # ---- sources -------------------------------------------------------------
     def on_change(self, status: TransferStatus) -> None:
         """The TransferTable observer: count creations and final states, time transfers."""
-        log.debug("request %s: %s (version %d)", status.request_id, status.state.value,
-                  status.version, extra=fields(status.request_id, status.peer))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s: %s (version %d)", status.request_id, status.state.value,
+                      status.version, extra=fields(status.request_id, status.peer))
         if status.version == 0:
             self.started.inc()
             return
         if not status.state.terminal:
             return
-        reason = status.reason.value if status.reason is not None else NO_REASON
-        self.finished.labels(status.state.value, reason).inc()
-        self.seconds.labels(status.state.value).observe(status.age_s)
+        finished = self._finished.get((status.state, status.reason))
+        if finished is None:  # Success with a reason: not a series we declare
+            reason = status.reason.value if status.reason is not None else NO_REASON
+            finished = self.finished.labels(status.state.value, reason)
+        finished.inc()
+        self._seconds[status.state].observe(status.age_s)
         if status.state is TransferState.SUCCESS:
             self.request_bytes.inc(status.nbytes)
+
+    def count_offer(self, event: str) -> None:
+        """Count an offer event (``kvbeam_offers_total{event}``)."""
+        counter = self._offers.get(event)
+        (counter if counter is not None else self.offers.labels(event)).inc()
 
     @contextmanager
     def handshake(self, side: str) -> Iterator[None]:

@@ -58,7 +58,7 @@ class PrefillServicer(DaemonServicer):
             transfer_budget=runtime.settings.transfer_budget_s,
             resend_retries=runtime.settings.resend_retries, on_resend=runtime.metrics.resends.inc,
             max_offers=runtime.settings.max_inflight,
-            on_offer=lambda event: runtime.metrics.offers.labels(event).inc(),
+            on_offer=runtime.metrics.count_offer,
             send_wait_s=runtime.settings.send_wait_s, digest_pool=self.digest_pool,
             staging=runtime.records, staging_slots=runtime.settings.max_inflight)
         self.channel_handlers = {ABORT: (self.Abort, pb.AbortRequest, False)}

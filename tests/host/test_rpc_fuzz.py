@@ -2,8 +2,9 @@
 
 Two daemons (real runtimes, real gRPC servers on loopback, TCP data plane) take
 random bytes and adversarial-but-well-formed messages on every method, and the peer
-channel's handlers (BeginWrite, Digests, Offer: no RPCs) the same messages as a
-channel bound to the instance they name would deliver them. Each answer
+channel's handlers (BeginWrite, Digests, Offer: no RPCs; the Offer one-way since
+protocol 8, answered only by an OFFER_ANSWER) the same messages as a channel bound to
+the instance they name would deliver them. Each answer
 must be a deliberate status (never INTERNAL or UNKNOWN, which mean an unhandled
 exception, and never a hang); afterwards both daemons still serve, no slot leaked,
 no byte of either side's pools changed, and a real request still succeeds.
@@ -33,7 +34,8 @@ from kvbeam.procs import wait_until
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.scheduler import run_request
 from kvbeam.server.decode import DecodeServicer
-from kvbeam.server.peer_channel import BEGIN_WRITE, DIGESTS, OFFER
+from kvbeam.server.peer_channel import BEGIN_WRITE, DIGESTS, OFFER, OFFER_ANSWER, STATUS_CODES
+from kvbeam.server.peer_channel import HEADER as PEER_HEADER
 from kvbeam.server.prefill import PrefillServicer
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.settings import resolve
@@ -48,8 +50,14 @@ NEVER = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
 CALL_TIMEOUT_S = 10.0
 METHODS = [m.name for m in pb.DESCRIPTOR.services_by_name["KvbeamControl"].methods]
 STREAMING = {"WatchStatus"}
-#: The peer channel's requests (no RPC serves them): the frame kind of each.
-CHANNEL_KINDS = {"BeginWrite": BEGIN_WRITE, "Digests": DIGESTS, "Offer": OFFER}
+#: The peer channel's requests (no RPC serves them): the frame kind of each; the one-way
+#: OfferAnswer (prefill's answer to an Offer, to decode) among them.
+CHANNEL_KINDS = {"BeginWrite": BEGIN_WRITE, "Digests": DIGESTS, "Offer": OFFER,
+                 "OfferAnswer": OFFER_ANSWER}
+#: Their messages (Digests has none since protocol 5: it is never served).
+CHANNEL_MESSAGES: dict[str, type[Message]] = {
+    "BeginWrite": pb.BeginWriteRequest, "Offer": pb.OfferRequest,
+    "OfferAnswer": pb.OfferResponse}
 
 
 class _Channel:
@@ -61,10 +69,14 @@ class _Channel:
         self.peer = f"fuzz {instance_id!r}"
         self.closed = False
         self.answers: list[grpc.StatusCode] = []
+        self.sent: list[bytes] = []  # one-way frames (an OFFER_ANSWER)
 
     def reply(self, correlation: int, code: grpc.StatusCode, details: str = "",
               message: bytes = b"", in_flight: int = 0) -> None:
         self.answers.append(code)
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(data)
 
 
 @dataclass
@@ -106,11 +118,13 @@ class Daemon:
         not take, or bytes that are not the message, close a real channel (FrameError;
         the hub refuses a wrong-way kind before any handler): INVALID_ARGUMENT here."""
         kind = CHANNEL_KINDS[method]
+        if kind in self.servicer.channel_notices:
+            return self.notice(method, kind, payload)
         frame = struct.pack("<I", int(CALL_TIMEOUT_S * 1000)) + payload
         if kind not in self.servicer.channel_handlers:
             return grpc.StatusCode.INVALID_ARGUMENT
         try:
-            claimed = getattr(pb, f"{method}Request").FromString(payload).instance_id
+            claimed = CHANNEL_MESSAGES[method].FromString(payload).instance_id  # type: ignore[attr-defined]
         except DecodeError:
             with pytest.raises(FrameError):
                 self.servicer._channel_request(_Channel(""), kind, 1, frame)
@@ -119,6 +133,29 @@ class Daemon:
         self.servicer._channel_request(channel, kind, 1, frame)
         assert len(channel.answers) == 1, (method, channel.answers)  # answered inline
         return channel.answers[0]
+
+
+    def notice(self, method: str, kind: int, payload: bytes) -> grpc.StatusCode:
+        """A one-way frame (the Offer): no REPLY; OK when nothing comes back (kept), else
+        the status its OFFER_ANSWER carries (REFUSED as FAILED_PRECONDITION: not kept)."""
+        try:
+            message = CHANNEL_MESSAGES[method].FromString(payload)
+        except DecodeError:
+            with pytest.raises(FrameError):
+                self.servicer._channel_request(_Channel(""), kind, 0, payload)
+            return grpc.StatusCode.INVALID_ARGUMENT
+        channel = _Channel(getattr(message, "instance_id", ""))
+        self.servicer._channel_request(channel, kind, 0, payload)
+        assert not channel.answers, (method, channel.answers)  # one-way: no REPLY
+        if not channel.sent:
+            return grpc.StatusCode.OK
+        [data] = channel.sent  # at most one answer, inline
+        kind_sent, correlation, length = PEER_HEADER.unpack_from(data)
+        assert (kind_sent, correlation, length) == (OFFER_ANSWER, 0, len(data) - PEER_HEADER.size)
+        answer = pb.OfferResponse.FromString(data[PEER_HEADER.size:])
+        if answer.code:
+            return STATUS_CODES.get(answer.code, grpc.StatusCode.UNKNOWN)
+        return grpc.StatusCode.OK if answer.accepted else grpc.StatusCode.FAILED_PRECONDITION
 
 
 def _start(role: str) -> Daemon:
@@ -211,6 +248,10 @@ def _messages(daemons: tuple[Daemon, Daemon]) -> st.SearchStrategy[tuple[str, Me
                                        indices=st.lists(EDGE_INTS, max_size=8),
                                        pool=st.sampled_from(["", "target", "draft", "x"])),
                              max_size=6))),
+        st.tuples(st.just("OfferAnswer"), st.builds(
+            pb.OfferResponse, request_id=rid, transfer_id=st.integers(0, 2**32 - 1),
+            accepted=st.booleans(), digests_follow=st.booleans(),
+            code=st.integers(0, 2**32 - 1), detail=st.text(max_size=50))),
         st.tuples(st.sampled_from(["Status", "WatchStatus"]),
                   st.builds(pb.StatusRequest, request_id=rid)),
         st.tuples(st.just("Abort"), st.builds(
