@@ -17,6 +17,7 @@ from kvbeam.server.faults import skip_remote_check
 from kvbeam.transport import Access, Blocks, Event, EventKind, Region
 from kvbeam.transport import status as st
 from kvbeam.transport.tcp import TcpLink, TcpTransport, iov, wire
+from kvbeam.transport.tcp.link import INLINE_SEND_BYTES
 
 SIZE = 8 << 20
 
@@ -128,6 +129,33 @@ def test_an_idle_links_writer_sends_a_small_transfer_itself(
     done = _completion(a)
     assert (done.transfer_id, done.ok) == (5, True)
     assert dst[:] == _expected(src, blocks, _addr(dst))
+
+
+def test_a_large_transfer_goes_to_the_sender_thread(
+        pair: tuple[TcpTransport, TcpTransport, TcpLink],
+        bufs: tuple[mmap.mmap, mmap.mmap], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over INLINE_SEND_BYTES the writer only queues: a loopback socket keeps taking bytes
+    as its reader drains them, so the writer's thread would copy the whole transfer."""
+    a, _b, link = pair
+    src, dst = bufs
+    movers: list[str] = []
+    real = iov.Vectors.move
+
+    def move(self: iov.Vectors, *args: Any, **kw: Any) -> bool:
+        if not kw["reading"]:  # the receiver reads through Vectors too
+            movers.append(threading.current_thread().name)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(iov.Vectors, "move", move)
+    n = INLINE_SEND_BYTES + 4096
+    link.write(6, Blocks(np.array([_addr(src)], dtype=np.uint64),
+                         np.array([_addr(dst)], dtype=np.uint64),
+                         np.array([n], dtype=np.uint64)))
+    done = _completion(a)
+    assert (done.transfer_id, done.ok) == (6, True)
+    assert movers and threading.current_thread().name not in movers
+    assert all(name.startswith("kvbeam-tcp-send") for name in movers), movers
+    assert dst[:n] == src[:n]
 
 
 def test_writes_behind_a_full_socket_queue_in_order(

@@ -29,6 +29,11 @@ from kvbeam.transport.tcp import iov, wire
 log = logging.getLogger(__name__)
 
 TICK_S = 0.25  # how often idle reader threads look at deadlines and the stop flag
+#: Transfers up to this many bytes are sent by the writing thread when the link is idle;
+#: larger ones go to the sender thread at once. A loopback socket keeps taking bytes as
+#: fast as its reader drains them, so "what it takes without waiting" can be a whole
+#: large transfer: tens of milliseconds of copying on a channel's or a handler's thread.
+INLINE_SEND_BYTES = 1 << 20
 
 
 class TcpHost(LinkHost, Protocol):
@@ -43,13 +48,14 @@ class TcpLink(Link):
     """One peer over TCP: an outbound connection for our writes, with a sender thread
     that streams queued transfers and a reader thread that turns ACK/NAK into events.
 
-    A write made while the connection is idle is sent by the writing thread itself, as
-    far as the socket takes it without waiting (a small request's whole transfer, END
-    included, in one ``writev``); the sender thread finishes what is left and streams
-    what queued behind it. So a small request costs no thread hand-off here, and no
-    writer ever waits on the socket. One stream owns the socket's sending side at a
-    time (``_streaming``), so transfers never interleave; ``_inflight`` holds every
-    transfer from its write until its ACK, in order (ACKs come in that order).
+    A write of at most :data:`INLINE_SEND_BYTES` made while the connection is idle is sent
+    by the writing thread itself, as far as the socket takes it without waiting (a small
+    request's whole transfer, END included, in one ``writev``); the sender thread
+    finishes what is left, streams larger transfers and what queued behind them. So a
+    small request costs no thread hand-off here, and no writer ever waits on the socket.
+    One stream owns the socket's sending side at a time (``_streaming``), so transfers
+    never interleave; ``_inflight`` holds every transfer from its write until its ACK,
+    in order (ACKs come in that order).
     """
 
     def __init__(self, host: TcpHost, link_id: int, token: str) -> None:
@@ -113,8 +119,9 @@ class TcpLink(Link):
             thread.start()
 
     def write(self, transfer_id: int, blocks: Blocks, notify: bool = True) -> None:
-        """Check and slice the blocks; send them here while the connection is idle, as far
-        as the socket takes them without waiting; else queue them for the sender thread."""
+        """Check and slice the blocks; a small transfer (:data:`INLINE_SEND_BYTES`) is sent
+        here while the connection is idle, as far as the socket takes it without waiting;
+        the rest, and every other transfer, is queued for the sender thread."""
         peer = self._usable_peer()
         prepared = prepare(transfer_id, blocks, notify, self._t.options.slice_bytes,
                            self._t.local_keys(), peer)
@@ -127,7 +134,7 @@ class TcpLink(Link):
             if not self._inflight:  # the reader's stall clock starts now, not at the
                 self._progress = time.monotonic()  # last ACK of an idle link
             self._inflight.append(transfer_id)  # from here a failure reports it
-            if self._streaming or self._pending:
+            if self._streaming or self._pending or stream.vectors.total > INLINE_SEND_BYTES:
                 self._pending.append(stream)
                 self._ready.notify()
                 return

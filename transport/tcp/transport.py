@@ -3,9 +3,10 @@
 Each side listens on one port. A link's outbound connection carries its writes:
 each transfer is one stream of WRITEV frames (up to IOV_MAX blocks each: their
 destination addresses and lengths, then the payloads, read straight from local
-memory; see :mod:`kvbeam.transport.tcp.wire`) and its END frame, sent by ``writev``
-by the writing thread while the link is idle and by the link's sender thread for
-what the socket did not take at once or what queued behind it. The receiver checks
+memory; see :mod:`kvbeam.transport.tcp.wire`) and its END frame, sent by ``writev``:
+a small one by the writing thread while the link is idle, the rest by the link's
+sender thread (what the socket did not take at once, large transfers, and what queued
+behind them). The receiver checks
 every block against its remote-writable regions before it lands the bytes, straight
 from the socket into the destination, and answers END with ACK (after emitting the
 notification) or NAK (a block was refused). The writer's COMPLETED event follows
