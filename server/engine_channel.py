@@ -93,7 +93,7 @@ class CoreOps:
         host_port(frame.prefill_address, "prefill_address")
         res = core.reserve(frame.request_id, seq_len, frame.prefill_address,
                            indices=frame.indices, draft=frame.draft, kv_skip=frame.kv_skip)
-        core.offer(res)  # sent without waiting: prefill's answer is handled where it lands
+        core.offer(res)  # one-way: an answer, if prefill sends one, is handled where it lands
 
     def send(self, frame: ef.Send) -> None:
         core = self._core()
