@@ -63,7 +63,7 @@ $(SETUP_STAMP): pyproject.toml setup.py
 # headers the pyverbs poster and python-xxhash are used, without a compiler plans are
 # built in Python and numpy).
 $(POSTER_STAMP): transport/verbs/_post.c pools/_xxh3.c pools/_xxh3_avx2.c pools/_xxh3_loop.h \
-		pools/_plan.c setup.py $(SETUP_STAMP)
+		pools/_plan.c pools/_int64_buffer.h setup.py $(SETUP_STAMP)
 	$(PY) setup.py -q build_ext --inplace --build-temp build/poster
 	touch $@
 

@@ -47,12 +47,13 @@ POSTER = Extension("kvbeam.transport.verbs._post", ["transport/verbs/_post.c"], 
 
 # optional too: without <xxhash.h> (libxxhash-dev) digests go through python-xxhash.
 DIGESTER = Extension("kvbeam.pools._xxh3", ["pools/_xxh3.c", "pools/_xxh3_avx2.c"],
-                     depends=["pools/_xxh3_loop.h"], optional=True,
+                     depends=["pools/_xxh3_loop.h", "pools/_int64_buffer.h"], optional=True,
                      extra_compile_args=["-O2", "-std=c11", "-Wall"])
 
 # optional too, and needs nothing but a C compiler: without it plans are built in Python
 # and numpy.
-PLANNER = Extension("kvbeam.pools._plan", ["pools/_plan.c"], optional=True,
+PLANNER = Extension("kvbeam.pools._plan", ["pools/_plan.c"],
+                    depends=["pools/_int64_buffer.h"], optional=True,
                     extra_compile_args=["-O2", "-std=c11", "-Wall"])
 
 setup(packages=mapped_packages(), ext_modules=[POSTER, DIGESTER, PLANNER])

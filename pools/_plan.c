@@ -35,6 +35,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "_int64_buffer.h"
+
 #include <stdint.h>
 #include <string.h>
 
@@ -55,16 +57,6 @@ struct key {
     int64_t *run_len;     /* each run's pairs */
     int64_t s_lo, s_hi, d_lo, d_hi;
 };
-
-/* A C-contiguous buffer of native int64 (numpy's int64 exports "l" or "q" on LP64). */
-static int is_int64(const Py_buffer *view) {
-    const char *fmt = view->format;
-    if (view->itemsize != 8 || fmt == NULL)
-        return 0;
-    if (*fmt == '@' || *fmt == '=' || *fmt == '<')
-        fmt++;
-    return (fmt[0] == 'l' || fmt[0] == 'q') && fmt[1] == '\0';
-}
 
 static void key_close(struct key *k) {
     PyBuffer_Release(&k->src);

@@ -36,6 +36,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "_int64_buffer.h"
+
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -54,16 +56,6 @@ struct part {
     Py_ssize_t width;
     uint64_t hash[2]; /* high 64 bits, low 64 bits */
 };
-
-/* A C-contiguous buffer of native int64 (numpy's int64 exports "l" or "q" on LP64). */
-static int is_int64(const Py_buffer *view) {
-    const char *fmt = view->format;
-    if (view->itemsize != 8 || fmt == NULL)
-        return 0;
-    if (*fmt == '@' || *fmt == '=' || *fmt == '<')
-        fmt++;
-    return (fmt[0] == 'l' || fmt[0] == 'q') && fmt[1] == '\0';
-}
 
 /* Pin the part's buffers and check its shape; 0, or -1 with an exception set (nothing
  * left pinned). */

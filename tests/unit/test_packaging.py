@@ -138,7 +138,8 @@ def test_wheel_holds_each_file_once_under_its_package_name(tmp_path: Path) -> No
     expected |= {"kvbeam/transport/verbs/_post" + suffix, "kvbeam/transport/verbs/_post.c",
                  "kvbeam/pools/_xxh3" + suffix, "kvbeam/pools/_xxh3.c",
                  "kvbeam/pools/_xxh3_avx2.c", "kvbeam/pools/_xxh3_loop.h",
-                 "kvbeam/pools/_plan" + suffix, "kvbeam/pools/_plan.c"}
+                 "kvbeam/pools/_plan" + suffix, "kvbeam/pools/_plan.c",
+                 "kvbeam/pools/_int64_buffer.h"}
     assert set(names) == expected
     assert {"kvbeam/py.typed", "kvbeam/pools/plan.py", "kvbeam/proto/kvbeam/v1/kvbeam.proto",
             "kvbeam/proto/kvbeam/v1/kvbeam_pb2.pyi"} <= set(names)
