@@ -435,8 +435,9 @@ class DecodeCore(CoreBase):
             # the request to Transferring: a Send at the lease's very end must still have
             # the time its bytes take at the floor rate.
             self.table.extend(res.request_id, left + self.wire_s(res.nbytes))
-        log.debug("request %s: offered to prefill %s", res.request_id, res.prefill_address,
-                  extra=fields(res.request_id, res.prefill_address))
+        if log.isEnabledFor(logging.DEBUG):  # per request: its fields only when logged
+            log.debug("request %s: offered to prefill %s", res.request_id,
+                      res.prefill_address, extra=fields(res.request_id, res.prefill_address))
         return [Count("offers", "made")]
 
     def answer_arrived(self, request_id: str, transfer_id: int, instance_id: str,

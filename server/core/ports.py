@@ -76,7 +76,7 @@ class Offered(Enum):
     DIGESTS_FOLLOW = "digests_follow"  # kept; prefill's integrity is on
     NO_DIGESTS = "no_digests"          # kept; prefill's integrity is off
     REFUSED = "refused"                # not kept, for sure: prefill will ask BeginWrite
-    UNKNOWN = "unknown"                # no answer (timeout, unreachable): it may be kept
+    UNKNOWN = "unknown"                # an unexpected status in its answer: it may be kept
 
     @property
     def kept(self) -> bool:
