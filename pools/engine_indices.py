@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from kvbeam.errors import BadIndexList, BadKvSkip
 from kvbeam.pools.indices import expected_lengths
-from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.layout import LayoutCache, SideLayout
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import EXACT_MATCH_KINDS, INDEX_KINDS, IndexKind
 
@@ -96,7 +96,7 @@ class _Shape:
     """
 
     def __init__(self, layout: SideLayout) -> None:
-        self.layout = layout  # held so the id in the cache key stays this layout's
+        self.layout = layout
         self.used = self._kinds(None)
         self.draft_used = self._kinds("draft")
         self._addressed: dict[tuple[str, IndexKind, bool], int] = {}
@@ -127,16 +127,11 @@ class _Shape:
         return self._addressed[key]
 
 
-_SHAPES: dict[int, _Shape] = {}
+_SHAPES: LayoutCache[_Shape] = LayoutCache()
 
 
 def _shape(layout: SideLayout) -> _Shape:
-    shape = _SHAPES.get(id(layout))
-    if shape is None or shape.layout is not layout:
-        if len(_SHAPES) >= 64:
-            _SHAPES.clear()
-        shape = _SHAPES[id(layout)] = _Shape(layout)
-    return shape
+    return _SHAPES.get(layout, None, lambda: _Shape(layout))
 
 
 def validate(side: str, spec: PoolSpec, layout: SideLayout, target: Mapping[IndexKind, ListLike],

@@ -15,7 +15,9 @@ Buffer order follows sglang's wire layout:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from kvbeam.pools.indices import swa_index_mapping_fingerprint
 from kvbeam.pools.paged import block_bytes, num_blocks
@@ -113,6 +115,36 @@ class PoolGeometry:
             tp_rank=spec.tp_rank,
             tp_size=spec.tp_size,
         )
+
+
+_V = TypeVar("_V")
+
+
+class LayoutCache(Generic[_V]):
+    """Values derived from a layout once and reused for every request that uses it.
+
+    Keyed by the layout's identity (and a hashable ``extra``), not its value: hashing a
+    frozen layout's ~180 buffers on every lookup would cost more than the work cached.
+    Each entry holds its layout, so its id cannot be reused while the entry stands; a
+    daemon sees a handful of layouts, so the cache is simply emptied when full.
+    """
+
+    def __init__(self, limit: int = 64) -> None:
+        self._limit = limit
+        self._entries: dict[tuple[int, Hashable], tuple[SideLayout, _V]] = {}
+
+    def get(self, layout: SideLayout, extra: Hashable,
+            make: Callable[[], _V]) -> _V:
+        """The value for ``layout`` and ``extra``; ``make()`` computes it the first time."""
+        key = (id(layout), extra)
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] is layout:
+            return hit[1]
+        value = make()
+        if len(self._entries) >= self._limit:
+            self._entries.clear()
+        self._entries[key] = (layout, value)
+        return value
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvbeam.errors import ProtocolError
-from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.layout import LayoutCache, SideLayout
 from kvbeam.pools.plan import IndexLists, list_for, own_draft_list
 from kvbeam.pools.types import IndexKind
 
@@ -54,18 +54,18 @@ def buffer_bytes(layout: SideLayout, indices: IndexLists,
 
 
 _Template = tuple[list[tuple[IndexKind, str]], list[int], list[int]]
-_TEMPLATES: dict[tuple[int, frozenset[IndexKind] | None], tuple[SideLayout, _Template]] = {}
-_TEMPLATES_MAX = 64  # distinct (layout, draft kinds) pairs: a handful per daemon
+_TEMPLATES: LayoutCache[_Template] = LayoutCache()
 
 
 def _template(layout: SideLayout, draft: IndexLists | None) -> _Template:
     """A layout's lists (kind, pool: each list counted once), each flat buffer's list
     and item length; per layout and the kinds the draft has its own list of, so a
     request only counts its lists."""
-    key = (id(layout), None if draft is None else frozenset(draft))
-    hit = _TEMPLATES.get(key)
-    if hit is not None and hit[0] is layout:
-        return hit[1]
+    return _TEMPLATES.get(layout, None if draft is None else frozenset(draft),
+                          lambda: _build_template(layout, draft))
+
+
+def _build_template(layout: SideLayout, draft: IndexLists | None) -> _Template:
     lists: dict[tuple[IndexKind, bool], tuple[int, str]] = {}
     key_of: list[int] = []
     item_len: list[int] = []
@@ -75,11 +75,7 @@ def _template(layout: SideLayout, draft: IndexLists | None) -> _Template:
             entry = lists.setdefault((b.index_kind, own), (len(lists), c.pool))
             key_of.append(entry[0])
             item_len.append(b.item_len)
-    template = ([(kind, pool) for (kind, _), (_, pool) in lists.items()], key_of, item_len)
-    if len(_TEMPLATES) >= _TEMPLATES_MAX:
-        _TEMPLATES.clear()
-    _TEMPLATES[key] = (layout, template)
-    return template
+    return [(kind, pool) for (kind, _), (_, pool) in lists.items()], key_of, item_len
 
 
 def cuts(per_buffer: Sequence[int], sub_batch_bytes: int) -> tuple[int, ...]:

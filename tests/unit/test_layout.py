@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from kvbeam.pools.layout import LayoutCache
 from kvbeam.pools.types import IndexKind, StateType
 from tests.fixtures import PAGED_DRAFT, PAGED_TARGET, UNIFIED_DRAFT, UNIFIED_TARGET, layout
 
@@ -101,3 +102,26 @@ def test_every_buffer_fits_its_tensor() -> None:
         for b in lay.flat_buffers:
             assert b.offset >= 0 and b.offset + b.nbytes <= lay.tensors[b.tensor].nbytes
             assert b.nbytes % b.item_len == 0
+
+
+def test_a_layout_cache_computes_once_per_layout_object_and_extra() -> None:
+    """Keyed by identity: the same layout object and extra reuse the value; another
+    extra, or an equal layout that is another object, computes anew; a full cache is
+    emptied rather than grown."""
+    made: list[str] = []
+    cache: LayoutCache[str] = LayoutCache(limit=3)
+
+    def make(tag: str) -> str:
+        made.append(tag)
+        return tag
+
+    a, b = layout(), layout()
+    assert a == b and a is not b
+    assert cache.get(a, None, lambda: make("a")) == "a"
+    assert cache.get(a, None, lambda: make("again")) == "a"
+    assert cache.get(a, 1, lambda: make("a1")) == "a1"
+    assert cache.get(b, None, lambda: make("b")) == "b"
+    assert made == ["a", "a1", "b"]
+    assert cache.get(b, 2, lambda: make("b2")) == "b2"  # full: emptied, then kept
+    assert cache.get(a, None, lambda: make("a again")) == "a again"
+    assert made == ["a", "a1", "b", "b2", "a again"]
