@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import select
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from kvbeam.errors import RegionError, TransportError
 from kvbeam.transport.base import Access, Event, Registration
@@ -18,6 +22,33 @@ from kvbeam.transport.regions import KeyArray, RegionTable
 #: How long the event thread waits before looking again while another thread delivers.
 PUMP_BUSY_WAIT_S = 0.05
 MAX_TRANSFER_ID = 0xFFFF_FFFF  # it travels as the 32-bit immediate of RDMA WRITE WITH IMM
+
+
+def _load_blocks_helper() -> tuple[Any, str]:
+    """The compiled blocks helper (transport/_blocks.c) and how writes are prepared, or
+    None and why not."""
+    try:
+        module = importlib.import_module("kvbeam.transport._blocks")
+        return module, "compiled (kvbeam.transport._blocks, one call per write)"
+    except ImportError as exc:  # not built (no C compiler at install)
+        return None, (f"numpy (the compiled blocks helper did not load: "
+                      f"{type(exc).__name__}: {exc})")
+
+
+_BLOCKS, _BLOCKS_WHY = _load_blocks_helper()
+#: Whether writes are checked, sliced and (over TCP) framed by the compiled helper; the
+#: numpy paths remain for where it was not built and as its oracle (tests switch it off).
+COMPILED = _BLOCKS is not None
+
+
+def blocks_helper() -> Any:
+    """The compiled blocks helper when it is in use (:data:`COMPILED`), else None."""
+    return _BLOCKS if COMPILED else None
+
+
+def preparer() -> str:
+    """How this process prepares writes: the compiled helper, or numpy and why."""
+    return _BLOCKS_WHY if COMPILED or _BLOCKS is None else "numpy (switched off)"
 
 
 @dataclass(frozen=True)
@@ -41,9 +72,24 @@ def prepare(transfer_id: int, blocks: Blocks, notify: bool, slice_bytes: int,
     """Slice, bounds-check and key every block; raises RegionError before anything is posted."""
     if not 0 <= transfer_id <= MAX_TRANSFER_ID:
         raise TransportError(f"transfer id {transfer_id} does not fit in 32 bits")
+    helper = blocks_helper()
+    if helper is not None:
+        out = helper.prepare(blocks.src, blocks.dst, blocks.lengths, slice_bytes,
+                             local.arrays, remote.arrays)
+        if out is not None:  # None: a block is outside; the numpy path below names it
+            raw, keys = out
+            m = len(raw) // 24
+            arr = np.frombuffer(raw, dtype=np.uint64)
+            key = np.frombuffer(keys, dtype=np.uint32)
+            return Prepared(transfer_id, notify, arr[:m], arr[m:2 * m], arr[2 * m:],
+                            key[:m], key[m:])
+    # Checked whole before any is sliced (a length no region holds must not be sliced:
+    # it may not even fit the arithmetic); a RegionError names the caller's block.
+    lkeys = local.lookup(blocks.src, blocks.lengths)
+    rkeys = remote.lookup(blocks.dst, blocks.lengths)
     b = blocks.split(slice_bytes)
-    lkeys = local.lookup(b.src, b.lengths)
-    rkeys = remote.lookup(b.dst, b.lengths)
+    if b is not blocks:  # slices of checked blocks: each inside its block's region
+        lkeys, rkeys = local.lookup(b.src, b.lengths), remote.lookup(b.dst, b.lengths)
     keep = b.lengths > 0  # zero-length blocks move nothing; they were still checked above
     if not bool(keep.all()):
         return Prepared(transfer_id, notify, b.src[keep], b.dst[keep], b.lengths[keep],

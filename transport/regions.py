@@ -37,6 +37,12 @@ class RegionTable:
     def __len__(self) -> int:
         return len(self._starts)
 
+    @property
+    def arrays(self) -> tuple[AddressArray, AddressArray, KeyArray]:
+        """The regions as the compiled blocks helper reads them (transport/_blocks.c):
+        starts (ascending), ends and keys."""
+        return self._starts, self._ends, self._keys
+
     def lookup(self, addrs: AddressArray, lengths: AddressArray) -> KeyArray:
         """Key of the region holding each ``[addr, addr + length)``; RegionError if any has none."""
         if len(addrs) == 0:

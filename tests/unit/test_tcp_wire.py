@@ -14,12 +14,24 @@ import numpy as np
 import pytest
 
 from kvbeam.server.faults import skip_remote_check
-from kvbeam.transport import Access, Blocks, Event, EventKind, Region
+from kvbeam.transport import Access, Blocks, Event, EventKind, Region, core
 from kvbeam.transport import status as st
 from kvbeam.transport.tcp import TcpLink, TcpTransport, iov, wire
 from kvbeam.transport.tcp.link import INLINE_SEND_BYTES
 
 SIZE = 8 << 20
+
+
+@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+def blocks_path(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test on both paths: the compiled blocks helper's and numpy's (where the
+    helper was not built)."""
+    saved = core.COMPILED
+    core.COMPILED = request.param == "compiled"
+    try:
+        yield
+    finally:
+        core.COMPILED = saved
 
 
 def _addr(buf: mmap.mmap) -> int:

@@ -62,16 +62,43 @@ class Vectors:
 
     def __init__(self, addrs: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64],
                  keep: object = None) -> None:
-        self._addrs = addrs
         self._iov = np.empty((len(addrs), 2), dtype=np.uint64)
         self._iov[:, 0] = addrs
         self._iov[:, 1] = lengths
-        # A list: bisect per call beats a numpy call.
-        self._ends: list[int] = np.cumsum(self._iov[:, 1]).tolist() if len(addrs) else []
-        self.total = self._ends[-1] if self._ends else 0
+        self._ends: list[int] | None = None
+        self._addrs: npt.NDArray[np.uint64] | None = None
+        ends = self._index()
+        self.total = ends[-1] if ends else 0
         self.done = 0  # bytes moved so far
         self._at = 0  # the first iovec not moved whole
         self._keep = keep
+
+    @classmethod
+    def from_iov(cls, rows: bytearray, total: int, *, keep: object = None,
+                 count: int | None = None) -> Vectors:
+        """A stream of ``struct iovec`` rows built elsewhere (16 bytes each: address,
+        length; the compiled blocks helper's, or a received WRITEV frame's descriptors),
+        the first ``count`` of them (all by default), ``total`` bytes in all. The rows
+        are the stream's own from here on: a partial move rewrites them."""
+        self = cls.__new__(cls)
+        view = np.frombuffer(rows, dtype=np.uint64).reshape(-1, 2)
+        self._iov = view if count is None else view[:count]
+        # Where each row ends in the stream, and its address: needed only to resume
+        # inside a row, so found then (most streams move in one call).
+        self._ends = None
+        self._addrs = None
+        self.total = total
+        self.done = 0
+        self._at = 0
+        self._keep = (keep, rows)
+        return self
+
+    def _index(self) -> list[int]:
+        """Each row's end in the stream (a list: bisect per call beats a numpy call) and
+        its address, from the rows before any was rewritten."""
+        self._addrs = self._iov[:, 0].copy()
+        self._ends = np.cumsum(self._iov[:, 1]).tolist() if len(self._iov) else []
+        return self._ends
 
     def move(self, sock: socket.socket, *, reading: bool, block: bool = True,
              progress: Callable[[], None] | None = None) -> bool:
@@ -83,7 +110,7 @@ class Vectors:
         ConnectionError on EOF before the last byte.
         """
         call = _IOV_CALLS["readv" if reading else "writev"]
-        iov, ends = self._iov, self._ends
+        iov = self._iov
         fd = sock.fileno()
         while self.done < self.total:
             i = self._at
@@ -104,8 +131,10 @@ class Vectors:
             self.done += n
             if progress is not None:
                 progress()
-            i = self._at = bisect.bisect_right(ends, self.done)
-            if i < len(iov):  # resume inside block i: skip the part already moved
+            if self.done < self.total:  # resume inside block i: skip the part already moved
+                ends = self._ends if self._ends is not None else self._index()
+                assert self._addrs is not None
+                i = self._at = bisect.bisect_right(ends, self.done)
                 start = ends[i - 1] if i else 0
                 iov[i, 0] = int(self._addrs[i]) + (self.done - start)
                 iov[i, 1] = ends[i] - self.done

@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ from kvbeam.errors import RegionError, TransportError
 from kvbeam.threads import name_os_thread
 from kvbeam.transport import status as st
 from kvbeam.transport.base import Access, Event, EventKind, Registration, Transport
-from kvbeam.transport.core import wait_readable
+from kvbeam.transport.core import blocks_helper, wait_readable
 from kvbeam.transport.endpoint import Endpoint, Region, RemoteRegion
 from kvbeam.transport.host import LinkHostBase
 from kvbeam.transport.options import TransportOptions
@@ -41,6 +42,8 @@ from kvbeam.transport.tcp import iov, wire
 from kvbeam.transport.tcp.link import TICK_S, TcpLink
 
 log = logging.getLogger(__name__)
+#: One WRITEV descriptor: destination address, length (little-endian u64).
+_DESC = struct.Struct("<QQ")
 
 #: Inbound connections that have not yet named a link (HELLO) held at once; over it the
 #: oldest is dropped. They cost a socket each, no thread.
@@ -345,6 +348,22 @@ class _Receiver:
         The blocks before the first one outside our regions land, that one and every
         later one are read and dropped (and the transfer is NAKed at its END).
         """
+        helper = blocks_helper()
+        if helper is not None:  # the same checks in one compiled call
+            raw = wire.recv_desc_bytes(self.conn, count)
+            starts, ends, _keys = self.t.writable().arrays
+            ok, ok_bytes, rest = helper.check_descs(raw, starts, ends)
+            if refused is not None:  # an earlier frame's block was refused: drop it all
+                ok, ok_bytes, rest = 0, 0, ok_bytes + rest
+            elif ok < count:
+                addr, length = _DESC.unpack_from(raw, 16 * ok)
+                refused = (f"block at {addr:#x} length {length} is outside every "
+                           f"remote-writable region of the receiver")
+            if ok:
+                iov.Vectors.from_iov(raw, ok_bytes, count=ok).move(self.conn, reading=True)
+            if rest:
+                wire.discard(self.conn, rest)
+            return landed + ok_bytes, refused
         addrs, lengths = wire.recv_descs(self.conn, count)
         table = self.t.writable()  # read per frame: registrations may change between transfers
         ok = count if refused is None else 0

@@ -21,6 +21,7 @@ import struct
 import numpy as np
 import numpy.typing as npt
 
+from kvbeam.transport.core import blocks_helper
 from kvbeam.transport.tcp import iov
 
 HEADER = struct.Struct("<BBHIQQ")  # kind, flags, reserved, transfer_id, addr, length
@@ -109,8 +110,13 @@ def transfer_stream(transfer_id: int, src: npt.NDArray[np.uint64], dst: npt.NDAr
     :data:`MAX_VEC` blocks (payloads read in place), then its END frame.
 
     One ``writev`` sends a small transfer whole, END included; the headers live in one
-    buffer the stream keeps.
+    buffer the stream keeps. Laid out by the compiled blocks helper where it is in use
+    (transport/_blocks.c), else here with numpy: the same bytes.
     """
+    helper = blocks_helper()
+    if helper is not None:
+        rows, heads, total = helper.stream(transfer_id, notify, src, dst, lengths, MAX_VEC)
+        return iov.Vectors.from_iov(rows, total, keep=heads)
     n = len(src)
     frames = [(lo, min(lo + MAX_VEC, n)) for lo in range(0, n, MAX_VEC)]
     heads = np.empty(HEADER.size * (len(frames) + 1) + 16 * n, dtype=np.uint8)
@@ -134,13 +140,21 @@ def transfer_stream(transfer_id: int, src: npt.NDArray[np.uint64], dst: npt.NDAr
     return iov.Vectors(addrs, sizes, keep=heads)
 
 
-def recv_descs(sock: socket.socket, count: int) -> tuple[npt.NDArray[np.uint64],
-                                                          npt.NDArray[np.uint64]]:
-    """A WRITEV frame's ``count`` destination addresses and lengths."""
+def recv_desc_bytes(sock: socket.socket, count: int) -> bytearray:
+    """A WRITEV frame's ``count`` descriptors as they came: (destination address,
+    length) pairs of little-endian u64, which on the (little-endian) hosts kvbeam runs
+    on are the ``struct iovec`` rows that land the payloads."""
     if not 0 < count <= MAX_VEC:
         raise ConnectionError(f"WRITEV frame with {count} blocks (at most {MAX_VEC})")
     raw = bytearray(count * 2 * _DESC.itemsize)
     if not recv_into(sock, memoryview(raw)):
         raise ConnectionError("peer closed the connection mid-frame")
+    return raw
+
+
+def recv_descs(sock: socket.socket, count: int) -> tuple[npt.NDArray[np.uint64],
+                                                          npt.NDArray[np.uint64]]:
+    """A WRITEV frame's ``count`` destination addresses and lengths."""
+    raw = recv_desc_bytes(sock, count)
     pairs = np.frombuffer(raw, dtype=_DESC).reshape(count, 2).astype(np.uint64)
     return pairs[:, 0], pairs[:, 1]
