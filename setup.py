@@ -17,6 +17,13 @@ same way: without it digests go through python-xxhash (docs/performance.md, "Dig
 
 ``kvbeam.pools._plan`` (pools/_plan.c) builds a request's transfer plan in one call; without
 it plans are built in Python and numpy (``kvbeam.pools.plan``), the same blocks.
+
+``kvbeam.transport._blocks`` (transport/_blocks.c) checks a write's blocks against both
+sides' regions and slices them, lays out the TCP stream's frames and checks a received
+frame's descriptors, one call each; without it numpy does (``kvbeam.transport.core``).
+
+``kvbeam.pools._owners`` (pools/_owners.c) enters and frees decode's claims on its items
+(``kvbeam.server.core.decode_pages``), one call each; without it numpy does.
 """
 
 import tomllib
@@ -56,4 +63,14 @@ PLANNER = Extension("kvbeam.pools._plan", ["pools/_plan.c"],
                     depends=["pools/_int64_buffer.h"], optional=True,
                     extra_compile_args=["-O2", "-std=c11", "-Wall"])
 
-setup(packages=mapped_packages(), ext_modules=[POSTER, DIGESTER, PLANNER])
+# optional too, and needs nothing but a C compiler: without it writes are checked,
+# sliced and framed with numpy.
+BLOCKS = Extension("kvbeam.transport._blocks", ["transport/_blocks.c"], optional=True,
+                   extra_compile_args=["-O2", "-std=c11", "-Wall"])
+
+# optional too: without it decode's claims on its items go through numpy.
+OWNERS = Extension("kvbeam.pools._owners", ["pools/_owners.c"],
+                   depends=["pools/_int64_buffer.h"], optional=True,
+                   extra_compile_args=["-O2", "-std=c11", "-Wall"])
+
+setup(packages=mapped_packages(), ext_modules=[POSTER, DIGESTER, PLANNER, BLOCKS, OWNERS])

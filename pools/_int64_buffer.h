@@ -1,7 +1,7 @@
 /*
- * What pools/_xxh3.c and pools/_plan.c both check of an index list they are handed:
- * a buffer of native int64 (numpy's int64 exports format "l" or "q" on LP64, with or
- * without a native or little-endian byte-order prefix). Include after <Python.h>.
+ * What pools/_xxh3.c, pools/_plan.c and pools/_owners.c check of an index list they are
+ * handed: a buffer of native int64 (numpy's int64 exports format "l" or "q" on LP64,
+ * with or without a native or little-endian byte-order prefix). Include after <Python.h>.
  */
 #ifndef KVBEAM_INT64_BUFFER_H
 #define KVBEAM_INT64_BUFFER_H

@@ -32,6 +32,7 @@ from kvbeam.proto.side import ROLE_TO_PROTO, Role
 from kvbeam.proto.transfer_codec import status_to_proto
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import handled, peer_error
+from kvbeam.server.core import decode_pages
 from kvbeam.server.executor import LoggingExecutor
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.peer_channel import (
@@ -46,6 +47,7 @@ from kvbeam.server.peers import PeerConn, lost_peer
 from kvbeam.server.servicer import ControlServicer
 from kvbeam.states import TransferStatus
 from kvbeam.threads import name_os_thread
+from kvbeam.transport import core as transport_core
 from kvbeam.transport.base import Event
 
 if TYPE_CHECKING:
@@ -179,6 +181,11 @@ class DaemonServicer(ControlServicer):
         # The same for the planner: the Python path gives the same blocks, slower.
         log.log(logging.INFO if plan.COMPILED else logging.WARNING, "transfer plans: %s",
                 plan.planner())
+        log.log(logging.INFO if transport_core.COMPILED else logging.WARNING,
+                "write preparation: %s", transport_core.preparer())
+        if runtime.role is Role.DECODE:
+            log.log(logging.INFO if decode_pages.COMPILED else logging.WARNING,
+                    "claims on decode's items: %s", decode_pages.claims())
         self._watch_lock = threading.Lock()
         self._watchers = 0  # open WatchStatus streams
         #: Answers the channel's requests that may wait (Abort); the others are

@@ -11,13 +11,16 @@ its buffers address: the draft's own list of a kind where given, else the target
 (:func:`~kvbeam.pools.plan.list_for`).
 
 One owner array per (pool, kind), grown to the largest index seen: a claim and a
-release are a handful of numpy operations, whatever the request's length. Not
+release are one call of the compiled owner book (pools/_owners.c), or where it was not
+built a handful of numpy operations per list, whatever the request's length. Not
 thread-safe on its own: the decode core calls it under its lock.
 """
 
 from __future__ import annotations
 
+import importlib
 import itertools
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +32,28 @@ from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.ports import IndexLists
 
 _Key = tuple[str, IndexKind]
+_Lists = list[tuple[_Key, npt.NDArray[np.int64]]]
+
+
+def _load_helper() -> tuple[Any, str]:
+    """The compiled owner book (pools/_owners.c) and how claims are made, or None and why."""
+    try:
+        module = importlib.import_module("kvbeam.pools._owners")
+        return module, "compiled (kvbeam.pools._owners, one call per claim)"
+    except ImportError as exc:  # not built (no C compiler at install)
+        return None, (f"numpy (the compiled owner book did not load: "
+                      f"{type(exc).__name__}: {exc})")
+
+
+_HELPER, _HELPER_WHY = _load_helper()
+#: Whether claims and releases go through the compiled helper; the numpy path remains
+#: for where it was not built and as its oracle (tests switch this off).
+COMPILED = _HELPER is not None
+
+
+def claims() -> str:
+    """How this process enters decode's claims: the compiled helper, or numpy and why."""
+    return _HELPER_WHY if COMPILED or _HELPER is None else "numpy (switched off)"
 
 
 class PageBook:
@@ -37,7 +62,7 @@ class PageBook:
     def __init__(self) -> None:
         self._owners: dict[_Key, npt.NDArray[np.int64]] = {}  # 0: free, else a handle
         self._names: dict[int, str] = {}                      # handle -> request id
-        self._held: dict[str, tuple[int, list[tuple[_Key, npt.NDArray[np.int64]]]]] = {}
+        self._held: dict[str, tuple[int, _Lists]] = {}
         self._handles = itertools.count(1)
 
     def claim(self, request_id: str, indices: IndexLists, draft: IndexLists, *,
@@ -52,34 +77,68 @@ class PageBook:
             given.update({("draft", k): list_for(indices, draft, "draft", k)
                           for k in {*indices, *draft}})
         lists = [(key, arr) for key, arr in given.items() if len(arr)]
-        for (pool, kind), arr in lists:
-            owners = self._owners.get((pool, kind))
+        handle = next(self._handles)
+        try:
+            compiled = COMPILED and self._claim_compiled(request_id, lists, handle)
+        except (BufferError, ValueError):  # a list the helper cannot read in place
+            compiled = False
+        if not compiled:
+            self._claim_numpy(request_id, lists, handle)
+        self._names[handle] = request_id
+        self._held[request_id] = (handle, lists)
+
+    def _claim_compiled(self, request_id: str, lists: _Lists, handle: int) -> bool:
+        """The claim in one call (True), or BadIndexList; nothing entered on a refusal."""
+        for key, _ in lists:
+            if key not in self._owners:
+                self._owners[key] = np.zeros(0, dtype=np.int64)
+        while True:
+            code, k, at = _HELPER.claim([self._owners[key] for key, _ in lists],
+                                        [arr for _, arr in lists], handle)
+            if code == 0:
+                return True
+            key, arr = lists[k]
+            if code == 1:  # a list names an item past its owner array: grow it, again
+                self._grow(key, at)
+                continue
+            self._refuse(request_id, key, arr, at)
+
+    def _claim_numpy(self, request_id: str, lists: _Lists, handle: int) -> None:
+        for key, arr in lists:
+            owners = self._owners.get(key)
             if owners is None:
                 continue
             inside = arr[arr < len(owners)]
             taken = np.flatnonzero(owners[inside]) if len(inside) else inside
             if len(taken):
                 index = int(inside[int(taken[0])])
-                position = int(np.flatnonzero(arr == index)[0])
-                other = self._names[int(owners[index])]
-                label = kind.value if pool == "target" else f"draft {kind.value}"
-                noun = NOUNS[kind].removesuffix("s")
-                raise BadIndexList(
-                    f"decode: request {request_id}: {label} index {index} at position "
-                    f"{position} is held by live request {other}: two live reservations may "
-                    f"not name the same {noun} (the engine must give each request its own)",
-                    side="decode", kind=kind.value, pool=pool, position=position, index=index)
-        handle = next(self._handles)
+                self._refuse(request_id, key, arr, int(np.flatnonzero(arr == index)[0]))
         for key, arr in lists:
-            owners = self._owners.get(key, np.zeros(0, dtype=np.int64))
-            need = int(arr.max()) + 1
-            if need > len(owners):
-                grown = np.zeros(max(need, 2 * len(owners)), dtype=np.int64)
-                grown[:len(owners)] = owners
-                owners = self._owners[key] = grown
-            owners[arr] = handle
-        self._names[handle] = request_id
-        self._held[request_id] = (handle, lists)
+            self._grow(key, int(arr.max()) + 1)
+            self._owners[key][arr] = handle
+
+    def _grow(self, key: _Key, need: int) -> None:
+        """Make ``key``'s owner array hold at least ``need`` items (doubling)."""
+        owners = self._owners.get(key, np.zeros(0, dtype=np.int64))
+        if need > len(owners):
+            grown = np.zeros(max(need, 2 * len(owners)), dtype=np.int64)
+            grown[:len(owners)] = owners
+            owners = grown
+        self._owners[key] = owners
+
+    def _refuse(self, request_id: str, key: _Key, arr: npt.NDArray[np.int64],
+                position: int) -> None:
+        """Raise: item ``arr[position]`` of ``key`` is held by another live reservation."""
+        pool, kind = key
+        index = int(arr[position])
+        other = self._names[int(self._owners[key][index])]
+        label = kind.value if pool == "target" else f"draft {kind.value}"
+        noun = NOUNS[kind].removesuffix("s")
+        raise BadIndexList(
+            f"decode: request {request_id}: {label} index {index} at position "
+            f"{position} is held by live request {other}: two live reservations may "
+            f"not name the same {noun} (the engine must give each request its own)",
+            side="decode", kind=kind.value, pool=pool, position=position, index=index)
 
     def release(self, request_id: str) -> None:
         """Free a reservation's items (nothing when it holds none)."""
@@ -87,6 +146,13 @@ class PageBook:
         if entry is None:
             return
         handle, lists = entry
+        try:
+            if COMPILED:
+                _HELPER.release([self._owners[key] for key, _ in lists],
+                                [arr for _, arr in lists], handle)
+                lists = []  # freed
+        except (BufferError, ValueError):  # a list the helper cannot read in place
+            pass
         for key, arr in lists:
             owners = self._owners[key]
             mine = arr[owners[arr] == handle]

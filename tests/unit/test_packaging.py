@@ -132,14 +132,16 @@ def test_wheel_holds_each_file_once_under_its_package_name(tmp_path: Path) -> No
             if path.suffix in (".py", ".pyi", ".proto") or path.name == "py.typed":
                 expected.add(f"{prefix}/{path.relative_to(src / folder).as_posix()}")
     # The compiled helpers, built by the wheel's own build (setup.py; libibverbs-dev,
-    # libxxhash-dev; the planner needs only the compiler), and their sources (an
-    # extension's sources are package data to setuptools).
+    # libxxhash-dev; the planner and the blocks helper need only the compiler), and
+    # their sources (an extension's sources are package data to setuptools).
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     expected |= {"kvbeam/transport/verbs/_post" + suffix, "kvbeam/transport/verbs/_post.c",
                  "kvbeam/pools/_xxh3" + suffix, "kvbeam/pools/_xxh3.c",
                  "kvbeam/pools/_xxh3_avx2.c", "kvbeam/pools/_xxh3_loop.h",
                  "kvbeam/pools/_plan" + suffix, "kvbeam/pools/_plan.c",
-                 "kvbeam/pools/_int64_buffer.h"}
+                 "kvbeam/pools/_owners" + suffix, "kvbeam/pools/_owners.c",
+                 "kvbeam/pools/_int64_buffer.h",
+                 "kvbeam/transport/_blocks" + suffix, "kvbeam/transport/_blocks.c"}
     assert set(names) == expected
     assert {"kvbeam/py.typed", "kvbeam/pools/plan.py", "kvbeam/proto/kvbeam/v1/kvbeam.proto",
             "kvbeam/proto/kvbeam/v1/kvbeam_pb2.pyi"} <= set(names)
