@@ -79,7 +79,17 @@ def split_mapping(lists: Mapping[str, ListLike]) -> tuple[Lists, Lists]:
     return target, draft
 
 
+_INT64 = np.dtype(np.int64)
+#: The list of a kind a layout does not use: shared, so read-only.
+_NO_INDICES = np.zeros(0, dtype=np.int64)
+_NO_INDICES.flags.writeable = False
+
+
 def _array(values: ListLike, label: str, side: str = "request") -> npt.NDArray[np.int64]:
+    if type(values) is np.ndarray and values.dtype == _INT64 and values.ndim == 1:
+        # What the engine channel's frames and the wire codec give: taken as it is (a
+        # numpy call costs microseconds in a daemon, whatever the list's length).
+        return values
     arr = np.asarray(values)
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
@@ -165,7 +175,7 @@ def validate(side: str, spec: PoolSpec, layout: SideLayout, target: Mapping[Inde
                            "kind the layout uses, or none for slot-based lists",
                            side=side, kind=missing[0])
     want = expected_lengths(spec, seq_len)
-    out_t: Lists = {k: np.zeros(0, dtype=np.int64) for k in INDEX_KINDS}
+    out_t: Lists = dict.fromkeys(INDEX_KINDS, _NO_INDICES)
     out_d: Lists = {}
     for pool, given, out in (("target", target, out_t), ("draft", draft, out_d)):
         for kind, values in given.items():

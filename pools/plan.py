@@ -64,6 +64,9 @@ def planner() -> str:
     return _PLANNER_WHY if COMPILED or _PLANNER is None else "Python and numpy (switched off)"
 
 
+_INT64 = np.dtype(np.int64)
+
+
 def own_draft_list(draft: IndexLists | None, pool: str, kind: IndexKind) -> bool:
     """True when a ``pool`` buffer of ``kind`` is addressed by the draft's own list.
 
@@ -77,7 +80,10 @@ def list_for(indices: IndexLists, draft: IndexLists | None, pool: str,
              kind: IndexKind) -> npt.NDArray[np.int64]:
     """The list addressing a ``pool`` buffer of ``kind``: the draft's own, else the target's."""
     src = draft if draft is not None and own_draft_list(draft, pool, kind) else indices
-    return np.asarray(src[kind], np.int64)
+    arr = src[kind]
+    if type(arr) is np.ndarray and arr.dtype == _INT64:  # the usual case: no numpy call
+        return arr
+    return np.asarray(arr, np.int64)
 
 
 @dataclass(frozen=True)

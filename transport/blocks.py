@@ -50,10 +50,10 @@ class Blocks:
         """Join batches in order."""
         if not parts:
             return Blocks.empty()
-        return Blocks(
-            np.concatenate([p.src for p in parts]).astype(np.uint64, copy=False),
-            np.concatenate([p.dst for p in parts]).astype(np.uint64, copy=False),
-            np.concatenate([p.lengths for p in parts]).astype(np.uint64, copy=False),
+        return Blocks(  # one call per array (unsafe: what astype(np.uint64) would do)
+            np.concatenate([p.src for p in parts], dtype=np.uint64, casting="unsafe"),
+            np.concatenate([p.dst for p in parts], dtype=np.uint64, casting="unsafe"),
+            np.concatenate([p.lengths for p in parts], dtype=np.uint64, casting="unsafe"),
         )
 
     def slice(self, lo: int, hi: int) -> Blocks:
