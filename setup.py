@@ -24,6 +24,10 @@ frame's descriptors, one call each; without it numpy does (``kvbeam.transport.co
 
 ``kvbeam.pools._owners`` (pools/_owners.c) enters and frees decode's claims on its items
 (``kvbeam.server.core.decode_pages``), one call each; without it numpy does.
+
+``kvbeam.proto._frames`` (proto/_frames.c) packs and unpacks the engine channel's index
+lists (``kvbeam.proto.engine_frames``), one call per frame, on the engine and the daemon;
+without it numpy does.
 """
 
 import tomllib
@@ -73,4 +77,9 @@ OWNERS = Extension("kvbeam.pools._owners", ["pools/_owners.c"],
                    depends=["pools/_int64_buffer.h"], optional=True,
                    extra_compile_args=["-O2", "-std=c11", "-Wall"])
 
-setup(packages=mapped_packages(), ext_modules=[POSTER, DIGESTER, PLANNER, BLOCKS, OWNERS])
+# optional too: without it the engine channel's index lists are coded with numpy.
+FRAMES = Extension("kvbeam.proto._frames", ["proto/_frames.c"], optional=True,
+                   extra_compile_args=["-O2", "-std=c11", "-Wall"])
+
+setup(packages=mapped_packages(),
+      ext_modules=[POSTER, DIGESTER, PLANNER, BLOCKS, OWNERS, FRAMES])

@@ -21,6 +21,7 @@ naming the field. Pure data: no sockets, no gRPC, no torch.
 
 from __future__ import annotations
 
+import importlib
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +66,29 @@ STATE_FROM_CODE = {v: k for k, v in STATE_CODES.items()}
 REASON_CODES = {r: i + 1 for i, r in enumerate(FailureReason)}
 REASON_FROM_CODE = {v: k for k, v in REASON_CODES.items()}
 _KINDS = list(IndexKind)
+_KIND_NUMBER = {k: i for i, k in enumerate(_KINDS)}
+
+
+def _load_helper() -> tuple[Any, str]:
+    """The compiled list codec (proto/_frames.c) and how lists are coded, or None and why."""
+    try:
+        module = importlib.import_module("kvbeam.proto._frames")
+        return module, "compiled (kvbeam.proto._frames, one call per frame's lists)"
+    except ImportError as exc:  # not built (no C compiler at install)
+        return None, (f"numpy (the compiled list codec did not load: "
+                      f"{type(exc).__name__}: {exc})")
+
+
+_HELPER, _HELPER_WHY = _load_helper()
+#: Whether frames' index lists are packed and unpacked by the compiled codec; the numpy
+#: path remains for where it was not built, for what it does not take (it answers None:
+#: a value out of range, a malformed list section) and as its oracle.
+COMPILED = _HELPER is not None
+
+
+def codec() -> str:
+    """How this process codes frames' index lists: the compiled codec, or numpy and why."""
+    return _HELPER_WHY if COMPILED or _HELPER is None else "numpy (switched off)"
 
 _LEN = struct.Struct(">I")
 _HEAD = struct.Struct(">BBH")
@@ -77,6 +101,7 @@ _STATE = struct.Struct(">BBI")
 
 
 Lists = dict[IndexKind, npt.NDArray[np.int64]]
+_NO_INDICES = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -203,6 +228,12 @@ def split_lists(mapping: Mapping[str, Sequence[int] | Any]) -> tuple[Lists, List
 
 
 def _lists(target: Lists, draft: Lists) -> bytes:
+    if COMPILED:
+        packed = _HELPER.pack_lists(
+            [(0, _KIND_NUMBER[k], v) for k, v in target.items()]
+            + [(1, _KIND_NUMBER[k], v) for k, v in draft.items()])
+        if packed is not None:  # None: the path below names what it does not take
+            return packed  # type: ignore[no-any-return]
     parts = [_U8.pack(len(target) + len(draft))]
     for pool, lists in ((0, target), (1, draft)):
         for kind, values in lists.items():
@@ -283,6 +314,15 @@ class _Cursor:
             raise FrameError(name, "not UTF-8", self.request_id) from None
 
     def lists(self) -> tuple[Lists, Lists]:
+        if COMPILED:
+            got = _HELPER.unpack_lists(self.body, self.at, MAX_LISTS, MAX_INDICES, len(_KINDS))
+            if got is not None:  # None: the path below names what is wrong
+                meta, data, self.at = got
+                every = np.frombuffer(data, dtype=np.int64) if data else _NO_INDICES
+                lists: tuple[Lists, Lists] = ({}, {})
+                for pool, kind, start, n in meta:  # each a view of one array
+                    lists[pool][_KINDS[kind]] = every[start:start + n]
+                return lists
         (count,) = self.unpack(_U8, "lists")
         if count > MAX_LISTS:
             raise FrameError("lists", f"{count} lists (at most {MAX_LISTS})", self.request_id)

@@ -141,7 +141,8 @@ def test_wheel_holds_each_file_once_under_its_package_name(tmp_path: Path) -> No
                  "kvbeam/pools/_plan" + suffix, "kvbeam/pools/_plan.c",
                  "kvbeam/pools/_owners" + suffix, "kvbeam/pools/_owners.c",
                  "kvbeam/pools/_int64_buffer.h",
-                 "kvbeam/transport/_blocks" + suffix, "kvbeam/transport/_blocks.c"}
+                 "kvbeam/transport/_blocks" + suffix, "kvbeam/transport/_blocks.c",
+                 "kvbeam/proto/_frames" + suffix, "kvbeam/proto/_frames.c"}
     assert set(names) == expected
     assert {"kvbeam/py.typed", "kvbeam/pools/plan.py", "kvbeam/proto/kvbeam/v1/kvbeam.proto",
             "kvbeam/proto/kvbeam/v1/kvbeam_pb2.pyi"} <= set(names)

@@ -1,0 +1,136 @@
+"""The engine channel's compiled list codec (proto/_frames.c) against the numpy path.
+
+Frames with generated lists are encoded and decoded on both paths: the same bytes, the
+same lists, the same refusals (a value outside 0..2^32-1, a malformed or truncated
+list section, naming the same field).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from kvbeam.errors import FrameError
+from kvbeam.pools.types import IndexKind
+from kvbeam.proto import engine_frames as ef
+
+_frames = pytest.importorskip("kvbeam.proto._frames")
+
+
+@pytest.fixture
+def numpy_path() -> Iterator[None]:
+    saved = ef.COMPILED
+    ef.COMPILED = False
+    try:
+        yield
+    finally:
+        ef.COMPILED = saved
+
+
+def _both(fn: Callable[[], Any]) -> list[Any]:
+    """``fn()`` on the compiled path, then on numpy's: its result or its refusal."""
+    out: list[Any] = []
+    saved = ef.COMPILED
+    try:
+        for compiled in (True, False):
+            ef.COMPILED = compiled
+            try:
+                out.append(fn())
+            except FrameError as exc:
+                out.append(("refused", exc.field, str(exc)))
+    finally:
+        ef.COMPILED = saved
+    return out
+
+
+def test_the_helper_is_built_and_used() -> None:
+    assert ef.COMPILED and "compiled" in ef.codec()
+
+
+def _lists(rng: np.random.Generator, bad: bool) -> tuple[dict[IndexKind, Any],
+                                                         dict[IndexKind, Any]]:
+    """Target and draft lists of random kinds, as numpy int64 arrays, Python lists or
+    tuples; with ``bad``, sometimes a value outside 0..2^32-1."""
+    out: list[dict[IndexKind, Any]] = [{}, {}]
+    for pool in (0, 1):
+        for kind in IndexKind:
+            if rng.random() < 0.5:
+                continue
+            values = rng.integers(0, 2 ** 32, int(rng.integers(0, 40)), dtype=np.int64)
+            if bad and len(values) and rng.random() < 0.3:
+                values[int(rng.integers(0, len(values)))] = rng.choice([-1, 2 ** 32])
+            shape = rng.integers(0, 3)
+            out[pool][kind] = (values if shape == 0 else values.tolist() if shape == 1
+                               else tuple(values.tolist()))
+    return out[0], out[1]
+
+
+def _as_arrays(lists: dict[IndexKind, Any]) -> dict[str, list[int]]:
+    return {k.value: np.asarray(v).tolist() for k, v in lists.items()}
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=hs.integers(0, 2 ** 32 - 1), bad=hs.booleans())
+def test_frames_encode_and_decode_alike(seed: int, bad: bool) -> None:
+    rng = np.random.default_rng(seed)
+    target, draft = _lists(rng, bad)
+    frames: list[ef.EngineFrame] = [
+        ef.Reserve("r", 128, "10.0.0.1:7000", target, draft, int(rng.integers(0, 3))),
+        ef.Send("s", 64, "10.0.0.2:7000", True, ((0, 64),), target, draft)]
+    for frame in frames:
+        encoded = _both(functools.partial(ef.encode, frame))
+        assert encoded[0] == encoded[1]
+        if isinstance(encoded[0], tuple):
+            continue
+        assert isinstance(encoded[0], bytes)
+        decoded = _both(functools.partial(ef.decode, encoded[0][4:]))
+        lists = [(_as_arrays(d.indices or {}), _as_arrays(d.draft or {}))
+                 for d in decoded]
+        assert lists[0] == lists[1] == (_as_arrays(target), _as_arrays(draft))
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=hs.integers(0, 2 ** 32 - 1), cut=hs.integers(0, 200), flip=hs.integers(0, 200),
+       value=hs.integers(0, 255))
+def test_malformed_lists_are_refused_alike(seed: int, cut: int, flip: int, value: int) -> None:
+    """A frame cut short, or with a byte of its lists changed: both paths decode it the
+    same, or refuse it naming the same field."""
+    rng = np.random.default_rng(seed)
+    target, draft = _lists(rng, False)
+    data = bytearray(ef.encode(ef.Reserve("r", 128, "10.0.0.1:7000", target,
+                                          draft))[4:])
+    head = 4 + 1 + 4 + 2 + len("10.0.0.1:7000")  # version..rid, seq_len, the address
+    if flip < len(data) - head:
+        data[head + flip] = value
+    data = data[:max(head, len(data) - cut)]
+    got = _both(lambda: ef.decode(bytes(data)))
+    if isinstance(got[0], tuple):
+        assert got[0] == got[1]
+    else:
+        assert not isinstance(got[1], tuple)
+        assert (_as_arrays(got[0].indices), _as_arrays(got[0].draft)) == (
+            _as_arrays(got[1].indices), _as_arrays(got[1].draft))
+
+
+def test_lists_the_helper_does_not_take_go_the_numpy_way(numpy_path: None) -> None:
+    """A strided array, a float list, a list of 256 lists: the helper answers None, and
+    the Python path encodes or refuses them."""
+    del numpy_path
+    strided = np.arange(10, dtype=np.int64)[::2]
+    assert _frames.pack_lists([(0, 0, strided)]) is None
+    assert _frames.pack_lists([(0, 0, [1.0])]) is None
+    assert _frames.pack_lists([(0, 0, [])] * 256) is None
+    assert _frames.pack_lists([(0, 0, [2 ** 32])]) is None
+    assert _frames.pack_lists([(0, 0, np.array([-1], dtype=np.int64))]) is None
+    assert _frames.pack_lists([(0, 0, [1, 2]), (1, 3, np.array([7], dtype=np.int64))]) == (
+        b"\x02" + b"\x00\x00\x00\x00\x00\x02" + b"\x01\x00\x00\x00\x02\x00\x00\x00"
+        + b"\x01\x03\x00\x00\x00\x01" + b"\x07\x00\x00\x00")
+    with pytest.raises(ValueError, match="not \\(pool, kind, values\\)"):
+        _frames.pack_lists([(0, 0)])
+    assert _frames.unpack_lists(b"\x01\x02\x00\x00\x00\x00\x00", 0, 64, 10, 5) is None  # pool 2
