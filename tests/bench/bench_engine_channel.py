@@ -13,6 +13,11 @@ and memory, in the same run. Target lines, each beside its gRPC figure::
     daemon_cpu_ms_per_small_request=  the larger daemon's process CPU over N requests
     small_requests_per_s=  16 in flight, one pair, whole lifecycle
 
+Over TCP, last, the floor under the first two in the same run
+(:mod:`tests.bench.bench_floor`: the same four processes, sockets and bytes with none
+of kvbeam in them): ``engine_small_request_floor_ms=`` and
+``daemon_cpu_ms_per_small_request_floor=`` (the larger daemon's).
+
 ``--profile DIR``: py-spy both daemons and the prefill engine during the flow phase
 (when the bench extra installed py-spy).
 """
@@ -39,6 +44,7 @@ from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.spec import load_side_config
 from kvbeam.scheduler import run_request
 from tests.attach_helpers import start_engine_pair
+from tests.bench.bench_floor import floor, request_bytes
 from tests.bench.bench_request import BENCH_DEADLINES, cpu_s
 from tests.bench.bench_threads import cpu_by_group, thread_cpu
 from tests.fixtures import shipped_config
@@ -276,12 +282,32 @@ def main() -> None:
           f"decode {g_cpus[1]:.3f}")
     for k, (chan, grpc_) in out.items():
         print(f"{k}={chan:.3f} grpc_{k}={grpc_:.3f}")
+    floor_lines: dict[str, float] = {}
+    if args.transport == "tcp":  # the floor needs nothing but sockets: the same run's
+        # At least 1,000 requests: CPU is counted in 10 ms ticks, and the floor is cheap.
+        floor_ms, floor_p, floor_d = floor(max(args.requests, 1000), request_bytes(),
+                                           integrity=True)
+        floor_lines = {"engine_small_request_floor_ms": floor_ms,
+                       "daemon_cpu_ms_per_small_request_floor": max(floor_p, floor_d)}
+        print(f"# the floor (tests/bench/bench_floor.py: the same processes, sockets and "
+              f"bytes, none of kvbeam): Send-to-Success {floor_ms:.3f} ms, daemon CPU "
+              f"prefill {floor_p:.3f} / decode {floor_d:.3f} ms per request; the engine "
+              f"channel is {out['engine_small_request_ms'][0] / floor_ms:.1f}x its latency")
+        if settled:  # the same idle gap before each Send: the machine's wake-ups count
+            idle_ms, _, _ = floor(len(settled), request_bytes(), integrity=True,
+                                  idle_s=args.settle_ms / 1000)
+            floor_lines["engine_small_request_floor_ms_settled"] = idle_ms
+            print(f"# the floor with the Send {args.settle_ms:g} ms after the request before "
+                  f"ended, as the kept-Offer requests above: {idle_ms:.3f} ms (the engine "
+                  f"channel {statistics.median(settled) / idle_ms:.1f}x)")
+        for k, v in floor_lines.items():
+            print(f"{k}={v:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "transport": args.transport, "tokens": SEQ, "requests": args.requests,
             "flow": args.flow, "inflight": args.inflight, "failed": failed,
             "lines": {**{k: v[0] for k, v in out.items()},
-                      **{f"grpc_{k}": v[1] for k, v in out.items()}},
+                      **{f"grpc_{k}": v[1] for k, v in out.items()}, **floor_lines},
             "cpu_ms": dict(zip(("prefill", "decode"), chan_cpus, strict=True)),
             "grpc_cpu_ms": dict(zip(("prefill", "decode"), g_cpus, strict=True)),
             "by_thread": dict(zip(("prefill", "decode"), by_thread, strict=True)),
