@@ -97,6 +97,7 @@ class TransferTable:
         # __enter__/__exit__ (a few per request change); the Condition shares the lock.
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
+        self._watching = 0  # threads waiting on _cond (watch): no notify without one
         self._on_change = on_change
 
     def create(self, request_id: str, peer: str) -> TransferStatus:
@@ -112,7 +113,7 @@ class TransferTable:
             self._set_deadline(t)
             self._live[request_id] = t
             snap = t.snapshot()
-            self._cond.notify_all()
+            self._notify()
         self._changed(snap)
         return snap
 
@@ -147,6 +148,18 @@ class TransferTable:
             t = self._live.get(request_id) or self._done.get(request_id)
             return t.snapshot() if t else None
 
+    def is_live(self, request_id: str) -> bool:
+        """Whether the request is known and not terminal (no status copied: the cores ask
+        this several times per request)."""
+        with self._lock:
+            return request_id in self._live
+
+    def state_of(self, request_id: str) -> TransferState | None:
+        """The request's current state (None: unknown), without copying its status."""
+        with self._lock:
+            t = self._live.get(request_id) or self._done.get(request_id)
+            return t.state if t else None
+
     def advance(self, request_id: str, state: TransferState, detail: str = "",
                 nbytes: int = 0, *, through: Sequence[TransferState] = ()) -> TransferStatus:
         """Move a live transfer to a non-failed state (legal transitions only).
@@ -172,7 +185,7 @@ class TransferTable:
             if state is TransferState.SUCCESS:
                 t.nbytes = nbytes
             snap = t.snapshot()
-            self._cond.notify_all()
+            self._notify()
         self._changed(snap)
         return snap
 
@@ -225,7 +238,7 @@ class TransferTable:
             t.reason, t.detail = reason, detail
             self._move(t, TransferState.FAILED)
             snap = t.snapshot()
-            self._cond.notify_all()
+            self._notify()
         self._changed(snap)
         return snap
 
@@ -255,7 +268,7 @@ class TransferTable:
                 self._move(t, TransferState.FAILED)
                 out.append(t.snapshot())
             if out:
-                self._cond.notify_all()
+                self._notify()
         for snap in out:
             self._changed(snap)
         return out
@@ -278,7 +291,11 @@ class TransferTable:
                     left = end - time.monotonic()
                     if left <= 0:
                         return
-                    self._cond.wait(min(left, 1.0))
+                    self._watching += 1
+                    try:
+                        self._cond.wait(min(left, 1.0))
+                    finally:
+                        self._watching -= 1
                 snap = t.snapshot() if t.version != seen else None
             if snap is not None:
                 seen = snap.version
@@ -287,6 +304,12 @@ class TransferTable:
                     return
             elif t.state.terminal:
                 return
+
+    def _notify(self) -> None:
+        """Wake the watchers (lock held); the Condition's notify is Python, skipped when
+        none waits (the usual case: nothing watches a request on the engine channel)."""
+        if self._watching:
+            self._cond.notify_all()
 
     def _changed(self, snap: TransferStatus) -> None:
         if self._on_change is not None:

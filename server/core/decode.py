@@ -414,9 +414,8 @@ class DecodeCore(CoreBase):
         if conn is None or conn.closed or lease is None or conn.missed_heartbeats:
             return []  # no peer, or one not answering now: BeginWrite decides later
         with self._lock:
-            snap = self.table.get(res.request_id)
             if (res.peer_instance or self._res.get(res.request_id) is not res
-                    or snap is None or snap.state.terminal):
+                    or not self.table.is_live(res.request_id)):
                 return []  # BeginWrite came first, or the request ended or is gone
             res.peer_instance, res.link_id, res.offered = conn.instance_id, conn.link.id, True
         return [SendOffer(conn, res, WriteGrant(res.transfer_id, res.indices, res.draft,
@@ -611,11 +610,11 @@ class DecodeCore(CoreBase):
     def _transferring(self, rid: str) -> None:
         """An offered request landed without a BeginWrite: it is Transferring now (its
         deadline bounds the wait for the digests). Core lock held."""
-        snap = self.table.get(rid)
-        if snap is not None and snap.state is TransferState.BOOTSTRAPPING:
+        state = self.table.state_of(rid)
+        if state is TransferState.BOOTSTRAPPING:
             self.table.advance(rid, TransferState.TRANSFERRING,
                                through=(TransferState.WAITING_FOR_INPUT,))
-        elif snap is not None and snap.state is TransferState.WAITING_FOR_INPUT:
+        elif state is TransferState.WAITING_FOR_INPUT:
             self.table.advance(rid, TransferState.TRANSFERRING)
 
     # ---- timers, answers, a lost peer -----------------------------------------------------

@@ -544,13 +544,13 @@ class PrefillCore(PrefillEvents, CoreBase):
         if record:
             self.records.check_mailbox(conn, grant)
         with self._lock:
-            snap = self.table.get(rid)
-            if snap is None or snap.state.terminal:
+            state = self.table.state_of(rid)
+            if state is None or state.terminal:
                 return None  # aborted or timed out meanwhile: nothing posted, decode is told
-            if snap.state is TransferState.BOOTSTRAPPING:  # one push to the engine, not two
+            if state is TransferState.BOOTSTRAPPING:  # one push to the engine, not two
                 self.table.advance(rid, TransferState.TRANSFERRING,
                                    through=(TransferState.WAITING_FOR_INPUT,))
-            elif snap.state is TransferState.WAITING_FOR_INPUT:  # it waited for decode
+            elif state is TransferState.WAITING_FOR_INPUT:  # it waited for decode
                 self.table.advance(rid, TransferState.TRANSFERRING)
             else:
                 self.table.touch(rid)

@@ -97,8 +97,7 @@ class PrefillEvents:
                   request_id, detail, extra=fields(request_id, decode_address))
 
     def _ended(self, rec: Outgoing) -> bool:
-        snap = self.table.get(rec.request_id)
-        return snap is None or snap.state.terminal
+        return not self.table.is_live(rec.request_id)
 
     def handle_event(self, event: Event) -> Actions:
         """COMPLETED: one write finished; LINK_FAILED: the decode peer's link is gone."""
