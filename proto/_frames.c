@@ -1,5 +1,6 @@
 /*
- * kvbeam.proto._frames: the engine channel's index lists packed and unpacked in one call.
+ * kvbeam.proto._frames: index lists packed and unpacked in one call: the engine channel's,
+ * and the daemons' packed lists (protocol 7).
  *
  * Why: a RESERVE or SEND frame carries a request's index lists (kvbeam.proto.engine_frames:
  * "u8 count | per list: u8 pool | u8 kind | u32 n (big-endian) | n little-endian u32").
@@ -23,6 +24,12 @@
  *   pool other than 0 or 1, a kind not below `kinds`, more than max_lists lists or
  *   max_indices indices in one, a (pool, kind) twice): the Python path then raises the
  *   FrameError that names the field.
+ *
+ * unpack_int64(buffers) -> (data, counts, negative)
+ *   The daemons' packed index lists (kvbeam.proto.transfer_codec: IndexList.packed, each
+ *   a buffer of little-endian int64s) joined into one bytearray of int64s, each list's
+ *   count, and the first list holding a negative index (-1: none). A buffer that is not
+ *   whole int64s is a ValueError (the codec checks that first).
  *
  * Optional, like the other helpers: without it numpy packs and unpacks (the same bytes
  * and lists: tests/unit/test_engine_frames_helper.py compares them).
@@ -230,6 +237,64 @@ done:
     return out;
 }
 
+static PyObject *unpack_int64(PyObject *self, PyObject *arg) {
+    PyObject *items = PySequence_Fast(arg, "unpack_int64: a sequence of buffers");
+    if (items == NULL)
+        return NULL;
+    PyObject *out = NULL, *counts = NULL, *data = NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(items), total = 0;
+    Py_buffer *views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
+    Py_ssize_t opened = 0;
+    if (views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; opened < n; opened++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(items, opened), &views[opened],
+                               PyBUF_SIMPLE) < 0)
+            goto done;
+        if (views[opened].len % 8) {
+            opened++;
+            PyErr_Format(PyExc_ValueError, "unpack_int64: buffer %zd holds %zd bytes, not "
+                         "whole int64s", opened - 1, views[opened - 1].len);
+            goto done;
+        }
+        total += views[opened].len / 8;
+    }
+    counts = PyList_New(n);
+    data = PyByteArray_FromStringAndSize(NULL, 8 * total);
+    if (counts == NULL || data == NULL)
+        goto done;
+    char *at = PyByteArray_AS_STRING(data);
+    Py_ssize_t negative = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t k = views[i].len / 8;
+        memcpy(at, views[i].buf, (size_t)views[i].len); /* little-endian int64s: as they are */
+        if (negative < 0) {
+            const int64_t *v = (const int64_t *)at;
+            for (Py_ssize_t j = 0; j < k; j++)
+                if (v[j] < 0) {
+                    negative = i;
+                    break;
+                }
+        }
+        at += views[i].len;
+        PyObject *count = PyLong_FromSsize_t(k);
+        if (count == NULL)
+            goto done;
+        PyList_SET_ITEM(counts, i, count);
+    }
+    out = Py_BuildValue("OOn", data, counts, negative);
+done:
+    for (Py_ssize_t i = 0; i < opened; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    Py_XDECREF(counts);
+    Py_XDECREF(data);
+    Py_DECREF(items);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"pack_lists", pack_lists, METH_O,
      "pack_lists(items) -> bytes | None: index lists as an engine frame carries them "
@@ -237,6 +302,9 @@ static PyMethodDef methods[] = {
     {"unpack_lists", unpack_lists, METH_VARARGS,
      "unpack_lists(body, at, max_lists, max_indices, kinds) -> (meta, data, end) | None: "
      "an engine frame's index lists (see proto/_frames.c)."},
+    {"unpack_int64", unpack_int64, METH_O,
+     "unpack_int64(buffers) -> (data, counts, negative): packed int64 lists joined into "
+     "one int64 bytearray (see proto/_frames.c)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -86,6 +86,12 @@ _HELPER, _HELPER_WHY = _load_helper()
 COMPILED = _HELPER is not None
 
 
+def list_codec() -> Any:
+    """The compiled list codec when it is in use (:data:`COMPILED`), else None (the
+    daemons' packed lists use it too: :mod:`kvbeam.proto.transfer_codec`)."""
+    return _HELPER if COMPILED else None
+
+
 def codec() -> str:
     """How this process codes frames' index lists: the compiled codec, or numpy and why."""
     return _HELPER_WHY if COMPILED or _HELPER is None else "numpy (switched off)"

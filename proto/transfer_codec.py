@@ -10,6 +10,7 @@ import numpy.typing as npt
 
 from kvbeam.errors import ProtocolError
 from kvbeam.pools.types import INDEX_KINDS, IndexKind
+from kvbeam.proto import engine_frames as ef
 from kvbeam.proto.fields import MAX_ITEMS, enum_value
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.states import FailureReason, TransferState, TransferStatus
@@ -56,6 +57,7 @@ POOL_NAMES = ("", "target", "draft")
 
 #: ``IndexList.packed``'s element: little-endian int64, whatever this machine's order.
 _PACKED = np.dtype("<i8")
+_NO_INDICES = np.zeros(0, dtype=np.int64)
 
 
 def indices_to_proto(indices: Mapping[IndexKind, npt.NDArray[np.int64]],
@@ -88,13 +90,7 @@ def _unpacked(item: pb.IndexList, where: str) -> npt.NDArray[np.int64]:
         return np.fromiter(item.indices, np.int64, len(item.indices))
     if len(item.indices):
         raise ProtocolError(where, "sets both indices and packed (one or the other)")
-    count, rest = divmod(len(item.packed), _PACKED.itemsize)
-    if rest:
-        raise ProtocolError(f"{where}.packed", f"{len(item.packed)} bytes is not a whole "
-                            f"number of {_PACKED.itemsize}-byte indices")
-    if count > MAX_INDICES:
-        raise ProtocolError(f"{where}.packed",
-                            f"too many indices: {count} (at most {MAX_INDICES})")
+    _packed_count(item.packed, where)
     # A copy in native order: frombuffer's view would be read-only and keep the message.
     return np.frombuffer(item.packed, _PACKED).astype(np.int64)
 
@@ -108,8 +104,19 @@ def index_lists_from_proto(lists: Iterable[pb.IndexList], field: str) -> tuple[
     length); ranges, lengths and duplicates are checked against a layout by
     :mod:`kvbeam.pools.engine_indices` or the planner.
     """
+    target, draft, _ = _index_lists(lists, field)
+    return target, draft
+
+
+def _index_lists(lists: Iterable[pb.IndexList], field: str) -> tuple[
+        dict[IndexKind, npt.NDArray[np.int64]], dict[IndexKind, npt.NDArray[np.int64]], bool]:
+    """:func:`index_lists_from_proto`, and whether every index is known non-negative: the
+    packed lists (what daemons send) are joined into one array by the compiled list
+    codec (proto/_frames.c), which finds a negative index as it goes."""
     target: dict[IndexKind, npt.NDArray[np.int64]] = {}
     draft: dict[IndexKind, npt.NDArray[np.int64]] = {}
+    helper = ef.list_codec()
+    joined: list[tuple[dict[IndexKind, npt.NDArray[np.int64]], IndexKind, bytes]] = []
     for i, item in enumerate(lists):
         if i >= MAX_ITEMS:
             raise ProtocolError(field, f"too many index lists (at most {MAX_ITEMS})")
@@ -121,8 +128,33 @@ def index_lists_from_proto(lists: Iterable[pb.IndexList], field: str) -> tuple[
         if kind in out:
             raise ProtocolError(f"{field}[{i}].kind",
                                 f"{kind.value} appears twice{' (draft)' if out is draft else ''}")
-        out[kind] = _unpacked(item, f"{field}[{i}]")
-    return target, draft
+        if helper is not None and item.packed and not len(item.indices):
+            _packed_count(item.packed, f"{field}[{i}]")
+            out[kind] = _NO_INDICES  # filled below, from the one joined array
+            joined.append((out, kind, item.packed))
+        else:
+            out[kind] = _unpacked(item, f"{field}[{i}]")
+    if not joined:
+        return target, draft, False
+    data, counts, negative = helper.unpack_int64([packed for _, _, packed in joined])
+    every = np.frombuffer(data, dtype=np.int64) if data else _NO_INDICES
+    at = 0
+    for (out, kind, _), n in zip(joined, counts, strict=True):
+        out[kind] = every[at:at + n]  # views of one writable array, one list each
+        at += n
+    return target, draft, negative < 0 and len(joined) == len(target) + len(draft)
+
+
+def _packed_count(packed: bytes, where: str) -> int:
+    """How many int64s ``packed`` holds; ProtocolError when not whole ones or too many."""
+    count, rest = divmod(len(packed), _PACKED.itemsize)
+    if rest:
+        raise ProtocolError(f"{where}.packed", f"{len(packed)} bytes is not a whole "
+                            f"number of {_PACKED.itemsize}-byte indices")
+    if count > MAX_INDICES:
+        raise ProtocolError(f"{where}.packed",
+                            f"too many indices: {count} (at most {MAX_INDICES})")
+    return count
 
 
 def grant_indices_from_proto(lists: Iterable[pb.IndexList], field: str) -> tuple[
@@ -133,9 +165,9 @@ def grant_indices_from_proto(lists: Iterable[pb.IndexList], field: str) -> tuple
 
     Range checks against a buffer happen in the planner, which knows the buffers.
     """
-    target, draft = index_lists_from_proto(lists, field)
+    target, draft, nonnegative = _index_lists(lists, field)
     for pool, out in (("", target), ("draft.", draft)):
-        for kind, arr in out.items():
+        for kind, arr in out.items() if not nonnegative else ():
             if len(arr) and int(arr.min()) < 0:
                 raise ProtocolError(f"{field}[{pool}{kind.value}].indices",
                                     f"negative index {int(arr.min())}")

@@ -8,6 +8,7 @@ lets the transport check bounds for a whole batch at once.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,9 +35,9 @@ class Blocks:
     def __len__(self) -> int:
         return len(self.src)
 
-    @property
+    @functools.cached_property
     def total_bytes(self) -> int:
-        """Sum of all block lengths."""
+        """Sum of all block lengths (summed once: a write's path asks several times)."""
         return int(self.lengths.sum(dtype=np.uint64)) if len(self.lengths) else 0
 
     @staticmethod

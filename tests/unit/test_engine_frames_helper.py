@@ -1,8 +1,8 @@
-"""The engine channel's compiled list codec (proto/_frames.c) against the numpy path.
+"""The compiled list codec (proto/_frames.c) against the numpy path.
 
-Frames with generated lists are encoded and decoded on both paths: the same bytes, the
-same lists, the same refusals (a value outside 0..2^32-1, a malformed or truncated
-list section, naming the same field).
+Engine frames with generated lists are encoded and decoded on both paths: the same
+bytes, the same lists, the same refusals (a value outside 0..2^32-1, a malformed or
+truncated list section, naming the same field); so are the daemons' packed lists.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from kvbeam.errors import FrameError
+from kvbeam.errors import FrameError, ProtocolError
 from kvbeam.pools.types import IndexKind
 from kvbeam.proto import engine_frames as ef
 
@@ -42,7 +42,7 @@ def _both(fn: Callable[[], Any]) -> list[Any]:
             ef.COMPILED = compiled
             try:
                 out.append(fn())
-            except FrameError as exc:
+            except (FrameError, ProtocolError) as exc:
                 out.append(("refused", exc.field, str(exc)))
     finally:
         ef.COMPILED = saved
@@ -134,3 +134,32 @@ def test_lists_the_helper_does_not_take_go_the_numpy_way(numpy_path: None) -> No
     with pytest.raises(ValueError, match="not \\(pool, kind, values\\)"):
         _frames.pack_lists([(0, 0)])
     assert _frames.unpack_lists(b"\x01\x02\x00\x00\x00\x00\x00", 0, 64, 10, 5) is None  # pool 2
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=hs.integers(0, 2 ** 32 - 1), negative=hs.booleans(), mixed=hs.booleans())
+def test_the_daemons_packed_lists_decode_alike(seed: int, negative: bool, mixed: bool) -> None:
+    """A grant's lists (protocol 7: packed little-endian int64s; ``mixed``: one list as
+    plain ``indices``) through the compiled codec and through numpy: the same lists, or
+    the same refusal of a negative index."""
+    from kvbeam.pools.types import INDEX_KINDS
+    from kvbeam.proto.transfer_codec import grant_indices_from_proto, indices_to_proto
+    rng = np.random.default_rng(seed)
+    target = {k: rng.integers(0, 2 ** 40, int(rng.integers(0, 30)), dtype=np.int64)
+              for k in INDEX_KINDS}
+    draft = {k: rng.integers(0, 9, int(rng.integers(1, 5)), dtype=np.int64)
+             for k in INDEX_KINDS if rng.random() < 0.3}
+    if negative:
+        victim = target[INDEX_KINDS[int(rng.integers(0, len(INDEX_KINDS)))]]
+        if len(victim):
+            victim[int(rng.integers(0, len(victim)))] = -int(rng.integers(1, 2 ** 40))
+    lists = indices_to_proto(target, draft, packed=True)
+    if mixed:
+        lists[0] = indices_to_proto({INDEX_KINDS[0]: target[INDEX_KINDS[0]]})[0]
+    got = _both(functools.partial(grant_indices_from_proto, lists, "indices"))
+    if got[0][0] == "refused" or got[1][0] == "refused":
+        assert got[0] == got[1]
+        return
+    for a, b in zip(got[0], got[1], strict=True):
+        assert _as_arrays(a) == _as_arrays(b)
+    assert _as_arrays(got[0][0]) == _as_arrays(target)
