@@ -73,7 +73,8 @@ def indices_to_proto(indices: Mapping[IndexKind, npt.NDArray[np.int64]],
         lists += [(k, draft[k], "draft") for k in INDEX_KINDS if k in draft]
     if packed:
         return [pb.IndexList(kind=KIND_TO_PROTO[k], pool=pool,
-                             packed=arr.astype(_PACKED, copy=False).tobytes())
+                             packed=(arr if arr.dtype == _PACKED else arr.astype(_PACKED))
+                             .tobytes())
                 for k, arr, pool in lists]
     return [pb.IndexList(kind=KIND_TO_PROTO[k], indices=arr.tolist(), pool=pool)
             for k, arr, pool in lists]
@@ -128,7 +129,7 @@ def _index_lists(lists: Iterable[pb.IndexList], field: str) -> tuple[
         if kind in out:
             raise ProtocolError(f"{field}[{i}].kind",
                                 f"{kind.value} appears twice{' (draft)' if out is draft else ''}")
-        if helper is not None and item.packed and not len(item.indices):
+        if helper is not None and not len(item.indices):  # packed, or empty
             _packed_count(item.packed, f"{field}[{i}]")
             out[kind] = _NO_INDICES  # filled below, from the one joined array
             joined.append((out, kind, item.packed))
