@@ -165,11 +165,12 @@ bench-deps: setup ## the benchmark-only packages (pyproject extra "bench": Moonc
 	@$(PY) -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['bench']))" > $(BENCH_DIR)/requirements.txt
 	$(PY) -m pip install -q -r $(BENCH_DIR)/requirements.txt
 
-bench-host: setup ## host_small_request_ms, the engine channel's target lines beside the gRPC API's, Python calls per request, and integrity beside the wire (TCP on loopback)
+bench-host: setup ## host_small_request_ms, the engine channel's target lines beside the gRPC API's and the floor, Python calls and the steps' timeline per request, and integrity beside the wire (TCP on loopback)
 	@mkdir -p $(BENCH_DIR)
 	$(PY) -m tests.bench.bench_request --host-json $(BENCH_DIR)/host.json
 	bash -o pipefail -c '$(PY) -m tests.bench.bench_engine_channel | tee $(BENCH_DIR)/engine-channel.txt'
 	bash -o pipefail -c '$(PY) -m tests.bench.bench_calls | tee $(BENCH_DIR)/calls.txt'
+	bash -o pipefail -c '$(PY) -m tests.bench.bench_timeline | tee $(BENCH_DIR)/timeline.txt'
 	bash -o pipefail -c '$(PY) -m tests.bench.bench_digest --json $(BENCH_DIR)/digest.json \
 		| tee $(BENCH_DIR)/digest.txt'
 
