@@ -104,15 +104,22 @@ done:
     return rc;
 }
 
-static PyObject *claim(PyObject *self, PyObject *args) {
+/* Both calls' arguments: (owners, lists, handle), pinned; 0, or -1 with an exception set. */
+static int arguments(PyObject *args, struct pinned *p, long long *handle) {
     PyObject *owners_obj, *lists_obj;
-    long long handle;
-    if (!PyArg_ParseTuple(args, "OOL", &owners_obj, &lists_obj, &handle))
-        return NULL;
-    if (handle == 0)
-        return PyErr_Format(PyExc_ValueError, "owners: the handle 0 means a free item");
+    if (!PyArg_ParseTuple(args, "OOL", &owners_obj, &lists_obj, handle))
+        return -1;
+    if (*handle == 0) {
+        PyErr_SetString(PyExc_ValueError, "owners: the handle 0 means a free item");
+        return -1;
+    }
+    return pin(owners_obj, lists_obj, p);
+}
+
+static PyObject *claim(PyObject *self, PyObject *args) {
     struct pinned p;
-    if (pin(owners_obj, lists_obj, &p) < 0)
+    long long handle;
+    if (arguments(args, &p, &handle) < 0)
         return NULL;
     PyObject *out = NULL;
     /* Every list checked before anything is entered. */
@@ -145,14 +152,9 @@ static PyObject *claim(PyObject *self, PyObject *args) {
 }
 
 static PyObject *release(PyObject *self, PyObject *args) {
-    PyObject *owners_obj, *lists_obj;
-    long long handle;
-    if (!PyArg_ParseTuple(args, "OOL", &owners_obj, &lists_obj, &handle))
-        return NULL;
-    if (handle == 0)
-        return PyErr_Format(PyExc_ValueError, "owners: the handle 0 means a free item");
     struct pinned p;
-    if (pin(owners_obj, lists_obj, &p) < 0)
+    long long handle;
+    if (arguments(args, &p, &handle) < 0)
         return NULL;
     for (Py_ssize_t k = 0; k < p.n; k++) {
         int64_t *own = p.owners[k].buf;

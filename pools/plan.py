@@ -17,15 +17,14 @@ coalesce: the bytes between two windows are other heads).
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from kvbeam.compiled import helper_line, load_helper
 from kvbeam.errors import PlanError
 from kvbeam.pools.layout import BufferLayout, PoolGeometry, SideLayout
 from kvbeam.pools.paged import HeadWindow, head_window
@@ -43,17 +42,8 @@ SHORT_LIST = 256
 SMALL_PLAN_BLOCKS = 512
 
 
-def _load_planner() -> tuple[Any, str]:
-    """The compiled planner (pools/_plan.c) and how plans are built, or None and why not."""
-    try:
-        module = importlib.import_module("kvbeam.pools._plan")
-        return module, "compiled (kvbeam.pools._plan, one call per plan)"
-    except ImportError as exc:  # not built (no C compiler at install)
-        return None, (f"Python and numpy (the compiled planner did not load: "
-                      f"{type(exc).__name__}: {exc})")
-
-
-_PLANNER, _PLANNER_WHY = _load_planner()
+_PLANNER, _PLANNER_WHY = load_helper("kvbeam.pools._plan", "one call per plan",
+                                     "Python and numpy")
 #: Whether :func:`build_plan` uses the compiled planner: the Python and numpy paths
 #: remain for where it was not built and as its oracle (tests switch this off).
 COMPILED = _PLANNER is not None
@@ -61,7 +51,7 @@ COMPILED = _PLANNER is not None
 
 def planner() -> str:
     """How this process builds plans: the compiled planner, or Python and numpy and why."""
-    return _PLANNER_WHY if COMPILED or _PLANNER is None else "Python and numpy (switched off)"
+    return helper_line(_PLANNER, _PLANNER_WHY, COMPILED, "Python and numpy")
 
 
 _INT64 = np.dtype(np.int64)

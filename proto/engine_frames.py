@@ -21,7 +21,6 @@ naming the field. Pure data: no sockets, no gRPC, no torch.
 
 from __future__ import annotations
 
-import importlib
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvbeam.compiled import helper_line, load_helper
 from kvbeam.errors import FrameError
 from kvbeam.pools.types import IndexKind
 from kvbeam.states import FailureReason, TransferState
@@ -69,17 +69,8 @@ _KINDS = list(IndexKind)
 _KIND_NUMBER = {k: i for i, k in enumerate(_KINDS)}
 
 
-def _load_helper() -> tuple[Any, str]:
-    """The compiled list codec (proto/_frames.c) and how lists are coded, or None and why."""
-    try:
-        module = importlib.import_module("kvbeam.proto._frames")
-        return module, "compiled (kvbeam.proto._frames, one call per frame's lists)"
-    except ImportError as exc:  # not built (no C compiler at install)
-        return None, (f"numpy (the compiled list codec did not load: "
-                      f"{type(exc).__name__}: {exc})")
-
-
-_HELPER, _HELPER_WHY = _load_helper()
+_HELPER, _HELPER_WHY = load_helper("kvbeam.proto._frames", "one call per frame's lists",
+                                   "numpy")
 #: Whether frames' index lists are packed and unpacked by the compiled codec; the numpy
 #: path remains for where it was not built, for what it does not take (it answers None:
 #: a value out of range, a malformed list section) and as its oracle.
@@ -94,7 +85,7 @@ def list_codec() -> Any:
 
 def codec() -> str:
     """How this process codes frames' index lists: the compiled codec, or numpy and why."""
-    return _HELPER_WHY if COMPILED or _HELPER is None else "numpy (switched off)"
+    return helper_line(_HELPER, _HELPER_WHY, COMPILED, "numpy")
 
 _LEN = struct.Struct(">I")
 _HEAD = struct.Struct(">BBH")

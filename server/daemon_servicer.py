@@ -27,6 +27,7 @@ from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.spec import PoolSpec
+from kvbeam.proto import engine_frames
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.side import ROLE_TO_PROTO, Role
 from kvbeam.proto.transfer_codec import status_to_proto
@@ -186,6 +187,8 @@ class DaemonServicer(ControlServicer):
         if runtime.role is Role.DECODE:
             log.log(logging.INFO if decode_pages.COMPILED else logging.WARNING,
                     "claims on decode's items: %s", decode_pages.claims())
+        log.log(logging.INFO if engine_frames.COMPILED else logging.WARNING,
+                "index lists on the wire: %s", engine_frames.codec())
         self._watch_lock = threading.Lock()
         self._watchers = 0  # open WatchStatus streams
         #: Answers the channel's requests that may wait (Abort); the others are

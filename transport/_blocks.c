@@ -156,6 +156,44 @@ static Py_ssize_t region_of(const struct table *t, uint64_t addr, uint64_t len) 
     return i;
 }
 
+/* A write's blocks: its three arrays, pinned. */
+struct blocks {
+    Py_buffer src, dst, len;
+    Py_ssize_t n;
+    int pinned; /* how many of the three are */
+};
+
+static void blocks_close(struct blocks *b) {
+    if (b->pinned > 0) PyBuffer_Release(&b->src);
+    if (b->pinned > 1) PyBuffer_Release(&b->dst);
+    if (b->pinned > 2) PyBuffer_Release(&b->len);
+    b->pinned = 0;
+}
+
+/* Pin (src, dst, lengths), uint64 and of one length; 0, or -1 with an exception set
+ * (nothing left pinned). `what` names the caller in errors. */
+static int blocks_open(PyObject *src, PyObject *dst, PyObject *len, struct blocks *b,
+                       const char *what) {
+    memset(b, 0, sizeof(*b));
+    PyObject *objs[3] = {src, dst, len};
+    Py_buffer *views[3] = {&b->src, &b->dst, &b->len};
+    for (int i = 0; i < 3; i++) {
+        if (get_uint(objs[i], views[i], 8, what) < 0) {
+            blocks_close(b);
+            return -1;
+        }
+        b->pinned = i + 1;
+    }
+    b->n = b->src.len / 8;
+    if (b->dst.len / 8 != b->n || b->len.len / 8 != b->n) {
+        PyErr_Format(PyExc_ValueError, "%s: src, dst and lengths differ in length (%zd, %zd, "
+                     "%zd)", what, b->n, b->dst.len / 8, b->len.len / 8);
+        blocks_close(b);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *prepare(PyObject *self, PyObject *args) {
     PyObject *src_obj, *dst_obj, *len_obj, *local_obj, *remote_obj;
     long long slice_arg;
@@ -166,31 +204,17 @@ static PyObject *prepare(PyObject *self, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "prepare: slice_bytes must be positive, got %lld",
                             slice_arg);
     uint64_t slice = (uint64_t)slice_arg;
-    Py_buffer src = {0}, dst = {0}, len = {0};
+    struct blocks in = {0};
     struct table local = {0}, remote = {0};
-    int pinned = 0;
     PyObject *out = NULL, *blocks = NULL, *keys = NULL;
     uint32_t *found = NULL; /* each block's local key, then its remote key */
 
-    if (get_uint(src_obj, &src, 8, "prepare: src") < 0)
-        goto done;
-    pinned = 1;
-    if (get_uint(dst_obj, &dst, 8, "prepare: dst") < 0)
-        goto done;
-    pinned = 2;
-    if (get_uint(len_obj, &len, 8, "prepare: lengths") < 0)
-        goto done;
-    pinned = 3;
-    if (table_open(local_obj, &local, 1, "prepare: local") < 0 ||
+    if (blocks_open(src_obj, dst_obj, len_obj, &in, "prepare") < 0 ||
+        table_open(local_obj, &local, 1, "prepare: local") < 0 ||
         table_open(remote_obj, &remote, 1, "prepare: remote") < 0)
         goto done;
-    Py_ssize_t n = src.len / 8;
-    if (dst.len / 8 != n || len.len / 8 != n) {
-        PyErr_Format(PyExc_ValueError, "prepare: src, dst and lengths differ in length "
-                     "(%zd, %zd, %zd)", n, dst.len / 8, len.len / 8);
-        goto done;
-    }
-    const uint64_t *s = src.buf, *d = dst.buf, *l = len.buf;
+    Py_ssize_t n = in.n;
+    const uint64_t *s = in.src.buf, *d = in.dst.buf, *l = in.len.buf;
     found = PyMem_Malloc(2 * (n ? (size_t)n : 1) * sizeof(uint32_t));
     if (found == NULL) {
         PyErr_NoMemory();
@@ -232,9 +256,7 @@ done:
     PyMem_Free(found);
     table_close(&local);
     table_close(&remote);
-    if (pinned > 0) PyBuffer_Release(&src);
-    if (pinned > 1) PyBuffer_Release(&dst);
-    if (pinned > 2) PyBuffer_Release(&len);
+    blocks_close(&in);
     Py_XDECREF(blocks);
     Py_XDECREF(keys);
     return out;
@@ -265,30 +287,17 @@ static PyObject *stream(PyObject *self, PyObject *args) {
     if (transfer_id > 0xFFFFFFFFul)
         return PyErr_Format(PyExc_ValueError, "stream: transfer id %lu does not fit in 32 bits",
                             transfer_id);
-    Py_buffer src = {0}, dst = {0}, len = {0};
-    int pinned = 0;
+    struct blocks in = {0};
     PyObject *out = NULL, *iov = NULL, *heads = NULL, *total_obj = NULL;
-    if (get_uint(src_obj, &src, 8, "stream: src") < 0)
+    if (blocks_open(src_obj, dst_obj, len_obj, &in, "stream") < 0)
         goto done;
-    pinned = 1;
-    if (get_uint(dst_obj, &dst, 8, "stream: dst") < 0)
-        goto done;
-    pinned = 2;
-    if (get_uint(len_obj, &len, 8, "stream: lengths") < 0)
-        goto done;
-    pinned = 3;
-    Py_ssize_t n = src.len / 8;
-    if (dst.len / 8 != n || len.len / 8 != n) {
-        PyErr_Format(PyExc_ValueError, "stream: src, dst and lengths differ in length "
-                     "(%zd, %zd, %zd)", n, dst.len / 8, len.len / 8);
-        goto done;
-    }
+    Py_ssize_t n = in.n;
     Py_ssize_t frames = (n + max_vec - 1) / max_vec;
     heads = PyByteArray_FromStringAndSize(NULL, HEADER_BYTES * (frames + 1) + 16 * n);
     iov = PyByteArray_FromStringAndSize(NULL, 16 * (n + frames + 1));
     if (heads == NULL || iov == NULL)
         goto done;
-    const uint64_t *s = src.buf, *d = dst.buf, *l = len.buf;
+    const uint64_t *s = in.src.buf, *d = in.dst.buf, *l = in.len.buf;
     unsigned char *h = (unsigned char *)PyByteArray_AS_STRING(heads);
     uint64_t *row = (uint64_t *)PyByteArray_AS_STRING(iov);
     uint64_t total = 0;
@@ -320,9 +329,7 @@ static PyObject *stream(PyObject *self, PyObject *args) {
         out = PyTuple_Pack(3, iov, heads, total_obj);
 
 done:
-    if (pinned > 0) PyBuffer_Release(&src);
-    if (pinned > 1) PyBuffer_Release(&dst);
-    if (pinned > 2) PyBuffer_Release(&len);
+    blocks_close(&in);
     Py_XDECREF(iov);
     Py_XDECREF(heads);
     Py_XDECREF(total_obj);

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import select
 import threading
 import time
@@ -13,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbeam.compiled import helper_line, load_helper
 from kvbeam.errors import RegionError, TransportError
 from kvbeam.transport.base import Access, Event, Registration
 from kvbeam.transport.blocks import AddressArray, Blocks
@@ -24,18 +24,7 @@ PUMP_BUSY_WAIT_S = 0.05
 MAX_TRANSFER_ID = 0xFFFF_FFFF  # it travels as the 32-bit immediate of RDMA WRITE WITH IMM
 
 
-def _load_blocks_helper() -> tuple[Any, str]:
-    """The compiled blocks helper (transport/_blocks.c) and how writes are prepared, or
-    None and why not."""
-    try:
-        module = importlib.import_module("kvbeam.transport._blocks")
-        return module, "compiled (kvbeam.transport._blocks, one call per write)"
-    except ImportError as exc:  # not built (no C compiler at install)
-        return None, (f"numpy (the compiled blocks helper did not load: "
-                      f"{type(exc).__name__}: {exc})")
-
-
-_BLOCKS, _BLOCKS_WHY = _load_blocks_helper()
+_BLOCKS, _BLOCKS_WHY = load_helper("kvbeam.transport._blocks", "one call per write", "numpy")
 #: Whether writes are checked, sliced and (over TCP) framed by the compiled helper; the
 #: numpy paths remain for where it was not built and as its oracle (tests switch it off).
 COMPILED = _BLOCKS is not None
@@ -48,7 +37,7 @@ def blocks_helper() -> Any:
 
 def preparer() -> str:
     """How this process prepares writes: the compiled helper, or numpy and why."""
-    return _BLOCKS_WHY if COMPILED or _BLOCKS is None else "numpy (switched off)"
+    return helper_line(_BLOCKS, _BLOCKS_WHY, COMPILED, "numpy")
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,12 @@ thread-safe on its own: the decode core calls it under its lock.
 
 from __future__ import annotations
 
-import importlib
 import itertools
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from kvbeam.compiled import helper_line, load_helper
 from kvbeam.errors import BadIndexList
 from kvbeam.pools.engine_indices import NOUNS
 from kvbeam.pools.plan import list_for
@@ -35,17 +34,7 @@ _Key = tuple[str, IndexKind]
 _Lists = list[tuple[_Key, npt.NDArray[np.int64]]]
 
 
-def _load_helper() -> tuple[Any, str]:
-    """The compiled owner book (pools/_owners.c) and how claims are made, or None and why."""
-    try:
-        module = importlib.import_module("kvbeam.pools._owners")
-        return module, "compiled (kvbeam.pools._owners, one call per claim)"
-    except ImportError as exc:  # not built (no C compiler at install)
-        return None, (f"numpy (the compiled owner book did not load: "
-                      f"{type(exc).__name__}: {exc})")
-
-
-_HELPER, _HELPER_WHY = _load_helper()
+_HELPER, _HELPER_WHY = load_helper("kvbeam.pools._owners", "one call per claim", "numpy")
 #: Whether claims and releases go through the compiled helper; the numpy path remains
 #: for where it was not built and as its oracle (tests switch this off).
 COMPILED = _HELPER is not None
@@ -53,7 +42,7 @@ COMPILED = _HELPER is not None
 
 def claims() -> str:
     """How this process enters decode's claims: the compiled helper, or numpy and why."""
-    return _HELPER_WHY if COMPILED or _HELPER is None else "numpy (switched off)"
+    return helper_line(_HELPER, _HELPER_WHY, COMPILED, "numpy")
 
 
 class PageBook:

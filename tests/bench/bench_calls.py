@@ -25,10 +25,7 @@ import pstats
 import tempfile
 from pathlib import Path
 
-from tests.attach_helpers import start_engine_pair
-from tests.bench.bench_engine_channel import Worker
-from tests.bench.bench_request import BENCH_DEADLINES
-from tests.fixtures import shipped_config
+from tests.bench.bench_engine_channel import engine_workers
 
 SITE = str(Path(__file__).resolve().parent / "calls_site")
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -38,17 +35,9 @@ Stats = dict[tuple[str, int, str], tuple[int, int, float, float, object]]
 def run(requests: int, out: str) -> tuple[int, int]:
     """``requests`` sequential 128-token requests (after 5 warm-up ones) with both daemons
     profiled into ``out``; their pids (prefill, decode)."""
-    work = Path(tempfile.mkdtemp(prefix="kvbeam-calls-"))
-    work.chmod(0o700)
     env = {"KVBEAM_BENCH_PROFILE_DIR": out,
            "PYTHONPATH": os.pathsep.join([SITE, ROOT, os.environ.get("PYTHONPATH", "")])}
-    prefill, decode = start_engine_pair(
-        str(work / "p.sock"), str(work / "d.sock"), transport="tcp", env=env,
-        deadlines=[*BENCH_DEADLINES, "--log-level", "WARNING"])
-    pe = de = None
-    try:
-        pe = Worker(str(work / "p.sock"), shipped_config("prefill"), "prefill")
-        de = Worker(str(work / "d.sock"), shipped_config("decode"), "decode")
+    with engine_workers(env) as (prefill, decode, pe, de):  # SIGTERM: profiles written
         for i in range(5 + requests):
             rid = f"c{i}"
             de.cmd(f"reserve {rid} {prefill.address}")
@@ -58,12 +47,6 @@ def run(requests: int, out: str) -> tuple[int, int]:
             if state != "Success":
                 raise RuntimeError(f"request {rid} ended {state}")
         return prefill.proc.pid, decode.proc.pid
-    finally:
-        for worker in (pe, de):
-            if worker is not None:
-                worker.stop()
-        prefill.stop()  # SIGTERM: the daemons write their profiles at exit
-        decode.stop()
 
 
 def load(out: str, pid: int) -> Stats:

@@ -25,6 +25,7 @@ of kvbeam in them): ``engine_small_request_floor_ms=`` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -35,6 +36,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -42,50 +44,58 @@ from kvbeam.client import KvbeamClient
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.spec import load_side_config
+from kvbeam.procs import DaemonProcess
 from kvbeam.scheduler import run_request
 from tests.attach_helpers import start_engine_pair
 from tests.bench.bench_floor import floor, request_bytes
 from tests.bench.bench_request import BENCH_DEADLINES, cpu_s
 from tests.bench.bench_threads import cpu_by_group, thread_cpu
+from tests.bench.line_process import LineProcess
 from tests.fixtures import shipped_config
 
 SEQ = 128
 ROOT = str(Path(__file__).resolve().parents[2])
 
 
-class Worker:
-    """A bench_engine_worker process."""
+class Worker(LineProcess):
+    """A bench_engine_worker process, attached to its daemon."""
 
     def __init__(self, socket_path: str, config: str, role: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.bench.bench_engine_worker", "--socket", socket_path,
-             "--config", config, "--role", role], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, bufsize=1, cwd=ROOT)
-        assert self.read() == "attached"
-
-    def read(self) -> str:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"engine worker exited ({self.proc.poll()})")
-        return line.strip()
-
-    def cmd(self, text: str) -> str:
-        self.write(text)
-        return self.read()
-
-    def write(self, text: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(text + "\n")
-        self.proc.stdin.flush()
+        super().__init__("tests.bench.bench_engine_worker",
+                         ["--socket", socket_path, "--config", config, "--role", role],
+                         "attached")
 
     def stop(self) -> None:
+        """Ask it to exit (killed after 10 s)."""
         if self.proc.poll() is None:
             self.write("exit")
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+@contextlib.contextmanager
+def engine_workers(env: dict[str, str]) -> Iterator[tuple[DaemonProcess, DaemonProcess,
+                                                          Worker, Worker]]:
+    """Two ``--pools engine`` daemons over TCP started with ``env`` (bench deadlines, at
+    WARNING) and an engine worker attached to each: (prefill, decode, its worker, its
+    worker); all stopped at the end (the daemons by SIGTERM: their exit hooks run)."""
+    work = Path(tempfile.mkdtemp(prefix="kvbeam-bench-"))
+    work.chmod(0o700)
+    prefill, decode = start_engine_pair(
+        str(work / "p.sock"), str(work / "d.sock"), transport="tcp", env=env,
+        deadlines=[*BENCH_DEADLINES, "--log-level", "WARNING"])
+    workers: list[Worker] = []
+    try:
+        workers.append(Worker(str(work / "p.sock"), shipped_config("prefill"), "prefill"))
+        workers.append(Worker(str(work / "d.sock"), shipped_config("decode"), "decode"))
+        yield prefill, decode, workers[0], workers[1]
+    finally:
+        for worker in workers:
+            worker.stop()
+        prefill.stop()
+        decode.stop()
 
 
 def _lists(role: str, slot: int) -> dict[str, list[int]]:

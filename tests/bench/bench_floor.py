@@ -37,7 +37,6 @@ import os
 import socket
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -47,6 +46,7 @@ from pathlib import Path
 import xxhash
 
 from tests.bench.bench_request import cpu_s
+from tests.bench.line_process import LineProcess
 
 ROOT = str(Path(__file__).resolve().parents[2])
 SEND_FRAME = 64   # the engine's SEND (a 128-token request's, without its lists)
@@ -177,27 +177,11 @@ def _engine(work: Path, role: str) -> None:
 
 
 # ---- the router ---------------------------------------------------------------------------
-class _Proc:
+class _Proc(LineProcess):
     def __init__(self, role: str, work: Path, nbytes: int, integrity: bool) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.bench.bench_floor", "--role", role, "--work",
-             str(work), "--bytes", str(nbytes), *([] if integrity else ["--no-integrity"])],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, cwd=ROOT)
-        if self.read() != "ready":
-            raise RuntimeError(f"{role} did not start")
-
-    def read(self) -> str:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"process {self.proc.pid} exited ({self.proc.wait()})")
-        return line.strip()
-
-    def cmd(self, line: str) -> str:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return self.read()
+        super().__init__("tests.bench.bench_floor",
+                         ["--role", role, "--work", str(work), "--bytes", str(nbytes),
+                          *([] if integrity else ["--no-integrity"])], "ready")
 
     def stop(self) -> None:
         if self.proc.stdin is not None:

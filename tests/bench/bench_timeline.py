@@ -29,10 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.attach_helpers import start_engine_pair
-from tests.bench.bench_engine_channel import Worker
-from tests.bench.bench_request import BENCH_DEADLINES
-from tests.fixtures import shipped_config
+from tests.bench.bench_engine_channel import engine_workers
 
 SITE = str(Path(__file__).resolve().parent / "timeline_site")
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -64,18 +61,10 @@ def run(requests: int, settle_s: float, out: str, specs: str) -> tuple[
     """``requests`` sequential requests (after 5 warm-up ones) with both daemons timing
     ``specs`` into ``out``; the daemons' pids by role, and each request's times: before
     its reservation was asked for, its Send, and decode's engine seeing its Success."""
-    work = Path(tempfile.mkdtemp(prefix="kvbeam-timeline-"))
-    work.chmod(0o700)
     env = {"KVBEAM_BENCH_TIMELINE_DIR": out, "KVBEAM_BENCH_TIMELINE_SPECS": specs,
            "PYTHONPATH": os.pathsep.join([SITE, ROOT, os.environ.get("PYTHONPATH", "")])}
-    prefill, decode = start_engine_pair(
-        str(work / "p.sock"), str(work / "d.sock"), transport="tcp", env=env,
-        deadlines=[*BENCH_DEADLINES, "--log-level", "WARNING"])
-    pe = de = None
     sends = []
-    try:
-        pe = Worker(str(work / "p.sock"), shipped_config("prefill"), "prefill")
-        de = Worker(str(work / "d.sock"), shipped_config("decode"), "decode")
+    with engine_workers(env) as (prefill, decode, pe, de):  # SIGTERM: records written
         for i in range(5 + requests):
             rid = f"t{i}"
             asked = time.monotonic()
@@ -89,12 +78,6 @@ def run(requests: int, settle_s: float, out: str, specs: str) -> tuple[
             if i >= 5:
                 sends.append((asked, t0, t1))
         return {prefill.proc.pid: "P", decode.proc.pid: "D"}, sends
-    finally:
-        for worker in (pe, de):
-            if worker is not None:
-                worker.stop()
-        prefill.stop()  # SIGTERM: the daemons write their records at exit
-        decode.stop()
 
 
 def timeline(out: str, roles: dict[int, str], times: list[tuple[float, float, float]],

@@ -14,7 +14,6 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -30,14 +29,9 @@ _blocks = pytest.importorskip("kvbeam.transport._blocks")
 
 
 @pytest.fixture
-def numpy_path() -> Iterator[None]:
-    """The numpy paths, as where the helper was not built."""
-    saved = core.COMPILED
-    core.COMPILED = False
-    try:
-        yield
-    finally:
-        core.COMPILED = saved
+def numpy_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The numpy path, as where the helper was not built."""
+    monkeypatch.setattr(core, "COMPILED", False)
 
 
 def test_the_helper_is_built_and_used() -> None:

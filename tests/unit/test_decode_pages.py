@@ -6,8 +6,6 @@ entered or refused alike (the same message), and every item owned by the same re
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -24,13 +22,9 @@ KINDS = (IndexKind.KV_PAGES, IndexKind.SWA_PAGES, IndexKind.REQ_SLOT)
 
 
 @pytest.fixture
-def numpy_path() -> Iterator[None]:
-    saved = decode_pages.COMPILED
-    decode_pages.COMPILED = False
-    try:
-        yield
-    finally:
-        decode_pages.COMPILED = saved
+def numpy_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The numpy path, as where the helper was not built."""
+    monkeypatch.setattr(decode_pages, "COMPILED", False)
 
 
 def test_the_helper_is_built_and_used() -> None:

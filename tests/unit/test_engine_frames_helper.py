@@ -8,7 +8,7 @@ truncated list section, naming the same field); so are the daemons' packed lists
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,13 +24,9 @@ _frames = pytest.importorskip("kvbeam.proto._frames")
 
 
 @pytest.fixture
-def numpy_path() -> Iterator[None]:
-    saved = ef.COMPILED
-    ef.COMPILED = False
-    try:
-        yield
-    finally:
-        ef.COMPILED = saved
+def numpy_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The numpy path, as where the helper was not built."""
+    monkeypatch.setattr(ef, "COMPILED", False)
 
 
 def _both(fn: Callable[[], Any]) -> list[Any]:

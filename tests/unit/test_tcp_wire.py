@@ -23,15 +23,10 @@ SIZE = 8 << 20
 
 
 @pytest.fixture(autouse=True, params=["compiled", "numpy"])
-def blocks_path(request: pytest.FixtureRequest) -> Iterator[None]:
+def blocks_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test on both paths: the compiled blocks helper's and numpy's (where the
     helper was not built)."""
-    saved = core.COMPILED
-    core.COMPILED = request.param == "compiled"
-    try:
-        yield
-    finally:
-        core.COMPILED = saved
+    monkeypatch.setattr(core, "COMPILED", request.param == "compiled")
 
 
 def _addr(buf: mmap.mmap) -> int:
