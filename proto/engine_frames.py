@@ -98,7 +98,6 @@ _STATE = struct.Struct(">BBI")
 
 
 Lists = dict[IndexKind, npt.NDArray[np.int64]]
-_NO_INDICES = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -315,7 +314,7 @@ class _Cursor:
             got = _HELPER.unpack_lists(self.body, self.at, MAX_LISTS, MAX_INDICES, len(_KINDS))
             if got is not None:  # None: the path below names what is wrong
                 meta, data, self.at = got
-                every = np.frombuffer(data, dtype=np.int64) if data else _NO_INDICES
+                every = np.frombuffer(data, dtype=np.int64)
                 lists: tuple[Lists, Lists] = ({}, {})
                 for pool, kind, start, n in meta:  # each a view of one array
                     lists[pool][_KINDS[kind]] = every[start:start + n]

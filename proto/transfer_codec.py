@@ -138,7 +138,7 @@ def _index_lists(lists: Iterable[pb.IndexList], field: str) -> tuple[
     if not joined:
         return target, draft, False
     data, counts, negative = helper.unpack_int64([packed for _, _, packed in joined])
-    every = np.frombuffer(data, dtype=np.int64) if data else _NO_INDICES
+    every = np.frombuffer(data, dtype=np.int64)
     at = 0
     for (out, kind, _), n in zip(joined, counts, strict=True):
         out[kind] = every[at:at + n]  # views of one writable array, one list each

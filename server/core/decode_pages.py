@@ -67,23 +67,24 @@ class PageBook:
                           for k in {*indices, *draft}})
         lists = [(key, arr) for key, arr in given.items() if len(arr)]
         handle = next(self._handles)
-        try:
-            compiled = COMPILED and self._claim_compiled(request_id, lists, handle)
-        except (BufferError, ValueError):  # a list the helper cannot read in place
-            compiled = False
-        if not compiled:
+        if not (COMPILED and self._claim_compiled(request_id, lists, handle)):
             self._claim_numpy(request_id, lists, handle)
         self._names[handle] = request_id
         self._held[request_id] = (handle, lists)
 
     def _claim_compiled(self, request_id: str, lists: _Lists, handle: int) -> bool:
-        """The claim in one call (True), or BadIndexList; nothing entered on a refusal."""
+        """The claim in one call: True when entered, False when the helper cannot read a
+        list in place (the numpy path then claims); BadIndexList, nothing entered, when a
+        live reservation holds an item."""
         for key, _ in lists:
             if key not in self._owners:
                 self._owners[key] = np.zeros(0, dtype=np.int64)
         while True:
-            code, k, at = _HELPER.claim([self._owners[key] for key, _ in lists],
-                                        [arr for _, arr in lists], handle)
+            try:
+                code, k, at = _HELPER.claim([self._owners[key] for key, _ in lists],
+                                            [arr for _, arr in lists], handle)
+            except (BufferError, ValueError):  # e.g. a strided list
+                return False
             if code == 0:
                 return True
             key, arr = lists[k]
@@ -135,18 +136,18 @@ class PageBook:
         if entry is None:
             return
         handle, lists = entry
-        try:
-            if COMPILED:
+        del self._names[handle]
+        if COMPILED:
+            try:
                 _HELPER.release([self._owners[key] for key, _ in lists],
                                 [arr for _, arr in lists], handle)
-                lists = []  # freed
-        except (BufferError, ValueError):  # a list the helper cannot read in place
-            pass
+                return
+            except (BufferError, ValueError):  # a list it cannot read in place: numpy frees
+                pass
         for key, arr in lists:
             owners = self._owners[key]
             mine = arr[owners[arr] == handle]
             owners[mine] = 0
-        del self._names[handle]
 
     def __len__(self) -> int:
         return len(self._held)
