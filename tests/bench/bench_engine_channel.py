@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -76,16 +76,18 @@ class Worker(LineProcess):
 
 
 @contextlib.contextmanager
-def engine_workers(env: dict[str, str]) -> Iterator[tuple[DaemonProcess, DaemonProcess,
-                                                          Worker, Worker]]:
-    """Two ``--pools engine`` daemons over TCP started with ``env`` (bench deadlines, at
-    WARNING) and an engine worker attached to each: (prefill, decode, its worker, its
-    worker); all stopped at the end (the daemons by SIGTERM: their exit hooks run)."""
+def engine_workers(env: dict[str, str] | None = None, *, transport: str = "tcp",
+                   flags: Sequence[str] = ()) -> Iterator[tuple[DaemonProcess, DaemonProcess,
+                                                                 Worker, Worker]]:
+    """Two ``--pools engine`` daemons over ``transport`` started with ``env`` (bench
+    deadlines, at WARNING, then ``flags``) and an engine worker attached to each:
+    (prefill, decode, its worker, its worker); all stopped at the end (the daemons by
+    SIGTERM: their exit hooks run)."""
     work = Path(tempfile.mkdtemp(prefix="kvbeam-bench-"))
     work.chmod(0o700)
     prefill, decode = start_engine_pair(
-        str(work / "p.sock"), str(work / "d.sock"), transport="tcp", env=env,
-        deadlines=[*BENCH_DEADLINES, "--log-level", "WARNING"])
+        str(work / "p.sock"), str(work / "d.sock"), transport=transport, env=env,
+        deadlines=[*BENCH_DEADLINES, "--log-level", "WARNING", *flags])
     workers: list[Worker] = []
     try:
         workers.append(Worker(str(work / "p.sock"), shipped_config("prefill"), "prefill"))
@@ -155,16 +157,10 @@ def main() -> None:
                          "as inside the soft-RoCE harness)")
     ap.add_argument("--json", default="", help="also write the figures to this file")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="kvbeam-bench-chan-"))
-    work.chmod(0o700)
-    psock, dsock = str(work / "p.sock"), str(work / "d.sock")
-    prefill, decode = start_engine_pair(psock, dsock, transport=args.transport, deadlines=[
-        *BENCH_DEADLINES, "--log-level", "WARNING", "--deadline-bootstrap-s", "60",
-        "--deadline-waiting-s", "60", *args.daemon_flags.split()])
-    pe = Worker(psock, shipped_config("prefill"), "prefill")
-    de = Worker(dsock, shipped_config("decode"), "decode")
     out: dict[str, tuple[float, float]] = {}
-    try:
+    with engine_workers(transport=args.transport, flags=[
+            "--deadline-bootstrap-s", "60", "--deadline-waiting-s", "60",
+            *args.daemon_flags.split()]) as (prefill, decode, pe, de):
         pids = (prefill.proc.pid, decode.proc.pid)
         # ---- the engine channel -----------------------------------------------------
         for i in range(5):  # warm-up: the handshake, the first offers
@@ -269,11 +265,6 @@ def main() -> None:
                      statistics.median(glat)), ("daemon_cpu_ms_per_small_request", g_cpu),
                      ("small_requests_per_s", g_rate)):
             out[k] = (out[k][0], v)
-    finally:
-        pe.stop()
-        de.stop()
-        prefill.stop()
-        decode.stop()
     where = "TCP loopback" if args.transport == "tcp" else "RDMA"
     print(f"# engine channel vs gRPC scheduler API, {SEQ}-token requests, {where}, "
           f"{args.requests} sequential, {args.flow} at {args.inflight} in flight "
@@ -295,8 +286,8 @@ def main() -> None:
     floor_lines: dict[str, float] = {}
     if args.transport == "tcp":  # the floor needs nothing but sockets: the same run's
         # At least 1,000 requests: CPU is counted in 10 ms ticks, and the floor is cheap.
-        floor_ms, floor_p, floor_d = floor(max(args.requests, 1000), request_bytes(),
-                                           integrity=True)
+        nbytes = request_bytes()
+        floor_ms, floor_p, floor_d = floor(max(args.requests, 1000), nbytes, integrity=True)
         floor_lines = {"engine_small_request_floor_ms": floor_ms,
                        "daemon_cpu_ms_per_small_request_floor": max(floor_p, floor_d)}
         print(f"# the floor (tests/bench/bench_floor.py: the same processes, sockets and "
@@ -304,7 +295,7 @@ def main() -> None:
               f"prefill {floor_p:.3f} / decode {floor_d:.3f} ms per request; the engine "
               f"channel is {out['engine_small_request_ms'][0] / floor_ms:.1f}x its latency")
         if settled:  # the same idle gap before each Send: the machine's wake-ups count
-            idle_ms, _, _ = floor(len(settled), request_bytes(), integrity=True,
+            idle_ms, _, _ = floor(len(settled), nbytes, integrity=True,
                                   idle_s=args.settle_ms / 1000)
             floor_lines["engine_small_request_floor_ms_settled"] = idle_ms
             print(f"# the floor with the Send {args.settle_ms:g} ms after the request before "
