@@ -198,6 +198,11 @@ OPTIONS: tuple[Option, ...] = (
            "tests; -1: leave them zeroed)"),
     Option("log_level", "KVBEAM_LOG_LEVEL", str, "INFO", "DEBUG, INFO, WARNING or ERROR",
            ("DEBUG", "INFO", "WARNING", "ERROR")),
+    Option("log_requests", "KVBEAM_LOG_REQUESTS", parse_bool, False,
+           "log each request's progress at INFO (decode reserved it, prefill posted it, "
+           "Success on each side, the slot freed: logger kvbeam.requests; on at --log-level "
+           "DEBUG too); off, a request that goes well logs nothing, saving each daemon about "
+           "0.1 ms of CPU per small request; failures are logged either way (true/false)"),
     Option("log_format", "KVBEAM_LOG_FORMAT", str, "text",
            "log lines as text, or json: one object per line with timestamp, level, logger, "
            "message, role, request_id and peer", ("text", "json")),
@@ -276,6 +281,7 @@ class DaemonSettings:
     digest_threads: int = DEFAULT_DIGEST_THREADS
     verify_sub_batch_mib: float = 16.0
     enable_fault_injection: bool = False
+    log_requests: bool = False
 
     def transfer_budget_s(self, nbytes: int) -> float:
         """Seconds Transferring allows a request of ``nbytes``: the deadline, or the bytes

@@ -8,6 +8,8 @@ modules and tests/fixtures.py, importable from anywhere.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvbeam.proto.side import Role, SideInfo
@@ -20,6 +22,12 @@ from tests.control_helpers import (
     with_slots,
 )
 from tests.tls_helpers import Pki, make_pki
+
+# Every daemon a test starts (its environment is this process's) logs each request's
+# progress, as the compose demo does: tests read those lines (and a failing test's
+# output is read by people). A daemon's default is off (--log-requests); the tests of
+# that default set KVBEAM_LOG_REQUESTS themselves.
+os.environ.setdefault("KVBEAM_LOG_REQUESTS", "true")
 
 
 @pytest.fixture

@@ -36,5 +36,6 @@ def run_role(role: str, args: argparse.Namespace) -> int:
     from kvbeam.server.main import run_daemon
 
     settings = resolve(role, args)
-    configure(settings.log_level, settings.log_format, role)
+    configure(settings.log_level, settings.log_format, role,
+              log_requests=settings.log_requests)
     return run_daemon(settings)

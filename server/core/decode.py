@@ -70,7 +70,7 @@ from kvbeam.errors import (
     NotHandshakenError,
     UnknownRequest,
 )
-from kvbeam.logs import fields
+from kvbeam.logs import fields, request_log
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest_pool import DigestJob
 from kvbeam.pools.engine_indices import ListLike, check_kv_skip, validate
@@ -223,10 +223,10 @@ class DecodeCore(CoreBase):
         except Exception:
             self.slots.release(request_id)
             raise
-        log.info("request %s: reserved slot %d for %d tokens from prefill %s%s", request_id,
-                 slot, seq_len, prefill_address,
-                 f" (its first {kv_skip} KV pages held here: not written)" if kv_skip else "",
-                 extra=fields(request_id, prefill_address))
+        request_log.info("request %s: reserved slot %d for %d tokens from prefill %s%s",
+                         request_id, slot, seq_len, prefill_address,
+                         f" (its first {kv_skip} KV pages held here: not written)"
+                         if kv_skip else "", extra=fields(request_id, prefill_address))
         return res
 
     def _transfer_id(self) -> int:
@@ -592,9 +592,9 @@ class DecodeCore(CoreBase):
                         extra=fields(rid, res.prefill_address))
             return []
         if verdict.ok:
-            log.info("request %s: Success (%d bytes landed in slot %d; %s%s)", rid,
-                     res.nbytes, res.slot, verdict.detail, verdict.timing,
-                     extra=fields(rid, res.prefill_address))
+            request_log.info("request %s: Success (%d bytes landed in slot %d; %s%s)", rid,
+                             res.nbytes, res.slot, verdict.detail, verdict.timing,
+                             extra=fields(rid, res.prefill_address))
             return []
         if failed is None:
             return []  # it had ended already (aborted, timed out): its own path frees it
@@ -793,8 +793,8 @@ class DecodeCore(CoreBase):
         if res is None:
             return []
         if self.slots.release(rid) is not None:
-            log.info("request %s: slot %d freed (%s)", rid, res.slot, why,
-                     extra=fields(rid, res.prefill_address))
+            request_log.info("request %s: slot %d freed (%s)", rid, res.slot, why,
+                             extra=fields(rid, res.prefill_address))
         return [Freed(rid)]  # after the pages and the slot: the engine may reuse them
 
     def _stop_prefill_then_free(self, rid: str, detail: str) -> Actions:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 
 from kvbeam.errors import NotPosted
-from kvbeam.logs import fields
+from kvbeam.logs import fields, request_log
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.pools.engine_indices import ListLike
@@ -375,11 +375,11 @@ class PrefillDriver(DriverBase[PrefillCore]):
             self.execute(self.core.step_failed(rec, conn, NotPosted(exc), self.clock()),
                          on_executor)
             return
-        log.info("request %s: posted %s%d bytes in %d blocks to %s%s", rec.request_id,
-                 "final chunk, " if post.final else "chunk, ", post.total_bytes,
-                 post.num_blocks, conn.control_address,
-                 f" ({post.marks} sub-batches marked before the last)" if post.marks else "",
-                 extra=fields(rec.request_id, rec.decode_address))
+        request_log.info("request %s: posted %s%d bytes in %d blocks to %s%s", rec.request_id,
+                         "final chunk, " if post.final else "chunk, ", post.total_bytes,
+                         post.num_blocks, conn.control_address,
+                         f" ({post.marks} sub-batches marked before the last)"
+                         if post.marks else "", extra=fields(rec.request_id, rec.decode_address))
         if separate and not on_executor:
             # The digests are still being computed: the record waits for them on the
             # executor, and the step ends there.

@@ -28,7 +28,7 @@ from kvbeam.errors import (
     SendFailed,
     TransportError,
 )
-from kvbeam.logs import fields
+from kvbeam.logs import fields, request_log
 from kvbeam.pools.layout import SideLayout
 from kvbeam.server.core.actions import Count, DropLink, link_failure
 from kvbeam.server.core.base import request_bytes
@@ -142,8 +142,8 @@ class PrefillEvents:
                 rec, event.link, event.status, f"{event.status}: {event.detail}")
         actions: Actions = []
         if success:
-            log.info("request %s: Success (%d bytes written)", rec.request_id, rec.bytes_done,
-                     extra=fields(rec.request_id, rec.decode_address))
+            request_log.info("request %s: Success (%d bytes written)", rec.request_id,
+                             rec.bytes_done, extra=fields(rec.request_id, rec.decode_address))
         elif spared:
             actions = self._maybe_resend(rec)
         elif not event.ok:
@@ -348,5 +348,5 @@ class PrefillEvents:
             # The request's bytes, not this attempt's (it wrote none): what landed.
             nbytes = request_bytes(self.layout, rec.src_indices, rec.src_draft)
             self.table.advance(rec.request_id, TransferState.SUCCESS, nbytes=nbytes)
-        log.info("request %s: Success (decode had it landed before the resend)",
-                 rec.request_id, extra=fields(rec.request_id, rec.decode_address))
+        request_log.info("request %s: Success (decode had it landed before the resend)",
+                         rec.request_id, extra=fields(rec.request_id, rec.decode_address))

@@ -80,14 +80,15 @@ def engine_workers(env: dict[str, str] | None = None, *, transport: str = "tcp",
                    flags: Sequence[str] = ()) -> Iterator[tuple[DaemonProcess, DaemonProcess,
                                                                  Worker, Worker]]:
     """Two ``--pools engine`` daemons over ``transport`` started with ``env`` (bench
-    deadlines, at WARNING, then ``flags``) and an engine worker attached to each:
+    deadlines, then ``flags``; the default log level, as users run them) and an engine
+    worker attached to each:
     (prefill, decode, its worker, its worker); all stopped at the end (the daemons by
     SIGTERM: their exit hooks run)."""
     work = Path(tempfile.mkdtemp(prefix="kvbeam-bench-"))
     work.chmod(0o700)
     prefill, decode = start_engine_pair(
         str(work / "p.sock"), str(work / "d.sock"), transport=transport, env=env,
-        deadlines=[*BENCH_DEADLINES, "--log-level", "WARNING", *flags])
+        deadlines=[*BENCH_DEADLINES, *flags])
     workers: list[Worker] = []
     try:
         workers.append(Worker(str(work / "p.sock"), shipped_config("prefill"), "prefill"))

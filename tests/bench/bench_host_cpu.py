@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--profile", metavar="DIR")
     parser.add_argument("--profile-seconds", type=float, default=25.0)
     args = parser.parse_args()
-    flags = ["--integrity", "false" if args.no_integrity else "true", "--log-level", "WARNING"]
+    flags = ["--integrity", "false" if args.no_integrity else "true"]
     prefill, decode = start_both(transport="tcp", prefill_extra=flags, decode_extra=flags)
     pids = (prefill.proc.pid, decode.proc.pid)
     lens = [int(x) for x in args.lens.split(",")]

@@ -137,9 +137,7 @@ def _profile_loop(p: KvbeamClient, d: KvbeamClient, pids: tuple[int, int], seq_l
 def profile_requests(paged: bool, seq_len: int, seconds: float, out_dir: str,
                      transport: str = "rdma") -> None:
     """Start a daemon pair and run :func:`_profile_loop` on it."""
-    prefill, decode = start_both(paged=paged, transport=transport,
-                                 prefill_extra=["--log-level", "WARNING"],
-                                 decode_extra=["--log-level", "WARNING"])
+    prefill, decode = start_both(paged=paged, transport=transport)
     try:
         with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
             _profile_loop(p, d, (prefill.proc.pid, decode.proc.pid), seq_len, seconds, out_dir)
@@ -158,8 +156,8 @@ def run_requests(paged: bool, integrity: bool, lens: list[int], repeat: int,
     Then, with ``profile_dir``, a profile of 128-token requests (py-spy), then
     ``on_pair`` (more measurements on the same pair).
     """
-    flags = ["--integrity", "true" if integrity else "false", "--log-level", "WARNING",
-             *BENCH_DEADLINES, *(extra or [])]
+    flags = ["--integrity", "true" if integrity else "false", *BENCH_DEADLINES,
+             *(extra or [])]
     prefill, decode = start_both(paged=paged, transport=transport, prefill_extra=flags,
                                  decode_extra=flags)
     pids = (prefill.proc.pid, decode.proc.pid)

@@ -156,8 +156,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.digests:
         digest_speeds()
-    flags = ["--integrity", args.integrity, "--log-level", "WARNING", *BENCH_DEADLINES,
-             *args.extra.split()]
+    flags = ["--integrity", args.integrity, *BENCH_DEADLINES, *args.extra.split()]
     prefill, decode = start_both(transport=args.transport, prefill_extra=flags,
                                  decode_extra=flags)
     pids = {"prefill": prefill.proc.pid, "decode": decode.proc.pid}

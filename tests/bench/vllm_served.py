@@ -31,7 +31,7 @@ from tests.vllm_served import Completion, Deployment, complete, metric, start_de
 SERVE_ARGS = ["--enable-prefix-caching", "--max-num-seqs", "8"]
 DEADLINES = ["--deadline-bootstrap-s", "20", "--deadline-waiting-s", "60",
              "--deadline-transfer-s", "30", "--heartbeat-s", "1", "--rpc-timeout-s", "5",
-             "--send-wait-s", "30", "--log-level", "WARNING"]
+             "--send-wait-s", "30"]
 LENGTHS = (64, 256)
 CONCURRENCY = (1, 4)
 

@@ -180,6 +180,27 @@ def test_json_logs_name_the_request_and_peer_on_every_request_line() -> None:
                             for line in text), text
 
 
+#: Prefill's and decode's lines about a request that went well (``--log-requests``).
+PROGRESS = ("reserved slot", ": posted ", ": Success (", "freed (")
+
+
+def test_a_request_that_goes_well_logs_nothing_by_default() -> None:
+    """The daemons' default (``--log-requests`` off; the tests' environment turns it on):
+    a Success logs no line about its request on either side, a failure still does."""
+    quiet = {"KVBEAM_LOG_REQUESTS": "false"}
+    with pair(prefill_env=quiet, decode_env=quiet) as (prefill, decode, p, d):
+        result = run_request(p, d, "q-1", 700, 0)
+        assert result.ok and result.verified, result
+        d.reserve("q-2", 10, prefill.address)
+        d.abort("q-2", "test abort")  # an abort is logged whatever the setting
+        assert wait_until(lambda: "q-2 aborted by the scheduler" in decode.output, 10), \
+            decode.output
+        for daemon in (prefill, decode):
+            lines = [line for line in daemon.output.splitlines() if "q-1" in line]
+            assert not lines, lines
+            assert not any(p in daemon.output for p in PROGRESS), daemon.output
+
+
 def test_metrics_port_in_use_stops_the_daemon_with_a_clear_error() -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

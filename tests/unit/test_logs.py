@@ -10,7 +10,15 @@ from collections.abc import Iterator
 import pytest
 
 from kvbeam.errors import ConfigError
-from kvbeam.logs import JsonFormatter, RoleFilter, TextFormatter, configure, fields
+from kvbeam.logs import (
+    REQUEST_LOGGER,
+    JsonFormatter,
+    RoleFilter,
+    TextFormatter,
+    configure,
+    fields,
+    request_log,
+)
 from kvbeam.server.settings import resolve
 
 
@@ -89,9 +97,42 @@ def test_configure_switches_the_root_handlers() -> None:
         root.setLevel(saved_level)
 
 
+def test_request_progress_is_logged_only_when_asked() -> None:
+    """``--log-requests``: kvbeam.requests logs at INFO with it or at DEBUG; without it
+    only from WARNING on, while every other logger keeps the daemon's level."""
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    saved_requests = request_log.level
+    stream = io.StringIO()
+    root.handlers = [logging.StreamHandler(stream)]
+    try:
+        configure("INFO", "text", "decode")
+        request_log.info("request r-1: Success (quiet)")
+        logging.getLogger("kvbeam.x").info("request r-1 aborted (always)")
+        request_log.warning("request r-1: odd (always)")
+        configure("INFO", "text", "decode", log_requests=True)
+        request_log.info("request r-2: Success (asked)")
+        configure("DEBUG", "text", "decode")
+        request_log.info("request r-3: Success (debug)")
+        configure("WARNING", "text", "decode", log_requests=True)
+        request_log.info("request r-4: Success (asked at WARNING)")
+        lines = stream.getvalue()
+        assert "quiet" not in lines
+        for word in ("aborted (always)", "odd (always)", "(asked)", "(debug)",
+                     "(asked at WARNING)"):
+            assert word in lines, lines
+        assert f" {REQUEST_LOGGER}: request r-2" in lines
+    finally:
+        root.handlers = saved_handlers
+        root.setLevel(saved_level)
+        request_log.setLevel(saved_requests)
+
+
 def test_daemon_options_metrics_and_log_format() -> None:
     s = resolve("decode", environ={"KVBEAM_CONFIG": "d.yaml"})
-    assert (s.metrics, s.log_format) == ("", "text")  # off by default
+    assert (s.metrics, s.log_format, s.log_requests) == ("", "text", False)  # off by default
+    s = resolve("decode", environ={"KVBEAM_CONFIG": "d.yaml", "KVBEAM_LOG_REQUESTS": "true"})
+    assert s.log_requests
     s = resolve("decode", environ={"KVBEAM_CONFIG": "d.yaml", "KVBEAM_METRICS": "0.0.0.0:0",
                                    "KVBEAM_LOG_FORMAT": "json"})
     assert (s.metrics, s.log_format) == ("0.0.0.0:0", "json")
