@@ -30,6 +30,7 @@ pools, about 1 GB, fit its 3 GB).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -55,6 +56,7 @@ from kvbeam.pools.spec import PoolSpec, SideConfig, load_side_config
 from kvbeam.procs import DaemonProcess, start_daemon
 from kvbeam.scheduler import run_request
 from tests.bench.bench_request import BENCH_DEADLINES, stat_cpu_s
+from tests.bench.plain_stream import PlainStream
 from tests.daemon_helpers import SLOW_GUEST
 
 #: The 61-layer request: DeepSeek-V4's C4/C128 alternation, NextN draft, head_dim 512.
@@ -197,6 +199,7 @@ def library_figures(pools: bool = True) -> dict[str, Any]:
                  for c in side.layout.components for b in c.buffers)
     out["request_bytes"] = nbytes
     out["request_buffers"] = len(side.layout.flat_buffers)
+    out["request_sizes"] = digest_parts(side, idx).part_bytes()
     want = request_digests(side, idx)
     out["digester"] = digest.digester()
     out["request_ms"] = {"inline": _median_ms(lambda: request_digests(side, idx), 9)}
@@ -235,8 +238,8 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
     return out
 
 
-def daemon_figures(repeat: int, transport: str = "tcp", whole: bool = False
-                   ) -> dict[str, Any]:
+def daemon_figures(repeat: int, transport: str = "tcp", whole: bool = False,
+                   plain: list[int] | None = None) -> dict[str, Any]:
     """Part 4: the 61-layer request over ``transport`` (TCP on loopback; rdma in the
     soft-RoCE guest), integrity on and off; with ``whole`` also integrity on with decode's
     sub-batches off (``--verify-sub-batch-mib 0``: the request digested whole after its
@@ -244,20 +247,25 @@ def daemon_figures(repeat: int, transport: str = "tcp", whole: bool = False
 
     The daemon pairs run at once and the requests alternate between them (off, on,
     off, on, ...), so a neighbour's load falls on all alike. CPU per request is each
-    daemon's, and split by thread name (/proc/PID/task).
+    daemon's, and split by thread name (/proc/PID/task). With ``plain`` (the request's
+    bytes per buffer) the same pieces also go between two plain processes, off and on,
+    in the same rotation (:mod:`tests.bench.plain_stream`: the floor under the ratio),
+    as row ``plain``.
     """
     modes: dict[str, list[str]] = {"off": ["--integrity", "false"], "on": ["--integrity", "true"]}
     if whole:
         modes["on_whole"] = ["--integrity", "true", "--verify-sub-batch-mib", "0"]
     pairs: dict[str, tuple[DaemonProcess, DaemonProcess]] = {}
     rows: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="kvbeam-bench-61l-") as tmp:
+    floor: dict[str, list[float]] = {"off": [], "on": [], "off_cpu": [], "on_cpu": []}
+    with tempfile.TemporaryDirectory(prefix="kvbeam-bench-61l-") as tmp, \
+            contextlib.ExitStack() as stack:
+        stream = stack.enter_context(PlainStream(plain)) if plain else None
         cfg = _yaml(dsv4_61(), Path(tmp) / "dsv4-61.yaml")
         try:
             for m, mode_flags in modes.items():
                 flags = ["--transport", transport, *mode_flags,
-                         *(SLOW_GUEST if transport == "rdma" else []), "--log-level", "WARNING",
-                         *BENCH_DEADLINES]
+                         *(SLOW_GUEST if transport == "rdma" else []), *BENCH_DEADLINES]
                 decode = start_daemon("decode", cfg, extra=[*flags, "--fill-seed", "2"],
                                       timeout=300.0)
                 pairs[m] = (start_daemon("prefill", cfg, extra=[*flags, "--fill-seed", "1"],
@@ -278,6 +286,12 @@ def daemon_figures(repeat: int, transport: str = "tcp", whole: bool = False
                     nbytes[m] = r.bytes
                     if i:
                         times[m].append(r.send_to_success_s * 1e3)
+                for on in (False, True) if stream else ():
+                    assert stream is not None
+                    wall, cpu = stream.request(on)
+                    if i:
+                        floor["on" if on else "off"].append(wall)
+                        floor["on_cpu" if on else "off_cpu"].append(cpu)
             for m in modes:
                 split = []
                 for daemon, before in zip(pairs[m], cpu0[m], strict=True):
@@ -293,6 +307,10 @@ def daemon_figures(repeat: int, transport: str = "tcp", whole: bool = False
             for p, d in clients.values():
                 p.close()
                 d.close()
+            if stream:
+                rows["plain"] = {m: {"median_ms": statistics.median(floor[m]),
+                                     "sender_cpu_ms": statistics.median(floor[f"{m}_cpu"])}
+                                 for m in ("off", "on")}
         finally:
             for pair in pairs.values():
                 for daemon in pair:
@@ -306,7 +324,10 @@ def print_daemon_figures(rows: dict[str, Any], transport: str, memcpy_ms: float)
     print(f"61-layer {TOKENS}-token request over {where} (median of "
           f"{len(rows['on']['runs_ms'])}, Send to Success):")
     labels = {"on_whole": "on, sub-batches off (--verify-sub-batch-mib 0)"}
+    plain = rows.get("plain")
     for name, r in rows.items():
+        if name == "plain":
+            continue
         print(f"  integrity {labels.get(name, name):<3}: {r['median_ms']:.1f} ms "
               f"(best {r['best_ms']:.1f}), "
               f"{r['bytes'] / 1e6:.1f} MB; CPU per request prefill "
@@ -315,6 +336,14 @@ def print_daemon_figures(rows: dict[str, Any], transport: str, memcpy_ms: float)
             top = sorted(r[f"{side}_threads_ms"].items(), key=lambda kv: -kv[1])[:5]
             print(f"    {side} by thread: " + ", ".join(f"{k} {v:.1f}" for k, v in top))
     print(f"  memory copy of the same bytes: {memcpy_ms:.1f} ms")
+    if plain:  # tests/bench/plain_stream.py: the floor under the ratio on this machine
+        print(f"  plain floor (two plain processes, the same pieces over the same loopback, "
+              f"digested on the threads that move them; python-xxhash): off "
+              f"{plain['off']['median_ms']:.1f} ms, on {plain['on']['median_ms']:.1f} ms; "
+              f"sender CPU {plain['off']['sender_cpu_ms']:.1f} -> "
+              f"{plain['on']['sender_cpu_ms']:.1f} ms")
+        print(f"integrity_61l_floor_ratio="
+              f"{plain['on']['median_ms'] / plain['off']['median_ms']:.2f}")
     suffix = "" if transport == "tcp" else "_rdma"
     print(f"integrity_61l{suffix}_ratio={rows['on']['median_ms'] / rows['off']['median_ms']:.2f}")
 
@@ -358,7 +387,8 @@ def main() -> None:
         print(f"128-token request's digests {name:<7}: {wall:6.0f} us ({cpu:6.0f} CPU us)")
     res: dict[str, Any] = {"library": lib}
     if not args.skip_daemons:
-        rows = daemon_figures(args.repeat, args.transport, whole=args.transport == "tcp")
+        rows = daemon_figures(args.repeat, args.transport, whole=args.transport == "tcp",
+                              plain=lib["request_sizes"] if args.transport == "tcp" else None)
         res[args.transport] = rows
         print_daemon_figures(rows, args.transport, lib["memcpy_ms"][0])
     if lib["sizes"]:
