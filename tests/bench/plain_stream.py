@@ -95,8 +95,7 @@ class PlainStream:
         self._sock, _ = listener.accept()
         listener.close()
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        memory = memoryview(np.random.default_rng(1).integers(0, 255, sum(sizes),
-                                                               dtype=np.uint8))
+        memory = np.random.default_rng(1).integers(0, 255, sum(sizes), dtype=np.uint8).data
         self._pieces = _pieces(memory, sizes)
 
     def request(self, on: bool) -> tuple[float, float]:
