@@ -91,7 +91,7 @@ from kvbeam.server.core.decode_actions import (
     SendOffer,
     TellPrefill,
 )
-from kvbeam.server.core.decode_landing import Verdict
+from kvbeam.server.core.decode_landing import Verdict, checks_inline
 from kvbeam.server.core.decode_pages import PageBook
 from kvbeam.server.core.incoming import Incoming, Landing
 from kvbeam.server.core.ports import Offered, WriteGrant
@@ -111,6 +111,11 @@ log = logging.getLogger(__name__)
 #: every offer sent, so made less refused and failed were kept (a kept offer's answer,
 #: saying prefill writes no digests, is not counted).
 _ANSWER_COUNTS = {Offered.REFUSED: "refused", Offered.UNKNOWN: "failed"}
+#: The states a landing checked as it landed passes on its way to Success (on_event).
+_TO_SUCCESS: dict[TransferState | None, tuple[TransferState, ...]] = {
+    TransferState.BOOTSTRAPPING: (TransferState.WAITING_FOR_INPUT, TransferState.TRANSFERRING),
+    TransferState.WAITING_FOR_INPUT: (TransferState.TRANSFERRING,),
+}
 
 #: Seconds between decode's repeats of an Abort prefill has not confirmed.
 ASK_AGAIN_S = 1.0
@@ -134,13 +139,17 @@ class DecodeCore(CoreBase):
                  handoff_lease_s: float,
                  transfer_budget: Callable[[int], float] = lambda _n: 0.0,
                  wire_s: Callable[[int], float] = lambda _n: 0.0,
-                 mailbox: RecordArea | None = None, sub_batch_bytes: int = 0) -> None:
+                 mailbox: RecordArea | None = None, sub_batch_bytes: int = 0,
+                 check_inline_below: int = 0) -> None:
         """``peers``: the verified prefills (read here; the driver removes a lost one).
         ``mailbox``: the digest mailbox the daemon registered (REMOTE_WRITE) and
         advertises; None: the core makes its own, unregistered (tests of the core).
         ``sub_batch_bytes``: the sub-batch size decode advertises
         (``--verify-sub-batch-mib``, :mod:`kvbeam.pools.sub_batches`; 0: none), with
-        integrity on."""
+        integrity on. ``check_inline_below``: a landing with fewer bytes is checked on
+        the thread that saw it land (the digest pool's ``inline_below``,
+        :func:`~kvbeam.server.core.decode_landing.checks_inline`); such a landing checked
+        at once goes from WaitingForInput to Success in one change (0: none is)."""
         self.table = table
         self.peers = peers
         self._hold(spec, layout, pools)  # none yet on an engine daemon (take_pools)
@@ -151,6 +160,7 @@ class DecodeCore(CoreBase):
         self.transfer_budget = transfer_budget
         self.wire_s = wire_s  # an offered reservation's lease grows by its bytes' time
         self.sub_batch_bytes = sub_batch_bytes if integrity else 0
+        self.check_inline_below = check_inline_below
         self.slots = SlotPool(spec.num_req_slots if spec is not None else 0)
         self.mailbox: RecordArea | None = mailbox
         if spec is not None and layout is not None:
@@ -497,11 +507,19 @@ class DecodeCore(CoreBase):
             ok = (res is not None and bool(res.peer_instance) and res.link_id == event.link
                   and (not mark or mark <= len(res.sub_batches)))
             go = False
-            if res is not None and ok:
+            if res is not None and ok and mark:
                 self._transferring(res.request_id)
-                if not mark:
-                    res.notified(now)
-                    go = self._ready(res)
+            elif res is not None and ok:
+                res.notified(now)
+                blocker = self._blocker(res)
+                # Checked here and now (a small landing, the usual case): Success moves
+                # through Transferring in one change, one push to the engine, and none
+                # before the check. Else Transferring now: its deadline bounds the wait
+                # for the digests, the marks or the digest pool.
+                if not (blocker is None and checks_inline(res, self.integrity,
+                                                          self.check_inline_below)):
+                    self._transferring(res.request_id)
+                go = self._start_check(res, blocker)
         if res is None or not ok:
             conn = self.peers.by_link(event.link)
             log.warning("completion for unknown transfer id %s on link %d ignored%s",
@@ -533,35 +551,47 @@ class DecodeCore(CoreBase):
         return [CheckLanding(res, transfer_id)] if go else []
 
     def _ready(self, res: Incoming) -> bool:
-        """Landed, and prefill's integrity flag known: verify now, once.
+        """Landed, and prefill's integrity flag known: verify now, once (True). Core
+        lock held."""
+        return self._start_check(res, self._blocker(res))
 
-        Core lock held. With our integrity on and prefill's flag not known yet (an
-        Offer whose answer is not back), a record in the request's mailbox slot says
-        prefill's integrity is on (the slot was cleared when it was reserved, and the
-        record lands before the marker); without one the request waits for the answer.
+    def _blocker(self, res: Incoming) -> str | None:
+        """What the landing's check still waits for (None: nothing, it may start; "": it
+        is not landed, or its check began). Reads only; core lock held.
+
+        With our integrity on and prefill's flag not known yet (an Offer whose answer is
+        not back), a record in the request's mailbox slot says prefill's integrity is on
+        (the slot was cleared when it was reserved, and the record lands before the
+        marker); without one the request waits for the answer.
         """
         if res.landing is not Landing.LANDED:
-            return False
+            return ""
         box = self.mailbox
         # The slot is read only where its record decides something.
         recorded = (self.integrity and (res.digests_follow is None or bool(res.sub_batches))
                     and box is not None and 0 <= res.mailbox_slot < box.slots
                     and box.has_record(res.mailbox_slot))
-        if self.integrity and res.digests_follow is None:
-            if not recorded:
-                self.table.waiting_for(res.request_id, WAITING_FOR_DIGESTS)
-                return False
-            res.digests_follow = True
-        if res.digests_follow and res.sub_batches and recorded:
+        if self.integrity and res.digests_follow is None and not recorded:
+            return WAITING_FOR_DIGESTS
+        if res.digests_follow is not False and res.sub_batches and recorded:
             assert box is not None
             # The record says how many marks came before it; a count decode did not cut
             # is refused by the check itself (naming both), not waited for.
             marks = box.marks(res.mailbox_slot)
             if marks == len(res.sub_batches) and len(res.marked) < marks:
-                self.table.waiting_for(res.request_id, (
-                    f"the marks of its sub-batches: the digest record says {marks} came "
-                    f"before it, {len(res.marked)} did"))
-                return False
+                return (f"the marks of its sub-batches: the digest record says {marks} came "
+                        f"before it, {len(res.marked)} did")
+        return None
+
+    def _start_check(self, res: Incoming, blocker: str | None) -> bool:
+        """Start the landing's check if nothing blocks it (:meth:`_blocker`): True, once;
+        else say in the table what it waits for. Core lock held."""
+        if blocker:
+            self.table.waiting_for(res.request_id, blocker)
+        if blocker is not None:
+            return False
+        if self.integrity and res.digests_follow is None:
+            res.digests_follow = True  # its record is in the slot (_blocker)
         res.verify()
         return True
 
@@ -577,8 +607,10 @@ class DecodeCore(CoreBase):
             if current and verdict.ok:
                 res.digests = verdict.digests
                 try:
+                    # A landing checked as it landed never left WaitingForInput (on_event).
+                    through = _TO_SUCCESS.get(self.table.state_of(rid), ())
                     self.table.advance(rid, TransferState.SUCCESS, detail=verdict.detail,
-                                       nbytes=res.nbytes)
+                                       nbytes=res.nbytes, through=through)
                 except Exception as exc:  # already failed (aborted, timed out): nothing to do
                     log.info("request %s landed after it ended: %s", rid, exc,
                              extra=fields(rid, res.prefill_address))

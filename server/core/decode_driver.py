@@ -77,16 +77,17 @@ class DecodeDriver(DriverBase[DecodeCore]):
         daemon's bounded executor; ``digest_pool``: the landed bytes' digests (owned by
         the daemon; None: on the calling thread). The rest is the core's
         (:class:`DecodeCore`)."""
+        digest_pool = digest_pool or DigestPool(0)
         self.core = DecodeCore(table=table, peers=peers, spec=spec, layout=layout,
                                pools=pools, integrity=integrity,
                                handoff_lease_s=handoff_lease_s,
                                transfer_budget=transfer_budget, wire_s=wire_s,
-                               mailbox=mailbox, sub_batch_bytes=sub_batch_bytes)
+                               mailbox=mailbox, sub_batch_bytes=sub_batch_bytes,
+                               check_inline_below=digest_pool.inline_below)
         self.prefill = prefill
         self.io = io
         self.clock = clock
-        self.checker = LandingCheck(self._memory, integrity, digest_pool or DigestPool(0),
-                                    faults)
+        self.checker = LandingCheck(self._memory, integrity, digest_pool, faults)
         #: Metrics: one call per offer answered (made, refused, failed), per decline.
         self.on_offer = on_offer
         self.on_decline: Callable[[], None] = lambda: None

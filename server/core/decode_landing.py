@@ -47,6 +47,14 @@ from kvbeam.states import NOT_VERIFIED_NO_DIGESTS, NOT_VERIFIED_OFF, VERIFIED_PR
 log = logging.getLogger(__name__)
 
 
+def checks_inline(res: Incoming, integrity: bool, inline_below: int) -> bool:
+    """Whether the check of ``res``'s landing runs on the thread that saw it land:
+    integrity is off for it (prefill sends no digests), or its digests run inline anyway
+    (fewer bytes than the digest pool hands to its threads, ``inline_below``). The core
+    decides its states by it, the driver its thread: one rule for both."""
+    return not (integrity and res.digests_follow is not False) or res.nbytes < inline_below
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What the check of one landing found."""
@@ -77,10 +85,8 @@ class LandingCheck:
         self.faults = faults
 
     def inline(self, res: Incoming) -> bool:
-        """The check runs on the calling thread: integrity is off for it, or its digests
-        run inline anyway (fewer bytes than the digest pool hands to its threads)."""
-        return (not (self.integrity and res.digests_follow)
-                or res.nbytes < self.digest_pool.inline_below)
+        """The check runs on the calling thread (:func:`checks_inline`)."""
+        return checks_inline(res, self.integrity, self.digest_pool.inline_below)
 
     def check(self, res: Incoming, transfer_id: int) -> Verdict:
         """Check the landing of ``transfer_id`` (no lock held; the core decides whether

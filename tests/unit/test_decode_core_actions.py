@@ -8,6 +8,8 @@ read this way). The driver that does these actions has its own tests
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import DigestParts, request_digests
 from kvbeam.pools.digest_pool import DigestPool
@@ -26,7 +28,7 @@ from kvbeam.server.core.incoming import Landing
 from kvbeam.server.core.ports import Offered
 from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.peers import PeerConn, Peers
-from kvbeam.states import FailureReason, TransferState
+from kvbeam.states import FailureReason, TransferState, TransferStatus
 from kvbeam.transport import Event, EventKind
 from tests.core_fakes import fake_conn, land_record
 from tests.fixtures import UNIFIED_TARGET, layout
@@ -36,11 +38,15 @@ OK = Verdict(True, "XXH3-128 verified: 13 buffers match prefill's digests",
              digests=bytes(16 * 13))
 
 
-def _core(integrity: bool = True, budget_s: float = 0.0) -> tuple[DecodeCore, PeerConn]:
+def _core(integrity: bool = True, budget_s: float = 0.0, check_inline_below: int = 0,
+          on_change: Callable[[TransferStatus], None] | None = None
+          ) -> tuple[DecodeCore, PeerConn]:
     lay = layout()
-    core = DecodeCore(table=TransferTable(Deadlines()), peers=Peers(), spec=UNIFIED_TARGET,
-                      layout=lay, pools=AllocatedSide(lay), integrity=integrity,
-                      handoff_lease_s=30.0, transfer_budget=lambda _n: budget_s)
+    core = DecodeCore(table=TransferTable(Deadlines(), on_change=on_change), peers=Peers(),
+                      spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
+                      integrity=integrity, handoff_lease_s=30.0,
+                      transfer_budget=lambda _n: budget_s,
+                      check_inline_below=check_inline_below)
     conn = fake_conn(PREFILL, AllocatedSide(lay))
     core.peers.add(conn)
     return core, conn
@@ -235,6 +241,34 @@ def test_the_real_digests_of_a_landing_make_the_same_verdict_as_a_test_one() -> 
     assert verdict.ok and verdict.detail.startswith("XXH3-128 verified: 13")
     assert core.checked(res, check.transfer_id, verdict, now=6.0) == []
     assert core.status("r").state is TransferState.SUCCESS
+
+
+def test_a_landing_checked_as_it_lands_goes_to_success_in_one_change() -> None:
+    """An offered request whose landing is checked on the thread that saw it land (fewer
+    bytes than the digest pool takes): still Bootstrapping (an offered reservation moves
+    when it lands) during the check, and Success passes through WaitingForInput and
+    Transferring in one change (one push to the engine, a version step of 3); a larger
+    one is Transferring while its digests run on the pool."""
+    for below, at_landing in ((1 << 30, TransferState.BOOTSTRAPPING),
+                              (1, TransferState.TRANSFERRING)):
+        seen: list[TransferStatus] = []
+        core, conn = _core(check_inline_below=below, on_change=seen.append)
+        res = core.reserve("r", 300, PREFILL)
+        core.offer(res)
+        core.offer_sent(res, True)
+        land_record(core, "r", bytes(16 * 13))  # prefill's answer is its record (protocol 8)
+        before = [s.state for s in seen]
+        assert _landed(core, conn, res.transfer_id) == [CheckLanding(res, res.transfer_id)]
+        assert core.status("r").state is at_landing
+        assert core.checked(res, res.transfer_id, OK, now=6.0) == []
+        changes = [s.state for s in seen[len(before):]]
+        st = core.status("r")
+        assert st.state is TransferState.SUCCESS and st.detail == OK.detail
+        if at_landing is TransferState.BOOTSTRAPPING:
+            assert changes == [TransferState.SUCCESS]
+            assert st.version == seen[len(before) - 1].version + 3  # two states passed
+        else:
+            assert changes == [TransferState.TRANSFERRING, TransferState.SUCCESS]
 
 
 def test_the_core_module_imports_nothing_that_does_io() -> None:
