@@ -161,7 +161,8 @@ class TransferTable:
             return t.state if t else None
 
     def advance(self, request_id: str, state: TransferState, detail: str = "",
-                nbytes: int = 0, *, through: Sequence[TransferState] = ()) -> TransferStatus:
+                nbytes: int = 0, *, through: Sequence[TransferState] = (),
+                announce: bool = True) -> TransferStatus:
         """Move a live transfer to a non-failed state (legal transitions only).
 
         ``detail``, when given, replaces the status detail (decode says there how a
@@ -169,6 +170,8 @@ class TransferTable:
         (observers count them). ``through``: states passed on the way, each a move of
         its own (history, version) but one notification for all: observers (the
         engine's pushes) see only where it ends, a version step of more than one.
+        ``announce`` False: the observers are told later, by :meth:`announce` (the
+        table and its watchers know at once).
         """
         if state is TransferState.FAILED or TransferState.FAILED in through:
             raise IllegalTransition("use fail() to fail a transfer: it needs a reason")
@@ -186,8 +189,16 @@ class TransferTable:
                 t.nbytes = nbytes
             snap = t.snapshot()
             self._notify()
-        self._changed(snap)
+        if announce:
+            self._changed(snap)
         return snap
+
+    def announce(self, snap: TransferStatus) -> None:
+        """Tell the observers of a change :meth:`advance` made without telling them. A
+        later change may have reached them first: they keep the newest version (the
+        engine channel pushes nothing after a terminal state; an engine applies only a
+        newer version)."""
+        self._changed(snap)
 
     def touch(self, request_id: str) -> None:
         """Record progress: restart the current state's deadline (e.g. a chunk arrived)."""

@@ -6,7 +6,7 @@ import ctypes
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any, cast
@@ -24,7 +24,7 @@ from kvbeam.server.faults import FaultHooks
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.peers import PeerConn, Peers
-from kvbeam.states import FailureReason
+from kvbeam.states import FailureReason, TransferStatus
 from kvbeam.transport import Blocks, Event, EventKind, Link
 from tests.fixtures import UNIFIED_TARGET, layout
 
@@ -205,7 +205,9 @@ def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0
                  deadlines: Deadlines | None = None,
                  send_wait_s: float = 0.0,
                  integrity: bool = True, io: Executor | None = None,
-                 digest_threads: int = 2) -> tuple[PrefillDriver, FakeDecode]:
+                 digest_threads: int = 2,
+                 on_change: Callable[[TransferStatus], None] | None = None
+                 ) -> tuple[PrefillDriver, FakeDecode]:
     """A prefill core over the unit-test pools, with a fake decode side.
 
     With ``integrity`` a first attempt's final chunk is two writes (its data, then its
@@ -214,10 +216,12 @@ def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0
     its last block). Tests of other paths may switch integrity off: one write a chunk.
     ``io``: the executor (a thread pool of ``workers`` by default; a queue executor
     drives the core one event at a time); ``digest_threads`` 0: digests inline (the
-    record is then the data write's last block)."""
+    record is then the data write's last block); ``on_change``: the table's observer
+    (the engine channel's place)."""
     lay = layout()
     fake = FakeDecode(AllocatedSide(lay))
-    core = PrefillDriver(table=TransferTable(deadlines or Deadlines()), peers=Peers(), decode=fake,
+    core = PrefillDriver(table=TransferTable(deadlines or Deadlines(), on_change=on_change),
+                       peers=Peers(), decode=fake,
                        io=io or ThreadPoolExecutor(workers, thread_name_prefix="test-io"),
                        spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
                        integrity=integrity, faults=FaultHooks(), drain_s=drain_s,

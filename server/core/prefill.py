@@ -543,22 +543,31 @@ class PrefillCore(PrefillEvents, CoreBase):
         record = final and self.integrity
         if record:
             self.records.check_mailbox(conn, grant)
-        with self._lock:
-            state = self.table.state_of(rid)
-            if state is None or state.terminal:
-                return None  # aborted or timed out meanwhile: nothing posted, decode is told
-            if state is TransferState.BOOTSTRAPPING:  # one push to the engine, not two
-                self.table.advance(rid, TransferState.TRANSFERRING,
-                                   through=(TransferState.WAITING_FOR_INPUT,))
-            elif state is TransferState.WAITING_FOR_INPUT:  # it waited for decode
-                self.table.advance(rid, TransferState.TRANSFERRING)
-            else:
-                self.table.touch(rid)
-            rec.transfer_id = grant.transfer_id
-            src_sel, dst_sel = self._select_pages(rec, grant.indices, ranges, final)
-        plan = build_plan(self.layout, self.pools.buffer_addrs(), src_sel,
-                          conn.peer.layout, conn.addrs, dst_sel, include_states=final,
-                          src_draft=rec.src_draft, dst_draft=grant.draft)
+        # Its engine hears of the move to Transferring once the writes are posted
+        # (PostWrites.moved): the push is not on the bytes' way.
+        moved = None
+        try:
+            with self._lock:
+                state = self.table.state_of(rid)
+                if state is None or state.terminal:
+                    return None  # aborted or timed out meanwhile: nothing posted, decode is told
+                if state is TransferState.BOOTSTRAPPING:  # one push to the engine, not two
+                    moved = self.table.advance(rid, TransferState.TRANSFERRING,
+                                               through=(TransferState.WAITING_FOR_INPUT,),
+                                               announce=False)
+                elif state is TransferState.WAITING_FOR_INPUT:  # it waited for decode
+                    moved = self.table.advance(rid, TransferState.TRANSFERRING, announce=False)
+                else:
+                    self.table.touch(rid)
+                rec.transfer_id = grant.transfer_id
+                src_sel, dst_sel = self._select_pages(rec, grant.indices, ranges, final)
+            plan = build_plan(self.layout, self.pools.buffer_addrs(), src_sel,
+                              conn.peer.layout, conn.addrs, dst_sel, include_states=final,
+                              src_draft=rec.src_draft, dst_draft=grant.draft)
+        except BaseException:
+            if moved is not None:  # the step fails: its engine hears of the move first
+                self.table.announce(moved)
+            raise
         self.table.extend(rid, self.transfer_budget(plan.total_bytes))
         blocks = plan.blocks
         # The writes: each marked sub-batch (its own notified write), then the rest.
@@ -568,7 +577,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         writes.append((grant.transfer_id,
                        blocks.slice(sum(len(b) for _, b in writes), len(blocks))))
         return PostWrites(rec, conn, grant, tuple(writes), final, record, marks,
-                          plan.total_bytes, plan.num_blocks)
+                          plan.total_bytes, plan.num_blocks, moved)
 
     def book(self, post: PostWrites, *, separate: bool) -> bool:
         """The driver is about to post ``post``'s writes (``separate``: the digest record

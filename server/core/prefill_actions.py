@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.peers import PeerConn
+from kvbeam.states import TransferStatus
 from kvbeam.transport.blocks import Blocks
 
 if TYPE_CHECKING:
@@ -88,6 +89,9 @@ class PostWrites:
     marks: int
     total_bytes: int
     num_blocks: int
+    #: The request's move to Transferring, told to the table's observers (its engine's
+    #: push) once the writes are handed to the transport, not before (None: no move).
+    moved: TransferStatus | None = None
 
 
 PrefillAction = TellDecode | RunStep | Connect | AskGrant | PostWrites | DropLink | Count

@@ -370,11 +370,15 @@ class PrefillDriver(DriverBase[PrefillCore]):
                 part = Blocks.concat([part, self._record_blocks(post, job)])
             conn.link.write(tid, part, notify=post.final and not separate)
         except Exception as exc:
+            if post.moved is not None:
+                self.table.announce(post.moved)
             # Only what was not posted: the rest completes as usual.
             self.core.unbook(post, left=len(writes) - posted, separate=separate)
             self.execute(self.core.step_failed(rec, conn, NotPosted(exc), self.clock()),
                          on_executor)
             return
+        if post.moved is not None:  # its engine hears of Transferring after the bytes left
+            self.table.announce(post.moved)
         request_log.info("request %s: posted %s%d bytes in %d blocks to %s%s", rec.request_id,
                          "final chunk, " if post.final else "chunk, ", post.total_bytes,
                          post.num_blocks, conn.control_address,

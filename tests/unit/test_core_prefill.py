@@ -22,7 +22,7 @@ from kvbeam.pools.digest import DigestParts
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.peers import PeerConn
-from kvbeam.states import TransferState
+from kvbeam.states import TransferState, TransferStatus
 from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
 from tests.unit.test_core_decode import QueueExecutor
 
@@ -113,6 +113,30 @@ def test_single_chunk_request_succeeds_once_its_write_completes() -> None:
     assert done == total > 0
     core.periodic()
     assert not core.known("r") and not io.queue
+
+
+def test_the_engine_hears_of_transferring_once_the_write_is_posted() -> None:
+    """The move to Transferring is the table's before the plan, its observers' (the
+    engine's push) only once the chunk's writes were handed to the link: the push is not
+    on the bytes' way. Success follows as usual."""
+    seen: list[tuple[TransferState, int]] = []
+    holder: list[PrefillDriver] = []
+
+    def observe(snap: TransferStatus) -> None:
+        conn = holder[0].peers.by_address(ADDR) if holder else None
+        writes = len(cast(FakeLink, conn.link).writes) if conn is not None else 0
+        seen.append((snap.state, writes))
+
+    core, _fake, io = _queued(integrity=False, on_change=observe)
+    holder.append(core)
+    core.send("r", 0, 300, ADDR, [], True)
+    io.run_all()
+    link = _conn_link(core)
+    assert len(link.writes) == 1
+    assert core.status("r").state is TransferState.TRANSFERRING
+    assert seen == [(TransferState.BOOTSTRAPPING, 0), (TransferState.TRANSFERRING, 1)]
+    core.on_event(link.completion(link.writes[0][0]))
+    assert seen[-1] == (TransferState.SUCCESS, 1)
 
 
 def test_decodes_late_verdict_is_logged_after_the_success_record_was_pruned(
