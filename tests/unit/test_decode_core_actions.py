@@ -257,16 +257,16 @@ def test_a_landing_checked_as_it_lands_goes_to_success_in_one_change() -> None:
         core.offer(res)
         core.offer_sent(res, True)
         land_record(core, "r", bytes(16 * 13))  # prefill's answer is its record (protocol 8)
-        before = [s.state for s in seen]
+        before, version = len(seen), core.status("r").version
         assert _landed(core, conn, res.transfer_id) == [CheckLanding(res, res.transfer_id)]
         assert core.status("r").state is at_landing
         assert core.checked(res, res.transfer_id, OK, now=6.0) == []
-        changes = [s.state for s in seen[len(before):]]
+        changes = [s.state for s in seen[before:]]
         st = core.status("r")
         assert st.state is TransferState.SUCCESS and st.detail == OK.detail
         if at_landing is TransferState.BOOTSTRAPPING:
             assert changes == [TransferState.SUCCESS]
-            assert st.version == seen[len(before) - 1].version + 3  # two states passed
+            assert st.version == version + 3  # two states passed
         else:
             assert changes == [TransferState.TRANSFERRING, TransferState.SUCCESS]
 
