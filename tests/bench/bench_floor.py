@@ -55,7 +55,7 @@ HEADER = struct.Struct("<QQ16s")  # request number, payload bytes, digest (or ze
 ACK = struct.Struct("<Q")
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` from ``sock``; ConnectionError at EOF."""
     got = 0
     while got < len(view):
@@ -117,11 +117,11 @@ def _decode_daemon(work: Path, nbytes: int, integrity: bool) -> None:
     head = bytearray(HEADER.size)
     while True:
         try:
-            _recv_exact(peer, memoryview(head))
+            recv_exact(peer, memoryview(head))
         except ConnectionError:
             return
         number, length, digest = HEADER.unpack(head)
-        _recv_exact(peer, memoryview(memory)[:length])
+        recv_exact(peer, memoryview(memory)[:length])
         ok = not integrity or xxhash.xxh3_128_digest(memory) == digest
         peer.sendall(ACK.pack(number))
         engine.sendall(struct.pack("<QQ", number, 4 if ok else 0))
@@ -140,7 +140,7 @@ def _prefill_daemon(work: Path, nbytes: int, integrity: bool) -> None:
         ack = bytearray(ACK.size)
         while True:
             try:
-                _recv_exact(peer, memoryview(ack))
+                recv_exact(peer, memoryview(ack))
             except (ConnectionError, OSError):
                 return
             engine.sendall(struct.pack("<QQ", ACK.unpack(ack)[0], 4))
@@ -149,7 +149,7 @@ def _prefill_daemon(work: Path, nbytes: int, integrity: bool) -> None:
     frame = bytearray(SEND_FRAME)
     while True:
         try:
-            _recv_exact(engine, memoryview(frame))
+            recv_exact(engine, memoryview(frame))
         except ConnectionError:
             return
         number = struct.unpack_from("<Q", frame)[0]
@@ -170,7 +170,7 @@ def _engine(work: Path, role: str) -> None:
             sock.sendall(struct.pack("<Q", int(number)).ljust(SEND_FRAME, b"\0"))
             print(f"{t:.9f}", flush=True)
         else:
-            _recv_exact(sock, memoryview(pushed))
+            recv_exact(sock, memoryview(pushed))
             t = time.monotonic()
             got, state = struct.unpack("<QQ", pushed)
             print(f"{t:.9f} {got} {state}", flush=True)

@@ -29,20 +29,12 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from tests.bench.bench_floor import recv_exact
 from tests.bench.line_process import LineProcess
 
 #: A request's header: its mode (0 off, 1 on).
 _HEADER = struct.Struct("<B")
 _DIGEST = 16
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("peer closed")
-        got += n
 
 
 def _pieces(memory: memoryview, sizes: list[int]) -> list[memoryview]:
@@ -65,18 +57,18 @@ def receive(port: int, sizes: list[int]) -> None:
     head = bytearray(_HEADER.size)
     while True:
         try:
-            _recv_exact(sock, memoryview(head))
+            recv_exact(sock, memoryview(head))
         except ConnectionError:
             return
         (on,) = _HEADER.unpack(head)
         digests = []
         for piece in pieces:
-            _recv_exact(sock, piece)
+            recv_exact(sock, piece)
             if on:
                 digests.append(xxhash.xxh3_128_digest(piece))
         ok = True
         if on:
-            _recv_exact(sock, memoryview(record))
+            recv_exact(sock, memoryview(record))
             ok = b"".join(digests) == bytes(record)
         sock.sendall(b"\x01" if ok else b"\x00")
 
@@ -111,7 +103,7 @@ class PlainStream:
         if on:
             self._sock.sendall(b"".join(digests))
         answer = bytearray(1)
-        _recv_exact(self._sock, memoryview(answer))
+        recv_exact(self._sock, memoryview(answer))
         if answer[0] != 1:
             raise SystemExit("the plain stream's digests differ")
         return (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
