@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbeam.errors import BadIndexList, BadKvSkip
-from kvbeam.pools.indices import expected_lengths
+from kvbeam.pools.indices import INT64, expected_lengths
 from kvbeam.pools.layout import LayoutCache, SideLayout
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import EXACT_MATCH_KINDS, INDEX_KINDS, IndexKind
@@ -79,14 +79,13 @@ def split_mapping(lists: Mapping[str, ListLike]) -> tuple[Lists, Lists]:
     return target, draft
 
 
-_INT64 = np.dtype(np.int64)
 #: The list of a kind a layout does not use: shared, so read-only.
 _NO_INDICES = np.zeros(0, dtype=np.int64)
 _NO_INDICES.flags.writeable = False
 
 
 def _array(values: ListLike, label: str, side: str = "request") -> npt.NDArray[np.int64]:
-    if type(values) is np.ndarray and values.dtype == _INT64 and values.ndim == 1:
+    if type(values) is np.ndarray and values.dtype == INT64 and values.ndim == 1:
         # What the engine channel's frames and the wire codec give: taken as it is (a
         # numpy call costs microseconds in a daemon, whatever the list's length).
         return values  # type: ignore[return-value]  # its dtype is int64: checked above

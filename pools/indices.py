@@ -19,6 +19,9 @@ from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
 
 IndexArray = npt.NDArray[np.int64]
+#: The dtype of every index list, compared with ``==`` on the request path
+#: (a numpy call costs microseconds in a daemon, a dtype comparison does not).
+INT64 = np.dtype(np.int64)
 C128 = 128
 
 

@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from kvbeam.compiled import helper_line, load_helper
 from kvbeam.errors import PlanError
+from kvbeam.pools.indices import INT64
 from kvbeam.pools.layout import BufferLayout, PoolGeometry, SideLayout
 from kvbeam.pools.paged import HeadWindow, head_window
 from kvbeam.pools.types import EXACT_MATCH_KINDS, IndexKind
@@ -54,9 +55,6 @@ def planner() -> str:
     return helper_line(_PLANNER, _PLANNER_WHY, COMPILED, "Python and numpy")
 
 
-_INT64 = np.dtype(np.int64)
-
-
 def own_draft_list(draft: IndexLists | None, pool: str, kind: IndexKind) -> bool:
     """True when a ``pool`` buffer of ``kind`` is addressed by the draft's own list.
 
@@ -71,7 +69,7 @@ def list_for(indices: IndexLists, draft: IndexLists | None, pool: str,
     """The list addressing a ``pool`` buffer of ``kind``: the draft's own, else the target's."""
     src = draft if draft is not None and own_draft_list(draft, pool, kind) else indices
     arr = src[kind]
-    if type(arr) is np.ndarray and arr.dtype == _INT64:  # the usual case: no numpy call
+    if type(arr) is np.ndarray and arr.dtype == INT64:  # the usual case: no numpy call
         return arr
     return np.asarray(arr, np.int64)
 
