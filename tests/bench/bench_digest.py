@@ -239,7 +239,8 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
 
 
 def daemon_figures(repeat: int, transport: str = "tcp", whole: bool = False,
-                   plain: list[int] | None = None) -> dict[str, Any]:
+                   plain: list[int] | None = None
+                   ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Part 4: the 61-layer request over ``transport`` (TCP on loopback; rdma in the
     soft-RoCE guest), integrity on and off; with ``whole`` also integrity on with decode's
     sub-batches off (``--verify-sub-batch-mib 0``: the request digested whole after its
@@ -249,8 +250,8 @@ def daemon_figures(repeat: int, transport: str = "tcp", whole: bool = False,
     off, on, ...), so a neighbour's load falls on all alike. CPU per request is each
     daemon's, and split by thread name (/proc/PID/task). With ``plain`` (the request's
     bytes per buffer) the same pieces also go between two plain processes, off and on,
-    in the same rotation (:mod:`tests.bench.plain_stream`: the floor under the ratio),
-    as row ``plain``.
+    in the same rotation (:mod:`tests.bench.plain_stream`: the floor under the ratio).
+    Returns the rows by mode, and the plain floor's (None without ``plain``).
     """
     modes: dict[str, list[str]] = {"off": ["--integrity", "false"], "on": ["--integrity", "true"]}
     if whole:
@@ -286,12 +287,12 @@ def daemon_figures(repeat: int, transport: str = "tcp", whole: bool = False,
                     nbytes[m] = r.bytes
                     if i:
                         times[m].append(r.send_to_success_s * 1e3)
-                for on in (False, True) if stream else ():
-                    assert stream is not None
-                    wall, cpu = stream.request(on)
-                    if i:
-                        floor["on" if on else "off"].append(wall)
-                        floor["on_cpu" if on else "off_cpu"].append(cpu)
+                if stream is not None:
+                    for on in (False, True):
+                        wall, cpu = stream.request(on)
+                        if i:
+                            floor["on" if on else "off"].append(wall)
+                            floor["on_cpu" if on else "off_cpu"].append(cpu)
             for m in modes:
                 split = []
                 for daemon, before in zip(pairs[m], cpu0[m], strict=True):
@@ -307,27 +308,25 @@ def daemon_figures(repeat: int, transport: str = "tcp", whole: bool = False,
             for p, d in clients.values():
                 p.close()
                 d.close()
-            if stream:
-                rows["plain"] = {m: {"median_ms": statistics.median(floor[m]),
-                                     "sender_cpu_ms": statistics.median(floor[f"{m}_cpu"])}
-                                 for m in ("off", "on")}
         finally:
             for pair in pairs.values():
                 for daemon in pair:
                     daemon.stop()
-    return rows
+    plain_rows = None if stream is None else {
+        m: {"median_ms": statistics.median(floor[m]),
+            "sender_cpu_ms": statistics.median(floor[f"{m}_cpu"])} for m in ("off", "on")}
+    return rows, plain_rows
 
 
-def print_daemon_figures(rows: dict[str, Any], transport: str, memcpy_ms: float) -> None:
-    """Part 4's lines (also in ``make bench``'s guest report) and the ratio line."""
+def print_daemon_figures(rows: dict[str, Any], transport: str, memcpy_ms: float,
+                         plain: dict[str, Any] | None = None) -> None:
+    """Part 4's lines (also in ``make bench``'s guest report) and the ratio line; with
+    ``plain`` (:func:`daemon_figures`'s floor) the floor's line and ratio too."""
     where = "TCP on loopback" if transport == "tcp" else "RDMA"
     print(f"61-layer {TOKENS}-token request over {where} (median of "
           f"{len(rows['on']['runs_ms'])}, Send to Success):")
     labels = {"on_whole": "on, sub-batches off (--verify-sub-batch-mib 0)"}
-    plain = rows.get("plain")
     for name, r in rows.items():
-        if name == "plain":
-            continue
         print(f"  integrity {labels.get(name, name):<3}: {r['median_ms']:.1f} ms "
               f"(best {r['best_ms']:.1f}), "
               f"{r['bytes'] / 1e6:.1f} MB; CPU per request prefill "
@@ -387,10 +386,13 @@ def main() -> None:
         print(f"128-token request's digests {name:<7}: {wall:6.0f} us ({cpu:6.0f} CPU us)")
     res: dict[str, Any] = {"library": lib}
     if not args.skip_daemons:
-        rows = daemon_figures(args.repeat, args.transport, whole=args.transport == "tcp",
-                              plain=lib["request_sizes"] if args.transport == "tcp" else None)
+        rows, plain = daemon_figures(
+            args.repeat, args.transport, whole=args.transport == "tcp",
+            plain=lib["request_sizes"] if args.transport == "tcp" else None)
         res[args.transport] = rows
-        print_daemon_figures(rows, args.transport, lib["memcpy_ms"][0])
+        if plain is not None:
+            res["plain_floor"] = plain
+        print_daemon_figures(rows, args.transport, lib["memcpy_ms"][0], plain)
     if lib["sizes"]:
         print(f"digest_gbps_one_thread={lib['sizes'][3]['gbps_1']:.1f}")
     if args.json:
