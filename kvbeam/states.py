@@ -25,6 +25,11 @@ NOT_VERIFIED_NO_DIGESTS = "bytes not verified: prefill sent no digests (its inte
 class TransferState(enum.Enum):
     """Where a transfer is, on either side."""
 
+    #: True for SUCCESS and FAILED. A plain attribute of each member, set once: every
+    #: state change and status read asks (some 10-20 times per small request in a
+    #: daemon), and a property would be a Python call each time.
+    terminal: bool
+
     BOOTSTRAPPING = "Bootstrapping"
     WAITING_FOR_INPUT = "WaitingForInput"
     TRANSFERRING = "Transferring"
@@ -35,10 +40,8 @@ class TransferState(enum.Enum):
     # Python call per dict lookup, some 200-300 per small request in a daemon's lists).
     __hash__ = object.__hash__
 
-    @property
-    def terminal(self) -> bool:
-        """True for SUCCESS and FAILED."""
-        return self in (TransferState.SUCCESS, TransferState.FAILED)
+    def __init__(self, value: str) -> None:
+        self.terminal = value in ("Success", "Failed")
 
 
 class FailureReason(enum.Enum):

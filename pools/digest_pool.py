@@ -91,6 +91,18 @@ class DigestJob:
         #: Computed on the calling thread before :meth:`DigestPool.digests` returned (a
         #: small job, or a pool without threads): done, nothing to overlap with it.
         self.inline = inline
+        #: A job done on the calling thread (:meth:`computed`): its result, or its error.
+        self._value: bytes | None = None
+        self._error: Exception | None = None
+
+    @classmethod
+    def computed(cls, value: bytes | None, error: Exception | None = None) -> DigestJob:
+        """A job done on the calling thread: its digests, or the exception that
+        :meth:`result` re-raises. No future: a small request's job is on its path,
+        and a Future (with its Condition) costs more than the job's own bookkeeping."""
+        job = cls([], inline=True)
+        job._value, job._error = value, error
+        return job
 
     def done(self) -> bool:
         """True once every task finished (:meth:`result` will not wait)."""
@@ -100,6 +112,10 @@ class DigestJob:
         """The digests (16 bytes each), in the buffers' order; re-raises a task's exception
         (e.g. an index outside its buffer). ``timeout``: seconds for the whole job
         (TimeoutError)."""
+        if self._error is not None:
+            raise self._error
+        if self._value is not None:
+            return self._value
         if len(self._tasks) == 1:
             return self._tasks[0].result(timeout)
         # In order: a later task may finish first.
@@ -145,13 +161,11 @@ class DigestPool:
         """Start digesting ``parts`` (:func:`~kvbeam.pools.digest.digest_parts`, or a run of
         them: a sub-batch's buffers); the job's result is their digests, in order."""
         if self._executor is None or _parallel_bytes(parts) < self.inline_below:
-            done: Future[bytes] = Future()
             try:
                 # On the calling thread: keep the GIL (digest_many says why).
-                done.set_result(digest_many(parts, release_gil=False))
+                return DigestJob.computed(digest_many(parts, release_gil=False))
             except Exception as exc:  # the same as a pool task's: result() raises it
-                done.set_exception(exc)
-            return DigestJob([done], inline=True)
+                return DigestJob.computed(None, exc)
         groups = split_parts(parts, self.threads * TASKS_PER_THREAD)
         return DigestJob([self._executor.submit(_digest_all, g) for g in groups])
 

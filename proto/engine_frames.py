@@ -241,6 +241,15 @@ def _lists(target: Lists, draft: Lists) -> bytes:
     return b"".join(parts)
 
 
+def encode_state(request_id: str, state: TransferState, reason: FailureReason | None,
+                 version: int, detail: str) -> bytes:
+    """A :class:`State` frame from its fields, length prefix included: what the daemon
+    pushes on every state change, so no frame object is built for it."""
+    return _frame(STATE, request_id,
+                  _STATE.pack(STATE_CODES[state], REASON_CODES[reason] if reason is not None
+                              else 0, version & 0xFFFFFFFF) + _str(detail[:4096], "detail"))
+
+
 def encode(frame: EngineFrame | DaemonFrame) -> bytes:
     """One frame, length prefix included."""
     if isinstance(frame, Reserve):
@@ -276,10 +285,8 @@ def encode(frame: EngineFrame | DaemonFrame) -> bytes:
                       _str(frame.prefill_address, "prefill_address") + _str(frame.detail,
                                                                             "detail"))
     if isinstance(frame, State):
-        reason = REASON_CODES[frame.reason] if frame.reason is not None else 0
-        return _frame(STATE, frame.request_id,
-                      _STATE.pack(STATE_CODES[frame.state], reason, frame.version & 0xFFFFFFFF)
-                      + _str(frame.detail[:4096], "detail"))
+        return encode_state(frame.request_id, frame.state, frame.reason, frame.version,
+                            frame.detail)
     return _frame(ERROR, frame.request_id,
                   _str(frame.field[:256], "field") + _str(frame.message[:4096], "message"))
 

@@ -235,8 +235,8 @@ class EngineChannel:
             self._push_state(snap)
 
     def _push_state(self, snap: TransferStatus) -> None:
-        self._push(ef.encode(ef.State(snap.request_id, snap.state, snap.reason, snap.version,
-                                      snap.detail)))
+        self._push(ef.encode_state(snap.request_id, snap.state, snap.reason, snap.version,
+                                   snap.detail))
 
     def push_error(self, request_id: str, field: str, message: str) -> None:
         """Tell the engine a frame was refused (any thread)."""
