@@ -255,6 +255,26 @@ def test_rdma_resource_name_is_configurable(tmp_path: Path) -> None:
         assert "nvidia.com/hostdev" in limits and RDMA_RESOURCE not in limits
 
 
+def test_cpu_placement_patch_gives_guaranteed_qos(tmp_path: Path) -> None:
+    """docs/kubernetes.md's CPU placement patch: every daemon's container asks what it is
+    limited to, an integer CPU (what the static CPU manager gives exclusive cores)."""
+    path = "/spec/template/spec/containers/0/resources/"
+    objs = overlay_on(tmp_path, {
+        "resources": ["@/overlays/rdma"],
+        "patches": [{"target": {"kind": "Deployment",
+                                "labelSelector": "app.kubernetes.io/part-of=kvbeam"},
+                     "patch": yaml.safe_dump([
+                         {"op": "add", "path": path + "limits/cpu", "value": "1"},
+                         {"op": "replace", "path": path + "requests/memory",
+                          "value": "2Gi"}])}]})
+    assert validation_errors(objs) == []
+    for role in PORTS:
+        resources = container(find(objs, "Deployment", f"kvbeam-{role}"))["resources"]
+        for name in ("cpu", "memory"):
+            assert resources["requests"][name] == resources["limits"][name], (role, name)
+        assert str(resources["limits"]["cpu"]).isdigit(), role
+
+
 def test_mtls_component(tmp_path: Path) -> None:
     objs = overlay_on(tmp_path, {"resources": ["@/overlays/rdma"],
                                  "components": ["@/components/mtls"]})
