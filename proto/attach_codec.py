@@ -8,11 +8,14 @@ the protocol. Request::
 
     {"version": 1, "op": "attach", "memory_kind": "host_shm",
      "config": {"model": ..., "target": {...}, "draft": {...} | null},
-     "components": [[{"fd_index": 0, "offset": 0, "length": n, "item_len": k}, ...], ...]}
+     "components": [[{"fd_index": 0, "offset": 0, "length": n, "item_len": k}, ...], ...],
+     "pushes": "all" | "final"}
 
 ``components`` is positional, as :attr:`kvbeam.pools.layout.SideLayout.components`
 (main KV first, the target states, the draft last); ``fd_index`` indexes the fds
-sent with the message. ``{"version": 1, "op": "detach"}`` ends an attachment (so
+sent with the message. ``pushes`` (optional, default ``all``) says which of its
+requests' state changes the engine channel pushes: every one, or only Success and
+Failed (:data:`PUSH_MODES`). ``{"version": 1, "op": "detach"}`` ends an attachment (so
 does closing the socket). Reply: ``{"ok": bool, "error": str, "field": str,
 "instance_id": str, "channel": int}`` (``channel``: the engine-channel frame version
 spoken on the socket after the attach, :mod:`kvbeam.proto.engine_frames`).
@@ -40,6 +43,10 @@ ATTACH_VERSION = 1
 OPS = ("attach", "detach")
 #: ``host_shm``: memfd/tmpfs host memory; ``dmabuf``: GPU memory (refused until tested).
 MEMORY_KINDS = ("host_shm", "dmabuf")
+#: Which state changes the engine channel pushes to the engine: ``all`` (every change,
+#: the default) or ``final`` (Success and Failed only: an engine that acts only on a
+#: request's end is not woken for the states between, docs/engine.md).
+PUSH_MODES = ("all", "final")
 #: Largest message either side reads (a 61-layer DSV4 description is ~30 KB).
 MAX_MESSAGE_BYTES = 4 << 20
 #: Most fds one attach may carry.
@@ -66,6 +73,8 @@ class AttachRequest:
     config: SideConfig | None = None
     components: tuple[tuple[BufferRef, ...], ...] = ()
     version: int = ATTACH_VERSION
+    #: Which state changes the engine channel pushes (:data:`PUSH_MODES`).
+    pushes: str = "all"
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,7 @@ def request_to_json(req: AttachRequest) -> dict[str, Any]:
         out["memory_kind"] = req.memory_kind
         out["config"] = config_to_mapping(req.config)
         out["components"] = [[dataclasses.asdict(b) for b in comp] for comp in req.components]
+        out["pushes"] = req.pushes
     return out
 
 
@@ -168,6 +178,10 @@ def request_from_json(data: object, nfds: int) -> AttachRequest:
     if kind not in MEMORY_KINDS:
         raise AttachError(f"memory_kind: unknown memory kind {kind!r} (known: "
                           f"{', '.join(MEMORY_KINDS)})", "memory_kind")
+    pushes = data.get("pushes", "all")
+    if pushes not in PUSH_MODES:
+        raise AttachError(f"pushes: unknown push mode {repr(pushes)[:40]} (known: "
+                          f"{', '.join(PUSH_MODES)})", "pushes")
     raw = data.get("config")
     if not isinstance(raw, dict):
         raise AttachError(f"config: must be an object (the side YAML's mapping), got {raw!r}",
@@ -197,7 +211,8 @@ def request_from_json(data: object, nfds: int) -> AttachRequest:
                                   "came with the message", f"{where}.fd_index")
             bufs.append(ref)
         out.append(tuple(bufs))
-    return AttachRequest(op="attach", memory_kind=kind, config=config, components=tuple(out))
+    return AttachRequest(op="attach", memory_kind=kind, config=config, components=tuple(out),
+                         pushes=pushes)
 
 
 def reply_from_json(data: object) -> AttachReply:

@@ -260,10 +260,11 @@ class AttachServer:
             conn.close()
             return
         if self.channel is not None:
-            self.channel.bind(conn)
+            self.channel.bind(conn, final_only=req.pushes == "final")
         self._engine = (conn, cred)
         sel.register(conn, selectors.EVENT_READ, "engine")
-        log.info("engine pid %d (uid %d) attached on %s", cred.pid, cred.uid, self.path)
+        log.info("engine pid %d (uid %d) attached on %s (pushes: %s)", cred.pid, cred.uid,
+                 self.path, req.pushes)
 
     def _refuse_stranger(self, conn: socket.socket, cred: PeerCred) -> None:
         """Refuse a uid that may not attach without reading anything it sent (its fds, if

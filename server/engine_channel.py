@@ -9,7 +9,8 @@ existing entry points (:class:`CoreOps`): calls that may block (decode's Offer t
 prefill, an abort that waits for writes to drain) run on the daemon's bounded executor.
 
 Every state change of a request the engine started on this channel is pushed back
-as a STATE frame: the transfer table's observer (:meth:`EngineChannel.on_change`, any
+as a STATE frame (only Success and Failed when the engine attached with ``pushes:
+final``): the transfer table's observer (:meth:`EngineChannel.on_change`, any
 thread) sends the encoded frame at once, non-blocking, under a leaf lock, when nothing
 is queued before it (no hand-off to another thread: the usual case); what the socket
 does not take is queued in the outbound buffer, and the attach thread, woken, writes
@@ -160,9 +161,12 @@ class EngineChannel:
         self.ops = ops
         self.io = io
         self.failed_when_freed = failed_when_freed
-        self._lock = threading.Lock()  # leaf: _out, _mine, _parked, _freed, _conn; held
-        # across a non-blocking send on the engine socket only (frames keep their order)
+        # Leaf: _out, _mine, _parked, _freed, _conn, _final_only; held across a
+        # non-blocking send on the engine socket only (frames keep their order).
+        self._lock = threading.Lock()
         self._conn: socket.socket | None = None
+        #: The attached engine hears only of its requests' ends (attach ``pushes: final``).
+        self._final_only = False
         self._out = bytearray()
         self._mine: set[str] = set()
         #: Failed states waiting for their request's pages to be freed (failed_when_freed).
@@ -184,11 +188,13 @@ class EngineChannel:
         """Readable when pushed states wait to be written (the attach loop selects it)."""
         return self._wake_r
 
-    def bind(self, conn: socket.socket) -> None:
-        """An engine attached on ``conn``: frames follow its attach reply."""
+    def bind(self, conn: socket.socket, *, final_only: bool = False) -> None:
+        """An engine attached on ``conn``: frames follow its attach reply. ``final_only``:
+        it asked to hear only of its requests' ends (attach ``pushes: final``)."""
         conn.setblocking(False)
         with self._lock:
             self._conn = conn
+            self._final_only = final_only
             self._out = bytearray()
             self._mine = set()
             self._parked, self._freed = {}, set()
@@ -198,6 +204,7 @@ class EngineChannel:
         """The engine detached: nothing more is pushed (its requests fail as before)."""
         with self._lock:
             self._conn = None
+            self._final_only = False
             self._out = bytearray()
             self._mine = set()
             self._parked, self._freed = {}, set()
@@ -217,6 +224,8 @@ class EngineChannel:
                 return
             if snap.state.terminal:
                 self._mine.discard(rid)
+            elif self._final_only:  # the engine acts only on the end: no wake-up before it
+                return
             if (self.failed_when_freed and snap.state is TransferState.FAILED
                     and rid not in self._freed):
                 self._parked[rid] = snap  # pushed by on_freed, once the pages are free

@@ -1,8 +1,9 @@
 """A stand-in engine that drives its requests over the engine channel (no gRPC).
 
 Run as a fresh process (``python -m tests.channel_engine --socket S --config C``): it
-allocates memfd pools (EnginePools), fills them with ``--seed``'s pattern, attaches,
-prints ``attached INSTANCE`` and serves commands on stdin, one answer line each:
+allocates memfd pools (EnginePools), fills them with ``--seed``'s pattern, attaches
+(``--pushes``: which state changes the daemon pushes, default ``all``), prints
+``attached INSTANCE`` and serves commands on stdin, one answer line each:
 
 - ``reserve RID SEQ PREFILL_ADDR LIST_SEED [SKIP]``: Receiver.send_metadata at random
   lists; with SKIP, only the KV pages from position SKIP on (``kv_skip``: the engine
@@ -47,13 +48,14 @@ def main() -> int:
     ap.add_argument("--socket", required=True)
     ap.add_argument("--config", required=True)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--pushes", choices=("all", "final"), default="all")
     args = ap.parse_args()
     with open(args.config) as f:
         config = SideConfig.from_mapping(yaml.safe_load(f), args.config)
     layout = build_side_layout(config)
     pools = EnginePools(config)
     pools.fill_pattern(args.seed)
-    att = attach(args.socket, pools)
+    att = attach(args.socket, pools, pushes=args.pushes)
     assert att.channel is not None
     print(f"attached {att.instance_id}", flush=True)
     requests: dict[str, Sender | Receiver] = {}

@@ -20,6 +20,7 @@ from kvbeam.engine.memory import EngineBuffers, EnginePools
 from kvbeam.errors import AttachError
 from kvbeam.pools.spec import SideConfig
 from kvbeam.proto.attach_codec import (
+    PUSH_MODES,
     AttachReply,
     AttachRequest,
     frame,
@@ -35,10 +36,13 @@ log = logging.getLogger(__name__)
 class Attachment:
     """A live attachment; keep it (and the memory) while the daemon should serve it."""
 
-    def __init__(self, sock: socket.socket, reply: AttachReply, path: str) -> None:
+    def __init__(self, sock: socket.socket, reply: AttachReply, path: str,
+                 pushes: str = "all") -> None:
         self._sock: socket.socket | None = sock
         self.instance_id = reply.instance_id
         self.path = path
+        #: Which state changes the daemon pushes (:func:`attach`'s ``pushes``).
+        self.pushes = pushes
         #: The per-request channel over this socket (None: the daemon predates it).
         self.channel: EngineChannel | None = (
             EngineChannel(sock, path) if reply.channel == ENGINE_FRAMES_VERSION else None)
@@ -95,7 +99,7 @@ class Attachment:
 
 def attach(socket_path: str, pools: EnginePools | EngineBuffers,
            config: SideConfig | None = None, *, memory_kind: str = "host_shm",
-           timeout: float = 60.0) -> Attachment:
+           timeout: float = 60.0, pushes: str = "all") -> Attachment:
     """Hand ``pools`` to the daemon listening on ``socket_path``.
 
     Args:
@@ -105,6 +109,12 @@ def attach(socket_path: str, pools: EnginePools | EngineBuffers,
         config: the side config the memory follows (default: the pools').
         memory_kind: ``host_shm`` (memfd/tmpfs); ``dmabuf`` is refused for now.
         timeout: seconds for the daemon's answer (it maps and registers the memory).
+        pushes: which of its requests' state changes the daemon pushes: ``all`` (every
+            one: ``poll()`` reads each state as the request passes it) or ``final``
+            (Success and Failed only: ``poll()`` reads Bootstrapping until the end, and
+            the channel's reader thread wakes once per request instead of three or
+            four times; for a scheduler that acts only on a request's end, as vLLM's
+            and sglang's do).
 
     Raises:
         AttachError: the daemon refused (the message and ``field`` say why), or it
@@ -117,8 +127,11 @@ def attach(socket_path: str, pools: EnginePools | EngineBuffers,
         buffers = pools
     if config is None:
         raise AttachError("attach: the side config is required with EngineBuffers", "config")
+    if pushes not in PUSH_MODES:
+        raise AttachError(f"attach: unknown push mode {pushes!r} (known: "
+                          f"{', '.join(PUSH_MODES)})", "pushes")
     req = AttachRequest(op="attach", memory_kind=memory_kind, config=config,
-                        components=tuple(tuple(c) for c in buffers.components))
+                        components=tuple(tuple(c) for c in buffers.components), pushes=pushes)
     message = frame(request_to_json(req))
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
@@ -144,4 +157,4 @@ def attach(socket_path: str, pools: EnginePools | EngineBuffers,
                           reply.field)
     sock.settimeout(None)
     log.info("attached to %s (daemon instance %s)", socket_path, reply.instance_id)
-    return Attachment(sock, reply, socket_path)
+    return Attachment(sock, reply, socket_path, pushes)

@@ -13,6 +13,15 @@ and memory, in the same run. Target lines, each beside its gRPC figure::
     daemon_cpu_ms_per_small_request=  the larger daemon's process CPU over N requests
     small_requests_per_s=  16 in flight, one pair, whole lifecycle
 
+The engines attach as the vLLM and sglang integrations do (``pushes="final"``: only a
+request's end is pushed to them). Their processes' CPU per sequential request (the
+engine's side of the channel, with the worker's command loop) is printed beside the
+same figure from a second pair of workers attached with ``pushes="all"``, on the same
+daemons, after the gRPC phase::
+
+    engine_cpu_ms_per_small_request=  the larger engine process's CPU, pushes final
+    engine_cpu_ms_per_small_request_all_pushes=  the same, every state change pushed
+
 Over TCP, last, the floor under the first two in the same run
 (:mod:`tests.bench.bench_floor`: the same four processes, sockets and bytes with none
 of kvbeam in them): ``engine_small_request_floor_ms=`` and
@@ -58,12 +67,15 @@ ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class Worker(LineProcess):
-    """A bench_engine_worker process, attached to its daemon."""
+    """A bench_engine_worker process, attached to its daemon (``pushes``: which state
+    changes it is pushed, :func:`kvbeam.engine.attach`)."""
 
-    def __init__(self, socket_path: str, config: str, role: str) -> None:
+    def __init__(self, socket_path: str, config: str, role: str,
+                 pushes: str = "final") -> None:
         super().__init__("tests.bench.bench_engine_worker",
-                         ["--socket", socket_path, "--config", config, "--role", role],
-                         "attached")
+                         ["--socket", socket_path, "--config", config, "--role", role,
+                          "--pushes", pushes], "attached")
+        self.socket_path, self.config, self.role = socket_path, config, role
 
     def stop(self) -> None:
         """Ask it to exit (killed after 10 s)."""
@@ -142,6 +154,37 @@ def _spy(pid: int, out: str) -> subprocess.Popen[bytes] | None:
                              "-o", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def _all_pushes(pe: Worker, de: Worker, prefill_address: str, decode_address: str,
+                requests: int) -> tuple[list[float], float]:
+    """``pe`` and ``de`` stopped (they detach) and a pair attached in their place with
+    ``pushes="all"``: each engine process's CPU ms per sequential request, and the
+    requests' median Send-to-Success ms. The new pair is stopped before returning."""
+    pe.stop()
+    de.stop()
+    workers = [Worker(pe.socket_path, pe.config, "prefill", pushes="all")]
+    try:
+        workers.append(Worker(de.socket_path, de.config, "decode", pushes="all"))
+        p, d = workers
+        for i in range(5):  # warm-up
+            d.cmd(f"reserve aw{i} {prefill_address}")
+            p.cmd(f"send aw{i} {decode_address}")
+            d.cmd(f"done aw{i}")
+            p.cmd(f"wait aw{i}")
+        cpu0 = [cpu_s(w.proc.pid) for w in workers]
+        lat = []
+        for i in range(requests):
+            d.cmd(f"reserve a{i} {prefill_address}")
+            t0 = float(p.cmd(f"send a{i} {decode_address}").split()[1])
+            t1 = float(d.cmd(f"done a{i}").split()[1])
+            assert p.cmd(f"wait a{i}") == "Success"
+            lat.append((t1 - t0) * 1000)
+        return ([(cpu_s(w.proc.pid) - was) * 1000 / requests
+                 for w, was in zip(workers, cpu0, strict=True)], statistics.median(lat))
+    finally:
+        for w in workers:
+            w.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=100)
@@ -171,6 +214,7 @@ def main() -> None:
             pe.cmd(f"wait w{i}")
         lat = []
         cpu0 = [cpu_s(p) for p in pids]
+        engine_cpu0 = [cpu_s(w.proc.pid) for w in (pe, de)]
         threads0 = [thread_cpu(p) for p in pids]
         switches0 = [_switches(p) for p in pids]
         for i in range(args.requests):
@@ -180,6 +224,8 @@ def main() -> None:
             assert pe.cmd(f"wait s{i}") == "Success"
             lat.append((t1 - t0) * 1000)
         cpu1 = [cpu_s(p) for p in pids]
+        engine_cpus = [(cpu_s(w.proc.pid) - was) * 1000 / args.requests
+                       for w, was in zip((pe, de), engine_cpu0, strict=True)]
         by_thread = [cpu_by_group(p, was, thread_cpu(p), args.requests)
                      for p, was in zip(pids, threads0, strict=True)]
         switched = [(_switches(p) - was) / args.requests
@@ -266,6 +312,9 @@ def main() -> None:
                      statistics.median(glat)), ("daemon_cpu_ms_per_small_request", g_cpu),
                      ("small_requests_per_s", g_rate)):
             out[k] = (out[k][0], v)
+        # ---- the reference: engines pushed every state change, same daemons -----------
+        all_cpus, all_lat = _all_pushes(pe, de, prefill.address, decode.address,
+                                        args.requests)
     where = "TCP loopback" if args.transport == "tcp" else "RDMA"
     print(f"# engine channel vs gRPC scheduler API, {SEQ}-token requests, {where}, "
           f"{args.requests} sequential, {args.flow} at {args.inflight} in flight "
@@ -279,6 +328,12 @@ def main() -> None:
     if settled:
         print(f"# engine_small_request_ms with decode's Offer kept before the Send "
               f"(reserved {args.settle_ms:g} ms earlier): {statistics.median(settled):.3f}")
+    print(f"# each engine process's CPU ms per sequential request (kvbeam.engine and the "
+          f"worker's command loop): pushes final prefill {engine_cpus[0]:.3f}, decode "
+          f"{engine_cpus[1]:.3f}; pushes all prefill {all_cpus[0]:.3f}, decode "
+          f"{all_cpus[1]:.3f} (its engine_small_request_ms {all_lat:.3f})")
+    print(f"engine_cpu_ms_per_small_request={max(engine_cpus):.3f} "
+          f"engine_cpu_ms_per_small_request_all_pushes={max(all_cpus):.3f}")
     print(f"# each daemon's CPU ms per sequential request: engine channel prefill "
           f"{chan_cpus[0]:.3f}, decode {chan_cpus[1]:.3f}; gRPC API prefill {g_cpus[0]:.3f}, "
           f"decode {g_cpus[1]:.3f}")
@@ -311,6 +366,9 @@ def main() -> None:
             "lines": {**{k: v[0] for k, v in out.items()},
                       **{f"grpc_{k}": v[1] for k, v in out.items()}, **floor_lines},
             "cpu_ms": dict(zip(("prefill", "decode"), chan_cpus, strict=True)),
+            "engine_cpu_ms": dict(zip(("prefill", "decode"), engine_cpus, strict=True)),
+            "engine_cpu_ms_all_pushes": dict(zip(("prefill", "decode"), all_cpus,
+                                                 strict=True)),
             "grpc_cpu_ms": dict(zip(("prefill", "decode"), g_cpus, strict=True)),
             "by_thread": dict(zip(("prefill", "decode"), by_thread, strict=True)),
             "switches": dict(zip(("prefill", "decode"), switched, strict=True))}, indent=1))

@@ -1,7 +1,8 @@
 """One engine process of the engine-channel benchmark (tests/bench/bench_engine_channel.py).
 
-``python -m tests.bench.bench_engine_worker --socket S --config C --role prefill|decode``:
-allocates memfd pools (EnginePools), attaches, prints ``attached``, then serves the
+``python -m tests.bench.bench_engine_worker --socket S --config C --role prefill|decode
+[--pushes final|all]``: allocates memfd pools (EnginePools), attaches (by default with
+``pushes="final"``, as the vLLM and sglang integrations do), prints ``attached``, then serves the
 router's commands on stdin, one answer line each (times are CLOCK_MONOTONIC seconds,
 comparable across processes):
 
@@ -27,6 +28,7 @@ from kvbeam.engine import EnginePools, KVPoll, Receiver, Sender, attach
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.spec import SideConfig
+from kvbeam.proto.attach_codec import PUSH_MODES
 from kvbeam.states import TransferState
 
 SEQ = 128
@@ -37,12 +39,14 @@ def main() -> int:
     ap.add_argument("--socket", required=True)
     ap.add_argument("--config", required=True)
     ap.add_argument("--role", choices=("prefill", "decode"), required=True)
+    ap.add_argument("--pushes", choices=PUSH_MODES, default="final",
+                    help="which state changes the daemon pushes (kvbeam.engine.attach)")
     args = ap.parse_args()
     with open(args.config) as f:
         config = SideConfig.from_mapping(yaml.safe_load(f), args.config)
     pools = EnginePools(config)
     pools.fill_pattern(1 if args.role == "prefill" else 2)
-    att = attach(args.socket, pools)
+    att = attach(args.socket, pools, pushes=args.pushes)
     channel = att.channel
     assert channel is not None
     slots = list(range(config.target.num_req_slots))

@@ -34,10 +34,11 @@ ROOT = str(Path(__file__).resolve().parents[2])
 class ChannelEngine:
     """A tests/channel_engine.py process attached to one daemon."""
 
-    def __init__(self, socket_path: str, config: str, seed: int) -> None:
+    def __init__(self, socket_path: str, config: str, seed: int, pushes: str = "all") -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.channel_engine", "--socket", socket_path,
-             "--config", config, "--seed", str(seed)], stdin=subprocess.PIPE,
+             "--config", config, "--seed", str(seed), "--pushes", pushes],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, cwd=ROOT)
         self.first = self._line(120)
         assert self.first.startswith("attached "), self.first
@@ -82,16 +83,17 @@ def engines(tmp_path: Path) -> Iterator[tuple[DaemonProcess, DaemonProcess, Chan
 
 
 @contextlib.contextmanager
-def attached_pair(tmp: Path, cfg: str, deadlines: list[str]) -> Iterator[tuple[
-        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]]:
+def attached_pair(tmp: Path, cfg: str, deadlines: list[str], pushes: str = "all"
+                  ) -> Iterator[tuple[DaemonProcess, DaemonProcess, ChannelEngine,
+                                      ChannelEngine]]:
     """Two ``--pools engine`` daemons and a ChannelEngine attached to each (prefill's
-    pools filled with seed 1, decode's with 2); all stopped on exit."""
+    pools filled with seed 1, decode's with 2; both with ``pushes``); all stopped on exit."""
     psock, dsock = str(tmp / "p.sock"), str(tmp / "d.sock")
     p, d = start_engine_pair(psock, dsock, deadlines=deadlines)
     pe = de = None
     try:
-        pe = ChannelEngine(psock, cfg, 1)
-        de = ChannelEngine(dsock, cfg, 2)
+        pe = ChannelEngine(psock, cfg, 1, pushes)
+        de = ChannelEngine(dsock, cfg, 2, pushes)
         yield p, d, pe, de
     finally:
         for e in (pe, de):
@@ -125,6 +127,33 @@ def test_reserve_first_moves_the_bytes_and_pushes_every_state(engines: tuple[
     with KvbeamClient(decode.address) as d:  # released: nothing held
         assert d.status("r2").state is TransferState.SUCCESS
         assert d.capacity().slots_held == 0
+
+
+def test_engines_attached_for_final_pushes_hear_only_of_the_ends(tmp_path: Path) -> None:
+    """``attach(pushes="final")`` (what the vLLM and sglang integrations ask): the bytes
+    move as before, and each engine is pushed Success or Failed only, not the states
+    between; decode's Failed still comes once its pages are free."""
+    tmp_path.chmod(0o700)
+    cfg = write_config(tmp_path / "side.yaml", side())
+    with attached_pair(tmp_path, cfg, [*FAST, "--send-wait-s", "3"], pushes="final") as (
+            prefill, decode, pe, de):
+        for i in range(2):
+            rid = f"f{i}"
+            assert de.cmd(f"reserve {rid} {SEQ} {prefill.address} {30 + i}") == f"reserve {rid}"
+            assert de.cmd(f"poll {rid}") == "Bootstrapping"  # nothing pushed before the end
+            assert pe.cmd(f"send {rid} {SEQ} {decode.address} {40 + i}") == f"send {rid}"
+            assert de.cmd(f"wait {rid} 60") == "Success"
+            assert pe.cmd(f"wait {rid} 60") == "Success"
+            assert de.cmd(f"digests {rid}") == pe.cmd(f"digests {rid}"), rid
+            assert de.cmd(f"release {rid}") == "released"
+        assert de.cmd("events") == "events f0:Success,f1:Success"
+        assert pe.cmd("events") == "events f0:Success,f1:Success"
+        assert de.cmd(f"reserve gone {SEQ} {prefill.address} 50") == "reserve gone"
+        assert de.cmd("abort gone") == "aborted"
+        assert de.cmd("wait gone 30").startswith("Failed aborted"), de.cmd("poll gone")
+        assert de.cmd("events") == "events gone:Failed"
+        with KvbeamClient(decode.address) as d:  # the daemon's own record has every state
+            assert d.status("f1").state is TransferState.SUCCESS
 
 
 def test_a_refused_frame_fails_the_request_with_the_daemons_reason(engines: tuple[

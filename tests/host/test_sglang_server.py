@@ -186,6 +186,9 @@ def test_router_outputs_equal_one_plain_server(served: Served) -> None:
     early = sum(-(-n // CHUNK) - 1 for n in LENGTHS)
     assert _chunks_posted(served) - chunks_before >= early, served.procs[
         "prefill daemon"].text()[-4000:]
+    # The backend's managers asked to be pushed only each request's end.
+    for name in ("prefill daemon", "decode daemon"):
+        assert "(pushes: final)" in served.procs[name].text(), name
 
 
 def test_several_requests_in_flight_equal_the_plain_server(served: Served) -> None:

@@ -171,6 +171,9 @@ def test_router_output_equals_the_direct_server(served: Deployment) -> None:
     # the blocks after it).
     assert landed == len(prompts), landed
     assert nbytes >= sum(blocks_for(len(p), BLOCK) for p in prompts[:2]) * BLOCK_BYTES
+    # The connector's workers asked to be pushed only each request's end.
+    for role in ("prefill", "decode"):
+        assert any("(pushes: final)" in line for line in served.daemons[role].lines), role
 
 
 def test_router_streams_what_the_direct_server_streams(served: Deployment) -> None:

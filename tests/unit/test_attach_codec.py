@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvbeam.engine import EngineBuffers, EnginePools
+from kvbeam.engine import EngineBuffers, EnginePools, attach
 from kvbeam.errors import AttachError
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.shm import unmap
@@ -58,6 +58,8 @@ def test_request_round_trips_with_config_and_components() -> None:
     ({"memory_kind": "vram"}, "memory_kind", "unknown memory kind 'vram'"),
     ({"config": {"model": "m"}}, "config", "target: required field is missing"),
     ({"components": {}}, "components", "must be a list"),
+    ({"pushes": "some"}, "pushes", "unknown push mode 'some'"),
+    ({"pushes": None}, "pushes", "unknown push mode None"),
 ])
 def test_malformed_requests_are_refused_naming_the_field(change: dict[str, object], field: str,
                                                          text: str) -> None:
@@ -65,6 +67,24 @@ def test_malformed_requests_are_refused_naming_the_field(change: dict[str, objec
     with pytest.raises(AttachError, match=text) as info:
         request_from_json(data, 1)
     assert info.value.field == field
+
+
+def test_the_push_mode_round_trips_and_defaults_to_every_change() -> None:
+    """``pushes`` travels with the attach; an engine that does not say (an older one)
+    is pushed every change, as before the field."""
+    with EnginePools(side()) as pools:
+        assert _roundtrip(_request(pools, pushes="final"), len(pools.fds)).pushes == "final"
+        data = request_to_json(_request(pools))
+        assert data["pushes"] == "all"
+        del data["pushes"]
+        assert request_from_json(data, len(pools.fds)).pushes == "all"
+
+
+def test_an_unknown_push_mode_is_refused_before_connecting() -> None:
+    with EnginePools(side()) as pools, pytest.raises(AttachError,
+                                                     match="unknown push mode") as info:
+        attach("/nonexistent/kvbeam.sock", pools, pushes="changes")
+    assert info.value.field == "pushes"
 
 
 def test_buffer_fields_are_checked() -> None:

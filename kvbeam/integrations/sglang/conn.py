@@ -101,9 +101,10 @@ def credentials(server_args: Any) -> Security:
     return client_security(values, "kvbeam sglang backend")
 
 
-#: Seconds between decode's bootstrap-store reads while its reservation waits for
-#: prefill's first write (a prefill that gave the request up before sending tells decode
-#: only through the room).
+#: Seconds between decode's bootstrap-store reads while its reservation reads
+#: Bootstrapping (a prefill that gave the request up before sending tells decode only
+#: through the room). Attached with ``pushes="final"``, that lasts until the request ends:
+#: a transfer of milliseconds costs at most one read.
 ROOM_CHECK_S = 0.5
 
 
@@ -148,7 +149,10 @@ class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
         try:
             while True:
                 try:
-                    return attach(sock, buffers, self.config)
+                    # Only a request's end is pushed: sglang's queues read every
+                    # other daemon state as in progress (prefill_poll, decode_poll),
+                    # and each push would wake the reader thread in sglang's scheduler.
+                    return attach(sock, buffers, self.config, pushes="final")
                 except AttachError as exc:
                     # The daemon beside the server may still be starting (importing torch
                     # takes a minute under emulation): retry then only.
@@ -372,9 +376,10 @@ class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
         """Bootstrapping before init, WaitingForInput until prefill writes, then the state
         the daemon pushed (an attribute read: no RPC).
 
-        Until prefill's first write, at most one bootstrap-store read per
-        :data:`ROOM_CHECK_S` notices a prefill that gave the request up before sending
-        (its daemon never heard of it): the reservation is then aborted, its pages freed.
+        While the pushed state reads Bootstrapping (attached with ``pushes="final"``: until
+        the request ends), at most one bootstrap-store read per :data:`ROOM_CHECK_S`
+        notices a prefill that gave the request up before sending (its daemon never heard
+        of it): the reservation is then aborted, its pages freed.
         """
         if self.error is not None:
             return int(KVPoll.Failed)

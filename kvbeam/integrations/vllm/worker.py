@@ -113,8 +113,11 @@ class WorkerSide:
                                   item))
         self._views = views
         config = paged_side_config(self.settings.model, spec)
+        # Only a request's end is pushed: get_finished acts on nothing else, and each
+        # push would wake the channel's reader thread inside vLLM's worker.
         self.attachment = attach(self.attach_socket,
-                                 EngineBuffers(list(self._shared.fds), [refs]), config)
+                                 EngineBuffers(list(self._shared.fds), [refs]), config,
+                                 pushes="final")
         log.info("attached vLLM's KV cache (TP rank %d of %d, %d KV heads): %d layers x %d "
                  "blocks of %d bytes to %s", self.tp_rank, self.tp_size, self.num_kv_heads,
                  len(views), num_blocks, item, self.attach_socket)
