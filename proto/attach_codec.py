@@ -156,6 +156,15 @@ def _int(value: object, field: str, minimum: int = 0) -> int:
     return value
 
 
+def push_mode(value: object) -> str:
+    """``value`` when it is one of :data:`PUSH_MODES`; else AttachError naming ``pushes``
+    (the engine checks before it connects, the daemon what arrives)."""
+    if value not in PUSH_MODES:
+        raise AttachError(f"pushes: unknown push mode {repr(value)[:40]} (known: "
+                          f"{', '.join(PUSH_MODES)})", "pushes")
+    return str(value)
+
+
 def request_from_json(data: object, nfds: int) -> AttachRequest:
     """Decode and check a request's structure; ``nfds`` fds came with it.
 
@@ -178,10 +187,7 @@ def request_from_json(data: object, nfds: int) -> AttachRequest:
     if kind not in MEMORY_KINDS:
         raise AttachError(f"memory_kind: unknown memory kind {kind!r} (known: "
                           f"{', '.join(MEMORY_KINDS)})", "memory_kind")
-    pushes = data.get("pushes", "all")
-    if pushes not in PUSH_MODES:
-        raise AttachError(f"pushes: unknown push mode {repr(pushes)[:40]} (known: "
-                          f"{', '.join(PUSH_MODES)})", "pushes")
+    pushes = push_mode(data.get("pushes", "all"))
     raw = data.get("config")
     if not isinstance(raw, dict):
         raise AttachError(f"config: must be an object (the side YAML's mapping), got {raw!r}",

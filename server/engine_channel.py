@@ -204,7 +204,6 @@ class EngineChannel:
         """The engine detached: nothing more is pushed (its requests fail as before)."""
         with self._lock:
             self._conn = None
-            self._final_only = False
             self._out = bytearray()
             self._mine = set()
             self._parked, self._freed = {}, set()

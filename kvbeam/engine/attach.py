@@ -20,10 +20,10 @@ from kvbeam.engine.memory import EngineBuffers, EnginePools
 from kvbeam.errors import AttachError
 from kvbeam.pools.spec import SideConfig
 from kvbeam.proto.attach_codec import (
-    PUSH_MODES,
     AttachReply,
     AttachRequest,
     frame,
+    push_mode,
     read_message,
     reply_from_json,
     request_to_json,
@@ -36,13 +36,10 @@ log = logging.getLogger(__name__)
 class Attachment:
     """A live attachment; keep it (and the memory) while the daemon should serve it."""
 
-    def __init__(self, sock: socket.socket, reply: AttachReply, path: str,
-                 pushes: str = "all") -> None:
+    def __init__(self, sock: socket.socket, reply: AttachReply, path: str) -> None:
         self._sock: socket.socket | None = sock
         self.instance_id = reply.instance_id
         self.path = path
-        #: Which state changes the daemon pushes (:func:`attach`'s ``pushes``).
-        self.pushes = pushes
         #: The per-request channel over this socket (None: the daemon predates it).
         self.channel: EngineChannel | None = (
             EngineChannel(sock, path) if reply.channel == ENGINE_FRAMES_VERSION else None)
@@ -127,11 +124,9 @@ def attach(socket_path: str, pools: EnginePools | EngineBuffers,
         buffers = pools
     if config is None:
         raise AttachError("attach: the side config is required with EngineBuffers", "config")
-    if pushes not in PUSH_MODES:
-        raise AttachError(f"attach: unknown push mode {pushes!r} (known: "
-                          f"{', '.join(PUSH_MODES)})", "pushes")
     req = AttachRequest(op="attach", memory_kind=memory_kind, config=config,
-                        components=tuple(tuple(c) for c in buffers.components), pushes=pushes)
+                        components=tuple(tuple(c) for c in buffers.components),
+                        pushes=push_mode(pushes))
     message = frame(request_to_json(req))
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
@@ -157,4 +152,4 @@ def attach(socket_path: str, pools: EnginePools | EngineBuffers,
                           reply.field)
     sock.settimeout(None)
     log.info("attached to %s (daemon instance %s)", socket_path, reply.instance_id)
-    return Attachment(sock, reply, socket_path, pushes)
+    return Attachment(sock, reply, socket_path)
