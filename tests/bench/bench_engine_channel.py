@@ -154,6 +154,24 @@ def _spy(pid: int, out: str) -> subprocess.Popen[bytes] | None:
                              "-o", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def _sequential(pe: Worker, de: Worker, prefix: str, n: int, prefill_address: str,
+                decode_address: str, settle_s: float = 0.0) -> list[float]:
+    """``n`` requests one after another (ids ``prefix0``..): decode's engine reserves,
+    ``settle_s`` later prefill's sends, decode's waits for Success and releases; each
+    one's Send-to-Success ms (the engines' clocks)."""
+    out = []
+    for i in range(n):
+        rid = f"{prefix}{i}"
+        de.cmd(f"reserve {rid} {prefill_address}")
+        if settle_s:
+            time.sleep(settle_s)
+        t0 = float(pe.cmd(f"send {rid} {decode_address}").split()[1])
+        t1 = float(de.cmd(f"done {rid}").split()[1])
+        assert pe.cmd(f"wait {rid}") == "Success"
+        out.append((t1 - t0) * 1000)
+    return out
+
+
 def _all_pushes(pe: Worker, de: Worker, prefill_address: str, decode_address: str,
                 requests: int) -> tuple[list[float], float]:
     """``pe`` and ``de`` stopped (they detach) and a pair attached in their place with
@@ -161,23 +179,13 @@ def _all_pushes(pe: Worker, de: Worker, prefill_address: str, decode_address: st
     requests' median Send-to-Success ms. The new pair is stopped before returning."""
     pe.stop()
     de.stop()
-    workers = [Worker(pe.socket_path, pe.config, "prefill", pushes="all")]
+    workers = [Worker(pe.socket_path, pe.config, pe.role, pushes="all")]
     try:
-        workers.append(Worker(de.socket_path, de.config, "decode", pushes="all"))
+        workers.append(Worker(de.socket_path, de.config, de.role, pushes="all"))
         p, d = workers
-        for i in range(5):  # warm-up
-            d.cmd(f"reserve aw{i} {prefill_address}")
-            p.cmd(f"send aw{i} {decode_address}")
-            d.cmd(f"done aw{i}")
-            p.cmd(f"wait aw{i}")
+        _sequential(p, d, "aw", 5, prefill_address, decode_address)  # warm-up
         cpu0 = [cpu_s(w.proc.pid) for w in workers]
-        lat = []
-        for i in range(requests):
-            d.cmd(f"reserve a{i} {prefill_address}")
-            t0 = float(p.cmd(f"send a{i} {decode_address}").split()[1])
-            t1 = float(d.cmd(f"done a{i}").split()[1])
-            assert p.cmd(f"wait a{i}") == "Success"
-            lat.append((t1 - t0) * 1000)
+        lat = _sequential(p, d, "a", requests, prefill_address, decode_address)
         return ([(cpu_s(w.proc.pid) - was) * 1000 / requests
                  for w, was in zip(workers, cpu0, strict=True)], statistics.median(lat))
     finally:
@@ -207,22 +215,13 @@ def main() -> None:
             *args.daemon_flags.split()]) as (prefill, decode, pe, de):
         pids = (prefill.proc.pid, decode.proc.pid)
         # ---- the engine channel -----------------------------------------------------
-        for i in range(5):  # warm-up: the handshake, the first offers
-            de.cmd(f"reserve w{i} {prefill.address}")
-            pe.cmd(f"send w{i} {decode.address}")
-            de.cmd(f"done w{i}")
-            pe.cmd(f"wait w{i}")
-        lat = []
+        # Warm-up: the handshake, the first offers.
+        _sequential(pe, de, "w", 5, prefill.address, decode.address)
         cpu0 = [cpu_s(p) for p in pids]
         engine_cpu0 = [cpu_s(w.proc.pid) for w in (pe, de)]
         threads0 = [thread_cpu(p) for p in pids]
         switches0 = [_switches(p) for p in pids]
-        for i in range(args.requests):
-            de.cmd(f"reserve s{i} {prefill.address}")
-            t0 = float(pe.cmd(f"send s{i} {decode.address}").split()[1])
-            t1 = float(de.cmd(f"done s{i}").split()[1])
-            assert pe.cmd(f"wait s{i}") == "Success"
-            lat.append((t1 - t0) * 1000)
+        lat = _sequential(pe, de, "s", args.requests, prefill.address, decode.address)
         cpu1 = [cpu_s(p) for p in pids]
         engine_cpus = [(cpu_s(w.proc.pid) - was) * 1000 / args.requests
                        for w, was in zip((pe, de), engine_cpu0, strict=True)]
@@ -231,14 +230,8 @@ def main() -> None:
         switched = [(_switches(p) - was) / args.requests
                     for p, was in zip(pids, switches0, strict=True)]
         offers = _offer_counts(prefill.metrics, decode.metrics)
-        settled = []
-        for i in range(args.requests // 2 if args.settle_ms else 0):
-            de.cmd(f"reserve t{i} {prefill.address}")
-            time.sleep(args.settle_ms / 1000)
-            t0 = float(pe.cmd(f"send t{i} {decode.address}").split()[1])
-            t1 = float(de.cmd(f"done t{i}").split()[1])
-            assert pe.cmd(f"wait t{i}") == "Success"
-            settled.append((t1 - t0) * 1000)
+        settled = _sequential(pe, de, "t", args.requests // 2 if args.settle_ms else 0,
+                              prefill.address, decode.address, args.settle_ms / 1000)
         chan_cpus = [(b - a) * 1000 / args.requests for a, b in zip(cpu0, cpu1, strict=True)]
         chan_cpu = max(chan_cpus)
         chan_poll = float(pe.cmd("poll 20000").split()[1])
@@ -303,10 +296,10 @@ def main() -> None:
                     with lock:
                         free.append(slot)
 
-            t0 = time.monotonic()
+            began = time.monotonic()
             with ThreadPoolExecutor(args.inflight) as pool:
                 oks = list(pool.map(one, range(args.flow // 2)))
-            g_rate = len(oks) / (time.monotonic() - t0)
+            g_rate = len(oks) / (time.monotonic() - began)
             failed += oks.count(False)
         for k, v in (("engine_poll_us", g_poll), ("engine_small_request_ms",
                      statistics.median(glat)), ("daemon_cpu_ms_per_small_request", g_cpu),
