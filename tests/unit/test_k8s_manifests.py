@@ -239,37 +239,40 @@ def test_transport_per_overlay(name: str) -> None:
             assert "KVBEAM_SOFTROCE" not in env(c)
 
 
-def test_rdma_resource_name_is_configurable(tmp_path: Path) -> None:
-    """docs/kubernetes.md's override: another device plugin's resource instead of the default."""
-    path = "/spec/template/spec/containers/0/resources/limits/"
+#: Where a daemon container's resources are, as a JSON pointer from its Deployment.
+RESOURCES = "/spec/template/spec/containers/0/resources/"
+
+
+def daemon_resources(tmp_path: Path, operations: list[dict[str, Any]]) -> dict[str, Obj]:
+    """The rdma overlay with ``operations`` (a JSON patch) on every kvbeam Deployment, as
+    docs/kubernetes.md's overlays write them: each daemon container's resources by role
+    (the render validated)."""
     objs = overlay_on(tmp_path, {
         "resources": ["@/overlays/rdma"],
         "patches": [{"target": {"kind": "Deployment",
                                 "labelSelector": "app.kubernetes.io/part-of=kvbeam"},
-                     "patch": yaml.safe_dump([
-                         {"op": "remove", "path": path + "rdma~1hca_shared_devices_a"},
-                         {"op": "add", "path": path + "nvidia.com~1hostdev", "value": 1}])}]})
+                     "patch": yaml.safe_dump(operations)}]})
     assert validation_errors(objs) == []
-    for role in PORTS:
-        limits = container(find(objs, "Deployment", f"kvbeam-{role}"))["resources"]["limits"]
-        assert "nvidia.com/hostdev" in limits and RDMA_RESOURCE not in limits
+    return {role: container(find(objs, "Deployment", f"kvbeam-{role}"))["resources"]
+            for role in PORTS}
+
+
+def test_rdma_resource_name_is_configurable(tmp_path: Path) -> None:
+    """docs/kubernetes.md's override: another device plugin's resource instead of the default."""
+    limits = RESOURCES + "limits/"
+    for resources in daemon_resources(tmp_path, [
+            {"op": "remove", "path": limits + "rdma~1hca_shared_devices_a"},
+            {"op": "add", "path": limits + "nvidia.com~1hostdev", "value": 1}]).values():
+        assert "nvidia.com/hostdev" in resources["limits"]
+        assert RDMA_RESOURCE not in resources["limits"]
 
 
 def test_cpu_placement_patch_gives_guaranteed_qos(tmp_path: Path) -> None:
     """docs/kubernetes.md's CPU placement patch: every daemon's container asks what it is
     limited to, an integer CPU (what the static CPU manager gives exclusive cores)."""
-    path = "/spec/template/spec/containers/0/resources/"
-    objs = overlay_on(tmp_path, {
-        "resources": ["@/overlays/rdma"],
-        "patches": [{"target": {"kind": "Deployment",
-                                "labelSelector": "app.kubernetes.io/part-of=kvbeam"},
-                     "patch": yaml.safe_dump([
-                         {"op": "add", "path": path + "limits/cpu", "value": "1"},
-                         {"op": "replace", "path": path + "requests/memory",
-                          "value": "2Gi"}])}]})
-    assert validation_errors(objs) == []
-    for role in PORTS:
-        resources = container(find(objs, "Deployment", f"kvbeam-{role}"))["resources"]
+    for role, resources in daemon_resources(tmp_path, [
+            {"op": "add", "path": RESOURCES + "limits/cpu", "value": "1"},
+            {"op": "replace", "path": RESOURCES + "requests/memory", "value": "2Gi"}]).items():
         for name in ("cpu", "memory"):
             assert resources["requests"][name] == resources["limits"][name], (role, name)
         assert str(resources["limits"]["cpu"]).isdigit(), role
