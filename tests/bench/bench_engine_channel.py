@@ -21,6 +21,7 @@ daemons, after the gRPC phase::
 
     engine_cpu_ms_per_small_request=  the larger engine process's CPU, pushes final
     engine_cpu_ms_per_small_request_all_pushes=  the same, every state change pushed
+    small_requests_per_s_all_pushes=  small_requests_per_s with every change pushed
 
 Over TCP, last, the floor under the first two in the same run
 (:mod:`tests.bench.bench_floor`: the same four processes, sockets and bytes with none
@@ -172,11 +173,25 @@ def _sequential(pe: Worker, de: Worker, prefix: str, n: int, prefill_address: st
     return out
 
 
+def _flow(pe: Worker, de: Worker, prefix: str, n: int, inflight: int, prefill_address: str,
+          decode_address: str) -> tuple[float, int]:
+    """``n`` requests, ``inflight`` at once, each engine starting its side as it frees a
+    place: (requests per second from the first start to the last end, how many failed)."""
+    de.write(f"flow {prefix} {n} {inflight} {prefill_address}")
+    pe.write(f"flow {prefix} {n} {inflight} {decode_address}")
+    d_flow, p_flow = de.read().split(), pe.read().split()
+    start = min(float(d_flow[1]), float(p_flow[1]))
+    end = max(float(d_flow[2]), float(p_flow[2]))
+    return n / (end - start), int(d_flow[3]) + int(p_flow[3])
+
+
 def _all_pushes(pe: Worker, de: Worker, prefill_address: str, decode_address: str,
-                requests: int) -> tuple[list[float], float]:
+                requests: int, flow: int, inflight: int
+                ) -> tuple[list[float], float, float, int]:
     """``pe`` and ``de`` stopped (they detach) and a pair attached in their place with
-    ``pushes="all"``: each engine process's CPU ms per sequential request, and the
-    requests' median Send-to-Success ms. The new pair is stopped before returning."""
+    ``pushes="all"``: each engine process's CPU ms per sequential request, the requests'
+    median Send-to-Success ms, then ``flow`` requests at ``inflight`` at once: requests
+    per second and how many failed. The new pair is stopped before returning."""
     pe.stop()
     de.stop()
     workers = [Worker(pe.socket_path, pe.config, pe.role, pushes="all")]
@@ -186,8 +201,10 @@ def _all_pushes(pe: Worker, de: Worker, prefill_address: str, decode_address: st
         _sequential(p, d, "aw", 5, prefill_address, decode_address)  # warm-up
         cpu0 = [cpu_s(w.proc.pid) for w in workers]
         lat = _sequential(p, d, "a", requests, prefill_address, decode_address)
-        return ([(cpu_s(w.proc.pid) - was) * 1000 / requests
-                 for w, was in zip(workers, cpu0, strict=True)], statistics.median(lat))
+        cpus = [(cpu_s(w.proc.pid) - was) * 1000 / requests
+                for w, was in zip(workers, cpu0, strict=True)]
+        rate, failed = _flow(p, d, "af", flow, inflight, prefill_address, decode_address)
+        return cpus, statistics.median(lat), rate, failed
     finally:
         for w in workers:
             w.stop()
@@ -244,13 +261,8 @@ def main() -> None:
                 if spy is not None:
                     spies.append(spy)
             time.sleep(1.0)  # py-spy attaches
-        de.write(f"flow f {args.flow} {args.inflight} {prefill.address}")
-        pe.write(f"flow f {args.flow} {args.inflight} {decode.address}")
-        d_flow, p_flow = de.read().split(), pe.read().split()
-        start = min(float(d_flow[1]), float(p_flow[1]))
-        end = max(float(d_flow[2]), float(p_flow[2]))
-        failed = int(d_flow[3]) + int(p_flow[3])
-        chan_rate = args.flow / (end - start)
+        chan_rate, failed = _flow(pe, de, "f", args.flow, args.inflight, prefill.address,
+                                  decode.address)
         for spy in spies:
             spy.send_signal(signal.SIGINT)  # py-spy writes its samples and exits
             spy.wait(60)
@@ -306,8 +318,9 @@ def main() -> None:
                      ("small_requests_per_s", g_rate)):
             out[k] = (out[k][0], v)
         # ---- the reference: engines pushed every state change, same daemons -----------
-        all_cpus, all_lat = _all_pushes(pe, de, prefill.address, decode.address,
-                                        args.requests)
+        all_cpus, all_lat, all_rate, all_failed = _all_pushes(
+            pe, de, prefill.address, decode.address, args.requests, args.flow, args.inflight)
+        failed += all_failed
     where = "TCP loopback" if args.transport == "tcp" else "RDMA"
     print(f"# engine channel vs gRPC scheduler API, {SEQ}-token requests, {where}, "
           f"{args.requests} sequential, {args.flow} at {args.inflight} in flight "
@@ -324,9 +337,13 @@ def main() -> None:
     print(f"# each engine process's CPU ms per sequential request (kvbeam.engine and the "
           f"worker's command loop): pushes final prefill {engine_cpus[0]:.3f}, decode "
           f"{engine_cpus[1]:.3f}; pushes all prefill {all_cpus[0]:.3f}, decode "
-          f"{all_cpus[1]:.3f} (its engine_small_request_ms {all_lat:.3f})")
+          f"{all_cpus[1]:.3f} (its engine_small_request_ms {all_lat:.3f}; "
+          f"{args.flow} at {args.inflight} in flight: {all_rate:.0f} requests/s, against "
+          f"{out['small_requests_per_s'][0]:.0f} with pushes final)")
     print(f"engine_cpu_ms_per_small_request={max(engine_cpus):.3f} "
           f"engine_cpu_ms_per_small_request_all_pushes={max(all_cpus):.3f}")
+    print(f"small_requests_per_s_final_pushes={out['small_requests_per_s'][0]:.3f} "
+          f"small_requests_per_s_all_pushes={all_rate:.3f}")
     print(f"# each daemon's CPU ms per sequential request: engine channel prefill "
           f"{chan_cpus[0]:.3f}, decode {chan_cpus[1]:.3f}; gRPC API prefill {g_cpus[0]:.3f}, "
           f"decode {g_cpus[1]:.3f}")
@@ -362,6 +379,7 @@ def main() -> None:
             "engine_cpu_ms": dict(zip(("prefill", "decode"), engine_cpus, strict=True)),
             "engine_cpu_ms_all_pushes": dict(zip(("prefill", "decode"), all_cpus,
                                                  strict=True)),
+            "small_requests_per_s_all_pushes": all_rate,
             "grpc_cpu_ms": dict(zip(("prefill", "decode"), g_cpus, strict=True)),
             "by_thread": dict(zip(("prefill", "decode"), by_thread, strict=True)),
             "switches": dict(zip(("prefill", "decode"), switched, strict=True))}, indent=1))
