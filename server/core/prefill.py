@@ -66,6 +66,7 @@ from kvbeam.server.core.prefill_actions import (
     Connect,
     PostWrites,
     RunStep,
+    TellDecode,
 )
 from kvbeam.server.core.prefill_events import PrefillEvents, after_resends
 from kvbeam.server.core.prefill_pieces import Pieces
@@ -77,6 +78,8 @@ from kvbeam.states import FailureReason, TransferState, TransferStatus
 from kvbeam.transport.blocks import Blocks
 
 log = logging.getLogger(__name__)
+#: A request in one of these states takes no Offer (:meth:`PrefillCore.offer`).
+_ENDED = frozenset({TransferState.SUCCESS, TransferState.FAILED})
 #: Seconds a Send that found no offer waits for decode's Offer before it asks with
 #: BeginWrite (decode may have reserved before the two daemons were connected, and then
 #: made no offer). Checked by the sweep (SWEEP_S, 0.2 s), so it is at least that.
@@ -255,12 +258,18 @@ class PrefillCore(PrefillEvents, CoreBase):
         (its count; the step of a Send that came first and waits for it).
 
         Not kept when the book is full or the request already writes (its Send came
-        first and asked with BeginWrite). Raises NotHandshakenError when
-        ``instance_id`` is not a connected decode peer.
+        first and asked with BeginWrite), nor for a request that already ended here:
+        one that failed (its Send's wait for decode ran out before decode reserved,
+        say) is told to decode at once with an Abort, so decode's reservation fails now
+        instead of at its deadline; its writes, if any, have drained (else the drain
+        tells decode). Raises NotHandshakenError when ``instance_id`` is not a
+        connected decode peer.
         """
         conn = self.peers.get(instance_id)
         if conn is None or conn.closed:
             raise NotHandshakenError(f"no connection to decode instance {instance_id!r}")
+        if self.table.state_of(request_id) in _ENDED:
+            return False, self._offer_after_end(request_id, conn)
         with self._lock:
             rec = self._out.get(request_id)
             # Late: the request already writes under a grant (BeginWrite's), or posted a
@@ -274,6 +283,31 @@ class PrefillCore(PrefillEvents, CoreBase):
         if kept:
             actions += self._unpark(request_id)  # a Send that came first waits for this
         return kept, actions
+
+    def _offer_after_end(self, request_id: str, conn: PeerConn) -> Actions:
+        """Decode offered a reservation for a request that ended here: refused (counted),
+        and, when it failed and none of its writes is in flight, decode is told (an
+        Abort, best effort) so its reservation does not wait for its deadline. A
+        Success is only refused: its bytes went, under an earlier grant."""
+        snap = self.table.get(request_id)
+        # A parked Send that ended goes idle (as any Offer finds it): nothing starts.
+        actions: Actions = [*self._unpark(request_id), Count("offers", "refused")]
+        with self._lock:
+            rec = self._out.get(request_id)
+            drained = rec is None or rec.drained
+        if snap is None or snap.state is not TransferState.FAILED or not drained:
+            log.info("request %s: decode %s offered a reservation after the request "
+                     "ended here (%s): refused", request_id, conn.control_address,
+                     snap.state.value if snap else "forgotten",
+                     extra=fields(request_id, conn.control_address))
+            return actions
+        reason = snap.reason.value if snap.reason is not None else "failed"
+        log.info("request %s: decode %s offered a reservation after the request failed "
+                 "here: refused, and decode told", request_id, conn.control_address,
+                 extra=fields(request_id, conn.control_address))
+        return [*actions, TellDecode(conn, conn.control_address, request_id,
+                                     f"prefill failed before decode reserved: {reason}: "
+                                     f"{snap.detail}")]
 
     def _offered_grant(self, rec: Outgoing, conn: PeerConn, final: bool,
                        now: float) -> tuple[WriteGrant | None, Actions]:

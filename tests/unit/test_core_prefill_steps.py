@@ -130,10 +130,12 @@ def test_an_abort_of_a_parked_send_leaves_no_step_for_a_late_offer() -> None:
     assert _step(core) is Step.PARKED
     core.abort("r", from_peer=False, detail="client went away")
     assert core.status("r").state is TransferState.FAILED
-    _offer(core, fake, 80)  # decode's reservation, too late
-    assert _step(core) is Step.IDLE and len(_link(core).writes) == writes
     io.run_all()  # the Abort to decode (nothing of it was in flight)
     assert fake.aborts == ["r"]
+    _offer(core, fake, 80)  # decode's reservation, too late: refused
+    assert _step(core) is Step.IDLE and len(_link(core).writes) == writes
+    io.run_all()  # and aborted again: decode holds a reservation now
+    assert fake.aborts == ["r", "r"]
 
 
 def test_a_link_failure_during_a_queued_step_resends_every_chunk_in_order_after_it() -> None:

@@ -221,3 +221,44 @@ def test_the_core_module_imports_nothing_that_does_io() -> None:
     assert names & {"time", "socket", "grpc", "concurrent.futures", "kvbeam.server.peer_rpc",
                     "kvbeam.server.faults", "kvbeam.pools.digest_pool",
                     "kvbeam.server.core.prefill_driver"} == set()
+
+
+def test_an_offer_for_a_request_that_failed_here_is_refused_and_decode_told_at_once() -> None:
+    # The Send's wait for decode ran out before decode reserved (a loaded decode): the
+    # Offer that follows must not be kept, or decode's reservation would sit in
+    # Bootstrapping until its own deadline for a request prefill will never send.
+    core, conn = _core(send_wait_s=5.0), _conn()
+    core.peers.add(conn)
+    assert core.send("r", 1, SEQ, DECODE, [], True, now=1.0) == []  # parked: no offer yet
+    assert core.table.fail("r", FailureReason.TIMEOUT, "no reservation within 5.0 s")
+    kept, actions = core.offer("r", conn.instance_id, SEQ, _grant(), 10.0, now=7.0)
+    assert not kept and not core.offers.has("r")
+    assert actions == [Count("offers", "refused"), TellDecode(
+        conn, DECODE, "r",
+        "prefill failed before decode reserved: timeout: no reservation within 5.0 s")]
+
+
+def test_an_offer_for_a_request_that_succeeded_here_is_refused_without_an_abort() -> None:
+    # Its bytes went under an earlier grant: a second reservation of the id is refused,
+    # and nothing here fails decode's requests.
+    core, conn = _core(), _conn()
+    rec = _asking(core, conn)
+    [post] = core.granted(rec, conn, [], True, _grant(7), None, elapsed=0.01, now=1.1)
+    assert isinstance(post, PostWrites) and core.book(post, separate=False)
+    core.table.advance("r", TransferState.SUCCESS)
+    kept, actions = core.offer("r", conn.instance_id, SEQ, _grant(8), 10.0, now=2.0)
+    assert (kept, actions) == (False, [Count("offers", "refused")])
+
+
+def test_an_offer_for_a_failed_request_whose_writes_are_in_flight_waits_for_the_drain(
+        ) -> None:
+    # Decode is told only once none of the request's writes can still land: the drain
+    # tells it (as for any failure), not the Offer.
+    core, conn = _core(), _conn()
+    rec = _asking(core, conn)
+    [post] = core.granted(rec, conn, [], True, _grant(7), None, elapsed=0.01, now=1.1)
+    assert isinstance(post, PostWrites) and core.book(post, separate=False)
+    core.table.fail("r", FailureReason.ABORTED, "aborted by the scheduler")
+    assert not rec.drained
+    kept, actions = core.offer("r", conn.instance_id, SEQ, _grant(8), 10.0, now=2.0)
+    assert (kept, actions) == (False, [Count("offers", "refused")])
