@@ -72,7 +72,7 @@ def test_duplicate_and_bad_requests_are_refused_and_daemons_stay_up() -> None:
 def test_send_without_reservation_waits_for_one_then_fails_naming_it() -> None:
     # A Send may come before decode's reservation (docs/protocol.md, "Either order"):
     # it waits --send-wait-s for it, then fails with a timeout that says so.
-    with pair(prefill_extra=["--send-wait-s", "1"]) as (_prefill, decode, p, d):
+    with pair(prefill_extra=["--send-wait-s", "1"]) as (prefill, decode, p, d):
         p.send("orphan", 0, 100, decode.address)
         st = p.wait("orphan", 10)
         assert st.state is F and st.reason is FailureReason.TIMEOUT, str(st)
@@ -80,7 +80,7 @@ def test_send_without_reservation_waits_for_one_then_fails_naming_it() -> None:
         # Decode reserves it after all (a loaded decode): prefill refuses the Offer and
         # aborts the reservation at once, not at decode's Bootstrapping deadline.
         began = time.monotonic()
-        d.reserve("orphan", 100, _prefill.address)
+        d.reserve("orphan", 100, prefill.address)
         st = d.wait("orphan", 20)
         assert st.state is F and st.reason is FailureReason.PEER_FAILED, str(st)
         assert "prefill failed before decode reserved: timeout" in st.detail, st.detail
