@@ -196,6 +196,20 @@ class NotReserved(SendFailed):
     UnknownRequest. Prefill then waits for decode's reservation (``--send-wait-s``)."""
 
 
+class DialRefused(KvbeamError):
+    """Decode asked a prefill daemon to handshake with it (decode-initiated pairing) and
+    it could not: ``reason`` is the failure reason decode's reservations naming that
+    prefill end with (incompatible: prefill's handshake was refused; peer_unreachable:
+    prefill, or decode from prefill, could not be reached). ``retry``: nothing is known
+    to be wrong with the pair (an older prefill without Connect, prefill busy): the
+    reservations wait for their deadline as before instead of failing."""
+
+    def __init__(self, reason: FailureReason, message: str, *, retry: bool = False) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry = retry
+
+
 class NotPosted(KvbeamError):
     """A write of a request could not be posted on its link (``cause``, the transport's
     error). Internal to prefill's core: the step that meets it resends the request on a

@@ -31,6 +31,7 @@ class ControlStub(Protocol):
     Abort: grpc.UnaryUnaryMultiCallable[pb.AbortRequest, pb.TransferStatus]
     Heartbeat: grpc.UnaryUnaryMultiCallable[pb.HeartbeatRequest, pb.HeartbeatResponse]
     Release: grpc.UnaryUnaryMultiCallable[pb.ReleaseRequest, pb.TransferStatus]
+    Connect: grpc.UnaryUnaryMultiCallable[pb.ConnectRequest, pb.ConnectResponse]
 
 
 def control_stub(channel: grpc.Channel) -> ControlStub:

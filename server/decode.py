@@ -70,6 +70,7 @@ class DecodeServicer(DaemonServicer):
             digest_pool=self.digest_pool, mailbox=runtime.records,
             sub_batch_bytes=int(runtime.settings.verify_sub_batch_mib * (1 << 20)))
         self.decode.on_decline = runtime.metrics.declines.inc
+        self.decode.on_connect = runtime.metrics.count_connect
         self.slots = self.decode.slots
         self._links_lock = threading.Lock()  # leaf: guards _pending_links only
         self._pending_links: dict[str, tuple[Link, str]] = {}  # link, channel token

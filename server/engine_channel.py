@@ -102,7 +102,8 @@ class CoreOps:
             raise ef.FrameError("kind", "SEND is prefill's; this is a decode daemon",
                                 frame.request_id)
         seq_len = self._seq_len(frame.seq_len)
-        host_port(frame.decode_address, "decode_address")
+        if frame.decode_address:  # empty: the decode whose reservation names it
+            host_port(frame.decode_address, "decode_address")
         core.send(frame.request_id, -1, seq_len, frame.decode_address, list(frame.chunks),
                   frame.final, indices=frame.indices, draft=frame.draft,
                   kv_offset=frame.kv_offset)

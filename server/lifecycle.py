@@ -200,6 +200,15 @@ class TransferTable:
         newer version)."""
         self._changed(snap)
 
+    def set_peer(self, request_id: str, peer: str) -> None:
+        """Name a live transfer's peer once it is known: prefill's Send with no decode
+        address learns its decode from the decode's Offer (docs/protocol.md,
+        "Decode-initiated pairing"). No state change, nobody notified."""
+        with self._lock:
+            t = self._live.get(request_id)
+            if t is not None:
+                t.peer = peer
+
     def touch(self, request_id: str) -> None:
         """Record progress: restart the current state's deadline (e.g. a chunk arrived)."""
         with self._lock:

@@ -86,6 +86,11 @@ class DaemonMetrics:
         self.declines = Counter(
             "kvbeam_declines", "Requests decode's engine declined (DECLINE: it will not load "
             "them) that decode's daemon told their prefill of, by Abort", registry=r)
+        self.connects = Counter(
+            "kvbeam_connects", "Decode-initiated pairings: decode asked a prefill daemon to "
+            "handshake with it (Connect), by result (decode: ok, refused: prefill's "
+            "handshake was refused and the reservations failed at once, unreachable, "
+            "retry: an older or busy prefill; prefill: ok, failed)", ["result"], registry=r)
         self.handshake_seconds = Histogram(
             "kvbeam_handshake_seconds", "Handshake latency (client: the whole round trip; "
             "server: decoding, verification and link set-up)", ["side"],
@@ -107,6 +112,10 @@ class DaemonMetrics:
         offer_events = (("received", "refused", "used", "missed") if role == "prefill"
                         else ("made", "refused", "failed"))
         self._offers = {event: self.offers.labels(event) for event in offer_events}
+        connect_results = (("ok", "failed") if role == "prefill"
+                           else ("ok", "refused", "unreachable", "retry"))
+        for result in connect_results:
+            self.connects.labels(result)
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
     # ---- sources -------------------------------------------------------------
@@ -133,6 +142,10 @@ class DaemonMetrics:
         """Count an offer event (``kvbeam_offers_total{event}``)."""
         counter = self._offers.get(event)
         (counter if counter is not None else self.offers.labels(event)).inc()
+
+    def count_connect(self, result: str) -> None:
+        """Count a decode-initiated pairing's outcome (``kvbeam_connects_total{result}``)."""
+        self.connects.labels(result).inc()
 
     @contextmanager
     def handshake(self, side: str) -> Iterator[None]:

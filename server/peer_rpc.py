@@ -25,6 +25,8 @@ import grpc
 
 from kvbeam.errors import (
     AlreadyLanded,
+    DialRefused,
+    NoEngineAttached,
     NotReserved,
     PeerChannelError,
     PeerUnavailableError,
@@ -77,6 +79,38 @@ def writes_in_flight(metadata: Iterable[tuple[str, str | bytes]] | None) -> int:
             except (TypeError, ValueError):
                 return 1  # unreadable: not a confirmation
     return 0
+
+
+#: A Connect's deadline in RPC deadlines: prefill's handshake with us and the opening of
+#: its peer channel (each bounded by one), and the answer.
+CONNECT_DEADLINE_RPCS = 3
+#: The most of a refusal's text a Connect's answer carries (a status's details).
+MAX_CONNECT_DETAIL = 4000
+
+
+def connect_refusal(exc: grpc.RpcError, address: str, timeout: float) -> DialRefused:
+    """The :class:`DialRefused` for prefill's failed answer to Connect."""
+    code = exc.code()
+    details = exc.details() or ""
+    where = f"prefill daemon at {address}"
+    if code is grpc.StatusCode.FAILED_PRECONDITION:
+        if details.startswith(NoEngineAttached.__name__):
+            return DialRefused(FailureReason.PEER_FAILED, f"{where}: {details}")
+        # Its handshake with us was refused: the text names every difference.
+        return DialRefused(FailureReason.INCOMPATIBLE, f"{where} could not pair with this "
+                                                       f"decode: {details}")
+    if code is grpc.StatusCode.UNAVAILABLE and details.startswith("Peer"):
+        # Prefill answered, but could not reach us (its handshake's error).
+        return DialRefused(FailureReason.PEER_UNREACHABLE,
+                           f"{where} could not reach this decode: {details}")
+    if code is grpc.StatusCode.PERMISSION_DENIED:
+        return DialRefused(FailureReason.PEER_UNREACHABLE, f"{where} refused to dial this "
+                                                           f"decode: {details}")
+    if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        return DialRefused(FailureReason.PEER_UNREACHABLE, f"{where} cannot connect now "
+                           f"({code.name}: {details})", retry=True)
+    err = peer_error(exc, address=address, method="Connect", timeout=timeout)
+    return DialRefused(FailureReason.PEER_UNREACHABLE, str(err))
 
 
 class Dialer:
@@ -420,6 +454,39 @@ class GrpcPrefillPeers:
             mailbox_slot=grant.mailbox_slot)
         channel.send(notice(OFFER, request.SerializeToString()))
         return not channel.closed
+
+    def connect_back(self, address: str) -> str:
+        """Ask the prefill daemon at ``address`` to handshake with us (Connect); its
+        instance id once it did. Its deadline covers prefill's handshake and the opening
+        of its peer channel, each bounded by the RPC deadline.
+
+        Raises:
+            DialRefused: prefill's answer, or why it could not be asked; ``retry`` when
+                it says nothing about the pair (no Connect there: an older kvbeam;
+                busy; we advertise no control address).
+        """
+        local = self.local
+        if not local.control_address:
+            raise DialRefused(FailureReason.PEER_UNREACHABLE, "this decode daemon advertises "
+                              "no control address, so prefill cannot dial it", retry=True)
+        request = pb.ConnectRequest(control_address=local.control_address,
+                                    instance_id=local.instance_id)
+        timeout = CONNECT_DEADLINE_RPCS * self.options.rpc_timeout_s
+        with ControlClient(address, options=self.options) as client:
+            try:
+                reply = client.stub.Connect(request, timeout=timeout)
+            except grpc.RpcError as exc:
+                raise connect_refusal(exc, address, timeout) from None
+        return str(reply.instance_id)
+
+    def abort_at(self, address: str, request_ids: Sequence[str], detail: str) -> None:
+        """Abort requests on the prefill daemon at ``address`` on a one-off channel
+        (no connection to it), best effort: prefill's Send of each ends now."""
+        with ControlClient(address, options=self.options) as client:
+            for request_id in request_ids:
+                request = pb.AbortRequest(request_id=request_id, detail=detail,
+                                          from_peer=True, instance_id=self.local.instance_id)
+                _abort(request, self.options.rpc_timeout_s, address, client=client)
 
     def abort(self, conn: PeerConn, request_id: str, detail: str,
               timeout: float | None = None) -> bool:

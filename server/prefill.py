@@ -11,12 +11,24 @@ is served: ``channel_notices``, one-way since protocol 8). Peer calls go over th
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 
-from kvbeam.errors import PeerChannelError
+from kvbeam.errors import (
+    Busy,
+    HandshakeRejectedError,
+    NoEngineAttached,
+    PeerChannelError,
+    PeerError,
+    PoolCompatibilityError,
+    ProtocolError,
+    ProtocolVersionError,
+    RoleConflictError,
+)
+from kvbeam.logs import fields
 from kvbeam.proto.fields import host_port
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.transfer_codec import (
@@ -29,9 +41,16 @@ from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.daemon_servicer import IO_WORKERS, ChannelContext, DaemonServicer
 from kvbeam.server.identity import claim_refusal
 from kvbeam.server.peer_channel import ABORT, OFFER, OFFER_ANSWER, PeerChannel, notice
-from kvbeam.server.peer_rpc import WRITES_IN_FLIGHT_KEY, Dialer, GrpcDecodePeers
+from kvbeam.server.peer_rpc import (
+    MAX_CONNECT_DETAIL,
+    WRITES_IN_FLIGHT_KEY,
+    Dialer,
+    GrpcDecodePeers,
+)
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.validation import request_id_of, seq_len_of
+
+log = logging.getLogger(__name__)
 
 #: What an Abort keeps of its caller's deadline for the answer's way back, s.
 ABORT_ANSWER_S = 0.25
@@ -40,6 +59,20 @@ OFFER_HANDLING_S = 1.0
 #: What an OFFER_ANSWER carries back at most of a request id and of a refusal's details.
 MAX_ANSWER_ID = 1024
 MAX_ANSWER_DETAIL = 4096
+
+
+def connect_code(exc: BaseException) -> grpc.StatusCode:
+    """The status of a Connect whose handshake (or admission) failed: FAILED_PRECONDITION
+    for a refused pair (its text names every difference) or no engine attached,
+    RESOURCE_EXHAUSTED when busy, UNAVAILABLE when decode could not be reached."""
+    if isinstance(exc, PoolCompatibilityError | ProtocolVersionError | RoleConflictError
+                  | HandshakeRejectedError | NoEngineAttached):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, Busy):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, PeerError | ProtocolError):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
 
 
 class PrefillServicer(DaemonServicer):
@@ -91,12 +124,52 @@ class PrefillServicer(DaemonServicer):
         answer.detail = detail[:MAX_ANSWER_DETAIL]
         channel.send(notice(OFFER_ANSWER, answer.SerializeToString()))
 
+    def Connect(self, request: pb.ConnectRequest,
+                context: grpc.ServicerContext) -> pb.ConnectResponse:
+        """A decode daemon holds a reservation naming us and the pair has no connection:
+        handshake with it now (decode-initiated pairing). Prefill dials the address the
+        caller claims, once the caller's credentials cover it (the handshake's rule);
+        the answer is the handshake's outcome, a refusal's text included."""
+        address = request.control_address
+        code: grpc.StatusCode | None = None
+        detail = ""
+        try:
+            host_port(address, "control_address")
+        except ProtocolError as exc:
+            code, detail = grpc.StatusCode.INVALID_ARGUMENT, f"{type(exc).__name__}: {exc}"
+        else:
+            refusal = claim_refusal(address, security=self.security, peer=context.peer(),
+                                    auth=context.auth_context(), call="Connect")
+            if refusal is not None:
+                log.warning("%s", refusal, extra=fields(peer=address))
+                code, detail = grpc.StatusCode.PERMISSION_DENIED, refusal
+        conn = None
+        if code is None:
+            try:
+                conn = self.prefill.connect_back(address, request.instance_id)
+            except Exception as exc:
+                code = connect_code(exc)
+                detail = f"{type(exc).__name__}: {exc}"
+                if code is grpc.StatusCode.INTERNAL:
+                    log.exception("Connect from decode %s failed unexpectedly", address)
+        self.rt.metrics.count_connect("ok" if code is None else "failed")
+        if code is not None or conn is None:
+            log.info("Connect from decode %s refused: %s: %s", address,
+                     (code or grpc.StatusCode.INTERNAL).name, detail,
+                     extra=fields(peer=address))
+            context.abort(code or grpc.StatusCode.INTERNAL, detail[:MAX_CONNECT_DETAIL])
+        log.info("decode %s at %s asked to connect: connected", conn.instance_id, address,
+                 extra=fields(peer=address))
+        return pb.ConnectResponse(instance_id=self.local.instance_id,
+                                  decode_instance_id=conn.instance_id)
+
     @handled
     def Send(self, request: pb.SendRequest, context: grpc.ServicerContext) -> pb.TransferStatus:
         """Queue (a chunk of) a request for decode; returns at once (poll Status)."""
         rid = request_id_of(request.request_id)
         seq_len = seq_len_of(request.seq_len, self.rt.config.target.max_context_len)
-        host_port(request.decode_address, "decode_address")
+        if request.decode_address:  # empty: the decode whose reservation names it
+            host_port(request.decode_address, "decode_address")
         target, draft = index_lists_from_proto(request.indices, "indices")
         snap = self.prefill.send(rid, request.source_slot, seq_len, request.decode_address,
                                  [(r.start, r.end) for r in request.chunks],

@@ -9,7 +9,8 @@ allocates memfd pools (EnginePools), fills them with ``--seed``'s pattern, attac
   lists; with SKIP, only the KV pages from position SKIP on (``kv_skip``: the engine
   holds the first SKIP, a prefix cache)
 - ``decline RID PREFILL_ADDR``: Receiver.decline (decode will not load RID)
-- ``send RID SEQ DECODE_ADDR LIST_SEED``: Sender.send at random lists
+- ``send RID SEQ DECODE_ADDR LIST_SEED``: Sender.send at random lists (DECODE_ADDR ``-``:
+  none, the decode whose reservation names RID gets it)
 - ``chunk RID SEQ DECODE_ADDR LIST_SEED OFFSET START END FINAL``: Sender.send_chunk of
   tokens [START, END) with the request's KV pages from position OFFSET up to the chunk's
   last page (FINAL 1: all the rest, and the other lists)
@@ -83,7 +84,7 @@ def main() -> int:
                 r.send_metadata(kv[skip:], mapping, seq_len=seq, kv_skip=skip)
                 requests[rid] = r
             else:
-                s = Sender(att, rid, addr)
+                s = Sender(att, rid, "" if addr == "-" else addr)
                 s.send(kv, mapping, seq_len=seq)
                 requests[rid] = s
             mapping["KV_PAGES"] = kv

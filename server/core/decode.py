@@ -67,6 +67,7 @@ from kvbeam.errors import (
     AlreadyLanded,
     BadKvSkip,
     BadRequest,
+    DialRefused,
     NotHandshakenError,
     UnknownRequest,
 )
@@ -85,15 +86,18 @@ from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.decode_actions import (
     Actions,
     CheckLanding,
+    DialPrefill,
     DigestMark,
     DrainPrefill,
     Freed,
     SendOffer,
     TellPrefill,
+    TellPrefillAt,
 )
 from kvbeam.server.core.decode_landing import Verdict, checks_inline
 from kvbeam.server.core.decode_pages import PageBook
 from kvbeam.server.core.incoming import Incoming, Landing
+from kvbeam.server.core.pairing import Dialing
 from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
@@ -170,6 +174,8 @@ class DecodeCore(CoreBase):
         self._by_transfer: dict[int, str] = {}
         self._pages = PageBook()  # no destination item in two live reservations
         self._ids = itertools.count(1)
+        #: Prefill daemons asked to connect (decode-initiated pairing; under ``_lock``).
+        self._dialing = Dialing()
 
     # ---- API ---------------------------------------------------------------------------
     def reserve(self, request_id: str, seq_len: int, prefill_address: str, *,
@@ -261,10 +267,10 @@ class DecodeCore(CoreBase):
                              "DECLINE is for a request decode will not load at all")
         conn = self.peers.by_address(prefill_address)
         if conn is None or conn.closed:
-            log.warning("request %s: declined, but prefill %s is not connected to this "
-                        "daemon: it frees the request at its --send-wait-s lease",
-                        request_id, prefill_address, extra=fields(request_id, prefill_address))
-            return []
+            # Not connected (prefill sent nothing here yet: its Send may name no decode):
+            # told on a one-off call instead.
+            return [TellPrefillAt(prefill_address, (request_id,),
+                                  f"declined by decode: {detail}"), Count("declines")]
         return [TellPrefill(conn, request_id, f"declined by decode: {detail}"),
                 Count("declines")]
 
@@ -414,15 +420,22 @@ class DecodeCore(CoreBase):
         return (res.nbytes if res.landed else 0, res.nbytes)
 
     # ---- Offer: the reservation pushed to prefill ahead of its Send (protocol 2) ----------
-    def offer(self, res: Incoming) -> Actions:
+    def offer(self, res: Incoming, now: float) -> Actions:
         """Offer a fresh reservation to its prefill when that is a connected peer: the
-        :class:`SendOffer`, or nothing (no connection, one missing heartbeats, or
-        BeginWrite came first). The driver sends it and tells :meth:`offer_sent`;
-        prefill answers only what decode must act on, to :meth:`answer_arrived`."""
+        :class:`SendOffer`, or nothing (one missing heartbeats, or BeginWrite came
+        first). The driver sends it and tells :meth:`offer_sent`; prefill answers only
+        what decode must act on, to :meth:`answer_arrived`. With no connection to that
+        prefill (or one whose peer channel closed), prefill is asked to connect
+        (:class:`DialPrefill`, once per address at a time); :meth:`dialed` offers the
+        reservations that waited for it."""
         conn = self.peers.by_address(res.prefill_address)
         lease = self.table.left(res.request_id)
-        if conn is None or conn.closed or lease is None or conn.missed_heartbeats:
-            return []  # no peer, or one not answering now: BeginWrite decides later
+        if lease is None:
+            return []
+        if conn is None or conn.closed or conn.retired_channel() is not None:
+            return self._ask_prefill(res, now)
+        if conn.missed_heartbeats:
+            return []  # a peer not answering now: BeginWrite decides later
         with self._lock:
             if (res.peer_instance or self._res.get(res.request_id) is not res
                     or not self.table.is_live(res.request_id)):
@@ -430,6 +443,66 @@ class DecodeCore(CoreBase):
             res.peer_instance, res.link_id, res.offered = conn.instance_id, conn.link.id, True
         return [SendOffer(conn, res, WriteGrant(res.transfer_id, res.indices, res.draft,
                                                 res.kv_skip, res.mailbox_slot), lease)]
+
+    def _ask_prefill(self, res: Incoming, now: float) -> Actions:
+        """Ask the reservation's prefill to connect (decode-initiated pairing), unless an
+        ask of it is under way or paused (the reservation is offered when it ends)."""
+        address = res.prefill_address
+        with self._lock:
+            if (res.peer_instance or self._res.get(res.request_id) is not res
+                    or not self.table.is_live(res.request_id)
+                    or not self._dialing.start(address, now)):
+                return []
+        log.info("request %s: no connection to prefill %s: asking it to connect",
+                 res.request_id, address, extra=fields(res.request_id, address))
+        return [DialPrefill(address)]
+
+    def dialed(self, address: str, instance_id: str, error: DialRefused | None,
+               now: float) -> Actions:
+        """The prefill at ``address`` answered decode's ask to connect: connected (as
+        ``instance_id``: every reservation naming it that waited is offered now), or
+        ``error``: every reservation naming it that no prefill was granted fails at once
+        with the cause (the refusal's text, not the Bootstrapping deadline later), its
+        pages are freed and prefill is told (its Send ends too); an error that says
+        nothing about the pair (``retry``) leaves them to their deadlines."""
+        if error is None:
+            conn = self.peers.get(instance_id)
+            if conn is None or conn.closed or conn.control_address != address:
+                error = DialRefused(FailureReason.PEER_FAILED, (
+                    f"prefill daemon at {address} connected, but its handshake names its "
+                    f"control address {conn.control_address if conn else '(gone)'}: the "
+                    "reservation must name the prefill daemon's advertised address "
+                    "(its --advertise, else --listen)"))
+        with self._lock:
+            self._dialing.done(address, now, pause=error is not None and error.retry)
+            waiting = [r for r in self._res.values()
+                       if r.prefill_address == address and not r.peer_instance]
+        if error is None:
+            actions: Actions = [Count("connects", "ok")]
+            for res in waiting:
+                actions += self.offer(res, now)
+            return actions
+        if error.retry:
+            log.info("prefill %s did not connect (%s); its %d reservation(s) wait for its "
+                     "Send's handshake or their deadline", address, error, len(waiting),
+                     extra=fields(peer=address))
+            return [Count("connects", "retry")]
+        actions = [Count("connects", "unreachable" if error.reason is
+                         FailureReason.PEER_UNREACHABLE else "refused")]
+        failed = []
+        for res in waiting:
+            rid = res.request_id
+            if self.table.fail(rid, error.reason, str(error)):
+                log.warning("request %s failed: %s: %s", rid, error.reason.value, error,
+                            extra=fields(rid, address))
+                failed.append(rid)
+            snap = self.table.get(rid)
+            if snap is not None and snap.state is TransferState.FAILED:
+                actions += self._free(rid, "its prefill could not connect")
+        if failed and error.reason is not FailureReason.PEER_UNREACHABLE:
+            actions.append(TellPrefillAt(address, tuple(failed), (
+                f"decode's reservation failed: the pair could not connect: {error}")))
+        return actions
 
     def offer_sent(self, res: Incoming, sent: bool) -> Actions:
         """The Offer of ``res`` went to prefill (counted "made"; no answer means kept), or

@@ -12,8 +12,8 @@ Where each runs (the driver's choice, not the core's): :class:`SendOffer`,
 :class:`DigestMark`, :class:`Freed` and :class:`Count` never block and run on the
 thread that handled the event; :class:`CheckLanding` runs there too when its digests
 run inline anyway, else on the executor; :class:`TellPrefill`,
-:class:`DrainPrefill` and :class:`DropLink` block (a peer call, a link's release) and
-always run on the executor.
+:class:`DrainPrefill`, :class:`DialPrefill`, :class:`TellPrefillAt` and :class:`DropLink`
+block (a peer call, a link's release) and always run on the executor.
 """
 
 from __future__ import annotations
@@ -82,6 +82,26 @@ class DrainPrefill:
 
 
 @dataclass(frozen=True)
+class DialPrefill:
+    """Ask the prefill daemon at ``address`` to handshake with us (its Connect RPC): a
+    reservation names it and the pair has no connection. The answer goes back as
+    :meth:`~kvbeam.server.core.decode.DecodeCore.dialed`."""
+
+    address: str
+
+
+@dataclass(frozen=True)
+class TellPrefillAt:
+    """Abort requests on the prefill daemon at ``address``, with which decode has no
+    connection (one-off calls, best effort): their reservation failed before the pair
+    connected, or decode declined them, so prefill's Send ends now, not at its lease."""
+
+    address: str
+    request_ids: tuple[str, ...]
+    detail: str
+
+
+@dataclass(frozen=True)
 class Freed:
     """The request's pages and slot are free: the engine may reuse them, and the driver
     forgets whatever it held for the request (its sub-batches' digest jobs)."""
@@ -90,5 +110,5 @@ class Freed:
 
 
 DecodeAction = (SendOffer | DigestMark | CheckLanding | TellPrefill | DrainPrefill
-                | DropLink | Freed | Count)
+                | DialPrefill | TellPrefillAt | DropLink | Freed | Count)
 Actions = list[DecodeAction]

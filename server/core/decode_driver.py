@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 
+from kvbeam.errors import DialRefused
 from kvbeam.logs import fields
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest_pool import DigestPool
@@ -38,11 +39,13 @@ from kvbeam.server.core.decode_actions import (
     Actions,
     CheckLanding,
     DecodeAction,
+    DialPrefill,
     DigestMark,
     DrainPrefill,
     Freed,
     SendOffer,
     TellPrefill,
+    TellPrefillAt,
 )
 from kvbeam.server.core.decode_landing import LandingCheck
 from kvbeam.server.core.incoming import Incoming
@@ -51,7 +54,7 @@ from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.server.slots import SlotPool
-from kvbeam.states import TransferStatus
+from kvbeam.states import FailureReason, TransferStatus
 from kvbeam.transport import Event
 
 log = logging.getLogger(__name__)
@@ -91,6 +94,8 @@ class DecodeDriver(DriverBase[DecodeCore]):
         #: Metrics: one call per offer answered (made, refused, failed), per decline.
         self.on_offer = on_offer
         self.on_decline: Callable[[], None] = lambda: None
+        #: Metrics: one call per answer to decode's ask to connect (ok, refused, ...).
+        self.on_connect: Callable[[str], None] = lambda _result: None
         #: Called (no lock held) with a request id once its pages and slot are free: a
         #: failed request's may be reused from then, which is when the engine channel
         #: pushes its Failed (the runtime sets it; the table's Failed comes earlier, while
@@ -150,9 +155,9 @@ class DecodeDriver(DriverBase[DecodeCore]):
     def offer(self, res: Incoming) -> bool:
         """Offer a fresh reservation to its prefill when that is a connected peer;
         whether it was sent. Never blocks."""
-        actions = self.core.offer(res)
+        actions = self.core.offer(res, self.clock())
         self.execute(actions)
-        return bool(actions)
+        return any(isinstance(a, SendOffer) for a in actions)
 
     def begin_write(self, request_id: str, instance_id: str, seq_len: int, final: bool,
                     digests_follow: bool) -> Incoming:
@@ -248,7 +253,8 @@ class DecodeDriver(DriverBase[DecodeCore]):
         digests do not run inline."""
         if isinstance(action, CheckLanding):
             return not self.checker.inline(action.res)
-        return isinstance(action, TellPrefill | DrainPrefill | DropLink)
+        return isinstance(action, TellPrefill | DrainPrefill | DialPrefill | TellPrefillAt
+                          | DropLink)
 
     def _do(self, action: DecodeAction) -> None:
         """Do one action on this thread (``execute`` chose the thread)."""
@@ -269,12 +275,32 @@ class DecodeDriver(DriverBase[DecodeCore]):
             self._drain(action)
         elif isinstance(action, DropLink):
             self.on_peer_lost(action.conn, action.detail, gone=action.gone)
+        elif isinstance(action, DialPrefill):
+            self._dial(action.address)
+        elif isinstance(action, TellPrefillAt):
+            self.prefill.abort_at(action.address, action.request_ids, action.detail)
         elif isinstance(action, Freed):
             self.on_freed(action.request_id)
         elif isinstance(action, Count) and action.metric == "offers":
             self.on_offer(action.label)
+        elif isinstance(action, Count) and action.metric == "connects":
+            self.on_connect(action.label)
         elif isinstance(action, Count):
             self.on_decline()
+
+    def _dial(self, address: str) -> None:
+        """Ask the prefill at ``address`` to connect; the core offers or fails the
+        reservations that waited for it. Blocking (the executor)."""
+        instance_id, error = "", None
+        try:
+            instance_id = self.prefill.connect_back(address)
+        except DialRefused as exc:
+            error = exc
+        except Exception as exc:  # a bug in the call, not the peer's answer: said as such
+            log.exception("asking prefill %s to connect failed unexpectedly", address)
+            error = DialRefused(FailureReason.PEER_UNREACHABLE,
+                                f"asking prefill daemon at {address} to connect: {exc}")
+        self.execute(self.core.dialed(address, instance_id, error, self.clock()))
 
     def offer_answer(self, request_id: str, transfer_id: int, instance_id: str,
                      answer: Offered) -> None:

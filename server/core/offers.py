@@ -76,6 +76,13 @@ class OfferBook:
             return None
         return offer
 
+    def conn_of(self, request_id: str) -> PeerConn | None:
+        """The connection the request's kept offer came over (None: no offer): the decode
+        a Send with no decode address goes to."""
+        with self._lock:
+            offer = self._offers.get(request_id)
+        return None if offer is None else offer.conn
+
     def has(self, request_id: str) -> bool:
         """Whether an offer for the request is kept."""
         with self._lock:

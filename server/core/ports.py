@@ -132,6 +132,21 @@ class PrefillPeers(Protocol):
         """Abort a request on prefill; True when prefill confirmed none of its writes is
         in flight (it answers within ``timeout``, and says so by Abort later if not)."""
 
+    def connect_back(self, address: str) -> str:
+        """Ask the prefill daemon at ``address`` to handshake with us (its Connect):
+        returns its instance id once it did; the connection is then registered here
+        (the handshake's server side). Decode-initiated pairing (docs/protocol.md).
+
+        Raises:
+            DialRefused: prefill answered why it could not (its handshake was refused,
+                it cannot reach us, it has no engine), or could not be reached.
+        """
+
+    def abort_at(self, address: str, request_ids: Sequence[str], detail: str) -> None:
+        """Abort requests on the prefill daemon at ``address`` with no connection to it
+        (best effort, one call each on a one-off channel): a reservation that failed
+        because the pair could not connect, so prefill's Send ends now too."""
+
     def abort_all(self, calls: Sequence[tuple[PeerConn, str]], detail: str,
                   timeout: float) -> int:
         """Abort many requests (connection, request id) at once, all within ``timeout``

@@ -178,8 +178,14 @@ class PrefillCore(PrefillEvents, CoreBase):
                 raise BadRequest(f"chunk [{start}, {end}) is not inside [0, {seq_len})")
         if not final and not ranges:
             raise BadRequest("a non-final chunk must name its token ranges (chunks)")
+        if not decode_address:
+            self._check_addressless(request_id, final, kv_offset)
         lists = (validate("prefill", self.spec, self.layout, indices or {}, draft or {}, seq_len)
                  if (indices or draft) and kv_offset is None else None)
+        offered_by = self.offers.conn_of(request_id) if not decode_address else None
+        if offered_by is not None and not offered_by.closed:
+            # Decode's Offer came first: it names the decode (decode-initiated pairing).
+            decode_address = offered_by.control_address
         with self._lock:
             rec = self._out.get(request_id)
             ended = self._ended_before_final(rec, request_id)
@@ -214,6 +220,8 @@ class PrefillCore(PrefillEvents, CoreBase):
                                np.zeros(len(src[IndexKind.KV_PAGES]), dtype=np.bool_),
                                src_draft=src_draft, pieces=pieces)
                 self._out[request_id] = rec
+                if offered_by is not None and not offered_by.closed:
+                    rec.conn = offered_by
             else:
                 snap = self.table.get(request_id)
                 if rec.final_submitted or snap is None or snap.state.terminal:
@@ -279,10 +287,47 @@ class PrefillCore(PrefillEvents, CoreBase):
                                         or len(rec.posted) > 1 or bool(rec.resends))
         kept = not late and self.offers.put(
             Offer(request_id, conn, seq_len, grant, now + lease_s), now)
+        bound = self._bind_to_offer(request_id, conn, kept)
         actions: Actions = [Count("offers", "received" if kept else "refused")]
-        if kept:
+        if kept or bound:
             actions += self._unpark(request_id)  # a Send that came first waits for this
         return kept, actions
+
+    def _check_addressless(self, request_id: str, final: bool, kv_offset: int | None) -> None:
+        """A Send that names no decode (decode-initiated pairing: the decode whose Offer
+        names the request gets it) is one final chunk, and waits for that Offer under
+        ``send_wait_s``.
+
+        Raises:
+            FrameError: a chunked Send, or ``send_wait_s`` is 0 (field decode_address).
+        """
+        if not final or kv_offset is not None:
+            raise FrameError("decode_address", "empty (the decode whose reservation names "
+                             "the request gets it) needs the whole request in one final "
+                             "SEND; name the decode to send in chunks", request_id)
+        if not self.send_wait_s:
+            raise FrameError("decode_address", "empty needs --send-wait-s above 0: such a "
+                             "SEND waits for the Offer of the decode that reserves it",
+                             request_id)
+
+    def _bind_to_offer(self, request_id: str, conn: PeerConn, kept: bool) -> bool:
+        """A parked Send that named no decode goes to the decode that offered it (its
+        connection and address, from now on as if the engine had named it); True when
+        it was bound now. An offer not kept (the book was full) binds it too: its step
+        asks that decode with BeginWrite."""
+        with self._lock:
+            rec = self._out.get(request_id)
+            if rec is None or rec.decode_address or self._ended(rec):
+                return False
+            rec.decode_address = conn.control_address
+            rec.conn = conn
+            if not kept:
+                rec.asked = True
+        self.table.set_peer(request_id, conn.control_address)
+        log.info("request %s: decode %s at %s reserved it: sending there", request_id,
+                 conn.instance_id, conn.control_address,
+                 extra=fields(request_id, conn.control_address))
+        return True
 
     def _offer_after_end(self, request_id: str, conn: PeerConn) -> Actions:
         """Decode offered a reservation for a request that ended here: refused (counted),
@@ -340,6 +385,8 @@ class PrefillCore(PrefillEvents, CoreBase):
             return False
         if self.offers.has(rec.request_id):
             return False  # the Offer came first: the step writes at once
+        if not rec.decode_address:
+            return True  # no decode named: the one whose Offer names the request
         conn = self.peers.by_address(rec.decode_address)
         if conn is None or conn.closed or conn.retired_channel() is not None:
             return False  # the step connects (or drops a retired connection) first
@@ -489,6 +536,8 @@ class PrefillCore(PrefillEvents, CoreBase):
                 rec.move(Step.IDLE)
         if idle:
             return self._maybe_resend(rec)
+        if not rec.decode_address:
+            return self._park(rec, now)  # no decode yet: its Offer names one
         with self._lock:
             conn = self._step_conn(rec)
             if conn is None:
@@ -786,7 +835,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         actions = self.sweep(now)  # abandon hung writes, forget what ended
         with self._lock:
             due = [r for r in self._out.values()
-                   if r.step is Step.PARKED and not r.asked
+                   if r.step is Step.PARKED and not r.asked and r.decode_address
                    and now - r.parked_at >= OFFER_GRACE_S]
             for rec in due:
                 rec.asked = True
@@ -811,7 +860,11 @@ class PrefillCore(PrefillEvents, CoreBase):
             self.table.advance(rid, TransferState.WAITING_FOR_INPUT)
         self.table.lease(rid, self.send_wait_s,
                          "decode's reservation: the Send came first and decode's engine "
-                         "did not reserve the request within --send-wait-s")
+                         "did not reserve the request within --send-wait-s"
+                         if rec.decode_address else
+                         "decode's reservation: the Send named no decode and no decode "
+                         "daemon offered a reservation of the request within "
+                         "--send-wait-s (nothing moved)")
 
     def _after_park(self, rec: Outgoing) -> Actions:
         """Once parked (no lock held): an Offer that came meanwhile unparks it now."""

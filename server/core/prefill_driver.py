@@ -26,9 +26,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
-from kvbeam.errors import NotPosted
+from kvbeam.errors import Busy, NotPosted, PeerTimeoutError
 from kvbeam.logs import fields, request_log
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
@@ -69,6 +70,12 @@ ABORT_WAITERS = 4
 #: Longest an Abort handler waits on its request's drain, s (less if its caller's
 #: deadline is nearer): writes in flight usually complete within milliseconds.
 ABORT_WAIT_S = 2.0
+#: Connects (decode daemons asking prefill to handshake with them) handled at once;
+#: more are refused RESOURCE_EXHAUSTED (each holds a handler thread for a handshake).
+MAX_CONNECTS = 4
+#: Longest a caller waits for another caller's handshake with the same decode, s (a
+#: handshake is bounded by its RPC deadline and the peer channel's HELLO: far less).
+DIAL_WAIT_S = 30.0
 
 
 class PrefillDriver(DriverBase[PrefillCore]):
@@ -107,6 +114,12 @@ class PrefillDriver(DriverBase[PrefillCore]):
         self.on_offer = on_offer
         # Counts the Abort handlers waiting on a drain (taken without blocking).
         self._abort_waiters = threading.BoundedSemaphore(ABORT_WAITERS)
+        # Counts the Connect handlers under way (taken without blocking).
+        self._connects = threading.BoundedSemaphore(MAX_CONNECTS)
+        # Handshakes under way, by decode address: a second caller waits for the
+        # first's outcome instead of handshaking again. Leaf lock.
+        self._dial_lock = threading.Lock()
+        self._dials: dict[str, Future[PeerConn]] = {}
 
     # ---- what the daemon reads ----------------------------------------------------------
     @property
@@ -154,6 +167,41 @@ class PrefillDriver(DriverBase[PrefillCore]):
                                         self.clock())
         self.execute(actions)
         return kept
+
+    def connect_back(self, address: str, instance_id: str = "") -> PeerConn:
+        """A decode daemon at ``address`` holds a reservation naming this prefill and the
+        pair has no connection (its Connect RPC): handshake with it now, as a Send to it
+        would (one handshake per address at a time; the requests waiting for it go on).
+        Blocking: the gRPC handler's thread. Decode-initiated pairing, docs/protocol.md.
+
+        Raises:
+            NoEngineAttached: no engine memory yet (nothing to describe at a handshake).
+            Busy: ``MAX_CONNECTS`` Connects are under way.
+            PoolCompatibilityError, ProtocolVersionError, PeerError, ...: the handshake
+                failed, as it fails a Send (the message is the refusal's).
+        """
+        _ = self.core.layout  # NoEngineAttached while there is none
+        conn = self.core.peers.by_address(address)
+        if (conn is not None and not conn.closed and conn.retired_channel() is None
+                and (not instance_id or conn.instance_id == instance_id)):
+            return conn  # connected meanwhile (a Send to it, or another Connect)
+        if not self._connects.acquire(blocking=False):
+            raise Busy(f"{MAX_CONNECTS} Connects from decode daemons are under way here; "
+                       "the reservation's own deadline still bounds it")
+        try:
+            if conn is not None and not conn.closed:
+                # Its peer channel closed, or it is to an earlier instance of that decode
+                # (which restarted or re-attached): a new connection replaces it.
+                self._drop_link(DropLink(conn, "decode asked for a new connection",
+                                         gone=conn.instance_id != instance_id
+                                         and bool(instance_id)), on_executor=False)
+            new, error = self._connect(address, on_executor=False)
+        finally:
+            self._connects.release()
+        if error is not None:
+            raise error
+        assert new is not None
+        return new
 
     def abort(self, request_id: str, *, from_peer: bool, detail: str,
               wait_s: float | None = None, instance_id: str = "",
@@ -207,6 +255,11 @@ class PrefillDriver(DriverBase[PrefillCore]):
         if known is None:
             return True  # nothing here to protect (ended, unknown, or not yet sent)
         conn, address = known
+        if not address:
+            # A Send that named no decode, which no decode offered yet: any decode that
+            # knows its id may end it (decode declined it, or its reservation failed),
+            # as any caller that passes authentication may abort a request on prefill.
+            return True
         # The check may resolve the decode's host name: no lock is held here.
         refusal = caller_refusal(address)
         wrong = conn is not None and conn.instance_id != instance_id
@@ -310,17 +363,48 @@ class PrefillDriver(DriverBase[PrefillCore]):
         self.execute(self.core.link_dropped(action.conn, action.detail, gone=action.gone),
                      on_executor)
 
-    def _connect(self, address: str, on_executor: bool) -> None:
-        """Handshake with decode at ``address``; the core starts what waited for it."""
+    def _connect(self, address: str, on_executor: bool
+                 ) -> tuple[PeerConn | None, Exception | None]:
+        """Handshake with decode at ``address``; the core starts what waited for it.
+        Returns the connection or the handshake's error."""
         conn: PeerConn | None = None
         error: Exception | None = None
         began = self.clock()
         try:
-            conn = self.decode.connect(address)
+            conn = self._dial(address)
         except Exception as exc:
             error = exc
         self.execute(self.core.connected(address, conn, error, self.clock() - began),
                      on_executor)
+        return conn, error
+
+    def _dial(self, address: str) -> PeerConn:
+        """The handshake with decode at ``address``, one at a time per address: a caller
+        that finds one under way (a Send's step and decode's Connect, at once) waits for
+        its outcome (bounded) instead of making a second link."""
+        with self._dial_lock:
+            pending = self._dials.get(address)
+            mine = pending is None
+            if pending is None:
+                pending = self._dials[address] = Future()
+        if not mine:
+            try:
+                return pending.result(timeout=DIAL_WAIT_S)
+            except FutureTimeout:
+                raise PeerTimeoutError(f"handshake with decode at {address}: another "
+                                       f"caller's did not end within {DIAL_WAIT_S:.0f} s",
+                                       address=address) from None
+        try:
+            conn = self.decode.connect(address)
+        except BaseException as exc:
+            pending.set_exception(exc)
+            raise
+        else:
+            pending.set_result(conn)
+            return conn
+        finally:
+            with self._dial_lock:
+                self._dials.pop(address, None)
 
     def _ask_grant(self, ask: AskGrant, on_executor: bool) -> None:
         """BeginWrite: decode's grant for the chunk, or why there is none."""

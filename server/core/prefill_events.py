@@ -231,6 +231,8 @@ class PrefillEvents:
                 return []
             rec.told_decode = True
             conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
+        if not rec.decode_address:
+            return []  # a Send that named no decode and no decode offered: nobody to tell
         return [TellDecode(conn, rec.decode_address, rec.request_id, detail)]
 
     def sweep(self, now: float) -> Actions:
@@ -286,7 +288,7 @@ class PrefillEvents:
                     tell = rec is not None and not rec.told_decode
                     if rec is not None:
                         rec.told_decode = True
-                if rec is not None and tell:
+                if rec is not None and tell and rec.decode_address:
                     conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
                     calls.append((conn, rec.decode_address, rec.request_id))
         return calls

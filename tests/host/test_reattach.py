@@ -68,6 +68,8 @@ def test_first_request_after_a_decode_reattach_succeeds(pair: tuple[
         # gives no such sign, and the request then handshakes again: the unit tests
         # in tests/unit/test_core_reattach.py hold that path).
         _move(p, d, "first-after", 1)
-        assert "failed" not in prefill.output.split("first-after", 1)[1], prefill.output
+        # (Decode's reservation may ask prefill to connect to its new instance first:
+        # then prefill's log names the request nowhere.)
+        assert "failed" not in prefill.output.partition("first-after")[2], prefill.output
         assert prefill.output.count("handshaking again") <= 1
         _move(p, d, "second-after", 2)

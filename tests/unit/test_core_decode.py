@@ -8,7 +8,7 @@ from typing import Any, cast
 
 import pytest
 
-from kvbeam.errors import AlreadyLanded
+from kvbeam.errors import AlreadyLanded, DialRefused
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.digest_pool import DigestPool
@@ -58,6 +58,11 @@ class FakePrefill:
         self.hold = False
         self.held: list[Callable[[], None]] = []
         self.answered: Callable[[str, int, str, Offered], None] | None = None
+        self.asked: list[str] = []
+        self.connected: Callable[[], str] | None = None
+        self.refusal = DialRefused(FailureReason.PEER_UNREACHABLE, "no Connect (fake)",
+                                   retry=True)
+        self.aborts_at: list[tuple[str, tuple[str, ...], str]] = []
 
     def offer(self, conn: PeerConn, request_id: str, seq_len: int, grant: WriteGrant,
               slot: int, lease_s: float) -> bool:
@@ -82,6 +87,17 @@ class FakePrefill:
     def abort_all(self, calls: Sequence[tuple[PeerConn, str]], detail: str,
                   timeout: float) -> int:
         return sum(self.abort(conn, rid, detail, timeout) for conn, rid in calls)
+
+    def connect_back(self, address: str) -> str:
+        """Asked to connect: ``connected`` (a callable making the connection, then its
+        instance id) or ``refusal``; by default an answer that says nothing (retry)."""
+        self.asked.append(address)
+        if self.connected is not None:
+            return self.connected()
+        raise self.refusal
+
+    def abort_at(self, address: str, request_ids: Sequence[str], detail: str) -> None:
+        self.aborts_at.append((address, tuple(request_ids), detail))
 
 
 def _core() -> tuple[DecodeDriver, QueueExecutor, FakePrefill, PeerConn]:

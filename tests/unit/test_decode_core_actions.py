@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvbeam.errors import DialRefused
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import DigestParts, request_digests
 from kvbeam.pools.digest_pool import DigestPool
@@ -17,14 +18,17 @@ from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.decode_actions import (
     CheckLanding,
+    DialPrefill,
     DigestMark,
     DrainPrefill,
     Freed,
     SendOffer,
     TellPrefill,
+    TellPrefillAt,
 )
 from kvbeam.server.core.decode_landing import LandingCheck, Verdict
 from kvbeam.server.core.incoming import Landing
+from kvbeam.server.core.pairing import ASK_AGAIN_AFTER_S
 from kvbeam.server.core.ports import Offered
 from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.peers import PeerConn, Peers
@@ -96,10 +100,10 @@ def test_a_verdict_on_a_replaced_landing_does_nothing() -> None:
 def test_the_offer_is_an_action_and_an_answer_without_digests_may_start_the_check() -> None:
     core, conn = _core()
     res = core.reserve("r", 300, PREFILL)
-    [offer] = core.offer(res)
+    [offer] = core.offer(res, 0.0)
     assert isinstance(offer, SendOffer) and offer.conn is conn and offer.res is res
     assert offer.grant.transfer_id == res.transfer_id and offer.lease_s > 0
-    assert core.offer(res) == []  # granted already: no second Offer
+    assert core.offer(res, 0.0) == []  # granted already: no second Offer
     assert core.offer_sent(res, True) == [Count("offers", "made")]
     # The bytes land before any answer, with no record in the slot: the check waits.
     assert _landed(core, conn, res.transfer_id) == []
@@ -112,7 +116,7 @@ def test_the_offer_is_an_action_and_an_answer_without_digests_may_start_the_chec
 def test_a_refused_offer_takes_the_grant_back() -> None:
     core, conn = _core()
     res = core.reserve("r", 300, PREFILL)
-    core.offer(res)
+    core.offer(res, 0.0)
     assert core.answer_arrived("r", res.transfer_id, conn.instance_id,
                                Offered.REFUSED) == [Count("offers", "refused")]
     assert res.peer_instance == "" and not res.offered
@@ -121,7 +125,7 @@ def test_a_refused_offer_takes_the_grant_back() -> None:
 def test_an_offer_not_sent_is_a_refusal() -> None:
     core, _conn = _core()
     res = core.reserve("r", 300, PREFILL)
-    core.offer(res)
+    core.offer(res, 0.0)
     assert core.offer_sent(res, False) == [Count("offers", "refused")]
     assert res.peer_instance == "" and not res.offered
 
@@ -209,9 +213,11 @@ def test_the_hand_off_lease_frees_a_success_nobody_released() -> None:
     assert core.periodic(now=131.0) == [Freed("r")]
 
 
-def test_decline_of_an_unconnected_prefill_does_nothing_and_of_a_connected_one_tells_it() -> None:
+def test_a_decline_tells_prefill_on_its_connection_or_on_a_one_off_call() -> None:
     core, conn = _core()
-    assert core.decline("x", "10.0.0.9:1", "full") == []
+    # Not connected (prefill's Send may name no decode): told on a one-off call.
+    assert core.decline("x", "10.0.0.9:1", "full") == [
+        TellPrefillAt("10.0.0.9:1", ("x",), "declined by decode: full"), Count("declines")]
     assert core.decline("x", PREFILL, "full") == [
         TellPrefill(conn, "x", "declined by decode: full"), Count("declines")]
 
@@ -254,7 +260,7 @@ def test_a_landing_checked_as_it_lands_goes_to_success_in_one_change() -> None:
         seen: list[TransferStatus] = []
         core, conn = _core(check_inline_below=below, on_change=seen.append)
         res = core.reserve("r", 300, PREFILL)
-        core.offer(res)
+        core.offer(res, 0.0)
         core.offer_sent(res, True)
         land_record(core, "r", bytes(16 * 13))  # prefill's answer is its record (protocol 8)
         before, version = len(seen), core.status("r").version
@@ -285,3 +291,78 @@ def test_the_core_module_imports_nothing_that_does_io() -> None:
     io = {"time", "socket", "grpc", "concurrent.futures", "kvbeam.server.peer_rpc",
           "kvbeam.server.core.decode_driver", "kvbeam.server.faults"}
     assert names & io == set()
+
+
+# ---- decode-initiated pairing --------------------------------------------------------
+def _unconnected() -> DecodeCore:
+    lay = layout()
+    return DecodeCore(table=TransferTable(Deadlines()), peers=Peers(), spec=UNIFIED_TARGET,
+                      layout=lay, pools=AllocatedSide(lay), integrity=True,
+                      handoff_lease_s=30.0)
+
+
+def test_a_reservation_naming_an_unconnected_prefill_asks_it_to_connect_once() -> None:
+    core = _unconnected()
+    a, b = core.reserve("a", 300, PREFILL), core.reserve("b", 300, PREFILL)
+    assert core.offer(a, 1.0) == [DialPrefill(PREFILL)]
+    assert core.offer(b, 1.0) == []  # the ask under way serves it too
+    conn = fake_conn(PREFILL, AllocatedSide(layout()))
+    core.peers.add(conn)  # what prefill's handshake with us registered
+    offers = core.dialed(PREFILL, conn.instance_id, None, now=1.5)
+    assert offers[0] == Count("connects", "ok")
+    assert [(o.res.request_id, o.conn) for o in offers[1:] if isinstance(o, SendOffer)] == [
+        ("a", conn), ("b", conn)]
+
+
+def test_a_refused_pairing_fails_the_reservations_at_once_with_the_refusal_and_tells_prefill(
+        ) -> None:
+    """Prefill's handshake with us was refused (block sizes differ, say): every
+    reservation naming it fails now with the refusal's text, not at the Bootstrapping
+    deadline; its pages are free, and prefill is told (its waiting Send ends too)."""
+    core = _unconnected()
+    res = core.reserve("a", 300, PREFILL)
+    assert core.offer(res, 1.0) == [DialPrefill(PREFILL)]
+    refusal = DialRefused(FailureReason.INCOMPATIBLE, f"prefill daemon at {PREFILL} could "
+                          "not pair with this decode: block size: prefill=128, decode=64")
+    actions = core.dialed(PREFILL, "", refusal, now=1.2)
+    assert actions == [Count("connects", "refused"), Freed("a"), TellPrefillAt(
+        PREFILL, ("a",), f"decode's reservation failed: the pair could not connect: {refusal}")]
+    st = core.status("a")
+    assert st.state is TransferState.FAILED and st.reason is FailureReason.INCOMPATIBLE
+    assert "block size: prefill=128, decode=64" in st.detail
+    assert core.slot_of("a") == -1
+
+
+def test_an_unreachable_prefill_fails_the_reservations_at_once_telling_nobody() -> None:
+    core = _unconnected()
+    res = core.reserve("a", 300, PREFILL)
+    core.offer(res, 1.0)
+    down = DialRefused(FailureReason.PEER_UNREACHABLE, f"{PREFILL}: connection refused")
+    assert core.dialed(PREFILL, "", down, now=1.2) == [Count("connects", "unreachable"),
+                                                      Freed("a")]
+    assert core.status("a").reason is FailureReason.PEER_UNREACHABLE
+
+
+def test_an_answer_that_says_nothing_about_the_pair_leaves_the_reservations_and_pauses() -> None:
+    """An older prefill (no Connect) or a busy one: the reservations wait for their
+    deadline as before, and decode does not ask that prefill again for a while."""
+    core = _unconnected()
+    a = core.reserve("a", 300, PREFILL)
+    core.offer(a, 1.0)
+    old = DialRefused(FailureReason.PEER_UNREACHABLE, "UNIMPLEMENTED", retry=True)
+    assert core.dialed(PREFILL, "", old, now=1.1) == [Count("connects", "retry")]
+    assert core.status("a").state is TransferState.BOOTSTRAPPING
+    b = core.reserve("b", 300, PREFILL)
+    assert core.offer(b, 2.0) == []  # paused
+    assert core.offer(b, 1.1 + ASK_AGAIN_AFTER_S + 0.1) == [DialPrefill(PREFILL)]
+
+
+def test_a_prefill_that_connects_under_another_address_fails_the_reservation_clearly() -> None:
+    core = _unconnected()
+    res = core.reserve("a", 300, PREFILL)
+    core.offer(res, 1.0)
+    conn = fake_conn("10.9.9.9:7", AllocatedSide(layout()))
+    core.peers.add(conn)
+    actions = core.dialed(PREFILL, conn.instance_id, None, now=1.1)
+    assert actions[:2] == [Count("connects", "refused"), Freed("a")]
+    assert "names its control address 10.9.9.9:7" in core.status("a").detail

@@ -10,9 +10,12 @@ outcome) and the actions each returns. The driver that does them has its own tes
 from __future__ import annotations
 
 import ast
+import time
 from pathlib import Path
 
-from kvbeam.errors import NotPosted, NotReserved, SendFailed, TransportError
+import pytest
+
+from kvbeam.errors import FrameError, NotPosted, NotReserved, SendFailed, TransportError
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.indices import request_indices
 from kvbeam.server.core import prefill
@@ -262,3 +265,68 @@ def test_an_offer_for_a_failed_request_whose_writes_are_in_flight_waits_for_the_
     assert not rec.drained
     kept, actions = core.offer("r", conn.instance_id, SEQ, _grant(8), 10.0, now=2.0)
     assert (kept, actions) == (False, [Count("offers", "refused")])
+
+
+# ---- decode-initiated pairing: a Send that names no decode ---------------------------
+def test_a_send_naming_no_decode_parks_until_a_decodes_offer_names_it_and_goes_there(
+        ) -> None:
+    """The Send comes first with no decode address (a proxy that speaks vLLM's NIXL
+    contract gives prefill none): it parks, connects nowhere, and the sweep's BeginWrite
+    fallback leaves it alone; the Offer of whichever decode reserved the request binds it
+    to that decode, and its step writes there without asking."""
+    core, conn = _core(send_wait_s=5.0), _conn()
+    core.peers.add(conn)
+    assert core.send("r", 1, SEQ, "", [], True, now=1.0) == []  # parked at once
+    rec = _rec(core)
+    assert rec.step is Step.PARKED and rec.decode_address == "" and rec.conn is None
+    assert core.status("r").state is TransferState.WAITING_FOR_INPUT
+    assert core.periodic(now=1.0 + 10 * prefill.OFFER_GRACE_S) == []  # no BeginWrite: to whom?
+    kept, actions = core.offer("r", conn.instance_id, SEQ, _grant(9), lease_s=1.0, now=1.2)
+    assert kept and actions == [Count("offers", "received"), RunStep(rec)]
+    bound = _rec(core)  # the same record, bound now
+    assert (bound.decode_address, bound.conn) == (DECODE, conn)
+    assert core.status("r").peer == DECODE
+    [used, post] = core.step(rec, now=1.2)
+    assert used == Count("offers", "used")
+    assert isinstance(post, PostWrites) and post.conn is conn and post.grant.transfer_id == 9
+
+
+def test_an_offer_before_a_send_naming_no_decode_is_taken_at_once() -> None:
+    core, conn = _core(send_wait_s=5.0), _conn()
+    core.peers.add(conn)
+    kept, _ = core.offer("r", conn.instance_id, SEQ, _grant(9), lease_s=5.0, now=1.0)
+    assert kept
+    [step] = core.send("r", 1, SEQ, "", [], True, now=1.1)
+    rec = _rec(core)
+    assert step == RunStep(rec) and (rec.decode_address, rec.conn) == (DECODE, conn)
+    [used, post] = core.step(rec, now=1.1)
+    assert used == Count("offers", "used") and isinstance(post, PostWrites)
+
+
+def test_a_send_naming_no_decode_that_nobody_offers_ends_at_its_lease_telling_nobody() -> None:
+    """Its wait is the --send-wait-s lease; the failure names what it waited for, and no
+    decode is told (there is none to tell: no Abort to an empty address)."""
+    core = _core(send_wait_s=5.0)
+    core.send("r", 1, SEQ, "", [], True, now=1.0)
+    [expired] = core.table.expire(time.monotonic() + 6.0)
+    assert expired.detail.startswith("no progress in WaitingForInput for 5.0 s (decode's "
+                                     "reservation: the Send named no decode and no decode "
+                                     "daemon offered"), expired.detail
+    assert core.handle_deadline(expired) == []
+
+
+def test_a_send_naming_no_decode_must_be_one_final_chunk_under_a_lease() -> None:
+    with pytest.raises(FrameError, match=r"decode_address: empty .* one final SEND"):
+        _core(send_wait_s=5.0).send("r", 1, SEQ, "", [(0, 64)], False, now=1.0)
+    with pytest.raises(FrameError, match="needs --send-wait-s above 0"):
+        _core().send("r", 1, SEQ, "", [], True, now=1.0)
+
+
+def test_an_abort_of_a_send_naming_no_decode_before_any_offer_tells_nobody() -> None:
+    core = _core(send_wait_s=5.0)
+    core.send("r", 1, SEQ, "", [], True, now=1.0)
+    failed = core.abort("r", from_peer=False, detail="engine gave up", now=1.5)
+    assert failed is not None
+    rec, detail = failed
+    assert core.abort_answered(rec, from_peer=False, drained=True, detail=detail) == []
+    assert core.status("r").reason is FailureReason.ABORTED

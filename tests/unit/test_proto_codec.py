@@ -37,7 +37,7 @@ def test_generated_code_imports_from_the_package() -> None:
     assert SERVICE_NAME == "kvbeam.v1.KvbeamControl"
     names = set(pb.DESCRIPTOR.services_by_name["KvbeamControl"].methods_by_name)
     assert names == {"Handshake", "Reserve", "Send", "Status", "WatchStatus", "Abort",
-                     "Heartbeat", "Release"}
+                     "Heartbeat", "Release", "Connect"}
 
 
 def test_protocol_version_is_the_schema_constant() -> None:

@@ -528,6 +528,22 @@ class HeartbeatRequest(_message.Message):
     instance_id: str
     def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
 
+class ConnectRequest(_message.Message):
+    __slots__ = ("control_address", "instance_id")
+    CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    control_address: str
+    instance_id: str
+    def __init__(self, control_address: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class ConnectResponse(_message.Message):
+    __slots__ = ("instance_id", "decode_instance_id")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    decode_instance_id: str
+    def __init__(self, instance_id: _Optional[str] = ..., decode_instance_id: _Optional[str] = ...) -> None: ...
+
 class HeartbeatResponse(_message.Message):
     __slots__ = ("instance_id", "role", "protocol_version", "slots", "slots_held", "live_transfers")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -75,6 +75,11 @@ class KvbeamControlStub:
                 request_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.TransferStatus.FromString,
                 _registered_method=True)
+        self.Connect = channel.unary_unary(
+                '/kvbeam.v1.KvbeamControl/Connect',
+                request_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.ConnectRequest.SerializeToString,
+                response_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.ConnectResponse.FromString,
+                _registered_method=True)
 
 
 class KvbeamControlServicer:
@@ -127,7 +132,17 @@ class KvbeamControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """BeginWrite (prefill -> decode) and Offer (decode -> prefill) are no RPCs: their
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Connect(self, request, context):
+        """Prefill: handshake with the calling decode daemon now (decode-initiated pairing).
+        Errors: PERMISSION_DENIED (the caller's credentials do not cover the address),
+        FAILED_PRECONDITION (prefill's handshake was refused: the refusal's text),
+        UNAVAILABLE (decode could not be reached), UNIMPLEMENTED (on decode).
+        BeginWrite (prefill -> decode) and Offer (decode -> prefill) are no RPCs: their
         messages travel on the pair's peer channel only (docs/protocol.md, "The peer
         channel"). Abort is also sent there between daemons. Protocol 2 to 4's Digests is
         gone (protocol 5: the digest mailbox).
@@ -178,6 +193,11 @@ def add_KvbeamControlServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.ReleaseRequest.FromString,
                     response_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.TransferStatus.SerializeToString,
+            ),
+            'Connect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.ConnectRequest.FromString,
+                    response_serializer=kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.ConnectResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +417,33 @@ class KvbeamControl:
             '/kvbeam.v1.KvbeamControl/Release',
             kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.ReleaseRequest.SerializeToString,
             kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.TransferStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Connect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbeam.v1.KvbeamControl/Connect',
+            kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.ConnectRequest.SerializeToString,
+            kvbeam_dot_proto_dot_kvbeam_dot_v1_dot_kvbeam__pb2.ConnectResponse.FromString,
             options,
             channel_credentials,
             insecure,
