@@ -205,6 +205,27 @@ def vllm_router(prefill: Sequence[str], decode: Sequence[str], *, port: int | No
     return _spawn(name, port, cmd, {})
 
 
+def contract_proxy(prefill: Sequence[str], decode: Sequence[str], *, name: str = "contract"
+                   ) -> Served:
+    """tests/vllm_contract_proxy.py over these URLs (a proxy written to vLLM's NIXL
+    contract: NIXL's fixed kv_transfer_params to prefill, a plain uuid X-Request-Id),
+    ready."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "tests.vllm_contract_proxy", "--port", str(port)]
+    for url in prefill:
+        cmd += ["--prefill", url]
+    for url in decode:
+        cmd += ["--decode", url]
+    proxy = _spawn(name, port, cmd, {"PYTHONPATH": str(ROOT)})
+    proxy.wait_ready(timeout=60)
+    return proxy
+
+
+def routed_ids(proxy: Served, since: int = 0) -> list[str]:
+    """The X-Request-Ids a contract proxy gave its requests (after output line ``since``)."""
+    return [line.split()[1] for line in proxy.lines[since:] if line.startswith("routed ")]
+
+
 @dataclass
 class Completion:
     """One completion's generated token ids, finish reason and timings."""
@@ -327,7 +348,8 @@ def start_deployment(work: Path, serve_args: Sequence[str], deadlines: Sequence[
                      decode_policy: str = "fail", prefill_daemon_args: Sequence[str] = (),
                      prefill_daemon_env: Mapping[str, str] | None = None,
                      fleet_extra: int = 0, fleet_prefill_daemon_args: Sequence[str] = (),
-                     fleet_prefill_daemon_env: Mapping[str, str] | None = None) -> Deployment:
+                     fleet_prefill_daemon_env: Mapping[str, str] | None = None,
+                     unmapped: Sequence[str] = ()) -> Deployment:
     """Two ``--pools engine`` daemons, a prefill and a decode ``vllm serve`` with the
     connector, vllm-router in PD mode over them, and a plain ``vllm serve``; all started
     at once, returned once every one answers. ``decode_policy``: decode's
@@ -337,8 +359,9 @@ def start_deployment(work: Path, serve_args: Sequence[str], deadlines: Sequence[
     ``fleet_extra``: N more prefill (``prefill2``...) and decode servers (``decode2``...,
     kvbeam's connector, policy ``fail``), each with its own daemon (the extra prefills'
     get the ``fleet_prefill_daemon_*``), started with the others; every prefill's
-    ``decode_daemons`` maps every decode server, and a second router
-    (:attr:`Deployment.fleet_router`) routes over all of them."""
+    ``decode_daemons`` maps every decode server (but those named in ``unmapped``, which
+    get no ``decode_daemons``: their sends go to the decode that reserves them), and a
+    second router (:attr:`Deployment.fleet_router`) routes over all of them."""
     from tests.attach_helpers import start_engine_daemon
 
     model = write_checkpoint(work / "tiny-llama")
@@ -361,9 +384,12 @@ def start_deployment(work: Path, serve_args: Sequence[str], deadlines: Sequence[
         decode_daemons = {f"127.0.0.1:{ports[n]}": daemons[n].address for n in decodes}
         servers: dict[str, Served] = {}
         for name in prefills:
-            servers[name] = vllm_serve(name, model, args=serve_args, kv_transfer_config=kv_config(
-                "prefill", {"daemon": daemons[name].address, "attach_socket": sockets[name],
-                            "decode_daemons": decode_daemons}))
+            extra: dict[str, Any] = {"daemon": daemons[name].address,
+                                     "attach_socket": sockets[name]}
+            if name not in unmapped:
+                extra["decode_daemons"] = decode_daemons
+            servers[name] = vllm_serve(name, model, args=serve_args,
+                                       kv_transfer_config=kv_config("prefill", extra))
             started.append(servers[name])
         for name in decodes:
             first = name == "decode"

@@ -99,13 +99,15 @@ def test_malformed_params_do_not_raise_into_vllms_scheduler(
         req = Req("f", list(range(45)), bad)
         assert side.get_num_new_matched_tokens(req, 0) == (0, False)
         side.update_state_after_alloc(req, Blocks([7, 3]), 45)
-    prefill = Req("g", list(range(45)), {"do_remote_decode": True, "kvbeam_id": "t7"})
+    prefill = Req("g", list(range(45)), {"do_remote_decode": True, "kvbeam_id": "t7",
+                                          "decode_daemon": 5})
     assert side.request_finished(prefill, [1, 2]) == (False, None)
     assert side.take_plan() == S.StepPlan()
     assert not side.has_pending_push_work()
     refused = [r.getMessage() for r in caplog.records if "no transfer" in r.getMessage()]
     assert any("request f" in m and "kvbeam_id" in m for m in refused), refused
     assert any("request g" in m and "decode_daemon" in m for m in refused), refused
+    assert side.take_counts() == {"no_transfer_malformed_params": 1}  # vLLM's /metrics
 
 
 def test_decode_with_a_local_prefix_loads_only_the_blocks_it_lacks() -> None:
@@ -154,7 +156,9 @@ def test_decode_declines_what_it_will_not_load_and_tells_prefill_once() -> None:
 
 def test_params_and_settings_refuse_what_is_missing() -> None:
     with pytest.raises(ValueError, match="decode_daemon"):
-        P.send_params({"do_remote_decode": True, "kvbeam_id": "x"})
+        P.send_params({"do_remote_decode": True, "kvbeam_id": "x", "decode_daemon": ""})
+    with pytest.raises(ValueError, match="kvbeam_id"):
+        P.send_params({"do_remote_decode": True, "kvbeam_id": 3})
     assert P.load_params({"other": 1}) is None
     with pytest.raises(ConfigError, match="attach_socket"):
         P.Settings.from_extra({"daemon": "a"}, "m")
@@ -185,18 +189,24 @@ def test_behind_vllm_router_prefill_finds_decode_in_the_request_id() -> None:
                     "prefill_daemon": "10.0.0.1:50051", "prompt_len": 40}
 
 
-def test_behind_vllm_router_an_unmapped_decode_sends_nothing(
+def test_behind_vllm_router_an_unmapped_decode_goes_to_the_decode_that_reserves_it(
         caplog: pytest.LogCaptureFixture) -> None:
+    """A decode server vllm-router names that decode_daemons lacks is no longer silence:
+    the send names no decode (the one that reserves it gets it), a WARNING says so once
+    a minute, and every such request is counted."""
     side = S.SchedulerSide(ROUTED, block_size=32)
     other = ROUTER_ID.replace("10.0.0.2:8200", "10.0.0.3:8200")
     with caplog.at_level("WARNING"):
-        assert side.request_finished(Req(other, list(range(40)), dict(ROUTER_PARAMS)),
-                                     [[4, 5]]) == (False, None)
-    assert "decode 10.0.0.3:8200 (from vllm-router's request id) is not in " \
-           "kv_connector_extra_config.decode_daemons" in caplog.text
-    # No router id and no decode_daemon: as before, no transfer.
-    assert S.SchedulerSide(ROUTED, 32).request_finished(
-        Req("cmpl-1", [1] * 40, dict(ROUTER_PARAMS)), [[4, 5]]) == (False, None)
+        for i in range(3):
+            hold, back = side.request_finished(
+                Req(f"{other}{i}", list(range(40)), dict(ROUTER_PARAMS)), [[4, 5]])
+            assert hold and back is not None and back["kvbeam_send_tp"] == 1
+    assert [(p.kvbeam_id, p.decode_daemons) for p in side.take_plan().sends] == [
+        (f"{other}{i}", ()) for i in range(3)]
+    warned = [r.getMessage() for r in caplog.records if "is not in" in r.getMessage()]
+    assert len(warned) == 1 and "decode 10.0.0.3:8200 (named in vllm-router's request id) " \
+        "is not in kv_connector_extra_config.decode_daemons" in warned[0], warned
+    assert side.take_counts() == {"unmapped_decode": 3}
 
 
 def test_decode_daemons_setting_is_checked() -> None:
@@ -262,3 +272,80 @@ def test_tp_params_carry_every_rank_daemon() -> None:
     routed = P.send_params({"do_remote_decode": True}, ROUTER_ID,
                            {"10.0.0.2:8200": ("d:1", "d:2")})
     assert routed == P.SendParams(ROUTER_ID, ("d:1", "d:2"))
+
+
+# ---- vLLM's P/D contract: NIXL's parameters only --------------------------------------
+#: What vLLM's toy proxy (and every proxy written to NixlConnector's contract) sends
+#: prefill: do_remote_decode and NIXL's other keys, null; a plain uuid X-Request-Id.
+NIXL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+               "remote_block_ids": None, "remote_host": None, "remote_port": None,
+               "remote_request_id": None}
+TOY_ID = "cmpl-3f0c1f6e-8a43-4d8e-b1b2-54b1c7f0a9de-0-6a1b2c3d"
+
+
+def test_nixls_parameters_alone_send_to_whichever_decode_reserves_the_request() -> None:
+    """No kvbeam key and no decode address: prefill names the transfer after its own
+    request id (the client's X-Request-Id is in it), sends it naming no decode, and
+    returns it with its daemon: decode's request, given those back unchanged, reserves
+    it there. Decode of prefill's TP loads; another declines (prefill sent for its own)."""
+    side = S.SchedulerSide(SETTINGS, block_size=32)
+    hold, back = side.request_finished(Req(TOY_ID, list(range(70)), dict(NIXL_PARAMS)),
+                                       [5, 9, 2, 11])
+    assert hold
+    assert side.take_plan().sends == [S.Push(TOY_ID, TOY_ID, (5, 9, 2), (), 70)]
+    assert back == {"do_remote_prefill": True, "kvbeam_id": TOY_ID,
+                    "prefill_daemon": "127.0.0.1:7", "prompt_len": 70, "kvbeam_send_tp": 1}
+    decode = S.SchedulerSide(SETTINGS, block_size=32)
+    assert decode.get_num_new_matched_tokens(Req("d", list(range(70)), back), 0) == (70, True)
+    tp2 = P.Settings(daemons=("a:1", "a:2"), attach_sockets=("/a", "/b"), model="m")
+    other = S.SchedulerSide(tp2, block_size=32)
+    assert other.get_num_new_matched_tokens(Req("e", list(range(70)), back), 0) == (0, False)
+    [declined] = other.take_plan().declines
+    assert "prefill named no decode and sent for a decode of TP 1, this one has TP 2" in \
+        declined.why
+
+
+def test_prefill_returns_no_remote_prefill_while_its_daemon_is_detached(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The workers report their daemon detached (vLLM's connector worker metadata): a
+    send cannot happen, so prefill returns no do_remote_prefill (decode computes the
+    prompt, no failed load), holds no blocks, and says so; once they report it attached
+    again, sends resume."""
+    side = S.SchedulerSide(SETTINGS, block_size=32)
+    with caplog.at_level("WARNING"):
+        side.worker_report(S.WorkerReport("the daemon on /x.sock closed the attach socket"))
+        assert side.request_finished(Req("a", list(range(40)), dict(NIXL_PARAMS)),
+                                     [1, 2]) == (False, None)
+    assert not side.has_pending_push_work() and side.take_plan().sends == []
+    assert any("request a asked for a remote decode: no transfer (prefill's kvbeam daemon "
+               "is not attached: the daemon on /x.sock closed" in r.getMessage()
+               for r in caplog.records)
+    assert side.take_counts() == {"no_transfer_detached": 1}
+    side.worker_report(S.WorkerReport(None))  # no change: still detached
+    assert side.request_finished(Req("b", list(range(40)), dict(NIXL_PARAMS)),
+                                 [1, 2]) == (False, None)
+    side.worker_report(S.WorkerReport(""))
+    hold, back = side.request_finished(Req("c", list(range(40)), dict(NIXL_PARAMS)), [1, 2])
+    assert hold and back is not None
+
+
+def test_a_decode_daemon_whose_pair_was_refused_gets_no_transfer_for_a_while() -> None:
+    now = [100.0]
+    side = S.SchedulerSide(SETTINGS, block_size=32, clock=lambda: now[0])
+    named = {"do_remote_decode": True, "kvbeam_id": "t", "decode_daemon": "d:1"}
+    side.worker_report(S.WorkerReport(None, {"d:1": "incompatible: block size: prefill=128, "
+                                                     "decode=64"}))
+    assert side.request_finished(Req("a", [1] * 40, named), [1, 2]) == (False, None)
+    other = {**named, "kvbeam_id": "u", "decode_daemon": "d:2"}
+    assert side.request_finished(Req("b", [1] * 40, other), [1, 2])[0]  # another decode
+    now[0] += S.REFUSED_HOLD_S + 1
+    assert side.request_finished(Req("c", [1] * 40, {**named, "kvbeam_id": "v"}),
+                                 [1, 2])[0]  # tried again
+    assert side.take_counts() == {"no_transfer_decode_refused": 1}
+
+
+def test_workers_reports_merge_a_detached_rank_wins() -> None:
+    up, down = S.WorkerReport(""), S.WorkerReport("gone", {"d:1": "x"})
+    assert up.merged(down) == S.WorkerReport("gone", {"d:1": "x"})
+    assert down.merged(S.WorkerReport(None)) == down
+    assert S.WorkerReport(None).merged(S.WorkerReport(None)).detached is None

@@ -12,14 +12,16 @@ import time
 from typing import Any
 
 import numpy as np
+import pytest
 
 from kvbeam.engine.channel import EngineChannel
+from kvbeam.errors import KvbeamError
 from kvbeam.integrations.vllm import params as P
 from kvbeam.integrations.vllm import scheduler as S
 from kvbeam.integrations.vllm.worker import WorkerSide
 from kvbeam.pools.types import IndexKind
 from kvbeam.proto import engine_frames as ef
-from kvbeam.states import TransferState
+from kvbeam.states import FailureReason, TransferState
 
 SETTINGS = P.Settings(daemons=("127.0.0.1:7",), attach_sockets=("/x.sock",), model="m")
 
@@ -130,3 +132,72 @@ def test_each_decode_rank_reserves_its_own_transfer_on_its_own_daemon() -> None:
         assert decline.request_id == f"t3.r{rank}"
         worker.close()
         daemon.close()
+
+
+def test_a_send_naming_no_decode_goes_out_with_an_empty_decode_address() -> None:
+    """Prefill named no decode (vLLM's NIXL contract): each rank's share is one SEND of
+    its own rank's transfer id, decode address empty (the daemon waits for the Offer of
+    the decode that reserves it)."""
+    for settings, rank, tp, want in ((SETTINGS, 0, 1, "t1"), (TP2, 1, 2, "t1.r1")):
+        engine, daemon = socket.socketpair()
+        worker = WorkerSide(settings, block_size=32, num_kv_heads=2 // tp, head_size=32,
+                            tp_rank=rank, tp_size=tp)
+        worker.attachment = _Attachment(EngineChannel(engine, "test"))  # type: ignore[assignment]
+        worker.absorb(S.StepPlan(sends=[S.Push("a", "t1", (5, 9), (), 40)]))
+        (send,) = _frames(daemon, 1)
+        assert isinstance(send, ef.Send)
+        assert (send.request_id, send.decode_address) == (want, "")
+        worker.close()
+        daemon.close()
+
+
+def test_the_worker_reports_a_detach_once_and_a_refused_decode_daemon() -> None:
+    """What the scheduler side hears (vLLM's connector worker metadata): the attachment
+    going (once), a named decode daemon a send to which could not happen (the pair's
+    handshake refused); nothing when nothing changed."""
+    engine, daemon = socket.socketpair()
+    worker = WorkerSide(SETTINGS, block_size=32, num_kv_heads=2, head_size=32)
+    channel = EngineChannel(engine, "test")
+    worker.attachment = _Attachment(channel)  # type: ignore[assignment]
+    assert worker.report() is None  # attached, nothing new
+    worker.absorb(S.StepPlan(sends=[S.Push("a", "t1", (5, 9), ("d:1",), 40)]))
+    _frames(daemon, 1)
+    daemon.sendall(ef.encode(ef.State("t1", TransferState.FAILED, FailureReason.INCOMPATIBLE,
+                                      3, "block size: prefill=32, decode=64")))
+    assert _finished(worker, ({"a"}, set())) == ({"a"}, set())
+    report = worker.report()
+    assert report is not None and report.detached is None
+    assert report.refused == {"d:1": "incompatible: block size: prefill=32, decode=64"}
+    assert worker.take_counts() == {"send_failed_incompatible": 1}
+    assert worker.report() is None
+    daemon.close()  # the daemon went away
+    deadline = time.monotonic() + 5
+    while not channel.closed_reason and time.monotonic() < deadline:
+        time.sleep(0.01)
+    report = worker.report()
+    assert report is not None and report.detached and "closed the attach socket" in \
+        report.detached
+    assert worker.report() is None  # said once
+    worker.close()
+
+
+def test_the_pool_description_is_read_from_the_live_kv_cache() -> None:
+    """Heads, tokens per block, head size and layout come from the cache tensor (vLLM
+    CPU's [blocks, heads, tokens, K and V], strides LBHNC), checked against vLLM's
+    config: a config that disagrees is refused naming both values."""
+    import torch  # only here: the other tests need no torch
+
+    view = torch.zeros(8, 2, 32, 64)
+    worker = WorkerSide(SETTINGS, block_size=32, num_kv_heads=2, head_size=32)
+    assert tuple(worker._live_geometry("l0", view)) == (2, 32, 32, "LBHNC")
+    nhc = torch.zeros(8, 32, 2, 64).transpose(1, 2)  # tokens outside heads: LBNHC
+    named = P.Settings(daemons=("h:1",), attach_sockets=("/s",), model="m",
+                       inner_layout="LBHNC")
+    with pytest.raises(KvbeamError, match="inner_layout: cache LBNHC, config LBHNC"):
+        WorkerSide(named, block_size=32, num_kv_heads=2, head_size=32)._live_geometry(
+            "l0", nhc)
+    with pytest.raises(KvbeamError, match="block_size: cache 32, config 64"):
+        WorkerSide(SETTINGS, block_size=64, num_kv_heads=2, head_size=32)._live_geometry(
+            "l0", view)
+    with pytest.raises(KvbeamError, match=r"shape \(8, 64\)"):
+        worker._live_geometry("l0", torch.zeros(8, 64))

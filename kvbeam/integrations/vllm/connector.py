@@ -16,14 +16,87 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
 )
 
 from kvbeam.errors import KvbeamError
 from kvbeam.integrations.vllm.params import Settings
-from kvbeam.integrations.vllm.scheduler import SchedulerSide, StepPlan
+from kvbeam.integrations.vllm.scheduler import SchedulerSide, StepPlan, WorkerReport
 from kvbeam.integrations.vllm.worker import WorkerSide
 
 log = logging.getLogger(__name__)
+
+#: The connector's counter in vLLM's /metrics (``vllm:kvbeam_events_total{event}``).
+EVENTS_METRIC = "vllm:kvbeam_events"
+
+
+def use_vllm_log_format() -> None:
+    """kvbeam's log lines in vLLM's processes through vLLM's own handlers (its format:
+    level, timestamp, file), not Python's bare last-resort output. Done once, and only
+    when nobody configured the ``kvbeam`` logger (a user's configuration wins)."""
+    ours, theirs = logging.getLogger("kvbeam"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False  # as vLLM's own logger: no second copy through the root
+
+
+class KvbeamWorkerMeta(KVConnectorWorkerMetadata):
+    """The workers' :class:`WorkerReport` to the scheduler side (vLLM aggregates every
+    worker's and hands it to :meth:`KvbeamConnector.update_connector_output`)."""
+
+    def __init__(self, report: WorkerReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KvbeamWorkerMeta):
+            return KvbeamWorkerMeta(self.report.merged(other.report))
+        return self
+
+
+class KvbeamStats(KVConnectorStats):
+    """Counts of the connector's events since the last collection (``data``: event ->
+    count): requests that asked for a transfer and move nothing, failed sends and loads
+    by reason, decode servers missing from ``decode_daemons``."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for event, n in other.data.items():
+            self.data[event] = self.data.get(event, 0) + int(n)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {f"kvbeam {event}": int(n) for event, n in sorted(self.data.items())}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KvbeamPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvbeam_events_total{event}`` in vLLM's /metrics (docs/vllm.md)."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.events = self._counter_cls(
+            name=EVENTS_METRIC, labelnames=[*labelnames, "event"],
+            documentation="kvbeam connector events: requests that asked for a KV transfer "
+                          "and move none (no_transfer_*, declined), failed sends and loads "
+                          "by reason, decode servers missing from decode_daemons")
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues.get(engine_idx, [])
+        for event, n in transfer_stats_data.items():
+            if n:
+                self.events.labels(*labels, event).inc(n)
 
 
 class KvbeamMetadata(KVConnectorMetadata):
@@ -38,6 +111,7 @@ class KvbeamConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        use_vllm_log_format()
         model = vllm_config.model_config
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         settings = Settings.from_extra(extra, str(model.served_model_name))
@@ -84,6 +158,25 @@ class KvbeamConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         assert self.scheduler is not None
         self.scheduler.sends_finished(connector_output.finished_sending)
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KvbeamWorkerMeta):
+            self.scheduler.worker_report(meta.report)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self.scheduler if self.scheduler is not None else self.worker
+        counts = side.take_counts() if side is not None else {}
+        return KvbeamStats(data=counts) if counts else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return KvbeamStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return KvbeamPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_push_work()
@@ -120,6 +213,10 @@ class KvbeamConnector(KVConnectorBase_V1):
         assert self.worker is not None
         sent, received = self.worker.get_finished()
         return sent or None, received or None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        report = self.worker.report() if self.worker is not None else None
+        return KvbeamWorkerMeta(report) if report is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()

@@ -1,17 +1,26 @@
 """What travels with a vLLM request for kvbeam, and the connector's settings. No vLLM import.
 
-vLLM gives every request its own id in each instance, so the transfer has its own
-id, chosen by whoever routes the request (a proxy, or the test) and carried in the
-request's ``kv_transfer_params`` to both instances:
+vLLM's P/D contract (NixlConnector's, which every proxy written to it follows: vLLM's
+toy proxy, vllm-router, llm-d's sidecar): the proxy sends prefill the request with
+``max_tokens`` 1 and ``kv_transfer_params`` ``{"do_remote_decode": true, ...}``, the
+same X-Request-Id to both servers, then decode the request with the
+``kv_transfer_params`` prefill returned, unchanged. That is all kvbeam needs:
 
-- to prefill: ``{"do_remote_decode": true, "kvbeam_id": ID, "decode_daemon": ADDR}``
-  (ADDR: decode's kvbeam daemon). Prefill computes the prompt, then its daemon writes
-  the prompt's blocks into decode's reserved blocks; the finished output carries
+- to prefill: ``{"do_remote_decode": true}`` (NIXL's other keys are not read). Prefill
+  names the transfer itself: its vLLM request id (``cmpl-<X-Request-Id>-<i>-<hex>``:
+  the client-visible id is in it), and sends it to whichever decode's daemon reserves
+  that id (its daemon waits for decode's Offer: a Send with no decode address). Its
+  finished output carries
 - back: ``{"do_remote_prefill": true, "kvbeam_id": ID, "prefill_daemon": ADDR,
-  "prompt_len": N}``, which the router passes unchanged to decode's request (same
-  prompt). Decode reserves its own blocks for the request on its daemon, naming
-  prefill's daemon; the bytes land there; decode computes only the last prompt
-  token again and generates.
+  "prompt_len": N, "kvbeam_send_tp": T}``, which the proxy passes to decode's request
+  (same prompt). Decode reserves its own blocks for the request on its daemon, naming
+  prefill's daemon (whose daemon decode's reaches, connecting the pair when needed);
+  the bytes land there; decode computes only the last prompt token again and generates.
+
+A proxy of one's own may still name the transfer and decode's daemon (``kvbeam_id``,
+``decode_daemon``); behind vllm-router, prefill's ``decode_daemons`` setting may map
+the decode server the router names in its request id to its daemon. Both send to that
+daemon directly (prefill dials it); neither is needed.
 
 The block ids are each instance's own: prefill's go into its Send as the source
 ``KV_PAGES`` list, decode's into its Reserve as the destination list; kvbeam pairs
@@ -22,7 +31,9 @@ instance of TP size N names N daemons (``decode_daemon`` and ``prefill_daemon`` 
 lists, rank order; a string is one rank). Prefill rank p sends one kvbeam transfer to
 each decode rank d it holds the heads of (:func:`decode_ranks_of`), named
 :func:`rank_transfer_id`; decode rank d reserves that id at the prefill rank that holds
-its heads (:func:`prefill_rank_of`).
+its heads (:func:`prefill_rank_of`). Without a decode address prefill cannot know
+decode's TP: it sends for a decode of its own TP (``kvbeam_send_tp``), and a decode of
+another TP declines.
 """
 
 from __future__ import annotations
@@ -45,8 +56,10 @@ KVBEAM_ID = "kvbeam_id"
 DECODE_DAEMON = "decode_daemon"
 PREFILL_DAEMON = "prefill_daemon"
 PROMPT_LEN = "prompt_len"
+#: Prefill named no decode: it sent for a decode of this TP size (its own).
+SEND_TP = "kvbeam_send_tp"
 #: Every ``kvbeam_``-prefixed key the connector reads; any other one is ignored (logged).
-KNOWN_KVBEAM_KEYS = frozenset({KVBEAM_ID})
+KNOWN_KVBEAM_KEYS = frozenset({KVBEAM_ID, SEND_TP})
 #: The request id vllm-router's PD mode gives both servers (its ``X-Request-Id``, which
 #: vLLM wraps as ``cmpl-<id>-<prompt>-<hex>``): the chosen prefill's and decode's HTTP
 #: host:port and a uuid. vLLM's own MoRI-IO connector reads its peer from it the same way.
@@ -57,10 +70,14 @@ ROUTER_REQUEST_ID = re.compile(
 @dataclass(frozen=True)
 class SendParams:
     """Prefill's instructions: push this request's prompt KV to ``decode_daemons`` (one
-    per decode TP rank, rank order)."""
+    per decode TP rank, rank order), or, with none, to whichever decode daemon reserves
+    it (each prefill rank sends its own share for a decode of prefill's TP size)."""
 
     kvbeam_id: str
-    decode_daemons: tuple[str, ...]
+    decode_daemons: tuple[str, ...] = ()
+    #: A decode server vllm-router named in the request id that ``decode_daemons`` (the
+    #: setting) does not map: the send names no decode instead (logged, counted).
+    unmapped: str = ""
 
 
 @dataclass(frozen=True)
@@ -72,6 +89,8 @@ class LoadParams:
     prefill_daemons: tuple[str, ...]
     #: The prompt length prefill computed (its returned ``prompt_len``; 0: not given).
     prompt_len: int = 0
+    #: Prefill named no decode and sent for a decode of this TP size (0: it named one).
+    send_tp: int = 0
 
 
 #: The most TP ranks a daemon list may name (a bound on what a request may ask for).
@@ -155,33 +174,32 @@ def router_decode(request_id: str) -> str | None:
 def send_params(params: Mapping[str, Any] | None, request_id: str = "",
                 decode_daemons: Mapping[str, tuple[str, ...]] | None = None
                 ) -> SendParams | None:
-    """The send a prefill request asks for, or None.
+    """The send a prefill request asks for (``do_remote_decode``), or None.
 
-    A caller (a proxy) names the transfer and decode's daemon in the parameters. Behind
-    vllm-router's PD mode, which replaces the caller's parameters with NIXL's and names
-    the chosen decode server only in the request id, the transfer is this request's
-    id (unique, and returned to decode) and decode's daemon is looked up in
-    ``decode_daemons`` by that server's HTTP host:port.
+    The transfer is ``kvbeam_id`` where given, else this request's vLLM id (unique, and
+    returned to decode). Its decode daemons: ``decode_daemon`` where given (a proxy of
+    one's own); behind vllm-router, the daemons ``decode_daemons`` maps the decode
+    server named in the request id to; else none: the decode that reserves the
+    transfer gets it (every proxy that speaks vLLM's contract).
 
     Raises:
-        ValueError: the transfer id or decode's daemon is missing or malformed.
+        ValueError: ``decode_daemon`` or ``kvbeam_id`` is given but malformed.
     """
     if not params or not params.get(DO_REMOTE_DECODE):
         return None
     _ignore_unknown(params)
-    decode = router_decode(request_id) if DECODE_DAEMON not in params else None
-    if decode is None:
+    if DECODE_DAEMON in params:
         return SendParams(_text(params, KVBEAM_ID), _daemons(params, DECODE_DAEMON))
-    daemon = (decode_daemons or {}).get(decode)
-    if daemon is None:
-        raise ValueError(f"decode {decode} (from vllm-router's request id) is not in "
-                         "kv_connector_extra_config.decode_daemons (known: "
-                         f"{', '.join(sorted(decode_daemons or {})) or 'none'})")
     kvbeam_id = params.get(KVBEAM_ID) or request_id
-    if not isinstance(kvbeam_id, str):
+    if not isinstance(kvbeam_id, str) or not kvbeam_id:
         raise ValueError(f"kv_transfer_params.{KVBEAM_ID}: a non-empty string is needed "
                          f"(got {kvbeam_id!r})")
-    return SendParams(kvbeam_id, daemon)
+    decode = router_decode(request_id)
+    if decode is None or not decode_daemons:
+        return SendParams(kvbeam_id)
+    daemons = decode_daemons.get(decode)
+    return SendParams(kvbeam_id, daemons) if daemons else SendParams(kvbeam_id,
+                                                                     unmapped=decode)
 
 
 def load_params(params: Mapping[str, Any] | None) -> LoadParams | None:
@@ -193,15 +211,24 @@ def load_params(params: Mapping[str, Any] | None) -> LoadParams | None:
     if not isinstance(prompt_len, int) or isinstance(prompt_len, bool) or prompt_len < 0:
         raise ValueError(f"kv_transfer_params.{PROMPT_LEN}: a token count is needed "
                          f"(got {prompt_len!r})")
-    return LoadParams(_text(params, KVBEAM_ID), _daemons(params, PREFILL_DAEMON), prompt_len)
+    send_tp = params.get(SEND_TP, 0)
+    if not isinstance(send_tp, int) or isinstance(send_tp, bool) or not 0 <= send_tp <= MAX_RANKS:
+        raise ValueError(f"kv_transfer_params.{SEND_TP}: a TP size is needed (got {send_tp!r})")
+    return LoadParams(_text(params, KVBEAM_ID), _daemons(params, PREFILL_DAEMON), prompt_len,
+                      send_tp)
 
 
-def returned_params(kvbeam_id: str, prefill_daemons: tuple[str, ...], prompt_len: int
-                    ) -> dict[str, Any]:
+def returned_params(kvbeam_id: str, prefill_daemons: tuple[str, ...], prompt_len: int,
+                    *, named_decode: bool = True) -> dict[str, Any]:
     """What prefill's finished output carries for decode's request: every prefill rank's
-    daemon (a string for one)."""
-    return {DO_REMOTE_PREFILL: True, KVBEAM_ID: kvbeam_id,
-            PREFILL_DAEMON: _one_or_list(prefill_daemons), PROMPT_LEN: prompt_len}
+    daemon (a string for one); ``named_decode`` False (prefill sent to whichever decode
+    reserves it): the TP size it sent for, ``kvbeam_send_tp``."""
+    out: dict[str, Any] = {DO_REMOTE_PREFILL: True, KVBEAM_ID: kvbeam_id,
+                           PREFILL_DAEMON: _one_or_list(prefill_daemons),
+                           PROMPT_LEN: prompt_len}
+    if not named_decode:
+        out[SEND_TP] = len(prefill_daemons)
+    return out
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -236,17 +263,20 @@ class Settings:
             drives its transfers over it (a daemon attaches one engine).
         model: the model name both sides' pool metadata must share (default: vLLM's
             served model name).
-        inner_layout: the name of vLLM's block layout both sides must share.
-        decode_daemons: prefill behind vllm-router: each decode server's HTTP
-            host:port (as the router's ``--decode`` URL names it) -> that server's
-            kvbeam daemon, or a list of its ranks' daemons for a TP > 1 decode
-            (docs/vllm.md, "Behind vllm-router").
+        inner_layout: the name of vLLM's block layout both sides must share; "" (the
+            default): read from the KV cache's strides (vLLM CPU: ``LBHNC``), and a
+            value given must match them.
+        decode_daemons: optional, prefill behind vllm-router: each decode server's
+            HTTP host:port (as the router's ``--decode`` URL names it) -> that server's
+            kvbeam daemon, or a list of its ranks' daemons for a TP > 1 decode: prefill
+            then dials that daemon itself (docs/vllm.md, "Behind vllm-router"). Not
+            needed: without it the decode that reserves a transfer gets it.
     """
 
     daemons: tuple[str, ...]
     attach_sockets: tuple[str, ...]
     model: str
-    inner_layout: str = "LBHNC"
+    inner_layout: str = ""
     decode_daemons: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def check_tp(self, tp_size: int) -> None:
@@ -297,7 +327,7 @@ class Settings:
                 f"attach_socket {len(lists['attach_socket'])}: one of each per TP rank")
         return cls(daemons=lists["daemon"], attach_sockets=lists["attach_socket"],
                    model=str(extra.get("model") or default_model),
-                   inner_layout=str(extra.get("inner_layout") or "LBHNC"),
+                   inner_layout=str(extra.get("inner_layout") or ""),
                    decode_daemons=_decode_daemons(extra.get("decode_daemons") or {}))
 
 

@@ -12,12 +12,16 @@ vLLM.
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvbeam.integrations.vllm.params import (
+    DO_REMOTE_DECODE,
     LoadParams,
+    SendParams,
     Settings,
     blocks_for,
     load_params,
@@ -27,6 +31,32 @@ from kvbeam.integrations.vllm.params import (
 
 log = logging.getLogger(__name__)
 P = TypeVar("P")
+
+#: Seconds after a worker reported that a send to a decode daemon could not happen (the
+#: pair's handshake was refused, the daemon unreachable) during which prefill's requests
+#: for that daemon run without a transfer: no ``do_remote_prefill`` to decode, which
+#: computes the prompt itself, instead of a load that fails. Then one is tried again.
+REFUSED_HOLD_S = 30.0
+#: Seconds between two WARNINGs about the same decode server missing from
+#: ``decode_daemons`` (each such request is counted).
+UNMAPPED_WARNING_S = 60.0
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """What the workers tell the scheduler side (through vLLM's connector worker
+    metadata, :mod:`kvbeam.integrations.vllm.connector`): why their daemon is not
+    attached now (``detached``; "" attached; None: no change since the last report),
+    and the decode daemons a send to which could not happen, with why."""
+
+    detached: str | None = None
+    refused: dict[str, str] = field(default_factory=dict)
+
+    def merged(self, other: WorkerReport) -> WorkerReport:
+        """Both ranks' reports: a rank detached counts (the instance cannot send)."""
+        detached = self.detached if other.detached is None else (
+            other.detached if self.detached is None else (self.detached or other.detached))
+        return WorkerReport(detached, {**self.refused, **other.refused})
 
 
 @dataclass(frozen=True)
@@ -81,13 +111,24 @@ class StepPlan:
 class SchedulerSide:
     """Per-request decisions of vLLM's scheduler, in vLLM's call order."""
 
-    def __init__(self, settings: Settings, block_size: int) -> None:
+    def __init__(self, settings: Settings, block_size: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.block_size = block_size
+        self.clock = clock
         self._plan = StepPlan()
         self._sending: set[str] = set()
         self._loading: set[str] = set()
         self._declined: set[str] = set()
+        #: Why the workers' daemon is not attached ("": attached), from their reports.
+        self._detached = ""
+        #: Decode daemons a send to could not happen: daemon -> (until, why).
+        self._refused: dict[str, tuple[float, str]] = {}
+        self._unmapped_warned: dict[str, float] = {}
+        #: Events since :meth:`take_counts`, by name (vLLM's connector stats, a metric in
+        #: vLLM's /metrics): requests that asked for a transfer and move nothing
+        #: (``no_transfer_*``, ``declined``), and ``unmapped_decode``.
+        self.counts: Counter[str] = Counter()
 
     # ---- decode ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
@@ -105,7 +146,12 @@ class SchedulerSide:
             return 0, False
         prompt_len = len(request.prompt_token_ids)
         why = ""
-        if p.prompt_len and p.prompt_len != prompt_len:
+        tp = len(self.settings.daemons)
+        if p.send_tp and p.send_tp != tp:
+            why = (f"prefill named no decode and sent for a decode of TP {p.send_tp}, this "
+                   f"one has TP {tp}: run both at the same TP, or name decode's daemons "
+                   "(decode_daemon, decode_daemons)")
+        elif p.prompt_len and p.prompt_len != prompt_len:
             why = (f"its prompt has {prompt_len} tokens, prefill computed {p.prompt_len}: "
                    "prefill's KV is not this prompt's")
         elif num_computed_tokens >= prompt_len:
@@ -123,8 +169,9 @@ class SchedulerSide:
         return prompt_len - num_computed_tokens, True
 
     def _decline(self, req_id: str, p: LoadParams, why: str) -> None:
-        log.info("request %s: not loading transfer %s (%s); prefill frees its blocks now",
-                 req_id, p.kvbeam_id, why)
+        log.warning("request %s: not loading transfer %s (%s): decode computes the prompt; "
+                    "prefill frees its blocks now", req_id, p.kvbeam_id, why)
+        self.counts["declined"] += 1
         self._declined.add(req_id)
         self._plan.declines.append(Decline(req_id, p.kvbeam_id, p.prefill_daemons, why))
 
@@ -161,17 +208,79 @@ class SchedulerSide:
                                        "before decode loaded it")
             self._declined.discard(rid)
             return False, None
-        p = _checked(lambda params: send_params(params, str(request.request_id),
+        p = _checked(lambda params: send_params(params, str(rid),
                                                 self.settings.decode_daemons), request)
-        if p is None or _aborted(request):
+        if p is None:
+            if (request.kv_transfer_params or {}).get(DO_REMOTE_DECODE):
+                self.counts["no_transfer_malformed_params"] += 1  # _checked said why
             return False, None
+        if _aborted(request):
+            return False, None
+        why = self._cannot_send(p)
+        if why:
+            log.warning("request %s asked for a remote decode: no transfer (%s); decode gets "
+                        "no do_remote_prefill and computes the prompt itself", rid, why[1])
+            self.counts[f"no_transfer_{why[0]}"] += 1
+            return False, None
+        if p.unmapped:
+            self._unmapped(rid, p.unmapped)
         ids = _first_group(block_ids)
         seq_len = len(request.prompt_token_ids)
         source = tuple(ids[:blocks_for(seq_len, self.block_size)])
-        self._sending.add(request.request_id)
-        self._plan.sends.append(Push(request.request_id, p.kvbeam_id, source, p.decode_daemons,
-                                     seq_len))
-        return True, returned_params(p.kvbeam_id, self.settings.daemons, seq_len)
+        self._sending.add(rid)
+        self._plan.sends.append(Push(rid, p.kvbeam_id, source, p.decode_daemons, seq_len))
+        return True, returned_params(p.kvbeam_id, self.settings.daemons, seq_len,
+                                     named_decode=bool(p.decode_daemons))
+
+    def _cannot_send(self, p: SendParams) -> tuple[str, str] | None:
+        """(counted reason, why) a send cannot happen, from what the workers reported:
+        their daemon is not attached, or a decode daemon it names refused the pair or
+        was unreachable moments ago; None: send."""
+        if self._detached:
+            return "detached", f"prefill's kvbeam daemon is not attached: {self._detached}"
+        now = self.clock()
+        for daemon in p.decode_daemons:
+            held = self._refused.get(daemon)
+            if held is not None and held[0] > now:
+                return "decode_refused", (f"a send to decode daemon {daemon} failed "
+                                          f"{REFUSED_HOLD_S - (held[0] - now):.0f} s ago: "
+                                          f"{held[1]}")
+            if held is not None:
+                del self._refused[daemon]  # try it again
+        return None
+
+    def _unmapped(self, rid: str, decode: str) -> None:
+        """vllm-router named a decode server ``decode_daemons`` lacks: sent to whichever
+        decode reserves it (that server, as it will), counted, a WARNING a minute."""
+        self.counts["unmapped_decode"] += 1
+        now = self.clock()
+        if now - self._unmapped_warned.get(decode, -UNMAPPED_WARNING_S) >= UNMAPPED_WARNING_S:
+            self._unmapped_warned[decode] = now
+            log.warning("request %s: decode %s (named in vllm-router's request id) is not in "
+                        "kv_connector_extra_config.decode_daemons (known: %s): sending to "
+                        "whichever decode daemon reserves the request instead (the decode "
+                        "that server attached to); decode_daemons is not needed, drop it or "
+                        "add every decode server", rid, decode,
+                        ", ".join(sorted(self.settings.decode_daemons)) or "none")
+
+    def worker_report(self, report: WorkerReport) -> None:
+        """What the workers reported this step (vLLM's connector worker metadata)."""
+        if report.detached is not None and report.detached != self._detached:
+            log.warning("prefill's kvbeam daemon %s", f"is not attached: {report.detached}: "
+                        "requests that ask for a remote decode get no transfer until it is"
+                        if report.detached else "is attached again")
+            self._detached = report.detached
+        until = self.clock() + REFUSED_HOLD_S
+        for daemon, why in report.refused.items():
+            log.warning("a send to decode daemon %s could not happen (%s): for %.0f s "
+                        "prefill's requests for it get no transfer (decode computes them)",
+                        daemon, why, REFUSED_HOLD_S)
+            self._refused[daemon] = (until, why)
+
+    def take_counts(self) -> dict[str, int]:
+        """The events counted since the last call, by name; then zero."""
+        out, self.counts = dict(self.counts), Counter()
+        return out
 
     def sends_finished(self, req_ids: set[str] | None) -> None:
         """The workers reported these sends ended: vLLM frees their blocks now."""

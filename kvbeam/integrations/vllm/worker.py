@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from collections import Counter
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvbeam.engine import (
     Attachment,
@@ -39,14 +40,29 @@ from kvbeam.integrations.vllm.params import (
     prefill_rank_of,
     rank_transfer_id,
 )
-from kvbeam.integrations.vllm.scheduler import Load, StepPlan
+from kvbeam.integrations.vllm.scheduler import Load, StepPlan, WorkerReport
 from kvbeam.pools.paged import block_bytes, paged_side_config, paged_spec
 from kvbeam.proto.attach_codec import BufferRef
+from kvbeam.states import FailureReason
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+#: A send failed for one of these: the pair cannot connect (the scheduler side stops
+#: returning do_remote_prefill for that decode daemon for a while).
+_PAIR_FAILED = frozenset({FailureReason.INCOMPATIBLE, FailureReason.PEER_UNREACHABLE})
+
+
+class Geometry(NamedTuple):
+    """A layer's KV block geometry, as the daemons' handshake compares it."""
+
+    num_kv_heads: int
+    block_size: int
+    head_size: int
+    inner_layout: str
+
 
 _TORCH_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16",
                  "torch.float32": "float32", "torch.uint8": "uint8",
@@ -80,6 +96,11 @@ class WorkerSide:
         self._sends: dict[str, list[Sender | None]] = {}
         self._load_errors: set[int] = set()
         self.moved_bytes = 0
+        #: Failed sends and loads since :meth:`take_counts` (vLLM's connector stats).
+        self.counts: Counter[str] = Counter()
+        #: Decode daemons a send to which could not happen since the last report.
+        self._refused: dict[str, str] = {}
+        self._reported_detached = ""
 
     # ---- memory ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -94,13 +115,16 @@ class WorkerSide:
         shared = self._shared.share(whole, "vllm-kv")
         for v in views:  # re-point in place: vLLM's layers hold these tensor objects
             v.set_(shared.untyped_storage(), v.storage_offset(), v.size(), v.stride())
+        # Every field the daemons' handshake compares is read from the live cache (its
+        # tensor's dtype, shape and strides), and checked against vLLM's config.
         dtype = _TORCH_DTYPES.get(str(views[0].dtype))
         if dtype is None:
             raise KvbeamError(f"KV dtype {views[0].dtype} has no kvbeam name")
         num_blocks = int(views[0].shape[0])
-        spec = paged_spec(num_layers=len(views), block_size=self.block_size,
-                          num_kv_heads=self.num_kv_heads, head_size=self.head_size, dtype=dtype,
-                          inner_layout=self.settings.inner_layout, num_blocks=num_blocks,
+        live = self._live_geometry(next(iter(kv_caches)), views[0])
+        spec = paged_spec(num_layers=len(views), block_size=live.block_size,
+                          num_kv_heads=live.num_kv_heads, head_size=live.head_size,
+                          dtype=dtype, inner_layout=live.inner_layout, num_blocks=num_blocks,
                           tp_rank=self.tp_rank, tp_size=self.tp_size)
         item = block_bytes(spec)
         refs = []
@@ -118,9 +142,38 @@ class WorkerSide:
         self.attachment = attach(self.attach_socket,
                                  EngineBuffers(list(self._shared.fds), [refs]), config,
                                  pushes="final")
-        log.info("attached vLLM's KV cache (TP rank %d of %d, %d KV heads): %d layers x %d "
-                 "blocks of %d bytes to %s", self.tp_rank, self.tp_size, self.num_kv_heads,
-                 len(views), num_blocks, item, self.attach_socket)
+        log.info("attached vLLM's KV cache (TP rank %d of %d): %d layers x %d blocks of %d "
+                 "bytes (%s, %d KV heads x %d tokens x head size %d, layout %s) to %s",
+                 self.tp_rank, self.tp_size, len(views), num_blocks, item, dtype,
+                 live.num_kv_heads, live.block_size, live.head_size, live.inner_layout,
+                 self.attach_socket)
+
+    def _live_geometry(self, name: str, view: torch.Tensor) -> Geometry:
+        """The block geometry of one layer's live KV view, vLLM's logical ``[B, H, N, C]``
+        (C: K and V of one head for one token), and its layout from the strides (vLLM
+        CPU: ``LBHNC``). Each must equal what vLLM's config says (else vLLM built a cache
+        kvbeam does not pair: refused, naming both).
+
+        Raises:
+            KvbeamError: another shape, or a value that differs from the config.
+        """
+        shape = tuple(int(d) for d in view.shape)
+        if len(shape) != 4 or shape[3] % 2:
+            raise KvbeamError(f"layer {name}: KV view of shape {shape}: kvbeam pairs vLLM's "
+                              "[blocks, KV heads, tokens, K and V] layer caches only")
+        strides = tuple(int(x) for x in view.stride())
+        axes = sorted((1, 2, 3), key=lambda d: -strides[d])
+        live = Geometry(shape[1], shape[2], shape[3] // 2,
+                        "LB" + "".join("HNC"[d - 1] for d in axes))
+        want = Geometry(self.num_kv_heads, self.block_size, self.head_size,
+                        self.settings.inner_layout or live.inner_layout)
+        differ = [f"{f}: cache {getattr(live, f)}, config {getattr(want, f)}"
+                  for f in Geometry._fields if getattr(live, f) != getattr(want, f)]
+        if differ:
+            raise KvbeamError(f"layer {name}: vLLM's live KV cache differs from its config "
+                              f"({'; '.join(differ)}): kvbeam describes the cache itself to "
+                              "the daemons; fix the config (inner_layout: leave it out)")
+        return live
 
     # ---- transfers ---------------------------------------------------------------
     def absorb(self, plan: StepPlan) -> None:
@@ -149,10 +202,18 @@ class WorkerSide:
                     declined.why)
             for push in plan.sends:
                 senders: list[Sender | None] = []
-                decode_tp = len(push.decode_daemons)
-                for d in decode_ranks_of(self.tp_rank, self.tp_size, decode_tp):
-                    sender = Sender(att, rank_transfer_id(push.kvbeam_id, d, decode_tp),
-                                    push.decode_daemons[d])
+                if not push.decode_daemons:
+                    # No decode named: this rank's share goes to whichever decode daemon
+                    # reserves its transfer id (a decode of this TP size: rank to rank).
+                    targets = [(rank_transfer_id(push.kvbeam_id, self.tp_rank,
+                                                 self.tp_size), "")]
+                else:
+                    decode_tp = len(push.decode_daemons)
+                    targets = [(rank_transfer_id(push.kvbeam_id, d, decode_tp),
+                                push.decode_daemons[d])
+                               for d in decode_ranks_of(self.tp_rank, self.tp_size, decode_tp)]
+                for transfer_id, decode in targets:
+                    sender = Sender(att, transfer_id, decode)
                     sender.send(list(push.block_ids), seq_len=push.seq_len)
                     senders.append(sender)
                 self._sends[push.req_id] = senders
@@ -174,9 +235,15 @@ class WorkerSide:
         for r in sent:
             for sender in self._sends.pop(r):
                 failed = sender.failure() if sender is not None else None
-                if failed is not None:
-                    log.warning("request %s: send of transfer %s failed: %s", r,
-                                sender.request_id if sender else "?", failed[1])
+                if failed is None:
+                    continue
+                reason, why = failed
+                self.counts[f"send_failed_{reason.value if reason else 'unknown'}"] += 1
+                log.warning("request %s: send of transfer %s failed (%s): %s; decode computes "
+                            "the prompt", r, sender.request_id if sender else "?",
+                            reason.value if reason else "?", why)
+                if sender is not None and sender.decode_address and reason in _PAIR_FAILED:
+                    self._refused[sender.decode_address] = f"{reason.value}: {why}"
         received: set[str] = set()
         with self._batch():
             for r, (load, receiver) in list(self._loads.items()):
@@ -185,10 +252,13 @@ class WorkerSide:
                     assert receiver is not None
                     self._landed(load, receiver)
                 elif state is KVPoll.Failed:
-                    why = receiver.failure() if receiver is not None else None
-                    log.warning("request %s: transfer %s failed (%s); vLLM gets its blocks as "
-                                "load errors", r, load.kvbeam_id, why[1] if why else "not "
-                                "reserved")
+                    failure = receiver.failure() if receiver is not None else None
+                    label = (failure[0].value if failure and failure[0]
+                             else "not_reserved")
+                    self.counts[f"load_failed_{label}"] += 1
+                    log.warning("request %s: transfer %s failed (%s: %s); vLLM gets its blocks "
+                                "as load errors (kv_load_failure_policy)", r, load.kvbeam_id,
+                                label, failure[1] if failure else "not reserved")
                     self._load_errors.update(load.block_ids)
                 else:
                     continue
@@ -199,6 +269,34 @@ class WorkerSide:
     def _batch(self) -> contextlib.AbstractContextManager[None]:
         channel = self.attachment.channel if self.attachment is not None else None
         return channel.batch() if channel is not None else contextlib.nullcontext()
+
+    def detached(self) -> str:
+        """Why no daemon takes this worker's requests now ("": its attachment is up)."""
+        att = self.attachment
+        if att is None:
+            return "not attached yet"
+        channel = att.channel
+        if channel is None:
+            return f"the daemon on {self.attach_socket} has no engine channel (an older kvbeam)"
+        return channel.closed_reason
+
+    def report(self) -> WorkerReport | None:
+        """What the scheduler side should know since the last report (None: nothing):
+        the attachment went or came back, sends to a decode daemon that could not
+        happen (vLLM's connector worker metadata carries it to the scheduler)."""
+        detached = self.detached()
+        changed = detached != self._reported_detached
+        if not changed and not self._refused:
+            return None
+        self._reported_detached = detached
+        out = WorkerReport(detached if changed else None, self._refused)
+        self._refused = {}
+        return out
+
+    def take_counts(self) -> dict[str, int]:
+        """Failed sends and loads since the last call, by reason; then zero."""
+        out, self.counts = dict(self.counts), Counter()
+        return out
 
     def take_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call."""
