@@ -171,7 +171,8 @@ OPTIONS: tuple[Option, ...] = (
            "decode: seconds a slot stays held after Success until Release"),
     Option("send_wait_s", "KVBEAM_SEND_WAIT_S", float, 10.0,
            "prefill: seconds a Send that arrived before decode's reservation waits for it "
-           "(WaitingForInput, its source pages held); then it fails with reason timeout"),
+           "(WaitingForInput, its source pages held; a Send naming no decode waits for the "
+           "Offer of the decode that reserves it); then it fails with reason timeout"),
     Option("rpc_timeout_s", "KVBEAM_RPC_TIMEOUT_S", float, 5.0,
            "deadline of every RPC to a peer"),
     Option("heartbeat_s", "KVBEAM_HEARTBEAT_S", float, 1.0,

@@ -13,11 +13,19 @@ shown). Decode runs tests/vllm_zeroing.py's connector (kvbeam's, plus zeroing th
 first landed block of transfers named ``zero-N``) for the negative control, sent in
 vLLM's toy proxy protocol.
 
+The pair's prefill has no ``decode_daemons`` (the recommended configuration: its sends
+name no decode, and the decode that reserves a transfer gets it, decode's daemon
+connecting the pair), behind vllm-router and behind tests/vllm_contract_proxy.py, a
+proxy written to vLLM's NIXL contract (NIXL's fixed kv_transfer_params, a plain uuid
+X-Request-Id), which passes the same tests and moves the KV (both daemons' counters).
+
 The fleet: one more prefill (prefill2) and decode server (decode2), each with its own
 daemon, and a second vllm-router over all four (two ``--prefill``, two ``--decode``);
-every prefill's ``decode_daemons`` maps both decodes. The last test kills decode2
-mid-transfer. A sixth server (decode, block size 64, bfloat16) is refused for both
-mismatches. All start at once, once per module.
+prefill2's ``decode_daemons`` maps both decodes (the explicit mapping still works). The
+decode2 test kills decode2 mid-transfer; the last one kills prefill2's daemon (nothing
+moves, decode computes, both say so). A sixth server (decode, block size 64, bfloat16)
+is refused for both mismatches, at once and naming the cause. All start at once, once
+per module.
 
 Runs only where vLLM and vllm-router are installed in the interpreter running pytest
 (``make test-vllm``); KVBEAM_REQUIRE_VLLM=1 turns the skip into a failure.
@@ -45,8 +53,10 @@ from tests.vllm_served import (
     Deployment,
     Served,
     complete,
+    contract_proxy,
     kv_config,
     metric,
+    routed_ids,
     start_deployment,
     vllm_serve,
     write_checkpoint,
@@ -65,9 +75,12 @@ SEND_WAIT_S = 30
 DEADLINES = ["--deadline-bootstrap-s", "20", "--deadline-waiting-s", "60",
              "--deadline-transfer-s", "30", "--heartbeat-s", "1", "--rpc-timeout-s", "5",
              "--handoff-lease-s", "60", "--send-wait-s", str(SEND_WAIT_S),
-             "--log-level", "INFO"]
+             "--log-level", "INFO", "--log-requests"]  # each request's steps: one grep
 #: Transfers whose link prefill's daemon breaks (its KVBEAM_FAULT_BREAK_LINK prefix).
 BROKEN = "broken-"
+#: The mismatched decode's reservations give up after this (its --deadline-bootstrap-s):
+#: before decode could ask prefill to connect, a refused pair reached its client only then.
+MISMATCH_DEADLINE_S = 10
 #: The mismatched decode server's --dtype (the others run float32).
 MISMATCHED_DTYPE = "bfloat16"
 #: The fleet's second prefill daemon waits this long before each write
@@ -75,7 +88,8 @@ MISMATCHED_DTYPE = "bfloat16"
 SLOW_WRITE_S = 3
 #: Both sides and the plain server: prefix caching and chunked prefill on, small chunks.
 SERVE_ARGS = ["--enable-prefix-caching", "--enable-chunked-prefill",
-              "--max-num-batched-tokens", "64", "--max-num-seqs", "8"]
+              "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
+              "--enable-log-requests"]  # each request's id in vLLM's log: one grep finds it
 
 
 def _tokens(rng: np.random.Generator, n: int) -> list[int]:
@@ -98,9 +112,11 @@ def mismatched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mismatched]
     work = tmp_path_factory.mktemp("vllm-mismatched")
     model = write_checkpoint(work / "tiny-llama")
     sock = str(work / "decode64.sock")
-    # Its reservations give up after 10 s: a refused handshake never reaches them.
+    # Its reservations give up after 10 s (Bootstrapping: a reservation's state until
+    # prefill writes): before decode could ask prefill to connect, a refused handshake
+    # reached them only then.
     daemon = start_engine_daemon("decode", sock, deadlines=[
-        *DEADLINES, "--deadline-waiting-s", "10"])
+        *DEADLINES, "--deadline-bootstrap-s", str(MISMATCH_DEADLINE_S)])
     server = vllm_serve("decode64", model, block_size=64, dtype=MISMATCHED_DTYPE, args=SERVE_ARGS,
                         kv_transfer_config=kv_config("decode", {
                             "daemon": daemon.address, "attach_socket": sock}, policy="fail"))
@@ -123,11 +139,23 @@ def served(tmp_path_factory: pytest.TempPathFactory, mismatched: Mismatched
         # One more prefill and decode (prefill2, decode2) and a router over all four;
         # test-only: prefill2's daemon writes slowly (decode2 is killed mid-transfer).
         fleet_extra=1, fleet_prefill_daemon_args=["--enable-fault-injection"],
-        fleet_prefill_daemon_env={"KVBEAM_FAULT_WRITE_DELAY_S": str(SLOW_WRITE_S)})
+        fleet_prefill_daemon_env={"KVBEAM_FAULT_WRITE_DELAY_S": str(SLOW_WRITE_S)},
+        # The pair's prefill maps no decode: its sends go to whichever decode reserves them.
+        unmapped=["prefill"])
     try:
         yield deployment
     finally:
         deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def contract(served: Deployment) -> Iterator[Served]:
+    """A proxy written to vLLM's NIXL contract over the pair (no vLLM server more)."""
+    proxy = contract_proxy([served.prefill.url], [served.decode.url])
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
 
 
 def _at_once(router: Served, plain: Served, prompts: list[list[int]], *, stream: bool
@@ -162,7 +190,13 @@ def test_router_output_equals_the_direct_server(served: Deployment) -> None:
     rng = np.random.default_rng(0)
     prompts = [_tokens(rng, n) for n in (45, 70, 100, 64, 33, 20, 200)]
     prompts[2][:64] = prompts[1][:64]
+    since = len(served.daemons["prefill"].lines)
     got, want, landed, nbytes = _compare(served, prompts, stream=False)
+    # Prefill maps no decode: each send named none and went to the decode that reserved
+    # it (vllm-router hands prefill's returned kv_transfer_params to decode unchanged).
+    bound = [line for line in served.daemons["prefill"].lines[since:]
+             if "reserved it: sending there" in line]
+    assert len(bound) == len(prompts), bound
     for g, w in zip(got, want, strict=True):
         assert (g.status, g.finish, w.status, w.finish) == (200, "length", 200, "length"), (g, w)
         assert len(w.tokens) == MAX_TOKENS
@@ -187,11 +221,12 @@ def test_router_streams_what_the_direct_server_streams(served: Deployment) -> No
     assert landed == len(prompts), landed
 
 
-def _one(d: Deployment, prompt: list[int]) -> tuple[Completion, Completion, float, float]:
-    """One prompt through the router, then to the plain server: (router's, plain's,
-    transfers landed on decode, blocks landed)."""
+def _one(d: Deployment, prompt: list[int], via: Served | None = None
+         ) -> tuple[Completion, Completion, float, float]:
+    """One prompt through the router (or ``via``), then to the plain server: (router's,
+    plain's, transfers landed on decode, blocks landed)."""
     before = d.landed()
-    got = complete(d.router.url, prompt, MAX_TOKENS)
+    got = complete((via or d.router).url, prompt, MAX_TOKENS)
     after = d.landed()
     want = complete(d.plain.url, prompt, MAX_TOKENS)
     return got, want, after[0] - before[0], (after[1] - before[1]) / BLOCK_BYTES
@@ -225,6 +260,74 @@ def test_decode_loads_only_the_blocks_its_prefix_cache_lacks(served: Deployment)
         assert got.tokens == want.tokens, case
         assert (landed, blocks) == (1, total - held), (case, landed, blocks)
     log.warning("partial loads through vllm-router:\n%s", "\n".join(rows))
+
+
+def test_behind_a_contract_proxy_output_equals_the_direct_server_and_the_kv_moves(
+        served: Deployment, contract: Served) -> None:
+    """vLLM's NIXL contract and nothing else (tests/vllm_contract_proxy.py: NIXL's fixed
+    kv_transfer_params to prefill, a plain uuid X-Request-Id to both, prefill's returned
+    params to decode unchanged), 5 prompts at once not streamed, then 3 streamed:
+    token-identical to the plain server; prefill's daemon wrote every prompt whole and
+    decode's landed it (Success and bytes in both daemons' counters: decode computed
+    nothing itself); and each X-Request-Id the proxy made names its transfer in both
+    daemons' logs and both servers' (one grep follows the request)."""
+    rng = np.random.default_rng(20)
+    p_url = served.metrics("prefill")
+    p_before = (metric(p_url, "kvbeam_transfers_total", state="Success"),
+                metric(p_url, "kvbeam_request_bytes_total"))
+    logs = {"prefill daemon": served.daemons["prefill"].lines,
+            "decode daemon": served.daemons["decode"].lines,
+            "prefill vLLM": served.prefill.lines, "decode vLLM": served.decode.lines}
+    since = {name: len(lines) for name, lines in logs.items()}
+    proxied = len(contract.lines)
+    moved = blocks = 0
+    rows = []
+    for stream, lengths in ((False, (45, 100, 64, 20, 200)), (True, (50, 130, 31))):
+        prompts = [_tokens(rng, n) for n in lengths]
+        before = served.landed()
+        got, want = _at_once(contract, served.plain, prompts, stream=stream)
+        after = served.landed()
+        for g, w in zip(got, want, strict=True):
+            assert (g.status, g.finish, w.status, w.finish) == (200, "length", 200, "length"), \
+                (g, w)
+        assert [g.tokens for g in got] == [w.tokens for w in want]
+        n = sum(blocks_for(len(p), BLOCK) for p in prompts)  # random: no prefix held
+        assert (after[0] - before[0], after[1] - before[1]) == (len(prompts), n * BLOCK_BYTES)
+        moved, blocks = moved + len(prompts), blocks + n
+        rows.append(f"stream={stream}: {lengths}: {len(prompts)} transfers, {n} blocks, "
+                    f"{n * BLOCK_BYTES} bytes landed on decode, tokens identical")
+    p_after = (metric(p_url, "kvbeam_transfers_total", state="Success"),
+               metric(p_url, "kvbeam_request_bytes_total"))
+    assert (p_after[0] - p_before[0], p_after[1] - p_before[1]) == (moved, blocks * BLOCK_BYTES)
+    ids = routed_ids(contract, proxied)
+    assert len(ids) == moved, ids
+    missing = [(rid, name) for rid in ids for name, lines in logs.items()
+               if not any(rid in line for line in lines[since[name]:])]
+    example = [line.strip() for line in logs["decode daemon"][since["decode daemon"]:]
+               if ids[0] in line][:1]
+    log.warning("behind the contract proxy:\n%s\nprefill daemon: %d transfers, %d bytes "
+                "written; X-Request-Id %s in decode's daemon: %s", "\n".join(rows), moved,
+                blocks * BLOCK_BYTES, ids[0], example)
+    assert not missing, missing
+
+
+def test_behind_a_contract_proxy_decode_loads_only_the_blocks_its_prefix_cache_lacks(
+        served: Deployment, contract: Served) -> None:
+    """Partial loads need nothing from the proxy: decode's reservation names the blocks
+    its prefix cache lacks, and prefill's daemon writes only those."""
+    rng = np.random.default_rng(21)
+    base = _tokens(rng, 96)  # 3 blocks
+    shared = base[:64] + _tokens(rng, 40)  # 4 blocks, the first 2 base's
+    rows = []
+    for case, prompt, held in (("new prompt", base, 0), ("shared 2-block prefix", shared, 2),
+                               ("repeat", base, 2)):
+        got, want, landed, moved = _one(served, prompt, via=contract)
+        total = blocks_for(len(prompt), BLOCK)
+        rows.append(f"{case}: {total} blocks, {moved:g} moved")
+        assert (got.status, got.finish) == (200, "length"), got
+        assert got.tokens == want.tokens, case
+        assert (landed, moved) == (1, total - held), (case, landed, moved)
+    log.warning("partial loads behind the contract proxy: %s", rows)
 
 
 def test_a_declined_transfer_frees_prefills_blocks_at_once(served: Deployment) -> None:
@@ -373,48 +476,105 @@ def test_a_client_that_disconnects_frees_both_instances(served: Deployment) -> N
     assert more < 300, more  # aborted, not run to its end
 
 
-def _failed_on_the_mismatched(served: Deployment, mismatched: Mismatched, kvbeam_id: str,
-                              seed: int, tokens: int) -> None:
-    """Prefill sends a prompt to the mismatched decode server (toy proxy order); decode's
-    vLLM (``kv_load_failure_policy: "fail"``) must fail it, not generate from blocks
-    that never landed."""
+
+
+@pytest.fixture(scope="module")
+def contract_mismatched(served: Deployment, mismatched: Mismatched) -> Iterator[Served]:
+    """A contract proxy over the pair's prefill and the mismatched decode server."""
     mismatched.server.wait_ready()
-    prompt = _tokens(np.random.default_rng(seed), tokens)
+    proxy = contract_proxy([served.prefill.url], [mismatched.server.url],
+                           name="contract-mismatched")
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+def _refused(got: Completion) -> bool:
+    """Decode's vLLM (``kv_load_failure_policy: "fail"``) failed the request rather than
+    generate from blocks that never landed."""
+    return got.status != 200 or got.finish == "error"
+
+
+def test_a_block_size_mismatch_is_refused_at_once_naming_both(served: Deployment,
+                                                               mismatched: Mismatched) -> None:
+    """Prefill (block size 32) sends to a decode server with block size 64 (its daemon
+    named, toy proxy order): prefill's handshake is refused naming both values and its
+    send fails; decode's reservation makes its daemon ask prefill's to connect, the
+    same refusal fails it at once, and decode's vLLM (``"fail"``) fails the request at
+    once, not at the reservation's deadline. Prefill now knows that decode cannot be
+    paired: its next request for it returns no do_remote_prefill (decode computes the
+    prompt), counted in prefill's vLLM metrics."""
+    mismatched.server.wait_ready()
+    daemons = {"prefill": served.daemons["prefill"], "decode": mismatched.daemon}
+    since = {role: len(d.lines) for role, d in daemons.items()}
+    prompt = _tokens(np.random.default_rng(7), 70)
     first = complete(served.prefill.url, prompt, 1, kv_transfer_params={
-        "do_remote_decode": True, "kvbeam_id": kvbeam_id,
+        "do_remote_decode": True, "kvbeam_id": "bs-1",
         "decode_daemon": mismatched.daemon.address})
+    began = time.monotonic()
     got = complete(mismatched.server.url, prompt, MAX_TOKENS,
                    kv_transfer_params=first.kv_transfer_params)
-    log.warning("%s to the mismatched decode: the client saw %s %s %s", kvbeam_id,
-                got.status, got.finish, got.error[:200])
-    assert got.status != 200 or got.finish == "error", got
+    took = time.monotonic() - began
+    named = {role: [line.strip() for line in d.lines[since[role]:]
+                    if "bs-1" in line and "block size: prefill=32, decode=64" in line]
+             for role, d in daemons.items()}
+    log.warning("block size mismatch: the client saw HTTP %s %s %r after %.2f s; the "
+                "daemons: %s", got.status, got.finish, got.error[:120], took,
+                {role: lines[:1] for role, lines in named.items()})
+    assert _refused(got), got
+    assert took < MISMATCH_DEADLINE_S, took
+    assert named["prefill"] and named["decode"], named
+    assert any("failed: incompatible" in line for line in named["decode"]), named
+    # Prefill's vLLM heard of the refused send (its workers' report): no transfer now.
+    usage = f"{served.prefill.url}/metrics"
+    prompt = _tokens(np.random.default_rng(9), 70)
+    second = complete(served.prefill.url, prompt, 1, kv_transfer_params={
+        "do_remote_decode": True, "kvbeam_id": "bs-2",
+        "decode_daemon": mismatched.daemon.address})
+    assert second.kv_transfer_params is None, second
+    assert metric(usage, "vllm:kvbeam_events_total", event="no_transfer_decode_refused") >= 1
+    computed = complete(mismatched.server.url, prompt, MAX_TOKENS)  # what the proxy sends on
+    assert (computed.status, computed.finish) == (200, "length"), computed
+    assert any("asked for a remote decode: no transfer (a send to decode daemon "
+               f"{mismatched.daemon.address} failed" in line for line in served.prefill.lines)
 
 
-def test_a_block_size_mismatch_is_refused_naming_both(served: Deployment,
-                                                      mismatched: Mismatched) -> None:
-    """Prefill (block size 32) sends to a decode server with block size 64: the daemons'
-    handshake refuses the pair naming both values, prefill's send fails, and decode's
-    vLLM (``kv_load_failure_policy: "fail"``) fails the request instead of generating
-    from blocks that never landed."""
-    _failed_on_the_mismatched(served, mismatched, "bs-1", 7, 70)
-    named = [line for d in (served.daemons["prefill"], mismatched.daemon) for line in d.lines
-             if "block_size" in line]
-    log.warning("refusal: %s", named[:2])
-    assert any("32" in line and "64" in line for line in named), named
-
-
-def test_a_dtype_mismatch_is_refused_naming_both(served: Deployment,
-                                                 mismatched: Mismatched) -> None:
-    """Prefill's KV is float32, the mismatched decode server's bfloat16 (``--dtype``):
-    the handshake names both dtypes (beside the block sizes: it names every
-    difference), and decode's vLLM fails the request."""
-    _failed_on_the_mismatched(served, mismatched, "dtype-1", 8, 90)
-    # Prefill's daemon fails this transfer naming the difference.
-    named = [line for line in served.daemons["prefill"].lines
-             if "dtype-1" in line and "differ in dtype" in line]
-    log.warning("refusal: %s", named[:1])
-    assert any(f"prefill=float32, decode={MISMATCHED_DTYPE}" in line for line in named), \
-        [line for line in served.daemons["prefill"].lines if "dtype-1" in line]
+def test_a_dtype_mismatch_behind_a_contract_proxy_fails_both_sides_at_once(
+        served: Deployment, mismatched: Mismatched, contract_mismatched: Served) -> None:
+    """Prefill's KV is float32, the mismatched decode server's bfloat16 (``--dtype``; the
+    connector describes its pool from the live cache tensor, so the handshake compares
+    dtypes, not item bytes alone). Behind the contract proxy prefill's send names no
+    decode; the mismatched decode's reservation makes its daemon ask prefill's to
+    connect; prefill's handshake is refused naming dtype (and block size: every
+    difference); decode's reservation fails at once with that text, decode's vLLM fails
+    the request at once, and decode tells prefill, whose send fails too: prefill's
+    blocks are free at once, not at its --send-wait-s lease."""
+    daemons = {"prefill": served.daemons["prefill"], "decode": mismatched.daemon}
+    since = {role: len(d.lines) for role, d in daemons.items()}
+    proxied = len(contract_mismatched.lines)
+    usage = f"{served.prefill.url}/metrics"
+    began = time.monotonic()
+    got = complete(contract_mismatched.url, _tokens(np.random.default_rng(8), 90), MAX_TOKENS)
+    took = time.monotonic() - began
+    [rid] = routed_ids(contract_mismatched, proxied)
+    while time.monotonic() - began < SEND_WAIT_S and metric(usage,
+                                                            "vllm:kv_cache_usage_perc") > 0:
+        time.sleep(0.1)
+    freed = time.monotonic() - began
+    failed = {role: [line.strip() for line in d.lines[since[role]:]
+                     if rid in line and "fail" in line] for role, d in daemons.items()}
+    log.warning("dtype mismatch behind the contract proxy: the client saw HTTP %s %s %r after "
+                "%.2f s; prefill's blocks free after %.2f s; the daemons: %s", got.status,
+                got.finish, got.error[:120], took, freed,
+                {role: lines[:1] for role, lines in failed.items()})
+    assert _refused(got), got
+    assert took < MISMATCH_DEADLINE_S, took
+    dtypes = f"dtype: prefill=float32, decode={MISMATCHED_DTYPE}"
+    assert any(dtypes in line and "incompatible" in line for line in failed["decode"]), failed
+    assert any(dtypes in line and "decode's reservation failed" in line
+               for line in failed["prefill"]), failed
+    assert freed < SEND_WAIT_S, freed  # by decode's word, not by the lease
 
 
 #: vllm-router's request id in a daemon's log: (prefill's, decode's HTTP host:port).
@@ -432,7 +592,7 @@ def _host(server: Served) -> str:
 def test_a_fleet_behind_one_router_equals_the_direct_server(served: Deployment) -> None:
     """Two prefill and two decode servers behind one vllm-router (``--prefill A
     --prefill B --decode C --decode D``, prefill round robin, ``--decode-policy
-    random``; every prefill's ``decode_daemons`` maps both decodes): 8 prompts at once
+    random``; A maps no decode, B's ``decode_daemons`` maps both): 8 prompts at once
     not streamed, then 8 streamed, token-identical to the plain server; every daemon
     counted transfers, every transfer went to the decode server the router named in the
     request id (and came from the prefill it named), and a prefill sent to a decode
@@ -470,7 +630,8 @@ def test_a_fleet_behind_one_router_equals_the_direct_server(served: Deployment) 
     for p in served.fleet_prefill:
         assert {pre for pre, _ in routed[p.name]} == {_host(p)}, routed
     # The router picks decode at random: some prefill sent to the decode server that is
-    # not its lockstep partner (missed with probability 2**-16), through decode_daemons.
+    # not its lockstep partner (missed with probability 2**-16): A to the decode that
+    # reserved it, B through decode_daemons.
     pairs = {pair for r in routed.values() for pair in r}
     hosts = [_host(s) for s in fleet]
     assert pairs & {(hosts[0], hosts[3]), (hosts[1], hosts[2])}, pairs
@@ -497,7 +658,7 @@ def _reserved_from(decode_lines: list[str], since: int, prefill_daemon: str) -> 
 
 def test_a_decode_killed_mid_transfer_behind_the_router_leaves_prefill_serving(
         served: Deployment) -> None:
-    """Last in the module: it kills decode2. Waves of four 400-token prompts go through
+    """Last but one in the module: it kills decode2. Waves of four 400-token prompts go through
     the fleet's router (prefill round robin, decode at random) until decode2's daemon
     reserves one from prefill2, whose daemon writes slowly
     (``KVBEAM_FAULT_WRITE_DELAY_S``); then decode2's ``vllm serve`` and its engine
@@ -592,3 +753,49 @@ def test_a_decode_killed_mid_transfer_behind_the_router_leaves_prefill_serving(
     assert (got.status, got.finish) == (200, "length"), got
     assert got.tokens == want.tokens
     assert served.landed()[0] == landed + 1
+
+
+def test_with_prefills_daemon_gone_nothing_moves_decode_computes_and_both_say_so(
+        served: Deployment) -> None:
+    """The negative control of the contract proxy's test, last in the module: prefill2's
+    daemon is killed (SIGKILL), and prompts go through a contract proxy over prefill2 and
+    the pair's decode (``recompute``). No KV moves (decode's daemon lands nothing), decode
+    computes every prompt (tokens identical to the plain server's), at once, and it is
+    not silent: prefill2's vLLM returns no do_remote_prefill once its workers reported
+    the detach (WARNING, ``vllm:kvbeam_events_total{event="no_transfer_detached"}``); a
+    request that got params before that fails its load on decode at once, its daemon
+    unable to reach prefill2's (WARNING, ``load_failed_peer_unreachable``)."""
+    assert served.fleet_prefill
+    prefill2 = served.fleet_prefill[1]
+    served.daemons["prefill2"].kill()
+    proxy = contract_proxy([prefill2.url], [served.decode.url], name="contract-prefill2")
+    try:
+        landed = served.landed()
+        since = {"prefill2": len(prefill2.lines), "decode": len(served.decode.lines)}
+        rng = np.random.default_rng(30)
+        seen = []
+        for _ in range(3):
+            prompt = _tokens(rng, 90)
+            began = time.monotonic()
+            got = complete(proxy.url, prompt, MAX_TOKENS)
+            took = time.monotonic() - began
+            want = complete(served.plain.url, prompt, MAX_TOKENS)
+            seen.append(f"HTTP {got.status} {got.finish} in {took:.2f} s, identical="
+                        f"{got.tokens == want.tokens}")
+            assert (got.status, got.finish) == (200, "length"), got
+            assert got.tokens == want.tokens
+            assert took < MISMATCH_DEADLINE_S, took
+    finally:
+        proxy.stop()
+    p_metrics = f"{prefill2.url}/metrics"
+    detached = metric(p_metrics, "vllm:kvbeam_events_total", event="no_transfer_detached")
+    unreachable = metric(f"{served.decode.url}/metrics", "vllm:kvbeam_events_total",
+                         event="load_failed_peer_unreachable")
+    said = [line.strip() for line in prefill2.lines[since["prefill2"]:]
+            if "asked for a remote decode: no transfer" in line]
+    log.warning("prefill2's daemon killed: %s; landed on decode: %s -> %s; prefill2 %s "
+                "request(s) without a transfer (%s); decode %s failed load(s)", seen, landed,
+                served.landed(), detached, said[:1], unreachable)
+    assert served.landed() == landed  # nothing moved
+    assert detached >= 1 and said, (detached, said)
+    assert "prefill's kvbeam daemon is not attached" in said[0], said
