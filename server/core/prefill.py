@@ -183,7 +183,10 @@ class PrefillCore(PrefillEvents, CoreBase):
         lists = (validate("prefill", self.spec, self.layout, indices or {}, draft or {}, seq_len)
                  if (indices or draft) and kv_offset is None else None)
         offered_by = self.offers.conn_of(request_id) if not decode_address else None
-        if offered_by is not None and not offered_by.closed:
+        if offered_by is not None and offered_by.closed:
+            self.offers.drop(request_id)  # its connection went: that decode asks again
+            offered_by = None
+        if offered_by is not None:
             # Decode's Offer came first: it names the decode (decode-initiated pairing).
             decode_address = offered_by.control_address
         with self._lock:
@@ -220,7 +223,7 @@ class PrefillCore(PrefillEvents, CoreBase):
                                np.zeros(len(src[IndexKind.KV_PAGES]), dtype=np.bool_),
                                src_draft=src_draft, pieces=pieces)
                 self._out[request_id] = rec
-                if offered_by is not None and not offered_by.closed:
+                if offered_by is not None:
                     rec.conn = offered_by
             else:
                 snap = self.table.get(request_id)
@@ -328,6 +331,16 @@ class PrefillCore(PrefillEvents, CoreBase):
                  conn.instance_id, conn.control_address,
                  extra=fields(request_id, conn.control_address))
         return True
+
+    def _bound_by_offer(self, rec: Outgoing) -> bool:
+        """A step of a Send that names no decode: bound to the decode whose offer is in
+        the book (an Offer the step's start raced), or, with none usable, not (an offer
+        over a connection that closed is dropped: the step parks, not loops)."""
+        conn = self.offers.conn_of(rec.request_id)
+        if conn is not None and not conn.closed:
+            return self._bind_to_offer(rec.request_id, conn, kept=True)
+        self.offers.drop(rec.request_id)
+        return False
 
     def _offer_after_end(self, request_id: str, conn: PeerConn) -> Actions:
         """Decode offered a reservation for a request that ended here: refused (counted),
@@ -536,7 +549,7 @@ class PrefillCore(PrefillEvents, CoreBase):
                 rec.move(Step.IDLE)
         if idle:
             return self._maybe_resend(rec)
-        if not rec.decode_address:
+        if not rec.decode_address and not self._bound_by_offer(rec):
             return self._park(rec, now)  # no decode yet: its Offer names one
         with self._lock:
             conn = self._step_conn(rec)

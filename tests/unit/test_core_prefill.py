@@ -320,3 +320,23 @@ def test_chunks_of_one_request_post_in_order_and_succeed_after_the_final() -> No
         assert core.status("c").state is TransferState.TRANSFERRING
         core.on_event(link.completion(tid))
     assert core.status("c").state is TransferState.SUCCESS
+
+
+def test_a_decodes_connect_and_a_send_to_it_share_one_handshake() -> None:
+    """Decode's Connect (decode-initiated pairing) and a Send's step that names the same
+    decode, at once: one handshake, whose connection both get (no second link that would
+    replace the first)."""
+    core, fake = prefill_core(integrity=False)
+    gate = fake.hold[ADDR] = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(core.connect_back, ADDR, "")
+        assert wait_for(lambda: fake.connects == [ADDR])  # its handshake under way
+        core.send("r", 1, 300, ADDR, [], True)  # its step waits for the same handshake
+        time.sleep(0.1)
+        gate.set()
+        conn = asked.result(10)
+    assert wait_for(lambda: core.status("r").state is TransferState.TRANSFERRING
+                    or core.status("r").state is TransferState.SUCCESS)
+    assert fake.connects == [ADDR] and core.peers.by_address(ADDR) is conn
+    assert core.connect_back(ADDR, conn.instance_id) is conn  # connected: no handshake
+    assert fake.connects == [ADDR]

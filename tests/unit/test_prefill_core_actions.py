@@ -330,3 +330,16 @@ def test_an_abort_of_a_send_naming_no_decode_before_any_offer_tells_nobody() -> 
     rec, detail = failed
     assert core.abort_answered(rec, from_peer=False, drained=True, detail=detail) == []
     assert core.status("r").reason is FailureReason.ABORTED
+
+
+def test_a_send_naming_no_decode_drops_an_offer_whose_connection_closed_and_parks() -> None:
+    """An Offer kept from a connection that has closed since binds nothing: the Send
+    parks for a new Offer (its step does not run again and again)."""
+    core, conn = _core(send_wait_s=5.0), _conn()
+    core.peers.add(conn)
+    kept, _ = core.offer("r", conn.instance_id, SEQ, _grant(9), lease_s=5.0, now=1.0)
+    assert kept
+    conn.closed = True
+    assert core.send("r", 1, SEQ, "", [], True, now=1.1) == []  # parked at once
+    rec = _rec(core)
+    assert rec.step is Step.PARKED and rec.decode_address == "" and not core.offers.has("r")
