@@ -20,7 +20,7 @@ SGLANG_STAMP := $(VENV)/.kvbeam-sglang
 POSTER_STAMP := $(VENV)/.kvbeam-poster
 
 .PHONY: help system-deps setup demo test test-host test-rdma test-compose lint proto proto-check \
-	bench bench-plan bench-handshake bench-host bench-digest bench-deps bench-vllm clean \
+	bench bench-plan bench-handshake bench-host bench-digest bench-staging bench-deps bench-vllm clean \
 	test-vllm test-sglang
 
 help: ## list the targets
@@ -178,6 +178,9 @@ bench-digest: setup ## digest GB/s per thread and core, the GIL, and the 61-laye
 	@mkdir -p $(BENCH_DIR)
 	bash -o pipefail -c '$(PY) -m tests.bench.bench_digest --json $(BENCH_DIR)/digest.json \
 		| tee $(BENCH_DIR)/digest.txt'
+
+bench-staging: setup ## staging on CPU: a request's gather + scatter beside plain copies of the same bytes (target <= 1.5x)
+	$(PY) -m tests.bench.bench_staging
 
 bench-vllm: ## TTFT and inter-token latency through vllm-router + kvbeam vs one `vllm serve` (own venv)
 	$(MAKE) $(VLLM_ROUTER_STAMP)
