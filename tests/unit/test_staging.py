@@ -230,3 +230,21 @@ def test_large_blocks_in_runs_or_scattered_round_trip(order: str) -> None:
         s = src_kv.buffer_view(buf).view(-1, buf.item_len)
         d = dst_kv.buffer_view(buf).view(-1, buf.item_len)
         assert torch.equal(d[torch.from_numpy(dst)], s[torch.from_numpy(src)]), buf.name
+
+
+@pytest.mark.parametrize("out", [True, False], ids=["gather", "scatter"])
+def test_the_cuda_copy_path_moves_the_same_rows_as_the_cpu_path(out: bool) -> None:
+    """The device path's extent arithmetic (a gather into a contiguous temporary, one copy
+    per extent), run on CPU tensors: the same rows as the CPU path (no GPU here)."""
+    from kvbeam.engine.staging import _cpu_copy, _cuda_copy
+
+    rng = np.random.default_rng(4)
+    dev = torch.from_numpy(rng.integers(0, 256, (64, 32), dtype=np.uint8))
+    host = torch.from_numpy(rng.integers(0, 256, (40, 32), dtype=np.uint8))
+    idx = rng.permutation(64)[:12].astype(np.int64)
+    extents = ((3, 5), (20, 1), (30, 6))  # a fragmented staging allocation
+    a_dev, a_host, b_dev, b_host = dev.clone(), host.clone(), dev.clone(), host.clone()
+    _cpu_copy(a_dev, a_host, idx, extents, out)
+    _cuda_copy(b_dev, b_host, torch.from_numpy(idx), extents, out)
+    assert torch.equal(a_dev, b_dev) and torch.equal(a_host, b_host)
+    assert not (torch.equal(a_dev, dev) and torch.equal(a_host, host))  # something moved
