@@ -453,8 +453,8 @@ class DecodeCore(CoreBase):
                     or not self.table.is_live(res.request_id)
                     or not self._dialing.start(address, now)):
                 return []
-        log.info("request %s: no connection to prefill %s: asking it to connect",
-                 res.request_id, address, extra=fields(res.request_id, address))
+        request_log.info("request %s: no connection to prefill %s: asking it to connect",
+                         res.request_id, address, extra=fields(res.request_id, address))
         return [DialPrefill(address)]
 
     def dialed(self, address: str, instance_id: str, error: DialRefused | None,
@@ -478,6 +478,8 @@ class DecodeCore(CoreBase):
             waiting = [r for r in self._res.values()
                        if r.prefill_address == address and not r.peer_instance]
         if error is None:
+            log.info("prefill %s connected on this decode's ask: %d reservation(s) offered",
+                     address, len(waiting), extra=fields(peer=address))
             actions: Actions = [Count("connects", "ok")]
             for res in waiting:
                 actions += self.offer(res, now)

@@ -45,7 +45,7 @@ from kvbeam.errors import (
     SendFailed,
     TransportError,
 )
-from kvbeam.logs import fields
+from kvbeam.logs import fields, request_log
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.engine_indices import ListLike, check_kv_skip, same_lists, validate
 from kvbeam.pools.indices import request_indices
@@ -327,9 +327,9 @@ class PrefillCore(PrefillEvents, CoreBase):
             if not kept:
                 rec.asked = True
         self.table.set_peer(request_id, conn.control_address)
-        log.info("request %s: decode %s at %s reserved it: sending there", request_id,
-                 conn.instance_id, conn.control_address,
-                 extra=fields(request_id, conn.control_address))
+        request_log.info("request %s: decode %s at %s reserved it: sending there",
+                         request_id, conn.instance_id, conn.control_address,
+                         extra=fields(request_id, conn.control_address))
         return True
 
     def _bound_by_offer(self, rec: Outgoing) -> bool:

@@ -81,7 +81,8 @@ def test_a_send_naming_no_decode_moves_to_the_decode_that_reserves_it(engines: F
     assert de.cmd("digests any1") == pe.cmd("digests any1")
     # Decode asked once; prefill never dialled decode on its own (it had no address).
     assert _connects(decode, "ok") == 1 and _connects(prefill, "ok") == 1
-    assert any("asking it to connect" in line for line in decode.lines)
+    assert any("connected on this decode's ask: 1 reservation(s) offered" in line
+               for line in decode.lines)
     assert any("request any0: decode " in line and "reserved it: sending there" in line
                for line in prefill.lines)
 
