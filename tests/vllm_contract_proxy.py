@@ -15,8 +15,9 @@ robin each), makes one plain uuid ``X-Request-Id`` for both, and
 2. sends decode the client's request with the ``kv_transfer_params`` prefill returned,
    unchanged, and relays decode's answer (streamed or not) to the client.
 
-It knows nothing of kvbeam. One line per request on stdout: ``routed ID prefill=URL
-decode=URL status=N``, so a test can find the X-Request-Id it gave both servers.
+It knows nothing of kvbeam. Two lines per request on stdout: ``routed ID prefill=URL
+decode=URL`` before it is routed (a test finds the X-Request-Id it gave both servers)
+and ``answered ID status=N``.
 ``GET /health`` answers 200.
 """
 
@@ -96,9 +97,10 @@ class Handler(BaseHTTPRequestHandler):
         request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
         prefill, decode = self.picker.next()
         request_id = str(uuid.uuid4())
+        # Before routing: the line is out before the client has its answer.
+        print(f"routed {request_id} prefill={prefill} decode={decode}", flush=True)
         status = self._route(request, prefill, decode, request_id)
-        print(f"routed {request_id} prefill={prefill} decode={decode} status={status}",
-              flush=True)
+        print(f"answered {request_id} status={status}", flush=True)
 
     def _route(self, request: dict[str, Any], prefill: str, decode: str,
                request_id: str) -> int:

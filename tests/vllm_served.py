@@ -222,8 +222,16 @@ def contract_proxy(prefill: Sequence[str], decode: Sequence[str], *, name: str =
 
 
 def routed_ids(proxy: Served, since: int = 0) -> list[str]:
-    """The X-Request-Ids a contract proxy gave its requests (after output line ``since``)."""
-    return [line.split()[1] for line in proxy.lines[since:] if line.startswith("routed ")]
+    """The X-Request-Ids a contract proxy gave its requests (after output line ``since``),
+    once it said it answered each (its output is read by another thread)."""
+    end = time.monotonic() + 10
+    while True:
+        lines = list(proxy.lines[since:])
+        routed = [line.split()[1] for line in lines if line.startswith("routed ")]
+        answered = {line.split()[1] for line in lines if line.startswith("answered ")}
+        if set(routed) <= answered or time.monotonic() > end:
+            return routed
+        time.sleep(0.05)
 
 
 @dataclass
