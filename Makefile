@@ -129,7 +129,8 @@ test-vllm: ## vLLM prefill + decode through kvbeam daemons (LLM objects, and `vl
 	$(MAKE) $(VLLM_ROUTER_STAMP)
 	KVBEAM_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/host/test_vllm_connector.py tests/host/test_vllm_auth.py \
-		tests/host/test_vllm_served.py tests/host/test_vllm_tp.py
+		tests/host/test_vllm_served.py tests/host/test_vllm_tp.py \
+		tests/host/test_vllm_recovery.py
 
 # sglang's real servers in their own venv: pinned, --no-deps, beside the CPU torch (docs/sglang.md).
 SGLANG_SERVER_VENV  ?= .venv-sglang
