@@ -415,7 +415,7 @@ class AttachServer:
         """A whole attach message arrived: admit it, attach, answer."""
         cred = p.cred
         try:
-            req = self._admit(sel, cred, decode_body(body), len(p.fds))
+            req = self._admit(sel, decode_body(body), len(p.fds))
         except RecursionError:
             self._refuse(p, "attach message nested too deeply", "")
             return
@@ -449,8 +449,7 @@ class AttachServer:
         log.info("engine pid %d (uid %d) attached on %s (pushes: %s)", cred.pid, cred.uid,
                  self.path, req.pushes)
 
-    def _admit(self, sel: selectors.BaseSelector, cred: PeerCred, data: object,
-               nfds: int) -> AttachRequest:
+    def _admit(self, sel: selectors.BaseSelector, data: object, nfds: int) -> AttachRequest:
         req = request_from_json(data, nfds)
         if req.op != "attach":
             raise AttachError("op: detach without an attachment on this connection", "op")
