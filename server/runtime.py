@@ -10,6 +10,7 @@ which the loops call back.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import TYPE_CHECKING, cast
@@ -133,6 +134,11 @@ class Runtime:
         self.metrics_address = ""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        #: Whether an engine attached in this daemon's life (a later attach is new memory).
+        self._attached_before = False
+        #: kvbeam_info's labels; ``instance`` follows a re-attach's new id.
+        self.info = {"role": self.role.value, "instance": self.local.instance_id,
+                     "transport": self.transport.kind, "version": __version__}
 
     def _on_change(self, snap: TransferStatus) -> None:
         """The transfer table's observer: metrics, and the engine channel's pushes."""
@@ -266,8 +272,11 @@ class Runtime:
     def attach_engine(self, req: AttachRequest, fds: list[int], cred: PeerCred) -> str:
         """Check and map an engine's memory, register it, hand it to the core, serve.
 
-        Returns the daemon's new instance id: peers that handshook before see a
-        restart and handshake again, against the new memory.
+        Returns the daemon's instance id. The first attach keeps the id the daemon
+        started with (its listening line's: no peer can have handshaken before, a
+        daemon without memory refuses the handshake); an attach after a detach takes
+        a new one, logged with both, so that peers that handshook against the old
+        memory see a restart and handshake again.
         """
         memory = map_engine_memory(req, fds, self.role.value, self.expected)  # closes fds
         try:
@@ -287,11 +296,16 @@ class Runtime:
         else:
             cast("PrefillDriver", core).use_staging(records)
         pools = Pools(memory.config, memory.layout, memory.side, registration)
+        previous = self.local.instance_id
         local = SideInfo(self.role, memory.layout, self._template_endpoint(),
                          control_address=self.local.control_address)
+        if not self._attached_before:
+            local = dataclasses.replace(local, instance_id=previous)
         self._servicer.core.use_pools(memory.config.target, memory.layout, memory.side)
         self.local = self._servicer.local = local
         self._pools = pools
+        self._attached_before = True
+        self.info["instance"] = local.instance_id
         if self.gauges is not None:
             self.gauges.on_attach(pools)
         if self.health is not None:
@@ -299,6 +313,10 @@ class Runtime:
         log.info("engine pid %d attached: %s, %d region(s) registered (%s), instance %s",
                  cred.pid, memory.config.model, len(registration.regions),
                  self.transport.kind, local.instance_id)
+        if local.instance_id != previous:
+            log.info("instance id %s -> %s: an engine attached new memory after a detach; "
+                     "peers that handshook with %s handshake again", previous,
+                     local.instance_id, previous)
         return local.instance_id
 
     def detach_engine(self, reason: str) -> None:
@@ -332,8 +350,7 @@ class Runtime:
         slots = self.slot_usage
 
         self.metrics.registry.register(DaemonCollector(Sources(
-            info={"role": self.role.value, "instance": self.local.instance_id,
-                  "transport": self.transport.kind, "version": __version__},
+            info=self.info,
             transport=self.transport.stats,
             live=self.table.live,
             peers=lambda: len(self.peers.all()),
