@@ -29,6 +29,7 @@ from kvbeam.server.attach import AttachServer, PeerCred, default_socket_path
 from kvbeam.server.attach_memory import map_engine_memory
 from kvbeam.server.attach_runtime import UNATTACHED_LAYOUT, AttachGauges, Pools, release
 from kvbeam.server.control import HEALTH_SERVICES, ControlServer
+from kvbeam.server.end_log import EndLog
 from kvbeam.server.engine_channel import CoreOps, EngineChannel
 from kvbeam.server.faults import FaultHooks, build_faults
 from kvbeam.server.lifecycle import Deadlines, TransferTable
@@ -111,6 +112,10 @@ class Runtime:
                                 self.transport.register(own.tensor_regions(), self.access))
             self._fit_records(own.layout, self.expected.target)
         self.metrics = DaemonMetrics(self.role.value)
+        #: One line per ended transfer, written by the sweeper (--log-ends-per-s).
+        self.end_log = EndLog(settings.log_ends_per_s,
+                              lambda rid: self._servicer.core.facts_of(rid),
+                              "landed" if self.role is Role.DECODE else "written")
         self.table = TransferTable(
             Deadlines(settings.deadline_bootstrap_s, settings.deadline_waiting_s,
                       settings.deadline_transfer_s),
@@ -141,8 +146,11 @@ class Runtime:
                      "transport": self.transport.kind, "version": __version__}
 
     def _on_change(self, snap: TransferStatus) -> None:
-        """The transfer table's observer: metrics, and the engine channel's pushes."""
+        """The transfer table's observer: metrics, the end-of-transfer line (queued) and
+        the engine channel's pushes."""
         self.metrics.on_change(snap)
+        if snap.state.terminal:
+            self.end_log.ended(snap)
         channel = self.engine_channel
         if channel is not None:
             channel.on_change(snap)
@@ -363,6 +371,10 @@ class Runtime:
                 self._servicer.sweep()
             except Exception:  # the sweeper must survive any one bad transfer
                 log.exception("deadline sweep failed")
+            try:
+                self.end_log.flush()
+            except Exception:  # a log line must never stop the sweeps
+                log.exception("logging ended transfers failed")
 
     def stop(self, grace: float = 2.0) -> None:
         """Fail live transfers (reason shutdown), stop serving, release everything."""
@@ -381,6 +393,7 @@ class Runtime:
             self.server.stop(grace)
         for t in self._threads:
             t.join(timeout=5)
+        self.end_log.flush(final=True)  # the sweeper is gone: the last ends' lines
         for conn in self.peers.all():
             conn.close()
         self.metrics.stop()
