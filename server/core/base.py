@@ -32,7 +32,7 @@ def request_bytes(layout: SideLayout, indices: IndexLists, draft: IndexLists) ->
     return sum(buffer_bytes(layout, indices, draft))
 
 
-class CoreBase(PoolsHolder):
+class CoreBase(PoolsHolder, ABC):
     """The status accessor and the engine-pools switch of a core (state is the core's)."""
 
     table: TransferTable
