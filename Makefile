@@ -21,8 +21,8 @@ SGLANG_STAMP := $(VENV)/.kvbeam-sglang
 POSTER_STAMP := $(VENV)/.kvbeam-poster
 
 .PHONY: help system-deps setup demo test test-host test-rdma test-compose lint proto proto-check \
-	bench bench-plan bench-handshake bench-host bench-digest bench-deps bench-vllm clean \
-	test-vllm test-sglang vllm-env sglang-env
+	bench bench-plan bench-handshake bench-host bench-digest bench-staging bench-deps bench-vllm clean \
+	test-vllm test-sglang vllm-env sglang-env gpu-check gpu-wheels
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
@@ -64,7 +64,7 @@ $(SETUP_STAMP): pyproject.toml setup.py
 # install builds them the first time; optional: without the headers the pyverbs poster
 # and python-xxhash are used, without a compiler plans, writes, claims and lists are made
 # in Python and numpy).
-$(POSTER_STAMP): transport/verbs/_post.c pools/_xxh3.c pools/_xxh3_avx2.c pools/_xxh3_loop.h \
+$(POSTER_STAMP): transport/verbs/_post.c transport/verbs/_dmabuf.c pools/_xxh3.c pools/_xxh3_avx2.c pools/_xxh3_loop.h \
 		pools/_plan.c pools/_owners.c pools/_int64_buffer.h transport/_blocks.c \
 		proto/_frames.c setup.py $(SETUP_STAMP)
 	$(PY) setup.py -q build_ext --inplace --build-temp build/poster
@@ -185,6 +185,23 @@ bench-digest: setup ## digest GB/s per thread and core, the GIL, and the 61-laye
 	@mkdir -p $(BENCH_DIR)
 	bash -o pipefail -c '$(PY) -m tests.bench.bench_digest --json $(BENCH_DIR)/digest.json \
 		| tee $(BENCH_DIR)/digest.txt'
+
+bench-staging: setup ## staging on CPU: a request's gather + scatter beside plain copies of the same bytes (target <= 1.5x)
+	$(PY) -m tests.bench.bench_staging
+
+# The GPU check runs where there is no venv (the GPU machine): the venv's Python here, else
+# python3. docs/gpu.md has the exact command for the GPU machine.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+# What the GPU machine's Python 3.12 may lack or have too old for the committed stubs
+# (grpcio >= 1.85, protobuf >= 7.35, grpcio-health-checking), as wheels carried with the tree.
+GPU_WHEELS := grpcio==1.85.4 protobuf==7.36.2 grpcio-health-checking==1.85.1
+
+gpu-check: ## the GPU check (tests/gpu/gpu_check.py): staged reference engines on CUDA through two daemons, faults, GB/s, dma-buf; ARGS=--cpu: the same on CPU tensors
+	$(GPU_PY) tests/gpu/gpu_check.py $(ARGS)
+
+gpu-wheels: ## download the wheels the GPU machine's Python 3.12 may lack into .gpu-wheels (carried with the tree)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux2014_x86_64 --implementation cp -d .gpu-wheels $(GPU_WHEELS)
 
 bench-vllm: vllm-env ## TTFT and inter-token latency through vllm-router + kvbeam vs one `vllm serve` (own venv)
 	@mkdir -p $(BENCH_DIR)

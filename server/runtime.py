@@ -29,6 +29,7 @@ from kvbeam.server.attach import AttachServer, PeerCred, default_socket_path
 from kvbeam.server.attach_memory import map_engine_memory
 from kvbeam.server.attach_runtime import UNATTACHED_LAYOUT, AttachGauges, Pools, release
 from kvbeam.server.control import HEALTH_SERVICES, ControlServer
+from kvbeam.server.dmabuf import DmabufAccess
 from kvbeam.server.end_log import EndLog
 from kvbeam.server.engine_channel import CoreOps, EngineChannel
 from kvbeam.server.faults import FaultHooks, build_faults
@@ -101,6 +102,8 @@ class Runtime:
         log.info("%s daemon: %s transport%s", self.role.value, self.transport.kind,
                  "" if self.transport.kind == "rdma" else
                  " (NO RDMA DEVICE: data moves over TCP, far slower than RDMA)")
+        #: How an engine's ``memory_kind: dmabuf`` attach is taken (kvbeam.server.dmabuf).
+        self.dmabuf = DmabufAccess(self.transport, settings.integrity)
         #: The digest records' memory (protocol 5), the daemon's own (never an engine's):
         #: decode's mailbox (a slot per request slot, REMOTE_WRITE, advertised in the
         #: handshake) or prefill's staging slots (``--max-inflight``, LOCAL). Registered
@@ -286,9 +289,17 @@ class Runtime:
         a new one, logged with both, so that peers that handshook against the old
         memory see a restart and handshake again.
         """
-        memory = map_engine_memory(req, fds, self.role.value, self.expected)  # closes fds
+        memory = map_engine_memory(req, fds, self.role.value, self.expected,  # closes fds
+                                   dmabuf=self.dmabuf)
         try:
-            registration = self.transport.register(memory.side.tensor_regions(), self.access)
+            if memory.dmabuf is None:
+                registration = self.transport.register(memory.side.tensor_regions(),
+                                                       self.access)
+            else:  # the fds are registered (RDMA) or their mappings (TCP); then closed
+                try:
+                    registration = self.dmabuf.register(memory.dmabuf, self.access)
+                finally:
+                    memory.dmabuf.close()
         except BaseException:
             unmap(memory.side.take_maps())
             raise
@@ -318,9 +329,9 @@ class Runtime:
             self.gauges.on_attach(pools)
         if self.health is not None:
             self.health.refresh()
-        log.info("engine pid %d attached: %s, %d region(s) registered (%s), instance %s",
+        log.info("engine pid %d attached: %s, %d region(s) registered (%s, %s), instance %s",
                  cred.pid, memory.config.model, len(registration.regions),
-                 self.transport.kind, local.instance_id)
+                 self.transport.kind, req.memory_kind, local.instance_id)
         if local.instance_id != previous:
             log.info("instance id %s -> %s: an engine attached new memory after a detach; "
                      "peers that handshook with %s handshake again", previous,
