@@ -69,13 +69,14 @@ class DocRun:
         return f"{self.doc} (exit {self.returncode}, {self.seconds:.0f} s):\n" + \
             "".join(self.output().splitlines(keepends=True)[-lines:])
 
-    def wait_for(self, pattern: str, timeout: float = 15.0) -> list[re.Match[str]]:
-        """Every match of ``pattern`` once there is one (a daemon's end line comes up to
-        one sweep after the transfer ended); [] after ``timeout``."""
+    def wait_for(self, pattern: str, count: int = 1,
+                 timeout: float = 15.0) -> list[re.Match[str]]:
+        """Every match of ``pattern`` once there are ``count`` (a daemon's end line comes
+        up to one sweep after the transfer ended), or all there are after ``timeout``."""
         end = time.monotonic() + timeout
         while True:
             found = list(re.finditer(pattern, self.output()))
-            if found or time.monotonic() > end:
+            if len(found) >= count or time.monotonic() > end:
                 return found
             time.sleep(0.5)
 
@@ -194,6 +195,7 @@ def test_sglang_commands_run_as_written() -> None:
         for answer in answers:
             assert len(answer["output_ids"]) == 8, answers
         _moved_and_verified(run)
-        ends = run.wait_for(r"kvbeam\.transfers: request \S+: Success, (\d+)/\1 bytes landed")
+        ends = run.wait_for(r"kvbeam\.transfers: request \S+: Success, (\d+)/\1 bytes landed",
+                            count=len(answers))
         assert len(ends) >= len(answers), run.tail()  # each answer's KV moved by kvbeam
         print(f"\ndocs/sglang.md ran in {run.seconds:.0f} s")
