@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -42,6 +43,17 @@ NIXL_PREFILL_PARAMS: dict[str, Any] = {
 PATHS = ("/v1/completions", "/v1/chat/completions")
 #: Seconds a server may take to answer (a prefill behind a busy engine, a long decode).
 TIMEOUT_S = 600
+
+
+_SAY = threading.Lock()
+
+
+def say(line: str) -> None:
+    """One whole line on stdout (handler threads print at once: print() writes the text
+    and its newline apart, so two lines could interleave)."""
+    with _SAY:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 class Picker:
@@ -98,9 +110,9 @@ class Handler(BaseHTTPRequestHandler):
         prefill, decode = self.picker.next()
         request_id = str(uuid.uuid4())
         # Before routing: the line is out before the client has its answer.
-        print(f"routed {request_id} prefill={prefill} decode={decode}", flush=True)
+        say(f"routed {request_id} prefill={prefill} decode={decode}")
         status = self._route(request, prefill, decode, request_id)
-        print(f"answered {request_id} status={status}", flush=True)
+        say(f"answered {request_id} status={status}")
 
     def _route(self, request: dict[str, Any], prefill: str, decode: str,
                request_id: str) -> int:
@@ -164,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                             [u.rstrip("/") for u in args.decode])
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True
-    print(f"contract proxy on http://{args.host}:{args.port}", flush=True)
+    say(f"contract proxy on http://{args.host}:{args.port}")
     server.serve_forever()
 
 

@@ -35,6 +35,7 @@ SETTINGS = P.Settings(daemons=("127.0.0.1:7",), attach_sockets=("/x.sock",), mod
 class _Attachment:
     def __init__(self, channel: EngineChannel) -> None:
         self.channel = channel
+        self.reattaching = False
 
     def close(self) -> None:
         self.channel.close()
@@ -168,7 +169,8 @@ def test_the_worker_reports_a_detach_once_and_a_refused_decode_daemon() -> None:
     engine, daemon = socket.socketpair()
     worker = WorkerSide(SETTINGS, block_size=32, num_kv_heads=2, head_size=32)
     channel = EngineChannel(engine, "test")
-    worker.attachment = _Attachment(channel)  # type: ignore[assignment]
+    att = _Attachment(channel)
+    worker.attachment = att  # type: ignore[assignment]
     assert worker.report() is None  # attached, nothing new
     worker.absorb(S.StepPlan(sends=[S.Push("a", "t1", (5, 9), ("d:1",), 40)]))
     _frames(daemon, 1)
@@ -180,10 +182,21 @@ def test_the_worker_reports_a_detach_once_and_a_refused_decode_daemon() -> None:
     assert report.refused == {"d:1": "incompatible: block size: prefill=32, decode=64"}
     assert worker.take_counts() == {"send_failed_incompatible": 1}
     assert worker.report() is None
+    # An unreachable decode daemon is not held against it: it may be back next request.
+    worker.absorb(S.StepPlan(sends=[S.Push("b", "t2", (5,), ("d:2",), 20)]))
+    _frames(daemon, 1)
+    daemon.sendall(ef.encode(ef.State("t2", TransferState.FAILED,
+                                      FailureReason.PEER_UNREACHABLE, 3, "refused")))
+    assert _finished(worker, ({"b"}, set())) == ({"b"}, set())
+    assert worker.report() is None
     daemon.close()  # the daemon went away
     deadline = time.monotonic() + 5
     while not channel.closed_reason and time.monotonic() < deadline:
         time.sleep(0.01)
+    # Re-attaching (the daemon may be back at the next request): not reported gone.
+    att.reattaching = True
+    assert worker.report() is None
+    att.reattaching = False  # gave up
     report = worker.report()
     assert report is not None and report.detached and "closed the attach socket" in \
         report.detached

@@ -50,9 +50,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: A send failed for one of these: the pair cannot connect (the scheduler side stops
-#: returning do_remote_prefill for that decode daemon for a while).
-_PAIR_FAILED = frozenset({FailureReason.INCOMPATIBLE, FailureReason.PEER_UNREACHABLE})
+#: A send failed for this: the pair's handshake was refused, which a restart of either
+#: side does not change (the scheduler side stops returning do_remote_prefill for that
+#: decode daemon for a while). An unreachable daemon is not held against it: it may be
+#: back at the next request (restarted, its engine re-attached).
+_PAIR_FAILED = frozenset({FailureReason.INCOMPATIBLE})
 
 
 class Geometry(NamedTuple):
@@ -274,13 +276,17 @@ class WorkerSide:
         return channel.batch() if channel is not None else contextlib.nullcontext()
 
     def detached(self) -> str:
-        """Why no daemon takes this worker's requests now ("": its attachment is up)."""
+        """Why no daemon will take this worker's requests ("": its attachment is up, or
+        it is re-attaching: a daemon that went away may be back at the next request,
+        and meanwhile a send fails at once and so does decode's reservation)."""
         att = self.attachment
         if att is None:
             return "not attached yet"
         channel = att.channel
         if channel is None:
             return f"the daemon on {self.attach_socket} has no engine channel (an older kvbeam)"
+        if channel.closed_reason and getattr(att, "reattaching", False):
+            return ""
         return channel.closed_reason
 
     def report(self) -> WorkerReport | None:
