@@ -97,6 +97,14 @@ MAX_EARLY_ABORTS = 1024
 INLINE_STEP_MAX_PAGES = 64
 
 
+def _bound(request_id: str, conn: PeerConn) -> None:
+    """The per-request line of a Send that named no decode, bound to the decode that
+    offered it (``--log-requests``)."""
+    request_log.info("request %s: decode %s at %s reserved it: sending there", request_id,
+                     conn.instance_id, conn.control_address,
+                     extra=fields(request_id, conn.control_address))
+
+
 class PrefillCore(PrefillEvents, CoreBase):
     """All of prefill's request state, events in and actions out (see the module).
 
@@ -189,6 +197,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         if offered_by is not None:
             # Decode's Offer came first: it names the decode (decode-initiated pairing).
             decode_address = offered_by.control_address
+            _bound(request_id, offered_by)
         with self._lock:
             rec = self._out.get(request_id)
             ended = self._ended_before_final(rec, request_id)
@@ -327,9 +336,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             if not kept:
                 rec.asked = True
         self.table.set_peer(request_id, conn.control_address)
-        request_log.info("request %s: decode %s at %s reserved it: sending there",
-                         request_id, conn.instance_id, conn.control_address,
-                         extra=fields(request_id, conn.control_address))
+        _bound(request_id, conn)
         return True
 
     def _bound_by_offer(self, rec: Outgoing) -> bool:
