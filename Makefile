@@ -145,10 +145,11 @@ $(SGLANG_SERVER_STAMP): pyproject.toml setup.py requirements-sglang-server.txt \
 	$(SGLANG_SERVER_PIP) --no-deps -c constraints-sglang-server.txt -e .
 	touch $@
 
-test-sglang: ## sglang's own prefill + decode servers and router over kvbeam daemons, token-identical to one sglang (own venv)
+test-sglang: ## sglang's own prefill + decode servers and router over kvbeam daemons: token-identical to one sglang, a dtype mismatch refused, every request ending when a daemon dies (own venv)
 	$(MAKE) $(SGLANG_SERVER_STAMP)
 	KVBEAM_REQUIRE_SGLANG_SERVER=1 $(SGLANG_SERVER_VENV)/bin/python -m pytest -q \
-		-p no:cacheprovider tests/host/test_sglang_server.py
+		-p no:cacheprovider tests/host/test_sglang_describe.py tests/host/test_sglang_server.py \
+		tests/host/test_sglang_recovery.py
 
 bench-plan: setup ## planning time for a 128k-token request
 	$(PY) tests/bench/bench_plan.py
