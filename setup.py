@@ -11,6 +11,11 @@ the install goes on and the RDMA transport posts through pyverbs objects instead
 (docs/performance.md, "WR posting"). An editable install builds it in place
 (transport/verbs/_post.*.so); so does ``python setup.py build_ext --inplace``.
 
+``kvbeam.transport.verbs._dmabuf`` (transport/verbs/_dmabuf.c) registers an engine's dma-buf
+(GPU memory) with ``ibv_reg_dmabuf_mr`` on the RDMA transport's PD. It needs
+<infiniband/verbs.h> too and resolves libibverbs at run time; without it a dma-buf attach
+over RDMA is refused, naming it (docs/gpu.md).
+
 ``kvbeam.pools._xxh3`` (pools/_xxh3.c) computes a request's integrity digests in one call
 with the GIL released. It needs <xxhash.h> (Debian's libxxhash-dev) and is optional the
 same way: without it digests go through python-xxhash (docs/performance.md, "Digests").
@@ -56,6 +61,10 @@ def mapped_packages() -> list[str]:
 POSTER = Extension("kvbeam.transport.verbs._post", ["transport/verbs/_post.c"], optional=True,
                    extra_compile_args=["-O2", "-std=c11", "-Wall"])
 
+# optional too: without it a dma-buf attach over RDMA is refused (libibverbs found at run time).
+DMABUF = Extension("kvbeam.transport.verbs._dmabuf", ["transport/verbs/_dmabuf.c"], optional=True,
+                   extra_compile_args=["-O2", "-std=c11", "-Wall"])
+
 # optional too: without <xxhash.h> (libxxhash-dev) digests go through python-xxhash.
 DIGESTER = Extension("kvbeam.pools._xxh3", ["pools/_xxh3.c", "pools/_xxh3_avx2.c"],
                      depends=["pools/_xxh3_loop.h", "pools/_int64_buffer.h"], optional=True,
@@ -82,4 +91,4 @@ FRAMES = Extension("kvbeam.proto._frames", ["proto/_frames.c"], optional=True,
                    extra_compile_args=["-O2", "-std=c11", "-Wall"])
 
 setup(packages=mapped_packages(),
-      ext_modules=[POSTER, DIGESTER, PLANNER, BLOCKS, OWNERS, FRAMES])
+      ext_modules=[POSTER, DMABUF, DIGESTER, PLANNER, BLOCKS, OWNERS, FRAMES])

@@ -38,10 +38,12 @@ from kvbeam.pools.types import IndexKind
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.service import ControlStub
 from kvbeam.proto.transfer_codec import (
+    facts_from_proto,
     grant_indices_from_proto,
     indices_to_proto,
     reason_from_proto,
     state_from_proto,
+    timeline_from_proto,
 )
 from kvbeam.rpc_errors import request_error
 from kvbeam.states import FailureReason, TransferState
@@ -61,6 +63,14 @@ class Status:
     bytes_done: int
     bytes_total: int
     peer: str
+    #: Each index list's length by kind ("draft.KIND": the draft's own), what moves of it.
+    lists: tuple[tuple[str, int], ...] = ()
+    #: Leading KV pages decode holds (not written).
+    kv_skip: int = 0
+    #: Whether and how the bytes are (or were) verified, in words.
+    verification: str = ""
+    #: Each state the transfer entered, seconds after its creation.
+    timeline: tuple[tuple[TransferState, float], ...] = ()
 
     @property
     def terminal(self) -> bool:
@@ -110,8 +120,10 @@ def _lists(indices: Mapping[str, ListLike] | None) -> list[pb.IndexList]:
 
 
 def _status(m: pb.TransferStatus) -> Status:
+    facts = facts_from_proto(m)
     return Status(m.request_id, state_from_proto(m.state), reason_from_proto(m.failure_reason),
-                  m.detail, m.slot, m.bytes_done, m.bytes_total, m.peer)
+                  m.detail, m.slot, facts.bytes_done, facts.bytes_total, m.peer, facts.lists,
+                  facts.kv_skip, facts.verification, timeline_from_proto(m))
 
 
 class KvbeamClient(ControlChannel):

@@ -357,3 +357,13 @@ class PeerChannelError(KvbeamError):
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         """None: the channel's answer has no metadata."""
         return ()
+
+
+class StagingFull(KvbeamError):
+    """An engine's staging buffer (:mod:`kvbeam.engine.staging`) had no room for a
+    request within its wait; ``policy`` (``"fail"`` or ``"recompute"``) is what the
+    engine was configured to do then."""
+
+    def __init__(self, message: str, *, policy: str) -> None:
+        super().__init__(message)
+        self.policy = policy

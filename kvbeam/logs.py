@@ -9,6 +9,10 @@ findable by exact match (``request=ID peer=HOST:PORT`` at the end of a text line
 ``"request_id"``/``"peer"`` keys in JSON), whatever the message says.
 :func:`configure` installs the format the daemon was asked for (``--log-format``).
 
+Every transfer that ends gets one line on :data:`end_log` (logger ``kvbeam.transfers``,
+INFO, on by default): Success or Failed with its cause, bytes, milliseconds and how it
+was verified, at most ``--log-ends-per-s`` lines a second (kvbeam.server.end_log).
+
 A request's progress when all goes well (decode reserved it, prefill posted it, Success
 on each side, the slot freed) goes to :data:`request_log` (logger ``kvbeam.requests``),
 which logs at INFO only with ``--log-requests`` (or ``--log-level DEBUG``): a line per
@@ -36,6 +40,10 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 REQUEST_LOGGER = "kvbeam.requests"
 #: Where a daemon logs a request's progress: reserved, posted, Success, slot freed.
 request_log = logging.getLogger(REQUEST_LOGGER)
+#: The logger of the one line per ended transfer (kvbeam.server.end_log; on by default,
+#: rate-limited by ``--log-ends-per-s``).
+END_LOGGER = "kvbeam.transfers"
+end_log = logging.getLogger(END_LOGGER)
 
 
 def fields(request_id: str | None = None, peer: str | None = None) -> dict[str, str]:

@@ -74,3 +74,23 @@ class TransferStatus:
     version: int
     age_s: float
     nbytes: int = 0  # bytes the transfer moved, once it is SUCCESS (for metrics)
+
+
+@dataclass(frozen=True)
+class TransferFacts:
+    """What one side's request moves, from its plan: ``kvbeam status`` and the line a
+    daemon logs when a transfer ends. A daemon keeps them after the request ends.
+
+    Prefill: ``bytes_done`` written (completed writes) of ``bytes_total`` posted;
+    decode: ``bytes_done`` landed of ``bytes_total`` reserved.
+    """
+
+    bytes_done: int = 0
+    bytes_total: int = 0
+    #: Each index list's length, by kind name ("draft.KIND": the draft's own list), in
+    #: the order of :class:`kvbeam.pools.types.IndexKind`.
+    lists: tuple[tuple[str, int], ...] = ()
+    #: Leading KV pages decode holds (a prefix-cache hit): not written.
+    kv_skip: int = 0
+    #: Whether and how the bytes are (or were) verified, in words.
+    verification: str = ""

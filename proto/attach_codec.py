@@ -41,7 +41,8 @@ from kvbeam.pools.spec import PoolSpec, SideConfig
 #: The attach protocol's version; a daemon refuses any other.
 ATTACH_VERSION = 1
 OPS = ("attach", "detach")
-#: ``host_shm``: memfd/tmpfs host memory; ``dmabuf``: GPU memory (refused until tested).
+#: ``host_shm``: memfd/tmpfs host memory; ``dmabuf``: device memory as dma-buf fds
+#: (kvbeam.server.dmabuf says what a daemon takes).
 MEMORY_KINDS = ("host_shm", "dmabuf")
 #: Which state changes the engine channel pushes to the engine: ``all`` (every change,
 #: the default) or ``final`` (Success and Failed only: an engine that acts only on a

@@ -13,7 +13,7 @@ from kvbeam.pools.types import INDEX_KINDS, IndexKind
 from kvbeam.proto import engine_frames as ef
 from kvbeam.proto.fields import MAX_ITEMS, enum_value
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
-from kvbeam.states import FailureReason, TransferState, TransferStatus
+from kvbeam.states import FailureReason, TransferFacts, TransferState, TransferStatus
 
 STATE_TO_PROTO: dict[TransferState, pb.TransferState] = {
     s: cast(pb.TransferState, pb.TransferState.Value(f"TRANSFER_STATE_{s.name}"))
@@ -31,14 +31,44 @@ KIND_FROM_PROTO = {int(v): k for k, v in KIND_TO_PROTO.items()}
 MAX_INDICES = 1 << 22
 
 
-def status_to_proto(s: TransferStatus, *, slot: int = -1, bytes_total: int = 0,
-                    bytes_done: int = 0) -> pb.TransferStatus:
-    """A lifecycle snapshot as a ``TransferStatus`` reply."""
+def status_to_proto(s: TransferStatus, *, slot: int = -1,
+                    facts: TransferFacts | None = None,
+                    timeline: Iterable[tuple[TransferState, float]] = ()) -> pb.TransferStatus:
+    """A lifecycle snapshot as a ``TransferStatus`` reply, with what the request moves
+    (``facts``) and when it entered each state (``timeline``)."""
+    f = facts or TransferFacts()
+    lists = []
+    for name, length in f.lists:
+        pool, _, kind = name.rpartition(".")
+        lists.append(pb.ListLength(kind=KIND_TO_PROTO[IndexKind(kind)], pool=pool,
+                                   length=length))
     return pb.TransferStatus(
         request_id=s.request_id, state=STATE_TO_PROTO[s.state],
         failure_reason=REASON_TO_PROTO[s.reason] if s.reason else None,
         detail=s.detail, slot=slot, peer=s.peer, age_s=s.age_s,
-        bytes_total=bytes_total, bytes_done=bytes_done)
+        bytes_total=f.bytes_total, bytes_done=f.bytes_done, lists=lists,
+        kv_skip=f.kv_skip, verification=f.verification,
+        timeline=[pb.StateEntered(state=STATE_TO_PROTO[state], after_s=after)
+                  for state, after in timeline])
+
+
+def facts_from_proto(m: pb.TransferStatus) -> TransferFacts:
+    """The facts of a ``TransferStatus`` (its kinds and pools checked)."""
+    lists = []
+    for i, entry in enumerate(m.lists):
+        kind = enum_value(entry.kind, KIND_FROM_PROTO, f"lists[{i}].kind", "IndexKind")
+        if entry.pool not in ("", "draft"):
+            raise ProtocolError(f"lists[{i}].pool", f"{entry.pool!r} is neither '' nor 'draft'")
+        lists.append((f"{entry.pool}.{kind.value}" if entry.pool else kind.value,
+                      entry.length))
+    return TransferFacts(m.bytes_done, m.bytes_total, tuple(lists), m.kv_skip,
+                         m.verification)
+
+
+def timeline_from_proto(m: pb.TransferStatus) -> tuple[tuple[TransferState, float], ...]:
+    """The states a ``TransferStatus`` says its transfer entered, and when."""
+    return tuple((state_from_proto(e.state, f"timeline[{i}].state"), e.after_s)
+                 for i, e in enumerate(m.timeline))
 
 
 def state_from_proto(value: int, field: str = "state") -> TransferState:

@@ -1,11 +1,13 @@
 """Check an engine's attach description and map its memory: the daemon side of attach.
 
-The checks run in this order, each refusal naming its field: the memory kind, the
+The checks run in this order, each refusal naming its field: the memory kind (a
+``dmabuf`` attach: whether this daemon takes one, :mod:`kvbeam.server.dmabuf`), the
 engine's config against ``--config`` (when the daemon has one), the seed's
 target/draft checks (:func:`~kvbeam.pools.checks.check_target_draft`: the same checks
 and wording as the daemon's start-up), the component and buffer counts, every
-buffer's length and item length against the layout the config gives, every buffer
-inside its fd, no two buffers overlapping. Only then is anything mapped.
+buffer's length and item length against the layout the config gives, every fd of its
+kind (size-sealed memfds, or dma-bufs), every buffer inside its fd, no two buffers
+overlapping. Only then is anything mapped.
 """
 
 from __future__ import annotations
@@ -24,22 +26,24 @@ from kvbeam.pools.shared import MappedSide, Placement, placed_layout
 from kvbeam.pools.shm import map_shared, shared_file_size, unmap
 from kvbeam.pools.spec import SideConfig
 from kvbeam.proto.attach_codec import AttachRequest, BufferRef, config_differences
+from kvbeam.server.dmabuf import DmabufAccess, DmabufMemory
 
 log = logging.getLogger(__name__)
 
-#: What a dma-buf attach is answered until GPU memory can be tested (docs/engine.md).
-DMABUF_REFUSED = ("GPU memory (dma-buf) is not supported yet: attach host shared memory "
-                  "(memory_kind host_shm: memfd or tmpfs); docs/engine.md describes the "
-                  "planned dma-buf path (pyverbs DmaBufMR, offsets as remote addresses)")
+#: What a dma-buf attach is answered by a caller that takes no dma-buf memory.
+DMABUF_REFUSED = ("memory_kind dmabuf: this daemon takes host memory only here: attach "
+                  "host shared memory (memory_kind host_shm)")
 
 
 @dataclass(frozen=True)
 class EngineMemory:
-    """An accepted attach: the engine's config and its pools, mapped here."""
+    """An accepted attach: the engine's config and its pools, mapped here (for a dma-buf
+    over RDMA: address ranges reserved for it, ``dmabuf`` holding the fds to register)."""
 
     config: SideConfig
     layout: SideLayout
     side: MappedSide
+    dmabuf: DmabufMemory | None = None
 
 
 def check_description(req: AttachRequest, role: str,
@@ -48,8 +52,6 @@ def check_description(req: AttachRequest, role: str,
 
     Returns the engine's config and the layout it gives (kvbeam's own offsets).
     """
-    if req.memory_kind == "dmabuf":
-        raise AttachError(DMABUF_REFUSED, "memory_kind")
     config = req.config
     if config is None:
         raise AttachError("config: missing", "config")
@@ -111,32 +113,52 @@ def _holders(fd_index: int, req: AttachRequest, layout: SideLayout) -> str:
 
 
 def map_engine_memory(req: AttachRequest, fds: list[int], role: str,
-                      expected: SideConfig | None) -> EngineMemory:
+                      expected: SideConfig | None, *,
+                      dmabuf: DmabufAccess | None = None) -> EngineMemory:
     """Check the description, then map the fds it uses. Closes every fd in ``fds``
-    (the mappings keep the memory; nothing here keeps a descriptor)."""
+    (the mappings keep the memory; nothing here keeps a descriptor, except a dma-buf
+    attach's duplicates in :attr:`EngineMemory.dmabuf`, which the caller closes once
+    it registered them). ``dmabuf``: how this daemon takes ``memory_kind: dmabuf``
+    (None: refused)."""
     maps = []
+    kept: list[int] = []
     try:
+        if req.memory_kind == "dmabuf":
+            if dmabuf is None:
+                raise AttachError(DMABUF_REFUSED, "memory_kind")
+            dmabuf.check_allowed()
+        else:
+            dmabuf = None
         config, layout = check_description(req, role, expected)
         refs = [(f"components[{i}][{j}]", ref) for i, comp in enumerate(req.components)
                 for j, ref in enumerate(comp)]
         used = sorted({ref.fd_index for _, ref in refs})
-        sizes = {k: shared_file_size(fds[k], f"fds[{k}]", _holders(k, req, layout))
-                 for k in used}
+        size_of = dmabuf.size if dmabuf is not None else shared_file_size
+        sizes = {k: size_of(fds[k], f"fds[{k}]", _holders(k, req, layout)) for k in used}
         _check_placement(refs, sizes)
         slot = {k: n for n, k in enumerate(used)}
         for k in used:
-            maps.append(map_shared(fds[k], sizes[k]))
+            if dmabuf is not None:
+                maps.append(dmabuf.map(fds[k], sizes[k], f"fds[{k}]"))
+                kept.append(os.dup(fds[k]))
+            else:
+                maps.append(map_shared(fds[k], sizes[k]))
         placements = [[Placement(slot[r.fd_index], r.offset) for r in comp]
                       for comp in req.components]
         mapped = placed_layout(layout, placements, [sizes[k] for k in used])
         side = MappedSide(mapped, maps)
+        held = (DmabufMemory(tuple(kept), tuple(side.tensor_regions()))
+                if dmabuf is not None else None)
     except BaseException:
         unmap(maps)
+        for fd in kept:
+            os.close(fd)
         raise
     finally:
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-    log.info("engine memory mapped: %d fd(s), %.1f MiB", len(maps),
-             side.mapped_bytes / 2**20)
-    return EngineMemory(config, mapped, side)
+    log.info("engine memory %s: %d fd(s), %.1f MiB",
+             "mapped" if dmabuf is None else f"(dma-buf, {dmabuf.transport.kind}) taken",
+             len(maps), side.mapped_bytes / 2**20)
+    return EngineMemory(config, mapped, side, held)

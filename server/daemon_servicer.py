@@ -46,7 +46,7 @@ from kvbeam.server.peer_channel import (
 from kvbeam.server.peer_rpc import writes_in_flight
 from kvbeam.server.peers import PeerConn, lost_peer
 from kvbeam.server.servicer import ControlServicer
-from kvbeam.states import TransferStatus
+from kvbeam.states import TransferFacts, TransferStatus
 from kvbeam.threads import name_os_thread
 from kvbeam.transport import core as transport_core
 from kvbeam.transport.base import Event
@@ -150,8 +150,8 @@ class RoleCore(Protocol):
     def slot_of(self, request_id: str) -> int:
         """The request slot a transfer uses, -1 if none."""
 
-    def bytes_of(self, request_id: str) -> tuple[int, int]:
-        """(bytes done, bytes total) of a transfer."""
+    def facts_of(self, request_id: str) -> TransferFacts:
+        """What a transfer moves (bytes, lists, verification), kept after it ended."""
 
     def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
         """An engine attached its memory (``--pools engine``)."""
@@ -330,10 +330,6 @@ class DaemonServicer(ControlServicer):
         """The request slot a transfer uses, -1 if none (for status replies)."""
         return self.core.slot_of(request_id)
 
-    def bytes_of(self, request_id: str) -> tuple[int, int]:
-        """(bytes done, bytes total) of a transfer, for status replies."""
-        return self.core.bytes_of(request_id)
-
     def periodic(self) -> None:
         """Role-specific work each sweep (pruning, decode's hand-off leases)."""
         self.core.periodic()
@@ -358,9 +354,9 @@ class DaemonServicer(ControlServicer):
             return super().Handshake(request, context)
 
     def _status(self, snap: TransferStatus) -> pb.TransferStatus:
-        done, total = self.bytes_of(snap.request_id)
-        return status_to_proto(snap, slot=self.slot_of(snap.request_id), bytes_done=done,
-                               bytes_total=total)
+        rid = snap.request_id
+        return status_to_proto(snap, slot=self.slot_of(rid), facts=self.core.facts_of(rid),
+                               timeline=self.table.timeline(rid))
 
     def _require_status(self, request_id: str) -> TransferStatus:
         snap = self.table.get(request_id)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvbeam.errors import DuplicateRequest, IllegalTransition, TooManyTransfers
-from kvbeam.states import FailureReason, TransferState, TransferStatus
+from kvbeam.states import FailureReason, TransferFacts, TransferState, TransferStatus
 
 _NEXT: dict[TransferState, frozenset[TransferState]] = {
     TransferState.BOOTSTRAPPING: frozenset({TransferState.WAITING_FOR_INPUT,
@@ -66,10 +66,14 @@ class Transfer:
     entered: float = field(default_factory=time.monotonic)
     deadline: float | None = None
     history: list[TransferState] = field(default_factory=list)
+    #: When it entered each state of ``history`` (time.monotonic()).
+    entered_at: list[float] = field(default_factory=list)
     version: int = 0
     nbytes: int = 0  # bytes moved, recorded with the move to SUCCESS
     waiting: str = ""  # what the current state waits for, named if its deadline passes
     lease_s: float | None = None  # the current state's own budget (a lease), if not the default
+    #: What it moved, from its core's record, kept once the core forgot the request.
+    facts: TransferFacts | None = None
 
     def snapshot(self) -> TransferStatus:
         """An immutable copy for status replies."""
@@ -111,6 +115,7 @@ class TransferTable:
             t = Transfer(request_id, peer)
             t.history.append(t.state)
             self._set_deadline(t)
+            t.entered_at.append(t.entered)
             self._live[request_id] = t
             snap = t.snapshot()
             self._notify()
@@ -136,6 +141,7 @@ class TransferTable:
         t.history.append(state)
         t.version += 1
         self._set_deadline(t)
+        t.entered_at.append(t.entered)
         if state.terminal:
             del self._live[t.request_id]
             self._done[t.request_id] = t
@@ -147,6 +153,30 @@ class TransferTable:
         with self._lock:
             t = self._live.get(request_id) or self._done.get(request_id)
             return t.snapshot() if t else None
+
+    def timeline(self, request_id: str) -> tuple[tuple[TransferState, float], ...]:
+        """Each state the request entered and when, seconds after its creation (empty:
+        unknown)."""
+        with self._lock:
+            t = self._live.get(request_id) or self._done.get(request_id)
+            if t is None:
+                return ()
+            return tuple((state, at - t.created)
+                         for state, at in zip(t.history, t.entered_at, strict=True))
+
+    def keep_facts(self, request_id: str, facts: TransferFacts) -> None:
+        """Keep what a request moved (its core forgets its record now): status replies
+        read them until the table forgets the request too."""
+        with self._lock:
+            t = self._live.get(request_id) or self._done.get(request_id)
+            if t is not None:
+                t.facts = facts
+
+    def facts(self, request_id: str) -> TransferFacts | None:
+        """What :meth:`keep_facts` kept (None: nothing kept, or unknown)."""
+        with self._lock:
+            t = self._live.get(request_id) or self._done.get(request_id)
+            return t.facts if t is not None else None
 
     def is_live(self, request_id: str) -> bool:
         """Whether the request is known and not terminal (no status copied: the cores ask

@@ -10,6 +10,7 @@ which the loops call back.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import TYPE_CHECKING, cast
@@ -28,6 +29,8 @@ from kvbeam.server.attach import AttachServer, PeerCred, default_socket_path
 from kvbeam.server.attach_memory import map_engine_memory
 from kvbeam.server.attach_runtime import UNATTACHED_LAYOUT, AttachGauges, Pools, release
 from kvbeam.server.control import HEALTH_SERVICES, ControlServer
+from kvbeam.server.dmabuf import DmabufAccess
+from kvbeam.server.end_log import EndLog
 from kvbeam.server.engine_channel import CoreOps, EngineChannel
 from kvbeam.server.faults import FaultHooks, build_faults
 from kvbeam.server.lifecycle import Deadlines, TransferTable
@@ -99,6 +102,8 @@ class Runtime:
         log.info("%s daemon: %s transport%s", self.role.value, self.transport.kind,
                  "" if self.transport.kind == "rdma" else
                  " (NO RDMA DEVICE: data moves over TCP, far slower than RDMA)")
+        #: How an engine's ``memory_kind: dmabuf`` attach is taken (kvbeam.server.dmabuf).
+        self.dmabuf = DmabufAccess(self.transport, settings.integrity)
         #: The digest records' memory (protocol 5), the daemon's own (never an engine's):
         #: decode's mailbox (a slot per request slot, REMOTE_WRITE, advertised in the
         #: handshake) or prefill's staging slots (``--max-inflight``, LOCAL). Registered
@@ -110,6 +115,10 @@ class Runtime:
                                 self.transport.register(own.tensor_regions(), self.access))
             self._fit_records(own.layout, self.expected.target)
         self.metrics = DaemonMetrics(self.role.value)
+        #: One line per ended transfer, written by the sweeper (--log-ends-per-s).
+        self.end_log = EndLog(settings.log_ends_per_s,
+                              lambda rid: self._servicer.core.facts_of(rid),
+                              "landed" if self.role is Role.DECODE else "written")
         self.table = TransferTable(
             Deadlines(settings.deadline_bootstrap_s, settings.deadline_waiting_s,
                       settings.deadline_transfer_s),
@@ -133,10 +142,18 @@ class Runtime:
         self.metrics_address = ""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        #: Whether an engine attached in this daemon's life (a later attach is new memory).
+        self._attached_before = False
+        #: kvbeam_info's labels; ``instance`` follows a re-attach's new id.
+        self.info = {"role": self.role.value, "instance": self.local.instance_id,
+                     "transport": self.transport.kind, "version": __version__}
 
     def _on_change(self, snap: TransferStatus) -> None:
-        """The transfer table's observer: metrics, and the engine channel's pushes."""
+        """The transfer table's observer: metrics, the end-of-transfer line (queued) and
+        the engine channel's pushes."""
         self.metrics.on_change(snap)
+        if snap.state.terminal:
+            self.end_log.ended(snap)
         channel = self.engine_channel
         if channel is not None:
             channel.on_change(snap)
@@ -266,12 +283,23 @@ class Runtime:
     def attach_engine(self, req: AttachRequest, fds: list[int], cred: PeerCred) -> str:
         """Check and map an engine's memory, register it, hand it to the core, serve.
 
-        Returns the daemon's new instance id: peers that handshook before see a
-        restart and handshake again, against the new memory.
+        Returns the daemon's instance id. The first attach keeps the id the daemon
+        started with (its listening line's: no peer can have handshaken before, a
+        daemon without memory refuses the handshake); an attach after a detach takes
+        a new one, logged with both, so that peers that handshook against the old
+        memory see a restart and handshake again.
         """
-        memory = map_engine_memory(req, fds, self.role.value, self.expected)  # closes fds
+        memory = map_engine_memory(req, fds, self.role.value, self.expected,  # closes fds
+                                   dmabuf=self.dmabuf)
         try:
-            registration = self.transport.register(memory.side.tensor_regions(), self.access)
+            if memory.dmabuf is None:
+                registration = self.transport.register(memory.side.tensor_regions(),
+                                                       self.access)
+            else:  # the fds are registered (RDMA) or their mappings (TCP); then closed
+                try:
+                    registration = self.dmabuf.register(memory.dmabuf, self.access)
+                finally:
+                    memory.dmabuf.close()
         except BaseException:
             unmap(memory.side.take_maps())
             raise
@@ -287,18 +315,27 @@ class Runtime:
         else:
             cast("PrefillDriver", core).use_staging(records)
         pools = Pools(memory.config, memory.layout, memory.side, registration)
+        previous = self.local.instance_id
         local = SideInfo(self.role, memory.layout, self._template_endpoint(),
                          control_address=self.local.control_address)
+        if not self._attached_before:
+            local = dataclasses.replace(local, instance_id=previous)
         self._servicer.core.use_pools(memory.config.target, memory.layout, memory.side)
         self.local = self._servicer.local = local
         self._pools = pools
+        self._attached_before = True
+        self.info["instance"] = local.instance_id
         if self.gauges is not None:
             self.gauges.on_attach(pools)
         if self.health is not None:
             self.health.refresh()
-        log.info("engine pid %d attached: %s, %d region(s) registered (%s), instance %s",
+        log.info("engine pid %d attached: %s, %d region(s) registered (%s, %s), instance %s",
                  cred.pid, memory.config.model, len(registration.regions),
-                 self.transport.kind, local.instance_id)
+                 self.transport.kind, req.memory_kind, local.instance_id)
+        if local.instance_id != previous:
+            log.info("instance id %s -> %s: an engine attached new memory after a detach; "
+                     "peers that handshook with %s handshake again", previous,
+                     local.instance_id, previous)
         return local.instance_id
 
     def detach_engine(self, reason: str) -> None:
@@ -332,8 +369,7 @@ class Runtime:
         slots = self.slot_usage
 
         self.metrics.registry.register(DaemonCollector(Sources(
-            info={"role": self.role.value, "instance": self.local.instance_id,
-                  "transport": self.transport.kind, "version": __version__},
+            info=self.info,
             transport=self.transport.stats,
             live=self.table.live,
             peers=lambda: len(self.peers.all()),
@@ -346,6 +382,10 @@ class Runtime:
                 self._servicer.sweep()
             except Exception:  # the sweeper must survive any one bad transfer
                 log.exception("deadline sweep failed")
+            try:
+                self.end_log.flush()
+            except Exception:  # a log line must never stop the sweeps
+                log.exception("logging ended transfers failed")
 
     def stop(self, grace: float = 2.0) -> None:
         """Fail live transfers (reason shutdown), stop serving, release everything."""
@@ -364,6 +404,7 @@ class Runtime:
             self.server.stop(grace)
         for t in self._threads:
             t.join(timeout=5)
+        self.end_log.flush(final=True)  # the sweeper is gone: the last ends' lines
         for conn in self.peers.all():
             conn.close()
         self.metrics.stop()

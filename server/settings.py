@@ -204,6 +204,10 @@ OPTIONS: tuple[Option, ...] = (
            "Success on each side, the slot freed: logger kvbeam.requests; on at --log-level "
            "DEBUG too); off, a request that goes well logs nothing, saving each daemon about "
            "0.1 ms of CPU per small request; failures are logged either way (true/false)"),
+    Option("log_ends_per_s", "KVBEAM_LOG_ENDS_PER_S", float, 10.0,
+           "one INFO line per ended transfer (logger kvbeam.transfers: Success or Failed with "
+           "its cause, bytes, ms, verification), at most this many a second; the ends past "
+           "that are counted in one line every 10 s; 0: none"),
     Option("log_format", "KVBEAM_LOG_FORMAT", str, "text",
            "log lines as text, or json: one object per line with timestamp, level, logger, "
            "message, role, request_id and peer", ("text", "json")),
@@ -283,6 +287,7 @@ class DaemonSettings:
     verify_sub_batch_mib: float = 16.0
     enable_fault_injection: bool = False
     log_requests: bool = False
+    log_ends_per_s: float = 10.0
 
     def transfer_budget_s(self, nbytes: int) -> float:
         """Seconds Transferring allows a request of ``nbytes``: the deadline, or the bytes
@@ -353,6 +358,8 @@ def resolve(role: str, args: argparse.Namespace | None = None,
     if sub_batch and not (MIN_SUB_BATCH_BYTES <= sub_batch * (1 << 20) <= MAX_SUB_BATCH_BYTES):
         raise ConfigError(f"--verify-sub-batch-mib: 0 (off) or {MIN_SUB_BATCH_BYTES / (1 << 20):g}"
                           f" to {MAX_SUB_BATCH_BYTES >> 20} (got {sub_batch:g})")
+    if values["log_ends_per_s"] < 0:
+        raise ConfigError(f"--log-ends-per-s: must be 0 or more (got {values['log_ends_per_s']})")
     if values["resend_retries"] < 0:
         raise ConfigError(f"--resend-retries: must be 0 or more (got {values['resend_retries']})")
     if not 1 <= values["qps_per_peer"] <= MAX_QPS_PER_PEER:

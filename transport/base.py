@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvbeam.errors import TransportError
 from kvbeam.transport.blocks import Blocks
-from kvbeam.transport.endpoint import Endpoint, Region, RemoteRegion
+from kvbeam.transport.endpoint import DmaBufRegion, Endpoint, Region, RemoteRegion
 
 if TYPE_CHECKING:
     from kvbeam.transport.stats import TransportStats
@@ -123,6 +123,12 @@ class Transport(ABC):
     @abstractmethod
     def register(self, regions: Sequence[Region], access: Access) -> Registration:
         """Register memory regions (non-overlapping) for transfers."""
+
+    def register_dmabuf(self, regions: Sequence[DmaBufRegion], access: Access) -> Registration:
+        """Register dma-buf memory (a device's: the CPU need not reach it) at the regions'
+        iovas. Only the RDMA transport can; the others refuse (TransportError)."""
+        raise TransportError(f"the {self.kind} transport cannot register dma-buf memory "
+                             "(only RDMA registers it; TCP moves bytes with the CPU)")
 
     @abstractmethod
     def create_link(self) -> Link:

@@ -23,6 +23,23 @@ class Region:
 
 
 @dataclass(frozen=True)
+class DmaBufRegion:
+    """``length`` bytes at ``offset`` of dma-buf ``fd`` (device memory, e.g. a GPU's),
+    addressed from ``iova``: the address work requests and peers use for its first byte
+    (an address range the daemon reserved, so it collides with no other region)."""
+
+    fd: int
+    offset: int
+    length: int
+    iova: int
+
+    @property
+    def region(self) -> Region:
+        """The region it is addressed as."""
+        return Region(self.iova, self.length)
+
+
+@dataclass(frozen=True)
 class RemoteRegion:
     """A region of the peer's memory the peer allows us to write: address, length and rkey."""
 

@@ -19,7 +19,10 @@ as a warning), and serve the kvbeam.v1 control API and the gRPC health service o
 --listen. SIGTERM or SIGINT shut it down: in-flight transfers fail with reason
 shutdown and nothing stays registered. Prints one line "kvbeam {role} listening on
 HOST:PORT instance ID transport KIND" on stdout once serving, followed by
-" metrics HOST:PORT" when --metrics serves Prometheus metrics.
+" metrics HOST:PORT" when --metrics serves Prometheus metrics. ID is the daemon's
+instance id, the one peers see, until an engine attaches new memory after a detach
+(a new id, logged with both). Each ended transfer logs one INFO line
+(--log-ends-per-s); --log-requests adds a line per step.
 
 {env_help()}
 """

@@ -52,14 +52,30 @@ def open_client(args: argparse.Namespace) -> KvbeamClient:
 
 
 def print_status(status: Status, as_json: bool) -> int:
-    """Print a status; exit code 0 unless it is Failed."""
+    """Print a status; exit code 0 unless it is Failed.
+
+    Text: the state, bytes done/total, the slot (a slot-based request's only) and the
+    peer on the first line; then the index lists' lengths, the verification and the
+    timeline (each state entered, ms after the request was created), one line each.
+    """
     if as_json:
         d = asdict(status)
         d["state"] = status.state.value
         d["reason"] = status.reason.value if status.reason else None
+        d["lists"] = dict(status.lists)
+        d["timeline"] = [[state.value, after] for state, after in status.timeline]
         json.dump(d, sys.stdout)
         sys.stdout.write("\n")
     else:
-        print(f"{status.request_id}: {status} slot={status.slot} "
-              f"bytes={status.bytes_done}/{status.bytes_total} peer={status.peer}")
+        slot = f" slot={status.slot}" if status.slot >= 0 else ""
+        print(f"{status.request_id}: {status} bytes={status.bytes_done}/{status.bytes_total}"
+              f"{slot} peer={status.peer}")
+        if status.lists:
+            skip = f" (kv_skip {status.kv_skip}: held by decode)" if status.kv_skip else ""
+            print("  lists: " + " ".join(f"{k}={n}" for k, n in status.lists) + skip)
+        if status.verification:
+            print(f"  verification: {status.verification}")
+        if status.timeline:
+            print("  timeline: " + " -> ".join(f"{state.value} {after * 1000:.1f} ms"
+                                               for state, after in status.timeline))
     return 1 if status.terminal and status.reason is not None else 0

@@ -77,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-draft", action="store_true", help="no NextN draft")
     engine.add_argument("--config", default="",
                         help="a side YAML for both engines instead of the tiny config")
+    engine.add_argument("--device", default="", metavar="DEVICE",
+                        help="the engines' KV in ordinary tensors on DEVICE (cuda, cpu), "
+                             "staged through host buffers the engines attach (docs/gpu.md); "
+                             "default: the engines compute in their attached memfds")
     own = parser.add_argument_group("--pools own")
     own.add_argument("--prefill-config", default=str(REPO / "docker/config/prefill.yaml"))
     own.add_argument("--decode-config", default=str(REPO / "docker/config/decode.yaml"))
@@ -97,7 +101,8 @@ def _in_harness(args: argparse.Namespace) -> int:
              "--concurrency", str(args.concurrency), "--prompt-lens", args.prompt_lens,
              "-k", str(args.k), *(["--paged"] if args.paged else []),
              *(["--no-draft"] if args.no_draft else []),
-             *(["--config", args.config] if args.config else [])]
+             *(["--config", args.config] if args.config else []),
+             *(["--device", args.device] if args.device else [])]
     print("kvbeam demo: no RDMA device on this host: running inside the soft-RoCE harness "
           "(qemu guest with rdma_rxe; booting takes a minute or two)...", flush=True)
     return subprocess.call(["bash", str(script), "--cmd", shlex.join(inner)], cwd=REPO)
@@ -155,16 +160,18 @@ def _engine_config(args: argparse.Namespace) -> SideConfig:
 def run_engines(args: argparse.Namespace, env: dict[str, str], security: Security) -> int:
     """``--pools engine``: the reference engines through two ``--pools engine`` daemons."""
     # Imported here: torch loads only for this demo, not for every kvbeam command.
-    from kvbeam.refengine.served import ServedPair, format_rows, run_prompts
+    from kvbeam.refengine.served import ServedPair, Staging, format_rows, run_prompts
 
     config = _engine_config(args)
     lens = [int(x) for x in args.prompt_lens.split(",") if x.strip()]
     print(f"starting decode and prefill daemons (--pools engine), reference engines on "
           f"{config.source}...", flush=True)
     with ServedPair(config, transport=args.transport, extra=("--log-level", "WARNING"),
-                    env=env, security=security, prefix="demo") as pair:
+                    env=env, security=security, prefix="demo",
+                    staging=Staging(args.device) if args.device else None) as pair:
+        how = f"KV on {args.device}, staged" if args.device else "KV in the attached memfds"
         print(f"prefill {pair.prefill.address}, decode {pair.decode.address}, transport "
-              f"{pair.prefill.transport}; engines attached; {len(lens)} prompt(s), "
+              f"{pair.prefill.transport}; engines attached ({how}); {len(lens)} prompt(s), "
               f"{args.k} tokens each", flush=True)
         rows = run_prompts(pair, lens, args.k)
         print(format_rows(rows, pair.prefill.transport))

@@ -11,6 +11,10 @@ HELP = "scheduler: show (or --watch) a request's state on a prefill or decode da
 DESCRIPTION = """\
 States: Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed(reason, detail).
 --watch streams every change (WatchStatus) until the request ends or --watch seconds pass.
+Each status also shows what the request moves, from its plan, on that daemon: bytes done
+of those planned (prefill: written of posted; decode: landed of reserved), each index
+list's length, how its bytes are (or were) verified, and when it entered each state (ms
+after it was created there); a daemon keeps them for its last 4096 ended requests.
 
 exit codes: 0 (not Failed), 1 Failed, 2 unknown request or refused.
 """

@@ -6,15 +6,20 @@ layout; or moves tensors it allocated itself into shared memory with
 :func:`attach`; the daemon maps the same pages and serves transfers from and into
 them until the engine detaches or exits. The per-request calls an engine scheduler
 makes are :class:`Sender` (prefill), :class:`Receiver` (decode) and :class:`KVPoll`
-(:mod:`kvbeam.engine.requests`). Importing this package imports neither gRPC nor torch
-(torch only when a tensor view is asked for). docs/engine.md.
+(:mod:`kvbeam.engine.requests`). An engine whose KV is not host shared memory (a GPU's)
+attaches a :class:`StagingBuffer` instead and copies through it
+(:mod:`kvbeam.engine.staging`, docs/gpu.md). Importing this package imports neither
+gRPC nor torch (torch only when a tensor view is asked for). docs/engine.md.
 """
 
 from kvbeam.engine.attach import Attachment, attach
 from kvbeam.engine.memory import EngineBuffers, EnginePools, SharedMemory
 from kvbeam.engine.requests import KVPoll, Receiver, Sender
-from kvbeam.errors import AttachError
+from kvbeam.engine.staging import StagingBuffer
+from kvbeam.engine.staging_slots import FullPolicy
+from kvbeam.errors import AttachError, StagingFull
 from kvbeam.proto.attach_codec import BufferRef
 
 __all__ = ["AttachError", "Attachment", "BufferRef", "EngineBuffers", "EnginePools",
-           "KVPoll", "Receiver", "Sender", "SharedMemory", "attach"]
+           "FullPolicy", "KVPoll", "Receiver", "Sender", "SharedMemory", "StagingBuffer",
+           "StagingFull", "attach"]

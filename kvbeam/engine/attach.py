@@ -104,7 +104,7 @@ def attach(socket_path: str, pools: EnginePools | EngineBuffers,
         pools: an :class:`EnginePools`, or an :class:`EngineBuffers` describing the
             engine's own allocation (then ``config`` is required).
         config: the side config the memory follows (default: the pools').
-        memory_kind: ``host_shm`` (memfd/tmpfs); ``dmabuf`` is refused for now.
+        memory_kind: ``host_shm`` (memfd/tmpfs) or ``dmabuf`` (GPU memory, docs/gpu.md).
         timeout: seconds for the daemon's answer (it maps and registers the memory).
         pushes: which of its requests' state changes the daemon pushes: ``all`` (every
             one: ``poll()`` reads each state as the request passes it) or ``final``

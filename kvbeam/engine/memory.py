@@ -64,6 +64,13 @@ class EnginePools:
         return torch.frombuffer(self._maps[buf.tensor], dtype=torch.uint8, count=buf.nbytes,
                                 offset=buf.offset)
 
+    def allocation_view(self, tensor: int) -> torch.Tensor:
+        """Allocation ``tensor``'s whole memfd mapping as a ``uint8`` tensor (no copy):
+        what a staging buffer pins (page-aligned, one registration per mapping)."""
+        import torch
+
+        return torch.frombuffer(self._maps[tensor], dtype=torch.uint8)
+
     def fill_pattern(self, seed: int) -> None:
         """Fill every allocation with a deterministic pattern of ``seed`` (tests, demos)."""
         rng = np.random.default_rng(seed)

@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--length", type=int, default=250, help="prompt tokens")
     ap.add_argument("-k", type=int, default=12, help="continued tokens")
     ap.add_argument("--seed", type=int, default=0, help="weights seed")
+    ap.add_argument("--device", default="cpu",
+                    help="where both engines compute and keep their KV (cpu, cuda)")
     ap.add_argument("--sensitivity", action="store_true",
                     help="also leave out / shift each component and show what changes")
     args = ap.parse_args(argv)
@@ -32,11 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = (load_side_config(args.config) if args.config
            else tiny_config(unified=not args.paged, draft=not args.no_draft))
     prompt = make_prompt(args.length, 512)
-    result = compare(cfg, prompt, args.k, seed=args.seed)
-    print(f"config {cfg.source}")
+    result = compare(cfg, prompt, args.k, seed=args.seed, device=args.device)
+    print(f"config {cfg.source}, device {args.device}")
     print(result.table())
     if args.sensitivity:
-        split = SplitRun(cfg, prompt, seed=args.seed)
+        split = SplitRun(cfg, prompt, seed=args.seed, device=args.device)
         print(format_effects(sensitivity(split, args.k), args.k))
     return 0 if result.equal else 1
 

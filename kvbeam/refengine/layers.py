@@ -116,7 +116,8 @@ def _compressed(lw: LayerWeights, v: LayerViews, w: Where, a: torch.Tensor, p: i
     groups = np.arange(n)
     rows = w.group_rows(r, groups)
     keys = v.ckv[rows].float()
-    kpos = torch.from_numpy(groups * r + r - 1)
+    # On the pools' device: the indexer's top-k below picks from it with device indices.
+    kpos = torch.from_numpy(groups * r + r - 1).to(keys.device)
     if r == 4:
         assert v.idx is not None and lw.wiq is not None
         scores = v.idx[rows].float() @ (a @ lw.wiq)

@@ -8,11 +8,14 @@ result), softmax-gated group compression with a per-slot positional bias (DSV4's
 C4 indexer choosing the top-k compressed entries, and a NextN draft layer.
 
 All weights are float32 and drawn from one seeded generator: two processes that build
-``ReferenceModel(config, seed)`` hold bit-identical weights.
+``ReferenceModel(config, seed)`` hold bit-identical weights. They are drawn on the CPU and
+then moved to ``device`` (``cuda`` for a GPU engine), so every device holds the same ones;
+the model computes wherever its weights and its pools are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -78,8 +81,10 @@ class DraftWeights:
 class ReferenceModel:
     """Random weights for a side config's target (and draft, when the config has one)."""
 
-    def __init__(self, config: SideConfig, seed: int = 0, shape: ModelShape | None = None) -> None:
+    def __init__(self, config: SideConfig, seed: int = 0, shape: ModelShape | None = None,
+                 device: str = "cpu") -> None:
         self.config = config
+        self.device = str(device)
         self.shape = shape or ModelShape()
         s = self.shape
         self.gen = torch.Generator().manual_seed(seed)
@@ -99,6 +104,25 @@ class ReferenceModel:
                 proj_e=self._rand(s.hidden, s.hidden),
                 layers=[self._layer(config.draft, 0) for _ in config.draft.compression_ratios],
             )
+        if self.device != "cpu":
+            self._move()
+
+    def _move(self) -> None:
+        """Every weight and table to ``self.device`` (drawn on the CPU: the same values)."""
+        def to(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.device)
+
+        self.embed, self.head = to(self.embed), to(self.head)
+        layers = [*self.layers, *(self.draft.layers if self.draft is not None else [])]
+        for lw in layers:
+            for f in dataclasses.fields(lw):
+                value = getattr(lw, f.name)
+                if isinstance(value, torch.Tensor):
+                    setattr(lw, f.name, to(value))
+        if self.draft is not None:
+            self.draft.proj_h, self.draft.proj_e = to(self.draft.proj_h), to(self.draft.proj_e)
+        for rope in self.rope.values():
+            rope.cos, rope.sin = to(rope.cos), to(rope.sin)
 
     def _rand(self, *size: int, scale: float | None = None) -> torch.Tensor:
         fan_in = size[0]

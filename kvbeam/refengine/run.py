@@ -51,10 +51,11 @@ def make_prompt(length: int, vocab: int, seed: int = 1) -> list[int]:
 
 
 def colocated(config: SideConfig, prompt: list[int], k: int, seed: int = 0,
-              shape: ModelShape | None = None) -> Continuation:
+              shape: ModelShape | None = None, device: str = "cpu") -> Continuation:
     """Prompt and continuation in one engine, no transfer: the reference result."""
-    model = ReferenceModel(config, seed, shape)
-    eng = Engine(model, AllocatedSide(build_side_layout(config)), COLOCATED_ALLOCATOR_SEED)
+    model = ReferenceModel(config, seed, shape, device)
+    eng = Engine(model, AllocatedSide(build_side_layout(config), device),
+                 COLOCATED_ALLOCATOR_SEED)
     eng.prefill("r", prompt)
     return eng.decode("r", k)
 
@@ -63,10 +64,12 @@ class SplitRun:
     """One prefill; then any number of transfers into fresh decode engines, faults optional."""
 
     def __init__(self, config: SideConfig, prompt: list[int], *, seed: int = 0,
-                 shape: ModelShape | None = None, prefill_side: SideMemory | None = None) -> None:
+                 shape: ModelShape | None = None, prefill_side: SideMemory | None = None,
+                 device: str = "cpu") -> None:
         self.config = config
-        self.model = ReferenceModel(config, seed, shape)
-        self.side = prefill_side or AllocatedSide(build_side_layout(config))
+        self.device = device
+        self.model = ReferenceModel(config, seed, shape, device)
+        self.side = prefill_side or AllocatedSide(build_side_layout(config), device)
         self.engine = Engine(self.model, self.side, PREFILL_ALLOCATOR_SEED)
         self.result = self.engine.prefill("r", prompt)
 
@@ -80,7 +83,7 @@ class SplitRun:
         fault shows as different tokens rather than NaN). ``skip``/``shift`` go to
         :func:`copy_state` (ignored with a custom ``transfer``).
         """
-        dst = decode_side or AllocatedSide(build_side_layout(self.config))
+        dst = decode_side or AllocatedSide(build_side_layout(self.config), self.device)
         if garbage:
             fill_garbage(dst, seed=99)
         else:
@@ -145,13 +148,16 @@ class Comparison:
 def compare(config: SideConfig, prompt: list[int], k: int, *,
             transfer: Transfer | None = None,
             prefill_side: SideMemory | None = None, decode_side: SideMemory | None = None,
-            seed: int = 0, shape: ModelShape | None = None, garbage: bool = True) -> Comparison:
+            seed: int = 0, shape: ModelShape | None = None, garbage: bool = True,
+            device: str = "cpu") -> Comparison:
     """Run ``prompt`` colocated and split (prefill -> ``transfer`` -> decode); compare.
 
-    ``prefill_side`` / ``decode_side`` default to freshly allocated pools (an engine's
-    attached pools otherwise); the decode side is filled with random bytes first
-    (``garbage``; zeros without), so a byte the transfer misses is garbage.
+    ``prefill_side`` / ``decode_side`` default to freshly allocated pools on ``device``
+    (an engine's attached pools, or its device KV when it stages, otherwise); the
+    decode side is filled with random bytes first (``garbage``; zeros without), so a
+    byte the transfer misses is garbage. Both runs compute on ``device``.
     """
-    split = SplitRun(config, prompt, seed=seed, shape=shape, prefill_side=prefill_side)
+    split = SplitRun(config, prompt, seed=seed, shape=shape, prefill_side=prefill_side,
+                     device=device)
     moved = split.decode(k, transfer=transfer, decode_side=decode_side, garbage=garbage)
-    return Comparison(len(prompt), colocated(config, prompt, k, seed, shape), moved)
+    return Comparison(len(prompt), colocated(config, prompt, k, seed, shape, device), moved)

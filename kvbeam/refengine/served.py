@@ -9,6 +9,13 @@ engine's own lists, prefill sends it from the prefill engine's lists, both must
 reach Success (decode's only after the XXH3-128 digests matched), and decode
 releases it. Each transfer's bytes and Send->Success time are recorded.
 
+Staged (``staging=Staging(device)``): the engines' KV lives in ordinary tensors on
+``device`` (``cuda`` for the reference engine on a GPU, ``cpu`` for the same path on
+CPU tensors that are not the attached memory), and what each engine attaches is a
+staging buffer (:class:`~kvbeam.engine.staging.StagingBuffer`): prefill gathers the
+request into its buffer before the send, decode lands in its buffer and scatters into
+its KV after Success, before it decodes (docs/gpu.md).
+
 Start the pair BEFORE the model runs: the daemons are subprocesses, and a process
 must not fork after torch ran parallel work.
 """
@@ -30,18 +37,33 @@ from kvbeam.auth import Security
 from kvbeam.client import KvbeamClient
 from kvbeam.engine import EnginePools, attach
 from kvbeam.engine.attach import Attachment
+from kvbeam.engine.staging import StagingBuffer
 from kvbeam.errors import AttachError, DaemonStartError, TransferFailed
+from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.plan import IndexLists
 from kvbeam.pools.spec import SideConfig
 from kvbeam.procs import DaemonProcess, PendingDaemon, spawn_daemon
 from kvbeam.proto.attach_codec import config_to_mapping
 from kvbeam.refengine.engine import Continuation
+from kvbeam.refengine.memory import SideMemory
 from kvbeam.refengine.model import ModelShape
 from kvbeam.refengine.run import Comparison, colocated, compare, make_prompt, torch_threads
 from kvbeam.scheduler import RequestResult, run_request
 from kvbeam.states import TransferState
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Staging:
+    """How a staged pair's engines hold their KV: on ``device``, through staging buffers
+    of ``requests`` requests of up to ``tokens`` tokens (default: the config's
+    ``max_context_len``)."""
+
+    device: str = "cpu"
+    requests: int = 2
+    tokens: int | None = None
 
 
 @dataclass
@@ -57,6 +79,8 @@ class ServedPair:
         security: the credentials the daemons require (their token travels in
             ``env`` as KVBEAM_AUTH_TOKEN); None for an open loopback pair.
         timeout: seconds a transfer may take before it counts as failed.
+        staging: stage the engines' KV (on ``staging.device``) through host buffers;
+            None: the engines compute in the attached memfds themselves.
     """
 
     config: SideConfig
@@ -67,6 +91,7 @@ class ServedPair:
     security: Security | None = None
     timeout: float = 60.0
     prefix: str = "ref"
+    staging: Staging | None = None
     #: one :class:`~kvbeam.scheduler.RequestResult` per transfer, in order
     records: list[RequestResult] = field(default_factory=list)
 
@@ -74,13 +99,28 @@ class ServedPair:
         self._dir = tempfile.TemporaryDirectory(prefix="kvbeam-served-")
         work = Path(self._dir.name)
         os.chmod(work, 0o700)  # the attach socket's directory must not be writable by others
-        cfg = work / "side.yaml"
-        cfg.write_text(yaml.safe_dump(config_to_mapping(self.config)))
         self._daemons: list[DaemonProcess] = []
         self._attachments: list[Attachment] = []
         self._pending: list[PendingDaemon] = []
-        self.prefill_pools = EnginePools(self.config)
-        self.decode_pools = EnginePools(self.config)
+        self._staging: list[StagingBuffer] = []
+        #: The device the engines compute on.
+        self.device = self.staging.device if self.staging is not None else "cpu"
+        if self.staging is None:
+            self.prefill_pools = EnginePools(self.config)
+            self.decode_pools = EnginePools(self.config)
+            #: What each engine computes in: the attached pools, or its device KV (staged).
+            self.prefill_side: SideMemory = self.prefill_pools
+            self.decode_side: SideMemory = self.decode_pools
+        else:
+            st = self.staging
+            self._staging = [StagingBuffer(self.config, device=st.device, requests=st.requests,
+                                           tokens=st.tokens) for _ in range(2)]
+            self.prefill_pools, self.decode_pools = (b.pools for b in self._staging)
+            layout = build_side_layout(self.config)
+            self.prefill_side = AllocatedSide(layout, st.device)
+            self.decode_side = AllocatedSide(layout, st.device)
+        cfg = work / "side.yaml"  # what the engines attach: their pools' own config
+        cfg.write_text(yaml.safe_dump(config_to_mapping(self.prefill_pools.config)))
         try:
             pending = {role: self._spawn(role, str(cfg), str(work / f"{role}.sock"))
                        for role in ("decode", "prefill")}
@@ -106,7 +146,7 @@ class ServedPair:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return attach(sock, pools, self.config)
+                return attach(sock, pools)
             except AttachError as exc:
                 # Not listening yet (no socket file, or bound but not listening): retry.
                 if not str(exc).startswith("cannot attach") or daemon.proc.poll() is not None \
@@ -125,11 +165,38 @@ class ServedPair:
     def transfer(self, src_lists: IndexLists, dst_lists: IndexLists, seq_len: int) -> None:
         """Move one request from the prefill engine's lists to the decode engine's.
 
+        Staged: gathered into prefill's staging buffer first (the send waits for the
+        copy), landed in decode's, scattered into decode's KV only after Success.
+
         Raises:
             TransferFailed: either side did not reach Success within ``timeout``
                 (the message carries both sides' state); the decode engine must not
                 decode from the state then.
+            StagingFull: a staging buffer had no room within its wait.
         """
+        if not self._staging:
+            self._transfer(src_lists, dst_lists, seq_len)
+            return
+        out, inn = self._staging
+        staged = out.stage_out(self.prefill_side, src_lists)
+        landing = None
+        try:
+            assert staged.copy is not None
+            staged.copy.wait()  # the send only after the gather completed
+            landing = inn.reserve(dst_lists)
+            self._transfer(staged.lists, landing.lists, seq_len)
+            inn.stage_in(landing, self.decode_side, dst_lists).wait()
+        finally:
+            out.release(staged)
+            if landing is not None:
+                inn.release(landing)
+
+    @property
+    def staging_buffers(self) -> tuple[StagingBuffer, ...]:
+        """(prefill's, decode's) staging buffers; empty when not staged."""
+        return tuple(self._staging)
+
+    def _transfer(self, src_lists: IndexLists, dst_lists: IndexLists, seq_len: int) -> None:
         prefill, decode = self._clients
         rid = f"{self.prefix}-{len(self.records)}"
         # The engine keeps a list per kind it knows; the daemon takes the layout's kinds only.
@@ -157,8 +224,12 @@ class ServedPair:
             if p.proc.poll() is None:
                 p.proc.kill()
                 p.proc.wait(10)
-        self.prefill_pools.close()
-        self.decode_pools.close()
+        if self._staging:
+            for buf in self._staging:
+                buf.close()
+        else:
+            self.prefill_pools.close()
+            self.decode_pools.close()
         self._dir.cleanup()
 
     def __enter__(self) -> ServedPair:
@@ -188,10 +259,11 @@ def run_prompts(pair: ServedPair, prompt_lens: Sequence[int], k: int) -> list[Se
             prompt = make_prompt(n, ModelShape().vocab, seed=n)
             try:
                 c = compare(pair.config, prompt, k, transfer=pair.transfer,
-                            prefill_side=pair.prefill_pools, decode_side=pair.decode_pools)
+                            prefill_side=pair.prefill_side, decode_side=pair.decode_side,
+                            device=pair.device)
             except TransferFailed as exc:
                 log.error("prompt %d: %s", n, exc)
-                ref = colocated(pair.config, prompt, k)
+                ref = colocated(pair.config, prompt, k, device=pair.device)
                 empty = Continuation([], ref.logits[:0], [], [])
                 c = Comparison(n, ref, empty)
             rows.append(ServedRow(c, pair.records[-1]))

@@ -21,7 +21,7 @@ from kvbeam.server.core.attached import PoolsHolder
 from kvbeam.server.core.ports import IndexLists, require_status
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import Peers
-from kvbeam.states import TransferStatus
+from kvbeam.states import TransferFacts, TransferStatus
 
 R = TypeVar("R")
 
@@ -32,7 +32,7 @@ def request_bytes(layout: SideLayout, indices: IndexLists, draft: IndexLists) ->
     return sum(buffer_bytes(layout, indices, draft))
 
 
-class CoreBase(PoolsHolder):
+class CoreBase(PoolsHolder, ABC):
     """The status accessor and the engine-pools switch of a core (state is the core's)."""
 
     table: TransferTable
@@ -44,6 +44,24 @@ class CoreBase(PoolsHolder):
     def status(self, request_id: str) -> TransferStatus:
         """The request's status."""
         return require_status(self.table, request_id, self.role)
+
+    def facts_of(self, request_id: str) -> TransferFacts:
+        """What the request moves: from its record while the core has one, else what the
+        table kept when the core forgot it (nothing known: all zero)."""
+        with self._lock:
+            live = self._facts(request_id)
+        if live is not None:
+            return live
+        return self.table.facts(request_id) or TransferFacts(
+            verification=self._verification(None))
+
+    @abstractmethod
+    def _facts(self, request_id: str) -> TransferFacts | None:
+        """The facts of the request's live record (core lock held); None without one."""
+
+    @abstractmethod
+    def _verification(self, request_id: str | None) -> str:
+        """How this side verifies (or verified) the request's bytes, in words."""
 
     def _lookup(self, records: Mapping[str, R], request_id: str) -> R | None:
         """The core's record of a request (``records`` is its map), None once forgotten."""
@@ -117,3 +135,7 @@ class DriverBase(ABC, Generic[C]):
     def status(self, request_id: str) -> TransferStatus:
         """The request's status."""
         return self.core.status(request_id)
+
+    def facts_of(self, request_id: str) -> TransferFacts:
+        """What the request moves (:meth:`CoreBase.facts_of`), for status replies."""
+        return self.core.facts_of(request_id)

@@ -99,7 +99,9 @@ from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.server.slots import SlotPool
 from kvbeam.states import (
+    NOT_VERIFIED_OFF,
     FailureReason,
+    TransferFacts,
     TransferState,
     TransferStatus,
 )
@@ -406,12 +408,21 @@ class DecodeCore(CoreBase):
         res = self._lookup(self._res, request_id)
         return res.slot if res else -1
 
-    def bytes_of(self, request_id: str) -> tuple[int, int]:
-        """(bytes landed, bytes reserved) of a held request."""
-        res = self._lookup(self._res, request_id)
-        if res is None:
-            return (0, 0)
-        return (res.nbytes if res.landed else 0, res.nbytes)
+    def _facts(self, request_id: str) -> TransferFacts | None:
+        res = self._res.get(request_id)
+        return None if res is None else res.facts(self._verification(request_id))
+
+    def _verification(self, request_id: str | None) -> str:
+        snap = self.table.get(request_id) if request_id is not None else None
+        if snap is not None and snap.state is TransferState.SUCCESS:
+            return snap.detail  # the check's verdict (VERIFIED_PREFIX, NOT_VERIFIED_*)
+        if snap is not None and snap.reason is FailureReason.INTEGRITY:
+            return f"failed: {snap.detail}"
+        if snap is not None and snap.state is TransferState.FAILED:
+            return "not checked: it ended first"
+        if not self.integrity:
+            return NOT_VERIFIED_OFF
+        return "not yet: XXH3-128 of every buffer checked against prefill's once it lands"
 
     # ---- Offer: the reservation pushed to prefill ahead of its Send (protocol 2) ----------
     def offer(self, res: Incoming) -> Actions:
@@ -821,6 +832,7 @@ class DecodeCore(CoreBase):
             res = self._res.pop(rid, None)
             if res is not None:
                 self._by_transfer.pop(res.transfer_id, None)
+                self.table.keep_facts(rid, res.facts(self._verification(rid)))
             self._pages.release(rid)
         if res is None:
             return []

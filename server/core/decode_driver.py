@@ -134,10 +134,6 @@ class DecodeDriver(DriverBase[DecodeCore]):
         """The slot a request holds, -1 once freed."""
         return self.core.slot_of(request_id)
 
-    def bytes_of(self, request_id: str) -> tuple[int, int]:
-        """(bytes landed, bytes reserved) of a held request."""
-        return self.core.bytes_of(request_id)
-
     # ---- the API: engines, schedulers, prefill's BeginWrite -----------------------------
     def reserve(self, request_id: str, seq_len: int, prefill_address: str, *,
                 indices: Mapping[IndexKind, ListLike] | None = None,

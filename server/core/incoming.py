@@ -13,7 +13,8 @@ from enum import Enum
 
 from kvbeam.pools.digest import DigestParts
 from kvbeam.pools.digest_pool import DigestJob
-from kvbeam.server.core.ports import IndexLists
+from kvbeam.server.core.ports import IndexLists, list_lengths
+from kvbeam.states import TransferFacts
 
 
 class Landing(Enum):
@@ -83,6 +84,11 @@ class Incoming:
     marked: dict[int, DigestJob] = field(default_factory=dict)
     #: Its digest parts (one per flat buffer), built at its first mark.
     parts: DigestParts | None = None
+
+    def facts(self, verification: str) -> TransferFacts:
+        """What it moves: bytes landed of those reserved, its destination lists."""
+        return TransferFacts(self.nbytes if self.landed else 0, self.nbytes,
+                             list_lengths(self.indices, self.draft), self.kv_skip, verification)
 
     # ---- the landing's moves (the core calls them under its lock) --------------------
     @property

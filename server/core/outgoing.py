@@ -41,9 +41,10 @@ import numpy.typing as npt
 
 from kvbeam.pools.mailbox import FreeSlots, RecordArea
 from kvbeam.pools.types import IndexKind
-from kvbeam.server.core.ports import IndexLists
+from kvbeam.server.core.ports import IndexLists, list_lengths
 from kvbeam.server.core.prefill_pieces import Pieces
 from kvbeam.server.peers import PeerConn
+from kvbeam.states import TransferFacts
 
 #: Token ranges of a chunk, ``[start, end)`` pairs.
 Ranges = list[tuple[int, int]]
@@ -139,6 +140,12 @@ class Outgoing:
         out = dict(self.src_indices)
         out[IndexKind.KV_PAGES] = self.src_indices[IndexKind.KV_PAGES][self.kv_skip:]
         return out
+
+    def facts(self, verification: str) -> TransferFacts:
+        """What it moves: bytes written of those posted, its lists (what moves of them)."""
+        return TransferFacts(self.bytes_done, self.bytes_total,
+                             list_lengths(self.moved_source, self.src_draft),
+                             self.kv_skip or 0, verification)
 
     @property
     def drained(self) -> bool:

@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbeam.errors import UnknownRequest
-from kvbeam.pools.types import IndexKind
+from kvbeam.pools.types import INDEX_KINDS, IndexKind
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn
 from kvbeam.states import TransferStatus
@@ -34,6 +34,16 @@ log = logging.getLogger(__name__)
 #: hundreds of live requests and a peer that does not answer, the whole shutdown still
 #: fits a 30 s termination grace period.
 SHUTDOWN_ABORT_S = 1.0
+
+
+def list_lengths(indices: IndexLists, draft: IndexLists) -> tuple[tuple[str, int], ...]:
+    """Each non-empty index list's length by kind name, the draft's own as "draft.KIND"
+    (what ``kvbeam status`` shows), in IndexKind order. A kind the layout does not use
+    has an empty list: left out."""
+    out = [(k.value, len(indices[k])) for k in INDEX_KINDS if k in indices and len(indices[k])]
+    out += [(f"draft.{k.value}", len(draft[k])) for k in INDEX_KINDS
+            if k in draft and len(draft[k])]
+    return tuple(out)
 
 
 def require_status(table: TransferTable, request_id: str, side: str) -> TransferStatus:

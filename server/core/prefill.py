@@ -74,7 +74,7 @@ from kvbeam.server.core.prefill_record import RecordStager
 from kvbeam.server.core.resend import ResendPolicy
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
-from kvbeam.states import FailureReason, TransferState, TransferStatus
+from kvbeam.states import FailureReason, TransferFacts, TransferState, TransferStatus
 from kvbeam.transport.blocks import Blocks
 
 log = logging.getLogger(__name__)
@@ -433,10 +433,16 @@ class PrefillCore(PrefillEvents, CoreBase):
         rec = self._lookup(self._out, request_id)
         return rec.src_slot if rec else -1
 
-    def bytes_of(self, request_id: str) -> tuple[int, int]:
-        """(bytes written, bytes posted) of a live request."""
-        rec = self._lookup(self._out, request_id)
-        return (rec.bytes_done, rec.bytes_total) if rec else (0, 0)
+    def _facts(self, request_id: str) -> TransferFacts | None:
+        rec = self._out.get(request_id)
+        return None if rec is None else rec.facts(self._verification(request_id))
+
+    def _verification(self, request_id: str | None) -> str:
+        if not self.integrity:
+            return "no digests sent: integrity is off on prefill (KVBEAM_INTEGRITY=false)"
+        held = self._held
+        buffers = f" of {len(held[1].flat_buffers)} buffers" if held is not None else ""
+        return f"XXH3-128 digests{buffers} go with its last write; decode checks them"
 
     def known(self, request_id: str) -> bool:
         """True while the core keeps a record of the request (tests, diagnostics)."""

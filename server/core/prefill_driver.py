@@ -122,10 +122,6 @@ class PrefillDriver(DriverBase[PrefillCore]):
         """The source slot of a live request, -1 once forgotten."""
         return self.core.slot_of(request_id)
 
-    def bytes_of(self, request_id: str) -> tuple[int, int]:
-        """(bytes written, bytes posted) of a live request."""
-        return self.core.bytes_of(request_id)
-
     def known(self, request_id: str) -> bool:
         """True while the core keeps a record of the request (tests, diagnostics)."""
         return self.core.known(request_id)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvbeam.errors import (
@@ -88,6 +89,8 @@ class PrefillEvents:
     records: RecordStager
     resend: ResendPolicy
     layout: SideLayout
+
+    _verification: Callable[[str | None], str]  # the core's: how its bytes are verified
 
     @staticmethod
     def _late_verdict(request_id: str, detail: str, decode_address: str) -> None:
@@ -255,6 +258,7 @@ class PrefillEvents:
                     continue
                 if rec.told_decode or snap is None or snap.state is TransferState.SUCCESS:
                     del self._out[rid]
+                    self.table.keep_facts(rid, rec.facts(self._verification(rid)))
                     self.records.give(rec, force=True)
                     if snap is not None and not rec.final_submitted:
                         self._ended_unfinished.add(rid)  # a late chunk gets its status

@@ -57,8 +57,13 @@ def test_compose_up_moves_and_verifies_every_request(compose: Compose, timings: 
         assert "integrity digests: compiled XXH3-128" in log, log
         if TRANSPORT == "rdma":
             assert "compiled WR poster" in log, log
-    assert decode.count("XXH3-128 verified: ") == REQUESTS, decode
+    # The step lines (KVBEAM_LOG_REQUESTS): decode's Success says how it was verified. Each
+    # transfer's end line (kvbeam.transfers, "Success, N/N bytes") says it again: one each.
+    steps = [line for line in decode.splitlines() if ": Success (" in line]
+    assert len(steps) == REQUESTS and all("XXH3-128 verified: " in s for s in steps), decode
     assert prefill.count(": Success (") == REQUESTS, prefill
+    for log in (decode, prefill):
+        assert log.count(" kvbeam.transfers: request ") == REQUESTS, log
 
 
 def test_decode_stopped_mid_run(compose: Compose, timings: Timings) -> None:

@@ -239,7 +239,7 @@ def test_bad_descriptions_are_refused_naming_the_field_and_leak_nothing(workdir:
         assert refused["config"].startswith("refused config:"), refused
         assert "target.head_dim: daemon=16, engine=32" in refused["config"]
         assert refused["dmabuf"].startswith("refused memory_kind:")
-        assert "GPU memory (dma-buf) is not supported yet" in refused["dmabuf"]
+        assert "integrity check is on, and it cannot read device memory" in refused["dmabuf"]
         assert refused["draft"].startswith("refused config.draft:")
         assert "DSV4 target and draft pools must use the same unified-KV mode" in refused["draft"]
         assert "(prefill side)" in refused["draft"]

@@ -184,9 +184,11 @@ def test_json_logs_name_the_request_and_peer_on_every_request_line() -> None:
 PROGRESS = ("reserved slot", ": posted ", ": Success (", "freed (")
 
 
-def test_a_request_that_goes_well_logs_nothing_by_default() -> None:
+def test_a_request_that_goes_well_logs_one_line_by_default() -> None:
     """The daemons' default (``--log-requests`` off; the tests' environment turns it on):
-    a Success logs no line about its request on either side, a failure still does."""
+    a Success logs one line about its request on each side, its end (kvbeam.transfers:
+    bytes, ms, verification), none of its steps; a failure logs its end with the cause,
+    and its WARNING. With ``--log-ends-per-s 0`` a Success logs nothing."""
     quiet = {"KVBEAM_LOG_REQUESTS": "false"}
     with pair(prefill_env=quiet, decode_env=quiet) as (prefill, decode, p, d):
         result = run_request(p, d, "q-1", 700, 0)
@@ -195,10 +197,26 @@ def test_a_request_that_goes_well_logs_nothing_by_default() -> None:
         d.abort("q-2", "test abort")  # an abort is logged whatever the setting
         assert wait_until(lambda: "q-2 aborted by the scheduler" in decode.output, 10), \
             decode.output
+        ends = {"prefill": r"request q-1: Success, (\d+)/\1 bytes written in [\d.]+ ms; "
+                           r"XXH3-128 digests of \d+ buffers go with its last write",
+                "decode": r"request q-1: Success, (\d+)/\1 bytes landed in [\d.]+ ms; "
+                          r"XXH3-128 verified: \d+ buffers match prefill's digests"}
         for daemon in (prefill, decode):
+            assert wait_until(lambda dp=daemon: "request q-1: Success" in dp.output, 10), \
+                daemon.output  # the sweeper writes it, within a sweep
             lines = [line for line in daemon.output.splitlines() if "q-1" in line]
-            assert not lines, lines
+            assert len(lines) == 1 and " INFO kvbeam.transfers: " in lines[0], lines
+            assert re.search(ends[daemon.role], lines[0]), lines[0]
             assert not any(p in daemon.output for p in PROGRESS), daemon.output
+        assert wait_until(lambda: "request q-2: Failed (aborted: " in decode.output, 10), \
+            decode.output
+    off = {**quiet, "KVBEAM_LOG_ENDS_PER_S": "0"}
+    with pair(prefill_env=off, decode_env=off) as (prefill, decode, p, d):
+        result = run_request(p, d, "q-3", 700, 0)
+        assert result.ok and result.verified, result
+    for daemon in (prefill, decode):  # stopped: every line is in
+        assert not [line for line in daemon.output.splitlines() if "q-3" in line], \
+            daemon.output
 
 
 def test_metrics_port_in_use_stops_the_daemon_with_a_clear_error() -> None:

@@ -10,20 +10,26 @@ the scheduler API. Each engine checks it never imported gRPC.
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
 from kvbeam.client import KvbeamClient
+from kvbeam.pools.indices import expected_lengths
+from kvbeam.pools.layout import build_side_layout
 from kvbeam.procs import DaemonProcess
 from kvbeam.states import TransferState
 from tests.attach_helpers import start_engine_pair, write_config
+from tests.control_helpers import run_cli
 from tests.daemon_helpers import FAST
+from tests.engine_lists import kind_items
 from tests.fixtures import side
 from tests.metrics_helpers import scrape, value
 
@@ -127,6 +133,58 @@ def test_reserve_first_moves_the_bytes_and_pushes_every_state(engines: tuple[
     with KvbeamClient(decode.address) as d:  # released: nothing held
         assert d.status("r2").state is TransferState.SUCCESS
         assert d.capacity().slots_held == 0
+
+
+def _cli_status(address: str, rid: str) -> dict[str, Any]:
+    r = run_cli("status", "--address", address, "--request-id", rid, "--json")
+    assert r.returncode in (0, 1), r.stderr
+    return cast(dict[str, Any], json.loads(r.stdout))
+
+
+def test_status_shows_what_an_engine_list_request_moved_after_it_ended(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    """``kvbeam status`` of a request the engines named by lists (no slot): its bytes
+    (equal to what each daemon counted in /metrics), its lists' lengths (what the
+    layout needs for its tokens), how it was verified and when it entered each state,
+    on both sides, still after decode's release and prefill's forgetting it; and a
+    failed one's. Before, it read ``slot=-1 bytes=0/0`` once the request ended."""
+    prefill, decode, pe, de = engines
+    before = {d.role: value(scrape(d.metrics), "kvbeam_request_bytes_total")
+              for d in (prefill, decode)}
+    assert de.cmd(f"reserve s1 {SEQ} {prefill.address} 7") == "reserve s1"
+    assert pe.cmd(f"send s1 {SEQ} {decode.address} 8") == "send s1"
+    assert de.cmd("wait s1 60") == "Success" and pe.cmd("wait s1 60") == "Success"
+    assert de.cmd("release s1") == "released"
+    time.sleep(1.0)  # prefill's sweep (every 0.2 s) forgets its record of the request
+    config = side()
+    used = kind_items(build_side_layout(config))  # the kinds the layout has buffers of
+    want = {k.value: n for k, n in expected_lengths(config.target, SEQ).items() if k in used}
+    moved = {d.role: value(scrape(d.metrics), "kvbeam_request_bytes_total") - before[d.role]
+             for d in (prefill, decode)}
+    for daemon, verified in ((prefill, "XXH3-128 digests of "),
+                             (decode, "XXH3-128 verified: ")):
+        st = _cli_status(daemon.address, "s1")
+        assert st["state"] == "Success" and st["slot"] == -1, st
+        assert st["bytes_done"] == st["bytes_total"] == moved[daemon.role] > 0, (st, moved)
+        assert st["lists"] == want, st["lists"]
+        assert st["verification"].startswith(verified), st["verification"]
+        states = [state for state, _ in st["timeline"]]
+        assert states == ["Bootstrapping", "WaitingForInput", "Transferring", "Success"], st
+        times = [after for _, after in st["timeline"]]
+        assert times == sorted(times) and times[-1] > 0, st["timeline"]
+    text = run_cli("status", "--address", decode.address, "--request-id", "s1").stdout
+    assert f"bytes={moved['decode']:.0f}/{moved['decode']:.0f} peer=" in text, text
+    assert "slot=" not in text and "  verification: XXH3-128 verified: " in text, text
+    assert "  timeline: Bootstrapping 0.0 ms -> WaitingForInput " in text, text
+
+    # A reservation that ended unfilled: nothing landed of what it reserved.
+    assert de.cmd(f"reserve s2 {SEQ} {prefill.address} 9") == "reserve s2"
+    assert de.cmd("abort s2") == "aborted"
+    assert de.cmd("wait s2 30").startswith("Failed")
+    st = _cli_status(decode.address, "s2")
+    assert st["reason"] == "aborted" and st["bytes_done"] == 0, st
+    assert st["bytes_total"] == moved["decode"], st  # the same lengths: the same bytes
+    assert [state for state, _ in st["timeline"]][-1] == "Failed", st
 
 
 def test_engines_attached_for_final_pushes_hear_only_of_the_ends(tmp_path: Path) -> None:

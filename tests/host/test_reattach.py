@@ -71,3 +71,27 @@ def test_first_request_after_a_decode_reattach_succeeds(pair: tuple[
         assert "failed" not in prefill.output.split("first-after", 1)[1], prefill.output
         assert prefill.output.count("handshaking again") <= 1
         _move(p, d, "second-after", 2)
+
+
+def test_one_instance_id_until_an_engine_attaches_new_memory(pair: tuple[
+        DaemonProcess, DaemonProcess, Engine, Engine]) -> None:
+    """The id a daemon prints when it starts is the one its first attach answers and its
+    peers handshake with (before, the first attach made a new one); an attach after a
+    detach is new memory, so a new id, logged with both."""
+    prefill, decode, pe, de = pair
+    assert pe.first == f"attached {prefill.instance_id}"
+    assert de.first == f"attached {decode.instance_id}"
+    with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
+        assert p.wait_healthy(10) and d.wait_healthy(10)
+        assert d.capacity().instance_id == decode.instance_id  # what its Heartbeat says
+        _move(p, d, "one", 0)
+        assert f"decode peer {decode.instance_id} at " in prefill.output, prefill.output
+        assert de.cmd("detach") == "detached"
+        assert wait_until(lambda: not d.healthy(1.0), 10)
+        again = de.cmd("attach")
+        new = again.removeprefix("attached ")
+        assert again.startswith("attached ") and new != decode.instance_id, again
+        assert d.wait_healthy(10) and d.capacity().instance_id == new
+        assert wait_until(lambda: f"instance id {decode.instance_id} -> {new}: an engine "
+                                  "attached new memory after a detach" in decode.output, 10), \
+            decode.output

@@ -156,7 +156,7 @@ def _with(pools: EnginePools, i: int, j: int, **changes: int) -> AttachRequest:
     (lambda p: _with(p, 1, 0, offset=1 << 30), "components[1][0].offset",
      "is past the end of fd"),
     (lambda p: _request(p, memory_kind="dmabuf"), "memory_kind",
-     "GPU memory \\(dma-buf\\) is not supported yet"),
+     "memory_kind dmabuf: this daemon takes host memory only here"),
     (lambda p: _request(p, components=_request(p).components[:-1]), "components",
      "components: 3 given, the config's layout has 4 \\(kv, target.swa, "),
 ])

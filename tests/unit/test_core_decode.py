@@ -220,7 +220,7 @@ def test_a_resend_gets_a_new_transfer_id_and_the_old_links_notification_is_ignor
     # A late notification from the old link, with the old id or the new one: ignored.
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, old_tid))
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, new_tid))
-    assert io.queue == [] and core.bytes_of("r")[0] == 0
+    assert io.queue == [] and core.facts_of("r").bytes_done == 0
     core.on_event(Event(EventKind.NOTIFIED, new.link.id, new_tid))
     io.run_all()
     st = core.status("r")

@@ -109,10 +109,12 @@ def test_single_chunk_request_succeeds_once_its_write_completes() -> None:
     assert notify
     core.on_event(link.completion(tid))
     assert core.status("r").state is TransferState.SUCCESS
-    done, total = core.bytes_of("r")
+    facts = core.facts_of("r")
+    done, total = facts.bytes_done, facts.bytes_total
     assert done == total > 0
     core.periodic()
     assert not core.known("r") and not io.queue
+    assert core.facts_of("r") == facts  # kept by the table once the core forgot it
 
 
 def test_the_engine_hears_of_transferring_once_the_write_is_posted() -> None:

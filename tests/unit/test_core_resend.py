@@ -134,7 +134,8 @@ def test_every_posted_chunk_is_resent_in_order() -> None:
     for tid, _ in new.writes:
         core.on_event(new.completion(tid))
     assert core.status("c").state is TransferState.SUCCESS
-    done, total = core.bytes_of("c")
+    facts = core.facts_of("c")
+    done, total = facts.bytes_done, facts.bytes_total
     assert done == total > 0
 
 

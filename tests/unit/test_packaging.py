@@ -136,6 +136,7 @@ def test_wheel_holds_each_file_once_under_its_package_name(tmp_path: Path) -> No
     # their sources (an extension's sources are package data to setuptools).
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     expected |= {"kvbeam/transport/verbs/_post" + suffix, "kvbeam/transport/verbs/_post.c",
+                 "kvbeam/transport/verbs/_dmabuf" + suffix, "kvbeam/transport/verbs/_dmabuf.c",
                  "kvbeam/pools/_xxh3" + suffix, "kvbeam/pools/_xxh3.c",
                  "kvbeam/pools/_xxh3_avx2.c", "kvbeam/pools/_xxh3_loop.h",
                  "kvbeam/pools/_plan" + suffix, "kvbeam/pools/_plan.c",

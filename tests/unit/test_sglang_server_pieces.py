@@ -194,17 +194,18 @@ def test_docs_show_the_flags_and_side_config_the_served_test_runs() -> None:
 
     import yaml
 
+    from kvbeam.pools.spec import SideConfig
+    from tests.docs_blocks import script
     from tests.sglang_server_helpers import MAX_RUNNING, SGLANG_FLAGS, side_config
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text()
-    flags = re.search(r"`SERVER_FLAGS` are the CPU setup of the test \(tests/"
-                      r"sglang_server_helpers.py\):\n(.*?)\. What needs what", doc, re.S)
+    commands = script("docs/sglang.md")  # what tests/host/test_docs_run.py runs
+    flags = re.search(r'^CPU="(.*?)"$', commands, re.S | re.M)
     assert flags is not None
-    assert " ".join(flags.group(1).replace("\n", " ").strip("`").split("` `")).replace(
-        "`", "") == " ".join(SGLANG_FLAGS)
+    assert flags.group(1).split() == list(SGLANG_FLAGS)
+    want = SideConfig.from_mapping(side_config(aux_rows=2 * MAX_RUNNING), "doc")
+    # No file describes the pools: the backend reads them from sglang.
+    assert "--config" not in commands and "KVBEAM_CONFIG" not in commands
     block = re.search(r"The test's, for the tiny Llama:\n\n```yaml\n(.*?)```", doc, re.S)
     assert block is not None
-    from kvbeam.pools.spec import SideConfig
-
-    assert SideConfig.from_mapping(yaml.safe_load(block.group(1)), "doc") == \
-        SideConfig.from_mapping(side_config(aux_rows=2 * MAX_RUNNING), "doc")
+    assert SideConfig.from_mapping(yaml.safe_load(block.group(1)), "doc") == want

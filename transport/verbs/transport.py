@@ -63,12 +63,13 @@ from kvbeam.errors import RegionError, TransportError
 from kvbeam.threads import name_os_thread
 from kvbeam.transport.base import Access, Event, Registration, Transport
 from kvbeam.transport.core import wait_readable
-from kvbeam.transport.endpoint import Endpoint, Region, RemoteRegion
+from kvbeam.transport.endpoint import DmaBufRegion, Endpoint, Region, RemoteRegion
 from kvbeam.transport.host import LinkHostBase
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.stats import TransportStats
 from kvbeam.transport.verbs.chain import Poster
 from kvbeam.transport.verbs.device import VerbsDevice, mtu_bytes
+from kvbeam.transport.verbs.dmabuf_mr import DmaBufMR
 from kvbeam.transport.verbs.link import VerbsLink
 from kvbeam.transport.verbs.pyverbs_import import import_pyverbs
 from kvbeam.transport.verbs.qp import QueuePair
@@ -101,6 +102,8 @@ class VerbsTransport(LinkHostBase, Transport):
         self.device = VerbsDevice(device, gid_index)
         super().__init__()
         self._mrs: dict[int, list[Any]] = {}
+        #: Registrations whose MRs grant remote write themselves (dma-buf: no windows).
+        self._own_keys: set[int] = set()
         #: The memory window type links get (None: the REMOTE_WRITE MRs' own keys are shared).
         self._window_type = (self.device.window_type(self.options.qps_per_peer)
                              if self.options.per_link_keys else None)
@@ -171,6 +174,40 @@ class VerbsTransport(LinkHostBase, Transport):
             raise
         return reg
 
+    def register_dmabuf(self, regions: Sequence[DmaBufRegion], access: Access) -> Registration:
+        """One ``ibv_reg_dmabuf_mr`` MR per dma-buf region, addressed from its iova.
+
+        No memory windows over them (a window binds to a pyverbs MR): a REMOTE_WRITE
+        dma-buf MR grants remote write itself and every link advertises its key, as on
+        a device without windows. Registered before the transport lock is taken.
+        TransportError when the device refuses (rdma_rxe: not supported).
+        """
+        for r in regions:
+            if r.iova <= 0 or r.length <= 0 or r.offset < 0:
+                raise RegionError(f"cannot register {r}: iova and length must be positive")
+        mrs: list[DmaBufMR] = []
+        try:
+            for r in regions:
+                mrs.append(DmaBufMR(self.device.pd, r.fd, r.offset, r.length, r.iova,
+                                    access is Access.REMOTE_WRITE, self.device.name))
+            with self._lock:
+                if self._closed:
+                    raise TransportError("transport is closed")
+                reg = self._book.add([r.region for r in regions], access,
+                                     [mr.lkey for mr in mrs], [mr.rkey for mr in mrs],
+                                     self._deregister)
+                self._mrs[id(reg)] = list(mrs)
+                self._own_keys.add(id(reg))
+        except BaseException:
+            for mr in mrs:
+                mr.close()
+            raise
+        if access is Access.REMOTE_WRITE and self._window_type is not None:
+            log.warning("dma-buf memory on %s: its MRs grant remote write themselves (memory "
+                        "windows bind to host MRs only): every peer gets the same keys",
+                        self.device.name)
+        return reg
+
     def create_link(self) -> VerbsLink:
         """New RC QPs (``options.qps_per_peer``) and the link's own memory windows; its
         endpoint (with the windows' keys) goes into the handshake.
@@ -234,9 +271,16 @@ class VerbsTransport(LinkHostBase, Transport):
         if self._window_type is None:
             return self._book.remote_regions()
         with self._lock:
-            return tuple(RemoteRegion(r.addr, r.length, w.rkey)
-                         for reg, windows in self._grants.get(link_id, ())
-                         for r, w in zip(reg.regions, windows, strict=True))
+            windows = {id(reg): w for reg, w in self._grants.get(link_id, ())}
+            out: list[RemoteRegion] = []
+            for reg in self._book.all():  # registration order, as without windows
+                if id(reg) in self._own_keys:
+                    if reg.access is Access.REMOTE_WRITE:
+                        out += reg.remote
+                elif id(reg) in windows:
+                    out += [RemoteRegion(r.addr, r.length, w.rkey)
+                            for r, w in zip(reg.regions, windows[id(reg)], strict=True)]
+            return tuple(out)
 
     def _grant(self) -> list[tuple[Registration, list[Window]]]:
         """Memory windows over every REMOTE_WRITE registration, for one new link.
@@ -249,7 +293,8 @@ class VerbsTransport(LinkHostBase, Transport):
             return grants
         with self._lock:
             snapshot = [(reg, self._mrs[id(reg)]) for reg in self._book.all()
-                        if reg.access is Access.REMOTE_WRITE and id(reg) in self._mrs]
+                        if reg.access is Access.REMOTE_WRITE and id(reg) in self._mrs
+                        and id(reg) not in self._own_keys]
         try:
             for reg, mrs in snapshot:
                 windows: list[Window] = []
@@ -344,6 +389,7 @@ class VerbsTransport(LinkHostBase, Transport):
                 doomed += [g for g in grants if g[0] is reg]
                 grants[:] = [g for g in grants if g[0] is not reg]
             mrs = self._mrs.pop(id(reg), [])
+            self._own_keys.discard(id(reg))
         _close_grants(doomed)  # windows first: an MR with windows bound cannot go
         for mr in mrs:
             mr.close()

@@ -489,7 +489,7 @@ class StatusRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
-    __slots__ = ("request_id", "state", "failure_reason", "detail", "bytes_done", "bytes_total", "slot", "peer", "age_s")
+    __slots__ = ("request_id", "state", "failure_reason", "detail", "bytes_done", "bytes_total", "slot", "peer", "age_s", "lists", "kv_skip", "verification", "timeline")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -499,6 +499,10 @@ class TransferStatus(_message.Message):
     SLOT_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     AGE_S_FIELD_NUMBER: _ClassVar[int]
+    LISTS_FIELD_NUMBER: _ClassVar[int]
+    KV_SKIP_FIELD_NUMBER: _ClassVar[int]
+    VERIFICATION_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     state: TransferState
     failure_reason: FailureReason
@@ -508,7 +512,29 @@ class TransferStatus(_message.Message):
     slot: int
     peer: str
     age_s: float
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., failure_reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., slot: _Optional[int] = ..., peer: _Optional[str] = ..., age_s: _Optional[float] = ...) -> None: ...
+    lists: _containers.RepeatedCompositeFieldContainer[ListLength]
+    kv_skip: int
+    verification: str
+    timeline: _containers.RepeatedCompositeFieldContainer[StateEntered]
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., failure_reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., slot: _Optional[int] = ..., peer: _Optional[str] = ..., age_s: _Optional[float] = ..., lists: _Optional[_Iterable[_Union[ListLength, _Mapping]]] = ..., kv_skip: _Optional[int] = ..., verification: _Optional[str] = ..., timeline: _Optional[_Iterable[_Union[StateEntered, _Mapping]]] = ...) -> None: ...
+
+class ListLength(_message.Message):
+    __slots__ = ("kind", "pool", "length")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    kind: IndexKind
+    pool: str
+    length: int
+    def __init__(self, kind: _Optional[_Union[IndexKind, str]] = ..., pool: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+
+class StateEntered(_message.Message):
+    __slots__ = ("state", "after_s")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    state: TransferState
+    after_s: float
+    def __init__(self, state: _Optional[_Union[TransferState, str]] = ..., after_s: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "detail", "from_peer", "instance_id")

@@ -1,0 +1,210 @@
+"""The staging buffer's slot allocator: which items of the host buffer a request holds.
+
+A staging buffer (:mod:`kvbeam.engine.staging`) is a side's pools in memfds, laid out
+by a config of its own capacity; a request staged through it holds, per index kind,
+as many items as its device lists name (its pages, ring rows, state items). This
+module hands those items out and takes them back. It is plain Python (no torch, no
+numpy work per item): each kind's free items are extents ``(start, count)``, handed
+out first-fit, so a request's items of a kind are usually ONE contiguous run and its
+copies one contiguous host range per buffer; when no single extent is large enough,
+several are taken (the run is then a few pieces, never refused while enough is free).
+
+When too little is free, :meth:`SlotAllocator.acquire` waits (bounded) for
+:meth:`SlotAllocator.release` to return items, then raises :class:`StagingFull`
+carrying the caller's policy (fail the request, or recompute it): never a hang.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbeam.errors import StagingFull
+from kvbeam.pools.types import IndexKind
+
+#: One contiguous piece of a kind's items: ``count`` items from ``start``.
+Extent = tuple[int, int]
+
+
+class FullPolicy(enum.Enum):
+    """What an engine does with a request whose staging wait ran out.
+
+    ``fail``: the request fails (prefill: not sent; decode: not loaded, the engine
+    reports a load failure). ``recompute``: decode computes the request's KV itself
+    (vLLM's ``kv_load_failure_policy: recompute``); prefill treats it as ``fail``.
+    The allocator only carries the choice (:attr:`StagingFull.policy`): the engine acts.
+    """
+
+    FAIL = "fail"
+    RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class Slots:
+    """A request's items in the staging buffer: per kind, its extents in order.
+
+    ``lists`` (built on first use) is what the engine gives kvbeam's ``send`` /
+    ``send_metadata``: element ``i`` of a kind's list is where element ``i`` of the
+    request's device list is staged.
+    """
+
+    extents: Mapping[IndexKind, tuple[Extent, ...]]
+
+    def list_for(self, kind: IndexKind) -> npt.NDArray[np.int64]:
+        """The staged items of ``kind``, in the request's order."""
+        runs = self.extents.get(kind, ())
+        if not runs:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in runs])
+
+    @property
+    def lists(self) -> dict[IndexKind, npt.NDArray[np.int64]]:
+        """Every kind's staged list (the index lists to send or reserve with)."""
+        return {kind: self.list_for(kind) for kind in self.extents}
+
+    @property
+    def items(self) -> int:
+        """Items held, all kinds together."""
+        return sum(n for runs in self.extents.values() for _, n in runs)
+
+
+class _Extents:
+    """One kind's free items: sorted, coalesced extents (starts and counts apart)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.starts: list[int] = [0] if capacity else []
+        self.counts: list[int] = [capacity] if capacity else []
+        self.free = capacity
+
+    def take(self, n: int) -> tuple[Extent, ...]:
+        """``n`` items (caller checked ``n <= free``): the first extent that holds them
+        all, else the largest extents first (fewest pieces)."""
+        if n == 0:
+            return ()
+        for i, c in enumerate(self.counts):
+            if c >= n:
+                return (self._cut(i, n),)
+        out: list[Extent] = []
+        while n:
+            i = max(range(len(self.counts)), key=self.counts.__getitem__)
+            piece = self._cut(i, min(n, self.counts[i]))
+            out.append(piece)
+            n -= piece[1]
+        return tuple(out)
+
+    def _cut(self, i: int, n: int) -> Extent:
+        start = self.starts[i]
+        if self.counts[i] == n:
+            del self.starts[i], self.counts[i]
+        else:
+            self.starts[i] += n
+            self.counts[i] -= n
+        self.free -= n
+        return (start, n)
+
+    def give(self, extent: Extent) -> None:
+        """Return an extent, merging it with its free neighbours."""
+        start, n = extent
+        i = bisect.bisect_left(self.starts, start)
+        overlaps_next = i < len(self.starts) and self.starts[i] < start + n
+        overlaps_prev = i > 0 and self.starts[i - 1] + self.counts[i - 1] > start
+        if overlaps_next or overlaps_prev:
+            raise ValueError(f"staging extent {extent} is free already (double release)")
+        self.starts.insert(i, start)
+        self.counts.insert(i, n)
+        if i + 1 < len(self.starts) and start + n == self.starts[i + 1]:
+            self.counts[i] += self.counts.pop(i + 1)
+            del self.starts[i + 1]
+        if i and self.starts[i - 1] + self.counts[i - 1] == start:
+            self.counts[i - 1] += self.counts.pop(i)
+            del self.starts[i]
+        self.free += n
+
+
+class SlotAllocator:
+    """Per-kind staging items for requests; thread-safe, bounded waits.
+
+    Args:
+        capacity: items of each index kind the staging buffer holds.
+        policy: carried by :class:`StagingFull` when a wait runs out.
+    """
+
+    def __init__(self, capacity: Mapping[IndexKind, int],
+                 policy: FullPolicy = FullPolicy.FAIL) -> None:
+        self.capacity = dict(capacity)
+        self.policy = policy
+        self._free = {kind: _Extents(n) for kind, n in capacity.items()}
+        self._cond = threading.Condition()
+        self._held = 0
+        #: Requests that waited for room, and those whose wait ran out.
+        self.waits = 0
+        self.refusals = 0
+
+    def acquire(self, counts: Mapping[IndexKind, int], wait_s: float) -> Slots:
+        """Items for one request: ``counts[kind]`` of each kind, all or nothing.
+
+        Waits up to ``wait_s`` seconds for releases when too few are free; raises
+        :class:`StagingFull` then (and at once when the request can never fit).
+        """
+        for kind, n in counts.items():
+            cap = self.capacity.get(kind)
+            if n < 0 or cap is None:
+                raise ValueError(f"staging: no {kind.value} items in the staging buffer"
+                                 if cap is None else f"staging: {n} {kind.value} items")
+            if n > cap:
+                self._refuse(f"a request needs {n} {kind.value} items, the staging buffer "
+                             f"holds {cap} in all: give it more capacity (requests/tokens)")
+        deadline = time.monotonic() + wait_s
+        waited = False
+        with self._cond:
+            while not all(self._free[k].free >= n for k, n in counts.items()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    short = ", ".join(f"{k.value} {self._free[k].free}/{n}"
+                                      for k, n in counts.items() if self._free[k].free < n)
+                    self.refusals += 1
+                    raise StagingFull(
+                        f"staging buffer full: waited {wait_s:g} s for room (free/needed: "
+                        f"{short}; {self._held} requests staged); policy "
+                        f"{self.policy.value}", policy=self.policy.value)
+                if not waited:
+                    waited = True
+                    self.waits += 1
+                self._cond.wait(left)
+            slots = Slots({k: self._free[k].take(n) for k, n in counts.items()})
+            self._held += 1
+            return slots
+
+    def _refuse(self, why: str) -> None:
+        with self._cond:
+            self.refusals += 1
+        raise StagingFull(f"staging buffer too small: {why}; policy {self.policy.value}",
+                          policy=self.policy.value)
+
+    def release(self, slots: Slots) -> None:
+        """Give a request's items back and wake the requests waiting for room."""
+        with self._cond:
+            for kind, runs in slots.extents.items():
+                for extent in runs:
+                    self._free[kind].give(extent)
+            self._held -= 1
+            self._cond.notify_all()
+
+    @property
+    def held(self) -> int:
+        """Requests holding staging items now."""
+        return self._held
+
+    def occupancy(self) -> float:
+        """The fullest kind's share of items held (0.0 .. 1.0)."""
+        with self._cond:
+            return max(((e.capacity - e.free) / e.capacity
+                        for e in self._free.values() if e.capacity), default=0.0)
