@@ -133,6 +133,7 @@ test-vllm: vllm-env ## vLLM prefill + decode through kvbeam daemons (LLM objects
 	KVBEAM_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/host/test_vllm_connector.py tests/host/test_vllm_auth.py \
 		tests/host/test_vllm_served.py tests/host/test_vllm_tp.py \
+		tests/host/test_vllm_recovery.py \
 		tests/host/test_docs_run.py::test_vllm_commands_run_as_written
 
 # sglang's real servers in their own venv: pinned, --no-deps, beside the CPU torch (docs/sglang.md).

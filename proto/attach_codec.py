@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import reprlib
 import socket
 import struct
 import time
@@ -52,7 +53,14 @@ PUSH_MODES = ("all", "final")
 MAX_MESSAGE_BYTES = 4 << 20
 #: Most fds one attach may carry.
 MAX_FDS = 253  # SCM_MAX_FD
+#: Most characters of a reply's ``error`` (a refusal may quote what it refuses: the rest is
+#: cut, and the text says so) and of its ``field``: every answer stays a few KiB.
+MAX_ERROR_CHARS = 2000
+MAX_FIELD_CHARS = 200
 _LEN = struct.Struct(">I")
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother = 2, 40, 40
+_SHOW.maxlist = _SHOW.maxdict = _SHOW.maxtuple = 4
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,21 @@ def first_config_difference(mine: SideConfig, theirs: SideConfig) -> str | None:
     return diffs[0] if diffs else None
 
 
+# ---- bounded text ------------------------------------------------------------------
+def shown(value: object) -> str:
+    """A value from the wire as a refusal quotes it: its repr, depth and length bounded
+    (never a multi-MB message, never a recursion through deeply nested input)."""
+    return _SHOW.repr(value)
+
+
+def bounded(text: str, limit: int) -> str:
+    """``text`` on one line, cut to ``limit`` characters; a cut text says how much went."""
+    text = text.replace("\r", "\\r").replace("\n", "\\n")
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters cut)"
+
+
 # ---- encoding --------------------------------------------------------------------
 def frame(payload: Mapping[str, Any]) -> bytes:
     """One message: the length prefix and the JSON body."""
@@ -153,14 +176,33 @@ def request_to_json(req: AttachRequest) -> dict[str, Any]:
 
 
 def reply_to_json(reply: AttachReply) -> dict[str, Any]:
-    """The JSON object of a reply."""
-    return dataclasses.asdict(reply)
+    """The JSON object of a reply; its error and field bounded (:data:`MAX_ERROR_CHARS`)."""
+    out = dataclasses.asdict(reply)
+    out["error"] = bounded(reply.error, MAX_ERROR_CHARS)
+    out["field"] = bounded(reply.field, MAX_FIELD_CHARS)
+    return out
+
+
+def decode_body(body: bytes) -> object:
+    """A message body's JSON value.
+
+    Raises:
+        AttachError: not UTF-8 JSON, or nested too deeply for the decoder.
+    """
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise AttachError("attach message is not JSON this daemon reads: nested too "
+                          "deeply") from None
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise AttachError(f"attach message is not JSON: {bounded(str(exc), 200)}") from None
 
 
 # ---- decoding (strict: every refusal names its field) ----------------------------
 def _int(value: object, field: str, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise AttachError(f"{field}: must be an integer >= {minimum} (got {value!r})", field)
+        raise AttachError(f"{field}: must be an integer >= {minimum} (got {shown(value)})",
+                          field)
     return value
 
 
@@ -168,7 +210,7 @@ def push_mode(value: object) -> str:
     """``value`` when it is one of :data:`PUSH_MODES`; else AttachError naming ``pushes``
     (the engine checks before it connects, the daemon what arrives)."""
     if value not in PUSH_MODES:
-        raise AttachError(f"pushes: unknown push mode {repr(value)[:40]} (known: "
+        raise AttachError(f"pushes: unknown push mode {shown(value)} (known: "
                           f"{', '.join(PUSH_MODES)})", "pushes")
     return str(value)
 
@@ -184,26 +226,28 @@ def request_from_json(data: object, nfds: int) -> AttachRequest:
         raise AttachError(f"attach message must be a JSON object (got {type(data).__name__})")
     version = data.get("version")
     if version != ATTACH_VERSION:
-        raise AttachError(f"version: attach protocol version {version!r} is not supported "
+        raise AttachError(f"version: attach protocol version {shown(version)} is not supported "
                           f"(this daemon speaks {ATTACH_VERSION})", "version")
     op = data.get("op")
     if op not in OPS:
-        raise AttachError(f"op: unknown op {op!r} (known: {', '.join(OPS)})", "op")
+        raise AttachError(f"op: unknown op {shown(op)} (known: {', '.join(OPS)})", "op")
     if op == "detach":
         return AttachRequest(op="detach")
     kind = data.get("memory_kind")
     if kind not in MEMORY_KINDS:
-        raise AttachError(f"memory_kind: unknown memory kind {kind!r} (known: "
+        raise AttachError(f"memory_kind: unknown memory kind {shown(kind)} (known: "
                           f"{', '.join(MEMORY_KINDS)})", "memory_kind")
     pushes = push_mode(data.get("pushes", "all"))
     raw = data.get("config")
     if not isinstance(raw, dict):
-        raise AttachError(f"config: must be an object (the side YAML's mapping), got {raw!r}",
-                          "config")
+        raise AttachError(f"config: must be an object (the side YAML's mapping), got "
+                          f"{shown(raw)}", "config")
     try:
         config = SideConfig.from_mapping(raw, source="engine config")
+    except RecursionError:
+        raise AttachError("config: nested too deeply", "config") from None
     except Exception as exc:  # ConfigError names the field; anything else is malformed
-        raise AttachError(f"config: {exc}", "config") from None
+        raise AttachError(f"config: {bounded(str(exc), 500)}", "config") from None
     comps = data.get("components")
     if not isinstance(comps, list):
         raise AttachError("components: must be a list of buffer lists", "components")
@@ -232,7 +276,7 @@ def request_from_json(data: object, nfds: int) -> AttachRequest:
 def reply_from_json(data: object) -> AttachReply:
     """Decode a reply."""
     if not isinstance(data, dict) or not isinstance(data.get("ok"), bool):
-        raise AttachError(f"malformed attach reply: {data!r}")
+        raise AttachError(f"malformed attach reply: {shown(data)}")
     return AttachReply(ok=data["ok"], error=str(data.get("error", "")),
                        field=str(data.get("field", "")),
                        instance_id=str(data.get("instance_id", "")),
@@ -240,6 +284,51 @@ def reply_from_json(data: object) -> AttachReply:
 
 
 # ---- socket I/O ----------------------------------------------------------------------
+class MessageReader:
+    """One message arriving in pieces on a non-blocking socket (the daemon's attach loop
+    reads a connecting engine's message this way, between its other work).
+
+    :meth:`wanted` says how many bytes to ask for next, never past the message's end
+    (what follows it stays in the socket); :meth:`feed` takes what arrived and returns
+    the body once it is whole.
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._size: int | None = None
+
+    @property
+    def progress(self) -> str:
+        """How much arrived, for messages (``N of M bytes``)."""
+        if self._size is None:
+            return f"{len(self._buf)} of the {_LEN.size} length bytes"
+        return f"{len(self._buf)} of {self._size} bytes"
+
+    def wanted(self, chunk: int) -> int:
+        """Bytes to read next: the rest of the length prefix, else up to ``chunk`` of the
+        body."""
+        if self._size is None:
+            return _LEN.size - len(self._buf)
+        return min(chunk, self._size - len(self._buf))
+
+    def feed(self, data: bytes) -> bytes | None:
+        """Take what arrived; the whole body once it is complete, else None.
+
+        Raises:
+            AttachError: the length prefix announces more than :data:`MAX_MESSAGE_BYTES`
+                (refused before any of the body is read).
+        """
+        self._buf += data
+        if self._size is None:
+            if len(self._buf) < _LEN.size:
+                return None
+            (n,) = _LEN.unpack(self._buf[:_LEN.size])
+            if n > MAX_MESSAGE_BYTES:
+                raise AttachError(f"attach message of {n} bytes exceeds {MAX_MESSAGE_BYTES}")
+            self._size, self._buf = n, self._buf[_LEN.size:]
+        return bytes(self._buf) if len(self._buf) >= self._size else None
+
+
 def _recv_exact(sock: socket.socket, n: int, head: bytes = b"",
                 deadline: float | None = None) -> bytes:
     buf = bytearray(head)
@@ -290,11 +379,7 @@ def read_message(sock: socket.socket, *, with_fds: bool = False,
         (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, head, deadline))
         if n > MAX_MESSAGE_BYTES:
             raise AttachError(f"attach message of {n} bytes exceeds {MAX_MESSAGE_BYTES}")
-        body = _recv_exact(sock, n, deadline=deadline)
-        try:
-            return json.loads(body), fds
-        except ValueError as exc:
-            raise AttachError(f"attach message is not JSON: {exc}") from None
+        return decode_body(_recv_exact(sock, n, deadline=deadline)), fds
     except BaseException:
         for fd in fds:
             _close_quietly(fd)

@@ -10,16 +10,24 @@ read: a stranger gets a refusal and the connection closed. An allowed engine the
 the attachment. A detach message, the
 socket closing or the engine dying ends it; the runtime then fails the requests on
 that memory and unmaps it, and the next engine may attach. One engine at a time: a
-second one is refused with the first one's pid.
+second one is refused with the first one's pid, unless the attached one's socket is
+already closed (an engine that closed and attached again at once): that detach is
+done first.
+
+Nothing a client does stalls the thread: every socket is non-blocking, accepted
+connections wait in the thread's selector while their messages arrive (at most
+:data:`MAX_PENDING` at once, each with its own deadline; one more is refused naming the
+limit), and the attached engine's frames are read between their pieces. Every refusal
+is answered within a bounded size and logged in one line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import grp
-import json
 import logging
 import os
+import select
 import selectors
 import socket
 import stat
@@ -27,15 +35,18 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbeam.errors import AttachError, KvbeamError
 from kvbeam.proto.attach_codec import (
+    MAX_FDS,
     AttachReply,
     AttachRequest,
+    MessageReader,
+    bounded,
+    decode_body,
     frame,
-    read_message,
     reply_to_json,
     request_from_json,
 )
@@ -48,11 +59,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Seconds a connecting engine has to send its whole attach message, however it paces
-#: it (the loop serves nothing else meanwhile).
+#: it (the loop serves everything else meanwhile; time the daemon itself spends
+#: attaching or detaching another engine does not count).
 READ_TIMEOUT_S = 5.0
+#: Connections whose attach message is still arriving, at most; one more is refused.
+MAX_PENDING = 16
+#: The listen backlog: a burst of connections waits in the kernel until the loop
+#: accepts them (it accepts everything waiting at each turn).
+LISTEN_BACKLOG = 128
+#: Bytes read per readable event of a connecting engine, and reads per event (its
+#: message arrives between the attached engine's frames).
+READ_CHUNK = 1 << 18
+READS_PER_EVENT = 4
 #: How often the loop checks for stop, seconds.
 TICK_S = 0.2
+#: Characters of a refusal quoted in the daemon's log line.
+LOG_CHARS = 400
+#: Seconds between log lines about refused connections beyond MAX_PENDING.
+CROWD_LOG_S = 5.0
 _CRED = struct.Struct("3i")
+_HUNG_UP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 
 
 @dataclass(frozen=True)
@@ -69,6 +95,26 @@ def peer_cred(conn: socket.socket) -> PeerCred:
     pid, uid, gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                  _CRED.size))
     return PeerCred(pid, uid, gid)
+
+
+@dataclass
+class _Pending:
+    """A connection whose attach message is still arriving (attach thread only)."""
+
+    conn: socket.socket
+    cred: PeerCred
+    deadline: float
+    reader: MessageReader = field(default_factory=MessageReader)
+    fds: list[int] = field(default_factory=list)
+    first: bool = True  # the fds ride with the first bytes: read those with recvmsg
+
+    def close(self) -> None:
+        """Close the connection and any fds that came with it."""
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+        self.conn.close()
 
 
 def default_socket_path(role: str, listen: str) -> str:
@@ -168,12 +214,17 @@ class AttachServer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._engine: tuple[socket.socket, PeerCred] | None = None
+        self._pending: dict[int, _Pending] = {}  # by fd (attach thread only)
+        self._plain = MessageReader()  # without a channel: the engine's next message
+        self._crowd_refused = 0
+        self._crowd_logged = 0.0
         _prepare_path(path)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._listener.bind(path)
             _socket_mode(path, allow_uids, group)
-            self._listener.listen(4)
+            self._listener.listen(LISTEN_BACKLOG)
+            self._listener.setblocking(False)
         except BaseException:
             self._listener.close()
             with contextlib.suppress(OSError):
@@ -194,6 +245,9 @@ class AttachServer:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine[0].close()
+        for pending in list(self._pending.values()):
+            pending.close()
+        self._pending.clear()
         self._listener.close()
         with contextlib.suppress(OSError):
             os.unlink(self.path)
@@ -206,86 +260,239 @@ class AttachServer:
             if self.channel is not None:
                 sel.register(self.channel.wake_fd, selectors.EVENT_READ, "wake")
             while not self._stop.is_set():
-                for key, mask in sel.select(TICK_S):
+                for key, mask in sel.select(self._tick()):
                     try:
                         if key.data == "listener":
                             self._accept(sel)
-                        elif key.data == "wake" or mask & selectors.EVENT_WRITE:
-                            self._flush(sel)
-                        if key.data == "engine" and mask & selectors.EVENT_READ:
-                            self._engine_message(sel)
+                        elif key.data == "wake":
+                            self._woken(sel)
+                        elif isinstance(key.data, _Pending):
+                            self._pending_readable(sel, key.data)
+                        elif key.data == "engine":
+                            if mask & selectors.EVENT_WRITE:
+                                self._flush(sel)
+                            if mask & selectors.EVENT_READ:
+                                self._engine_message(sel)
                     except Exception:  # the attach thread must survive any one engine
                         log.exception("attach socket: handling %s failed", key.data)
+                try:
+                    self._expire(sel)
+                except Exception:
+                    log.exception("attach socket: expiring connections failed")
 
+    def _tick(self) -> float:
+        """How long the next select may wait: until the nearest pending deadline."""
+        if not self._pending:
+            return TICK_S
+        soonest = min(p.deadline for p in self._pending.values())
+        return max(0.0, min(TICK_S, soonest - time.monotonic()))
+
+    # ---- connecting engines ---------------------------------------------------------
     def _accept(self, sel: selectors.BaseSelector) -> None:
-        conn, _ = self._listener.accept()
-        cred = peer_cred(conn)
-        if cred.uid not in self.allowed:
-            self._refuse_stranger(conn, cred)
-            return
-        conn.settimeout(READ_TIMEOUT_S)
-        try:
-            data, fds = read_message(conn, with_fds=True,
-                                     deadline=time.monotonic() + READ_TIMEOUT_S)
-            conn.settimeout(READ_TIMEOUT_S)  # not what the deadline left: for later messages
-        except (EOFError, OSError, KvbeamError) as exc:
-            why = (f"{exc} (an attach message must arrive whole within {READ_TIMEOUT_S:g} s)"
-                   if isinstance(exc, TimeoutError) else str(exc))
-            log.warning("attach from pid %d (uid %d): unreadable message: %s", cred.pid,
-                        cred.uid, why)
-            self._answer(conn, AttachReply(False, f"unreadable attach message: {why}"))
-            conn.close()
-            return
-        try:
-            req = self._admit(cred, data, fds)
-        except AttachError as exc:
-            for fd in fds:
-                os.close(fd)
-            self._answer(conn, AttachReply(False, str(exc), exc.field))
-            conn.close()
-            return
-        try:
-            instance = self._on_attach(req, fds, cred)  # owns (closes) the fds
-        except Exception as exc:
-            field = exc.field if isinstance(exc, AttachError) else ""
-            if not isinstance(exc, KvbeamError):
-                log.exception("attach from pid %d failed unexpectedly", cred.pid)
-            log.warning("attach from pid %d (uid %d) refused: %s", cred.pid, cred.uid, exc)
-            self._answer(conn, AttachReply(False, str(exc), field))
-            conn.close()
-            return
-        version = ENGINE_FRAMES_VERSION if self.channel is not None else 0
-        if not self._answer(conn, AttachReply(True, instance_id=instance, channel=version)):
-            self._on_detach(f"engine (pid {cred.pid}) left before the attach reply")
-            conn.close()
-            return
-        if self.channel is not None:
-            self.channel.bind(conn, final_only=req.pushes == "final")
-        self._engine = (conn, cred)
-        sel.register(conn, selectors.EVENT_READ, "engine")
-        log.info("engine pid %d (uid %d) attached on %s (pushes: %s)", cred.pid, cred.uid,
-                 self.path, req.pushes)
+        """Accept every connection waiting (non-blocking); check its credentials."""
+        for _ in range(LISTEN_BACKLOG):
+            try:
+                conn, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:  # EMFILE and the like: the rest wait in the backlog
+                log.warning("attach socket: accept failed: %s", exc)
+                return
+            conn.setblocking(False)
+            try:
+                cred = peer_cred(conn)
+            except OSError as exc:
+                log.warning("attach socket: no peer credentials (%s); closed", exc)
+                conn.close()
+                continue
+            if cred.uid not in self.allowed:
+                self._refuse_stranger(conn, cred)
+            elif len(self._pending) >= MAX_PENDING:
+                self._refuse_crowd(conn, cred)
+            else:
+                pending = _Pending(conn, cred, time.monotonic() + READ_TIMEOUT_S)
+                self._pending[conn.fileno()] = pending
+                sel.register(conn, selectors.EVENT_READ, pending)
 
     def _refuse_stranger(self, conn: socket.socket, cred: PeerCred) -> None:
         """Refuse a uid that may not attach without reading anything it sent (its fds, if
         any, are released with the connection)."""
         log.warning("attach refused: peer uid %d (pid %d) is not allowed", cred.uid, cred.pid)
-        conn.setblocking(False)  # the short reply fits the socket buffer; never wait on it
-        self._answer(conn, AttachReply(
+        self._send_now(conn, AttachReply(
             False, f"attach refused: peer uid {cred.uid} (pid {cred.pid}) is neither this "
                    f"daemon's uid {os.getuid()} nor in --attach-allow-uid", "peer_uid"))
         conn.close()
 
-    def _admit(self, cred: PeerCred, data: object, fds: list[int]) -> AttachRequest:
-        req = request_from_json(data, len(fds))
+    def _refuse_crowd(self, conn: socket.socket, cred: PeerCred) -> None:
+        """Refuse a connection beyond :data:`MAX_PENDING` unread (one log line per
+        :data:`CROWD_LOG_S` however many)."""
+        self._send_now(conn, AttachReply(
+            False, f"attach refused: {MAX_PENDING} connections are already sending their "
+                   f"attach messages (the daemon's limit); try again", "connections"))
+        conn.close()
+        self._crowd_refused += 1
+        now = time.monotonic()
+        if now - self._crowd_logged >= CROWD_LOG_S:
+            log.warning("attach refused to pid %d (uid %d) and %d other connection(s) since "
+                        "the last line: %d connections already sending attach messages "
+                        "(limit %d)", cred.pid, cred.uid, self._crowd_refused - 1,
+                        MAX_PENDING, MAX_PENDING)
+            self._crowd_logged, self._crowd_refused = now, 0
+
+    def _pending_readable(self, sel: selectors.BaseSelector, p: _Pending) -> None:
+        """Read what arrived of a connecting engine's message (a few chunks at most)."""
+        body = None
+        try:
+            for _ in range(READS_PER_EVENT):
+                want = p.reader.wanted(READ_CHUNK)
+                if p.first:
+                    data, fds, flags, _ = socket.recv_fds(p.conn, want, MAX_FDS)
+                    p.fds += fds
+                    if flags & socket.MSG_CTRUNC:
+                        raise AttachError(f"fds: more than {MAX_FDS} file descriptors sent "
+                                          "(truncated)", "fds")
+                else:
+                    data = p.conn.recv(want)
+                if not data:
+                    raise EOFError(f"connection closed after {p.reader.progress}")
+                p.first = False
+                body = p.reader.feed(data)
+                if body is not None:
+                    break
+        except BlockingIOError:
+            return
+        except (EOFError, OSError) as exc:
+            log.info("attach from pid %d (uid %d): %s", p.cred.pid, p.cred.uid,
+                     bounded(str(exc), LOG_CHARS))
+            self._drop_pending(sel, p)
+            return
+        except AttachError as exc:
+            self._refuse_pending(sel, p, f"unreadable attach message: {exc}", exc.field)
+            return
+        if body is not None:
+            self._drop_pending(sel, p, close=False)
+            self._complete(sel, p, body)
+
+    def _expire(self, sel: selectors.BaseSelector) -> None:
+        """Refuse the connections whose message did not arrive whole by their deadline
+        (what arrived meanwhile is read first)."""
+        now = time.monotonic()
+        for p in [p for p in self._pending.values() if p.deadline <= now]:
+            self._pending_readable(sel, p)
+            if p.conn.fileno() in self._pending and self._pending[p.conn.fileno()] is p:
+                self._refuse_pending(
+                    sel, p, f"unreadable attach message: the message did not arrive whole "
+                            f"in time ({p.reader.progress} read) (an attach message must "
+                            f"arrive whole within {READ_TIMEOUT_S:g} s)")
+
+    def _drop_pending(self, sel: selectors.BaseSelector, p: _Pending, *,
+                      close: bool = True) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(p.conn)
+        self._pending.pop(p.conn.fileno(), None)
+        if close:
+            p.close()
+
+    def _refuse_pending(self, sel: selectors.BaseSelector, p: _Pending, error: str,
+                        field: str = "") -> None:
+        self._drop_pending(sel, p, close=False)
+        self._refuse(p, error, field)
+
+    def _refuse(self, p: _Pending, error: str, field: str = "") -> None:
+        """Answer a refusal (bounded), log it in one line, close the connection."""
+        log.warning("attach from pid %d (uid %d) refused: %s", p.cred.pid, p.cred.uid,
+                    bounded(error, LOG_CHARS))
+        self._send_now(p.conn, AttachReply(False, error, field))
+        p.close()
+
+    def _extend_pending(self, seconds: float) -> None:
+        """The loop spent ``seconds`` on an attach or a detach: the connecting engines'
+        deadlines move by as much (the daemon's time is not theirs)."""
+        for p in self._pending.values():
+            p.deadline += seconds
+
+    def _complete(self, sel: selectors.BaseSelector, p: _Pending, body: bytes) -> None:
+        """A whole attach message arrived: admit it, attach, answer."""
+        cred = p.cred
+        try:
+            req = self._admit(sel, decode_body(body), len(p.fds))
+        except RecursionError:
+            self._refuse(p, "attach message nested too deeply", "")
+            return
+        except AttachError as exc:
+            self._refuse(p, str(exc), exc.field)
+            return
+        fds, p.fds = p.fds, []
+        started = time.monotonic()
+        try:
+            instance = self._on_attach(req, fds, cred)  # owns (closes) the fds
+        except Exception as exc:
+            field = exc.field if isinstance(exc, AttachError) else ""
+            if not isinstance(exc, KvbeamError | RecursionError):
+                log.exception("attach from pid %d failed unexpectedly", cred.pid)
+            self._refuse(p, str(exc) if not isinstance(exc, RecursionError)
+                         else "attach message nested too deeply", field)
+            return
+        finally:
+            self._extend_pending(time.monotonic() - started)
+        conn = p.conn
+        version = ENGINE_FRAMES_VERSION if self.channel is not None else 0
+        if not self._send_now(conn, AttachReply(True, instance_id=instance, channel=version)):
+            self._detach(f"engine (pid {cred.pid}) left before the attach reply")
+            conn.close()
+            return
+        if self.channel is not None:
+            self.channel.bind(conn, final_only=req.pushes == "final")
+        self._plain = MessageReader()
+        self._engine = (conn, cred)
+        sel.register(conn, selectors.EVENT_READ, "engine")
+        log.info("engine pid %d (uid %d) attached on %s (pushes: %s)", cred.pid, cred.uid,
+                 self.path, req.pushes)
+
+    def _admit(self, sel: selectors.BaseSelector, data: object, nfds: int) -> AttachRequest:
+        req = request_from_json(data, nfds)
+        if req.op != "attach":
+            raise AttachError("op: detach without an attachment on this connection", "op")
+        if self._engine is not None:
+            self._reap_closed_engine(sel)
         engine = self._engine
         if engine is not None:
             raise AttachError(f"another engine (pid {engine[1].pid}, uid {engine[1].uid}) is "
                               "attached: one engine per daemon; detach it first", "op")
-        if req.op != "attach":
-            raise AttachError("op: detach without an attachment on this connection", "op")
         return req
 
+    def _reap_closed_engine(self, sel: selectors.BaseSelector) -> None:
+        """If the attached engine's socket is already closed (it closed and attached again
+        at once, or another engine follows one that exited), read what it sent before
+        closing and detach it now, so the new attach is not refused for a dead one."""
+        engine = self._engine
+        if engine is None:
+            return
+        poller = select.poll()
+        poller.register(engine[0], select.POLLIN | _HUNG_UP)
+        if not any(ev & _HUNG_UP for _, ev in poller.poll(0)):
+            return
+        # Closed: what is left to read is bounded (the socket's buffer), then EOF.
+        for _ in range(64):
+            if self._engine is None or (self.channel is not None and self.channel.paused):
+                break
+            self._engine_message(sel)
+        if self._engine is not None:
+            self._drop_engine(sel, f"engine (pid {engine[1].pid}) closed the attach socket",
+                              answer=False)
+
+    @staticmethod
+    def _send_now(conn: socket.socket, reply: AttachReply) -> bool:
+        """Send a reply without waiting (it is small and bounded: a fresh connection's
+        buffer takes it whole); False when the socket did not take all of it."""
+        data = frame(reply_to_json(reply))
+        try:
+            conn.setblocking(False)
+            return conn.send(data) == len(data)
+        except OSError:
+            return False
+
+    # ---- the attached engine ----------------------------------------------------------
     def _engine_message(self, sel: selectors.BaseSelector) -> None:
         engine = self._engine
         if engine is None:
@@ -294,36 +501,89 @@ class AttachServer:
         reason = ""
         try:
             if self.channel is None:
-                messages = [read_message(conn)[0]]
+                messages = self._read_plain(conn)
             else:  # frames; a JSON attach-protocol message among them is the detach
-                messages = [json.loads(m) for m in self.channel.readable(conn)]
-            for data in messages:
-                req = request_from_json(data, 0)
+                messages = self.channel.readable(conn)
+            for body in messages:
+                req = request_from_json(decode_body(body), 0)
                 if req.op == "detach":
                     reason = f"engine (pid {cred.pid}) detached"
                     break
-                self._answer(conn, AttachReply(False, "op: already attached on this "
-                                                      "connection; detach first", "op"))
+                self._answer_engine(conn, AttachReply(
+                    False, "op: already attached on this connection; detach first", "op"))
             if not reason:
+                self._engine_events(sel)
                 return
         except (EOFError, OSError) as exc:
             reason = f"engine (pid {cred.pid}) closed the attach socket (exited?): {exc}"
         except FrameError as exc:  # an oversize frame: the stream cannot be read on
-            self._flush(sel)
+            if self.channel is not None:
+                with contextlib.suppress(OSError):
+                    self.channel.flush()  # its ERROR first, if the socket takes it
             reason = f"engine (pid {cred.pid}) sent an unreadable frame: {exc}"
-        except (AttachError, ValueError) as exc:
-            self._answer(conn, AttachReply(False, str(exc), getattr(exc, "field", "")))
+        except (AttachError, RecursionError) as exc:
+            self._answer_engine(conn, AttachReply(False, str(exc) if isinstance(
+                exc, AttachError) else "attach message nested too deeply",
+                getattr(exc, "field", "")))
+            self._engine_events(sel)
             return
-        sel.unregister(conn)
-        self._engine = None
+        self._drop_engine(sel, reason, answer=True)
+
+    def _read_plain(self, conn: socket.socket) -> list[bytes]:
+        """Without an engine channel: what arrived of the next attach-protocol message
+        (the detach); the message once whole."""
+        try:
+            data = conn.recv(self._plain.wanted(READ_CHUNK))
+        except BlockingIOError:
+            return []
+        if not data:
+            raise EOFError("end of stream")
+        body = self._plain.feed(data)
+        if body is None:
+            return []
+        self._plain = MessageReader()
+        return [body]
+
+    def _answer_engine(self, conn: socket.socket, reply: AttachReply) -> None:
+        """A reply on the attached engine's socket, in order with its pushed states."""
+        if self.channel is not None:
+            self.channel.push_message(frame(reply_to_json(reply)))
+        else:
+            self._send_now(conn, reply)
+
+    def _drop_engine(self, sel: selectors.BaseSelector, reason: str, *, answer: bool) -> None:
+        """End the attachment: release the memory first, then answer (a detach) and
+        close, so the engine sees its socket close only once nothing writes into its
+        memory any more."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        conn = engine[0]
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(conn)
         if self.channel is not None:
             self.channel.unbind()
         log.warning("%s: releasing its memory", reason)
         try:
+            self._detach(reason)
+        finally:
+            if answer:
+                self._send_now(conn, AttachReply(True))
+            conn.close()
+
+    def _detach(self, reason: str) -> None:
+        started = time.monotonic()
+        try:
             self._on_detach(reason)
         finally:
-            self._answer(conn, AttachReply(True))
-            conn.close()
+            self._extend_pending(time.monotonic() - started)
+
+    def _woken(self, sel: selectors.BaseSelector) -> None:
+        """The channel woke the loop: pushed states to write, or held frames to handle
+        (the executor caught up)."""
+        self._flush(sel)
+        if self._engine is not None and self.channel is not None and self.channel.paused:
+            self._engine_message(sel)  # handles the held frames first; reads on if it can
 
     def _flush(self, sel: selectors.BaseSelector) -> None:
         """Write the engine channel's pushed states; wait for writability if the socket is full."""
@@ -331,25 +591,35 @@ class AttachServer:
         if channel is None:
             return
         try:
-            done = channel.flush()
+            channel.flush()
         except OSError as exc:
             if engine is not None:
-                log.warning("engine (pid %d): %s; dropping it", engine[1].pid, exc)
-                engine[0].shutdown(socket.SHUT_RDWR)  # read as EOF next: the detach
+                self._drop_engine(sel, f"engine (pid {engine[1].pid}): {exc}; dropping it",
+                                  answer=False)
             return
-        if engine is not None:
-            events = selectors.EVENT_READ | (0 if done else selectors.EVENT_WRITE)
-            with contextlib.suppress(KeyError, ValueError):
-                if sel.get_key(engine[0]).events != events:
-                    sel.modify(engine[0], events, "engine")
+        self._engine_events(sel)
 
-    @staticmethod
-    def _answer(conn: socket.socket, reply: AttachReply) -> bool:
-        mode = conn.gettimeout()  # the engine channel runs the socket non-blocking
-        try:
-            conn.settimeout(READ_TIMEOUT_S)
-            conn.sendall(frame(reply_to_json(reply)))
-            conn.settimeout(mode)
-            return True
-        except OSError:
-            return False
+    def _engine_events(self, sel: selectors.BaseSelector) -> None:
+        """Select the engine's socket for reading unless the channel holds frames back
+        (backpressure), and for writing while pushed states wait."""
+        engine, channel = self._engine, self.channel
+        if engine is None:
+            return
+        events = selectors.EVENT_READ
+        if channel is not None:
+            events = (0 if channel.paused else selectors.EVENT_READ) | (
+                selectors.EVENT_WRITE if channel.pending_output else 0)
+            if channel.can_resume:
+                # The executor caught up (its wake-up may have been taken by a flush):
+                # come back through the wake fd to handle the held frames.
+                channel.wake()
+        with contextlib.suppress(KeyError, ValueError):
+            key = sel.get_key(engine[0])
+            if key.events != events:
+                if events:
+                    sel.modify(engine[0], events, "engine")
+                else:
+                    sel.unregister(engine[0])
+            return
+        if events:  # unregistered while paused with nothing to write
+            sel.register(engine[0], events, "engine")

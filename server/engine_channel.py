@@ -23,6 +23,17 @@ longer write into them (prefill confirmed its writes drained, or their link is g
 and an engine frees a request's pages on Failed, so a Failed pushed earlier let the
 engine hand them to its next request while the old one still held them. The decode
 core's ``on_freed`` (:meth:`EngineChannel.on_freed`) releases the parked state.
+
+A refused frame is an ERROR for that call, not a state: the request stays as the daemon
+holds it. Only where the refused frame leaves the daemon holding nothing of the engine's
+request (a RESERVE or first SEND refused outright) does the channel push Failed after
+the ERROR, so the engine still ends it (docs/engine.md, "What Failed means").
+
+Per engine, at most :data:`MAX_QUEUED_FRAMES` frames wait for (or run on) the executor;
+beyond that the channel stops reading the engine's socket (:attr:`EngineChannel.paused`)
+and holds what it already read, until the executor caught up (backpressure: the engine's
+writes block, nothing grows without bound). An ABORT of a request the daemon does not
+know is answered at once, without the executor (nothing to drain).
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import contextlib
 import logging
 import socket
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Protocol
@@ -41,7 +53,7 @@ from kvbeam.proto.fields import host_port
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.validation import request_id_of, seq_len_of
-from kvbeam.states import TransferState, TransferStatus
+from kvbeam.states import FailureReason, TransferState, TransferStatus
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +61,12 @@ log = logging.getLogger(__name__)
 READ_CHUNK = 1 << 18
 #: Pushed bytes an engine may leave unread before the daemon drops it (it stopped reading).
 MAX_OUTBOUND_BYTES = 64 << 20
+#: An engine's frames waiting for (or running on) the executor, at most; at the bound the
+#: channel stops reading the engine's socket until they are down to :data:`RESUME_AT`.
+MAX_QUEUED_FRAMES = 256
+RESUME_AT = MAX_QUEUED_FRAMES // 2
+#: The frame kinds that start a request (their refusal may leave the daemon holding nothing).
+_STARTS = (ef.RESERVE, ef.SEND)
 
 
 class EngineOps(Protocol):
@@ -72,6 +90,13 @@ class EngineOps(Protocol):
     def refused(self, frame: ef.EngineFrame, exc: Exception) -> None:
         """A frame was refused (its ERROR already queued): end what it leaves half done."""
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the core holds the request live (created and not ended)."""
+
+    def known(self, request_id: str) -> bool:
+        """Whether the core has any record of the request (live or ended; prefill: or an
+        offer of it)."""
+
 
 class CoreOps:
     """:class:`EngineOps` over a daemon's core, with the gRPC handlers' field checks."""
@@ -90,6 +115,12 @@ class CoreOps:
         if not isinstance(core, DecodeDriver):
             raise ef.FrameError("kind", "RESERVE is decode's; this is a prefill daemon",
                                 frame.request_id)
+        if not frame.indices:
+            # Without lists the core would reserve at the slot's own pages, which this
+            # engine never named (the gRPC API's --pools own default).
+            raise ef.FrameError("lists", "a RESERVE names the engine's destination lists "
+                                "(KV_PAGES and every other kind its layout uses); this one "
+                                "has none", frame.request_id)
         seq_len = self._seq_len(frame.seq_len)
         host_port(frame.prefill_address, "prefill_address")
         res = core.reserve(frame.request_id, seq_len, frame.prefill_address,
@@ -101,6 +132,12 @@ class CoreOps:
         if not isinstance(core, PrefillDriver):
             raise ef.FrameError("kind", "SEND is prefill's; this is a decode daemon",
                                 frame.request_id)
+        if frame.indices is None and frame.kv_offset is None \
+                and not core.table.is_live(frame.request_id):
+            # A request's first SEND brings its source lists: without them the core would
+            # read the slot's own pages, which this engine never named.
+            raise ef.FrameError("lists", "a request's first SEND names the engine's source "
+                                "lists; this one has none", frame.request_id)
         seq_len = self._seq_len(frame.seq_len)
         host_port(frame.decode_address, "decode_address")
         core.send(frame.request_id, -1, seq_len, frame.decode_address, list(frame.chunks),
@@ -118,6 +155,16 @@ class CoreOps:
             # since the abort waits for the drain.
             core.io.submit(core.abort, frame.request_id, from_peer=False,
                            detail=f"a SEND piece was refused: {exc}")
+
+    def holds(self, request_id: str) -> bool:
+        return self._core().table.is_live(request_id)
+
+    def known(self, request_id: str) -> bool:
+        core = self._core()
+        if core.table.state_of(request_id) is not None:
+            return True
+        # Prefill may hold decode's offer of a request it has not sent: an abort drops it.
+        return isinstance(core, PrefillDriver) and core.core.offers.has(request_id)
 
     def abort(self, frame: ef.Abort) -> None:
         self._core().abort(frame.request_id, from_peer=False,
@@ -161,8 +208,9 @@ class EngineChannel:
         self.ops = ops
         self.io = io
         self.failed_when_freed = failed_when_freed
-        # Leaf: _out, _mine, _parked, _freed, _conn, _final_only; held across a
-        # non-blocking send on the engine socket only (frames keep their order).
+        # Leaf: _out, _mine, _parked, _freed, _conn, _final_only, _queued, _paused,
+        # _binding; held across a non-blocking send on the engine socket only (frames keep
+        # their order).
         self._lock = threading.Lock()
         self._conn: socket.socket | None = None
         #: The attached engine hears only of its requests' ends (attach ``pushes: final``).
@@ -175,6 +223,18 @@ class EngineChannel:
         #: then goes out at once).
         self._freed: set[str] = set()
         self._frames = ef.FrameBuffer()
+        #: Frame bodies read but not handled yet: the executor queue was full (attach
+        #: thread only).
+        self._held: deque[bytes] = deque()
+        #: This binding's frames waiting for or running on the executor.
+        self._queued = 0
+        #: Reading the socket stops while this is set (the executor queue is full).
+        self._paused = False
+        #: Counts binds: an executor job of an earlier engine does not count for this one.
+        self._binding = 0
+        #: Set while the attach thread handles a read's frames: pushes queue, and go out
+        #: in one write at its end (not one send per answer).
+        self._corked = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -185,8 +245,32 @@ class EngineChannel:
 
     @property
     def wake_fd(self) -> socket.socket:
-        """Readable when pushed states wait to be written (the attach loop selects it)."""
+        """Readable when pushed states wait to be written, or when a paused channel may
+        read again (the attach loop selects it)."""
         return self._wake_r
+
+    @property
+    def paused(self) -> bool:
+        """True while the engine's socket must not be read (backpressure): the executor
+        holds :data:`MAX_QUEUED_FRAMES` of its frames, or frames already read wait."""
+        with self._lock:
+            return self._paused
+
+    @property
+    def can_resume(self) -> bool:
+        """Paused, and the executor caught up: the held frames may be handled now."""
+        with self._lock:
+            return self._paused and self._queued <= RESUME_AT
+
+    def wake(self) -> None:
+        """Make the attach loop come back to this channel (its wake fd turns readable)."""
+        self._wake()
+
+    @property
+    def pending_output(self) -> bool:
+        """Pushed bytes the socket did not take yet (the attach loop waits for writability)."""
+        with self._lock:
+            return bool(self._out)
 
     def bind(self, conn: socket.socket, *, final_only: bool = False) -> None:
         """An engine attached on ``conn``: frames follow its attach reply. ``final_only``:
@@ -195,18 +279,23 @@ class EngineChannel:
         with self._lock:
             self._conn = conn
             self._final_only = final_only
-            self._out = bytearray()
-            self._mine = set()
-            self._parked, self._freed = {}, set()
-            self._frames = ef.FrameBuffer()
+            self._reset()
 
     def unbind(self) -> None:
         """The engine detached: nothing more is pushed (its requests fail as before)."""
         with self._lock:
             self._conn = None
-            self._out = bytearray()
-            self._mine = set()
-            self._parked, self._freed = {}, set()
+            self._reset()
+
+    def _reset(self) -> None:
+        """Under the lock: forget the last engine's requests, queues and bytes."""
+        self._out = bytearray()
+        self._mine = set()
+        self._parked, self._freed = {}, set()
+        self._frames = ef.FrameBuffer()
+        self._held = deque()
+        self._queued, self._paused = 0, False
+        self._binding += 1
 
     def close(self) -> None:
         """Close the wake pair (daemon stop)."""
@@ -250,6 +339,24 @@ class EngineChannel:
         """Tell the engine a frame was refused (any thread)."""
         self._push(ef.encode(ef.Error(request_id, field, message)))
 
+    def push_message(self, data: bytes) -> None:
+        """Send an attach-protocol message (a framed JSON reply) in order with the pushed
+        states (any thread)."""
+        self._push(data)
+
+    def _ended_here(self, request_id: str, field: str, message: str) -> None:
+        """A frame that would have started ``request_id`` was refused and the daemon holds
+        nothing of it: push Failed after the ERROR, so the engine ends its record (the
+        pages it named were never taken)."""
+        self._push(ef.encode_state(request_id, TransferState.FAILED,
+                                   FailureReason.INVALID_REQUEST, 0, f"{field}: {message}"))
+
+    def _engines(self, request_id: str) -> bool:
+        """Whether the daemon holds ``request_id`` for this engine: started here and not
+        pushed terminal, or Failed but its pages not yet freed."""
+        with self._lock:
+            return request_id in self._mine or request_id in self._parked
+
     def _push(self, data: bytes) -> None:
         """Send ``data`` now when nothing is queued before it (one non-blocking send on
         the pushing thread: no wake-up of the attach thread, no hand-off); else, or for
@@ -259,6 +366,9 @@ class EngineChannel:
             if conn is None:
                 return
             self.frames_out += 1
+            if self._corked:  # the attach thread writes it at the end of its batch
+                self._out += data
+                return
             if not self._out:  # in order: every earlier frame is already on the socket
                 try:
                     sent = conn.send(data)
@@ -268,6 +378,11 @@ class EngineChannel:
                     return
                 data = data[sent:]
             self._out += data
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake the attach thread (once until it runs :meth:`flush`)."""
+        with self._lock:
             wake = not self._woken
             self._woken = True
         if wake:
@@ -304,18 +419,29 @@ class EngineChannel:
         return False
 
     def readable(self, conn: socket.socket) -> list[bytes]:
-        """Read what arrived and handle every complete frame; returns JSON messages
-        (attach protocol: the detach) for the attach server.
+        """Handle the frames held back (if the executor caught up), then read what
+        arrived and handle every complete frame; returns JSON messages (attach protocol:
+        the detach) for the attach server. Reads nothing while :attr:`paused`.
 
         Raises:
             EOFError: the engine closed the socket.
             ef.FrameError: an oversize length (the stream cannot be resynchronised);
                 the ERROR frame is already queued.
         """
+        json_messages: list[bytes] = []
+        if self._held:
+            with self._lock:
+                if self._queued > RESUME_AT:
+                    return []
+                self._paused = False
+            held, self._held = list(self._held), deque()
+            json_messages += self._handle_all(held)
+            if self._held:
+                return json_messages
         try:
             data = conn.recv(READ_CHUNK)
         except BlockingIOError:
-            return []
+            return json_messages
         if not data:
             raise EOFError("end of stream")
         try:
@@ -323,8 +449,35 @@ class EngineChannel:
         except ef.FrameError as exc:
             self.push_error("", exc.field, str(exc))
             raise
+        return json_messages + self._handle_all(bodies)
+
+    def _handle_all(self, bodies: list[bytes]) -> list[bytes]:
+        """Handle ``bodies`` in order until the executor queue is full; hold the rest
+        (and pause reading). Returns the JSON messages among those handled. What they
+        push leaves in one write at the end.
+
+        Raises:
+            OSError: the engine left more than MAX_OUTBOUND_BYTES unread.
+        """
+        with self._lock:
+            self._corked = True
+        try:
+            return self._handle_each(bodies)
+        finally:
+            with self._lock:
+                self._corked = False
+            self.flush()
+
+    def _handle_each(self, bodies: list[bytes]) -> list[bytes]:
         json_messages = []
-        for body in bodies:
+        for i, body in enumerate(bodies):
+            with self._lock:
+                full = self._queued >= MAX_QUEUED_FRAMES
+                if full:
+                    self._paused = True
+            if full:
+                self._held.extend(bodies[i:])
+                break
             if body[:1] == b"{":
                 json_messages.append(body)
                 continue
@@ -338,27 +491,58 @@ class EngineChannel:
             frame = ef.decode(body)
         except ef.FrameError as exc:
             log.warning("engine frame refused: %s", exc)
-            self.push_error(exc.request_id, exc.field, str(exc))
+            self._refuse_unread(body, exc.request_id, exc.field, str(exc))
             return
         assert not isinstance(frame, ef.State | ef.Error)  # decode() allows engine kinds only
         rid = frame.request_id
         try:
             request_id_of(rid)
         except KvbeamError as exc:
-            self.push_error(rid[:128], "request_id", str(exc))
+            self._refuse_unread(body, rid[:128], "request_id", str(exc))
+            return
+        if isinstance(frame, ef.Abort) and not self._engines(rid) and not self.ops.known(rid):
+            # Nothing to abort: refused here, at once (no drain, no peer call, no core).
+            self.push_error(rid, "abort", f"UnknownRequest: unknown request id {rid!r} on "
+                                          "this daemon: nothing to abort")
             return
         if isinstance(frame, ef.Abort | ef.Decline):
-            self.io.submit(self._run, frame)  # an RPC to the peer (an abort drains first)
+            with self._lock:
+                self._queued += 1
+                binding = self._binding
+            self.io.submit(self._run_queued, frame, binding)  # a peer call (an abort drains)
             return
         self._run(frame)
+
+    def _refuse_unread(self, body: bytes, request_id: str, field: str, message: str) -> None:
+        """ERROR for a frame that could not be read; a RESERVE or SEND that would have
+        started a request the daemon holds nothing of also ends it (Failed)."""
+        self.push_error(request_id, field, message)
+        if request_id and body[1:2] and body[1] in _STARTS and not self._engines(request_id):
+            self._ended_here(request_id, field, message)
+
+    def _run_queued(self, frame: ef.EngineFrame, binding: int) -> None:
+        """An executor job: run the frame, then let the attach thread read on if the
+        queue came down to :data:`RESUME_AT`."""
+        try:
+            self._run(frame)
+        finally:
+            with self._lock:
+                mine = binding == self._binding
+                if mine:
+                    self._queued -= 1
+                resume = mine and self._paused and self._queued <= RESUME_AT
+            if resume:
+                self._wake()
 
     def _run(self, frame: ef.EngineFrame) -> None:
         rid = frame.request_id
         starts = isinstance(frame, ef.Reserve | ef.Send)
         with self._lock:
-            new = starts and rid not in self._mine
+            new = starts and rid not in self._mine and rid not in self._parked
             if new:
                 self._mine.add(rid)  # before the core creates it: its first state is pushed
+        # A record already there (someone else's, or one that ended) is not this frame's.
+        fresh = new and not self.ops.known(rid)
         try:
             if isinstance(frame, ef.Reserve):
                 self.ops.reserve(frame)
@@ -371,10 +555,16 @@ class EngineChannel:
             else:
                 self.ops.release(frame)
         except Exception as exc:
-            if new:
+            # Held when the core created the request before refusing (its end is pushed
+            # as usual); a record that was there before is not this frame's.
+            held = fresh and self.ops.holds(rid)
+            if new and not held:
                 with self._lock:
                     self._mine.discard(rid)
             if not isinstance(exc, KvbeamError):
                 log.exception("engine frame for request %s failed unexpectedly", rid)
-            self.push_error(rid, _field_of(exc, frame), f"{type(exc).__name__}: {exc}")
+            field, message = _field_of(exc, frame), f"{type(exc).__name__}: {exc}"
+            self.push_error(rid, field, message)
+            if new and not held:
+                self._ended_here(rid, field, message)
             self.ops.refused(frame, exc)  # after the ERROR: the engine reads that first

@@ -2,7 +2,8 @@
 
 Run as a fresh process (``python -m tests.channel_engine --socket S --config C``): it
 allocates memfd pools (EnginePools), fills them with ``--seed``'s pattern, attaches
-(``--pushes``: which state changes the daemon pushes, default ``all``), prints
+(``--pushes``: which state changes the daemon pushes, default ``all``; ``--reattach``:
+attach again when the daemon goes away, with a short backoff), prints
 ``attached INSTANCE`` and serves commands on stdin, one answer line each:
 
 - ``reserve RID SEQ PREFILL_ADDR LIST_SEED [SKIP]``: Receiver.send_metadata at random
@@ -25,6 +26,8 @@ allocates memfd pools (EnginePools), fills them with ``--seed``'s pattern, attac
   only the bytes of the pool's heads [FIRST, FIRST + COUNT) (a paged pool: heads are a
   block's outermost dimension)
 - ``grpc``: whether gRPC was ever imported in this process
+- ``state``: ``state ATTACHED REATTACHES INSTANCE`` (the attachment's; ATTACHED 1 or 0)
+- ``refusal RID``: ``refusal TEXT``, the daemon's last refusal of one of RID's frames
 - ``exit``
 """
 
@@ -38,6 +41,7 @@ import numpy as np
 import yaml
 
 from kvbeam.engine import EnginePools, KVPoll, Receiver, Sender, attach
+from kvbeam.engine.attach import Reattach
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.spec import SideConfig
 from tests.engine_lists import random_lists
@@ -49,13 +53,16 @@ def main() -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--pushes", choices=("all", "final"), default="all")
+    ap.add_argument("--reattach", action="store_true")
     args = ap.parse_args()
     with open(args.config) as f:
         config = SideConfig.from_mapping(yaml.safe_load(f), args.config)
     layout = build_side_layout(config)
     pools = EnginePools(config)
     pools.fill_pattern(args.seed)
-    att = attach(args.socket, pools, pushes=args.pushes)
+    att = attach(args.socket, pools, pushes=args.pushes,
+                 reattach=Reattach(first_delay_s=0.05, max_delay_s=0.5) if args.reattach
+                 else False)
     assert att.channel is not None
     print(f"attached {att.instance_id}", flush=True)
     requests: dict[str, Sender | Receiver] = {}
@@ -158,6 +165,10 @@ def main() -> int:
                 window = rows[:, first * per_head:(first + count) * per_head]
                 out.append(crc32c.crc32c(np.ascontiguousarray(window).data))
             print("heads " + ",".join(map(str, out)), flush=True)
+        elif op == "refusal":
+            print(f"refusal {requests[cmd[1]].refusal}", flush=True)
+        elif op == "state":
+            print(f"state {int(att.attached)} {att.reattaches} {att.instance_id}", flush=True)
         elif op == "grpc":
             print("grpc " + str("grpc" in sys.modules), flush=True)
         elif op == "exit":

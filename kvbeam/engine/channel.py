@@ -8,6 +8,12 @@ every pushed STATE to the request's :class:`RequestState`, so a scheduler's
 and :meth:`EngineChannel.poll_many` / :meth:`EngineChannel.events` hand over every
 change at once. The socket closing fails every request still in flight (the daemon
 detached them too). No gRPC, no torch.
+
+A frame the daemon refuses (an ERROR: an early RELEASE, a second RESERVE of a live id)
+is an error of that call, not a state: the request's record keeps its state and gets the
+refusal (:attr:`RequestState.refusal`, a WARNING in the log). Failed comes only from the
+daemon (it pushes one after the ERROR when it holds nothing of the request) or from the
+socket closing, so an engine may take Failed to mean the daemon let go of the request.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvbeam.proto import engine_frames as ef
@@ -45,7 +51,7 @@ class RequestEvent:
 class RequestState:
     """What the engine knows of one request; the reader thread is its only writer."""
 
-    __slots__ = ("detail", "reason", "request_id", "state", "version")
+    __slots__ = ("detail", "reason", "refusal", "request_id", "state", "version")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -53,6 +59,9 @@ class RequestState:
         self.reason: FailureReason | None = None
         self.detail = ""
         self.version = -1
+        #: The daemon's last refusal of one of this request's frames (``field: message``),
+        #: "" when none: the frame had no effect, the request's state is the daemon's.
+        self.refusal = ""
 
 
 class EngineChannel:
@@ -61,11 +70,18 @@ class EngineChannel:
     Args:
         sock: the attach socket (after the attach reply).
         path: the socket's path (for messages).
+        on_closed: called once with the reason when the channel closes (on the thread
+            that noticed; no lock held): the attachment's re-attach starts there.
+        closed_note: added to the reason that requests started after the close fail
+            with (what the engine does about it: re-attaching).
     """
 
-    def __init__(self, sock: socket.socket, path: str) -> None:
+    def __init__(self, sock: socket.socket, path: str,
+                 on_closed: Callable[[str], None] | None = None, closed_note: str = "") -> None:
         self.sock = sock
         self.path = path
+        self._on_closed = on_closed
+        self._closed_note = closed_note
         self._lock = threading.Lock()  # the request table, the events, the batch
         self._changed = threading.Condition(self._lock)
         self._write_lock = threading.Lock()  # one writer at a time on the socket
@@ -174,6 +190,13 @@ class EngineChannel:
                 self._changed.wait(left)
             return self._json.popleft()
 
+    def note_closed(self, reason: str) -> None:
+        """What requests started on this closed channel fail with from now on (the
+        attachment says it is re-attaching, and how far it got)."""
+        with self._lock:
+            if self.closed_reason:
+                self.closed_reason = reason
+
     # ---- the reader thread -------------------------------------------------------------
     def _apply(self, rec: RequestState, state: TransferState, reason: FailureReason | None,
                detail: str, version: int) -> None:
@@ -226,24 +249,27 @@ class EngineChannel:
                 self._apply(rec, frame.state, frame.reason, frame.detail, frame.version)
             return
         assert isinstance(frame, ef.Error)
+        # An error of that call, not a state: the daemon still holds what it held (it
+        # pushes Failed itself when it holds nothing of the request).
         log.warning("the daemon on %s refused a frame%s: %s: %s", self.path,
                     f" of request {frame.request_id}" if frame.request_id else "",
                     frame.field, frame.message)
         if rec is not None:
-            self._apply(rec, TransferState.FAILED, FailureReason.INVALID_REQUEST,
-                        f"{frame.field}: {frame.message}", rec.version + 1)
+            rec.refusal = f"{frame.field}: {frame.message}"
 
     def _closed(self, reason: str) -> None:
         with self._changed:
             if self.closed_reason:
                 return
-            self.closed_reason = reason
+            self.closed_reason = reason + self._closed_note
             for rec in list(self._requests.values()):
                 if not rec.state.terminal:
                     self._apply(rec, TransferState.FAILED, FailureReason.SHUTDOWN, reason,
                                 rec.version + 1)
             self._changed.notify_all()
         log.warning("engine channel closed: %s", reason)
+        if self._on_closed is not None:
+            self._on_closed(reason)
 
     def close(self) -> None:
         """Fail what is in flight and stop the reader (the socket is closed by its owner)."""

@@ -156,6 +156,14 @@ class _Request:
         return poll_of(self.last.state)
 
     @property
+    def refusal(self) -> str:
+        """The daemon's last refusal of one of this request's frames over the engine
+        channel (``field: message``; "" when none). A refused frame had no effect: the
+        request is as the daemon holds it (``poll()``); Failed comes only when the daemon
+        let go of it (docs/engine.md, "What Failed means")."""
+        return self._state.refusal if self._state is not None else ""
+
+    @property
     def detail(self) -> str:
         """The daemon's last detail of the request (e.g. its verification), as last seen."""
         if self._state is not None:
@@ -277,8 +285,9 @@ class Receiver(_Request):
         ``kv_skip``: the request's leading KV pages this engine already holds (its
         prefix cache); ``kv_indices`` then names only the pages from there on, and
         prefill writes (and digests) only those. Over the engine channel this writes
-        one frame and returns None: a refusal shows as Failed (``failure_exception``
-        says why).
+        one frame and returns None: a refusal shows as Failed (the daemon holds nothing of
+        the request then; ``failure_exception`` says why), except a second reservation
+        of a live request, which leaves that request as it was (:attr:`refusal`).
         """
         lists = index_lists(kv_indices, state_indices)
         if self.channel is not None:

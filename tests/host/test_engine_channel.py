@@ -40,10 +40,12 @@ ROOT = str(Path(__file__).resolve().parents[2])
 class ChannelEngine:
     """A tests/channel_engine.py process attached to one daemon."""
 
-    def __init__(self, socket_path: str, config: str, seed: int, pushes: str = "all") -> None:
+    def __init__(self, socket_path: str, config: str, seed: int, pushes: str = "all",
+                 reattach: bool = False) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.channel_engine", "--socket", socket_path,
-             "--config", config, "--seed", str(seed), "--pushes", pushes],
+             "--config", config, "--seed", str(seed), "--pushes", pushes,
+             *(["--reattach"] if reattach else [])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, cwd=ROOT)
         self.first = self._line(120)
@@ -225,6 +227,37 @@ def test_a_refused_frame_fails_the_request_with_the_daemons_reason(engines: tupl
     assert de.cmd("poll ok") in ("Bootstrapping", "WaitingForInput"), de.cmd("poll ok")
 
 
+def test_a_refused_frame_of_a_live_request_is_an_error_not_a_state(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    """An early RELEASE and a second RESERVE of a live id are refused, and the request is
+    still the daemon's: not Failed at the engine (whose Failed means "the pages are free":
+    prefill may still write them), and it moves when prefill sends."""
+    prefill, decode, pe, de = engines
+    assert de.cmd(f"reserve live {SEQ} {prefill.address} 7") == "reserve live"
+    assert de.cmd("release live") == "released"  # before Success: refused
+    assert _until_refused(de, "live").startswith("refusal release: BadRequest: "), \
+        de.cmd("refusal live")
+    assert de.cmd(f"reserve live {SEQ} {prefill.address} 7") == "reserve live"  # again
+    assert "already holds" in _until_refused(de, "live", "release"), de.cmd("refusal live")
+    assert de.cmd("poll live") in ("Bootstrapping", "WaitingForInput"), de.cmd("poll live")
+    assert pe.cmd(f"send live {SEQ} {decode.address} 8") == "send live"
+    assert de.cmd("wait live 60") == "Success"
+    assert pe.cmd("wait live 60") == "Success"
+    assert de.cmd("digests live") == pe.cmd("digests live")
+    assert de.cmd("release live") == "released"
+
+
+def _until_refused(engine: ChannelEngine, rid: str, before: str = "") -> str:
+    """The engine's refusal of ``rid`` once there is one (not starting with ``before``)."""
+    answer = ""
+    for _ in range(300):
+        answer = engine.cmd(f"refusal {rid}")
+        if answer != "refusal" and not (before and answer.startswith(f"refusal {before}")):
+            return answer
+        time.sleep(0.05)
+    return answer
+
+
 def test_a_dropped_engine_socket_fails_the_peers_request(engines: tuple[
         DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
     prefill, decode, pe, de = engines
@@ -381,9 +414,14 @@ def test_an_out_of_order_piece_is_refused_naming_the_field_and_frees_the_request
     pe.cmd(f"chunk bad {SEQ} {decode.address} 101 0 0 256 0")
     pe.cmd(f"chunk bad {SEQ} {decode.address} 101 {second}")
     answer = pe.cmd("wait bad 30")
-    assert answer.startswith(f"Failed invalid_request: {field.split(':')[0]}: "), answer
+    # The refused piece is an error of that SEND (the engine reads it), and prefill,
+    # which holds the request, aborts it (no later piece can complete it) and pushes
+    # that Failed: its first chunk may have landed, so decode frees it once drained.
+    assert pe.cmd("refusal bad").startswith(f"refusal {field.split(':')[0]}: "), \
+        pe.cmd("refusal bad")
+    assert field in pe.cmd("refusal bad")
+    assert answer.startswith("Failed aborted: a SEND piece was refused: "), answer
     assert field in answer, answer
-    # Prefill failed the request (its first chunk may have landed): decode frees it.
     assert de.cmd("wait bad 30").startswith("Failed "), de.cmd("poll bad")
     with KvbeamClient(decode.address) as d:
         assert d.capacity().slots_held == 0

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 
@@ -17,13 +19,19 @@ from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.shm import unmap
 from kvbeam.proto.attach_codec import (
     ATTACH_VERSION,
+    MAX_ERROR_CHARS,
+    MAX_MESSAGE_BYTES,
+    AttachReply,
     AttachRequest,
     BufferRef,
+    MessageReader,
     config_differences,
     config_to_mapping,
+    decode_body,
     first_config_difference,
     frame,
     read_message,
+    reply_to_json,
     request_from_json,
     request_to_json,
 )
@@ -215,3 +223,60 @@ def test_engine_package_imports_neither_torch_nor_grpc() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+# ---- bounded refusals (issue 45, item 8) ------------------------------------------------
+def test_a_refusal_quoting_a_huge_value_stays_small_and_says_it_was_cut() -> None:
+    """A refusal quotes what it refuses with depth and length bounded, and a reply's error
+    is cut at MAX_ERROR_CHARS whatever produced it (a 4 MiB config used to come back as a
+    4 MiB refusal, larger than a message may be, and got no answer at all)."""
+    data = {**request_to_json(AttachRequest("attach", config=side(), components=())),
+            "config": ["x" * 100] * 40_000}
+    with pytest.raises(AttachError) as info:
+        request_from_json(data, 0)
+    assert info.value.field == "config" and len(str(info.value)) < 300, str(info.value)
+    reply = reply_to_json(AttachReply(False, "e" * (MAX_ERROR_CHARS * 3), "f" * 1000))
+    assert len(reply["error"]) < MAX_ERROR_CHARS + 60
+    assert reply["error"].endswith(f"... ({MAX_ERROR_CHARS * 2} more characters cut)")
+    assert len(reply["field"]) < 260
+    assert len(frame(reply)) < 3000
+
+
+@pytest.mark.parametrize("body", [
+    b"[" * 200_000 + b"]" * 200_000,  # nested past the decoder's depth
+    b'{"version": 1, "op": "\xff\xfe"}',  # not UTF-8
+    b"",  # nothing
+])
+def test_unreadable_bodies_are_one_attach_error(body: bytes) -> None:
+    with pytest.raises(AttachError, match="attach message is not JSON") as info:
+        decode_body(body)
+    assert len(str(info.value)) < 300
+
+
+def test_a_deep_config_is_refused_naming_it() -> None:
+    deep: object = 1
+    for _ in range(900):  # within the decoder's depth, past what the checks recurse into
+        deep = [deep]
+    data = {**request_to_json(AttachRequest("attach", config=side(), components=()))}
+    data["config"] = {**data["config"], "target": {**data["config"]["target"],
+                                                     "head_dim": deep}}
+    body = json.dumps(data).encode()
+    with pytest.raises(AttachError) as info:
+        request_from_json(decode_body(body), 0)
+    assert info.value.field == "config" and len(str(info.value)) < 700, str(info.value)
+
+
+def test_a_message_read_in_pieces_stops_at_its_end_and_refuses_an_oversize_length() -> None:
+    msg = frame({"version": 1, "op": "detach"})
+    reader = MessageReader()
+    got = None
+    pieces = 0
+    while got is None:
+        want = reader.wanted(3)
+        assert 0 < want <= 4
+        got = reader.feed(msg[:want])
+        msg = msg[want:]
+        pieces += 1
+    assert json.loads(got) == {"version": 1, "op": "detach"} and pieces > 3
+    with pytest.raises(AttachError, match="exceeds"):
+        MessageReader().feed(struct.pack(">I", MAX_MESSAGE_BYTES + 1))

@@ -65,3 +65,36 @@ def test_a_closed_daemon_socket_fails_what_is_in_flight() -> None:
     late.send([2], seq_len=10)
     assert late.poll() is KVPoll.Failed
     channel.close()
+
+
+def test_a_refused_frame_is_an_error_of_that_call_not_a_state() -> None:
+    """An ERROR (an early release, a second reservation of a live id) leaves the request
+    as the daemon holds it: Failed would tell the engine its pages are free while prefill
+    may still write them. The refusal is readable; Failed comes only from the daemon."""
+    engine, daemon = socket.socketpair()
+    channel = EngineChannel(engine, "fake.sock")
+    r = Receiver(channel, "live", "p:1")
+    r.send_metadata([3, 4], seq_len=100)
+    again = Receiver(channel, "live", "p:1")  # the same id, reserved a second time
+    again.send_metadata([5, 6], seq_len=100)
+    r.release()  # before Success: refused by the daemon
+    daemon.sendall(ef.encode(ef.State("live", TransferState.TRANSFERRING, None, 2, ""))
+                   + ef.encode(ef.Error("live", "request_id", "DuplicateRequest: known"))
+                   + ef.encode(ef.Error("live", "release", "not Success yet")))
+    assert _until(lambda: r.refusal == "release: not Success yet")
+    assert r.poll() is KVPoll.Transferring and again.poll() is KVPoll.Transferring
+    assert r.failure() is None
+    r.failure_exception()  # not failed: nothing to raise
+    # The daemon ends a request it holds nothing of (a RESERVE refused outright) itself.
+    gone = Receiver(channel, "gone", "p:1")
+    gone.send_metadata([7], seq_len=10)
+    daemon.sendall(ef.encode(ef.Error("gone", "prefill_address", "bad"))
+                   + ef.encode(ef.State("gone", TransferState.FAILED,
+                                        FailureReason.INVALID_REQUEST, 0,
+                                        "prefill_address: bad")))
+    assert gone.wait(5) is KVPoll.Failed
+    assert gone.refusal == "prefill_address: bad"
+    assert gone.failure() == (FailureReason.INVALID_REQUEST, "prefill_address: bad")
+    assert r.poll() is KVPoll.Transferring
+    channel.close()
+    daemon.close()

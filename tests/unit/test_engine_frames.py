@@ -111,6 +111,7 @@ def test_frames_split_and_coalesced_arrive_whole() -> None:
 class _Ops:
     def __init__(self) -> None:
         self.seen: list[str] = []
+        self.live: set[str] = set()  # what the fake core holds live
 
     def reserve(self, frame: ef.Reserve) -> None:
         if frame.seq_len == 13:
@@ -131,6 +132,12 @@ class _Ops:
 
     def refused(self, frame: ef.EngineFrame, exc: Exception) -> None:
         self.seen.append(f"refused {frame.request_id}")
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.live
+
+    def known(self, request_id: str) -> bool:
+        return request_id in self.live
 
 
 def _pushed(sock: socket.socket, channel: EngineChannel) -> list[ef.DaemonFrame]:
@@ -160,6 +167,11 @@ def test_the_daemon_channel_answers_every_bad_frame_and_keeps_serving() -> None:
         assert [(e.request_id, e.field) for e in errors if isinstance(e, ef.Error)] == [
             ("r1", "reserve"), ("r1", "lists"), ("bad id!", "request_id"), ("r0", "release")]
         assert "seq_len 13 is unlucky" in errors[0].message  # type: ignore[union-attr]
+        # A refused RESERVE leaves the daemon holding nothing of it: Failed follows its
+        # ERROR, so the engine ends the request; a refused RELEASE changes no state.
+        ended = [(e.request_id, e.state, e.reason) for e in errors if isinstance(e, ef.State)]
+        assert ended == [(rid, TransferState.FAILED, FailureReason.INVALID_REQUEST)
+                         for rid in ("r1", "r1", "bad id!")], ended
         assert ops.seen == ["refused r1", "refused r0", "reserve r2"]
         # Only the requests it started here are pushed: r2, not r1 (refused) nor others.
         for rid in ("r1", "r2", "grpc-started"):

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -230,3 +230,59 @@ def test_the_sglang_plugin_entry_point_is_declared_and_loads() -> None:
     import importlib
 
     assert getattr(importlib.import_module(module), attr) is plugin.load
+
+
+def test_while_the_daemon_is_away_sglangs_polls_read_failed_at_once(tmp_path: Path) -> None:
+    """The manager's attachment re-attaches (a real Attachment against a fake daemon); in
+    between, a receiver's and a sender's polls read Failed at once (not at a deadline),
+    and the failure names the unreachable daemon."""
+    from kvbeam.engine import attach
+    from kvbeam.engine.attach import Reattach
+    from kvbeam.integrations.sglang.conn import KvbeamKVReceiver, KvbeamKVSender
+    from kvbeam.integrations.sglang.scheduler import PREFILL_KEY
+    from tests.unit.test_engine_reattach import FakeDaemon, _until
+
+    config = tiny_config(unified=True, draft=True)
+    layout = build_side_layout(config)
+    rooms: dict[str, object] = {PREFILL_KEY: {"daemon": "127.0.0.1:8"}}
+
+    def store(_address: str, op: str, key: str, value: object = None,
+              timeout: float = 10.0, ttl: float | None = None) -> object:
+        present = rooms.get(key)
+        if op == "put" or (op == "add" and present is None):
+            rooms[key] = value
+        elif op == "delete":
+            rooms.pop(key, None)
+        return present if op == "add" else rooms.get(key)
+
+    lists = {"KV_PAGES": [0], "SWA_RING_ROWS": list(range(32)), "REQ_SLOT": [0],
+             "C128_STATE": [0]}
+    states = [None if c.pool == "draft" else
+              {k: lists[k] for k in sorted({b.index_kind.name for b in c.buffers})}
+              for c in layout.states]
+    daemon = FakeDaemon(str(tmp_path / "d.sock"), [])
+    with EnginePools(config) as pools:
+        att = attach(daemon.path, pools, reattach=Reattach(30.0, 30.0))  # no try meanwhile
+        daemon.drop()
+        assert _until(lambda: att.reattaching)
+        from kvbeam.integrations.sglang.conn import KvbeamKVManager
+
+        mgr: Any = object.__new__(KvbeamKVManager)  # its request-side members, no attach
+        mgr.__dict__.update(attachment=att, config=config, layout=layout, mode="decode",
+                            daemon="127.0.0.1:9", store=store, bootstrap_timeout=300.0,
+                            waiting_timeout=300.0, tombstone_ttl=600.0, _peer_checks={},
+                            _store_warned={})
+        rx = KvbeamKVReceiver(mgr, "boot:1", 7)
+        rx.init(0)
+        rx.send_metadata(np.array([0], dtype=np.int32), 0, states)
+        assert rx.poll() == 0  # KVPoll.Failed, at once
+        with pytest.raises(RuntimeError, match=r"unreachable.*re-attaching"):
+            rx.failure_exception()
+        tx = KvbeamKVSender(mgr, "boot:1", 7)
+        tx.init(1, 0)
+        tx.send(np.array([0], dtype=np.int32), states, num_kv_tokens=100)
+        assert tx.poll() == 0
+        with pytest.raises(RuntimeError, match="unreachable"):
+            tx.failure_exception()
+        att.close()
+    daemon.close()

@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvbeam.engine import EnginePools, attach
+from kvbeam.engine.attach import Reattach
 from kvbeam.engine.channel import EngineChannel
 from kvbeam.integrations.vllm import params as P
 from kvbeam.integrations.vllm import scheduler as S
 from kvbeam.integrations.vllm.worker import WorkerSide
 from kvbeam.pools.types import IndexKind
 from kvbeam.proto import engine_frames as ef
-from kvbeam.states import TransferState
+from kvbeam.states import FailureReason, TransferState
+from tests.fixtures import side
+from tests.unit.test_engine_reattach import FakeDaemon
 
 SETTINGS = P.Settings(daemons=("127.0.0.1:7",), attach_sockets=("/x.sock",), model="m")
 
@@ -70,7 +76,11 @@ def test_a_step_reserves_and_sends_in_one_write_and_pushed_states_finish_them() 
     assert worker.get_finished() == (set(), set())  # nothing pushed yet: nothing ended
     daemon.sendall(ef.encode(ef.State("t2", TransferState.SUCCESS, None, 3, "ok"))
                    + ef.encode(ef.State("t1", TransferState.SUCCESS, None, 3, "ok"))
-                   + ef.encode(ef.Error("t3", "reserve", "NoFreeSlot: full")))
+                   + ef.encode(ef.Error("t3", "reserve", "NoFreeSlot: full"))
+                   # the daemon holds nothing of a refused reservation: it pushes Failed
+                   + ef.encode(ef.State("t3", TransferState.FAILED,
+                                        FailureReason.INVALID_REQUEST, 0,
+                                        "reserve: NoFreeSlot: full")))
     assert _finished(worker, ({"a"}, {"b", "c"})) == ({"a"}, {"b", "c"})
     assert worker.take_load_errors() == {4}  # the refused reservation's block
     (release,) = _frames(daemon, 1)  # the landed request is released
@@ -130,3 +140,40 @@ def test_each_decode_rank_reserves_its_own_transfer_on_its_own_daemon() -> None:
         assert decline.request_id == f"t3.r{rank}"
         worker.close()
         daemon.close()
+
+
+def test_while_its_daemon_is_away_loads_and_sends_fail_at_once_then_use_the_new_channel(
+        tmp_path: Path) -> None:
+    """The worker's attachment re-attaches (a real Attachment against a fake daemon): in
+    between, a step's loads end at once as load errors and its sends at once, saying the
+    daemon is unreachable; after, the next step's frames go to the new channel."""
+    sock = str(tmp_path / "d.sock")
+    daemon = FakeDaemon(sock, [])
+    worker = WorkerSide(SETTINGS, block_size=32, num_kv_heads=2, head_size=32)
+    with EnginePools(side()) as pools:
+        worker.attachment = attach(sock, pools, reattach=Reattach(0.05, 0.05, timeout_s=5))
+        daemon.refusing = True  # until the step below ran
+        daemon.drop()
+        assert _until(lambda: worker.attachment is not None and worker.attachment.reattaching)
+        worker.absorb(S.StepPlan(loads=[S.Load("b", "t2", (7, 3), ("p:1",), 45)],
+                                 sends=[S.Push("a", "t1", (5,), ("d:1",), 20)]))
+        assert worker.get_finished() == ({"a"}, {"b"})  # the same step: no wait
+        assert worker.take_load_errors() == {7, 3}
+        daemon.refusing = False
+        assert _until(lambda: worker.attachment is not None
+                      and worker.attachment.reattaches == 1)
+        worker.absorb(S.StepPlan(loads=[S.Load("c", "t3", (4,), ("p:1",), 20)]))
+        (reserve,) = daemon.frames(daemon.attached[-1], 1)
+        assert isinstance(reserve, ef.Reserve) and reserve.request_id == "t3"
+        assert worker.get_finished() == (set(), set())  # in flight on the new channel
+        worker.close()
+    daemon.close()
+
+
+def _until(check: Callable[[], bool], timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if check():
+            return True
+        time.sleep(0.01)
+    return False

@@ -210,7 +210,10 @@ class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
                     # Only a request's end is pushed: sglang's queues read every
                     # other daemon state as in progress (prefill_poll, decode_poll),
                     # and each push would wake the reader thread in sglang's scheduler.
-                    return attach(sock, buffers, self.config, pushes="final")
+                    # A restarted daemon gets the same memory again (reattach keeps
+                    # duplicates of the fds closed below); meanwhile polls read Failed.
+                    return attach(sock, buffers, self.config, pushes="final",
+                                  reattach=True)
                 except AttachError as exc:
                     # The daemon beside the server may still be starting (importing torch
                     # takes a minute under emulation): retry then only.

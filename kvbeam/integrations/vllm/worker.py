@@ -114,10 +114,13 @@ class WorkerSide:
         self._views = views
         config = paged_side_config(self.settings.model, spec)
         # Only a request's end is pushed: get_finished acts on nothing else, and each
-        # push would wake the channel's reader thread inside vLLM's worker.
+        # push would wake the channel's reader thread inside vLLM's worker. A restarted
+        # daemon gets the same memory again (reattach); meanwhile new loads and sends
+        # fail at once (their channel reads closed), so vLLM recomputes or errors as its
+        # kv_load_failure_policy says, and absorb() reads the new channel once back.
         self.attachment = attach(self.attach_socket,
                                  EngineBuffers(list(self._shared.fds), [refs]), config,
-                                 pushes="final")
+                                 pushes="final", reattach=True)
         log.info("attached vLLM's KV cache (TP rank %d of %d, %d KV heads): %d layers x %d "
                  "blocks of %d bytes to %s", self.tp_rank, self.tp_size, self.num_kv_heads,
                  len(views), num_blocks, item, self.attach_socket)
