@@ -263,6 +263,28 @@ def test_decode_giving_up_while_prefill_sends_ends_prefill(
     assert [type(f).__name__ for f in prefill.frames()] == ["Send", "Abort"]
 
 
+def test_a_chunk_the_daemon_refuses_fails_the_request_naming_the_refusal(
+        store: str, sides: tuple[Side, Side]) -> None:
+    # A refused frame leaves a live request as the daemon holds it (no Failed pushed):
+    # the sender must end it itself, not wait for a deadline.
+    prefill, decode = sides
+    rx = KvbeamKVReceiver(decode.mgr, store, 17)
+    _reserve(rx)
+    tx = KvbeamKVSender(prefill.mgr, store, 17)
+    tx.init(5, 0)
+    assert tx.poll() == WAITING
+    tx.send(np.arange(5, dtype=np.int32), [], num_kv_tokens=5)
+    assert tx.poll() == TRANSFERRING
+    prefill.daemon.sendall(ef.encode(ef.Error("sglang-17", "kv_offset", "out of order")))
+    deadline = time.monotonic() + 10
+    while tx.poll() != FAILED:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert "the daemon refused a chunk: kv_offset: out of order" in _error(tx)
+    assert [type(f).__name__ for f in prefill.frames()] == ["Send", "Abort"]
+    assert "refused a chunk" in bootstrap.call(store, "get", "room.17")["reason"]
+
+
 @pytest.mark.parametrize(("decode_over", "named"), [
     ({"dtype": "bfloat16"}, "dtype: prefill=float16, decode=bfloat16 (--kv-cache-dtype"),
     ({"page_size": 4, "token_rows": 68}, "block size: prefill=1, decode=4 (--page-size)"),

@@ -441,6 +441,10 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
                 self.last = self.request.failure()
                 self._withdraw(_failure_text(self.request_id, self.last))
             elif state != int(KVPoll.Success):
+                if self.request.refusal:  # a chunk the daemon refused: the rest cannot
+                    self._fail(f"kvbeam send of {self.request_id} failed: the daemon "
+                               f"refused a chunk: {self.request.refusal}")
+                    return int(KVPoll.Failed)
                 if now > self.deadline:
                     self._fail(f"room {self.room}: kvbeam's transfer did not end within "
                                f"{self.mgr.waiting_timeout:g} s of decode's reservation "
