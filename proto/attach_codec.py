@@ -104,6 +104,7 @@ def spec_to_mapping(spec: PoolSpec) -> dict[str, Any]:
     """A pool spec as its side-YAML mapping (every field, lists for tuples)."""
     out = dataclasses.asdict(spec)
     out["compression_ratios"] = list(spec.compression_ratios)
+    out["aux_item_lens"] = list(spec.aux_item_lens)
     return out
 
 
@@ -113,22 +114,28 @@ def config_to_mapping(config: SideConfig) -> dict[str, Any]:
             "draft": None if config.draft is None else spec_to_mapping(config.draft)}
 
 
-def first_config_difference(mine: SideConfig, theirs: SideConfig) -> str | None:
-    """``field: daemon=X, engine=Y`` for the first field that differs, or None."""
+def config_differences(mine: SideConfig, theirs: SideConfig) -> list[str]:
+    """``field: daemon=X, engine=Y`` for every field that differs (empty: the same)."""
     a, b = config_to_mapping(mine), config_to_mapping(theirs)
+    out = []
     if a["model"] != b["model"]:
-        return f"model: daemon={a['model']!r}, engine={b['model']!r}"
+        out.append(f"model: daemon={a['model']!r}, engine={b['model']!r}")
     for pool in ("target", "draft"):
         pa, pb = a[pool], b[pool]
         if (pa is None) != (pb is None):
-            return (f"{pool}: daemon={'absent' if pa is None else 'present'}, "
-                    f"engine={'absent' if pb is None else 'present'}")
+            out.append(f"{pool}: daemon={'absent' if pa is None else 'present'}, "
+                       f"engine={'absent' if pb is None else 'present'}")
         if pa is None or pb is None:
             continue
-        for key in pa:
-            if pa[key] != pb[key]:
-                return f"{pool}.{key}: daemon={pa[key]!r}, engine={pb[key]!r}"
-    return None
+        out += [f"{pool}.{key}: daemon={pa[key]!r}, engine={pb[key]!r}"
+                for key in pa if pa[key] != pb[key]]
+    return out
+
+
+def first_config_difference(mine: SideConfig, theirs: SideConfig) -> str | None:
+    """The first of :func:`config_differences`, or None."""
+    diffs = config_differences(mine, theirs)
+    return diffs[0] if diffs else None
 
 
 # ---- bounded text ------------------------------------------------------------------

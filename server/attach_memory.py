@@ -25,7 +25,7 @@ from kvbeam.pools.layout import SideLayout, build_side_layout
 from kvbeam.pools.shared import MappedSide, Placement, placed_layout
 from kvbeam.pools.shm import map_shared, shared_file_size, unmap
 from kvbeam.pools.spec import SideConfig
-from kvbeam.proto.attach_codec import AttachRequest, BufferRef, first_config_difference
+from kvbeam.proto.attach_codec import AttachRequest, BufferRef, config_differences
 from kvbeam.server.dmabuf import DmabufAccess, DmabufMemory
 
 log = logging.getLogger(__name__)
@@ -56,10 +56,10 @@ def check_description(req: AttachRequest, role: str,
     if config is None:
         raise AttachError("config: missing", "config")
     if expected is not None:
-        diff = first_config_difference(expected, config)
-        if diff is not None:
+        diffs = config_differences(expected, config)
+        if diffs:
             raise AttachError(f"config: the engine's config differs from this daemon's "
-                              f"--config ({expected.source}): {diff}", "config")
+                              f"--config ({expected.source}): {'; '.join(diffs)}", "config")
     layout = build_side_layout(config)
     try:
         check_target_draft(layout, role)

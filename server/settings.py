@@ -119,8 +119,9 @@ AUTH_OPTIONS: tuple[Option, ...] = (
 
 OPTIONS: tuple[Option, ...] = (
     Option("config", "KVBEAM_CONFIG", str, None,
-           "side config YAML (pools); required with --pools own; with --pools engine the "
-           "attaching engine's config must equal it (optional)"),
+           "side config YAML (pools); required with --pools own; optional with --pools "
+           "engine, where the daemon takes the attaching engine's description and, given "
+           "this, refuses an engine whose description differs (every field named)"),
     Option("listen", "KVBEAM_LISTEN", str, None,
            "HOST:PORT of the gRPC control server (default 127.0.0.1:50051 prefill, "
            "127.0.0.1:50052 decode)"),

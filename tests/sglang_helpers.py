@@ -130,7 +130,8 @@ class SglangPair:
         rx = KvbeamKVReceiver(self.decode_mgr, self.bootstrap_addr, room)
         self._record("decode", "KVReceiver(mgr, addr, room)", "nothing yet", rx)
         rx.init(0)
-        self._record("decode", "init(prefill_dp_rank)", "bootstrap get: prefill daemon", rx)
+        self._record("decode", "init(prefill_dp_rank)", "bootstrap get: prefill daemon and "
+                     "its pools' description, compared with decode's", rx)
         tx = KvbeamKVSender(self.prefill_mgr, self.bootstrap_addr, room)
         src_pages = np.asarray(src[IndexKind.KV_PAGES], dtype=np.int32)
         tx.init(len(src_pages), 0)

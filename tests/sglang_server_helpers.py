@@ -41,6 +41,9 @@ TINY_LLAMA: dict[str, Any] = {
 }
 #: KV cache dtype sglang picks for this model on the CPU (``--dtype auto``).
 KV_DTYPE = "float16"
+#: The model's name as the servers serve it: the pools' description carries it, and the
+#: daemons' handshake compares it.
+MODEL_NAME = "tiny-llama"
 MAX_TOTAL_TOKENS = 4096
 MAX_RUNNING = 8
 CHUNK = 256
@@ -59,7 +62,7 @@ SGLANG_FLAGS = (
     "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
     "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--max-running-requests", str(MAX_RUNNING),
     "--chunked-prefill-size", str(CHUNK), "--page-size", str(PAGE_SIZE),
-    "--mem-fraction-static", "0.05",
+    "--mem-fraction-static", "0.05", "--served-model-name", MODEL_NAME,
 )
 
 
@@ -105,14 +108,27 @@ def write_model(directory: Path) -> str:
     return str(directory)
 
 
-def side_config(aux_rows: int) -> dict[str, Any]:
-    """The side YAML of one server of the pair (sglang_mha: its pool and metadata rows)."""
+def side_config(aux_rows: int, dtype: str = KV_DTYPE) -> dict[str, Any]:
+    """What the backend reads of one server's pools (sglang_mha: its pool and metadata
+    rows, one transfer in flight per row), as a side YAML."""
     c = TINY_LLAMA
     spec = sglang_mha_spec(num_layers=c["num_hidden_layers"], page_size=PAGE_SIZE,
                            num_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
-                           dtype=KV_DTYPE, token_rows=MAX_TOTAL_TOKENS + PAGE_SIZE,
-                           aux_item_lens=AUX_ITEM_LENS, aux_rows=aux_rows)
-    return config_to_mapping(SideConfig(model="tiny-llama", target=spec))
+                           dtype=dtype, token_rows=MAX_TOTAL_TOKENS + PAGE_SIZE,
+                           aux_item_lens=AUX_ITEM_LENS, aux_rows=aux_rows,
+                           max_inflight=aux_rows)
+    return config_to_mapping(SideConfig(model=MODEL_NAME, target=spec))
+
+
+def described_pools(server: Process) -> list[dict[str, Any]]:
+    """The pools' descriptions the server's kvbeam backend logged at start (one per
+    manager), as side-YAML mappings."""
+    marker = "kvbeam sglang backend ("
+    out = []
+    for line in server.text().splitlines():
+        if marker in line and "): pools {" in line:
+            out.append(json.loads(line[line.index("): pools ") + len("): pools "):]))
+    return out
 
 
 class Process:
@@ -187,11 +203,15 @@ def sglang_server(name: str, model: str, port: int, log: Path, *flags: str,
     return Process(name, cmd, log, sglang_env(env, path))
 
 
-def daemon(role: str, config: Path, listen: str, sock: Path, log: Path) -> Process:
-    """``kvbeam ROLE --pools engine`` (TCP transport on loopback)."""
-    cmd = [sys.executable, "-m", "kvbeam.cli", role, "--config", str(config), "--listen",
-           listen, "--pools", "engine", "--attach-socket", str(sock), "--transport", "tcp"]
-    return Process(f"kvbeam {role}", cmd, log, {})
+def daemon(role: str, listen: str, sock: Path, log: Path, config: Path | None = None,
+           name: str = "", extra: tuple[str, ...] = ()) -> Process:
+    """``kvbeam ROLE --pools engine`` (TCP transport on loopback) and ``extra`` flags: the
+    pools' description comes with the engine's attach; ``config``, when given, only
+    checks it."""
+    cmd = [sys.executable, "-m", "kvbeam.cli", role, "--listen", listen, "--pools", "engine",
+           "--attach-socket", str(sock), "--transport", "tcp",
+           *(("--config", str(config)) if config is not None else ()), *extra]
+    return Process(name or f"kvbeam {role}", cmd, log, {})
 
 
 def router(port: int, prefill: str, bootstrap_port: int, decode: str, log: Path) -> Process:

@@ -69,11 +69,17 @@ def test_backend_with_the_token_moves_a_request_and_without_it_is_refused(
             bare.store(pair.bootstrap_addr, "get", PREFILL_KEY)
         with pytest.raises(AuthenticationError, match="refused our credentials"):
             bare.client(pair.prefill_mgr.daemon).status(tx.request_id)
-        with pytest.raises(AuthenticationError, match="requires the kvbeam token"):
-            KvbeamKVSender(bare, pair.bootstrap_addr, 2).poll()
-        # Nothing a refused caller sent reached the store: prefill's entry is intact.
-        assert pair.prefill_mgr.store(pair.bootstrap_addr, "get", PREFILL_KEY) == {
-            "daemon": pair.prefill_mgr.daemon}
+        # A request of that backend fails at once naming the refusal (no exception into
+        # sglang's scheduler loop, no wait for a deadline).
+        refused = KvbeamKVSender(bare, pair.bootstrap_addr, 2)
+        assert refused.poll() == 0
+        with pytest.raises(RuntimeError, match="requires the kvbeam token"):
+            refused.failure_exception()
+        # Nothing a refused caller sent reached the store: prefill's entry is intact, and
+        # the refused request's tombstone was refused too.
+        assert pair.prefill_mgr.store(pair.bootstrap_addr, "get", PREFILL_KEY) == \
+            pair.prefill_mgr.registration()
+        assert pair.prefill_mgr.store(pair.bootstrap_addr, "get", "room.2") is None
 
 
 #: What an sglang server process does at start with the kvbeam backend (the modules

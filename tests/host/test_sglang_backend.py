@@ -152,7 +152,8 @@ def test_decode_abort_before_send_fails_both_and_holds_nothing(pair: SglangPair)
     # Prefill reads the room again when it sends: the withdrawn room stops it.
     tx.send(np.array([1], dtype=np.int32), _states(pair, _lists(1)), num_kv_tokens=100)
     assert tx.poll() == FAILED
-    with pytest.raises(RuntimeError, match=r"decode gave no destination"):
+    with pytest.raises(RuntimeError, match=r"decode gave room 1001 up: room 1001: aborted "
+                                           r"by sglang on decode"):
         tx.failure_exception()
     tx.clear()
     rx.clear()
@@ -168,7 +169,8 @@ def test_prefill_abort_before_send_fails_decode(pair: SglangPair) -> None:
     tx.abort()
     assert tx.poll() == FAILED
     assert _until(rx.poll, FAILED) == FAILED  # decode's room check, within ROOM_CHECK_S
-    with pytest.raises(RuntimeError, match="prefill aborted room 1002"):
+    with pytest.raises(RuntimeError, match="prefill gave room 1002 up: room 1002: aborted "
+                                           "by sglang on prefill"):
         rx.failure_exception()
     tx.clear()
     rx.clear()

@@ -9,6 +9,12 @@ the outputs must equal the plain server's for prompts under and over one chunk
 XXH3-128-verified by the decode daemon. A tiny Llama with seeded weights (with sglang's
 dummy weights the output is a 2-token cycle that ignores the context).
 
+The daemons run without ``--config`` and the servers without ``KVBEAM_CONFIG``: each
+backend reads its pools' description from sglang's own pool objects and attaches with
+it (checked here against what the test knows of the model). A decode server with
+another ``--kv-cache-dtype`` is refused per request, naming both dtypes and the flag, at
+the client; nothing moves.
+
 Negative control (the test harness, tests/sglang_server/harness): a moved block
 overwritten on decode changes the output; a moved metadata row with another bootstrap
 room fails the request (sglang's own check). An aborted request frees its pages on both
@@ -23,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import threading
 import time
 import urllib.request
@@ -43,17 +50,18 @@ pytestmark = pytest.mark.skipif(not HAVE_SERVER,
 
 from tests.sglang_server_helpers import (  # noqa: E402 (after the skip decision)
     CHUNK,
+    KV_DTYPE,
     MAX_RUNNING,
     ROOT,
     Process,
     daemon,
+    described_pools,
     free_port,
     generate,
     router,
     sglang_server,
     side_config,
     write_model,
-    write_yaml,
 )
 
 #: Prompt lengths: under one chunk (256 tokens), exactly one, and over one (2 and 3 chunks).
@@ -89,6 +97,7 @@ class Served:
     ports: dict[str, int]
     procs: dict[str, Process] = field(default_factory=dict)
     starts: dict[str, float] = field(default_factory=dict)
+    model: str = ""
 
     def arm(self, mode: str) -> None:
         """Arm the harness in the decode server for the next request."""
@@ -118,27 +127,26 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     assert len({tuple(v) for v in plain.values()}) == len(plain), plain
     served = Served(work, plain, ports, starts=starts)
     (work / "arm").write_text("")
-    pcfg = write_yaml(work / "prefill.yaml", side_config(aux_rows=2 * MAX_RUNNING))
-    dcfg = write_yaml(work / "decode.yaml", side_config(aux_rows=2 * MAX_RUNNING))
+    served.model = model
     backend = ["--disaggregation-transfer-backend", "kvbeam",
                "--disaggregation-bootstrap-port", str(ports["boot"])]
     procs = served.procs
     try:
-        procs["prefill daemon"] = daemon("prefill", pcfg, f"127.0.0.1:{ports['pd']}",
+        procs["prefill daemon"] = daemon("prefill", f"127.0.0.1:{ports['pd']}",
                                          work / "prefill.sock", work / "prefill-daemon.log")
-        procs["decode daemon"] = daemon("decode", dcfg, f"127.0.0.1:{ports['dd']}",
+        procs["decode daemon"] = daemon("decode", f"127.0.0.1:{ports['dd']}",
                                         work / "decode.sock", work / "decode-daemon.log")
         procs["prefill server"] = sglang_server(
             "prefill", model, ports["prefill"], work / "prefill.log",
             "--disaggregation-mode", "prefill", *backend,
-            env={"KVBEAM_CONFIG": str(pcfg), "KVBEAM_DAEMON": f"127.0.0.1:{ports['pd']}",
+            env={"KVBEAM_DAEMON": f"127.0.0.1:{ports['pd']}",
                  "KVBEAM_ATTACH_SOCKET": str(work / "prefill.sock")})
         procs["prefill server"].wait_for("The server is fired up")
         procs["decode server"] = sglang_server(
             "decode", model, ports["decode"], work / "decode.log",
             "--disaggregation-mode", "decode", *backend,
             "--disaggregation-decode-retraction-backup", "none",
-            env={"KVBEAM_CONFIG": str(dcfg), "KVBEAM_DAEMON": f"127.0.0.1:{ports['dd']}",
+            env={"KVBEAM_DAEMON": f"127.0.0.1:{ports['dd']}",
                  "KVBEAM_ATTACH_SOCKET": str(work / "decode.sock"),
                  "KVBEAM_TEST_ARM_FILE": str(work / "arm")}, path=(HARNESS,))
         procs["decode server"].wait_for("The server is fired up")
@@ -154,6 +162,20 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     finally:
         for p in reversed(list(procs.values())):
             p.stop()
+
+
+def test_each_backend_read_its_pools_from_sglang(served: Served) -> None:
+    """No side YAML anywhere: each server's backend described its pools from sglang's
+    own objects, as the test knows them (the tiny Llama's layers, heads, head dim, KV
+    dtype, sglang's token rows and metadata rows), and its daemon took that description
+    with the attach."""
+    want = side_config(aux_rows=2 * MAX_RUNNING)
+    for server in ("prefill server", "decode server"):
+        got = described_pools(served.procs[server])
+        print(f"\n{server}: {json.dumps(got)}")
+        assert got == [want], served.procs[server].text()[-3000:]
+    for name in ("prefill daemon", "decode daemon"):
+        assert "attached: tiny-llama" in served.procs[name].text(), name
 
 
 def _verified(served: Served) -> int:
@@ -269,3 +291,64 @@ def test_an_aborted_request_frees_its_pages_on_both_servers(served: Served) -> N
     # And the pair still serves the plain server's output.
     assert generate(ports["router"], prompt(6), NEW_TOKENS).get("output_ids") == \
         served.plain[(6, 0)]
+
+
+#: The mismatched decode server's KV cache dtype (``--kv-cache-dtype``): the same item
+#: length as prefill's float16, so only the description tells them apart (the issue's
+#: case: HTTP 200 and wrong output, every transfer "verified").
+MISMATCHED_DTYPE = "bfloat16"
+
+
+@pytest.fixture(scope="module")
+def mismatched(served: Served) -> Iterator[dict[str, Process]]:
+    """A second decode server with ``--kv-cache-dtype bfloat16`` and its daemon, and a
+    second router over the running prefill server and it."""
+    work, ports = served.work, served.ports
+    mine = {k: free_port() for k in ("dd", "decode", "router")}
+    procs: dict[str, Process] = {}
+    try:
+        procs["daemon"] = daemon("decode", f"127.0.0.1:{mine['dd']}", work / "bf16.sock",
+                                 work / "bf16-daemon.log", name="kvbeam decode (bf16)")
+        procs["decode"] = sglang_server(
+            "decode (bf16)", served.model, mine["decode"], work / "bf16-decode.log",
+            "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "kvbeam",
+            "--disaggregation-bootstrap-port", str(ports["boot"]),
+            "--disaggregation-decode-retraction-backup", "none",
+            "--kv-cache-dtype", MISMATCHED_DTYPE,
+            env={"KVBEAM_DAEMON": f"127.0.0.1:{mine['dd']}",
+                 "KVBEAM_ATTACH_SOCKET": str(work / "bf16.sock")})
+        procs["decode"].wait_for("The server is fired up")
+        procs["router"] = router(mine["router"], f"http://127.0.0.1:{ports['prefill']}",
+                                 ports["boot"], f"http://127.0.0.1:{mine['decode']}",
+                                 work / "bf16-router.log")
+        procs["router"].wait_listening(mine["router"])
+        served.ports["mismatched router"] = mine["router"]
+        yield procs
+    finally:
+        for p in reversed(list(procs.values())):
+            p.stop()
+
+
+def test_a_dtype_mismatch_is_refused_naming_both(served: Served,
+                                                 mismatched: dict[str, Process]) -> None:
+    """Prefill's KV cache is float16, the mismatched decode server's bfloat16: the
+    request fails at once, at the client, naming both dtypes and the flag; nothing moves
+    (before: HTTP 200 and wrong output). The pair itself still serves."""
+    assert described_pools(mismatched["decode"]) == [
+        side_config(aux_rows=2 * MAX_RUNNING, dtype=MISMATCHED_DTYPE)]
+    started = time.monotonic()
+    out = generate(served.ports["mismatched router"], prompt(100), NEW_TOKENS, timeout=120)
+    took = time.monotonic() - started
+    text = json.dumps(out)
+    print(f"\nmismatched dtype, after {took:.1f} s: {text[:600]}")
+    assert "output_ids" not in out and out.get("error") == 500, out
+    named = f"dtype: prefill={KV_DTYPE}, decode={MISMATCHED_DTYPE} (--kv-cache-dtype"
+    assert named in text, text
+    assert took < 60, took  # at once, not at a deadline (300 s)
+    # Both servers logged the cause; neither daemon saw the request (nothing reserved).
+    assert named in mismatched["decode"].text()
+    assert named in served.procs["prefill server"].text()
+    assert re.search(r"sglang-\d", mismatched["daemon"].text()) is None  # no request id
+    # Negative control: the matching pair still gives the plain server's output.
+    assert generate(served.ports["router"], prompt(100), NEW_TOKENS).get(
+        "output_ids") == served.plain[(100, 0)]

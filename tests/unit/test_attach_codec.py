@@ -25,6 +25,7 @@ from kvbeam.proto.attach_codec import (
     AttachRequest,
     BufferRef,
     MessageReader,
+    config_differences,
     config_to_mapping,
     decode_body,
     first_config_difference,
@@ -116,6 +117,10 @@ def test_first_config_difference_names_the_field() -> None:
     assert first_config_difference(a, dataclasses.replace(a, draft=None)) == (
         "draft: daemon=present, engine=absent")
     assert config_to_mapping(a)["target"]["compression_ratios"] == [0, 4, 0, 4]
+    # All of them, for the daemon's --config refusal: not the first only.
+    assert config_differences(a, side(head_dim=32, dtype="float16")) == [
+        "target.head_dim: daemon=16, engine=32",
+        "target.dtype: daemon='bfloat16', engine='float16'"]
 
 
 def test_message_and_fds_cross_a_socket() -> None:

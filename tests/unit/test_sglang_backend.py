@@ -247,12 +247,13 @@ def test_while_the_daemon_is_away_sglangs_polls_read_failed_at_once(tmp_path: Pa
     rooms: dict[str, object] = {PREFILL_KEY: {"daemon": "127.0.0.1:8"}}
 
     def store(_address: str, op: str, key: str, value: object = None,
-              timeout: float = 10.0) -> object:
-        if op == "put":
+              timeout: float = 10.0, ttl: float | None = None) -> object:
+        present = rooms.get(key)
+        if op == "put" or (op == "add" and present is None):
             rooms[key] = value
         elif op == "delete":
             rooms.pop(key, None)
-        return rooms.get(key)
+        return present if op == "add" else rooms.get(key)
 
     lists = {"KV_PAGES": [0], "SWA_RING_ROWS": list(range(32)), "REQ_SLOT": [0],
              "C128_STATE": [0]}
@@ -264,8 +265,13 @@ def test_while_the_daemon_is_away_sglangs_polls_read_failed_at_once(tmp_path: Pa
         att = attach(daemon.path, pools, reattach=Reattach(30.0, 30.0))  # no try meanwhile
         daemon.drop()
         assert _until(lambda: att.reattaching)
-        mgr: Any = SimpleNamespace(attachment=att, config=config, layout=layout,
-                                   daemon="127.0.0.1:9", store=store)
+        from kvbeam.integrations.sglang.conn import KvbeamKVManager
+
+        mgr: Any = object.__new__(KvbeamKVManager)  # its request-side members, no attach
+        mgr.__dict__.update(attachment=att, config=config, layout=layout, mode="decode",
+                            daemon="127.0.0.1:9", store=store, bootstrap_timeout=300.0,
+                            waiting_timeout=300.0, tombstone_ttl=600.0, _peer_checks={},
+                            _store_warned={})
         rx = KvbeamKVReceiver(mgr, "boot:1", 7)
         rx.init(0)
         rx.send_metadata(np.array([0], dtype=np.int32), 0, states)

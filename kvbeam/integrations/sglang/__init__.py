@@ -8,7 +8,10 @@
 - :mod:`~kvbeam.integrations.sglang.plugin`: sglang's plugin entry point (pyproject.toml),
   which runs it in every sglang process, with
   :mod:`~kvbeam.integrations.sglang.memory` (sglang's KV pool and metadata rows in
-  sealed memfds);
+  sealed memfds, and the pool objects remembered);
+- :mod:`~kvbeam.integrations.sglang.describe`: the pools' description read from those
+  pool objects (what the daemons compare), a side YAML checked against it, and the
+  comparison of two servers' descriptions naming sglang's settings;
 - :mod:`~kvbeam.integrations.sglang.scheduler`: the members sglang's schedulers read
   beyond the base classes, the metadata row's index list, prefill's poll states;
 - :mod:`~kvbeam.integrations.sglang.kvargs` and

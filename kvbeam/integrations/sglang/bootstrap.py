@@ -10,7 +10,11 @@ served by one thread, one connection at a time (each is a dict operation). So ev
 read and write is bounded: a request must arrive, and its reply leave, within
 :data:`REQUEST_DEADLINE_S`, and a request line is at most :data:`MAX_LINE` bytes; a
 client that sends nothing, dribbles, or sends too much is answered (when it can be)
-and hung up on, and the next connection is served. No sglang import.
+and hung up on, and the next connection is served. A ``put`` may carry ``ttl`` (seconds):
+the store forgets that key then (a request's tombstone: why it ended, kept as long as the
+other side may still look); ``add`` puts only when the key is absent and answers with the
+value present (decode posts its room so: never over the other side's tombstone). No
+sglang import.
 
 What decode puts here decides which daemon prefill sends the request's KV to, so with
 a token (the kvbeam daemons' ``--auth-token-file``) every request must carry it
@@ -21,8 +25,10 @@ The token crosses the network in clear text, as the daemons' does without TLS.
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
+import math
 import socket
 import socketserver
 import threading
@@ -108,11 +114,20 @@ class _Handler(socketserver.BaseRequestHandler):
                     f"refused: {why}; this bootstrap store requires the kvbeam token "
                     "(KVBEAM_AUTH_TOKEN_FILE, or kvbeam_auth_token_file)")}
             elif op == "put":
-                store[key] = req["value"]
+                self.server.put(key, req["value"], req.get("ttl"))
                 reply = {"ok": True}
+            elif op == "add":  # put unless present: the present value, else None
+                self.server.expire()
+                present = store.get(key)
+                if present is None:
+                    self.server.put(key, req["value"], req.get("ttl"))
+                reply = {"ok": True, "value": present}
             elif op == "get":
+                self.server.expire()
                 reply = {"ok": True, "value": store.get(key)}
             elif op == "delete":
+                self.server.expire()
+                self.server.expires.pop(key, None)
                 reply = {"ok": True, "value": store.pop(key, None)}
             else:
                 reply = {"ok": False, "error": f"unknown op {op!r}"}
@@ -135,6 +150,34 @@ class _Server(socketserver.TCPServer):
         super().__init__(address, _Handler)
         self.store: dict[str, Any] = {}
         self.token = token
+        #: key -> when it expires (monotonic), for keys put with a ttl
+        self.expires: dict[str, float] = {}
+        self._due: list[tuple[float, str]] = []  # (expiry, key), a heap; stale ones skipped
+
+    def put(self, key: str, value: Any, ttl: Any) -> None:
+        """Store ``value``; forget it after ``ttl`` seconds when given."""
+        self.expire()
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float)
+                                or not math.isfinite(ttl) or ttl <= 0):
+            raise ValueError(f"ttl must be a positive number of seconds (got {ttl!r})")
+        self.store[key] = value
+        if ttl is None:
+            self.expires.pop(key, None)
+            return
+        self.expires[key] = when = time.monotonic() + float(ttl)
+        heapq.heappush(self._due, (when, key))
+
+    def expire(self) -> None:
+        """Forget every key whose ttl ran out."""
+        now = time.monotonic()
+        while self._due and self._due[0][0] <= now:
+            when, key = heapq.heappop(self._due)
+            if self.expires.get(key) == when:  # not put again since
+                del self.expires[key]
+                self.store.pop(key, None)
+        if len(self._due) > 2 * len(self.expires) + 64:  # keys put again or deleted
+            self._due = [(w, k) for k, w in self.expires.items()]
+            heapq.heapify(self._due)
 
 
 class BootstrapServer:
@@ -172,8 +215,11 @@ class BootstrapServer:
 
 
 def call(address: str, op: str, key: str, value: Any = None, timeout: float = 10.0, *,
-         token: str = "") -> Any:
-    """One operation on the store at ``address``; the value (``get``/``delete``) or None.
+         token: str = "", ttl: float | None = None) -> Any:
+    """One operation on the store at ``address``: ``get``, ``put``, ``delete`` or ``add``
+    (put unless present); the value (``get``/``delete``: the key's; ``add``: the one
+    present, None when added) or None. ``ttl``: the store forgets the put after that
+    many seconds.
 
     Raises:
         AuthenticationError: the store requires a token and ``token`` is not it.
@@ -181,6 +227,8 @@ def call(address: str, op: str, key: str, value: Any = None, timeout: float = 10
     """
     host, _, port = address.rpartition(":")
     request: dict[str, Any] = {"op": op, "key": key, "value": value}
+    if ttl is not None:
+        request["ttl"] = ttl
     if token:
         request["token"] = token
     with socket.create_connection((host, int(port)), timeout=timeout) as sock:

@@ -15,8 +15,19 @@ sglang computes the next chunk), ``abort``/``clear`` ABORT/RELEASE frames, and
 each side the other's daemon address, and prefill decode's request length. No gRPC
 call per request, and no gRPC import (tests/host/test_sglang_auth.py).
 
+The pools' description (the side config the attach carries and the daemons compare) is
+read from sglang's own pool objects (:mod:`kvbeam.integrations.sglang.describe`), never
+trusted from a file.
+
+Every request ends: a side that gives a request up leaves its cause in the bootstrap
+room (a tombstone the store forgets once both deadlines below passed), so the other
+side's poll ends at once with that cause; and each request has sglang's own deadlines
+from the moment it exists (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` until decode
+reserved, ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` from then to its end).
+
 Settings (attributes of sglang's ``server_args`` when present, else environment):
-``kvbeam_config`` / ``KVBEAM_CONFIG`` (the side YAML the daemon runs with),
+``kvbeam_config`` / ``KVBEAM_CONFIG`` (optional: a side YAML checked against the pools
+read from sglang),
 ``kvbeam_daemon`` / ``KVBEAM_DAEMON`` (its gRPC address, which the peer daemon is
 told), ``kvbeam_attach_socket`` / ``KVBEAM_ATTACH_SOCKET``; credentials, the daemons'
 flags of the same names (:data:`kvbeam.auth.CLIENT_SETTINGS`): ``kvbeam_auth_token_file``
@@ -29,20 +40,24 @@ there the environment's ``KVBEAM_AUTH_TOKEN_FILE`` counts); :meth:`KvbeamKVManag
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import yaml
 
 from kvbeam.auth import CLIENT_SETTINGS, Security, client_security, insecure_from_environment
 from kvbeam.engine import Attachment, Receiver, Sender, attach
 from kvbeam.engine.requests import KVPoll, client_for
-from kvbeam.errors import AttachError, KvbeamError, PoolCompatibilityError
-from kvbeam.integrations.sglang import bootstrap
+from kvbeam.errors import AttachError, ConfigError, KvbeamError, PoolCompatibilityError
+from kvbeam.integrations.sglang import bootstrap, memory
+from kvbeam.integrations.sglang.describe import (
+    engine_description,
+    model_name,
+    peer_differences,
+    reconcile,
+)
 from kvbeam.integrations.sglang.kvargs import (
     buffers_from_kvargs,
     check_kvargs,
@@ -61,8 +76,9 @@ from kvbeam.integrations.sglang.scheduler import (
 from kvbeam.pools.checks import check_target_draft
 from kvbeam.pools.indices import expected_lengths
 from kvbeam.pools.layout import SideLayout, build_side_layout
-from kvbeam.pools.spec import SideConfig
+from kvbeam.pools.spec import SideConfig, load_side_config
 from kvbeam.pools.types import IndexKind
+from kvbeam.proto.attach_codec import config_to_mapping
 from kvbeam.states import FailureReason
 
 if TYPE_CHECKING:  # annotations only: kvbeam.client imports gRPC
@@ -86,11 +102,28 @@ __all__ = ["PREFILL_KEY", "KvbeamKVBootstrapServer", "KvbeamKVManager", "KvbeamK
            "KvbeamKVSender"]
 
 
+def _optional(server_args: Any, name: str) -> str:
+    return str(getattr(server_args, name, None) or os.environ.get(name.upper()) or "")
+
+
 def _setting(server_args: Any, name: str) -> str:
-    value = getattr(server_args, name, None) or os.environ.get(name.upper())
+    value = _optional(server_args, name)
     if not value:
         raise RuntimeError(f"kvbeam sglang backend: set server_args.{name} or {name.upper()}")
-    return str(value)
+    return value
+
+
+def sglang_timeout(name: str, default: float = 300.0) -> float:
+    """One of sglang's disaggregation deadlines (``SGLANG_DISAGGREGATION_*_TIMEOUT``),
+    seconds, as sglang's own backends read it."""
+    try:
+        from sglang.srt.environ import envs
+
+        return float(getattr(envs, name).get())
+    except (ImportError, AttributeError):  # an sglang without the setting: its default
+        return float(os.environ.get(name) or default)
+    except ValueError as exc:
+        raise ConfigError(f"kvbeam sglang backend: {name}: {exc}") from exc
 
 
 def credentials(server_args: Any) -> Security:
@@ -112,13 +145,26 @@ def _room_key(room: Any) -> str:
     return f"room.{room}"
 
 
+#: Distinct prefill descriptions a decode manager remembers the comparison of.
+PEER_CHECKS = 64
+#: Seconds between two warnings about one bootstrap store that cannot answer a poll.
+STORE_WARN_S = 10.0
+
+
 class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
     """One per server: checks the pools ``KVArgs`` describes and attaches them.
 
+    The pools' description is read from sglang's pool objects that ``KVArgs`` points at
+    (:mod:`~kvbeam.integrations.sglang.describe`); ``KVBEAM_CONFIG``, when set, must
+    agree with it.
+
     Raises (at construction, before anything is attached):
+        ConfigError: a field of ``KVBEAM_CONFIG`` differs from sglang's pools (each named
+            with both values and the sglang setting), or sglang's pools are ones kvbeam
+            cannot move.
         RuntimeError: sglang's DSV4 target/draft checks failed, with sglang's wording
             ("DSV4 target and draft pools must use the same unified-KV mode: ...").
-        AttachError: ``KVArgs`` does not match the kvbeam config, is not in shareable
+        AttachError: ``KVArgs`` does not match the description, is not in shareable
             memory, or the daemon refused the attach.
     """
 
@@ -127,8 +173,13 @@ class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
         self.kv_args = args
         self.mode = str(getattr(disaggregation_mode, "value", disaggregation_mode))
         self.server_args = server_args
-        path = _setting(server_args, "kvbeam_config")
-        self.config = SideConfig.from_mapping(yaml.safe_load(Path(path).read_text()), path)
+        path = _optional(server_args, "kvbeam_config")
+        given = load_side_config(path) if path else None
+        target, draft = memory.pools_for(args)
+        self.config = reconcile(engine_description(target, draft, args,
+                                                   model_name(server_args)), given, self.mode)
+        log.info("kvbeam sglang backend (%s): pools %s", self.mode,
+                 json.dumps(config_to_mapping(self.config), separators=(",", ":")))
         self.layout = build_side_layout(self.config)
         try:
             check_target_draft(self.layout, self.mode)
@@ -137,6 +188,13 @@ class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
         check_kvargs(args, self.layout)
         self.security = credentials(server_args)
         self.daemon = _setting(server_args, "kvbeam_daemon")
+        self.bootstrap_timeout = sglang_timeout("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")
+        self.waiting_timeout = sglang_timeout("SGLANG_DISAGGREGATION_WAITING_TIMEOUT")
+        self.tombstone_ttl = self.bootstrap_timeout + self.waiting_timeout
+        #: decode: prefill description (JSON) -> why it cannot pair with ours ("" : it can)
+        self._peer_checks: dict[str, str] = {}
+        #: bootstrap store -> when its next unreadable-store warning may be logged
+        self._store_warned: dict[str, float] = {}
         self._init_scheduler_members()
         self.attachment = self._attach(_setting(server_args, "kvbeam_attach_socket"))
         if self.mode == "prefill" and getattr(server_args, "disaggregation_bootstrap_port",
@@ -166,15 +224,92 @@ class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
             for fd in buffers.fds:
                 os.close(fd)
 
+    def registration(self) -> dict[str, Any]:
+        """What prefill publishes at its bootstrap server: its daemon and its pools."""
+        return {"daemon": self.daemon, "config": config_to_mapping(self.config)}
+
+    def detached_reason(self) -> str:
+        """Why this manager's attachment can carry no request now ("" : it can)."""
+        channel = self.attachment.channel
+        if channel is None:
+            return "" if self.attachment.attached else f"detached from {self.attachment.path}"
+        return channel.closed_reason
+
+    def peer_mismatch(self, prefill: Mapping[str, Any], where: str) -> str:
+        """Decode: why prefill's pools (its registration at ``where``) cannot pair with
+        ours, naming each difference and the sglang setting behind it ("" : they can).
+        The same comparison as the daemons' handshake, made before anything is reserved."""
+        mapping = prefill.get("config")
+        if not isinstance(mapping, Mapping):
+            return ""  # a prefill that publishes no description: the handshake decides
+        key = json.dumps(mapping, sort_keys=True)
+        if key not in self._peer_checks:
+            try:
+                theirs = SideConfig.from_mapping(mapping, f"prefill's pools ({where})")
+                diffs = peer_differences(theirs, self.config, where)
+            except ConfigError as exc:
+                diffs = [str(exc)]
+            why = ("" if not diffs else
+                   f"kvbeam: the prefill server (bootstrap {where}) and this decode server "
+                   "lay KV out differently, so nothing moves; start both with the same "
+                   "settings: " + "; ".join(diffs))
+            if why:
+                log.error("%s", why)
+            if len(self._peer_checks) >= PEER_CHECKS:
+                self._peer_checks.clear()
+            self._peer_checks[key] = why
+        return self._peer_checks[key]
+
+    def give_up(self, bootstrap_addr: str, room: Any, reason: str) -> None:
+        """Tell the other side through the room that this request ends here, and why: a
+        tombstone the store keeps for :attr:`tombstone_ttl` seconds, so the other side's
+        poll ends with this cause whenever it looks (a deleted room would read as "not
+        posted yet")."""
+        try:
+            self.store(bootstrap_addr, "put", _room_key(room),
+                       {"aborted": True, "reason": reason}, ttl=self.tombstone_ttl)
+        except (OSError, RuntimeError, KvbeamError) as exc:
+            log.warning("kvbeam: room %s: could not tell the other side it ended (%s): %s",
+                        room, reason, exc)
+
+    def read(self, bootstrap_addr: str, key: str) -> Any:
+        """A bootstrap-store read from a poll: None when the store cannot answer now (a
+        warning per store at most every :data:`STORE_WARN_S`; the request's deadline
+        still ends it), so no network error reaches sglang's scheduler loop.
+
+        Raises:
+            AuthenticationError: the store refused our credentials (the caller fails the
+                request with it: no retry can succeed).
+        """
+        try:
+            return self.store(bootstrap_addr, "get", key)
+        except (OSError, RuntimeError) as exc:
+            now = time.monotonic()
+            if now >= self._store_warned.get(bootstrap_addr, 0.0):
+                self._store_warned[bootstrap_addr] = now + STORE_WARN_S
+                log.warning("kvbeam: bootstrap store %s: %s unread: %s", bootstrap_addr,
+                            key, exc)
+            return None
+
+    def forget(self, bootstrap_addr: str, room: Any) -> None:
+        """Delete a room whose request moved (a store that cannot answer: logged; the
+        entry then stays until the store's server restarts)."""
+        try:
+            self.store(bootstrap_addr, "delete", _room_key(room))
+        except (OSError, RuntimeError, KvbeamError) as exc:
+            log.warning("kvbeam: bootstrap store %s: room %s not deleted: %s",
+                        bootstrap_addr, room, exc)
+
     def client(self, address: str) -> KvbeamClient:
         """The shared client to the daemon at ``address``, presenting our credentials
         (diagnostics and tools: no per-request call uses gRPC; imported on first use)."""
         return client_for(address, self.security)
 
     def store(self, address: str, op: str, key: str, value: Any = None,
-              timeout: float = 10.0) -> Any:
+              timeout: float = 10.0, ttl: float | None = None) -> Any:
         """One operation on the bootstrap store at ``address``, with our token."""
-        return bootstrap.call(address, op, key, value, timeout, token=self.security.token)
+        return bootstrap.call(address, op, key, value, timeout, token=self.security.token,
+                              ttl=ttl)
 
     def close(self) -> None:
         """Detach the engine's memory (the daemon fails its live requests)."""
@@ -182,7 +317,14 @@ class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
 
 
 class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
-    """Prefill's side of one request (``bootstrap_room``), over the engine channel."""
+    """Prefill's side of one request (``bootstrap_room``), over the engine channel.
+
+    Ends however the request goes: decode's tombstone in the room (read by every poll
+    until decode's room appears, then at most once per :data:`ROOM_CHECK_S` while it
+    moves), this side's daemon gone (a failed poll at once), or sglang's deadlines:
+    ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` from its creation until decode's room
+    appears, ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` from then until it ends.
+    """
 
     def __init__(self, mgr: KvbeamKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
@@ -195,10 +337,12 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         self.seq_len: int | None = None  # decode's length, read at the first chunk
         self.request: Sender | None = None  # once sent: the channel's record of it
         self.decode_posted = False  # decode's room was seen (no more store reads in poll)
-        self.withdrawn = False
+        self.withdrawn = False  # the room holds why this request ended (ours or decode's)
         self.error: str | None = None
         self.nbytes: int | None = None
         self.last: Any = None  # the failure as last seen (reason, detail), for messages
+        self.deadline = time.monotonic() + mgr.bootstrap_timeout
+        self.next_room_check = 0.0
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         """Remember how many pages the request has (the last chunk completes them) and
@@ -226,11 +370,7 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         try:
             self._send_chunk(pages, start, final, state_indices)
         except (KvbeamError, RuntimeError, OSError, ValueError) as exc:
-            self.error = f"kvbeam send of {self.request_id} failed: {exc}"
-            log.error("%s", self.error)
-            if self.request is not None:  # earlier chunks may be moving: stop them
-                self.request.abort(self.error)
-            self._withdraw()
+            self._fail(f"kvbeam send of {self.request_id} failed: {exc}")
 
     def _send_chunk(self, pages: list[int], start: int, final: bool,
                     state_indices: list[Any] | None) -> None:
@@ -252,81 +392,152 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
 
     def _start(self) -> None:
         """At the first chunk: decode's daemon and length from the room (read again, not
-        the cached sighting: decode may have aborted since), checked against ours."""
+        the cached sighting: decode may have given up since), checked against ours."""
         decode = self.mgr.store(self.bootstrap_addr, "get", _room_key(self.room))
         if not decode or decode.get("aborted"):
-            raise RuntimeError(f"decode gave no destination for room {self.room}")
+            self.withdrawn = bool(decode)  # decode's tombstone says why: keep it
+            raise RuntimeError(_gave_up("decode", self.room, decode))
         seq_len = decode.get("seq_len")
         if not isinstance(seq_len, int) or not isinstance(decode.get("daemon"), str):
             raise RuntimeError(f"room {self.room}: decode's entry names no daemon and "
                                f"seq_len (a kvbeam older than the engine channel?): {decode}")
         want = expected_lengths(self.mgr.config.target, seq_len)[IndexKind.KV_PAGES]
         if self.num_pages != want:
-            raise RuntimeError(f"room {self.room}: prefill has {self.num_pages} KV pages, "
-                               f"decode reserved {want} ({seq_len} tokens): their index "
-                               "lists differ")
+            raise RuntimeError(
+                f"room {self.room}: prefill has {self.num_pages} KV pages of "
+                f"{self.mgr.config.target.page_size} tokens (--page-size), decode reserved "
+                f"{want} for {seq_len} tokens: their index lists differ (start both servers "
+                "with the same --page-size)")
         self.seq_len = seq_len
         self.request = Sender(self.mgr.attachment, self.request_id, decode["daemon"])
 
-    def _withdraw(self) -> None:
-        """Tell decode through the room that this request will not come (once): its poll
-        aborts its reservation."""
-        if self.withdrawn:
-            return
-        self.withdrawn = True
-        try:
-            self.mgr.store(self.bootstrap_addr, "put", _room_key(self.room), {"aborted": True})
-        except (OSError, RuntimeError) as exc:
-            log.warning("kvbeam: room %s: could not tell decode of the failure: %s", self.room,
-                        exc)
+    def _fail(self, error: str) -> None:
+        """End the request here: remember why, stop what moves, tell decode (once)."""
+        if self.error is None:
+            self.error = error
+            log.error("%s", error)
+        if self.request is not None and self.request.poll() not in (KVPoll.Success,
+                                                                    KVPoll.Failed):
+            self.request.abort(error)  # earlier chunks may be moving: stop them
+        self._withdraw(error)
+
+    def _withdraw(self, reason: str) -> None:
+        """Leave why this request ended in the room (once): decode's poll ends with it."""
+        if not self.withdrawn:
+            self.withdrawn = True
+            self.mgr.give_up(self.bootstrap_addr, self.room, reason)
 
     def poll(self) -> int:
         """Bootstrapping until decode sent its metadata, WaitingForInput, then the state
-        the daemon pushed (an attribute read: no RPC, no syscall). Its handshake reads
-        Transferring: sglang's inflight queue takes no Bootstrapping."""
+        the daemon pushed (an attribute read; a room read per :data:`ROOM_CHECK_S` at
+        most). Its handshake reads Transferring: sglang's inflight queue takes no
+        Bootstrapping."""
         if self.error is not None:
             return int(KVPoll.Failed)
+        now = time.monotonic()
         if self.request is not None:
             state = int(self.request.poll())
             if state == int(KVPoll.Failed):
                 self.last = self.request.failure()
-                self._withdraw()  # refused before decode heard of it: decode frees its pages
+                self._withdraw(_failure_text(self.request_id, self.last))
+            elif state != int(KVPoll.Success):
+                if self.request.refusal:  # a chunk the daemon refused: the rest cannot
+                    self._fail(f"kvbeam send of {self.request_id} failed: the daemon "
+                               f"refused a chunk: {self.request.refusal}")
+                    return int(KVPoll.Failed)
+                if now > self.deadline:
+                    self._fail(f"room {self.room}: kvbeam's transfer did not end within "
+                               f"{self.mgr.waiting_timeout:g} s of decode's reservation "
+                               "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
+                    return int(KVPoll.Failed)
+                if now >= self.next_room_check:
+                    self.next_room_check = now + ROOM_CHECK_S
+                    if self._decode_gave_up():
+                        return int(KVPoll.Failed)
             return prefill_poll(state)
         if self.decode_posted:
+            if now > self.deadline:
+                self._fail(f"room {self.room}: sglang sent nothing within "
+                           f"{self.mgr.waiting_timeout:g} s of decode's reservation "
+                           "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
+                return int(KVPoll.Failed)
             return int(KVPoll.WaitingForInput)
-        decode = self.mgr.store(self.bootstrap_addr, "get", _room_key(self.room))
+        detached = self.mgr.detached_reason()
+        if detached:
+            self._fail(f"room {self.room}: prefill's kvbeam daemon cannot take requests: "
+                       f"{detached}")
+            return int(KVPoll.Failed)
+        try:
+            decode = self.mgr.read(self.bootstrap_addr, _room_key(self.room))
+        except KvbeamError as exc:
+            self._fail(f"room {self.room}: {exc}")
+            return int(KVPoll.Failed)
         if decode is None:
+            if now > self.deadline:
+                self._fail(f"room {self.room}: decode posted no destination within "
+                           f"{self.mgr.bootstrap_timeout:g} s "
+                           "(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT); is the decode server "
+                           "up, and does it reach this bootstrap server?")
+                return int(KVPoll.Failed)
             return int(KVPoll.Bootstrapping)
         if decode.get("aborted"):
+            self.withdrawn = True  # decode's tombstone says why: keep it
+            self.error = _gave_up("decode", self.room, decode)
+            log.error("%s", self.error)
             return int(KVPoll.Failed)
         self.decode_posted = True
+        self.deadline = now + self.mgr.waiting_timeout
         return int(KVPoll.WaitingForInput)
+
+    def _decode_gave_up(self) -> bool:
+        """While the transfer moves: True (and aborted here) when decode left a tombstone."""
+        try:
+            room = self.mgr.read(self.bootstrap_addr, _room_key(self.room))
+        except KvbeamError as exc:
+            self._fail(f"room {self.room}: {exc}")
+            return True
+        if room is None or not room.get("aborted"):
+            return False
+        assert self.request is not None
+        self.withdrawn = True
+        self.error = _gave_up("decode", self.room, room)
+        self.request.abort(self.error)
+        log.error("%s", self.error)
+        return True
 
     def failure_exception(self) -> None:
         """Raise the failure's description."""
         if self.error is None and self.request is not None and self.poll() == KVPoll.Failed:
             self.last = self.request.failure()
-        _raise_failure(self.request_id, self.error or (
-            "aborted" if self.withdrawn and self.last is None else None), self.last)
+        _raise_failure(self.request_id, self.error, self.last)
 
     def get_transfer_metric(self) -> Any:
         """Bytes the request moves (its lists' items), once sent."""
         return KVTransferMetric(transfer_total_bytes=self.nbytes)
 
     def abort(self) -> None:
-        """Abort at the prefill daemon (it tells decode's), and withdraw the room."""
-        if self.request is not None:
-            self.request.abort("aborted by sglang")
-        self._withdraw()
-        self.error = self.error or "aborted"
+        """Abort at the prefill daemon (it tells decode's), and leave why in the room."""
+        self._fail(f"room {self.room}: aborted by sglang on prefill")
 
     def clear(self) -> None:
-        """Forget the room at the bootstrap server."""
-        self.mgr.store(self.bootstrap_addr, "delete", _room_key(self.room))
+        """Forget the room when the request moved; otherwise leave why it ended there
+        (a tombstone the store forgets after the deadlines)."""
+        if self.request is not None and self.request.poll() is KVPoll.Success:
+            self.mgr.forget(self.bootstrap_addr, self.room)
+        elif not self.withdrawn:
+            self._fail(f"room {self.room}: prefill dropped the request before it ended")
 
 
 class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
-    """Decode's side of one request (``bootstrap_room``), over the engine channel."""
+    """Decode's side of one request (``bootstrap_room``), over the engine channel.
+
+    Ends however the request goes: prefill's pools unlike ours (at ``init``, before
+    anything is reserved), this side's daemon gone (Failed at the reservation), prefill's
+    tombstone in the room (read at most once per :data:`ROOM_CHECK_S` while the
+    reservation waits), or sglang's deadlines: ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``
+    from its creation until it reserved, ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` from
+    then until it ends. Whatever ends it leaves its cause in the room for prefill.
+    """
 
     def __init__(self, mgr: KvbeamKVManager, bootstrap_addr: str,
                  bootstrap_room: int | None = None) -> None:
@@ -337,15 +548,32 @@ class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
         self.metadata_sent = False
         self.next_room_check = 0.0
         self.error: str | None = None
+        self.gave_up = False  # the room holds why this request ended (ours or prefill's)
         self.last: Any = None  # the failure as last seen (reason, detail), for messages
+        self.deadline = time.monotonic() + mgr.bootstrap_timeout
         self._init_scheduler_members()
 
     def init(self, prefill_dp_rank: int = 0) -> None:
-        """Look prefill's daemon up at its bootstrap server."""
-        self.prefill = self.mgr.store(self.bootstrap_addr, "get", PREFILL_KEY)
+        """Look prefill's daemon up at its bootstrap server, and refuse pools that
+        cannot pair with ours (each difference named with its sglang setting); fail at
+        once while this side's daemon cannot take requests."""
+        detached = self.mgr.detached_reason()
+        if detached:
+            self._fail(f"room {self.room}: decode's kvbeam daemon cannot take requests: "
+                       f"{detached}")
+            return
+        try:
+            self.prefill = self.mgr.store(self.bootstrap_addr, "get", PREFILL_KEY)
+        except (OSError, RuntimeError, KvbeamError) as exc:
+            self._fail(f"room {self.room}: prefill's bootstrap server {self.bootstrap_addr} "
+                       f"did not answer: {exc}")
+            return
         if self.prefill is None:
-            self.error = f"no kvbeam prefill registered at {self.bootstrap_addr}"
-            self.conclude_state = int(KVPoll.Failed)
+            self._fail(f"no kvbeam prefill registered at {self.bootstrap_addr}")
+            return
+        why = self.mgr.peer_mismatch(self.prefill, self.bootstrap_addr)
+        if why:
+            self._fail(why)
 
     def send_metadata(self, kv_indices: Any, aux_index: int | None = None,
                       state_indices: list[Any] | None = None,
@@ -353,7 +581,7 @@ class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
         """Reserve at decode's own daemon over the engine channel (it offers the
         reservation to prefill's daemon), then post decode's daemon and the request's
         length in the room for prefill."""
-        if self.prefill is None:
+        if self.prefill is None or self.error is not None:
             return  # init failed: poll says Failed
         try:
             lists = {"KV_PAGES": kv_indices,
@@ -365,15 +593,46 @@ class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
                             {k: v for k, v in lists.items() if k != "KV_PAGES"},
                             seq_len=seq_len)
         except (KvbeamError, ValueError) as exc:
-            self.error = f"kvbeam reservation of {self.request_id} failed: {exc}"
-            log.error("%s", self.error)
-            self.mgr.store(self.bootstrap_addr, "put", _room_key(self.room), {"aborted": True})
+            self._fail(f"kvbeam reservation of {self.request_id} failed: {exc}")
             return
         self.request = request
-        self.mgr.store(self.bootstrap_addr, "put", _room_key(self.room),
-                       {"daemon": self.mgr.daemon, "seq_len": seq_len})
+        if request.poll() is KVPoll.Failed:  # refused at once (the daemon is gone)
+            self.last = request.failure()
+            self._give_up(_failure_text(self.request_id, self.last))
+            return
+        # Posted only into an empty room: prefill may have given the request up already,
+        # and its cause must not be overwritten (it would then wait out a deadline).
+        try:
+            present = self.mgr.store(self.bootstrap_addr, "add", _room_key(self.room),
+                                     {"daemon": self.mgr.daemon, "seq_len": seq_len})
+        except (OSError, RuntimeError, KvbeamError) as exc:
+            request.abort(f"room {self.room} not posted")
+            self._fail(f"room {self.room}: prefill's bootstrap server {self.bootstrap_addr} "
+                       f"did not take decode's entry: {exc}")
+            return
+        if present is not None:
+            request.abort(f"room {self.room} was taken")
+            self.gave_up = bool(present.get("aborted"))  # prefill's cause: keep it
+            self._fail(_gave_up("prefill", self.room, present) if self.gave_up else
+                       f"room {self.room} already holds another entry: {present}")
+            return
         self.metadata_sent = True
-        self.next_room_check = time.monotonic() + ROOM_CHECK_S
+        now = time.monotonic()
+        self.next_room_check = now + ROOM_CHECK_S
+        self.deadline = now + self.mgr.waiting_timeout
+
+    def _fail(self, error: str) -> None:
+        """End the request here: remember why and tell prefill through the room (once)."""
+        if self.error is None:
+            self.error = error
+            log.error("%s", error)
+        self.conclude_state = int(KVPoll.Failed)
+        self._give_up(error)
+
+    def _give_up(self, reason: str) -> None:
+        if not self.gave_up:
+            self.gave_up = True
+            self.mgr.give_up(self.bootstrap_addr, self.room, reason)
 
     def poll(self) -> int:
         """Bootstrapping before init, WaitingForInput until prefill writes, then the state
@@ -381,25 +640,46 @@ class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
 
         While the pushed state reads Bootstrapping (attached with ``pushes="final"``: until
         the request ends), at most one bootstrap-store read per :data:`ROOM_CHECK_S`
-        notices a prefill that gave the request up before sending (its daemon never heard
-        of it): the reservation is then aborted, its pages freed.
+        notices a prefill that gave the request up (its tombstone says why): the
+        reservation is then aborted, its pages freed.
         """
         if self.error is not None:
             return int(KVPoll.Failed)
         if self.prefill is None:
             return int(KVPoll.Bootstrapping)
+        now = time.monotonic()
         if self.request is None:
+            if now > self.deadline:
+                self._fail(f"room {self.room}: decode reserved nothing within "
+                           f"{self.mgr.bootstrap_timeout:g} s "
+                           "(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)")
+                return int(KVPoll.Failed)
             return int(KVPoll.WaitingForInput)
         state = int(self.request.poll())
-        if state == int(KVPoll.Bootstrapping) and time.monotonic() >= self.next_room_check:
-            self.next_room_check = time.monotonic() + ROOM_CHECK_S
-            room = self.mgr.store(self.bootstrap_addr, "get", _room_key(self.room))
-            if room is not None and room.get("aborted"):
-                self.request.abort(f"prefill gave room {self.room} up before sending")
-                self.error = f"prefill aborted room {self.room} before sending"
+        if state == int(KVPoll.Bootstrapping):
+            if now > self.deadline:
+                self.request.abort("SGLANG_DISAGGREGATION_WAITING_TIMEOUT")
+                self._fail(f"room {self.room}: prefill wrote nothing within "
+                           f"{self.mgr.waiting_timeout:g} s of the reservation "
+                           "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
                 return int(KVPoll.Failed)
+            if now >= self.next_room_check:
+                self.next_room_check = now + ROOM_CHECK_S
+                try:
+                    room = self.mgr.read(self.bootstrap_addr, _room_key(self.room))
+                except KvbeamError as exc:
+                    self.request.abort(str(exc))
+                    self._fail(f"room {self.room}: {exc}")
+                    return int(KVPoll.Failed)
+                if room is not None and room.get("aborted"):
+                    self.gave_up = True  # prefill's tombstone says why: keep it
+                    self.request.abort(f"prefill gave room {self.room} up")
+                    self._fail(_gave_up("prefill", self.room, room))
+                    return int(KVPoll.Failed)
         if state == int(KVPoll.Failed):
             self.last = self.request.failure()
+            self.conclude_state = state
+            self._give_up(_failure_text(self.request_id, self.last))
         return decode_poll(state)
 
     def failure_exception(self) -> None:
@@ -409,17 +689,23 @@ class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
         _raise_failure(self.request_id, self.error, self.last)
 
     def abort(self) -> None:
-        """Abort at the decode daemon (it tells prefill's) and withdraw the room."""
-        self.mgr.store(self.bootstrap_addr, "put", _room_key(self.room), {"aborted": True})
+        """Abort at the decode daemon (it tells prefill's) and leave why in the room."""
         if self.request is not None:  # never reserved: nothing held
             self.request.abort("aborted by sglang")
-        self.error = self.error or "aborted"
+        self._fail(f"room {self.room}: aborted by sglang on decode")
 
     def clear(self) -> None:
-        """Release the reservation (the engine took the KV over) and forget the room."""
+        """Release the reservation (the engine took the KV over) and forget the room; a
+        request that did not move is aborted at the daemon and its cause left in the
+        room (a tombstone the store forgets after the deadlines)."""
         if self.request is not None and self.request.poll() is KVPoll.Success:
             self.request.release()
-        self.mgr.store(self.bootstrap_addr, "delete", _room_key(self.room))
+            self.mgr.forget(self.bootstrap_addr, self.room)
+            return
+        if self.request is not None and self.request.poll() is not KVPoll.Failed:
+            self.request.abort("cleared by sglang before it ended")
+        if not self.gave_up:
+            self._fail(f"room {self.room}: decode dropped the request before it ended")
 
 
 class KvbeamKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[misc]
@@ -436,13 +722,27 @@ class KvbeamKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[misc]
         self.server.close()
 
 
+def _failure_text(request_id: str, failed: tuple[FailureReason | None, str] | None) -> str:
+    """A daemon's failure of the request as one sentence."""
+    if failed is None:
+        return f"kvbeam request {request_id} failed"
+    reason = failed[0].value if failed[0] else "unknown"
+    return f"kvbeam request {request_id} failed: {reason}: {failed[1]}"
+
+
+def _gave_up(side: str, room: Any, entry: Mapping[str, Any] | None) -> str:
+    """The other side's tombstone (or its room gone) as this side's failure."""
+    if not entry:
+        return f"{side}'s room {room} is gone: {side} ended the request without a cause"
+    return f"{side} gave room {room} up: {entry.get('reason') or 'no cause given'}"
+
+
 def _raise_failure(request_id: str, error: str | None,
                    failed: tuple[FailureReason | None, str] | None) -> None:
     if error is not None:
         raise RuntimeError(error)
     if failed is not None:
-        reason = failed[0].value if failed[0] else "unknown"
-        raise RuntimeError(f"kvbeam request {request_id} failed: {reason}: {failed[1]}")
+        raise RuntimeError(_failure_text(request_id, failed))
 
 
 def moved_bytes(layout: SideLayout, lists: Mapping[str, Any]) -> int:

@@ -10,12 +10,18 @@ every tensor keeping its shape, strides and offset. The replacement runs inside
 sglang's own allocation functions, before anything reads the pointers (sglang builds
 its pointer tables and ``KVArgs`` afterwards), and the buffers are still zero. Other
 backends and other pool classes are left alone.
+
+The same hooks remember each pool object (weakly, :func:`remember`): the manager reads
+the pools' description from the ones its ``KVArgs`` points at
+(:mod:`kvbeam.integrations.sglang.describe`), never from a file. DeepSeek-V4 pools are
+remembered too (their memory is not moved: not supported yet).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +42,50 @@ METADATA_FIELDS = ("output_ids", "cached_tokens", "output_token_logprobs_val",
                    "output_token_sampling_mask_idx", "output_token_sampling_logprobs",
                    "output_topk_p", "output_topk_index", "output_hidden_states",
                    "output_dsa_topk_indices", "bootstrap_room", "kv_checksum")
+
+
+#: The pool kinds :func:`remember` takes: sglang's MHA pool, DeepSeek-V4's pool.
+MHA, DSV4 = "sglang_mha", "dsv4"
+#: sglang's pool objects of this process (weakly held), with their kind.
+_POOLS: list[tuple[weakref.ref[Any], str]] = []
+
+
+def remember(pool: Any, kind: str) -> None:
+    """Record a pool object sglang built (``kind``: :data:`MHA` or :data:`DSV4`)."""
+    if kind not in (MHA, DSV4):
+        raise ValueError(f"unknown sglang pool kind {kind!r}")
+    _POOLS[:] = [(ref, k) for ref, k in _POOLS if ref() is not None]
+    _POOLS.append((weakref.ref(pool), kind))
+
+
+def _first_pointer(pool: Any) -> int | None:
+    try:
+        ptrs = pool.get_contiguous_buf_infos()[0]
+    except Exception:  # a pool sglang cannot describe for transfer: not ours to match
+        return None
+    return int(ptrs[0]) if ptrs else None
+
+
+def pools_for(kv_args: Any) -> tuple[tuple[Any, str] | None, tuple[Any, str] | None]:
+    """The remembered pools ``kv_args`` points at: (target, draft), each (pool, kind) or
+    None. The target's first transfer buffer is ``kv_data_ptrs[0]``; a draft is another
+    remembered pool whose first buffer is among the KV or state pointers (sglang appends
+    the draft's after the target's)."""
+    kv = [int(p) for p in getattr(kv_args, "kv_data_ptrs", ())]
+    pointers = set(kv)
+    for ptrs in getattr(kv_args, "state_data_ptrs", ()) or ():
+        pointers.update(int(p) for p in ptrs)
+    target = draft = None
+    for ref, kind in _POOLS:
+        pool = ref()
+        first = None if pool is None else _first_pointer(pool)
+        if first is None:
+            continue
+        if kv and first == kv[0]:
+            target = (pool, kind)
+        elif first in pointers:
+            draft = (pool, kind)
+    return target, draft
 
 
 def kvbeam_selected() -> bool:
@@ -94,6 +144,7 @@ def _move_pool(pool: Any) -> None:
     k = share_tensors([*pool.k_buffer, *pool.v_buffer], "sglang.kv")
     n = len(pool.k_buffer)
     pool.k_buffer, pool.v_buffer = k[:n], k[n:]
+    remember(pool, MHA)
     log.info("kvbeam: sglang KV pool (%d K and %d V buffers) in sealed memfds", n, n)
 
 
@@ -106,7 +157,8 @@ def _move_metadata(buffers: Any) -> None:
 
 
 def install() -> None:
-    """Wrap sglang's MHA pool and metadata-buffer allocation (idempotent)."""
+    """Wrap sglang's MHA pool and metadata-buffer allocation, and remember DeepSeek-V4
+    pools (idempotent)."""
     from sglang.srt.disaggregation.utils import MetadataBuffers
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
@@ -115,3 +167,11 @@ def install() -> None:
             MHATokenToKVPool._create_buffers_normal, _move_pool)
     if not getattr(MetadataBuffers.__init__, "_kvbeam", False):
         MetadataBuffers.__init__ = _after(MetadataBuffers.__init__, _move_metadata)
+    try:
+        from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+    except ImportError as exc:  # its kernels' imports fail on some platforms
+        log.debug("kvbeam: DeepSeek-V4 pools not hooked: %s", exc)
+        return
+    if not getattr(DeepSeekV4TokenToKVPool.__init__, "_kvbeam", False):
+        DeepSeekV4TokenToKVPool.__init__ = _after(DeepSeekV4TokenToKVPool.__init__,
+                                                  lambda pool: remember(pool, DSV4))

@@ -83,14 +83,19 @@ class ManagerMembers:
         host = getattr(self.server_args, "host", None) or "127.0.0.1"
         return f"{host}:{self.server_args.disaggregation_bootstrap_port}"
 
+    def registration(self) -> dict[str, Any]:
+        """What prefill publishes at its bootstrap server (the manager adds its pools)."""
+        return {"daemon": self.daemon}
+
     def register_to_bootstrap(self) -> None:
-        """Prefill: publish the daemon's address at this server's bootstrap server,
-        retrying while it starts (up to :data:`REGISTER_TIMEOUT_S`)."""
+        """Prefill: publish the daemon's address (and its pools' description) at this
+        server's bootstrap server, retrying while it starts (up to
+        :data:`REGISTER_TIMEOUT_S`)."""
         address = self.bootstrap_address()
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
         while True:
             try:
-                bootstrap.call(address, "put", PREFILL_KEY, {"daemon": self.daemon},
+                bootstrap.call(address, "put", PREFILL_KEY, self.registration(),
                                token=self.security.token)
                 log.info("kvbeam: prefill daemon %s registered at bootstrap %s", self.daemon,
                          address)
