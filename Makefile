@@ -153,10 +153,10 @@ $(SGLANG_SERVER_STAMP): pyproject.toml setup.py requirements-sglang-server.txt \
 sglang-env: ## only the sglang server venv .venv-sglang (sglang, sglang-router, kvbeam editable): what the docs' sglang commands run from
 	$(MAKE) $(SGLANG_SERVER_STAMP)
 
-test-sglang: sglang-env ## sglang's own prefill + decode servers and router over kvbeam daemons: token-identical to one sglang, a dtype mismatch refused, every request ending when a daemon dies (own venv)
+test-sglang: sglang-env ## sglang's own prefill + decode servers and router over kvbeam daemons (shared and staged): token-identical to one sglang, a dtype mismatch refused, every request ending when a daemon dies (own venv)
 	KVBEAM_REQUIRE_SGLANG_SERVER=1 $(SGLANG_SERVER_VENV)/bin/python -m pytest -q \
 		-p no:cacheprovider tests/host/test_sglang_describe.py tests/host/test_sglang_server.py \
-		tests/host/test_sglang_recovery.py \
+		tests/host/test_sglang_staged.py tests/host/test_sglang_recovery.py \
 		tests/host/test_docs_run.py::test_sglang_commands_run_as_written
 
 bench-plan: setup ## planning time for a 128k-token request
