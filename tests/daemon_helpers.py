@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from kvbeam.auth import Security
 from kvbeam.client import KvbeamClient
-from kvbeam.errors import Busy
 from kvbeam.procs import DaemonProcess, PendingDaemon, spawn_daemon, start_daemon
 from tests.fixtures import shipped_config
 
@@ -111,23 +109,17 @@ def pair(*, paged: bool = False, transport: str = "tcp", decode_extra: Sequence[
         decode.stop()
 
 
-def free_slots(d: KvbeamClient, prefill: str = "127.0.0.1:1", most: int = DECODE_SLOTS) -> int:
-    """How many reservations decode grants right now, up to ``most + 1`` (all aborted again).
+def free_slots(d: KvbeamClient, most: int = DECODE_SLOTS) -> int:
+    """How many request slots decode has free right now (its Heartbeat's capacity).
 
-    ``most`` free means no slot leaked; the extra probe catches a pool larger than expected.
+    ``most`` free means no slot leaked; a pool of another size is refused. (Counted, not
+    probed with reservations: a reservation naming a prefill decode cannot reach now fails
+    at once, decode-initiated pairing, so probes would free their own slots.)
     """
-    got: list[str] = []
-    try:
-        for i in range(most + 1):
-            rid = f"probe-{time.monotonic_ns()}-{i}"
-            d.reserve(rid, 16, prefill)
-            got.append(rid)
-    except Busy:
-        pass
-    finally:
-        for rid in got:
-            d.abort(rid, "probe")
-    return len(got)
+    cap = d.capacity()
+    if cap.slots != most:
+        raise AssertionError(f"decode has {cap.slots} request slots, the test expects {most}")
+    return cap.free
 
 
 def rss_kib(pid: int) -> int:

@@ -188,6 +188,12 @@ class PrefillDriver(DriverBase[PrefillCore]):
             if conn is not None and not conn.closed:
                 # Its peer channel closed, or it is to an earlier instance of that decode
                 # (which restarted or re-attached): a new connection replaces it.
+                retired = conn.retired_channel()
+                log.info("decode %s asked to connect: %s; dropping that connection, a new "
+                         "handshake opens another", address,
+                         f"its peer channel closed ({retired.close_reason})"
+                         if retired is not None else
+                         f"it is to instance {conn.instance_id}, decode is {instance_id}")
                 self._drop_link(DropLink(conn, "decode asked for a new connection",
                                          gone=conn.instance_id != instance_id
                                          and bool(instance_id)), on_executor=False)

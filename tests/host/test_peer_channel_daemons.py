@@ -76,7 +76,7 @@ def test_a_killed_prefill_fails_decodes_offered_request_at_once() -> None:
                    f"{prefill.output[-4000:]}"
             assert st.state is F and st.reason is FailureReason.PEER_FAILED, logs
             assert "peer channel" in st.detail, logs
-            assert free_slots(d, prefill.address) == DECODE_SLOTS
+            assert free_slots(d) == DECODE_SLOTS
     finally:
         decode.stop()
 
@@ -166,6 +166,7 @@ def test_a_channel_closed_with_a_bye_is_replaced_by_the_next_requests_handshake(
              and "bound" in r.getMessage()]
     assert len(bound) == 2, caplog.text[-4000:]  # the first channel, and its replacement
     if how == "channel":  # prefill's connection outlived its channel: dropped, not used
-        assert "dropping that connection, the next handshake opens a new one" in caplog.text
+        # (by the next Send's step, or first by decode's Connect ask for its reservation)
+        assert "dropping that connection" in caplog.text, caplog.text[-4000:]
     assert "not made" not in caplog.text  # no offer failed: none was tried without one
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-4000:]

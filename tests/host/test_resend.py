@@ -57,7 +57,7 @@ def _no_leak(prefill: DaemonProcess, decode: DaemonProcess, d: KvbeamClient) -> 
     assert prefill.metrics and decode.metrics
     _idle(prefill.metrics)
     _idle(decode.metrics)
-    assert free_slots(d, prefill.address) == DECODE_SLOTS
+    assert free_slots(d) == DECODE_SLOTS
 
 
 def test_a_broken_link_costs_one_resend_and_the_request_succeeds() -> None:

@@ -182,7 +182,7 @@ def daemons() -> Iterator[tuple[Daemon, Daemon]]:
         with KvbeamClient(prefill.address) as p, KvbeamClient(decode.address) as d:
             assert p.healthy() and d.healthy()
             # every slot comes back once the fuzz's reservations lapse
-            assert wait_until(lambda: free_slots(d, prefill.address) == DECODE_SLOTS, 20)
+            assert wait_until(lambda: free_slots(d) == DECODE_SLOTS, 20)
             assert run_request(p, d, "after-fuzz", 3000, 1, timeout=30).ok
     finally:
         for daemon in (prefill, decode):
