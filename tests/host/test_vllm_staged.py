@@ -128,7 +128,9 @@ def test_staged_router_streams_what_the_direct_server_streams(staged: Deployment
     got, want, landed, _ = _compare(staged, prompts, stream=True)
     for g, w in zip(got, want, strict=True):
         assert (g.status, g.finish, w.finish) == (200, "length", "length"), (g, w)
-        assert len(g.gaps_s) == MAX_TOKENS - 1, g
+        # Several events, one per token as a rule (vLLM coalesces consecutive steps'
+        # tokens into one event when its output handler falls behind: test_vllm_served).
+        assert 1 <= len(g.gaps_s) <= MAX_TOKENS - 1, g
     assert [g.tokens for g in got] == [w.tokens for w in want]
     assert landed == len(prompts), landed
 

@@ -239,7 +239,9 @@ def _batch(tp: TpDeployment, prompts: list[list[int]], *, stream: bool, router: 
             f"{g.status} {g.error}\n{w}\n{tp.explain()}"
         assert len(w.tokens) == MAX_TOKENS
         if stream:
-            assert len(g.gaps_s) == MAX_TOKENS - 1, g  # one token per streamed event
+            # Several events, one per token as a rule (vLLM coalesces consecutive steps'
+            # tokens into one event when its output handler falls behind: test_vllm_served).
+            assert 1 <= len(g.gaps_s) <= MAX_TOKENS - 1, g
     assert [g.tokens for g in got] == [w.tokens for w in want]
     blocks = sum(blocks_for(len(p), BLOCK) for p in prompts)
     # Every prompt's whole prompt moved to each rank (new prompts: nothing cached), one
