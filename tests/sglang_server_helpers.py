@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,50 @@ SGLANG_FLAGS = (
     "--chunked-prefill-size", str(CHUNK), "--page-size", str(PAGE_SIZE),
     "--mem-fraction-static", "0.05", "--served-model-name", MODEL_NAME,
 )
+
+
+#: The served tests' prompt lengths: under one chunk (256 tokens), exactly one, and over
+#: one (2 and 3 chunks); and the prompts sent several at once.
+LENGTHS = (6, 100, 256, 300, 700)
+IN_FLIGHT = tuple((n, s) for n in (50, 300) for s in (1, 2))
+NEW_TOKENS = 16
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    """``n`` token ids (not special ones) from a seeded generator."""
+    import numpy as np
+
+    return [int(t) for t in np.random.default_rng(n * 1000 + seed).integers(3, 1000, n)]
+
+
+@dataclass
+class PlainOutputs:
+    """One plain sglang server's greedy ``output_ids`` of :func:`prompt` ``(n, seed)``,
+    the model it served (the pairs serve the same folder) and its start-up seconds."""
+
+    outputs: dict[tuple[int, int], list[int]]
+    model: str
+    ready_s: float
+
+
+def plain_outputs(work: Path, keys: tuple[tuple[int, int], ...]) -> PlainOutputs:
+    """Start one plain sglang server (same flags, no disaggregation), record its outputs
+    of ``keys``, stop it (before any pair starts: an idle scheduler busy-polls a core)."""
+    model = write_model(work / "model")
+    port = free_port()
+    server = sglang_server("plain", model, port, work / "plain.log")
+    try:
+        server.wait_for("The server is fired up")
+        outputs = {}
+        for n, s in keys:
+            out = generate(port, prompt(n, s), NEW_TOKENS)
+            assert "output_ids" in out, out
+            outputs[(n, s)] = out["output_ids"]
+    finally:
+        server.stop()
+    # Context matters with these weights: different prompts, different continuations.
+    assert len({tuple(v) for v in outputs.values()}) == len(outputs), outputs
+    return PlainOutputs(outputs, model, server.ready_s or 0.0)
 
 
 def free_port() -> int:

@@ -380,7 +380,8 @@ def start_deployment(work: Path, serve_args: Sequence[str], deadlines: Sequence[
                      prefill_daemon_env: Mapping[str, str] | None = None,
                      fleet_extra: int = 0, fleet_prefill_daemon_args: Sequence[str] = (),
                      fleet_prefill_daemon_env: Mapping[str, str] | None = None,
-                     unmapped: Sequence[str] = ()) -> Deployment:
+                     unmapped: Sequence[str] = (),
+                     extra: Mapping[str, Mapping[str, Any]] | None = None) -> Deployment:
     """Two ``--pools engine`` daemons, a prefill and a decode ``vllm serve`` with the
     connector, vllm-router in PD mode over them, and a plain ``vllm serve``; all started
     at once, returned once every one answers. ``decode_policy``: decode's
@@ -392,7 +393,10 @@ def start_deployment(work: Path, serve_args: Sequence[str], deadlines: Sequence[
     get the ``fleet_prefill_daemon_*``), started with the others; every prefill's
     ``decode_daemons`` maps every decode server (but those named in ``unmapped``, which
     get no ``decode_daemons``: their sends go to the decode that reserves them), and a
-    second router (:attr:`Deployment.fleet_router`) routes over all of them."""
+    second router (:attr:`Deployment.fleet_router`) routes over all of them.
+
+    ``extra``: more ``kv_connector_extra_config`` keys of the pair's ``prefill`` and
+    ``decode`` server (e.g. staging)."""
     from tests.attach_helpers import start_engine_daemon
 
     model = write_checkpoint(work / "tiny-llama")
@@ -415,19 +419,21 @@ def start_deployment(work: Path, serve_args: Sequence[str], deadlines: Sequence[
         decode_daemons = {f"127.0.0.1:{ports[n]}": daemons[n].address for n in decodes}
         servers: dict[str, Served] = {}
         for name in prefills:
-            extra: dict[str, Any] = {"daemon": daemons[name].address,
-                                     "attach_socket": sockets[name]}
+            settings: dict[str, Any] = {"daemon": daemons[name].address,
+                                        "attach_socket": sockets[name],
+                                        **(extra or {}).get(name, {})}
             if name not in unmapped:
-                extra["decode_daemons"] = decode_daemons
+                settings["decode_daemons"] = decode_daemons
             servers[name] = vllm_serve(name, model, args=serve_args,
-                                       kv_transfer_config=kv_config("prefill", extra))
+                                       kv_transfer_config=kv_config("prefill", settings))
             started.append(servers[name])
         for name in decodes:
             first = name == "decode"
             servers[name] = vllm_serve(name, model, port=ports[name], args=serve_args,
                                        kv_transfer_config=kv_config(
                                            "decode", {"daemon": daemons[name].address,
-                                                      "attach_socket": sockets[name]},
+                                                      "attach_socket": sockets[name],
+                                                      **(extra or {}).get(name, {})},
                                            *(decode_connector if first else
                                              ("kvbeam.integrations.vllm", "KvbeamConnector")),
                                            policy=decode_policy if first else "fail"))

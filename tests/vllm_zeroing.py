@@ -3,7 +3,9 @@
 :class:`ZeroingConnector` is the kvbeam connector with one difference: once a transfer
 whose kvbeam id starts with :data:`ZERO_PREFIX` landed, its worker zeroes the request's
 first block in every layer (before releasing the reservation, as vLLM takes the KV
-over). The decode instance of the test loads it with ``kv_connector_module_path``
+over). Staged (tests/host/test_vllm_staged.py), it zeroes that block's staging item in
+every layer instead, after the landing and before the scatter into vLLM's blocks. The
+decode instance of the test loads it with ``kv_connector_module_path``
 ``tests.vllm_zeroing``; nothing in kvbeam names this module, so no request parameter,
 setting or variable of a production deployment can turn the zeroing on.
 """
@@ -11,12 +13,12 @@ setting or variable of a production deployment can turn the zeroing on.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from kvbeam.engine import Receiver
+from kvbeam.engine.staging import Staged
 from kvbeam.integrations.vllm.connector import KvbeamConnector
 from kvbeam.integrations.vllm.scheduler import Load
-from kvbeam.integrations.vllm.worker import WorkerSide
+from kvbeam.integrations.vllm.worker import KV, WorkerSide
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +29,18 @@ ZERO_PREFIX = "zero-"
 class ZeroingWorkerSide(WorkerSide):
     """The connector's worker side, zeroing the first landed block of ``zero-`` transfers."""
 
-    def _landed(self, load: Load, receiver: Receiver) -> None:
+    def _before_scatter(self, load: Load, landing: Staged) -> None:
         if load.kvbeam_id.startswith(ZERO_PREFIX) and load.block_ids:
+            assert self.staging is not None
+            item = int(landing.lists[KV][0])
+            for buf in self.staging.layout.flat_buffers:
+                self.staging.pools.buffer_view(buf).view(-1, buf.item_len)[item].zero_()
+            log.warning("negative control: zeroed the staging item %d of block %d of request "
+                        "%s (transfer %s) before the scatter", item, load.block_ids[0],
+                        load.req_id, load.kvbeam_id)
+
+    def _landed(self, load: Load, receiver: Receiver) -> None:
+        if load.kvbeam_id.startswith(ZERO_PREFIX) and load.block_ids and self.staging is None:
             for view in self._views:
                 view[load.block_ids[0]].zero_()
             log.warning("negative control: zeroed block %d of request %s (transfer %s)",
@@ -39,10 +51,4 @@ class ZeroingWorkerSide(WorkerSide):
 class ZeroingConnector(KvbeamConnector):
     """:class:`KvbeamConnector` whose worker side is a :class:`ZeroingWorkerSide`."""
 
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-        plain = self.worker
-        if plain is not None:  # nothing attached yet: register_kv_caches comes later
-            self.worker = ZeroingWorkerSide(plain.settings, plain.block_size,
-                                            plain.num_kv_heads, plain.head_size)
-            plain.close()
+    worker_class = ZeroingWorkerSide

@@ -20,8 +20,13 @@ daemons see host memory as ever; the engine process, which owns the device, copi
 The same code runs on CPU tensors (the reference engine's ``--device cpu``, the tests):
 the copies are then synchronous. When the buffer is full, a request waits up to
 ``wait_s`` for another to release its items, then :class:`~kvbeam.errors.StagingFull`
-says so with the engine's policy (fail or recompute): never a hang.
-:attr:`StagingBuffer.metrics` counts staged bytes, copy time, waits and occupancy.
+says so with the engine's policy (fail or recompute): never a hang. An engine loop that
+must not block takes a place in the queue instead (:meth:`StagingBuffer.queue`), asks
+at each step (:meth:`StagingBuffer.poll_room`) and passes the items it got to
+``stage_out`` / ``reserve`` (``slots=``). :attr:`StagingBuffer.metrics` counts staged
+bytes, copy time, waits and occupancy. :class:`TensorKV` is the device KV of an engine
+that holds one tensor per buffer (vLLM's layers, sglang's K/V buffers and metadata
+rows); a buffer may live on the CPU beside CUDA ones (sglang's metadata rows).
 docs/gpu.md.
 """
 
@@ -31,7 +36,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -39,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbeam.engine.memory import EnginePools
-from kvbeam.engine.staging_slots import FullPolicy, SlotAllocator, Slots
+from kvbeam.engine.staging_slots import FullPolicy, SlotAllocator, Slots, Ticket
 from kvbeam.errors import ConfigError, PlanError
 from kvbeam.pools.engine_indices import ListLike
 from kvbeam.pools.layout import BufferLayout, SideLayout, build_side_layout
@@ -75,11 +80,68 @@ class KVMemory(Protocol):
         ...
 
 
+class TensorKV:
+    """An engine's KV memory held as one tensor per buffer: ``tensors[i]`` holds the
+    bytes of ``layout.flat_buffers[i]`` (``items`` rows of ``item_len`` bytes, rows dense
+    and in order; any dtype, any device; the tensors need not share an allocation).
+
+    Raises:
+        ConfigError: a tensor's size is not its buffer's bytes, or its rows are not
+            dense (one byte run per buffer).
+    """
+
+    def __init__(self, layout: SideLayout, tensors: Sequence[torch.Tensor]) -> None:
+        buffers = layout.flat_buffers
+        if len(tensors) != len(buffers):
+            raise ConfigError(f"staging: {len(tensors)} tensors for {len(buffers)} buffers")
+        self._layout = layout
+        self._views: dict[str, torch.Tensor] = {}
+        for buf, t in zip(buffers, tensors, strict=True):
+            self._views[buf.name] = dense_bytes(t, buf.nbytes, buf.name)
+
+    @property
+    def layout(self) -> SideLayout:
+        """The side's layout (buffers in positional order)."""
+        return self._layout
+
+    def buffer_view(self, buf: BufferLayout) -> torch.Tensor:
+        """The buffer's bytes as a flat ``uint8`` tensor sharing the engine's memory."""
+        return self._views[buf.name]
+
+
+def dense_bytes(t: torch.Tensor, nbytes: int, name: str) -> torch.Tensor:
+    """``t``'s memory as a flat ``uint8`` view (no copy) when its elements fill exactly
+    ``nbytes`` dense bytes in some dimension order (a permuted layout is fine: staging
+    moves whole rows and never looks inside one).
+
+    Raises:
+        ConfigError: ``t`` is not ``nbytes`` dense bytes.
+    """
+    import torch
+
+    size = t.numel() * t.element_size()
+    dims = sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=lambda d: t.stride(d))
+    step = 1
+    for d in dims:
+        if t.stride(d) != step:
+            raise ConfigError(f"staging: {name}: tensor of shape {tuple(t.shape)} strides "
+                              f"{t.stride()} is not dense (gaps or overlaps in its memory)")
+        step *= t.shape[d]
+    if size != nbytes:
+        raise ConfigError(f"staging: {name}: tensor of {size} bytes, the layout's buffer "
+                          f"has {nbytes}")
+    flat = torch.empty(0, dtype=t.dtype, device=t.device)
+    flat.set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
+    return flat.view(torch.uint8)
+
+
 def staging_config(config: SideConfig, *, requests: int, tokens: int | None = None
                    ) -> SideConfig:
     """The config of a staging buffer for ``config``'s KV: the same buffers (names,
     item lengths, kinds), room for ``requests`` requests of up to ``tokens`` tokens
-    each (default: the config's ``max_context_len``).
+    each (default: the config's ``max_context_len``); in a paged pool without metadata
+    rows (vLLM's) more shorter requests share those pages, up to the engine's requests
+    in flight (``num_req_slots``).
 
     The handshake lets each side size its own pools (request slots, blocks), so the
     daemons compare the staging layout with the peer's as they compare any two.
@@ -93,8 +155,12 @@ def staging_config(config: SideConfig, *, requests: int, tokens: int | None = No
             raise ConfigError(f"staging: tokens must be at least 1 (got {want})")
         if spec.kind in PAGED_KINDS:
             # One pool of pages every request draws from: requests x pages per request.
+            # More shorter requests fit in as many pages, so the requests in flight stay
+            # the engine's (the daemon's request slots), unless a metadata row per
+            # request (sglang's) bounds them anyway.
             pages = requests * -(-want // spec.page_size)
-            out = dataclasses.replace(spec, num_req_slots=requests,
+            out = dataclasses.replace(spec, num_req_slots=requests if spec.aux_rows
+                                      else spec.num_req_slots,
                                       max_context_len=pages * spec.page_size,
                                       aux_rows=requests if spec.aux_rows else 0)
         else:
@@ -125,6 +191,8 @@ class StagingMetrics:
     #: Requests holding staging items, and the fullest kind's share held (0..1).
     held: int = 0
     occupancy: float = 0.0
+    #: Requests queued for room now (:meth:`StagingBuffer.queue`).
+    waiting: int = 0
 
 
 class Copy:
@@ -239,16 +307,22 @@ class StagingBuffer:
 
     # ---- per request ---------------------------------------------------------------
     def stage_out(self, device_kv: KVMemory, blocks: DeviceLists,
-                  wait_s: float | None = None) -> Staged:
+                  wait_s: float | None = None, *, slots: Slots | None = None) -> Staged:
         """Gather a request's device items into free staging items (prefill).
 
         Returns at once with the copy issued (on CUDA after the current stream's work);
         send ``Staged.lists`` only after ``Staged.copy.wait()``. Raises
         :class:`~kvbeam.errors.StagingFull` when no room came within the wait.
+        ``slots``: items :meth:`poll_room` granted for these lists (no wait then); they
+        are the request's from here on (given back on an error, like acquired ones).
         """
-        device_lists = self._device_lists(device_kv, blocks)
-        slots = self._slots.acquire({k: len(v) for k, v in device_lists.items()},
-                                    self.wait_s if wait_s is None else wait_s)
+        try:
+            device_lists = self._device_lists(device_kv, blocks)
+        except BaseException:
+            if slots is not None:
+                self._slots.release(slots)
+            raise
+        slots = self._take(device_lists, wait_s, slots)
         try:
             nbytes = self._bytes(device_lists)
             copy = self._copy(device_kv, device_lists, slots, out=True, nbytes=nbytes)
@@ -257,13 +331,31 @@ class StagingBuffer:
             raise
         return Staged(slots, nbytes, copy)
 
-    def reserve(self, blocks: DeviceLists, wait_s: float | None = None) -> Staged:
+    def reserve(self, blocks: DeviceLists, wait_s: float | None = None, *,
+                slots: Slots | None = None) -> Staged:
         """Staging items for a request that will land here (decode): one per item of
-        its device lists. Raises StagingFull like :meth:`stage_out`."""
+        its device lists. Raises StagingFull like :meth:`stage_out`; ``slots`` as
+        there."""
+        lists = self._lists(blocks)
+        slots = self._take(lists, wait_s, slots)
+        return Staged(slots, self._bytes(lists))
+
+    def queue(self, blocks: DeviceLists, wait_s: float | None = None) -> Ticket:
+        """A place in the queue for room for a request of these lists, for an engine
+        loop that must not block: ask :meth:`poll_room` at each step, give it up with
+        :meth:`cancel`. Raises StagingFull at once when it can never fit."""
         counts = {k: len(v) for k, v in self._lists(blocks).items()}
-        slots = self._slots.acquire(counts, self.wait_s if wait_s is None else wait_s)
-        return Staged(slots, sum(counts[p.staging.index_kind] * p.staging.item_len
-                                 for p in self._pairs))
+        return self._slots.enqueue(counts, self.wait_s if wait_s is None else wait_s)
+
+    def poll_room(self, ticket: Ticket) -> Slots | None:
+        """The ticket's staging items once granted (None: still waiting; never blocks);
+        pass them to :meth:`stage_out` or :meth:`reserve`. Raises StagingFull once its
+        wait ran out."""
+        return self._slots.poll(ticket)
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Give up a ticket whose request ended while it waited (granted items back)."""
+        self._slots.cancel(ticket)
 
     def stage_in(self, staged: Staged, device_kv: KVMemory, blocks: DeviceLists) -> Copy:
         """Scatter a landed request's staging items into its device items (decode,
@@ -295,6 +387,7 @@ class StagingBuffer:
             m = dataclasses.replace(self._metrics)
         m.waits, m.refusals = self._slots.waits, self._slots.refusals
         m.held, m.occupancy = self._slots.held, self._slots.occupancy()
+        m.waiting = self._slots.waiting
         return m
 
     @property
@@ -321,6 +414,19 @@ class StagingBuffer:
     # ---- internals -------------------------------------------------------------------
     def _rows(self, buf: BufferLayout) -> torch.Tensor:
         return self.pools.buffer_view(buf).view(-1, buf.item_len)
+
+    def _take(self, lists: Mapping[IndexKind, npt.NDArray[np.int64]], wait_s: float | None,
+              slots: Slots | None) -> Slots:
+        """``slots`` checked against the lists' lengths, or items acquired for them."""
+        counts = {k: len(v) for k, v in lists.items()}
+        if slots is None:
+            return self._slots.acquire(counts, self.wait_s if wait_s is None else wait_s)
+        have = {k: sum(n for _, n in slots.extents.get(k, ())) for k in counts}
+        if have != counts:
+            self._slots.release(slots)
+            raise PlanError(f"staging: the granted items {have} are not the lists' "
+                            f"lengths {counts}")
+        return slots
 
     def _lists(self, blocks: DeviceLists) -> dict[IndexKind, npt.NDArray[np.int64]]:
         """The request's lists of the layout's kinds (others are ignored) as arrays."""
@@ -395,10 +501,98 @@ class StagingBuffer:
             for pair, host in zip(self._pairs, self._views, strict=True):
                 dev = device_kv.buffer_view(flat[pair.index]).view(-1, pair.staging.item_len)
                 kind = pair.staging.index_kind
-                _cuda_copy(dev, host, idx[kind], slots.extents.get(kind, ()), out)
+                if dev.is_cuda:
+                    _cuda_copy(dev, host, idx[kind], slots.extents.get(kind, ()), out)
+                else:  # a host buffer beside the device's (sglang's metadata rows)
+                    _cpu_copy(dev, host, lists[kind], slots.extents.get(kind, ()), out)
             done = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             done.record(stream)
         return Copy(done, start, started, account)
+
+
+class StagedRequest:
+    """One request's way through a staging buffer, for an engine loop that must not
+    block (vLLM's worker steps, sglang's scheduler polls): each call moves it as far as
+    it goes now and returns.
+
+    Prefill: :meth:`gather` until it returns the staged items (room came and the gather
+    completed), then send their ``lists``. Decode: :meth:`reserve` until it returns the
+    staged items, reserve with their ``lists``; after Success :meth:`scatter` until
+    True, then tell the engine the KV is loaded. :meth:`release` at every end of the
+    request (idempotent). A wait for room that ran out raises
+    :class:`~kvbeam.errors.StagingFull` (at once, when the request can never fit).
+    """
+
+    def __init__(self, buffer: StagingBuffer, blocks: DeviceLists,
+                 wait_s: float | None = None) -> None:
+        self.buffer = buffer
+        self.blocks = blocks
+        self.ticket: Ticket | None = buffer.queue(blocks, wait_s)
+        self.staged: Staged | None = None
+        self._scatter: Copy | None = None
+
+    def gather(self, device_kv: KVMemory) -> Staged | None:
+        """Prefill: the staged items once room came and the gather completed (None: not
+        yet; the gather is issued the call room comes)."""
+        if self.staged is None:
+            slots = self._room()
+            if slots is None:
+                return None
+            self.staged = self.buffer.stage_out(device_kv, self.blocks, slots=slots)
+        copy = self.staged.copy
+        if copy is not None and not copy.done():
+            return None
+        if copy is not None:
+            copy.wait()  # complete: accounts its time
+        return self.staged
+
+    def reserve(self) -> Staged | None:
+        """Decode: the staging items to land in, once room came (None: not yet)."""
+        if self.staged is None:
+            slots = self._room()
+            if slots is None:
+                return None
+            self.staged = self.buffer.reserve(self.blocks, slots=slots)
+        return self.staged
+
+    @property
+    def scattering(self) -> bool:
+        """True once :meth:`scatter` issued the copy."""
+        return self._scatter is not None
+
+    def scatter(self, device_kv: KVMemory) -> bool:
+        """Decode after Success: the landed items into the device KV (issued once); True
+        once complete."""
+        if self.staged is None:
+            raise PlanError("staging: scatter before the request's items were reserved")
+        if self._scatter is None:
+            self._scatter = self.buffer.stage_in(self.staged, device_kv, self.blocks)
+        if not self._scatter.done():
+            return False
+        self._scatter.wait()
+        return True
+
+    def release(self) -> None:
+        """The request ended: its place in the queue and its items back."""
+        if self.ticket is not None:
+            ticket, self.ticket = self.ticket, None
+            self.buffer.cancel(ticket)
+        if self._scatter is not None:
+            self._scatter.wait()  # the items must not be reused under it
+        if self.staged is not None:
+            self.buffer.release(self.staged)
+
+    def _room(self) -> Slots | None:
+        if self.ticket is None:
+            raise PlanError("staging: the request's items were released")
+        try:
+            slots = self.buffer.poll_room(self.ticket)
+        except BaseException:
+            self.ticket = None  # out of the queue
+            raise
+        if slots is not None:
+            self.ticket = None
+        return slots
 
 
 #: Below this many bytes per contiguous run, a CPU copy goes through one numpy fancy-index

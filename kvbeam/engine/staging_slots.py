@@ -12,6 +12,12 @@ several are taken (the run is then a few pieces, never refused while enough is f
 When too little is free, :meth:`SlotAllocator.acquire` waits (bounded) for
 :meth:`SlotAllocator.release` to return items, then raises :class:`StagingFull`
 carrying the caller's policy (fail the request, or recompute it): never a hang.
+
+An engine loop that must not block (vLLM's worker step, sglang's scheduler poll) takes
+a :class:`Ticket` instead (:meth:`SlotAllocator.enqueue`) and asks again at each step
+(:meth:`SlotAllocator.poll`): tickets get their items in the order they were taken
+(a large request is not passed over forever by small ones), and one whose wait ran
+out raises :class:`StagingFull` when asked.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ import bisect
 import enum
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -73,6 +80,22 @@ class Slots:
     def items(self) -> int:
         """Items held, all kinds together."""
         return sum(n for runs in self.extents.values() for _, n in runs)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A request's place in the queue for staging items (:meth:`SlotAllocator.enqueue`):
+    ``slots`` once granted; ask with :meth:`SlotAllocator.poll`, give it up with
+    :meth:`SlotAllocator.cancel`."""
+
+    counts: Mapping[IndexKind, int]
+    deadline: float
+    wait_s: float
+    slots: Slots | None = None
+    #: True once its first ask found no room (counted once in ``waits``).
+    waited: bool = False
+    #: Why its wait ran out ("": it did not); set when the deadline passed.
+    refused: str = field(default="", repr=False)
 
 
 class _Extents:
@@ -144,6 +167,8 @@ class SlotAllocator:
         self._free = {kind: _Extents(n) for kind, n in capacity.items()}
         self._cond = threading.Condition()
         self._held = 0
+        #: Tickets not granted yet, in the order they were taken.
+        self._queue: deque[Ticket] = deque()
         #: Requests that waited for room, and those whose wait ran out.
         self.waits = 0
         self.refusals = 0
@@ -154,6 +179,79 @@ class SlotAllocator:
         Waits up to ``wait_s`` seconds for releases when too few are free; raises
         :class:`StagingFull` then (and at once when the request can never fit).
         """
+        self._check(counts)
+        deadline = time.monotonic() + wait_s
+        waited = False
+        with self._cond:
+            while not self._fits(counts):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.refusals += 1
+                    raise StagingFull(self._full(counts, wait_s), policy=self.policy.value)
+                if not waited:
+                    waited = True
+                    self.waits += 1
+                self._cond.wait(left)
+            return self._take(counts)
+
+    def enqueue(self, counts: Mapping[IndexKind, int], wait_s: float) -> Ticket:
+        """A place in the queue for one request's items, for a caller that must not
+        block: ask :meth:`poll` at each of its steps. Raises :class:`StagingFull` at
+        once when the request can never fit."""
+        self._check(counts)
+        ticket = Ticket(dict(counts), time.monotonic() + wait_s, wait_s)
+        with self._cond:
+            self._queue.append(ticket)
+        return ticket
+
+    def poll(self, ticket: Ticket) -> Slots | None:
+        """The ticket's items once it is its turn and they are free (None: not yet).
+
+        Tickets are served in the order they were taken; one whose wait ran out leaves
+        the queue and raises :class:`StagingFull` (counted once in ``refusals``).
+        """
+        with self._cond:
+            self._grant(time.monotonic())
+            if ticket.slots is not None:
+                return ticket.slots
+            if ticket.refused:
+                raise StagingFull(ticket.refused, policy=self.policy.value)
+            if not ticket.waited:
+                ticket.waited = True
+                self.waits += 1
+            return None
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Give a ticket up (its request ended while it waited): out of the queue, and
+        its items back when it had been granted."""
+        with self._cond:
+            if ticket in self._queue:
+                self._queue.remove(ticket)
+                self._cond.notify_all()
+        if ticket.slots is not None:
+            slots, ticket.slots = ticket.slots, None
+            self.release(slots)
+
+    def _grant(self, now: float) -> None:
+        """Under the lock: grant queued tickets in order while they fit; expire those
+        whose wait ran out (they no longer hold the queue up)."""
+        while self._queue:
+            head = self._queue[0]
+            if self._fits(head.counts):
+                self._queue.popleft()
+                head.slots = self._take(head.counts)
+                continue
+            if head.deadline > now:
+                break
+            self._queue.popleft()
+            head.refused = self._full(head.counts, head.wait_s)
+            self.refusals += 1
+        for ticket in [t for t in self._queue if t.deadline <= now]:
+            self._queue.remove(ticket)
+            ticket.refused = self._full(ticket.counts, ticket.wait_s)
+            self.refusals += 1
+
+    def _check(self, counts: Mapping[IndexKind, int]) -> None:
         for kind, n in counts.items():
             cap = self.capacity.get(kind)
             if n < 0 or cap is None:
@@ -162,26 +260,21 @@ class SlotAllocator:
             if n > cap:
                 self._refuse(f"a request needs {n} {kind.value} items, the staging buffer "
                              f"holds {cap} in all: give it more capacity (requests/tokens)")
-        deadline = time.monotonic() + wait_s
-        waited = False
-        with self._cond:
-            while not all(self._free[k].free >= n for k, n in counts.items()):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    short = ", ".join(f"{k.value} {self._free[k].free}/{n}"
-                                      for k, n in counts.items() if self._free[k].free < n)
-                    self.refusals += 1
-                    raise StagingFull(
-                        f"staging buffer full: waited {wait_s:g} s for room (free/needed: "
-                        f"{short}; {self._held} requests staged); policy "
-                        f"{self.policy.value}", policy=self.policy.value)
-                if not waited:
-                    waited = True
-                    self.waits += 1
-                self._cond.wait(left)
-            slots = Slots({k: self._free[k].take(n) for k, n in counts.items()})
-            self._held += 1
-            return slots
+
+    def _fits(self, counts: Mapping[IndexKind, int]) -> bool:
+        return all(self._free[k].free >= n for k, n in counts.items())
+
+    def _take(self, counts: Mapping[IndexKind, int]) -> Slots:
+        slots = Slots({k: self._free[k].take(n) for k, n in counts.items()})
+        self._held += 1
+        return slots
+
+    def _full(self, counts: Mapping[IndexKind, int], wait_s: float) -> str:
+        short = ", ".join(f"{k.value} {self._free[k].free}/{n}"
+                          for k, n in counts.items() if self._free[k].free < n)
+        return (f"staging buffer full: waited {wait_s:g} s for room (free/needed: "
+                f"{short or 'queued behind earlier requests'}; {self._held} requests "
+                f"staged, {len(self._queue)} waiting); policy {self.policy.value}")
 
     def _refuse(self, why: str) -> None:
         with self._cond:
@@ -197,6 +290,11 @@ class SlotAllocator:
                     self._free[kind].give(extent)
             self._held -= 1
             self._cond.notify_all()
+
+    @property
+    def waiting(self) -> int:
+        """Tickets waiting for their items now."""
+        return len(self._queue)
 
     @property
     def held(self) -> int:

@@ -10,8 +10,10 @@ per cell TTFT and inter-token latency (median, p99) of the three paths, the byte
 decode's daemon landed per request, and where the PD path's extra time goes: decode's
 daemon Reserve -> Success and prefill's Send -> Success (the daemons' histograms).
 Figures only, beside the direct server measured in the same run; no thresholds.
+``--staged``: the pair's connectors stage their KV caches (``staging: true``: the caches
+stay in vLLM's tensors, the copies go through host staging buffers, as on a GPU).
 
-    python -m tests.bench.vllm_served [--requests N] [--max-tokens N] [--json PATH]
+    python -m tests.bench.vllm_served [--requests N] [--max-tokens N] [--staged] [--json PATH]
 """
 
 from __future__ import annotations
@@ -118,10 +120,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8, help="requests per cell and path")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--staged", action="store_true",
+                    help="the pair stages its KV caches through host buffers")
     args = ap.parse_args()
+    staged = {"staging": True}
     with tempfile.TemporaryDirectory(prefix="kvbeam-bench-vllm-") as work:
         t0 = time.monotonic()
-        d = start_deployment(Path(work), SERVE_ARGS, DEADLINES)
+        d = start_deployment(Path(work), SERVE_ARGS, DEADLINES, extra={
+            "prefill": staged, "decode": staged} if args.staged else None)
         print(f"servers up in {time.monotonic() - t0:.0f} s", flush=True)
         try:
             rng = np.random.default_rng(0)
@@ -132,6 +138,7 @@ def main() -> None:
                     for n in LENGTHS for c in CONCURRENCY]
         finally:
             d.stop()
+    print(f"pair: {'staged' if args.staged else 'shared memory'}")
     print(table(rows))
     for r in rows:
         if any(r[path]["ok"] != r["requests"] for path in ("router", "decode", "direct")):

@@ -22,6 +22,13 @@ buffers they attach. Steps:
 5. dmabuf: the engine's CUDA pools exported as dma-buf fds; a TCP daemon's answer to them
    (it cannot map GPU memory: its one-line refusal), and where an RDMA device exists, its
    registration (or its refusal line).
+6. engines: the integrations' staged paths on the device, without vLLM or sglang (neither
+   is on a GPU machine here): vLLM's connector worker side (kvbeam.integrations.vllm.worker,
+   which imports no vLLM) with vLLM-shaped layer caches on the device, prefill's and
+   decode's through two daemons, three requests at once through a decode staging buffer
+   that holds two (the third waits, asked at each step), every block landed exactly; and
+   sglang's pool layout with its K/V on the device and its metadata rows on the CPU (as
+   sglang allocates them) through two staging buffers, gathered and scattered exactly.
 
 ``--cpu`` runs the same steps on CPU tensors (CI runs it so that it cannot rot): the same
 token comparison; step 5 then needs a CPU dma-buf exporter (udmabuf or vgem) and says
@@ -433,6 +440,144 @@ def _plain_copy(device: str, nbytes: int, repeats: int) -> float:
     return min(times[1:])
 
 
+def step_engines(step: Step, device: str, work: Path) -> None:
+    """The vLLM worker side through two daemons, and sglang's mixed-device pools, staged."""
+    _vllm_worker(step, device, work)
+    _sglang_pools(step, device)
+
+
+def _vllm_worker(step: Step, device: str, work: Path) -> None:
+    """Two connector worker sides (prefill, decode) over vLLM-shaped device caches."""
+    import torch
+
+    from kvbeam.integrations.vllm.params import Settings, Staging
+    from kvbeam.integrations.vllm.scheduler import Load, Push, StepPlan
+    from kvbeam.integrations.vllm.worker import WorkerSide
+    from tests.attach_helpers import start_engine_pair
+
+    layers, blocks, heads, block, head = 4, 512, 8, 16, 128  # 64 KiB bfloat16 blocks
+    per_request = 96
+    gen = torch.Generator(device=device).manual_seed(7)
+
+    def caches() -> dict[str, torch.Tensor]:
+        return {f"model.layers.{i}.self_attn.attn": torch.randn(
+            blocks, heads, block, 2 * head, generator=gen, device=device).to(torch.bfloat16)
+            for i in range(layers)}
+
+    psock, dsock = str(work / "p.sock"), str(work / "d.sock")
+    prefill, decode = start_engine_pair(psock, dsock)
+    sides: list[WorkerSide] = []
+    try:
+        staging = Staging(enabled=True, requests=2, tokens=per_request * block, wait_s=60)
+        for daemon, sock in ((prefill, psock), (decode, dsock)):
+            settings = Settings(daemons=(daemon.address,), attach_sockets=(sock,),
+                                model="gpu-check", staging=staging)
+            sides.append(WorkerSide(settings, block, heads, head,
+                                    kv_buffer_device="cpu" if device == "cuda" else "",
+                                    max_model_len=per_request * block))
+        src, dst = caches(), caches()
+        pw, dw = sides
+        pw.register_kv_caches(src)
+        dw.register_kv_caches(dst)
+        assert pw.staging is not None and dw.staging is not None
+        step.check(True, f"vLLM worker sides attached staged: {layers} layers x {blocks} "
+                         f"blocks of {pw.staging.layout.flat_buffers[0].item_len} bytes on "
+                         f"{device}, pinned {pw.staging.pinned_bytes >> 20} + "
+                         f"{dw.staging.pinned_bytes >> 20} MiB")
+        perm = torch.randperm(blocks).tolist()
+        reqs = [(f"r{i}", tuple(perm[i * per_request:(i + 1) * per_request]),
+                 tuple(perm[-(i + 1) * per_request:][:per_request])) for i in range(3)]
+        seq_len = per_request * block
+        dw.absorb(StepPlan(loads=[Load(r, f"gpu-{r}", d, (prefill.address,), seq_len)
+                                  for r, _, d in reqs]))
+        pw.absorb(StepPlan(sends=[Push(r, f"gpu-{r}", s, (decode.address,), seq_len)
+                                  for r, s, _ in reqs]))
+        waited = dw.staging.metrics.waiting
+        sent: set[str] = set()
+        received: set[str] = set()
+        end = time.monotonic() + 120
+        while (len(sent) < 3 or len(received) < 3) and time.monotonic() < end:
+            sent |= pw.get_finished()[0]
+            received |= dw.get_finished()[1]
+            time.sleep(0.002)
+        errors = dw.take_load_errors()
+        step.check(len(sent) == len(received) == 3 and not errors,
+                   f"3 requests sent and loaded through the daemons (one waited for decode's "
+                   f"staging room: {waited} waiting at first); load errors {len(errors)}")
+        same = all(torch.equal(dst[name][torch.tensor(d)], src[name][torch.tensor(s)])
+                   for name in src for _, s, d in reqs)
+        step.check(same, "every block landed in decode's device cache exactly")
+        mo, mi = pw.staging.metrics, dw.staging.metrics
+        step.say(f"staging: gathered {mo.bytes_out >> 20} MiB in {mo.copy_out_s * 1e3:.1f} "
+                 f"ms, scattered {mi.bytes_in >> 20} MiB in {mi.copy_in_s * 1e3:.1f} ms")
+        step.check(mo.held == mi.held == 0 and mi.waits >= 1,
+                   "every staging item back; decode's third request waited for room")
+    finally:
+        for side in sides:
+            side.close()
+        prefill.stop()
+        decode.stop()
+
+
+def _sglang_pools(step: Step, device: str) -> None:
+    """sglang's MHA pool on the device, its metadata rows on the CPU: one staging buffer
+    per side, the daemons' move done here, every item back where it belongs."""
+    import numpy as np
+    import torch
+
+    from kvbeam.engine.staging import StagedRequest, StagingBuffer, TensorKV
+    from kvbeam.pools.layout import build_side_layout
+    from kvbeam.pools.sglang_mha import sglang_mha_spec
+    from kvbeam.pools.spec import SideConfig
+    from kvbeam.pools.types import IndexKind
+
+    rows, heads, dim, aux = 4096, 8, 128, (64, 512)
+    config = SideConfig("gpu-check", sglang_mha_spec(
+        num_layers=2, page_size=1, num_kv_heads=heads, head_dim=dim, dtype="bfloat16",
+        token_rows=rows, aux_item_lens=aux, aux_rows=16, max_inflight=16))
+    layout = build_side_layout(config)
+
+    def tensors(seed: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for b in layout.flat_buffers:
+            t = torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8, generator=g)
+            out.append(t.to(device) if b.index_kind is IndexKind.KV_PAGES else t)
+        return out
+
+    src_t, dst_t = tensors(1), tensors(2)
+    src, dst = TensorKV(layout, src_t), TensorKV(layout, dst_t)
+    rng = np.random.default_rng(3)
+    lists: list[dict[IndexKind, Any]] = [
+        {IndexKind.KV_PAGES: rng.permutation(rows)[:700], IndexKind.REQ_SLOT: [5]},
+        {IndexKind.KV_PAGES: rng.permutation(rows)[:700], IndexKind.REQ_SLOT: [11]}]
+    with StagingBuffer(config, device=device, requests=2, tokens=1024) as out, \
+            StagingBuffer(config, device=device, requests=2, tokens=1024) as inn:
+        tx, rx = StagedRequest(out, lists[0]), StagedRequest(inn, lists[1])
+        end = time.monotonic() + 30
+        while (items := tx.gather(src)) is None and time.monotonic() < end:
+            time.sleep(0.001)
+        landing = rx.reserve()
+        assert items is not None and landing is not None
+        for sb, db in zip(out.layout.flat_buffers, inn.layout.flat_buffers, strict=True):
+            s = out.pools.buffer_view(sb).view(-1, sb.item_len)
+            d = inn.pools.buffer_view(db).view(-1, db.item_len)
+            d[torch.from_numpy(landing.lists[db.index_kind])] = s[torch.from_numpy(
+                items.lists[sb.index_kind])]
+        while not rx.scatter(dst) and time.monotonic() < end:
+            time.sleep(0.001)
+        tx.release()
+        rx.release()
+        held = out.metrics.held + inn.metrics.held
+    same = all(torch.equal(
+        dst.buffer_view(b).view(-1, b.item_len)[torch.as_tensor(lists[1][b.index_kind])].cpu(),
+        src.buffer_view(b).view(-1, b.item_len)[torch.as_tensor(lists[0][b.index_kind])].cpu())
+        for b in layout.flat_buffers)
+    where = f"K/V on {device}, metadata rows on cpu"
+    step.check(same and held == 0, f"sglang's pools ({where}): a 700-token request and its "
+                                   "metadata row gathered and scattered exactly; items back")
+
+
 def step_dmabuf(step: Step, device: str, work: Path) -> None:
     """Export dma-buf fds (CUDA; on CPU udmabuf/vgem) and attach them: the daemons' answers."""
     from kvbeam.engine import EngineBuffers, attach
@@ -526,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32768, help="bandwidth step's request")
     ap.add_argument("--repeats", type=int, default=3, help="bandwidth step's repeats")
     ap.add_argument("-k", type=int, default=8, help="tokens continued per prompt")
-    ap.add_argument("--steps", default="tokens,corrupt,kill,bandwidth,dmabuf")
+    ap.add_argument("--steps", default="tokens,corrupt,kill,bandwidth,dmabuf,engines")
     ap.add_argument("--from-tree", action="store_true",
                     help="import kvbeam through the symlink farm even when it is installed")
     ap.add_argument("--build-helpers", action="store_true",
@@ -557,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
             "kill": lambda s, w: step_kill(s, device, w),
             "bandwidth": lambda s, w: step_bandwidth(s, device, args.tokens, args.repeats),
             "dmabuf": lambda s, w: step_dmabuf(s, device, w),
+            "engines": lambda s, w: step_engines(s, device, w),
         }
         with _watchdog(args.budget_s):
             for name in args.steps.split(","):

@@ -36,5 +36,9 @@ def test_gpu_check_cpu_run_passes_every_step(tmp_path: Path) -> None:
     assert "a daemon process imports " in text and "kvbeam-tree-" in text
     # The token comparison, both modes, and the bandwidth figures beside the plain copy.
     assert text.count("2/2 continuations equal to the colocated run") == 2, text
+    # The integrations' staged paths (the vLLM worker side through two daemons, sglang's
+    # pool layout with its metadata rows on the CPU).
+    assert "ok   every block landed in decode's device cache exactly" in text, text
+    assert "ok   sglang's pools (K/V on cpu, metadata rows on cpu)" in text, text
     bw = steps["bandwidth"]["figures"]
     assert bw["bytes"] == 2048 * 32 * 1024 and bw["staged_gbs"] > 0 and bw["plain_gbs"] > 0

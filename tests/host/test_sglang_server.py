@@ -1,9 +1,10 @@
 """sglang's own servers with ``--disaggregation-transfer-backend kvbeam``, behind its router.
 
-One plain sglang server records greedy outputs; then two ``--pools engine`` kvbeam
-daemons, sglang's prefill and decode servers (the backend installs itself through its
-plugin entry point) and sglang's router (``--pd-disaggregation --mini-lb``), started
-one after the other (an idle sglang scheduler busy-polls a core). Through the router
+One plain sglang server records greedy outputs (tests/host/conftest.py, once per
+session); then two ``--pools engine`` kvbeam daemons, sglang's prefill and decode
+servers (the backend installs itself through its plugin entry point) and sglang's
+router (``--pd-disaggregation --mini-lb``), started one after the other (an idle sglang
+scheduler busy-polls a core). Through the router
 the outputs must equal the plain server's for prompts under and over one chunk
 (``--chunked-prefill-size``), one at a time and several in flight; every transfer is
 XXH3-128-verified by the decode daemon. A tiny Llama with seeded weights (with sglang's
@@ -37,7 +38,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 HAVE_SERVER = all(importlib.util.find_spec(m) is not None
@@ -50,29 +50,25 @@ pytestmark = pytest.mark.skipif(not HAVE_SERVER,
 
 from tests.sglang_server_helpers import (  # noqa: E402 (after the skip decision)
     CHUNK,
+    IN_FLIGHT,
     KV_DTYPE,
+    LENGTHS,
     MAX_RUNNING,
+    NEW_TOKENS,
     ROOT,
+    PlainOutputs,
     Process,
     daemon,
     described_pools,
     free_port,
     generate,
+    prompt,
     router,
     sglang_server,
     side_config,
-    write_model,
 )
 
-#: Prompt lengths: under one chunk (256 tokens), exactly one, and over one (2 and 3 chunks).
-LENGTHS = (6, 100, 256, 300, 700)
-NEW_TOKENS = 16
 HARNESS = ROOT / "tests" / "sglang_server" / "harness"
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    """``n`` token ids (not special ones) from a seeded generator."""
-    return [int(t) for t in np.random.default_rng(n * 1000 + seed).integers(3, 1000, n)]
 
 
 def _post(port: int, path: str, body: dict[str, object]) -> int:
@@ -105,27 +101,13 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def served(tmp_path_factory: pytest.TempPathFactory, sglang_plain: PlainOutputs
+           ) -> Iterator[Served]:
     work = tmp_path_factory.mktemp("sglang-served")
-    model = write_model(work / "model")
-    ports = {k: free_port() for k in ("plain", "pd", "dd", "prefill", "decode", "boot",
-                                      "router")}
-    keys = [(n, 0) for n in LENGTHS] + [(n, s) for n in (50, 300) for s in (1, 2)]
-    plain_server = sglang_server("plain", model, ports["plain"], work / "plain.log")
-    starts: dict[str, float] = {}
-    try:
-        plain_server.wait_for("The server is fired up")
-        starts["plain server"] = plain_server.ready_s or 0.0
-        plain = {}
-        for n, s in keys:
-            out = generate(ports["plain"], prompt(n, s), NEW_TOKENS)
-            assert "output_ids" in out, out
-            plain[(n, s)] = out["output_ids"]
-    finally:
-        plain_server.stop()  # before the pair starts: an idle scheduler busy-polls a core
-    # Context matters with these weights: different prompts, different continuations.
-    assert len({tuple(v) for v in plain.values()}) == len(plain), plain
-    served = Served(work, plain, ports, starts=starts)
+    model = sglang_plain.model
+    ports = {k: free_port() for k in ("pd", "dd", "prefill", "decode", "boot", "router")}
+    starts: dict[str, float] = {"plain server": sglang_plain.ready_s}
+    served = Served(work, sglang_plain.outputs, ports, starts=starts)
     (work / "arm").write_text("")
     served.model = model
     backend = ["--disaggregation-transfer-backend", "kvbeam",
@@ -197,13 +179,17 @@ def test_router_outputs_equal_one_plain_server(served: Served) -> None:
             "|---|---|---|---|---|"]
     before = _verified(served)
     chunks_before = _chunks_posted(served)
+    took = []
     for n in LENGTHS:
+        t0 = time.monotonic()
         out = generate(served.ports["router"], prompt(n), NEW_TOKENS)
+        took.append(f"{n}: {1e3 * (time.monotonic() - t0):.0f} ms")
         got = out.get("output_ids")
         rows.append(f"| {n} | {-(-n // CHUNK)} | {NEW_TOKENS} | 1 | "
                     f"{'equal' if got == served.plain[(n, 0)] else 'DIFFERENT'} |")
         assert got == served.plain[(n, 0)], (n, out)
     print("\n" + "\n".join(rows))
+    print(f"request times through the router ({NEW_TOKENS} tokens): {', '.join(took)}")
     assert _verified(served) - before == len(LENGTHS)
     # Prompts over one chunk moved chunk by chunk: each earlier chunk was written when
     # sglang handed it over, before the last (300: one, 700: two).
@@ -216,7 +202,7 @@ def test_router_outputs_equal_one_plain_server(served: Served) -> None:
 
 
 def test_several_requests_in_flight_equal_the_plain_server(served: Served) -> None:
-    keys = [(n, s) for n in (50, 300) for s in (1, 2)]
+    keys = list(IN_FLIGHT)
     got: dict[tuple[int, int], object] = {}
 
     def one(key: tuple[int, int]) -> None:

@@ -91,6 +91,49 @@ def test_a_request_larger_than_the_buffer_is_refused_at_once() -> None:
     assert time.monotonic() - t0 < 5.0
 
 
+def test_tickets_get_room_in_the_order_they_were_taken_and_never_block() -> None:
+    """A loop that must not block asks with a ticket: a large request is not passed by
+    a small one that came later (first come, first served), a ticket whose wait ran out
+    raises when asked (counted once), and a cancelled one gives its items back."""
+    alloc = SlotAllocator({KV: 10})
+    first = alloc.acquire({KV: 6}, 0)
+    big = alloc.enqueue({KV: 8}, 30)
+    small = alloc.enqueue({KV: 2}, 30)
+    assert alloc.poll(small) is None  # 4 free, but the 8-item ticket came first
+    assert alloc.poll(big) is None and alloc.waiting == 2 and alloc.waits == 2
+    alloc.release(first)
+    got = alloc.poll(small)  # asking for any ticket grants every one whose turn came
+    assert got is not None and big.slots is not None
+    assert alloc.poll(big) is big.slots and alloc.waiting == 0
+    alloc.cancel(big)  # granted and given up: its items back
+    alloc.release(got)
+    assert alloc.held == 0 and alloc.occupancy() == 0.0
+    late = alloc.enqueue({KV: 10}, 0.05)
+    blocker = alloc.acquire({KV: 1}, 0)
+    time.sleep(0.1)
+    with pytest.raises(StagingFull, match=r"waited 0\.05 s for room"):
+        alloc.poll(late)
+    with pytest.raises(StagingFull):
+        alloc.poll(late)
+    assert alloc.refusals == 1 and alloc.waiting == 0
+    alloc.release(blocker)
+    with pytest.raises(StagingFull, match="holds 10 in all"):
+        alloc.enqueue({KV: 11}, 30)  # never fits: at once
+
+
+def test_an_expired_ticket_does_not_hold_up_the_queue() -> None:
+    alloc = SlotAllocator({KV: 4})
+    held = alloc.acquire({KV: 3}, 0)
+    stuck = alloc.enqueue({KV: 4}, 0.05)
+    after = alloc.enqueue({KV: 1}, 30)
+    assert alloc.poll(after) is None  # behind the 4-item ticket
+    time.sleep(0.1)
+    assert alloc.poll(after) is not None  # the first one's wait ran out: its turn passed
+    with pytest.raises(StagingFull):
+        alloc.poll(stuck)
+    alloc.release(held)
+
+
 # ---- the staging config ----------------------------------------------------------------
 def _configs() -> list[SideConfig]:
     paged = paged_spec(num_layers=2, block_size=16, num_kv_heads=2, head_size=64,

@@ -19,6 +19,15 @@ The pools' description (the side config the attach carries and the daemons compa
 read from sglang's own pool objects (:mod:`kvbeam.integrations.sglang.describe`), never
 trusted from a file.
 
+Staged (:mod:`kvbeam.integrations.sglang.staged`: a pool on a GPU, or ``KVBEAM_STAGING=1``)
+the manager attaches a host staging buffer of the pools' geometry instead: prefill's
+last ``send`` gathers the request's pages, states and metadata row into staging items
+and sends them in one SEND once the copy completed (earlier chunks are not sent on their
+own); decode reserves staging items, and its poll scatters them into sglang's pool and
+metadata rows after Success, saying Success only once that copy completed. A full
+buffer makes a request wait (asked again at each poll) up to ``KVBEAM_STAGING_WAIT_S``,
+then fails it; its staging items go back at every end.
+
 Every request ends: a side that gives a request up leaves its cause in the bootstrap
 room (a tombstone the store forgets once both deadlines below passed), so the other
 side's poll ends at once with that cause; and each request has sglang's own deadlines
@@ -48,10 +57,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvbeam.auth import CLIENT_SETTINGS, Security, client_security, insecure_from_environment
-from kvbeam.engine import Attachment, Receiver, Sender, attach
+from kvbeam.engine import Attachment, EngineBuffers, EnginePools, Receiver, Sender, attach
 from kvbeam.engine.requests import KVPoll, client_for
+from kvbeam.engine.staging import StagedRequest, StagingBuffer, TensorKV
 from kvbeam.errors import AttachError, ConfigError, KvbeamError, PoolCompatibilityError
-from kvbeam.integrations.sglang import bootstrap, memory
+from kvbeam.integrations.sglang import bootstrap, memory, staged
 from kvbeam.integrations.sglang.describe import (
     engine_description,
     model_name,
@@ -168,6 +178,11 @@ class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
             memory, or the daemon refused the attach.
     """
 
+    #: Staged: the host buffer the daemon maps, and sglang's pools as its device KV
+    #: (None: the daemon maps sglang's pools themselves).
+    staging: StagingBuffer | None = None
+    device_kv: TensorKV | None = None
+
     def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any,
                  is_mla_backend: bool | None = False) -> None:
         self.kv_args = args
@@ -196,13 +211,55 @@ class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
         #: bootstrap store -> when its next unreadable-store warning may be logged
         self._store_warned: dict[str, float] = {}
         self._init_scheduler_members()
-        self.attachment = self._attach(_setting(server_args, "kvbeam_attach_socket"))
+        self.staging, self.device_kv = self._staging(target, server_args)
+        self.staging_log = staged.StagingLog(self.mode)
+        try:
+            self.attachment = self._attach(_setting(server_args, "kvbeam_attach_socket"))
+        except BaseException:
+            if self.staging is not None:
+                self.staging.close()
+            raise
         if self.mode == "prefill" and getattr(server_args, "disaggregation_bootstrap_port",
                                               None) is not None:
             self.register_to_bootstrap()  # sglang's schedulers never call it for kvbeam
 
+    def _staging(self, target: tuple[Any, str] | None, server_args: Any
+                 ) -> tuple[StagingBuffer | None, TensorKV | None]:
+        """The staging buffer and device KV when the pools are staged (a GPU pool, or
+        asked for); (None, None) when the daemon maps sglang's pools themselves.
+
+        Raises:
+            ConfigError: staging refused (``KVBEAM_STAGING=0``) for a GPU pool, or asked
+                for pools kvbeam does not stage (not sglang's MHA pool).
+        """
+        wanted = staged.staging_requested(server_args)
+        pool = target[0] if target is not None and target[1] == memory.MHA else None
+        tensors = (staged.pool_tensors(pool, memory.metadata_for(self.kv_args))
+                   if pool is not None else [])
+        device = staged.pool_device(tensors)
+        if device == "cpu" and not wanted:
+            return None, None
+        if wanted is False:
+            raise ConfigError(f"KVBEAM_STAGING=0, but sglang's KV pool is on {device}: a "
+                              "kvbeam daemon maps host memory only, so a GPU pool moves "
+                              "through a pinned host staging buffer; leave KVBEAM_STAGING "
+                              "unset")
+        if pool is None:
+            raise ConfigError("staging: kvbeam stages sglang's MHA pool (and its metadata "
+                              "rows) only; these pools are not one (docs/sglang.md)")
+        kv = staged.device_kv(self.kv_args, self.layout, tensors)
+        buffer = staged.staging_buffer(self.config, device, staged.Capacity.read(server_args))
+        log.info("kvbeam sglang backend (%s): the pools stay on %s; staged through a host "
+                 "buffer of %d request(s), %.1f MiB", self.mode, device,
+                 buffer.config.target.num_req_slots, buffer.layout.total_bytes / 2**20)
+        return buffer, kv
+
     def _attach(self, sock: str, timeout: float = 180.0) -> Attachment:
-        buffers = buffers_from_kvargs(self.kv_args, self.layout)
+        memory_: EnginePools | EngineBuffers
+        if self.staging is not None:
+            memory_, config = self.staging.pools, self.staging.config
+        else:
+            memory_, config = buffers_from_kvargs(self.kv_args, self.layout), self.config
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -212,8 +269,7 @@ class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
                     # and each push would wake the reader thread in sglang's scheduler.
                     # A restarted daemon gets the same memory again (reattach keeps
                     # duplicates of the fds closed below); meanwhile polls read Failed.
-                    return attach(sock, buffers, self.config, pushes="final",
-                                  reattach=True)
+                    return attach(sock, memory_, config, pushes="final", reattach=True)
                 except AttachError as exc:
                     # The daemon beside the server may still be starting (importing torch
                     # takes a minute under emulation): retry then only.
@@ -221,8 +277,9 @@ class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
                         raise
                 time.sleep(0.1)
         finally:
-            for fd in buffers.fds:
-                os.close(fd)
+            if isinstance(memory_, EngineBuffers):
+                for fd in memory_.fds:
+                    os.close(fd)
 
     def registration(self) -> dict[str, Any]:
         """What prefill publishes at its bootstrap server: its daemon and its pools."""
@@ -311,9 +368,17 @@ class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
         return bootstrap.call(address, op, key, value, timeout, token=self.security.token,
                               ttl=ttl)
 
+    def log_staging(self) -> None:
+        """Staged: the staging buffer's figures in sglang's log, when due (polls call it)."""
+        if self.staging is not None:
+            self.staging_log.maybe(self.staging)
+
     def close(self) -> None:
-        """Detach the engine's memory (the daemon fails its live requests)."""
+        """Detach the engine's memory (the daemon fails its live requests); staged, free
+        the staging buffer."""
         self.attachment.close()
+        if self.staging is not None:
+            self.staging.close()
 
 
 class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
@@ -343,6 +408,9 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         self.last: Any = None  # the failure as last seen (reason, detail), for messages
         self.deadline = time.monotonic() + mgr.bootstrap_timeout
         self.next_room_check = 0.0
+        #: Staged: the request's way through the staging buffer, once its last chunk came.
+        self.staged: StagedRequest | None = None
+        self.staged_sent = False
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         """Remember how many pages the request has (the last chunk completes them) and
@@ -368,7 +436,10 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         self.tokens += num_kv_tokens
         final = state_indices is not None or len(self.pages) >= self.num_pages
         try:
-            self._send_chunk(pages, start, final, state_indices)
+            if self.mgr.staging is None:
+                self._send_chunk(pages, start, final, state_indices)
+            elif final:  # staged: the whole request at once, from the staging items
+                self._stage(state_indices)
         except (KvbeamError, RuntimeError, OSError, ValueError) as exc:
             self._fail(f"kvbeam send of {self.request_id} failed: {exc}")
 
@@ -379,16 +450,52 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         assert self.request is not None and self.seq_len is not None
         seq_len, states = self.seq_len, None
         if final:
-            if not same_lists(self.mgr.config.target, self.mgr.layout, self.tokens, seq_len):
-                raise RuntimeError(f"room {self.room}: prefill computed {self.tokens} tokens, "
-                                   f"decode reserved {seq_len}: their index lists differ")
-            states = {**state_index_lists(self.mgr.layout, state_indices),
-                      **aux_lists(self.mgr.layout, self.aux_index)}
-            self.nbytes = moved_bytes(self.mgr.layout, {"KV_PAGES": self.pages, **states})
+            states = self._final_lists(state_indices)
         # Decode's length is authoritative (it reserved with it; the lists are the same):
         # the last chunk runs to its end, the others end where sglang's did (page-aligned).
         self.request.send_chunk(pages, (start, seq_len if final else self.tokens),
                                 seq_len=seq_len, final=final, state_indices=states)
+
+    def _final_lists(self, state_indices: list[Any] | None) -> dict[str, Any]:
+        """The lists the last chunk brings (states, the metadata row), checked: prefill's
+        token count needs the lists decode reserved."""
+        assert self.seq_len is not None
+        if not same_lists(self.mgr.config.target, self.mgr.layout, self.tokens, self.seq_len):
+            raise RuntimeError(f"room {self.room}: prefill computed {self.tokens} tokens, "
+                               f"decode reserved {self.seq_len}: their index lists differ")
+        states = {**state_index_lists(self.mgr.layout, state_indices),
+                  **aux_lists(self.mgr.layout, self.aux_index)}
+        self.nbytes = moved_bytes(self.mgr.layout, {"KV_PAGES": self.pages, **states})
+        return states
+
+    def _stage(self, state_indices: list[Any] | None) -> None:
+        """Staged, at the last chunk: a place in the staging buffer for the whole
+        request's lists; the gather and the send follow (:meth:`_advance_staging`)."""
+        if self.request is None:
+            self._start()
+        assert self.mgr.staging is not None
+        lists = staged.device_lists({"KV_PAGES": self.pages,
+                                     **self._final_lists(state_indices)})
+        self.staged = StagedRequest(self.mgr.staging, lists)
+        self._advance_staging()
+
+    def _advance_staging(self) -> None:
+        """Staging room came: gather (on CUDA on a side stream); the gather completed:
+        send the request from its staging items, as one final chunk. Never waits."""
+        assert self.staged is not None and self.mgr.device_kv is not None
+        items = self.staged.gather(self.mgr.device_kv)
+        if items is None or self.staged_sent:
+            return
+        assert self.request is not None and self.seq_len is not None
+        lists = items.named_lists()
+        self.request.send_chunk(lists.pop("KV_PAGES"), (0, self.seq_len), seq_len=self.seq_len,
+                                final=True, state_indices=lists, kv_offset=0)
+        self.staged_sent = True
+
+    def _unstage(self) -> None:
+        """The request ended: its staging items back (staged; idempotent)."""
+        if self.staged is not None:
+            self.staged.release()
 
     def _start(self) -> None:
         """At the first chunk: decode's daemon and length from the room (read again, not
@@ -419,6 +526,7 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         if self.request is not None and self.request.poll() not in (KVPoll.Success,
                                                                     KVPoll.Failed):
             self.request.abort(error)  # earlier chunks may be moving: stop them
+        self._unstage()
         self._withdraw(error)
 
     def _withdraw(self, reason: str) -> None:
@@ -434,9 +542,18 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         Bootstrapping."""
         if self.error is not None:
             return int(KVPoll.Failed)
+        self.mgr.log_staging()
         now = time.monotonic()
+        if self.staged is not None and not self.staged_sent:
+            try:
+                self._advance_staging()
+            except (KvbeamError, RuntimeError, OSError, ValueError) as exc:
+                self._fail(f"kvbeam send of {self.request_id} failed: {exc}")
+                return int(KVPoll.Failed)
         if self.request is not None:
             state = int(self.request.poll())
+            if state in (int(KVPoll.Success), int(KVPoll.Failed)):
+                self._unstage()
             if state == int(KVPoll.Failed):
                 self.last = self.request.failure()
                 self._withdraw(_failure_text(self.request_id, self.last))
@@ -526,6 +643,7 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
             self.mgr.forget(self.bootstrap_addr, self.room)
         elif not self.withdrawn:
             self._fail(f"room {self.room}: prefill dropped the request before it ended")
+        self._unstage()
 
 
 class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
@@ -551,6 +669,9 @@ class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
         self.gave_up = False  # the room holds why this request ended (ours or prefill's)
         self.last: Any = None  # the failure as last seen (reason, detail), for messages
         self.deadline = time.monotonic() + mgr.bootstrap_timeout
+        #: Staged: the request's way through the staging buffer, and its length.
+        self.staged: StagedRequest | None = None
+        self.seq_len = 0
         self._init_scheduler_members()
 
     def init(self, prefill_dp_rank: int = 0) -> None:
@@ -587,7 +708,30 @@ class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
             lists = {"KV_PAGES": kv_indices,
                      **state_index_lists(self.mgr.layout, state_indices),
                      **aux_lists(self.mgr.layout, aux_index)}
-            seq_len = decode_seq_len(self.mgr.config.target, lists)
+            self.seq_len = decode_seq_len(self.mgr.config.target, lists)
+            if self.mgr.staging is not None:
+                # Staged: staging items first (now, or at a later poll), then reserve them.
+                self.staged = StagedRequest(self.mgr.staging, staged.device_lists(lists))
+                self._advance_staging()
+                return
+        except (KvbeamError, ValueError) as exc:
+            self._fail(f"kvbeam reservation of {self.request_id} failed: {exc}")
+            return
+        self._reserve(lists)
+
+    def _advance_staging(self) -> None:
+        """Staged, before the reservation: once staging room came, reserve its items."""
+        assert self.staged is not None
+        items = self.staged.reserve()
+        if items is not None:
+            self._reserve(items.named_lists())
+
+    def _reserve(self, lists: Mapping[str, Any]) -> None:
+        """Reserve at decode's daemon (the engine's lists, or staged its staging items'),
+        then post decode's daemon and the request's length in the room for prefill."""
+        assert self.prefill is not None
+        seq_len = self.seq_len
+        try:
             request = Receiver(self.mgr.attachment, self.request_id, self.prefill["daemon"])
             request.reserve(lists["KV_PAGES"],
                             {k: v for k, v in lists.items() if k != "KV_PAGES"},
@@ -627,7 +771,25 @@ class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
             self.error = error
             log.error("%s", error)
         self.conclude_state = int(KVPoll.Failed)
+        self._unstage()
         self._give_up(error)
+
+    def _unstage(self) -> None:
+        """The request ended: its staging items back (staged; idempotent)."""
+        if self.staged is not None:
+            self.staged.release()
+
+    def _scattered(self) -> bool:
+        """Staged, after Success: the landed staging items into sglang's pool and
+        metadata rows (issued once; on CUDA on a side stream); True once complete."""
+        assert self.staged is not None and self.mgr.device_kv is not None
+        if not self.staged.scattering:
+            self._before_scatter()
+        return self.staged.scatter(self.mgr.device_kv)
+
+    def _before_scatter(self) -> None:
+        """Staged: the request's bytes are in its staging items, not yet in sglang's
+        pool (a test harness's negative control corrupts them here)."""
 
     def _give_up(self, reason: str) -> None:
         if not self.gave_up:
@@ -647,7 +809,15 @@ class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
             return int(KVPoll.Failed)
         if self.prefill is None:
             return int(KVPoll.Bootstrapping)
+        self.mgr.log_staging()
         now = time.monotonic()
+        if self.request is None and self.staged is not None:
+            try:
+                self._advance_staging()  # staging room now? then reserve
+            except (KvbeamError, ValueError) as exc:
+                self._fail(f"kvbeam reservation of {self.request_id} failed: {exc}")
+            if self.error is not None:
+                return int(KVPoll.Failed)
         if self.request is None:
             if now > self.deadline:
                 self._fail(f"room {self.room}: decode reserved nothing within "
@@ -679,7 +849,16 @@ class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
         if state == int(KVPoll.Failed):
             self.last = self.request.failure()
             self.conclude_state = state
+            self._unstage()
             self._give_up(_failure_text(self.request_id, self.last))
+        elif state == int(KVPoll.Success) and self.staged is not None:
+            try:  # sglang reads the pool and the metadata row once we say Success
+                if not self._scattered():
+                    return int(KVPoll.Transferring)
+            except KvbeamError as exc:
+                self._fail(f"kvbeam: room {self.room}: the scatter of the staged request "
+                           f"failed: {exc}")
+                return int(KVPoll.Failed)
         return decode_poll(state)
 
     def failure_exception(self) -> None:
@@ -700,12 +879,14 @@ class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
         room (a tombstone the store forgets after the deadlines)."""
         if self.request is not None and self.request.poll() is KVPoll.Success:
             self.request.release()
+            self._unstage()
             self.mgr.forget(self.bootstrap_addr, self.room)
             return
         if self.request is not None and self.request.poll() is not KVPoll.Failed:
             self.request.abort("cleared by sglang before it ended")
         if not self.gave_up:
             self._fail(f"room {self.room}: decode dropped the request before it ended")
+        self._unstage()
 
 
 class KvbeamKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[misc]

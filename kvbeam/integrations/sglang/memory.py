@@ -14,7 +14,12 @@ backends and other pool classes are left alone.
 The same hooks remember each pool object (weakly, :func:`remember`): the manager reads
 the pools' description from the ones its ``KVArgs`` points at
 (:mod:`kvbeam.integrations.sglang.describe`), never from a file. DeepSeek-V4 pools are
-remembered too (their memory is not moved: not supported yet).
+remembered too (their memory is not moved: not supported yet), and the metadata
+buffers (:func:`metadata_for`).
+
+Staged (:mod:`kvbeam.integrations.sglang.staged`: ``KVBEAM_STAGING=1``, or a pool on a
+GPU, which no daemon can map) nothing is moved: the tensors stay where sglang put them
+and the manager copies through a staging buffer instead.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ METADATA_FIELDS = ("output_ids", "cached_tokens", "output_token_logprobs_val",
 MHA, DSV4 = "sglang_mha", "dsv4"
 #: sglang's pool objects of this process (weakly held), with their kind.
 _POOLS: list[tuple[weakref.ref[Any], str]] = []
+#: sglang's metadata buffers of this process (weakly held).
+_METADATA: list[weakref.ref[Any]] = []
 
 
 def remember(pool: Any, kind: str) -> None:
@@ -86,6 +93,29 @@ def pools_for(kv_args: Any) -> tuple[tuple[Any, str] | None, tuple[Any, str] | N
         elif first in pointers:
             draft = (pool, kind)
     return target, draft
+
+
+def metadata_for(kv_args: Any) -> Any:
+    """The remembered metadata buffers whose rows ``KVArgs`` points at (None: none)."""
+    aux = [int(p) for p in getattr(kv_args, "aux_data_ptrs", ()) or ()]
+    for ref in _METADATA:
+        buffers = ref()
+        if buffers is None:
+            continue
+        ptrs = {int(t.data_ptr()) for t in (getattr(buffers, f, None) for f in METADATA_FIELDS)
+                if t is not None}
+        if aux and aux[0] in ptrs:
+            return buffers
+    return None
+
+
+def _stays(tensors: Sequence[Any]) -> bool:
+    """True when these tensors stay where sglang put them (staged): asked for, or not in
+    host memory (a GPU's, which no daemon maps)."""
+    from kvbeam.integrations.sglang.staged import staging_requested
+
+    return staging_requested() is True or any(
+        t is not None and t.device.type != "cpu" for t in tensors)
 
 
 def kvbeam_selected() -> bool:
@@ -141,15 +171,25 @@ def _after(method: Callable[..., Any], move: Callable[[Any], None]) -> Callable[
 
 
 def _move_pool(pool: Any) -> None:
-    k = share_tensors([*pool.k_buffer, *pool.v_buffer], "sglang.kv")
     n = len(pool.k_buffer)
-    pool.k_buffer, pool.v_buffer = k[:n], k[n:]
     remember(pool, MHA)
+    if _stays([*pool.k_buffer, *pool.v_buffer]):
+        log.info("kvbeam: sglang KV pool (%d K and %d V buffers) stays on %s (staged)", n, n,
+                 pool.k_buffer[0].device if n else "?")
+        return
+    k = share_tensors([*pool.k_buffer, *pool.v_buffer], "sglang.kv")
+    pool.k_buffer, pool.v_buffer = k[:n], k[n:]
     log.info("kvbeam: sglang KV pool (%d K and %d V buffers) in sealed memfds", n, n)
 
 
 def _move_metadata(buffers: Any) -> None:
     names = [f for f in METADATA_FIELDS if getattr(buffers, f, None) is not None]
+    _METADATA[:] = [ref for ref in _METADATA if ref() is not None]
+    _METADATA.append(weakref.ref(buffers))
+    if _stays([getattr(buffers, f) for f in names]):
+        log.info("kvbeam: sglang metadata rows (%d buffers) stay where they are (staged)",
+                 len(names))
+        return
     for name, moved in zip(names, share_tensors([getattr(buffers, f) for f in names],
                                                 "sglang.aux"), strict=True):
         setattr(buffers, name, moved)

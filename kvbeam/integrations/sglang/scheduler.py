@@ -116,7 +116,8 @@ class ReceiverMembers:
     def _init_scheduler_members(self) -> None:
         #: decode's allocation policy reads it after init(): Failed when init failed
         self.conclude_state: int | None = None
-        #: kvbeam never stages through a host buffer: the daemon writes the pool
+        #: sglang's own staging handler stays off: kvbeam's staging (a GPU pool) scatters
+        #: into the pool before the poll says Success (kvbeam.integrations.sglang.staged)
         self.require_staging = False
         #: True once prefill was told of this request's abort (through the daemons)
         self.abort_notified = False

@@ -4,7 +4,13 @@ vLLM builds it once in the scheduler process (role SCHEDULER) and once per worke
 (role WORKER), loading it with ``kv_connector_module_path`` (docs/vllm.md). Each role
 delegates to :class:`~kvbeam.integrations.vllm.scheduler.SchedulerSide` or
 :class:`~kvbeam.integrations.vllm.worker.WorkerSide`; the per-layer hooks have nothing
-to do, since kvbeam's daemons move whole requests between the attached caches.
+to do, since kvbeam's daemons move whole requests between the attached caches (a
+staged cache's copies run at the step's start and end: ``start_load_kv``,
+``get_finished``). Its stats are vLLM's "KV Transfer metrics" log line and, in vLLM's
+/metrics, ``vllm:kvbeam_events_total{event}`` and, staged,
+``vllm:kvbeam_staging_bytes_total{direction}``,
+``vllm:kvbeam_staging_copy_seconds_total{direction}`` and
+``vllm:kvbeam_staging_occupancy`` (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -26,12 +32,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvbeam.errors import KvbeamError
 from kvbeam.integrations.vllm.params import Settings
 from kvbeam.integrations.vllm.scheduler import SchedulerSide, StepPlan, WorkerReport
+from kvbeam.integrations.vllm.staged import STAGING_OCCUPANCY
 from kvbeam.integrations.vllm.worker import WorkerSide
 
 log = logging.getLogger(__name__)
 
 #: The connector's counter in vLLM's /metrics (``vllm:kvbeam_events_total{event}``).
 EVENTS_METRIC = "vllm:kvbeam_events"
+#: A staged cache's counters and gauge in vLLM's /metrics (``..._total{direction}``).
+STAGING_BYTES_METRIC = "vllm:kvbeam_staging_bytes"
+STAGING_COPY_METRIC = "vllm:kvbeam_staging_copy_seconds"
+STAGING_OCCUPANCY_METRIC = "vllm:kvbeam_staging_occupancy"
+#: Stats keys that are a staging buffer's bytes and copy seconds: key -> (metric, direction).
+_STAGING_AMOUNTS = {"staging_bytes_out": ("bytes", "out"), "staging_bytes_in": ("bytes", "in"),
+                    "staging_copy_out_s": ("copy", "out"), "staging_copy_in_s": ("copy", "in")}
 
 
 def use_vllm_log_format() -> None:
@@ -61,27 +75,37 @@ class KvbeamWorkerMeta(KVConnectorWorkerMetadata):
 
 
 class KvbeamStats(KVConnectorStats):
-    """Counts of the connector's events since the last collection (``data``: event ->
-    count): requests that asked for a transfer and move nothing, failed sends and loads
-    by reason, decode servers missing from ``decode_daemons``."""
+    """The connector's numbers since the last collection (``data``: name -> number):
+    counts of requests that asked for a transfer and move nothing, failed sends and
+    loads by reason, decode servers missing from ``decode_daemons``; staged, the
+    staging buffers' bytes, copy seconds, waits and refusals (summed over the workers)
+    and their occupancy in percent (the fullest worker's)."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for event, n in other.data.items():
-            self.data[event] = self.data.get(event, 0) + int(n)
+        for key, n in other.data.items():
+            if key == STAGING_OCCUPANCY:
+                self.data[key] = max(self.data.get(key, 0.0), float(n))
+            else:
+                self.data[key] = self.data.get(key, 0) + n
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {f"kvbeam {event}": int(n) for event, n in sorted(self.data.items())}
+        return {f"kvbeam {key}": (round(n, 4) if isinstance(n, float) else int(n))
+                for key, n in sorted(self.data.items())}
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        # An occupancy back at 0 is news (the gauge must come down).
+        return not any(self.data.values()) and STAGING_OCCUPANCY not in self.data
 
 
 class KvbeamPromMetrics(KVConnectorPromMetrics):
-    """``vllm:kvbeam_events_total{event}`` in vLLM's /metrics (docs/vllm.md)."""
+    """``vllm:kvbeam_events_total{event}`` in vLLM's /metrics, and a staged cache's
+    ``vllm:kvbeam_staging_bytes_total{direction}``,
+    ``vllm:kvbeam_staging_copy_seconds_total{direction}`` (``out``: prefill's gathers,
+    ``in``: decode's scatters) and ``vllm:kvbeam_staging_occupancy`` (docs/vllm.md)."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -90,13 +114,33 @@ class KvbeamPromMetrics(KVConnectorPromMetrics):
             name=EVENTS_METRIC, labelnames=[*labelnames, "event"],
             documentation="kvbeam connector events: requests that asked for a KV transfer "
                           "and move none (no_transfer_*, declined), failed sends and loads "
-                          "by reason, decode servers missing from decode_daemons")
+                          "by reason, decode servers missing from decode_daemons, staging "
+                          "waits and refusals")
+        direction = [*labelnames, "direction"]
+        self.staging = {
+            "bytes": self._counter_cls(
+                name=STAGING_BYTES_METRIC, labelnames=direction,
+                documentation="bytes kvbeam copied through its host staging buffer (out: "
+                              "prefill's gathers from the KV cache, in: decode's scatters)"),
+            "copy": self._counter_cls(
+                name=STAGING_COPY_METRIC, labelnames=direction,
+                documentation="seconds kvbeam's staging copies took (device time on CUDA)")}
+        self.occupancy = self._gauge_cls(
+            name=STAGING_OCCUPANCY_METRIC, labelnames=labelnames,
+            documentation="the share of kvbeam's host staging buffer held by requests "
+                          "(0..1, the fullest worker's)", multiprocess_mode="mostrecent")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues.get(engine_idx, [])
-        for event, n in transfer_stats_data.items():
-            if n:
-                self.events.labels(*labels, event).inc(n)
+        for key, n in transfer_stats_data.items():
+            if key == STAGING_OCCUPANCY:
+                self.occupancy.labels(*labels).set(float(n) / 100.0)
+            elif key in _STAGING_AMOUNTS:
+                metric, way = _STAGING_AMOUNTS[key]
+                if n:
+                    self.staging[metric].labels(*labels, way).inc(n)
+            elif n:
+                self.events.labels(*labels, key).inc(n)
 
 
 class KvbeamMetadata(KVConnectorMetadata):
@@ -108,6 +152,9 @@ class KvbeamMetadata(KVConnectorMetadata):
 
 class KvbeamConnector(KVConnectorBase_V1):
     """Prefill pushes a finished prompt's blocks into decode's reserved blocks."""
+
+    #: The worker side the connector builds (a test's connector names its own).
+    worker_class: type[WorkerSide] = WorkerSide
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -131,9 +178,13 @@ class KvbeamConnector(KVConnectorBase_V1):
                     f"{total} KV heads over tensor_parallel_size {tp_size}: vLLM replicates "
                     "heads across ranks then, which kvbeam does not pair (each rank must "
                     "hold its own share of the heads)")
-            self.worker = WorkerSide(settings, block_size, model.get_num_kv_heads(parallel),
-                                     model.get_head_size(), tp_rank=_tp_rank(tp_size),
-                                     tp_size=tp_size)
+            transfer = vllm_config.kv_transfer_config
+            self.worker = self.worker_class(
+                settings, block_size, model.get_num_kv_heads(parallel), model.get_head_size(),
+                tp_rank=_tp_rank(tp_size), tp_size=tp_size,
+                kv_buffer_device=str(getattr(transfer, "kv_buffer_device", "") or ""),
+                max_model_len=int(getattr(model, "max_model_len", 0) or 0),
+                load_failure_policy=str(getattr(transfer, "kv_load_failure_policy", "fail")))
 
     # ---- scheduler side ----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int

@@ -241,7 +241,52 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 #: refuses them rather than ignore a credential.
 CREDENTIAL_KEYS = CLIENT_SETTINGS
 SETTINGS_KEYS = frozenset({"daemon", "attach_socket", "model", "inner_layout",
-                           "decode_daemons"})
+                           "decode_daemons", "staging", "staging_requests", "staging_tokens",
+                           "staging_wait_s"})
+
+
+@dataclass(frozen=True)
+class Staging:
+    """How the worker stages vLLM's KV cache through a host buffer (docs/vllm.md,
+    "Staging"): ``enabled`` None stages exactly when the cache is not on the CPU (a
+    GPU's: the daemon cannot map it); True stages a CPU cache too (its ordinary tensors
+    stay where vLLM put them); False never stages (refused for a GPU cache). The buffer
+    holds ``requests`` requests of ``tokens`` tokens (0: vLLM's ``max_model_len``), and a
+    request waits up to ``wait_s`` for room."""
+
+    enabled: bool | None = None
+    requests: int = 4
+    tokens: int = 0
+    wait_s: float = 5.0
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> Staging:
+        """The ``staging*`` keys of ``kv_connector_extra_config``.
+
+        Raises:
+            ConfigError: a value of the wrong type or out of range, naming the key.
+        """
+        enabled = extra.get("staging")
+        if enabled is not None and not isinstance(enabled, bool):
+            raise ConfigError(f"kv_connector_extra_config.staging: true or false (got "
+                              f"{enabled!r}); leave it out to stage exactly when vLLM's KV "
+                              "cache is not on the CPU")
+        values: dict[str, Any] = {}
+        for key, low in (("requests", 1), ("tokens", 1)):
+            value = extra.get(f"staging_{key}")
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"kv_connector_extra_config.staging_{key}: a whole number "
+                                  f">= {low} is needed (got {value!r})")
+            values[key] = value
+        wait = extra.get("staging_wait_s")
+        if wait is not None:
+            if isinstance(wait, bool) or not isinstance(wait, int | float) or wait < 0:
+                raise ConfigError("kv_connector_extra_config.staging_wait_s: seconds >= 0 "
+                                  f"are needed (got {wait!r})")
+            values["wait_s"] = float(wait)
+        return cls(enabled, **values)
 
 
 @dataclass(frozen=True)
@@ -271,6 +316,9 @@ class Settings:
             kvbeam daemon, or a list of its ranks' daemons for a TP > 1 decode: prefill
             then dials that daemon itself (docs/vllm.md, "Behind vllm-router"). Not
             needed: without it the decode that reserves a transfer gets it.
+        staging: ``staging``, ``staging_requests``, ``staging_tokens``,
+            ``staging_wait_s``: the KV cache staged through a host buffer
+            (:class:`Staging`).
     """
 
     daemons: tuple[str, ...]
@@ -278,6 +326,7 @@ class Settings:
     model: str
     inner_layout: str = ""
     decode_daemons: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    staging: Staging = field(default_factory=Staging)
 
     def check_tp(self, tp_size: int) -> None:
         """Refuse settings that do not name one daemon and attach socket per TP rank.
@@ -328,7 +377,8 @@ class Settings:
         return cls(daemons=lists["daemon"], attach_sockets=lists["attach_socket"],
                    model=str(extra.get("model") or default_model),
                    inner_layout=str(extra.get("inner_layout") or ""),
-                   decode_daemons=_decode_daemons(extra.get("decode_daemons") or {}))
+                   decode_daemons=_decode_daemons(extra.get("decode_daemons") or {}),
+                   staging=Staging.from_extra(extra))
 
 
 def _decode_daemons(value: Any) -> dict[str, tuple[str, ...]]:

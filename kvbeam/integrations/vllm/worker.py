@@ -1,4 +1,4 @@
-"""The connector's worker side: vLLM's KV cache in shared memory, attached; transfer polling.
+"""The connector's worker side: vLLM's KV cache attached (shared or staged); transfers.
 
 Runs in vLLM's worker process. :meth:`WorkerSide.register_kv_caches` moves the one
 allocation vLLM's per-layer views share into a memfd (every view is re-pointed in
@@ -9,10 +9,22 @@ item per block. Every per-request call goes over that attachment's engine channe
 (:meth:`WorkerSide.absorb`), and :meth:`WorkerSide.get_finished` reads the states the
 daemon pushed (no RPC per step). The daemons move the bytes.
 
+Staged (a KV cache on a GPU, or ``staging: true``; :mod:`~kvbeam.integrations.vllm.staged`):
+the cache stays where vLLM put it and the worker attaches a host staging buffer of the
+same geometry instead (:class:`~kvbeam.engine.staging.StagingBuffer`). Prefill gathers
+a finished request's blocks into staging items (on CUDA on a side stream during the
+step) and sends from them once the copy completed; decode reserves staging items,
+and after Success scatters them into vLLM's blocks before it reports the load done.
+A full buffer makes a request wait at most ``staging_wait_s``, asked again at each
+step (vLLM's step never blocks on it); then prefill's send fails (decode computes or
+fails the request by its policy) and decode's load fails as a load error, declined to
+prefill at once. Staging items go back at every end of a request.
+
 With tensor parallelism every rank's worker runs its own WorkerSide, attached to its own
 daemon (``Settings.attach_sockets[rank]``) with its share of the heads (the pool's
 ``tp_rank``/``tp_size``). Prefill rank p sends one transfer to each decode rank whose
-heads it holds; decode rank d reserves its own at the prefill rank holding its heads
+heads it holds (staged: all of them from the same staging items); decode rank d
+reserves its own at the prefill rank holding its heads
 (:func:`~kvbeam.integrations.vllm.params.rank_transfer_id`). vLLM counts a request sent
 or received once every rank reported it.
 """
@@ -22,26 +34,36 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvbeam.engine import (
     Attachment,
     EngineBuffers,
+    EnginePools,
     KVPoll,
     Receiver,
     Sender,
     SharedMemory,
+    StagingBuffer,
     attach,
 )
-from kvbeam.errors import KvbeamError
+from kvbeam.engine.staging import Staged, StagedRequest, TensorKV, dense_bytes
+from kvbeam.engine.staging_slots import FullPolicy
+from kvbeam.errors import ConfigError, KvbeamError, StagingFull
 from kvbeam.integrations.vllm.params import (
     Settings,
     decode_ranks_of,
     prefill_rank_of,
     rank_transfer_id,
 )
-from kvbeam.integrations.vllm.scheduler import Load, StepPlan, WorkerReport
+from kvbeam.integrations.vllm.scheduler import Load, Push, StepPlan, WorkerReport
+from kvbeam.integrations.vllm.staged import StagingReport, stages
+from kvbeam.pools.engine_indices import ListLike
+from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.paged import block_bytes, paged_side_config, paged_spec
+from kvbeam.pools.spec import SideConfig
+from kvbeam.pools.types import IndexKind
 from kvbeam.proto.attach_codec import BufferRef
 from kvbeam.states import FailureReason
 
@@ -55,6 +77,9 @@ log = logging.getLogger(__name__)
 #: decode daemon for a while). An unreachable daemon is not held against it: it may be
 #: back at the next request (restarted, its engine re-attached).
 _PAIR_FAILED = frozenset({FailureReason.INCOMPATIBLE})
+KV = IndexKind.KV_PAGES
+#: The counted reason of a request whose staging wait ran out (or that never fits).
+STAGING_FULL = "staging_full"
 
 
 class Geometry(NamedTuple):
@@ -71,12 +96,42 @@ _TORCH_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16",
                  "torch.float8_e4m3fn": "float8_e4m3fn"}
 
 
+@dataclass
+class _Loading:
+    """A decode request whose KV lands here: waiting for staging room (``staged``),
+    reserved (``receiver``), or failed before it was reserved (``failure``: the counted
+    reason and why)."""
+
+    load: Load
+    receiver: Receiver | None = None
+    staged: StagedRequest | None = None
+    failure: tuple[str, str] | None = None
+
+
+@dataclass
+class _Sending:
+    """A prefill request's send: waiting for staging room or its gather (``staged``),
+    sent (``senders``: one per decode rank this rank covers), or failed before it was
+    sent (``failure``)."""
+
+    push: Push
+    staged: StagedRequest | None = None
+    senders: list[Sender] = field(default_factory=list)
+    sent: bool = False
+    failure: tuple[str, str] | None = None
+
+
 class WorkerSide:
     """One worker's attached KV cache and the transfers it waits on."""
 
     def __init__(self, settings: Settings, block_size: int, num_kv_heads: int,
-                 head_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
-        """``num_kv_heads``: this rank's own heads; ``tp_rank`` of ``tp_size``: its place.
+                 head_size: int, tp_rank: int = 0, tp_size: int = 1, *,
+                 kv_buffer_device: str = "", max_model_len: int = 0,
+                 load_failure_policy: str = "fail") -> None:
+        """``num_kv_heads``: this rank's own heads; ``tp_rank`` of ``tp_size``: its place;
+        ``kv_buffer_device``, ``max_model_len``, ``load_failure_policy``: vLLM's (the
+        staging decision, the staging buffer's default request length, what a full
+        buffer's refusal says decode does).
 
         Raises:
             ConfigError: the settings do not name one daemon per TP rank.
@@ -88,14 +143,19 @@ class WorkerSide:
         self.head_size = head_size
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.kv_buffer_device = kv_buffer_device
+        self.max_model_len = max_model_len
+        self.load_failure_policy = load_failure_policy
         self.attach_socket = settings.attach_sockets[tp_rank]
         self.attachment: Attachment | None = None
         self._shared = SharedMemory()
         self._views: list[torch.Tensor] = []
-        self._loads: dict[str, tuple[Load, Receiver | None]] = {}
-        #: Each sending request's transfers (one per decode rank this rank covers; None:
-        #: never sent).
-        self._sends: dict[str, list[Sender | None]] = {}
+        #: Staged: the buffer the daemon maps, and vLLM's cache as its device KV.
+        self.staging: StagingBuffer | None = None
+        self._device_kv: TensorKV | None = None
+        self._staging_report = StagingReport()
+        self._loads: dict[str, _Loading] = {}
+        self._sends: dict[str, _Sending] = {}
         self._load_errors: set[int] = set()
         self.moved_bytes = 0
         #: Failed sends and loads since :meth:`take_counts` (vLLM's connector stats).
@@ -106,17 +166,9 @@ class WorkerSide:
 
     # ---- memory ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Share vLLM's KV allocation, check it is whole blocks per layer, attach it."""
-        import torch
-
+        """Describe vLLM's KV cache from its live tensors, then attach it: shared (moved
+        into a memfd) or staged (a host staging buffer of its geometry)."""
         views = list(kv_caches.values())
-        storage = views[0].untyped_storage()
-        if any(v.untyped_storage().data_ptr() != storage.data_ptr() for v in views):
-            raise KvbeamError("vLLM's KV views do not share one allocation")
-        whole = torch.empty(0, dtype=torch.uint8).set_(storage)
-        shared = self._shared.share(whole, "vllm-kv")
-        for v in views:  # re-point in place: vLLM's layers hold these tensor objects
-            v.set_(shared.untyped_storage(), v.storage_offset(), v.size(), v.stride())
         # Every field the daemons' handshake compares is read from the live cache (its
         # tensor's dtype, shape and strides), and checked against vLLM's config.
         dtype = _TORCH_DTYPES.get(str(views[0].dtype))
@@ -129,29 +181,68 @@ class WorkerSide:
                           dtype=dtype, inner_layout=live.inner_layout, num_blocks=num_blocks,
                           tp_rank=self.tp_rank, tp_size=self.tp_size)
         item = block_bytes(spec)
-        refs = []
         for name, v in kv_caches.items():
             per_block = v.stride(0) * v.element_size()
-            if int(v.shape[0]) != num_blocks or per_block != item or not _blocks_dense(v):
+            if int(v.shape[0]) != num_blocks or per_block != item:
                 raise KvbeamError(f"layer {name}: view {tuple(v.shape)} strides {v.stride()} "
                                   f"is not {num_blocks} contiguous blocks of {item} bytes")
-            refs.append(BufferRef(0, int(v.storage_offset()) * v.element_size(), num_blocks * item,
-                                  item))
-        self._views = views
+            try:
+                dense_bytes(v, num_blocks * item, f"layer {name}")
+            except ConfigError as exc:
+                raise KvbeamError(f"layer {name}: view {tuple(v.shape)} strides "
+                                  f"{v.stride()} is not {num_blocks} contiguous blocks of "
+                                  f"{item} bytes ({exc})") from exc
         config = paged_side_config(self.settings.model, spec)
+        device = str(views[0].device)
+        staged = stages(device, self.settings.staging, self.kv_buffer_device)
+        pools = self._stage(config, views, device) if staged else None
+        buffers = None if staged else self._share(views, num_blocks, item)
+        self._views = views
         # Only a request's end is pushed: get_finished acts on nothing else, and each
         # push would wake the channel's reader thread inside vLLM's worker. A restarted
         # daemon gets the same memory again (reattach); meanwhile new loads and sends
         # fail at once (their channel reads closed), so vLLM recomputes or errors as its
         # kv_load_failure_policy says, and absorb() reads the new channel once back.
-        self.attachment = attach(self.attach_socket,
-                                 EngineBuffers(list(self._shared.fds), [refs]), config,
-                                 pushes="final", reattach=True)
-        log.info("attached vLLM's KV cache (TP rank %d of %d): %d layers x %d blocks of %d "
+        if pools is not None:
+            self.attachment = attach(self.attach_socket, pools, pushes="final",
+                                     reattach=True)
+        else:
+            assert buffers is not None
+            self.attachment = attach(self.attach_socket, buffers, config, pushes="final",
+                                     reattach=True)
+        log.info("attached vLLM's KV cache (TP rank %d of %d%s): %d layers x %d blocks of %d "
                  "bytes (%s, %d KV heads x %d tokens x head size %d, layout %s) to %s",
-                 self.tp_rank, self.tp_size, len(views), num_blocks, item, dtype,
-                 live.num_kv_heads, live.block_size, live.head_size, live.inner_layout,
-                 self.attach_socket)
+                 self.tp_rank, self.tp_size, f", on {device}, staged" if staged else "",
+                 len(views), num_blocks, item, dtype, live.num_kv_heads, live.block_size,
+                 live.head_size, live.inner_layout, self.attach_socket)
+
+    def _share(self, views: list[torch.Tensor], num_blocks: int, item: int) -> EngineBuffers:
+        """vLLM's one allocation moved into a memfd, every view re-pointed in place (vLLM's
+        layers hold these tensor objects); its attach description."""
+        import torch
+
+        storage = views[0].untyped_storage()
+        if any(v.untyped_storage().data_ptr() != storage.data_ptr() for v in views):
+            raise KvbeamError("vLLM's KV views do not share one allocation")
+        whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+        shared = self._shared.share(whole, "vllm-kv")
+        for v in views:
+            v.set_(shared.untyped_storage(), v.storage_offset(), v.size(), v.stride())
+        refs = [BufferRef(0, int(v.storage_offset()) * v.element_size(), num_blocks * item, item)
+                for v in views]
+        return EngineBuffers(list(self._shared.fds), [refs])
+
+    def _stage(self, config: SideConfig, views: list[torch.Tensor], device: str
+               ) -> EnginePools:
+        """The staging buffer for vLLM's cache (which stays where it is); its pools."""
+        setting = self.settings.staging
+        policy = FullPolicy(self.load_failure_policy if self.load_failure_policy in
+                            ("fail", "recompute") else "fail")
+        self._device_kv = TensorKV(build_side_layout(config), views)
+        self.staging = StagingBuffer(config, device=device, requests=setting.requests,
+                                     tokens=setting.tokens or self.max_model_len or None,
+                                     wait_s=setting.wait_s, policy=policy)
+        return self.staging.pools
 
     def _live_geometry(self, name: str, view: torch.Tensor) -> Geometry:
         """The block geometry of one layer's live KV view, vLLM's logical ``[B, H, N, C]``
@@ -182,46 +273,41 @@ class WorkerSide:
 
     # ---- transfers ---------------------------------------------------------------
     def absorb(self, plan: StepPlan) -> None:
-        """Reserve this step's loads and send its sends, in one write to the daemon."""
+        """Reserve this step's loads and send its sends, in one write to the daemon
+        (staged: those with staging room; the others wait, asked again each step)."""
         att = self.attachment
         channel = att.channel if att is not None else None
         if att is None or channel is None:
             for load in plan.loads:
-                self._loads[load.req_id] = (load, None)
+                self._loads[load.req_id] = _Loading(load, failure=("not_reserved",
+                                                                   "not reserved"))
             for push in plan.sends:
-                self._sends[push.req_id] = [None]
+                self._sends[push.req_id] = _Sending(push, failure=("detached",
+                                                                   "no engine channel"))
             if plan.loads or plan.sends:
                 log.warning("no engine channel to the daemon: %d load(s) and %d send(s) fail",
                             len(plan.loads), len(plan.sends))
             return
         with channel.batch():
             for load in plan.loads:
-                receiver = None
-                if not load.failed:
-                    receiver = self._receiver(att, load.kvbeam_id, load.prefill_daemons)
-                    receiver.reserve(list(load.block_ids), seq_len=load.seq_len,
-                                     kv_skip=load.kv_skip)
-                self._loads[load.req_id] = (load, receiver)
+                loading = self._loads[load.req_id] = _Loading(load)
+                if load.failed:
+                    loading.failure = ("not_reserved", "not reserved")
+                elif self.staging is None:
+                    self._reserve(att, loading)
+                else:
+                    self._queue(loading, load.block_ids)
+                    self._advance_load(att, loading)
             for declined in plan.declines:
                 self._receiver(att, declined.kvbeam_id, declined.prefill_daemons).decline(
                     declined.why)
             for push in plan.sends:
-                senders: list[Sender | None] = []
-                if not push.decode_daemons:
-                    # No decode named: this rank's share goes to whichever decode daemon
-                    # reserves its transfer id (a decode of this TP size: rank to rank).
-                    targets = [(rank_transfer_id(push.kvbeam_id, self.tp_rank,
-                                                 self.tp_size), "")]
+                sending = self._sends[push.req_id] = _Sending(push)
+                if self.staging is None:
+                    self._send(att, sending, None)
                 else:
-                    decode_tp = len(push.decode_daemons)
-                    targets = [(rank_transfer_id(push.kvbeam_id, d, decode_tp),
-                                push.decode_daemons[d])
-                               for d in decode_ranks_of(self.tp_rank, self.tp_size, decode_tp)]
-                for transfer_id, decode in targets:
-                    sender = Sender(att, transfer_id, decode)
-                    sender.send(list(push.block_ids), seq_len=push.seq_len)
-                    senders.append(sender)
-                self._sends[push.req_id] = senders
+                    self._queue(sending, push.block_ids)
+                    self._advance_send(att, sending)
 
     def _receiver(self, att: Attachment, kvbeam_id: str, prefill_daemons: tuple[str, ...]
                   ) -> Receiver:
@@ -231,45 +317,171 @@ class WorkerSide:
                                                   len(prefill_daemons))]
         return Receiver(att, rank_transfer_id(kvbeam_id, self.tp_rank, self.tp_size), prefill)
 
+    def _reserve(self, att: Attachment, loading: _Loading, blocks: ListLike | None = None
+                 ) -> None:
+        """Reserve the load at its blocks (staged: at its staging items)."""
+        load = loading.load
+        loading.receiver = self._receiver(att, load.kvbeam_id, load.prefill_daemons)
+        loading.receiver.reserve(list(load.block_ids) if blocks is None else blocks,
+                                 seq_len=load.seq_len, kv_skip=load.kv_skip)
+
+    def _send(self, att: Attachment, sending: _Sending, blocks: ListLike | None) -> None:
+        """Send the request's blocks (staged: its staging items) to every decode rank
+        this rank holds heads of."""
+        push = sending.push
+        if not push.decode_daemons:
+            # No decode named: this rank's share goes to whichever decode daemon
+            # reserves its transfer id (a decode of this TP size: rank to rank).
+            targets = [(rank_transfer_id(push.kvbeam_id, self.tp_rank, self.tp_size), "")]
+        else:
+            decode_tp = len(push.decode_daemons)
+            targets = [(rank_transfer_id(push.kvbeam_id, d, decode_tp), push.decode_daemons[d])
+                       for d in decode_ranks_of(self.tp_rank, self.tp_size, decode_tp)]
+        for transfer_id, decode in targets:
+            sender = Sender(att, transfer_id, decode)
+            sender.send(list(push.block_ids) if blocks is None else blocks,
+                        seq_len=push.seq_len)
+            sending.senders.append(sender)
+        sending.sent = True
+
+    # ---- staged ------------------------------------------------------------------
+    def _queue(self, request: _Loading | _Sending, blocks: tuple[int, ...]) -> None:
+        """A place in the staging buffer's queue (refused at once: never fits)."""
+        assert self.staging is not None
+        try:
+            request.staged = StagedRequest(self.staging, {KV: blocks})
+        except StagingFull as exc:
+            request.failure = (STAGING_FULL, str(exc))
+
+    def _advance(self, att: Attachment | None) -> None:
+        """Move each staged request on as far as it goes now, never waiting: loads and
+        sends whose staging room came, sends whose gather completed (the buffer grants
+        room in arrival order)."""
+        if self.staging is None or att is None:
+            return
+        for loading in self._loads.values():
+            if loading.receiver is None and loading.failure is None:
+                self._advance_load(att, loading)
+        for sending in self._sends.values():
+            if not sending.sent and sending.failure is None:
+                self._advance_send(att, sending)
+
+    def _advance_load(self, att: Attachment, loading: _Loading) -> None:
+        """Staging room came: reserve at the staging items. The wait ran out (or the
+        request never fits): a load error, declined to prefill at once (it frees its
+        blocks)."""
+        load = loading.load
+        if loading.staged is not None and loading.failure is None:
+            try:
+                landing = loading.staged.reserve()
+            except StagingFull as exc:
+                loading.failure = (STAGING_FULL, str(exc))
+            else:
+                if landing is not None:
+                    self._reserve(att, loading, landing.lists[KV])
+                return
+        if loading.failure is not None:
+            self._receiver(att, load.kvbeam_id, load.prefill_daemons).decline(
+                f"decode's staging buffer: {loading.failure[1]}")
+
+    def _advance_send(self, att: Attachment, sending: _Sending) -> None:
+        """Staging room came: gather the blocks into it (the copy is issued, on CUDA on
+        a side stream); the gather completed: send from the staging items. The wait ran
+        out: no send."""
+        assert self._device_kv is not None
+        if sending.staged is None or sending.failure is not None:
+            return
+        try:
+            staged = sending.staged.gather(self._device_kv)
+        except StagingFull as exc:
+            sending.failure = (STAGING_FULL, str(exc))
+            return
+        if staged is not None:
+            self._send(att, sending, staged.lists[KV])
+
+    # ---- ends --------------------------------------------------------------------
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(sends ended, loads ended), from the states the daemon pushed; a failed load's
-        blocks go to the load errors."""
-        sent = {r for r, senders in self._sends.items()
-                if all(s is None or s.poll() in (KVPoll.Success, KVPoll.Failed)
-                       for s in senders)}
-        for r in sent:
-            for sender in self._sends.pop(r):
-                failed = sender.failure() if sender is not None else None
-                if failed is None:
-                    continue
-                reason, why = failed
-                self.counts[f"send_failed_{reason.value if reason else 'unknown'}"] += 1
-                log.warning("request %s: send of transfer %s failed (%s): %s; decode computes "
-                            "the prompt", r, sender.request_id if sender else "?",
-                            reason.value if reason else "?", why)
-                if sender is not None and sender.decode_address and reason in _PAIR_FAILED:
-                    self._refused[sender.decode_address] = f"{reason.value}: {why}"
-        received: set[str] = set()
+        blocks go to the load errors. Staged requests move on first (room, copies)."""
         with self._batch():
-            for r, (load, receiver) in list(self._loads.items()):
-                state = KVPoll.Failed if receiver is None else receiver.poll()
-                if state is KVPoll.Success:
-                    assert receiver is not None
-                    self._landed(load, receiver)
-                elif state is KVPoll.Failed:
-                    failure = receiver.failure() if receiver is not None else None
-                    label = (failure[0].value if failure and failure[0]
-                             else "not_reserved")
-                    self.counts[f"load_failed_{label}"] += 1
-                    log.warning("request %s: transfer %s failed (%s: %s); vLLM gets its blocks "
-                                "as load errors (kv_load_failure_policy)", r, load.kvbeam_id,
-                                label, failure[1] if failure else "not reserved")
-                    self._load_errors.update(load.block_ids)
-                else:
-                    continue
-                received.add(r)
-                del self._loads[r]
+            self._advance(self.attachment)
+            sent = {r for r, s in self._sends.items() if self._send_ended(r, s)}
+            received = {r for r, lo in self._loads.items() if self._load_ended(r, lo)}
+            for r in sent:
+                staged = self._sends.pop(r).staged
+                if staged is not None:
+                    staged.release()
+            for r in received:
+                staged = self._loads.pop(r).staged
+                if staged is not None:
+                    staged.release()
+            if sent or received:
+                self._advance(self.attachment)  # the room they gave back, at once
         return sent, received
+
+    def _send_ended(self, req_id: str, sending: _Sending) -> bool:
+        """Whether the send ended (each failure counted and logged once, here)."""
+        if sending.failure is not None:
+            label, why = sending.failure
+            self.counts[f"send_failed_{label}"] += 1
+            log.warning("request %s: no send of transfer %s (%s): %s; decode computes the "
+                        "prompt or fails it (its kv_load_failure_policy)", req_id,
+                        sending.push.kvbeam_id, label, why)
+            return True
+        if not sending.sent or not all(s.poll() in (KVPoll.Success, KVPoll.Failed)
+                                       for s in sending.senders):
+            return False
+        for sender in sending.senders:
+            failed = sender.failure()
+            if failed is None:
+                continue
+            reason, why = failed
+            self.counts[f"send_failed_{reason.value if reason else 'unknown'}"] += 1
+            log.warning("request %s: send of transfer %s failed (%s): %s; decode computes "
+                        "the prompt", req_id, sender.request_id,
+                        reason.value if reason else "?", why)
+            if sender.decode_address and reason in _PAIR_FAILED:
+                self._refused[sender.decode_address] = f"{reason.value}: {why}"
+        return True
+
+    def _load_ended(self, req_id: str, loading: _Loading) -> bool:
+        """Whether the load ended: landed (staged: scattered into vLLM's blocks, the
+        copy complete) or failed (its blocks to the load errors)."""
+        load, receiver = loading.load, loading.receiver
+        failure = loading.failure
+        if failure is None:
+            if receiver is None:
+                return False  # waiting for staging room
+            state = receiver.poll()
+            if state is KVPoll.Success:
+                if loading.staged is not None and not self._scattered(loading.load,
+                                                                      loading.staged):
+                    return False
+                self._landed(load, receiver)
+                return True
+            if state is not KVPoll.Failed:
+                return False
+            failed = receiver.failure()
+            failure = ((failed[0].value if failed[0] else "unknown"), failed[1]) if failed \
+                else ("unknown", "failed")
+        label, why = failure
+        self.counts[f"load_failed_{label}"] += 1
+        log.warning("request %s: transfer %s failed (%s: %s); vLLM gets its blocks as load "
+                    "errors (kv_load_failure_policy)", req_id, load.kvbeam_id, label, why)
+        self._load_errors.update(load.block_ids)
+        return True
+
+    def _scattered(self, load: Load, staged: StagedRequest) -> bool:
+        """Staged decode after Success: the landed staging items scattered into vLLM's
+        blocks (issued once; on CUDA on a side stream): True once complete."""
+        assert self._device_kv is not None and staged.staged is not None
+        if not staged.scattering:
+            self._before_scatter(load, staged.staged)
+        return staged.scatter(self._device_kv)
+
+    def _before_scatter(self, load: Load, landing: Staged) -> None:
+        """Staged decode: the request's bytes are in the staging items, not yet in
+        vLLM's blocks (a test's negative control corrupts them here)."""
 
     def _batch(self) -> contextlib.AbstractContextManager[None]:
         channel = self.attachment.channel if self.attachment is not None else None
@@ -302,9 +514,13 @@ class WorkerSide:
         self._refused = {}
         return out
 
-    def take_counts(self) -> dict[str, int]:
-        """Failed sends and loads since the last call, by reason; then zero."""
-        out, self.counts = dict(self.counts), Counter()
+    def take_counts(self) -> dict[str, float]:
+        """Failed sends and loads since the last call, by reason, and (staged) what the
+        staging buffer did since (:mod:`~kvbeam.integrations.vllm.staged`); then zero."""
+        out: dict[str, float] = dict(self.counts)
+        self.counts = Counter()
+        if self.staging is not None:
+            out.update(self._staging_report.take(self.staging.metrics))
         return out
 
     def take_load_errors(self) -> set[int]:
@@ -321,12 +537,10 @@ class WorkerSide:
             log.info("transfer %s: release: %s", load.kvbeam_id, exc)
 
     def close(self) -> None:
-        """Detach (the daemon fails what is still moving) and close the memfds."""
+        """Detach (the daemon fails what is still moving) and close the memfds (staged:
+        unpin and free the staging buffer)."""
         if self.attachment is not None:
             self.attachment.close()
+        if self.staging is not None:
+            self.staging.close()
         self._shared.close()
-
-
-def _blocks_dense(v: torch.Tensor) -> bool:
-    """A block's bytes are one contiguous run: the view is contiguous after dim 0."""
-    return bool(v[0].is_contiguous())
