@@ -278,30 +278,22 @@ def test_decode_loads_only_the_blocks_its_prefix_cache_lacks(served: Deployment)
     log.warning("partial loads through vllm-router:\n%s", "\n".join(rows))
 
 
-def test_behind_a_contract_proxy_output_equals_the_direct_server_and_the_kv_moves(
-        served: Deployment, contract: Served) -> None:
-    """vLLM's NIXL contract and nothing else (tests/vllm_contract_proxy.py: NIXL's fixed
-    kv_transfer_params to prefill, a plain uuid X-Request-Id to both, prefill's returned
-    params to decode unchanged), 5 prompts at once not streamed, then 3 streamed:
-    token-identical to the plain server; prefill's daemon wrote every prompt whole and
-    decode's landed it (Success and bytes in both daemons' counters: decode computed
-    nothing itself); and each X-Request-Id the proxy made names its transfer in both
-    daemons' logs and both servers' (one grep follows the request)."""
-    rng = np.random.default_rng(20)
+def _whole_prompts_move(served: Deployment, proxy: Served, rng: np.random.Generator,
+                        batches: tuple[tuple[bool, tuple[int, ...]], ...]
+                        ) -> tuple[list[str], int, int]:
+    """Each batch (streamed?, prompt lengths) of new random prompts at once through
+    ``proxy`` and to the plain server: token-identical, and every prompt's blocks written
+    by prefill's daemon and landed on decode's (both daemons' counters: decode computed
+    none itself). (a row per batch, transfers, blocks)."""
     p_url = served.metrics("prefill")
     p_before = (metric(p_url, "kvbeam_transfers_total", state="Success"),
                 metric(p_url, "kvbeam_request_bytes_total"))
-    logs = {"prefill daemon": served.daemons["prefill"].lines,
-            "decode daemon": served.daemons["decode"].lines,
-            "prefill vLLM": served.prefill.lines, "decode vLLM": served.decode.lines}
-    since = {name: len(lines) for name, lines in logs.items()}
-    proxied = len(contract.lines)
     moved = blocks = 0
     rows = []
-    for stream, lengths in ((False, (45, 100, 64, 20, 200)), (True, (50, 130, 31))):
+    for stream, lengths in batches:
         prompts = [_tokens(rng, n) for n in lengths]
         before = served.landed()
-        got, want = _at_once(contract, served.plain, prompts, stream=stream)
+        got, want = _at_once(proxy, served.plain, prompts, stream=stream)
         after = served.landed()
         for g, w in zip(got, want, strict=True):
             assert (g.status, g.finish, w.status, w.finish) == (200, "length", 200, "length"), \
@@ -315,6 +307,26 @@ def test_behind_a_contract_proxy_output_equals_the_direct_server_and_the_kv_move
     p_after = (metric(p_url, "kvbeam_transfers_total", state="Success"),
                metric(p_url, "kvbeam_request_bytes_total"))
     assert (p_after[0] - p_before[0], p_after[1] - p_before[1]) == (moved, blocks * BLOCK_BYTES)
+    return rows, moved, blocks
+
+
+def test_behind_a_contract_proxy_output_equals_the_direct_server_and_the_kv_moves(
+        served: Deployment, contract: Served) -> None:
+    """vLLM's NIXL contract and nothing else (tests/vllm_contract_proxy.py: NIXL's fixed
+    kv_transfer_params to prefill, a plain uuid X-Request-Id to both, prefill's returned
+    params to decode unchanged), 5 prompts at once not streamed, then 3 streamed:
+    token-identical to the plain server; prefill's daemon wrote every prompt whole and
+    decode's landed it (Success and bytes in both daemons' counters: decode computed
+    nothing itself); and each X-Request-Id the proxy made names its transfer in both
+    daemons' logs and both servers' (one grep follows the request)."""
+    logs = {"prefill daemon": served.daemons["prefill"].lines,
+            "decode daemon": served.daemons["decode"].lines,
+            "prefill vLLM": served.prefill.lines, "decode vLLM": served.decode.lines}
+    since = {name: len(lines) for name, lines in logs.items()}
+    proxied = len(contract.lines)
+    rows, moved, blocks = _whole_prompts_move(
+        served, contract, np.random.default_rng(20),
+        ((False, (45, 100, 64, 20, 200)), (True, (50, 130, 31))))
     ids = routed_ids(contract, proxied)
     assert len(ids) == moved, ids
     missing = [(rid, name) for rid in ids for name, lines in logs.items()
@@ -354,36 +366,16 @@ def test_behind_vllms_own_toy_proxy_output_equals_the_direct_server_and_the_kv_m
     both daemons' counters show every prompt's KV written and landed (decode computed
     none of them), the shared prefix's blocks not moved again."""
     rng = np.random.default_rng(22)
-    p_url = served.metrics("prefill")
-    p_before = (metric(p_url, "kvbeam_transfers_total", state="Success"),
-                metric(p_url, "kvbeam_request_bytes_total"))
-    moved = blocks = 0
-    rows = []
-    for stream, lengths in ((False, (40, 110, 70, 25)), (True, (60, 140))):
-        prompts = [_tokens(rng, n) for n in lengths]
-        before = served.landed()
-        got, want = _at_once(toy, served.plain, prompts, stream=stream)
-        after = served.landed()
-        for g, w in zip(got, want, strict=True):
-            assert (g.status, g.finish, w.status, w.finish) == (200, "length", 200, "length"), \
-                (g, w)
-        assert [g.tokens for g in got] == [w.tokens for w in want]
-        n = sum(blocks_for(len(p), BLOCK) for p in prompts)  # random: no prefix held
-        assert (after[0] - before[0], after[1] - before[1]) == (len(prompts), n * BLOCK_BYTES)
-        moved, blocks = moved + len(prompts), blocks + n
-        rows.append(f"stream={stream}: {lengths}: {len(prompts)} transfers, {n} blocks, "
-                    f"{n * BLOCK_BYTES} bytes landed on decode, tokens identical")
-    p_after = (metric(p_url, "kvbeam_transfers_total", state="Success"),
-               metric(p_url, "kvbeam_request_bytes_total"))
-    assert (p_after[0] - p_before[0], p_after[1] - p_before[1]) == (moved, blocks * BLOCK_BYTES)
+    rows, _, _ = _whole_prompts_move(served, toy, rng,
+                                     ((False, (40, 110, 70, 25)), (True, (60, 140))))
     base = _tokens(rng, 96)  # 3 blocks
     shared = base[:64] + _tokens(rng, 40)  # 4 blocks, the first 2 base's
     for case, prompt, held in (("new prompt", base, 0), ("shared 2-block prefix", shared, 2)):
-        got, want, landed, partial = _one(served, prompt, via=toy)
+        one, plain, landed, partial = _one(served, prompt, via=toy)
         total = blocks_for(len(prompt), BLOCK)
         rows.append(f"{case}: {total} blocks, {partial:g} moved, tokens identical")
-        assert (got.status, got.finish) == (200, "length"), got
-        assert got.tokens == want.tokens, case
+        assert (one.status, one.finish) == (200, "length"), one
+        assert one.tokens == plain.tokens, case
         assert (landed, partial) == (1, total - held), (case, landed, partial)
     log.warning("behind vLLM's own toy_proxy_server.py:\n%s", "\n".join(rows))
 
