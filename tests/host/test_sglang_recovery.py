@@ -62,7 +62,7 @@ BOUND_S = 120.0
 #: Requests sent one every :data:`GAP_S`, the daemon killed after the first
 #: :data:`KILLED_AFTER` of them: (prompt tokens, new tokens). Long generations (decoding
 #: at the kill) and long prompts (prefilled in 256-token chunks, their KV moving).
-STREAM = ((100, 800), (140, 800), *((900 + 60 * i, 16) for i in range(6)),
+STREAM = ((100, 1200), (140, 1200), *((900 + 60 * i, 16) for i in range(6)),
           *((60 + 40 * i, 16) for i in range(6)))
 KILLED_AFTER = 6
 GAP_S = 0.25
@@ -177,16 +177,20 @@ def _under_load(served: Pair, kill: Callable[[], None], seed: int
         out.seconds = out.ended_at - start
 
     killed_at = 0.0
-    for i, (n, new) in enumerate(STREAM):
+    prompts = [(prompt(n, seed + i), new) for i, (n, new) in enumerate(STREAM)]
+    # Sent on a schedule from the first send (not a sleep after each start): on a loaded
+    # host starting a thread took 0.3 s, so the kill came after the long generations ended.
+    first = time.monotonic()
+    for i, (tokens, new) in enumerate(prompts):
+        time.sleep(max(first + i * GAP_S - time.monotonic(), 0.0))
         if i == KILLED_AFTER:
             killed_at = time.monotonic()
             kill()
         out = Outcome(sent_after_kill=i >= KILLED_AFTER)
         outcomes.append(out)
-        t = threading.Thread(target=one, args=(out, prompt(n, seed + i), new))
+        t = threading.Thread(target=one, args=(out, tokens, new))
         threads.append(t)
         t.start()
-        time.sleep(GAP_S)
     deadline = time.monotonic() + BOUND_S + 90
     for t in threads:
         t.join(max(deadline - time.monotonic(), 0.1))
