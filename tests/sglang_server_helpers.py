@@ -8,6 +8,7 @@ output goes to a log file under the test's folder.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from kvbeam.pools.sglang_mha import sglang_mha_spec
@@ -30,6 +32,27 @@ from kvbeam.proto.attach_codec import config_to_mapping
 
 ROOT = Path(__file__).resolve().parent.parent
 STUBS = ROOT / "tests" / "sglang_server" / "stubs"
+#: What a served sglang test needs in the interpreter running pytest (.venv-sglang).
+SERVER_MODULES = ("sglang", "sglang_router", "safetensors", "uvicorn")
+
+
+def require_sglang_server() -> pytest.MarkDecorator:
+    """A served sglang test module's ``pytestmark``: skip it where sglang's server stack
+    (:data:`SERVER_MODULES`) is not importable; with ``KVBEAM_REQUIRE_SGLANG_SERVER=1``
+    (``make test-sglang``, CI) a missing one fails the module's collection instead, so a
+    skip never passes for a run.
+
+    Raises:
+        RuntimeError: ``KVBEAM_REQUIRE_SGLANG_SERVER=1`` and a module is missing.
+    """
+    missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
+    if missing and os.environ.get("KVBEAM_REQUIRE_SGLANG_SERVER") == "1":
+        raise RuntimeError("KVBEAM_REQUIRE_SGLANG_SERVER=1 but the sglang server venv is not "
+                           f"this interpreter's: {', '.join(missing)} missing (make test-sglang)")
+    return pytest.mark.skipif(bool(missing), reason="sglang's server stack is not installed "
+                              "(make test-sglang)")
+
+
 #: A tiny Llama whose weights the test writes (seeded: with sglang's dummy weights the
 #: output is a 2-token cycle that ignores the context).
 TINY_LLAMA: dict[str, Any] = {

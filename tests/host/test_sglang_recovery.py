@@ -25,9 +25,7 @@ KVBEAM_REQUIRE_SGLANG_SERVER=1 turns the skip into a failure.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import threading
 import time
 import urllib.request
@@ -38,24 +36,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-HAVE_SERVER = all(importlib.util.find_spec(m) is not None
-                  for m in ("sglang", "sglang_router", "safetensors", "uvicorn"))
-if not HAVE_SERVER and os.environ.get("KVBEAM_REQUIRE_SGLANG_SERVER") == "1":
-    raise RuntimeError("KVBEAM_REQUIRE_SGLANG_SERVER=1 but the sglang server venv is not "
-                       "this interpreter's (make test-sglang)")
-pytestmark = pytest.mark.skipif(not HAVE_SERVER,
-                                reason="sglang's server stack is not installed (make test-sglang)")
-
-from tests.metrics_helpers import scrape, value  # noqa: E402 (after the skip decision)
-from tests.sglang_server_helpers import (  # noqa: E402
+from tests.metrics_helpers import scrape, value
+from tests.sglang_server_helpers import (
     Process,
     daemon,
     free_port,
     generate,
+    require_sglang_server,
     router,
     sglang_server,
     write_model,
 )
+
+pytestmark = require_sglang_server()
 
 #: Every client request must end within this many seconds of being sent.
 BOUND_S = 120.0

@@ -27,9 +27,7 @@ KVBEAM_REQUIRE_SGLANG_SERVER=1 turns the skip into a failure.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import re
 import threading
 import time
@@ -40,15 +38,7 @@ from pathlib import Path
 
 import pytest
 
-HAVE_SERVER = all(importlib.util.find_spec(m) is not None
-                  for m in ("sglang", "sglang_router", "safetensors", "uvicorn"))
-if not HAVE_SERVER and os.environ.get("KVBEAM_REQUIRE_SGLANG_SERVER") == "1":
-    raise RuntimeError("KVBEAM_REQUIRE_SGLANG_SERVER=1 but the sglang server venv is not "
-                       "this interpreter's (make test-sglang)")
-pytestmark = pytest.mark.skipif(not HAVE_SERVER,
-                                reason="sglang's server stack is not installed (make test-sglang)")
-
-from tests.sglang_server_helpers import (  # noqa: E402 (after the skip decision)
+from tests.sglang_server_helpers import (
     CHUNK,
     IN_FLIGHT,
     KV_DTYPE,
@@ -63,10 +53,13 @@ from tests.sglang_server_helpers import (  # noqa: E402 (after the skip decision
     free_port,
     generate,
     prompt,
+    require_sglang_server,
     router,
     sglang_server,
     side_config,
 )
+
+pytestmark = require_sglang_server()
 
 HARNESS = ROOT / "tests" / "sglang_server" / "harness"
 

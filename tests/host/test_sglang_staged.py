@@ -21,7 +21,6 @@ KVBEAM_REQUIRE_SGLANG_SERVER=1 turns the skip into a failure.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import threading
@@ -32,15 +31,7 @@ from pathlib import Path
 
 import pytest
 
-HAVE_SERVER = all(importlib.util.find_spec(m) is not None
-                  for m in ("sglang", "sglang_router", "safetensors", "uvicorn"))
-if not HAVE_SERVER and os.environ.get("KVBEAM_REQUIRE_SGLANG_SERVER") == "1":
-    raise RuntimeError("KVBEAM_REQUIRE_SGLANG_SERVER=1 but the sglang server venv is not "
-                       "this interpreter's (make test-sglang)")
-pytestmark = pytest.mark.skipif(not HAVE_SERVER,
-                                reason="sglang's server stack is not installed (make test-sglang)")
-
-from tests.sglang_server_helpers import (  # noqa: E402 (after the skip decision)
+from tests.sglang_server_helpers import (
     IN_FLIGHT,
     LENGTHS,
     MAX_RUNNING,
@@ -53,10 +44,13 @@ from tests.sglang_server_helpers import (  # noqa: E402 (after the skip decision
     free_port,
     generate,
     prompt,
+    require_sglang_server,
     router,
     sglang_server,
     side_config,
 )
+
+pytestmark = require_sglang_server()
 
 HARNESS = ROOT / "tests" / "sglang_server" / "harness"
 #: Each side's staging buffer: 4 requests of up to 1024 tokens (the prompts are <= 700).
