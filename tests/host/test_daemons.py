@@ -15,7 +15,7 @@ from kvbeam.procs import wait_until
 from kvbeam.scheduler import drive, run_request
 from kvbeam.states import FailureReason, TransferState
 from tests.control_helpers import run_cli
-from tests.daemon_helpers import pair, start
+from tests.daemon_helpers import free_slots, pair, start
 from tests.fixtures import shipped_config
 
 S, F = TransferState.SUCCESS, TransferState.FAILED
@@ -39,7 +39,11 @@ def test_reserve_when_full_is_resource_exhausted() -> None:
         with pytest.raises(Busy, match="no free request slot"):
             d.reserve("one-too-many", 100, prefill.address)
         d.abort("hold-0")
+        # A scheduler's abort frees the slot once prefill has confirmed it stopped
+        # writing (a round trip to prefill), not when Abort returns.
+        assert wait_until(lambda: free_slots(d) == 1, 10)
         d.reserve("now-fits", 100, prefill.address)
+        assert free_slots(d) == 0
 
 
 def test_duplicate_and_bad_requests_are_refused_and_daemons_stay_up() -> None:
