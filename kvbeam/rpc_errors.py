@@ -81,16 +81,21 @@ def code_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def abort(context: grpc.ServicerContext, exc: BaseException, method: str,
-          request: Any = None) -> NoReturn:
-    """Abort the RPC with the status for ``exc``; the log line names the request and peer."""
+def refusal(exc: BaseException, method: str, extra: dict[str, str]) -> tuple[grpc.StatusCode, str]:
+    """The status and details that answer ``exc`` (an RPC's or a peer channel request's),
+    logged once: an unexpected exception with its traceback, a refusal as one line."""
     code = code_for(exc)
-    extra = _log_fields(request, context)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("%s failed unexpectedly", method, extra=extra)
     else:
         log.info("%s refused: %s: %s", method, code.name, exc, extra=extra)
-    context.abort(code, f"{type(exc).__name__}: {exc}")
+    return code, f"{type(exc).__name__}: {exc}"
+
+
+def abort(context: grpc.ServicerContext, exc: BaseException, method: str,
+          request: Any = None) -> NoReturn:
+    """Abort the RPC with the status for ``exc``; the log line names the request and peer."""
+    context.abort(*refusal(exc, method, _log_fields(request, context)))
 
 
 def _log_fields(request: Any, context: grpc.ServicerContext) -> dict[str, str]:

@@ -1,11 +1,13 @@
-"""What both daemons serve alike: Status, WatchStatus, Heartbeat, and the background loops.
+"""What both daemons serve alike: Status, WatchStatus, Heartbeat, the peer channel's
+requests, and the background loops.
 
-:class:`DaemonServicer` is the gRPC adapter around a role's core
-(:mod:`kvbeam.server.core`): it decodes requests, calls the core, encodes the
-status and maps the core's errors to gRPC codes (:func:`~kvbeam.rpc_errors.handled`). It owns the
+:class:`DaemonServicer` is the adapter around a role's core (:mod:`kvbeam.server.core`)
+for gRPC and for the peer channel: it decodes requests, calls the core, encodes the
+answer and maps the core's errors to status codes (:func:`~kvbeam.rpc_errors.handled`
+for an RPC, :func:`~kvbeam.rpc_errors.refusal` for a channel request). It owns the
 driver's one bounded executor (:attr:`DaemonServicer.io`), on which the core runs
-every blocking step, and the loops the runtime runs in threads: transport events,
-deadline sweeps and heartbeats, each of which hands its events to the core.
+every blocking step, and the loops the runtime runs in threads: transport events and
+deadline sweeps, each of which hands its events to the core.
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
 
-from kvbeam.errors import FrameError, PeerChannelError, UnknownRequest
+from kvbeam.errors import FrameError, UnknownRequest
 from kvbeam.logs import fields
 from kvbeam.pools import digest, plan
 from kvbeam.pools.allocate import AllocatedSide
@@ -29,21 +31,16 @@ from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.proto import engine_frames
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.proto.peer_frames import ONE_WAY, decode_request, kind_name
 from kvbeam.proto.side import ROLE_TO_PROTO, Role
 from kvbeam.proto.transfer_codec import status_to_proto
 from kvbeam.proto.version import PROTOCOL_VERSION
-from kvbeam.rpc_errors import handled, peer_error
+from kvbeam.rpc_errors import code_for, handled, refusal
 from kvbeam.server.core import decode_pages
+from kvbeam.server.core.prefill_driver import ABORT_WAITERS
 from kvbeam.server.executor import LoggingExecutor
 from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.peer_channel import (
-    KIND_NAMES,
-    ONE_WAY,
-    PeerChannel,
-    PeerChannels,
-    decode_request,
-)
-from kvbeam.server.peer_rpc import writes_in_flight
+from kvbeam.server.peer_channel import PeerChannel, PeerChannels
 from kvbeam.server.peers import PeerConn, lost_peer
 from kvbeam.server.servicer import ControlServicer
 from kvbeam.states import TransferFacts, TransferStatus
@@ -56,77 +53,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Heartbeats a peer may miss in a row before it is declared lost.
-MAX_MISSED_HEARTBEATS = 2
-#: Idle peers (no live transfer with them) are pinged once in this many heartbeat intervals.
-IDLE_BEAT_EVERY = 4
 #: Longest a WatchStatus stream stays open, seconds (a client re-opens it).
 WATCH_LIMIT_S = 600.0
 #: The same while more than half of the server's handler threads hold streams.
 SHORT_WATCH_S = 0.5
-#: Threads of the driver's executor: handshakes, CRCs, peer RPCs, link releases.
+#: Threads of the driver's executor: handshakes, digests, peer calls, link releases.
 IO_WORKERS = 8
-#: Threads that answer the peer channel's requests that may wait (an Abort drains).
-PEER_WORKERS = 4
+#: Threads that answer the peer channel's requests that may wait (an Abort drains): more
+#: than the Aborts that may wait at once, so the other Aborts are answered at once.
+PEER_WORKERS = ABORT_WAITERS + 2
 
-
-class ChannelContext:
-    """What a servicer method sees of a request that came over the peer channel.
-
-    The same handlers serve the RPC and the channel (one set of checks and codecs);
-    this stands in for ``grpc.ServicerContext``. ``bound`` is the verified peer
-    connection the channel is bound to: who sent the request, proved by the channel's
-    HELLO (a token only the handshake gave that peer).
-    """
-
-    def __init__(self, channel: PeerChannel, timeout_s: float) -> None:
-        self.channel = channel
-        self.bound: PeerConn = channel.bound
-        self._deadline = time.monotonic() + timeout_s
-        self.in_flight = 0
-
-    def peer(self) -> str:
-        """The caller, for log lines."""
-        return f"peer channel of {self.channel.peer}"
-
-    def auth_context(self) -> dict[str, list[bytes]]:
-        """No certificate: the channel's HELLO proved the caller (see ``bound``)."""
-        return {}
-
-    def time_remaining(self) -> float:
-        """What is left of the caller's deadline, s."""
-        return max(0.0, self._deadline - time.monotonic())
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        """None."""
-        return ()
-
-    def is_active(self) -> bool:
-        """Whether the caller still waits."""
-        return not self.channel.closed
-
-    def set_trailing_metadata(self, metadata: Any) -> None:
-        """The only trailer the peer handlers set: the writes still in flight."""
-        self.in_flight = writes_in_flight(metadata)
-
-    def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
-        """Refuse the request with a status, as ``context.abort`` does."""
-        raise PeerChannelError(code, details)
-
-
-
-def heartbeat_lost(code: grpc.StatusCode, missed: int, silent_s: float,
-                   peer_timeout_s: float) -> bool:
-    """Whether a peer whose heartbeat just failed with ``code`` is lost.
-
-    A refusal (the peer's process is gone, its port closed) loses it after
-    MAX_MISSED_HEARTBEATS in a row. A timeout may be either side overloaded (a flood of
-    RPCs on 2 cores, a TCG guest): only ``peer_timeout_s`` of silence loses it, or a busy
-    daemon would drop healthy peers and fail their requests.
-    """
-    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-        return silent_s >= peer_timeout_s
-    return missed >= MAX_MISSED_HEARTBEATS
+#: Answers a peer channel request: (the channel it came on, its message, the caller's
+#: deadline in s) -> (the answer, writes of the request still in flight).
+ChannelHandler = Callable[[PeerChannel, Any, float], tuple[ProtoMessage, int]]
 
 
 class RoleCore(Protocol):
@@ -203,8 +142,7 @@ class DaemonServicer(ControlServicer):
             on_hello=self.channel_hello, heartbeat_s=settings.heartbeat_s,
             peer_timeout_s=settings.peer_timeout_s)
         #: Per channel request kind: (handler, request message, answered inline).
-        self.channel_handlers: dict[int, tuple[Callable[[Any, Any], ProtoMessage],
-                                               type[ProtoMessage], bool]] = {}
+        self.channel_handlers: dict[int, tuple[ChannelHandler, type[ProtoMessage], bool]] = {}
         #: Per one-way frame kind (``ONE_WAY``): (handler, message); run on the channel's
         #: thread, no reply (the handler sends what it has to say).
         self.channel_notices: dict[int, tuple[Callable[[PeerChannel, Any], None],
@@ -252,8 +190,8 @@ class DaemonServicer(ControlServicer):
 
     def _channel_request(self, channel: PeerChannel, kind: int, correlation: int,
                          payload: bytes) -> None:
-        """A request on a channel: decode it as its RPC's message and answer it with the
-        RPC's own handler, on the channel's thread or, if it may wait, on ``peer_io``.
+        """A request on a channel: decode its message and answer it with its handler, on
+        the channel's thread or, if it may wait, on ``peer_io``.
 
         Raises FrameError (the channel closes) when the frame cannot be decoded."""
         if kind in ONE_WAY:
@@ -264,7 +202,7 @@ class DaemonServicer(ControlServicer):
         try:
             request = message_type.FromString(raw)
         except DecodeError as exc:
-            raise FrameError(KIND_NAMES[kind], f"not a {message_type.__name__}: {exc}") from None
+            raise FrameError(kind_name(kind), f"not a {message_type.__name__}: {exc}") from None
         claimed = getattr(request, "instance_id", "")
         bound = channel.bound
         if claimed and claimed != bound.instance_id:
@@ -272,11 +210,11 @@ class DaemonServicer(ControlServicer):
                           f"PermissionDenied: the peer channel is bound to instance "
                           f"{bound.instance_id}, the request names {claimed!r}")
             return
-        context = ChannelContext(channel, timeout_s)
         if inline:
-            self._answer(handler, request, context, correlation)
+            self._answer(handler, channel, kind, request, timeout_s, correlation)
         else:
-            self.peer_io.submit(self._answer, handler, request, context, correlation)
+            self.peer_io.submit(self._answer, handler, channel, kind, request, timeout_s,
+                                correlation)
 
     def _channel_notice(self, channel: PeerChannel, kind: int, payload: bytes) -> None:
         """A one-way frame: its message, to its handler on this thread (no reply).
@@ -285,41 +223,47 @@ class DaemonServicer(ControlServicer):
         cannot be decoded."""
         entry = self.channel_notices.get(kind)
         if entry is None:
-            raise FrameError("kind", f"{KIND_NAMES[kind]} is not a frame a "
+            raise FrameError("kind", f"{kind_name(kind)} is not a frame a "
                                      f"{self.rt.role.value} daemon takes")
         handler, message_type = entry
         try:
             message = message_type.FromString(payload)
         except DecodeError as exc:
-            raise FrameError(KIND_NAMES[kind], f"not a {message_type.__name__}: {exc}") from None
+            raise FrameError(kind_name(kind), f"not a {message_type.__name__}: {exc}") from None
         try:
             handler(channel, message)
         except Exception:  # handlers log and answer their own refusals: this is our bug
-            log.exception("handling %s from %s failed", KIND_NAMES[kind], channel.peer)
+            log.exception("handling %s from %s failed", kind_name(kind), channel.peer)
 
-    def _answer(self, handler: Callable[[Any, Any], ProtoMessage], request: ProtoMessage,
-                context: ChannelContext, correlation: int) -> None:
+    def _answer(self, handler: ChannelHandler, channel: PeerChannel, kind: int,
+                request: ProtoMessage, timeout_s: float, correlation: int) -> None:
+        """Answer one request: its handler's answer, or the status of its refusal."""
         try:
-            reply = handler(request, context)
-        except PeerChannelError as refused:
-            context.channel.reply(correlation, refused.code(), refused.details())
+            reply, in_flight = handler(channel, request, timeout_s)
+        except Exception as exc:  # every failure becomes a status; the channel stays up
+            code, details = self.channel_refusal(exc, kind_name(kind), channel,
+                                                 getattr(request, "request_id", ""))
+            channel.reply(correlation, code, details)
             return
-        except Exception as exc:  # handlers are @handled: this is our own bug
-            log.exception("answering a peer channel request failed")
-            context.channel.reply(correlation, grpc.StatusCode.INTERNAL, f"Internal: {exc}")
-            return
-        context.channel.reply(correlation, grpc.StatusCode.OK,
-                              message=reply.SerializeToString(), in_flight=context.in_flight)
+        channel.reply(correlation, grpc.StatusCode.OK, message=reply.SerializeToString(),
+                      in_flight=in_flight)
+
+    def channel_refusal(self, exc: BaseException, what: str, channel: PeerChannel,
+                        request_id: str) -> tuple[grpc.StatusCode, str]:
+        """The status that answers a channel request or notice refused with ``exc``
+        (logged, and counted as an RPC refusal is)."""
+        self.on_refused(what, code_for(exc))
+        return refusal(exc, what, fields(request_id or None, channel.peer))
 
     def _channel_closed(self, channel: PeerChannel, reason: str) -> None:
         """A bound channel closed. Closed without a BYE (the peer's process went, it fell
         silent, it sent a bad frame): its peer is lost, its requests fail at once. A BYE
         (the peer released or replaced that connection: its link failed, an engine
         detached) only retires the channel: each side handles its own link as before
-        (its transport reports the failure). No per-request call goes over the RPCs
-        instead: prefill's next step on that connection drops it and handshakes again,
-        which opens a new channel; decode makes no offer on it; only an Abort falls back
-        to the RPC (it must reach the peer); heartbeats go over the RPC loop."""
+        (its transport reports the failure): prefill's next step on that connection drops
+        it and handshakes again, which opens a new channel; decode makes no offer on it;
+        a connection left without an open channel is dropped by the sweep after the
+        peer timeout (:meth:`sweep`)."""
         conn = lost_peer(channel, self.rt.peers)
         if conn is None:
             return
@@ -400,8 +344,9 @@ class DaemonServicer(ControlServicer):
     @handled
     def Heartbeat(self, request: pb.HeartbeatRequest,
                   context: grpc.ServicerContext) -> pb.HeartbeatResponse:
-        """Liveness and identity (a peer notices our restart by the instance id), and
-        capacity: a scheduler picks the decode with the most free slots from it."""
+        """Liveness, identity and capacity for schedulers (the daemons' own heartbeats
+        are the peer channel's): a scheduler picks the decode with the most free slots
+        from it."""
         held, total = self.rt.slot_usage()
         return pb.HeartbeatResponse(instance_id=self.local.instance_id,
                                     role=ROLE_TO_PROTO[self.rt.role],
@@ -446,56 +391,23 @@ class DaemonServicer(ControlServicer):
             log.warning("request %s failed: timeout: %s", snap.request_id, snap.detail,
                         extra=fields(snap.request_id, snap.peer))
             self.on_expired(snap)
+        self._drop_unchanneled(time.monotonic())
         self.periodic()
 
-    def heartbeat_loop(self, stop: threading.Event) -> None:
-        """Ping every connected peer; declare it lost after missed beats.
-
-        Peers we have live transfers with every interval, idle ones every
-        IDLE_BEAT_EVERY intervals: a peer that died between requests would otherwise
-        keep its connection here (a QP, a channel) for ever.
-        """
-        name_os_thread()
-        interval = self.rt.settings.heartbeat_s
-        rounds = 0
-        while not stop.wait(interval):
-            rounds += 1
-            busy = {s.peer for s in self.table.live()}
-            for conn in self.rt.peers.all():
-                channel = conn.channel
-                if channel is not None and not channel.closed:
-                    continue  # the peer channel carries its heartbeats
-                if conn.closed or (not self._has_work_with(conn, busy)
-                                   and rounds % IDLE_BEAT_EVERY):
-                    continue
-                self._beat(conn, interval)
-
-    def _has_work_with(self, conn: PeerConn, busy: set[str]) -> bool:
-        return conn.control_address in busy
-
-    def _beat(self, conn: PeerConn, interval: float) -> None:
-        timeout = max(0.2, min(self.rt.settings.rpc_timeout_s, 2 * interval))
-        try:
-            reply = conn.client().stub.Heartbeat(
-                pb.HeartbeatRequest(instance_id=self.local.instance_id), timeout=timeout)
-        except ValueError:
-            return  # the connection was closed meanwhile: nothing to beat
-        except grpc.RpcError as exc:
-            conn.missed_heartbeats += 1
-            err = peer_error(exc, address=conn.control_address, method="Heartbeat",
-                             timeout=timeout)
-            silent_s = time.monotonic() - conn.last_heard
-            lost = heartbeat_lost(exc.code(), conn.missed_heartbeats, silent_s,
-                                  self.rt.settings.peer_timeout_s)
-            log.warning("heartbeat %d to %s missed (silent %.1f s of %.1f s allowed): %s",
-                        conn.missed_heartbeats, conn.control_address, silent_s,
-                        self.rt.settings.peer_timeout_s, err,
-                        extra=fields(peer=conn.control_address))
-            if lost:
-                self.peer_lost(conn, f"peer stopped answering heartbeats: {err}")
-            return
-        conn.missed_heartbeats = 0
-        conn.last_heard = time.monotonic()
-        if reply.instance_id != conn.instance_id:
-            self.peer_lost(conn, f"peer restarted (instance {conn.instance_id} -> "
-                                 f"{reply.instance_id})")
+    def _drop_unchanneled(self, now: float) -> None:
+        """Drop every connection that has had no open peer channel for the peer timeout:
+        the channel carries its heartbeats, so nothing else would notice that its peer
+        went (decode's connection whose prefill never sent its HELLO, or whose channel
+        prefill retired and did not replace). Its link is released and its requests go
+        on as after a link failure (resent on a new link, else their deadlines)."""
+        limit = self.rt.settings.peer_timeout_s
+        for conn in self.rt.peers.all():
+            idle = conn.unchanneled_for(now)
+            if idle >= limit and not conn.closed:
+                self.rt.peers.remove(conn)
+                log.warning("connection to peer %s (%s) dropped: no open peer channel for "
+                            "%.1f s (the peer timeout is %g s)", conn.instance_id,
+                            conn.control_address, idle, limit,
+                            extra=fields(peer=conn.control_address))
+                self.io.submit(self.peer_lost, conn, f"no open peer channel to "
+                               f"{conn.control_address} for {idle:.1f} s", gone=False)

@@ -1,6 +1,6 @@
 """The decode daemon's adapter: the RPCs Reserve, Release and Abort, and the peer
-channel's BeginWrite and Abort (``channel_handlers``: no BeginWrite RPC is served) and
-prefill's answers to offers (``channel_notices``).
+channel's BeginWrite and Abort (``channel_handlers``) and prefill's answers to offers
+(``channel_notices``).
 
 Decodes each request, calls decode's driver (:class:`DecodeDriver`, which hands each
 call to the core, :mod:`kvbeam.server.core.decode`, where the reservations live, and
@@ -11,10 +11,8 @@ one link per verified prefill instance, before the handshake reply leaves.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import threading
-from collections.abc import Callable
 
 import grpc
 
@@ -25,24 +23,20 @@ from kvbeam.pools.mailbox import MAILBOX_KEY
 from kvbeam.pools.sub_batches import SUB_BATCH_KEY
 from kvbeam.proto.fields import host_port
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.proto.peer_frames import ABORT, BEGIN_WRITE, OFFER_ANSWER, Hello
 from kvbeam.proto.transfer_codec import index_lists_from_proto, indices_to_proto
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import handled
 from kvbeam.server.core.decode_driver import DecodeDriver
-from kvbeam.server.daemon_servicer import IO_WORKERS, ChannelContext, DaemonServicer
+from kvbeam.server.daemon_servicer import IO_WORKERS, DaemonServicer
 from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.identity import claim_refusal
+from kvbeam.server.peer_calls import ChannelPrefillPeers, offer_answer
 from kvbeam.server.peer_channel import (
-    ABORT,
-    BEGIN_WRITE,
     CHANNEL_ADDRESS_KEY,
     CHANNEL_TOKEN_KEY,
-    OFFER_ANSWER,
-    Hello,
     PeerChannel,
     new_token,
 )
-from kvbeam.server.peer_rpc import Dialer, GrpcPrefillPeers, offer_answer
 from kvbeam.server.peers import PeerConn
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.validation import request_id_of, seq_len_of
@@ -57,10 +51,10 @@ class DecodeServicer(DaemonServicer):
     def __init__(self, runtime: Runtime, workers: int = IO_WORKERS) -> None:
         super().__init__(runtime, workers)
         spec, layout, pools = runtime.initial_pools()  # none yet with --pools engine
-        self._dial = Dialer(runtime.options)
         self.core = self.decode = DecodeDriver(
             table=runtime.table, peers=runtime.peers,
-            prefill=GrpcPrefillPeers(lambda: self.local, runtime.options), io=self.io,
+            prefill=ChannelPrefillPeers(lambda: self.local, runtime.options, runtime.peers),
+            io=self.io,
             spec=spec, layout=layout, pools=pools,
             integrity=runtime.settings.integrity, faults=runtime.faults,
             handoff_lease_s=runtime.settings.handoff_lease_s,
@@ -71,15 +65,14 @@ class DecodeServicer(DaemonServicer):
             sub_batch_bytes=int(runtime.settings.verify_sub_batch_mib * (1 << 20)))
         self.decode.on_decline = runtime.metrics.declines.inc
         self.decode.on_connect = runtime.metrics.count_connect
-        self.slots = self.decode.slots
         self._links_lock = threading.Lock()  # leaf: guards _pending_links only
         self._pending_links: dict[str, tuple[Link, str]] = {}  # link, channel token
-        self.channel_handlers = {BEGIN_WRITE: (self.BeginWrite, pb.BeginWriteRequest, True),
-                                 ABORT: (self.Abort, pb.AbortRequest, False)}
+        self.channel_handlers = {BEGIN_WRITE: (self.begin_write, pb.BeginWriteRequest, True),
+                                 ABORT: (self.peer_abort, pb.AbortRequest, False)}
         self.channel_notices = {OFFER_ANSWER: (self.offer_answer_notice, pb.OfferResponse)}
 
     def offer_answer_notice(self, channel: PeerChannel, answer: pb.OfferResponse) -> None:
-        """Prefill's OFFER_ANSWER (protocol 8): an offer it did not keep, kept without
+        """Prefill's OFFER_ANSWER: an offer it did not keep, kept without
         digests, or refused with a status; counted, and acted on by the reservation it
         names (its request id and transfer id) when that is still offered to the prefill
         this channel is bound to. The peer channel's thread."""
@@ -117,7 +110,7 @@ class DecodeServicer(DaemonServicer):
         previous = self.rt.peers.get(peer.instance_id)
         try:
             link.connect(peer.endpoint)
-            conn = PeerConn(peer, link, self._dial)
+            conn = PeerConn(peer, link)
             conn.channel_token = token
         except Exception:
             link.release()
@@ -179,19 +172,18 @@ class DecodeServicer(DaemonServicer):
             lease_ms=int(self.rt.settings.deadline_bootstrap_s * 1000),
             instance_id=self.local.instance_id)
 
-    @handled
-    def BeginWrite(self, request: pb.BeginWriteRequest,
-                   context: grpc.ServicerContext) -> pb.BeginWriteResponse:
+    def begin_write(self, channel: PeerChannel, request: pb.BeginWriteRequest,
+                    _timeout_s: float) -> tuple[pb.BeginWriteResponse, int]:
         """Prefill is about to write (a chunk of) a request: check it may, say where (the
-        peer channel's handler; ``context`` is its :class:`ChannelContext`)."""
+        peer channel's request, answered on its thread)."""
         rid = request_id_of(request.request_id)
-        res = self.decode.begin_write(rid, request.instance_id, request.seq_len,
+        res = self.decode.begin_write(rid, channel.bound.instance_id, request.seq_len,
                                       request.final_chunk, request.digests_follow)
         return pb.BeginWriteResponse(request_id=rid, transfer_id=res.transfer_id, slot=res.slot,
                                      indices=indices_to_proto(res.indices, res.draft,
                                                               packed=True),
                                      instance_id=self.local.instance_id, kv_skip=res.kv_skip,
-                                     mailbox_slot=res.mailbox_slot)
+                                     mailbox_slot=res.mailbox_slot), 0
 
     @handled
     def Release(self, request: pb.ReleaseRequest,
@@ -202,23 +194,22 @@ class DecodeServicer(DaemonServicer):
     @handled
     def Abort(self, request: pb.AbortRequest,
               context: grpc.ServicerContext) -> pb.TransferStatus:
-        """Abort a request: fail it, make sure prefill stops writing, free the slot."""
-        rid = request_id_of(request.request_id)
-        # An Abort that says it is prefill's must come from where that prefill's handshake
-        # was admitted from: the same rule, bound to this call's credentials; over the
-        # peer channel, the prefill the channel is bound to (its HELLO proved it).
-        caller: Callable[[str], str | None]
-        if isinstance(context, ChannelContext):
-            bound = context.bound.control_address
+        """A scheduler's Abort: fail the request, make sure prefill stops writing, free
+        the slot."""
+        return self._status(self.decode.abort(request_id_of(request.request_id),
+                                              from_peer=False, detail=request.detail))
 
-            def caller(address: str) -> str | None:
-                return None if address == bound else (
-                    f"Abort over the peer channel of prefill {bound} claims prefill {address}")
-        else:
-            caller = functools.partial(claim_refusal, security=self.security,
-                                       peer=context.peer(), auth=context.auth_context(),
-                                       call="Abort")
-        return self._status(self.decode.abort(rid, from_peer=request.from_peer,
-                                              detail=request.detail,
-                                              instance_id=request.instance_id,
-                                              caller_refusal=caller))
+    def peer_abort(self, channel: PeerChannel, request: pb.AbortRequest,
+                   _timeout_s: float) -> tuple[pb.TransferStatus, int]:
+        """Prefill's Abort over the peer channel. Prefill's own word (its writes have
+        drained) only from the prefill the request was granted to: the one the channel
+        is bound to (its HELLO proved it); anyone else's is a scheduler's abort."""
+        bound = channel.bound.control_address
+
+        def caller(address: str) -> str | None:
+            return None if address == bound else (
+                f"Abort over the peer channel of prefill {bound} claims prefill {address}")
+        return self._status(self.decode.abort(request_id_of(request.request_id),
+                                              from_peer=True, detail=request.detail,
+                                              instance_id=channel.bound.instance_id,
+                                              caller_refusal=caller)), 0

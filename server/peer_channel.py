@@ -1,9 +1,10 @@
-"""The peer channel: one long-lived TCP connection per daemon pair for per-request control.
+"""The peer channel's sockets: one long-lived TCP connection per daemon pair.
 
-Everything per request that is not bytes goes here instead of a unary gRPC call:
-decode's Offer and Abort to prefill, prefill's BeginWrite and Abort to decode,
-and the heartbeats between them (docs/protocol.md, "The peer channel"). The handshake,
-health, admin and the scheduler API stay gRPC.
+Every per-request message between the two daemons goes here, and nowhere else:
+decode's Offer and Abort to prefill, prefill's BeginWrite and Abort to decode, and the
+heartbeats between them; the frames are :mod:`kvbeam.proto.peer_frames`'
+(docs/protocol.md, "The peer channel"). The handshake, health, admin, decode's ask to
+connect and the scheduler API stay gRPC.
 
 **Who opens it.** Prefill, right after its handshake with decode succeeds: prefill is
 the handshake's client (it dials decode to send a request), and decode's handshake
@@ -11,22 +12,9 @@ reply carries the channel's address and a fresh random token naming the pair
 (:data:`CHANNEL_ADDRESS_KEY`, :data:`CHANNEL_TOKEN_KEY` in the endpoint's extras). The
 token is how the TCP data plane authenticates its connections (its HELLO carries the
 link's token): it travels only in the handshake, which the control plane's mTLS or
-shared token protects, and binds the connection to the verified pair.
-
-**Frames** (both ways)::
-
-    u8 kind | u32 correlation id | u32 payload length | payload
-
-A request's payload is ``u32 timeout_ms`` then the RPC's own protobuf message
-(``BeginWriteRequest``, ``AbortRequest``), decoded by the same strict codecs as the
-RPC; a one-way frame's (:data:`ONE_WAY`: decode's ``OfferRequest``, prefill's
-``OfferResponse`` when it has something to say) is the message alone, with no reply.
-A request's REPLY carries the same correlation id:
-``u8 status code (gRPC's numbering) | u32 writes in flight | u32 details length |
-details (UTF-8) | the response message``, so callers map refusals exactly as they
-mapped the RPC's statuses. A payload longer than :data:`MAX_PAYLOAD` is refused from
-the header; any malformed frame closes the channel with a log line naming the peer and
-what was wrong; nothing here raises into the daemon.
+shared token protects, and binds the connection to the verified pair. A malformed
+frame closes the channel with a log line naming the peer and what was wrong; nothing
+here raises into the daemon.
 
 **Threads.** One selector thread per daemon (:class:`PeerChannels`) reads every
 channel, accepts decode's inbound ones, sends heartbeats, finds silent peers and
@@ -43,18 +31,38 @@ import logging
 import secrets
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from kvbeam.errors import FrameError
 from kvbeam.errors import PeerChannelError as ChannelError
+from kvbeam.proto.peer_frames import (
+    BYE,
+    HEADER,
+    HELLO,
+    MAX_HELLO_BYTES,
+    PING,
+    PONG,
+    REPLY,
+    REQUESTS_TO,
+    WELCOME,
+    Hello,
+    Reply,
+    decode_hello,
+    decode_reply,
+    encode_hello,
+    encode_reply,
+    encode_request,
+    frame,
+    kind_name,
+    split_frames,
+)
+from kvbeam.proto.peer_frames import bye as bye_frame
 from kvbeam.threads import name_os_thread
 
 log = logging.getLogger(__name__)
@@ -64,42 +72,8 @@ log = logging.getLogger(__name__)
 CHANNEL_ADDRESS_KEY = "kvbeam.peer_channel"
 CHANNEL_TOKEN_KEY = "kvbeam.peer_channel_token"
 
-HEADER = struct.Struct("<BII")  # kind, correlation id, payload length
-_HELLO_HEAD = struct.Struct("<I")  # protocol version; then three u16-prefixed strings
-_U16 = struct.Struct("<H")
-_TIMEOUT = struct.Struct("<I")  # a request's deadline, ms
-_REPLY_HEAD = struct.Struct("<BII")  # status code, writes in flight, details length
-
-HELLO = 1  # prefill -> decode: the channel's first frame (version, instance ids, token)
-WELCOME = 2  # decode -> prefill: the HELLO was accepted; the channel is bound
-PING = 3
-PONG = 4
-BYE = 5  # either way: an orderly close (payload: why); the peer's link, not the peer, went
-OFFER = 16  # decode -> prefill, one-way (protocol 8): the payload is an OfferRequest
-BEGIN_WRITE = 17  # prefill -> decode
-DIGESTS = 18  # retired: protocol 4's Digests (protocol 5: the digest mailbox); never reused
-ABORT = 19  # both ways
-OFFER_ANSWER = 20  # prefill -> decode, one-way: an OfferResponse, only when not the usual
-REPLY = 32  # the answer to a request, same correlation id
-
-KIND_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", PING: "PING", PONG: "PONG", BYE: "BYE",
-              OFFER: "Offer", BEGIN_WRITE: "BeginWrite", ABORT: "Abort",
-              OFFER_ANSWER: "OfferAnswer", REPLY: "REPLY"}
-#: The requests each side may receive (by its role), one-way frames included.
-REQUESTS_TO = {"prefill": frozenset({OFFER, ABORT}),
-               "decode": frozenset({BEGIN_WRITE, ABORT, OFFER_ANSWER})}
-#: Frames that expect no REPLY (correlation id 0; the payload is the message alone).
-#: Protocol 8 made decode's Offer one of them: prefill keeps an offer without a word
-#: (the usual case) and says only what decode must act on (OFFER_ANSWER).
-ONE_WAY = frozenset({OFFER, OFFER_ANSWER})
-
-#: Largest payload accepted: a 1M-token request's index lists are ~100 KB; the length
-#: is refused from the header, before any of the payload is read.
-MAX_PAYLOAD = 16 << 20
 #: Bytes a channel may hold unsent before its peer counts as stalled and is failed.
 MAX_OUTBOUND = 64 << 20
-#: Longest a token or an instance id in a HELLO may be.
-MAX_HELLO_STRING = 256
 #: How long an inbound connection has to send its HELLO (prefill sends it at once).
 HELLO_TIMEOUT_S = 5.0
 #: Inbound connections without a HELLO held at once; over it the oldest is dropped.
@@ -108,119 +82,10 @@ MAX_UNAUTHENTICATED = 64
 TICK_S = 0.05
 _READ = 256 << 10
 
-#: gRPC status codes by number (a REPLY and an OFFER_ANSWER carry the number).
-STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
-@dataclass(frozen=True)
-class Reply:
-    """An OK answer: the response message's bytes and the writes still in flight."""
-
-    payload: bytes
-    in_flight: int = 0
-
-
-@dataclass(frozen=True)
-class Hello:
-    """The first frame of a channel: who opens it, to whom, with which token."""
-
-    version: int
-    prefill_instance: str
-    decode_instance: str
-    token: str
-
 
 def new_token() -> str:
     """A fresh random token naming one pair's channel."""
     return secrets.token_hex(16)
-
-
-def frame(kind: int, correlation: int, payload: bytes = b"") -> bytes:
-    """One frame's bytes."""
-    if len(payload) > MAX_PAYLOAD:
-        raise FrameError("payload", f"{len(payload)} bytes, over the limit of {MAX_PAYLOAD}")
-    return HEADER.pack(kind, correlation, len(payload)) + payload
-
-
-def notice(kind: int, message: bytes) -> bytes:
-    """A one-way frame (:data:`ONE_WAY`): correlation 0, the message as its payload."""
-    return frame(kind, 0, message)
-
-
-def _string(value: str) -> bytes:
-    raw = value.encode()
-    if len(raw) > MAX_HELLO_STRING:
-        raise FrameError("hello", f"a string of {len(raw)} bytes (at most {MAX_HELLO_STRING})")
-    return _U16.pack(len(raw)) + raw
-
-
-def encode_hello(hello: Hello) -> bytes:
-    """The HELLO frame."""
-    return frame(HELLO, 0, _HELLO_HEAD.pack(hello.version) + _string(hello.prefill_instance)
-                 + _string(hello.decode_instance) + _string(hello.token))
-
-
-def decode_hello(payload: bytes) -> Hello:
-    """A HELLO's payload, strictly; FrameError names what is wrong."""
-    if len(payload) < _HELLO_HEAD.size:
-        raise FrameError("hello", f"{len(payload)} bytes, too short for its version")
-    (version,) = _HELLO_HEAD.unpack_from(payload)
-    at = _HELLO_HEAD.size
-    out: list[str] = []
-    for name in ("prefill_instance", "decode_instance", "token"):
-        if at + _U16.size > len(payload):
-            raise FrameError(f"hello.{name}", "missing")
-        (n,) = _U16.unpack_from(payload, at)
-        at += _U16.size
-        if n > MAX_HELLO_STRING or at + n > len(payload):
-            raise FrameError(f"hello.{name}", f"length {n} runs past the frame or the limit")
-        try:
-            out.append(payload[at:at + n].decode())
-        except UnicodeDecodeError:
-            raise FrameError(f"hello.{name}", "not UTF-8") from None
-        at += n
-    if at != len(payload):
-        raise FrameError("hello", f"{len(payload) - at} trailing byte(s)")
-    return Hello(version, out[0], out[1], out[2])
-
-
-def encode_request(kind: int, correlation: int, message: bytes, timeout_s: float) -> bytes:
-    """A request frame: its deadline, then the RPC's request message."""
-    ms = max(1, min(int(timeout_s * 1000), 0xFFFFFFFF))
-    return frame(kind, correlation, _TIMEOUT.pack(ms) + message)
-
-
-def decode_request(payload: bytes) -> tuple[float, bytes]:
-    """(timeout s, message bytes) of a request's payload."""
-    if len(payload) < _TIMEOUT.size:
-        raise FrameError("request", f"{len(payload)} bytes, too short for its deadline")
-    (ms,) = _TIMEOUT.unpack_from(payload)
-    return ms / 1000, payload[_TIMEOUT.size:]
-
-
-def encode_reply(correlation: int, code: grpc.StatusCode, details: str = "",
-                 message: bytes = b"", in_flight: int = 0) -> bytes:
-    """A REPLY frame."""
-    raw = details.encode()[:1 << 16]
-    return frame(REPLY, correlation, _REPLY_HEAD.pack(code.value[0], max(0, in_flight),
-                                                      len(raw)) + raw + message)
-
-
-def decode_reply(payload: bytes) -> Reply | ChannelError:
-    """A REPLY's payload: the answer, or the peer's refusal as a ChannelError."""
-    if len(payload) < _REPLY_HEAD.size:
-        raise FrameError("reply", f"{len(payload)} bytes, too short for its status")
-    value, in_flight, n = _REPLY_HEAD.unpack_from(payload)
-    code = STATUS_CODES.get(value)
-    if code is None:
-        raise FrameError("reply.status", f"unknown status code {value}")
-    start = _REPLY_HEAD.size
-    if start + n > len(payload):
-        raise FrameError("reply.details", f"length {n} runs past the frame")
-    details = payload[start:start + n].decode("utf-8", "replace")
-    if code is not grpc.StatusCode.OK:
-        return ChannelError(code, details, in_flight)
-    return Reply(payload[start + n:], in_flight)
 
 
 class _Call:
@@ -330,7 +195,7 @@ class PeerChannel:
         with self._wlock:
             correlation = self._next
             self._next = self._next % 0xFFFFFFFF + 1
-            call = _Call(KIND_NAMES.get(kind, str(kind)), time.monotonic() + timeout_s)
+            call = _Call(kind_name(kind), time.monotonic() + timeout_s)
             self._calls[correlation] = call
             closed = self.closed
         if closed:
@@ -352,7 +217,7 @@ class PeerChannel:
             return future.result(timeout_s + 1.0)
         except TimeoutError:  # the hub expires calls; this is only its backstop
             raise ChannelError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"{KIND_NAMES.get(kind, kind)} on the peer channel to "
+                               f"{kind_name(kind)} on the peer channel to "
                                f"{self.peer}: no answer within {timeout_s:g} s") from None
 
     def reply(self, correlation: int, code: grpc.StatusCode, details: str = "",
@@ -369,20 +234,7 @@ class PeerChannel:
         """
         self.last_heard = time.monotonic()
         self._inbox += data
-        out = []
-        at = 0
-        while len(self._inbox) - at >= HEADER.size:
-            kind, correlation, length = HEADER.unpack_from(self._inbox, at)
-            if length > MAX_PAYLOAD:
-                raise FrameError(KIND_NAMES.get(kind, f"kind {kind}"),
-                                 f"payload of {length} bytes, over the limit of {MAX_PAYLOAD}")
-            end = at + HEADER.size + length
-            if end > len(self._inbox):
-                break
-            out.append((kind, correlation, bytes(self._inbox[at + HEADER.size:end])))
-            at = end
-        del self._inbox[:at]
-        return out
+        return split_frames(self._inbox)
 
     def answered(self, correlation: int, payload: bytes) -> None:
         """A REPLY arrived (raises FrameError when it is malformed)."""
@@ -423,7 +275,7 @@ class PeerChannel:
             self.orderly = bye or orderly
             calls, self._calls = self._calls, {}
             if bye:
-                self._out += frame(BYE, 0, reason.encode()[:4096])
+                self._out += bye_frame(reason)
                 self._flush_locked()
             self._out.clear()
         for call in calls.values():
@@ -440,7 +292,7 @@ def _give_up(sock: socket.socket, why: str) -> None:
     it take us, alive and about to handshake again, for gone."""
     with contextlib.suppress(OSError):
         sock.setblocking(False)
-        sock.send(frame(BYE, 0, f"prefill gave up on this channel: {why}".encode()[:4096]))
+        sock.send(bye_frame(f"prefill gave up on this channel: {why}"))
     sock.close()
 
 
@@ -561,7 +413,7 @@ class PeerChannels:
             kind, _, length = HEADER.unpack(got)
             if kind != WELCOME or length:
                 raise ConnectionError(f"peer channel to {peer} at {address}: answered "
-                                      f"{KIND_NAMES.get(kind, kind)} to our HELLO, not WELCOME")
+                                      f"{kind_name(kind)} to our HELLO, not WELCOME")
         except TimeoutError:
             _give_up(sock, f"no WELCOME within {timeout_s:g} s")
             raise TimeoutError(f"peer channel to {peer} at {address}: no WELCOME within "
@@ -746,7 +598,7 @@ class PeerChannels:
         elif kind in self.requests:
             self.on_request(channel, kind, correlation, payload)
         else:
-            raise FrameError("kind", f"{KIND_NAMES.get(kind, kind)} is not a frame a "
+            raise FrameError("kind", f"{kind_name(kind)} is not a frame a "
                                      f"{self.role} daemon accepts on an established channel")
 
     # ---- inbound connections (decode) ----------------------------------------------------
@@ -781,7 +633,7 @@ class PeerChannels:
     def _read_hello(self, sock: socket.socket) -> None:
         _deadline, who, buf = self._pending[sock]
         try:
-            data = sock.recv(HEADER.size + 3 * (MAX_HELLO_STRING + 2) + 4 - len(buf))
+            data = sock.recv(HEADER.size + MAX_HELLO_BYTES - len(buf))
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -794,10 +646,9 @@ class PeerChannels:
         if len(buf) < HEADER.size:
             return
         kind, _, length = HEADER.unpack_from(buf)
-        limit = _HELLO_HEAD.size + 3 * (MAX_HELLO_STRING + _U16.size)
-        if kind != HELLO or length > limit:
+        if kind != HELLO or length > MAX_HELLO_BYTES:
             self._drop_pending(sock, logging.WARNING,
-                               f"its first frame is {KIND_NAMES.get(kind, kind)} of {length} "
+                               f"its first frame is {kind_name(kind)} of {length} "
                                "bytes, not a HELLO", who)
             return
         if len(buf) < HEADER.size + length:

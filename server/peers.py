@@ -3,12 +3,11 @@
 A peer enters by a successful handshake (either direction): :meth:`Peers.add_verified`
 records the :class:`~kvbeam.server.handshake.VerifiedPeer` (and detects a restart: the
 same control address with a new instance id), :meth:`Peers.add` its
-:class:`PeerConn` (the data link and a control channel to it). Both roles update it
+:class:`PeerConn` (the data link and the pair's peer channel). Both roles update it
 the same way; transfer RPCs require a verified peer (:meth:`Peers.require`), the
 data path a connection (:meth:`Peers.get`, :meth:`Peers.by_link`).
 
-No module here imports gRPC: the control channel is opened by a ``dial`` callable
-the daemon passes in, so the gRPC-free cores (:mod:`kvbeam.server.core`) use this
+No module here imports gRPC: the gRPC-free cores (:mod:`kvbeam.server.core`) use this
 registry directly.
 """
 
@@ -17,7 +16,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from kvbeam.errors import NotHandshakenError, ProtocolError
@@ -29,10 +27,6 @@ from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.transport import Link
 
 log = logging.getLogger(__name__)
-
-#: Opens a control channel (a ``ControlClient``) to a control address.
-Dial = Callable[[str], Any]
-
 
 def peer_mailbox(layout: SideLayout, peer: VerifiedPeer) -> Advert | None:
     """Decode's advertised digest mailbox (``extra[kvbeam-mailbox]``), checked against
@@ -83,13 +77,12 @@ def peer_buffer_addrs(layout: SideLayout, peer: VerifiedPeer) -> list[int]:
 
 
 class PeerConn:
-    """One verified peer: its data link, a control channel to it, its buffer addresses."""
+    """One verified peer: its data link, the pair's peer channel, its buffer addresses."""
 
-    def __init__(self, peer: VerifiedPeer, link: Link, dial: Dial,
-                 addrs: list[int] | None = None, mailbox: Advert | None = None) -> None:
+    def __init__(self, peer: VerifiedPeer, link: Link, addrs: list[int] | None = None,
+                 mailbox: Advert | None = None) -> None:
         self.peer = peer
         self.link = link
-        self._dial = dial
         #: The peer's buffer addresses (prefill needs decode's; decode needs none).
         self.addrs = addrs or []
         #: Decode's digest mailbox, as its handshake advertised it (prefill; None: none,
@@ -99,37 +92,36 @@ class PeerConn:
         #: Decode's advertised sub-batch size (prefill; 0: none, or decode's view of a
         #: prefill): a large request's sub-batches are marked (pools/sub_batches.py).
         self.sub_batch_bytes = peer_sub_batch(peer) if addrs else 0
-        self._client: Any = None
         #: The peer channel to this peer (kvbeam.server.peer_channel.PeerChannel) once
-        #: one is bound: BeginWrite and Offer go over it only. None before
-        #: decode's is bound (prefill's connect opens its own or fails), and in the
-        #: cores' tests, whose fake peers take the calls directly.
+        #: one is bound: every per-request message goes over it. None before decode's
+        #: is bound (prefill's connect opens its own or fails), and in the cores' tests,
+        #: whose fake peers take the calls directly.
         self.channel: Any = None
         #: Decode: the token our handshake reply gave this peer for its channel's HELLO.
         self.channel_token = ""
-        self._lock = threading.Lock()  # leaf: guards the channel and ``closed`` only
+        self._lock = threading.Lock()  # leaf: guards ``closed`` only
         self.closed = False
-        #: The RPC heartbeat loop's count of heartbeats missed in a row (a peer without
-        #: an open peer channel); see :attr:`missed_heartbeats`.
-        self._rpc_missed = 0
-        #: When the peer last answered a heartbeat (or the link was made): timed-out
-        #: heartbeats lose it only after ``peer_timeout_s`` of silence.
-        self.last_heard = time.monotonic()
+        #: When the connection last had an open peer channel (or was made): one without
+        #: an open channel for the peer timeout is dropped (:meth:`unchanneled_for`).
+        self.last_channeled = time.monotonic()
 
     @property
     def missed_heartbeats(self) -> int:
-        """Heartbeats in a row the peer left unanswered: over its open peer channel, the
-        intervals it has been silent past the first (the channel's own count); otherwise
-        the RPC heartbeat loop's. Decode does not offer to such a peer, prefill does not
-        wait for its offers."""
+        """Heartbeats in a row the peer left unanswered on its open peer channel (0 with
+        none open). Decode does not offer to such a peer, prefill does not wait for its
+        offers."""
         channel = self.channel
         if channel is not None and not channel.closed:
             return int(channel.missed_heartbeats())
-        return self._rpc_missed
+        return 0
 
-    @missed_heartbeats.setter
-    def missed_heartbeats(self, value: int) -> None:
-        self._rpc_missed = value
+    def unchanneled_for(self, now: float) -> float:
+        """Seconds the connection has had no open peer channel (0 while it has one)."""
+        channel = self.channel
+        if channel is not None and not channel.closed:
+            self.last_channeled = now
+            return 0.0
+        return now - self.last_channeled
 
     def retired_channel(self) -> Any:
         """The connection's peer channel once it has closed, else None (it is open, or
@@ -149,27 +141,8 @@ class PeerConn:
         """Where the peer's control server listens."""
         return self.peer.control_address
 
-    def client(self) -> Any:
-        """The control channel to the peer (a ``ControlClient``, opened on first use).
-
-        Opening a gRPC channel does not connect (it connects lazily), so holding the
-        leaf lock here is not holding it across network I/O.
-
-        Raises:
-            ValueError: the connection is closed (a channel opened now would never be
-                closed); gRPC raises the same for a call on a closed channel, so callers
-                handle both alike.
-        """
-        with self._lock:
-            if self.closed:
-                raise ValueError(f"connection to peer {self.instance_id} "
-                                 f"({self.control_address}) is closed")
-            if self._client is None:
-                self._client = self._dial(self.control_address)
-            return self._client
-
     def close(self, *, keep_channel: bool = False) -> None:
-        """Release the link (the peer can no longer write into us) and the channel.
+        """Release the link (the peer can no longer write into us) and close the channel.
 
         ``keep_channel`` (decode, when only the link failed): the peer channel stays open,
         bound to this closed connection, as the peer's liveness: the prefill closes it
@@ -181,15 +154,10 @@ class PeerConn:
             if self.closed:
                 return
             self.closed = True
-            client, self._client = self._client, None
             channel = None if keep_channel else self.channel
         if channel is not None:  # orderly: the peer takes it as a link loss, not as gone
             channel.close("its connection was closed on this side", bye=True)
-        try:
-            self.link.release()
-        finally:
-            if client is not None:
-                client.close()
+        self.link.release()
         log.info("connection to peer %s (%s) closed", self.instance_id, self.control_address,
                  extra=fields(peer=self.control_address))
 

@@ -1,19 +1,17 @@
-"""The prefill daemon's adapter: the RPCs Send and Abort, and the peer channel's Offer and
-Abort, over :class:`PrefillDriver`.
+"""The prefill daemon's adapter: the RPCs Send, Abort and Connect, and the peer
+channel's Offer and Abort, over :class:`PrefillDriver`.
 
 Decodes each request, validates what only the wire can get wrong, calls the core
 (:mod:`kvbeam.server.core.prefill`, where the send path lives) and encodes the
-status. :meth:`PrefillServicer.Offer` is a handler of the peer channel only (no such RPC
-is served: ``channel_notices``, one-way since protocol 8). Peer calls go over the peer channel
-(:class:`~kvbeam.server.peer_rpc.GrpcDecodePeers`).
+status. Decode's Offer (one-way) and Abort arrive on the peer channel only
+(``channel_notices``, ``channel_handlers``); the Abort RPC is a scheduler's. Peer calls
+go over the peer channel (:class:`~kvbeam.server.peer_calls.ChannelDecodePeers`).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -21,7 +19,6 @@ from kvbeam.errors import (
     Busy,
     HandshakeRejectedError,
     NoEngineAttached,
-    PeerChannelError,
     PeerError,
     PoolCompatibilityError,
     ProtocolError,
@@ -31,6 +28,7 @@ from kvbeam.errors import (
 from kvbeam.logs import fields
 from kvbeam.proto.fields import host_port
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.proto.peer_frames import ABORT, OFFER, OFFER_ANSWER, notice
 from kvbeam.proto.transfer_codec import (
     grant_indices_from_proto,
     index_lists_from_proto,
@@ -38,15 +36,10 @@ from kvbeam.proto.transfer_codec import (
 from kvbeam.rpc_errors import handled
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.core.prefill_driver import PrefillDriver
-from kvbeam.server.daemon_servicer import IO_WORKERS, ChannelContext, DaemonServicer
+from kvbeam.server.daemon_servicer import IO_WORKERS, DaemonServicer
 from kvbeam.server.identity import claim_refusal
-from kvbeam.server.peer_channel import ABORT, OFFER, OFFER_ANSWER, PeerChannel, notice
-from kvbeam.server.peer_rpc import (
-    MAX_CONNECT_DETAIL,
-    WRITES_IN_FLIGHT_KEY,
-    Dialer,
-    GrpcDecodePeers,
-)
+from kvbeam.server.peer_calls import MAX_CONNECT_DETAIL, ChannelDecodePeers
+from kvbeam.server.peer_channel import PeerChannel
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.validation import request_id_of, seq_len_of
 
@@ -54,8 +47,6 @@ log = logging.getLogger(__name__)
 
 #: What an Abort keeps of its caller's deadline for the answer's way back, s.
 ABORT_ANSWER_S = 0.25
-#: The deadline an Offer's handler sees (it does no I/O and waits for nothing), s.
-OFFER_HANDLING_S = 1.0
 #: What an OFFER_ANSWER carries back at most of a request id and of a refusal's details.
 MAX_ANSWER_ID = 1024
 MAX_ANSWER_DETAIL = 4096
@@ -81,8 +72,8 @@ class PrefillServicer(DaemonServicer):
     def __init__(self, runtime: Runtime, workers: int = IO_WORKERS) -> None:
         super().__init__(runtime, workers)
         spec, layout, pools = runtime.initial_pools()  # none yet with --pools engine
-        decode = GrpcDecodePeers(lambda: self.local, runtime.transport,
-                                 Dialer(runtime.options), runtime.metrics, self.channels)
+        decode = ChannelDecodePeers(lambda: self.local, runtime.transport, runtime.options,
+                                    runtime.metrics, runtime.peers, self.channels)
         self.core = self.prefill = PrefillDriver(
             table=runtime.table, peers=runtime.peers, decode=decode, io=self.io,
             spec=spec, layout=layout, pools=pools,
@@ -94,13 +85,13 @@ class PrefillServicer(DaemonServicer):
             on_offer=runtime.metrics.count_offer,
             send_wait_s=runtime.settings.send_wait_s, digest_pool=self.digest_pool,
             staging=runtime.records, staging_slots=runtime.settings.max_inflight)
-        self.channel_handlers = {ABORT: (self.Abort, pb.AbortRequest, False)}
+        self.channel_handlers = {ABORT: (self.peer_abort, pb.AbortRequest, False)}
         self.channel_notices = {OFFER: (self.offer_notice, pb.OfferRequest)}
 
     def offer_notice(self, channel: PeerChannel, request: pb.OfferRequest) -> None:
-        """Decode's Offer over the peer channel, one-way (protocol 8): kept without a word
-        when prefill's digests will follow (the usual case); anything else decode must act
-        on (not kept, kept without digests, refused with a status) goes back to it as one
+        """Decode's Offer over the peer channel, one-way: kept without a word when
+        prefill's digests will follow (the usual case); anything else decode must act on
+        (not kept, kept without digests, refused with a status) goes back to it as one
         OFFER_ANSWER frame. The peer channel's thread."""
         code, detail = grpc.StatusCode.OK, ""
         answer = pb.OfferResponse()
@@ -110,12 +101,10 @@ class PrefillServicer(DaemonServicer):
             detail = (f"PermissionDenied: the peer channel is bound to instance "
                       f"{bound.instance_id}, the Offer names {request.instance_id!r}")
         else:
-            # The channel's stand-in for grpc.ServicerContext (one handler serves both).
-            context: Any = ChannelContext(channel, OFFER_HANDLING_S)
             try:
-                answer = self.Offer(request, context)
-            except PeerChannelError as refused:
-                code, detail = refused.code(), refused.details()
+                answer = self._offer(request, bound.instance_id)
+            except Exception as exc:
+                code, detail = self.channel_refusal(exc, "Offer", channel, request.request_id)
         if code is grpc.StatusCode.OK and answer.accepted and answer.digests_follow:
             return
         answer.request_id = request.request_id[:MAX_ANSWER_ID]
@@ -152,6 +141,9 @@ class PrefillServicer(DaemonServicer):
                 detail = f"{type(exc).__name__}: {exc}"
                 if code is grpc.StatusCode.INTERNAL:
                     log.exception("Connect from decode %s failed unexpectedly", address)
+                elif code is grpc.StatusCode.FAILED_PRECONDITION:
+                    self._pair_refused(request.request_ids, address, request.instance_id,
+                                       detail)
         self.rt.metrics.count_connect("ok" if code is None else "failed")
         if code is not None or conn is None:
             log.info("Connect from decode %s refused: %s: %s", address,
@@ -176,48 +168,64 @@ class PrefillServicer(DaemonServicer):
                                  request.final_chunk, indices=target, draft=draft)
         return self._status(snap)
 
-    @handled
-    def Offer(self, request: pb.OfferRequest,
-              context: grpc.ServicerContext) -> pb.OfferResponse:
-        """Decode's reservation ahead of Send: keep it, so the Send writes at once (the
-        peer channel's handler; ``context`` is its :class:`ChannelContext`)."""
+    def _offer(self, request: pb.OfferRequest, instance_id: str) -> pb.OfferResponse:
+        """Decode's reservation ahead of Send: keep it, so the Send writes at once."""
         rid = request_id_of(request.request_id)
         # Checked as BeginWrite's answer is: each kind once, no negative index.
         target, draft = grant_indices_from_proto(request.indices, "indices")
         grant = WriteGrant(request.transfer_id, target, draft,
                            kv_skip=request.kv_skip,  # checked against the Send's lists
                            mailbox_slot=request.mailbox_slot)  # checked against the mailbox
-        kept = self.prefill.offer(rid, request.instance_id, request.seq_len, grant,
+        kept = self.prefill.offer(rid, instance_id, request.seq_len, grant,
                                   request.lease_ms / 1000)
         return pb.OfferResponse(accepted=kept, digests_follow=self.prefill.integrity)
 
-    def _caller_refusal(self, context: grpc.ServicerContext) -> Callable[[str], str | None]:
-        """Why the caller of an Abort saying it is decode's may not speak for the decode
-        at an address (None: it may). Over the peer channel the channel's HELLO proved
-        the caller: it speaks for the decode it is bound to; over the RPC the
-        handshake's rule, bound to the call's credentials."""
-        if isinstance(context, ChannelContext):
-            bound = context.bound.control_address
+    def _pair_refused(self, request_ids: Sequence[str], address: str, instance_id: str,
+                      detail: str) -> None:
+        """A Connect's handshake was refused: the requests the decode at ``address`` named
+        as waiting for the pair fail here now (their Sends end with the refusal), as an
+        Abort from that decode would fail them."""
+        detail = f"decode's reservation failed: the pair could not connect: {detail}"
+        for rid in request_ids:
+            try:
+                self.prefill.abort(request_id_of(rid), from_peer=True, detail=detail,
+                                   wait_s=0.0, instance_id=instance_id,
+                                   caller_refusal=_speaks_for(address, "Connect"))
+            except Exception as exc:  # an unknown id: nothing to end here
+                log.debug("Connect from decode %s names %r: %s", address, rid, exc,
+                          extra=fields(rid, address))
 
-            def channel_refusal(address: str) -> str | None:
-                return None if address == bound else (
-                    f"Abort over the peer channel of decode {bound} claims decode {address}")
-            return channel_refusal
-        return functools.partial(claim_refusal, security=self.security, peer=context.peer(),
-                                 auth=context.auth_context(), call="Abort")
+    def peer_abort(self, channel: PeerChannel, request: pb.AbortRequest,
+                   timeout_s: float) -> tuple[pb.TransferStatus, int]:
+        """Decode's Abort over the peer channel: fail the request, answering within the
+        caller's deadline with how many of its writes had not drained (decode is told
+        by Abort once they did). Decode's verdict only from the request's own decode:
+        the one the channel is bound to."""
+        rid = request_id_of(request.request_id)
+        bound = channel.bound
+        snap = self.prefill.abort(rid, from_peer=True, detail=request.detail,
+                                  wait_s=max(0.0, timeout_s - ABORT_ANSWER_S),
+                                  instance_id=bound.instance_id,
+                                  caller_refusal=_speaks_for(bound.control_address,
+                                                             "Abort over the peer channel"))
+        return self._status(snap), self.prefill.in_flight(rid)
 
     @handled
     def Abort(self, request: pb.AbortRequest,
               context: grpc.ServicerContext) -> pb.TransferStatus:
-        """Fail the request; answer within the caller's deadline, saying in the trailing
-        metadata (``kvbeam-writes-in-flight``) how many of its writes had not drained."""
+        """A scheduler's Abort: fail the request (decode is told once its writes
+        drained); answers within the caller's deadline."""
         rid = request_id_of(request.request_id)
         remaining = context.time_remaining()
         wait_s = None if remaining is None else max(0.0, remaining - ABORT_ANSWER_S)
-        snap = self.prefill.abort(rid, from_peer=request.from_peer, detail=request.detail,
-                                  wait_s=wait_s, instance_id=request.instance_id,
-                                  caller_refusal=self._caller_refusal(context))
-        left = self.prefill.in_flight(rid)
-        if left:
-            context.set_trailing_metadata(((WRITES_IN_FLIGHT_KEY, str(left)),))
-        return self._status(snap)
+        return self._status(self.prefill.abort(rid, from_peer=False, detail=request.detail,
+                                               wait_s=wait_s))
+
+
+def _speaks_for(address: str, how: str) -> Callable[[str], str | None]:
+    """Why a caller bound to the decode at ``address`` (by its peer channel, or by a
+    Connect's checked claim) may not speak for the decode at another address."""
+    def refusal(claimed: str) -> str | None:
+        return None if claimed == address else (
+            f"{how} of decode {address} claims decode {claimed}")
+    return refusal

@@ -2,7 +2,7 @@
 
 :class:`Runtime` builds everything in order (config, layout and the start-up
 check before any memory is allocated), runs the background loops (transport
-events, deadlines, heartbeats) and tears everything down in reverse order.
+events, deadlines; the peer channels' own thread) and tears everything down in reverse order.
 The role-specific behaviour lives in the role's core (:mod:`kvbeam.server.core`),
 reached through its servicer (:mod:`kvbeam.server.decode`, :mod:`kvbeam.server.prefill`),
 which the loops call back.
@@ -269,8 +269,7 @@ class Runtime:
         self.local = self.server.local  # carries the bound or advertised address
         servicer.start_channels()
         self._publish(servicer)
-        for name, target in (("events", servicer.event_loop), ("sweeper", self._sweep),
-                             ("heartbeat", servicer.heartbeat_loop)):
+        for name, target in (("events", servicer.event_loop), ("sweeper", self._sweep)):
             t = threading.Thread(target=target, args=(self._stop,), name=f"kvbeam-{name}",
                                  daemon=True)
             t.start()

@@ -128,9 +128,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("advertise", "KVBEAM_ADVERTISE", str, "",
            "HOST:PORT peers use to reach this daemon (default: --listen)"),
     Option("peer_port", "KVBEAM_PEER_PORT", int, 0,
-           "decode: TCP port of the peer channel (prefill's per-request control: offers, "
-           "aborts, digests, heartbeats), on the --listen host (default: any free port; "
-           "each handshake reply names it)"),
+           "decode: TCP port of the peer channel (the daemons' only way to each other after "
+           "the handshake: offers, BeginWrite, aborts, heartbeats), on the --listen host "
+           "(default: any free port; each handshake reply names it)"),
     Option("transport", "KVBEAM_TRANSPORT", str, "auto",
            "data plane: auto (RDMA device given or found, else TCP), rdma, or tcp",
            ("auto", "rdma", "tcp")),
@@ -175,13 +175,14 @@ OPTIONS: tuple[Option, ...] = (
            "(WaitingForInput, its source pages held; a Send naming no decode waits for the "
            "Offer of the decode that reserves it); then it fails with reason timeout"),
     Option("rpc_timeout_s", "KVBEAM_RPC_TIMEOUT_S", float, 5.0,
-           "deadline of every RPC to a peer"),
+           "deadline of every call to a peer (a handshake, Connect, a request on the peer "
+           "channel)"),
     Option("heartbeat_s", "KVBEAM_HEARTBEAT_S", float, 1.0,
-           "seconds between heartbeats to each peer with transfers in flight (idle peers: "
-           "every 4th)"),
+           "seconds between heartbeats on each peer channel"),
     Option("peer_timeout_s", "KVBEAM_PEER_TIMEOUT_S", float, 10.0,
-           "seconds a peer may leave heartbeats unanswered (timed out, not refused) before it "
-           "is declared lost; a refused heartbeat (process gone) loses it after two"),
+           "seconds a peer may leave its peer channel silent (past one heartbeat interval) "
+           "before it is declared lost; also how long a connection may go without an open "
+           "peer channel before it is dropped"),
     Option("max_inflight", "KVBEAM_MAX_INFLIGHT", int, 256,
            "transfers in flight on this side before new ones get RESOURCE_EXHAUSTED"),
     Option("integrity", "KVBEAM_INTEGRITY", parse_bool, True,

@@ -68,11 +68,16 @@ class FakeLink:
                      status="OK" if ok else status)
 
 
-class FakeClient:
-    """A control channel that is never used (the fakes below answer instead)."""
+class SilentChannel:
+    """An open peer channel whose peer has left ``missed`` heartbeats unanswered."""
 
-    def close(self) -> None:
-        pass
+    closed = False
+
+    def __init__(self, missed: int) -> None:
+        self.missed = missed
+
+    def missed_heartbeats(self) -> int:
+        return self.missed
 
 
 def fake_conn(address: str, side: AllocatedSide) -> PeerConn:
@@ -81,8 +86,8 @@ def fake_conn(address: str, side: AllocatedSide) -> PeerConn:
     peer = SimpleNamespace(instance_id=f"decode@{address}", control_address=address,
                            layout=side.layout, endpoint=SimpleNamespace(regions=[]))
     box = RecordArea.for_buffers(16, len(side.layout.flat_buffers))
-    conn = PeerConn(cast(VerifiedPeer, peer), cast(Link, FakeLink()),
-                    lambda _a: FakeClient(), side.buffer_addrs(), mailbox=box.advert())
+    conn = PeerConn(cast(VerifiedPeer, peer), cast(Link, FakeLink()), side.buffer_addrs(),
+                    mailbox=box.advert())
     conn.fake_mailbox = box  # type: ignore[attr-defined]  # alive as long as the conn
     return conn
 
@@ -168,6 +173,9 @@ class FakeDecode:
         if relink and request_id in self.landed:
             raise AlreadyLanded(f"request {request_id} landed before the resend")
         return WriteGrant(tid, request_indices(UNIFIED_TARGET, 1, seq_len))
+
+    def reaches(self, conn: PeerConn | None, address: str) -> bool:
+        return True
 
     def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
               timeout: float | None = None) -> bool:

@@ -11,7 +11,8 @@ on a new link (:mod:`kvbeam.server.core.resend`; the handshake and BeginWrite ru
 the executor like a first send's) and decode keeps it meanwhile. Nothing here
 imports gRPC (a unit test checks): the servicers are thin adapters, and peer calls
 reach a core through the protocols in :mod:`kvbeam.server.core.ports`, implemented
-over gRPC by :mod:`kvbeam.server.peer_rpc`. An engine can drive a core directly.
+over the peer channel by :mod:`kvbeam.server.peer_calls`. An engine can drive a core
+directly.
 Modules, by responsibility: :mod:`~kvbeam.server.core.base` (status and the
 engine-pools switch, both cores), :mod:`~kvbeam.server.core.actions` (the actions both
 return: a link to drop, a metric to count). Both cores are plain state machines:
@@ -59,7 +60,7 @@ single-chunk request with decode's offer in hand) runs on the thread that made i
 ready (the engine channel's, a handler's, or the peer channel's for an Offer), not on
 the executor (``PrefillCore.steps_inline``; what follows an action that blocks goes
 to the executor in order, ``PrefillDriver.execute``). Long-lived loops (events,
-deadline sweep, heartbeats) and the peer channels' selector thread
+deadline sweep) and the peer channels' selector thread
 (:mod:`kvbeam.server.peer_channel`, which answers Offer and BeginWrite itself and
 hands Aborts to the servicer's ``peer_io`` pool) are the other threads;
 nothing starts a thread per event.
@@ -79,8 +80,8 @@ RPC, a digest, a write post, a link's release or a memory registration.
    Its ``on_change`` callback (metrics) runs after the lock is released.
 3. Leaves, which call nothing while held: ``Peers._lock``
    (:mod:`kvbeam.server.peers`), ``OfferBook._lock`` (prefill's offers),
-   ``PeerConn._lock`` (the channel; ``close`` releases
-   the link after dropping it), ``SlotPool`` (:mod:`kvbeam.server.slots`),
+   ``PeerConn._lock`` (``closed``; ``close`` releases
+   the link after it), ``SlotPool`` (:mod:`kvbeam.server.slots`),
    ``DecodeServicer._links_lock`` (handshake links), ``DaemonServicer._watch_lock``,
    ``FaultHooks._lock``, ``ControlServer._lock`` (start/stop only), the peer
    channels' ``PeerChannel._wlock`` (a channel's outbound buffer and calls; held

@@ -92,7 +92,6 @@ from kvbeam.server.core.decode_actions import (
     Freed,
     SendOffer,
     TellPrefill,
-    TellPrefillAt,
 )
 from kvbeam.server.core.decode_landing import Verdict, checks_inline
 from kvbeam.server.core.decode_pages import PageBook
@@ -255,11 +254,13 @@ class DecodeCore(CoreBase):
             if tid:
                 return tid
 
-    def decline(self, request_id: str, prefill_address: str, detail: str) -> Actions:
+    def decline(self, request_id: str, prefill_address: str, detail: str,
+                now: float) -> Actions:
         """The engine will not load a request it reserved nothing for: tell its prefill
         now, by Abort, so prefill fails its send and frees the source (instead of
-        waiting out its ``--send-wait-s`` lease). Nothing to do when that prefill is
-        not connected to this daemon (it frees the request at its lease).
+        waiting out its ``--send-wait-s`` lease). With no open peer channel to that
+        prefill (it sent nothing here yet: its Send may name no decode), prefill is asked
+        to connect and told once it did (:meth:`dialed`).
 
         A request this daemon holds a reservation of is aborted instead (ABORT):
         refused here.
@@ -268,13 +269,12 @@ class DecodeCore(CoreBase):
             raise BadRequest(f"request {request_id} is reserved here: abort it (ABORT), "
                              "DECLINE is for a request decode will not load at all")
         conn = self.peers.by_address(prefill_address)
-        if conn is None or conn.closed:
-            # Not connected (prefill sent nothing here yet: its Send may name no decode):
-            # told on a one-off call instead.
-            return [TellPrefillAt(prefill_address, (request_id,),
-                                  f"declined by decode: {detail}"), Count("declines")]
-        return [TellPrefill(conn, request_id, f"declined by decode: {detail}"),
-                Count("declines")]
+        why = f"declined by decode: {detail}"
+        if conn is None or conn.closed or conn.retired_channel() is not None:
+            with self._lock:
+                self._dialing.hold_decline(prefill_address, request_id, why)
+            return [*self._dial(prefill_address, now, request_id), Count("declines")]
+        return [TellPrefill(conn, request_id, why), Count("declines")]
 
     def begin_write(self, request_id: str, instance_id: str, seq_len: int, final: bool,
                     digests_follow: bool) -> Incoming:
@@ -458,43 +458,55 @@ class DecodeCore(CoreBase):
     def _ask_prefill(self, res: Incoming, now: float) -> Actions:
         """Ask the reservation's prefill to connect (decode-initiated pairing), unless an
         ask of it is under way or paused (the reservation is offered when it ends)."""
-        address = res.prefill_address
         with self._lock:
             if (res.peer_instance or self._res.get(res.request_id) is not res
-                    or not self.table.is_live(res.request_id)
-                    or not self._dialing.start(address, now)):
+                    or not self.table.is_live(res.request_id)):
                 return []
+        return self._dial(res.prefill_address, now, res.request_id)
+
+    def _dial(self, address: str, now: float, request_id: str) -> Actions:
+        """Ask the prefill at ``address`` to connect, naming every request that waits for
+        the pair, unless an ask of it is under way or paused."""
+        with self._lock:
+            if not self._dialing.start(address, now):
+                return []
+            waiting = [r.request_id for r in self._res.values()
+                       if r.prefill_address == address and not r.peer_instance]
+            waiting += self._dialing.declines(address)
         request_log.info("request %s: no connection to prefill %s: asking it to connect",
-                         res.request_id, address, extra=fields(res.request_id, address))
-        return [DialPrefill(address)]
+                         request_id, address, extra=fields(request_id, address))
+        return [DialPrefill(address, tuple(waiting))]
 
     def dialed(self, address: str, instance_id: str, error: DialRefused | None,
                now: float) -> Actions:
         """The prefill at ``address`` answered decode's ask to connect: connected (as
         ``instance_id``: every reservation naming it that waited is offered now), or
         ``error``: every reservation naming it that no prefill was granted fails at once
-        with the cause (the refusal's text, not the Bootstrapping deadline later), its
-        pages are freed and prefill is told (its Send ends too); an error that says
-        nothing about the pair (``retry``) leaves them to their deadlines."""
-        if error is None:
-            conn = self.peers.get(instance_id)
-            if conn is None or conn.closed or conn.control_address != address:
-                error = DialRefused(FailureReason.PEER_FAILED, (
-                    f"prefill daemon at {address} connected, but its handshake names its "
-                    f"control address {conn.control_address if conn else '(gone)'}: the "
-                    "reservation must name the prefill daemon's advertised address "
-                    "(its --advertise, else --listen)"))
+        with the cause (the refusal's text, not the Bootstrapping deadline later) and its
+        pages are freed (prefill ended those the ask named itself, when its handshake
+        was refused); an error that says nothing about the pair (``retry``) leaves them
+        to their deadlines. Declines waiting for the pair are told once connected, else
+        dropped (prefill's lease ends those requests)."""
+        conn = self.peers.get(instance_id) if error is None else None
+        if error is None and (conn is None or conn.closed or conn.control_address != address):
+            error = DialRefused(FailureReason.PEER_FAILED, (
+                f"prefill daemon at {address} connected, but its handshake names its "
+                f"control address {conn.control_address if conn else '(gone)'}: the "
+                "reservation must name the prefill daemon's advertised address "
+                "(its --advertise, else --listen)"))
         with self._lock:
             self._dialing.done(address, now, pause=error is not None and error.retry)
             waiting = [r for r in self._res.values()
                        if r.prefill_address == address and not r.peer_instance]
+            declines = self._dialing.take_declines(address)
         if error is None:
             log.info("prefill %s connected on this decode's ask: %d reservation(s) offered",
                      address, len(waiting), extra=fields(peer=address))
             actions: Actions = [Count("connects", "ok")]
             for res in waiting:
                 actions += self.offer(res, now)
-            return actions
+            assert conn is not None
+            return actions + [TellPrefill(conn, rid, why) for rid, why in declines.items()]
         if error.retry:
             log.info("prefill %s did not connect (%s); its %d reservation(s) wait for its "
                      "Send's handshake or their deadline", address, error, len(waiting),
@@ -502,19 +514,14 @@ class DecodeCore(CoreBase):
             return [Count("connects", "retry")]
         actions = [Count("connects", "unreachable" if error.reason is
                          FailureReason.PEER_UNREACHABLE else "refused")]
-        failed = []
         for res in waiting:
             rid = res.request_id
             if self.table.fail(rid, error.reason, str(error)):
                 log.warning("request %s failed: %s: %s", rid, error.reason.value, error,
                             extra=fields(rid, address))
-                failed.append(rid)
             snap = self.table.get(rid)
             if snap is not None and snap.state is TransferState.FAILED:
                 actions += self._free(rid, "its prefill could not connect")
-        if failed and error.reason is not FailureReason.PEER_UNREACHABLE:
-            actions.append(TellPrefillAt(address, tuple(failed), (
-                f"decode's reservation failed: the pair could not connect: {error}")))
         return actions
 
     def offer_sent(self, res: Incoming, sent: bool) -> Actions:

@@ -11,9 +11,9 @@ compares the list it returns (tests/unit/test_decode_core_actions.py).
 Where each runs (the driver's choice, not the core's): :class:`SendOffer`,
 :class:`DigestMark`, :class:`Freed` and :class:`Count` never block and run on the
 thread that handled the event; :class:`CheckLanding` runs there too when its digests
-run inline anyway, else on the executor; :class:`TellPrefill`,
-:class:`DrainPrefill`, :class:`DialPrefill`, :class:`TellPrefillAt` and :class:`DropLink`
-block (a peer call, a link's release) and always run on the executor.
+run inline anyway, else on the executor; :class:`TellPrefill`, :class:`DrainPrefill`,
+:class:`DialPrefill` and :class:`DropLink` block (a peer call, a link's release) and
+always run on the executor.
 """
 
 from __future__ import annotations
@@ -84,21 +84,12 @@ class DrainPrefill:
 @dataclass(frozen=True)
 class DialPrefill:
     """Ask the prefill daemon at ``address`` to handshake with us (its Connect RPC): a
-    reservation names it and the pair has no connection. The answer goes back as
-    :meth:`~kvbeam.server.core.decode.DecodeCore.dialed`."""
+    reservation or a decline names it and the pair has no connection. ``request_ids``
+    are those requests: prefill ends them itself if its handshake with us is refused.
+    The answer goes back as :meth:`~kvbeam.server.core.decode.DecodeCore.dialed`."""
 
     address: str
-
-
-@dataclass(frozen=True)
-class TellPrefillAt:
-    """Abort requests on the prefill daemon at ``address``, with which decode has no
-    connection (one-off calls, best effort): their reservation failed before the pair
-    connected, or decode declined them, so prefill's Send ends now, not at its lease."""
-
-    address: str
-    request_ids: tuple[str, ...]
-    detail: str
+    request_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,5 +101,5 @@ class Freed:
 
 
 DecodeAction = (SendOffer | DigestMark | CheckLanding | TellPrefill | DrainPrefill
-                | DialPrefill | TellPrefillAt | DropLink | Freed | Count)
+                | DialPrefill | DropLink | Freed | Count)
 Actions = list[DecodeAction]

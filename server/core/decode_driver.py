@@ -45,7 +45,6 @@ from kvbeam.server.core.decode_actions import (
     Freed,
     SendOffer,
     TellPrefill,
-    TellPrefillAt,
 )
 from kvbeam.server.core.decode_landing import LandingCheck
 from kvbeam.server.core.incoming import Incoming
@@ -178,20 +177,19 @@ class DecodeDriver(DriverBase[DecodeCore]):
 
     def decline(self, request_id: str, prefill_address: str, detail: str) -> bool:
         """Tell prefill the engine will not load a request it reserved nothing for
-        (:meth:`DecodeCore.decline`). Blocking (the Abort, on this thread): call it on
-        the executor. True when prefill was told."""
-        actions = self.core.decline(request_id, prefill_address, detail)
+        (:meth:`DecodeCore.decline`). Blocking (the Abort, or the ask to connect first,
+        on this thread): call it on the executor. True when prefill confirmed."""
+        actions = self.core.decline(request_id, prefill_address, detail, self.clock())
         told = False
         for action in actions:
             if isinstance(action, TellPrefill):
                 told = self._tell(action)
             else:
                 self._do(action)
-        if actions:
-            log.info("request %s: declined (%s); prefill %s told%s", request_id, detail,
-                     prefill_address, "" if told else " (no confirmation)",
-                     extra=fields(request_id, prefill_address))
-        return bool(actions)
+        log.info("request %s: declined (%s); prefill %s told%s", request_id, detail,
+                 prefill_address, "" if told else " (no confirmation yet)",
+                 extra=fields(request_id, prefill_address))
+        return told
 
     # ---- events -------------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
@@ -249,15 +247,14 @@ class DecodeDriver(DriverBase[DecodeCore]):
         digests do not run inline."""
         if isinstance(action, CheckLanding):
             return not self.checker.inline(action.res)
-        return isinstance(action, TellPrefill | DrainPrefill | DialPrefill | TellPrefillAt
-                          | DropLink)
+        return isinstance(action, TellPrefill | DrainPrefill | DialPrefill | DropLink)
 
     def _do(self, action: DecodeAction) -> None:
         """Do one action on this thread (``execute`` chose the thread)."""
         if isinstance(action, SendOffer):
             res = action.res
             sent = self.prefill.offer(action.conn, res.request_id, res.seq_len, action.grant,
-                                      res.slot, action.lease_s)
+                                      action.lease_s)
             self.execute(self.core.offer_sent(res, sent))
         elif isinstance(action, DigestMark):
             job = self.checker.digest_mark(action.res, action.mark)
@@ -272,9 +269,7 @@ class DecodeDriver(DriverBase[DecodeCore]):
         elif isinstance(action, DropLink):
             self.on_peer_lost(action.conn, action.detail, gone=action.gone)
         elif isinstance(action, DialPrefill):
-            self._dial(action.address)
-        elif isinstance(action, TellPrefillAt):
-            self.prefill.abort_at(action.address, action.request_ids, action.detail)
+            self._dial(action.address, action.request_ids)
         elif isinstance(action, Freed):
             self.on_freed(action.request_id)
         elif isinstance(action, Count) and action.metric == "offers":
@@ -284,12 +279,12 @@ class DecodeDriver(DriverBase[DecodeCore]):
         elif isinstance(action, Count):
             self.on_decline()
 
-    def _dial(self, address: str) -> None:
+    def _dial(self, address: str, request_ids: tuple[str, ...]) -> None:
         """Ask the prefill at ``address`` to connect; the core offers or fails the
         reservations that waited for it. Blocking (the executor)."""
         instance_id, error = "", None
         try:
-            instance_id = self.prefill.connect_back(address)
+            instance_id = self.prefill.connect_back(address, request_ids)
         except DialRefused as exc:
             error = exc
         except Exception as exc:  # a bug in the call, not the peer's answer: said as such

@@ -1,10 +1,11 @@
 """What the cores need from the outside, as plain Python: peer calls, errors, grants.
 
 The cores (:mod:`kvbeam.server.core.prefill`, :mod:`kvbeam.server.core.decode`)
-decide; the daemon's driver does the I/O. Peer RPCs reach the cores through the
-two small protocols here, implemented over gRPC by :mod:`kvbeam.server.peer_rpc`
-and by fakes in the unit tests. Their methods block (a handshake, an RPC) and are
-only ever called on the driver's bounded executor, never under a core lock.
+decide; the daemon's driver does the I/O. Peer calls reach the cores through the
+two small protocols here, implemented over the peer channel (and gRPC for the
+handshake and Connect) by :mod:`kvbeam.server.peer_calls` and by fakes in the unit
+tests. Their methods block (a handshake, an answer on the channel) and are only ever
+called on the driver's bounded executor, never under a core lock.
 """
 
 from __future__ import annotations
@@ -112,9 +113,14 @@ class DecodePeers(Protocol):
             PeerError: decode could not be reached.
         """
 
+    def reaches(self, conn: PeerConn | None, address: str) -> bool:
+        """Whether an Abort to the decode at ``address`` has an open peer channel to go
+        on (``conn``'s, or the pair's newer connection's)."""
+
     def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
               timeout: float | None = None) -> bool:
-        """Tell decode a request failed here (best effort); True when decode confirmed."""
+        """Tell decode a request failed here (best effort, over an open peer channel
+        only); True when decode confirmed."""
 
     def abort_all(self, calls: Sequence[tuple[PeerConn | None, str, str]], detail: str,
                   timeout: float) -> int:
@@ -127,14 +133,14 @@ class PrefillPeers(Protocol):
     block, and run on the executor)."""
 
     def offer(self, conn: PeerConn, request_id: str, seq_len: int, grant: WriteGrant,
-              slot: int, lease_s: float) -> bool:
+              lease_s: float) -> bool:
         """Push a reservation to prefill ahead of its Send, one-way; returns at once,
         True when it was sent (False: no channel, nothing sent).
 
         Prefill keeps an offer without a word; what decode must act on (not kept, kept
         without digests, a refusal) comes later as an answer to
-        :meth:`~kvbeam.server.core.decode.DecodeCore.answer_arrived` (protocol 8). After
-        a refusal prefill asks with BeginWrite, as without an offer. Never raises.
+        :meth:`~kvbeam.server.core.decode.DecodeCore.answer_arrived`. After a refusal
+        prefill asks with BeginWrite, as without an offer. Never raises.
         """
 
     def abort(self, conn: PeerConn, request_id: str, detail: str,
@@ -142,20 +148,17 @@ class PrefillPeers(Protocol):
         """Abort a request on prefill; True when prefill confirmed none of its writes is
         in flight (it answers within ``timeout``, and says so by Abort later if not)."""
 
-    def connect_back(self, address: str) -> str:
+    def connect_back(self, address: str, request_ids: Sequence[str] = ()) -> str:
         """Ask the prefill daemon at ``address`` to handshake with us (its Connect):
         returns its instance id once it did; the connection is then registered here
-        (the handshake's server side). Decode-initiated pairing (docs/protocol.md).
+        (the handshake's server side). ``request_ids``: the requests waiting for the
+        pair, which prefill ends itself if its handshake is refused. Decode-initiated
+        pairing (docs/protocol.md).
 
         Raises:
             DialRefused: prefill answered why it could not (its handshake was refused,
                 it cannot reach us, it has no engine), or could not be reached.
         """
-
-    def abort_at(self, address: str, request_ids: Sequence[str], detail: str) -> None:
-        """Abort requests on the prefill daemon at ``address`` with no connection to it
-        (best effort, one call each on a one-off channel): a reservation that failed
-        because the pair could not connect, so prefill's Send ends now too."""
 
     def abort_all(self, calls: Sequence[tuple[PeerConn, str]], detail: str,
                   timeout: float) -> int:

@@ -31,9 +31,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TellDecode:
-    """Abort the request on its decode (``conn``, or a new call to ``address`` when
-    there is no live connection): prefill failed it and none of its writes is in
-    flight. Best effort: nothing waits on the answer."""
+    """Abort the request on its decode over the pair's peer channel (``conn``'s, else
+    the pair's newer connection's; when every link the request had failed, a new
+    handshake opens one first): prefill failed it and none of its writes is in flight.
+    Best effort: nothing waits on the answer."""
 
     conn: PeerConn | None
     address: str

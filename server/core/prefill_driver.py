@@ -64,8 +64,8 @@ from kvbeam.transport.blocks import Blocks
 log = logging.getLogger(__name__)
 
 #: Abort handlers that may wait on a request's drain at once; the others answer at once
-#: (the answer then says writes are in flight). A daemon has 16 handler threads, and its
-#: heartbeats and every other RPC need them: a burst of aborts must not take them all.
+#: (the answer then says writes are in flight): a burst of aborts must not hold every
+#: thread that answers the peer channel's requests (``PEER_WORKERS``) or the RPCs.
 ABORT_WAITERS = 4
 #: Longest an Abort handler waits on its request's drain, s (less if its caller's
 #: deadline is nearer): writes in flight usually complete within milliseconds.
@@ -340,7 +340,7 @@ class PrefillDriver(DriverBase[PrefillCore]):
     def _do(self, action: PrefillAction, on_executor: bool) -> None:
         """Do one action (the caller placed it on a thread that may run it)."""
         if isinstance(action, TellDecode):
-            self.decode.abort(action.conn, action.address, action.request_id, action.detail)
+            self._tell_decode(action, on_executor)
         elif isinstance(action, DropLink):
             self._drop_link(action, on_executor)
         elif isinstance(action, Connect):
@@ -356,6 +356,20 @@ class PrefillDriver(DriverBase[PrefillCore]):
                 self.on_offer(action.label)
         else:  # a step: here, or its own executor job
             self._run_step(action.rec, on_executor)
+
+    def _tell_decode(self, tell: TellDecode, on_executor: bool) -> None:
+        """Abort the request on decode over the pair's peer channel. When every link the
+        request had is gone (a link that failed on each resend), decode keeps its
+        reservation for a resend that is not coming: a new handshake, as a Send's, opens
+        the channel to say so (not for a request that never connected: decode granted
+        it nothing, and its Offer, if one comes, is answered by an Abort)."""
+        if tell.conn is not None and not self.decode.reaches(tell.conn, tell.address):
+            _conn, error = self._connect(tell.address, on_executor)
+            if error is not None:
+                log.info("could not tell decode %s that %s failed: %s", tell.address,
+                         tell.request_id, error, extra=fields(tell.request_id, tell.address))
+                return
+        self.decode.abort(tell.conn, tell.address, tell.request_id, tell.detail)
 
     def _drop_link(self, action: DropLink, on_executor: bool) -> None:
         """Remove the connection and release its link (its writes complete as failed);

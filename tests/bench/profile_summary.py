@@ -31,7 +31,7 @@ PHASES: list[tuple[str, str]] = [
     ("gRPC server machinery", r"grpc/_server\.py|grpc/_common\.py|grpc/_utilities"),
     ("thread hand-offs (locks, queues, pools)",
      r"(Condition|Event|Semaphore|ThreadPoolExecutor|_WorkItem|EventQueue)\.|_worker \("),
-    ("periodic (sweep, heartbeat)", r"_sweep|heartbeat_loop|periodic"),
+    ("periodic (sweep)", r"_sweep|periodic"),
 ]
 
 

@@ -1,43 +1,40 @@
-"""Bounded aborts over real gRPC (issue 22, item 7).
+"""Bounded aborts over real peer channels.
 
-- Decode's shutdown and engine detach with 256 live requests, against a prefill that
-  never answers an Abort, end well inside a 30 s Kubernetes grace period (the grace is
+- Decode's shutdown and engine detach with 256 live requests, against a prefill whose
+  channel answers no Abort, end well inside a 30 s Kubernetes grace period (the grace is
   the functional requirement; the time is printed); prefill's shutdown likewise.
-- Prefill's Abort answers within its caller's deadline even when the request's writes
-  never drain, says in the trailing metadata that they are in flight, and 40 at once
-  leave its heartbeats answered (a daemon has 16 handler threads).
+- Prefill's answer to decode's Abort comes within the caller's deadline even when the
+  request's writes never drain, and says how many are in flight; 40 at once are all
+  answered in time while the channel's heartbeats keep flowing (its thread never waits
+  on a drain).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, cast
 
-import grpc
 import pytest
 
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.indices import request_indices
-from kvbeam.procs import wait_until
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.proto.peer_frames import ABORT, Hello, decode_request
 from kvbeam.proto.side import SideInfo
+from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.faults import FaultHooks
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.lifecycle import Deadlines, TransferTable
-from kvbeam.server.peer_rpc import (
-    WRITES_IN_FLIGHT_KEY,
-    Dialer,
-    GrpcDecodePeers,
-    GrpcPrefillPeers,
-)
+from kvbeam.server.peer_calls import ChannelDecodePeers, ChannelPrefillPeers
+from kvbeam.server.peer_channel import PeerChannel, PeerChannels
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.server.prefill import PrefillServicer
 from kvbeam.server.runtime import Runtime
@@ -50,60 +47,91 @@ from tests.fixtures import UNIFIED_TARGET, layout, shipped_config
 #: Kubernetes' default termination grace period, s: shutdown must end inside it.
 GRACE_S = 30.0
 LIVE = 256
-SERVICE = "kvbeam.v1.KvbeamControl"
+OPTIONS = ControlOptions(rpc_timeout_s=5.0)
+
+#: Opens a real peer channel to a listening hub and binds it to a connection.
+Opener = Callable[[PeerConn], PeerChannel]
+
+
+class FarEnd:
+    """A listening hub at the far end of real peer channels: it records every Abort and
+    answers none (``answer`` False) or passes them to ``on_abort``."""
+
+    def __init__(self, role: str, *, answer: bool = False, heartbeat_s: float = 1.0) -> None:
+        self.aborts: list[str] = []
+        self.channels: list[PeerChannel] = []
+        self.answer = answer
+        self.hub = PeerChannels(role, self._request, lambda _c, _why: None,
+                                on_hello=self._hello, heartbeat_s=heartbeat_s)
+        self.hub.listen("127.0.0.1", 0, "127.0.0.1")
+        self.hub.start()
+        # The near end's hub: it only opens channels (its requests are the test's).
+        self.near = PeerChannels("prefill", lambda *_a: None, lambda _c, _why: None,
+                                 heartbeat_s=heartbeat_s)
+        self.near.start()
+
+    def _hello(self, channel: PeerChannel, _hello: Hello) -> object:
+        self.channels.append(channel)
+        return object()
+
+    def _request(self, channel: PeerChannel, kind: int, correlation: int,
+                 payload: bytes) -> None:
+        if kind == ABORT:
+            _timeout, raw = decode_request(payload)
+            self.aborts.append(pb.AbortRequest.FromString(raw).request_id)
+
+    def open(self, conn: PeerConn) -> PeerChannel:
+        """A channel from the near end to this far end, as ``conn``'s."""
+        hello = Hello(PROTOCOL_VERSION, "near", "far", "t")
+        channel = self.near.connect(self.hub.address, hello, "far end", 5.0)
+        conn.channel, channel.bound = channel, conn
+        return channel
+
+    def stop(self) -> None:
+        self.near.stop()
+        self.hub.stop()
 
 
 @pytest.fixture
-def silent_prefill() -> Iterator[tuple[str, list[str]]]:
-    """A gRPC server answering no Abort (each handler blocks until the test ends)."""
-    release = threading.Event()
-    calls: list[str] = []
-
-    def abort(request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.TransferStatus:
-        calls.append(request.request_id)
-        release.wait(60)
-        return pb.TransferStatus(request_id=request.request_id)
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-        "Abort": grpc.unary_unary_rpc_method_handler(
-            abort, request_deserializer=pb.AbortRequest.FromString,
-            response_serializer=pb.TransferStatus.SerializeToString)}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}", calls
-    finally:
-        release.set()
-        server.stop(0)
+def silent_prefill() -> Iterator[FarEnd]:
+    end = FarEnd("prefill")
+    yield end
+    end.stop()
 
 
-def _decode_with_live_requests(address: str) -> DecodeDriver:
-    """A decode core over real gRPC peer calls, LIVE requests granted to one prefill."""
+@pytest.fixture
+def silent_decode() -> Iterator[FarEnd]:
+    end = FarEnd("decode")
+    yield end
+    end.stop()
+
+
+def _decode_with_live_requests(far: FarEnd) -> DecodeDriver:
+    """A decode core over real peer channel calls, LIVE requests granted to one prefill."""
     lay = layout(num_req_slots=LIVE)
-    options = ControlOptions(rpc_timeout_s=5.0)
-    core = DecodeDriver(table=TransferTable(Deadlines(), capacity=2 * LIVE), peers=Peers(),
-                      prefill=GrpcPrefillPeers(lambda: cast(SideInfo, SimpleNamespace(
-                          instance_id="decode-under-test")), options),
-                      io=futures.ThreadPoolExecutor(8, thread_name_prefix="test-io"),
-                      spec=replace(UNIFIED_TARGET, num_req_slots=LIVE), layout=lay,
-                      pools=AllocatedSide(lay), integrity=False,
-                      faults=FaultHooks(), handoff_lease_s=30.0)
-    peer = SimpleNamespace(instance_id="prefill-1", control_address=address, layout=lay,
+    peers = Peers()
+    core = DecodeDriver(table=TransferTable(Deadlines(), capacity=2 * LIVE), peers=peers,
+                        prefill=ChannelPrefillPeers(lambda: cast(SideInfo, SimpleNamespace(
+                            instance_id="decode-under-test")), OPTIONS, peers),
+                        io=futures.ThreadPoolExecutor(8, thread_name_prefix="test-io"),
+                        spec=replace(UNIFIED_TARGET, num_req_slots=LIVE), layout=lay,
+                        pools=AllocatedSide(lay), integrity=False,
+                        faults=FaultHooks(), handoff_lease_s=30.0)
+    peer = SimpleNamespace(instance_id="prefill-1", control_address="127.0.0.1:9", layout=lay,
                            endpoint=SimpleNamespace(regions=[]))
-    conn = PeerConn(cast(VerifiedPeer, peer), cast(Link, FakeLink()), Dialer(options))
+    conn = PeerConn(cast(VerifiedPeer, peer), cast(Link, FakeLink()))
+    far.open(conn)
     core.peers.add(conn)
     for i in range(LIVE):
-        core.reserve(f"live-{i}", 100, address)
+        core.reserve(f"live-{i}", 100, conn.control_address)
         core.begin_write(f"live-{i}", conn.instance_id, 100, True, False)
     return core
 
 
 @pytest.mark.parametrize("how", ["shutdown", "detach"])
 def test_decode_shutdown_with_256_live_requests_ends_inside_the_grace_period(
-        silent_prefill: tuple[str, list[str]], how: str) -> None:
-    address, calls = silent_prefill
-    core = _decode_with_live_requests(address)
+        silent_prefill: FarEnd, how: str) -> None:
+    core = _decode_with_live_requests(silent_prefill)
     conn = core.peers.get("prefill-1")
     assert conn is not None
     began = time.monotonic()
@@ -116,7 +144,7 @@ def test_decode_shutdown_with_256_live_requests_ends_inside_the_grace_period(
           f"{took:.2f} s (grace {GRACE_S:.0f} s)")
     assert not worker.is_alive(), f"{how} still running after {GRACE_S:.0f} s"
     assert took < GRACE_S
-    assert calls, "prefill was never told"
+    assert wait_for(lambda: silent_prefill.aborts), "prefill was never told"
     assert conn.closed and cast(FakeLink, conn.link).released
     for i in range(LIVE):
         st = core.status(f"live-{i}")
@@ -126,38 +154,39 @@ def test_decode_shutdown_with_256_live_requests_ends_inside_the_grace_period(
 
 
 class SilentDecode(FakeDecode):
-    """Prefill's view of a decode whose control server answers no Abort: the handshake and
-    BeginWrite are faked (writes never complete), Abort goes over real gRPC."""
+    """Prefill's view of a decode whose peer channel answers no Abort: the handshake and
+    BeginWrite are faked (writes never complete), the Aborts go over a real channel."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, far: FarEnd, peers: Peers) -> None:
         super().__init__(AllocatedSide(layout()))
-        self.options = ControlOptions(rpc_timeout_s=5.0)
-        self.grpc = GrpcDecodePeers(
+        self.far = far
+        self.calls = ChannelDecodePeers(
             lambda: cast(SideInfo, SimpleNamespace(instance_id="prefill-under-test")),
-            cast(Any, None), Dialer(self.options), cast(Any, None))
-        self.address = address
+            cast(Any, None), OPTIONS, cast(Any, None), peers)
 
     def connect(self, address: str) -> PeerConn:
         conn = fake_conn(address, self.side)
-        return PeerConn(conn.peer, conn.link, Dialer(self.options), conn.addrs)
+        self.far.open(conn)
+        return conn
 
     def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
               timeout: float | None = None) -> bool:
-        return self.grpc.abort(conn, address, request_id, detail, timeout)
+        return self.calls.abort(conn, address, request_id, detail, timeout)
 
     def abort_all(self, calls: Sequence[tuple[PeerConn | None, str, str]], detail: str,
                   timeout: float) -> int:
-        return self.grpc.abort_all(calls, detail, timeout)
+        return self.calls.abort_all(calls, detail, timeout)
 
 
 def test_prefill_shutdown_with_256_live_requests_ends_inside_the_grace_period(
-        silent_prefill: tuple[str, list[str]]) -> None:
-    address, calls = silent_prefill  # the same silent server, as decode this time
-    core = PrefillDriver(table=TransferTable(Deadlines()), peers=Peers(),
-                       decode=SilentDecode(address),
-                       io=futures.ThreadPoolExecutor(8, thread_name_prefix="test-io"),
-                       spec=UNIFIED_TARGET, layout=layout(), pools=AllocatedSide(layout()),
-                       integrity=False, faults=FaultHooks(), drain_s=24.0)
+        silent_decode: FarEnd) -> None:
+    peers = Peers()
+    core = PrefillDriver(table=TransferTable(Deadlines()), peers=peers,
+                         decode=SilentDecode(silent_decode, peers),
+                         io=futures.ThreadPoolExecutor(8, thread_name_prefix="test-io"),
+                         spec=UNIFIED_TARGET, layout=layout(), pools=AllocatedSide(layout()),
+                         integrity=False, faults=FaultHooks(), drain_s=24.0)
+    address = "127.0.0.1:9"
     for i in range(LIVE):
         core.send(f"live-{i}", i % UNIFIED_TARGET.num_req_slots, 100, address, [], True)
     assert wait_for(lambda: all(core.in_flight(f"live-{i}") == 1 for i in range(LIVE)), 30)
@@ -170,7 +199,7 @@ def test_prefill_shutdown_with_256_live_requests_ends_inside_the_grace_period(
           f"{took:.2f} s (grace {GRACE_S:.0f} s)")
     assert not worker.is_alive(), f"shutdown still running after {GRACE_S:.0f} s"
     assert took < GRACE_S
-    assert calls, "decode was never told"
+    assert wait_for(lambda: silent_decode.aborts), "decode was never told"
     for i in range(LIVE):
         assert core.status(f"live-{i}").reason is FailureReason.SHUTDOWN
     core.io.shutdown(wait=False, cancel_futures=True)
@@ -190,21 +219,42 @@ class StuckDecode(FakeDecode):
         return WriteGrant(grant.transfer_id, request_indices(self.spec, 1, seq_len))
 
 
+class Decode:
+    """The decode end of a real peer channel into a prefill daemon's servicer."""
+
+    def __init__(self, servicer: PrefillServicer, conn: PeerConn) -> None:
+        self.end = FarEnd("decode", heartbeat_s=0.1)
+        hello = Hello(PROTOCOL_VERSION, "prefill", conn.instance_id, "t")
+        ours = servicer.channels.connect(self.end.hub.address, hello, "decode", 5.0)
+        conn.channel, ours.bound = ours, conn  # as prefill's connect binds it
+        assert wait_for(lambda: self.end.channels)
+        self.channel = self.end.channels[0]
+
+    def abort(self, request_id: str, timeout: float) -> futures.Future[Any]:
+        return self.channel.start_call(ABORT, pb.AbortRequest(
+            request_id=request_id, detail="decode gave up").SerializeToString(), timeout)
+
+
 @pytest.fixture
-def stuck_prefill() -> Iterator[tuple[Runtime, PrefillServicer, grpc.Channel]]:
+def stuck_prefill() -> Iterator[tuple[PrefillServicer, Decode]]:
     env = {"KVBEAM_CONFIG": shipped_config("prefill"), "KVBEAM_LISTEN": "127.0.0.1:0",
            "KVBEAM_TRANSPORT": "tcp", "KVBEAM_DEADLINE_TRANSFER_S": "30",
-           "KVBEAM_RPC_TIMEOUT_S": "2",
-           "KVBEAM_HEARTBEAT_S": "3600"}  # the fake decode answers no heartbeat
+           "KVBEAM_RPC_TIMEOUT_S": "2", "KVBEAM_HEARTBEAT_S": "0.1"}
     runtime = Runtime(resolve("prefill", None, env))
     servicer = PrefillServicer(runtime)
     servicer.prefill.decode = StuckDecode(runtime.pools, servicer.prefill.spec)
-    address = runtime.start(servicer)
-    channel = grpc.insecure_channel(address)
+    runtime.start(servicer)
+    decode = None
     try:
-        yield runtime, servicer, channel
+        servicer.prefill.send("first", 0, 100, "127.0.0.1:9", [], True)
+        assert wait_for(lambda: runtime.peers.by_address("127.0.0.1:9") is not None, 20)
+        conn = runtime.peers.by_address("127.0.0.1:9")
+        assert conn is not None
+        decode = Decode(servicer, conn)
+        yield servicer, decode
     finally:
-        channel.close()
+        if decode is not None:
+            decode.end.stop()
         runtime.stop(grace=0.5)
 
 
@@ -215,37 +265,25 @@ def _stuck_requests(servicer: PrefillServicer, n: int) -> None:
     assert wait_for(lambda: all(core.in_flight(f"stuck-{i}") == 1 for i in range(n)), 20)
 
 
-def _abort_call(channel: grpc.Channel) -> Any:
-    return channel.unary_unary(f"/{SERVICE}/Abort",
-                               request_serializer=pb.AbortRequest.SerializeToString,
-                               response_deserializer=pb.TransferStatus.FromString)
-
-
 def test_prefills_abort_answers_within_the_callers_deadline_saying_writes_are_in_flight(
-        stuck_prefill: tuple[Runtime, PrefillServicer, grpc.Channel]) -> None:
-    _runtime, servicer, channel = stuck_prefill
+        stuck_prefill: tuple[PrefillServicer, Decode]) -> None:
+    servicer, decode = stuck_prefill
     _stuck_requests(servicer, 1)
-    reply, call = _abort_call(channel).with_call(
-        pb.AbortRequest(request_id="stuck-0", detail="decode gave up", from_peer=True,
-                        instance_id="decode-1"), timeout=1.0)  # the drain would take 24 s
-    assert reply.state == pb.TRANSFER_STATE_FAILED
-    assert dict(call.trailing_metadata())[WRITES_IN_FLIGHT_KEY] == "1"
+    reply = decode.abort("stuck-0", timeout=1.0).result(5.0)  # the drain would take 24 s
+    assert pb.TransferStatus.FromString(reply.payload).state == pb.TRANSFER_STATE_FAILED
+    assert reply.in_flight == 1
+    assert servicer.prefill.status("stuck-0").reason is FailureReason.PEER_FAILED
 
 
-def test_forty_aborts_at_once_leave_prefills_heartbeats_answered(
-        stuck_prefill: tuple[Runtime, PrefillServicer, grpc.Channel]) -> None:
-    _runtime, servicer, channel = stuck_prefill
+def test_forty_aborts_at_once_are_answered_in_time_and_the_channel_keeps_beating(
+        stuck_prefill: tuple[PrefillServicer, Decode]) -> None:
+    servicer, decode = stuck_prefill
     n = 40
     _stuck_requests(servicer, n)
-    abort = _abort_call(channel)
-    pending = [abort.future(pb.AbortRequest(request_id=f"stuck-{i}", from_peer=True,
-                                            instance_id="decode-1"), timeout=20.0)
-               for i in range(n)]
-    heartbeat = channel.unary_unary(f"/{SERVICE}/Heartbeat",
-                                    request_serializer=pb.HeartbeatRequest.SerializeToString,
-                                    response_deserializer=pb.HeartbeatResponse.FromString)
-    time.sleep(0.2)  # the aborts are in the handlers now
-    beat = heartbeat(pb.HeartbeatRequest(), timeout=5.0)  # a peer's heartbeat deadline
-    assert beat.instance_id == servicer.local.instance_id
-    assert wait_until(lambda: all(f.done() for f in pending), 20)
-    assert all(f.result().state == pb.TRANSFER_STATE_FAILED for f in pending)
+    pending = [decode.abort(f"stuck-{i}", timeout=5.0) for i in range(n)]
+    replies = [f.result(10.0) for f in pending]  # a call past its deadline raises
+    assert all(pb.TransferStatus.FromString(r.payload).state == pb.TRANSFER_STATE_FAILED
+               for r in replies)
+    # The channel's thread answered every PING meanwhile: the drains wait elsewhere.
+    assert decode.channel.missed_heartbeats() == 0
+    assert not decode.channel.closed

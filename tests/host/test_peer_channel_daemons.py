@@ -54,7 +54,7 @@ def test_every_daemon_thread_is_named_in_the_os() -> None:
         for daemon in (prefill, decode):
             names = {path.read_text().strip()
                      for path in Path(f"/proc/{daemon.proc.pid}/task").glob("*/comm")}
-            want = {"kvbeam-peer-cha", "kvbeam-events", "kvbeam-sweeper", "kvbeam-heartbea",
+            want = {"kvbeam-peer-cha", "kvbeam-events", "kvbeam-sweeper",
                     "kvbeam-tcp-acce", "kvbeam-control_"}
             assert want <= names, (daemon.role, sorted(names))
             assert any(n.startswith("kvbeam-tcp-") for n in names - want), sorted(names)

@@ -32,10 +32,10 @@ from kvbeam.client import KvbeamClient
 from kvbeam.errors import FrameError
 from kvbeam.procs import wait_until
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.proto.peer_frames import ABORT, BEGIN_WRITE, OFFER, OFFER_ANSWER, STATUS_CODES
+from kvbeam.proto.peer_frames import HEADER as PEER_HEADER
 from kvbeam.scheduler import run_request
 from kvbeam.server.decode import DecodeServicer
-from kvbeam.server.peer_channel import BEGIN_WRITE, DIGESTS, OFFER, OFFER_ANSWER, STATUS_CODES
-from kvbeam.server.peer_channel import HEADER as PEER_HEADER
 from kvbeam.server.prefill import PrefillServicer
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.settings import resolve
@@ -50,14 +50,14 @@ NEVER = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
 CALL_TIMEOUT_S = 10.0
 METHODS = [m.name for m in pb.DESCRIPTOR.services_by_name["KvbeamControl"].methods]
 STREAMING = {"WatchStatus"}
-#: The peer channel's requests (no RPC serves them): the frame kind of each; the one-way
-#: OfferAnswer (prefill's answer to an Offer, to decode) among them.
-CHANNEL_KINDS = {"BeginWrite": BEGIN_WRITE, "Digests": DIGESTS, "Offer": OFFER,
-                 "OfferAnswer": OFFER_ANSWER}
-#: Their messages (Digests has none since protocol 5: it is never served).
+#: The peer channel's requests and one-way frames: the frame kind of each (a daemon's
+#: Abort, "ChannelAbort", beside the scheduler's Abort RPC).
+CHANNEL_KINDS = {"BeginWrite": BEGIN_WRITE, "Offer": OFFER, "OfferAnswer": OFFER_ANSWER,
+                 "ChannelAbort": ABORT}
+#: Their messages.
 CHANNEL_MESSAGES: dict[str, type[Message]] = {
     "BeginWrite": pb.BeginWriteRequest, "Offer": pb.OfferRequest,
-    "OfferAnswer": pb.OfferResponse}
+    "OfferAnswer": pb.OfferResponse, "ChannelAbort": pb.AbortRequest}
 
 
 class _Channel:
@@ -124,14 +124,14 @@ class Daemon:
         if kind not in self.servicer.channel_handlers:
             return grpc.StatusCode.INVALID_ARGUMENT
         try:
-            claimed = CHANNEL_MESSAGES[method].FromString(payload).instance_id  # type: ignore[attr-defined]
+            claimed = getattr(CHANNEL_MESSAGES[method].FromString(payload), "instance_id", "")
         except DecodeError:
             with pytest.raises(FrameError):
                 self.servicer._channel_request(_Channel(""), kind, 1, frame)
             return grpc.StatusCode.INVALID_ARGUMENT
         channel = _Channel(claimed)
         self.servicer._channel_request(channel, kind, 1, frame)
-        assert len(channel.answers) == 1, (method, channel.answers)  # answered inline
+        assert wait_until(lambda: len(channel.answers) == 1, CALL_TIMEOUT_S), method
         return channel.answers[0]
 
 
@@ -242,7 +242,7 @@ def _messages(daemons: tuple[Daemon, Daemon]) -> st.SearchStrategy[tuple[str, Me
             final_chunk=st.booleans(), digests_follow=st.booleans())),
         st.tuples(st.just("Offer"), st.builds(
             pb.OfferRequest, request_id=rid, instance_id=inst, seq_len=EDGE_INTS,
-            transfer_id=st.integers(0, 2**32 - 1), slot=EDGE_INTS, lease_ms=EDGE_INTS,
+            transfer_id=st.integers(0, 2**32 - 1), lease_ms=EDGE_INTS,
             mailbox_slot=st.integers(0, 2**32 - 1),
             indices=st.lists(st.builds(pb.IndexList, kind=st.integers(0, 5),
                                        indices=st.lists(EDGE_INTS, max_size=8),
@@ -254,9 +254,8 @@ def _messages(daemons: tuple[Daemon, Daemon]) -> st.SearchStrategy[tuple[str, Me
             code=st.integers(0, 2**32 - 1), detail=st.text(max_size=50))),
         st.tuples(st.sampled_from(["Status", "WatchStatus"]),
                   st.builds(pb.StatusRequest, request_id=rid)),
-        st.tuples(st.just("Abort"), st.builds(
-            pb.AbortRequest, request_id=rid, detail=st.text(max_size=50),
-            from_peer=st.booleans(), instance_id=inst)),
+        st.tuples(st.sampled_from(["Abort", "ChannelAbort"]), st.builds(
+            pb.AbortRequest, request_id=rid, detail=st.text(max_size=50))),
         st.tuples(st.just("Release"), st.builds(pb.ReleaseRequest, request_id=rid)),
         st.tuples(st.just("Heartbeat"), st.builds(pb.HeartbeatRequest)),
     )
@@ -274,11 +273,12 @@ def test_adversarial_messages_on_every_method(daemons: tuple[Daemon, Daemon],
 
 def test_the_peer_channels_requests_are_no_rpcs(daemons: tuple[Daemon, Daemon]) -> None:
     """BeginWrite and Offer are served on the peer channel only, and Digests nowhere (the
-    digest mailbox, protocol 5): over gRPC both daemons answer UNIMPLEMENTED."""
+    digests go in band, into decode's mailbox): over gRPC both daemons answer
+    UNIMPLEMENTED."""
     messages = {"BeginWrite": pb.BeginWriteRequest(request_id="r", instance_id="p", seq_len=10,
                                                    final_chunk=True),
                 "Offer": pb.OfferRequest(request_id="r", instance_id="d", seq_len=10),
-                # Protocol 4's DigestsRequest (request_id = 1): its bytes, no message type.
+                # An old DigestsRequest (request_id = 1): its bytes, no message type.
                 "Digests": pb.ReleaseRequest(request_id="r")}
     for daemon in daemons:
         for method, message in messages.items():

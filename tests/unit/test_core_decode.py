@@ -62,10 +62,10 @@ class FakePrefill:
         self.connected: Callable[[], str] | None = None
         self.refusal = DialRefused(FailureReason.PEER_UNREACHABLE, "no Connect (fake)",
                                    retry=True)
-        self.aborts_at: list[tuple[str, tuple[str, ...], str]] = []
+        self.named: list[tuple[str, ...]] = []  # the request ids each ask named
 
     def offer(self, conn: PeerConn, request_id: str, seq_len: int, grant: WriteGrant,
-              slot: int, lease_s: float) -> bool:
+              lease_s: float) -> bool:
         if not self.sent:
             return False
         self.offers.append((request_id, grant))
@@ -88,16 +88,14 @@ class FakePrefill:
                   timeout: float) -> int:
         return sum(self.abort(conn, rid, detail, timeout) for conn, rid in calls)
 
-    def connect_back(self, address: str) -> str:
+    def connect_back(self, address: str, request_ids: Sequence[str] = ()) -> str:
         """Asked to connect: ``connected`` (a callable making the connection, then its
         instance id) or ``refusal``; by default an answer that says nothing (retry)."""
         self.asked.append(address)
+        self.named.append(tuple(request_ids))
         if self.connected is not None:
             return self.connected()
         raise self.refusal
-
-    def abort_at(self, address: str, request_ids: Sequence[str], detail: str) -> None:
-        self.aborts_at.append((address, tuple(request_ids), detail))
 
 
 def _core() -> tuple[DecodeDriver, QueueExecutor, FakePrefill, PeerConn]:

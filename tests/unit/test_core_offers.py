@@ -27,7 +27,15 @@ from kvbeam.server.lifecycle import Deadlines
 from kvbeam.server.peers import PeerConn
 from kvbeam.states import NOT_VERIFIED_NO_DIGESTS, FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
-from tests.core_fakes import FakeDecode, FakeLink, flip_digest, land_record, prefill_core, wait_for
+from tests.core_fakes import (
+    FakeDecode,
+    FakeLink,
+    SilentChannel,
+    flip_digest,
+    land_record,
+    prefill_core,
+    wait_for,
+)
 from tests.fixtures import UNIFIED_TARGET
 from tests.unit.test_core_decode import PREFILL, FakePrefill, QueueExecutor, _core
 from tests.unit.test_core_prefill import _queued
@@ -522,10 +530,10 @@ def test_no_offer_without_a_connection_to_the_prefill() -> None:
 def test_no_offer_to_a_prefill_that_misses_heartbeats() -> None:
     """A peer not answering heartbeats (slow, partitioned) would make Reserve wait."""
     core, _io, prefill, conn = _core()
-    conn.missed_heartbeats = 1
+    conn.channel = SilentChannel(1)
     assert not core.offer(core.reserve("r", SEQ, PREFILL))
     assert prefill.offers == [] and not core.core._reservation("r").peer_instance
-    conn.missed_heartbeats = 0
+    conn.channel = None
     assert core.offer(core.reserve("r2", SEQ, PREFILL))
     assert len(prefill.offers) == 1
 
@@ -612,7 +620,7 @@ def test_an_offer_that_comes_while_the_send_asks_begin_write_is_kept_and_unparks
     a reservation: the offer must not be refused as late, or the parked Send would wait
     for an offer that already came, until --send-wait-s."""
     core, fake, conn, events, io = _queued_connected(send_wait_s=5.0)
-    conn.missed_heartbeats = 1  # no waiting for an offer first: the Send asks at once
+    conn.channel = SilentChannel(1)  # no waiting for an offer first: the Send asks at once
     fake.not_yet.add("r")
     real = fake.begin_write
 

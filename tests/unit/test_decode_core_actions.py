@@ -24,7 +24,6 @@ from kvbeam.server.core.decode_actions import (
     Freed,
     SendOffer,
     TellPrefill,
-    TellPrefillAt,
 )
 from kvbeam.server.core.decode_landing import LandingCheck, Verdict
 from kvbeam.server.core.incoming import Landing
@@ -213,13 +212,25 @@ def test_the_hand_off_lease_frees_a_success_nobody_released() -> None:
     assert core.periodic(now=131.0) == [Freed("r")]
 
 
-def test_a_decline_tells_prefill_on_its_connection_or_on_a_one_off_call() -> None:
+def test_a_decline_tells_prefill_on_its_connection_or_once_it_connected() -> None:
     core, conn = _core()
-    # Not connected (prefill's Send may name no decode): told on a one-off call.
-    assert core.decline("x", "10.0.0.9:1", "full") == [
-        TellPrefillAt("10.0.0.9:1", ("x",), "declined by decode: full"), Count("declines")]
-    assert core.decline("x", PREFILL, "full") == [
+    assert core.decline("x", PREFILL, "full", 1.0) == [
         TellPrefill(conn, "x", "declined by decode: full"), Count("declines")]
+    # Not connected (prefill's Send may name no decode): prefill is asked to connect,
+    # naming the request, and told over the new connection's channel once it did.
+    other = "10.0.0.9:1"
+    assert core.decline("y", other, "full", 1.0) == [DialPrefill(other, ("y",)),
+                                                    Count("declines")]
+    assert core.decline("z", other, "full", 1.1) == [Count("declines")]  # the ask serves it
+    new = fake_conn(other, AllocatedSide(layout()))
+    core.peers.add(new)
+    assert core.dialed(other, new.instance_id, None, now=1.5) == [
+        Count("connects", "ok"), TellPrefill(new, "y", "declined by decode: full"),
+        TellPrefill(new, "z", "declined by decode: full")]
+    # A refused pairing drops what waited: prefill ended those requests itself.
+    assert core.decline("w", "10.0.0.9:2", "full", 2.0)[0] == DialPrefill("10.0.0.9:2", ("w",))
+    refusal = DialRefused(FailureReason.INCOMPATIBLE, "block size differs")
+    assert core.dialed("10.0.0.9:2", "", refusal, now=2.5) == [Count("connects", "refused")]
 
 
 def test_shutdown_fails_what_is_live_then_frees_it_all() -> None:
@@ -288,7 +299,7 @@ def test_the_core_module_imports_nothing_that_does_io() -> None:
     names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
              for alias in node.names}
     names |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    io = {"time", "socket", "grpc", "concurrent.futures", "kvbeam.server.peer_rpc",
+    io = {"time", "socket", "grpc", "concurrent.futures", "kvbeam.server.peer_calls",
           "kvbeam.server.core.decode_driver", "kvbeam.server.faults"}
     assert names & io == set()
 
@@ -304,7 +315,7 @@ def _unconnected() -> DecodeCore:
 def test_a_reservation_naming_an_unconnected_prefill_asks_it_to_connect_once() -> None:
     core = _unconnected()
     a, b = core.reserve("a", 300, PREFILL), core.reserve("b", 300, PREFILL)
-    assert core.offer(a, 1.0) == [DialPrefill(PREFILL)]
+    assert core.offer(a, 1.0) == [DialPrefill(PREFILL, ("a", "b"))]
     assert core.offer(b, 1.0) == []  # the ask under way serves it too
     conn = fake_conn(PREFILL, AllocatedSide(layout()))
     core.peers.add(conn)  # what prefill's handshake with us registered
@@ -314,19 +325,19 @@ def test_a_reservation_naming_an_unconnected_prefill_asks_it_to_connect_once() -
         ("a", conn), ("b", conn)]
 
 
-def test_a_refused_pairing_fails_the_reservations_at_once_with_the_refusal_and_tells_prefill(
+def test_a_refused_pairing_fails_the_reservations_at_once_with_the_refusal(
         ) -> None:
     """Prefill's handshake with us was refused (block sizes differ, say): every
     reservation naming it fails now with the refusal's text, not at the Bootstrapping
-    deadline; its pages are free, and prefill is told (its waiting Send ends too)."""
+    deadline, and its pages are free. Prefill needs no word: the ask named the request,
+    and prefill ended it itself when its handshake was refused."""
     core = _unconnected()
     res = core.reserve("a", 300, PREFILL)
-    assert core.offer(res, 1.0) == [DialPrefill(PREFILL)]
+    assert core.offer(res, 1.0) == [DialPrefill(PREFILL, ("a",))]
     refusal = DialRefused(FailureReason.INCOMPATIBLE, f"prefill daemon at {PREFILL} could "
                           "not pair with this decode: block size: prefill=128, decode=64")
     actions = core.dialed(PREFILL, "", refusal, now=1.2)
-    assert actions == [Count("connects", "refused"), Freed("a"), TellPrefillAt(
-        PREFILL, ("a",), f"decode's reservation failed: the pair could not connect: {refusal}")]
+    assert actions == [Count("connects", "refused"), Freed("a")]
     st = core.status("a")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.INCOMPATIBLE
     assert "block size: prefill=128, decode=64" in st.detail
@@ -354,7 +365,7 @@ def test_an_answer_that_says_nothing_about_the_pair_leaves_the_reservations_and_
     assert core.status("a").state is TransferState.BOOTSTRAPPING
     b = core.reserve("b", 300, PREFILL)
     assert core.offer(b, 2.0) == []  # paused
-    assert core.offer(b, 1.1 + ASK_AGAIN_AFTER_S + 0.1) == [DialPrefill(PREFILL)]
+    assert core.offer(b, 1.1 + ASK_AGAIN_AFTER_S + 0.1) == [DialPrefill(PREFILL, ("a", "b"))]
 
 
 def test_a_prefill_that_connects_under_another_address_fails_the_reservation_clearly() -> None:

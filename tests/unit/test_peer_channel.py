@@ -1,4 +1,5 @@
-"""The peer channel (server/peer_channel.py): frames, HELLO, calls, closes, heartbeats.
+"""The peer channel (proto/peer_frames.py, server/peer_channel.py): frames, HELLO, calls,
+closes, heartbeats.
 
 Real sockets on loopback, two hubs (a "decode" that listens, a "prefill" that dials);
 no daemon. What the daemons bind a channel to and do on its loss is in
@@ -21,16 +22,12 @@ import pytest
 from kvbeam.errors import FrameError
 from kvbeam.errors import PeerChannelError as ChannelError
 from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.proto import peer_frames as pf
+from kvbeam.proto.peer_frames import BEGIN_WRITE, HEADER, Hello
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.server import peer_channel as pc
 from kvbeam.server.decode import DecodeServicer
-from kvbeam.server.peer_channel import (
-    BEGIN_WRITE,
-    HEADER,
-    Hello,
-    PeerChannel,
-    PeerChannels,
-)
+from kvbeam.server.peer_channel import PeerChannel, PeerChannels
 from tests.core_fakes import fake_conn, wait_for
 from tests.fixtures import layout
 
@@ -52,7 +49,7 @@ class Side:
 
     def _request(self, channel: PeerChannel, kind: int, correlation: int,
                  payload: bytes) -> None:
-        _timeout, message = pc.decode_request(payload)
+        _timeout, message = pf.decode_request(payload)
         self.requests.append((kind, message))
         if self.answer:
             channel.reply(correlation, grpc.StatusCode.OK, message=b"re:" + message,
@@ -111,41 +108,41 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 # ---- frames ------------------------------------------------------------------------------
 def test_hello_round_trips_and_malformed_ones_name_the_field() -> None:
     hello = Hello(PROTOCOL_VERSION, "p", "d", TOKEN)
-    raw = pc.encode_hello(hello)
+    raw = pf.encode_hello(hello)
     kind, _, _length = HEADER.unpack_from(raw)
-    assert kind == pc.HELLO and pc.decode_hello(raw[HEADER.size:]) == hello
+    assert kind == pf.HELLO and pf.decode_hello(raw[HEADER.size:]) == hello
     payload = raw[HEADER.size:]
     with pytest.raises(FrameError, match="trailing"):
-        pc.decode_hello(payload + b"x")
+        pf.decode_hello(payload + b"x")
     with pytest.raises(FrameError, match="token"):
-        pc.decode_hello(payload[:-5])
+        pf.decode_hello(payload[:-5])
     with pytest.raises(FrameError, match="too short"):
-        pc.decode_hello(b"\x01")
+        pf.decode_hello(b"\x01")
     bad = struct.pack("<I", 4) + struct.pack("<H", 2) + b"\xff\xfe"
     with pytest.raises(FrameError, match=r"prefill_instance.*UTF-8"):
-        pc.decode_hello(bad)
+        pf.decode_hello(bad)
 
 
 def test_a_reply_carries_the_status_details_and_writes_in_flight() -> None:
-    raw = pc.encode_reply(7, grpc.StatusCode.NOT_FOUND, "UnknownRequest: r")
+    raw = pf.encode_reply(7, grpc.StatusCode.NOT_FOUND, "UnknownRequest: r")
     kind, correlation, _ = HEADER.unpack_from(raw)
-    assert (kind, correlation) == (pc.REPLY, 7)
-    refused = pc.decode_reply(raw[HEADER.size:])
+    assert (kind, correlation) == (pf.REPLY, 7)
+    refused = pf.decode_reply(raw[HEADER.size:])
     assert isinstance(refused, ChannelError)
     assert refused.code() is grpc.StatusCode.NOT_FOUND
     assert refused.details() == "UnknownRequest: r"
-    ok = pc.decode_reply(pc.encode_reply(8, grpc.StatusCode.OK, message=b"m",
+    ok = pf.decode_reply(pf.encode_reply(8, grpc.StatusCode.OK, message=b"m",
                                          in_flight=3)[HEADER.size:])
-    assert ok == pc.Reply(b"m", 3)
+    assert ok == pf.Reply(b"m", 3)
     with pytest.raises(FrameError, match="unknown status code"):
-        pc.decode_reply(struct.pack("<BII", 200, 0, 0))
+        pf.decode_reply(struct.pack("<BII", 200, 0, 0))
     with pytest.raises(FrameError, match="runs past"):
-        pc.decode_reply(struct.pack("<BII", 0, 0, 10) + b"abc")
+        pf.decode_reply(struct.pack("<BII", 0, 0, 10) + b"abc")
 
 
 def test_a_payload_over_the_limit_is_refused_when_encoding() -> None:
     with pytest.raises(FrameError, match="over the limit"):
-        pc.frame(pc.PING, 0, b"\0" * (pc.MAX_PAYLOAD + 1))
+        pf.frame(pf.PING, 0, b"\0" * (pf.MAX_PAYLOAD + 1))
 
 
 # ---- calls -------------------------------------------------------------------------------
@@ -165,7 +162,7 @@ def test_a_request_the_receiver_does_not_serve_closes_the_channel(prefill: Side,
     channel = _open(prefill, decode)
     # OFFER goes decode -> prefill only: decode refuses it on an established channel.
     with pytest.raises(ChannelError) as err:
-        channel.call(pc.OFFER, b"x", 5.0)
+        channel.call(pf.OFFER, b"x", 5.0)
     assert err.value.code() is grpc.StatusCode.UNAVAILABLE
     assert wait_for(lambda: channel.closed)
     assert wait_for(lambda: prefill.closed), prefill.closed
@@ -235,13 +232,13 @@ def test_a_bye_before_a_reset_under_a_writer_is_still_an_orderly_close() -> None
     channel = PeerChannel(hub, ours, "prefill p")
     channel.bound = object()
     try:
-        channel.send(pc.frame(pc.PING, 0))
-        theirs.sendall(pc.frame(pc.BYE, 0, b"link replaced"))
+        channel.send(pf.frame(pf.PING, 0))
+        theirs.sendall(pf.frame(pf.BYE, 0, b"link replaced"))
         time.sleep(0.1)  # our PING sits unread in its buffer: the close resets
         theirs.close()
         time.sleep(0.1)
         for _ in range(3):  # the first send after a reset may still be taken
-            channel.send(pc.frame(pc.PING, 0))
+            channel.send(pf.frame(pf.PING, 0))
         hub._housekeeping()
         assert channel.closed
         assert channel.orderly, channel.close_reason
@@ -264,10 +261,10 @@ def test_a_connect_that_gives_up_before_the_welcome_says_bye(prefill: Side) -> N
             while chunk := conn.recv(4096):
                 got += chunk
     kind, _, length = HEADER.unpack_from(got)
-    assert kind == pc.HELLO
+    assert kind == pf.HELLO
     after = HEADER.size + length
     kind, _, length = HEADER.unpack_from(got, after)
-    assert kind == pc.BYE
+    assert kind == pf.BYE
     assert b"gave up" in got[after + HEADER.size:], got
 
 
@@ -281,7 +278,7 @@ def test_a_wrong_token_is_refused_before_any_frame_is_served(prefill: Side,
 
 def test_a_first_frame_that_is_not_a_hello_is_dropped(decode: Side) -> None:
     sock = _raw(decode)
-    sock.sendall(pc.frame(pc.PING, 0))
+    sock.sendall(pf.frame(pf.PING, 0))
     assert _recv_exact(sock, HEADER.size) == b""  # closed, no WELCOME
     sock.close()
 
@@ -289,10 +286,10 @@ def test_a_first_frame_that_is_not_a_hello_is_dropped(decode: Side) -> None:
 def test_an_oversize_frame_closes_the_channel_naming_the_peer(decode: Side,
                                                               caplog: Any) -> None:
     sock = _raw(decode)
-    sock.sendall(pc.encode_hello(Hello(PROTOCOL_VERSION, "p", "d", TOKEN)))
-    assert HEADER.unpack(_recv_exact(sock, HEADER.size))[0] == pc.WELCOME
+    sock.sendall(pf.encode_hello(Hello(PROTOCOL_VERSION, "p", "d", TOKEN)))
+    assert HEADER.unpack(_recv_exact(sock, HEADER.size))[0] == pf.WELCOME
     assert wait_for(lambda: len(decode.hub._channels) == 1)
-    sock.sendall(HEADER.pack(pc.BEGIN_WRITE, 1, pc.MAX_PAYLOAD + 1))
+    sock.sendall(HEADER.pack(pf.BEGIN_WRITE, 1, pf.MAX_PAYLOAD + 1))
     assert _recv_exact(sock, 1) == b""  # the channel was closed
     assert wait_for(lambda: decode.closed)
     assert "over the limit" in decode.closed[0], decode.closed
@@ -313,8 +310,8 @@ def _welcomed(side: Side) -> socket.socket:
     side.hub.listen("127.0.0.1", 0, "127.0.0.1")
     side.hub.start()
     sock = _raw(side)
-    sock.sendall(pc.encode_hello(Hello(PROTOCOL_VERSION, "p", "d", TOKEN)))
-    assert HEADER.unpack(_recv_exact(sock, HEADER.size))[0] == pc.WELCOME
+    sock.sendall(pf.encode_hello(Hello(PROTOCOL_VERSION, "p", "d", TOKEN)))
+    assert HEADER.unpack(_recv_exact(sock, HEADER.size))[0] == pf.WELCOME
     return sock
 
 
@@ -346,22 +343,21 @@ def test_heartbeats_far_apart_do_not_lose_an_idle_peer_after_the_timeout_alone()
 
 
 def test_a_silent_peer_counts_missed_heartbeats_on_its_connection_until_it_speaks() -> None:
-    # What the RPC heartbeat loop counted for a peer (decode offers nothing to one that
-    # misses heartbeats, prefill waits for no offer of it) the channel counts for its own:
-    # the peer's connection reads it while the channel is open, the RPC count otherwise.
+    # Decode offers nothing to a peer that misses heartbeats, prefill waits for no offer
+    # of it: the peer's connection reads the count of its open channel (none: 0).
     side = Side("decode", peer_timeout_s=30.0, heartbeat_s=0.1)
     try:
         sock = _welcomed(side)  # a "prefill" that goes silent after the WELCOME
         channel = side.channels[0]
         conn = fake_conn("127.0.0.1:9", AllocatedSide(layout()))
-        conn.missed_heartbeats = 0
         conn.channel = channel
         assert wait_for(lambda: conn.missed_heartbeats >= 2, 10.0), conn.missed_heartbeats
-        sock.sendall(pc.frame(pc.PING, 0))  # it speaks: counted from its last frame
+        sock.sendall(pf.frame(pf.PING, 0))  # it speaks: counted from its last frame
         assert wait_for(lambda: conn.missed_heartbeats == 0, 10.0)
+        assert conn.unchanneled_for(time.monotonic()) == 0.0
         channel.close("test over")
-        conn.missed_heartbeats = 3  # closed: the RPC heartbeat loop's count again
-        assert conn.missed_heartbeats == 3
+        assert conn.missed_heartbeats == 0  # no open channel: nothing counted
+        assert conn.unchanneled_for(time.monotonic() + 5.0) >= 5.0
         sock.close()
     finally:
         side.hub.stop()

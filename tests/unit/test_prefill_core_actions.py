@@ -221,7 +221,7 @@ def test_the_core_module_imports_nothing_that_does_io() -> None:
     names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
              for alias in node.names}
     names |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert names & {"time", "socket", "grpc", "concurrent.futures", "kvbeam.server.peer_rpc",
+    assert names & {"time", "socket", "grpc", "concurrent.futures", "kvbeam.server.peer_calls",
                     "kvbeam.server.faults", "kvbeam.pools.digest_pool",
                     "kvbeam.server.core.prefill_driver"} == set()
 

@@ -132,4 +132,4 @@ def test_the_event_handlers_module_imports_nothing_that_does_io() -> None:
              for alias in node.names}
     names |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert names & {"time", "socket", "grpc", "concurrent.futures",
-                    "kvbeam.server.peer_rpc"} == set()
+                    "kvbeam.server.peer_calls"} == set()

@@ -421,12 +421,11 @@ class BeginWriteResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., slot: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., instance_id: _Optional[str] = ..., kv_skip: _Optional[int] = ..., mailbox_slot: _Optional[int] = ...) -> None: ...
 
 class OfferRequest(_message.Message):
-    __slots__ = ("request_id", "instance_id", "seq_len", "transfer_id", "slot", "indices", "lease_ms", "kv_skip", "mailbox_slot")
+    __slots__ = ("request_id", "instance_id", "seq_len", "transfer_id", "indices", "lease_ms", "kv_skip", "mailbox_slot")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
-    SLOT_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     KV_SKIP_FIELD_NUMBER: _ClassVar[int]
@@ -435,12 +434,11 @@ class OfferRequest(_message.Message):
     instance_id: str
     seq_len: int
     transfer_id: int
-    slot: int
     indices: _containers.RepeatedCompositeFieldContainer[IndexList]
     lease_ms: int
     kv_skip: int
     mailbox_slot: int
-    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., transfer_id: _Optional[int] = ..., slot: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., kv_skip: _Optional[int] = ..., mailbox_slot: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., transfer_id: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., kv_skip: _Optional[int] = ..., mailbox_slot: _Optional[int] = ...) -> None: ...
 
 class OfferResponse(_message.Message):
     __slots__ = ("accepted", "digests_follow", "request_id", "transfer_id", "code", "detail")
@@ -537,16 +535,12 @@ class StateEntered(_message.Message):
     def __init__(self, state: _Optional[_Union[TransferState, str]] = ..., after_s: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "detail", "from_peer", "instance_id")
+    __slots__ = ("request_id", "detail")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
-    FROM_PEER_FIELD_NUMBER: _ClassVar[int]
-    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     detail: str
-    from_peer: bool
-    instance_id: str
-    def __init__(self, request_id: _Optional[str] = ..., detail: _Optional[str] = ..., from_peer: _Optional[bool] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("instance_id",)
@@ -555,12 +549,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
-    __slots__ = ("control_address", "instance_id")
+    __slots__ = ("control_address", "instance_id", "request_ids")
     CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     control_address: str
     instance_id: str
-    def __init__(self, control_address: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, control_address: _Optional[str] = ..., instance_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
     __slots__ = ("instance_id", "decode_instance_id")

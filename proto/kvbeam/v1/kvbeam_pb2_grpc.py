@@ -142,10 +142,9 @@ class KvbeamControlServicer:
         Errors: PERMISSION_DENIED (the caller's credentials do not cover the address),
         FAILED_PRECONDITION (prefill's handshake was refused: the refusal's text),
         UNAVAILABLE (decode could not be reached), UNIMPLEMENTED (on decode).
-        BeginWrite (prefill -> decode) and Offer (decode -> prefill) are no RPCs: their
-        messages travel on the pair's peer channel only (docs/protocol.md, "The peer
-        channel"). Abort is also sent there between daemons. Protocol 2 to 4's Digests is
-        gone (protocol 5: the digest mailbox).
+        Between the daemons, after the handshake, every per-request message (Offer,
+        BeginWrite, their Aborts) and their heartbeats travel on the pair's peer channel
+        only (docs/protocol.md, "The peer channel").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

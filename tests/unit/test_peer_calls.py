@@ -1,10 +1,9 @@
-"""One path between the daemons (issue 24): BeginWrite and Offer go over the peer
-channel only (the digests go in band: the mailbox). A connection without an open
-channel calls no RPC: prefill's BeginWrite fails naming the peer and why, decode makes
-no offer, prefill's core drops such a connection and handshakes again (a new link, a
-new channel), and a handshake whose decode names no channel, or one that cannot be
-opened, fails. Only the daemons' Abort still falls back to the RPC
-(tests/unit/test_executor.py)."""
+"""One path between the daemons: every per-request message goes over the peer channel
+(server/peer_calls.py). A connection without an open channel calls no RPC: prefill's
+BeginWrite fails naming the peer and why, decode makes no offer, an Abort goes over the
+pair's newer connection or is not sent, prefill's core drops such a connection and
+handshakes again (a new link, a new channel), and a handshake whose decode names no
+channel, or one that cannot be opened, fails."""
 
 from __future__ import annotations
 
@@ -15,38 +14,27 @@ import grpc
 import numpy as np
 import pytest
 
-from kvbeam.errors import PeerUnavailableError
+from kvbeam.errors import PeerChannelError, PeerUnavailableError
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.types import IndexKind
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
+from kvbeam.proto.peer_frames import ABORT, HEADER, OFFER, Reply
 from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.peer_channel import (
-    CHANNEL_ADDRESS_KEY,
-    CHANNEL_TOKEN_KEY,
-    HEADER,
-    OFFER,
-    PeerChannels,
+from kvbeam.server.peer_calls import (
+    ChannelDecodePeers,
+    ChannelPrefillPeers,
+    no_channel,
+    offer_answer,
 )
-from kvbeam.server.peer_rpc import GrpcDecodePeers, GrpcPrefillPeers, no_channel, offer_answer
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.peer_channel import CHANNEL_ADDRESS_KEY, CHANNEL_TOKEN_KEY, PeerChannels
+from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.server.settings import ControlOptions
 from kvbeam.states import TransferState
 from tests.core_fakes import FakeLink, fake_conn, prefill_core, wait_for
 from tests.fixtures import layout
 
 ADDR = "127.0.0.1:9"
-
-
-class _NoRpc:
-    """A control channel that must not be used: no per-request call is an RPC."""
-
-    @property
-    def stub(self) -> Any:
-        raise AssertionError("an RPC was called")
-
-    def close(self) -> None:
-        pass
 
 
 class _Closed:
@@ -72,15 +60,15 @@ class _Metrics:
 
 def _conn(channel: Any) -> PeerConn:
     conn = fake_conn(ADDR, AllocatedSide(layout()))
-    conn._dial = lambda _address: _NoRpc()
     conn.channel = channel
     return conn
 
 
-def _decode_peers() -> GrpcDecodePeers:
+def _decode_peers(peers: Peers | None = None) -> ChannelDecodePeers:
     local: Any = SimpleNamespace(instance_id="p1")
-    dial: Any = SimpleNamespace(options=ControlOptions(rpc_timeout_s=1.0))
-    return GrpcDecodePeers(lambda: local, cast(Any, None), dial, cast(Any, _Metrics()))
+    return ChannelDecodePeers(lambda: local, cast(Any, None), ControlOptions(rpc_timeout_s=1.0),
+                              cast(Any, _Metrics()),
+                              Peers() if peers is None else peers)
 
 
 @pytest.mark.parametrize("channel", [None, _Closed()], ids=["never-opened", "closed-bye"])
@@ -98,10 +86,10 @@ def test_begin_write_without_a_channel_fails_naming_why_and_calls_no_rpc(
 @pytest.mark.parametrize("channel", [None, _Closed()], ids=["not-bound-yet", "closed-bye"])
 def test_decode_makes_no_offer_without_a_channel(channel: Any) -> None:
     local: Any = SimpleNamespace(instance_id="d1")
-    peers = GrpcPrefillPeers(lambda: local, ControlOptions(rpc_timeout_s=1.0))
+    peers = ChannelPrefillPeers(lambda: local, ControlOptions(rpc_timeout_s=1.0), Peers())
     conn = _conn(channel)
     grant = WriteGrant(5, {})
-    assert not peers.offer(conn, "r1", 100, grant, 0, 10.0)  # nothing sent
+    assert not peers.offer(conn, "r1", 100, grant, 10.0)  # nothing sent
     assert "closed" in no_channel(conn, "prefill") or channel is None
 
 
@@ -190,14 +178,14 @@ class _Sending:
 
 
 def test_decode_offers_one_way_and_waits_for_nothing() -> None:
-    """Protocol 8: the Offer is one frame with no correlation id and no deadline, the
-    OfferRequest alone; nothing waits for an answer."""
+    """The Offer is one frame with no correlation id and no deadline, the OfferRequest
+    alone; nothing waits for an answer."""
     local: Any = SimpleNamespace(instance_id="d1")
-    peers = GrpcPrefillPeers(lambda: local, ControlOptions(rpc_timeout_s=1.0))
+    peers = ChannelPrefillPeers(lambda: local, ControlOptions(rpc_timeout_s=1.0), Peers())
     channel = _Sending()
     grant = WriteGrant(5, {IndexKind.KV_PAGES: np.array([3, 4], dtype=np.int64)},
                        mailbox_slot=2)
-    assert peers.offer(_conn(channel), "r1", 100, grant, 0, 10.0)
+    assert peers.offer(_conn(channel), "r1", 100, grant, 10.0)
     [data] = channel.sent
     kind, correlation, length = HEADER.unpack_from(data)
     assert (kind, correlation, length) == (OFFER, 0, len(data) - HEADER.size)
@@ -226,3 +214,64 @@ def _answer(accepted: bool = True, digests_follow: bool = True,
 def test_an_offer_answer_maps_to_what_decode_does(answer: pb.OfferResponse,
                                                   want: Offered) -> None:
     assert offer_answer(answer, ADDR) is want
+
+
+class _Answering:
+    """An open channel that answers each Abort with ``answer`` (a Reply or a refusal)."""
+
+    closed = False
+
+    def __init__(self, answer: Reply | PeerChannelError) -> None:
+        self.answer = answer
+        self.calls: list[tuple[int, pb.AbortRequest, float]] = []
+
+    def start_call(self, kind: int, message: bytes, timeout_s: float) -> Any:
+        from concurrent.futures import Future
+
+        self.calls.append((kind, pb.AbortRequest.FromString(message), timeout_s))
+        future: Future[Reply] = Future()
+        if isinstance(self.answer, Reply):
+            future.set_result(self.answer)
+        else:
+            future.set_exception(self.answer)
+        return future
+
+
+@pytest.mark.parametrize(("answer", "confirmed"), [
+    (Reply(b"", 0), True), (Reply(b"", 2), False),
+    (PeerChannelError(grpc.StatusCode.NOT_FOUND, "UnknownRequest: r1"), True),
+    (PeerChannelError(grpc.StatusCode.UNAVAILABLE, "closed"), False),
+], ids=["drained", "in-flight", "unknown-there", "closed"])
+def test_an_abort_goes_over_the_channel_and_says_whether_the_peer_confirmed(
+        answer: Any, confirmed: bool) -> None:
+    channel = _Answering(answer)
+    assert _decode_peers().abort(_conn(channel), ADDR, "r1", "failed here", 1.0) is confirmed
+    [(kind, request, timeout)] = channel.calls
+    assert (kind, request.request_id, request.detail, timeout) == (ABORT, "r1",
+                                                                   "failed here", 1.0)
+
+
+def test_an_abort_whose_channel_closed_goes_over_the_pairs_newer_connection() -> None:
+    """The request's connection lost its channel (a BYE: its link was replaced); the
+    pair's newer connection carries the Abort. With none, nothing is sent (no RPC, no
+    one-off dial): the peer's own deadline ends the request."""
+    peers = Peers()
+    calls = _decode_peers(peers)
+    old = _conn(_Closed())
+    assert calls.abort(old, ADDR, "r1", "x") is False  # nothing open to tell it on
+    newer_channel = _Answering(Reply(b""))
+    peers.add(_conn(newer_channel))
+    assert calls.abort(old, ADDR, "r1", "x") is True
+    assert [c[1].request_id for c in newer_channel.calls] == ["r1"]
+    assert calls.abort(None, ADDR, "r2", "x") is True  # never connected: the pair's one
+
+
+def test_aborts_at_shutdown_start_at_once_and_count_what_the_peers_confirmed() -> None:
+    local: Any = SimpleNamespace(instance_id="d1")
+    calls = ChannelPrefillPeers(lambda: local, ControlOptions(rpc_timeout_s=1.0), Peers())
+    live = _Answering(Reply(b""))
+    busy = _Answering(Reply(b"", 1))
+    conns = [_conn(live), _conn(busy), _conn(None)]  # the last has no open channel
+    assert calls.abort_all([(conns[0], "a"), (conns[1], "b"), (conns[2], "c")], "bye",
+                           0.5) == 1
+    assert [c[1].request_id for c in live.calls + busy.calls] == ["a", "b"]
