@@ -1,7 +1,7 @@
 """The engine attach wire: length-prefixed JSON over a local Unix socket, fds by SCM_RIGHTS.
 
 An engine hands its pools to its local daemon (:mod:`kvbeam.engine.attach` sends,
-:mod:`kvbeam.server.attach` receives). Each message is a 4-byte big-endian length
+:mod:`kvbeam.server.attach` receives). Each message is a 4-byte little-endian length
 followed by that many bytes of UTF-8 JSON; the attach request's file descriptors
 travel as SCM_RIGHTS ancillary data with its first bytes. docs/engine.md documents
 the protocol. Request::
@@ -38,9 +38,10 @@ from typing import Any
 
 from kvbeam.errors import AttachError
 from kvbeam.pools.spec import PoolSpec, SideConfig
+from kvbeam.proto.fields import big_endian_hint
 
 #: The attach protocol's version; a daemon refuses any other.
-ATTACH_VERSION = 1
+ATTACH_VERSION = 2
 OPS = ("attach", "detach")
 #: ``host_shm``: memfd/tmpfs host memory; ``dmabuf``: device memory as dma-buf fds
 #: (kvbeam.server.dmabuf says what a daemon takes).
@@ -57,7 +58,7 @@ MAX_FDS = 253  # SCM_MAX_FD
 #: cut, and the text says so) and of its ``field``: every answer stays a few KiB.
 MAX_ERROR_CHARS = 2000
 MAX_FIELD_CHARS = 200
-_LEN = struct.Struct(">I")
+_LEN = struct.Struct("<I")
 _SHOW = reprlib.Repr()
 _SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother = 2, 40, 40
 _SHOW.maxlist = _SHOW.maxdict = _SHOW.maxtuple = 4
@@ -324,7 +325,8 @@ class MessageReader:
                 return None
             (n,) = _LEN.unpack(self._buf[:_LEN.size])
             if n > MAX_MESSAGE_BYTES:
-                raise AttachError(f"attach message of {n} bytes exceeds {MAX_MESSAGE_BYTES}")
+                raise AttachError(f"attach message of {n} bytes exceeds {MAX_MESSAGE_BYTES}"
+                                  f"{big_endian_hint(n, MAX_MESSAGE_BYTES)}")
             self._size, self._buf = n, self._buf[_LEN.size:]
         return bytes(self._buf) if len(self._buf) >= self._size else None
 
@@ -378,7 +380,8 @@ def read_message(sock: socket.socket, *, with_fds: bool = False,
     try:
         (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, head, deadline))
         if n > MAX_MESSAGE_BYTES:
-            raise AttachError(f"attach message of {n} bytes exceeds {MAX_MESSAGE_BYTES}")
+            raise AttachError(f"attach message of {n} bytes exceeds {MAX_MESSAGE_BYTES}"
+                              f"{big_endian_hint(n, MAX_MESSAGE_BYTES)}")
         return decode_body(_recv_exact(sock, n, deadline=deadline)), fds
     except BaseException:
         for fd in fds:

@@ -2,7 +2,7 @@
 
 After a successful attach (:mod:`kvbeam.proto.attach_codec`) the same Unix socket
 carries compact binary frames both ways (docs/protocol.md, "The engine channel").
-Every frame is a 4-byte big-endian length of what follows, then::
+Every frame is a 4-byte length of what follows, then::
 
     u8 version (ENGINE_FRAMES_VERSION) | u8 kind | u16 id length | request id (UTF-8) | body
 
@@ -13,9 +13,10 @@ and ERROR (a frame refused: the field at fault and why). Several frames written 
 once are a batch; nothing else marks one. A JSON attach-protocol message (its body
 starts with ``{``) may still follow on the same socket: the detach.
 
-Strings are a u16 length and UTF-8; integers are big-endian; index lists are
+Every integer is little-endian (the byte order of every kvbeam framing,
+docs/protocol.md "Wire framings"). Strings are a u16 length and UTF-8; index lists are
 ``u8 count`` of ``u8 pool (0 target, 1 draft) | u8 kind (IndexKind order) | u32 n |
-n little-endian u32``. Decoding is strict and every refusal is a :class:`FrameError`
+n u32``. Decoding is strict and every refusal is a :class:`FrameError`
 naming the field. Pure data: no sockets, no gRPC, no torch.
 """
 
@@ -32,12 +33,13 @@ import numpy.typing as npt
 from kvbeam.compiled import helper_line, load_helper
 from kvbeam.errors import FrameError
 from kvbeam.pools.types import IndexKind
+from kvbeam.proto.fields import big_endian_hint
 from kvbeam.states import FailureReason, TransferState
 
 __all__ = ["FrameError"]  # defined with every other error in kvbeam.errors
 
 #: The frame format's version; a frame of another version is refused (ERROR "version").
-ENGINE_FRAMES_VERSION = 1
+ENGINE_FRAMES_VERSION = 2
 #: Largest frame either side accepts (a 1M-token request's lists are ~100 KB); a
 #: longer length is refused from the 4-byte prefix, before any of the body is read.
 MAX_FRAME_BYTES = 16 << 20
@@ -87,14 +89,14 @@ def codec() -> str:
     """How this process codes frames' index lists: the compiled codec, or numpy and why."""
     return helper_line(_HELPER, _HELPER_WHY, COMPILED, "numpy")
 
-_LEN = struct.Struct(">I")
-_HEAD = struct.Struct(">BBH")
-_U8 = struct.Struct(">B")
-_U16 = struct.Struct(">H")
-_U32 = struct.Struct(">I")
-_LIST = struct.Struct(">BBI")
-_CHUNK = struct.Struct(">II")
-_STATE = struct.Struct(">BBI")
+_LEN = struct.Struct("<I")
+_HEAD = struct.Struct("<BBH")
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_LIST = struct.Struct("<BBI")
+_CHUNK = struct.Struct("<II")
+_STATE = struct.Struct("<BBI")
 
 
 Lists = dict[IndexKind, npt.NDArray[np.int64]]
@@ -122,10 +124,10 @@ class Reserve:
 class Send:
     """(A chunk of) a request prefill sends.
 
-    Without ``kv_offset`` the lists are the whole request's and travel with the first
-    frame. With it (flag EXTENDS) every frame of the request carries the next piece:
-    its KV pages, which continue the request's KV_PAGES list at position ``kv_offset``,
-    and, in the final frame, every other list whole.
+    Without ``kv_offset`` it is the whole request in one frame: final, with its lists.
+    With it (flag EXTENDS) it is a chunk, and every frame of the request carries the
+    next piece: its KV pages, which continue the request's KV_PAGES list at position
+    ``kv_offset``, and, in the final frame, every other list whole.
     """
 
     request_id: str
@@ -250,6 +252,15 @@ def encode_state(request_id: str, state: TransferState, reason: FailureReason | 
                               else 0, version & 0xFFFFFFFF) + _str(detail[:4096], "detail"))
 
 
+def _check_whole(final: bool, has_lists: bool, extends: bool, request_id: str) -> None:
+    """A SEND without EXTENDS is a whole request: final, with its lists (one way to send
+    in chunks: pieces)."""
+    if not extends and not (final and has_lists):
+        raise FrameError("kv_offset", "a SEND without kv_offset is the whole request in one "
+                         "frame (final, with its lists); a chunk gives its piece of the "
+                         "lists with kv_offset (flag EXTENDS)", request_id)
+
+
 def encode(frame: EngineFrame | DaemonFrame) -> bytes:
     """One frame, length prefix included."""
     if isinstance(frame, Reserve):
@@ -261,6 +272,7 @@ def encode(frame: EngineFrame | DaemonFrame) -> bytes:
                       + (_U32.pack(frame.kv_skip) if frame.kv_skip else b""))
     if isinstance(frame, Send):
         has = frame.indices is not None or frame.draft is not None
+        _check_whole(frame.final, has, frame.kv_offset is not None, frame.request_id)
         if len(frame.chunks) > MAX_CHUNKS:
             raise FrameError("chunks", f"more than {MAX_CHUNKS} chunks")
         extends = frame.kv_offset is not None
@@ -396,6 +408,7 @@ def decode(body: bytes | memoryview, allowed: Sequence[int] = ENGINE_KINDS
         if n > MAX_CHUNKS:
             raise FrameError("chunks", f"{n} chunks (at most {MAX_CHUNKS})", rid)
         chunks = tuple(cur.unpack(_CHUNK, f"chunks[{i}]") for i in range(n))
+        _check_whole(bool(flags & FINAL), bool(flags & HAS_LISTS), bool(flags & EXTENDS), rid)
         offset = cur.unpack(_U32, "kv_offset")[0] if flags & EXTENDS else None
         lists = cur.lists() if flags & HAS_LISTS else None
         out = Send(rid, seq_len, address, bool(flags & FINAL),
@@ -448,7 +461,8 @@ class FrameBuffer:
             (n,) = _LEN.unpack_from(buf, at)
             if n > self.limit:
                 raise FrameError("length", f"frame of {n} bytes announced, the limit is "
-                                 f"{self.limit}: refused before reading it")
+                                 f"{self.limit}: refused before reading it"
+                                 f"{big_endian_hint(n, self.limit)}")
             if len(buf) - at - _LEN.size < n:
                 break
             out.append(bytes(buf[at + _LEN.size:at + _LEN.size + n]))

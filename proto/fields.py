@@ -83,3 +83,15 @@ def host_port(value: str, field: str) -> tuple[str, int]:
     if not 1 <= port <= 65535:
         raise ProtocolError(field, f"port must be in 1..65535 (got {port})")
     return host, port
+
+
+def big_endian_hint(length: int, limit: int) -> str:
+    """What to add to the refusal of a 4-byte little-endian length over ``limit`` when
+    its bytes read big-endian would fit: the engine channel and attach messages of a
+    kvbeam before engine frames version 2 had big-endian lengths ("" otherwise)."""
+    swapped = int.from_bytes(length.to_bytes(4, "little"), "big")
+    if swapped > limit:
+        return ""
+    return (f" (read big-endian it is {swapped} bytes: the peer is a kvbeam whose engine "
+            "framing is older than this daemon's; run the same kvbeam in the engine and "
+            "the daemon)")

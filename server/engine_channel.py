@@ -132,12 +132,6 @@ class CoreOps:
         if not isinstance(core, PrefillDriver):
             raise ef.FrameError("kind", "SEND is prefill's; this is a decode daemon",
                                 frame.request_id)
-        if frame.indices is None and frame.kv_offset is None \
-                and not core.table.is_live(frame.request_id):
-            # A request's first SEND brings its source lists: without them the core would
-            # read the slot's own pages, which this engine never named.
-            raise ef.FrameError("lists", "a request's first SEND names the engine's source "
-                                "lists; this one has none", frame.request_id)
         seq_len = self._seq_len(frame.seq_len)
         if frame.decode_address:  # empty: the decode whose reservation names it
             host_port(frame.decode_address, "decode_address")

@@ -1,41 +1,38 @@
 """Per-request calls an engine scheduler makes, shaped like sglang's KV sender/receiver.
 
-Prefill, once a request's KV is in its pools::
+Prefill, once a request's KV is in its pools (``attachment``: the engine's
+:class:`~kvbeam.engine.attach.Attachment` to its daemon)::
 
-    s = Sender("127.0.0.1:50051", "req-1", decode_address="127.0.0.1:50052")
+    s = Sender(attachment, "req-1", decode_address="127.0.0.1:50052")
     s.send(kv_pages, {"SWA_RING_ROWS": rows, "REQ_SLOT": [item]}, seq_len=4096)
     while s.poll() not in (KVPoll.Success, KVPoll.Failed): ...
     s.failure_exception()          # raises TransferFailed when it failed
 
 Decode, before prefill sends::
 
-    r = Receiver("127.0.0.1:50052", "req-1", prefill_address="127.0.0.1:50051")
+    r = Receiver(attachment, "req-1", prefill_address="127.0.0.1:50051")
     r.send_metadata(kv_pages, {"SWA_RING_ROWS": rows, "REQ_SLOT": [item]}, seq_len=4096)
     ... r.poll() == KVPoll.Success ...; r.release()   # the engine took the KV over
 
 ``kv_indices`` are the engine's KV page ids of the request's logical pages in order;
 ``state_indices`` maps every other index kind the layout uses to its list, and
-``"draft.KIND"`` to the draft's own lists (docs/indices.md has the semantics). The
-lists cover the whole request even when prefill sends it in chunks.
+``"draft.KIND"`` to the draft's own lists (docs/indices.md has the semantics). A
+request sent in chunks gives its KV pages chunk by chunk (:meth:`Sender.send_chunk`).
 
-Given the engine's :class:`~kvbeam.engine.attach.Attachment` instead of a daemon
-address, every call is a frame on the attach socket (:mod:`kvbeam.engine.channel`):
+Every call is a frame on the attach socket (:mod:`kvbeam.engine.channel`):
 ``send``/``send_metadata``/``abort``/``release`` write one frame each (several in one
 write inside ``attachment.channel.batch()``), ``poll()`` reads the state the channel's
 reader thread applied from the daemon's pushes (no syscall, no RPC), ``wait()`` blocks
-on it; ``attachment.channel.poll_many()`` returns every change at once. No gRPC then.
-
-Given an address, each call is a gRPC call to that daemon (the scheduler API): gRPC
-is imported on the first call, not at import; torch never. One gRPC channel per
-daemon address is shared by every request of the process (:func:`client_for`).
+on it; ``attachment.channel.poll_many()`` returns every change at once. No gRPC, no
+torch. A scheduler that is not the engine calls the daemons' gRPC API instead
+(:class:`kvbeam.client.KvbeamClient`).
 """
 
 from __future__ import annotations
 
 import enum
-import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvbeam.engine.attach import Attachment
 from kvbeam.engine.channel import EngineChannel, RequestState
@@ -43,10 +40,6 @@ from kvbeam.errors import AttachError, TransferFailed
 from kvbeam.pools.types import IndexKind
 from kvbeam.proto import engine_frames as ef
 from kvbeam.states import FailureReason, TransferState
-
-if TYPE_CHECKING:  # annotations only: kvbeam.client imports gRPC
-    from kvbeam.auth import Security
-    from kvbeam.client import KvbeamClient, Reservation, Status
 
 
 class KVPoll(enum.IntEnum):
@@ -73,111 +66,63 @@ def poll_of(state: TransferState) -> KVPoll:
     return _POLL[state]
 
 
-_clients: dict[tuple[str, Security | None], KvbeamClient] = {}
-_clients_lock = threading.Lock()
-
-
-def client_for(address: str, security: Security | None = None) -> KvbeamClient:
-    """The process's shared client to a daemon presenting ``security`` (created on first
-    use; gRPC imported then): one per address and credentials."""
-    from kvbeam.client import KvbeamClient
-
-    with _clients_lock:
-        client = _clients.get((address, security))
-        if client is None:
-            client = _clients[(address, security)] = KvbeamClient(address, security=security)
-        return client
-
-
 def index_lists(kv_indices: Sequence[int] | Any,
                 state_indices: Mapping[str, Sequence[int] | Any] | None) -> dict[str, Any]:
     """``kv_indices`` and ``state_indices`` as the client's mapping by kind name."""
     return {"KV_PAGES": kv_indices, **(state_indices or {})}
 
 
-def _channel_of(daemon: str | Attachment | EngineChannel) -> EngineChannel | None:
-    if isinstance(daemon, str):
-        return None
+def _channel_of(daemon: Attachment | EngineChannel) -> EngineChannel:
     channel = daemon if isinstance(daemon, EngineChannel) else daemon.channel
     if channel is None:
-        raise AttachError("this attachment has no engine channel (the daemon predates it, or "
-                          "the attachment was closed): pass the daemon's address instead",
-                          "channel")
+        raise AttachError("this attachment has no engine channel (it was closed)", "channel")
     return channel
 
 
 class _Request:
-    """What both sides share: the daemon (channel or address), the request id, its state."""
+    """What both sides share: the engine channel, the request id, its state."""
 
-    def __init__(self, daemon: str | Attachment | EngineChannel, request_id: str, *,
-                 client: KvbeamClient | None = None, security: Security | None = None) -> None:
+    def __init__(self, daemon: Attachment | EngineChannel, request_id: str) -> None:
         self.channel = _channel_of(daemon)
-        self.daemon_address = daemon if isinstance(daemon, str) else ""
         self.request_id = request_id
-        self._client = client
-        self._security = security
         self._started = False
-        self.last: Status | None = None
         self._state: RequestState | None = None  # the channel's record of this request
 
-    @property
-    def client(self) -> KvbeamClient:
-        """The client to this side's daemon (the shared one unless one was given)."""
-        if self._client is None:
-            self._client = client_for(self.daemon_address, self._security)
-        return self._client
-
     def _track(self) -> RequestState:
-        assert self.channel is not None
         if self._state is None or self._state.state.terminal:
             self._state = self.channel.track(self.request_id)
         return self._state
 
     def poll(self) -> KVPoll:
-        """The request's state; Bootstrapping until it was sent or reserved here.
-
-        Over the engine channel: the last state the daemon pushed (an attribute read).
-        """
+        """The last state the daemon pushed (an attribute read); Bootstrapping until the
+        request was sent or reserved here."""
         state = self._state
-        if state is not None:
-            return _POLL[state.state]
-        if not self._started or self.channel is not None:
-            return KVPoll.Bootstrapping
-        self.last = self.client.status(self.request_id)
-        return poll_of(self.last.state)
+        return KVPoll.Bootstrapping if state is None else _POLL[state.state]
 
     def wait(self, timeout: float) -> KVPoll:
         """Block until the request ends or ``timeout`` seconds pass; the state then."""
-        if self.channel is not None:
-            if self._state is None:
-                return KVPoll.Bootstrapping
-            return poll_of(self.channel.wait(self._state, timeout))
-        self.last = self.client.wait(self.request_id, timeout)
-        return poll_of(self.last.state)
+        if self._state is None:
+            return KVPoll.Bootstrapping
+        return poll_of(self.channel.wait(self._state, timeout))
 
     @property
     def refusal(self) -> str:
-        """The daemon's last refusal of one of this request's frames over the engine
-        channel (``field: message``; "" when none). A refused frame had no effect: the
-        request is as the daemon holds it (``poll()``); Failed comes only when the daemon
-        let go of it (docs/engine.md, "What Failed means")."""
+        """The daemon's last refusal of one of this request's frames (``field:
+        message``; "" when none). A refused frame had no effect: the request is as the
+        daemon holds it (``poll()``); Failed comes only when the daemon let go of it
+        (docs/engine.md, "What Failed means")."""
         return self._state.refusal if self._state is not None else ""
 
     @property
     def detail(self) -> str:
-        """The daemon's last detail of the request (e.g. its verification), as last seen."""
-        if self._state is not None:
-            return self._state.detail
-        return self.last.detail if self.last is not None else ""
+        """The daemon's last detail of the request (e.g. its verification)."""
+        return self._state.detail if self._state is not None else ""
 
     def failure(self) -> tuple[FailureReason | None, str] | None:
-        """(reason, detail) when the request failed (as last seen), else None."""
-        if self._state is not None:
-            s = self._state
-            return (s.reason, s.detail) if s.state is TransferState.FAILED else None
-        last = self.last
-        if last is not None and last.state is TransferState.FAILED:
-            return last.reason, last.detail
+        """(reason, detail) when the request failed (as last pushed), else None."""
+        s = self._state
+        if s is not None and s.state is TransferState.FAILED:
+            return s.reason, s.detail
         return None
 
     def failure_exception(self) -> None:
@@ -190,21 +135,18 @@ class _Request:
 
     def abort(self, detail: str = "aborted by the engine") -> None:
         """Abort the request on this side's daemon (it tells the peer)."""
-        if not self._started:
-            return
-        if self.channel is not None:
+        if self._started:
             self.channel.send(ef.Abort(self.request_id, detail))
-            return
-        self.last = self.client.abort(self.request_id, detail)
 
 
 class Sender(_Request):
-    """Prefill's side of one request: send its KV (possibly in chunks) to a decode daemon."""
+    """Prefill's side of one request: send its KV (whole, or in chunks) to a decode daemon
+    (``decode_address`` "": the decode whose reservation names the request,
+    docs/protocol.md "Decode-initiated pairing")."""
 
-    def __init__(self, daemon: str | Attachment | EngineChannel, request_id: str,
-                 decode_address: str, *, client: KvbeamClient | None = None,
-                 security: Security | None = None) -> None:
-        super().__init__(daemon, request_id, client=client, security=security)
+    def __init__(self, daemon: Attachment | EngineChannel, request_id: str,
+                 decode_address: str) -> None:
+        super().__init__(daemon, request_id)
         self.decode_address = decode_address
         self._pages_sent = 0  # KV pages given so far by send_chunk (the next kv_offset)
 
@@ -220,17 +162,13 @@ class Sender(_Request):
         For an engine that learns its pages chunk by chunk (sglang's chunked prefill):
         the daemon writes each chunk's pages while the next is computed, and decode is
         Success once the final chunk landed (and was verified). Chunks go in order; an
-        out-of-order, overlapping or malformed one is refused (Failed, the daemon's
-        message naming the field) and fails the request. ``kv_offset``: where these
-        pages start in the request's KV_PAGES list (default: after those sent so far).
-        Engine channel only.
+        out-of-order, overlapping or malformed one is refused (the daemon's ERROR names
+        the field; :attr:`refusal`). ``kv_offset``: where these pages start in the
+        request's KV_PAGES list (default: after those sent so far).
 
         Raises:
-            ValueError: not over the engine channel, or states before the final chunk.
+            ValueError: states before the final chunk.
         """
-        if self.channel is None:
-            raise ValueError("send_chunk needs the engine channel (give the Sender an "
-                             "Attachment): the gRPC Send takes the whole request's lists")
         if state_indices and not final:
             raise ValueError("the other lists (state_indices) come with the final chunk")
         target, draft = ef.split_lists(index_lists(kv_pages, state_indices))
@@ -244,78 +182,51 @@ class Sender(_Request):
         return _POLL[state.state]
 
     def send(self, kv_indices: Sequence[int] | Any,
-             state_indices: Mapping[str, Sequence[int] | Any] | None = None, *, seq_len: int,
-             final: bool = True, chunk: tuple[int, int] | None = None) -> KVPoll:
-        """Send the request (or the pages of token range ``chunk``; states go with ``final``).
-
-        The lists describe the whole request; they travel with the first call only.
-        """
-        if not final and chunk is None:
-            raise ValueError("a non-final send needs its token range (chunk)")
-        lists = None if self._started else index_lists(kv_indices, state_indices)
-        if self.channel is not None:
-            target, draft = ef.split_lists(lists) if lists is not None else (None, None)
-            state = self._track() if not self._started else self._state
-            self.channel.send(ef.Send(self.request_id, seq_len, self.decode_address, final,
-                                      (chunk,) if chunk else (), target, draft))
-            self._started = True
-            assert state is not None
-            return _POLL[state.state]
-        self.last = self.client.send(self.request_id, -1, seq_len, self.decode_address,
-                                     final=final, chunks=[chunk] if chunk else (),
-                                     indices=lists)
+             state_indices: Mapping[str, Sequence[int] | Any] | None = None, *,
+             seq_len: int) -> KVPoll:
+        """Send the whole request: its lists in one frame (in chunks: :meth:`send_chunk`)."""
+        target, draft = ef.split_lists(index_lists(kv_indices, state_indices))
+        state = self._track()
+        self.channel.send(ef.Send(self.request_id, seq_len, self.decode_address, True, (),
+                                  target, draft))
         self._started = True
-        return poll_of(self.last.state)
+        return _POLL[state.state]
 
 
 class Receiver(_Request):
     """Decode's side of one request: reserve where it lands, poll, release."""
 
-    def __init__(self, daemon: str | Attachment | EngineChannel, request_id: str,
-                 prefill_address: str, *, client: KvbeamClient | None = None,
-                 security: Security | None = None) -> None:
-        super().__init__(daemon, request_id, client=client, security=security)
+    def __init__(self, daemon: Attachment | EngineChannel, request_id: str,
+                 prefill_address: str) -> None:
+        super().__init__(daemon, request_id)
         self.prefill_address = prefill_address
 
     def reserve(self, kv_indices: Sequence[int] | Any,
                 state_indices: Mapping[str, Sequence[int] | Any] | None = None, *,
-                seq_len: int, kv_skip: int = 0) -> Reservation | None:
-        """Reserve the request at the engine's destination lists (checked by decode).
+                seq_len: int, kv_skip: int = 0) -> None:
+        """Reserve the request at the engine's destination lists (checked by decode):
+        one frame. A refusal shows as Failed (the daemon holds nothing of the request
+        then; ``failure_exception`` says why), except a second reservation of a live
+        request, which leaves that request as it was (:attr:`refusal`).
 
         ``kv_skip``: the request's leading KV pages this engine already holds (its
         prefix cache); ``kv_indices`` then names only the pages from there on, and
-        prefill writes (and digests) only those. Over the engine channel this writes
-        one frame and returns None: a refusal shows as Failed (the daemon holds nothing of
-        the request then; ``failure_exception`` says why), except a second reservation
-        of a live request, which leaves that request as it was (:attr:`refusal`).
+        prefill writes (and digests) only those.
         """
-        lists = index_lists(kv_indices, state_indices)
-        if self.channel is not None:
-            target, draft = ef.split_lists(lists)
-            self._track()
-            self.channel.send(ef.Reserve(self.request_id, seq_len, self.prefill_address,
-                                         target, draft, kv_skip))
-            self._started = True
-            return None
-        r = self.client.reserve(self.request_id, seq_len, self.prefill_address, indices=lists,
-                                kv_skip=kv_skip)
+        target, draft = ef.split_lists(index_lists(kv_indices, state_indices))
+        self._track()
+        self.channel.send(ef.Reserve(self.request_id, seq_len, self.prefill_address,
+                                     target, draft, kv_skip))
         self._started = True
-        return r
 
     def decline(self, detail: str) -> None:
         """This engine will not load the request (it reserved nothing for it): decode's
         daemon tells prefill at once, which fails its send and frees its source instead
-        of waiting out its lease. Engine channel only: with the scheduler API, call
-        Abort on prefill's daemon.
+        of waiting out its lease.
 
         Raises:
-            ValueError: not over the engine channel, or the request was reserved here
-                (abort it instead).
+            ValueError: the request was reserved here (abort it instead).
         """
-        if self.channel is None:
-            raise ValueError("decline needs the engine channel (give the Receiver an "
-                             "Attachment); with the scheduler API, abort the request on "
-                             "prefill's daemon")
         if self._started:
             raise ValueError(f"request {self.request_id} was reserved here: abort it instead")
         self.channel.send(ef.Decline(self.request_id, self.prefill_address, detail))
@@ -324,7 +235,4 @@ class Receiver(_Request):
 
     def release(self) -> None:
         """The engine took the KV over: decode frees the reservation."""
-        if self.channel is not None:
-            self.channel.send(ef.Release(self.request_id))
-            return
-        self.last = self.client.release(self.request_id)
+        self.channel.send(ef.Release(self.request_id))

@@ -44,7 +44,7 @@ s.connect(sys.argv[1])
 s.settimeout(30)
 t0 = time.monotonic()
 buf = b""
-while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
+while len(buf) < 4 or len(buf) < 4 + struct.unpack("<I", buf[:4])[0]:
     chunk = s.recv(65536)
     if not chunk:
         break
@@ -128,7 +128,7 @@ def test_a_slow_engine_cannot_hold_the_attach_thread_past_the_read_timeout(
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(server.path)
     conn.settimeout(drip_s)
-    conn.sendall(struct.pack(">I", body))
+    conn.sendall(struct.pack("<I", body))
     t0 = time.monotonic()
     sent, reply = 0, b""
     try:
@@ -141,7 +141,7 @@ def test_a_slow_engine_cannot_hold_the_attach_thread_past_the_read_timeout(
             with contextlib.suppress(TimeoutError):
                 reply = conn.recv(65536)
         conn.settimeout(10)
-        while len(reply) < 4 or len(reply) < 4 + struct.unpack(">I", reply[:4])[0]:
+        while len(reply) < 4 or len(reply) < 4 + struct.unpack("<I", reply[:4])[0]:
             chunk = conn.recv(65536)
             if not chunk:
                 break

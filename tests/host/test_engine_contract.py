@@ -136,7 +136,7 @@ def _connect(sock: str) -> socket.socket:
 def _reply(s: socket.socket, timeout: float = 30.0) -> dict[str, object]:
     s.settimeout(timeout)
     buf = b""
-    while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
+    while len(buf) < 4 or len(buf) < 4 + struct.unpack("<I", buf[:4])[0]:
         chunk = s.recv(65536)
         if not chunk:
             break
@@ -206,7 +206,7 @@ def test_a_slow_attacher_does_not_delay_the_attached_engines_frames(
     _daemon, sock = decode
     with EnginePools(side()) as pools, attach(sock, pools, pushes="final") as att:
         slow = _connect(sock)
-        slow.sendall(struct.pack(">I", 200) + b"{")  # and then one byte at a time
+        slow.sendall(struct.pack("<I", 200) + b"{")  # and then one byte at a time
         stop = threading.Event()
 
         def drip() -> None:
@@ -237,7 +237,7 @@ def _raw_attach(sock: str, body: bytes) -> dict[str, object]:
     s = _connect(sock)
     try:
         with contextlib.suppress(OSError):  # refused before all of it was read
-            s.sendall(struct.pack(">I", len(body)) + body)
+            s.sendall(struct.pack("<I", len(body)) + body)
         return _reply(s)
     finally:
         s.close()
@@ -265,7 +265,7 @@ def test_oversize_and_nested_messages_get_a_bounded_answer_and_one_log_line(
         logged = [line for line in daemon.lines[before:] if "refused" in line]
         assert len(logged) == 1 and len(logged[0]) < 1000, (name, logged)
         print(f"\n{name}: {len(raw)} bytes -> {reply['field'] or '-'}: {reply['error']}")
-    oversize = struct.pack(">I", MAX_MESSAGE_BYTES + 1)
+    oversize = struct.pack("<I", MAX_MESSAGE_BYTES + 1)
     s = _connect(sock)
     s.sendall(oversize)
     reply = _reply(s)
@@ -387,7 +387,7 @@ def test_the_attach_socket_listens_with_room_for_a_burst(
     conns = [_connect(sock) for _ in range(40)]
     try:
         for s in conns:
-            s.sendall(struct.pack(">I", 2) + b"{}")
+            s.sendall(struct.pack("<I", 2) + b"{}")
         replies = [_reply(s, 30) for s in conns]
     finally:
         for s in conns:

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from kvbeam.client import KvbeamClient
-from kvbeam.engine.requests import KVPoll, Receiver, Sender
 from kvbeam.errors import BadRequest, UnknownRequest
 from kvbeam.pools.types import IndexKind
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
@@ -115,21 +114,15 @@ def test_bad_lists_are_refused_before_any_byte_moves(tmp_path: Path) -> None:
         assert d.wait("bad-s", 30).detail.startswith(VERIFIED_PREFIX)
 
 
-def test_engine_sender_and_receiver_move_a_chunked_request() -> None:
+def test_the_scheduler_api_moves_a_chunked_request_at_the_engines_lists() -> None:
     with pair() as (_prefill, _decode, p, d):
         s, _ = shipped_lists("prefill", False, 2000, 5)
         dst, d_draft = shipped_lists("decode", False, 2000, 6, own_draft=True)
-        recv = Receiver(d.address, "eng-chunked", p.address, client=d)
-        dst_states = {k: v for k, v in as_mapping(dst, d_draft).items() if k != "KV_PAGES"}
-        recv.send_metadata(dst[IndexKind.KV_PAGES], dst_states, seq_len=2000)
-        assert recv.poll() is KVPoll.Bootstrapping
-        sender = Sender(p.address, "eng-chunked", d.address, client=p)
-        src_states = {k: v for k, v in as_mapping(s).items() if k != "KV_PAGES"}
-        sender.send(s[IndexKind.KV_PAGES], src_states, seq_len=2000, final=False,
-                    chunk=(0, 1024))
-        sender.send(s[IndexKind.KV_PAGES], src_states, seq_len=2000)
-        assert recv.wait(60) is KVPoll.Success
-        assert recv.last is not None and recv.last.detail.startswith(VERIFIED_PREFIX)
-        assert sender.wait(10) is KVPoll.Success
-        sender.failure_exception()
-        recv.release()
+        d.reserve("eng-chunked", 2000, p.address, indices=as_mapping(dst, d_draft))
+        src = as_mapping(s)
+        p.send("eng-chunked", -1, 2000, d.address, final=False, chunks=[(0, 1024)],
+               indices=src)
+        p.send("eng-chunked", -1, 2000, d.address, final=True)  # the lists came first
+        assert d.wait("eng-chunked", 60).detail.startswith(VERIFIED_PREFIX)
+        assert p.wait("eng-chunked", 10).state is TransferState.SUCCESS
+        d.release("eng-chunked")

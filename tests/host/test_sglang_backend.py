@@ -73,11 +73,12 @@ def test_each_chunk_is_written_as_sglang_hands_it_over(pair: SglangPair) -> None
     """Chunked prefill overlaps the transfer: the first chunk's pages are written at
     prefill's daemon before sglang hands over the last chunk, and decode continues
     token-identically once that landed."""
-    from kvbeam.engine.requests import client_for
+    from kvbeam.client import KvbeamClient
 
     def first_chunk_written(tx: KvbeamKVSender) -> None:
-        prefill = client_for(pair.prefill_mgr.daemon)
-        written = _until(lambda: int(prefill.status(tx.request_id).bytes_done > 0), 1, 30)
+        with KvbeamClient(pair.prefill_mgr.daemon) as prefill:
+            written = _until(lambda: int(prefill.status(tx.request_id).bytes_done > 0), 1,
+                             30)
         assert written == 1, "the first chunk was not written before the last was sent"
         assert tx.poll() != SUCCESS  # the last chunk is still to come
 
@@ -136,15 +137,15 @@ def _pages_free(pair: SglangPair, lists: dict[str, list[int]], request_id: str) 
     its pages are free (an aborted reservation that was offered to prefill: after prefill
     confirmed it stopped), so no retry. The probe names a prefill no daemon is connected
     to (no offer is made), so its own abort frees its items at once."""
-    from kvbeam.engine.requests import client_for
+    from kvbeam.client import KvbeamClient
 
-    decode = client_for(pair.decode_mgr.daemon)
-    decode.reserve(request_id, 100, "127.0.0.1:1", indices=lists)
-    decode.abort(request_id, "test")
+    with KvbeamClient(pair.decode_mgr.daemon) as decode:
+        decode.reserve(request_id, 100, "127.0.0.1:1", indices=lists)
+        decode.abort(request_id, "test")
 
 
 def test_decode_abort_before_send_fails_both_and_holds_nothing(pair: SglangPair) -> None:
-    from kvbeam.engine.requests import client_for
+    from kvbeam.client import KvbeamClient
 
     tx, rx = _start(pair, 1001)
     rx.abort()
@@ -157,8 +158,9 @@ def test_decode_abort_before_send_fails_both_and_holds_nothing(pair: SglangPair)
         tx.failure_exception()
     tx.clear()
     rx.clear()
-    with pytest.raises(UnknownRequest):  # prefill's daemon never heard of it
-        client_for(pair.prefill_mgr.daemon).status(tx.request_id)
+    with KvbeamClient(pair.prefill_mgr.daemon) as prefill, \
+            pytest.raises(UnknownRequest):  # prefill's daemon never heard of it
+        prefill.status(tx.request_id)
     assert rx.request is not None
     assert rx.request.wait(10) is KVPoll.Failed  # decode's reservation was aborted ...
     _pages_free(pair, _lists(0), "check-1001")   # ... and its pages freed

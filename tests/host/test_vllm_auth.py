@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvbeam.engine.requests import client_for
+from kvbeam.client import KvbeamClient
 from kvbeam.errors import AuthenticationError
 from tests.attach_helpers import start_engine_daemon
 from tests.vllm_helpers import Peer, require_vllm, write_model
@@ -54,8 +54,9 @@ def test_connector_moves_kv_between_token_protected_daemons(tmp_path: Path) -> N
         p_addr, d_addr = daemons["prefill"].address, daemons["decode"].address
         # The daemons do require the token: a gRPC caller without it is refused.
         for addr in (p_addr, d_addr):
-            with pytest.raises(AuthenticationError, match="refused our credentials"):
-                client_for(addr).status("auth-0")
+            with KvbeamClient(addr) as client, \
+                    pytest.raises(AuthenticationError, match="refused our credentials"):
+                client.status("auth-0")
         ids = [f"auth-{i}" for i in range(len(prompts))]
         # vLLM's standard proxy order: prefill first (its sends wait for decode's
         # reservations), then decode with what prefill returned.

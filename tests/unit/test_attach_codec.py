@@ -62,7 +62,7 @@ def test_request_round_trips_with_config_and_components() -> None:
 
 
 @pytest.mark.parametrize(("change", "field", "text"), [
-    ({"version": 2}, "version", "attach protocol version 2 is not supported"),
+    ({"version": 1}, "version", "attach protocol version 1 is not supported"),
     ({"op": "grab"}, "op", "unknown op 'grab'"),
     ({"memory_kind": "vram"}, "memory_kind", "unknown memory kind 'vram'"),
     ({"config": {"model": "m"}}, "config", "target: required field is missing"),
@@ -279,4 +279,4 @@ def test_a_message_read_in_pieces_stops_at_its_end_and_refuses_an_oversize_lengt
         pieces += 1
     assert json.loads(got) == {"version": 1, "op": "detach"} and pieces > 3
     with pytest.raises(AttachError, match="exceeds"):
-        MessageReader().feed(struct.pack(">I", MAX_MESSAGE_BYTES + 1))
+        MessageReader().feed(struct.pack("<I", MAX_MESSAGE_BYTES + 1))

@@ -28,10 +28,10 @@ def test_every_frame_round_trips() -> None:
         ef.Reserve("r-1", 700, "127.0.0.1:5", lists, draft),
         ef.Reserve("r-1", 700, "127.0.0.1:5", lists, {}, kv_skip=3),
         ef.Decline("r-1", "127.0.0.1:5", "holds it all"),
-        ef.Send("r-1", 700, "127.0.0.1:6", False, ((0, 256), (256, 512)), lists, {}),
-        ef.Send("r-1", 700, "127.0.0.1:6", True),
+        ef.Send("r-1", 700, "127.0.0.1:6", True, (), lists, {}),
         ef.Send("r-1", 700, "127.0.0.1:6", False, ((256, 512),),
                 {IndexKind.KV_PAGES: np.array([4])}, {}, kv_offset=1),
+        ef.Send("r-1", 700, "127.0.0.1:6", True, ((512, 700),), lists, {}, kv_offset=2),
         ef.Abort("r-1", "why"), ef.Release("r-1"),
         ef.State("r-1", TransferState.FAILED, FailureReason.TIMEOUT, 3, "late"),
         ef.Error("", "length", "too long")]
@@ -51,7 +51,7 @@ def test_every_frame_round_trips() -> None:
 
 @pytest.mark.parametrize(("mangle", "field"), [
     (lambda b: b[:-1], "lists[1].indices"),          # truncated inside a list
-    (lambda b: bytes([2]) + b[1:], "version"),        # another version
+    (lambda b: bytes([1]) + b[1:], "version"),        # another version (1: big-endian)
     (lambda b: b[:1] + bytes([99]) + b[2:], "kind"),  # an unknown kind
     (lambda b: b + b"\0", "length"),                  # trailing bytes
     (lambda b: b[:4], "request_id"),                  # the id cut short
@@ -64,11 +64,31 @@ def test_a_malformed_frame_is_refused_naming_the_field(mangle: object, field: st
     assert info.value.field == field, str(info.value)
 
 
+@pytest.mark.parametrize(("final", "lists"), [(False, True), (True, False), (False, False)],
+                         ids=["chunk-whole-lists", "final-no-lists", "chunk-no-lists"])
+def test_a_send_without_kv_offset_is_the_whole_request(final: bool, lists: bool) -> None:
+    """One way to send in chunks (pieces, kv_offset): a SEND without it is the whole
+    request in one frame, final, with its lists; anything else is refused naming
+    kv_offset, when encoding and when decoding."""
+    whole = {IndexKind.KV_PAGES: np.arange(2)}
+    frame = ef.Send("r", 700, "h:1", final, ((0, 256),), whole if lists else None, None)
+    with pytest.raises(ef.FrameError) as info:
+        ef.encode(frame)
+    assert info.value.field == "kv_offset"
+    good = _body(ef.encode(ef.Send("r", 700, "h:1", True, (), whole, None)))
+    flags_at = 1 + 1 + 2 + 1 + 4 + 2 + len("h:1")  # version, kind, id, seq_len, address
+    bad = good[:flags_at] + bytes([int(final) | (ef.HAS_LISTS if lists else 0)]) \
+        + good[flags_at + 1:]
+    with pytest.raises(ef.FrameError) as info:
+        ef.decode(bad if lists else bad[:flags_at + 1 + 2])
+    assert info.value.field == "kv_offset"
+
+
 def test_a_reserve_without_kv_skip_is_the_old_frame_and_kv_skip_is_bounded() -> None:
     lists = {IndexKind.KV_PAGES: np.arange(2)}
     plain = ef.encode(ef.Reserve("rid", 700, "h:1", lists))
     skipped = ef.encode(ef.Reserve("rid", 700, "h:1", lists, kv_skip=5))
-    assert skipped[4:] == plain[4:] + struct.pack(">I", 5)  # a trailing u32, only when set
+    assert skipped[4:] == plain[4:] + struct.pack("<I", 5)  # a trailing u32, only when set
     back = ef.decode(_body(skipped))
     assert isinstance(back, ef.Reserve) and back.kv_skip == 5
     with pytest.raises(ef.FrameError) as info:
@@ -94,7 +114,16 @@ def test_an_unknown_index_kind_and_a_repeated_list_are_refused() -> None:
 def test_an_oversize_length_is_refused_before_its_body_arrives() -> None:
     buf = ef.FrameBuffer(limit=1024)
     with pytest.raises(ef.FrameError, match="frame of 1025 bytes announced") as info:
-        buf.feed(struct.pack(">I", 1025))  # only the 4-byte prefix: no body was read
+        buf.feed(struct.pack("<I", 1025))  # only the 4-byte prefix: no body was read
+    assert info.value.field == "length"
+    assert "big-endian" not in str(info.value)
+
+
+def test_a_big_endian_length_of_an_older_engine_is_named_as_such() -> None:
+    # Engine frames before version 2 had big-endian integers: their length reads huge.
+    with pytest.raises(ef.FrameError, match=r"read big-endian it is 300 bytes: the peer is "
+                                            r"a kvbeam whose engine framing is older") as info:
+        ef.FrameBuffer().feed(struct.pack(">I", 300))
     assert info.value.field == "length"
 
 
@@ -158,7 +187,7 @@ def test_the_daemon_channel_answers_every_bad_frame_and_keeps_serving() -> None:
         ch.bind(daemon)
         body = _body(ef.encode(ef.Reserve("r1", 7, "h:1")))
         engine.sendall(ef.encode(ef.Reserve("r1", 13, "h:1"))  # refused by the core
-                       + struct.pack(">I", len(body) - 1) + body[:-1]  # truncated
+                       + struct.pack("<I", len(body) - 1) + body[:-1]  # truncated
                        + ef.encode(ef.Reserve("bad id!", 7, "h:1"))  # not a request id
                        + ef.encode(ef.Release("r0"))  # an unexpected error
                        + ef.encode(ef.Reserve("r2", 7, "h:1")))

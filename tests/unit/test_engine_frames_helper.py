@@ -125,8 +125,8 @@ def test_lists_the_helper_does_not_take_go_the_numpy_way(numpy_path: None) -> No
     assert _frames.pack_lists([(0, 0, [2 ** 32])]) is None
     assert _frames.pack_lists([(0, 0, np.array([-1], dtype=np.int64))]) is None
     assert _frames.pack_lists([(0, 0, [1, 2]), (1, 3, np.array([7], dtype=np.int64))]) == (
-        b"\x02" + b"\x00\x00\x00\x00\x00\x02" + b"\x01\x00\x00\x00\x02\x00\x00\x00"
-        + b"\x01\x03\x00\x00\x00\x01" + b"\x07\x00\x00\x00")
+        b"\x02" + b"\x00\x00\x02\x00\x00\x00" + b"\x01\x00\x00\x00\x02\x00\x00\x00"
+        + b"\x01\x03\x01\x00\x00\x00" + b"\x07\x00\x00\x00")
     with pytest.raises(ValueError, match="not \\(pool, kind, values\\)"):
         _frames.pack_lists([(0, 0)])
     assert _frames.unpack_lists(b"\x01\x02\x00\x00\x00\x00\x00", 0, 64, 10, 5) is None  # pool 2

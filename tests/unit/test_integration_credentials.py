@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvbeam.auth import CLIENT_SETTINGS, Security
+from kvbeam.auth import CLIENT_SETTINGS
 from kvbeam.errors import AuthenticationError, ConfigError
 from kvbeam.integrations.sglang import bootstrap
 from kvbeam.integrations.vllm import params as P
@@ -62,16 +62,6 @@ def test_the_vllm_connector_imports_no_grpc() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
-
-
-def test_shared_clients_are_per_address_and_credentials() -> None:
-    from kvbeam.engine.requests import client_for
-
-    a = client_for("127.0.0.1:9", Security(token="a"))
-    assert client_for("127.0.0.1:9", Security(token="a")) is a
-    b = client_for("127.0.0.1:9", Security(token="b"))
-    assert b is not a and b.security.token == "b"
-    assert client_for("127.0.0.1:9").security.mode == "none"
 
 
 # ---- sglang: settings and the bootstrap store ----------------------------------------------

@@ -43,8 +43,7 @@ flags of the same names (:data:`kvbeam.auth.CLIENT_SETTINGS`): ``kvbeam_auth_tok
 / ``KVBEAM_AUTH_TOKEN_FILE``, ``kvbeam_tls_cert`` / ``KVBEAM_TLS_CERT``, ``..._tls_key``,
 ``..._tls_ca``, ``..._tls_server_name``. Every bootstrap store request carries the
 token, and the store requires it (sglang builds the store from host and port only, so
-there the environment's ``KVBEAM_AUTH_TOKEN_FILE`` counts); :meth:`KvbeamKVManager.client`
-(diagnostics, not the request path) presents them all.
+there the environment's ``KVBEAM_AUTH_TOKEN_FILE`` counts).
 """
 
 from __future__ import annotations
@@ -54,11 +53,11 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvbeam.auth import CLIENT_SETTINGS, Security, client_security, insecure_from_environment
 from kvbeam.engine import Attachment, EngineBuffers, EnginePools, Receiver, Sender, attach
-from kvbeam.engine.requests import KVPoll, client_for
+from kvbeam.engine.requests import KVPoll
 from kvbeam.engine.staging import StagedRequest, StagingBuffer, TensorKV
 from kvbeam.errors import AttachError, ConfigError, KvbeamError, PoolCompatibilityError
 from kvbeam.integrations.sglang import bootstrap, memory, staged
@@ -90,9 +89,6 @@ from kvbeam.pools.spec import SideConfig, load_side_config
 from kvbeam.pools.types import IndexKind
 from kvbeam.proto.attach_codec import config_to_mapping
 from kvbeam.states import FailureReason
-
-if TYPE_CHECKING:  # annotations only: kvbeam.client imports gRPC
-    from kvbeam.client import KvbeamClient
 
 try:
     from sglang.srt.disaggregation.base.conn import (
@@ -356,11 +352,6 @@ class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
         except (OSError, RuntimeError, KvbeamError) as exc:
             log.warning("kvbeam: bootstrap store %s: room %s not deleted: %s",
                         bootstrap_addr, room, exc)
-
-    def client(self, address: str) -> KvbeamClient:
-        """The shared client to the daemon at ``address``, presenting our credentials
-        (diagnostics and tools: no per-request call uses gRPC; imported on first use)."""
-        return client_for(address, self.security)
 
     def store(self, address: str, op: str, key: str, value: Any = None,
               timeout: float = 10.0, ttl: float | None = None) -> Any:
