@@ -64,7 +64,7 @@ $(SETUP_STAMP): pyproject.toml setup.py
 # install builds them the first time; optional: without the headers the pyverbs poster
 # and python-xxhash are used, without a compiler plans, writes, claims and lists are made
 # in Python and numpy).
-$(POSTER_STAMP): transport/verbs/_post.c transport/verbs/_dmabuf.c pools/_xxh3.c pools/_xxh3_avx2.c pools/_xxh3_loop.h \
+$(POSTER_STAMP): transport/verbs/_post.c transport/verbs/_dmabuf.c transport/verbs/_pyverbs_layout.h pools/_xxh3.c pools/_xxh3_avx2.c pools/_xxh3_loop.h pools/_xxh3_arch.h \
 		pools/_plan.c pools/_owners.c pools/_int64_buffer.h transport/_blocks.c \
 		proto/_frames.c setup.py $(SETUP_STAMP)
 	$(PY) setup.py -q build_ext --inplace --build-temp build/poster

@@ -58,16 +58,19 @@ def mapped_packages() -> list[str]:
 
 # optional: a failed build is a warning, not a failed install (the pyverbs poster remains).
 # No libibverbs link: ibv_post_send is an inline of verbs.h, and pyverbs loads the library.
-POSTER = Extension("kvbeam.transport.verbs._post", ["transport/verbs/_post.c"], optional=True,
+POSTER = Extension("kvbeam.transport.verbs._post", ["transport/verbs/_post.c"],
+                   depends=["transport/verbs/_pyverbs_layout.h"], optional=True,
                    extra_compile_args=["-O2", "-std=c11", "-Wall"])
 
 # optional too: without it a dma-buf attach over RDMA is refused (libibverbs found at run time).
-DMABUF = Extension("kvbeam.transport.verbs._dmabuf", ["transport/verbs/_dmabuf.c"], optional=True,
+DMABUF = Extension("kvbeam.transport.verbs._dmabuf", ["transport/verbs/_dmabuf.c"],
+                   depends=["transport/verbs/_pyverbs_layout.h"], optional=True,
                    extra_compile_args=["-O2", "-std=c11", "-Wall"])
 
 # optional too: without <xxhash.h> (libxxhash-dev) digests go through python-xxhash.
 DIGESTER = Extension("kvbeam.pools._xxh3", ["pools/_xxh3.c", "pools/_xxh3_avx2.c"],
-                     depends=["pools/_xxh3_loop.h", "pools/_int64_buffer.h"], optional=True,
+                     depends=["pools/_xxh3_loop.h", "pools/_xxh3_arch.h", "pools/_int64_buffer.h"],
+                     optional=True,
                      extra_compile_args=["-O2", "-std=c11", "-Wall"])
 
 # optional too, and needs nothing but a C compiler: without it plans are built in Python

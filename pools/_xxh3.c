@@ -29,7 +29,8 @@
  * Optional, like the WR poster: setup.py builds it where <xxhash.h> (Debian's
  * libxxhash-dev) is installed; without it kvbeam.pools.digest digests through python-xxhash.
  * XXH_INLINE_ALL compiles the header's implementation in, so nothing is linked. The loop
- * is built twice (pools/_xxh3_loop.h): for the baseline x86-64 CPU (SSE2) and for AVX2;
+ * is built for the baseline CPU (pools/_xxh3_loop.h: SSE2 on x86-64, NEON on aarch64,
+ * xxhash's own choice elsewhere) and, on x86-64 only, for AVX2 too (pools/_xxh3_avx2.c);
  * where the CPU reports AVX2 both are timed when the module loads and the faster is kept
  * (VECTOR names it, VECTOR_CHOICE says why: an emulator may run AVX2 slower).
  */
@@ -37,6 +38,7 @@
 #include <Python.h>
 
 #include "_int64_buffer.h"
+#include "_xxh3_arch.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -116,17 +118,26 @@ static Py_ssize_t first_outside(const struct part *p) {
     return -1;
 }
 
-/* The baseline build of the loop, and the AVX2 build (pools/_xxh3_avx2.c). */
+/* The baseline build of the loop, and on x86-64 the AVX2 build (pools/_xxh3_avx2.c). */
 #define KVBEAM_XXH3_DIGEST kvbeam_xxh3_digest_base
 #include "_xxh3_loop.h"
+#if defined(KVBEAM_XXH3_AVX2)
 void kvbeam_xxh3_digest_avx2(const unsigned char *base, const int64_t *idx, ptrdiff_t n,
                              size_t item_len, size_t offset, size_t width, uint64_t out[2]);
+#endif
+#if defined(__x86_64__)
+#define BASELINE_NAME "sse2"
+#elif defined(__ARM_NEON) || defined(__aarch64__)
+#define BASELINE_NAME "neon"
+#else
+#define BASELINE_NAME "scalar"
+#endif
 
 typedef void (*digest_fn)(const unsigned char *, const int64_t *, ptrdiff_t, size_t, size_t,
                           size_t, uint64_t[2]);
 /* Chosen once, when the module loads. */
 static digest_fn part_digest_fn = kvbeam_xxh3_digest_base;
-static const char *vector_name = "sse2";
+static const char *vector_name = BASELINE_NAME;
 
 static void part_digest(struct part *p) {
     part_digest_fn((const unsigned char *)p->items.buf, (const int64_t *)p->idx.buf,
@@ -221,6 +232,7 @@ static struct PyModuleDef module = {
 };
 
 /* Nanoseconds the loop takes over `len` bytes, the best of `rounds` runs. */
+#if defined(KVBEAM_XXH3_AVX2)
 static long long best_ns(digest_fn fn, const unsigned char *data, size_t len, int rounds) {
     int64_t first = 0;
     uint64_t hash[2];
@@ -268,6 +280,14 @@ static void choose_loop(char *why, size_t why_len) {
     snprintf(why, why_len, "%s: 64 KiB in %.1f us with AVX2, %.1f us with SSE2", vector_name,
              avx2 / 1e3, sse2 / 1e3);
 }
+
+#else
+/* Without the AVX2 build (off x86-64) there is one loop: the baseline's (NEON on aarch64). */
+static void choose_loop(char *why, size_t why_len) {
+    snprintf(why, why_len, "%s: the baseline build (no AVX2 build: x86-64's only)",
+             vector_name);
+}
+#endif
 
 PyMODINIT_FUNC PyInit__xxh3(void) {
     char why[160];

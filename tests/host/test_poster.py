@@ -214,3 +214,21 @@ def test_an_unrecognised_qp_falls_back_under_auto_and_is_refused_under_compiled(
     assert "does not recognise this QP" in caplog.text
     with pytest.raises(TransportError, match=r"cannot post to this QP: expected a pyverbs\.qp"):
         Poster("compiled").post(NotAQP(), batch, 0, 4)
+
+
+def test_the_helpers_read_pyverbs_objects_only_as_the_release_they_mirror(
+        helper: ModuleType) -> None:
+    """Both verbs helpers (_post.c, _dmabuf.c) read pyverbs objects at offsets that hold
+    for one rdma-core release; they read the loaded one from its libibverbs' file name
+    (Debian 12: rdma-core 44.0, libibverbs.so.1.14.44.0) before they read any field of a
+    pyverbs object (tests/rdma/test_poster_rdma.py posts through a real QP)."""
+    import pyverbs.device  # noqa: F401  (loads libibverbs, as the RDMA transport does)
+
+    from kvbeam.transport.verbs import _dmabuf  # type: ignore[attr-defined]
+
+    assert helper.PYVERBS_LAYOUT_RELEASE == "44.0"
+    assert helper.pyverbs_release() == _dmabuf.pyverbs_release() == "44.0"
+    assert helper.pyverbs_release("/usr/lib/libibverbs.so.1.15.50.0") == "50.0"
+    assert helper.pyverbs_release("/usr/lib/libibverbs.so.1") == ""  # not a release's file
+    with pytest.raises(TypeError, match=r"expected a pyverbs\.qp\.QP, got object"):
+        helper.qp_ready(object())  # a type name is checked before anything else

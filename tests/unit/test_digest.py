@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+import shutil
+import subprocess
+import sysconfig
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -109,6 +114,34 @@ def test_the_compiled_helper_and_python_xxhash_give_the_same_digests() -> None:
             # part for part: each part alone gives its 16 bytes of the whole
             assert split_digests(one) == [digest_many(chosen[i:i + 1], compiled=False)
                                           for i in range(len(chosen))]
+
+
+def test_the_helper_builds_and_digests_alike_without_its_avx2_loop(tmp_path: Path) -> None:
+    """The build aarch64 gets (GH200, GB200: no AVX2 loop, the baseline alone), made here
+    with KVBEAM_XXH3_BASELINE_ONLY where no cross compiler is at hand: it compiles with
+    -Werror, references no AVX2 code, keeps the baseline loop and digests as python-xxhash
+    does."""
+    gcc = shutil.which("gcc")
+    if gcc is None or not Path("/usr/include/xxhash.h").exists():
+        pytest.skip("no gcc or <xxhash.h> here (the compiled helper is optional)")
+    root = Path(__file__).resolve().parents[2] / "pools"
+    out = tmp_path / f"_xxh3{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run([gcc, "-shared", "-fPIC", "-O2", "-std=c11", "-Wall", "-Werror",
+                    "-DKVBEAM_XXH3_BASELINE_ONLY", f"-I{sysconfig.get_paths()['include']}",
+                    f"-I{root}", str(root / "_xxh3.c"), str(root / "_xxh3_avx2.c"), "-o",
+                    str(out)], check=True, capture_output=True, text=True)
+    assert "avx2" not in subprocess.run(["nm", "-D", str(out)], capture_output=True,
+                                        text=True, check=True).stdout.lower()
+    spec = importlib.util.spec_from_file_location("_xxh3", out)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.VECTOR == "sse2", module.VECTOR
+    assert "the baseline build (no AVX2 build" in module.VECTOR_CHOICE, module.VECTOR_CHOICE
+    side = AllocatedSide(layout())
+    side.fill_pattern(4)
+    parts = digest_parts(side, request_indices(UNIFIED_TARGET, 2, 500))
+    assert module.digest_parts(parts.specs, False) == digest_many(parts, compiled=False)
 
 
 def test_the_compiled_helper_refuses_what_lies_outside_a_buffer() -> None:

@@ -10,11 +10,17 @@
  * The PD: pyverbs 44 exposes no pointer to a PD's struct ibv_pd (only its handle). The
  * pointer is the first field of pyverbs.pd.PD as pyverbs/pd.pxd declares it, followed by
  * the pyverbs.device.Context the PD was made on, whose own first field is its struct
- * ibv_context pointer. pd_of() trusts the pointer only after checking, without
- * dereferencing anything first, that the object's type is pyverbs.pd.PD of exactly pyverbs
- * 44's size, that its context field holds a pyverbs.device.Context, and then, through the
- * pointers, that the verbs PD belongs to that context and has the PD object's handle. The
- * same approach as _post.c's qp_ready; nothing is ever written into pyverbs' objects.
+ * ibv_context pointer. The structs below mirror rdma-core 44.0's declarations exactly and
+ * are read only when the loaded pyverbs is that release's (_pyverbs_layout.h). What pd_of()
+ * reads, in order, and only after the step before it passed:
+ *   1. the object's type name (pyverbs.pd.PD), then the loaded rdma-core release;
+ *   2. the type's tp_basicsize (PYVERBS_44_PD_SIZE): nothing of the object itself yet;
+ *   3. its ctx field: compared by its type's name and size (a pyverbs.device.Context);
+ *   4. the struct ibv_pd pointer (the first field): NULL is a closed PD;
+ *   5. the Context's struct ibv_context pointer (its first field), and through the PD
+ *      pointer the verbs PD's context and handle: they must be that context and the PD
+ *      object's handle.
+ * The same approach as _post.c's qp_ready; nothing is ever written into pyverbs' objects.
  *
  * libibverbs is resolved at run time (dlopen of the library pyverbs loaded, dlsym): the
  * module builds with <infiniband/verbs.h> alone, and a libibverbs older than rdma-core 34
@@ -30,6 +36,8 @@
 #include <string.h>
 
 #include <infiniband/verbs.h>
+
+#include "_pyverbs_layout.h"
 
 /* pyverbs.pd.PD and the head of pyverbs.device.Context as pyverbs 44 lays them out
  * (base.pxd: __weakref__, logger; PyverbsCM's vtable pointer; then the class's fields). */
@@ -95,6 +103,8 @@ static struct ibv_pd *pd_of(PyObject *obj) {
         PyErr_Format(PyExc_TypeError, "expected a pyverbs.pd.PD, got %s", Py_TYPE(obj)->tp_name);
         return NULL;
     }
+    if (pyverbs_release_check() < 0)
+        return NULL;
     if (Py_TYPE(obj)->tp_basicsize != PYVERBS_44_PD_SIZE) {
         PyErr_Format(PyExc_TypeError, "pyverbs.pd.PD is %zd bytes, not the %d of pyverbs 44's "
                      "layout", Py_TYPE(obj)->tp_basicsize, PYVERBS_44_PD_SIZE);
@@ -203,6 +213,7 @@ static PyMethodDef methods[] = {
     {"reg", reg, METH_VARARGS, reg_doc},
     {"dereg", dereg, METH_O, dereg_doc},
     {"available", available, METH_NOARGS, available_doc},
+    {"pyverbs_release", pyverbs_release, METH_VARARGS, pyverbs_release_doc},
     {NULL, NULL, 0, NULL},
 };
 

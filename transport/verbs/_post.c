@@ -13,12 +13,20 @@
  * The QP: pyverbs 44 has no accessor for a QP's struct ibv_qp pointer (QP exposes only
  * qp_num, qp_state and qp_type). The pointer is the first field of pyverbs.qp.QP as its
  * pyverbs/qp.pxd declares it (the layout a Cython `cimport pyverbs.qp` compiles against);
- * struct pyverbs_qp below mirrors base.pxd and qp.pxd of rdma-core 44. qp_ready() trusts it
- * only after checking, without dereferencing anything, that the object's type is
- * pyverbs.qp.QP with exactly that size and that the object fields around the pointer hold
- * what pyverbs puts there for a QP created on a PD (a pyverbs.pd.PD, a pyverbs.cq.CQ, None);
- * then, through the pointer, that the verbs QP has the object's qp_num, is an RC QP, and
- * belongs to a PD with that PD object's handle. Nothing is ever written into pyverbs' objects.
+ * struct pyverbs_qp below mirrors base.pxd and qp.pxd of rdma-core 44.0 exactly, and is read
+ * only when the loaded pyverbs is that release's (_pyverbs_layout.h: from its libibverbs'
+ * file name). What is read, in order, and only after the step before it passed:
+ *   1. the object's type name (pyverbs.qp.QP), then the loaded rdma-core release, then the
+ *      type's tp_basicsize (sizeof(struct pyverbs_qp)): nothing of the object itself;
+ *   3. the object's own fields pd, context, scq, rcq: compared as pointers and by their
+ *      types' names (a pyverbs.pd.PD, None, a pyverbs.cq.CQ, a CQ or None), nothing
+ *      dereferenced beyond the type;
+ *   4. the struct ibv_qp pointer itself (the first field): NULL is a closed QP;
+ *   5. through it, the verbs QP's qp_num, qp_type, pd, send_cq and context, and through
+ *      its pd the PD's handle: they must match the object's qp_num, RC, and its PD
+ *      object's handle (qp_ready());
+ *   6. post(): steps 1 and 4, then ibv_post_send on the pointer.
+ * Nothing is ever written into pyverbs' objects.
  *
  * ibv_post_send is an inline of <infiniband/verbs.h> (the provider's post_send through the
  * QP's context), so the module does not link libibverbs; pyverbs has loaded it already.
@@ -32,6 +40,8 @@
 #include <string.h>
 
 #include <infiniband/verbs.h>
+
+#include "_pyverbs_layout.h"
 
 /* One WR as chain.py prepares it (all integers native-endian; imm_data in network order, as
  * the WR carries it). Python checks its numpy dtype against DESC_SIZE and DESC_OFFSETS. */
@@ -78,12 +88,16 @@ static int is_type(PyObject *obj, const char *name) {
     return strcmp(Py_TYPE(obj)->tp_name, name) == 0;
 }
 
-/* NULL and an exception unless obj is a pyverbs QP laid out as struct pyverbs_qp. */
+/* NULL and an exception unless obj is a pyverbs QP, the loaded pyverbs is rdma-core
+ * PYVERBS_LAYOUT_RELEASE's and the QP type is as large as struct pyverbs_qp (its type's
+ * name and size: nothing of the object read yet). */
 static struct pyverbs_qp *as_pyverbs_qp(PyObject *obj) {
     if (!is_type(obj, "pyverbs.qp.QP")) {
         PyErr_Format(PyExc_TypeError, "expected a pyverbs.qp.QP, got %s", Py_TYPE(obj)->tp_name);
         return NULL;
     }
+    if (pyverbs_release_check() < 0)
+        return NULL;
     if (Py_TYPE(obj)->tp_basicsize != (Py_ssize_t)sizeof(struct pyverbs_qp)) {
         PyErr_Format(PyExc_TypeError,
                      "pyverbs.qp.QP is %zd bytes, not the %zu of pyverbs 44's layout",
@@ -292,6 +306,7 @@ static PyMethodDef methods[] = {
     {"qp_ready", qp_ready, METH_O, qp_ready_doc},
     {"post", post, METH_VARARGS, post_doc},
     {"chain_fields", chain_fields, METH_VARARGS, chain_fields_doc},
+    {"pyverbs_release", pyverbs_release, METH_VARARGS, pyverbs_release_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -320,7 +335,8 @@ PyMODINIT_FUNC PyInit__post(void) {
         || PyModule_AddIntConstant(m, "MAX_CHAIN", MAX_CHAIN) < 0
         || PyModule_AddIntConstant(m, "WR_RDMA_WRITE", IBV_WR_RDMA_WRITE) < 0
         || PyModule_AddIntConstant(m, "WR_RDMA_WRITE_WITH_IMM", IBV_WR_RDMA_WRITE_WITH_IMM) < 0
-        || PyModule_AddIntConstant(m, "SEND_SIGNALED", IBV_SEND_SIGNALED) < 0) {
+        || PyModule_AddIntConstant(m, "SEND_SIGNALED", IBV_SEND_SIGNALED) < 0
+        || PyModule_AddStringConstant(m, "PYVERBS_LAYOUT_RELEASE", PYVERBS_LAYOUT_RELEASE) < 0) {
         Py_XDECREF(offsets);
         Py_DECREF(m);
         return NULL;
