@@ -137,8 +137,10 @@ def test_wheel_holds_each_file_once_under_its_package_name(tmp_path: Path) -> No
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     expected |= {"kvbeam/transport/verbs/_post" + suffix, "kvbeam/transport/verbs/_post.c",
                  "kvbeam/transport/verbs/_dmabuf" + suffix, "kvbeam/transport/verbs/_dmabuf.c",
+                 "kvbeam/transport/verbs/_pyverbs_layout.h",
                  "kvbeam/pools/_xxh3" + suffix, "kvbeam/pools/_xxh3.c",
                  "kvbeam/pools/_xxh3_avx2.c", "kvbeam/pools/_xxh3_loop.h",
+                 "kvbeam/pools/_xxh3_arch.h",
                  "kvbeam/pools/_plan" + suffix, "kvbeam/pools/_plan.c",
                  "kvbeam/pools/_owners" + suffix, "kvbeam/pools/_owners.c",
                  "kvbeam/pools/_int64_buffer.h",
