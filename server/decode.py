@@ -56,7 +56,7 @@ class DecodeServicer(DaemonServicer):
             prefill=ChannelPrefillPeers(lambda: self.local, runtime.options, runtime.peers),
             io=self.io,
             spec=spec, layout=layout, pools=pools,
-            integrity=runtime.settings.integrity, faults=runtime.faults,
+            integrity=runtime.settings.integrity,
             handoff_lease_s=runtime.settings.handoff_lease_s,
             transfer_budget=runtime.settings.transfer_budget_s,
             on_offer=runtime.metrics.count_offer,

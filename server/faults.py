@@ -1,12 +1,14 @@
 """Test-only fault injection: off unless the daemon runs with ``--enable-fault-injection``.
 
 A daemon builds its :class:`FaultHooks` only when started with the flag
-(:func:`build_faults`, logged as a WARNING at start); without it the production
-classes hold ``None`` and every ``KVBEAM_FAULT_*`` variable is ignored, by name, in a
-WARNING. With the flag, the variables choose the faults (each armed one is logged
-again). Unit tests pass a :class:`FaultHooks` to the cores directly. All fault
-logic lives here: the transports' links carry no test-only member (the outside-MR
-fault swaps the link's view of the peer's regions for an unchecked one). Five hooks:
+(:func:`build_faults`, logged as a WARNING at start), and :func:`arm` is the one place
+they enter it: they decorate the prefill driver's writer (:class:`FaultyWriter`) or
+decode's landing check (:class:`CorruptingCheck`); no driver or core refers to a fault.
+Without the flag every ``KVBEAM_FAULT_*`` variable is ignored, by name, in a WARNING.
+With it, the variables choose the faults (each armed one is logged again). Unit tests
+arm a driver with a :class:`FaultHooks` of their own. All fault logic lives here: the
+transports' links carry no test-only member (the outside-MR fault swaps the link's view
+of the peer's regions for an unchecked one). Five hooks:
 
 Corrupt landed bytes (decode). Integrity checking is only worth its cost if it
 catches corruption every time, and that needs corruption on demand.
@@ -26,18 +28,19 @@ prove that such a request fails with the verbs status and that the next request
 handshakes a fresh queue pair.
 
 A slow wire (prefill). ``KVBEAM_FAULT_WRITE_DELAY_S=S`` makes prefill wait S seconds
-after BeginWrite before posting each write, as if the bytes took that long to move:
-tests/host/test_slow_wire.py uses it to prove that decode's Transferring deadline,
+after BeginWrite before posting each step's writes, as if the bytes took that long to
+move: tests/host/test_slow_wire.py uses it to prove that decode's Transferring deadline,
 sized by the request's bytes, does not fail a request that is still being written.
 
 A broken link (prefill). ``KVBEAM_FAULT_BREAK_LINK=N`` (or ``N:PREFIX``, for requests
-whose id starts with ``PREFIX`` only) breaks the data link just before each of the
-first N writes is posted: the TCP data socket is shut, or the RDMA QP is moved to the
-error state, so that write fails with a transport error as a dropped link or an RC
-QP whose retries ran out would make it. Each break logs ``FAULT INJECTED: broke
-link``. tests/host/test_resend.py and tests/rdma/test_resend_rdma.py use it to prove
-that the request is resent on a new link (``--resend-retries``) and succeeds, and
-that a fault on every attempt fails it after the retries, bounded.
+whose id starts with ``PREFIX`` only) breaks the data link just before the first
+write of each of the first N steps (chunks, attempts) is posted: the TCP data socket
+is shut, or the RDMA QP is moved to the error state, so that write fails with a
+transport error as a dropped link or an RC QP whose retries ran out would make it.
+Each break logs ``FAULT INJECTED: broke link``. tests/host/test_resend.py and
+tests/rdma/test_resend_rdma.py use it to prove that the request is resent on a new
+link (``--resend-retries``) and succeeds, and that a fault on every attempt fails it
+after the retries, bounded.
 
 A lying digest record (prefill). ``KVBEAM_FAULT_CORRUPT_RECORD=FIELD`` (or
 ``FIELD:PREFIX``, for requests whose id starts with ``PREFIX`` only) makes prefill
@@ -69,6 +72,11 @@ from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import DIGEST_BYTES
 from kvbeam.pools.mailbox import MAGIC, RECORD_VERSION, encode_record, request_hash
 from kvbeam.pools.plan import IndexLists, list_for
+from kvbeam.server.core.decode_driver import DecodeDriver
+from kvbeam.server.core.decode_landing import LandingCheck
+from kvbeam.server.core.incoming import Incoming
+from kvbeam.server.core.prefill_driver import PrefillDriver, Writer
+from kvbeam.server.peers import PeerConn
 from kvbeam.transport.base import Link
 from kvbeam.transport.blocks import AddressArray, Blocks
 from kvbeam.transport.endpoint import Endpoint
@@ -352,3 +360,63 @@ def outside_peer_mr(link: Link, peer: Endpoint, blocks: Blocks) -> Blocks:
     log.warning("FAULT INJECTED: writing %d bytes at %#x, just past decode's region %#x+%d",
                 int(blocks.lengths[0]), int(dst[0]), lowest.addr, lowest.length)
     return Blocks(blocks.src, dst, blocks.lengths)
+
+
+class FaultyWriter(Writer):
+    """Prefill's :class:`~kvbeam.server.core.prefill_driver.Writer` with the armed faults
+    around it. Before a step's first write: the slow wire sleeps, the write is aimed
+    outside decode's memory, the link is broken (each where armed and the request
+    matches); a digest record is encoded with its armed field wrong."""
+
+    def __init__(self, inner: Writer, hooks: FaultHooks) -> None:
+        self.inner = inner
+        self.hooks = hooks
+
+    @property
+    def may_block(self) -> bool:
+        """A delay sleeps and a broken link is a verbs call: the writes may block."""
+        return self.inner.may_block or self.hooks.hold_posting
+
+    def write(self, request_id: str, conn: PeerConn, transfer_id: int, blocks: Blocks, *,
+              notify: bool, first: bool) -> None:
+        """The write, after the step's faults when it is the step's first."""
+        if first:
+            self.hooks.slow_wire()
+            blocks = self.hooks.aim(request_id, conn.link, conn.peer.endpoint, blocks)
+            self.hooks.break_link(request_id, conn.link)
+        self.inner.write(request_id, conn, transfer_id, blocks, notify=notify, first=first)
+
+    def record(self, request_id: str, transfer_id: int, slot: int, digests: bytes,
+               marks: int) -> bytes:
+        """The inner writer's record, with the armed field wrong (where armed)."""
+        raw = self.inner.record(request_id, transfer_id, slot, digests, marks)
+        return self.hooks.corrupt_record(request_id, raw, transfer_id, slot, digests, marks)
+
+
+class CorruptingCheck(LandingCheck):
+    """Decode's :class:`~kvbeam.server.core.decode_landing.LandingCheck` that may flip a
+    landed byte (``KVBEAM_FAULT_CORRUPT_LANDED``) just before the bytes are digested."""
+
+    def __init__(self, inner: LandingCheck, hooks: FaultHooks) -> None:
+        super().__init__(inner.memory, inner.integrity, inner.digest_pool)
+        self.inner = inner
+        self.hooks = hooks
+
+    def before_digests(self, res: Incoming, pools: AllocatedSide,
+                       buffers: range | None) -> None:
+        """Maybe flip a byte of one of ``buffers``' items this request moved, then the
+        inner check's own step."""
+        self.hooks.after_landing(res.request_id, pools, res.indices, res.draft,
+                                 buffers=buffers)
+        self.inner.before_digests(res, pools, buffers)
+
+
+def arm(driver: PrefillDriver | DecodeDriver, hooks: FaultHooks) -> None:
+    """Decorate ``driver`` with ``hooks``, the one place faults enter a daemon: prefill's
+    writer (:class:`FaultyWriter`), decode's landing check (:class:`CorruptingCheck`).
+    The daemon calls it at start (``--enable-fault-injection``, before it serves);
+    unit tests call it on the drivers they build."""
+    if isinstance(driver, PrefillDriver):
+        driver.writer = FaultyWriter(driver.writer, hooks)
+    else:
+        driver.checker = CorruptingCheck(driver.checker, hooks)

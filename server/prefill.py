@@ -77,7 +77,7 @@ class PrefillServicer(DaemonServicer):
         self.core = self.prefill = PrefillDriver(
             table=runtime.table, peers=runtime.peers, decode=decode, io=self.io,
             spec=spec, layout=layout, pools=pools,
-            integrity=runtime.settings.integrity, faults=runtime.faults,
+            integrity=runtime.settings.integrity,
             drain_s=runtime.transport_timeout(),
             transfer_budget=runtime.settings.transfer_budget_s,
             resend_retries=runtime.settings.resend_retries, on_resend=runtime.metrics.resends.inc,

@@ -32,7 +32,7 @@ from kvbeam.server.control import HEALTH_SERVICES, ControlServer
 from kvbeam.server.dmabuf import DmabufAccess
 from kvbeam.server.end_log import EndLog
 from kvbeam.server.engine_channel import CoreOps, EngineChannel
-from kvbeam.server.faults import FaultHooks, build_faults
+from kvbeam.server.faults import arm, build_faults
 from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.metrics import DaemonMetrics
 from kvbeam.server.metrics_collector import DaemonCollector, Sources
@@ -65,8 +65,7 @@ def _slot_pool(core: object) -> SlotPool | None:
 class Runtime:
     """A daemon's resources. Construct, :meth:`start` with a servicer, :meth:`stop`."""
 
-    def __init__(self, settings: DaemonSettings, faults: FaultHooks | None = None) -> None:
-        """``faults``: a test's own fault hooks (else built from the settings)."""
+    def __init__(self, settings: DaemonSettings) -> None:
         self.settings = settings
         self.role = Role(settings.role)
         #: --pools engine: the memory is an engine's, attached at run time (kvbeam.server.attach).
@@ -77,9 +76,9 @@ class Runtime:
         if layout is not None:
             # Refuse broken pools before allocating hundreds of MB or opening a device.
             check_target_draft(layout, self.role.value)
-        #: Test-only fault hooks: None unless --enable-fault-injection (or passed in by a test).
-        self.faults = faults if faults is not None else build_faults(
-            settings.enable_fault_injection)
+        #: Test-only fault hooks: None unless --enable-fault-injection (logged here);
+        #: :meth:`start` arms them around the servicer's driver, the one place they enter.
+        self.faults = build_faults(settings.enable_fault_injection)
         self._pools: Pools | None = None
         self.attach_server: AttachServer | None = None
         self.gauges: AttachGauges | None = None  # engine mode only
@@ -246,6 +245,8 @@ class Runtime:
         if self.settings.metrics:
             self.metrics_address = self.metrics.serve(self.settings.metrics)
         self._servicer = servicer
+        if self.faults is not None:  # decorate the driver before it serves anything
+            arm(cast("DecodeDriver | PrefillDriver", servicer.core), self.faults)
         if self.engine_mode:
             self.gauges = AttachGauges(self.metrics.registry)
             self.engine_channel = EngineChannel(

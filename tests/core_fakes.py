@@ -20,7 +20,6 @@ from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.core.prefill_driver import PrefillDriver
-from kvbeam.server.faults import FaultHooks
 from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.peers import PeerConn, Peers
@@ -232,7 +231,7 @@ def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0
                        peers=Peers(), decode=fake,
                        io=io or ThreadPoolExecutor(workers, thread_name_prefix="test-io"),
                        spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
-                       integrity=integrity, faults=FaultHooks(), drain_s=drain_s,
+                       integrity=integrity, drain_s=drain_s,
                        resend_retries=resend_retries, on_resend=on_resend,
                        send_wait_s=send_wait_s,
                        digest_pool=DigestPool(digest_threads, inline_below=0))

@@ -49,7 +49,6 @@ from kvbeam.server.core.decode_actions import (
 from kvbeam.server.core.decode_landing import LandingCheck
 from kvbeam.server.core.incoming import Incoming
 from kvbeam.server.core.ports import Offered, PrefillPeers, abort_at_shutdown
-from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.server.slots import SlotPool
@@ -67,7 +66,7 @@ class DecodeDriver(DriverBase[DecodeCore]):
 
     def __init__(self, *, table: TransferTable, peers: Peers, prefill: PrefillPeers,
                  io: Executor, spec: PoolSpec | None, layout: SideLayout | None,
-                 pools: AllocatedSide | None, integrity: bool, faults: FaultHooks | None,
+                 pools: AllocatedSide | None, integrity: bool,
                  handoff_lease_s: float,
                  transfer_budget: Callable[[int], float] = lambda _n: 0.0,
                  on_offer: Callable[[str], None] = lambda _event: None,
@@ -89,7 +88,7 @@ class DecodeDriver(DriverBase[DecodeCore]):
         self.prefill = prefill
         self.io = io
         self.clock = clock
-        self.checker = LandingCheck(self._memory, integrity, digest_pool, faults)
+        self.checker = LandingCheck(self._memory, integrity, digest_pool)
         #: Metrics: one call per offer answered (made, refused, failed), per decline.
         self.on_offer = on_offer
         self.on_decline: Callable[[], None] = lambda: None
@@ -125,11 +124,6 @@ class DecodeDriver(DriverBase[DecodeCore]):
     @digest_pool.setter
     def digest_pool(self, pool: DigestPool) -> None:
         self.checker.digest_pool = pool
-
-    @property
-    def faults(self) -> FaultHooks | None:
-        """The fault hooks armed with ``--enable-fault-injection`` (None: none)."""
-        return self.checker.faults
 
     def _memory(self) -> tuple[AllocatedSide, SideLayout, RecordArea | None]:
         return self.core.pools, self.core.layout, self.core.mailbox

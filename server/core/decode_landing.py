@@ -41,7 +41,6 @@ from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.mailbox import Expected, Record, RecordArea, RecordError, parse_record
 from kvbeam.pools.sub_batches import bounds
 from kvbeam.server.core.incoming import Incoming
-from kvbeam.server.faults import FaultHooks
 from kvbeam.states import NOT_VERIFIED_NO_DIGESTS, NOT_VERIFIED_OFF, VERIFIED_PREFIX
 
 log = logging.getLogger(__name__)
@@ -72,17 +71,16 @@ class LandingCheck:
     """Checks landings against their digest records, on the digest pool.
 
     ``memory`` gives the pools, their layout, the mailbox and whether integrity is on,
-    read at each check (an engine's attach replaces them); ``faults``: the test-only
-    hook that flips a landed byte (``--enable-fault-injection``), or None.
+    read at each check (an engine's attach replaces them). :meth:`before_digests` is the
+    one step a decorating subclass may add to (it does nothing here).
     """
 
     def __init__(self, memory: Callable[[], tuple[AllocatedSide, SideLayout,
                                                   RecordArea | None]],
-                 integrity: bool, digest_pool: DigestPool, faults: FaultHooks | None) -> None:
+                 integrity: bool, digest_pool: DigestPool) -> None:
         self.memory = memory
         self.integrity = integrity
         self.digest_pool = digest_pool
-        self.faults = faults
 
     def inline(self, res: Incoming) -> bool:
         """The check runs on the calling thread (:func:`checks_inline`)."""
@@ -93,10 +91,10 @@ class LandingCheck:
         the verdict still counts)."""
         pools, layout, box = self.memory()
         if not self.integrity:
-            self._corrupt_landed(res, pools, None)
+            self.before_digests(res, pools, None)
             return Verdict(True, NOT_VERIFIED_OFF)
         if not res.digests_follow:
-            self._corrupt_landed(res, pools, None)
+            self.before_digests(res, pools, None)
             log.warning("request %s: prefill sent no digests (its integrity check is off): "
                         "arrival proven by the completion, bytes not verified",
                         res.request_id, extra=fields(res.request_id, res.prefill_address))
@@ -127,7 +125,7 @@ class LandingCheck:
         pools, _layout, _box = self.memory()
         parts = self._parts(res, pools)
         lo, hi = bounds(res.sub_batches, mark, len(parts))
-        self._corrupt_landed(res, pools, range(lo, hi))
+        self.before_digests(res, pools, range(lo, hi))
         return self.digest_pool.start(parts[lo:hi])
 
     @staticmethod
@@ -145,13 +143,10 @@ class LandingCheck:
                             Expected(len(layout.flat_buffers), transfer_id,
                                      res.mailbox_slot, res.request_id))
 
-    def _corrupt_landed(self, res: Incoming, pools: AllocatedSide,
-                        buffers: range | None) -> None:
-        """The test-only hook that flips a landed byte (--enable-fault-injection), among
-        ``buffers`` (None: any), before they are digested."""
-        if self.faults is not None:
-            self.faults.after_landing(res.request_id, pools, res.indices, res.draft,
-                                      buffers=buffers)
+    def before_digests(self, res: Incoming, pools: AllocatedSide,
+                       buffers: range | None) -> None:
+        """The request's landed bytes of flat ``buffers`` (None: all) are digested next
+        (or, integrity off, accepted as they are)."""
 
     @staticmethod
     def _parts(res: Incoming, pools: AllocatedSide) -> DigestParts:
@@ -172,7 +167,7 @@ class LandingCheck:
         """
         if not marks:
             # In parallel over the buffers; Success only once every digest was compared.
-            self._corrupt_landed(res, pools, None)
+            self.before_digests(res, pools, None)
             return self.digest_pool.digests(pools, res.indices, draft=res.draft).result()
         cut = res.sub_batches
         if marks != len(cut):
@@ -183,7 +178,7 @@ class LandingCheck:
                 "this request into none (under two sub-batches, or its sub-batches off)"))
         parts = self._parts(res, pools)
         lo, _hi = bounds(cut, marks + 1, len(parts))
-        self._corrupt_landed(res, pools, range(lo, len(parts)))
+        self.before_digests(res, pools, range(lo, len(parts)))
         last = self.digest_pool.start(parts[lo:])
         return b"".join([*(res.marked[k].result() for k in range(1, marks + 1)),
                          last.result()])

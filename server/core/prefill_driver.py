@@ -32,10 +32,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from kvbeam.errors import Busy, NotPosted, PeerTimeoutError
 from kvbeam.logs import fields, request_log
 from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.digest import DIGEST_BYTES
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.pools.engine_indices import ListLike
 from kvbeam.pools.layout import SideLayout
-from kvbeam.pools.mailbox import RecordArea
+from kvbeam.pools.mailbox import RecordArea, encode_record
 from kvbeam.pools.plan import side_windows
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
@@ -54,7 +55,6 @@ from kvbeam.server.core.prefill_actions import (
     TellDecode,
 )
 from kvbeam.server.core.prefill_record import RecordStager
-from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.states import TransferStatus
@@ -78,6 +78,29 @@ MAX_CONNECTS = 4
 DIAL_WAIT_S = 30.0
 
 
+class Writer:
+    """How the driver puts a step's writes onto their link and encodes a request's digest
+    record: the driver's one seam for what goes on the wire, which a decorator may wrap
+    (``--enable-fault-injection`` arms one at start: :mod:`kvbeam.server.faults`)."""
+
+    @property
+    def may_block(self) -> bool:
+        """Whether :meth:`write` may block beyond posting (a step then runs on the
+        executor only, never on the thread that handled an event)."""
+        return False
+
+    def write(self, request_id: str, conn: PeerConn, transfer_id: int, blocks: Blocks, *,
+              notify: bool, first: bool) -> None:
+        """Post ``blocks`` on ``conn``'s link as (a part of) transfer ``transfer_id``;
+        ``first``: the step's first write."""
+        conn.link.write(transfer_id, blocks, notify=notify)
+
+    def record(self, request_id: str, transfer_id: int, slot: int, digests: bytes,
+               marks: int) -> bytes:
+        """The request's digest record (pools/mailbox.py) for decode's mailbox ``slot``."""
+        return encode_record(transfer_id, slot, request_id, digests, marks=marks)
+
+
 class PrefillDriver(DriverBase[PrefillCore]):
     """Prefill's API for the daemon: each call is an event for the core, whose actions
     it does. See the module docstring."""
@@ -86,7 +109,7 @@ class PrefillDriver(DriverBase[PrefillCore]):
 
     def __init__(self, *, table: TransferTable, peers: Peers, decode: DecodePeers, io: Executor,
                  spec: PoolSpec | None, layout: SideLayout | None, pools: AllocatedSide | None,
-                 integrity: bool, faults: FaultHooks | None, drain_s: float,
+                 integrity: bool, drain_s: float,
                  transfer_budget: Callable[[int], float] = lambda _n: 0.0,
                  resend_retries: int = 0, on_resend: Callable[[], None] = lambda: None,
                  max_offers: int = 1024,
@@ -97,8 +120,7 @@ class PrefillDriver(DriverBase[PrefillCore]):
         """``decode``: the calls to decode daemons (gRPC in the daemon, fakes in tests);
         ``io``: the daemon's bounded executor; ``digest_pool``: the threads integrity's
         digests are computed on (owned by the daemon; None: on the calling thread);
-        ``faults``: the hooks of ``--enable-fault-injection``; ``on_resend``,
-        ``on_offer``: metrics. The rest is the core's (:class:`PrefillCore`)."""
+        ``on_resend``, ``on_offer``: metrics. The rest is the core's (:class:`PrefillCore`)."""
         self.core = PrefillCore(table=table, peers=peers, spec=spec, layout=layout,
                                 pools=pools, integrity=integrity, drain_s=drain_s,
                                 transfer_budget=transfer_budget,
@@ -107,7 +129,8 @@ class PrefillDriver(DriverBase[PrefillCore]):
                                 staging_slots=staging_slots)
         self.decode = decode
         self.io = io
-        self.faults = faults
+        #: How the step's writes go onto their link and how a digest record is encoded.
+        self.writer = Writer()
         self.digest_pool = digest_pool or DigestPool(0)  # 0: on the calling thread
         self.clock = clock
         self.on_resend = on_resend
@@ -318,18 +341,16 @@ class PrefillDriver(DriverBase[PrefillCore]):
 
     def _blocks(self, action: PrefillAction) -> bool:
         """Whether doing ``action`` may block: a handshake, a peer call, a link's release;
-        a post when an armed fault holds it (a delay sleeps, a broken link is a verbs
-        call)."""
+        a post when its writer says so (:attr:`Writer.may_block`)."""
         if isinstance(action, PostWrites):
-            return self.faults is not None and self.faults.hold_posting
+            return self.writer.may_block
         return not isinstance(action, Count)
 
     def _run_step(self, rec: Outgoing, on_executor: bool) -> None:
-        """A step here when the core says it cannot block (and no fault holds posting);
+        """A step here when the core says it cannot block (and the writer cannot either);
         else its own executor job, a fresh stack (a chunked request's steps follow one
         another)."""
-        if self.core.steps_inline(rec) and not (self.faults is not None
-                                                and self.faults.hold_posting):
+        if self.core.steps_inline(rec) and not self.writer.may_block:
             self.execute(self.core.step(rec, self.clock()), on_executor)
         else:
             self.io.submit(self._step_job, rec)
@@ -442,12 +463,7 @@ class PrefillDriver(DriverBase[PrefillCore]):
         while the data goes out and the record follows (at the end of the data's own
         write when they are at hand, else as one more write once they are)."""
         rec, conn = post.rec, post.conn
-        writes = list(post.writes)
-        if self.faults is not None:  # test-only hooks (--enable-fault-injection)
-            self.faults.slow_wire()
-            tid, first = writes[0]
-            writes[0] = (tid, self.faults.aim(rec.request_id, conn.link, conn.peer.endpoint,
-                                              first))
+        writes = post.writes
         # The source does not change while the request lives: its digests are computed
         # once, while the writes are in flight. Digests with nothing to overlap (a small
         # request's job runs inline on this thread; a resend's are kept) put the record
@@ -458,17 +474,16 @@ class PrefillDriver(DriverBase[PrefillCore]):
         if not self.core.book(post, separate=separate):  # it ended meanwhile
             self.execute(self.core.posted(rec, self.clock()), on_executor)
             return
-        if self.faults is not None:  # test-only hook (--enable-fault-injection)
-            self.faults.break_link(rec.request_id, conn.link)
+        write, rid = self.writer.write, rec.request_id
         posted = 0
         try:
             for tid, part in writes[:-1]:  # the marks: decode digests each as it lands
-                conn.link.write(tid, part, notify=True)
+                write(rid, conn, tid, part, notify=True, first=not posted)
                 posted += 1
             tid, part = writes[-1]
             if together:  # the record is the data write's last block
                 part = Blocks.concat([part, self._record_blocks(post, job)])
-            conn.link.write(tid, part, notify=post.final and not separate)
+            write(rid, conn, tid, part, notify=post.final and not separate, first=not posted)
         except Exception as exc:
             if post.moved is not None:
                 self.table.announce(post.moved)
@@ -498,8 +513,8 @@ class PrefillDriver(DriverBase[PrefillCore]):
         write, counted when the data was booked); then the step ends. Blocking."""
         rec, conn = post.rec, post.conn
         try:
-            conn.link.write(post.grant.transfer_id, self._record_blocks(post, job),
-                            notify=True)
+            self.writer.write(rec.request_id, conn, post.grant.transfer_id,
+                              self._record_blocks(post, job), notify=True, first=False)
         except Exception as exc:
             self.core.unbook(post, left=0, separate=True)
             self.execute(self.core.step_failed(rec, conn, NotPosted(exc), self.clock()),
@@ -512,11 +527,13 @@ class PrefillDriver(DriverBase[PrefillCore]):
         (:meth:`RecordStager.blocks`); computed once per request, a resend writes the
         same digests with its new transfer id. Outside every lock (it may wait for the
         digest pool)."""
-        rec = post.rec
+        rec, grant = post.rec, post.grant
         if rec.digests is None:
             rec.digests = (job or self._digest_job(rec, post.conn)).result()
-        return RecordStager.blocks(rec, post.conn, post.grant, rec.digests, post.marks,
-                                   self.faults)
+        raw = self.writer.record(rec.request_id, grant.transfer_id, grant.mailbox_slot,
+                                 rec.digests, post.marks)
+        return RecordStager.blocks(rec, post.conn, grant, raw,
+                                   len(rec.digests) // DIGEST_BYTES)
 
     def _digest_job(self, rec: Outgoing, conn: PeerConn) -> DigestJob:
         """The request's digests of what it moves to ``conn``'s decode, started on the

@@ -26,17 +26,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvbeam.errors import SendFailed
-from kvbeam.pools.digest import DIGEST_BYTES
 from kvbeam.pools.mailbox import (
     MAILBOX_KEY,
     FreeSlots,
     RecordArea,
-    encode_record,
     record_bytes,
     record_size,
 )
 from kvbeam.server.core.ports import WriteGrant
-from kvbeam.server.faults import FaultHooks
 from kvbeam.server.peers import PeerConn
 from kvbeam.states import FailureReason
 from kvbeam.transport.blocks import Blocks
@@ -120,21 +117,17 @@ class RecordStager:
         free.give(slot)
 
     @staticmethod
-    def blocks(rec: Outgoing, conn: PeerConn, grant: WriteGrant, digests: bytes,
-               marks: int, faults: FaultHooks | None) -> Blocks:
-        """The request's digest record, put in its staging slot, as the block that writes
-        it into decode's mailbox slot (posted notified: the marker follows it); ``marks``:
-        the sub-batches notified before it (pools/sub_batches.py). No lock needed: only
-        the request's own step writes its slot."""
-        raw = encode_record(grant.transfer_id, grant.mailbox_slot, rec.request_id, digests,
-                            marks=marks)
-        if faults is not None:  # test-only hook (--enable-fault-injection)
-            raw = faults.corrupt_record(rec.request_id, raw, grant.transfer_id,
-                                        grant.mailbox_slot, digests, marks)
+    def blocks(rec: Outgoing, conn: PeerConn, grant: WriteGrant, raw: bytes,
+               buffers: int) -> Blocks:
+        """The request's digest record ``raw`` (of ``buffers`` digests, encoded by the
+        driver's :class:`~kvbeam.server.core.prefill_driver.Writer`), put in its staging
+        slot, as the block that writes it into decode's mailbox slot (posted notified:
+        the marker follows it). No lock needed: only the request's own step writes its
+        slot."""
         assert rec.staging is not None and conn.mailbox is not None
         area, _free, slot = rec.staging
         area.put(slot, raw)
-        n = min(len(raw), record_size(len(digests) // DIGEST_BYTES), conn.mailbox.record_bytes)
+        n = min(len(raw), record_size(buffers), conn.mailbox.record_bytes)
         return Blocks(np.array([area.slot_addr(slot)], dtype=np.uint64),
                       np.array([conn.mailbox.slot_addr(grant.mailbox_slot)], dtype=np.uint64),
                       np.array([n], dtype=np.uint64))

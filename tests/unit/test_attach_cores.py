@@ -9,7 +9,6 @@ import pytest
 from kvbeam.errors import NoEngineAttached
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.server.core.decode_driver import DecodeDriver
-from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.peers import Peers
 from kvbeam.states import FailureReason, TransferState
@@ -21,7 +20,7 @@ from tests.unit.test_core_decode import FakePrefill, QueueExecutor
 def _decode() -> DecodeDriver:
     return DecodeDriver(table=TransferTable(Deadlines()), peers=Peers(), prefill=FakePrefill(),
                       io=QueueExecutor(), spec=None, layout=None, pools=None, integrity=True,
-                      faults=FaultHooks(), handoff_lease_s=30.0)
+                      handoff_lease_s=30.0)
 
 
 def test_a_decode_core_without_pools_refuses_then_serves_then_drops() -> None:

@@ -15,7 +15,6 @@ from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.incoming import Landing
 from kvbeam.server.core.ports import Offered, WriteGrant
-from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState
@@ -106,7 +105,7 @@ def _core() -> tuple[DecodeDriver, QueueExecutor, FakePrefill, PeerConn]:
     # tests of its own, which set the core's digest_pool back to the daemon's default).
     core = DecodeDriver(table=TransferTable(Deadlines()), peers=Peers(), prefill=prefill, io=io,
                       spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
-                      integrity=True, faults=FaultHooks(), handoff_lease_s=30.0,
+                      integrity=True, handoff_lease_s=30.0,
                       digest_pool=DigestPool(0, inline_below=0))
     conn = fake_conn(PREFILL, AllocatedSide(lay))
     core.peers.add(conn)

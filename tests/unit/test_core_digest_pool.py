@@ -18,7 +18,6 @@ from kvbeam.pools.indices import request_indices
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.prefill_driver import PrefillDriver
-from kvbeam.server.faults import FaultHooks
 from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState
@@ -76,7 +75,7 @@ def test_prefill_starts_its_digests_on_the_pool_before_posting_and_sends_the_sam
     with RecordingPool(2, log) as pool:
         core = PrefillDriver(table=TransferTable(Deadlines()), peers=Peers(), decode=fake,
                            io=ThreadPoolExecutor(2), spec=UNIFIED_TARGET, layout=lay,
-                           pools=src, integrity=True, faults=FaultHooks(), drain_s=5.0,
+                           pools=src, integrity=True, drain_s=5.0,
                            digest_pool=pool)
         core.send("r", 1, SEQ, ADDR, [], True)
         assert wait_for(lambda: len(fake.digests) == 1)
@@ -95,7 +94,7 @@ def _decode(pool: DigestPool) -> tuple[DecodeDriver, QueueExecutor, FakePrefill,
     pools.fill_pattern(9)
     core = DecodeDriver(table=TransferTable(Deadlines()), peers=Peers(), prefill=prefill, io=io,
                       spec=UNIFIED_TARGET, layout=lay, pools=pools, integrity=True,
-                      faults=FaultHooks(), handoff_lease_s=30.0, digest_pool=pool)
+                      handoff_lease_s=30.0, digest_pool=pool)
     conn = fake_conn(PREFILL, AllocatedSide(lay))
     core.peers.add(conn)
     return core, io, prefill, conn

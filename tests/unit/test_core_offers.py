@@ -23,6 +23,7 @@ from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.incoming import Landing
 from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.core.prefill_driver import PrefillDriver
+from kvbeam.server.faults import FaultHooks, arm
 from kvbeam.server.lifecycle import Deadlines
 from kvbeam.server.peers import PeerConn
 from kvbeam.states import NOT_VERIFIED_NO_DIGESTS, FailureReason, TransferState
@@ -223,10 +224,10 @@ def test_an_armed_write_delay_keeps_the_step_on_the_executor(
     """The armed delay is recorded instead of slept: it is taken on the executor's step,
     never on the sender's thread."""
     core, _fake, conn, _events, io = _queued_connected()
-    assert core.faults is not None
-    core.faults.write_delay_s = 0.01  # a hook that sleeps before the post
+    hooks = FaultHooks(write_delay_s=0.01)  # a hook that sleeps before the post
     delays: list[float] = []
-    monkeypatch.setattr(core.faults, "slow_wire", lambda: delays.append(0.01))
+    monkeypatch.setattr(hooks, "slow_wire", lambda: delays.append(0.01))
+    arm(core, hooks)
     assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
     jobs = _count_jobs(core)
     core.send("r", 1, SEQ, ADDR, [], True)

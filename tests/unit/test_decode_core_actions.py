@@ -253,7 +253,7 @@ def test_the_real_digests_of_a_landing_make_the_same_verdict_as_a_test_one() -> 
     [check] = _landed(core, conn, res.transfer_id)
     assert isinstance(check, CheckLanding)
     checker = LandingCheck(lambda: (core.pools, core.layout, core.mailbox), True,
-                           DigestPool(0), None)
+                           DigestPool(0))
     verdict = checker.check(res, check.transfer_id)
     assert verdict.ok and verdict.detail.startswith("XXH3-128 verified: 13")
     assert core.checked(res, check.transfer_id, verdict, now=6.0) == []

@@ -26,7 +26,7 @@ from kvbeam.pools.sub_batches import (
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.incoming import Landing
 from kvbeam.server.core.ports import WriteGrant
-from kvbeam.server.faults import FaultHooks
+from kvbeam.server.faults import FaultHooks, arm
 from kvbeam.server.peers import PeerConn
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
@@ -175,10 +175,11 @@ def test_decode_digests_each_marked_sub_batch_and_succeeds_after_the_last() -> N
 def test_a_byte_flipped_in_a_marked_sub_batch_fails_the_request() -> None:
     core, io, conn, digests = _marked_core()
     res = core.core._reservation("r")
-    core.checker.faults = FaultHooks(corrupt_landed=1.0, seed=3)
+    plain = core.checker
+    arm(core, FaultHooks(corrupt_landed=1.0, seed=3))
     for k in (1, 2, 3):
         _notify(core, conn, res.transfer_id + k)
-    core.checker.faults = FaultHooks()  # only the marked sub-batches were hit
+    core.checker = plain  # only the marked sub-batches were hit
     land_record(core, "r", digests, marks=3)
     _notify(core, conn, res.transfer_id)
     io.run_all()
