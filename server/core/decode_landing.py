@@ -145,8 +145,9 @@ class LandingCheck:
 
     def before_digests(self, res: Incoming, pools: AllocatedSide,
                        buffers: range | None) -> None:
-        """The request's landed bytes of flat ``buffers`` (None: all) are digested next
-        (or, integrity off, accepted as they are)."""
+        """Called just before the request's landed bytes of flat ``buffers`` (None: all)
+        are digested (or, integrity off, accepted as they are): nothing here, the step a
+        decorating subclass may act in."""
 
     @staticmethod
     def _parts(res: Incoming, pools: AllocatedSide) -> DigestParts:
