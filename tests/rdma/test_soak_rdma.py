@@ -50,7 +50,7 @@ WARMUP = 16
 SOURCE_SLOTS = 8  # prefill's num_req_slots
 
 
-@pytest.mark.timeout(SOAK_S + 900)  # its own length over pyproject's default limit
+@pytest.mark.timeout(SOAK_S + 1800)  # its own length over pyproject's default limit
 def test_soak(wire_pair: WirePair) -> None:
     pair = wire_pair
     pids = {"prefill": pair.prefill.proc.pid, "decode": pair.decode.proc.pid}
