@@ -397,7 +397,7 @@ class DaemonServicer(ControlServicer):
         """Drop every connection that has had no open peer channel for the peer timeout:
         the channel carries its heartbeats, so nothing else would notice that its peer
         went (decode's connection whose prefill never sent its HELLO, or whose channel
-        prefill retired and did not replace). Its link is released and its requests go
+        prefill closed and did not replace). Its link is released and its requests go
         on as after a link failure (resent on a new link, else their deadlines)."""
         limit = self.rt.settings.peer_timeout_s
         for conn in self.rt.peers.all():

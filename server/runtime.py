@@ -106,7 +106,7 @@ class Runtime:
                  " (NO RDMA DEVICE: data moves over TCP, far slower than RDMA)")
         #: How an engine's ``memory_kind: dmabuf`` attach is taken (kvbeam.server.dmabuf).
         self.dmabuf = DmabufAccess(self.transport, settings.integrity)
-        #: The digest records' memory (protocol 5), the daemon's own (never an engine's):
+        #: The digest records' memory, the daemon's own (never an engine's):
         #: decode's mailbox (a slot per request slot, REMOTE_WRITE, advertised in the
         #: handshake) or prefill's staging slots (``--max-inflight``, LOCAL). Registered
         #: after the pools; an engine attach keeps it when its shape still fits.

@@ -30,10 +30,10 @@ import numpy as np
 import pytest
 
 from kvbeam.client import KvbeamClient
-from kvbeam.procs import wait_until
 from kvbeam.scheduler import RequestResult, run_request
 from tests.daemon_helpers import DECODE_SLOTS, free_slots, rss_kib
 from tests.rdma.conftest import WirePair
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.rdma
 
