@@ -284,7 +284,7 @@ class FrameError(KvbeamError):
 
 
 class RecordError(KvbeamError, ValueError):
-    """A digest record (protocol 5's mailbox) that fails a check: ``field`` names it,
+    """A digest record in decode's mailbox that fails a check: ``field`` names it,
     ``detail`` gives both values (:mod:`kvbeam.pools.mailbox`)."""
 
     def __init__(self, field: str, detail: str) -> None:

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -147,14 +146,3 @@ def start_daemon(role: str, config: str, *, listen: str = "127.0.0.1:0",
     """Start ``kvbeam ROLE`` as a subprocess; return once it serves (health SERVING)."""
     return spawn_daemon(role, config, listen=listen, extra=extra, env=env,
                         security=security).ready(timeout)
-
-
-def wait_until(predicate: object, timeout: float, interval: float = 0.05) -> bool:
-    """Poll a zero-argument callable until it returns truthy or ``timeout`` passes."""
-    assert callable(predicate)
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())

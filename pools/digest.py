@@ -2,12 +2,12 @@
 
 Prefill digests the source items it sends, decode the destination items that
 landed; equal digest lists prove every byte arrived. ``xxhash``'s XXH3-128 reads
-the numpy views of the pool tensors directly. Why XXH3-128 and not CRC32C (which
-kvbeam used until protocol 3): a 128-bit digest misses a wrong buffer with
-probability 2**-128 instead of 2**-32 (at fleet scale, billions of buffers a day,
-2**-32 is not never), and it is as fast or faster everywhere we measured: 18 GB/s
-against 14 GB/s on the host, and 480 MB/s against 65 MB/s in the soft-RoCE guest,
-whose emulator runs the ``crc32`` instruction bit by bit (docs/performance.md).
+the numpy views of the pool tensors directly. Why XXH3-128 and not CRC32C: a
+128-bit digest misses a wrong buffer with probability 2**-128 instead of 2**-32 (at
+fleet scale, billions of buffers a day, 2**-32 is not never), and it is as fast or
+faster everywhere we measured: 18 GB/s against 14 GB/s on the host, and 480 MB/s
+against 65 MB/s in the soft-RoCE guest, whose emulator runs the ``crc32``
+instruction bit by bit (docs/performance.md).
 
 An index list that is one ascending run (the usual case: a request's pages
 allocated together) is digested in place, with no copy; any other list is

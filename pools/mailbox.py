@@ -1,4 +1,4 @@
-"""The digest mailbox (protocol 5; sub-batch marks: 6): a request's digest record, in band.
+"""The digest mailbox: a request's digest record (with its sub-batch marks), in band.
 
 With integrity on, prefill RDMA-writes the request's digest record into decode's
 *mailbox* (one slot per decode request slot) as the last write of the request's
@@ -45,8 +45,8 @@ from kvbeam.transport.endpoint import Region, RemoteRegion
 
 #: The record's magic, the bytes ``KVDR`` read as a little-endian u32.
 MAGIC = int.from_bytes(b"KVDR", "little")
-#: The record layout's version (bump for any change of a field's meaning or place).
-#: 2 (protocol 6): the version is one byte, the marks count the next (was a u16 1).
+#: The record layout's version (bump for any change of a field's meaning or place): one
+#: byte, the marks count the next.
 RECORD_VERSION = 2
 #: magic, version, marks, n, transfer id, slot, request id hash.
 HEADER = struct.Struct("<IBBHIIQ")

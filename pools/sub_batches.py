@@ -1,4 +1,4 @@
-"""Sub-batches (protocol 6): a large request's landing verified while the rest flies.
+"""Sub-batches: a large request's landing verified while the rest flies.
 
 Decode advertises a sub-batch size in its handshake (``--verify-sub-batch-mib``,
 endpoint ``extra[kvbeam-sub-batch]``, bytes). When prefill writes a whole request in

@@ -150,7 +150,7 @@ def geometry_from_proto(m: pb.PoolGeometry, field: str, *, require_layers: bool)
     def pos(name: str, value: int, hi: int) -> int:
         return int_in(value, f"{field}.{name}", 1, hi)
 
-    # 0 from an older peer: rank 0 of 1 (no tensor parallelism).
+    # tp_size 0 (unset): rank 0 of 1 (no tensor parallelism).
     tp_size = int_in(m.tp_size or 1, f"{field}.tp_size", 1, MAX_TP)
     tp_rank = int_in(m.tp_rank, f"{field}.tp_rank", 0, tp_size - 1)
     return PoolGeometry(
@@ -182,7 +182,7 @@ def geometry_from_proto(m: pb.PoolGeometry, field: str, *, require_layers: bool)
 
 
 def _kind(value: str, field: str) -> str:
-    """The pool kind; an older peer sends none (DSV4)."""
+    """The pool kind; unset means DSV4."""
     if not value:
         return "dsv4"
     if value not in POOL_KINDS:

@@ -96,7 +96,7 @@ def indices_to_proto(indices: Mapping[IndexKind, npt.NDArray[np.int64]],
     """Every kind's index list, in IndexKind order; then the draft's own lists (pool "draft").
 
     ``packed``: each list as ``IndexList.packed`` (little-endian int64s), what the
-    daemons send each other (protocol 7); else as ``indices``, what clients get.
+    daemons send each other; else as ``indices``, what clients get.
     """
     lists = [(k, indices[k], "") for k in INDEX_KINDS if k in indices]
     if draft:

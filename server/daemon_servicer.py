@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -140,7 +139,7 @@ class DaemonServicer(ControlServicer):
         self.channels = PeerChannels(
             runtime.role.value, self._channel_request, self._channel_closed,
             on_hello=self.channel_hello, heartbeat_s=settings.heartbeat_s,
-            peer_timeout_s=settings.peer_timeout_s)
+            peer_timeout_s=settings.peer_timeout_s, clock=runtime.clock)
         #: Per channel request kind: (handler, request message, answered inline).
         self.channel_handlers: dict[int, tuple[ChannelHandler, type[ProtoMessage], bool]] = {}
         #: Per one-way frame kind (``ONE_WAY``): (handler, message); run on the channel's
@@ -391,14 +390,14 @@ class DaemonServicer(ControlServicer):
             log.warning("request %s failed: timeout: %s", snap.request_id, snap.detail,
                         extra=fields(snap.request_id, snap.peer))
             self.on_expired(snap)
-        self._drop_unchanneled(time.monotonic())
+        self._drop_unchanneled(self.rt.clock())
         self.periodic()
 
     def _drop_unchanneled(self, now: float) -> None:
         """Drop every connection that has had no open peer channel for the peer timeout:
         the channel carries its heartbeats, so nothing else would notice that its peer
         went (decode's connection whose prefill never sent its HELLO, or whose channel
-        prefill retired and did not replace). Its link is released and its requests go
+        prefill closed and did not replace). Its link is released and its requests go
         on as after a link failure (resent on a new link, else their deadlines)."""
         limit = self.rt.settings.peer_timeout_s
         for conn in self.rt.peers.all():

@@ -83,7 +83,7 @@ class DecodeServicer(DaemonServicer):
     # ---- handshake hooks: one link per verified prefill -------------------------
     def endpoint_for(self, peer: VerifiedPeer) -> Endpoint:
         """Create this peer's link; its endpoint (QPN, rkeys) goes into our reply, with
-        our digest mailbox (protocol 5), where our peer channel listens and the token
+        our digest mailbox, where our peer channel listens and the token
         its HELLO must carry."""
         link = self.rt.transport.create_link()  # may register memory: no lock held
         token = new_token()

@@ -234,9 +234,6 @@ class EngineChannel:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._woken = False
-        #: Frames handled and states pushed (diagnostics, the benchmark).
-        self.frames_in = 0
-        self.frames_out = 0
 
     @property
     def wake_fd(self) -> socket.socket:
@@ -360,7 +357,6 @@ class EngineChannel:
             conn = self._conn
             if conn is None:
                 return
-            self.frames_out += 1
             if self._corked:  # the attach thread writes it at the end of its batch
                 self._out += data
                 return
@@ -481,7 +477,6 @@ class EngineChannel:
 
     def handle(self, body: bytes) -> None:
         """Decode and run one engine frame; any refusal becomes an ERROR frame."""
-        self.frames_in += 1
         try:
             frame = ef.decode(body)
         except ef.FrameError as exc:

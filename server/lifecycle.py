@@ -4,6 +4,11 @@ The states, failure reasons and status records are :mod:`kvbeam.states` (the wir
 codec and the public client need them without the daemons). Every non-terminal state
 has a deadline; a transfer past it fails with ``TIMEOUT``. Nothing waits forever.
 Terminal states never change.
+
+The table reads time only through the clock it is given (``clock``): its deadlines, a
+transfer's age and timeline, :meth:`TransferTable.expire`'s default ``now`` and
+:meth:`TransferTable.watch`'s limit. The daemon gives it ``time.monotonic``, the
+clock its cores' drivers read; a test gives it a clock it moves.
 """
 
 from __future__ import annotations
@@ -59,14 +64,15 @@ class Transfer:
 
     request_id: str
     peer: str
+    #: When it was created and entered its current state (the table's clock).
+    created: float
+    entered: float
     state: TransferState = TransferState.BOOTSTRAPPING
     reason: FailureReason | None = None
     detail: str = ""
-    created: float = field(default_factory=time.monotonic)
-    entered: float = field(default_factory=time.monotonic)
     deadline: float | None = None
     history: list[TransferState] = field(default_factory=list)
-    #: When it entered each state of ``history`` (time.monotonic()).
+    #: When it entered each state of ``history`` (the table's clock).
     entered_at: list[float] = field(default_factory=list)
     version: int = 0
     nbytes: int = 0  # bytes moved, recorded with the move to SUCCESS
@@ -75,10 +81,10 @@ class Transfer:
     #: What it moved, from its core's record, kept once the core forgot the request.
     facts: TransferFacts | None = None
 
-    def snapshot(self) -> TransferStatus:
-        """An immutable copy for status replies."""
+    def snapshot(self, now: float) -> TransferStatus:
+        """An immutable copy for status replies (its age as of ``now``)."""
         return TransferStatus(self.request_id, self.peer, self.state, self.reason, self.detail,
-                              self.version, time.monotonic() - self.created, self.nbytes)
+                              self.version, now - self.created, self.nbytes)
 
 
 class TransferTable:
@@ -88,11 +94,15 @@ class TransferTable:
     the legal transitions, set the next deadline and wake watchers. Terminal
     transfers are kept (up to ``keep_terminal``) so a late Status still answers.
     ``on_change`` runs (outside the lock) after every change, for metrics and logs.
+    ``clock`` is the one time source the table reads (seconds, monotonic): the daemon
+    passes ``time.monotonic``, a test a clock it moves instead of sleeping.
     """
 
     def __init__(self, deadlines: Deadlines, capacity: int = 1024, keep_terminal: int = 4096,
-                 on_change: Callable[[TransferStatus], None] | None = None) -> None:
+                 on_change: Callable[[TransferStatus], None] | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.deadlines = deadlines
+        self.clock = clock
         self.capacity = capacity
         self.keep_terminal = keep_terminal
         self._live: dict[str, Transfer] = {}
@@ -112,20 +122,21 @@ class TransferTable:
             if len(self._live) >= self.capacity:
                 raise TooManyTransfers(
                     f"{len(self._live)} transfers in flight (capacity {self.capacity})")
-            t = Transfer(request_id, peer)
+            now = self.clock()
+            t = Transfer(request_id, peer, created=now, entered=now)
             t.history.append(t.state)
-            self._set_deadline(t)
+            self._set_deadline(t, now)
             t.entered_at.append(t.entered)
             self._live[request_id] = t
-            snap = t.snapshot()
+            snap = t.snapshot(now)
             self._notify()
         self._changed(snap)
         return snap
 
-    def _set_deadline(self, t: Transfer) -> None:
+    def _set_deadline(self, t: Transfer, now: float) -> None:
         t.lease_s = None
         budget = self.deadlines.for_state(t.state)
-        t.entered = time.monotonic()
+        t.entered = now
         t.deadline = None if budget is None else t.entered + budget
 
     @staticmethod
@@ -134,13 +145,13 @@ class TransferTable:
             raise IllegalTransition(
                 f"request {request_id!r}: illegal transition {src.value} -> {dst.value}")
 
-    def _move(self, t: Transfer, state: TransferState) -> None:
+    def _move(self, t: Transfer, state: TransferState, now: float) -> None:
         self._check_legal(t.request_id, t.state, state)
         t.state = state
         t.waiting = ""
         t.history.append(state)
         t.version += 1
-        self._set_deadline(t)
+        self._set_deadline(t, now)
         t.entered_at.append(t.entered)
         if state.terminal:
             del self._live[t.request_id]
@@ -152,7 +163,7 @@ class TransferTable:
         """The current status, or None for an unknown request."""
         with self._lock:
             t = self._live.get(request_id) or self._done.get(request_id)
-            return t.snapshot() if t else None
+            return t.snapshot(self.clock()) if t else None
 
     def timeline(self, request_id: str) -> tuple[tuple[TransferState, float], ...]:
         """Each state the request entered and when, seconds after its creation (empty:
@@ -210,14 +221,15 @@ class TransferTable:
             path = (t.state, *through, state)
             for here, there in itertools.pairwise(path):  # whole first: no half-made path
                 self._check_legal(request_id, here, there)
+            now = self.clock()
             for passed in through:
-                self._move(t, passed)
-            self._move(t, state)
+                self._move(t, passed, now)
+            self._move(t, state, now)
             if detail:
                 t.detail = detail
             if state is TransferState.SUCCESS:
                 t.nbytes = nbytes
-            snap = t.snapshot()
+            snap = t.snapshot(now)
             self._notify()
         if announce:
             self._changed(snap)
@@ -244,7 +256,7 @@ class TransferTable:
         with self._lock:
             t = self._live.get(request_id)
             if t is not None:
-                self._set_deadline(t)
+                self._set_deadline(t, self.clock())
 
     def extend(self, request_id: str, seconds: float) -> None:
         """Allow the current state at least ``seconds`` from now (e.g. Transferring sized
@@ -252,7 +264,7 @@ class TransferTable:
         with self._lock:
             t = self._live.get(request_id)
             if t is not None and t.deadline is not None:
-                t.deadline = max(t.deadline, time.monotonic() + seconds)
+                t.deadline = max(t.deadline, self.clock() + seconds)
 
     def lease(self, request_id: str, seconds: float, what: str) -> None:
         """Give the current state exactly ``seconds`` from now (a lease, shorter or longer
@@ -260,7 +272,7 @@ class TransferTable:
         with self._lock:
             t = self._live.get(request_id)
             if t is not None:
-                t.deadline = time.monotonic() + seconds
+                t.deadline = self.clock() + seconds
                 t.lease_s = seconds
                 t.waiting = what
 
@@ -277,7 +289,7 @@ class TransferTable:
             t = self._live.get(request_id)
             if t is None or t.deadline is None:
                 return None
-            return t.deadline - time.monotonic()
+            return t.deadline - self.clock()
 
     def fail(self, request_id: str, reason: FailureReason, detail: str) -> TransferStatus | None:
         """Fail a live transfer; None (and no change) when it is terminal or unknown."""
@@ -286,8 +298,9 @@ class TransferTable:
             if t is None:
                 return None
             t.reason, t.detail = reason, detail
-            self._move(t, TransferState.FAILED)
-            snap = t.snapshot()
+            now = self.clock()
+            self._move(t, TransferState.FAILED, now)
+            snap = t.snapshot(now)
             self._notify()
         self._changed(snap)
         return snap
@@ -303,8 +316,9 @@ class TransferTable:
         return t
 
     def expire(self, now: float | None = None) -> list[TransferStatus]:
-        """Fail every live transfer past its deadline with TIMEOUT; returns what expired."""
-        now = time.monotonic() if now is None else now
+        """Fail every live transfer past its deadline (as of ``now``, the table's clock
+        when not given) with TIMEOUT; returns what expired."""
+        now = self.clock() if now is None else now
         with self._lock:
             late = [t for t in self._live.values()
                     if t.deadline is not None and now > t.deadline]
@@ -315,8 +329,8 @@ class TransferTable:
                     self.deadlines.for_state(t.state)
                 t.detail = (f"no progress in {t.state.value} for {budget} s"
                             + (f" ({t.waiting})" if t.waiting else ""))
-                self._move(t, TransferState.FAILED)
-                out.append(t.snapshot())
+                self._move(t, TransferState.FAILED, now)
+                out.append(t.snapshot(now))
             if out:
                 self._notify()
         for snap in out:
@@ -326,11 +340,14 @@ class TransferTable:
     def live(self) -> list[TransferStatus]:
         """Snapshots of every non-terminal transfer."""
         with self._lock:
-            return [t.snapshot() for t in self._live.values()]
+            now = self.clock()
+            return [t.snapshot(now) for t in self._live.values()]
 
     def watch(self, request_id: str, timeout: float) -> Iterator[TransferStatus]:
-        """Yield each new status of a transfer until it is terminal or ``timeout`` passes."""
-        end = time.monotonic() + timeout
+        """Yield each new status of a transfer until it is terminal or ``timeout`` passes
+        on the table's clock (waiting at most a second at a time, so a clock a test
+        moves ends it too)."""
+        end = self.clock() + timeout
         seen = -1
         while True:
             with self._lock:
@@ -338,7 +355,7 @@ class TransferTable:
                 if t is None:
                     raise KeyError(request_id)
                 while t.version == seen and not t.state.terminal:
-                    left = end - time.monotonic()
+                    left = end - self.clock()
                     if left <= 0:
                         return
                     self._watching += 1
@@ -346,7 +363,7 @@ class TransferTable:
                         self._cond.wait(min(left, 1.0))
                     finally:
                         self._watching -= 1
-                snap = t.snapshot() if t.version != seen else None
+                snap = t.snapshot(self.clock()) if t.version != seen else None
             if snap is not None:
                 seen = snap.version
                 yield snap

@@ -22,6 +22,11 @@ expired calls. A writer appends its frame to the channel's bounded outbound buff
 tries one non-blocking ``send`` under the channel's write lock (a leaf, never held
 across a blocking call); what the kernel does not take, the selector thread flushes.
 A peer that stops reading until the buffer passes :data:`MAX_OUTBOUND` is failed.
+
+**Time.** Heartbeats, silence, call deadlines and the HELLO deadline are read on the
+hub's ``clock`` (the daemon's; a test passes one it moves). The blocking waits on a
+caller's thread (``connect``'s socket timeout, ``call``'s backstop) are the kernel's
+and the futures' own, in real seconds.
 """
 
 from __future__ import annotations
@@ -114,7 +119,7 @@ class PeerChannel:
         #: The peer as messages name it ("decode 3f2a at 10.0.0.2:7000").
         self.peer = peer
         self.bound: Any = None
-        self.last_heard = time.monotonic()
+        self.last_heard = hub.clock()
         self.closed = False
         self.close_reason = ""
         #: The close was orderly (a BYE either way): the peer lives, its link was replaced.
@@ -134,7 +139,7 @@ class PeerChannel:
         been silent, less one (both sides ping every ``heartbeat_s`` and answer a ping at
         once, so a live peer is never silent for two; the RPC heartbeat's rule, which
         waits two intervals for an answer)."""
-        silent = (time.monotonic() if now is None else now) - self.last_heard
+        silent = (self.hub.clock() if now is None else now) - self.last_heard
         return max(0, int(silent / self.hub.heartbeat_s) - 1)
 
     def note_silence(self, now: float) -> None:
@@ -195,7 +200,7 @@ class PeerChannel:
         with self._wlock:
             correlation = self._next
             self._next = self._next % 0xFFFFFFFF + 1
-            call = _Call(kind_name(kind), time.monotonic() + timeout_s)
+            call = _Call(kind_name(kind), self.hub.clock() + timeout_s)
             self._calls[correlation] = call
             closed = self.closed
         if closed:
@@ -232,7 +237,7 @@ class PeerChannel:
         Raises:
             FrameError: a header announcing more than :data:`MAX_PAYLOAD`.
         """
-        self.last_heard = time.monotonic()
+        self.last_heard = self.hub.clock()
         self._inbox += data
         return split_frames(self._inbox)
 
@@ -310,13 +315,17 @@ class PeerChannels:
             lost: a channel is closed after ``heartbeat_s + peer_timeout_s`` of silence
             (:attr:`silence_limit_s`), since a live peer's next frame may come a whole
             interval after its last one.
+        clock: the time source of heartbeats, silence and deadlines (seconds,
+            monotonic): the daemon's; a test passes one it moves.
     """
 
     def __init__(self, role: str, on_request: RequestHandler,
                  on_closed: Callable[[PeerChannel, str], None], *,
                  on_hello: Callable[[PeerChannel, Hello], Any] | None = None,
-                 heartbeat_s: float = 1.0, peer_timeout_s: float = 10.0) -> None:
+                 heartbeat_s: float = 1.0, peer_timeout_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.role = role
+        self.clock = clock
         self.requests = REQUESTS_TO[role]
         self.on_request = on_request
         self.on_closed = on_closed
@@ -397,6 +406,7 @@ class PeerChannels:
             OSError: unreachable, refused, closed or silent (the message says which).
         """
         host, _, port = address.rpartition(":")
+        # Real seconds, not the hub's clock: the kernel times the socket's waits.
         deadline = time.monotonic() + timeout_s
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
         try:
@@ -508,7 +518,7 @@ class PeerChannels:
                 continue
             self._channels.add(channel)
             self._sel.register(channel.sock, selectors.EVENT_READ, channel)
-            channel.last_heard = time.monotonic()
+            channel.last_heard = self.clock()
         for channel in writes:
             if channel in self._channels and not channel.closed and channel.flush():
                 self._sel.modify(channel.sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
@@ -522,7 +532,7 @@ class PeerChannels:
                 with contextlib.suppress(KeyError, ValueError):
                     self._sel.unregister(channel.sock)
             channel.sock.close()
-        now = time.monotonic()
+        now = self.clock()
         beat = now - self._last_beat >= self.heartbeat_s
         if beat:
             self._last_beat = now
@@ -620,7 +630,7 @@ class PeerChannels:
                                    f"dropped: {MAX_UNAUTHENTICATED} connections wait for "
                                    "their HELLO", self._pending[oldest][1])
             who = f"{addr[0]}:{addr[1]}"
-            self._pending[sock] = (time.monotonic() + HELLO_TIMEOUT_S, who, bytearray())
+            self._pending[sock] = (self.clock() + HELLO_TIMEOUT_S, who, bytearray())
             self._sel.register(sock, selectors.EVENT_READ, "pending")
 
     def _drop_pending(self, sock: socket.socket, level: int, why: str, who: str) -> None:

@@ -60,7 +60,7 @@ def peer_buffer_addrs(layout: SideLayout, peer: VerifiedPeer) -> list[int]:
 
     A kvbeam daemon registers one region per tensor, in tensor order, so buffer
     ``b`` lives at ``regions[b.tensor].addr + b.offset``; decode's digest mailbox
-    (its own region, protocol 5, wherever it comes) is not a tensor's and is left
+    (its own region, wherever it comes) is not a tensor's and is left
     out. Anything else is refused.
     """
     box = mailbox_region(peer_mailbox(layout, peer), tuple(peer.endpoint.regions))

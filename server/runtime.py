@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 from kvbeam import __version__
@@ -103,7 +105,7 @@ class Runtime:
                  " (NO RDMA DEVICE: data moves over TCP, far slower than RDMA)")
         #: How an engine's ``memory_kind: dmabuf`` attach is taken (kvbeam.server.dmabuf).
         self.dmabuf = DmabufAccess(self.transport, settings.integrity)
-        #: The digest records' memory (protocol 5), the daemon's own (never an engine's):
+        #: The digest records' memory, the daemon's own (never an engine's):
         #: decode's mailbox (a slot per request slot, REMOTE_WRITE, advertised in the
         #: handshake) or prefill's staging slots (``--max-inflight``, LOCAL). Registered
         #: after the pools; an engine attach keeps it when its shape still fits.
@@ -114,6 +116,10 @@ class Runtime:
                                 self.transport.register(own.tensor_regions(), self.access))
             self._fit_records(own.layout, self.expected.target)
         self.metrics = DaemonMetrics(self.role.value)
+        #: The daemon's clock (seconds, monotonic): its transfer table's deadlines, its
+        #: peer channels' heartbeats and call deadlines, its sweep. Tests that build
+        #: the parts without a daemon pass a clock they move.
+        self.clock: Callable[[], float] = time.monotonic
         #: One line per ended transfer, written by the sweeper (--log-ends-per-s).
         self.end_log = EndLog(settings.log_ends_per_s,
                               lambda rid: self._servicer.core.facts_of(rid),
@@ -121,7 +127,7 @@ class Runtime:
         self.table = TransferTable(
             Deadlines(settings.deadline_bootstrap_s, settings.deadline_waiting_s,
                       settings.deadline_transfer_s),
-            capacity=settings.max_inflight, on_change=self._on_change)
+            capacity=settings.max_inflight, on_change=self._on_change, clock=self.clock)
         #: --pools engine: the attached engine's per-request channel (set by :meth:`start`).
         self.engine_channel: EngineChannel | None = None
         #: The one registry of verified peers and their connections (both roles).

@@ -4,8 +4,7 @@
 Status, WatchStatus, Abort, Heartbeat) keep the generated base class's
 UNIMPLEMENTED answer until the daemons subclass it. Hooks for the daemons:
 :meth:`ControlServicer.endpoint_for` (create the per-peer link),
-:meth:`ControlServicer.on_verified` and :meth:`ControlServicer.on_peer_restarted`,
-and :meth:`ControlServicer.require_peer` to guard transfer RPCs.
+:meth:`ControlServicer.on_verified` and :meth:`ControlServicer.on_peer_restarted`.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from grpc_health.v1 import health, health_pb2
 from kvbeam.auth import Security
 from kvbeam.errors import (
     Difference,
-    NotHandshakenError,
     PoolCompatibilityError,
     ProtocolError,
     ProtocolVersionError,
@@ -99,13 +97,6 @@ class ControlServicer(pb_grpc.KvbeamControlServicer):
 
     def on_peer_restarted(self, old: VerifiedPeer, new: VerifiedPeer) -> None:
         """Called when ``new`` replaced ``old`` from the same control address (default: nothing)."""
-
-    def require_peer(self, instance_id: str, context: grpc.ServicerContext) -> VerifiedPeer:
-        """The verified peer for a transfer RPC; aborts FAILED_PRECONDITION when there is none."""
-        try:
-            return self.peers.require(instance_id)
-        except NotHandshakenError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
     # ---- RPCs -----------------------------------------------------------------
     def Handshake(self, request: pb.HandshakeRequest,

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvbeam.procs import wait_until
+from tests.waiting import wait_until
 
 #: (sample name, sorted label pairs) -> value
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from kvbeam.pools.sglang_mha import sglang_mha_spec
 from kvbeam.pools.spec import SideConfig
@@ -303,9 +302,3 @@ def generate(port: int, input_ids: list[int], max_new_tokens: int, timeout: floa
     except urllib.error.HTTPError as exc:
         return {"error": exc.code, "detail": exc.read().decode(errors="replace")}
     return out
-
-
-def write_yaml(path: Path, data: dict[str, Any]) -> Path:
-    """``data`` as YAML at ``path``."""
-    path.write_text(yaml.safe_dump(data))
-    return path

@@ -36,7 +36,7 @@ class TransportOptions:
     # rxe's responder tripping over a spurious resend when an ACK is late under TCG;
     # 17/7 failed 0 of 328 and every fault test kept its bound (a silent partition then
     # ends with our own TIMEOUT at op_timeout_s rather than the NIC's RETRY_EXC_ERR).
-    # 14/3, the old default, failed a QP with RETRY_EXC_ERR in a fresh-clone soak.
+    # 14/3 failed a QP with RETRY_EXC_ERR in a fresh-clone soak.
     qp_timeout: int = 17
     retry_cnt: int = 7
     # 7 = retry forever on RNR NAK: a receiver briefly short of receive WRs must

@@ -272,7 +272,6 @@ class StagingBuffer:
                  policy: FullPolicy = FullPolicy.FAIL) -> None:
         self.device = str(device)
         self.on_cuda = self.device.partition(":")[0] == "cuda"
-        self.device_config = config
         self.device_layout = build_side_layout(config)
         self.config = staging_config(config, requests=requests, tokens=tokens)
         self.wait_s = wait_s

@@ -32,7 +32,7 @@ digests, posts, Aborts, link releases, the Abort handler's bounded wait for a dr
 and the collaborators the core holds: :mod:`~kvbeam.server.core.offers` (``OfferBook``,
 decode's reservations ahead of Send), :mod:`~kvbeam.server.core.prefill_record`
 (``RecordStager``: the digest record's staging slots, written into decode's mailbox
-before the completion marker: protocol 5) and :mod:`~kvbeam.server.core.resend`
+before the completion marker) and :mod:`~kvbeam.server.core.resend`
 (``ResendPolicy``). Decode: :mod:`~kvbeam.server.core.incoming` (the request record
 and its landing's one explicit phase, :class:`Landing`: pure),
 :mod:`~kvbeam.server.core.decode` (the core, returning
@@ -49,7 +49,7 @@ Threads. The daemon (``DaemonServicer``) owns ONE bounded executor
 handshakes, XXH3-128 digests, peer calls (BeginWrite, Abort: each waits for its
 answer on the pair's peer channel), link releases. Decode's Offer (the core's
 ``SendOffer`` action) does not block: its driver sends it from the Reserve's thread,
-outside every lock, and prefill's answer, when it sends one (protocol 8: a kept offer
+outside every lock, and prefill's answer, when it sends one (a kept offer
 gets none), is an event handled on the peer channel's thread
 (``DecodeCore.answer_arrived``). ``on_event`` runs on the
 transport thread that saw the event (or the daemon's event thread; see

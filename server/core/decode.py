@@ -31,7 +31,7 @@ abort prefill does not confirm keeps only that request's slot: decode asks again
 and after the request's transfer budget releases that one link (its other requests
 stay for prefill's resend), never failing the peer's other requests.
 
-The Offer (protocol 2; one-way since protocol 8). When Reserve names a prefill that
+The Offer (one-way). When Reserve names a prefill that
 is a verified peer with a live connection, the Offer carries exactly what BeginWrite
 would answer (the transfer id, the destination lists); the driver sends it on the
 pair's peer channel (:meth:`DecodeCore.offer_sent`) and nothing comes back while
@@ -430,7 +430,7 @@ class DecodeCore(CoreBase):
             return NOT_VERIFIED_OFF
         return "not yet: XXH3-128 of every buffer checked against prefill's once it lands"
 
-    # ---- Offer: the reservation pushed to prefill ahead of its Send (protocol 2) ----------
+    # ---- Offer: the reservation pushed to prefill ahead of its Send ----------------------
     def offer(self, res: Incoming, now: float) -> Actions:
         """Offer a fresh reservation to its prefill when that is a connected peer: the
         :class:`SendOffer`, or nothing (one missing heartbeats, or BeginWrite came

@@ -2,10 +2,10 @@
 
 The notification carrying a request's transfer id arrives after every byte (RC
 ordering), the request's digest record included: with integrity on, prefill's last
-write of the final chunk puts the record (its XXH3-128 digests, protocol 5) into the
+write of the final chunk puts the record (its XXH3-128 digests) into the
 request's slot of decode's digest mailbox (:mod:`kvbeam.pools.mailbox`), and the
 marker follows it. A large request written in one chunk comes in sub-batches
-(:mod:`kvbeam.pools.sub_batches`, protocol 6): each but the last has its own
+(:mod:`kvbeam.pools.sub_batches`): each but the last has its own
 notification (a *mark*), on which its buffers are digested at once
 (:meth:`LandingCheck.digest_mark`), on the digest pool, while the rest is still on
 the wire; the record says how many marks came before it, and the check waits for

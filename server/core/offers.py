@@ -1,4 +1,4 @@
-"""Prefill's book of reservations that decode offered ahead of Send (protocol 2).
+"""Prefill's book of reservations that decode offered ahead of Send.
 
 When Reserve reaches decode and the named prefill is a verified peer, decode pushes
 the reservation to prefill with Offer: exactly what BeginWrite would answer (the
@@ -7,9 +7,8 @@ the request's Send uses it, so the send path posts its writes with no control ro
 trip; an offer not used is dropped when the reservation's lease passes, when the
 request is aborted, when its peer is lost (its link is the one decode granted) or
 when another decode instance answers for the address. The book is bounded: an
-offer beyond ``capacity`` is refused and that request asks with BeginWrite, as
-every request did before protocol 2 (docs/protocol.md, "The offer path and its
-fallback").
+offer beyond ``capacity`` is refused and that request asks with BeginWrite
+(docs/protocol.md, "The offer path and its fallback").
 
 The book's lock is a leaf: nothing is called while it is held. It reads no clock:
 the core passes its ``now``.

@@ -4,8 +4,7 @@ A request's send path is in exactly one :class:`Step` at a time. The core moves 
 only through :meth:`Outgoing.move` (an illegal move raises ``RuntimeError``: a bug
 in the core, never an input's fault), so the questions the core asks ("may a step start
 now?", "does an Offer start one?", "may the resend start?") are answered by one
-field instead of the combinations of the flags that used to stand for it
-(``running``, ``parked``, ``resend_pending``)::
+field, never by a combination of flags::
 
     IDLE ──Send / next chunk──▶ RUNNING ──no connection──▶ CONNECTING
      ▲  ▲                        │  ▲                          │

@@ -834,7 +834,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         if (not conn.sub_batch_bytes or plan.total_bytes < 2 * conn.sub_batch_bytes
                 or len(rec.posted) != 1 or len(plan.heads) != n
                 or len(blocks) != plan.num_blocks or grant.transfer_id & MAX_MARKS):
-            return []  # (an id with mark bits set is no protocol 6 grant: no marks)
+            return []  # (an id with mark bits already set leaves no room for marks)
         at = cuts(buffer_bytes(peer, grant.indices, grant.draft), conn.sub_batch_bytes)
         starts = plan.starts.tolist()
         out = []

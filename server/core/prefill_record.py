@@ -1,4 +1,4 @@
-"""Prefill's digest record (protocol 5): the request's digests, written in band.
+"""Prefill's digest record: the request's digests, written in band.
 
 With integrity on, the final chunk's data goes out with ``notify=False`` and one more
 write of the same transfer id follows it: the request's digest record

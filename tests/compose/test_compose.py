@@ -15,7 +15,9 @@ import pytest
 from tests.compose.compose_env import RDMA, Compose, scheduler_json
 from tests.compose.docker_env import Timings
 
-pytestmark = pytest.mark.compose
+# pytest-timeout: an hour, not pyproject's 900 s: the first test builds the image (its own
+# steps are bounded at up to 30 min on a fresh machine) and the guest runs under TCG.
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(3600)]
 
 #: The data plane the daemons must report (KVBEAM_TRANSPORT forces one, e.g. to try the
 #: RDMA override's container settings over TCP on a host without RDMA).

@@ -270,12 +270,12 @@ def step_kill(step: Step, device: str, work: Path) -> None:
     from kvbeam.pools.allocate import AllocatedSide
     from kvbeam.pools.layout import build_side_layout
     from kvbeam.pools.types import IndexKind
-    from kvbeam.procs import wait_until
     from kvbeam.server.faults import ENABLE_FLAG, WRITE_DELAY_ENV
     from kvbeam.states import TransferState
     from tests.attach_helpers import start_engine_pair
     from tests.bench.bench_staging import bench_config
     from tests.gpu.gpu_engine import request_blocks
+    from tests.waiting import wait_until
 
     tokens = 2048
     config = bench_config(tokens)

@@ -19,11 +19,12 @@ import pytest
 from kvbeam.client import KvbeamClient
 from kvbeam.errors import NoEngineAttached
 from kvbeam.pools.layout import build_side_layout
-from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.procs import DaemonProcess
 from kvbeam.states import VERIFIED_PREFIX, TransferState
 from tests.attach_helpers import Engine, start_engine_pair, write_config
 from tests.engine_lists import as_mapping, random_lists
 from tests.fixtures import side
+from tests.waiting import wait_until
 
 SEQ = 700  # 3 pages of 256: not on a page boundary
 

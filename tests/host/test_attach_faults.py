@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 
 from kvbeam.client import KvbeamClient
-from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.procs import DaemonProcess
 from kvbeam.server.faults import ENABLE_FLAG, WRITE_DELAY_ENV
 from kvbeam.states import FailureReason, TransferState
 from tests.attach_helpers import Engine, fd_targets, proc_counts, start_engine_daemon, write_config
 from tests.fixtures import UNIFIED_DRAFT, side
 from tests.metrics_helpers import scrape, value
+from tests.waiting import wait_until
 
 SEQ = 700
 

@@ -24,10 +24,11 @@ import pytest
 from kvbeam.client import KvbeamClient
 from kvbeam.engine import AttachError, EnginePools, attach
 from kvbeam.errors import KvbeamError
-from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.procs import DaemonProcess
 from kvbeam.states import TransferState
 from tests.attach_helpers import Engine, start_engine_daemon, start_engine_pair, write_config
 from tests.fixtures import side
+from tests.waiting import wait_until
 
 SEQ = 700
 REPO = Path(__file__).resolve().parents[2]

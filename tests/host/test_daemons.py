@@ -11,12 +11,12 @@ import pytest
 
 from kvbeam.client import KvbeamClient
 from kvbeam.errors import BadRequest, Busy, DuplicateRequest, UnknownRequest
-from kvbeam.procs import wait_until
 from kvbeam.scheduler import drive, run_request
 from kvbeam.states import FailureReason, TransferState
 from tests.control_helpers import run_cli
 from tests.daemon_helpers import free_slots, pair, start
 from tests.fixtures import shipped_config
+from tests.waiting import wait_until
 
 S, F = TransferState.SUCCESS, TransferState.FAILED
 

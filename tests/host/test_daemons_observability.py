@@ -19,7 +19,7 @@ from kvbeam.errors import DaemonStartError, DuplicateRequest, UnknownRequest
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.mailbox import record_size
 from kvbeam.pools.spec import load_side_config
-from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.procs import DaemonProcess
 from kvbeam.scheduler import run_request
 from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import pair, start
@@ -31,6 +31,7 @@ from tests.metrics_helpers import (
     succeeded_once_more,
     value,
 )
+from tests.waiting import wait_until
 
 S, F = TransferState.SUCCESS, TransferState.FAILED
 METRICS = ["--metrics", "127.0.0.1:0"]

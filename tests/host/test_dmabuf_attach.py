@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvbeam.procs import wait_until
 from tests.attach_helpers import Engine, proc_counts, start_engine_daemon, write_config
 from tests.fixtures import side
 from tests.metrics_helpers import scrape, value
+from tests.waiting import wait_until
 
 
 def test_memfds_described_as_dmabufs_are_refused_and_the_daemon_serves_on(tmp_path: Path

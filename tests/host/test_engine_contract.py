@@ -28,7 +28,7 @@ import pytest
 
 from kvbeam.client import KvbeamClient
 from kvbeam.engine import AttachError, EnginePools, KVPoll, Receiver, attach
-from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.procs import DaemonProcess
 from kvbeam.proto import engine_frames as ef
 from kvbeam.proto.attach_codec import MAX_ERROR_CHARS, MAX_MESSAGE_BYTES, config_to_mapping
 from kvbeam.server.attach import MAX_PENDING, READ_TIMEOUT_S
@@ -36,6 +36,7 @@ from tests.attach_helpers import start_engine_daemon, start_engine_pair, write_c
 from tests.daemon_helpers import FAST
 from tests.fixtures import side
 from tests.host.test_engine_channel import ChannelEngine
+from tests.waiting import wait_until
 
 SEQ = 700
 

@@ -18,12 +18,13 @@ import pytest
 from kvbeam.client import KvbeamClient
 from kvbeam.errors import BadRequest
 from kvbeam.pools.paged import block_bytes, paged_side_config, paged_spec
-from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.procs import DaemonProcess
 from kvbeam.states import VERIFIED_PREFIX, TransferState
 from tests.attach_helpers import write_config
 from tests.daemon_helpers import FAST
 from tests.host.test_engine_channel import ChannelEngine, _until, attached_pair
 from tests.metrics_helpers import scrape, value
+from tests.waiting import wait_until
 
 SPEC = paged_spec(num_layers=4, block_size=16, num_kv_heads=2, head_size=64, dtype="bfloat16",
                   inner_layout="LBHNC", num_blocks=512)

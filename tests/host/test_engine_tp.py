@@ -22,12 +22,13 @@ import pytest
 from kvbeam.client import KvbeamClient
 from kvbeam.pools.paged import block_bytes, paged_side_config, paged_spec
 from kvbeam.pools.spec import PoolSpec
-from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.procs import DaemonProcess
 from kvbeam.states import VERIFIED_PREFIX
 from tests.attach_helpers import start_engine_daemon, write_config
 from tests.daemon_helpers import FAST
 from tests.host.test_engine_channel import ChannelEngine
 from tests.metrics_helpers import scrape, value
+from tests.waiting import wait_until
 
 HEADS = 4
 LAYERS = 2

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import re
 
-from kvbeam.procs import wait_until
 from kvbeam.scheduler import run_request
 from kvbeam.server.faults import BREAK_LINK_ENV, CORRUPT_LANDED_ENV, ENABLE_FLAG
 from tests.daemon_helpers import pair
+from tests.waiting import wait_until
 
 
 def test_fault_variables_without_the_flag_arm_nothing() -> None:

@@ -18,10 +18,10 @@ import pytest
 
 from kvbeam.client import KvbeamClient
 from kvbeam.errors import Busy
-from kvbeam.procs import wait_until
 from kvbeam.scheduler import run_request
 from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import DECODE_SLOTS, free_slots, pair, rss_kib, start
+from tests.waiting import wait_until
 
 S, F = TransferState.SUCCESS, TransferState.FAILED
 

@@ -14,11 +14,12 @@ import pytest
 
 from kvbeam.client import KvbeamClient
 from kvbeam.fleet import Fleet
-from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.procs import DaemonProcess
 from kvbeam.scheduler import RequestResult, run_fleet_request
 from kvbeam.server.faults import ENABLE_FLAG, WRITE_DELAY_ENV
 from tests.daemon_helpers import STARTUP_S
 from tests.fleet_helpers import figures, fleet, landings, slots_held, spawn_role
+from tests.waiting import wait_until
 
 log = logging.getLogger(__name__)
 

@@ -216,28 +216,28 @@ def test_protocol_version_mismatch_server_newer(prefill: SideInfo, decode: SideI
     assert (info.value.local, info.value.remote) == (PROTOCOL_VERSION, PROTOCOL_VERSION + 1)
 
 
-@pytest.mark.parametrize("old", [1, 2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("old", range(1, PROTOCOL_VERSION))
 def test_an_older_protocol_peer_is_refused_naming_both_versions(prefill: SideInfo,
                                                                 decode: SideInfo,
                                                                 old: int) -> None:
-    """Protocol 8 (one-way Offers) against a protocol 7 build (its decode would wait for
-    an answer to every offer that never comes, and its prefill would answer an Offer it
-    took for a request with a REPLY protocol 8 does not expect), a protocol 6 build (it
+    """Protocol 9 (after the handshake, the peer channel only) against every older build,
+    refused before any transfer: a protocol 8 build (it sends Aborts and heartbeats over
+    gRPC, which this build does not serve between daemons), a protocol 7 build (its decode
+    would wait for an answer to every offer that never comes), a protocol 6 build (it
     would read a grant's packed lists as empty and refuse them), a protocol 5 build (its
     digest record reads as version 1, and its decode's transfer ids leave no room for
-    marks), a protocol 4
-    build (a Digests message, no mailbox: its decode would wait for digests that never
-    come), a protocol 3 build (per-request gRPC calls), a protocol 2 build (CRC32C
-    digests) or a protocol 1 build (no Offer, no Digests): refused before any transfer."""
-    assert PROTOCOL_VERSION == 8
+    marks), a protocol 4 build (a Digests message, no mailbox), a protocol 3 build
+    (per-request gRPC calls), a protocol 2 build (CRC32C digests) or a protocol 1 build
+    (no Offer, no Digests)."""
+    assert PROTOCOL_VERSION == 9
     request = pb.HandshakeRequest(side=side_to_proto(prefill))
     request.side.protocol_version = old
     with running(decode) as server:
         code, _, rejection, details = raw_handshake(server.address, request)
     assert code is grpc.StatusCode.FAILED_PRECONDITION
-    assert rejection is not None and rejection.protocol_version == 8
-    assert f"this side speaks kvbeam protocol version 8, the peer speaks {old}" in details, \
-        details
+    assert rejection is not None and rejection.protocol_version == PROTOCOL_VERSION
+    assert (f"this side speaks kvbeam protocol version {PROTOCOL_VERSION}, the peer speaks "
+            f"{old}") in details, details
 
 
 def test_reply_of_another_version_is_refused_by_the_client(prefill: SideInfo,

@@ -14,11 +14,11 @@ import re
 import pytest
 
 from kvbeam.errors import ConfigError
-from kvbeam.procs import wait_until
 from kvbeam.scheduler import drive, run_request
 from kvbeam.server.faults import CORRUPT_LANDED_ENV, ENABLE_FLAG, SEED_ENV, FaultHooks
 from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import pair
+from tests.waiting import wait_until
 
 F = TransferState.FAILED
 

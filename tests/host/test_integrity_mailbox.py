@@ -12,11 +12,12 @@ from __future__ import annotations
 import pytest
 
 from kvbeam.client import KvbeamClient
-from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.procs import DaemonProcess
 from kvbeam.scheduler import RequestResult, drive
 from kvbeam.server.faults import CORRUPT_LANDED_ENV, CORRUPT_RECORD_ENV, ENABLE_FLAG, SEED_ENV
 from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import pair
+from tests.waiting import wait_until
 
 
 def _all_verified(prefill: DaemonProcess, decode: DaemonProcess, d: KvbeamClient,

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from kvbeam.client import KvbeamClient
-from kvbeam.procs import wait_until
 from kvbeam.scheduler import run_request
 from kvbeam.server.decode import DecodeServicer
 from kvbeam.server.prefill import PrefillServicer
@@ -28,6 +27,7 @@ from kvbeam.server.settings import resolve
 from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import DECODE_SLOTS, free_slots, pair, start
 from tests.fixtures import shipped_config
+from tests.waiting import wait_until
 
 F = TransferState.FAILED
 #: Heartbeats (gRPC or on the channel) far apart: only the channel's closing can tell.

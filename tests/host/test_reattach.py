@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from kvbeam.client import KvbeamClient
-from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.procs import DaemonProcess
 from kvbeam.states import VERIFIED_PREFIX, TransferState
 from tests.attach_helpers import Engine, start_engine_daemon, write_config
 from tests.fixtures import side
+from tests.waiting import wait_until
 
 SEQ = 700
 

@@ -15,12 +15,13 @@ import re
 import time
 
 from kvbeam.client import KvbeamClient, Status
-from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.procs import DaemonProcess
 from kvbeam.scheduler import run_request
 from kvbeam.server.faults import BREAK_LINK_ENV, ENABLE_FLAG
 from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import DECODE_SLOTS, free_slots, pair
 from tests.metrics_helpers import Samples, scrape, settle, value
+from tests.waiting import wait_until
 
 METRICS = ["--metrics", "127.0.0.1:0"]
 #: Prefill's flags: metrics and the fault hooks (KVBEAM_FAULT_BREAK_LINK).

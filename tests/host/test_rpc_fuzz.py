@@ -30,7 +30,6 @@ from hypothesis import strategies as st
 
 from kvbeam.client import KvbeamClient
 from kvbeam.errors import FrameError
-from kvbeam.procs import wait_until
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.peer_frames import ABORT, BEGIN_WRITE, OFFER, OFFER_ANSWER, STATUS_CODES
 from kvbeam.proto.peer_frames import HEADER as PEER_HEADER
@@ -41,6 +40,7 @@ from kvbeam.server.runtime import Runtime
 from kvbeam.server.settings import resolve
 from tests.daemon_helpers import DECODE_SLOTS, free_slots
 from tests.fixtures import shipped_config
+from tests.waiting import wait_until
 
 EXAMPLES = int(os.environ.get("KVBEAM_FUZZ_EXAMPLES", "150"))
 SERVICE = "/kvbeam.v1.KvbeamControl/"

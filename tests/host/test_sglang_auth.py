@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from kvbeam.auth import Security
+from kvbeam.client import KvbeamClient
 from kvbeam.errors import AuthenticationError
 from kvbeam.integrations.sglang.conn import PREFILL_KEY, KvbeamKVReceiver, KvbeamKVSender
 from kvbeam.refengine.configs import tiny_config
@@ -67,8 +68,10 @@ def test_backend_with_the_token_moves_a_request_and_without_it_is_refused(
         with pytest.raises(AuthenticationError, match="refused: no token; this bootstrap store "
                                                       "requires the kvbeam token"):
             bare.store(pair.bootstrap_addr, "get", PREFILL_KEY)
-        with pytest.raises(AuthenticationError, match="refused our credentials"):
-            bare.client(pair.prefill_mgr.daemon).status(tx.request_id)
+        # The daemon's gRPC API (a scheduler's, or a tool's) refuses the same credentials.
+        with KvbeamClient(pair.prefill_mgr.daemon, security=bare.security) as tool, \
+                pytest.raises(AuthenticationError, match="refused our credentials"):
+            tool.status(tx.request_id)
         # A request of that backend fails at once naming the refusal (no exception into
         # sglang's scheduler loop, no wait for a deadline).
         refused = KvbeamKVSender(bare, pair.bootstrap_addr, 2)

@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvbeam.procs import wait_until
 from kvbeam.scheduler import run_request
 from kvbeam.transport import Access, Blocks, EventKind, Region
 from kvbeam.transport.options import TransportOptions
@@ -28,6 +27,7 @@ from kvbeam.transport.tcp import TcpTransport, wire
 from kvbeam.transport.tcp import transport as tcp_transport
 from tests.daemon_helpers import pair
 from tests.transport_peer import buffer_address
+from tests.waiting import wait_until
 
 IDLE = 120  # idle connections opened by the tests (below the listen backlog of 128)
 SIZE = 1 << 20

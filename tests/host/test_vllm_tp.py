@@ -40,7 +40,7 @@ import pytest
 
 from kvbeam.integrations.vllm.params import blocks_for
 from kvbeam.pools.paged import paged_side_config, paged_spec
-from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.procs import DaemonProcess
 from tests.attach_helpers import start_engine_daemon, write_config
 from tests.host.test_engine_channel import ChannelEngine
 from tests.vllm_helpers import require_vllm
@@ -56,6 +56,7 @@ from tests.vllm_served import (
     vllm_serve,
     write_checkpoint,
 )
+from tests.waiting import wait_until
 
 pytestmark = require_vllm("vllm", "vllm_router")
 

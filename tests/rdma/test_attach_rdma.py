@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvbeam.client import KvbeamClient
-from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.procs import DaemonProcess
 from kvbeam.states import TransferState
 from tests.attach_helpers import (
     Engine,
@@ -27,6 +27,7 @@ from tests.daemon_helpers import SLOW_GUEST
 from tests.fixtures import side
 from tests.metrics_helpers import scrape, value
 from tests.rdma.conftest import RdmaDevice
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.rdma
 SEQ = 700

@@ -20,11 +20,12 @@ from typing import NamedTuple
 import pytest
 
 from kvbeam.client import KvbeamClient, Status
-from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.procs import DaemonProcess
 from kvbeam.states import TransferState
 from tests.control_helpers import free_port
 from tests.daemon_helpers import DECODE_SLOTS, free_slots, start_both
 from tests.rdma.netfaults import Wire, block_tcp, unblock_tcp
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.rdma
 F, S = TransferState.FAILED, TransferState.SUCCESS

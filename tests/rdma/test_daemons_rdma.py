@@ -21,7 +21,7 @@ from kvbeam.errors import Busy
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.mailbox import record_size
 from kvbeam.pools.spec import load_side_config
-from kvbeam.procs import DaemonProcess, wait_until
+from kvbeam.procs import DaemonProcess
 from kvbeam.scheduler import drive, run_request
 from kvbeam.server.faults import CORRUPT_LANDED_ENV, ENABLE_FLAG, SEED_ENV
 from kvbeam.states import FailureReason, TransferState
@@ -29,6 +29,7 @@ from tests.daemon_helpers import STARTUP_S, pair, spawn, start, start_both
 from tests.fixtures import shipped_config
 from tests.metrics_helpers import delta, scrape, settle, succeeded_once_more, value
 from tests.rdma.conftest import RdmaDevice
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.rdma
 F = TransferState.FAILED

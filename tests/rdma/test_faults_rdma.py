@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvbeam.client import KvbeamClient, Status
-from kvbeam.procs import wait_until
 from kvbeam.scheduler import drive, run_request
 from kvbeam.states import FailureReason, TransferState
 from tests.daemon_helpers import DECODE_SLOTS, STARTUP_S, free_slots, spawn
 from tests.rdma import netfaults
 from tests.rdma.conftest import WirePair
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.rdma
 F, S = TransferState.FAILED, TransferState.SUCCESS

@@ -17,11 +17,11 @@ import time
 import pytest
 
 from kvbeam.client import KvbeamClient
-from kvbeam.procs import wait_until
 from kvbeam.scheduler import run_request
 from tests.daemon_helpers import DECODE_SLOTS, free_slots
 from tests.rdma.conftest import WirePair
 from tests.rdma.test_faults_rdma import DETECT_S, one_qp_each
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.rdma
 RESEND = re.compile(r"request (\S+): resend (\d)/\d on a new link after a transport error: "

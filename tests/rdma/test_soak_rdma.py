@@ -30,10 +30,10 @@ import numpy as np
 import pytest
 
 from kvbeam.client import KvbeamClient
-from kvbeam.procs import wait_until
 from kvbeam.scheduler import RequestResult, run_request
 from tests.daemon_helpers import DECODE_SLOTS, free_slots, rss_kib
 from tests.rdma.conftest import WirePair
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.rdma
 
@@ -50,6 +50,7 @@ WARMUP = 16
 SOURCE_SLOTS = 8  # prefill's num_req_slots
 
 
+@pytest.mark.timeout(SOAK_S + 1800)  # its own length over pyproject's default limit
 def test_soak(wire_pair: WirePair) -> None:
     pair = wire_pair
     pids = {"prefill": pair.prefill.proc.pid, "decode": pair.decode.proc.pid}

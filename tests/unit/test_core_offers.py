@@ -6,7 +6,6 @@ no threads and no sleeps (:func:`_connected` stays on a thread pool for other mo
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -314,7 +313,7 @@ def test_with_send_wait_decode_without_the_reservation_keeps_it_waiting_until_th
     assert not io.queue
     assert fake.refused_not_yet == ["t"]
     assert core.status("t").state is TransferState.WAITING_FOR_INPUT
-    expired = core.table.expire(time.monotonic() + 0.35)  # the lease, 0.3 s, has passed
+    expired = core.table.expire(core.table.clock() + 0.35)  # the lease, 0.3 s, has passed
     assert [s.request_id for s in expired] == ["t"]
     assert expired[0].reason is FailureReason.TIMEOUT
     assert "for 0.3 s (decode's reservation" in expired[0].detail, expired[0].detail
@@ -461,8 +460,7 @@ def test_no_flag_and_no_record_waits_for_the_offers_answer_then_times_out() -> N
     _notify(core, conn)
     io.run_all()
     assert core.status("r").state is TransferState.TRANSFERRING
-    time.sleep(0.1)
-    expired = core.table.expire()
+    expired = core.table.expire(core.table.clock() + 0.1)
     assert [s.request_id for s in expired] == ["r"]
     st = core.status("r")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.TIMEOUT

@@ -11,16 +11,7 @@ from kvbeam.logs import END_LOGGER
 from kvbeam.server.end_log import SUMMARY_S, EndLog
 from kvbeam.server.settings import resolve
 from kvbeam.states import FailureReason, TransferFacts, TransferState, TransferStatus
-
-
-class Clock:
-    """A clock the test moves."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fake_clock import FakeClock
 
 
 def _snap(rid: str, state: TransferState, reason: FailureReason | None = None,
@@ -39,7 +30,7 @@ def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 def test_a_success_and_a_failure_each_get_one_line_with_bytes_ms_and_cause(
         caplog: pytest.LogCaptureFixture) -> None:
-    clock = Clock()
+    clock = FakeClock()
     log = EndLog(10, _facts, "landed", clock)
     log.ended(_snap("ok-1", TransferState.TRANSFERRING))  # not an end: no line
     log.ended(_snap("ok-1", TransferState.SUCCESS))
@@ -58,7 +49,7 @@ def test_a_success_and_a_failure_each_get_one_line_with_bytes_ms_and_cause(
 
 def test_past_the_rate_ends_are_counted_and_summed_up_every_summary_period(
         caplog: pytest.LogCaptureFixture) -> None:
-    clock = Clock()
+    clock = FakeClock()
     log = EndLog(2, _facts, "written", clock)
     with caplog.at_level(logging.INFO, END_LOGGER):
         for i in range(5):  # a burst: the bucket holds one second's lines (2)
@@ -89,7 +80,7 @@ def test_past_the_rate_ends_are_counted_and_summed_up_every_summary_period(
 
 def test_the_daemons_stop_sums_up_at_once_and_zero_logs_nothing(
         caplog: pytest.LogCaptureFixture) -> None:
-    clock = Clock()
+    clock = FakeClock()
     log = EndLog(1, _facts, "landed", clock)
     off = EndLog(0, _facts, "landed", clock)
     with caplog.at_level(logging.INFO, END_LOGGER):

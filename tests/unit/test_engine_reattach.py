@@ -61,9 +61,11 @@ class FakeDaemon:
                 conn.sendall(frame(reply_to_json(AttachReply(False, "not now", "op"))))
                 conn.close()
                 continue
+            # Kept before the reply: the engine's attach() returns on the reply, and a test
+            # that then drops the connection must find it here.
+            self.attached.append(conn)
             conn.sendall(frame(reply_to_json(AttachReply(
                 True, instance_id=f"i{self.connections}", channel=ef.ENGINE_FRAMES_VERSION))))
-            self.attached.append(conn)
 
     def drop(self) -> None:
         """The daemon went away: close the attached connection."""

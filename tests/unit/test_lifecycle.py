@@ -11,6 +11,7 @@ import pytest
 from kvbeam.errors import DuplicateRequest, IllegalTransition, TooManyTransfers
 from kvbeam.server.lifecycle import Deadlines, TransferTable, legal
 from kvbeam.states import FailureReason, TransferState
+from tests.fake_clock import FakeClock
 
 B, W, T, S, F = (TransferState.BOOTSTRAPPING, TransferState.WAITING_FOR_INPUT,
                  TransferState.TRANSFERRING, TransferState.SUCCESS, TransferState.FAILED)
@@ -18,8 +19,8 @@ ALLOWED = {(B, W), (B, F), (W, T), (W, F), (T, S), (T, F)}
 PATH = {B: [], W: [W], T: [W, T], S: [W, T, S]}
 
 
-def _table(**kw: float) -> TransferTable:
-    return TransferTable(Deadlines(**kw))
+def _table(clock: FakeClock | None = None, **kw: float) -> TransferTable:
+    return TransferTable(Deadlines(**kw), clock=clock or FakeClock())
 
 
 @pytest.mark.parametrize(("src", "dst"), list(itertools.product(TransferState, TransferState)))
@@ -78,18 +79,45 @@ def test_terminal_history_is_bounded() -> None:
 
 
 def test_each_state_has_a_deadline() -> None:
-    # Deadlines long enough that a loaded machine cannot pass them before the first check.
-    table = _table(bootstrapping=10, waiting_for_input=20, transferring=30)
+    clock = FakeClock()
+    table = _table(clock, bootstrapping=10, waiting_for_input=20, transferring=30)
     for rid, steps in (("b", []), ("w", [W]), ("t", [W, T])):
         table.create(rid, "p")
         for s in steps:
             table.advance(rid, s)
-    assert table.expire() == []
-    expired = table.expire(time.monotonic() + 31)
-    assert {e.request_id for e in expired} == {"b", "w", "t"}
-    assert all(e.state is F and e.reason is FailureReason.TIMEOUT for e in expired)
-    assert "WaitingForInput" in next(e.detail for e in expired if e.request_id == "w")
+    clock.advance(10)
+    assert table.expire() == []  # a deadline is passed only after it
+    for rid, budget in (("b", 10), ("w", 20), ("t", 30)):
+        clock.now = 1000.0 + budget + 0.5
+        expired = table.expire()
+        assert [e.request_id for e in expired] == [rid]
+        assert expired[0].state is F and expired[0].reason is FailureReason.TIMEOUT
+        assert expired[0].age_s == budget + 0.5
+    assert "WaitingForInput" in table.get("w").detail  # type: ignore[union-attr]
+    assert table.timeline("t") == ((B, 0.0), (W, 0.0), (T, 0.0), (F, 30.5))
 
+
+def test_progress_extensions_and_leases_move_the_deadline_on_the_tables_clock() -> None:
+    clock = FakeClock()
+    table = _table(clock, bootstrapping=10)
+    table.create("r", "p")
+    assert table.left("r") == 10
+    clock.advance(4)
+    assert table.left("r") == 6
+    table.touch("r")  # progress: the state's whole budget again
+    assert table.left("r") == 10
+    table.extend("r", 25)
+    assert table.left("r") == 25
+    table.extend("r", 5)  # never shortens
+    assert table.left("r") == 25
+    table.lease("r", 2, "the peer's grant")  # a lease may shorten it
+    assert table.left("r") == 2
+    clock.advance(2)
+    assert table.expire() == []
+    clock.advance(0.5)
+    [late] = table.expire()
+    assert late.detail == "no progress in Bootstrapping for 2 s (the peer's grant)"
+    assert table.left("r") is None
 
 def test_watch_streams_until_terminal() -> None:
     table = _table()
@@ -106,12 +134,14 @@ def test_watch_streams_until_terminal() -> None:
     assert states[0] in (B, W)
 
 
-def test_watch_times_out_without_hanging() -> None:
-    table = _table()
+def test_watch_ends_when_its_limit_passes_on_the_tables_clock() -> None:
+    clock = FakeClock()
+    table = _table(clock)
     table.create("r", "p")
-    t0 = time.monotonic()
-    assert [s.state for s in table.watch("r", timeout=0.2)] == [B]
-    assert time.monotonic() - t0 < 2
+    watching = table.watch("r", timeout=5)
+    assert next(watching).state is B  # the limit runs from the first status
+    clock.advance(5.5)
+    assert list(watching) == []  # no change, limit passed: it ends, not waits
 
 
 def test_on_change_sees_every_change() -> None:

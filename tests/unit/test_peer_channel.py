@@ -29,6 +29,7 @@ from kvbeam.server import peer_channel as pc
 from kvbeam.server.decode import DecodeServicer
 from kvbeam.server.peer_channel import PeerChannel, PeerChannels
 from tests.core_fakes import fake_conn, wait_for
+from tests.fake_clock import FakeClock
 from tests.fixtures import layout
 
 TOKEN = "t" * 32
@@ -38,14 +39,15 @@ class Side:
     """One hub and what reached it."""
 
     def __init__(self, role: str, *, answer: bool = True, peer_timeout_s: float = 10.0,
-                 heartbeat_s: float = 0.1) -> None:
+                 heartbeat_s: float = 0.1, clock: FakeClock | None = None) -> None:
         self.answer = answer
         self.requests: list[tuple[int, bytes]] = []
         self.closed: list[str] = []
         self.hellos: list[Hello] = []
         self.channels: list[PeerChannel] = []  # bound on their HELLO
         self.hub = PeerChannels(role, self._request, self._closed, on_hello=self._hello,
-                                heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s)
+                                heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s,
+                                **({"clock": clock} if clock is not None else {}))
 
     def _request(self, channel: PeerChannel, kind: int, correlation: int,
                  payload: bytes) -> None:
@@ -170,19 +172,28 @@ def test_a_request_the_receiver_does_not_serve_closes_the_channel(prefill: Side,
     assert _open(prefill, decode).call(BEGIN_WRITE, b"y", 5.0).payload == b"re:y"
 
 
-def test_a_call_unanswered_fails_with_deadline_exceeded(prefill: Side) -> None:
+def test_a_call_unanswered_fails_with_deadline_exceeded() -> None:
+    clock = FakeClock()
+    caller = Side("prefill", clock=clock)
     silent = Side("decode", answer=False)
     silent.hub.listen("127.0.0.1", 0, "127.0.0.1")
+    caller.hub.start()
     silent.hub.start()
     try:
-        channel = _open(prefill, silent)
-        t0 = time.monotonic()
-        with pytest.raises(ChannelError) as err:
-            channel.call(BEGIN_WRITE, b"x", 0.3)
-        assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-        assert time.monotonic() - t0 < 5.0  # bounded by its deadline, not the backstop's
+        channel = _open(caller, silent)
+        answer = channel.start_call(BEGIN_WRITE, b"x", 0.3)
+        assert wait_for(lambda: silent.requests, 10.0)
+        clock.advance(0.29)
+        assert clock.wait_reads()
+        assert not answer.done()  # not before its deadline
+        clock.advance(0.02)
+        err = answer.exception(10.0)
+        assert isinstance(err, ChannelError), err
+        assert err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "no answer in time" in str(err.details())  # the hub's expiry, not a backstop
         assert not channel.closed  # a slow answer is not a lost peer
     finally:
+        caller.hub.stop()
         silent.hub.stop()
 
 
@@ -296,13 +307,23 @@ def test_an_oversize_frame_closes_the_channel_naming_the_peer(decode: Side,
     sock.close()
 
 
-def test_a_peer_that_sends_no_hello_is_dropped_after_the_timeout(
-        decode: Side, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pc, "HELLO_TIMEOUT_S", 0.2)
-    sock = _raw(decode)
-    sock.settimeout(10.0)
-    assert _recv_exact(sock, 1) == b""
-    sock.close()
+def test_a_peer_that_sends_no_hello_is_dropped_after_the_timeout() -> None:
+    clock = FakeClock()
+    side = Side("decode", clock=clock)
+    side.hub.listen("127.0.0.1", 0, "127.0.0.1")
+    side.hub.start()
+    try:
+        sock = _raw(side)
+        assert wait_for(lambda: side.hub._pending, 10.0)  # accepted: its deadline is set
+        clock.advance(pc.HELLO_TIMEOUT_S)
+        assert clock.wait_reads()
+        assert side.hub._pending  # not before its deadline
+        clock.advance(0.01)
+        sock.settimeout(10.0)
+        assert _recv_exact(sock, 1) == b""
+        sock.close()
+    finally:
+        side.hub.stop()
 
 
 def _welcomed(side: Side) -> socket.socket:
@@ -315,14 +336,20 @@ def _welcomed(side: Side) -> socket.socket:
     return sock
 
 
-def test_a_silent_peer_is_lost_after_peer_timeout(prefill: Side) -> None:
-    # Decode's hub with a short peer timeout; the "prefill" is a raw socket that
-    # answers nothing after the WELCOME (a frozen process).
-    side = Side("decode", peer_timeout_s=0.5, heartbeat_s=0.1)
+def test_a_silent_peer_is_lost_after_peer_timeout() -> None:
+    # Decode's hub; the "prefill" is a raw socket that answers nothing after the
+    # WELCOME (a frozen process). Lost after heartbeat_s + peer_timeout_s of silence.
+    clock = FakeClock()
+    side = Side("decode", peer_timeout_s=5.0, heartbeat_s=1.0, clock=clock)
     try:
         sock = _welcomed(side)
+        clock.advance(5.9)
+        assert clock.wait_reads()
+        assert not side.closed, side.closed  # not before the limit
+        clock.advance(0.2)
         assert wait_for(lambda: side.closed, 10.0)
         assert "stopped answering heartbeats" in side.closed[0]
+        assert "6 s allowed" in side.closed[0]
         sock.close()
     finally:
         side.hub.stop()
@@ -331,12 +358,16 @@ def test_a_silent_peer_is_lost_after_peer_timeout(prefill: Side) -> None:
 def test_heartbeats_far_apart_do_not_lose_an_idle_peer_after_the_timeout_alone() -> None:
     # --heartbeat-s 3600 (tests that want no beats): a quiet but live peer is not lost
     # when peer_timeout_s of silence passed; it gets a whole interval more to speak.
-    side = Side("decode", peer_timeout_s=0.2, heartbeat_s=30.0)
+    clock = FakeClock()
+    side = Side("decode", peer_timeout_s=0.2, heartbeat_s=30.0, clock=clock)
     assert side.hub.silence_limit_s == 30.2
     try:
         sock = _welcomed(side)
-        time.sleep(1.0)  # five peer timeouts of silence
+        clock.advance(1.0)  # five peer timeouts of silence
+        assert clock.wait_reads()
         assert not side.closed, side.closed
+        clock.advance(29.3)  # past the interval and the timeout: lost now
+        assert wait_for(lambda: side.closed, 10.0)
         sock.close()
     finally:
         side.hub.stop()
@@ -345,13 +376,18 @@ def test_heartbeats_far_apart_do_not_lose_an_idle_peer_after_the_timeout_alone()
 def test_a_silent_peer_counts_missed_heartbeats_on_its_connection_until_it_speaks() -> None:
     # Decode offers nothing to a peer that misses heartbeats, prefill waits for no offer
     # of it: the peer's connection reads the count of its open channel (none: 0).
-    side = Side("decode", peer_timeout_s=30.0, heartbeat_s=0.1)
+    clock = FakeClock()
+    side = Side("decode", peer_timeout_s=30.0, heartbeat_s=1.0, clock=clock)
     try:
         sock = _welcomed(side)  # a "prefill" that goes silent after the WELCOME
         channel = side.channels[0]
         conn = fake_conn("127.0.0.1:9", AllocatedSide(layout()))
         conn.channel = channel
-        assert wait_for(lambda: conn.missed_heartbeats >= 2, 10.0), conn.missed_heartbeats
+        assert conn.missed_heartbeats == 0
+        clock.advance(2.5)  # silent for two whole intervals: one heartbeat missed
+        assert conn.missed_heartbeats == 1
+        clock.advance(1.0)
+        assert conn.missed_heartbeats == 2
         sock.sendall(pf.frame(pf.PING, 0))  # it speaks: counted from its last frame
         assert wait_for(lambda: conn.missed_heartbeats == 0, 10.0)
         assert conn.unchanneled_for(time.monotonic()) == 0.0
@@ -363,16 +399,27 @@ def test_a_silent_peer_counts_missed_heartbeats_on_its_connection_until_it_speak
         side.hub.stop()
 
 
-def test_heartbeats_keep_an_idle_channel_alive(prefill: Side) -> None:
-    side = Side("decode", peer_timeout_s=0.6, heartbeat_s=0.1)
+def test_heartbeats_keep_an_idle_channel_alive() -> None:
+    # Both hubs on one clock; each step is a heartbeat interval, several silence limits
+    # in all: every step's PING is answered, so neither side is ever silent too long.
+    clock = FakeClock()
+    prefill = Side("prefill", peer_timeout_s=0.6, heartbeat_s=1.0, clock=clock)
+    side = Side("decode", peer_timeout_s=0.6, heartbeat_s=1.0, clock=clock)
     side.hub.listen("127.0.0.1", 0, "127.0.0.1")
+    prefill.hub.start()
     side.hub.start()
     try:
         channel = _open(prefill, side)
-        time.sleep(1.5)  # several peer timeouts of idleness, answered by PONGs
-        assert not channel.closed and not side.closed
+        assert wait_for(lambda: side.channels, 10.0)
+        theirs = side.channels[0]
+        for _ in range(5):  # 5 s: three silence limits (1.6 s)
+            now = clock.advance(1.0)
+            assert wait_for(lambda t=now: channel.last_heard >= t and theirs.last_heard >= t,
+                            10.0), (now, channel.last_heard, theirs.last_heard)
+        assert not channel.closed and not side.closed and not prefill.closed
         assert channel.call(BEGIN_WRITE, b"z", 5.0).payload == b"re:z"
     finally:
+        prefill.hub.stop()
         side.hub.stop()
 
 

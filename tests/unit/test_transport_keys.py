@@ -18,8 +18,6 @@ from typing import Any, ClassVar
 
 import pytest
 
-# pyverbs is part of `make setup`: a missing one fails here rather than skipping.
-from kvbeam.procs import wait_until
 from kvbeam.transport import Access, Endpoint, Event, EventKind, Region, RemoteRegion
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.tcp import TcpTransport
@@ -27,6 +25,9 @@ from kvbeam.transport.verbs import device as verbs_device
 from kvbeam.transport.verbs import transport as verbs
 from kvbeam.transport.verbs.qp import RECV_TAG
 from tests.transport_peer import buffer_address
+
+# pyverbs is part of `make setup`: a missing one fails here rather than skipping.
+from tests.waiting import wait_until
 
 _keys = itertools.count(0x100)
 

@@ -5,10 +5,9 @@ payload bytes after it. A WRITEV frame, the one frame that carries data, holds
 ``length`` blocks: that many (destination address, length) pairs (little-endian
 u64), then their payloads back to back; senders batch a transfer's blocks into
 WRITEV frames of at most :data:`MAX_VEC` blocks so that one ``writev`` (and on the
-receiver one ``readv``, :mod:`kvbeam.transport.tcp.iov`) moves a whole frame. Kind 2,
-the one-block WRITE frame (two system calls and ~20 us of Python per block on each
-side), is retired: only builds of protocol 1 and 2 sent it, and those are refused at
-the handshake (protocol version); a receiver drops a connection that sends one.
+receiver one ``readv``, :mod:`kvbeam.transport.tcp.iov`) moves a whole frame (a frame
+per block would cost two system calls and ~20 us of Python per block on each side).
+Kind 2 is reserved; a receiver drops a connection that sends it.
 Payloads move between the socket and process memory directly (``readv``/``writev``
 on the blocks' addresses), with no intermediate copy.
 """
@@ -27,7 +26,7 @@ from kvbeam.transport.tcp import iov
 HEADER = struct.Struct("<BBHIQQ")  # kind, flags, reserved, transfer_id, addr, length
 
 HELLO = 1  # sender -> receiver: payload = the token of the receiver's link
-# 2: the retired one-block WRITE frame (never reuse the number)
+# 2: reserved (never reuse the number)
 END = 3  # sender -> receiver: transfer ``transfer_id`` is complete; flags & NOTIFY
 ACK = 4  # receiver -> sender: every byte of ``transfer_id`` landed
 NAK = 5  # receiver -> sender: ``transfer_id`` was refused; payload = "STATUS detail"

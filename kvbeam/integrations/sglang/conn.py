@@ -654,7 +654,6 @@ class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
         self.request_id = f"sglang-{bootstrap_room}"
         self.prefill: dict[str, Any] | None = None
         self.request: Receiver | None = None  # once reserved: the channel's record of it
-        self.metadata_sent = False
         self.next_room_check = 0.0
         self.error: str | None = None
         self.gave_up = False  # the room holds why this request ended (ours or prefill's)
@@ -751,7 +750,6 @@ class KvbeamKVReceiver(ReceiverMembers, BaseKVReceiver):  # type: ignore[misc]
             self._fail(_gave_up("prefill", self.room, present) if self.gave_up else
                        f"room {self.room} already holds another entry: {present}")
             return
-        self.metadata_sent = True
         now = time.monotonic()
         self.next_room_check = now + ROOM_CHECK_S
         self.deadline = now + self.mgr.waiting_timeout

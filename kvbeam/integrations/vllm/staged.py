@@ -21,10 +21,8 @@ from kvbeam.integrations.vllm.params import Staging
 
 log = logging.getLogger(__name__)
 
-#: The connector stats keys of a staging buffer: cumulative counters (per step, the
-#: difference), and the occupancy gauge (the fullest kind's share held, in percent).
-STAGING_COUNTERS = ("staging_bytes_out", "staging_bytes_in", "staging_copy_out_s",
-                    "staging_copy_in_s", "staging_waits", "staging_refusals")
+#: The connector stats key of a staging buffer's occupancy gauge (the fullest kind's
+#: share held, in percent); the other keys are per-step counters (:meth:`StagingReport.take`).
 STAGING_OCCUPANCY = "staging_occupancy_pct"
 
 
