@@ -232,11 +232,14 @@ def test_bad_descriptions_are_refused_naming_the_field_and_leak_nothing(workdir:
     loose = start_engine_daemon("prefill", str(workdir / "l.sock"))
     try:
         before = proc_counts(strict.proc.pid)
-        refused = {
-            "config": Engine(str(workdir / "s.sock"), other, seed=1).first,
-            "dmabuf": Engine(str(workdir / "s.sock"), good, seed=1, memory_kind="dmabuf").first,
-            "draft": Engine(str(workdir / "l.sock"), bad_draft, seed=1).first,
+        refused_engines = {
+            "config": Engine(str(workdir / "s.sock"), other, seed=1),
+            "dmabuf": Engine(str(workdir / "s.sock"), good, seed=1, memory_kind="dmabuf"),
+            "draft": Engine(str(workdir / "l.sock"), bad_draft, seed=1),
         }
+        refused = {kind: e.first for kind, e in refused_engines.items()}
+        for e in refused_engines.values():  # each refused engine process ends here
+            e.stop()
         assert refused["config"].startswith("refused config:"), refused
         assert "target.head_dim: daemon=16, engine=32" in refused["config"]
         assert refused["dmabuf"].startswith("refused memory_kind:")
