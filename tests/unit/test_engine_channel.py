@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import socket
-import time
 
 from kvbeam.engine import KVPoll, Receiver, Sender
 from kvbeam.engine.channel import EngineChannel
 from kvbeam.proto import engine_frames as ef
 from kvbeam.states import FailureReason, TransferState
-
-
-def _until(check: object, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if check():  # type: ignore[operator]
-            return True
-        time.sleep(0.005)
-    return False
+from tests.waiting import wait_until
 
 
 def test_pushed_states_are_read_locally_and_all_at_once() -> None:
@@ -39,7 +30,7 @@ def test_pushed_states_are_read_locally_and_all_at_once() -> None:
         ef.State("b", TransferState.FAILED, FailureReason.INTEGRITY, 3, "digest 2 differs"),
         ef.State("zzz", TransferState.SUCCESS, None, 9, "not ours: ignored"))))
     assert r.wait(5) is KVPoll.Failed
-    assert _until(lambda: s.poll() is KVPoll.Transferring)
+    assert wait_until(lambda: s.poll() is KVPoll.Transferring, 5.0, 0.005)
     events = channel.poll_many()
     assert [(e.request_id, e.state.value) for e in events] == [
         ("a", "Bootstrapping"), ("a", "Transferring"), ("b", "Failed")]
@@ -81,7 +72,7 @@ def test_a_refused_frame_is_an_error_of_that_call_not_a_state() -> None:
     daemon.sendall(ef.encode(ef.State("live", TransferState.TRANSFERRING, None, 2, ""))
                    + ef.encode(ef.Error("live", "request_id", "DuplicateRequest: known"))
                    + ef.encode(ef.Error("live", "release", "not Success yet")))
-    assert _until(lambda: r.refusal == "release: not Success yet")
+    assert wait_until(lambda: r.refusal == "release: not Success yet", 5.0, 0.005)
     assert r.poll() is KVPoll.Transferring and again.poll() is KVPoll.Transferring
     assert r.failure() is None
     r.failure_exception()  # not failed: nothing to raise

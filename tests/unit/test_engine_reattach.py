@@ -8,7 +8,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,7 @@ from kvbeam.proto import engine_frames as ef
 from kvbeam.proto.attach_codec import AttachReply, frame, read_message, reply_to_json
 from kvbeam.states import FailureReason
 from tests.fixtures import side
+from tests.waiting import wait_until
 
 FAST = Reattach(first_delay_s=0.02, max_delay_s=0.1, timeout_s=5)
 
@@ -86,13 +87,6 @@ class FakeDaemon:
             conn.close()
 
 
-def _until(check: Callable[[], bool], timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if check():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 @pytest.fixture
@@ -121,7 +115,7 @@ def test_a_lost_daemon_is_re_attached_with_the_same_memory_and_requests_move_aga
         daemon.drop()
         # In flight: failed when the channel closed; new: failed at once, saying why.
         assert inflight.wait(5) is KVPoll.Failed
-        assert _until(lambda: daemon.connections >= 3)  # two tries refused
+        assert wait_until(lambda: daemon.connections >= 3, 10.0, 0.01)  # two tries refused
         late = Receiver(att, "r2", "p:1")
         late.send_metadata([2], seq_len=10)
         assert late.poll() is KVPoll.Failed
@@ -131,7 +125,8 @@ def test_a_lost_daemon_is_re_attached_with_the_same_memory_and_requests_move_aga
         assert "attach refused by the daemon" in detail, detail  # the last try's error
         # Then the daemon takes the same memory again: a new channel.
         daemon.refusing = False
-        assert _until(lambda: att.reattaches == 1), (daemon.connections, att.reattaching)
+        assert wait_until(lambda: att.reattaches == 1, 10.0, 0.01), (daemon.connections,
+                                                                      att.reattaching)
         assert daemon.fds_seen == [nfds] * daemon.connections
         assert att.instance_id == f"i{daemon.connections}" and att.attached
         assert not att.reattaching and att.channel is not old
@@ -156,8 +151,8 @@ def test_closing_while_re_attaching_stops_it_and_a_policy_may_give_up(sock_path:
         att = attach(sock_path, pools, reattach=Reattach(0.02, 0.05, timeout_s=2, max_tries=3))
         daemon.close()  # the daemon is gone for good: nothing listens
         os.unlink(sock_path)
-        assert _until(lambda: not att.reattaching and att.channel is not None
-                      and "gave up" in att.channel.closed_reason)
+        assert wait_until(lambda: not att.reattaching and att.channel is not None
+                          and "gave up" in att.channel.closed_reason, 10.0, 0.01)
         late = Receiver(att, "r", "p:1")
         late.send_metadata([1], seq_len=10)
         assert late.poll() is KVPoll.Failed
@@ -169,9 +164,9 @@ def test_closing_while_re_attaching_stops_it_and_a_policy_may_give_up(sock_path:
         att = attach(sock_path, pools, reattach=Reattach(0.3, 0.3))
         daemon.refusing = True
         daemon.drop()
-        assert _until(lambda: att.reattaching)
+        assert wait_until(lambda: att.reattaching, 10.0, 0.01)
         att.close()
-        assert _until(lambda: not att.reattaching)
+        assert wait_until(lambda: not att.reattaching, 10.0, 0.01)
         tries = daemon.connections
         time.sleep(1.0)  # past three tries' time: none came
         assert daemon.connections == tries

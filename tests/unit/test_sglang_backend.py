@@ -240,7 +240,8 @@ def test_while_the_daemon_is_away_sglangs_polls_read_failed_at_once(tmp_path: Pa
     from kvbeam.engine.attach import Reattach
     from kvbeam.integrations.sglang.conn import KvbeamKVReceiver, KvbeamKVSender
     from kvbeam.integrations.sglang.scheduler import PREFILL_KEY
-    from tests.unit.test_engine_reattach import FakeDaemon, _until
+    from tests.unit.test_engine_reattach import FakeDaemon
+    from tests.waiting import wait_until
 
     config = tiny_config(unified=True, draft=True)
     layout = build_side_layout(config)
@@ -264,7 +265,7 @@ def test_while_the_daemon_is_away_sglangs_polls_read_failed_at_once(tmp_path: Pa
     with EnginePools(config) as pools:
         att = attach(daemon.path, pools, reattach=Reattach(30.0, 30.0))  # no try meanwhile
         daemon.drop()
-        assert _until(lambda: att.reattaching)
+        assert wait_until(lambda: att.reattaching, 10.0, 0.01)
         from kvbeam.integrations.sglang.conn import KvbeamKVManager
 
         mgr: Any = object.__new__(KvbeamKVManager)  # its request-side members, no attach

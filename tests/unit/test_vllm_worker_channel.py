@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from kvbeam.proto import engine_frames as ef
 from kvbeam.states import FailureReason, TransferState
 from tests.fixtures import side
 from tests.unit.test_engine_reattach import FakeDaemon
+from tests.waiting import wait_until
 
 SETTINGS = P.Settings(daemons=("127.0.0.1:7",), attach_sockets=("/x.sock",), model="m")
 
@@ -237,14 +237,15 @@ def test_while_its_daemon_is_away_loads_and_sends_fail_at_once_then_use_the_new_
         worker.attachment = attach(sock, pools, reattach=Reattach(0.05, 0.05, timeout_s=5))
         daemon.refusing = True  # until the step below ran
         daemon.drop()
-        assert _until(lambda: worker.attachment is not None and worker.attachment.reattaching)
+        assert wait_until(lambda: worker.attachment is not None and worker.attachment.reattaching,
+                          10.0, 0.01)
         worker.absorb(S.StepPlan(loads=[S.Load("b", "t2", (7, 3), ("p:1",), 45)],
                                  sends=[S.Push("a", "t1", (5,), ("d:1",), 20)]))
         assert worker.get_finished() == ({"a"}, {"b"})  # the same step: no wait
         assert worker.take_load_errors() == {7, 3}
         daemon.refusing = False
-        assert _until(lambda: worker.attachment is not None
-                      and worker.attachment.reattaches == 1)
+        assert wait_until(lambda: worker.attachment is not None
+                          and worker.attachment.reattaches == 1, 10.0, 0.01)
         worker.absorb(S.StepPlan(loads=[S.Load("c", "t3", (4,), ("p:1",), 20)]))
         (reserve,) = daemon.frames(daemon.attached[-1], 1)
         assert isinstance(reserve, ef.Reserve) and reserve.request_id == "t3"
@@ -253,10 +254,3 @@ def test_while_its_daemon_is_away_loads_and_sends_fail_at_once_then_use_the_new_
     daemon.close()
 
 
-def _until(check: Callable[[], bool], timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if check():
-            return True
-        time.sleep(0.01)
-    return False
