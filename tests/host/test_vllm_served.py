@@ -310,6 +310,29 @@ def _whole_prompts_move(served: Deployment, proxy: Served, rng: np.random.Genera
     return rows, moved, blocks
 
 
+def _prefix_loads_move_only_the_missing_blocks(served: Deployment, proxy: Served,
+                                               rng: np.random.Generator, *,
+                                               repeat: bool) -> list[str]:
+    """A new 3-block prompt, then one sharing its first 2 blocks (and, ``repeat``, the
+    first prompt again) through ``proxy``: token-identical to the plain server, each
+    landed once, and prefill's daemon moved only the blocks decode's prefix cache
+    lacked. (a row per prompt)."""
+    base = _tokens(rng, 96)  # 3 blocks
+    shared = base[:64] + _tokens(rng, 40)  # 4 blocks, the first 2 base's
+    cases = [("new prompt", base, 0), ("shared 2-block prefix", shared, 2)]
+    if repeat:
+        cases.append(("repeat", base, 2))
+    rows = []
+    for case, prompt, held in cases:
+        got, want, landed, moved = _one(served, prompt, via=proxy)
+        total = blocks_for(len(prompt), BLOCK)
+        rows.append(f"{case}: {total} blocks, {moved:g} moved, tokens identical")
+        assert (got.status, got.finish) == (200, "length"), got
+        assert got.tokens == want.tokens, case
+        assert (landed, moved) == (1, total - held), (case, landed, moved)
+    return rows
+
+
 def test_behind_a_contract_proxy_output_equals_the_direct_server_and_the_kv_moves(
         served: Deployment, contract: Served) -> None:
     """vLLM's NIXL contract and nothing else (tests/vllm_contract_proxy.py: NIXL's fixed
@@ -343,18 +366,8 @@ def test_behind_a_contract_proxy_decode_loads_only_the_blocks_its_prefix_cache_l
         served: Deployment, contract: Served) -> None:
     """Partial loads need nothing from the proxy: decode's reservation names the blocks
     its prefix cache lacks, and prefill's daemon writes only those."""
-    rng = np.random.default_rng(21)
-    base = _tokens(rng, 96)  # 3 blocks
-    shared = base[:64] + _tokens(rng, 40)  # 4 blocks, the first 2 base's
-    rows = []
-    for case, prompt, held in (("new prompt", base, 0), ("shared 2-block prefix", shared, 2),
-                               ("repeat", base, 2)):
-        got, want, landed, moved = _one(served, prompt, via=contract)
-        total = blocks_for(len(prompt), BLOCK)
-        rows.append(f"{case}: {total} blocks, {moved:g} moved")
-        assert (got.status, got.finish) == (200, "length"), got
-        assert got.tokens == want.tokens, case
-        assert (landed, moved) == (1, total - held), (case, landed, moved)
+    rows = _prefix_loads_move_only_the_missing_blocks(served, contract,
+                                                      np.random.default_rng(21), repeat=True)
     log.warning("partial loads behind the contract proxy: %s", rows)
 
 
@@ -368,15 +381,7 @@ def test_behind_vllms_own_toy_proxy_output_equals_the_direct_server_and_the_kv_m
     rng = np.random.default_rng(22)
     rows, _, _ = _whole_prompts_move(served, toy, rng,
                                      ((False, (40, 110, 70, 25)), (True, (60, 140))))
-    base = _tokens(rng, 96)  # 3 blocks
-    shared = base[:64] + _tokens(rng, 40)  # 4 blocks, the first 2 base's
-    for case, prompt, held in (("new prompt", base, 0), ("shared 2-block prefix", shared, 2)):
-        one, plain, landed, partial = _one(served, prompt, via=toy)
-        total = blocks_for(len(prompt), BLOCK)
-        rows.append(f"{case}: {total} blocks, {partial:g} moved, tokens identical")
-        assert (one.status, one.finish) == (200, "length"), one
-        assert one.tokens == plain.tokens, case
-        assert (landed, partial) == (1, total - held), (case, landed, partial)
+    rows += _prefix_loads_move_only_the_missing_blocks(served, toy, rng, repeat=False)
     log.warning("behind vLLM's own toy_proxy_server.py:\n%s", "\n".join(rows))
 
 
