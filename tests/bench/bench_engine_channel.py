@@ -4,8 +4,8 @@ Two ``--pools engine`` daemons over TCP on loopback and two engine processes
 (tests/bench/bench_engine_worker.py: EnginePools memory, engine-chosen lists, every
 call through ``kvbeam.engine`` on the attachment). This process is the router: it mints
 the request ids and hands them to both engines; nobody calls the scheduler API. Then the
-same figures through the gRPC scheduler API (``kvbeam.engine.Sender``/``Receiver`` on
-the daemons' addresses, :func:`kvbeam.scheduler.run_request`) against the same daemons
+same figures through the gRPC scheduler API (:class:`kvbeam.client.KvbeamClient`,
+:func:`kvbeam.scheduler.run_request`) against the same daemons
 and memory, in the same run. Target lines, each beside its gRPC figure::
 
     engine_poll_us=      median cost of one poll() of a finished request
@@ -28,6 +28,9 @@ Over TCP, last, the floor under the first two in the same run
 of kvbeam in them): ``engine_small_request_floor_ms=`` and
 ``daemon_cpu_ms_per_small_request_floor=`` (the larger daemon's).
 
+``daemon_threads=``: the busier daemon's OS threads after the engine channel's flow,
+gRPC's handler pool aside (each daemon's threads by name on the line before it).
+
 ``--profile DIR``: py-spy both daemons and the prefill engine during the flow phase
 (when the bench extra installed py-spy).
 """
@@ -46,6 +49,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -64,6 +68,9 @@ from tests.bench.line_process import LineProcess
 from tests.fixtures import shipped_config
 
 SEQ = 128
+# The thread-name prefix of gRPC's handler pool (server/control.py), left out of
+# daemon_threads as issue 47 counts them.
+GRPC_HANDLER_POOL = "kvbeam-control"
 ROOT = str(Path(__file__).resolve().parents[2])
 
 
@@ -273,6 +280,9 @@ def main() -> None:
             time.sleep(1.0)  # py-spy attaches
         chan_rate, failed = _flow(pe, de, "f", args.flow, args.inflight, prefill.address,
                                   decode.address)
+        # Each daemon's threads after the busiest phase of the engine channel, by kernel
+        # name (kvbeam's threads name themselves there).
+        threads = [Counter(name for name, _ in thread_cpu(p).values()) for p in pids]
         for spy in spies:
             spy.send_signal(signal.SIGINT)  # py-spy writes its samples and exits
             spy.wait(60)
@@ -359,6 +369,14 @@ def main() -> None:
           f"decode {g_cpus[1]:.3f}")
     for k, (chan, grpc_) in out.items():
         print(f"{k}={chan:.3f} grpc_{k}={grpc_:.3f}")
+    # Issue 47's count: the busier daemon's threads, gRPC's handler pool (kvbeam-control)
+    # aside, after the engine channel's flow.
+    pool_aside = [sum(n for name, n in c.items() if not name.startswith(GRPC_HANDLER_POOL))
+                  for c in threads]
+    for role, c in zip(("prefill", "decode"), threads, strict=True):
+        print(f"# {role} threads after the engine channel's flow: {sum(c.values())}: "
+              + ", ".join(f"{name} {n}" for name, n in sorted(c.items())))
+    print(f"daemon_threads={max(pool_aside)}")
     floor_lines: dict[str, float] = {}
     if args.transport == "tcp":  # the floor needs nothing but sockets: the same run's
         # At least 1,000 requests: CPU is counted in 10 ms ticks, and the floor is cheap.
@@ -384,7 +402,8 @@ def main() -> None:
             "transport": args.transport, "tokens": SEQ, "requests": args.requests,
             "flow": args.flow, "inflight": args.inflight, "failed": failed,
             "lines": {**{k: v[0] for k, v in out.items()},
-                      **{f"grpc_{k}": v[1] for k, v in out.items()}, **floor_lines},
+                      **{f"grpc_{k}": v[1] for k, v in out.items()}, **floor_lines,
+                      "daemon_threads": max(pool_aside)},
             "cpu_ms": dict(zip(("prefill", "decode"), chan_cpus, strict=True)),
             "engine_cpu_ms": dict(zip(("prefill", "decode"), engine_cpus, strict=True)),
             "engine_cpu_ms_all_pushes": dict(zip(("prefill", "decode"), all_cpus,
