@@ -97,6 +97,9 @@ class FakeDecode:
     ``hold``: addresses whose handshake blocks until the event is set (a stopped peer).
     ``begins``: (request id, link id) of every BeginWrite. ``landed``: request ids whose
     BeginWrite on a new link answers AlreadyLanded (decode had them before a resend).
+    ``aborts``: request ids told by Abort; ``untold``: those an Abort could not reach
+    (as the real peer calls: no open connection, hence no open peer channel, to the
+    address; a connection's channel is open until it is closed).
     ``forgot``: link ids decode no longer knows (it re-attached or restarted): BeginWrite
     on them is refused as the gRPC adapter refuses NotHandshaken. ``unreserved``: request
     ids decode holds no reservation for (refused as NOT_FOUND). ``digests``: (request
@@ -107,7 +110,9 @@ class FakeDecode:
     def __init__(self, side: AllocatedSide) -> None:
         self.side = side
         self.aborts: list[str] = []
+        self.untold: list[str] = []
         self.connects: list[str] = []
+        self.conns: list[PeerConn] = []
         self.hold: dict[str, threading.Event] = {}
         self.begins: list[tuple[str, int]] = []
         self.landed: set[str] = set()
@@ -132,6 +137,7 @@ class FakeDecode:
             gate.wait(10)
         conn = fake_conn(address, self.side)
         self.links.append(cast(FakeLink, conn.link))
+        self.conns.append(conn)
         return conn
 
     @property
@@ -174,13 +180,16 @@ class FakeDecode:
         return WriteGrant(tid, request_indices(UNIFIED_TARGET, 1, seq_len))
 
     def reaches(self, conn: PeerConn | None, address: str) -> bool:
-        return True
+        if conn is not None and not conn.closed:
+            return True
+        return any(not c.closed for c in self.conns if c.control_address == address)
 
     def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
               timeout: float | None = None) -> bool:
+        told = self.reaches(conn, address)
         with self._lock:
-            self.aborts.append(request_id)
-        return True
+            (self.aborts if told else self.untold).append(request_id)
+        return told
 
     def abort_all(self, calls: Sequence[tuple[PeerConn | None, str, str]], detail: str,
                   timeout: float) -> int:

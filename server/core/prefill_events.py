@@ -233,7 +233,9 @@ class PrefillEvents:
                     or snap.state is not TransferState.FAILED):
                 return []
             rec.told_decode = True
-            conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
+            # The connection even once closed (its link failed first, say): it says that
+            # decode granted the request, so the driver handshakes again to tell it.
+            conn = rec.conn
         if not rec.decode_address:
             return []  # a Send that named no decode and no decode offered: nobody to tell
         return [TellDecode(conn, rec.decode_address, rec.request_id, detail)]

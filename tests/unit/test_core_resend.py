@@ -183,7 +183,29 @@ def test_retries_zero_fails_at_once_with_the_transport_detail() -> None:
     assert counted == [] and fake.connects == [ADDR]
     assert fake.aborts == []  # queued: told once both writes drained
     io.run_all()
-    assert fake.aborts == ["r"] and fake.connects == [ADDR]
+    # The failed link's connection, and its peer channel, were dropped first: a new
+    # handshake opens the channel the Abort goes on (no resend: none was counted).
+    assert fake.aborts == ["r"] and fake.connects == [ADDR, ADDR]
+
+
+def test_decode_is_told_when_the_dead_link_was_dropped_before_the_writes_drained() -> None:
+    """The failed write's connection is closed (its DropLink ran) before the request's
+    last write completes: decode is still told, over a new handshake, not left to its
+    deadline (CI's ``test_resend_retries_zero…`` on a loaded host: the Abort was never
+    sent because the closed connection was taken for a request that never connected)."""
+    core, fake, counted, io = _resending(retries=0)
+    core.send("r", 0, 300, ADDR, [], True)
+    io.run_all()
+    link = _live(core)
+    assert len(link.writes) == 2  # the data, then the digest record
+    core.on_event(link.completion(link.writes[0][0], ok=False, status=RETRY_EXC))
+    io.run_all()  # the DropLink: the connection and its channel are closed
+    assert fake.conns[0].closed and fake.aborts == [] and fake.untold == []
+    core.on_event(link.completion(link.writes[1][0], ok=False))  # flushed: drained now
+    io.run_all()
+    assert fake.aborts == ["r"] and fake.untold == [], (fake.aborts, fake.untold)
+    assert fake.connects == [ADDR, ADDR] and counted == []
+    assert core.status("r").state is TransferState.FAILED
 
 
 def test_a_permanent_fault_fails_after_the_retries_with_one_abort() -> None:
@@ -211,7 +233,8 @@ def test_an_error_that_is_not_transient_fails_at_once() -> None:
     st = core.status("r")
     assert st.state is TransferState.FAILED and "IBV_WC_REM_ACCESS_ERR" in st.detail
     io.run_all()
-    assert counted == [] and fake.connects == [ADDR]
+    assert counted == [] and fake.aborts == ["r"]
+    assert fake.connects == [ADDR, ADDR]  # the second only to tell decode
 
 
 def test_a_lost_peer_fails_its_requests_without_a_resend() -> None:
@@ -348,7 +371,9 @@ def test_a_resend_the_deadline_would_cut_fails_at_once_naming_the_verbs_status()
     assert "after 0 resends" not in st.detail
     io.run_all()
     assert fake.aborts == ["r"]  # decode is told, not left to time out
-    assert counted == [] and fake.connects == [ADDR]  # no new handshake was started
+    # No resend was started: the second handshake only opens a channel for the Abort.
+    assert counted == [] and fake.connects == [ADDR, ADDR]
+    assert [rid for rid, _link in fake.begins] == ["r"]
 
 
 def test_the_time_a_resend_needs_is_the_measured_handshake(
