@@ -62,7 +62,8 @@ class DecodeServicer(DaemonServicer):
             on_offer=runtime.metrics.count_offer,
             wire_s=lambda n: n / (runtime.settings.transfer_floor_mbps * 1e6),
             digest_pool=self.digest_pool, mailbox=runtime.records,
-            sub_batch_bytes=int(runtime.settings.verify_sub_batch_mib * (1 << 20)))
+            sub_batch_bytes=int(runtime.settings.verify_sub_batch_mib * (1 << 20)),
+            clock=runtime.clock)
         self.decode.on_decline = runtime.metrics.declines.inc
         self.decode.on_connect = runtime.metrics.count_connect
         self._links_lock = threading.Lock()  # leaf: guards _pending_links only

@@ -398,7 +398,7 @@ class CorruptingCheck(LandingCheck):
     landed byte (``KVBEAM_FAULT_CORRUPT_LANDED``) just before the bytes are digested."""
 
     def __init__(self, inner: LandingCheck, hooks: FaultHooks) -> None:
-        super().__init__(inner.memory, inner.integrity, inner.digest_pool)
+        super().__init__(inner.memory, inner.integrity, inner.digest_pool, inner.clock)
         self.inner = inner
         self.hooks = hooks
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any
 
 from kvbeam.errors import NotHandshakenError, ProtocolError
@@ -101,9 +100,10 @@ class PeerConn:
         self.channel_token = ""
         self._lock = threading.Lock()  # leaf: guards ``closed`` only
         self.closed = False
-        #: When the connection last had an open peer channel (or was made): one without
-        #: an open channel for the peer timeout is dropped (:meth:`unchanneled_for`).
-        self.last_channeled = time.monotonic()
+        #: When the connection last had an open peer channel, or was first looked at
+        #: without one (None: not yet): one without an open channel for the peer timeout
+        #: is dropped (:meth:`unchanneled_for`, on the daemon's clock).
+        self.last_channeled: float | None = None
 
     @property
     def missed_heartbeats(self) -> int:
@@ -116,9 +116,12 @@ class PeerConn:
         return 0
 
     def unchanneled_for(self, now: float) -> float:
-        """Seconds the connection has had no open peer channel (0 while it has one)."""
+        """Seconds the connection has had no open peer channel (0 while it has one),
+        counted from the first look without one (the daemon's sweep looks every
+        ``SWEEP_S``, so a connection that never opens one is dropped at most a sweep
+        later than the peer timeout after its making)."""
         channel = self.channel
-        if channel is not None and not channel.closed:
+        if self.last_channeled is None or (channel is not None and not channel.closed):
             self.last_channeled = now
             return 0.0
         return now - self.last_channeled

@@ -84,7 +84,8 @@ class PrefillServicer(DaemonServicer):
             max_offers=runtime.settings.max_inflight,
             on_offer=runtime.metrics.count_offer,
             send_wait_s=runtime.settings.send_wait_s, digest_pool=self.digest_pool,
-            staging=runtime.records, staging_slots=runtime.settings.max_inflight)
+            staging=runtime.records, staging_slots=runtime.settings.max_inflight,
+            clock=runtime.clock)
         self.channel_handlers = {ABORT: (self.peer_abort, pb.AbortRequest, False)}
         self.channel_notices = {OFFER: (self.offer_notice, pb.OfferRequest)}
 

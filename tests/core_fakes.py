@@ -236,8 +236,8 @@ def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0
     (the engine channel's place)."""
     lay = layout()
     fake = FakeDecode(AllocatedSide(lay))
-    core = PrefillDriver(table=TransferTable(deadlines or Deadlines(), on_change=on_change),
-                       peers=Peers(), decode=fake,
+    table = TransferTable(deadlines or Deadlines(), on_change=on_change)
+    core = PrefillDriver(table=table, peers=Peers(), decode=fake, clock=table.clock,
                        io=io or ThreadPoolExecutor(workers, thread_name_prefix="test-io"),
                        spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
                        integrity=integrity, drain_s=drain_s,

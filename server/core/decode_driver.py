@@ -19,7 +19,6 @@ core's lock is taken and released inside each of its methods.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 
@@ -73,7 +72,7 @@ class DecodeDriver(DriverBase[DecodeCore]):
                  wire_s: Callable[[int], float] = lambda _n: 0.0,
                  digest_pool: DigestPool | None = None,
                  mailbox: RecordArea | None = None, sub_batch_bytes: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float]) -> None:
         """``prefill``: the calls to prefill daemons (:class:`PrefillPeers`); ``io``: the
         daemon's bounded executor; ``digest_pool``: the landed bytes' digests (owned by
         the daemon; None: on the calling thread). The rest is the core's
@@ -88,7 +87,7 @@ class DecodeDriver(DriverBase[DecodeCore]):
         self.prefill = prefill
         self.io = io
         self.clock = clock
-        self.checker = LandingCheck(self._memory, integrity, digest_pool)
+        self.checker = LandingCheck(self._memory, integrity, digest_pool, clock)
         #: Metrics: one call per offer answered (made, refused, failed), per decline.
         self.on_offer = on_offer
         self.on_decline: Callable[[], None] = lambda: None
@@ -217,7 +216,7 @@ class DecodeDriver(DriverBase[DecodeCore]):
         is needed.
         """
         abort_at_shutdown(self.core.fail_live(detail), detail, "prefill",
-                          self.prefill.abort_all)
+                          self.prefill.abort_all, self.clock)
         self.peers.close_all()
         self.execute(self.core.free_all("shutdown"))
 

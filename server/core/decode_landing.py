@@ -23,7 +23,6 @@ changes no request state.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,14 +70,18 @@ class LandingCheck:
     """Checks landings against their digest records, on the digest pool.
 
     ``memory`` gives the pools, their layout, the mailbox and whether integrity is on,
-    read at each check (an engine's attach replaces them). :meth:`before_digests` is the
-    one step a decorating subclass may add to (it does nothing here).
+    read at each check (an engine's attach replaces them); ``clock``: the driver's,
+    which also stamped each landing, for the check's timing in its verdict.
+    :meth:`before_digests` is the one step a decorating subclass may add to (it does
+    nothing here).
     """
 
     def __init__(self, memory: Callable[[], tuple[AllocatedSide, SideLayout,
                                                   RecordArea | None]],
-                 integrity: bool, digest_pool: DigestPool) -> None:
+                 integrity: bool, digest_pool: DigestPool,
+                 clock: Callable[[], float]) -> None:
         self.memory = memory
+        self.clock = clock
         self.integrity = integrity
         self.digest_pool = digest_pool
 
@@ -99,7 +102,7 @@ class LandingCheck:
                         "arrival proven by the completion, bytes not verified",
                         res.request_id, extra=fields(res.request_id, res.prefill_address))
             return Verdict(True, NOT_VERIFIED_NO_DIGESTS)
-        t0 = time.monotonic()
+        t0 = self.clock()
         try:
             record = self._record(res, transfer_id, layout, box)
             landed = self._landed_digests(res, pools, record.marks)
@@ -112,8 +115,9 @@ class LandingCheck:
                    if want != got]
             return Verdict(False, f"{DIGEST_NAME} mismatch in {len(bad)} buffer(s): "
                                   f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
-        timing = (f"; record and check {(time.monotonic() - t0) * 1e3:.1f} ms, "
-                  f"{(time.monotonic() - res.landed_at) * 1e3:.1f} ms after the landing"
+        done = self.clock()
+        timing = (f"; record and check {(done - t0) * 1e3:.1f} ms, "
+                  f"{(done - res.landed_at) * 1e3:.1f} ms after the landing"
                   + (f", {record.marks} of {record.marks + 1} sub-batches digested as "
                      "they landed" if record.marks else ""))
         return Verdict(True, f"{VERIFIED_PREFIX} {len(landed) // DIGEST_BYTES} buffers "

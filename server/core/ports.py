@@ -11,7 +11,6 @@ called on the driver's bounded executor, never under a core lock.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -56,16 +55,18 @@ def require_status(table: TransferTable, request_id: str, side: str) -> Transfer
 
 
 def abort_at_shutdown(calls: Sequence[Call], detail: str, whom: str,
-                      abort_all: Callable[[Sequence[Call], str, float], int]) -> None:
+                      abort_all: Callable[[Sequence[Call], str, float], int],
+                      clock: Callable[[], float]) -> None:
     """Tell the peer side of every live request in ``calls`` at once (``abort_all``,
     within ``SHUTDOWN_ABORT_S`` in all) and log how it went; ``whom``: "decode" or
-    "prefill". Blocking: the caller's shutdown or detach, no lock held."""
+    "prefill"; ``clock``: the driver's. Blocking: the caller's shutdown or detach, no
+    lock held."""
     if not calls:
         return
-    began = time.monotonic()
+    began = clock()
     confirmed = abort_all(calls, detail, SHUTDOWN_ABORT_S)
     log.info("%s: told %s of %d live request(s) in %.2f s, %d confirmed", detail, whom,
-             len(calls), time.monotonic() - began, confirmed)
+             len(calls), clock() - began, confirmed)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -116,7 +115,7 @@ class PrefillDriver(DriverBase[PrefillCore]):
                  on_offer: Callable[[str], None] = lambda _event: None,
                  send_wait_s: float = 0.0, digest_pool: DigestPool | None = None,
                  staging: RecordArea | None = None, staging_slots: int = 256,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float]) -> None:
         """``decode``: the calls to decode daemons (gRPC in the daemon, fakes in tests);
         ``io``: the daemon's bounded executor; ``digest_pool``: the threads integrity's
         digests are computed on (owned by the daemon; None: on the calling thread);
@@ -323,7 +322,8 @@ class PrefillDriver(DriverBase[PrefillCore]):
 
         Decode is told of every request at once, within ``SHUTDOWN_ABORT_S`` in all.
         """
-        abort_at_shutdown(self.core.fail_live(detail), detail, "decode", self.decode.abort_all)
+        abort_at_shutdown(self.core.fail_live(detail), detail, "decode", self.decode.abort_all,
+                          self.clock)
         self.core.peers.close_all()
 
     # ---- doing the actions ----------------------------------------------------------------

@@ -115,7 +115,7 @@ def _decode_with_live_requests(far: FarEnd) -> DecodeDriver:
                         io=futures.ThreadPoolExecutor(8, thread_name_prefix="test-io"),
                         spec=replace(UNIFIED_TARGET, num_req_slots=LIVE), layout=lay,
                         pools=AllocatedSide(lay), integrity=False,
-                        handoff_lease_s=30.0)
+                        handoff_lease_s=30.0, clock=time.monotonic)
     peer = SimpleNamespace(instance_id="prefill-1", control_address="127.0.0.1:9", layout=lay,
                            endpoint=SimpleNamespace(regions=[]))
     conn = PeerConn(cast(VerifiedPeer, peer), cast(Link, FakeLink()))
@@ -184,7 +184,7 @@ def test_prefill_shutdown_with_256_live_requests_ends_inside_the_grace_period(
                          decode=SilentDecode(silent_decode, peers),
                          io=futures.ThreadPoolExecutor(8, thread_name_prefix="test-io"),
                          spec=UNIFIED_TARGET, layout=layout(), pools=AllocatedSide(layout()),
-                         integrity=False, drain_s=24.0)
+                         integrity=False, drain_s=24.0, clock=time.monotonic)
     address = "127.0.0.1:9"
     for i in range(LIVE):
         core.send(f"live-{i}", i % UNIFIED_TARGET.num_req_slots, 100, address, [], True)

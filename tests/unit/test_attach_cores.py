@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -20,7 +21,7 @@ from tests.unit.test_core_decode import FakePrefill, QueueExecutor
 def _decode() -> DecodeDriver:
     return DecodeDriver(table=TransferTable(Deadlines()), peers=Peers(), prefill=FakePrefill(),
                       io=QueueExecutor(), spec=None, layout=None, pools=None, integrity=True,
-                      handoff_lease_s=30.0)
+                      handoff_lease_s=30.0, clock=time.monotonic)
 
 
 def test_a_decode_core_without_pools_refuses_then_serves_then_drops() -> None:

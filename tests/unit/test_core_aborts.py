@@ -132,7 +132,7 @@ def test_writes_that_never_drain_release_their_link_but_fail_only_their_request(
     # Its write never completes.
     core.abort("slow", from_peer=False, detail="scheduler", wait_s=0.0)
     core.periodic()
-    clock.now += 0.15
+    clock.advance(0.15)
     core.periodic()  # past drain_s: the link is released, so no write of it can read on
     assert not link.released and len(io.queue) == 1
     io.run_all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any, cast
@@ -106,7 +107,7 @@ def _core() -> tuple[DecodeDriver, QueueExecutor, FakePrefill, PeerConn]:
     core = DecodeDriver(table=TransferTable(Deadlines()), peers=Peers(), prefill=prefill, io=io,
                       spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
                       integrity=True, handoff_lease_s=30.0,
-                      digest_pool=DigestPool(0, inline_below=0))
+                      digest_pool=DigestPool(0, inline_below=0), clock=time.monotonic)
     conn = fake_conn(PREFILL, AllocatedSide(lay))
     core.peers.add(conn)
     prefill.answered = core.offer_answer

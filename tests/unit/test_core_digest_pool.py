@@ -8,6 +8,7 @@ landed byte is Failed(integrity), naming the buffer.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -76,7 +77,7 @@ def test_prefill_starts_its_digests_on_the_pool_before_posting_and_sends_the_sam
         core = PrefillDriver(table=TransferTable(Deadlines()), peers=Peers(), decode=fake,
                            io=ThreadPoolExecutor(2), spec=UNIFIED_TARGET, layout=lay,
                            pools=src, integrity=True, drain_s=5.0,
-                           digest_pool=pool)
+                           digest_pool=pool, clock=time.monotonic)
         core.send("r", 1, SEQ, ADDR, [], True)
         assert wait_for(lambda: len(fake.digests) == 1)
     # On the pool's threads (inline_below=0): the data goes out while they digest, the
@@ -94,7 +95,7 @@ def _decode(pool: DigestPool) -> tuple[DecodeDriver, QueueExecutor, FakePrefill,
     pools.fill_pattern(9)
     core = DecodeDriver(table=TransferTable(Deadlines()), peers=Peers(), prefill=prefill, io=io,
                       spec=UNIFIED_TARGET, layout=lay, pools=pools, integrity=True,
-                      handoff_lease_s=30.0, digest_pool=pool)
+                      handoff_lease_s=30.0, digest_pool=pool, clock=time.monotonic)
     conn = fake_conn(PREFILL, AllocatedSide(lay))
     core.peers.add(conn)
     return core, io, prefill, conn

@@ -8,6 +8,7 @@ import argparse
 import ast
 import logging
 import re
+import time
 from pathlib import Path
 from typing import cast
 
@@ -128,7 +129,7 @@ def test_arm_decorates_prefills_writer_and_decodes_landing_check() -> None:
     decode = DecodeDriver(table=TransferTable(Deadlines()), peers=Peers(),
                           prefill=FakePrefill(), io=QueueExecutor(), spec=UNIFIED_TARGET,
                           layout=lay, pools=AllocatedSide(lay), integrity=True,
-                          handoff_lease_s=30.0, digest_pool=pool)
+                          handoff_lease_s=30.0, digest_pool=pool, clock=time.monotonic)
     arm(decode, hooks)
     assert isinstance(decode.checker, CorruptingCheck) and decode.checker.hooks is hooks
     assert decode.digest_pool is pool and decode.checker.integrity

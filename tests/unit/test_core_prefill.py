@@ -24,6 +24,7 @@ from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.peers import PeerConn
 from kvbeam.states import TransferState, TransferStatus
 from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
+from tests.fake_clock import FakeClock
 from tests.unit.test_core_decode import QueueExecutor
 
 ADDR = "127.0.0.1:9"
@@ -70,21 +71,12 @@ def _conn_link(core: PrefillDriver, address: str = ADDR) -> FakeLink:
     return cast(FakeLink, conn.link)
 
 
-class Clock:
-    """A monotonic clock the test moves, patched over a core module's ``time``."""
-
-    def __init__(self) -> None:
-        self.now = time.monotonic()
-
-    def monotonic(self) -> float:
-        return self.now
-
-
-def _sweep_clock(core: PrefillDriver) -> Clock:
+def _sweep_clock(core: PrefillDriver) -> FakeClock:
     """The driver's clock, which the sweep (:meth:`PrefillDriver.periodic`) reads when
-    writes are past ``drain_s``: moved by the test instead of sleeping."""
-    clock = Clock()
-    core.clock = clock.monotonic
+    writes are past ``drain_s``: moved by the test instead of sleeping (from the
+    table's time, which is the real one here)."""
+    clock = FakeClock(time.monotonic())
+    core.clock = clock
     return clock
 
 
@@ -177,7 +169,7 @@ def test_record_is_pruned_after_a_drain_timeout_even_when_writes_complete_late(
     assert not io.queue  # the write may still read the source: decode is not told yet
     core.periodic()  # notes when it failed
     assert not io.queue
-    clock.now += 0.15
+    clock.advance(0.15)
     core.periodic()  # its writes are past drain_s
     assert not link.released and len(io.queue) == 1  # the release, on the executor
     io.run_all()

@@ -10,6 +10,7 @@ steps, handshakes and releases when it chooses, with no threads and no sleeps.""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import cast
 
@@ -24,8 +25,9 @@ from kvbeam.server.peers import PeerConn
 from kvbeam.server.settings import resolve
 from kvbeam.states import FailureReason, TransferState, TransferStatus
 from tests.core_fakes import FakeDecode, FakeLink, wait_for
+from tests.fake_clock import FakeClock
 from tests.unit.test_core_decode import QueueExecutor
-from tests.unit.test_core_prefill import Clock, _queued
+from tests.unit.test_core_prefill import _queued
 
 ADDR = "127.0.0.1:9"
 RETRY_EXC = "IBV_WC_RETRY_EXC_ERR"
@@ -380,12 +382,12 @@ def test_the_time_a_resend_needs_is_the_measured_handshake(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The first handshake takes 0.6 s on the core's clock (moved while it runs, no
     sleep); the deadline, 1 s, is enough for the 0.25 s floor, not for twice that."""
-    clock = Clock()
+    clock = FakeClock(time.monotonic())  # the table's clock is the real one
     core, fake, counted, io = _resending(transferring=1.0)
-    core.clock = clock.monotonic
+    core.clock = clock
 
     def slow() -> None:
-        clock.now += 0.6
+        clock.advance(0.6)
 
     _during_handshake(fake, 1, slow)
     core.send("r", 0, 300, ADDR, [], True)

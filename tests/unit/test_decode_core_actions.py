@@ -8,6 +8,7 @@ read this way). The driver that does these actions has its own tests
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from kvbeam.errors import DialRefused
@@ -253,7 +254,7 @@ def test_the_real_digests_of_a_landing_make_the_same_verdict_as_a_test_one() -> 
     [check] = _landed(core, conn, res.transfer_id)
     assert isinstance(check, CheckLanding)
     checker = LandingCheck(lambda: (core.pools, core.layout, core.mailbox), True,
-                           DigestPool(0))
+                           DigestPool(0), time.monotonic)
     verdict = checker.check(res, check.transfer_id)
     assert verdict.ok and verdict.detail.startswith("XXH3-128 verified: 13")
     assert core.checked(res, check.transfer_id, verdict, now=6.0) == []

@@ -42,13 +42,14 @@ def _conn() -> PeerConn:
 def test_a_connection_counts_the_time_without_an_open_channel() -> None:
     # The channel carries the heartbeats: a connection without one is dropped by the
     # daemon's sweep after the peer timeout (DaemonServicer._drop_unchanneled).
+    # No clock of its own: ``now`` is the daemon's (any number; here 100.0 onwards).
     conn = _conn()
-    made = conn.last_channeled
-    assert conn.unchanneled_for(made + 3.0) == 3.0  # none yet: counted from its making
+    assert conn.unchanneled_for(100.0) == 0.0  # the first look without one starts the count
+    assert conn.unchanneled_for(103.0) == 3.0  # none yet
     channel = _Channel(conn)
-    assert conn.unchanneled_for(made + 4.0) == 0.0  # open: the count restarts
+    assert conn.unchanneled_for(104.0) == 0.0  # open: the count restarts
     channel.close("gone")
-    assert conn.unchanneled_for(made + 6.5) == 2.5
+    assert conn.unchanneled_for(106.5) == 2.5
 
 
 def test_closing_the_connection_retires_its_channel_with_a_bye() -> None:
