@@ -361,19 +361,11 @@ class DaemonServicer(ControlServicer):
                                  f"{new.instance_id})")
 
     # ---- loops (run by the runtime in threads) -----------------------------------
-    def event_loop(self, stop: threading.Event) -> None:
-        """Deliver transport events until stopped: the transport's own threads hand most
-        to :meth:`_handle_event` where they saw them (no hand-off to this thread;
-        :meth:`kvbeam.transport.base.Transport.deliver_to`), this loop the rest."""
-        name_os_thread()
-        transport = self.rt.transport
-        transport.deliver_to(self._handle_event)
-        while not stop.is_set():
-            try:
-                transport.pump(0.2)
-            except Exception:
-                log.exception("delivering transport events failed")
-                stop.wait(0.2)
+    def deliver_events(self) -> None:
+        """Have the transport's own threads hand events to :meth:`_handle_event` where
+        they saw them (no hand-off; :meth:`kvbeam.transport.base.Transport.deliver_to`);
+        the runtime's events thread pumps the rest."""
+        self.rt.transport.deliver_to(self._handle_event)
 
     def _handle_event(self, event: Event) -> None:
         """One transport event, on whichever thread delivers it; never raises."""

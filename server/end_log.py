@@ -13,8 +13,8 @@ says how many were not logged one by one (Success and Failed apart). Failures ar
 logged on their own at WARNING as well, never rate-limited.
 
 The table's observer (:meth:`EndLog.ended`, on whichever thread ended the transfer,
-maybe under a core's lock) only appends the snapshot to a queue; the daemon's sweeper
-(:meth:`EndLog.flush`, every ``SWEEP_S``) formats and writes the lines, reading what
+maybe under a core's lock) only appends the snapshot to a queue; the daemon's sweep
+(:meth:`EndLog.flush`, every ``SWEEP_S`` on its events thread) formats and writes the lines, reading what
 each transfer moved from its core (:class:`~kvbeam.states.TransferFacts`) with no
 lock of the caller's held. A line is therefore up to one sweep late; its figures are
 the transfer's own (its age when it ended).
@@ -62,7 +62,7 @@ class EndLog:
     def flush(self, *, final: bool = False) -> None:
         """Log the queued ends within the rate, count the rest; the summary when due
         (``final``: now, the daemon stops). Called by one thread at a time (the
-        sweeper; the daemon's stop once the sweeper ended)."""
+        events thread's sweep; the daemon's stop once that thread ended)."""
         now = self._clock()
         self._tokens = min(self.per_s, self._tokens + (now - self._refilled) * self.per_s)
         self._refilled = now

@@ -1,8 +1,10 @@
 """What one daemon owns: pools, transport, registration, control server, transfer table.
 
 :class:`Runtime` builds everything in order (config, layout and the start-up
-check before any memory is allocated), runs the background loops (transport
-events, deadlines; the peer channels' own thread) and tears everything down in reverse order.
+check before any memory is allocated), runs the events thread (the transport events no
+transport thread delivered, and the sweep every ``SWEEP_S``: deadlines, peers without a
+channel, the cores' periodic work, the end-of-transfer lines; the peer channels and the
+attach server have their own) and tears everything down in reverse order.
 The role-specific behaviour lives in the role's core (:mod:`kvbeam.server.core`),
 reached through its servicer (:mod:`kvbeam.server.decode`, :mod:`kvbeam.server.prefill`),
 which the loops call back.
@@ -55,7 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: How often the deadline sweeper runs, seconds: deadlines are enforced to this precision.
+#: How often the events thread sweeps, seconds: deadlines are enforced to this precision.
 SWEEP_S = 0.2
 
 
@@ -120,7 +122,7 @@ class Runtime:
         #: peer channels' heartbeats and call deadlines, its sweep. Tests that build
         #: the parts without a daemon pass a clock they move.
         self.clock: Callable[[], float] = time.monotonic
-        #: One line per ended transfer, written by the sweeper (--log-ends-per-s).
+        #: One line per ended transfer, written by the sweep (--log-ends-per-s).
         self.end_log = EndLog(settings.log_ends_per_s,
                               lambda rid: self._servicer.core.facts_of(rid),
                               "landed" if self.role is Role.DECODE else "written")
@@ -276,11 +278,11 @@ class Runtime:
         self.local = self.server.local  # carries the bound or advertised address
         servicer.start_channels()
         self._publish(servicer)
-        for name, target in (("events", servicer.event_loop), ("sweeper", self._sweep)):
-            t = threading.Thread(target=target, args=(self._stop,), name=f"kvbeam-{name}",
-                                 daemon=True)
-            t.start()
-            self._threads.append(t)
+        servicer.deliver_events()
+        t = threading.Thread(target=self._events, args=(self._stop,), name="kvbeam-events",
+                             daemon=True)
+        t.start()
+        self._threads.append(t)
         if self.attach_server is not None:
             self.attach_server.start()
         return address
@@ -381,17 +383,37 @@ class Runtime:
             peers=lambda: len(self.peers.all()),
             slots=slots if _slot_pool(core) is not None else None)))
 
-    def _sweep(self, stop: threading.Event) -> None:
+    def _events(self, stop: threading.Event) -> None:
+        """The events thread: until stopped, the transport events its own threads did
+        not deliver (:meth:`~kvbeam.transport.base.Transport.pump`, waiting for one at
+        most until the next sweep), and every ``SWEEP_S`` on the runtime's clock the
+        sweep. One thread for both: each is short and neither blocks (what blocks goes
+        to the executor), so the sweep waits at most for one event's handling."""
         name_os_thread()
-        while not stop.wait(SWEEP_S):
-            try:
-                self._servicer.sweep()
-            except Exception:  # the sweeper must survive any one bad transfer
-                log.exception("deadline sweep failed")
-            try:
-                self.end_log.flush()
-            except Exception:  # a log line must never stop the sweeps
-                log.exception("logging ended transfers failed")
+        due = self.clock() + SWEEP_S
+        while not stop.is_set():
+            left = due - self.clock()
+            if left > 0:
+                try:
+                    self.transport.pump(min(left, SWEEP_S))
+                except Exception:  # one bad event must not stop the deliveries
+                    log.exception("delivering transport events failed")
+                    stop.wait(min(left, SWEEP_S))
+                continue
+            self._sweep()
+            due = self.clock() + SWEEP_S
+
+    def _sweep(self) -> None:
+        """Deadlines, peers without a channel, the cores' periodic work, then the
+        end-of-transfer lines; a failure in one is logged and the next sweep goes on."""
+        try:
+            self._servicer.sweep()
+        except Exception:  # the sweep must survive any one bad transfer
+            log.exception("deadline sweep failed")
+        try:
+            self.end_log.flush()
+        except Exception:  # a log line must never stop the sweeps
+            log.exception("logging ended transfers failed")
 
     def stop(self, grace: float = 2.0) -> None:
         """Fail live transfers (reason shutdown), stop serving, release everything."""
@@ -410,7 +432,7 @@ class Runtime:
             self.server.stop(grace)
         for t in self._threads:
             t.join(timeout=5)
-        self.end_log.flush(final=True)  # the sweeper is gone: the last ends' lines
+        self.end_log.flush(final=True)  # the sweeps are over: the last ends' lines
         for conn in self.peers.all():
             conn.close()
         self.metrics.stop()

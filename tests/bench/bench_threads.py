@@ -70,9 +70,7 @@ GROUPS = [("kvbeam-verbs", "verbs progress (posts, completions; rxe sends in ibv
           ("kvbeam-peer", "peer channel Abort pool"),
           ("kvbeam-attach", "engine channel (attach loop: frames, cores' API calls, pushes)"),
           ("Thread-1 (_serve)", "gRPC Python server loop (_serve)"),
-          ("kvbeam-events", "loops (events, sweeper, heartbeat)"),
-          ("kvbeam-sweeper", "loops (events, sweeper, heartbeat)"),
-          ("kvbeam-heartbea", "loops (events, sweeper, heartbeat)"),
+          ("kvbeam-events", "events thread (leftover transport events, the sweep)"),
           ("[", "other threads (gRPC's C core, the main thread)")]
 
 

@@ -204,7 +204,7 @@ def test_a_request_that_goes_well_logs_one_line_by_default() -> None:
                           r"XXH3-128 verified: \d+ buffers match prefill's digests"}
         for daemon in (prefill, decode):
             assert wait_until(lambda dp=daemon: "request q-1: Success" in dp.output, 10), \
-                daemon.output  # the sweeper writes it, within a sweep
+                daemon.output  # the sweep writes it, within 0.2 s
             lines = [line for line in daemon.output.splitlines() if "q-1" in line]
             assert len(lines) == 1 and " INFO kvbeam.transfers: " in lines[0], lines
             assert re.search(ends[daemon.role], lines[0]), lines[0]
