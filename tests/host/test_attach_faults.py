@@ -97,7 +97,15 @@ def test_engine_sigkill_mid_transfer_fails_both_sides_and_leaks_nothing(workdir:
             attached = _daemon_holds(decode.proc.pid, decode.metrics)
             d.reserve("k1", SEQ, prefill.address)
             p.send("k1", 0, SEQ, decode.address)
-            assert wait_until(lambda: d.status("k1").state is TransferState.TRANSFERRING, 30)
+            # Mid-transfer: prefill holds decode's grant and waits out the slow wire.
+            # Decode is Transferring after a BeginWrite, but still Bootstrapping when
+            # prefill took its Offer (no BeginWrite: decode learns of the writes when they
+            # land), which path depends on which came first; prefill is Transferring in both.
+            assert wait_until(lambda: p.status("k1").state is TransferState.TRANSFERRING,
+                              30), (d.status("k1"), p.status("k1"), prefill.output[-3000:],
+                                    decode.output[-3000:])
+            assert d.status("k1").state in (TransferState.BOOTSTRAPPING,
+                                            TransferState.TRANSFERRING), d.status("k1")
             de.kill()
             for c in (p, d):  # bounded: well inside the 6 s transfer deadline
                 st = c.wait("k1", 15)
