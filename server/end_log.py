@@ -14,10 +14,11 @@ logged on their own at WARNING as well, never rate-limited.
 
 The table's observer (:meth:`EndLog.ended`, on whichever thread ended the transfer,
 maybe under a core's lock) only appends the snapshot to a queue; the daemon's sweep
-(:meth:`EndLog.flush`, every ``SWEEP_S`` on its events thread) formats and writes the lines, reading what
-each transfer moved from its core (:class:`~kvbeam.states.TransferFacts`) with no
-lock of the caller's held. A line is therefore up to one sweep late; its figures are
-the transfer's own (its age when it ended).
+(:meth:`EndLog.flush`, every ``SWEEP_S`` on its events thread) formats and writes the
+lines, reading what each transfer moved from its core
+(:class:`~kvbeam.states.TransferFacts`) with no lock of the caller's held. A line is
+therefore up to one sweep late; its figures are the transfer's own (its age when it
+ended).
 """
 
 from __future__ import annotations
