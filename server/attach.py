@@ -1,7 +1,8 @@
 """The daemon's attach socket: a local engine hands over its pools (``--pools engine``).
 
-One long-lived thread serves a Unix stream socket (mode 0600, set before listen, or
-0660 in ``--attach-group``; its directory must not be writable by others). A
+The daemon's loop (:mod:`kvbeam.server.loop`) serves a Unix stream socket (mode
+0600, set before listen, or 0660 in ``--attach-group``; its directory must not be
+writable by others). A
 connecting engine is checked by its peer credentials (SO_PEERCRED: the daemon's uid
 or one of ``--attach-allow-uid``) as soon as it is accepted, before a byte of it is
 read: a stranger gets a refusal and the connection closed. An allowed engine then has
@@ -14,8 +15,10 @@ second one is refused with the first one's pid, unless the attached one's socket
 already closed (an engine that closed and attached again at once): that detach is
 done first.
 
-Nothing a client does stalls the thread: every socket is non-blocking, accepted
-connections wait in the thread's selector while their messages arrive (at most
+Nothing a client does stalls the loop: every socket is non-blocking, the attach and
+the detach (the memory's mapping, registration and release) run on the executor and
+come back to the loop, accepted connections wait in the loop's selector while their
+messages arrive (at most
 :data:`MAX_PENDING` at once, each with its own deadline; one more is refused naming the
 limit), and the attached engine's frames are read between their pieces. Every refusal
 is answered within a bounded size and logged in one line.
@@ -32,11 +35,10 @@ import selectors
 import socket
 import stat
 import struct
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvbeam.errors import AttachError, KvbeamError
 from kvbeam.proto.attach_codec import (
@@ -51,7 +53,7 @@ from kvbeam.proto.attach_codec import (
     request_from_json,
 )
 from kvbeam.proto.engine_frames import ENGINE_FRAMES_VERSION, FrameError
-from kvbeam.threads import name_os_thread
+from kvbeam.server.loop import DaemonLoop, SourceSelector
 
 if TYPE_CHECKING:
     from kvbeam.server.engine_channel import EngineChannel
@@ -99,7 +101,7 @@ def peer_cred(conn: socket.socket) -> PeerCred:
 
 @dataclass
 class _Pending:
-    """A connection whose attach message is still arriving (attach thread only)."""
+    """A connection whose attach message is still arriving (loop thread only)."""
 
     conn: socket.socket
     cred: PeerCred
@@ -204,17 +206,24 @@ class AttachServer:
     def __init__(self, path: str, allow_uids: Sequence[int],
                  on_attach: Callable[[AttachRequest, list[int], PeerCred], str],
                  on_detach: Callable[[str], None], *, group: str = "",
-                 channel: EngineChannel | None = None) -> None:
+                 channel: EngineChannel | None = None,
+                 offload: Callable[[Callable[[], None]], object] = lambda job: job()) -> None:
         self.path = path
         #: The engine channel (per-request frames after the attach), None: attach only.
         self.channel = channel
         self.allowed = {os.getuid(), *allow_uids}
         self._on_attach = on_attach
         self._on_detach = on_detach
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._offload = offload
+        #: An attach or a detach runs on the executor: what came meanwhile waits for it
+        #: (the loop's; an attach's completion, in order).
+        self._busy = False
+        self._after_busy: list[Callable[[], None]] = []
+        self._loop: DaemonLoop | None = None  # set by start()
+        self._owns_loop = False
+        self._sel: SourceSelector | None = None
         self._engine: tuple[socket.socket, PeerCred] | None = None
-        self._pending: dict[int, _Pending] = {}  # by fd (attach thread only)
+        self._pending: dict[int, _Pending] = {}  # by fd (loop thread only)
         self._plain = MessageReader()  # without a channel: the engine's next message
         self._crowd_refused = 0
         self._crowd_logged = 0.0
@@ -231,17 +240,33 @@ class AttachServer:
                 os.unlink(path)
             raise
 
-    def start(self) -> None:
-        """Start the serving thread."""
-        self._thread = threading.Thread(target=self._loop, name="kvbeam-attach", daemon=True)
-        self._thread.start()
+    def start(self, loop: DaemonLoop | None = None) -> None:
+        """Serve on ``loop`` (the daemon's), or on a loop of its own (a thread named
+        ``kvbeam-attach``) when none is given."""
+        self._owns_loop = loop is None
+        self._loop = loop = loop or DaemonLoop("kvbeam-attach")
+        loop.run_sync(self._join_loop)
+        if self._owns_loop:
+            loop.start()
         log.info("waiting for an engine to attach on %s", self.path)
+
+    def _join_loop(self) -> None:
+        """Become a source of our loop; watch the listener and the channel's wake fd."""
+        assert self._loop is not None
+        self._sel = sel = self._loop.add(self)
+        sel.register(self._listener, selectors.EVENT_READ, "listener")
+        if self.channel is not None:
+            sel.register(self.channel.wake_fd, selectors.EVENT_READ, "wake")
 
     def stop(self) -> None:
         """Stop serving and close the socket (the runtime releases the memory)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        loop = self._loop
+        if loop is not None:
+            if self._owns_loop:
+                loop.stop()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    loop.run_sync(lambda: loop.remove(self))
         engine, self._engine = self._engine, None
         if engine is not None:
             engine[0].close()
@@ -252,43 +277,41 @@ class AttachServer:
         with contextlib.suppress(OSError):
             os.unlink(self.path)
 
-    # ---- the thread ---------------------------------------------------------------
-    def _loop(self) -> None:
-        name_os_thread()
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._listener, selectors.EVENT_READ, "listener")
-            if self.channel is not None:
-                sel.register(self.channel.wake_fd, selectors.EVENT_READ, "wake")
-            while not self._stop.is_set():
-                for key, mask in sel.select(self._tick()):
-                    try:
-                        if key.data == "listener":
-                            self._accept(sel)
-                        elif key.data == "wake":
-                            self._woken(sel)
-                        elif isinstance(key.data, _Pending):
-                            self._pending_readable(sel, key.data)
-                        elif key.data == "engine":
-                            if mask & selectors.EVENT_WRITE:
-                                self._flush(sel)
-                            if mask & selectors.EVENT_READ:
-                                self._engine_message(sel)
-                    except Exception:  # the attach thread must survive any one engine
-                        log.exception("attach socket: handling %s failed", key.data)
-                try:
-                    self._expire(sel)
-                except Exception:
-                    log.exception("attach socket: expiring connections failed")
+    # ---- on the loop (LoopSource) ---------------------------------------------------
+    def ready(self, data: Any, mask: int) -> None:
+        """A socket we watch is ready: the listener, the channel's wake fd, a
+        connecting engine's, the attached engine's."""
+        sel = self._selector
+        if data == "listener":
+            self._accept(sel)
+        elif data == "wake":
+            self._woken(sel)
+        elif isinstance(data, _Pending):
+            self._pending_readable(sel, data)
+        elif data == "engine":
+            if mask & selectors.EVENT_WRITE:
+                self._flush(sel)
+            if mask & selectors.EVENT_READ:
+                self._engine_message(sel)
 
-    def _tick(self) -> float:
-        """How long the next select may wait: until the nearest pending deadline."""
+    def tick(self) -> None:
+        """After every pass: refuse the connections past their deadline."""
+        self._expire(self._selector)
+
+    def wait_s(self) -> float:
+        """How long the loop may sleep for us: until the nearest pending deadline."""
         if not self._pending:
             return TICK_S
         soonest = min(p.deadline for p in self._pending.values())
         return max(0.0, min(TICK_S, soonest - time.monotonic()))
 
+    @property
+    def _selector(self) -> SourceSelector:
+        assert self._sel is not None, "AttachServer.start() first"
+        return self._sel
+
     # ---- connecting engines ---------------------------------------------------------
-    def _accept(self, sel: selectors.BaseSelector) -> None:
+    def _accept(self, sel: SourceSelector) -> None:
         """Accept every connection waiting (non-blocking); check its credentials."""
         for _ in range(LISTEN_BACKLOG):
             try:
@@ -339,7 +362,7 @@ class AttachServer:
                         MAX_PENDING, MAX_PENDING)
             self._crowd_logged, self._crowd_refused = now, 0
 
-    def _pending_readable(self, sel: selectors.BaseSelector, p: _Pending) -> None:
+    def _pending_readable(self, sel: SourceSelector, p: _Pending) -> None:
         """Read what arrived of a connecting engine's message (a few chunks at most)."""
         body = None
         try:
@@ -373,7 +396,7 @@ class AttachServer:
             self._drop_pending(sel, p, close=False)
             self._complete(sel, p, body)
 
-    def _expire(self, sel: selectors.BaseSelector) -> None:
+    def _expire(self, sel: SourceSelector) -> None:
         """Refuse the connections whose message did not arrive whole by their deadline
         (what arrived meanwhile is read first)."""
         now = time.monotonic()
@@ -385,7 +408,7 @@ class AttachServer:
                             f"in time ({p.reader.progress} read) (an attach message must "
                             f"arrive whole within {READ_TIMEOUT_S:g} s)")
 
-    def _drop_pending(self, sel: selectors.BaseSelector, p: _Pending, *,
+    def _drop_pending(self, sel: SourceSelector, p: _Pending, *,
                       close: bool = True) -> None:
         with contextlib.suppress(KeyError, ValueError):
             sel.unregister(p.conn)
@@ -393,7 +416,7 @@ class AttachServer:
         if close:
             p.close()
 
-    def _refuse_pending(self, sel: selectors.BaseSelector, p: _Pending, error: str,
+    def _refuse_pending(self, sel: SourceSelector, p: _Pending, error: str,
                         field: str = "") -> None:
         self._drop_pending(sel, p, close=False)
         self._refuse(p, error, field)
@@ -405,17 +428,20 @@ class AttachServer:
         self._send_now(p.conn, AttachReply(False, error, field))
         p.close()
 
-    def _extend_pending(self, seconds: float) -> None:
-        """The loop spent ``seconds`` on an attach or a detach: the connecting engines'
-        deadlines move by as much (the daemon's time is not theirs)."""
-        for p in self._pending.values():
-            p.deadline += seconds
-
-    def _complete(self, sel: selectors.BaseSelector, p: _Pending, body: bytes) -> None:
-        """A whole attach message arrived: admit it, attach, answer."""
-        cred = p.cred
+    def _complete(self, sel: SourceSelector, p: _Pending, body: bytes) -> None:
+        """A whole attach message arrived: admit it, then attach on the executor (the
+        memory's mapping and registration block); :meth:`_attached` answers. While an
+        attach or a detach runs, it waits for that to end."""
+        if self._busy:
+            self._after_busy.append(lambda: self._complete(sel, p, body))
+            return
+        if self._engine is not None:
+            self._reap_closed_engine(sel)  # may start its detach: then wait for it
+            if self._busy:
+                self._after_busy.append(lambda: self._complete(sel, p, body))
+                return
         try:
-            req = self._admit(sel, decode_body(body), len(p.fds))
+            req = self._admit(decode_body(body), len(p.fds))
         except RecursionError:
             self._refuse(p, "attach message nested too deeply", "")
             return
@@ -423,24 +449,38 @@ class AttachServer:
             self._refuse(p, str(exc), exc.field)
             return
         fds, p.fds = p.fds, []
-        started = time.monotonic()
-        try:
-            instance = self._on_attach(req, fds, cred)  # owns (closes) the fds
-        except Exception as exc:
-            field = exc.field if isinstance(exc, AttachError) else ""
-            if not isinstance(exc, KvbeamError | RecursionError):
-                log.exception("attach from pid %d failed unexpectedly", cred.pid)
-            self._refuse(p, str(exc) if not isinstance(exc, RecursionError)
+        self._busy = True
+        loop = self._loop
+        assert loop is not None
+
+        def attach() -> None:
+            try:
+                outcome: str | BaseException = self._on_attach(req, fds, p.cred)  # owns fds
+            except Exception as exc:
+                outcome = exc
+            loop.call_soon_threadsafe(lambda: self._attached(sel, p, req, outcome))
+
+        self._offload(attach)
+
+    def _attached(self, sel: SourceSelector, p: _Pending, req: AttachRequest,
+                  outcome: str | BaseException) -> None:
+        """The attach ended (the instance id, or why not): answer; serve the engine."""
+        cred, conn = p.cred, p.conn
+        if isinstance(outcome, BaseException):
+            self._idle()
+            field = outcome.field if isinstance(outcome, AttachError) else ""
+            if not isinstance(outcome, KvbeamError | RecursionError):
+                log.error("attach from pid %d failed unexpectedly", cred.pid,
+                          exc_info=outcome)
+            self._refuse(p, str(outcome) if not isinstance(outcome, RecursionError)
                          else "attach message nested too deeply", field)
             return
-        finally:
-            self._extend_pending(time.monotonic() - started)
-        conn = p.conn
         version = ENGINE_FRAMES_VERSION if self.channel is not None else 0
-        if not self._send_now(conn, AttachReply(True, instance_id=instance, channel=version)):
-            self._detach(f"engine (pid {cred.pid}) left before the attach reply")
-            conn.close()
+        if not self._send_now(conn, AttachReply(True, instance_id=outcome, channel=version)):
+            self._detach(f"engine (pid {cred.pid}) left before the attach reply", conn,
+                         answer=False)
             return
+        self._idle()
         if self.channel is not None:
             self.channel.bind(conn, final_only=req.pushes == "final")
         self._plain = MessageReader()
@@ -449,19 +489,27 @@ class AttachServer:
         log.info("engine pid %d (uid %d) attached on %s (pushes: %s)", cred.pid, cred.uid,
                  self.path, req.pushes)
 
-    def _admit(self, sel: selectors.BaseSelector, data: object, nfds: int) -> AttachRequest:
+    def _idle(self) -> None:
+        """The attach or detach under way ended: what waited for it goes on."""
+        self._busy = False
+        waiting, self._after_busy = self._after_busy, []
+        for resume in waiting:
+            if self._busy:  # one of them started the next attach: the rest wait again
+                self._after_busy.append(resume)
+            else:
+                resume()
+
+    def _admit(self, data: object, nfds: int) -> AttachRequest:
         req = request_from_json(data, nfds)
         if req.op != "attach":
             raise AttachError("op: detach without an attachment on this connection", "op")
-        if self._engine is not None:
-            self._reap_closed_engine(sel)
         engine = self._engine
         if engine is not None:
             raise AttachError(f"another engine (pid {engine[1].pid}, uid {engine[1].uid}) is "
                               "attached: one engine per daemon; detach it first", "op")
         return req
 
-    def _reap_closed_engine(self, sel: selectors.BaseSelector) -> None:
+    def _reap_closed_engine(self, sel: SourceSelector) -> None:
         """If the attached engine's socket is already closed (it closed and attached again
         at once, or another engine follows one that exited), read what it sent before
         closing and detach it now, so the new attach is not refused for a dead one."""
@@ -493,7 +541,7 @@ class AttachServer:
             return False
 
     # ---- the attached engine ----------------------------------------------------------
-    def _engine_message(self, sel: selectors.BaseSelector) -> None:
+    def _engine_message(self, sel: SourceSelector) -> None:
         engine = self._engine
         if engine is None:
             return
@@ -551,10 +599,10 @@ class AttachServer:
         else:
             self._send_now(conn, reply)
 
-    def _drop_engine(self, sel: selectors.BaseSelector, reason: str, *, answer: bool) -> None:
-        """End the attachment: release the memory first, then answer (a detach) and
-        close, so the engine sees its socket close only once nothing writes into its
-        memory any more."""
+    def _drop_engine(self, sel: SourceSelector, reason: str, *, answer: bool) -> None:
+        """End the attachment: release the memory first (on the executor), then answer
+        (a detach) and close, so the engine sees its socket close only once nothing
+        writes into its memory any more."""
         engine, self._engine = self._engine, None
         if engine is None:
             return
@@ -564,28 +612,37 @@ class AttachServer:
         if self.channel is not None:
             self.channel.unbind()
         log.warning("%s: releasing its memory", reason)
-        try:
-            self._detach(reason)
-        finally:
-            if answer:
-                self._send_now(conn, AttachReply(True))
-            conn.close()
+        self._detach(reason, conn, answer=answer)
 
-    def _detach(self, reason: str) -> None:
-        started = time.monotonic()
-        try:
-            self._on_detach(reason)
-        finally:
-            self._extend_pending(time.monotonic() - started)
+    def _detach(self, reason: str, conn: socket.socket, *, answer: bool) -> None:
+        """Release the memory on the executor (it fails the requests on it, telling
+        their peers, and deregisters: all blocking), then answer (``answer``) and close
+        ``conn``, which the loop no longer watches; attaches wait meanwhile."""
+        self._busy = True
+        loop = self._loop
+        assert loop is not None
 
-    def _woken(self, sel: selectors.BaseSelector) -> None:
+        def detach() -> None:
+            try:
+                self._on_detach(reason)
+            except Exception:
+                log.exception("releasing the engine's memory failed (%s)", reason)
+            finally:
+                if answer:
+                    self._send_now(conn, AttachReply(True))
+                conn.close()
+                loop.call_soon_threadsafe(self._idle)
+
+        self._offload(detach)
+
+    def _woken(self, sel: SourceSelector) -> None:
         """The channel woke the loop: pushed states to write, or held frames to handle
         (the executor caught up)."""
         self._flush(sel)
         if self._engine is not None and self.channel is not None and self.channel.paused:
             self._engine_message(sel)  # handles the held frames first; reads on if it can
 
-    def _flush(self, sel: selectors.BaseSelector) -> None:
+    def _flush(self, sel: SourceSelector) -> None:
         """Write the engine channel's pushed states; wait for writability if the socket is full."""
         engine, channel = self._engine, self.channel
         if channel is None:
@@ -599,7 +656,7 @@ class AttachServer:
             return
         self._engine_events(sel)
 
-    def _engine_events(self, sel: selectors.BaseSelector) -> None:
+    def _engine_events(self, sel: SourceSelector) -> None:
         """Select the engine's socket for reading unless the channel holds frames back
         (backpressure), and for writing while pushed states wait."""
         engine, channel = self._engine, self.channel
@@ -613,9 +670,9 @@ class AttachServer:
                 # The executor caught up (its wake-up may have been taken by a flush):
                 # come back through the wake fd to handle the held frames.
                 channel.wake()
-        with contextlib.suppress(KeyError, ValueError):
-            key = sel.get_key(engine[0])
-            if key.events != events:
+        watched = sel.watched(engine[0])
+        if watched is not None:
+            if watched[0] != events:
                 if events:
                     sel.modify(engine[0], events, "engine")
                 else:

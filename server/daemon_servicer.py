@@ -39,6 +39,7 @@ from kvbeam.server.core import decode_pages
 from kvbeam.server.core.prefill_driver import ABORT_WAITERS
 from kvbeam.server.executor import LoggingExecutor
 from kvbeam.server.handshake import VerifiedPeer
+from kvbeam.server.loop import DaemonLoop
 from kvbeam.server.peer_channel import PeerChannel, PeerChannels
 from kvbeam.server.peers import PeerConn, lost_peer
 from kvbeam.server.servicer import ControlServicer
@@ -130,12 +131,12 @@ class DaemonServicer(ControlServicer):
         self._watch_lock = threading.Lock()
         self._watchers = 0  # open WatchStatus streams
         #: Answers the channel's requests that may wait (Abort); the others are
-        #: answered on the channel's thread (core bookkeeping only, no I/O).
+        #: answered on the daemon's loop (core bookkeeping only, no I/O).
         self.peer_io = LoggingExecutor(max_workers=PEER_WORKERS,
                                           thread_name_prefix="kvbeam-peer",
                                           initializer=name_os_thread)
         settings = runtime.settings
-        #: The peer channels: one per verified peer, all on one selector thread.
+        #: The peer channels: one per verified peer, all on the daemon's loop.
         self.channels = PeerChannels(
             runtime.role.value, self._channel_request, self._channel_closed,
             on_hello=self.channel_hello, heartbeat_s=settings.heartbeat_s,
@@ -171,15 +172,15 @@ class DaemonServicer(ControlServicer):
             self.digest_pool.close()
 
     # ---- the peer channel --------------------------------------------------------------
-    def start_channels(self) -> None:
-        """Start the peer channels' thread; decode listens (prefill dials it) on the
+    def start_channels(self, loop: DaemonLoop) -> None:
+        """Serve the peer channels on the daemon's loop; decode listens (prefill dials it) on the
         control host (``--peer-port``, default any), advertised at the control
         address's host in every handshake reply."""
         if self.rt.role is Role.DECODE:
             host = self.rt.settings.listen.rpartition(":")[0] or "0.0.0.0"
             advertised = self.rt.local.control_address.rpartition(":")[0] or host
             self.channels.listen(host, self.rt.settings.peer_port, advertised)
-        self.channels.start()
+        self.channels.start(loop)
 
     def channel_hello(self, channel: PeerChannel, hello: Any) -> PeerConn:
         """Check an inbound channel's HELLO; the connection to bind it to (decode's).
@@ -190,7 +191,7 @@ class DaemonServicer(ControlServicer):
     def _channel_request(self, channel: PeerChannel, kind: int, correlation: int,
                          payload: bytes) -> None:
         """A request on a channel: decode its message and answer it with its handler, on
-        the channel's thread or, if it may wait, on ``peer_io``.
+        the daemon's loop or, if it may wait, on ``peer_io``.
 
         Raises FrameError (the channel closes) when the frame cannot be decoded."""
         if kind in ONE_WAY:

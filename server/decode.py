@@ -76,7 +76,7 @@ class DecodeServicer(DaemonServicer):
         """Prefill's OFFER_ANSWER: an offer it did not keep, kept without
         digests, or refused with a status; counted, and acted on by the reservation it
         names (its request id and transfer id) when that is still offered to the prefill
-        this channel is bound to. The peer channel's thread."""
+        this channel is bound to. On the daemon's loop."""
         self.decode.offer_answer(answer.request_id, answer.transfer_id,
                                  channel.bound.instance_id,
                                  offer_answer(answer, channel.bound.control_address))

@@ -1,7 +1,7 @@
 """The daemon's end of the engine channel: an attached engine's per-request calls, pushed states.
 
 After an attach, the attach socket carries binary frames (:mod:`kvbeam.proto.engine_frames`).
-:class:`EngineChannel` is driven by the attach server's one thread: it reads what
+:class:`EngineChannel` is driven by the daemon's loop (the attach server's source): it reads what
 arrived (no thread per message or per request), decodes every complete frame
 (strictly: a malformed one gets an ERROR frame naming the field, an oversize length
 ends the connection before its body is read) and calls the role's core through its
@@ -13,7 +13,7 @@ as a STATE frame (only Success and Failed when the engine attached with ``pushes
 final``): the transfer table's observer (:meth:`EngineChannel.on_change`, any
 thread) sends the encoded frame at once, non-blocking, under a leaf lock, when nothing
 is queued before it (no hand-off to another thread: the usual case); what the socket
-does not take is queued in the outbound buffer, and the attach thread, woken, writes
+does not take is queued in the outbound buffer, and the loop thread, woken, writes
 it when the socket is writable (also non-blocking, under the same lock, so frames keep
 their order).
 
@@ -227,7 +227,7 @@ class EngineChannel:
         self._paused = False
         #: Counts binds: an executor job of an earlier engine does not count for this one.
         self._binding = 0
-        #: Set while the attach thread handles a read's frames: pushes queue, and go out
+        #: Set while the loop thread handles a read's frames: pushes queue, and go out
         #: in one write at its end (not one send per answer).
         self._corked = False
         self._wake_r, self._wake_w = socket.socketpair()
@@ -238,7 +238,7 @@ class EngineChannel:
     @property
     def wake_fd(self) -> socket.socket:
         """Readable when pushed states wait to be written, or when a paused channel may
-        read again (the attach loop selects it)."""
+        read again (the daemon's loop selects it)."""
         return self._wake_r
 
     @property
@@ -255,12 +255,12 @@ class EngineChannel:
             return self._paused and self._queued <= RESUME_AT
 
     def wake(self) -> None:
-        """Make the attach loop come back to this channel (its wake fd turns readable)."""
+        """Make the daemon's loop come back to this channel (its wake fd turns readable)."""
         self._wake()
 
     @property
     def pending_output(self) -> bool:
-        """Pushed bytes the socket did not take yet (the attach loop waits for writability)."""
+        """Pushed bytes the socket did not take yet (the daemon's loop waits for writability)."""
         with self._lock:
             return bool(self._out)
 
@@ -351,13 +351,13 @@ class EngineChannel:
 
     def _push(self, data: bytes) -> None:
         """Send ``data`` now when nothing is queued before it (one non-blocking send on
-        the pushing thread: no wake-up of the attach thread, no hand-off); else, or for
-        what the socket did not take, queue it for the attach thread."""
+        the pushing thread: no wake-up of the loop thread, no hand-off); else, or for
+        what the socket did not take, queue it for the loop thread."""
         with self._lock:
             conn = self._conn
             if conn is None:
                 return
-            if self._corked:  # the attach thread writes it at the end of its batch
+            if self._corked:  # the loop thread writes it at the end of its batch
                 self._out += data
                 return
             if not self._out:  # in order: every earlier frame is already on the socket
@@ -372,7 +372,7 @@ class EngineChannel:
         self._wake()
 
     def _wake(self) -> None:
-        """Wake the attach thread (once until it runs :meth:`flush`)."""
+        """Wake the loop thread (once until it runs :meth:`flush`)."""
         with self._lock:
             wake = not self._woken
             self._woken = True
@@ -380,7 +380,7 @@ class EngineChannel:
             with contextlib.suppress(BlockingIOError, OSError):
                 self._wake_w.send(b"\0")
 
-    # ---- the attach thread --------------------------------------------------------------
+    # ---- the loop thread --------------------------------------------------------------
     def flush(self) -> bool:
         """Write what is queued (non-blocking); True when nothing is left.
 
@@ -511,7 +511,7 @@ class EngineChannel:
             self._ended_here(request_id, field, message)
 
     def _run_queued(self, frame: ef.EngineFrame, binding: int) -> None:
-        """An executor job: run the frame, then let the attach thread read on if the
+        """An executor job: run the frame, then let the loop thread read on if the
         queue came down to :data:`RESUME_AT`."""
         try:
             self._run(frame)

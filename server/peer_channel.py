@@ -16,11 +16,12 @@ shared token protects, and binds the connection to the verified pair. A malforme
 frame closes the channel with a log line naming the peer and what was wrong; nothing
 here raises into the daemon.
 
-**Threads.** One selector thread per daemon (:class:`PeerChannels`) reads every
-channel, accepts decode's inbound ones, sends heartbeats, finds silent peers and
-expired calls. A writer appends its frame to the channel's bounded outbound buffer and
-tries one non-blocking ``send`` under the channel's write lock (a leaf, never held
-across a blocking call); what the kernel does not take, the selector thread flushes.
+**Threads.** :class:`PeerChannels` is a source of the daemon's loop
+(:mod:`kvbeam.server.loop`), the one thread that reads every channel, accepts decode's
+inbound ones, sends heartbeats, finds silent peers and expired calls. A writer
+appends its frame to the channel's bounded outbound buffer and tries one non-blocking
+``send`` under the channel's write lock (a leaf, never held across a blocking call);
+what the kernel does not take, the daemon's loop flushes.
 A peer that stops reading until the buffer passes :data:`MAX_OUTBOUND` is failed.
 
 **Time.** Heartbeats, silence, call deadlines and the HELLO deadline are read on the
@@ -68,7 +69,7 @@ from kvbeam.proto.peer_frames import (
     split_frames,
 )
 from kvbeam.proto.peer_frames import bye as bye_frame
-from kvbeam.threads import name_os_thread
+from kvbeam.server.loop import DaemonLoop, SourceSelector
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class PeerChannel:
     """One established channel to one verified peer (see the module docstring).
 
     ``bound`` is what the daemon bound it to (its peer connection). Calls and frames
-    may come from any thread; only the selector thread reads the socket.
+    may come from any thread; only the daemon's loop reads the socket.
     """
 
     def __init__(self, hub: PeerChannels, sock: socket.socket, peer: str) -> None:
@@ -128,8 +129,8 @@ class PeerChannel:
         self._out = bytearray()
         self._calls: dict[int, _Call] = {}
         self._next = 1
-        self._inbox = bytearray()  # selector thread only
-        self._missed_logged = 0  # selector thread only: the last count logged
+        self._inbox = bytearray()  # loop thread only
+        self._missed_logged = 0  # loop thread only: the last count logged
 
     def __repr__(self) -> str:
         return f"PeerChannel({self.peer}{', closed' if self.closed else ''})"
@@ -143,7 +144,7 @@ class PeerChannel:
         return max(0, int(silent / self.hub.heartbeat_s) - 1)
 
     def note_silence(self, now: float) -> None:
-        """Log each heartbeat newly missed and the peer's return (the selector thread's
+        """Log each heartbeat newly missed and the peer's return (the loop thread's
         sweep), as the RPC heartbeat loop does."""
         missed = self.missed_heartbeats(now)
         if missed > self._missed_logged:
@@ -190,7 +191,7 @@ class PeerChannel:
         return len(self._out)
 
     def flush(self) -> int:
-        """The selector thread's flush: bytes still waiting."""
+        """The loop thread's flush: bytes still waiting."""
         with self._wlock:
             return self._flush_locked()
 
@@ -230,7 +231,7 @@ class PeerChannel:
         """Answer a request that arrived."""
         self.send(encode_reply(correlation, code, details, message, in_flight))
 
-    # ---- reading (selector thread) ----------------------------------------------------
+    # ---- reading (the loop thread) ----------------------------------------------------
     def received(self, data: bytes) -> list[tuple[int, int, bytes]]:
         """Whole frames in what arrived: (kind, correlation, payload) each.
 
@@ -302,7 +303,7 @@ def _give_up(sock: socket.socket, why: str) -> None:
 
 
 class PeerChannels:
-    """A daemon's peer channels and the one selector thread that serves them all.
+    """A daemon's peer channels, all served on the daemon's loop.
 
     Args:
         role: our role ("prefill" or "decode"): which requests we accept.
@@ -337,19 +338,16 @@ class PeerChannels:
         #: apart (``--heartbeat-s 3600``) an idle channel must not die of its own quiet.
         self.silence_limit_s = heartbeat_s + peer_timeout_s
         self.address = ""  # where we listen ("" : we do not)
-        self._sel = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        self._loop: DaemonLoop | None = None  # set by start()
+        self._owns_loop = False
+        self._sel: SourceSelector | None = None
         self._lock = threading.Lock()  # leaf: the queues below
         self._adds: list[PeerChannel] = []
         self._writes: set[PeerChannel] = set()
         self._to_close: list[tuple[PeerChannel, str]] = []
-        self._channels: set[PeerChannel] = set()  # selector thread only
+        self._channels: set[PeerChannel] = set()  # loop thread only
         self._pending: dict[socket.socket, tuple[float, str, bytearray]] = {}
         self._listener: socket.socket | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._last_beat = 0.0
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -368,21 +366,38 @@ class PeerChannels:
         log.info("peer channel listening on %s:%d (advertised %s)", host, bound, self.address)
         return self.address
 
-    def start(self) -> None:
-        """Start the selector thread."""
-        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+    def start(self, loop: DaemonLoop | None = None) -> None:
+        """Serve the channels on ``loop`` (the daemon's), or on a loop of their own
+        (a thread named ``kvbeam-peer-channel``) when none is given."""
+        self._owns_loop = loop is None
+        self._loop = loop = loop or DaemonLoop("kvbeam-peer-channel")
+        loop.run_sync(self._join_loop)
+        if self._owns_loop:
+            loop.start()
+        self._wake()  # channels connected before the start
+
+    def _join_loop(self) -> None:
+        """Become a source of our loop and watch the listener (on the loop thread)."""
+        assert self._loop is not None
+        self._sel = self._loop.add(self)
         if self._listener is not None:
-            self._sel.register(self._listener, selectors.EVENT_READ, "listen")
-        self._thread = threading.Thread(target=self._run, name="kvbeam-peer-channel",
-                                        daemon=True)
-        self._thread.start()
+            self._selector.register(self._listener, selectors.EVENT_READ, "listen")
+
+    @property
+    def _selector(self) -> SourceSelector:
+        """Our view of the loop's selector (the loop thread's, once started)."""
+        assert self._sel is not None, "PeerChannels.start() first"
+        return self._sel
 
     def stop(self) -> None:
-        """Close every channel and stop the thread."""
-        self._stop.set()
-        self._wake()
-        if self._thread is not None:
-            self._thread.join(5.0)
+        """Close every channel and leave the loop (stopping it when it is our own)."""
+        loop = self._loop
+        if loop is not None:
+            if self._owns_loop:
+                loop.stop()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    loop.run_sync(lambda: loop.remove(self))
         with self._lock:
             adds, self._adds = self._adds, []
         for channel in [*self._channels, *adds]:
@@ -392,8 +407,6 @@ class PeerChannels:
             sock.close()
         if self._listener is not None:
             self._listener.close()
-        self._wake_r.close()
-        self._wake_w.close()
 
     # ---- opening (prefill, on the caller's thread) ----------------------------------------
     def connect(self, address: str, hello: Hello, peer: str, timeout_s: float) -> PeerChannel:
@@ -446,7 +459,7 @@ class PeerChannels:
         self._wake()
 
     def close_later(self, channel: PeerChannel, reason: str) -> None:
-        """Close ``channel`` from the selector thread (a writer found its socket broken)."""
+        """Close ``channel`` from the loop thread (a writer found its socket broken)."""
         with self._lock:
             self._to_close.append((channel, reason))
         self._wake()
@@ -466,47 +479,32 @@ class PeerChannels:
                               channel.peer)
 
     def _wake(self) -> None:
-        # BlockingIOError: a wake-up is pending already; OSError: we stop.
-        with contextlib.suppress(BlockingIOError, OSError):
-            self._wake_w.send(b"\0")
+        if self._loop is not None:
+            self._loop.wake()
 
-    # ---- the selector thread ---------------------------------------------------------------
-    def _run(self) -> None:
-        name_os_thread()
-        while not self._stop.is_set():
-            try:
-                events = self._sel.select(TICK_S)
-            except OSError:
-                log.exception("peer channel selector failed")
-                time.sleep(TICK_S)
-                continue
-            for key, mask in events:
-                try:
-                    self._ready(key, mask)
-                except Exception:  # never lose the thread to one connection
-                    log.exception("peer channel: handling %s failed", key.data)
-            try:
-                self._housekeeping()
-            except Exception:
-                log.exception("peer channel housekeeping failed")
+    # ---- on the loop (LoopSource) -----------------------------------------------------------
+    def wait_s(self) -> float:
+        """The loop's longest sleep for us: call deadlines and silence are checked
+        every ``TICK_S``."""
+        return TICK_S
 
-    def _ready(self, key: selectors.SelectorKey, mask: int) -> None:
-        data = key.data
-        if data == "wake":
-            try:
-                while self._wake_r.recv(4096):
-                    pass
-            except (BlockingIOError, OSError):
-                pass
-        elif data == "listen":
+    def tick(self) -> None:
+        """After every pass: queued channels, writes and closes; heartbeats, silence,
+        call deadlines, connections still without their HELLO."""
+        self._housekeeping()
+
+    def ready(self, data: Any, mask: int) -> None:
+        """A socket we registered is ready: the listener, a connection that has not
+        sent its HELLO (``("pending", sock)``), or a channel's."""
+        if data == "listen":
             self._accept()
-        elif data == "pending":
-            self._read_hello(key.fileobj)  # type: ignore[arg-type]
+        elif isinstance(data, tuple):
+            self._read_hello(data[1])
         elif isinstance(data, PeerChannel):
             if mask & selectors.EVENT_READ:
                 self._read(data)
             if mask & selectors.EVENT_WRITE and not data.closed and not data.flush():
-                self._sel.modify(data.sock, selectors.EVENT_READ, data)
+                self._selector.modify(data.sock, selectors.EVENT_READ, data)
 
     def _housekeeping(self) -> None:
         with self._lock:
@@ -517,11 +515,11 @@ class PeerChannels:
             if channel.closed:
                 continue
             self._channels.add(channel)
-            self._sel.register(channel.sock, selectors.EVENT_READ, channel)
+            self._selector.register(channel.sock, selectors.EVENT_READ, channel)
             channel.last_heard = self.clock()
         for channel in writes:
             if channel in self._channels and not channel.closed and channel.flush():
-                self._sel.modify(channel.sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
+                self._selector.modify(channel.sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
                                  channel)
         for channel, reason in closing:
             if reason:  # a writer found the socket broken: first read the peer's last words
@@ -530,7 +528,7 @@ class PeerChannels:
             if channel in self._channels:
                 self._channels.discard(channel)
                 with contextlib.suppress(KeyError, ValueError):
-                    self._sel.unregister(channel.sock)
+                    self._selector.unregister(channel.sock)
             channel.sock.close()
         now = self.clock()
         beat = now - self._last_beat >= self.heartbeat_s
@@ -631,12 +629,12 @@ class PeerChannels:
                                    "their HELLO", self._pending[oldest][1])
             who = f"{addr[0]}:{addr[1]}"
             self._pending[sock] = (self.clock() + HELLO_TIMEOUT_S, who, bytearray())
-            self._sel.register(sock, selectors.EVENT_READ, "pending")
+            self._selector.register(sock, selectors.EVENT_READ, ("pending", sock))
 
     def _drop_pending(self, sock: socket.socket, level: int, why: str, who: str) -> None:
         self._pending.pop(sock, None)
         with contextlib.suppress(KeyError, ValueError):
-            self._sel.unregister(sock)
+            self._selector.unregister(sock)
         sock.close()
         log.log(level, "peer channel from %s refused: %s", who, why)
 
@@ -672,7 +670,7 @@ class PeerChannels:
                                    who)
             return
         self._pending.pop(sock)
-        self._sel.unregister(sock)
+        self._selector.unregister(sock)
         channel = PeerChannel(self, sock, who)
         try:
             hello = decode_hello(bytes(buf[HEADER.size:]))
@@ -688,6 +686,6 @@ class PeerChannels:
             log.exception("peer channel from %s: checking its HELLO failed", who)
             return
         self._channels.add(channel)
-        self._sel.register(sock, selectors.EVENT_READ, channel)
+        self._selector.register(sock, selectors.EVENT_READ, channel)
         channel.send(frame(WELCOME, 0))
         log.info("peer channel from %s bound", channel.peer)

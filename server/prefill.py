@@ -93,7 +93,7 @@ class PrefillServicer(DaemonServicer):
         """Decode's Offer over the peer channel, one-way: kept without a word when
         prefill's digests will follow (the usual case); anything else decode must act on
         (not kept, kept without digests, refused with a status) goes back to it as one
-        OFFER_ANSWER frame. The peer channel's thread."""
+        OFFER_ANSWER frame. On the daemon's loop."""
         code, detail = grpc.StatusCode.OK, ""
         answer = pb.OfferResponse()
         bound = channel.bound

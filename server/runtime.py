@@ -38,6 +38,7 @@ from kvbeam.server.end_log import EndLog
 from kvbeam.server.engine_channel import CoreOps, EngineChannel
 from kvbeam.server.faults import arm, build_faults
 from kvbeam.server.lifecycle import Deadlines, TransferTable
+from kvbeam.server.loop import DaemonLoop
 from kvbeam.server.metrics import DaemonMetrics
 from kvbeam.server.metrics_collector import DaemonCollector, Sources
 from kvbeam.server.peers import Peers
@@ -45,7 +46,6 @@ from kvbeam.server.servicer import GatedHealth
 from kvbeam.server.settings import ControlOptions, DaemonSettings
 from kvbeam.server.slots import SlotPool
 from kvbeam.states import TransferStatus
-from kvbeam.threads import name_os_thread
 from kvbeam.transport import Access, Endpoint, TransportOptions, open_transport
 from kvbeam.transport.base import Registration
 from kvbeam.transport.factory import Kind as TransportKind
@@ -148,7 +148,9 @@ class Runtime:
         #: Where /metrics is served ("" when --metrics is off); set by :meth:`start`.
         self.metrics_address = ""
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        #: The daemon's loop: the peer channels, the attach socket and the engine
+        #: channel, the transport's leftover events and the sweep (:meth:`start`).
+        self.loop = DaemonLoop("kvbeam-loop")
         #: Whether an engine attached in this daemon's life (a later attach is new memory).
         self._attached_before = False
         #: kvbeam_info's labels; ``instance`` follows a re-attach's new id.
@@ -252,6 +254,7 @@ class Runtime:
         """
         if self.settings.metrics:
             self.metrics_address = self.metrics.serve(self.settings.metrics)
+        self.loop.start()
         self._servicer = servicer
         if self.faults is not None:  # decorate the driver before it serves anything
             arm(cast("DecodeDriver | PrefillDriver", servicer.core), self.faults)
@@ -268,7 +271,8 @@ class Runtime:
             self.attach_server = AttachServer(self.attach_path, self.settings.attach_allow_uid,
                                               self.attach_engine, self.detach_engine,
                                               group=self.settings.attach_group,
-                                              channel=self.engine_channel)
+                                              channel=self.engine_channel,
+                                              offload=servicer.io.submit)
         self.server = ControlServer(self.local, servicer=servicer, options=self.options)
         # SERVING only while pools exist (always with --pools own).
         self.health = self.server.health = GatedHealth(lambda: self.attached, HEALTH_SERVICES)
@@ -276,18 +280,16 @@ class Runtime:
         # without --advertise) before it answers the first call.
         address = self.server.start(self.settings.listen)
         self.local = self.server.local  # carries the bound or advertised address
-        servicer.start_channels()
+        servicer.start_channels(self.loop)
         self._publish(servicer)
         servicer.deliver_events()
-        t = threading.Thread(target=self._events, args=(self._stop,), name="kvbeam-events",
-                             daemon=True)
-        t.start()
-        self._threads.append(t)
+        self.transport.wake_with(self.loop.wake)
+        self.loop.run_sync(lambda: self.loop.add(_EventsAndSweeps(self)))
         if self.attach_server is not None:
-            self.attach_server.start()
+            self.attach_server.start(self.loop)
         return address
 
-    # ---- engine attach (called on the attach thread) ---------------------------------
+    # ---- engine attach (on the executor: the attach server offloads it) ----------------
     def attach_engine(self, req: AttachRequest, fds: list[int], cred: PeerCred) -> str:
         """Check and map an engine's memory, register it, hand it to the core, serve.
 
@@ -383,26 +385,6 @@ class Runtime:
             peers=lambda: len(self.peers.all()),
             slots=slots if _slot_pool(core) is not None else None)))
 
-    def _events(self, stop: threading.Event) -> None:
-        """The events thread: until stopped, the transport events its own threads did
-        not deliver (:meth:`~kvbeam.transport.base.Transport.pump`, waiting for one at
-        most until the next sweep), and every ``SWEEP_S`` on the runtime's clock the
-        sweep. One thread for both: each is short and neither blocks (what blocks goes
-        to the executor), so the sweep waits at most for one event's handling."""
-        name_os_thread()
-        due = self.clock() + SWEEP_S
-        while not stop.is_set():
-            left = due - self.clock()
-            if left > 0:
-                try:
-                    self.transport.pump(min(left, SWEEP_S))
-                except Exception:  # one bad event must not stop the deliveries
-                    log.exception("delivering transport events failed")
-                    stop.wait(min(left, SWEEP_S))
-                continue
-            self._sweep()
-            due = self.clock() + SWEEP_S
-
     def _sweep(self) -> None:
         """Deadlines, peers without a channel, the cores' periodic work, then the
         end-of-transfer lines; a failure in one is logged and the next sweep goes on."""
@@ -430,8 +412,7 @@ class Runtime:
         self._stop.set()
         if self.server is not None:
             self.server.stop(grace)
-        for t in self._threads:
-            t.join(timeout=5)
+        self.loop.stop()
         self.end_log.flush(final=True)  # the sweeps are over: the last ends' lines
         for conn in self.peers.all():
             conn.close()
@@ -442,3 +423,31 @@ class Runtime:
         self._release_records()
         self.transport.close()
         log.info("%s daemon stopped: nothing registered, transport closed", self.role.value)
+
+
+class _EventsAndSweeps:
+    """The loop's source for what no socket brings: the transport events no transport
+    thread delivered (the transport wakes the loop for them,
+    :meth:`~kvbeam.transport.base.Transport.wake_with`), and every ``SWEEP_S`` on the
+    runtime's clock the sweep (:meth:`Runtime._sweep`)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+        self.due = runtime.clock() + SWEEP_S
+
+    def ready(self, data: object, mask: int) -> None:
+        """Never called: this source watches no file descriptor."""
+
+    def tick(self) -> None:
+        """Deliver what the transport queued; sweep when one is due."""
+        try:
+            self.rt.transport.pump(0.0)
+        except Exception:  # one bad event must not stop the deliveries
+            log.exception("delivering transport events failed")
+        if self.rt.clock() >= self.due:
+            self.rt._sweep()
+            self.due = self.rt.clock() + SWEEP_S
+
+    def wait_s(self) -> float:
+        """Until the next sweep."""
+        return min(SWEEP_S, self.due - self.rt.clock())

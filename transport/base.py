@@ -156,6 +156,12 @@ class Transport(ABC):
         waiting up to ``timeout`` for one (one thread calls it in a loop)."""
 
     @abstractmethod
+    def wake_with(self, waker: Callable[[], None]) -> None:
+        """Call ``waker`` (any thread, maybe under a lock: it must only wake a loop)
+        whenever an event waits for :meth:`pump`, so a loop that pumps without waiting
+        learns of it at once."""
+
+    @abstractmethod
     def close(self) -> None:
         """Release links and registrations and stop background work. Idempotent."""
 

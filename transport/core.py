@@ -103,6 +103,7 @@ class EventQueue:
         self._items: deque[Event] = deque()
         self._cond = threading.Condition()
         self._handler: Callable[[Event], None] | None = None
+        self._waker: Callable[[], None] | None = None
         self._delivering = threading.Lock()  # held while handing events over; never waited on
 
     def put(self, event: Event, wake: bool = True) -> None:
@@ -112,6 +113,8 @@ class EventQueue:
             self._items.append(event)
             if wake:
                 self._cond.notify_all()
+        if wake and self._waker is not None:
+            self._waker()
 
     def drain(self, timeout: float | None) -> list[Event]:
         """Everything queued, waiting up to ``timeout`` (None: forever) while empty."""
@@ -130,6 +133,14 @@ class EventQueue:
         """Wake the event thread to take what is queued (:meth:`drain`, :meth:`pump`)."""
         with self._cond:
             self._cond.notify_all()
+        if self._waker is not None:
+            self._waker()
+
+    def wake_with(self, waker: Callable[[], None]) -> None:
+        """Also call ``waker`` (from any thread, maybe under a lock: it must only wake,
+        e.g. :meth:`kvbeam.server.loop.DaemonLoop.wake`) whenever the event thread is
+        woken: a loop that :meth:`pump` s with no wait then learns of what was queued."""
+        self._waker = waker
 
     def deliver_to(self, handler: Callable[[Event], None]) -> None:
         """Hand events to ``handler`` from now on (:meth:`deliver`, :meth:`pump`). It runs

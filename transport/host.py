@@ -104,3 +104,8 @@ class LinkHostBase:
     def pump(self, timeout: float) -> None:
         """Deliver queued events to the handler, waiting up to ``timeout`` for one."""
         self._events.pump(timeout)
+
+    def wake_with(self, waker: Callable[[], None]) -> None:
+        """Call ``waker`` whenever an event waits for :meth:`pump`
+        (:meth:`~kvbeam.transport.core.EventQueue.wake_with`)."""
+        self._events.wake_with(waker)

@@ -50,20 +50,20 @@ handshakes, XXH3-128 digests, peer calls (BeginWrite, Abort: each waits for its
 answer on the pair's peer channel), link releases. Decode's Offer (the core's
 ``SendOffer`` action) does not block: its driver sends it from the Reserve's thread,
 outside every lock, and prefill's answer, when it sends one (a kept offer
-gets none), is an event handled on the peer channel's thread
+gets none), is an event handled on the daemon's loop
 (``DecodeCore.answer_arrived``). ``on_event`` runs on the
-transport thread that saw the event (or the daemon's event thread; see
+transport thread that saw the event (or the daemon's loop; see
 :meth:`kvbeam.transport.base.Transport.deliver_to`) with no transport lock held: it does
 bookkeeping, verifies a small landing on decode (its digests run
 inline anyway) and submits the rest. A prefill step that cannot block (a small
 single-chunk request with decode's offer in hand) runs on the thread that made it
 ready (the engine channel's, a handler's, or the peer channel's for an Offer), not on
 the executor (``PrefillCore.steps_inline``; what follows an action that blocks goes
-to the executor in order, ``PrefillDriver.execute``). Long-lived loops (events,
-deadline sweep) and the peer channels' selector thread
-(:mod:`kvbeam.server.peer_channel`, which answers Offer and BeginWrite itself and
-hands Aborts to the servicer's ``peer_io`` pool) are the other threads;
-nothing starts a thread per event.
+to the executor in order, ``PrefillDriver.execute``). The daemon's loop
+(:mod:`kvbeam.server.loop`: the peer channels, which answer Offer and BeginWrite
+themselves and hand Aborts to the servicer's ``peer_io`` pool; the attach socket and
+the engine channel; the transport's leftover events and the deadline sweep) is the
+other thread; nothing starts a thread per event.
 
 Locks in kvbeam.server, and their order (a lock may be taken while holding one
 listed ABOVE it, never the reverse). No lock is held across I/O: a handshake, an

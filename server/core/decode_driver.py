@@ -288,7 +288,7 @@ class DecodeDriver(DriverBase[DecodeCore]):
 
     def offer_answer(self, request_id: str, transfer_id: int, instance_id: str,
                      answer: Offered) -> None:
-        """Prefill ``instance_id``'s answer to an Offer (the peer channel's thread, no
+        """Prefill ``instance_id``'s answer to an Offer (the daemon's loop, no
         lock held): :meth:`DecodeCore.answer_arrived`."""
         self.execute(self.core.answer_arrived(request_id, transfer_id, instance_id, answer))
 

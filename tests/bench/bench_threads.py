@@ -57,7 +57,7 @@ def python_thread_names(pid: int) -> dict[int, str]:
 
 
 #: Thread groups, by the name's start: every kvbeam thread names itself in the OS too
-#: (kvbeam/threads.py), so the kernel's names (15 bytes: "kvbeam-peer-cha") say which
+#: (kvbeam/threads.py), so the kernel's names (15 bytes: "kvbeam-tcp-recv") say which
 #: thread is which without py-spy; py-spy's Python names, where it is installed, start
 #: the same. Other threads (gRPC's C core, the main thread) keep kernel names, bracketed.
 GROUPS = [("kvbeam-verbs", "verbs progress (posts, completions; rxe sends in ibv_post_send)"),
@@ -65,12 +65,10 @@ GROUPS = [("kvbeam-verbs", "verbs progress (posts, completions; rxe sends in ibv
           ("kvbeam-io", "executor (plan, post, digests, peer RPCs)"),
           ("kvbeam-digest", "digest pool (XXH3-128, --digest-threads)"),
           ("kvbeam-control", "RPC handlers (gRPC handler pool)"),
-          # Before "kvbeam-peer": the selector thread's name starts with it.
-          ("kvbeam-peer-cha", "peer channel (frames, inline handlers, heartbeats)"),
+          ("kvbeam-loop", "daemon loop (engine and peer channels' frames, cores' API calls, "
+                          "pushes, heartbeats, leftover transport events, the sweep)"),
           ("kvbeam-peer", "peer channel Abort pool"),
-          ("kvbeam-attach", "engine channel (attach loop: frames, cores' API calls, pushes)"),
           ("Thread-1 (_serve)", "gRPC Python server loop (_serve)"),
-          ("kvbeam-events", "events thread (leftover transport events, the sweep)"),
           ("[", "other threads (gRPC's C core, the main thread)")]
 
 

@@ -283,6 +283,6 @@ def test_forty_aborts_at_once_are_answered_in_time_and_the_channel_keeps_beating
     replies = [f.result(10.0) for f in pending]  # a call past its deadline raises
     assert all(pb.TransferStatus.FromString(r.payload).state == pb.TRANSFER_STATE_FAILED
                for r in replies)
-    # The channel's thread answered every PING meanwhile: the drains wait elsewhere.
+    # The daemon's loop answered every PING meanwhile: the drains wait elsewhere.
     assert decode.channel.missed_heartbeats() == 0
     assert not decode.channel.closed

@@ -54,10 +54,11 @@ def test_every_daemon_thread_is_named_in_the_os() -> None:
         for daemon in (prefill, decode):
             names = {path.read_text().strip()
                      for path in Path(f"/proc/{daemon.proc.pid}/task").glob("*/comm")}
-            want = {"kvbeam-peer-cha", "kvbeam-events",
-                    "kvbeam-tcp-acce", "kvbeam-control_"}
+            want = {"kvbeam-loop", "kvbeam-tcp-acce", "kvbeam-control_"}
             assert want <= names, (daemon.role, sorted(names))
-            assert "kvbeam-sweeper" not in names  # the sweep runs on the events thread
+            # One loop serves the peer channels, the events and the sweep.
+            assert not names & {"kvbeam-peer-cha", "kvbeam-events", "kvbeam-sweeper",
+                                "kvbeam-attach"}, sorted(names)
             assert any(n.startswith("kvbeam-tcp-") for n in names - want), sorted(names)
 
 

@@ -148,9 +148,9 @@ def test_thread_groups_and_their_report() -> None:
     assert group_of("kvbeam-control_0").startswith("RPC handlers")
     assert group_of("Thread-1 (_serve)").startswith("gRPC Python server")
     assert group_of("[event_engine]").startswith("other threads (gRPC's C core")
-    assert group_of("kvbeam-events").startswith("events thread")
+    assert group_of("kvbeam-loop").startswith("daemon loop")
     # The kernel's 15-byte names (kvbeam/threads.py) land where py-spy's names do.
-    for python, kernel in (("kvbeam-peer-channel", "kvbeam-peer-cha"),
+    for python, kernel in (("kvbeam-verbs-progress", "kvbeam-verbs-pr"),
                            ("kvbeam-tcp-recv-('127.0.0.1', 9)", "kvbeam-tcp-recv")):
         assert group_of(python) == group_of(kernel) != "other", python
     assert group_of("kvbeam-peer_0").startswith("peer channel Abort pool")

@@ -250,7 +250,7 @@ def test_decode_pushes_a_failed_state_once_the_requests_pages_are_freed() -> Non
 
 def test_a_pushed_state_goes_out_at_once_and_a_full_socket_keeps_the_order() -> None:
     """A state pushed with nothing queued is on the socket before the push returns (no
-    flush by the attach thread); once the socket is full, later states queue behind
+    flush by the loop thread); once the socket is full, later states queue behind
     what it did not take, and the flush delivers every frame whole and in order."""
     daemon, engine = socket.socketpair()
     daemon.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)

@@ -429,10 +429,15 @@ def test_a_stalled_peer_fails_when_its_send_buffer_fills(
     side = Side("decode", answer=False)
     side.hub.listen("127.0.0.1", 0, "127.0.0.1")
     side.hub.start()
+    held = threading.Event()
     try:
         channel = _open(prefill, side)
-        side.hub._stop.set()  # its thread stops reading: the peer stalls
-        side.hub._wake()
+        assert side.hub._loop is not None
+
+        def stall() -> None:
+            held.wait(60)
+
+        side.hub._loop.call_soon_threadsafe(stall)  # its loop stops reading: the peer stalls
         done = threading.Event()
 
         def flood() -> None:
@@ -446,7 +451,7 @@ def test_a_stalled_peer_fails_when_its_send_buffer_fills(
         assert done.wait(30.0), "a writer blocked on a stalled peer"
         assert channel.closed and "stopped reading" in channel.close_reason
     finally:
-        side.hub._stop.clear()
+        held.set()
         side.hub.stop()
 
 

@@ -1,0 +1,222 @@
+"""The daemon's loop: one thread, one selector, for every source that waits on a socket.
+
+A :class:`DaemonLoop` serves :class:`LoopSource` objects: each registers its file
+descriptors through its own :class:`SourceSelector` (the loop dispatches a ready one to
+the source that registered it, with the data it gave), runs its housekeeping in
+:meth:`LoopSource.tick` after every pass, and says how long the loop may sleep
+(:meth:`LoopSource.wait_s`). Other threads hand work to the loop with
+:meth:`DaemonLoop.call_soon_threadsafe` and wake it with :meth:`DaemonLoop.wake`.
+
+A source's state that only the loop thread touches needs no lock, whoever else shares
+the loop. Nothing on the loop may block: a source hands blocking work (a memory
+registration, a handshake) to an executor, which comes back with
+:meth:`DaemonLoop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import selectors
+import socket
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol, TypeVar
+
+from kvbeam.threads import name_os_thread
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The loop's longest sleep, s, whatever its sources ask.
+MAX_WAIT_S = 0.2
+
+
+class LoopSource(Protocol):
+    """What a source of a :class:`DaemonLoop` does, on the loop thread."""
+
+    def ready(self, data: Any, mask: int) -> None:
+        """A file descriptor it registered with ``data`` is ready (``mask``:
+        ``selectors.EVENT_READ`` and/or ``EVENT_WRITE``)."""
+
+    def tick(self) -> None:
+        """Housekeeping after every pass of the loop (timeouts, queued work)."""
+
+    def wait_s(self) -> float:
+        """How long the loop may sleep before this source's next :meth:`tick` is due."""
+
+
+class SourceSelector:
+    """A source's view of the loop's selector: what it registers is dispatched to it."""
+
+    def __init__(self, sel: selectors.BaseSelector, source: LoopSource) -> None:
+        self._sel = sel
+        self._source = source
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> None:
+        """Watch ``fileobj`` for ``events``; ``data`` comes back with each readiness."""
+        self._sel.register(fileobj, events, (self._source, data))
+
+    def modify(self, fileobj: Any, events: int, data: Any = None) -> None:
+        """Change what ``fileobj`` is watched for."""
+        self._sel.modify(fileobj, events, (self._source, data))
+
+    def unregister(self, fileobj: Any) -> None:
+        """Stop watching ``fileobj`` (KeyError when it was not watched)."""
+        self._sel.unregister(fileobj)
+
+    def watched(self, fileobj: Any) -> tuple[int, Any] | None:
+        """(events, data) ``fileobj`` is watched for, None when it is not."""
+        try:
+            key = self._sel.get_key(fileobj)
+        except (KeyError, ValueError):
+            return None
+        return key.events, key.data[1]
+
+
+class DaemonLoop:
+    """One thread serving every registered source (see the module's docstring)."""
+
+    def __init__(self, name: str = "kvbeam-loop") -> None:
+        self.name = name
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._sources: list[LoopSource] = []  # the loop thread's (or before start)
+        self._lock = threading.Lock()  # leaf: the queue of calls only
+        self._calls: deque[Callable[[], None]] = deque()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # ---- sources --------------------------------------------------------------------------
+    def add(self, source: LoopSource) -> SourceSelector:
+        """Serve ``source`` (before :meth:`start` or on the loop thread); its selector."""
+        self._sources.append(source)
+        return SourceSelector(self._sel, source)
+
+    def remove(self, source: LoopSource) -> None:
+        """Serve ``source`` no more and forget every fd it registered (on the loop thread,
+        or once the loop stopped)."""
+        with contextlib.suppress(ValueError):
+            self._sources.remove(source)
+        if self._closed:
+            return  # the selector is gone, and its registrations with it
+        for key in list(self._sel.get_map().values()):
+            if isinstance(key.data, tuple) and key.data[0] is source:
+                self._sel.unregister(key.fileobj)
+
+    # ---- other threads ----------------------------------------------------------------------
+    @property
+    def on_loop(self) -> bool:
+        """Whether the caller is the loop's thread."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop's thread serves (started, not stopped)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wake(self) -> None:
+        """End the loop's current sleep (any thread; cheap when it is awake already)."""
+        # BlockingIOError: a wake-up is pending already; OSError: the loop has stopped.
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
+
+    def call_soon_threadsafe(self, call: Callable[[], None]) -> None:
+        """Run ``call`` on the loop thread at its next pass (any thread)."""
+        with self._lock:
+            self._calls.append(call)
+        self.wake()
+
+    def run_sync(self, call: Callable[[], T], timeout_s: float = 5.0) -> T:
+        """Run ``call`` on the loop thread and return its result: at once when the caller
+        is the loop thread or the loop does not run. Raises what ``call`` raised, or
+        TimeoutError when the loop did not run it within ``timeout_s``."""
+        if self.on_loop or not self.running:
+            return call()
+        done: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(call())
+            except BaseException as exc:  # handed to the waiting caller
+                done.set_exception(exc)
+
+        self.call_soon_threadsafe(run)
+        return done.result(timeout_s)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the loop's thread."""
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the loop's thread (the sources' fds stay open: their owners close them)."""
+        self._stop.set()
+        self.wake()
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+        self._closed = True
+        self._sel.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # ---- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        name_os_thread()
+        while not self._stop.is_set():
+            wait = MAX_WAIT_S
+            for source in list(self._sources):
+                try:
+                    wait = min(wait, max(0.0, source.wait_s()))
+                except Exception:
+                    log.exception("%s: %r: its wait failed", self.name, source)
+            with self._lock:
+                if self._calls:
+                    wait = 0.0
+            try:
+                events = self._sel.select(wait)
+            except OSError:
+                if self._stop.is_set():
+                    return
+                log.exception("%s: select failed", self.name)
+                self._stop.wait(MAX_WAIT_S)
+                continue
+            for key, mask in events:
+                if key.data is None:
+                    self._drain_wake()
+                    continue
+                source, data = key.data
+                try:
+                    source.ready(data, mask)
+                except Exception:  # never lose the loop to one source's connection
+                    log.exception("%s: %r: handling %r failed", self.name, source, data)
+            self._run_calls()
+            for source in list(self._sources):
+                try:
+                    source.tick()
+                except Exception:
+                    log.exception("%s: %r: its housekeeping failed", self.name, source)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _run_calls(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, deque()
+        for call in calls:
+            try:
+                call()
+            except Exception:
+                log.exception("%s: a call on the loop failed", self.name)

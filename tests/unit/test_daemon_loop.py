@@ -1,0 +1,113 @@
+"""The daemon's loop: sources get their own fds' readiness, ticks, calls from other threads."""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import threading
+from typing import Any
+
+import pytest
+
+from kvbeam.server.loop import DaemonLoop, SourceSelector
+from tests.waiting import wait_until
+
+
+class Recorder:
+    """A source that records what the loop hands it."""
+
+    def __init__(self, loop: DaemonLoop, wait: float = 0.2) -> None:
+        self.sel: SourceSelector = loop.add(self)
+        self.ready_calls: list[tuple[Any, int]] = []
+        self.ticks = 0
+        self.threads: set[str] = set()
+        self.wait = wait
+
+    def ready(self, data: Any, mask: int) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.ready_calls.append((data, mask))
+        if isinstance(data, socket.socket):
+            data.recv(4096)
+
+    def tick(self) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.ticks += 1
+
+    def wait_s(self) -> float:
+        return self.wait
+
+
+def test_each_source_gets_its_own_fds_on_the_loop_thread() -> None:
+    loop = DaemonLoop("test-loop")
+    a, b = Recorder(loop), Recorder(loop)
+    a_r, a_w = socket.socketpair()
+    b_r, b_w = socket.socketpair()
+    a.sel.register(a_r, selectors.EVENT_READ, a_r)
+    b.sel.register(b_r, selectors.EVENT_READ, b_r)
+    loop.start()
+    try:
+        a_w.send(b"x")
+        assert wait_until(lambda: len(a.ready_calls) == 1, 5)
+        assert b.ready_calls == []
+        b_w.send(b"y")
+        assert wait_until(lambda: len(b.ready_calls) == 1, 5)
+        assert a.ready_calls == [(a_r, selectors.EVENT_READ)]
+        assert a.threads == b.threads == {"test-loop"}
+        assert b.sel.watched(b_r) == (selectors.EVENT_READ, b_r)
+    finally:
+        loop.stop()
+        for s in (a_r, a_w, b_r, b_w):
+            s.close()
+
+
+def test_a_source_that_fails_does_not_stop_the_others() -> None:
+    loop = DaemonLoop("test-loop")
+    good = Recorder(loop, wait=0.01)
+
+    class Bad(Recorder):
+        def tick(self) -> None:
+            raise RuntimeError("boom")
+
+    Bad(loop, wait=0.01)
+    loop.start()
+    try:
+        before = good.ticks
+        assert wait_until(lambda: good.ticks > before + 3, 5)
+    finally:
+        loop.stop()
+
+
+def test_calls_from_other_threads_run_on_the_loop_in_order() -> None:
+    loop = DaemonLoop("test-loop")
+    Recorder(loop, wait=10.0)  # asks for long sleeps: the wake-up must cut them short
+    loop.start()
+    try:
+        seen: list[tuple[int, str]] = []
+        for i in range(5):
+            loop.call_soon_threadsafe(lambda i=i: seen.append(  # type: ignore[misc]
+                (i, threading.current_thread().name)))
+        assert wait_until(lambda: len(seen) == 5, 2)
+        assert seen == [(i, "test-loop") for i in range(5)]
+        assert loop.run_sync(lambda: threading.current_thread().name) == "test-loop"
+        with pytest.raises(ValueError, match="bad"):
+            loop.run_sync(lambda: int("bad"))
+    finally:
+        loop.stop()
+
+
+def test_run_sync_runs_inline_without_a_running_loop_and_remove_unregisters() -> None:
+    loop = DaemonLoop("test-loop")
+    rec = Recorder(loop)
+    r, w = socket.socketpair()
+    rec.sel.register(r, selectors.EVENT_READ, r)
+    assert loop.run_sync(lambda: 7) == 7  # not started: on the caller's thread
+    loop.remove(rec)
+    assert rec.sel.watched(r) is None
+    loop.start()
+    try:
+        w.send(b"x")
+        assert not wait_until(lambda: bool(rec.ready_calls), 0.3)  # no longer served
+    finally:
+        loop.stop()
+        r.close()
+        w.close()
