@@ -201,8 +201,9 @@ class DialRefused(KvbeamError):
     it could not: ``reason`` is the failure reason decode's reservations naming that
     prefill end with (incompatible: prefill's handshake was refused; peer_unreachable:
     prefill, or decode from prefill, could not be reached). ``retry``: nothing is known
-    to be wrong with the pair (an older prefill without Connect, prefill busy): the
-    reservations wait for their deadline as before instead of failing."""
+    to be wrong with the pair (an older prefill without Connect, prefill busy, the data
+    link not connectable through a partition): the reservations wait for the Send's
+    handshake or their deadline instead of failing."""
 
     def __init__(self, reason: FailureReason, message: str, *, retry: bool = False) -> None:
         super().__init__(message)

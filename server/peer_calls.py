@@ -30,6 +30,7 @@ from kvbeam.errors import (
     PeerChannelError,
     PeerUnavailableError,
     SendFailed,
+    TransportError,
     UnknownRequest,
 )
 from kvbeam.logs import fields
@@ -88,6 +89,13 @@ def connect_refusal(exc: grpc.RpcError, address: str, timeout: float) -> DialRef
         # Prefill answered, but could not reach us (its handshake's error).
         return DialRefused(FailureReason.PEER_UNREACHABLE,
                            f"{where} could not reach this decode: {details}")
+    if code is grpc.StatusCode.UNAVAILABLE and details.startswith(TransportError.__name__):
+        # The handshake passed but the data link could not be connected (a partition of
+        # the data path, a port down): nothing about the pair, so the reservations wait
+        # for the Send's handshake or their deadline.
+        return DialRefused(FailureReason.PEER_UNREACHABLE,
+                           f"{where} could not connect its data link to this decode: "
+                           f"{details}", retry=True)
     if code is grpc.StatusCode.PERMISSION_DENIED:
         return DialRefused(FailureReason.PEER_UNREACHABLE, f"{where} refused to dial this "
                                                            f"decode: {details}")

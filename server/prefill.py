@@ -24,6 +24,7 @@ from kvbeam.errors import (
     ProtocolError,
     ProtocolVersionError,
     RoleConflictError,
+    TransportError,
 )
 from kvbeam.logs import fields
 from kvbeam.proto.fields import host_port
@@ -55,13 +56,15 @@ MAX_ANSWER_DETAIL = 4096
 def connect_code(exc: BaseException) -> grpc.StatusCode:
     """The status of a Connect whose handshake (or admission) failed: FAILED_PRECONDITION
     for a refused pair (its text names every difference) or no engine attached,
-    RESOURCE_EXHAUSTED when busy, UNAVAILABLE when decode could not be reached."""
+    RESOURCE_EXHAUSTED when busy, UNAVAILABLE when decode could not be reached or the
+    pair's data link could not be connected (a partition: the details start with the
+    error's class name, which decode reads)."""
     if isinstance(exc, PoolCompatibilityError | ProtocolVersionError | RoleConflictError
                   | HandshakeRejectedError | NoEngineAttached):
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, Busy):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, PeerError | ProtocolError):
+    if isinstance(exc, PeerError | ProtocolError | TransportError):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
