@@ -281,22 +281,21 @@ class AttachServer:
     def ready(self, data: Any, mask: int) -> None:
         """A socket we watch is ready: the listener, the channel's wake fd, a
         connecting engine's, the attached engine's."""
-        sel = self._selector
         if data == "listener":
-            self._accept(sel)
+            self._accept()
         elif data == "wake":
-            self._woken(sel)
+            self._woken()
         elif isinstance(data, _Pending):
-            self._pending_readable(sel, data)
+            self._pending_readable(data)
         elif data == "engine":
             if mask & selectors.EVENT_WRITE:
-                self._flush(sel)
+                self._flush()
             if mask & selectors.EVENT_READ:
-                self._engine_message(sel)
+                self._engine_message()
 
     def tick(self) -> None:
         """After every pass: refuse the connections past their deadline."""
-        self._expire(self._selector)
+        self._expire()
 
     def wait_s(self) -> float:
         """How long the loop may sleep for us: until the nearest pending deadline."""
@@ -311,7 +310,7 @@ class AttachServer:
         return self._sel
 
     # ---- connecting engines ---------------------------------------------------------
-    def _accept(self, sel: SourceSelector) -> None:
+    def _accept(self) -> None:
         """Accept every connection waiting (non-blocking); check its credentials."""
         for _ in range(LISTEN_BACKLOG):
             try:
@@ -335,7 +334,7 @@ class AttachServer:
             else:
                 pending = _Pending(conn, cred, time.monotonic() + READ_TIMEOUT_S)
                 self._pending[conn.fileno()] = pending
-                sel.register(conn, selectors.EVENT_READ, pending)
+                self._selector.register(conn, selectors.EVENT_READ, pending)
 
     def _refuse_stranger(self, conn: socket.socket, cred: PeerCred) -> None:
         """Refuse a uid that may not attach without reading anything it sent (its fds, if
@@ -362,7 +361,7 @@ class AttachServer:
                         MAX_PENDING, MAX_PENDING)
             self._crowd_logged, self._crowd_refused = now, 0
 
-    def _pending_readable(self, sel: SourceSelector, p: _Pending) -> None:
+    def _pending_readable(self, p: _Pending) -> None:
         """Read what arrived of a connecting engine's message (a few chunks at most)."""
         body = None
         try:
@@ -387,38 +386,38 @@ class AttachServer:
         except (EOFError, OSError) as exc:
             log.info("attach from pid %d (uid %d): %s", p.cred.pid, p.cred.uid,
                      bounded(str(exc), LOG_CHARS))
-            self._drop_pending(sel, p)
+            self._drop_pending(p)
             return
         except AttachError as exc:
-            self._refuse_pending(sel, p, f"unreadable attach message: {exc}", exc.field)
+            self._refuse_pending(p, f"unreadable attach message: {exc}", exc.field)
             return
         if body is not None:
-            self._drop_pending(sel, p, close=False)
-            self._complete(sel, p, body)
+            self._drop_pending(p, close=False)
+            self._complete(p, body)
 
-    def _expire(self, sel: SourceSelector) -> None:
+    def _expire(self) -> None:
         """Refuse the connections whose message did not arrive whole by their deadline
         (what arrived meanwhile is read first)."""
         now = time.monotonic()
         for p in [p for p in self._pending.values() if p.deadline <= now]:
-            self._pending_readable(sel, p)
+            self._pending_readable(p)
             if p.conn.fileno() in self._pending and self._pending[p.conn.fileno()] is p:
                 self._refuse_pending(
-                    sel, p, f"unreadable attach message: the message did not arrive whole "
+                    p, f"unreadable attach message: the message did not arrive whole "
                             f"in time ({p.reader.progress} read) (an attach message must "
                             f"arrive whole within {READ_TIMEOUT_S:g} s)")
 
-    def _drop_pending(self, sel: SourceSelector, p: _Pending, *,
+    def _drop_pending(self, p: _Pending, *,
                       close: bool = True) -> None:
         with contextlib.suppress(KeyError, ValueError):
-            sel.unregister(p.conn)
+            self._selector.unregister(p.conn)
         self._pending.pop(p.conn.fileno(), None)
         if close:
             p.close()
 
-    def _refuse_pending(self, sel: SourceSelector, p: _Pending, error: str,
+    def _refuse_pending(self, p: _Pending, error: str,
                         field: str = "") -> None:
-        self._drop_pending(sel, p, close=False)
+        self._drop_pending(p, close=False)
         self._refuse(p, error, field)
 
     def _refuse(self, p: _Pending, error: str, field: str = "") -> None:
@@ -428,17 +427,17 @@ class AttachServer:
         self._send_now(p.conn, AttachReply(False, error, field))
         p.close()
 
-    def _complete(self, sel: SourceSelector, p: _Pending, body: bytes) -> None:
+    def _complete(self, p: _Pending, body: bytes) -> None:
         """A whole attach message arrived: admit it, then attach on the executor (the
         memory's mapping and registration block); :meth:`_attached` answers. While an
         attach or a detach runs, it waits for that to end."""
         if self._busy:
-            self._after_busy.append(lambda: self._complete(sel, p, body))
+            self._after_busy.append(lambda: self._complete(p, body))
             return
         if self._engine is not None:
-            self._reap_closed_engine(sel)  # may start its detach: then wait for it
+            self._reap_closed_engine()  # may start its detach: then wait for it
             if self._busy:
-                self._after_busy.append(lambda: self._complete(sel, p, body))
+                self._after_busy.append(lambda: self._complete(p, body))
                 return
         try:
             req = self._admit(decode_body(body), len(p.fds))
@@ -458,11 +457,11 @@ class AttachServer:
                 outcome: str | BaseException = self._on_attach(req, fds, p.cred)  # owns fds
             except Exception as exc:
                 outcome = exc
-            loop.call_soon_threadsafe(lambda: self._attached(sel, p, req, outcome))
+            loop.call_soon_threadsafe(lambda: self._attached(p, req, outcome))
 
         self._offload(attach)
 
-    def _attached(self, sel: SourceSelector, p: _Pending, req: AttachRequest,
+    def _attached(self, p: _Pending, req: AttachRequest,
                   outcome: str | BaseException) -> None:
         """The attach ended (the instance id, or why not): answer; serve the engine."""
         cred, conn = p.cred, p.conn
@@ -485,7 +484,7 @@ class AttachServer:
             self.channel.bind(conn, final_only=req.pushes == "final")
         self._plain = MessageReader()
         self._engine = (conn, cred)
-        sel.register(conn, selectors.EVENT_READ, "engine")
+        self._selector.register(conn, selectors.EVENT_READ, "engine")
         log.info("engine pid %d (uid %d) attached on %s (pushes: %s)", cred.pid, cred.uid,
                  self.path, req.pushes)
 
@@ -509,7 +508,7 @@ class AttachServer:
                               "attached: one engine per daemon; detach it first", "op")
         return req
 
-    def _reap_closed_engine(self, sel: SourceSelector) -> None:
+    def _reap_closed_engine(self) -> None:
         """If the attached engine's socket is already closed (it closed and attached again
         at once, or another engine follows one that exited), read what it sent before
         closing and detach it now, so the new attach is not refused for a dead one."""
@@ -524,9 +523,9 @@ class AttachServer:
         for _ in range(64):
             if self._engine is None or (self.channel is not None and self.channel.paused):
                 break
-            self._engine_message(sel)
+            self._engine_message()
         if self._engine is not None:
-            self._drop_engine(sel, f"engine (pid {engine[1].pid}) closed the attach socket",
+            self._drop_engine(f"engine (pid {engine[1].pid}) closed the attach socket",
                               answer=False)
 
     @staticmethod
@@ -541,7 +540,7 @@ class AttachServer:
             return False
 
     # ---- the attached engine ----------------------------------------------------------
-    def _engine_message(self, sel: SourceSelector) -> None:
+    def _engine_message(self) -> None:
         engine = self._engine
         if engine is None:
             return
@@ -560,7 +559,7 @@ class AttachServer:
                 self._answer_engine(conn, AttachReply(
                     False, "op: already attached on this connection; detach first", "op"))
             if not reason:
-                self._engine_events(sel)
+                self._engine_events()
                 return
         except (EOFError, OSError) as exc:
             reason = f"engine (pid {cred.pid}) closed the attach socket (exited?): {exc}"
@@ -573,9 +572,9 @@ class AttachServer:
             self._answer_engine(conn, AttachReply(False, str(exc) if isinstance(
                 exc, AttachError) else "attach message nested too deeply",
                 getattr(exc, "field", "")))
-            self._engine_events(sel)
+            self._engine_events()
             return
-        self._drop_engine(sel, reason, answer=True)
+        self._drop_engine(reason, answer=True)
 
     def _read_plain(self, conn: socket.socket) -> list[bytes]:
         """Without an engine channel: what arrived of the next attach-protocol message
@@ -599,7 +598,7 @@ class AttachServer:
         else:
             self._send_now(conn, reply)
 
-    def _drop_engine(self, sel: SourceSelector, reason: str, *, answer: bool) -> None:
+    def _drop_engine(self, reason: str, *, answer: bool) -> None:
         """End the attachment: release the memory first (on the executor), then answer
         (a detach) and close, so the engine sees its socket close only once nothing
         writes into its memory any more."""
@@ -608,7 +607,7 @@ class AttachServer:
             return
         conn = engine[0]
         with contextlib.suppress(KeyError, ValueError):
-            sel.unregister(conn)
+            self._selector.unregister(conn)
         if self.channel is not None:
             self.channel.unbind()
         log.warning("%s: releasing its memory", reason)
@@ -635,14 +634,14 @@ class AttachServer:
 
         self._offload(detach)
 
-    def _woken(self, sel: SourceSelector) -> None:
+    def _woken(self) -> None:
         """The channel woke the loop: pushed states to write, or held frames to handle
         (the executor caught up)."""
-        self._flush(sel)
+        self._flush()
         if self._engine is not None and self.channel is not None and self.channel.paused:
-            self._engine_message(sel)  # handles the held frames first; reads on if it can
+            self._engine_message()  # handles the held frames first; reads on if it can
 
-    def _flush(self, sel: SourceSelector) -> None:
+    def _flush(self) -> None:
         """Write the engine channel's pushed states; wait for writability if the socket is full."""
         engine, channel = self._engine, self.channel
         if channel is None:
@@ -651,12 +650,12 @@ class AttachServer:
             channel.flush()
         except OSError as exc:
             if engine is not None:
-                self._drop_engine(sel, f"engine (pid {engine[1].pid}): {exc}; dropping it",
+                self._drop_engine(f"engine (pid {engine[1].pid}): {exc}; dropping it",
                                   answer=False)
             return
-        self._engine_events(sel)
+        self._engine_events()
 
-    def _engine_events(self, sel: SourceSelector) -> None:
+    def _engine_events(self) -> None:
         """Select the engine's socket for reading unless the channel holds frames back
         (backpressure), and for writing while pushed states wait."""
         engine, channel = self._engine, self.channel
@@ -670,13 +669,13 @@ class AttachServer:
                 # The executor caught up (its wake-up may have been taken by a flush):
                 # come back through the wake fd to handle the held frames.
                 channel.wake()
-        watched = sel.watched(engine[0])
+        watched = self._selector.watched(engine[0])
         if watched is not None:
             if watched[0] != events:
                 if events:
-                    sel.modify(engine[0], events, "engine")
+                    self._selector.modify(engine[0], events, "engine")
                 else:
-                    sel.unregister(engine[0])
+                    self._selector.unregister(engine[0])
             return
         if events:  # unregistered while paused with nothing to write
-            sel.register(engine[0], events, "engine")
+            self._selector.register(engine[0], events, "engine")
