@@ -283,8 +283,9 @@ class Runtime:
         servicer.start_channels(self.loop)
         self._publish(servicer)
         servicer.deliver_events()
-        self.transport.wake_with(self.loop.wake)
-        self.loop.run_sync(lambda: self.loop.add(_EventsAndSweeps(self)))
+        events = _EventsAndSweeps(self)
+        self.transport.wake_with(events.wake)
+        self.loop.run_sync(lambda: self.loop.add(events))
         if self.attach_server is not None:
             self.attach_server.start(self.loop)
         return address
@@ -385,7 +386,7 @@ class Runtime:
             peers=lambda: len(self.peers.all()),
             slots=slots if _slot_pool(core) is not None else None)))
 
-    def _sweep(self) -> None:
+    def sweep(self) -> None:
         """Deadlines, peers without a channel, the cores' periodic work, then the
         end-of-transfer lines; a failure in one is logged and the next sweep goes on."""
         try:
@@ -429,23 +430,35 @@ class _EventsAndSweeps:
     """The loop's source for what no socket brings: the transport events no transport
     thread delivered (the transport wakes the loop for them,
     :meth:`~kvbeam.transport.base.Transport.wake_with`), and every ``SWEEP_S`` on the
-    runtime's clock the sweep (:meth:`Runtime._sweep`)."""
+    runtime's clock the sweep (:meth:`Runtime.sweep`)."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
         self.due = runtime.clock() + SWEEP_S
+        #: The transport queued an event for us (set from its threads: one bool).
+        self.woken = False
+
+    def wake(self) -> None:
+        """The transport's waker (any thread): deliver at the loop's next pass."""
+        self.woken = True
+        self.rt.loop.wake()
 
     def ready(self, data: object, mask: int) -> None:
         """Never called: this source watches no file descriptor."""
 
     def tick(self) -> None:
-        """Deliver what the transport queued; sweep when one is due."""
-        try:
-            self.rt.transport.pump(0.0)
-        except Exception:  # one bad event must not stop the deliveries
-            log.exception("delivering transport events failed")
-        if self.rt.clock() >= self.due:
-            self.rt._sweep()
+        """Deliver what the transport queued, when it woke us or a sweep is due (not
+        on every pass: the loop passes for every engine and peer frame); sweep when
+        one is due."""
+        sweep = self.rt.clock() >= self.due
+        if self.woken or sweep:
+            self.woken = False  # before the pump: a wake-up during it is kept
+            try:
+                self.rt.transport.pump(0.0)
+            except Exception:  # one bad event must not stop the deliveries
+                log.exception("delivering transport events failed")
+        if sweep:
+            self.rt.sweep()
             self.due = self.rt.clock() + SWEEP_S
 
     def wait_s(self) -> float:
