@@ -53,7 +53,7 @@ from kvbeam.proto.attach_codec import (
     request_from_json,
 )
 from kvbeam.proto.engine_frames import ENGINE_FRAMES_VERSION, FrameError
-from kvbeam.server.loop import DaemonLoop, SourceSelector
+from kvbeam.server.loop import DaemonLoop, SourceSelector, join_loop, leave_loop
 
 if TYPE_CHECKING:
     from kvbeam.server.engine_channel import EngineChannel
@@ -243,30 +243,20 @@ class AttachServer:
     def start(self, loop: DaemonLoop | None = None) -> None:
         """Serve on ``loop`` (the daemon's), or on a loop of its own (a thread named
         ``kvbeam-attach``) when none is given."""
-        self._owns_loop = loop is None
-        self._loop = loop = loop or DaemonLoop("kvbeam-attach")
-        loop.run_sync(self._join_loop)
-        if self._owns_loop:
-            loop.start()
+        self._loop, self._owns_loop = join_loop(loop, "kvbeam-attach", self._join_loop)
         log.info("waiting for an engine to attach on %s", self.path)
 
-    def _join_loop(self) -> None:
-        """Become a source of our loop; watch the listener and the channel's wake fd."""
-        assert self._loop is not None
-        self._sel = sel = self._loop.add(self)
+    def _join_loop(self, loop: DaemonLoop) -> None:
+        """Become a source of ``loop``; watch the listener and the channel's wake fd."""
+        self._sel = sel = loop.add(self)
         sel.register(self._listener, selectors.EVENT_READ, "listener")
         if self.channel is not None:
             sel.register(self.channel.wake_fd, selectors.EVENT_READ, "wake")
 
     def stop(self) -> None:
         """Stop serving and close the socket (the runtime releases the memory)."""
-        loop = self._loop
-        if loop is not None:
-            if self._owns_loop:
-                loop.stop()
-            else:
-                with contextlib.suppress(TimeoutError):
-                    loop.run_sync(lambda: loop.remove(self))
+        if self._loop is not None:
+            leave_loop(self._loop, self, self._owns_loop)
         engine, self._engine = self._engine, None
         if engine is not None:
             engine[0].close()

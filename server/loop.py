@@ -77,6 +77,30 @@ class SourceSelector:
         return key.events, key.data[1]
 
 
+def join_loop(loop: DaemonLoop | None, name: str,
+              join: Callable[[DaemonLoop], None]) -> tuple[DaemonLoop, bool]:
+    """A source's start: run ``join`` (it adds the source and registers its fds) on
+    ``loop``'s thread, or on a new loop named ``name`` that is then started, the
+    source's own (a unit test's standalone server). Returns the loop and whether it is
+    the source's own, for :func:`leave_loop`."""
+    own = loop is None
+    served = loop or DaemonLoop(name)
+    served.run_sync(lambda: join(served))
+    if own:
+        served.start()
+    return served, own
+
+
+def leave_loop(loop: DaemonLoop, source: LoopSource, own: bool) -> None:
+    """A source's stop: stop its own loop, or leave the daemon's (on the loop thread,
+    so no pass is handling the source's fds as they close)."""
+    if own:
+        loop.stop()
+    else:
+        with contextlib.suppress(TimeoutError):
+            loop.run_sync(lambda: loop.remove(source))
+
+
 class DaemonLoop:
     """One thread serving every registered source (see the module's docstring)."""
 

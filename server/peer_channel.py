@@ -69,7 +69,7 @@ from kvbeam.proto.peer_frames import (
     split_frames,
 )
 from kvbeam.proto.peer_frames import bye as bye_frame
-from kvbeam.server.loop import DaemonLoop, SourceSelector
+from kvbeam.server.loop import DaemonLoop, SourceSelector, join_loop, leave_loop
 
 log = logging.getLogger(__name__)
 
@@ -369,17 +369,12 @@ class PeerChannels:
     def start(self, loop: DaemonLoop | None = None) -> None:
         """Serve the channels on ``loop`` (the daemon's), or on a loop of their own
         (a thread named ``kvbeam-peer-channel``) when none is given."""
-        self._owns_loop = loop is None
-        self._loop = loop = loop or DaemonLoop("kvbeam-peer-channel")
-        loop.run_sync(self._join_loop)
-        if self._owns_loop:
-            loop.start()
+        self._loop, self._owns_loop = join_loop(loop, "kvbeam-peer-channel", self._join_loop)
         self._wake()  # channels connected before the start
 
-    def _join_loop(self) -> None:
-        """Become a source of our loop and watch the listener (on the loop thread)."""
-        assert self._loop is not None
-        self._sel = self._loop.add(self)
+    def _join_loop(self, loop: DaemonLoop) -> None:
+        """Become a source of ``loop`` and watch the listener (on the loop thread)."""
+        self._sel = loop.add(self)
         if self._listener is not None:
             self._selector.register(self._listener, selectors.EVENT_READ, "listen")
 
@@ -391,13 +386,8 @@ class PeerChannels:
 
     def stop(self) -> None:
         """Close every channel and leave the loop (stopping it when it is our own)."""
-        loop = self._loop
-        if loop is not None:
-            if self._owns_loop:
-                loop.stop()
-            else:
-                with contextlib.suppress(TimeoutError):
-                    loop.run_sync(lambda: loop.remove(self))
+        if self._loop is not None:
+            leave_loop(self._loop, self, self._owns_loop)
         with self._lock:
             adds, self._adds = self._adds, []
         for channel in [*self._channels, *adds]:

@@ -15,24 +15,11 @@ from kvbeam.errors import (
 from kvbeam.server.peer_calls import connect_refusal
 from kvbeam.server.prefill import connect_code
 from kvbeam.states import FailureReason
+from tests.unit.test_rpc_errors import FakeRpcError as _Answer
 
 ADDR = "10.0.0.1:7000"
 QP_DOWN = ("cannot connect QP 26 to ::ffff:10.10.0.2 QP 26: Failed to modify QP state to "
            "RTR. Errno: 101, Network is unreachable")
-
-
-class _Answer(grpc.RpcError):
-    """A Connect's failed answer as the gRPC client raises it."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 @pytest.mark.parametrize(("exc", "code"), [
