@@ -247,7 +247,10 @@ class AttachServer:
         log.info("waiting for an engine to attach on %s", self.path)
 
     def _join_loop(self, loop: DaemonLoop) -> None:
-        """Become a source of ``loop``; watch the listener and the channel's wake fd."""
+        """Become a source of ``loop``; watch the listener and the channel's wake fd.
+        The loop is ours before the listener is watched: an engine may attach in the
+        loop's next pass, and serving it needs ``self._loop``."""
+        self._loop = loop
         self._sel = sel = loop.add(self)
         sel.register(self._listener, selectors.EVENT_READ, "listener")
         if self.channel is not None:

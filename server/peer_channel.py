@@ -373,7 +373,9 @@ class PeerChannels:
         self._wake()  # channels connected before the start
 
     def _join_loop(self, loop: DaemonLoop) -> None:
-        """Become a source of ``loop`` and watch the listener (on the loop thread)."""
+        """Become a source of ``loop`` and watch the listener (on the loop thread). The
+        loop is ours before the listener is watched: a peer may connect in its next pass."""
+        self._loop = loop
         self._sel = loop.add(self)
         if self._listener is not None:
             self._selector.register(self._listener, selectors.EVENT_READ, "listen")
