@@ -1,6 +1,6 @@
 """The daemon's attach socket: a local engine hands over its pools (``--pools engine``).
 
-The daemon's loop (:mod:`kvbeam.server.loop`) serves a Unix stream socket (mode
+The daemon's loop (:mod:`kvbeam.loop`) serves a Unix stream socket (mode
 0600, set before listen, or 0660 in ``--attach-group``; its directory must not be
 writable by others). A
 connecting engine is checked by its peer credentials (SO_PEERCRED: the daemon's uid
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvbeam.errors import AttachError, KvbeamError
+from kvbeam.loop import DaemonLoop, SourceSelector, join_loop, leave_loop
 from kvbeam.proto.attach_codec import (
     MAX_FDS,
     AttachReply,
@@ -53,7 +54,6 @@ from kvbeam.proto.attach_codec import (
     request_from_json,
 )
 from kvbeam.proto.engine_frames import ENGINE_FRAMES_VERSION, FrameError
-from kvbeam.server.loop import DaemonLoop, SourceSelector, join_loop, leave_loop
 
 if TYPE_CHECKING:
     from kvbeam.server.engine_channel import EngineChannel

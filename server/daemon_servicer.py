@@ -23,6 +23,7 @@ from google.protobuf.message import Message as ProtoMessage
 
 from kvbeam.errors import FrameError, UnknownRequest
 from kvbeam.logs import fields
+from kvbeam.loop import DaemonLoop
 from kvbeam.pools import digest, plan
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest_pool import DigestPool
@@ -39,7 +40,6 @@ from kvbeam.server.core import decode_pages
 from kvbeam.server.core.prefill_driver import ABORT_WAITERS
 from kvbeam.server.executor import LoggingExecutor
 from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.loop import DaemonLoop
 from kvbeam.server.peer_channel import PeerChannel, PeerChannels
 from kvbeam.server.peers import PeerConn, lost_peer
 from kvbeam.server.servicer import ControlServicer

@@ -17,7 +17,7 @@ frame closes the channel with a log line naming the peer and what was wrong; not
 here raises into the daemon.
 
 **Threads.** :class:`PeerChannels` is a source of the daemon's loop
-(:mod:`kvbeam.server.loop`), the one thread that reads every channel, accepts decode's
+(:mod:`kvbeam.loop`), the one thread that reads every channel, accepts decode's
 inbound ones, sends heartbeats, finds silent peers and expired calls. A writer
 appends its frame to the channel's bounded outbound buffer and tries one non-blocking
 ``send`` under the channel's write lock (a leaf, never held across a blocking call);
@@ -47,6 +47,7 @@ import grpc
 
 from kvbeam.errors import FrameError
 from kvbeam.errors import PeerChannelError as ChannelError
+from kvbeam.loop import DaemonLoop, SourceSelector, join_loop, leave_loop
 from kvbeam.proto.peer_frames import (
     BYE,
     HEADER,
@@ -69,7 +70,6 @@ from kvbeam.proto.peer_frames import (
     split_frames,
 )
 from kvbeam.proto.peer_frames import bye as bye_frame
-from kvbeam.server.loop import DaemonLoop, SourceSelector, join_loop, leave_loop
 
 log = logging.getLogger(__name__)
 

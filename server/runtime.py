@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, cast
 
 from kvbeam import __version__
 from kvbeam.errors import NoEngineAttached
+from kvbeam.loop import DaemonLoop
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.checks import check_target_draft
 from kvbeam.pools.layout import SideLayout, build_side_layout
@@ -38,7 +39,6 @@ from kvbeam.server.end_log import EndLog
 from kvbeam.server.engine_channel import CoreOps, EngineChannel
 from kvbeam.server.faults import arm, build_faults
 from kvbeam.server.lifecycle import Deadlines, TransferTable
-from kvbeam.server.loop import DaemonLoop
 from kvbeam.server.metrics import DaemonMetrics
 from kvbeam.server.metrics_collector import DaemonCollector, Sources
 from kvbeam.server.peers import Peers

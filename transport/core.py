@@ -138,7 +138,7 @@ class EventQueue:
 
     def wake_with(self, waker: Callable[[], None]) -> None:
         """Also call ``waker`` (from any thread, maybe under a lock: it must only wake,
-        e.g. :meth:`kvbeam.server.loop.DaemonLoop.wake`) whenever the event thread is
+        e.g. :meth:`kvbeam.loop.DaemonLoop.wake`) whenever the event thread is
         woken: a loop that :meth:`pump` s with no wait then learns of what was queued."""
         self._waker = waker
 

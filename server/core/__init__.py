@@ -60,7 +60,7 @@ single-chunk request with decode's offer in hand) runs on the thread that made i
 ready (the engine channel's, a handler's, or the peer channel's for an Offer), not on
 the executor (``PrefillCore.steps_inline``; what follows an action that blocks goes
 to the executor in order, ``PrefillDriver.execute``). The daemon's loop
-(:mod:`kvbeam.server.loop`: the peer channels, which answer Offer and BeginWrite
+(:mod:`kvbeam.loop`: the peer channels, which answer Offer and BeginWrite
 themselves and hand Aborts to the servicer's ``peer_io`` pool; the attach socket and
 the engine channel; the transport's leftover events and the deadline sweep) is the
 other thread; nothing starts a thread per event.

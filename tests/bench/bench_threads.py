@@ -57,7 +57,7 @@ def python_thread_names(pid: int) -> dict[int, str]:
 
 
 #: Thread groups, by the name's start: every kvbeam thread names itself in the OS too
-#: (kvbeam/threads.py), so the kernel's names (15 bytes: "kvbeam-tcp-recv") say which
+#: (kvbeam/threads.py), so the kernel's names (15 bytes: "kvbeam-verbs-pr") say which
 #: thread is which without py-spy; py-spy's Python names, where it is installed, start
 #: the same. Other threads (gRPC's C core, the main thread) keep kernel names, bracketed.
 GROUPS = [("kvbeam-verbs", "verbs progress (posts, completions; rxe sends in ibv_post_send)"),

@@ -48,7 +48,7 @@ SPECS = ",".join([
     "kvbeam.server.core.prefill_driver:PrefillDriver._post",
     "kvbeam.server.core.prefill_driver:PrefillDriver._digest_job",
     "kvbeam.transport.tcp.link:TcpLink.write",
-    "kvbeam.transport.tcp.transport:_Receiver._writev",
+    "kvbeam.transport.tcp.transport:_Receiver._end",
     "kvbeam.server.daemon_servicer:DaemonServicer._handle_event",
     "kvbeam.server.core.decode_landing:LandingCheck.check",
     "kvbeam.server.lifecycle:TransferTable.create",

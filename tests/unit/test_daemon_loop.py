@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvbeam.server.loop import DaemonLoop, SourceSelector
+from kvbeam.loop import DaemonLoop, SourceSelector
 from tests.waiting import wait_until
 
 

@@ -6,7 +6,8 @@ test reads every module of the distribution (the mapping taken from pyproject, e
 file's ``import`` statements by AST, those inside functions and ``TYPE_CHECKING``
 included) and checks each kvbeam import against the table below, bottom to top:
 
-- **base**: errors, states, logs, threads, compiled helpers: imports only base.
+- **base**: errors, states, logs, threads, the selector loop, compiled helpers: imports
+  only base.
 - **transport** (the data plane), **pools** (layouts, plans, digests), **proto** (the
   wire): each only what is below it.
 - **api**: the scheduler-facing client and the gRPC helpers it shares with the daemons
@@ -50,7 +51,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("integrations", ("kvbeam.integrations",)),
     ("refengine", ("kvbeam.refengine",)),
     ("cli", ("kvbeam.cli", "kvbeam.commands")),
-    ("base", ("kvbeam.errors", "kvbeam.states", "kvbeam.logs", "kvbeam.threads",
+    ("base", ("kvbeam.errors", "kvbeam.states", "kvbeam.logs", "kvbeam.threads", "kvbeam.loop",
               "kvbeam.compiled", "kvbeam")),
 )
 

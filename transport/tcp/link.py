@@ -1,26 +1,29 @@
 """One TCP link: an outbound connection for our writes, ACK/NAK turned into events.
 
-See :mod:`kvbeam.transport.tcp.transport` for the wire protocol, and
-:mod:`kvbeam.transport.verbs.transport` for the lock order of every lock in
-kvbeam.transport (a link's ``_lock`` is taken before the transport's, never after).
+See :mod:`kvbeam.transport.tcp.transport` for the wire protocol and the data plane's
+one thread, and :mod:`kvbeam.transport.verbs.transport` for the lock order of every
+lock in kvbeam.transport (a link's ``_lock`` is taken before the transport's, never
+after).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import selectors
 import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from kvbeam.errors import TransportError
-from kvbeam.threads import name_os_thread
+from kvbeam.loop import SourceSelector
 from kvbeam.transport import status as st
 from kvbeam.transport.base import Event, EventKind, Link
 from kvbeam.transport.blocks import Blocks
-from kvbeam.transport.core import prepare, remote_table, wait_readable
+from kvbeam.transport.core import prepare, remote_table
 from kvbeam.transport.endpoint import Endpoint
 from kvbeam.transport.host import LinkHost
 from kvbeam.transport.regions import RegionTable
@@ -28,11 +31,12 @@ from kvbeam.transport.tcp import iov, wire
 
 log = logging.getLogger(__name__)
 
-TICK_S = 0.25  # how often idle reader threads look at deadlines and the stop flag
+TICK_S = 0.25  # how often the data plane's thread looks at deadlines
 #: Transfers up to this many bytes are sent by the writing thread when the link is idle;
-#: larger ones go to the sender thread at once. A loopback socket keeps taking bytes as
-#: fast as its reader drains them, so "what it takes without waiting" can be a whole
-#: large transfer: tens of milliseconds of copying on a channel's or a handler's thread.
+#: larger ones go to the data plane's thread at once. A loopback socket keeps taking
+#: bytes as fast as its reader drains them, so "what it takes without waiting" can be a
+#: whole large transfer: tens of milliseconds of copying on a channel's or a handler's
+#: thread.
 INLINE_SEND_BYTES = 1 << 20
 
 
@@ -43,19 +47,28 @@ class TcpHost(LinkHost, Protocol):
     def address(self) -> str:
         """``host:port`` of the transport's listener, where peers connect."""
 
+    @property
+    def selector(self) -> SourceSelector:
+        """The data plane's selector (its thread only): what a link registers with
+        itself as data comes back to its ``ready``."""
+
+    def on_loop(self, call: Callable[[], None]) -> None:
+        """Run ``call`` on the data plane's thread (at once when the caller is that
+        thread, or the thread has stopped)."""
+
 
 class TcpLink(Link):
-    """One peer over TCP: an outbound connection for our writes, with a sender thread
-    that streams queued transfers and a reader thread that turns ACK/NAK into events.
+    """One peer over TCP: an outbound connection for our writes, watched by the data
+    plane's thread, which streams what writers queued and turns ACK/NAK into events.
 
     A write of at most :data:`INLINE_SEND_BYTES` made while the connection is idle is sent
     by the writing thread itself, as far as the socket takes it without waiting (a small
-    request's whole transfer, END included, in one ``writev``); the sender thread
-    finishes what is left, streams larger transfers and what queued behind them. So a
-    small request costs no thread hand-off here, and no writer ever waits on the socket.
-    One stream owns the socket's sending side at a time (``_streaming``), so transfers
-    never interleave; ``_inflight`` holds every transfer from its write until its ACK,
-    in order (ACKs come in that order).
+    request's whole transfer, END included, in one ``writev``); the data plane's thread
+    finishes what is left (the socket's writability wakes it), streams larger transfers
+    and what queued behind them. So a small request costs no thread hand-off here, and
+    no thread ever waits on the socket. One stream owns the socket's sending side at a
+    time (``_streaming``), so transfers never interleave; ``_inflight`` holds every
+    transfer from its write until its ACK, in order (ACKs come in that order).
     """
 
     def __init__(self, host: TcpHost, link_id: int, token: str) -> None:
@@ -65,16 +78,23 @@ class TcpLink(Link):
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._peer: RegionTable | None = None
-        self._ready = threading.Condition(self._lock)  # the sender thread waits on it
         self._pending: deque[_Stream] = deque()  # written, not yet streaming, in order
-        self._streaming = False  # a thread is sending a stream (the writer or the sender)
+        self._streaming = False  # a thread is sending a stream (a writer or the loop)
         self._inflight: deque[int] = deque()  # written, ACK awaited, in order
         self._progress = time.monotonic()
         self._failure: tuple[str, str] | None = None
         self._released = False
         self._connecting = False  # connect() is dialling, without the lock
-        self._threads: list[threading.Thread] = []
         self._inbound: set[socket.socket] = set()
+        # The data plane thread's own: whether the socket is registered and watched for
+        # writing too, and the ACK/NAK frame being read.
+        self._close_after_stream = False  # close_socket came while a writer streamed
+        self._watched = False
+        self._writing = False
+        self._head = bytearray(wire.HEADER.size)
+        self._head_at = 0
+        self._nak: bytearray | None = None  # a NAK's text being read
+        self._nak_at = 0
 
     @property
     def endpoint(self) -> Endpoint:
@@ -109,19 +129,14 @@ class TcpLink(Link):
             if self._released:
                 _shutdown(sock)
                 raise TransportError(f"link {self.id} was released while connecting")
+            sock.setblocking(False)
             self._peer, self._sock = table, sock
-            self._threads = [
-                threading.Thread(target=self._send_loop, name=f"kvbeam-tcp-send-{self.id}",
-                                 daemon=True),
-                threading.Thread(target=self._ack_loop, name=f"kvbeam-tcp-ack-{self.id}",
-                                 daemon=True)]
-        for thread in self._threads:
-            thread.start()
+        self._t.on_loop(self._watch)
 
     def write(self, transfer_id: int, blocks: Blocks, notify: bool = True) -> None:
         """Check and slice the blocks; a small transfer (:data:`INLINE_SEND_BYTES`) is sent
         here while the connection is idle, as far as the socket takes it without waiting;
-        the rest, and every other transfer, is queued for the sender thread."""
+        the rest, and every other transfer, is queued for the data plane's thread."""
         peer = self._usable_peer()
         prepared = prepare(transfer_id, blocks, notify, self._t.options.slice_bytes,
                            self._t.local_keys(), peer)
@@ -131,15 +146,20 @@ class TcpLink(Link):
             self._usable_peer()
             # Counted before sending: the ACK (and its event) may follow at once.
             self._t.submitted(self.id, transfer_id, blocks.total_bytes, len(blocks))
-            if not self._inflight:  # the reader's stall clock starts now, not at the
-                self._progress = time.monotonic()  # last ACK of an idle link
+            if not self._inflight:  # the stall clock starts now, not at the last ACK
+                self._progress = time.monotonic()  # of an idle link
             self._inflight.append(transfer_id)  # from here a failure reports it
-            if self._streaming or self._pending or stream.vectors.total > INLINE_SEND_BYTES:
+            inline = not (self._streaming or self._pending
+                          or stream.vectors.total > INLINE_SEND_BYTES)
+            if inline:
+                self._streaming = True  # this thread sends it
+            else:
                 self._pending.append(stream)
-                self._ready.notify()
-                return
-            self._streaming = True
-        self._send(stream, block=False)
+                kick = not self._streaming  # else the stream's owner kicks when done
+        if inline:
+            self._send_inline(stream)
+        elif kick:
+            self._t.on_loop(self._pump)
 
     def release(self) -> None:
         """Close both directions; queued transfers fail with CANCELLED."""
@@ -150,11 +170,12 @@ class TcpLink(Link):
             dropped = self._drain_locked()
         self._finish(dropped, st.CANCELLED, "link released", quiet=True)
         for conn in list(self._inbound):
-            _shutdown(conn)
+            # Shut down, not closed: its receiver, on the data plane's thread, sees the end
+            # and closes it there (a socket closed elsewhere could leave its fd number
+            # registered in the selector while a new socket reuses it).
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
         self._t.forget(self.id)
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(timeout=2 * TICK_S + 1)
 
     @property
     def live(self) -> bool:
@@ -169,7 +190,176 @@ class TcpLink(Link):
         """The inbound connection ended."""
         self._inbound.discard(conn)
 
+    # -- the data plane's thread -----------------------------------------------------
+
+    def ready(self, mask: int) -> None:
+        """The socket is readable (ACK/NAK, or the peer closed it) or writable (room for
+        what is queued)."""
+        if mask & selectors.EVENT_READ:
+            self._read_answers()
+        if mask & selectors.EVENT_WRITE and self.live:
+            self._pump()
+
+    def check_stall(self, now: float) -> None:
+        """Fail the link when a written transfer saw no progress (bytes out or an ACK)
+        within the operation timeout."""
+        timeout = self._t.options.op_timeout_s
+        if self._inflight and self.live and now - self._progress > timeout:
+            self._fail(st.TIMEOUT, f"no acknowledgement within {timeout:g} s")
+
+    def close_socket(self) -> None:
+        """Stop watching the outbound socket and close it (after a failure or release,
+        and at the transport's close). While a writer streams on it, that writer closes
+        it when done (its fd must not be reused under a writev)."""
+        with self._lock:
+            if self._streaming:
+                self._close_after_stream = True
+                return
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            self._unwatch(sock)
+
+    def _watch(self) -> None:
+        """The connection is up: watch it for answers (and for room, if writers queued)."""
+        sock = self._sock
+        if sock is None or self._watched:
+            return
+        if not self.live:
+            self._unwatch(sock)
+            return
+        self._t.selector.register(sock, selectors.EVENT_READ, self)
+        self._watched = True
+        self._pump()
+
+    def _unwatch(self, sock: socket.socket) -> None:
+        if self._watched:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._t.selector.unregister(sock)
+            self._watched = False
+        sock.close()
+
+    def _want_room(self, on: bool) -> None:
+        """Watch the socket for writability while a stream waits for room."""
+        sock = self._sock
+        if sock is None or not self._watched or on == self._writing:
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
+        try:
+            self._t.selector.modify(sock, events, self)
+        except (KeyError, ValueError, OSError):
+            return
+        self._writing = on
+
+    def _pump(self) -> None:
+        """Stream what is queued as far as the socket takes it; what is left waits for
+        the socket's room. A writer streaming inline kicks this again when it is done."""
+        sock = self._sock
+        if sock is None or not self._watched:
+            return  # _watch pumps once the connection is watched
+        while True:
+            with self._lock:
+                if not self.live or self._streaming or not self._pending:
+                    more = False
+                    break
+                stream = self._pending.popleft()
+                self._streaming = True
+            if not self._move(sock, stream):
+                return
+            with self._lock:
+                if not stream.vectors.done < stream.vectors.total:
+                    continue
+                more = True
+                break
+        self._want_room(more)
+
+    def _move(self, sock: socket.socket, stream: _Stream) -> bool:
+        """Send what the socket takes now of ``stream`` (the caller owns the sending side);
+        what is left goes back to the head of the queue. False when the link failed
+        (every transfer in flight is reported failed, this one included)."""
+        try:
+            done = stream.vectors.move(sock, reading=False, block=False,
+                                       progress=self._progressed)
+        except (OSError, ConnectionError) as exc:
+            with self._lock:
+                self._streaming = False
+                close, self._close_after_stream = self._close_after_stream, False
+            self._fail(st.TCP_CONNECTION_LOST, f"sending to the peer: {exc}")
+            if close:
+                self._t.on_loop(self.close_socket)
+            return False
+        with self._lock:
+            self._streaming = False
+            if not self.live:  # failed or released meanwhile, and already reported
+                close, self._close_after_stream = self._close_after_stream, False
+                if close:
+                    self._t.on_loop(self.close_socket)
+                return False
+            if not done:
+                self._pending.appendleft(stream)
+        self._progress = time.monotonic()
+        return True
+
+    def _read_answers(self) -> None:
+        """Read the ACK and NAK frames the socket holds (non-blocking)."""
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            while self.live:
+                if self._nak is not None:
+                    self._nak_at = wire.fill(sock, self._nak, self._nak_at)
+                    if self._nak_at < len(self._nak):
+                        return
+                    # The refused transfer heads _inflight; it and all after it fail.
+                    self._fail(st.TCP_REMOTE_ACCESS_ERR,
+                               bytes(self._nak).decode("utf-8", "replace"))
+                    return
+                self._head_at = wire.fill(sock, self._head, self._head_at)
+                if self._head_at < len(self._head):
+                    return
+                self._head_at = 0
+                kind, _, _, transfer_id, _, length = wire.HEADER.unpack(self._head)
+                if kind == wire.ACK:
+                    self._acked(transfer_id)
+                elif kind == wire.NAK:
+                    if not 0 <= length <= wire.MAX_NAK:
+                        raise ConnectionError(f"NAK of {length} bytes")
+                    self._nak = bytearray(length)
+                else:
+                    raise ConnectionError(f"unexpected frame kind {kind} from the receiver")
+        except EOFError:
+            self._fail(st.TCP_CONNECTION_LOST, "peer closed the connection")
+        except (OSError, ConnectionError, ValueError) as exc:
+            if self.live:
+                self._fail(st.TCP_CONNECTION_LOST, f"reading from the peer: {exc}")
+
+    def _acked(self, transfer_id: int) -> None:
+        with self._lock:
+            if self._inflight and self._inflight[0] == transfer_id:
+                self._inflight.popleft()
+            else:
+                raise ConnectionError(f"unexpected ACK for transfer {transfer_id}")
+        self._progress = time.monotonic()
+        # Handled here, on the thread that read the ACK (no lock held).
+        self._t.stage(Event(EventKind.COMPLETED, self.id, transfer_id, True, st.OK))
+        self._t.deliver()
+
     # -- internals -------------------------------------------------------------------
+
+    def _send_inline(self, stream: _Stream) -> None:
+        """The writer sends its own small transfer (it owns the sending side); what the
+        socket did not take, and what queued meanwhile, goes to the data plane's thread."""
+        sock = self._sock
+        if sock is None:
+            with self._lock:
+                self._streaming = False
+            return
+        if not self._move(sock, stream):
+            return
+        with self._lock:
+            kick = bool(self._pending)
+        if kick:
+            self._t.on_loop(self._pump)
 
     def _usable_peer(self) -> RegionTable:
         if self._failure is not None:
@@ -181,12 +371,10 @@ class TcpLink(Link):
         return self._peer
 
     def _drain_locked(self) -> list[int]:
-        """Every transfer written and not acknowledged (queued, streaming or sent); wakes
-        the sender thread, which stops (the link is no longer live)."""
+        """Every transfer written and not acknowledged (queued, streaming or sent)."""
         dropped = list(self._inflight)
         self._inflight.clear()
         self._pending.clear()
-        self._ready.notify_all()
         return dropped
 
     def _fail(self, status: str, detail: str) -> None:
@@ -202,95 +390,18 @@ class TcpLink(Link):
         self._finish(dropped, status, detail, quiet=False)
 
     def _finish(self, dropped: list[int], status: str, detail: str, quiet: bool) -> None:
-        if self._sock is not None:
-            _shutdown(self._sock)
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            self._t.on_loop(self.close_socket)  # the selector's: closed on its thread
         for transfer_id in dropped:
             self._t.emit(Event(EventKind.COMPLETED, self.id, transfer_id, False, status, detail))
         if not dropped and not quiet:
             self._t.emit(Event(EventKind.LINK_FAILED, self.id, None, False, status, detail))
 
-    def _send_loop(self) -> None:
-        """Stream what writers queued (and what a writer left when the socket was full)."""
-        name_os_thread()
-        while True:
-            with self._lock:
-                while self.live and (self._streaming or not self._pending):
-                    self._ready.wait()
-                if not self.live:
-                    return
-                stream = self._pending.popleft()
-                self._streaming = True
-            if not self._send(stream, block=True):
-                return
-
-    def _send(self, stream: _Stream, block: bool) -> bool:
-        """Send ``stream`` (this thread owns the socket's sending side); ``block`` False:
-        only what the socket takes now, the rest goes back to the head of the queue for
-        the sender thread. False when the link failed (every transfer in flight is
-        reported failed, this one included)."""
-        sock = self._sock
-        assert sock is not None
-        try:
-            done = stream.vectors.move(sock, reading=False, block=block,
-                                       progress=self._progressed)
-        except (OSError, ConnectionError) as exc:
-            status = st.TIMEOUT if isinstance(exc, TimeoutError) else st.TCP_CONNECTION_LOST
-            with self._lock:
-                self._streaming = False
-            self._fail(status, f"sending to the peer: {exc}")
-            return False
-        with self._lock:
-            self._streaming = False
-            if not self.live:  # failed or released meanwhile, and already reported
-                return False
-            if not done:
-                self._pending.appendleft(stream)
-            if self._pending:
-                self._ready.notify()
-        self._progress = time.monotonic()
-        return True
-
     def _progressed(self) -> None:
         self._progress = time.monotonic()
-
-    def _ack_loop(self) -> None:
-        name_os_thread()
-        sock = self._sock
-        assert sock is not None
-        timeout = self._t.options.op_timeout_s
-        while self.live:
-            try:
-                if not wait_readable([sock.fileno()], TICK_S):
-                    if self._inflight and time.monotonic() - self._progress > timeout:
-                        self._fail(st.TIMEOUT, f"no acknowledgement within {timeout:g} s")
-                    continue
-                header = wire.recv_header(sock)
-                if header is None:
-                    self._fail(st.TCP_CONNECTION_LOST, "peer closed the connection")
-                    return
-                kind, _, transfer_id, _, length = header
-                if kind == wire.ACK:
-                    with self._lock:
-                        if self._inflight and self._inflight[0] == transfer_id:
-                            self._inflight.popleft()
-                        else:
-                            raise ConnectionError(f"unexpected ACK for transfer {transfer_id}")
-                    self._progress = time.monotonic()
-                    # Handled here, on the thread that read the ACK (no lock held).
-                    self._t.stage(Event(EventKind.COMPLETED, self.id, transfer_id, True, st.OK))
-                    self._t.deliver()
-                elif kind == wire.NAK:
-                    # The refused transfer heads _inflight; it and all after it fail.
-                    text = wire.recv_bytes(sock, length).decode("utf-8", "replace")
-                    self._fail(st.TCP_REMOTE_ACCESS_ERR, text)
-                    return
-                else:
-                    raise ConnectionError(f"unexpected frame kind {kind} from the receiver")
-            except (OSError, ConnectionError, ValueError) as exc:
-                if self.live:
-                    self._fail(st.TCP_CONNECTION_LOST, f"reading from the peer: {exc}")
-                return
-
 
 
 class _Stream:

@@ -33,6 +33,8 @@ NAK = 5  # receiver -> sender: ``transfer_id`` was refused; payload = "STATUS de
 WRITEV = 6  # sender -> receiver: ``length`` (addr, length) pairs, then their payloads
 
 FLAG_NOTIFY = 1
+#: The longest NAK text a sender reads (a receiver's is one line).
+MAX_NAK = 1 << 16
 
 _CHUNK = 4 << 20  # per send/recv call, so a timeout means "no progress", not "too big"
 #: Blocks per WRITEV frame: its header and descriptors plus every payload in one call.
@@ -51,6 +53,21 @@ def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
     off = 0
     while off < len(mv):
         off += sock.send(mv[off:off + _CHUNK])
+
+
+def fill(sock: socket.socket, buf: bytearray, at: int) -> int:
+    """Read into ``buf[at:]`` what a non-blocking socket holds now; the new fill level
+    (``len(buf)``: full). Raises EOFError when the peer closed the connection."""
+    view = memoryview(buf)
+    while at < len(buf):
+        try:
+            n = sock.recv_into(view[at:])
+        except (BlockingIOError, InterruptedError):
+            return at
+        if n == 0:
+            raise EOFError(f"peer closed the connection ({at}/{len(buf)} bytes of a frame)")
+        at += n
+    return at
 
 
 def recv_into(sock: socket.socket, target: memoryview, idle_ok: bool = False) -> bool:
