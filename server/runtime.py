@@ -92,6 +92,10 @@ class Runtime:
             if settings.fill_seed >= 0:
                 own.fill_pattern(settings.fill_seed)
         host = settings.data_host or settings.advertised.rpartition(":")[0]
+        #: The daemon's loop: the peer channels, the attach socket and the engine
+        #: channel, the TCP transport's sockets (RDMA: its progress thread), the
+        #: transport's leftover events and the sweep (:meth:`start`).
+        self.loop = DaemonLoop("kvbeam-loop")
         self.transport = open_transport(
             cast(TransportKind, settings.transport), settings.rdma_device or None,
             settings.rdma_gid_index,
@@ -101,7 +105,7 @@ class Runtime:
                                      retry_cnt=settings.rdma_retry_cnt,
                                      qps_per_peer=settings.qps_per_peer,
                                      poster=settings.rdma_poster),
-            tcp_host=host if host not in ("0.0.0.0", "::", "[::]") else None)
+            tcp_host=host if host not in ("0.0.0.0", "::", "[::]") else None, loop=self.loop)
         log.info("%s daemon: %s transport%s", self.role.value, self.transport.kind,
                  "" if self.transport.kind == "rdma" else
                  " (NO RDMA DEVICE: data moves over TCP, far slower than RDMA)")
@@ -148,9 +152,6 @@ class Runtime:
         #: Where /metrics is served ("" when --metrics is off); set by :meth:`start`.
         self.metrics_address = ""
         self._stop = threading.Event()
-        #: The daemon's loop: the peer channels, the attach socket and the engine
-        #: channel, the transport's leftover events and the sweep (:meth:`start`).
-        self.loop = DaemonLoop("kvbeam-loop")
         #: Whether an engine attached in this daemon's life (a later attach is new memory).
         self._attached_before = False
         #: kvbeam_info's labels; ``instance`` follows a re-attach's new id.

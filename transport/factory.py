@@ -7,6 +7,7 @@ import os
 from typing import Literal
 
 from kvbeam.errors import TransportError
+from kvbeam.loop import DaemonLoop
 from kvbeam.transport.base import Transport
 from kvbeam.transport.options import TransportOptions
 from kvbeam.transport.verbs.pyverbs_import import import_pyverbs
@@ -38,14 +39,15 @@ def pick_rdma_device(device: str | None = None) -> str | None:
 
 def open_transport(kind: Kind = "auto", device: str | None = None, gid_index: int | None = None,
                    *, options: TransportOptions | None = None,
-                   tcp_host: str | None = None) -> Transport:
+                   tcp_host: str | None = None, loop: DaemonLoop | None = None) -> Transport:
     """Open a transport.
 
     ``rdma``: the verbs transport on ``device`` (see :func:`pick_rdma_device`) and
     ``gid_index`` (else $KVBEAM_RDMA_GID_INDEX, else 0); raises TransportError if
     no device exists. ``tcp``: the TCP transport listening on ``tcp_host`` (else
     $KVBEAM_TCP_HOST, else 127.0.0.1). ``auto``: RDMA when a device exists, else TCP
-    with a WARNING saying so.
+    with a WARNING saying so. ``loop``: the daemon's loop, not started yet, which then
+    serves the TCP transport's sockets too (RDMA keeps its progress thread).
     """
     if kind not in ("auto", "rdma", "tcp"):
         raise ValueError(f"transport kind must be auto, rdma or tcp, got {kind!r}")
@@ -63,4 +65,4 @@ def open_transport(kind: Kind = "auto", device: str | None = None, gid_index: in
         log.warning("no RDMA device found: falling back to the TCP transport")
     from kvbeam.transport.tcp import TcpTransport
 
-    return TcpTransport(tcp_host, options=options)
+    return TcpTransport(tcp_host, options=options, loop=loop)

@@ -72,7 +72,10 @@ class TcpTransport(LinkHostBase, Transport):
     kind = "tcp"
 
     def __init__(self, host: str | None = None, port: int = 0,
-                 options: TransportOptions | None = None) -> None:
+                 options: TransportOptions | None = None, *,
+                 loop: DaemonLoop | None = None) -> None:
+        """Listen on ``host:port``; serve on ``loop`` (a daemon's, not started yet), or on
+        a loop thread of its own (``kvbeam-tcp``) when none is given."""
         self.options = options or TransportOptions()
         self.host = host or os.environ.get("KVBEAM_TCP_HOST", "127.0.0.1")
         self._listener = socket.create_server((self.host, port))
@@ -91,10 +94,14 @@ class TcpTransport(LinkHostBase, Transport):
         self._receivers: set[_Receiver] = set()
         self._next_tick = 0.0
         self._listener.setblocking(False)
-        self._loop = DaemonLoop("kvbeam-tcp")
+        self._owns_loop = loop is None
+        self._loop = loop or DaemonLoop("kvbeam-tcp")
+        if self._loop.running:
+            raise TransportError("the TCP transport joins a loop before it starts")
         self._sel = self._loop.add(self)
         self._sel.register(self._listener, selectors.EVENT_READ, _LISTENER)
-        self._loop.start()
+        if self._owns_loop:
+            self._loop.start()
         log.warning("kvbeam data plane is TCP on %s:%d, not RDMA: no RDMA device is in use, "
                     "so KV bytes go through the kernel socket stack at a fraction of RDMA "
                     "bandwidth", self.host, self.port)
@@ -136,7 +143,8 @@ class TcpTransport(LinkHostBase, Transport):
             link.release()
         with contextlib.suppress(TimeoutError):
             self._loop.run_sync(lambda: self._close_sockets(links))
-        self._loop.stop()
+        if self._owns_loop:
+            self._loop.stop()
         for reg in self._book.all():
             reg.release()
 
@@ -151,6 +159,8 @@ class TcpTransport(LinkHostBase, Transport):
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(self._listener)
         self._listener.close()
+        if not self._owns_loop:  # the daemon's loop serves on without us
+            self._loop.remove(self)
 
     # -- LinkHost: what links (and the receivers below) use -------------------------
     @property
