@@ -2,8 +2,8 @@
 
 Two clients call ``KvbeamControl``: the scheduler's :class:`kvbeam.client.KvbeamClient`
 (Reserve, Send, Status, Abort, Release, Heartbeat) and a daemon's client of its peer,
-:class:`kvbeam.server.peer_client.ControlClient` (Handshake, and decode's Connect in
-:mod:`kvbeam.server.peer_calls`; everything else between daemons goes over the peer
+:class:`kvbeam.server.peers.client.ControlClient` (Handshake, and decode's Connect in
+:mod:`kvbeam.server.peers.calls`; everything else between daemons goes over the peer
 channel). Both are a :class:`ControlChannel`: the channel opened
 with the caller's credentials (:meth:`kvbeam.auth.Security.channel`, the one place
 that builds them) and channel options, the typed stub, the deadline every call gets,

@@ -265,7 +265,7 @@ class DaemonStartError(KvbeamError):
         self.output = output
 
 
-# --- engine attach (kvbeam.engine, kvbeam.server.attach) ---
+# --- engine attach (kvbeam.engine, kvbeam.server.engines.attach) ---
 
 class NoEngineAttached(KvbeamError):
     """A ``--pools engine`` daemon has no engine memory attached: it refuses transfers
@@ -274,7 +274,7 @@ class NoEngineAttached(KvbeamError):
 
 class FrameError(KvbeamError):
     """An engine-channel or peer-channel frame refused (:mod:`kvbeam.proto.engine_frames`,
-    :mod:`kvbeam.server.peer_channel`); ``field``
+    :mod:`kvbeam.server.peers.channel`); ``field``
     names the part at fault (``length``, ``lists[1].kind``, ...)."""
 
     def __init__(self, field: str, problem: str, request_id: str = "") -> None:
@@ -350,7 +350,7 @@ class SglangMismatch(KvbeamError):
 
 
 class PeerChannelError(KvbeamError):
-    """A call on the peer channel (:mod:`kvbeam.server.peer_channel`) refused, closed or
+    """A call on the peer channel (:mod:`kvbeam.server.peers.channel`) refused, closed or
     timed out, or a channel request refused by its handler; shaped like a failed gRPC call
     (``code()`` is a ``grpc.StatusCode``, untyped here: this module imports no gRPC), so
     the callers' mapping of RPC failures applies unchanged."""

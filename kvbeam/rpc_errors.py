@@ -62,7 +62,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (NoFreeSlot, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (UnknownRequest, grpc.StatusCode.NOT_FOUND),
     (NotHandshakenError, grpc.StatusCode.FAILED_PRECONDITION),
-    # --pools engine: no engine memory attached (kvbeam.server.attach)
+    # --pools engine: no engine memory attached (kvbeam.server.engines.attach)
     (NoEngineAttached, grpc.StatusCode.FAILED_PRECONDITION),
     (IllegalTransition, grpc.StatusCode.FAILED_PRECONDITION),
     (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),

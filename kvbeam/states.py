@@ -5,7 +5,7 @@ States follow sglang's poll states::
     BOOTSTRAPPING -> WAITING_FOR_INPUT -> TRANSFERRING -> SUCCESS
           \\________________\\__________________\\______-> FAILED(reason, detail)
 
-The daemons keep the books (:mod:`kvbeam.server.lifecycle`: legal transitions,
+The daemons keep the books (:mod:`kvbeam.server.state.lifecycle`: legal transitions,
 deadlines, the transfer table); the wire codec (:mod:`kvbeam.proto.transfer_codec`)
 and the public client speak these values without importing the daemons.
 """

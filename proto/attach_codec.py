@@ -1,7 +1,7 @@
 """The engine attach wire: length-prefixed JSON over a local Unix socket, fds by SCM_RIGHTS.
 
 An engine hands its pools to its local daemon (:mod:`kvbeam.engine.attach` sends,
-:mod:`kvbeam.server.attach` receives). Each message is a 4-byte little-endian length
+:mod:`kvbeam.server.engines.attach` receives). Each message is a 4-byte little-endian length
 followed by that many bytes of UTF-8 JSON; the attach request's file descriptors
 travel as SCM_RIGHTS ancillary data with its first bytes. docs/engine.md documents
 the protocol. Request::
@@ -44,7 +44,7 @@ from kvbeam.proto.fields import big_endian_hint
 ATTACH_VERSION = 2
 OPS = ("attach", "detach")
 #: ``host_shm``: memfd/tmpfs host memory; ``dmabuf``: device memory as dma-buf fds
-#: (kvbeam.server.dmabuf says what a daemon takes).
+#: (kvbeam.server.engines.dmabuf says what a daemon takes).
 MEMORY_KINDS = ("host_shm", "dmabuf")
 #: Which state changes the engine channel pushes to the engine: ``all`` (every change,
 #: the default) or ``final`` (Success and Failed only: an engine that acts only on a

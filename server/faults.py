@@ -76,7 +76,7 @@ from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.decode_landing import LandingCheck
 from kvbeam.server.core.incoming import Incoming
 from kvbeam.server.core.prefill_driver import PrefillDriver, Writer
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.state.peers import PeerConn
 from kvbeam.transport.base import Link
 from kvbeam.transport.blocks import AddressArray, Blocks
 from kvbeam.transport.endpoint import Endpoint

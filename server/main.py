@@ -22,8 +22,8 @@ def run_daemon(settings: DaemonSettings, ready: threading.Event | None = None,
     `` metrics HOST:PORT`` when /metrics is served) on stdout once serving, for scripts and
     tests that start daemons as processes.
     """
-    from kvbeam.server.decode import DecodeServicer
-    from kvbeam.server.prefill import PrefillServicer
+    from kvbeam.server.api.decode import DecodeServicer
+    from kvbeam.server.api.prefill import PrefillServicer
 
     stop = stop or threading.Event()
 

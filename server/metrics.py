@@ -5,7 +5,7 @@ Each daemon owns one :class:`DaemonMetrics` with its own ``CollectorRegistry``
 they do in tests. Three kinds of source feed it:
 
 - transfer outcomes and latencies come from one place, the
-  :class:`~kvbeam.server.lifecycle.TransferTable`'s ``on_change`` hook
+  :class:`~kvbeam.server.state.lifecycle.TransferTable`'s ``on_change`` hook
   (:meth:`DaemonMetrics.on_change`); role code needs no metric calls for them;
 - handshake latency from :meth:`DaemonMetrics.handshake` around each handshake;
 - everything that is a level or lives in the transport (live transfers, slots,

@@ -6,7 +6,7 @@ transport thread delivered, and the sweep every ``SWEEP_S``: deadlines, peers wi
 channel, the cores' periodic work, the end-of-transfer lines; the peer channels and the
 attach server have their own) and tears everything down in reverse order.
 The role-specific behaviour lives in the role's core (:mod:`kvbeam.server.core`),
-reached through its servicer (:mod:`kvbeam.server.decode`, :mod:`kvbeam.server.prefill`),
+reached through its servicer (:mod:`kvbeam.server.api.decode`, :mod:`kvbeam.server.api.prefill`),
 which the loops call back.
 """
 
@@ -30,30 +30,30 @@ from kvbeam.pools.shm import unmap
 from kvbeam.pools.spec import PoolSpec, SideConfig, load_side_config
 from kvbeam.proto.attach_codec import AttachRequest
 from kvbeam.proto.side import Role, SideInfo
-from kvbeam.server.attach import AttachServer, PeerCred, default_socket_path
-from kvbeam.server.attach_memory import map_engine_memory
-from kvbeam.server.attach_runtime import UNATTACHED_LAYOUT, AttachGauges, Pools, release
-from kvbeam.server.control import HEALTH_SERVICES, ControlServer
-from kvbeam.server.dmabuf import DmabufAccess
+from kvbeam.server.api.control import HEALTH_SERVICES, ControlServer
+from kvbeam.server.api.servicer import GatedHealth
 from kvbeam.server.end_log import EndLog
-from kvbeam.server.engine_channel import CoreOps, EngineChannel
+from kvbeam.server.engines.attach import AttachServer, PeerCred, default_socket_path
+from kvbeam.server.engines.channel import CoreOps, EngineChannel
+from kvbeam.server.engines.dmabuf import DmabufAccess
+from kvbeam.server.engines.memory import map_engine_memory
+from kvbeam.server.engines.pools import UNATTACHED_LAYOUT, AttachGauges, Pools, release
 from kvbeam.server.faults import arm, build_faults
-from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.metrics import DaemonMetrics
 from kvbeam.server.metrics_collector import DaemonCollector, Sources
-from kvbeam.server.peers import Peers
-from kvbeam.server.servicer import GatedHealth
 from kvbeam.server.settings import ControlOptions, DaemonSettings
-from kvbeam.server.slots import SlotPool
+from kvbeam.server.state.lifecycle import Deadlines, TransferTable
+from kvbeam.server.state.peers import Peers
+from kvbeam.server.state.slots import SlotPool
 from kvbeam.states import TransferStatus
 from kvbeam.transport import Access, Endpoint, TransportOptions, open_transport
 from kvbeam.transport.base import Registration
 from kvbeam.transport.factory import Kind as TransportKind
 
 if TYPE_CHECKING:
+    from kvbeam.server.api.daemon import DaemonServicer
     from kvbeam.server.core.decode_driver import DecodeDriver
     from kvbeam.server.core.prefill_driver import PrefillDriver
-    from kvbeam.server.daemon_servicer import DaemonServicer
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,8 @@ class Runtime:
     def __init__(self, settings: DaemonSettings) -> None:
         self.settings = settings
         self.role = Role(settings.role)
-        #: --pools engine: the memory is an engine's, attached at run time (kvbeam.server.attach).
+        #: --pools engine: the memory is an engine's, attached at run time
+        #: (kvbeam.server.engines.attach).
         self.engine_mode = settings.pools == "engine"
         #: --config: what an attaching engine's config must equal (None: any valid one).
         self.expected = load_side_config(settings.config) if settings.config else None
@@ -109,7 +110,7 @@ class Runtime:
         log.info("%s daemon: %s transport%s", self.role.value, self.transport.kind,
                  "" if self.transport.kind == "rdma" else
                  " (NO RDMA DEVICE: data moves over TCP, far slower than RDMA)")
-        #: How an engine's ``memory_kind: dmabuf`` attach is taken (kvbeam.server.dmabuf).
+        #: How an engine's ``memory_kind: dmabuf`` attach is taken (kvbeam.server.engines.dmabuf).
         self.dmabuf = DmabufAccess(self.transport, settings.integrity)
         #: The digest records' memory, the daemon's own (never an engine's):
         #: decode's mailbox (a slot per request slot, REMOTE_WRITE, advertised in the

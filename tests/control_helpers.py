@@ -26,8 +26,8 @@ from kvbeam.proto.rejection_codec import (
 from kvbeam.proto.rejection_codec import find_rejection as _find
 from kvbeam.proto.service import control_stub
 from kvbeam.proto.side import Role, SideInfo
-from kvbeam.server.control import ControlServer
-from kvbeam.server.servicer import ControlServicer
+from kvbeam.server.api.control import ControlServer
+from kvbeam.server.api.servicer import ControlServicer
 from kvbeam.server.settings import add_daemon_arguments
 from kvbeam.transport.endpoint import Endpoint, RemoteRegion
 from tests import fixtures

@@ -19,9 +19,9 @@ from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.core.prefill_driver import PrefillDriver
-from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.lifecycle import Deadlines, TransferTable
-from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.server.state.handshake import VerifiedPeer
+from kvbeam.server.state.lifecycle import Deadlines, TransferTable
+from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferStatus
 from kvbeam.transport import Blocks, Event, EventKind, Link
 from tests.fixtures import UNIFIED_TARGET, layout

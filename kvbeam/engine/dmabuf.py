@@ -11,7 +11,7 @@ pools (:class:`~kvbeam.pools.allocate.AllocatedSide` on ``cuda``), one fd per
 allocation however many buffers share it.
 
 The daemon registers the fds with ``ibv_reg_dmabuf_mr`` (RDMA) and refuses what it cannot
-take in one line (:mod:`kvbeam.server.dmabuf`): its integrity check on (it cannot read
+take in one line (:mod:`kvbeam.server.engines.dmabuf`): its integrity check on (it cannot read
 device memory), a NIC that cannot register dma-buf, TCP (which needs to map it). The
 calls go through NVIDIA's ``cuda-bindings`` (``cuda.bindings.driver``, or the older
 ``cuda.cuda``), imported only here. docs/gpu.md.

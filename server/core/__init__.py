@@ -2,7 +2,7 @@
 
 :class:`~kvbeam.server.core.prefill.PrefillCore` and
 :class:`~kvbeam.server.core.decode.DecodeCore` keep ONE record per request (its
-lifecycle state in the shared :class:`~kvbeam.server.lifecycle.TransferTable`, the
+lifecycle state in the shared :class:`~kvbeam.server.state.lifecycle.TransferTable`, the
 single state vocabulary) and are driven by events: API calls (reserve, send,
 begin_write, abort, release, status), transport events (:meth:`on_event`),
 deadlines (:meth:`on_deadline`), peer loss (:meth:`on_peer_lost`) and a periodic
@@ -11,7 +11,7 @@ on a new link (:mod:`kvbeam.server.core.resend`; the handshake and BeginWrite ru
 the executor like a first send's) and decode keeps it meanwhile. Nothing here
 imports gRPC (a unit test checks): the servicers are thin adapters, and peer calls
 reach a core through the protocols in :mod:`kvbeam.server.core.ports`, implemented
-over the peer channel by :mod:`kvbeam.server.peer_calls`. An engine can drive a core
+over the peer channel by :mod:`kvbeam.server.peers.calls`. An engine can drive a core
 directly.
 Modules, by responsibility: :mod:`~kvbeam.server.core.base` (status and the
 engine-pools switch, both cores), :mod:`~kvbeam.server.core.actions` (the actions both
@@ -76,12 +76,12 @@ RPC, a digest, a write post, a link's release or a memory registration.
    waiting on ``_drained`` (prefill's Abort, in its driver) releases it. The prefill
    driver's ``_abort_waiters`` counter is taken before it, never blocking (a full
    counter means: answer without waiting).
-2. ``TransferTable._cond`` (:mod:`kvbeam.server.lifecycle`): the lifecycle states.
+2. ``TransferTable._cond`` (:mod:`kvbeam.server.state.lifecycle`): the lifecycle states.
    Its ``on_change`` callback (metrics) runs after the lock is released.
 3. Leaves, which call nothing while held: ``Peers._lock``
-   (:mod:`kvbeam.server.peers`), ``OfferBook._lock`` (prefill's offers),
+   (:mod:`kvbeam.server.state.peers`), ``OfferBook._lock`` (prefill's offers),
    ``PeerConn._lock`` (``closed``; ``close`` releases
-   the link after it), ``SlotPool`` (:mod:`kvbeam.server.slots`),
+   the link after it), ``SlotPool`` (:mod:`kvbeam.server.state.slots`),
    ``DecodeServicer._links_lock`` (handshake links), ``DaemonServicer._watch_lock``,
    ``FaultHooks._lock``, ``ControlServer._lock`` (start/stop only), the peer
    channels' ``PeerChannel._wlock`` (a channel's outbound buffer and calls; held

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.transport import Event
 
 

@@ -19,8 +19,8 @@ from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.sub_batches import buffer_bytes
 from kvbeam.server.core.attached import PoolsHolder
 from kvbeam.server.core.ports import IndexLists, require_status
-from kvbeam.server.lifecycle import TransferTable
-from kvbeam.server.peers import Peers
+from kvbeam.server.state.lifecycle import TransferTable
+from kvbeam.server.state.peers import Peers
 from kvbeam.states import TransferFacts, TransferStatus
 
 R = TypeVar("R")

@@ -98,9 +98,9 @@ from kvbeam.server.core.decode_pages import PageBook
 from kvbeam.server.core.incoming import Incoming, Landing
 from kvbeam.server.core.pairing import Dialing
 from kvbeam.server.core.ports import Offered, WriteGrant
-from kvbeam.server.lifecycle import TransferTable
-from kvbeam.server.peers import PeerConn, Peers
-from kvbeam.server.slots import SlotPool
+from kvbeam.server.state.lifecycle import TransferTable
+from kvbeam.server.state.peers import PeerConn, Peers
+from kvbeam.server.state.slots import SlotPool
 from kvbeam.states import (
     NOT_VERIFIED_OFF,
     FailureReason,
@@ -363,7 +363,7 @@ class DecodeCore(CoreBase):
         caller's credentials cover the request's prefill address. Instance ids are no
         secret (every Heartbeat answer carries one), so ``caller_refusal`` says why the
         caller may not speak for a prefill at an address (None: it may): the servicer
-        binds the handshake's rule (:func:`kvbeam.server.identity.claim_refusal`) to
+        binds the handshake's rule (:func:`kvbeam.server.peers.identity.claim_refusal`) to
         the call's credentials; the default checks nothing, as a server without
         authentication does. Anyone else's claim is a scheduler's abort: prefill
         drains first (:class:`DrainPrefill`).

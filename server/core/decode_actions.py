@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.incoming import Incoming
 from kvbeam.server.core.ports import WriteGrant
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.state.peers import PeerConn
 
 
 @dataclass(frozen=True)

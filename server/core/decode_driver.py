@@ -48,9 +48,9 @@ from kvbeam.server.core.decode_actions import (
 from kvbeam.server.core.decode_landing import LandingCheck
 from kvbeam.server.core.incoming import Incoming
 from kvbeam.server.core.ports import Offered, PrefillPeers, abort_at_shutdown
-from kvbeam.server.lifecycle import TransferTable
-from kvbeam.server.peers import PeerConn, Peers
-from kvbeam.server.slots import SlotPool
+from kvbeam.server.state.lifecycle import TransferTable
+from kvbeam.server.state.peers import PeerConn, Peers
+from kvbeam.server.state.slots import SlotPool
 from kvbeam.states import FailureReason, TransferStatus
 from kvbeam.transport import Event
 

@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass
 
 from kvbeam.server.core.ports import WriteGrant
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.state.peers import PeerConn
 
 log = logging.getLogger(__name__)
 

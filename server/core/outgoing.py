@@ -42,7 +42,7 @@ from kvbeam.pools.mailbox import FreeSlots, RecordArea
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.ports import IndexLists, list_lengths
 from kvbeam.server.core.prefill_pieces import Pieces
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import TransferFacts
 
 #: Token ranges of a chunk, ``[start, end)`` pairs.

@@ -3,7 +3,7 @@
 The cores (:mod:`kvbeam.server.core.prefill`, :mod:`kvbeam.server.core.decode`)
 decide; the daemon's driver does the I/O. Peer calls reach the cores through the
 two small protocols here, implemented over the peer channel (and gRPC for the
-handshake and Connect) by :mod:`kvbeam.server.peer_calls` and by fakes in the unit
+handshake and Connect) by :mod:`kvbeam.server.peers.calls` and by fakes in the unit
 tests. Their methods block (a handshake, an answer on the channel) and are only ever
 called on the driver's bounded executor, never under a core lock.
 """
@@ -21,8 +21,8 @@ import numpy.typing as npt
 
 from kvbeam.errors import UnknownRequest
 from kvbeam.pools.types import INDEX_KINDS, IndexKind
-from kvbeam.server.lifecycle import TransferTable
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.state.lifecycle import TransferTable
+from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import TransferStatus
 
 IndexLists = dict[IndexKind, npt.NDArray[np.int64]]

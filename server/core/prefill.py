@@ -72,8 +72,8 @@ from kvbeam.server.core.prefill_events import PrefillEvents, after_resends
 from kvbeam.server.core.prefill_pieces import Pieces
 from kvbeam.server.core.prefill_record import RecordStager
 from kvbeam.server.core.resend import ResendPolicy
-from kvbeam.server.lifecycle import TransferTable
-from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.server.state.lifecycle import TransferTable
+from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferFacts, TransferState, TransferStatus
 from kvbeam.transport.blocks import Blocks
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.ports import WriteGrant
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import TransferStatus
 from kvbeam.transport.blocks import Blocks
 

@@ -54,8 +54,8 @@ from kvbeam.server.core.prefill_actions import (
     TellDecode,
 )
 from kvbeam.server.core.prefill_record import RecordStager
-from kvbeam.server.lifecycle import TransferTable
-from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.server.state.lifecycle import TransferTable
+from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import TransferStatus
 from kvbeam.transport import Event
 from kvbeam.transport.blocks import Blocks

@@ -35,8 +35,8 @@ from kvbeam.server.core.actions import Count, DropLink, link_failure
 from kvbeam.server.core.base import request_bytes
 from kvbeam.server.core.prefill_actions import Actions, RunStep, TellDecode
 from kvbeam.server.core.resend import ResendPolicy, transient
-from kvbeam.server.lifecycle import TransferTable
-from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.server.state.lifecycle import TransferTable
+from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState, TransferStatus
 from kvbeam.transport import Event, EventKind
 

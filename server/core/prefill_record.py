@@ -34,7 +34,7 @@ from kvbeam.pools.mailbox import (
     record_size,
 )
 from kvbeam.server.core.ports import WriteGrant
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import FailureReason
 from kvbeam.transport.blocks import Blocks
 

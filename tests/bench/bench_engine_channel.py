@@ -68,7 +68,7 @@ from tests.bench.line_process import LineProcess
 from tests.fixtures import shipped_config
 
 SEQ = 128
-# The thread-name prefix of gRPC's handler pool (server/control.py), left out of
+# The thread-name prefix of gRPC's handler pool (server/api/control.py), left out of
 # daemon_threads as issue 47 counts them.
 GRPC_HANDLER_POOL = "kvbeam-control"
 ROOT = str(Path(__file__).resolve().parents[2])

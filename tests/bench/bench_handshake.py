@@ -26,8 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.spec import PoolSpec, SideConfig, load_side_config
 from kvbeam.proto.side import Role, SideInfo, side_to_proto
-from kvbeam.server.control import ControlServer
-from kvbeam.server.peer_client import ControlClient
+from kvbeam.server.api.control import ControlServer
+from kvbeam.server.peers.client import ControlClient
 from kvbeam.transport.endpoint import Endpoint, RemoteRegion
 
 REPO = Path(__file__).resolve().parents[2]

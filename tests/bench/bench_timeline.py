@@ -37,22 +37,22 @@ ROOT = str(Path(__file__).resolve().parents[2])
 #: and a transport event, and the steps inside them on the request's path. A function
 #: is wrapped where the caller looks it up (``module:name`` of the caller's module).
 SPECS = ",".join([
-    "kvbeam.server.engine_channel:EngineChannel.handle",
-    "kvbeam.server.engine_channel:EngineChannel._push_state",
+    "kvbeam.server.engines.channel:EngineChannel.handle",
+    "kvbeam.server.engines.channel:EngineChannel._push_state",
     "kvbeam.proto.engine_frames:decode",
     "kvbeam.server.core.decode:DecodeCore.reserve",
     "kvbeam.server.core.decode_driver:DecodeDriver.offer",
-    "kvbeam.server.daemon_servicer:DaemonServicer._channel_request",
+    "kvbeam.server.api.daemon:DaemonServicer._channel_request",
     "kvbeam.server.core.prefill:PrefillCore.send",
     "kvbeam.server.core.prefill:PrefillCore._plan",
     "kvbeam.server.core.prefill_driver:PrefillDriver._post",
     "kvbeam.server.core.prefill_driver:PrefillDriver._digest_job",
     "kvbeam.transport.tcp.link:TcpLink.write",
     "kvbeam.transport.tcp.transport:_Receiver._end",
-    "kvbeam.server.daemon_servicer:DaemonServicer._handle_event",
+    "kvbeam.server.api.daemon:DaemonServicer._handle_event",
     "kvbeam.server.core.decode_landing:LandingCheck.check",
-    "kvbeam.server.lifecycle:TransferTable.create",
-    "kvbeam.server.lifecycle:TransferTable.advance",
+    "kvbeam.server.state.lifecycle:TransferTable.create",
+    "kvbeam.server.state.lifecycle:TransferTable.advance",
 ])
 
 

@@ -585,7 +585,7 @@ def step_dmabuf(step: Step, device: str, work: Path) -> None:
     from kvbeam.pools.layout import build_side_layout
     from kvbeam.pools.shm import filesystem_type
     from kvbeam.refengine.configs import tiny_config
-    from kvbeam.server.dmabuf import DMA_BUF_MAGIC
+    from kvbeam.server.engines.dmabuf import DMA_BUF_MAGIC
     from kvbeam.transport.factory import pick_rdma_device
     from tests.attach_helpers import start_engine_daemon
 

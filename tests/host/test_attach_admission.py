@@ -30,7 +30,7 @@ import pytest
 
 from kvbeam.errors import AttachError
 from kvbeam.proto.attach_codec import AttachRequest
-from kvbeam.server.attach import READ_TIMEOUT_S, AttachServer, PeerCred
+from kvbeam.server.engines.attach import READ_TIMEOUT_S, AttachServer, PeerCred
 
 NOBODY = pwd.getpwnam("nobody")
 GROUP = grp.getgrgid(NOBODY.pw_gid).gr_name  # nobody's own group (nogroup)

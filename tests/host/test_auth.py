@@ -27,8 +27,8 @@ from kvbeam.proto.rejection_codec import REJECTION_KEY
 from kvbeam.proto.service import control_stub
 from kvbeam.proto.side import Role, SideInfo, side_to_proto
 from kvbeam.scheduler import run_request
-from kvbeam.server.control import ControlServer
-from kvbeam.server.peer_client import ControlClient
+from kvbeam.server.api.control import ControlServer
+from kvbeam.server.peers.client import ControlClient
 from kvbeam.server.settings import ControlOptions, resolve
 from kvbeam.server.settings import resolve_security as client_security
 from tests.control_helpers import config, daemon_args, run_cli, side

@@ -27,17 +27,17 @@ from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.peer_frames import ABORT, Hello, decode_request
 from kvbeam.proto.side import SideInfo
 from kvbeam.proto.version import PROTOCOL_VERSION
+from kvbeam.server.api.prefill import PrefillServicer
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.core.prefill_driver import PrefillDriver
-from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.lifecycle import Deadlines, TransferTable
-from kvbeam.server.peer_calls import ChannelDecodePeers, ChannelPrefillPeers
-from kvbeam.server.peer_channel import PeerChannel, PeerChannels
-from kvbeam.server.peers import PeerConn, Peers
-from kvbeam.server.prefill import PrefillServicer
+from kvbeam.server.peers.calls import ChannelDecodePeers, ChannelPrefillPeers
+from kvbeam.server.peers.channel import PeerChannel, PeerChannels
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.settings import ControlOptions, resolve
+from kvbeam.server.state.handshake import VerifiedPeer
+from kvbeam.server.state.lifecycle import Deadlines, TransferTable
+from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Link
 from tests.core_fakes import FakeDecode, FakeLink, fake_conn, wait_for

@@ -21,12 +21,12 @@ import pytest
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.peer_frames import ABORT, Hello, decode_request
 from kvbeam.proto.version import PROTOCOL_VERSION
-from kvbeam.server.decode import DecodeServicer
-from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.peer_channel import PeerChannel, PeerChannels
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.api.decode import DecodeServicer
+from kvbeam.server.peers.channel import PeerChannel, PeerChannels
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.settings import resolve
+from kvbeam.server.state.handshake import VerifiedPeer
+from kvbeam.server.state.peers import PeerConn
 from kvbeam.transport import Link
 from tests.core_fakes import FakeLink, wait_for
 from tests.fixtures import shipped_config

@@ -22,7 +22,7 @@ import pytest
 from kvbeam.auth import Security
 from kvbeam.procs import DaemonProcess
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
-from kvbeam.server.peer_client import ControlClient
+from kvbeam.server.peers.client import ControlClient
 from kvbeam.server.settings import ControlOptions
 from tests.attach_helpers import start_engine_daemon, write_config
 from tests.daemon_helpers import FAST

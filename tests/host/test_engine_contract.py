@@ -31,7 +31,7 @@ from kvbeam.engine import AttachError, EnginePools, KVPoll, Receiver, attach
 from kvbeam.procs import DaemonProcess
 from kvbeam.proto import engine_frames as ef
 from kvbeam.proto.attach_codec import MAX_ERROR_CHARS, MAX_MESSAGE_BYTES, config_to_mapping
-from kvbeam.server.attach import MAX_PENDING, READ_TIMEOUT_S
+from kvbeam.server.engines.attach import MAX_PENDING, READ_TIMEOUT_S
 from tests.attach_helpers import start_engine_daemon, start_engine_pair, write_config
 from tests.daemon_helpers import FAST
 from tests.fixtures import side

@@ -24,11 +24,11 @@ from kvbeam.proto.rejection_codec import DEFAULT_REJECTION_BYTES, Reason, find_r
 from kvbeam.proto.service import control_stub
 from kvbeam.proto.side import Role, SideInfo, side_to_proto
 from kvbeam.proto.version import PROTOCOL_VERSION
-from kvbeam.server.control import ControlServer
-from kvbeam.server.handshake import VerifiedPeer, check_local_side
-from kvbeam.server.peer_client import handshake
-from kvbeam.server.servicer import ControlServicer
+from kvbeam.server.api.control import ControlServer
+from kvbeam.server.api.servicer import ControlServicer
+from kvbeam.server.peers.client import handshake
 from kvbeam.server.settings import ControlOptions
+from kvbeam.server.state.handshake import VerifiedPeer, check_local_side
 from kvbeam.transport.endpoint import Endpoint
 from tests.control_helpers import (
     DECODE_SLOTS,
@@ -141,8 +141,8 @@ def test_incompatible_pair_is_refused_on_both_sides(
     assert err.differences == rejection.differences
     assert "unified_kv" in [d.field for d in err.differences]
     assert prefill.instance_id not in server.peers
-    server_logs = [r for r in caplog.records if r.name == "kvbeam.server.handshake"]
-    client_logs = [r for r in caplog.records if r.name == "kvbeam.server.peer_client"]
+    server_logs = [r for r in caplog.records if r.name == "kvbeam.server.state.handshake"]
+    client_logs = [r for r in caplog.records if r.name == "kvbeam.server.peers.client"]
     for logs in (server_logs, client_logs):
         assert any(r.levelno == logging.ERROR and "refused" in r.getMessage() for r in logs)
         assert any("field=unified_kv" in r.getMessage() for r in logs)

@@ -25,8 +25,8 @@ from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.service import control_stub
 from kvbeam.proto.side import SideInfo
 from kvbeam.proto.version import SERVICE_NAME
-from kvbeam.server.control import ControlServer
-from kvbeam.server.peer_client import ControlClient, handshake
+from kvbeam.server.api.control import ControlServer
+from kvbeam.server.peers.client import ControlClient, handshake
 from kvbeam.server.settings import ControlOptions
 from tests.control_helpers import (
     free_port,

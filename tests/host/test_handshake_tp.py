@@ -17,7 +17,7 @@ from kvbeam.pools.spec import SideConfig
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.rejection_codec import Reason
 from kvbeam.proto.side import Role, side_to_proto
-from kvbeam.server.peer_client import handshake
+from kvbeam.server.peers.client import handshake
 from tests.control_helpers import raw_handshake, running, side
 
 SERVERS = [Role.DECODE, Role.PREFILL]

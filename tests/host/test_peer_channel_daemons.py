@@ -1,4 +1,4 @@
-"""The peer channel between real daemons over TCP (protocol 4, server/peer_channel.py).
+"""The peer channel between real daemons over TCP (protocol 4, server/peers/channel.py).
 
 The frames and the channel's own states are unit-tested in
 tests/unit/test_peer_channel.py; here two daemons use it: per-request calls go over it
@@ -20,8 +20,8 @@ import pytest
 
 from kvbeam.client import KvbeamClient
 from kvbeam.scheduler import run_request
-from kvbeam.server.decode import DecodeServicer
-from kvbeam.server.prefill import PrefillServicer
+from kvbeam.server.api.decode import DecodeServicer
+from kvbeam.server.api.prefill import PrefillServicer
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.settings import resolve
 from kvbeam.states import FailureReason, TransferState

@@ -34,8 +34,8 @@ from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.peer_frames import ABORT, BEGIN_WRITE, OFFER, OFFER_ANSWER, STATUS_CODES
 from kvbeam.proto.peer_frames import HEADER as PEER_HEADER
 from kvbeam.scheduler import run_request
-from kvbeam.server.decode import DecodeServicer
-from kvbeam.server.prefill import PrefillServicer
+from kvbeam.server.api.decode import DecodeServicer
+from kvbeam.server.api.prefill import PrefillServicer
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.settings import resolve
 from tests.daemon_helpers import DECODE_SLOTS, free_slots

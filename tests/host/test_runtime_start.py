@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvbeam.proto.side import SideInfo
-from kvbeam.server.decode import DecodeServicer
+from kvbeam.server.api.decode import DecodeServicer
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.settings import resolve
 from kvbeam.transport.tcp import TcpLink, TcpTransport

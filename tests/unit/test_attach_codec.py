@@ -1,5 +1,5 @@
 """The attach wire (proto/attach_codec.py) and the daemon's checks of a description
-(server/attach_memory.py), in process: memfds, a socketpair, no daemon."""
+(server/engines/memory.py), in process: memfds, a socketpair, no daemon."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from kvbeam.proto.attach_codec import (
     request_from_json,
     request_to_json,
 )
-from kvbeam.server.attach_memory import map_engine_memory
+from kvbeam.server.engines.memory import map_engine_memory
 from tests.fixtures import UNIFIED_DRAFT, side
 
 

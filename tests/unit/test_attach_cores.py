@@ -10,8 +10,8 @@ import pytest
 from kvbeam.errors import NoEngineAttached
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.server.core.decode_driver import DecodeDriver
-from kvbeam.server.lifecycle import Deadlines, TransferTable
-from kvbeam.server.peers import Peers
+from kvbeam.server.state.lifecycle import Deadlines, TransferTable
+from kvbeam.server.state.peers import Peers
 from kvbeam.states import FailureReason, TransferState
 from tests.core_fakes import FakeDecode, prefill_core, wait_for
 from tests.fixtures import UNIFIED_TARGET, layout

@@ -23,8 +23,8 @@ from kvbeam.proto.attach_codec import (
     reply_from_json,
     request_to_json,
 )
-from kvbeam.server.attach import AttachServer, PeerCred
-from kvbeam.server.engine_channel import MAX_QUEUED_FRAMES, EngineChannel
+from kvbeam.server.engines.attach import AttachServer, PeerCred
+from kvbeam.server.engines.channel import MAX_QUEUED_FRAMES, EngineChannel
 from tests.fixtures import side
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvbeam.errors import ConfigError
-from kvbeam.server.attach import default_socket_path
+from kvbeam.server.engines.attach import default_socket_path
 from kvbeam.server.settings import resolve
 from tests.control_helpers import daemon_args
 

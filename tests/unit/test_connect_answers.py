@@ -12,8 +12,8 @@ from kvbeam.errors import (
     PoolCompatibilityError,
     TransportError,
 )
-from kvbeam.server.peer_calls import connect_refusal
-from kvbeam.server.prefill import connect_code
+from kvbeam.server.api.prefill import connect_code
+from kvbeam.server.peers.calls import connect_refusal
 from kvbeam.states import FailureReason
 from tests.unit.test_rpc_errors import FakeRpcError as _Answer
 

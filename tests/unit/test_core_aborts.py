@@ -12,7 +12,7 @@ import pytest
 
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.prefill_driver import ABORT_WAITERS
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import FailureReason, TransferState
 from tests.core_fakes import FakeLink, prefill_core, wait_for
 from tests.unit.test_core_decode import PREFILL, FakePrefill, QueueExecutor, _core

@@ -16,8 +16,8 @@ from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.incoming import Landing
 from kvbeam.server.core.ports import Offered, WriteGrant
-from kvbeam.server.lifecycle import Deadlines, TransferTable
-from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.server.state.lifecycle import Deadlines, TransferTable
+from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
 from tests.core_fakes import FakeLink, fake_conn, flip_digest, land_record

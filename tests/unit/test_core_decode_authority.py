@@ -15,7 +15,7 @@ from kvbeam.errors import AlreadyLanded, BadIndexList
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.incoming import Landing
-from kvbeam.server.identity import claim_refusal
+from kvbeam.server.peers.identity import claim_refusal
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
 from tests.core_fakes import land_record

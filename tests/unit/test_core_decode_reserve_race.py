@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, cast
 
-from kvbeam.server.lifecycle import Deadlines, TransferTable
+from kvbeam.server.state.lifecycle import Deadlines, TransferTable
 from kvbeam.states import FailureReason, TransferState, TransferStatus
 from tests.unit.test_core_decode import PREFILL, _core
 

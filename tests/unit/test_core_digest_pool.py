@@ -19,8 +19,8 @@ from kvbeam.pools.indices import request_indices
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.prefill_driver import PrefillDriver
-from kvbeam.server.lifecycle import Deadlines, TransferTable
-from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.server.state.lifecycle import Deadlines, TransferTable
+from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Blocks, Event, EventKind, Link
 from tests.core_fakes import FakeDecode, FakeLink, fake_conn, land_record, wait_for

@@ -23,8 +23,8 @@ from kvbeam.server.core.incoming import Landing
 from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.faults import FaultHooks, arm
-from kvbeam.server.lifecycle import Deadlines
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.state.lifecycle import Deadlines
+from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import NOT_VERIFIED_NO_DIGESTS, FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
 from tests.core_fakes import (

@@ -21,7 +21,7 @@ from kvbeam.errors import DuplicateRequest
 from kvbeam.pools.digest import DigestParts
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.server.core.prefill_driver import PrefillDriver
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import TransferState, TransferStatus
 from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
 from tests.fake_clock import FakeClock
@@ -82,7 +82,7 @@ def _sweep_clock(core: PrefillDriver) -> FakeClock:
 
 def test_core_modules_do_not_import_grpc() -> None:
     code = ("import sys, kvbeam.server.core, kvbeam.server.core.prefill, "
-            "kvbeam.server.core.decode, kvbeam.server.peers; "
+            "kvbeam.server.core.decode, kvbeam.server.state.peers; "
             "print('grpc' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

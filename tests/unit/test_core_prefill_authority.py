@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import cast
 
 from kvbeam.server.core.prefill_driver import PrefillDriver
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import FailureReason, TransferState
 from tests.core_fakes import FakeLink, prefill_core, wait_for
 

@@ -20,9 +20,9 @@ from kvbeam.errors import ConfigError
 from kvbeam.pools.indices import request_indices
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.faults import BREAK_LINK_ENV, FaultHooks
-from kvbeam.server.lifecycle import Deadlines
-from kvbeam.server.peers import PeerConn
 from kvbeam.server.settings import resolve
+from kvbeam.server.state.lifecycle import Deadlines
+from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import FailureReason, TransferState, TransferStatus
 from tests.core_fakes import FakeDecode, FakeLink, wait_for
 from tests.fake_clock import FakeClock

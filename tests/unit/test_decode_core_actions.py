@@ -30,8 +30,8 @@ from kvbeam.server.core.decode_landing import LandingCheck, Verdict
 from kvbeam.server.core.incoming import Landing
 from kvbeam.server.core.pairing import ASK_AGAIN_AFTER_S
 from kvbeam.server.core.ports import Offered
-from kvbeam.server.lifecycle import Deadlines, TransferTable
-from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.server.state.lifecycle import Deadlines, TransferTable
+from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState, TransferStatus
 from kvbeam.transport import Event, EventKind
 from tests.core_fakes import fake_conn, land_record
@@ -300,7 +300,7 @@ def test_the_core_module_imports_nothing_that_does_io() -> None:
     names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
              for alias in node.names}
     names |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    io = {"time", "socket", "grpc", "concurrent.futures", "kvbeam.server.peer_calls",
+    io = {"time", "socket", "grpc", "concurrent.futures", "kvbeam.server.peers.calls",
           "kvbeam.server.core.decode_driver", "kvbeam.server.faults"}
     assert names & io == set()
 

@@ -25,8 +25,8 @@ from kvbeam.engine import EnginePools
 from kvbeam.errors import AttachError, TransportError
 from kvbeam.pools.shm import unmap
 from kvbeam.proto.attach_codec import AttachRequest
-from kvbeam.server.attach_memory import map_engine_memory
-from kvbeam.server.dmabuf import INTEGRITY_REFUSED, DmabufAccess, rdma_driver
+from kvbeam.server.engines.dmabuf import INTEGRITY_REFUSED, DmabufAccess, rdma_driver
+from kvbeam.server.engines.memory import map_engine_memory
 from kvbeam.transport.base import Access, Registration
 from kvbeam.transport.core import RegistrationBook
 from kvbeam.transport.endpoint import DmaBufRegion, Region, RemoteRegion

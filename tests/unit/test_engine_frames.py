@@ -13,7 +13,7 @@ import pytest
 from kvbeam.errors import BadRequest
 from kvbeam.pools.types import IndexKind
 from kvbeam.proto import engine_frames as ef
-from kvbeam.server.engine_channel import EngineChannel
+from kvbeam.server.engines.channel import EngineChannel
 from kvbeam.states import FailureReason, TransferState, TransferStatus
 
 

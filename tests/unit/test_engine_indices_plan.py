@@ -15,7 +15,7 @@ from kvbeam.pools.plan import build_plan, list_for
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.ports import WriteGrant
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import TransferState
 from tests.copy_helpers import copy_blocks, copy_plan
 from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for

@@ -15,9 +15,16 @@ included) and checks each kvbeam import against the table below, bottom to top:
 - **engine**: the engine SDK (attach channel, staging); no gRPC, no client.
 - **integrations** (vLLM, sglang) and **refengine** (the reference engine): over the
   engine SDK; refengine drives its requests through the client as a scheduler would.
-- **server.core**: the cores and their drivers: pools, transport and the daemon's data
-  modules (the status table, peers, slots), never an adapter, the wire or gRPC.
-- **server**: the daemon (adapters, channels, runtime).
+- **server.state**: the data the cores keep (the transfer table, the verified peers and
+  their connections, decode's slots, the handshake's verified peer): below the cores.
+- **server.core**: the cores, their drivers and their request checks: pools, transport
+  and the state, never the peer side, the engine side, an adapter, the wire or gRPC.
+- **server.engines**: the daemon's side of its engine (attach socket, memory, engine
+  channel): over the cores, no gRPC.
+- **server.peers**: the daemon's side of the other daemons (handshake client, peer
+  channel, the cores' peer calls): over the cores, the daemon's settings and metrics.
+- **server.api**: the gRPC adapters (control server, servicers): over all of the above.
+- **server**: the daemon itself (runtime, settings, metrics, executor, faults, end log).
 - **cli**: the command line, which starts daemons and drives requests.
 
 Runtime checks of the same boundaries in fresh interpreters (what a scheduler or an
@@ -38,9 +45,11 @@ ROOT = Path(__file__).resolve().parents[2]
 #: (layer, module prefixes): the first layer whose prefix matches a module holds it, so
 #: the more specific prefixes come first.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("server.state", ("kvbeam.server.state",)),
     ("server.core", ("kvbeam.server.core",)),
-    ("server.data", ("kvbeam.server.lifecycle", "kvbeam.server.peers", "kvbeam.server.slots",
-                     "kvbeam.server.handshake")),
+    ("server.engines", ("kvbeam.server.engines",)),
+    ("server.peers", ("kvbeam.server.peers",)),
+    ("server.api", ("kvbeam.server.api",)),
     ("server", ("kvbeam.server",)),
     ("transport", ("kvbeam.transport",)),
     ("pools", ("kvbeam.pools",)),
@@ -68,16 +77,24 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "integrations": frozenset({"base", "pools", "proto", "engine", "api:kvbeam.auth"}),
     "refengine": frozenset({*_LOW, "api", "engine"}),
     # The handshake's verified peer is data the cores keep; it checks layouts (pools).
-    "server.data": frozenset({"base", "transport", "pools", "proto"}),
-    "server.core": frozenset({"base", "transport", "pools", "server.data"}),
-    "server": frozenset({*_LOW, "api", "server.data", "server.core"}),
-    "cli": frozenset({*_LOW, "api", "engine", "refengine", "server", "server.data",
-                      "server.core"}),
+    "server.state": frozenset({"base", "transport", "pools", "proto"}),
+    "server.core": frozenset({"base", "transport", "pools", "server.state"}),
+    "server.engines": frozenset({"base", "transport", "pools", "proto", "server.state",
+                                 "server.core"}),
+    "server.peers": frozenset({*_LOW, "api", "server.state", "server.core",
+                               "server:kvbeam.server.settings",
+                               "server:kvbeam.server.metrics"}),
+    "server.api": frozenset({*_LOW, "api", "server.state", "server.core", "server.engines",
+                             "server.peers", "server"}),
+    "server": frozenset({*_LOW, "api", "server.state", "server.core", "server.engines",
+                         "server.peers", "server.api"}),
+    "cli": frozenset({*_LOW, "api", "engine", "refengine", "server", "server.state",
+                      "server.core", "server.engines", "server.peers", "server.api"}),
 }
 
 #: Third-party packages only some layers may import: gRPC is the API's, the wire's
 #: service stubs' and the daemon's adapters'.
-GRPC_LAYERS = frozenset({"api", "proto", "server", "cli"})
+GRPC_LAYERS = frozenset({"api", "proto", "server", "server.api", "server.peers", "cli"})
 
 
 def _package_dirs() -> dict[str, Path]:
@@ -170,8 +187,12 @@ def test_every_import_goes_down_the_layers() -> None:
 
 
 @pytest.mark.parametrize(("module", "target", "allowed"), [
-    ("kvbeam.server.core.prefill", "kvbeam.server.peer_calls", False),
-    ("kvbeam.server.core.prefill", "kvbeam.server.peers", True),
+    ("kvbeam.server.core.prefill", "kvbeam.server.peers.calls", False),
+    ("kvbeam.server.core.prefill", "kvbeam.server.state.peers", True),
+    ("kvbeam.server.core.prefill", "kvbeam.server.api.prefill", False),
+    ("kvbeam.server.engines.channel", "kvbeam.server.peers.channel", False),
+    ("kvbeam.server.peers.calls", "kvbeam.server.runtime", False),
+    ("kvbeam.server.state.lifecycle", "kvbeam.server.core.prefill", False),
     ("kvbeam.engine.requests", "kvbeam.client", False),
     ("kvbeam.integrations.vllm.connector", "kvbeam.auth", True),
     ("kvbeam.integrations.vllm.connector", "kvbeam.auth_grpc", False),

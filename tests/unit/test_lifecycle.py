@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvbeam.errors import DuplicateRequest, IllegalTransition, TooManyTransfers
-from kvbeam.server.lifecycle import Deadlines, TransferTable, legal
+from kvbeam.server.state.lifecycle import Deadlines, TransferTable, legal
 from kvbeam.states import FailureReason, TransferState
 from tests.fake_clock import FakeClock
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from kvbeam.errors import ListenError
-from kvbeam.server.lifecycle import Deadlines, TransferTable
 from kvbeam.server.metrics import DaemonMetrics
 from kvbeam.server.metrics_collector import DaemonCollector, Sources
+from kvbeam.server.state.lifecycle import Deadlines, TransferTable
 from kvbeam.states import FailureReason, TransferState, TransferStatus
 from kvbeam.transport import Access, Event, Region
 from kvbeam.transport.options import TransportOptions

@@ -1,5 +1,5 @@
 """One path between the daemons: every per-request message goes over the peer channel
-(server/peer_calls.py). A connection without an open channel calls no RPC: prefill's
+(server/peers/calls.py). A connection without an open channel calls no RPC: prefill's
 BeginWrite fails naming the peer and why, decode makes no offer, an Abort goes over the
 pair's newer connection or is not sent, prefill's core drops such a connection and
 handshakes again (a new link, a new channel), and a handshake whose decode names no
@@ -20,16 +20,16 @@ from kvbeam.pools.types import IndexKind
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.peer_frames import ABORT, HEADER, OFFER, Reply
 from kvbeam.server.core.ports import Offered, WriteGrant
-from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.peer_calls import (
+from kvbeam.server.peers.calls import (
     ChannelDecodePeers,
     ChannelPrefillPeers,
     no_channel,
     offer_answer,
 )
-from kvbeam.server.peer_channel import CHANNEL_ADDRESS_KEY, CHANNEL_TOKEN_KEY, PeerChannels
-from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.server.peers.channel import CHANNEL_ADDRESS_KEY, CHANNEL_TOKEN_KEY, PeerChannels
 from kvbeam.server.settings import ControlOptions
+from kvbeam.server.state.handshake import VerifiedPeer
+from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import TransferState
 from tests.core_fakes import FakeLink, fake_conn, prefill_core, wait_for
 from tests.fixtures import layout

@@ -1,4 +1,4 @@
-"""The peer channel (proto/peer_frames.py, server/peer_channel.py): frames, HELLO, calls,
+"""The peer channel (proto/peer_frames.py, server/peers/channel.py): frames, HELLO, calls,
 closes, heartbeats.
 
 Real sockets on loopback, two hubs (a "decode" that listens, a "prefill" that dials);
@@ -25,9 +25,9 @@ from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.proto import peer_frames as pf
 from kvbeam.proto.peer_frames import BEGIN_WRITE, HEADER, Hello
 from kvbeam.proto.version import PROTOCOL_VERSION
-from kvbeam.server import peer_channel as pc
-from kvbeam.server.decode import DecodeServicer
-from kvbeam.server.peer_channel import PeerChannel, PeerChannels
+from kvbeam.server.api.decode import DecodeServicer
+from kvbeam.server.peers import channel as pc
+from kvbeam.server.peers.channel import PeerChannel, PeerChannels
 from tests.core_fakes import fake_conn, wait_for
 from tests.fake_clock import FakeClock
 from tests.fixtures import layout

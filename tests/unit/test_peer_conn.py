@@ -7,8 +7,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import cast
 
-from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.peers import PeerConn, Peers, lost_peer
+from kvbeam.server.state.handshake import VerifiedPeer
+from kvbeam.server.state.peers import PeerConn, Peers, lost_peer
 from kvbeam.transport.base import Link
 from tests.core_fakes import FakeLink
 

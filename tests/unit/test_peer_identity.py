@@ -1,11 +1,12 @@
-"""The rules binding a caller's claimed control address to its credentials (server/identity.py)."""
+"""The rules binding a caller's claimed control address to its credentials
+(server/peers/identity.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvbeam.auth import Security
-from kvbeam.server.identity import caller_ip, claim_refusal, san_covers
+from kvbeam.server.peers.identity import caller_ip, claim_refusal, san_covers
 
 TOKEN = Security(token="t")
 #: mTLS as far as the rules go (the files are never read here).

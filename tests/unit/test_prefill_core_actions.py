@@ -30,8 +30,8 @@ from kvbeam.server.core.prefill_actions import (
     RunStep,
     TellDecode,
 )
-from kvbeam.server.lifecycle import Deadlines, TransferTable
-from kvbeam.server.peers import PeerConn, Peers
+from kvbeam.server.state.lifecycle import Deadlines, TransferTable
+from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState
 from tests.core_fakes import fake_conn
 from tests.fixtures import UNIFIED_TARGET, layout
@@ -221,7 +221,7 @@ def test_the_core_module_imports_nothing_that_does_io() -> None:
     names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
              for alias in node.names}
     names |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert names & {"time", "socket", "grpc", "concurrent.futures", "kvbeam.server.peer_calls",
+    assert names & {"time", "socket", "grpc", "concurrent.futures", "kvbeam.server.peers.calls",
                     "kvbeam.server.faults", "kvbeam.pools.digest_pool",
                     "kvbeam.server.core.prefill_driver"} == set()
 

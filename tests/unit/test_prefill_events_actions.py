@@ -18,7 +18,7 @@ from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.outgoing import Outgoing
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.core.prefill_actions import RunStep, TellDecode
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
 from tests.core_fakes import FakeLink, prefill_core
@@ -132,4 +132,4 @@ def test_the_event_handlers_module_imports_nothing_that_does_io() -> None:
              for alias in node.names}
     names |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert names & {"time", "socket", "grpc", "concurrent.futures",
-                    "kvbeam.server.peer_calls"} == set()
+                    "kvbeam.server.peers.calls"} == set()

@@ -6,7 +6,7 @@ import pytest
 
 from kvbeam.errors import ConfigError, KvbeamError, NoFreeSlot
 from kvbeam.server.settings import env_help, resolve
-from kvbeam.server.slots import SlotPool
+from kvbeam.server.state.slots import SlotPool
 from tests.control_helpers import daemon_args as _args
 
 

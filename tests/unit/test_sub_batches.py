@@ -27,7 +27,7 @@ from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.incoming import Landing
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.faults import FaultHooks, arm
-from kvbeam.server.peers import PeerConn
+from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
 from tests.core_fakes import FakeLink, land_record, wait_for

@@ -5,7 +5,7 @@
  * registers it with libibverbs' ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, access).
  * pyverbs' own DmaBufMR cannot take a raw fd (only its DRM/Habana buffer objects) and fixes
  * iova = offset; kvbeam gives each dma-buf region an iova of its own (an address range the
- * daemon reserved, kvbeam.server.dmabuf), so this module calls the C symbol itself.
+ * daemon reserved, kvbeam.server.engines.dmabuf), so this module calls the C symbol itself.
  *
  * The PD: pyverbs 44 exposes no pointer to a PD's struct ibv_pd (only its handle). The
  * pointer is the first field of pyverbs.pd.PD as pyverbs/pd.pxd declares it, followed by

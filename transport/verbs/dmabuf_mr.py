@@ -2,7 +2,7 @@
 
 pyverbs' ``DmaBufMR`` registers only its own DRM/Habana buffer objects and fixes the
 iova to the offset; kvbeam registers the engine's raw fd at an iova of its own choosing
-(``kvbeam.server.dmabuf``: an address range the daemon reserved, so a dma-buf region is
+(``kvbeam.server.engines.dmabuf``: an address range the daemon reserved, so a dma-buf region is
 addressed like any other region and the transport's checks stay as they are). The
 helper ``kvbeam.transport.verbs._dmabuf`` calls libibverbs' ``ibv_reg_dmabuf_mr`` on the
 transport's PD; without it (not built) registration is refused, naming it.

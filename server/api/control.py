@@ -21,10 +21,10 @@ from kvbeam.errors import ListenError
 from kvbeam.proto.service import add_control_servicer
 from kvbeam.proto.side import SideInfo
 from kvbeam.proto.version import SERVICE_NAME
-from kvbeam.server.handshake import check_local_side
-from kvbeam.server.peers import Peers
-from kvbeam.server.servicer import ControlServicer
+from kvbeam.server.api.servicer import ControlServicer
 from kvbeam.server.settings import ControlOptions
+from kvbeam.server.state.handshake import check_local_side
+from kvbeam.server.state.peers import Peers
 from kvbeam.threads import name_os_thread
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """Handshake verification: the one place that turns a peer's SideInfo into a VerifiedPeer.
 
 Both ends of a handshake run :func:`verify_peer` on what they received: the
-server on the request (:mod:`kvbeam.server.servicer`), the client on the reply or
-on the server's rejection (:mod:`kvbeam.server.peer_client`). It runs
+server on the request (:mod:`kvbeam.server.api.servicer`), the client on the reply or
+on the server's rejection (:mod:`kvbeam.server.peers.client`). It runs
 :func:`kvbeam.pools.checks.compare_sides` (which includes each side's own
 target/draft checks), logs every difference and raises, or returns a
 :class:`VerifiedPeer`.
@@ -63,7 +63,7 @@ class VerifiedPeer:
                  verified_at: float) -> None:
         if proof is not _PROOF:
             raise TypeError("a VerifiedPeer is created only by a successful handshake "
-                            "(kvbeam.server.handshake.verify_peer)")
+                            "(kvbeam.server.state.handshake.verify_peer)")
         self._side = side
         self._local = local
         self._address = address

@@ -27,19 +27,19 @@ from kvbeam.proto.peer_frames import ABORT, BEGIN_WRITE, OFFER_ANSWER, Hello
 from kvbeam.proto.transfer_codec import index_lists_from_proto, indices_to_proto
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import handled
+from kvbeam.server.api.daemon import IO_WORKERS, DaemonServicer
 from kvbeam.server.core.decode_driver import DecodeDriver
-from kvbeam.server.daemon_servicer import IO_WORKERS, DaemonServicer
-from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.peer_calls import ChannelPrefillPeers, offer_answer
-from kvbeam.server.peer_channel import (
+from kvbeam.server.core.validation import request_id_of, seq_len_of
+from kvbeam.server.peers.calls import ChannelPrefillPeers, offer_answer
+from kvbeam.server.peers.channel import (
     CHANNEL_ADDRESS_KEY,
     CHANNEL_TOKEN_KEY,
     PeerChannel,
     new_token,
 )
-from kvbeam.server.peers import PeerConn
 from kvbeam.server.runtime import Runtime
-from kvbeam.server.validation import request_id_of, seq_len_of
+from kvbeam.server.state.handshake import VerifiedPeer
+from kvbeam.server.state.peers import PeerConn
 from kvbeam.transport import Endpoint, Link
 
 log = logging.getLogger(__name__)

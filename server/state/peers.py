@@ -1,7 +1,7 @@
 """The one registry of a daemon's peers: who passed the handshake, and the connection to each.
 
 A peer enters by a successful handshake (either direction): :meth:`Peers.add_verified`
-records the :class:`~kvbeam.server.handshake.VerifiedPeer` (and detects a restart: the
+records the :class:`~kvbeam.server.state.handshake.VerifiedPeer` (and detects a restart: the
 same control address with a new instance id), :meth:`Peers.add` its
 :class:`PeerConn` (the data link and the pair's peer channel). Both roles update it
 the same way; transfer RPCs require a verified peer (:meth:`Peers.require`), the
@@ -22,7 +22,7 @@ from kvbeam.logs import fields
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.mailbox import MAILBOX_KEY, Advert, RecordError, mailbox_region, parse_advert
 from kvbeam.pools.sub_batches import SUB_BATCH_KEY, parse_sub_batch
-from kvbeam.server.handshake import VerifiedPeer
+from kvbeam.server.state.handshake import VerifiedPeer
 from kvbeam.transport import Link
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class PeerConn:
         #: Decode's advertised sub-batch size (prefill; 0: none, or decode's view of a
         #: prefill): a large request's sub-batches are marked (pools/sub_batches.py).
         self.sub_batch_bytes = peer_sub_batch(peer) if addrs else 0
-        #: The peer channel to this peer (kvbeam.server.peer_channel.PeerChannel) once
+        #: The peer channel to this peer (kvbeam.server.peers.channel.PeerChannel) once
         #: one is bound: every per-request message goes over it. None before decode's
         #: is bound (prefill's connect opens its own or fails), and in the cores' tests,
         #: whose fake peers take the calls directly.

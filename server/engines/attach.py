@@ -56,7 +56,7 @@ from kvbeam.proto.attach_codec import (
 from kvbeam.proto.engine_frames import ENGINE_FRAMES_VERSION, FrameError
 
 if TYPE_CHECKING:
-    from kvbeam.server.engine_channel import EngineChannel
+    from kvbeam.server.engines.channel import EngineChannel
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class AttachServer:
         on_detach: fails the requests on the memory and releases it; gets the reason.
         group: ``--attach-group`` (a name or gid): the socket gets that group and mode
             0660 so its members can connect; "" keeps it 0600 (the daemon's uid, root).
-        channel: the engine channel (:mod:`kvbeam.server.engine_channel`) the attached
+        channel: the engine channel (:mod:`kvbeam.server.engines.channel`) the attached
             socket carries after the attach reply; served by this same thread.
     """
 

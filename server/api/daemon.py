@@ -36,13 +36,13 @@ from kvbeam.proto.side import ROLE_TO_PROTO, Role
 from kvbeam.proto.transfer_codec import status_to_proto
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import code_for, handled, refusal
+from kvbeam.server.api.servicer import ControlServicer
 from kvbeam.server.core import decode_pages
 from kvbeam.server.core.prefill_driver import ABORT_WAITERS
 from kvbeam.server.executor import LoggingExecutor
-from kvbeam.server.handshake import VerifiedPeer
-from kvbeam.server.peer_channel import PeerChannel, PeerChannels
-from kvbeam.server.peers import PeerConn, lost_peer
-from kvbeam.server.servicer import ControlServicer
+from kvbeam.server.peers.channel import PeerChannel, PeerChannels
+from kvbeam.server.state.handshake import VerifiedPeer
+from kvbeam.server.state.peers import PeerConn, lost_peer
 from kvbeam.states import TransferFacts, TransferStatus
 from kvbeam.threads import name_os_thread
 from kvbeam.transport import core as transport_core

@@ -1,5 +1,5 @@
 """The cores' peer calls: the handshake and decode's ask to connect over gRPC, every
-per-request message over the pair's peer channel (:mod:`kvbeam.server.peer_channel`).
+per-request message over the pair's peer channel (:mod:`kvbeam.server.peers.channel`).
 
 :class:`ChannelDecodePeers` (prefill's view of decode daemons) and
 :class:`ChannelPrefillPeers` (decode's view of prefill daemons) implement the protocols
@@ -49,17 +49,17 @@ from kvbeam.proto.transfer_codec import grant_indices_from_proto, indices_to_pro
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import peer_error
 from kvbeam.server.core.ports import Offered, WriteGrant
-from kvbeam.server.handshake import VerifiedPeer
 from kvbeam.server.metrics import DaemonMetrics
-from kvbeam.server.peer_channel import (
+from kvbeam.server.peers.channel import (
     CHANNEL_ADDRESS_KEY,
     CHANNEL_TOKEN_KEY,
     PeerChannel,
     PeerChannels,
 )
-from kvbeam.server.peer_client import ControlClient
-from kvbeam.server.peers import PeerConn, Peers, peer_buffer_addrs
+from kvbeam.server.peers.client import ControlClient
 from kvbeam.server.settings import ControlOptions
+from kvbeam.server.state.handshake import VerifiedPeer
+from kvbeam.server.state.peers import PeerConn, Peers, peer_buffer_addrs
 from kvbeam.states import FailureReason
 from kvbeam.transport import Transport
 

@@ -52,7 +52,7 @@ from kvbeam.proto import engine_frames as ef
 from kvbeam.proto.fields import host_port
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.prefill_driver import PrefillDriver
-from kvbeam.server.validation import request_id_of, seq_len_of
+from kvbeam.server.core.validation import request_id_of, seq_len_of
 from kvbeam.states import FailureReason, TransferState, TransferStatus
 
 log = logging.getLogger(__name__)

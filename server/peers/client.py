@@ -37,13 +37,13 @@ from kvbeam.proto.rejection_codec import (
 from kvbeam.proto.side import Role, SideEncoder, SideInfo, side_from_proto
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import peer_error
-from kvbeam.server.handshake import (
+from kvbeam.server.settings import ControlOptions
+from kvbeam.server.state.handshake import (
     VerifiedPeer,
     incompatibility_error,
     log_differences,
     verify_peer,
 )
-from kvbeam.server.settings import ControlOptions
 from kvbeam.transport.endpoint import Endpoint
 
 log = logging.getLogger(__name__)

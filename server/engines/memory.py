@@ -1,7 +1,7 @@
 """Check an engine's attach description and map its memory: the daemon side of attach.
 
 The checks run in this order, each refusal naming its field: the memory kind (a
-``dmabuf`` attach: whether this daemon takes one, :mod:`kvbeam.server.dmabuf`), the
+``dmabuf`` attach: whether this daemon takes one, :mod:`kvbeam.server.engines.dmabuf`), the
 engine's config against ``--config`` (when the daemon has one), the seed's
 target/draft checks (:func:`~kvbeam.pools.checks.check_target_draft`: the same checks
 and wording as the daemon's start-up), the component and buffer counts, every
@@ -26,7 +26,7 @@ from kvbeam.pools.shared import MappedSide, Placement, placed_layout
 from kvbeam.pools.shm import map_shared, shared_file_size, unmap
 from kvbeam.pools.spec import SideConfig
 from kvbeam.proto.attach_codec import AttachRequest, BufferRef, config_differences
-from kvbeam.server.dmabuf import DmabufAccess, DmabufMemory
+from kvbeam.server.engines.dmabuf import DmabufAccess, DmabufMemory
 
 log = logging.getLogger(__name__)
 

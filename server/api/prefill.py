@@ -5,7 +5,7 @@ Decodes each request, validates what only the wire can get wrong, calls the core
 (:mod:`kvbeam.server.core.prefill`, where the send path lives) and encodes the
 status. Decode's Offer (one-way) and Abort arrive on the peer channel only
 (``channel_notices``, ``channel_handlers``); the Abort RPC is a scheduler's. Peer calls
-go over the peer channel (:class:`~kvbeam.server.peer_calls.ChannelDecodePeers`).
+go over the peer channel (:class:`~kvbeam.server.peers.calls.ChannelDecodePeers`).
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ from kvbeam.proto.transfer_codec import (
     index_lists_from_proto,
 )
 from kvbeam.rpc_errors import handled
+from kvbeam.server.api.daemon import IO_WORKERS, DaemonServicer
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.core.prefill_driver import PrefillDriver
-from kvbeam.server.daemon_servicer import IO_WORKERS, DaemonServicer
-from kvbeam.server.identity import claim_refusal
-from kvbeam.server.peer_calls import MAX_CONNECT_DETAIL, ChannelDecodePeers
-from kvbeam.server.peer_channel import PeerChannel
+from kvbeam.server.core.validation import request_id_of, seq_len_of
+from kvbeam.server.peers.calls import MAX_CONNECT_DETAIL, ChannelDecodePeers
+from kvbeam.server.peers.channel import PeerChannel
+from kvbeam.server.peers.identity import claim_refusal
 from kvbeam.server.runtime import Runtime
-from kvbeam.server.validation import request_id_of, seq_len_of
 
 log = logging.getLogger(__name__)
 

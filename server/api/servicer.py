@@ -35,9 +35,9 @@ from kvbeam.proto.rejection_codec import (
     status_details,
 )
 from kvbeam.proto.side import SideEncoder, SideInfo, side_from_proto
-from kvbeam.server.handshake import VerifiedPeer, verify_peer
-from kvbeam.server.identity import claim_refusal
-from kvbeam.server.peers import Peers
+from kvbeam.server.peers.identity import claim_refusal
+from kvbeam.server.state.handshake import VerifiedPeer, verify_peer
+from kvbeam.server.state.peers import Peers
 from kvbeam.transport.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,8 @@ class ControlServicer(pb_grpc.KvbeamControlServicer):
 
     Attributes:
         security: how the server authenticates callers; a caller's claimed control
-            address must match it (:func:`~kvbeam.server.identity.claim_refusal`).
-            :class:`~kvbeam.server.control.ControlServer` sets it from its options.
+            address must match it (:func:`~kvbeam.server.peers.identity.claim_refusal`).
+            :class:`~kvbeam.server.api.control.ControlServer` sets it from its options.
     """
 
     def __init__(self, local: SideInfo, *, peers: Peers | None = None) -> None:
