@@ -396,7 +396,11 @@ class PrefillDriver(DriverBase[PrefillCore]):
         """Remove the connection and release its link (its writes complete as failed);
         then the core fails or resends the requests on it."""
         self.core.peers.remove(action.conn)
-        action.conn.close()
+        # Only the link failed: the peer channel stays, the way to tell decode of a
+        # request whose resend finds no new link (decode waits for that resend).
+        action.conn.close(keep_channel=not action.gone)
+        if not action.gone:
+            self.core.peers.keep(action.conn)
         self.execute(self.core.link_dropped(action.conn, action.detail, gone=action.gone),
                      on_executor)
 

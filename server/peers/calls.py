@@ -152,8 +152,10 @@ class _Aborts:
 
     def channel_for(self, conn: PeerConn | None, address: str) -> PeerChannel | None:
         """The open channel to tell ``address`` on: ``conn``'s, else the pair's newer
-        connection's (its link was replaced meanwhile); None: none is open."""
-        return open_channel(conn) or open_channel(self.peers.by_address(address))
+        connection's (its link was replaced meanwhile), else one kept after a link
+        failure (:meth:`~kvbeam.server.state.peers.Peers.keep`); None: none is open."""
+        return (open_channel(conn) or open_channel(self.peers.by_address(address))
+                or self.peers.kept_channel(address))
 
     def abort(self, conn: PeerConn | None, address: str, request_id: str, detail: str,
               timeout: float | None = None) -> bool:

@@ -147,11 +147,14 @@ class PeerConn:
     def close(self, *, keep_channel: bool = False) -> None:
         """Release the link (the peer can no longer write into us) and close the channel.
 
-        ``keep_channel`` (decode, when only the link failed): the peer channel stays open,
-        bound to this closed connection, as the peer's liveness: the prefill closes it
-        with a BYE when it drops its side and handshakes again, while its EOF without
-        a BYE (the process died) still fails the prefill's reservations at once. Closing
-        it here would race that EOF: whichever the kernel reported first decided.
+        ``keep_channel`` (when only the link failed): the peer channel stays open, bound
+        to this closed connection. Decode keeps it as the prefill's liveness: the prefill
+        closes it with a BYE when it handshakes again, while its EOF without a BYE (the
+        process died) still fails the prefill's reservations at once (closing it here
+        would race that EOF: whichever the kernel reported first decided). Prefill keeps
+        it (:meth:`Peers.keep`) to still reach decode, whose reservations wait for a
+        resend: when no new link connects, the Abort goes over it; it retires with a BYE
+        once prefill's next handshake with that decode succeeds.
         """
         with self._lock:
             if self.closed:
@@ -180,6 +183,9 @@ class Peers:
         self._verified: dict[str, VerifiedPeer] = {}
         self._conns: dict[str, PeerConn] = {}
         self._by_link: dict[int, PeerConn] = {}
+        #: Closed connections whose peer channel stays open (prefill, after a link-only
+        #: failure: :meth:`keep`), by instance id, until a new connection retires them.
+        self._kept: dict[str, list[PeerConn]] = {}
 
     # ---- verified peers -------------------------------------------------------------
     def add_verified(self, peer: VerifiedPeer) -> list[VerifiedPeer]:
@@ -231,12 +237,42 @@ class Peers:
 
     # ---- connections ------------------------------------------------------------------
     def add(self, conn: PeerConn) -> list[VerifiedPeer]:
-        """Record a connection and its verified peer; returns restarted peers it replaced."""
+        """Record a connection and its verified peer; returns restarted peers it replaced.
+        The peer's kept channels (:meth:`keep`) retire with a BYE: the new connection
+        opens its own."""
         stale = self.add_verified(conn.peer)
         with self._lock:
             self._conns[conn.instance_id] = conn
             self._by_link[conn.link.id] = conn
+            retired = self._kept.pop(conn.instance_id, [])
+            for peer in stale:
+                retired += self._kept.pop(peer.instance_id, [])
+        _retire(retired, "a new connection to the peer replaced it")
         return stale
+
+    def keep(self, conn: PeerConn) -> None:
+        """``conn`` was closed for a link failure only and kept its peer channel open
+        (:meth:`PeerConn.close`): the channel still reaches the peer (an Abort for a
+        request whose resend could not connect a new link) and still watches it (its
+        EOF proves the peer gone), until a new connection to the peer retires it."""
+        with self._lock:
+            # Those whose channel closed meanwhile (the peer went) are history.
+            self._kept = {iid: live for iid, conns in self._kept.items()
+                          if (live := [c for c in conns if c.channel is not None
+                                       and not c.channel.closed])}
+            self._kept.setdefault(conn.instance_id, []).append(conn)
+
+    def kept_channel(self, control_address: str) -> Any:
+        """The newest open kept channel (a ``PeerChannel``) to the peer at
+        ``control_address``, or None."""
+        with self._lock:
+            for conns in self._kept.values():
+                for conn in reversed(conns):
+                    channel = conn.channel
+                    if (conn.control_address == control_address and channel is not None
+                            and not channel.closed):
+                        return channel
+        return None
 
     def get(self, instance_id: str) -> PeerConn | None:
         """The connection to a peer instance, if live."""
@@ -274,11 +310,23 @@ class Peers:
 
     def close_all(self) -> None:
         """Remove every connection and release its link (shutdown, an engine's detach):
-        no write can land over one after. Blocking (the links' release): no lock held
-        while a connection closes."""
+        no write can land over one after; kept channels retire. Blocking (the links'
+        release): no lock held while a connection closes."""
         for conn in self.all():
             self.remove(conn)
             conn.close()
+        with self._lock:
+            retired = [conn for conns in self._kept.values() for conn in conns]
+            self._kept.clear()
+        _retire(retired, "its daemon released its connections")
+
+
+def _retire(conns: list[PeerConn], why: str) -> None:
+    """Close the kept channels of ``conns`` with a BYE (the peer takes it as a link loss)."""
+    for conn in conns:
+        channel = conn.channel
+        if channel is not None and not channel.closed:
+            channel.close(f"kept channel retired: {why}", bye=True)
 
 
 def lost_peer(channel: Any, peers: Peers) -> PeerConn | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +26,8 @@ from kvbeam.server.api.prefill import PrefillServicer
 from kvbeam.server.runtime import Runtime
 from kvbeam.server.settings import resolve
 from kvbeam.states import FailureReason, TransferState
+from kvbeam.transport.tcp import TcpTransport
+from kvbeam.transport.tcp.link import TcpLink
 from tests.daemon_helpers import DECODE_SLOTS, free_slots, pair, start
 from tests.fixtures import shipped_config
 from tests.waiting import wait_until
@@ -142,7 +145,8 @@ def test_a_channel_closed_with_a_bye_is_replaced_by_the_next_requests_handshake(
         caplog: pytest.LogCaptureFixture, how: str) -> None:
     """Decode releases its side of the pair (``link``: its link failed, say), or only
     its channel (``channel``: the link stays, so prefill's connection does too): the
-    channel closes with a BYE, so neither side takes the other for gone. No RPC stands
+    channel closes with a BYE (``link``: when prefill's next handshake retires the
+    channel both sides kept), so neither side takes the other for gone. No RPC stands
     in for the channel: decode makes no offer on a connection without one, and prefill's
     next request drops such a connection and handshakes again, over a new link and a new
     channel, and succeeds; so does the one after it, on that channel."""
@@ -156,13 +160,18 @@ def test_a_channel_closed_with_a_bye_is_replaced_by_the_next_requests_handshake(
         (conn,) = decode.rt.peers.all()
         if how == "link":
             decode.peer_lost(conn, "test: the link is replaced", gone=False)
+            # Both sides keep their channel when only the link failed: prefill's link
+            # fails, and its channel retires when the next request handshakes again.
+            assert wait_until(lambda: not prefill.rt.peers.all(), 10), "the link never failed"
+            assert not old.closed
         else:
             conn.channel.close("test: the channel is replaced", bye=True)
-        assert wait_until(lambda: old.closed, 10), "prefill never heard the BYE"
-        assert old.orderly, old.close_reason  # a BYE: the peer lives
+            assert wait_until(lambda: old.closed, 10), "prefill never heard the BYE"
         for i in range(2):
             result = run_request(p, d, f"after-{i}", 500, i + 1)
             assert result.ok, (result, caplog.text[-4000:])
+        assert wait_until(lambda: old.closed, 10), "the old channel was never retired"
+        assert old.orderly, old.close_reason  # a BYE: the peer lives
         new = _channel_of(prefill)
         assert new is not old and not new.closed
         assert _channel_of(decode) is not None and not _channel_of(decode).closed
@@ -174,3 +183,41 @@ def test_a_channel_closed_with_a_bye_is_replaced_by_the_next_requests_handshake(
         assert "dropping that connection" in caplog.text, caplog.text[-4000:]
     assert "not made" not in caplog.text  # no offer failed: none was tried without one
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-4000:]
+
+
+def test_a_request_whose_resend_cannot_connect_is_told_to_decode_over_the_kept_channel(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The data path breaks mid-request and stays broken (decode's data port refuses new
+    connections) while both daemons live: prefill's link fails, each resend's handshake
+    fails to connect a new link, and the request fails on prefill. Prefill kept its side
+    of the peer channel when only the link failed (as decode does), so it tells decode
+    over that channel at once: decode's request fails with prefill's word, not at its own
+    deadline. A later handshake (the data port back) retires the kept channel with a BYE."""
+    caplog.set_level(logging.INFO)
+    with _in_process() as (prefill, decode), \
+            KvbeamClient(prefill.rt.local.control_address) as p, \
+            KvbeamClient(decode.rt.local.control_address) as d:
+        assert run_request(p, d, "warm", 500, 0).ok
+        (conn,) = prefill.rt.peers.all()
+        kept = conn.channel
+        d.reserve("cut", 4096, prefill.rt.local.control_address)
+        p.send("cut", 1, 4096, decode.rt.local.control_address, final=False,
+               chunks=[(0, 1024)])
+        assert wait_until(lambda: p.status("cut").bytes_done > 0, 30)
+        # The data path breaks: decode's data port refuses, prefill's link is cut.
+        transport = decode.rt.transport
+        link = conn.link
+        assert isinstance(transport, TcpTransport) and isinstance(link, TcpLink)
+        listener = transport._listener  # the test cuts the data port
+        decode.rt.loop.run_sync(lambda: transport.selector.unregister(listener))
+        listener.close()
+        assert link._sock is not None
+        link._sock.shutdown(socket.SHUT_RDWR)
+        p.send("cut", 1, 4096, decode.rt.local.control_address)
+        pst = p.wait("cut", 30)
+        assert pst.state is TransferState.FAILED, pst
+        dst = d.wait("cut", 10)
+        assert dst.state is TransferState.FAILED, dst
+        assert dst.reason is FailureReason.PEER_FAILED and "prefill failed" in dst.detail, dst
+        assert not kept.closed  # the kept channel carried the Abort
+    assert "could not tell" not in caplog.text, caplog.text[-4000:]
