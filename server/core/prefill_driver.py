@@ -381,9 +381,11 @@ class PrefillDriver(DriverBase[PrefillCore]):
     def _tell_decode(self, tell: TellDecode, on_executor: bool) -> None:
         """Abort the request on decode over the pair's peer channel. When every link the
         request had is gone (a link that failed on each resend), decode keeps its
-        reservation for a resend that is not coming: a new handshake, as a Send's, opens
-        the channel to say so (not for a request that never connected: decode granted
-        it nothing, and its Offer, if one comes, is answered by an Abort)."""
+        reservation for a resend that is not coming: the channel kept from the failed
+        link says so (:meth:`~kvbeam.server.state.peers.Peers.keep`), else a new
+        handshake, as a Send's, opens one (not for a request that never connected:
+        decode granted it nothing, and its Offer, if one comes, is answered by an
+        Abort)."""
         if tell.conn is not None and not self.decode.reaches(tell.conn, tell.address):
             _conn, error = self._connect(tell.address, on_executor)
             if error is not None:
