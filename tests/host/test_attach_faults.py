@@ -171,7 +171,15 @@ def test_decode_engine_detach_during_requests_fails_them_and_releases_memory(
         d.reserve("w1", SEQ, prefill.address)  # reserved, never sent
         d.reserve("t1", SEQ, prefill.address)
         p.send("t1", 0, SEQ, decode.address)
-        assert wait_until(lambda: d.status("t1").state is TransferState.TRANSFERRING, 30)
+        # Mid-transfer, as in the SIGKILL test above: prefill is Transferring (it holds
+        # decode's grant and waits out the slow wire) whichever came first, decode's Offer
+        # (decode still Bootstrapping: it learns of the writes when they land) or the Send
+        # (a BeginWrite: decode Transferring).
+        assert wait_until(lambda: p.status("t1").state is TransferState.TRANSFERRING,
+                          30), (d.status("t1"), p.status("t1"), prefill.output[-3000:],
+                                decode.output[-3000:])
+        assert d.status("t1").state in (TransferState.BOOTSTRAPPING,
+                                        TransferState.TRANSFERRING), d.status("t1")
         assert de.cmd("detach", timeout=30) == "detached"  # returns once memory released
         for c in (p, d):  # bounded: well inside the 6 s transfer deadline
             st = c.wait("t1", 15)
