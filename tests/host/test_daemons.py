@@ -33,11 +33,18 @@ def test_concurrent_requests_all_succeed_and_slots_return(paged: bool) -> None:
 
 
 def test_reserve_when_full_is_resource_exhausted() -> None:
-    with pair() as (prefill, _decode, _p, d):
+    with pair() as (prefill, decode, _p, d):
         for i in range(16):  # decode.yaml has 16 slots
             d.reserve(f"hold-{i}", 100, prefill.address)
-        with pytest.raises(Busy, match="no free request slot"):
+        try:
             d.reserve("one-too-many", 100, prefill.address)
+        except Busy as exc:
+            assert "no free request slot" in str(exc), exc
+        else:  # a slot was free: say which reservation ended, and why
+            held = [d.status(f"hold-{i}") for i in range(16)]
+            raise AssertionError(f"a 17th reservation fit; ended: "
+                                 f"{[h for h in held if h.state.terminal]}\n"
+                                 f"{decode.output[-4000:]}\n{prefill.output[-3000:]}")
         d.abort("hold-0")
         # A scheduler's abort frees the slot once prefill has confirmed it stopped
         # writing (a round trip to prefill), not when Abort returns.

@@ -10,8 +10,10 @@ lands the bytes, straight from the socket into the destination, and answers END 
 ACK (after emitting the notification) or NAK (a block was refused). The writer's
 COMPLETED event follows ACK/NAK, so it means what an RDMA completion means.
 
-**One thread** (``kvbeam-tcp``, a :class:`~kvbeam.loop.DaemonLoop` of its own) serves
-the whole data plane, however many peers: the listener, every inbound connection (its
+**One loop thread** serves the whole data plane, however many peers: the daemon's
+(``kvbeam-loop``: ``open_transport(loop=...)``), or, for a transport built alone (a
+unit test, a bench), a :class:`~kvbeam.loop.DaemonLoop` of its own (``kvbeam-tcp``). It
+serves the listener, every inbound connection (its
 HELLO, then its frames, read as they arrive into the destination memory: a partial
 frame resumes where it stopped), and every link's outbound socket (its ACK/NAK, and the
 queued streams whenever the socket has room), and every ``TICK_S`` the deadlines (a
