@@ -43,6 +43,7 @@ from kvbeam.server.peers.calls import MAX_CONNECT_DETAIL, ChannelDecodePeers
 from kvbeam.server.peers.channel import PeerChannel
 from kvbeam.server.peers.identity import claim_refusal
 from kvbeam.server.runtime import Runtime
+from kvbeam.states import FailureReason
 
 log = logging.getLogger(__name__)
 
@@ -187,14 +188,16 @@ class PrefillServicer(DaemonServicer):
     def _pair_refused(self, request_ids: Sequence[str], address: str, instance_id: str,
                       detail: str) -> None:
         """A Connect's handshake was refused: the requests the decode at ``address`` named
-        as waiting for the pair fail here now (their Sends end with the refusal), as an
-        Abort from that decode would fail them."""
+        as waiting for the pair fail here now, ``incompatible`` as a Send's own refused
+        handshake would fail them (their Sends end with the refusal, whichever came
+        first)."""
         detail = f"decode's reservation failed: the pair could not connect: {detail}"
         for rid in request_ids:
             try:
                 self.prefill.abort(request_id_of(rid), from_peer=True, detail=detail,
                                    wait_s=0.0, instance_id=instance_id,
-                                   caller_refusal=_speaks_for(address, "Connect"))
+                                   caller_refusal=_speaks_for(address, "Connect"),
+                                   reason=FailureReason.INCOMPATIBLE)
             except Exception as exc:  # an unknown id: nothing to end here
                 log.debug("Connect from decode %s names %r: %s", address, rid, exc,
                           extra=fields(rid, address))

@@ -153,7 +153,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         self._writes: dict[tuple[int, int], str] = {}
         self._connecting: dict[str, list[Outgoing]] = {}
         #: Decode's aborts that came before the request's Send: id -> (expiry, detail).
-        self._early_aborts: dict[str, tuple[float, str]] = {}
+        self._early_aborts: dict[str, tuple[float, str, FailureReason]] = {}
         #: Requests that ended before their final chunk came and whose record the sweep
         #: forgot: a further chunk of one is answered with its status (while the table
         #: still knows it), as when the record is kept. Pruned by the sweep.
@@ -214,7 +214,7 @@ class PrefillCore(PrefillEvents, CoreBase):
                 # Decode declined (or aborted) it before this Send: fail it now, rather
                 # than hold the engine's source for the --send-wait-s lease.
                 self.table.create(request_id, decode_address)
-                self.table.fail(request_id, FailureReason.PEER_FAILED, early[1])
+                self.table.fail(request_id, early[2], early[1])
                 log.warning("request %s failed: decode ended it before its Send: %s",
                             request_id, early[1], extra=fields(request_id, decode_address))
                 return []
@@ -414,13 +414,15 @@ class PrefillCore(PrefillEvents, CoreBase):
         return self._may_wait_for_offer(rec, conn)
 
     def abort(self, request_id: str, *, from_peer: bool, detail: str,
-              now: float) -> tuple[Outgoing, str] | None:
+              now: float, reason: FailureReason | None = None
+              ) -> tuple[Outgoing, str] | None:
         """Fail the request (an Abort's first half): its record and the failure's detail,
         None when prefill keeps no record of it. The driver then waits a little for its
         writes to drain and calls :meth:`abort_answered`.
 
-        ``from_peer``: decode reports its verdict (reason peer_failed; decode needs no
-        Abort back). The driver took it only from the request's own decode.
+        ``from_peer``: decode reports its verdict (reason peer_failed, or ``reason``:
+        incompatible when the pair's handshake was refused; decode needs no Abort back).
+        The driver took it only from the request's own decode.
         """
         self.offers.drop(request_id)
         with self._lock:
@@ -428,14 +430,15 @@ class PrefillCore(PrefillEvents, CoreBase):
             if rec is not None and from_peer:
                 rec.told_decode = True  # decode asked: it knows
         if rec is None and from_peer and self.send_wait_s and self.table.get(request_id) is None:
-            self._remember_early_abort(request_id, detail or "aborted by decode", now)
+            self._remember_early_abort(request_id, detail or "aborted by decode", now,
+                                       reason or FailureReason.PEER_FAILED)
         if rec is None:  # ended and pruned, or never seen (the driver's status raises)
             snap = self.table.get(request_id)
             if from_peer and snap is not None and snap.state is TransferState.SUCCESS:
                 # Decode's verdict came after the sweep pruned our Success record.
                 self._late_verdict(request_id, detail, snap.peer)
             return None
-        reason = FailureReason.PEER_FAILED if from_peer else FailureReason.ABORTED
+        reason = reason or (FailureReason.PEER_FAILED if from_peer else FailureReason.ABORTED)
         detail = after_resends(detail or ("aborted by decode" if from_peer else "aborted"),
                                rec.resends, rec.first_failure)
         if self.table.fail(request_id, reason, detail):
@@ -477,17 +480,18 @@ class PrefillCore(PrefillEvents, CoreBase):
             return None
         return snap if snap.state.terminal else None
 
-    def _remember_early_abort(self, request_id: str, detail: str, now: float) -> None:
+    def _remember_early_abort(self, request_id: str, detail: str, now: float,
+                              reason: FailureReason) -> None:
         """Decode ended a request whose Send has not come (its engine declined it before
         prefill's engine sent it): its Send, if it comes within ``send_wait_s``, fails at
         once. Bounded: the oldest is forgotten first (that Send then waits its lease)."""
         with self._lock:
             book = self._early_aborts
-            for rid in [r for r, (expiry, _) in book.items() if expiry < now]:
+            for rid in [r for r, (expiry, _, _) in book.items() if expiry < now]:
                 del book[rid]
             while len(book) >= MAX_EARLY_ABORTS:
                 del book[next(iter(book))]
-            book[request_id] = (now + self.send_wait_s, detail)
+            book[request_id] = (now + self.send_wait_s, detail, reason)
 
     def in_flight(self, request_id: str) -> int:
         """Writes of the request that may still read its source (0 once drained)."""

@@ -56,7 +56,7 @@ from kvbeam.server.core.prefill_actions import (
 from kvbeam.server.core.prefill_record import RecordStager
 from kvbeam.server.state.lifecycle import TransferTable
 from kvbeam.server.state.peers import PeerConn, Peers
-from kvbeam.states import TransferStatus
+from kvbeam.states import FailureReason, TransferStatus
 from kvbeam.transport import Event
 from kvbeam.transport.blocks import Blocks
 
@@ -229,7 +229,8 @@ class PrefillDriver(DriverBase[PrefillCore]):
 
     def abort(self, request_id: str, *, from_peer: bool, detail: str,
               wait_s: float | None = None, instance_id: str = "",
-              caller_refusal: Callable[[str], str | None] | None = None) -> TransferStatus:
+              caller_refusal: Callable[[str], str | None] | None = None,
+              reason: FailureReason | None = None) -> TransferStatus:
         """Fail the request; wait a little for its writes to drain; tell decode.
 
         The wait is bounded by ``ABORT_WAIT_S`` and ``wait_s`` (what the caller's
@@ -243,12 +244,14 @@ class PrefillDriver(DriverBase[PrefillCore]):
         to prefill's Aborts: with ``caller_refusal`` given (the daemon's handler; None: a
         test of the core, nothing checked), ``instance_id`` must be the decode instance
         the request is connected to (if any) and the caller's credentials must cover the
-        request's decode address. Anyone else's claim is a scheduler's abort.
+        request's decode address. Anyone else's claim is a scheduler's abort. ``reason``:
+        decode's verdict's own reason (incompatible: the pair's handshake was refused),
+        in place of peer_failed.
         """
         if from_peer and caller_refusal is not None:
             from_peer = self._from_its_decode(request_id, instance_id, caller_refusal)
         failed = self.core.abort(request_id, from_peer=from_peer, detail=detail,
-                                 now=self.clock())
+                                 now=self.clock(), reason=reason if from_peer else None)
         if failed is None:
             return self.core.status(request_id)  # ended and pruned, or UnknownRequest
         rec, detail = failed

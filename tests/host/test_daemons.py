@@ -154,7 +154,10 @@ def test_incompatible_pair_fails_on_both_sides_with_the_field_named() -> None:
                 d.reserve("mismatch", 100, prefill.address)
                 p.send("mismatch", 0, 100, decode.address)
                 st = p.wait("mismatch", 10)
-                assert st.state is F and st.reason is FailureReason.INCOMPATIBLE
+                # Incompatible whichever came first: prefill's own handshake for the
+                # Send, or decode's Connect for its reservation (refused: the Send then
+                # fails with that refusal).
+                assert st.state is F and st.reason is FailureReason.INCOMPATIBLE, st
                 assert "unified-KV mode: prefill=True, decode=False" in st.detail
                 dst = d.wait("mismatch", 10)
                 assert dst.state is F and "unified-KV mode" in dst.detail
@@ -199,8 +202,15 @@ def test_decode_restart_is_detected_and_a_new_handshake_serves() -> None:
             address = decode.address
             decode.kill()
             st = p.wait("inflight", 20)
+            # Both of prefill's sockets to decode end. The peer channel's end first: the
+            # peer is lost (peer_failed). The data link's first: the request is resent,
+            # and the resend's handshake finds nobody (peer_unreachable, the link's
+            # failure named); both on the daemon's one loop, in the kernel's order.
             assert st.state is F and st.reason in (FailureReason.PEER_FAILED,
-                                                   FailureReason.TRANSPORT_ERROR)
+                                                   FailureReason.TRANSPORT_ERROR,
+                                                   FailureReason.PEER_UNREACHABLE), st
+            if st.reason is FailureReason.PEER_UNREACHABLE:
+                assert "the link failed first" in st.detail, st
             decode = start("decode", listen=address)
             with KvbeamClient(decode.address) as d:
                 assert run_request(p, d, "after-restart", 1000, 0).ok

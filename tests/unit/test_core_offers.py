@@ -348,6 +348,24 @@ def test_an_offer_that_does_not_fit_the_send_is_not_used(change: str) -> None:
     assert events == ["received", "missed"]
 
 
+@pytest.mark.parametrize("reason", [None, FailureReason.INCOMPATIBLE])
+def test_decodes_verdict_before_the_send_fails_the_send_with_its_reason(
+        reason: FailureReason | None) -> None:
+    """Decode ended a request before prefill's engine sent it (its Connect's handshake
+    was refused: ``incompatible``; else decode's word: ``peer_failed``): the Send that
+    comes within ``send_wait_s`` fails at once, with that reason, as the Send's own
+    handshake would have failed it."""
+    core, _fake, _conn, _events, _io = _queued_connected(send_wait_s=5.0)
+    with pytest.raises(UnknownRequest):  # prefill has no Send of it yet
+        core.abort("early", from_peer=True, detail="the pair could not connect",
+                   reason=reason)
+    core.send("early", 1, SEQ, ADDR, [], True)
+    st = core.status("early")
+    assert st.state is TransferState.FAILED, st
+    assert st.reason is (reason or FailureReason.PEER_FAILED), st
+    assert "the pair could not connect" in st.detail, st
+
+
 def test_abort_and_peer_loss_drop_offers_and_the_book_is_bounded() -> None:
     core, _fake, conn, events, io = _queued_connected()
     core.core.offers.capacity = 2
