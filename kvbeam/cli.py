@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -19,6 +20,18 @@ from kvbeam.errors import KvbeamError
 
 COMMAND_MODULES = ("plan", "check", "prefill", "decode", "demo", "drive", "reserve", "send",
                    "status", "abort", "release", "health")
+#: The commands that run a daemon.
+DAEMON_COMMANDS = frozenset({"prefill", "decode"})
+
+
+def one_blas_thread_for_daemons(argv: Sequence[str]) -> None:
+    """A daemon's numpy does no BLAS work, yet OpenBLAS starts a thread per core (up to
+    its build's 64) when numpy is imported: idle threads in every daemon of a large host.
+    For ``kvbeam prefill``/``decode`` it gets one, unless ``OPENBLAS_NUM_THREADS`` is
+    set. Must run before numpy is imported (the command modules import it)."""
+    command = next((a for a in argv if a in COMMAND_MODULES), "")
+    if command in DAEMON_COMMANDS:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 def _load_commands() -> list[ModuleType]:
     return [importlib.import_module(f"kvbeam.commands.{name}") for name in COMMAND_MODULES]
@@ -46,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: parse, run the subcommand, map kvbeam errors to exit code 2."""
+    one_blas_thread_for_daemons(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
