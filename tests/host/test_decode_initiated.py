@@ -147,8 +147,10 @@ def test_a_pair_that_is_refused_fails_both_sides_at_once_naming_the_difference(
     assert answer.startswith("Failed incompatible: "), answer
     assert "model" in answer and "dsv4-test" in answer and "dsv4-other" in answer, answer
     assert took < BOOTSTRAP_S / 2, took
-    assert sent.startswith("Failed peer_failed: decode's reservation failed: the pair could "
-                           "not connect: "), sent
+    # Incompatible on prefill too: the refusal is about the pair, as prefill's own
+    # handshake for the Send would have said.
+    assert sent.startswith("Failed incompatible: decode's reservation failed: the pair "
+                           "could not connect: "), sent
     assert both < SEND_WAIT_S, both  # not at prefill's lease either
 
 
