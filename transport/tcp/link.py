@@ -173,8 +173,7 @@ class TcpLink(Link):
             # Shut down, not closed: its receiver, on the data plane's thread, sees the end
             # and closes it there (a socket closed elsewhere could leave its fd number
             # registered in the selector while a new socket reuses it).
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+            _shut_down(conn)
         self._t.forget(self.id)
 
     @property
@@ -392,8 +391,7 @@ class TcpLink(Link):
     def _finish(self, dropped: list[int], status: str, detail: str, quiet: bool) -> None:
         sock = self._sock
         if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+            _shut_down(sock)
             self._t.on_loop(self.close_socket)  # the selector's: closed on its thread
         for transfer_id in dropped:
             self._t.emit(Event(EventKind.COMPLETED, self.id, transfer_id, False, status, detail))
@@ -414,7 +412,12 @@ class _Stream:
         self.vectors = vectors
 
 
-def _shutdown(sock: socket.socket) -> None:
+def _shut_down(sock: socket.socket) -> None:
+    """End both directions (the peer sees EOF; our reader on the loop closes the socket)."""
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    _shut_down(sock)
     sock.close()

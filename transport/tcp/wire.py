@@ -101,25 +101,6 @@ def recv_header(sock: socket.socket, idle_ok: bool = True) -> tuple[int, int, in
     return kind, flags, transfer_id, addr, length
 
 
-def recv_bytes(sock: socket.socket, length: int) -> bytes:
-    """Exactly ``length`` payload bytes (small payloads: tokens, NAK details)."""
-    buf = bytearray(length)
-    if length and not recv_into(sock, memoryview(buf)):
-        raise ConnectionError("peer closed the connection mid-frame")
-    return bytes(buf)
-
-
-def discard(sock: socket.socket, length: int) -> None:
-    """Read and drop ``length`` payload bytes (a refused block) to stay in step."""
-    buf = bytearray(min(length, _CHUNK))
-    left = length
-    while left:
-        n = min(left, len(buf))
-        if not recv_into(sock, memoryview(buf)[:n]):
-            raise ConnectionError("peer closed the connection mid-frame")
-        left -= n
-
-
 def transfer_stream(transfer_id: int, src: npt.NDArray[np.uint64], dst: npt.NDArray[np.uint64],
                     lengths: npt.NDArray[np.uint64], notify: bool) -> iov.Vectors:
     """A whole transfer as one outgoing stream: its blocks as WRITEV frames of at most
