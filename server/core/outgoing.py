@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -78,6 +79,27 @@ _MOVES: dict[Step, frozenset[Step]] = {
 
 
 @dataclass(eq=False)
+class Attempt:
+    """One attempt at writing a request, on one link: the chunks it took, the pages it
+    covered, its writes in flight and the bytes of them. A resend after a transient
+    transport error is a new attempt (:meth:`Outgoing.replay`), one assignment."""
+
+    sent_pages: npt.NDArray[np.bool_]  # the KV pages its chunks covered so far
+    posted: list[Chunk] = field(default_factory=list)  # chunks it took (a resend replays)
+    link: int | None = None  # the link it posts on (its first post sets it)
+    outstanding: int = 0  # writes posted and not completed
+    pending_bytes: deque[int] = field(default_factory=deque)  # each outstanding write's bytes
+    bytes_total: int = 0  # bytes posted
+    bytes_done: int = 0  # bytes of completed writes
+    final_posted: bool = False  # the final chunk's writes are posted: Success once they complete
+
+    @classmethod
+    def first(cls, src_indices: IndexLists) -> Attempt:
+        """An attempt that has posted nothing, for a request with these source lists."""
+        return cls(np.zeros(len(src_indices[IndexKind.KV_PAGES]), dtype=np.bool_))
+
+
+@dataclass(eq=False)
 class Outgoing:
     """Prefill's one record of a request (its lifecycle state lives in the table).
 
@@ -91,7 +113,9 @@ class Outgoing:
     seq_len: int
     decode_address: str
     src_indices: IndexLists
-    sent_pages: npt.NDArray[np.bool_]
+    #: The current attempt: what it posted and what of that completed. A resend starts
+    #: a new one (:meth:`replay`), so nothing of a dead link's attempt carries over.
+    attempt: Attempt
     src_draft: IndexLists = field(default_factory=dict)  # the draft's own lists (engine's)
     pieces: Pieces | None = None  # its lists come a piece per chunk (SEND with kv_offset)
     final_submitted: bool = False  # the engine's final chunk came
@@ -99,22 +123,15 @@ class Outgoing:
     # -- the send path -------------------------------------------------------------------
     step: Step = Step.IDLE
     chunks: deque[Chunk] = field(default_factory=deque)  # queued, not yet taken by a step
-    posted: list[Chunk] = field(default_factory=list)  # taken this attempt (a resend replays)
     parked_at: float = 0.0  # when it parked (its BeginWrite fallback is due a grace later)
     asked: bool = False  # asks (or asked) with BeginWrite: only decode's Offer unparks it
     conn: PeerConn | None = None
     transfer_id: int | None = None
     kv_skip: int | None = None  # leading KV pages decode holds (its grant's; None: no grant)
-    attempt_link: int | None = None  # the link this attempt posts on
     rehandshake: str = ""  # why it handshook again before writing (decode forgot us)
 
-    # -- the writes in flight --------------------------------------------------------------
-    outstanding: int = 0  # writes posted and not completed
-    pending_bytes: deque[int] = field(default_factory=deque)  # each outstanding write's bytes
-    bytes_total: int = 0
-    bytes_done: int = 0
+    # -- the writes in flight (beside the attempt's own count) ---------------------------
     write_keys: set[tuple[int, int]] = field(default_factory=set)
-    final_posted: bool = False  # the final chunk's writes are posted: Success once they complete
     abandoned: bool = False  # its link was released: no write of it is in flight
     #: The staging slot its digest record is written from (area, its free-list, slot),
     #: held while a write of it is outstanding (server/core/prefill_record.py).
@@ -130,6 +147,13 @@ class Outgoing:
     failed_at: float | None = None  # when the sweep first saw it failed with writes in flight
     told_decode: bool = False  # decode knows of the failure (or must not be told)
 
+    @classmethod
+    def start(cls, request_id: str, src_slot: int, seq_len: int, decode_address: str,
+              src_indices: IndexLists, **more: Any) -> Outgoing:
+        """A new request's record, its first attempt empty."""
+        return cls(request_id, src_slot, seq_len, decode_address, src_indices,
+                   Attempt.first(src_indices), **more)
+
     @property
     def moved_source(self) -> IndexLists:
         """The source lists of what moves: the KV pages from ``kv_skip`` on (what decode
@@ -142,14 +166,14 @@ class Outgoing:
 
     def facts(self, verification: str) -> TransferFacts:
         """What it moves: bytes written of those posted, its lists (what moves of them)."""
-        return TransferFacts(self.bytes_done, self.bytes_total,
+        return TransferFacts(self.attempt.bytes_done, self.attempt.bytes_total,
                              list_lengths(self.moved_source, self.src_draft),
                              self.kv_skip or 0, verification)
 
     @property
     def drained(self) -> bool:
         """No write of this request can still read its source."""
-        return self.outstanding <= 0 or self.abandoned
+        return self.attempt.outstanding <= 0 or self.abandoned
 
     # ---- the send path's moves ----------------------------------------------------------
     def move(self, to: Step) -> None:
@@ -183,12 +207,12 @@ class Outgoing:
     def take_chunk(self) -> Chunk:
         """The step takes the next chunk (kept in ``posted``: a resend replays it)."""
         chunk = self.chunks.popleft()
-        self.posted.append(chunk)
+        self.attempt.posted.append(chunk)
         return chunk
 
     def put_back(self) -> Chunk:
         """The step did not write the chunk it took: it goes first again."""
-        chunk = self.posted.pop()
+        chunk = self.attempt.posted.pop()
         self.chunks.appendleft(chunk)
         return chunk
 
@@ -213,11 +237,12 @@ class Outgoing:
         proves the whole request landed: the last outstanding write of its final chunk,
         on this attempt's link (RC and TCP keep order: every byte before it landed); a
         resend owed is then moot."""
-        self.outstanding -= 1
-        nbytes = self.pending_bytes.popleft() if self.pending_bytes else 0
+        attempt = self.attempt
+        attempt.outstanding -= 1
+        nbytes = attempt.pending_bytes.popleft() if attempt.pending_bytes else 0
         if ok:
-            self.bytes_done += nbytes
-        done = ok and self.final_posted and self.outstanding == 0 and link == self.attempt_link
+            attempt.bytes_done += nbytes
+        done = ok and attempt.final_posted and attempt.outstanding == 0 and link == attempt.link
         if done:
             self.resend_cause = None
         return done
@@ -227,7 +252,7 @@ class Outgoing:
         """Link ``link_id`` failed with a transient error, the request still live. True
         when that does not fail it: a resend is owed (now or already), or the link is
         not the one this attempt posts on. False: no resend is left (``retries``)."""
-        if self.attempt_link != link_id or self.resend_cause is not None:
+        if self.attempt.link != link_id or self.resend_cause is not None:
             return True
         if self.resends >= retries:
             return False
@@ -238,7 +263,7 @@ class Outgoing:
     def resend_due(self) -> bool:
         """A resend is owed and may start: no step runs and no write is outstanding
         (each write on the dead link completes, as failed, before it starts)."""
-        return self.resend_cause is not None and self.outstanding <= 0 and \
+        return self.resend_cause is not None and self.attempt.outstanding <= 0 and \
             self.step is Step.IDLE
 
     def replay(self) -> None:
@@ -247,11 +272,6 @@ class Outgoing:
         self.move(Step.RUNNING)
         self.resend_cause = None
         self.resends += 1
-        self.chunks.extendleft(reversed(self.posted))
-        self.posted.clear()
-        self.sent_pages[:] = False
-        self.final_posted = False
-        self.bytes_total = self.bytes_done = 0
-        self.pending_bytes.clear()
-        self.attempt_link = None
+        self.chunks.extendleft(reversed(self.attempt.posted))
+        self.attempt = Attempt(np.zeros_like(self.attempt.sent_pages))
         self.conn = None  # the dead link's connection: the next step finds or makes one

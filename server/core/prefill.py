@@ -227,10 +227,8 @@ class PrefillCore(PrefillEvents, CoreBase):
                                        IndexKind.KV_PAGES: pieces.kv_pages}, {})
                 src, src_draft = lists or (request_indices(self.spec, src_slot, seq_len), {})
                 self.table.create(request_id, decode_address)
-                rec = Outgoing(request_id, src_slot if lists is None else -1, seq_len,
-                               decode_address, src,
-                               np.zeros(len(src[IndexKind.KV_PAGES]), dtype=np.bool_),
-                               src_draft=src_draft, pieces=pieces)
+                rec = Outgoing.start(request_id, src_slot if lists is None else -1, seq_len,
+                                     decode_address, src, src_draft=src_draft, pieces=pieces)
                 self._out[request_id] = rec
                 if offered_by is not None:
                     rec.conn = offered_by
@@ -295,8 +293,9 @@ class PrefillCore(PrefillEvents, CoreBase):
             # Late: the request already writes under a grant (BeginWrite's), or posted a
             # chunk. A Send whose first step is still asking BeginWrite is not late: decode
             # may refuse that one (no reservation yet: it parks), and this offer unparks it.
-            late = rec is not None and (rec.transfer_id is not None or rec.bytes_total > 0
-                                        or len(rec.posted) > 1 or bool(rec.resends))
+            late = rec is not None and (
+                rec.transfer_id is not None or rec.attempt.bytes_total > 0
+                or len(rec.attempt.posted) > 1 or bool(rec.resends))
         kept = not late and self.offers.put(
             Offer(request_id, conn, seq_len, grant, now + lease_s), now)
         bound = self._bind_to_offer(request_id, conn, kept)
@@ -387,7 +386,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         offer = self.offers.take(rec.request_id, conn, rec.seq_len, now)
         if had and offer is None:
             rec.asked = True  # decode offered, but not this (expired, other link): ask now
-        single = final and len(rec.posted) == 1 and not rec.resends
+        single = final and len(rec.attempt.posted) == 1 and not rec.resends
         if not single:
             return None, []
         if offer is None and self._waits_for_offer(rec, conn, final):
@@ -400,7 +399,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         connected: its step would wait for the Offer): it parks here, at once, and
         decode's Offer starts its one step (no executor job that only parks).
         Under ``_lock``; the step's own test is :meth:`_waits_for_offer`."""
-        if rec.posted or len(rec.chunks) != 1 or not rec.chunks[0][1] or \
+        if rec.attempt.posted or len(rec.chunks) != 1 or not rec.chunks[0][1] or \
                 rec.step is not Step.IDLE:
             return False
         if self.offers.has(rec.request_id):
@@ -457,7 +456,7 @@ class PrefillCore(PrefillEvents, CoreBase):
                 rec.told_decode = False  # our answer says "in flight": tell it once drained
             log.info("request %s: %d write(s) still in flight when decode's Abort was "
                      "answered; decode is told once they drained", rec.request_id,
-                     rec.outstanding, extra=fields(rec.request_id, rec.decode_address))
+                     rec.attempt.outstanding, extra=fields(rec.request_id, rec.decode_address))
         return self._tell_decode_once(rec, f"aborted on prefill: {detail}")
 
     def decode_of(self, request_id: str) -> tuple[PeerConn | None, str] | None:
@@ -497,7 +496,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         """Writes of the request that may still read its source (0 once drained)."""
         with self._lock:
             rec = self._out.get(request_id)
-            return 0 if rec is None or rec.drained else rec.outstanding
+            return 0 if rec is None or rec.drained else rec.attempt.outstanding
 
     def slot_of(self, request_id: str) -> int:
         """The source slot of a live request, -1 once forgotten."""
@@ -532,7 +531,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         (no BeginWrite). Read without the lock: a race that made the answer stale only
         turns one of the step's actions into one that blocks, which the driver runs on
         its executor."""
-        if (len(rec.chunks) != 1 or not rec.chunks[0][1] or rec.posted or rec.resends
+        if (len(rec.chunks) != 1 or not rec.chunks[0][1] or rec.attempt.posted or rec.resends
                 or rec.rehandshake or rec.resend_cause is not None
                 or len(rec.src_indices[IndexKind.KV_PAGES]) > INLINE_STEP_MAX_PAGES):
             return False
@@ -626,7 +625,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             return self._write(rec, conn, ranges, final, grant, now)
         assert error is not None
         if isinstance(error, NotReserved) and self.send_wait_s and not rec.resends \
-                and not rec.rehandshake and len(rec.posted) <= 1:
+                and not rec.rehandshake and len(rec.attempt.posted) <= 1:
             rec.asked = True  # from now on only decode's Offer unparks it
             return self._park(rec, now)
         if isinstance(error, AlreadyLanded) and rec.resends:
@@ -703,17 +702,18 @@ class PrefillCore(PrefillEvents, CoreBase):
                 return False
             if post.record:
                 self.records.take(rec, len(self.layout.flat_buffers))
+            attempt = rec.attempt
             for tid, part in post.writes:
                 self._writes[(conn.link.id, tid)] = rec.request_id
                 rec.write_keys.add((conn.link.id, tid))
-                rec.pending_bytes.append(part.total_bytes)
-            rec.attempt_link = conn.link.id
+                attempt.pending_bytes.append(part.total_bytes)
+            attempt.link = conn.link.id
             # The record's write is counted now: no Success (nor drain) before it completed.
-            rec.outstanding += len(post.writes) + separate
+            attempt.outstanding += len(post.writes) + separate
             if separate:
-                rec.pending_bytes.append(0)  # the record: not the request's bytes
-            rec.bytes_total += post.total_bytes
-            rec.final_posted = rec.final_posted or post.final
+                attempt.pending_bytes.append(0)  # the record: not the request's bytes
+            attempt.bytes_total += post.total_bytes
+            attempt.final_posted = attempt.final_posted or post.final
         return True
 
     def unbook(self, post: PostWrites, *, left: int, separate: bool) -> None:
@@ -722,12 +722,14 @@ class PrefillCore(PrefillEvents, CoreBase):
         completes as usual."""
         rec = post.rec
         with self._drained:
-            rec.outstanding -= left + separate
+            attempt = rec.attempt
+            attempt.outstanding -= left + separate
             for _ in range(left + separate):
-                rec.pending_bytes.pop()
-            rec.bytes_total -= sum(b.total_bytes for _, b in post.writes[len(post.writes) - left:])
+                attempt.pending_bytes.pop()
+            attempt.bytes_total -= sum(b.total_bytes
+                                       for _, b in post.writes[len(post.writes) - left:])
             if post.final:
-                rec.final_posted = False  # no Success without the final chunk's writes
+                attempt.final_posted = False  # no Success without the final chunk's writes
             self.records.give(rec)
             self._drained.notify_all()
 
@@ -808,8 +810,8 @@ class PrefillCore(PrefillEvents, CoreBase):
         refused its first BeginWrite before any byte of it was written; once per request.
         """
         with self._lock:
-            again = (not rec.rehandshake and not rec.resends and rec.bytes_total == 0
-                     and rec.outstanding == 0 and len(rec.posted) == 1
+            again = (not rec.rehandshake and not rec.resends and rec.attempt.bytes_total == 0
+                     and rec.attempt.outstanding == 0 and len(rec.attempt.posted) == 1
                      and not self._ended(rec))
             if again:
                 rec.rehandshake = detail
@@ -836,7 +838,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         # Under two sub-batches there is nothing to cut (the usual small request: no per-
         # buffer sums on its path; a record of no marks is always decode's answer too).
         if (not conn.sub_batch_bytes or plan.total_bytes < 2 * conn.sub_batch_bytes
-                or len(rec.posted) != 1 or len(plan.heads) != n
+                or len(rec.attempt.posted) != 1 or len(plan.heads) != n
                 or len(blocks) != plan.num_blocks or grant.transfer_id & MAX_MARKS):
             return []  # (an id with mark bits already set leaves no room for marks)
         at = cuts(buffer_bytes(peer, grant.indices, grant.draft), conn.sub_batch_bytes)
@@ -850,7 +852,7 @@ class PrefillCore(PrefillEvents, CoreBase):
     def _waits_for_offer(self, rec: Outgoing, conn: PeerConn, final: bool) -> bool:
         """Whether a single-chunk Send with no offer waits for decode's Offer first (in
         its step: its one chunk taken)."""
-        return final and len(rec.posted) == 1 and self._may_wait_for_offer(rec, conn)
+        return final and len(rec.attempt.posted) == 1 and self._may_wait_for_offer(rec, conn)
 
     def _may_wait_for_offer(self, rec: Outgoing, conn: PeerConn) -> bool:
         """Whether the request may wait for decode's Offer rather than ask BeginWrite:
@@ -943,20 +945,21 @@ class PrefillCore(PrefillEvents, CoreBase):
         page = self.spec.page_size
         skip = rec.kv_skip or 0
         reserved = len(dst[IndexKind.KV_PAGES])
-        if final and not skip and reserved == len(rec.sent_pages) and not rec.sent_pages.any():
+        sent = rec.attempt.sent_pages
+        if final and not skip and reserved == len(sent) and not sent.any():
             # The usual single-chunk request: every page goes, none went before (what the
             # masks below compute, in two numpy calls instead of eight).
-            rec.sent_pages[:] = True
+            sent[:] = True
             return rec.src_indices, dst
-        want = np.zeros_like(rec.sent_pages)
+        want = np.zeros_like(sent)
         if final:
             want[:] = True
         for start, end in ranges:
             want[start // page: -(-end // page)] = True
         want[:skip] = False
-        want &= ~rec.sent_pages
+        want &= ~sent
         if not skip and reserved == len(want) and bool(want.all()):
-            rec.sent_pages |= want
+            sent |= want
             return rec.src_indices, dst  # the usual single-chunk request: no mask copies
         if reserved != len(want) - skip:
             held = f" from position {skip} (kv_skip)" if skip else ""
@@ -964,7 +967,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             raise SendFailed(FailureReason.INVALID_REQUEST,
                              f"decode reserved {reserved} KV pages{held}, prefill has "
                              f"{len(want)}{left}")
-        rec.sent_pages |= want
+        sent |= want
         src, dst_sel = dict(rec.src_indices), dict(dst)
         src[IndexKind.KV_PAGES] = rec.src_indices[IndexKind.KV_PAGES][want]
         dst_sel[IndexKind.KV_PAGES] = dst[IndexKind.KV_PAGES][want[skip:]]

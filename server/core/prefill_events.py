@@ -115,7 +115,7 @@ class PrefillEvents:
             # the key stays until the record is pruned.
             rid = self._writes.get((event.link, event.transfer_id))
             rec = self._out.get(rid) if rid else None
-            if rec is not None and event.link != rec.attempt_link:
+            if rec is not None and event.link != rec.attempt.link:
                 # A resend starts only once every write on the old link completed: a
                 # completion from a link this attempt does not use is stray.
                 rec = None
@@ -140,13 +140,14 @@ class PrefillEvents:
                        and snap.state is TransferState.TRANSFERRING)
             if success:
                 self.table.advance(rec.request_id, TransferState.SUCCESS,
-                                   nbytes=rec.bytes_done)
+                                   nbytes=rec.attempt.bytes_done)
             spared = not event.ok and self._note_link_failure(
                 rec, event.link, event.status, f"{event.status}: {event.detail}")
         actions: Actions = []
         if success:
             request_log.info("request %s: Success (%d bytes written)", rec.request_id,
-                             rec.bytes_done, extra=fields(rec.request_id, rec.decode_address))
+                             rec.attempt.bytes_done,
+                             extra=fields(rec.request_id, rec.decode_address))
         elif spared:
             actions = self._maybe_resend(rec)
         elif not event.ok:
@@ -258,7 +259,7 @@ class PrefillEvents:
                         rec.failed_at = rec.failed_at or now
                         if now - rec.failed_at > self.drain_s:
                             rec.abandoned = True  # drained from now on: its link goes
-                            hung.append((rec, rec.conn, rec.outstanding))
+                            hung.append((rec, rec.conn, rec.attempt.outstanding))
                     continue
                 if rec.told_decode or snap is None or snap.state is TransferState.SUCCESS:
                     del self._out[rid]

@@ -110,7 +110,7 @@ class RecordStager:
     def give(rec: Outgoing, force: bool = False) -> None:
         """Give the request's staging slot back once no write of it is outstanding
         (``force``: its record is forgotten; its link is gone)."""
-        if rec.staging is None or (rec.outstanding > 0 and not force):
+        if rec.staging is None or (rec.attempt.outstanding > 0 and not force):
             return
         _area, free, slot = rec.staging
         rec.staging = None

@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvbeam.server.core.outgoing import Outgoing, Step
+from kvbeam.server.core.outgoing import Attempt, Outgoing, Step
 
 
 def _rec() -> Outgoing:
-    return Outgoing("r", 0, 128, "decode:1", {}, np.zeros(4, dtype=np.bool_))
+    return Outgoing("r", 0, 128, "decode:1", {}, Attempt(np.zeros(4, dtype=np.bool_)))
 
 
 def _at(rec: Outgoing) -> Step:
@@ -24,10 +24,10 @@ def _at(rec: Outgoing) -> Step:
 
 def _posted(rec: Outgoing, link: int, writes: int = 2) -> None:
     """What the core does once a step posted ``writes`` writes on ``link``."""
-    rec.attempt_link = link
-    rec.outstanding += writes
-    rec.pending_bytes.extend([100] * writes)
-    rec.bytes_total += 100 * writes
+    rec.attempt.link = link
+    rec.attempt.outstanding += writes
+    rec.attempt.pending_bytes.extend([100] * writes)
+    rec.attempt.bytes_total += 100 * writes
 
 
 def test_a_send_starts_one_step_and_a_further_chunk_only_queues() -> None:
@@ -41,7 +41,7 @@ def test_a_send_starts_one_step_and_a_further_chunk_only_queues() -> None:
     assert _at(rec) is Step.RUNNING  # the next chunk's step, still one at a time
     assert rec.take_chunk() == ([(64, 128)], True)
     assert rec.step_ended(ended=False, parks=False, offer_waiting=False, now=2.0) is False
-    assert _at(rec) is Step.IDLE and rec.posted == [([(0, 64)], False), ([(64, 128)], True)]
+    assert _at(rec) is Step.IDLE and rec.attempt.posted == [([(0, 64)], False), ([(64, 128)], True)]
 
 
 def test_a_send_that_came_first_parks_and_decodes_offer_starts_its_step() -> None:
@@ -63,7 +63,7 @@ def test_a_step_that_parks_stays_running_until_it_ends() -> None:
     assert rec.unpark() is False and _at(rec) is Step.RUNNING
     # the step's end sees the offer in the book: it runs again instead of parking
     assert rec.step_ended(ended=False, parks=True, offer_waiting=True, now=3.0) is True
-    assert _at(rec) is Step.RUNNING and rec.chunks[0] == ([], True) and not rec.posted
+    assert _at(rec) is Step.RUNNING and rec.chunks[0] == ([], True) and not rec.attempt.posted
 
 
 def test_a_step_that_parks_with_no_offer_yet_is_parked_at_its_end() -> None:
@@ -115,16 +115,16 @@ def test_completions_count_bytes_and_drain() -> None:
     rec = _rec()
     _posted(rec, link=3, writes=2)
     assert not rec.drained
-    assert rec.completed(ok=True, link=3) is False and rec.bytes_done == 100
-    assert rec.completed(ok=False, link=3) is False and rec.bytes_done == 100  # failed
-    assert rec.drained and rec.outstanding == 0
+    assert rec.completed(ok=True, link=3) is False and rec.attempt.bytes_done == 100
+    assert rec.completed(ok=False, link=3) is False and rec.attempt.bytes_done == 100  # failed
+    assert rec.drained and rec.attempt.outstanding == 0
 
 
 def test_only_the_final_chunks_last_write_on_this_attempts_link_proves_the_landing() -> None:
     rec = _rec()
     _posted(rec, link=3, writes=2)
     assert not rec.completed(ok=True, link=3), "landed before the final chunk was posted"
-    rec.final_posted = True
+    rec.attempt.final_posted = True
     rec.resend_cause = "a link failure seen after the bytes landed"
     assert not rec.completed(ok=True, link=9), "a stray link's completion proved it"
     _posted(rec, link=3, writes=1)
@@ -138,7 +138,7 @@ def test_a_failed_link_owes_one_resend_that_waits_for_the_writes_and_the_step() 
     rec.move(Step.RUNNING)
     rec.take_chunk()
     _posted(rec, link=3)
-    rec.final_posted = True
+    rec.attempt.final_posted = True
     assert rec.step_ended(ended=False, parks=False, offer_waiting=False, now=1.0) is False
     assert rec.link_failed(3, "IBV_WC_RETRY_EXC_ERR", retries=1) is True
     assert rec.resend_cause == "IBV_WC_RETRY_EXC_ERR" == rec.first_failure
@@ -148,12 +148,15 @@ def test_a_failed_link_owes_one_resend_that_waits_for_the_writes_and_the_step() 
     rec.completed(ok=False, link=3)
     rec.completed(ok=False, link=3)
     assert rec.resend_due()
+    rec.attempt.sent_pages[:] = True
+    first = rec.attempt
     rec.replay()
     assert _at(rec) is Step.RUNNING and rec.resends == 1 and rec.resend_cause is None
-    assert list(rec.chunks) == [([], True)] and not rec.posted
-    assert (rec.attempt_link, rec.conn, rec.final_posted, rec.bytes_total) == \
+    assert rec.attempt is not first and len(rec.attempt.sent_pages) == 4  # a new attempt
+    assert list(rec.chunks) == [([], True)] and not rec.attempt.posted
+    assert (rec.attempt.link, rec.conn, rec.attempt.final_posted, rec.attempt.bytes_total) == \
         (None, None, False, 0)
-    assert not rec.sent_pages.any()
+    assert not rec.attempt.sent_pages.any()
 
 
 def test_a_queued_step_holds_back_an_owed_resend() -> None:

@@ -112,7 +112,8 @@ def test_a_grant_plans_the_writes_and_their_post_ends_the_step() -> None:
     assert [tid for tid, _ in post.writes] == [7] and post.total_bytes > 0
     assert core.status("r").state is TransferState.TRANSFERRING
     assert core.book(post, separate=False)
-    assert rec.outstanding == 1 and rec.final_posted and rec.attempt_link == conn.link.id
+    attempt = rec.attempt
+    assert attempt.outstanding == 1 and attempt.final_posted and attempt.link == conn.link.id
     assert core.posted(rec, now=1.2) == [] and rec.step is Step.IDLE
 
 
@@ -122,11 +123,11 @@ def test_with_integrity_the_final_chunk_books_its_record_as_one_more_write() -> 
     [post] = core.granted(rec, conn, [], True, _grant(7), None, elapsed=0.01, now=1.1)
     assert isinstance(post, PostWrites) and post.record
     assert core.book(post, separate=True)
-    assert rec.outstanding == 2 and rec.staging is not None  # the data, then the record
+    assert rec.attempt.outstanding == 2 and rec.staging is not None  # the data, then the record
     core.unbook(post, left=0, separate=True)  # the record's post failed
     # The data is still in flight: no Success without the record (its staging slot is
     # given back once the data's write completed).
-    assert rec.outstanding == 1 and not rec.final_posted
+    assert rec.attempt.outstanding == 1 and not rec.attempt.final_posted
 
 
 def test_no_offer_within_the_grace_asks_and_no_reservation_yet_parks_it_again() -> None:
@@ -211,7 +212,7 @@ def test_a_request_aborted_before_its_grant_posts_nothing() -> None:
     failed = core.abort("r", from_peer=False, detail="scheduler", now=1.05)
     assert failed is not None and failed[0] is rec
     assert core.granted(rec, conn, [], True, _grant(7), None, elapsed=0.01, now=1.1) == []
-    assert rec.outstanding == 0 and rec.step is Step.IDLE
+    assert rec.attempt.outstanding == 0 and rec.step is Step.IDLE
 
 
 def test_the_core_module_imports_nothing_that_does_io() -> None:

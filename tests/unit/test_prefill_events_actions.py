@@ -43,7 +43,7 @@ def _posted(retries: int = 0, drain_s: float = 5.0
     [(tid, _notify)] = link.writes
     with core._lock:
         rec = core._out["r"]
-    assert rec.outstanding == 1 and not io.queue
+    assert rec.attempt.outstanding == 1 and not io.queue
     return core, io, conn, rec, tid
 
 
