@@ -162,8 +162,15 @@ class CoreOps:
         return isinstance(core, PrefillDriver) and core.core.offers.has(request_id)
 
     def abort(self, frame: ef.Abort) -> None:
-        self._core().abort(frame.request_id, from_peer=False,
-                           detail=frame.detail or "aborted by the engine")
+        core = self._core()
+        detail = frame.detail or "aborted by the engine"
+        if isinstance(core, PrefillDriver):
+            # This runs on the daemon's loop, which also brings the writes' completions:
+            # waiting there for them to drain would stall every engine and peer (and
+            # wait in vain). Decode is told once they drained; the engine hears Failed.
+            core.abort(frame.request_id, from_peer=False, detail=detail, wait_s=0.0)
+        else:
+            core.abort(frame.request_id, from_peer=False, detail=detail)
 
     def release(self, frame: ef.Release) -> None:
         core = self._core()
