@@ -94,8 +94,8 @@ class Runtime:
                 own.fill_pattern(settings.fill_seed)
         host = settings.data_host or settings.advertised.rpartition(":")[0]
         #: The daemon's loop: the peer channels, the attach socket and the engine
-        #: channel, the TCP transport's sockets (RDMA: its progress thread), the
-        #: transport's leftover events and the sweep (:meth:`start`).
+        #: channel, the transport (TCP's sockets; RDMA's posts, polls and completion
+        #: events), the transport's leftover events and the sweep (:meth:`start`).
         self.loop = DaemonLoop("kvbeam-loop")
         self.transport = open_transport(
             cast(TransportKind, settings.transport), settings.rdma_device or None,

@@ -156,9 +156,9 @@ def blocks(n: int, size: int) -> Blocks:
 def lane_held(link: VerbsLink, index: int) -> Iterator[None]:
     """While inside, lane ``index`` of ``link`` posts nothing: its send queue has no room.
 
-    The progress thread posts on a lane only while ``outstanding < qp.sq_depth``; a
+    The loop posts on a lane only while ``outstanding < qp.sq_depth``; a
     depth of 0 keeps every job of that lane pending, as a full send queue would, with
-    no hook in the link. Restored on exit; wake the link's progress thread after.
+    no hook in the link. Restored on exit; wake the link's transport after.
     """
     qp = link._lanes[index].qp
     depth = qp.sq_depth

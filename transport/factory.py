@@ -47,7 +47,7 @@ def open_transport(kind: Kind = "auto", device: str | None = None, gid_index: in
     no device exists. ``tcp``: the TCP transport listening on ``tcp_host`` (else
     $KVBEAM_TCP_HOST, else 127.0.0.1). ``auto``: RDMA when a device exists, else TCP
     with a WARNING saying so. ``loop``: the daemon's loop, not started yet, which then
-    serves the TCP transport's sockets too (RDMA keeps its progress thread).
+    serves the transport too (TCP's sockets; RDMA's posts, polls and completion events).
     """
     if kind not in ("auto", "rdma", "tcp"):
         raise ValueError(f"transport kind must be auto, rdma or tcp, got {kind!r}")
@@ -58,7 +58,7 @@ def open_transport(kind: Kind = "auto", device: str | None = None, gid_index: in
 
             if gid_index is None:
                 gid_index = int(os.environ.get("KVBEAM_RDMA_GID_INDEX", "0"))
-            return VerbsTransport(name, gid_index, options)
+            return VerbsTransport(name, gid_index, options, loop=loop)
         if kind == "rdma":
             raise TransportError("no RDMA device found (pyverbs lists none and "
                                  "KVBEAM_RDMA_DEVICE is unset)")

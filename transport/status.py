@@ -14,7 +14,7 @@ TIMEOUT = "TIMEOUT"
 CANCELLED = "CANCELLED"
 # ibv_post_send refused WRs (a bug or exhausted resources; the SQ is never overfilled).
 POST_SEND_FAILED = "POST_SEND_FAILED"
-# The progress thread hit an unexpected error on this link (logged with a traceback).
+# The transport's loop hit an unexpected error on this link (logged with a traceback).
 INTERNAL_ERROR = "INTERNAL_ERROR"
 # TCP only: the connection to the peer broke (reset, EOF, send/recv error).
 TCP_CONNECTION_LOST = "TCP_CONNECTION_LOST"

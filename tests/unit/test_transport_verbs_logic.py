@@ -84,8 +84,8 @@ def test_posting_never_overflows_and_completes_every_transfer(
 
 
 def test_a_link_is_busy_from_its_write_until_every_wr_completed() -> None:
-    """What the progress thread reads to decide who handles its events: itself when no
-    link is busy, else the daemon's event thread."""
+    """What the transport's loop reads (with what a service did) to decide whether it
+    services again at once or arms the CQs and sleeps."""
     link, qp, _t = make_link(TransportOptions(sq_depth=16, signal_every=4, max_chain=8))
     assert not link.busy
     link.write(1, blocks(20, 64))

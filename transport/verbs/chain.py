@@ -4,7 +4,7 @@
 (:data:`DESC_DTYPE`: wr_id, remote address and key, source address, length and key,
 opcode, flags, immediate), the RDMA WRITE WITH IMM marker last and the signalled WRs
 chosen, all checked (:func:`check_descriptors`) before anything can be posted. The
-progress thread then posts any slice ``[a, b)`` of it with :meth:`Poster.post`. The
+loop thread then posts any slice ``[a, b)`` of it with :meth:`Poster.post`. The
 provider copies WRs into its queue during ``ibv_post_send``, so nothing has to stay
 alive after the call.
 

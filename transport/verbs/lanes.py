@@ -69,11 +69,11 @@ class Job:
         self.request = request
         self.batch: WrBatch = _EMPTY
         self.pos = 0
-        self.seq = 0  # set when the progress thread queues it; markers keep 0
+        self.seq = 0  # set when the loop queues it; markers keep 0
 
 
 class Lane:
-    """One QP of a link with its send-queue accounting (progress thread only).
+    """One QP of a link with its send-queue accounting (the loop thread only).
 
     ``inflight`` holds one ``(wr_id, WRs retired, Job if it is the job's last WR)``
     per posted signalled WR. Jobs get increasing ``seq`` numbers per lane; as RC
@@ -155,7 +155,7 @@ def marker_ready(request: Request, lanes: list[Lane]) -> bool:
 
 
 class Requests:
-    """The requests of one link on its lanes: queueing, markers, outcomes (progress thread).
+    """The requests of one link on its lanes: queueing, markers, outcomes (its loop thread).
 
     ``done`` is called once per request, when its last part completed or was dropped
     (``request.failure`` says how it went).

@@ -1,7 +1,7 @@
 """One RDMA link: posting transfers as WR chains over its QPs, reaping completions, failing.
 
 Writers (any thread) only check and queue work; everything that touches a QP
-runs on the transport's progress thread, under the transport lock, through
+runs on the transport's loop thread, under the transport lock, through
 :meth:`VerbsLink.service`. A link reaches its transport only through
 :class:`VerbsHost` (lock order: :mod:`kvbeam.transport.verbs.transport`).
 
@@ -12,7 +12,7 @@ arrival covers every QP and what a QP error fails is in
 request with the marker last, as before lanes existed.
 
 ``write`` builds each share's whole WR chain up front (see
-:func:`kvbeam.transport.verbs.chain.build`); the progress thread posts slices of
+:func:`kvbeam.transport.verbs.chain.build`); the loop posts slices of
 it as the lane's send queue has room, so posting costs O(1) Python work per chain.
 
 Send-queue accounting (per lane): a signalled WR's completion retires it and every
@@ -79,7 +79,7 @@ class VerbsLink(Link):
         self._submit_lock = threading.Lock()
         # From writers, guarded by _submit_lock: (request, its (lane, job) shares) per write.
         self._submitted: deque[tuple[Request, list[tuple[Lane, Job]]]] = deque()
-        self._requests = Requests(self._lanes, self._outcome)  # progress thread only
+        self._requests = Requests(self._lanes, self._outcome)  # the loop thread only
         self._serials = itertools.count()
         self._rr = itertools.count()  # round-robin start lane of requests on fewer lanes
         self.stats = LinkStats()
@@ -119,11 +119,12 @@ class VerbsLink(Link):
             if peer.regions:
                 self._marker = (peer.regions[0].addr, peer.regions[0].rkey)
             self._state = "connected"
+        self._t.wake()  # serviced from now on: its CQs armed, its channels watched
         log.info("link %d connected to %s QPs %s (MTU %d)", self.id, peer.gid,
                  ",".join(map(str, peer.qpns)), mtu_bytes(mtu))
 
     def write(self, transfer_id: int, blocks: Blocks, notify: bool = True) -> None:
-        """Check, slice, stripe and queue; the progress thread posts it."""
+        """Check, slice, stripe and queue; the transport's loop posts it."""
         peer = self._usable_peer()
         start = time.thread_time()  # CPU time: waits for the GIL are not our cost
         opts, n = self._opts, len(self._lanes)
@@ -149,7 +150,7 @@ class VerbsLink(Link):
             self._stop("released", st.CANCELLED, "link released")
             self._t.forget(self.id)
 
-    # -- progress thread -----------------------------------------------------------------
+    # -- the loop thread ----------------------------------------------------------------
     @property
     def outstanding(self) -> int:
         """WRs posted on this link's QPs and not yet completed."""
@@ -157,12 +158,12 @@ class VerbsLink(Link):
 
     @property
     def busy(self) -> bool:
-        """Writes queued, pending on a lane or in flight (read by the progress thread)."""
+        """Writes queued, pending on a lane or in flight (read by the transport's loop)."""
         return bool(self._submitted) or any(not lane.idle for lane in self._live())
 
     @property
     def active(self) -> bool:
-        """Whether the progress thread should service this link."""
+        """Whether the transport's loop should service this link."""
         return self._state in ("connected", "failing")
 
     @property
@@ -179,12 +180,12 @@ class VerbsLink(Link):
         return min(times) + self._opts.op_timeout_s if times else None
 
     def arm(self) -> None:
-        """Request a completion event on every live QP before the progress thread sleeps."""
+        """Request a completion event on every live QP before the loop sleeps."""
         for lane in self._live():
             lane.qp.arm()
 
     def take_event(self, fd: int) -> None:
-        """Consume the completion event of the QP whose channel fd woke the progress thread."""
+        """Consume the completion event of the QP whose channel fd woke the loop."""
         for lane in self._live():
             if lane.qp.event_fd == fd:
                 lane.qp.take_event()
@@ -221,7 +222,7 @@ class VerbsLink(Link):
         return busy
 
     def abort(self, detail: str) -> None:
-        """Fail the link after an unexpected error in the progress thread."""
+        """Fail the link after an unexpected error in its service."""
         for lane in self._live():
             self._lane_failed(lane, st.INTERNAL_ERROR, detail)
 

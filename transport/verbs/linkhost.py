@@ -21,14 +21,14 @@ class VerbsHost(LinkHost, Protocol):
 
     @property
     def lock(self) -> AbstractContextManager[Any]:
-        """The transport lock (re-entrant). The progress thread holds it while it
+        """The transport lock (re-entrant). The loop holds it while it
         services links; a link takes it to change its QP's state (connect, release)."""
 
     def posted(self, wrs: int) -> None:
         """Count work requests posted."""
 
     def wake(self) -> None:
-        """Wake the progress thread: there is work to post (never blocks)."""
+        """Wake the transport's loop: there is work to post (never blocks)."""
 
     def bind(self, link_id: int, qps: Sequence[QueuePair]) -> None:
         """Bind link ``link_id``'s memory windows through its QPs, just connected (the

@@ -50,7 +50,7 @@ def _open_channel(ctx: Any) -> tuple[Any, int | None]:
                     sorted(new))
         return channel, None
     fd = new.pop()
-    # Non-blocking, so that ibv_get_cq_event can never block the progress thread.
+    # Non-blocking, so that ibv_get_cq_event can never block the loop.
     os.set_blocking(fd, False)
     return channel, fd
 

@@ -3,10 +3,17 @@
 pyverbs is imported when a :class:`VerbsTransport` is constructed, not before:
 ``import kvbeam.transport`` works where rdma-core is absent.
 
-One progress thread per transport owns every post and poll. It sleeps in
-``poll`` on the links' completion-channel fds (and a wake-up pipe that
-writers poke), so an idle transport costs no CPU; while work is outstanding it
-also wakes for the nearest link deadline.
+**One loop thread** owns every post and poll: the daemon's (``kvbeam-loop``:
+``open_transport(loop=...)``), or, for a transport built alone (a test, a bench), a
+:class:`~kvbeam.loop.DaemonLoop` of its own (``kvbeam-verbs-<device>``). The transport is
+a source of that loop. The links' completion-channel fds sit in an epoll set of the
+transport's own, whose fd the loop watches (a closed channel's fd leaves that set with
+it, never a stale entry in the loop's selector that a new socket of the same number
+would collide with). The loop services the links when a writer woke it, a completion
+event came, a link's deadline or the back-off poll is due, or the last service did
+something; otherwise the CQs are armed and the loop sleeps, so an idle transport costs
+no CPU. Events the loop sees are delivered on it, once the transport lock is released:
+no hand-off to another thread.
 
 Memory keys are per link (least access), and memory is registered once:
 :meth:`VerbsTransport.register` gives every region one MR with local access only
@@ -27,10 +34,10 @@ Lock order (every lock in kvbeam.transport; a thread holding one lock takes only
 further down the list, never one above it):
 
 1. ``VerbsTransport._lock`` (re-entrant), the *transport lock*: the links table, the
-   per-link grants, QP state changes, and every post and poll (the progress thread
-   holds it while it services links). Held while a connecting link binds its memory
-   windows (local work requests on its own QP, which the progress thread does not
-   service before it is connected) and while a released or failed link's windows are
+   per-link grants, QP state changes, and every post and poll (the loop holds it
+   while it services links). Held while a connecting link binds its memory
+   windows (local work requests on its own QP, which the loop does not service
+   before it is connected) and while a released or failed link's windows are
    deallocated (before its QPs: a bound type-2 window holds its QP); both are cheap,
    constant work per region. Never held across a memory registration or
    deregistration: :meth:`VerbsTransport.register` registers its MRs first and takes
@@ -39,7 +46,7 @@ further down the list, never one above it):
    go of it.
    ``TcpTransport._lock`` (links and tokens) sits at this level on the TCP side and
    is never held while a link lock is taken.
-2. ``VerbsLink._submit_lock`` (the queue between writers and the progress thread) and
+2. ``VerbsLink._submit_lock`` (the queue between writers and the loop) and
    ``TcpLink._lock`` (a TCP link's state and queues). A TCP link never holds it across
    a socket send or receive of data; it emits events after releasing it where it can.
 3. Leaves, which take no other lock: ``TransferMeter._lock`` (counters),
@@ -52,7 +59,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
+import select
+import selectors
 import threading
 import time
 from collections.abc import Sequence
@@ -60,9 +68,8 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from kvbeam.errors import RegionError, TransportError
-from kvbeam.threads import name_os_thread
+from kvbeam.loop import DaemonLoop, leave_loop
 from kvbeam.transport.base import Access, Event, Registration, Transport
-from kvbeam.transport.core import wait_readable
 from kvbeam.transport.endpoint import DmaBufRegion, Endpoint, Region, RemoteRegion
 from kvbeam.transport.host import LinkHostBase
 from kvbeam.transport.options import TransportOptions
@@ -77,8 +84,8 @@ from kvbeam.transport.verbs.windows import Window, bind_windows
 
 log = logging.getLogger(__name__)
 
-_MAX_SLEEP_S = 1.0  # upper bound on one sleep, so a lost wake-up costs at most this
 _BACKOFF_S = (1e-4, 5e-3)  # first and longest sleep when a link has no event fd
+_COMPLETIONS = "completions"  # the loop's data for the epoll set of the links' channels
 
 
 class VerbsTransport(LinkHostBase, Transport):
@@ -92,7 +99,10 @@ class VerbsTransport(LinkHostBase, Transport):
     kind = "rdma"
 
     def __init__(self, device: str, gid_index: int = 0,
-                 options: TransportOptions | None = None) -> None:
+                 options: TransportOptions | None = None, *,
+                 loop: DaemonLoop | None = None) -> None:
+        """Open ``device`` at ``gid_index``; serve on ``loop`` (the daemon's), or on a loop
+        thread of its own (``kvbeam-verbs-<device>``) when none is given."""
         try:
             import_pyverbs()
         except ImportError as exc:
@@ -114,15 +124,21 @@ class VerbsTransport(LinkHostBase, Transport):
         self._links: dict[int, VerbsLink] = {}
         self._next_id = 1
         self._poster = Poster(self.options.poster)
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._stopping = False
         self._closed = False
-        self._staged = False  # the progress thread queued events it has yet to deliver
-        self._thread = threading.Thread(target=self._run, name=f"kvbeam-verbs-{device}",
-                                        daemon=True)
-        self._thread.start()
+        # The loop's state (set by other threads only as whole bools: a wake-up).
+        self._due = False  # a writer woke the loop, or a completion event came
+        self._busy = False  # the last service did something: service again at once
+        self._staged = False  # events queued on the loop, to deliver after its service
+        self._next_at = float("inf")  # a link's deadline, or the back-off poll
+        self._backoff = _BACKOFF_S[0]
+        #: The live links' completion-channel fds (an epoll set of our own: see the module).
+        self._channels = select.epoll()
+        self._watched: dict[int, VerbsLink] = {}
+        self._owns_loop = loop is None
+        self._loop = loop or DaemonLoop(f"kvbeam-verbs-{device}")
+        self._loop.run_sync(self._join)
+        if self._owns_loop:
+            self._loop.start()
         if self._poster.why and self.options.poster == "auto":
             log.warning("RDMA transport on %s (GID index %d): the compiled WR poster is not in "
                         "use (%s): posting WRs through pyverbs objects (slower; "
@@ -317,15 +333,14 @@ class VerbsTransport(LinkHostBase, Transport):
                                     inflight_wrs=sum(link.outstanding for link in links))
 
     def close(self) -> None:
-        """Stop the progress thread, destroy links, deregister memory, close the device."""
+        """Leave the loop, destroy links, deregister memory, close the device."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._stopping = True
-        self.wake()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
+        # Off the loop first (on its thread: no service runs as the links go).
+        with contextlib.suppress(TimeoutError):
+            leave_loop(self._loop, self, self._owns_loop)
         with self._lock:
             links = list(self._links.values())
         for link in links:
@@ -333,8 +348,7 @@ class VerbsTransport(LinkHostBase, Transport):
         for reg in self._book.all():
             reg.release()
         self.device.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._channels.close()
 
     # -- VerbsHost: what links use -------------------------------------------------------
     @property
@@ -347,15 +361,16 @@ class VerbsTransport(LinkHostBase, Transport):
         self._meter.posted(wrs)
 
     def forget(self, link_id: int) -> None:
-        """Drop a released link; the progress thread stops servicing it."""
+        """Drop a released link; the loop stops servicing it."""
         with self._lock:
             self._links.pop(link_id, None)
         self.wake()
 
     def wake(self) -> None:
-        """Poke the progress thread's wake-up pipe."""
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"\0")  # a full pipe already means "wake up"
+        """Work is queued: service the links at the loop's next pass (any thread)."""
+        self._due = True
+        if not self._loop.on_loop:  # on it, the pass's own service takes the work
+            self._loop.wake()
 
     def bind(self, link_id: int, qps: Sequence[QueuePair]) -> None:
         """Bind link ``link_id``'s memory windows through its first QP, now connected
@@ -395,51 +410,62 @@ class VerbsTransport(LinkHostBase, Transport):
             mr.close()
 
     def emit(self, event: Event) -> None:
-        """Count and queue an event. The progress thread's (it may hold the transport's
-        lock) are staged and, once its cycle is over, delivered by that thread when it
-        has nothing else to post or reap (no hand-off to the daemon's event thread), else
-        handed to the event thread (the handlers must not hold up other requests' posts;
-        with rxe, whose copies run inside ``ibv_post_send`` without the GIL, the two
-        threads then overlap). Any other thread's wake the event thread."""
-        if threading.current_thread() is self._thread:
+        """Count and queue an event. The loop's (it may hold the transport lock) are
+        staged and delivered on the loop once its service is over; any other thread's
+        wake the loop to deliver them."""
+        if self._loop.on_loop:
             self._staged = True
             self.stage(event)
         else:
             super().emit(event)
 
-    # -- progress thread ---------------------------------------------------------------
-    def _run(self) -> None:
-        name_os_thread()
-        backoff = _BACKOFF_S[0]
-        while not self._stopping:
-            try:
-                busy = self._cycle()
-                self._deliver_staged()
-                if busy:
-                    backoff = _BACKOFF_S[0]
-                    continue
-                backoff = self._sleep(backoff)
-                self._deliver_staged()
-            except Exception:  # a bug here must not silently stop every transfer
-                log.exception("RDMA progress thread error; continuing")
-                time.sleep(_BACKOFF_S[1])
+    # -- the loop's source -----------------------------------------------------------------
+    def _join(self) -> None:
+        """Become a source of the loop, watching the links' epoll set (on its thread)."""
+        sel = self._loop.add(self)
+        sel.register(self._channels.fileno(), selectors.EVENT_READ, _COMPLETIONS)
 
-    def _deliver_staged(self) -> None:
-        """Deliver the events this thread staged (no lock held here), or hand them to the
-        event thread while a link has work queued or in flight."""
-        if not self._staged:
+    def ready(self, data: object, mask: int) -> None:
+        """A completion channel has an event: take it (so it can fire again), service."""
+        for fd, _ in self._channels.poll(0):
+            link = self._watched.get(fd)
+            with self._lock:
+                taken = link is not None and link.active
+                if link is not None and taken:
+                    self._take_event(link, fd)
+            if not taken:  # released meanwhile: watched no more (the set is level-triggered)
+                self._watched.pop(fd, None)
+                with contextlib.suppress(OSError):
+                    self._channels.unregister(fd)
+        self._due = True
+
+    def tick(self) -> None:
+        """Service the links when work is due (see the module); deliver the events."""
+        if self._closed:
             return
-        self._staged = False
-        with self._lock:
-            busy = any(link.busy for link in self._links.values())
-        if busy:
-            self._events.wake()
-        else:
+        now = time.monotonic()
+        if not (self._due or self._busy or self._staged or now >= self._next_at):
+            return
+        self._due = False
+        try:
+            self._busy = self._cycle(now)
+            if not self._busy:
+                self._busy = self._arm(time.monotonic())
+        except Exception:  # a bug here must not silently stop every transfer
+            log.exception("RDMA progress error; continuing")
+            self._busy, self._next_at = False, time.monotonic() + _BACKOFF_S[1]
+        if self._staged:
+            self._staged = False
             self.deliver()
 
-    def _cycle(self) -> bool:
+    def wait_s(self) -> float:
+        """None while work is due; else until a link's deadline or the back-off poll."""
+        if self._due or self._busy or self._staged:
+            return 0.0
+        return max(0.0, self._next_at - time.monotonic())
+
+    def _cycle(self, now: float) -> bool:
         with self._lock:
-            now = time.monotonic()
             return any([self._service(link, now) for link in list(self._links.values())])
 
     def _service(self, link: VerbsLink, now: float) -> bool:
@@ -447,42 +473,55 @@ class VerbsTransport(LinkHostBase, Transport):
             return link.service(self._poster, now)
         except Exception as exc:  # e.g. a pyverbs error from poll: this link is unusable
             log.exception("RDMA link %d: progress failed", link.id)
-            link.abort(f"progress thread error: {exc!r}")
+            link.abort(f"progress error: {exc!r}")
             return True
 
-    def _sleep(self, backoff: float) -> float:
-        """Arm the CQs, look once more, then sleep until an event, a deadline or a wake-up."""
+    def _arm(self, now: float) -> bool:
+        """Nothing happened: arm the CQs, look once more (a completion that came before
+        arming raises no event), watch the live links' channels and set when the loop
+        must look again without one (a link's deadline; the back-off poll of a link
+        with no channel fd). True when the last look found work after all."""
         with self._lock:
             links = [link for link in self._links.values() if link.active]
             for link in links:
                 link.arm()
-            now = time.monotonic()
-            # A completion that arrived before arming raises no event: poll once more.
             if any([self._service(link, now) for link in links]):
-                return _BACKOFF_S[0]
+                self._backoff = _BACKOFF_S[0]
+                return True
             fds: dict[int, VerbsLink] = {}
-            polled = False  # a link with a QP that has no event fd: sleep with back-off
+            polled = False  # a link with a QP that has no event fd: poll with back-off
             for link in links:
                 link_fds = link.event_fds
                 polled = polled or link_fds is None
                 fds.update((fd, link) for fd in link_fds or ())
-            timeout = _MAX_SLEEP_S
+            next_at = float("inf")
             for link in links:
                 deadline = link.deadline()
                 if deadline is not None:
-                    timeout = min(timeout, max(0.0, deadline - now) + 1e-3)
+                    next_at = min(next_at, deadline + 1e-3)
             if polled:
-                timeout = min(timeout, backoff)
-                backoff = min(backoff * 2, _BACKOFF_S[1])
-        ready = wait_readable([self._wake_r, *fds], timeout)
-        with self._lock:
-            for fd in ready:
-                if fd == self._wake_r:
-                    with contextlib.suppress(BlockingIOError, OSError):
-                        os.read(self._wake_r, 4096)
-                elif (link := fds[fd]).active:  # else closed meanwhile (fd maybe reused)
-                    self._take_event(link, fd)
-        return backoff
+                next_at = min(next_at, now + self._backoff)
+                self._backoff = min(self._backoff * 2, _BACKOFF_S[1])
+            else:
+                self._backoff = _BACKOFF_S[0]
+            self._next_at = next_at
+        self._watch(fds)
+        return False
+
+    def _watch(self, fds: dict[int, VerbsLink]) -> None:
+        """Make the epoll set watch exactly ``fds`` (the loop's thread)."""
+        if fds == self._watched:
+            return
+        for fd in self._watched.keys() - fds.keys():
+            with contextlib.suppress(OSError):  # closed already: the kernel dropped it
+                self._channels.unregister(fd)
+        for fd, link in fds.items():
+            if self._watched.get(fd) is link:
+                continue
+            with contextlib.suppress(OSError):  # a reused number, still in the set
+                self._channels.unregister(fd)
+            self._channels.register(fd, select.EPOLLIN)
+        self._watched = dict(fds)
 
     def _take_event(self, link: VerbsLink, fd: int) -> None:
         try:

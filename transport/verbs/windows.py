@@ -72,7 +72,7 @@ def bind_windows(qp: Any, windows: Sequence[Window], timeout: float) -> None:
     """Bind ``windows`` through ``qp`` (a connected :class:`QueuePair`) and wait until
     every bind completed; raises TransportError naming the status otherwise.
 
-    The caller holds the transport lock (the progress thread does not poll this QP
+    The caller holds the transport lock (the loop does not poll this QP
     meanwhile); binds are local work requests, no registration.
     """
     import pyverbs.enums as e
