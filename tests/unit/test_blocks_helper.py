@@ -24,6 +24,7 @@ from kvbeam.errors import RegionError
 from kvbeam.transport import Blocks, core
 from kvbeam.transport.regions import RegionTable
 from kvbeam.transport.tcp import iov, wire
+from tests import tcp_blocking
 
 _blocks = pytest.importorskip("kvbeam.transport._blocks")
 
@@ -206,7 +207,7 @@ def test_received_descriptors_land_through_partial_reads(numpy_path: None) -> No
 
     sender = threading.Thread(target=send)
     sender.start()
-    assert stream.move(b, reading=True, progress=lambda: calls.append(1))
+    tcp_blocking.move_all(stream, b, reading=True, progress=lambda: calls.append(1))
     sender.join(5)
     assert len(calls) >= len(payload) // 30_001  # reads stopped inside rows, resumed there
     assert stream.done == stream.total == len(payload)

@@ -1,8 +1,10 @@
-"""The TCP wire's WRITEV frames: exact landing, partial sends, refusals, the retired WRITE."""
+"""The TCP wire's WRITEV frames: exact landing, partial sends, refusals (an oversized frame,
+a block outside the regions), the retired WRITE."""
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import socket
 import threading
@@ -18,6 +20,7 @@ from kvbeam.transport import Access, Blocks, Event, EventKind, Region, core
 from kvbeam.transport import status as st
 from kvbeam.transport.tcp import TcpLink, TcpTransport, iov, wire
 from kvbeam.transport.tcp.link import INLINE_SEND_BYTES
+from tests import tcp_blocking
 
 SIZE = 8 << 20
 
@@ -66,22 +69,21 @@ def _receive(sock: socket.socket, blocks: int) -> tuple[int, tuple[int, ...] | N
     """Read WRITEV frames until ``blocks`` blocks landed, then the END: (frames, END)."""
     frames = got = 0
     while got < blocks:
-        header = wire.recv_header(sock)
+        header = tcp_blocking.recv_header(sock)
         assert header is not None and header[0] == wire.WRITEV
-        addrs, lengths = wire.recv_descs(sock, header[4])
-        iov.transfer(sock, addrs, lengths, reading=True)
+        addrs, lengths = tcp_blocking.recv_descs(sock, header[4])
+        tcp_blocking.transfer(sock, addrs, lengths, reading=True)
         got += header[4]
         frames += 1
-    return frames, wire.recv_header(sock)
+    return frames, tcp_blocking.recv_header(sock)
 
 
-@pytest.mark.parametrize("block", [True, False])
 def test_a_transfer_stream_lands_every_block_through_partial_sends(
-        bufs: tuple[mmap.mmap, mmap.mmap], block: bool) -> None:
+        bufs: tuple[mmap.mmap, mmap.mmap]) -> None:
     """One stream: WRITEV frames of at most MAX_VEC blocks, then END; the socket takes a
-    few KB per call, so every call is partial. Blocking, one ``move`` sends it all; not
-    blocking, each ``move`` stops where the socket is full and the next resumes there
-    (what a link's writer and the data plane's thread do)."""
+    few KB per call, so every call is partial: each ``move`` stops where the socket is
+    full and the next resumes there (what a link's writer and the data plane's thread
+    do). The frames are read here one by one (:mod:`tests.tcp_blocking`) to count them."""
     src, dst = bufs
     blocks = _scattered(np.random.default_rng(1), 2 * wire.MAX_VEC + 7, _addr(src), _addr(dst))
     a, b = socket.socketpair()
@@ -93,7 +95,7 @@ def test_a_transfer_stream_lands_every_block_through_partial_sends(
     moves: list[bool] = []
 
     def send() -> None:
-        while not stream.move(a, reading=False, block=block, progress=lambda: calls.append(1)):
+        while not stream.move(a, reading=False, progress=lambda: calls.append(1)):
             moves.append(False)
             time.sleep(0.001)
         moves.append(True)
@@ -105,7 +107,7 @@ def test_a_transfer_stream_lands_every_block_through_partial_sends(
     assert frames == 3  # MAX_VEC blocks per frame at most
     assert end is not None and end[:3] == (wire.END, wire.FLAG_NOTIFY, 77)
     assert len(calls) > frames  # partial sends continued where they stopped
-    assert moves[-1] and (moves == [True] if block else len(moves) > 2)
+    assert moves[-1] and len(moves) > 2
     assert stream.done == stream.total
     assert dst[:] == _expected(src, blocks, _addr(dst))
     a.close()
@@ -197,14 +199,6 @@ def test_writes_behind_a_full_socket_queue_in_order(
         assert dst[lo:lo + n] == src[lo:lo + n]
 
 
-def test_oversized_writev_frame_is_a_protocol_error() -> None:
-    a, b = socket.socketpair()
-    with pytest.raises(ConnectionError, match="WRITEV frame with"):
-        wire.recv_descs(b, wire.MAX_VEC + 1)
-    a.close()
-    b.close()
-
-
 @pytest.fixture
 def pair(bufs: tuple[mmap.mmap, mmap.mmap]) -> Iterator[tuple[TcpTransport, TcpTransport,
                                                               TcpLink]]:
@@ -244,6 +238,31 @@ def test_refused_block_lands_what_came_before_it_and_naks(
     assert f"block at {_addr(dst) + SIZE:#x}" in done.detail
     assert dst[:] == _expected(src, blocks, _addr(dst), bad)
     assert b.stats().received_bytes == int(blocks.lengths[:bad].sum())
+
+
+def test_oversized_writev_frame_drops_the_connection_and_fails_the_transfer(
+        pair: tuple[TcpTransport, TcpTransport, TcpLink],
+        bufs: tuple[mmap.mmap, mmap.mmap], caplog: pytest.LogCaptureFixture) -> None:
+    """A WRITEV frame of more than MAX_VEC blocks is a protocol error: the receiver drops
+    the connection on its header, before a descriptor, and lands nothing of it."""
+    a, b, link = pair
+    src, dst = bufs
+    sock = link._sock
+    assert sock is not None
+    caplog.set_level(logging.INFO, logger="kvbeam.transport.tcp.transport")
+    with link._lock:  # own the sending side: this test writes the frames itself
+        link._streaming = True
+        link._inflight.append(9)
+    # Its first descriptor is a valid block, its payload follows: none of it may land.
+    wire.send_all(sock, wire.frame(wire.WRITEV, length=wire.MAX_VEC + 1)
+                  + np.array([_addr(dst) + 100, 5000], dtype="<u8").tobytes() + src[10:5010]
+                  + wire.frame(wire.END, 9, flags=wire.FLAG_NOTIFY))
+    done = _completion(a)
+    assert (done.transfer_id, done.ok, done.status) == (9, False, st.TCP_CONNECTION_LOST)
+    assert dst[100:5100] == bytes(5000)
+    assert b.stats().received_bytes == 0
+    assert not [e for e in b.events(0.2) if e.kind is EventKind.NOTIFIED]
+    assert f"WRITEV frame with {wire.MAX_VEC + 1} blocks" in caplog.text
 
 
 def test_retired_write_frame_drops_the_connection_and_fails_the_transfer(

@@ -5,12 +5,9 @@ building those cost ~1 us of Python per block on each side, the larger part of a
 fragmented request's TCP cost (thousands of blocks). Here the ``struct iovec``
 array is a numpy array built in one step from the block arrays, and one ctypes
 call (which releases the GIL) moves up to IOV_MAX blocks; a partial transfer
-resumes inside the block where it stopped (:class:`Vectors`), also across calls: a
-sender may move what the socket takes now and leave the rest to another thread.
-
-The socket keeps its Python timeout semantics: a socket with a timeout is
-non-blocking underneath, so EAGAIN waits (``poll``) up to that timeout for
-progress and raises TimeoutError when none comes.
+resumes inside the block where it stopped (:class:`Vectors`), also across calls: the
+sockets are non-blocking, so a call moves what the socket takes (or holds) now and the
+caller's selector loop calls again when the socket is ready.
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ import bisect
 import ctypes
 import errno
 import os
-import select
 import socket
 from collections.abc import Callable
 
@@ -40,14 +36,6 @@ assert ctypes.sizeof(ctypes.c_void_p) == ctypes.sizeof(ctypes.c_size_t) == 8
 #: iovecs one call takes (the kernel's IOV_MAX, usually 1024).
 IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024,
                       1024))
-
-
-def _wait(sock: socket.socket, reading: bool) -> None:
-    timeout = sock.gettimeout()
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN if reading else select.POLLOUT)
-    if not poller.poll(None if timeout is None else int(timeout * 1000) + 1):
-        raise TimeoutError("timed out")
 
 
 class Vectors:
@@ -100,12 +88,11 @@ class Vectors:
         self._ends = np.cumsum(self._iov[:, 1]).tolist() if len(self._iov) else []
         return self._ends
 
-    def move(self, sock: socket.socket, *, reading: bool, block: bool = True,
+    def move(self, sock: socket.socket, *, reading: bool,
              progress: Callable[[], None] | None = None) -> bool:
-        """Move bytes until the stream is done (True) or, with ``block`` False, until
-        the socket would block (False: call again to go on).
+        """Move bytes until the stream is done (True) or until the (non-blocking) socket
+        would block (False: call again when it is ready to go on).
 
-        With ``block`` the socket's timeout bounds each wait for progress (TimeoutError).
         ``progress`` is called after every call that moved bytes. Reading raises
         ConnectionError on EOF before the last byte.
         """
@@ -120,10 +107,7 @@ class Vectors:
                 if err == errno.EINTR:
                     continue
                 if err in (errno.EAGAIN, errno.EWOULDBLOCK):
-                    if not block:
-                        return False
-                    _wait(sock, reading)
-                    continue
+                    return False
                 raise OSError(err, os.strerror(err))
             if n == 0:
                 raise ConnectionError(f"peer closed the connection mid-frame "
@@ -139,11 +123,3 @@ class Vectors:
                 iov[i, 0] = int(self._addrs[i]) + (self.done - start)
                 iov[i, 1] = ends[i] - self.done
         return True
-
-
-def transfer(sock: socket.socket, addrs: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64],
-             *, reading: bool, progress: Callable[[], None] | None = None) -> None:
-    """Write (or read into) every ``[addrs[i], addrs[i] + lengths[i])`` in order, all bytes
-    (:class:`Vectors`, waiting up to the socket's timeout for each step of progress)."""
-    if len(addrs):
-        Vectors(addrs, lengths).move(sock, reading=reading, progress=progress)

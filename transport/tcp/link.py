@@ -276,8 +276,7 @@ class TcpLink(Link):
         what is left goes back to the head of the queue. False when the link failed
         (every transfer in flight is reported failed, this one included)."""
         try:
-            done = stream.vectors.move(sock, reading=False, block=False,
-                                       progress=self._progressed)
+            done = stream.vectors.move(sock, reading=False, progress=self._progressed)
         except (OSError, ConnectionError) as exc:
             with self._lock:
                 self._streaming = False

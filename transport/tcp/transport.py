@@ -487,8 +487,7 @@ class _Receiver:
     def _read_payload(self) -> bool:
         """Land the frame's blocks, then read and drop the refused ones."""
         if self._payload is not None:
-            if not self._payload.move(self.conn, reading=True, block=False,
-                                      progress=self._progressed):
+            if not self._payload.move(self.conn, reading=True, progress=self._progressed):
                 return False
             self._payload = None
         while self._drop:

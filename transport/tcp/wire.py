@@ -36,7 +36,7 @@ FLAG_NOTIFY = 1
 #: The longest NAK text a sender reads (a receiver's is one line).
 MAX_NAK = 1 << 16
 
-_CHUNK = 4 << 20  # per send/recv call, so a timeout means "no progress", not "too big"
+_CHUNK = 4 << 20  # per send call, so a timeout means "no progress", not "too big"
 #: Blocks per WRITEV frame: its header and descriptors plus every payload in one call.
 MAX_VEC = iov.IOV_MAX - 1
 _DESC = np.dtype("<u8")
@@ -68,37 +68,6 @@ def fill(sock: socket.socket, buf: bytearray, at: int) -> int:
             raise EOFError(f"peer closed the connection ({at}/{len(buf)} bytes of a frame)")
         at += n
     return at
-
-
-def recv_into(sock: socket.socket, target: memoryview, idle_ok: bool = False) -> bool:
-    """Fill ``target`` from the socket. False on a clean EOF before the first byte.
-
-    With ``idle_ok`` a timeout before the first byte just keeps waiting (an idle
-    peer between transfers); a timeout or EOF once bytes flowed raises.
-    """
-    off = 0
-    while off < len(target):
-        try:
-            n = sock.recv_into(target[off:off + _CHUNK])
-        except TimeoutError:
-            if idle_ok and off == 0:
-                continue
-            raise
-        if n == 0:
-            if off == 0:
-                return False
-            raise ConnectionError(f"peer closed the connection mid-frame ({off}/{len(target)})")
-        off += n
-    return True
-
-
-def recv_header(sock: socket.socket, idle_ok: bool = True) -> tuple[int, int, int, int, int] | None:
-    """The next header as (kind, flags, transfer_id, addr, length); None on a clean EOF."""
-    buf = bytearray(HEADER.size)
-    if not recv_into(sock, memoryview(buf), idle_ok=idle_ok):
-        return None
-    kind, flags, _, transfer_id, addr, length = HEADER.unpack(buf)
-    return kind, flags, transfer_id, addr, length
 
 
 def transfer_stream(transfer_id: int, src: npt.NDArray[np.uint64], dst: npt.NDArray[np.uint64],
@@ -135,23 +104,3 @@ def transfer_stream(transfer_id: int, src: npt.NDArray[np.uint64], dst: npt.NDAr
     HEADER.pack_into(heads.data, at, END, FLAG_NOTIFY if notify else 0, 0, transfer_id, 0, 0)
     addrs[row], sizes[row] = base + at, HEADER.size
     return iov.Vectors(addrs, sizes, keep=heads)
-
-
-def recv_desc_bytes(sock: socket.socket, count: int) -> bytearray:
-    """A WRITEV frame's ``count`` descriptors as they came: (destination address,
-    length) pairs of little-endian u64, which on the (little-endian) hosts kvbeam runs
-    on are the ``struct iovec`` rows that land the payloads."""
-    if not 0 < count <= MAX_VEC:
-        raise ConnectionError(f"WRITEV frame with {count} blocks (at most {MAX_VEC})")
-    raw = bytearray(count * 2 * _DESC.itemsize)
-    if not recv_into(sock, memoryview(raw)):
-        raise ConnectionError("peer closed the connection mid-frame")
-    return raw
-
-
-def recv_descs(sock: socket.socket, count: int) -> tuple[npt.NDArray[np.uint64],
-                                                          npt.NDArray[np.uint64]]:
-    """A WRITEV frame's ``count`` destination addresses and lengths."""
-    raw = recv_desc_bytes(sock, count)
-    pairs = np.frombuffer(raw, dtype=_DESC).reshape(count, 2).astype(np.uint64)
-    return pairs[:, 0], pairs[:, 1]
