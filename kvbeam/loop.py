@@ -20,6 +20,7 @@ import logging
 import selectors
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -33,6 +34,11 @@ T = TypeVar("T")
 
 #: The loop's longest sleep, s, whatever its sources ask.
 MAX_WAIT_S = 0.2
+#: A handler, housekeeping or call that keeps the loop this long, s, is logged (WARNING,
+#: at most once per ``STALL_LOG_EVERY_S`` per what stalled it): every other source of
+#: the daemon waited meanwhile, and nothing on the loop may block.
+STALL_WARN_S = 0.1
+STALL_LOG_EVERY_S = 10.0
 
 
 class LoopSource(Protocol):
@@ -117,6 +123,10 @@ class DaemonLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
+        #: Stalls seen (the loop's thread; read by metrics and tests) and when each kind
+        #: was last logged.
+        self.stalls = 0
+        self._stall_logged: dict[str, float] = {}
 
     # ---- sources --------------------------------------------------------------------------
     def add(self, source: LoopSource) -> SourceSelector:
@@ -172,6 +182,8 @@ class DaemonLoop:
             except BaseException as exc:  # handed to the waiting caller
                 done.set_exception(exc)
 
+        # A stall names the call, not this wrapper.
+        run.__qualname__ = getattr(call, "__qualname__", run.__qualname__)
         self.call_soon_threadsafe(run)
         return done.result(timeout_s)
 
@@ -213,21 +225,40 @@ class DaemonLoop:
                 log.exception("%s: select failed", self.name)
                 self._stop.wait(MAX_WAIT_S)
                 continue
+            clock = time.monotonic
             for key, mask in events:
                 if key.data is None:
                     self._drain_wake()
                     continue
                 source, data = key.data
+                began = clock()
                 try:
                     source.ready(data, mask)
                 except Exception:  # never lose the loop to one source's connection
                     log.exception("%s: %r: handling %r failed", self.name, source, data)
+                if clock() - began > STALL_WARN_S:
+                    self._stalled(clock() - began, f"{type(source).__name__} handling "
+                                  f"{type(data).__name__}")
             self._run_calls()
             for source in list(self._sources):
+                began = clock()
                 try:
                     source.tick()
                 except Exception:
                     log.exception("%s: %r: its housekeeping failed", self.name, source)
+                if clock() - began > STALL_WARN_S:
+                    self._stalled(clock() - began, f"{type(source).__name__} housekeeping")
+
+    def _stalled(self, seconds: float, what: str) -> None:
+        """One pass's handler kept the loop ``seconds``: count it; log it (rate-limited)."""
+        self.stalls += 1
+        now = time.monotonic()
+        if now - self._stall_logged.get(what, -STALL_LOG_EVERY_S) < STALL_LOG_EVERY_S:
+            return
+        self._stall_logged[what] = now
+        log.warning("%s: %s kept the loop %.0f ms (over %.0f ms): every other source of "
+                    "this daemon waited meanwhile (%d stalls so far)", self.name, what,
+                    seconds * 1e3, STALL_WARN_S * 1e3, self.stalls)
 
     def _drain_wake(self) -> None:
         try:
@@ -240,7 +271,11 @@ class DaemonLoop:
         with self._lock:
             calls, self._calls = self._calls, deque()
         for call in calls:
+            began = time.monotonic()
             try:
                 call()
             except Exception:
                 log.exception("%s: a call on the loop failed", self.name)
+            took = time.monotonic() - began
+            if took > STALL_WARN_S:
+                self._stalled(took, f"a call ({getattr(call, '__qualname__', call)})")

@@ -38,6 +38,8 @@ class Sources:
     live: Callable[[], Iterable[TransferStatus]]
     peers: Callable[[], int]
     slots: Callable[[], tuple[int, int]] | None = None
+    #: Passes of the daemon's loop that one handler kept over ``STALL_WARN_S``.
+    loop_stalls: Callable[[], int] | None = None
 
 
 class DaemonCollector(Collector):
@@ -66,6 +68,10 @@ class DaemonCollector(Collector):
             yield GaugeMetricFamily("kvbeam_slots_reserved", "Request slots held (reserved, "
                                     "transferring, or finished awaiting Release)", value=held)
             yield GaugeMetricFamily("kvbeam_slots", "Request slots in the pool", value=total)
+        if s.loop_stalls is not None:
+            yield CounterMetricFamily("kvbeam_loop_stalls", "Times one handler kept the "
+                                      "daemon's loop over 100 ms (every other source waited; "
+                                      "the log names it)", value=s.loop_stalls())
         yield from transport_families(s.transport())
 
 

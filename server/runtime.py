@@ -386,7 +386,8 @@ class Runtime:
             transport=self.transport.stats,
             live=self.table.live,
             peers=lambda: len(self.peers.all()),
-            slots=slots if _slot_pool(core) is not None else None)))
+            slots=slots if _slot_pool(core) is not None else None,
+            loop_stalls=lambda: self.loop.stalls)))
 
     def sweep(self) -> None:
         """Deadlines, peers without a channel, the cores' periodic work, then the

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import selectors
 import socket
 import threading
+import time
 from typing import Any
 
 import pytest
 
-from kvbeam.loop import DaemonLoop, SourceSelector
+from kvbeam.loop import STALL_WARN_S, DaemonLoop, SourceSelector
 from tests.waiting import wait_until
 
 
@@ -111,3 +113,24 @@ def test_run_sync_runs_inline_without_a_running_loop_and_remove_unregisters() ->
         loop.stop()
         r.close()
         w.close()
+
+
+def test_a_call_that_keeps_the_loop_is_counted_and_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing on the loop may block: a call that does (here a sleep past STALL_WARN_S)
+    is counted, and logged once per kind within STALL_LOG_EVERY_S."""
+    loop = DaemonLoop("kvbeam-test-loop")
+    loop.start()
+    try:
+        def blocks() -> None:
+            time.sleep(STALL_WARN_S * 1.5)
+
+        with caplog.at_level(logging.WARNING, logger="kvbeam.loop"):
+            loop.run_sync(blocks)
+            loop.run_sync(blocks)
+            loop.run_sync(lambda: None)  # quick: not a stall
+        assert loop.run_sync(lambda: loop.stalls) == 2
+        stalls = [r for r in caplog.records if "kept the loop" in r.getMessage()]
+        assert len(stalls) == 1 and "blocks" in stalls[0].getMessage()
+    finally:
+        loop.stop()

@@ -92,10 +92,11 @@ def test_collector_publishes_a_fake_transport_and_the_daemon_levels() -> None:
     m.registry.register(DaemonCollector(Sources(
         info={"role": "decode", "instance": "abc", "transport": "rdma", "version": "0"},
         transport=fake.stats, live=live_now, peers=lambda: 2,
-        slots=lambda: (held[0], 16))))
+        slots=lambda: (held[0], 16), loop_stalls=lambda: 3)))
     s = collect(m.registry)
     assert value(s, "kvbeam_info", role="decode", instance="abc", transport="rdma",
                  version="0") == 1
+    assert value(s, "kvbeam_loop_stalls_total") == 3
     assert value(s, "kvbeam_slots") == 16 and value(s, "kvbeam_slots_reserved") == 0
     assert value(s, "kvbeam_transfers_live", state="Transferring") == 0
     assert ("kvbeam_transport_received_bytes_total", ()) not in s  # None: not exported
