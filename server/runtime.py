@@ -258,6 +258,9 @@ class Runtime:
             self.metrics_address = self.metrics.serve(self.settings.metrics)
         self.loop.start()
         self._servicer = servicer
+        # From now on the core is called on the loop only (a handler's or an executor
+        # job's call is handed to it): server/core/base.py, DriverBase.on_loop.
+        cast("DecodeDriver | PrefillDriver", servicer.core).loop = self.loop
         if self.faults is not None:  # decorate the driver before it serves anything
             arm(cast("DecodeDriver | PrefillDriver", servicer.core), self.faults)
         if self.engine_mode:

@@ -48,22 +48,24 @@ Threads. The daemon (``DaemonServicer``) owns ONE bounded executor
 (``ThreadPoolExecutor``, ``IO_WORKERS`` threads); every blocking step runs there:
 handshakes, XXH3-128 digests, peer calls (BeginWrite, Abort: each waits for its
 answer on the pair's peer channel), link releases. Decode's Offer (the core's
-``SendOffer`` action) does not block: its driver sends it from the Reserve's thread,
-outside every lock, and prefill's answer, when it sends one (a kept offer
-gets none), is an event handled on the daemon's loop
-(``DecodeCore.answer_arrived``). ``on_event`` runs on the
-transport thread that saw the event (or the daemon's loop; see
-:meth:`kvbeam.transport.base.Transport.deliver_to`) with no transport lock held: it does
-bookkeeping, verifies a small landing on decode (its digests run
-inline anyway) and submits the rest. A prefill step that cannot block (a small
-single-chunk request with decode's offer in hand) runs on the thread that made it
-ready (the engine channel's, a handler's, or the peer channel's for an Offer), not on
-the executor (``PrefillCore.steps_inline``; what follows an action that blocks goes
-to the executor in order, ``PrefillDriver.execute``). The daemon's loop
-(:mod:`kvbeam.loop`: the peer channels, which answer Offer and BeginWrite
-themselves and hand Aborts to the servicer's ``peer_io`` pool; the attach socket and
-the engine channel; the transport's leftover events and the deadline sweep) is the
-other thread; nothing starts a thread per event.
+``SendOffer`` action) does not block: its driver sends it on the loop, outside every
+lock, and prefill's answer, when it sends one (a kept offer gets none), is an event
+handled on the daemon's loop (``DecodeCore.answer_arrived``).
+
+**The cores are called on the daemon's loop only** (:mod:`kvbeam.loop`: the peer
+channels, the attach socket and the engine channel, the transport, the deadline
+sweep). A gRPC handler, an executor job or the ``peer_io`` pool hands its call into
+a core to the loop and waits for it (``DriverBase.on_loop``; the drivers' ``_event``
+hands over an event and its actions): the core's calls never run on two threads at
+once. ``on_event`` runs on the loop with no transport lock held: it does
+bookkeeping, verifies a small landing on decode (its digests run inline anyway) and
+submits the rest. A prefill step that cannot block (a small single-chunk request with
+decode's offer in hand) runs on the loop where its request became ready
+(``PrefillCore.steps_inline``); what follows an action that blocks goes to the
+executor in order (``PrefillDriver.execute``), and its next call into the core comes
+back to the loop. Nothing starts a thread per event. The core's lock below is kept
+until the last caller off the loop is gone (it costs a few uncontended acquisitions
+per request).
 
 Locks in kvbeam.server, and their order (a lock may be taken while holding one
 listed ABOVE it, never the reverse). No lock is held across I/O: a handshake, an

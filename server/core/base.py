@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar
 
+from kvbeam.loop import DaemonLoop
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.spec import PoolSpec
@@ -24,6 +25,11 @@ from kvbeam.server.state.peers import Peers
 from kvbeam.states import TransferFacts, TransferStatus
 
 R = TypeVar("R")
+T = TypeVar("T")
+
+#: Longest a thread waits for the daemon's loop to run its call into the core, s (the
+#: loop runs it at its next pass: this bounds only a loop that stopped serving).
+LOOP_CALL_TIMEOUT_S = 60.0
 
 
 def request_bytes(layout: SideLayout, indices: IndexLists, draft: IndexLists) -> int:
@@ -84,11 +90,42 @@ class CoreBase(PoolsHolder, ABC):
 C = TypeVar("C", bound=CoreBase)
 
 
+def named(call: Callable[[], T], after: Callable[..., object]) -> Callable[[], T]:
+    """``call``, named as ``after`` (its qualified name): what the loop's stall warning
+    says of a call handed to it (the event it carries, not the wrapper)."""
+    call.__qualname__ = getattr(after, "__qualname__", call.__qualname__)
+    return call
+
+
 class DriverBase(ABC, Generic[C]):
     """What both drivers show of their core (``core``), and how either takes up or
     gives up an engine's memory (failing what is live first: its peers are told)."""
 
     core: C
+    #: The daemon's loop, the one thread that calls the core once it serves (None: the
+    #: caller's thread, as a unit test's driver without a loop).
+    loop: DaemonLoop | None = None
+
+    def on_loop(self, call: Callable[[], T]) -> T:
+        """Run ``call`` (which calls the core) on the daemon's loop and return what it
+        returned: at once on the loop's thread, or where no loop serves; from any other
+        thread (a gRPC handler, an executor job) handed to the loop and waited for.
+        The caller holds no lock."""
+        loop = self.loop
+        if loop is None or loop.on_loop or not loop.running:
+            return call()
+        return loop.run_sync(call, timeout_s=LOOP_CALL_TIMEOUT_S)
+
+    @property
+    def _off_loop(self) -> bool:
+        """Whether a loop serves and this thread is not it (the core is the loop's)."""
+        return self.loop is not None and self.loop.running and not self.loop.on_loop
+
+    @property
+    def on_loop_thread(self) -> bool:
+        """Whether the caller is the daemon's loop (where nothing may wait for the
+        transport: its completions come through the loop)."""
+        return self.loop is not None and self.loop.on_loop
 
     @abstractmethod
     def shutdown(self, detail: str) -> None:
@@ -99,12 +136,12 @@ class DriverBase(ABC, Generic[C]):
         detach is failed first: its pages are stale)."""
         if self.core.table.live():
             self.shutdown("engine memory replaced while the request was being accepted")
-        self.core.take_pools(spec, layout, pools)
+        self.on_loop(lambda: self.core.take_pools(spec, layout, pools))
 
     def drop_pools(self, detail: str) -> None:
         """The engine's memory goes: refuse new requests, fail every live one (the peer
         side is told, bounded), release every link (their writes stop)."""
-        self.core.refuse_pools(detail)
+        self.on_loop(lambda: self.core.refuse_pools(detail))
         self.shutdown(detail)
 
     @property
@@ -138,4 +175,4 @@ class DriverBase(ABC, Generic[C]):
 
     def facts_of(self, request_id: str) -> TransferFacts:
         """What the request moves (:meth:`CoreBase.facts_of`), for status replies."""
-        return self.core.facts_of(request_id)
+        return self.on_loop(lambda: self.core.facts_of(request_id))

@@ -10,10 +10,12 @@ prefill, releases a link, pushes a freed request to the engine, counts. What an
 action brings back (prefill's answer, a digest job, a verdict, a released link) goes
 to the core as its next event, and the actions of that are done in turn.
 
-Threads: nothing here starts one. Actions that cannot block run on the thread that
-handled the event; a peer call, a link's release and a large landing's check run on
-the daemon's bounded executor (``io``). No lock is held while any action runs: the
-core's lock is taken and released inside each of its methods.
+Threads: nothing here starts one. The core is called on the daemon's loop only: a
+call from another thread (a gRPC handler, an executor job) is handed to the loop and
+waited for (``DriverBase.on_loop``, :meth:`DecodeDriver._event`). Actions that cannot
+block run on the loop; a peer call, a link's release and a large landing's check run
+on the daemon's bounded executor (``io``), and what they bring back goes to the core
+on the loop again. No lock is held while any action runs.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from kvbeam.pools.mailbox import RecordArea
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.actions import Count, DropLink
-from kvbeam.server.core.base import DriverBase
+from kvbeam.server.core.base import DriverBase, named
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.decode_actions import (
     Actions,
@@ -129,7 +131,7 @@ class DecodeDriver(DriverBase[DecodeCore]):
 
     def slot_of(self, request_id: str) -> int:
         """The slot a request holds, -1 once freed."""
-        return self.core.slot_of(request_id)
+        return self.on_loop(lambda: self.core.slot_of(request_id))
 
     # ---- the API: engines, schedulers, prefill's BeginWrite -----------------------------
     def reserve(self, request_id: str, seq_len: int, prefill_address: str, *,
@@ -137,48 +139,62 @@ class DecodeDriver(DriverBase[DecodeCore]):
                 draft: Mapping[IndexKind, ListLike] | None = None,
                 kv_skip: int = 0) -> Incoming:
         """Hold a slot for a request (:meth:`DecodeCore.reserve`)."""
-        return self.core.reserve(request_id, seq_len, prefill_address, indices=indices,
-                                 draft=draft, kv_skip=kv_skip)
+        return self.on_loop(lambda: self.core.reserve(
+            request_id, seq_len, prefill_address, indices=indices, draft=draft,
+            kv_skip=kv_skip))
 
     def offer(self, res: Incoming) -> bool:
         """Offer a fresh reservation to its prefill when that is a connected peer;
         whether it was sent. Never blocks."""
-        actions = self.core.offer(res, self.clock())
-        self.execute(actions)
-        return any(isinstance(a, SendOffer) for a in actions)
+        def offer() -> bool:
+            actions = self.core.offer(res, self.clock())
+            self.execute(actions)
+            return any(isinstance(a, SendOffer) for a in actions)
+
+        return self.on_loop(offer)
 
     def begin_write(self, request_id: str, instance_id: str, seq_len: int, final: bool,
                     digests_follow: bool) -> Incoming:
         """Prefill is about to write (a chunk of) a request (:meth:`DecodeCore.begin_write`)."""
-        return self.core.begin_write(request_id, instance_id, seq_len, final, digests_follow)
+        return self.on_loop(lambda: self.core.begin_write(request_id, instance_id, seq_len,
+                                                          final, digests_follow))
 
     def release(self, request_id: str) -> TransferStatus:
         """The engine took over a request that reached Success: free its slot."""
-        snap, actions = self.core.release(request_id)
-        self.execute(actions)
-        return snap
+        def release() -> TransferStatus:
+            snap, actions = self.core.release(request_id)
+            self.execute(actions)
+            return snap
+
+        return self.on_loop(release)
 
     def abort(self, request_id: str, *, from_peer: bool, detail: str, instance_id: str = "",
               caller_refusal: Callable[[str], str | None] = lambda _address: None
               ) -> TransferStatus:
         """Abort a request (:meth:`DecodeCore.abort`): prefill drains on the executor."""
-        snap, actions = self.core.abort(request_id, from_peer=from_peer, detail=detail,
-                                        instance_id=instance_id,
-                                        caller_refusal=caller_refusal)
-        self.execute(actions)
-        return snap
+        def abort() -> TransferStatus:
+            snap, actions = self.core.abort(request_id, from_peer=from_peer, detail=detail,
+                                            instance_id=instance_id,
+                                            caller_refusal=caller_refusal)
+            self.execute(actions)
+            return snap
+
+        return self.on_loop(abort)
 
     def decline(self, request_id: str, prefill_address: str, detail: str) -> bool:
         """Tell prefill the engine will not load a request it reserved nothing for
         (:meth:`DecodeCore.decline`). Blocking (the Abort, or the ask to connect first,
         on this thread): call it on the executor. True when prefill confirmed."""
-        actions = self.core.decline(request_id, prefill_address, detail, self.clock())
+        actions = self.on_loop(lambda: self.core.decline(request_id, prefill_address, detail,
+                                                         self.clock()))
         told = False
+        rest: Actions = []
         for action in actions:
             if isinstance(action, TellPrefill):
                 told = self._tell(action)
             else:
-                self._do(action)
+                rest.append(action)
+        self._event(lambda: rest)
         log.info("request %s: declined (%s); prefill %s told%s", request_id, detail,
                  prefill_address, "" if told else " (no confirmation yet)",
                  extra=fields(request_id, prefill_address))
@@ -205,7 +221,7 @@ class DecodeDriver(DriverBase[DecodeCore]):
         at once if it turns out prefill died."""
         self.peers.remove(conn, forget=gone)
         conn.close(keep_channel=not gone)
-        self.execute(self.core.link_dropped(conn, detail, gone=gone))
+        self._event(lambda: self.core.link_dropped(conn, detail, gone=gone))
 
     def shutdown(self, detail: str = "decode shutting down") -> None:
         """Fail every live request (reason shutdown), tell prefill, release links, free.
@@ -215,17 +231,26 @@ class DecodeDriver(DriverBase[DecodeCore]):
         answer); the slots are freed after the links are released, so no confirmation
         is needed.
         """
-        abort_at_shutdown(self.core.fail_live(detail), detail, "prefill",
-                          self.prefill.abort_all, self.clock)
+        abort_at_shutdown(self.on_loop(lambda: self.core.fail_live(detail)), detail,
+                          "prefill", self.prefill.abort_all, self.clock)
         self.peers.close_all()
-        self.execute(self.core.free_all("shutdown"))
+        self._event(lambda: self.core.free_all("shutdown"))
 
     # ---- an engine's memory (use_pools, drop_pools: DriverBase) -----------------------
     def use_mailbox(self, mailbox: RecordArea) -> None:
         """The daemon's digest mailbox (registered, advertised) from now on."""
-        self.core.use_mailbox(mailbox)
+        self.on_loop(lambda: self.core.use_mailbox(mailbox))
 
     # ---- the actions ---------------------------------------------------------------------
+    def _event(self, event: Callable[[], Actions]) -> None:
+        """Give the core an event and do its actions, on the daemon's loop: here when
+        this is the loop (or no loop serves: a unit test's driver), else handed to the
+        loop and waited for (what blocks goes on to the executor from there)."""
+        if self._off_loop:
+            self.on_loop(named(lambda: self.execute(event()), event))
+        else:
+            self.execute(event())
+
     def execute(self, actions: Actions) -> None:
         """Do the core's actions, in order: on this thread those that cannot block, on
         the executor the others."""
@@ -248,11 +273,11 @@ class DecodeDriver(DriverBase[DecodeCore]):
             res = action.res
             sent = self.prefill.offer(action.conn, res.request_id, res.seq_len, action.grant,
                                       action.lease_s)
-            self.execute(self.core.offer_sent(res, sent))
+            self._event(lambda: self.core.offer_sent(res, sent))
         elif isinstance(action, DigestMark):
             job = self.checker.digest_mark(action.res, action.mark)
-            self.execute(self.core.mark_digesting(action.res, action.transfer_id,
-                                                  action.mark, job))
+            self._event(lambda: self.core.mark_digesting(action.res, action.transfer_id,
+                                                         action.mark, job))
         elif isinstance(action, CheckLanding):
             self._check(action)
         elif isinstance(action, TellPrefill):
@@ -284,7 +309,7 @@ class DecodeDriver(DriverBase[DecodeCore]):
             log.exception("asking prefill %s to connect failed unexpectedly", address)
             error = DialRefused(FailureReason.PEER_UNREACHABLE,
                                 f"asking prefill daemon at {address} to connect: {exc}")
-        self.execute(self.core.dialed(address, instance_id, error, self.clock()))
+        self._event(lambda: self.core.dialed(address, instance_id, error, self.clock()))
 
     def offer_answer(self, request_id: str, transfer_id: int, instance_id: str,
                      answer: Offered) -> None:
@@ -294,7 +319,8 @@ class DecodeDriver(DriverBase[DecodeCore]):
 
     def _check(self, action: CheckLanding) -> None:
         verdict = self.checker.check(action.res, action.transfer_id)
-        self.execute(self.core.checked(action.res, action.transfer_id, verdict, self.clock()))
+        self._event(lambda: self.core.checked(action.res, action.transfer_id, verdict,
+                                              self.clock()))
 
     def _tell(self, action: TellPrefill) -> bool:
         """Abort the request on prefill; True when prefill confirmed none of its writes
@@ -304,5 +330,5 @@ class DecodeDriver(DriverBase[DecodeCore]):
     def _drain(self, action: DrainPrefill) -> None:
         confirmed = action.conn is not None and self.prefill.abort(
             action.conn, action.res.request_id, action.detail)
-        self.execute(self.core.drain_answered(action.res, action.detail, confirmed,
-                                              self.clock()))
+        self._event(lambda: self.core.drain_answered(action.res, action.detail, confirmed,
+                                                     self.clock()))

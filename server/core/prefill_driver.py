@@ -10,14 +10,17 @@ link, counts. What an action brings back (a connection, decode's answer, a post'
 outcome, a released link) goes to the core as its next event, and the actions of that
 are done in turn.
 
-Threads: nothing here starts one. A list of actions runs in order: on the thread that
-handled the event until an action that blocks (a handshake, a peer call, a link's
-release, a digest record whose digests are still being computed), and from there on
-the daemon's bounded executor (``io``), so what follows a link's release sees it
-released. A step runs where it was asked when the core says it cannot block
-(:meth:`PrefillCore.steps_inline`), else as its own executor job. No lock is held
-while any action runs: the core's lock is taken and released inside each of its
-methods; the Abort handler's wait for a drain is on the core's condition, bounded.
+Threads: nothing here starts one. The core is called on the daemon's loop only: a
+call from another thread (a gRPC handler, an executor job) is handed to the loop and
+waited for (``DriverBase.on_loop``, :meth:`PrefillDriver._event`). A list of actions
+runs in order: on the loop until an action that blocks (a handshake, a peer call, a
+link's release, a digest record whose digests are still being computed), and from
+there on the daemon's bounded executor (``io``), so what follows a link's release
+sees it released; what an action there brings back goes to the core on the loop
+again. A step runs on the loop when the core says it cannot block
+(:meth:`PrefillCore.steps_inline`), else from its own executor job (a fresh stack).
+No lock is held while any action runs; the Abort handler's wait for a drain (off the
+loop only: on it the completions could not come) is on the core's condition, bounded.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from kvbeam.pools.plan import side_windows
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.actions import Count, DropLink
-from kvbeam.server.core.base import DriverBase
+from kvbeam.server.core.base import DriverBase, named
 from kvbeam.server.core.outgoing import Outgoing, Ranges
 from kvbeam.server.core.ports import DecodePeers, WriteGrant, abort_at_shutdown
 from kvbeam.server.core.prefill import PrefillCore
@@ -151,19 +154,19 @@ class PrefillDriver(DriverBase[PrefillCore]):
 
     def in_flight(self, request_id: str) -> int:
         """Writes of the request that may still read its source (0 once drained)."""
-        return self.core.in_flight(request_id)
+        return self.on_loop(lambda: self.core.in_flight(request_id))
 
     def slot_of(self, request_id: str) -> int:
         """The source slot of a live request, -1 once forgotten."""
-        return self.core.slot_of(request_id)
+        return self.on_loop(lambda: self.core.slot_of(request_id))
 
     def known(self, request_id: str) -> bool:
         """True while the core keeps a record of the request (tests, diagnostics)."""
-        return self.core.known(request_id)
+        return self.on_loop(lambda: self.core.known(request_id))
 
     def use_staging(self, area: RecordArea) -> None:
         """The daemon's staging slots for digest records (registered LOCAL) from now on."""
-        self.core.use_staging(area)
+        self.on_loop(lambda: self.core.use_staging(area))
 
     # ---- the API: engines, schedulers, decode's Offer and Abort -------------------------
     def send(self, request_id: str, src_slot: int, seq_len: int, decode_address: str,
@@ -171,20 +174,23 @@ class PrefillDriver(DriverBase[PrefillCore]):
              draft: Mapping[IndexKind, ListLike] | None = None,
              kv_offset: int | None = None) -> TransferStatus:
         """Queue (a chunk of) a request for decode (:meth:`PrefillCore.send`); returns at
-        once with its status (its step may have posted already, on this thread)."""
-        self.execute(self.core.send(request_id, src_slot, seq_len, decode_address, ranges,
-                                    final, indices=indices, draft=draft, kv_offset=kv_offset,
-                                    now=self.clock()))
+        once with its status (its step may have posted already, on the loop)."""
+        self._event(lambda: self.core.send(request_id, src_slot, seq_len, decode_address,
+                                           ranges, final, indices=indices, draft=draft,
+                                           kv_offset=kv_offset, now=self.clock()))
         return self.core.status(request_id)
 
     def offer(self, request_id: str, instance_id: str, seq_len: int, grant: WriteGrant,
               lease_s: float) -> bool:
         """Decode offers a reservation ahead of Send (:meth:`PrefillCore.offer`); True
         when it is kept."""
-        kept, actions = self.core.offer(request_id, instance_id, seq_len, grant, lease_s,
-                                        self.clock())
-        self.execute(actions)
-        return kept
+        def offer() -> bool:
+            kept, actions = self.core.offer(request_id, instance_id, seq_len, grant, lease_s,
+                                            self.clock())
+            self.execute(actions)
+            return kept
+
+        return self.on_loop(offer)
 
     def connect_back(self, address: str, instance_id: str = "") -> PeerConn:
         """A decode daemon at ``address`` holds a reservation naming this prefill and the
@@ -250,14 +256,15 @@ class PrefillDriver(DriverBase[PrefillCore]):
         """
         if from_peer and caller_refusal is not None:
             from_peer = self._from_its_decode(request_id, instance_id, caller_refusal)
-        failed = self.core.abort(request_id, from_peer=from_peer, detail=detail,
-                                 now=self.clock(), reason=reason if from_peer else None)
+        failed = self.on_loop(lambda: self.core.abort(
+            request_id, from_peer=from_peer, detail=detail, now=self.clock(),
+            reason=reason if from_peer else None))
         if failed is None:
             return self.core.status(request_id)  # ended and pruned, or UnknownRequest
-        rec, detail = failed
+        rec, said = failed
         drained = self._wait_drained(rec, wait_s)
-        self.execute(self.core.abort_answered(rec, from_peer=from_peer, drained=drained,
-                                              detail=detail))
+        self._event(lambda: self.core.abort_answered(rec, from_peer=from_peer,
+                                                     drained=drained, detail=said))
         return self.core.status(request_id)
 
     def _wait_drained(self, rec: Outgoing, wait_s: float | None) -> bool:
@@ -267,6 +274,8 @@ class PrefillDriver(DriverBase[PrefillCore]):
         with cond:
             drained = rec.drained
         bound = min(self.core.drain_s, ABORT_WAIT_S, ABORT_WAIT_S if wait_s is None else wait_s)
+        if self.on_loop_thread:
+            bound = 0.0  # the completions come through this very thread: no wait here
         if not drained and bound > 0 and self._abort_waiters.acquire(blocking=False):
             try:
                 with cond:
@@ -278,7 +287,7 @@ class PrefillDriver(DriverBase[PrefillCore]):
     def _from_its_decode(self, request_id: str, instance_id: str,
                          caller_refusal: Callable[[str], str | None]) -> bool:
         """Whether an Abort that says it is decode's comes from the request's decode."""
-        known = self.core.decode_of(request_id)
+        known = self.on_loop(lambda: self.core.decode_of(request_id))
         if known is None:
             return True  # nothing here to protect (ended, unknown, or not yet sent)
         conn, address = known
@@ -325,11 +334,21 @@ class PrefillDriver(DriverBase[PrefillCore]):
 
         Decode is told of every request at once, within ``SHUTDOWN_ABORT_S`` in all.
         """
-        abort_at_shutdown(self.core.fail_live(detail), detail, "decode", self.decode.abort_all,
-                          self.clock)
+        abort_at_shutdown(self.on_loop(lambda: self.core.fail_live(detail)), detail, "decode",
+                          self.decode.abort_all, self.clock)
         self.core.peers.close_all()
 
     # ---- doing the actions ----------------------------------------------------------------
+    def _event(self, event: Callable[[], Actions], on_executor: bool = False) -> None:
+        """Give the core an event and do its actions, on the daemon's loop: here when
+        this is the loop (or no loop serves: a unit test's driver, where ``on_executor``
+        says whether this thread may block), else handed to the loop and waited for
+        (what blocks goes on to the executor from there)."""
+        if self._off_loop:
+            self.on_loop(named(lambda: self.execute(event()), event))
+        else:
+            self.execute(event(), on_executor)
+
     def execute(self, actions: Actions, on_executor: bool = False) -> None:
         """Do ``actions`` in order: here until one blocks (``on_executor`` False: this
         thread must not block), then the rest, in order, as one executor job."""
@@ -353,13 +372,16 @@ class PrefillDriver(DriverBase[PrefillCore]):
         """A step here when the core says it cannot block (and the writer cannot either);
         else its own executor job, a fresh stack (a chunked request's steps follow one
         another)."""
+        if self._off_loop:  # what follows a blocking action, on the executor: the core's
+            self.on_loop(lambda: self._run_step(rec, on_executor=False))  # calls go back
+            return
         if self.core.steps_inline(rec) and not self.writer.may_block:
             self.execute(self.core.step(rec, self.clock()), on_executor)
         else:
             self.io.submit(self._step_job, rec)
 
     def _step_job(self, rec: Outgoing) -> None:
-        self.execute(self.core.step(rec, self.clock()), on_executor=True)
+        self._event(lambda: self.core.step(rec, self.clock()), on_executor=True)
 
     def _do(self, action: PrefillAction, on_executor: bool) -> None:
         """Do one action (the caller placed it on a thread that may run it)."""
@@ -406,8 +428,8 @@ class PrefillDriver(DriverBase[PrefillCore]):
         action.conn.close(keep_channel=not action.gone)
         if not action.gone:
             self.core.peers.keep(action.conn)
-        self.execute(self.core.link_dropped(action.conn, action.detail, gone=action.gone),
-                     on_executor)
+        self._event(lambda: self.core.link_dropped(action.conn, action.detail,
+                                                   gone=action.gone), on_executor)
 
     def _connect(self, address: str, on_executor: bool
                  ) -> tuple[PeerConn | None, Exception | None]:
@@ -420,8 +442,8 @@ class PrefillDriver(DriverBase[PrefillCore]):
             conn = self._dial(address)
         except Exception as exc:
             error = exc
-        self.execute(self.core.connected(address, conn, error, self.clock() - began),
-                     on_executor)
+        self._event(lambda: self.core.connected(address, conn, error, self.clock() - began),
+                    on_executor)
         return conn, error
 
     def _dial(self, address: str) -> PeerConn:
@@ -446,6 +468,10 @@ class PrefillDriver(DriverBase[PrefillCore]):
             pending.set_exception(exc)
             raise
         else:
+            # In the registry before the dial is over: a caller that looks for a
+            # connection to this address from now on (a Connect from that decode) finds
+            # this one, not none (the core hears of it on the loop, a moment later).
+            self.core.peers.add(conn)
             pending.set_result(conn)
             return conn
         finally:
@@ -463,9 +489,10 @@ class PrefillDriver(DriverBase[PrefillCore]):
                                             self.core.integrity)
         except Exception as exc:
             error = exc
-        now = self.clock()
-        self.execute(self.core.granted(rec, ask.conn, ask.ranges, ask.final, grant, error,
-                                       elapsed=now - began, now=now), on_executor)
+        ended = self.clock()
+        self._event(lambda: self.core.granted(rec, ask.conn, ask.ranges, ask.final, grant,
+                                              error, elapsed=ended - began, now=ended),
+                    on_executor)
 
     def _post(self, post: PostWrites, on_executor: bool) -> None:
         """Post the chunk's writes; with integrity the digests run on the digest pool
@@ -480,8 +507,9 @@ class PrefillDriver(DriverBase[PrefillCore]):
         job = self._digest_job(rec, conn) if post.record and rec.digests is None else None
         together = post.record and (job is None or job.inline)
         separate = post.record and not together
-        if not self.core.book(post, separate=separate):  # it ended meanwhile
-            self.execute(self.core.posted(rec, self.clock()), on_executor)
+        if not self.on_loop(lambda: self.core.book(post, separate=separate)):
+            # It ended meanwhile: nothing to post.
+            self._event(lambda: self.core.posted(rec, self.clock()), on_executor)
             return
         write, rid = self.writer.write, rec.request_id
         posted = 0
@@ -497,9 +525,10 @@ class PrefillDriver(DriverBase[PrefillCore]):
             if post.moved is not None:
                 self.table.announce(post.moved)
             # Only what was not posted: the rest completes as usual.
-            self.core.unbook(post, left=len(writes) - posted, separate=separate)
-            self.execute(self.core.step_failed(rec, conn, NotPosted(exc), self.clock()),
-                         on_executor)
+            left, error = len(writes) - posted, NotPosted(exc)
+            self.on_loop(lambda: self.core.unbook(post, left=left, separate=separate))
+            self._event(lambda: self.core.step_failed(rec, conn, error, self.clock()),
+                        on_executor)
             return
         if post.moved is not None:  # its engine hears of Transferring after the bytes left
             self.table.announce(post.moved)
@@ -515,7 +544,7 @@ class PrefillDriver(DriverBase[PrefillCore]):
         elif separate:
             self._post_record(post, job)
         else:
-            self.execute(self.core.posted(rec, self.clock()), on_executor)
+            self._event(lambda: self.core.posted(rec, self.clock()), on_executor)
 
     def _post_record(self, post: PostWrites, job: DigestJob | None) -> None:
         """Post the request's digest record once its digests are done (the step's last
@@ -525,11 +554,12 @@ class PrefillDriver(DriverBase[PrefillCore]):
             self.writer.write(rec.request_id, conn, post.grant.transfer_id,
                               self._record_blocks(post, job), notify=True, first=False)
         except Exception as exc:
-            self.core.unbook(post, left=0, separate=True)
-            self.execute(self.core.step_failed(rec, conn, NotPosted(exc), self.clock()),
-                         on_executor=True)
+            error = NotPosted(exc)
+            self.on_loop(lambda: self.core.unbook(post, left=0, separate=True))
+            self._event(lambda: self.core.step_failed(rec, conn, error, self.clock()),
+                        on_executor=True)
             return
-        self.execute(self.core.posted(rec, self.clock()), on_executor=True)
+        self._event(lambda: self.core.posted(rec, self.clock()), on_executor=True)
 
     def _record_blocks(self, post: PostWrites, job: DigestJob | None) -> Blocks:
         """The request's digest record as the block that writes it into decode's mailbox
