@@ -196,15 +196,20 @@ class DaemonLoop:
     def _run(self) -> None:
         name_os_thread()
         while not self._stop.is_set():
+            # Compared inline, not min()/max() per source: this runs on every pass, and
+            # a daemon passes several times per request.
             wait = MAX_WAIT_S
             for source in list(self._sources):
                 try:
-                    wait = min(wait, max(0.0, source.wait_s()))
+                    source_wait = source.wait_s()
                 except Exception:
                     log.exception("%s: %r: its wait failed", self.name, source)
-            with self._lock:
-                if self._calls:
-                    wait = 0.0
+                    continue
+                if source_wait < wait:
+                    wait = source_wait
+            # Read without the lock: a call queued after this check wakes the loop itself.
+            if self._calls or wait < 0.0:
+                wait = 0.0
             try:
                 events = self._sel.select(wait)
             except OSError:
@@ -237,6 +242,8 @@ class DaemonLoop:
             pass
 
     def _run_calls(self) -> None:
+        if not self._calls:  # the usual pass; a call queued after this wakes the next one
+            return
         with self._lock:
             calls, self._calls = self._calls, deque()
         for call in calls:
