@@ -34,9 +34,10 @@ T = TypeVar("T")
 
 #: The loop's longest sleep, s, whatever its sources ask.
 MAX_WAIT_S = 0.2
-#: A handler, housekeeping or call that keeps the loop this long, s, is logged (WARNING,
-#: at most once per ``STALL_LOG_EVERY_S`` per what stalled it): every other source of
-#: the daemon waited meanwhile, and nothing on the loop may block.
+#: A pass of the loop (its handlers, calls and housekeeping) that keeps it this long, s,
+#: is counted and logged (WARNING, naming what the pass handled; at most once per
+#: ``STALL_LOG_EVERY_S`` for the same): every other source of the daemon waited
+#: meanwhile, and nothing on the loop may block.
 STALL_WARN_S = 0.1
 STALL_LOG_EVERY_S = 10.0
 
@@ -208,15 +209,20 @@ class DaemonLoop:
     def _run(self) -> None:
         name_os_thread()
         while not self._stop.is_set():
+            # Compared inline, not min()/max() per source: this runs on every pass, and
+            # a daemon passes several times per request.
             wait = MAX_WAIT_S
             for source in list(self._sources):
                 try:
-                    wait = min(wait, max(0.0, source.wait_s()))
+                    source_wait = source.wait_s()
                 except Exception:
                     log.exception("%s: %r: its wait failed", self.name, source)
-            with self._lock:
-                if self._calls:
-                    wait = 0.0
+                    continue
+                if source_wait < wait:
+                    wait = source_wait
+            # Read without the lock: a call queued after this check wakes the loop itself.
+            if self._calls or wait < 0.0:
+                wait = 0.0
             try:
                 events = self._sel.select(wait)
             except OSError:
@@ -225,40 +231,39 @@ class DaemonLoop:
                 log.exception("%s: select failed", self.name)
                 self._stop.wait(MAX_WAIT_S)
                 continue
-            clock = time.monotonic
+            began = time.monotonic()  # one clock read each side of the pass's work
             for key, mask in events:
                 if key.data is None:
                     self._drain_wake()
                     continue
                 source, data = key.data
-                began = clock()
                 try:
                     source.ready(data, mask)
                 except Exception:  # never lose the loop to one source's connection
                     log.exception("%s: %r: handling %r failed", self.name, source, data)
-                if clock() - began > STALL_WARN_S:
-                    self._stalled(clock() - began, f"{type(source).__name__} handling "
-                                  f"{type(data).__name__}")
-            self._run_calls()
+            calls = self._run_calls()
             for source in list(self._sources):
-                began = clock()
                 try:
                     source.tick()
                 except Exception:
                     log.exception("%s: %r: its housekeeping failed", self.name, source)
-                if clock() - began > STALL_WARN_S:
-                    self._stalled(clock() - began, f"{type(source).__name__} housekeeping")
+            took = time.monotonic() - began
+            if took > STALL_WARN_S:
+                self._stalled(took, _pass_of(events, calls))
 
     def _stalled(self, seconds: float, what: str) -> None:
-        """One pass's handler kept the loop ``seconds``: count it; log it (rate-limited)."""
+        """One pass kept the loop ``seconds`` (``what``: what it handled): count it; log
+        it (at most once per ``STALL_LOG_EVERY_S`` for the same ``what``)."""
         self.stalls += 1
         now = time.monotonic()
         if now - self._stall_logged.get(what, -STALL_LOG_EVERY_S) < STALL_LOG_EVERY_S:
             return
+        if len(self._stall_logged) >= 64:  # what a pass handled varies: keep it bounded
+            self._stall_logged.clear()
         self._stall_logged[what] = now
-        log.warning("%s: %s kept the loop %.0f ms (over %.0f ms): every other source of "
-                    "this daemon waited meanwhile (%d stalls so far)", self.name, what,
-                    seconds * 1e3, STALL_WARN_S * 1e3, self.stalls)
+        log.warning("%s: one pass kept the loop %.0f ms (over %.0f ms), handling: %s; every "
+                    "other source of this daemon waited meanwhile (%d stalls so far)",
+                    self.name, seconds * 1e3, STALL_WARN_S * 1e3, what, self.stalls)
 
     def _drain_wake(self) -> None:
         try:
@@ -267,15 +272,25 @@ class DaemonLoop:
         except (BlockingIOError, OSError):
             pass
 
-    def _run_calls(self) -> None:
+    def _run_calls(self) -> tuple[Callable[[], None], ...]:
+        """Run the queued calls; the calls run (for a stall's report)."""
+        if not self._calls:  # the usual pass; a call queued after this wakes the next one
+            return ()
         with self._lock:
             calls, self._calls = self._calls, deque()
         for call in calls:
-            began = time.monotonic()
             try:
                 call()
             except Exception:
                 log.exception("%s: a call on the loop failed", self.name)
-            took = time.monotonic() - began
-            if took > STALL_WARN_S:
-                self._stalled(took, f"a call ({getattr(call, '__qualname__', call)})")
+        return tuple(calls)
+
+
+def _pass_of(events: list[tuple[selectors.SelectorKey, int]],
+             calls: tuple[Callable[[], None], ...]) -> str:
+    """What one pass of the loop handled, for a stall's report: the sources whose fds
+    were ready (with what each registered), the calls handed to it, the housekeeping."""
+    parts = [f"{type(key.data[0]).__name__} handling {type(key.data[1]).__name__}"
+             for key, _mask in events if key.data is not None]
+    parts += [f"a call ({getattr(call, '__qualname__', call)})" for call in calls]
+    return "; ".join([*parts, "the housekeeping"])

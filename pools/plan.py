@@ -67,7 +67,8 @@ def own_draft_list(draft: IndexLists | None, pool: str, kind: IndexKind) -> bool
 def list_for(indices: IndexLists, draft: IndexLists | None, pool: str,
              kind: IndexKind) -> npt.NDArray[np.int64]:
     """The list addressing a ``pool`` buffer of ``kind``: the draft's own, else the target's."""
-    src = draft if draft is not None and own_draft_list(draft, pool, kind) else indices
+    # ``draft`` is most often empty (no draft component): no call to find it has no list.
+    src = draft if draft and own_draft_list(draft, pool, kind) else indices
     arr = src[kind]
     if type(arr) is np.ndarray and arr.dtype == INT64:  # the usual case: no numpy call
         return arr

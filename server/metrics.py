@@ -6,7 +6,11 @@ they do in tests. Three kinds of source feed it:
 
 - transfer outcomes and latencies come from one place, the
   :class:`~kvbeam.server.state.lifecycle.TransferTable`'s ``on_change`` hook
-  (:meth:`DaemonMetrics.on_change`); role code needs no metric calls for them;
+  (:meth:`DaemonMetrics.on_change`); role code needs no metric calls for them.
+  They and the offer counts change several times per request, so they are plain
+  numbers under one lock, turned into families at scrape time (a prometheus_client
+  ``inc`` or ``observe`` is several Python calls and a lock each), with the same
+  names, series, values and ``_created`` samples as prometheus_client's own;
 - handshake latency from :meth:`DaemonMetrics.handshake` around each handshake;
 - everything that is a level or lives in the transport (live transfers, slots,
   peers, transport counters) is read at scrape time by
@@ -20,11 +24,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import metrics as prometheus_metrics
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from kvbeam.errors import ListenError
 from kvbeam.logs import fields
@@ -40,6 +50,69 @@ TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 #: The ``reason`` label of transfers that did not fail.
 NO_REASON = "none"
 
+_STARTED = ("kvbeam_transfers_started", "Transfers created on this side (prefill: Send; "
+            "decode: Reserve)")
+_FINISHED = ("kvbeam_transfers", "Transfers that reached a final state, by state and failure "
+             "reason (reason 'none' for Success)")
+_SECONDS = ("kvbeam_transfer_seconds", "Time from creation to the final state (prefill: Send "
+            "to Success; decode: Reserve to Success), by final state")
+_BYTES = ("kvbeam_request_bytes", "Bytes of transfers that reached Success (prefill: "
+          "written; decode: landed, and verified when integrity is on)")
+_OFFERS = ("kvbeam_offers", "Reservations decode offered ahead of Send, by event (decode: "
+           "made, refused, failed; prefill: received, refused, used, missed: a single-chunk "
+           "Send that found no offer and asked with BeginWrite)")
+#: TRANSFER_BUCKETS with +Inf, as prometheus_client's Histogram bounds them, and their
+#: ``le`` labels.
+_BOUNDS = (*TRANSFER_BUCKETS, float("inf"))
+_go_float: Callable[[float], str] = floatToGoString  # prometheus_client's, untyped there
+_LE = tuple(_go_float(b) for b in _BOUNDS)
+
+
+def _created() -> bool:
+    """Whether ``_created`` samples are exported: prometheus_client's own switch
+    (PROMETHEUS_DISABLE_CREATED_SERIES, ``disable_created_metrics()``), read per scrape
+    as its metrics read it."""
+    return prometheus_metrics._use_created
+
+
+class _Count:
+    """One counter series: its value (a float, as prometheus_client keeps it) and when
+    the series was made (its ``_created``)."""
+
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+
+class _Timings:
+    """One histogram series: per-bucket counts (not cumulative), their sum, ``_created``."""
+
+    __slots__ = ("buckets", "created", "sum")
+
+    def __init__(self) -> None:
+        self.buckets = [0.0] * len(_BOUNDS)
+        self.sum = 0.0
+        self.created = time.time()
+
+
+class _Families(Collector):
+    """Families built at scrape time by ``build`` (``describe``: their names, so the
+    registry's name checks and ``name[]`` filters see them)."""
+
+    def __init__(self, build: Callable[[], list[Metric]]) -> None:
+        self._build = build
+
+    def collect(self) -> Iterator[Metric]:
+        """The families with their samples."""
+        yield from self._build()
+
+    def describe(self) -> Iterator[Metric]:
+        """The families, without samples."""
+        for family in self._build():
+            yield Metric(family.name, family.documentation, family.type)
+
 
 class DaemonMetrics:
     """The instruments of one daemon and the hooks that update them.
@@ -53,19 +126,19 @@ class DaemonMetrics:
         self.role = role
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.started = Counter(
-            "kvbeam_transfers_started", "Transfers created on this side (prefill: Send; "
-            "decode: Reserve)", registry=r)
-        self.finished = Counter(
-            "kvbeam_transfers", "Transfers that reached a final state, by state and failure "
-            "reason (reason 'none' for Success)", ["state", "reason"], registry=r)
-        self.seconds = Histogram(
-            "kvbeam_transfer_seconds", "Time from creation to the final state (prefill: Send "
-            "to Success; decode: Reserve to Success), by final state", ["state"],
-            buckets=TRANSFER_BUCKETS, registry=r)
-        self.request_bytes = Counter(
-            "kvbeam_request_bytes", "Bytes of transfers that reached Success (prefill: "
-            "written; decode: landed, and verified when integrity is on)", registry=r)
+        # The per-request series (see the module's docstring): plain numbers under one
+        # lock (any thread changes them), declared up front so dashboards and rate() see
+        # zeros, not gaps. Registered where their Counters were: the scrape's order.
+        self._lock = threading.Lock()
+        self._started = _Count()
+        self._finished: dict[tuple[TransferState, FailureReason | None], _Count] = {
+            (TransferState.SUCCESS, None): _Count()}
+        for reason in FailureReason:
+            self._finished[TransferState.FAILED, reason] = _Count()
+        self._seconds = {state: _Timings()
+                         for state in (TransferState.SUCCESS, TransferState.FAILED)}
+        self._bytes = _Count()
+        r.register(_Families(self._transfer_families))
         self.handshakes = Counter(
             "kvbeam_handshakes", "Handshakes by side (client: this side asked; server: a "
             "peer asked) and result (ok, failed)", ["side", "result"], registry=r)
@@ -79,10 +152,10 @@ class DaemonMetrics:
         self.begin_writes = Counter(
             "kvbeam_begin_writes", "BeginWrite calls prefill made (one per chunk of a request "
             "that found no offer from decode)", registry=r)
-        self.offers = Counter(
-            "kvbeam_offers", "Reservations decode offered ahead of Send, by event (decode: "
-            "made, refused, failed; prefill: received, refused, used, missed: a single-chunk "
-            "Send that found no offer and asked with BeginWrite)", ["event"], registry=r)
+        offer_events = (("received", "refused", "used", "missed") if role == "prefill"
+                        else ("made", "refused", "failed"))
+        self._offers = {event: _Count() for event in offer_events}
+        r.register(_Families(self._offer_families))
         self.declines = Counter(
             "kvbeam_declines", "Requests decode's engine declined (DECLINE: it will not load "
             "them) that decode's daemon told their prefill of, by Abort", registry=r)
@@ -95,23 +168,11 @@ class DaemonMetrics:
             "kvbeam_handshake_seconds", "Handshake latency (client: the whole round trip; "
             "server: decoding, verification and link set-up)", ["side"],
             buckets=HANDSHAKE_BUCKETS, registry=r)
-        # Declare the series up front so dashboards and rate() see zeros, not gaps, and
-        # keep the per-request ones: labels() is a dozen Python calls, paid per request.
-        self._finished: dict[tuple[TransferState, FailureReason | None], Counter] = {
-            (TransferState.SUCCESS, None): self.finished.labels(TransferState.SUCCESS.value,
-                                                                NO_REASON)}
-        for reason in FailureReason:
-            self._finished[TransferState.FAILED, reason] = self.finished.labels(
-                TransferState.FAILED.value, reason.value)
-        self._seconds = {state: self.seconds.labels(state.value)
-                         for state in (TransferState.SUCCESS, TransferState.FAILED)}
+        # Declare the series up front so dashboards and rate() see zeros, not gaps.
         side = "client" if role == "prefill" else "server"
         for result in ("ok", "failed"):
             self.handshakes.labels(side, result)
         self.handshake_seconds.labels(side)
-        offer_events = (("received", "refused", "used", "missed") if role == "prefill"
-                        else ("made", "refused", "failed"))
-        self._offers = {event: self.offers.labels(event) for event in offer_events}
         connect_results = (("ok", "failed") if role == "prefill"
                            else ("ok", "refused", "unreachable", "retry"))
         for result in connect_results:
@@ -125,23 +186,70 @@ class DaemonMetrics:
             log.debug("request %s: %s (version %d)", status.request_id, status.state.value,
                       status.version, extra=fields(status.request_id, status.peer))
         if status.version == 0:
-            self.started.inc()
+            with self._lock:
+                self._started.value += 1
             return
         if not status.state.terminal:
             return
-        finished = self._finished.get((status.state, status.reason))
-        if finished is None:  # Success with a reason: not a series we declare
-            reason = status.reason.value if status.reason is not None else NO_REASON
-            finished = self.finished.labels(status.state.value, reason)
-        finished.inc()
-        self._seconds[status.state].observe(status.age_s)
-        if status.state is TransferState.SUCCESS:
-            self.request_bytes.inc(status.nbytes)
+        key = (status.state, status.reason)
+        age = status.age_s
+        with self._lock:
+            finished = self._finished.get(key)
+            if finished is None:  # Success with a reason: a series made at its first use
+                finished = self._finished[key] = _Count()
+            finished.value += 1
+            timings = self._seconds[status.state]
+            # The first bound at or above the age: the bucket Histogram.observe counts.
+            timings.buckets[bisect_left(_BOUNDS, age)] += 1
+            timings.sum += age
+            if status.state is TransferState.SUCCESS:
+                self._bytes.value += status.nbytes
 
     def count_offer(self, event: str) -> None:
         """Count an offer event (``kvbeam_offers_total{event}``)."""
-        counter = self._offers.get(event)
-        (counter if counter is not None else self.offers.labels(event)).inc()
+        with self._lock:
+            count = self._offers.get(event)
+            if count is None:  # not a series we declare: made at its first use
+                count = self._offers[event] = _Count()
+            count.value += 1
+
+    # ---- the per-request series, at scrape time ---------------------------------------
+    def _transfer_families(self) -> list[Metric]:
+        """kvbeam_transfers_started, kvbeam_transfers, kvbeam_transfer_seconds and
+        kvbeam_request_bytes, as prometheus_client's Counters and Histogram expose them."""
+        created = _created()
+        started = CounterMetricFamily(*_STARTED)
+        finished = CounterMetricFamily(*_FINISHED, labels=["state", "reason"])
+        seconds = HistogramMetricFamily(*_SECONDS, labels=["state"])
+        request_bytes = CounterMetricFamily(*_BYTES)
+        with self._lock:
+            started.add_metric([], self._started.value,
+                               self._started.created if created else None)
+            for (state, reason), count in self._finished.items():
+                finished.add_metric(
+                    [state.value, reason.value if reason is not None else NO_REASON],
+                    count.value, count.created if created else None)
+            for state, timings in self._seconds.items():
+                cumulative, acc = [], 0.0
+                for le, n in zip(_LE, timings.buckets, strict=True):
+                    acc += n
+                    cumulative.append((le, acc))
+                seconds.add_metric([state.value], cumulative, timings.sum)
+                if created:
+                    seconds.samples.append(Sample(f"{_SECONDS[0]}_created",
+                                                  {"state": state.value}, timings.created))
+            request_bytes.add_metric([], self._bytes.value,
+                                     self._bytes.created if created else None)
+        return [started, finished, seconds, request_bytes]
+
+    def _offer_families(self) -> list[Metric]:
+        """kvbeam_offers, as prometheus_client's Counter exposes it."""
+        created = _created()
+        offers = CounterMetricFamily(*_OFFERS, labels=["event"])
+        with self._lock:
+            for event, count in self._offers.items():
+                offers.add_metric([event], count.value, count.created if created else None)
+        return [offers]
 
     def count_connect(self, result: str) -> None:
         """Count a decode-initiated pairing's outcome (``kvbeam_connects_total{result}``)."""

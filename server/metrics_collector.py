@@ -38,7 +38,7 @@ class Sources:
     live: Callable[[], Iterable[TransferStatus]]
     peers: Callable[[], int]
     slots: Callable[[], tuple[int, int]] | None = None
-    #: Passes of the daemon's loop that one handler kept over ``STALL_WARN_S``.
+    #: Passes of the daemon's loop that took over ``STALL_WARN_S``.
     loop_stalls: Callable[[], int] | None = None
 
 
@@ -69,9 +69,10 @@ class DaemonCollector(Collector):
                                     "transferring, or finished awaiting Release)", value=held)
             yield GaugeMetricFamily("kvbeam_slots", "Request slots in the pool", value=total)
         if s.loop_stalls is not None:
-            yield CounterMetricFamily("kvbeam_loop_stalls", "Times one handler kept the "
-                                      "daemon's loop over 100 ms (every other source waited; "
-                                      "the log names it)", value=s.loop_stalls())
+            yield CounterMetricFamily("kvbeam_loop_stalls", "Passes of the daemon's loop "
+                                      "that took over 100 ms (every other source waited; "
+                                      "the log names what the pass handled)",
+                                      value=s.loop_stalls())
         yield from transport_families(s.transport())
 
 

@@ -38,17 +38,22 @@ class PoolsHolder:
             raise NoEngineAttached(self._missing)
         return held
 
+    # The properties read ``_held`` themselves and call the helper only to raise: a
+    # request reads them several times.
     @property
     def spec(self) -> PoolSpec:
         """The target pool's spec."""
-        return self._require_pools()[0]
+        held = self._held
+        return held[0] if held is not None else self._require_pools()[0]
 
     @property
     def layout(self) -> SideLayout:
         """The side's layout (buffers at the memory's own offsets)."""
-        return self._require_pools()[1]
+        held = self._held
+        return held[1] if held is not None else self._require_pools()[1]
 
     @property
     def pools(self) -> AllocatedSide:
         """The memory."""
-        return self._require_pools()[2]
+        held = self._held
+        return held[2] if held is not None else self._require_pools()[2]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
+from typing import Any
 
 from kvbeam.errors import DialRefused
 from kvbeam.logs import fields
@@ -263,38 +264,42 @@ class DecodeDriver(DriverBase[DecodeCore]):
     def _blocks(self, action: DecodeAction) -> bool:
         """The action may block: a peer call, a link's release, a landing's check whose
         digests do not run inline."""
-        if isinstance(action, CheckLanding):
+        # The action types are final: their identity, not isinstance (a Python call each).
+        if type(action) is CheckLanding:
             return not self.checker.inline(action.res)
-        return isinstance(action, TellPrefill | DrainPrefill | DialPrefill | DropLink)
+        return type(action) in _BLOCKING
 
     def _do(self, action: DecodeAction) -> None:
         """Do one action on this thread (``execute`` chose the thread)."""
-        if isinstance(action, SendOffer):
-            res = action.res
-            sent = self.prefill.offer(action.conn, res.request_id, res.seq_len, action.grant,
-                                      action.lease_s)
-            self._event(lambda: self.core.offer_sent(res, sent))
-        elif isinstance(action, DigestMark):
-            job = self.checker.digest_mark(action.res, action.mark)
-            self._event(lambda: self.core.mark_digesting(action.res, action.transfer_id,
-                                                         action.mark, job))
-        elif isinstance(action, CheckLanding):
-            self._check(action)
-        elif isinstance(action, TellPrefill):
-            self._tell(action)
-        elif isinstance(action, DrainPrefill):
-            self._drain(action)
-        elif isinstance(action, DropLink):
-            self.on_peer_lost(action.conn, action.detail, gone=action.gone)
-        elif isinstance(action, DialPrefill):
-            self._dial(action.address, action.request_ids)
-        elif isinstance(action, Freed):
-            self.on_freed(action.request_id)
-        elif isinstance(action, Count) and action.metric == "offers":
+        # One lookup by the action's type, not a chain of isinstance tests (up to ten).
+        _DOERS[type(action)](self, action)
+
+    def _send_offer(self, action: SendOffer) -> None:
+        res = action.res
+        sent = self.prefill.offer(action.conn, res.request_id, res.seq_len, action.grant,
+                                  action.lease_s)
+        self._event(lambda: self.core.offer_sent(res, sent))
+
+    def _digest_mark(self, action: DigestMark) -> None:
+        job = self.checker.digest_mark(action.res, action.mark)
+        self._event(lambda: self.core.mark_digesting(action.res, action.transfer_id,
+                                                     action.mark, job))
+
+    def _drop_link(self, action: DropLink) -> None:
+        self.on_peer_lost(action.conn, action.detail, gone=action.gone)
+
+    def _dial_action(self, action: DialPrefill) -> None:
+        self._dial(action.address, action.request_ids)
+
+    def _freed(self, action: Freed) -> None:
+        self.on_freed(action.request_id)
+
+    def _count(self, action: Count) -> None:
+        if action.metric == "offers":
             self.on_offer(action.label)
-        elif isinstance(action, Count) and action.metric == "connects":
+        elif action.metric == "connects":
             self.on_connect(action.label)
-        elif isinstance(action, Count):
+        else:
             self.on_decline()
 
     def _dial(self, address: str, request_ids: tuple[str, ...]) -> None:
@@ -332,3 +337,17 @@ class DecodeDriver(DriverBase[DecodeCore]):
             action.conn, action.res.request_id, action.detail)
         self._event(lambda: self.core.drain_answered(action.res, action.detail, confirmed,
                                                      self.clock()))
+
+
+#: The actions :meth:`DecodeDriver.execute` hands to the executor (a landing's check:
+#: when its digests do not run inline).
+_BLOCKING = frozenset({TellPrefill, DrainPrefill, DialPrefill, DropLink})
+#: Each action's doer (:meth:`DecodeDriver._do`): the class's functions, so what they
+#: read (``on_freed``, ``on_decline``, ``on_connect``: set after construction) is read
+#: when they run.
+_DOERS: dict[type, Callable[[DecodeDriver, Any], object]] = {
+    SendOffer: DecodeDriver._send_offer, DigestMark: DecodeDriver._digest_mark,
+    CheckLanding: DecodeDriver._check, TellPrefill: DecodeDriver._tell,
+    DrainPrefill: DecodeDriver._drain, DropLink: DecodeDriver._drop_link,
+    DialPrefill: DecodeDriver._dial_action, Freed: DecodeDriver._freed,
+    Count: DecodeDriver._count}

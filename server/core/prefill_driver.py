@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 from kvbeam.errors import Busy, NotPosted, PeerTimeoutError
 from kvbeam.logs import fields, request_log
@@ -353,7 +354,7 @@ class PrefillDriver(DriverBase[PrefillCore]):
         """Do ``actions`` in order: here until one blocks (``on_executor`` False: this
         thread must not block), then the rest, in order, as one executor job."""
         for i, action in enumerate(actions):
-            if not on_executor and not isinstance(action, RunStep) and self._blocks(action):
+            if not on_executor and type(action) is not RunStep and self._blocks(action):
                 self.io.submit(self.execute, actions[i:], True)
                 return
             try:
@@ -364,17 +365,19 @@ class PrefillDriver(DriverBase[PrefillCore]):
     def _blocks(self, action: PrefillAction) -> bool:
         """Whether doing ``action`` may block: a handshake, a peer call, a link's release;
         a post when its writer says so (:attr:`Writer.may_block`)."""
-        if isinstance(action, PostWrites):
+        kind = type(action)  # the action types are final: identity, not isinstance
+        if kind is PostWrites:
             return self.writer.may_block
-        return not isinstance(action, Count)
+        return kind is not Count
 
-    def _run_step(self, rec: Outgoing, on_executor: bool) -> None:
+    def _run_step(self, step: RunStep, on_executor: bool) -> None:
         """A step here when the core says it cannot block (and the writer cannot either);
         else its own executor job, a fresh stack (a chunked request's steps follow one
         another)."""
         if self._off_loop:  # what follows a blocking action, on the executor: the core's
-            self.on_loop(lambda: self._run_step(rec, on_executor=False))  # calls go back
+            self.on_loop(lambda: self._run_step(step, on_executor=False))  # calls go back
             return
+        rec = step.rec
         if self.core.steps_inline(rec) and not self.writer.may_block:
             self.execute(self.core.step(rec, self.clock()), on_executor)
         else:
@@ -385,23 +388,18 @@ class PrefillDriver(DriverBase[PrefillCore]):
 
     def _do(self, action: PrefillAction, on_executor: bool) -> None:
         """Do one action (the caller placed it on a thread that may run it)."""
-        if isinstance(action, TellDecode):
-            self._tell_decode(action, on_executor)
-        elif isinstance(action, DropLink):
-            self._drop_link(action, on_executor)
-        elif isinstance(action, Connect):
-            self._connect(action.address, on_executor)
-        elif isinstance(action, AskGrant):
-            self._ask_grant(action, on_executor)
-        elif isinstance(action, PostWrites):
-            self._post(action, on_executor)
-        elif isinstance(action, Count):
-            if action.metric == "resends":
-                self.on_resend()
-            else:
-                self.on_offer(action.label)
-        else:  # a step: here, or its own executor job
-            self._run_step(action.rec, on_executor)
+        # One lookup by the action's type, not a chain of isinstance tests (a step, the
+        # most frequent, came last: six of them).
+        _DOERS[type(action)](self, action, on_executor)
+
+    def _do_connect(self, action: Connect, on_executor: bool) -> None:
+        self._connect(action.address, on_executor)
+
+    def _count(self, action: Count, on_executor: bool) -> None:
+        if action.metric == "resends":
+            self.on_resend()
+        else:
+            self.on_offer(action.label)
 
     def _tell_decode(self, tell: TellDecode, on_executor: bool) -> None:
         """Abort the request on decode over the pair's peer channel. When every link the
@@ -580,3 +578,12 @@ class PrefillDriver(DriverBase[PrefillCore]):
         return self.digest_pool.digests(self.core.pools, rec.moved_source, draft=rec.src_draft,
                                         windows=side_windows(self.core.layout,
                                                              conn.peer.layout, source=True))
+
+
+#: Each action's doer (:meth:`PrefillDriver._do`): the class's functions, so what they
+#: read (``on_offer``, set after construction) is read when they run.
+_DOERS: dict[type, Callable[[PrefillDriver, Any, bool], None]] = {
+    TellDecode: PrefillDriver._tell_decode, DropLink: PrefillDriver._drop_link,
+    Connect: PrefillDriver._do_connect, AskGrant: PrefillDriver._ask_grant,
+    PostWrites: PrefillDriver._post, Count: PrefillDriver._count,
+    RunStep: PrefillDriver._run_step}

@@ -391,6 +391,8 @@ class AttachServer:
     def _expire(self) -> None:
         """Refuse the connections whose message did not arrive whole by their deadline
         (what arrived meanwhile is read first)."""
+        if not self._pending:  # the usual pass (every pass ticks): no clock read
+            return
         now = time.monotonic()
         for p in [p for p in self._pending.values() if p.deadline <= now]:
             self._pending_readable(p)

@@ -146,6 +146,8 @@ class PeerChannel:
     def note_silence(self, now: float) -> None:
         """Log each heartbeat newly missed and the peer's return (the loop thread's
         sweep), as the RPC heartbeat loop does."""
+        if not self._missed_logged and (now - self.last_heard) / self.hub.heartbeat_s < 2.0:
+            return  # the usual pass: none missed (missed_heartbeats' 0), none logged before
         missed = self.missed_heartbeats(now)
         if missed > self._missed_logged:
             log.warning("heartbeat %d on the peer channel to %s missed (silent %.1f s of "
@@ -259,6 +261,8 @@ class PeerChannel:
 
     def expire(self, now: float) -> None:
         """Fail calls past their deadline."""
+        if not self._calls:  # the usual pass (every pass sweeps): no lock, no scan
+            return
         with self._wlock:
             late = [(c, call) for c, call in self._calls.items() if call.deadline < now]
         for correlation, call in late:

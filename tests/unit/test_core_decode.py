@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
-from typing import Any, cast
+from typing import Any, cast, get_args
 
 import pytest
 
@@ -13,9 +13,12 @@ from kvbeam.errors import AlreadyLanded, DialRefused
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.digest_pool import DigestPool
+from kvbeam.server.core import decode_driver, prefill_driver
+from kvbeam.server.core.decode_actions import DecodeAction
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.incoming import Landing
 from kvbeam.server.core.ports import Offered, WriteGrant
+from kvbeam.server.core.prefill_actions import PrefillAction
 from kvbeam.server.state.lifecycle import Deadlines, TransferTable
 from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState
@@ -262,3 +265,13 @@ def test_a_resend_of_a_request_that_already_landed_is_answered_already_landed() 
     with pytest.raises(AlreadyLanded):
         core.begin_write("r", conn.instance_id, 300, True, False)
     assert core.status("r").state is TransferState.SUCCESS
+
+
+def test_each_action_type_has_a_doer_on_both_sides() -> None:
+    """The drivers dispatch actions by their exact type (no isinstance chain): every
+    type of each side's action union has its doer, and nothing subclasses them."""
+    for doers, union in ((decode_driver._DOERS, DecodeAction),
+                         (prefill_driver._DOERS, PrefillAction)):
+        kinds = set(get_args(union))
+        assert set(doers) == kinds
+        assert not [k for k in kinds if k.__subclasses__()]

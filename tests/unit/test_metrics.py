@@ -11,9 +11,10 @@ from types import MappingProxyType
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvbeam.errors import ListenError
-from kvbeam.server.metrics import DaemonMetrics
+from kvbeam.server.metrics import TRANSFER_BUCKETS, DaemonMetrics
 from kvbeam.server.metrics_collector import DaemonCollector, Sources
 from kvbeam.server.state.lifecycle import Deadlines, TransferTable
 from kvbeam.states import FailureReason, TransferState, TransferStatus
@@ -51,6 +52,30 @@ def test_observer_counts_creations_outcomes_latency_and_bytes() -> None:
     assert value(s, "kvbeam_transfer_seconds_count", state="Failed") == 1
     # only Success counts bytes: a failed request's partial bytes are not "transferred"
     assert value(s, "kvbeam_request_bytes_total") == 1000
+
+
+def test_per_request_series_read_as_prometheus_clients_own() -> None:
+    """The per-request series are plain numbers exported at scrape time: the same
+    samples (buckets at their bounds, sums, ``_created``) as a prometheus_client
+    Histogram and Counter given the same observations."""
+    m = DaemonMetrics("prefill")
+    ref_registry = CollectorRegistry()
+    ref = Histogram("kvbeam_transfer_seconds", "reference", ["state"],
+                    buckets=TRANSFER_BUCKETS, registry=ref_registry)
+    offers = Counter("kvbeam_offers", "reference", ["event"], registry=ref_registry)
+    for version, age in enumerate((0.005, 0.0031, 200.0, 1.0, 0.0), start=3):
+        m.on_change(TransferStatus("r", "p", TransferState.SUCCESS, None, "", version, age, 8))
+        ref.labels("Success").observe(age)
+    for event in ("received", "used", "unheard-of"):
+        m.count_offer(event)
+        offers.labels(event).inc()
+    s, want = collect(m.registry), collect(ref_registry)
+    for (name, labels), v in want.items():
+        if name.endswith("_created"):
+            assert (name, labels) in s
+        else:
+            assert s[name, labels] == v, (name, labels)
+    assert value(s, "kvbeam_request_bytes_total") == 40
 
 
 def test_handshake_timer_counts_ok_and_failed() -> None:
@@ -139,14 +164,16 @@ def test_prefill_collector_has_no_slots() -> None:
 
 def test_registries_are_per_daemon() -> None:
     a, b = DaemonMetrics("prefill"), DaemonMetrics("decode")
-    a.started.inc(3)
+    t = table_with(a)
+    for rid in ("r1", "r2", "r3"):
+        t.create(rid, "10.0.0.1:1")
     assert value(collect(a.registry), "kvbeam_transfers_started_total") == 3
     assert value(collect(b.registry), "kvbeam_transfers_started_total") == 0
 
 
 def test_endpoint_binds_port_zero_and_refuses_a_port_in_use() -> None:
     m = DaemonMetrics("decode")
-    m.started.inc()
+    table_with(m).create("r1", "10.0.0.1:1")
     bound = m.serve("127.0.0.1:0")
     try:
         host, _, port = bound.rpartition(":")
