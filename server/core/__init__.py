@@ -80,7 +80,10 @@ RPC, a digest, a write post, a link's release or a memory registration.
    counter means: answer without waiting).
 2. ``TransferTable._cond`` (:mod:`kvbeam.server.state.lifecycle`): the lifecycle states.
    Its ``on_change`` callback (metrics) runs after the lock is released.
-3. Leaves, which call nothing while held: ``Peers._lock``
+3. ``PrefillDriver._dial_lock`` (the handshakes under way), which looks up
+   ``Peers`` and the connection found (their locks, leaves) and calls nothing else
+   while held.
+4. Leaves, which call nothing while held: ``Peers._lock``
    (:mod:`kvbeam.server.state.peers`), ``OfferBook._lock`` (prefill's offers),
    ``PeerConn._lock`` (``closed``; ``close`` releases
    the link after it), ``SlotPool`` (:mod:`kvbeam.server.state.slots`),

@@ -143,7 +143,7 @@ class PrefillDriver(DriverBase[PrefillCore]):
         # Counts the Connect handlers under way (taken without blocking).
         self._connects = threading.BoundedSemaphore(MAX_CONNECTS)
         # Handshakes under way, by decode address: a second caller waits for the
-        # first's outcome instead of handshaking again. Leaf lock.
+        # first's outcome instead of handshaking again. Taken before Peers' (a leaf).
         self._dial_lock = threading.Lock()
         self._dials: dict[str, Future[PeerConn]] = {}
 
@@ -452,6 +452,13 @@ class PrefillDriver(DriverBase[PrefillCore]):
             pending = self._dials.get(address)
             mine = pending is None
             if pending is None:
+                # A dial that ended since the caller looked (its step saw no connection,
+                # then queued: a Connect's dial finished meanwhile) made the connection
+                # this one would make again (Peers' and its locks: leaves, inside this one).
+                existing = self.core.peers.by_address(address)
+                if existing is not None and not existing.closed and \
+                        existing.retired_channel() is None:
+                    return existing
                 pending = self._dials[address] = Future()
         if not mine:
             try:
