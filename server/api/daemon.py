@@ -92,6 +92,9 @@ class RoleCore(Protocol):
     def facts_of(self, request_id: str) -> TransferFacts:
         """What a transfer moves (bytes, lists, verification), kept after it ended."""
 
+    def reply_view(self, request_id: str) -> tuple[int, TransferFacts]:
+        """Its slot and what it moves, for a status reply (one call into the core)."""
+
     def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
         """An engine attached its memory (``--pools engine``)."""
 
@@ -299,8 +302,8 @@ class DaemonServicer(ControlServicer):
 
     def _status(self, snap: TransferStatus) -> pb.TransferStatus:
         rid = snap.request_id
-        return status_to_proto(snap, slot=self.slot_of(rid), facts=self.core.facts_of(rid),
-                               timeline=self.table.timeline(rid))
+        slot, facts = self.core.reply_view(rid)
+        return status_to_proto(snap, slot=slot, facts=facts, timeline=self.table.timeline(rid))
 
     def _require_status(self, request_id: str) -> TransferStatus:
         snap = self.table.get(request_id)

@@ -176,3 +176,13 @@ class DriverBase(ABC, Generic[C]):
     def facts_of(self, request_id: str) -> TransferFacts:
         """What the request moves (:meth:`CoreBase.facts_of`), for status replies."""
         return self.on_loop(lambda: self.core.facts_of(request_id))
+
+    @abstractmethod
+    def slot_of(self, request_id: str) -> int:
+        """The request slot it uses, -1 if none."""
+
+    def reply_view(self, request_id: str) -> tuple[int, TransferFacts]:
+        """Its slot and what it moves, for a status reply: one call on the loop (a
+        handler's reply otherwise hands two to it)."""
+        return self.on_loop(lambda: (self.slot_of(request_id),
+                                     self.core.facts_of(request_id)))
