@@ -201,6 +201,10 @@ class DaemonLoop:
         if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
         self._closed = True
+        if self._thread is None or not self._thread.is_alive():
+            # Calls handed over as the thread ended: run them here, as run_sync does once
+            # the loop no longer runs, so no waiter waits out its timeout.
+            self._run_calls()
         self._sel.close()
         self._wake_r.close()
         self._wake_w.close()

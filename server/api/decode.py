@@ -29,6 +29,7 @@ from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.rpc_errors import handled
 from kvbeam.server.api.daemon import IO_WORKERS, DaemonServicer
 from kvbeam.server.core.decode_driver import DecodeDriver
+from kvbeam.server.core.incoming import Incoming
 from kvbeam.server.core.validation import request_id_of, seq_len_of
 from kvbeam.server.peers.calls import ChannelPrefillPeers, offer_answer
 from kvbeam.server.peers.channel import (
@@ -163,11 +164,15 @@ class DecodeServicer(DaemonServicer):
         seq_len = seq_len_of(request.seq_len, self.rt.config.target.max_context_len)
         host_port(request.prefill_address, "prefill_address")
         target, draft = index_lists_from_proto(request.indices, "indices")
-        res = self.decode.reserve(rid, seq_len, request.prefill_address, indices=target,
-                                  draft=draft, kv_skip=request.kv_skip)
-        # A connected prefill gets the reservation now, so its Send writes at once
-        # (one frame on the peer channel, not waited for; docs/protocol.md).
-        self.decode.offer(res)
+        def reserve() -> Incoming:
+            res = self.decode.reserve(rid, seq_len, request.prefill_address, indices=target,
+                                      draft=draft, kv_skip=request.kv_skip)
+            # A connected prefill gets the reservation now, so its Send writes at once
+            # (one frame on the peer channel, not waited for; docs/protocol.md).
+            self.decode.offer(res)
+            return res
+
+        res = self.decode.on_loop(reserve)  # both in one call handed to the loop
         return pb.ReserveResponse(
             request_id=rid, slot=res.slot, indices=indices_to_proto(res.indices, res.draft),
             lease_ms=int(self.rt.settings.deadline_bootstrap_s * 1000),
@@ -190,7 +195,9 @@ class DecodeServicer(DaemonServicer):
     def Release(self, request: pb.ReleaseRequest,
                 context: grpc.ServicerContext) -> pb.TransferStatus:
         """The engine took over a request that reached Success: free its slot."""
-        return self._status(self.decode.release(request_id_of(request.request_id)))
+        rid = request_id_of(request.request_id)
+        # The Release and its reply in one call handed to the loop, not two.
+        return self.decode.on_loop(lambda: self._status(self.decode.release(rid)))
 
     @handled
     def Abort(self, request: pb.AbortRequest,

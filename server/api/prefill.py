@@ -168,10 +168,11 @@ class PrefillServicer(DaemonServicer):
         if request.decode_address:  # empty: the decode whose reservation names it
             host_port(request.decode_address, "decode_address")
         target, draft = index_lists_from_proto(request.indices, "indices")
-        snap = self.prefill.send(rid, request.source_slot, seq_len, request.decode_address,
-                                 [(r.start, r.end) for r in request.chunks],
-                                 request.final_chunk, indices=target, draft=draft)
-        return self._status(snap)
+        chunks = [(r.start, r.end) for r in request.chunks]
+        # The Send and its reply in one call handed to the loop, not two.
+        return self.prefill.on_loop(lambda: self._status(self.prefill.send(
+            rid, request.source_slot, seq_len, request.decode_address, chunks,
+            request.final_chunk, indices=target, draft=draft)))
 
     def _offer(self, request: pb.OfferRequest, instance_id: str) -> pb.OfferResponse:
         """Decode's reservation ahead of Send: keep it, so the Send writes at once."""

@@ -134,3 +134,15 @@ def test_a_call_that_keeps_the_loop_is_counted_and_logged_once(
         assert len(stalls) == 1 and "blocks" in stalls[0].getMessage()
     finally:
         loop.stop()
+
+
+def test_calls_left_when_the_loop_stops_run_at_its_stop() -> None:
+    """A call handed over that the loop's thread did not run before it ended (or, here,
+    a loop never started) runs at ``stop``: whoever waits for it does not wait out its
+    timeout (an executor job's call into the core at a daemon's shutdown)."""
+    loop = DaemonLoop("test-loop")
+    ran: list[str] = []
+    loop.call_soon_threadsafe(lambda: ran.append(threading.current_thread().name))
+    assert ran == []
+    loop.stop()
+    assert ran == [threading.current_thread().name]
