@@ -222,6 +222,25 @@ def _completion(t: TcpTransport) -> Event:
     raise AssertionError("no completion")
 
 
+def _own_sending_side(link: TcpLink) -> None:
+    """Mark transfer 9 in flight on ``link`` with its stream taken: the test writes the
+    frames on its socket itself."""
+    with link._lock:
+        link._streaming = True
+        link._inflight.append(9)
+
+
+def _assert_transfer_9_lost_and_nothing_landed(a: TcpTransport, b: TcpTransport,
+                                               dst: mmap.mmap) -> None:
+    """The receiver dropped the connection: transfer 9 failed on ``a``, and nothing of it
+    landed in ``dst`` on ``b`` or notified there."""
+    done = _completion(a)
+    assert (done.transfer_id, done.ok, done.status) == (9, False, st.TCP_CONNECTION_LOST)
+    assert dst[100:5100] == bytes(5000)
+    assert b.stats().received_bytes == 0
+    assert not [e for e in b.events(0.2) if e.kind is EventKind.NOTIFIED]
+
+
 def test_refused_block_lands_what_came_before_it_and_naks(
         pair: tuple[TcpTransport, TcpTransport, TcpLink],
         bufs: tuple[mmap.mmap, mmap.mmap]) -> None:
@@ -250,18 +269,12 @@ def test_oversized_writev_frame_drops_the_connection_and_fails_the_transfer(
     sock = link._sock
     assert sock is not None
     caplog.set_level(logging.INFO, logger="kvbeam.transport.tcp.transport")
-    with link._lock:  # own the sending side: this test writes the frames itself
-        link._streaming = True
-        link._inflight.append(9)
+    _own_sending_side(link)
     # Its first descriptor is a valid block, its payload follows: none of it may land.
     wire.send_all(sock, wire.frame(wire.WRITEV, length=wire.MAX_VEC + 1)
                   + np.array([_addr(dst) + 100, 5000], dtype="<u8").tobytes() + src[10:5010]
                   + wire.frame(wire.END, 9, flags=wire.FLAG_NOTIFY))
-    done = _completion(a)
-    assert (done.transfer_id, done.ok, done.status) == (9, False, st.TCP_CONNECTION_LOST)
-    assert dst[100:5100] == bytes(5000)
-    assert b.stats().received_bytes == 0
-    assert not [e for e in b.events(0.2) if e.kind is EventKind.NOTIFIED]
+    _assert_transfer_9_lost_and_nothing_landed(a, b, dst)
     assert f"WRITEV frame with {wire.MAX_VEC + 1} blocks" in caplog.text
 
 
@@ -273,14 +286,8 @@ def test_retired_write_frame_drops_the_connection_and_fails_the_transfer(
     src, dst = bufs
     sock = link._sock
     assert sock is not None
-    with link._lock:  # own the sending side: this test writes the frames itself
-        link._streaming = True
-        link._inflight.append(9)
+    _own_sending_side(link)
     # One send: the receiver closes on the first header, so a second one could meet a reset.
     wire.send_all(sock, wire.frame(2, 0, _addr(dst) + 100, 5000) + src[10:5010]
                   + wire.frame(wire.END, 9, flags=wire.FLAG_NOTIFY))
-    done = _completion(a)
-    assert (done.transfer_id, done.ok, done.status) == (9, False, st.TCP_CONNECTION_LOST)
-    assert dst[100:5100] == bytes(5000)
-    assert b.stats().received_bytes == 0
-    assert not [e for e in b.events(0.2) if e.kind is EventKind.NOTIFIED]
+    _assert_transfer_9_lost_and_nothing_landed(a, b, dst)
