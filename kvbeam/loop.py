@@ -153,6 +153,16 @@ class DaemonLoop:
         return self._thread is not None and threading.current_thread() is self._thread
 
     @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` ran (the loop serves no more)."""
+        return self._closed
+
+    @property
+    def queued(self) -> int:
+        """Calls handed to the loop and not yet run (diagnostics, tests)."""
+        return len(self._calls)
+
+    @property
     def running(self) -> bool:
         """Whether the loop's thread serves (started, not stopped)."""
         return self._thread is not None and self._thread.is_alive()

@@ -12,8 +12,8 @@ ended transfers past that are counted, and one line every :data:`SUMMARY_S` seco
 says how many were not logged one by one (Success and Failed apart). Failures are
 logged on their own at WARNING as well, never rate-limited.
 
-The table's observer (:meth:`EndLog.ended`, on whichever thread ended the transfer,
-maybe under a core's lock) only appends the snapshot to a queue; the daemon's sweep
+The table's observer (:meth:`EndLog.ended`, on whichever thread ended the transfer:
+the daemon's loop, a core's call) only appends the snapshot to a queue; the daemon's sweep
 (:meth:`EndLog.flush`, every ``SWEEP_S`` on its events thread) formats and writes the
 lines, reading what each transfer moved from its core
 (:class:`~kvbeam.states.TransferFacts`) with no lock of the caller's held. A line is

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 from kvbeam.errors import AlreadyLanded, NotReserved, SendFailed
+from kvbeam.loop import DaemonLoop
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.indices import request_indices
@@ -230,10 +231,11 @@ def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0
     digest record, notified: the digests run on the pool's threads, ``inline_below=0``,
     while the data flies); a resend's, whose digests are kept, is one (the record is
     its last block). Tests of other paths may switch integrity off: one write a chunk.
-    ``io``: the executor (a thread pool of ``workers`` by default; a queue executor
-    drives the core one event at a time); ``digest_threads`` 0: digests inline (the
-    record is then the data write's last block); ``on_change``: the table's observer
-    (the engine channel's place)."""
+    ``io``: the executor (by default a thread pool of ``workers``, with a daemon loop
+    that every call into the core is handed to, as in the daemon; a queue executor
+    drives the core one event at a time on the test's thread, with no loop);
+    ``digest_threads`` 0: digests inline (the record is then the data write's last
+    block); ``on_change``: the table's observer (the engine channel's place)."""
     lay = layout()
     fake = FakeDecode(AllocatedSide(lay))
     table = TransferTable(deadlines or Deadlines(), on_change=on_change)
@@ -245,7 +247,17 @@ def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0
                        send_wait_s=send_wait_s,
                        digest_pool=DigestPool(digest_threads, inline_below=0))
     fake.core = core  # type: ignore[attr-defined]  # names the records' request ids
+    if io is None:  # threads: the core is the loop's alone, as in the daemon
+        core.loop = started_loop()
     return core, fake
+
+
+def started_loop() -> DaemonLoop:
+    """A started daemon loop for a driver whose executor runs on threads (its thread is
+    a daemon thread: a test that does not stop it leaves it idle)."""
+    loop = DaemonLoop("kvbeam-test-loop")
+    loop.start()
+    return loop
 
 
 def wait_for(predicate: Callable[..., object], timeout: float = 5.0) -> bool:

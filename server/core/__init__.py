@@ -63,29 +63,30 @@ submits the rest. A prefill step that cannot block (a small single-chunk request
 decode's offer in hand) runs on the loop where its request became ready
 (``PrefillCore.steps_inline``); what follows an action that blocks goes to the
 executor in order (``PrefillDriver.execute``), and its next call into the core comes
-back to the loop. Nothing starts a thread per event. The core's lock below is kept
-until the last caller off the loop is gone (it costs a few uncontended acquisitions
-per request).
+back to the loop. Nothing starts a thread per event. **The cores take no lock**:
+every request record, the write and transfer-id maps, the pending-handshake waiters,
+prefill's offer book and decode's page book (:mod:`~kvbeam.server.core.decode_pages`)
+are the loop's alone. The one signal a core gives another thread: prefill's Abort
+handler, off the loop, waits a bounded while for a request's writes to drain on a
+``threading.Event`` from :meth:`PrefillCore.watch_drain`, which the loop sets once
+they did (its ``_abort_waiters`` counter is taken without blocking: a full counter
+means: answer without waiting). A decode Abort's caller check (which may resolve a
+host name) runs on the handler's thread, before its call into the core.
 
 Locks in kvbeam.server, and their order (a lock may be taken while holding one
 listed ABOVE it, never the reverse). No lock is held across I/O: a handshake, an
 RPC, a digest, a write post, a link's release or a memory registration.
 
-1. ``PrefillCore._lock`` / ``DecodeCore._lock`` (one per core; prefill's
-   ``_drained`` condition shares it): every request record, the write and
-   transfer-id maps, the pending-handshake waiters, decode's page book
-   (:mod:`~kvbeam.server.core.decode_pages`). Held only for bookkeeping;
-   waiting on ``_drained`` (prefill's Abort, in its driver) releases it. The prefill
-   driver's ``_abort_waiters`` counter is taken before it, never blocking (a full
-   counter means: answer without waiting).
+1. ``server.core.base._AFTER_LOOP`` (reentrant), taken only after a daemon's loop
+   stopped: shutdown's stragglers (an executor job finishing, the last end-log lines)
+   call into the core one at a time under it, as the loop would have run them.
 2. ``TransferTable._cond`` (:mod:`kvbeam.server.state.lifecycle`): the lifecycle states.
    Its ``on_change`` callback (metrics) runs after the lock is released.
 3. ``PrefillDriver._dial_lock`` (the handshakes under way), which looks up
    ``Peers`` and the connection found (their locks, leaves) and calls nothing else
    while held.
 4. Leaves, which call nothing while held: ``Peers._lock``
-   (:mod:`kvbeam.server.state.peers`), ``OfferBook._lock`` (prefill's offers),
-   ``PeerConn._lock`` (``closed``; ``close`` releases
+   (:mod:`kvbeam.server.state.peers`), ``PeerConn._lock`` (``closed``; ``close`` releases
    the link after it), ``SlotPool`` (:mod:`kvbeam.server.state.slots`),
    ``DecodeServicer._links_lock`` (handshake links), ``DaemonServicer._watch_lock``,
    ``FaultHooks._lock``, ``ControlServer._lock`` (start/stop only), the peer

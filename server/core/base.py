@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from kvbeam.loop import DaemonLoop
@@ -31,6 +31,10 @@ T = TypeVar("T")
 #: loop runs it at its next pass: this bounds only a loop that stopped serving).
 LOOP_CALL_TIMEOUT_S = 60.0
 
+#: Serialises the calls into a core that come after its daemon's loop stopped (a leaf,
+#: reentrant: a call may hand over another; nothing else is taken under it).
+_AFTER_LOOP = threading.RLock()
+
 
 def request_bytes(layout: SideLayout, indices: IndexLists, draft: IndexLists) -> int:
     """The bytes a whole request moves: every buffer's items of its list (the draft's own
@@ -45,7 +49,6 @@ class CoreBase(PoolsHolder, ABC):
     peers: Peers
     #: "prefill" or "decode", for the UnknownRequest message.
     role: str = ""
-    _lock: threading.Lock
 
     def status(self, request_id: str) -> TransferStatus:
         """The request's status."""
@@ -54,8 +57,7 @@ class CoreBase(PoolsHolder, ABC):
     def facts_of(self, request_id: str) -> TransferFacts:
         """What the request moves: from its record while the core has one, else what the
         table kept when the core forgot it (nothing known: all zero)."""
-        with self._lock:
-            live = self._facts(request_id)
+        live = self._facts(request_id)
         if live is not None:
             return live
         return self.table.facts(request_id) or TransferFacts(
@@ -63,16 +65,11 @@ class CoreBase(PoolsHolder, ABC):
 
     @abstractmethod
     def _facts(self, request_id: str) -> TransferFacts | None:
-        """The facts of the request's live record (core lock held); None without one."""
+        """The facts of the request's live record ; None without one."""
 
     @abstractmethod
     def _verification(self, request_id: str | None) -> str:
         """How this side verifies (or verified) the request's bytes, in words."""
-
-    def _lookup(self, records: Mapping[str, R], request_id: str) -> R | None:
-        """The core's record of a request (``records`` is its map), None once forgotten."""
-        with self._lock:
-            return records.get(request_id)
 
     def _adopt(self, spec: PoolSpec, layout: SideLayout) -> None:
         """Size the core's own state for an engine's config (decode: its slots)."""
@@ -112,14 +109,21 @@ class DriverBase(ABC, Generic[C]):
         thread (a gRPC handler, an executor job) handed to the loop and waited for.
         The caller holds no lock."""
         loop = self.loop
+        if loop is not None and loop.stopped:
+            # Shutdown's stragglers (an executor job finishing, the last end-log lines)
+            # after the loop stopped: one at a time, as on the loop.
+            with _AFTER_LOOP:
+                return call()
         if loop is None or loop.on_loop or not loop.running:
             return call()
         return loop.run_sync(call, timeout_s=LOOP_CALL_TIMEOUT_S)
 
     @property
     def _off_loop(self) -> bool:
-        """Whether a loop serves and this thread is not it (the core is the loop's)."""
-        return self.loop is not None and self.loop.running and not self.loop.on_loop
+        """Whether a loop serves (or served: it stopped) and this thread is not it: a call
+        into the core is handed over (:meth:`on_loop`)."""
+        loop = self.loop
+        return loop is not None and (loop.running or loop.stopped) and not loop.on_loop
 
     @property
     def on_loop_thread(self) -> bool:

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 from collections.abc import Callable, Mapping
 
 from kvbeam.errors import (
@@ -170,12 +169,11 @@ class DecodeCore(CoreBase):
         self.mailbox: RecordArea | None = mailbox
         if spec is not None and layout is not None:
             self._fit_mailbox(spec, layout)
-        self._lock = threading.Lock()
         self._res: dict[str, Incoming] = {}
         self._by_transfer: dict[int, str] = {}
         self._pages = PageBook()  # no destination item in two live reservations
         self._ids = itertools.count(1)
-        #: Prefill daemons asked to connect (decode-initiated pairing; under ``_lock``).
+        #: Prefill daemons asked to connect (decode-initiated pairing).
         self._dialing = Dialing()
 
     # ---- API ---------------------------------------------------------------------------
@@ -219,24 +217,23 @@ class DecodeCore(CoreBase):
         nbytes = sum(per_buffer)
         slot = held if lists is None else -1
         try:
-            # The table entry and the record appear together, under the core lock (the
-            # order is core lock -> table): an Abort or a deadline that finds the request
-            # finds its record too, so it frees the slot (else the slot leaked, held by a
-            # failed request no one would free). No I/O here; the Offer comes after.
-            with self._lock:
-                self._pages.claim(request_id, dst, dst_draft,
-                                  draft_pool=self.layout.draft is not None)
-                try:
-                    self.table.create(request_id, prefill_address)
-                except Exception:
-                    self._pages.release(request_id)
-                    raise
-                tid = self._transfer_id()
-                res = Incoming(request_id, slot, seq_len, prefill_address, tid, dst,
-                               nbytes, draft=dst_draft, kv_skip=kv_skip, mailbox_slot=held,
-                               sub_batches=cuts(per_buffer, self.sub_batch_bytes))
-                self._res[request_id] = res
-                self._by_transfer[tid] = request_id
+            # The table entry and the record appear in one call on the loop: an Abort or
+            # a deadline that finds the request finds its record too, so it frees the
+            # slot (else the slot leaked, held by a failed request no one would free).
+            # No I/O here; the Offer comes after.
+            self._pages.claim(request_id, dst, dst_draft,
+                              draft_pool=self.layout.draft is not None)
+            try:
+                self.table.create(request_id, prefill_address)
+            except Exception:
+                self._pages.release(request_id)
+                raise
+            tid = self._transfer_id()
+            res = Incoming(request_id, slot, seq_len, prefill_address, tid, dst,
+                           nbytes, draft=dst_draft, kv_skip=kv_skip, mailbox_slot=held,
+                           sub_batches=cuts(per_buffer, self.sub_batch_bytes))
+            self._res[request_id] = res
+            self._by_transfer[tid] = request_id
         except Exception:
             self.slots.release(request_id)
             raise
@@ -247,7 +244,7 @@ class DecodeCore(CoreBase):
         return res
 
     def _transfer_id(self) -> int:
-        """A new transfer id (core lock held): a nonzero multiple of ``1 << MARK_BITS``,
+        """A new transfer id: a nonzero multiple of ``1 << MARK_BITS``,
         so its sub-batches' marks (the low bits, pools/sub_batches.py) name no other."""
         while True:
             tid = (next(self._ids) << MARK_BITS) & 0xFFFFFFFF
@@ -265,14 +262,13 @@ class DecodeCore(CoreBase):
         A request this daemon holds a reservation of is aborted instead (ABORT):
         refused here.
         """
-        if self._lookup(self._res, request_id) is not None:
+        if self._res.get(request_id) is not None:
             raise BadRequest(f"request {request_id} is reserved here: abort it (ABORT), "
                              "DECLINE is for a request decode will not load at all")
         conn = self.peers.by_address(prefill_address)
         why = f"declined by decode: {detail}"
         if conn is None or conn.closed or conn.retired_channel() is not None:
-            with self._lock:
-                self._dialing.hold_decline(prefill_address, request_id, why)
+            self._dialing.hold_decline(prefill_address, request_id, why)
             return [*self._dial(prefill_address, now, request_id), Count("declines")]
         return [TellPrefill(conn, request_id, why), Count("declines")]
 
@@ -294,42 +290,41 @@ class DecodeCore(CoreBase):
         if seq_len != res.seq_len:
             raise BadRequest(f"request {request_id}: seq_len {seq_len} differs from the "
                                  f"reserved {res.seq_len}")
-        with self._lock:
-            snap = self.status(request_id)
-            if res.peer_instance and res.peer_instance != conn.instance_id:
-                raise BadRequest(f"request {request_id} is being written by prefill "
-                                     f"instance {res.peer_instance}")
-            # The same prefill instance on a new link: a resend after a transport error
-            # (or a Send that could not use the offer made over the old link).
-            relink = res.link_id is not None and res.link_id != conn.link.id
-            resend, res.offered = not res.offered, False
-            if relink and snap.state is TransferState.SUCCESS:
-                raise AlreadyLanded(f"request {request_id} landed and was verified before "
-                                    "the resend: nothing to write again")
-            if relink and res.checking:
-                # Every byte of the old link's writes landed (its notification came) and
-                # is being verified: a new landing must not reset it under the check.
-                raise AlreadyLanded(f"request {request_id} landed before the resend and "
-                                    "its verification is under way: nothing to write again")
-            if snap.state is TransferState.BOOTSTRAPPING:
-                self.table.advance(request_id, TransferState.TRANSFERRING,
-                                   through=(TransferState.WAITING_FOR_INPUT,))
-            elif snap.state is TransferState.TRANSFERRING:
-                self.table.touch(request_id)  # a further chunk is progress
-            else:
-                self.table.advance(request_id, TransferState.TRANSFERRING)  # raises
-            self.table.extend(request_id, self.transfer_budget(res.nbytes))
-            res.peer_instance = conn.instance_id
-            if relink:
-                # A new transfer id on the new link: the old link's notification (if it
-                # still comes) finds no request, and nothing has landed on this one yet.
-                self._by_transfer.pop(res.transfer_id, None)
-                res.transfer_id = self._transfer_id()
-                self._by_transfer[res.transfer_id] = request_id
-                res.relinked()  # the old landing's sub-batches count for nothing
-            res.link_id = conn.link.id
-            if final:
-                res.digests_follow = digests_follow
+        snap = self.status(request_id)
+        if res.peer_instance and res.peer_instance != conn.instance_id:
+            raise BadRequest(f"request {request_id} is being written by prefill "
+                                 f"instance {res.peer_instance}")
+        # The same prefill instance on a new link: a resend after a transport error
+        # (or a Send that could not use the offer made over the old link).
+        relink = res.link_id is not None and res.link_id != conn.link.id
+        resend, res.offered = not res.offered, False
+        if relink and snap.state is TransferState.SUCCESS:
+            raise AlreadyLanded(f"request {request_id} landed and was verified before "
+                                "the resend: nothing to write again")
+        if relink and res.checking:
+            # Every byte of the old link's writes landed (its notification came) and
+            # is being verified: a new landing must not reset it under the check.
+            raise AlreadyLanded(f"request {request_id} landed before the resend and "
+                                "its verification is under way: nothing to write again")
+        if snap.state is TransferState.BOOTSTRAPPING:
+            self.table.advance(request_id, TransferState.TRANSFERRING,
+                               through=(TransferState.WAITING_FOR_INPUT,))
+        elif snap.state is TransferState.TRANSFERRING:
+            self.table.touch(request_id)  # a further chunk is progress
+        else:
+            self.table.advance(request_id, TransferState.TRANSFERRING)  # raises
+        self.table.extend(request_id, self.transfer_budget(res.nbytes))
+        res.peer_instance = conn.instance_id
+        if relink:
+            # A new transfer id on the new link: the old link's notification (if it
+            # still comes) finds no request, and nothing has landed on this one yet.
+            self._by_transfer.pop(res.transfer_id, None)
+            res.transfer_id = self._transfer_id()
+            self._by_transfer[res.transfer_id] = request_id
+            res.relinked()  # the old landing's sub-batches count for nothing
+        res.link_id = conn.link.id
+        if final:
+            res.digests_follow = digests_follow
         if relink and resend:
             log.warning("request %s: prefill resends it on a new link (transfer id %d)",
                         request_id, res.transfer_id, extra=fields(request_id, res.prefill_address))
@@ -342,6 +337,11 @@ class DecodeCore(CoreBase):
                      res.transfer_id, extra=fields(request_id, res.prefill_address))
         return res
 
+    def prefill_of(self, request_id: str) -> str:
+        """The prefill address a live reservation was made for ("" without one)."""
+        res = self._res.get(request_id)
+        return res.prefill_address if res is not None else ""
+
     def release(self, request_id: str) -> tuple[TransferStatus, Actions]:
         """The engine took over a request that reached Success: free its slot."""
         snap = self.status(request_id)
@@ -351,8 +351,7 @@ class DecodeCore(CoreBase):
         return snap, self._free(request_id, "released by the scheduler")
 
     def abort(self, request_id: str, *, from_peer: bool, detail: str,
-              instance_id: str = "",
-              caller_refusal: Callable[[str], str | None] = lambda _address: None
+              instance_id: str = "", checked: tuple[str, str | None] = ("", None)
               ) -> tuple[TransferStatus, Actions]:
         """Abort a request: fail it, make sure prefill stops writing, free the slot.
 
@@ -361,31 +360,32 @@ class DecodeCore(CoreBase):
         prefill instance the request was granted to (BeginWrite or Offer) and still a
         verified peer, or no prefill was granted it (none can be writing), and the
         caller's credentials cover the request's prefill address. Instance ids are no
-        secret (every Heartbeat answer carries one), so ``caller_refusal`` says why the
-        caller may not speak for a prefill at an address (None: it may): the servicer
-        binds the handshake's rule (:func:`kvbeam.server.peers.identity.claim_refusal`) to
-        the call's credentials; the default checks nothing, as a server without
-        authentication does. Anyone else's claim is a scheduler's abort: prefill
+        secret (every Heartbeat answer carries one), so ``checked`` is the prefill address
+        the caller's credentials were checked against (off the loop, by the driver: the
+        check may resolve a host name; :meth:`prefill_of`) and why the caller may not
+        speak for it (None: it may). A claim checked against another address than the
+        request's is refused. Anyone else's claim is a scheduler's abort: prefill
         drains first (:class:`DrainPrefill`).
         """
         snap = self.status(request_id)
         if snap.state is TransferState.SUCCESS:
             return snap, self._free(request_id, "aborted after Success")
-        claimed = self._lookup(self._res, request_id) if from_peer and instance_id else None
-        # Outside the lock: the check may resolve the prefill's host name. The address
-        # is the one the grant went to (BeginWrite and Offer check it), fixed at Reserve.
-        refusal = caller_refusal(claimed.prefill_address) if claimed is not None else None
-        with self._lock:  # decided and failed at once: no grant can come in between
-            res = self._res.get(request_id)
-            granted = res.peer_instance if res is not None else ""
-            by_prefill = claimed is not None and res is claimed and refusal is None and (
-                not granted or (granted == instance_id
-                                and self.peers.verified(instance_id) is not None))
-            if by_prefill:
-                detail = detail or "aborted by prefill"
-                failed = self.table.fail(request_id, FailureReason.PEER_FAILED, detail)
-            else:
-                failed = self.table.fail(request_id, FailureReason.ABORTED, detail or "aborted")
+        res = self._res.get(request_id)
+        claimed = res if from_peer and instance_id else None
+        # The address is the one the grant went to (BeginWrite and Offer check it),
+        # fixed at Reserve.
+        address, refusal = checked
+        if claimed is not None and refusal is None and address != claimed.prefill_address:
+            refusal = f"the caller was checked against {address or 'no address'}"
+        granted = res.peer_instance if res is not None else ""
+        by_prefill = claimed is not None and res is claimed and refusal is None and (
+            not granted or (granted == instance_id
+                            and self.peers.verified(instance_id) is not None))
+        if by_prefill:
+            detail = detail or "aborted by prefill"
+            failed = self.table.fail(request_id, FailureReason.PEER_FAILED, detail)
+        else:
+            failed = self.table.fail(request_id, FailureReason.ABORTED, detail or "aborted")
         if refusal is not None and claimed is not None:
             log.warning("request %s: not an Abort of its prefill at %s (%s): taken as a "
                         "scheduler's abort (prefill drains first)", request_id,
@@ -411,7 +411,7 @@ class DecodeCore(CoreBase):
 
     def slot_of(self, request_id: str) -> int:
         """The slot a request holds, -1 once freed."""
-        res = self._lookup(self._res, request_id)
+        res = self._res.get(request_id)
         return res.slot if res else -1
 
     def _facts(self, request_id: str) -> TransferFacts | None:
@@ -447,32 +447,29 @@ class DecodeCore(CoreBase):
             return self._ask_prefill(res, now)
         if conn.missed_heartbeats:
             return []  # a peer not answering now: BeginWrite decides later
-        with self._lock:
-            if (res.peer_instance or self._res.get(res.request_id) is not res
-                    or not self.table.is_live(res.request_id)):
-                return []  # BeginWrite came first, or the request ended or is gone
-            res.peer_instance, res.link_id, res.offered = conn.instance_id, conn.link.id, True
+        if (res.peer_instance or self._res.get(res.request_id) is not res
+                or not self.table.is_live(res.request_id)):
+            return []  # BeginWrite came first, or the request ended or is gone
+        res.peer_instance, res.link_id, res.offered = conn.instance_id, conn.link.id, True
         return [SendOffer(conn, res, WriteGrant(res.transfer_id, res.indices, res.draft,
                                                 res.kv_skip, res.mailbox_slot), lease)]
 
     def _ask_prefill(self, res: Incoming, now: float) -> Actions:
         """Ask the reservation's prefill to connect (decode-initiated pairing), unless an
         ask of it is under way or paused (the reservation is offered when it ends)."""
-        with self._lock:
-            if (res.peer_instance or self._res.get(res.request_id) is not res
-                    or not self.table.is_live(res.request_id)):
-                return []
+        if (res.peer_instance or self._res.get(res.request_id) is not res
+                or not self.table.is_live(res.request_id)):
+            return []
         return self._dial(res.prefill_address, now, res.request_id)
 
     def _dial(self, address: str, now: float, request_id: str) -> Actions:
         """Ask the prefill at ``address`` to connect, naming every request that waits for
         the pair, unless an ask of it is under way or paused."""
-        with self._lock:
-            if not self._dialing.start(address, now):
-                return []
-            waiting = [r.request_id for r in self._res.values()
-                       if r.prefill_address == address and not r.peer_instance]
-            waiting += self._dialing.declines(address)
+        if not self._dialing.start(address, now):
+            return []
+        waiting = [r.request_id for r in self._res.values()
+                   if r.prefill_address == address and not r.peer_instance]
+        waiting += self._dialing.declines(address)
         request_log.info("request %s: no connection to prefill %s: asking it to connect",
                          request_id, address, extra=fields(request_id, address))
         return [DialPrefill(address, tuple(waiting))]
@@ -494,11 +491,10 @@ class DecodeCore(CoreBase):
                 f"control address {conn.control_address if conn else '(gone)'}: the "
                 "reservation must name the prefill daemon's advertised address "
                 "(its --advertise, else --listen)"))
-        with self._lock:
-            self._dialing.done(address, now, pause=error is not None and error.retry)
-            waiting = [r for r in self._res.values()
-                       if r.prefill_address == address and not r.peer_instance]
-            declines = self._dialing.take_declines(address)
+        self._dialing.done(address, now, pause=error is not None and error.retry)
+        waiting = [r for r in self._res.values()
+                   if r.prefill_address == address and not r.peer_instance]
+        declines = self._dialing.take_declines(address)
         if error is None:
             log.info("prefill %s connected on this decode's ask: %d reservation(s) offered",
                      address, len(waiting), extra=fields(peer=address))
@@ -529,8 +525,7 @@ class DecodeCore(CoreBase):
         could not (no channel: as a refusal)."""
         if not sent:
             return self.offer_answered(res, Offered.REFUSED)
-        with self._lock:
-            kept = res.offered  # not refused already (an answer may overtake this)
+        kept = res.offered  # not refused already (an answer may overtake this)
         left = self.table.left(res.request_id)
         if kept and left is not None:
             # The lease still bounds the wait for the Send, but no BeginWrite will move
@@ -548,10 +543,9 @@ class DecodeCore(CoreBase):
         reservation it names (request id and transfer id) is still offered to that
         prefill; an answer to anything else (the request ended, was offered again,
         BeginWrite came) is only counted."""
-        with self._lock:
-            res = self._res.get(request_id)
-            current = (res is not None and res.transfer_id == transfer_id
-                       and res.peer_instance == instance_id)
+        res = self._res.get(request_id)
+        current = (res is not None and res.transfer_id == transfer_id
+                   and res.peer_instance == instance_id)
         if res is None or not current:
             log.debug("request %s: an answer to an offer it no longer has from %s: %s",
                       request_id, instance_id, answer.value)
@@ -563,14 +557,13 @@ class DecodeCore(CoreBase):
         """Prefill's answer to the Offer of ``res`` (or "refused": none could be sent):
         counted; a refusal takes the grant back; kept without digests, the landing is
         checked when it was only waiting for prefill's integrity flag."""
-        with self._lock:
-            still = res.offered  # no BeginWrite since (it decides instead)
-            if still and answer.kept:
-                res.digests_follow = answer is Offered.DIGESTS_FOLLOW
-            if still and answer is Offered.REFUSED and not res.landed:
-                res.peer_instance, res.link_id, res.offered = "", None, False
-            go = still and answer.kept and self._ready(res)
-            tid = res.transfer_id
+        still = res.offered  # no BeginWrite since (it decides instead)
+        if still and answer.kept:
+            res.digests_follow = answer is Offered.DIGESTS_FOLLOW
+        if still and answer is Offered.REFUSED and not res.landed:
+            res.peer_instance, res.link_id, res.offered = "", None, False
+        go = still and answer.kept and self._ready(res)
+        tid = res.transfer_id
         log.debug("request %s: prefill %s answered its offer: %s", res.request_id,
                   res.prefill_address, answer.value,
                   extra=fields(res.request_id, res.prefill_address))
@@ -591,28 +584,27 @@ class DecodeCore(CoreBase):
             return []
         # A sub-batch's mark carries the grant's id plus its number (pools/sub_batches.py).
         base, mark = split_id(event.transfer_id)
-        with self._lock:
-            rid = self._by_transfer.get(base)
-            res = self._res.get(rid) if rid else None
-            # Only the link of the latest grant counts: its notification follows every
-            # byte written on it. A link-only failure removed its connection already,
-            # yet a notification it delivered before failing is still proof of arrival.
-            ok = (res is not None and bool(res.peer_instance) and res.link_id == event.link
-                  and (not mark or mark <= len(res.sub_batches)))
-            go = False
-            if res is not None and ok and mark:
+        rid = self._by_transfer.get(base)
+        res = self._res.get(rid) if rid else None
+        # Only the link of the latest grant counts: its notification follows every
+        # byte written on it. A link-only failure removed its connection already,
+        # yet a notification it delivered before failing is still proof of arrival.
+        ok = (res is not None and bool(res.peer_instance) and res.link_id == event.link
+              and (not mark or mark <= len(res.sub_batches)))
+        go = False
+        if res is not None and ok and mark:
+            self._transferring(res.request_id)
+        elif res is not None and ok:
+            res.notified(now)
+            blocker = self._blocker(res)
+            # Checked here and now (a small landing, the usual case): Success moves
+            # through Transferring in one change, one push to the engine, and none
+            # before the check. Else Transferring now: its deadline bounds the wait
+            # for the digests, the marks or the digest pool.
+            if not (blocker is None and checks_inline(res, self.integrity,
+                                                      self.check_inline_below)):
                 self._transferring(res.request_id)
-            elif res is not None and ok:
-                res.notified(now)
-                blocker = self._blocker(res)
-                # Checked here and now (a small landing, the usual case): Success moves
-                # through Transferring in one change, one push to the engine, and none
-                # before the check. Else Transferring now: its deadline bounds the wait
-                # for the digests, the marks or the digest pool.
-                if not (blocker is None and checks_inline(res, self.integrity,
-                                                          self.check_inline_below)):
-                    self._transferring(res.request_id)
-                go = self._start_check(res, blocker)
+            go = self._start_check(res, blocker)
         if res is None or not ok:
             conn = self.peers.by_link(event.link)
             log.warning("completion for unknown transfer id %s on link %d ignored%s",
@@ -631,12 +623,11 @@ class DecodeCore(CoreBase):
         (``job``); the check follows when it was all that was missing. A mark decode did
         not cut, a repeated one, or one of a replaced landing is ignored (the record's
         count decides)."""
-        with self._lock:
-            fresh = (res.transfer_id == transfer_id and mark not in res.marked
-                     and not res.checking)
-            if fresh:
-                res.marked[mark] = job
-            go = fresh and self._ready(res)
+        fresh = (res.transfer_id == transfer_id and mark not in res.marked
+                 and not res.checking)
+        if fresh:
+            res.marked[mark] = job
+        go = fresh and self._ready(res)
         if not fresh:
             log.warning("request %s: mark %d of transfer %d came again, or after its "
                         "landing was replaced or verified: ignored", res.request_id, mark,
@@ -644,13 +635,12 @@ class DecodeCore(CoreBase):
         return [CheckLanding(res, transfer_id)] if go else []
 
     def _ready(self, res: Incoming) -> bool:
-        """Landed, and prefill's integrity flag known: verify now, once (True). Core
-        lock held."""
+        """Landed, and prefill's integrity flag known: verify now, once (True)."""
         return self._start_check(res, self._blocker(res))
 
     def _blocker(self, res: Incoming) -> str | None:
         """What the landing's check still waits for (None: nothing, it may start; "": it
-        is not landed, or its check began). Reads only; core lock held.
+        is not landed, or its check began). Reads only.
 
         With our integrity on and prefill's flag not known yet (an Offer whose answer is
         not back), a record in the request's mailbox slot says prefill's integrity is on
@@ -694,23 +684,22 @@ class DecodeCore(CoreBase):
         (integrity: the slot is freed and prefill told). Its verdict counts only while
         that landing is still the request's (no resend replaced it)."""
         rid = res.request_id
-        with self._lock:
-            current = res.transfer_id == transfer_id and res.landed
-            failed = None
-            if current and verdict.ok:
-                res.digests = verdict.digests
-                try:
-                    # A landing checked as it landed never left WaitingForInput (on_event).
-                    through = _TO_SUCCESS.get(self.table.state_of(rid), ())
-                    self.table.advance(rid, TransferState.SUCCESS, detail=verdict.detail,
-                                       nbytes=res.nbytes, through=through)
-                except Exception as exc:  # already failed (aborted, timed out): nothing to do
-                    log.info("request %s landed after it ended: %s", rid, exc,
-                             extra=fields(rid, res.prefill_address))
-                    return []
-                res.verified(now)
-            elif current:
-                failed = self.table.fail(rid, FailureReason.INTEGRITY, verdict.detail)
+        current = res.transfer_id == transfer_id and res.landed
+        failed = None
+        if current and verdict.ok:
+            res.digests = verdict.digests
+            try:
+                # A landing checked as it landed never left WaitingForInput (on_event).
+                through = _TO_SUCCESS.get(self.table.state_of(rid), ())
+                self.table.advance(rid, TransferState.SUCCESS, detail=verdict.detail,
+                                   nbytes=res.nbytes, through=through)
+            except Exception as exc:  # already failed (aborted, timed out): nothing to do
+                log.info("request %s landed after it ended: %s", rid, exc,
+                         extra=fields(rid, res.prefill_address))
+                return []
+            res.verified(now)
+        elif current:
+            failed = self.table.fail(rid, FailureReason.INTEGRITY, verdict.detail)
         if not current:
             log.warning("request %s: the landing of transfer %d was replaced while it was "
                         "verified: its verdict is void", rid, transfer_id,
@@ -752,10 +741,9 @@ class DecodeCore(CoreBase):
         """Free Success slots whose hand-off lease expired without a Release; ask again
         about the aborts prefill has not confirmed, and release the link of one past its
         transfer budget."""
-        with self._lock:
-            stale = [(r.request_id, r.prefill_address) for r in self._res.values()
-                     if r.success_at is not None and now - r.success_at > self.handoff_lease_s]
-            ask, overdue = self._unconfirmed_due(now)
+        stale = [(r.request_id, r.prefill_address) for r in self._res.values()
+                 if r.success_at is not None and now - r.success_at > self.handoff_lease_s]
+        ask, overdue = self._unconfirmed_due(now)
         actions: Actions = []
         for rid, peer in stale:
             log.warning("request %s: no Release within the %.0f s hand-off lease; slot freed",
@@ -805,11 +793,10 @@ class DecodeCore(CoreBase):
         this slot stays held (:meth:`periodic` asks again, then releases the link)."""
         if confirmed or self._link_gone(res):
             return self._free(res.request_id, detail)
-        with self._lock:
-            res.asking, res.asked_at = False, now
-            first = self._res.get(res.request_id) is res and res.unconfirmed_since is None
-            if first:
-                res.unconfirmed_since, res.abort_detail = now, detail
+        res.asking, res.asked_at = False, now
+        first = self._res.get(res.request_id) is res and res.unconfirmed_since is None
+        if first:
+            res.unconfirmed_since, res.abort_detail = now, detail
         if first:
             log.warning("request %s: prefill did not confirm that its writes drained; slot %d "
                         "stays held until it does, its link goes, or %.0f s pass (then decode "
@@ -830,18 +817,16 @@ class DecodeCore(CoreBase):
         slots are freed at once.
         """
         if not gone:
-            with self._lock:
-                on_link = [r.request_id for r in self._res.values() if r.link_id == conn.link.id]
+            on_link = [r.request_id for r in self._res.values() if r.link_id == conn.link.id]
             actions: Actions = []
             for rid in on_link:
                 snap = self.table.get(rid)
                 if snap is not None and snap.state is TransferState.FAILED:
                     actions += self._free(rid, "its link was released: no write of it can land")
             return actions
-        with self._lock:
-            mine = [r for r in self._res.values()
-                    if r.peer_instance == conn.instance_id
-                    or (not r.peer_instance and r.prefill_address == conn.control_address)]
+        mine = [r for r in self._res.values()
+                if r.peer_instance == conn.instance_id
+                or (not r.peer_instance and r.prefill_address == conn.control_address)]
         actions = []
         for res in mine:
             if self.table.fail(res.request_id, FailureReason.PEER_FAILED, detail):
@@ -859,8 +844,7 @@ class DecodeCore(CoreBase):
         calls: list[tuple[PeerConn, str]] = []
         for snap in self.table.live():
             if self.table.fail(snap.request_id, FailureReason.SHUTDOWN, detail):
-                with self._lock:
-                    res = self._res.get(snap.request_id)
+                res = self._res.get(snap.request_id)
                 conn = self._prefill_conn(res) if res is not None else None
                 if conn is not None:
                     calls.append((conn, snap.request_id))
@@ -868,8 +852,7 @@ class DecodeCore(CoreBase):
 
     def free_all(self, why: str) -> Actions:
         """Forget every request and free its slot (after every link was released)."""
-        with self._lock:
-            rids = list(self._res)
+        rids = list(self._res)
         actions: Actions = []
         for rid in rids:
             actions += self._free(rid, why)
@@ -879,8 +862,7 @@ class DecodeCore(CoreBase):
         """An engine attached: reserve slots (and its items) of its config from now on."""
         self.slots = SlotPool(spec.num_req_slots)
         self._fit_mailbox(spec, layout)
-        with self._lock:
-            self._pages = PageBook()
+        self._pages = PageBook()
 
     def use_mailbox(self, mailbox: RecordArea) -> None:
         """The daemon's digest mailbox (registered, advertised) from now on (an engine
@@ -902,7 +884,7 @@ class DecodeCore(CoreBase):
 
     # ---- helpers -----------------------------------------------------------------------
     def _reservation(self, rid: str) -> Incoming:
-        res = self._lookup(self._res, rid)
+        res = self._res.get(rid)
         if res is None:
             raise UnknownRequest(f"no reservation for request {rid!r} on this decode daemon")
         return res
@@ -910,12 +892,11 @@ class DecodeCore(CoreBase):
     def _free(self, rid: str, why: str) -> Actions:
         """Forget the request and free its pages and slot: :class:`Freed` (nothing when it
         was forgotten already)."""
-        with self._lock:
-            res = self._res.pop(rid, None)
-            if res is not None:
-                self._by_transfer.pop(res.transfer_id, None)
-                self.table.keep_facts(rid, res.facts(self._verification(rid)))
-            self._pages.release(rid)
+        res = self._res.pop(rid, None)
+        if res is not None:
+            self._by_transfer.pop(res.transfer_id, None)
+            self.table.keep_facts(rid, res.facts(self._verification(rid)))
+        self._pages.release(rid)
         if res is None:
             return []
         if self.slots.release(rid) is not None:
@@ -924,8 +905,7 @@ class DecodeCore(CoreBase):
         return [Freed(rid)]  # after the pages and the slot: the engine may reuse them
 
     def _stop_prefill_then_free(self, rid: str, detail: str) -> Actions:
-        with self._lock:
-            res = self._res.get(rid)
+        res = self._res.get(rid)
         if res is None:
             return []
         if not res.peer_instance:  # prefill never got the indices: it cannot write

@@ -172,11 +172,18 @@ class DecodeDriver(DriverBase[DecodeCore]):
     def abort(self, request_id: str, *, from_peer: bool, detail: str, instance_id: str = "",
               caller_refusal: Callable[[str], str | None] = lambda _address: None
               ) -> TransferStatus:
-        """Abort a request (:meth:`DecodeCore.abort`): prefill drains on the executor."""
+        """Abort a request (:meth:`DecodeCore.abort`): prefill drains on the executor.
+        ``caller_refusal`` says why the caller may not speak for a prefill at an address
+        (None: it may; the default checks nothing, as a server without authentication);
+        it runs on the calling thread, not the loop (it may resolve a host name)."""
+        checked: tuple[str, str | None] = ("", None)
+        if from_peer and instance_id:
+            address = self.on_loop(lambda: self.core.prefill_of(request_id))
+            checked = (address, caller_refusal(address) if address else None)
+
         def abort() -> TransferStatus:
             snap, actions = self.core.abort(request_id, from_peer=from_peer, detail=detail,
-                                            instance_id=instance_id,
-                                            caller_refusal=caller_refusal)
+                                            instance_id=instance_id, checked=checked)
             self.execute(actions)
             return snap
 
@@ -204,15 +211,15 @@ class DecodeDriver(DriverBase[DecodeCore]):
     # ---- events -------------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
         """A transport event: a landing (or a sub-batch of one), a failed link."""
-        self.execute(self.core.on_event(event, self.clock()))
+        self._event(lambda: self.core.on_event(event, self.clock()))
 
     def on_deadline(self, status: TransferStatus) -> None:
         """A deadline passed (the request is Failed in the table already)."""
-        self.execute(self.core.on_deadline(status))
+        self._event(lambda: self.core.on_deadline(status))
 
     def periodic(self) -> None:
         """The sweep: hand-off leases, aborts prefill has not confirmed."""
-        self.execute(self.core.periodic(self.clock()))
+        self._event(lambda: self.core.periodic(self.clock()))
 
     def on_peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
         """Close the link first (no more writes can land), then tell the core
@@ -320,7 +327,8 @@ class DecodeDriver(DriverBase[DecodeCore]):
                      answer: Offered) -> None:
         """Prefill ``instance_id``'s answer to an Offer (the daemon's loop, no
         lock held): :meth:`DecodeCore.answer_arrived`."""
-        self.execute(self.core.answer_arrived(request_id, transfer_id, instance_id, answer))
+        self._event(lambda: self.core.answer_arrived(request_id, transfer_id, instance_id,
+                                                     answer))
 
     def _check(self, action: CheckLanding) -> None:
         verdict = self.checker.check(action.res, action.transfer_id)

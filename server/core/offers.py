@@ -10,14 +10,13 @@ when another decode instance answers for the address. The book is bounded: an
 offer beyond ``capacity`` is refused and that request asks with BeginWrite
 (docs/protocol.md, "The offer path and its fallback").
 
-The book's lock is a leaf: nothing is called while it is held. It reads no clock:
-the core passes its ``now``.
+Like the core that holds it, the book is used on the daemon's loop only (no lock)
+and reads no clock: the core passes its ``now``.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 
 from kvbeam.server.core.ports import WriteGrant
@@ -46,29 +45,25 @@ class OfferBook:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._lock = threading.Lock()  # leaf
         self._offers: dict[str, Offer] = {}
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._offers)
+        return len(self._offers)
 
     def put(self, offer: Offer, now: float) -> bool:
         """Keep an offer (replacing one for the same request); False when full."""
-        with self._lock:
-            if offer.request_id not in self._offers and len(self._offers) >= self.capacity:
-                self._expire(now)
-                if len(self._offers) >= self.capacity:
-                    return False
-            self._offers[offer.request_id] = offer
-            return True
+        if offer.request_id not in self._offers and len(self._offers) >= self.capacity:
+            self._expire(now)
+            if len(self._offers) >= self.capacity:
+                return False
+        self._offers[offer.request_id] = offer
+        return True
 
     def take(self, request_id: str, conn: PeerConn, seq_len: int,
              now: float) -> Offer | None:
         """The request's offer if it came over ``conn`` (the same decode instance and
         link), names ``seq_len`` and has not expired; the offer is gone either way."""
-        with self._lock:
-            offer = self._offers.pop(request_id, None)
+        offer = self._offers.pop(request_id, None)
         if offer is None or offer.conn is not conn or conn.closed:
             return None
         if offer.seq_len != seq_len or offer.expires < now:
@@ -78,30 +73,25 @@ class OfferBook:
     def conn_of(self, request_id: str) -> PeerConn | None:
         """The connection the request's kept offer came over (None: no offer): the decode
         a Send with no decode address goes to."""
-        with self._lock:
-            offer = self._offers.get(request_id)
+        offer = self._offers.get(request_id)
         return None if offer is None else offer.conn
 
     def has(self, request_id: str) -> bool:
         """Whether an offer for the request is kept."""
-        with self._lock:
-            return request_id in self._offers
+        return request_id in self._offers
 
     def drop(self, request_id: str) -> None:
         """Forget a request's offer (it was aborted, or it writes with BeginWrite)."""
-        with self._lock:
-            self._offers.pop(request_id, None)
+        self._offers.pop(request_id, None)
 
     def drop_conn(self, conn: PeerConn) -> None:
         """Forget every offer that came over ``conn`` (its peer or link is lost)."""
-        with self._lock:
-            for rid in [r for r, o in self._offers.items() if o.conn is conn]:
-                del self._offers[rid]
+        for rid in [r for r, o in self._offers.items() if o.conn is conn]:
+            del self._offers[rid]
 
     def expire(self, now: float) -> None:
         """Forget offers whose reservation lease passed."""
-        with self._lock:
-            self._expire(now)
+        self._expire(now)
 
     def _expire(self, now: float) -> None:
         for rid in [r for r, o in self._offers.items() if o.expires < now]:

@@ -5,7 +5,7 @@ decide; the daemon's driver does the I/O. Peer calls reach the cores through the
 two small protocols here, implemented over the peer channel (and gRPC for the
 handshake and Connect) by :mod:`kvbeam.server.peers.calls` and by fakes in the unit
 tests. Their methods block (a handshake, an answer on the channel) and are only ever
-called on the driver's bounded executor, never under a core lock.
+called on the driver's bounded executor, never on the daemon's loop.
 """
 
 from __future__ import annotations

@@ -143,12 +143,11 @@ class PrefillCore(PrefillEvents, CoreBase):
         self.resend = ResendPolicy(resend_retries)
         self.offers = OfferBook(max_offers)  # decode's reservations ahead of Send
         self.send_wait_s = send_wait_s
-        #: The digest records' staging slots (used under ``_lock``).
+        #: The digest records' staging slots.
         self.records = RecordStager(staging_slots, staging)
-        self._lock = threading.Lock()
-        #: Notified whenever a request's writes may have drained: the driver's Abort
-        #: handler waits on it (it shares the core's lock).
-        self._drained = threading.Condition(self._lock)
+        #: The events of Abort handlers (off the loop) waiting for a request's writes to
+        #: drain, by request id: set once they drained (setting one never blocks).
+        self._drain_waiters: dict[str, list[threading.Event]] = {}
         self._out: dict[str, Outgoing] = {}
         self._writes: dict[tuple[int, int], str] = {}
         self._connecting: dict[str, list[Outgoing]] = {}
@@ -159,10 +158,22 @@ class PrefillCore(PrefillEvents, CoreBase):
         #: still knows it), as when the record is kept. Pruned by the sweep.
         self._ended_unfinished: set[str] = set()
 
-    @property
-    def drained(self) -> threading.Condition:
-        """Notified whenever a request's writes may have drained (the core's lock)."""
-        return self._drained
+    def watch_drain(self, rec: Outgoing) -> threading.Event | None:
+        """An event set once ``rec``'s writes drained, for a waiter off the loop (the
+        driver's Abort handler); None when they drained already."""
+        if rec.drained:
+            return None
+        event = threading.Event()
+        self._drain_waiters.setdefault(rec.request_id, []).append(event)
+        return event
+
+    def unwatch_drain(self, rec: Outgoing, event: threading.Event) -> None:
+        """The waiter of ``event`` stopped waiting (its bound passed)."""
+        waiters = self._drain_waiters.get(rec.request_id)
+        if waiters is not None and event in waiters:
+            waiters.remove(event)
+            if not waiters:
+                del self._drain_waiters[rec.request_id]
 
     # ---- API ---------------------------------------------------------------------------
     def send(self, request_id: str, src_slot: int, seq_len: int, decode_address: str,
@@ -198,74 +209,73 @@ class PrefillCore(PrefillEvents, CoreBase):
             # Decode's Offer came first: it names the decode (decode-initiated pairing).
             decode_address = offered_by.control_address
             _bound(request_id, offered_by)
-        with self._lock:
-            rec = self._out.get(request_id)
-            ended = self._ended_before_final(rec, request_id)
-            if ended is not None:
-                # The request failed (decode's verdict, a lost peer, a deadline) before
-                # the engine's last chunk came: not a reuse of its id. The chunk is
-                # answered with the request's end, which its caller reads anyway.
-                log.info("request %s: a further chunk came after it ended (%s): answered "
-                         "with its status", request_id, ended.state.value,
-                         extra=fields(request_id, decode_address))
-                return []
-            early = self._early_aborts.pop(request_id, None) if rec is None else None
-            if early is not None and early[0] >= now:
-                # Decode declined (or aborted) it before this Send: fail it now, rather
-                # than hold the engine's source for the --send-wait-s lease.
-                self.table.create(request_id, decode_address)
-                self.table.fail(request_id, early[2], early[1])
-                log.warning("request %s failed: decode ended it before its Send: %s",
-                            request_id, early[1], extra=fields(request_id, decode_address))
-                return []
-            if rec is None:
-                pieces = None
-                if kv_offset is not None:
-                    pieces = Pieces(request_id, self.spec, self.layout, seq_len)
-                    whole = pieces.add(kv_offset, ranges, final, indices or {}, draft or {})
-                    lists = whole or ({**{k: np.zeros(0, dtype=np.int64) for k in INDEX_KINDS},
-                                       IndexKind.KV_PAGES: pieces.kv_pages}, {})
-                src, src_draft = lists or (request_indices(self.spec, src_slot, seq_len), {})
-                self.table.create(request_id, decode_address)
-                rec = Outgoing.start(request_id, src_slot if lists is None else -1, seq_len,
-                                     decode_address, src, src_draft=src_draft, pieces=pieces)
-                self._out[request_id] = rec
-                if offered_by is not None:
-                    rec.conn = offered_by
-            else:
-                snap = self.table.get(request_id)
-                if rec.final_submitted or snap is None or snap.state.terminal:
-                    raise DuplicateRequest(f"request id {request_id!r}: its final chunk was "
-                                           "already sent or it ended; request ids are unique")
-                if (kv_offset is None) != (rec.pieces is None):
-                    raise FrameError("kv_offset", (
-                        f"request {request_id}: its lists came whole with its first SEND, "
-                        "a later one gives no piece" if rec.pieces is None else
-                        f"request {request_id}: its lists come in pieces, so every SEND of "
-                        "it gives one (with kv_offset)"), request_id)
-                if rec.pieces is not None and kv_offset is not None:
-                    if (rec.seq_len, rec.decode_address) != (seq_len, decode_address):
-                        raise BadRequest(f"request {request_id}: a further chunk must keep "
-                                         "the seq_len and decode address of the first")
-                    whole = rec.pieces.add(kv_offset, ranges, final, indices or {}, draft or {})
-                    if whole is not None:
-                        rec.src_indices, rec.src_draft = whole
-                    indices = draft = None  # taken: not compared with the first's below
-                engine = rec.src_slot < 0  # the first chunk gave lists: its slot is ignored
-                same = lists is None or (engine and same_lists(lists[0], rec.src_indices)
-                                         and same_lists(lists[1], rec.src_draft))
-                if (rec.seq_len, rec.decode_address) != (seq_len, decode_address) or not same \
-                        or (not engine and rec.src_slot != src_slot):
+        rec = self._out.get(request_id)
+        ended = self._ended_before_final(rec, request_id)
+        if ended is not None:
+            # The request failed (decode's verdict, a lost peer, a deadline) before
+            # the engine's last chunk came: not a reuse of its id. The chunk is
+            # answered with the request's end, which its caller reads anyway.
+            log.info("request %s: a further chunk came after it ended (%s): answered "
+                     "with its status", request_id, ended.state.value,
+                     extra=fields(request_id, decode_address))
+            return []
+        early = self._early_aborts.pop(request_id, None) if rec is None else None
+        if early is not None and early[0] >= now:
+            # Decode declined (or aborted) it before this Send: fail it now, rather
+            # than hold the engine's source for the --send-wait-s lease.
+            self.table.create(request_id, decode_address)
+            self.table.fail(request_id, early[2], early[1])
+            log.warning("request %s failed: decode ended it before its Send: %s",
+                        request_id, early[1], extra=fields(request_id, decode_address))
+            return []
+        if rec is None:
+            pieces = None
+            if kv_offset is not None:
+                pieces = Pieces(request_id, self.spec, self.layout, seq_len)
+                whole = pieces.add(kv_offset, ranges, final, indices or {}, draft or {})
+                lists = whole or ({**{k: np.zeros(0, dtype=np.int64) for k in INDEX_KINDS},
+                                   IndexKind.KV_PAGES: pieces.kv_pages}, {})
+            src, src_draft = lists or (request_indices(self.spec, src_slot, seq_len), {})
+            self.table.create(request_id, decode_address)
+            rec = Outgoing.start(request_id, src_slot if lists is None else -1, seq_len,
+                                 decode_address, src, src_draft=src_draft, pieces=pieces)
+            self._out[request_id] = rec
+            if offered_by is not None:
+                rec.conn = offered_by
+        else:
+            snap = self.table.get(request_id)
+            if rec.final_submitted or snap is None or snap.state.terminal:
+                raise DuplicateRequest(f"request id {request_id!r}: its final chunk was "
+                                       "already sent or it ended; request ids are unique")
+            if (kv_offset is None) != (rec.pieces is None):
+                raise FrameError("kv_offset", (
+                    f"request {request_id}: its lists came whole with its first SEND, "
+                    "a later one gives no piece" if rec.pieces is None else
+                    f"request {request_id}: its lists come in pieces, so every SEND of "
+                    "it gives one (with kv_offset)"), request_id)
+            if rec.pieces is not None and kv_offset is not None:
+                if (rec.seq_len, rec.decode_address) != (seq_len, decode_address):
                     raise BadRequest(f"request {request_id}: a further chunk must keep "
-                                         "the source slot (or index lists), seq_len and decode "
-                                         "address of the first")
-            start_step = rec.queue((ranges, final))
-            park = start_step and self._parks_at_once(rec)
-            if park:
-                rec.park(now)  # decode's Offer starts its step
-                self._lease_parked(rec)
-            elif start_step:
-                rec.move(Step.RUNNING)
+                                     "the seq_len and decode address of the first")
+                whole = rec.pieces.add(kv_offset, ranges, final, indices or {}, draft or {})
+                if whole is not None:
+                    rec.src_indices, rec.src_draft = whole
+                indices = draft = None  # taken: not compared with the first's below
+            engine = rec.src_slot < 0  # the first chunk gave lists: its slot is ignored
+            same = lists is None or (engine and same_lists(lists[0], rec.src_indices)
+                                     and same_lists(lists[1], rec.src_draft))
+            if (rec.seq_len, rec.decode_address) != (seq_len, decode_address) or not same \
+                    or (not engine and rec.src_slot != src_slot):
+                raise BadRequest(f"request {request_id}: a further chunk must keep "
+                                     "the source slot (or index lists), seq_len and decode "
+                                     "address of the first")
+        start_step = rec.queue((ranges, final))
+        park = start_step and self._parks_at_once(rec)
+        if park:
+            rec.park(now)  # decode's Offer starts its step
+            self._lease_parked(rec)
+        elif start_step:
+            rec.move(Step.RUNNING)
         if park:
             return self._after_park(rec)
         return [RunStep(rec)] if start_step else []
@@ -288,14 +298,13 @@ class PrefillCore(PrefillEvents, CoreBase):
             raise NotHandshakenError(f"no connection to decode instance {instance_id!r}")
         if self.table.state_of(request_id) in _ENDED:
             return False, self._offer_after_end(request_id, conn)
-        with self._lock:
-            rec = self._out.get(request_id)
-            # Late: the request already writes under a grant (BeginWrite's), or posted a
-            # chunk. A Send whose first step is still asking BeginWrite is not late: decode
-            # may refuse that one (no reservation yet: it parks), and this offer unparks it.
-            late = rec is not None and (
-                rec.transfer_id is not None or rec.attempt.bytes_total > 0
-                or len(rec.attempt.posted) > 1 or bool(rec.resends))
+        rec = self._out.get(request_id)
+        # Late: the request already writes under a grant (BeginWrite's), or posted a
+        # chunk. A Send whose first step is still asking BeginWrite is not late: decode
+        # may refuse that one (no reservation yet: it parks), and this offer unparks it.
+        late = rec is not None and (
+            rec.transfer_id is not None or rec.attempt.bytes_total > 0
+            or len(rec.attempt.posted) > 1 or bool(rec.resends))
         kept = not late and self.offers.put(
             Offer(request_id, conn, seq_len, grant, now + lease_s), now)
         bound = self._bind_to_offer(request_id, conn, kept)
@@ -326,14 +335,13 @@ class PrefillCore(PrefillEvents, CoreBase):
         connection and address, from now on as if the engine had named it); True when
         it was bound now. An offer not kept (the book was full) binds it too: its step
         asks that decode with BeginWrite."""
-        with self._lock:
-            rec = self._out.get(request_id)
-            if rec is None or rec.decode_address or self._ended(rec):
-                return False
-            rec.decode_address = conn.control_address
-            rec.conn = conn
-            if not kept:
-                rec.asked = True
+        rec = self._out.get(request_id)
+        if rec is None or rec.decode_address or self._ended(rec):
+            return False
+        rec.decode_address = conn.control_address
+        rec.conn = conn
+        if not kept:
+            rec.asked = True
         self.table.set_peer(request_id, conn.control_address)
         _bound(request_id, conn)
         return True
@@ -356,9 +364,8 @@ class PrefillCore(PrefillEvents, CoreBase):
         snap = self.table.get(request_id)
         # A parked Send that ended goes idle (as any Offer finds it): nothing starts.
         actions: Actions = [*self._unpark(request_id), Count("offers", "refused")]
-        with self._lock:
-            rec = self._out.get(request_id)
-            drained = rec is None or rec.drained
+        rec = self._out.get(request_id)
+        drained = rec is None or rec.drained
         if snap is None or snap.state is not TransferState.FAILED or not drained:
             log.info("request %s: decode %s offered a reservation after the request "
                      "ended here (%s): refused", request_id, conn.control_address,
@@ -398,7 +405,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         """Whether a fresh single-chunk Send would only park (no offer yet, its decode
         connected: its step would wait for the Offer): it parks here, at once, and
         decode's Offer starts its one step (no executor job that only parks).
-        Under ``_lock``; the step's own test is :meth:`_waits_for_offer`."""
+        The step's own test is :meth:`_waits_for_offer`."""
         if rec.attempt.posted or len(rec.chunks) != 1 or not rec.chunks[0][1] or \
                 rec.step is not Step.IDLE:
             return False
@@ -424,10 +431,9 @@ class PrefillCore(PrefillEvents, CoreBase):
         The driver took it only from the request's own decode.
         """
         self.offers.drop(request_id)
-        with self._lock:
-            rec = self._out.get(request_id)
-            if rec is not None and from_peer:
-                rec.told_decode = True  # decode asked: it knows
+        rec = self._out.get(request_id)
+        if rec is not None and from_peer:
+            rec.told_decode = True  # decode asked: it knows
         if rec is None and from_peer and self.send_wait_s and self.table.get(request_id) is None:
             self._remember_early_abort(request_id, detail or "aborted by decode", now,
                                        reason or FailureReason.PEER_FAILED)
@@ -452,8 +458,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         """The Abort's answer is going (``drained``: none of the request's writes is in
         flight, which the answer says): decode is told now, or once they drained."""
         if from_peer and not drained:
-            with self._lock:
-                rec.told_decode = False  # our answer says "in flight": tell it once drained
+            rec.told_decode = False  # our answer says "in flight": tell it once drained
             log.info("request %s: %d write(s) still in flight when decode's Abort was "
                      "answered; decode is told once they drained", rec.request_id,
                      rec.attempt.outstanding, extra=fields(rec.request_id, rec.decode_address))
@@ -461,14 +466,13 @@ class PrefillCore(PrefillEvents, CoreBase):
 
     def decode_of(self, request_id: str) -> tuple[PeerConn | None, str] | None:
         """The connection and decode address of a request prefill keeps (None: none)."""
-        with self._lock:
-            rec = self._out.get(request_id)
-            return None if rec is None else (rec.conn, rec.decode_address)
+        rec = self._out.get(request_id)
+        return None if rec is None else (rec.conn, rec.decode_address)
 
     def _ended_before_final(self, rec: Outgoing | None,
                             request_id: str) -> TransferStatus | None:
         """The status of a request that ended before its final chunk was submitted
-        (None: it did not, or it is not known); under ``_lock``."""
+        (None: it did not, or it is not known)."""
         if rec is None and request_id not in self._ended_unfinished:
             return None
         if rec is not None and rec.final_submitted:
@@ -484,23 +488,21 @@ class PrefillCore(PrefillEvents, CoreBase):
         """Decode ended a request whose Send has not come (its engine declined it before
         prefill's engine sent it): its Send, if it comes within ``send_wait_s``, fails at
         once. Bounded: the oldest is forgotten first (that Send then waits its lease)."""
-        with self._lock:
-            book = self._early_aborts
-            for rid in [r for r, (expiry, _, _) in book.items() if expiry < now]:
-                del book[rid]
-            while len(book) >= MAX_EARLY_ABORTS:
-                del book[next(iter(book))]
-            book[request_id] = (now + self.send_wait_s, detail, reason)
+        book = self._early_aborts
+        for rid in [r for r, (expiry, _, _) in book.items() if expiry < now]:
+            del book[rid]
+        while len(book) >= MAX_EARLY_ABORTS:
+            del book[next(iter(book))]
+        book[request_id] = (now + self.send_wait_s, detail, reason)
 
     def in_flight(self, request_id: str) -> int:
         """Writes of the request that may still read its source (0 once drained)."""
-        with self._lock:
-            rec = self._out.get(request_id)
-            return 0 if rec is None or rec.drained else rec.attempt.outstanding
+        rec = self._out.get(request_id)
+        return 0 if rec is None or rec.drained else rec.attempt.outstanding
 
     def slot_of(self, request_id: str) -> int:
         """The source slot of a live request, -1 once forgotten."""
-        rec = self._lookup(self._out, request_id)
+        rec = self._out.get(request_id)
         return rec.src_slot if rec else -1
 
     def _facts(self, request_id: str) -> TransferFacts | None:
@@ -516,12 +518,11 @@ class PrefillCore(PrefillEvents, CoreBase):
 
     def known(self, request_id: str) -> bool:
         """True while the core keeps a record of the request (tests, diagnostics)."""
-        return self._lookup(self._out, request_id) is not None
+        return self._out.get(request_id) is not None
 
     def use_staging(self, area: RecordArea) -> None:
         """The daemon's staging slots for digest records (registered LOCAL) from now on."""
-        with self._lock:
-            self.records.use(area)
+        self.records.use(area)
 
     # ---- the send path: the step's events ------------------------------------------------
     def steps_inline(self, rec: Outgoing) -> bool:
@@ -559,26 +560,24 @@ class PrefillCore(PrefillEvents, CoreBase):
             drop = self._drop(old, f"peer channel to {channel.peer} {how}: "
                                    f"{channel.close_reason}", gone=not channel.orderly)
             return [drop, RunStep(rec)]
-        with self._lock:
-            idle = self._ended(rec) or not rec.chunks or rec.resend_cause is not None
-            if idle:
-                rec.move(Step.IDLE)
+        idle = self._ended(rec) or not rec.chunks or rec.resend_cause is not None
+        if idle:
+            rec.move(Step.IDLE)
         if idle:
             return self._maybe_resend(rec)
         if not rec.decode_address and not self._bound_by_offer(rec):
             return self._park(rec, now)  # no decode yet: its Offer names one
-        with self._lock:
-            conn = self._step_conn(rec)
-            if conn is None:
-                rec.move(Step.CONNECTING)
-                waiting = self._connecting.get(rec.decode_address)
-                if waiting is not None:
-                    waiting.append(rec)  # a handshake with that address is under way
-                    return []
-                self._connecting[rec.decode_address] = [rec]
-            else:
-                rec.conn = conn
-                ranges, final = rec.take_chunk()
+        conn = self._step_conn(rec)
+        if conn is None:
+            rec.move(Step.CONNECTING)
+            waiting = self._connecting.get(rec.decode_address)
+            if waiting is not None:
+                waiting.append(rec)  # a handshake with that address is under way
+                return []
+            self._connecting[rec.decode_address] = [rec]
+        else:
+            rec.conn = conn
+            ranges, final = rec.take_chunk()
         if conn is None:
             return [Connect(rec.decode_address)]
         grant, actions = self._offered_grant(rec, conn, final, now)
@@ -595,16 +594,14 @@ class PrefillCore(PrefillEvents, CoreBase):
         """The handshake with ``address`` is done (``conn``) or failed (``error``), after
         ``elapsed`` seconds: every request waiting for it goes on, or fails."""
         if conn is not None:
-            with self._lock:
-                self.resend.measured(handshake=elapsed)
+            self.resend.measured(handshake=elapsed)
             self.peers.add(conn)
-        with self._lock:
-            waiters = self._connecting.pop(address, [])
-            for rec in waiters:
-                rec.conn = conn
-                rec.move(Step.RUNNING if error is None else Step.IDLE)
-                # Decode had no connection to offer on when it reserved: ask at once.
-                rec.asked = True
+        waiters = self._connecting.pop(address, [])
+        for rec in waiters:
+            rec.conn = conn
+            rec.move(Step.RUNNING if error is None else Step.IDLE)
+            # Decode had no connection to offer on when it reserved: ask at once.
+            rec.asked = True
         actions: Actions = []
         for rec in waiters:
             if error is not None:
@@ -620,8 +617,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         ``grant``, or ``error`` (no reservation yet: the request parks when it may wait
         for one; landed already: a resend's Success)."""
         if grant is not None:
-            with self._lock:
-                self.resend.measured(begin_write=elapsed)
+            self.resend.measured(begin_write=elapsed)
             return self._write(rec, conn, ranges, final, grant, now)
         assert error is not None
         if isinstance(error, NotReserved) and self.send_wait_s and not rec.resends \
@@ -659,20 +655,19 @@ class PrefillCore(PrefillEvents, CoreBase):
         # (PostWrites.moved): the push is not on the bytes' way.
         moved = None
         try:
-            with self._lock:
-                state = self.table.state_of(rid)
-                if state is None or state.terminal:
-                    return None  # aborted or timed out meanwhile: nothing posted, decode is told
-                if state is TransferState.BOOTSTRAPPING:  # one push to the engine, not two
-                    moved = self.table.advance(rid, TransferState.TRANSFERRING,
-                                               through=(TransferState.WAITING_FOR_INPUT,),
-                                               announce=False)
-                elif state is TransferState.WAITING_FOR_INPUT:  # it waited for decode
-                    moved = self.table.advance(rid, TransferState.TRANSFERRING, announce=False)
-                else:
-                    self.table.touch(rid)
-                rec.transfer_id = grant.transfer_id
-                src_sel, dst_sel = self._select_pages(rec, grant.indices, ranges, final)
+            state = self.table.state_of(rid)
+            if state is None or state.terminal:
+                return None  # aborted or timed out meanwhile: nothing posted, decode is told
+            if state is TransferState.BOOTSTRAPPING:  # one push to the engine, not two
+                moved = self.table.advance(rid, TransferState.TRANSFERRING,
+                                           through=(TransferState.WAITING_FOR_INPUT,),
+                                           announce=False)
+            elif state is TransferState.WAITING_FOR_INPUT:  # it waited for decode
+                moved = self.table.advance(rid, TransferState.TRANSFERRING, announce=False)
+            else:
+                self.table.touch(rid)
+            rec.transfer_id = grant.transfer_id
+            src_sel, dst_sel = self._select_pages(rec, grant.indices, ranges, final)
             plan = build_plan(self.layout, self.pools.buffer_addrs(), src_sel,
                               conn.peer.layout, conn.addrs, dst_sel, include_states=final,
                               src_draft=rec.src_draft, dst_draft=grant.draft)
@@ -697,23 +692,22 @@ class PrefillCore(PrefillEvents, CoreBase):
         completion may arrive before the post returns). False: the request ended
         meanwhile, nothing is to be posted (the driver ends the step)."""
         rec, conn = post.rec, post.conn
-        with self._lock:
-            if self._ended(rec):
-                return False
-            if post.record:
-                self.records.take(rec, len(self.layout.flat_buffers))
-            attempt = rec.attempt
-            for tid, part in post.writes:
-                self._writes[(conn.link.id, tid)] = rec.request_id
-                rec.write_keys.add((conn.link.id, tid))
-                attempt.pending_bytes.append(part.total_bytes)
-            attempt.link = conn.link.id
-            # The record's write is counted now: no Success (nor drain) before it completed.
-            attempt.outstanding += len(post.writes) + separate
-            if separate:
-                attempt.pending_bytes.append(0)  # the record: not the request's bytes
-            attempt.bytes_total += post.total_bytes
-            attempt.final_posted = attempt.final_posted or post.final
+        if self._ended(rec):
+            return False
+        if post.record:
+            self.records.take(rec, len(self.layout.flat_buffers))
+        attempt = rec.attempt
+        for tid, part in post.writes:
+            self._writes[(conn.link.id, tid)] = rec.request_id
+            rec.write_keys.add((conn.link.id, tid))
+            attempt.pending_bytes.append(part.total_bytes)
+        attempt.link = conn.link.id
+        # The record's write is counted now: no Success (nor drain) before it completed.
+        attempt.outstanding += len(post.writes) + separate
+        if separate:
+            attempt.pending_bytes.append(0)  # the record: not the request's bytes
+        attempt.bytes_total += post.total_bytes
+        attempt.final_posted = attempt.final_posted or post.final
         return True
 
     def unbook(self, post: PostWrites, *, left: int, separate: bool) -> None:
@@ -721,17 +715,16 @@ class PrefillCore(PrefillEvents, CoreBase):
         ``separate``) were not posted: they will never complete. What was posted
         completes as usual."""
         rec = post.rec
-        with self._drained:
-            attempt = rec.attempt
-            attempt.outstanding -= left + separate
-            for _ in range(left + separate):
-                attempt.pending_bytes.pop()
-            attempt.bytes_total -= sum(b.total_bytes
-                                       for _, b in post.writes[len(post.writes) - left:])
-            if post.final:
-                attempt.final_posted = False  # no Success without the final chunk's writes
-            self.records.give(rec)
-            self._drained.notify_all()
+        attempt = rec.attempt
+        attempt.outstanding -= left + separate
+        for _ in range(left + separate):
+            attempt.pending_bytes.pop()
+        attempt.bytes_total -= sum(b.total_bytes
+                                   for _, b in post.writes[len(post.writes) - left:])
+        if post.final:
+            attempt.final_posted = False  # no Success without the final chunk's writes
+        self.records.give(rec)
+        self._wake_drained(rec)
 
     def posted(self, rec: Outgoing, now: float) -> Actions:
         """The step's writes are posted: the step is over."""
@@ -749,9 +742,8 @@ class PrefillCore(PrefillEvents, CoreBase):
                 # resent on a new one (this one too while its retries allow).
                 detail = f"link unusable: {cause}"
                 drop = self._drop(conn, detail, gone=False)
-                with self._lock:
-                    spared = rec.conn is conn and self._note_link_failure(
-                        rec, conn.link.id, None, detail)
+                spared = rec.conn is conn and self._note_link_failure(
+                    rec, conn.link.id, None, detail)
                 actions.append(drop)
                 if not spared:
                     actions += self._fail(rec, FailureReason.PEER_FAILED, detail)
@@ -767,13 +759,12 @@ class PrefillCore(PrefillEvents, CoreBase):
         """The step is over: the next chunk's step, a pending resend, or (``parks``: the
         step put its chunk back to wait for decode's reservation) the park; an Offer that
         came while the step ran is in the book, and the step runs again for it."""
-        with self._lock:
-            again = rec.step_ended(ended=self._ended(rec), parks=parks,
-                                   offer_waiting=parks and self.offers.has(rec.request_id),
-                                   now=now)
-            parked = rec.step is Step.PARKED
-            if parked:
-                self._lease_parked(rec)
+        again = rec.step_ended(ended=self._ended(rec), parks=parks,
+                               offer_waiting=parks and self.offers.has(rec.request_id),
+                               now=now)
+        parked = rec.step is Step.PARKED
+        if parked:
+            self._lease_parked(rec)
         if again:
             return [RunStep(rec)]
         if parked:
@@ -790,8 +781,7 @@ class PrefillCore(PrefillEvents, CoreBase):
     def _retired(self, rec: Outgoing) -> tuple[PeerConn, Any] | None:
         """The connection the request's step would use, with its peer channel, when
         that channel was retired (closed under the connection)."""
-        with self._lock:
-            conn = self._step_conn(rec)
+        conn = self._step_conn(rec)
         channel = conn.retired_channel() if conn is not None else None
         if conn is None or channel is None or conn.closed:
             return None
@@ -809,16 +799,15 @@ class PrefillCore(PrefillEvents, CoreBase):
         requests on it. ``rec`` goes on over a new handshake instead, since decode
         refused its first BeginWrite before any byte of it was written; once per request.
         """
-        with self._lock:
-            again = (not rec.rehandshake and not rec.resends and rec.attempt.bytes_total == 0
-                     and rec.attempt.outstanding == 0 and len(rec.attempt.posted) == 1
-                     and not self._ended(rec))
-            if again:
-                rec.rehandshake = detail
-                rec.put_back()  # the next step runs it again
-                rec.conn = None  # so the dropped link spares it, and the step handshakes anew
-            else:
-                rec.told_decode = True  # the peer lost us: there is no one to tell
+        again = (not rec.rehandshake and not rec.resends and rec.attempt.bytes_total == 0
+                 and rec.attempt.outstanding == 0 and len(rec.attempt.posted) == 1
+                 and not self._ended(rec))
+        if again:
+            rec.rehandshake = detail
+            rec.put_back()  # the next step runs it again
+            rec.conn = None  # so the dropped link spares it, and the step handshakes anew
+        else:
+            rec.told_decode = True  # the peer lost us: there is no one to tell
         drop = self._drop(conn, detail, gone=True)
         if again:
             log.warning("request %s: %s; handshaking again (nothing of it was written)",
@@ -865,12 +854,11 @@ class PrefillCore(PrefillEvents, CoreBase):
         """The sweep's work, and the BeginWrite fallback of Sends that waited for an
         Offer OFFER_GRACE_S in vain (decode reserved before the daemons connected)."""
         actions = self.sweep(now)  # abandon hung writes, forget what ended
-        with self._lock:
-            due = [r for r in self._out.values()
-                   if r.step is Step.PARKED and not r.asked and r.decode_address
-                   and now - r.parked_at >= OFFER_GRACE_S]
-            for rec in due:
-                rec.asked = True
+        due = [r for r in self._out.values()
+               if r.step is Step.PARKED and not r.asked and r.decode_address
+               and now - r.parked_at >= OFFER_GRACE_S]
+        for rec in due:
+            rec.asked = True
         for rec in due:
             actions += self._unpark(rec.request_id)
         return actions
@@ -879,13 +867,12 @@ class PrefillCore(PrefillEvents, CoreBase):
         """The Send came first: its step puts the chunk back and ends, and the request
         waits in WaitingForInput for decode's reservation (its Offer unparks it,
         :meth:`offer`) or until ``send_wait_s`` passes (a timeout)."""
-        with self._lock:
-            if not self._ended(rec):
-                rec.put_back()  # taken again once decode reserved
+        if not self._ended(rec):
+            rec.put_back()  # taken again once decode reserved
         return self._end_step(rec, now, parks=True)
 
     def _lease_parked(self, rec: Outgoing) -> None:
-        """A request parked: WaitingForInput, for at most ``send_wait_s`` (under ``_lock``)."""
+        """A request parked: WaitingForInput, for at most ``send_wait_s`` ."""
         rid = rec.request_id
         snap = self.table.get(rid)
         if snap is not None and snap.state is TransferState.BOOTSTRAPPING:
@@ -910,14 +897,13 @@ class PrefillCore(PrefillEvents, CoreBase):
 
     def _unpark(self, request_id: str) -> Actions:
         """Decode's reservation arrived for a parked request: write it now."""
-        with self._lock:
-            rec = self._out.get(request_id)
-            if rec is None or rec.step is not Step.PARKED:
-                return []  # not waiting (a step that parks looks for the offer as it ends)
-            if self._ended(rec):
-                rec.move(Step.IDLE)
-                return []
-            rec.unpark()
+        rec = self._out.get(request_id)
+        if rec is None or rec.step is not Step.PARKED:
+            return []  # not waiting (a step that parks looks for the offer as it ends)
+        if self._ended(rec):
+            rec.move(Step.IDLE)
+            return []
+        rec.unpark()
         return [RunStep(rec)]
 
     def _check_grant_skip(self, rec: Outgoing, grant: WriteGrant) -> None:
@@ -929,13 +915,12 @@ class PrefillCore(PrefillEvents, CoreBase):
                           lists=rec.src_slot < 0)
         except BadKvSkip as exc:
             raise SendFailed(FailureReason.INVALID_REQUEST, f"decode's grant: {exc}") from None
-        with self._lock:
-            if rec.kv_skip is None:
-                rec.kv_skip = grant.kv_skip
-            elif rec.kv_skip != grant.kv_skip:
-                raise SendFailed(FailureReason.INVALID_REQUEST,
-                                 f"decode's grant: kv_skip {grant.kv_skip} differs from the "
-                                 f"{rec.kv_skip} of its earlier grant for this request")
+        if rec.kv_skip is None:
+            rec.kv_skip = grant.kv_skip
+        elif rec.kv_skip != grant.kv_skip:
+            raise SendFailed(FailureReason.INVALID_REQUEST,
+                             f"decode's grant: kv_skip {grant.kv_skip} differs from the "
+                             f"{rec.kv_skip} of its earlier grant for this request")
 
     def _select_pages(self, rec: Outgoing, dst: IndexLists, ranges: Ranges,
                       final: bool) -> tuple[IndexLists, IndexLists]:

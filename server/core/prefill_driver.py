@@ -270,20 +270,22 @@ class PrefillDriver(DriverBase[PrefillCore]):
 
     def _wait_drained(self, rec: Outgoing, wait_s: float | None) -> bool:
         """Whether the request's writes drained, waiting for them a bounded while when a
-        waiter's permit is free. The wait on the core's condition releases its lock."""
-        cond = self.core.drained
-        with cond:
-            drained = rec.drained
+        waiter's permit is free: on an event the loop sets once they drained (never on
+        the loop itself, through which their completions come)."""
         bound = min(self.core.drain_s, ABORT_WAIT_S, ABORT_WAIT_S if wait_s is None else wait_s)
-        if self.on_loop_thread:
-            bound = 0.0  # the completions come through this very thread: no wait here
-        if not drained and bound > 0 and self._abort_waiters.acquire(blocking=False):
-            try:
-                with cond:
-                    drained = cond.wait_for(lambda: rec.drained, timeout=bound)
-            finally:
-                self._abort_waiters.release()
-        return drained
+        if self.on_loop_thread or bound <= 0 or not self._abort_waiters.acquire(blocking=False):
+            return self.on_loop(lambda: rec.drained)
+        try:
+            event = self.on_loop(lambda: self.core.watch_drain(rec))
+            if event is None:
+                return True
+            if event.wait(bound):
+                return True
+            # Not drained within the bound: stop watching (unless it drained just now).
+            self.on_loop(lambda: self.core.unwatch_drain(rec, event))
+            return event.is_set()
+        finally:
+            self._abort_waiters.release()
 
     def _from_its_decode(self, request_id: str, instance_id: str,
                          caller_refusal: Callable[[str], str | None]) -> bool:
@@ -311,13 +313,13 @@ class PrefillDriver(DriverBase[PrefillCore]):
 
     # ---- events from the transport and the runtime's loops ------------------------------
     def on_event(self, event: Event) -> None:
-        """A transport event (a write's completion, a failed link), on the thread that
-        saw it."""
-        self.execute(self.core.handle_event(event))
+        """A transport event (a write's completion, a failed link): the loop's (another
+        thread's is handed to it, as every call into the core)."""
+        self._event(lambda: self.core.handle_event(event))
 
     def on_deadline(self, status: TransferStatus) -> None:
         """A deadline passed (the table failed it): decode is told once its writes drained."""
-        self.execute(self.core.handle_deadline(status))
+        self._event(lambda: self.core.handle_deadline(status))
 
     def on_peer_lost(self, conn: PeerConn, detail: str, *, gone: bool = True) -> None:
         """Release the link (its writes complete as failed), then fail or resend its
@@ -328,7 +330,7 @@ class PrefillDriver(DriverBase[PrefillCore]):
 
     def periodic(self) -> None:
         """The sweep's work (:meth:`PrefillCore.periodic`), every SWEEP_S."""
-        self.execute(self.core.periodic(self.clock()))
+        self._event(lambda: self.core.periodic(self.clock()))
 
     def shutdown(self, detail: str = "prefill shutting down") -> None:
         """Fail every live request (reason shutdown), tell decode, release links.

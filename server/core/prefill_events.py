@@ -80,8 +80,7 @@ class PrefillEvents:
     table: TransferTable
     peers: Peers
     drain_s: float
-    _lock: threading.Lock
-    _drained: threading.Condition
+    _drain_waiters: dict[str, list[threading.Event]]
     _out: dict[str, Outgoing]
     _writes: dict[tuple[int, int], str]
     _ended_unfinished: set[str]
@@ -99,6 +98,12 @@ class PrefillEvents:
         log.error("request %s: decode reports a failure after this side ended: %s",
                   request_id, detail, extra=fields(request_id, decode_address))
 
+    def _wake_drained(self, rec: Outgoing) -> None:
+        """Set the events of the Abort handlers waiting for ``rec``'s writes, if drained."""
+        if rec.drained:
+            for event in self._drain_waiters.pop(rec.request_id, ()):
+                event.set()
+
     def _ended(self, rec: Outgoing) -> bool:
         return not self.table.is_live(rec.request_id)
 
@@ -110,39 +115,38 @@ class PrefillEvents:
         if event.kind is not EventKind.COMPLETED or event.transfer_id is None:
             return []
         lost: PeerConn | None = None
-        with self._drained:
-            # The chunks of a request on one link share its transfer id (decode's), so
-            # the key stays until the record is pruned.
-            rid = self._writes.get((event.link, event.transfer_id))
-            rec = self._out.get(rid) if rid else None
-            if rec is not None and event.link != rec.attempt.link:
-                # A resend starts only once every write on the old link completed: a
-                # completion from a link this attempt does not use is stray.
-                rec = None
-            if rec is None:
-                log.warning("completion of unknown transfer %s on link %d ignored",
-                            event.transfer_id, event.link, extra=fields(rid))
-                return []
-            if not event.ok:
-                # A failed write leaves the link unusable (an RC QP in error, a TCP stream
-                # broken): forget it now so a request connecting meanwhile handshakes a
-                # new link instead of picking this dead one.
-                conn = self.peers.by_link(event.link)
-                if conn is not None and self.peers.remove(conn):
-                    lost = conn
-            # The final write acknowledged on this attempt's link means every byte
-            # landed: a Success even if a resend was owed.
-            landed = rec.completed(event.ok, event.link)
-            self.records.give(rec)  # once no write of it reads the staging slot
-            self._drained.notify_all()
-            snap = self.table.get(rec.request_id)
-            success = (landed and snap is not None
-                       and snap.state is TransferState.TRANSFERRING)
-            if success:
-                self.table.advance(rec.request_id, TransferState.SUCCESS,
-                                   nbytes=rec.attempt.bytes_done)
-            spared = not event.ok and self._note_link_failure(
-                rec, event.link, event.status, f"{event.status}: {event.detail}")
+        # The chunks of a request on one link share its transfer id (decode's), so
+        # the key stays until the record is pruned.
+        rid = self._writes.get((event.link, event.transfer_id))
+        rec = self._out.get(rid) if rid else None
+        if rec is not None and event.link != rec.attempt.link:
+            # A resend starts only once every write on the old link completed: a
+            # completion from a link this attempt does not use is stray.
+            rec = None
+        if rec is None:
+            log.warning("completion of unknown transfer %s on link %d ignored",
+                        event.transfer_id, event.link, extra=fields(rid))
+            return []
+        if not event.ok:
+            # A failed write leaves the link unusable (an RC QP in error, a TCP stream
+            # broken): forget it now so a request connecting meanwhile handshakes a
+            # new link instead of picking this dead one.
+            conn = self.peers.by_link(event.link)
+            if conn is not None and self.peers.remove(conn):
+                lost = conn
+        # The final write acknowledged on this attempt's link means every byte
+        # landed: a Success even if a resend was owed.
+        landed = rec.completed(event.ok, event.link)
+        self.records.give(rec)  # once no write of it reads the staging slot
+        self._wake_drained(rec)
+        snap = self.table.get(rec.request_id)
+        success = (landed and snap is not None
+                   and snap.state is TransferState.TRANSFERRING)
+        if success:
+            self.table.advance(rec.request_id, TransferState.SUCCESS,
+                               nbytes=rec.attempt.bytes_done)
+        spared = not event.ok and self._note_link_failure(
+            rec, event.link, event.status, f"{event.status}: {event.detail}")
         actions: Actions = []
         if success:
             request_log.info("request %s: Success (%d bytes written)", rec.request_id,
@@ -161,8 +165,7 @@ class PrefillEvents:
 
     def handle_deadline(self, status: TransferStatus) -> Actions:
         """A deadline passed (the table failed it): tell decode once its writes drained."""
-        with self._lock:
-            rec = self._out.get(status.request_id)
+        rec = self._out.get(status.request_id)
         if rec is None:
             return []
         return self._tell_decode_once(rec, f"prefill timed out: {status.detail}")
@@ -179,14 +182,13 @@ class PrefillEvents:
         restarted): every request on the connection fails at once.
         """
         self.offers.drop_conn(conn)  # decode granted them on this link
-        with self._lock:
-            mine = [r for r in self._out.values() if r.conn is conn]
-            if gone:
-                for rec in mine:
-                    rec.told_decode = True  # the peer is gone; there is no one to tell
-            spared = [] if gone else [r for r in mine
-                                      if self._note_link_failure(r, conn.link.id, None,
-                                                                 detail)]
+        mine = [r for r in self._out.values() if r.conn is conn]
+        if gone:
+            for rec in mine:
+                rec.told_decode = True  # the peer is gone; there is no one to tell
+        spared = [] if gone else [r for r in mine
+                                  if self._note_link_failure(r, conn.link.id, None,
+                                                             detail)]
         actions: Actions = []
         for rec in mine:
             if rec in spared:
@@ -225,18 +227,17 @@ class PrefillEvents:
     def _tell_decode_once(self, rec: Outgoing, detail: str) -> Actions:
         """Tell decode of a failed request exactly once, when its writes have drained.
 
-        Check and set happen under the lock: two failure paths racing (a failed
-        completion and a lost peer, say) send one Abort, not two.
+        Check and set in one call on the loop: two failure paths (a failed completion
+        and a lost peer, say) send one Abort, not two.
         """
-        with self._lock:
-            snap = self.table.get(rec.request_id)
-            if (rec.told_decode or not rec.drained or snap is None
-                    or snap.state is not TransferState.FAILED):
-                return []
-            rec.told_decode = True
-            # The connection even once closed (its link failed first, say): it says that
-            # decode granted the request, so the driver handshakes again to tell it.
-            conn = rec.conn
+        snap = self.table.get(rec.request_id)
+        if (rec.told_decode or not rec.drained or snap is None
+                or snap.state is not TransferState.FAILED):
+            return []
+        rec.told_decode = True
+        # The connection even once closed (its link failed first, say): it says that
+        # decode granted the request, so the driver handshakes again to tell it.
+        conn = rec.conn
         if not rec.decode_address:
             return []  # a Send that named no decode and no decode offered: nobody to tell
         return [TellDecode(conn, rec.decode_address, rec.request_id, detail)]
@@ -246,31 +247,30 @@ class PrefillEvents:
         the source any longer); forget requests that ended."""
         self.offers.expire(now)
         hung: list[tuple[Outgoing, PeerConn | None, int]] = []
-        with self._lock:
-            self._ended_unfinished = {r for r in self._ended_unfinished
-                                      if self.table.get(r) is not None}
-            for rid, rec in list(self._out.items()):
-                snap = self.table.get(rid)
-                ended = snap is None or snap.state.terminal
-                if not ended:
-                    continue
-                if not rec.drained:
-                    if snap is not None and snap.state is TransferState.FAILED:
-                        rec.failed_at = rec.failed_at or now
-                        if now - rec.failed_at > self.drain_s:
-                            rec.abandoned = True  # drained from now on: its link goes
-                            hung.append((rec, rec.conn, rec.attempt.outstanding))
-                    continue
-                if rec.told_decode or snap is None or snap.state is TransferState.SUCCESS:
-                    del self._out[rid]
-                    self.table.keep_facts(rid, rec.facts(self._verification(rid)))
-                    self.records.give(rec, force=True)
-                    if snap is not None and not rec.final_submitted:
-                        self._ended_unfinished.add(rid)  # a late chunk gets its status
-                    for key in rec.write_keys:
-                        self._writes.pop(key, None)
-            if hung:
-                self._drained.notify_all()  # an Abort waiting on one answers now
+        self._ended_unfinished = {r for r in self._ended_unfinished
+                                  if self.table.get(r) is not None}
+        for rid, rec in list(self._out.items()):
+            snap = self.table.get(rid)
+            ended = snap is None or snap.state.terminal
+            if not ended:
+                continue
+            if not rec.drained:
+                if snap is not None and snap.state is TransferState.FAILED:
+                    rec.failed_at = rec.failed_at or now
+                    if now - rec.failed_at > self.drain_s:
+                        rec.abandoned = True  # drained from now on: its link goes
+                        hung.append((rec, rec.conn, rec.attempt.outstanding))
+                continue
+            if rec.told_decode or snap is None or snap.state is TransferState.SUCCESS:
+                del self._out[rid]
+                self.table.keep_facts(rid, rec.facts(self._verification(rid)))
+                self.records.give(rec, force=True)
+                if snap is not None and not rec.final_submitted:
+                    self._ended_unfinished.add(rid)  # a late chunk gets its status
+                for key in rec.write_keys:
+                    self._writes.pop(key, None)
+        for rec, _conn, _n in hung:
+            self._wake_drained(rec)  # an Abort waiting on it answers now
         actions: Actions = []
         for rec, conn, outstanding in hung:
             log.warning("request %s: %d write(s) still in flight after %.1f s: releasing the "
@@ -290,11 +290,10 @@ class PrefillEvents:
         calls: list[tuple[PeerConn | None, str, str]] = []
         for snap in self.table.live():
             if self.table.fail(snap.request_id, FailureReason.SHUTDOWN, detail):
-                with self._lock:
-                    rec = self._out.get(snap.request_id)
-                    tell = rec is not None and not rec.told_decode
-                    if rec is not None:
-                        rec.told_decode = True
+                rec = self._out.get(snap.request_id)
+                tell = rec is not None and not rec.told_decode
+                if rec is not None:
+                    rec.told_decode = True
                 if rec is not None and tell and rec.decode_address:
                     conn = rec.conn if rec.conn is not None and not rec.conn.closed else None
                     calls.append((conn, rec.decode_address, rec.request_id))
@@ -305,10 +304,10 @@ class PrefillEvents:
                            cause: str) -> bool:
         """A link ``rec`` may use failed; True when that does not fail the request.
 
-        Called with the core lock held. True: a resend is (or already was) owed, or
-        the link is not the one this attempt posts on (an older one, or the request
-        has posted nothing on it: its next step picks a new link). False: the request
-        must fail now (it ended, the status is not transient, or no resend is left).
+        True: a resend is (or already was) owed, or the link is not the one this attempt
+        posts on (an older one, or the request has posted nothing on it: its next step
+        picks a new link). False: the request must fail now (it ended, the status is
+        not transient, or no resend is left).
         ``cause``: what broke the link (a verbs or TCP status and detail), for the logs.
         """
         if self._ended(rec) or not transient(status):
@@ -317,22 +316,21 @@ class PrefillEvents:
 
     def _maybe_resend(self, rec: Outgoing) -> Actions:
         """Start an owed resend once no step runs and none of its writes is outstanding."""
-        with self._lock:
-            if not rec.resend_due():
-                return []
-            cause = rec.resend_cause
-            if self._ended(rec):
-                rec.resend_cause = None
-                return []
-            left, need = self.table.left(rec.request_id), self.resend.cost()
-            late = left is not None and left < need
-            if late:
-                rec.resend_cause = None
-                if not rec.resends:
-                    rec.first_failure = ""  # no resend was tried: the detail is the error's
-            else:
-                rec.replay()  # RUNNING: its step is submitted below
-            n = rec.resends
+        if not rec.resend_due():
+            return []
+        cause = rec.resend_cause
+        if self._ended(rec):
+            rec.resend_cause = None
+            return []
+        left, need = self.table.left(rec.request_id), self.resend.cost()
+        late = left is not None and left < need
+        if late:
+            rec.resend_cause = None
+            if not rec.resends:
+                rec.first_failure = ""  # no resend was tried: the detail is the error's
+        else:
+            rec.replay()  # RUNNING: its step is submitted below
+        n = rec.resends
         if late:
             return self._fail(rec, FailureReason.TRANSPORT_ERROR,
                               f"{cause}; no time left to resend ({left:.2f} s to the "
@@ -349,13 +347,12 @@ class PrefillEvents:
         lost only its acknowledgements): decode received the final notification and
         verified the bytes, so nothing is resent.
         """
-        with self._lock:
-            rec.chunks.clear()
-            snap = self.table.get(rec.request_id)
-            if snap is None or snap.state is not TransferState.TRANSFERRING:
-                return
-            # The request's bytes, not this attempt's (it wrote none): what landed.
-            nbytes = request_bytes(self.layout, rec.src_indices, rec.src_draft)
-            self.table.advance(rec.request_id, TransferState.SUCCESS, nbytes=nbytes)
+        rec.chunks.clear()
+        snap = self.table.get(rec.request_id)
+        if snap is None or snap.state is not TransferState.TRANSFERRING:
+            return
+        # The request's bytes, not this attempt's (it wrote none): what landed.
+        nbytes = request_bytes(self.layout, rec.src_indices, rec.src_draft)
+        self.table.advance(rec.request_id, TransferState.SUCCESS, nbytes=nbytes)
         request_log.info("request %s: Success (decode had it landed before the resend)",
                          rec.request_id, extra=fields(rec.request_id, rec.decode_address))

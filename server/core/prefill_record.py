@@ -11,10 +11,10 @@ started before the data is posted; a resend on a new link writes the record agai
 with its new transfer id.
 
 The staging slots (``--max-inflight`` of them, one LOCAL registration the runtime
-makes) are the core's: a request takes one under the core lock when it posts its
+makes) are the core's: a request takes one, on the daemon's loop, when it posts its
 record and gives it back once none of its writes is outstanding (the record's write
 read it), or when its record is forgotten. :class:`RecordStager` owns them; the core
-holds one and calls it under its lock for the slots (``take``, ``give``, ``use``) and
+holds one and calls it (on the loop) for the slots (``take``, ``give``, ``use``) and
 outside every lock for the record's bytes (``blocks``).
 """
 

@@ -40,7 +40,7 @@ from kvbeam.server.state.lifecycle import Deadlines, TransferTable
 from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Link
-from tests.core_fakes import FakeDecode, FakeLink, fake_conn, wait_for
+from tests.core_fakes import FakeDecode, FakeLink, fake_conn, started_loop, wait_for
 from tests.fixtures import UNIFIED_TARGET, layout, shipped_config
 
 #: Kubernetes' default termination grace period, s: shutdown must end inside it.
@@ -116,6 +116,7 @@ def _decode_with_live_requests(far: FarEnd) -> DecodeDriver:
                         spec=replace(UNIFIED_TARGET, num_req_slots=LIVE), layout=lay,
                         pools=AllocatedSide(lay), integrity=False,
                         handoff_lease_s=30.0, clock=time.monotonic)
+    core.loop = started_loop()  # threads: every call into the core on the loop
     peer = SimpleNamespace(instance_id="prefill-1", control_address="127.0.0.1:9", layout=lay,
                            endpoint=SimpleNamespace(regions=[]))
     conn = PeerConn(cast(VerifiedPeer, peer), cast(Link, FakeLink()))
@@ -185,6 +186,7 @@ def test_prefill_shutdown_with_256_live_requests_ends_inside_the_grace_period(
                          io=futures.ThreadPoolExecutor(8, thread_name_prefix="test-io"),
                          spec=UNIFIED_TARGET, layout=layout(), pools=AllocatedSide(layout()),
                          integrity=False, drain_s=24.0, clock=time.monotonic)
+    core.loop = started_loop()  # threads: every call into the core on the loop
     address = "127.0.0.1:9"
     for i in range(LIVE):
         core.send(f"live-{i}", i % UNIFIED_TARGET.num_req_slots, 100, address, [], True)

@@ -81,10 +81,10 @@ def test_a_landing_replaced_under_verification_is_never_advanced_to_success() ->
     land_record(core, "r", request_digests(core.pools, res.indices))
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, tid))
     assert len(io.queue) == 1
-    with core.core._lock:  # what any path that replaces the landing does (a relink does this)
-        core.core._by_transfer.pop(res.transfer_id)
-        res.transfer_id, res.landing = tid + 100, Landing.AWAITED
-        core.core._by_transfer[res.transfer_id] = "r"
+    # What any path that replaces the landing does (a relink does this):
+    core.core._by_transfer.pop(res.transfer_id)
+    res.transfer_id, res.landing = tid + 100, Landing.AWAITED
+    core.core._by_transfer[res.transfer_id] = "r"
     io.run_all()  # the verification of the old landing finishes only now
     assert core.status("r").state is TransferState.TRANSFERRING, \
         "a replaced landing was advanced to Success"

@@ -23,7 +23,7 @@ from kvbeam.server.state.lifecycle import Deadlines, TransferTable
 from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Blocks, Event, EventKind, Link
-from tests.core_fakes import FakeDecode, FakeLink, fake_conn, land_record, wait_for
+from tests.core_fakes import FakeDecode, FakeLink, fake_conn, land_record, started_loop, wait_for
 from tests.fixtures import UNIFIED_TARGET, layout
 from tests.unit.test_core_decode import PREFILL, FakePrefill, QueueExecutor
 
@@ -78,6 +78,7 @@ def test_prefill_starts_its_digests_on_the_pool_before_posting_and_sends_the_sam
                            io=ThreadPoolExecutor(2), spec=UNIFIED_TARGET, layout=lay,
                            pools=src, integrity=True, drain_s=5.0,
                            digest_pool=pool, clock=time.monotonic)
+        core.loop = started_loop()  # threads: every call into the core on the loop
         core.send("r", 1, SEQ, ADDR, [], True)
         assert wait_for(lambda: len(fake.digests) == 1)
     # On the pool's threads (inline_below=0): the data goes out while they digest, the

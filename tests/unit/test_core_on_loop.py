@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvbeam.loop import DaemonLoop
+from kvbeam.server.core import base
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.states import TransferState
 from tests.core_fakes import FakeLink, prefill_core, wait_for
@@ -72,3 +73,31 @@ def test_every_call_into_the_core_runs_on_the_loop() -> None:
             "abort", "abort_answered"} <= seen, seen
     off = [(name, thread) for name, thread in calls if thread != "kvbeam-test-loop"]
     assert not off, off
+
+
+def test_a_call_after_the_loop_stopped_runs_here_one_at_a_time() -> None:
+    """Shutdown's stragglers call into the core after the loop stopped: on their own
+    thread, under the lock that keeps them one at a time, as the loop ran them."""
+    core, _fake = prefill_core(integrity=False)
+    loop = core.loop
+    assert loop is not None and loop.running
+    loop.stop()
+    seen = core.on_loop(lambda: (threading.current_thread().name, _held_elsewhere()))
+    assert seen == (threading.current_thread().name, True)
+    assert not _held_elsewhere()  # released once the call returned
+
+
+def _held_elsewhere() -> bool:
+    """Whether another thread holds the after-the-loop lock (tried from a new thread)."""
+    free: list[bool] = []
+
+    def attempt() -> None:
+        taken = base._AFTER_LOOP.acquire(blocking=False)
+        free.append(taken)
+        if taken:
+            base._AFTER_LOOP.release()
+
+    thread = threading.Thread(target=attempt)
+    thread.start()
+    thread.join(5)
+    return free == [False]

@@ -334,3 +334,22 @@ def test_a_decodes_connect_and_a_send_to_it_share_one_handshake() -> None:
     assert fake.connects == [ADDR] and core.peers.by_address(ADDR) is conn
     assert core.connect_back(ADDR, conn.instance_id) is conn  # connected: no handshake
     assert fake.connects == [ADDR]
+
+
+def test_an_abort_waiting_for_a_drain_is_woken_by_the_last_completion() -> None:
+    """The driver's Abort waits off the loop on an event the core sets once the request's
+    writes drained; a waiter whose bound passed stops watching, and nothing is kept."""
+    core, _fake, io = _queued(integrity=False)
+    core.send("r", 0, 300, ADDR, [], True)
+    io.run_all()
+    link = _conn_link(core)
+    [(tid, _notify)] = link.writes
+    rec = core.core._out["r"]
+    waiting = core.core.watch_drain(rec)
+    gave_up = core.core.watch_drain(rec)
+    assert waiting is not None and gave_up is not None and not waiting.is_set()
+    core.core.unwatch_drain(rec, gave_up)
+    core.on_event(link.completion(tid))
+    assert waiting.is_set() and not gave_up.is_set()
+    assert not core.core._drain_waiters, "a drained request's waiters were kept"
+    assert core.core.watch_drain(rec) is None  # drained: nothing to wait for

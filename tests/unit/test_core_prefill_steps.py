@@ -35,8 +35,7 @@ def _core(**kw: object) -> tuple[PrefillDriver, FakeDecode, QueueExecutor]:
 
 
 def _rec(core: PrefillDriver, rid: str = "r") -> Outgoing:
-    with core.core._lock:
-        return core.core._out[rid]
+    return core.core._out[rid]
 
 
 def _step(core: PrefillDriver, rid: str = "r") -> Step:

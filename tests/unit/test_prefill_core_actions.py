@@ -56,8 +56,7 @@ def _grant(tid: int = 7) -> WriteGrant:
 
 
 def _rec(core: PrefillCore, rid: str = "r") -> Outgoing:
-    with core._lock:
-        return core._out[rid]
+    return core._out[rid]
 
 
 def _sent(core: PrefillCore, rid: str = "r") -> Outgoing:

@@ -41,8 +41,7 @@ def _posted(retries: int = 0, drain_s: float = 5.0
     assert conn is not None
     link = cast(FakeLink, conn.link)
     [(tid, _notify)] = link.writes
-    with core._lock:
-        rec = core._out["r"]
+    rec = core._out["r"]
     assert rec.attempt.outstanding == 1 and not io.queue
     return core, io, conn, rec, tid
 
