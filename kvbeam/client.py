@@ -188,6 +188,9 @@ class KvbeamClient(ControlChannel):
 
         ``indices``: the engine's source lists of the whole request, keyed like
         :meth:`reserve`'s (``source_slot`` is then ignored); a further chunk may omit them.
+        ``chunks``: the token ranges computed so far (a chunk that is not ``final`` must
+        name them): prefill writes the whole KV pages up to the furthest end not written
+        yet; a page a chunk fills in part goes with a later chunk, once it is whole.
         """
         lists = _lists(indices)
         # With lists the slot is -1 on the wire: a daemon that predates them refuses it.

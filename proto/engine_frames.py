@@ -39,14 +39,13 @@ from kvbeam.states import FailureReason, TransferState
 __all__ = ["FrameError"]  # defined with every other error in kvbeam.errors
 
 #: The frame format's version; a frame of another version is refused (ERROR "version").
-ENGINE_FRAMES_VERSION = 2
+ENGINE_FRAMES_VERSION = 3  # 3: a SEND names no token chunks (its piece's pages do)
 #: Largest frame either side accepts (a 1M-token request's lists are ~100 KB); a
 #: longer length is refused from the 4-byte prefix, before any of the body is read.
 MAX_FRAME_BYTES = 16 << 20
-#: Most index lists in one frame, most indices in one list, most chunks in one SEND.
+#: Most index lists in one frame, most indices in one list.
 MAX_LISTS = 64
 MAX_INDICES = 1 << 22
-MAX_CHUNKS = 4096
 
 RESERVE, SEND, ABORT, RELEASE, DECLINE = 1, 2, 3, 4, 5
 STATE, ERROR = 16, 17
@@ -55,8 +54,9 @@ KIND_NAMES = {RESERVE: "RESERVE", SEND: "SEND", ABORT: "ABORT", RELEASE: "RELEAS
 ENGINE_KINDS = (RESERVE, SEND, ABORT, RELEASE, DECLINE)
 
 #: SEND flags. EXTENDS: the frame's lists are the next piece of the request's source
-#: lists (``u32 kv_offset`` follows the chunks: where its KV pages start in the request's
-#: KV_PAGES list), for an engine that learns its pages chunk by chunk (sglang).
+#: lists (``u32 kv_offset`` follows the flags: where its KV pages start in the request's
+#: KV_PAGES list), for an engine that learns its pages chunk by chunk (sglang). The
+#: pages given so far are the pages the chunk makes ready.
 FINAL, HAS_LISTS, EXTENDS = 1, 2, 4
 
 #: STATE's state byte: sglang's KVPoll integers.
@@ -95,7 +95,6 @@ _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _LIST = struct.Struct("<BBI")
-_CHUNK = struct.Struct("<II")
 _STATE = struct.Struct("<BBI")
 
 
@@ -134,7 +133,6 @@ class Send:
     seq_len: int
     decode_address: str
     final: bool
-    chunks: tuple[tuple[int, int], ...] = ()
     indices: Lists | None = None
     draft: Lists | None = None
     kv_offset: int | None = None
@@ -273,14 +271,11 @@ def encode(frame: EngineFrame | DaemonFrame) -> bytes:
     if isinstance(frame, Send):
         has = frame.indices is not None or frame.draft is not None
         _check_whole(frame.final, has, frame.kv_offset is not None, frame.request_id)
-        if len(frame.chunks) > MAX_CHUNKS:
-            raise FrameError("chunks", f"more than {MAX_CHUNKS} chunks")
         extends = frame.kv_offset is not None
         flags = (FINAL if frame.final else 0) | (HAS_LISTS if has else 0) | (
             EXTENDS if extends else 0)
         body = [_U32.pack(frame.seq_len), _str(frame.decode_address, "decode_address"),
-                _U8.pack(flags), _U16.pack(len(frame.chunks))]
-        body += [_CHUNK.pack(s, e) for s, e in frame.chunks]
+                _U8.pack(flags)]
         if frame.kv_offset is not None:
             if not 0 <= frame.kv_offset <= 0xFFFFFFFF:
                 raise FrameError("kv_offset", "must be in 0..2^32-1")
@@ -404,15 +399,10 @@ def decode(body: bytes | memoryview, allowed: Sequence[int] = ENGINE_KINDS
         (flags,) = cur.unpack(_U8, "flags")
         if flags & ~(FINAL | HAS_LISTS | EXTENDS):
             raise FrameError("flags", f"unknown flag bits {flags:#x}", rid)
-        (n,) = cur.unpack(_U16, "chunks")
-        if n > MAX_CHUNKS:
-            raise FrameError("chunks", f"{n} chunks (at most {MAX_CHUNKS})", rid)
-        chunks = tuple(cur.unpack(_CHUNK, f"chunks[{i}]") for i in range(n))
         _check_whole(bool(flags & FINAL), bool(flags & HAS_LISTS), bool(flags & EXTENDS), rid)
         offset = cur.unpack(_U32, "kv_offset")[0] if flags & EXTENDS else None
         lists = cur.lists() if flags & HAS_LISTS else None
         out = Send(rid, seq_len, address, bool(flags & FINAL),
-                   tuple((int(s), int(e)) for s, e in chunks),
                    lists[0] if lists else None, lists[1] if lists else None,
                    None if offset is None else int(offset))
     elif kind == ABORT:

@@ -98,18 +98,20 @@ def main() -> int:
             print(f"{op} {rid}", flush=True)
         elif op == "chunk":
             rid, seq, addr, seed = cmd[1], int(cmd[2]), cmd[3], int(cmd[4])
-            offset, start, end, final = int(cmd[5]), int(cmd[6]), int(cmd[7]), cmd[8] == "1"
+            # The chunk's tokens [start, end): the frame names the pages they complete.
+            offset, _start, end, final = int(cmd[5]), int(cmd[6]), int(cmd[7]), cmd[8] == "1"
             if rid not in lists:
                 picked = random_lists(config.target, layout, seq, np.random.default_rng(seed))
                 lists[rid] = {k.value: v.tolist() for k, v in picked.items()}
             mapping = lists[rid]
             kv = mapping["KV_PAGES"]
-            upto = len(kv) if final else -(-end // config.target.page_size)
+            # An engine gives a page once every token in it is computed.
+            upto = len(kv) if final else end // config.target.page_size
             states = {k: v for k, v in mapping.items() if k != "KV_PAGES"} if final else None
             sender = requests.get(rid)
             if not isinstance(sender, Sender):
                 sender = requests[rid] = Sender(att, rid, addr)
-            sender.send_chunk(kv[offset:upto], (start, end), seq_len=seq, final=final,
+            sender.send_chunk(kv[offset:upto], seq_len=seq, final=final,
                               state_indices=states, kv_offset=offset)
             print(f"chunk {rid}", flush=True)
         elif op == "poll":

@@ -34,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, required=True, help="tokens in the request")
     parser.add_argument("--decode", required=True, help="decode control address HOST:PORT")
     parser.add_argument("--chunk", action="append", default=[], metavar="START:END",
-                        help="token range of this chunk (repeatable)")
+                        help="token range of this chunk (repeatable); prefill writes the "
+                        "whole KV pages up to the furthest END, a page filled in part "
+                        "with a later chunk")
     parser.add_argument("--not-final", action="store_true", help="more chunks follow")
     add_indices(parser, "prefill's source")
     parser.add_argument("--wait", type=float, default=0.0,

@@ -105,6 +105,11 @@ class Attachment:
 
     def _channel(self, sock: socket.socket, reply: AttachReply) -> EngineChannel | None:
         if reply.channel != ENGINE_FRAMES_VERSION:
+            if reply.channel:
+                log.warning("the daemon on %s speaks engine frames version %d, this kvbeam "
+                            "%d: no engine channel (requests cannot be sent over this "
+                            "attachment); run the same kvbeam in the engine and the daemon",
+                            self.path, reply.channel, ENGINE_FRAMES_VERSION)
             return None
         if self._policy is None:
             return EngineChannel(sock, self.path)

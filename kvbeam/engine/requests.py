@@ -150,18 +150,18 @@ class Sender(_Request):
         self.decode_address = decode_address
         self._pages_sent = 0  # KV pages given so far by send_chunk (the next kv_offset)
 
-    def send_chunk(self, kv_pages: Sequence[int] | Any, chunk: tuple[int, int], *,
-                   seq_len: int, final: bool = False,
+    def send_chunk(self, kv_pages: Sequence[int] | Any, *, seq_len: int, final: bool = False,
                    state_indices: Mapping[str, Sequence[int] | Any] | None = None,
                    kv_offset: int | None = None) -> KVPoll:
-        """Send one chunk as soon as the engine has it: its token range ``chunk`` and the
-        KV pages it adds (the next ones of the request's KV_PAGES list); the final chunk
-        brings every other list whole (``state_indices``: the states, the metadata row,
-        the draft's own lists).
+        """Send one chunk as soon as the engine has it: the KV pages it completes (the
+        next ones of the request's KV_PAGES list; give a page once every token in it is
+        computed, so a chunk that ends inside a page gives that page with the next); the
+        final chunk brings the last pages and every other list whole
+        (``state_indices``: the states, the metadata row, the draft's own lists).
 
         For an engine that learns its pages chunk by chunk (sglang's chunked prefill):
         the daemon writes each chunk's pages while the next is computed, and decode is
-        Success once the final chunk landed (and was verified). Chunks go in order; an
+        Success once the final chunk landed (and was verified). Pieces go in order; an
         out-of-order, overlapping or malformed one is refused (the daemon's ERROR names
         the field; :attr:`refusal`). ``kv_offset``: where these pages start in the
         request's KV_PAGES list (default: after those sent so far).
@@ -175,7 +175,7 @@ class Sender(_Request):
         offset = self._pages_sent if kv_offset is None else kv_offset
         state = self._track() if not self._started else self._state
         self.channel.send(ef.Send(self.request_id, seq_len, self.decode_address, final,
-                                  (chunk,), target, draft, kv_offset=offset))
+                                  target, draft, kv_offset=offset))
         self._started = True
         self._pages_sent = offset + len(target[IndexKind.KV_PAGES])
         assert state is not None
@@ -187,7 +187,7 @@ class Sender(_Request):
         """Send the whole request: its lists in one frame (in chunks: :meth:`send_chunk`)."""
         target, draft = ef.split_lists(index_lists(kv_indices, state_indices))
         state = self._track()
-        self.channel.send(ef.Send(self.request_id, seq_len, self.decode_address, True, (),
+        self.channel.send(ef.Send(self.request_id, seq_len, self.decode_address, True,
                                   target, draft))
         self._started = True
         return _POLL[state.state]

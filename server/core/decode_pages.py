@@ -13,7 +13,7 @@ its buffers address: the draft's own list of a kind where given, else the target
 One owner array per (pool, kind), grown to the largest index seen: a claim and a
 release are one call of the compiled owner book (pools/_owners.c), or where it was not
 built a handful of numpy operations per list, whatever the request's length. Not
-thread-safe on its own: the decode core calls it under its lock.
+thread-safe on its own: the decode core calls it on the daemon's loop only.
 """
 
 from __future__ import annotations

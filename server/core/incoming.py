@@ -1,7 +1,7 @@
 """Decode's record of one request, and the explicit phase of its landing.
 
 A request's bytes are in exactly one :class:`Landing` phase for its current grant;
-the core moves it under its lock (:mod:`kvbeam.server.core.decode`,
+the core moves it on the daemon's loop (:mod:`kvbeam.server.core.decode`,
 :mod:`kvbeam.server.core.decode_landing`). Prefill's counterpart is
 :mod:`kvbeam.server.core.outgoing`.
 """
@@ -90,7 +90,7 @@ class Incoming:
         return TransferFacts(self.nbytes if self.landed else 0, self.nbytes,
                              list_lengths(self.indices, self.draft), self.kv_skip, verification)
 
-    # ---- the landing's moves (the core calls them under its lock) --------------------
+    # ---- the landing's moves (the core calls them on the loop) ----------------------
     @property
     def landed(self) -> bool:
         """Its current grant's notification came (every byte of it landed)."""

@@ -25,7 +25,7 @@ A link failure under the request is not a phase: the resend it owes
 (``resend_cause``) starts once the request is IDLE with no write outstanding
 (:meth:`Outgoing.resend_due`; :mod:`kvbeam.server.core.resend`).
 
-Nothing here locks, sleeps or does I/O: the core calls these methods under its lock
+Nothing here locks, sleeps or does I/O: the core calls these methods on the loop
 and does what they answer (unit tests drive them directly: tests/unit/test_outgoing.py).
 """
 
@@ -36,9 +36,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
 from kvbeam.pools.mailbox import FreeSlots, RecordArea
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.ports import IndexLists, list_lengths
@@ -46,10 +43,13 @@ from kvbeam.server.core.prefill_pieces import Pieces
 from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import TransferFacts
 
-#: Token ranges of a chunk, ``[start, end)`` pairs.
+#: Token ranges of a gRPC Send's chunk, ``[start, end)`` pairs (the core turns them into
+#: the KV pages they complete: :meth:`~kvbeam.server.core.prefill.PrefillCore.send`).
 Ranges = list[tuple[int, int]]
-#: A chunk of a request: its token ranges and whether it is the final one.
-Chunk = tuple[Ranges, bool]
+#: A chunk of a request: the KV pages it makes ready (positions ``[0, pages_to)`` of the
+#: request's KV_PAGES list, those sent before aside), and whether it is the final one
+#: (which sends every page left and the other lists).
+Chunk = tuple[int, bool]
 
 
 class Step(Enum):
@@ -84,19 +84,14 @@ class Attempt:
     covered, its writes in flight and the bytes of them. A resend after a transient
     transport error is a new attempt (:meth:`Outgoing.replay`), one assignment."""
 
-    sent_pages: npt.NDArray[np.bool_]  # the KV pages its chunks covered so far
     posted: list[Chunk] = field(default_factory=list)  # chunks it took (a resend replays)
+    sent_to: int = 0  # KV pages [0, sent_to) are written (or held by decode: kv_skip)
     link: int | None = None  # the link it posts on (its first post sets it)
     outstanding: int = 0  # writes posted and not completed
     pending_bytes: deque[int] = field(default_factory=deque)  # each outstanding write's bytes
     bytes_total: int = 0  # bytes posted
     bytes_done: int = 0  # bytes of completed writes
     final_posted: bool = False  # the final chunk's writes are posted: Success once they complete
-
-    @classmethod
-    def first(cls, src_indices: IndexLists) -> Attempt:
-        """An attempt that has posted nothing, for a request with these source lists."""
-        return cls(np.zeros(len(src_indices[IndexKind.KV_PAGES]), dtype=np.bool_))
 
 
 @dataclass(eq=False)
@@ -151,8 +146,8 @@ class Outgoing:
     def start(cls, request_id: str, src_slot: int, seq_len: int, decode_address: str,
               src_indices: IndexLists, **more: Any) -> Outgoing:
         """A new request's record, its first attempt empty."""
-        return cls(request_id, src_slot, seq_len, decode_address, src_indices,
-                   Attempt.first(src_indices), **more)
+        return cls(request_id, src_slot, seq_len, decode_address, src_indices, Attempt(),
+                   **more)
 
     @property
     def moved_source(self) -> IndexLists:
@@ -185,10 +180,22 @@ class Outgoing:
 
     def queue(self, chunk: Chunk) -> bool:
         """The engine sent a chunk. True when a step must be started for it (the
-        request was IDLE or PARKED; the caller parks it or moves it to RUNNING)."""
+        request was IDLE or PARKED; the caller parks it or moves it to RUNNING). A
+        chunk that is not final and makes no KV page ready beyond those already queued
+        or taken is nothing to write: it is not queued."""
+        pages_to, final = chunk
+        self.final_submitted = final
+        if not final and pages_to <= self.pages_ready:
+            return False
         self.chunks.append(chunk)
-        self.final_submitted = chunk[1]
         return self.step in (Step.IDLE, Step.PARKED)
+
+    @property
+    def pages_ready(self) -> int:
+        """The KV pages the chunks queued or taken so far make ready."""
+        last = self.chunks[-1] if self.chunks else (
+            self.attempt.posted[-1] if self.attempt.posted else (0, False))
+        return last[0]
 
     def park(self, now: float) -> None:
         """Wait for decode's reservation (from IDLE: a Send parked at once; from
@@ -273,5 +280,5 @@ class Outgoing:
         self.resend_cause = None
         self.resends += 1
         self.chunks.extendleft(reversed(self.attempt.posted))
-        self.attempt = Attempt(np.zeros_like(self.attempt.sent_pages))
+        self.attempt = Attempt()
         self.conn = None  # the dead link's connection: the next step finds or makes one

@@ -11,7 +11,7 @@ says nothing about the pair (a busy prefill), so that every reservation does not
 again; and the declines that wait for an ask's answer. docs/protocol.md,
 "Decode-initiated pairing".
 
-No lock of its own and no clock: the decode core calls it under its lock, with ``now``.
+No lock of its own and no clock: the decode core calls it on the daemon's loop, with ``now``.
 """
 
 from __future__ import annotations

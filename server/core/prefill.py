@@ -190,13 +190,19 @@ class PrefillCore(PrefillEvents, CoreBase):
         EXTENDS) they are instead this chunk's piece of the lists, its KV pages from
         that position of the request's KV_PAGES list on, every other list with the
         final chunk (:mod:`kvbeam.server.core.prefill_pieces`); every chunk of such a
-        request gives one.
+        request gives one, and the pages given so far are the pages it makes ready.
+
+        One chunk protocol: a chunk makes the request's KV pages ``[0, n)`` ready (the
+        final one: all of them, and the other lists). A gRPC Send's ``ranges`` (token
+        ranges computed so far) make ready the pages they complete: a page the chunk
+        fills only in part goes with a later chunk, once it is whole.
         """
-        for start, end in ranges:
-            if not 0 <= start < end <= seq_len:
-                raise BadRequest(f"chunk [{start}, {end}) is not inside [0, {seq_len})")
-        if not final and not ranges:
-            raise BadRequest("a non-final chunk must name its token ranges (chunks)")
+        if kv_offset is None:
+            for start, end in ranges:
+                if not 0 <= start < end <= seq_len:
+                    raise BadRequest(f"chunk [{start}, {end}) is not inside [0, {seq_len})")
+            if not final and not ranges:
+                raise BadRequest("a non-final chunk must name its token ranges (chunks)")
         if not decode_address:
             self._check_addressless(request_id, final, kv_offset)
         lists = (validate("prefill", self.spec, self.layout, indices or {}, draft or {}, seq_len)
@@ -232,7 +238,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             pieces = None
             if kv_offset is not None:
                 pieces = Pieces(request_id, self.spec, self.layout, seq_len)
-                whole = pieces.add(kv_offset, ranges, final, indices or {}, draft or {})
+                whole = pieces.add(kv_offset, final, indices or {}, draft or {})
                 lists = whole or ({**{k: np.zeros(0, dtype=np.int64) for k in INDEX_KINDS},
                                    IndexKind.KV_PAGES: pieces.kv_pages}, {})
             src, src_draft = lists or (request_indices(self.spec, src_slot, seq_len), {})
@@ -257,7 +263,7 @@ class PrefillCore(PrefillEvents, CoreBase):
                 if (rec.seq_len, rec.decode_address) != (seq_len, decode_address):
                     raise BadRequest(f"request {request_id}: a further chunk must keep "
                                      "the seq_len and decode address of the first")
-                whole = rec.pieces.add(kv_offset, ranges, final, indices or {}, draft or {})
+                whole = rec.pieces.add(kv_offset, final, indices or {}, draft or {})
                 if whole is not None:
                     rec.src_indices, rec.src_draft = whole
                 indices = draft = None  # taken: not compared with the first's below
@@ -269,7 +275,7 @@ class PrefillCore(PrefillEvents, CoreBase):
                 raise BadRequest(f"request {request_id}: a further chunk must keep "
                                      "the source slot (or index lists), seq_len and decode "
                                      "address of the first")
-        start_step = rec.queue((ranges, final))
+        start_step = rec.queue((self._pages_to(rec, ranges, final), final))
         park = start_step and self._parks_at_once(rec)
         if park:
             rec.park(now)  # decode's Offer starts its step
@@ -529,9 +535,9 @@ class PrefillCore(PrefillEvents, CoreBase):
         """Whether the request's step cannot block, so the thread that made it ready may
         run it: one final chunk, the first attempt, at most ``INLINE_STEP_MAX_PAGES`` KV
         pages, its decode connected with a live peer channel and decode's offer in hand
-        (no BeginWrite). Read without the lock: a race that made the answer stale only
-        turns one of the step's actions into one that blocks, which the driver runs on
-        its executor."""
+        (no BeginWrite). Asked on the loop, where nothing changes it before the step
+        runs; an action of the step that blocks after all (a post that fails) goes to
+        the driver's executor."""
         if (len(rec.chunks) != 1 or not rec.chunks[0][1] or rec.attempt.posted or rec.resends
                 or rec.rehandshake or rec.resend_cause is not None
                 or len(rec.src_indices[IndexKind.KV_PAGES]) > INLINE_STEP_MAX_PAGES):
@@ -577,7 +583,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             self._connecting[rec.decode_address] = [rec]
         else:
             rec.conn = conn
-            ranges, final = rec.take_chunk()
+            pages_to, final = rec.take_chunk()
         if conn is None:
             return [Connect(rec.decode_address)]
         grant, actions = self._offered_grant(rec, conn, final, now)
@@ -586,8 +592,8 @@ class PrefillCore(PrefillEvents, CoreBase):
             # over the peer link: wait for that instead of asking (no BeginWrite).
             return actions + self._park(rec, now)
         if grant is None:
-            return [*actions, AskGrant(rec, conn, ranges, final)]
-        return actions + self._write(rec, conn, ranges, final, grant, now)
+            return [*actions, AskGrant(rec, conn, pages_to, final)]
+        return actions + self._write(rec, conn, pages_to, final, grant, now)
 
     def connected(self, address: str, conn: PeerConn | None, error: Exception | None,
                   elapsed: float) -> Actions:
@@ -610,7 +616,7 @@ class PrefillCore(PrefillEvents, CoreBase):
                 actions.append(RunStep(rec))
         return actions
 
-    def granted(self, rec: Outgoing, conn: PeerConn, ranges: Ranges, final: bool,
+    def granted(self, rec: Outgoing, conn: PeerConn, pages_to: int, final: bool,
                 grant: WriteGrant | None, error: Exception | None, *, elapsed: float,
                 now: float) -> Actions:
         """Decode answered the step's BeginWrite (after ``elapsed`` seconds): its
@@ -618,7 +624,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         for one; landed already: a resend's Success)."""
         if grant is not None:
             self.resend.measured(begin_write=elapsed)
-            return self._write(rec, conn, ranges, final, grant, now)
+            return self._write(rec, conn, pages_to, final, grant, now)
         assert error is not None
         if isinstance(error, NotReserved) and self.send_wait_s and not rec.resends \
                 and not rec.rehandshake and len(rec.attempt.posted) <= 1:
@@ -630,22 +636,26 @@ class PrefillCore(PrefillEvents, CoreBase):
         # Not reserved otherwise: decode forgot it (restarted, expired), none is coming.
         return self.step_failed(rec, conn, error, now)
 
-    def _write(self, rec: Outgoing, conn: PeerConn, ranges: Ranges, final: bool,
+    def _write(self, rec: Outgoing, conn: PeerConn, pages_to: int, final: bool,
                grant: WriteGrant, now: float) -> Actions:
         """Plan the chunk against decode's grant and cut it into writes to post; with
         integrity, the final chunk's digest record follows its data. What fails here
         (decode's grant does not fit, a plan error) fails the step."""
         try:
-            post = self._plan(rec, conn, ranges, final, grant)
+            post = self._plan(rec, conn, pages_to, final, grant)
         except Exception as exc:
             return self.step_failed(rec, conn, exc, now)
         return [post] if post is not None else self._end_step(rec, now)
 
-    def _plan(self, rec: Outgoing, conn: PeerConn, ranges: Ranges, final: bool,
+    def _plan(self, rec: Outgoing, conn: PeerConn, pages_to: int, final: bool,
               grant: WriteGrant) -> PostWrites | None:
-        """The chunk's writes (None: the request ended meanwhile, nothing to post)."""
+        """The chunk's writes (None: nothing to post: the request ended meanwhile, or
+        the chunk's pages are all held by decode, ``kv_skip``)."""
         rid = rec.request_id
         self._check_grant_skip(rec, grant)
+        pages = self._chunk_pages(rec, grant.indices, pages_to, final)
+        if pages is None:
+            return None
         # Integrity: the final chunk's data goes out unnotified, and the request's digest
         # record follows it as one more write of the transfer, notified.
         record = final and self.integrity
@@ -667,7 +677,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             else:
                 self.table.touch(rid)
             rec.transfer_id = grant.transfer_id
-            src_sel, dst_sel = self._select_pages(rec, grant.indices, ranges, final)
+            src_sel, dst_sel = self._select_pages(rec, grant.indices, pages)
             plan = build_plan(self.layout, self.pools.buffer_addrs(), src_sel,
                               conn.peer.layout, conn.addrs, dst_sel, include_states=final,
                               src_draft=rec.src_draft, dst_draft=grant.draft)
@@ -922,38 +932,51 @@ class PrefillCore(PrefillEvents, CoreBase):
                              f"decode's grant: kv_skip {grant.kv_skip} differs from the "
                              f"{rec.kv_skip} of its earlier grant for this request")
 
-    def _select_pages(self, rec: Outgoing, dst: IndexLists, ranges: Ranges,
-                      final: bool) -> tuple[IndexLists, IndexLists]:
-        """This chunk's KV pages (not sent before, and not among the ``kv_skip`` leading
-        pages decode holds); the states go with the final chunk. Decode's KV_PAGES list
-        starts at position ``kv_skip`` of the request's."""
-        page = self.spec.page_size
-        skip = rec.kv_skip or 0
-        reserved = len(dst[IndexKind.KV_PAGES])
-        sent = rec.attempt.sent_pages
-        if final and not skip and reserved == len(sent) and not sent.any():
-            # The usual single-chunk request: every page goes, none went before (what the
-            # masks below compute, in two numpy calls instead of eight).
-            sent[:] = True
-            return rec.src_indices, dst
-        want = np.zeros_like(sent)
+    def _pages_to(self, rec: Outgoing, ranges: Ranges, final: bool) -> int:
+        """The KV pages a chunk makes ready (positions ``[0, n)`` of the request's list):
+        all of them for the final chunk; the pages given so far for a piece; else the
+        whole pages below the furthest token its ranges reach (a page filled in part
+        goes once a later chunk completes it)."""
+        total = len(rec.src_indices[IndexKind.KV_PAGES])
         if final:
-            want[:] = True
-        for start, end in ranges:
-            want[start // page: -(-end // page)] = True
-        want[:skip] = False
-        want &= ~sent
-        if not skip and reserved == len(want) and bool(want.all()):
-            sent |= want
-            return rec.src_indices, dst  # the usual single-chunk request: no mask copies
-        if reserved != len(want) - skip:
+            return total
+        if rec.pieces is not None:
+            return rec.pieces.given
+        return min(max(end for _start, end in ranges) // self.spec.page_size, total)
+
+    def _chunk_pages(self, rec: Outgoing, dst: IndexLists, pages_to: int,
+                     final: bool) -> tuple[int, int] | None:
+        """The positions ``[lo, hi)`` of the request's KV_PAGES this chunk writes: from
+        those written (or held by decode: its KV_PAGES list starts at position
+        ``kv_skip`` of the request's) to those the chunk makes ready; None when a chunk
+        that is not final has none to write (decode holds them all)."""
+        skip = rec.kv_skip or 0
+        total = len(rec.src_indices[IndexKind.KV_PAGES])
+        reserved = len(dst[IndexKind.KV_PAGES])
+        if reserved != total - skip:
             held = f" from position {skip} (kv_skip)" if skip else ""
-            left = f" (so {len(want) - skip} to move)" if skip else ""
+            left = f" (so {total - skip} to move)" if skip else ""
             raise SendFailed(FailureReason.INVALID_REQUEST,
                              f"decode reserved {reserved} KV pages{held}, prefill has "
-                             f"{len(want)}{left}")
-        sent |= want
+                             f"{total}{left}")
+        lo = max(rec.attempt.sent_to, skip)
+        hi = max(lo, total if final else min(pages_to, total))
+        if hi == lo and not final:
+            return None
+        return lo, hi
+
+    def _select_pages(self, rec: Outgoing, dst: IndexLists,
+                      pages: tuple[int, int]) -> tuple[IndexLists, IndexLists]:
+        """The source and destination lists of this chunk's KV pages ``[lo, hi)``
+        (:meth:`_chunk_pages`), now counted as written; the other lists go whole (the
+        plan includes them with the final chunk only)."""
+        lo, hi = pages
+        rec.attempt.sent_to = hi
+        kv = rec.src_indices[IndexKind.KV_PAGES]
+        if lo == 0 and hi == len(kv):
+            return rec.src_indices, dst  # the usual single-chunk request: no copies
+        skip = rec.kv_skip or 0
         src, dst_sel = dict(rec.src_indices), dict(dst)
-        src[IndexKind.KV_PAGES] = rec.src_indices[IndexKind.KV_PAGES][want]
-        dst_sel[IndexKind.KV_PAGES] = dst[IndexKind.KV_PAGES][want[skip:]]
+        src[IndexKind.KV_PAGES] = kv[lo:hi]
+        dst_sel[IndexKind.KV_PAGES] = dst[IndexKind.KV_PAGES][lo - skip:hi - skip]
         return src, dst_sel

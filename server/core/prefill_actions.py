@@ -26,7 +26,7 @@ from kvbeam.states import TransferStatus
 from kvbeam.transport.blocks import Blocks
 
 if TYPE_CHECKING:
-    from kvbeam.server.core.outgoing import Outgoing, Ranges
+    from kvbeam.server.core.outgoing import Outgoing
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class AskGrant:
 
     rec: Outgoing
     conn: PeerConn
-    ranges: Ranges
+    pages_to: int  # the KV pages the chunk makes ready (its Chunk's)
     final: bool
 
 

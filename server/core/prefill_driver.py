@@ -497,7 +497,7 @@ class PrefillDriver(DriverBase[PrefillCore]):
         except Exception as exc:
             error = exc
         ended = self.clock()
-        self._event(lambda: self.core.granted(rec, ask.conn, ask.ranges, ask.final, grant,
+        self._event(lambda: self.core.granted(rec, ask.conn, ask.pages_to, ask.final, grant,
                                               error, elapsed=ended - began, now=ended),
                     on_executor)
 

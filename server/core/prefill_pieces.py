@@ -12,14 +12,14 @@ keeps what came so far and checks each piece before the core queues its chunk:
 - a non-final piece carries target KV_PAGES only (the states and the draft's own
   lists come whole with the final frame), each page in range and none twice in the
   request, no more pages than ``seq_len`` needs;
-- chunks in order: each token range starts where the request's last one ended, and
-  its pages were given (by this frame or an earlier one);
 - the final frame completes KV_PAGES; then the whole lists are validated as a
   request sent in one frame is (:func:`~kvbeam.pools.engine_indices.validate`).
 
-A refusal is a :class:`~kvbeam.errors.FrameError` naming the field (``kv_offset``,
-``lists``, ``chunks``) or a :class:`~kvbeam.errors.BadIndexList` naming the page;
-nothing is recorded then. Pure bookkeeping: the core calls it under its lock.
+The pages given so far are the pages the chunk makes ready: the engine gives a page
+once the tokens in it are computed (sglang's chunks end on a page boundary). A refusal
+is a :class:`~kvbeam.errors.FrameError` naming the field (``kv_offset``, ``lists``) or
+a :class:`~kvbeam.errors.BadIndexList` naming the page; nothing is recorded then. Pure
+bookkeeping, on the daemon's loop.
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.ports import IndexLists
 
-Ranges = list[tuple[int, int]]
-
 
 class Pieces:
     """What came so far of a request's source lists (see the module docstring).
@@ -54,12 +52,11 @@ class Pieces:
         total = expected_lengths(spec, seq_len)[IndexKind.KV_PAGES]
         self.kv_pages: npt.NDArray[np.int64] = np.full(total, -1, dtype=np.int64)
         self.given = 0   # pages given so far: the next piece's kv_offset
-        self.tokens = 0  # the chunks so far cover tokens [0, tokens)
 
     def _refuse(self, field: str, problem: str) -> FrameError:
         return FrameError(field, f"request {self.request_id}: {problem}", self.request_id)
 
-    def add(self, kv_offset: int, ranges: Ranges, final: bool,
+    def add(self, kv_offset: int, final: bool,
             indices: Mapping[IndexKind, ListLike], draft: Mapping[IndexKind, ListLike]
             ) -> tuple[IndexLists, IndexLists] | None:
         """Check and record one frame's piece; the whole (target, draft) lists once the
@@ -87,17 +84,6 @@ class Pieces:
         assembled = np.concatenate([self.kv_pages[:self.given], piece])
         validate_prefix("prefill", self.spec, self.layout, IndexKind.KV_PAGES, assembled,
                         self.seq_len)
-        page, tokens = int(self.spec.page_size), self.tokens
-        for start, end in sorted(ranges):
-            if start != tokens:
-                raise self._refuse("chunks", (
-                    f"chunk [{start}, {end}) does not continue the request at token "
-                    f"{tokens}: chunks come in order, without gaps or overlap"))
-            if -(-end // page) > given:
-                raise self._refuse("chunks", (
-                    f"chunk [{start}, {end}) needs its first {-(-end // page)} KV pages, "
-                    f"{given} were given"))
-            tokens = end
         whole = None
         if final:
             if given != len(self.kv_pages):
@@ -107,5 +93,5 @@ class Pieces:
             whole = validate("prefill", self.spec, self.layout,
                              {**indices, IndexKind.KV_PAGES: assembled}, draft, self.seq_len)
         self.kv_pages[self.given:given] = piece
-        self.given, self.tokens = given, tokens
+        self.given = given
         return whole

@@ -52,7 +52,7 @@ class RecordStager:
             daemon gave none or gave one too small for the layout's records.
         area: the daemon's area, registered LOCAL (None: its own, unregistered: tests).
 
-    Not thread-safe: the core calls ``use``, ``take`` and ``give`` under its lock.
+    Not thread-safe: the core calls ``use``, ``take`` and ``give`` on the daemon's loop.
     """
 
     def __init__(self, slots: int, area: RecordArea | None = None) -> None:

@@ -59,7 +59,7 @@ def transient(status: str | None) -> bool:
 
 class ResendPolicy:
     """When a request whose link failed is resent: how many times, and whether its
-    deadline leaves the time a new link takes (pure; the core calls it under its lock).
+    deadline leaves the time a new link takes (pure; the core calls it on the loop).
 
     Args:
         retries: resends allowed per request (0: a transport error fails it at once).

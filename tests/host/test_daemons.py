@@ -110,9 +110,10 @@ def test_abort_on_decode_propagates_to_prefill_and_frees_the_slot() -> None:
 
 def test_abort_on_prefill_mid_request_reaches_decode() -> None:
     with pair() as (prefill, decode, p, d):
-        d.reserve("pab", 100, prefill.address)
-        # a non-final chunk: prefill handshakes, begins, writes KV, then waits for more
-        p.send("pab", 0, 100, decode.address, final=False, chunks=[(0, 50)])
+        d.reserve("pab", 600, prefill.address)
+        # a non-final chunk (its first KV page): prefill handshakes, begins, writes it,
+        # then waits for more
+        p.send("pab", 0, 600, decode.address, final=False, chunks=[(0, 256)])
         assert wait_until(lambda: d.status("pab").state is TransferState.TRANSFERRING, 10)
         p.abort("pab", "engine cancelled")
         st = d.wait("pab", 10)

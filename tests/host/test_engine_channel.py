@@ -403,8 +403,6 @@ def test_a_request_sent_chunk_by_chunk_moves_each_chunk_as_it_comes(engines: tup
                     "piece starts at 2"),  # a gap: piece 1 skipped
     ("0 0 256 0", "kv_offset: request bad: its KV pages continue at position 1, this piece "
                   "starts at 0"),  # a repeat (overlap)
-    ("1 512 700 1", "chunks: request bad: chunk [512, 700) does not continue the request "
-                    "at token 256"),  # tokens out of order
 ])
 def test_an_out_of_order_piece_is_refused_naming_the_field_and_frees_the_request(
         engines: tuple[DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine],

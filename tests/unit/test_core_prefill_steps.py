@@ -139,12 +139,12 @@ def test_an_abort_of_a_parked_send_leaves_no_step_for_a_late_offer() -> None:
 
 def test_a_link_failure_during_a_queued_step_resends_every_chunk_in_order_after_it() -> None:
     core, fake, io = _core(resend_retries=1)
-    core.send("r", 0, SEQ, ADDR, [(0, 128)], False)
+    core.send("r", 0, SEQ, ADDR, [(0, 256)], False)
     io.run_all()  # handshake, BeginWrite, the first chunk posted (unnotified)
     first = _link(core)
     tid = first.writes[0][0]
     assert first.writes == [(tid, False)] and _step(core) is Step.IDLE
-    core.send("r", 0, SEQ, ADDR, [(128, SEQ)], True)
+    core.send("r", 0, SEQ, ADDR, [(256, SEQ)], True)
     assert _step(core) is Step.RUNNING and len(io.queue) == 1  # its step, not run yet
     # The first chunk's write fails: a resend is owed, but a step is queued.
     core.on_event(first.completion(tid, ok=False, status="IBV_WC_RETRY_EXC_ERR"))

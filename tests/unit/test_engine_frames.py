@@ -28,10 +28,10 @@ def test_every_frame_round_trips() -> None:
         ef.Reserve("r-1", 700, "127.0.0.1:5", lists, draft),
         ef.Reserve("r-1", 700, "127.0.0.1:5", lists, {}, kv_skip=3),
         ef.Decline("r-1", "127.0.0.1:5", "holds it all"),
-        ef.Send("r-1", 700, "127.0.0.1:6", True, (), lists, {}),
-        ef.Send("r-1", 700, "127.0.0.1:6", False, ((256, 512),),
-                {IndexKind.KV_PAGES: np.array([4])}, {}, kv_offset=1),
-        ef.Send("r-1", 700, "127.0.0.1:6", True, ((512, 700),), lists, {}, kv_offset=2),
+        ef.Send("r-1", 700, "127.0.0.1:6", True, lists, {}),
+        ef.Send("r-1", 700, "127.0.0.1:6", False, {IndexKind.KV_PAGES: np.array([4])}, {},
+                kv_offset=1),
+        ef.Send("r-1", 700, "127.0.0.1:6", True, lists, {}, kv_offset=2),
         ef.Abort("r-1", "why"), ef.Release("r-1"),
         ef.State("r-1", TransferState.FAILED, FailureReason.TIMEOUT, 3, "late"),
         ef.Error("", "length", "too long")]
@@ -39,7 +39,7 @@ def test_every_frame_round_trips() -> None:
     for f in frames:
         back = ef.decode(_body(ef.encode(f)), kinds)
         assert type(back) is type(f)
-        for name in ("request_id", "seq_len", "final", "chunks", "detail", "state", "reason",
+        for name in ("request_id", "seq_len", "final", "detail", "state", "reason",
                      "kv_offset", "kv_skip", "prefill_address"):
             assert getattr(back, name, None) == getattr(f, name, None), name
         for name in ("indices", "draft"):
@@ -71,16 +71,16 @@ def test_a_send_without_kv_offset_is_the_whole_request(final: bool, lists: bool)
     request in one frame, final, with its lists; anything else is refused naming
     kv_offset, when encoding and when decoding."""
     whole = {IndexKind.KV_PAGES: np.arange(2)}
-    frame = ef.Send("r", 700, "h:1", final, ((0, 256),), whole if lists else None, None)
+    frame = ef.Send("r", 700, "h:1", final, whole if lists else None, None)
     with pytest.raises(ef.FrameError) as info:
         ef.encode(frame)
     assert info.value.field == "kv_offset"
-    good = _body(ef.encode(ef.Send("r", 700, "h:1", True, (), whole, None)))
+    good = _body(ef.encode(ef.Send("r", 700, "h:1", True, whole, None)))
     flags_at = 1 + 1 + 2 + 1 + 4 + 2 + len("h:1")  # version, kind, id, seq_len, address
     bad = good[:flags_at] + bytes([int(final) | (ef.HAS_LISTS if lists else 0)]) \
         + good[flags_at + 1:]
     with pytest.raises(ef.FrameError) as info:
-        ef.decode(bad if lists else bad[:flags_at + 1 + 2])
+        ef.decode(bad if lists else bad[:flags_at + 1])
     assert info.value.field == "kv_offset"
 
 

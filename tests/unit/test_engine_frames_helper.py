@@ -78,7 +78,7 @@ def test_frames_encode_and_decode_alike(seed: int, bad: bool) -> None:
     target, draft = _lists(rng, bad)
     frames: list[ef.EngineFrame] = [
         ef.Reserve("r", 128, "10.0.0.1:7000", target, draft, int(rng.integers(0, 3))),
-        ef.Send("s", 64, "10.0.0.2:7000", True, ((0, 64),), target, draft)]
+        ef.Send("s", 64, "10.0.0.2:7000", True, target, draft)]
     for frame in frames:
         encoded = _both(functools.partial(ef.encode, frame))
         assert encoded[0] == encoded[1]

@@ -169,3 +169,31 @@ def test_decode_reserve_with_engine_lists_counts_capacity_and_reports_slot_minus
     with pytest.raises(NoFreeSlot):
         core.reserve("one-too-many", 900, "127.0.0.1:7",
                      indices=random_lists(UNIFIED_TARGET, lay, 900, rng))
+
+
+def test_a_page_a_chunk_fills_in_part_moves_once_it_is_whole() -> None:
+    """A chunk makes ready the KV pages it completes: the page its tokens end inside is
+    written by a later chunk, with the tokens the engine computed meanwhile (written
+    with the first chunk, it was never written again: decode kept its first half)."""
+    lay = layout()
+    rng = np.random.default_rng(13)
+    s = random_lists(UNIFIED_TARGET, lay, 1000, rng)
+    d = random_lists(UNIFIED_TARGET, lay, 1000, rng)
+    core, engine = _engine_prefill(d, {})
+    before = AllocatedSide(lay)
+    before.fill_pattern(12)
+    core.send("p", -1, 1000, ADDR, [(0, 300)], False, indices=s)  # page 1 half computed
+    assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
+    conn = core.peers.by_address(ADDR)
+    assert conn is not None and isinstance(conn.link, FakeLink)
+    link = conn.link
+    assert wait_for(lambda: len(link.writes) == 1)
+    copy_blocks(core.pools, engine.side, link.blocks[0])  # the bytes as they are now
+    page = int(s[K.KV_PAGES][1])
+    for buf in lay.flat_buffers:  # the engine computes the rest of page 1
+        if buf.index_kind is K.KV_PAGES:
+            core.pools.buffer_array(buf).reshape(buf.items, buf.item_len)[page] ^= 0x5A
+    core.send("p", -1, 1000, ADDR, [], True, indices=s)
+    assert wait_for(lambda: len(link.writes) == 2)
+    copy_blocks(core.pools, engine.side, link.blocks[1])
+    _assert_moved(core.pools, engine.side, before, s, d)

@@ -29,11 +29,11 @@ def _kv(lists: dict[IndexKind, np.ndarray], a: int, b: int) -> dict[IndexKind, n
 
 def test_pieces_in_order_give_the_whole_lists_at_the_final_frame() -> None:
     p, lists = _start()
-    assert p.add(0, [(0, 256)], False, _kv(lists, 0, 1), {}) is None
-    assert p.add(1, [(256, 512)], False, _kv(lists, 1, 2), {}) is None
+    assert p.add(0, False, _kv(lists, 0, 1), {}) is None
+    assert p.add(1, False, _kv(lists, 1, 2), {}) is None
     assert p.given == 2 and list(p.kv_pages[:2]) == list(lists[KV][:2]) and p.kv_pages[2] == -1
     rest = {**{k: v for k, v in lists.items() if k is not KV}, KV: lists[KV][2:]}
-    whole = p.add(2, [(512, SEQ)], True, rest, {})
+    whole = p.add(2, True, rest, {})
     assert whole is not None
     assert all(np.array_equal(whole[0][k], v) for k, v in lists.items())
 
@@ -41,8 +41,6 @@ def test_pieces_in_order_give_the_whole_lists_at_the_final_frame() -> None:
 @pytest.mark.parametrize(("case", "field", "words"), [
     ("gap", "kv_offset", "continue at position 1, this piece starts at 2"),
     ("repeat", "kv_offset", "continue at position 1, this piece starts at 0"),
-    ("tokens", "chunks", "chunk [512, 700) does not continue the request at token 256"),
-    ("pages", "chunks", "chunk [256, 700) needs its first 3 KV pages, 2 were given"),
     ("states", "lists", "a non-final piece carries target KV_PAGES only, not REQ_SLOT"),
     ("too many", "lists", "KV_PAGES: 4 pages given, 700 tokens need 3"),
     ("short final", "lists", "the final frame leaves KV_PAGES at 2 of the 3 pages"),
@@ -50,29 +48,27 @@ def test_pieces_in_order_give_the_whole_lists_at_the_final_frame() -> None:
 def test_a_bad_piece_is_refused_naming_the_field_and_nothing_is_recorded(
         case: str, field: str, words: str) -> None:
     p, lists = _start()
-    p.add(0, [(0, 256)], False, _kv(lists, 0, 1), {})
+    p.add(0, False, _kv(lists, 0, 1), {})
     rest = {k: v for k, v in lists.items() if k is not KV}
     bad = {
-        "gap": (2, [(512, SEQ)], True, {**rest, KV: lists[KV][2:]}),
-        "repeat": (0, [(0, 256)], False, _kv(lists, 0, 1)),
-        "tokens": (1, [(512, SEQ)], False, _kv(lists, 1, 3)),
-        "pages": (1, [(256, SEQ)], False, _kv(lists, 1, 2)),
-        "states": (1, [(256, 512)], False, {**_kv(lists, 1, 2),
+        "gap": (2, True, {**rest, KV: lists[KV][2:]}),
+        "repeat": (0, False, _kv(lists, 0, 1)),
+        "states": (1, False, {**_kv(lists, 1, 2),
                                             IndexKind.REQ_SLOT: lists[IndexKind.REQ_SLOT]}),
-        "too many": (1, [(256, 512)], False, {KV: np.array([7, 8, 9])}),
-        "short final": (1, [(256, 512)], True, {**rest, KV: lists[KV][1:2]}),
+        "too many": (1, False, {KV: np.array([7, 8, 9])}),
+        "short final": (1, True, {**rest, KV: lists[KV][1:2]}),
     }[case]
     with pytest.raises(FrameError) as info:
         p.add(*bad, {})
     assert info.value.field == field and words in str(info.value), str(info.value)
-    assert p.given == 1 and p.tokens == 256  # nothing recorded
+    assert p.given == 1  # nothing recorded
 
 
 def test_a_page_out_of_range_or_repeated_across_pieces_is_refused() -> None:
     p, lists = _start()
-    p.add(0, [(0, 256)], False, _kv(lists, 0, 1), {})
+    p.add(0, False, _kv(lists, 0, 1), {})
     with pytest.raises(BadIndexList, match="repeats position 0"):
-        p.add(1, [(256, 512)], False, {KV: lists[KV][0:1]}, {})
+        p.add(1, False, {KV: lists[KV][0:1]}, {})
     with pytest.raises(BadIndexList, match="out of range"):
-        p.add(1, [(256, 512)], False, {KV: np.array([1 << 30])}, {})
+        p.add(1, False, {KV: np.array([1 << 30])}, {})
     assert p.given == 1

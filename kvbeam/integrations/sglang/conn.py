@@ -411,8 +411,8 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
 
     def send(self, kv_indices: Any, state_indices: list[Any] | None = None,
              num_kv_tokens: int | None = None, **_: Any) -> None:
-        """One chunk's pages, sent at once: a SEND frame that gives the daemon this
-        chunk's token range and the KV pages it adds (``Sender.send_chunk``), so its
+        """One chunk's pages, sent at once: a SEND frame that gives the daemon the KV
+        pages this chunk adds (``Sender.send_chunk``), so its
         bytes move while sglang computes the next chunk. The last chunk (states given, or
         all pages) also carries the states and the metadata row; decode is Success once
         it landed and was verified.
@@ -422,19 +422,18 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         if self.error is not None:
             return  # failed (or aborted) already: poll says Failed
         pages = [int(p) for p in kv_indices]
-        start = self.tokens
         self.pages.extend(pages)
         self.tokens += num_kv_tokens
         final = state_indices is not None or len(self.pages) >= self.num_pages
         try:
             if self.mgr.staging is None:
-                self._send_chunk(pages, start, final, state_indices)
+                self._send_chunk(pages, final, state_indices)
             elif final:  # staged: the whole request at once, from the staging items
                 self._stage(state_indices)
         except (KvbeamError, RuntimeError, OSError, ValueError) as exc:
             self._fail(f"kvbeam send of {self.request_id} failed: {exc}")
 
-    def _send_chunk(self, pages: list[int], start: int, final: bool,
+    def _send_chunk(self, pages: list[int], final: bool,
                     state_indices: list[Any] | None) -> None:
         if self.request is None:
             self._start()
@@ -442,10 +441,9 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         seq_len, states = self.seq_len, None
         if final:
             states = self._final_lists(state_indices)
-        # Decode's length is authoritative (it reserved with it; the lists are the same):
-        # the last chunk runs to its end, the others end where sglang's did (page-aligned).
-        self.request.send_chunk(pages, (start, seq_len if final else self.tokens),
-                                seq_len=seq_len, final=final, state_indices=states)
+        # Decode's length is authoritative (it reserved with it; the lists are the same).
+        # sglang's chunks end on a page boundary, so each gives only whole pages.
+        self.request.send_chunk(pages, seq_len=seq_len, final=final, state_indices=states)
 
     def _final_lists(self, state_indices: list[Any] | None) -> dict[str, Any]:
         """The lists the last chunk brings (states, the metadata row), checked: prefill's
@@ -479,8 +477,8 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
             return
         assert self.request is not None and self.seq_len is not None
         lists = items.named_lists()
-        self.request.send_chunk(lists.pop("KV_PAGES"), (0, self.seq_len), seq_len=self.seq_len,
-                                final=True, state_indices=lists, kv_offset=0)
+        self.request.send_chunk(lists.pop("KV_PAGES"), seq_len=self.seq_len, final=True,
+                                state_indices=lists, kv_offset=0)
         self.staged_sent = True
 
     def _unstage(self) -> None:
