@@ -123,6 +123,10 @@ class DaemonLoop:
         self._calls: deque[Callable[[], None]] = deque()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # The loop thread's id while it runs (None otherwise), and whether it serves:
+        # plain fields, since every call into a core asks both (one C call, no Python).
+        self._ident: int | None = None
+        self._serving = False
         self._closed = False
         #: Stalls seen (the loop's thread; read by metrics and tests) and when each kind
         #: was last logged.
@@ -150,7 +154,7 @@ class DaemonLoop:
     @property
     def on_loop(self) -> bool:
         """Whether the caller is the loop's thread."""
-        return self._thread is not None and threading.current_thread() is self._thread
+        return threading.get_ident() == self._ident
 
     @property
     def stopped(self) -> bool:
@@ -165,7 +169,7 @@ class DaemonLoop:
     @property
     def running(self) -> bool:
         """Whether the loop's thread serves (started, not stopped)."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._serving
 
     def wake(self) -> None:
         """End the loop's current sleep (any thread; cheap when it is awake already)."""
@@ -202,6 +206,7 @@ class DaemonLoop:
     def start(self) -> None:
         """Start the loop's thread."""
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._serving = True  # calls handed over from now on wait for the thread
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -221,6 +226,14 @@ class DaemonLoop:
 
     # ---- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
+        self._ident = threading.get_ident()
+        try:
+            self._serve()
+        finally:
+            self._serving = False
+            self._ident = None  # an id is reused by a later thread: it is not the loop
+
+    def _serve(self) -> None:
         name_os_thread()
         while not self._stop.is_set():
             # Compared inline, not min()/max() per source: this runs on every pass, and
