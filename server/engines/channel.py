@@ -163,14 +163,10 @@ class CoreOps:
 
     def abort(self, frame: ef.Abort) -> None:
         core = self._core()
-        detail = frame.detail or "aborted by the engine"
-        if isinstance(core, PrefillDriver):
-            # This runs on the daemon's loop, which also brings the writes' completions:
-            # waiting there for them to drain would stall every engine and peer (and
-            # wait in vain). Decode is told once they drained; the engine hears Failed.
-            core.abort(frame.request_id, from_peer=False, detail=detail, wait_s=0.0)
-        else:
-            core.abort(frame.request_id, from_peer=False, detail=detail)
+        # On the daemon's loop, where prefill's abort never waits for the writes to drain
+        # (their completions come through this thread): decode is told once they did.
+        core.abort(frame.request_id, from_peer=False,
+                   detail=frame.detail or "aborted by the engine")
 
     def release(self, frame: ef.Release) -> None:
         core = self._core()

@@ -1,37 +1,45 @@
-"""An engine's ABORT on prefill never waits on the daemon's loop for writes to drain.
+"""Prefill's abort never waits on the daemon's loop for writes to drain.
 
-The engine channel's frames are handled on the daemon's loop, the same thread that
-brings the transport's completions (TCP's ACKs, RDMA's completion events): an abort
-that waited there for the request's writes to drain would stall the whole daemon for
-``ABORT_WAIT_S`` and wait in vain.
+The engine channel's frames (an engine's ABORT) are handled on the daemon's loop, the
+same thread that brings the transport's completions (TCP's ACKs, RDMA's completion
+events): an abort that waited there for the request's writes to drain would stall the
+whole daemon for ``ABORT_WAIT_S`` and wait in vain. Off the loop (a gRPC handler) the
+abort waits a bounded while for the drain, on an event the loop sets.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+import threading
 
-from kvbeam.proto import engine_frames as ef
-from kvbeam.server.core.prefill_driver import PrefillDriver
-from kvbeam.server.engines.channel import CoreOps
-from kvbeam.states import TransferStatus
+from kvbeam.server.core.outgoing import Outgoing
+from kvbeam.states import TransferState
+from tests.core_fakes import FakeLink, prefill_core, wait_for
 
-
-class _AbortRecorder(PrefillDriver):
-    """A prefill driver that only records its aborts (nothing else is called)."""
-
-    def __init__(self) -> None:  # no core: the ops call abort alone
-        self.calls: list[tuple[str, dict[str, Any]]] = []
-
-    def abort(self, request_id: str, **kwargs: Any) -> TransferStatus:
-        self.calls.append((request_id, kwargs))
-        return cast(TransferStatus, None)
+ADDR = "127.0.0.1:9"
 
 
-def test_an_engine_abort_on_prefill_does_not_wait_for_the_drain() -> None:
-    driver = _AbortRecorder()
-    ops = CoreOps("prefill", lambda: driver, lambda: 4096)
-    ops.abort(ef.Abort("r1", ""))
-    ops.abort(ef.Abort("r2", "the engine gave up"))
-    assert driver.calls == [
-        ("r1", {"from_peer": False, "detail": "aborted by the engine", "wait_s": 0.0}),
-        ("r2", {"from_peer": False, "detail": "the engine gave up", "wait_s": 0.0})]
+def test_an_abort_on_the_loop_does_not_wait_for_the_drain_and_one_off_it_does() -> None:
+    core, _fake = prefill_core(integrity=False)
+    loop = core.loop
+    assert loop is not None
+    watched: list[str] = []  # the requests whose drain an abort waited for
+    watch = core.core.watch_drain
+
+    def watch_drain(rec: Outgoing) -> threading.Event | None:
+        watched.append(rec.request_id)
+        return watch(rec)
+
+    core.core.watch_drain = watch_drain  # type: ignore[method-assign]
+    for rid in ("on-loop", "off-loop"):
+        core.send(rid, 0, 300, ADDR, [], True)
+    assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
+    conn = core.peers.by_address(ADDR)
+    assert conn is not None and isinstance(conn.link, FakeLink)
+    link = conn.link
+    assert wait_for(lambda: len(link.writes) == 2)  # both in flight: never completed
+    snap = loop.run_sync(lambda: core.abort("on-loop", from_peer=False, detail="engine"))
+    assert snap.state is TransferState.FAILED
+    assert watched == [], "an abort on the loop waited for the drain"
+    snap = core.abort("off-loop", from_peer=False, detail="scheduler", wait_s=0.05)
+    assert snap.state is TransferState.FAILED
+    assert watched == ["off-loop"], "an abort off the loop did not wait for the drain"
