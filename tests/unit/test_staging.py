@@ -71,24 +71,22 @@ def test_a_full_buffer_waits_for_a_release() -> None:
     assert got.items == 2 and alloc.waits == 1 and alloc.refusals == 0
 
 
+@pytest.mark.timeout(5)  # a wait that did not end fails the test (no wall-clock assert)
 def test_a_wait_that_runs_out_raises_with_the_policy_never_hangs() -> None:
     alloc = SlotAllocator({KV: 4}, FullPolicy.RECOMPUTE)
     alloc.acquire({KV: 3}, 0)
-    t0 = time.monotonic()
     with pytest.raises(StagingFull) as info:
         alloc.acquire({KV: 2}, 0.2)
-    assert time.monotonic() - t0 < 5.0
     assert info.value.policy == "recompute"
     assert "waited 0.2 s" in str(info.value) and "KV_PAGES 1/2" in str(info.value)
     assert alloc.refusals == 1
 
 
+@pytest.mark.timeout(5)  # refused at once: a wait of its 60 s would fail the test
 def test_a_request_larger_than_the_buffer_is_refused_at_once() -> None:
     alloc = SlotAllocator({KV: 4})
-    t0 = time.monotonic()
     with pytest.raises(StagingFull, match="needs 5 KV_PAGES items, the staging buffer holds 4"):
         alloc.acquire({KV: 5}, 60.0)
-    assert time.monotonic() - t0 < 5.0
 
 
 def test_tickets_get_room_in_the_order_they_were_taken_and_never_block() -> None:
