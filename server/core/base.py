@@ -24,7 +24,6 @@ from kvbeam.server.state.lifecycle import TransferTable
 from kvbeam.server.state.peers import Peers
 from kvbeam.states import TransferFacts, TransferStatus
 
-R = TypeVar("R")
 T = TypeVar("T")
 
 #: Longest a thread waits for the daemon's loop to run its call into the core, s (the
@@ -65,7 +64,7 @@ class CoreBase(PoolsHolder, ABC):
 
     @abstractmethod
     def _facts(self, request_id: str) -> TransferFacts | None:
-        """The facts of the request's live record ; None without one."""
+        """The facts of the request's live record; None without one."""
 
     @abstractmethod
     def _verification(self, request_id: str | None) -> str:

@@ -447,8 +447,7 @@ class DecodeCore(CoreBase):
             return self._ask_prefill(res, now)
         if conn.missed_heartbeats:
             return []  # a peer not answering now: BeginWrite decides later
-        if (res.peer_instance or self._res.get(res.request_id) is not res
-                or not self.table.is_live(res.request_id)):
+        if not self._unclaimed(res):
             return []  # BeginWrite came first, or the request ended or is gone
         res.peer_instance, res.link_id, res.offered = conn.instance_id, conn.link.id, True
         return [SendOffer(conn, res, WriteGrant(res.transfer_id, res.indices, res.draft,
@@ -457,10 +456,15 @@ class DecodeCore(CoreBase):
     def _ask_prefill(self, res: Incoming, now: float) -> Actions:
         """Ask the reservation's prefill to connect (decode-initiated pairing), unless an
         ask of it is under way or paused (the reservation is offered when it ends)."""
-        if (res.peer_instance or self._res.get(res.request_id) is not res
-                or not self.table.is_live(res.request_id)):
+        if not self._unclaimed(res):
             return []
         return self._dial(res.prefill_address, now, res.request_id)
+
+    def _unclaimed(self, res: Incoming) -> bool:
+        """Whether ``res`` is still its request's live reservation and no prefill has
+        claimed it yet (no BeginWrite or offer made)."""
+        return (not res.peer_instance and self._res.get(res.request_id) is res
+                and self.table.is_live(res.request_id))
 
     def _dial(self, address: str, now: float, request_id: str) -> Actions:
         """Ask the prefill at ``address`` to connect, naming every request that waits for

@@ -53,7 +53,7 @@ class OfferBook:
     def put(self, offer: Offer, now: float) -> bool:
         """Keep an offer (replacing one for the same request); False when full."""
         if offer.request_id not in self._offers and len(self._offers) >= self.capacity:
-            self._expire(now)
+            self.expire(now)
             if len(self._offers) >= self.capacity:
                 return False
         self._offers[offer.request_id] = offer
@@ -91,8 +91,5 @@ class OfferBook:
 
     def expire(self, now: float) -> None:
         """Forget offers whose reservation lease passed."""
-        self._expire(now)
-
-    def _expire(self, now: float) -> None:
         for rid in [r for r, o in self._offers.items() if o.expires < now]:
             del self._offers[rid]

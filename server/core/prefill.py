@@ -566,10 +566,8 @@ class PrefillCore(PrefillEvents, CoreBase):
             drop = self._drop(old, f"peer channel to {channel.peer} {how}: "
                                    f"{channel.close_reason}", gone=not channel.orderly)
             return [drop, RunStep(rec)]
-        idle = self._ended(rec) or not rec.chunks or rec.resend_cause is not None
-        if idle:
+        if self._ended(rec) or not rec.chunks or rec.resend_cause is not None:
             rec.move(Step.IDLE)
-        if idle:
             return self._maybe_resend(rec)
         if not rec.decode_address and not self._bound_by_offer(rec):
             return self._park(rec, now)  # no decode yet: its Offer names one
@@ -581,11 +579,9 @@ class PrefillCore(PrefillEvents, CoreBase):
                 waiting.append(rec)  # a handshake with that address is under way
                 return []
             self._connecting[rec.decode_address] = [rec]
-        else:
-            rec.conn = conn
-            pages_to, final = rec.take_chunk()
-        if conn is None:
             return [Connect(rec.decode_address)]
+        rec.conn = conn
+        pages_to, final = rec.take_chunk()
         grant, actions = self._offered_grant(rec, conn, final, now)
         if grant is None and self._waits_for_offer(rec, conn, final):
             # Decode's engine reserves on its own daemon, which offers the reservation
@@ -960,7 +956,7 @@ class PrefillCore(PrefillEvents, CoreBase):
                              f"decode reserved {reserved} KV pages{held}, prefill has "
                              f"{total}{left}")
         lo = max(rec.attempt.sent_to, skip)
-        hi = max(lo, total if final else min(pages_to, total))
+        hi = max(lo, pages_to)  # the final chunk's is every page (_pages_to)
         if hi == lo and not final:
             return None
         return lo, hi

@@ -11,10 +11,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from kvbeam.loop import DaemonLoop
 from kvbeam.server.state.lifecycle import Deadlines, TransferTable
 from kvbeam.states import FailureReason, TransferState, TransferStatus
-from tests.core_fakes import wait_for
+from tests.core_fakes import started_loop, wait_for
 from tests.unit.test_core_decode import PREFILL, _core
 
 WAIT_S = 30  # a bound on the wait for the other thread, never reached when it works
@@ -36,9 +35,7 @@ def test_an_abort_between_the_table_entry_and_the_record_leaks_no_slot() -> None
     table = HookedTable(Deadlines())
     core.core.table = table
     free = core.slots.free
-    loop = DaemonLoop("kvbeam-test-loop")
-    loop.start()
-    core.loop = loop
+    core.loop = loop = started_loop()
     answers: list[TransferStatus] = []
     aborter = threading.Thread(
         target=lambda: answers.append(core.abort("r", from_peer=False, detail="scheduler")))

@@ -15,7 +15,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvbeam.loop import DaemonLoop
 from kvbeam.server.core import base
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.states import TransferState
@@ -44,10 +43,9 @@ def _record(core: PrefillDriver) -> list[tuple[str, str]]:
 
 
 def test_every_call_into_the_core_runs_on_the_loop() -> None:
-    core, _fake = prefill_core(integrity=False)
-    loop = DaemonLoop("kvbeam-test-loop")
-    loop.start()
-    core.loop = loop
+    core, _fake = prefill_core(integrity=False)  # its executor's threads: with a loop
+    loop = core.loop
+    assert loop is not None
     calls = _record(core)
     try:
         core.send("r", 0, 300, ADDR, [], True)  # this thread: a gRPC handler's
