@@ -4,6 +4,7 @@ told (attach, refuse) and can drop the attached connection."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import threading
@@ -174,9 +175,29 @@ def test_closing_while_re_attaching_stops_it_and_a_policy_may_give_up(sock_path:
         assert len(os.listdir("/proc/self/fd")) == fds_before
 
 
-def test_a_full_listen_backlog_is_retried_until_the_timeout(sock_path: str) -> None:
+@pytest.mark.timeout(30)  # the waits below that must end (no wall-clock assert)
+def test_a_full_listen_backlog_is_retried_until_the_timeout(
+        sock_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Unix socket's connect fails at once with EAGAIN while the listener's backlog is
-    full: attach retries until its timeout instead of failing in milliseconds."""
+    full: attach retries until its timeout instead of failing in milliseconds. The
+    listener accepts only once attach has paused to try again (its module's
+    ``time.sleep``, seen here): attach then ends attached, after that pause."""
+    order: list[str] = []
+    paused = threading.Event()
+    attach_module = importlib.import_module("kvbeam.engine.attach")
+
+    class SeenPauses:
+        """kvbeam.engine.attach's ``time``: the real clock, its pauses recorded."""
+
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            order.append("pause")
+            paused.set()
+            time.sleep(seconds)
+
+    monkeypatch.setattr(attach_module, "time", SeenPauses)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(sock_path)
     listener.listen(0)
@@ -190,9 +211,12 @@ def test_a_full_listen_backlog_is_retried_until_the_timeout(sock_path: str) -> N
             s.close()
             break
         fillers.append(s)
+    done = threading.Event()
 
     def serve_later() -> None:
-        time.sleep(0.5)
+        if not paused.wait(20):  # attach failed (or never retried): accept nothing
+            return
+        order.append("accept")
         for _ in range(len(fillers) + 1):
             conn, _ = listener.accept()
             conn.settimeout(5)
@@ -202,18 +226,24 @@ def test_a_full_listen_backlog_is_retried_until_the_timeout(sock_path: str) -> N
                 conn.close()  # a filler: it sent nothing
                 continue
             conn.sendall(frame(reply_to_json(AttachReply(True, instance_id="late"))))
-            time.sleep(0.5)
+            done.wait(20)  # kept open until the test is done with the attachment
+            conn.close()
             return
 
     for s in fillers:
         s.close()  # closed, but still queued in the backlog until accepted
     server = threading.Thread(target=serve_later, daemon=True)
     server.start()
-    with EnginePools(side()) as pools:
-        t0 = time.monotonic()
-        att = attach(sock_path, pools, timeout=10)
-        assert att.instance_id == "late" and time.monotonic() - t0 >= 0.4
-        att.close()
+    try:
+        with EnginePools(side()) as pools:
+            att = attach(sock_path, pools, timeout=10)
+            order.append("attached")
+            assert att.instance_id == "late"
+            # Refused with EAGAIN, paused, tried again: attached only after the accept
+            # (more pauses may come between: tries that found the backlog still full).
+            assert order[0] == "pause" and "accept" in order and order[-1] == "attached", order
+            att.close()
+    finally:
+        done.set()
     server.join(5)
     listener.close()
-
