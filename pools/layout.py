@@ -15,6 +15,7 @@ Buffer order follows sglang's wire layout:
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -179,6 +180,30 @@ class SideLayout:
     def total_bytes(self) -> int:
         """Bytes allocated for all tensors."""
         return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def num_layers(self) -> int:
+        """The target model's layers (one compression ratio each): what a piece of a
+        request ready in ``layers`` of them counts (docs/protocol.md, LAYERS)."""
+        return len(self.target.compression_ratios)
+
+    @functools.cached_property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layer of each main KV buffer, in positional order: what selects a
+        layer range's buffers (:func:`kvbeam.pools.plan.build_plan`'s ``layers``). Every
+        builder here names a KV buffer ``<pool>.layer<N>.<part>``; a layout decoded from
+        a peer is planned as the destination only, so it is never asked."""
+        out = []
+        for buf in self.kv.buffers:
+            found = _LAYER_NAME.search(buf.name)
+            if found is None:
+                raise ValueError(f"KV buffer {buf.name!r} names no layer (<pool>.layer<N>.)")
+            out.append(int(found.group(1)))
+        return tuple(out)
+
+
+#: A KV buffer's layer in its name (the builders below: ``<pool>.layer<N>.<part>``).
+_LAYER_NAME = re.compile(r"\.layer(\d+)\.")
 
 
 class _Builder:

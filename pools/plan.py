@@ -377,7 +377,7 @@ def _cached(key: tuple[object, ...], src: SideLayout, dst: SideLayout) -> _Shape
 
 def _shape(key: tuple[object, ...], src: SideLayout, dst: SideLayout, include_kv: bool,
            include_states: bool, src_draft: IndexLists | None,
-           dst_draft: IndexLists | None) -> _Shape:
+           dst_draft: IndexLists | None, layers: tuple[int, int] | None) -> _Shape:
     if len(src.components) != len(dst.components):
         raise PlanError(
             f"component count differs: source {len(src.components)}, "
@@ -394,8 +394,11 @@ def _shape(key: tuple[object, ...], src: SideLayout, dst: SideLayout, include_kv
                 f"destination {len(dc.buffers)}"
             )
         wanted = include_kv if sc.state_type is None else include_states
+        in_layers = (src.kv_layers if layers is not None and sc.state_type is None
+                     else None)
         for bi, (sb, db) in enumerate(zip(sc.buffers, dc.buffers, strict=True)):
-            if wanted:
+            if wanted and (in_layers is None or layers is None
+                           or layers[0] <= in_layers[bi] < layers[1]):
                 jobs.append((ci, bi, sb, db, sc.pool))
                 flat_pos.append(flat)
                 sc_is_kv.append(sc.state_type is None)
@@ -591,6 +594,7 @@ def build_plan(
     include_states: bool = True,
     src_draft: IndexLists | None = None,
     dst_draft: IndexLists | None = None,
+    layers: tuple[int, int] | None = None,
 ) -> TransferPlan:
     """Plan a request's transfer from ``src`` to ``dst``.
 
@@ -600,7 +604,10 @@ def build_plan(
     ``include_states`` select the main KV component and the state components (a
     chunked send moves KV chunks first and the states with the last chunk).
     ``*_draft`` are the draft pool's own lists by kind, where an engine gave them
-    (:func:`list_for`). Index lists may come in any order and be fragmented: each
+    (:func:`list_for`). ``layers`` ``(lo, hi)`` keeps the main KV buffers of the
+    source's layers ``lo..hi-1`` only (:attr:`SideLayout.kv_layers`; a piece of a
+    request ready in some layers, docs/protocol.md), None every layer. Index lists may
+    come in any order and be fragmented: each
     run contiguous on both sides becomes one block, so a shuffled list gives more,
     smaller blocks, each item still landing at its paired position.
 
@@ -608,7 +615,7 @@ def build_plan(
     counts, item lengths, index ranges and index-list lengths.
     """
     key = (id(src), id(dst), include_kv, include_states, _draft_kinds(src_draft),
-           _draft_kinds(dst_draft))
+           _draft_kinds(dst_draft), layers)
     shape = _cached(key, src, dst)
     n_src, n_dst = shape.n_flat if shape else (len(src.flat_buffers), len(dst.flat_buffers))
     if len(src_addrs) != n_src or len(dst_addrs) != n_dst:
@@ -617,7 +624,8 @@ def build_plan(
             f"{n_src} buffers, destination {len(dst_addrs)} for {n_dst}"
         )
     if shape is None:
-        shape = _shape(key, src, dst, include_kv, include_states, src_draft, dst_draft)
+        shape = _shape(key, src, dst, include_kv, include_states, src_draft, dst_draft,
+                       layers)
     if COMPILED and shape.broken is None:
         plan = _compiled_plan(shape, src_indices, dst_indices, src_draft, dst_draft,
                               src_addrs, dst_addrs)

@@ -39,7 +39,7 @@ from kvbeam.states import FailureReason, TransferState
 __all__ = ["FrameError"]  # defined with every other error in kvbeam.errors
 
 #: The frame format's version; a frame of another version is refused (ERROR "version").
-ENGINE_FRAMES_VERSION = 3  # 3: a SEND names no token chunks (its piece's pages do)
+ENGINE_FRAMES_VERSION = 4  # 4: a SEND piece may be ready in some layers (LAYERS)
 #: Largest frame either side accepts (a 1M-token request's lists are ~100 KB); a
 #: longer length is refused from the 4-byte prefix, before any of the body is read.
 MAX_FRAME_BYTES = 16 << 20
@@ -56,8 +56,11 @@ ENGINE_KINDS = (RESERVE, SEND, ABORT, RELEASE, DECLINE)
 #: SEND flags. EXTENDS: the frame's lists are the next piece of the request's source
 #: lists (``u32 kv_offset`` follows the flags: where its KV pages start in the request's
 #: KV_PAGES list), for an engine that learns its pages chunk by chunk (sglang). The
-#: pages given so far are the pages the chunk makes ready.
-FINAL, HAS_LISTS, EXTENDS = 1, 2, 4
+#: pages given so far are the pages the chunk makes ready. LAYERS (with EXTENDS, not
+#: FINAL): ``u16 layers`` follows ``kv_offset``: the pages given so far are ready in the
+#: model's layers ``[0, layers)`` only (an engine that sends each layer as it is
+#: computed); without it a piece's pages are ready in every layer.
+FINAL, HAS_LISTS, EXTENDS, LAYERS = 1, 2, 4, 8
 
 #: STATE's state byte: sglang's KVPoll integers.
 STATE_CODES = {TransferState.FAILED: 0, TransferState.BOOTSTRAPPING: 1,
@@ -126,7 +129,9 @@ class Send:
     Without ``kv_offset`` it is the whole request in one frame: final, with its lists.
     With it (flag EXTENDS) it is a chunk, and every frame of the request carries the
     next piece: its KV pages, which continue the request's KV_PAGES list at position
-    ``kv_offset``, and, in the final frame, every other list whole.
+    ``kv_offset``, and, in the final frame, every other list whole. ``layers``
+    (a piece that is not final): the pages given so far are ready in the model's
+    layers ``[0, layers)`` only; None: in every layer.
     """
 
     request_id: str
@@ -136,6 +141,7 @@ class Send:
     indices: Lists | None = None
     draft: Lists | None = None
     kv_offset: int | None = None
+    layers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -250,13 +256,18 @@ def encode_state(request_id: str, state: TransferState, reason: FailureReason | 
                               else 0, version & 0xFFFFFFFF) + _str(detail[:4096], "detail"))
 
 
-def _check_whole(final: bool, has_lists: bool, extends: bool, request_id: str) -> None:
+def _check_whole(final: bool, has_lists: bool, extends: bool, layered: bool,
+                 request_id: str) -> None:
     """A SEND without EXTENDS is a whole request: final, with its lists (one way to send
-    in chunks: pieces)."""
+    in chunks: pieces); only a piece that is not final names its layers."""
     if not extends and not (final and has_lists):
         raise FrameError("kv_offset", "a SEND without kv_offset is the whole request in one "
                          "frame (final, with its lists); a chunk gives its piece of the "
                          "lists with kv_offset (flag EXTENDS)", request_id)
+    if layered and (final or not extends):
+        raise FrameError("layers", "only a piece that is not final (kv_offset, not final) "
+                         "names the layers its pages are ready in: the final frame makes "
+                         "every layer of every page ready", request_id)
 
 
 def encode(frame: EngineFrame | DaemonFrame) -> bytes:
@@ -270,16 +281,22 @@ def encode(frame: EngineFrame | DaemonFrame) -> bytes:
                       + (_U32.pack(frame.kv_skip) if frame.kv_skip else b""))
     if isinstance(frame, Send):
         has = frame.indices is not None or frame.draft is not None
-        _check_whole(frame.final, has, frame.kv_offset is not None, frame.request_id)
+        layered = frame.layers is not None
+        _check_whole(frame.final, has, frame.kv_offset is not None, layered,
+                     frame.request_id)
         extends = frame.kv_offset is not None
         flags = (FINAL if frame.final else 0) | (HAS_LISTS if has else 0) | (
-            EXTENDS if extends else 0)
+            EXTENDS if extends else 0) | (LAYERS if layered else 0)
         body = [_U32.pack(frame.seq_len), _str(frame.decode_address, "decode_address"),
                 _U8.pack(flags)]
         if frame.kv_offset is not None:
             if not 0 <= frame.kv_offset <= 0xFFFFFFFF:
                 raise FrameError("kv_offset", "must be in 0..2^32-1")
             body.append(_U32.pack(frame.kv_offset))
+        if frame.layers is not None:
+            if not 1 <= frame.layers <= 0xFFFF:
+                raise FrameError("layers", "must be in 1..65535")
+            body.append(_U16.pack(frame.layers))
         if has:
             body.append(_lists(frame.indices or {}, frame.draft or {}))
         return _frame(SEND, frame.request_id, b"".join(body))
@@ -397,14 +414,20 @@ def decode(body: bytes | memoryview, allowed: Sequence[int] = ENGINE_KINDS
         (seq_len,) = cur.unpack(_U32, "seq_len")
         address = cur.string("decode_address")
         (flags,) = cur.unpack(_U8, "flags")
-        if flags & ~(FINAL | HAS_LISTS | EXTENDS):
+        if flags & ~(FINAL | HAS_LISTS | EXTENDS | LAYERS):
             raise FrameError("flags", f"unknown flag bits {flags:#x}", rid)
-        _check_whole(bool(flags & FINAL), bool(flags & HAS_LISTS), bool(flags & EXTENDS), rid)
+        _check_whole(bool(flags & FINAL), bool(flags & HAS_LISTS), bool(flags & EXTENDS),
+                     bool(flags & LAYERS), rid)
         offset = cur.unpack(_U32, "kv_offset")[0] if flags & EXTENDS else None
+        layers = cur.unpack(_U16, "layers")[0] if flags & LAYERS else None
+        if layers == 0:
+            raise FrameError("layers", "must be at least 1 (a piece ready in no layer "
+                             "makes nothing ready)", rid)
         lists = cur.lists() if flags & HAS_LISTS else None
         out = Send(rid, seq_len, address, bool(flags & FINAL),
                    lists[0] if lists else None, lists[1] if lists else None,
-                   None if offset is None else int(offset))
+                   None if offset is None else int(offset),
+                   None if layers is None else int(layers))
     elif kind == ABORT:
         out = Abort(rid, cur.string("detail"))
     elif kind == RELEASE:

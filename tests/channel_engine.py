@@ -15,6 +15,9 @@ attach again when the daemon goes away, with a short backoff), prints
 - ``chunk RID SEQ DECODE_ADDR LIST_SEED OFFSET START END FINAL``: Sender.send_chunk of
   tokens [START, END) with the request's KV pages from position OFFSET up to the chunk's
   last page (FINAL 1: all the rest, and the other lists)
+- ``layers RID SEQ DECODE_ADDR LIST_SEED LAYERS``: Sender.send_chunk ready in the model's
+  layers [0, LAYERS): the first gives every KV page of the request, later ones none
+  (their pages are those given); the final chunk is ``chunk`` with FINAL 1
 - ``poll RID`` / ``wait RID SECONDS``: the KVPoll name (and the failure, if any)
 - ``abort RID`` / ``release RID``
 - ``reuse RID NEW SEQ PREFILL_ADDR``: abort RID, wait for its pushed terminal state,
@@ -114,6 +117,17 @@ def main() -> int:
             sender.send_chunk(kv[offset:upto], seq_len=seq, final=final,
                               state_indices=states, kv_offset=offset)
             print(f"chunk {rid}", flush=True)
+        elif op == "layers":
+            rid, seq, addr, seed, ready = cmd[1], int(cmd[2]), cmd[3], int(cmd[4]), int(cmd[5])
+            if rid not in lists:
+                picked = random_lists(config.target, layout, seq, np.random.default_rng(seed))
+                lists[rid] = {k.value: v.tolist() for k, v in picked.items()}
+            sender = requests.get(rid)
+            given = [] if isinstance(sender, Sender) else lists[rid]["KV_PAGES"]
+            if not isinstance(sender, Sender):
+                sender = requests[rid] = Sender(att, rid, addr)
+            sender.send_chunk(given, seq_len=seq, layers=ready)
+            print(f"layers {rid}", flush=True)
         elif op == "poll":
             print(answer(requests[cmd[1]], requests[cmd[1]].poll()), flush=True)
         elif op == "wait":

@@ -152,7 +152,7 @@ class Sender(_Request):
 
     def send_chunk(self, kv_pages: Sequence[int] | Any, *, seq_len: int, final: bool = False,
                    state_indices: Mapping[str, Sequence[int] | Any] | None = None,
-                   kv_offset: int | None = None) -> KVPoll:
+                   kv_offset: int | None = None, layers: int | None = None) -> KVPoll:
         """Send one chunk as soon as the engine has it: the KV pages it completes (the
         next ones of the request's KV_PAGES list; give a page once every token in it is
         computed, so a chunk that ends inside a page gives that page with the next); the
@@ -166,16 +166,24 @@ class Sender(_Request):
         the field; :attr:`refusal`). ``kv_offset``: where these pages start in the
         request's KV_PAGES list (default: after those sent so far).
 
+        ``layers`` (an engine that sends each layer as it computes it): the pages sent
+        so far are ready in the model's layers ``[0, layers)`` only, and the daemon
+        writes those layers now. Call it again with more layers (``kv_pages`` empty);
+        add the next chunk's pages once those before are ready in every layer (a chunk
+        without ``layers`` is ready in every layer; the final chunk is).
+
         Raises:
-            ValueError: states before the final chunk.
+            ValueError: states, or ``layers``, with the final chunk misplaced.
         """
         if state_indices and not final:
             raise ValueError("the other lists (state_indices) come with the final chunk")
+        if final and layers is not None:
+            raise ValueError("the final chunk is ready in every layer: it names no layers")
         target, draft = ef.split_lists(index_lists(kv_pages, state_indices))
         offset = self._pages_sent if kv_offset is None else kv_offset
         state = self._track() if not self._started else self._state
         self.channel.send(ef.Send(self.request_id, seq_len, self.decode_address, final,
-                                  target, draft, kv_offset=offset))
+                                  target, draft, kv_offset=offset, layers=layers))
         self._started = True
         self._pages_sent = offset + len(target[IndexKind.KV_PAGES])
         assert state is not None

@@ -38,6 +38,7 @@ from typing import Any
 
 from kvbeam.pools.mailbox import FreeSlots, RecordArea
 from kvbeam.pools.types import IndexKind
+from kvbeam.server.core.chunks import NOTHING, Chunk
 from kvbeam.server.core.ports import IndexLists, list_lengths
 from kvbeam.server.core.prefill_pieces import Pieces
 from kvbeam.server.state.peers import PeerConn
@@ -46,10 +47,6 @@ from kvbeam.states import TransferFacts
 #: Token ranges of a gRPC Send's chunk, ``[start, end)`` pairs (the core turns them into
 #: the KV pages they complete: :meth:`~kvbeam.server.core.prefill.PrefillCore.send`).
 Ranges = list[tuple[int, int]]
-#: A chunk of a request: the KV pages it makes ready (positions ``[0, pages_to)`` of the
-#: request's KV_PAGES list, those sent before aside), and whether it is the final one
-#: (which sends every page left and the other lists).
-Chunk = tuple[int, bool]
 
 
 class Step(Enum):
@@ -85,7 +82,7 @@ class Attempt:
     transport error is a new attempt (:meth:`Outgoing.replay`), one assignment."""
 
     posted: list[Chunk] = field(default_factory=list)  # chunks it took (a resend replays)
-    sent_to: int = 0  # KV pages [0, sent_to) are written (or held by decode: kv_skip)
+    written: Chunk = NOTHING  # what of the request's KV pages is written (chunks.py)
     link: int | None = None  # the link it posts on (its first post sets it)
     outstanding: int = 0  # writes posted and not completed
     pending_bytes: deque[int] = field(default_factory=deque)  # each outstanding write's bytes
@@ -183,19 +180,18 @@ class Outgoing:
         request was IDLE or PARKED; the caller parks it or moves it to RUNNING). A
         chunk that is not final and makes no KV page ready beyond those already queued
         or taken is nothing to write: it is not queued."""
-        pages_to, final = chunk
-        self.final_submitted = final
-        if not final and pages_to <= self.pages_ready:
+        self.final_submitted = chunk.final
+        if not chunk.final and not chunk.adds_to(self.ready):
             return False
         self.chunks.append(chunk)
         return self.step in (Step.IDLE, Step.PARKED)
 
     @property
-    def pages_ready(self) -> int:
-        """The KV pages the chunks queued or taken so far make ready."""
-        last = self.chunks[-1] if self.chunks else (
-            self.attempt.posted[-1] if self.attempt.posted else (0, False))
-        return last[0]
+    def ready(self) -> Chunk:
+        """What the chunks queued or taken so far make ready (the last of them)."""
+        if self.chunks:
+            return self.chunks[-1]
+        return self.attempt.posted[-1] if self.attempt.posted else NOTHING
 
     def park(self, now: float) -> None:
         """Wait for decode's reservation (from IDLE: a Send parked at once; from
@@ -212,8 +208,12 @@ class Outgoing:
         return True
 
     def take_chunk(self) -> Chunk:
-        """The step takes the next chunk (kept in ``posted``: a resend replays it)."""
-        chunk = self.chunks.popleft()
+        """The step takes the newest chunk (kept in ``posted``: a resend replays it).
+        A chunk says all that is ready so far, so the newest covers those queued before
+        it: one step (one grant, one batch of writes) for what came while the last step
+        ran, e.g. the layers a layer-by-layer engine computed meanwhile."""
+        chunk = self.chunks[-1]
+        self.chunks.clear()
         self.attempt.posted.append(chunk)
         return chunk
 

@@ -57,6 +57,7 @@ from kvbeam.pools.sub_batches import MAX_MARKS, bounds, buffer_bytes, cuts, mark
 from kvbeam.pools.types import INDEX_KINDS, IndexKind
 from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.base import CoreBase
+from kvbeam.server.core.chunks import Chunk, Rect, unwritten
 from kvbeam.server.core.offers import Offer, OfferBook
 from kvbeam.server.core.outgoing import Outgoing, Ranges, Step
 from kvbeam.server.core.ports import IndexLists, WriteGrant
@@ -179,7 +180,8 @@ class PrefillCore(PrefillEvents, CoreBase):
     def send(self, request_id: str, src_slot: int, seq_len: int, decode_address: str,
              ranges: Ranges, final: bool, *, indices: Mapping[IndexKind, ListLike] | None = None,
              draft: Mapping[IndexKind, ListLike] | None = None,
-             kv_offset: int | None = None, now: float) -> Actions:
+             kv_offset: int | None = None, layers: int | None = None,
+             now: float) -> Actions:
         """Queue (a chunk of) a request for decode: the actions start its step (or none:
         a step runs, or it parks); its status is :meth:`status`.
 
@@ -190,7 +192,9 @@ class PrefillCore(PrefillEvents, CoreBase):
         EXTENDS) they are instead this chunk's piece of the lists, its KV pages from
         that position of the request's KV_PAGES list on, every other list with the
         final chunk (:mod:`kvbeam.server.core.prefill_pieces`); every chunk of such a
-        request gives one, and the pages given so far are the pages it makes ready.
+        request gives one, and the pages given so far are the pages it makes ready:
+        in every layer, or with ``layers`` (LAYERS) in the model's layers ``[0,
+        layers)`` only (:mod:`kvbeam.server.core.chunks`).
 
         One chunk protocol: a chunk makes the request's KV pages ``[0, n)`` ready (the
         final one: all of them, and the other lists). A gRPC Send's ``ranges`` (token
@@ -238,7 +242,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             pieces = None
             if kv_offset is not None:
                 pieces = Pieces(request_id, self.spec, self.layout, seq_len)
-                whole = pieces.add(kv_offset, final, indices or {}, draft or {})
+                whole = pieces.add(kv_offset, final, indices or {}, draft or {}, layers)
                 lists = whole or ({**{k: np.zeros(0, dtype=np.int64) for k in INDEX_KINDS},
                                    IndexKind.KV_PAGES: pieces.kv_pages}, {})
             src, src_draft = lists or (request_indices(self.spec, src_slot, seq_len), {})
@@ -263,7 +267,7 @@ class PrefillCore(PrefillEvents, CoreBase):
                 if (rec.seq_len, rec.decode_address) != (seq_len, decode_address):
                     raise BadRequest(f"request {request_id}: a further chunk must keep "
                                      "the seq_len and decode address of the first")
-                whole = rec.pieces.add(kv_offset, final, indices or {}, draft or {})
+                whole = rec.pieces.add(kv_offset, final, indices or {}, draft or {}, layers)
                 if whole is not None:
                     rec.src_indices, rec.src_draft = whole
                 indices = draft = None  # taken: not compared with the first's below
@@ -275,7 +279,7 @@ class PrefillCore(PrefillEvents, CoreBase):
                 raise BadRequest(f"request {request_id}: a further chunk must keep "
                                      "the source slot (or index lists), seq_len and decode "
                                      "address of the first")
-        start_step = rec.queue((self._pages_to(rec, ranges, final), final))
+        start_step = rec.queue(self._chunk(rec, ranges, final))
         park = start_step and self._parks_at_once(rec)
         if park:
             rec.park(now)  # decode's Offer starts its step
@@ -412,7 +416,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         connected: its step would wait for the Offer): it parks here, at once, and
         decode's Offer starts its one step (no executor job that only parks).
         The step's own test is :meth:`_waits_for_offer`."""
-        if rec.attempt.posted or len(rec.chunks) != 1 or not rec.chunks[0][1] or \
+        if rec.attempt.posted or len(rec.chunks) != 1 or not rec.chunks[0].final or \
                 rec.step is not Step.IDLE:
             return False
         if self.offers.has(rec.request_id):
@@ -538,7 +542,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         (no BeginWrite). Asked on the loop, where nothing changes it before the step
         runs; an action of the step that blocks after all (a post that fails) goes to
         the driver's executor."""
-        if (len(rec.chunks) != 1 or not rec.chunks[0][1] or rec.attempt.posted or rec.resends
+        if (len(rec.chunks) != 1 or not rec.chunks[0].final or rec.attempt.posted or rec.resends
                 or rec.rehandshake or rec.resend_cause is not None
                 or len(rec.src_indices[IndexKind.KV_PAGES]) > INLINE_STEP_MAX_PAGES):
             return False
@@ -581,15 +585,15 @@ class PrefillCore(PrefillEvents, CoreBase):
             self._connecting[rec.decode_address] = [rec]
             return [Connect(rec.decode_address)]
         rec.conn = conn
-        pages_to, final = rec.take_chunk()
-        grant, actions = self._offered_grant(rec, conn, final, now)
-        if grant is None and self._waits_for_offer(rec, conn, final):
+        chunk = rec.take_chunk()
+        grant, actions = self._offered_grant(rec, conn, chunk.final, now)
+        if grant is None and self._waits_for_offer(rec, conn, chunk.final):
             # Decode's engine reserves on its own daemon, which offers the reservation
             # over the peer link: wait for that instead of asking (no BeginWrite).
             return actions + self._park(rec, now)
         if grant is None:
-            return [*actions, AskGrant(rec, conn, pages_to, final)]
-        return actions + self._write(rec, conn, pages_to, final, grant, now)
+            return [*actions, AskGrant(rec, conn, chunk)]
+        return actions + self._write(rec, conn, chunk, grant, now)
 
     def connected(self, address: str, conn: PeerConn | None, error: Exception | None,
                   elapsed: float) -> Actions:
@@ -612,15 +616,14 @@ class PrefillCore(PrefillEvents, CoreBase):
                 actions.append(RunStep(rec))
         return actions
 
-    def granted(self, rec: Outgoing, conn: PeerConn, pages_to: int, final: bool,
-                grant: WriteGrant | None, error: Exception | None, *, elapsed: float,
-                now: float) -> Actions:
+    def granted(self, rec: Outgoing, conn: PeerConn, chunk: Chunk, grant: WriteGrant | None,
+                error: Exception | None, *, elapsed: float, now: float) -> Actions:
         """Decode answered the step's BeginWrite (after ``elapsed`` seconds): its
         ``grant``, or ``error`` (no reservation yet: the request parks when it may wait
         for one; landed already: a resend's Success)."""
         if grant is not None:
             self.resend.measured(begin_write=elapsed)
-            return self._write(rec, conn, pages_to, final, grant, now)
+            return self._write(rec, conn, chunk, grant, now)
         assert error is not None
         if isinstance(error, NotReserved) and self.send_wait_s and not rec.resends \
                 and not rec.rehandshake and len(rec.attempt.posted) <= 1:
@@ -632,25 +635,26 @@ class PrefillCore(PrefillEvents, CoreBase):
         # Not reserved otherwise: decode forgot it (restarted, expired), none is coming.
         return self.step_failed(rec, conn, error, now)
 
-    def _write(self, rec: Outgoing, conn: PeerConn, pages_to: int, final: bool,
-               grant: WriteGrant, now: float) -> Actions:
+    def _write(self, rec: Outgoing, conn: PeerConn, chunk: Chunk, grant: WriteGrant,
+               now: float) -> Actions:
         """Plan the chunk against decode's grant and cut it into writes to post; with
         integrity, the final chunk's digest record follows its data. What fails here
         (decode's grant does not fit, a plan error) fails the step."""
         try:
-            post = self._plan(rec, conn, pages_to, final, grant)
+            post = self._plan(rec, conn, chunk, grant)
         except Exception as exc:
             return self.step_failed(rec, conn, exc, now)
         return [post] if post is not None else self._end_step(rec, now)
 
-    def _plan(self, rec: Outgoing, conn: PeerConn, pages_to: int, final: bool,
+    def _plan(self, rec: Outgoing, conn: PeerConn, chunk: Chunk,
               grant: WriteGrant) -> PostWrites | None:
         """The chunk's writes (None: nothing to post: the request ended meanwhile, or
         the chunk's pages are all held by decode, ``kv_skip``)."""
         rid = rec.request_id
+        final = chunk.final
         self._check_grant_skip(rec, grant)
-        pages = self._chunk_pages(rec, grant.indices, pages_to, final)
-        if pages is None:
+        rects = self._chunk_rects(rec, grant.indices, chunk)
+        if rects is None:
             return None
         # Integrity: the final chunk's data goes out unnotified, and the request's digest
         # record follows it as one more write of the transfer, notified.
@@ -658,39 +662,50 @@ class PrefillCore(PrefillEvents, CoreBase):
         if record:
             self.records.check_mailbox(conn, grant)
         # Its engine hears of the move to Transferring once the writes are posted
-        # (PostWrites.moved): the push is not on the bytes' way.
+        # (PostWrites.moved): the push is not on the bytes' way. The plan goes first: a
+        # plan that fails (decode's grant does not fit) fails the step with no move.
         moved = None
-        try:
-            state = self.table.state_of(rid)
-            if state is None or state.terminal:
-                return None  # aborted or timed out meanwhile: nothing posted, decode is told
-            if state is TransferState.BOOTSTRAPPING:  # one push to the engine, not two
-                moved = self.table.advance(rid, TransferState.TRANSFERRING,
-                                           through=(TransferState.WAITING_FOR_INPUT,),
-                                           announce=False)
-            elif state is TransferState.WAITING_FOR_INPUT:  # it waited for decode
-                moved = self.table.advance(rid, TransferState.TRANSFERRING, announce=False)
-            else:
-                self.table.touch(rid)
-            rec.transfer_id = grant.transfer_id
-            src_sel, dst_sel = self._select_pages(rec, grant.indices, pages)
-            plan = build_plan(self.layout, self.pools.buffer_addrs(), src_sel,
-                              conn.peer.layout, conn.addrs, dst_sel, include_states=final,
-                              src_draft=rec.src_draft, dst_draft=grant.draft)
-        except BaseException:
-            if moved is not None:  # the step fails: its engine hears of the move first
-                self.table.announce(moved)
-            raise
-        self.table.extend(rid, self.transfer_budget(plan.total_bytes))
-        blocks = plan.blocks
+        state = self.table.state_of(rid)
+        if state is None or state.terminal:
+            return None  # aborted or timed out meanwhile: nothing posted, decode is told
+        rec.transfer_id = grant.transfer_id
+        plans = [self._rect_plan(rec, conn, grant, rect, states=final and at == len(rects) - 1)
+                 for at, rect in enumerate(rects)]
+        rec.attempt.written = chunk
+        blocks = plans[0].blocks if len(plans) == 1 else Blocks.concat(
+            [plan.blocks for plan in plans])
+        if not len(blocks) and not final:
+            return None  # the layers it makes ready hold no KV buffer (sliding-window only)
+        if state is TransferState.BOOTSTRAPPING:  # one push to the engine, not two
+            moved = self.table.advance(rid, TransferState.TRANSFERRING,
+                                       through=(TransferState.WAITING_FOR_INPUT,),
+                                       announce=False)
+        elif state is TransferState.WAITING_FOR_INPUT:  # it waited for decode
+            moved = self.table.advance(rid, TransferState.TRANSFERRING, announce=False)
+        else:
+            self.table.touch(rid)
+        self.table.extend(rid, self.transfer_budget(blocks.total_bytes))
         # The writes: each marked sub-batch (its own notified write), then the rest.
-        writes = self._sub_batches(rec, conn, grant, plan, blocks) if record else []
+        writes = (self._sub_batches(rec, conn, grant, plans[0], blocks)
+                  if record and len(plans) == 1 else [])
         marks = len(writes)
         # The sub-batches run from the first block on: the last part is what follows.
         writes.append((grant.transfer_id,
                        blocks.slice(sum(len(b) for _, b in writes), len(blocks))))
         return PostWrites(rec, conn, grant, tuple(writes), final, record, marks,
-                          plan.total_bytes, plan.num_blocks, moved)
+                          blocks.total_bytes, len(blocks), moved)
+
+    def _rect_plan(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant, rect: Rect, *,
+                   states: bool) -> TransferPlan:
+        """The plan of one rectangle of the chunk (pages by layers,
+        :func:`~kvbeam.server.core.chunks.unwritten`); ``states``: the state components
+        too (with the final chunk's last rectangle)."""
+        lo, hi, first, last = rect
+        src_sel, dst_sel = self._select_pages(rec, grant.indices, lo, hi)
+        every = (first, last) == (0, self.layout.num_layers)
+        return build_plan(self.layout, self.pools.buffer_addrs(), src_sel, conn.peer.layout,
+                          conn.addrs, dst_sel, include_states=states, src_draft=rec.src_draft,
+                          dst_draft=grant.draft, layers=None if every else (first, last))
 
     def book(self, post: PostWrites, *, separate: bool) -> bool:
         """The driver is about to post ``post``'s writes (``separate``: the digest record
@@ -928,24 +943,25 @@ class PrefillCore(PrefillEvents, CoreBase):
                              f"decode's grant: kv_skip {grant.kv_skip} differs from the "
                              f"{rec.kv_skip} of its earlier grant for this request")
 
-    def _pages_to(self, rec: Outgoing, ranges: Ranges, final: bool) -> int:
-        """The KV pages a chunk makes ready (positions ``[0, n)`` of the request's list):
-        all of them for the final chunk; the pages given so far for a piece; else the
-        whole pages below the furthest token its ranges reach (a page filled in part
-        goes once a later chunk completes it)."""
+    def _chunk(self, rec: Outgoing, ranges: Ranges, final: bool) -> Chunk:
+        """What a chunk makes ready (positions of the request's KV_PAGES list): all of
+        it for the final chunk; what the pieces so far make ready (by layer, with
+        LAYERS); else the whole pages below the furthest token its ranges reach (a page
+        filled in part goes once a later chunk completes it)."""
         total = len(rec.src_indices[IndexKind.KV_PAGES])
         if final:
-            return total
+            return Chunk.whole(total, True)
         if rec.pieces is not None:
-            return rec.pieces.given
-        return min(max(end for _start, end in ranges) // self.spec.page_size, total)
+            return rec.pieces.ready
+        return Chunk.whole(min(max(end for _start, end in ranges) // self.spec.page_size,
+                               total), False)
 
-    def _chunk_pages(self, rec: Outgoing, dst: IndexLists, pages_to: int,
-                     final: bool) -> tuple[int, int] | None:
-        """The positions ``[lo, hi)`` of the request's KV_PAGES this chunk writes: from
-        those written (or held by decode: its KV_PAGES list starts at position
-        ``kv_skip`` of the request's) to those the chunk makes ready; None when a chunk
-        that is not final has none to write (decode holds them all)."""
+    def _chunk_rects(self, rec: Outgoing, dst: IndexLists, chunk: Chunk) -> list[Rect] | None:
+        """What this chunk writes, as rectangles of the request's KV_PAGES positions by
+        layers: what it makes ready beyond what the attempt wrote and what decode holds
+        (its KV_PAGES list starts at position ``kv_skip`` of the request's); None when a
+        chunk that is not final has nothing to write. The final chunk writes at least
+        its states: an empty rectangle of every layer when no page is left."""
         skip = rec.kv_skip or 0
         total = len(rec.src_indices[IndexKind.KV_PAGES])
         reserved = len(dst[IndexKind.KV_PAGES])
@@ -955,19 +971,17 @@ class PrefillCore(PrefillEvents, CoreBase):
             raise SendFailed(FailureReason.INVALID_REQUEST,
                              f"decode reserved {reserved} KV pages{held}, prefill has "
                              f"{total}{left}")
-        lo = max(rec.attempt.sent_to, skip)
-        hi = max(lo, pages_to)  # the final chunk's is every page (_pages_to)
-        if hi == lo and not final:
+        num_layers = self.layout.num_layers
+        rects = unwritten(rec.attempt.written, chunk, skip=skip, num_layers=num_layers)
+        if not rects and not chunk.final:
             return None
-        return lo, hi
+        return rects or [(total, total, 0, num_layers)]
 
-    def _select_pages(self, rec: Outgoing, dst: IndexLists,
-                      pages: tuple[int, int]) -> tuple[IndexLists, IndexLists]:
-        """The source and destination lists of this chunk's KV pages ``[lo, hi)``
-        (:meth:`_chunk_pages`), now counted as written; the other lists go whole (the
-        plan includes them with the final chunk only)."""
-        lo, hi = pages
-        rec.attempt.sent_to = hi
+    def _select_pages(self, rec: Outgoing, dst: IndexLists, lo: int,
+                      hi: int) -> tuple[IndexLists, IndexLists]:
+        """The source and destination lists of the KV pages ``[lo, hi)`` (positions of
+        the request's list); the other lists go whole (the plan includes them with the
+        final chunk only)."""
         kv = rec.src_indices[IndexKind.KV_PAGES]
         if lo == 0 and hi == len(kv):
             return rec.src_indices, dst  # the usual single-chunk request: no copies

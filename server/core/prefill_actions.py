@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvbeam.server.core.actions import Count, DropLink
+from kvbeam.server.core.chunks import Chunk
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import TransferStatus
@@ -66,8 +67,7 @@ class AskGrant:
 
     rec: Outgoing
     conn: PeerConn
-    pages_to: int  # the KV pages the chunk makes ready (its Chunk's)
-    final: bool
+    chunk: Chunk  # what the step writes
 
 
 @dataclass(frozen=True)

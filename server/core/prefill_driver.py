@@ -173,12 +173,13 @@ class PrefillDriver(DriverBase[PrefillCore]):
     def send(self, request_id: str, src_slot: int, seq_len: int, decode_address: str,
              ranges: Ranges, final: bool, *, indices: Mapping[IndexKind, ListLike] | None = None,
              draft: Mapping[IndexKind, ListLike] | None = None,
-             kv_offset: int | None = None) -> TransferStatus:
+             kv_offset: int | None = None, layers: int | None = None) -> TransferStatus:
         """Queue (a chunk of) a request for decode (:meth:`PrefillCore.send`); returns at
         once with its status (its step may have posted already, on the loop)."""
         self._event(lambda: self.core.send(request_id, src_slot, seq_len, decode_address,
                                            ranges, final, indices=indices, draft=draft,
-                                           kv_offset=kv_offset, now=self.clock()))
+                                           kv_offset=kv_offset, layers=layers,
+                                           now=self.clock()))
         return self.core.status(request_id)
 
     def offer(self, request_id: str, instance_id: str, seq_len: int, grant: WriteGrant,
@@ -492,13 +493,13 @@ class PrefillDriver(DriverBase[PrefillCore]):
         error: Exception | None = None
         began = self.clock()
         try:
-            grant = self.decode.begin_write(ask.conn, rec.request_id, rec.seq_len, ask.final,
-                                            self.core.integrity)
+            grant = self.decode.begin_write(ask.conn, rec.request_id, rec.seq_len,
+                                            ask.chunk.final, self.core.integrity)
         except Exception as exc:
             error = exc
         ended = self.clock()
-        self._event(lambda: self.core.granted(rec, ask.conn, ask.pages_to, ask.final, grant,
-                                              error, elapsed=ended - began, now=ended),
+        self._event(lambda: self.core.granted(rec, ask.conn, ask.chunk, grant, error,
+                                              elapsed=ended - began, now=ended),
                     on_executor)
 
     def _post(self, post: PostWrites, on_executor: bool) -> None:

@@ -16,9 +16,15 @@ keeps what came so far and checks each piece before the core queues its chunk:
   request sent in one frame is (:func:`~kvbeam.pools.engine_indices.validate`).
 
 The pages given so far are the pages the chunk makes ready: the engine gives a page
-once the tokens in it are computed (sglang's chunks end on a page boundary). A refusal
+once the tokens in it are computed (sglang's chunks end on a page boundary). A piece
+with ``layers`` (flag LAYERS: an engine that sends each layer as it computes it) makes
+the pages given so far ready in the model's layers ``[0, layers)`` only: layers only
+grow, and a piece adds pages only once those given before are ready in every layer
+(what the core writes is then at most a two-step staircase,
+:mod:`kvbeam.server.core.chunks`). A refusal
 is a :class:`~kvbeam.errors.FrameError` naming the field (``kv_offset``, ``lists``) or
-a :class:`~kvbeam.errors.BadIndexList` naming the page; nothing is recorded then. Pure
+a :class:`~kvbeam.errors.BadIndexList` naming the page (or the field ``layers``);
+nothing is recorded then. Pure
 bookkeeping, on the daemon's loop.
 """
 
@@ -35,6 +41,7 @@ from kvbeam.pools.indices import expected_lengths
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
+from kvbeam.server.core.chunks import Chunk
 from kvbeam.server.core.ports import IndexLists
 
 
@@ -52,15 +59,24 @@ class Pieces:
         total = expected_lengths(spec, seq_len)[IndexKind.KV_PAGES]
         self.kv_pages: npt.NDArray[np.int64] = np.full(total, -1, dtype=np.int64)
         self.given = 0   # pages given so far: the next piece's kv_offset
+        self.full = 0    # pages [0, full) are ready in every layer
+        self.layers = 0  # pages [full, given) are ready in layers [0, layers)
+
+    @property
+    def ready(self) -> Chunk:
+        """What the pieces so far make ready (the core's chunk, not final)."""
+        return Chunk(self.full, self.given, self.layers if self.full < self.given else 0,
+                     False)
 
     def _refuse(self, field: str, problem: str) -> FrameError:
         return FrameError(field, f"request {self.request_id}: {problem}", self.request_id)
 
     def add(self, kv_offset: int, final: bool,
-            indices: Mapping[IndexKind, ListLike], draft: Mapping[IndexKind, ListLike]
-            ) -> tuple[IndexLists, IndexLists] | None:
-        """Check and record one frame's piece; the whole (target, draft) lists once the
-        final frame completed them, else None. Nothing is recorded when it is refused."""
+            indices: Mapping[IndexKind, ListLike], draft: Mapping[IndexKind, ListLike],
+            layers: int | None = None) -> tuple[IndexLists, IndexLists] | None:
+        """Check and record one frame's piece (``layers``: the layers its pages so far
+        are ready in, None every layer); the whole (target, draft) lists once the final
+        frame completed them, else None. Nothing is recorded when it is refused."""
         if kv_offset != self.given:
             raise self._refuse("kv_offset", (
                 f"its KV pages continue at position {self.given}, this piece starts at "
@@ -76,6 +92,9 @@ class Pieces:
                 "a draft KV_PAGES list: a request sent in pieces addresses the draft's KV "
                 "with the target's pages"))
         piece = np.asarray(indices.get(IndexKind.KV_PAGES, ()), dtype=np.int64).reshape(-1)
+        num_layers = self.layout.num_layers
+        ready_in = num_layers if layers is None or final else layers
+        self._check_layers(ready_in, num_layers, adds_pages=len(piece) > 0)
         given = self.given + len(piece)
         if given > len(self.kv_pages):
             raise self._refuse("lists", (
@@ -94,4 +113,24 @@ class Pieces:
                              {**indices, IndexKind.KV_PAGES: assembled}, draft, self.seq_len)
         self.kv_pages[self.given:given] = piece
         self.given = given
+        if ready_in == num_layers:
+            self.full, self.layers = given, 0
+        else:
+            self.layers = ready_in
         return whole
+
+    def _check_layers(self, layers: int, num_layers: int, *, adds_pages: bool) -> None:
+        """A piece's layers: within the model's, never fewer than before for the same
+        pages, and new pages only once those before are ready in every layer."""
+        if layers > num_layers:
+            raise self._refuse("layers", f"{layers} layers named, the model has {num_layers}")
+        partial = self.full < self.given
+        if partial and adds_pages and layers < num_layers:
+            raise self._refuse("layers", (
+                f"pages [{self.full}, {self.given}) are ready in layers [0, {self.layers}) "
+                f"only: a piece adds pages once those before it are ready in every layer "
+                f"(this one names {layers} of {num_layers})"))
+        if partial and layers < self.layers:
+            raise self._refuse("layers", (
+                f"pages [{self.full}, {self.given}) are ready in {self.layers} layers "
+                f"already, this piece names {layers}: layers only grow"))

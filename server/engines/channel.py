@@ -137,7 +137,7 @@ class CoreOps:
             host_port(frame.decode_address, "decode_address")
         core.send(frame.request_id, -1, seq_len, frame.decode_address, [], frame.final,
                   indices=frame.indices, draft=frame.draft,
-                  kv_offset=frame.kv_offset)
+                  kv_offset=frame.kv_offset, layers=frame.layers)
 
     def refused(self, frame: ef.EngineFrame, exc: Exception) -> None:
         core = self._core()

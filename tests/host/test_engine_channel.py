@@ -24,6 +24,7 @@ import pytest
 from kvbeam.client import KvbeamClient
 from kvbeam.pools.indices import expected_lengths
 from kvbeam.pools.layout import build_side_layout
+from kvbeam.pools.types import IndexKind
 from kvbeam.procs import DaemonProcess
 from kvbeam.states import TransferState
 from tests.attach_helpers import start_engine_pair, write_config
@@ -395,6 +396,37 @@ def test_a_request_sent_chunk_by_chunk_moves_each_chunk_as_it_comes(engines: tup
         assert pe.cmd(f"wait {rid} 60") == "Success"
         assert de.cmd(f"digests {rid}") == pe.cmd(f"digests {rid}"), rid
         de.cmd(f"release {rid}")
+    _no_grpc(pe, de)
+
+
+def test_a_request_sent_layer_by_layer_moves_each_layer_as_it_comes(engines: tuple[
+        DaemonProcess, DaemonProcess, ChannelEngine, ChannelEngine]) -> None:
+    """LAYERS: a SEND makes the request's pages ready in the model's first layers only;
+    prefill writes those layers' KV at once (decode holds them, not the later layers'),
+    and decode is Success only once the final chunk landed and was verified."""
+    prefill, decode, pe, de = engines
+    config = side()
+    lay = build_side_layout(config)
+    kv_layers = lay.kv_layers  # the KV buffers come first in the digests' order
+    rid = "layered"
+    assert de.cmd(f"reserve {rid} {SEQ} {prefill.address} 95") == f"reserve {rid}"
+    assert pe.cmd(f"layers {rid} {SEQ} {decode.address} 96 2") == f"layers {rid}"
+    _until_written(prefill, rid)
+    src, dst = pe.cmd(f"digests {rid}").split()[1].split(","), \
+        de.cmd(f"digests {rid}").split()[1].split(",")
+    ready = [i for i, layer in enumerate(kv_layers) if layer < 2]
+    later = [i for i, layer in enumerate(kv_layers) if layer >= 2]
+    assert ready and later, kv_layers
+    assert [src[i] for i in ready] == [dst[i] for i in ready], "layers [0, 2) did not move"
+    assert all(src[i] != dst[i] for i in later), "a layer moved before it was ready"
+    assert de.cmd(f"wait {rid} 1") in ("Bootstrapping", "WaitingForInput", "Transferring")
+    assert pe.cmd(f"layers {rid} {SEQ} {decode.address} 96 {lay.num_layers}") == f"layers {rid}"
+    pages = expected_lengths(config.target, SEQ)[IndexKind.KV_PAGES]
+    pe.cmd(f"chunk {rid} {SEQ} {decode.address} 96 {pages} {SEQ} {SEQ} 1")
+    assert de.cmd(f"wait {rid} 60") == "Success"
+    assert pe.cmd(f"wait {rid} 60") == "Success"
+    assert de.cmd(f"digests {rid}") == pe.cmd(f"digests {rid}")
+    de.cmd(f"release {rid}")
     _no_grpc(pe, de)
 
 

@@ -32,6 +32,9 @@ def test_every_frame_round_trips() -> None:
         ef.Send("r-1", 700, "127.0.0.1:6", False, {IndexKind.KV_PAGES: np.array([4])}, {},
                 kv_offset=1),
         ef.Send("r-1", 700, "127.0.0.1:6", True, lists, {}, kv_offset=2),
+        ef.Send("r-1", 700, "127.0.0.1:6", False, {IndexKind.KV_PAGES: np.array([4])}, {},
+                kv_offset=0, layers=3),
+        ef.Send("r-1", 700, "127.0.0.1:6", False, None, None, kv_offset=1, layers=61),
         ef.Abort("r-1", "why"), ef.Release("r-1"),
         ef.State("r-1", TransferState.FAILED, FailureReason.TIMEOUT, 3, "late"),
         ef.Error("", "length", "too long")]
@@ -40,7 +43,7 @@ def test_every_frame_round_trips() -> None:
         back = ef.decode(_body(ef.encode(f)), kinds)
         assert type(back) is type(f)
         for name in ("request_id", "seq_len", "final", "detail", "state", "reason",
-                     "kv_offset", "kv_skip", "prefill_address"):
+                     "kv_offset", "kv_skip", "prefill_address", "layers"):
             assert getattr(back, name, None) == getattr(f, name, None), name
         for name in ("indices", "draft"):
             a, b = getattr(back, name, None) or {}, getattr(f, name, None) or {}
@@ -82,6 +85,31 @@ def test_a_send_without_kv_offset_is_the_whole_request(final: bool, lists: bool)
     with pytest.raises(ef.FrameError) as info:
         ef.decode(bad if lists else bad[:flags_at + 1])
     assert info.value.field == "kv_offset"
+
+
+@pytest.mark.parametrize(("frame", "why"), [
+    (ef.Send("r", 700, "h:1", True, {IndexKind.KV_PAGES: np.arange(2)}, None, kv_offset=0,
+             layers=2), "only a piece that is not final"),
+    (ef.Send("r", 700, "h:1", True, {IndexKind.KV_PAGES: np.arange(2)}, None, layers=2),
+     "only a piece that is not final"),
+    (ef.Send("r", 700, "h:1", False, None, None, kv_offset=0, layers=0), "1..65535"),
+], ids=["final", "whole", "zero"])
+def test_only_a_piece_that_is_not_final_names_its_layers(frame: ef.Send, why: str) -> None:
+    """LAYERS: refused naming ``layers`` when encoding, and on the wire when decoding
+    (the flag on a final frame or a whole request, a count of 0)."""
+    with pytest.raises(ef.FrameError) as info:
+        ef.encode(frame)
+    assert info.value.field == "layers" and why in str(info.value)
+    piece = _body(ef.encode(ef.Send("r", 700, "h:1", False, None, None, kv_offset=0,
+                                    layers=2)))
+    flags_at = 1 + 1 + 2 + 1 + 4 + 2 + len("h:1")
+    final = piece[:flags_at] + bytes([piece[flags_at] | ef.FINAL | ef.HAS_LISTS]) \
+        + piece[flags_at + 1:] + b"\0"  # an empty list section
+    zero = piece[:-2] + b"\0\0"
+    for bad, words in ((final, "only a piece that is not final"), (zero, "at least 1")):
+        with pytest.raises(ef.FrameError) as info:
+            ef.decode(bad)
+        assert info.value.field == "layers" and words in str(info.value)
 
 
 def test_a_reserve_without_kv_skip_is_the_old_frame_and_kv_skip_is_bounded() -> None:

@@ -114,13 +114,17 @@ def test_chunked_send_selects_pages_by_position_not_page_id() -> None:
     before = AllocatedSide(lay)
     before.fill_pattern(12)
     core.send("e", -1, 1000, ADDR, [(0, 300)], False, indices=s, draft=s_draft)
-    core.send("e", 5, 1000, ADDR, [(300, 700)], False)  # the slot is ignored: lists kept
-    core.send("e", -1, 1000, ADDR, [], True, indices=s, draft=s_draft)  # repeated unchanged
     assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
     conn = core.peers.by_address(ADDR)
     assert conn is not None
     link = conn.link
     assert isinstance(link, FakeLink)
+    # Each chunk's step runs before the next chunk comes (one that came meanwhile
+    # would be one step with it): three writes, each of its own pages.
+    assert wait_for(lambda: len(link.writes) == 1)
+    core.send("e", 5, 1000, ADDR, [(300, 700)], False)  # the slot is ignored: lists kept
+    assert wait_for(lambda: len(link.writes) == 2)
+    core.send("e", -1, 1000, ADDR, [], True, indices=s, draft=s_draft)  # repeated unchanged
     assert wait_for(lambda: len(link.writes) == 3)
     for blocks in link.blocks:
         copy_blocks(core.pools, engine.side, blocks)
@@ -197,3 +201,48 @@ def test_a_page_a_chunk_fills_in_part_moves_once_it_is_whole() -> None:
     assert wait_for(lambda: len(link.writes) == 2)
     copy_blocks(core.pools, engine.side, link.blocks[1])
     _assert_moved(core.pools, engine.side, before, s, d)
+
+
+def test_a_request_sent_layer_by_layer_moves_each_layer_once_it_is_ready() -> None:
+    """LAYERS pieces: the first makes every page ready in the model's first layers
+    only, so only those layers' KV moves; a later layer's bytes move with the piece
+    that makes it ready (computed after the first piece: its final bytes land); the
+    final chunk brings the states."""
+    lay = layout()
+    rng = np.random.default_rng(14)
+    s = random_lists(UNIFIED_TARGET, lay, 1000, rng)
+    d = random_lists(UNIFIED_TARGET, lay, 1000, rng)
+    core, engine = _engine_prefill(d, {})
+    before = AllocatedSide(lay)
+    before.fill_pattern(12)
+    pages = s[K.KV_PAGES]
+    core.send("l", -1, 1000, ADDR, [], False, indices={K.KV_PAGES: pages}, kv_offset=0,
+              layers=2)
+    assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
+    conn = core.peers.by_address(ADDR)
+    assert conn is not None and isinstance(conn.link, FakeLink)
+    link = conn.link
+    assert wait_for(lambda: len(link.writes) == 1)
+    copy_blocks(core.pools, engine.side, link.blocks[0])
+
+    def moved(buf: Any) -> bool:
+        src = core.pools.buffer_array(buf).reshape(buf.items, buf.item_len)[pages]
+        dst = engine.side.buffer_array(buf).reshape(buf.items, buf.item_len)[d[K.KV_PAGES]]
+        return bool(np.array_equal(src, dst))
+
+    assert [moved(b) for b in lay.kv.buffers] == [layer < 2 for layer in lay.kv_layers]
+    for buf, layer in zip(lay.kv.buffers, lay.kv_layers, strict=True):
+        if layer >= 2:  # the engine computes the later layers now
+            core.pools.buffer_array(buf).reshape(buf.items, buf.item_len)[pages] ^= 0x33
+    core.send("l", -1, 1000, ADDR, [], False, kv_offset=len(pages), layers=lay.num_layers)
+    assert wait_for(lambda: len(link.writes) == 2)
+    copy_blocks(core.pools, engine.side, link.blocks[1])
+    assert all(moved(b) for b in lay.kv.buffers)
+    rest = {k: v for k, v in s.items() if k is not K.KV_PAGES}
+    core.send("l", -1, 1000, ADDR, [], True, indices=rest, kv_offset=len(pages))
+    assert wait_for(lambda: len(link.writes) == 3)
+    copy_blocks(core.pools, engine.side, link.blocks[2])
+    _assert_moved(core.pools, engine.side, before, s, d)
+    for tid, _ in link.writes:
+        core.on_event(link.completion(tid))
+    assert core.status("l").state is TransferState.SUCCESS

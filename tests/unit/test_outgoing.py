@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvbeam.server.core.chunks import NOTHING, Chunk
 from kvbeam.server.core.outgoing import Attempt, Outgoing, Step
+
+_whole = Chunk.whole
 
 
 def _rec() -> Outgoing:
@@ -31,21 +34,34 @@ def _posted(rec: Outgoing, link: int, writes: int = 2) -> None:
 
 def test_a_send_starts_one_step_and_a_further_chunk_only_queues() -> None:
     rec = _rec()
-    assert rec.queue((1, False)) is True  # IDLE: the caller starts a step
+    assert rec.queue(_whole(1, False)) is True  # IDLE: the caller starts a step
     rec.move(Step.RUNNING)
-    assert rec.queue((2, True)) is False  # a step runs: it takes this one next
-    assert rec.final_submitted and len(rec.chunks) == 2
-    assert rec.take_chunk() == (1, False)
+    assert rec.take_chunk() == _whole(1, False)
+    assert rec.queue(_whole(2, True)) is False  # a step runs: it takes this one next
+    assert rec.final_submitted and len(rec.chunks) == 1
     assert rec.step_ended(ended=False, parks=False, offer_waiting=False, now=1.0) is True
     assert _at(rec) is Step.RUNNING  # the next chunk's step, still one at a time
-    assert rec.take_chunk() == (2, True)
+    assert rec.take_chunk() == _whole(2, True)
     assert rec.step_ended(ended=False, parks=False, offer_waiting=False, now=2.0) is False
-    assert _at(rec) is Step.IDLE and rec.attempt.posted == [(1, False), (2, True)]
+    assert _at(rec) is Step.IDLE and rec.attempt.posted == [_whole(1, False), _whole(2, True)]
+
+
+def test_a_step_takes_the_newest_chunk_which_covers_those_queued_before_it() -> None:
+    """A chunk says all that is ready so far: chunks that queued while a step ran are
+    one step (one grant, one batch of writes), the newest, not one step each."""
+    rec = _rec()
+    rec.queue(Chunk(0, 2, 1, False))
+    rec.move(Step.RUNNING)
+    assert rec.queue(Chunk(0, 2, 2, False)) is False
+    assert rec.queue(Chunk(0, 2, 3, False)) is False
+    assert len(rec.chunks) == 3
+    assert rec.take_chunk() == Chunk(0, 2, 3, False) and not rec.chunks
+    assert rec.attempt.posted == [Chunk(0, 2, 3, False)]
 
 
 def test_a_send_that_came_first_parks_and_decodes_offer_starts_its_step() -> None:
     rec = _rec()
-    assert rec.queue((2, True))
+    assert rec.queue(_whole(2, True))
     rec.park(now=5.0)
     assert _at(rec) is Step.PARKED and rec.parked_at == 5.0
     assert rec.unpark() is True and _at(rec) is Step.RUNNING
@@ -54,7 +70,7 @@ def test_a_send_that_came_first_parks_and_decodes_offer_starts_its_step() -> Non
 
 def test_a_step_that_parks_stays_running_until_it_ends() -> None:
     rec = _rec()
-    rec.queue((2, True))
+    rec.queue(_whole(2, True))
     rec.move(Step.RUNNING)
     rec.take_chunk()
     rec.put_back()  # BeginWrite said not reserved: the chunk waits for the Offer
@@ -62,12 +78,12 @@ def test_a_step_that_parks_stays_running_until_it_ends() -> None:
     assert rec.unpark() is False and _at(rec) is Step.RUNNING
     # the step's end sees the offer in the book: it runs again instead of parking
     assert rec.step_ended(ended=False, parks=True, offer_waiting=True, now=3.0) is True
-    assert _at(rec) is Step.RUNNING and rec.chunks[0] == (2, True) and not rec.attempt.posted
+    assert _at(rec) is Step.RUNNING and rec.chunks[0] == _whole(2, True) and not rec.attempt.posted
 
 
 def test_a_step_that_parks_with_no_offer_yet_is_parked_at_its_end() -> None:
     rec = _rec()
-    rec.queue((2, True))
+    rec.queue(_whole(2, True))
     rec.move(Step.RUNNING)
     rec.take_chunk()
     rec.put_back()
@@ -78,7 +94,7 @@ def test_a_step_that_parks_with_no_offer_yet_is_parked_at_its_end() -> None:
 
 def test_a_request_that_ended_during_its_step_goes_idle_not_parked() -> None:
     rec = _rec()
-    rec.queue((2, True))
+    rec.queue(_whole(2, True))
     rec.move(Step.RUNNING)
     assert rec.step_ended(ended=True, parks=True, offer_waiting=True, now=1.0) is False
     assert _at(rec) is Step.IDLE
@@ -86,11 +102,11 @@ def test_a_request_that_ended_during_its_step_goes_idle_not_parked() -> None:
 
 def test_the_handshake_holds_the_step_and_gives_it_back() -> None:
     rec = _rec()
-    rec.queue((2, True))
+    rec.queue(_whole(2, True))
     rec.move(Step.RUNNING)
     rec.move(Step.CONNECTING)
     assert rec.unpark() is False  # an Offer while connecting: the step goes on after
-    assert rec.queue((2, True)) is False, "a chunk while connecting started a step"
+    assert rec.queue(_whole(2, True)) is False, "a chunk while connecting started a step"
     rec.move(Step.RUNNING)  # the handshake is done: the step runs
     assert _at(rec) is Step.RUNNING
 
@@ -133,7 +149,7 @@ def test_only_the_final_chunks_last_write_on_this_attempts_link_proves_the_landi
 
 def test_a_failed_link_owes_one_resend_that_waits_for_the_writes_and_the_step() -> None:
     rec = _rec()
-    rec.queue((2, True))
+    rec.queue(_whole(2, True))
     rec.move(Step.RUNNING)
     rec.take_chunk()
     _posted(rec, link=3)
@@ -147,26 +163,26 @@ def test_a_failed_link_owes_one_resend_that_waits_for_the_writes_and_the_step() 
     rec.completed(ok=False, link=3)
     rec.completed(ok=False, link=3)
     assert rec.resend_due()
-    rec.attempt.sent_to = 2
+    rec.attempt.written = _whole(2, True)
     first = rec.attempt
     rec.replay()
     assert _at(rec) is Step.RUNNING and rec.resends == 1 and rec.resend_cause is None
-    assert rec.attempt is not first and rec.attempt.sent_to == 0  # a new attempt
-    assert list(rec.chunks) == [(2, True)] and not rec.attempt.posted
+    assert rec.attempt is not first and rec.attempt.written == NOTHING  # a new attempt
+    assert list(rec.chunks) == [_whole(2, True)] and not rec.attempt.posted
     assert (rec.attempt.link, rec.conn, rec.attempt.final_posted, rec.attempt.bytes_total) == \
         (None, None, False, 0)
 
 
 def test_a_queued_step_holds_back_an_owed_resend() -> None:
     rec = _rec()
-    rec.queue((1, False))
+    rec.queue(_whole(1, False))
     rec.move(Step.RUNNING)
     _posted(rec, link=1)
     rec.link_failed(1, "broken", retries=2)
     rec.completed(ok=False, link=1)
     rec.completed(ok=False, link=1)
     assert not rec.resend_due(), "the resend started while a step ran"
-    rec.queue((2, True))
+    rec.queue(_whole(2, True))
     # the running step stops for the resend: it ends IDLE, not with the next chunk
     assert rec.step_ended(ended=False, parks=False, offer_waiting=False, now=1.0) is False
     assert _at(rec) is Step.IDLE and rec.resend_due()
@@ -192,11 +208,26 @@ def test_a_chunk_that_makes_no_new_page_ready_is_not_queued() -> None:
     a page an earlier chunk did not complete either) is nothing to write; the final one
     always queues (it brings the last pages and the other lists)."""
     rec = _rec()
-    assert rec.queue((1, False)) is True
+    assert rec.queue(_whole(1, False)) is True
     rec.move(Step.RUNNING)
-    assert rec.queue((1, False)) is False and len(rec.chunks) == 1
+    assert rec.queue(_whole(1, False)) is False and len(rec.chunks) == 1
     rec.take_chunk()
-    assert rec.queue((0, False)) is False and not rec.chunks  # none beyond the taken one
-    assert rec.pages_ready == 1
-    assert rec.queue((1, True)) is False and list(rec.chunks) == [(1, True)]
+    assert rec.queue(_whole(0, False)) is False and not rec.chunks  # none beyond the taken one
+    assert rec.ready == _whole(1, False)
+    assert rec.queue(_whole(1, True)) is False and list(rec.chunks) == [_whole(1, True)]
     assert rec.final_submitted
+
+
+def test_a_chunk_by_layers_queues_while_it_adds_layers_or_pages() -> None:
+    """A layer-by-layer engine's chunks: more layers of the same pages are new, the same
+    layers again or fewer are not, and pages ready in every layer cover any partial
+    readiness of the same pages."""
+    rec = _rec()
+    assert rec.queue(Chunk(0, 2, 1, False)) is True
+    rec.move(Step.RUNNING)
+    assert rec.queue(Chunk(0, 2, 1, False)) is False
+    assert rec.queue(Chunk(0, 2, 2, False)) is False and len(rec.chunks) == 2
+    assert rec.queue(_whole(2, False)) is False and len(rec.chunks) == 3
+    assert rec.queue(Chunk(0, 2, 3, False)) is False and len(rec.chunks) == 3, \
+        "layers of pages ready in every layer queued again"
+    assert rec.queue(Chunk(2, 3, 1, False)) is False and len(rec.chunks) == 4

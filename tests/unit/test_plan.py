@@ -11,8 +11,11 @@ from hypothesis import strategies as st
 
 from kvbeam.errors import PlanError
 from kvbeam.pools.indices import request_indices
-from kvbeam.pools.layout import SideLayout
+from kvbeam.pools.layout import SideLayout, build_side_layout
+from kvbeam.pools.paged import paged_side_config, paged_spec
 from kvbeam.pools.plan import build_plan, coalesce
+from kvbeam.pools.sglang_mha import sglang_mha_spec
+from kvbeam.pools.spec import SideConfig
 from kvbeam.pools.types import IndexKind
 from kvbeam.transport.blocks import Blocks
 from tests.fixtures import PAGED_DRAFT, PAGED_TARGET, UNIFIED_TARGET, layout
@@ -192,3 +195,32 @@ def test_blocks_split_preserves_bytes(blocks: list[tuple[int, int]], max_len: in
     assert s.total_bytes == b.total_bytes
     assert len(s) == 0 or int(s.lengths.max()) <= max_len
     assert np.all(s.dst == s.src + np.uint64(7))
+
+
+@pytest.mark.parametrize("kind", ["paged", "sglang_mha", "dsv4"])
+def test_a_layer_range_plans_only_those_layers_kv_buffers(kind: str) -> None:
+    """``layers``: the main KV buffers of the source's layers in the range, nothing of
+    the others; what the layer ranges plan adds up to the whole plan of every layer."""
+    if kind == "paged":
+        config = paged_side_config("m", paged_spec(
+            num_layers=3, block_size=16, num_kv_heads=1, head_size=8, dtype="float16",
+            inner_layout="LBHNC", num_blocks=64))
+    elif kind == "sglang_mha":
+        config = SideConfig(model="m", target=sglang_mha_spec(
+            num_layers=3, page_size=4, num_kv_heads=2, head_dim=8, dtype="float16",
+            token_rows=260, aux_item_lens=(8,), aux_rows=4))
+    else:
+        config = SideConfig(model="m", target=UNIFIED_TARGET, draft=None)
+    lay = build_side_layout(config)
+    addrs = [(i + 1) << 32 for i in range(len(lay.flat_buffers))]
+    src = dst = request_indices(config.target, 0, 100)
+    whole = build_plan(lay, addrs, src, lay, addrs, dst, include_states=False)
+    parts = []
+    for layer in range(lay.num_layers):
+        plan = build_plan(lay, addrs, src, lay, addrs, dst, include_states=False,
+                          layers=(layer, layer + 1))
+        names = [name for _ci, _bi, name in plan.heads]
+        assert names == [b.name for b, at in zip(lay.kv.buffers, lay.kv_layers, strict=True)
+                         if at == layer], (layer, names)
+        parts.append(plan.total_bytes)
+    assert sum(parts) == whole.total_bytes > 0

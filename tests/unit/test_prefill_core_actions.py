@@ -21,6 +21,7 @@ from kvbeam.pools.indices import request_indices
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core import prefill
 from kvbeam.server.core.actions import Count, DropLink
+from kvbeam.server.core.chunks import Chunk
 from kvbeam.server.core.outgoing import Outgoing, Step
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.core.prefill import PrefillCore
@@ -41,6 +42,7 @@ DECODE = "127.0.0.1:9"
 SEQ = 300
 #: The KV pages of a SEQ-token request: what its final chunk makes ready.
 PAGES = len(request_indices(UNIFIED_TARGET, 1, SEQ)[IndexKind.KV_PAGES])
+_FINAL = Chunk.whole(PAGES, True)  # a whole request's one chunk
 
 
 def _core(integrity: bool = False, **kw: float) -> PrefillCore:
@@ -74,7 +76,7 @@ def _asking(core: PrefillCore, conn: PeerConn) -> Outgoing:
     rec = _sent(core)
     # No offer of decode's in hand: a miss, and BeginWrite asks.
     assert core.step(rec, now=1.0) == [Count("offers", "missed"),
-                                       AskGrant(rec, conn, PAGES, True)]
+                                       AskGrant(rec, conn, _FINAL)]
     return rec
 
 
@@ -107,7 +109,7 @@ def test_a_failed_handshake_fails_every_waiter_and_tells_decode_by_address() -> 
 def test_a_grant_plans_the_writes_and_their_post_ends_the_step() -> None:
     core, conn = _core(), _conn()
     rec = _asking(core, conn)
-    [post] = core.granted(rec, conn, PAGES, True, _grant(7), None, elapsed=0.01, now=1.1)
+    [post] = core.granted(rec, conn, _FINAL, _grant(7), None, elapsed=0.01, now=1.1)
     assert isinstance(post, PostWrites)
     assert (post.rec, post.conn, post.final, post.record, post.marks) == (rec, conn, True,
                                                                           False, 0)
@@ -122,7 +124,7 @@ def test_a_grant_plans_the_writes_and_their_post_ends_the_step() -> None:
 def test_with_integrity_the_final_chunk_books_its_record_as_one_more_write() -> None:
     core, conn = _core(integrity=True), _conn()
     rec = _asking(core, conn)
-    [post] = core.granted(rec, conn, PAGES, True, _grant(7), None, elapsed=0.01, now=1.1)
+    [post] = core.granted(rec, conn, _FINAL, _grant(7), None, elapsed=0.01, now=1.1)
     assert isinstance(post, PostWrites) and post.record
     assert core.book(post, separate=True)
     assert rec.attempt.outstanding == 2 and rec.staging is not None  # the data, then the record
@@ -140,10 +142,10 @@ def test_no_offer_within_the_grace_asks_and_no_reservation_yet_parks_it_again() 
     assert core.periodic(now=1.0) == []  # within the grace: it waits for decode's Offer
     assert core.periodic(now=1.0 + prefill.OFFER_GRACE_S) == [RunStep(rec)]
     assert core.step(rec, now=1.1) == [Count("offers", "missed"),
-                                       AskGrant(rec, conn, PAGES, True)]
+                                       AskGrant(rec, conn, _FINAL)]
     refused = NotReserved(FailureReason.INVALID_REQUEST, "UnknownRequest: no reservation")
-    assert core.granted(rec, conn, PAGES, True, None, refused, elapsed=0.01, now=1.1) == []
-    assert rec.step is Step.PARKED and list(rec.chunks) == [(PAGES, True)]
+    assert core.granted(rec, conn, _FINAL, None, refused, elapsed=0.01, now=1.1) == []
+    assert rec.step is Step.PARKED and list(rec.chunks) == [_FINAL]
     assert core.status("r").state is TransferState.WAITING_FOR_INPUT
 
 
@@ -163,7 +165,7 @@ def test_decodes_offer_unparks_a_parked_request_and_its_step_writes_without_aski
 def test_a_post_on_a_dead_link_drops_it_and_resends_on_a_new_one() -> None:
     core, conn = _core(resend_retries=1), _conn()
     rec = _asking(core, conn)
-    [post] = core.granted(rec, conn, PAGES, True, _grant(7), None, elapsed=0.01, now=1.1)
+    [post] = core.granted(rec, conn, _FINAL, _grant(7), None, elapsed=0.01, now=1.1)
     assert isinstance(post, PostWrites) and core.book(post, separate=False)
     core.unbook(post, left=1, separate=False)  # the one write was not posted
     broken = NotPosted(TransportError("link: QP in error state", "IBV_WC_RETRY_EXC_ERR"))
@@ -178,7 +180,7 @@ def test_a_post_on_a_dead_link_drops_it_and_resends_on_a_new_one() -> None:
 def test_a_dead_link_with_no_resend_left_fails_the_request_and_tells_decode() -> None:
     core, conn = _core(), _conn()
     rec = _asking(core, conn)
-    [post] = core.granted(rec, conn, PAGES, True, _grant(7), None, elapsed=0.01, now=1.1)
+    [post] = core.granted(rec, conn, _FINAL, _grant(7), None, elapsed=0.01, now=1.1)
     assert isinstance(post, PostWrites) and core.book(post, separate=False)
     core.unbook(post, left=1, separate=False)
     broken = NotPosted(TransportError("link: QP in error state", "IBV_WC_RETRY_EXC_ERR"))
@@ -196,12 +198,12 @@ def test_decode_that_forgot_us_is_dropped_and_the_request_handshakes_again_once(
                         peer_lost=True)
     assert core.step_failed(rec, conn, forgot, now=1.1) == [
         DropLink(conn, str(forgot), gone=True), RunStep(rec)]
-    assert rec.rehandshake and rec.conn is None and list(rec.chunks) == [(PAGES, True)]
+    assert rec.rehandshake and rec.conn is None and list(rec.chunks) == [_FINAL]
     assert core.step(rec, now=1.2) == [Connect(DECODE)]
     conn2 = _conn()
     assert core.connected(DECODE, conn2, None, elapsed=0.1) == [RunStep(rec)]
     assert core.step(rec, now=1.3) == [Count("offers", "missed"),
-                                       AskGrant(rec, conn2, PAGES, True)]
+                                       AskGrant(rec, conn2, _FINAL)]
     # The second time is a failure: the peer failed.
     drop, *_ = core.step_failed(rec, conn2, forgot, now=1.4)
     assert drop == DropLink(conn2, str(forgot), gone=True)
@@ -213,7 +215,7 @@ def test_a_request_aborted_before_its_grant_posts_nothing() -> None:
     rec = _asking(core, conn)
     failed = core.abort("r", from_peer=False, detail="scheduler", now=1.05)
     assert failed is not None and failed[0] is rec
-    assert core.granted(rec, conn, PAGES, True, _grant(7), None, elapsed=0.01, now=1.1) == []
+    assert core.granted(rec, conn, _FINAL, _grant(7), None, elapsed=0.01, now=1.1) == []
     assert rec.attempt.outstanding == 0 and rec.step is Step.IDLE
 
 
@@ -249,7 +251,7 @@ def test_an_offer_for_a_request_that_succeeded_here_is_refused_without_an_abort(
     # and nothing here fails decode's requests.
     core, conn = _core(), _conn()
     rec = _asking(core, conn)
-    [post] = core.granted(rec, conn, PAGES, True, _grant(7), None, elapsed=0.01, now=1.1)
+    [post] = core.granted(rec, conn, _FINAL, _grant(7), None, elapsed=0.01, now=1.1)
     assert isinstance(post, PostWrites) and core.book(post, separate=False)
     core.table.advance("r", TransferState.SUCCESS)
     kept, actions = core.offer("r", conn.instance_id, SEQ, _grant(8), 10.0, now=2.0)
@@ -262,7 +264,7 @@ def test_an_offer_for_a_failed_request_whose_writes_are_in_flight_waits_for_the_
     # tells it (as for any failure), not the Offer.
     core, conn = _core(), _conn()
     rec = _asking(core, conn)
-    [post] = core.granted(rec, conn, PAGES, True, _grant(7), None, elapsed=0.01, now=1.1)
+    [post] = core.granted(rec, conn, _FINAL, _grant(7), None, elapsed=0.01, now=1.1)
     assert isinstance(post, PostWrites) and core.book(post, separate=False)
     core.table.fail("r", FailureReason.ABORTED, "aborted by the scheduler")
     assert not rec.drained

@@ -8,6 +8,7 @@ import pytest
 from kvbeam.errors import BadIndexList, FrameError
 from kvbeam.pools.layout import build_side_layout
 from kvbeam.pools.types import IndexKind
+from kvbeam.server.core.chunks import Chunk
 from kvbeam.server.core.prefill_pieces import Pieces
 from tests.engine_lists import random_lists
 from tests.fixtures import side
@@ -72,3 +73,38 @@ def test_a_page_out_of_range_or_repeated_across_pieces_is_refused() -> None:
     with pytest.raises(BadIndexList, match="out of range"):
         p.add(1, False, {KV: np.array([1 << 30])}, {})
     assert p.given == 1
+
+
+def test_pieces_by_layer_make_their_pages_ready_in_those_layers_then_in_every_one() -> None:
+    p, lists = _start()
+    layers = p.layout.num_layers
+    assert p.add(0, False, _kv(lists, 0, 2), {}, layers=1) is None
+    assert p.ready == Chunk(0, 2, 1, False)
+    p.add(2, False, {}, {}, layers=3)  # more layers of the same pages
+    assert p.ready == Chunk(0, 2, 3, False)
+    p.add(2, False, {}, {}, layers=layers)  # every layer: the pages are whole
+    assert p.ready == Chunk(2, 2, 0, False)
+    p.add(2, False, _kv(lists, 2, 3), {}, layers=2)  # the next chunk's page, layer by layer
+    assert p.ready == Chunk(2, 3, 2, False)
+    rest = {k: v for k, v in lists.items() if k is not KV}
+    assert p.add(3, True, rest, {}) is not None
+
+
+@pytest.mark.parametrize(("case", "words"), [
+    ("too many", "5 layers named, the model has 4"),
+    ("fewer", "pages [0, 1) are ready in 3 layers already, this piece names 2: layers "
+              "only grow"),
+    ("pages while partial", "pages [0, 1) are ready in layers [0, 3) only: a piece adds "
+                            "pages once those before it are ready in every layer"),
+])
+def test_a_bad_piece_by_layer_is_refused_naming_layers_and_nothing_is_recorded(
+        case: str, words: str) -> None:
+    p, lists = _start()
+    p.add(0, False, _kv(lists, 0, 1), {}, layers=3)
+    bad = {"too many": (1, False, {}, 5), "fewer": (1, False, {}, 2),
+           "pages while partial": (1, False, _kv(lists, 1, 2), 3)}[case]
+    offset, final, piece, layers = bad
+    with pytest.raises(FrameError) as err:
+        p.add(offset, final, piece, {}, layers=layers)
+    assert err.value.field == "layers" and words in str(err.value), str(err.value)
+    assert p.ready == Chunk(0, 1, 3, False) and p.given == 1
