@@ -177,14 +177,17 @@ class Outgoing:
 
     def queue(self, chunk: Chunk) -> bool:
         """The engine sent a chunk. True when a step must be started for it (the
-        request was IDLE or PARKED; the caller parks it or moves it to RUNNING). A
-        chunk that is not final and makes no KV page ready beyond those already queued
-        or taken is nothing to write: it is not queued."""
+        request was IDLE; the caller parks it or moves it to RUNNING). A PARKED request
+        stays parked: what decode's reservation unparks it for is its newest chunk, and
+        asking decode again per chunk (a layer-by-layer engine's many) would only hear
+        that nothing is reserved yet. A chunk that is not final and makes no KV page
+        ready beyond those already queued or taken is nothing to write: it is not
+        queued."""
         self.final_submitted = chunk.final
         if not chunk.final and not chunk.adds_to(self.ready):
             return False
         self.chunks.append(chunk)
-        return self.step in (Step.IDLE, Step.PARKED)
+        return self.step is Step.IDLE
 
     @property
     def ready(self) -> Chunk:

@@ -20,6 +20,7 @@ from kvbeam.server.core import prefill as prefill_module
 from kvbeam.server.core.decode import WAITING_FOR_DIGESTS
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.incoming import Landing
+from kvbeam.server.core.outgoing import Step
 from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.faults import FaultHooks, arm
@@ -653,3 +654,25 @@ def test_an_offer_that_comes_while_the_send_asks_begin_write_is_kept_and_unparks
     assert len(link.writes) == 4, core.status("r")
     assert link.writes[2:] == [(77, False), (77, True)]  # written under the offer
     assert events == ["missed", "received", "used"]
+
+
+def test_chunks_of_a_parked_request_wait_for_the_offer_and_go_as_one_step() -> None:
+    """A chunked Send whose decode has not reserved yet parks (its BeginWrite refused);
+    its later chunk stays parked with it (no BeginWrite per chunk: decode would only
+    say again that nothing is reserved), and decode's Offer runs one step, the newest
+    chunk's, under the offered grant."""
+    core, fake, conn, events, io = _queued_connected(send_wait_s=5.0)
+    conn.channel = SilentChannel(1)  # no waiting for an offer first: the Send asks at once
+    fake.not_yet.add("c")
+    core.send("c", 1, SEQ, ADDR, [(0, 256)], False)  # its first page
+    io.run_all()
+    assert fake.refused_not_yet == ["c"] and core.core._out["c"].step is Step.PARKED
+    core.send("c", 1, SEQ, ADDR, [], True)
+    assert not io.queue, "a chunk of a parked request started a step"
+    fake.not_yet.discard("c")
+    assert core.offer("c", conn.instance_id, SEQ, _grant(88), lease_s=10.0)
+    io.run_all()
+    link = cast(FakeLink, conn.link)
+    assert fake.refused_not_yet == ["c"] and [r for r, _ in fake.begins] == ["first"]
+    assert [tid for tid, _ in link.writes[2:]] == [88, 88], link.writes  # data, record
+    assert events[-1] == "used"
