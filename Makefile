@@ -21,7 +21,8 @@ SGLANG_STAMP := $(VENV)/.kvbeam-sglang
 POSTER_STAMP := $(VENV)/.kvbeam-poster
 
 .PHONY: help system-deps setup demo test test-host test-rdma test-compose lint proto proto-check \
-	bench bench-plan bench-handshake bench-host bench-digest bench-staging bench-deps bench-vllm clean \
+	bench bench-plan bench-handshake bench-host bench-digest bench-staging bench-deps bench-vllm \
+	bench-layerwise clean \
 	test-vllm test-sglang vllm-env sglang-env gpu-check gpu-wheels
 
 help: ## list the targets
@@ -216,7 +217,12 @@ bench-vllm: vllm-env ## TTFT and inter-token latency through vllm-router + kvbea
 	bash -o pipefail -c '$(VLLM_VENV)/bin/python -m tests.bench.vllm_served $(ARGS) \
 		--json $(BENCH_DIR)/vllm.json | tee $(BENCH_DIR)/vllm.txt'
 
-bench: bench-deps bench-plan bench-handshake bench-host bench-vllm ## all benchmarks: host ones, then one guest boot (table + JSON + plots)
+bench-layerwise: vllm-env ## vLLM prefill layer by layer vs whole sends (decode reserving early, a 16-layer float32 Llama, 64 / 4k / 16k tokens, TCP): post_prefill_critical_path_ms and TTFT beside the plain server (own venv)
+	@mkdir -p $(BENCH_DIR)
+	bash -o pipefail -c '$(VLLM_VENV)/bin/python -m tests.bench.vllm_layerwise $(ARGS) \
+		--json $(BENCH_DIR)/layerwise.json | tee $(BENCH_DIR)/layerwise.txt'
+
+bench: bench-deps bench-plan bench-handshake bench-host bench-vllm bench-layerwise ## all benchmarks: host ones, then one guest boot (table + JSON + plots)
 	bash tests/softroce/run_rdma_suite.sh --cmd '$(PY) -m tests.bench.bench_suite'
 	@mkdir -p $(BENCH_DIR)
 	@cp $(SOFTROCE_DIR)/results/latest/bench.json $(BENCH_DIR)/bench.json

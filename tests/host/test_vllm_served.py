@@ -15,11 +15,14 @@ vLLM's toy proxy protocol.
 
 The pair's prefill has no ``decode_daemons`` (the recommended configuration: its sends
 name no decode, and the decode that reserves a transfer gets it, decode's daemon
-connecting the pair), behind vllm-router and behind tests/vllm_contract_proxy.py, a
-proxy written to vLLM's NIXL contract (NIXL's fixed kv_transfer_params, a plain uuid
-X-Request-Id), which passes the same tests and moves the KV (both daemons' counters),
-and behind vLLM's own toy_proxy_server.py, unchanged (tests/vllm_upstream.py fetches it
-from vLLM's sdist), which moves the KV too.
+connecting the pair) and sends layer by layer (``layerwise``) where a request names its
+decode (``decode_daemon``: the direct requests here, and tests/vllm_concurrent_proxy.py,
+which sends each request to prefill and decode at once), whole otherwise; behind
+vllm-router and behind tests/vllm_contract_proxy.py, a proxy written to vLLM's NIXL
+contract (NIXL's fixed kv_transfer_params, a plain uuid X-Request-Id), which passes
+the same tests and moves the KV (both daemons' counters), and behind vLLM's own
+toy_proxy_server.py, unchanged (tests/vllm_upstream.py fetches it from vLLM's sdist),
+which moves the KV too.
 
 The fleet: one more prefill (prefill2) and decode server (decode2), each with its own
 daemon, and a second vllm-router over all four (two ``--prefill``, two ``--decode``);
@@ -55,6 +58,7 @@ from tests.vllm_served import (
     Deployment,
     Served,
     complete,
+    concurrent_proxy,
     contract_proxy,
     kv_config,
     metric,
@@ -143,8 +147,9 @@ def served(tmp_path_factory: pytest.TempPathFactory, mismatched: Mismatched
         # test-only: prefill2's daemon writes slowly (decode2 is killed mid-transfer).
         fleet_extra=1, fleet_prefill_daemon_args=["--enable-fault-injection"],
         fleet_prefill_daemon_env={"KVBEAM_FAULT_WRITE_DELAY_S": str(SLOW_WRITE_S)},
-        # The pair's prefill maps no decode: its sends go to whichever decode reserves them.
-        unmapped=["prefill"])
+        # The pair's prefill maps no decode: its sends go to whichever decode reserves them;
+        # those that name their decode go layer by layer.
+        unmapped=["prefill"], extra={"prefill": {"layerwise": True}})
     try:
         yield deployment
     finally:
@@ -155,6 +160,18 @@ def served(tmp_path_factory: pytest.TempPathFactory, mismatched: Mismatched
 def contract(served: Deployment) -> Iterator[Served]:
     """A proxy written to vLLM's NIXL contract over the pair (no vLLM server more)."""
     proxy = contract_proxy([served.prefill.url], [served.decode.url])
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def concurrent(served: Deployment) -> Iterator[Served]:
+    """tests/vllm_concurrent_proxy.py over the pair: each request to both at once, both
+    daemons named (the pair's prefill then sends it layer by layer)."""
+    proxy = concurrent_proxy([(served.prefill, served.daemons["prefill"])],
+                             [(served.decode, served.daemons["decode"])])
     try:
         yield proxy
     finally:
@@ -371,6 +388,45 @@ def test_behind_a_contract_proxy_decode_loads_only_the_blocks_its_prefix_cache_l
     log.warning("partial loads behind the contract proxy: %s", rows)
 
 
+def test_layer_by_layer_behind_a_concurrent_proxy_equals_the_direct_server(
+        served: Deployment, concurrent: Served) -> None:
+    """Layer by layer, decode reserving while prefill computes (the concurrent proxy):
+    prompts of one to eight blocks (chunked prefill: up to four chunks), at once, not
+    streamed then streamed, token-identical to the plain server; each was streamed
+    (prefill's ``vllm:kvbeam_events_total{event="streamed"}``) and landed on decode
+    (decode computed nothing itself). The negative control on the same path: a transfer
+    named ``zero-N`` (its first landed block zeroed on decode) changes the tokens."""
+    prefill_metrics = f"{served.prefill.url}/metrics"
+    streamed = metric(prefill_metrics, "vllm:kvbeam_events_total", event="streamed")
+    rng = np.random.default_rng(40)
+    sent = 0
+    for stream, lengths in ((False, (45, 100, 200, 250)), (True, (70, 130))):
+        prompts = [_tokens(rng, n) for n in lengths]
+        before = served.landed()
+        got, want = _at_once(concurrent, served.plain, prompts, stream=stream)
+        after = served.landed()
+        rows = [f"len {len(p)}: identical={g.tokens == w.tokens} ttft {g.ttft_s:.3f}s "
+                f"(plain {w.ttft_s:.3f}s)" for p, g, w in zip(prompts, got, want, strict=True)]
+        log.warning("layer by layer, concurrent proxy (stream=%s):\n%s", stream,
+                    "\n".join(rows))
+        assert [g.tokens for g in got] == [w.tokens for w in want]
+        assert after[0] - before[0] == len(prompts), (before, after)
+        sent += len(prompts)
+    deadline = time.monotonic() + 30  # vLLM's stats reach /metrics with its next log
+    while (metric(prefill_metrics, "vllm:kvbeam_events_total", event="streamed") - streamed
+           < sent and time.monotonic() < deadline):
+        time.sleep(0.5)
+    assert metric(prefill_metrics, "vllm:kvbeam_events_total",
+                  event="streamed") - streamed >= sent
+    zeroed = len(served.decode.log("negative control: zeroed block"))
+    prompt = _tokens(rng, 100)
+    zero = complete(concurrent.url, prompt, MAX_TOKENS,
+                    kv_transfer_params={"kvbeam_id": "zero-layerwise"})
+    plain = complete(served.plain.url, prompt, MAX_TOKENS)
+    assert zero.finish == "length" and zero.tokens != plain.tokens, (zero, plain)
+    assert len(served.decode.log("negative control: zeroed block")) == zeroed + 1
+
+
 def test_behind_vllms_own_toy_proxy_output_equals_the_direct_server_and_the_kv_moves(
         served: Deployment, toy: Served) -> None:
     """vLLM's own P/D test proxy, unchanged (tests/v1/kv_connector/nixl_integration/
@@ -425,6 +481,7 @@ def test_a_zeroed_block_changes_the_tokens(served: Deployment) -> None:
     rng = np.random.default_rng(3)
     prompts = [_tokens(rng, n) for n in (70, 100)]
     decode_daemon = served.daemons["decode"].address
+    zeroed = len(served.decode.log("negative control: zeroed block"))  # other tests' too
     for i, p in enumerate(prompts):
         first = complete(served.prefill.url, p, 1, kv_transfer_params={
             "do_remote_decode": True, "kvbeam_id": f"zero-{i}", "decode_daemon": decode_daemon})
@@ -433,7 +490,7 @@ def test_a_zeroed_block_changes_the_tokens(served: Deployment) -> None:
                        kv_transfer_params=first.kv_transfer_params)
         want = complete(served.plain.url, p, MAX_TOKENS)
         assert got.finish == "length" and got.tokens != want.tokens, (got, want)
-    assert len(served.decode.log("negative control: zeroed block")) == len(prompts)
+    assert len(served.decode.log("negative control: zeroed block")) == zeroed + len(prompts)
 
 
 def test_prefill_frees_its_blocks_when_decode_never_comes(served: Deployment) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -349,3 +351,88 @@ def test_workers_reports_merge_a_detached_rank_wins() -> None:
     assert up.merged(down) == S.WorkerReport("gone", {"d:1": "x"})
     assert down.merged(S.WorkerReport(None)) == down
     assert S.WorkerReport(None).merged(S.WorkerReport(None)).detached is None
+
+
+# ---- layer by layer ------------------------------------------------------------------
+LAYERWISE = P.Settings(daemons=("127.0.0.1:7",), attach_sockets=("/x.sock",), model="m",
+                       layerwise=True)
+SEND = {"do_remote_decode": True, "kvbeam_id": "t1", "decode_daemon": "d:1"}
+
+
+def _output(new: Sequence[tuple[str, list[int], int]] = (),
+            cached: Sequence[tuple[str, list[int] | None, int]] = (),
+            scheduled: dict[str, int] | None = None, resumed: set[str] | None = None) -> Any:
+    """vLLM's SchedulerOutput as plan_streams reads it: new requests (id, blocks,
+    computed), cached ones (id, new blocks or None, computed), tokens scheduled."""
+    return SimpleNamespace(
+        num_scheduled_tokens=scheduled or {},
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c)
+                            for r, b, c in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached], resumed_req_ids=resumed or set(),
+            new_block_ids=[None if b is None else (b,) for _, b, _ in cached],
+            num_computed_tokens=[c for _, _, c in cached]))
+
+
+def test_layerwise_streams_a_prompt_in_the_step_that_computes_its_last_tokens() -> None:
+    """Chunked prefill: the prompt's blocks accumulate over its steps, and the stream
+    starts in the last one (its layers go as the forward computes them); its end then
+    plans the send as usual (the worker takes it as the stream's end)."""
+    side = S.SchedulerSide(LAYERWISE, block_size=32)
+    req = Req("a", list(range(70)), SEND)
+    side.update_state_after_alloc(req, Blocks([5, 9]), 0)
+    side.plan_streams(_output(new=[("a", [5, 9], 0)], scheduled={"a": 64}))
+    assert side.take_plan().streams == []  # 64 of 70 tokens: not its last step
+    side.plan_streams(_output(cached=[("a", [2], 64)], scheduled={"a": 6}))
+    plan = side.take_plan()
+    assert plan.streams == [S.Push("a", "t1", (5, 9, 2), ("d:1",), 70)]
+    hold, out = side.request_finished(req, [5, 9, 2])
+    assert hold and out is not None and out["kvbeam_id"] == "t1"
+    assert side.take_plan().sends == [S.Push("a", "t1", (5, 9, 2), ("d:1",), 70)]
+
+
+def test_layerwise_needs_a_named_decode_and_a_resumed_request_takes_its_new_blocks() -> None:
+    side = S.SchedulerSide(LAYERWISE, block_size=32)
+    unnamed = Req("u", list(range(40)), {"do_remote_decode": True, "kvbeam_id": "t2"})
+    side.update_state_after_alloc(unnamed, Blocks([1, 2]), 0)
+    side.plan_streams(_output(new=[("u", [1, 2], 0)], scheduled={"u": 40}))
+    assert side.take_plan().streams == []  # whoever reserves it gets it: sent whole
+    req = Req("r", list(range(40)), SEND)
+    side.update_state_after_alloc(req, Blocks([3]), 0)
+    side.plan_streams(_output(new=[("r", [3], 0)], scheduled={"r": 32}))
+    side.plan_streams(_output(cached=[("r", [7, 8], 0)], scheduled={"r": 40},
+                              resumed={"r"}))  # preempted, then resumed elsewhere
+    assert side.take_plan().streams == [S.Push("r", "t1", (7, 8), ("d:1",), 40)]
+    off = S.SchedulerSide(SETTINGS, block_size=32)
+    off.update_state_after_alloc(req, Blocks([3, 4]), 0)
+    off.plan_streams(_output(new=[("r", [3, 4], 0)], scheduled={"r": 40}))
+    assert off.take_plan().streams == []  # layerwise off
+
+
+def test_a_streamed_request_that_ends_without_a_transfer_is_cancelled_and_held() -> None:
+    """Its layers may be on their way: vLLM must not free its blocks before the worker
+    aborted the send and it ended (prefill's daemon may still read them)."""
+    side = S.SchedulerSide(LAYERWISE, block_size=32)
+    req = Req("a", list(range(40)), SEND, status="FINISHED_ABORTED")
+    side.update_state_after_alloc(req, Blocks([5, 9]), 0)
+    side.plan_streams(_output(new=[("a", [5, 9], 0)], scheduled={"a": 40}))
+    assert side.take_plan().streams
+    assert side.request_finished(req, [5, 9]) == (True, None)
+    assert side.has_pending_push_work()
+    plan = side.take_plan()
+    assert plan.cancels == ["a"] and plan.sends == []
+    side.sends_finished({"a"})
+    assert not side.has_pending_push_work()
+    # Not streamed (its end came before its last step): nothing held, as before.
+    early = Req("b", list(range(40)), SEND, status="FINISHED_ABORTED")
+    side.update_state_after_alloc(early, Blocks([1]), 0)
+    assert side.request_finished(early, [1]) == (False, None)
+    assert side.take_plan().cancels == []
+
+
+def test_layerwise_is_a_boolean_setting() -> None:
+    base = {"daemon": "127.0.0.1:7", "attach_socket": "/x.sock"}
+    assert P.Settings.from_extra({**base, "layerwise": True}, "m").layerwise
+    assert not P.Settings.from_extra(base, "m").layerwise
+    with pytest.raises(ConfigError, match="layerwise: true or false"):
+        P.Settings.from_extra({**base, "layerwise": "yes"}, "m")

@@ -254,3 +254,63 @@ def test_while_its_daemon_is_away_loads_and_sends_fail_at_once_then_use_the_new_
     daemon.close()
 
 
+
+
+def _layered_worker() -> tuple[WorkerSide, socket.socket]:
+    """A worker on a socketpair whose attached cache has three layers (as
+    register_kv_caches names them from vLLM's ``kv_caches``)."""
+    engine, daemon = socket.socketpair()
+    worker = WorkerSide(SETTINGS, block_size=32, num_kv_heads=2, head_size=32)
+    worker.attachment = _Attachment(EngineChannel(engine, "test"))  # type: ignore[assignment]
+    worker._layer_of = {"l0": 0, "l1": 1, "l2": 2}
+    return worker, daemon
+
+
+def test_a_streamed_prompt_goes_a_frame_per_layer_and_ends_after_vllms_end() -> None:
+    """Layer by layer: the step's stream sends nothing before its first layer; each
+    layer's frame names the layers ready (its blocks with the first); the last layer's
+    is final. Its Success is reported only once vLLM ended the request (its send in
+    the next step's plan): vLLM frees the blocks of a send reported ended."""
+    worker, daemon = _layered_worker()
+    push = S.Push("a", "t1", (5, 9), ("d:1",), 40)
+    worker.absorb(S.StepPlan(streams=[push]))
+    worker.save_layer("l0")
+    first = _frames(daemon, 1)[0]
+    assert isinstance(first, ef.Send)
+    assert (first.request_id, first.kv_offset, first.layers, first.final) == ("t1", 0, 1, False)
+    assert np.array_equal((first.indices or {})[IndexKind.KV_PAGES], [5, 9])
+    worker.save_layer("l1")
+    worker.save_layer("l1")  # again (a second forward of the step): nothing new
+    worker.save_layer("l2")
+    second, last = _frames(daemon, 2)
+    assert (second.kv_offset, second.layers, second.final) == (2, 2, False)
+    assert not len((second.indices or {}).get(IndexKind.KV_PAGES, []))  # no new blocks
+    assert (last.kv_offset, last.layers, last.final) == (2, None, True)
+    worker.forward_done()  # every stream went final at its last layer: nothing more
+    daemon.sendall(ef.encode(ef.State("t1", TransferState.SUCCESS, None, 3, "ok")))
+    time.sleep(0.2)
+    assert worker.get_finished() == (set(), set()), "reported before vLLM ended it"
+    worker.absorb(S.StepPlan(sends=[push]))  # vLLM's end: no second send
+    assert _finished(worker, ({"a"}, set())) == ({"a"}, set())
+    daemon.settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        daemon.recv(1)
+    worker.close()
+    daemon.close()
+
+
+def test_a_cancelled_stream_is_aborted_and_ends_with_its_failure() -> None:
+    worker, daemon = _layered_worker()
+    worker.absorb(S.StepPlan(streams=[S.Push("a", "t1", (5,), ("d:1",), 20)]))
+    worker.save_layer("l0")
+    _frames(daemon, 1)
+    worker.absorb(S.StepPlan(cancels=["a", "never-streamed"]))
+    (abort,) = _frames(daemon, 1)
+    assert isinstance(abort, ef.Abort) and abort.request_id == "t1"
+    worker.save_layer("l1")  # no longer streamed: nothing
+    assert _finished(worker, ({"never-streamed"}, set())) == ({"never-streamed"}, set())
+    daemon.sendall(ef.encode(ef.State("t1", TransferState.FAILED, FailureReason.ABORTED, 3,
+                                      "aborted")))
+    assert _finished(worker, ({"a"}, set())) == ({"a"}, set())
+    worker.close()
+    daemon.close()

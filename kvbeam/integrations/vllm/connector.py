@@ -3,10 +3,11 @@
 vLLM builds it once in the scheduler process (role SCHEDULER) and once per worker
 (role WORKER), loading it with ``kv_connector_module_path`` (docs/vllm.md). Each role
 delegates to :class:`~kvbeam.integrations.vllm.scheduler.SchedulerSide` or
-:class:`~kvbeam.integrations.vllm.worker.WorkerSide`; the per-layer hooks have nothing
-to do, since kvbeam's daemons move whole requests between the attached caches (a
-staged cache's copies run at the step's start and end: ``start_load_kv``,
-``get_finished``). Its stats are vLLM's "KV Transfer metrics" log line and, in vLLM's
+:class:`~kvbeam.integrations.vllm.worker.WorkerSide`. kvbeam's daemons move requests
+between the attached caches: whole, once a prompt ended, or, with ``layerwise``, each
+layer of a finishing prompt as ``save_kv_layer`` says it is computed (a staged cache's
+copies run at the step's start and end: ``start_load_kv``, ``get_finished``). Its
+stats are vLLM's "KV Transfer metrics" log line and, in vLLM's
 /metrics, ``vllm:kvbeam_events_total{event}`` and, staged,
 ``vllm:kvbeam_staging_bytes_total{direction}``,
 ``vllm:kvbeam_staging_copy_seconds_total{direction}`` and
@@ -77,7 +78,8 @@ class KvbeamWorkerMeta(KVConnectorWorkerMetadata):
 class KvbeamStats(KVConnectorStats):
     """The connector's numbers since the last collection (``data``: name -> number):
     counts of requests that asked for a transfer and move nothing, failed sends and
-    loads by reason, decode servers missing from ``decode_daemons``; staged, the
+    loads by reason, decode servers missing from ``decode_daemons``, requests sent layer
+    by layer (``streamed``); staged, the
     staging buffers' bytes, copy seconds, waits and refusals (summed over the workers)
     and their occupancy in percent (the fullest worker's)."""
 
@@ -114,8 +116,8 @@ class KvbeamPromMetrics(KVConnectorPromMetrics):
             name=EVENTS_METRIC, labelnames=[*labelnames, "event"],
             documentation="kvbeam connector events: requests that asked for a KV transfer "
                           "and move none (no_transfer_*, declined), failed sends and loads "
-                          "by reason, decode servers missing from decode_daemons, staging "
-                          "waits and refusals")
+                          "by reason, decode servers missing from decode_daemons, requests "
+                          "sent layer by layer (streamed), staging waits and refusals")
         direction = [*labelnames, "direction"]
         self.staging = {
             "bytes": self._counter_cls(
@@ -199,6 +201,7 @@ class KvbeamConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self.scheduler is not None
+        self.scheduler.plan_streams(scheduler_output)
         return KvbeamMetadata(self.scheduler.take_plan())
 
     def request_finished(self, request: Any, block_ids: Any
@@ -253,10 +256,15 @@ class KvbeamConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        return None
+        # The layer's KV is in the cache (vLLM calls this after the layer's attention):
+        # the step's streamed prompts make that layer ready, one frame each (no wait).
+        if self.worker is not None:
+            self._absorb()  # the step's plan, once: its streams start at the first layer
+            self.worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        return None
+        if self.worker is not None:
+            self.worker.forward_done()
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:

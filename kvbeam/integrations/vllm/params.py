@@ -242,7 +242,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 CREDENTIAL_KEYS = CLIENT_SETTINGS
 SETTINGS_KEYS = frozenset({"daemon", "attach_socket", "model", "inner_layout",
                            "decode_daemons", "staging", "staging_requests", "staging_tokens",
-                           "staging_wait_s"})
+                           "staging_wait_s", "layerwise"})
 
 
 @dataclass(frozen=True)
@@ -319,6 +319,12 @@ class Settings:
         staging: ``staging``, ``staging_requests``, ``staging_tokens``,
             ``staging_wait_s``: the KV cache staged through a host buffer
             (:class:`Staging`).
+        layerwise: ``layerwise`` (prefill; default false): send a finishing prompt's
+            blocks layer by layer as vLLM computes them (``save_kv_layer``), so only the
+            last layer's transfer follows the prompt's end; for a request whose decode
+            is named (``decode_daemon``, or ``decode_daemons`` behind vllm-router) and
+            a cache that is not staged; others go whole (docs/vllm.md, "Layer by
+            layer").
     """
 
     daemons: tuple[str, ...]
@@ -327,6 +333,7 @@ class Settings:
     inner_layout: str = ""
     decode_daemons: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     staging: Staging = field(default_factory=Staging)
+    layerwise: bool = False
 
     def check_tp(self, tp_size: int) -> None:
         """Refuse settings that do not name one daemon and attach socket per TP rank.
@@ -374,11 +381,15 @@ class Settings:
             raise ConfigError(
                 f"kv_connector_extra_config: daemon names {len(lists['daemon'])} daemon(s), "
                 f"attach_socket {len(lists['attach_socket'])}: one of each per TP rank")
+        layerwise = extra.get("layerwise", False)
+        if not isinstance(layerwise, bool):
+            raise ConfigError(f"kv_connector_extra_config.layerwise: true or false (got "
+                              f"{layerwise!r})")
         return cls(daemons=lists["daemon"], attach_sockets=lists["attach_socket"],
                    model=str(extra.get("model") or default_model),
                    inner_layout=str(extra.get("inner_layout") or ""),
                    decode_daemons=_decode_daemons(extra.get("decode_daemons") or {}),
-                   staging=Staging.from_extra(extra))
+                   staging=Staging.from_extra(extra), layerwise=layerwise)
 
 
 def _decode_daemons(value: Any) -> dict[str, tuple[str, ...]]:

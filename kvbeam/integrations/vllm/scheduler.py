@@ -106,6 +106,23 @@ class StepPlan:
     sends: list[Push] = field(default_factory=list)
     #: Decode requests that will not load: prefill frees their blocks now.
     declines: list[Decline] = field(default_factory=list)
+    #: Prefill requests whose prompt ends in this step's forward: sent layer by layer
+    #: as it computes them (``Settings.layerwise``; their ``sends`` entry follows).
+    streams: list[Push] = field(default_factory=list)
+    #: Streamed requests that ended without a transfer (aborted, or no longer
+    #: sendable): the worker aborts their send, and vLLM frees their blocks once it
+    #: ended (prefill's writes from them drained).
+    cancels: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Prompt:
+    """A prefill request that asked for a layer-by-layer send, while vLLM computes its
+    prompt: its send, its length and the blocks scheduled for it so far."""
+
+    params: SendParams
+    prompt_len: int
+    blocks: list[int] = field(default_factory=list)
 
 
 class SchedulerSide:
@@ -118,6 +135,9 @@ class SchedulerSide:
         self.clock = clock
         self._plan = StepPlan()
         self._sending: set[str] = set()
+        #: Layer by layer: prompts being computed, and those streamed (no end yet).
+        self._prompts: dict[str, _Prompt] = {}
+        self._streamed: set[str] = set()
         self._loading: set[str] = set()
         self._declined: set[str] = set()
         #: Why the workers' daemon is not attached ("": attached), from their reports.
@@ -178,7 +198,11 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
         """Decode: the blocks vLLM just allocated are the request's landing place (the
-        worker reserves them on its daemon)."""
+        worker reserves them on its daemon). Prefill, layer by layer: a request that
+        asked for a send to a named decode is followed while its prompt is computed
+        (:meth:`plan_streams`)."""
+        if self.settings.layerwise:
+            self._follow_prompt(request)
         p = _checked(load_params, request)
         if p is None or num_external_tokens == 0:
             return
@@ -192,6 +216,55 @@ class SchedulerSide:
                                      seq_len, kv_skip=skip))
 
     # ---- prefill -----------------------------------------------------------------
+    def _follow_prompt(self, request: Any) -> None:
+        """Follow a prefill request's prompt when it may stream: it asks for a send
+        whose decode is named (a send to whichever decode reserves it goes whole)."""
+        rid = request.request_id
+        if rid in self._prompts:
+            return
+        p = _checked(lambda params: send_params(params, str(rid),
+                                                self.settings.decode_daemons), request)
+        if p is not None and p.decode_daemons:
+            self._prompts[rid] = _Prompt(p, len(request.prompt_token_ids))
+
+    def plan_streams(self, scheduler_output: Any) -> None:
+        """The step's scheduled prompts (vLLM's ``SchedulerOutput``): their blocks so
+        far, and a stream for each whose last prompt tokens this step computes."""
+        if not self._prompts:
+            return
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            prompt = self._prompts.get(new.req_id)
+            if prompt is not None:
+                prompt.blocks = [int(b) for b in new.block_ids[0]]
+                self._maybe_stream(new.req_id, prompt, int(new.num_computed_tokens),
+                                   int(scheduled.get(new.req_id, 0)))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            prompt = self._prompts.get(rid)
+            if prompt is None:
+                continue
+            added = cached.new_block_ids[i]
+            if added is not None:  # a resumed request's are all of its blocks
+                ids = [int(b) for b in added[0]]
+                prompt.blocks = ids if rid in cached.resumed_req_ids else prompt.blocks + ids
+            self._maybe_stream(rid, prompt, int(cached.num_computed_tokens[i]),
+                               int(scheduled.get(rid, 0)))
+
+    def _maybe_stream(self, rid: str, prompt: _Prompt, computed: int, scheduled: int) -> None:
+        """This step computes the prompt's last tokens: stream it (unless a send could
+        not happen now: then its end decides, as for a whole send)."""
+        if computed + scheduled < prompt.prompt_len:
+            return
+        del self._prompts[rid]
+        if self._cannot_send(prompt.params) is not None:
+            return
+        p = prompt.params
+        blocks = tuple(prompt.blocks[:blocks_for(prompt.prompt_len, self.block_size)])
+        self._streamed.add(rid)
+        self._plan.streams.append(Push(rid, p.kvbeam_id, blocks, p.decode_daemons,
+                                       prompt.prompt_len))
+
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """Prefill: hold the prompt's blocks; the worker sends them (decode may reserve
         before or after: the send waits for the reservation, ``--send-wait-s``).
@@ -199,6 +272,9 @@ class SchedulerSide:
         Decode: a request that ends without having loaded (aborted while it waited) is
         declined, so prefill frees its blocks now."""
         rid = request.request_id
+        self._prompts.pop(rid, None)
+        streamed = rid in self._streamed
+        self._streamed.discard(rid)
         loaded = rid in self._loading or rid in self._declined
         self._loading.discard(rid)
         self._declined.discard(rid)
@@ -213,15 +289,15 @@ class SchedulerSide:
         if p is None:
             if (request.kv_transfer_params or {}).get(DO_REMOTE_DECODE):
                 self.counts["no_transfer_malformed_params"] += 1  # _checked said why
-            return False, None
+            return self._cancelled(rid, streamed)
         if _aborted(request):
-            return False, None
+            return self._cancelled(rid, streamed)
         why = self._cannot_send(p)
         if why:
             log.warning("request %s asked for a remote decode: no transfer (%s); decode gets "
                         "no do_remote_prefill and computes the prompt itself", rid, why[1])
             self.counts[f"no_transfer_{why[0]}"] += 1
-            return False, None
+            return self._cancelled(rid, streamed)
         if p.unmapped:
             self._unmapped(rid, p.unmapped)
         ids = _first_group(block_ids)
@@ -231,6 +307,16 @@ class SchedulerSide:
         self._plan.sends.append(Push(rid, p.kvbeam_id, source, p.decode_daemons, seq_len))
         return True, returned_params(p.kvbeam_id, self.settings.daemons, seq_len,
                                      named_decode=bool(p.decode_daemons))
+
+    def _cancelled(self, rid: str, streamed: bool) -> tuple[bool, dict[str, Any] | None]:
+        """No transfer for a request that ended: nothing held, unless it was streamed:
+        then its send is aborted and its blocks held until that ended (prefill's
+        daemon may still read them)."""
+        if not streamed:
+            return False, None
+        self._sending.add(rid)
+        self._plan.cancels.append(rid)
+        return True, None
 
     def _cannot_send(self, p: SendParams) -> tuple[str, str] | None:
         """(counted reason, why) a send cannot happen, from what the workers reported:
@@ -288,8 +374,8 @@ class SchedulerSide:
 
     def has_pending_push_work(self) -> bool:
         """Keep vLLM stepping while prefill holds blocks for a send (get_finished frees
-        them), and until this side's declines went to the worker."""
-        return bool(self._sending) or bool(self._plan.declines)
+        them), and until this side's declines and cancels went to the worker."""
+        return bool(self._sending) or bool(self._plan.declines) or bool(self._plan.cancels)
 
     def take_plan(self) -> StepPlan:
         """This step's plan; the next step starts empty."""

@@ -119,6 +119,11 @@ class _Sending:
     senders: list[Sender] = field(default_factory=list)
     sent: bool = False
     failure: tuple[str, str] | None = None
+    #: Layer by layer: the layers given so far (0: none, nor its blocks yet), and
+    #: whether vLLM still runs the request (its end is not reported before vLLM's
+    #: own: vLLM frees the blocks of a send reported ended).
+    layers_sent: int = 0
+    running: bool = False
 
 
 class WorkerSide:
@@ -156,6 +161,12 @@ class WorkerSide:
         self._staging_report = StagingReport()
         self._loads: dict[str, _Loading] = {}
         self._sends: dict[str, _Sending] = {}
+        #: Layer by layer: each attached layer's position (vLLM's layer name -> layer),
+        #: and the step's streamed sends, until their last layer went.
+        self._layer_of: dict[str, int] = {}
+        self._streaming: list[_Sending] = []
+        #: Cancelled requests this rank never streamed (a staged cache): ended at once.
+        self._nothing_sent: set[str] = set()
         self._load_errors: set[int] = set()
         self.moved_bytes = 0
         #: Failed sends and loads since :meth:`take_counts` (vLLM's connector stats).
@@ -198,6 +209,7 @@ class WorkerSide:
         pools = self._stage(config, views, device) if staged else None
         buffers = None if staged else self._share(views, num_blocks, item)
         self._views = views
+        self._layer_of = {name: i for i, name in enumerate(kv_caches)}
         # Only a request's end is pushed: get_finished acts on nothing else, and each
         # push would wake the channel's reader thread inside vLLM's worker. A restarted
         # daemon gets the same memory again (reattach); meanwhile new loads and sends
@@ -301,7 +313,15 @@ class WorkerSide:
             for declined in plan.declines:
                 self._receiver(att, declined.kvbeam_id, declined.prefill_daemons).decline(
                     declined.why)
+            for push in plan.streams:
+                self._stream(att, push)
+            for rid in plan.cancels:
+                self._cancel(rid)
             for push in plan.sends:
+                streamed = self._sends.get(push.req_id)
+                if streamed is not None:  # its layers went as they were computed
+                    streamed.running = False
+                    continue
                 sending = self._sends[push.req_id] = _Sending(push)
                 if self.staging is None:
                     self._send(att, sending, None)
@@ -325,24 +345,92 @@ class WorkerSide:
         loading.receiver.reserve(list(load.block_ids) if blocks is None else blocks,
                                  seq_len=load.seq_len, kv_skip=load.kv_skip)
 
-    def _send(self, att: Attachment, sending: _Sending, blocks: ListLike | None) -> None:
-        """Send the request's blocks (staged: its staging items) to every decode rank
-        this rank holds heads of."""
-        push = sending.push
+    def _senders(self, att: Attachment, push: Push) -> list[Sender]:
+        """A sender per decode rank this rank holds heads of (no decode named: this
+        rank's share goes to whichever decode daemon reserves its transfer id, a decode
+        of this TP size: rank to rank)."""
         if not push.decode_daemons:
-            # No decode named: this rank's share goes to whichever decode daemon
-            # reserves its transfer id (a decode of this TP size: rank to rank).
             targets = [(rank_transfer_id(push.kvbeam_id, self.tp_rank, self.tp_size), "")]
         else:
             decode_tp = len(push.decode_daemons)
             targets = [(rank_transfer_id(push.kvbeam_id, d, decode_tp), push.decode_daemons[d])
                        for d in decode_ranks_of(self.tp_rank, self.tp_size, decode_tp)]
-        for transfer_id, decode in targets:
-            sender = Sender(att, transfer_id, decode)
+        return [Sender(att, transfer_id, decode) for transfer_id, decode in targets]
+
+    def _send(self, att: Attachment, sending: _Sending, blocks: ListLike | None) -> None:
+        """Send the request's blocks (staged: its staging items) to every decode rank
+        this rank holds heads of."""
+        push = sending.push
+        for sender in self._senders(att, push):
             sender.send(list(push.block_ids) if blocks is None else blocks,
                         seq_len=push.seq_len)
             sending.senders.append(sender)
         sending.sent = True
+
+    # ---- layer by layer ----------------------------------------------------------
+    def _stream(self, att: Attachment, push: Push) -> None:
+        """A prompt this step's forward ends: its layers go as they are computed
+        (:meth:`save_layer`). A staged cache sends it whole at its end instead (the
+        gather of a layer is the GPU staging's to schedule)."""
+        if self.staging is not None or not self._layer_of:
+            log.debug("request %s: sent whole at its end (a staged cache)", push.req_id)
+            return
+        sending = self._sends[push.req_id] = _Sending(push, senders=self._senders(att, push),
+                                                      running=True)
+        self._streaming.append(sending)
+        self.counts["streamed"] += 1
+
+    def save_layer(self, layer_name: str) -> None:
+        """vLLM wrote this layer's KV for the step: each streamed prompt's blocks are
+        ready in the layers up to it (its blocks go with the first layer, the last
+        layer's frame is the final one). One write for all of them; nothing waits."""
+        layer = self._layer_of.get(layer_name)
+        att = self.attachment
+        if not self._streaming or layer is None or att is None or att.channel is None:
+            return
+        last = layer == len(self._layer_of) - 1
+        with att.channel.batch():
+            for sending in self._streaming:
+                if layer + 1 > sending.layers_sent:
+                    self._give_layers(sending, layer + 1, final=last)
+        if last:
+            self._streaming.clear()
+
+    def forward_done(self) -> None:
+        """The step's forward is over: a streamed prompt whose last layer was not seen
+        (a layer name vLLM did not register here) goes final now, every layer written."""
+        att = self.attachment
+        if not self._streaming or att is None or att.channel is None:
+            self._streaming.clear()
+            return
+        with att.channel.batch():
+            for sending in self._streaming:
+                self._give_layers(sending, len(self._layer_of), final=True)
+        self._streaming.clear()
+
+    def _give_layers(self, sending: _Sending, layers: int, *, final: bool) -> None:
+        """Tell the daemon the prompt's blocks are ready in ``layers`` layers (the
+        final frame: in every layer)."""
+        push = sending.push
+        blocks = [] if sending.layers_sent else list(push.block_ids)
+        for sender in sending.senders:
+            sender.send_chunk(blocks, seq_len=push.seq_len, final=final,
+                              layers=None if final else layers)
+        sending.layers_sent = layers
+        sending.sent = sending.sent or final
+
+    def _cancel(self, req_id: str) -> None:
+        """A streamed request ended without a transfer: abort its sends (they end
+        Failed once prefill's writes from its blocks drained; then vLLM frees them)."""
+        sending = self._sends.get(req_id)
+        if sending is None:
+            self._nothing_sent.add(req_id)  # its blocks are free to go
+            return
+        if sending in self._streaming:
+            self._streaming.remove(sending)
+        sending.sent, sending.running = True, False  # it ends with its senders' Failed
+        for sender in sending.senders:
+            sender.abort("vLLM ended the request without a transfer")
 
     # ---- staged ------------------------------------------------------------------
     def _queue(self, request: _Loading | _Sending, blocks: tuple[int, ...]) -> None:
@@ -406,9 +494,11 @@ class WorkerSide:
         with self._batch():
             self._advance(self.attachment)
             sent = {r for r, s in self._sends.items() if self._send_ended(r, s)}
+            sent |= self._nothing_sent
+            self._nothing_sent = set()
             received = {r for r, lo in self._loads.items() if self._load_ended(r, lo)}
             for r in sent:
-                staged = self._sends.pop(r).staged
+                staged = self._sends.pop(r).staged if r in self._sends else None
                 if staged is not None:
                     staged.release()
             for r in received:
@@ -421,6 +511,8 @@ class WorkerSide:
 
     def _send_ended(self, req_id: str, sending: _Sending) -> bool:
         """Whether the send ended (each failure counted and logged once, here)."""
+        if sending.running:
+            return False
         if sending.failure is not None:
             label, why = sending.failure
             self.counts[f"send_failed_{label}"] += 1
