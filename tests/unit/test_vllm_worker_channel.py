@@ -314,3 +314,20 @@ def test_a_cancelled_stream_is_aborted_and_ends_with_its_failure() -> None:
     assert _finished(worker, ({"a"}, set())) == ({"a"}, set())
     worker.close()
     daemon.close()
+
+
+def test_a_stream_whose_channel_went_ends_failed_at_vllms_end_not_never() -> None:
+    """No engine channel at the step's end: nothing of the stream can go; it ends
+    (failed, counted) once vLLM ended the request, so vLLM frees its blocks."""
+    worker, daemon = _layered_worker()
+    push = S.Push("a", "t1", (5,), ("d:1",), 20)
+    worker.absorb(S.StepPlan(streams=[push]))
+    attachment = worker.attachment
+    worker.attachment = None
+    worker.forward_done()
+    worker.attachment = attachment
+    worker.absorb(S.StepPlan(sends=[push]))
+    assert _finished(worker, ({"a"}, set())) == ({"a"}, set())
+    assert worker.take_counts().get("send_failed_detached") == 1
+    worker.close()
+    daemon.close()

@@ -400,7 +400,9 @@ class WorkerSide:
         """The step's forward is over: a streamed prompt whose last layer was not seen
         (a layer name vLLM did not register here) goes final now, every layer written."""
         att = self.attachment
-        if not self._streaming or att is None or att.channel is None:
+        if att is None or att.channel is None:
+            for sending in self._streaming:  # nothing more can go: it ends at vLLM's end
+                sending.failure, sending.sent = ("detached", "no engine channel"), True
             self._streaming.clear()
             return
         with att.channel.batch():
@@ -421,10 +423,12 @@ class WorkerSide:
 
     def _cancel(self, req_id: str) -> None:
         """A streamed request ended without a transfer: abort its sends (they end
-        Failed once prefill's writes from its blocks drained; then vLLM frees them)."""
+        Failed once prefill's writes from its blocks drained; then vLLM frees them). One
+        that sent nothing (a staged cache's, or no layer yet) ends at once."""
         sending = self._sends.get(req_id)
-        if sending is None:
-            self._nothing_sent.add(req_id)  # its blocks are free to go
+        if sending is None or not sending.layers_sent:
+            self._sends.pop(req_id, None)  # nothing of it went: its blocks are free
+            self._nothing_sent.add(req_id)
             return
         if sending in self._streaming:
             self._streaming.remove(sending)
