@@ -31,19 +31,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from http.server import ThreadingHTTPServer
 from typing import Any
 
-from tests.vllm_contract_proxy import (
-    TIMEOUT_S,
-    Handler,
-    Picker,
-    _chunks,
-    _post,
-    prefill_body,
-    say,
-)
+from tests.vllm_contract_proxy import TIMEOUT_S, Handler, Picker, _post, prefill_body, say
 
 
 class ConcurrentHandler(Handler):
@@ -67,25 +59,13 @@ class ConcurrentHandler(Handler):
         body = dict(request)
         body["kv_transfer_params"] = {"do_remote_prefill": True, "kvbeam_id": name,
                                       "prefill_daemon": self.daemons[prefill]}
-        try:
-            response = urllib.request.urlopen(_post(decode + self.path, body, request_id),
-                                              timeout=TIMEOUT_S)
-        except urllib.error.HTTPError as exc:
-            self._answer(exc.code, exc.read())
-            return exc.code
         first_bytes: list[float] = []
-        with response:
-            if not request.get("stream"):
-                data = response.read()
-                first_bytes.append(time.monotonic())
-                self._answer(response.status, data)
-            else:
-                self._stream(response.status, _timed(_chunks(response), first_bytes))
+        status = self._relay(decode + self.path, body, request_id, first_bytes)
         prefilled.join(TIMEOUT_S)
         if answered and first_bytes:
             say(f"timing {request_id} prefill_ms={1000 * (answered[0] - began):.1f} "
                 f"decode_first_ms={1000 * (first_bytes[0] - began):.1f}")
-        return int(response.status)
+        return status
 
     def _prefill(self, url: str, body: dict[str, Any], request_id: str,
                  answered: list[float]) -> None:
@@ -100,14 +80,6 @@ class ConcurrentHandler(Handler):
             return
         answered.append(time.monotonic())
         say(f"prefill {request_id} status={status}")
-
-
-def _timed(chunks: Iterator[bytes], first: list[float]) -> Iterator[bytes]:
-    """``chunks``, noting when the first that carries data (an SSE ``data:`` line) came."""
-    for chunk in chunks:
-        if not first and chunk.startswith(b"data:"):
-            first.append(time.monotonic())
-        yield chunk
 
 
 def _pairs(values: Sequence[str], flag: str) -> dict[str, str]:

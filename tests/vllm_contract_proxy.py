@@ -28,6 +28,7 @@ import itertools
 import json
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -125,17 +126,25 @@ class Handler(BaseHTTPRequestHandler):
             return exc.code
         body = dict(request)
         body["kv_transfer_params"] = first.get("kv_transfer_params")
+        return self._relay(decode + self.path, body, request_id)
+
+    def _relay(self, url: str, body: dict[str, Any], request_id: str,
+               first: list[float] | None = None) -> int:
+        """Send decode ``body`` and relay its answer, streamed or not (``first``: when
+        its first data came, appended); its status."""
         try:
-            response = urllib.request.urlopen(_post(decode + self.path, body, request_id),
-                                              timeout=TIMEOUT_S)
+            response = urllib.request.urlopen(_post(url, body, request_id), timeout=TIMEOUT_S)
         except urllib.error.HTTPError as exc:
             self._answer(exc.code, exc.read())
             return exc.code
         with response:
-            if not request.get("stream"):
-                self._answer(response.status, response.read())
+            if not body.get("stream"):
+                data = response.read()
+                if first is not None:
+                    first.append(time.monotonic())
+                self._answer(response.status, data)
             else:
-                self._stream(response.status, _chunks(response))
+                self._stream(response.status, _chunks(response, first))
             return int(response.status)
 
     def _answer(self, status: int, data: bytes) -> None:
@@ -156,12 +165,15 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"0\r\n\r\n")
 
 
-def _chunks(response: Any) -> Iterator[bytes]:
-    """Decode's streamed answer as it comes, a line (an SSE field or blank) at a time."""
+def _chunks(response: Any, first: list[float] | None = None) -> Iterator[bytes]:
+    """Decode's streamed answer as it comes, a line (an SSE field or blank) at a time
+    (``first``: when the first ``data:`` line came, appended)."""
     while True:
         line = response.readline()
         if not line:
             return
+        if first is not None and not first and line.startswith(b"data:"):
+            first.append(time.monotonic())
         yield line
 
 

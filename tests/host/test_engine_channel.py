@@ -92,13 +92,15 @@ def engines(tmp_path: Path) -> Iterator[tuple[DaemonProcess, DaemonProcess, Chan
 
 
 @contextlib.contextmanager
-def attached_pair(tmp: Path, cfg: str, deadlines: list[str], pushes: str = "all"
+def attached_pair(tmp: Path, cfg: str, deadlines: list[str], pushes: str = "all",
+                  transport: str = "tcp"
                   ) -> Iterator[tuple[DaemonProcess, DaemonProcess, ChannelEngine,
                                       ChannelEngine]]:
-    """Two ``--pools engine`` daemons and a ChannelEngine attached to each (prefill's
-    pools filled with seed 1, decode's with 2; both with ``pushes``); all stopped on exit."""
+    """Two ``--pools engine`` daemons (over ``transport``) and a ChannelEngine attached
+    to each (prefill's pools filled with seed 1, decode's with 2; both with ``pushes``);
+    all stopped on exit."""
     psock, dsock = str(tmp / "p.sock"), str(tmp / "d.sock")
-    p, d = start_engine_pair(psock, dsock, deadlines=deadlines)
+    p, d = start_engine_pair(psock, dsock, deadlines=deadlines, transport=transport)
     pe = de = None
     try:
         pe = ChannelEngine(psock, cfg, 1, pushes)
@@ -404,11 +406,17 @@ def test_a_request_sent_layer_by_layer_moves_each_layer_as_it_comes(engines: tup
     """LAYERS: a SEND makes the request's pages ready in the model's first layers only;
     prefill writes those layers' KV at once (decode holds them, not the later layers'),
     and decode is Success only once the final chunk landed and was verified."""
-    prefill, decode, pe, de = engines
+    move_layer_by_layer(*engines, "layered")
+
+
+def move_layer_by_layer(prefill: DaemonProcess, decode: DaemonProcess, pe: ChannelEngine,
+                        de: ChannelEngine, rid: str, wait_s: int = 60) -> None:
+    """Reserve ``rid``, send it ready in 2 layers and check only those layers' KV
+    landed, then in every layer, then the final chunk: Success and every digest equal
+    (the RDMA suite runs it over soft-RoCE: tests/rdma/test_layers_rdma.py)."""
     config = side()
     lay = build_side_layout(config)
     kv_layers = lay.kv_layers  # the KV buffers come first in the digests' order
-    rid = "layered"
     assert de.cmd(f"reserve {rid} {SEQ} {prefill.address} 95") == f"reserve {rid}"
     assert pe.cmd(f"layers {rid} {SEQ} {decode.address} 96 2") == f"layers {rid}"
     _until_written(prefill, rid)
@@ -423,8 +431,8 @@ def test_a_request_sent_layer_by_layer_moves_each_layer_as_it_comes(engines: tup
     assert pe.cmd(f"layers {rid} {SEQ} {decode.address} 96 {lay.num_layers}") == f"layers {rid}"
     pages = expected_lengths(config.target, SEQ)[IndexKind.KV_PAGES]
     pe.cmd(f"chunk {rid} {SEQ} {decode.address} 96 {pages} {SEQ} {SEQ} 1")
-    assert de.cmd(f"wait {rid} 60") == "Success"
-    assert pe.cmd(f"wait {rid} 60") == "Success"
+    assert de.cmd(f"wait {rid} {wait_s}", wait_s + 10) == "Success"
+    assert pe.cmd(f"wait {rid} {wait_s}", wait_s + 10) == "Success"
     assert de.cmd(f"digests {rid}") == pe.cmd(f"digests {rid}")
     de.cmd(f"release {rid}")
     _no_grpc(pe, de)

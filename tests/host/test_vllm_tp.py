@@ -7,11 +7,14 @@ attaches its half of the KV heads to its own daemon), vllm-router in PD mode ove
 pair, and a plain TP 2 ``vllm serve`` as the reference; the prefill server answering
 plain requests is the TP 1 reference. Prefix caching and chunked prefill on, float32,
 block size 32, the tiny seeded Llama of tests/vllm_served.py (2 KV heads: one per decode
-rank). Prefill's daemon sends each request twice, one head window per decode rank
-(``ID.r0`` to rank 0's daemon, ``ID.r1`` to rank 1's), and decode's output must equal the
-plain TP 2 server's token for token at temperature 0, streamed and not, through the
-router and in vLLM's toy proxy order; both decode daemons must have landed every
-request's blocks (else decode computed the prompts itself and nothing was shown).
+rank). Both prefills have ``layerwise`` on and name the decode: the shared one sends each
+prompt layer by layer (one head window per decode rank, each layer's), the staged one
+whole (a staged cache does). Prefill's daemon sends each request twice, one head window
+per decode rank (``ID.r0`` to rank 0's daemon, ``ID.r1`` to rank 1's), and decode's
+output must equal the plain TP 2 server's token for token at temperature 0, streamed
+and not, through the router and in vLLM's toy proxy order; both decode daemons must have
+landed every request's blocks (else decode computed the prompts itself and nothing was
+shown).
 
 Staged TP: a second TP 1 prefill ``vllm serve`` with ``staging: true`` (its KV cache
 stays in vLLM's tensors; tests/host/test_vllm_staged.py) and its own daemon and router,
@@ -154,7 +157,9 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TpDeployment]:
             servers.append(vllm_serve(name, model, args=SERVE_ARGS, kv_transfer_config=kv_config(
                 "prefill", {"daemon": daemons[name].address, "attach_socket": socks[name],
                             "decode_daemons": {f"127.0.0.1:{decode_port}": ranks},
-                            **staging})))
+                            # Layer by layer where the decode is named (both: the staged
+                            # one sends whole, its cache is staged).
+                            "layerwise": True, **staging})))
         servers.append(vllm_serve(
             "decode-tp2", model, port=decode_port, args=[*SERVE_ARGS, *TP2_ARGS], env=TP2_ENV,
             kv_transfer_config=kv_config("decode", {

@@ -175,17 +175,26 @@ def test_decode_reserve_with_engine_lists_counts_capacity_and_reports_slot_minus
                      indices=random_lists(UNIFIED_TARGET, lay, 900, rng))
 
 
-def test_a_page_a_chunk_fills_in_part_moves_once_it_is_whole() -> None:
-    """A chunk makes ready the KV pages it completes: the page its tokens end inside is
-    written by a later chunk, with the tokens the engine computed meanwhile (written
-    with the first chunk, it was never written again: decode kept its first half)."""
+def _engine_request(seed: int) -> tuple[SideLayout, Lists, Lists, Any, EngineDecode,
+                                         AllocatedSide]:
+    """A 1000-token request's random source and destination lists, a prefill core
+    writing into an engine decode at them, and decode's memory before (the layout,
+    source, destination, core, engine, before)."""
     lay = layout()
-    rng = np.random.default_rng(13)
+    rng = np.random.default_rng(seed)
     s = random_lists(UNIFIED_TARGET, lay, 1000, rng)
     d = random_lists(UNIFIED_TARGET, lay, 1000, rng)
     core, engine = _engine_prefill(d, {})
     before = AllocatedSide(lay)
     before.fill_pattern(12)
+    return lay, s, d, core, engine, before
+
+
+def test_a_page_a_chunk_fills_in_part_moves_once_it_is_whole() -> None:
+    """A chunk makes ready the KV pages it completes: the page its tokens end inside is
+    written by a later chunk, with the tokens the engine computed meanwhile (written
+    with the first chunk, it was never written again: decode kept its first half)."""
+    lay, s, d, core, engine, before = _engine_request(13)
     core.send("p", -1, 1000, ADDR, [(0, 300)], False, indices=s)  # page 1 half computed
     assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
     conn = core.peers.by_address(ADDR)
@@ -208,13 +217,7 @@ def test_a_request_sent_layer_by_layer_moves_each_layer_once_it_is_ready() -> No
     only, so only those layers' KV moves; a later layer's bytes move with the piece
     that makes it ready (computed after the first piece: its final bytes land); the
     final chunk brings the states."""
-    lay = layout()
-    rng = np.random.default_rng(14)
-    s = random_lists(UNIFIED_TARGET, lay, 1000, rng)
-    d = random_lists(UNIFIED_TARGET, lay, 1000, rng)
-    core, engine = _engine_prefill(d, {})
-    before = AllocatedSide(lay)
-    before.fill_pattern(12)
+    lay, s, d, core, engine, before = _engine_request(14)
     pages = s[K.KV_PAGES]
     core.send("l", -1, 1000, ADDR, [], False, indices={K.KV_PAGES: pages}, kv_offset=0,
               layers=2)
