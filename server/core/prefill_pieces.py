@@ -100,9 +100,11 @@ class Pieces:
             raise self._refuse("lists", (
                 f"KV_PAGES: {given} pages given, {self.seq_len} tokens need "
                 f"{len(self.kv_pages)}"))
-        assembled = np.concatenate([self.kv_pages[:self.given], piece])
-        validate_prefix("prefill", self.spec, self.layout, IndexKind.KV_PAGES, assembled,
-                        self.seq_len)
+        assembled = (np.concatenate([self.kv_pages[:self.given], piece]) if len(piece)
+                     else self.kv_pages[:self.given])
+        if len(piece):  # a piece of more layers only gives no page to check
+            validate_prefix("prefill", self.spec, self.layout, IndexKind.KV_PAGES,
+                            assembled, self.seq_len)
         whole = None
         if final:
             if given != len(self.kv_pages):

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbeam.integrations.vllm.params import LAYERWISE_MIN_TOKENS
 from tests.attach_helpers import start_engine_daemon
 from tests.vllm_helpers import TINY_LLAMA
 from tests.vllm_served import (
@@ -150,6 +151,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--layerwise-min-tokens", type=int, default=None,
+                    help="prefill's layerwise_min_tokens (default: the connector's; 0 "
+                         "streams every prompt)")
     ap.add_argument("--no-integrity", action="store_true",
                     help="the daemons without digests (what integrity costs at the end)")
     ap.add_argument("--json", type=Path, help="write the rows here")
@@ -180,6 +184,8 @@ def main() -> None:
                 settings: dict[str, Any] = {"daemon": daemon.address, "attach_socket": sock}
                 if role == "prefill":
                     settings["layerwise"] = True
+                    if args.layerwise_min_tokens is not None:
+                        settings["layerwise_min_tokens"] = args.layerwise_min_tokens
                 servers[role] = vllm_serve(role, model, args=serve, env=env,
                                            max_model_len=max_len,
                                            kv_transfer_config=kv_config(role, settings))
@@ -204,7 +210,10 @@ def main() -> None:
         finally:
             for s in reversed(started):
                 s.stop()
-    print(f"integrity: {'off' if args.no_integrity else 'on (XXH3-128, the default)'}")
+    floor = LAYERWISE_MIN_TOKENS if args.layerwise_min_tokens is None else \
+        args.layerwise_min_tokens
+    print(f"integrity: {'off' if args.no_integrity else 'on (XXH3-128, the default)'}; "
+          f"layerwise_min_tokens: {floor} (shorter prompts go whole both ways)")
     print(report(rows, args.layers, kv_per_token))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

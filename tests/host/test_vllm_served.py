@@ -15,7 +15,8 @@ vLLM's toy proxy protocol.
 
 The pair's prefill has no ``decode_daemons`` (the recommended configuration: its sends
 name no decode, and the decode that reserves a transfer gets it, decode's daemon
-connecting the pair) and sends layer by layer (``layerwise``) where a request names its
+connecting the pair) and sends layer by layer (``layerwise``, every prompt: its
+``layerwise_min_tokens`` 0) where a request names its
 decode (``decode_daemon``: the direct requests here, and tests/vllm_concurrent_proxy.py,
 which sends each request to prefill and decode at once), whole otherwise; behind
 vllm-router and behind tests/vllm_contract_proxy.py, a proxy written to vLLM's NIXL
@@ -149,7 +150,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, mismatched: Mismatched
         fleet_prefill_daemon_env={"KVBEAM_FAULT_WRITE_DELAY_S": str(SLOW_WRITE_S)},
         # The pair's prefill maps no decode: its sends go to whichever decode reserves them;
         # those that name their decode go layer by layer.
-        unmapped=["prefill"], extra={"prefill": {"layerwise": True}})
+        unmapped=["prefill"], extra={"prefill": {"layerwise": True,
+                                                 "layerwise_min_tokens": 0}})
     try:
         yield deployment
     finally:

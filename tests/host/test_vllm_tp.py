@@ -159,7 +159,7 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TpDeployment]:
                             "decode_daemons": {f"127.0.0.1:{decode_port}": ranks},
                             # Layer by layer where the decode is named (both: the staged
                             # one sends whole, its cache is staged).
-                            "layerwise": True, **staging})))
+                            "layerwise": True, "layerwise_min_tokens": 0, **staging})))
         servers.append(vllm_serve(
             "decode-tp2", model, port=decode_port, args=[*SERVE_ARGS, *TP2_ARGS], env=TP2_ENV,
             kv_transfer_config=kv_config("decode", {

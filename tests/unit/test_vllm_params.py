@@ -355,7 +355,7 @@ def test_workers_reports_merge_a_detached_rank_wins() -> None:
 
 # ---- layer by layer ------------------------------------------------------------------
 LAYERWISE = P.Settings(daemons=("127.0.0.1:7",), attach_sockets=("/x.sock",), model="m",
-                       layerwise=True)
+                       layerwise=True, layerwise_min_tokens=0)
 SEND = {"do_remote_decode": True, "kvbeam_id": "t1", "decode_daemon": "d:1"}
 
 
@@ -430,9 +430,27 @@ def test_a_streamed_request_that_ends_without_a_transfer_is_cancelled_and_held()
     assert side.take_plan().cancels == []
 
 
-def test_layerwise_is_a_boolean_setting() -> None:
+def test_layerwise_is_a_boolean_setting_with_a_minimum_prompt() -> None:
     base = {"daemon": "127.0.0.1:7", "attach_socket": "/x.sock"}
-    assert P.Settings.from_extra({**base, "layerwise": True}, "m").layerwise
+    on = P.Settings.from_extra({**base, "layerwise": True}, "m")
+    assert on.layerwise and on.layerwise_min_tokens == P.LAYERWISE_MIN_TOKENS
     assert not P.Settings.from_extra(base, "m").layerwise
+    assert P.Settings.from_extra({**base, "layerwise_min_tokens": 0},
+                                 "m").layerwise_min_tokens == 0
     with pytest.raises(ConfigError, match="layerwise: true or false"):
         P.Settings.from_extra({**base, "layerwise": "yes"}, "m")
+    with pytest.raises(ConfigError, match="layerwise_min_tokens: a token count"):
+        P.Settings.from_extra({**base, "layerwise_min_tokens": -1}, "m")
+
+
+def test_a_prompt_under_the_minimum_goes_whole() -> None:
+    """Its whole transfer is short: pieces would cost its forward more than they save."""
+    side = S.SchedulerSide(P.Settings(daemons=("127.0.0.1:7",), attach_sockets=("/x.sock",),
+                                      model="m", layerwise=True, layerwise_min_tokens=64),
+                           block_size=32)
+    short, long = Req("s", list(range(63)), SEND), Req("l", list(range(64)), SEND)
+    for req, blocks in ((short, [1, 2]), (long, [3, 4])):
+        side.update_state_after_alloc(req, Blocks(blocks), 0)
+    side.plan_streams(_output(new=[("s", [1, 2], 0), ("l", [3, 4], 0)],
+                              scheduled={"s": 63, "l": 64}))
+    assert [p.req_id for p in side.take_plan().streams] == ["l"]

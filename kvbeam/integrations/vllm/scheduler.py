@@ -217,15 +217,19 @@ class SchedulerSide:
 
     # ---- prefill -----------------------------------------------------------------
     def _follow_prompt(self, request: Any) -> None:
-        """Follow a prefill request's prompt when it may stream: it asks for a send
-        whose decode is named (a send to whichever decode reserves it goes whole)."""
+        """Follow a prefill request's prompt when it may stream: at least
+        ``layerwise_min_tokens`` long, asking for a send whose decode is named (a send to
+        whichever decode reserves it goes whole)."""
         rid = request.request_id
         if rid in self._prompts:
             return
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len < self.settings.layerwise_min_tokens:
+            return  # its whole transfer is short: pieces would cost more than they save
         p = _checked(lambda params: send_params(params, str(rid),
                                                 self.settings.decode_daemons), request)
         if p is not None and p.decode_daemons:
-            self._prompts[rid] = _Prompt(p, len(request.prompt_token_ids))
+            self._prompts[rid] = _Prompt(p, prompt_len)
 
     def plan_streams(self, scheduler_output: Any) -> None:
         """The step's scheduled prompts (vLLM's ``SchedulerOutput``): their blocks so
