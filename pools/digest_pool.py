@@ -94,6 +94,8 @@ class DigestJob:
         #: A job done on the calling thread (:meth:`computed`): its result, or its error.
         self._value: bytes | None = None
         self._error: Exception | None = None
+        #: A job joined from others (:meth:`joined`): their results, in order.
+        self._parts: list[DigestJob] = []
 
     @classmethod
     def computed(cls, value: bytes | None, error: Exception | None = None) -> DigestJob:
@@ -104,9 +106,24 @@ class DigestJob:
         job._value, job._error = value, error
         return job
 
+    @classmethod
+    def joined(cls, jobs: Sequence[DigestJob]) -> DigestJob:
+        """One job of ``jobs``' digests, in order (runs of one request's buffers started
+        at different times: its sub-batches as each became whole, then the rest)."""
+        if len(jobs) == 1:
+            return jobs[0]
+        if all(j.inline for j in jobs):
+            try:
+                return cls.computed(b"".join(j.result() for j in jobs))
+            except Exception as exc:
+                return cls.computed(None, exc)
+        job = cls([])
+        job._parts = list(jobs)
+        return job
+
     def done(self) -> bool:
         """True once every task finished (:meth:`result` will not wait)."""
-        return all(t.done() for t in self._tasks)
+        return all(t.done() for t in self._tasks) and all(j.done() for j in self._parts)
 
     def result(self, timeout: float | None = None) -> bytes:
         """The digests (16 bytes each), in the buffers' order; re-raises a task's exception
@@ -116,6 +133,8 @@ class DigestJob:
             raise self._error
         if self._value is not None:
             return self._value
+        if self._parts:
+            return b"".join(job.result(timeout) for job in self._parts)
         if len(self._tasks) == 1:
             return self._tasks[0].result(timeout)
         # In order: a later task may finish first.

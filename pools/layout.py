@@ -176,6 +176,15 @@ class SideLayout:
         """Every buffer in positional order; the handshake's region list follows it."""
         return tuple(b for c in self.components for b in c.buffers)
 
+    @functools.cached_property
+    def component_offsets(self) -> tuple[int, ...]:
+        """Each component's first position in :attr:`flat_buffers`."""
+        out, at = [], 0
+        for c in self.components:
+            out.append(at)
+            at += len(c.buffers)
+        return tuple(out)
+
     @property
     def total_bytes(self) -> int:
         """Bytes allocated for all tensors."""

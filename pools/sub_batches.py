@@ -1,17 +1,19 @@
 """Sub-batches: a large request's landing verified while the rest flies.
 
 Decode advertises a sub-batch size in its handshake (``--verify-sub-batch-mib``,
-endpoint ``extra[kvbeam-sub-batch]``, bytes). When prefill writes a whole request in
-one final chunk with integrity on and the request moves at least two sub-batches, it
-cuts the writes at flat-buffer boundaries (:func:`cuts`) and posts each sub-batch but
-the last as its own notified write, whose transfer id is the grant's plus the
-sub-batch's number (:func:`mark_id`): the notification ("mark") proves that
-sub-batch's bytes landed, so decode digests its buffers at once, on its digest pool,
-while the later sub-batches are still on the wire. The last part goes with the digest
-record and the grant's own transfer id, as without sub-batches; the record says how
-many marks came before it, and decode's Success waits for every mark's digests and the
-last part's. A request prefill sends in several chunks, or one under two sub-batches,
-has no marks (the record says 0) and is digested whole once it landed.
+endpoint ``extra[kvbeam-sub-batch]``, bytes). When prefill writes a request with
+integrity on and the request moves at least two sub-batches, it cuts the writes at
+flat-buffer boundaries (:func:`cuts`): in every chunk, each sub-batch's blocks
+(:func:`part_blocks`) go under a transfer id that is the grant's plus the sub-batch's
+number (:func:`mark_id`), and the chunk that makes a sub-batch whole
+(:func:`complete_parts`: the final one, or a piece whose layers cover all of its KV
+buffers) notifies that id: the notification ("mark") proves the sub-batch's bytes
+landed, so decode digests its buffers at once, on its digest pool, while the later
+sub-batches (or layers) are still on the wire or being computed. The last part goes
+with the digest record and the grant's own transfer id, as without sub-batches; the
+record says how many marks came before it, and decode's Success waits for every mark's
+digests and the last part's. A request under two sub-batches has no marks (the record
+says 0) and is digested whole once it landed.
 
 Both sides compute the same cuts from the same numbers: decode's sub-batch size and
 the bytes each of decode's buffers receives (prefill: its plan's blocks per buffer;
@@ -24,10 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvbeam.errors import ProtocolError
 from kvbeam.pools.layout import LayoutCache, SideLayout
-from kvbeam.pools.plan import IndexLists, list_for, own_draft_list
+from kvbeam.pools.plan import IndexLists, TransferPlan, list_for, own_draft_list
 from kvbeam.pools.types import IndexKind
+from kvbeam.transport.blocks import Blocks
 
 #: Low bits of a transfer id that number a request's marks (decode's ids leave them 0).
 MARK_BITS = 4
@@ -116,6 +121,48 @@ def mark_id(transfer_id: int, k: int) -> int:
         raise ValueError(f"mark {k} of transfer id {transfer_id}: marks are 1..{MAX_MARKS} "
                          f"of an id whose low {MARK_BITS} bits are 0")
     return transfer_id | k
+
+
+def complete_parts(at: Sequence[int], kv_layers: Sequence[int] | None, num_kv: int,
+                   layers_done: int, num_layers: int, *, final: bool) -> list[int]:
+    """The marked sub-batches (1..``len(at)``) whose every buffer is whole once the
+    model's first ``layers_done`` layers of every page are written (or all of it:
+    ``final``). The first ``num_kv`` flat buffers are the main KV ones, of layers
+    ``kv_layers`` (None: not known, so only ``layers_done == num_layers`` makes them
+    whole); a state buffer is whole with the final chunk only, and so is every part
+    from the first that holds one."""
+    if final:
+        return list(range(1, len(at) + 1))
+    out = []
+    for k, hi in enumerate(at, start=1):
+        lo = at[k - 2] if k >= 2 else 0
+        if hi > num_kv:
+            break
+        if layers_done >= num_layers or (kv_layers is not None and layers_done > 0
+                                         and max(kv_layers[lo:hi]) < layers_done):
+            out.append(k)
+    return out
+
+
+def part_blocks(plans: Sequence[TransferPlan], offsets: Sequence[int],
+                at: Sequence[int]) -> list[Blocks]:
+    """The plans' blocks cut by sub-batch: ``len(at) + 1`` batches, the last part's
+    last. ``offsets``: each component's first flat buffer. A plan's buffers are in
+    flat order, so each part's buffers are one run of its blocks."""
+    edges = np.asarray(at, dtype=np.int64)
+    runs: list[list[Blocks]] = [[] for _ in range(len(at) + 1)]
+    for plan in plans:
+        if not plan.heads:
+            continue
+        flat = np.fromiter((offsets[ci] + bi for ci, bi, _name in plan.heads),
+                           dtype=np.int64, count=len(plan.heads))
+        part = np.searchsorted(edges, flat, side="right")
+        first = np.flatnonzero(np.concatenate(([True], part[1:] != part[:-1])))
+        ends = np.append(first[1:], len(part))
+        starts = plan.starts
+        for lo, hi in zip(first.tolist(), ends.tolist(), strict=True):
+            runs[int(part[lo])].append(plan.blocks.slice(int(starts[lo]), int(starts[hi])))
+    return [r[0] if len(r) == 1 else Blocks.concat(r) for r in runs]
 
 
 def split_id(transfer_id: int) -> tuple[int, int]:

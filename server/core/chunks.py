@@ -41,6 +41,13 @@ class Chunk(NamedTuple):
             return num_layers
         return self.layers if page < self.to else 0
 
+    def whole_layers(self, pages: int, num_layers: int) -> int:
+        """How many of the model's layers (from the first) every one of the request's
+        ``pages`` KV pages is ready in: the layers whose KV buffers hold all of it."""
+        if self.final or pages == 0:
+            return num_layers
+        return self.layers_at(pages - 1, num_layers)
+
     def adds_to(self, before: Chunk) -> bool:
         """Whether this chunk makes ready anything ``before`` did not (a chunk that
         does not is nothing to write)."""

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from kvbeam.pools.digest_pool import DigestJob
 from kvbeam.pools.mailbox import FreeSlots, RecordArea
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.chunks import NOTHING, Chunk
@@ -89,6 +90,10 @@ class Attempt:
     bytes_total: int = 0  # bytes posted
     bytes_done: int = 0  # bytes of completed writes
     final_posted: bool = False  # the final chunk's writes are posted: Success once they complete
+    #: Where its writes are cut into marked sub-batches (pools/sub_batches.py), decided
+    #: at its first step: () none; None not decided yet.
+    cut: tuple[int, ...] | None = None
+    marked: set[int] = field(default_factory=set)  # sub-batches whose mark it posted
 
 
 @dataclass(eq=False)
@@ -129,6 +134,9 @@ class Outgoing:
     #: held while a write of it is outstanding (server/core/prefill_record.py).
     staging: tuple[RecordArea, FreeSlots, int] | None = None
     digests: bytes | None = None  # computed once: a resend's source bytes are the same
+    #: Digests of its sub-batches started as each became whole (flat buffers [lo, hi)
+    #: -> the job), before its final chunk: that chunk digests only the rest.
+    early_digests: dict[tuple[int, int], DigestJob] = field(default_factory=dict)
 
     # -- the resend after a transient transport error (server/core/resend.py) ------------
     resend_cause: str | None = None  # what broke its link: a resend is owed (None: none)

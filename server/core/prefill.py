@@ -53,7 +53,15 @@ from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.mailbox import RecordArea
 from kvbeam.pools.plan import TransferPlan, build_plan
 from kvbeam.pools.spec import PoolSpec
-from kvbeam.pools.sub_batches import MAX_MARKS, bounds, buffer_bytes, cuts, mark_id
+from kvbeam.pools.sub_batches import (
+    MAX_MARKS,
+    bounds,
+    buffer_bytes,
+    complete_parts,
+    cuts,
+    mark_id,
+    part_blocks,
+)
 from kvbeam.pools.types import INDEX_KINDS, IndexKind
 from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.base import CoreBase
@@ -674,7 +682,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         rec.attempt.written = chunk
         blocks = plans[0].blocks if len(plans) == 1 else Blocks.concat(
             [plan.blocks for plan in plans])
-        if not len(blocks) and not final:
+        if not len(blocks) and not final and not self._marks_due(rec, chunk):
             return None  # the layers it makes ready hold no KV buffer (sliding-window only)
         if state is TransferState.BOOTSTRAPPING:  # one push to the engine, not two
             moved = self.table.advance(rid, TransferState.TRANSFERRING,
@@ -685,15 +693,14 @@ class PrefillCore(PrefillEvents, CoreBase):
         else:
             self.table.touch(rid)
         self.table.extend(rid, self.transfer_budget(blocks.total_bytes))
-        # The writes: each marked sub-batch (its own notified write), then the rest.
-        writes = (self._sub_batches(rec, conn, grant, plans[0], blocks)
-                  if record and len(plans) == 1 else [])
-        marks = len(writes)
-        # The sub-batches run from the first block on: the last part is what follows.
-        writes.append((grant.transfer_id,
-                       blocks.slice(sum(len(b) for _, b in writes), len(blocks))))
-        return PostWrites(rec, conn, grant, tuple(writes), final, record, marks,
-                          blocks.total_bytes, len(blocks), moved)
+        # The writes: each marked sub-batch's blocks under its mark's id, then the rest.
+        cut = self._cut(rec, conn, grant, chunk, blocks)
+        if cut:
+            writes, early = self._marked_writes(rec, grant, chunk, plans, cut)
+        else:
+            writes, early = [(grant.transfer_id, blocks, final)], ()
+        return PostWrites(rec, conn, grant, tuple(writes), final, record, len(cut),
+                          blocks.total_bytes, len(blocks), moved, early)
 
     def _rect_plan(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant, rect: Rect, *,
                    states: bool) -> TransferPlan:
@@ -718,7 +725,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         if post.record:
             self.records.take(rec, len(self.layout.flat_buffers))
         attempt = rec.attempt
-        for tid, part in post.writes:
+        for tid, part, _notify in post.writes:
             self._writes[(conn.link.id, tid)] = rec.request_id
             rec.write_keys.add((conn.link.id, tid))
             attempt.pending_bytes.append(part.total_bytes)
@@ -741,7 +748,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         for _ in range(left + separate):
             attempt.pending_bytes.pop()
         attempt.bytes_total -= sum(b.total_bytes
-                                   for _, b in post.writes[len(post.writes) - left:])
+                                   for _, b, _n in post.writes[len(post.writes) - left:])
         if post.final:
             attempt.final_posted = False  # no Success without the final chunk's writes
         self.records.give(rec)
@@ -836,28 +843,78 @@ class PrefillCore(PrefillEvents, CoreBase):
             return [drop]
         return [drop, *self._fail(rec, FailureReason.PEER_FAILED, detail)]
 
-    def _sub_batches(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant,
-                     plan: TransferPlan, blocks: Blocks) -> list[tuple[int, Blocks]]:
-        """The marked sub-batches of a request written whole in this final chunk (its
-        record follows), as (mark's transfer id, blocks); empty when decode advertised
-        no sub-batch size or the request moves less than two (pools/sub_batches.py).
-        Cut where decode cuts: at its buffers' bytes, from decode's layout and the
-        grant's lists, so each mark's buffers are exactly those decode digests."""
-        peer = conn.peer.layout
-        n = len(peer.flat_buffers)
-        # Under two sub-batches there is nothing to cut (the usual small request: no per-
-        # buffer sums on its path; a record of no marks is always decode's answer too).
-        if (not conn.sub_batch_bytes or plan.total_bytes < 2 * conn.sub_batch_bytes
-                or len(rec.attempt.posted) != 1 or len(plan.heads) != n
-                or len(blocks) != plan.num_blocks or grant.transfer_id & MAX_MARKS):
-            return []  # (an id with mark bits already set leaves no room for marks)
-        at = cuts(buffer_bytes(peer, grant.indices, grant.draft), conn.sub_batch_bytes)
-        starts = plan.starts.tolist()
-        out = []
-        for k in range(1, len(at) + 1):
-            lo, hi = bounds(at, k, n)
-            out.append((mark_id(grant.transfer_id, k), blocks.slice(starts[lo], starts[hi])))
-        return out
+    def _cut(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant, chunk: Chunk,
+             blocks: Blocks) -> tuple[int, ...]:
+        """Where the attempt's writes are cut into marked sub-batches, decided at its
+        first step and kept: () when integrity is off, decode advertised no sub-batch
+        size, the grant's id has mark bits set (no room for marks) or the request moves
+        less than two sub-batches (pools/sub_batches.py). Cut where decode cuts: at its
+        buffers' bytes, from decode's layout and the grant's lists, so each mark's
+        buffers are exactly those decode digests."""
+        attempt = rec.attempt
+        if attempt.cut is not None:
+            return attempt.cut
+        size = conn.sub_batch_bytes
+        if (not self.integrity or not size or grant.transfer_id & MAX_MARKS
+                or (chunk.final and blocks.total_bytes < 2 * size)):
+            # (A request written whole in one chunk under two sub-batches, the usual
+            # small one, computes no per-buffer sums on its path.)
+            attempt.cut = ()
+        else:
+            attempt.cut = cuts(buffer_bytes(conn.peer.layout, grant.indices, grant.draft),
+                               size)
+        return attempt.cut
+
+    def _whole_parts(self, rec: Outgoing, chunk: Chunk, cut: tuple[int, ...]) -> list[int]:
+        """The marked sub-batches whose every byte is written once ``chunk`` is."""
+        lay = self.layout
+        pages = len(rec.src_indices[IndexKind.KV_PAGES])
+        done = chunk.whole_layers(pages, lay.num_layers)
+        layers: tuple[int, ...] | None = None
+        if not chunk.final and 0 < done < lay.num_layers:
+            try:
+                layers = lay.kv_layers
+            except ValueError:
+                layers = None  # buffers that name no layer: whole with every layer only
+        return complete_parts(cut, layers, len(lay.kv.buffers), done, lay.num_layers,
+                              final=chunk.final)
+
+    def _marks_due(self, rec: Outgoing, chunk: Chunk) -> bool:
+        """Whether ``chunk`` makes a marked sub-batch whole whose mark is not posted yet
+        (a step with no blocks still posts it)."""
+        cut = rec.attempt.cut
+        return cut is not None and bool(cut) and any(k not in rec.attempt.marked
+                                 for k in self._whole_parts(rec, cut=cut, chunk=chunk))
+
+    def _marked_writes(self, rec: Outgoing, grant: WriteGrant, chunk: Chunk,
+                       plans: list[TransferPlan], cut: tuple[int, ...]
+                       ) -> tuple[list[tuple[int, Blocks, bool]], tuple[tuple[int, int], ...]]:
+        """The step's writes of a marked request: each sub-batch's blocks under its
+        mark's id, notified in the step that makes the sub-batch whole (every earlier
+        write of that id on the link comes before its notification: the transports'
+        proof of arrival), then the last part's under the grant's id; and the flat
+        buffers of the sub-batches made whole before the final chunk (prefill digests
+        them at once)."""
+        attempt = rec.attempt
+        n = len(self.layout.flat_buffers)
+        whole = [k for k in self._whole_parts(rec, chunk, cut) if k not in attempt.marked]
+        parts = part_blocks(plans, self.layout.component_offsets, cut)
+        tid = grant.transfer_id
+        writes: list[tuple[int, Blocks, bool]] = []
+        for k in range(1, len(cut) + 1):
+            part, notify = parts[k - 1], k in whole
+            if len(part) and k in attempt.marked:
+                # Its notification was posted: bytes after it would land unverified.
+                raise SendFailed(FailureReason.INVALID_REQUEST,
+                                 f"sub-batch {k} was marked whole, yet this chunk writes "
+                                 f"{part.total_bytes} more bytes of it")
+            if len(part) or notify:
+                writes.append((mark_id(tid, k), part, notify))
+        if len(parts[-1]) or chunk.final:
+            writes.append((tid, parts[-1], chunk.final))
+        attempt.marked.update(whole)
+        early = () if chunk.final else tuple(bounds(cut, k, n) for k in whole)
+        return writes, early
 
     def _waits_for_offer(self, rec: Outgoing, conn: PeerConn, final: bool) -> bool:
         """Whether a single-chunk Send with no offer waits for decode's Offer first (in

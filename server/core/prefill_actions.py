@@ -72,27 +72,32 @@ class AskGrant:
 
 @dataclass(frozen=True)
 class PostWrites:
-    """Post the chunk's writes, planned and cut by the core: each marked sub-batch
-    notified (decode digests it as it lands), then the rest. ``record``: the request's
-    digest record goes too, as the last write's last block when its digests are at
-    hand, else as one more notified write once they are. The driver books them with
-    :meth:`PrefillCore.book` before the first post and reports the outcome with
+    """Post the chunk's writes, planned and cut by the core: the blocks of each marked
+    sub-batch under its mark's id (notified in the step that makes the sub-batch whole:
+    decode digests it as it lands), then the rest under the grant's id. ``record``: the
+    request's digest record goes too, as the last write's last block when its digests
+    are at hand, else as one more notified write once they are. The driver books them
+    with :meth:`PrefillCore.book` before the first post and reports the outcome with
     :meth:`PrefillCore.posted` or :meth:`PrefillCore.step_failed`."""
 
     rec: Outgoing
     conn: PeerConn
     grant: WriteGrant
-    #: (transfer id, blocks) of each write, in posting order.
-    writes: tuple[tuple[int, Blocks], ...]
+    #: (transfer id, blocks, notify) of each write, in posting order; with ``record``
+    #: the last is the grant's own, notified unless the record follows on its own.
+    writes: tuple[tuple[int, Blocks, bool], ...]
     final: bool
     record: bool
-    #: The sub-batches notified before the last write (the record names their count).
+    #: The request's marked sub-batches (the record names their count).
     marks: int
     total_bytes: int
     num_blocks: int
     #: The request's move to Transferring, told to the table's observers (its engine's
     #: push) once the writes are handed to the transport, not before (None: no move).
     moved: TransferStatus | None = None
+    #: Flat buffers ``[lo, hi)`` of the sub-batches this step makes whole before the
+    #: final chunk: prefill digests them now, so the final chunk digests only the rest.
+    digest_early: tuple[tuple[int, int], ...] = ()
 
 
 PrefillAction = TellDecode | RunStep | Connect | AskGrant | PostWrites | DropLink | Count

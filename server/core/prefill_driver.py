@@ -35,7 +35,7 @@ from typing import Any
 from kvbeam.errors import Busy, NotPosted, PeerTimeoutError
 from kvbeam.logs import fields, request_log
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.digest import DIGEST_BYTES
+from kvbeam.pools.digest import DIGEST_BYTES, DigestParts, digest_parts
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.pools.engine_indices import ListLike
 from kvbeam.pools.layout import SideLayout
@@ -522,13 +522,13 @@ class PrefillDriver(DriverBase[PrefillCore]):
         write, rid = self.writer.write, rec.request_id
         posted = 0
         try:
-            for tid, part in writes[:-1]:  # the marks: decode digests each as it lands
-                write(rid, conn, tid, part, notify=True, first=not posted)
+            for tid, part, notify in writes[:-1]:  # the marks: decode digests each as it lands
+                write(rid, conn, tid, part, notify=notify, first=not posted)
                 posted += 1
-            tid, part = writes[-1]
+            tid, part, notify = writes[-1]
             if together:  # the record is the data write's last block
                 part = Blocks.concat([part, self._record_blocks(post, job)])
-            write(rid, conn, tid, part, notify=post.final and not separate, first=not posted)
+            write(rid, conn, tid, part, notify=notify and not separate, first=not posted)
         except Exception as exc:
             if post.moved is not None:
                 self.table.announce(post.moved)
@@ -540,11 +540,12 @@ class PrefillDriver(DriverBase[PrefillCore]):
             return
         if post.moved is not None:  # its engine hears of Transferring after the bytes left
             self.table.announce(post.moved)
+        if post.digest_early and rec.digests is None:
+            self._digest_early(post)
         request_log.info("request %s: posted %s%d bytes in %d blocks to %s%s", rec.request_id,
                          "final chunk, " if post.final else "chunk, ", post.total_bytes,
-                         post.num_blocks, conn.control_address,
-                         f" ({post.marks} sub-batches marked before the last)"
-                         if post.marks else "", extra=fields(rec.request_id, rec.decode_address))
+                         post.num_blocks, conn.control_address, self._marks_said(post),
+                         extra=fields(rec.request_id, rec.decode_address))
         if separate and not on_executor:
             # The digests are still being computed: the record waits for them on the
             # executor, and the step ends there.
@@ -553,6 +554,18 @@ class PrefillDriver(DriverBase[PrefillCore]):
             self._post_record(post, job)
         else:
             self._event(lambda: self.core.posted(rec, self.clock()), on_executor)
+
+    @staticmethod
+    def _marks_said(post: PostWrites) -> str:
+        """The marks of a chunk's log line: how many sub-batches it made whole (decode
+        verifies each as it lands), and with the final chunk how many came before."""
+        if not post.marks:
+            return ""
+        grant = post.grant.transfer_id
+        now = sum(1 for tid, _blocks, notify in post.writes if notify and tid != grant)
+        if post.final:
+            return f" ({post.marks} sub-batches marked before the last, {now} in this chunk)"
+        return f" ({now} sub-batches marked whole in this chunk)" if now else ""
 
     def _post_record(self, post: PostWrites, job: DigestJob | None) -> None:
         """Post the request's digest record once its digests are done (the step's last
@@ -582,12 +595,39 @@ class PrefillDriver(DriverBase[PrefillCore]):
         return RecordStager.blocks(rec, post.conn, grant, raw,
                                    len(rec.digests) // DIGEST_BYTES)
 
+    def _digest_parts(self, rec: Outgoing, conn: PeerConn) -> DigestParts:
+        """What the request's digests cover: the bytes of each item it moves to
+        ``conn``'s decode that decode's layout takes, one part per flat buffer."""
+        return digest_parts(self.core.pools, rec.moved_source, draft=rec.src_draft,
+                            windows=side_windows(self.core.layout, conn.peer.layout,
+                                                 source=True))
+
+    def _digest_early(self, post: PostWrites) -> None:
+        """Start digesting the sub-batches this step made whole (their bytes no longer
+        change: the engine's pages stay put until the request ends), so the final chunk
+        digests only the rest (:meth:`_digest_job`)."""
+        rec = post.rec
+        parts = self._digest_parts(rec, post.conn)
+        for lo, hi in post.digest_early:
+            rec.early_digests.setdefault((lo, hi), self.digest_pool.start(parts[lo:hi]))
+
     def _digest_job(self, rec: Outgoing, conn: PeerConn) -> DigestJob:
-        """The request's digests of what it moves to ``conn``'s decode, started on the
-        digest pool (the bytes of each item that decode's layout takes)."""
-        return self.digest_pool.digests(self.core.pools, rec.moved_source, draft=rec.src_draft,
-                                        windows=side_windows(self.core.layout,
-                                                             conn.peer.layout, source=True))
+        """The request's digests, started on the digest pool: the jobs its sub-batches
+        started as they became whole, and one for the buffers no job covers."""
+        parts = self._digest_parts(rec, conn)
+        if not rec.early_digests:
+            return self.digest_pool.start(parts)
+        jobs, at = [], 0
+        for (lo, hi), job in sorted(rec.early_digests.items()):
+            if lo < at:
+                continue  # (a range another attempt cut differently: not used)
+            if lo > at:
+                jobs.append(self.digest_pool.start(parts[at:lo]))
+            jobs.append(job)
+            at = hi
+        if at < len(parts):
+            jobs.append(self.digest_pool.start(parts[at:]))
+        return DigestJob.joined(jobs)
 
 
 #: Each action's doer (:meth:`PrefillDriver._do`): the class's functions, so what they

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -24,8 +25,10 @@ import pytest
 from kvbeam.client import KvbeamClient
 from kvbeam.pools.indices import expected_lengths
 from kvbeam.pools.layout import build_side_layout
+from kvbeam.pools.spec import SideConfig
 from kvbeam.pools.types import IndexKind
 from kvbeam.procs import DaemonProcess
+from kvbeam.server.faults import CORRUPT_LANDED_ENV, ENABLE_FLAG, SEED_ENV
 from kvbeam.states import TransferState
 from tests.attach_helpers import start_engine_pair, write_config
 from tests.control_helpers import run_cli
@@ -33,6 +36,7 @@ from tests.daemon_helpers import FAST
 from tests.engine_lists import kind_items
 from tests.fixtures import side
 from tests.metrics_helpers import scrape, value
+from tests.waiting import wait_until
 
 SEQ = 700
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -93,14 +97,15 @@ def engines(tmp_path: Path) -> Iterator[tuple[DaemonProcess, DaemonProcess, Chan
 
 @contextlib.contextmanager
 def attached_pair(tmp: Path, cfg: str, deadlines: list[str], pushes: str = "all",
-                  transport: str = "tcp"
+                  transport: str = "tcp", env: dict[str, str] | None = None
                   ) -> Iterator[tuple[DaemonProcess, DaemonProcess, ChannelEngine,
                                       ChannelEngine]]:
-    """Two ``--pools engine`` daemons (over ``transport``) and a ChannelEngine attached
-    to each (prefill's pools filled with seed 1, decode's with 2; both with ``pushes``);
-    all stopped on exit."""
+    """Two ``--pools engine`` daemons (over ``transport``, with ``env``) and a
+    ChannelEngine attached to each (prefill's pools filled with seed 1, decode's with 2;
+    both with ``pushes``); all stopped on exit."""
     psock, dsock = str(tmp / "p.sock"), str(tmp / "d.sock")
-    p, d = start_engine_pair(psock, dsock, deadlines=deadlines, transport=transport)
+    p, d = start_engine_pair(psock, dsock, deadlines=deadlines, transport=transport,
+                             env=env)
     pe = de = None
     try:
         pe = ChannelEngine(psock, cfg, 1, pushes)
@@ -410,11 +415,13 @@ def test_a_request_sent_layer_by_layer_moves_each_layer_as_it_comes(engines: tup
 
 
 def move_layer_by_layer(prefill: DaemonProcess, decode: DaemonProcess, pe: ChannelEngine,
-                        de: ChannelEngine, rid: str, wait_s: int = 60) -> None:
+                        de: ChannelEngine, rid: str, wait_s: int = 60,
+                        config: SideConfig | None = None) -> None:
     """Reserve ``rid``, send it ready in 2 layers and check only those layers' KV
     landed, then in every layer, then the final chunk: Success and every digest equal
-    (the RDMA suite runs it over soft-RoCE: tests/rdma/test_layers_rdma.py)."""
-    config = side()
+    (the RDMA suite runs it over soft-RoCE: tests/rdma/test_layers_rdma.py). ``config``:
+    the engines' (default :func:`side`)."""
+    config = config or side()
     lay = build_side_layout(config)
     kv_layers = lay.kv_layers  # the KV buffers come first in the digests' order
     assert de.cmd(f"reserve {rid} {SEQ} {prefill.address} 95") == f"reserve {rid}"
@@ -436,6 +443,67 @@ def move_layer_by_layer(prefill: DaemonProcess, decode: DaemonProcess, pe: Chann
     assert de.cmd(f"digests {rid}") == pe.cmd(f"digests {rid}")
     de.cmd(f"release {rid}")
     _no_grpc(pe, de)
+
+
+#: A model whose KV buffers go layer by layer (ratio 4 in every layer) and that decode's
+#: 64 KiB sub-batches cut: the first sub-batch is layers 0-1's KV, the second layers
+#: 2-3's, the other three hold states (whole with the final chunk only).
+LAYERED = side(head_dim=128, compression_ratios=(4, 4, 4, 4))
+SUB_BATCHES = ["--verify-sub-batch-mib", "0.0625"]
+
+
+def test_a_request_sent_layer_by_layer_is_verified_as_its_layers_land(
+        tmp_path: Path) -> None:
+    """Integrity per piece: each sub-batch's mark goes with the chunk that makes it
+    whole, so decode digests layers 0-1 once they landed, then 2-3, and only the states
+    after the final chunk; prefill digested them as early."""
+    tmp_path.chmod(0o700)
+    cfg = write_config(tmp_path / "side.yaml", LAYERED)
+    with attached_pair(tmp_path, cfg, [*FAST, "--send-wait-s", "3", *SUB_BATCHES]) as four:
+        move_marked_layers(*four, "marked")
+
+
+def move_marked_layers(prefill: DaemonProcess, decode: DaemonProcess, pe: ChannelEngine,
+                       de: ChannelEngine, rid: str, wait_s: int = 60) -> None:
+    """:func:`move_layer_by_layer` of a :data:`LAYERED` request into a decode that
+    advertised :data:`SUB_BATCHES`; both logs say each sub-batch was marked and digested
+    as it landed, layers 0-1's with the first piece (the RDMA suite runs it over two
+    QPs: tests/rdma/test_layers_rdma.py)."""
+    move_layer_by_layer(prefill, decode, pe, de, rid, wait_s, config=LAYERED)
+    # The first piece marks layers 0-1's sub-batch; the piece of every layer marks 2-3's
+    # unless it came while a step ran (then it is one step with the final chunk); the
+    # final chunk marks the rest.
+    chunks = re.findall(rf"request {rid}: posted (final chunk|chunk), .*?\((\d+) "
+                        r"sub-batches marked (?:whole in this chunk|before the last, "
+                        r"(\d+) in this chunk)\)", prefill.output)
+    assert chunks and chunks[0] == ("chunk", "1", ""), chunks
+    assert chunks[-1][:2] == ("final chunk", "5"), chunks
+    assert sum(int(now or marks) for _, marks, now in chunks) == 5, chunks
+    assert wait_until(lambda: "5 of 6 sub-batches digested as they landed" in decode.output,
+                      10), decode.output[-3000:]
+
+
+def test_a_byte_flipped_in_a_layer_piece_fails_the_request(tmp_path: Path) -> None:
+    """The negative control: decode flips a landed byte of every sub-batch (layers 0-1's
+    among them, verified before the final chunk came) and the request fails integrity,
+    on decode and on prefill."""
+    tmp_path.chmod(0o700)
+    cfg = write_config(tmp_path / "side.yaml", LAYERED)
+    env = {CORRUPT_LANDED_ENV: "1", SEED_ENV: "3"}
+    with attached_pair(tmp_path, cfg, [*FAST, "--send-wait-s", "3", *SUB_BATCHES,
+                                       ENABLE_FLAG], env=env) as (prefill, decode, pe, de):
+        lay = build_side_layout(LAYERED)
+        assert de.cmd(f"reserve flip {SEQ} {prefill.address} 95") == "reserve flip"
+        for layers in (2, lay.num_layers):
+            assert pe.cmd(f"layers flip {SEQ} {decode.address} 96 {layers}") == "layers flip"
+        pages = expected_lengths(LAYERED.target, SEQ)[IndexKind.KV_PAGES]
+        pe.cmd(f"chunk flip {SEQ} {decode.address} 96 {pages} {SEQ} {SEQ} 1")
+        answer = de.cmd("wait flip 60", 70)
+        assert answer.startswith("Failed integrity"), answer
+        with KvbeamClient(decode.address) as d:
+            assert "XXH3-128 mismatch" in d.status("flip").detail
+        assert decode.output.count("FAULT INJECTED: corrupted") > 1, decode.output[-3000:]
+        assert pe.cmd("wait flip 60", 70).startswith("Failed"), pe.cmd("poll flip")
 
 
 @pytest.mark.parametrize(("second", "field"), [

@@ -398,8 +398,9 @@ def test_layer_by_layer_behind_a_concurrent_proxy_equals_the_direct_server(
     prefill's daemon and landed on decode's (decode computed nothing itself); partial
     loads (decode's prefix cache holding the first blocks) move only the blocks decode
     lacks; every one was streamed (prefill's ``vllm:kvbeam_events_total{event=
-    "streamed"}``). The negative control on the same path: a transfer named ``zero-N``
-    (its first landed block zeroed on decode) changes the tokens."""
+    "streamed"}``). The negative controls on the same path: a transfer named ``zero-N``
+    (its first landed block zeroed on decode) and one named ``zlayer-N`` (one layer's
+    piece: the prompt's blocks in the middle layer) change the tokens."""
     prefill_metrics = f"{served.prefill.url}/metrics"
     streamed = metric(prefill_metrics, "vllm:kvbeam_events_total", event="streamed")
     rows, moved, _ = _whole_prompts_move(served, concurrent, np.random.default_rng(40),
@@ -422,6 +423,11 @@ def test_layer_by_layer_behind_a_concurrent_proxy_equals_the_direct_server(
     plain = complete(served.plain.url, prompt, MAX_TOKENS)
     assert zero.finish == "length" and zero.tokens != plain.tokens, (zero, plain)
     assert len(served.decode.log("negative control: zeroed block")) == zeroed + 1
+    # One layer's piece: every block of the prompt in the model's middle layer.
+    layer = complete(concurrent.url, prompt, MAX_TOKENS,
+                     kv_transfer_params={"kvbeam_id": "zlayer-layerwise"})
+    assert layer.finish == "length" and layer.tokens != plain.tokens, (layer, plain)
+    assert len(served.decode.log("negative control: zeroed layer")) == 1
 
 
 def test_behind_vllms_own_toy_proxy_output_equals_the_direct_server_and_the_kv_moves(

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 from kvbeam.pools.allocate import AllocatedSide
-from kvbeam.pools.digest import request_digests
+from kvbeam.pools.digest import DigestParts, request_digests
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.types import IndexKind
@@ -38,9 +38,9 @@ class RecordingPool(DigestPool):
         super().__init__(threads, inline_below=0)
         self.log = log
 
-    def digests(self, side: AllocatedSide, indices: Any, **kw: Any) -> DigestJob:
+    def start(self, parts: DigestParts) -> DigestJob:
         self.log.append("digests started")
-        return super().digests(side, indices, **kw)
+        return super().start(parts)
 
 
 class RecordingLink(FakeLink):

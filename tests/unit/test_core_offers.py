@@ -559,13 +559,13 @@ def test_no_offer_to_a_prefill_that_misses_heartbeats() -> None:
 def test_a_resend_sends_the_digests_computed_once_with_its_new_transfer_id(
         monkeypatch: pytest.MonkeyPatch) -> None:
     computed: list[str] = []
-    real = DigestPool.digests
+    real = DigestPool.start
 
     def counting(*args: object, **kw: object) -> DigestJob:
         computed.append("x")
         return real(*args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(DigestPool, "digests", counting)  # the cores digest on the pool
+    monkeypatch.setattr(DigestPool, "start", counting)  # the cores digest on the pool
     core, fake, io = _queued(record_apart=True, resend_retries=1)
     core.send("r", 0, SEQ, ADDR, [], True)
     io.run_all()

@@ -113,7 +113,7 @@ def test_a_grant_plans_the_writes_and_their_post_ends_the_step() -> None:
     assert isinstance(post, PostWrites)
     assert (post.rec, post.conn, post.final, post.record, post.marks) == (rec, conn, True,
                                                                           False, 0)
-    assert [tid for tid, _ in post.writes] == [7] and post.total_bytes > 0
+    assert [(tid, notify) for tid, _, notify in post.writes] == [(7, True)] and post.total_bytes > 0
     assert core.status("r").state is TransferState.TRANSFERRING
     assert core.book(post, separate=False)
     attempt = rec.attempt
@@ -159,7 +159,7 @@ def test_decodes_offer_unparks_a_parked_request_and_its_step_writes_without_aski
     assert kept and actions == [Count("offers", "received"), RunStep(rec)]
     count, post = core.step(rec, now=1.2)
     assert count == Count("offers", "used") and isinstance(post, PostWrites)
-    assert [tid for tid, _ in post.writes] == [9]
+    assert [tid for tid, _, _ in post.writes] == [9]
 
 
 def test_a_post_on_a_dead_link_drops_it_and_resends_on_a_new_one() -> None:

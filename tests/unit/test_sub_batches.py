@@ -5,35 +5,43 @@ from __future__ import annotations
 
 from typing import cast
 
+import numpy as np
 import pytest
 
 from kvbeam.errors import ProtocolError
+from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import request_digests
 from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.mailbox import HEADER
-from kvbeam.pools.plan import list_for
+from kvbeam.pools.plan import build_plan, list_for
 from kvbeam.pools.sub_batches import (
     MAX_MARKS,
     MIN_SUB_BATCH_BYTES,
     bounds,
     buffer_bytes,
+    complete_parts,
     cuts,
     mark_id,
     parse_sub_batch,
+    part_blocks,
     split_id,
 )
+from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.incoming import Landing
+from kvbeam.server.core.outgoing import Step
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.faults import FaultHooks, arm
 from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
-from tests.core_fakes import FakeLink, land_record, wait_for
+from tests.core_fakes import FakeLink, land_record, prefill_core, wait_for
+from tests.engine_lists import Lists, random_lists
 from tests.fixtures import UNIFIED_TARGET, layout
 from tests.unit.test_core_decode import PREFILL, QueueExecutor, _core, _relink
 from tests.unit.test_core_offers import ADDR, SEQ, _connected
+from tests.unit.test_engine_indices_plan import EngineDecode
 
 PER_BUFFER = buffer_bytes(layout(), request_indices(UNIFIED_TARGET, 0, SEQ), {})
 #: A size that cuts the unit-test request into 3 marked sub-batches and a last part.
@@ -244,3 +252,118 @@ def test_a_resend_starts_the_marks_over() -> None:
     _notify(core, new, tid + 3)
     io.run_all()
     assert core.status("r").state is TransferState.SUCCESS
+
+
+# ---- a request written in several chunks: each sub-batch marked once it is whole ----------
+@pytest.mark.parametrize(("layers_done", "final", "want"), [
+    (0, False, []),            # nothing whole yet
+    (2, False, [1]),           # layers 0-1: the first part's buffers only
+    (3, False, [1, 2]),        # the second part's last buffer is of layer 2
+    (4, False, [1, 2]),        # every KV buffer: the third part holds a state buffer
+    (1, True, [1, 2, 3]),      # the final chunk makes every part whole
+])
+def test_a_part_is_whole_once_every_buffer_in_it_is(layers_done: int, final: bool,
+                                                    want: list[int]) -> None:
+    # Flat buffers 0..5 are KV of layers 0,0,1,1,2,3; 6 and 7 are states.
+    kv_layers = (0, 0, 1, 1, 2, 3)
+    assert complete_parts((2, 5, 7), kv_layers, 6, layers_done, 4, final=final) == want
+    # Layers not known (buffers that name none): whole only with every layer.
+    assert complete_parts((2, 5, 7), None, 6, 2, 4, final=False) == []
+    assert complete_parts((2, 5, 7), None, 6, 4, 4, final=False) == [1, 2]
+
+
+def test_a_plans_blocks_are_cut_by_part_every_block_once() -> None:
+    lay = layout()
+    idx = request_indices(UNIFIED_TARGET, 1, SEQ)
+    plan = build_plan(lay, AllocatedSide(lay).buffer_addrs(), idx, lay,
+                      AllocatedSide(lay).buffer_addrs(), idx)
+    at = cuts(PER_BUFFER, QUARTER)
+    parts = part_blocks([plan], lay.component_offsets, at)
+    assert [p.total_bytes for p in parts] == [
+        sum(PER_BUFFER[lo:hi]) for lo, hi in (bounds(at, k, 13) for k in range(1, len(at) + 2))]
+    assert sum(len(p) for p in parts) == plan.num_blocks
+    # Plans of some buffers each (a layer's rectangle, then the rest) cut the same.
+    kv = build_plan(lay, AllocatedSide(lay).buffer_addrs(), idx, lay,
+                    AllocatedSide(lay).buffer_addrs(), idx, include_states=False)
+    states = build_plan(lay, AllocatedSide(lay).buffer_addrs(), idx, lay,
+                        AllocatedSide(lay).buffer_addrs(), idx, include_kv=False)
+    split = part_blocks([kv, states], lay.component_offsets, at)
+    assert [p.total_bytes for p in split] == [p.total_bytes for p in parts]
+
+
+class _MarkingDecode(EngineDecode):
+    """An engine decode whose grants have room for marks (ids of 16 apart), advertising
+    a sub-batch size of ``size`` bytes in its handshake."""
+
+    size = 0
+
+    def connect(self, address: str) -> PeerConn:
+        conn = super().connect(address)
+        conn.sub_batch_bytes = self.size
+        return conn
+
+    def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
+                    digests_follow: bool) -> WriteGrant:
+        grant = super().begin_write(conn, request_id, seq_len, final, digests_follow)
+        return WriteGrant(16 * 5, grant.indices, grant.draft)
+
+
+def test_a_request_written_in_pieces_marks_each_sub_batch_in_the_chunk_that_makes_it_whole(
+        ) -> None:
+    """Pieces ready in 2 layers, then in every layer, then the final chunk: each sub-batch's
+    bytes go under its mark's id in whatever chunk they are written, its mark is notified
+    once, in the chunk that makes it whole, with every byte of it written by then; prefill
+    digests a sub-batch as soon as it is whole, and the record counts every mark and
+    carries the request's digests."""
+    lay = layout()
+    rng = np.random.default_rng(21)
+    s = random_lists(UNIFIED_TARGET, lay, 1000, rng)
+    d = random_lists(UNIFIED_TARGET, lay, 1000, rng)
+    core, _fake = prefill_core(integrity=True)
+    engine = _MarkingDecode(AllocatedSide(lay), d, {})
+    core.decode = engine
+    core.pools.fill_pattern(11)
+    full = {k: d.get(k, np.zeros(0, dtype=np.int64)) for k in IndexKind}
+    per_buffer = buffer_bytes(lay, full, {})
+    size = engine.size = sum(per_buffer) // 5
+    pages = s[IndexKind.KV_PAGES]
+    core.send("m", -1, 1000, ADDR, [], False, indices={IndexKind.KV_PAGES: pages},
+              kv_offset=0, layers=2)
+    assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
+    conn = core.peers.by_address(ADDR)
+    assert conn is not None and isinstance(conn.link, FakeLink)
+    link = conn.link
+    at = cuts(per_buffer, size)
+    assert len(at) >= 3, at
+    engine.names.add("m")
+    rec = core.core._out["m"]
+    assert wait_for(lambda: len(link.writes) > 0 and rec.step is Step.IDLE)
+    first = len(link.writes)
+    core.send("m", -1, 1000, ADDR, [], False, kv_offset=len(pages), layers=lay.num_layers)
+    assert wait_for(lambda: len(link.writes) > first and rec.step is Step.IDLE)
+    second = len(link.writes)
+    early = dict(rec.early_digests)
+    rest: Lists = {k: v for k, v in s.items() if k is not IndexKind.KV_PAGES}
+    core.send("m", -1, 1000, ADDR, [], True, indices=rest, kv_offset=len(pages))
+    assert wait_for(lambda: len(link.records) == 1)
+    tid = 16 * 5
+    written: dict[int, int] = {}
+    notified: list[int] = []
+    for (wid, notify), blocks in zip(link.writes, link.blocks, strict=True):
+        base, k = split_id(wid)
+        assert base == tid
+        assert k not in notified, f"a write of mark {k} after its notification"
+        written[k] = written.get(k, 0) + blocks.total_bytes
+        if notify and k:
+            notified.append(k)
+            lo, hi = bounds(at, k, len(per_buffer))
+            assert written[k] == sum(per_buffer[lo:hi]), f"mark {k} before its bytes"
+    assert sorted(notified) == list(range(1, len(at) + 1))
+    # Marks went before the final chunk (the KV-only sub-batches, with every layer),
+    # and prefill started their digests then.
+    before_final = [split_id(wid)[1] for wid, n in link.writes[:second] if n]
+    assert before_final and len(early) == len(before_final)
+    assert HEADER.unpack_from(link.records[-1][1])[2] == len(at)
+    last_lo = at[-1]
+    assert written[0] - len(link.records[-1][1]) == sum(per_buffer[last_lo:])
+    assert engine.digests == [("m", tid, request_digests(core.pools, s))]
