@@ -36,7 +36,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -330,6 +330,25 @@ class StagingBuffer:
             raise
         return Staged(slots, nbytes, copy)
 
+    def gather_buffers(self, staged: Staged, device_kv: KVMemory, blocks: DeviceLists,
+                       buffers: Collection[int], *, first: bool) -> Copy:
+        """Gather only the device buffers ``buffers`` (positions in the device layout's
+        flat buffers: one layer's, for an engine that sends layer by layer) of a
+        request's items into the staging items ``staged`` holds (taken with
+        :meth:`reserve` for the same lists). Issued as :meth:`stage_out`'s gather (on
+        CUDA after the current stream's work, in order on the side stream, so the
+        request's latest copy completing means every earlier one did: it is the one
+        :meth:`release` waits for). ``first``: count the request in the metrics (its
+        first layer)."""
+        device_lists = self._device_lists(device_kv, blocks)
+        only = frozenset(buffers)
+        nbytes = sum(len(device_lists[p.staging.index_kind]) * p.staging.item_len
+                     for p in self._pairs if p.index in only)
+        copy = self._copy(device_kv, device_lists, staged.slots, out=True, nbytes=nbytes,
+                          only=only, count=first)
+        staged.copy = copy
+        return copy
+
     def reserve(self, blocks: DeviceLists, wait_s: float | None = None, *,
                 slots: Slots | None = None) -> Staged:
         """Staging items for a request that will land here (decode): one per item of
@@ -467,26 +486,33 @@ class StagingBuffer:
         return sum(len(lists[p.staging.index_kind]) * p.staging.item_len for p in self._pairs)
 
     def _copy(self, device_kv: KVMemory, lists: Mapping[IndexKind, npt.NDArray[np.int64]],
-              slots: Slots, *, out: bool, nbytes: int) -> Copy:
+              slots: Slots, *, out: bool, nbytes: int, only: frozenset[int] | None = None,
+              count: bool = True) -> Copy:
+        """Copy the request's items between the device KV and its staging items (``out``:
+        a gather); ``only``: those device buffers alone; ``count``: one more request in
+        the metrics (its bytes are always counted)."""
         import torch
 
         flat = device_kv.layout.flat_buffers
         started = time.perf_counter()
+        requests = 1 if count else 0
 
         def account(seconds: float) -> None:
             with self._lock:
                 m = self._metrics
                 if out:
-                    m.requests_out += 1
+                    m.requests_out += requests
                     m.bytes_out += nbytes
                     m.copy_out_s += seconds
                 else:
-                    m.requests_in += 1
+                    m.requests_in += requests
                     m.bytes_in += nbytes
                     m.copy_in_s += seconds
 
+        pairs = [(pair, host) for pair, host in zip(self._pairs, self._views, strict=True)
+                 if only is None or pair.index in only]
         if not self.on_cuda:
-            for pair, host in zip(self._pairs, self._views, strict=True):
+            for pair, host in pairs:
                 dev = device_kv.buffer_view(flat[pair.index]).view(-1, pair.staging.item_len)
                 kind = pair.staging.index_kind
                 _cpu_copy(dev, host, lists[kind], slots.extents.get(kind, ()), out)
@@ -497,7 +523,7 @@ class StagingBuffer:
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record(stream)
             idx = {k: torch.as_tensor(v, device=self.device) for k, v in lists.items()}
-            for pair, host in zip(self._pairs, self._views, strict=True):
+            for pair, host in pairs:
                 dev = device_kv.buffer_view(flat[pair.index]).view(-1, pair.staging.item_len)
                 kind = pair.staging.index_kind
                 if dev.is_cuda:
@@ -545,8 +571,19 @@ class StagedRequest:
             copy.wait()  # complete: accounts its time
         return self.staged
 
+    def gather_buffers(self, device_kv: KVMemory, buffers: Collection[int], *,
+                       first: bool) -> Copy:
+        """Prefill layer by layer: gather the device buffers ``buffers`` (a layer's)
+        into the items :meth:`reserve` took (:meth:`StagingBuffer.gather_buffers`)."""
+        if self.staged is None:
+            raise PlanError("staging: a layer's gather before the request's items were "
+                            "reserved")
+        return self.buffer.gather_buffers(self.staged, device_kv, self.blocks, buffers,
+                                          first=first)
+
     def reserve(self) -> Staged | None:
-        """Decode: the staging items to land in, once room came (None: not yet)."""
+        """Decode, and prefill layer by layer: the staging items to land in (to gather
+        into), once room came (None: not yet)."""
         if self.staged is None:
             slots = self._room()
             if slots is None:

@@ -79,9 +79,17 @@ def _timing(proxy: Served, since: int) -> tuple[float, float]:
     raise RuntimeError(f"the proxy printed no timing: {proxy.lines[since:]}")
 
 
-def _transfer_ms(url: str) -> tuple[float, float]:
-    return (metric(url, "kvbeam_transfer_seconds_sum", state="Success"),
-            metric(url, "kvbeam_transfer_seconds_count", state="Success"))
+def _transfer_ms(url: str, at_least: float = 0.0) -> tuple[float, float]:
+    """Prefill's daemon's Send -> Success histogram (sum, count), once it counts at
+    least ``at_least`` (its Success may follow decode's first token by a moment: the
+    request before is counted in full, not in the next one's window)."""
+    deadline = time.monotonic() + 10
+    while True:
+        got = (metric(url, "kvbeam_transfer_seconds_sum", state="Success"),
+               metric(url, "kvbeam_transfer_seconds_count", state="Success"))
+        if got[1] >= at_least or time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
 
 
 def measure(proxy: Served, plain: Served, prefill_metrics: str, rng: np.random.Generator,
@@ -90,11 +98,13 @@ def measure(proxy: Served, plain: Served, prefill_metrics: str, rng: np.random.G
     out: dict[str, Any] = {"prompt": length}
     samples: dict[str, list[tuple[float, float]]] = {w: [] for w in WAYS}
     whole_s, whole_n = 0.0, 0.0
+    done = _transfer_ms(prefill_metrics)[1]  # Successes so far: one more per request
     for _ in range(requests):
         for way in WAYS:
             prompt = [int(t) for t in rng.integers(3, 1024, length)]
             since = len(proxy.lines)
-            before = _transfer_ms(prefill_metrics)
+            before = _transfer_ms(prefill_metrics, done)
+            done = before[1] + 1
             got = complete(proxy.url, prompt, 2, stream=True, kv_transfer_params={
                 "kvbeam_name_decode": way == "layerwise"}, timeout=1800)
             if got.finish != "length":
@@ -102,7 +112,7 @@ def measure(proxy: Served, plain: Served, prefill_metrics: str, rng: np.random.G
             prefill_ms, first_ms = _timing(proxy, since)
             samples[way].append((first_ms - prefill_ms, 1000 * got.ttft_s))
             if way == "whole":
-                after = _transfer_ms(prefill_metrics)
+                after = _transfer_ms(prefill_metrics, done)
                 whole_s += after[0] - before[0]
                 whole_n += after[1] - before[1]
     for way in WAYS:

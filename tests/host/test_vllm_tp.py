@@ -7,9 +7,9 @@ attaches its half of the KV heads to its own daemon), vllm-router in PD mode ove
 pair, and a plain TP 2 ``vllm serve`` as the reference; the prefill server answering
 plain requests is the TP 1 reference. Prefix caching and chunked prefill on, float32,
 block size 32, the tiny seeded Llama of tests/vllm_served.py (2 KV heads: one per decode
-rank). Both prefills have ``layerwise`` on and name the decode: the shared one sends each
-prompt layer by layer (one head window per decode rank, each layer's), the staged one
-whole (a staged cache does). Prefill's daemon sends each request twice, one head window
+rank). Both prefills have ``layerwise`` on and name the decode, so each sends every
+prompt layer by layer (one head window per decode rank, each layer's; the staged one
+gathers each layer into its staging items as vLLM computes it). Prefill's daemon sends each request twice, one head window
 per decode rank (``ID.r0`` to rank 0's daemon, ``ID.r1`` to rank 1's), and decode's
 output must equal the plain TP 2 server's token for token at temperature 0, streamed
 and not, through the router and in vLLM's toy proxy order; both decode daemons must have
@@ -157,8 +157,8 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TpDeployment]:
             servers.append(vllm_serve(name, model, args=SERVE_ARGS, kv_transfer_config=kv_config(
                 "prefill", {"daemon": daemons[name].address, "attach_socket": socks[name],
                             "decode_daemons": {f"127.0.0.1:{decode_port}": ranks},
-                            # Layer by layer where the decode is named (both: the staged
-                            # one sends whole, its cache is staged).
+                            # Layer by layer where the decode is named (both; the
+                            # staged one gathers each layer as it is computed).
                             "layerwise": True, "layerwise_min_tokens": 0, **staging})))
         servers.append(vllm_serve(
             "decode-tp2", model, port=decode_port, args=[*SERVE_ARGS, *TP2_ARGS], env=TP2_ENV,
@@ -284,8 +284,9 @@ def test_tp1_into_tp2_in_the_toy_proxy_order(tp: TpDeployment, prefill: str) -> 
 
 def test_the_staged_prefill_gathered_once_for_both_decode_ranks(tp: TpDeployment) -> None:
     """The staged prefill's cache stays in vLLM's tensors, and its staging buffer
-    gathered each request's blocks once (both ranks' transfers sent from them): bytes
-    gathered equal its daemon's bytes written, counted once per decode rank halved."""
+    gathered each request's blocks once, a layer at a time as vLLM computed it (both
+    ranks' transfers sent from them, layer by layer): bytes gathered equal its
+    daemon's bytes written, counted once per decode rank halved."""
     assert tp.staged.server.log("on cpu, staged")
     assert not tp.staged.server.log("kvbeam.vllm-kv")
     url = f"{tp.staged.server.url}/metrics"
@@ -298,6 +299,8 @@ def test_the_staged_prefill_gathered_once_for_both_decode_ranks(tp: TpDeployment
     log.warning("staged TP1 prefill: %d bytes gathered, its daemon wrote %d to two ranks",
                 gathered, written)
     assert gathered > 0 and written == gathered  # two head halves per gathered block
+    streamed = metric(url, "vllm:kvbeam_events_total", event="streamed")
+    assert streamed > 0, "the staged prefill streamed no prompt layer by layer"
 
 
 def test_a_rank_without_heads_outermost_is_refused_naming_both_values(tp: TpDeployment

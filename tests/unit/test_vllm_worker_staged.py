@@ -322,3 +322,100 @@ def test_the_staging_report_is_the_growth_since_the_last_take() -> None:
                      STAGING_OCCUPANCY: 50.0}
     assert report.take(replace(StagingMetrics(bytes_out=10, copy_out_s=0.5, occupancy=0.5),
                                waits=2)) == {"staging_waits": 2}
+
+
+# ---- layer by layer, staged ---------------------------------------------------------------
+def _layered(side: Staged) -> list[str]:
+    """The worker's layers as register_kv_caches names them; their names."""
+    names = list(side.cache)
+    side.worker._layer_of = {name: i for i, name in enumerate(names)}
+    return names
+
+
+def test_a_staged_prompt_is_gathered_and_given_a_layer_at_a_time(prefill: Staged) -> None:
+    """Staged layer by layer: the staging items are taken at the prompt's last step;
+    each layer is gathered when vLLM wrote it (a later layer's bytes as they are then,
+    not as they were when the stream began) and given with its frame; the last layer's
+    frame is final; the items go back once the send ended after vLLM's end."""
+    names = _layered(prefill)
+    push = S.Push("a", "t1", (5, 9, 2), ("d:1",), 70)
+    prefill.worker.absorb(S.StepPlan(streams=[push]))
+    assert prefill.staging.metrics.held == 1  # its items, taken at once
+    prefill.worker.save_layer(names[0])
+    (first,) = _frames(prefill.daemon, 1)
+    assert isinstance(first, ef.Send)
+    assert (first.request_id, first.kv_offset, first.layers, first.final) == ("t1", 0, 1, False)
+    items = (first.indices or {})[KV]
+    assert len(items) == 3 and not np.array_equal(items, [5, 9, 2])  # staging items
+    staged = prefill.staged_rows(items)
+    for i, block in enumerate((5, 9, 2)):
+        assert torch.equal(staged[0][i], _block_bytes(prefill.cache, block)[0])
+        assert not torch.equal(staged[1][i], _block_bytes(prefill.cache, block)[1])
+    prefill.cache[names[1]].add_(1.0)  # vLLM computes the last layer now
+    prefill.worker.save_layer(names[1])
+    (last,) = _frames(prefill.daemon, 1)
+    assert (last.kv_offset, last.layers, last.final) == (3, None, True)
+    assert not len((last.indices or {}).get(KV, []))  # the items went with the first
+    staged = prefill.staged_rows(items)
+    for i, block in enumerate((5, 9, 2)):
+        for layer, want in enumerate(_block_bytes(prefill.cache, block)):
+            assert torch.equal(staged[layer][i], want), (block, layer)
+    m = prefill.staging.metrics
+    assert (m.requests_out, m.bytes_out) == (1, 3 * LAYERS * 4 * BLOCK * HEADS * 2 * HEAD)
+    assert prefill.worker.take_counts()["streamed"] == 1
+    prefill.push("t1", TransferState.SUCCESS)
+    time.sleep(0.2)
+    assert prefill.worker.get_finished() == (set(), set()), "reported before vLLM ended it"
+    prefill.worker.absorb(S.StepPlan(sends=[push]))  # vLLM's end: no second send
+    assert prefill.finished(({"a"}, set())) == ({"a"}, set())
+    assert prefill.staging.metrics.held == 0
+
+
+@pytest.fixture
+def patient() -> Iterator[Staged]:
+    """A prefill whose sends wait up to 10 s for staging room."""
+    side = Staged(_cache(1), replace(SETTINGS, staging=replace(SETTINGS.staging,
+                                                               wait_s=10.0)))
+    yield side
+    side.close()
+
+
+def test_a_staged_prompt_without_room_at_its_last_step_goes_whole_at_its_end(
+        patient: Staged) -> None:
+    """The buffer is held by another prompt's items: the second is not streamed (no
+    frame per layer) and goes whole, gathered once room came, after vLLM ended it."""
+    prefill = patient
+    names = _layered(prefill)
+    big = S.Push("a", "t1", tuple(range(8)), ("d:1",), 250)  # every staging item
+    small = S.Push("b", "t2", (7,), ("d:1",), 20)
+    prefill.worker.absorb(S.StepPlan(streams=[big, small]))
+    for name in names:
+        prefill.worker.save_layer(name)
+    frames = _frames(prefill.daemon, 2)
+    assert [(f.request_id, f.final) for f in frames] == [("t1", False), ("t1", True)]
+    assert prefill.worker.take_counts()["streamed"] == 1
+    prefill.worker.absorb(S.StepPlan(sends=[big, small]))  # both ended in vLLM
+    prefill.push("t1", TransferState.SUCCESS)
+    assert prefill.finished(({"a"}, set())) == ({"a"}, set())
+    (whole,) = _frames(prefill.daemon, 1)  # the room came: gathered and sent whole
+    assert (whole.request_id, whole.final, whole.layers) == ("t2", True, None)
+    staged = prefill.staged_rows((whole.indices or {})[KV])
+    for layer, want in enumerate(_block_bytes(prefill.cache, 7)):
+        assert torch.equal(staged[layer][0], want)
+    prefill.push("t2", TransferState.SUCCESS)
+    assert prefill.finished(({"b"}, set())) == ({"b"}, set())
+    assert prefill.staging.metrics.held == 0
+
+
+def test_a_staged_stream_cancelled_before_its_first_layer_gives_its_items_back(
+        prefill: Staged) -> None:
+    names = _layered(prefill)
+    prefill.worker.absorb(S.StepPlan(streams=[S.Push("a", "t1", (5,), ("d:1",), 20)]))
+    assert prefill.staging.metrics.held == 1
+    prefill.worker.absorb(S.StepPlan(cancels=["a"]))
+    prefill.worker.save_layer(names[0])  # no longer streamed: nothing
+    assert prefill.finished(({"a"}, set())) == ({"a"}, set())
+    assert prefill.staging.metrics.held == 0
+    prefill.daemon.settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        prefill.daemon.recv(1)

@@ -13,7 +13,10 @@ Staged (a KV cache on a GPU, or ``staging: true``; :mod:`~kvbeam.integrations.vl
 the cache stays where vLLM put it and the worker attaches a host staging buffer of the
 same geometry instead (:class:`~kvbeam.engine.staging.StagingBuffer`). Prefill gathers
 a finished request's blocks into staging items (on CUDA on a side stream during the
-step) and sends from them once the copy completed; decode reserves staging items,
+step) and sends from them once the copy completed (layer by layer, ``layerwise``: it
+takes the staging items at the prompt's last step and gathers each layer as vLLM
+computes it, giving the daemon the layers whose gathers completed, never waiting in
+the forward); decode reserves staging items,
 and after Success scatters them into vLLM's blocks before it reports the load done.
 A full buffer makes a request wait at most ``staging_wait_s``, asked again at each
 step (vLLM's step never blocks on it); then prefill's send fails (decode computes or
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -48,7 +51,7 @@ from kvbeam.engine import (
     StagingBuffer,
     attach,
 )
-from kvbeam.engine.staging import Staged, StagedRequest, TensorKV, dense_bytes
+from kvbeam.engine.staging import Copy, Staged, StagedRequest, TensorKV, dense_bytes
 from kvbeam.engine.staging_slots import FullPolicy
 from kvbeam.errors import ConfigError, KvbeamError, StagingFull
 from kvbeam.integrations.vllm.params import (
@@ -124,6 +127,10 @@ class _Sending:
     #: own: vLLM frees the blocks of a send reported ended).
     layers_sent: int = 0
     running: bool = False
+    #: Staged layer by layer: the layers whose gather is issued, and each gather not
+    #: yet given to the daemon, in order: (its copy, the layers ready once it completed).
+    layers_gathered: int = 0
+    copies: deque[tuple[Copy, int]] = field(default_factory=deque)
 
 
 class WorkerSide:
@@ -165,6 +172,9 @@ class WorkerSide:
         #: and the step's streamed sends, until their last layer went.
         self._layer_of: dict[str, int] = {}
         self._streaming: list[_Sending] = []
+        #: Staged streams whose last layers' gathers were still running at the end of
+        #: the forward: given to the daemon as each completes (:meth:`_advance`).
+        self._draining: list[_Sending] = []
         #: Cancelled requests this rank never streamed (a staged cache): ended at once.
         self._nothing_sent: set[str] = set()
         self._load_errors: set[int] = set()
@@ -370,15 +380,40 @@ class WorkerSide:
     # ---- layer by layer ----------------------------------------------------------
     def _stream(self, att: Attachment, push: Push) -> None:
         """A prompt this step's forward ends: its layers go as they are computed
-        (:meth:`save_layer`). A staged cache sends it whole at its end instead (the
-        gather of a layer is the GPU staging's to schedule)."""
-        if self.staging is not None or not self._layer_of:
-            log.debug("request %s: sent whole at its end (a staged cache)", push.req_id)
+        (:meth:`save_layer`). Staged, its staging items are taken now and each layer is
+        gathered into them as it is computed (on CUDA on the side stream), then given;
+        a buffer without room at once sends it whole at its end instead."""
+        if not self._layer_of:
             return
-        sending = self._sends[push.req_id] = _Sending(push, senders=self._senders(att, push),
+        staged = None
+        if self.staging is not None:
+            staged = self._stage_stream(push)
+            if staged is None:
+                return
+        sending = self._sends[push.req_id] = _Sending(push, staged=staged,
+                                                      senders=self._senders(att, push),
                                                       running=True)
         self._streaming.append(sending)
         self.counts["streamed"] += 1
+
+    def _stage_stream(self, push: Push) -> StagedRequest | None:
+        """Staging items for a prompt streamed layer by layer, when the buffer has room
+        now (None: it goes whole at its end, waiting for room as any staged send)."""
+        assert self.staging is not None
+        try:
+            request = StagedRequest(self.staging, {KV: push.block_ids})
+        except StagingFull as exc:  # never fits: its whole send says so at its end
+            log.debug("request %s: not streamed: %s", push.req_id, exc)
+            return None
+        try:
+            if request.reserve() is not None:
+                return request
+        except StagingFull as exc:
+            log.debug("request %s: not streamed: %s", push.req_id, exc)
+        request.release()
+        log.debug("request %s: sent whole at its end (no staging room at its last step)",
+                  push.req_id)
+        return None
 
     def save_layer(self, layer_name: str) -> None:
         """vLLM wrote this layer's KV for the step: each streamed prompt's blocks are
@@ -386,15 +421,16 @@ class WorkerSide:
         layer's frame is the final one). One write for all of them; nothing waits."""
         layer = self._layer_of.get(layer_name)
         att = self.attachment
-        if not self._streaming or layer is None or att is None or att.channel is None:
+        if layer is None or att is None or att.channel is None:
             return
-        last = layer == len(self._layer_of) - 1
+        if not self._streaming and not self._draining:
+            return
         with att.channel.batch():
-            for sending in self._streaming:
-                if layer + 1 > sending.layers_sent:
-                    self._give_layers(sending, layer + 1, final=last)
-        if last:
-            self._streaming.clear()
+            self._give_drained()
+            for sending in list(self._streaming):
+                self._layer_ready(sending, layer + 1)
+        if layer == len(self._layer_of) - 1:
+            self._forward_over()
 
     def forward_done(self) -> None:
         """The step's forward is over: a streamed prompt whose last layer was not seen
@@ -406,15 +442,84 @@ class WorkerSide:
             self._streaming.clear()
             return
         with att.channel.batch():
-            for sending in self._streaming:
-                self._give_layers(sending, len(self._layer_of), final=True)
+            for sending in list(self._streaming):
+                self._layer_ready(sending, len(self._layer_of))
+        self._forward_over()
+
+    def _forward_over(self) -> None:
+        """Every layer of the step was seen: the streams leave the step; a staged one
+        whose gathers still run goes on once they completed (:meth:`_advance`)."""
+        self._draining += [s for s in self._streaming if s.copies]
         self._streaming.clear()
 
+    def _layer_ready(self, sending: _Sending, layers: int) -> None:
+        """The prompt's blocks are ready in ``layers`` layers: tell the daemon (staged:
+        gather the new layers first, and tell it once the gather completed)."""
+        total = len(self._layer_of)
+        if sending.staged is None:
+            if layers > sending.layers_sent:
+                self._give_layers(sending, layers, final=layers == total)
+            return
+        if layers > sending.layers_gathered:
+            assert self._device_kv is not None
+            try:
+                copy = sending.staged.gather_buffers(
+                    self._device_kv, self._layer_buffers(sending.layers_gathered, layers),
+                    first=not sending.layers_gathered)
+            except Exception as exc:
+                self._stream_failed(sending, exc)
+                return
+            sending.copies.append((copy, layers))
+            sending.layers_gathered = layers
+        self._give_gathered(sending)
+
+    def _give_gathered(self, sending: _Sending) -> None:
+        """Tell the daemon the layers whose gathers completed (never waits)."""
+        ready = 0
+        while sending.copies and sending.copies[0][0].done():
+            copy, ready = sending.copies.popleft()
+            copy.wait()  # complete: accounts its time
+        if ready > sending.layers_sent:
+            self._give_layers(sending, ready, final=ready == len(self._layer_of))
+
+    def _give_drained(self) -> None:
+        """The staged streams whose last gathers completed since: given now."""
+        for sending in list(self._draining):
+            self._give_gathered(sending)
+            if not sending.copies:
+                self._draining.remove(sending)
+
+    def _layer_buffers(self, first: int, last: int) -> list[int]:
+        """The device layout's KV buffers of layers ``[first, last)`` (flat positions)."""
+        assert self._device_kv is not None
+        return [i for i, layer in enumerate(self._device_kv.layout.kv_layers)
+                if first <= layer < last]
+
+    def _stream_failed(self, sending: _Sending, exc: Exception) -> None:
+        """A layer's gather could not be issued: the stream stops. Nothing given yet: the
+        prompt goes whole at its end; else its send is aborted (decode computes it)."""
+        log.error("request %s: a layer's gather failed (%s): %s", sending.push.req_id,
+                  type(exc).__name__, exc)
+        if sending in self._streaming:
+            self._streaming.remove(sending)
+        if not sending.layers_sent:
+            self._sends.pop(sending.push.req_id, None)
+            if sending.staged is not None:
+                sending.staged.release()
+            return
+        sending.copies.clear()
+        sending.failure, sending.sent = ("staging", f"a layer's gather failed: {exc}"), True
+        for sender in sending.senders:
+            sender.abort("a layer's gather into the staging buffer failed")
+
     def _give_layers(self, sending: _Sending, layers: int, *, final: bool) -> None:
-        """Tell the daemon the prompt's blocks are ready in ``layers`` layers (the
-        final frame: in every layer)."""
+        """Tell the daemon the prompt's blocks (staged: its staging items) are ready in
+        ``layers`` layers (the final frame: in every layer)."""
         push = sending.push
-        blocks = [] if sending.layers_sent else list(push.block_ids)
+        blocks: ListLike = []
+        if not sending.layers_sent:
+            staged = sending.staged.staged if sending.staged is not None else None
+            blocks = staged.lists[KV] if staged is not None else list(push.block_ids)
         for sender in sending.senders:
             sender.send_chunk(blocks, seq_len=push.seq_len, final=final,
                               layers=None if final else layers)
@@ -426,8 +531,14 @@ class WorkerSide:
         Failed once prefill's writes from its blocks drained; then vLLM frees them). One
         that sent nothing (a staged cache's, or no layer yet) ends at once."""
         sending = self._sends.get(req_id)
+        if sending is not None and sending in self._draining:
+            self._draining.remove(sending)
         if sending is None or not sending.layers_sent:
             self._sends.pop(req_id, None)  # nothing of it went: its blocks are free
+            if sending is not None and sending.staged is not None:
+                sending.staged.release()  # (after its gathers completed)
+            if sending is not None and sending in self._streaming:
+                self._streaming.remove(sending)
             self._nothing_sent.add(req_id)
             return
         if sending in self._streaming:
@@ -451,6 +562,7 @@ class WorkerSide:
         room in arrival order)."""
         if self.staging is None or att is None:
             return
+        self._give_drained()
         for loading in self._loads.values():
             if loading.receiver is None and loading.failure is None:
                 self._advance_load(att, loading)
