@@ -512,11 +512,49 @@ def _vllm_worker(step: Step, device: str, work: Path) -> None:
                  f"ms, scattered {mi.bytes_in >> 20} MiB in {mi.copy_in_s * 1e3:.1f} ms")
         step.check(mo.held == mi.held == 0 and mi.waits >= 1,
                    "every staging item back; decode's third request waited for room")
+        _layer_by_layer(step, pw, dw, src, dst, prefill.address, decode.address,
+                        perm[:per_request], perm[-per_request:], seq_len)
     finally:
         for side in sides:
             side.close()
         prefill.stop()
         decode.stop()
+
+
+def _layer_by_layer(step: Step, pw: Any, dw: Any, src: dict[str, Any], dst: dict[str, Any],
+                    prefill: str, decode: str, s: list[int], d: list[int],
+                    seq_len: int) -> None:
+    """A prompt streamed layer by layer, staged: each layer is computed (rewritten on the
+    engine's stream) just before its save_kv_layer, gathered on the side stream after
+    it, and given once its gather completed; decode's cache must hold every layer as
+    computed."""
+    import torch
+
+    from kvbeam.integrations.vllm.scheduler import Load, Push, StepPlan
+
+    names = list(src)
+    pw._layer_of = {name: i for i, name in enumerate(names)}
+    push = Push("l", "gpu-layers", tuple(s), (decode,), seq_len)
+    dw.absorb(StepPlan(loads=[Load("l", "gpu-layers", tuple(d), (prefill,), seq_len)]))
+    pw.absorb(StepPlan(streams=[push]))
+    rows = torch.tensor(s, device=src[names[0]].device)
+    for name in names:
+        src[name][rows] = src[name][rows] * -1 + 1  # the layer's compute, then its save
+        pw.save_layer(name)
+    pw.forward_done()
+    pw.absorb(StepPlan(sends=[push]))  # vLLM's end of the request
+    sent: set[str] = set()
+    received: set[str] = set()
+    end = time.monotonic() + 120
+    while ("l" not in sent or "l" not in received) and time.monotonic() < end:
+        sent |= pw.get_finished()[0]
+        received |= dw.get_finished()[1]
+        time.sleep(0.002)
+    same = all(torch.equal(dst[name][torch.tensor(d)], src[name][torch.tensor(s)])
+               for name in names)
+    step.check("l" in sent and "l" in received and same and not dw.take_load_errors(),
+               f"a prompt streamed layer by layer, staged ({pw.take_counts().get('streamed')} "
+               "streamed): every layer landed as computed")
 
 
 def _sglang_pools(step: Step, device: str) -> None:
