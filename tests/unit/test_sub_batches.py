@@ -291,6 +291,26 @@ def test_a_plans_blocks_are_cut_by_part_every_block_once() -> None:
     assert [p.total_bytes for p in split] == [p.total_bytes for p in parts]
 
 
+def _check_marks(link: FakeLink, tid: int, at: tuple[int, ...],
+                 per_buffer: list[int]) -> dict[int, int]:
+    """Every write is the grant's or one of its marks'; each mark is notified once,
+    after every byte of its sub-batch and before none; returns the bytes per mark (0:
+    the last part, its record included)."""
+    written: dict[int, int] = {}
+    notified: list[int] = []
+    for (wid, notify), blocks in zip(link.writes, link.blocks, strict=True):
+        base, k = split_id(wid)
+        assert base == tid
+        assert k not in notified, f"a write of mark {k} after its notification"
+        written[k] = written.get(k, 0) + blocks.total_bytes
+        if notify and k:
+            notified.append(k)
+            lo, hi = bounds(at, k, len(per_buffer))
+            assert written[k] == sum(per_buffer[lo:hi]), f"mark {k} before its bytes"
+    assert sorted(notified) == list(range(1, len(at) + 1))
+    return written
+
+
 class _MarkingDecode(EngineDecode):
     """An engine decode whose grants have room for marks (ids of 16 apart), advertising
     a sub-batch size of ``size`` bytes in its handshake."""
@@ -347,18 +367,7 @@ def test_a_request_written_in_pieces_marks_each_sub_batch_in_the_chunk_that_make
     core.send("m", -1, 1000, ADDR, [], True, indices=rest, kv_offset=len(pages))
     assert wait_for(lambda: len(link.records) == 1)
     tid = 16 * 5
-    written: dict[int, int] = {}
-    notified: list[int] = []
-    for (wid, notify), blocks in zip(link.writes, link.blocks, strict=True):
-        base, k = split_id(wid)
-        assert base == tid
-        assert k not in notified, f"a write of mark {k} after its notification"
-        written[k] = written.get(k, 0) + blocks.total_bytes
-        if notify and k:
-            notified.append(k)
-            lo, hi = bounds(at, k, len(per_buffer))
-            assert written[k] == sum(per_buffer[lo:hi]), f"mark {k} before its bytes"
-    assert sorted(notified) == list(range(1, len(at) + 1))
+    written = _check_marks(link, tid, at, per_buffer)
     # Marks went before the final chunk (the KV-only sub-batches, with every layer),
     # and prefill started their digests then.
     before_final = [split_id(wid)[1] for wid, n in link.writes[:second] if n]
@@ -367,3 +376,44 @@ def test_a_request_written_in_pieces_marks_each_sub_batch_in_the_chunk_that_make
     last_lo = at[-1]
     assert written[0] - len(link.records[-1][1]) == sum(per_buffer[last_lo:])
     assert engine.digests == [("m", tid, request_digests(core.pools, s))]
+
+
+def test_a_resend_mid_stream_marks_every_sub_batch_again_on_the_new_link() -> None:
+    """A link fails after a piece marked a sub-batch: the resend replays what was written
+    as one step on a new link, where every sub-batch is written and marked again (the
+    old marks count for nothing on decode), and the record counts them all."""
+    lay = layout()
+    rng = np.random.default_rng(22)
+    s = random_lists(UNIFIED_TARGET, lay, 1000, rng)
+    d = random_lists(UNIFIED_TARGET, lay, 1000, rng)
+    core, _fake = prefill_core(integrity=True, resend_retries=1)
+    engine = _MarkingDecode(AllocatedSide(lay), d, {})
+    core.decode = engine
+    engine.names.add("m")
+    core.pools.fill_pattern(11)
+    full = {k: d.get(k, np.zeros(0, dtype=np.int64)) for k in IndexKind}
+    per_buffer = buffer_bytes(lay, full, {})
+    engine.size = sum(per_buffer) // 5
+    at = cuts(per_buffer, engine.size)
+    pages = s[IndexKind.KV_PAGES]
+    core.send("m", -1, 1000, ADDR, [], False, indices={IndexKind.KV_PAGES: pages},
+              kv_offset=0, layers=lay.num_layers)
+    assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
+    conn = core.peers.by_address(ADDR)
+    assert conn is not None and isinstance(conn.link, FakeLink)
+    old = conn.link
+    rec = core.core._out["m"]
+    assert wait_for(lambda: len(old.writes) > 0 and rec.step is Step.IDLE)
+    assert any(n for _tid, n in old.writes), "the piece of every layer marked nothing"
+    for tid in dict.fromkeys(t for t, _ in old.writes):
+        for event in old.finish(tid, ok=False, status="IBV_WC_RETRY_EXC_ERR"):
+            core.on_event(event)
+    assert wait_for(lambda: len(engine.links) == 2 and len(engine.links[1].writes) > 0
+                    and rec.step is Step.IDLE)
+    rest: Lists = {k: v for k, v in s.items() if k is not IndexKind.KV_PAGES}
+    core.send("m", -1, 1000, ADDR, [], True, indices=rest, kv_offset=len(pages))
+    new = engine.links[1]
+    assert wait_for(lambda: len(new.records) == 1)
+    _check_marks(new, 16 * 5, at, per_buffer)
+    assert HEADER.unpack_from(new.records[-1][1])[2] == len(at)
+    assert engine.digests == [("m", 16 * 5, request_digests(core.pools, s))]
