@@ -9,8 +9,9 @@ plain requests is the TP 1 reference. Prefix caching and chunked prefill on, flo
 block size 32, the tiny seeded Llama of tests/vllm_served.py (2 KV heads: one per decode
 rank). Both prefills have ``layerwise`` on and name the decode, so each sends every
 prompt layer by layer (one head window per decode rank, each layer's; the staged one
-gathers each layer into its staging items as vLLM computes it). Prefill's daemon sends each request twice, one head window
-per decode rank (``ID.r0`` to rank 0's daemon, ``ID.r1`` to rank 1's), and decode's
+gathers each layer into its staging items as vLLM computes it). Prefill's daemon sends
+each request twice, one head window per decode rank (``ID.r0`` to rank 0's daemon,
+``ID.r1`` to rank 1's), and decode's
 output must equal the plain TP 2 server's token for token at temperature 0, streamed
 and not, through the router and in vLLM's toy proxy order; both decode daemons must have
 landed every request's blocks (else decode computed the prompts itself and nothing was
