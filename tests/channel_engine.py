@@ -18,6 +18,18 @@ attach again when the daemon goes away, with a short backoff), prints
 - ``layers RID SEQ DECODE_ADDR LIST_SEED LAYERS``: Sender.send_chunk ready in the model's
   layers [0, LAYERS): the first gives every KV page of the request, later ones none
   (their pages are those given); the final chunk is ``chunk`` with FINAL 1
+- ``prefill RID SEQ DECODE_ADDR LIST_SEED LAYERS COMPUTE_MS WAY``: a prompt of LAYERS
+  layers computed COMPUTE_MS each (a sleep), sent ``layerwise`` (after each layer but
+  the last a piece ready in the layers so far, the first giving every KV page; after
+  the last the final chunk, as vLLM's connector sends its last layer's frame) or
+  ``whole`` (nothing until the last layer is computed, then one ``send``); then waits
+  (120 s) for prefill's end. Answers ``prefilled RID T0 T1 W0 STATE``: CLOCK_MONOTONIC
+  seconds (comparable across processes) just before the final frame, and when the
+  wait for prefill's end returned; W0 is T0's wall-clock time (to set beside the
+  daemons' log lines)
+- ``stamp RID``: a thread waits (120 s) for RID's end and notes the CLOCK_MONOTONIC time
+  its wait returned (woken by the pushed STATE); ``stamped RID`` joins it and answers
+  ``STATE T`` (the KVPoll name, and the failure, if any, before T)
 - ``poll RID`` / ``wait RID SECONDS``: the KVPoll name (and the failure, if any)
 - ``abort RID`` / ``release RID``
 - ``reuse RID NEW SEQ PREFILL_ADDR``: abort RID, wait for its pushed terminal state,
@@ -39,6 +51,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
+import time
 
 import crc32c
 import numpy as np
@@ -71,6 +85,7 @@ def main() -> int:
     print(f"attached {att.instance_id}", flush=True)
     requests: dict[str, Sender | Receiver] = {}
     lists: dict[str, dict[str, list[int]]] = {}
+    stamps: dict[str, tuple[threading.Thread, list[str]]] = {}
 
     def answer(req: Sender | Receiver, state: KVPoll) -> str:
         failed = req.failure()
@@ -128,6 +143,44 @@ def main() -> int:
                 sender = requests[rid] = Sender(att, rid, addr)
             sender.send_chunk(given, seq_len=seq, layers=ready)
             print(f"layers {rid}", flush=True)
+        elif op == "prefill":
+            rid, seq, addr, seed = cmd[1], int(cmd[2]), cmd[3], int(cmd[4])
+            num_layers, compute_s, way = int(cmd[5]), float(cmd[6]) / 1000, cmd[7]
+            picked = random_lists(config.target, layout, seq, np.random.default_rng(seed))
+            mapping = lists[rid] = {k.value: v.tolist() for k, v in picked.items()}
+            kv = mapping["KV_PAGES"]
+            states = {k: v for k, v in mapping.items() if k != "KV_PAGES"}
+            sender = requests[rid] = Sender(att, rid, addr)
+            for layer in range(1, num_layers):
+                time.sleep(compute_s)  # the layer's forward
+                if way == "layerwise":
+                    sender.send_chunk(kv if layer == 1 else [], seq_len=seq, layers=layer)
+            time.sleep(compute_s)  # the last layer's
+            t0, w0 = time.monotonic(), time.time()
+            if way == "layerwise":
+                sender.send_chunk([], seq_len=seq, final=True, state_indices=states,
+                                  kv_offset=len(kv))
+            else:
+                sender.send(kv, states, seq_len=seq)
+            state = sender.wait(120.0)
+            t1 = time.monotonic()
+            print(f"prefilled {rid} {t0:.9f} {t1:.9f} {w0:.6f} {answer(sender, state)}",
+                  flush=True)
+        elif op == "stamp":
+            req, box = requests[cmd[1]], list[str]()
+
+            def stamp(req: Sender | Receiver = req, box: list[str] = box) -> None:
+                state = req.wait(120.0)
+                t = time.monotonic()
+                box.append(f"{answer(req, state)} {t:.9f}")
+
+            stamps[cmd[1]] = (threading.Thread(target=stamp, daemon=True), box)
+            stamps[cmd[1]][0].start()
+            print(f"stamp {cmd[1]}", flush=True)
+        elif op == "stamped":
+            thread, box = stamps.pop(cmd[1])
+            thread.join()
+            print(box[0], flush=True)
         elif op == "poll":
             print(answer(requests[cmd[1]], requests[cmd[1]].poll()), flush=True)
         elif op == "wait":

@@ -25,7 +25,11 @@ reference measured in the same boot:
    engines run them (two ``--pools engine`` daemons over RDMA, two engine processes on
    their attachments, no scheduler), each daemon's CPU per request and by thread,
    beside the same daemons through the gRPC scheduler API in the same run;
-9. integrity_61l (:mod:`tests.bench.bench_digest`): the 61-layer layout (head_dim 512,
+9. engine_layers (:mod:`tests.bench.bench_layers`): a request sent layer by layer
+   against whole through the engine channel over RDMA (issue 48): from prefill's last
+   layer to decode's Success, beside one layer's transfer and the fixed per-request
+   cost, in a child process;
+10. integrity_61l (:mod:`tests.bench.bench_digest`): the 61-layer layout (head_dim 512,
    NextN draft, 16k tokens, 182 buffers, about 107 MB) over RDMA, integrity on and off
    (two pairs, requests alternating), each daemon's CPU by thread, beside one thread's
    digests of the same request and a memory copy of its bytes (both pairs' pools, about
@@ -61,7 +65,7 @@ import numpy as np
 from kvbeam.client import KvbeamClient
 from kvbeam.procs import DaemonProcess
 from kvbeam.transport.options import TransportOptions
-from tests.bench import bench_digest, bench_keys, targets
+from tests.bench import bench_digest, bench_keys, bench_layers, targets
 from tests.bench import bench_scaling as sc
 from tests.bench.bench_request import (
     PairWork,
@@ -328,6 +332,33 @@ def engine_channel(results: str) -> dict[str, Any]:
     return figures
 
 
+def engine_layers(results: str) -> dict[str, Any]:
+    """Section 9: ``bench_layers --transport rdma`` in a child process (its own daemons
+    and engines), with a time limit; its figures (``--json``)."""
+    out = Path(results) / "layers.json"
+    cmd = [sys.executable, "-m", "tests.bench.bench_layers", "--transport", "rdma",
+           "--json", str(out)]
+    try:
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=900)
+    except subprocess.TimeoutExpired:
+        return {"error": "bench_layers did not finish within 900 s"}
+    if done.returncode != 0 or not out.exists():
+        return {"error": f"bench_layers exited {done.returncode}: {done.stdout[-2000:]}"}
+    figures: dict[str, Any] = json.loads(out.read_text())
+    log("layer by layer (RDMA):\n" + bench_layers.report(figures))
+    return figures
+
+
+def print_layers(res: dict[str, Any]) -> None:
+    """Section 9's tables and lines, when it ran."""
+    layers = res.get("engine_layers")
+    if isinstance(layers, dict) and "rows" in layers:
+        print(bench_layers.report(layers))
+    elif isinstance(layers, dict):
+        print(f"# engine_layers: {layers.get('error')}")
+
+
 def guarded(name: str, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``, or ``{"error": ...}`` when it raises (logged with its traceback)."""
     try:
@@ -346,6 +377,7 @@ def report_file(path: Path, host_json: Path | None = None) -> None:
         res["targets"] = targets.compute(res)
         path.write_text(json.dumps(res, indent=1, default=float))
     report(res)
+    print_layers(res)
 
 
 def main() -> None:
@@ -362,7 +394,7 @@ def main() -> None:
     p.add_argument("--req-repeat", type=int, default=5)
     p.add_argument("--skip", default="", help="comma list of sections to skip: mooncake, "
                    "mooncake_request,posters,scaling,requests,fragmented,aggregate,threads,"
-                   "handshake_pool,engine_channel,integrity_61l "
+                   "handshake_pool,engine_channel,engine_layers,integrity_61l "
                    "(quick iteration)")
     p.add_argument("--report", metavar="JSON", help="print the table of an earlier run and exit")
     p.add_argument("--host-json", metavar="FILE", help="with --report: fold these host "
@@ -403,6 +435,8 @@ def main() -> None:
                                         args.device, args.gid_index)
     if "engine_channel" not in skip:
         res["engine_channel"] = guarded("engine_channel", engine_channel, args.results)
+    if "engine_layers" not in skip:
+        res["engine_layers"] = guarded("engine_layers", engine_layers, args.results)
     if "integrity_61l" not in skip:
         res["integrity_61l"] = guarded("integrity_61l", integrity_61l, args.req_repeat)
     prof = Path(args.results) / "profile"
@@ -416,6 +450,7 @@ def main() -> None:
     report(res)
     if isinstance(res.get("handshake_pool"), dict) and "error" not in res["handshake_pool"]:
         bench_keys.print_table(res["handshake_pool"])
+    print_layers(res)
     crc = [v.get("crc_ok", True) for sec in ("mooncake", "kvbeam_raw")
            for v in res[sec].values() if isinstance(v, dict)]
     crc += [row.get("crc_ok", True) for per_len in (res.get("mooncake_request") or {}).values()
