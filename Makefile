@@ -22,7 +22,7 @@ POSTER_STAMP := $(VENV)/.kvbeam-poster
 
 .PHONY: help system-deps setup demo test test-host test-rdma test-compose lint proto proto-check \
 	bench bench-plan bench-handshake bench-host bench-digest bench-staging bench-deps bench-vllm \
-	bench-layerwise clean \
+	bench-layerwise bench-sglang-chunks bench-layers-rdma clean \
 	test-vllm test-sglang vllm-env sglang-env gpu-check gpu-wheels
 
 help: ## list the targets
@@ -221,6 +221,18 @@ bench-layerwise: vllm-env ## vLLM prefill layer by layer vs whole sends (decode 
 	@mkdir -p $(BENCH_DIR)
 	bash -o pipefail -c '$(VLLM_VENV)/bin/python -m tests.bench.vllm_layerwise $(ARGS) \
 		--json $(BENCH_DIR)/layerwise.json | tee $(BENCH_DIR)/layerwise.txt'
+
+bench-sglang-chunks: sglang-env ## sglang prefill chunk by chunk vs whole sends (KVBEAM_STREAM_CHUNKS; decode reserving early, a 16-layer float32 Llama, 512 to 8k tokens, TCP): post_prefill_critical_path_ms and TTFT beside the plain server (own venv)
+	@mkdir -p $(BENCH_DIR)
+	bash -o pipefail -c '$(SGLANG_SERVER_VENV)/bin/python -m tests.bench.sglang_chunks $(ARGS) \
+		--json $(BENCH_DIR)/sglang-chunks.json | tee $(BENCH_DIR)/sglang-chunks.txt'
+
+bench-layers-rdma: setup ## the engine channel layer by layer vs whole over RDMA, one soft-RoCE guest boot: after prefill's last layer to decode's Success (16-layer paged model, 1k / 4k tokens; `make bench` runs it in its guest part too)
+	bash tests/softroce/run_rdma_suite.sh --cmd '$(PY) -m tests.bench.bench_layers \
+		--transport rdma $(ARGS) --json "$$KVBEAM_RESULTS_DIR/layers.json"'
+	@mkdir -p $(BENCH_DIR)
+	@cp $(SOFTROCE_DIR)/results/latest/layers.json $(BENCH_DIR)/layers-rdma.json
+	@echo "results: $(BENCH_DIR)/layers-rdma.json"
 
 bench: bench-deps bench-plan bench-handshake bench-host bench-vllm bench-layerwise ## all benchmarks: host ones, then one guest boot (table + JSON + plots)
 	bash tests/softroce/run_rdma_suite.sh --cmd '$(PY) -m tests.bench.bench_suite'

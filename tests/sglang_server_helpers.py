@@ -140,14 +140,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def write_model(directory: Path) -> str:
-    """The model folder: config.json and seeded weights (model.safetensors)."""
+def write_model(directory: Path, config: dict[str, Any] | None = None) -> str:
+    """The model folder: config.json and seeded weights (model.safetensors) of
+    ``config`` (a Llama's; default the tiny one, :data:`TINY_LLAMA`)."""
     import torch
     from safetensors.torch import save_file
 
+    c = config or TINY_LLAMA
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(TINY_LLAMA))
-    c = TINY_LLAMA
+    (directory / "config.json").write_text(json.dumps(c))
     h, inter, heads, kv, hd = (c["hidden_size"], c["intermediate_size"],
                                c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"])
     shapes: dict[str, tuple[int, ...]] = {
@@ -292,9 +293,14 @@ def router(port: int, prefill: str, bootstrap_port: int, decode: str, log: Path)
 def generate(port: int, input_ids: list[int], max_new_tokens: int, timeout: float = 300.0
              ) -> dict[str, Any]:
     """POST /generate, greedy; sglang's JSON reply."""
-    body = json.dumps({"input_ids": input_ids, "sampling_params": {
-        "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", body,
+    return post_generate(port, {"input_ids": input_ids, "sampling_params": {
+        "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}, timeout)
+
+
+def post_generate(port: int, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+    """POST ``body`` to /generate; sglang's JSON reply, or ``{"error": status, "detail":
+    ...}`` for an HTTP error."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:

@@ -251,3 +251,89 @@ def test_a_request_makes_no_grpc_call_and_polls_read_pushed_state(
         monkeypatch.setattr(KvbeamClient, name, refuse(name))
     _run(pair, (250,), "no gRPC")
     assert calls == []
+
+
+def _sends(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Every SEND frame an engine channel of this process writes from now on, until the
+    test ends (prefill's: decode's channel writes RESERVE frames)."""
+    from kvbeam.engine.channel import EngineChannel
+    from kvbeam.proto import engine_frames as ef
+
+    frames: list[object] = []
+    write = EngineChannel.send
+
+    def send(self: EngineChannel, frame: ef.EngineFrame) -> None:
+        if isinstance(frame, ef.Send):
+            frames.append(frame)
+        write(self, frame)
+
+    monkeypatch.setattr(EngineChannel, "send", send)
+    return frames
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "whole"])
+def test_stream_chunks_off_sends_the_whole_request_once_at_its_last_chunk(
+        pair: SglangPair, monkeypatch: pytest.MonkeyPatch, streamed: bool) -> None:
+    """``KVBEAM_STREAM_CHUNKS`` (the manager's ``stream_chunks``): on, each of a
+    three-chunk request's chunks is one SEND as sglang hands it over, the last final;
+    off, nothing is sent before the last chunk, which sends one final SEND carrying
+    every page and the states. Decode continues token-identically either way."""
+    from kvbeam.pools.types import IndexKind
+    from kvbeam.proto import engine_frames as ef
+
+    assert pair.prefill_mgr.stream_chunks is True  # the default: on
+    monkeypatch.setattr(pair.prefill_mgr, "stream_chunks", streamed)
+    frames = _sends(monkeypatch)
+    with torch_threads(1):
+        c = compare(pair.config, make_prompt(300, 512, seed=11), K, transfer=pair.transfer,
+                    prefill_side=pair.prefill_pools, decode_side=pair.decode_pools)
+    assert c.equal, c.table()
+    assert pair.decode_status.detail.startswith(VERIFIED_PREFIX), pair.decode_status
+    sends = [f for f in frames if isinstance(f, ef.Send)]
+    pages = [len(f.indices[IndexKind.KV_PAGES]) if f.indices else 0 for f in sends]
+    print(f"\n{'streamed' if streamed else 'whole'}: {len(sends)} SEND frame(s), pages "
+          f"{pages}, final {[f.final for f in sends]}, kv_offset "
+          f"{[f.kv_offset for f in sends]}")
+    assert len({f.request_id for f in sends}) == 1, sends
+    states = [sorted(k.name for k in (f.indices or {}) if k is not IndexKind.KV_PAGES)
+              for f in sends]
+    if streamed:
+        assert [f.final for f in sends] == [False, False, True], sends
+        assert [f.kv_offset for f in sends] == [0, 1, 2] and pages == [1, 1, 1], sends
+        assert states[:2] == [[], []] and states[2], states  # the states come last
+    else:
+        assert len(sends) == 1 and sends[0].final, sends
+        assert sends[0].kv_offset is None  # the whole request in one frame
+        assert pages == [3], sends  # every page of the 300 tokens (128 per page)
+        assert states[0], states  # and the states
+
+
+def test_a_bad_stream_chunks_value_is_refused_naming_the_setting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read as the daemons read booleans; unset is on; a server_args attribute wins; a
+    typo fails the manager's construction before anything is attached."""
+    from types import SimpleNamespace
+
+    from kvbeam.engine import EnginePools
+    from kvbeam.errors import ConfigError
+    from kvbeam.integrations.sglang.conn import KvbeamKVManager, stream_chunks_setting
+    from tests.sglang_kvargs import kvargs_for
+
+    monkeypatch.delenv("KVBEAM_STREAM_CHUNKS", raising=False)
+    assert stream_chunks_setting(None) is True
+    for text, want in (("0", False), ("off", False), ("FALSE", False), ("1", True),
+                       ("yes", True), ("", True)):
+        monkeypatch.setenv("KVBEAM_STREAM_CHUNKS", text)
+        assert stream_chunks_setting(SimpleNamespace()) is want, text
+    monkeypatch.setenv("KVBEAM_STREAM_CHUNKS", "1")
+    assert stream_chunks_setting(SimpleNamespace(kvbeam_stream_chunks=False)) is False
+    monkeypatch.setenv("KVBEAM_STREAM_CHUNKS", "sometimes")
+    with pytest.raises(ConfigError, match=r"KVBEAM_STREAM_CHUNKS='sometimes': 1/true"):
+        stream_chunks_setting(None)
+    with pytest.raises(ConfigError, match=r"server_args.kvbeam_stream_chunks='2'"):
+        stream_chunks_setting(SimpleNamespace(kvbeam_stream_chunks=2))
+    with EnginePools(tiny_config(unified=True, draft=True)) as pools, \
+            pytest.raises(ConfigError, match="KVBEAM_STREAM_CHUNKS='sometimes'"):
+        KvbeamKVManager(kvargs_for(pools), "prefill",
+                        SimpleNamespace(kvbeam_attach_socket="/nonexistent/kvbeam.sock",
+                                        kvbeam_daemon="127.0.0.1:1"))

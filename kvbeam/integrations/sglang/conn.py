@@ -43,7 +43,10 @@ flags of the same names (:data:`kvbeam.auth.CLIENT_SETTINGS`): ``kvbeam_auth_tok
 / ``KVBEAM_AUTH_TOKEN_FILE``, ``kvbeam_tls_cert`` / ``KVBEAM_TLS_CERT``, ``..._tls_key``,
 ``..._tls_ca``, ``..._tls_server_name``. Every bootstrap store request carries the
 token, and the store requires it (sglang builds the store from host and port only, so
-there the environment's ``KVBEAM_AUTH_TOKEN_FILE`` counts).
+there the environment's ``KVBEAM_AUTH_TOKEN_FILE`` counts). ``kvbeam_stream_chunks`` /
+``KVBEAM_STREAM_CHUNKS`` (prefill; default on): on, each chunk's pages are sent as
+sglang hands them over; off, the whole request goes in one SEND at its last chunk
+(:func:`stream_chunks_setting`; staged requests always go whole).
 """
 
 from __future__ import annotations
@@ -55,7 +58,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from kvbeam.auth import CLIENT_SETTINGS, Security, client_security, insecure_from_environment
+from kvbeam.auth import (
+    CLIENT_SETTINGS,
+    Security,
+    client_security,
+    insecure_from_environment,
+    parse_bool,
+)
 from kvbeam.engine import Attachment, EngineBuffers, EnginePools, Receiver, Sender, attach
 from kvbeam.engine.requests import KVPoll
 from kvbeam.engine.staging import StagedRequest, StagingBuffer, TensorKV
@@ -119,6 +128,36 @@ def _setting(server_args: Any, name: str) -> str:
     return value
 
 
+#: The per-chunk streaming setting: ``server_args.kvbeam_stream_chunks``, else this
+#: environment variable.
+STREAM_CHUNKS_ENV = "KVBEAM_STREAM_CHUNKS"
+
+
+def stream_chunks_setting(server_args: Any = None) -> bool:
+    """``kvbeam_stream_chunks`` / ``KVBEAM_STREAM_CHUNKS``: True (unset, the default) when
+    prefill sends each chunk's pages as sglang hands them over (``KVSender.send``), so
+    they move while sglang computes the next chunk; False when it sends the whole request
+    once, in one SEND at the last chunk (nothing moves before the prompt's end). Read
+    as the daemons read a boolean (1/true/yes/on, 0/false/no/off); a server_args
+    attribute that is set (not None) wins over the environment.
+
+    Raises:
+        ConfigError: any other value, naming the setting.
+    """
+    value = getattr(server_args, "kvbeam_stream_chunks", None)
+    where = "server_args.kvbeam_stream_chunks" if value is not None else STREAM_CHUNKS_ENV
+    text = str(value if value is not None else os.environ.get(STREAM_CHUNKS_ENV, "")).strip()
+    if not text:
+        return True
+    try:
+        return parse_bool(text)
+    except ValueError:
+        raise ConfigError(
+            f"kvbeam sglang backend: {where}={text!r}: 1/true/yes/on sends each prefill "
+            "chunk as sglang hands it over (the default), 0/false/no/off sends the whole "
+            "request once, at its last chunk") from None
+
+
 def sglang_timeout(name: str, default: float = 300.0) -> float:
     """One of sglang's disaggregation deadlines (``SGLANG_DISAGGREGATION_*_TIMEOUT``),
     seconds, as sglang's own backends read it."""
@@ -166,8 +205,8 @@ class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
 
     Raises (at construction, before anything is attached):
         ConfigError: a field of ``KVBEAM_CONFIG`` differs from sglang's pools (each named
-            with both values and the sglang setting), or sglang's pools are ones kvbeam
-            cannot move.
+            with both values and the sglang setting), sglang's pools are ones kvbeam
+            cannot move, or ``KVBEAM_STREAM_CHUNKS`` is not a boolean.
         RuntimeError: sglang's DSV4 target/draft checks failed, with sglang's wording
             ("DSV4 target and draft pools must use the same unified-KV mode: ...").
         AttachError: ``KVArgs`` does not match the description, is not in shareable
@@ -178,12 +217,17 @@ class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
     #: (None: the daemon maps sglang's pools themselves).
     staging: StagingBuffer | None = None
     device_kv: TensorKV | None = None
+    #: Prefill: each chunk sent as sglang hands it over (True, the default), or the whole
+    #: request once at its last chunk (False: ``KVBEAM_STREAM_CHUNKS=0``); staged
+    #: requests always go whole.
+    stream_chunks: bool = True
 
     def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any,
                  is_mla_backend: bool | None = False) -> None:
         self.kv_args = args
         self.mode = str(getattr(disaggregation_mode, "value", disaggregation_mode))
         self.server_args = server_args
+        self.stream_chunks = stream_chunks_setting(server_args)
         path = _optional(server_args, "kvbeam_config")
         given = load_side_config(path) if path else None
         target, draft = memory.pools_for(args)
@@ -209,6 +253,14 @@ class KvbeamKVManager(ManagerMembers, BaseKVManager):  # type: ignore[misc]
         self._init_scheduler_members()
         self.staging, self.device_kv = self._staging(target, server_args)
         self.staging_log = staged.StagingLog(self.mode)
+        if self.mode == "prefill":
+            if self.staging is not None:
+                sends = "staged: each request sent whole, at its last chunk"
+            elif self.stream_chunks:
+                sends = "each chunk sent as sglang hands it over (KVBEAM_STREAM_CHUNKS on)"
+            else:
+                sends = "each request sent whole, at its last chunk (KVBEAM_STREAM_CHUNKS off)"
+            log.info("kvbeam sglang backend (prefill): %s", sends)
         try:
             self.attachment = self._attach(_setting(server_args, "kvbeam_attach_socket"))
         except BaseException:
@@ -416,6 +468,10 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         bytes move while sglang computes the next chunk. The last chunk (states given, or
         all pages) also carries the states and the metadata row; decode is Success once
         it landed and was verified.
+
+        With ``KVBEAM_STREAM_CHUNKS`` off (:attr:`KvbeamKVManager.stream_chunks`), or
+        staged, earlier chunks' pages are only remembered: the last chunk sends the
+        whole request, every page with the states, in one SEND.
         """
         if num_kv_tokens is None:
             raise ValueError("kvbeam needs num_kv_tokens on every send (sglang >= 0.5.23)")
@@ -426,10 +482,13 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         self.tokens += num_kv_tokens
         final = state_indices is not None or len(self.pages) >= self.num_pages
         try:
-            if self.mgr.staging is None:
+            if self.mgr.staging is not None:
+                if final:  # staged: the whole request at once, from the staging items
+                    self._stage(state_indices)
+            elif self.mgr.stream_chunks:
                 self._send_chunk(pages, final, state_indices)
-            elif final:  # staged: the whole request at once, from the staging items
-                self._stage(state_indices)
+            elif final:  # not streamed: the whole request at once, at its last chunk
+                self._send_whole(state_indices)
         except (KvbeamError, RuntimeError, OSError, ValueError) as exc:
             self._fail(f"kvbeam send of {self.request_id} failed: {exc}")
 
@@ -444,6 +503,14 @@ class KvbeamKVSender(BaseKVSender):  # type: ignore[misc]
         # Decode's length is authoritative (it reserved with it; the lists are the same).
         # sglang's chunks end on a page boundary, so each gives only whole pages.
         self.request.send_chunk(pages, seq_len=seq_len, final=final, state_indices=states)
+
+    def _send_whole(self, state_indices: list[Any] | None) -> None:
+        """Not streamed: every page of the request and its states in one SEND frame."""
+        if self.request is None:
+            self._start()
+        assert self.request is not None and self.seq_len is not None
+        states = self._final_lists(state_indices)
+        self.request.send(self.pages, states, seq_len=self.seq_len)
 
     def _final_lists(self, state_indices: list[Any] | None) -> dict[str, Any]:
         """The lists the last chunk brings (states, the metadata row), checked: prefill's
