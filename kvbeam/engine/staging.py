@@ -36,7 +36,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -265,11 +265,13 @@ class StagingBuffer:
         requests / tokens: capacity (:func:`staging_config`).
         wait_s: how long a request waits for room before :class:`StagingFull`.
         policy: what the engine does then (carried by the error).
+        clock: what that wait is measured on (:class:`SlotAllocator`'s; a test's fake).
     """
 
     def __init__(self, config: SideConfig, *, device: str = "cpu", requests: int = 4,
                  tokens: int | None = None, wait_s: float = 5.0,
-                 policy: FullPolicy = FullPolicy.FAIL) -> None:
+                 policy: FullPolicy = FullPolicy.FAIL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.device = str(device)
         self.on_cuda = self.device.partition(":")[0] == "cuda"
         self.device_layout = build_side_layout(config)
@@ -287,7 +289,7 @@ class StagingBuffer:
             self._pairs = _pair_layouts(self.layout, self.device_layout)
             self._kinds = sorted({p.staging.index_kind for p in self._pairs},
                                  key=lambda k: k.value)
-            self._slots = SlotAllocator(_capacity(self.layout), policy)
+            self._slots = SlotAllocator(_capacity(self.layout), policy, clock)
             self._views = [self._rows(p.staging) for p in self._pairs]
             if self.on_cuda:
                 import torch

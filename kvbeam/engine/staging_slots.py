@@ -27,7 +27,7 @@ import enum
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -158,12 +158,16 @@ class SlotAllocator:
     Args:
         capacity: items of each index kind the staging buffer holds.
         policy: carried by :class:`StagingFull` when a wait runs out.
+        clock: monotonic seconds, what a request's wait for room is measured on (a
+            test's fake clock makes a ticket's wait run out when it moves it).
     """
 
     def __init__(self, capacity: Mapping[IndexKind, int],
-                 policy: FullPolicy = FullPolicy.FAIL) -> None:
+                 policy: FullPolicy = FullPolicy.FAIL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity = dict(capacity)
         self.policy = policy
+        self.clock = clock
         self._free = {kind: _Extents(n) for kind, n in capacity.items()}
         self._cond = threading.Condition()
         self._held = 0
@@ -180,11 +184,11 @@ class SlotAllocator:
         :class:`StagingFull` then (and at once when the request can never fit).
         """
         self._check(counts)
-        deadline = time.monotonic() + wait_s
+        deadline = self.clock() + wait_s
         waited = False
         with self._cond:
             while not self._fits(counts):
-                left = deadline - time.monotonic()
+                left = deadline - self.clock()
                 if left <= 0:
                     self.refusals += 1
                     raise StagingFull(self._full(counts, wait_s), policy=self.policy.value)
@@ -199,7 +203,7 @@ class SlotAllocator:
         block: ask :meth:`poll` at each of its steps. Raises :class:`StagingFull` at
         once when the request can never fit."""
         self._check(counts)
-        ticket = Ticket(dict(counts), time.monotonic() + wait_s, wait_s)
+        ticket = Ticket(dict(counts), self.clock() + wait_s, wait_s)
         with self._cond:
             self._queue.append(ticket)
         return ticket
@@ -211,7 +215,7 @@ class SlotAllocator:
         the queue and raises :class:`StagingFull` (counted once in ``refusals``).
         """
         with self._cond:
-            self._grant(time.monotonic())
+            self._grant(self.clock())
             if ticket.slots is not None:
                 return ticket.slots
             if ticket.refused:

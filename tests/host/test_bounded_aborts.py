@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,7 +30,7 @@ from kvbeam.proto.side import SideInfo
 from kvbeam.proto.version import PROTOCOL_VERSION
 from kvbeam.server.api.prefill import PrefillServicer
 from kvbeam.server.core.decode_driver import DecodeDriver
-from kvbeam.server.core.ports import WriteGrant
+from kvbeam.server.core.ports import SHUTDOWN_ABORT_S, WriteGrant
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.peers.calls import ChannelDecodePeers, ChannelPrefillPeers
 from kvbeam.server.peers.channel import PeerChannel, PeerChannels
@@ -128,9 +129,22 @@ def _decode_with_live_requests(far: FarEnd) -> DecodeDriver:
     return core
 
 
+def _told_at_once(caplog: pytest.LogCaptureFixture, whom: str) -> None:
+    """The shutdown told ``whom`` of every live request in one go, all its Aborts under
+    one deadline (SHUTDOWN_ABORT_S), and went on with none answered: it waited for no
+    answer past that deadline (one after another, each would have its own)."""
+    said = [r.getMessage() for r in caplog.records]
+    assert [m for m in said if "Abort(s) not confirmed within" in m] == [
+        f"{LIVE} of {LIVE} Abort(s) not confirmed within {SHUTDOWN_ABORT_S:.1f} s"], said
+    told = [m for m in said if f": told {whom} of " in m]
+    assert len(told) == 1 and told[0].endswith(" 0 confirmed"), said
+    assert f"told {whom} of {LIVE} live request(s) in " in told[0], told
+
+
 @pytest.mark.parametrize("how", ["shutdown", "detach"])
 def test_decode_shutdown_with_256_live_requests_ends_inside_the_grace_period(
-        silent_prefill: FarEnd, how: str) -> None:
+        silent_prefill: FarEnd, how: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvbeam.server")
     core = _decode_with_live_requests(silent_prefill)
     conn = core.peers.get("prefill-1")
     assert conn is not None
@@ -139,11 +153,10 @@ def test_decode_shutdown_with_256_live_requests_ends_inside_the_grace_period(
     worker = threading.Thread(target=stop, daemon=True)
     worker.start()
     worker.join(GRACE_S)
-    took = time.monotonic() - began
     print(f"\ndecode {how} with {LIVE} live requests, prefill answering no Abort: "
-          f"{took:.2f} s (grace {GRACE_S:.0f} s)")
+          f"{time.monotonic() - began:.2f} s (grace {GRACE_S:.0f} s)")
     assert not worker.is_alive(), f"{how} still running after {GRACE_S:.0f} s"
-    assert took < GRACE_S
+    _told_at_once(caplog, "prefill")
     assert wait_for(lambda: silent_prefill.aborts), "prefill was never told"
     assert conn.closed and cast(FakeLink, conn.link).released
     for i in range(LIVE):
@@ -179,7 +192,8 @@ class SilentDecode(FakeDecode):
 
 
 def test_prefill_shutdown_with_256_live_requests_ends_inside_the_grace_period(
-        silent_decode: FarEnd) -> None:
+        silent_decode: FarEnd, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvbeam.server")
     peers = Peers()
     core = PrefillDriver(table=TransferTable(Deadlines()), peers=peers,
                          decode=SilentDecode(silent_decode, peers),
@@ -195,11 +209,10 @@ def test_prefill_shutdown_with_256_live_requests_ends_inside_the_grace_period(
     worker = threading.Thread(target=core.shutdown, daemon=True)
     worker.start()
     worker.join(GRACE_S)
-    took = time.monotonic() - began
     print(f"\nprefill shutdown with {LIVE} live requests, decode answering no Abort: "
-          f"{took:.2f} s (grace {GRACE_S:.0f} s)")
+          f"{time.monotonic() - began:.2f} s (grace {GRACE_S:.0f} s)")
     assert not worker.is_alive(), f"shutdown still running after {GRACE_S:.0f} s"
-    assert took < GRACE_S
+    _told_at_once(caplog, "decode")
     assert wait_for(lambda: silent_decode.aborts), "decode was never told"
     for i in range(LIVE):
         assert core.status(f"live-{i}").reason is FailureReason.SHUTDOWN

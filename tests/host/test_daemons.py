@@ -5,8 +5,6 @@ The same scenarios run over RDMA in the soft-RoCE harness (tests/rdma/test_daemo
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from kvbeam.client import KvbeamClient
@@ -89,13 +87,13 @@ def test_send_without_reservation_waits_for_one_then_fails_naming_it() -> None:
         assert st.state is F and st.reason is FailureReason.TIMEOUT, str(st)
         assert "WaitingForInput for 1.0 s (decode's reservation" in st.detail, st.detail
         # Decode reserves it after all (a loaded decode): prefill refuses the Offer and
-        # aborts the reservation at once, not at decode's Bootstrapping deadline.
-        began = time.monotonic()
+        # aborts the reservation at once, not at decode's Bootstrapping deadline. Only
+        # prefill's word gives this reason and text: the deadline would fail it TIMEOUT,
+        # "no progress in Bootstrapping for 4.0 s".
         d.reserve("orphan", 100, prefill.address)
         st = d.wait("orphan", 20)
         assert st.state is F and st.reason is FailureReason.PEER_FAILED, str(st)
         assert "prefill failed before decode reserved: timeout" in st.detail, st.detail
-        assert time.monotonic() - began < 5.0, "decode waited for its own deadline"
 
 
 def test_abort_on_decode_propagates_to_prefill_and_frees_the_slot() -> None:
@@ -138,10 +136,11 @@ def test_chunked_send_moves_everything_once_final() -> None:
 def test_reservation_lease_expires_and_frees_the_slot() -> None:
     with pair() as (prefill, _decode, _p, d):
         d.reserve("lease", 100, prefill.address)
-        t0 = time.monotonic()
         st = d.wait("lease", 15)
-        assert st.state is F and st.reason is FailureReason.TIMEOUT
-        assert time.monotonic() - t0 < 8  # bootstrap deadline is 4 s in these tests
+        assert st.state is F and st.reason is FailureReason.TIMEOUT, str(st)
+        # The deadline that ended it is the configured one (4 s in these tests), not
+        # another, longer one.
+        assert st.detail == "no progress in Bootstrapping for 4.0 s", st.detail
         for i in range(16):
             d.reserve(f"y{i}", 10, prefill.address)
 
@@ -177,12 +176,11 @@ def test_prefill_killed_mid_request_fails_decode_within_the_deadline() -> None:
             d.reserve("victim", 4000, prefill.address)
             p.send("victim", 0, 4000, decode.address, final=False, chunks=[(0, 256)])
             assert wait_until(lambda: d.status("victim").state is TransferState.TRANSFERRING, 10)
-            t0 = time.monotonic()
             prefill.kill()
             st = d.wait("victim", 20)
-            assert st.state is F and st.reason in (FailureReason.PEER_FAILED,
-                                                   FailureReason.TIMEOUT)
-            assert time.monotonic() - t0 < 10
+            # Noticed at once, by the loss of prefill's connections, not at the
+            # Transferring deadline (6 s here: TIMEOUT, "no progress in Transferring").
+            assert st.state is F and st.reason is FailureReason.PEER_FAILED, str(st)
             for i in range(16):  # every slot is free again
                 d.reserve(f"z{i}", 10, prefill.address)
     finally:

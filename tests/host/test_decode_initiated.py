@@ -12,7 +12,6 @@ prefill's Send with it. docs/protocol.md, "Decode-initiated pairing".
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,8 +32,9 @@ from tests.vllm_served import free_port, metric
 SEQ = 700
 #: Prefill's Send waits this long for a decode's Offer (--send-wait-s).
 SEND_WAIT_S = 5
-#: Decode's reservations give up after this (--deadline-bootstrap-s): what a failure
-#: that reaches decode "at once" must beat by far.
+#: Decode's reservations give up after this (--deadline-bootstrap-s): a failure that
+#: reaches decode "at once" is not this deadline's ("Failed timeout: no progress in
+#: Bootstrapping for 20.0 s").
 BOOTSTRAP_S = 20
 DEADLINES = [*FAST, "--send-wait-s", str(SEND_WAIT_S), "--deadline-bootstrap-s",
              str(BOOTSTRAP_S)]
@@ -108,13 +108,12 @@ def test_a_reservation_naming_a_prefill_daemon_that_is_down_fails_at_once(
     not at its Bootstrapping deadline."""
     _prefill, decode, _pe, de = engines
     nowhere = f"127.0.0.1:{free_port()}"
-    began = time.monotonic()
     de.cmd(f"reserve down {SEQ} {nowhere} 16")
     answer = de.cmd("wait down 60")
-    took = time.monotonic() - began
+    # The failed ask to connect ended it, naming the address: the deadline would say
+    # "Failed timeout: no progress in Bootstrapping for 20.0 s".
     assert answer.startswith("Failed peer_unreachable: "), answer
     assert nowhere in answer, answer
-    assert took < BOOTSTRAP_S / 2, took  # generous: at once, far inside the deadline
     assert _connects(decode, "unreachable") == 1
 
 
@@ -134,24 +133,22 @@ def test_a_pair_that_is_refused_fails_both_sides_at_once_naming_the_difference(
         try:
             de = ChannelEngine(sock, other, 2, "final")
             pe.cmd(f"send bad {SEQ} - 17")
-            began = time.monotonic()
             de.cmd(f"reserve bad {SEQ} {prefill.address} 18")
             answer = de.cmd("wait bad 60")
-            took = time.monotonic() - began
             sent = pe.cmd("wait bad 60")
-            both = time.monotonic() - began
         finally:
             if de is not None:
                 de.stop()
             decode.stop()
+    # The refusal ended the reservation at once, naming the difference: the deadline
+    # would say "Failed timeout: no progress in Bootstrapping for 20.0 s".
     assert answer.startswith("Failed incompatible: "), answer
     assert "model" in answer and "dsv4-test" in answer and "dsv4-other" in answer, answer
-    assert took < BOOTSTRAP_S / 2, took
     # Incompatible on prefill too: the refusal is about the pair, as prefill's own
-    # handshake for the Send would have said.
+    # handshake for the Send would have said; not at prefill's lease either ("Failed
+    # timeout: no progress in WaitingForInput for 5.0 s").
     assert sent.startswith("Failed incompatible: decode's reservation failed: the pair "
                            "could not connect: "), sent
-    assert both < SEND_WAIT_S, both  # not at prefill's lease either
 
 
 def test_a_connect_claiming_another_hosts_address_is_refused_and_dials_nothing(

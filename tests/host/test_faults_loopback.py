@@ -10,6 +10,7 @@ the soft-RoCE harness (tests/rdma/).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,14 +36,13 @@ def test_prefill_killed_with_a_reservation_pending() -> None:
         prefill = start("prefill")
         with KvbeamClient(decode.address) as d:
             d.reserve("pending", 2000, prefill.address)
-            t0 = time.monotonic()
             prefill.kill()
             st = d.wait("pending", 20)
             # Unreachable when the kill beat decode's Connect, failed when it came after
-            # the pair's channel opened; never the bootstrap deadline (4 s in these tests).
+            # the pair's channel opened; never the bootstrap deadline (4 s in these tests:
+            # TIMEOUT, "no progress in Bootstrapping for 4.0 s").
             assert st.state is F and st.reason in (FailureReason.PEER_UNREACHABLE,
                                                    FailureReason.PEER_FAILED), st
-            assert time.monotonic() - t0 < 4
             assert free_slots(d) == DECODE_SLOTS
     finally:
         decode.stop()
@@ -54,14 +54,16 @@ def test_decode_frozen_during_the_handshake_then_killed() -> None:
         assert run_request(p, d, "warm", 100, 0).ok  # the pair is known and verified
         os.kill(decode.proc.pid, signal.SIGSTOP)
         try:
-            t0 = time.monotonic()
             p.send("frozen", 1, 3000, decode.address)
             st = p.wait("frozen", 30)
-            took = time.monotonic() - t0
             assert st.state is F and st.reason in (FailureReason.PEER_UNREACHABLE,
                                                    FailureReason.TIMEOUT,
                                                    FailureReason.PEER_FAILED), st
-            assert took < 10, took  # RPC deadline 2 s, bootstrap deadline 4 s
+            # Ended by one of the short deadlines these tests configure (the RPC's 2 s,
+            # Bootstrapping's 4 s): not by the peer channel's heartbeat silence (over
+            # 10 s), nor a hang.
+            assert re.search(r"no answer within 2 s \(deadline exceeded\)"
+                             r"|no progress in Bootstrapping for 4\.0 s", st.detail), st
         finally:
             os.kill(decode.proc.pid, signal.SIGKILL)
         assert p.healthy()
@@ -97,11 +99,14 @@ def test_stalled_scheduler_between_chunks_times_out_on_both_sides() -> None:
     with pair() as (prefill, decode, p, d):
         d.reserve("stalled", 4000, prefill.address)
         p.send("stalled", 3, 4000, decode.address, final=False, chunks=[(0, 512)])
-        t0 = time.monotonic()
         dst, pst = d.wait("stalled", 30), p.wait("stalled", 30)
         assert dst.state is F and pst.state is F
         assert FailureReason.TIMEOUT in (dst.reason, pst.reason), (dst, pst)
-        assert time.monotonic() - t0 < 15
+        # The deadline that ended it is one these tests configure (WaitingForInput 4 s,
+        # Transferring 6 s), named by both sides, not another, longer one.
+        for st in (dst, pst):
+            assert re.search(r"no progress in (WaitingForInput for 4|Transferring for 6)"
+                             r"\.0 s", st.detail), (dst, pst)
         assert free_slots(d) == DECODE_SLOTS
         assert run_request(p, d, "next", 4000, 3).ok
 
@@ -195,12 +200,12 @@ def test_sigkill_mid_chunks_frees_everything_on_the_survivor(victim: str) -> Non
             p.send("mid", 4, 6000, decode.address, final=False, chunks=[(0, 1024)])
             assert wait_until(lambda: d.status("mid").state is TransferState.TRANSFERRING, 10)
             assert not p.status("mid").terminal
-            t0 = time.monotonic()
             (prefill if victim == "prefill" else decode).kill()
             survivor = d if victim == "prefill" else p
             st = survivor.wait("mid", 20)
-            assert st.state is F, st
-            assert time.monotonic() - t0 < 10
+            # Noticed at once, by the loss of the victim's connections, not at a
+            # deadline (TIMEOUT: "no progress in ...").
+            assert st.state is F and st.reason is FailureReason.PEER_FAILED, st
             assert survivor.healthy()
             if victim == "prefill":
                 assert free_slots(d) == DECODE_SLOTS

@@ -9,8 +9,6 @@ at most once; each chunk of a chunked request asks. Counted by the daemons' metr
 
 from __future__ import annotations
 
-import time
-
 from kvbeam.scheduler import run_request
 from kvbeam.states import TransferState
 from tests.daemon_helpers import pair
@@ -76,11 +74,10 @@ def test_offers_kept_without_digests_are_answered_and_land_unverified() -> None:
         assert run_request(p, d, "n-0", 700, 0).state.startswith("Success")  # handshake
         p0, d0 = scrape(prefill.metrics), scrape(decode.metrics)
         for i in range(1, N + 1):
-            began = time.monotonic()
             result = run_request(p, d, f"n-{i}", 300 + 97 * i, i % 4, release=False)
-            took = time.monotonic() - began
+            # Not a wait for a record that never comes: that ends at the Transferring
+            # deadline, Failed (timeout), never Success.
             assert result.state.startswith("Success"), result
-            assert took < 5.0, took  # not a wait for the Transferring deadline (30 s)
             st = d.status(f"n-{i}")
             assert st.detail.startswith("bytes not verified: prefill sent no digests"), st
             d.release(f"n-{i}")

@@ -124,17 +124,16 @@ def test_peer_killed_fails_transfers_within_deadline(
     for i in range(50):
         link.write(100 + i, whole)
     peer.kill()
-    killed = time.monotonic()
     events = wait_events(transport, 50, OPTIONS.op_timeout_s + 5)
-    elapsed = time.monotonic() - killed
     failed = [e for e in events if not e.ok]
     assert failed, events
-    assert elapsed < OPTIONS.op_timeout_s + 1
-    assert {e.status for e in failed} <= {st.TCP_CONNECTION_LOST, st.TIMEOUT}
+    # Failed by the lost connection, at once: the operation timeout would say TIMEOUT
+    # ("no acknowledgement within 2 s").
+    assert {e.status for e in failed} == {st.TCP_CONNECTION_LOST}, failed
     assert len(events) == 50  # every transfer got exactly one outcome
     with pytest.raises(TransportError) as exc:
         link.write(200, whole)
-    assert exc.value.status in (st.TCP_CONNECTION_LOST, st.TIMEOUT)
+    assert exc.value.status == st.TCP_CONNECTION_LOST
 
 
 def test_stalled_peer_times_out(pair: tuple[TcpTransport, TcpLink, PeerProcess],
@@ -143,11 +142,12 @@ def test_stalled_peer_times_out(pair: tuple[TcpTransport, TcpLink, PeerProcess],
     assert peer.process.pid is not None
     os.kill(peer.process.pid, signal.SIGSTOP)  # alive, connected, never answers
     try:
-        start = time.monotonic()
         link.write(7, plan(source[1], peer.addr, [(0, 0, N)]))
         events = wait_events(transport, 1, OPTIONS.op_timeout_s * 3 + 5)
         assert [(e.transfer_id, e.ok, e.status) for e in events] == [(7, False, st.TIMEOUT)]
-        assert time.monotonic() - start < OPTIONS.op_timeout_s * 2 + 1
+        # The configured operation timeout ended it, not another, longer one.
+        error = events[0].error()
+        assert error is not None and "no acknowledgement within 2 s" in str(error), error
     finally:
         os.kill(peer.process.pid, signal.SIGCONT)
 

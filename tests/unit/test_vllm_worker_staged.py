@@ -16,13 +16,14 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 
 from kvbeam.engine.channel import EngineChannel
-from kvbeam.engine.staging import TensorKV, dense_bytes
+from kvbeam.engine.staging import StagingBuffer, TensorKV, dense_bytes
 from kvbeam.errors import ConfigError
 from kvbeam.integrations.vllm import params as P
 from kvbeam.integrations.vllm import scheduler as S
@@ -33,6 +34,7 @@ from kvbeam.pools.paged import paged_side_config, paged_spec
 from kvbeam.pools.types import IndexKind
 from kvbeam.proto import engine_frames as ef
 from kvbeam.states import FailureReason, TransferState
+from tests.fake_clock import FakeClock
 from tests.unit.test_vllm_worker_channel import _Attachment, _frames
 
 KV = IndexKind.KV_PAGES
@@ -121,6 +123,17 @@ def decode() -> Iterator[Staged]:
     side.close()
 
 
+@pytest.fixture
+def timed_decode(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Staged, FakeClock]]:
+    """A decode side whose staging waits run on a fake clock that the test moves."""
+    clock = FakeClock()
+    monkeypatch.setattr("kvbeam.integrations.vllm.worker.StagingBuffer",
+                        partial(StagingBuffer, clock=clock))
+    side = Staged(_cache(2))
+    yield side, clock
+    side.close()
+
+
 def _block_bytes(cache: dict[str, torch.Tensor], block: int) -> list[torch.Tensor]:
     return [v[block].reshape(-1).view(torch.uint8).clone() for v in cache.values()]
 
@@ -203,11 +216,13 @@ def test_a_full_buffer_makes_a_load_wait_then_reserve_when_room_comes(decode: St
     assert decode.staging.metrics.held == 0 and decode.staging.metrics.waits == 1
 
 
-def test_a_load_whose_wait_runs_out_is_a_load_error_declined_to_prefill(decode: Staged,
-                                                                        ) -> None:
-    """The wait (0.3 s here) runs out while the buffer stays full: the load fails as a
-    load error, prefill is told at once (DECLINE: it frees its blocks); a load larger
-    than the whole buffer is refused at once the same way. Never a hang."""
+def test_a_load_whose_wait_runs_out_is_a_load_error_declined_to_prefill(
+        timed_decode: tuple[Staged, FakeClock]) -> None:
+    """The wait (0.3 s here, on the staging buffer's clock) runs out while the buffer
+    stays full: the load fails as a load error, prefill is told at once (DECLINE: it
+    frees its blocks); a load larger than the whole buffer is refused at once the same
+    way. Never a hang."""
+    decode, clock = timed_decode
     decode.worker.absorb(S.StepPlan(loads=[
         S.Load("b", "t2", tuple(range(8)), ("p:1",), 250),
         S.Load("c", "t3", (8, 9), ("p:1",), 60),
@@ -215,9 +230,12 @@ def test_a_load_whose_wait_runs_out_is_a_load_error_declined_to_prefill(decode: 
     frames = _frames(decode.daemon, 2)
     assert [type(f) for f in frames] == [ef.Reserve, ef.Decline]  # t4 never fits
     assert frames[1].request_id == "t4" and "holds 8 in all" in frames[1].detail
-    began = time.monotonic()
-    assert decode.finished((set(), {"c", "d"})) == (set(), {"c", "d"})
-    assert 0.25 < time.monotonic() - began < 5
+    assert decode.finished((set(), {"d"})) == (set(), {"d"})  # refused at once
+    clock.advance(0.29)  # t3 waits for room until 0.3 s have passed, not before
+    assert decode.worker.get_finished() == (set(), set())
+    assert decode.staging.metrics.waiting == 1
+    clock.advance(0.02)
+    assert decode.finished((set(), {"c"})) == (set(), {"c"})
     (decline,) = _frames(decode.daemon, 1)
     assert isinstance(decline, ef.Decline) and decline.request_id == "t3"
     assert "staging buffer full: waited 0.3 s" in decline.detail
