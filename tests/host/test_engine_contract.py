@@ -388,7 +388,10 @@ def test_the_attach_socket_listens_with_room_for_a_burst(
     conns = [_connect(sock) for _ in range(40)]
     try:
         for s in conns:
-            s.sendall(struct.pack("<I", 2) + b"{}")
+            # One refused beyond the pending cap may be closed before we write: its
+            # answer ("connections") is already in our socket, read below.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                s.sendall(struct.pack("<I", 2) + b"{}")
         replies = [_reply(s, 30) for s in conns]
     finally:
         for s in conns:
