@@ -883,8 +883,8 @@ class PrefillCore(PrefillEvents, CoreBase):
         """Whether ``chunk`` makes a marked sub-batch whole whose mark is not posted yet
         (a step with no blocks still posts it)."""
         cut = rec.attempt.cut
-        return cut is not None and bool(cut) and any(k not in rec.attempt.marked
-                                 for k in self._whole_parts(rec, cut=cut, chunk=chunk))
+        return bool(cut) and any(k not in rec.attempt.marked
+                                 for k in self._whole_parts(rec, chunk, cut or ()))
 
     def _marked_writes(self, rec: Outgoing, grant: WriteGrant, chunk: Chunk,
                        plans: list[TransferPlan], cut: tuple[int, ...]
