@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from types import SimpleNamespace
@@ -223,7 +224,8 @@ def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0
                  send_wait_s: float = 0.0,
                  integrity: bool = True, io: Executor | None = None,
                  digest_threads: int = 2,
-                 on_change: Callable[[TransferStatus], None] | None = None
+                 on_change: Callable[[TransferStatus], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
                  ) -> tuple[PrefillDriver, FakeDecode]:
     """A prefill core over the unit-test pools, with a fake decode side.
 
@@ -235,10 +237,11 @@ def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0
     that every call into the core is handed to, as in the daemon; a queue executor
     drives the core one event at a time on the test's thread, with no loop);
     ``digest_threads`` 0: digests inline (the record is then the data write's last
-    block); ``on_change``: the table's observer (the engine channel's place)."""
+    block); ``on_change``: the table's observer (the engine channel's place);
+    ``clock``: the table's and the core's."""
     lay = layout()
     fake = FakeDecode(AllocatedSide(lay))
-    table = TransferTable(deadlines or Deadlines(), on_change=on_change)
+    table = TransferTable(deadlines or Deadlines(), on_change=on_change, clock=clock)
     core = PrefillDriver(table=table, peers=Peers(), decode=fake, clock=table.clock,
                        io=io or ThreadPoolExecutor(workers, thread_name_prefix="test-io"),
                        spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),

@@ -277,7 +277,10 @@ class DecodeCore(CoreBase):
         """Prefill is about to write (a chunk of) a request: check it may, say where.
 
         ``digests_follow``: prefill's integrity is on (its digest record comes in band,
-        into the request's mailbox slot, before the marker).
+        into the request's mailbox slot, before the marker). A request in pieces asks
+        for its first piece and then about once a second (prefill's ``GRANT_RENEW_S``),
+        so ``final`` (prefill's last piece) may never be said: nothing here waits for
+        it.
         """
         conn = self.peers.get(instance_id)
         if conn is None:
@@ -323,8 +326,9 @@ class DecodeCore(CoreBase):
             self._by_transfer[res.transfer_id] = request_id
             res.relinked()  # the old landing's sub-batches count for nothing
         res.link_id = conn.link.id
-        if final:
-            res.digests_follow = digests_follow
+        # Every ask says it (prefill's integrity does not change): a request sent in
+        # pieces asks for its first piece and may write its final one without asking.
+        res.digests_follow = digests_follow
         if relink and resend:
             log.warning("request %s: prefill resends it on a new link (transfer id %d)",
                         request_id, res.transfer_id, extra=fields(request_id, res.prefill_address))
@@ -597,7 +601,9 @@ class DecodeCore(CoreBase):
               and (not mark or mark <= len(res.sub_batches)))
         go = False
         if res is not None and ok and mark:
-            self._transferring(res.request_id)
+            # A landed sub-batch is progress: its Transferring deadline restarts (a
+            # request in pieces asks BeginWrite again only about once a second).
+            self._transferring(res.request_id, progress=True)
         elif res is not None and ok:
             res.notified(now)
             blocker = self._blocker(res)
@@ -725,15 +731,18 @@ class DecodeCore(CoreBase):
                                        f"decode integrity check failed: {verdict.detail}"))
         return actions
 
-    def _transferring(self, rid: str) -> None:
+    def _transferring(self, rid: str, *, progress: bool = False) -> None:
         """An offered request landed without a BeginWrite: it is Transferring now (its
-        deadline bounds the wait for the digests). Core lock held."""
+        deadline bounds the wait for the digests). ``progress``: a piece of it landed;
+        one already Transferring has its deadline restarted."""
         state = self.table.state_of(rid)
         if state is TransferState.BOOTSTRAPPING:
             self.table.advance(rid, TransferState.TRANSFERRING,
                                through=(TransferState.WAITING_FOR_INPUT,))
         elif state is TransferState.WAITING_FOR_INPUT:
             self.table.advance(rid, TransferState.TRANSFERRING)
+        elif progress and state is TransferState.TRANSFERRING:
+            self.table.touch(rid)
 
     # ---- timers, answers, a lost peer -----------------------------------------------------
     def on_deadline(self, status: TransferStatus) -> Actions:

@@ -40,7 +40,7 @@ from kvbeam.pools.digest_pool import DigestJob
 from kvbeam.pools.mailbox import FreeSlots, RecordArea
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.chunks import NOTHING, Chunk
-from kvbeam.server.core.ports import IndexLists, list_lengths
+from kvbeam.server.core.ports import IndexLists, WriteGrant, list_lengths
 from kvbeam.server.core.prefill_pieces import Pieces
 from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import TransferFacts
@@ -94,6 +94,12 @@ class Attempt:
     #: at its first step: () none; None not decided yet.
     cut: tuple[int, ...] | None = None
     marked: set[int] = field(default_factory=set)  # sub-batches whose mark it posted
+    #: Decode's grant from its latest BeginWrite, the link it came on and when: a later
+    #: chunk on that link writes under it without asking again while it is fresh
+    #: (:meth:`PrefillCore._held_grant`).
+    grant: WriteGrant | None = None
+    grant_link: int | None = None
+    granted_at: float = 0.0
 
 
 @dataclass(eq=False)

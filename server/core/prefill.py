@@ -104,6 +104,14 @@ MAX_EARLY_ABORTS = 1024
 #: executor: one thread hand-off less per request. Larger requests plan for longer than
 #: a frame-reading thread should be held.
 INLINE_STEP_MAX_PAGES = 64
+#: A request sent in pieces (layer by layer, chunk by chunk) asks decode's grant with
+#: BeginWrite for its first piece; a later piece on the same link writes under that
+#: grant while it is younger than this, and asks again (renewing it) once it is older.
+#: The asks are decode's sign of progress (each restarts its Transferring deadline):
+#: at most one a second keeps that deadline alive for a request streamed over a long
+#: forward, while the pieces of a forward shorter than this (a GPU's) cost one round
+#: trip, not one per layer.
+GRANT_RENEW_S = 1.0
 
 
 def _bound(request_id: str, conn: PeerConn) -> None:
@@ -398,6 +406,20 @@ class PrefillCore(PrefillEvents, CoreBase):
                                      f"prefill failed before decode reserved: {reason}: "
                                      f"{snap.detail}")]
 
+    @staticmethod
+    def _held_grant(rec: Outgoing, conn: PeerConn, now: float) -> WriteGrant | None:
+        """The grant an earlier piece of this attempt asked for, if the next piece may
+        write under it: the same link (a new link, or a resend's new attempt, asks
+        again) and younger than ``GRANT_RENEW_S``. Decode keeps what it granted until
+        the request ends, and an end stops the request here before its next step
+        (decode's Abort, answered once its writes drained), so no piece writes into
+        pages decode let go."""
+        attempt = rec.attempt
+        if attempt.grant is None or attempt.grant_link != conn.link.id \
+                or now - attempt.granted_at >= GRANT_RENEW_S:
+            return None
+        return attempt.grant
+
     def _offered_grant(self, rec: Outgoing, conn: PeerConn, final: bool,
                        now: float) -> tuple[WriteGrant | None, Actions]:
         """Decode's offer for this step, if one is usable (else BeginWrite asks), and
@@ -405,7 +427,8 @@ class PrefillCore(PrefillEvents, CoreBase):
 
         Used for a request whose first chunk is its final one and that is not a
         resend (a resend needs a new transfer id on its new link: BeginWrite). A
-        chunked request asks with BeginWrite per chunk; its offer is dropped.
+        chunked request asks with BeginWrite for its first chunk (its offer is dropped),
+        and again only where its grant is stale (:meth:`_held_grant`).
         """
         had = self.offers.has(rec.request_id)
         offer = self.offers.take(rec.request_id, conn, rec.seq_len, now)
@@ -543,20 +566,25 @@ class PrefillCore(PrefillEvents, CoreBase):
         self.records.use(area)
 
     # ---- the send path: the step's events ------------------------------------------------
-    def steps_inline(self, rec: Outgoing) -> bool:
+    def steps_inline(self, rec: Outgoing, now: float) -> bool:
         """Whether the request's step cannot block, so the thread that made it ready may
-        run it: one final chunk, the first attempt, at most ``INLINE_STEP_MAX_PAGES`` KV
-        pages, its decode connected with a live peer channel and decode's offer in hand
-        (no BeginWrite). Asked on the loop, where nothing changes it before the step
-        runs; an action of the step that blocks after all (a post that fails) goes to
-        the driver's executor."""
-        if (len(rec.chunks) != 1 or not rec.chunks[0].final or rec.attempt.posted or rec.resends
-                or rec.rehandshake or rec.resend_cause is not None
-                or len(rec.src_indices[IndexKind.KV_PAGES]) > INLINE_STEP_MAX_PAGES):
+        run it: its decode connected with a live peer channel, and either a later piece
+        that writes under its earlier piece's grant (:meth:`_held_grant`), or one final
+        chunk of the first attempt, at most ``INLINE_STEP_MAX_PAGES`` KV pages, with
+        decode's offer in hand (no BeginWrite). Asked on the loop, where nothing changes
+        it before the step runs; an action of the step that blocks after all (a post that
+        fails) goes to the driver's executor."""
+        if not rec.chunks or rec.rehandshake or rec.resend_cause is not None:
             return False
         conn = self._step_conn(rec)
-        return (conn is not None and not conn.closed and conn.retired_channel() is None
-                and self.offers.has(rec.request_id))
+        if conn is None or conn.closed or conn.retired_channel() is not None:
+            return False
+        if self._held_grant(rec, conn, now) is not None:
+            return True
+        return not (len(rec.chunks) != 1 or not rec.chunks[0].final or rec.attempt.posted
+                    or rec.resends
+                    or len(rec.src_indices[IndexKind.KV_PAGES]) > INLINE_STEP_MAX_PAGES) \
+            and self.offers.has(rec.request_id)
 
     def step(self, rec: Outgoing, now: float) -> Actions:
         """Run the request's next chunk (it is RUNNING; one step per request at a time
@@ -594,6 +622,9 @@ class PrefillCore(PrefillEvents, CoreBase):
             return [Connect(rec.decode_address)]
         rec.conn = conn
         chunk = rec.take_chunk()
+        held = self._held_grant(rec, conn, now)
+        if held is not None:
+            return self._write(rec, conn, chunk, held, now)
         grant, actions = self._offered_grant(rec, conn, chunk.final, now)
         if grant is None and self._waits_for_offer(rec, conn, chunk.final):
             # Decode's engine reserves on its own daemon, which offers the reservation
@@ -631,6 +662,8 @@ class PrefillCore(PrefillEvents, CoreBase):
         for one; landed already: a resend's Success)."""
         if grant is not None:
             self.resend.measured(begin_write=elapsed)
+            attempt = rec.attempt
+            attempt.grant, attempt.grant_link, attempt.granted_at = grant, conn.link.id, now
             return self._write(rec, conn, chunk, grant, now)
         assert error is not None
         if isinstance(error, NotReserved) and self.send_wait_s and not rec.resends \

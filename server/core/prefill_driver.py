@@ -381,8 +381,9 @@ class PrefillDriver(DriverBase[PrefillCore]):
             self.on_loop(lambda: self._run_step(step, on_executor=False))  # calls go back
             return
         rec = step.rec
-        if self.core.steps_inline(rec) and not self.writer.may_block:
-            self.execute(self.core.step(rec, self.clock()), on_executor)
+        now = self.clock()
+        if self.core.steps_inline(rec, now) and not self.writer.may_block:
+            self.execute(self.core.step(rec, now), on_executor)
         else:
             self.io.submit(self._step_job, rec)
 

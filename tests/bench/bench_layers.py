@@ -68,6 +68,7 @@ from kvbeam.pools.paged import block_bytes, paged_side_config, paged_spec
 from kvbeam.pools.spec import SideConfig
 from kvbeam.procs import DaemonProcess
 from tests.attach_helpers import write_config
+from tests.bench.bench_request import cpu_s
 from tests.daemon_helpers import SLOW_GUEST
 
 if TYPE_CHECKING:  # imported where the daemons start: bench_suite prints report() alone
@@ -104,6 +105,8 @@ class Sample:
     final_blocks: int = 0
     wall0: float = 0.0  # t0 on the wall clock (the daemons' log lines are)
     posted_ms: float = float("nan")  # -> prefill's log line for its final chunk's posts
+    prefill_cpu_ms: float = float("nan")  # prefill's daemon, reserve -> release (all threads)
+    decode_cpu_ms: float = float("nan")  # decode's daemon, the same span
 
 
 def _offers(daemon: DaemonProcess) -> float:
@@ -131,6 +134,7 @@ class Pair:
         rid, seed = f"{way[0]}{tokens}-{self.count}", 1000 + 2 * self.count
         pe, de = self.pe, self.de
         before = _offers(self.prefill)
+        cpu0 = (cpu_s(self.prefill.proc.pid), cpu_s(self.decode.proc.pid))
         assert de.cmd(f"reserve {rid} {tokens} {self.prefill.address} {seed}"
                       ) == f"reserve {rid}"
         end = time.monotonic() + offer_s
@@ -145,9 +149,12 @@ class Pair:
         if parts[0] != "prefilled" or parts[5] != "Success" or state != "Success":
             raise RuntimeError(f"{rid}: prefill answered {answer!r}, decode {got!r}")
         assert de.cmd(f"release {rid}") == "released"
+        # The metrics scrapes above count in both spans alike (one per request and way).
+        cpu1 = (cpu_s(self.prefill.proc.pid), cpu_s(self.decode.proc.pid))
         t0, t_prefill = float(parts[2]), float(parts[3])
         return Sample(rid, way, (float(t_decode) - t0) * 1000, (t_prefill - t0) * 1000,
-                      wall0=float(parts[4]))
+                      wall0=float(parts[4]), prefill_cpu_ms=(cpu1[0] - cpu0[0]) * 1000,
+                      decode_cpu_ms=(cpu1[1] - cpu0[1]) * 1000)
 
 
 #: Decode's Success line (``--log-requests``): its record and check, and when its
@@ -225,6 +232,8 @@ def measure(pair: Pair, tokens: int, layers: int, kv_bytes: int, repeat: int,
                     "final_chunk_layers": sorted({s.final_bytes * layers // kv_bytes
                                                   for s in runs}),
                     "final_posted_ms": med([s.posted_ms for s in runs]),
+                    "prefill_cpu_ms": med([s.prefill_cpu_ms for s in runs]),
+                    "decode_cpu_ms": med([s.decode_cpu_ms for s in runs]),
                     "runs": [asdict(s) for s in runs]}
     whole = out["whole"]["post_prefill_critical_path_ms"]
     out["one_layer_transfer_ms"] = whole / layers
@@ -271,8 +280,8 @@ def report(res: dict[str, Any]) -> str:
         "record and check: its verdict after the landing",
         "| tokens | way | layers in the final frame | its bytes | posted | prefill's Success "
         "| decode landed | decode's check after the landing | sub-batches verified as they "
-        "landed |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        "landed | daemon CPU a request, prefill / decode |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         for way in WAYS:
             w = r[way]
@@ -281,7 +290,8 @@ def report(res: dict[str, Any]) -> str:
                 f"{', '.join(map(str, w['final_chunk_layers']))} | "
                 f"{w['final_chunk_bytes']:,.0f} | {w['final_posted_ms']:.1f} | "
                 f"{w['prefill_success_ms']:.1f} | {w['landing_ms']:.1f} | "
-                f"{w['decode_after_landing_ms']:.1f} | {'; '.join(w['marks']) or '-'} |")
+                f"{w['decode_after_landing_ms']:.1f} | {'; '.join(w['marks']) or '-'} | "
+                f"{w['prefill_cpu_ms']:.0f} / {w['decode_cpu_ms']:.0f} ms |")
     for r in res["rows"]:
         n = r["tokens"]
         for way in WAYS:

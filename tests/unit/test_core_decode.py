@@ -21,7 +21,7 @@ from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.core.prefill_actions import PrefillAction
 from kvbeam.server.state.lifecycle import Deadlines, TransferTable
 from kvbeam.server.state.peers import PeerConn, Peers
-from kvbeam.states import FailureReason, TransferState
+from kvbeam.states import NOT_VERIFIED_NO_DIGESTS, FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
 from tests.core_fakes import FakeLink, fake_conn, flip_digest, land_record
 from tests.fixtures import UNIFIED_TARGET, layout
@@ -178,6 +178,19 @@ def test_integrity_failure_frees_the_slot_and_tells_prefill_from_the_executor() 
     st = core.status("r")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.INTEGRITY
     assert prefill.aborts == ["r"] and core.slot_of("r") == -1
+
+
+def test_prefills_integrity_flag_comes_with_the_first_pieces_begin_write() -> None:
+    """A request in pieces asks BeginWrite for its first piece and may write its final
+    one under that grant without asking: the first ask's flag (no digests follow) is
+    what decode goes by, not a wait for a record that never comes."""
+    core, io, _prefill, conn = _core()
+    res = core.reserve("r", 300, PREFILL)
+    core.begin_write("r", conn.instance_id, 300, False, False)
+    core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
+    io.run_all()
+    st = core.status("r")
+    assert st.state is TransferState.SUCCESS and st.detail == NOT_VERIFIED_NO_DIGESTS
 
 
 def test_abort_after_begin_write_asks_prefill_before_freeing_the_slot() -> None:

@@ -20,6 +20,7 @@ import pytest
 from kvbeam.errors import DuplicateRequest
 from kvbeam.pools.digest import DigestParts
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
+from kvbeam.server.core.prefill import GRANT_RENEW_S
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import TransferState, TransferStatus
@@ -304,11 +305,13 @@ def test_chunks_of_one_request_post_in_order_and_succeed_after_the_final() -> No
     """A step writes what is ready when it runs: a chunk alone is one write; chunks
     that queued meanwhile are one write too (the newest covers the others), the final
     one's notified."""
-    core, _fake, io = _queued(integrity=False)
+    clock = FakeClock()
+    core, _fake, io = _queued(integrity=False, clock=clock)
     core.send("c", 0, 1000, ADDR, [(0, 256)], False)
     io.run_all()
     link = _conn_link(core)
     assert [notify for _tid, notify in link.writes] == [False]
+    clock.advance(GRANT_RENEW_S)  # a stale grant: the step asks again, on the executor
     core.send("c", 0, 1000, ADDR, [(256, 700)], False)
     core.send("c", 0, 1000, ADDR, [], True)
     assert len(io.queue) == 1  # one step for the two chunks: it takes the newest

@@ -21,11 +21,13 @@ from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.states import TransferState
 from tests.core_fakes import FakeDecode, FakeLink, prefill_core
+from tests.fake_clock import FakeClock
 from tests.fixtures import UNIFIED_TARGET
 from tests.unit.test_core_decode import QueueExecutor
 
 ADDR = "127.0.0.1:9"
 SEQ = 300
+LONG = 700
 
 
 def _core(**kw: object) -> tuple[PrefillDriver, FakeDecode, QueueExecutor]:
@@ -138,12 +140,14 @@ def test_an_abort_of_a_parked_send_leaves_no_step_for_a_late_offer() -> None:
 
 
 def test_a_link_failure_during_a_queued_step_resends_every_chunk_in_order_after_it() -> None:
-    core, fake, io = _core(resend_retries=1)
+    clock = FakeClock()
+    core, fake, io = _core(resend_retries=1, clock=clock)
     core.send("r", 0, SEQ, ADDR, [(0, 256)], False)
     io.run_all()  # handshake, BeginWrite, the first chunk posted (unnotified)
     first = _link(core)
     tid = first.writes[0][0]
     assert first.writes == [(tid, False)] and _step(core) is Step.IDLE
+    clock.advance(prefill_module.GRANT_RENEW_S)  # a stale grant: the step asks, on the executor
     core.send("r", 0, SEQ, ADDR, [(256, SEQ)], True)
     assert _step(core) is Step.RUNNING and len(io.queue) == 1  # its step, not run yet
     # The first chunk's write fails: a resend is owed, but a step is queued.
@@ -162,5 +166,29 @@ def test_a_link_failure_during_a_queued_step_resends_every_chunk_in_order_after_
     assert second.writes == [(new, True)]
     assert _step(core) is Step.IDLE and core.status("r").state is TransferState.TRANSFERRING
     for event in second.finish(new):
+        core.on_event(event)
+    assert core.status("r").state is TransferState.SUCCESS
+
+
+def test_a_request_in_pieces_asks_begin_write_once_a_second_not_per_piece() -> None:
+    clock = FakeClock()
+    core, fake, io = _core(clock=clock)  # three pages, a piece each
+    core.send("r", 0, LONG, ADDR, [(0, 256)], False)
+    io.run_all()  # handshake, BeginWrite, the first piece
+    link = _link(core)
+    assert fake.begins == [("r", link.id)] and len(link.writes) == 1
+    clock.advance(0.5)
+    core.send("r", 0, LONG, ADDR, [(256, 512)], False)
+    io.run_all()
+    # Under the first piece's grant, on the same link: no second ask.
+    assert fake.begins == [("r", link.id)] and len(link.writes) == 2
+    assert link.writes[1][0] == link.writes[0][0], "a piece under another transfer id"
+    clock.advance(prefill_module.GRANT_RENEW_S)
+    core.send("r", 0, LONG, ADDR, [(512, LONG)], True)
+    io.run_all()
+    # The grant is a second old: the final piece asks again (decode's sign of progress).
+    assert fake.begins == [("r", link.id)] * 2
+    tid = link.writes[0][0]
+    for event in link.finish(tid):
         core.on_event(event)
     assert core.status("r").state is TransferState.SUCCESS

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from kvbeam.server.core.prefill import GRANT_RENEW_S
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.states import FailureReason, TransferState
 from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
+from tests.fake_clock import FakeClock
 from tests.unit.test_core_resend import ADDR, _link
 
 
@@ -44,12 +46,14 @@ def test_a_second_refusal_fails_the_request_as_the_peer_failed_after_one_handsha
 
 
 def test_a_request_that_wrote_already_fails_at_once_without_a_new_handshake() -> None:
-    core, fake = prefill_core(integrity=False)
+    clock = FakeClock()
+    core, fake = prefill_core(integrity=False, clock=clock)
     core.send("r", 0, 1000, ADDR, [(0, 256)], False)
     link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
     core.on_event(link.completion(link.writes[0][0]))
     fake.forgot.add(link.id)
+    clock.advance(GRANT_RENEW_S)  # the first piece's grant is stale: the next piece asks
     core.send("r", 0, 1000, ADDR, [], True)
     assert wait_for(lambda: core.status("r").state is TransferState.FAILED)
     st = core.status("r")

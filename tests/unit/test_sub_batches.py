@@ -38,6 +38,7 @@ from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
 from tests.core_fakes import FakeLink, land_record, prefill_core, wait_for
 from tests.engine_lists import Lists, random_lists
+from tests.fake_clock import FakeClock
 from tests.fixtures import UNIFIED_TARGET, layout
 from tests.unit.test_core_decode import PREFILL, QueueExecutor, _core, _relink
 from tests.unit.test_core_offers import ADDR, SEQ, _connected
@@ -417,3 +418,22 @@ def test_a_resend_mid_stream_marks_every_sub_batch_again_on_the_new_link() -> No
     _check_marks(new, 16 * 5, at, per_buffer)
     assert HEADER.unpack_from(new.records[-1][1])[2] == len(at)
     assert engine.digests == [("m", 16 * 5, request_digests(core.pools, s))]
+
+
+def test_a_landed_mark_restarts_decodes_transferring_deadline() -> None:
+    """A request in pieces asks BeginWrite about once a second (prefill's
+    ``GRANT_RENEW_S``), not per piece: each of its sub-batches that lands is progress
+    too, so a stream longer than the Transferring deadline is not failed while it
+    lands."""
+    clock = FakeClock()
+    core, _io, _prefill, conn = _core()
+    core.table.clock = clock
+    core.core.sub_batch_bytes = QUARTER
+    res = core.reserve("r", SEQ, PREFILL)
+    core.begin_write("r", conn.instance_id, SEQ, False, True)
+    left = core.table.left("r")
+    assert left is not None and left > 20.0
+    clock.advance(20.0)
+    _notify(core, conn, res.transfer_id + 1)
+    assert core.status("r").state is TransferState.TRANSFERRING
+    assert core.table.left("r") == pytest.approx(left)
