@@ -229,7 +229,7 @@ def test_an_older_protocol_peer_is_refused_naming_both_versions(prefill: SideInf
     marks), a protocol 4 build (a Digests message, no mailbox), a protocol 3 build
     (per-request gRPC calls), a protocol 2 build (CRC32C digests) or a protocol 1 build
     (no Offer, no Digests)."""
-    assert PROTOCOL_VERSION == 9
+    assert PROTOCOL_VERSION == 10
     request = pb.HandshakeRequest(side=side_to_proto(prefill))
     request.side.protocol_version = old
     with running(decode) as server:

@@ -41,7 +41,7 @@ def test_generated_code_imports_from_the_package() -> None:
 
 
 def test_protocol_version_is_the_schema_constant() -> None:
-    assert PROTOCOL_VERSION == pb.ProtocolVersion.PROTOCOL_VERSION_CURRENT == 9
+    assert PROTOCOL_VERSION == pb.ProtocolVersion.PROTOCOL_VERSION_CURRENT == 10
 
 
 def test_transfer_state_enum_is_the_single_state_machine() -> None:
