@@ -7,7 +7,6 @@ soft-RoCE guest, ``make test-compose``) the RDMA override runs the same tests ov
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -69,12 +68,12 @@ def test_compose_up_moves_and_verifies_every_request(compose: Compose, timings: 
 
 
 def test_decode_stopped_mid_run(compose: Compose, timings: Timings) -> None:
-    """Stop decode while requests move: the scheduler sees them fail within the deadline,
-    exits 1, and prefill stays healthy. Prefill's wire is slowed (tests/compose/
-    slow-wire.yaml: fault injection, armed by its flag) so that the requests in flight
-    are being written when decode stops: over TCP a request's transfer is otherwise a
-    few milliseconds of its life, and a stop once found every one in flight past
-    decode's Success, waiting for its Release."""
+    """Stop decode while requests move: the scheduler sees them fail by the stop itself
+    (not at a deadline), exits 1, and prefill stays healthy. Prefill's wire is slowed
+    (tests/compose/slow-wire.yaml: fault injection, armed by its flag) so that the
+    requests in flight are being written when decode stops: over TCP a request's
+    transfer is otherwise a few milliseconds of its life, and a stop once found every
+    one in flight past decode's Success, waiting for its Release."""
     compose.overrides.append("tests/compose/slow-wire.yaml")
     # Every request 16k tokens (5 MB; random 1..32k averaged the same): its transfer is most
     # of its life, so when decode stops some of the four in flight are moving (random
@@ -84,15 +83,12 @@ def test_decode_stopped_mid_run(compose: Compose, timings: Timings) -> None:
     compose.env["KVBEAM_DRIVE_ARGS"] = "--requests 1000 --seq-lens 16384 --concurrency 4 --json"
     compose("up", "-d", "--no-build", timeout=600)
     compose.wait_log("decode", "XXH3-128 verified: ", 3, timeout=300)
-    with timings.step("stop decode -> scheduler exit"):
-        t0 = time.monotonic()
+    with timings.step("stop decode -> scheduler exit"):  # timed for the docs, not asserted
         compose("stop", "-t", "10", "decode", timeout=60)
         code = compose.wait_exit("scheduler", timeout=DEADLINE_S + 60)
-        elapsed = time.monotonic() - t0
     results = scheduler_json(compose.stdout("scheduler"))
     logs = compose.logs("scheduler")
     assert code == 1, logs[-4000:]
-    assert elapsed < DEADLINE_S + 15, f"scheduler needed {elapsed:.1f} s after the stop"
     assert len(results) == 1000
     ok = [r for r in results if r["ok"]]
     assert ok and all(r["verified"] for r in ok)
@@ -101,6 +97,16 @@ def test_decode_stopped_mid_run(compose: Compose, timings: Timings) -> None:
     # Nothing hangs: each failed request ended Failed on decode or prefill, or was refused.
     for r in failed:
         assert r["state"].startswith(("Failed(", "error: ")), r
+        # Ended by the stop, on both sides: decode failed it at its shutdown or was gone,
+        # and prefill had its answer when the scheduler asked (it waits 10 s): Failed (by
+        # decode's Abort or the loss of its peer channel), Success (every byte written
+        # before), or never sent ("?"). Not left to a deadline: none is Failed(timeout,
+        # "no progress in ...") and none still moving, which prefill's Transferring
+        # deadline (DEADLINE_S) would end later.
+        assert r["prefill_state"] == "?" or r["prefill_state"].startswith(
+            ("Failed(", "Success")), r
+        assert not any(s.startswith("Failed(timeout, ") for s in (r["state"],
+                                                                  r["prefill_state"])), r
     affected = [r for r in failed if r["state"].startswith("Failed(")
                 or r["prefill_state"].startswith("Failed(")]
     assert affected, f"no request in flight was reported Failed: {failed[:4]}"

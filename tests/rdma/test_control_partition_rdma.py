@@ -6,12 +6,15 @@ the peer channel's BeginWrite, Offer, Abort and heartbeats) go over the wire whi
 test, the scheduler, calls both on 127.0.0.1. Dropping TCP to and from the two
 advertised control ports and decode's channel port cuts only the daemons' path; RoCE
 (UDP 4791) and the scheduler's calls still get through. A request in flight and a new
-one must both end Failed on both sides within the deadlines plus slack, decode's slots
-must all be free again, and once the rules are gone the next request must succeed.
+one must both end Failed on both sides, each by one of the mechanisms that notice a
+partition (the peer channel's heartbeats, a call's deadline, a state's deadline: its
+detail names which, with its configured seconds), decode's slots must all be free
+again, and once the rules are gone the next request must succeed.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,8 +34,19 @@ pytestmark = pytest.mark.rdma
 F, S = TransferState.FAILED, TransferState.SUCCESS
 #: Deadlines of SLOW_GUEST (tests/daemon_helpers.py) that bound a partitioned request: the
 #: longest state deadline (Bootstrapping and WaitingForInput, 20 s) plus one peer RPC
-#: timing out (8 s), plus slack for the TCG guest.
+#: timing out (8 s), plus slack for the TCG guest (the scheduler's wait is thrice this).
 BOUND_S = 20 + 8 + 15
+#: How a daemon notices the partition, in the words of a failure's detail (its own, or
+#: its peer's that it was told), each naming the seconds SLOW_GUEST configures: the peer
+#: channel's heartbeats unanswered (1 s apart, 10 s peer timeout: "11 s allowed"), a call
+#: to the peer past its deadline (8 s; the channel's expiry says "no answer in time"), or
+#: a state's deadline (20 s; Transferring 10 s; prefill's wait for decode's Offer,
+#: --send-wait-s, 10 s).
+NOTICED = re.compile(
+    r"peer stopped answering heartbeats on the peer channel \(silent [0-9.]+ s, 11 s allowed\)"
+    r"|no answer within 8 s|on the peer channel to .*: no answer in time"
+    r"|no progress in (Bootstrapping for 20|WaitingForInput for (20|10)|Transferring for 10)"
+    r"\.0 s")
 
 
 class AdvertisedPair(NamedTuple):
@@ -137,9 +151,10 @@ def test_control_partition_fails_bounded_frees_all_and_heals(pair: AdvertisedPai
                 print(f"CONTROL PARTITION: {rid} {side} {st.state.value} "
                       f"reason={st.reason.value if st.reason else '-'} after {secs:.2f}s: "
                       f"{st.detail}")
-            for (_, side, rid), (st, secs) in zip(waits, done, strict=True):
+            for (_, side, rid), (st, _secs) in zip(waits, done, strict=True):
                 assert st.state is F, f"{rid} on {side} did not fail: {st}"
-                assert secs < BOUND_S, f"{rid} on {side} failed only after {secs:.1f}s: {st}"
+                # Ended by the partition's own mechanisms, not by another, longer deadline.
+                assert NOTICED.search(st.detail), f"{rid} on {side}: {st}"
             # Nothing leaked: every decode slot is reservable again, still partitioned.
             assert wait_until(lambda: free_slots(d) == DECODE_SLOTS, 30), free_slots(d)
         finally:

@@ -20,7 +20,7 @@ from kvbeam.client import KvbeamClient
 from kvbeam.scheduler import run_request
 from tests.daemon_helpers import DECODE_SLOTS, free_slots
 from tests.rdma.conftest import WirePair
-from tests.rdma.test_faults_rdma import DETECT_S, one_qp_each
+from tests.rdma.test_faults_rdma import one_qp_each
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.rdma
@@ -48,7 +48,10 @@ def test_a_qp_broken_once_is_resent_and_the_request_succeeds(wire_pair: WirePair
         assert wait_until(lambda: len(RESEND.findall(pair.prefill.output)) > len(before), 10)
         mine = [m for m in RESEND.findall(pair.prefill.output) if m[0].startswith("qpbreak-")]
         assert len(mine) == 1 and mine[0][1] == "1", mine
-        assert took < 2 * DETECT_S, took
+        # The broken QP was found at once, by the device's answer to the write posted on
+        # it (a work completion's status), not by the transport's own write deadline
+        # (TIMEOUT, or the QP state it found: "no completion within 8 s").
+        assert mine[0][2].startswith("IBV_WC_"), mine
         assert "prefill resends it on a new link" in pair.decode.output
         qp_after = one_qp_each(pair)
         assert qp_after[0] != qp_before[0] and qp_after[1] != qp_before[1], (qp_before,
