@@ -60,8 +60,8 @@ hands over an event and its actions): the core's calls never run on two threads 
 once. ``on_event`` runs on the loop with no transport lock held: it does
 bookkeeping, verifies a small landing on decode (its digests run inline anyway) and
 submits the rest. A prefill step that cannot block (a small single-chunk request with
-decode's offer in hand) runs on the loop where its request became ready
-(``PrefillCore.steps_inline``); what follows an action that blocks goes to the
+decode's offer in hand, or a later piece of a request in pieces under its first piece's
+grant) runs on the loop where its request became ready (``PrefillCore.steps_inline``); what follows an action that blocks goes to the
 executor in order (``PrefillDriver.execute``), and its next call into the core comes
 back to the loop. Nothing starts a thread per event. **The cores take no lock**:
 every request record, the write and transfer-id maps, the pending-handshake waiters,
