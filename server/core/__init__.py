@@ -62,8 +62,9 @@ bookkeeping, verifies a small landing on decode (its digests run inline anyway) 
 submits the rest. A prefill step that cannot block (a small single-chunk request with
 decode's offer in hand, or a later piece of a request in pieces under its first piece's
 grant) runs on the loop where its request became ready (``PrefillCore.steps_inline``);
-what follows an action that blocks goes to the executor in order (``PrefillDriver.execute``), and its next call into the core comes
-back to the loop. Nothing starts a thread per event. **The cores take no lock**:
+what follows an action that blocks goes to the executor in order
+(``PrefillDriver.execute``), and its next call into the core comes back to the loop.
+Nothing starts a thread per event. **The cores take no lock**:
 every request record, the write and transfer-id maps, the pending-handshake waiters,
 prefill's offer book and decode's page book (:mod:`~kvbeam.server.core.decode_pages`)
 are the loop's alone. The one signal a core gives another thread: prefill's Abort
