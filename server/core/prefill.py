@@ -581,10 +581,10 @@ class PrefillCore(PrefillEvents, CoreBase):
             return False
         if self._held_grant(rec, conn, now) is not None:
             return True
-        return not (len(rec.chunks) != 1 or not rec.chunks[0].final or rec.attempt.posted
-                    or rec.resends
-                    or len(rec.src_indices[IndexKind.KV_PAGES]) > INLINE_STEP_MAX_PAGES) \
-            and self.offers.has(rec.request_id)
+        small_single = (len(rec.chunks) == 1 and rec.chunks[0].final and not rec.attempt.posted
+                        and not rec.resends
+                        and len(rec.src_indices[IndexKind.KV_PAGES]) <= INLINE_STEP_MAX_PAGES)
+        return small_single and self.offers.has(rec.request_id)
 
     def step(self, rec: Outgoing, now: float) -> Actions:
         """Run the request's next chunk (it is RUNNING; one step per request at a time
