@@ -101,6 +101,8 @@ class Served:
     port: int
     proc: subprocess.Popen[str]
     lines: list[str] = field(default_factory=list)
+    #: When this process read each of ``lines`` (monotonic), index for index.
+    line_times: list[float] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -109,6 +111,7 @@ class Served:
     def pump(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
+            self.line_times.append(time.monotonic())  # first: a line seen has its time
             self.lines.append(line)
 
     def wait_ready(self, path: str = "/health", timeout: float = START_S) -> None:

@@ -52,7 +52,6 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,36 +107,16 @@ def _timing(proxy: Served, since: int) -> tuple[float, float]:
     raise RuntimeError(f"the proxy printed no timing: {proxy.lines[since:]}")
 
 
-class _Stamped(list[str]):
-    """A server's output lines and when this process read each (``at``, monotonic):
-    put in place of :attr:`Served.lines`, which its reader thread appends to."""
-
-    def __init__(self, lines: Sequence[str]) -> None:
-        super().__init__(lines)
-        self.at = [float("nan")] * len(lines)
-
-    def append(self, line: str) -> None:
-        self.at.append(time.monotonic())  # first: whoever sees the line has its time
-        super().append(line)
-
-
-def _stamp(server: Served) -> _Stamped:
-    """Time ``server``'s output lines from now on (the lines before keep no time)."""
-    stamped = _Stamped(server.lines)
-    server.lines = stamped
-    return stamped
-
-
-def _answered(lines: _Stamped, since: int) -> float:
-    """When the server's first completion after output line ``since`` began its answer
-    (monotonic), once it logged it."""
+def _answered(server: Served, since: int) -> float:
+    """When ``server``'s first completion after output line ``since`` began its answer
+    (monotonic: when this process read its access-log line), once it logged it."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        for i in range(since, len(lines)):
-            if ANSWERED in lines[i]:
-                return lines.at[i]
+        for i in range(since, len(server.lines)):
+            if ANSWERED in server.lines[i]:
+                return server.line_times[i]
         time.sleep(0.01)
-    raise RuntimeError(f"prefill logged no answer: {lines[since:]}")
+    raise RuntimeError(f"prefill logged no answer: {server.lines[since:]}")
 
 
 class Front:
@@ -177,10 +156,10 @@ class Router(Front):
 
     def __init__(self, routers: dict[str, Served], prefill: Served) -> None:
         self.routers = routers
-        self.prefill = _stamp(prefill)
+        self.prefill = prefill
 
     def send(self, way: str, prompt: list[int]) -> tuple[Completion, float]:
-        since = len(self.prefill)
+        since = len(self.prefill.lines)
         t0 = time.monotonic()
         got = complete(self.routers[way].url, prompt, 2, stream=True, timeout=1800)
         if got.finish != "length":
