@@ -126,7 +126,9 @@ class Outgoing:
     # -- the send path -------------------------------------------------------------------
     step: Step = Step.IDLE
     chunks: deque[Chunk] = field(default_factory=deque)  # queued, not yet taken by a step
-    parked_at: float = 0.0  # when it parked (its BeginWrite fallback is due a grace later)
+    #: When it parked, or when its final piece came while it was parked: its BeginWrite
+    #: fallback is due a grace later (PrefillCore.periodic).
+    parked_at: float = 0.0
     asked: bool = False  # asks (or asked) with BeginWrite: only decode's Offer unparks it
     conn: PeerConn | None = None
     transfer_id: int | None = None

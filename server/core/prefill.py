@@ -104,9 +104,10 @@ MAX_EARLY_ABORTS = 1024
 #: executor: one thread hand-off less per request. Larger requests plan for longer than
 #: a frame-reading thread should be held.
 INLINE_STEP_MAX_PAGES = 64
-#: A request sent in pieces (layer by layer, chunk by chunk) asks decode's grant with
-#: BeginWrite for its first piece; a later piece on the same link writes under that
-#: grant while it is younger than this, and asks again (renewing it) once it is older.
+#: A request sent in pieces (layer by layer, chunk by chunk) takes decode's grant for
+#: its first piece (decode's Offer, else BeginWrite); a later piece on the same link
+#: writes under that grant while it is younger than this, and asks again with
+#: BeginWrite (renewing it) once it is older.
 #: The asks are decode's sign of progress (each restarts its Transferring deadline):
 #: at most one a second keeps that deadline alive for a request streamed over a long
 #: forward, while the pieces of a forward shorter than this (a GPU's) cost one round
@@ -296,6 +297,8 @@ class PrefillCore(PrefillEvents, CoreBase):
                                      "the source slot (or index lists), seq_len and decode "
                                      "address of the first")
         start_step = rec.queue(self._chunk(rec, ranges, final))
+        if final and rec.step is Step.PARKED:
+            rec.parked_at = now  # the BeginWrite fallback's grace counts from the prompt's end
         park = start_step and self._parks_at_once(rec)
         if park:
             rec.park(now)  # decode's Offer starts its step
@@ -420,35 +423,43 @@ class PrefillCore(PrefillEvents, CoreBase):
             return None
         return attempt.grant
 
-    def _offered_grant(self, rec: Outgoing, conn: PeerConn, final: bool,
+    def _offered_grant(self, rec: Outgoing, conn: PeerConn,
                        now: float) -> tuple[WriteGrant | None, Actions]:
         """Decode's offer for this step, if one is usable (else BeginWrite asks), and
         the count of its use or miss.
 
-        Used for a request whose first chunk is its final one and that is not a
-        resend (a resend needs a new transfer id on its new link: BeginWrite). A
-        chunked request asks with BeginWrite for its first chunk (its offer is dropped),
-        and again only where its grant is stale (:meth:`_held_grant`).
+        Used for the first step of a request that is not a resend (a resend needs a
+        new transfer id on its new link: BeginWrite), whether that step writes the
+        whole request or its first piece. A request in pieces keeps the offer's grant
+        as the one its later pieces write under (:meth:`_held_grant`), as it would
+        BeginWrite's.
         """
         had = self.offers.has(rec.request_id)
         offer = self.offers.take(rec.request_id, conn, rec.seq_len, now)
         if had and offer is None:
             rec.asked = True  # decode offered, but not this (expired, other link): ask now
-        single = final and len(rec.attempt.posted) == 1 and not rec.resends
-        if not single:
+        if not self._first_step(rec):
             return None, []
-        if offer is None and self._waits_for_offer(rec, conn, final):
+        if offer is None and self._waits_for_offer(rec, conn):
             return None, []  # it waits for the Offer (counted "used" when that comes)
-        count = Count("offers", "used" if offer is not None else "missed")
-        return (offer.grant if offer is not None else None), [count]
+        if offer is None:
+            return None, [Count("offers", "missed")]
+        attempt = rec.attempt
+        attempt.grant, attempt.grant_link, attempt.granted_at = offer.grant, conn.link.id, now
+        return offer.grant, [Count("offers", "used")]
+
+    @staticmethod
+    def _first_step(rec: Outgoing) -> bool:
+        """Whether the step under way is the request's first (its one chunk taken),
+        not a resend's."""
+        return len(rec.attempt.posted) == 1 and not rec.resends
 
     def _parks_at_once(self, rec: Outgoing) -> bool:
-        """Whether a fresh single-chunk Send would only park (no offer yet, its decode
-        connected: its step would wait for the Offer): it parks here, at once, and
-        decode's Offer starts its one step (no executor job that only parks).
-        The step's own test is :meth:`_waits_for_offer`."""
-        if rec.attempt.posted or len(rec.chunks) != 1 or not rec.chunks[0].final or \
-                rec.step is not Step.IDLE:
+        """Whether a fresh Send (the whole request or its first piece) would only park
+        (no offer yet, its decode connected: its step would wait for the Offer): it
+        parks here, at once, and decode's Offer starts its step (no executor job that
+        only parks). The step's own test is :meth:`_waits_for_offer`."""
+        if rec.attempt.posted or rec.step is not Step.IDLE:
             return False
         if self.offers.has(rec.request_id):
             return False  # the Offer came first: the step writes at once
@@ -569,11 +580,11 @@ class PrefillCore(PrefillEvents, CoreBase):
     def steps_inline(self, rec: Outgoing, now: float) -> bool:
         """Whether the request's step cannot block, so the thread that made it ready may
         run it: its decode connected with a live peer channel, and either a later piece
-        that writes under its earlier piece's grant (:meth:`_held_grant`), or one final
-        chunk of the first attempt, at most ``INLINE_STEP_MAX_PAGES`` KV pages, with
-        decode's offer in hand (no BeginWrite). Asked on the loop, where nothing changes
-        it before the step runs; an action of the step that blocks after all (a post that
-        fails) goes to the driver's executor."""
+        that writes under its earlier piece's grant (:meth:`_held_grant`), or the first
+        step of the first attempt (the whole request or its first piece), at most
+        ``INLINE_STEP_MAX_PAGES`` KV pages, with decode's offer in hand (no BeginWrite).
+        Asked on the loop, where nothing changes it before the step runs; an action of
+        the step that blocks after all (a post that fails) goes to the driver's executor."""
         if not rec.chunks or rec.rehandshake or rec.resend_cause is not None:
             return False
         conn = self._step_conn(rec)
@@ -581,10 +592,9 @@ class PrefillCore(PrefillEvents, CoreBase):
             return False
         if self._held_grant(rec, conn, now) is not None:
             return True
-        small_single = (len(rec.chunks) == 1 and rec.chunks[0].final and not rec.attempt.posted
-                        and not rec.resends
-                        and len(rec.src_indices[IndexKind.KV_PAGES]) <= INLINE_STEP_MAX_PAGES)
-        return small_single and self.offers.has(rec.request_id)
+        small_first = (not rec.attempt.posted and not rec.resends
+                       and len(rec.src_indices[IndexKind.KV_PAGES]) <= INLINE_STEP_MAX_PAGES)
+        return small_first and self.offers.has(rec.request_id)
 
     def step(self, rec: Outgoing, now: float) -> Actions:
         """Run the request's next chunk (it is RUNNING; one step per request at a time
@@ -625,8 +635,8 @@ class PrefillCore(PrefillEvents, CoreBase):
         held = self._held_grant(rec, conn, now)
         if held is not None:
             return self._write(rec, conn, chunk, held, now)
-        grant, actions = self._offered_grant(rec, conn, chunk.final, now)
-        if grant is None and self._waits_for_offer(rec, conn, chunk.final):
+        grant, actions = self._offered_grant(rec, conn, now)
+        if grant is None and self._waits_for_offer(rec, conn):
             # Decode's engine reserves on its own daemon, which offers the reservation
             # over the peer link: wait for that instead of asking (no BeginWrite).
             return actions + self._park(rec, now)
@@ -949,10 +959,12 @@ class PrefillCore(PrefillEvents, CoreBase):
         early = () if chunk.final else tuple(bounds(cut, k, n) for k in whole)
         return writes, early
 
-    def _waits_for_offer(self, rec: Outgoing, conn: PeerConn, final: bool) -> bool:
-        """Whether a single-chunk Send with no offer waits for decode's Offer first (in
-        its step: its one chunk taken)."""
-        return final and len(rec.attempt.posted) == 1 and self._may_wait_for_offer(rec, conn)
+    def _waits_for_offer(self, rec: Outgoing, conn: PeerConn) -> bool:
+        """Whether the first step of a Send with no offer waits for decode's Offer (in
+        the step: its chunk taken), the whole request or its first piece alike: a
+        request sent in pieces before decode reserved (a router that asks decode only
+        once prefill answered) asks nothing while its prompt is computed."""
+        return self._first_step(rec) and self._may_wait_for_offer(rec, conn)
 
     def _may_wait_for_offer(self, rec: Outgoing, conn: PeerConn) -> bool:
         """Whether the request may wait for decode's Offer rather than ask BeginWrite:
@@ -963,11 +975,13 @@ class PrefillCore(PrefillEvents, CoreBase):
 
     def periodic(self, now: float) -> Actions:
         """The sweep's work, and the BeginWrite fallback of Sends that waited for an
-        Offer OFFER_GRACE_S in vain (decode reserved before the daemons connected)."""
+        Offer OFFER_GRACE_S in vain (decode reserved before the daemons connected). A
+        request sent in pieces falls back only once its final piece came: until then
+        its prompt is still computed, and decode's Offer is awaited with no cost."""
         actions = self.sweep(now)  # abandon hung writes, forget what ended
         due = [r for r in self._out.values()
                if r.step is Step.PARKED and not r.asked and r.decode_address
-               and now - r.parked_at >= OFFER_GRACE_S]
+               and r.final_submitted and now - r.parked_at >= OFFER_GRACE_S]
         for rec in due:
             rec.asked = True
         for rec in due:

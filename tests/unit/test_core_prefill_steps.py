@@ -44,11 +44,22 @@ def _step(core: PrefillDriver, rid: str = "r") -> Step:
     return _rec(core, rid).step
 
 
-def _offer(core: PrefillDriver, fake: FakeDecode, tid: int, rid: str = "r") -> bool:
+def _offer(core: PrefillDriver, fake: FakeDecode, tid: int, rid: str = "r",
+           seq_len: int = SEQ) -> bool:
     conn = core.peers.by_address(ADDR)
     assert conn is not None
-    grant = WriteGrant(tid, request_indices(UNIFIED_TARGET, 2, SEQ), mailbox_slot=3)
-    return core.offer(rid, conn.instance_id, SEQ, grant, lease_s=10.0)
+    grant = WriteGrant(tid, request_indices(UNIFIED_TARGET, 2, seq_len), mailbox_slot=3)
+    return core.offer(rid, conn.instance_id, seq_len, grant, lease_s=10.0)
+
+
+def _connected(core: PrefillDriver, io: QueueExecutor) -> FakeLink:
+    """The pair connected by a first request (asked with BeginWrite), landed."""
+    core.send("first", 0, SEQ, ADDR, [], True)
+    io.run_all()
+    link = _link(core)
+    for event in link.finish(link.writes[0][0]):
+        core.on_event(event)
+    return link
 
 
 def _link(core: PrefillDriver) -> FakeLink:
@@ -192,3 +203,66 @@ def test_a_request_in_pieces_asks_begin_write_once_a_second_not_per_piece() -> N
     for event in link.finish(tid):
         core.on_event(event)
     assert core.status("r").state is TransferState.SUCCESS
+
+
+def test_pieces_sent_before_decode_reserved_wait_for_its_offer_without_asking() -> None:
+    # A router that asks decode only once prefill answered: every piece comes before
+    # decode's reservation. The first parks at once (no refused BeginWrite), the rest
+    # queue behind it, and decode's Offer writes the newest under the offer's grant.
+    clock = FakeClock()
+    core, fake, io = _core(send_wait_s=5.0, clock=clock)
+    link = _connected(core, io)
+    core.send("r", 0, LONG, ADDR, [(0, 256)], False)
+    assert _step(core) is Step.PARKED and not io.queue
+    core.send("r", 0, LONG, ADDR, [(256, 512)], False)
+    assert _step(core) is Step.PARKED and not io.queue
+    assert _offer(core, fake, 96, seq_len=LONG)
+    io.run_all()
+    assert [rid for rid, _ in fake.begins] == ["first"], "a piece asked with BeginWrite"
+    assert link.writes[-1][0] == 96
+    writes = len(link.writes)
+    core.send("r", 0, LONG, ADDR, [(512, LONG)], True)
+    io.run_all()
+    # The final piece writes under the offer's grant, held like BeginWrite's.
+    assert [rid for rid, _ in fake.begins] == ["first"]
+    assert len(link.writes) > writes and {tid for tid, _ in link.writes[writes:]} == {96}
+    for event in link.finish(96):
+        core.on_event(event)
+    assert core.status("r").state is TransferState.SUCCESS
+
+
+def test_an_offer_before_the_first_piece_is_its_grant() -> None:
+    core, fake, io = _core(send_wait_s=5.0)
+    link = _connected(core, io)
+    assert _offer(core, fake, 112, seq_len=LONG)  # decode reserved first
+    core.send("r", 0, LONG, ADDR, [(0, 256)], False)
+    io.run_all()
+    core.send("r", 0, LONG, ADDR, [(256, LONG)], True)
+    io.run_all()
+    assert [rid for rid, _ in fake.begins] == ["first"]
+    assert {tid for tid, _ in link.writes[1:]} == {112}
+    for event in link.finish(112):
+        core.on_event(event)
+    assert core.status("r").state is TransferState.SUCCESS
+
+
+def test_parked_pieces_ask_with_begin_write_only_after_their_final_piece(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # No Offer comes (decode reserved before the pair connected): the grace's BeginWrite
+    # waits for the prompt's end, then asks once, as for a whole Send.
+    clock = FakeClock()
+    core, fake, io = _core(send_wait_s=5.0, clock=clock)
+    _connected(core, io)
+    monkeypatch.setattr(prefill_module, "OFFER_GRACE_S", 0.05)
+    core.send("r", 0, LONG, ADDR, [(0, 256)], False)
+    clock.advance(1.0)
+    core.periodic()
+    assert _step(core) is Step.PARKED and not io.queue, "asked before the prompt's end"
+    core.send("r", 0, LONG, ADDR, [(256, LONG)], True)
+    core.periodic()  # the grace counts from the final piece
+    assert _step(core) is Step.PARKED and not io.queue
+    clock.advance(0.06)
+    core.periodic()
+    io.run_all()
+    assert [rid for rid, _ in fake.begins] == ["first", "r"]
+    assert core.status("r").state is TransferState.TRANSFERRING
