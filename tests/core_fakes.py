@@ -156,7 +156,7 @@ class FakeDecode:
                 out.append((rid, tid, raw[HEADER.size:HEADER.size + 16 * n]))
         return out
 
-    def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
+    def begin_write(self, conn: PeerConn, request_id: str, seq_len: int,
                     digests_follow: bool) -> WriteGrant:
         if conn.link.id in self.forgot:
             raise SendFailed(FailureReason.PEER_FAILED,

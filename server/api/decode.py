@@ -184,7 +184,7 @@ class DecodeServicer(DaemonServicer):
         peer channel's request, answered on its thread)."""
         rid = request_id_of(request.request_id)
         res = self.decode.begin_write(rid, channel.bound.instance_id, request.seq_len,
-                                      request.final_chunk, request.digests_follow)
+                                      request.digests_follow)
         return pb.BeginWriteResponse(request_id=rid, transfer_id=res.transfer_id, slot=res.slot,
                                      indices=indices_to_proto(res.indices, res.draft,
                                                               packed=True),

@@ -272,15 +272,14 @@ class DecodeCore(CoreBase):
             return [*self._dial(prefill_address, now, request_id), Count("declines")]
         return [TellPrefill(conn, request_id, why), Count("declines")]
 
-    def begin_write(self, request_id: str, instance_id: str, seq_len: int, final: bool,
+    def begin_write(self, request_id: str, instance_id: str, seq_len: int,
                     digests_follow: bool) -> Incoming:
         """Prefill is about to write (a chunk of) a request: check it may, say where.
 
         ``digests_follow``: prefill's integrity is on (its digest record comes in band,
         into the request's mailbox slot, before the marker). A request in pieces asks
-        for its first piece and then about once a second (prefill's ``GRANT_RENEW_S``),
-        so ``final`` (prefill's last piece) may never be said: nothing here waits for
-        it.
+        for its first piece (unless decode's offer served it) and then about once a
+        second (prefill's ``GRANT_RENEW_S``): no ask says which piece is the last.
         """
         conn = self.peers.get(instance_id)
         if conn is None:

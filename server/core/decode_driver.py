@@ -154,11 +154,11 @@ class DecodeDriver(DriverBase[DecodeCore]):
 
         return self.on_loop(offer)
 
-    def begin_write(self, request_id: str, instance_id: str, seq_len: int, final: bool,
+    def begin_write(self, request_id: str, instance_id: str, seq_len: int,
                     digests_follow: bool) -> Incoming:
         """Prefill is about to write (a chunk of) a request (:meth:`DecodeCore.begin_write`)."""
         return self.on_loop(lambda: self.core.begin_write(request_id, instance_id, seq_len,
-                                                          final, digests_follow))
+                                                          digests_follow))
 
     def release(self, request_id: str) -> TransferStatus:
         """The engine took over a request that reached Success: free its slot."""

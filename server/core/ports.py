@@ -102,7 +102,7 @@ class DecodePeers(Protocol):
     def connect(self, address: str) -> PeerConn:
         """Handshake with the decode daemon at ``address`` and connect a link to it."""
 
-    def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
+    def begin_write(self, conn: PeerConn, request_id: str, seq_len: int,
                     digests_follow: bool) -> WriteGrant:
         """Ask decode where (a chunk of) a request goes (no offer for it was kept).
 

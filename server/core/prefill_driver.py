@@ -495,7 +495,7 @@ class PrefillDriver(DriverBase[PrefillCore]):
         began = self.clock()
         try:
             grant = self.decode.begin_write(ask.conn, rec.request_id, rec.seq_len,
-                                            ask.chunk.final, self.core.integrity)
+                                            self.core.integrity)
         except Exception as exc:
             error = exc
         ended = self.clock()

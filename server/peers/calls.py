@@ -279,7 +279,7 @@ class ChannelDecodePeers:
                 f"handshake with {peer} succeeded, but its peer channel at {where} could "
                 f"not be opened: {exc}", address=address) from None
 
-    def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
+    def begin_write(self, conn: PeerConn, request_id: str, seq_len: int,
                     digests_follow: bool) -> WriteGrant:
         """BeginWrite on decode; refusals become :class:`SendFailed` with their reason.
 
@@ -287,7 +287,7 @@ class ChannelDecodePeers:
         """
         request = pb.BeginWriteRequest(
             request_id=request_id, instance_id=self.local.instance_id, seq_len=seq_len,
-            final_chunk=final, digests_follow=digests_follow)
+            digests_follow=digests_follow)
         self.metrics.begin_writes.inc()
         timeout = self.rpc_timeout_s
         channel = open_channel(conn)

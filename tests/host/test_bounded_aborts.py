@@ -125,7 +125,7 @@ def _decode_with_live_requests(far: FarEnd) -> DecodeDriver:
     core.peers.add(conn)
     for i in range(LIVE):
         core.reserve(f"live-{i}", 100, conn.control_address)
-        core.begin_write(f"live-{i}", conn.instance_id, 100, True, False)
+        core.begin_write(f"live-{i}", conn.instance_id, 100, False)
     return core
 
 
@@ -227,9 +227,9 @@ class StuckDecode(FakeDecode):
         super().__init__(side)
         self.spec = spec
 
-    def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
+    def begin_write(self, conn: PeerConn, request_id: str, seq_len: int,
                     digests_follow: bool) -> WriteGrant:
-        grant = super().begin_write(conn, request_id, seq_len, final, digests_follow)
+        grant = super().begin_write(conn, request_id, seq_len, digests_follow)
         return WriteGrant(grant.transfer_id, request_indices(self.spec, 1, seq_len))
 
 

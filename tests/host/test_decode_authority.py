@@ -114,7 +114,7 @@ def _reserve_and_grant(servicer: DecodeServicer, channel: grpc.Channel, rid: str
     reserve(pb.ReserveRequest(request_id=rid, seq_len=100,
                               prefill_address=prefill.conn.control_address), timeout=10)
     # Prefill's BeginWrite (a peer channel request), straight to the core.
-    servicer.decode.begin_write(rid, prefill.conn.instance_id, 100, True, False)
+    servicer.decode.begin_write(rid, prefill.conn.instance_id, 100, False)
     slot = servicer.decode.slot_of(rid)
     assert slot != -1
     return slot

@@ -239,7 +239,7 @@ def _messages(daemons: tuple[Daemon, Daemon]) -> st.SearchStrategy[tuple[str, Me
             chunks=ranges)),
         st.tuples(st.just("BeginWrite"), st.builds(
             pb.BeginWriteRequest, request_id=rid, instance_id=inst, seq_len=EDGE_INTS,
-            final_chunk=st.booleans(), digests_follow=st.booleans())),
+            digests_follow=st.booleans())),
         st.tuples(st.just("Offer"), st.builds(
             pb.OfferRequest, request_id=rid, instance_id=inst, seq_len=EDGE_INTS,
             transfer_id=st.integers(0, 2**32 - 1), lease_ms=EDGE_INTS,
@@ -275,8 +275,7 @@ def test_the_peer_channels_requests_are_no_rpcs(daemons: tuple[Daemon, Daemon]) 
     """BeginWrite and Offer are served on the peer channel only, and Digests nowhere (the
     digests go in band, into decode's mailbox): over gRPC both daemons answer
     UNIMPLEMENTED."""
-    messages = {"BeginWrite": pb.BeginWriteRequest(request_id="r", instance_id="p", seq_len=10,
-                                                   final_chunk=True),
+    messages = {"BeginWrite": pb.BeginWriteRequest(request_id="r", instance_id="p", seq_len=10),
                 "Offer": pb.OfferRequest(request_id="r", instance_id="d", seq_len=10),
                 # An old DigestsRequest (request_id = 1): its bytes, no message type.
                 "Digests": pb.ReleaseRequest(request_id="r")}
@@ -292,7 +291,6 @@ def test_index_lists_of_a_response_are_never_taken_from_the_wire(
         daemons: tuple[Daemon, Daemon]) -> None:
     """BeginWrite from a stranger (not a verified peer) is refused: it learns no indices."""
     _, decode = daemons
-    message = pb.BeginWriteRequest(request_id="stranger", instance_id="not-a-peer", seq_len=10,
-                                   final_chunk=True)
+    message = pb.BeginWriteRequest(request_id="stranger", instance_id="not-a-peer", seq_len=10)
     code = decode.channel_call("BeginWrite", message.SerializeToString())
     assert code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION), code

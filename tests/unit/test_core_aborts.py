@@ -59,7 +59,7 @@ def test_many_aborts_at_once_hold_few_handler_threads() -> None:
 def _two_granted(core: DecodeDriver, conn: PeerConn) -> None:
     for rid in ("r1", "r2"):
         core.reserve(rid, 300, PREFILL)
-        core.begin_write(rid, conn.instance_id, 300, True, False)
+        core.begin_write(rid, conn.instance_id, 300, False)
 
 
 class SilentPrefill(FakePrefill):

@@ -123,7 +123,7 @@ def test_a_small_landing_is_verified_on_the_thread_that_saw_it_land() -> None:
     core, io, _prefill, conn = _core()
     core.digest_pool = DigestPool(0)  # the daemon's default: small jobs inline
     res = core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, True)
+    core.begin_write("r", conn.instance_id, 300, True)
     land_record(core, "r", request_digests(core.pools, res.indices))
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
     st = core.status("r")
@@ -139,7 +139,7 @@ def test_a_small_landing_that_fails_its_check_fails_at_once_and_tells_prefill_la
     core.digest_pool = DigestPool(0)
     res = core.reserve("r", 300, PREFILL)
     wrong = flip_digest(request_digests(core.pools, res.indices))
-    core.begin_write("r", conn.instance_id, 300, True, True)
+    core.begin_write("r", conn.instance_id, 300, True)
     land_record(core, "r", wrong)
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
     st = core.status("r")
@@ -153,7 +153,7 @@ def test_landing_is_verified_on_the_executor_not_the_event_thread() -> None:
     core, io, _prefill, conn = _core()
     res = core.reserve("r", 300, PREFILL)
     digests = request_digests(core.pools, res.indices)  # what prefill would send
-    core.begin_write("r", conn.instance_id, 300, True, True)
+    core.begin_write("r", conn.instance_id, 300, True)
     land_record(core, "r", digests)  # sent after posting
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
     # The event thread only noted the arrival; the CRC check waits on the executor.
@@ -170,7 +170,7 @@ def test_integrity_failure_frees_the_slot_and_tells_prefill_from_the_executor() 
     core, io, prefill, conn = _core()
     res = core.reserve("r", 300, PREFILL)
     wrong = flip_digest(request_digests(core.pools, res.indices))
-    core.begin_write("r", conn.instance_id, 300, True, True)
+    core.begin_write("r", conn.instance_id, 300, True)
     land_record(core, "r", wrong)
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
     assert prefill.aborts == []
@@ -186,7 +186,7 @@ def test_prefills_integrity_flag_comes_with_the_first_pieces_begin_write() -> No
     what decode goes by, not a wait for a record that never comes."""
     core, io, _prefill, conn = _core()
     res = core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, False, False)
+    core.begin_write("r", conn.instance_id, 300, False)
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
     io.run_all()
     st = core.status("r")
@@ -196,7 +196,7 @@ def test_prefills_integrity_flag_comes_with_the_first_pieces_begin_write() -> No
 def test_abort_after_begin_write_asks_prefill_before_freeing_the_slot() -> None:
     core, io, prefill, conn = _core()
     core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, False)
+    core.begin_write("r", conn.instance_id, 300, False)
     st = core.abort("r", from_peer=False, detail="scheduler")
     assert st.state is TransferState.FAILED
     assert core.slot_of("r") != -1  # prefill may still write: the slot stays held
@@ -207,7 +207,7 @@ def test_abort_after_begin_write_asks_prefill_before_freeing_the_slot() -> None:
 def test_link_failure_is_handled_on_the_executor() -> None:
     core, io, _prefill, conn = _core()
     core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, False)
+    core.begin_write("r", conn.instance_id, 300, False)
     core.on_event(Event(EventKind.LINK_FAILED, conn.link.id, None, ok=False,
                         status="IBV_EVENT_QP_FATAL"))
     assert not cast(FakeLink, conn.link).released  # the event thread only noted it
@@ -221,7 +221,7 @@ def test_link_failure_is_handled_on_the_executor() -> None:
 def test_a_lost_peer_fails_and_frees_its_requests_at_once() -> None:
     core, _io, _prefill, conn = _core()
     core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, False)
+    core.begin_write("r", conn.instance_id, 300, False)
     core.on_peer_lost(conn, "peer stopped answering heartbeats", gone=True)
     st = core.status("r")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.PEER_FAILED
@@ -241,10 +241,10 @@ def test_a_resend_gets_a_new_transfer_id_and_the_old_links_notification_is_ignor
     core, io, _prefill, conn = _core()
     res = core.reserve("r", 300, PREFILL)
     digests = request_digests(core.pools, res.indices)
-    old_tid = core.begin_write("r", conn.instance_id, 300, True, True).transfer_id
+    old_tid = core.begin_write("r", conn.instance_id, 300, True).transfer_id
     land_record(core, "r", digests)
     new = _relink(core, conn)
-    new_tid = core.begin_write("r", conn.instance_id, 300, True, True).transfer_id
+    new_tid = core.begin_write("r", conn.instance_id, 300, True).transfer_id
     assert new_tid != old_tid
     land_record(core, "r", digests)  # the resend sends them again
     # A late notification from the old link, with the old id or the new one: ignored.
@@ -260,7 +260,7 @@ def test_a_resend_gets_a_new_transfer_id_and_the_old_links_notification_is_ignor
 def test_a_notification_from_the_granted_link_counts_after_that_link_failed() -> None:
     core, io, _prefill, conn = _core()
     res = core.reserve("r", 300, PREFILL)
-    tid = core.begin_write("r", conn.instance_id, 300, True, False).transfer_id
+    tid = core.begin_write("r", conn.instance_id, 300, False).transfer_id
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, tid))  # arrived, then link died
     core.on_peer_lost(conn, "link failed", gone=False)
     io.run_all()
@@ -271,12 +271,12 @@ def test_a_notification_from_the_granted_link_counts_after_that_link_failed() ->
 def test_a_resend_of_a_request_that_already_landed_is_answered_already_landed() -> None:
     core, io, _prefill, conn = _core()
     core.reserve("r", 300, PREFILL)
-    tid = core.begin_write("r", conn.instance_id, 300, True, False).transfer_id
+    tid = core.begin_write("r", conn.instance_id, 300, False).transfer_id
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, tid))
     io.run_all()
     _relink(core, conn)
     with pytest.raises(AlreadyLanded):
-        core.begin_write("r", conn.instance_id, 300, True, False)
+        core.begin_write("r", conn.instance_id, 300, False)
     assert core.status("r").state is TransferState.SUCCESS
 
 

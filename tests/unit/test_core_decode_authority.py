@@ -26,7 +26,7 @@ from tests.unit.test_core_decode import PREFILL, _core, _relink
 def test_an_abort_claiming_prefill_from_another_instance_still_drains_first() -> None:
     core, io, prefill, conn = _core()
     core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, False)  # prefill may write now
+    core.begin_write("r", conn.instance_id, 300, False)  # prefill may write now
     st = core.abort("r", from_peer=True, detail="prefill says stop", instance_id="intruder")
     # Not the granted prefill: a scheduler's abort, so prefill is asked to drain first.
     assert st.state is TransferState.FAILED and st.reason is FailureReason.ABORTED
@@ -39,7 +39,7 @@ def test_an_abort_claiming_prefill_from_another_instance_still_drains_first() ->
 def test_an_abort_without_an_instance_id_is_no_prefill_report() -> None:
     core, io, prefill, conn = _core()
     core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, False)
+    core.begin_write("r", conn.instance_id, 300, False)
     core.abort("r", from_peer=True, detail="", instance_id="")
     assert core.slot_of("r") != -1
     io.run_all()
@@ -49,7 +49,7 @@ def test_an_abort_without_an_instance_id_is_no_prefill_report() -> None:
 def test_the_granted_prefills_abort_frees_at_once() -> None:
     core, io, prefill, conn = _core()
     core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, False)
+    core.begin_write("r", conn.instance_id, 300, False)
     st = core.abort("r", from_peer=True, detail="prefill failed: x", instance_id=conn.instance_id)
     assert st.state is TransferState.FAILED and st.reason is FailureReason.PEER_FAILED
     assert core.slot_of("r") == -1  # prefill drained before it said so
@@ -61,13 +61,13 @@ def test_a_relink_while_the_landing_is_verified_is_answered_already_landed() -> 
     core, io, _prefill, conn = _core()
     res = core.reserve("r", 300, PREFILL)
     digests = request_digests(core.pools, res.indices)
-    tid = core.begin_write("r", conn.instance_id, 300, True, True).transfer_id
+    tid = core.begin_write("r", conn.instance_id, 300, True).transfer_id
     land_record(core, "r", digests)
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, tid))
     assert len(io.queue) == 1  # the verification is queued, not run yet
     _relink(core, conn)
     with pytest.raises(AlreadyLanded):  # no resend may reset what is being verified
-        core.begin_write("r", conn.instance_id, 300, True, True)
+        core.begin_write("r", conn.instance_id, 300, True)
     assert res.transfer_id == tid and res.landing is Landing.VERIFYING
     io.run_all()
     assert core.status("r").state is TransferState.SUCCESS
@@ -77,7 +77,7 @@ def test_a_landing_replaced_under_verification_is_never_advanced_to_success() ->
     core, io, _prefill, conn = _core()
     res = core.reserve("r", 300, PREFILL)
     # Digests follow (a landing without them is settled on the event thread at once).
-    tid = core.begin_write("r", conn.instance_id, 300, True, True).transfer_id
+    tid = core.begin_write("r", conn.instance_id, 300, True).transfer_id
     land_record(core, "r", request_digests(core.pools, res.indices))
     core.on_event(Event(EventKind.NOTIFIED, conn.link.id, tid))
     assert len(io.queue) == 1
@@ -162,7 +162,7 @@ def test_a_draft_list_may_not_take_what_a_slot_based_reservation_writes_in_the_d
 def test_a_granted_instance_that_is_no_longer_verified_cannot_skip_the_drain() -> None:
     core, io, prefill, conn = _core()
     core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, False)
+    core.begin_write("r", conn.instance_id, 300, False)
     core.peers.forget(conn.instance_id)  # e.g. replaced by a restart being processed
     core.abort("r", from_peer=True, detail="x", instance_id=conn.instance_id)
     assert core.slot_of("r") != -1
@@ -185,7 +185,7 @@ def test_an_abort_naming_the_granted_instance_from_another_host_still_drains_fir
         caplog: pytest.LogCaptureFixture) -> None:
     core, io, prefill, conn = _core()  # the granted prefill's control address is PREFILL
     core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, False)
+    core.begin_write("r", conn.instance_id, 300, False)
     # Instance ids are not secrets (every Heartbeat answer carries one): a token holder
     # calling from ::1 names the real instance, but 127.0.0.1 is where prefill is.
     with caplog.at_level(logging.WARNING, "kvbeam.server.core.decode"):
@@ -202,7 +202,7 @@ def test_an_abort_naming_the_granted_instance_from_another_host_still_drains_fir
 def test_an_abort_from_the_granted_prefills_own_host_frees_at_once() -> None:
     core, io, prefill, conn = _core()
     core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, False)
+    core.begin_write("r", conn.instance_id, 300, False)
     st = core.abort("r", from_peer=True, detail="prefill failed: x",
                     instance_id=conn.instance_id, caller_refusal=_caller("ipv4:127.0.0.1:4444"))
     assert st.reason is FailureReason.PEER_FAILED and core.slot_of("r") == -1
@@ -214,7 +214,7 @@ def test_under_mtls_the_callers_certificate_must_name_the_prefills_host() -> Non
     mtls = Security(tls_cert="c.pem", tls_key="k.pem", tls_ca="ca.pem")  # never read
     core, io, prefill, conn = _core()
     core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, False)
+    core.begin_write("r", conn.instance_id, 300, False)
     rogue = {"peer_dns": [b"rogue.example"], "peer_ip": [b"10.9.9.9"]}
     core.abort("r", from_peer=True, detail="x", instance_id=conn.instance_id,
                caller_refusal=_caller("ipv4:127.0.0.1:4444", mtls, rogue))
@@ -222,7 +222,7 @@ def test_under_mtls_the_callers_certificate_must_name_the_prefills_host() -> Non
     io.run_all()
     assert prefill.aborts == ["r"] and core.slot_of("r") == -1
     core.reserve("s", 300, PREFILL)
-    core.begin_write("s", conn.instance_id, 300, True, False)
+    core.begin_write("s", conn.instance_id, 300, False)
     real = {"peer_dns": [b"localhost"], "peer_ip": [b"127.0.0.1"]}
     core.abort("s", from_peer=True, detail="x", instance_id=conn.instance_id,
                caller_refusal=_caller("ipv4:10.1.1.1:4444", mtls, real))

@@ -106,7 +106,7 @@ def test_decode_verifies_on_the_pool_and_is_success_when_every_buffer_matches() 
     with DigestPool(3, inline_below=0) as pool:  # the threads' path, not the inline one
         core, io, _prefill, conn = _decode(pool)
         res = core.reserve("r", SEQ, PREFILL)
-        core.begin_write("r", conn.instance_id, SEQ, True, True)
+        core.begin_write("r", conn.instance_id, SEQ, True)
         land_record(core, "r", request_digests(core.pools, res.indices))
         core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
         io.run_all()
@@ -125,7 +125,7 @@ def test_one_corrupted_landed_byte_fails_integrity_naming_its_buffer() -> None:
         ring = next(b for b in core.layout.flat_buffers if b.name.endswith("swa_ring"))
         row = int(res.indices[IndexKind.SWA_RING_ROWS][7])
         core.pools.buffer_array(ring)[row * ring.item_len + 3] ^= 0x01  # one landed byte
-        core.begin_write("r", conn.instance_id, SEQ, True, True)
+        core.begin_write("r", conn.instance_id, SEQ, True)
         land_record(core, "r", sent)
         core.on_event(Event(EventKind.NOTIFIED, conn.link.id, res.transfer_id))
         io.run_all()

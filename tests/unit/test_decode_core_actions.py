@@ -63,7 +63,7 @@ def _landed(core: DecodeCore, conn: PeerConn, tid: int) -> list[object]:
 def test_a_begun_write_that_lands_asks_for_its_check_and_the_verdict_is_success() -> None:
     core, conn = _core()
     res = core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, True)
+    core.begin_write("r", conn.instance_id, 300, True)
     assert _landed(core, conn, res.transfer_id) == [CheckLanding(res, res.transfer_id)]
     assert res.landing is Landing.VERIFYING  # asked once: a second notification asks nothing
     assert _landed(core, conn, res.transfer_id) == []
@@ -76,7 +76,7 @@ def test_a_begun_write_that_lands_asks_for_its_check_and_the_verdict_is_success(
 def test_a_failed_verdict_frees_the_slot_then_tells_prefill() -> None:
     core, conn = _core()
     res = core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, True)
+    core.begin_write("r", conn.instance_id, 300, True)
     _landed(core, conn, res.transfer_id)
     bad = Verdict(False, "XXH3-128 mismatch in 1 buffer(s): target.layer1.c4_kv")
     assert core.checked(res, res.transfer_id, bad, now=6.0) == [
@@ -89,7 +89,7 @@ def test_a_failed_verdict_frees_the_slot_then_tells_prefill() -> None:
 def test_a_verdict_on_a_replaced_landing_does_nothing() -> None:
     core, conn = _core()
     res = core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, True)
+    core.begin_write("r", conn.instance_id, 300, True)
     old = res.transfer_id
     _landed(core, conn, old)
     res.transfer_id += 16  # what a relink does, under the lock, before the verdict
@@ -135,7 +135,7 @@ def test_a_mark_asks_for_its_digests_and_the_last_piece_for_the_check() -> None:
     core.sub_batch_bytes = 1 << 12
     res = core.reserve("r", 300, PREFILL)
     assert len(res.sub_batches) >= 1
-    core.begin_write("r", conn.instance_id, 300, True, True)
+    core.begin_write("r", conn.instance_id, 300, True)
     tid = res.transfer_id
     assert _landed(core, conn, tid + 1) == [DigestMark(res, tid, 1)]
     job = DigestPool(0).start(DigestParts([]))
@@ -147,7 +147,7 @@ def test_a_mark_asks_for_its_digests_and_the_last_piece_for_the_check() -> None:
 def test_a_scheduler_abort_of_a_granted_request_drains_prefill_first() -> None:
     core, conn = _core()
     res = core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, True)
+    core.begin_write("r", conn.instance_id, 300, True)
     st, actions = core.abort("r", from_peer=False, detail="stop")
     assert st.state is TransferState.FAILED
     assert actions == [DrainPrefill(res, conn, "stop")] and core.slot_of("r") != -1
@@ -169,7 +169,7 @@ def test_an_abort_before_any_grant_frees_at_once_and_tells_prefill() -> None:
 def test_an_unconfirmed_abort_past_its_budget_drops_only_that_link() -> None:
     core, conn = _core(budget_s=2.0)
     res = core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, True)
+    core.begin_write("r", conn.instance_id, 300, True)
     core.abort("r", from_peer=False, detail="stop")
     core.drain_answered(res, "stop", confirmed=False, now=10.0)
     core.ask_again_s = 1.0
@@ -185,7 +185,7 @@ def test_an_unconfirmed_abort_past_its_budget_drops_only_that_link() -> None:
 def test_a_link_failure_is_a_dropped_link_and_keeps_the_requests() -> None:
     core, conn = _core()
     core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, True)
+    core.begin_write("r", conn.instance_id, 300, True)
     event = Event(EventKind.LINK_FAILED, conn.link.id, None, ok=False, status="RETRY_EXC",
                   detail="x")
     assert core.on_event(event, now=1.0) == [
@@ -198,7 +198,7 @@ def test_a_lost_peer_fails_and_frees_its_requests() -> None:
     core, conn = _core()
     core.reserve("a", 300, PREFILL)
     core.reserve("b", 300, PREFILL)
-    core.begin_write("a", conn.instance_id, 300, True, True)
+    core.begin_write("a", conn.instance_id, 300, True)
     assert core.link_dropped(conn, "heartbeats lost", gone=True) == [Freed("a"), Freed("b")]
     assert core.status("a").reason is FailureReason.PEER_FAILED
 
@@ -206,7 +206,7 @@ def test_a_lost_peer_fails_and_frees_its_requests() -> None:
 def test_the_hand_off_lease_frees_a_success_nobody_released() -> None:
     core, conn = _core(integrity=False)
     res = core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, False)
+    core.begin_write("r", conn.instance_id, 300, False)
     assert _landed(core, conn, res.transfer_id) == [CheckLanding(res, res.transfer_id)]
     core.checked(res, res.transfer_id, Verdict(True, "not verified"), now=100.0)
     assert core.periodic(now=129.0) == []
@@ -238,7 +238,7 @@ def test_shutdown_fails_what_is_live_then_frees_it_all() -> None:
     core, conn = _core()
     core.reserve("a", 300, PREFILL)
     res = core.reserve("b", 300, PREFILL)
-    core.begin_write("b", conn.instance_id, 300, True, True)
+    core.begin_write("b", conn.instance_id, 300, True)
     assert core.fail_live("bye") == [(conn, "a"), (conn, "b")]
     assert core.status("b").reason is FailureReason.SHUTDOWN
     assert core.free_all("shutdown") == [Freed("a"), Freed("b")]
@@ -249,7 +249,7 @@ def test_the_real_digests_of_a_landing_make_the_same_verdict_as_a_test_one() -> 
     """The driver's check (LandingCheck) against the record a real prefill writes."""
     core, conn = _core()
     res = core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True, True)
+    core.begin_write("r", conn.instance_id, 300, True)
     land_record(core, "r", request_digests(core.pools, res.indices))
     [check] = _landed(core, conn, res.transfer_id)
     assert isinstance(check, CheckLanding)

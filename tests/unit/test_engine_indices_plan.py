@@ -87,7 +87,7 @@ class EngineDecode(FakeDecode):
         super().__init__(side)
         self.lists, self.draft = lists, draft
 
-    def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
+    def begin_write(self, conn: PeerConn, request_id: str, seq_len: int,
                     digests_follow: bool) -> WriteGrant:
         full = {k: self.lists.get(k, np.zeros(0, dtype=np.int64)) for k in IndexKind}
         return WriteGrant(next(self._tids), full, self.draft)

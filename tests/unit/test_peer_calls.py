@@ -76,7 +76,7 @@ def test_begin_write_without_a_channel_fails_naming_why_and_calls_no_rpc(
         channel: Any) -> None:
     peers, conn = _decode_peers(), _conn(channel)
     with pytest.raises(PeerUnavailableError) as err:
-        peers.begin_write(conn, "r1", 100, True, False)
+        peers.begin_write(conn, "r1", 100, False)
     text = str(err.value)
     assert text.startswith(f"BeginWrite to {ADDR}: no peer channel to decode "), text
     assert ("never opened one" if channel is None else "its connection was closed") in text

@@ -156,7 +156,7 @@ def _marked_core() -> tuple[DecodeDriver, QueueExecutor, PeerConn, bytes]:
     core.digest_pool = DigestPool(0)  # each job on the calling thread: nothing to wait on
     res = core.reserve("r", SEQ, PREFILL)
     assert res.sub_batches == (3, 9, 12) and res.transfer_id % 16 == 0
-    core.begin_write("r", conn.instance_id, SEQ, True, True)
+    core.begin_write("r", conn.instance_id, SEQ, True)
     return core, io, conn, request_digests(core.pools, res.indices)
 
 
@@ -240,7 +240,7 @@ def test_a_resend_starts_the_marks_over() -> None:
     for k in (1, 2, 3):
         _notify(core, conn, old + k)
     new = _relink(core, conn)
-    tid = core.begin_write("r", conn.instance_id, SEQ, True, True).transfer_id
+    tid = core.begin_write("r", conn.instance_id, SEQ, True).transfer_id
     assert tid != old and res.marked == {}  # the old landing's sub-batches count for nothing
     _notify(core, new, old + 1)  # a late mark of the old transfer: no request has its id
     assert res.marked == {}
@@ -323,9 +323,9 @@ class _MarkingDecode(EngineDecode):
         conn.sub_batch_bytes = self.size
         return conn
 
-    def begin_write(self, conn: PeerConn, request_id: str, seq_len: int, final: bool,
+    def begin_write(self, conn: PeerConn, request_id: str, seq_len: int,
                     digests_follow: bool) -> WriteGrant:
-        grant = super().begin_write(conn, request_id, seq_len, final, digests_follow)
+        grant = super().begin_write(conn, request_id, seq_len, digests_follow)
         return WriteGrant(16 * 5, grant.indices, grant.draft)
 
 
@@ -430,7 +430,7 @@ def test_a_landed_mark_restarts_decodes_transferring_deadline() -> None:
     core.table.clock = clock
     core.core.sub_batch_bytes = QUARTER
     res = core.reserve("r", SEQ, PREFILL)
-    core.begin_write("r", conn.instance_id, SEQ, False, True)
+    core.begin_write("r", conn.instance_id, SEQ, True)
     left = core.table.left("r")
     assert left is not None and left > 20.0
     clock.advance(20.0)

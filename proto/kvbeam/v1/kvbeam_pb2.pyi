@@ -389,18 +389,16 @@ class ReserveResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., indices: _Optional[_Iterable[_Union[IndexList, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class BeginWriteRequest(_message.Message):
-    __slots__ = ("request_id", "instance_id", "seq_len", "final_chunk", "digests_follow")
+    __slots__ = ("request_id", "instance_id", "seq_len", "digests_follow")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
-    FINAL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instance_id: str
     seq_len: int
-    final_chunk: bool
     digests_follow: bool
-    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., final_chunk: _Optional[bool] = ..., digests_follow: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq_len: _Optional[int] = ..., digests_follow: _Optional[bool] = ...) -> None: ...
 
 class BeginWriteResponse(_message.Message):
     __slots__ = ("request_id", "transfer_id", "slot", "indices", "instance_id", "kv_skip", "mailbox_slot")
