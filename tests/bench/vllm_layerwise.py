@@ -35,7 +35,9 @@ first token at the client (the router's hop to decode included). TTFT at the cli
 and the paired difference layerwise - whole (request i of each way). Concurrent:
 prefill's daemon's Send -> Success of the whole sends (its histogram), and that divided
 by the layers: one layer's transfer. vllm-router: decode's daemon's Reserve -> Success
-and the client's end to end (both tokens). The lines
+and the client's end to end (both tokens). Both fronts: the CPU each request cost
+prefill's daemon, prefill's vLLM (its engine core included) and decode's daemon, the
+mean per way. The lines
 ``post_prefill_critical_path_ms_{layerwise,whole}_{4k,16k}`` are what ``make bench``
 reports. Figures only, no thresholds; it fails if prefill streamed other than the
 layerwise requests of at least ``layerwise_min_tokens`` (or, behind vllm-router, did not
@@ -60,6 +62,7 @@ import numpy as np
 from kvbeam.integrations.vllm.params import LAYERWISE_MIN_TOKENS
 from kvbeam.procs import DaemonProcess
 from tests.attach_helpers import start_engine_daemon
+from tests.bench.bench_request import cpu_s
 from tests.vllm_helpers import TINY_LLAMA
 from tests.vllm_served import (
     Completion,
@@ -180,21 +183,40 @@ def _transfer_ms(url: str, at_least: float = 0.0) -> tuple[float, float]:
         time.sleep(0.02)
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of process ``pid`` and every process under it (vLLM's engine core is
+    a child of ``vllm serve``); a process that ended meanwhile counts for nothing."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += cpu_s(p)
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
 def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def measure(front: Front, plain: Served, daemons: dict[str, str], rng: np.random.Generator,
-            length: int, requests: int, layers: int) -> dict[str, Any]:
+            length: int, requests: int, layers: int,
+            cpu_pids: dict[str, int]) -> dict[str, Any]:
     """One prompt length: each way ``requests`` times, in turn (the first way
     alternating), and the plain server.
-    ``daemons``: the prefill and decode daemons' /metrics."""
+    ``daemons``: the prefill and decode daemons' /metrics; ``cpu_pids``: the processes
+    whose CPU each request is charged (``{name}_cpu_ms``: a process and its children,
+    in clock ticks of 10 ms, so read as a mean over the requests)."""
     out: dict[str, Any] = {"prompt": length}
     runs: dict[str, list[dict[str, float]]] = {w: [] for w in WAYS}
     before = {role: _transfer_ms(url) for role, url in daemons.items()}
     for i in range(requests):
         for way in WAYS if i % 2 == 0 else WAYS[::-1]:  # neither always follows the other
             prompt = [int(t) for t in rng.integers(3, 1024, length)]
+            cpu0 = {name: tree_cpu_s(pid) for name, pid in cpu_pids.items()}
             got, post_ms = front.send(way, prompt)
             if got.finish != "length":
                 raise RuntimeError(f"{way} {length}: {got}")
@@ -205,7 +227,9 @@ def measure(front: Front, plain: Served, daemons: dict[str, str], rng: np.random
                 "end_to_end_ms": 1000 * (got.ttft_s + sum(got.gaps_s)),
                 "prefill_send_to_success_ms": 1000 * (after["prefill"][0] - before["prefill"][0]),
                 "decode_reserve_to_success_ms":
-                    1000 * (after["decode"][0] - before["decode"][0])})
+                    1000 * (after["decode"][0] - before["decode"][0]),
+                **{f"{name}_cpu_ms": 1000 * (tree_cpu_s(pid) - cpu0[name])
+                   for name, pid in cpu_pids.items()}})
             before = after
     for way in WAYS:
         out[way] = {k: statistics.median(r[k] for r in runs[way]) for k in runs[way][0]}
@@ -213,6 +237,8 @@ def measure(front: Front, plain: Served, daemons: dict[str, str], rng: np.random
                      "post_prefill_critical_path": _summary(
                          [r["post_prefill_critical_path_ms"] for r in runs[way]]),
                      "runs": runs[way]}
+    out["cpu_ms_mean"] = {way: {name: statistics.mean(r[f"{name}_cpu_ms"] for r in runs[way])
+                                for name in cpu_pids} for way in WAYS}
     out["ttft_layerwise_minus_whole"] = _summary([
         a["ttft_ms"] - b["ttft_ms"] for a, b in zip(runs["layerwise"], runs["whole"],
                                                     strict=True)])
@@ -263,6 +289,11 @@ def report(rows: list[dict[str, Any]], router: str, layers: int, kv_bytes_per_to
                     f"{w['decode_reserve_to_success_ms']:.1f} ms | "
                     f"{w['end_to_end_ms']:,.0f} ms | {r['plain_ttft_ms']:,.0f} ms |")
     prefix = "" if concurrent else "router_"
+    for r in rows:
+        cpu = r["cpu_ms_mean"]
+        lines.append(f"{r['prompt']} tokens, CPU per request (mean), layerwise / whole: " +
+                     "; ".join(f"{name} {cpu['layerwise'][name]:,.1f} / "
+                               f"{cpu['whole'][name]:,.1f} ms" for name in cpu["whole"]))
     for r in rows:
         label = _label(r["prompt"])
         for way in WAYS:
@@ -394,10 +425,13 @@ def main() -> None:
             metrics = {role: f"http://{d.metrics}/metrics" for role, (d, _) in daemons.items()}
             prefill_vllm = f"{servers['prefill'].url}/metrics"
             events = _events(prefill_vllm)
+            cpu_pids = {"prefill_daemon": daemons["prefill"][0].proc.pid,
+                        "prefill_vllm": servers["prefill"].proc.pid,
+                        "decode_daemon": daemons["decode"][0].proc.pid}
             rows = []
             for n in lengths:
                 rows.append(measure(front, plain, metrics, rng, n, args.requests,
-                                    args.layers))
+                                    args.layers, cpu_pids))
                 print(f"{n} tokens done", flush=True)
             mismatch = _check_events(prefill_vllm, events, {
                 "streamed": float(args.requests * sum(n >= floor for n in lengths)),
