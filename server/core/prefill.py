@@ -104,10 +104,11 @@ MAX_EARLY_ABORTS = 1024
 #: executor: one thread hand-off less per request. Larger requests plan for longer than
 #: a frame-reading thread should be held.
 INLINE_STEP_MAX_PAGES = 64
-#: A request sent in pieces (layer by layer, chunk by chunk) takes decode's grant for
-#: its first piece (decode's Offer, else BeginWrite); a later piece on the same link
-#: writes under that grant while it is younger than this, and asks again with
-#: BeginWrite (renewing it) once it is older.
+#: A request sent in pieces (layer by layer, chunk by chunk) asks decode's grant with
+#: BeginWrite for its first piece, once decode reserved it (the piece waits for
+#: decode's Offer as a whole Send does); a later piece on the same link writes under
+#: that grant while it is younger than this, and asks again (renewing it) once it is
+#: older.
 #: The asks are decode's sign of progress (each restarts its Transferring deadline):
 #: at most one a second keeps that deadline alive for a request streamed over a long
 #: forward, while the pieces of a forward shorter than this (a GPU's) cost one round
@@ -423,16 +424,19 @@ class PrefillCore(PrefillEvents, CoreBase):
             return None
         return attempt.grant
 
-    def _offered_grant(self, rec: Outgoing, conn: PeerConn,
+    def _offered_grant(self, rec: Outgoing, conn: PeerConn, final: bool,
                        now: float) -> tuple[WriteGrant | None, Actions]:
         """Decode's offer for this step, if one is usable (else BeginWrite asks), and
         the count of its use or miss.
 
         Used for the first step of a request that is not a resend (a resend needs a
-        new transfer id on its new link: BeginWrite), whether that step writes the
-        whole request or its first piece. A request in pieces keeps the offer's grant
-        as the one its later pieces write under (:meth:`_held_grant`), as it would
-        BeginWrite's.
+        new transfer id on its new link: BeginWrite) when that step writes the whole
+        request: its one chunk, or the pieces that waited for the Offer once the last
+        of them came. A first piece that is not the last asks with BeginWrite even with
+        the offer in hand (its offer is dropped): decode sees no piece landing unless
+        it is marked, so only the ask moves decode's request to Transferring while the
+        prompt is still computed. Later pieces write under that grant
+        (:meth:`_held_grant`).
         """
         had = self.offers.has(rec.request_id)
         offer = self.offers.take(rec.request_id, conn, rec.seq_len, now)
@@ -440,13 +444,13 @@ class PrefillCore(PrefillEvents, CoreBase):
             rec.asked = True  # decode offered, but not this (expired, other link): ask now
         if not self._first_step(rec):
             return None, []
+        if offer is not None and not final:
+            rec.asked = True  # decode reserved: the first piece asks, as said above
+            return None, []
         if offer is None and self._waits_for_offer(rec, conn):
             return None, []  # it waits for the Offer (counted "used" when that comes)
-        if offer is None:
-            return None, [Count("offers", "missed")]
-        attempt = rec.attempt
-        attempt.grant, attempt.grant_link, attempt.granted_at = offer.grant, conn.link.id, now
-        return offer.grant, [Count("offers", "used")]
+        count = Count("offers", "used" if offer is not None else "missed")
+        return (offer.grant if offer is not None else None), [count]
 
     @staticmethod
     def _first_step(rec: Outgoing) -> bool:
@@ -635,7 +639,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         held = self._held_grant(rec, conn, now)
         if held is not None:
             return self._write(rec, conn, chunk, held, now)
-        grant, actions = self._offered_grant(rec, conn, now)
+        grant, actions = self._offered_grant(rec, conn, chunk.final, now)
         if grant is None and self._waits_for_offer(rec, conn):
             # Decode's engine reserves on its own daemon, which offers the reservation
             # over the peer link: wait for that instead of asking (no BeginWrite).
@@ -963,7 +967,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         """Whether the first step of a Send with no offer waits for decode's Offer (in
         the step: its chunk taken), the whole request or its first piece alike: a
         request sent in pieces before decode reserved (a router that asks decode only
-        once prefill answered) asks nothing while its prompt is computed."""
+        once prefill answered) asks nothing until decode's reservation is there."""
         return self._first_step(rec) and self._may_wait_for_offer(rec, conn)
 
     def _may_wait_for_offer(self, rec: Outgoing, conn: PeerConn) -> bool:

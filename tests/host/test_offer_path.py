@@ -3,8 +3,8 @@
 Decode pushes each reservation to its connected prefill (Offer); prefill's Send then
 writes at once. The first request precedes any connection: its Send's handshake or
 decode's ask to connect (decode-initiated pairing) comes first, so it asks BeginWrite
-at most once; a chunked request writes its chunks under the offer as well. Counted by
-the daemons' metrics
+at most once; a chunked request asks once, for its first chunk (while its engine still
+computes, the ask is what tells decode its bytes are landing). Counted by the daemons' metrics
 (``kvbeam_begin_writes_total``, ``kvbeam_offers_total``).
 """
 
@@ -46,15 +46,14 @@ def test_reserve_before_send_needs_no_begin_write_after_the_first_handshake() ->
         assert delta(d1, d0, "kvbeam_offers_total", event="made") == N
 
 
-def test_a_chunked_request_writes_under_decode_offer_without_begin_write() -> None:
-    """Its first chunk takes decode's offer as its grant and its final chunk, a moment
-    later, writes under the same grant (prefill's ``GRANT_RENEW_S``: a second): no
-    BeginWrite for the request."""
+def test_a_chunked_request_asks_begin_write_for_its_first_chunk_and_succeeds() -> None:
+    """Its final chunk, a moment after the first, writes under the first chunk's grant
+    (prefill's ``GRANT_RENEW_S``: a second): one BeginWrite for the request."""
     with pair(decode_extra=METRICS, prefill_extra=METRICS) as (prefill, decode, p, d):
         assert prefill.metrics
         assert run_request(p, d, "f-0", 500, 0).state.startswith("Success")  # handshake
         p0 = scrape(prefill.metrics)
-        d.reserve("f-1", 900, prefill.address)  # offered to prefill
+        d.reserve("f-1", 900, prefill.address)  # offered; the chunked Send does not use it
         p.send("f-1", 1, 900, decode.address, final=False, chunks=[(0, 512)])
         p.send("f-1", 1, 900, decode.address, final=True)
         st = d.wait("f-1", 20)
@@ -62,9 +61,9 @@ def test_a_chunked_request_writes_under_decode_offer_without_begin_write() -> No
         assert p.wait("f-1", 10).state is S
         d.release("f-1")
         p1 = scrape(prefill.metrics)
-        assert delta(p1, p0, "kvbeam_begin_writes_total") == 0
+        assert delta(p1, p0, "kvbeam_begin_writes_total") == 1  # the first chunk's
         assert delta(p1, p0, "kvbeam_offers_total", event="received") == 1
-        assert delta(p1, p0, "kvbeam_offers_total", event="used") == 1
+        assert delta(p1, p0, "kvbeam_offers_total", event="used") == 0
 
 
 def test_offers_kept_without_digests_are_answered_and_land_unverified() -> None:

@@ -205,45 +205,62 @@ def test_a_request_in_pieces_asks_begin_write_once_a_second_not_per_piece() -> N
     assert core.status("r").state is TransferState.SUCCESS
 
 
-def test_pieces_sent_before_decode_reserved_wait_for_its_offer_without_asking() -> None:
+def test_pieces_that_all_came_before_decode_reserved_go_under_its_offer_unasked() -> None:
     # A router that asks decode only once prefill answered: every piece comes before
-    # decode's reservation. The first parks at once (no refused BeginWrite), the rest
-    # queue behind it, and decode's Offer writes the newest under the offer's grant.
-    clock = FakeClock()
-    core, fake, io = _core(send_wait_s=5.0, clock=clock)
+    # decode's reservation. The first parks at once (no BeginWrite that decode would
+    # refuse), the rest queue behind it, and decode's Offer writes the whole request
+    # under the offer's grant, as for a whole Send.
+    core, fake, io = _core(send_wait_s=5.0)
     link = _connected(core, io)
     core.send("r", 0, LONG, ADDR, [(0, 256)], False)
     assert _step(core) is Step.PARKED and not io.queue
     core.send("r", 0, LONG, ADDR, [(256, 512)], False)
+    core.send("r", 0, LONG, ADDR, [(512, LONG)], True)
     assert _step(core) is Step.PARKED and not io.queue
     assert _offer(core, fake, 96, seq_len=LONG)
     io.run_all()
-    assert [rid for rid, _ in fake.begins] == ["first"], "a piece asked with BeginWrite"
-    assert link.writes[-1][0] == 96
-    writes = len(link.writes)
-    core.send("r", 0, LONG, ADDR, [(512, LONG)], True)
-    io.run_all()
-    # The final piece writes under the offer's grant, held like BeginWrite's.
-    assert [rid for rid, _ in fake.begins] == ["first"]
-    assert len(link.writes) > writes and {tid for tid, _ in link.writes[writes:]} == {96}
+    assert [rid for rid, _ in fake.begins] == ["first"] and not fake.refused_not_yet
+    assert {tid for tid, _ in link.writes[1:]} == {96}
     for event in link.finish(96):
         core.on_event(event)
     assert core.status("r").state is TransferState.SUCCESS
 
 
-def test_an_offer_before_the_first_piece_is_its_grant() -> None:
-    core, fake, io = _core(send_wait_s=5.0)
+def test_an_offer_while_the_prompt_is_computed_makes_its_first_piece_ask_once() -> None:
+    # Decode reserved while prefill still computes: the parked first piece asks with
+    # BeginWrite (never refused: the reservation is there), which moves decode to
+    # Transferring; the later pieces write under that grant.
+    clock = FakeClock()
+    core, fake, io = _core(send_wait_s=5.0, clock=clock)
     link = _connected(core, io)
+    core.send("r", 0, LONG, ADDR, [(0, 256)], False)
+    core.send("r", 0, LONG, ADDR, [(256, 512)], False)
+    assert _step(core) is Step.PARKED and not io.queue
+    assert _offer(core, fake, 96, seq_len=LONG)
+    io.run_all()
+    assert [rid for rid, _ in fake.begins] == ["first", "r"] and not fake.refused_not_yet
+    writes = len(link.writes)
+    clock.advance(0.5)
+    core.send("r", 0, LONG, ADDR, [(512, LONG)], True)
+    io.run_all()
+    assert [rid for rid, _ in fake.begins] == ["first", "r"]
+    assert len(link.writes) > writes
+    tid = link.writes[-1][0]
+    for event in link.finish(tid):
+        core.on_event(event)
+    assert core.status("r").state is TransferState.SUCCESS
+
+
+def test_an_offer_before_a_first_piece_that_is_not_the_last_asks_once() -> None:
+    core, fake, io = _core(send_wait_s=5.0)
+    _connected(core, io)
     assert _offer(core, fake, 112, seq_len=LONG)  # decode reserved first
     core.send("r", 0, LONG, ADDR, [(0, 256)], False)
     io.run_all()
     core.send("r", 0, LONG, ADDR, [(256, LONG)], True)
     io.run_all()
-    assert [rid for rid, _ in fake.begins] == ["first"]
-    assert {tid for tid, _ in link.writes[1:]} == {112}
-    for event in link.finish(112):
-        core.on_event(event)
-    assert core.status("r").state is TransferState.SUCCESS
+    assert [rid for rid, _ in fake.begins] == ["first", "r"] and not fake.refused_not_yet
+    assert core.status("r").state is TransferState.TRANSFERRING
 
 
 def test_parked_pieces_ask_with_begin_write_only_after_their_final_piece(
