@@ -134,7 +134,7 @@ class Served:
     def kill(self) -> None:
         """SIGKILL the server and every process it started (vLLM's engine core and
         worker), as an OOM kill or a lost machine ends them: nothing runs its exit path."""
-        pids = _descendants(self.proc.pid)
+        pids = descendants(self.proc.pid)
         self.proc.kill()
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -151,7 +151,7 @@ class Served:
                 self.proc.wait(10)
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (Linux /proc), children first."""
     out: list[int] = []
     todo = [pid]

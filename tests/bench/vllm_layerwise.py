@@ -50,6 +50,7 @@ count each whole one unmapped).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -69,6 +70,7 @@ from tests.vllm_served import (
     Served,
     complete,
     concurrent_proxy,
+    descendants,
     free_port,
     kv_config,
     metric,
@@ -186,15 +188,10 @@ def _transfer_ms(url: str, at_least: float = 0.0) -> tuple[float, float]:
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds of process ``pid`` and every process under it (vLLM's engine core is
     a child of ``vllm serve``); a process that ended meanwhile counts for nothing."""
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
+    total = 0.0
+    for p in (pid, *descendants(pid)):
+        with contextlib.suppress(OSError):
             total += cpu_s(p)
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
     return total
 
 

@@ -46,7 +46,7 @@ from tests.host.test_vllm_served import (
     _toy_proxy,
 )
 from tests.vllm_helpers import require_vllm
-from tests.vllm_served import Deployment, Served, _descendants, complete, metric, start_deployment
+from tests.vllm_served import Deployment, Served, complete, descendants, metric, start_deployment
 
 pytestmark = require_vllm("vllm", "vllm_router")
 
@@ -72,7 +72,7 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
 def _memfds(server: Served) -> set[str]:
     """The memfd names mapped by a ``vllm serve`` and every process it started."""
     names: set[str] = set()
-    for pid in (server.proc.pid, *_descendants(server.proc.pid)):
+    for pid in (server.proc.pid, *descendants(server.proc.pid)):
         try:
             text = Path(f"/proc/{pid}/maps").read_text()
         except OSError:
