@@ -59,7 +59,7 @@ a core to the loop and waits for it (``DriverBase.on_loop``; the drivers' ``_eve
 hands over an event and its actions): the core's calls never run on two threads at
 once. ``on_event`` runs on the loop with no transport lock held: it does
 bookkeeping, verifies a small landing on decode (its digests run inline anyway) and
-submits the rest. A prefill step that cannot block (a small request's first step with
+submits the rest. A prefill step that cannot block (a small request written whole with
 decode's offer in hand, or a later piece of a request in pieces under its first piece's
 grant) runs on the loop where its request became ready (``PrefillCore.steps_inline``);
 what follows an action that blocks goes to the executor in order

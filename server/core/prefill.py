@@ -585,8 +585,10 @@ class PrefillCore(PrefillEvents, CoreBase):
         """Whether the request's step cannot block, so the thread that made it ready may
         run it: its decode connected with a live peer channel, and either a later piece
         that writes under its earlier piece's grant (:meth:`_held_grant`), or the first
-        step of the first attempt (the whole request or its first piece), at most
-        ``INLINE_STEP_MAX_PAGES`` KV pages, with decode's offer in hand (no BeginWrite).
+        step of the first attempt that writes the whole request (its newest chunk is the
+        final one: a single chunk, or pieces that waited for the Offer), at most
+        ``INLINE_STEP_MAX_PAGES`` KV pages, with decode's offer in hand (no BeginWrite;
+        a first piece that is not the last asks, :meth:`_offered_grant`).
         Asked on the loop, where nothing changes it before the step runs; an action of
         the step that blocks after all (a post that fails) goes to the driver's executor."""
         if not rec.chunks or rec.rehandshake or rec.resend_cause is not None:
@@ -596,9 +598,9 @@ class PrefillCore(PrefillEvents, CoreBase):
             return False
         if self._held_grant(rec, conn, now) is not None:
             return True
-        small_first = (not rec.attempt.posted and not rec.resends
+        small_whole = (rec.chunks[-1].final and not rec.attempt.posted and not rec.resends
                        and len(rec.src_indices[IndexKind.KV_PAGES]) <= INLINE_STEP_MAX_PAGES)
-        return small_first and self.offers.has(rec.request_id)
+        return small_whole and self.offers.has(rec.request_id)
 
     def step(self, rec: Outgoing, now: float) -> Actions:
         """Run the request's next chunk (it is RUNNING; one step per request at a time
