@@ -387,7 +387,7 @@ class Runtime:
         self.metrics.registry.register(DaemonCollector(Sources(
             info=self.info,
             transport=self.transport.stats,
-            live=self.table.live,
+            live=lambda: core.on_loop(self.table.live),  # the loop's table
             peers=lambda: len(self.peers.all()),
             slots=slots if _slot_pool(core) is not None else None,
             loop_stalls=lambda: self.loop.stalls)))

@@ -12,10 +12,11 @@ deadline sweeps, each of which hands its events to the core.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -42,6 +43,7 @@ from kvbeam.server.core.prefill_driver import ABORT_WAITERS
 from kvbeam.server.executor import LoggingExecutor
 from kvbeam.server.peers.channel import PeerChannel, PeerChannels
 from kvbeam.server.state.handshake import VerifiedPeer
+from kvbeam.server.state.lifecycle import follow
 from kvbeam.server.state.peers import PeerConn, lost_peer
 from kvbeam.states import TransferFacts, TransferStatus
 from kvbeam.threads import name_os_thread
@@ -52,6 +54,8 @@ if TYPE_CHECKING:
     from kvbeam.server.runtime import Runtime
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Longest a WatchStatus stream stays open, seconds (a client re-opens it).
 WATCH_LIMIT_S = 600.0
@@ -94,6 +98,9 @@ class RoleCore(Protocol):
 
     def reply_view(self, request_id: str) -> tuple[int, TransferFacts]:
         """Its slot and what it moves, for a status reply (one call into the core)."""
+
+    def on_loop(self, call: Callable[[], T]) -> T:
+        """Run ``call`` on the daemon's loop (the table's and the core's reads)."""
 
     def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
         """An engine attached its memory (``--pools engine``)."""
@@ -301,9 +308,15 @@ class DaemonServicer(ControlServicer):
             return super().Handshake(request, context)
 
     def _status(self, snap: TransferStatus) -> pb.TransferStatus:
+        """``snap`` as a reply, with its slot, what it moves and its timeline: read on
+        the loop (the table's and the core's), in one call handed to it."""
         rid = snap.request_id
-        slot, facts = self.core.reply_view(rid)
-        return status_to_proto(snap, slot=slot, facts=facts, timeline=self.table.timeline(rid))
+
+        def reply() -> pb.TransferStatus:
+            slot, facts = self.core.reply_view(rid)
+            return status_to_proto(snap, slot=slot, facts=facts,
+                                   timeline=self.table.timeline(rid))
+        return self.core.on_loop(reply)
 
     def _require_status(self, request_id: str) -> TransferStatus:
         snap = self.table.get(request_id)
@@ -321,9 +334,11 @@ class DaemonServicer(ControlServicer):
     def WatchStatus(self, request: pb.StatusRequest,
                     context: grpc.ServicerContext) -> Iterator[pb.TransferStatus]:
         """Stream every state change until the transfer ends (or the stream's limit)."""
-        if self.table.get(request.request_id) is None:
+        rid = request.request_id
+        watch = self.core.on_loop(lambda: self.table.subscribe(rid))
+        if watch is None:
             context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"UnknownRequest: unknown request id {request.request_id!r}")
+                          f"UnknownRequest: unknown request id {rid!r}")
         # Each open stream holds one of the server's handler threads. Past half of them,
         # streams end after SHORT_WATCH_S (clients re-open them) so the peer's BeginWrite,
         # Abort and Heartbeat always find a thread: otherwise a scheduler waiting on many
@@ -336,13 +351,15 @@ class DaemonServicer(ControlServicer):
             remaining = context.time_remaining()
             if remaining is not None:
                 limit = min(limit, remaining)
-            for snap in self.table.watch(request.request_id, limit):
+            for snap in follow(watch, limit, self.table.clock):
                 if not context.is_active():
                     return
                 yield self._status(snap)
         finally:
             with self._watch_lock:
                 self._watchers -= 1
+            with contextlib.suppress(TimeoutError):  # a stalled loop: it ends with the request
+                self.core.on_loop(lambda: self.table.unsubscribe(rid, watch))
 
     @handled
     def Heartbeat(self, request: pb.HeartbeatRequest,
@@ -355,7 +372,7 @@ class DaemonServicer(ControlServicer):
                                     role=ROLE_TO_PROTO[self.rt.role],
                                     protocol_version=PROTOCOL_VERSION,
                                     slots=total, slots_held=held,
-                                    live_transfers=len(self.table.live()))
+                                    live_transfers=self.table.live_count())
 
     def on_peer_restarted(self, old: VerifiedPeer, new: VerifiedPeer) -> None:
         """A peer came back with a new instance id: its old connection is dead."""

@@ -137,7 +137,7 @@ class DriverBase(ABC, Generic[C]):
     def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
         """An engine attached: work in its memory from now on (a request that raced the
         detach is failed first: its pages are stale)."""
-        if self.core.table.live():
+        if self.core.table.live_count():
             self.shutdown("engine memory replaced while the request was being accepted")
         self.on_loop(lambda: self.core.take_pools(spec, layout, pools))
 

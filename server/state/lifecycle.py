@@ -5,20 +5,21 @@ codec and the public client need them without the daemons). Every non-terminal s
 has a deadline; a transfer past it fails with ``TIMEOUT``. Nothing waits forever.
 Terminal states never change.
 
-The table reads time only through the clock it is given (``clock``): its deadlines, a
-transfer's age and timeline, :meth:`TransferTable.expire`'s default ``now`` and
-:meth:`TransferTable.watch`'s limit. The daemon gives it ``time.monotonic``, the
-clock its cores' drivers read; a test gives it a clock it moves.
+The table is the daemon loop's (one writer, no lock); any thread reads the statuses it
+publishes (:class:`TransferTable`). It reads time only through the clock it is given
+(``clock``): its deadlines, a transfer's age and timeline, :meth:`TransferTable.expire`'s
+default ``now``; a watcher's limit (:func:`follow`) reads the same clock. The daemon gives
+it ``time.monotonic``, the clock its cores' drivers read; a test gives it a clock it moves.
 """
 
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from queue import Empty, SimpleQueue
 
 from kvbeam.errors import DuplicateRequest, IllegalTransition, TooManyTransfers
 from kvbeam.states import FailureReason, TransferFacts, TransferState, TransferStatus
@@ -88,14 +89,23 @@ class Transfer:
 
 
 class TransferTable:
-    """The bounded, thread-safe table of one side's transfers.
+    """The bounded table of one side's transfers: the daemon loop's, readable anywhere.
 
-    Every state change goes through :meth:`advance` or :meth:`fail`, which enforce
-    the legal transitions, set the next deadline and wake watchers. Terminal
-    transfers are kept (up to ``keep_terminal``) so a late Status still answers.
-    ``on_change`` runs (outside the lock) after every change, for metrics and logs.
-    ``clock`` is the one time source the table reads (seconds, monotonic): the daemon
-    passes ``time.monotonic``, a test a clock it moves instead of sleeping.
+    **One writer.** Every change is made on the daemon's loop (its cores, its sweep), so
+    the table takes no lock; :meth:`advance` and :meth:`fail` enforce the legal
+    transitions and set the next deadline. **Readers anywhere.** Each change publishes
+    the request's status as an immutable :class:`~kvbeam.states.TransferStatus`;
+    :meth:`get`, :meth:`state_of`, :meth:`is_live` and :meth:`live_count` read only what
+    was published (one dict lookup, atomic under the GIL), so a gRPC handler or an
+    executor job reads a consistent status without handing a call to the loop. The rest
+    (:meth:`live`, :meth:`timeline`, :meth:`facts`, :meth:`subscribe`) is the loop's:
+    another thread hands its read to the loop (``DriverBase.on_loop``).
+
+    Terminal transfers are kept (up to ``keep_terminal``) so a late Status still
+    answers. ``on_change`` observes every change (for metrics, logs, engine pushes);
+    watchers (:meth:`subscribe`) get each new status on a queue. ``clock`` is the one
+    time source the table reads (seconds, monotonic): the daemon passes
+    ``time.monotonic``, a test a clock it moves instead of sleeping.
     """
 
     def __init__(self, deadlines: Deadlines, capacity: int = 1024, keep_terminal: int = 4096,
@@ -107,29 +117,27 @@ class TransferTable:
         self.keep_terminal = keep_terminal
         self._live: dict[str, Transfer] = {}
         self._done: OrderedDict[str, Transfer] = OrderedDict()
-        # Taken as ``with self._lock`` (C), not through the Condition's Python-level
-        # __enter__/__exit__ (a few per request change); the Condition shares the lock.
-        self._lock = threading.RLock()
-        self._cond = threading.Condition(self._lock)
-        self._watching = 0  # threads waiting on _cond (watch): no notify without one
+        #: Each known request's newest status and its creation time (what the readers
+        #: off the loop see): replaced whole at each change, never changed in place.
+        self._published: dict[str, tuple[TransferStatus, float]] = {}
+        #: The watchers' queues of each request (:meth:`subscribe`).
+        self._watchers: dict[str, list[SimpleQueue[TransferStatus]]] = {}
         self._on_change = on_change
 
     def create(self, request_id: str, peer: str) -> TransferStatus:
         """Start a transfer in BOOTSTRAPPING; refuse duplicates and a full table."""
-        with self._lock:
-            if request_id in self._live or request_id in self._done:
-                raise DuplicateRequest(f"request id {request_id!r} is already known on this side")
-            if len(self._live) >= self.capacity:
-                raise TooManyTransfers(
-                    f"{len(self._live)} transfers in flight (capacity {self.capacity})")
-            now = self.clock()
-            t = Transfer(request_id, peer, created=now, entered=now)
-            t.history.append(t.state)
-            self._set_deadline(t, now)
-            t.entered_at.append(t.entered)
-            self._live[request_id] = t
-            snap = t.snapshot(now)
-            self._notify()
+        if request_id in self._live or request_id in self._done:
+            raise DuplicateRequest(f"request id {request_id!r} is already known on this side")
+        if len(self._live) >= self.capacity:
+            raise TooManyTransfers(
+                f"{len(self._live)} transfers in flight (capacity {self.capacity})")
+        now = self.clock()
+        t = Transfer(request_id, peer, created=now, entered=now)
+        t.history.append(t.state)
+        self._set_deadline(t, now)
+        t.entered_at.append(t.entered)
+        self._live[request_id] = t
+        snap = self._publish(t, now)
         self._changed(snap)
         return snap
 
@@ -157,49 +165,66 @@ class TransferTable:
             del self._live[t.request_id]
             self._done[t.request_id] = t
             while len(self._done) > self.keep_terminal:
-                self._done.popitem(last=False)
+                gone, _ = self._done.popitem(last=False)
+                self._published.pop(gone, None)
 
+    def _publish(self, t: Transfer, now: float) -> TransferStatus:
+        """Publish ``t``'s status (after a change) and hand it to its watchers."""
+        snap = t.snapshot(now)
+        self._published[t.request_id] = (snap, t.created)
+        queues = self._watchers.get(t.request_id)
+        if queues is not None:
+            for queue in queues:
+                queue.put(snap)
+            if snap.state.terminal:  # nothing follows: each watcher ends with it
+                del self._watchers[t.request_id]
+        return snap
+
+    # ---- readers on any thread (what was published) -------------------------------------
     def get(self, request_id: str) -> TransferStatus | None:
-        """The current status, or None for an unknown request."""
-        with self._lock:
-            t = self._live.get(request_id) or self._done.get(request_id)
-            return t.snapshot(self.clock()) if t else None
+        """The current status (its age as of now), or None for an unknown request."""
+        published = self._published.get(request_id)
+        if published is None:
+            return None
+        s, created = published
+        return TransferStatus(s.request_id, s.peer, s.state, s.reason, s.detail, s.version,
+                              self.clock() - created, s.nbytes)
 
-    def timeline(self, request_id: str) -> tuple[tuple[TransferState, float], ...]:
-        """Each state the request entered and when, seconds after its creation (empty:
-        unknown)."""
-        with self._lock:
-            t = self._live.get(request_id) or self._done.get(request_id)
-            if t is None:
-                return ()
-            return tuple((state, at - t.created)
-                         for state, at in zip(t.history, t.entered_at, strict=True))
-
-    def keep_facts(self, request_id: str, facts: TransferFacts) -> None:
-        """Keep what a request moved (its core forgets its record now): status replies
-        read them until the table forgets the request too."""
-        with self._lock:
-            t = self._live.get(request_id) or self._done.get(request_id)
-            if t is not None:
-                t.facts = facts
-
-    def facts(self, request_id: str) -> TransferFacts | None:
-        """What :meth:`keep_facts` kept (None: nothing kept, or unknown)."""
-        with self._lock:
-            t = self._live.get(request_id) or self._done.get(request_id)
-            return t.facts if t is not None else None
+    def state_of(self, request_id: str) -> TransferState | None:
+        """The request's current state (None: unknown), without copying its status."""
+        published = self._published.get(request_id)
+        return published[0].state if published is not None else None
 
     def is_live(self, request_id: str) -> bool:
         """Whether the request is known and not terminal (no status copied: the cores ask
         this several times per request)."""
-        with self._lock:
-            return request_id in self._live
+        return request_id in self._live
 
-    def state_of(self, request_id: str) -> TransferState | None:
-        """The request's current state (None: unknown), without copying its status."""
-        with self._lock:
-            t = self._live.get(request_id) or self._done.get(request_id)
-            return t.state if t else None
+    def live_count(self) -> int:
+        """How many transfers are not terminal."""
+        return len(self._live)
+
+    # ---- the loop's ----------------------------------------------------------------------
+    def timeline(self, request_id: str) -> tuple[tuple[TransferState, float], ...]:
+        """Each state the request entered and when, seconds after its creation (empty:
+        unknown)."""
+        t = self._live.get(request_id) or self._done.get(request_id)
+        if t is None:
+            return ()
+        return tuple((state, at - t.created)
+                     for state, at in zip(t.history, t.entered_at, strict=True))
+
+    def keep_facts(self, request_id: str, facts: TransferFacts) -> None:
+        """Keep what a request moved (its core forgets its record now): status replies
+        read them until the table forgets the request too."""
+        t = self._live.get(request_id) or self._done.get(request_id)
+        if t is not None:
+            t.facts = facts
+
+    def facts(self, request_id: str) -> TransferFacts | None:
+        """What :meth:`keep_facts` kept (None: nothing kept, or unknown)."""
+        t = self._live.get(request_id) or self._done.get(request_id)
+        return t.facts if t is not None else None
 
     def advance(self, request_id: str, state: TransferState, detail: str = "",
                 nbytes: int = 0, *, through: Sequence[TransferState] = (),
@@ -211,26 +236,24 @@ class TransferTable:
         (observers count them). ``through``: states passed on the way, each a move of
         its own (history, version) but one notification for all: observers (the
         engine's pushes) see only where it ends, a version step of more than one.
-        ``announce`` False: the observers are told later, by :meth:`announce` (the
-        table and its watchers know at once).
+        ``announce`` False: the observers are told later, by :meth:`announce` (readers
+        and watchers see it at once).
         """
         if state is TransferState.FAILED or TransferState.FAILED in through:
             raise IllegalTransition("use fail() to fail a transfer: it needs a reason")
-        with self._lock:
-            t = self._require(request_id)
-            path = (t.state, *through, state)
-            for here, there in itertools.pairwise(path):  # whole first: no half-made path
-                self._check_legal(request_id, here, there)
-            now = self.clock()
-            for passed in through:
-                self._move(t, passed, now)
-            self._move(t, state, now)
-            if detail:
-                t.detail = detail
-            if state is TransferState.SUCCESS:
-                t.nbytes = nbytes
-            snap = t.snapshot(now)
-            self._notify()
+        t = self._require(request_id)
+        path = (t.state, *through, state)
+        for here, there in itertools.pairwise(path):  # whole first: no half-made path
+            self._check_legal(request_id, here, there)
+        now = self.clock()
+        for passed in through:
+            self._move(t, passed, now)
+        self._move(t, state, now)
+        if detail:
+            t.detail = detail
+        if state is TransferState.SUCCESS:
+            t.nbytes = nbytes
+        snap = self._publish(t, now)
         if announce:
             self._changed(snap)
         return snap
@@ -246,62 +269,55 @@ class TransferTable:
         """Name a live transfer's peer once it is known: prefill's Send with no decode
         address learns its decode from the decode's Offer (docs/protocol.md,
         "Decode-initiated pairing"). No state change, nobody notified."""
-        with self._lock:
-            t = self._live.get(request_id)
-            if t is not None:
-                t.peer = peer
+        t = self._live.get(request_id)
+        if t is not None:
+            t.peer = peer
+            self._published[request_id] = (t.snapshot(self.clock()), t.created)
 
     def touch(self, request_id: str) -> None:
         """Record progress: restart the current state's deadline (e.g. a chunk arrived)."""
-        with self._lock:
-            t = self._live.get(request_id)
-            if t is not None:
-                self._set_deadline(t, self.clock())
+        t = self._live.get(request_id)
+        if t is not None:
+            self._set_deadline(t, self.clock())
 
     def extend(self, request_id: str, seconds: float) -> None:
         """Allow the current state at least ``seconds`` from now (e.g. Transferring sized
         by the request's bytes); never shortens a deadline."""
-        with self._lock:
-            t = self._live.get(request_id)
-            if t is not None and t.deadline is not None:
-                t.deadline = max(t.deadline, self.clock() + seconds)
+        t = self._live.get(request_id)
+        if t is not None and t.deadline is not None:
+            t.deadline = max(t.deadline, self.clock() + seconds)
 
     def lease(self, request_id: str, seconds: float, what: str) -> None:
         """Give the current state exactly ``seconds`` from now (a lease, shorter or longer
         than the state's deadline); a timeout's detail names ``what`` it waited for."""
-        with self._lock:
-            t = self._live.get(request_id)
-            if t is not None:
-                t.deadline = self.clock() + seconds
-                t.lease_s = seconds
-                t.waiting = what
+        t = self._live.get(request_id)
+        if t is not None:
+            t.deadline = self.clock() + seconds
+            t.lease_s = seconds
+            t.waiting = what
 
     def waiting_for(self, request_id: str, what: str) -> None:
         """Say what the current state waits for: a timeout's detail names it."""
-        with self._lock:
-            t = self._live.get(request_id)
-            if t is not None:
-                t.waiting = what
+        t = self._live.get(request_id)
+        if t is not None:
+            t.waiting = what
 
     def left(self, request_id: str) -> float | None:
         """Seconds until a live transfer's deadline; None: unknown, ended, or no deadline."""
-        with self._lock:
-            t = self._live.get(request_id)
-            if t is None or t.deadline is None:
-                return None
-            return t.deadline - self.clock()
+        t = self._live.get(request_id)
+        if t is None or t.deadline is None:
+            return None
+        return t.deadline - self.clock()
 
     def fail(self, request_id: str, reason: FailureReason, detail: str) -> TransferStatus | None:
         """Fail a live transfer; None (and no change) when it is terminal or unknown."""
-        with self._lock:
-            t = self._live.get(request_id)
-            if t is None:
-                return None
-            t.reason, t.detail = reason, detail
-            now = self.clock()
-            self._move(t, TransferState.FAILED, now)
-            snap = t.snapshot(now)
-            self._notify()
+        t = self._live.get(request_id)
+        if t is None:
+            return None
+        t.reason, t.detail = reason, detail
+        now = self.clock()
+        self._move(t, TransferState.FAILED, now)
+        snap = self._publish(t, now)
         self._changed(snap)
         return snap
 
@@ -319,65 +335,64 @@ class TransferTable:
         """Fail every live transfer past its deadline (as of ``now``, the table's clock
         when not given) with TIMEOUT; returns what expired."""
         now = self.clock() if now is None else now
-        with self._lock:
-            late = [t for t in self._live.values()
-                    if t.deadline is not None and now > t.deadline]
-            out = []
-            for t in late:
-                t.reason = FailureReason.TIMEOUT
-                budget = t.lease_s if t.lease_s is not None else \
-                    self.deadlines.for_state(t.state)
-                t.detail = (f"no progress in {t.state.value} for {budget} s"
-                            + (f" ({t.waiting})" if t.waiting else ""))
-                self._move(t, TransferState.FAILED, now)
-                out.append(t.snapshot(now))
-            if out:
-                self._notify()
+        late = [t for t in self._live.values() if t.deadline is not None and now > t.deadline]
+        out = []
+        for t in late:
+            t.reason = FailureReason.TIMEOUT
+            budget = t.lease_s if t.lease_s is not None else self.deadlines.for_state(t.state)
+            t.detail = (f"no progress in {t.state.value} for {budget} s"
+                        + (f" ({t.waiting})" if t.waiting else ""))
+            self._move(t, TransferState.FAILED, now)
+            out.append(self._publish(t, now))
         for snap in out:
             self._changed(snap)
         return out
 
     def live(self) -> list[TransferStatus]:
         """Snapshots of every non-terminal transfer."""
-        with self._lock:
-            now = self.clock()
-            return [t.snapshot(now) for t in self._live.values()]
+        now = self.clock()
+        return [t.snapshot(now) for t in self._live.values()]
 
-    def watch(self, request_id: str, timeout: float) -> Iterator[TransferStatus]:
-        """Yield each new status of a transfer until it is terminal or ``timeout`` passes
-        on the table's clock (waiting at most a second at a time, so a clock a test
-        moves ends it too)."""
-        end = self.clock() + timeout
-        seen = -1
-        while True:
-            with self._lock:
-                t = self._live.get(request_id) or self._done.get(request_id)
-                if t is None:
-                    raise KeyError(request_id)
-                while t.version == seen and not t.state.terminal:
-                    left = end - self.clock()
-                    if left <= 0:
-                        return
-                    self._watching += 1
-                    try:
-                        self._cond.wait(min(left, 1.0))
-                    finally:
-                        self._watching -= 1
-                snap = t.snapshot(self.clock()) if t.version != seen else None
-            if snap is not None:
-                seen = snap.version
-                yield snap
-                if snap.state.terminal:
-                    return
-            elif t.state.terminal:
-                return
+    def subscribe(self, request_id: str) -> SimpleQueue[TransferStatus] | None:
+        """A watcher's queue (None: the request is unknown): it gets the current status
+        at once, then each new one until the terminal one. A thread off the loop reads
+        it (:func:`follow`) and gives it back with :meth:`unsubscribe`."""
+        snap = self.get(request_id)
+        if snap is None:
+            return None
+        queue: SimpleQueue[TransferStatus] = SimpleQueue()
+        queue.put(snap)
+        if not snap.state.terminal:
+            self._watchers.setdefault(request_id, []).append(queue)
+        return queue
 
-    def _notify(self) -> None:
-        """Wake the watchers (lock held); the Condition's notify is Python, skipped when
-        none waits (the usual case: nothing watches a request on the engine channel)."""
-        if self._watching:
-            self._cond.notify_all()
+    def unsubscribe(self, request_id: str, queue: SimpleQueue[TransferStatus]) -> None:
+        """The watcher of ``queue`` is done (a no-op once the request ended)."""
+        queues = self._watchers.get(request_id)
+        if queues is not None and queue in queues:
+            queues.remove(queue)
+            if not queues:
+                del self._watchers[request_id]
 
     def _changed(self, snap: TransferStatus) -> None:
         if self._on_change is not None:
             self._on_change(snap)
+
+
+def follow(queue: SimpleQueue[TransferStatus], timeout: float,
+           clock: Callable[[], float] = time.monotonic) -> Iterator[TransferStatus]:
+    """Yield each status a watcher's ``queue`` (:meth:`TransferTable.subscribe`) gets
+    until a terminal one, or until ``timeout`` passes on ``clock`` (waiting at most a
+    second at a time, so a clock a test moves ends it too). Any thread but the loop's."""
+    end = clock() + timeout
+    while True:
+        left = end - clock()
+        if left <= 0:
+            return
+        try:
+            snap = queue.get(timeout=min(left, 1.0))
+        except Empty:
+            continue
+        yield snap
+        if snap.state.terminal:
+            return

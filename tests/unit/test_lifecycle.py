@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvbeam.errors import DuplicateRequest, IllegalTransition, TooManyTransfers
-from kvbeam.server.state.lifecycle import Deadlines, TransferTable, legal
+from kvbeam.server.state.lifecycle import Deadlines, TransferTable, follow, legal
 from kvbeam.states import FailureReason, TransferState
 from tests.fake_clock import FakeClock
 
@@ -119,29 +119,68 @@ def test_progress_extensions_and_leases_move_the_deadline_on_the_tables_clock() 
     assert late.detail == "no progress in Bootstrapping for 2 s (the peer's grant)"
     assert table.left("r") is None
 
-def test_watch_streams_until_terminal() -> None:
+def test_a_watcher_gets_every_status_from_the_current_one_to_the_terminal_one() -> None:
     table = _table()
     table.create("r", "p")
+    table.advance("r", W)
+    watch = table.subscribe("r")
+    assert watch is not None
+    table.advance("r", T)
+    table.advance("r", S)
+    seen = [(s.state, s.version) for s in follow(watch, timeout=5)]
+    assert seen == [(W, 1), (T, 2), (S, 3)]  # the current status first, then each change
+    assert table.subscribe("nope") is None
 
-    def drive() -> None:
+
+def test_a_watcher_off_the_loop_ends_with_the_terminal_status() -> None:
+    table = _table()
+    table.create("r", "p")
+    watch = table.subscribe("r")
+    assert watch is not None
+
+    def drive() -> None:  # the loop's changes, while this thread follows
         for s in (W, T, S):
             time.sleep(0.02)
             table.advance("r", s)
 
     threading.Thread(target=drive).start()
-    states = [s.state for s in table.watch("r", timeout=5)]
-    assert states[-1] is S
-    assert states[0] in (B, W)
+    assert [s.state for s in follow(watch, timeout=5)] == [B, W, T, S]
 
 
-def test_watch_ends_when_its_limit_passes_on_the_tables_clock() -> None:
+def test_a_watch_ends_when_its_limit_passes_on_the_tables_clock() -> None:
     clock = FakeClock()
     table = _table(clock)
     table.create("r", "p")
-    watching = table.watch("r", timeout=5)
+    watch = table.subscribe("r")
+    assert watch is not None
+    watching = follow(watch, timeout=5, clock=clock)
     assert next(watching).state is B  # the limit runs from the first status
     clock.advance(5.5)
     assert list(watching) == []  # no change, limit passed: it ends, not waits
+
+
+def test_an_unsubscribed_watcher_gets_nothing_more() -> None:
+    table = _table()
+    table.create("r", "p")
+    watch = table.subscribe("r")
+    assert watch is not None
+    table.unsubscribe("r", watch)
+    table.advance("r", W)
+    assert watch.get_nowait().state is B
+    assert watch.empty()
+
+
+def test_readers_see_only_what_each_change_published() -> None:
+    clock = FakeClock()
+    table = _table(clock)
+    table.create("r", "p")
+    clock.advance(1.5)
+    snap = table.get("r")
+    assert snap is not None and snap.state is B and snap.age_s == 1.5  # its age as of now
+    table.set_peer("r", "d")
+    assert table.get("r").peer == "d"  # type: ignore[union-attr]
+    table.fail("r", FailureReason.SHUTDOWN, "bye")
+    assert table.state_of("r") is F and not table.is_live("r") and table.live_count() == 0
 
 
 def test_on_change_sees_every_change() -> None:
