@@ -27,17 +27,17 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from kvbeam.errors import ListenError
 from kvbeam.logs import fields
+from kvbeam.loop import DaemonLoop
+from kvbeam.server.metrics_http import MetricsEndpoint
 from kvbeam.states import FailureReason, TransferState, TransferStatus
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class DaemonMetrics:
                            else ("ok", "refused", "unreachable", "retry"))
         for result in connect_results:
             self.connects.labels(result)
-        self._http: tuple[WSGIServer, threading.Thread] | None = None
+        self._http: MetricsEndpoint | None = None
 
     # ---- sources -------------------------------------------------------------
     def on_change(self, status: TransferStatus) -> None:
@@ -269,28 +269,21 @@ class DaemonMetrics:
         self.handshakes.labels(side, "ok").inc()
 
     # ---- the endpoint ------------------------------------------------------------
-    def serve(self, address: str) -> str:
-        """Serve ``/metrics`` on ``HOST:PORT`` (port 0: any free port); returns the bound one.
+    def serve(self, address: str, loop: DaemonLoop | None = None) -> str:
+        """Serve ``/metrics`` on ``HOST:PORT`` (port 0: any free port) on the daemon's
+        ``loop`` (None: a loop of its own; :mod:`kvbeam.server.metrics_http`); returns the
+        bound one.
 
         Raises ListenError when the address cannot be bound (port in use, not local).
         """
-        host, _, port = address.rpartition(":")
-        bind = host[1:-1] if host.startswith("[") else host
-        try:
-            server, thread = start_http_server(int(port), addr=bind, registry=self.registry)
-        except OSError as exc:
-            raise ListenError(f"cannot serve metrics on {address}: {exc.strerror or exc}; "
-                              "pick another --metrics port (0: any free port)") from exc
-        self._http = (server, thread)
-        bound = f"{host}:{server.server_port}"
+        endpoint = MetricsEndpoint(self.registry)
+        bound = endpoint.serve(address, loop)
+        self._http = endpoint
         log.info("metrics on http://%s/metrics", bound)
         return bound
 
     def stop(self) -> None:
         """Stop serving /metrics (idempotent)."""
-        http, self._http = self._http, None
-        if http is not None:
-            server, thread = http
-            server.shutdown()
-            server.server_close()
-            thread.join(timeout=5)
+        endpoint, self._http = self._http, None
+        if endpoint is not None:
+            endpoint.stop()

@@ -255,7 +255,7 @@ class Runtime:
         engine attaches.
         """
         if self.settings.metrics:
-            self.metrics_address = self.metrics.serve(self.settings.metrics)
+            self.metrics_address = self.metrics.serve(self.settings.metrics, self.loop)
         self.loop.start()
         self._servicer = servicer
         # From now on the core is called on the loop only (a handler's or an executor

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from kvbeam.errors import ListenError
 from kvbeam.server.metrics import TRANSFER_BUCKETS, DaemonMetrics
 from kvbeam.server.metrics_collector import DaemonCollector, Sources
+from kvbeam.server.metrics_http import MAX_CONNECTIONS
 from kvbeam.server.state.lifecycle import Deadlines, TransferTable
 from kvbeam.states import FailureReason, TransferState, TransferStatus
 from kvbeam.transport import Access, Event, Region
@@ -188,6 +189,58 @@ def test_endpoint_binds_port_zero_and_refuses_a_port_in_use() -> None:
     with socket.socket() as s:  # nothing listens there any more (TIME_WAIT aside)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", int(port)))
+
+
+def _ask(bound: str, raw: bytes) -> bytes:
+    """Send ``raw`` to the endpoint and read its whole answer (it closes the connection)."""
+    host, _, port = bound.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(raw)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def test_endpoint_answers_what_a_scraper_asks_and_refuses_the_rest() -> None:
+    m = DaemonMetrics("prefill")
+    table_with(m).create("r1", "10.0.0.1:1")
+    bound = m.serve("127.0.0.1:0")
+    try:
+        ok = _ask(bound, b"GET /metrics?x=1 HTTP/1.1\r\nHost: a\r\n\r\n")
+        head, _, body = ok.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK") and b"Connection: close" in head
+        assert f"Content-Length: {len(body)}".encode() in head
+        assert b"kvbeam_transfers_started_total 1.0" in body
+        only_head = _ask(bound, b"HEAD / HTTP/1.1\r\n\r\n")
+        assert only_head.startswith(b"HTTP/1.1 200 OK") and only_head.endswith(b"\r\n\r\n")
+        assert _ask(bound, b"GET /other HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 404")
+        assert _ask(bound, b"POST /metrics HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 405")
+        assert _ask(bound, b"nonsense\r\n\r\n").startswith(b"HTTP/1.1 400")
+        huge = b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 9000
+        assert _ask(bound, huge).startswith(b"HTTP/1.1 431")
+        # A scraper that connects and goes without asking costs nothing: the next one is
+        # served as before.
+        host, _, port = bound.rpartition(":")
+        socket.create_connection((host, int(port)), timeout=10).close()
+        assert value(scrape(bound), "kvbeam_transfers_started_total") == 1
+    finally:
+        m.stop()
+
+
+def test_endpoint_closes_the_oldest_connection_past_its_limit() -> None:
+    m = DaemonMetrics("decode")
+    bound = m.serve("127.0.0.1:0")
+    host, _, port = bound.rpartition(":")
+    silent = [socket.create_connection((host, int(port)), timeout=10)
+              for _ in range(MAX_CONNECTIONS + 1)]
+    try:
+        assert silent[0].recv(1) == b""  # closed by the endpoint: the oldest
+        assert value(scrape(bound), "kvbeam_transfers_started_total") == 0  # still served
+    finally:
+        for s in silent:
+            s.close()
+        m.stop()
 
 
 def test_tcp_transport_counts_sent_received_and_in_flight() -> None:
