@@ -122,6 +122,8 @@ class DaemonLoop:
         self._lock = threading.Lock()  # leaf: the queue of calls only
         self._calls: deque[Callable[[], None]] = deque()
         self._stop = threading.Event()
+        self._finished = threading.Event()  # set when serving ended (run() or the thread)
+        self._in_run = False  # its thread (or run()) is serving now
         self._thread: threading.Thread | None = None
         # The loop thread's id while it runs (None otherwise), and whether it serves:
         # plain fields, since every call into a core asks both (one C call, no Python).
@@ -203,22 +205,40 @@ class DaemonLoop:
         return done.result(timeout_s)
 
     # ---- lifecycle --------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start the loop's thread."""
+    def start(self, *, thread: bool = True) -> None:
+        """Start serving: on a thread of its own, or (``thread`` False) on the caller's,
+        which is the loop's thread from now on and serves once it calls :meth:`run` (a
+        daemon's main thread, which has nothing else to do). Either way, calls handed
+        over from another thread from now on wait for the loop."""
+        self._serving = True
+        if not thread:
+            self._ident = threading.get_ident()  # its own calls run inline until run()
+            return
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self._serving = True  # calls handed over from now on wait for the thread
         self._thread.start()
+
+    def run(self) -> None:
+        """Serve on the caller's thread until :meth:`stop` (after ``start(thread=False)``
+        on this thread)."""
+        if self._thread is not None or self._ident != threading.get_ident():
+            raise RuntimeError(f"{self.name}: run() serves on the thread that called "
+                               "start(thread=False)")
+        self._run()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the loop's thread (the sources' fds stay open: their owners close them)."""
         self._stop.set()
         self.wake()
-        if self._thread is not None and threading.current_thread() is not self._thread:
-            self._thread.join(timeout_s)
+        if not self.on_loop:  # wait for its end: its thread's, or run()'s on another thread
+            if self._thread is not None:
+                self._thread.join(timeout_s)
+            elif self._in_run:
+                self._finished.wait(timeout_s)
         self._closed = True
-        if self._thread is None or not self._thread.is_alive():
-            # Calls handed over as the thread ended: run them here, as run_sync does once
-            # the loop no longer runs, so no waiter waits out its timeout.
+        if not self._in_run:
+            # Calls handed over as it ended (or to a loop that never served): run them
+            # here, as run_sync does once the loop no longer runs, so no waiter waits out
+            # its timeout.
             self._run_calls()
         self._sel.close()
         self._wake_r.close()
@@ -227,14 +247,19 @@ class DaemonLoop:
     # ---- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         self._ident = threading.get_ident()
+        self._in_run = True
         try:
             self._serve()
         finally:
             self._serving = False
             self._ident = None  # an id is reused by a later thread: it is not the loop
+            self._in_run = False
+            self._finished.set()
 
     def _serve(self) -> None:
-        name_os_thread()
+        # Also when run() serves on a daemon's main thread: the process then shows as
+        # the loop in ps and top, as every thread of it is named by what it does.
+        name_os_thread(self.name)
         while not self._stop.is_set():
             # Compared inline, not min()/max() per source: this runs on every pass, and
             # a daemon passes several times per request.

@@ -25,28 +25,50 @@ def run_daemon(settings: DaemonSettings, ready: threading.Event | None = None,
     from kvbeam.server.api.decode import DecodeServicer
     from kvbeam.server.api.prefill import PrefillServicer
 
+    # The process's main thread, with nothing else to do, serves the daemon's loop itself
+    # (one thread fewer); a daemon run on another thread (``stop`` given: in-process
+    # tests) starts the loop on a thread of its own and waits for ``stop``.
+    here = stop is None and threading.current_thread() is threading.main_thread()
     stop = stop or threading.Event()
+    runtime = Runtime(settings)
+    # The teardown while the main thread serves the loop: on a thread of its own, since it
+    # hands calls to the loop; its end stops the loop (run() returns). Started once.
+    teardown = threading.Thread(target=runtime.stop, name="kvbeam-shutdown")
+    once = threading.Lock()
+    serving = threading.Event()  # the main thread serves the loop (or is about to)
+
+    def begin_teardown() -> None:
+        if once.acquire(blocking=False):  # atomic: a signal may interrupt the main thread
+            teardown.start()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         log.info("received %s: shutting down", signal.Signals(signum).name)
         stop.set()
+        if serving.is_set():
+            begin_teardown()
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-    runtime = Runtime(settings)
     try:
         servicer = (DecodeServicer(runtime) if settings.role == "decode"
                     else PrefillServicer(runtime))
-        address = runtime.start(servicer)
+        address = runtime.start(servicer, loop_here=here)
         metrics = f" metrics {runtime.metrics_address}" if runtime.metrics_address else ""
         print(f"kvbeam {settings.role} listening on {address} instance "
               f"{runtime.local.instance_id} transport {runtime.transport.kind}{metrics}",
               flush=True)
         if ready is not None:
             ready.set()
-        stop.wait()
+        if here:
+            serving.set()
+            if stop.is_set():  # a signal came during the start
+                begin_teardown()
+            runtime.loop.run()  # until the teardown's end stops it
+            teardown.join()
+        else:
+            stop.wait()
     finally:
-        runtime.stop()
+        runtime.stop()  # a no-op after the teardown on the signal's thread
     sys.stdout.flush()
     return 0

@@ -246,8 +246,12 @@ class Runtime:
         write fails with its verbs status before the state deadline fires."""
         return max(0.5, 0.8 * self.settings.deadline_transfer_s)
 
-    def start(self, servicer: DaemonServicer) -> str:
-        """Serve the control plane and start the background loops; returns the bound address.
+    def start(self, servicer: DaemonServicer, *, loop_here: bool = False) -> str:
+        """Serve the control plane and start the daemon's loop; returns the bound address.
+
+        ``loop_here``: the caller's thread is the loop's (no thread of its own) and serves
+        it with ``self.loop.run()`` once this returns (what ``run_daemon`` does on the
+        process's main thread); else the loop runs on a thread of its own.
 
         With ``--metrics`` the /metrics endpoint starts first, so a port clash stops
         the daemon before it serves anything. With ``--pools engine`` the attach socket
@@ -256,7 +260,7 @@ class Runtime:
         """
         if self.settings.metrics:
             self.metrics_address = self.metrics.serve(self.settings.metrics, self.loop)
-        self.loop.start()
+        self.loop.start(thread=not loop_here)
         self._servicer = servicer
         # From now on the core is called on the loop only (a handler's or an executor
         # job's call is handed to it): server/core/base.py, DriverBase.on_loop.

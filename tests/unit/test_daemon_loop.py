@@ -146,3 +146,51 @@ def test_calls_left_when_the_loop_stops_run_at_its_stop() -> None:
     assert ran == []
     loop.stop()
     assert ran == [threading.current_thread().name]
+
+
+def test_a_loop_started_without_a_thread_is_served_by_its_caller_until_stopped() -> None:
+    """A daemon's main thread serves the loop itself (server/main.py): calls handed over
+    before it serves wait for it; stop() from another thread returns once run() ended."""
+    loop = DaemonLoop("test-here")
+    seen: list[str] = []
+    ended = threading.Event()
+    handed: list[str] = []
+
+    def main() -> None:
+        loop.start(thread=False)
+        assert loop.on_loop  # its own calls run inline from now on
+        assert loop.run_sync(lambda: "inline") == "inline"
+        started.set()
+        assert wait_until(lambda: loop.queued == 1, 5)  # the other thread's, waiting
+        loop.run()
+        ended.set()
+
+    def other() -> None:
+        started.wait(5)
+        handed.append(loop.run_sync(lambda: threading.current_thread().name))
+
+    started = threading.Event()
+    serving = threading.Thread(target=main, name="the-main")
+    asking = threading.Thread(target=other)
+    serving.start()
+    asking.start()
+    asking.join(5)
+    assert handed == ["the-main"]  # run by run() on the thread that started it
+    loop.run_sync(lambda: seen.append(threading.current_thread().name))
+    assert seen == ["the-main"]
+    loop.stop()  # returns once run() ended
+    assert not loop.running
+    serving.join(5)
+    assert ended.is_set()
+
+
+def test_run_refuses_a_thread_that_did_not_start_the_loop_there() -> None:
+    loop = DaemonLoop("test-here")
+    with pytest.raises(RuntimeError, match="run\\(\\) serves on the thread that called"):
+        loop.run()
+    loop.start()
+    try:
+        with pytest.raises(RuntimeError):
+            loop.run()
+    finally:
+        loop.stop()
