@@ -223,6 +223,8 @@ class DaemonLoop:
         if self._thread is not None or self._ident != threading.get_ident():
             raise RuntimeError(f"{self.name}: run() serves on the thread that called "
                                "start(thread=False)")
+        # Named as a loop thread of its own would be (logs, py-spy, the benches' split).
+        threading.current_thread().name = self.name
         self._run()
 
     def stop(self, timeout_s: float = 5.0) -> None:

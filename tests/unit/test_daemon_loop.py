@@ -175,9 +175,9 @@ def test_a_loop_started_without_a_thread_is_served_by_its_caller_until_stopped()
     serving.start()
     asking.start()
     asking.join(5)
-    assert handed == ["the-main"]  # run by run() on the thread that started it
+    assert handed == ["test-here"]  # run by run() on the thread that started it (named so)
     loop.run_sync(lambda: seen.append(threading.current_thread().name))
-    assert seen == ["the-main"]
+    assert seen == ["test-here"]
     loop.stop()  # returns once run() ended
     assert not loop.running
     serving.join(5)
