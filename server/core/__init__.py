@@ -44,57 +44,9 @@ the landed bytes' digests, the driver's I/O).
 Each request's phase is its record's, moved only by its methods; its lifecycle state
 (what engines and schedulers see) is the table's.
 
-Threads. The daemon (``DaemonServicer``) owns ONE bounded executor
-(``ThreadPoolExecutor``, ``IO_WORKERS`` threads); every blocking step runs there:
-handshakes, XXH3-128 digests, peer calls (BeginWrite, Abort: each waits for its
-answer on the pair's peer channel), link releases. Decode's Offer (the core's
-``SendOffer`` action) does not block: its driver sends it on the loop, outside every
-lock, and prefill's answer, when it sends one (a kept offer gets none), is an event
-handled on the daemon's loop (``DecodeCore.answer_arrived``).
-
-**The cores are called on the daemon's loop only** (:mod:`kvbeam.loop`: the peer
-channels, the attach socket and the engine channel, the transport, the deadline
-sweep). A gRPC handler, an executor job or the ``peer_io`` pool hands its call into
-a core to the loop and waits for it (``DriverBase.on_loop``; the drivers' ``_event``
-hands over an event and its actions): the core's calls never run on two threads at
-once. ``on_event`` runs on the loop with no transport lock held: it does
-bookkeeping, verifies a small landing on decode (its digests run inline anyway) and
-submits the rest. A prefill step that cannot block (a small request written whole with
-decode's offer in hand, or a later piece of a request in pieces under its first piece's
-grant) runs on the loop where its request became ready (``PrefillCore.steps_inline``);
-what follows an action that blocks goes to the executor in order
-(``PrefillDriver.execute``), and its next call into the core comes back to the loop.
-Nothing starts a thread per event. **The cores take no lock**:
-every request record, the write and transfer-id maps, the pending-handshake waiters,
-prefill's offer book and decode's page book (:mod:`~kvbeam.server.core.decode_pages`)
-are the loop's alone. The one signal a core gives another thread: prefill's Abort
-handler, off the loop, waits a bounded while for a request's writes to drain on a
-``threading.Event`` from :meth:`PrefillCore.watch_drain`, which the loop sets once
-they did (its ``_abort_waiters`` counter is taken without blocking: a full counter
-means: answer without waiting). A decode Abort's caller check (which may resolve a
-host name) runs on the handler's thread, before its call into the core.
-
-Locks in kvbeam.server, and their order (a lock may be taken while holding one
-listed ABOVE it, never the reverse). No lock is held across I/O: a handshake, an
-RPC, a digest, a write post, a link's release or a memory registration.
-
-1. ``server.core.base._AFTER_LOOP`` (reentrant), taken only after a daemon's loop
-   stopped: shutdown's stragglers (an executor job finishing, the last end-log lines)
-   call into the core one at a time under it, as the loop would have run them.
-2. ``TransferTable._cond`` (:mod:`kvbeam.server.state.lifecycle`): the lifecycle states.
-   Its ``on_change`` callback (metrics) runs after the lock is released.
-3. ``PrefillDriver._dial_lock`` (the handshakes under way), which looks up
-   ``Peers`` and the connection found (their locks, leaves) and calls nothing else
-   while held.
-4. Leaves, which call nothing while held: ``Peers._lock``
-   (:mod:`kvbeam.server.state.peers`), ``PeerConn._lock`` (``closed``; ``close`` releases
-   the link after it), ``SlotPool`` (:mod:`kvbeam.server.state.slots`),
-   ``DecodeServicer._links_lock`` (handshake links), ``DaemonServicer._watch_lock``,
-   ``FaultHooks._lock``, ``ControlServer._lock`` (start/stop only), the peer
-   channels' ``PeerChannel._wlock`` (a channel's outbound buffer and calls; held
-   across a non-blocking ``send`` only) and ``PeerChannels._lock`` (the selector's
-   queues), and the metrics' own locks. ``PeerConn.close`` closes its peer channel
-   after releasing ``PeerConn._lock``.
+The threads around the cores (one loop calls them; the executor runs what blocks) and
+the lock order of kvbeam.server are in docs/concurrency.md; the loop, the records'
+states and the actions in docs/architecture.md.
 """
 
 from kvbeam.server.core.decode import DecodeCore
