@@ -30,29 +30,7 @@ remote read.
 Links reach the transport only through :class:`~kvbeam.transport.verbs.linkhost.VerbsHost`
 (see :mod:`kvbeam.transport.host`).
 
-Lock order (every lock in kvbeam.transport; a thread holding one lock takes only locks
-further down the list, never one above it):
-
-1. ``VerbsTransport._lock`` (re-entrant), the *transport lock*: the links table, the
-   per-link grants, QP state changes, and every post and poll (the loop holds it
-   while it services links). Held while a connecting link binds its memory
-   windows (local work requests on its own QP, which the loop does not service
-   before it is connected) and while a released or failed link's windows are
-   deallocated (before its QPs: a bound type-2 window holds its QP); both are cheap,
-   constant work per region. Never held across a memory registration or
-   deregistration: :meth:`VerbsTransport.register` registers its MRs first and takes
-   it only to record them, :meth:`VerbsTransport.create_link` registers nothing; a
-   released registration and :meth:`VerbsTransport.close` deregister after letting
-   go of it.
-   ``TcpTransport._lock`` (links and tokens) sits at this level on the TCP side and
-   is never held while a link lock is taken.
-2. ``VerbsLink._submit_lock`` (the queue between writers and the loop) and
-   ``TcpLink._lock`` (a TCP link's state and queues). A TCP link never holds it across
-   a socket send or receive of data; it emits events after releasing it where it can.
-3. Leaves, which take no other lock: ``TransferMeter._lock`` (counters),
-   ``EventQueue._cond`` (the event queue), ``RegistrationBook._lock`` (the registration
-   tables), ``verbs.qp._fd_lock`` (finding a completion channel's fd) and
-   ``verbs.pyverbs_import._lock`` (the first pyverbs import).
+The lock order of kvbeam.transport is in docs/concurrency.md ("kvbeam.transport's locks").
 """
 
 from __future__ import annotations
