@@ -72,6 +72,7 @@ from kvbeam.errors import (
 )
 from kvbeam.logs import fields, request_log
 from kvbeam.pools.allocate import AllocatedSide
+from kvbeam.pools.digest import DigestParts
 from kvbeam.pools.digest_pool import DigestJob
 from kvbeam.pools.engine_indices import ListLike, check_kv_skip, validate
 from kvbeam.pools.indices import request_indices
@@ -627,11 +628,14 @@ class DecodeCore(CoreBase):
         return [CheckLanding(res, base)] if go else []
 
     def mark_digesting(self, res: Incoming, transfer_id: int, mark: int,
-                       job: DigestJob) -> Actions:
+                       job: DigestJob, parts: DigestParts | None = None) -> Actions:
         """Sub-batch ``mark`` of the landing of ``transfer_id`` is being digested
-        (``job``); the check follows when it was all that was missing. A mark decode did
-        not cut, a repeated one, or one of a replaced landing is ignored (the record's
-        count decides)."""
+        (``job``; ``parts``: the request's digest parts the driver built for it, kept for
+        its other marks and its check); the check follows when it was all that was
+        missing. A mark decode did not cut, a repeated one, or one of a replaced landing
+        is ignored (the record's count decides)."""
+        if res.parts is None:
+            res.parts = parts
         fresh = (res.transfer_id == transfer_id and mark not in res.marked
                  and not res.checking)
         if fresh:

@@ -288,9 +288,9 @@ class DecodeDriver(DriverBase[DecodeCore]):
         self._event(lambda: self.core.offer_sent(res, sent))
 
     def _digest_mark(self, action: DigestMark) -> None:
-        job = self.checker.digest_mark(action.res, action.mark)
+        job, parts = self.checker.digest_mark(action.res, action.mark)
         self._event(lambda: self.core.mark_digesting(action.res, action.transfer_id,
-                                                     action.mark, job))
+                                                     action.mark, job, parts))
 
     def _drop_link(self, action: DropLink) -> None:
         self.on_peer_lost(action.conn, action.detail, gone=action.gone)

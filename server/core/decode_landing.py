@@ -123,14 +123,15 @@ class LandingCheck:
         return Verdict(True, f"{VERIFIED_PREFIX} {len(landed) // DIGEST_BYTES} buffers "
                              "match prefill's digests", timing, record.digests)
 
-    def digest_mark(self, res: Incoming, mark: int) -> DigestJob:
+    def digest_mark(self, res: Incoming, mark: int) -> tuple[DigestJob, DigestParts]:
         """Start digesting sub-batch ``mark``'s buffers on the digest pool (its
-        notification came); the job is the core's to keep."""
+        notification came); the job and the request's digest parts are the core's to
+        keep (:meth:`DecodeCore.mark_digesting`, on the loop)."""
         pools, _layout, _box = self.memory()
         parts = self._parts(res, pools)
         lo, hi = bounds(res.sub_batches, mark, len(parts))
         self.before_digests(res, pools, range(lo, hi))
-        return self.digest_pool.start(parts[lo:hi])
+        return self.digest_pool.start(parts[lo:hi]), parts
 
     @staticmethod
     def _record(res: Incoming, transfer_id: int, layout: SideLayout,
@@ -155,12 +156,12 @@ class LandingCheck:
 
     @staticmethod
     def _parts(res: Incoming, pools: AllocatedSide) -> DigestParts:
-        """The request's digest parts, one per flat buffer (built once; no lock needed:
-        a race builds the same list twice)."""
+        """The request's digest parts, one per flat buffer: those its first mark's
+        digest built, which the core kept, else built now (read here, written only by
+        the core, on the loop)."""
         parts = res.parts
-        if parts is None:
-            parts = res.parts = digest_parts(pools, res.indices, draft=res.draft)
-        return parts
+        return parts if parts is not None else digest_parts(pools, res.indices,
+                                                            draft=res.draft)
 
     def _landed_digests(self, res: Incoming, pools: AllocatedSide, marks: int) -> bytes:
         """The landed bytes' digests, in flat order, on the digest pool (no lock held):

@@ -273,6 +273,18 @@ class Outgoing:
             self.resend_cause = None
         return done
 
+    # ---- its digests (the driver computes them; the loop keeps them) -------------------
+    def keep_digest_jobs(self, jobs: dict[tuple[int, int], DigestJob]) -> None:
+        """Digest jobs of sub-batches a step made whole (flat buffers [lo, hi) -> the
+        job), started by the driver: kept (a range already started keeps its job)."""
+        for span, job in jobs.items():
+            self.early_digests.setdefault(span, job)
+
+    def keep_digests(self, digests: bytes) -> None:
+        """The request's digests, computed by the driver: kept (a resend's are the same)."""
+        if self.digests is None:
+            self.digests = digests
+
     # ---- the resend --------------------------------------------------------------------
     def link_failed(self, link_id: int, cause: str, retries: int) -> bool:
         """Link ``link_id`` failed with a transient error, the request still live. True

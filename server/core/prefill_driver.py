@@ -589,12 +589,13 @@ class PrefillDriver(DriverBase[PrefillCore]):
         same digests with its new transfer id. Outside every lock (it may wait for the
         digest pool)."""
         rec, grant = post.rec, post.grant
-        if rec.digests is None:
-            rec.digests = (job or self._digest_job(rec, post.conn)).result()
+        digests = rec.digests
+        if digests is None:
+            done = digests = (job or self._digest_job(rec, post.conn)).result()
+            self.on_loop(lambda: rec.keep_digests(done))  # the record is the loop's
         raw = self.writer.record(rec.request_id, grant.transfer_id, grant.mailbox_slot,
-                                 rec.digests, post.marks)
-        return RecordStager.blocks(rec, post.conn, grant, raw,
-                                   len(rec.digests) // DIGEST_BYTES)
+                                 digests, post.marks)
+        return RecordStager.blocks(rec, post.conn, grant, raw, len(digests) // DIGEST_BYTES)
 
     def _digest_parts(self, rec: Outgoing, conn: PeerConn) -> DigestParts:
         """What the request's digests cover: the bytes of each item it moves to
@@ -609,8 +610,9 @@ class PrefillDriver(DriverBase[PrefillCore]):
         digests only the rest (:meth:`_digest_job`)."""
         rec = post.rec
         parts = self._digest_parts(rec, post.conn)
-        for lo, hi in post.digest_early:
-            rec.early_digests.setdefault((lo, hi), self.digest_pool.start(parts[lo:hi]))
+        jobs = {(lo, hi): self.digest_pool.start(parts[lo:hi])
+                for lo, hi in post.digest_early if (lo, hi) not in rec.early_digests}
+        self.on_loop(lambda: rec.keep_digest_jobs(jobs))  # the record is the loop's
 
     def _digest_job(self, rec: Outgoing, conn: PeerConn) -> DigestJob:
         """The request's digests, started on the digest pool: the jobs its sub-batches
