@@ -218,6 +218,13 @@ class Outgoing:
         self.move(Step.PARKED)
         self.parked_at = now
 
+    def final_came(self, now: float) -> None:
+        """The engine's final chunk came (:meth:`queue` took it): a PARKED request's
+        BeginWrite fallback counts its grace from now, the prompt's end, not from when
+        its first piece parked (until then the prompt was still being computed)."""
+        if self.step is Step.PARKED:
+            self.parked_at = now
+
     def unpark(self) -> bool:
         """Decode's reservation came (or the grace passed): True when the request was
         PARKED, now RUNNING (the caller starts its step)."""

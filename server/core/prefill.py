@@ -298,8 +298,8 @@ class PrefillCore(PrefillEvents, CoreBase):
                                      "the source slot (or index lists), seq_len and decode "
                                      "address of the first")
         start_step = rec.queue(self._chunk(rec, ranges, final))
-        if final and rec.step is Step.PARKED:
-            rec.parked_at = now  # the BeginWrite fallback's grace counts from the prompt's end
+        if final:
+            rec.final_came(now)
         park = start_step and self._parks_at_once(rec)
         if park:
             rec.park(now)  # decode's Offer starts its step

@@ -231,3 +231,14 @@ def test_a_chunk_by_layers_queues_while_it_adds_layers_or_pages() -> None:
     assert rec.queue(Chunk(0, 2, 3, False)) is False and len(rec.chunks) == 3, \
         "layers of pages ready in every layer queued again"
     assert rec.queue(Chunk(2, 3, 1, False)) is False and len(rec.chunks) == 4
+
+
+def test_a_parked_requests_grace_counts_from_its_final_chunk() -> None:
+    rec = _rec()
+    rec.queue(Chunk(0, 2, 1, False))
+    rec.park(now=1.0)
+    rec.final_came(now=4.0)
+    assert rec.parked_at == 4.0
+    rec.move(Step.RUNNING)
+    rec.final_came(now=9.0)  # not parked: nothing to count
+    assert rec.parked_at == 4.0
