@@ -32,8 +32,19 @@ def run_daemon(settings: DaemonSettings, ready: threading.Event | None = None,
     stop = stop or threading.Event()
     runtime = Runtime(settings)
     # The teardown while the main thread serves the loop: on a thread of its own, since it
-    # hands calls to the loop; its end stops the loop (run() returns). Started once.
-    teardown = threading.Thread(target=runtime.stop, name="kvbeam-shutdown")
+    # hands calls to the loop; its end stops the loop (run() returns), whatever it met,
+    # and what it raised is raised again on the main thread. Started once.
+    failed: list[BaseException] = []
+
+    def tear_down() -> None:
+        try:
+            runtime.stop()
+        except BaseException as exc:  # raised again by the main thread, below
+            failed.append(exc)
+        finally:
+            runtime.loop.stop()  # a no-op when runtime.stop() stopped it
+
+    teardown = threading.Thread(target=tear_down, name="kvbeam-shutdown")
     once = threading.Lock()
     serving = threading.Event()  # the main thread serves the loop (or is about to)
 
@@ -66,6 +77,8 @@ def run_daemon(settings: DaemonSettings, ready: threading.Event | None = None,
                 begin_teardown()
             runtime.loop.run()  # until the teardown's end stops it
             teardown.join()
+            if failed:
+                raise failed[0]
         else:
             stop.wait()
     finally:
