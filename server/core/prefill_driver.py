@@ -532,7 +532,7 @@ class PrefillDriver(DriverBase[PrefillCore]):
             write(rid, conn, tid, part, notify=notify and not separate, first=not posted)
         except Exception as exc:
             if post.moved is not None:
-                self.table.announce(post.moved)
+                self._announce(post.moved)
             # Only what was not posted: the rest completes as usual.
             left, error = len(writes) - posted, NotPosted(exc)
             self.on_loop(lambda: self.core.unbook(post, left=left, separate=separate))
@@ -540,7 +540,7 @@ class PrefillDriver(DriverBase[PrefillCore]):
                         on_executor)
             return
         if post.moved is not None:  # its engine hears of Transferring after the bytes left
-            self.table.announce(post.moved)
+            self._announce(post.moved)
         if post.digest_early and rec.digests is None:
             self._digest_early(post)
         request_log.info("request %s: posted %s%d bytes in %d blocks to %s%s", rec.request_id,
@@ -567,6 +567,17 @@ class PrefillDriver(DriverBase[PrefillCore]):
         if post.final:
             return f" ({post.marks} sub-batches marked before the last, {now} in this chunk)"
         return f" ({now} sub-batches marked whole in this chunk)" if now else ""
+
+    def _announce(self, snap: TransferStatus) -> None:
+        """Tell the table's observers (the engine's push, the metrics) of a change the
+        core made without telling them, on the loop, where they run for every other
+        change: handed to it without waiting from the executor (a later change they saw
+        first wins: they keep the newest version)."""
+        loop = self.loop
+        if self._off_loop and loop is not None and not loop.stopped:
+            loop.call_soon_threadsafe(lambda: self.table.announce(snap))
+        else:  # the loop (or no loop serves, or it stopped: shutdown's stragglers)
+            self.table.announce(snap)
 
     def _post_record(self, post: PostWrites, job: DigestJob | None) -> None:
         """Post the request's digest record once its digests are done (the step's last

@@ -10,12 +10,12 @@ prefill, an abort that waits for writes to drain) run on the daemon's bounded ex
 
 Every state change of a request the engine started on this channel is pushed back
 as a STATE frame (only Success and Failed when the engine attached with ``pushes:
-final``): the transfer table's observer (:meth:`EngineChannel.on_change`, any
-thread) sends the encoded frame at once, non-blocking, under a leaf lock, when nothing
-is queued before it (no hand-off to another thread: the usual case); what the socket
-does not take is queued in the outbound buffer, and the loop thread, woken, writes
-it when the socket is writable (also non-blocking, under the same lock, so frames keep
-their order).
+final``): the transfer table's observer (:meth:`EngineChannel.on_change`, on the
+daemon's loop, where the table changes) sends the encoded frame at once, non-blocking,
+under a leaf lock, when nothing is queued before it (no hand-off to another thread: the
+usual case); what the socket does not take is queued in the outbound buffer, and the
+loop thread, woken, writes it when the socket is writable (also non-blocking, under the
+same lock, so frames keep their order).
 
 On decode a request's Failed is pushed once its pages are free (``failed_when_freed``):
 the table fails a request at once, but decode frees its pages only when prefill can no
