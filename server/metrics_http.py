@@ -22,6 +22,7 @@ import selectors
 import socket
 import time
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -74,15 +75,9 @@ class MetricsEndpoint:
         try:
             infos = socket.getaddrinfo(bind or None, int(port), type=socket.SOCK_STREAM,
                                        flags=socket.AI_PASSIVE)
-            family, kind, proto, _, where = infos[0]
-            listener = socket.socket(family, kind, proto)
-            try:
-                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                listener.bind(where)
-                listener.listen(64)
-            except BaseException:
-                listener.close()
-                raise
+            family, _kind, _proto, _, where = infos[0]
+            # SO_REUSEADDR, bind and listen; the socket is closed if one of them fails.
+            listener = socket.create_server(where, family=family, backlog=64)
         except (OSError, ValueError) as exc:
             text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise ListenError(f"cannot serve metrics on {address}: {text}; "
@@ -186,9 +181,7 @@ class MetricsEndpoint:
         return 200, body, method == "GET"
 
     def _answer(self, scrape: _Scrape, status: int, body: bytes, with_body: bool = True) -> None:
-        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-                  431: "Request Header Fields Too Large",
-                  500: "Internal Server Error"}[status]
+        reason = HTTPStatus(status).phrase
         kind = CONTENT_TYPE_LATEST if status == 200 else "text/plain; charset=utf-8"
         head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode("latin-1")
