@@ -2,10 +2,13 @@
 
 A :class:`DaemonLoop` serves :class:`LoopSource` objects: each registers its file
 descriptors through its own :class:`SourceSelector` (the loop dispatches a ready one to
-the source that registered it, with the data it gave), runs its housekeeping in
-:meth:`LoopSource.tick` after every pass, and says how long the loop may sleep
-(:meth:`LoopSource.wait_s`). Other threads hand work to the loop with
-:meth:`DaemonLoop.call_soon_threadsafe` and wake it with :meth:`DaemonLoop.wake`.
+the source that registered it, with the data it gave), and runs its housekeeping in
+:meth:`LoopSource.tick` only when that is due: at the time its last tick asked for (the
+loop's timers: one due time per source, the loop sleeps until the soonest), or at the end
+of the pass in which it was poked (:meth:`DaemonLoop.poke`: it has queued work, from any
+thread). A pass that only carries an engine's or a peer's frame therefore calls no other
+source. Other threads hand work to the loop with :meth:`DaemonLoop.call_soon_threadsafe`
+and wake it with :meth:`DaemonLoop.wake`.
 
 A source's state that only the loop thread touches needs no lock, whoever else shares
 the loop. Nothing on the loop may block: a source hands blocking work (a memory
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import selectors
 import socket
 import threading
@@ -49,11 +53,11 @@ class LoopSource(Protocol):
         """A file descriptor it registered with ``data`` is ready (``mask``:
         ``selectors.EVENT_READ`` and/or ``EVENT_WRITE``)."""
 
-    def tick(self) -> None:
-        """Housekeeping after every pass of the loop (timeouts, queued work)."""
-
-    def wait_s(self) -> float:
-        """How long the loop may sleep before this source's next :meth:`tick` is due."""
+    def tick(self, now: float) -> float:
+        """Housekeeping (timeouts, queued work), at the end of a pass in which it is due
+        (``now``: the pass's start, ``time.monotonic()``). Returns when it is next due,
+        on the same clock (``math.inf``: only when poked); a poke during the tick keeps
+        it due at once."""
 
 
 class SourceSelector:
@@ -118,7 +122,12 @@ class DaemonLoop:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
-        self._sources: list[LoopSource] = []  # the loop thread's (or before start)
+        #: Each source and when its tick is next due (time.monotonic; the loop thread's,
+        #: or before start). Its keys are the sources, in the order they were added.
+        self._due: dict[LoopSource, float] = {}
+        #: Sources poked from other threads, for the loop to mark due (deque: append and
+        #: popleft need no lock).
+        self._poked: deque[LoopSource] = deque()
         self._lock = threading.Lock()  # leaf: the queue of calls only
         self._calls: deque[Callable[[], None]] = deque()
         self._stop = threading.Event()
@@ -137,15 +146,15 @@ class DaemonLoop:
 
     # ---- sources --------------------------------------------------------------------------
     def add(self, source: LoopSource) -> SourceSelector:
-        """Serve ``source`` (before :meth:`start` or on the loop thread); its selector."""
-        self._sources.append(source)
+        """Serve ``source`` (before :meth:`start` or on the loop thread); its selector.
+        Its first tick is due at once (it then says when the next is)."""
+        self._due[source] = 0.0
         return SourceSelector(self._sel, source)
 
     def remove(self, source: LoopSource) -> None:
         """Serve ``source`` no more and forget every fd it registered (on the loop thread,
         or once the loop stopped)."""
-        with contextlib.suppress(ValueError):
-            self._sources.remove(source)
+        self._due.pop(source, None)
         if self._closed:
             return  # the selector is gone, and its registrations with it
         for key in list(self._sel.get_map().values()):
@@ -178,6 +187,17 @@ class DaemonLoop:
         # BlockingIOError: a wake-up is pending already; OSError: the loop has stopped.
         with contextlib.suppress(BlockingIOError, OSError):
             self._wake_w.send(b"\0")
+
+    def poke(self, source: LoopSource) -> None:
+        """Make ``source``'s tick due now (any thread): at the end of the current pass on
+        the loop thread, else at the loop's next pass (which this wakes). A source
+        removed meanwhile is not ticked."""
+        if threading.get_ident() == self._ident:
+            if source in self._due:
+                self._due[source] = 0.0
+            return
+        self._poked.append(source)
+        self.wake()
 
     def call_soon_threadsafe(self, call: Callable[[], None]) -> None:
         """Run ``call`` on the loop thread at its next pass (any thread)."""
@@ -262,21 +282,15 @@ class DaemonLoop:
         # Also when run() serves on a daemon's main thread: the process then shows as
         # the loop in ps and top, as every thread of it is named by what it does.
         name_os_thread(self.name)
+        due = self._due
+        ended = time.monotonic()
         while not self._stop.is_set():
-            # Compared inline, not min()/max() per source: this runs on every pass, and
-            # a daemon passes several times per request.
-            wait = MAX_WAIT_S
-            for source in list(self._sources):
-                try:
-                    source_wait = source.wait_s()
-                except Exception:
-                    log.exception("%s: %r: its wait failed", self.name, source)
-                    continue
-                if source_wait < wait:
-                    wait = source_wait
+            if self._poked:
+                self._take_pokes()
+            soonest = min(due.values(), default=math.inf)
             # Read without the lock: a call queued after this check wakes the loop itself.
-            if self._calls or wait < 0.0:
-                wait = 0.0
+            wait = 0.0 if self._calls or soonest <= ended else min(MAX_WAIT_S,
+                                                                     soonest - ended)
             try:
                 events = self._sel.select(wait)
             except OSError:
@@ -296,14 +310,37 @@ class DaemonLoop:
                 except Exception:  # never lose the loop to one source's connection
                     log.exception("%s: %r: handling %r failed", self.name, source, data)
             calls = self._run_calls()
-            for source in list(self._sources):
-                try:
-                    source.tick()
-                except Exception:
-                    log.exception("%s: %r: its housekeeping failed", self.name, source)
-            took = time.monotonic() - began
-            if took > STALL_WARN_S:
-                self._stalled(took, _pass_of(events, calls))
+            if self._poked:
+                self._take_pokes()
+            if min(due.values(), default=math.inf) <= began:
+                self._tick_due(began)
+            ended = time.monotonic()
+            if ended - began > STALL_WARN_S:
+                self._stalled(ended - began, _pass_of(events, calls))
+
+    def _take_pokes(self) -> None:
+        """Mark the sources other threads poked due now."""
+        due, poked = self._due, self._poked
+        while poked:
+            source = poked.popleft()
+            if source in due:
+                due[source] = 0.0
+
+    def _tick_due(self, now: float) -> None:
+        """Tick each source due by ``now``, in the order they were added. A source is
+        not due while its tick runs, so a poke then (its own or another's) stands."""
+        due = self._due
+        for source, when in list(due.items()):
+            if when > now or source not in due:
+                continue
+            due[source] = math.inf
+            try:
+                after = source.tick(now)
+            except Exception:
+                log.exception("%s: %r: its housekeeping failed", self.name, source)
+                after = now + MAX_WAIT_S  # not at once: a failing tick must not spin
+            if source in due and after < due[source]:
+                due[source] = after
 
     def _stalled(self, seconds: float, what: str) -> None:
         """One pass kept the loop ``seconds`` (``what``: what it handled): count it; log

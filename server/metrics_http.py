@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import selectors
 import socket
 import time
@@ -114,19 +115,13 @@ class MetricsEndpoint:
         else:
             self._read(data)
 
-    def tick(self) -> None:
-        """Close the connections silent past their deadline."""
-        if not self._scrapes:  # the usual pass: no clock read
-            return
-        now = time.monotonic()
+    def tick(self, now: float) -> float:
+        """Close the connections silent past their deadline; due again at the nearest
+        deadline left (a new connection pokes the loop; one that speaks only moves its
+        own deadline later, which the next tick finds)."""
         for scrape in [s for s in self._scrapes.values() if s.deadline <= now]:
             self._close(scrape)
-
-    def wait_s(self) -> float:
-        """Until the nearest connection's deadline (none: as long as the loop likes)."""
-        if not self._scrapes:
-            return IDLE_S
-        return max(0.0, min(s.deadline for s in self._scrapes.values()) - time.monotonic())
+        return min((s.deadline for s in self._scrapes.values()), default=math.inf)
 
     def _accept(self) -> None:
         assert self._listener is not None and self._selector is not None
@@ -144,6 +139,8 @@ class MetricsEndpoint:
             scrape = _Scrape(sock, time.monotonic() + IDLE_S)
             self._scrapes[sock.fileno()] = scrape
             self._selector.register(sock, selectors.EVENT_READ, scrape)
+            assert self._loop is not None
+            self._loop.poke(self)  # its deadline is the loop's to keep
 
     def _read(self, scrape: _Scrape) -> None:
         try:

@@ -439,8 +439,8 @@ class Runtime:
 class _EventsAndSweeps:
     """The loop's source for what no socket brings: the transport events no transport
     thread delivered (the transport wakes the loop for them,
-    :meth:`~kvbeam.transport.base.Transport.wake_with`), and every ``SWEEP_S`` on the
-    runtime's clock the sweep (:meth:`Runtime.sweep`)."""
+    :meth:`~kvbeam.transport.base.Transport.wake_with`, which pokes this source), and
+    every ``SWEEP_S`` on the runtime's clock the sweep (:meth:`Runtime.sweep`)."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
@@ -451,16 +451,17 @@ class _EventsAndSweeps:
     def wake(self) -> None:
         """The transport's waker (any thread): deliver at the loop's next pass."""
         self.woken = True
-        self.rt.loop.wake()
+        self.rt.loop.poke(self)
 
     def ready(self, data: object, mask: int) -> None:
         """Never called: this source watches no file descriptor."""
 
-    def tick(self) -> None:
-        """Deliver what the transport queued, when it woke us or a sweep is due (not
-        on every pass: the loop passes for every engine and peer frame); sweep when
-        one is due."""
-        sweep = self.rt.clock() >= self.due
+    def tick(self, now: float) -> float:
+        """Deliver what the transport queued, when it woke us or a sweep is due; sweep
+        when one is due. Due again at the next sweep (on the runtime's clock, which
+        tests move: counted from the loop's ``now``)."""
+        clock = self.rt.clock()
+        sweep = clock >= self.due
         if self.woken or sweep:
             self.woken = False  # before the pump: a wake-up during it is kept
             try:
@@ -469,8 +470,6 @@ class _EventsAndSweeps:
                 log.exception("delivering transport events failed")
         if sweep:
             self.rt.sweep()
-            self.due = self.rt.clock() + SWEEP_S
-
-    def wait_s(self) -> float:
-        """Until the next sweep."""
-        return min(SWEEP_S, self.due - self.rt.clock())
+            clock = self.rt.clock()
+            self.due = clock + SWEEP_S
+        return now + min(SWEEP_S, max(0.0, self.due - clock))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import grp
 import logging
+import math
 import os
 import select
 import selectors
@@ -73,8 +74,6 @@ LISTEN_BACKLOG = 128
 #: message arrives between the attached engine's frames).
 READ_CHUNK = 1 << 18
 READS_PER_EVENT = 4
-#: How often the loop checks for stop, seconds.
-TICK_S = 0.2
 #: Characters of a refusal quoted in the daemon's log line.
 LOG_CHARS = 400
 #: Seconds between log lines about refused connections beyond MAX_PENDING.
@@ -286,16 +285,11 @@ class AttachServer:
             if mask & selectors.EVENT_READ:
                 self._engine_message()
 
-    def tick(self) -> None:
-        """After every pass: refuse the connections past their deadline."""
-        self._expire()
-
-    def wait_s(self) -> float:
-        """How long the loop may sleep for us: until the nearest pending deadline."""
-        if not self._pending:
-            return TICK_S
-        soonest = min(p.deadline for p in self._pending.values())
-        return max(0.0, min(TICK_S, soonest - time.monotonic()))
+    def tick(self, now: float) -> float:
+        """Refuse the connections past their deadline; due again at the nearest one
+        left (a new connection pokes the loop, so none is due while none waits)."""
+        self._expire(now)
+        return min((p.deadline for p in self._pending.values()), default=math.inf)
 
     @property
     def _selector(self) -> SourceSelector:
@@ -328,6 +322,8 @@ class AttachServer:
                 pending = _Pending(conn, cred, time.monotonic() + READ_TIMEOUT_S)
                 self._pending[conn.fileno()] = pending
                 self._selector.register(conn, selectors.EVENT_READ, pending)
+                assert self._loop is not None
+                self._loop.poke(self)  # its deadline is the loop's to keep
 
     def _refuse_stranger(self, conn: socket.socket, cred: PeerCred) -> None:
         """Refuse a uid that may not attach without reading anything it sent (its fds, if
@@ -388,12 +384,9 @@ class AttachServer:
             self._drop_pending(p, close=False)
             self._complete(p, body)
 
-    def _expire(self) -> None:
-        """Refuse the connections whose message did not arrive whole by their deadline
-        (what arrived meanwhile is read first)."""
-        if not self._pending:  # the usual pass (every pass ticks): no clock read
-            return
-        now = time.monotonic()
+    def _expire(self, now: float) -> None:
+        """Refuse the connections whose message did not arrive whole by ``now``, their
+        deadline (what arrived meanwhile is read first)."""
         for p in [p for p in self._pending.values() if p.deadline <= now]:
             self._pending_readable(p)
             if p.conn.fileno() in self._pending and self._pending[p.conn.fileno()] is p:

@@ -84,7 +84,7 @@ MAX_OUTBOUND = 64 << 20
 HELLO_TIMEOUT_S = 5.0
 #: Inbound connections without a HELLO held at once; over it the oldest is dropped.
 MAX_UNAUTHENTICATED = 64
-#: The selector's longest sleep, s: how often call deadlines and silence are checked.
+#: How often call deadlines, heartbeats and silence are checked, s (the loop's timer).
 TICK_S = 0.05
 _READ = 256 << 10
 
@@ -353,6 +353,8 @@ class PeerChannels:
         self._pending: dict[socket.socket, tuple[float, str, bytearray]] = {}
         self._listener: socket.socket | None = None
         self._last_beat = 0.0
+        #: When the loop next runs :meth:`_check_times` (the loop's time).
+        self._next_check = 0.0
 
     # ---- lifecycle ----------------------------------------------------------------------
     def listen(self, host: str, port: int, advertise_host: str) -> str:
@@ -475,19 +477,21 @@ class PeerChannels:
                               channel.peer)
 
     def _wake(self) -> None:
+        """Queued work for the loop (any thread): our tick takes it at once."""
         if self._loop is not None:
-            self._loop.wake()
+            self._loop.poke(self)
 
     # ---- on the loop (LoopSource) -----------------------------------------------------------
-    def wait_s(self) -> float:
-        """The loop's longest sleep for us: call deadlines and silence are checked
-        every ``TICK_S``."""
-        return TICK_S
-
-    def tick(self) -> None:
-        """After every pass: queued channels, writes and closes; heartbeats, silence,
-        call deadlines, connections still without their HELLO."""
-        self._housekeeping()
+    def tick(self, now: float) -> float:
+        """When poked: queued channels, writes and closes. Every ``TICK_S`` of the
+        loop's time: heartbeats, silence, call deadlines, connections still without
+        their HELLO (on our own clock, which tests move)."""
+        if self._adds or self._writes or self._to_close:  # read unlocked: a later one pokes
+            self._take_queued()
+        if now >= self._next_check:
+            self._next_check = now + TICK_S
+            self._check_times(self.clock())
+        return self._next_check
 
     def ready(self, data: Any, mask: int) -> None:
         """A socket we registered is ready: the listener, a connection that has not
@@ -502,7 +506,8 @@ class PeerChannels:
             if mask & selectors.EVENT_WRITE and not data.closed and not data.flush():
                 self._selector.modify(data.sock, selectors.EVENT_READ, data)
 
-    def _housekeeping(self) -> None:
+    def _take_queued(self) -> None:
+        """Channels to watch, writes to flush and channels to close, from any thread."""
         with self._lock:
             adds, self._adds = self._adds, []
             writes, self._writes = self._writes, set()
@@ -526,7 +531,10 @@ class PeerChannels:
                 with contextlib.suppress(KeyError, ValueError):
                     self._selector.unregister(channel.sock)
             channel.sock.close()
-        now = self.clock()
+
+    def _check_times(self, now: float) -> None:
+        """Heartbeats, silence, call deadlines and HELLOs not sent in time, at ``now``
+        (our clock)."""
         beat = now - self._last_beat >= self.heartbeat_s
         if beat:
             self._last_beat = now

@@ -1,8 +1,10 @@
-"""The daemon's loop: sources get their own fds' readiness, ticks, calls from other threads."""
+"""The daemon's loop: sources get their own fds' readiness, their ticks when due or
+poked, calls from other threads."""
 
 from __future__ import annotations
 
 import logging
+import math
 import selectors
 import socket
 import threading
@@ -31,12 +33,10 @@ class Recorder:
         if isinstance(data, socket.socket):
             data.recv(4096)
 
-    def tick(self) -> None:
+    def tick(self, now: float) -> float:
         self.threads.add(threading.current_thread().name)
         self.ticks += 1
-
-    def wait_s(self) -> float:
-        return self.wait
+        return now + self.wait
 
 
 def test_each_source_gets_its_own_fds_on_the_loop_thread() -> None:
@@ -67,7 +67,7 @@ def test_a_source_that_fails_does_not_stop_the_others() -> None:
     good = Recorder(loop, wait=0.01)
 
     class Bad(Recorder):
-        def tick(self) -> None:
+        def tick(self, now: float) -> float:
             raise RuntimeError("boom")
 
     Bad(loop, wait=0.01)
@@ -75,6 +75,87 @@ def test_a_source_that_fails_does_not_stop_the_others() -> None:
     try:
         before = good.ticks
         assert wait_until(lambda: good.ticks > before + 3, 5)
+    finally:
+        loop.stop()
+
+
+def test_a_source_is_ticked_when_it_asked_or_was_poked_not_on_every_pass() -> None:
+    """The loop's timers: a source that asks for no tick (inf) is not ticked when other
+    sources' fds keep the loop passing; a poke from another thread ticks it at the next
+    pass, one on the loop (from its own ``ready``) at the end of that same pass."""
+    loop = DaemonLoop("test-loop")
+    idle = Recorder(loop, wait=math.inf)
+    busy = Recorder(loop, wait=math.inf)
+    order: list[str] = []
+    idle_ready = idle.ready
+    idle_tick = idle.tick
+
+    def ready(data: Any, mask: int) -> None:
+        idle_ready(data, mask)
+        order.append("ready")
+        loop.poke(idle)
+
+    def tick(now: float) -> float:
+        order.append("tick")
+        return idle_tick(now)
+
+    idle.ready, idle.tick = ready, tick  # type: ignore[method-assign]
+    b_r, b_w = socket.socketpair()
+    i_r, i_w = socket.socketpair()
+    busy.sel.register(b_r, selectors.EVENT_READ, b_r)
+    idle.sel.register(i_r, selectors.EVENT_READ, i_r)
+    loop.start()
+    try:
+        assert wait_until(lambda: idle.ticks == 1 and busy.ticks == 1, 5)  # first: at once
+        for i in range(5):
+            b_w.send(b"x")
+            assert wait_until(lambda i=i: len(busy.ready_calls) == i + 1, 5)
+        assert loop.run_sync(lambda: (idle.ticks, busy.ticks)) == (1, 1)
+        loop.poke(idle)  # another thread's poke
+        assert wait_until(lambda: idle.ticks == 2, 5)
+        assert busy.ticks == 1
+        order.clear()
+        i_w.send(b"y")  # its ready pokes it on the loop: ticked in the same pass
+        assert wait_until(lambda: order == ["ready", "tick"], 5)
+    finally:
+        loop.stop()
+        for s in (b_r, b_w, i_r, i_w):
+            s.close()
+
+
+def test_a_poke_during_a_sources_own_tick_stands_and_a_removed_source_is_not_ticked(
+        ) -> None:
+    loop = DaemonLoop("test-loop")
+    again = Recorder(loop, wait=math.inf)
+    gone = Recorder(loop, wait=math.inf)
+    tick = again.tick
+
+    def pokes_itself_once(now: float) -> float:
+        after = tick(now)
+        if again.ticks == 1:
+            loop.poke(again)  # queued work found during the tick: tick once more
+        return after
+
+    again.tick = pokes_itself_once  # type: ignore[method-assign]
+    loop.start()
+    try:
+        assert wait_until(lambda: again.ticks == 2, 5)
+        assert loop.run_sync(lambda: gone.ticks) == 1
+        loop.run_sync(lambda: loop.remove(gone))
+        loop.poke(gone)
+        loop.run_sync(lambda: None)  # a pass after the poke was taken
+        assert loop.run_sync(lambda: gone.ticks) == 1
+        assert loop.run_sync(lambda: again.ticks) == 2  # no tick it did not ask for
+    finally:
+        loop.stop()
+
+
+def test_a_source_is_ticked_again_at_the_time_it_asked_for() -> None:
+    loop = DaemonLoop("test-loop")
+    timed = Recorder(loop, wait=0.01)
+    loop.start()
+    try:
+        assert wait_until(lambda: timed.ticks >= 5, 5)  # no fd, no poke: its timer alone
     finally:
         loop.stop()
 

@@ -235,7 +235,7 @@ def test_a_bye_before_a_reset_under_a_writer_is_still_an_orderly_close() -> None
     # The peer said BYE and closed with our PING unread, so its kernel reset the
     # connection; our next send fails. The BYE is read before the close is judged, so
     # the peer counts as alive (only its link went), not gone. No selector thread: the
-    # test runs the hub's housekeeping itself, so the send surely fails first.
+    # test runs the hub's tick itself, so the send surely fails first.
     closed: list[str] = []
     hub = PeerChannels("decode", lambda *a: None, lambda c, why: closed.append(why))
     ours, theirs = _tcp_pair()
@@ -250,7 +250,7 @@ def test_a_bye_before_a_reset_under_a_writer_is_still_an_orderly_close() -> None
         time.sleep(0.1)
         for _ in range(3):  # the first send after a reset may still be taken
             channel.send(pf.frame(pf.PING, 0))
-        hub._housekeeping()
+        hub.tick(time.monotonic())
         assert channel.closed
         assert channel.orderly, channel.close_reason
         assert "link replaced" in channel.close_reason

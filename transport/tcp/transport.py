@@ -217,11 +217,10 @@ class TcpTransport(LinkHostBase, Transport):
         else:
             data.ready(mask)
 
-    def tick(self) -> None:
+    def tick(self, now: float) -> float:
         """Every ``TICK_S``: HELLOs not sent in time, links and receivers stalled."""
-        now = time.monotonic()
-        if now < self._next_tick:
-            return
+        if now < self._next_tick:  # poked: nothing of ours is queued for the tick
+            return self._next_tick
         self._next_tick = now + TICK_S
         self._expire(now)
         with self._lock:
@@ -230,10 +229,7 @@ class TcpTransport(LinkHostBase, Transport):
             link.check_stall(now)
         for receiver in list(self._receivers):
             receiver.check_stall(now)
-
-    def wait_s(self) -> float:
-        """Until the next tick."""
-        return max(0.0, self._next_tick - time.monotonic())
+        return self._next_tick
 
     def _accept_new(self) -> None:
         """Accept what the listener has queued; each connection waits for its HELLO

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import select
 import selectors
 import threading
@@ -345,10 +346,10 @@ class VerbsTransport(LinkHostBase, Transport):
         self.wake()
 
     def wake(self) -> None:
-        """Work is queued: service the links at the loop's next pass (any thread)."""
+        """Work is queued: service the links at the end of the loop's current pass (on
+        the loop thread) or at its next (any other thread)."""
         self._due = True
-        if not self._loop.on_loop:  # on it, the pass's own service takes the work
-            self._loop.wake()
+        self._loop.poke(self)
 
     def bind(self, link_id: int, qps: Sequence[QueuePair]) -> None:
         """Bind link ``link_id``'s memory windows through its first QP, now connected
@@ -394,6 +395,7 @@ class VerbsTransport(LinkHostBase, Transport):
         if self._loop.on_loop:
             self._staged = True
             self.stage(event)
+            self._loop.poke(self)
         else:
             super().emit(event)
 
@@ -416,14 +418,16 @@ class VerbsTransport(LinkHostBase, Transport):
                 with contextlib.suppress(OSError):
                     self._channels.unregister(fd)
         self._due = True
+        self._loop.poke(self)
 
-    def tick(self) -> None:
-        """Service the links when work is due (see the module); deliver the events."""
+    def tick(self, now: float) -> float:
+        """Service the links when work is due (see the module); deliver the events.
+        Due again at once while the service finds work, else at a link's deadline or
+        the back-off poll (a writer's wake-up or a completion event pokes the loop)."""
         if self._closed:
-            return
-        now = time.monotonic()
+            return math.inf
         if not (self._due or self._busy or self._staged or now >= self._next_at):
-            return
+            return self._next_at
         self._due = False
         try:
             self._busy = self._cycle(now)
@@ -435,12 +439,7 @@ class VerbsTransport(LinkHostBase, Transport):
         if self._staged:
             self._staged = False
             self.deliver()
-
-    def wait_s(self) -> float:
-        """None while work is due; else until a link's deadline or the back-off poll."""
-        if self._due or self._busy or self._staged:
-            return 0.0
-        return max(0.0, self._next_at - time.monotonic())
+        return now if self._busy else self._next_at
 
     def _cycle(self, now: float) -> bool:
         with self._lock:
