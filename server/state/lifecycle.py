@@ -124,6 +124,17 @@ class TransferTable:
         self._watchers: dict[str, list[SimpleQueue[TransferStatus]]] = {}
         self._on_change = on_change
 
+    @property
+    def deadlines(self) -> Deadlines:
+        """Each state's budget (a new one applies to the states entered from then on)."""
+        return self._deadlines
+
+    @deadlines.setter
+    def deadlines(self, deadlines: Deadlines) -> None:
+        self._deadlines = deadlines
+        #: Each state's budget, s (None: terminal), looked up once per move.
+        self._budgets = {state: deadlines.for_state(state) for state in TransferState}
+
     def create(self, request_id: str, peer: str) -> TransferStatus:
         """Start a transfer in BOOTSTRAPPING; refuse duplicates and a full table."""
         if request_id in self._live or request_id in self._done:
@@ -138,29 +149,35 @@ class TransferTable:
         t.entered_at.append(t.entered)
         self._live[request_id] = t
         snap = self._publish(t, now)
-        self._changed(snap)
+        if self._on_change is not None:
+            self._on_change(snap)
         return snap
 
     def _set_deadline(self, t: Transfer, now: float) -> None:
         t.lease_s = None
-        budget = self.deadlines.for_state(t.state)
+        budget = self._budgets[t.state]
         t.entered = now
-        t.deadline = None if budget is None else t.entered + budget
+        t.deadline = None if budget is None else now + budget
 
     @staticmethod
-    def _check_legal(request_id: str, src: TransferState, dst: TransferState) -> None:
-        if not legal(src, dst):
-            raise IllegalTransition(
-                f"request {request_id!r}: illegal transition {src.value} -> {dst.value}")
+    def _illegal(request_id: str, src: TransferState, dst: TransferState) -> IllegalTransition:
+        return IllegalTransition(
+            f"request {request_id!r}: illegal transition {src.value} -> {dst.value}")
 
     def _move(self, t: Transfer, state: TransferState, now: float) -> None:
-        self._check_legal(t.request_id, t.state, state)
+        # Inline, not through helpers: a request makes three or four moves per side, and
+        # each is on the loop's path of every request.
+        if state not in _NEXT[t.state]:
+            raise self._illegal(t.request_id, t.state, state)
         t.state = state
         t.waiting = ""
         t.history.append(state)
         t.version += 1
-        self._set_deadline(t, now)
-        t.entered_at.append(t.entered)
+        t.lease_s = None
+        t.entered = now
+        budget = self._budgets[state]
+        t.deadline = None if budget is None else now + budget
+        t.entered_at.append(now)
         if state.terminal:
             del self._live[t.request_id]
             self._done[t.request_id] = t
@@ -244,7 +261,8 @@ class TransferTable:
         t = self._require(request_id)
         path = (t.state, *through, state)
         for here, there in itertools.pairwise(path):  # whole first: no half-made path
-            self._check_legal(request_id, here, there)
+            if not legal(here, there):
+                raise self._illegal(request_id, here, there)
         now = self.clock()
         for passed in through:
             self._move(t, passed, now)
@@ -254,8 +272,8 @@ class TransferTable:
         if state is TransferState.SUCCESS:
             t.nbytes = nbytes
         snap = self._publish(t, now)
-        if announce:
-            self._changed(snap)
+        if announce and self._on_change is not None:
+            self._on_change(snap)
         return snap
 
     def announce(self, snap: TransferStatus) -> None:
@@ -263,7 +281,8 @@ class TransferTable:
         later change may have reached them first: they keep the newest version (the
         engine channel pushes nothing after a terminal state; an engine applies only a
         newer version)."""
-        self._changed(snap)
+        if self._on_change is not None:
+            self._on_change(snap)
 
     def set_peer(self, request_id: str, peer: str) -> None:
         """Name a live transfer's peer once it is known: prefill's Send with no decode
@@ -318,7 +337,8 @@ class TransferTable:
         now = self.clock()
         self._move(t, TransferState.FAILED, now)
         snap = self._publish(t, now)
-        self._changed(snap)
+        if self._on_change is not None:
+            self._on_change(snap)
         return snap
 
     def _require(self, request_id: str) -> Transfer:
@@ -339,13 +359,14 @@ class TransferTable:
         out = []
         for t in late:
             t.reason = FailureReason.TIMEOUT
-            budget = t.lease_s if t.lease_s is not None else self.deadlines.for_state(t.state)
+            budget = t.lease_s if t.lease_s is not None else self._budgets[t.state]
             t.detail = (f"no progress in {t.state.value} for {budget} s"
                         + (f" ({t.waiting})" if t.waiting else ""))
             self._move(t, TransferState.FAILED, now)
             out.append(self._publish(t, now))
         for snap in out:
-            self._changed(snap)
+            if self._on_change is not None:
+                self._on_change(snap)
         return out
 
     def live(self) -> list[TransferStatus]:
@@ -373,10 +394,6 @@ class TransferTable:
             queues.remove(queue)
             if not queues:
                 del self._watchers[request_id]
-
-    def _changed(self, snap: TransferStatus) -> None:
-        if self._on_change is not None:
-            self._on_change(snap)
 
 
 def follow(queue: SimpleQueue[TransferStatus], timeout: float,
