@@ -134,7 +134,7 @@ class Runtime:
         self.table = TransferTable(
             Deadlines(settings.deadline_bootstrap_s, settings.deadline_waiting_s,
                       settings.deadline_transfer_s),
-            capacity=settings.max_inflight, on_change=self._on_change, clock=self.clock)
+            capacity=settings.max_inflight, on_change=self._on_change)
         #: --pools engine: the attached engine's per-request channel (set by :meth:`start`).
         self.engine_channel: EngineChannel | None = None
         #: The one registry of verified peers and their connections (both roles).

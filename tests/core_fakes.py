@@ -238,11 +238,11 @@ def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0
     drives the core one event at a time on the test's thread, with no loop);
     ``digest_threads`` 0: digests inline (the record is then the data write's last
     block); ``on_change``: the table's observer (the engine channel's place);
-    ``clock``: the table's and the core's."""
+    ``clock``: the core's (it gives the table each change's time)."""
     lay = layout()
     fake = FakeDecode(AllocatedSide(lay))
-    table = TransferTable(deadlines or Deadlines(), on_change=on_change, clock=clock)
-    core = PrefillDriver(table=table, peers=Peers(), decode=fake, clock=table.clock,
+    table = TransferTable(deadlines or Deadlines(), on_change=on_change)
+    core = PrefillDriver(table=table, peers=Peers(), decode=fake, clock=clock,
                        io=io or ThreadPoolExecutor(workers, thread_name_prefix="test-io"),
                        spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
                        integrity=integrity, drain_s=drain_s,

@@ -319,7 +319,7 @@ class DaemonServicer(ControlServicer):
         return self.core.on_loop(reply)
 
     def _require_status(self, request_id: str) -> TransferStatus:
-        snap = self.table.get(request_id)
+        snap = self.table.status(request_id, self.rt.clock())  # its age as of now
         if snap is None:
             raise UnknownRequest(f"unknown request id {request_id!r} on this "
                                  f"{self.rt.role.value} daemon")
@@ -351,7 +351,7 @@ class DaemonServicer(ControlServicer):
             remaining = context.time_remaining()
             if remaining is not None:
                 limit = min(limit, remaining)
-            for snap in follow(watch, limit, self.table.clock):
+            for snap in follow(watch, limit, self.rt.clock):
                 if not context.is_active():
                     return
                 yield self._status(snap)
@@ -397,13 +397,14 @@ class DaemonServicer(ControlServicer):
 
     def sweep(self) -> None:
         """Enforce deadlines (called every SWEEP_S by the runtime)."""
-        for snap in self.table.expire():
+        now = self.rt.clock()
+        for snap in self.table.expire(now):
             # The same words as every other failure ("request X failed: reason: detail"):
             # operators and the compose test grep for them; the peer is in the fields.
             log.warning("request %s failed: timeout: %s", snap.request_id, snap.detail,
                         extra=fields(snap.request_id, snap.peer))
             self.on_expired(snap)
-        self._drop_unchanneled(self.rt.clock())
+        self._drop_unchanneled(now)
         self.periodic()
 
     def _drop_unchanneled(self, now: float) -> None:

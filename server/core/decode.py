@@ -181,7 +181,7 @@ class DecodeCore(CoreBase):
     def reserve(self, request_id: str, seq_len: int, prefill_address: str, *,
                 indices: Mapping[IndexKind, ListLike] | None = None,
                 draft: Mapping[IndexKind, ListLike] | None = None,
-                kv_skip: int = 0) -> Incoming:
+                kv_skip: int = 0, now: float) -> Incoming:
         """Hold a slot for a request and compute (or check) its destination indices.
 
         ``indices`` (and ``draft``, the draft's own lists) are the engine's
@@ -225,7 +225,7 @@ class DecodeCore(CoreBase):
             self._pages.claim(request_id, dst, dst_draft,
                               draft_pool=self.layout.draft is not None)
             try:
-                self.table.create(request_id, prefill_address)
+                self.table.create(request_id, prefill_address, now=now)
             except Exception:
                 self._pages.release(request_id)
                 raise
@@ -274,7 +274,7 @@ class DecodeCore(CoreBase):
         return [TellPrefill(conn, request_id, why), Count("declines")]
 
     def begin_write(self, request_id: str, instance_id: str, seq_len: int,
-                    digests_follow: bool) -> Incoming:
+                    digests_follow: bool, *, now: float) -> Incoming:
         """Prefill is about to write (a chunk of) a request: check it may, say where.
 
         ``digests_follow``: prefill's integrity is on (its digest record comes in band,
@@ -311,12 +311,12 @@ class DecodeCore(CoreBase):
                                 "its verification is under way: nothing to write again")
         if snap.state is TransferState.BOOTSTRAPPING:
             self.table.advance(request_id, TransferState.TRANSFERRING,
-                               through=(TransferState.WAITING_FOR_INPUT,))
+                               through=(TransferState.WAITING_FOR_INPUT,), now=now)
         elif snap.state is TransferState.TRANSFERRING:
-            self.table.touch(request_id)  # a further chunk is progress
+            self.table.touch(request_id, now=now)  # a further chunk is progress
         else:
-            self.table.advance(request_id, TransferState.TRANSFERRING)  # raises
-        self.table.extend(request_id, self.transfer_budget(res.nbytes))
+            self.table.advance(request_id, TransferState.TRANSFERRING, now=now)  # raises
+        self.table.extend(request_id, self.transfer_budget(res.nbytes), now=now)
         res.peer_instance = conn.instance_id
         if relink:
             # A new transfer id on the new link: the old link's notification (if it
@@ -355,8 +355,8 @@ class DecodeCore(CoreBase):
         return snap, self._free(request_id, "released by the scheduler")
 
     def abort(self, request_id: str, *, from_peer: bool, detail: str,
-              instance_id: str = "", checked: tuple[str, str | None] = ("", None)
-              ) -> tuple[TransferStatus, Actions]:
+              instance_id: str = "", checked: tuple[str, str | None] = ("", None),
+              now: float) -> tuple[TransferStatus, Actions]:
         """Abort a request: fail it, make sure prefill stops writing, free the slot.
 
         ``from_peer`` (prefill reports its own failure, its writes drained) frees the
@@ -387,9 +387,10 @@ class DecodeCore(CoreBase):
                             and self.peers.verified(instance_id) is not None))
         if by_prefill:
             detail = detail or "aborted by prefill"
-            failed = self.table.fail(request_id, FailureReason.PEER_FAILED, detail)
+            failed = self.table.fail(request_id, FailureReason.PEER_FAILED, detail, now=now)
         else:
-            failed = self.table.fail(request_id, FailureReason.ABORTED, detail or "aborted")
+            failed = self.table.fail(request_id, FailureReason.ABORTED, detail or "aborted",
+                                     now=now)
         if refusal is not None and claimed is not None:
             log.warning("request %s: not an Abort of its prefill at %s (%s): taken as a "
                         "scheduler's abort (prefill drains first)", request_id,
@@ -444,7 +445,7 @@ class DecodeCore(CoreBase):
         (:class:`DialPrefill`, once per address at a time); :meth:`dialed` offers the
         reservations that waited for it."""
         conn = self.peers.by_address(res.prefill_address)
-        lease = self.table.left(res.request_id)
+        lease = self.table.left(res.request_id, now=now)
         if lease is None:
             return []
         if conn is None or conn.closed or conn.retired_channel() is not None:
@@ -520,7 +521,7 @@ class DecodeCore(CoreBase):
                          FailureReason.PEER_UNREACHABLE else "refused")]
         for res in waiting:
             rid = res.request_id
-            if self.table.fail(rid, error.reason, str(error)):
+            if self.table.fail(rid, error.reason, str(error), now=now):
                 log.warning("request %s failed: %s: %s", rid, error.reason.value, error,
                             extra=fields(rid, address))
             snap = self.table.get(rid)
@@ -528,18 +529,18 @@ class DecodeCore(CoreBase):
                 actions += self._free(rid, "its prefill could not connect")
         return actions
 
-    def offer_sent(self, res: Incoming, sent: bool) -> Actions:
+    def offer_sent(self, res: Incoming, sent: bool, now: float) -> Actions:
         """The Offer of ``res`` went to prefill (counted "made"; no answer means kept), or
         could not (no channel: as a refusal)."""
         if not sent:
             return self.offer_answered(res, Offered.REFUSED)
         kept = res.offered  # not refused already (an answer may overtake this)
-        left = self.table.left(res.request_id)
+        left = self.table.left(res.request_id, now=now)
         if kept and left is not None:
             # The lease still bounds the wait for the Send, but no BeginWrite will move
             # the request to Transferring: a Send at the lease's very end must still have
             # the time its bytes take at the floor rate.
-            self.table.extend(res.request_id, left + self.wire_s(res.nbytes))
+            self.table.extend(res.request_id, left + self.wire_s(res.nbytes), now=now)
         if log.isEnabledFor(logging.DEBUG):  # per request: its fields only when logged
             log.debug("request %s: offered to prefill %s", res.request_id,
                       res.prefill_address, extra=fields(res.request_id, res.prefill_address))
@@ -603,7 +604,7 @@ class DecodeCore(CoreBase):
         if res is not None and ok and mark:
             # A landed sub-batch is progress: its Transferring deadline restarts (a
             # request in pieces asks BeginWrite again only about once a second).
-            self._transferring(res.request_id, progress=True)
+            self._transferring(res.request_id, now, progress=True)
         elif res is not None and ok:
             res.notified(now)
             blocker = self._blocker(res)
@@ -613,7 +614,7 @@ class DecodeCore(CoreBase):
             # for the digests, the marks or the digest pool.
             if not (blocker is None and checks_inline(res, self.integrity,
                                                       self.check_inline_below)):
-                self._transferring(res.request_id)
+                self._transferring(res.request_id, now)
             go = self._start_check(res, blocker)
         if res is None or not ok:
             conn = self.peers.by_link(event.link)
@@ -705,14 +706,14 @@ class DecodeCore(CoreBase):
                 # A landing checked as it landed never left WaitingForInput (on_event).
                 through = _TO_SUCCESS.get(self.table.state_of(rid), ())
                 self.table.advance(rid, TransferState.SUCCESS, detail=verdict.detail,
-                                   nbytes=res.nbytes, through=through)
+                                   nbytes=res.nbytes, through=through, now=now)
             except Exception as exc:  # already failed (aborted, timed out): nothing to do
                 log.info("request %s landed after it ended: %s", rid, exc,
                          extra=fields(rid, res.prefill_address))
                 return []
             res.verified(now)
         elif current:
-            failed = self.table.fail(rid, FailureReason.INTEGRITY, verdict.detail)
+            failed = self.table.fail(rid, FailureReason.INTEGRITY, verdict.detail, now=now)
         if not current:
             log.warning("request %s: the landing of transfer %d was replaced while it was "
                         "verified: its verdict is void", rid, transfer_id,
@@ -734,18 +735,18 @@ class DecodeCore(CoreBase):
                                        f"decode integrity check failed: {verdict.detail}"))
         return actions
 
-    def _transferring(self, rid: str, *, progress: bool = False) -> None:
+    def _transferring(self, rid: str, now: float, *, progress: bool = False) -> None:
         """An offered request landed without a BeginWrite: it is Transferring now (its
         deadline bounds the wait for the digests). ``progress``: a piece of it landed;
         one already Transferring has its deadline restarted."""
         state = self.table.state_of(rid)
         if state is TransferState.BOOTSTRAPPING:
             self.table.advance(rid, TransferState.TRANSFERRING,
-                               through=(TransferState.WAITING_FOR_INPUT,))
+                               through=(TransferState.WAITING_FOR_INPUT,), now=now)
         elif state is TransferState.WAITING_FOR_INPUT:
-            self.table.advance(rid, TransferState.TRANSFERRING)
+            self.table.advance(rid, TransferState.TRANSFERRING, now=now)
         elif progress and state is TransferState.TRANSFERRING:
-            self.table.touch(rid)
+            self.table.touch(rid, now=now)
 
     # ---- timers, answers, a lost peer -----------------------------------------------------
     def on_deadline(self, status: TransferStatus) -> Actions:
@@ -821,7 +822,7 @@ class DecodeCore(CoreBase):
                         extra=fields(res.request_id, res.prefill_address))
         return []
 
-    def link_dropped(self, conn: PeerConn, detail: str, *, gone: bool) -> Actions:
+    def link_dropped(self, conn: PeerConn, detail: str, *, gone: bool, now: float) -> Actions:
         """``conn`` was removed and its link released (no more writes can land over it).
 
         ``gone`` False means only the link died (its QP failed, or the same instance
@@ -845,7 +846,7 @@ class DecodeCore(CoreBase):
                 or (not r.peer_instance and r.prefill_address == conn.control_address)]
         actions = []
         for res in mine:
-            if self.table.fail(res.request_id, FailureReason.PEER_FAILED, detail):
+            if self.table.fail(res.request_id, FailureReason.PEER_FAILED, detail, now=now):
                 log.warning("request %s failed: %s", res.request_id, detail,
                             extra=fields(res.request_id, res.prefill_address))
             snap = self.table.get(res.request_id)
@@ -854,12 +855,12 @@ class DecodeCore(CoreBase):
         return actions
 
     # ---- shutdown, an engine's memory ---------------------------------------------------
-    def fail_live(self, detail: str) -> list[tuple[PeerConn, str]]:
+    def fail_live(self, detail: str, now: float) -> list[tuple[PeerConn, str]]:
         """Fail every live request (reason shutdown); the (connection, request id) of
         each whose prefill is connected, to be told at once (the driver's Aborts)."""
         calls: list[tuple[PeerConn, str]] = []
         for snap in self.table.live():
-            if self.table.fail(snap.request_id, FailureReason.SHUTDOWN, detail):
+            if self.table.fail(snap.request_id, FailureReason.SHUTDOWN, detail, now=now):
                 res = self._res.get(snap.request_id)
                 conn = self._prefill_conn(res) if res is not None else None
                 if conn is not None:

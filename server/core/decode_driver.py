@@ -142,7 +142,7 @@ class DecodeDriver(DriverBase[DecodeCore]):
         """Hold a slot for a request (:meth:`DecodeCore.reserve`)."""
         return self.on_loop(lambda: self.core.reserve(
             request_id, seq_len, prefill_address, indices=indices, draft=draft,
-            kv_skip=kv_skip))
+            kv_skip=kv_skip, now=self.clock()))
 
     def offer(self, res: Incoming) -> bool:
         """Offer a fresh reservation to its prefill when that is a connected peer;
@@ -158,7 +158,7 @@ class DecodeDriver(DriverBase[DecodeCore]):
                     digests_follow: bool) -> Incoming:
         """Prefill is about to write (a chunk of) a request (:meth:`DecodeCore.begin_write`)."""
         return self.on_loop(lambda: self.core.begin_write(request_id, instance_id, seq_len,
-                                                          digests_follow))
+                                                          digests_follow, now=self.clock()))
 
     def release(self, request_id: str) -> TransferStatus:
         """The engine took over a request that reached Success: free its slot."""
@@ -183,7 +183,8 @@ class DecodeDriver(DriverBase[DecodeCore]):
 
         def abort() -> TransferStatus:
             snap, actions = self.core.abort(request_id, from_peer=from_peer, detail=detail,
-                                            instance_id=instance_id, checked=checked)
+                                            instance_id=instance_id, checked=checked,
+                                            now=self.clock())
             self.execute(actions)
             return snap
 
@@ -229,7 +230,7 @@ class DecodeDriver(DriverBase[DecodeCore]):
         at once if it turns out prefill died."""
         self.peers.remove(conn, forget=gone)
         conn.close(keep_channel=not gone)
-        self._event(lambda: self.core.link_dropped(conn, detail, gone=gone))
+        self._event(lambda: self.core.link_dropped(conn, detail, gone=gone, now=self.clock()))
 
     def shutdown(self, detail: str = "decode shutting down") -> None:
         """Fail every live request (reason shutdown), tell prefill, release links, free.
@@ -239,7 +240,7 @@ class DecodeDriver(DriverBase[DecodeCore]):
         answer); the slots are freed after the links are released, so no confirmation
         is needed.
         """
-        abort_at_shutdown(self.on_loop(lambda: self.core.fail_live(detail)), detail,
+        abort_at_shutdown(self.on_loop(lambda: self.core.fail_live(detail, self.clock())), detail,
                           "prefill", self.prefill.abort_all, self.clock)
         self.peers.close_all()
         self._event(lambda: self.core.free_all("shutdown"))
@@ -285,7 +286,7 @@ class DecodeDriver(DriverBase[DecodeCore]):
         res = action.res
         sent = self.prefill.offer(action.conn, res.request_id, res.seq_len, action.grant,
                                   action.lease_s)
-        self._event(lambda: self.core.offer_sent(res, sent))
+        self._event(lambda: self.core.offer_sent(res, sent, self.clock()))
 
     def _digest_mark(self, action: DigestMark) -> None:
         job, parts = self.checker.digest_mark(action.res, action.mark)

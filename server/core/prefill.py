@@ -251,8 +251,8 @@ class PrefillCore(PrefillEvents, CoreBase):
         if early is not None and early[0] >= now:
             # Decode declined (or aborted) it before this Send: fail it now, rather
             # than hold the engine's source for the --send-wait-s lease.
-            self.table.create(request_id, decode_address)
-            self.table.fail(request_id, early[2], early[1])
+            self.table.create(request_id, decode_address, now=now)
+            self.table.fail(request_id, early[2], early[1], now=now)
             log.warning("request %s failed: decode ended it before its Send: %s",
                         request_id, early[1], extra=fields(request_id, decode_address))
             return []
@@ -264,7 +264,7 @@ class PrefillCore(PrefillEvents, CoreBase):
                 lists = whole or ({**{k: np.zeros(0, dtype=np.int64) for k in INDEX_KINDS},
                                    IndexKind.KV_PAGES: pieces.kv_pages}, {})
             src, src_draft = lists or (request_indices(self.spec, src_slot, seq_len), {})
-            self.table.create(request_id, decode_address)
+            self.table.create(request_id, decode_address, now=now)
             rec = Outgoing.start(request_id, src_slot if lists is None else -1, seq_len,
                                  decode_address, src, src_draft=src_draft, pieces=pieces)
             self._out[request_id] = rec
@@ -303,7 +303,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         park = start_step and self._parks_at_once(rec)
         if park:
             rec.park(now)  # decode's Offer starts its step
-            self._lease_parked(rec)
+            self._lease_parked(rec, now)
         elif start_step:
             rec.move(Step.RUNNING)
         if park:
@@ -502,7 +502,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         reason = reason or (FailureReason.PEER_FAILED if from_peer else FailureReason.ABORTED)
         detail = after_resends(detail or ("aborted by decode" if from_peer else "aborted"),
                                rec.resends, rec.first_failure)
-        if self.table.fail(request_id, reason, detail):
+        if self.table.fail(request_id, reason, detail, now=now):
             log.warning("request %s failed: %s: %s", request_id, reason.value, detail,
                         extra=fields(request_id, rec.decode_address))
         elif from_peer:
@@ -624,7 +624,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             return [drop, RunStep(rec)]
         if self._ended(rec) or not rec.chunks or rec.resend_cause is not None:
             rec.move(Step.IDLE)
-            return self._maybe_resend(rec)
+            return self._maybe_resend(rec, now)
         if not rec.decode_address and not self._bound_by_offer(rec):
             return self._park(rec, now)  # no decode yet: its Offer names one
         conn = self._step_conn(rec)
@@ -650,12 +650,12 @@ class PrefillCore(PrefillEvents, CoreBase):
             return [*actions, AskGrant(rec, conn, chunk)]
         return actions + self._write(rec, conn, chunk, grant, now)
 
-    def connected(self, address: str, conn: PeerConn | None, error: Exception | None,
-                  elapsed: float) -> Actions:
-        """The handshake with ``address`` is done (``conn``) or failed (``error``), after
-        ``elapsed`` seconds: every request waiting for it goes on, or fails."""
+    def connected(self, address: str, conn: PeerConn | None, error: Exception | None, *,
+                  began: float, now: float) -> Actions:
+        """The handshake with ``address`` is done (``conn``) or failed (``error``), begun
+        at ``began``: every request waiting for it goes on, or fails."""
         if conn is not None:
-            self.resend.measured(handshake=elapsed)
+            self.resend.measured(handshake=now - began)
             self.peers.add(conn)
         waiters = self._connecting.pop(address, [])
         for rec in waiters:
@@ -666,7 +666,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         actions: Actions = []
         for rec in waiters:
             if error is not None:
-                actions += self._step_failed(rec, error)
+                actions += self._step_failed(rec, error, now)
             else:
                 actions.append(RunStep(rec))
         return actions
@@ -687,7 +687,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             rec.asked = True  # from now on only decode's Offer unparks it
             return self._park(rec, now)
         if isinstance(error, AlreadyLanded) and rec.resends:
-            self._landed_already(rec)
+            self._landed_already(rec, now)
             return self._end_step(rec, now)
         # Not reserved otherwise: decode forgot it (restarted, expired), none is coming.
         return self.step_failed(rec, conn, error, now)
@@ -698,13 +698,13 @@ class PrefillCore(PrefillEvents, CoreBase):
         integrity, the final chunk's digest record follows its data. What fails here
         (decode's grant does not fit, a plan error) fails the step."""
         try:
-            post = self._plan(rec, conn, chunk, grant)
+            post = self._plan(rec, conn, chunk, grant, now)
         except Exception as exc:
             return self.step_failed(rec, conn, exc, now)
         return [post] if post is not None else self._end_step(rec, now)
 
-    def _plan(self, rec: Outgoing, conn: PeerConn, chunk: Chunk,
-              grant: WriteGrant) -> PostWrites | None:
+    def _plan(self, rec: Outgoing, conn: PeerConn, chunk: Chunk, grant: WriteGrant,
+              now: float) -> PostWrites | None:
         """The chunk's writes (None: nothing to post: the request ended meanwhile, or
         the chunk's pages are all held by decode, ``kv_skip``)."""
         rid = rec.request_id
@@ -736,12 +736,13 @@ class PrefillCore(PrefillEvents, CoreBase):
         if state is TransferState.BOOTSTRAPPING:  # one push to the engine, not two
             moved = self.table.advance(rid, TransferState.TRANSFERRING,
                                        through=(TransferState.WAITING_FOR_INPUT,),
-                                       announce=False)
+                                       announce=False, now=now)
         elif state is TransferState.WAITING_FOR_INPUT:  # it waited for decode
-            moved = self.table.advance(rid, TransferState.TRANSFERRING, announce=False)
+            moved = self.table.advance(rid, TransferState.TRANSFERRING, announce=False,
+                                       now=now)
         else:
-            self.table.touch(rid)
-        self.table.extend(rid, self.transfer_budget(blocks.total_bytes))
+            self.table.touch(rid, now=now)
+        self.table.extend(rid, self.transfer_budget(blocks.total_bytes), now=now)
         # The writes: each marked sub-batch's blocks under its mark's id, then the rest.
         cut = self._cut(rec, conn, grant, chunk, blocks)
         if cut:
@@ -823,13 +824,13 @@ class PrefillCore(PrefillEvents, CoreBase):
                     rec, conn.link.id, None, detail)
                 actions.append(drop)
                 if not spared:
-                    actions += self._fail(rec, FailureReason.PEER_FAILED, detail)
+                    actions += self._fail(rec, FailureReason.PEER_FAILED, detail, now)
                 return actions + self._end_step(rec, now)
             exc = cause
         if isinstance(exc, SendFailed) and exc.peer_lost:
-            actions += self._peer_forgot_us(rec, conn, str(exc))
+            actions += self._peer_forgot_us(rec, conn, str(exc), now)
         else:
-            actions += self._step_failed(rec, exc)
+            actions += self._step_failed(rec, exc, now)
         return actions + self._end_step(rec, now)
 
     def _end_step(self, rec: Outgoing, now: float, *, parks: bool = False) -> Actions:
@@ -841,12 +842,12 @@ class PrefillCore(PrefillEvents, CoreBase):
                                now=now)
         parked = rec.step is Step.PARKED
         if parked:
-            self._lease_parked(rec)
+            self._lease_parked(rec, now)
         if again:
             return [RunStep(rec)]
         if parked:
             return self._after_park(rec)
-        return self._maybe_resend(rec)
+        return self._maybe_resend(rec, now)
 
     def _step_conn(self, rec: Outgoing) -> PeerConn | None:
         """The connection the request's next step would use: its own while open, else
@@ -870,7 +871,8 @@ class PrefillCore(PrefillEvents, CoreBase):
         self.peers.remove(conn)
         return DropLink(conn, detail, gone=gone)
 
-    def _peer_forgot_us(self, rec: Outgoing, conn: PeerConn, detail: str) -> Actions:
+    def _peer_forgot_us(self, rec: Outgoing, conn: PeerConn, detail: str,
+                        now: float) -> Actions:
         """Decode no longer knows our connection (``detail``; it re-attached its engine or
         restarted, and prefill had not noticed yet): drop the connection, failing the
         requests on it. ``rec`` goes on over a new handshake instead, since decode
@@ -890,7 +892,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             log.warning("request %s: %s; handshaking again (nothing of it was written)",
                         rec.request_id, detail, extra=fields(rec.request_id, rec.decode_address))
             return [drop]
-        return [drop, *self._fail(rec, FailureReason.PEER_FAILED, detail)]
+        return [drop, *self._fail(rec, FailureReason.PEER_FAILED, detail, now)]
 
     def _cut(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant, chunk: Chunk,
              blocks: Blocks) -> tuple[int, ...]:
@@ -1002,19 +1004,17 @@ class PrefillCore(PrefillEvents, CoreBase):
             rec.put_back()  # taken again once decode reserved
         return self._end_step(rec, now, parks=True)
 
-    def _lease_parked(self, rec: Outgoing) -> None:
+    def _lease_parked(self, rec: Outgoing, now: float) -> None:
         """A request parked: WaitingForInput, for at most ``send_wait_s`` ."""
         rid = rec.request_id
         snap = self.table.get(rid)
         if snap is not None and snap.state is TransferState.BOOTSTRAPPING:
-            self.table.advance(rid, TransferState.WAITING_FOR_INPUT)
-        self.table.lease(rid, self.send_wait_s,
-                         "decode's reservation: the Send came first and decode's engine "
-                         "did not reserve the request within --send-wait-s"
-                         if rec.decode_address else
-                         "decode's reservation: the Send named no decode and no decode "
-                         "daemon offered a reservation of the request within "
-                         "--send-wait-s (nothing moved)")
+            self.table.advance(rid, TransferState.WAITING_FOR_INPUT, now=now)
+        what = ("decode's reservation: the Send came first and decode's engine did not "
+                "reserve the request within --send-wait-s" if rec.decode_address else
+                "decode's reservation: the Send named no decode and no decode daemon "
+                "offered a reservation of the request within --send-wait-s (nothing moved)")
+        self.table.lease(rid, self.send_wait_s, what, now=now)
 
     def _after_park(self, rec: Outgoing) -> Actions:
         """Once parked (no lock held): an Offer that came meanwhile unparks it now."""

@@ -316,7 +316,7 @@ class PrefillDriver(DriverBase[PrefillCore]):
     def on_event(self, event: Event) -> None:
         """A transport event (a write's completion, a failed link): the loop's (another
         thread's is handed to it, as every call into the core)."""
-        self._event(lambda: self.core.handle_event(event))
+        self._event(lambda: self.core.handle_event(event, self.clock()))
 
     def on_deadline(self, status: TransferStatus) -> None:
         """A deadline passed (the table failed it): decode is told once its writes drained."""
@@ -338,8 +338,8 @@ class PrefillDriver(DriverBase[PrefillCore]):
 
         Decode is told of every request at once, within ``SHUTDOWN_ABORT_S`` in all.
         """
-        abort_at_shutdown(self.on_loop(lambda: self.core.fail_live(detail)), detail, "decode",
-                          self.decode.abort_all, self.clock)
+        failed = self.on_loop(lambda: self.core.fail_live(detail, self.clock()))
+        abort_at_shutdown(failed, detail, "decode", self.decode.abort_all, self.clock)
         self.core.peers.close_all()
 
     # ---- doing the actions ----------------------------------------------------------------
@@ -431,7 +431,8 @@ class PrefillDriver(DriverBase[PrefillCore]):
         if not action.gone:
             self.core.peers.keep(action.conn)
         self._event(lambda: self.core.link_dropped(action.conn, action.detail,
-                                                   gone=action.gone), on_executor)
+                                                   gone=action.gone, now=self.clock()),
+                    on_executor)
 
     def _connect(self, address: str, on_executor: bool
                  ) -> tuple[PeerConn | None, Exception | None]:
@@ -444,8 +445,8 @@ class PrefillDriver(DriverBase[PrefillCore]):
             conn = self._dial(address)
         except Exception as exc:
             error = exc
-        self._event(lambda: self.core.connected(address, conn, error, self.clock() - began),
-                    on_executor)
+        self._event(lambda: self.core.connected(address, conn, error, began=began,
+                                                now=self.clock()), on_executor)
         return conn, error
 
     def _dial(self, address: str) -> PeerConn:

@@ -107,7 +107,7 @@ class PrefillEvents:
     def _ended(self, rec: Outgoing) -> bool:
         return not self.table.is_live(rec.request_id)
 
-    def handle_event(self, event: Event) -> Actions:
+    def handle_event(self, event: Event, now: float) -> Actions:
         """COMPLETED: one write finished; LINK_FAILED: the decode peer's link is gone."""
         if event.kind is EventKind.LINK_FAILED:
             dropped = link_failure(self.peers, event)
@@ -144,7 +144,7 @@ class PrefillEvents:
                    and snap.state is TransferState.TRANSFERRING)
         if success:
             self.table.advance(rec.request_id, TransferState.SUCCESS,
-                               nbytes=rec.attempt.bytes_done)
+                               nbytes=rec.attempt.bytes_done, now=now)
         spared = not event.ok and self._note_link_failure(
             rec, event.link, event.status, f"{event.status}: {event.detail}")
         actions: Actions = []
@@ -153,10 +153,10 @@ class PrefillEvents:
                              rec.attempt.bytes_done,
                              extra=fields(rec.request_id, rec.decode_address))
         elif spared:
-            actions = self._maybe_resend(rec)
+            actions = self._maybe_resend(rec, now)
         elif not event.ok:
             actions = self._fail(rec, FailureReason.TRANSPORT_ERROR,
-                                 f"write failed: {event.status}: {event.detail}")
+                                 f"write failed: {event.status}: {event.detail}", now)
         elif snap is not None and snap.state is TransferState.FAILED:
             actions = self._tell_decode_once(rec, f"prefill failed: {snap.detail}")
         if lost is not None:
@@ -170,7 +170,7 @@ class PrefillEvents:
             return []
         return self._tell_decode_once(rec, f"prefill timed out: {status.detail}")
 
-    def link_dropped(self, conn: PeerConn, detail: str, *, gone: bool) -> Actions:
+    def link_dropped(self, conn: PeerConn, detail: str, *, gone: bool, now: float) -> Actions:
         """``conn`` was removed and its link released (its writes complete as failed):
         fail or resend its requests.
 
@@ -192,20 +192,20 @@ class PrefillEvents:
         actions: Actions = []
         for rec in mine:
             if rec in spared:
-                actions += self._maybe_resend(rec)
+                actions += self._maybe_resend(rec, now)
             else:
-                actions += self._fail(rec, FailureReason.PEER_FAILED, detail)
+                actions += self._fail(rec, FailureReason.PEER_FAILED, detail, now)
         return actions
 
-    def _fail(self, rec: Outgoing, reason: FailureReason, detail: str) -> Actions:
-        """Fail a request; decode is told once none of its writes is in flight."""
+    def _fail(self, rec: Outgoing, reason: FailureReason, detail: str, now: float) -> Actions:
+        """Fail a request at ``now``; decode is told once none of its writes is in flight."""
         detail = after_resends(detail, rec.resends, rec.first_failure)
-        if self.table.fail(rec.request_id, reason, detail):
+        if self.table.fail(rec.request_id, reason, detail, now=now):
             log.warning("request %s failed: %s: %s", rec.request_id, reason.value, detail,
                         extra=fields(rec.request_id, rec.decode_address))
         return self._tell_decode_once(rec, f"prefill failed: {reason.value}: {detail}")
 
-    def _step_failed(self, rec: Outgoing, exc: BaseException) -> Actions:
+    def _step_failed(self, rec: Outgoing, exc: BaseException, now: float) -> Actions:
         reason = reason_for(exc)
         if rec.resends and reason is FailureReason.PEER_UNREACHABLE:
             # Decode served this request until its link failed; now it does not answer
@@ -222,7 +222,7 @@ class PrefillEvents:
                 exc, TransportError | SendFailed):
             log.error("request %s: unexpected error", rec.request_id, exc_info=exc,
                       extra=fields(rec.request_id, rec.decode_address))
-        return self._fail(rec, reason, detail)
+        return self._fail(rec, reason, detail, now)
 
     def _tell_decode_once(self, rec: Outgoing, detail: str) -> Actions:
         """Tell decode of a failed request exactly once, when its writes have drained.
@@ -284,12 +284,12 @@ class PrefillEvents:
                                         gone=False))
         return actions
 
-    def fail_live(self, detail: str) -> list[tuple[PeerConn | None, str, str]]:
+    def fail_live(self, detail: str, now: float) -> list[tuple[PeerConn | None, str, str]]:
         """Fail every live request (reason shutdown); the (connection or None, decode
         address, request id) of each that decode was not told of, to tell at once."""
         calls: list[tuple[PeerConn | None, str, str]] = []
         for snap in self.table.live():
-            if self.table.fail(snap.request_id, FailureReason.SHUTDOWN, detail):
+            if self.table.fail(snap.request_id, FailureReason.SHUTDOWN, detail, now=now):
                 rec = self._out.get(snap.request_id)
                 tell = rec is not None and not rec.told_decode
                 if rec is not None:
@@ -314,7 +314,7 @@ class PrefillEvents:
             return False
         return rec.link_failed(link_id, cause, self.resend.retries)
 
-    def _maybe_resend(self, rec: Outgoing) -> Actions:
+    def _maybe_resend(self, rec: Outgoing, now: float) -> Actions:
         """Start an owed resend once no step runs and none of its writes is outstanding."""
         if not rec.resend_due():
             return []
@@ -322,7 +322,7 @@ class PrefillEvents:
         if self._ended(rec):
             rec.resend_cause = None
             return []
-        left, need = self.table.left(rec.request_id), self.resend.cost()
+        left, need = self.table.left(rec.request_id, now=now), self.resend.cost()
         late = left is not None and left < need
         if late:
             rec.resend_cause = None
@@ -334,13 +334,13 @@ class PrefillEvents:
         if late:
             return self._fail(rec, FailureReason.TRANSPORT_ERROR,
                               f"{cause}; no time left to resend ({left:.2f} s to the "
-                              f"deadline, a new link takes about {need:.2f} s)")
+                              f"deadline, a new link takes about {need:.2f} s)", now)
         log.warning("request %s: resend %d/%d on a new link after a transport error: %s",
                     rec.request_id, n, self.resend.retries, cause,
                     extra=fields(rec.request_id, rec.decode_address))
         return [Count("resends"), RunStep(rec)]
 
-    def _landed_already(self, rec: Outgoing) -> None:
+    def _landed_already(self, rec: Outgoing, now: float) -> None:
         """Decode says the request had landed before our resend: it is a Success here too.
 
         The failed write was acknowledged to decode but not to us (an RC retry that
@@ -353,6 +353,6 @@ class PrefillEvents:
             return
         # The request's bytes, not this attempt's (it wrote none): what landed.
         nbytes = request_bytes(self.layout, rec.src_indices, rec.src_draft)
-        self.table.advance(rec.request_id, TransferState.SUCCESS, nbytes=nbytes)
+        self.table.advance(rec.request_id, TransferState.SUCCESS, nbytes=nbytes, now=now)
         request_log.info("request %s: Success (decode had it landed before the resend)",
                          rec.request_id, extra=fields(rec.request_id, rec.decode_address))

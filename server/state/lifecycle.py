@@ -6,14 +6,16 @@ has a deadline; a transfer past it fails with ``TIMEOUT``. Nothing waits forever
 Terminal states never change.
 
 The table is the daemon loop's (one writer, no lock); any thread reads the statuses it
-publishes (:class:`TransferTable`). It reads time only through the clock it is given
-(``clock``): its deadlines, a transfer's age and timeline, :meth:`TransferTable.expire`'s
-default ``now``; a watcher's limit (:func:`follow`) reads the same clock. The daemon gives
-it ``time.monotonic``, the clock its cores' drivers read; a test gives it a clock it moves.
+publishes (:class:`TransferTable`). It reads no clock: each change is given its time
+(``now``, the time of the event the core handles, on the clock the cores' drivers read:
+``time.monotonic`` in a daemon, a clock a test moves), and deadlines, ages and the
+timeline are counted in it. A watcher's limit (:func:`follow`) is counted on the clock its
+caller gives.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import OrderedDict
@@ -65,7 +67,7 @@ class Transfer:
 
     request_id: str
     peer: str
-    #: When it was created and entered its current state (the table's clock).
+    #: When it was created and entered its current state (the time its changes were given).
     created: float
     entered: float
     state: TransferState = TransferState.BOOTSTRAPPING
@@ -73,7 +75,7 @@ class Transfer:
     detail: str = ""
     deadline: float | None = None
     history: list[TransferState] = field(default_factory=list)
-    #: When it entered each state of ``history`` (the table's clock).
+    #: When it entered each state of ``history``.
     entered_at: list[float] = field(default_factory=list)
     version: int = 0
     nbytes: int = 0  # bytes moved, recorded with the move to SUCCESS
@@ -103,16 +105,14 @@ class TransferTable:
 
     Terminal transfers are kept (up to ``keep_terminal``) so a late Status still
     answers. ``on_change`` observes every change (for metrics, logs, engine pushes);
-    watchers (:meth:`subscribe`) get each new status on a queue. ``clock`` is the one
-    time source the table reads (seconds, monotonic): the daemon passes
-    ``time.monotonic``, a test a clock it moves instead of sleeping.
+    watchers (:meth:`subscribe`) get each new status on a queue. The table reads no
+    clock: every change and every deadline question is given ``now`` (seconds,
+    monotonic), the time of the event its core handles.
     """
 
     def __init__(self, deadlines: Deadlines, capacity: int = 1024, keep_terminal: int = 4096,
-                 on_change: Callable[[TransferStatus], None] | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 on_change: Callable[[TransferStatus], None] | None = None) -> None:
         self.deadlines = deadlines
-        self.clock = clock
         self.capacity = capacity
         self.keep_terminal = keep_terminal
         self._live: dict[str, Transfer] = {}
@@ -135,14 +135,13 @@ class TransferTable:
         #: Each state's budget, s (None: terminal), looked up once per move.
         self._budgets = {state: deadlines.for_state(state) for state in TransferState}
 
-    def create(self, request_id: str, peer: str) -> TransferStatus:
-        """Start a transfer in BOOTSTRAPPING; refuse duplicates and a full table."""
+    def create(self, request_id: str, peer: str, *, now: float) -> TransferStatus:
+        """Start a transfer in BOOTSTRAPPING at ``now``; refuse duplicates and a full table."""
         if request_id in self._live or request_id in self._done:
             raise DuplicateRequest(f"request id {request_id!r} is already known on this side")
         if len(self._live) >= self.capacity:
             raise TooManyTransfers(
                 f"{len(self._live)} transfers in flight (capacity {self.capacity})")
-        now = self.clock()
         t = Transfer(request_id, peer, created=now, entered=now)
         t.history.append(t.state)
         self._set_deadline(t, now)
@@ -199,13 +198,19 @@ class TransferTable:
 
     # ---- readers on any thread (what was published) -------------------------------------
     def get(self, request_id: str) -> TransferStatus | None:
-        """The current status (its age as of now), or None for an unknown request."""
+        """The current status as published (its age as of its last change), or None
+        for an unknown request."""
+        published = self._published.get(request_id)
+        return published[0] if published is not None else None
+
+    def status(self, request_id: str, now: float) -> TransferStatus | None:
+        """The current status with its age as of ``now`` (a status reply's), or None for
+        an unknown request."""
         published = self._published.get(request_id)
         if published is None:
             return None
         s, created = published
-        return TransferStatus(s.request_id, s.peer, s.state, s.reason, s.detail, s.version,
-                              self.clock() - created, s.nbytes)
+        return dataclasses.replace(s, age_s=now - created)
 
     def state_of(self, request_id: str) -> TransferState | None:
         """The request's current state (None: unknown), without copying its status."""
@@ -245,8 +250,8 @@ class TransferTable:
 
     def advance(self, request_id: str, state: TransferState, detail: str = "",
                 nbytes: int = 0, *, through: Sequence[TransferState] = (),
-                announce: bool = True) -> TransferStatus:
-        """Move a live transfer to a non-failed state (legal transitions only).
+                announce: bool = True, now: float) -> TransferStatus:
+        """Move a live transfer to a non-failed state at ``now`` (legal transitions only).
 
         ``detail``, when given, replaces the status detail (decode says there how a
         Success was verified). ``nbytes``: with SUCCESS, the bytes the transfer moved
@@ -263,7 +268,6 @@ class TransferTable:
         for here, there in itertools.pairwise(path):  # whole first: no half-made path
             if not legal(here, there):
                 raise self._illegal(request_id, here, there)
-        now = self.clock()
         for passed in through:
             self._move(t, passed, now)
         self._move(t, state, now)
@@ -291,27 +295,30 @@ class TransferTable:
         t = self._live.get(request_id)
         if t is not None:
             t.peer = peer
-            self._published[request_id] = (t.snapshot(self.clock()), t.created)
+            snap, created = self._published[request_id]
+            self._published[request_id] = (dataclasses.replace(snap, peer=peer), created)
 
-    def touch(self, request_id: str) -> None:
-        """Record progress: restart the current state's deadline (e.g. a chunk arrived)."""
+    def touch(self, request_id: str, *, now: float) -> None:
+        """Record progress at ``now``: restart the current state's deadline (e.g. a chunk
+        arrived)."""
         t = self._live.get(request_id)
         if t is not None:
-            self._set_deadline(t, self.clock())
+            self._set_deadline(t, now)
 
-    def extend(self, request_id: str, seconds: float) -> None:
-        """Allow the current state at least ``seconds`` from now (e.g. Transferring sized
-        by the request's bytes); never shortens a deadline."""
+    def extend(self, request_id: str, seconds: float, *, now: float) -> None:
+        """Allow the current state at least ``seconds`` from ``now`` (e.g. Transferring
+        sized by the request's bytes); never shortens a deadline."""
         t = self._live.get(request_id)
         if t is not None and t.deadline is not None:
-            t.deadline = max(t.deadline, self.clock() + seconds)
+            t.deadline = max(t.deadline, now + seconds)
 
-    def lease(self, request_id: str, seconds: float, what: str) -> None:
-        """Give the current state exactly ``seconds`` from now (a lease, shorter or longer
-        than the state's deadline); a timeout's detail names ``what`` it waited for."""
+    def lease(self, request_id: str, seconds: float, what: str, *, now: float) -> None:
+        """Give the current state exactly ``seconds`` from ``now`` (a lease, shorter or
+        longer than the state's deadline); a timeout's detail names ``what`` it waited
+        for."""
         t = self._live.get(request_id)
         if t is not None:
-            t.deadline = self.clock() + seconds
+            t.deadline = now + seconds
             t.lease_s = seconds
             t.waiting = what
 
@@ -321,20 +328,22 @@ class TransferTable:
         if t is not None:
             t.waiting = what
 
-    def left(self, request_id: str) -> float | None:
-        """Seconds until a live transfer's deadline; None: unknown, ended, or no deadline."""
+    def left(self, request_id: str, *, now: float) -> float | None:
+        """Seconds from ``now`` until a live transfer's deadline; None: unknown, ended, or
+        no deadline."""
         t = self._live.get(request_id)
         if t is None or t.deadline is None:
             return None
-        return t.deadline - self.clock()
+        return t.deadline - now
 
-    def fail(self, request_id: str, reason: FailureReason, detail: str) -> TransferStatus | None:
-        """Fail a live transfer; None (and no change) when it is terminal or unknown."""
+    def fail(self, request_id: str, reason: FailureReason, detail: str, *,
+             now: float) -> TransferStatus | None:
+        """Fail a live transfer at ``now``; None (and no change) when it is terminal or
+        unknown."""
         t = self._live.get(request_id)
         if t is None:
             return None
         t.reason, t.detail = reason, detail
-        now = self.clock()
         self._move(t, TransferState.FAILED, now)
         snap = self._publish(t, now)
         if self._on_change is not None:
@@ -351,10 +360,9 @@ class TransferTable:
             raise KeyError(request_id)
         return t
 
-    def expire(self, now: float | None = None) -> list[TransferStatus]:
-        """Fail every live transfer past its deadline (as of ``now``, the table's clock
-        when not given) with TIMEOUT; returns what expired."""
-        now = self.clock() if now is None else now
+    def expire(self, now: float) -> list[TransferStatus]:
+        """Fail every live transfer past its deadline as of ``now`` with TIMEOUT; returns
+        what expired."""
         late = [t for t in self._live.values() if t.deadline is not None and now > t.deadline]
         out = []
         for t in late:
@@ -370,9 +378,9 @@ class TransferTable:
         return out
 
     def live(self) -> list[TransferStatus]:
-        """Snapshots of every non-terminal transfer."""
-        now = self.clock()
-        return [t.snapshot(now) for t in self._live.values()]
+        """The published status of every non-terminal transfer."""
+        published = self._published
+        return [published[rid][0] for rid in self._live]
 
     def subscribe(self, request_id: str) -> SimpleQueue[TransferStatus] | None:
         """A watcher's queue (None: the request is unknown): it gets the current status

@@ -24,8 +24,8 @@ class HookedTable(TransferTable):
 
     after_create: Callable[[], None] = staticmethod(lambda: None)
 
-    def create(self, request_id: str, peer: str) -> TransferStatus:
-        snap = super().create(request_id, peer)
+    def create(self, request_id: str, peer: str, *, now: float) -> TransferStatus:
+        snap = super().create(request_id, peer, now=now)
         self.after_create()
         return snap
 

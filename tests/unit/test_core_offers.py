@@ -314,7 +314,7 @@ def test_with_send_wait_decode_without_the_reservation_keeps_it_waiting_until_th
     assert not io.queue
     assert fake.refused_not_yet == ["t"]
     assert core.status("t").state is TransferState.WAITING_FOR_INPUT
-    expired = core.table.expire(core.table.clock() + 0.35)  # the lease, 0.3 s, has passed
+    expired = core.table.expire(core.clock() + 0.35)  # the lease, 0.3 s, has passed
     assert [s.request_id for s in expired] == ["t"]
     assert expired[0].reason is FailureReason.TIMEOUT
     assert "for 0.3 s (decode's reservation" in expired[0].detail, expired[0].detail
@@ -479,7 +479,7 @@ def test_no_flag_and_no_record_waits_for_the_offers_answer_then_times_out() -> N
     _notify(core, conn)
     io.run_all()
     assert core.status("r").state is TransferState.TRANSFERRING
-    expired = core.table.expire(core.table.clock() + 0.1)
+    expired = core.table.expire(core.clock() + 0.1)
     assert [s.request_id for s in expired] == ["r"]
     st = core.status("r")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.TIMEOUT
@@ -592,7 +592,7 @@ def test_a_kept_offer_grows_the_lease_by_the_bytes_time_only(answer: Offered | N
     prefill.answer = answer
     res = core.reserve("r", SEQ, PREFILL)
     core.offer(res)
-    left = core.table.left("r")
+    left = core.table.left("r", now=core.clock())
     assert left is not None
     want = 15.0 if answer is None else 10.0  # never the 30 s Transferring
     assert want - 0.5 < left <= want, left

@@ -321,7 +321,8 @@ def test_a_deadline_passing_during_a_resend_ends_it_with_one_abort() -> None:
 
     def deadline() -> None:
         # The sweep finds the deadline passed while the resend's handshake hangs.
-        snap = core.table.fail("r", FailureReason.TIMEOUT, "Transferring took longer than 30 s")
+        snap = core.table.fail("r", FailureReason.TIMEOUT, "Transferring took longer than 30 s",
+                               now=core.clock())
         assert snap is not None
         core.on_deadline(snap)
 

@@ -62,8 +62,8 @@ def _landed(core: DecodeCore, conn: PeerConn, tid: int) -> list[object]:
 
 def test_a_begun_write_that_lands_asks_for_its_check_and_the_verdict_is_success() -> None:
     core, conn = _core()
-    res = core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True)
+    res = core.reserve("r", 300, PREFILL, now=0.0)
+    core.begin_write("r", conn.instance_id, 300, True, now=0.0)
     assert _landed(core, conn, res.transfer_id) == [CheckLanding(res, res.transfer_id)]
     assert res.landing is Landing.VERIFYING  # asked once: a second notification asks nothing
     assert _landed(core, conn, res.transfer_id) == []
@@ -75,8 +75,8 @@ def test_a_begun_write_that_lands_asks_for_its_check_and_the_verdict_is_success(
 
 def test_a_failed_verdict_frees_the_slot_then_tells_prefill() -> None:
     core, conn = _core()
-    res = core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True)
+    res = core.reserve("r", 300, PREFILL, now=0.0)
+    core.begin_write("r", conn.instance_id, 300, True, now=0.0)
     _landed(core, conn, res.transfer_id)
     bad = Verdict(False, "XXH3-128 mismatch in 1 buffer(s): target.layer1.c4_kv")
     assert core.checked(res, res.transfer_id, bad, now=6.0) == [
@@ -88,8 +88,8 @@ def test_a_failed_verdict_frees_the_slot_then_tells_prefill() -> None:
 
 def test_a_verdict_on_a_replaced_landing_does_nothing() -> None:
     core, conn = _core()
-    res = core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True)
+    res = core.reserve("r", 300, PREFILL, now=0.0)
+    core.begin_write("r", conn.instance_id, 300, True, now=0.0)
     old = res.transfer_id
     _landed(core, conn, old)
     res.transfer_id += 16  # what a relink does, under the lock, before the verdict
@@ -99,12 +99,12 @@ def test_a_verdict_on_a_replaced_landing_does_nothing() -> None:
 
 def test_the_offer_is_an_action_and_an_answer_without_digests_may_start_the_check() -> None:
     core, conn = _core()
-    res = core.reserve("r", 300, PREFILL)
+    res = core.reserve("r", 300, PREFILL, now=0.0)
     [offer] = core.offer(res, 0.0)
     assert isinstance(offer, SendOffer) and offer.conn is conn and offer.res is res
     assert offer.grant.transfer_id == res.transfer_id and offer.lease_s > 0
     assert core.offer(res, 0.0) == []  # granted already: no second Offer
-    assert core.offer_sent(res, True) == [Count("offers", "made")]
+    assert core.offer_sent(res, True, 0.0) == [Count("offers", "made")]
     # The bytes land before any answer, with no record in the slot: the check waits.
     assert _landed(core, conn, res.transfer_id) == []
     assert core.status("r").state is TransferState.TRANSFERRING
@@ -115,7 +115,7 @@ def test_the_offer_is_an_action_and_an_answer_without_digests_may_start_the_chec
 
 def test_a_refused_offer_takes_the_grant_back() -> None:
     core, conn = _core()
-    res = core.reserve("r", 300, PREFILL)
+    res = core.reserve("r", 300, PREFILL, now=0.0)
     core.offer(res, 0.0)
     assert core.answer_arrived("r", res.transfer_id, conn.instance_id,
                                Offered.REFUSED) == [Count("offers", "refused")]
@@ -124,18 +124,18 @@ def test_a_refused_offer_takes_the_grant_back() -> None:
 
 def test_an_offer_not_sent_is_a_refusal() -> None:
     core, _conn = _core()
-    res = core.reserve("r", 300, PREFILL)
+    res = core.reserve("r", 300, PREFILL, now=0.0)
     core.offer(res, 0.0)
-    assert core.offer_sent(res, False) == [Count("offers", "refused")]
+    assert core.offer_sent(res, False, 0.0) == [Count("offers", "refused")]
     assert res.peer_instance == "" and not res.offered
 
 
 def test_a_mark_asks_for_its_digests_and_the_last_piece_for_the_check() -> None:
     core, conn = _core()
     core.sub_batch_bytes = 1 << 12
-    res = core.reserve("r", 300, PREFILL)
+    res = core.reserve("r", 300, PREFILL, now=0.0)
     assert len(res.sub_batches) >= 1
-    core.begin_write("r", conn.instance_id, 300, True)
+    core.begin_write("r", conn.instance_id, 300, True, now=0.0)
     tid = res.transfer_id
     assert _landed(core, conn, tid + 1) == [DigestMark(res, tid, 1)]
     job = DigestPool(0).start(DigestParts([]))
@@ -146,9 +146,9 @@ def test_a_mark_asks_for_its_digests_and_the_last_piece_for_the_check() -> None:
 
 def test_a_scheduler_abort_of_a_granted_request_drains_prefill_first() -> None:
     core, conn = _core()
-    res = core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True)
-    st, actions = core.abort("r", from_peer=False, detail="stop")
+    res = core.reserve("r", 300, PREFILL, now=0.0)
+    core.begin_write("r", conn.instance_id, 300, True, now=0.0)
+    st, actions = core.abort("r", from_peer=False, detail="stop", now=0.0)
     assert st.state is TransferState.FAILED
     assert actions == [DrainPrefill(res, conn, "stop")] and core.slot_of("r") != -1
     # Prefill did not confirm, and the link is still there: only this slot stays held.
@@ -161,16 +161,16 @@ def test_a_scheduler_abort_of_a_granted_request_drains_prefill_first() -> None:
 
 def test_an_abort_before_any_grant_frees_at_once_and_tells_prefill() -> None:
     core, conn = _core()
-    core.reserve("r", 300, PREFILL)
-    _st, actions = core.abort("r", from_peer=False, detail="stop")
+    core.reserve("r", 300, PREFILL, now=0.0)
+    _st, actions = core.abort("r", from_peer=False, detail="stop", now=0.0)
     assert actions == [Freed("r"), TellPrefill(conn, "r", "stop")]
 
 
 def test_an_unconfirmed_abort_past_its_budget_drops_only_that_link() -> None:
     core, conn = _core(budget_s=2.0)
-    res = core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True)
-    core.abort("r", from_peer=False, detail="stop")
+    res = core.reserve("r", 300, PREFILL, now=0.0)
+    core.begin_write("r", conn.instance_id, 300, True, now=0.0)
+    core.abort("r", from_peer=False, detail="stop", now=0.0)
     core.drain_answered(res, "stop", confirmed=False, now=10.0)
     core.ask_again_s = 1.0
     assert core.periodic(now=11.5) == [DrainPrefill(res, conn, "stop")]  # asked again
@@ -179,34 +179,35 @@ def test_an_unconfirmed_abort_past_its_budget_drops_only_that_link() -> None:
     actions = core.periodic(now=12.5)
     assert actions == [DropLink(conn, "prefill did not confirm the abort of r", gone=False)]
     # The driver released the link: the request is free now.
-    assert core.link_dropped(conn, "released", gone=False) == [Freed("r")]
+    assert core.link_dropped(conn, "released", gone=False, now=0.0) == [Freed("r")]
 
 
 def test_a_link_failure_is_a_dropped_link_and_keeps_the_requests() -> None:
     core, conn = _core()
-    core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True)
+    core.reserve("r", 300, PREFILL, now=0.0)
+    core.begin_write("r", conn.instance_id, 300, True, now=0.0)
     event = Event(EventKind.LINK_FAILED, conn.link.id, None, ok=False, status="RETRY_EXC",
                   detail="x")
     assert core.on_event(event, now=1.0) == [
         DropLink(conn, "link failed: RETRY_EXC: x", gone=False)]
-    assert core.link_dropped(conn, "link failed", gone=False) == []  # resent later
+    assert core.link_dropped(conn, "link failed", gone=False, now=0.0) == []  # resent later
     assert core.status("r").state is TransferState.TRANSFERRING
 
 
 def test_a_lost_peer_fails_and_frees_its_requests() -> None:
     core, conn = _core()
-    core.reserve("a", 300, PREFILL)
-    core.reserve("b", 300, PREFILL)
-    core.begin_write("a", conn.instance_id, 300, True)
-    assert core.link_dropped(conn, "heartbeats lost", gone=True) == [Freed("a"), Freed("b")]
+    core.reserve("a", 300, PREFILL, now=0.0)
+    core.reserve("b", 300, PREFILL, now=0.0)
+    core.begin_write("a", conn.instance_id, 300, True, now=0.0)
+    assert core.link_dropped(conn, "heartbeats lost", gone=True, now=0.0) == [Freed("a"),
+                                                                               Freed("b")]
     assert core.status("a").reason is FailureReason.PEER_FAILED
 
 
 def test_the_hand_off_lease_frees_a_success_nobody_released() -> None:
     core, conn = _core(integrity=False)
-    res = core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, False)
+    res = core.reserve("r", 300, PREFILL, now=0.0)
+    core.begin_write("r", conn.instance_id, 300, False, now=0.0)
     assert _landed(core, conn, res.transfer_id) == [CheckLanding(res, res.transfer_id)]
     core.checked(res, res.transfer_id, Verdict(True, "not verified"), now=100.0)
     assert core.periodic(now=129.0) == []
@@ -236,10 +237,10 @@ def test_a_decline_tells_prefill_on_its_connection_or_once_it_connected() -> Non
 
 def test_shutdown_fails_what_is_live_then_frees_it_all() -> None:
     core, conn = _core()
-    core.reserve("a", 300, PREFILL)
-    res = core.reserve("b", 300, PREFILL)
-    core.begin_write("b", conn.instance_id, 300, True)
-    assert core.fail_live("bye") == [(conn, "a"), (conn, "b")]
+    core.reserve("a", 300, PREFILL, now=0.0)
+    res = core.reserve("b", 300, PREFILL, now=0.0)
+    core.begin_write("b", conn.instance_id, 300, True, now=0.0)
+    assert core.fail_live("bye", 0.0) == [(conn, "a"), (conn, "b")]
     assert core.status("b").reason is FailureReason.SHUTDOWN
     assert core.free_all("shutdown") == [Freed("a"), Freed("b")]
     assert res.request_id == "b" and core.slot_of("b") == -1
@@ -248,8 +249,8 @@ def test_shutdown_fails_what_is_live_then_frees_it_all() -> None:
 def test_the_real_digests_of_a_landing_make_the_same_verdict_as_a_test_one() -> None:
     """The driver's check (LandingCheck) against the record a real prefill writes."""
     core, conn = _core()
-    res = core.reserve("r", 300, PREFILL)
-    core.begin_write("r", conn.instance_id, 300, True)
+    res = core.reserve("r", 300, PREFILL, now=0.0)
+    core.begin_write("r", conn.instance_id, 300, True, now=0.0)
     land_record(core, "r", request_digests(core.pools, res.indices))
     [check] = _landed(core, conn, res.transfer_id)
     assert isinstance(check, CheckLanding)
@@ -271,9 +272,9 @@ def test_a_landing_checked_as_it_lands_goes_to_success_in_one_change() -> None:
                               (1, TransferState.TRANSFERRING)):
         seen: list[TransferStatus] = []
         core, conn = _core(check_inline_below=below, on_change=seen.append)
-        res = core.reserve("r", 300, PREFILL)
+        res = core.reserve("r", 300, PREFILL, now=0.0)
         core.offer(res, 0.0)
-        core.offer_sent(res, True)
+        core.offer_sent(res, True, 0.0)
         land_record(core, "r", bytes(16 * 13))  # prefill's answer is its record (protocol 8)
         before, version = len(seen), core.status("r").version
         assert _landed(core, conn, res.transfer_id) == [CheckLanding(res, res.transfer_id)]
@@ -315,7 +316,7 @@ def _unconnected() -> DecodeCore:
 
 def test_a_reservation_naming_an_unconnected_prefill_asks_it_to_connect_once() -> None:
     core = _unconnected()
-    a, b = core.reserve("a", 300, PREFILL), core.reserve("b", 300, PREFILL)
+    a, b = core.reserve("a", 300, PREFILL, now=0.0), core.reserve("b", 300, PREFILL, now=0.0)
     assert core.offer(a, 1.0) == [DialPrefill(PREFILL, ("a", "b"))]
     assert core.offer(b, 1.0) == []  # the ask under way serves it too
     conn = fake_conn(PREFILL, AllocatedSide(layout()))
@@ -333,7 +334,7 @@ def test_a_refused_pairing_fails_the_reservations_at_once_with_the_refusal(
     deadline, and its pages are free. Prefill needs no word: the ask named the request,
     and prefill ended it itself when its handshake was refused."""
     core = _unconnected()
-    res = core.reserve("a", 300, PREFILL)
+    res = core.reserve("a", 300, PREFILL, now=0.0)
     assert core.offer(res, 1.0) == [DialPrefill(PREFILL, ("a",))]
     refusal = DialRefused(FailureReason.INCOMPATIBLE, f"prefill daemon at {PREFILL} could "
                           "not pair with this decode: block size: prefill=128, decode=64")
@@ -347,7 +348,7 @@ def test_a_refused_pairing_fails_the_reservations_at_once_with_the_refusal(
 
 def test_an_unreachable_prefill_fails_the_reservations_at_once_telling_nobody() -> None:
     core = _unconnected()
-    res = core.reserve("a", 300, PREFILL)
+    res = core.reserve("a", 300, PREFILL, now=0.0)
     core.offer(res, 1.0)
     down = DialRefused(FailureReason.PEER_UNREACHABLE, f"{PREFILL}: connection refused")
     assert core.dialed(PREFILL, "", down, now=1.2) == [Count("connects", "unreachable"),
@@ -359,19 +360,19 @@ def test_an_answer_that_says_nothing_about_the_pair_leaves_the_reservations_and_
     """An older prefill (no Connect) or a busy one: the reservations wait for their
     deadline as before, and decode does not ask that prefill again for a while."""
     core = _unconnected()
-    a = core.reserve("a", 300, PREFILL)
+    a = core.reserve("a", 300, PREFILL, now=0.0)
     core.offer(a, 1.0)
     old = DialRefused(FailureReason.PEER_UNREACHABLE, "UNIMPLEMENTED", retry=True)
     assert core.dialed(PREFILL, "", old, now=1.1) == [Count("connects", "retry")]
     assert core.status("a").state is TransferState.BOOTSTRAPPING
-    b = core.reserve("b", 300, PREFILL)
+    b = core.reserve("b", 300, PREFILL, now=0.0)
     assert core.offer(b, 2.0) == []  # paused
     assert core.offer(b, 1.1 + ASK_AGAIN_AFTER_S + 0.1) == [DialPrefill(PREFILL, ("a", "b"))]
 
 
 def test_a_prefill_that_connects_under_another_address_fails_the_reservation_clearly() -> None:
     core = _unconnected()
-    res = core.reserve("a", 300, PREFILL)
+    res = core.reserve("a", 300, PREFILL, now=0.0)
     core.offer(res, 1.0)
     conn = fake_conn("10.9.9.9:7", AllocatedSide(layout()))
     core.peers.add(conn)

@@ -35,16 +35,16 @@ def table_with(metrics: DaemonMetrics) -> TransferTable:
 def test_observer_counts_creations_outcomes_latency_and_bytes() -> None:
     m = DaemonMetrics("decode")
     t = table_with(m)
-    t.create("ok", "10.0.0.1:1")
-    t.create("bad", "10.0.0.1:1")
+    t.create("ok", "10.0.0.1:1", now=0.0)
+    t.create("bad", "10.0.0.1:1", now=0.0)
     s = collect(m.registry)
     assert value(s, "kvbeam_transfers_started_total") == 2
     assert value(s, "kvbeam_transfers_total", state="Success", reason="none") == 0
-    t.advance("ok", TransferState.WAITING_FOR_INPUT)
-    t.advance("ok", TransferState.TRANSFERRING)
-    assert t.advance("ok", TransferState.SUCCESS, nbytes=1000).nbytes == 1000
-    t.fail("bad", FailureReason.ABORTED, "test")
-    t.fail("bad", FailureReason.TIMEOUT, "already failed: no change, no count")
+    t.advance("ok", TransferState.WAITING_FOR_INPUT, now=0.0)
+    t.advance("ok", TransferState.TRANSFERRING, now=0.0)
+    assert t.advance("ok", TransferState.SUCCESS, nbytes=1000, now=0.0).nbytes == 1000
+    t.fail("bad", FailureReason.ABORTED, "test", now=0.0)
+    t.fail("bad", FailureReason.TIMEOUT, "already failed: no change, no count", now=0.0)
     s = collect(m.registry)
     assert value(s, "kvbeam_transfers_total", state="Success", reason="none") == 1
     assert value(s, "kvbeam_transfers_total", state="Failed", reason="aborted") == 1
@@ -167,14 +167,14 @@ def test_registries_are_per_daemon() -> None:
     a, b = DaemonMetrics("prefill"), DaemonMetrics("decode")
     t = table_with(a)
     for rid in ("r1", "r2", "r3"):
-        t.create(rid, "10.0.0.1:1")
+        t.create(rid, "10.0.0.1:1", now=0.0)
     assert value(collect(a.registry), "kvbeam_transfers_started_total") == 3
     assert value(collect(b.registry), "kvbeam_transfers_started_total") == 0
 
 
 def test_endpoint_binds_port_zero_and_refuses_a_port_in_use() -> None:
     m = DaemonMetrics("decode")
-    table_with(m).create("r1", "10.0.0.1:1")
+    table_with(m).create("r1", "10.0.0.1:1", now=0.0)
     bound = m.serve("127.0.0.1:0")
     try:
         host, _, port = bound.rpartition(":")
@@ -204,7 +204,7 @@ def _ask(bound: str, raw: bytes) -> bytes:
 
 def test_endpoint_answers_what_a_scraper_asks_and_refuses_the_rest() -> None:
     m = DaemonMetrics("prefill")
-    table_with(m).create("r1", "10.0.0.1:1")
+    table_with(m).create("r1", "10.0.0.1:1", now=0.0)
     bound = m.serve("127.0.0.1:0")
     try:
         ok = _ask(bound, b"GET /metrics?x=1 HTTP/1.1\r\nHost: a\r\n\r\n")

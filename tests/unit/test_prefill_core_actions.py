@@ -88,7 +88,8 @@ def test_the_first_step_connects_once_per_address_and_the_handshake_starts_every
     assert core.step(second, now=1.0) == []  # waits for the same handshake
     assert first.step is Step.CONNECTING and second.step is Step.CONNECTING
     conn = _conn()
-    assert core.connected(DECODE, conn, None, elapsed=0.2) == [RunStep(first), RunStep(second)]
+    assert core.connected(DECODE, conn, None, began=0.8, now=1.0) == [RunStep(first),
+                                                                       RunStep(second)]
     assert core.peers.by_address(DECODE) is conn and first.asked  # no offer is coming
 
 
@@ -99,7 +100,7 @@ def test_a_failed_handshake_fails_every_waiter_and_tells_decode_by_address() -> 
     error = SendFailed(FailureReason.PEER_UNREACHABLE, "decode at 127.0.0.1:9: refused")
     # Nothing was written: decode (which may hold its reservation) is told at once, by a
     # call of its own (there is no connection).
-    assert core.connected(DECODE, None, error, elapsed=0.1) == [TellDecode(
+    assert core.connected(DECODE, None, error, began=0.9, now=1.0) == [TellDecode(
         None, DECODE, "r", "prefill failed: peer_unreachable: decode at 127.0.0.1:9: refused")]
     st = core.status("r")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.PEER_UNREACHABLE
@@ -201,7 +202,7 @@ def test_decode_that_forgot_us_is_dropped_and_the_request_handshakes_again_once(
     assert rec.rehandshake and rec.conn is None and list(rec.chunks) == [_FINAL]
     assert core.step(rec, now=1.2) == [Connect(DECODE)]
     conn2 = _conn()
-    assert core.connected(DECODE, conn2, None, elapsed=0.1) == [RunStep(rec)]
+    assert core.connected(DECODE, conn2, None, began=1.1, now=1.2) == [RunStep(rec)]
     assert core.step(rec, now=1.3) == [Count("offers", "missed"),
                                        AskGrant(rec, conn2, _FINAL)]
     # The second time is a failure: the peer failed.
@@ -238,7 +239,7 @@ def test_an_offer_for_a_request_that_failed_here_is_refused_and_decode_told_at_o
     core, conn = _core(send_wait_s=5.0), _conn()
     core.peers.add(conn)
     assert core.send("r", 1, SEQ, DECODE, [], True, now=1.0) == []  # parked: no offer yet
-    assert core.table.fail("r", FailureReason.TIMEOUT, "no reservation within 5.0 s")
+    assert core.table.fail("r", FailureReason.TIMEOUT, "no reservation within 5.0 s", now=2.0)
     kept, actions = core.offer("r", conn.instance_id, SEQ, _grant(), 10.0, now=7.0)
     assert not kept and not core.offers.has("r")
     assert actions == [Count("offers", "refused"), TellDecode(
@@ -253,7 +254,7 @@ def test_an_offer_for_a_request_that_succeeded_here_is_refused_without_an_abort(
     rec = _asking(core, conn)
     [post] = core.granted(rec, conn, _FINAL, _grant(7), None, elapsed=0.01, now=1.1)
     assert isinstance(post, PostWrites) and core.book(post, separate=False)
-    core.table.advance("r", TransferState.SUCCESS)
+    core.table.advance("r", TransferState.SUCCESS, now=2.0)
     kept, actions = core.offer("r", conn.instance_id, SEQ, _grant(8), 10.0, now=2.0)
     assert (kept, actions) == (False, [Count("offers", "refused")])
 
@@ -266,7 +267,7 @@ def test_an_offer_for_a_failed_request_whose_writes_are_in_flight_waits_for_the_
     rec = _asking(core, conn)
     [post] = core.granted(rec, conn, _FINAL, _grant(7), None, elapsed=0.01, now=1.1)
     assert isinstance(post, PostWrites) and core.book(post, separate=False)
-    core.table.fail("r", FailureReason.ABORTED, "aborted by the scheduler")
+    core.table.fail("r", FailureReason.ABORTED, "aborted by the scheduler", now=2.0)
     assert not rec.drained
     kept, actions = core.offer("r", conn.instance_id, SEQ, _grant(8), 10.0, now=2.0)
     assert (kept, actions) == (False, [Count("offers", "refused")])

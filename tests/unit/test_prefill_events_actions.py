@@ -48,14 +48,14 @@ def _posted(retries: int = 0, drain_s: float = 5.0
 
 def test_a_completion_is_success_and_asks_for_nothing() -> None:
     core, _io, conn, _rec, tid = _posted()
-    assert core.handle_event(cast(FakeLink, conn.link).completion(tid)) == []
+    assert core.handle_event(cast(FakeLink, conn.link).completion(tid), 2.0) == []
     assert core.status("r").state is TransferState.SUCCESS
 
 
 def test_a_failed_write_with_a_resend_left_resends_and_drops_only_the_link() -> None:
     core, io, conn, rec, tid = _posted(retries=1)
     failed = cast(FakeLink, conn.link).completion(tid, ok=False, status="IBV_WC_RETRY_EXC_ERR")
-    assert core.handle_event(failed) == [
+    assert core.handle_event(failed, 2.0) == [
         Count("resends"), RunStep(rec),
         DropLink(conn, "write failed: IBV_WC_RETRY_EXC_ERR", gone=False)]
     assert core.peers.by_address(ADDR) is None  # no new step picks the dead link
@@ -65,7 +65,7 @@ def test_a_failed_write_with_a_resend_left_resends_and_drops_only_the_link() -> 
 def test_a_failed_write_without_a_resend_fails_and_tells_decode_once() -> None:
     core, _io, conn, _rec, tid = _posted(retries=0)
     failed = cast(FakeLink, conn.link).completion(tid, ok=False, status="IBV_WC_RETRY_EXC_ERR")
-    [tell, drop] = core.handle_event(failed)
+    [tell, drop] = core.handle_event(failed, 2.0)
     assert isinstance(tell, TellDecode) and tell.conn is conn and tell.request_id == "r"
     assert tell.detail.startswith("prefill failed: transport_error: write failed")
     assert drop == DropLink(conn, "write failed: IBV_WC_RETRY_EXC_ERR", gone=False)
@@ -79,16 +79,16 @@ def test_a_link_failure_event_is_a_dropped_link() -> None:
     core, _io, conn, _rec, _tid = _posted()
     event = Event(EventKind.LINK_FAILED, conn.link.id, None, ok=False, status="QP_ERR",
                   detail="x")
-    assert core.handle_event(event) == [DropLink(conn, "link failed: QP_ERR: x", gone=False)]
+    assert core.handle_event(event, 2.0) == [DropLink(conn, "link failed: QP_ERR: x", gone=False)]
 
 
 def test_a_deadline_tells_decode_only_once_the_writes_drained() -> None:
     core, _io, conn, rec, tid = _posted()
-    core.table.fail("r", FailureReason.TIMEOUT, "transferring took too long")
+    core.table.fail("r", FailureReason.TIMEOUT, "transferring took too long", now=2.0)
     st = core.status("r")
     assert core.handle_deadline(st) == []  # its write is still in flight
     # The write completes (it failed with the request): decode is told now, once.
-    [tell] = core.handle_event(cast(FakeLink, conn.link).completion(tid))
+    [tell] = core.handle_event(cast(FakeLink, conn.link).completion(tid), 2.0)
     assert isinstance(tell, TellDecode) and tell.conn is conn and tell.request_id == "r"
     assert tell.detail == "prefill failed: transferring took too long"
     assert core.handle_deadline(st) == [] and rec.told_decode
@@ -97,18 +97,18 @@ def test_a_deadline_tells_decode_only_once_the_writes_drained() -> None:
 def test_a_dropped_link_resends_what_it_may_and_a_lost_peer_fails_it_all() -> None:
     core, _io, conn, rec, _tid = _posted(retries=1)
     core.peers.remove(conn)
-    assert core.link_dropped(conn, "link failed", gone=False) == []  # a write outstanding
+    assert core.link_dropped(conn, "link failed", gone=False, now=2.0) == []  # a write outstanding
     assert rec.resend_cause == "link failed"
     core2, _io2, conn2, _rec2, _tid2 = _posted(retries=1)
     core2.peers.remove(conn2)
-    assert core2.link_dropped(conn2, "heartbeats lost", gone=True) == []  # no one to tell
+    assert core2.link_dropped(conn2, "heartbeats lost", gone=True, now=2.0) == []  # no one to tell
     st = core2.status("r")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.PEER_FAILED
 
 
 def test_the_sweep_abandons_writes_that_do_not_drain_by_dropping_their_link() -> None:
     core, _io, conn, rec, _tid = _posted(drain_s=2.0)
-    core.table.fail("r", FailureReason.ABORTED, "aborted")
+    core.table.fail("r", FailureReason.ABORTED, "aborted", now=2.0)
     assert core.sweep(now=100.0) == [] and rec.failed_at == 100.0
     assert core.sweep(now=101.0) == []
     assert core.sweep(now=102.5) == [DropLink(conn, "writes of r did not drain", gone=False)]
@@ -118,8 +118,8 @@ def test_the_sweep_abandons_writes_that_do_not_drain_by_dropping_their_link() ->
 
 def test_shutdown_lists_every_live_request_once() -> None:
     core, _io, conn, _rec, _tid = _posted()
-    assert core.fail_live("bye") == [(conn, ADDR, "r")]
-    assert core.fail_live("bye") == []
+    assert core.fail_live("bye", 2.0) == [(conn, ADDR, "r")]
+    assert core.fail_live("bye", 2.0) == []
     assert core.status("r").reason is FailureReason.SHUTDOWN
 
 
