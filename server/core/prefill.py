@@ -18,8 +18,8 @@ a handshake's or a BeginWrite's answer, a post's outcome, a transport event, the
 sweep's time) and returns the actions its driver does
 (:mod:`kvbeam.server.core.prefill_actions`: connect, ask for a grant, post writes,
 tell decode, drop a link, run a step, count). It holds no executor, no peer client,
-no digest pool and no clock (``now`` is an argument). It takes its one lock, since
-events arrive on several threads, only while it decides. The driver,
+no digest pool and no clock (``now`` is an argument), and takes no lock: the daemon's
+loop is its one caller (another thread's event is handed to the loop). The driver,
 :class:`~kvbeam.server.core.prefill_driver.PrefillDriver`, is what the daemon calls.
 """
 
