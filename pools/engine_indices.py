@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbeam.errors import BadIndexList, BadKvSkip
-from kvbeam.pools.indices import INT64, expected_lengths
+from kvbeam.pools.indices import INT64, expected_lengths, request_indices
 from kvbeam.pools.layout import LayoutCache, SideLayout
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import EXACT_MATCH_KINDS, INDEX_KINDS, IndexKind
@@ -238,6 +238,18 @@ def validate_prefix(side: str, spec: PoolSpec, layout: SideLayout, kind: IndexKi
            shape.items("target", kind, False), seq_len, True, "")
 
 
+def slot_lists(spec: PoolSpec, layout: SideLayout, slot: int, seq_len: int) -> Lists:
+    """Request slot ``slot``'s items (:func:`~kvbeam.pools.indices.request_indices`) as
+    an engine names its own: a list of each kind ``layout`` uses, no other. What a gRPC
+    Send's ``source_slot`` stands for; validated as any lists are.
+
+    Raises:
+        PlanError: ``slot`` or ``seq_len`` out of range, naming the value and the range.
+    """
+    used = _shape(layout).used
+    return {k: v for k, v in request_indices(spec, slot, seq_len).items() if k in used}
+
+
 def same_lists(a: Mapping[IndexKind, npt.NDArray[np.int64]],
                b: Mapping[IndexKind, npt.NDArray[np.int64]]) -> bool:
     """True when two sets of lists name the same kinds with equal lists."""
@@ -250,9 +262,11 @@ def check_kv_skip(side: str, spec: PoolSpec, layout: SideLayout, kv_skip: int, s
     does not write) on ``side``; return how many KV pages are left to move (None for
     ``kv_skip`` 0: the whole request, nothing to check).
 
-    It has a meaning only for the engine's own lists (``lists``) on a layout of KV pages
-    alone, without a draft pool: a state component, an SWA list or a ring (DSV4) holds
-    what the whole prefix computed, and a draft's own lists are not the target's pages.
+    It has a meaning only for lists that may name the request's tail (``lists``: decode's
+    engine lists, not its slot-based ones, which are the whole request's; prefill's
+    source lists always, since kv_skip picks their tail) on a layout of KV pages alone,
+    without a draft pool: a state component, an SWA list or a ring (DSV4) holds what the
+    whole prefix computed, and a draft's own lists are not the target's pages.
     At least one page must be left to move: a request decode holds whole is declined
     (DECLINE), not reserved.
 

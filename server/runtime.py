@@ -87,11 +87,13 @@ class Runtime:
         self._pools: Pools | None = None
         self.attach_server: AttachServer | None = None
         self.gauges: AttachGauges | None = None  # engine mode only
-        own: AllocatedSide | None = None
+        #: --pools own: the pools allocated here, which :meth:`start` installs as an
+        #: engine's attach installs its memory (None once installed, or engine mode).
+        self._own: AllocatedSide | None = None
         if not self.engine_mode and self.expected is not None and layout is not None:
-            own = AllocatedSide(layout, settings.pool_device)
+            self._own = AllocatedSide(layout, settings.pool_device)
             if settings.fill_seed >= 0:
-                own.fill_pattern(settings.fill_seed)
+                self._own.fill_pattern(settings.fill_seed)
         host = settings.data_host or settings.advertised.rpartition(":")[0]
         #: The daemon's loop: the peer channels, the attach socket and the engine
         #: channel, the transport (TCP's sockets; RDMA's posts, polls and completion
@@ -118,10 +120,6 @@ class Runtime:
         #: after the pools; an engine attach keeps it when its shape still fits.
         self.records: RecordArea | None = None
         self._records_reg: Registration | None = None
-        if own is not None and self.expected is not None:
-            self._pools = Pools(self.expected, own.layout, own,
-                                self.transport.register(own.tensor_regions(), self.access))
-            self._fit_records(own.layout, self.expected.target)
         self.metrics = DaemonMetrics(self.role.value)
         #: The daemon's clock (seconds, monotonic): its transfer table's deadlines, its
         #: peer channels' heartbeats and call deadlines, its sweep. Tests that build
@@ -153,8 +151,9 @@ class Runtime:
         #: Where /metrics is served ("" when --metrics is off); set by :meth:`start`.
         self.metrics_address = ""
         self._stop = threading.Event()
-        #: Whether an engine attached in this daemon's life (a later attach is new memory).
-        self._attached_before = False
+        #: Whether pools were installed in this daemon's life (a later attach is new
+        #: memory).
+        self._installed_before = False
         #: kvbeam_info's labels; ``instance`` follows a re-attach's new id.
         self.info = {"role": self.role.value, "instance": self.local.instance_id,
                      "transport": self.transport.kind, "version": __version__}
@@ -189,7 +188,7 @@ class Runtime:
 
     @property
     def attached(self) -> bool:
-        """True while the daemon has pools (always with --pools own)."""
+        """True while the daemon has pools (with --pools own: from :meth:`start` on)."""
         return self._pools is not None
 
     @property
@@ -206,11 +205,6 @@ class Runtime:
     def pools(self) -> AllocatedSide:
         """The pools (see :attr:`config`)."""
         return self._require().side
-
-    def initial_pools(self) -> tuple[PoolSpec | None, SideLayout | None, AllocatedSide | None]:
-        """What the cores start with: the own pools, or nothing (an engine attaches later)."""
-        p = self._pools
-        return (None, None, None) if p is None else (p.config.target, p.layout, p.side)
 
     def _fit_records(self, layout: SideLayout, spec: PoolSpec) -> RecordArea:
         """The digest records' area for this layout (kept when it still fits; else the
@@ -254,9 +248,10 @@ class Runtime:
         process's main thread); else the loop runs on a thread of its own.
 
         With ``--metrics`` the /metrics endpoint starts first, so a port clash stops
-        the daemon before it serves anything. With ``--pools engine`` the attach socket
-        is bound before the control server, and health stays NOT_SERVING until an
-        engine attaches.
+        the daemon before it serves anything. With ``--pools own`` the pools are
+        registered and installed (:meth:`_install`) before the control server serves;
+        with ``--pools engine`` the attach socket is bound before it, and health stays
+        NOT_SERVING until an engine attaches.
         """
         if self.settings.metrics:
             self.metrics_address = self.metrics.serve(self.settings.metrics, self.loop)
@@ -282,6 +277,12 @@ class Runtime:
                                               group=self.settings.attach_group,
                                               channel=self.engine_channel,
                                               offload=servicer.io.submit)
+        own, self._own = self._own, None
+        if own is not None and self.expected is not None:
+            registration = self.transport.register(own.tensor_regions(), self.access)
+            self._install(Pools(self.expected, own.layout, own, registration),
+                          self._fit_records(own.layout, self.expected.target),
+                          "own pools allocated", self.settings.pool_device)
         self.server = ControlServer(self.local, servicer=servicer, options=self.options)
         # SERVING only while pools exist (always with --pools own).
         self.health = self.server.health = GatedHealth(lambda: self.attached, HEALTH_SERVICES)
@@ -301,13 +302,9 @@ class Runtime:
 
     # ---- engine attach (on the executor: the attach server offloads it) ----------------
     def attach_engine(self, req: AttachRequest, fds: list[int], cred: PeerCred) -> str:
-        """Check and map an engine's memory, register it, hand it to the core, serve.
+        """Check and map an engine's memory, register it, serve it (:meth:`_install`).
 
-        Returns the daemon's instance id. The first attach keeps the id the daemon
-        started with (its listening line's: no peer can have handshaken before, a
-        daemon without memory refuses the handshake); an attach after a detach takes
-        a new one, logged with both, so that peers that handshook against the old
-        memory see a restart and handshake again.
+        Returns the daemon's instance id.
         """
         memory = map_engine_memory(req, fds, self.role.value, self.expected,  # closes fds
                                    dmabuf=self.dmabuf)
@@ -329,29 +326,41 @@ class Runtime:
             registration.release()
             unmap(memory.side.take_maps())
             raise
+        return self._install(Pools(memory.config, memory.layout, memory.side, registration),
+                             records, f"engine pid {cred.pid} attached", req.memory_kind)
+
+    def _install(self, pools: Pools, records: RecordArea, what: str, memory: str) -> str:
+        """Serve ``pools`` (registered, ``records`` fitted to them) from now on: the
+        daemon's own at start, or an attached engine's. The core gets the records' area,
+        then the pools; the side is new. Returns the daemon's instance id: the first
+        install keeps the id the daemon started with (its listening line's: no peer can
+        have handshaken before, a daemon without memory refuses the handshake); an
+        attach after a detach takes a new one, logged with both, so that peers that
+        handshook against the old memory see a restart and handshake again.
+        ``what`` and ``memory`` (its kind, or the own pools' device) go in the log line.
+        """
         core = self._servicer.core
         if self.role is Role.DECODE:
             cast("DecodeDriver", core).use_mailbox(records)
         else:
             cast("PrefillDriver", core).use_staging(records)
-        pools = Pools(memory.config, memory.layout, memory.side, registration)
         previous = self.local.instance_id
-        local = SideInfo(self.role, memory.layout, self._template_endpoint(),
+        local = SideInfo(self.role, pools.layout, self._template_endpoint(),
                          control_address=self.local.control_address)
-        if not self._attached_before:
+        if not self._installed_before:
             local = dataclasses.replace(local, instance_id=previous)
-        self._servicer.core.use_pools(memory.config.target, memory.layout, memory.side)
+        core.use_pools(pools.config.target, pools.layout, pools.side)
         self.local = self._servicer.local = local
         self._pools = pools
-        self._attached_before = True
+        self._installed_before = True
         self.info["instance"] = local.instance_id
         if self.gauges is not None:
             self.gauges.on_attach(pools)
         if self.health is not None:
             self.health.refresh()
-        log.info("engine pid %d attached: %s, %d region(s) registered (%s, %s), instance %s",
-                 cred.pid, memory.config.model, len(registration.regions),
-                 self.transport.kind, req.memory_kind, local.instance_id)
+        log.info("%s: %s, %d region(s) registered (%s, %s), instance %s", what,
+                 pools.config.model, len(pools.registration.regions), self.transport.kind,
+                 memory, local.instance_id)
         if local.instance_id != previous:
             log.info("instance id %s -> %s: an engine attached new memory after a detach; "
                      "peers that handshook with %s handshake again", previous,

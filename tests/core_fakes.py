@@ -15,11 +15,14 @@ from kvbeam.errors import AlreadyLanded, NotReserved, SendFailed
 from kvbeam.loop import DaemonLoop
 from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest_pool import DigestPool
+from kvbeam.pools.engine_indices import Lists
+from kvbeam.pools.engine_indices import slot_lists as layout_slot_lists
 from kvbeam.pools.indices import request_indices
 from kvbeam.pools.mailbox import HEADER, MAGIC, RecordArea, encode_record, request_hash
 from kvbeam.server.core.decode import DecodeCore
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.ports import WriteGrant
+from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.state.handshake import VerifiedPeer
 from kvbeam.server.state.lifecycle import Deadlines, TransferTable
@@ -244,15 +247,21 @@ def prefill_core(drain_s: float = 5.0, workers: int = 4, resend_retries: int = 0
     table = TransferTable(deadlines or Deadlines(), on_change=on_change)
     core = PrefillDriver(table=table, peers=Peers(), decode=fake, clock=clock,
                        io=io or ThreadPoolExecutor(workers, thread_name_prefix="test-io"),
-                       spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
                        integrity=integrity, drain_s=drain_s,
                        resend_retries=resend_retries, on_resend=on_resend,
                        send_wait_s=send_wait_s,
                        digest_pool=DigestPool(digest_threads, inline_below=0))
+    core.use_pools(UNIFIED_TARGET, lay, AllocatedSide(lay))
     fake.core = core  # type: ignore[attr-defined]  # names the records' request ids
     if io is None:  # threads: the core is the loop's alone, as in the daemon
         core.loop = started_loop()
     return core, fake
+
+
+def slot_lists(core: PrefillCore | PrefillDriver, slot: int, seq_len: int) -> Lists:
+    """The lists a gRPC Send's ``source_slot`` names in the core's pools (the API makes
+    them so: server/api/prefill.py)."""
+    return layout_slot_lists(core.spec, core.layout, slot, seq_len)
 
 
 def started_loop() -> DaemonLoop:

@@ -54,7 +54,7 @@ def open_client(args: argparse.Namespace) -> KvbeamClient:
 def print_status(status: Status, as_json: bool) -> int:
     """Print a status; exit code 0 unless it is Failed.
 
-    Text: the state, bytes done/total, the slot (a slot-based request's only) and the
+    Text: the state, bytes done/total, the slot (decode's slot-based reservation's) and the
     peer on the first line; then the index lists' lengths, the verification and the
     timeline (each state entered, ms after the request was created), one line each.
     """

@@ -103,7 +103,7 @@ class RoleCore(Protocol):
         """Run ``call`` on the daemon's loop (the table's and the core's reads)."""
 
     def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
-        """An engine attached its memory (``--pools engine``)."""
+        """Work in these pools from now on (the own ones at start, or an engine's)."""
 
     def drop_pools(self, detail: str) -> None:
         """The engine's memory goes: fail every live request, release every link."""

@@ -51,18 +51,16 @@ class DecodeServicer(DaemonServicer):
 
     def __init__(self, runtime: Runtime, workers: int = IO_WORKERS) -> None:
         super().__init__(runtime, workers)
-        spec, layout, pools = runtime.initial_pools()  # none yet with --pools engine
         self.core = self.decode = DecodeDriver(
             table=runtime.table, peers=runtime.peers,
             prefill=ChannelPrefillPeers(lambda: self.local, runtime.options, runtime.peers),
             io=self.io,
-            spec=spec, layout=layout, pools=pools,
             integrity=runtime.settings.integrity,
             handoff_lease_s=runtime.settings.handoff_lease_s,
             transfer_budget=runtime.settings.transfer_budget_s,
             on_offer=runtime.metrics.count_offer,
             wire_s=lambda n: n / (runtime.settings.transfer_floor_mbps * 1e6),
-            digest_pool=self.digest_pool, mailbox=runtime.records,
+            digest_pool=self.digest_pool,
             sub_batch_bytes=int(runtime.settings.verify_sub_batch_mib * (1 << 20)),
             clock=runtime.clock)
         self.decode.on_decline = runtime.metrics.declines.inc

@@ -27,6 +27,7 @@ from kvbeam.errors import (
     TransportError,
 )
 from kvbeam.logs import fields
+from kvbeam.pools.engine_indices import slot_lists
 from kvbeam.proto.fields import host_port
 from kvbeam.proto.kvbeam.v1 import kvbeam_pb2 as pb
 from kvbeam.proto.peer_frames import ABORT, OFFER, OFFER_ANSWER, notice
@@ -75,12 +76,10 @@ class PrefillServicer(DaemonServicer):
 
     def __init__(self, runtime: Runtime, workers: int = IO_WORKERS) -> None:
         super().__init__(runtime, workers)
-        spec, layout, pools = runtime.initial_pools()  # none yet with --pools engine
         decode = ChannelDecodePeers(lambda: self.local, runtime.transport, runtime.options,
                                     runtime.metrics, runtime.peers, self.channels)
         self.core = self.prefill = PrefillDriver(
             table=runtime.table, peers=runtime.peers, decode=decode, io=self.io,
-            spec=spec, layout=layout, pools=pools,
             integrity=runtime.settings.integrity,
             drain_s=runtime.transport_timeout(),
             transfer_budget=runtime.settings.transfer_budget_s,
@@ -88,7 +87,7 @@ class PrefillServicer(DaemonServicer):
             max_offers=runtime.settings.max_inflight,
             on_offer=runtime.metrics.count_offer,
             send_wait_s=runtime.settings.send_wait_s, digest_pool=self.digest_pool,
-            staging=runtime.records, staging_slots=runtime.settings.max_inflight,
+            staging_slots=runtime.settings.max_inflight,
             clock=runtime.clock)
         self.channel_handlers = {ABORT: (self.peer_abort, pb.AbortRequest, False)}
         self.channel_notices = {OFFER: (self.offer_notice, pb.OfferRequest)}
@@ -162,17 +161,31 @@ class PrefillServicer(DaemonServicer):
 
     @handled
     def Send(self, request: pb.SendRequest, context: grpc.ServicerContext) -> pb.TransferStatus:
-        """Queue (a chunk of) a request for decode; returns at once (poll Status)."""
+        """Queue (a chunk of) a request for decode; returns at once (poll Status).
+
+        Without index lists, a ``source_slot`` other than -1 names the slot's lists
+        (:func:`~kvbeam.pools.engine_indices.slot_lists`): the scheduler's slot
+        addressing ends here, the core knows lists only (a further chunk naming another
+        slot is refused as one naming other lists). -1 without lists: none (a further
+        chunk of a request whose first gave them)."""
         rid = request_id_of(request.request_id)
         seq_len = seq_len_of(request.seq_len, self.rt.config.target.max_context_len)
         if request.decode_address:  # empty: the decode whose reservation names it
             host_port(request.decode_address, "decode_address")
         target, draft = index_lists_from_proto(request.indices, "indices")
         chunks = [(r.start, r.end) for r in request.chunks]
+        slot = request.source_slot
+
+        def send() -> pb.TransferStatus:
+            # On the loop: the slot's lists are of the pools the Send then goes to.
+            indices = target if target or draft or slot == -1 else slot_lists(
+                self.prefill.spec, self.prefill.layout, slot, seq_len)
+            return self._status(self.prefill.send(rid, seq_len, request.decode_address,
+                                                  chunks, request.final_chunk,
+                                                  indices=indices, draft=draft))
+
         # The Send and its reply in one call handed to the loop, not two.
-        return self.prefill.on_loop(lambda: self._status(self.prefill.send(
-            rid, request.source_slot, seq_len, request.decode_address, chunks,
-            request.final_chunk, indices=target, draft=draft)))
+        return self.prefill.on_loop(send)
 
     def _offer(self, request: pb.OfferRequest, instance_id: str) -> pb.OfferResponse:
         """Decode's reservation ahead of Send: keep it, so the Send writes at once."""

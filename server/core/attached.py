@@ -1,4 +1,5 @@
-"""The pools a core works on, which an engine daemon gets only when an engine attaches.
+"""The pools a core works on, given after it is built: the daemon's own as it starts
+(``--pools own``), an engine's when it attaches (``--pools engine``).
 
 :class:`PoolsHolder` gives a core ``spec``, ``layout`` and ``pools`` attributes that
 raise :class:`~kvbeam.errors.NoEngineAttached` while there are none (``--pools

@@ -1,9 +1,9 @@
-"""What both cores share: their pools (an engine's, on ``--pools engine``) and status.
+"""What both cores share: their pools (the daemon's own or an engine's) and status.
 
 :class:`CoreBase` is the base of :class:`~kvbeam.server.core.prefill.PrefillCore`
 and :class:`~kvbeam.server.core.decode.DecodeCore`: one place for the status
-accessor and for taking up or refusing an engine's memory. Failing what was live
-first is the caller's (each role's driver): it is I/O (peers are told).
+accessor and for taking up or refusing pools (a core starts without any). Failing
+what was live first is the caller's (each role's driver): it is I/O (peers are told).
 """
 
 from __future__ import annotations
@@ -71,10 +71,10 @@ class CoreBase(PoolsHolder, ABC):
         """How this side verifies (or verified) the request's bytes, in words."""
 
     def _adopt(self, spec: PoolSpec, layout: SideLayout) -> None:
-        """Size the core's own state for an engine's config (decode: its slots)."""
+        """Size the core's own state for the pools' config (decode: its slots)."""
 
     def take_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
-        """Work in an engine's memory from now on (the caller failed what was live)."""
+        """Work in these pools from now on (the caller failed what was live)."""
         self._adopt(spec, layout)
         self._hold(spec, layout, pools)
 
@@ -135,8 +135,9 @@ class DriverBase(ABC, Generic[C]):
         """Fail every live request, tell the peer side of each (bounded), release links."""
 
     def use_pools(self, spec: PoolSpec, layout: SideLayout, pools: AllocatedSide) -> None:
-        """An engine attached: work in its memory from now on (a request that raced the
-        detach is failed first: its pages are stale)."""
+        """Work in these pools from now on: the daemon's own (at start) or an attached
+        engine's (a request that raced the detach is failed first: its pages are
+        stale)."""
         if self.core.table.live_count():
             self.shutdown("engine memory replaced while the request was being accepted")
         self.on_loop(lambda: self.core.take_pools(spec, layout, pools))

@@ -71,7 +71,6 @@ from kvbeam.errors import (
     UnknownRequest,
 )
 from kvbeam.logs import fields, request_log
-from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import DigestParts
 from kvbeam.pools.digest_pool import DigestJob
 from kvbeam.pools.engine_indices import ListLike, check_kv_skip, validate
@@ -139,16 +138,16 @@ class DecodeCore(CoreBase):
     role = "decode"
     ask_again_s = ASK_AGAIN_S
 
-    def __init__(self, *, table: TransferTable, peers: Peers, spec: PoolSpec | None,
-                 layout: SideLayout | None, pools: AllocatedSide | None, integrity: bool,
+    def __init__(self, *, table: TransferTable, peers: Peers, integrity: bool,
                  handoff_lease_s: float,
                  transfer_budget: Callable[[int], float] = lambda _n: 0.0,
                  wire_s: Callable[[int], float] = lambda _n: 0.0,
-                 mailbox: RecordArea | None = None, sub_batch_bytes: int = 0,
-                 check_inline_below: int = 0) -> None:
+                 sub_batch_bytes: int = 0, check_inline_below: int = 0) -> None:
         """``peers``: the verified prefills (read here; the driver removes a lost one).
-        ``mailbox``: the digest mailbox the daemon registered (REMOTE_WRITE) and
-        advertises; None: the core makes its own, unregistered (tests of the core).
+        Its pools come with :meth:`take_pools` (the daemon's own at start, or an
+        engine's at attach), its digest mailbox with :meth:`use_mailbox` before them
+        (the one the daemon registered REMOTE_WRITE and advertises; without it, as in
+        tests of the core, the core makes its own, unregistered).
         ``sub_batch_bytes``: the sub-batch size decode advertises
         (``--verify-sub-batch-mib``, :mod:`kvbeam.pools.sub_batches`; 0: none), with
         integrity on. ``check_inline_below``: a landing with fewer bytes is checked on
@@ -157,7 +156,6 @@ class DecodeCore(CoreBase):
         at once goes from WaitingForInput to Success in one change (0: none is)."""
         self.table = table
         self.peers = peers
-        self._hold(spec, layout, pools)  # none yet on an engine daemon (take_pools)
         self.integrity = integrity
         self.handoff_lease_s = handoff_lease_s
         #: Seconds Transferring allows for a number of bytes: a large request on a slow
@@ -166,10 +164,8 @@ class DecodeCore(CoreBase):
         self.wire_s = wire_s  # an offered reservation's lease grows by its bytes' time
         self.sub_batch_bytes = sub_batch_bytes if integrity else 0
         self.check_inline_below = check_inline_below
-        self.slots = SlotPool(spec.num_req_slots if spec is not None else 0)
-        self.mailbox: RecordArea | None = mailbox
-        if spec is not None and layout is not None:
-            self._fit_mailbox(spec, layout)
+        self.slots = SlotPool(0)  # none until its pools come (take_pools)
+        self.mailbox: RecordArea | None = None
         self._res: dict[str, Incoming] = {}
         self._by_transfer: dict[int, str] = {}
         self._pages = PageBook()  # no destination item in two live reservations
@@ -876,7 +872,7 @@ class DecodeCore(CoreBase):
         return actions
 
     def _adopt(self, spec: PoolSpec, layout: SideLayout) -> None:
-        """An engine attached: reserve slots (and its items) of its config from now on."""
+        """Pools came: reserve slots (and their items) of their config from now on."""
         self.slots = SlotPool(spec.num_req_slots)
         self._fit_mailbox(spec, layout)
         self._pages = PageBook()

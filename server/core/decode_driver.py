@@ -32,7 +32,6 @@ from kvbeam.pools.digest_pool import DigestPool
 from kvbeam.pools.engine_indices import ListLike
 from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.mailbox import RecordArea
-from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.base import DriverBase, named
@@ -67,25 +66,21 @@ class DecodeDriver(DriverBase[DecodeCore]):
     role = "decode"
 
     def __init__(self, *, table: TransferTable, peers: Peers, prefill: PrefillPeers,
-                 io: Executor, spec: PoolSpec | None, layout: SideLayout | None,
-                 pools: AllocatedSide | None, integrity: bool,
-                 handoff_lease_s: float,
+                 io: Executor, integrity: bool, handoff_lease_s: float,
                  transfer_budget: Callable[[int], float] = lambda _n: 0.0,
                  on_offer: Callable[[str], None] = lambda _event: None,
                  wire_s: Callable[[int], float] = lambda _n: 0.0,
-                 digest_pool: DigestPool | None = None,
-                 mailbox: RecordArea | None = None, sub_batch_bytes: int = 0,
+                 digest_pool: DigestPool | None = None, sub_batch_bytes: int = 0,
                  clock: Callable[[], float]) -> None:
         """``prefill``: the calls to prefill daemons (:class:`PrefillPeers`); ``io``: the
         daemon's bounded executor; ``digest_pool``: the landed bytes' digests (owned by
         the daemon; None: on the calling thread). The rest is the core's
         (:class:`DecodeCore`)."""
         digest_pool = digest_pool or DigestPool(0)
-        self.core = DecodeCore(table=table, peers=peers, spec=spec, layout=layout,
-                               pools=pools, integrity=integrity,
+        self.core = DecodeCore(table=table, peers=peers, integrity=integrity,
                                handoff_lease_s=handoff_lease_s,
                                transfer_budget=transfer_budget, wire_s=wire_s,
-                               mailbox=mailbox, sub_batch_bytes=sub_batch_bytes,
+                               sub_batch_bytes=sub_batch_bytes,
                                check_inline_below=digest_pool.inline_below)
         self.prefill = prefill
         self.io = io

@@ -112,7 +112,6 @@ class Outgoing:
 
     # -- the engine's request (fixed by its first Send) ---------------------------------
     request_id: str
-    src_slot: int  # -1: the engine gave index lists
     seq_len: int
     decode_address: str
     src_indices: IndexLists
@@ -156,11 +155,10 @@ class Outgoing:
     told_decode: bool = False  # decode knows of the failure (or must not be told)
 
     @classmethod
-    def start(cls, request_id: str, src_slot: int, seq_len: int, decode_address: str,
+    def start(cls, request_id: str, seq_len: int, decode_address: str,
               src_indices: IndexLists, **more: Any) -> Outgoing:
         """A new request's record, its first attempt empty."""
-        return cls(request_id, src_slot, seq_len, decode_address, src_indices, Attempt(),
-                   **more)
+        return cls(request_id, seq_len, decode_address, src_indices, Attempt(), **more)
 
     @property
     def moved_source(self) -> IndexLists:

@@ -46,13 +46,9 @@ from kvbeam.errors import (
     TransportError,
 )
 from kvbeam.logs import fields, request_log
-from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.engine_indices import ListLike, check_kv_skip, same_lists, validate
-from kvbeam.pools.indices import request_indices
-from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.mailbox import RecordArea
 from kvbeam.pools.plan import TransferPlan, build_plan
-from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.sub_batches import (
     MAX_MARKS,
     bounds,
@@ -141,20 +137,21 @@ class PrefillCore(PrefillEvents, CoreBase):
         send_wait_s: how long a Send that found no reservation on decode waits for it
             (WaitingForInput, its source pages held) before it fails with a timeout;
             0: it fails at once, as before the engine channel.
-        staging: the digest records' staging slots, registered LOCAL by the daemon
-            (None: the core makes its own of ``staging_slots``, unregistered: tests).
+        staging_slots: the digest records' staging slots of an area of its own, until
+            the daemon gives its registered one (:meth:`use_staging`; tests: never).
+
+    Its pools come with :meth:`take_pools` (the daemon's own at start, or an engine's
+    at attach); until then every path that would touch memory refuses.
     """
 
     role = "prefill"
 
-    def __init__(self, *, table: TransferTable, peers: Peers, spec: PoolSpec | None,
-                 layout: SideLayout | None, pools: AllocatedSide | None, integrity: bool,
+    def __init__(self, *, table: TransferTable, peers: Peers, integrity: bool,
                  drain_s: float, transfer_budget: Callable[[int], float] = lambda _n: 0.0,
                  resend_retries: int = 0, max_offers: int = 1024, send_wait_s: float = 0.0,
-                 staging: RecordArea | None = None, staging_slots: int = 256) -> None:
+                 staging_slots: int = 256) -> None:
         self.table = table
         self.peers = peers
-        self._hold(spec, layout, pools)  # none yet on an engine daemon (use_pools)
         self.integrity = integrity
         self.drain_s = drain_s
         self.transfer_budget = transfer_budget
@@ -163,7 +160,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         self.offers = OfferBook(max_offers)  # decode's reservations ahead of Send
         self.send_wait_s = send_wait_s
         #: The digest records' staging slots.
-        self.records = RecordStager(staging_slots, staging)
+        self.records = RecordStager(staging_slots)
         #: The events of Abort handlers (off the loop) waiting for a request's writes to
         #: drain, by request id: set once they drained (setting one never blocks).
         self._drain_waiters: dict[str, list[threading.Event]] = {}
@@ -195,18 +192,19 @@ class PrefillCore(PrefillEvents, CoreBase):
                 del self._drain_waiters[rec.request_id]
 
     # ---- API ---------------------------------------------------------------------------
-    def send(self, request_id: str, src_slot: int, seq_len: int, decode_address: str,
-             ranges: Ranges, final: bool, *, indices: Mapping[IndexKind, ListLike] | None = None,
+    def send(self, request_id: str, seq_len: int, decode_address: str, ranges: Ranges,
+             final: bool, *, indices: Mapping[IndexKind, ListLike] | None = None,
              draft: Mapping[IndexKind, ListLike] | None = None,
              kv_offset: int | None = None, layers: int | None = None,
              now: float) -> Actions:
         """Queue (a chunk of) a request for decode: the actions start its step (or none:
         a step runs, or it parks); its status is :meth:`status`.
 
-        ``indices`` (and ``draft``, the draft's own lists) are the engine's source
-        lists of the whole request (docs/indices.md), validated here before anything
-        is queued; without them the lists are ``src_slot``'s. A further chunk omits
-        them or repeats them unchanged. With ``kv_offset`` (the engine channel's
+        ``indices`` (and ``draft``, the draft's own lists) are the source lists of the
+        whole request (docs/indices.md: the engine's, or a gRPC Send's source slot's,
+        which the API turns into that slot's lists), validated here before anything is
+        queued; the first chunk gives them, a further chunk omits them or repeats them
+        unchanged. With ``kv_offset`` (the engine channel's
         EXTENDS) they are instead this chunk's piece of the lists, its KV pages from
         that position of the request's KV_PAGES list on, every other list with the
         final chunk (:mod:`kvbeam.server.core.prefill_pieces`); every chunk of such a
@@ -263,10 +261,14 @@ class PrefillCore(PrefillEvents, CoreBase):
                 whole = pieces.add(kv_offset, final, indices or {}, draft or {}, layers)
                 lists = whole or ({**{k: np.zeros(0, dtype=np.int64) for k in INDEX_KINDS},
                                    IndexKind.KV_PAGES: pieces.kv_pages}, {})
-            src, src_draft = lists or (request_indices(self.spec, src_slot, seq_len), {})
+            if lists is None:
+                raise BadRequest(f"request {request_id}: its first chunk names no source "
+                                 "lists (the engine's index lists; over gRPC, or a "
+                                 "source_slot)")
+            src, src_draft = lists
             self.table.create(request_id, decode_address, now=now)
-            rec = Outgoing.start(request_id, src_slot if lists is None else -1, seq_len,
-                                 decode_address, src, src_draft=src_draft, pieces=pieces)
+            rec = Outgoing.start(request_id, seq_len, decode_address, src,
+                                 src_draft=src_draft, pieces=pieces)
             self._out[request_id] = rec
             if offered_by is not None:
                 rec.conn = offered_by
@@ -289,14 +291,12 @@ class PrefillCore(PrefillEvents, CoreBase):
                 if whole is not None:
                     rec.src_indices, rec.src_draft = whole
                 indices = draft = None  # taken: not compared with the first's below
-            engine = rec.src_slot < 0  # the first chunk gave lists: its slot is ignored
-            same = lists is None or (engine and same_lists(lists[0], rec.src_indices)
+            same = lists is None or (same_lists(lists[0], rec.src_indices)
                                      and same_lists(lists[1], rec.src_draft))
-            if (rec.seq_len, rec.decode_address) != (seq_len, decode_address) or not same \
-                    or (not engine and rec.src_slot != src_slot):
+            if (rec.seq_len, rec.decode_address) != (seq_len, decode_address) or not same:
                 raise BadRequest(f"request {request_id}: a further chunk must keep "
-                                     "the source slot (or index lists), seq_len and decode "
-                                     "address of the first")
+                                 "the index lists (or source slot), seq_len and decode "
+                                 "address of the first")
         start_step = rec.queue(self._chunk(rec, ranges, final))
         if final:
             rec.final_came(now)
@@ -555,11 +555,6 @@ class PrefillCore(PrefillEvents, CoreBase):
         """Writes of the request that may still read its source (0 once drained)."""
         rec = self._out.get(request_id)
         return 0 if rec is None or rec.drained else rec.attempt.outstanding
-
-    def slot_of(self, request_id: str) -> int:
-        """The source slot of a live request, -1 once forgotten."""
-        rec = self._out.get(request_id)
-        return rec.src_slot if rec else -1
 
     def _facts(self, request_id: str) -> TransferFacts | None:
         rec = self._out.get(request_id)
@@ -1039,11 +1034,13 @@ class PrefillCore(PrefillEvents, CoreBase):
 
     def _check_grant_skip(self, rec: Outgoing, grant: WriteGrant) -> None:
         """Decode's ``kv_skip`` (untrusted: from the peer) fits this request's source:
-        its engine's lists, a layout of KV pages alone, a page left to move, and the
-        same in every grant of the request (a resend's, a later chunk's)."""
+        a layout of KV pages alone, a page left to move, and the same in every grant
+        of the request (a resend's, a later chunk's)."""
         try:
+            # Prefill's source lists always name the whole request (a slot's as an
+            # engine's): kv_skip picks their tail, so only the layout can refuse it.
             check_kv_skip("prefill", self.spec, self.layout, grant.kv_skip, rec.seq_len,
-                          lists=rec.src_slot < 0)
+                          lists=True)
         except BadKvSkip as exc:
             raise SendFailed(FailureReason.INVALID_REQUEST, f"decode's grant: {exc}") from None
         if rec.kv_skip is None:

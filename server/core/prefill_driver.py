@@ -34,14 +34,11 @@ from typing import Any
 
 from kvbeam.errors import Busy, NotPosted, PeerTimeoutError
 from kvbeam.logs import fields, request_log
-from kvbeam.pools.allocate import AllocatedSide
 from kvbeam.pools.digest import DIGEST_BYTES, DigestParts, digest_parts
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.pools.engine_indices import ListLike
-from kvbeam.pools.layout import SideLayout
 from kvbeam.pools.mailbox import RecordArea, encode_record
 from kvbeam.pools.plan import side_windows
-from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.base import DriverBase, named
@@ -111,25 +108,21 @@ class PrefillDriver(DriverBase[PrefillCore]):
     role = "prefill"
 
     def __init__(self, *, table: TransferTable, peers: Peers, decode: DecodePeers, io: Executor,
-                 spec: PoolSpec | None, layout: SideLayout | None, pools: AllocatedSide | None,
                  integrity: bool, drain_s: float,
                  transfer_budget: Callable[[int], float] = lambda _n: 0.0,
                  resend_retries: int = 0, on_resend: Callable[[], None] = lambda: None,
                  max_offers: int = 1024,
                  on_offer: Callable[[str], None] = lambda _event: None,
                  send_wait_s: float = 0.0, digest_pool: DigestPool | None = None,
-                 staging: RecordArea | None = None, staging_slots: int = 256,
-                 clock: Callable[[], float]) -> None:
+                 staging_slots: int = 256, clock: Callable[[], float]) -> None:
         """``decode``: the calls to decode daemons (gRPC in the daemon, fakes in tests);
         ``io``: the daemon's bounded executor; ``digest_pool``: the threads integrity's
         digests are computed on (owned by the daemon; None: on the calling thread);
         ``on_resend``, ``on_offer``: metrics. The rest is the core's (:class:`PrefillCore`)."""
-        self.core = PrefillCore(table=table, peers=peers, spec=spec, layout=layout,
-                                pools=pools, integrity=integrity, drain_s=drain_s,
-                                transfer_budget=transfer_budget,
+        self.core = PrefillCore(table=table, peers=peers, integrity=integrity,
+                                drain_s=drain_s, transfer_budget=transfer_budget,
                                 resend_retries=resend_retries, max_offers=max_offers,
-                                send_wait_s=send_wait_s, staging=staging,
-                                staging_slots=staging_slots)
+                                send_wait_s=send_wait_s, staging_slots=staging_slots)
         self.decode = decode
         self.io = io
         #: How the step's writes go onto their link and how a digest record is encoded.
@@ -158,8 +151,9 @@ class PrefillDriver(DriverBase[PrefillCore]):
         return self.on_loop(lambda: self.core.in_flight(request_id))
 
     def slot_of(self, request_id: str) -> int:
-        """The source slot of a live request, -1 once forgotten."""
-        return self.on_loop(lambda: self.core.slot_of(request_id))
+        """-1: prefill holds no request slots, its requests are addressed by their lists
+        (a gRPC Send's source slot is turned into its lists at the API)."""
+        return -1
 
     def known(self, request_id: str) -> bool:
         """True while the core keeps a record of the request (tests, diagnostics)."""
@@ -170,13 +164,13 @@ class PrefillDriver(DriverBase[PrefillCore]):
         self.on_loop(lambda: self.core.use_staging(area))
 
     # ---- the API: engines, schedulers, decode's Offer and Abort -------------------------
-    def send(self, request_id: str, src_slot: int, seq_len: int, decode_address: str,
-             ranges: Ranges, final: bool, *, indices: Mapping[IndexKind, ListLike] | None = None,
+    def send(self, request_id: str, seq_len: int, decode_address: str, ranges: Ranges,
+             final: bool, *, indices: Mapping[IndexKind, ListLike] | None = None,
              draft: Mapping[IndexKind, ListLike] | None = None,
              kv_offset: int | None = None, layers: int | None = None) -> TransferStatus:
         """Queue (a chunk of) a request for decode (:meth:`PrefillCore.send`); returns at
         once with its status (its step may have posted already, on the loop)."""
-        self._event(lambda: self.core.send(request_id, src_slot, seq_len, decode_address,
+        self._event(lambda: self.core.send(request_id, seq_len, decode_address,
                                            ranges, final, indices=indices, draft=draft,
                                            kv_offset=kv_offset, layers=layers,
                                            now=self.clock()))

@@ -49,16 +49,15 @@ class RecordStager:
 
     Args:
         slots: how many slots an area of its own gets (``--max-inflight``), when the
-            daemon gave none or gave one too small for the layout's records.
-        area: the daemon's area, registered LOCAL (None: its own, unregistered: tests).
+            daemon gave none (:meth:`use`) or gave one too small for the layout's records.
 
     Not thread-safe: the core calls ``use``, ``take`` and ``give`` on the daemon's loop.
     """
 
-    def __init__(self, slots: int, area: RecordArea | None = None) -> None:
+    def __init__(self, slots: int) -> None:
         self.slots = slots
-        self._area = area
-        self._free = FreeSlots(area.slots) if area is not None else None
+        self._area: RecordArea | None = None
+        self._free: FreeSlots | None = None
 
     @property
     def free(self) -> FreeSlots | None:

@@ -135,7 +135,7 @@ class CoreOps:
         seq_len = self._seq_len(frame.seq_len)
         if frame.decode_address:  # empty: the decode whose reservation names it
             host_port(frame.decode_address, "decode_address")
-        core.send(frame.request_id, -1, seq_len, frame.decode_address, [], frame.final,
+        core.send(frame.request_id, seq_len, frame.decode_address, [], frame.final,
                   indices=frame.indices, draft=frame.draft,
                   kv_offset=frame.kv_offset, layers=frame.layers)
 

@@ -41,7 +41,7 @@ from kvbeam.server.state.lifecycle import Deadlines, TransferTable
 from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Link
-from tests.core_fakes import FakeDecode, FakeLink, fake_conn, started_loop, wait_for
+from tests.core_fakes import FakeDecode, FakeLink, fake_conn, slot_lists, started_loop, wait_for
 from tests.fixtures import UNIFIED_TARGET, layout, shipped_config
 
 #: Kubernetes' default termination grace period, s: shutdown must end inside it.
@@ -114,9 +114,8 @@ def _decode_with_live_requests(far: FarEnd) -> DecodeDriver:
                         prefill=ChannelPrefillPeers(lambda: cast(SideInfo, SimpleNamespace(
                             instance_id="decode-under-test")), OPTIONS, peers),
                         io=futures.ThreadPoolExecutor(8, thread_name_prefix="test-io"),
-                        spec=replace(UNIFIED_TARGET, num_req_slots=LIVE), layout=lay,
-                        pools=AllocatedSide(lay), integrity=False,
-                        handoff_lease_s=30.0, clock=time.monotonic)
+                        integrity=False, handoff_lease_s=30.0, clock=time.monotonic)
+    core.use_pools(replace(UNIFIED_TARGET, num_req_slots=LIVE), lay, AllocatedSide(lay))
     core.loop = started_loop()  # threads: every call into the core on the loop
     peer = SimpleNamespace(instance_id="prefill-1", control_address="127.0.0.1:9", layout=lay,
                            endpoint=SimpleNamespace(regions=[]))
@@ -198,12 +197,13 @@ def test_prefill_shutdown_with_256_live_requests_ends_inside_the_grace_period(
     core = PrefillDriver(table=TransferTable(Deadlines()), peers=peers,
                          decode=SilentDecode(silent_decode, peers),
                          io=futures.ThreadPoolExecutor(8, thread_name_prefix="test-io"),
-                         spec=UNIFIED_TARGET, layout=layout(), pools=AllocatedSide(layout()),
                          integrity=False, drain_s=24.0, clock=time.monotonic)
+    core.use_pools(UNIFIED_TARGET, layout(), AllocatedSide(layout()))
     core.loop = started_loop()  # threads: every call into the core on the loop
     address = "127.0.0.1:9"
     for i in range(LIVE):
-        core.send(f"live-{i}", i % UNIFIED_TARGET.num_req_slots, 100, address, [], True)
+        core.send(f"live-{i}", 100, address, [], True,
+                  indices=slot_lists(core, i % UNIFIED_TARGET.num_req_slots, 100))
     assert wait_for(lambda: all(core.in_flight(f"live-{i}") == 1 for i in range(LIVE)), 30)
     began = time.monotonic()
     worker = threading.Thread(target=core.shutdown, daemon=True)
@@ -256,11 +256,12 @@ def stuck_prefill() -> Iterator[tuple[PrefillServicer, Decode]]:
            "KVBEAM_RPC_TIMEOUT_S": "2", "KVBEAM_HEARTBEAT_S": "0.1"}
     runtime = Runtime(resolve("prefill", None, env))
     servicer = PrefillServicer(runtime)
+    runtime.start(servicer)  # installs the own pools
     servicer.prefill.decode = StuckDecode(runtime.pools, servicer.prefill.spec)
-    runtime.start(servicer)
     decode = None
     try:
-        servicer.prefill.send("first", 0, 100, "127.0.0.1:9", [], True)
+        servicer.prefill.send("first", 100, "127.0.0.1:9", [], True,
+                              indices=slot_lists(servicer.prefill, 0, 100))
         assert wait_for(lambda: runtime.peers.by_address("127.0.0.1:9") is not None, 20)
         conn = runtime.peers.by_address("127.0.0.1:9")
         assert conn is not None
@@ -275,7 +276,8 @@ def stuck_prefill() -> Iterator[tuple[PrefillServicer, Decode]]:
 def _stuck_requests(servicer: PrefillServicer, n: int) -> None:
     core = servicer.prefill
     for i in range(n):
-        core.send(f"stuck-{i}", 0, 100, "127.0.0.1:9", [], True)
+        core.send(f"stuck-{i}", 100, "127.0.0.1:9", [], True,
+                  indices=slot_lists(core, 0, 100))
     assert wait_for(lambda: all(core.in_flight(f"stuck-{i}") == 1 for i in range(n)), 20)
 
 

@@ -126,6 +126,8 @@ def test_chunked_send_moves_everything_once_final() -> None:
         p.send("chunked", 2, 3000, decode.address, final=False, chunks=[(0, 1024)])
         p.send("chunked", 2, 3000, decode.address, final=False, chunks=[(1024, 2048)])
         assert d.status("chunked").state is not S
+        with pytest.raises(BadRequest, match=r"must keep the index lists \(or source slot\)"):
+            p.send("chunked", 3, 3000, decode.address, final=False, chunks=[(2048, 2560)])
         p.send("chunked", 2, 3000, decode.address, final=True)
         st = d.wait("chunked", 20)
         assert st.state is S, st

@@ -13,15 +13,15 @@ from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.state.lifecycle import Deadlines, TransferTable
 from kvbeam.server.state.peers import Peers
 from kvbeam.states import FailureReason, TransferState
-from tests.core_fakes import FakeDecode, prefill_core, wait_for
+from tests.core_fakes import FakeDecode, prefill_core, slot_lists, wait_for
 from tests.fixtures import UNIFIED_TARGET, layout
 from tests.unit.test_core_decode import FakePrefill, QueueExecutor
 
 
 def _decode() -> DecodeDriver:
     return DecodeDriver(table=TransferTable(Deadlines()), peers=Peers(), prefill=FakePrefill(),
-                      io=QueueExecutor(), spec=None, layout=None, pools=None, integrity=True,
-                      handoff_lease_s=30.0, clock=time.monotonic)
+                      io=QueueExecutor(), integrity=True, handoff_lease_s=30.0,
+                      clock=time.monotonic)
 
 
 def test_a_decode_core_without_pools_refuses_then_serves_then_drops() -> None:
@@ -45,7 +45,7 @@ def test_a_prefill_core_drop_fails_its_requests_and_tells_decode() -> None:
     core, fake = prefill_core()
     assert isinstance(fake, FakeDecode)
     fake.hold["127.0.0.1:9"] = gate = threading.Event()  # the handshake hangs
-    core.send("s1", 0, 300, "127.0.0.1:9", [], True)
+    core.send("s1", 300, "127.0.0.1:9", [], True, indices=slot_lists(core, 0, 300))
     core.drop_pools("engine gone")
     gate.set()
     snap = core.table.get("s1")
@@ -55,5 +55,5 @@ def test_a_prefill_core_drop_fails_its_requests_and_tells_decode() -> None:
     # (the request never connected: decode granted it nothing); either way it was tried.
     assert wait_for(lambda: "s1" in fake.aborts + fake.untold)
     with pytest.raises(NoEngineAttached):
-        core.send("s2", 0, 300, "127.0.0.1:9", [], True)
+        core.send("s2", 300, "127.0.0.1:9", [], True, indices=slot_lists(core, 0, 300))
     assert core.table.get("s2") is None  # refused before the table saw it

@@ -14,7 +14,7 @@ from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.prefill_driver import ABORT_WAITERS
 from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import FailureReason, TransferState
-from tests.core_fakes import FakeLink, prefill_core, wait_for
+from tests.core_fakes import FakeLink, prefill_core, slot_lists, wait_for
 from tests.unit.test_core_decode import PREFILL, FakePrefill, QueueExecutor, _core
 from tests.unit.test_core_prefill import ADDR, _conn_link, _link, _queued, _sweep_clock
 
@@ -23,7 +23,7 @@ def test_prefills_abort_answers_within_the_callers_time_and_tells_decode_once_dr
         ) -> None:
     # A drain that would outlast any caller.
     core, fake = prefill_core(drain_s=30.0, integrity=False)
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
     with ThreadPoolExecutor(1) as pool:
@@ -42,7 +42,7 @@ def test_many_aborts_at_once_hold_few_handler_threads() -> None:
     core, _fake = prefill_core(drain_s=30.0, workers=8, integrity=False)
     n = 40  # more than the 16 handler threads of a daemon
     for i in range(n):
-        core.send(f"r{i}", i % 4, 300, ADDR, [], True)
+        core.send(f"r{i}", 300, ADDR, [], True, indices=slot_lists(core, i % 4, 300))
     link = _link(core)
     assert wait_for(lambda: len(link.writes) == n)
     with ThreadPoolExecutor(n) as pool:
@@ -125,7 +125,7 @@ def test_writes_that_never_drain_release_their_link_but_fail_only_their_request(
     core, fake, io = _queued(drain_s=0.1, resend_retries=1, integrity=False)
     clock = _sweep_clock(core)
     for rid in ("slow", "other"):
-        core.send(rid, 0, 300, ADDR, [], True)
+        core.send(rid, 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     io.run_all()
     link = _conn_link(core)
     assert len(link.writes) == 2

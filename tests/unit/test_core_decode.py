@@ -108,9 +108,9 @@ def _core() -> tuple[DecodeDriver, QueueExecutor, FakePrefill, PeerConn]:
     # executor that a test runs when it chooses (a small landing's inline check has
     # tests of its own, which set the core's digest_pool back to the daemon's default).
     core = DecodeDriver(table=TransferTable(Deadlines()), peers=Peers(), prefill=prefill, io=io,
-                      spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
                       integrity=True, handoff_lease_s=30.0,
                       digest_pool=DigestPool(0, inline_below=0), clock=time.monotonic)
+    core.use_pools(UNIFIED_TARGET, lay, AllocatedSide(lay))
     conn = fake_conn(PREFILL, AllocatedSide(lay))
     core.peers.add(conn)
     prefill.answered = core.offer_answer

@@ -23,7 +23,15 @@ from kvbeam.server.state.lifecycle import Deadlines, TransferTable
 from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Blocks, Event, EventKind, Link
-from tests.core_fakes import FakeDecode, FakeLink, fake_conn, land_record, started_loop, wait_for
+from tests.core_fakes import (
+    FakeDecode,
+    FakeLink,
+    fake_conn,
+    land_record,
+    slot_lists,
+    started_loop,
+    wait_for,
+)
 from tests.fixtures import UNIFIED_TARGET, layout
 from tests.unit.test_core_decode import PREFILL, FakePrefill, QueueExecutor
 
@@ -75,11 +83,11 @@ def test_prefill_starts_its_digests_on_the_pool_before_posting_and_sends_the_sam
     fake = RecordingDecode(AllocatedSide(lay), log)
     with RecordingPool(2, log) as pool:
         core = PrefillDriver(table=TransferTable(Deadlines()), peers=Peers(), decode=fake,
-                           io=ThreadPoolExecutor(2), spec=UNIFIED_TARGET, layout=lay,
-                           pools=src, integrity=True, drain_s=5.0,
+                           io=ThreadPoolExecutor(2), integrity=True, drain_s=5.0,
                            digest_pool=pool, clock=time.monotonic)
+        core.use_pools(UNIFIED_TARGET, lay, src)
         core.loop = started_loop()  # threads: every call into the core on the loop
-        core.send("r", 1, SEQ, ADDR, [], True)
+        core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
         assert wait_for(lambda: len(fake.digests) == 1)
     # On the pool's threads (inline_below=0): the data goes out while they digest, the
     # record follows as the notified write.
@@ -95,8 +103,9 @@ def _decode(pool: DigestPool) -> tuple[DecodeDriver, QueueExecutor, FakePrefill,
     pools = AllocatedSide(lay)
     pools.fill_pattern(9)
     core = DecodeDriver(table=TransferTable(Deadlines()), peers=Peers(), prefill=prefill, io=io,
-                      spec=UNIFIED_TARGET, layout=lay, pools=pools, integrity=True,
-                      handoff_lease_s=30.0, digest_pool=pool, clock=time.monotonic)
+                      integrity=True, handoff_lease_s=30.0, digest_pool=pool,
+                      clock=time.monotonic)
+    core.use_pools(UNIFIED_TARGET, lay, pools)
     conn = fake_conn(PREFILL, AllocatedSide(lay))
     core.peers.add(conn)
     return core, io, prefill, conn

@@ -127,9 +127,9 @@ def test_arm_decorates_prefills_writer_and_decodes_landing_check() -> None:
     pool = DigestPool(0)
     lay = layout()
     decode = DecodeDriver(table=TransferTable(Deadlines()), peers=Peers(),
-                          prefill=FakePrefill(), io=QueueExecutor(), spec=UNIFIED_TARGET,
-                          layout=lay, pools=AllocatedSide(lay), integrity=True,
+                          prefill=FakePrefill(), io=QueueExecutor(), integrity=True,
                           handoff_lease_s=30.0, digest_pool=pool, clock=time.monotonic)
+    decode.use_pools(UNIFIED_TARGET, lay, AllocatedSide(lay))
     arm(decode, hooks)
     assert isinstance(decode.checker, CorruptingCheck) and decode.checker.hooks is hooks
     assert decode.digest_pool is pool and decode.checker.integrity

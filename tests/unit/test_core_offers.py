@@ -35,6 +35,7 @@ from tests.core_fakes import (
     flip_digest,
     land_record,
     prefill_core,
+    slot_lists,
     wait_for,
 )
 from tests.fixtures import UNIFIED_TARGET
@@ -69,7 +70,7 @@ def _first_request(core: PrefillDriver, fake: FakeDecode,
     and complete it: the core is connected, and records what happens to offers."""
     events: list[str] = []
     core.on_offer = events.append
-    core.send("first", 0, SEQ, ADDR, [], True)
+    core.send("first", SEQ, ADDR, [], True, indices=slot_lists(core, 0, SEQ))
     run()
     # True at once after a queue executor's run; a thread pool's is polled.
     assert wait_for(lambda: len(fake.begins) == 1 and len(fake.digests) == 1)
@@ -93,7 +94,7 @@ def test_an_offered_request_posts_its_writes_without_begin_write_then_its_record
     core, fake, conn, events, io = _queued_connected()
     grant = WriteGrant(77, request_indices(UNIFIED_TARGET, 2, SEQ), mailbox_slot=5)
     assert core.offer("r", conn.instance_id, SEQ, grant, lease_s=10.0)
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     link = cast(FakeLink, conn.link)
     assert len(link.writes) == 3 and len(io.queue) == 1  # the data; the record is queued
     io.run_all()
@@ -119,7 +120,7 @@ def test_an_offered_request_posts_its_writes_without_begin_write_then_its_record
 def test_a_send_before_the_reserve_falls_back_to_begin_write_and_a_late_offer_is_refused(
         ) -> None:
     core, fake, conn, events, io = _queued_connected()
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     io.run_all()
     assert len(fake.begins) == 2
     assert fake.begins[1][0] == "r"
@@ -131,7 +132,7 @@ def test_a_send_before_the_reserve_falls_back_to_begin_write_and_a_late_offer_is
 def test_with_send_wait_a_send_before_the_offer_waits_for_it_instead_of_asking() -> None:
     core, fake, conn, events, io = _queued_connected(send_wait_s=5.0)
     link = cast(FakeLink, conn.link)
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     assert core.status("r").state is TransferState.WAITING_FOR_INPUT
     assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)  # unparks it
     io.run_all()
@@ -158,7 +159,7 @@ def _count_jobs(core: PrefillDriver) -> list[str]:
 def test_a_send_before_the_offer_parks_at_once_and_the_offer_runs_its_one_step() -> None:
     core, fake, conn, events, io = _queued_connected(send_wait_s=5.0)
     jobs = _count_jobs(core)
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     # Parked before send returned: no executor job ran only to park it.
     assert core.status("r").state is TransferState.WAITING_FOR_INPUT and jobs == []
     assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)  # unparks it
@@ -180,7 +181,7 @@ def test_an_offered_small_send_posts_on_the_senders_thread() -> None:
     link = cast(FakeLink, conn.link)
     assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
     jobs = _count_jobs(core)
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     assert link.writes[2:] == [(77, False)], "the data was not posted by send itself"
     assert jobs == ["_post_record"]
     io.run_all()
@@ -199,7 +200,7 @@ def test_an_offered_small_send_with_inline_digests_is_one_write_and_no_job() -> 
     link = cast(FakeLink, conn.link)
     assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
     jobs = _count_jobs(core)
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     assert link.writes[2:] == [(77, True)] and len(link.records) == 2 and jobs == []
     assert not io.queue
     core.on_event(link.completion(77))
@@ -212,7 +213,7 @@ def test_a_request_over_the_inline_bound_steps_on_the_executor(
     monkeypatch.setattr(prefill_module, "INLINE_STEP_MAX_PAGES", 1)
     assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
     jobs = _count_jobs(core)
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     link = cast(FakeLink, conn.link)
     assert jobs == ["_step_job"] and len(link.writes) == 2  # nothing posted by send itself
     io.run_all()
@@ -230,7 +231,7 @@ def test_an_armed_write_delay_keeps_the_step_on_the_executor(
     arm(core, hooks)
     assert core.offer("r", conn.instance_id, SEQ, _grant(77), lease_s=10.0)
     jobs = _count_jobs(core)
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     link = cast(FakeLink, conn.link)
     assert jobs == ["_step_job"] and delays == [] and len(link.writes) == 2
     io.run_all()
@@ -244,7 +245,7 @@ def test_an_offer_gone_before_the_inline_step_asks_begin_write_from_the_executor
     core, fake, conn, events, io = _queued_connected()
     monkeypatch.setattr(core.core.offers, "has", lambda _rid: True)  # it looked offered
     jobs = _count_jobs(core)
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     # The step started inline, found no offer (counted a miss), and handed its
     # BeginWrite, and what follows it, to the executor.
     assert jobs == ["execute"] and [rid for rid, _ in fake.begins] == ["first"]
@@ -269,7 +270,7 @@ def test_an_inline_post_that_fails_is_resent_on_a_new_link_from_the_executor() -
 
     old.write = broken  # type: ignore[method-assign]
     jobs = _count_jobs(core)
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     assert core.status("r").state is TransferState.TRANSFERRING  # not failed on this thread
     # The link's release, and what follows it, on the executor.
     assert jobs == ["execute"] and not old.released
@@ -288,7 +289,8 @@ def test_an_inline_post_that_fails_is_resent_on_a_new_link_from_the_executor() -
 def test_with_send_wait_no_offer_within_the_grace_asks_begin_write(
         monkeypatch: pytest.MonkeyPatch) -> None:
     core, fake, conn, _events, io = _queued_connected(send_wait_s=5.0)
-    core.send("s", 1, SEQ, ADDR, [], True)  # decode reserved without offering it
+    core.send("s", SEQ, ADDR, [], True,
+              indices=slot_lists(core, 1, SEQ))  # decode reserved without offering it
     assert core.status("s").state is TransferState.WAITING_FOR_INPUT
     core.periodic()  # within the grace: it keeps waiting
     assert not io.queue
@@ -304,7 +306,7 @@ def test_with_send_wait_decode_without_the_reservation_keeps_it_waiting_until_th
         monkeypatch: pytest.MonkeyPatch) -> None:
     core, fake, _conn, _events, io = _queued_connected(send_wait_s=0.3)
     fake.not_yet.add("t")  # BeginWrite: decode has no reservation yet (NotReserved)
-    core.send("t", 1, SEQ, ADDR, [], True)
+    core.send("t", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     assert core.status("t").state is TransferState.WAITING_FOR_INPUT
     monkeypatch.setattr(prefill_module, "OFFER_GRACE_S", 0.0)  # the grace passed
     core.periodic()
@@ -326,7 +328,7 @@ def test_an_offer_over_a_previous_connection_is_ignored() -> None:
     # Decode's instance changed behind the connection (prefill has not noticed a loss):
     # the next request handshakes a new connection, which the offer did not come over.
     core.peers.remove(conn)
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     io.run_all()
     assert len(fake.begins) == 2
     new = core.peers.by_address(ADDR)
@@ -343,7 +345,7 @@ def test_an_offer_that_does_not_fit_the_send_is_not_used(change: str) -> None:
     core, fake, conn, events, io = _queued_connected()
     assert core.offer("r", conn.instance_id, SEQ + (change == "seq_len"), _grant(77),
                       lease_s=10.0 if change == "seq_len" else -1.0)
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     io.run_all()
     assert len(fake.begins) == 2
     assert events == ["received", "missed"]
@@ -360,7 +362,7 @@ def test_decodes_verdict_before_the_send_fails_the_send_with_its_reason(
     with pytest.raises(UnknownRequest):  # prefill has no Send of it yet
         core.abort("early", from_peer=True, detail="the pair could not connect",
                    reason=reason)
-    core.send("early", 1, SEQ, ADDR, [], True)
+    core.send("early", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     st = core.status("early")
     assert st.state is TransferState.FAILED, st
     assert st.reason is (reason or FailureReason.PEER_FAILED), st
@@ -567,7 +569,7 @@ def test_a_resend_sends_the_digests_computed_once_with_its_new_transfer_id(
 
     monkeypatch.setattr(DigestPool, "start", counting)  # the cores digest on the pool
     core, fake, io = _queued(record_apart=True, resend_retries=1)
-    core.send("r", 0, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 0, SEQ))
     io.run_all()
     conn = core.peers.by_address(ADDR)
     assert conn is not None
@@ -648,7 +650,7 @@ def test_an_offer_that_comes_while_the_send_asks_begin_write_is_kept_and_unparks
         return real(c, rid, *args)  # type: ignore[arg-type]
 
     fake.begin_write = racing  # type: ignore[method-assign,assignment]
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     io.run_all()
     link = cast(FakeLink, conn.link)
     assert len(link.writes) == 4, core.status("r")
@@ -664,10 +666,11 @@ def test_chunks_of_a_parked_request_wait_for_the_offer_and_go_as_one_step() -> N
     core, fake, conn, events, io = _queued_connected(send_wait_s=5.0)
     conn.channel = SilentChannel(1)  # no waiting for an offer first: the Send asks at once
     fake.not_yet.add("c")
-    core.send("c", 1, SEQ, ADDR, [(0, 256)], False)  # its first page
+    core.send("c", SEQ, ADDR, [(0, 256)], False,
+              indices=slot_lists(core, 1, SEQ))  # its first page
     io.run_all()
     assert fake.refused_not_yet == ["c"] and core.core._out["c"].step is Step.PARKED
-    core.send("c", 1, SEQ, ADDR, [], True)
+    core.send("c", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     assert not io.queue, "a chunk of a parked request started a step"
     fake.not_yet.discard("c")
     assert core.offer("c", conn.instance_id, SEQ, _grant(88), lease_s=10.0)

@@ -18,7 +18,7 @@ from typing import Any
 from kvbeam.server.core import base
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.states import TransferState
-from tests.core_fakes import FakeLink, prefill_core, wait_for
+from tests.core_fakes import FakeLink, prefill_core, slot_lists, wait_for
 
 ADDR = "127.0.0.1:9"
 #: The core's methods that take events (its status reads the table, which locks itself).
@@ -48,7 +48,8 @@ def test_every_call_into_the_core_runs_on_the_loop() -> None:
     assert loop is not None
     calls = _record(core)
     try:
-        core.send("r", 0, 300, ADDR, [], True)  # this thread: a gRPC handler's
+        core.send("r", 300, ADDR, [], True,
+                  indices=slot_lists(core, 0, 300))  # this thread: a gRPC handler's
         assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
         conn = core.peers.by_address(ADDR)
         assert conn is not None
@@ -58,7 +59,7 @@ def test_every_call_into_the_core_runs_on_the_loop() -> None:
         tid, _notify = link.writes[0]
         loop.run_sync(lambda: core.on_event(link.completion(tid)))  # the transport's
         assert wait_for(lambda: core.status("r").state is TransferState.SUCCESS)
-        core.send("a", 0, 300, ADDR, [], True)
+        core.send("a", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
         assert wait_for(lambda: core.in_flight("a") > 0 or
                         core.status("a").state is TransferState.TRANSFERRING)
         snap = core.abort("a", from_peer=False, detail="the scheduler gave up")

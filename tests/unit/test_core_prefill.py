@@ -24,7 +24,7 @@ from kvbeam.server.core.prefill import GRANT_RENEW_S
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import TransferState, TransferStatus
-from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
+from tests.core_fakes import FakeDecode, FakeLink, prefill_core, slot_lists, wait_for
 from tests.fake_clock import FakeClock
 from tests.unit.test_core_decode import QueueExecutor
 
@@ -92,7 +92,7 @@ def test_core_modules_do_not_import_grpc() -> None:
 
 def test_single_chunk_request_succeeds_once_its_write_completes() -> None:
     core, _fake, io = _queued(integrity=False)
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     assert core.status("r").state is TransferState.BOOTSTRAPPING and len(io.queue) == 1
     io.run_all()  # the handshake, then the step: BeginWrite and the write
     link = _conn_link(core)
@@ -124,7 +124,7 @@ def test_the_engine_hears_of_transferring_once_the_write_is_posted() -> None:
 
     core, _fake, io = _queued(integrity=False, on_change=observe)
     holder.append(core)
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     io.run_all()
     link = _conn_link(core)
     assert len(link.writes) == 1
@@ -137,7 +137,7 @@ def test_the_engine_hears_of_transferring_once_the_write_is_posted() -> None:
 def test_decodes_late_verdict_is_logged_after_the_success_record_was_pruned(
         caplog: pytest.LogCaptureFixture) -> None:
     core, _fake, io = _queued(integrity=False)
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     io.run_all()
     link = _conn_link(core)
     assert len(link.writes) == 1
@@ -159,7 +159,7 @@ def test_record_is_pruned_after_a_drain_timeout_even_when_writes_complete_late(
     the sweep released the link (its writes can no longer read the source)."""
     core, fake, io = _queued(drain_s=0.1, integrity=False)
     clock = _sweep_clock(core)
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     io.run_all()
     link = _conn_link(core)
     assert len(link.writes) == 1
@@ -186,7 +186,7 @@ def test_record_is_pruned_after_a_drain_timeout_even_when_writes_complete_late(
 def test_decode_that_aborted_is_not_told_again_when_a_write_completes_during_the_drain(
         ) -> None:
     core, fake = prefill_core(integrity=False)
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
     with ThreadPoolExecutor(1) as pool:
@@ -207,7 +207,7 @@ def test_two_failure_paths_racing_tell_decode_once() -> None:
         core, fake = prefill_core(integrity=False)
         n = 40
         for i in range(n):
-            core.send(f"r{i}", i % 4, 300, ADDR, [], True)
+            core.send(f"r{i}", 300, ADDR, [], True, indices=slot_lists(core, i % 4, 300))
         link = _link(core)
         conn = core.peers.by_address(ADDR)
         assert conn is not None
@@ -258,9 +258,9 @@ def test_a_hanging_handshake_holds_one_worker_not_the_others() -> None:
 
     fake.connect = hanging  # type: ignore[method-assign]
     for i in range(6):  # more requests to the stuck peer than a pool has workers
-        core.send(f"b{i}", i % 4, 300, stuck, [], True)
+        core.send(f"b{i}", 300, stuck, [], True, indices=slot_lists(core, i % 4, 300))
     for i in range(4):
-        core.send(f"a{i}", i, 300, ADDR, [], True)
+        core.send(f"a{i}", 300, ADDR, [], True, indices=slot_lists(core, i, 300))
     assert len(io.queue) == 10
     io.run_all()  # B's first step handshakes (hanging): the other nine run inside it
     assert handshakes == [stuck]  # one handshake for all six
@@ -276,7 +276,7 @@ def test_a_chunk_after_the_request_ended_is_answered_with_its_status() -> None:
     # its id (no DuplicateRequest) but is told how it ended, before and after the sweep
     # forgets its record. A final chunk sent twice stays a duplicate.
     core, fake, io = _queued(drain_s=0.0, integrity=False)
-    core.send("late", 0, 1000, ADDR, [(0, 256)], False)
+    core.send("late", 1000, ADDR, [(0, 256)], False, indices=slot_lists(core, 0, 1000))
     io.run_all()
     link = _conn_link(core)
     assert len(link.writes) == 1
@@ -284,20 +284,21 @@ def test_a_chunk_after_the_request_ended_is_answered_with_its_status() -> None:
         core.on_event(link.completion(tid))
     core.abort("late", from_peer=False, detail="engine cancelled", wait_s=0.0)
     assert core.status("late").state is TransferState.FAILED
-    assert core.send("late", 0, 1000, ADDR, [(256, 700)], False).state is TransferState.FAILED
+    assert core.send("late", 1000, ADDR, [(256, 700)], False,
+                     indices=slot_lists(core, 0, 1000)).state is TransferState.FAILED
     assert len(io.queue) == 1  # only the Abort to decode: the chunk started no step
     core.periodic()
     assert "late" not in core.core._out  # forgotten: the answer comes from the table
-    st = core.send("late", 0, 1000, ADDR, [], True)
+    st = core.send("late", 1000, ADDR, [], True, indices=slot_lists(core, 0, 1000))
     assert st.state is TransferState.FAILED and "engine cancelled" in st.detail, st
 
-    core.send("twice", 0, 1000, ADDR, [], True)
+    core.send("twice", 1000, ADDR, [], True, indices=slot_lists(core, 0, 1000))
     io.run_all()
     assert len(link.writes) == 2 and fake.aborts == ["late"]
     core.on_event(link.completion(link.writes[-1][0]))
     assert core.status("twice").state is TransferState.SUCCESS
     with pytest.raises(DuplicateRequest):
-        core.send("twice", 0, 1000, ADDR, [], True)
+        core.send("twice", 1000, ADDR, [], True, indices=slot_lists(core, 0, 1000))
     assert not io.queue
 
 
@@ -307,13 +308,13 @@ def test_chunks_of_one_request_post_in_order_and_succeed_after_the_final() -> No
     one's notified."""
     clock = FakeClock()
     core, _fake, io = _queued(integrity=False, clock=clock)
-    core.send("c", 0, 1000, ADDR, [(0, 256)], False)
+    core.send("c", 1000, ADDR, [(0, 256)], False, indices=slot_lists(core, 0, 1000))
     io.run_all()
     link = _conn_link(core)
     assert [notify for _tid, notify in link.writes] == [False]
     clock.advance(GRANT_RENEW_S)  # a stale grant: the step asks again, on the executor
-    core.send("c", 0, 1000, ADDR, [(256, 700)], False)
-    core.send("c", 0, 1000, ADDR, [], True)
+    core.send("c", 1000, ADDR, [(256, 700)], False, indices=slot_lists(core, 0, 1000))
+    core.send("c", 1000, ADDR, [], True, indices=slot_lists(core, 0, 1000))
     assert len(io.queue) == 1  # one step for the two chunks: it takes the newest
     io.run_all()
     assert [notify for _tid, notify in link.writes] == [False, True]
@@ -332,7 +333,8 @@ def test_a_decodes_connect_and_a_send_to_it_share_one_handshake() -> None:
     with ThreadPoolExecutor(1) as pool:
         asked = pool.submit(core.connect_back, ADDR, "")
         assert wait_for(lambda: fake.connects == [ADDR])  # its handshake under way
-        core.send("r", 1, 300, ADDR, [], True)  # its step waits for the same handshake
+        # Its step waits for the same handshake.
+        core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 1, 300))
         time.sleep(0.1)
         gate.set()
         conn = asked.result(10)
@@ -347,7 +349,7 @@ def test_an_abort_waiting_for_a_drain_is_woken_by_the_last_completion() -> None:
     """The driver's Abort waits off the loop on an event the core sets once the request's
     writes drained; a waiter whose bound passed stops watching, and nothing is kept."""
     core, _fake, io = _queued(integrity=False)
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     io.run_all()
     link = _conn_link(core)
     [(tid, _notify)] = link.writes

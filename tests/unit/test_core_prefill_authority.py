@@ -9,7 +9,7 @@ from typing import cast
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import FailureReason, TransferState
-from tests.core_fakes import FakeLink, prefill_core, wait_for
+from tests.core_fakes import FakeLink, prefill_core, slot_lists, wait_for
 
 ADDR = "127.0.0.1:9"
 SEQ = 300
@@ -18,7 +18,7 @@ SEQ = 300
 def _in_flight() -> tuple[PrefillDriver, PeerConn]:
     """A prefill core with request "r" posted to decode at ADDR (its writes in flight)."""
     core, fake = prefill_core(drain_s=0.2, integrity=False)
-    core.send("r", 0, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 0, SEQ))
     assert wait_for(lambda: len(fake.begins) == 1)
     conn = core.peers.by_address(ADDR)
     assert conn is not None

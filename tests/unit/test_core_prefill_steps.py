@@ -20,7 +20,7 @@ from kvbeam.server.core.outgoing import Outgoing, Step
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.states import TransferState
-from tests.core_fakes import FakeDecode, FakeLink, prefill_core
+from tests.core_fakes import FakeDecode, FakeLink, prefill_core, slot_lists
 from tests.fake_clock import FakeClock
 from tests.fixtures import UNIFIED_TARGET
 from tests.unit.test_core_decode import QueueExecutor
@@ -54,7 +54,7 @@ def _offer(core: PrefillDriver, fake: FakeDecode, tid: int, rid: str = "r",
 
 def _connected(core: PrefillDriver, io: QueueExecutor) -> FakeLink:
     """The pair connected by a first request (asked with BeginWrite), landed."""
-    core.send("first", 0, SEQ, ADDR, [], True)
+    core.send("first", SEQ, ADDR, [], True, indices=slot_lists(core, 0, SEQ))
     io.run_all()
     link = _link(core)
     for event in link.finish(link.writes[0][0]):
@@ -80,7 +80,7 @@ def test_an_offer_while_a_step_parks_runs_the_step_once_more_not_twice() -> None
         return real(*args, **kw)  # type: ignore[arg-type]
 
     fake.begin_write = begin_then_offer  # type: ignore[method-assign]
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     io.run_all()  # handshake, then the step: BeginWrite refused, the offer in the book
     assert fake.refused_not_yet == ["r"]
     link = _link(core)
@@ -95,12 +95,13 @@ def test_an_offer_while_a_step_parks_runs_the_step_once_more_not_twice() -> None
 
 def test_an_offer_after_the_send_parked_writes_on_the_offers_thread() -> None:
     core, fake, io = _core(send_wait_s=5.0)
-    core.send("first", 0, SEQ, ADDR, [], True)  # connects the pair (by BeginWrite)
+    core.send("first", SEQ, ADDR, [], True,
+              indices=slot_lists(core, 0, SEQ))  # connects the pair (by BeginWrite)
     io.run_all()
     link = _link(core)
     for event in link.finish(link.writes[0][0]):
         core.on_event(event)
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     # Connected, no offer yet: it parks at once, with no step at all.
     assert _step(core) is Step.PARKED and not io.queue
     assert core.status("r").state is TransferState.WAITING_FOR_INPUT
@@ -116,9 +117,9 @@ def test_an_offer_after_the_send_parked_writes_on_the_offers_thread() -> None:
 def test_the_grace_asks_a_parked_send_with_begin_write_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     core, fake, io = _core(send_wait_s=5.0)
-    core.send("first", 0, SEQ, ADDR, [], True)
+    core.send("first", SEQ, ADDR, [], True, indices=slot_lists(core, 0, SEQ))
     io.run_all()
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     assert _step(core) is Step.PARKED
     core.periodic()  # within the grace: it keeps waiting for the Offer
     assert _step(core) is Step.PARKED and not io.queue
@@ -135,10 +136,10 @@ def test_the_grace_asks_a_parked_send_with_begin_write_once(
 
 def test_an_abort_of_a_parked_send_leaves_no_step_for_a_late_offer() -> None:
     core, fake, io = _core(send_wait_s=5.0)
-    core.send("first", 0, SEQ, ADDR, [], True)
+    core.send("first", SEQ, ADDR, [], True, indices=slot_lists(core, 0, SEQ))
     io.run_all()
     writes = len(_link(core).writes)
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     assert _step(core) is Step.PARKED
     core.abort("r", from_peer=False, detail="client went away")
     assert core.status("r").state is TransferState.FAILED
@@ -153,13 +154,13 @@ def test_an_abort_of_a_parked_send_leaves_no_step_for_a_late_offer() -> None:
 def test_a_link_failure_during_a_queued_step_resends_every_chunk_in_order_after_it() -> None:
     clock = FakeClock()
     core, fake, io = _core(resend_retries=1, clock=clock)
-    core.send("r", 0, SEQ, ADDR, [(0, 256)], False)
+    core.send("r", SEQ, ADDR, [(0, 256)], False, indices=slot_lists(core, 0, SEQ))
     io.run_all()  # handshake, BeginWrite, the first chunk posted (unnotified)
     first = _link(core)
     tid = first.writes[0][0]
     assert first.writes == [(tid, False)] and _step(core) is Step.IDLE
     clock.advance(prefill_module.GRANT_RENEW_S)  # a stale grant: the step asks, on the executor
-    core.send("r", 0, SEQ, ADDR, [(256, SEQ)], True)
+    core.send("r", SEQ, ADDR, [(256, SEQ)], True, indices=slot_lists(core, 0, SEQ))
     assert _step(core) is Step.RUNNING and len(io.queue) == 1  # its step, not run yet
     # The first chunk's write fails: a resend is owed, but a step is queued.
     core.on_event(first.completion(tid, ok=False, status="IBV_WC_RETRY_EXC_ERR"))
@@ -184,18 +185,18 @@ def test_a_link_failure_during_a_queued_step_resends_every_chunk_in_order_after_
 def test_a_request_in_pieces_asks_begin_write_once_a_second_not_per_piece() -> None:
     clock = FakeClock()
     core, fake, io = _core(clock=clock)  # three pages, a piece each
-    core.send("r", 0, LONG, ADDR, [(0, 256)], False)
+    core.send("r", LONG, ADDR, [(0, 256)], False, indices=slot_lists(core, 0, LONG))
     io.run_all()  # handshake, BeginWrite, the first piece
     link = _link(core)
     assert fake.begins == [("r", link.id)] and len(link.writes) == 1
     clock.advance(0.5)
-    core.send("r", 0, LONG, ADDR, [(256, 512)], False)
+    core.send("r", LONG, ADDR, [(256, 512)], False, indices=slot_lists(core, 0, LONG))
     io.run_all()
     # Under the first piece's grant, on the same link: no second ask.
     assert fake.begins == [("r", link.id)] and len(link.writes) == 2
     assert link.writes[1][0] == link.writes[0][0], "a piece under another transfer id"
     clock.advance(prefill_module.GRANT_RENEW_S)
-    core.send("r", 0, LONG, ADDR, [(512, LONG)], True)
+    core.send("r", LONG, ADDR, [(512, LONG)], True, indices=slot_lists(core, 0, LONG))
     io.run_all()
     # The grant is a second old: the final piece asks again (decode's sign of progress).
     assert fake.begins == [("r", link.id)] * 2
@@ -212,10 +213,10 @@ def test_pieces_that_all_came_before_decode_reserved_go_under_its_offer_unasked(
     # under the offer's grant, as for a whole Send.
     core, fake, io = _core(send_wait_s=5.0)
     link = _connected(core, io)
-    core.send("r", 0, LONG, ADDR, [(0, 256)], False)
+    core.send("r", LONG, ADDR, [(0, 256)], False, indices=slot_lists(core, 0, LONG))
     assert _step(core) is Step.PARKED and not io.queue
-    core.send("r", 0, LONG, ADDR, [(256, 512)], False)
-    core.send("r", 0, LONG, ADDR, [(512, LONG)], True)
+    core.send("r", LONG, ADDR, [(256, 512)], False, indices=slot_lists(core, 0, LONG))
+    core.send("r", LONG, ADDR, [(512, LONG)], True, indices=slot_lists(core, 0, LONG))
     assert _step(core) is Step.PARKED and not io.queue
     assert _offer(core, fake, 96, seq_len=LONG)
     io.run_all()
@@ -233,15 +234,15 @@ def test_an_offer_while_the_prompt_is_computed_makes_its_first_piece_ask_once() 
     clock = FakeClock()
     core, fake, io = _core(send_wait_s=5.0, clock=clock)
     link = _connected(core, io)
-    core.send("r", 0, LONG, ADDR, [(0, 256)], False)
-    core.send("r", 0, LONG, ADDR, [(256, 512)], False)
+    core.send("r", LONG, ADDR, [(0, 256)], False, indices=slot_lists(core, 0, LONG))
+    core.send("r", LONG, ADDR, [(256, 512)], False, indices=slot_lists(core, 0, LONG))
     assert _step(core) is Step.PARKED and not io.queue
     assert _offer(core, fake, 96, seq_len=LONG)
     io.run_all()
     assert [rid for rid, _ in fake.begins] == ["first", "r"] and not fake.refused_not_yet
     writes = len(link.writes)
     clock.advance(0.5)
-    core.send("r", 0, LONG, ADDR, [(512, LONG)], True)
+    core.send("r", LONG, ADDR, [(512, LONG)], True, indices=slot_lists(core, 0, LONG))
     io.run_all()
     assert [rid for rid, _ in fake.begins] == ["first", "r"]
     assert len(link.writes) > writes
@@ -255,9 +256,9 @@ def test_an_offer_before_a_first_piece_that_is_not_the_last_asks_once() -> None:
     core, fake, io = _core(send_wait_s=5.0)
     _connected(core, io)
     assert _offer(core, fake, 112, seq_len=LONG)  # decode reserved first
-    core.send("r", 0, LONG, ADDR, [(0, 256)], False)
+    core.send("r", LONG, ADDR, [(0, 256)], False, indices=slot_lists(core, 0, LONG))
     io.run_all()
-    core.send("r", 0, LONG, ADDR, [(256, LONG)], True)
+    core.send("r", LONG, ADDR, [(256, LONG)], True, indices=slot_lists(core, 0, LONG))
     io.run_all()
     assert [rid for rid, _ in fake.begins] == ["first", "r"] and not fake.refused_not_yet
     assert core.status("r").state is TransferState.TRANSFERRING
@@ -271,11 +272,11 @@ def test_parked_pieces_ask_with_begin_write_only_after_their_final_piece(
     core, fake, io = _core(send_wait_s=5.0, clock=clock)
     _connected(core, io)
     monkeypatch.setattr(prefill_module, "OFFER_GRACE_S", 0.05)
-    core.send("r", 0, LONG, ADDR, [(0, 256)], False)
+    core.send("r", LONG, ADDR, [(0, 256)], False, indices=slot_lists(core, 0, LONG))
     clock.advance(1.0)
     core.periodic()
     assert _step(core) is Step.PARKED and not io.queue, "asked before the prompt's end"
-    core.send("r", 0, LONG, ADDR, [(256, LONG)], True)
+    core.send("r", LONG, ADDR, [(256, LONG)], True, indices=slot_lists(core, 0, LONG))
     core.periodic()  # the grace counts from the final piece
     assert _step(core) is Step.PARKED and not io.queue
     clock.advance(0.06)

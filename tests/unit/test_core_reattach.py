@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvbeam.server.core.prefill import GRANT_RENEW_S
 from kvbeam.server.core.prefill_driver import PrefillDriver
 from kvbeam.states import FailureReason, TransferState
-from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
+from tests.core_fakes import FakeDecode, FakeLink, prefill_core, slot_lists, wait_for
 from tests.fake_clock import FakeClock
 from tests.unit.test_core_resend import ADDR, _link
 
@@ -13,7 +13,7 @@ from tests.unit.test_core_resend import ADDR, _link
 def _connected() -> tuple[PrefillDriver, FakeDecode, FakeLink]:
     """A core whose connection to ADDR served one request; decode then forgets it."""
     core, fake = prefill_core(integrity=False)
-    core.send("r0", 0, 300, ADDR, [], True)
+    core.send("r0", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
     core.on_event(link.completion(link.writes[0][0]))
@@ -24,7 +24,7 @@ def _connected() -> tuple[PrefillDriver, FakeDecode, FakeLink]:
 
 def test_a_refused_first_begin_write_handshakes_again_and_the_request_succeeds() -> None:
     core, fake, old = _connected()
-    core.send("r", 1, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 1, 300))
     new = _link(core, not_=old)
     assert wait_for(lambda: len(new.writes) == 1)
     core.on_event(new.completion(new.writes[0][0]))
@@ -37,7 +37,7 @@ def test_a_refused_first_begin_write_handshakes_again_and_the_request_succeeds()
 def test_a_second_refusal_fails_the_request_as_the_peer_failed_after_one_handshake() -> None:
     core, fake, _old = _connected()
     fake.unreserved.add("r")  # decode restarted: the reservation went with it
-    core.send("r", 1, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 1, 300))
     assert wait_for(lambda: core.status("r").state is TransferState.FAILED)
     st = core.status("r")
     assert st.reason is FailureReason.PEER_FAILED, st
@@ -48,13 +48,13 @@ def test_a_second_refusal_fails_the_request_as_the_peer_failed_after_one_handsha
 def test_a_request_that_wrote_already_fails_at_once_without_a_new_handshake() -> None:
     clock = FakeClock()
     core, fake = prefill_core(integrity=False, clock=clock)
-    core.send("r", 0, 1000, ADDR, [(0, 256)], False)
+    core.send("r", 1000, ADDR, [(0, 256)], False, indices=slot_lists(core, 0, 1000))
     link = _link(core)
     assert wait_for(lambda: len(link.writes) == 1)
     core.on_event(link.completion(link.writes[0][0]))
     fake.forgot.add(link.id)
     clock.advance(GRANT_RENEW_S)  # the first piece's grant is stale: the next piece asks
-    core.send("r", 0, 1000, ADDR, [], True)
+    core.send("r", 1000, ADDR, [], True, indices=slot_lists(core, 0, 1000))
     assert wait_for(lambda: core.status("r").state is TransferState.FAILED)
     st = core.status("r")
     assert st.reason is FailureReason.PEER_FAILED and "restarted" in st.detail, st

@@ -24,7 +24,7 @@ from kvbeam.server.settings import resolve
 from kvbeam.server.state.lifecycle import Deadlines
 from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import FailureReason, TransferState, TransferStatus
-from tests.core_fakes import FakeDecode, FakeLink, wait_for
+from tests.core_fakes import FakeDecode, FakeLink, slot_lists, wait_for
 from tests.fake_clock import FakeClock
 from tests.unit.test_core_decode import QueueExecutor
 from tests.unit.test_core_prefill import _queued
@@ -98,7 +98,7 @@ def _during_handshake(fake: FakeDecode, nth: int, action: Callable[[], None]) ->
 
 def test_a_failed_write_is_resent_on_a_new_link_and_the_request_succeeds() -> None:
     core, fake, counted, io = _resending()
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     old = _fail_first_write(core, io)
     assert core.status("r").state is TransferState.TRANSFERRING  # not failed
     assert counted == [1] and not old.released  # the resend's step and the release: queued
@@ -117,12 +117,12 @@ def test_a_failed_write_is_resent_on_a_new_link_and_the_request_succeeds() -> No
 
 def test_every_posted_chunk_is_resent_in_order() -> None:
     core, _fake, _counted, io = _resending()
-    core.send("c", 0, 1000, ADDR, [(0, 256)], False)
+    core.send("c", 1000, ADDR, [(0, 256)], False, indices=slot_lists(core, 0, 1000))
     io.run_all()
     old = _live(core)
     assert len(old.writes) == 1
     core.on_event(old.completion(old.writes[0][0]))  # chunk 1 landed
-    core.send("c", 0, 1000, ADDR, [(256, 700)], False)
+    core.send("c", 1000, ADDR, [(256, 700)], False, indices=slot_lists(core, 0, 1000))
     io.run_all()
     assert len(old.writes) == 2
     core.on_event(old.completion(old.writes[1][0], ok=False, status=RETRY_EXC))
@@ -131,7 +131,8 @@ def test_every_posted_chunk_is_resent_in_order() -> None:
     # Both chunks again, as one step: the newest chunk covers the first.
     assert len(new.writes) == 1 and old.blocks[0].total_bytes < new.blocks[0].total_bytes
     assert new.blocks[0].total_bytes == old.blocks[0].total_bytes + old.blocks[1].total_bytes
-    core.send("c", 0, 1000, ADDR, [], True)  # its first final: digested while data flies
+    # Its first final: digested while data flies.
+    core.send("c", 1000, ADDR, [], True, indices=slot_lists(core, 0, 1000))
     io.run_all()
     assert len(new.writes) == 3
     assert [notify for _tid, notify in new.writes] == [False, False, True]
@@ -145,7 +146,7 @@ def test_every_posted_chunk_is_resent_in_order() -> None:
 
 def test_a_late_completion_from_the_old_link_is_ignored() -> None:
     core, _fake, _counted, io = _resending()
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     old = _fail_first_write(core, io)
     io.run_all()
     new = _live(core, not_=old)
@@ -159,9 +160,9 @@ def test_a_late_completion_from_the_old_link_is_ignored() -> None:
 
 def test_a_resend_waits_until_the_dead_links_writes_completed() -> None:
     core, fake, _counted, io = _resending()
-    core.send("c", 0, 1000, ADDR, [(0, 256)], False)
+    core.send("c", 1000, ADDR, [(0, 256)], False, indices=slot_lists(core, 0, 1000))
     io.run_all()
-    core.send("c", 0, 1000, ADDR, [], True)
+    core.send("c", 1000, ADDR, [], True, indices=slot_lists(core, 0, 1000))
     io.run_all()
     old = _live(core)
     assert len(old.writes) == 3  # the chunk, the final's data, the record
@@ -180,7 +181,7 @@ def test_a_resend_waits_until_the_dead_links_writes_completed() -> None:
 
 def test_retries_zero_fails_at_once_with_the_transport_detail() -> None:
     core, fake, counted, io = _resending(retries=0)
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     _fail_first_write(core, io)
     st = core.status("r")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.TRANSPORT_ERROR
@@ -199,7 +200,7 @@ def test_decode_is_told_when_the_dead_link_was_dropped_before_the_writes_drained
     deadline (CI's ``test_resend_retries_zero…`` on a loaded host: the Abort was never
     sent because the closed connection was taken for a request that never connected)."""
     core, fake, counted, io = _resending(retries=0)
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     io.run_all()
     link = _live(core)
     assert len(link.writes) == 2  # the data, then the digest record
@@ -215,7 +216,7 @@ def test_decode_is_told_when_the_dead_link_was_dropped_before_the_writes_drained
 
 def test_a_permanent_fault_fails_after_the_retries_with_one_abort() -> None:
     core, fake, counted, io = _resending(retries=2)
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     link: FakeLink | None = None
     for attempt in range(3):
         io.run_all()
@@ -233,7 +234,7 @@ def test_a_permanent_fault_fails_after_the_retries_with_one_abort() -> None:
 
 def test_an_error_that_is_not_transient_fails_at_once() -> None:
     core, fake, counted, io = _resending()
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     _fail_first_write(core, io, status="IBV_WC_REM_ACCESS_ERR")
     st = core.status("r")
     assert st.state is TransferState.FAILED and "IBV_WC_REM_ACCESS_ERR" in st.detail
@@ -244,7 +245,7 @@ def test_an_error_that_is_not_transient_fails_at_once() -> None:
 
 def test_a_lost_peer_fails_its_requests_without_a_resend() -> None:
     core, fake, counted, io = _resending()
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     io.run_all()
     link = _live(core)
     assert len(link.writes) == 2
@@ -260,7 +261,7 @@ def test_a_lost_peer_fails_its_requests_without_a_resend() -> None:
 def test_other_requests_on_the_failed_link_are_resent_too() -> None:
     core, fake, counted, io = _resending()
     for i in range(3):
-        core.send(f"r{i}", i, 300, ADDR, [], True)
+        core.send(f"r{i}", 300, ADDR, [], True, indices=slot_lists(core, i, 300))
     io.run_all()
     old = _live(core)
     assert len(old.writes) == 6  # each request's data and record
@@ -281,7 +282,7 @@ def _resend_handshaking(core: PrefillDriver, fake: FakeDecode, io: QueueExecutor
                         during: Callable[[], None]) -> FakeLink:
     """Request "r" posted, its write failed; ``during`` runs inside its resend's
     handshake (before decode answers it); returns the failed link."""
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     io.run_all()
     link = _live(core)
     assert len(link.writes) == 2
@@ -337,7 +338,7 @@ def test_a_deadline_passing_during_a_resend_ends_it_with_one_abort() -> None:
 def test_a_resend_that_finds_the_request_landed_ends_in_success() -> None:
     core, fake, counted, io = _resending()
     fake.landed.add("r")  # the failed write's acknowledgement was all that was lost
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     old = _fail_first_write(core, io)
     assert core.status("r").state is TransferState.TRANSFERRING
     io.run_all()
@@ -368,7 +369,7 @@ def test_break_link_fault_hook_is_off_unless_armed() -> None:
 
 def test_a_resend_the_deadline_would_cut_fails_at_once_naming_the_verbs_status() -> None:
     core, fake, counted, io = _resending(transferring=0.2)  # under the 0.25 s floor
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     _fail_first_write(core, io)
     st = core.status("r")  # failed by the failed write's completion itself
     assert st.state is TransferState.FAILED
@@ -394,7 +395,7 @@ def test_the_time_a_resend_needs_is_the_measured_handshake(
         clock.advance(0.6)
 
     _during_handshake(fake, 1, slow)
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     _fail_first_write(core, io)
     assert core.status("r").state is TransferState.FAILED
     assert "no time left to resend" in core.status("r").detail

@@ -47,10 +47,10 @@ def _core(integrity: bool = True, budget_s: float = 0.0, check_inline_below: int
           ) -> tuple[DecodeCore, PeerConn]:
     lay = layout()
     core = DecodeCore(table=TransferTable(Deadlines(), on_change=on_change), peers=Peers(),
-                      spec=UNIFIED_TARGET, layout=lay, pools=AllocatedSide(lay),
                       integrity=integrity, handoff_lease_s=30.0,
                       transfer_budget=lambda _n: budget_s,
                       check_inline_below=check_inline_below)
+    core.take_pools(UNIFIED_TARGET, lay, AllocatedSide(lay))
     conn = fake_conn(PREFILL, AllocatedSide(lay))
     core.peers.add(conn)
     return core, conn
@@ -309,9 +309,10 @@ def test_the_core_module_imports_nothing_that_does_io() -> None:
 # ---- decode-initiated pairing --------------------------------------------------------
 def _unconnected() -> DecodeCore:
     lay = layout()
-    return DecodeCore(table=TransferTable(Deadlines()), peers=Peers(), spec=UNIFIED_TARGET,
-                      layout=lay, pools=AllocatedSide(lay), integrity=True,
+    core = DecodeCore(table=TransferTable(Deadlines()), peers=Peers(), integrity=True,
                       handoff_lease_s=30.0)
+    core.take_pools(UNIFIED_TARGET, lay, AllocatedSide(lay))
+    return core
 
 
 def test_a_reservation_naming_an_unconnected_prefill_asks_it_to_connect_once() -> None:

@@ -18,7 +18,7 @@ from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import TransferState
 from tests.copy_helpers import copy_blocks, copy_plan
-from tests.core_fakes import FakeDecode, FakeLink, prefill_core, wait_for
+from tests.core_fakes import FakeDecode, FakeLink, prefill_core, slot_lists, wait_for
 from tests.engine_lists import Lists, random_lists
 from tests.fixtures import PAGED_DRAFT, PAGED_TARGET, UNIFIED_DRAFT, UNIFIED_TARGET, layout
 from tests.unit.test_core_decode import _core as decode_core
@@ -113,7 +113,7 @@ def test_chunked_send_selects_pages_by_position_not_page_id() -> None:
     core, engine = _engine_prefill(d, d_draft)
     before = AllocatedSide(lay)
     before.fill_pattern(12)
-    core.send("e", -1, 1000, ADDR, [(0, 300)], False, indices=s, draft=s_draft)
+    core.send("e", 1000, ADDR, [(0, 300)], False, indices=s, draft=s_draft)
     assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
     conn = core.peers.by_address(ADDR)
     assert conn is not None
@@ -122,9 +122,9 @@ def test_chunked_send_selects_pages_by_position_not_page_id() -> None:
     # Each chunk's step runs before the next chunk comes (one that came meanwhile
     # would be one step with it): three writes, each of its own pages.
     assert wait_for(lambda: len(link.writes) == 1)
-    core.send("e", 5, 1000, ADDR, [(300, 700)], False)  # the slot is ignored: lists kept
+    core.send("e", 1000, ADDR, [(300, 700)], False)  # omits the lists: the first's kept
     assert wait_for(lambda: len(link.writes) == 2)
-    core.send("e", -1, 1000, ADDR, [], True, indices=s, draft=s_draft)  # repeated unchanged
+    core.send("e", 1000, ADDR, [], True, indices=s, draft=s_draft)  # repeated unchanged
     assert wait_for(lambda: len(link.writes) == 3)
     for blocks in link.blocks:
         copy_blocks(core.pools, engine.side, blocks)
@@ -144,13 +144,20 @@ def test_prefill_refuses_a_bad_list_before_queueing_and_a_changed_list_later() -
     bad[K.KV_PAGES] = bad[K.KV_PAGES].copy()
     bad[K.KV_PAGES][2] = 10**6
     with pytest.raises(BadIndexList, match="prefill: KV_PAGES index 1000000 at position 2"):
-        core.send("b", -1, 1000, ADDR, [], True, indices=bad)
+        core.send("b", 1000, ADDR, [], True, indices=bad)
     assert not core.known("b")
-    core.send("c", -1, 1000, ADDR, [(0, 256)], False, indices=s)
+    core.send("c", 1000, ADDR, [(0, 256)], False, indices=s)
     other = dict(s)
     other[K.KV_PAGES] = s[K.KV_PAGES][::-1].copy()
-    with pytest.raises(BadRequest, match=r"must keep the source slot \(or index lists\)"):
-        core.send("c", -1, 1000, ADDR, [], True, indices=other)
+    with pytest.raises(BadRequest, match=r"must keep the index lists \(or source slot\)"):
+        core.send("c", 1000, ADDR, [], True, indices=other)
+    # A slot's lists (what the gRPC Send makes of a source slot) are compared the same
+    # way: a further chunk naming another slot is refused.
+    core.send("d", 1000, ADDR, [(0, 256)], False, indices=slot_lists(core, 0, 1000))
+    with pytest.raises(BadRequest, match=r"must keep the index lists \(or source slot\)"):
+        core.send("d", 1000, ADDR, [], True, indices=slot_lists(core, 1, 1000))
+    with pytest.raises(BadRequest, match="its first chunk names no source lists"):
+        core.send("e", 1000, ADDR, [], True)
 
 
 def test_decode_reserve_with_engine_lists_counts_capacity_and_reports_slot_minus_one() -> None:
@@ -195,7 +202,7 @@ def test_a_page_a_chunk_fills_in_part_moves_once_it_is_whole() -> None:
     written by a later chunk, with the tokens the engine computed meanwhile (written
     with the first chunk, it was never written again: decode kept its first half)."""
     lay, s, d, core, engine, before = _engine_request(13)
-    core.send("p", -1, 1000, ADDR, [(0, 300)], False, indices=s)  # page 1 half computed
+    core.send("p", 1000, ADDR, [(0, 300)], False, indices=s)  # page 1 half computed
     assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
     conn = core.peers.by_address(ADDR)
     assert conn is not None and isinstance(conn.link, FakeLink)
@@ -206,7 +213,7 @@ def test_a_page_a_chunk_fills_in_part_moves_once_it_is_whole() -> None:
     for buf in lay.flat_buffers:  # the engine computes the rest of page 1
         if buf.index_kind is K.KV_PAGES:
             core.pools.buffer_array(buf).reshape(buf.items, buf.item_len)[page] ^= 0x5A
-    core.send("p", -1, 1000, ADDR, [], True, indices=s)
+    core.send("p", 1000, ADDR, [], True, indices=s)
     assert wait_for(lambda: len(link.writes) == 2)
     copy_blocks(core.pools, engine.side, link.blocks[1])
     _assert_moved(core.pools, engine.side, before, s, d)
@@ -219,7 +226,7 @@ def test_a_request_sent_layer_by_layer_moves_each_layer_once_it_is_ready() -> No
     final chunk brings the states."""
     lay, s, d, core, engine, before = _engine_request(14)
     pages = s[K.KV_PAGES]
-    core.send("l", -1, 1000, ADDR, [], False, indices={K.KV_PAGES: pages}, kv_offset=0,
+    core.send("l", 1000, ADDR, [], False, indices={K.KV_PAGES: pages}, kv_offset=0,
               layers=2)
     assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
     conn = core.peers.by_address(ADDR)
@@ -237,12 +244,12 @@ def test_a_request_sent_layer_by_layer_moves_each_layer_once_it_is_ready() -> No
     for buf, layer in zip(lay.kv.buffers, lay.kv_layers, strict=True):
         if layer >= 2:  # the engine computes the later layers now
             core.pools.buffer_array(buf).reshape(buf.items, buf.item_len)[pages] ^= 0x33
-    core.send("l", -1, 1000, ADDR, [], False, kv_offset=len(pages), layers=lay.num_layers)
+    core.send("l", 1000, ADDR, [], False, kv_offset=len(pages), layers=lay.num_layers)
     assert wait_for(lambda: len(link.writes) == 2)
     copy_blocks(core.pools, engine.side, link.blocks[1])
     assert all(moved(b) for b in lay.kv.buffers)
     rest = {k: v for k, v in s.items() if k is not K.KV_PAGES}
-    core.send("l", -1, 1000, ADDR, [], True, indices=rest, kv_offset=len(pages))
+    core.send("l", 1000, ADDR, [], True, indices=rest, kv_offset=len(pages))
     assert wait_for(lambda: len(link.writes) == 3)
     copy_blocks(core.pools, engine.side, link.blocks[2])
     _assert_moved(core.pools, engine.side, before, s, d)

@@ -13,7 +13,7 @@ import threading
 
 from kvbeam.server.core.outgoing import Outgoing
 from kvbeam.states import TransferState
-from tests.core_fakes import FakeLink, prefill_core, wait_for
+from tests.core_fakes import FakeLink, prefill_core, slot_lists, wait_for
 
 ADDR = "127.0.0.1:9"
 
@@ -31,7 +31,7 @@ def test_an_abort_on_the_loop_does_not_wait_for_the_drain_and_one_off_it_does() 
 
     core.core.watch_drain = watch_drain  # type: ignore[method-assign]
     for rid in ("on-loop", "off-loop"):
-        core.send(rid, 0, 300, ADDR, [], True)
+        core.send(rid, 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
     conn = core.peers.by_address(ADDR)
     assert conn is not None and isinstance(conn.link, FakeLink)

@@ -14,7 +14,7 @@ from kvbeam.pools.paged import paged_side_config, paged_spec
 from kvbeam.rpc_errors import code_for
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.states import FailureReason, TransferState
-from tests.core_fakes import FakeLink, wait_for
+from tests.core_fakes import FakeLink, slot_lists, wait_for
 from tests.fixtures import UNIFIED_TARGET, layout
 from tests.unit.test_core_offers import ADDR, SEQ, _connected
 
@@ -51,15 +51,16 @@ def test_every_kv_skip_without_a_meaning_is_refused_naming_the_values() -> None:
 
 
 def test_prefill_refuses_a_peers_kv_skip_that_its_source_cannot_have() -> None:
-    """Decode's grant is untrusted: a kv_skip on prefill's slot-based DSV4 request fails
-    it (invalid_request, naming the grant) before any write is posted."""
+    """Decode's grant is untrusted: a kv_skip on prefill's DSV4 request (its layout has
+    states, rings and a draft) fails it (invalid_request, naming the grant) before any
+    write is posted."""
     core, _fake, conn, _events = _connected()
     grant = WriteGrant(41, request_indices(UNIFIED_TARGET, 2, SEQ), kv_skip=3)
     assert core.offer("bad", conn.instance_id, SEQ, grant, lease_s=10.0)
-    core.send("bad", 1, SEQ, ADDR, [], True)
+    core.send("bad", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     assert wait_for(lambda: core.status("bad").state is TransferState.FAILED)
     snap = core.status("bad")
     assert snap.reason is FailureReason.INVALID_REQUEST
-    assert snap.detail.startswith("decode's grant: prefill: kv_skip 3 needs the engine's "
-                                  "index lists"), snap.detail
+    assert snap.detail.startswith("decode's grant: prefill: kv_skip 3 is only for a layout "
+                                  "of KV pages alone"), snap.detail
     assert len(cast(FakeLink, conn.link).writes) == 2  # only the first request's (and record)

@@ -29,7 +29,7 @@ from kvbeam.server.faults import CORRUPT_RECORD_ENV, RECORD_FIELDS, FaultHooks
 from kvbeam.states import TransferState
 from kvbeam.transport import Link
 from kvbeam.transport.endpoint import RemoteRegion
-from tests.core_fakes import FakeLink, flip_digest, prefill_core, wait_for
+from tests.core_fakes import FakeLink, flip_digest, prefill_core, slot_lists, wait_for
 from tests.fixtures import UNIFIED_TARGET
 
 DIGEST_VALUES = [(i + 1) * 0x0123456789ABCDEF0123456789ABCDEF % (1 << 128) for i in range(5)]
@@ -158,7 +158,7 @@ def test_the_fault_hook_makes_exactly_its_field_wrong(field: str) -> None:
 # ---- prefill's record write ------------------------------------------------------------
 def _posted(integrity: bool = True) -> tuple[object, FakeLink]:
     core, _fake = prefill_core(integrity=integrity)
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
     conn = core.peers.by_address(ADDR)
     assert conn is not None
@@ -216,7 +216,7 @@ def test_a_record_that_cannot_be_posted_fails_the_request_and_frees_its_slot() -
         return conn
 
     fake.connect = connect  # type: ignore[method-assign,assignment]
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     assert wait_for(lambda: core.status("r").state is TransferState.FAILED)
     conn = core.peers.by_address(ADDR)
     assert conn is not None
@@ -238,7 +238,7 @@ def test_digests_done_inline_put_the_record_at_the_end_of_the_datas_own_write() 
     core, _fake = prefill_core()
     assert isinstance(core, PrefillDriver)
     core.digest_pool = DigestPool(0)  # inline, as any job under INLINE_BELOW_BYTES
-    core.send("r", 0, 300, ADDR, [], True)
+    core.send("r", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
     conn = core.peers.by_address(ADDR)
     assert conn is not None

@@ -16,7 +16,7 @@ _whole = Chunk.whole
 
 
 def _rec() -> Outgoing:
-    return Outgoing("r", 0, 128, "decode:1", {}, Attempt())
+    return Outgoing("r", 128, "decode:1", {}, Attempt())
 
 
 def _at(rec: Outgoing) -> Step:

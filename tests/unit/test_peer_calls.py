@@ -31,7 +31,7 @@ from kvbeam.server.settings import ControlOptions
 from kvbeam.server.state.handshake import VerifiedPeer
 from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import TransferState
-from tests.core_fakes import FakeLink, fake_conn, prefill_core, wait_for
+from tests.core_fakes import FakeLink, fake_conn, prefill_core, slot_lists, wait_for
 from tests.fixtures import layout
 
 ADDR = "127.0.0.1:9"
@@ -122,7 +122,7 @@ def test_prefill_drops_a_connection_whose_channel_closed_and_handshakes_again() 
     """The core's side: a connection whose channel a BYE closed is not used again (it
     could carry no BeginWrite); the next request handshakes a new link and succeeds."""
     core, fake = prefill_core()
-    core.send("first", 0, 300, ADDR, [], True)
+    core.send("first", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     assert wait_for(lambda: len(fake.digests) == 1)  # after its writes were posted
     old = core.peers.by_address(ADDR)
     assert old is not None
@@ -132,7 +132,7 @@ def test_prefill_drops_a_connection_whose_channel_closed_and_handshakes_again() 
     assert core.status("first").state is TransferState.SUCCESS
     old.channel = _Closed()  # decode released that connection: a BYE
 
-    core.send("next", 1, 300, ADDR, [], True)
+    core.send("next", 300, ADDR, [], True, indices=slot_lists(core, 1, 300))
     assert wait_for(lambda: len(fake.digests) == 2)
     new = core.peers.by_address(ADDR)
     assert new is not None and new is not old
@@ -149,14 +149,14 @@ def test_a_channel_lost_without_a_bye_fails_the_connections_requests() -> None:
     """Closed without a BYE the peer is lost (its handler says so too): a request on
     the connection fails; a new one handshakes again."""
     core, fake = prefill_core()
-    core.send("first", 0, 300, ADDR, [], True)
+    core.send("first", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
     assert wait_for(lambda: len(fake.digests) == 1)  # its writes are in flight
     old = core.peers.by_address(ADDR)
     assert old is not None
     lost = _Closed()
     lost.orderly, lost.close_reason = False, "the peer closed the connection"
     old.channel = lost
-    core.send("next", 1, 300, ADDR, [], True)
+    core.send("next", 300, ADDR, [], True, indices=slot_lists(core, 1, 300))
     assert wait_for(lambda: core.status("first").state is TransferState.FAILED), \
         core.status("first")
     assert core.status("first").detail == \

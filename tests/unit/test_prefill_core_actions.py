@@ -35,7 +35,7 @@ from kvbeam.server.core.prefill_actions import (
 from kvbeam.server.state.lifecycle import Deadlines, TransferTable
 from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferState
-from tests.core_fakes import fake_conn
+from tests.core_fakes import fake_conn, slot_lists
 from tests.fixtures import UNIFIED_TARGET, layout
 
 DECODE = "127.0.0.1:9"
@@ -47,9 +47,10 @@ _FINAL = Chunk.whole(PAGES, True)  # a whole request's one chunk
 
 def _core(integrity: bool = False, **kw: float) -> PrefillCore:
     lay = layout()
-    return PrefillCore(table=TransferTable(Deadlines()), peers=Peers(), spec=UNIFIED_TARGET,
-                       layout=lay, pools=AllocatedSide(lay), integrity=integrity,
+    core = PrefillCore(table=TransferTable(Deadlines()), peers=Peers(), integrity=integrity,
                        drain_s=5.0, **kw)  # type: ignore[arg-type]
+    core.take_pools(UNIFIED_TARGET, lay, AllocatedSide(lay))
+    return core
 
 
 def _conn() -> PeerConn:
@@ -66,7 +67,8 @@ def _rec(core: PrefillCore, rid: str = "r") -> Outgoing:
 
 def _sent(core: PrefillCore, rid: str = "r") -> Outgoing:
     """A single-chunk request whose Send asked for its step."""
-    assert core.send(rid, 1, SEQ, DECODE, [], True, now=1.0) == [RunStep(_rec(core, rid))]
+    assert core.send(rid, SEQ, DECODE, [], True, now=1.0,
+                     indices=slot_lists(core, 1, SEQ)) == [RunStep(_rec(core, rid))]
     return _rec(core, rid)
 
 
@@ -138,7 +140,8 @@ def test_with_integrity_the_final_chunk_books_its_record_as_one_more_write() -> 
 def test_no_offer_within_the_grace_asks_and_no_reservation_yet_parks_it_again() -> None:
     core, conn = _core(send_wait_s=5.0), _conn()
     core.peers.add(conn)
-    assert core.send("r", 1, SEQ, DECODE, [], True, now=1.0) == []  # parked at once
+    assert core.send("r", SEQ, DECODE, [], True, now=1.0,
+                     indices=slot_lists(core, 1, SEQ)) == []  # parked at once
     rec = _rec(core)
     assert core.periodic(now=1.0) == []  # within the grace: it waits for decode's Offer
     assert core.periodic(now=1.0 + prefill.OFFER_GRACE_S) == [RunStep(rec)]
@@ -153,7 +156,8 @@ def test_no_offer_within_the_grace_asks_and_no_reservation_yet_parks_it_again() 
 def test_decodes_offer_unparks_a_parked_request_and_its_step_writes_without_asking() -> None:
     core, conn = _core(send_wait_s=5.0), _conn()
     core.peers.add(conn)
-    assert core.send("r", 1, SEQ, DECODE, [], True, now=1.0) == []  # parked at once
+    assert core.send("r", SEQ, DECODE, [], True, now=1.0,
+                     indices=slot_lists(core, 1, SEQ)) == []  # parked at once
     rec = _rec(core)
     assert rec.step is Step.PARKED
     kept, actions = core.offer("r", conn.instance_id, SEQ, _grant(9), lease_s=1.0, now=1.1)
@@ -238,8 +242,10 @@ def test_an_offer_for_a_request_that_failed_here_is_refused_and_decode_told_at_o
     # Bootstrapping until its own deadline for a request prefill will never send.
     core, conn = _core(send_wait_s=5.0), _conn()
     core.peers.add(conn)
-    assert core.send("r", 1, SEQ, DECODE, [], True, now=1.0) == []  # parked: no offer yet
-    assert core.table.fail("r", FailureReason.TIMEOUT, "no reservation within 5.0 s", now=2.0)
+    assert core.send("r", SEQ, DECODE, [], True, now=1.0,
+                     indices=slot_lists(core, 1, SEQ)) == []  # parked: no offer yet
+    assert core.table.fail("r", FailureReason.TIMEOUT, "no reservation within 5.0 s",
+                           now=2.0)
     kept, actions = core.offer("r", conn.instance_id, SEQ, _grant(), 10.0, now=7.0)
     assert not kept and not core.offers.has("r")
     assert actions == [Count("offers", "refused"), TellDecode(
@@ -282,7 +288,8 @@ def test_a_send_naming_no_decode_parks_until_a_decodes_offer_names_it_and_goes_t
     to that decode, and its step writes there without asking."""
     core, conn = _core(send_wait_s=5.0), _conn()
     core.peers.add(conn)
-    assert core.send("r", 1, SEQ, "", [], True, now=1.0) == []  # parked at once
+    assert core.send("r", SEQ, "", [], True, now=1.0,
+                     indices=slot_lists(core, 1, SEQ)) == []  # parked at once
     rec = _rec(core)
     assert rec.step is Step.PARKED and rec.decode_address == "" and rec.conn is None
     assert core.status("r").state is TransferState.WAITING_FOR_INPUT
@@ -302,7 +309,7 @@ def test_an_offer_before_a_send_naming_no_decode_is_taken_at_once() -> None:
     core.peers.add(conn)
     kept, _ = core.offer("r", conn.instance_id, SEQ, _grant(9), lease_s=5.0, now=1.0)
     assert kept
-    [step] = core.send("r", 1, SEQ, "", [], True, now=1.1)
+    [step] = core.send("r", SEQ, "", [], True, now=1.1, indices=slot_lists(core, 1, SEQ))
     rec = _rec(core)
     assert step == RunStep(rec) and (rec.decode_address, rec.conn) == (DECODE, conn)
     [used, post] = core.step(rec, now=1.1)
@@ -313,7 +320,7 @@ def test_a_send_naming_no_decode_that_nobody_offers_ends_at_its_lease_telling_no
     """Its wait is the --send-wait-s lease; the failure names what it waited for, and no
     decode is told (there is none to tell: no Abort to an empty address)."""
     core = _core(send_wait_s=5.0)
-    core.send("r", 1, SEQ, "", [], True, now=1.0)
+    core.send("r", SEQ, "", [], True, now=1.0, indices=slot_lists(core, 1, SEQ))
     [expired] = core.table.expire(time.monotonic() + 6.0)
     assert expired.detail.startswith("no progress in WaitingForInput for 5.0 s (decode's "
                                      "reservation: the Send named no decode and no decode "
@@ -322,15 +329,17 @@ def test_a_send_naming_no_decode_that_nobody_offers_ends_at_its_lease_telling_no
 
 
 def test_a_send_naming_no_decode_must_be_one_final_chunk_under_a_lease() -> None:
+    leased, unleased = _core(send_wait_s=5.0), _core()
     with pytest.raises(FrameError, match=r"decode_address: empty .* one final SEND"):
-        _core(send_wait_s=5.0).send("r", 1, SEQ, "", [(0, 64)], False, now=1.0)
+        leased.send("r", SEQ, "", [(0, 64)], False, now=1.0,
+                    indices=slot_lists(leased, 1, SEQ))
     with pytest.raises(FrameError, match="needs --send-wait-s above 0"):
-        _core().send("r", 1, SEQ, "", [], True, now=1.0)
+        unleased.send("r", SEQ, "", [], True, now=1.0, indices=slot_lists(unleased, 1, SEQ))
 
 
 def test_an_abort_of_a_send_naming_no_decode_before_any_offer_tells_nobody() -> None:
     core = _core(send_wait_s=5.0)
-    core.send("r", 1, SEQ, "", [], True, now=1.0)
+    core.send("r", SEQ, "", [], True, now=1.0, indices=slot_lists(core, 1, SEQ))
     failed = core.abort("r", from_peer=False, detail="engine gave up", now=1.5)
     assert failed is not None
     rec, detail = failed
@@ -346,6 +355,7 @@ def test_a_send_naming_no_decode_drops_an_offer_whose_connection_closed_and_park
     kept, _ = core.offer("r", conn.instance_id, SEQ, _grant(9), lease_s=5.0, now=1.0)
     assert kept
     conn.closed = True
-    assert core.send("r", 1, SEQ, "", [], True, now=1.1) == []  # parked at once
+    assert core.send("r", SEQ, "", [], True, now=1.1,
+                     indices=slot_lists(core, 1, SEQ)) == []  # parked at once
     rec = _rec(core)
     assert rec.step is Step.PARKED and rec.decode_address == "" and not core.offers.has("r")

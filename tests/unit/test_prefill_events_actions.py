@@ -21,7 +21,7 @@ from kvbeam.server.core.prefill_actions import RunStep, TellDecode
 from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
-from tests.core_fakes import FakeLink, prefill_core
+from tests.core_fakes import FakeLink, prefill_core, slot_lists
 from tests.unit.test_core_decode import QueueExecutor
 
 ADDR = "127.0.0.1:9"
@@ -34,7 +34,7 @@ def _posted(retries: int = 0, drain_s: float = 5.0
     io = QueueExecutor()
     driver, _fake = prefill_core(io=io, digest_threads=0, integrity=False,
                                  resend_retries=retries, drain_s=drain_s)
-    driver.send("r", 1, SEQ, ADDR, [], True)
+    driver.send("r", SEQ, ADDR, [], True, indices=slot_lists(driver, 1, SEQ))
     core = driver.core
     io.run_all()  # the handshake, BeginWrite, the post
     conn = core.peers.by_address(ADDR)

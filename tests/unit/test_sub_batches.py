@@ -36,7 +36,7 @@ from kvbeam.server.faults import FaultHooks, arm
 from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import FailureReason, TransferState
 from kvbeam.transport import Event, EventKind
-from tests.core_fakes import FakeLink, land_record, prefill_core, wait_for
+from tests.core_fakes import FakeLink, land_record, prefill_core, slot_lists, wait_for
 from tests.engine_lists import Lists, random_lists
 from tests.fake_clock import FakeClock
 from tests.fixtures import UNIFIED_TARGET, layout
@@ -115,7 +115,7 @@ def test_prefill_posts_each_sub_batch_as_a_notified_write_then_the_rest_and_its_
     tid = 16 * 7
     assert core.offer("r", conn.instance_id, SEQ,
                       WriteGrant(tid, request_indices(UNIFIED_TARGET, 2, SEQ)), lease_s=10.0)
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     link = cast(FakeLink, conn.link)
     assert wait_for(lambda: len(link.writes) == 2 + 5 and len(fake.digests) == 2)
     assert link.writes[2:] == [(tid + 1, True), (tid + 2, True), (tid + 3, True),
@@ -142,7 +142,7 @@ def test_prefill_marks_nothing_for_a_grant_id_with_mark_bits() -> None:
     conn.sub_batch_bytes = QUARTER
     assert core.offer("r", conn.instance_id, SEQ,
                       WriteGrant(77, request_indices(UNIFIED_TARGET, 2, SEQ)), lease_s=10.0)
-    core.send("r", 1, SEQ, ADDR, [], True)
+    core.send("r", SEQ, ADDR, [], True, indices=slot_lists(core, 1, SEQ))
     link = cast(FakeLink, conn.link)
     assert wait_for(lambda: len(link.writes) == 4)
     assert link.writes[2:] == [(77, False), (77, True)]
@@ -348,7 +348,7 @@ def test_a_request_written_in_pieces_marks_each_sub_batch_in_the_chunk_that_make
     per_buffer = buffer_bytes(lay, full, {})
     size = engine.size = sum(per_buffer) // 5
     pages = s[IndexKind.KV_PAGES]
-    core.send("m", -1, 1000, ADDR, [], False, indices={IndexKind.KV_PAGES: pages},
+    core.send("m", 1000, ADDR, [], False, indices={IndexKind.KV_PAGES: pages},
               kv_offset=0, layers=2)
     assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
     conn = core.peers.by_address(ADDR)
@@ -360,12 +360,12 @@ def test_a_request_written_in_pieces_marks_each_sub_batch_in_the_chunk_that_make
     rec = core.core._out["m"]
     assert wait_for(lambda: len(link.writes) > 0 and rec.step is Step.IDLE)
     first = len(link.writes)
-    core.send("m", -1, 1000, ADDR, [], False, kv_offset=len(pages), layers=lay.num_layers)
+    core.send("m", 1000, ADDR, [], False, kv_offset=len(pages), layers=lay.num_layers)
     assert wait_for(lambda: len(link.writes) > first and rec.step is Step.IDLE)
     second = len(link.writes)
     early = dict(rec.early_digests)
     rest: Lists = {k: v for k, v in s.items() if k is not IndexKind.KV_PAGES}
-    core.send("m", -1, 1000, ADDR, [], True, indices=rest, kv_offset=len(pages))
+    core.send("m", 1000, ADDR, [], True, indices=rest, kv_offset=len(pages))
     assert wait_for(lambda: len(link.records) == 1)
     tid = 16 * 5
     written = _check_marks(link, tid, at, per_buffer)
@@ -397,7 +397,7 @@ def test_a_resend_mid_stream_marks_every_sub_batch_again_on_the_new_link() -> No
     engine.size = sum(per_buffer) // 5
     at = cuts(per_buffer, engine.size)
     pages = s[IndexKind.KV_PAGES]
-    core.send("m", -1, 1000, ADDR, [], False, indices={IndexKind.KV_PAGES: pages},
+    core.send("m", 1000, ADDR, [], False, indices={IndexKind.KV_PAGES: pages},
               kv_offset=0, layers=lay.num_layers)
     assert wait_for(lambda: core.peers.by_address(ADDR) is not None)
     conn = core.peers.by_address(ADDR)
@@ -412,7 +412,7 @@ def test_a_resend_mid_stream_marks_every_sub_batch_again_on_the_new_link() -> No
     assert wait_for(lambda: len(engine.links) == 2 and len(engine.links[1].writes) > 0
                     and rec.step is Step.IDLE)
     rest: Lists = {k: v for k, v in s.items() if k is not IndexKind.KV_PAGES}
-    core.send("m", -1, 1000, ADDR, [], True, indices=rest, kv_offset=len(pages))
+    core.send("m", 1000, ADDR, [], True, indices=rest, kv_offset=len(pages))
     new = engine.links[1]
     assert wait_for(lambda: len(new.records) == 1)
     _check_marks(new, 16 * 5, at, per_buffer)
