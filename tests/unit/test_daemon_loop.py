@@ -38,14 +38,16 @@ class Recorder:
         self.ticks += 1
         return now + self.wait
 
+    def watch_pair(self) -> tuple[socket.socket, socket.socket]:
+        """A socket pair whose read end this source watches (the end is its data)."""
+        r, w = socket.socketpair()
+        self.sel.register(r, selectors.EVENT_READ, r)
+        return r, w
 
 def test_each_source_gets_its_own_fds_on_the_loop_thread() -> None:
     loop = DaemonLoop("test-loop")
     a, b = Recorder(loop), Recorder(loop)
-    a_r, a_w = socket.socketpair()
-    b_r, b_w = socket.socketpair()
-    a.sel.register(a_r, selectors.EVENT_READ, a_r)
-    b.sel.register(b_r, selectors.EVENT_READ, b_r)
+    (a_r, a_w), (b_r, b_w) = a.watch_pair(), b.watch_pair()
     loop.start()
     try:
         a_w.send(b"x")
@@ -100,10 +102,7 @@ def test_a_source_is_ticked_when_it_asked_or_was_poked_not_on_every_pass() -> No
         return idle_tick(now)
 
     idle.ready, idle.tick = ready, tick  # type: ignore[method-assign]
-    b_r, b_w = socket.socketpair()
-    i_r, i_w = socket.socketpair()
-    busy.sel.register(b_r, selectors.EVENT_READ, b_r)
-    idle.sel.register(i_r, selectors.EVENT_READ, i_r)
+    (b_r, b_w), (i_r, i_w) = busy.watch_pair(), idle.watch_pair()
     loop.start()
     try:
         assert wait_until(lambda: idle.ticks == 1 and busy.ticks == 1, 5)  # first: at once
@@ -181,8 +180,7 @@ def test_calls_from_other_threads_run_on_the_loop_in_order() -> None:
 def test_run_sync_runs_inline_without_a_running_loop_and_remove_unregisters() -> None:
     loop = DaemonLoop("test-loop")
     rec = Recorder(loop)
-    r, w = socket.socketpair()
-    rec.sel.register(r, selectors.EVENT_READ, r)
+    r, w = rec.watch_pair()
     assert loop.run_sync(lambda: 7) == 7  # not started: on the caller's thread
     loop.remove(rec)
     assert rec.sel.watched(r) is None
