@@ -164,18 +164,15 @@ class TransferTable:
             f"request {request_id!r}: illegal transition {src.value} -> {dst.value}")
 
     def _move(self, t: Transfer, state: TransferState, now: float) -> None:
-        # Inline, not through helpers: a request makes three or four moves per side, and
-        # each is on the loop's path of every request.
+        # The legality check inline, not through a helper: a request makes three or four
+        # moves per side, and each is on the loop's path of every request.
         if state not in _NEXT[t.state]:
             raise self._illegal(t.request_id, t.state, state)
         t.state = state
         t.waiting = ""
         t.history.append(state)
         t.version += 1
-        t.lease_s = None
-        t.entered = now
-        budget = self._budgets[state]
-        t.deadline = None if budget is None else now + budget
+        self._set_deadline(t, now)
         t.entered_at.append(now)
         if state.terminal:
             del self._live[t.request_id]
