@@ -285,8 +285,8 @@ class DaemonLoop:
         due = self._due
         ended = time.monotonic()
         while not self._stop.is_set():
-            if self._poked:
-                self._take_pokes()
+            # Pokes from other threads are taken after the pass's calls, below: each one
+            # also sent the wake-up byte, so a poke that comes later ends this sleep.
             soonest = min(due.values(), default=math.inf)
             # Read without the lock: a call queued after this check wakes the loop itself.
             wait = 0.0 if self._calls or soonest <= ended else min(MAX_WAIT_S,
