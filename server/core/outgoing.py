@@ -27,27 +27,33 @@ A link failure under the request is not a phase: the resend it owes
 
 Nothing here locks, sleeps or does I/O: the core calls these methods on the loop
 and does what they answer (unit tests drive them directly: tests/unit/test_outgoing.py).
+Only the loop reads or writes a record: the core's actions and the driver name one by
+its :class:`RecordRef`, and carry the plain data the driver needs.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from kvbeam.pools.digest_pool import DigestJob
-from kvbeam.pools.mailbox import FreeSlots, RecordArea
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.chunks import NOTHING, Chunk
 from kvbeam.server.core.ports import IndexLists, WriteGrant, list_lengths
 from kvbeam.server.core.prefill_pieces import Pieces
+from kvbeam.server.core.prefill_record import StagingSlot
 from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import TransferFacts
 
 #: Token ranges of a gRPC Send's chunk, ``[start, end)`` pairs (the core turns them into
 #: the KV pages they complete: :meth:`~kvbeam.server.core.prefill.PrefillCore.send`).
 Ranges = list[tuple[int, int]]
+
+#: Digest jobs of a request's sub-batches, by the flat buffers ``[lo, hi)`` each covers.
+EarlyDigests = dict[tuple[int, int], DigestJob]
 
 
 class Step(Enum):
@@ -65,6 +71,20 @@ class Step(Enum):
     #: Its chunk waits for decode's reservation: decode's Offer (or, after the grace,
     #: BeginWrite) starts its step.
     PARKED = "parked"
+
+
+@dataclass(frozen=True, slots=True)
+class RecordRef:
+    """How actions, the driver and its events name a record: the request's id and which
+    record of that id it is (an id may come again once its record was forgotten), so an
+    event of a forgotten request never reaches a newer one. Never the record itself,
+    which only the loop reads and writes."""
+
+    request_id: str
+    serial: int
+
+
+_serials = itertools.count(1)
 
 
 #: The moves :meth:`Outgoing.move` allows (to, from any of).
@@ -139,11 +159,11 @@ class Outgoing:
     abandoned: bool = False  # its link was released: no write of it is in flight
     #: The staging slot its digest record is written from (area, its free-list, slot),
     #: held while a write of it is outstanding (server/core/prefill_record.py).
-    staging: tuple[RecordArea, FreeSlots, int] | None = None
+    staging: StagingSlot | None = None
     digests: bytes | None = None  # computed once: a resend's source bytes are the same
     #: Digests of its sub-batches started as each became whole (flat buffers [lo, hi)
     #: -> the job), before its final chunk: that chunk digests only the rest.
-    early_digests: dict[tuple[int, int], DigestJob] = field(default_factory=dict)
+    early_digests: EarlyDigests = field(default_factory=dict)
 
     # -- the resend after a transient transport error (server/core/resend.py) ------------
     resend_cause: str | None = None  # what broke its link: a resend is owed (None: none)
@@ -153,6 +173,12 @@ class Outgoing:
     # -- its end -----------------------------------------------------------------------
     failed_at: float | None = None  # when the sweep first saw it failed with writes in flight
     told_decode: bool = False  # decode knows of the failure (or must not be told)
+
+    #: How actions and the driver name this record (set once, by ``__post_init__``).
+    ref: RecordRef = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ref = RecordRef(self.request_id, next(_serials))
 
     @classmethod
     def start(cls, request_id: str, seq_len: int, decode_address: str,
@@ -279,7 +305,7 @@ class Outgoing:
         return done
 
     # ---- its digests (the driver computes them; the loop keeps them) -------------------
-    def keep_digest_jobs(self, jobs: dict[tuple[int, int], DigestJob]) -> None:
+    def keep_digest_jobs(self, jobs: EarlyDigests) -> None:
         """Digest jobs of sub-batches a step made whole (flat buffers [lo, hi) -> the
         job), started by the driver: kept (a range already started keeps its job)."""
         for span, job in jobs.items():

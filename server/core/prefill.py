@@ -63,12 +63,14 @@ from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.chunks import Chunk, Rect, unwritten
 from kvbeam.server.core.offers import Offer, OfferBook
-from kvbeam.server.core.outgoing import Outgoing, Ranges, Step
+from kvbeam.server.core.outgoing import EarlyDigests, Outgoing, Ranges, RecordRef, Step
 from kvbeam.server.core.ports import IndexLists, WriteGrant
 from kvbeam.server.core.prefill_actions import (
     Actions,
     AskGrant,
+    Booked,
     Connect,
+    DigestInputs,
     PostWrites,
     RunStep,
     TellDecode,
@@ -174,22 +176,33 @@ class PrefillCore(PrefillEvents, CoreBase):
         #: still knows it), as when the record is kept. Pruned by the sweep.
         self._ended_unfinished: set[str] = set()
 
-    def watch_drain(self, rec: Outgoing) -> threading.Event | None:
-        """An event set once ``rec``'s writes drained, for a waiter off the loop (the
-        driver's Abort handler); None when they drained already."""
-        if rec.drained:
+    def _record(self, ref: RecordRef) -> Outgoing | None:
+        """The record ``ref`` names, while prefill keeps it (None: forgotten, and maybe
+        replaced by a newer request of the same id, which ``ref`` does not name)."""
+        rec = self._out.get(ref.request_id)
+        return rec if rec is not None and rec.ref == ref else None
+
+    def drained(self, ref: RecordRef) -> bool:
+        """No write of the request can still read its source (True once forgotten)."""
+        rec = self._record(ref)
+        return rec is None or rec.drained
+
+    def watch_drain(self, ref: RecordRef) -> threading.Event | None:
+        """An event set once the request's writes drained, for a waiter off the loop
+        (the driver's Abort handler); None when they drained already."""
+        if self.drained(ref):
             return None
         event = threading.Event()
-        self._drain_waiters.setdefault(rec.request_id, []).append(event)
+        self._drain_waiters.setdefault(ref.request_id, []).append(event)
         return event
 
-    def unwatch_drain(self, rec: Outgoing, event: threading.Event) -> None:
+    def unwatch_drain(self, ref: RecordRef, event: threading.Event) -> None:
         """The waiter of ``event`` stopped waiting (its bound passed)."""
-        waiters = self._drain_waiters.get(rec.request_id)
+        waiters = self._drain_waiters.get(ref.request_id)
         if waiters is not None and event in waiters:
             waiters.remove(event)
             if not waiters:
-                del self._drain_waiters[rec.request_id]
+                del self._drain_waiters[ref.request_id]
 
     # ---- API ---------------------------------------------------------------------------
     def send(self, request_id: str, seq_len: int, decode_address: str, ranges: Ranges,
@@ -308,7 +321,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             rec.move(Step.RUNNING)
         if park:
             return self._after_park(rec)
-        return [RunStep(rec)] if start_step else []
+        return [RunStep(rec.ref)] if start_step else []
 
     def offer(self, request_id: str, instance_id: str, seq_len: int, grant: WriteGrant,
               lease_s: float, now: float) -> tuple[bool, Actions]:
@@ -477,8 +490,8 @@ class PrefillCore(PrefillEvents, CoreBase):
 
     def abort(self, request_id: str, *, from_peer: bool, detail: str,
               now: float, reason: FailureReason | None = None
-              ) -> tuple[Outgoing, str] | None:
-        """Fail the request (an Abort's first half): its record and the failure's detail,
+              ) -> tuple[RecordRef, str] | None:
+        """Fail the request (an Abort's first half): its record's ref and the failure's detail,
         None when prefill keeps no record of it. The driver then waits a little for its
         writes to drain and calls :meth:`abort_answered`.
 
@@ -507,12 +520,15 @@ class PrefillCore(PrefillEvents, CoreBase):
                         extra=fields(request_id, rec.decode_address))
         elif from_peer:
             self._late_verdict(request_id, detail, rec.decode_address)
-        return rec, detail
+        return rec.ref, detail
 
-    def abort_answered(self, rec: Outgoing, *, from_peer: bool, drained: bool,
+    def abort_answered(self, ref: RecordRef, *, from_peer: bool, drained: bool,
                        detail: str) -> Actions:
         """The Abort's answer is going (``drained``: none of the request's writes is in
         flight, which the answer says): decode is told now, or once they drained."""
+        rec = self._record(ref)
+        if rec is None:
+            return []  # forgotten meanwhile: it drained and decode was told
         if from_peer and not drained:
             rec.told_decode = False  # our answer says "in flight": tell it once drained
             log.info("request %s: %d write(s) still in flight when decode's Abort was "
@@ -576,7 +592,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         self.records.use(area)
 
     # ---- the send path: the step's events ------------------------------------------------
-    def steps_inline(self, rec: Outgoing, now: float) -> bool:
+    def steps_inline(self, ref: RecordRef, now: float) -> bool:
         """Whether the request's step cannot block, so the thread that made it ready may
         run it: its decode connected with a live peer channel, and either a later piece
         that writes under its earlier piece's grant (:meth:`_held_grant`), or the first
@@ -586,7 +602,8 @@ class PrefillCore(PrefillEvents, CoreBase):
         a first piece that is not the last asks, :meth:`_offered_grant`).
         Asked on the loop, where nothing changes it before the step runs; an action of
         the step that blocks after all (a post that fails) goes to the driver's executor."""
-        if not rec.chunks or rec.rehandshake or rec.resend_cause is not None:
+        rec = self._record(ref)
+        if rec is None or not rec.chunks or rec.rehandshake or rec.resend_cause is not None:
             return False
         conn = self._step_conn(rec)
         if conn is None or conn.closed or conn.retired_channel() is not None:
@@ -597,10 +614,13 @@ class PrefillCore(PrefillEvents, CoreBase):
                        and len(rec.src_indices[IndexKind.KV_PAGES]) <= INLINE_STEP_MAX_PAGES)
         return small_whole and self.offers.has(rec.request_id)
 
-    def step(self, rec: Outgoing, now: float) -> Actions:
+    def step(self, ref: RecordRef, now: float) -> Actions:
         """Run the request's next chunk (it is RUNNING; one step per request at a time
         keeps chunk order): drop a connection whose peer channel was retired, connect,
         ask for decode's grant, or plan and post."""
+        rec = self._record(ref)
+        if rec is None:
+            return []  # forgotten meanwhile (it ended): no step
         retired = self._retired(rec)
         if retired is not None:
             old, channel = retired
@@ -616,7 +636,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             # requests fail. The step runs again once the link is released.
             drop = self._drop(old, f"peer channel to {channel.peer} {how}: "
                                    f"{channel.close_reason}", gone=not channel.orderly)
-            return [drop, RunStep(rec)]
+            return [drop, RunStep(rec.ref)]
         if self._ended(rec) or not rec.chunks or rec.resend_cause is not None:
             rec.move(Step.IDLE)
             return self._maybe_resend(rec, now)
@@ -642,7 +662,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             # over the peer link: wait for that instead of asking (no BeginWrite).
             return actions + self._park(rec, now)
         if grant is None:
-            return [*actions, AskGrant(rec, conn, chunk)]
+            return [*actions, AskGrant(rec.ref, rec.seq_len, conn, chunk)]
         return actions + self._write(rec, conn, chunk, grant, now)
 
     def connected(self, address: str, conn: PeerConn | None, error: Exception | None, *,
@@ -663,14 +683,17 @@ class PrefillCore(PrefillEvents, CoreBase):
             if error is not None:
                 actions += self._step_failed(rec, error, now)
             else:
-                actions.append(RunStep(rec))
+                actions.append(RunStep(rec.ref))
         return actions
 
-    def granted(self, rec: Outgoing, conn: PeerConn, chunk: Chunk, grant: WriteGrant | None,
+    def granted(self, ref: RecordRef, conn: PeerConn, chunk: Chunk, grant: WriteGrant | None,
                 error: Exception | None, *, elapsed: float, now: float) -> Actions:
         """Decode answered the step's BeginWrite (after ``elapsed`` seconds): its
         ``grant``, or ``error`` (no reservation yet: the request parks when it may wait
         for one; landed already: a resend's Success)."""
+        rec = self._record(ref)
+        if rec is None:
+            return []
         if grant is not None:
             self.resend.measured(begin_write=elapsed)
             attempt = rec.attempt
@@ -685,7 +708,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             self._landed_already(rec, now)
             return self._end_step(rec, now)
         # Not reserved otherwise: decode forgot it (restarted, expired), none is coming.
-        return self.step_failed(rec, conn, error, now)
+        return self._not_written(rec, conn, error, now)
 
     def _write(self, rec: Outgoing, conn: PeerConn, chunk: Chunk, grant: WriteGrant,
                now: float) -> Actions:
@@ -695,7 +718,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         try:
             post = self._plan(rec, conn, chunk, grant, now)
         except Exception as exc:
-            return self.step_failed(rec, conn, exc, now)
+            return self._not_written(rec, conn, exc, now)
         return [post] if post is not None else self._end_step(rec, now)
 
     def _plan(self, rec: Outgoing, conn: PeerConn, chunk: Chunk, grant: WriteGrant,
@@ -744,8 +767,13 @@ class PrefillCore(PrefillEvents, CoreBase):
             writes, early = self._marked_writes(rec, grant, chunk, plans, cut)
         else:
             writes, early = [(grant.transfer_id, blocks, final)], ()
-        return PostWrites(rec, conn, grant, tuple(writes), final, record, len(cut),
-                          blocks.total_bytes, len(blocks), moved, early)
+        digest = None
+        if record or early:  # what the driver digests: a copy (it never reads the record)
+            digest = DigestInputs(rec.moved_source, rec.src_draft, rec.digests,
+                                  dict(rec.early_digests))
+        return PostWrites(rec.ref, rec.decode_address, conn, grant, tuple(writes), final,
+                          record, len(cut), blocks.total_bytes, len(blocks), moved, early,
+                          digest)
 
     def _rect_plan(self, rec: Outgoing, conn: PeerConn, grant: WriteGrant, rect: Rect, *,
                    states: bool) -> TransferPlan:
@@ -759,14 +787,21 @@ class PrefillCore(PrefillEvents, CoreBase):
                           conn.addrs, dst_sel, include_states=states, src_draft=rec.src_draft,
                           dst_draft=grant.draft, layers=None if every else (first, last))
 
-    def book(self, post: PostWrites, *, separate: bool) -> bool:
+    def book(self, post: PostWrites, *, separate: bool) -> Booked | None:
         """The driver is about to post ``post``'s writes (``separate``: the digest record
         is one more write after them): count them in flight before the first post (a
-        completion may arrive before the post returns). False: the request ended
-        meanwhile, nothing is to be posted (the driver ends the step)."""
-        rec, conn = post.rec, post.conn
-        if self._ended(rec):
-            return False
+        completion may arrive before the post returns), and give the request its
+        record's staging slot when it posts the record (taken with the writes that hold
+        it, so no completion in between gives it back). None: the request ended
+        meanwhile, nothing is to be posted (the driver ends the step).
+
+        Raises:
+            SendFailed: no staging slot is free (nothing was counted; the driver fails
+                the step with it).
+        """
+        rec, conn = self._record(post.ref), post.conn
+        if rec is None or self._ended(rec):
+            return None
         if post.record:
             self.records.take(rec, len(self.layout.flat_buffers))
         attempt = rec.attempt
@@ -781,13 +816,15 @@ class PrefillCore(PrefillEvents, CoreBase):
             attempt.pending_bytes.append(0)  # the record: not the request's bytes
         attempt.bytes_total += post.total_bytes
         attempt.final_posted = attempt.final_posted or post.final
-        return True
+        return Booked(rec.staging if post.record else None)
 
     def unbook(self, post: PostWrites, *, left: int, separate: bool) -> None:
         """The last ``left`` writes of ``post`` (and the separate record's, if
         ``separate``) were not posted: they will never complete. What was posted
         completes as usual."""
-        rec = post.rec
+        rec = self._record(post.ref)
+        if rec is None:
+            return
         attempt = rec.attempt
         attempt.outstanding -= left + separate
         for _ in range(left + separate):
@@ -799,12 +836,32 @@ class PrefillCore(PrefillEvents, CoreBase):
         self.records.give(rec)
         self._wake_drained(rec)
 
-    def posted(self, rec: Outgoing, now: float) -> Actions:
+    def posted(self, ref: RecordRef, now: float) -> Actions:
         """The step's writes are posted: the step is over."""
-        return self._end_step(rec, now)
+        rec = self._record(ref)
+        return [] if rec is None else self._end_step(rec, now)
 
-    def step_failed(self, rec: Outgoing, conn: PeerConn, exc: BaseException,
+    def step_failed(self, ref: RecordRef, conn: PeerConn, exc: BaseException,
                     now: float) -> Actions:
+        """The step's chunk was not written (``exc``, the driver's post failed): as
+        :meth:`_not_written`."""
+        rec = self._record(ref)
+        return [] if rec is None else self._not_written(rec, conn, exc, now)
+
+    def keep_digests(self, ref: RecordRef, digests: bytes) -> None:
+        """The request's digests, computed by the driver: kept (a resend's are the same)."""
+        rec = self._record(ref)
+        if rec is not None:
+            rec.keep_digests(digests)
+
+    def keep_digest_jobs(self, ref: RecordRef, jobs: EarlyDigests) -> None:
+        """Digest jobs of sub-batches a step made whole, started by the driver: kept."""
+        rec = self._record(ref)
+        if rec is not None:
+            rec.keep_digest_jobs(jobs)
+
+    def _not_written(self, rec: Outgoing, conn: PeerConn, exc: BaseException,
+                     now: float) -> Actions:
         """The step's chunk was not written (``exc``): resend it on a new link (a post
         failed), handshake again (decode forgot us) or fail the request; the step ends."""
         actions: Actions = []
@@ -839,7 +896,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         if parked:
             self._lease_parked(rec, now)
         if again:
-            return [RunStep(rec)]
+            return [RunStep(rec.ref)]
         if parked:
             return self._after_park(rec)
         return self._maybe_resend(rec, now)
@@ -1030,7 +1087,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             rec.move(Step.IDLE)
             return []
         rec.unpark()
-        return [RunStep(rec)]
+        return [RunStep(rec.ref)]
 
     def _check_grant_skip(self, rec: Outgoing, grant: WriteGrant) -> None:
         """Decode's ``kv_skip`` (untrusted: from the peer) fits this request's source:

@@ -12,22 +12,26 @@ Where each runs is the driver's choice: :class:`Connect`, :class:`AskGrant`,
 release) and run on the executor; :class:`RunStep` runs where it was asked when the
 core says the step cannot block, else on the executor; :class:`PostWrites` and
 ``Count`` run on the thread that handled the event.
+
+An action names its request's record by :class:`~kvbeam.server.core.outgoing.RecordRef`
+and carries, as plain data, what the driver needs of it: the driver never reads or
+writes a record (only the loop does), and hands the ref back with each event.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from kvbeam.pools.digest_pool import DigestJob
 from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.chunks import Chunk
-from kvbeam.server.core.ports import WriteGrant
+from kvbeam.server.core.outgoing import RecordRef
+from kvbeam.server.core.ports import IndexLists, WriteGrant
+from kvbeam.server.core.prefill_record import StagingSlot
 from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import TransferStatus
 from kvbeam.transport.blocks import Blocks
-
-if TYPE_CHECKING:
-    from kvbeam.server.core.outgoing import Outgoing
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ class RunStep:
     """Run the request's step, which the core moved to RUNNING (its next chunk, or its
     resend on a new link): the driver calls :meth:`PrefillCore.step`."""
 
-    rec: Outgoing
+    ref: RecordRef
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,22 @@ class AskGrant:
     """Ask decode where to write this chunk (BeginWrite: no offer of its reservation
     was in hand); the answer goes to :meth:`PrefillCore.granted`."""
 
-    rec: Outgoing
+    ref: RecordRef
+    seq_len: int
     conn: PeerConn
     chunk: Chunk  # what the step writes
+
+
+@dataclass(frozen=True)
+class DigestInputs:
+    """What the driver digests for a step, and where the request's digest record is
+    staged: copied from the record when the step was planned, on the loop."""
+
+    source: IndexLists  # the source lists of what moves (``Outgoing.moved_source``)
+    draft: IndexLists  # the draft's own source lists
+    digests: bytes | None  # the request's digests, computed already (a resend's): reused
+    #: The jobs of sub-batches earlier steps made whole (flat buffers ``[lo, hi)``).
+    early: Mapping[tuple[int, int], DigestJob]
 
 
 @dataclass(frozen=True)
@@ -80,7 +97,8 @@ class PostWrites:
     with :meth:`PrefillCore.book` before the first post and reports the outcome with
     :meth:`PrefillCore.posted` or :meth:`PrefillCore.step_failed`."""
 
-    rec: Outgoing
+    ref: RecordRef
+    decode_address: str  # the request's (its log lines')
     conn: PeerConn
     grant: WriteGrant
     #: (transfer id, blocks, notify) of each write, in posting order; with ``record``
@@ -98,6 +116,18 @@ class PostWrites:
     #: Flat buffers ``[lo, hi)`` of the sub-batches this step makes whole before the
     #: final chunk: prefill digests them now, so the final chunk digests only the rest.
     digest_early: tuple[tuple[int, int], ...] = ()
+    #: What to digest and where the record is staged: with ``record`` or
+    #: ``digest_early`` (integrity on), else None.
+    digest: DigestInputs | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Booked:
+    """A step's writes, counted in flight by :meth:`PrefillCore.book` before the
+    driver posts them. ``staging``: the request's digest-record staging slot, which the
+    driver writes the record into (a step that posts the record; else None)."""
+
+    staging: StagingSlot | None
 
 
 PrefillAction = TellDecode | RunStep | Connect | AskGrant | PostWrites | DropLink | Count

@@ -32,7 +32,7 @@ from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from kvbeam.errors import Busy, NotPosted, PeerTimeoutError
+from kvbeam.errors import Busy, NotPosted, PeerTimeoutError, SendFailed
 from kvbeam.logs import fields, request_log
 from kvbeam.pools.digest import DIGEST_BYTES, DigestParts, digest_parts
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
@@ -42,19 +42,20 @@ from kvbeam.pools.plan import side_windows
 from kvbeam.pools.types import IndexKind
 from kvbeam.server.core.actions import Count, DropLink
 from kvbeam.server.core.base import DriverBase, named
-from kvbeam.server.core.outgoing import Outgoing, Ranges
+from kvbeam.server.core.outgoing import Ranges, RecordRef
 from kvbeam.server.core.ports import DecodePeers, WriteGrant, abort_at_shutdown
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.core.prefill_actions import (
     Actions,
     AskGrant,
     Connect,
+    DigestInputs,
     PostWrites,
     PrefillAction,
     RunStep,
     TellDecode,
 )
-from kvbeam.server.core.prefill_record import RecordStager
+from kvbeam.server.core.prefill_record import RecordStager, StagingSlot
 from kvbeam.server.state.lifecycle import TransferTable
 from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.states import FailureReason, TransferStatus
@@ -257,27 +258,27 @@ class PrefillDriver(DriverBase[PrefillCore]):
             reason=reason if from_peer else None))
         if failed is None:
             return self.core.status(request_id)  # ended and pruned, or UnknownRequest
-        rec, said = failed
-        drained = self._wait_drained(rec, wait_s)
-        self._event(lambda: self.core.abort_answered(rec, from_peer=from_peer,
+        ref, said = failed
+        drained = self._wait_drained(ref, wait_s)
+        self._event(lambda: self.core.abort_answered(ref, from_peer=from_peer,
                                                      drained=drained, detail=said))
         return self.core.status(request_id)
 
-    def _wait_drained(self, rec: Outgoing, wait_s: float | None) -> bool:
+    def _wait_drained(self, ref: RecordRef, wait_s: float | None) -> bool:
         """Whether the request's writes drained, waiting for them a bounded while when a
         waiter's permit is free: on an event the loop sets once they drained (never on
         the loop itself, through which their completions come)."""
         bound = min(self.core.drain_s, ABORT_WAIT_S, ABORT_WAIT_S if wait_s is None else wait_s)
         if self.on_loop_thread or bound <= 0 or not self._abort_waiters.acquire(blocking=False):
-            return self.on_loop(lambda: rec.drained)
+            return self.on_loop(lambda: self.core.drained(ref))
         try:
-            event = self.on_loop(lambda: self.core.watch_drain(rec))
+            event = self.on_loop(lambda: self.core.watch_drain(ref))
             if event is None:
                 return True
             if event.wait(bound):
                 return True
             # Not drained within the bound: stop watching (unless it drained just now).
-            self.on_loop(lambda: self.core.unwatch_drain(rec, event))
+            self.on_loop(lambda: self.core.unwatch_drain(ref, event))
             return event.is_set()
         finally:
             self._abort_waiters.release()
@@ -374,15 +375,15 @@ class PrefillDriver(DriverBase[PrefillCore]):
         if self._off_loop:  # what follows a blocking action, on the executor: the core's
             self.on_loop(lambda: self._run_step(step, on_executor=False))  # calls go back
             return
-        rec = step.rec
+        ref = step.ref
         now = self.clock()
-        if self.core.steps_inline(rec, now) and not self.writer.may_block:
-            self.execute(self.core.step(rec, now), on_executor)
+        if self.core.steps_inline(ref, now) and not self.writer.may_block:
+            self.execute(self.core.step(ref, now), on_executor)
         else:
-            self.io.submit(self._step_job, rec)
+            self.io.submit(self._step_job, ref)
 
-    def _step_job(self, rec: Outgoing) -> None:
-        self._event(lambda: self.core.step(rec, self.clock()), on_executor=True)
+    def _step_job(self, ref: RecordRef) -> None:
+        self._event(lambda: self.core.step(ref, self.clock()), on_executor=True)
 
     def _do(self, action: PrefillAction, on_executor: bool) -> None:
         """Do one action (the caller placed it on a thread that may run it)."""
@@ -484,17 +485,16 @@ class PrefillDriver(DriverBase[PrefillCore]):
 
     def _ask_grant(self, ask: AskGrant, on_executor: bool) -> None:
         """BeginWrite: decode's grant for the chunk, or why there is none."""
-        rec = ask.rec
         grant: WriteGrant | None = None
         error: Exception | None = None
         began = self.clock()
         try:
-            grant = self.decode.begin_write(ask.conn, rec.request_id, rec.seq_len,
+            grant = self.decode.begin_write(ask.conn, ask.ref.request_id, ask.seq_len,
                                             self.core.integrity)
         except Exception as exc:
             error = exc
         ended = self.clock()
-        self._event(lambda: self.core.granted(rec, ask.conn, ask.chunk, grant, error,
+        self._event(lambda: self.core.granted(ask.ref, ask.conn, ask.chunk, grant, error,
                                               elapsed=ended - began, now=ended),
                     on_executor)
 
@@ -502,20 +502,32 @@ class PrefillDriver(DriverBase[PrefillCore]):
         """Post the chunk's writes; with integrity the digests run on the digest pool
         while the data goes out and the record follows (at the end of the data's own
         write when they are at hand, else as one more write once they are)."""
-        rec, conn = post.rec, post.conn
+        ref, conn, digest = post.ref, post.conn, post.digest
         writes = post.writes
         # The source does not change while the request lives: its digests are computed
         # once, while the writes are in flight. Digests with nothing to overlap (a small
         # request's job runs inline on this thread; a resend's are kept) put the record
         # at the end of the data's own write (one transfer, one completion).
-        job = self._digest_job(rec, conn) if post.record and rec.digests is None else None
+        job = None
+        if post.record and digest is not None and digest.digests is None:
+            job = self._digest_job(digest, conn)
         together = post.record and (job is None or job.inline)
         separate = post.record and not together
-        if not self.on_loop(lambda: self.core.book(post, separate=separate)):
-            # It ended meanwhile: nothing to post.
-            self._event(lambda: self.core.posted(rec, self.clock()), on_executor)
+        try:
+            booked = self.on_loop(lambda: self.core.book(post, separate=separate))
+        except SendFailed as exc:  # no staging slot for its record: nothing was booked
+            if post.moved is not None:
+                self._announce(post.moved)
+            refused = exc
+            self._event(lambda: self.core.step_failed(ref, conn, refused, self.clock()),
+                        on_executor)
             return
-        write, rid = self.writer.write, rec.request_id
+        if booked is None:
+            # It ended meanwhile: nothing to post.
+            self._event(lambda: self.core.posted(ref, self.clock()), on_executor)
+            return
+        staging = booked.staging
+        write, rid = self.writer.write, ref.request_id
         posted = 0
         try:
             for tid, part, notify in writes[:-1]:  # the marks: decode digests each as it lands
@@ -523,7 +535,7 @@ class PrefillDriver(DriverBase[PrefillCore]):
                 posted += 1
             tid, part, notify = writes[-1]
             if together:  # the record is the data write's last block
-                part = Blocks.concat([part, self._record_blocks(post, job)])
+                part = Blocks.concat([part, self._record_blocks(post, job, staging)])
             write(rid, conn, tid, part, notify=notify and not separate, first=not posted)
         except Exception as exc:
             if post.moved is not None:
@@ -531,25 +543,25 @@ class PrefillDriver(DriverBase[PrefillCore]):
             # Only what was not posted: the rest completes as usual.
             left, error = len(writes) - posted, NotPosted(exc)
             self.on_loop(lambda: self.core.unbook(post, left=left, separate=separate))
-            self._event(lambda: self.core.step_failed(rec, conn, error, self.clock()),
+            self._event(lambda: self.core.step_failed(ref, conn, error, self.clock()),
                         on_executor)
             return
         if post.moved is not None:  # its engine hears of Transferring after the bytes left
             self._announce(post.moved)
-        if post.digest_early and rec.digests is None:
-            self._digest_early(post)
-        request_log.info("request %s: posted %s%d bytes in %d blocks to %s%s", rec.request_id,
+        if post.digest_early and digest is not None and digest.digests is None:
+            self._digest_early(post, digest)
+        request_log.info("request %s: posted %s%d bytes in %d blocks to %s%s", rid,
                          "final chunk, " if post.final else "chunk, ", post.total_bytes,
                          post.num_blocks, conn.control_address, self._marks_said(post),
-                         extra=fields(rec.request_id, rec.decode_address))
+                         extra=fields(rid, post.decode_address))
         if separate and not on_executor:
             # The digests are still being computed: the record waits for them on the
             # executor, and the step ends there.
-            self.io.submit(self._post_record, post, job)
+            self.io.submit(self._post_record, post, job, staging)
         elif separate:
-            self._post_record(post, job)
+            self._post_record(post, job, staging)
         else:
-            self._event(lambda: self.core.posted(rec, self.clock()), on_executor)
+            self._event(lambda: self.core.posted(ref, self.clock()), on_executor)
 
     @staticmethod
     def _marks_said(post: PostWrites) -> str:
@@ -574,60 +586,65 @@ class PrefillDriver(DriverBase[PrefillCore]):
         else:  # the loop (or no loop serves, or it stopped: shutdown's stragglers)
             self.table.announce(snap)
 
-    def _post_record(self, post: PostWrites, job: DigestJob | None) -> None:
+    def _post_record(self, post: PostWrites, job: DigestJob | None,
+                     staging: StagingSlot | None) -> None:
         """Post the request's digest record once its digests are done (the step's last
         write, counted when the data was booked); then the step ends. Blocking."""
-        rec, conn = post.rec, post.conn
+        ref, conn = post.ref, post.conn
         try:
-            self.writer.write(rec.request_id, conn, post.grant.transfer_id,
-                              self._record_blocks(post, job), notify=True, first=False)
+            self.writer.write(ref.request_id, conn, post.grant.transfer_id,
+                              self._record_blocks(post, job, staging), notify=True,
+                              first=False)
         except Exception as exc:
             error = NotPosted(exc)
             self.on_loop(lambda: self.core.unbook(post, left=0, separate=True))
-            self._event(lambda: self.core.step_failed(rec, conn, error, self.clock()),
+            self._event(lambda: self.core.step_failed(ref, conn, error, self.clock()),
                         on_executor=True)
             return
-        self._event(lambda: self.core.posted(rec, self.clock()), on_executor=True)
+        self._event(lambda: self.core.posted(ref, self.clock()), on_executor=True)
 
-    def _record_blocks(self, post: PostWrites, job: DigestJob | None) -> Blocks:
+    def _record_blocks(self, post: PostWrites, job: DigestJob | None,
+                       staging: StagingSlot | None) -> Blocks:
         """The request's digest record as the block that writes it into decode's mailbox
         (:meth:`RecordStager.blocks`); computed once per request, a resend writes the
         same digests with its new transfer id. Outside every lock (it may wait for the
         digest pool)."""
-        rec, grant = post.rec, post.grant
-        digests = rec.digests
+        ref, grant, digest = post.ref, post.grant, post.digest
+        # A step that posts the record: the core gave both (PostWrites.digest, Booked).
+        assert digest is not None and staging is not None
+        digests = digest.digests
         if digests is None:
-            done = digests = (job or self._digest_job(rec, post.conn)).result()
-            self.on_loop(lambda: rec.keep_digests(done))  # the record is the loop's
-        raw = self.writer.record(rec.request_id, grant.transfer_id, grant.mailbox_slot,
+            done = digests = (job or self._digest_job(digest, post.conn)).result()
+            self.on_loop(lambda: self.core.keep_digests(ref, done))  # the record is the loop's
+        raw = self.writer.record(ref.request_id, grant.transfer_id, grant.mailbox_slot,
                                  digests, post.marks)
-        return RecordStager.blocks(rec, post.conn, grant, raw, len(digests) // DIGEST_BYTES)
+        return RecordStager.blocks(staging, post.conn, grant, raw,
+                                   len(digests) // DIGEST_BYTES)
 
-    def _digest_parts(self, rec: Outgoing, conn: PeerConn) -> DigestParts:
+    def _digest_parts(self, digest: DigestInputs, conn: PeerConn) -> DigestParts:
         """What the request's digests cover: the bytes of each item it moves to
         ``conn``'s decode that decode's layout takes, one part per flat buffer."""
-        return digest_parts(self.core.pools, rec.moved_source, draft=rec.src_draft,
+        return digest_parts(self.core.pools, digest.source, draft=digest.draft,
                             windows=side_windows(self.core.layout, conn.peer.layout,
                                                  source=True))
 
-    def _digest_early(self, post: PostWrites) -> None:
+    def _digest_early(self, post: PostWrites, digest: DigestInputs) -> None:
         """Start digesting the sub-batches this step made whole (their bytes no longer
         change: the engine's pages stay put until the request ends), so the final chunk
         digests only the rest (:meth:`_digest_job`)."""
-        rec = post.rec
-        parts = self._digest_parts(rec, post.conn)
+        parts = self._digest_parts(digest, post.conn)
         jobs = {(lo, hi): self.digest_pool.start(parts[lo:hi])
-                for lo, hi in post.digest_early if (lo, hi) not in rec.early_digests}
-        self.on_loop(lambda: rec.keep_digest_jobs(jobs))  # the record is the loop's
+                for lo, hi in post.digest_early if (lo, hi) not in digest.early}
+        self.on_loop(lambda: self.core.keep_digest_jobs(post.ref, jobs))
 
-    def _digest_job(self, rec: Outgoing, conn: PeerConn) -> DigestJob:
+    def _digest_job(self, digest: DigestInputs, conn: PeerConn) -> DigestJob:
         """The request's digests, started on the digest pool: the jobs its sub-batches
         started as they became whole, and one for the buffers no job covers."""
-        parts = self._digest_parts(rec, conn)
-        if not rec.early_digests:
+        parts = self._digest_parts(digest, conn)
+        if not digest.early:
             return self.digest_pool.start(parts)
         jobs, at = [], 0
-        for (lo, hi), job in sorted(rec.early_digests.items()):
+        for (lo, hi), job in sorted(digest.early.items()):
             if lo < at:
                 continue  # (a range another attempt cut differently: not used)
             if lo > at:

@@ -338,7 +338,7 @@ class PrefillEvents:
         log.warning("request %s: resend %d/%d on a new link after a transport error: %s",
                     rec.request_id, n, self.resend.retries, cause,
                     extra=fields(rec.request_id, rec.decode_address))
-        return [Count("resends"), RunStep(rec)]
+        return [Count("resends"), RunStep(rec.ref)]
 
     def _landed_already(self, rec: Outgoing, now: float) -> None:
         """Decode says the request had landed before our resend: it is a Success here too.

@@ -11,11 +11,12 @@ started before the data is posted; a resend on a new link writes the record agai
 with its new transfer id.
 
 The staging slots (``--max-inflight`` of them, one LOCAL registration the runtime
-makes) are the core's: a request takes one, on the daemon's loop, when it posts its
-record and gives it back once none of its writes is outstanding (the record's write
-read it), or when its record is forgotten. :class:`RecordStager` owns them; the core
-holds one and calls it (on the loop) for the slots (``take``, ``give``, ``use``) and
-outside every lock for the record's bytes (``blocks``).
+makes) are the core's: a request takes one, on the daemon's loop, when the step that
+posts its record is planned (the slot goes to the driver in the step's action), and
+gives it back once none of its writes is outstanding (the record's write read it), or
+when its record is forgotten. :class:`RecordStager` owns them; the core holds one and
+calls it on the loop for the slots (``take``, ``give``, ``use``); the driver calls it
+off the loop for the record's bytes (``blocks``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
     from kvbeam.server.core.outgoing import Outgoing
 
 log = logging.getLogger(__name__)
+
+#: A request's staging slot: the area, its free list, the slot.
+StagingSlot = tuple[RecordArea, FreeSlots, int]
 
 
 class RecordStager:
@@ -116,15 +120,15 @@ class RecordStager:
         free.give(slot)
 
     @staticmethod
-    def blocks(rec: Outgoing, conn: PeerConn, grant: WriteGrant, raw: bytes,
+    def blocks(staging: StagingSlot, conn: PeerConn, grant: WriteGrant, raw: bytes,
                buffers: int) -> Blocks:
         """The request's digest record ``raw`` (of ``buffers`` digests, encoded by the
-        driver's :class:`~kvbeam.server.core.prefill_driver.Writer`), put in its staging
-        slot, as the block that writes it into decode's mailbox slot (posted notified:
-        the marker follows it). No lock needed: only the request's own step writes its
-        slot."""
-        assert rec.staging is not None and conn.mailbox is not None
-        area, _free, slot = rec.staging
+        driver's :class:`~kvbeam.server.core.prefill_driver.Writer`), put in its
+        ``staging`` slot, as the block that writes it into decode's mailbox slot (posted
+        notified: the marker follows it). No lock needed: only the request's own step
+        writes its slot."""
+        assert conn.mailbox is not None
+        area, _free, slot = staging
         area.put(slot, raw)
         n = min(len(raw), record_size(buffers), conn.mailbox.record_bytes)
         return Blocks(np.array([area.slot_addr(slot)], dtype=np.uint64),

@@ -22,6 +22,7 @@ from kvbeam.pools.digest import DigestParts
 from kvbeam.pools.digest_pool import DigestJob, DigestPool
 from kvbeam.server.core.prefill import GRANT_RENEW_S
 from kvbeam.server.core.prefill_driver import PrefillDriver
+from kvbeam.server.core.prefill_record import RecordStager
 from kvbeam.server.state.peers import PeerConn
 from kvbeam.states import TransferState, TransferStatus
 from tests.core_fakes import FakeDecode, FakeLink, prefill_core, slot_lists, wait_for
@@ -108,6 +109,26 @@ def test_single_chunk_request_succeeds_once_its_write_completes() -> None:
     core.periodic()
     assert not core.known("r") and not io.queue
     assert core.facts_of("r") == facts  # kept by the table once the core forgot it
+
+
+def test_a_record_with_no_free_staging_slot_fails_its_request_with_the_reason() -> None:
+    # One staging slot: the first request's digest record holds it while its writes are
+    # in flight, so the second's step, booked on the loop, is refused: that request
+    # fails with the reason and nothing of it is posted; the first is untouched.
+    core, _fake, io = _queued(integrity=True)
+    core.core.records = RecordStager(1)
+    core.send("a", 300, ADDR, [], True, indices=slot_lists(core, 0, 300))
+    io.run_all()
+    link = _conn_link(core)
+    posted = len(link.writes)
+    assert posted >= 1 and core.status("a").state is TransferState.TRANSFERRING
+    core.send("b", 300, ADDR, [], True, indices=slot_lists(core, 1, 300))
+    io.run_all()
+    st = core.status("b")
+    assert st.state is TransferState.FAILED, st
+    assert "no free digest-record staging slot" in st.detail, st
+    assert len(link.writes) == posted and core.core.in_flight("b") == 0
+    assert core.status("a").state is TransferState.TRANSFERRING
 
 
 def test_the_engine_hears_of_transferring_once_the_write_is_posted() -> None:
@@ -354,11 +375,11 @@ def test_an_abort_waiting_for_a_drain_is_woken_by_the_last_completion() -> None:
     link = _conn_link(core)
     [(tid, _notify)] = link.writes
     rec = core.core._out["r"]
-    waiting = core.core.watch_drain(rec)
-    gave_up = core.core.watch_drain(rec)
+    waiting = core.core.watch_drain(rec.ref)
+    gave_up = core.core.watch_drain(rec.ref)
     assert waiting is not None and gave_up is not None and not waiting.is_set()
-    core.core.unwatch_drain(rec, gave_up)
+    core.core.unwatch_drain(rec.ref, gave_up)
     core.on_event(link.completion(tid))
     assert waiting.is_set() and not gave_up.is_set()
     assert not core.core._drain_waiters, "a drained request's waiters were kept"
-    assert core.core.watch_drain(rec) is None  # drained: nothing to wait for
+    assert core.core.watch_drain(rec.ref) is None  # drained: nothing to wait for

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from kvbeam.server.core.outgoing import Outgoing
+from kvbeam.server.core.outgoing import RecordRef
 from kvbeam.states import TransferState
 from tests.core_fakes import FakeLink, prefill_core, slot_lists, wait_for
 
@@ -25,9 +25,9 @@ def test_an_abort_on_the_loop_does_not_wait_for_the_drain_and_one_off_it_does() 
     watched: list[str] = []  # the requests whose drain an abort waited for
     watch = core.core.watch_drain
 
-    def watch_drain(rec: Outgoing) -> threading.Event | None:
-        watched.append(rec.request_id)
-        return watch(rec)
+    def watch_drain(ref: RecordRef) -> threading.Event | None:
+        watched.append(ref.request_id)
+        return watch(ref)
 
     core.core.watch_drain = watch_drain  # type: ignore[method-assign]
     for rid in ("on-loop", "off-loop"):

@@ -56,7 +56,7 @@ def test_a_failed_write_with_a_resend_left_resends_and_drops_only_the_link() -> 
     core, io, conn, rec, tid = _posted(retries=1)
     failed = cast(FakeLink, conn.link).completion(tid, ok=False, status="IBV_WC_RETRY_EXC_ERR")
     assert core.handle_event(failed, 2.0) == [
-        Count("resends"), RunStep(rec),
+        Count("resends"), RunStep(rec.ref),
         DropLink(conn, "write failed: IBV_WC_RETRY_EXC_ERR", gone=False)]
     assert core.peers.by_address(ADDR) is None  # no new step picks the dead link
     assert core.status("r").state is TransferState.TRANSFERRING and not io.queue
