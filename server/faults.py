@@ -74,7 +74,7 @@ from kvbeam.pools.mailbox import MAGIC, RECORD_VERSION, encode_record, request_h
 from kvbeam.pools.plan import IndexLists, list_for
 from kvbeam.server.core.decode_driver import DecodeDriver
 from kvbeam.server.core.decode_landing import LandingCheck
-from kvbeam.server.core.incoming import Incoming
+from kvbeam.server.core.incoming import LandingView
 from kvbeam.server.core.prefill_driver import PrefillDriver, Writer
 from kvbeam.server.state.peers import PeerConn
 from kvbeam.transport.base import Link
@@ -402,13 +402,13 @@ class CorruptingCheck(LandingCheck):
         self.inner = inner
         self.hooks = hooks
 
-    def before_digests(self, res: Incoming, pools: AllocatedSide,
+    def before_digests(self, landing: LandingView, pools: AllocatedSide,
                        buffers: range | None) -> None:
         """Maybe flip a byte of one of ``buffers``' items this request moved, then the
         inner check's own step."""
-        self.hooks.after_landing(res.request_id, pools, res.indices, res.draft,
+        self.hooks.after_landing(landing.request_id, pools, landing.indices, landing.draft,
                                  buffers=buffers)
-        self.inner.before_digests(res, pools, buffers)
+        self.inner.before_digests(landing, pools, buffers)
 
 
 def arm(driver: PrefillDriver | DecodeDriver, hooks: FaultHooks) -> None:

@@ -1,4 +1,5 @@
-"""The actions both cores return: a link to release, a metric to count.
+"""The actions both cores return (a link to release, a metric to count), and how
+every action names a request's record (:class:`RecordRef`).
 
 Each role's own actions are in :mod:`kvbeam.server.core.decode_actions` and
 :mod:`kvbeam.server.core.prefill_actions`.
@@ -6,10 +7,32 @@ Each role's own actions are in :mod:`kvbeam.server.core.decode_actions` and
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from kvbeam.server.state.peers import PeerConn, Peers
 from kvbeam.transport import Event
+
+
+@dataclass(frozen=True, slots=True)
+class RecordRef:
+    """How actions, the drivers and their events name a request's record (prefill's
+    :class:`~kvbeam.server.core.outgoing.Outgoing`, decode's
+    :class:`~kvbeam.server.core.incoming.Incoming`): its id and which record of that id
+    it is (an id may come again once its record was forgotten), so an event of a
+    forgotten request never reaches a newer one. Never the record itself, which only
+    the loop reads and writes."""
+
+    request_id: str
+    serial: int
+
+
+_serials = itertools.count(1)
+
+
+def new_ref(request_id: str) -> RecordRef:
+    """A new record's ref (each record its own serial)."""
+    return RecordRef(request_id, next(_serials))
 
 
 @dataclass(frozen=True)

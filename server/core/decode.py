@@ -80,7 +80,7 @@ from kvbeam.pools.mailbox import RecordArea, record_bytes
 from kvbeam.pools.spec import PoolSpec
 from kvbeam.pools.sub_batches import MARK_BITS, buffer_bytes, cuts, split_id
 from kvbeam.pools.types import IndexKind
-from kvbeam.server.core.actions import Count, DropLink, link_failure
+from kvbeam.server.core.actions import Count, DropLink, RecordRef, link_failure
 from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.decode_actions import (
     Actions,
@@ -451,8 +451,9 @@ class DecodeCore(CoreBase):
         if not self._unclaimed(res):
             return []  # BeginWrite came first, or the request ended or is gone
         res.peer_instance, res.link_id, res.offered = conn.instance_id, conn.link.id, True
-        return [SendOffer(conn, res, WriteGrant(res.transfer_id, res.indices, res.draft,
-                                                res.kv_skip, res.mailbox_slot), lease)]
+        grant = WriteGrant(res.transfer_id, res.indices, res.draft, res.kv_skip,
+                           res.mailbox_slot)
+        return [SendOffer(conn, res.ref, res.seq_len, grant, lease)]
 
     def _ask_prefill(self, res: Incoming, now: float) -> Actions:
         """Ask the reservation's prefill to connect (decode-initiated pairing), unless an
@@ -525,9 +526,18 @@ class DecodeCore(CoreBase):
                 actions += self._free(rid, "its prefill could not connect")
         return actions
 
-    def offer_sent(self, res: Incoming, sent: bool, now: float) -> Actions:
-        """The Offer of ``res`` went to prefill (counted "made"; no answer means kept), or
-        could not (no channel: as a refusal)."""
+    def _record(self, ref: RecordRef) -> Incoming | None:
+        """The record ``ref`` names, while decode keeps it (None: freed, and maybe
+        replaced by a newer reservation of the same id, which ``ref`` does not name)."""
+        res = self._res.get(ref.request_id)
+        return res if res is not None and res.ref == ref else None
+
+    def offer_sent(self, ref: RecordRef, sent: bool, now: float) -> Actions:
+        """The Offer of the request went to prefill (counted "made"; no answer means
+        kept), or could not (no channel: as a refusal)."""
+        res = self._record(ref)
+        if res is None:
+            return [Count("offers", "made" if sent else "refused")]  # freed meanwhile
         if not sent:
             return self.offer_answered(res, Offered.REFUSED)
         kept = res.offered  # not refused already (an answer may overtake this)
@@ -575,7 +585,7 @@ class DecodeCore(CoreBase):
         label = _ANSWER_COUNTS.get(answer)
         actions: Actions = [Count("offers", label)] if label else []
         if go:
-            actions.append(CheckLanding(res, tid))
+            actions.append(CheckLanding(res.ref, res.view(), tid))
         return actions
 
     # ---- the landing -------------------------------------------------------------------
@@ -621,16 +631,19 @@ class DecodeCore(CoreBase):
                         extra=fields(rid, conn.control_address if conn else None))
             return []
         if mark:
-            return [DigestMark(res, base, mark)]
-        return [CheckLanding(res, base)] if go else []
+            return [DigestMark(res.ref, res.view(), base, mark)]
+        return [CheckLanding(res.ref, res.view(), base)] if go else []
 
-    def mark_digesting(self, res: Incoming, transfer_id: int, mark: int,
+    def mark_digesting(self, ref: RecordRef, transfer_id: int, mark: int,
                        job: DigestJob, parts: DigestParts | None = None) -> Actions:
         """Sub-batch ``mark`` of the landing of ``transfer_id`` is being digested
         (``job``; ``parts``: the request's digest parts the driver built for it, kept for
         its other marks and its check); the check follows when it was all that was
         missing. A mark decode did not cut, a repeated one, or one of a replaced landing
         is ignored (the record's count decides)."""
+        res = self._record(ref)
+        if res is None:
+            return []  # freed meanwhile
         if res.parts is None:
             res.parts = parts
         fresh = (res.transfer_id == transfer_id and mark not in res.marked
@@ -642,7 +655,7 @@ class DecodeCore(CoreBase):
             log.warning("request %s: mark %d of transfer %d came again, or after its "
                         "landing was replaced or verified: ignored", res.request_id, mark,
                         transfer_id, extra=fields(res.request_id, res.prefill_address))
-        return [CheckLanding(res, transfer_id)] if go else []
+        return [CheckLanding(res.ref, res.view(), transfer_id)] if go else []
 
     def _ready(self, res: Incoming) -> bool:
         """Landed, and prefill's integrity flag known: verify now, once (True)."""
@@ -688,11 +701,16 @@ class DecodeCore(CoreBase):
         res.verify()
         return True
 
-    def checked(self, res: Incoming, transfer_id: int, verdict: Verdict,
+    def checked(self, ref: RecordRef, transfer_id: int, verdict: Verdict,
                 now: float) -> Actions:
         """The check of the landing of ``transfer_id`` is done: Success, or Failed
         (integrity: the slot is freed and prefill told). Its verdict counts only while
-        that landing is still the request's (no resend replaced it)."""
+        that landing is still the request's (no resend replaced it, it was not freed)."""
+        res = self._record(ref)
+        if res is None:
+            log.info("request %s: its landing was checked after it was freed: the verdict "
+                     "is void", ref.request_id)
+            return []
         rid = res.request_id
         current = res.transfer_id == transfer_id and res.landed
         failed = None
@@ -762,7 +780,7 @@ class DecodeCore(CoreBase):
             log.warning("request %s: no Release within the %.0f s hand-off lease; slot freed",
                         rid, self.handoff_lease_s, extra=fields(rid, peer))
             actions += self._free(rid, "hand-off lease expired")
-        actions += [DrainPrefill(res, self._prefill_conn(res), res.abort_detail)
+        actions += [DrainPrefill(res.ref, self._prefill_conn(res), res.abort_detail)
                     for res in ask]
         for res in overdue:
             actions += self._overdue(res)
@@ -799,15 +817,18 @@ class DecodeCore(CoreBase):
                              gone=False)]
         return self._free(res.request_id, "its link was released: no write of it can land")
 
-    def drain_answered(self, res: Incoming, detail: str, confirmed: bool,
+    def drain_answered(self, ref: RecordRef, detail: str, confirmed: bool,
                        now: float) -> Actions:
         """Prefill answered the Abort of :class:`DrainPrefill` (``confirmed``: its writes
         drained). Freed once it confirmed or the request's link is gone; otherwise only
         this slot stays held (:meth:`periodic` asks again, then releases the link)."""
+        res = self._record(ref)
+        if res is None:
+            return []  # freed meanwhile (its link went, say)
         if confirmed or self._link_gone(res):
             return self._free(res.request_id, detail)
         res.asking, res.asked_at = False, now
-        first = self._res.get(res.request_id) is res and res.unconfirmed_since is None
+        first = res.unconfirmed_since is None
         if first:
             res.unconfirmed_since, res.abort_detail = now, detail
         if first:
@@ -927,7 +948,7 @@ class DecodeCore(CoreBase):
             if conn is not None:
                 actions.append(TellPrefill(conn, rid, detail))
             return actions
-        return [DrainPrefill(res, self._prefill_conn(res), detail)]
+        return [DrainPrefill(res.ref, self._prefill_conn(res), detail)]
 
     def _link_gone(self, res: Incoming) -> bool:
         """The link the request was granted on is released: none of its writes can land."""

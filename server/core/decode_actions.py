@@ -14,14 +14,20 @@ thread that handled the event; :class:`CheckLanding` runs there too when its dig
 run inline anyway, else on the executor; :class:`TellPrefill`, :class:`DrainPrefill`,
 :class:`DialPrefill` and :class:`DropLink` block (a peer call, a link's release) and
 always run on the executor.
+
+An action names its request's record by
+:class:`~kvbeam.server.core.actions.RecordRef` and carries, as plain data, what the
+driver needs of it (a check's :class:`~kvbeam.server.core.incoming.LandingView`): the
+driver never reads or writes a record (only the loop does), and hands the ref back
+with each event.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvbeam.server.core.actions import Count, DropLink
-from kvbeam.server.core.incoming import Incoming
+from kvbeam.server.core.actions import Count, DropLink, RecordRef
+from kvbeam.server.core.incoming import LandingView
 from kvbeam.server.core.ports import WriteGrant
 from kvbeam.server.state.peers import PeerConn
 
@@ -34,7 +40,8 @@ class SendOffer:
     :meth:`~kvbeam.server.core.decode.DecodeCore.answer_arrived`."""
 
     conn: PeerConn
-    res: Incoming
+    ref: RecordRef
+    seq_len: int
     grant: WriteGrant
     lease_s: float
 
@@ -45,7 +52,9 @@ class DigestMark:
     notification came); the job goes back as
     :meth:`~kvbeam.server.core.decode.DecodeCore.mark_digesting`."""
 
-    res: Incoming
+    ref: RecordRef
+    #: What the driver's digests read of the request (not compared: derived data).
+    landing: LandingView = field(compare=False)
     transfer_id: int
     mark: int
 
@@ -56,7 +65,9 @@ class CheckLanding:
     against it (:class:`~kvbeam.server.core.decode_landing.LandingCheck`); the verdict
     goes back as :meth:`~kvbeam.server.core.decode.DecodeCore.checked`."""
 
-    res: Incoming
+    ref: RecordRef
+    #: What the driver's digests read of the request (not compared: derived data).
+    landing: LandingView = field(compare=False)
     transfer_id: int
 
 
@@ -76,7 +87,7 @@ class DrainPrefill:
     confirmed its writes drained (no connection: it did not); the answer goes back as
     :meth:`~kvbeam.server.core.decode.DecodeCore.drain_answered`."""
 
-    res: Incoming
+    ref: RecordRef
     conn: PeerConn | None
     detail: str
 

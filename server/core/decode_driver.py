@@ -269,7 +269,7 @@ class DecodeDriver(DriverBase[DecodeCore]):
         digests do not run inline."""
         # The action types are final: their identity, not isinstance (a Python call each).
         if type(action) is CheckLanding:
-            return not self.checker.inline(action.res)
+            return not self.checker.inline(action.landing)
         return type(action) in _BLOCKING
 
     def _do(self, action: DecodeAction) -> None:
@@ -278,14 +278,14 @@ class DecodeDriver(DriverBase[DecodeCore]):
         _DOERS[type(action)](self, action)
 
     def _send_offer(self, action: SendOffer) -> None:
-        res = action.res
-        sent = self.prefill.offer(action.conn, res.request_id, res.seq_len, action.grant,
+        ref = action.ref
+        sent = self.prefill.offer(action.conn, ref.request_id, action.seq_len, action.grant,
                                   action.lease_s)
-        self._event(lambda: self.core.offer_sent(res, sent, self.clock()))
+        self._event(lambda: self.core.offer_sent(ref, sent, self.clock()))
 
     def _digest_mark(self, action: DigestMark) -> None:
-        job, parts = self.checker.digest_mark(action.res, action.mark)
-        self._event(lambda: self.core.mark_digesting(action.res, action.transfer_id,
+        job, parts = self.checker.digest_mark(action.landing, action.mark)
+        self._event(lambda: self.core.mark_digesting(action.ref, action.transfer_id,
                                                      action.mark, job, parts))
 
     def _drop_link(self, action: DropLink) -> None:
@@ -327,8 +327,8 @@ class DecodeDriver(DriverBase[DecodeCore]):
                                                      answer))
 
     def _check(self, action: CheckLanding) -> None:
-        verdict = self.checker.check(action.res, action.transfer_id)
-        self._event(lambda: self.core.checked(action.res, action.transfer_id, verdict,
+        verdict = self.checker.check(action.landing, action.transfer_id)
+        self._event(lambda: self.core.checked(action.ref, action.transfer_id, verdict,
                                               self.clock()))
 
     def _tell(self, action: TellPrefill) -> bool:
@@ -338,8 +338,8 @@ class DecodeDriver(DriverBase[DecodeCore]):
 
     def _drain(self, action: DrainPrefill) -> None:
         confirmed = action.conn is not None and self.prefill.abort(
-            action.conn, action.res.request_id, action.detail)
-        self._event(lambda: self.core.drain_answered(action.res, action.detail, confirmed,
+            action.conn, action.ref.request_id, action.detail)
+        self._event(lambda: self.core.drain_answered(action.ref, action.detail, confirmed,
                                                      self.clock()))
 
 

@@ -4,15 +4,21 @@ A request's bytes are in exactly one :class:`Landing` phase for its current gran
 the core moves it on the daemon's loop (:mod:`kvbeam.server.core.decode`,
 :mod:`kvbeam.server.core.decode_landing`). Prefill's counterpart is
 :mod:`kvbeam.server.core.outgoing`.
+
+Only the loop reads or writes a record: the core's actions name one by its
+:class:`~kvbeam.server.core.actions.RecordRef`, and a landing's check reads a
+:class:`LandingView`, copied on the loop when the core asks for the check.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
 from kvbeam.pools.digest import DigestParts
 from kvbeam.pools.digest_pool import DigestJob
+from kvbeam.server.core.actions import RecordRef, new_ref
 from kvbeam.server.core.ports import IndexLists, list_lengths
 from kvbeam.states import TransferFacts
 
@@ -35,6 +41,27 @@ class Landing(Enum):
     VERIFYING = "verifying"
     #: Checked: Success (or it ended meanwhile); nothing lands on it any more.
     VERIFIED = "verified"
+
+
+@dataclass(frozen=True, eq=False)
+class LandingView:
+    """What the driver's check of a landing (or of one of its sub-batches) reads of the
+    request: copied from its record on the loop when the core asks for it
+    (:meth:`Incoming.view`), so the check, off the loop, never reads the record."""
+
+    request_id: str
+    prefill_address: str
+    indices: IndexLists
+    draft: IndexLists
+    nbytes: int
+    #: Prefill's integrity flag as the core knew it (``Incoming.digests_follow``).
+    digests_follow: bool | None
+    landed_at: float  # when its notification came (the check's timing)
+    mailbox_slot: int
+    sub_batches: tuple[int, ...]
+    #: The digest jobs of the sub-batches whose mark came (mark number -> job).
+    marked: Mapping[int, DigestJob]
+    parts: DigestParts | None  # its digest parts, if a mark built them
 
 
 @dataclass(eq=False)
@@ -84,6 +111,19 @@ class Incoming:
     marked: dict[int, DigestJob] = field(default_factory=dict)
     #: Its digest parts (one per flat buffer), built at its first mark.
     parts: DigestParts | None = None
+    #: How actions and the driver name this record (set once, by ``__post_init__``).
+    ref: RecordRef = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ref = new_ref(self.request_id)
+
+    def view(self) -> LandingView:
+        """What a check of its landing reads, as of now (a copy: the record is the
+        loop's)."""
+        return LandingView(self.request_id, self.prefill_address, self.indices, self.draft,
+                           self.nbytes, self.digests_follow, self.landed_at,
+                           self.mailbox_slot, self.sub_batches, dict(self.marked),
+                           self.parts)
 
     def facts(self, verification: str) -> TransferFacts:
         """What it moves: bytes landed of those reserved, its destination lists."""

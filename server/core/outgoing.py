@@ -33,7 +33,6 @@ its :class:`RecordRef`, and carry the plain data the driver needs.
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -41,6 +40,7 @@ from typing import Any
 
 from kvbeam.pools.digest_pool import DigestJob
 from kvbeam.pools.types import IndexKind
+from kvbeam.server.core.actions import RecordRef, new_ref
 from kvbeam.server.core.chunks import NOTHING, Chunk
 from kvbeam.server.core.ports import IndexLists, WriteGrant, list_lengths
 from kvbeam.server.core.prefill_pieces import Pieces
@@ -71,20 +71,6 @@ class Step(Enum):
     #: Its chunk waits for decode's reservation: decode's Offer (or, after the grace,
     #: BeginWrite) starts its step.
     PARKED = "parked"
-
-
-@dataclass(frozen=True, slots=True)
-class RecordRef:
-    """How actions, the driver and its events name a record: the request's id and which
-    record of that id it is (an id may come again once its record was forgotten), so an
-    event of a forgotten request never reaches a newer one. Never the record itself,
-    which only the loop reads and writes."""
-
-    request_id: str
-    serial: int
-
-
-_serials = itertools.count(1)
 
 
 #: The moves :meth:`Outgoing.move` allows (to, from any of).
@@ -178,7 +164,7 @@ class Outgoing:
     ref: RecordRef = field(init=False)
 
     def __post_init__(self) -> None:
-        self.ref = RecordRef(self.request_id, next(_serials))
+        self.ref = new_ref(self.request_id)
 
     @classmethod
     def start(cls, request_id: str, seq_len: int, decode_address: str,

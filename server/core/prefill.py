@@ -59,11 +59,11 @@ from kvbeam.pools.sub_batches import (
     part_blocks,
 )
 from kvbeam.pools.types import INDEX_KINDS, IndexKind
-from kvbeam.server.core.actions import Count, DropLink
+from kvbeam.server.core.actions import Count, DropLink, RecordRef
 from kvbeam.server.core.base import CoreBase
 from kvbeam.server.core.chunks import Chunk, Rect, unwritten
 from kvbeam.server.core.offers import Offer, OfferBook
-from kvbeam.server.core.outgoing import EarlyDigests, Outgoing, Ranges, RecordRef, Step
+from kvbeam.server.core.outgoing import EarlyDigests, Outgoing, Ranges, Step
 from kvbeam.server.core.ports import IndexLists, WriteGrant
 from kvbeam.server.core.prefill_actions import (
     Actions,

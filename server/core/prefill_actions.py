@@ -24,9 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvbeam.pools.digest_pool import DigestJob
-from kvbeam.server.core.actions import Count, DropLink
+from kvbeam.server.core.actions import Count, DropLink, RecordRef
 from kvbeam.server.core.chunks import Chunk
-from kvbeam.server.core.outgoing import RecordRef
 from kvbeam.server.core.ports import IndexLists, WriteGrant
 from kvbeam.server.core.prefill_record import StagingSlot
 from kvbeam.server.state.peers import PeerConn

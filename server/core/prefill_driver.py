@@ -40,9 +40,9 @@ from kvbeam.pools.engine_indices import ListLike
 from kvbeam.pools.mailbox import RecordArea, encode_record
 from kvbeam.pools.plan import side_windows
 from kvbeam.pools.types import IndexKind
-from kvbeam.server.core.actions import Count, DropLink
+from kvbeam.server.core.actions import Count, DropLink, RecordRef
 from kvbeam.server.core.base import DriverBase, named
-from kvbeam.server.core.outgoing import Ranges, RecordRef
+from kvbeam.server.core.outgoing import Ranges
 from kvbeam.server.core.ports import DecodePeers, WriteGrant, abort_at_shutdown
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.core.prefill_actions import (
@@ -615,7 +615,7 @@ class PrefillDriver(DriverBase[PrefillCore]):
         digests = digest.digests
         if digests is None:
             done = digests = (job or self._digest_job(digest, post.conn)).result()
-            self.on_loop(lambda: self.core.keep_digests(ref, done))  # the record is the loop's
+            self.on_loop(lambda: self.core.keep_digests(ref, done))
         raw = self.writer.record(ref.request_id, grant.transfer_id, grant.mailbox_slot,
                                  digests, post.marks)
         return RecordStager.blocks(staging, post.conn, grant, raw,

@@ -8,6 +8,7 @@ read this way). The driver that does these actions has its own tests
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -27,7 +28,7 @@ from kvbeam.server.core.decode_actions import (
     TellPrefill,
 )
 from kvbeam.server.core.decode_landing import LandingCheck, Verdict
-from kvbeam.server.core.incoming import Landing
+from kvbeam.server.core.incoming import Incoming, Landing
 from kvbeam.server.core.pairing import ASK_AGAIN_AFTER_S
 from kvbeam.server.core.ports import Offered
 from kvbeam.server.state.lifecycle import Deadlines, TransferTable
@@ -56,6 +57,11 @@ def _core(integrity: bool = True, budget_s: float = 0.0, check_inline_below: int
     return core, conn
 
 
+def _check(res: Incoming) -> CheckLanding:
+    """The check of ``res``'s current landing, as the core asks for it."""
+    return CheckLanding(res.ref, res.view(), res.transfer_id)
+
+
 def _landed(core: DecodeCore, conn: PeerConn, tid: int) -> list[object]:
     return list(core.on_event(Event(EventKind.NOTIFIED, conn.link.id, tid), now=5.0))
 
@@ -64,10 +70,10 @@ def test_a_begun_write_that_lands_asks_for_its_check_and_the_verdict_is_success(
     core, conn = _core()
     res = core.reserve("r", 300, PREFILL, now=0.0)
     core.begin_write("r", conn.instance_id, 300, True, now=0.0)
-    assert _landed(core, conn, res.transfer_id) == [CheckLanding(res, res.transfer_id)]
+    assert _landed(core, conn, res.transfer_id) == [_check(res)]
     assert res.landing is Landing.VERIFYING  # asked once: a second notification asks nothing
     assert _landed(core, conn, res.transfer_id) == []
-    assert core.checked(res, res.transfer_id, OK, now=6.0) == []
+    assert core.checked(res.ref, res.transfer_id, OK, now=6.0) == []
     st = core.status("r")
     assert st.state is TransferState.SUCCESS and st.detail == OK.detail
     assert res.success_at == 6.0 and res.digests == bytes(16 * 13)
@@ -79,7 +85,7 @@ def test_a_failed_verdict_frees_the_slot_then_tells_prefill() -> None:
     core.begin_write("r", conn.instance_id, 300, True, now=0.0)
     _landed(core, conn, res.transfer_id)
     bad = Verdict(False, "XXH3-128 mismatch in 1 buffer(s): target.layer1.c4_kv")
-    assert core.checked(res, res.transfer_id, bad, now=6.0) == [
+    assert core.checked(res.ref, res.transfer_id, bad, now=6.0) == [
         Freed("r"), TellPrefill(conn, "r", f"decode integrity check failed: {bad.detail}")]
     st = core.status("r")
     assert st.state is TransferState.FAILED and st.reason is FailureReason.INTEGRITY
@@ -93,24 +99,56 @@ def test_a_verdict_on_a_replaced_landing_does_nothing() -> None:
     old = res.transfer_id
     _landed(core, conn, old)
     res.transfer_id += 16  # what a relink does, under the lock, before the verdict
-    assert core.checked(res, old, OK, now=6.0) == []
+    assert core.checked(res.ref, old, OK, now=6.0) == []
     assert core.status("r").state is TransferState.TRANSFERRING
+
+
+def test_actions_carry_plain_data_and_events_of_a_freed_record_are_void() -> None:
+    # No action holds a record: each names it by ref; a check reads the view copied on
+    # the loop when the core asked for it.
+    for action in (SendOffer, DigestMark, CheckLanding, DrainPrefill, TellPrefill, Freed):
+        assert not [f.name for f in dataclasses.fields(action) if "Incoming" in str(f.type)]
+    core, conn = _core()
+    core.table.keep_terminal = 0  # an ended request is forgotten at once: its id is free
+    res = core.reserve("r", 300, PREFILL, now=0.0)
+    core.begin_write("r", conn.instance_id, 300, True, now=0.0)
+    [check] = _landed(core, conn, res.transfer_id)
+    assert isinstance(check, CheckLanding) and check.ref == res.ref
+    view = check.landing
+    assert (view.request_id, view.nbytes, view.mailbox_slot, view.digests_follow) == (
+        "r", res.nbytes, res.mailbox_slot, True)
+    res.digests_follow = False  # the record changes on the loop; the copy does not
+    assert view.digests_follow is True
+    # Freed (aborted, prefill confirmed) and reserved again under the same id: the old
+    # check's verdict, drain answer and offer reach nothing of the new reservation.
+    _st, actions = core.abort("r", from_peer=False, detail="stop", now=1.0)
+    assert actions == [DrainPrefill(res.ref, conn, "stop")]
+    assert core.drain_answered(res.ref, "stop", confirmed=True, now=1.1) == [Freed("r")]
+    newer = core.reserve("r", 300, PREFILL, now=2.0)
+    assert newer.ref != res.ref
+    assert core.checked(res.ref, res.transfer_id, OK, now=2.1) == []
+    assert core.drain_answered(res.ref, "stop", confirmed=True, now=2.1) == []
+    assert core.offer_sent(res.ref, True, 2.1) == [Count("offers", "made")]
+    assert core.mark_digesting(res.ref, res.transfer_id, 1,
+                               DigestPool(0).start(DigestParts([]))) == []
+    assert core.status("r").state is not TransferState.SUCCESS and core.slot_of("r") != -1
+    assert newer.marked == {} and newer.landing is Landing.AWAITED
 
 
 def test_the_offer_is_an_action_and_an_answer_without_digests_may_start_the_check() -> None:
     core, conn = _core()
     res = core.reserve("r", 300, PREFILL, now=0.0)
     [offer] = core.offer(res, 0.0)
-    assert isinstance(offer, SendOffer) and offer.conn is conn and offer.res is res
+    assert isinstance(offer, SendOffer) and offer.conn is conn and offer.ref == res.ref
     assert offer.grant.transfer_id == res.transfer_id and offer.lease_s > 0
     assert core.offer(res, 0.0) == []  # granted already: no second Offer
-    assert core.offer_sent(res, True, 0.0) == [Count("offers", "made")]
+    assert core.offer_sent(res.ref, True, 0.0) == [Count("offers", "made")]
     # The bytes land before any answer, with no record in the slot: the check waits.
     assert _landed(core, conn, res.transfer_id) == []
     assert core.status("r").state is TransferState.TRANSFERRING
     # Prefill's integrity is off: it said so (OFFER_ANSWER); nothing more to wait for.
     assert core.answer_arrived("r", res.transfer_id, conn.instance_id,
-                               Offered.NO_DIGESTS) == [CheckLanding(res, res.transfer_id)]
+                               Offered.NO_DIGESTS) == [_check(res)]
 
 
 def test_a_refused_offer_takes_the_grant_back() -> None:
@@ -126,7 +164,7 @@ def test_an_offer_not_sent_is_a_refusal() -> None:
     core, _conn = _core()
     res = core.reserve("r", 300, PREFILL, now=0.0)
     core.offer(res, 0.0)
-    assert core.offer_sent(res, False, 0.0) == [Count("offers", "refused")]
+    assert core.offer_sent(res.ref, False, 0.0) == [Count("offers", "refused")]
     assert res.peer_instance == "" and not res.offered
 
 
@@ -137,10 +175,10 @@ def test_a_mark_asks_for_its_digests_and_the_last_piece_for_the_check() -> None:
     assert len(res.sub_batches) >= 1
     core.begin_write("r", conn.instance_id, 300, True, now=0.0)
     tid = res.transfer_id
-    assert _landed(core, conn, tid + 1) == [DigestMark(res, tid, 1)]
+    assert _landed(core, conn, tid + 1) == [DigestMark(res.ref, res.view(), tid, 1)]
     job = DigestPool(0).start(DigestParts([]))
-    assert core.mark_digesting(res, tid, 1, job) == []
-    assert core.mark_digesting(res, tid, 1, job) == []  # a repeated mark is ignored
+    assert core.mark_digesting(res.ref, tid, 1, job) == []
+    assert core.mark_digesting(res.ref, tid, 1, job) == []  # a repeated mark is ignored
     assert res.marked == {1: job}
 
 
@@ -150,12 +188,12 @@ def test_a_scheduler_abort_of_a_granted_request_drains_prefill_first() -> None:
     core.begin_write("r", conn.instance_id, 300, True, now=0.0)
     st, actions = core.abort("r", from_peer=False, detail="stop", now=0.0)
     assert st.state is TransferState.FAILED
-    assert actions == [DrainPrefill(res, conn, "stop")] and core.slot_of("r") != -1
+    assert actions == [DrainPrefill(res.ref, conn, "stop")] and core.slot_of("r") != -1
     # Prefill did not confirm, and the link is still there: only this slot stays held.
-    assert core.drain_answered(res, "stop", confirmed=False, now=10.0) == []
+    assert core.drain_answered(res.ref, "stop", confirmed=False, now=10.0) == []
     assert res.unconfirmed_since == 10.0 and core.slot_of("r") != -1
     # Confirmed at the next ask: freed.
-    assert core.drain_answered(res, "stop", confirmed=True, now=11.0) == [Freed("r")]
+    assert core.drain_answered(res.ref, "stop", confirmed=True, now=11.0) == [Freed("r")]
     assert core.slot_of("r") == -1
 
 
@@ -171,11 +209,11 @@ def test_an_unconfirmed_abort_past_its_budget_drops_only_that_link() -> None:
     res = core.reserve("r", 300, PREFILL, now=0.0)
     core.begin_write("r", conn.instance_id, 300, True, now=0.0)
     core.abort("r", from_peer=False, detail="stop", now=0.0)
-    core.drain_answered(res, "stop", confirmed=False, now=10.0)
+    core.drain_answered(res.ref, "stop", confirmed=False, now=10.0)
     core.ask_again_s = 1.0
-    assert core.periodic(now=11.5) == [DrainPrefill(res, conn, "stop")]  # asked again
+    assert core.periodic(now=11.5) == [DrainPrefill(res.ref, conn, "stop")]  # asked again
     assert core.periodic(now=11.6) == []  # one ask at a time
-    core.drain_answered(res, "stop", confirmed=False, now=11.7)
+    core.drain_answered(res.ref, "stop", confirmed=False, now=11.7)
     actions = core.periodic(now=12.5)
     assert actions == [DropLink(conn, "prefill did not confirm the abort of r", gone=False)]
     # The driver released the link: the request is free now.
@@ -208,8 +246,8 @@ def test_the_hand_off_lease_frees_a_success_nobody_released() -> None:
     core, conn = _core(integrity=False)
     res = core.reserve("r", 300, PREFILL, now=0.0)
     core.begin_write("r", conn.instance_id, 300, False, now=0.0)
-    assert _landed(core, conn, res.transfer_id) == [CheckLanding(res, res.transfer_id)]
-    core.checked(res, res.transfer_id, Verdict(True, "not verified"), now=100.0)
+    assert _landed(core, conn, res.transfer_id) == [_check(res)]
+    core.checked(res.ref, res.transfer_id, Verdict(True, "not verified"), now=100.0)
     assert core.periodic(now=129.0) == []
     assert core.periodic(now=131.0) == [Freed("r")]
 
@@ -256,9 +294,9 @@ def test_the_real_digests_of_a_landing_make_the_same_verdict_as_a_test_one() -> 
     assert isinstance(check, CheckLanding)
     checker = LandingCheck(lambda: (core.pools, core.layout, core.mailbox), True,
                            DigestPool(0), time.monotonic)
-    verdict = checker.check(res, check.transfer_id)
+    verdict = checker.check(res.view(), check.transfer_id)
     assert verdict.ok and verdict.detail.startswith("XXH3-128 verified: 13")
-    assert core.checked(res, check.transfer_id, verdict, now=6.0) == []
+    assert core.checked(res.ref, check.transfer_id, verdict, now=6.0) == []
     assert core.status("r").state is TransferState.SUCCESS
 
 
@@ -274,12 +312,12 @@ def test_a_landing_checked_as_it_lands_goes_to_success_in_one_change() -> None:
         core, conn = _core(check_inline_below=below, on_change=seen.append)
         res = core.reserve("r", 300, PREFILL, now=0.0)
         core.offer(res, 0.0)
-        core.offer_sent(res, True, 0.0)
+        core.offer_sent(res.ref, True, 0.0)
         land_record(core, "r", bytes(16 * 13))  # prefill's answer is its record (protocol 8)
         before, version = len(seen), core.status("r").version
-        assert _landed(core, conn, res.transfer_id) == [CheckLanding(res, res.transfer_id)]
+        assert _landed(core, conn, res.transfer_id) == [_check(res)]
         assert core.status("r").state is at_landing
-        assert core.checked(res, res.transfer_id, OK, now=6.0) == []
+        assert core.checked(res.ref, res.transfer_id, OK, now=6.0) == []
         changes = [s.state for s in seen[before:]]
         st = core.status("r")
         assert st.state is TransferState.SUCCESS and st.detail == OK.detail
@@ -324,7 +362,7 @@ def test_a_reservation_naming_an_unconnected_prefill_asks_it_to_connect_once() -
     core.peers.add(conn)  # what prefill's handshake with us registered
     offers = core.dialed(PREFILL, conn.instance_id, None, now=1.5)
     assert offers[0] == Count("connects", "ok")
-    assert [(o.res.request_id, o.conn) for o in offers[1:] if isinstance(o, SendOffer)] == [
+    assert [(o.ref.request_id, o.conn) for o in offers[1:] if isinstance(o, SendOffer)] == [
         ("a", conn), ("b", conn)]
 
 

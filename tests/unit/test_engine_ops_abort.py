@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from kvbeam.server.core.outgoing import RecordRef
+from kvbeam.server.core.actions import RecordRef
 from kvbeam.states import TransferState
 from tests.core_fakes import FakeLink, prefill_core, slot_lists, wait_for
 
