@@ -29,7 +29,9 @@ of kvbeam in them): ``engine_small_request_floor_ms=`` and
 ``daemon_cpu_ms_per_small_request_floor=`` (the larger daemon's).
 
 ``daemon_threads=``: the busier daemon's OS threads after the engine channel's flow,
-gRPC's handler pool aside (each daemon's threads by name on the line before it).
+gRPC's handler pool aside (each daemon's threads by name on the line before it);
+``daemon_threads_kvbeam=`` of them the threads kvbeam starts, ``daemon_threads_grpc=``
+gRPC's own.
 
 ``--profile DIR``: py-spy both daemons and the prefill engine during the flow phase
 (when the bench extra installed py-spy).
@@ -71,6 +73,8 @@ SEQ = 128
 # The thread-name prefix of gRPC's handler pool (server/api/control.py), left out of
 # daemon_threads as issue 47 counts them.
 GRPC_HANDLER_POOL = "kvbeam-control"
+#: The name prefix of every thread kvbeam starts (kvbeam/threads.py).
+KVBEAM_THREADS = "kvbeam-"
 ROOT = str(Path(__file__).resolve().parents[2])
 
 
@@ -377,6 +381,13 @@ def main() -> None:
         print(f"# {role} threads after the engine channel's flow: {sum(c.values())}: "
               + ", ".join(f"{name} {n}" for name, n in sorted(c.items())))
     print(f"daemon_threads={max(pool_aside)}")
+    # Of those, the threads kvbeam starts (named kvbeam-*: its loop, its executor) and
+    # gRPC's own (its timer, its EventEngine pool and lifeguard, the Python server's
+    # polling thread: gRPC sizes them, no setting bounds them): what limits the count.
+    own = [sum(n for name, n in c.items() if name.startswith(KVBEAM_THREADS)
+               and not name.startswith(GRPC_HANDLER_POOL)) for c in threads]
+    print(f"daemon_threads_kvbeam={max(own)} "
+          f"daemon_threads_grpc={max(p - o for p, o in zip(pool_aside, own, strict=True))}")
     floor_lines: dict[str, float] = {}
     if args.transport == "tcp":  # the floor needs nothing but sockets: the same run's
         # At least 1,000 requests: CPU is counted in 10 ms ticks, and the floor is cheap.
@@ -403,7 +414,7 @@ def main() -> None:
             "flow": args.flow, "inflight": args.inflight, "failed": failed,
             "lines": {**{k: v[0] for k, v in out.items()},
                       **{f"grpc_{k}": v[1] for k, v in out.items()}, **floor_lines,
-                      "daemon_threads": max(pool_aside)},
+                      "daemon_threads": max(pool_aside), "daemon_threads_kvbeam": max(own)},
             "cpu_ms": dict(zip(("prefill", "decode"), chan_cpus, strict=True)),
             "engine_cpu_ms": dict(zip(("prefill", "decode"), engine_cpus, strict=True)),
             "engine_cpu_ms_all_pushes": dict(zip(("prefill", "decode"), all_cpus,
