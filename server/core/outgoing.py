@@ -21,9 +21,21 @@ A fresh single-chunk Send that would only wait for decode's Offer parks at once
 starts nothing; the step's end sees the offer and runs again. So one step per
 request runs at a time, which keeps its chunks in order.
 
-A link failure under the request is not a phase: the resend it owes
-(``resend_cause``) starts once the request is IDLE with no write outstanding
-(:meth:`Outgoing.resend_due`; :mod:`kvbeam.server.core.resend`).
+What became of the writes is the current :class:`Attempt`'s own explicit state
+(:class:`AttemptState`), apart from the send path's: an attempt is OPEN while it writes
+(or will) on its link; LANDED once its final chunk's last write completed on it; BROKEN
+when that link failed with a transient error, which owes a resend, started once the
+request is IDLE with no write outstanding (:meth:`Outgoing.resend_due`;
+:mod:`kvbeam.server.core.resend`) as a new attempt (one assignment); GIVEN_UP when no
+resend follows; RELEASED when the request failed and its writes hung past the drain
+grace, so its link was released::
+
+    OPEN ──final chunk's last write──▶ LANDED ◀──────┐
+     │                                               │ (its writes had landed)
+     └──transient link failure──▶ BROKEN ────────────┘
+                                    │ ├──resend──▶ a new attempt, OPEN
+                                    │ └──ended / no time left──▶ GIVEN_UP
+    any other ──the request failed, its writes hung past the drain grace──▶ RELEASED
 
 Nothing here locks, sleeps or does I/O: the core calls these methods on the loop
 and does what they answer (unit tests drive them directly: tests/unit/test_outgoing.py).
@@ -82,12 +94,46 @@ _MOVES: dict[Step, frozenset[Step]] = {
 }
 
 
+class AttemptState(Enum):
+    """What became of an attempt's writes (one at a time; the module's diagram)."""
+
+    #: It writes on its link, or will (its first post picks the link).
+    OPEN = "open"
+    #: Its final chunk's last write completed on its link: every byte before it landed.
+    LANDED = "landed"
+    #: Its link failed with a transient error: a resend is owed (``broken_by`` says why).
+    BROKEN = "broken"
+    #: Its link failed and no resend follows (the request ended, or too little time was
+    #: left): the request fails with the link's error.
+    GIVEN_UP = "given up"
+    #: The request failed and writes of it hung past the drain grace: its link was
+    #: released, so none of them can read the source any longer.
+    RELEASED = "released"
+
+
+#: The moves :meth:`Attempt.move` allows (to, from any of).
+_ATTEMPT_MOVES: dict[AttemptState, frozenset[AttemptState]] = {
+    AttemptState.LANDED: frozenset({AttemptState.OPEN, AttemptState.BROKEN}),
+    AttemptState.BROKEN: frozenset({AttemptState.OPEN}),
+    AttemptState.GIVEN_UP: frozenset({AttemptState.BROKEN}),
+    # Whatever it was: a release is forced (its writes hang), and every state but
+    # RELEASED itself may still have writes in flight as far as the sweep can tell.
+    AttemptState.RELEASED: frozenset(AttemptState) - {AttemptState.RELEASED},
+}
+
+
 @dataclass(eq=False)
 class Attempt:
-    """One attempt at writing a request, on one link: the chunks it took, the pages it
-    covered, its writes in flight and the bytes of them. A resend after a transient
-    transport error is a new attempt (:meth:`Outgoing.replay`), one assignment."""
+    """One attempt at writing a request, on one link: its state, the chunks it took,
+    the pages it covered, its writes in flight and the bytes of them. A resend after a
+    transient transport error is a new attempt (:meth:`Outgoing.replay`), one
+    assignment: nothing of the dead link's attempt carries over."""
 
+    state: AttemptState = AttemptState.OPEN
+    broken_by: str = ""  # what broke its link (BROKEN, GIVEN_UP): the resend's cause
+    #: When the sweep first saw the request failed with writes of it in flight (None:
+    #: not seen): RELEASED once they hang past the drain grace.
+    hung_since: float | None = None
     posted: list[Chunk] = field(default_factory=list)  # chunks it took (a resend replays)
     written: Chunk = NOTHING  # what of the request's KV pages is written (chunks.py)
     link: int | None = None  # the link it posts on (its first post sets it)
@@ -106,6 +152,12 @@ class Attempt:
     grant: WriteGrant | None = None
     grant_link: int | None = None
     granted_at: float = 0.0
+
+    def move(self, to: AttemptState) -> None:
+        """Move to ``to``; raises ``RuntimeError`` if it may not (a bug in the core)."""
+        if self.state not in _ATTEMPT_MOVES[to]:
+            raise RuntimeError(f"an attempt cannot go from {self.state.value} to {to.value}")
+        self.state = to
 
 
 @dataclass(eq=False)
@@ -142,7 +194,6 @@ class Outgoing:
 
     # -- the writes in flight (beside the attempt's own count) ---------------------------
     write_keys: set[tuple[int, int]] = field(default_factory=set)
-    abandoned: bool = False  # its link was released: no write of it is in flight
     #: The staging slot its digest record is written from (area, its free-list, slot),
     #: held while a write of it is outstanding (server/core/prefill_record.py).
     staging: StagingSlot | None = None
@@ -151,13 +202,11 @@ class Outgoing:
     #: -> the job), before its final chunk: that chunk digests only the rest.
     early_digests: EarlyDigests = field(default_factory=dict)
 
-    # -- the resend after a transient transport error (server/core/resend.py) ------------
-    resend_cause: str | None = None  # what broke its link: a resend is owed (None: none)
+    # -- the resends after transient transport errors (server/core/resend.py) -----------
     first_failure: str = ""  # what broke the first link, for the final detail
     resends: int = 0
 
     # -- its end -----------------------------------------------------------------------
-    failed_at: float | None = None  # when the sweep first saw it failed with writes in flight
     told_decode: bool = False  # decode knows of the failure (or must not be told)
 
     #: How actions and the driver name this record (set once, by ``__post_init__``).
@@ -191,7 +240,12 @@ class Outgoing:
     @property
     def drained(self) -> bool:
         """No write of this request can still read its source."""
-        return self.attempt.outstanding <= 0 or self.abandoned
+        return self.attempt.outstanding <= 0 or self.attempt.state is AttemptState.RELEASED
+
+    @property
+    def resend_owed(self) -> bool:
+        """Its attempt's link broke and a resend is owed (:meth:`resend_due` says when)."""
+        return self.attempt.state is AttemptState.BROKEN
 
     # ---- the send path's moves ----------------------------------------------------------
     def move(self, to: Step) -> None:
@@ -265,7 +319,7 @@ class Outgoing:
         put its chunk back to wait for decode's reservation; ``offer_waiting``: an offer
         for it is in the book. True: run the next step now (it stays RUNNING);
         otherwise it is IDLE, or PARKED when it parks and no offer is there yet."""
-        if not ended and self.chunks and self.resend_cause is None and \
+        if not ended and self.chunks and not self.resend_owed and \
                 (not parks or offer_waiting):
             return True
         if parks and not ended:
@@ -278,16 +332,16 @@ class Outgoing:
     def completed(self, ok: bool, link: int) -> bool:
         """One write on ``link`` completed (``ok``: its bytes landed). True when it
         proves the whole request landed: the last outstanding write of its final chunk,
-        on this attempt's link (RC and TCP keep order: every byte before it landed); a
-        resend owed is then moot."""
+        on this attempt's link (RC and TCP keep order: every byte before it landed); the
+        attempt is LANDED, and a resend owed is moot."""
         attempt = self.attempt
         attempt.outstanding -= 1
         nbytes = attempt.pending_bytes.popleft() if attempt.pending_bytes else 0
         if ok:
             attempt.bytes_done += nbytes
         done = ok and attempt.final_posted and attempt.outstanding == 0 and link == attempt.link
-        if done:
-            self.resend_cause = None
+        if done and attempt.state in _ATTEMPT_MOVES[AttemptState.LANDED]:
+            attempt.move(AttemptState.LANDED)
         return done
 
     # ---- its digests (the driver computes them; the loop keeps them) -------------------
@@ -306,26 +360,45 @@ class Outgoing:
     def link_failed(self, link_id: int, cause: str, retries: int) -> bool:
         """Link ``link_id`` failed with a transient error, the request still live. True
         when that does not fail it: a resend is owed (now or already), or the link is
-        not the one this attempt posts on. False: no resend is left (``retries``)."""
-        if self.attempt.link != link_id or self.resend_cause is not None:
+        not the one this attempt posts on, or the attempt is not OPEN (it landed, or its
+        link broke already). False: no resend is left (``retries``)."""
+        attempt = self.attempt
+        if attempt.link != link_id or attempt.state is not AttemptState.OPEN:
             return True
         if self.resends >= retries:
             return False
-        self.resend_cause = cause
+        attempt.move(AttemptState.BROKEN)
+        attempt.broken_by = cause
         self.first_failure = self.first_failure or cause
         return True
 
     def resend_due(self) -> bool:
         """A resend is owed and may start: no step runs and no write is outstanding
         (each write on the dead link completes, as failed, before it starts)."""
-        return self.resend_cause is not None and self.attempt.outstanding <= 0 and \
-            self.step is Step.IDLE
+        return self.resend_owed and self.attempt.outstanding <= 0 and self.step is Step.IDLE
+
+    def give_up_resend(self) -> str:
+        """No resend follows the broken link (the request ended, or no time is left):
+        what broke it."""
+        self.attempt.move(AttemptState.GIVEN_UP)
+        return self.attempt.broken_by
+
+    def hung(self, now: float, drain_s: float) -> bool:
+        """The sweep sees the request failed with writes of it in flight: True (once)
+        when they have hung more than ``drain_s`` since it first saw them, so its link
+        is to be released; the attempt is RELEASED (drained from now on)."""
+        attempt = self.attempt
+        if attempt.hung_since is None:
+            attempt.hung_since = now
+        if now - attempt.hung_since <= drain_s or attempt.state is AttemptState.RELEASED:
+            return False
+        attempt.move(AttemptState.RELEASED)
+        return True
 
     def replay(self) -> None:
         """Start the owed resend as a new attempt (the caller runs its step): every
         chunk posted so far again, in order, before the ones still queued."""
         self.move(Step.RUNNING)
-        self.resend_cause = None
         self.resends += 1
         self.chunks.extendleft(reversed(self.attempt.posted))
         self.attempt = Attempt()

@@ -603,7 +603,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         Asked on the loop, where nothing changes it before the step runs; an action of
         the step that blocks after all (a post that fails) goes to the driver's executor."""
         rec = self._record(ref)
-        if rec is None or not rec.chunks or rec.rehandshake or rec.resend_cause is not None:
+        if rec is None or not rec.chunks or rec.rehandshake or rec.resend_owed:
             return False
         conn = self._step_conn(rec)
         if conn is None or conn.closed or conn.retired_channel() is not None:
@@ -637,7 +637,7 @@ class PrefillCore(PrefillEvents, CoreBase):
             drop = self._drop(old, f"peer channel to {channel.peer} {how}: "
                                    f"{channel.close_reason}", gone=not channel.orderly)
             return [drop, RunStep(rec.ref)]
-        if self._ended(rec) or not rec.chunks or rec.resend_cause is not None:
+        if self._ended(rec) or not rec.chunks or rec.resend_owed:
             rec.move(Step.IDLE)
             return self._maybe_resend(rec, now)
         if not rec.decode_address and not self._bound_by_offer(rec):

@@ -256,10 +256,9 @@ class PrefillEvents:
                 continue
             if not rec.drained:
                 if snap is not None and snap.state is TransferState.FAILED:
-                    rec.failed_at = rec.failed_at or now
-                    if now - rec.failed_at > self.drain_s:
-                        rec.abandoned = True  # drained from now on: its link goes
-                        hung.append((rec, rec.conn, rec.attempt.outstanding))
+                    outstanding = rec.attempt.outstanding
+                    if rec.hung(now, self.drain_s):  # drained from now on: its link goes
+                        hung.append((rec, rec.conn, outstanding))
                 continue
             if rec.told_decode or snap is None or snap.state is TransferState.SUCCESS:
                 del self._out[rid]
@@ -318,14 +317,14 @@ class PrefillEvents:
         """Start an owed resend once no step runs and none of its writes is outstanding."""
         if not rec.resend_due():
             return []
-        cause = rec.resend_cause
         if self._ended(rec):
-            rec.resend_cause = None
+            rec.give_up_resend()
             return []
+        cause = rec.attempt.broken_by
         left, need = self.table.left(rec.request_id, now=now), self.resend.cost()
         late = left is not None and left < need
         if late:
-            rec.resend_cause = None
+            rec.give_up_resend()
             if not rec.resends:
                 rec.first_failure = ""  # no resend was tried: the detail is the error's
         else:

@@ -165,7 +165,7 @@ def test_a_link_failure_during_a_queued_step_resends_every_chunk_in_order_after_
     # The first chunk's write fails: a resend is owed, but a step is queued.
     core.on_event(first.completion(tid, ok=False, status="IBV_WC_RETRY_EXC_ERR"))
     rec = _rec(core)
-    assert rec.resend_cause is not None and rec.resends == 0
+    assert rec.resend_owed and rec.resends == 0
     assert _step(core) is Step.RUNNING, "the resend started beside the queued step"
     io.run_all()  # the step stops for the resend; the resend handshakes and replays
     assert rec.resends == 1 and first.released

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvbeam.server.core.chunks import NOTHING, Chunk
-from kvbeam.server.core.outgoing import Attempt, Outgoing, Step
+from kvbeam.server.core.outgoing import Attempt, AttemptState, Outgoing, Step
 
 _whole = Chunk.whole
 
@@ -140,11 +140,12 @@ def test_only_the_final_chunks_last_write_on_this_attempts_link_proves_the_landi
     _posted(rec, link=3, writes=2)
     assert not rec.completed(ok=True, link=3), "landed before the final chunk was posted"
     rec.attempt.final_posted = True
-    rec.resend_cause = "a link failure seen after the bytes landed"
+    assert rec.link_failed(3, "a link failure seen after the bytes landed", retries=1)
     assert not rec.completed(ok=True, link=9), "a stray link's completion proved it"
     _posted(rec, link=3, writes=1)
     assert rec.completed(ok=True, link=3)
-    assert rec.resend_cause is None  # nothing is left to resend
+    assert rec.attempt.state is AttemptState.LANDED and not rec.resend_owed  # moot
+    assert rec.link_failed(3, "after it landed", retries=1) and not rec.resend_owed
 
 
 def test_a_failed_link_owes_one_resend_that_waits_for_the_writes_and_the_step() -> None:
@@ -156,9 +157,10 @@ def test_a_failed_link_owes_one_resend_that_waits_for_the_writes_and_the_step() 
     rec.attempt.final_posted = True
     assert rec.step_ended(ended=False, parks=False, offer_waiting=False, now=1.0) is False
     assert rec.link_failed(3, "IBV_WC_RETRY_EXC_ERR", retries=1) is True
-    assert rec.resend_cause == "IBV_WC_RETRY_EXC_ERR" == rec.first_failure
+    assert rec.attempt.state is AttemptState.BROKEN
+    assert rec.attempt.broken_by == "IBV_WC_RETRY_EXC_ERR" == rec.first_failure
     assert rec.link_failed(3, "again", retries=1) is True  # the same failure, seen twice
-    assert rec.resend_cause == "IBV_WC_RETRY_EXC_ERR"
+    assert rec.attempt.broken_by == "IBV_WC_RETRY_EXC_ERR"
     assert not rec.resend_due(), "a resend started while writes were outstanding"
     rec.completed(ok=False, link=3)
     rec.completed(ok=False, link=3)
@@ -166,7 +168,9 @@ def test_a_failed_link_owes_one_resend_that_waits_for_the_writes_and_the_step() 
     rec.attempt.written = _whole(2, True)
     first = rec.attempt
     rec.replay()
-    assert _at(rec) is Step.RUNNING and rec.resends == 1 and rec.resend_cause is None
+    assert _at(rec) is Step.RUNNING and rec.resends == 1 and not rec.resend_owed
+    fresh = rec.attempt
+    assert first.state is AttemptState.BROKEN and fresh.state is AttemptState.OPEN
     assert rec.attempt is not first and rec.attempt.written == NOTHING  # a new attempt
     assert list(rec.chunks) == [_whole(2, True)] and not rec.attempt.posted
     assert (rec.attempt.link, rec.conn, rec.attempt.final_posted, rec.attempt.bytes_total) == \
@@ -192,7 +196,7 @@ def test_a_link_this_attempt_does_not_post_on_spares_it_and_owes_nothing() -> No
     rec = _rec()
     _posted(rec, link=2)
     assert rec.link_failed(9, "old link", retries=0) is True
-    assert rec.resend_cause is None
+    assert not rec.resend_owed and rec.attempt.state is AttemptState.OPEN
 
 
 def test_no_resend_left_fails_it() -> None:
@@ -200,7 +204,30 @@ def test_no_resend_left_fails_it() -> None:
     _posted(rec, link=2)
     rec.resends = 1
     assert rec.link_failed(2, "broken", retries=1) is False
-    assert rec.resend_cause is None
+    assert not rec.resend_owed
+
+
+def test_an_owed_resend_given_up_names_its_cause_and_is_owed_no_more() -> None:
+    rec = _rec()
+    _posted(rec, link=2, writes=1)
+    with pytest.raises(RuntimeError, match="cannot go from open to given up"):
+        rec.give_up_resend()  # nothing was owed: a bug in the core, said so
+    rec.link_failed(2, "IBV_WC_RETRY_EXC_ERR", retries=1)
+    rec.completed(ok=False, link=2)
+    assert rec.resend_due()
+    assert rec.give_up_resend() == "IBV_WC_RETRY_EXC_ERR"
+    assert rec.attempt.state is AttemptState.GIVEN_UP and not rec.resend_due()
+
+
+def test_writes_hung_past_the_drain_grace_release_the_attempt_once() -> None:
+    rec = _rec()
+    _posted(rec, link=2, writes=1)
+    assert rec.hung(10.0, drain_s=2.0) is False and rec.attempt.hung_since == 10.0
+    assert rec.hung(12.0, drain_s=2.0) is False, "released within the grace"
+    assert rec.hung(12.5, drain_s=2.0) is True
+    assert rec.attempt.state is AttemptState.RELEASED and rec.drained
+    assert rec.attempt.outstanding == 1  # its write never completed: the link goes
+    assert rec.hung(20.0, drain_s=2.0) is False  # once
 
 
 def test_a_chunk_that_makes_no_new_page_ready_is_not_queued() -> None:

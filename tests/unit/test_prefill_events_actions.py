@@ -15,7 +15,7 @@ from typing import cast
 
 from kvbeam.server.core import prefill_events
 from kvbeam.server.core.actions import Count, DropLink
-from kvbeam.server.core.outgoing import Outgoing
+from kvbeam.server.core.outgoing import AttemptState, Outgoing
 from kvbeam.server.core.prefill import PrefillCore
 from kvbeam.server.core.prefill_actions import RunStep, TellDecode
 from kvbeam.server.state.peers import PeerConn
@@ -98,7 +98,7 @@ def test_a_dropped_link_resends_what_it_may_and_a_lost_peer_fails_it_all() -> No
     core, _io, conn, rec, _tid = _posted(retries=1)
     core.peers.remove(conn)
     assert core.link_dropped(conn, "link failed", gone=False, now=2.0) == []  # a write outstanding
-    assert rec.resend_cause == "link failed"
+    assert rec.resend_owed and rec.attempt.broken_by == "link failed"
     core2, _io2, conn2, _rec2, _tid2 = _posted(retries=1)
     core2.peers.remove(conn2)
     assert core2.link_dropped(conn2, "heartbeats lost", gone=True, now=2.0) == []  # no one to tell
@@ -109,10 +109,10 @@ def test_a_dropped_link_resends_what_it_may_and_a_lost_peer_fails_it_all() -> No
 def test_the_sweep_abandons_writes_that_do_not_drain_by_dropping_their_link() -> None:
     core, _io, conn, rec, _tid = _posted(drain_s=2.0)
     core.table.fail("r", FailureReason.ABORTED, "aborted", now=2.0)
-    assert core.sweep(now=100.0) == [] and rec.failed_at == 100.0
+    assert core.sweep(now=100.0) == [] and rec.attempt.hung_since == 100.0
     assert core.sweep(now=101.0) == []
     assert core.sweep(now=102.5) == [DropLink(conn, "writes of r did not drain", gone=False)]
-    assert rec.abandoned and rec.drained
+    assert rec.attempt.state is AttemptState.RELEASED and rec.drained
     assert core.sweep(now=103.0) == []  # once
 
 
