@@ -94,7 +94,7 @@ from kvbeam.server.core.decode_actions import (
 )
 from kvbeam.server.core.decode_landing import Verdict, checks_inline
 from kvbeam.server.core.decode_pages import PageBook
-from kvbeam.server.core.incoming import Incoming, Landing
+from kvbeam.server.core.incoming import Incoming, Landing, UnconfirmedAbort
 from kvbeam.server.core.pairing import Dialing
 from kvbeam.server.core.ports import Offered, WriteGrant
 from kvbeam.server.state.lifecycle import TransferTable
@@ -691,7 +691,7 @@ class DecodeCore(CoreBase):
 
     def _start_check(self, res: Incoming, blocker: str | None) -> bool:
         """Start the landing's check if nothing blocks it (:meth:`_blocker`): True, once;
-        else say in the table what it waits for. Core lock held."""
+        else say in the table what it waits for."""
         if blocker:
             self.table.waiting_for(res.request_id, blocker)
         if blocker is not None:
@@ -780,27 +780,30 @@ class DecodeCore(CoreBase):
             log.warning("request %s: no Release within the %.0f s hand-off lease; slot freed",
                         rid, self.handoff_lease_s, extra=fields(rid, peer))
             actions += self._free(rid, "hand-off lease expired")
-        actions += [DrainPrefill(res.ref, self._prefill_conn(res), res.abort_detail)
-                    for res in ask]
+        actions += [DrainPrefill(res.ref, self._prefill_conn(res), abort.detail)
+                    for res, abort in ask]
         for res in overdue:
             actions += self._overdue(res)
         return actions
 
-    def _unconfirmed_due(self, now: float) -> tuple[list[Incoming], list[Incoming]]:
+    def _unconfirmed_due(self, now: float
+                         ) -> tuple[list[tuple[Incoming, UnconfirmedAbort]], list[Incoming]]:
         """Aborts prefill has not confirmed: those to ask again (a few at a time), and
-        those past their transfer budget, whose link goes. Core lock held."""
-        ask: list[Incoming] = []
+        those past their transfer budget, whose link goes."""
+        ask: list[tuple[Incoming, UnconfirmedAbort]] = []
         overdue: list[Incoming] = []
-        asking = sum(r.asking for r in self._res.values())
-        for r in self._res.values():
-            if r.unconfirmed_since is None or r.asking:
+        unconfirmed = [(r, r.unconfirmed) for r in self._res.values()
+                       if r.unconfirmed is not None]
+        asking = sum(abort.asking for _r, abort in unconfirmed)
+        for r, abort in unconfirmed:
+            if abort.asking:
                 continue
-            if now - r.unconfirmed_since > self.transfer_budget(r.nbytes):
-                r.asking = True
+            if now - abort.since > self.transfer_budget(r.nbytes):
+                abort.asking = True
                 overdue.append(r)
-            elif now - r.asked_at >= self.ask_again_s and asking < MAX_ASKING:
-                r.asking, asking = True, asking + 1
-                ask.append(r)
+            elif now - abort.asked_at >= self.ask_again_s and asking < MAX_ASKING:
+                abort.asking, asking = True, asking + 1
+                ask.append((r, abort))
         return ask, overdue
 
     def _overdue(self, res: Incoming) -> Actions:
@@ -827,10 +830,11 @@ class DecodeCore(CoreBase):
             return []  # freed meanwhile (its link went, say)
         if confirmed or self._link_gone(res):
             return self._free(res.request_id, detail)
-        res.asking, res.asked_at = False, now
-        first = res.unconfirmed_since is None
-        if first:
-            res.unconfirmed_since, res.abort_detail = now, detail
+        first = res.unconfirmed is None
+        if res.unconfirmed is None:
+            res.unconfirmed = UnconfirmedAbort(since=now, detail=detail, asked_at=now)
+        else:
+            res.unconfirmed.asking, res.unconfirmed.asked_at = False, now
         if first:
             log.warning("request %s: prefill did not confirm that its writes drained; slot %d "
                         "stays held until it does, its link goes, or %.0f s pass (then decode "

@@ -91,7 +91,7 @@ class DecodeDriver(DriverBase[DecodeCore]):
         self.on_decline: Callable[[], None] = lambda: None
         #: Metrics: one call per answer to decode's ask to connect (ok, refused, ...).
         self.on_connect: Callable[[str], None] = lambda _result: None
-        #: Called (no lock held) with a request id once its pages and slot are free: a
+        #: Called on the loop with a request id once its pages and slot are free: a
         #: failed request's may be reused from then, which is when the engine channel
         #: pushes its Failed (the runtime sets it; the table's Failed comes earlier, while
         #: prefill may still be writing them).
@@ -321,8 +321,8 @@ class DecodeDriver(DriverBase[DecodeCore]):
 
     def offer_answer(self, request_id: str, transfer_id: int, instance_id: str,
                      answer: Offered) -> None:
-        """Prefill ``instance_id``'s answer to an Offer (the daemon's loop, no
-        lock held): :meth:`DecodeCore.answer_arrived`."""
+        """Prefill ``instance_id``'s answer to an Offer (the daemon's loop):
+        :meth:`DecodeCore.answer_arrived`."""
         self._event(lambda: self.core.answer_arrived(request_id, transfer_id, instance_id,
                                                      answer))
 

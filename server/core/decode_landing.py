@@ -93,8 +93,8 @@ class LandingCheck:
         return checks_inline(landing, self.integrity, self.digest_pool.inline_below)
 
     def check(self, landing: LandingView, transfer_id: int) -> Verdict:
-        """Check the landing of ``transfer_id`` (no lock held; the core decides whether
-        the verdict still counts)."""
+        """Check the landing of ``transfer_id`` (off the loop: it reads only the view;
+        the core decides whether the verdict still counts)."""
         pools, layout, box = self.memory()
         if not self.integrity:
             self.before_digests(landing, pools, None)
@@ -169,7 +169,7 @@ class LandingCheck:
 
     def _landed_digests(self, landing: LandingView, pools: AllocatedSide,
                         marks: int) -> bytes:
-        """The landed bytes' digests, in flat order, on the digest pool (no lock held):
+        """The landed bytes' digests, in flat order, on the digest pool:
         the marked sub-batches' jobs (started as each landed) and the last part's, or
         every buffer's when the record says no mark came.
 

@@ -65,6 +65,20 @@ class LandingView:
 
 
 @dataclass(eq=False)
+class UnconfirmedAbort:
+    """An abort of the request that prefill answered without confirming that its writes
+    drained: the slot stays held while the core asks again, a few at a time
+    (:meth:`~kvbeam.server.core.decode.DecodeCore.periodic`), until prefill confirms,
+    the link goes, or the request's transfer budget has passed since ``since`` (then its
+    link is released)."""
+
+    since: float  # when it was first left unconfirmed
+    detail: str  # the abort's detail, said again with each ask
+    asked_at: float  # when prefill last answered
+    asking: bool = False  # an Abort of it is under way (asked again, or its link goes)
+
+
+@dataclass(eq=False)
 class Incoming:
     """Decode's one record of a request (its lifecycle state lives in the table).
 
@@ -94,12 +108,8 @@ class Incoming:
     offered: bool = False            # granted by Offer, no BeginWrite since
     # time.monotonic() of the landing: the Success log line says how long the check took.
     landed_at: float = 0.0
-    # An abort prefill did not confirm (its writes may be in flight): when it was first
-    # left unconfirmed and last asked again; ``asking``: an Abort of it is under way.
-    unconfirmed_since: float | None = None
-    asked_at: float = 0.0
-    asking: bool = False
-    abort_detail: str = ""
+    #: An abort prefill did not confirm (its writes may be in flight); None: none.
+    unconfirmed: UnconfirmedAbort | None = None
     kv_skip: int = 0                 # leading KV pages the engine holds: not written
     #: The request's slot of the digest mailbox (its request slot, also with engine lists).
     mailbox_slot: int = -1

@@ -59,8 +59,8 @@ def abort_at_shutdown(calls: Sequence[Call], detail: str, whom: str,
                       clock: Callable[[], float]) -> None:
     """Tell the peer side of every live request in ``calls`` at once (``abort_all``,
     within ``SHUTDOWN_ABORT_S`` in all) and log how it went; ``whom``: "decode" or
-    "prefill"; ``clock``: the driver's. Blocking: the caller's shutdown or detach, no
-    lock held."""
+    "prefill"; ``clock``: the driver's. Blocking: the caller's shutdown or detach, off
+    the loop."""
     if not calls:
         return
     began = clock()

@@ -1069,7 +1069,7 @@ class PrefillCore(PrefillEvents, CoreBase):
         self.table.lease(rid, self.send_wait_s, what, now=now)
 
     def _after_park(self, rec: Outgoing) -> Actions:
-        """Once parked (no lock held): an Offer that came meanwhile unparks it now."""
+        """Once parked: an Offer that came meanwhile unparks it now."""
         rid = rec.request_id
         log.debug("request %s: waiting up to %.1f s for decode's reservation (%s)",
                   rid, self.send_wait_s, "decode has none yet" if rec.asked else "its Offer",

@@ -191,7 +191,8 @@ def test_a_scheduler_abort_of_a_granted_request_drains_prefill_first() -> None:
     assert actions == [DrainPrefill(res.ref, conn, "stop")] and core.slot_of("r") != -1
     # Prefill did not confirm, and the link is still there: only this slot stays held.
     assert core.drain_answered(res.ref, "stop", confirmed=False, now=10.0) == []
-    assert res.unconfirmed_since == 10.0 and core.slot_of("r") != -1
+    assert res.unconfirmed is not None and res.unconfirmed.since == 10.0
+    assert core.slot_of("r") != -1
     # Confirmed at the next ask: freed.
     assert core.drain_answered(res.ref, "stop", confirmed=True, now=11.0) == [Freed("r")]
     assert core.slot_of("r") == -1
