@@ -50,14 +50,14 @@ def test_a_qp_broken_once_is_resent_and_the_request_succeeds(wire_pair: WirePair
         assert len(mine) == 1 and mine[0][1] == "1", mine
         # The broken QP was found at once, by the device's answer (a work completion's
         # status), not by the transport's own write deadline (TIMEOUT, or the QP state it
-        # found: "no completion within 8 s"). The answer is either the write's own
-        # completion (or its post's refusal), or, when the link's service polls first,
-        # the flushed receive WRs' (IBV_WC_WR_FLUSH_ERR), which fail the link before the
-        # write is posted: "link unusable: link N failed (IBV_WC_...)".
+        # found: "no completion within 8 s"). The answer is the write's own completion (or
+        # its post's refusal), or, when the link's service polls first, the flushed receive
+        # WRs' (IBV_WC_WR_FLUSH_ERR), which fail the link either before the write is posted
+        # ("link unusable: link N failed (IBV_WC_...)") or while it is in flight ("link
+        # failed: IBV_WC_WR_FLUSH_ERR: ..."): each names a verbs status.
         cause = mine[0][2]
         assert "TIMEOUT" not in cause and "no completion within" not in cause, mine
         assert "IBV_WC_" in cause or "POST_SEND_FAILED" in cause, mine
-        assert cause.startswith(("IBV_WC_", "link unusable: ")), mine
         assert "prefill resends it on a new link" in pair.decode.output
         qp_after = one_qp_each(pair)
         assert qp_after[0] != qp_before[0] and qp_after[1] != qp_before[1], (qp_before,
