@@ -830,12 +830,10 @@ class DecodeCore(CoreBase):
             return []  # freed meanwhile (its link went, say)
         if confirmed or self._link_gone(res):
             return self._free(res.request_id, detail)
-        first = res.unconfirmed is None
-        if res.unconfirmed is None:
-            res.unconfirmed = UnconfirmedAbort(since=now, detail=detail, asked_at=now)
-        else:
+        if res.unconfirmed is not None:
             res.unconfirmed.asking, res.unconfirmed.asked_at = False, now
-        if first:
+        else:
+            res.unconfirmed = UnconfirmedAbort(since=now, detail=detail, asked_at=now)
             log.warning("request %s: prefill did not confirm that its writes drained; slot %d "
                         "stays held until it does, its link goes, or %.0f s pass (then decode "
                         "releases that link); the peer's other requests go on", res.request_id,

@@ -93,8 +93,8 @@ class LandingCheck:
         return checks_inline(landing, self.integrity, self.digest_pool.inline_below)
 
     def check(self, landing: LandingView, transfer_id: int) -> Verdict:
-        """Check the landing of ``transfer_id`` (off the loop: it reads only the view;
-        the core decides whether the verdict still counts)."""
+        """Check the landing of ``transfer_id`` (inline on the loop or on the executor:
+        it reads only the view; the core decides whether the verdict still counts)."""
         pools, layout, box = self.memory()
         if not self.integrity:
             self.before_digests(landing, pools, None)

@@ -13,7 +13,7 @@ release) and run on the executor; :class:`RunStep` runs where it was asked when 
 core says the step cannot block, else on the executor; :class:`PostWrites` and
 ``Count`` run on the thread that handled the event.
 
-An action names its request's record by :class:`~kvbeam.server.core.outgoing.RecordRef`
+An action names its request's record by :class:`~kvbeam.server.core.actions.RecordRef`
 and carries, as plain data, what the driver needs of it: the driver never reads or
 writes a record (only the loop does), and hands the ref back with each event.
 """
@@ -76,8 +76,8 @@ class AskGrant:
 
 @dataclass(frozen=True)
 class DigestInputs:
-    """What the driver digests for a step, and where the request's digest record is
-    staged: copied from the record when the step was planned, on the loop."""
+    """What the driver digests for a step: copied from the record when the step was
+    planned, on the loop (the record's staging slot comes with :class:`Booked`)."""
 
     source: IndexLists  # the source lists of what moves (``Outgoing.moved_source``)
     draft: IndexLists  # the draft's own source lists
@@ -115,8 +115,7 @@ class PostWrites:
     #: Flat buffers ``[lo, hi)`` of the sub-batches this step makes whole before the
     #: final chunk: prefill digests them now, so the final chunk digests only the rest.
     digest_early: tuple[tuple[int, int], ...] = ()
-    #: What to digest and where the record is staged: with ``record`` or
-    #: ``digest_early`` (integrity on), else None.
+    #: What to digest: with ``record`` or ``digest_early`` (integrity on), else None.
     digest: DigestInputs | None = None
 
 

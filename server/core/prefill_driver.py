@@ -607,8 +607,8 @@ class PrefillDriver(DriverBase[PrefillCore]):
                        staging: StagingSlot | None) -> Blocks:
         """The request's digest record as the block that writes it into decode's mailbox
         (:meth:`RecordStager.blocks`); computed once per request, a resend writes the
-        same digests with its new transfer id. Outside every lock (it may wait for the
-        digest pool)."""
+        same digests with its new transfer id. It may wait for the digest pool, so it
+        runs on the loop only when the job ran inline (the record goes with the data)."""
         ref, grant, digest = post.ref, post.grant, post.digest
         # A step that posts the record: the core gave both (PostWrites.digest, Booked).
         assert digest is not None and staging is not None

@@ -11,12 +11,13 @@ started before the data is posted; a resend on a new link writes the record agai
 with its new transfer id.
 
 The staging slots (``--max-inflight`` of them, one LOCAL registration the runtime
-makes) are the core's: a request takes one, on the daemon's loop, when the step that
-posts its record is planned (the slot goes to the driver in the step's action), and
-gives it back once none of its writes is outstanding (the record's write read it), or
-when its record is forgotten. :class:`RecordStager` owns them; the core holds one and
-calls it on the loop for the slots (``take``, ``give``, ``use``); the driver calls it
-off the loop for the record's bytes (``blocks``).
+makes) are the core's: a request takes one, on the daemon's loop, when the driver books
+the step that posts its record (:meth:`~kvbeam.server.core.prefill.PrefillCore.book`,
+whose ``Booked`` answer hands the slot to the driver), and gives it back once none of
+its writes is outstanding (the record's write read it), or when its record is
+forgotten. :class:`RecordStager` owns them; the core holds one and calls it on the loop
+for the slots (``take``, ``give``, ``use``); the driver calls it for the record's bytes
+(``blocks``), writing only its own request's slot.
 """
 
 from __future__ import annotations
